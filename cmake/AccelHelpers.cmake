@@ -1,0 +1,93 @@
+# Helpers that make every component, test, tool and benchmark the same shape.
+
+set(ACCEL_WARNINGS -Wall -Wextra -Werror -Wno-unused-parameter)
+
+# Sets ACCEL_TORCH_VERSION and ACCEL_TORCH_HAS_CUDA from the libtorch found.
+function(accel_detect_torch)
+  set(version "${Torch_VERSION}")
+  if(NOT version)
+    set(version "unknown")
+  endif()
+  set(has_cuda OFF)
+  if(TARGET torch_cuda OR CAFFE2_USE_CUDA OR TORCH_CUDA_LIBRARIES)
+    set(has_cuda ON)
+  endif()
+  set(ACCEL_TORCH_VERSION ${version} PARENT_SCOPE)
+  set(ACCEL_TORCH_HAS_CUDA ${has_cuda} PARENT_SCOPE)
+endfunction()
+
+# The libtorch headers most of our .cc files need, precompiled once in one
+# target and reused by every target that says TORCH (see accel_use_torch).
+function(accel_torch_pch_target)
+  if(TARGET accel_torch_pch OR NOT ACCEL_USE_PCH)
+    return()
+  endif()
+  add_library(accel_torch_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch_stub.cc)
+  target_link_libraries(accel_torch_pch PUBLIC torch)
+  target_compile_options(accel_torch_pch PRIVATE ${ACCEL_WARNINGS})
+  target_precompile_headers(accel_torch_pch PRIVATE
+    <ATen/core/Tensor.h> <ATen/Functions.h> <ATen/TensorOperators.h>)
+endfunction()
+
+function(accel_use_torch target)
+  target_link_libraries(${target} PRIVATE torch)
+  if(ACCEL_USE_PCH)
+    accel_torch_pch_target()
+    target_precompile_headers(${target} REUSE_FROM accel_torch_pch)
+  endif()
+endfunction()
+
+# accel_component(NAME name [SOURCES ...] [PUBLIC_DEPS ...] [PRIVATE_DEPS ...] [TORCH])
+# Makes accel_<name> (alias accel::<name>). Headers are included from the repo
+# root as "<name>/<header>.h". A component without sources is an INTERFACE
+# target: its place in the dependency graph exists before its code does.
+function(accel_component)
+  cmake_parse_arguments(C "TORCH" "NAME" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target accel_${C_NAME})
+  if(C_SOURCES)
+    add_library(${target} STATIC ${C_SOURCES})
+    target_include_directories(${target} PUBLIC ${PROJECT_SOURCE_DIR})
+    target_compile_options(${target} PRIVATE ${ACCEL_WARNINGS})
+    target_link_libraries(${target} PUBLIC ${C_PUBLIC_DEPS} PRIVATE ${C_PRIVATE_DEPS})
+    if(C_TORCH)
+      accel_use_torch(${target})
+      # Public headers may include <ATen/core/Tensor.h>; consumers need its include path.
+      target_link_libraries(${target} PUBLIC torch)
+    endif()
+  else()
+    add_library(${target} INTERFACE)
+    target_include_directories(${target} INTERFACE ${PROJECT_SOURCE_DIR})
+    target_link_libraries(${target} INTERFACE ${C_PUBLIC_DEPS})
+  endif()
+  add_library(accel::${C_NAME} ALIAS ${target})
+endfunction()
+
+# accel_binary(NAME name SOURCES ... DEPS ... [TORCH])  -> build/bin/<name>
+function(accel_binary)
+  cmake_parse_arguments(B "TORCH" "NAME" "SOURCES;DEPS" ${ARGN})
+  add_executable(${B_NAME} ${B_SOURCES})
+  target_compile_options(${B_NAME} PRIVATE ${ACCEL_WARNINGS})
+  target_link_libraries(${B_NAME} PRIVATE ${B_DEPS})
+  if(B_TORCH)
+    accel_use_torch(${B_NAME})
+  endif()
+endfunction()
+
+# accel_test(<component>/<file>_test DEPS ... [TORCH] [LABELS ...])
+# tests/<component>/<file>_test.cc -> executable <component>_<file>_test; each
+# TEST is its own ctest entry.
+function(accel_test path)
+  cmake_parse_arguments(T "TORCH" "" "DEPS;LABELS" ${ARGN})
+  string(REPLACE "/" "_" name ${path})
+  add_executable(${name} ${CMAKE_CURRENT_SOURCE_DIR}/${path}.cc)
+  target_compile_options(${name} PRIVATE ${ACCEL_WARNINGS})
+  target_link_libraries(${name} PRIVATE ${T_DEPS} accel_testing GTest::gmock GTest::gtest_main)
+  if(T_TORCH)
+    accel_use_torch(${name})
+  endif()
+  get_filename_component(component ${path} DIRECTORY)
+  gtest_discover_tests(${name}
+    DISCOVERY_MODE PRE_TEST
+    PROPERTIES LABELS "${component};${T_LABELS}"
+               ENVIRONMENT "ACCEL_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
+endfunction()

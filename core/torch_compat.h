@@ -1,0 +1,64 @@
+// core/torch_compat.h: the one place that knows libtorch version differences.
+//
+// accel builds against Debian's libtorch 1.13 (CPU) and the libtorch of
+// PyTorch 2.x with CUDA. Code elsewhere asks this header instead of testing
+// TORCH_VERSION_* itself.
+#ifndef ACCEL_CORE_TORCH_COMPAT_H_
+#define ACCEL_CORE_TORCH_COMPAT_H_
+
+#include <optional>
+
+#include <c10/core/ScalarType.h>
+#include <torch/version.h>
+
+#define ACCEL_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||        \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+namespace accel::compat {
+
+// The 8-bit float types arrived in libtorch 2.1; nullopt before that.
+inline std::optional<c10::ScalarType> Float8E5M2() {
+#if ACCEL_TORCH_AT_LEAST(2, 1)
+  return c10::ScalarType::Float8_e5m2;
+#else
+  return std::nullopt;
+#endif
+}
+
+inline std::optional<c10::ScalarType> Float8E4M3FN() {
+#if ACCEL_TORCH_AT_LEAST(2, 1)
+  return c10::ScalarType::Float8_e4m3fn;
+#else
+  return std::nullopt;
+#endif
+}
+
+// Unsigned 16/32/64-bit integers arrived (as "shell" dtypes) in libtorch 2.3.
+inline std::optional<c10::ScalarType> UInt16() {
+#if ACCEL_TORCH_AT_LEAST(2, 3)
+  return c10::ScalarType::UInt16;
+#else
+  return std::nullopt;
+#endif
+}
+
+inline std::optional<c10::ScalarType> UInt32() {
+#if ACCEL_TORCH_AT_LEAST(2, 3)
+  return c10::ScalarType::UInt32;
+#else
+  return std::nullopt;
+#endif
+}
+
+inline std::optional<c10::ScalarType> UInt64() {
+#if ACCEL_TORCH_AT_LEAST(2, 3)
+  return c10::ScalarType::UInt64;
+#else
+  return std::nullopt;
+#endif
+}
+
+}  // namespace accel::compat
+
+#endif  // ACCEL_CORE_TORCH_COMPAT_H_

@@ -1,0 +1,358 @@
+#include "loader/config.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+
+#include "core/status.h"
+
+namespace accel::loader {
+namespace {
+
+using Json = nlohmann::json;
+using OrderedJson = nlohmann::ordered_json;
+
+// Reads known fields out of a JSON object, remembering which it consumed and
+// stopping at the first type error, which names the source and the field.
+class FieldReader {
+ public:
+  FieldReader(const Json& object, absl::string_view label) : object_(object), label_(label) {}
+
+  const Json* Get(absl::string_view name) {
+    consumed_.insert(std::string(name));
+    auto it = object_.find(std::string(name));
+    if (it == object_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  void Int(absl::string_view name, int64_t* out) {
+    if (const Json* v = Get(name)) {
+      if (auto i = AsInt(*v))
+        *out = *i;
+      else
+        Fail(name, "a non-negative integer", *v);
+    }
+  }
+  void OptionalInt(absl::string_view name, std::optional<int64_t>* out) {
+    if (const Json* v = Get(name)) {
+      if (auto i = AsInt(*v))
+        *out = *i;
+      else
+        Fail(name, "a non-negative integer", *v);
+    }
+  }
+  void Number(absl::string_view name, double* out) {
+    if (const Json* v = Get(name)) {
+      if (v->is_number())
+        *out = v->get<double>();
+      else
+        Fail(name, "a number", *v);
+    }
+  }
+  void OptionalNumber(absl::string_view name, std::optional<double>* out) {
+    double value = 0;
+    if (Get(name) == nullptr) return;
+    Number(name, &value);
+    *out = value;
+  }
+  void Bool(absl::string_view name, bool* out) {
+    if (const Json* v = Get(name)) {
+      if (v->is_boolean())
+        *out = v->get<bool>();
+      else
+        Fail(name, "true or false", *v);
+    }
+  }
+  void OptionalBool(absl::string_view name, std::optional<bool>* out) {
+    bool value = false;
+    if (Get(name) == nullptr) return;
+    Bool(name, &value);
+    *out = value;
+  }
+  void String(absl::string_view name, std::string* out) {
+    if (const Json* v = Get(name)) {
+      if (v->is_string())
+        *out = v->get<std::string>();
+      else
+        Fail(name, "a string", *v);
+    }
+  }
+  void Strings(absl::string_view name, std::vector<std::string>* out) {
+    if (const Json* v = Get(name)) {
+      if (!v->is_array()) return Fail(name, "a list of strings", *v);
+      for (const Json& s : *v) {
+        if (!s.is_string()) return Fail(name, "a list of strings", *v);
+        out->push_back(s.get<std::string>());
+      }
+    }
+  }
+  // One id or a list of ids (eos_token_id).
+  void Ids(absl::string_view name, std::vector<int64_t>* out) {
+    if (const Json* v = Get(name)) {
+      if (auto i = AsInt(*v)) {
+        out->push_back(*i);
+        return;
+      }
+      if (!v->is_array()) return Fail(name, "a token id or a list of token ids", *v);
+      for (const Json& id : *v) {
+        auto i = AsInt(id);
+        if (!i) return Fail(name, "a token id or a list of token ids", *v);
+        out->push_back(*i);
+      }
+    }
+  }
+
+  void Fail(absl::string_view name, absl::string_view expected, const Json& got) {
+    if (status_.ok()) {
+      status_ = absl::InvalidArgumentError(
+          absl::StrCat(label_, ": field '", name, "': expected ", expected, ", got ", got.dump()));
+    }
+  }
+
+  std::map<std::string, std::string> Extra() const {
+    std::map<std::string, std::string> extra;
+    for (const auto& [key, value] : object_.items()) {
+      if (!consumed_.count(key)) extra.emplace(key, value.dump());
+    }
+    return extra;
+  }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  static std::optional<int64_t> AsInt(const Json& v) {
+    if (v.is_number_unsigned()) {
+      uint64_t u = v.get<uint64_t>();
+      if (u <= static_cast<uint64_t>(INT64_MAX)) return static_cast<int64_t>(u);
+    }
+    if (v.is_number_integer() && v.get<int64_t>() >= 0) return v.get<int64_t>();
+    return std::nullopt;
+  }
+
+  const Json& object_;
+  absl::string_view label_;
+  std::set<std::string> consumed_;
+  absl::Status status_;
+};
+
+absl::StatusOr<Json> ParseObject(absl::string_view text, absl::string_view label) {
+  Json json;
+  try {
+    json = Json::parse(text.begin(), text.end());
+  } catch (const Json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(label, ": not valid JSON: ", e.what()));
+  }
+  if (!json.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(label, ": not a JSON object"));
+  return json;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+void PutExtra(OrderedJson& out, const std::map<std::string, std::string>& extra) {
+  for (const auto& [key, text] : extra) {
+    if (!out.contains(key)) out[key] = OrderedJson::parse(text, nullptr, false);
+  }
+}
+
+void PutIds(OrderedJson& out, const char* name, const std::vector<int64_t>& ids) {
+  if (ids.size() == 1) out[name] = ids[0];
+  if (ids.size() > 1) out[name] = ids;
+}
+
+bool IsGpt2(const ModelConfig& c) { return c.model_type == "gpt2"; }
+
+}  // namespace
+
+int64_t ModelConfig::head_size() const {
+  if (head_dim > 0) return head_dim;
+  return num_attention_heads > 0 ? hidden_size / num_attention_heads : 0;
+}
+
+absl::Status ModelConfig::Validate() const {
+  const bool gpt2 = IsGpt2(*this);
+  auto need = [&](const char* name, const char* gpt2_name, int64_t v) -> absl::Status {
+    if (v > 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("config.json: field '", gpt2 ? gpt2_name : name,
+                                                   "' must be a positive integer"));
+  };
+  ACCEL_RETURN_IF_ERROR(need("vocab_size", "vocab_size", vocab_size));
+  ACCEL_RETURN_IF_ERROR(need("hidden_size", "n_embd", hidden_size));
+  ACCEL_RETURN_IF_ERROR(need("num_hidden_layers", "n_layer", num_hidden_layers));
+  ACCEL_RETURN_IF_ERROR(need("num_attention_heads", "n_head", num_attention_heads));
+  ACCEL_RETURN_IF_ERROR(need("intermediate_size", "n_inner", intermediate_size));
+  if (head_dim == 0 && hidden_size % num_attention_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: hidden_size ", hidden_size,
+                                                   " is not divisible by num_attention_heads ",
+                                                   num_attention_heads));
+  }
+  if (num_attention_heads % kv_heads() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: num_attention_heads ", num_attention_heads,
+                     " is not divisible by num_key_value_heads ", kv_heads()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text, absl::string_view label) {
+  ACCEL_ASSIGN_OR_RETURN(Json json, ParseObject(text, label));
+  FieldReader r(json, label);
+  ModelConfig c;
+  r.Strings("architectures", &c.architectures);
+  r.String("model_type", &c.model_type);
+  const bool gpt2 = IsGpt2(c);
+  r.Int("vocab_size", &c.vocab_size);
+  if (gpt2) {
+    c.tie_word_embeddings = true;
+    c.hidden_act = "gelu_new";
+    c.norm_eps = 1e-5;
+    r.Int("n_embd", &c.hidden_size);
+    r.Int("n_layer", &c.num_hidden_layers);
+    r.Int("n_head", &c.num_attention_heads);
+    r.Int("n_positions", &c.max_position_embeddings);
+    r.Int("n_inner", &c.intermediate_size);
+    if (c.intermediate_size == 0) c.intermediate_size = 4 * c.hidden_size;
+    r.Number("layer_norm_epsilon", &c.norm_eps);
+    r.String("activation_function", &c.hidden_act);
+  } else {
+    r.Int("hidden_size", &c.hidden_size);
+    r.Int("intermediate_size", &c.intermediate_size);
+    r.Int("num_hidden_layers", &c.num_hidden_layers);
+    r.Int("num_attention_heads", &c.num_attention_heads);
+    r.Int("num_key_value_heads", &c.num_key_value_heads);
+    r.Int("head_dim", &c.head_dim);
+    r.Int("max_position_embeddings", &c.max_position_embeddings);
+    r.Number("rms_norm_eps", &c.norm_eps);
+    r.Number("rope_theta", &c.rope_theta);
+    r.Bool("attention_bias", &c.attention_bias);
+    r.OptionalInt("sliding_window", &c.sliding_window);
+    r.String("hidden_act", &c.hidden_act);
+    if (const Json* scaling = r.Get("rope_scaling")) {
+      if (!scaling->is_object()) {
+        r.Fail("rope_scaling", "an object", *scaling);
+      } else {
+        RopeScaling rs;
+        for (const auto& [key, value] : scaling->items()) {
+          if ((key == "rope_type" || key == "type") && value.is_string()) {
+            rs.rope_type = value.get<std::string>();
+          } else if (value.is_number()) {
+            rs.numbers[key] = value.get<double>();
+          } else {
+            r.Fail(absl::StrCat("rope_scaling.", key), "a number", value);
+          }
+        }
+        c.rope_scaling = std::move(rs);
+      }
+    }
+  }
+  r.Bool("tie_word_embeddings", &c.tie_word_embeddings);
+  r.String("torch_dtype", &c.torch_dtype);
+  r.OptionalInt("bos_token_id", &c.bos_token_id);
+  r.Ids("eos_token_id", &c.eos_token_ids);
+  r.OptionalInt("pad_token_id", &c.pad_token_id);
+  if (!r.status().ok()) return r.status();
+  c.extra = r.Extra();
+  return c;
+}
+
+std::string ModelConfig::ToJson() const {
+  OrderedJson out = OrderedJson::object();
+  if (!architectures.empty()) out["architectures"] = architectures;
+  if (!model_type.empty()) out["model_type"] = model_type;
+  out["vocab_size"] = vocab_size;
+  if (IsGpt2(*this)) {
+    out["n_embd"] = hidden_size;
+    out["n_layer"] = num_hidden_layers;
+    out["n_head"] = num_attention_heads;
+    out["n_positions"] = max_position_embeddings;
+    out["n_inner"] = intermediate_size;
+    out["layer_norm_epsilon"] = norm_eps;
+    out["activation_function"] = hidden_act;
+  } else {
+    out["hidden_size"] = hidden_size;
+    out["intermediate_size"] = intermediate_size;
+    out["num_hidden_layers"] = num_hidden_layers;
+    out["num_attention_heads"] = num_attention_heads;
+    out["num_key_value_heads"] = kv_heads();
+    if (head_dim > 0) out["head_dim"] = head_dim;
+    out["max_position_embeddings"] = max_position_embeddings;
+    out["rms_norm_eps"] = norm_eps;
+    out["rope_theta"] = rope_theta;
+    if (rope_scaling) {
+      OrderedJson rs = OrderedJson::object();
+      if (!rope_scaling->rope_type.empty()) rs["rope_type"] = rope_scaling->rope_type;
+      for (const auto& [key, value] : rope_scaling->numbers) rs[key] = value;
+      out["rope_scaling"] = rs;
+    }
+    out["attention_bias"] = attention_bias;
+    if (sliding_window) out["sliding_window"] = *sliding_window;
+    out["hidden_act"] = hidden_act;
+  }
+  out["tie_word_embeddings"] = tie_word_embeddings;
+  if (!torch_dtype.empty()) out["torch_dtype"] = torch_dtype;
+  if (bos_token_id) out["bos_token_id"] = *bos_token_id;
+  PutIds(out, "eos_token_id", eos_token_ids);
+  if (pad_token_id) out["pad_token_id"] = *pad_token_id;
+  PutExtra(out, extra);
+  return out.dump(2) + "\n";
+}
+
+absl::StatusOr<GenerationConfig> ParseGenerationConfig(absl::string_view text,
+                                                       absl::string_view label) {
+  ACCEL_ASSIGN_OR_RETURN(Json json, ParseObject(text, label));
+  FieldReader r(json, label);
+  GenerationConfig g;
+  r.OptionalInt("bos_token_id", &g.bos_token_id);
+  r.Ids("eos_token_id", &g.eos_token_ids);
+  r.OptionalInt("pad_token_id", &g.pad_token_id);
+  r.OptionalBool("do_sample", &g.do_sample);
+  r.OptionalNumber("temperature", &g.temperature);
+  r.OptionalInt("top_k", &g.top_k);
+  r.OptionalNumber("top_p", &g.top_p);
+  r.OptionalNumber("min_p", &g.min_p);
+  r.OptionalNumber("repetition_penalty", &g.repetition_penalty);
+  r.OptionalInt("max_new_tokens", &g.max_new_tokens);
+  r.OptionalInt("max_length", &g.max_length);
+  if (!r.status().ok()) return r.status();
+  g.extra = r.Extra();
+  return g;
+}
+
+std::string GenerationConfig::ToJson() const {
+  OrderedJson out = OrderedJson::object();
+  if (bos_token_id) out["bos_token_id"] = *bos_token_id;
+  PutIds(out, "eos_token_id", eos_token_ids);
+  if (pad_token_id) out["pad_token_id"] = *pad_token_id;
+  if (do_sample) out["do_sample"] = *do_sample;
+  if (temperature) out["temperature"] = *temperature;
+  if (top_k) out["top_k"] = *top_k;
+  if (top_p) out["top_p"] = *top_p;
+  if (min_p) out["min_p"] = *min_p;
+  if (repetition_penalty) out["repetition_penalty"] = *repetition_penalty;
+  if (max_new_tokens) out["max_new_tokens"] = *max_new_tokens;
+  if (max_length) out["max_length"] = *max_length;
+  PutExtra(out, extra);
+  return out.dump(2) + "\n";
+}
+
+absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& path) {
+  ACCEL_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  return ParseModelConfig(text, path);
+}
+
+absl::StatusOr<GenerationConfig> ReadGenerationConfig(const std::string& path) {
+  ACCEL_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  return ParseGenerationConfig(text, path);
+}
+
+}  // namespace accel::loader
