@@ -1,0 +1,63 @@
+// models/make_model.h: writes a HuggingFace-format model folder with seeded
+// random weights, for tests and benchmarks (nothing is ever downloaded).
+//
+//   MakeModelOptions options;
+//   options.family = "llama";
+//   options.target_bytes = int64_t{1} << 30;  // about 1 GiB: layers are added to get there
+//   ACCEL_RETURN_IF_ERROR(MakeModel("/tmp/llama-1g", options).status());
+#ifndef ACCEL_MODELS_MAKE_MODEL_H_
+#define ACCEL_MODELS_MAKE_MODEL_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <c10/core/ScalarType.h>
+
+#include "absl/status/statusor.h"
+
+#include "loader/config.h"
+
+namespace accel::models {
+
+struct MakeModelOptions {
+  std::string family = "llama";  // llama | mistral | qwen2 | gpt2
+  int64_t vocab_size = 512;
+  int64_t hidden_size = 64;
+  int64_t intermediate_size = 0;  // 0: 4 x hidden (gpt2), else about 8/3 x hidden rounded to 8
+  int64_t num_layers = 2;
+  int64_t num_heads = 4;
+  int64_t num_kv_heads = 0;  // 0: num_heads (no grouping); ignored for gpt2
+  int64_t max_position_embeddings = 256;
+  bool tie_word_embeddings = false;       // gpt2 always ties
+  bool attention_bias = false;            // llama: q/k/v/o biases; qwen2 always has q/k/v biases
+  std::optional<int64_t> sliding_window;  // mistral
+  c10::ScalarType dtype = c10::ScalarType::Float;
+  uint64_t seed = 0;
+  // When set, num_layers is chosen so the weights come closest to this size.
+  std::optional<int64_t> target_bytes;
+  int64_t max_shard_size = 5'000'000'000;
+};
+
+struct MadeModel {
+  loader::ModelConfig config;
+  int64_t parameters = 0;
+  uint64_t bytes = 0;
+  int files = 0;
+};
+
+// The config MakeModel would write, without writing anything
+// (InvalidArgument naming the option that is out of range).
+absl::StatusOr<loader::ModelConfig> MakeModelConfig(const MakeModelOptions& options);
+
+// Writes config.json, generation_config.json, the weights (model.safetensors,
+// or shards and an index past max_shard_size) and tokenizer.json into
+// `out_dir`, creating it. Weights are streamed tensor by tensor, so a model
+// larger than memory can be made. Each tensor depends only on the seed and
+// its name: N(0, 0.02) for matrices and biases, 1 + N(0, 0.02) for norm
+// weights.
+absl::StatusOr<MadeModel> MakeModel(const std::string& out_dir, const MakeModelOptions& options);
+
+}  // namespace accel::models
+
+#endif  // ACCEL_MODELS_MAKE_MODEL_H_

@@ -1,0 +1,104 @@
+// The command-line tools as a user runs them: accel-make-model, then
+// accel-inspect on its output, checking stdout, stderr and exit codes.
+#include <cstdio>
+#include <cstdlib>
+#include <set>
+#include <string>
+#include <sys/wait.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "tests/testing/temp_dir.h"
+
+namespace accel {
+namespace {
+
+using ::accel::test::TempDir;
+using ::testing::HasSubstr;
+
+struct Result {
+  int exit_code = -1;
+  std::string out;  // stdout and stderr together
+};
+
+Result RunTool(const std::string& command) {
+  const char* bin = std::getenv("ACCEL_BIN_DIR");
+  std::string full = std::string(bin ? bin : "build/bin") + "/" + command + " 2>&1";
+  Result r;
+  FILE* pipe = popen(full.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) r.out.append(buffer, n);
+  int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+TEST(ToolsTest, InspectJsonDescribesWhatMakeModelWrote) {
+  TempDir dir;
+  Result made = RunTool("accel-make-model " + dir.path() +
+                        "/m --family qwen2 --num_layers 3 "
+                        "--dtype bfloat16 --max_shard_size 40KB");
+  ASSERT_EQ(made.exit_code, 0) << made.out;
+  EXPECT_THAT(made.out, HasSubstr("Qwen2ForCausalLM, 3 layers"));
+
+  Result inspect = RunTool("accel-inspect --json " + dir.path() + "/m");
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.out;
+  nlohmann::json j = nlohmann::json::parse(inspect.out);
+  uint64_t sum = 0;
+  std::set<std::string> files;
+  for (const auto& t : j["tensors"]) {
+    EXPECT_EQ(t["dtype"], "BF16");
+    uint64_t numel = 1;
+    for (const auto& d : t["shape"]) numel *= d.get<uint64_t>();
+    EXPECT_EQ(t["bytes"].get<uint64_t>(), numel * 2);
+    sum += t["bytes"].get<uint64_t>();
+    files.insert(t["file"].get<std::string>());
+  }
+  EXPECT_EQ(j["total_bytes"].get<uint64_t>(), sum);
+  EXPECT_GT(files.size(), 1u);
+  EXPECT_EQ(j["metadata"]["format"], "pt");
+  EXPECT_EQ(j["metadata"]["total_size"], std::to_string(sum));
+  EXPECT_EQ(j["tensors"].size(), 1 + 3 * 12 + 2u);  // qwen2: q/k/v biases
+}
+
+TEST(ToolsTest, InspectTablePrintsTotalsAndMetadata) {
+  TempDir dir;
+  ASSERT_EQ(RunTool("accel-make-model " + dir.path() + " --family gpt2").exit_code, 0);
+  Result r = RunTool("accel-inspect " + dir.path() + "/model.safetensors");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("transformer.h.1.mlp.c_fc.weight"));
+  EXPECT_THAT(r.out, HasSubstr("totals by dtype"));
+  EXPECT_THAT(r.out, HasSubstr("format: pt"));
+}
+
+TEST(ToolsTest, InspectBadInputIsAMessageAndExitOne) {
+  TempDir dir;
+  Result missing = RunTool("accel-inspect " + dir.path() + "/nope.safetensors");
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_THAT(missing.out, HasSubstr("nope.safetensors"));
+  std::string garbage =
+      dir.Write("bad.safetensors", std::string("\xff\xff\xff\xff\xff\xff\xff\x7f{}", 10));
+  Result bad = RunTool("accel-inspect " + garbage);
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.out, HasSubstr("exceeds the limit"));
+  Result no_args = RunTool("accel-inspect");
+  EXPECT_EQ(no_args.exit_code, 1);
+  EXPECT_THAT(no_args.out, HasSubstr("PATH"));
+}
+
+TEST(ToolsTest, MakeModelBadFlagsAreAMessageAndExitOne) {
+  TempDir dir;
+  Result r = RunTool("accel-make-model " + dir.path() + " --dtype float31");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("--dtype"));
+  r = RunTool("accel-make-model " + dir.path() + " --size 10G");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, HasSubstr("--size"));
+}
+
+}  // namespace
+}  // namespace accel
