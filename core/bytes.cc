@@ -88,10 +88,9 @@ std::string FormatBytes(int64_t bytes) {
     ++unit;
   }
   if (unit == 0) return absl::StrCat(bytes, " B");
-  return absl::StrFormat(value < 10    ? "%.2f %s"
-                         : value < 100 ? "%.1f %s"
-                                       : "%.0f %s",
-                         value, kUnits[unit]);
+  if (value < 10) return absl::StrFormat("%.2f %s", value, kUnits[unit]);
+  if (value < 100) return absl::StrFormat("%.1f %s", value, kUnits[unit]);
+  return absl::StrFormat("%.0f %s", value, kUnits[unit]);
 }
 
 }  // namespace accel
