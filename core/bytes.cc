@@ -55,11 +55,13 @@ absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
     double scale;
     bool may_be_bits;
   };
-  // Order matters: "GIB" must be tried before "B"-only suffixes (Accelerate's order).
+  // Binary units before decimal ones ("GIB" also ends in "IB"), as Accelerate tries them.
   static constexpr Unit kUnits[] = {
+      {"TIB", 1099511627776.0, false},
       {"GIB", 1073741824.0, false},
       {"MIB", 1048576.0, false},
       {"KIB", 1024.0, false},
+      {"TB", 1e12, true},
       {"GB", 1e9, true},
       {"MB", 1e6, true},
       {"KB", 1e3, true},

@@ -16,8 +16,9 @@ namespace accel {
 // bits and divided by 8 ("10Gb" -> 1.25e9 bytes), as upstream does. The
 // number may have a fraction ("1.5GB"); the result is truncated. Unlike
 // Accelerate, a string of plain digits is a byte count ("1000" -> 1000), as
-// an integer is there. Other suffixes ("10G", "1TB"), negative values and
-// junk are InvalidArgument.
+// an integer is there, and "TiB" / "TB" are accepted (disk budgets are
+// written "disk=1TB"). Other suffixes ("10G"), negative values and junk are
+// InvalidArgument.
 absl::StatusOr<int64_t> ParseByteSize(absl::string_view text);
 
 // "1.50 GiB", "12.0 MiB", "512 B": for messages and tables.

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/json_depth.h"
 
 namespace accel::loader::internal {
 namespace {
@@ -78,7 +79,10 @@ absl::StatusOr<TensorInfo> ParseEntry(const std::string& name, const Json& entry
     std::optional<int64_t> d = AsNonNegative(dim);
     if (!d) return bad(absl::StrCat("shape entry ", dim.dump(), " is not a non-negative integer"));
     info.shape.push_back(*d);
-    overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(*d), &numel);
+    // Every partial product must fit int64, not just uint64: TensorInfo::numel()
+    // and torch multiply the dims in int64, and a later 0 would hide the overflow.
+    overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(*d), &numel) ||
+                numel > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
   }
   uint64_t nbytes = 0;
   overflow |= __builtin_mul_overflow(numel, static_cast<uint64_t>(*element_size), &nbytes);
@@ -107,32 +111,8 @@ absl::StatusOr<TensorInfo> ParseEntry(const std::string& name, const Json& entry
   return info;
 }
 
-// nlohmann's parser and destructor recurse per nesting level, so a header of
-// many '[' would overflow the stack. A valid header nests three levels; this
-// scan (outside strings) rejects anything deeper than kMaxDepth first.
+// A valid header nests three levels (see core/json_depth.h for why we check).
 constexpr int kMaxDepth = 16;
-
-bool NestsTooDeep(absl::string_view text) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxDepth) return true;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return false;
-}
 
 }  // namespace
 
@@ -166,7 +146,7 @@ absl::StatusOr<ParsedHeader> ParseSafetensors(absl::string_view file, absl::stri
         absl::StrCat(label, ": header does not start with '{' (not a safetensors file?)"));
   }
 
-  if (NestsTooDeep(text)) {
+  if (JsonNestsDeeperThan(text, kMaxDepth)) {
     return absl::InvalidArgumentError(absl::StrCat(label, ": header JSON is nested deeper than ",
                                                    kMaxDepth, " levels (not a safetensors file?)"));
   }
