@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/json_depth.h"
 #include "core/status.h"
 
 namespace accel::loader {
@@ -36,6 +37,19 @@ class FieldReader {
         *out = *i;
       else
         Fail(name, "a non-negative integer", *v);
+    }
+  }
+  // A model dimension. Bounded so products of two (vocab x hidden) and byte
+  // counts stay far inside int64 (an n_embd of 2^63 overflowed 4 x n_embd).
+  void Size(absl::string_view name, int64_t* out) {
+    constexpr int64_t kMaxSize = int64_t{1} << 26;
+    if (const Json* v = Get(name)) {
+      auto i = AsInt(*v);
+      if (i && *i <= kMaxSize) {
+        *out = *i;
+      } else {
+        Fail(name, absl::StrCat("an integer from 0 to ", kMaxSize), *v);
+      }
     }
   }
   void OptionalInt(absl::string_view name, std::optional<int64_t>* out) {
@@ -140,6 +154,13 @@ class FieldReader {
 };
 
 absl::StatusOr<Json> ParseObject(absl::string_view text, absl::string_view label) {
+  // Configs nest a few levels; unknown fields are kept and written back, so
+  // deep nesting would also make ToJson() quadratic (found by config_fuzz).
+  constexpr int kMaxDepth = 32;
+  if (JsonNestsDeeperThan(text, kMaxDepth)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": nested deeper than ", kMaxDepth, " levels"));
+  }
   Json json;
   try {
     json = Json::parse(text.begin(), text.end());
@@ -211,27 +232,27 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text, absl::strin
   r.Strings("architectures", &c.architectures);
   r.String("model_type", &c.model_type);
   const bool gpt2 = IsGpt2(c);
-  r.Int("vocab_size", &c.vocab_size);
+  r.Size("vocab_size", &c.vocab_size);
   if (gpt2) {
     c.tie_word_embeddings = true;
     c.hidden_act = "gelu_new";
     c.norm_eps = 1e-5;
-    r.Int("n_embd", &c.hidden_size);
-    r.Int("n_layer", &c.num_hidden_layers);
-    r.Int("n_head", &c.num_attention_heads);
-    r.Int("n_positions", &c.max_position_embeddings);
-    r.Int("n_inner", &c.intermediate_size);
+    r.Size("n_embd", &c.hidden_size);
+    r.Size("n_layer", &c.num_hidden_layers);
+    r.Size("n_head", &c.num_attention_heads);
+    r.Size("n_positions", &c.max_position_embeddings);
+    r.Size("n_inner", &c.intermediate_size);
     if (c.intermediate_size == 0) c.intermediate_size = 4 * c.hidden_size;
     r.Number("layer_norm_epsilon", &c.norm_eps);
     r.String("activation_function", &c.hidden_act);
   } else {
-    r.Int("hidden_size", &c.hidden_size);
-    r.Int("intermediate_size", &c.intermediate_size);
-    r.Int("num_hidden_layers", &c.num_hidden_layers);
-    r.Int("num_attention_heads", &c.num_attention_heads);
-    r.Int("num_key_value_heads", &c.num_key_value_heads);
-    r.Int("head_dim", &c.head_dim);
-    r.Int("max_position_embeddings", &c.max_position_embeddings);
+    r.Size("hidden_size", &c.hidden_size);
+    r.Size("intermediate_size", &c.intermediate_size);
+    r.Size("num_hidden_layers", &c.num_hidden_layers);
+    r.Size("num_attention_heads", &c.num_attention_heads);
+    r.Size("num_key_value_heads", &c.num_key_value_heads);
+    r.Size("head_dim", &c.head_dim);
+    r.Size("max_position_embeddings", &c.max_position_embeddings);
     r.Number("rms_norm_eps", &c.norm_eps);
     r.Number("rope_theta", &c.rope_theta);
     r.Bool("attention_bias", &c.attention_bias);

@@ -40,7 +40,7 @@ absl::StatusOr<std::string> SafetensorsDType(c10::ScalarType dtype);
 absl::StatusOr<c10::ScalarType> TorchDType(absl::string_view safetensors_dtype);
 
 struct OpenOptions {
-  // Read every page now (MAP_POPULATE) rather than on first touch: for
+  // Read every page now (read-only, no copy) rather than on first touch: for
   // loading all of a file; leave off to read only some tensors.
   bool populate = false;
 };

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 
+#include "dispatch/module_tree.h"
 #include "loader/config.h"
 #include "loader/loader.h"
 
@@ -32,9 +33,16 @@ const std::vector<Family>& SupportedFamilies();
 // architectures when it is unknown.
 absl::StatusOr<Family> FamilyOf(const loader::ModelConfig& config);
 
+// The module structure transformers builds for this config, with its class
+// names (LlamaDecoderLayer, GPT2Block, ...), parameters in registration
+// order, the rotary inv_freq buffer (not persistent) and the tied head.
+// Floating parameters get `dtype`. Validates the config (InvalidArgument).
+absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& config,
+                                                   c10::ScalarType dtype);
+
 // The tensors a checkpoint of this config holds, with HuggingFace's names
-// and shapes, in the order transformers' state_dict() lists them. Floating
-// tensors get `dtype`. Validates the config first (InvalidArgument).
+// and shapes, in the order transformers' state_dict() lists them, a tied
+// head once: ModuleTreeFor()'s parameters and persistent buffers.
 absl::StatusOr<std::vector<loader::TensorSpec>> CheckpointTensors(const loader::ModelConfig& config,
                                                                   c10::ScalarType dtype);
 

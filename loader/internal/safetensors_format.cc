@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+
 #include "core/json_depth.h"
 
 namespace accel::loader::internal {
@@ -146,6 +147,11 @@ absl::StatusOr<ParsedHeader> ParseSafetensors(absl::string_view file, absl::stri
         absl::StrCat(label, ": header does not start with '{' (not a safetensors file?)"));
   }
 
+  // nlohmann stops at a NUL byte and would accept what follows it; the
+  // reference implementation rejects such a header.
+  if (text.find('\0') != absl::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(label, ": header contains a NUL byte"));
+  }
   if (JsonNestsDeeperThan(text, kMaxDepth)) {
     return absl::InvalidArgumentError(absl::StrCat(label, ": header JSON is nested deeper than ",
                                                    kMaxDepth, " levels (not a safetensors file?)"));

@@ -125,6 +125,20 @@ TEST(ModelConfigTest, WrongTypesNameTheField) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'tie_word_embeddings'")));
 }
 
+TEST(ModelConfigTest, AbsurdSizesAndDeepNestingAreInvalid) {
+  // Found by tests/fuzz/config_fuzz: 4 x n_embd overflowed, and deeply nested
+  // unknown fields made ToJson() quadratic.
+  EXPECT_THAT(ParseModelConfig(R"({"model_type": "gpt2", "n_embd": 9223372036854775807})", "c"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'n_embd'")));
+  EXPECT_THAT(ParseModelConfig(R"({"vocab_size": 1099511627776})", "c"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'vocab_size'")));
+  std::string deep = R"({"x": )" + std::string(100, '[') + std::string(100, ']') + "}";
+  EXPECT_THAT(ParseModelConfig(deep, "c"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nested")));
+  EXPECT_THAT(ParseGenerationConfig(deep, "g"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nested")));
+}
+
 TEST(ModelConfigTest, NotJsonOrNotAnObjectIsInvalid) {
   EXPECT_THAT(
       ParseModelConfig("{", "c.json"),

@@ -98,6 +98,10 @@ TEST(SafetensorsFormatTest, BadJsonIsInvalid) {
   EXPECT_THAT(Parse(File(R"({} trailing)", "")), StatusIs(kInvalid, HasSubstr("not valid JSON")));
 }
 
+TEST(SafetensorsFormatTest, NulByteInHeaderIsInvalid) {
+  EXPECT_THAT(Parse(File(std::string("{}\0junk", 7), "")), StatusIs(kInvalid, HasSubstr("NUL")));
+}
+
 TEST(SafetensorsFormatTest, InvalidUtf8IsInvalid) {
   EXPECT_THAT(Parse(File("{\"\xff\xfe\":1}", "")), StatusIs(kInvalid, HasSubstr("not valid JSON")));
 }
@@ -139,6 +143,21 @@ TEST(SafetensorsFormatTest, DimensionProductOverflowIsInvalid) {
       Parse(
           File(R"({"w":{"dtype":"U8","shape":[18446744073709551615],"data_offsets":[0,0]}})", "")),
       StatusIs(kInvalid, HasSubstr("not a non-negative integer")));
+}
+
+// Found by tests/fuzz/safetensors_header_fuzz (UBSan in TensorInfo::numel()):
+// 2^62 * 2 fits uint64 but not int64, and the trailing 0 made the byte count 0.
+TEST(SafetensorsFormatTest, PartialProductOverflowingInt64IsInvalidEvenWithAZeroDim) {
+  const std::string file =
+      File(R"({"w":{"dtype":"U8","shape":[4611686018427387904,2,0],"data_offsets":[0,0]}})", "");
+  EXPECT_THAT(Parse(file),
+              StatusIs(kInvalid, AllOf(HasSubstr("tensor 'w'"), HasSubstr("overflows"))));
+  // A 0 before the large dims keeps every partial product at 0: still valid.
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      ParsedHeader parsed,
+      Parse(File(R"({"w":{"dtype":"U8","shape":[0,4611686018427387904,2],"data_offsets":[0,0]}})",
+                 "")));
+  EXPECT_EQ(parsed.tensors[0].numel(), 0);
 }
 
 TEST(SafetensorsFormatTest, ByteCountMustMatchShapeAndDtype) {

@@ -1,5 +1,6 @@
 #include "models/families.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 
@@ -106,6 +107,44 @@ TEST(FamiliesTest, InvalidConfigIsRejectedBeforeLayout) {
   c.num_key_value_heads = 3;
   EXPECT_THAT(CheckpointTensors(c, c10::ScalarType::Float),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_key_value_heads")));
+}
+
+}  // namespace
+}  // namespace accel::models
+
+namespace accel::models {
+namespace {
+
+TEST(ModuleTreeForTest, LlamaHasTransformersClassesAndATiedHead) {
+  loader::ModelConfig c = Config("LlamaForCausalLM", "llama");
+  c.tie_word_embeddings = true;
+  auto tree = ModuleTreeFor(c, c10::ScalarType::BFloat16);
+  ASSERT_TRUE(tree.ok()) << tree.status();
+  EXPECT_EQ(tree->node(0).class_name, "LlamaForCausalLM");
+  EXPECT_EQ(tree->node(*tree->FindModule("model.layers.1")).class_name, "LlamaDecoderLayer");
+  EXPECT_EQ(tree->node(*tree->FindModule("model.layers.1.mlp")).class_name, "LlamaMLP");
+  EXPECT_EQ(tree->node(*tree->FindModule("model.norm")).class_name, "LlamaRMSNorm");
+  auto tied = tree->TiedParameters();
+  ASSERT_EQ(tied.size(), 1u);
+  EXPECT_EQ(tied[0], (std::vector<std::string>{"lm_head.weight", "model.embed_tokens.weight"}));
+  const auto buffers = tree->NamedBuffers();
+  ASSERT_EQ(buffers.size(), 1u);
+  EXPECT_EQ(buffers[0].name, "model.rotary_emb.inv_freq");
+  EXPECT_FALSE(buffers[0].decl->persistent);
+  EXPECT_EQ(buffers[0].decl->shape, (std::vector<int64_t>{4}));  // head_dim 8 / 2
+}
+
+TEST(ModuleTreeForTest, CheckpointIsTheStateDictWithoutTiedAliases) {
+  loader::ModelConfig c = Config("Qwen2ForCausalLM", "qwen2");
+  c.tie_word_embeddings = true;
+  auto tree = ModuleTreeFor(c, c10::ScalarType::Float);
+  auto specs = CheckpointTensors(c, c10::ScalarType::Float);
+  ASSERT_TRUE(tree.ok() && specs.ok());
+  std::vector<std::string> keys = tree->StateDictKeys();
+  keys.erase(std::remove(keys.begin(), keys.end(), "lm_head.weight"), keys.end());
+  std::vector<std::string> names;
+  for (const auto& s : *specs) names.push_back(s.name);
+  EXPECT_EQ(names, keys);
 }
 
 }  // namespace

@@ -100,5 +100,56 @@ TEST(ToolsTest, MakeModelBadFlagsAreAMessageAndExitOne) {
   EXPECT_THAT(r.out, HasSubstr("--size"));
 }
 
+TEST(ToolsTest, DeviceMapPlansAGeneratedModelWithoutItsWeights) {
+  TempDir dir;
+  // 4 layers of hidden 128, float32: embed and head 256 KiB each, a layer about 709 KiB.
+  ASSERT_EQ(
+      RunTool("accel-make-model " + dir.path() + " --num_layers 4 --hidden_size 128").exit_code, 0);
+  std::remove((dir.path() + "/model.safetensors").c_str());  // planning never reads weights
+  Result r = RunTool("accel-device-map --model " + dir.path() +
+                     " --max_memory 0=2MB,1=2MB,cpu=10MB --strategy sequential");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  nlohmann::json map = nlohmann::json::parse(r.out);
+  // GPU 0 keeps a layer's worth in reserve: embed + 1 layer; GPU 1 (no reserve): 2 layers;
+  // the rest goes to the cpu.
+  EXPECT_EQ(map["model.embed_tokens"], 0);
+  EXPECT_EQ(map["model.layers.0"], 0);
+  EXPECT_EQ(map["model.layers.1"], 1);
+  EXPECT_EQ(map["model.layers.2"], 1);
+  EXPECT_EQ(map["model.layers.3"], "cpu");
+  EXPECT_EQ(map["lm_head"], "cpu");
+
+  Result half =
+      RunTool("accel-device-map --model " + dir.path() + " --max_memory 0=4MB --dtype float16");
+  ASSERT_EQ(half.exit_code, 0) << half.out;
+  EXPECT_EQ(nlohmann::json::parse(half.out), nlohmann::json::parse(R"({"": 0})"));
+}
+
+TEST(ToolsTest, DeviceMapReadsATreeAndExplainsBadInput) {
+  TempDir dir;
+  std::string tree = dir.Write("tree.json", R"({"class": "M", "children": [
+    {"name": "a", "class": "Linear", "params": [{"name": "weight", "shape": [100, 100]}]},
+    {"name": "b", "class": "Linear", "params": [{"name": "weight", "shape": [100, 100]}]}]})");
+  Result r = RunTool("accel-device-map --tree " + tree +
+                     " --max_memory 0=50000,cpu=1GB --strategy sequential --verbose");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_THAT(r.out,
+              HasSubstr(R"({"":"cpu"})"));  // 0 has room for a, but not with the reserve for b
+  EXPECT_THAT(r.out, HasSubstr("nothing could be placed on 0"));
+
+  EXPECT_EQ(RunTool("accel-device-map").exit_code, 1);
+  Result bad_tree =
+      RunTool("accel-device-map --tree " + dir.Write("bad.json", "{\"children\": 3}"));
+  EXPECT_EQ(bad_tree.exit_code, 1);
+  EXPECT_THAT(bad_tree.out, HasSubstr("bad.json"));
+  Result bad_strategy =
+      RunTool("accel-device-map --tree " + tree + " --max_memory cpu=1GB --strategy fast");
+  EXPECT_EQ(bad_strategy.exit_code, 1);
+  EXPECT_THAT(bad_strategy.out, HasSubstr("'fast'"));
+  Result bad_memory = RunTool("accel-device-map --tree " + tree + " --max_memory gpu=1GB");
+  EXPECT_EQ(bad_memory.exit_code, 1);
+  EXPECT_THAT(bad_memory.out, HasSubstr("--max_memory"));
+}
+
 }  // namespace
 }  // namespace accel

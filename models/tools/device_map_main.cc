@@ -1,0 +1,143 @@
+// accel-device-map: where each module of a model would go, for any
+// max_memory, without reading a single weight.
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+
+#include "core/bytes.h"
+#include "core/dtype.h"
+#include "core/status.h"
+#include "dispatch/device_map.h"
+#include "loader/config.h"
+#include "models/families.h"
+
+ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
+ABSL_FLAG(std::string, tree, "",
+          "A module tree as JSON (see docs/ARCHITECTURE.md), instead of --model.");
+ABSL_FLAG(std::string, max_memory, "",
+          "Budgets, e.g. 0=10GiB,1=10GiB,cpu=30GiB,disk=1TB (plain numbers are bytes). "
+          "Default: free memory of each GPU and the RAM available to this process.");
+ABSL_FLAG(std::string, no_split, "",
+          "Module classes never split across devices, comma-separated. Default with --model: "
+          "the family's decoder block.");
+ABSL_FLAG(std::string, dtype, "",
+          "Size floating weights as this dtype (float32, float16, bfloat16). Default: the "
+          "config's torch_dtype with --model; the tree's own dtypes with --tree.");
+ABSL_FLAG(std::string, strategy, "auto", "auto | balanced | balanced_low_0 | sequential");
+ABSL_FLAG(bool, offload_buffers, false, "Offload the buffers of offloaded modules with them.");
+ABSL_FLAG(bool, verbose, false, "Print a per-device summary on stderr.");
+
+namespace {
+
+using accel::dispatch::ModuleTree;
+
+int Fail(const absl::Status& status) {
+  std::cerr << "accel-device-map: " << status.message() << "\n";
+  return 1;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return accel::ErrnoStatus(errno, "opening " + path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+int Run() {
+  const std::string model_dir = absl::GetFlag(FLAGS_model);
+  const std::string tree_path = absl::GetFlag(FLAGS_tree);
+  if (model_dir.empty() == tree_path.empty()) {
+    return Fail(absl::InvalidArgumentError("give exactly one of --model DIR or --tree FILE.json"));
+  }
+  accel::dispatch::PlanOptions options;
+  std::optional<ModuleTree> tree;
+  std::string dtype_name = absl::GetFlag(FLAGS_dtype);
+  if (!model_dir.empty()) {
+    auto config = accel::loader::ReadModelConfig(model_dir + "/config.json");
+    if (!config.ok()) return Fail(config.status());
+    auto made = accel::models::ModuleTreeFor(*config, c10::ScalarType::Float);
+    if (!made.ok()) return Fail(made.status());
+    tree = *std::move(made);
+    auto family = accel::models::FamilyOf(*config);
+    options.no_split = {family->block_class};
+    if (dtype_name.empty() && !config->torch_dtype.empty()) dtype_name = config->torch_dtype;
+  } else {
+    auto text = ReadFile(tree_path);
+    if (!text.ok()) return Fail(text.status());
+    auto parsed = ModuleTree::FromJson(*text, tree_path);
+    if (!parsed.ok()) return Fail(parsed.status());
+    tree = *std::move(parsed);
+  }
+  if (std::string no_split = absl::GetFlag(FLAGS_no_split); !no_split.empty()) {
+    options.no_split = absl::StrSplit(no_split, ',', absl::SkipWhitespace());
+  }
+  if (!dtype_name.empty()) {
+    auto dtype = accel::ParseDType(dtype_name);
+    if (!dtype.ok()) return Fail(accel::Annotate(dtype.status(), "--dtype"));
+    options.sizes.dtype = *dtype;
+  }
+  options.offload_buffers = absl::GetFlag(FLAGS_offload_buffers);
+
+  bool probed = false;
+  absl::StatusOr<accel::dispatch::MaxMemory> mm;
+  if (std::string spec = absl::GetFlag(FLAGS_max_memory); !spec.empty()) {
+    mm = accel::dispatch::ParseMaxMemory(spec);
+    if (!mm.ok()) return Fail(accel::Annotate(mm.status(), "--max_memory"));
+  } else {
+    mm = accel::dispatch::ProbeMaxMemory();
+    if (!mm.ok()) return Fail(mm.status());
+    probed = true;
+  }
+  accel::dispatch::PlanReport report;
+  auto map = accel::dispatch::PlanDeviceMap(*tree, absl::GetFlag(FLAGS_strategy), *mm, options,
+                                            probed, &report);
+  if (!map.ok()) return Fail(accel::Annotate(map.status(), "--strategy"));
+  std::cout << map->ToJson() << "\n";
+
+  if (absl::GetFlag(FLAGS_verbose)) {
+    accel::dispatch::ModuleSizes sizes = accel::dispatch::ComputeModuleSizes(*tree, options.sizes);
+    std::cerr << absl::StrFormat("model: %s in %s\n",
+                                 accel::FormatBytes(static_cast<int64_t>(sizes.total())),
+                                 tree->node(0).class_name);
+    std::map<accel::Placement, std::pair<double, int>> per_device;
+    for (const auto& [name, p] : map->entries()) {
+      per_device[p].first += sizes.at(name);
+      per_device[p].second += 1;
+    }
+    for (const auto& [p, total] : per_device) {
+      std::string budget = "unlimited";
+      for (const auto& [q, bytes] : *mm) {
+        if (q == p) budget = accel::FormatBytes(static_cast<int64_t>(bytes));
+      }
+      std::cerr << absl::StrFormat("  %-6s %10s in %4d entries (budget %s)\n", p.ToString(),
+                                   accel::FormatBytes(static_cast<int64_t>(total.first)),
+                                   total.second, budget);
+    }
+    for (const std::string& w : report.warnings) std::cerr << "note: " << w << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "accel-device-map (--model DIR | --tree FILE.json) [--max_memory 0=10GiB,cpu=30GiB]\n"
+      "  [--no_split A,B] [--dtype bfloat16] [--strategy auto] [--offload_buffers] [--verbose]\n"
+      "Prints the device map as one JSON object: {\"module.name\": 0 | \"cpu\" | \"disk\"}.");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 1) {
+    std::cerr << "accel-device-map: unexpected argument '" << args[1] << "' (see --help)\n";
+    return 1;
+  }
+  return Run();
+}

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (tests/fuzz/) with clang in build-fuzz/ and runs
+# each for FUZZ_SECONDS (default 30) on a copy of its seed corpus. Exits
+# non-zero when any target finds a crash, a leak, a sanitizer error or a
+# timeout; the input that did it is kept in build-fuzz/fuzz-artifacts/<target>/.
+#
+#   scripts/fuzz.sh                          # every target, 30 s each
+#   FUZZ_SECONDS=600 scripts/fuzz.sh config_fuzz
+#   build-fuzz/bin/safetensors_header_fuzz build-fuzz/fuzz-artifacts/...  # replay
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+FUZZ_SECONDS=${FUZZ_SECONDS:-30}
+BUILD_DIR=build-fuzz
+
+# target -> seed corpus folder and dictionary under tests/fuzz/
+declare -A CORPUS=([safetensors_header_fuzz]=safetensors [config_fuzz]=config)
+declare -A DICT=([safetensors_header_fuzz]=safetensors.dict [config_fuzz]=config.dict)
+
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then targets=(safetensors_header_fuzz config_fuzz); fi
+for t in "${targets[@]}"; do
+  if [ -z "${CORPUS[$t]:-}" ]; then
+    echo "fuzz.sh: unknown target '$t' (known: ${!CORPUS[*]})" >&2
+    exit 2
+  fi
+done
+
+CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja \
+  -DACCEL_BUILD_FUZZERS=ON -DACCEL_BUILD_TESTS=OFF -DACCEL_BUILD_BENCHMARKS=OFF \
+  -DACCEL_WITH_SERVER=OFF -DACCEL_USE_PCH=OFF >/dev/null
+ninja -C "$BUILD_DIR" "${targets[@]}"
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/accel-fuzz.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+# Sanitizer reports with symbols; a UBSan error is fatal (also compiled so).
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0:symbolize=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+
+failed=()
+for t in "${targets[@]}"; do
+  corpus="$work/$t"
+  cp -r "tests/fuzz/corpus/${CORPUS[$t]}" "$corpus"
+  artifacts="$BUILD_DIR/fuzz-artifacts/$t"
+  mkdir -p "$artifacts"
+  echo "=== $t: ${FUZZ_SECONDS}s on $(ls "$corpus" | wc -l) seeds" >&2
+  if "$BUILD_DIR/bin/$t" "$corpus" \
+      -max_total_time="$FUZZ_SECONDS" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
+      -dict="tests/fuzz/${DICT[$t]}" -artifact_prefix="$artifacts/" -print_final_stats=1; then
+    echo "=== $t: no crash ($(ls "$corpus" | wc -l) inputs in the corpus at the end)" >&2
+  else
+    echo "=== $t: FAILED; reproducer(s) in $artifacts/:" >&2
+    ls -1 "$artifacts" >&2 || true
+    failed+=("$t")
+  fi
+done
+
+if [ ${#failed[@]} -ne 0 ]; then
+  echo "fuzz.sh: crashes in: ${failed[*]}" >&2
+  exit 1
+fi
+echo "fuzz.sh: ${#targets[@]} target(s), ${FUZZ_SECONDS}s each, no crash" >&2
