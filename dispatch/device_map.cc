@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+
 #include "core/bytes.h"
 #include "core/json_depth.h"
 #include "core/status.h"
@@ -37,8 +38,12 @@ struct Entry {
 
 class Planner {
  public:
-  Planner(const ModuleTree& tree, const ModuleSizes& sizes, const std::vector<std::string>& no_split)
-      : tree_(tree), sizes_(sizes), no_split_(no_split.begin(), no_split.end()), memo_(tree.size()) {}
+  Planner(const ModuleTree& tree, const ModuleSizes& sizes,
+          const std::vector<std::string>& no_split)
+      : tree_(tree),
+        sizes_(sizes),
+        no_split_(no_split.begin(), no_split.end()),
+        memo_(tree.size()) {}
 
   bool Splittable(int node) const {
     return node >= 0 && !tree_.node(node).children.empty() &&
@@ -154,7 +159,8 @@ WithTies SizeWithTies(const std::vector<std::string>& ties, double bytes, const 
 }
 
 std::string FormatSize(double bytes) {
-  return bytes == std::floor(bytes) ? absl::StrCat(static_cast<int64_t>(bytes)) : absl::StrCat(bytes);
+  return bytes == std::floor(bytes) ? absl::StrCat(static_cast<int64_t>(bytes))
+                                    : absl::StrCat(bytes);
 }
 
 double& At(std::vector<std::pair<Placement, double>>& list, Placement p) {
@@ -188,7 +194,8 @@ void ModuleSizes::Add(const std::string& name, double bytes) {
   }
 }
 
-ModuleSizes ComputeModuleSizes(const ModuleTree& tree, const SizeOptions& options, bool buffers_only) {
+ModuleSizes ComputeModuleSizes(const ModuleTree& tree, const SizeOptions& options,
+                               bool buffers_only) {
   std::vector<ModuleTree::Named> tensors = tree.NamedBuffers();
   if (!buffers_only) {
     std::vector<ModuleTree::Named> params = tree.NamedParameters();
@@ -227,17 +234,20 @@ LayerSize GetMaxLayerSize(const ModuleTree& tree, const ModuleSizes& sizes,
 absl::StatusOr<MaxMemory> ParseMaxMemory(absl::string_view spec) {
   std::map<Placement, double> budgets;
   for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipWhitespace())) {
-    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+    std::pair<absl::string_view, absl::string_view> kv =
+        absl::StrSplit(item, absl::MaxSplits('=', 1));
     if (!absl::StrContains(item, '=')) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("max_memory entry '", item, "' is not DEVICE=SIZE (e.g. 0=10GiB or cpu=30GiB)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "max_memory entry '", item, "' is not DEVICE=SIZE (e.g. 0=10GiB or cpu=30GiB)"));
     }
     auto device = Placement::Parse(kv.first);
-    if (!device.ok()) return Annotate(device.status(), absl::StrCat("max_memory entry '", item, "'"));
+    if (!device.ok())
+      return Annotate(device.status(), absl::StrCat("max_memory entry '", item, "'"));
     auto bytes = ParseByteSize(kv.second);
     if (!bytes.ok()) return Annotate(bytes.status(), absl::StrCat("max_memory entry '", item, "'"));
     if (!budgets.emplace(*device, static_cast<double>(*bytes)).second) {
-      return absl::InvalidArgumentError(absl::StrCat("max_memory names ", device->ToString(), " twice"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("max_memory names ", device->ToString(), " twice"));
     }
   }
   if (budgets.empty()) return absl::InvalidArgumentError("max_memory is empty");
@@ -322,7 +332,8 @@ std::string DeviceMap::ToJson() const {
 
 absl::StatusOr<DeviceMap> DeviceMap::FromJson(absl::string_view text, absl::string_view label) {
   if (JsonNestsDeeperThan(text, 4)) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": a device map is one flat JSON object"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": a device map is one flat JSON object"));
   }
   nlohmann::ordered_json j;
   try {
@@ -331,19 +342,22 @@ absl::StatusOr<DeviceMap> DeviceMap::FromJson(absl::string_view text, absl::stri
     return absl::InvalidArgumentError(absl::StrCat(label, ": not valid JSON: ", e.what()));
   }
   if (!j.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": expected {\"module.name\": 0 | \"cpu\" | \"disk\"}"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": expected {\"module.name\": 0 | \"cpu\" | \"disk\"}"));
   }
   DeviceMap map;
   for (const auto& [name, value] : j.items()) {
     absl::StatusOr<Placement> p = absl::InvalidArgumentError("not a device");
-    if (value.is_number_integer() && value.get<int64_t>() >= 0 && value.get<int64_t>() < (1 << 20)) {
+    if (value.is_number_integer() && value.get<int64_t>() >= 0 &&
+        value.get<int64_t>() < (1 << 20)) {
       p = Placement::Cuda(value.get<int>());
     } else if (value.is_string()) {
       p = Placement::Parse(value.get<std::string>());
     }
     if (!p.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(label, ": '", name, "': ", value.dump(),
-                                                     " is not a device (a GPU index, \"cpu\" or \"disk\")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(label, ": '", name, "': ", value.dump(),
+                       " is not a device (a GPU index, \"cpu\" or \"disk\")"));
     }
     map.Set(name, *p);
   }
@@ -368,7 +382,8 @@ void Collect(const Trie& t, std::vector<Placement>& out, size_t& count) {
   }
 }
 
-void Emit(const Trie& t, const std::string& name, std::vector<std::tuple<size_t, std::string, Placement>>& out) {
+void Emit(const Trie& t, const std::string& name,
+          std::vector<std::tuple<size_t, std::string, Placement>>& out) {
   if (t.value) out.emplace_back(t.first_position, name, *t.value);
   for (const auto& [child_name, child] : t.children) Emit(*child, Join(name, child_name), out);
 }
@@ -384,8 +399,9 @@ void Clean(Trie& t, bool is_root) {
     ++count;
   }
   Collect(t, below, count);
-  bool one_device = !below.empty() && std::all_of(below.begin(), below.end(),
-                                                  [&](const Placement& p) { return p == below[0]; });
+  bool one_device =
+      !below.empty() &&
+      std::all_of(below.begin(), below.end(), [&](const Placement& p) { return p == below[0]; });
   if (one_device && count > 1) {
     t.value = below[0];
     t.children.clear();
@@ -425,7 +441,8 @@ DeviceMap CleanDeviceMap(const DeviceMap& map) {
   return out;
 }
 
-absl::Status CheckDeviceMap(const ModuleTree& tree, const DeviceMap& map, std::vector<std::string>* unknown) {
+absl::Status CheckDeviceMap(const ModuleTree& tree, const DeviceMap& map,
+                            std::vector<std::string>* unknown) {
   if (unknown != nullptr) {
     std::set<std::string> known;
     for (const auto& [name, node] : tree.NamedModules()) known.insert(name);
@@ -439,8 +456,8 @@ absl::Status CheckDeviceMap(const ModuleTree& tree, const DeviceMap& map, std::v
     if (!map.Lookup(key)) missing.push_back(key);
   }
   if (missing.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("the device map does not place these tensors: ",
-                                                 absl::StrJoin(missing, ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("the device map does not place these tensors: ", absl::StrJoin(missing, ", ")));
 }
 
 // ---- infer_auto_device_map ---------------------------------------------------
@@ -453,7 +470,8 @@ absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMe
     devices.push_back(p);
     budget[p] = bytes;
   }
-  if (!budget.count(Placement::Disk())) devices.push_back(Placement::Disk());  // always last, unlimited
+  if (!budget.count(Placement::Disk()))
+    devices.push_back(Placement::Disk());  // always last, unlimited
   std::vector<Placement> gpus;
   for (const Placement& p : devices) {
     if (p.is_cuda()) gpus.push_back(p);
@@ -496,7 +514,8 @@ absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMe
 
     const double module_bytes = sizes.at(entry.name);
     const std::vector<std::string> ties = ExternalTies(entry.name, tied);
-    if (current >= devices.size()) return absl::InternalError("device map planning ran past the disk");
+    if (current >= devices.size())
+      return absl::InternalError("device map planning ran past the disk");
     const Placement device = devices[current];
     double capacity = device.is_disk() ? std::numeric_limits<double>::infinity() : budget[device];
     double reserve = 0;
@@ -515,7 +534,8 @@ absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMe
         if (auto i = index_of(tied_module.name)) queue.erase(queue.begin() + static_cast<long>(*i));
         dmap.Set(tied_module.name, device);
       }
-      if (!options.offload_buffers && entry.node >= 0) At(buffers, device) += buffer_sizes.at(entry.name);
+      if (!options.offload_buffers && entry.node >= 0)
+        At(buffers, device) += buffer_sizes.at(entry.name);
       continue;
     }
 
@@ -550,14 +570,16 @@ absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMe
     // (D) Opt-in: before leaving an empty device, look for anything later in
     // the queue that fits it (fallback_allocate).
     if (options.fallback_allocation && device_used == 0 && !device.is_disk()) {
-      const double limit = budget[device] - std::max(max_layer.bytes, with_ties.bytes) - device_used;
+      const double limit =
+          budget[device] - std::max(max_layer.bytes, with_ties.bytes) - device_used;
       std::optional<Entry> found;
       if (limit >= 0) {
         std::deque<Entry> search = queue;
         while (!search.empty()) {
           Entry candidate = search.front();
           search.pop_front();
-          WithTies w = SizeWithTies(ExternalTies(candidate.name, tied), sizes.at(candidate.name), sizes, search);
+          WithTies w = SizeWithTies(ExternalTies(candidate.name, tied), sizes.at(candidate.name),
+                                    sizes, search);
           if (w.bytes <= limit) {
             found = candidate;
             break;
@@ -569,7 +591,8 @@ absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMe
       }
       if (found) {
         // Expand the queue along the found entry's path, shortest prefix first.
-        for (size_t dot = found->name.find('.'); dot != std::string::npos; dot = found->name.find('.', dot + 1)) {
+        for (size_t dot = found->name.find('.'); dot != std::string::npos;
+             dot = found->name.find('.', dot + 1)) {
           std::string prefix = found->name.substr(0, dot);
           if (auto i = index_of(prefix)) {
             Entry holder = queue[*i];
@@ -633,8 +656,8 @@ absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMe
 
 // ---- get_balanced_memory -------------------------------------------------------
 
-MaxMemory GetBalancedMemory(const ModuleTree& tree, const MaxMemory& max_memory, const PlanOptions& options,
-                            bool low_zero, bool max_memory_was_probed) {
+MaxMemory GetBalancedMemory(const ModuleTree& tree, const MaxMemory& max_memory,
+                            const PlanOptions& options, bool low_zero, bool max_memory_was_probed) {
   MaxMemory mm = max_memory;
   int gpus = 0;
   for (const auto& [p, bytes] : mm) {
@@ -731,8 +754,9 @@ absl::StatusOr<DeviceMap> PlanDeviceMap(const ModuleTree& tree, absl::string_vie
   } else if (strategy == "sequential") {
     mm = max_memory;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown device map strategy '", strategy, "' (auto, balanced, balanced_low_0, sequential)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown device map strategy '", strategy,
+                     "' (auto, balanced, balanced_low_0, sequential)"));
   }
   return InferAutoDeviceMap(tree, mm, options, report);
 }

@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+
 #include "core/placement.h"
 #include "dispatch/module_tree.h"
 
@@ -99,7 +100,9 @@ class DeviceMap {
   // InvalidArgument naming `label` and the key for anything else.
   static absl::StatusOr<DeviceMap> FromJson(absl::string_view text, absl::string_view label);
 
-  friend bool operator==(const DeviceMap& a, const DeviceMap& b) { return a.entries_ == b.entries_; }
+  friend bool operator==(const DeviceMap& a, const DeviceMap& b) {
+    return a.entries_ == b.entries_;
+  }
 
  private:
   std::vector<std::pair<std::string, Placement>> entries_;
@@ -138,7 +141,8 @@ struct PlanReport {
 // tied parameters together, reserving room for the largest remaining layer
 // on the first GPU and the cpu.
 absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMemory& max_memory,
-                                             const PlanOptions& options, PlanReport* report = nullptr);
+                                             const PlanOptions& options,
+                                             PlanReport* report = nullptr);
 
 // get_balanced_memory: caps every GPU but the last so the model spreads
 // evenly. `max_memory_was_probed` applies Accelerate's x0.9 on a single GPU.
@@ -149,7 +153,8 @@ MaxMemory GetBalancedMemory(const ModuleTree& tree, const MaxMemory& max_memory,
 // InvalidArgument for another strategy.
 absl::StatusOr<DeviceMap> PlanDeviceMap(const ModuleTree& tree, absl::string_view strategy,
                                         const MaxMemory& max_memory, const PlanOptions& options,
-                                        bool max_memory_was_probed = false, PlanReport* report = nullptr);
+                                        bool max_memory_was_probed = false,
+                                        PlanReport* report = nullptr);
 
 }  // namespace accel::dispatch
 

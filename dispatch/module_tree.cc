@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+
 #include "core/dtype.h"
 #include "core/json_depth.h"
 #include "core/status.h"
@@ -39,7 +40,8 @@ class JsonReader {
   explicit JsonReader(absl::string_view label) : label_(label) {}
 
   absl::Status Error(const std::string& path, absl::string_view what) const {
-    return absl::InvalidArgumentError(absl::StrCat(label_, ": ", path.empty() ? "<root>" : path, ": ", what));
+    return absl::InvalidArgumentError(
+        absl::StrCat(label_, ": ", path.empty() ? "<root>" : path, ": ", what));
   }
 
   absl::StatusOr<TensorDecl> Tensor(const Json& j, const std::string& path, bool buffer) const {
@@ -50,12 +52,15 @@ class JsonReader {
       return Error(path, "\"name\" must be a non-empty string");
     }
     decl.name = name->get<std::string>();
-    if (absl::StrContains(decl.name, '.')) return Error(path, absl::StrCat("name '", decl.name, "' contains a '.'"));
+    if (absl::StrContains(decl.name, '.'))
+      return Error(path, absl::StrCat("name '", decl.name, "' contains a '.'"));
     auto shape = j.find("shape");
-    if (shape == j.end() || !shape->is_array()) return Error(path, "\"shape\" must be a list of sizes");
+    if (shape == j.end() || !shape->is_array())
+      return Error(path, "\"shape\" must be a list of sizes");
     for (const Json& d : *shape) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0) {
-        return Error(path, absl::StrCat("shape entry ", d.dump(), " is not a non-negative integer"));
+        return Error(path,
+                     absl::StrCat("shape entry ", d.dump(), " is not a non-negative integer"));
       }
       decl.shape.push_back(d.get<int64_t>());
     }
@@ -81,7 +86,8 @@ class JsonReader {
     if (!j.is_object()) return Error(path, "expected a module object");
     std::set<std::string> names;
     auto unique = [&](const std::string& name, const std::string& where) -> absl::Status {
-      if (!names.insert(name).second) return Error(where, absl::StrCat("'", name, "' is defined twice"));
+      if (!names.insert(name).second)
+        return Error(where, absl::StrCat("'", name, "' is defined twice"));
       return absl::OkStatus();
     };
     for (const char* field : {"params", "buffers"}) {
@@ -146,7 +152,9 @@ int64_t TensorDecl::numel() const {
   return n;
 }
 
-ModuleTree::ModuleTree(std::string root_class) { nodes_.push_back({std::move(root_class), {}, {}, {}}); }
+ModuleTree::ModuleTree(std::string root_class) {
+  nodes_.push_back({std::move(root_class), {}, {}, {}});
+}
 
 int ModuleTree::AddChild(int parent, std::string name, std::string class_name) {
   int id = static_cast<int>(nodes_.size());
@@ -155,11 +163,16 @@ int ModuleTree::AddChild(int parent, std::string name, std::string class_name) {
   return id;
 }
 
-void ModuleTree::AddParam(int node, TensorDecl decl) { nodes_[node].params.push_back(std::move(decl)); }
-void ModuleTree::AddBuffer(int node, TensorDecl decl) { nodes_[node].buffers.push_back(std::move(decl)); }
+void ModuleTree::AddParam(int node, TensorDecl decl) {
+  nodes_[node].params.push_back(std::move(decl));
+}
+void ModuleTree::AddBuffer(int node, TensorDecl decl) {
+  nodes_[node].buffers.push_back(std::move(decl));
+}
 
 absl::Status ModuleTree::Tie(const std::vector<std::string>& names) {
-  if (names.size() < 2) return absl::InvalidArgumentError("a tie needs at least two parameter names");
+  if (names.size() < 2)
+    return absl::InvalidArgumentError("a tie needs at least two parameter names");
   std::unordered_map<std::string, const TensorDecl*> params;
   for (const auto& [module_name, node] : NamedModules()) {
     for (const TensorDecl& p : nodes_[node].params) params.emplace(Join(module_name, p.name), &p);
@@ -173,7 +186,8 @@ absl::Status ModuleTree::Tie(const std::vector<std::string>& names) {
     if (tie_group_.count(name)) {
       return absl::InvalidArgumentError(absl::StrCat("'", name, "' is tied twice"));
     }
-    if (first != nullptr && (first->shape != it->second->shape || first->dtype != it->second->dtype)) {
+    if (first != nullptr &&
+        (first->shape != it->second->shape || first->dtype != it->second->dtype)) {
       return absl::InvalidArgumentError(absl::StrCat("tied parameters '", names[0], "' and '", name,
                                                      "' differ in shape or dtype"));
     }
@@ -192,7 +206,8 @@ std::vector<std::pair<std::string, int>> ModuleTree::NamedModules() const {
     stack.pop_back();
     out.emplace_back(name, node);
     const auto& children = nodes_[node].children;
-    for (auto it = children.rbegin(); it != children.rend(); ++it) stack.emplace_back(Join(name, it->first), it->second);
+    for (auto it = children.rbegin(); it != children.rend(); ++it)
+      stack.emplace_back(Join(name, it->first), it->second);
   }
   return out;
 }
@@ -203,7 +218,9 @@ std::vector<ModuleTree::Named> ModuleTree::NamedParameters() const {
   for (const auto& [module_name, node] : NamedModules()) {
     for (const TensorDecl& p : nodes_[node].params) {
       std::string full = Join(module_name, p.name);
-      if (auto g = tie_group_.find(full); g != tie_group_.end() && !groups_seen.insert(g->second).second) continue;
+      if (auto g = tie_group_.find(full);
+          g != tie_group_.end() && !groups_seen.insert(g->second).second)
+        continue;
       out.push_back({std::move(full), &p, node, false});
     }
   }
@@ -213,7 +230,8 @@ std::vector<ModuleTree::Named> ModuleTree::NamedParameters() const {
 std::vector<ModuleTree::Named> ModuleTree::NamedBuffers() const {
   std::vector<Named> out;
   for (const auto& [module_name, node] : NamedModules()) {
-    for (const TensorDecl& b : nodes_[node].buffers) out.push_back({Join(module_name, b.name), &b, node, true});
+    for (const TensorDecl& b : nodes_[node].buffers)
+      out.push_back({Join(module_name, b.name), &b, node, true});
   }
   return out;
 }
@@ -261,7 +279,8 @@ std::vector<std::string> ModuleTree::StateDictKeys() const {
 absl::StatusOr<ModuleTree> ModuleTree::FromJson(absl::string_view text, absl::string_view label) {
   constexpr int kMaxDepth = 256;
   if (JsonNestsDeeperThan(text, kMaxDepth)) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": nested deeper than ", kMaxDepth, " levels"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": nested deeper than ", kMaxDepth, " levels"));
   }
   Json j;
   try {
@@ -279,7 +298,8 @@ absl::StatusOr<ModuleTree> ModuleTree::FromJson(absl::string_view text, absl::st
   ModuleTree tree(root_class);
   ACCEL_RETURN_IF_ERROR(reader.Module(j, "", 0, tree));
   if (auto tied = j.find("tied"); tied != j.end()) {
-    if (!tied->is_array()) return reader.Error("tied", "must be a list of lists of parameter names");
+    if (!tied->is_array())
+      return reader.Error("tied", "must be a list of lists of parameter names");
     for (size_t i = 0; i < tied->size(); ++i) {
       const Json& group = (*tied)[i];
       std::vector<std::string> names;
@@ -345,7 +365,8 @@ absl::StatusOr<ModuleTree> ModuleTree::FromModule(const torch::nn::Module& modul
       std::vector<std::tuple<const torch::nn::Module*, int, std::string>> children;
       std::set<const torch::nn::Module*> seen;
       for (const auto& child : m->named_children()) {
-        if (!seen.insert(child.value().get()).second) continue;  // torch skips a child registered twice
+        if (!seen.insert(child.value().get()).second)
+          continue;  // torch skips a child registered twice
         int id = tree.AddChild(node, child.key(), ShortClassName(child.value()->name()));
         children.emplace_back(child.value().get(), id, Join(prefix, child.key()));
       }

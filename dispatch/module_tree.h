@@ -100,7 +100,7 @@ class ModuleTree {
  private:
   std::vector<Node> nodes_;
   std::vector<std::vector<std::string>> tied_;  // as declared
-  std::map<std::string, int> tie_group_;         // full param name -> index in tied_
+  std::map<std::string, int> tie_group_;        // full param name -> index in tied_
 };
 
 }  // namespace accel::dispatch

@@ -33,8 +33,8 @@ TEST(ParseByteSizeTest, MatchesAccelerate) {
       {"512MiB", 536870912},
       {"30GIB", 32212254720},
       {"10 GB", 10000000000},
-      {"500", 500},  // plain digits are bytes (as an int is upstream)
-      {"1TB", 1000000000000},     // ours: Accelerate stops at GB
+      {"500", 500},            // plain digits are bytes (as an int is upstream)
+      {"1TB", 1000000000000},  // ours: Accelerate stops at GB
       {"2TiB", 2199023255552},
   };
   for (const Case& c : cases) {

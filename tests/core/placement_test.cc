@@ -22,7 +22,8 @@ TEST(PlacementTest, ParsesEverySpelling) {
 
 TEST(PlacementTest, RejectsOthersNamingThem) {
   for (const char* bad : {"mps", "gpu", "-1", "cuda:-1", "cuda:x", "", "1.5"}) {
-    EXPECT_THAT(Placement::Parse(bad), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown device")))
+    EXPECT_THAT(Placement::Parse(bad),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("unknown device")))
         << bad;
   }
 }

@@ -27,7 +27,8 @@ using StrMap = std::map<std::string, std::string>;
 
 constexpr double kInf = 1e30;
 
-void Linear(ModuleTree& t, int parent, const std::string& name, int64_t in, int64_t out, bool bias = true) {
+void Linear(ModuleTree& t, int parent, const std::string& name, int64_t in, int64_t out,
+            bool bias = true) {
   int id = t.AddChild(parent, name, "Linear");
   t.AddParam(id, {"weight", {out, in}});
   if (bias) t.AddParam(id, {"bias", {out}});
@@ -120,9 +121,10 @@ TEST(ModuleTreeWalkTest, NamedTensorsParamsThenBuffers) {  // U2
   std::vector<std::string> names;
   for (const auto& p : t.NamedParameters()) names.push_back(p.name);
   for (const auto& b : t.NamedBuffers()) names.push_back(b.name);
-  EXPECT_THAT(names, ElementsAre("linear1.weight", "linear1.bias", "batchnorm.weight", "batchnorm.bias",
-                                 "linear2.weight", "linear2.bias", "batchnorm.running_mean",
-                                 "batchnorm.running_var", "batchnorm.num_batches_tracked"));
+  EXPECT_THAT(names,
+              ElementsAre("linear1.weight", "linear1.bias", "batchnorm.weight", "batchnorm.bias",
+                          "linear2.weight", "linear2.bias", "batchnorm.running_mean",
+                          "batchnorm.running_var", "batchnorm.num_batches_tracked"));
 }
 
 TEST(ComputeModuleSizesTest, ModelForTest) {  // U4
@@ -243,8 +245,10 @@ DeviceMap MapOf(std::vector<std::pair<std::string, std::string>> items) {
 }
 
 TEST(CleanDeviceMapTest, RegroupsLikeAccelerate) {  // U8
-  EXPECT_EQ(AsMap(CleanDeviceMap(MapOf({{"a", "0"}, {"b", "0"}, {"c", "0"}}))), (StrMap{{"", "0"}}));
-  EXPECT_EQ(AsMap(CleanDeviceMap(MapOf({{"a.x", "0"}, {"a.y", "0"}, {"b.x", "1"}, {"b.y", "1"}, {"c", "1"}}))),
+  EXPECT_EQ(AsMap(CleanDeviceMap(MapOf({{"a", "0"}, {"b", "0"}, {"c", "0"}}))),
+            (StrMap{{"", "0"}}));
+  EXPECT_EQ(AsMap(CleanDeviceMap(
+                MapOf({{"a.x", "0"}, {"a.y", "0"}, {"b.x", "1"}, {"b.y", "1"}, {"c", "1"}}))),
             (StrMap{{"a", "0"}, {"b", "1"}, {"c", "1"}}));
   EXPECT_EQ(AsMap(CleanDeviceMap(MapOf({{"a.x", "0"},
                                         {"a.y", "0"},
@@ -256,7 +260,8 @@ TEST(CleanDeviceMapTest, RegroupsLikeAccelerate) {  // U8
             (StrMap{{"a", "0"}, {"b.x", "1"}, {"b.y", "2"}, {"c", "2"}}));
   // One key is left alone; the order of first appearance is kept.
   DeviceMap cleaned = CleanDeviceMap(MapOf({{"z.a", "cpu"}, {"z.b", "cpu"}, {"y", "0"}}));
-  EXPECT_THAT(cleaned.entries(), ElementsAre(Pair("z", Placement::Cpu()), Pair("y", Placement::Cuda(0))));
+  EXPECT_THAT(cleaned.entries(),
+              ElementsAre(Pair("z", Placement::Cpu()), Pair("y", Placement::Cuda(0))));
 }
 
 // ---- infer_auto_device_map (U9-U17, U20-U28) ----
@@ -291,8 +296,10 @@ ModuleTree SequentialOfModelForTest() {
 }
 
 TEST(InferAutoDeviceMapTest, U12SplitsNestedModules) {
-  EXPECT_EQ(Infer(SequentialOfModelForTest(), Mem({{"0", 500}, {"1", 500}})),
-            (StrMap{{"0", "0"}, {"1.linear1", "0"}, {"1.batchnorm", "0"}, {"1.linear2", "1"}, {"2", "1"}}));
+  EXPECT_EQ(
+      Infer(SequentialOfModelForTest(), Mem({{"0", 500}, {"1", 500}})),
+      (StrMap{
+          {"0", "0"}, {"1.linear1", "0"}, {"1.batchnorm", "0"}, {"1.linear2", "1"}, {"2", "1"}}));
 }
 
 TEST(InferAutoDeviceMapTest, U13NoSplitClass) {
@@ -304,46 +311,46 @@ TEST(InferAutoDeviceMapTest, U13NoSplitClass) {
 
 ModuleTree ThreeLayers() {
   ModuleTree t("Sequential");
-  for (const char* name : {"layer1", "layer2", "layer3"}) AddModelForTest(t, t.AddChild(0, name, "ModelForTest"));
+  for (const char* name : {"layer1", "layer2", "layer3"})
+    AddModelForTest(t, t.AddChild(0, name, "ModelForTest"));
   return t;
 }
 
 TEST(InferAutoDeviceMapTest, U14TiedAcrossLayers) {
   ModuleTree t = ThreeLayers();
   ASSERT_THAT(t.Tie({"layer1.linear2.weight", "layer3.linear2.weight"}), IsOk());
-  EXPECT_EQ(Infer(t, Mem({{"0", 400}, {"1", 500}})),
-            (StrMap{{"layer1", "0"},
-                    {"layer3.linear2", "0"},
-                    {"layer2", "1"},
-                    {"layer3.linear1", "1"},
-                    {"layer3.batchnorm", "1"}}));
+  EXPECT_EQ(Infer(t, Mem({{"0", 400}, {"1", 500}})), (StrMap{{"layer1", "0"},
+                                                             {"layer3.linear2", "0"},
+                                                             {"layer2", "1"},
+                                                             {"layer3.linear1", "1"},
+                                                             {"layer3.batchnorm", "1"}}));
 }
 
 TEST(InferAutoDeviceMapTest, U15TiedToTwoLayers) {
   ModuleTree t = ThreeLayers();
-  ASSERT_THAT(t.Tie({"layer1.linear2.weight", "layer2.linear2.weight", "layer3.linear2.weight"}), IsOk());
-  EXPECT_EQ(Infer(t, Mem({{"0", 400}, {"1", 500}})),
-            (StrMap{{"layer1", "0"},
-                    {"layer2.linear2", "0"},
-                    {"layer3.linear2", "0"},
-                    {"layer2.linear1", "1"},
-                    {"layer2.batchnorm", "1"},
-                    {"layer3.linear1", "1"},
-                    {"layer3.batchnorm", "1"}}));
+  ASSERT_THAT(t.Tie({"layer1.linear2.weight", "layer2.linear2.weight", "layer3.linear2.weight"}),
+              IsOk());
+  EXPECT_EQ(Infer(t, Mem({{"0", 400}, {"1", 500}})), (StrMap{{"layer1", "0"},
+                                                             {"layer2.linear2", "0"},
+                                                             {"layer3.linear2", "0"},
+                                                             {"layer2.linear1", "1"},
+                                                             {"layer2.batchnorm", "1"},
+                                                             {"layer3.linear1", "1"},
+                                                             {"layer3.batchnorm", "1"}}));
 }
 
 TEST(InferAutoDeviceMapTest, U16TwoTieGroups) {
   ModuleTree t = ThreeLayers();
-  ASSERT_THAT(t.Tie({"layer1.linear2.weight", "layer2.linear2.weight", "layer3.linear2.weight"}), IsOk());
+  ASSERT_THAT(t.Tie({"layer1.linear2.weight", "layer2.linear2.weight", "layer3.linear2.weight"}),
+              IsOk());
   ASSERT_THAT(t.Tie({"layer1.linear1.weight", "layer2.linear1.weight"}), IsOk());
-  EXPECT_EQ(Infer(t, Mem({{"0", 400}, {"1", 500}})),
-            (StrMap{{"layer1", "0"},
-                    {"layer2.linear1", "0"},
-                    {"layer2.linear2", "0"},
-                    {"layer3.linear2", "0"},
-                    {"layer2.batchnorm", "1"},
-                    {"layer3.linear1", "1"},
-                    {"layer3.batchnorm", "1"}}));
+  EXPECT_EQ(Infer(t, Mem({{"0", 400}, {"1", 500}})), (StrMap{{"layer1", "0"},
+                                                             {"layer2.linear1", "0"},
+                                                             {"layer2.linear2", "0"},
+                                                             {"layer3.linear2", "0"},
+                                                             {"layer2.batchnorm", "1"},
+                                                             {"layer3.linear1", "1"},
+                                                             {"layer3.batchnorm", "1"}}));
 }
 
 TEST(InferAutoDeviceMapTest, U17WeightAndBiasTied) {
@@ -436,8 +443,9 @@ TEST(InferAutoDeviceMapTest, U24FallbackAllocation) {
   PlanOptions options;
   options.fallback_allocation = true;
   PlanReport report;
-  EXPECT_EQ(Infer(NestedSequential(), Mem({{"0", 256}}), options, &report),
-            (StrMap{{"module.linear1", "disk"}, {"module.linear2", "0"}, {"module.linear3", "disk"}}));
+  EXPECT_EQ(
+      Infer(NestedSequential(), Mem({{"0", 256}}), options, &report),
+      (StrMap{{"module.linear1", "disk"}, {"module.linear2", "0"}, {"module.linear3", "disk"}}));
   EXPECT_THAT(report.min_required, IsEmpty());
 }
 
@@ -462,9 +470,10 @@ TEST(InferAutoDeviceMapTest, U26FallbackPlacesSomething) {
   }
   PlanOptions options;
   options.fallback_allocation = true;
-  EXPECT_EQ(Infer(t, Mem({{"0", 5000}}), options),
-            (StrMap{{"module1.submodule1", "0"}, {"module1.submodule2", "disk"}, {"module2", "disk"},
-                    {"module3", "disk"}}));
+  EXPECT_EQ(Infer(t, Mem({{"0", 5000}}), options), (StrMap{{"module1.submodule1", "0"},
+                                                           {"module1.submodule2", "disk"},
+                                                           {"module2", "disk"},
+                                                           {"module3", "disk"}}));
 }
 
 TEST(InferAutoDeviceMapTest, U27FallbackWithTiedWeights) {
@@ -508,8 +517,9 @@ TEST(GetBalancedMemoryTest, U29) {
 }
 
 TEST(GetBalancedMemoryTest, D10LowZero) {
-  EXPECT_EQ(GetBalancedMemory(ModelForTest(), Mem({{"0", 300}, {"1", 300}, {"2", 300}}), {}, true, false),
-            Mem({{"0", 0}, {"1", 215}, {"2", 300}}));
+  EXPECT_EQ(
+      GetBalancedMemory(ModelForTest(), Mem({{"0", 300}, {"1", 300}, {"2", 300}}), {}, true, false),
+      Mem({{"0", 0}, {"1", 215}, {"2", 300}}));
 }
 
 TEST(GetBalancedMemoryTest, D11SingleProbedGpuKeepsNinetyPercent) {
@@ -519,7 +529,8 @@ TEST(GetBalancedMemoryTest, D11SingleProbedGpuKeepsNinetyPercent) {
 
 TEST(GetBalancedMemoryTest, DiskEntryIsAcceptedAndLeftAlone) {
   // Accelerate raises here (torch.device("disk")); a disk budget is simply not a GPU.
-  EXPECT_EQ(GetBalancedMemory(ModelForTest(), Mem({{"0", 300}, {"1", 300}, {"disk", 1e12}}), {}, false, false),
+  EXPECT_EQ(GetBalancedMemory(ModelForTest(), Mem({{"0", 300}, {"1", 300}, {"disk", 1e12}}), {},
+                              false, false),
             Mem({{"0", 215}, {"1", 300}, {"disk", 1e12}}));
 }
 
@@ -533,27 +544,46 @@ PlanOptions Blocks() {
 
 TEST(ToyGptTest, D1ReserveOnFirstGpu) {
   EXPECT_EQ(Infer(ToyGpt(), Mem({{"0", 600000}, {"1", 600000}, {"cpu", 1e7}}), Blocks()),
-            (StrMap{{"wte", "0"}, {"lm_head", "0"}, {"h.0", "1"}, {"h.1", "1"}, {"h.2", "1"},
-                    {"h.3", "cpu"}, {"ln_f", "cpu"}}));
+            (StrMap{{"wte", "0"},
+                    {"lm_head", "0"},
+                    {"h.0", "1"},
+                    {"h.1", "1"},
+                    {"h.2", "1"},
+                    {"h.3", "cpu"},
+                    {"ln_f", "cpu"}}));
 }
 
 TEST(ToyGptTest, D2WithoutNoSplit) {
   EXPECT_EQ(Infer(ToyGpt(), Mem({{"0", 600000}, {"1", 600000}, {"cpu", 1e7}})),
-            (StrMap{{"wte", "0"}, {"lm_head", "0"}, {"h.0", "0"}, {"h.1.ln_1", "0"}, {"h.1.attn", "0"},
-                    {"h.1.ln_2", "0"}, {"h.1.mlp", "1"}, {"h.2", "1"}, {"h.3", "1"}, {"ln_f", "1"}}));
+            (StrMap{{"wte", "0"},
+                    {"lm_head", "0"},
+                    {"h.0", "0"},
+                    {"h.1.ln_1", "0"},
+                    {"h.1.attn", "0"},
+                    {"h.1.ln_2", "0"},
+                    {"h.1.mlp", "1"},
+                    {"h.2", "1"},
+                    {"h.3", "1"},
+                    {"ln_f", "1"}}));
 }
 
 TEST(ToyGptTest, D3SpillsToDisk) {
   EXPECT_EQ(Infer(ToyGpt(), Mem({{"0", 500000}, {"cpu", 400000}}), Blocks()),
-            (StrMap{{"wte", "0"}, {"lm_head", "0"}, {"h.0", "cpu"}, {"h.1", "disk"}, {"h.2", "disk"},
-                    {"h.3", "disk"}, {"ln_f", "disk"}}));
+            (StrMap{{"wte", "0"},
+                    {"lm_head", "0"},
+                    {"h.0", "cpu"},
+                    {"h.1", "disk"},
+                    {"h.2", "disk"},
+                    {"h.3", "disk"},
+                    {"ln_f", "disk"}}));
 }
 
 TEST(ToyGptTest, D4AllOnDisk) {
   PlanReport report;
   EXPECT_EQ(Infer(ToyGpt(), Mem({{"0", 300000}, {"cpu", 300000}}), Blocks(), &report),
             (StrMap{{"", "disk"}}));
-  EXPECT_THAT(report.min_required, ElementsAre(Pair(Placement::Cuda(0), 455936), Pair(Placement::Cpu(), 455936)));
+  EXPECT_THAT(report.min_required,
+              ElementsAre(Pair(Placement::Cuda(0), 455936), Pair(Placement::Cpu(), 455936)));
 }
 
 TEST(ToyGptTest, D5CpuOnly) {
@@ -568,25 +598,41 @@ TEST(ToyGptTest, D6HalfFitsOneGpu) {
 }
 
 TEST(ToyGptTest, D7BalancedLeavesRoomyBudgetsAlone) {
-  auto map = PlanDeviceMap(ToyGpt(), "balanced", Mem({{"0", 6e5}, {"1", 6e5}, {"cpu", 1e7}}), Blocks());
+  auto map =
+      PlanDeviceMap(ToyGpt(), "balanced", Mem({{"0", 6e5}, {"1", 6e5}, {"cpu", 1e7}}), Blocks());
   ASSERT_THAT(map, IsOk());
-  EXPECT_EQ(AsMap(*map), (StrMap{{"wte", "0"}, {"lm_head", "0"}, {"h.0", "1"}, {"h.1", "1"}, {"h.2", "1"},
-                                 {"h.3", "cpu"}, {"ln_f", "cpu"}}));
+  EXPECT_EQ(AsMap(*map), (StrMap{{"wte", "0"},
+                                 {"lm_head", "0"},
+                                 {"h.0", "1"},
+                                 {"h.1", "1"},
+                                 {"h.2", "1"},
+                                 {"h.3", "cpu"},
+                                 {"ln_f", "cpu"}}));
 }
 
 TEST(ToyGptTest, D8BalancedLow0) {
-  auto map = PlanDeviceMap(ToyGpt(), "balanced_low_0", Mem({{"0", 6e5}, {"1", 6e5}, {"2", 6e5}, {"cpu", 1e7}}),
-                           Blocks());
+  auto map = PlanDeviceMap(ToyGpt(), "balanced_low_0",
+                           Mem({{"0", 6e5}, {"1", 6e5}, {"2", 6e5}, {"cpu", 1e7}}), Blocks());
   ASSERT_THAT(map, IsOk());
-  EXPECT_EQ(AsMap(*map), (StrMap{{"wte", "1"}, {"lm_head", "1"}, {"h.0", "1"}, {"h.1", "2"}, {"h.2", "2"},
-                                 {"h.3", "2"}, {"ln_f", "cpu"}}));
+  EXPECT_EQ(AsMap(*map), (StrMap{{"wte", "1"},
+                                 {"lm_head", "1"},
+                                 {"h.0", "1"},
+                                 {"h.1", "2"},
+                                 {"h.2", "2"},
+                                 {"h.3", "2"},
+                                 {"ln_f", "cpu"}}));
 }
 
 TEST(ToyGptTest, D9BalancedThreeGpus) {
   auto map = PlanDeviceMap(ToyGpt(), "auto", Mem({{"0", 6e5}, {"1", 6e5}, {"2", 6e5}}), Blocks());
   ASSERT_THAT(map, IsOk());
-  EXPECT_EQ(AsMap(*map), (StrMap{{"wte", "0"}, {"lm_head", "0"}, {"h.0", "1"}, {"h.1", "1"}, {"h.2", "1"},
-                                 {"h.3", "2"}, {"ln_f", "2"}}));
+  EXPECT_EQ(AsMap(*map), (StrMap{{"wte", "0"},
+                                 {"lm_head", "0"},
+                                 {"h.0", "1"},
+                                 {"h.1", "1"},
+                                 {"h.2", "1"},
+                                 {"h.3", "2"},
+                                 {"ln_f", "2"}}));
 }
 
 TEST(PlanDeviceMapTest, UnknownStrategyIsInvalid) {
@@ -599,7 +645,8 @@ TEST(PlanDeviceMapTest, EveryPlanPassesTheCheck) {
     for (double gpu : {1e5, 3e5, 6e5, 2e6}) {
       auto map = PlanDeviceMap(ToyGpt(), strategy, Mem({{"0", gpu}, {"1", gpu}, {"cpu", 4e5}}), {});
       ASSERT_THAT(map, IsOk());
-      EXPECT_THAT(CheckDeviceMap(ToyGpt(), *map), IsOk()) << strategy << " " << gpu << " " << map->ToJson();
+      EXPECT_THAT(CheckDeviceMap(ToyGpt(), *map), IsOk())
+          << strategy << " " << gpu << " " << map->ToJson();
     }
   }
 }
@@ -622,16 +669,21 @@ TEST(PlanDeviceMapTest, SplitModulesKeepTheirBuffers) {
 TEST(ParseMaxMemoryTest, OrdersGpusThenCpuThenDisk) {
   auto mm = ParseMaxMemory("cpu=30GiB, disk=1TB, 1=10GiB, 0=10GB");
   ASSERT_THAT(mm, IsOk());
-  EXPECT_THAT(*mm, ElementsAre(Pair(Placement::Cuda(0), 1e10), Pair(Placement::Cuda(1), 10737418240.0),
-                               Pair(Placement::Cpu(), 32212254720.0), Pair(Placement::Disk(), 1e12)));
+  EXPECT_THAT(*mm,
+              ElementsAre(Pair(Placement::Cuda(0), 1e10), Pair(Placement::Cuda(1), 10737418240.0),
+                          Pair(Placement::Cpu(), 32212254720.0), Pair(Placement::Disk(), 1e12)));
   EXPECT_THAT(ParseMaxMemory("cuda:3=1000"), IsOk());
 }
 
 TEST(ParseMaxMemoryTest, BadEntriesNameTheEntry) {
-  EXPECT_THAT(ParseMaxMemory("0=10GiB,mps=1GB"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'mps=1GB'")));
-  EXPECT_THAT(ParseMaxMemory("0=lots"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'0=lots'")));
-  EXPECT_THAT(ParseMaxMemory("0"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("DEVICE=SIZE")));
-  EXPECT_THAT(ParseMaxMemory("0=1GB,0=2GB"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("twice")));
+  EXPECT_THAT(ParseMaxMemory("0=10GiB,mps=1GB"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'mps=1GB'")));
+  EXPECT_THAT(ParseMaxMemory("0=lots"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'0=lots'")));
+  EXPECT_THAT(ParseMaxMemory("0"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("DEVICE=SIZE")));
+  EXPECT_THAT(ParseMaxMemory("0=1GB,0=2GB"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("twice")));
   EXPECT_THAT(ParseMaxMemory(""), StatusIs(absl::StatusCode::kInvalidArgument));
 }
 
@@ -651,11 +703,14 @@ TEST(DeviceMapJsonTest, RoundTripsAndRejectsNonDevices) {
   EXPECT_EQ(*back, m);
   EXPECT_EQ(back->Lookup("model.layers.3.mlp.weight"), Placement::Cpu());
   EXPECT_EQ(back->Lookup("other"), std::nullopt);
-  EXPECT_THAT(DeviceMap::FromJson(R"({"a": "gpu"})", "map.json"),
-              StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("map.json"), HasSubstr("'a'"))));
-  EXPECT_THAT(DeviceMap::FromJson(R"({"a": -1})", "m"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(
+      DeviceMap::FromJson(R"({"a": "gpu"})", "map.json"),
+      StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("map.json"), HasSubstr("'a'"))));
+  EXPECT_THAT(DeviceMap::FromJson(R"({"a": -1})", "m"),
+              StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_THAT(DeviceMap::FromJson("[0]", "m"), StatusIs(absl::StatusCode::kInvalidArgument));
-  EXPECT_THAT(DeviceMap::FromJson("{", "m"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("JSON")));
+  EXPECT_THAT(DeviceMap::FromJson("{", "m"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("JSON")));
 }
 
 }  // namespace

@@ -47,8 +47,8 @@ TEST(ModuleTreeTest, ReadsTheJsonForm) {
   EXPECT_EQ(tree->NamedBuffers()[0].decl->dtype, c10::ScalarType::Bool);
   EXPECT_THAT(tree->TiedParameters(), ElementsAre(ElementsAre("embed.weight", "head.weight")));
   // Non-persistent buffers are not in the state dict; both tied names are.
-  EXPECT_THAT(tree->StateDictKeys(),
-              ElementsAre("scale", "embed.weight", "block.proj.weight", "block.proj.bias", "head.weight"));
+  EXPECT_THAT(tree->StateDictKeys(), ElementsAre("scale", "embed.weight", "block.proj.weight",
+                                                 "block.proj.bias", "head.weight"));
   EXPECT_EQ(*tree->FindModule("block.proj"), 3);
   EXPECT_THAT(tree->FindModule("block.nope"), StatusIs(absl::StatusCode::kNotFound));
 }
@@ -66,7 +66,8 @@ TEST(ModuleTreeTest, BadJsonNamesThePath) {
   EXPECT_THAT(err("{"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not valid JSON")));
   EXPECT_THAT(err("[]"), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("module object")));
   EXPECT_THAT(err(R"({"children": [{"name": "a", "params": [{"name": "w", "shape": [-1]}]}]})"),
-              StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("t.json"), HasSubstr("a.params[0]"))));
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("t.json"), HasSubstr("a.params[0]"))));
   EXPECT_THAT(err(R"({"params": [{"name": "w", "shape": [1], "dtype": "float31"}]})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("float31")));
   EXPECT_THAT(err(R"({"children": [{"name": "a"}, {"name": "a"}]})"),
@@ -75,12 +76,15 @@ TEST(ModuleTreeTest, BadJsonNamesThePath) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("contains a '.'")));
   EXPECT_THAT(err(R"({"params": [{"name": "w", "shape": [1], "persistent": true}]})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("only for buffers")));
-  EXPECT_THAT(err(R"({"params": [{"name": "w", "shape": [2]}, {"name": "v", "shape": [3]}], "tied": [["w", "v"]]})"),
-              StatusIs(absl::StatusCode::kInvalidArgument, AllOf(HasSubstr("tied[0]"), HasSubstr("differ"))));
+  EXPECT_THAT(
+      err(R"({"params": [{"name": "w", "shape": [2]}, {"name": "v", "shape": [3]}], "tied": [["w", "v"]]})"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("tied[0]"), HasSubstr("differ"))));
   EXPECT_THAT(err(R"({"children": [{"name": "a", "tied": []}]})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("only allowed at the root")));
   std::string deep = std::string(1000, '[') + std::string(1000, ']');
-  EXPECT_THAT(err(deep.c_str()), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nested deeper")));
+  EXPECT_THAT(err(deep.c_str()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nested deeper")));
 }
 
 // A module holding the same tensor twice, as a tied embedding and head do.
@@ -91,13 +95,16 @@ struct TiedPair : torch::nn::Module {
     second = register_module("second", std::make_shared<Holder>(shared));
   }
   struct Holder : torch::nn::Module {
-    explicit Holder(const at::Tensor& w) : torch::nn::Module("Holder") { register_parameter("weight", w); }
+    explicit Holder(const at::Tensor& w) : torch::nn::Module("Holder") {
+      register_parameter("weight", w);
+    }
   };
   std::shared_ptr<Holder> first, second;
 };
 
 TEST(ModuleTreeTest, FromLibtorchModules) {
-  torch::nn::Sequential seq(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4), torch::nn::Linear(4, 5));
+  torch::nn::Sequential seq(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4),
+                            torch::nn::Linear(4, 5));
   auto tree = ModuleTree::FromModule(*seq);
   ASSERT_THAT(tree, IsOk());
   EXPECT_EQ(tree->node(0).class_name, "Sequential");
