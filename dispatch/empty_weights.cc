@@ -63,6 +63,9 @@ at::Tensor NewBuffer(at::IntArrayRef shape, at::ScalarType dtype) {
 absl::Status SetModuleTensor(torch::nn::Module& module, absl::string_view name,
                              const at::Device& device, const at::Tensor& value,
                              std::optional<at::ScalarType> dtype) {
+  // Tensors made here must be plain ones even when the caller runs under
+  // InferenceMode: their metadata becomes the module's tensor's.
+  c10::InferenceMode not_inference(false);
   at::Tensor target;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     auto found = Find(module, name);

@@ -57,6 +57,9 @@ class SafetensorsFile {
 
   const std::string& path() const { return path_; }
   uint64_t file_size() const;
+  // Where the data section starts in the file (8 + header length): a
+  // tensor's bytes are at data_offset() + data_begin.
+  uint64_t data_offset() const { return data_offset_; }
   // In data order (by offset).
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }

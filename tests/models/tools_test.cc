@@ -151,5 +151,36 @@ TEST(ToolsTest, DeviceMapReadsATreeAndExplainsBadInput) {
   EXPECT_THAT(bad_memory.out, HasSubstr("--max_memory"));
 }
 
+TEST(ToolsTest, EstimateMemoryMatchesAccelerateArithmetic) {
+  TempDir dir;
+  ASSERT_EQ(RunTool("accel-make-model " + dir.path() +
+                    " --num_layers 2 --hidden_size 64 --vocab_size 512")
+                .exit_code,
+            0);
+  Result r = RunTool("accel-estimate-memory --json --model " + dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  nlohmann::json rows = nlohmann::json::parse(r.out);
+  ASSERT_EQ(rows.size(), 4u);
+  // float32: 2 x (512 x 64) embedding/head + 2 layers of (4 x 64 x 64 + 3 x 64 x 176 + 2 x 64)
+  // + the final norm (64) + the rotary inv_freq buffer (head_dim / 2 = 8; Accelerate counts
+  // buffers).
+  const double layer = 4.0 * (4 * 64 * 64 + 3 * 64 * 176 + 2 * 64);
+  const double total = 4.0 * (2 * 512 * 64 + 64 + 8) + 2 * layer;
+  EXPECT_EQ(rows[0]["dtype"], "float32");
+  EXPECT_EQ(rows[0]["total_bytes"].get<double>(), total);
+  EXPECT_EQ(rows[0]["largest_layer_bytes"].get<double>(),
+            layer);  // a decoder layer beats the embedding
+  EXPECT_EQ(rows[0]["training_adam_peak_bytes"].get<double>(), 4 * total);
+  EXPECT_EQ(rows[1]["total_bytes"].get<double>(), total / 2);
+  EXPECT_EQ(rows[1]["training_adam_peak_bytes"].get<double>(), 2 * total);
+  EXPECT_EQ(rows[3]["total_bytes"].get<double>(), total / 8);
+  EXPECT_TRUE(rows[3]["training_adam_peak_bytes"].is_null());
+  Result table = RunTool("accel-estimate-memory --model " + dir.path());
+  EXPECT_THAT(table.out, HasSubstr("float16/bfloat16"));
+  Result missing = RunTool("accel-estimate-memory --model " + dir.path() + "/nope");
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_THAT(missing.out, HasSubstr("config.json"));
+}
+
 }  // namespace
 }  // namespace accel

@@ -1,0 +1,203 @@
+// What disk offload costs per forward, with and without prefetch, next to a
+// raw read of the offloaded bytes and the forward with every weight in RAM,
+// all measured in one run with a cold page cache (posix_fadvise DONTNEED on
+// the checkpoint before each forward). Also the load time against a raw read.
+//
+//   build/bin/accel-bench-offload [--layers 8] [--hidden 4096] [--repeats 5]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "dispatch/dispatch.h"
+#include "dispatch/empty_weights.h"
+#include "loader/loader.h"
+
+namespace {
+
+using accel::dispatch::DispatchedModel;
+
+struct Stack : torch::nn::Module {
+  Stack(int layers, int64_t hidden) {
+    for (int i = 0; i < layers; ++i) {
+      blocks.push_back(
+          register_module("l" + std::to_string(i),
+                          torch::nn::Linear(torch::nn::LinearOptions(hidden, hidden).bias(false))));
+    }
+  }
+  at::Tensor forward(at::Tensor x, DispatchedModel* d) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      std::optional<DispatchedModel::Scope> scope;
+      if (d != nullptr) scope.emplace(*d->Enter("l" + std::to_string(i)));
+      x = at::tanh(blocks[i]->forward(x));
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> blocks;
+};
+
+double Seconds(const std::function<void()>& fn) {
+  auto start = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::vector<std::string> Files(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().extension() == ".safetensors") out.push_back(e.path().string());
+  }
+  return out;
+}
+
+// Drops the files' pages from the page cache: the next read goes to disk.
+void DropCache(const std::vector<std::string>& files) {
+  for (const std::string& f : files) {
+    int fd = ::open(f.c_str(), O_RDONLY);
+    if (fd < 0) continue;
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+}
+
+uint64_t RawRead(const std::vector<std::string>& files, std::vector<char>& buffer) {
+  uint64_t total = 0;
+  for (const std::string& f : files) {
+    int fd = ::open(f.c_str(), O_RDONLY);
+    ssize_t n;
+    while ((n = ::read(fd, buffer.data(), buffer.size())) > 0) total += static_cast<uint64_t>(n);
+    ::close(fd);
+  }
+  return total;
+}
+
+std::unique_ptr<DispatchedModel> Dispatch(std::shared_ptr<Stack> model, const std::string& dir,
+                                          const char* where, bool prefetch) {
+  accel::dispatch::DeviceMap map;
+  map.Set("", *accel::Placement::Parse(where));
+  accel::dispatch::LoadOptions options;
+  options.prefetch = prefetch;
+  options.progress = accel::Progress::Style::kSilent;
+  auto loaded = DispatchedModel::Load(model, dir, map, options);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "load failed: %s\n", std::string(loaded.status().message()).c_str());
+    std::exit(1);
+  }
+  return *std::move(loaded);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int layers = 8, repeats = 5;
+  int64_t hidden = 4096;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--hidden")) hidden = std::atoll(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--repeats")) repeats = std::atoi(argv[i + 1]);
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp ? tmp : "/tmp") + "/accel-bench-offload-XXXXXX";
+  if (::mkdtemp(dir.data()) == nullptr) return 1;
+
+  // A checkpoint of `layers` float32 [hidden, hidden] weights.
+  std::vector<accel::loader::TensorSpec> specs;
+  for (int i = 0; i < layers; ++i)
+    specs.push_back({"l" + std::to_string(i) + ".weight", at::kFloat, {hidden, hidden}});
+  auto produce = [](const accel::loader::TensorSpec& s) -> absl::StatusOr<at::Tensor> {
+    return at::randn(s.shape) * 0.02;
+  };
+  accel::loader::CheckpointWriteOptions write;
+  write.max_shard_size = 1'000'000'000;
+  if (!accel::loader::WriteCheckpoint(dir, specs, produce, write).ok()) return 1;
+  const std::vector<std::string> files = Files(dir);
+  std::vector<char> buffer(64 << 20);
+
+  c10::InferenceMode inference;
+  at::Tensor x = at::randn({1, hidden});
+  auto resident_model = std::make_shared<Stack>(layers, hidden);
+  (void)accel::dispatch::EmptyModule(*resident_model);
+  auto disk_model = std::make_shared<Stack>(layers, hidden);
+  (void)accel::dispatch::EmptyModule(*disk_model);
+  auto prefetch_model = std::make_shared<Stack>(layers, hidden);
+  (void)accel::dispatch::EmptyModule(*prefetch_model);
+
+  std::vector<double> load_raw, load_cpu;
+  for (int r = 0; r < 3; ++r) {
+    DropCache(files);
+    load_raw.push_back(Seconds([&] { RawRead(files, buffer); }));
+    DropCache(files);
+    auto m = std::make_shared<Stack>(layers, hidden);
+    (void)accel::dispatch::EmptyModule(*m);
+    load_cpu.push_back(Seconds([&] {
+      auto d = Dispatch(m, dir, "cpu", false);
+      for (auto& b : m->blocks) (void)b->weight.sum();  // touch every weight: ready in RAM
+    }));
+  }
+
+  auto resident = Dispatch(resident_model, dir, "cpu", false);
+  auto disk = Dispatch(disk_model, dir, "disk", false);
+  auto prefetch = Dispatch(prefetch_model, dir, "disk", true);
+  // One pass each so the prefetch order is learned and the kernels are warm.
+  resident_model->forward(x, resident.get());
+  disk_model->forward(x, disk.get());
+  prefetch_model->forward(x, prefetch.get());
+
+  std::vector<double> raw, in_ram, no_prefetch, with_prefetch;
+  for (int r = 0; r < repeats; ++r) {
+    DropCache(files);
+    raw.push_back(Seconds([&] { RawRead(files, buffer); }));
+    in_ram.push_back(Seconds([&] { resident_model->forward(x, resident.get()); }));
+    DropCache(files);
+    no_prefetch.push_back(Seconds([&] { disk_model->forward(x, disk.get()); }));
+    DropCache(files);
+    with_prefetch.push_back(Seconds([&] { prefetch_model->forward(x, prefetch.get()); }));
+  }
+  const double gb = static_cast<double>(layers) * hidden * hidden * 4 / 1e9;
+  std::printf(
+      "%d layers of float32 [%lld, %lld]: %.2f GB offloaded; %d cores, %d torch threads; median of "
+      "%d\n",
+      layers, static_cast<long long>(hidden), static_cast<long long>(hidden), gb,
+      static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN)), at::get_num_threads(), repeats);
+  std::printf(
+      "load (cold cache)     raw read %.3f s   Load(cpu)+touch %.3f s  (x%.2f of the raw read)\n",
+      Median(load_raw), Median(load_cpu), Median(load_cpu) / Median(load_raw));
+  std::printf("%-34s %9s %9s\n", "per forward (cold cache)", "seconds", "x raw");
+  std::printf("%-34s %9.3f %9.2f\n", "raw read of the offloaded bytes", Median(raw), 1.0);
+  std::printf("%-34s %9.3f %9.2f\n", "forward, weights in RAM", Median(in_ram),
+              Median(in_ram) / Median(raw));
+  std::printf("%-34s %9.3f %9.2f\n", "forward, disk offload", Median(no_prefetch),
+              Median(no_prefetch) / Median(raw));
+  std::printf("%-34s %9.3f %9.2f\n", "forward, disk offload + prefetch", Median(with_prefetch),
+              Median(with_prefetch) / Median(raw));
+  std::printf(
+      "offload cost per forward: %.3f s without prefetch, %.3f s with (read alone: %.3f s)\n",
+      Median(no_prefetch) - Median(in_ram), Median(with_prefetch) - Median(in_ram), Median(raw));
+  auto stats = prefetch->stats();
+  std::printf("prefetch hits: %lld of %lld fetches\n", static_cast<long long>(stats.prefetch_hits),
+              static_cast<long long>(stats.fetches));
+  std::filesystem::remove_all(dir);
+  return 0;
+}

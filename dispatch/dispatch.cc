@@ -1,0 +1,477 @@
+#include "dispatch/dispatch.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <fcntl.h>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <unistd.h>
+#include <unordered_map>
+#include <utility>
+
+#include <ATen/Context.h>
+#include <ATen/Functions.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "dispatch/empty_weights.h"
+#include "loader/loader.h"
+
+namespace accel::dispatch {
+namespace {
+
+// Where an offloaded tensor's data lives between forwards.
+struct Source {
+  at::Tensor host;   // in RAM (a cpu entry when the main device is a GPU)
+  std::string path;  // or on disk: `nbytes` raw bytes at `offset`
+  uint64_t offset = 0;
+  uint64_t nbytes = 0;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+};
+
+struct Offloaded {
+  std::string name;
+  Source source;
+};
+
+absl::Status ReadRange(const std::string& path, uint64_t offset, void* dst, uint64_t n) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  auto* out = static_cast<char*>(dst);
+  absl::Status status;
+  while (n > 0) {
+    ssize_t got = ::pread(fd, out, n, static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      status = ErrnoStatus(errno, absl::StrCat("reading ", path));
+      break;
+    }
+    if (got == 0) {
+      status = absl::DataLossError(absl::StrCat(path, " ends before byte ", offset + n));
+      break;
+    }
+    out += got;
+    offset += static_cast<uint64_t>(got);
+    n -= static_cast<uint64_t>(got);
+  }
+  ::close(fd);
+  return status;
+}
+
+bool Below(absl::string_view name, absl::string_view prefix) {
+  return prefix.empty() || name == prefix ||
+         (name.size() > prefix.size() && name[prefix.size()] == '.' &&
+          absl::StartsWith(name, prefix));
+}
+
+// Accelerate's keep_in_fp32_modules test: the module name appears as a dotted part.
+bool KeepInFp32(const std::string& name, const std::vector<std::string>& modules) {
+  for (const std::string& m : modules) {
+    if (name == m || absl::StrContains(name, m + ".")) return true;
+  }
+  return false;
+}
+
+at::Device DeviceOf(const Placement& p) {
+  return p.is_cuda() ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(p.index()))
+                     : at::Device(at::kCPU);
+}
+
+// Accelerate's index.json dtype names (numpy's, plus "bfloat16").
+std::string IndexDType(at::ScalarType t) { return std::string(DTypeName(t)); }
+
+}  // namespace
+
+struct DispatchedModel::Impl {
+  std::vector<Offloaded> tensors;
+  std::unordered_map<const c10::TensorImpl*, int>
+      by_impl;                           // the model's tensor -> index in `tensors`
+  std::vector<std::vector<int>> groups;  // tensor indexes per entered name
+  std::vector<std::string> group_names;
+  std::unordered_map<std::string, int> group_of;
+  std::vector<at::Device> group_device;
+  bool prefetch = true;
+
+  // Execution order for prefetching.
+  std::vector<std::string> order;
+  bool order_given = false;
+  bool order_complete = false;
+
+  // The reader thread and its one slot.
+  std::mutex mu;
+  std::condition_variable cv;
+  int requested = -1;  // group to read next
+  int ready_group = -1;
+  std::optional<absl::StatusOr<std::vector<at::Tensor>>> ready;
+  bool busy = false;
+  bool stop = false;
+  std::thread reader;
+  Stats stats;
+
+  absl::StatusOr<std::vector<at::Tensor>> Fetch(int group, bool pinned) {
+    std::vector<at::Tensor> out;
+    int64_t bytes = 0;
+    for (int i : groups[group]) {
+      const Source& s = tensors[i].source;
+      if (s.host.defined()) {
+        out.push_back(s.host);
+        continue;
+      }
+      at::Tensor t;
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        t = at::empty(s.shape, at::TensorOptions().dtype(s.dtype).pinned_memory(pinned));
+      }));
+      ACCEL_RETURN_IF_ERROR(Annotate(ReadRange(s.path, s.offset, t.data_ptr(), s.nbytes),
+                                     absl::StrCat("tensor '", tensors[i].name, "'")));
+      bytes += static_cast<int64_t>(s.nbytes);
+      out.push_back(std::move(t));
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    stats.bytes_read += bytes;
+    return out;
+  }
+
+  void ReaderLoop(bool pinned) {
+    std::unique_lock<std::mutex> lock(mu);
+    while (true) {
+      cv.wait(lock, [&] { return stop || requested >= 0; });
+      if (stop) return;
+      const int group = std::exchange(requested, -1);
+      busy = true;
+      lock.unlock();
+      auto result = Fetch(group, pinned);
+      lock.lock();
+      busy = false;
+      ready_group = group;
+      ready = std::move(result);
+      cv.notify_all();
+    }
+  }
+
+  // The data of `group`: from the reader if it has (or is reading) it.
+  absl::StatusOr<std::vector<at::Tensor>> Take(int group, bool pinned) {
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      if (requested == group || (busy && ready_group != group)) {
+        cv.wait(lock, [&] { return requested != group && !busy; });
+      }
+      if (ready_group == group && ready) {
+        auto result = std::move(*ready);
+        ready.reset();
+        ready_group = -1;
+        stats.prefetch_hits++;
+        return result;
+      }
+    }
+    return Fetch(group, pinned);
+  }
+
+  void Request(int group) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (ready_group == group || requested == group) return;
+    requested = group;
+    cv.notify_all();
+  }
+};
+
+DispatchedModel::DispatchedModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+DispatchedModel::~DispatchedModel() {
+  if (impl_ && impl_->reader.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      impl_->stop = true;
+    }
+    impl_->cv.notify_all();
+    impl_->reader.join();
+  }
+}
+
+DispatchedModel::Scope::Scope(Scope&& other) noexcept
+    : owner_(other.owner_), group_(std::exchange(other.group_, -1)), device_(other.device_) {}
+
+DispatchedModel::Scope::~Scope() {
+  if (owner_ != nullptr && group_ >= 0) owner_->Release(group_);
+}
+
+at::Device DispatchedModel::ExecutionDevice(absl::string_view name) const {
+  std::optional<Placement> p = map_.Lookup(name);
+  if (p && p->is_cuda()) return DeviceOf(*p);
+  return main_;
+}
+
+DispatchedModel::Stats DispatchedModel::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->stats;
+}
+
+void DispatchedModel::SetExecutionOrder(std::vector<std::string> names) {
+  impl_->order = std::move(names);
+  impl_->order_given = true;
+  impl_->order_complete = true;
+}
+
+absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view name) {
+  Impl& im = *impl_;
+  const std::string key(name);
+  auto it = im.group_of.find(key);
+  int group;
+  if (it != im.group_of.end()) {
+    group = it->second;
+  } else {
+    // Every offloaded tensor held under `key`, by identity: a tied alias
+    // brings in the tensor it shares, wherever that was offloaded.
+    std::set<int> member_set;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      auto collect = [&](const auto& named) {
+        for (const auto& item : named) {
+          if (!Below(item.key(), key)) continue;
+          auto found = im.by_impl.find(item.value().unsafeGetTensorImpl());
+          if (found != im.by_impl.end()) member_set.insert(found->second);
+        }
+      };
+      collect(model_->named_parameters(true));
+      collect(model_->named_buffers(true));
+    }));
+    std::vector<int> members(member_set.begin(), member_set.end());
+    group = members.empty() ? -1 : static_cast<int>(im.groups.size());
+    if (group >= 0) {
+      im.groups.push_back(std::move(members));
+      im.group_names.push_back(key);
+      im.group_device.push_back(ExecutionDevice(key));
+    }
+    im.group_of.emplace(key, group);
+  }
+  if (group < 0) return Scope(this, -1, ExecutionDevice(name));
+
+  // Learn the order from the first pass: it ends when a module comes again.
+  if (!im.order_complete) {
+    if (std::find(im.order.begin(), im.order.end(), key) != im.order.end()) {
+      im.order_complete = true;
+    } else {
+      im.order.push_back(key);
+    }
+  }
+
+  const bool pinned = main_.is_cuda();
+  absl::StatusOr<std::vector<at::Tensor>> data = im.Take(group, pinned);
+  if (!data.ok()) return data.status();
+  {
+    std::lock_guard<std::mutex> lock(im.mu);
+    im.stats.fetches++;
+  }
+  const at::Device device = im.group_device[group];
+  for (size_t k = 0; k < im.groups[group].size(); ++k) {
+    const Offloaded& t = im.tensors[im.groups[group][k]];
+    absl::Status set = SetModuleTensor(*model_, t.name, device, (*data)[k], t.source.dtype);
+    if (!set.ok()) {
+      Release(group);
+      return set;
+    }
+  }
+
+  // Read the module expected next (wrapping: the next forward starts over).
+  if (im.prefetch && im.order_complete && !im.order.empty()) {
+    auto pos = std::find(im.order.begin(), im.order.end(), key);
+    if (pos != im.order.end()) {
+      const std::string& next = (pos + 1 == im.order.end()) ? im.order.front() : *(pos + 1);
+      auto next_group = im.group_of.find(next);
+      if (next_group != im.group_of.end() && next_group->second >= 0 &&
+          next_group->second != group) {
+        im.Request(next_group->second);
+      }
+    }
+  }
+  return Scope(this, group, device);
+}
+
+void DispatchedModel::Release(int group) {
+  for (int i : impl_->groups[group]) {
+    // Cannot fail: the tensor exists and meta needs no value.
+    (void)SetModuleTensor(*model_, impl_->tensors[i].name, at::kMeta);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
+    std::shared_ptr<torch::nn::Module> model, const std::string& checkpoint, const DeviceMap& map,
+    const LoadOptions& options) {
+  if (model == nullptr) return absl::InvalidArgumentError("no model to load into");
+  ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint ckpt, loader::Checkpoint::Open(checkpoint));
+
+  auto impl = std::make_unique<Impl>();
+  impl->prefetch = options.prefetch;
+  std::unique_ptr<DispatchedModel> out(new DispatchedModel(std::move(impl)));
+  out->model_ = model;
+  out->map_ = map;
+  for (const auto& [name, p] : map.entries()) {
+    if (p.is_cuda()) {
+      out->main_ = DeviceOf(p);
+      break;
+    }
+  }
+  Impl& im = *out->impl_;
+
+  // The model's tensors by name; a tied tensor appears under each of its names.
+  std::map<std::string, at::Tensor> params, buffers;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    for (const auto& p : model->named_parameters(true)) params.emplace(p.key(), p.value());
+    for (const auto& b : model->named_buffers(true)) buffers.emplace(b.key(), b.value());
+  }));
+  std::set<const c10::TensorImpl*> loaded;
+
+  nlohmann::ordered_json index = nlohmann::ordered_json::object();
+  bool wrote_offload = false;
+  Progress progress("loading", static_cast<int64_t>(ckpt.total_bytes()),
+                    static_cast<int64_t>(ckpt.tensors().size()), options.progress);
+
+  for (const loader::Checkpoint::Entry& entry : ckpt.tensors()) {
+    const std::string& name = entry.info.name;
+    const auto label = [&](absl::string_view what) {
+      return absl::StrCat("tensor '", name, "': ", what);
+    };
+    const bool is_buffer = buffers.count(name) > 0;
+    auto found = is_buffer ? buffers.find(name) : params.find(name);
+    if (found == (is_buffer ? buffers.end() : params.end())) {
+      out->unexpected_.push_back(name);
+      progress.Add(static_cast<int64_t>(entry.info.nbytes()));
+      continue;
+    }
+    at::Tensor target = found->second;
+    std::optional<Placement> placement = map.Lookup(name);
+    if (!placement) {
+      return absl::InvalidArgumentError(label("the device map places no module that holds it"));
+    }
+    if (entry.info.shape != target.sizes().vec()) {
+      return absl::InvalidArgumentError(label(
+          absl::StrCat("the checkpoint holds shape [", absl::StrJoin(entry.info.shape, ", "),
+                       "] but the model expects [", absl::StrJoin(target.sizes(), ", "), "]")));
+    }
+    auto file_dtype = loader::TorchDType(entry.info.dtype);
+    if (!file_dtype.ok()) return Annotate(file_dtype.status(), absl::StrCat("tensor '", name, "'"));
+    at::ScalarType dtype = target.scalar_type();
+    if (c10::isFloatingType(*file_dtype) && c10::isFloatingType(dtype) && options.dtype) {
+      dtype = *options.dtype;
+      if ((dtype == at::kHalf || dtype == at::kBFloat16) &&
+          KeepInFp32(name, options.keep_in_fp32_modules)) {
+        dtype = at::kFloat;
+      }
+    }
+    if (!c10::isFloatingType(dtype) && c10::isFloatingType(*file_dtype)) {
+      return absl::InvalidArgumentError(
+          label(absl::StrCat("cannot convert ", entry.info.dtype, " to ", DTypeName(dtype))));
+    }
+
+    const bool offload_disk = placement->is_disk() && (!is_buffer || options.offload_buffers);
+    const bool offload_cpu = placement->is_cpu() && out->main_.is_cuda();
+    if (offload_disk && dtype == *file_dtype) {
+      // Read straight from the checkpoint for each forward: no copy is written.
+      const loader::SafetensorsFile& shard = ckpt.shard(entry.shard);
+      im.tensors.push_back(
+          {name,
+           {at::Tensor(), shard.path(), shard.data_offset() + entry.info.data_begin,
+            entry.info.nbytes(), dtype, entry.info.shape}});
+    } else if (offload_disk) {
+      if (options.offload_folder.empty()) {
+        return absl::InvalidArgumentError(label(
+            absl::StrCat("mapped to disk, and needs converting from ", entry.info.dtype, " to ",
+                         DTypeName(dtype), "; give an offload folder to write it to")));
+      }
+      std::error_code ec;
+      std::filesystem::create_directories(options.offload_folder, ec);
+      if (ec)
+        return ErrnoStatus(ec.value(),
+                           absl::StrCat("creating offload folder ", options.offload_folder));
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor value, ckpt.Tensor(name));
+      at::Tensor converted;
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { converted = value.to(dtype).contiguous(); }));
+      const std::string path = absl::StrCat(options.offload_folder, "/", name, ".dat");
+      const uint64_t nbytes = converted.nbytes();
+      ACCEL_RETURN_IF_ERROR(Annotate(
+          loader::WriteFileAtomically(
+              path, absl::string_view(static_cast<const char*>(converted.data_ptr()), nbytes)),
+          absl::StrCat("offloading tensor '", name, "'")));
+      index[name] = {{"dtype", IndexDType(dtype)}, {"shape", entry.info.shape}};
+      wrote_offload = true;
+      im.tensors.push_back({name, {at::Tensor(), path, 0, nbytes, dtype, entry.info.shape}});
+    } else if (offload_cpu) {
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor value, ckpt.Tensor(name));
+      at::Tensor host;
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { host = value.to(dtype).contiguous().pin_memory(); }));
+      im.tensors.push_back({name, {host, "", 0, host.nbytes(), dtype, entry.info.shape}});
+    }
+
+    if (offload_disk || offload_cpu) {
+      im.by_impl[target.unsafeGetTensorImpl()] = static_cast<int>(im.tensors.size()) - 1;
+      ACCEL_RETURN_IF_ERROR(SetModuleTensor(*model, name, at::kMeta, at::Tensor(), dtype));
+    } else {
+      const at::Device device = placement->is_cuda() ? DeviceOf(*placement) : out->main_;
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor value, ckpt.Tensor(name));
+      ACCEL_RETURN_IF_ERROR(
+          Annotate(SetModuleTensor(*model, name, device, value, dtype), label("loading")));
+    }
+    loaded.insert(target.unsafeGetTensorImpl());
+    progress.Add(static_cast<int64_t>(entry.info.nbytes()));
+  }
+  progress.Finish();
+
+  if (options.strict && !out->unexpected_.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the checkpoint holds tensors the model does not have: ",
+                     absl::StrJoin(out->unexpected_, ", ")));
+  }
+  std::vector<std::string> missing;
+  for (const auto& [name, t] : params) {
+    if (!loaded.count(t.unsafeGetTensorImpl())) missing.push_back(name);
+  }
+  if (!missing.empty()) {
+    return absl::NotFoundError(absl::StrCat("the checkpoint lacks parameters of the model: ",
+                                            absl::StrJoin(missing, ", ")));
+  }
+  // Buffers the checkpoint does not hold (computed ones, like rotary
+  // frequencies) keep their values and go to their module's device.
+  for (const auto& [name, t] : buffers) {
+    if (loaded.count(t.unsafeGetTensorImpl())) continue;
+    if (t.is_meta()) {
+      return absl::NotFoundError(
+          absl::StrCat("buffer '", name, "' is empty and the checkpoint lacks it"));
+    }
+    ACCEL_RETURN_IF_ERROR(SetModuleTensor(*model, name, out->ExecutionDevice(name)));
+  }
+
+  if (wrote_offload) {
+    // Merged with an index already there, as Accelerate does.
+    const std::string index_path = options.offload_folder + "/index.json";
+    std::ifstream existing(index_path);
+    if (existing) {
+      std::stringstream text;
+      text << existing.rdbuf();
+      auto old = nlohmann::ordered_json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+      if (old.is_object()) {
+        for (const auto& [k, v] : old.items()) {
+          if (!index.contains(k)) index[k] = v;
+        }
+      }
+    }
+    ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(index_path, index.dump(2)));
+  }
+  if (options.prefetch && !im.tensors.empty()) {
+    const bool pinned = out->main_.is_cuda();
+    im.reader = std::thread([&im, pinned] { im.ReaderLoop(pinned); });
+  }
+  return out;
+}
+
+}  // namespace accel::dispatch

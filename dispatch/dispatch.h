@@ -1,0 +1,139 @@
+// dispatch/dispatch.h: loading a checkpoint into a model built on empty
+// (meta) weights, each tensor to the device its device map names, and
+// running the modules whose weights live on the cpu or on disk.
+//
+//   ACCEL_ASSIGN_OR_RETURN(auto dispatched,
+//                          DispatchedModel::Load(model, "/models/llama", map, options));
+//   ...
+//   {
+//     ACCEL_ASSIGN_OR_RETURN(auto scope, dispatched->Enter("model.layers.7"));
+//     x = layer->forward(x.to(scope.device()));     // weights present here
+//   }                                               // and released here
+//
+// Placement rules (Accelerate's load_checkpoint_and_dispatch, with its
+// offload hooks): a GPU entry holds its weights on that GPU; a "cpu" entry
+// holds them in RAM and, when the main device (the first GPU) is a GPU, they
+// are copied there for each forward; a "disk" entry's weights are read from
+// disk for each forward: straight from the checkpoint file when no dtype
+// conversion is needed, otherwise from an offload folder written once in
+// Accelerate's format (index.json + one raw <name>.dat per tensor). While a
+// module runs, the next offloaded module's weights are read by a background
+// thread. Tied parameters share one tensor (Note [In-place tensor moves]),
+// so they stay tied on every device.
+#ifndef ACCEL_DISPATCH_DISPATCH_H_
+#define ACCEL_DISPATCH_DISPATCH_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+#include "core/progress.h"
+#include "dispatch/device_map.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace accel::dispatch {
+
+struct LoadOptions {
+  // Floating tensors are converted to this; unset: to the model tensor's dtype.
+  std::optional<at::ScalarType> dtype;
+  // Modules (dotted names) kept in float32 when `dtype` is 16-bit.
+  std::vector<std::string> keep_in_fp32_modules;
+  // Where disk tensors that need a dtype conversion are written (created if
+  // missing). Needed only then.
+  std::string offload_folder;
+  // Tensors in the checkpoint that the model lacks are an error (otherwise
+  // they are listed in unexpected()). Parameters the checkpoint lacks are
+  // always an error.
+  bool strict = false;
+  // Buffers of disk modules are offloaded with them (otherwise they stay
+  // on the execution device, as Accelerate does).
+  bool offload_buffers = false;
+  // Read the next offloaded module while the current one runs.
+  bool prefetch = true;
+  Progress::Style progress = Progress::Style::kAuto;
+};
+
+class DispatchedModel {
+ public:
+  // Brings the weights of one module in for its life; moves only.
+  class Scope {
+   public:
+    Scope(Scope&& other) noexcept;
+    Scope& operator=(Scope&& other) = delete;
+    Scope(const Scope&) = delete;
+    ~Scope();
+    // Where the module runs: move its inputs here.
+    const at::Device& device() const { return device_; }
+
+   private:
+    friend class DispatchedModel;
+    Scope(DispatchedModel* owner, int group, at::Device device)
+        : owner_(owner), group_(group), device_(device) {}
+    DispatchedModel* owner_;
+    int group_;  // -1: nothing to release
+    at::Device device_;
+  };
+
+  struct Stats {
+    int64_t fetches = 0;        // modules brought in
+    int64_t prefetch_hits = 0;  // of which the reader thread had already read
+    int64_t bytes_read = 0;     // from disk
+  };
+
+  // Loads `checkpoint` (a file, index or folder; see loader::Checkpoint)
+  // into `model`, whose tensors may be meta. Errors name the tensor or the
+  // path: InvalidArgument for a tensor with no device in `map`, a shape
+  // mismatch or a dtype that cannot be converted; NotFound for parameters
+  // the checkpoint lacks (and, when strict, InvalidArgument for tensors the
+  // model lacks); the errno status of a failed write to the offload folder,
+  // whose files are each written atomically.
+  static absl::StatusOr<std::unique_ptr<DispatchedModel>> Load(
+      std::shared_ptr<torch::nn::Module> model, const std::string& checkpoint, const DeviceMap& map,
+      const LoadOptions& options);
+  ~DispatchedModel();
+  DispatchedModel(const DispatchedModel&) = delete;
+  DispatchedModel& operator=(const DispatchedModel&) = delete;
+
+  torch::nn::Module& module() { return *model_; }
+  const DeviceMap& device_map() const { return map_; }
+  // The first GPU in the map, or the cpu.
+  const at::Device& main_device() const { return main_; }
+  // Where module (or tensor) `name` runs: its GPU, or the main device for
+  // cpu and disk entries.
+  at::Device ExecutionDevice(absl::string_view name) const;
+  const std::vector<std::string>& unexpected() const { return unexpected_; }
+
+  // Brings in the offloaded weights at or below module `name` (nothing to do
+  // for resident modules) and starts reading the module expected next.
+  // Not thread-safe: one thread runs the model.
+  absl::StatusOr<Scope> Enter(absl::string_view name);
+  // The order modules will be entered in, for prefetching. Unset, it is
+  // learned from the first pass of Enter() calls.
+  void SetExecutionOrder(std::vector<std::string> names);
+
+  Stats stats() const;
+
+ private:
+  struct Impl;
+  explicit DispatchedModel(std::unique_ptr<Impl> impl);
+  void Release(int group);
+
+  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<torch::nn::Module> model_;
+  DeviceMap map_;
+  at::Device main_ = at::kCPU;
+  std::vector<std::string> unexpected_;
+};
+
+}  // namespace accel::dispatch
+
+#endif  // ACCEL_DISPATCH_DISPATCH_H_

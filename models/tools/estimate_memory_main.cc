@@ -1,0 +1,92 @@
+// accel-estimate-memory --model DIR: how much memory a model needs to load
+// and to train, per dtype, like `accelerate estimate-memory`.
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_format.h"
+
+#include "core/bytes.h"
+#include "dispatch/device_map.h"
+#include "loader/config.h"
+#include "models/families.h"
+
+ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
+ABSL_FLAG(bool, json, false, "Print one JSON object instead of a table.");
+
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::cerr << "accel-estimate-memory: " << status.message() << "\n";
+  return 1;
+}
+
+std::string Size(double bytes) { return accel::FormatBytes(static_cast<int64_t>(bytes)); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "accel-estimate-memory --model DIR [--json]\n"
+      "Per dtype (float32, float16/bfloat16, int8, int4): the largest layer, the total size,\n"
+      "and the peak for training with Adam, as `accelerate estimate-memory` computes them.");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 1 || absl::GetFlag(FLAGS_model).empty()) {
+    std::cerr << "accel-estimate-memory: expected --model DIR (see --help)\n";
+    return 1;
+  }
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  auto config = accel::loader::ReadModelConfig(dir + "/config.json");
+  if (!config.ok()) return Fail(config.status());
+  // Accelerate builds the model in float32 and scales from there.
+  auto tree = accel::models::ModuleTreeFor(*config, c10::ScalarType::Float);
+  if (!tree.ok()) return Fail(tree.status());
+  auto family = accel::models::FamilyOf(*config);
+  accel::dispatch::ModuleSizes sizes = accel::dispatch::ComputeModuleSizes(*tree);
+  accel::dispatch::LayerSize largest =
+      accel::dispatch::GetMaxLayerSize(*tree, sizes, {family->block_class});
+  const double total = sizes.total();
+
+  struct Row {
+    const char* dtype;
+    double divisor;
+    bool trainable;
+  };
+  const Row rows[] = {
+      {"float32", 1, true}, {"float16/bfloat16", 2, true}, {"int8", 4, false}, {"int4", 8, false}};
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  if (!absl::GetFlag(FLAGS_json)) {
+    std::cout << absl::StrFormat("Memory for %s (%s), largest layer %s:\n", dir,
+                                 config->architectures.empty() ? "" : config->architectures[0],
+                                 largest.names.empty() ? "-" : largest.names[0]);
+    std::cout << absl::StrFormat("%-18s %14s %14s %28s\n", "dtype", "largest layer", "total size",
+                                 "training with Adam (peak)");
+  }
+  for (const Row& row : rows) {
+    // accelerate's estimate_training_usage: float32 peaks at the optimizer
+    // step (4x: weights, gradients, two Adam states); mixed precision keeps
+    // float32 weights and Adam states beside half-precision gradients.
+    double training = -1;
+    if (row.divisor == 1) training = 4 * total;
+    if (row.divisor == 2) training = std::max({total, total + std::floor(total / 2), 2 * total});
+    const double layer = largest.bytes / row.divisor;
+    const double size = total / row.divisor;
+    if (absl::GetFlag(FLAGS_json)) {
+      nlohmann::ordered_json r = {
+          {"dtype", row.dtype}, {"largest_layer_bytes", layer}, {"total_bytes", size}};
+      r["training_adam_peak_bytes"] =
+          row.trainable ? nlohmann::ordered_json(training) : nlohmann::ordered_json();
+      out.push_back(r);
+    } else {
+      std::cout << absl::StrFormat("%-18s %14s %14s %28s\n", row.dtype, Size(layer), Size(size),
+                                   row.trainable ? Size(training) : "N/A");
+    }
+  }
+  if (absl::GetFlag(FLAGS_json)) std::cout << out.dump() << "\n";
+  return 0;
+}

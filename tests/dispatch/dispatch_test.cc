@@ -1,0 +1,302 @@
+// Load-and-dispatch: a model split over cpu and disk gives the same outputs
+// as the model wholly in RAM; the offload folder; prefetch; every error.
+#include "dispatch/dispatch.h"
+
+#include <filesystem>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include "dispatch/empty_weights.h"
+#include "loader/loader.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+
+namespace accel::dispatch {
+namespace {
+
+using ::accel::test::IsOk;
+using ::accel::test::StatusIs;
+using ::accel::test::TempDir;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr int kLayers = 6;
+
+// Layer i maps width(i) -> width(i + 1); each forward enters its layer's scope.
+struct Mlp : torch::nn::Module {
+  Mlp() : torch::nn::Module("Mlp") {
+    const int widths[kLayers + 1] = {8, 32, 32, 16, 32, 16, 4};
+    for (int i = 0; i < kLayers; ++i) {
+      layers.push_back(
+          register_module("l" + std::to_string(i), torch::nn::Linear(widths[i], widths[i + 1])));
+    }
+  }
+  at::Tensor forward(at::Tensor x, DispatchedModel* dispatched = nullptr) {
+    for (int i = 0; i < kLayers; ++i) {
+      std::optional<DispatchedModel::Scope> scope;
+      if (dispatched != nullptr) {
+        auto entered = dispatched->Enter("l" + std::to_string(i));
+        EXPECT_TRUE(entered.ok()) << entered.status();
+        scope.emplace(*std::move(entered));
+        x = x.to(scope->device());
+      }
+      x = layers[i]->forward(x);
+      if (i + 1 < kLayers) x = at::relu(x);
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+
+// A reference model with seeded weights, saved as a checkpoint in `dtype`;
+// the reference keeps exactly the saved values.
+std::shared_ptr<Mlp> SaveReference(const std::string& dir, at::ScalarType dtype) {
+  at::manual_seed(11);
+  auto model = std::make_shared<Mlp>();
+  std::vector<loader::NamedTensor> tensors;
+  for (const auto& p : model->named_parameters()) {
+    at::Tensor stored = p.value().detach().to(dtype);
+    p.value().detach().copy_(stored.to(at::kFloat));
+    tensors.emplace_back(p.key(), stored);
+  }
+  loader::CheckpointWriteOptions options;
+  options.max_shard_size = 3000;  // several shards
+  EXPECT_THAT(loader::WriteCheckpoint(dir, tensors, options), IsOk());
+  return model;
+}
+
+// The model as the server builds it: no memory for its weights.
+std::shared_ptr<Mlp> EmptyMlp() {
+  auto model = std::make_shared<Mlp>();
+  EXPECT_THAT(EmptyModule(*model), IsOk());
+  return model;
+}
+
+DeviceMap Split() {
+  DeviceMap map;
+  const char* where[kLayers] = {"cpu", "disk", "cpu", "disk", "disk", "cpu"};
+  for (int i = 0; i < kLayers; ++i) map.Set("l" + std::to_string(i), *Placement::Parse(where[i]));
+  return map;
+}
+
+LoadOptions Quiet() {
+  LoadOptions options;
+  options.progress = Progress::Style::kSilent;
+  return options;
+}
+
+TEST(DispatchTest, SplitOverCpuAndDiskGivesTheSameOutputs) {
+  TempDir dir;
+  auto reference = SaveReference(dir.path(), at::kFloat);
+  at::Tensor x = at::randn({5, 8});
+  at::Tensor expected = reference->forward(x);
+
+  auto model = EmptyMlp();
+  auto dispatched = DispatchedModel::Load(model, dir.path(), Split(), Quiet());
+  ASSERT_THAT(dispatched, IsOk());
+  // Disk layers hold nothing between forwards; cpu layers hold their weights.
+  EXPECT_TRUE(model->layers[1]->weight.is_meta());
+  EXPECT_FALSE(model->layers[0]->weight.is_meta());
+  for (int pass = 0; pass < 3; ++pass) {
+    at::Tensor got = model->forward(x, dispatched->get());
+    EXPECT_TRUE(at::equal(got, expected)) << "pass " << pass;
+    EXPECT_TRUE(model->layers[3]->weight.is_meta());
+  }
+  DispatchedModel::Stats stats = (*dispatched)->stats();
+  EXPECT_EQ(stats.fetches, 9);  // 3 disk layers x 3 passes
+  // No dtype conversion: the disk layers are read from the checkpoint itself,
+  // once per pass, plus perhaps l1 again: after the last disk layer the
+  // reader starts on the first one for the next pass.
+  const int64_t per_pass = 4 * ((32 * 32 + 32) + (16 * 32 + 32) + (32 * 16 + 16));
+  EXPECT_GE(stats.bytes_read, 3 * per_pass);
+  EXPECT_LE(stats.bytes_read, 3 * per_pass + 4 * (32 * 32 + 32));
+  EXPECT_GT(stats.prefetch_hits, 0);
+  EXPECT_EQ((*dispatched)->main_device(), at::Device(at::kCPU));
+}
+
+TEST(DispatchTest, CpuLayersAliasTheCheckpointWithoutACopy) {
+  TempDir dir;
+  SaveReference(dir.path(), at::kFloat);
+  auto model = EmptyMlp();
+  auto dispatched = DispatchedModel::Load(model, dir.path(), Split(), Quiet());
+  ASSERT_THAT(dispatched, IsOk());
+  ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint ckpt, loader::Checkpoint::Open(dir.path()));
+  const loader::Checkpoint::Entry* entry = ckpt.Find("l0.weight");
+  absl::string_view bytes = ckpt.shard(entry->shard).Bytes(entry->info);
+  // Same file bytes: the tensor's data is the page cache, not a copy.
+  EXPECT_EQ(0, std::memcmp(model->layers[0]->weight.data_ptr(), bytes.data(), bytes.size()));
+}
+
+TEST(DispatchTest, ConvertedDiskTensorsGoToAnOffloadFolderInAccelerateFormat) {
+  TempDir dir;
+  auto reference = SaveReference(dir.path() + "/ckpt", at::kBFloat16);
+  at::Tensor x = at::randn({3, 8});
+  at::Tensor expected = reference->forward(x);
+
+  auto model = EmptyMlp();
+  LoadOptions options = Quiet();
+  options.dtype = at::kFloat;  // bf16 on disk, float32 to compute: a conversion
+  options.offload_folder = dir.path() + "/offload";
+  auto dispatched = DispatchedModel::Load(model, dir.path() + "/ckpt", Split(), options);
+  ASSERT_THAT(dispatched, IsOk());
+  EXPECT_TRUE(at::equal(model->forward(x, dispatched->get()), expected));
+
+  nlohmann::json index = nlohmann::json::parse(test::ReadAll(dir.path() + "/offload/index.json"));
+  EXPECT_EQ(index["l1.weight"]["dtype"], "float32");
+  EXPECT_EQ(index["l1.weight"]["shape"], nlohmann::json::parse("[32, 32]"));
+  EXPECT_EQ(index.size(), 6u);  // weight and bias of l1, l3, l4
+  std::string dat = test::ReadAll(dir.path() + "/offload/l1.weight.dat");
+  ASSERT_EQ(dat.size(), 32u * 32u * 4u);
+  EXPECT_EQ(0, std::memcmp(dat.data(), reference->layers[1]->weight.data_ptr(), dat.size()));
+  EXPECT_EQ(model->layers[0]->weight.scalar_type(), at::kFloat);
+}
+
+TEST(DispatchTest, ConversionToDiskWithoutAFolderNamesTheTensor) {
+  TempDir dir;
+  SaveReference(dir.path(), at::kBFloat16);
+  LoadOptions options = Quiet();
+  options.dtype = at::kFloat;
+  EXPECT_THAT(DispatchedModel::Load(EmptyMlp(), dir.path(), Split(), options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("tensor 'l1."), HasSubstr("offload folder"))));
+}
+
+TEST(DispatchTest, UnwritableOffloadFolderNamesThePathAndLeavesNoTemporary) {
+  TempDir dir;
+  SaveReference(dir.path() + "/ckpt", at::kBFloat16);
+  dir.Write("blocker", "a file, not a folder");
+  LoadOptions options = Quiet();
+  options.dtype = at::kFloat;
+  options.offload_folder = dir.File("blocker");
+  EXPECT_THAT(DispatchedModel::Load(EmptyMlp(), dir.path() + "/ckpt", Split(), options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("blocker")));
+  std::filesystem::create_directories(dir.path() + "/ro");
+  std::filesystem::permissions(
+      dir.path() + "/ro", std::filesystem::perms::owner_read | std::filesystem::perms::owner_exec);
+  options.offload_folder = dir.path() + "/ro";
+  auto result = DispatchedModel::Load(EmptyMlp(), dir.path() + "/ckpt", Split(), options);
+  if (::geteuid() != 0) {  // root writes anywhere
+    EXPECT_THAT(result, StatusIs(absl::StatusCode::kPermissionDenied,
+                                 AllOf(HasSubstr("ro"), HasSubstr("'l1."))));
+  }
+  std::filesystem::permissions(dir.path() + "/ro", std::filesystem::perms::owner_all);
+  for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/ro")) {
+    EXPECT_THAT(e.path().string(), ::testing::Not(HasSubstr(".tmp.")));
+  }
+}
+
+TEST(DispatchTest, AMapThatMissesATensorNamesIt) {
+  TempDir dir;
+  SaveReference(dir.path(), at::kFloat);
+  DeviceMap partial;
+  partial.Set("l0", Placement::Cpu());
+  EXPECT_THAT(DispatchedModel::Load(EmptyMlp(), dir.path(), partial, Quiet()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no module that holds it")));
+}
+
+TEST(DispatchTest, ShapeMismatchAndMissingTensorsAreNamed) {
+  TempDir dir;
+  SaveReference(dir.path(), at::kFloat);
+  DeviceMap all;
+  all.Set("", Placement::Cpu());
+  // A model with a wider first layer.
+  struct Wider : Mlp {
+    Wider() { layers[0] = replace_module("l0", torch::nn::Linear(9, 32)); }
+  };
+  auto wider = std::make_shared<Wider>();
+  EXPECT_THAT(DispatchedModel::Load(wider, dir.path(), all, Quiet()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'l0.weight'"), HasSubstr("[32, 8]"))));
+
+  // A checkpoint without l5: its parameters are missing.
+  TempDir partial;
+  std::vector<loader::NamedTensor> tensors;
+  for (const auto& p : Mlp().named_parameters()) {
+    if (p.key().rfind("l5.", 0) != 0) tensors.emplace_back(p.key(), p.value().detach());
+  }
+  ASSERT_THAT(loader::WriteCheckpoint(partial.path(), tensors), IsOk());
+  EXPECT_THAT(
+      DispatchedModel::Load(EmptyMlp(), partial.path(), all, Quiet()),
+      StatusIs(absl::StatusCode::kNotFound, AllOf(HasSubstr("l5.weight"), HasSubstr("l5.bias"))));
+}
+
+TEST(DispatchTest, UnexpectedTensorsAreListedOrRefusedWhenStrict) {
+  TempDir dir;
+  std::vector<loader::NamedTensor> tensors;
+  for (const auto& p : Mlp().named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
+  tensors.emplace_back("foo", at::ones({2}));
+  ASSERT_THAT(loader::WriteCheckpoint(dir.path(), tensors), IsOk());
+  DeviceMap all;
+  all.Set("", Placement::Cpu());
+  auto loose = DispatchedModel::Load(EmptyMlp(), dir.path(), all, Quiet());
+  ASSERT_THAT(loose, IsOk());
+  EXPECT_THAT((*loose)->unexpected(), ::testing::ElementsAre("foo"));
+  LoadOptions strict = Quiet();
+  strict.strict = true;
+  EXPECT_THAT(DispatchedModel::Load(EmptyMlp(), dir.path(), all, strict),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("foo")));
+}
+
+// Two modules sharing one weight, as a tied embedding and head do.
+struct TiedPair : torch::nn::Module {
+  struct Holder : torch::nn::Module {
+    explicit Holder(const at::Tensor& w) { weight = register_parameter("weight", w); }
+    at::Tensor weight;
+  };
+  TiedPair() {
+    at::Tensor shared = NewParameter({4, 4}, at::kFloat);
+    first = register_module("first", std::make_shared<Holder>(shared));
+    second = register_module("second", std::make_shared<Holder>(shared));
+  }
+  std::shared_ptr<Holder> first, second;
+};
+
+TEST(DispatchTest, TiedWeightsStayTiedWhenOffloaded) {
+  TempDir dir;
+  ASSERT_THAT(loader::WriteCheckpoint(
+                  dir.path(), {{"first.weight", at::arange(16, at::kFloat).reshape({4, 4})}}),
+              IsOk());
+  std::shared_ptr<TiedPair> model;
+  {
+    EmptyWeightsGuard empty;
+    model = std::make_shared<TiedPair>();
+  }
+  DeviceMap map;
+  map.Set("first", Placement::Disk());
+  map.Set("second", Placement::Disk());
+  auto dispatched = DispatchedModel::Load(model, dir.path(), map, Quiet());
+  ASSERT_THAT(dispatched, IsOk());
+  EXPECT_TRUE(model->second->weight.is_meta());
+  {
+    // Entering the module that holds the alias brings the shared tensor in.
+    ACCEL_ASSERT_OK_AND_ASSIGN(auto scope, (*dispatched)->Enter("second"));
+    EXPECT_EQ(model->second->weight.sum().item<float>(), 120.0f);
+    EXPECT_EQ(model->first->weight.data_ptr(), model->second->weight.data_ptr());
+  }
+  EXPECT_TRUE(model->first->weight.is_meta());
+}
+
+TEST(DispatchTest, ResidentModulesNeedNoScopeWork) {
+  TempDir dir;
+  SaveReference(dir.path(), at::kFloat);
+  DeviceMap all;
+  all.Set("", Placement::Cpu());
+  auto model = EmptyMlp();
+  auto dispatched = DispatchedModel::Load(model, dir.path(), all, Quiet());
+  ASSERT_THAT(dispatched, IsOk());
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto scope, (*dispatched)->Enter("l2"));
+  EXPECT_EQ(scope.device(), at::Device(at::kCPU));
+  EXPECT_EQ((*dispatched)->stats().fetches, 0);
+}
+
+}  // namespace
+}  // namespace accel::dispatch
