@@ -181,17 +181,18 @@ double DTypeByteSize(c10::ScalarType dtype) {
 }
 
 double ModuleSizes::at(absl::string_view name) const {
-  auto it = bytes_.find(std::string(name));
+  auto it = bytes_.find(name);
   return it == bytes_.end() ? 0.0 : it->second;
 }
 
-void ModuleSizes::Add(const std::string& name, double bytes) {
-  auto [it, added] = bytes_.emplace(name, bytes);
-  if (added) {
-    order_.push_back(name);
-  } else {
+void ModuleSizes::Add(absl::string_view name, double bytes) {
+  auto it = bytes_.find(name);
+  if (it != bytes_.end()) {
     it->second += bytes;
+    return;
   }
+  bytes_.emplace(std::string(name), bytes);
+  order_.emplace_back(name);
 }
 
 ModuleSizes ComputeModuleSizes(const ModuleTree& tree, const SizeOptions& options,
@@ -214,11 +215,13 @@ ModuleSizes ComputeModuleSizes(const ModuleTree& tree, const SizeOptions& option
       bytes = numel * std::min(DTypeByteSize(*options.dtype), DTypeByteSize(t.decl->dtype));
     }
     // Every prefix, from "" to the name itself.
+    const absl::string_view name = t.name;
     sizes.Add("", bytes);
-    for (size_t dot = t.name.find('.'); dot != std::string::npos; dot = t.name.find('.', dot + 1)) {
-      sizes.Add(t.name.substr(0, dot), bytes);
+    for (size_t dot = name.find('.'); dot != absl::string_view::npos;
+         dot = name.find('.', dot + 1)) {
+      sizes.Add(name.substr(0, dot), bytes);
     }
-    sizes.Add(t.name, bytes);
+    sizes.Add(name, bytes);
   }
   return sizes;
 }
@@ -462,8 +465,32 @@ absl::Status CheckDeviceMap(const ModuleTree& tree, const DeviceMap& map,
 
 // ---- infer_auto_device_map ---------------------------------------------------
 
+namespace {
+
+absl::StatusOr<DeviceMap> Infer(const ModuleTree& tree, const ModuleSizes& sizes,
+                                const MaxMemory& max_memory, const PlanOptions& options,
+                                PlanReport* report);
+MaxMemory Balance(const ModuleTree& tree, const ModuleSizes& sizes, const MaxMemory& max_memory,
+                  const PlanOptions& options, bool low_zero, bool max_memory_was_probed);
+
+}  // namespace
+
 absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMemory& max_memory,
                                              const PlanOptions& options, PlanReport* report) {
+  return Infer(tree, ComputeModuleSizes(tree, options.sizes), max_memory, options, report);
+}
+
+MaxMemory GetBalancedMemory(const ModuleTree& tree, const MaxMemory& max_memory,
+                            const PlanOptions& options, bool low_zero, bool max_memory_was_probed) {
+  return Balance(tree, ComputeModuleSizes(tree, options.sizes), max_memory, options, low_zero,
+                 max_memory_was_probed);
+}
+
+namespace {
+
+absl::StatusOr<DeviceMap> Infer(const ModuleTree& tree, const ModuleSizes& sizes,
+                                const MaxMemory& max_memory, const PlanOptions& options,
+                                PlanReport* report) {
   std::vector<Placement> devices;
   std::map<Placement, double> budget;
   for (const auto& [p, bytes] : max_memory) {
@@ -479,7 +506,6 @@ absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMe
   std::set<Placement> main = {Placement::Cpu()};
   if (!gpus.empty()) main.insert(gpus[0]);
 
-  const ModuleSizes sizes = ComputeModuleSizes(tree, options.sizes);
   const ModuleSizes buffer_sizes = ComputeModuleSizes(tree, options.sizes, /*buffers_only=*/true);
   const std::vector<std::vector<std::string>> tied = tree.TiedParameters();
   Planner planner(tree, sizes, options.no_split);
@@ -656,8 +682,8 @@ absl::StatusOr<DeviceMap> InferAutoDeviceMap(const ModuleTree& tree, const MaxMe
 
 // ---- get_balanced_memory -------------------------------------------------------
 
-MaxMemory GetBalancedMemory(const ModuleTree& tree, const MaxMemory& max_memory,
-                            const PlanOptions& options, bool low_zero, bool max_memory_was_probed) {
+MaxMemory Balance(const ModuleTree& tree, const ModuleSizes& sizes, const MaxMemory& max_memory,
+                  const PlanOptions& options, bool low_zero, bool max_memory_was_probed) {
   MaxMemory mm = max_memory;
   int gpus = 0;
   for (const auto& [p, bytes] : mm) {
@@ -675,7 +701,6 @@ MaxMemory GetBalancedMemory(const ModuleTree& tree, const MaxMemory& max_memory,
       }
     }
   }
-  ModuleSizes sizes = ComputeModuleSizes(tree, options.sizes);
   double per_gpu = std::floor(sizes.total() / (low_zero ? gpus - 1 : gpus));
 
   // The first instance of each no-split class (upstream's rule: not the largest).
@@ -743,14 +768,17 @@ MaxMemory GetBalancedMemory(const ModuleTree& tree, const MaxMemory& max_memory,
   return mm;
 }
 
+}  // namespace
+
 absl::StatusOr<DeviceMap> PlanDeviceMap(const ModuleTree& tree, absl::string_view strategy,
                                         const MaxMemory& max_memory, const PlanOptions& options,
                                         bool max_memory_was_probed, PlanReport* report) {
+  const ModuleSizes sizes = ComputeModuleSizes(tree, options.sizes);
   MaxMemory mm;
   if (strategy == "auto" || strategy == "balanced") {
-    mm = GetBalancedMemory(tree, max_memory, options, /*low_zero=*/false, max_memory_was_probed);
+    mm = Balance(tree, sizes, max_memory, options, /*low_zero=*/false, max_memory_was_probed);
   } else if (strategy == "balanced_low_0") {
-    mm = GetBalancedMemory(tree, max_memory, options, /*low_zero=*/true, max_memory_was_probed);
+    mm = Balance(tree, sizes, max_memory, options, /*low_zero=*/true, max_memory_was_probed);
   } else if (strategy == "sequential") {
     mm = max_memory;
   } else {
@@ -758,7 +786,7 @@ absl::StatusOr<DeviceMap> PlanDeviceMap(const ModuleTree& tree, absl::string_vie
         absl::StrCat("unknown device map strategy '", strategy,
                      "' (auto, balanced, balanced_low_0, sequential)"));
   }
-  return InferAutoDeviceMap(tree, mm, options, report);
+  return Infer(tree, sizes, mm, options, report);
 }
 
 }  // namespace accel::dispatch

@@ -23,6 +23,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -53,10 +54,10 @@ class ModuleSizes {
   double total() const { return at(""); }
   // In first-appearance order (Accelerate's dict order).
   const std::vector<std::string>& names() const { return order_; }
-  void Add(const std::string& name, double bytes);
+  void Add(absl::string_view name, double bytes);
 
  private:
-  std::unordered_map<std::string, double> bytes_;
+  absl::flat_hash_map<std::string, double> bytes_;
   std::vector<std::string> order_;
 };
 

@@ -27,11 +27,14 @@ absl::StatusOr<at::Tensor> Find(torch::nn::Module& module, absl::string_view nam
   return absl::NotFoundError(absl::StrCat("module has no parameter or buffer '", name, "'"));
 }
 
-// An inference tensor's metadata would carry its dispatch keys into the
-// module's tensor; a plain alias of the same storage does not.
-at::Tensor NonInference(const at::Tensor& value) {
-  if (!value.is_inference()) return value;
-  c10::InferenceMode off(false);
+// The source's metadata becomes the target's, but the target keeps its own
+// version counter, which inference tensors lack: the two must agree on being
+// inference tensors (a model built under InferenceMode has them). An alias of
+// the same storage made in the target's mode settles a mismatch, no copy.
+at::Tensor InModeOf(const at::Tensor& target, const at::Tensor& value) {
+  const bool inference = target.is_inference();
+  if (value.is_inference() == inference) return value;
+  c10::InferenceMode mode(inference);
   at::Tensor alias = at::empty({0}, value.options());
   alias.set_(value.storage(), value.storage_offset(), value.sizes(), value.strides());
   return alias;
@@ -63,9 +66,6 @@ at::Tensor NewBuffer(at::IntArrayRef shape, at::ScalarType dtype) {
 absl::Status SetModuleTensor(torch::nn::Module& module, absl::string_view name,
                              const at::Device& device, const at::Tensor& value,
                              std::optional<at::ScalarType> dtype) {
-  // Tensors made here must be plain ones even when the caller runs under
-  // InferenceMode: their metadata becomes the module's tensor's.
-  c10::InferenceMode not_inference(false);
   at::Tensor target;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     auto found = Find(module, name);
@@ -84,9 +84,10 @@ absl::Status SetModuleTensor(torch::nn::Module& module, absl::string_view name,
     at::ScalarType want = dtype.value_or(target.scalar_type());
     if (!dtype && (c10::isIntegralType(value.scalar_type(), /*includeBool=*/true)))
       want = value.scalar_type();
-    ACCEL_RETURN_IF_ERROR(CallTorch([&] { source = NonInference(value.to(device, want)); }));
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { source = InModeOf(target, value.to(device, want)); }));
   } else if (device.is_meta()) {
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      c10::InferenceMode mode(target.is_inference());
       source =
           at::empty(target.sizes(),
                     target.options().device(at::kMeta).dtype(dtype.value_or(target.scalar_type())));
@@ -96,8 +97,9 @@ absl::Status SetModuleTensor(torch::nn::Module& module, absl::string_view name,
       return absl::InvalidArgumentError(absl::StrCat(
           "tensor '", name, "' is empty (meta); moving it to ", device.str(), " needs a value"));
     }
-    ACCEL_RETURN_IF_ERROR(CallTorch(
-        [&] { source = NonInference(target.to(device, dtype.value_or(target.scalar_type()))); }));
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      source = InModeOf(target, target.to(device, dtype.value_or(target.scalar_type())));
+    }));
   }
   if (source.unsafeGetTensorImpl() == target.unsafeGetTensorImpl()) return absl::OkStatus();
   return CallTorch(

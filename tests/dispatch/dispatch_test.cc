@@ -123,6 +123,25 @@ TEST(DispatchTest, SplitOverCpuAndDiskGivesTheSameOutputs) {
   EXPECT_EQ((*dispatched)->main_device(), at::Device(at::kCPU));
 }
 
+TEST(DispatchTest, AWeightKeptPastItsScopeIsNeverOverwritten) {
+  TempDir dir;
+  auto reference = SaveReference(dir.path(), at::kFloat);
+  auto model = EmptyMlp();
+  LoadOptions options = Quiet();
+  options.prefetch = false;  // a fixed order of buffer reuse
+  auto dispatched = DispatchedModel::Load(model, dir.path(), Split(), options);
+  ASSERT_THAT(dispatched, IsOk());
+  at::Tensor kept;
+  {
+    ACCEL_ASSERT_OK_AND_ASSIGN(auto scope, (*dispatched)->Enter("l3"));
+    kept = model->layers[3]->weight.detach();  // shares l3's staging buffer
+  }
+  // l4's weight has the same size as l3's: its reads would take l3's buffer
+  // from the pool, were it returned while `kept` still uses it.
+  for (int pass = 0; pass < 2; ++pass) model->forward(at::randn({2, 8}), dispatched->get());
+  EXPECT_TRUE(at::equal(kept, reference->layers[3]->weight));
+}
+
 TEST(DispatchTest, CpuLayersAliasTheCheckpointWithoutACopy) {
   TempDir dir;
   SaveReference(dir.path(), at::kFloat);

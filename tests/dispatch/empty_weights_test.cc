@@ -142,6 +142,21 @@ TEST(SetModuleTensorTest, ValuesMadeUnderInferenceModeBehaveAsNormalTensors) {
   EXPECT_TRUE(linear->weight.grad().defined());
 }
 
+TEST(SetModuleTensorTest, AModelBuiltUnderInferenceModeStaysUsable) {
+  // Its tensors are inference tensors (no version counter); what is moved
+  // into them must be too, or the next view of them fails.
+  c10::InferenceMode inference;
+  torch::nn::Linear linear(2, 2);
+  ASSERT_TRUE(linear->weight.is_inference());
+  ASSERT_THAT(EmptyModule(*linear), IsOk());
+  {
+    c10::InferenceMode off(false);
+    ASSERT_THAT(SetModuleTensor(*linear, "weight", at::kCPU, at::ones({2, 2})), IsOk());
+    ASSERT_THAT(SetModuleTensor(*linear, "bias", at::kCPU, at::zeros({2})), IsOk());
+  }
+  EXPECT_EQ(linear->forward(at::ones({1, 2})).sum().item<float>(), 4.0f);
+}
+
 TEST(SetModuleTensorTest, ErrorsNameTheTensor) {
   torch::nn::Linear linear(4, 3);
   EXPECT_THAT(SetModuleTensor(*linear, "weight", at::kCPU, at::ones({4, 3})),
