@@ -22,6 +22,7 @@
 #include "core/bytes.h"
 #include "core/json_depth.h"
 #include "core/status.h"
+#include "dispatch/internal/gpu_probe.h"
 
 namespace accel::dispatch {
 namespace {
@@ -293,7 +294,9 @@ absl::StatusOr<int64_t> AvailableHostMemory() {
 
 absl::StatusOr<MaxMemory> ProbeMaxMemory() {
   MaxMemory mm;
-  // GPUs are probed by the CUDA build (dispatch/internal/cuda_probe.cc).
+  for (const auto& [index, free] : internal::ProbeGpuFreeMemory()) {
+    mm.emplace_back(Placement::Cuda(index), static_cast<double>(free));
+  }
   ACCEL_ASSIGN_OR_RETURN(int64_t host, AvailableHostMemory());
   mm.emplace_back(Placement::Cpu(), static_cast<double>(host));
   return mm;

@@ -22,8 +22,12 @@ std::string Shape(at::IntArrayRef shape) {
 // The tensor registered under a dotted name: a handle to the module's own TensorImpl.
 absl::StatusOr<at::Tensor> Find(torch::nn::Module& module, absl::string_view name) {
   const std::string key(name);
-  if (at::Tensor* p = module.named_parameters(/*recurse=*/true).find(key)) return *p;
-  if (at::Tensor* b = module.named_buffers(/*recurse=*/true).find(key)) return *b;
+  // named_parameters() returns a fresh dictionary: keep it alive while
+  // looking into it (ASan found the temporary's pointer dangling).
+  const auto params = module.named_parameters(/*recurse=*/true);
+  if (const at::Tensor* p = params.find(key)) return *p;
+  const auto buffers = module.named_buffers(/*recurse=*/true);
+  if (const at::Tensor* b = buffers.find(key)) return *b;
   return absl::NotFoundError(absl::StrCat("module has no parameter or buffer '", name, "'"));
 }
 

@@ -45,11 +45,16 @@ for t in "${targets[@]}"; do
   artifacts="$BUILD_DIR/fuzz-artifacts/$t"
   mkdir -p "$artifacts"
   echo "=== $t: ${FUZZ_SECONDS}s on $(ls "$corpus" | wc -l) seeds" >&2
+  # libFuzzer's progress goes to a log; its end is shown on a crash.
+  log="$artifacts/last-run.log"
   if "$BUILD_DIR/bin/$t" "$corpus" \
       -max_total_time="$FUZZ_SECONDS" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
-      -dict="tests/fuzz/${DICT[$t]}" -artifact_prefix="$artifacts/" -print_final_stats=1; then
-    echo "=== $t: no crash ($(ls "$corpus" | wc -l) inputs in the corpus at the end)" >&2
+      -dict="tests/fuzz/${DICT[$t]}" -artifact_prefix="$artifacts/" -print_final_stats=1 \
+      -print_funcs=0 >"$log" 2>&1; then
+    echo "=== $t: no crash, $(grep -m1 -o 'number_of_executed_units: [0-9]*' "$log" | grep -o '[0-9]*$') runs" \
+         "($(ls "$corpus" | wc -l) inputs in the corpus at the end)" >&2
   else
+    tail -n 40 "$log" >&2
     echo "=== $t: FAILED; reproducer(s) in $artifacts/:" >&2
     ls -1 "$artifacts" >&2 || true
     failed+=("$t")

@@ -8,7 +8,15 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 bash scripts/setup.sh
 
-step() { printf '\n=== %s\n' "$*"; }
+step_start=$(date +%s)
+step() {
+  local now
+  now=$(date +%s)
+  [ -n "${step_name:-}" ] && printf '=== %s took %d s\n' "$step_name" "$((now - step_start))"
+  step_name="$*"
+  step_start=$now
+  printf '\n=== %s\n' "$*"
+}
 start=$(date +%s)
 passed=0
 failed=0
@@ -44,11 +52,12 @@ cmake --build --preset default
 step "tests"
 run_ctest --preset default
 
-step "ASan + UBSan build and the core and loader tests (build-asan/)"
+step "ASan + UBSan build and the core, loader and dispatch tests (build-asan/)"
 cmake --preset asan >/dev/null
 cmake --build --preset asan --target core_status_test core_bytes_test core_dtype_test \
-  loader_safetensors_format_test loader_safetensors_test loader_checkpoint_test \
-  loader_writer_test loader_config_test
+  core_placement_test core_progress_test loader_safetensors_format_test loader_safetensors_test \
+  loader_checkpoint_test loader_writer_test loader_config_test dispatch_device_map_test \
+  dispatch_module_tree_test dispatch_empty_weights_test dispatch_dispatch_test
 # libtorch's own static initialisers allocate once and never free.
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" \
   LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" UBSAN_OPTIONS="print_stacktrace=1" \
@@ -57,6 +66,6 @@ ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" \
 step "fuzz (bounded: ${FUZZ_SECONDS:=20} s per target)"
 FUZZ_SECONDS="$FUZZ_SECONDS" bash scripts/fuzz.sh
 
-echo
+step "done"
 echo "all checks passed in $(( $(date +%s) - start )) s"
 echo "accel: $passed passed, $failed failed"

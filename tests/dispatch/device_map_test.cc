@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "dispatch/internal/gpu_probe.h"
 #include "tests/testing/status_matchers.h"
 
 namespace accel::dispatch {
@@ -24,8 +25,6 @@ using ::testing::Pair;
 using ::testing::UnorderedElementsAre;
 
 using StrMap = std::map<std::string, std::string>;
-
-constexpr double kInf = 1e30;
 
 void Linear(ModuleTree& t, int parent, const std::string& name, int64_t in, int64_t out,
             bool bias = true) {
@@ -685,6 +684,17 @@ TEST(ParseMaxMemoryTest, BadEntriesNameTheEntry) {
   EXPECT_THAT(ParseMaxMemory("0=1GB,0=2GB"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("twice")));
   EXPECT_THAT(ParseMaxMemory(""), StatusIs(absl::StatusCode::kInvalidArgument));
+}
+
+TEST(GpuProbeTest, VisibleDevicesFollowCudasRules) {
+  using internal::ParseVisibleDevices;
+  EXPECT_EQ(ParseVisibleDevices(nullptr), std::nullopt);
+  EXPECT_EQ(ParseVisibleDevices("2,0"), (std::vector<int>{2, 0}));
+  EXPECT_EQ(ParseVisibleDevices(" 1 , 3 "), (std::vector<int>{1, 3}));
+  EXPECT_EQ(ParseVisibleDevices(""), std::vector<int>{});
+  EXPECT_EQ(ParseVisibleDevices("-1"), std::vector<int>{});
+  EXPECT_EQ(ParseVisibleDevices("0,x,1"), (std::vector<int>{0}));  // CUDA stops at an invalid entry
+  EXPECT_EQ(ParseVisibleDevices("GPU-1234-abcd"), std::nullopt);
 }
 
 TEST(ProbeMaxMemoryTest, ReportsHostMemory) {

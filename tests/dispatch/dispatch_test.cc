@@ -5,7 +5,9 @@
 #include <filesystem>
 #include <memory>
 #include <set>
+#include <signal.h>
 #include <string>
+#include <sys/resource.h>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -211,6 +213,47 @@ TEST(DispatchTest, UnwritableOffloadFolderNamesThePathAndLeavesNoTemporary) {
   for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/ro")) {
     EXPECT_THAT(e.path().string(), ::testing::Not(HasSubstr(".tmp.")));
   }
+}
+
+TEST(DispatchTest, AFullDiskWhileOffloadingNamesTheTensorAndLeavesNoTemporary) {
+  TempDir dir;
+  SaveReference(dir.path() + "/ckpt", at::kBFloat16);
+  LoadOptions options = Quiet();
+  options.dtype = at::kFloat;
+  options.offload_folder = dir.path() + "/offload";
+  // A full disk, simulated by a file-size limit below the first .dat file.
+  struct sigaction ignore {
+  }, previous{};
+  ignore.sa_handler = SIG_IGN;
+  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &previous), 0);
+  struct rlimit old_limit {};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  struct rlimit small = old_limit;
+  small.rlim_cur = 100;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  auto result = DispatchedModel::Load(EmptyMlp(), dir.path() + "/ckpt", Split(), options);
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  ASSERT_EQ(sigaction(SIGXFSZ, &previous, nullptr), 0);
+  EXPECT_THAT(result,
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("offloading tensor 'l1."), HasSubstr("offload/l1."))));
+  for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/offload")) {
+    EXPECT_THAT(e.path().string(), ::testing::Not(HasSubstr(".tmp.")))
+        << "a temporary file was left";
+  }
+}
+
+TEST(DispatchTest, AnUnconvertibleDtypeNamesTheTensor) {
+  TempDir dir;
+  struct WithCounter : torch::nn::Module {
+    WithCounter() { register_buffer("steps", at::zeros({1}, at::kLong)); }
+  };
+  ASSERT_THAT(loader::WriteCheckpoint(dir.path(), {{"steps", at::ones({1}) * 0.5}}), IsOk());
+  DeviceMap all;
+  all.Set("", Placement::Cpu());
+  EXPECT_THAT(DispatchedModel::Load(std::make_shared<WithCounter>(), dir.path(), all, Quiet()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("'steps'"), HasSubstr("cannot convert F32 to int64"))));
 }
 
 TEST(DispatchTest, AMapThatMissesATensorNamesIt) {
