@@ -499,11 +499,8 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   if (wrote_offload) {
     // Merged with an index already there, as Accelerate does.
     const std::string index_path = options.offload_folder + "/index.json";
-    std::ifstream existing(index_path);
-    if (existing) {
-      std::stringstream text;
-      text << existing.rdbuf();
-      auto old = nlohmann::ordered_json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+    if (absl::StatusOr<std::string> existing = loader::ReadFile(index_path); existing.ok()) {
+      auto old = nlohmann::ordered_json::parse(*existing, nullptr, /*allow_exceptions=*/false);
       if (old.is_object()) {
         for (const auto& [k, v] : old.items()) {
           if (!index.contains(k)) index[k] = v;

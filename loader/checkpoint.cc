@@ -37,15 +37,6 @@ std::string DirName(const std::string& path) {
   return slash == std::string::npos ? "." : path.substr(0, slash);
 }
 
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  if (in.bad()) return ErrnoStatus(errno, absl::StrCat("reading ", path));
-  return buffer.str();
-}
-
 // A shard name from an index must be a plain file name in the index's folder.
 bool IsPlainFileName(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
@@ -58,6 +49,15 @@ uint64_t Checkpoint::total_bytes() const {
   uint64_t total = 0;
   for (const Entry& e : entries_) total += e.info.nbytes();
   return total;
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  if (in.bad()) return ErrnoStatus(errno, absl::StrCat("reading ", path));
+  return buffer.str();
 }
 
 const Checkpoint::Entry* Checkpoint::Find(absl::string_view name) const {
@@ -105,7 +105,7 @@ absl::StatusOr<Checkpoint> Checkpoint::Open(const std::string& path, OpenOptions
     return ckpt;
   }
 
-  ACCEL_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(index_path));
+  ACCEL_ASSIGN_OR_RETURN(std::string text, ReadFile(index_path));
   Json index;
   try {
     index = Json::parse(text);

@@ -1,8 +1,6 @@
 #include "loader/config.h"
 
-#include <fstream>
 #include <set>
-#include <sstream>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -11,6 +9,7 @@
 
 #include "core/json_depth.h"
 #include "core/status.h"
+#include "loader/loader.h"
 
 namespace accel::loader {
 namespace {
@@ -170,14 +169,6 @@ absl::StatusOr<Json> ParseObject(absl::string_view text, absl::string_view label
   if (!json.is_object())
     return absl::InvalidArgumentError(absl::StrCat(label, ": not a JSON object"));
   return json;
-}
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
 }
 
 void PutExtra(OrderedJson& out, const std::map<std::string, std::string>& extra) {

@@ -182,6 +182,9 @@ absl::StatusOr<CheckpointWriteResult> WriteCheckpoint(const std::string& dir,
                                                       const std::vector<NamedTensor>& tensors,
                                                       const CheckpointWriteOptions& options = {});
 
+// The whole of a (small) file: an index, a config. NotFound if missing.
+absl::StatusOr<std::string> ReadFile(const std::string& path);
+
 // Writes `contents` to `path` atomically (temporary file, sync, rename).
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view contents);
 

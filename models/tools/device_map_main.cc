@@ -17,6 +17,7 @@
 #include "core/status.h"
 #include "dispatch/device_map.h"
 #include "loader/config.h"
+#include "loader/loader.h"
 #include "models/families.h"
 
 ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
@@ -44,14 +45,6 @@ int Fail(const absl::Status& status) {
   return 1;
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return accel::ErrnoStatus(errno, "opening " + path);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 int Run() {
   const std::string model_dir = absl::GetFlag(FLAGS_model);
   const std::string tree_path = absl::GetFlag(FLAGS_tree);
@@ -71,7 +64,7 @@ int Run() {
     options.no_split = {family->block_class};
     if (dtype_name.empty() && !config->torch_dtype.empty()) dtype_name = config->torch_dtype;
   } else {
-    auto text = ReadFile(tree_path);
+    auto text = accel::loader::ReadFile(tree_path);
     if (!text.ok()) return Fail(text.status());
     auto parsed = ModuleTree::FromJson(*text, tree_path);
     if (!parsed.ok()) return Fail(parsed.status());

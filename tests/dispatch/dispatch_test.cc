@@ -19,6 +19,7 @@
 
 #include "dispatch/empty_weights.h"
 #include "loader/loader.h"
+#include "tests/testing/file_size_limit.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -222,18 +223,12 @@ TEST(DispatchTest, AFullDiskWhileOffloadingNamesTheTensorAndLeavesNoTemporary) {
   options.dtype = at::kFloat;
   options.offload_folder = dir.path() + "/offload";
   // A full disk, simulated by a file-size limit below the first .dat file.
-  struct sigaction ignore {
-  }, previous{};
-  ignore.sa_handler = SIG_IGN;
-  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &previous), 0);
-  struct rlimit old_limit {};
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
-  struct rlimit small = old_limit;
-  small.rlim_cur = 100;
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-  auto result = DispatchedModel::Load(EmptyMlp(), dir.path() + "/ckpt", Split(), options);
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old_limit), 0);
-  ASSERT_EQ(sigaction(SIGXFSZ, &previous, nullptr), 0);
+  absl::StatusOr<std::unique_ptr<DispatchedModel>> result = absl::UnknownError("not run");
+  {
+    test::FileSizeLimit full_disk(100);
+    ASSERT_TRUE(full_disk.ok());
+    result = DispatchedModel::Load(EmptyMlp(), dir.path() + "/ckpt", Split(), options);
+  }
   EXPECT_THAT(result,
               StatusIs(absl::StatusCode::kResourceExhausted,
                        AllOf(HasSubstr("offloading tensor 'l1."), HasSubstr("offload/l1."))));

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loader/loader.h"
+#include "tests/testing/file_size_limit.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -204,19 +205,12 @@ TEST(WriterTest, FullDiskKeepsTheEarlierFileAndLeavesNoTemporary) {
   ASSERT_THAT(WriteCheckpoint(dir.path(), {{"w", at::zeros({16})}}), IsOk());
   std::string before = test::ReadAll(dir.File("model.safetensors"));
 
-  struct sigaction ignore {
-  }, previous{};
-  ignore.sa_handler = SIG_IGN;
-  ASSERT_EQ(sigaction(SIGXFSZ, &ignore, &previous), 0);
-  struct rlimit old_limit {};
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
-  struct rlimit small = old_limit;
-  small.rlim_cur = 4096;
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-  absl::StatusOr<CheckpointWriteResult> result =
-      WriteCheckpoint(dir.path(), {{"w", at::ones({100000})}});
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old_limit), 0);
-  ASSERT_EQ(sigaction(SIGXFSZ, &previous, nullptr), 0);
+  absl::StatusOr<CheckpointWriteResult> result = absl::UnknownError("not run");
+  {
+    test::FileSizeLimit full_disk(4096);
+    ASSERT_TRUE(full_disk.ok());
+    result = WriteCheckpoint(dir.path(), {{"w", at::ones({100000})}});
+  }
 
   EXPECT_THAT(result,
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("model.safetensors")));
