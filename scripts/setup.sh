@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake ninja-build ccache pkg-config git lld
+  build-essential cmake ninja-build ccache pkg-config git lld python3
   clang clang-format clang-tidy libclang-rt-14-dev
   libtorch-dev
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev

@@ -45,6 +45,9 @@ run_ctest() {
 step "format: clang-format --dry-run -Werror"
 git ls-files -z '*.h' '*.cc' | xargs -0 -r clang-format --dry-run -Werror
 
+step "layering: includes follow the component graph (tools/check_layering.py)"
+python3 tools/check_layering.py
+
 step "build (build/, RelWithDebInfo)"
 cmake --preset default >/dev/null
 cmake --build --preset default
