@@ -86,6 +86,7 @@ function(accel_test path)
     accel_use_torch(${name})
   endif()
   get_filename_component(component ${path} DIRECTORY)
+  set_property(GLOBAL APPEND PROPERTY ACCEL_TESTS_${component} ${name})
   gtest_discover_tests(${name}
     DISCOVERY_MODE PRE_TEST
     PROPERTIES LABELS "${component};${T_LABELS}"

@@ -52,8 +52,8 @@ absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
   }
   struct Unit {
     absl::string_view suffix;
-    double scale;
-    bool may_be_bits;
+    double scale = 1;
+    bool may_be_bits = false;
   };
   // Binary units before decimal ones ("GIB" also ends in "IB"), as Accelerate tries them.
   static constexpr Unit kUnits[] = {

@@ -13,7 +13,7 @@ namespace {
 
 struct NamedDType {
   absl::string_view name;
-  c10::ScalarType dtype;
+  c10::ScalarType dtype = c10::ScalarType::Float;
 };
 
 constexpr NamedDType kCanonical[] = {

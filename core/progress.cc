@@ -47,10 +47,13 @@ std::string Progress::Line() const {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   const double fraction =
-      total_bytes_ > 0 ? std::min(1.0, static_cast<double>(bytes_) / total_bytes_) : 1.0;
+      total_bytes_ > 0
+          ? std::min(1.0, static_cast<double>(bytes_) / static_cast<double>(total_bytes_))
+          : 1.0;
   const int filled = static_cast<int>(fraction * kBarWidth);
   std::string bar = std::string(filled, '#') + std::string(kBarWidth - filled, '-');
-  const int64_t rate = seconds > 0 ? static_cast<int64_t>(bytes_ / seconds) : 0;
+  const int64_t rate =
+      seconds > 0 ? static_cast<int64_t>(static_cast<double>(bytes_) / seconds) : 0;
   return absl::StrFormat("%s [%s] %s / %s, %d/%d tensors, %s/s, %.1f s", label_, bar,
                          FormatBytes(bytes_), FormatBytes(total_bytes_), items_, total_items_,
                          FormatBytes(rate), seconds);

@@ -560,7 +560,8 @@ absl::StatusOr<DeviceMap> Infer(const ModuleTree& tree, const ModuleSizes& sizes
       device_used += with_ties.bytes;
       dmap.Set(entry.name, device);
       for (const Entry& tied_module : with_ties.modules) {
-        if (auto i = index_of(tied_module.name)) queue.erase(queue.begin() + static_cast<long>(*i));
+        if (auto i = index_of(tied_module.name))
+          queue.erase(queue.begin() + static_cast<std::ptrdiff_t>(*i));
         dmap.Set(tied_module.name, device);
       }
       if (!options.offload_buffers && entry.node >= 0)
@@ -577,9 +578,9 @@ absl::StatusOr<DeviceMap> Infer(const ModuleTree& tree, const ModuleSizes& sizes
         size_t i = *index_of(tied_module.name);
         std::deque<Entry> next;
         next.push_back(entry);
-        next.insert(next.end(), queue.begin(), queue.begin() + static_cast<long>(i));
+        next.insert(next.end(), queue.begin(), queue.begin() + static_cast<std::ptrdiff_t>(i));
         next.insert(next.end(), kids.begin(), kids.end());
-        next.insert(next.end(), queue.begin() + static_cast<long>(i) + 1, queue.end());
+        next.insert(next.end(), queue.begin() + static_cast<std::ptrdiff_t>(i) + 1, queue.end());
         queue = std::move(next);
         recompute_max();
         split = true;
@@ -626,11 +627,12 @@ absl::StatusOr<DeviceMap> Infer(const ModuleTree& tree, const ModuleSizes& sizes
           if (auto i = index_of(prefix)) {
             Entry holder = queue[*i];
             std::vector<Entry> kids = planner.Expand(holder.name, holder.node);
-            queue.erase(queue.begin() + static_cast<long>(*i));
-            queue.insert(queue.begin() + static_cast<long>(*i), kids.begin(), kids.end());
+            queue.erase(queue.begin() + static_cast<std::ptrdiff_t>(*i));
+            queue.insert(queue.begin() + static_cast<std::ptrdiff_t>(*i), kids.begin(), kids.end());
           }
         }
-        if (auto i = index_of(found->name)) queue.erase(queue.begin() + static_cast<long>(*i));
+        if (auto i = index_of(found->name))
+          queue.erase(queue.begin() + static_cast<std::ptrdiff_t>(*i));
         queue.push_front(entry);
         queue.push_front(*found);
         continue;
@@ -746,7 +748,7 @@ MaxMemory Balance(const ModuleTree& tree, const ModuleSizes& sizes, const MaxMem
   std::vector<std::string> final_modules = leaves_of(modules);
   double sum = 0;
   for (const std::string& n : final_modules) sum += sizes.at(n);
-  const double mean = std::trunc(sum / std::max<double>(final_modules.size(), 1));
+  const double mean = std::trunc(sum / std::max(static_cast<double>(final_modules.size()), 1.0));
   per_gpu += std::trunc(1.25 * std::max(block, mean));
 
   std::vector<size_t> ids;

@@ -41,10 +41,11 @@ namespace {
 // Kernels before 5.14 lack it: touch one byte per page instead.
 void Populate(void* addr, size_t size) {
   if (::madvise(addr, size, MADV_POPULATE_READ) == 0) return;
-  const long page = ::sysconf(_SC_PAGESIZE);
-  volatile const char* bytes = static_cast<const char*>(addr);
-  char sink = 0;
-  for (size_t i = 0; i < size; i += static_cast<size_t>(page)) sink ^= bytes[i];
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  volatile const unsigned char* bytes = static_cast<const unsigned char*>(addr);
+  unsigned char sink = 0;
+  for (size_t i = 0; i < size; i += static_cast<size_t>(page))
+    sink = static_cast<unsigned char>(sink ^ bytes[i]);
   (void)sink;
 }
 

@@ -221,7 +221,7 @@ absl::StatusOr<CheckpointWriteResult> WriteCheckpoint(const std::string& dir,
                                     {"weight_map", weight_map}};
     ACCEL_RETURN_IF_ERROR(
         WriteFileAtomically(absl::StrCat(dir, "/", kIndexName), index.dump(2) + "\n"));
-    result.files.push_back(kIndexName);
+    result.files.emplace_back(kIndexName);
   }
 
   // The new checkpoint is complete; drop what an earlier save left that a

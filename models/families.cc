@@ -27,7 +27,7 @@ absl::StatusOr<Family> FamilyOf(const loader::ModelConfig& config) {
     }
   }
   std::vector<std::string> names;
-  for (const Family& f : SupportedFamilies()) names.push_back(f.architecture);
+  for (const Family& f : SupportedFamilies()) names.emplace_back(f.architecture);
   std::string got = !config.architectures.empty()
                         ? config.architectures[0]
                         : absl::StrCat("model_type '", config.model_type, "'");

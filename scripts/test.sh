@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds everything and runs every check: the unit and integration tests
-# (ctest), clang-format in check mode, the core and loader tests again under
-# ASan+UBSan, and a short bounded fuzz run of the parsers of untrusted bytes.
+# Builds everything and runs every check: clang-format in check mode, the
+# include layering, the unit and integration tests (ctest), the core, loader
+# and dispatch tests again under ASan+UBSan, and a short bounded fuzz run of
+# the parsers of untrusted bytes.
 # Works on a fresh machine: scripts/setup.sh installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,10 +58,7 @@ run_ctest --preset default
 
 step "ASan + UBSan build and the core, loader and dispatch tests (build-asan/)"
 cmake --preset asan >/dev/null
-cmake --build --preset asan --target core_status_test core_bytes_test core_dtype_test \
-  core_placement_test core_progress_test loader_safetensors_format_test loader_safetensors_test \
-  loader_checkpoint_test loader_writer_test loader_config_test dispatch_device_map_test \
-  dispatch_module_tree_test dispatch_empty_weights_test dispatch_dispatch_test
+cmake --build --preset asan --target accel-sanitized-tests
 # libtorch's own static initialisers allocate once and never free.
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" \
   LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" UBSAN_OPTIONS="print_stacktrace=1" \

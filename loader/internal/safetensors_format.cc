@@ -21,7 +21,7 @@ using Json = nlohmann::json;
 
 struct DTypeEntry {
   absl::string_view name;
-  int size;
+  int size = 0;
 };
 
 // Every dtype of the safetensors specification whose elements are whole bytes.

@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 
 #include "core/bytes.h"
+#include "core/tool_main.h"
 #include "loader/loader.h"
 
 ABSL_FLAG(bool, json, false, "Print one JSON object instead of a table.");
@@ -66,7 +67,8 @@ int Run(const std::string& path) {
   size_t name_width = 4;
   for (const auto& e : ckpt.tensors()) name_width = std::max(name_width, e.info.name.size());
   std::cout << absl::StrFormat("%s: %d tensors in %d file(s), %s\n", path, ckpt.tensors().size(),
-                               ckpt.shard_paths().size(), accel::FormatBytes(ckpt.total_bytes()));
+                               ckpt.shard_paths().size(),
+                               accel::FormatBytes(static_cast<int64_t>(ckpt.total_bytes())));
   std::cout << absl::StrFormat("%-*s  %-7s  %-20s  %12s  %s\n", name_width, "name", "dtype",
                                "shape", "bytes", "file");
   for (const auto& e : ckpt.tensors()) {
@@ -78,11 +80,11 @@ int Run(const std::string& path) {
   std::cout << "\ntotals by dtype:\n";
   for (const auto& [dtype, t] : by_dtype) {
     std::cout << absl::StrFormat("  %-7s  %6d tensors  %14d bytes  (%s)\n", dtype, t.tensors,
-                                 t.bytes, accel::FormatBytes(t.bytes));
+                                 t.bytes, accel::FormatBytes(static_cast<int64_t>(t.bytes)));
   }
   std::cout << absl::StrFormat("  %-7s  %6d tensors  %14d bytes  (%s)\n", "all",
                                ckpt.tensors().size(), ckpt.total_bytes(),
-                               accel::FormatBytes(ckpt.total_bytes()));
+                               accel::FormatBytes(static_cast<int64_t>(ckpt.total_bytes())));
   std::cout << "\nmetadata:" << (ckpt.metadata().empty() ? " (none)" : "") << "\n";
   for (const auto& [key, value] : ckpt.metadata())
     std::cout << "  " << key << ": " << value << "\n";
@@ -91,7 +93,7 @@ int Run(const std::string& path) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "accel-inspect PATH [--json]\n"
       "Lists the tensors of a .safetensors file, a model.safetensors.index.json, or a model\n"
@@ -103,3 +105,5 @@ int main(int argc, char** argv) {
   }
   return Run(args[1]);
 }
+
+int main(int argc, char** argv) { return accel::ToolMain("accel-inspect", argc, argv, Main); }

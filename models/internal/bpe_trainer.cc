@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
 
 namespace accel::models::internal {
 namespace {
@@ -137,7 +138,7 @@ std::string ByteLevelTokenizerJson(const std::vector<std::pair<std::string, std:
   Json merge_list = Json::array();
   for (const auto& [a, b] : merges) {
     if (!vocab.contains(a + b)) vocab[a + b] = id++;
-    merge_list.push_back(a + " " + b);
+    merge_list.push_back(absl::StrCat(a, " ", b));
   }
   Json added = Json::array();
   for (const SpecialToken& s : specials) {

@@ -15,6 +15,7 @@
 #include "core/bytes.h"
 #include "core/dtype.h"
 #include "core/status.h"
+#include "core/tool_main.h"
 #include "dispatch/device_map.h"
 #include "loader/config.h"
 #include "loader/loader.h"
@@ -122,7 +123,7 @@ int Run() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "accel-device-map (--model DIR | --tree FILE.json) [--max_memory 0=10GiB,cpu=30GiB]\n"
       "  [--no_split A,B] [--dtype bfloat16] [--strategy auto] [--offload_buffers] [--verbose]\n"
@@ -134,3 +135,5 @@ int main(int argc, char** argv) {
   }
   return Run();
 }
+
+int main(int argc, char** argv) { return accel::ToolMain("accel-device-map", argc, argv, Main); }

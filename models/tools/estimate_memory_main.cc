@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 
 #include "core/bytes.h"
+#include "core/tool_main.h"
 #include "dispatch/device_map.h"
 #include "loader/config.h"
 #include "models/families.h"
@@ -30,7 +31,7 @@ std::string Size(double bytes) { return accel::FormatBytes(static_cast<int64_t>(
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "accel-estimate-memory --model DIR [--json]\n"
       "Per dtype (float32, float16/bfloat16, int8, int4): the largest layer, the total size,\n"
@@ -89,4 +90,8 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_json)) std::cout << out.dump() << "\n";
   return 0;
+}
+
+int main(int argc, char** argv) {
+  return accel::ToolMain("accel-estimate-memory", argc, argv, Main);
 }

@@ -12,6 +12,7 @@
 #include "core/bytes.h"
 #include "core/dtype.h"
 #include "core/status.h"
+#include "core/tool_main.h"
 #include "models/make_model.h"
 
 ABSL_FLAG(std::string, family, "llama", "llama | mistral | qwen2 | gpt2");
@@ -41,7 +42,7 @@ int Fail(const absl::Status& status) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "accel-make-model OUT_DIR [flags]\n"
       "Writes config.json, generation_config.json, model.safetensors (or shards + index)\n"
@@ -87,3 +88,5 @@ int main(int argc, char** argv) {
                                accel::FormatBytes(static_cast<int64_t>(made->bytes)), made->files);
   return 0;
 }
+
+int main(int argc, char** argv) { return accel::ToolMain("accel-make-model", argc, argv, Main); }
