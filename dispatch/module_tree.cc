@@ -17,6 +17,7 @@
 #include "core/dtype.h"
 #include "core/json_depth.h"
 #include "core/status.h"
+#include "dispatch/layer.h"
 
 namespace accel::dispatch {
 namespace {
@@ -358,9 +359,11 @@ absl::StatusOr<ModuleTree> ModuleTree::FromModule(const torch::nn::Module& modul
         tree.AddParam(node, {item.key(), t.sizes().vec(), t.scalar_type(), true});
         owners[t.unsafeGetTensorImpl()].push_back(Join(prefix, item.key()));
       }
+      const auto* layer = dynamic_cast<const Layer*>(m);
       for (const auto& item : m->named_buffers(/*recurse=*/false)) {
         const at::Tensor& t = item.value();
-        tree.AddBuffer(node, {item.key(), t.sizes().vec(), t.scalar_type(), true});
+        const bool persistent = layer == nullptr || layer->IsPersistentBuffer(item.key());
+        tree.AddBuffer(node, {item.key(), t.sizes().vec(), t.scalar_type(), persistent});
       }
       std::vector<std::tuple<const torch::nn::Module*, int, std::string>> children;
       std::set<const torch::nn::Module*> seen;

@@ -72,8 +72,8 @@ class ModuleTree {
   static absl::StatusOr<ModuleTree> FromJson(absl::string_view text, absl::string_view label);
   // A libtorch module (meta or real): class names are the module's name()
   // without namespace and "Impl" ("torch::nn::LinearImpl" -> "Linear");
-  // parameters that share a TensorImpl are tied; libtorch buffers are all
-  // persistent.
+  // parameters that share a TensorImpl are tied; buffers are persistent
+  // unless a dispatch::Layer says otherwise (libtorch's layers cannot).
   static absl::StatusOr<ModuleTree> FromModule(const torch::nn::Module& module);
   std::string ToJson() const;
 

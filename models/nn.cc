@@ -1,0 +1,129 @@
+#include "models/nn.h"
+
+#include <cmath>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace accel::nn {
+
+Linear::Linear(int64_t in, int64_t out, bool bias, at::ScalarType dtype,
+               const at::Tensor& shared_weight)
+    : dispatch::Layer("Linear") {
+  weight = shared_weight.defined() ? register_parameter("weight", shared_weight)
+                                   : AddParameter("weight", {out, in}, dtype);
+  if (bias) this->bias = AddParameter("bias", {out}, dtype);
+}
+
+at::Tensor Linear::forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+
+Conv1D::Conv1D(int64_t in, int64_t out, at::ScalarType dtype) : dispatch::Layer("Conv1D") {
+  weight = AddParameter("weight", {in, out}, dtype);
+  bias = AddParameter("bias", {out}, dtype);
+}
+
+at::Tensor Conv1D::forward(const at::Tensor& x) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = weight.size(1);
+  return at::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(shape);
+}
+
+Embedding::Embedding(int64_t count, int64_t dim, at::ScalarType dtype)
+    : dispatch::Layer("Embedding") {
+  weight = AddParameter("weight", {count, dim}, dtype);
+}
+
+at::Tensor Embedding::forward(const at::Tensor& ids) { return at::embedding(weight, ids); }
+
+RMSNorm::RMSNorm(const std::string& class_name, int64_t dim, double eps, at::ScalarType dtype)
+    : dispatch::Layer(class_name), eps_(eps) {
+  weight = AddParameter("weight", {dim}, dtype);
+}
+
+at::Tensor RMSNorm::forward(const at::Tensor& x) {
+  at::Tensor h = x.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean({-1}, /*keepdim=*/true) + eps_);
+  return weight * h.to(x.scalar_type());
+}
+
+LayerNorm::LayerNorm(int64_t dim, double eps, at::ScalarType dtype)
+    : dispatch::Layer("LayerNorm"), dim_(dim), eps_(eps) {
+  weight = AddParameter("weight", {dim}, dtype);
+  bias = AddParameter("bias", {dim}, dtype);
+}
+
+at::Tensor LayerNorm::forward(const at::Tensor& x) {
+  return at::layer_norm(x, {dim_}, weight, bias, eps_);
+}
+
+at::Tensor RopeInverseFrequencies(int64_t head_dim, double theta,
+                                  const std::optional<loader::RopeScaling>& scaling) {
+  at::Tensor inv_freq = 1.0 / at::pow(theta, at::arange(0, head_dim, 2, at::kLong).to(at::kFloat) /
+                                                 static_cast<double>(head_dim));
+  if (!scaling || scaling->rope_type.empty() || scaling->rope_type == "default") return inv_freq;
+  const double factor = scaling->numbers.count("factor") ? scaling->numbers.at("factor") : 1.0;
+  if (scaling->rope_type == "linear") return inv_freq / factor;
+  // llama3: long wavelengths are divided by `factor`, short ones kept, and
+  // the band between them interpolated (transformers' _compute_llama3_parameters).
+  const double low = scaling->numbers.at("low_freq_factor");
+  const double high = scaling->numbers.at("high_freq_factor");
+  const double old_context = scaling->numbers.at("original_max_position_embeddings");
+  const double low_wavelen = old_context / low;
+  const double high_wavelen = old_context / high;
+  at::Tensor wavelen = 2 * M_PI / inv_freq;
+  at::Tensor scaled = at::where(wavelen > low_wavelen, inv_freq / factor, inv_freq);
+  at::Tensor smooth = (old_context / wavelen - low) / (high - low);
+  at::Tensor smoothed = (1 - smooth) * scaled / factor + smooth * scaled;
+  at::Tensor medium =
+      at::logical_not(wavelen < high_wavelen).logical_and(at::logical_not(wavelen > low_wavelen));
+  return at::where(medium, smoothed, scaled);
+}
+
+absl::StatusOr<std::shared_ptr<RotaryEmbedding>> RotaryEmbedding::Create(
+    const std::string& class_name, int64_t head_dim, double theta,
+    const std::optional<loader::RopeScaling>& scaling) {
+  if (scaling && !scaling->rope_type.empty() && scaling->rope_type != "default") {
+    const std::string& type = scaling->rope_type;
+    if (type != "linear" && type != "llama3") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: rope_scaling type '", type,
+                       "' is not supported (default, linear, llama3)"));
+    }
+    const char* needed_llama3[] = {"factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings"};
+    for (const char* key : needed_llama3) {
+      if ((type == "llama3" || std::string(key) == "factor") && !scaling->numbers.count(key)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config.json: rope_scaling '", type, "' needs '", key, "'"));
+      }
+    }
+  }
+  if (head_dim <= 0 || head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rotary embeddings need an even head size, got ", head_dim));
+  }
+  return std::shared_ptr<RotaryEmbedding>(
+      new RotaryEmbedding(class_name, RopeInverseFrequencies(head_dim, theta, scaling)));
+}
+
+RotaryEmbedding::RotaryEmbedding(const std::string& class_name, const at::Tensor& inv_freq)
+    : dispatch::Layer(class_name) {
+  this->inv_freq = AddBuffer("inv_freq", inv_freq, /*persistent=*/false);
+}
+
+std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward(const at::Tensor& positions,
+                                                           at::ScalarType dtype) {
+  at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(positions.device());
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+}
+
+at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+  return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+}
+
+}  // namespace accel::nn
