@@ -1,7 +1,7 @@
 // The Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM):
 // one implementation, with transformers' module layout and arithmetic
 // (eager attention with the softmax in float32, rotate-half rotary, GQA by
-// repeating key/value heads).
+// repeating key/value heads); and GPT2LMHeadModel.
 #include "models/causal_lm.h"
 
 #include <cmath>
@@ -226,6 +226,145 @@ class LlamaFamilyLM : public CausalLM {
   at::ScalarType dtype_;
 };
 
+// GPT-2: learned positions, LayerNorm, Conv1D projections, gelu_new, a tied head.
+class Gpt2Attention : public dispatch::Layer {
+ public:
+  Gpt2Attention(int64_t hidden, int64_t heads, at::ScalarType dtype)
+      : dispatch::Layer("GPT2Attention"), hidden_(hidden), heads_(heads) {
+    c_attn = register_module("c_attn", std::make_shared<nn::Conv1D>(hidden, 3 * hidden, dtype));
+    c_proj = register_module("c_proj", std::make_shared<nn::Conv1D>(hidden, hidden, dtype));
+    register_module("attn_dropout", std::make_shared<dispatch::Layer>("Dropout"));
+    register_module("resid_dropout", std::make_shared<dispatch::Layer>("Dropout"));
+  }
+  at::Tensor forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache) {
+    const int64_t b = x.size(0), t = x.size(1), d = hidden_ / heads_;
+    std::vector<at::Tensor> qkv = c_attn->forward(x).split(hidden_, -1);
+    at::Tensor q = qkv[0].view({b, t, heads_, d}).transpose(1, 2);
+    at::Tensor k = qkv[1].view({b, t, heads_, d}).transpose(1, 2);
+    at::Tensor v = qkv[2].view({b, t, heads_, d}).transpose(1, 2);
+    if (k_cache != nullptr) {
+      if (k_cache->defined()) {
+        k = at::cat({*k_cache, k}, 2);
+        v = at::cat({*v_cache, v}, 2);
+      }
+      *k_cache = k;
+      *v_cache = v;
+    }
+    const int64_t total = k.size(2), past = total - t;
+    at::Tensor scores = at::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(d));
+    at::Tensor query_pos = at::arange(past, total, x.options().dtype(at::kLong)).unsqueeze(1);
+    at::Tensor key_pos = at::arange(0, total, x.options().dtype(at::kLong)).unsqueeze(0);
+    scores = scores.masked_fill(key_pos > query_pos, -std::numeric_limits<float>::infinity());
+    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+    return c_proj->forward(at::matmul(probs, v).transpose(1, 2).reshape({b, t, hidden_}));
+  }
+  std::shared_ptr<nn::Conv1D> c_attn, c_proj;
+
+ private:
+  int64_t hidden_, heads_;
+};
+
+// transformers' NewGELUActivation ("gelu_new"): the tanh approximation.
+at::Tensor GeluNew(const at::Tensor& x) {
+  return 0.5 * x * (1.0 + at::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * at::pow(x, 3.0))));
+}
+
+class Gpt2Block : public dispatch::Layer {
+ public:
+  Gpt2Block(const loader::ModelConfig& c, at::ScalarType dtype) : dispatch::Layer("GPT2Block") {
+    ln_1 =
+        register_module("ln_1", std::make_shared<nn::LayerNorm>(c.hidden_size, c.norm_eps, dtype));
+    attn = register_module(
+        "attn", std::make_shared<Gpt2Attention>(c.hidden_size, c.num_attention_heads, dtype));
+    ln_2 =
+        register_module("ln_2", std::make_shared<nn::LayerNorm>(c.hidden_size, c.norm_eps, dtype));
+    auto mlp = register_module("mlp", std::make_shared<dispatch::Layer>("GPT2MLP"));
+    c_fc = mlp->register_module(
+        "c_fc", std::make_shared<nn::Conv1D>(c.hidden_size, c.intermediate_size, dtype));
+    c_proj = mlp->register_module(
+        "c_proj", std::make_shared<nn::Conv1D>(c.intermediate_size, c.hidden_size, dtype));
+    mlp->register_module("act", std::make_shared<dispatch::Layer>("NewGELUActivation"));
+    mlp->register_module("dropout", std::make_shared<dispatch::Layer>("Dropout"));
+  }
+  at::Tensor forward(at::Tensor x, at::Tensor* k_cache, at::Tensor* v_cache) {
+    x = x + attn->forward(ln_1->forward(x), k_cache, v_cache);
+    return x + c_proj->forward(GeluNew(c_fc->forward(ln_2->forward(x))));
+  }
+  std::shared_ptr<nn::LayerNorm> ln_1, ln_2;
+  std::shared_ptr<Gpt2Attention> attn;
+  std::shared_ptr<nn::Conv1D> c_fc, c_proj;
+};
+
+class Gpt2LM : public CausalLM {
+ public:
+  Gpt2LM(const loader::ModelConfig& c, at::ScalarType dtype) : CausalLM("GPT2LMHeadModel") {
+    transformer = register_module("transformer", std::make_shared<dispatch::Layer>("GPT2Model"));
+    wte = transformer->register_module(
+        "wte", std::make_shared<nn::Embedding>(c.vocab_size, c.hidden_size, dtype));
+    wpe = transformer->register_module(
+        "wpe", std::make_shared<nn::Embedding>(c.max_position_embeddings, c.hidden_size, dtype));
+    transformer->register_module("drop", std::make_shared<dispatch::Layer>("Dropout"));
+    auto list = transformer->register_module("h", std::make_shared<dispatch::Layer>("ModuleList"));
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      blocks.push_back(
+          list->register_module(absl::StrCat(i), std::make_shared<Gpt2Block>(c, dtype)));
+    }
+    ln_f = transformer->register_module(
+        "ln_f", std::make_shared<nn::LayerNorm>(c.hidden_size, c.norm_eps, dtype));
+    at::Tensor shared = c.tie_word_embeddings ? wte->weight : at::Tensor();
+    lm_head = register_module(
+        "lm_head", std::make_shared<nn::Linear>(c.hidden_size, c.vocab_size, false, dtype, shared));
+    max_positions_ = c.max_position_embeddings;
+  }
+
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids, const at::Tensor& positions,
+                                     KvCache* cache,
+                                     dispatch::DispatchedModel* dispatched) override {
+    if (input_ids.dim() != 2 || positions.sizes() != input_ids.sizes()) {
+      return absl::InvalidArgumentError("input_ids and positions must both be [batch, tokens]");
+    }
+    if (positions.numel() > 0 && positions.max().item<int64_t>() >= max_positions_) {
+      return absl::InvalidArgumentError(absl::StrCat("position ", positions.max().item<int64_t>(),
+                                                     " is past GPT-2's ", max_positions_,
+                                                     " positions"));
+    }
+    const at::Device home = input_ids.device();
+    const size_t n = blocks.size();
+    if (cache != nullptr && cache->keys.size() != n) {
+      cache->keys.assign(n, at::Tensor());
+      cache->values.assign(n, at::Tensor());
+    }
+    ACCEL_ASSIGN_OR_RETURN(
+        at::Tensor x, InScope(dispatched, "transformer.wte", home,
+                              [&](const at::Device& d) { return wte->forward(input_ids.to(d)); }));
+    ACCEL_ASSIGN_OR_RETURN(
+        x, InScope(dispatched, "transformer.wpe", home,
+                   [&](const at::Device& d) { return x.to(d) + wpe->forward(positions.to(d)); }));
+    for (size_t i = 0; i < n; ++i) {
+      ACCEL_ASSIGN_OR_RETURN(
+          x, InScope(dispatched, absl::StrCat("transformer.h.", i), home, [&](const at::Device& d) {
+            return blocks[i]->forward(x.to(d), cache ? &cache->keys[i] : nullptr,
+                                      cache ? &cache->values[i] : nullptr);
+          }));
+    }
+    ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "transformer.ln_f", home,
+                                      [&](const at::Device& d) { return ln_f->forward(x.to(d)); }));
+    ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
+                             return lm_head->forward(x.to(d));
+                           }));
+    return x.to(home, at::kFloat);
+  }
+
+  std::shared_ptr<dispatch::Layer> transformer;
+  std::shared_ptr<nn::Embedding> wte, wpe;
+  std::vector<std::shared_ptr<Gpt2Block>> blocks;
+  std::shared_ptr<nn::LayerNorm> ln_f;
+  std::shared_ptr<nn::Linear> lm_head;
+
+ private:
+  int64_t max_positions_ = 0;
+};
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<CausalLM>> BuildCausalLM(const loader::ModelConfig& c,
@@ -234,7 +373,9 @@ absl::StatusOr<std::shared_ptr<CausalLM>> BuildCausalLM(const loader::ModelConfi
   ACCEL_ASSIGN_OR_RETURN(Family family, FamilyOf(c));
   const std::string type = family.model_type;
   if (type == "gpt2") {
-    return absl::UnimplementedError("GPT2LMHeadModel layers are not built yet (issue 4)");
+    std::shared_ptr<CausalLM> model;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { model = std::make_shared<Gpt2LM>(c, dtype); }));
+    return model;
   }
   const std::string prefix = type == "llama" ? "Llama" : type == "mistral" ? "Mistral" : "Qwen2";
   Sizes s{c.hidden_size, c.num_attention_heads, c.kv_heads(),

@@ -102,6 +102,51 @@ struct Reference {
   }
 };
 
+// GPT-2, the same way: learned positions, LayerNorm, Conv1D ([in, out]), gelu_new.
+struct Gpt2Reference {
+  const loader::Checkpoint& ckpt;
+  const loader::ModelConfig& c;
+
+  at::Tensor W(const std::string& name) const { return ckpt.Tensor(name)->to(at::kDouble); }
+  at::Tensor Norm(const at::Tensor& x, const std::string& p) const {
+    at::Tensor mean = x.mean({-1}, true);
+    at::Tensor var = (x - mean).pow(2).mean({-1}, true);
+    return (x - mean) / at::sqrt(var + c.norm_eps) * W(p + ".weight") + W(p + ".bias");
+  }
+  at::Tensor Conv(const at::Tensor& x, const std::string& p) const {
+    return at::matmul(x, W(p + ".weight")) + W(p + ".bias");
+  }
+
+  at::Tensor Logits(const std::vector<int64_t>& ids) const {
+    const int64_t T = static_cast<int64_t>(ids.size()), H = c.hidden_size,
+                  heads = c.num_attention_heads;
+    const int64_t d = H / heads;
+    at::Tensor x = W("transformer.wte.weight").index_select(0, at::tensor(ids, at::kLong)) +
+                   W("transformer.wpe.weight").narrow(0, 0, T);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const std::string p = "transformer.h." + std::to_string(l) + ".";
+      at::Tensor qkv = Conv(Norm(x, p + "ln_1"), p + "attn.c_attn");
+      at::Tensor out = at::zeros({T, H}, at::kDouble);
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        at::Tensor q = qkv.narrow(1, hh * d, d), k = qkv.narrow(1, H + hh * d, d);
+        at::Tensor v = qkv.narrow(1, 2 * H + hh * d, d);
+        for (int64_t t = 0; t < T; ++t) {
+          at::Tensor scores =
+              at::matmul(k.narrow(0, 0, t + 1), q[t]) / std::sqrt(static_cast<double>(d));
+          out[t]
+              .narrow(0, hh * d, d)
+              .copy_(at::matmul(at::softmax(scores, 0), v.narrow(0, 0, t + 1)));
+        }
+      }
+      x = x + Conv(out, p + "attn.c_proj");
+      at::Tensor h = Conv(Norm(x, p + "ln_2"), p + "mlp.c_fc");
+      h = 0.5 * h * (1 + at::tanh(std::sqrt(2 / M_PI) * (h + 0.044715 * h.pow(3))));
+      x = x + Conv(h, p + "mlp.c_proj");
+    }
+    return at::matmul(Norm(x, "transformer.ln_f"), W("transformer.wte.weight").t());
+  }
+};
+
 // ---- helpers ------------------------------------------------------------------
 
 MakeModelOptions Small(const std::string& family) {
@@ -161,7 +206,7 @@ at::Tensor Logits(Loaded& m, const at::Tensor& ids, const at::Tensor& positions,
 // ---- tests ----------------------------------------------------------------------
 
 TEST(CausalLMTest, ItsModuleTreeIsExactlyModuleTreeFor) {
-  for (const char* family : {"llama", "qwen2", "mistral"}) {
+  for (const char* family : {"llama", "qwen2", "mistral", "gpt2"}) {
     for (bool tie : {false, true}) {
       MakeModelOptions o = Small(family);
       o.tie_word_embeddings = tie;
@@ -199,6 +244,25 @@ TEST(CausalLMTest, LogitsMatchTheReference) {
     at::Tensor expected = Reference{ckpt, m.config}.Logits(ids).to(at::kFloat);
     EXPECT_TRUE(at::allclose(logits[0], expected, /*rtol=*/1e-4, /*atol=*/1e-5))
         << "max difference " << (logits[0] - expected).abs().max().item<float>();
+  }
+}
+
+TEST(CausalLMTest, Gpt2LogitsMatchTheReference) {
+  TempDir dir;
+  ASSERT_THAT(MakeModel(dir.path(), Small("gpt2")), IsOk());
+  Loaded m = Load(dir.path(), AllCpu());
+  const std::vector<int64_t> ids = {256, 1, 2, 299, 17, 17};
+  at::Tensor logits = Logits(m, at::tensor(ids, at::kLong).unsqueeze(0), Positions(1, 0, 6));
+  ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint ckpt, loader::Checkpoint::Open(dir.path()));
+  at::Tensor expected = Gpt2Reference{ckpt, m.config}.Logits(ids).to(at::kFloat);
+  EXPECT_TRUE(at::allclose(logits[0], expected, /*rtol=*/1e-4, /*atol=*/1e-5))
+      << "max difference " << (logits[0] - expected).abs().max().item<float>();
+  // And with the cache, token by token.
+  KvCache cache;
+  for (int64_t t = 0; t < 6; ++t) {
+    at::Tensor step =
+        Logits(m, at::tensor({ids[t]}, at::kLong).unsqueeze(0), Positions(1, t, 1), &cache);
+    EXPECT_TRUE(at::allclose(step[0][0], logits[0][t], 1e-5, 1e-6)) << "token " << t;
   }
 }
 
@@ -250,12 +314,19 @@ TEST(CausalLMTest, SplitOverCpuAndDiskGivesTheSameLogits) {
   EXPECT_GT(parted.dispatched->stats().fetches, 0);
 }
 
-TEST(CausalLMTest, UnsupportedFamiliesAndInputsAreClearErrors) {
+TEST(CausalLMTest, BadInputsAreClearErrors) {
+  TempDir gpt2_dir;
   MakeModelOptions o = Small("gpt2");
-  auto gpt2 = MakeModelConfig(o);
-  ASSERT_THAT(gpt2, IsOk());
-  EXPECT_THAT(BuildCausalLM(*gpt2, at::kFloat),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("GPT2")));
+  o.max_position_embeddings = 8;
+  ASSERT_THAT(MakeModel(gpt2_dir.path(), o), IsOk());
+  Loaded gpt2 = Load(gpt2_dir.path(), AllCpu());
+  EXPECT_THAT(
+      gpt2.model->Forward(at::ones({1, 9}, at::kLong), Positions(1, 0, 9), nullptr, nullptr),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("position 8")));
+  loader::ModelConfig falcon = gpt2.config;
+  falcon.architectures = {"FalconForCausalLM"};
+  EXPECT_THAT(BuildCausalLM(falcon, at::kFloat),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("LlamaForCausalLM")));
   TempDir dir;
   ASSERT_THAT(MakeModel(dir.path(), Small("llama")), IsOk());
   Loaded m = Load(dir.path(), AllCpu());
