@@ -51,15 +51,6 @@ uint64_t Checkpoint::total_bytes() const {
   return total;
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  if (in.bad()) return ErrnoStatus(errno, absl::StrCat("reading ", path));
-  return buffer.str();
-}
-
 const Checkpoint::Entry* Checkpoint::Find(absl::string_view name) const {
   auto it = by_name_.find(name);
   return it == by_name_.end() ? nullptr : &entries_[it->second];
