@@ -1,0 +1,96 @@
+#include "models/sampling.h"
+
+#include <cmath>
+#include <limits>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace accel::models {
+namespace {
+
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+absl::Status Bad(const char* name, double value, const char* want) {
+  return absl::InvalidArgumentError(absl::StrCat(name, " must be ", want, ", got ", value));
+}
+
+}  // namespace
+
+absl::StatusOr<Sampler> Sampler::Create(const SamplingParams& p) {
+  if (!(p.temperature >= 0) || !std::isfinite(p.temperature))
+    return Bad("temperature", p.temperature, "0 or more");
+  if (p.top_k < 0) return Bad("top_k", static_cast<double>(p.top_k), "0 (off) or more");
+  if (!(p.top_p > 0 && p.top_p <= 1)) return Bad("top_p", p.top_p, "in (0, 1]");
+  if (!(p.min_p >= 0 && p.min_p <= 1)) return Bad("min_p", p.min_p, "in [0, 1]");
+  if (!(p.repetition_penalty > 0) || !std::isfinite(p.repetition_penalty)) {
+    return Bad("repetition_penalty", p.repetition_penalty, "positive");
+  }
+  return Sampler(p);
+}
+
+Sampler::Sampler(const SamplingParams& params)
+    : params_(params), rng_(params.seed.value_or(std::random_device{}())) {}
+
+at::Tensor Sampler::Process(const at::Tensor& logits, const std::vector<int64_t>& previous) const {
+  at::Tensor x = logits.to(at::kFloat).flatten().clone();
+  const int64_t vocab = x.numel();
+  // Repetition penalty (CTRL's): a seen token's logit is divided by the
+  // penalty when positive, multiplied when negative.
+  if (params_.repetition_penalty != 1.0 && !previous.empty()) {
+    std::vector<int64_t> seen;
+    for (int64_t id : previous) {
+      if (id >= 0 && id < vocab) seen.push_back(id);
+    }
+    at::Tensor index = at::tensor(seen, at::kLong);
+    at::Tensor picked = x.index_select(0, index);
+    picked = at::where(picked < 0, picked * params_.repetition_penalty,
+                       picked / params_.repetition_penalty);
+    x.index_copy_(0, index, picked);
+  }
+  if (params_.temperature == 0) return x;  // greedy: only the argmax matters
+  x = x / params_.temperature;
+  // Top-k keeps every token at least as large as the k-th (ties included).
+  if (params_.top_k > 0 && params_.top_k < vocab) {
+    const at::Tensor kth = std::get<0>(x.topk(params_.top_k)).min();
+    x = x.masked_fill(x < kth, kMinusInf);
+  }
+  // Top-p drops the least likely tokens whose total probability is at most
+  // 1 - top_p, always keeping the most likely one.
+  if (params_.top_p < 1.0) {
+    auto [sorted, order] = x.sort(/*dim=*/0, /*descending=*/false);
+    at::Tensor cumulative = sorted.softmax(0).cumsum(0);
+    at::Tensor remove = cumulative <= (1.0 - params_.top_p);
+    remove[vocab - 1] = false;
+    x = x.masked_fill(at::zeros_like(remove).scatter(0, order, remove), kMinusInf);
+  }
+  // Min-p drops tokens less likely than min_p times the most likely one.
+  if (params_.min_p > 0) {
+    at::Tensor probs = x.softmax(0);
+    x = x.masked_fill(probs < params_.min_p * probs.max(), kMinusInf);
+  }
+  return x;
+}
+
+int64_t Sampler::Next(const at::Tensor& logits, const std::vector<int64_t>& previous) {
+  at::Tensor x = Process(logits, previous);
+  if (params_.temperature == 0) return x.argmax().item<int64_t>();
+  at::Tensor probs = x.softmax(0).to(at::kDouble).contiguous();
+  const double* p = probs.data_ptr<double>();
+  const int64_t vocab = probs.numel();
+  // Inverse CDF with our own generator: reproducible across machines.
+  const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+  double cumulative = 0;
+  int64_t last = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (p[i] <= 0) continue;
+    last = i;
+    cumulative += p[i];
+    if (u < cumulative) return i;
+  }
+  return last;  // rounding left u above the total
+}
+
+}  // namespace accel::models

@@ -1,0 +1,53 @@
+// models/sampling.h: choosing the next token from logits, as transformers'
+// generate() does: the repetition penalty, then temperature, top-k, top-p
+// and min-p, then a draw (or the argmax when temperature is 0).
+//
+//   ACCEL_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(params));
+//   int64_t token = sampler.Next(logits_of_last_position, prompt_and_generated_ids);
+#ifndef ACCEL_MODELS_SAMPLING_H_
+#define ACCEL_MODELS_SAMPLING_H_
+
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+
+namespace accel::models {
+
+struct SamplingParams {
+  double temperature = 1.0;         // 0: greedy
+  int64_t top_k = 0;                // 0: off
+  double top_p = 1.0;               // 1: off
+  double min_p = 0.0;               // 0: off
+  double repetition_penalty = 1.0;  // 1: off
+  std::optional<uint64_t> seed;     // the same seed and inputs give the same tokens
+};
+
+// Not thread-safe: one sequence, one sampler.
+class Sampler {
+ public:
+  // InvalidArgument naming the parameter: temperature < 0, top_k < 0, top_p
+  // outside (0, 1], min_p outside [0, 1], repetition_penalty <= 0.
+  static absl::StatusOr<Sampler> Create(const SamplingParams& params);
+
+  // `logits` [vocab] (any floating dtype); `previous` the ids seen so far
+  // (prompt and generated) for the repetition penalty.
+  int64_t Next(const at::Tensor& logits, const std::vector<int64_t>& previous);
+
+  // The logits after the penalty and the filters (filtered tokens at -inf),
+  // in float32: what Next() draws from. Public for tests and log-probs.
+  at::Tensor Process(const at::Tensor& logits, const std::vector<int64_t>& previous) const;
+
+ private:
+  explicit Sampler(const SamplingParams& params);
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace accel::models
+
+#endif  // ACCEL_MODELS_SAMPLING_H_
