@@ -15,6 +15,9 @@ namespace accel::loader {
 namespace {
 
 using Json = nlohmann::json;
+
+// The largest model dimension a config may give (see FieldReader::Size).
+constexpr int64_t kMaxSize = int64_t{1} << 26;
 using OrderedJson = nlohmann::ordered_json;
 
 // Reads known fields out of a JSON object, remembering which it consumed and
@@ -41,7 +44,6 @@ class FieldReader {
   // A model dimension. Bounded so products of two (vocab x hidden) and byte
   // counts stay far inside int64 (an n_embd of 2^63 overflowed 4 x n_embd).
   void Size(absl::string_view name, int64_t* out) {
-    constexpr int64_t kMaxSize = int64_t{1} << 26;
     if (const Json* v = Get(name)) {
       auto i = AsInt(*v);
       if (i && *i <= kMaxSize) {
@@ -233,7 +235,17 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text, absl::strin
     r.Size("n_head", &c.num_attention_heads);
     r.Size("n_positions", &c.max_position_embeddings);
     r.Size("n_inner", &c.intermediate_size);
-    if (c.intermediate_size == 0) c.intermediate_size = 4 * c.hidden_size;
+    if (c.intermediate_size == 0) {
+      // n_inner: null means 4 x n_embd, which must respect the same bound
+      // (found by config_fuzz: a larger one did not survive ToJson()).
+      c.intermediate_size = 4 * c.hidden_size;
+      if (c.intermediate_size > kMaxSize) {
+        if (const Json* n_embd = r.Get("n_embd")) {
+          r.Fail("n_embd", absl::StrCat("at most ", kMaxSize / 4, " when n_inner is null"),
+                 *n_embd);
+        }
+      }
+    }
     r.Number("layer_norm_epsilon", &c.norm_eps);
     r.String("activation_function", &c.hidden_act);
   } else {

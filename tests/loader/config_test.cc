@@ -130,6 +130,9 @@ TEST(ModelConfigTest, AbsurdSizesAndDeepNestingAreInvalid) {
   // unknown fields made ToJson() quadratic.
   EXPECT_THAT(ParseModelConfig(R"({"model_type": "gpt2", "n_embd": 9223372036854775807})", "c"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'n_embd'")));
+  // 4 x n_embd (n_inner null) must fit the same bound as the sizes themselves.
+  EXPECT_THAT(ParseModelConfig(R"({"model_type": "gpt2", "n_embd": 30596929})", "c"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("when n_inner is null")));
   EXPECT_THAT(ParseModelConfig(R"({"vocab_size": 1099511627776})", "c"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'vocab_size'")));
   std::string deep = R"({"x": )" + std::string(100, '[') + std::string(100, ']') + "}";
