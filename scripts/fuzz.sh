@@ -5,12 +5,24 @@
 # timeout; the input that did it is kept in build-fuzz/fuzz-artifacts/<target>/.
 #
 #   scripts/fuzz.sh                          # every target, 30 s each
+#   FUZZ_RUNS=150000 scripts/fuzz.sh         # repeatable: as the test command runs it
 #   FUZZ_SECONDS=600 scripts/fuzz.sh config_fuzz
 #   build-fuzz/bin/safetensors_header_fuzz build-fuzz/fuzz-artifacts/...  # replay
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 FUZZ_SECONDS=${FUZZ_SECONDS:-30}
+# FUZZ_RUNS=N: exactly N inputs per target from a fixed seed instead of a
+# time budget, so a run is repeatable: the test command uses it, so CI never
+# fails by chance on unchanged code. Time-bounded runs explore further.
+FUZZ_RUNS=${FUZZ_RUNS:-}
+if [ -n "$FUZZ_RUNS" ]; then
+  budget=(-runs="$FUZZ_RUNS" -seed=1)
+  budget_text="$FUZZ_RUNS runs from seed 1"
+else
+  budget=(-max_total_time="$FUZZ_SECONDS")
+  budget_text="${FUZZ_SECONDS}s"
+fi
 BUILD_DIR=build-fuzz
 
 # target -> seed corpus folder and dictionary under tests/fuzz/
@@ -44,11 +56,11 @@ for t in "${targets[@]}"; do
   cp -r "tests/fuzz/corpus/${CORPUS[$t]}" "$corpus"
   artifacts="$BUILD_DIR/fuzz-artifacts/$t"
   mkdir -p "$artifacts"
-  echo "=== $t: ${FUZZ_SECONDS}s on $(ls "$corpus" | wc -l) seeds" >&2
+  echo "=== $t: $budget_text on $(ls "$corpus" | wc -l) seeds" >&2
   # libFuzzer's progress goes to a log; its end is shown on a crash.
   log="$artifacts/last-run.log"
   if "$BUILD_DIR/bin/$t" "$corpus" \
-      -max_total_time="$FUZZ_SECONDS" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
+      "${budget[@]}" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
       -dict="tests/fuzz/${DICT[$t]}" -artifact_prefix="$artifacts/" -print_final_stats=1 \
       -print_funcs=0 >"$log" 2>&1; then
     echo "=== $t: no crash, $(grep -m1 -o 'number_of_executed_units: [0-9]*' "$log" | grep -o '[0-9]*$') runs" \
@@ -65,4 +77,4 @@ if [ ${#failed[@]} -ne 0 ]; then
   echo "fuzz.sh: crashes in: ${failed[*]}" >&2
   exit 1
 fi
-echo "fuzz.sh: ${#targets[@]} target(s), ${FUZZ_SECONDS}s each, no crash" >&2
+echo "fuzz.sh: ${#targets[@]} target(s), $budget_text each, no crash" >&2

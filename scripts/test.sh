@@ -64,8 +64,8 @@ ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" \
   LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" UBSAN_OPTIONS="print_stacktrace=1" \
   run_ctest --preset asan
 
-step "fuzz (bounded: ${FUZZ_SECONDS:=20} s per target)"
-FUZZ_SECONDS="$FUZZ_SECONDS" bash scripts/fuzz.sh
+step "fuzz (bounded and repeatable: ${FUZZ_RUNS:=150000} runs per target from a fixed seed)"
+FUZZ_RUNS="$FUZZ_RUNS" bash scripts/fuzz.sh
 
 step "done"
 echo "all checks passed in $(( $(date +%s) - start )) s"
