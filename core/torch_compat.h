@@ -17,6 +17,12 @@
 
 namespace accel::compat {
 
+// libtorch 1.13's CPU kernels lack float16 for matmul ("addmm_impl_cpu_"
+// not implemented for 'Half'), layer_norm and a few others; 2.1 has them.
+// Where this is false, accel::nn computes those ops in float32 and rounds
+// the result back to float16.
+inline constexpr bool kCpuHalfKernels = ACCEL_TORCH_AT_LEAST(2, 1);
+
 // The 8-bit float types arrived in libtorch 2.1; nullopt before that.
 inline std::optional<c10::ScalarType> Float8E5M2() {
 #if ACCEL_TORCH_AT_LEAST(2, 1)

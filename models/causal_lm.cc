@@ -4,12 +4,15 @@
 // repeating key/value heads); and GPT2LMHeadModel.
 #include "models/causal_lm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
@@ -28,6 +31,155 @@ struct Sizes {
   std::optional<int64_t> window;
 };
 
+// Writes this step's keys and values [kv_heads, n, head_dim] after the
+// cache's `length` tokens in layer `layer`'s buffers (growing them by
+// doubling) and returns views of everything so far, [kv_heads, length + n,
+// head_dim]. `length` itself is advanced by Forward() once every layer ran.
+std::pair<at::Tensor, at::Tensor> AppendToCache(KvCache* cache, size_t layer, const at::Tensor& k,
+                                                const at::Tensor& v) {
+  at::Tensor& key_buffer = cache->keys[layer];
+  at::Tensor& value_buffer = cache->values[layer];
+  const int64_t past = cache->length, n = k.size(1), needed = past + n;
+  if (!key_buffer.defined() || key_buffer.size(1) < needed || key_buffer.device() != k.device() ||
+      key_buffer.scalar_type() != k.scalar_type()) {
+    const int64_t old = key_buffer.defined() ? key_buffer.size(1) : 0;
+    const int64_t capacity = std::max<int64_t>({needed, 2 * old, 16});
+    at::Tensor keys = at::empty({k.size(0), capacity, k.size(2)}, k.options());
+    at::Tensor values = at::empty({v.size(0), capacity, v.size(2)}, v.options());
+    if (past > 0) {
+      keys.narrow(1, 0, past).copy_(key_buffer.narrow(1, 0, past));
+      values.narrow(1, 0, past).copy_(value_buffer.narrow(1, 0, past));
+    }
+    key_buffer = keys;
+    value_buffer = values;
+  }
+  key_buffer.narrow(1, past, n).copy_(k);
+  value_buffer.narrow(1, past, n).copy_(v);
+  return {key_buffer.narrow(1, 0, needed), value_buffer.narrow(1, 0, needed)};
+}
+
+// Causal attention of each chunk's queries over its cache and its own keys.
+// q [heads, total, d] and k, v [kv_heads, total, d] hold the packed tokens;
+// returns [total, heads * d]. Query heads share key/value heads in groups
+// (GQA) by viewing q as [kv_heads, group * n, d]: no copy of the cache.
+// `scale` turns q.k into scores exactly as the family's transformers code
+// does (a multiply or a divide: the last bit differs).
+template <typename Scale>
+at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        absl::Span<const SequenceChunk> chunks, size_t layer,
+                        std::optional<int64_t> window, const Scale& scale) {
+  const int64_t heads = q.size(0), kv_heads = k.size(0), d = q.size(2);
+  const int64_t group = heads / kv_heads;
+  std::vector<at::Tensor> outs;
+  outs.reserve(chunks.size());
+  int64_t offset = 0;
+  for (const SequenceChunk& chunk : chunks) {
+    const int64_t n = chunk.tokens;
+    at::Tensor keys = k.narrow(1, offset, n), values = v.narrow(1, offset, n);
+    int64_t past = 0;
+    if (chunk.cache != nullptr) {
+      past = chunk.cache->length;
+      std::tie(keys, values) = AppendToCache(chunk.cache, layer, keys, values);
+    }
+    const int64_t total = past + n;
+    at::Tensor queries = q.narrow(1, offset, n).reshape({kv_heads, group * n, d});
+    at::Tensor scores =
+        scale(nn::MatMul(queries, keys.transpose(1, 2))).view({kv_heads, group, n, total});
+    // Query i (at position past + i) sees key j when j <= past + i and, with
+    // a sliding window, past + i - j < window. A lone query without a window
+    // sees everything.
+    if (n > 1 || (window && total > *window)) {
+      at::Tensor query_pos = at::arange(past, total, q.options().dtype(at::kLong)).unsqueeze(1);
+      at::Tensor key_pos = at::arange(0, total, q.options().dtype(at::kLong)).unsqueeze(0);
+      at::Tensor allowed = key_pos <= query_pos;
+      if (window) allowed = allowed.logical_and(query_pos - key_pos < *window);
+      scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+    }
+    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+    at::Tensor out = nn::MatMul(probs.view({kv_heads, group * n, total}), values);
+    outs.push_back(out.view({heads, n, d}).transpose(0, 1).reshape({n, heads * d}));
+    offset += n;
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+}
+
+// Checks the chunks against the ids, prepares the caches, and returns the
+// positions [1, total] (int64, cpu).
+absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
+                                            absl::Span<const SequenceChunk> chunks,
+                                            const loader::ModelConfig& config, size_t layers) {
+  if (input_ids.dim() != 1 || input_ids.scalar_type() != at::kLong) {
+    return absl::InvalidArgumentError("input_ids must be one int64 row of packed tokens");
+  }
+  if (chunks.empty()) return absl::InvalidArgumentError("no sequences in the batch");
+  int64_t total = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const SequenceChunk& chunk = chunks[i];
+    if (chunk.tokens < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", i, " has ", chunk.tokens, " tokens; each needs at least 1"));
+    }
+    total += chunk.tokens;
+    if (chunk.cache == nullptr) continue;
+    for (size_t j = 0; j < i; ++j) {
+      if (chunks[j].cache == chunk.cache) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequences ", j, " and ", i, " share one KV cache"));
+      }
+    }
+    if (chunk.cache->length > 0 && chunk.cache->keys.size() != layers) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", i, "'s KV cache has ",
+                                                     chunk.cache->keys.size(),
+                                                     " layers but the model has ", layers));
+    }
+    if (chunk.cache->length < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", i, "'s KV cache has length ", chunk.cache->length));
+    }
+  }
+  if (total != input_ids.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the sequences have ", total, " tokens in all but input_ids has ", input_ids.numel()));
+  }
+  at::Tensor positions = at::empty({1, total}, at::kLong);
+  int64_t* out = positions.data_ptr<int64_t>();
+  for (const SequenceChunk& chunk : chunks) {
+    const int64_t first = chunk.cache != nullptr ? chunk.cache->length : 0;
+    for (int64_t t = 0; t < chunk.tokens; ++t) *out++ = first + t;
+  }
+  int64_t low = 0, high = 0;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    low = input_ids.min().item<int64_t>();
+    high = input_ids.max().item<int64_t>();
+  }));
+  if (low < 0 || high >= config.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("token id ", low < 0 ? low : high,
+                                                   " is outside the vocabulary [0, ",
+                                                   config.vocab_size, ")"));
+  }
+  for (const SequenceChunk& chunk : chunks) {
+    if (chunk.cache != nullptr && chunk.cache->keys.size() != layers) {
+      chunk.cache->keys.assign(layers, at::Tensor());
+      chunk.cache->values.assign(layers, at::Tensor());
+    }
+  }
+  return positions;
+}
+
+// Each chunk's last token, as indices into the packed tokens.
+at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks) {
+  std::vector<int64_t> last;
+  int64_t offset = 0;
+  for (const SequenceChunk& chunk : chunks) last.push_back((offset += chunk.tokens) - 1);
+  return at::tensor(last, at::kLong);
+}
+
+void AdvanceCaches(absl::Span<const SequenceChunk> chunks) {
+  for (const SequenceChunk& chunk : chunks) {
+    if (chunk.cache != nullptr) chunk.cache->length += chunk.tokens;
+  }
+}
+
 class Attention : public dispatch::Layer {
  public:
   Attention(const std::string& prefix, const Sizes& s, bool qkv_bias, bool o_bias,
@@ -43,39 +195,19 @@ class Attention : public dispatch::Layer {
         "o_proj", std::make_shared<nn::Linear>(s.heads * s.head_dim, s.hidden, o_bias, dtype));
   }
 
+  // x [1, total, hidden]: the packed tokens of `chunks`.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     at::Tensor* k_cache, at::Tensor* v_cache) {
-    const int64_t b = x.size(0), t = x.size(1);
-    at::Tensor q = q_proj->forward(x).view({b, t, s_.heads, s_.head_dim}).transpose(1, 2);
-    at::Tensor k = k_proj->forward(x).view({b, t, s_.kv_heads, s_.head_dim}).transpose(1, 2);
-    at::Tensor v = v_proj->forward(x).view({b, t, s_.kv_heads, s_.head_dim}).transpose(1, 2);
+                     absl::Span<const SequenceChunk> chunks, size_t layer) {
+    const int64_t t = x.size(1);
+    at::Tensor q = q_proj->forward(x).view({1, t, s_.heads, s_.head_dim}).transpose(1, 2);
+    at::Tensor k = k_proj->forward(x).view({1, t, s_.kv_heads, s_.head_dim}).transpose(1, 2);
+    at::Tensor v = v_proj->forward(x).view({1, t, s_.kv_heads, s_.head_dim}).transpose(1, 2);
     q = nn::ApplyRotary(q, cos, sin);
     k = nn::ApplyRotary(k, cos, sin);
-    if (k_cache != nullptr) {
-      if (k_cache->defined()) {
-        k = at::cat({*k_cache, k}, 2);
-        v = at::cat({*v_cache, v}, 2);
-      }
-      *k_cache = k;
-      *v_cache = v;
-    }
-    const int64_t total = k.size(2), past = total - t;
-    const int64_t repeat = s_.heads / s_.kv_heads;
-    at::Tensor keys = repeat > 1 ? k.repeat_interleave(repeat, 1) : k;
-    at::Tensor values = repeat > 1 ? v.repeat_interleave(repeat, 1) : v;
-    at::Tensor scores =
-        at::matmul(q, keys.transpose(2, 3)) / std::sqrt(static_cast<double>(s_.head_dim));
-    // Query i (at absolute position past + i) sees key j when j <= past + i
-    // and, with a sliding window, past + i - j < window.
-    at::Tensor query_pos = at::arange(past, total, x.options().dtype(at::kLong)).unsqueeze(1);
-    at::Tensor key_pos = at::arange(0, total, x.options().dtype(at::kLong)).unsqueeze(0);
-    at::Tensor allowed = key_pos <= query_pos;
-    if (s_.window) allowed = allowed.logical_and(query_pos - key_pos < *s_.window);
-    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
-    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-    at::Tensor out =
-        at::matmul(probs, values).transpose(1, 2).reshape({b, t, s_.heads * s_.head_dim});
-    return o_proj->forward(out);
+    const double scaling = 1.0 / std::sqrt(static_cast<double>(s_.head_dim));
+    at::Tensor out = AttendPacked(q[0], k[0], v[0], chunks, layer, s_.window,
+                                  [&](const at::Tensor& scores) { return scores * scaling; });
+    return o_proj->forward(out.unsqueeze(0));
   }
 
   std::shared_ptr<nn::Linear> q_proj, k_proj, v_proj, o_proj;
@@ -97,7 +229,7 @@ class Mlp : public dispatch::Layer {
     register_module("act_fn", std::make_shared<dispatch::Layer>("SiLU"));
   }
   at::Tensor forward(const at::Tensor& x) {
-    return down_proj->forward(at::silu(gate_proj->forward(x)) * up_proj->forward(x));
+    return down_proj->forward(nn::Silu(gate_proj->forward(x)) * up_proj->forward(x));
   }
   std::shared_ptr<nn::Linear> gate_proj, up_proj, down_proj;
 };
@@ -117,8 +249,8 @@ class DecoderLayer : public dispatch::Layer {
                         std::make_shared<nn::RMSNorm>(prefix + "RMSNorm", s.hidden, eps, dtype));
   }
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                     at::Tensor* k_cache, at::Tensor* v_cache) {
-    x = x + self_attn->forward(input_layernorm->forward(x), cos, sin, k_cache, v_cache);
+                     absl::Span<const SequenceChunk> chunks, size_t layer) {
+    x = x + self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer);
     return x + mlp->forward(post_attention_layernorm->forward(x));
   }
   std::shared_ptr<Attention> self_attn;
@@ -172,7 +304,7 @@ class LlamaFamilyLM : public CausalLM {
   LlamaFamilyLM(const Family& family, const std::string& prefix, const loader::ModelConfig& c,
                 const Sizes& s, bool qkv_bias, bool o_bias,
                 std::shared_ptr<nn::RotaryEmbedding> rotary, at::ScalarType dtype)
-      : CausalLM(family.architecture), dtype_(dtype) {
+      : CausalLM(family.architecture, c, dtype) {
     model = register_module("model", std::make_shared<DecoderModel>(prefix, c, s, qkv_bias, o_bias,
                                                                     std::move(rotary), dtype));
     at::Tensor shared = c.tie_word_embeddings ? model->embed_tokens->weight : at::Tensor();
@@ -180,35 +312,31 @@ class LlamaFamilyLM : public CausalLM {
         "lm_head", std::make_shared<nn::Linear>(s.hidden, c.vocab_size, false, dtype, shared));
   }
 
-  absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids, const at::Tensor& positions,
-                                     KvCache* cache,
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
+                                     absl::Span<const SequenceChunk> chunks, Logits which,
                                      dispatch::DispatchedModel* dispatched) override {
-    if (input_ids.dim() != 2 || positions.sizes() != input_ids.sizes()) {
-      return absl::InvalidArgumentError("input_ids and positions must both be [batch, tokens]");
-    }
-    const at::Device home = input_ids.device();
     const size_t n = model->layers.size();
-    if (cache != nullptr && cache->keys.size() != n) {
-      cache->keys.assign(n, at::Tensor());
-      cache->values.assign(n, at::Tensor());
-    }
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, PreparePositions(input_ids, chunks, config(), n));
+    const at::Device home = input_ids.device();
     ACCEL_ASSIGN_OR_RETURN(
         at::Tensor x, InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
-          return model->embed_tokens->forward(input_ids.to(d));
+          return model->embed_tokens->forward(input_ids.to(d).unsqueeze(0));
         }));
     at::Tensor cos, sin;
     ACCEL_RETURN_IF_ERROR(InScope(dispatched, "model.rotary_emb", home, [&](const at::Device& d) {
                             std::tie(cos, sin) =
-                                model->rotary_emb->forward(positions.to(d), dtype_);
+                                model->rotary_emb->forward(positions.to(d), dtype());
                             return cos;
                           }).status());
     for (size_t i = 0; i < n; ++i) {
       ACCEL_ASSIGN_OR_RETURN(
           x, InScope(dispatched, absl::StrCat("model.layers.", i), home, [&](const at::Device& d) {
-            return model->layers[i]->forward(x.to(d), cos.to(d), sin.to(d),
-                                             cache ? &cache->keys[i] : nullptr,
-                                             cache ? &cache->values[i] : nullptr);
+            return model->layers[i]->forward(x.to(d), cos.to(d), sin.to(d), chunks, i);
           }));
+    }
+    if (which == Logits::kLastOfEach) {
+      ACCEL_RETURN_IF_ERROR(
+          CallTorch([&] { x = x.index_select(1, LastTokens(chunks).to(x.device())); }));
     }
     ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "model.norm", home, [&](const at::Device& d) {
                              return model->norm->forward(x.to(d));
@@ -216,14 +344,12 @@ class LlamaFamilyLM : public CausalLM {
     ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
                              return lm_head->forward(x.to(d));
                            }));
-    return x.to(home, at::kFloat);
+    AdvanceCaches(chunks);
+    return x[0].to(home, at::kFloat);
   }
 
   std::shared_ptr<DecoderModel> model;
   std::shared_ptr<nn::Linear> lm_head;
-
- private:
-  at::ScalarType dtype_;
 };
 
 // GPT-2: learned positions, LayerNorm, Conv1D projections, gelu_new, a tied head.
@@ -236,38 +362,22 @@ class Gpt2Attention : public dispatch::Layer {
     register_module("attn_dropout", std::make_shared<dispatch::Layer>("Dropout"));
     register_module("resid_dropout", std::make_shared<dispatch::Layer>("Dropout"));
   }
-  at::Tensor forward(const at::Tensor& x, at::Tensor* k_cache, at::Tensor* v_cache) {
-    const int64_t b = x.size(0), t = x.size(1), d = hidden_ / heads_;
-    std::vector<at::Tensor> qkv = c_attn->forward(x).split(hidden_, -1);
-    at::Tensor q = qkv[0].view({b, t, heads_, d}).transpose(1, 2);
-    at::Tensor k = qkv[1].view({b, t, heads_, d}).transpose(1, 2);
-    at::Tensor v = qkv[2].view({b, t, heads_, d}).transpose(1, 2);
-    if (k_cache != nullptr) {
-      if (k_cache->defined()) {
-        k = at::cat({*k_cache, k}, 2);
-        v = at::cat({*v_cache, v}, 2);
-      }
-      *k_cache = k;
-      *v_cache = v;
-    }
-    const int64_t total = k.size(2), past = total - t;
-    at::Tensor scores = at::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(d));
-    at::Tensor query_pos = at::arange(past, total, x.options().dtype(at::kLong)).unsqueeze(1);
-    at::Tensor key_pos = at::arange(0, total, x.options().dtype(at::kLong)).unsqueeze(0);
-    scores = scores.masked_fill(key_pos > query_pos, -std::numeric_limits<float>::infinity());
-    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-    return c_proj->forward(at::matmul(probs, v).transpose(1, 2).reshape({b, t, hidden_}));
+  at::Tensor forward(const at::Tensor& x, absl::Span<const SequenceChunk> chunks, size_t layer) {
+    const int64_t t = x.size(1), d = hidden_ / heads_;
+    std::vector<at::Tensor> qkv = c_attn->forward(x)[0].split(hidden_, -1);
+    at::Tensor q = qkv[0].view({t, heads_, d}).transpose(0, 1);
+    at::Tensor k = qkv[1].view({t, heads_, d}).transpose(0, 1);
+    at::Tensor v = qkv[2].view({t, heads_, d}).transpose(0, 1);
+    const double divisor = std::sqrt(static_cast<double>(d));
+    at::Tensor out = AttendPacked(q, k, v, chunks, layer, std::nullopt,
+                                  [&](const at::Tensor& scores) { return scores / divisor; });
+    return c_proj->forward(out.unsqueeze(0));
   }
   std::shared_ptr<nn::Conv1D> c_attn, c_proj;
 
  private:
   int64_t hidden_, heads_;
 };
-
-// transformers' NewGELUActivation ("gelu_new"): the tanh approximation.
-at::Tensor GeluNew(const at::Tensor& x) {
-  return 0.5 * x * (1.0 + at::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * at::pow(x, 3.0))));
-}
 
 class Gpt2Block : public dispatch::Layer {
  public:
@@ -286,9 +396,9 @@ class Gpt2Block : public dispatch::Layer {
     mlp->register_module("act", std::make_shared<dispatch::Layer>("NewGELUActivation"));
     mlp->register_module("dropout", std::make_shared<dispatch::Layer>("Dropout"));
   }
-  at::Tensor forward(at::Tensor x, at::Tensor* k_cache, at::Tensor* v_cache) {
-    x = x + attn->forward(ln_1->forward(x), k_cache, v_cache);
-    return x + c_proj->forward(GeluNew(c_fc->forward(ln_2->forward(x))));
+  at::Tensor forward(at::Tensor x, absl::Span<const SequenceChunk> chunks, size_t layer) {
+    x = x + attn->forward(ln_1->forward(x), chunks, layer);
+    return x + c_proj->forward(nn::GeluNew(c_fc->forward(ln_2->forward(x))));
   }
   std::shared_ptr<nn::LayerNorm> ln_1, ln_2;
   std::shared_ptr<Gpt2Attention> attn;
@@ -297,7 +407,8 @@ class Gpt2Block : public dispatch::Layer {
 
 class Gpt2LM : public CausalLM {
  public:
-  Gpt2LM(const loader::ModelConfig& c, at::ScalarType dtype) : CausalLM("GPT2LMHeadModel") {
+  Gpt2LM(const loader::ModelConfig& c, at::ScalarType dtype)
+      : CausalLM("GPT2LMHeadModel", c, dtype) {
     transformer = register_module("transformer", std::make_shared<dispatch::Layer>("GPT2Model"));
     wte = transformer->register_module(
         "wte", std::make_shared<nn::Embedding>(c.vocab_size, c.hidden_size, dtype));
@@ -314,45 +425,42 @@ class Gpt2LM : public CausalLM {
     at::Tensor shared = c.tie_word_embeddings ? wte->weight : at::Tensor();
     lm_head = register_module(
         "lm_head", std::make_shared<nn::Linear>(c.hidden_size, c.vocab_size, false, dtype, shared));
-    max_positions_ = c.max_position_embeddings;
   }
 
-  absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids, const at::Tensor& positions,
-                                     KvCache* cache,
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
+                                     absl::Span<const SequenceChunk> chunks, Logits which,
                                      dispatch::DispatchedModel* dispatched) override {
-    if (input_ids.dim() != 2 || positions.sizes() != input_ids.sizes()) {
-      return absl::InvalidArgumentError("input_ids and positions must both be [batch, tokens]");
-    }
-    if (positions.numel() > 0 && positions.max().item<int64_t>() >= max_positions_) {
-      return absl::InvalidArgumentError(absl::StrCat("position ", positions.max().item<int64_t>(),
-                                                     " is past GPT-2's ", max_positions_,
-                                                     " positions"));
+    const size_t n = blocks.size();
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, PreparePositions(input_ids, chunks, config(), n));
+    const int64_t limit = config().max_position_embeddings;
+    if (const int64_t last = positions.max().item<int64_t>(); last >= limit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("position ", last, " is past GPT-2's ", limit, " positions"));
     }
     const at::Device home = input_ids.device();
-    const size_t n = blocks.size();
-    if (cache != nullptr && cache->keys.size() != n) {
-      cache->keys.assign(n, at::Tensor());
-      cache->values.assign(n, at::Tensor());
-    }
-    ACCEL_ASSIGN_OR_RETURN(
-        at::Tensor x, InScope(dispatched, "transformer.wte", home,
-                              [&](const at::Device& d) { return wte->forward(input_ids.to(d)); }));
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor x,
+                           InScope(dispatched, "transformer.wte", home, [&](const at::Device& d) {
+                             return wte->forward(input_ids.to(d).unsqueeze(0));
+                           }));
     ACCEL_ASSIGN_OR_RETURN(
         x, InScope(dispatched, "transformer.wpe", home,
                    [&](const at::Device& d) { return x.to(d) + wpe->forward(positions.to(d)); }));
     for (size_t i = 0; i < n; ++i) {
       ACCEL_ASSIGN_OR_RETURN(
-          x, InScope(dispatched, absl::StrCat("transformer.h.", i), home, [&](const at::Device& d) {
-            return blocks[i]->forward(x.to(d), cache ? &cache->keys[i] : nullptr,
-                                      cache ? &cache->values[i] : nullptr);
-          }));
+          x, InScope(dispatched, absl::StrCat("transformer.h.", i), home,
+                     [&](const at::Device& d) { return blocks[i]->forward(x.to(d), chunks, i); }));
+    }
+    if (which == Logits::kLastOfEach) {
+      ACCEL_RETURN_IF_ERROR(
+          CallTorch([&] { x = x.index_select(1, LastTokens(chunks).to(x.device())); }));
     }
     ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "transformer.ln_f", home,
                                       [&](const at::Device& d) { return ln_f->forward(x.to(d)); }));
     ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
                              return lm_head->forward(x.to(d));
                            }));
-    return x.to(home, at::kFloat);
+    AdvanceCaches(chunks);
+    return x[0].to(home, at::kFloat);
   }
 
   std::shared_ptr<dispatch::Layer> transformer;
@@ -360,12 +468,25 @@ class Gpt2LM : public CausalLM {
   std::vector<std::shared_ptr<Gpt2Block>> blocks;
   std::shared_ptr<nn::LayerNorm> ln_f;
   std::shared_ptr<nn::Linear> lm_head;
-
- private:
-  int64_t max_positions_ = 0;
 };
 
 }  // namespace
+
+int64_t KvCache::bytes() const {
+  int64_t total = 0;
+  for (const std::vector<at::Tensor>* buffers : {&keys, &values}) {
+    for (const at::Tensor& buffer : *buffers) {
+      if (buffer.defined()) total += static_cast<int64_t>(buffer.nbytes());
+    }
+  }
+  return total;
+}
+
+void KvCache::Clear() {
+  keys.clear();
+  values.clear();
+  length = 0;
+}
 
 absl::StatusOr<std::shared_ptr<CausalLM>> BuildCausalLM(const loader::ModelConfig& c,
                                                         at::ScalarType dtype) {

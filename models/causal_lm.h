@@ -3,20 +3,31 @@
 // transformers (so models::ModuleTreeFor() describes it exactly and HF
 // checkpoints load into it through dispatch::DispatchedModel).
 //
+// One Forward() call runs any mix of sequences: a whole prompt for a new one
+// (prefill), one token for a running one (decode). Their tokens are packed
+// one after another, without padding, so every linear layer reads its
+// weights once for the whole step; attention runs per sequence against that
+// sequence's own KV cache. This is the shape continuous batching needs:
+// sequences join and leave between steps.
+//
 //   ACCEL_ASSIGN_OR_RETURN(auto model, BuildCausalLM(config, at::kBFloat16));  // empty weights
 //   ACCEL_ASSIGN_OR_RETURN(auto dispatched, dispatch::DispatchedModel::Load(model, dir, map, {}));
-//   KvCache cache;
-//   ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, model->Forward(ids, positions, &cache,
-//   dispatched.get()));
+//   KvCache a, b;
+//   std::vector<SequenceChunk> chunks = {{&a, 5}, {&b, 3}};  // prompts of 5 and 3 tokens
+//   ACCEL_ASSIGN_OR_RETURN(at::Tensor logits,  // [2, vocab]: each prompt's last token
+//       model->Forward(packed_ids, chunks, Logits::kLastOfEach, dispatched.get()));
 #ifndef ACCEL_MODELS_CAUSAL_LM_H_
 #define ACCEL_MODELS_CAUSAL_LM_H_
 
+#include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 #include "dispatch/dispatch.h"
 #include "dispatch/layer.h"
@@ -24,24 +35,58 @@
 
 namespace accel::models {
 
-// Keys and values of every layer for the tokens seen so far, each
-// [batch, kv_heads, seen, head_dim] on its layer's device. Empty at first.
+// The keys and values of one sequence for every layer, each buffer
+// [kv_heads, capacity, head_dim] on its layer's device and in the model's
+// dtype. Capacity doubles when full, so a decode step appends in place
+// instead of copying the past. `length` advances only when a whole
+// Forward() succeeds: a failed step leaves the cache as it was.
 struct KvCache {
   std::vector<at::Tensor> keys;
   std::vector<at::Tensor> values;
-  int64_t seen() const { return keys.empty() || !keys[0].defined() ? 0 : keys[0].size(2); }
+  int64_t length = 0;  // tokens seen; the next token's position
+
+  int64_t bytes() const;  // memory held by the buffers
+  void Clear();           // frees the buffers
+};
+
+// `tokens` of the packed input ids belong to the sequence whose cache is
+// `cache`; its positions continue from cache->length. A null cache is a
+// sequence starting at position 0 whose keys and values are not kept.
+struct SequenceChunk {
+  KvCache* cache = nullptr;
+  int64_t tokens = 0;
+};
+
+enum class Logits {
+  kAll,        // [total tokens, vocab]
+  kLastOfEach  // [sequences, vocab]: each chunk's last token (what decoding needs)
 };
 
 class CausalLM : public dispatch::Layer {
  public:
   using dispatch::Layer::Layer;
-  // input_ids and positions [batch, tokens] (int64): logits [batch, tokens,
-  // vocab] in float32, on the device of the inputs. Attention is causal over
-  // the cache and these tokens. With `dispatched`, each block runs inside its
-  // execution scope (offloaded weights brought in, inputs moved to its device).
+
+  // input_ids [total] (int64, on the cpu or the main device), the chunks in
+  // the order their tokens are packed; logits in float32 on the device of
+  // input_ids. With `dispatched`, each block runs inside its execution scope
+  // (offloaded weights brought in, inputs moved to its device).
+  // InvalidArgument for chunk sizes that do not add up to the ids, a cache
+  // used twice, an id outside the vocabulary, or a position past the
+  // model's limit (GPT-2's learned positions).
   virtual absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
-                                             const at::Tensor& positions, KvCache* cache,
+                                             absl::Span<const SequenceChunk> chunks, Logits which,
                                              dispatch::DispatchedModel* dispatched) = 0;
+
+  const loader::ModelConfig& config() const { return config_; }
+  at::ScalarType dtype() const { return dtype_; }
+
+ protected:
+  CausalLM(const std::string& class_name, const loader::ModelConfig& config, at::ScalarType dtype)
+      : dispatch::Layer(class_name), config_(config), dtype_(dtype) {}
+
+ private:
+  loader::ModelConfig config_;
+  at::ScalarType dtype_;
 };
 
 // A model of the config's family with uninitialised weights (meta weights

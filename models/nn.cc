@@ -7,7 +7,20 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/torch_compat.h"
+
 namespace accel::nn {
+
+namespace {
+
+// float16 on a cpu without float16 kernels: compute in float32.
+bool NeedsHalfUpcast(const at::Tensor& x) {
+  return !compat::kCpuHalfKernels && x.scalar_type() == at::kHalf && x.device().is_cpu();
+}
+
+at::Tensor Float(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; }
+
+}  // namespace
 
 Linear::Linear(int64_t in, int64_t out, bool bias, at::ScalarType dtype,
                const at::Tensor& shared_weight)
@@ -17,7 +30,25 @@ Linear::Linear(int64_t in, int64_t out, bool bias, at::ScalarType dtype,
   if (bias) this->bias = AddParameter("bias", {out}, dtype);
 }
 
-at::Tensor Linear::forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+at::Tensor MatMul(const at::Tensor& a, const at::Tensor& b) {
+  if (NeedsHalfUpcast(a)) return at::matmul(Float(a), Float(b)).to(at::kHalf);
+  return at::matmul(a, b);
+}
+
+at::Tensor Silu(const at::Tensor& x) {
+  if (NeedsHalfUpcast(x)) return at::silu(Float(x)).to(at::kHalf);
+  return at::silu(x);
+}
+
+at::Tensor GeluNew(const at::Tensor& x) {
+  if (NeedsHalfUpcast(x)) return GeluNew(Float(x)).to(at::kHalf);
+  return 0.5 * x * (1.0 + at::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * at::pow(x, 3.0))));
+}
+
+at::Tensor Linear::forward(const at::Tensor& x) {
+  if (NeedsHalfUpcast(x)) return at::linear(Float(x), Float(weight), Float(bias)).to(at::kHalf);
+  return at::linear(x, weight, bias);
+}
 
 Conv1D::Conv1D(int64_t in, int64_t out, at::ScalarType dtype) : dispatch::Layer("Conv1D") {
   weight = AddParameter("weight", {in, out}, dtype);
@@ -27,6 +58,11 @@ Conv1D::Conv1D(int64_t in, int64_t out, at::ScalarType dtype) : dispatch::Layer(
 at::Tensor Conv1D::forward(const at::Tensor& x) {
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = weight.size(1);
+  if (NeedsHalfUpcast(x)) {
+    return at::addmm(Float(bias), Float(x).reshape({-1, x.size(-1)}), Float(weight))
+        .to(at::kHalf)
+        .view(shape);
+  }
   return at::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(shape);
 }
 
@@ -55,6 +91,9 @@ LayerNorm::LayerNorm(int64_t dim, double eps, at::ScalarType dtype)
 }
 
 at::Tensor LayerNorm::forward(const at::Tensor& x) {
+  if (NeedsHalfUpcast(x)) {
+    return at::layer_norm(Float(x), {dim_}, Float(weight), Float(bias), eps_).to(at::kHalf);
+  }
   return at::layer_norm(x, {dim_}, weight, bias, eps_);
 }
 

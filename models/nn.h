@@ -97,6 +97,15 @@ class RotaryEmbedding : public dispatch::Layer {
   RotaryEmbedding(const std::string& class_name, const at::Tensor& inv_freq);
 };
 
+// at::matmul, except that float16 on a cpu whose libtorch lacks its kernels
+// (see compat::kCpuHalfKernels) runs in float32 and is rounded back.
+at::Tensor MatMul(const at::Tensor& a, const at::Tensor& b);
+// x * sigmoid(x), with the same float16 fallback.
+at::Tensor Silu(const at::Tensor& x);
+// transformers' NewGELUActivation ("gelu_new", GPT-2): the tanh
+// approximation, with the same float16 fallback.
+at::Tensor GeluNew(const at::Tensor& x);
+
 // x * cos + rotate_half(x) * sin, x [B, heads, T, head_dim], cos/sin [B, T, head_dim].
 at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 

@@ -166,19 +166,21 @@ struct Loaded {
   std::unique_ptr<dispatch::DispatchedModel> dispatched;
 };
 
-Loaded Load(const std::string& dir, const dispatch::DeviceMap& map) {
+Loaded Load(const std::string& dir, const dispatch::DeviceMap& map,
+            at::ScalarType dtype = at::kFloat) {
   Loaded out;
   auto config = loader::ReadModelConfig(dir + "/config.json");
   EXPECT_THAT(config, IsOk());
   out.config = *config;
   {
     dispatch::EmptyWeightsGuard empty;
-    auto model = BuildCausalLM(out.config, at::kFloat);
+    auto model = BuildCausalLM(out.config, dtype);
     EXPECT_THAT(model, IsOk());
     out.model = *model;
   }
   dispatch::LoadOptions options;
   options.progress = Progress::Style::kSilent;
+  options.dtype = dtype;
   auto dispatched = dispatch::DispatchedModel::Load(out.model, dir, map, options);
   EXPECT_THAT(dispatched, IsOk());
   out.dispatched = *std::move(dispatched);
@@ -191,16 +193,18 @@ dispatch::DeviceMap AllCpu() {
   return map;
 }
 
-at::Tensor Positions(int64_t batch, int64_t from, int64_t count) {
-  return at::arange(from, from + count, at::kLong).unsqueeze(0).expand({batch, count}).contiguous();
+// Logits of every token of one sequence, continuing `cache` when given.
+at::Tensor Logits(Loaded& m, const std::vector<int64_t>& ids, KvCache* cache = nullptr) {
+  c10::InferenceMode inference;
+  const SequenceChunk chunk{cache, static_cast<int64_t>(ids.size())};
+  auto logits =
+      m.model->Forward(at::tensor(ids, at::kLong), {chunk}, Logits::kAll, m.dispatched.get());
+  EXPECT_THAT(logits, IsOk());
+  return logits.ok() ? *logits : at::Tensor();
 }
 
-at::Tensor Logits(Loaded& m, const at::Tensor& ids, const at::Tensor& positions,
-                  KvCache* cache = nullptr) {
-  c10::InferenceMode inference;
-  auto logits = m.model->Forward(ids, positions, cache, m.dispatched.get());
-  EXPECT_THAT(logits, IsOk());
-  return *logits;
+std::vector<int64_t> Slice(const std::vector<int64_t>& ids, size_t from, size_t count) {
+  return {ids.begin() + from, ids.begin() + from + count};
 }
 
 // ---- tests ----------------------------------------------------------------------
@@ -239,11 +243,11 @@ TEST(CausalLMTest, LogitsMatchTheReference) {
     ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
     Loaded m = Load(dir.path(), AllCpu());
     const std::vector<int64_t> ids = {5, 17, 299, 42, 42, 0, 7};
-    at::Tensor logits = Logits(m, at::tensor(ids, at::kLong).unsqueeze(0), Positions(1, 0, 7));
+    at::Tensor logits = Logits(m, ids);
     ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint ckpt, loader::Checkpoint::Open(dir.path()));
     at::Tensor expected = Reference{ckpt, m.config}.Logits(ids).to(at::kFloat);
-    EXPECT_TRUE(at::allclose(logits[0], expected, /*rtol=*/1e-4, /*atol=*/1e-5))
-        << "max difference " << (logits[0] - expected).abs().max().item<float>();
+    EXPECT_TRUE(at::allclose(logits, expected, /*rtol=*/1e-4, /*atol=*/1e-5))
+        << "max difference " << (logits - expected).abs().max().item<float>();
   }
 }
 
@@ -252,44 +256,120 @@ TEST(CausalLMTest, Gpt2LogitsMatchTheReference) {
   ASSERT_THAT(MakeModel(dir.path(), Small("gpt2")), IsOk());
   Loaded m = Load(dir.path(), AllCpu());
   const std::vector<int64_t> ids = {256, 1, 2, 299, 17, 17};
-  at::Tensor logits = Logits(m, at::tensor(ids, at::kLong).unsqueeze(0), Positions(1, 0, 6));
+  at::Tensor logits = Logits(m, ids);
   ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint ckpt, loader::Checkpoint::Open(dir.path()));
   at::Tensor expected = Gpt2Reference{ckpt, m.config}.Logits(ids).to(at::kFloat);
-  EXPECT_TRUE(at::allclose(logits[0], expected, /*rtol=*/1e-4, /*atol=*/1e-5))
-      << "max difference " << (logits[0] - expected).abs().max().item<float>();
+  EXPECT_TRUE(at::allclose(logits, expected, /*rtol=*/1e-4, /*atol=*/1e-5))
+      << "max difference " << (logits - expected).abs().max().item<float>();
   // And with the cache, token by token.
   KvCache cache;
-  for (int64_t t = 0; t < 6; ++t) {
-    at::Tensor step =
-        Logits(m, at::tensor({ids[t]}, at::kLong).unsqueeze(0), Positions(1, t, 1), &cache);
-    EXPECT_TRUE(at::allclose(step[0][0], logits[0][t], 1e-5, 1e-6)) << "token " << t;
+  for (size_t t = 0; t < ids.size(); ++t) {
+    at::Tensor step = Logits(m, {ids[t]}, &cache);
+    EXPECT_TRUE(at::allclose(step[0], logits[t], 1e-5, 1e-6)) << "token " << t;
+  }
+}
+
+// bfloat16 and float16 weights (a float32 checkpoint converted on load):
+// the same logits as the double-precision reference up to 16-bit rounding,
+// and the cache and packing still change nothing beyond it.
+TEST(CausalLMTest, SixteenBitModelsFollowTheReference) {
+  for (const char* family : {"llama", "gpt2"}) {
+    TempDir dir;
+    ASSERT_THAT(MakeModel(dir.path(), Small(family)), IsOk());
+    ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint ckpt, loader::Checkpoint::Open(dir.path()));
+    const std::vector<int64_t> ids = {5, 17, 299, 42, 42, 0, 7};
+    for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+      SCOPED_TRACE(std::string(family) + " " + c10::toString(dtype));
+      Loaded m = Load(dir.path(), AllCpu(), dtype);
+      at::Tensor expected = std::string(family) == "gpt2"
+                                ? Gpt2Reference{ckpt, m.config}.Logits(ids).to(at::kFloat)
+                                : Reference{ckpt, m.config}.Logits(ids).to(at::kFloat);
+      at::Tensor logits = Logits(m, ids);
+      ASSERT_EQ(logits.scalar_type(), at::kFloat);
+      // Relative error of the whole logit matrix: bfloat16 keeps 8 bits of
+      // mantissa (2^-8 ~ 0.4%), float16 11 bits; a few layers compound it.
+      const double bound = dtype == at::kBFloat16 ? 2e-2 : 2.5e-3;  // ~3x the seen error
+      const double error = ((logits - expected).norm() / expected.norm()).item<double>();
+      EXPECT_LT(error, bound);
+      EXPECT_GT(error, 0.0);  // the 16-bit path really ran in 16 bits
+      KvCache cache;
+      at::Tensor first = Logits(m, Slice(ids, 0, 5), &cache);
+      at::Tensor next = Logits(m, Slice(ids, 5, 2), &cache);
+      at::Tensor stepped = at::cat({first, next});
+      EXPECT_LT(((stepped - logits).norm() / logits.norm()).item<double>(), bound / 4);
+    }
   }
 }
 
 TEST(CausalLMTest, KvCacheGivesTheSameLogitsAsTheFullSequence) {
-  TempDir dir;
-  ASSERT_THAT(MakeModel(dir.path(), Small("llama")), IsOk());
-  Loaded m = Load(dir.path(), AllCpu());
-  at::Tensor ids = at::tensor({3, 1, 4, 1, 5, 9, 2}, at::kLong).unsqueeze(0);
-  at::Tensor full = Logits(m, ids, Positions(1, 0, 7));
-  KvCache cache;
-  at::Tensor prefill = Logits(m, ids.narrow(1, 0, 4), Positions(1, 0, 4), &cache);
-  EXPECT_TRUE(at::allclose(prefill, full.narrow(1, 0, 4), 1e-5, 1e-6));
-  for (int64_t t = 4; t < 7; ++t) {
-    at::Tensor step = Logits(m, ids.narrow(1, t, 1), Positions(1, t, 1), &cache);
-    EXPECT_TRUE(at::allclose(step[0][0], full[0][t], 1e-5, 1e-6)) << "token " << t;
+  for (const char* family : {"llama", "mistral"}) {
+    SCOPED_TRACE(family);
+    TempDir dir;
+    MakeModelOptions o = Small(family);
+    if (std::string(family) == "mistral") o.sliding_window = 3;  // the window slides over the cache
+    ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
+    Loaded m = Load(dir.path(), AllCpu());
+    const std::vector<int64_t> ids = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4};
+    at::Tensor full = Logits(m, ids);
+    KvCache cache;
+    at::Tensor prefill = Logits(m, Slice(ids, 0, 4), &cache);
+    EXPECT_TRUE(at::allclose(prefill, full.narrow(0, 0, 4), 1e-5, 1e-6));
+    // Token by token, past the cache's first capacity (16) so it grows.
+    for (size_t t = 4; t < ids.size(); ++t) {
+      at::Tensor step = Logits(m, {ids[t]}, &cache);
+      EXPECT_TRUE(at::allclose(step[0], full[t], 1e-5, 1e-6)) << "token " << t;
+    }
+    EXPECT_EQ(cache.length, static_cast<int64_t>(ids.size()));
+    EXPECT_GT(cache.bytes(), 0);
+    cache.Clear();
+    EXPECT_EQ(cache.length, 0);
+    EXPECT_EQ(cache.bytes(), 0);
   }
-  EXPECT_EQ(cache.seen(), 7);
 }
 
-TEST(CausalLMTest, ABatchEqualsEachSequenceAlone) {
-  TempDir dir;
-  ASSERT_THAT(MakeModel(dir.path(), Small("qwen2")), IsOk());
-  Loaded m = Load(dir.path(), AllCpu());
-  at::Tensor a = at::tensor({10, 20, 30, 40}, at::kLong), b = at::tensor({7, 7, 8, 250}, at::kLong);
-  at::Tensor batch = Logits(m, at::stack({a, b}), Positions(2, 0, 4));
-  EXPECT_TRUE(at::allclose(batch[0], Logits(m, a.unsqueeze(0), Positions(1, 0, 4))[0], 1e-5, 1e-6));
-  EXPECT_TRUE(at::allclose(batch[1], Logits(m, b.unsqueeze(0), Positions(1, 0, 4))[0], 1e-5, 1e-6));
+// Prompts of different lengths prefilled in one packed step, then decoded
+// together (one token each per step, one sequence joining late): every
+// sequence's logits equal what it gets alone.
+TEST(CausalLMTest, PackedSequencesEqualEachSequenceAlone) {
+  for (const char* family : {"qwen2", "gpt2"}) {
+    SCOPED_TRACE(family);
+    TempDir dir;
+    ASSERT_THAT(MakeModel(dir.path(), Small(family)), IsOk());
+    Loaded m = Load(dir.path(), AllCpu());
+    const std::vector<std::vector<int64_t>> seqs = {
+        {10, 20, 30, 40, 50, 60}, {7, 250}, {1, 2, 3, 4, 5, 6, 7, 8, 9}};
+    std::vector<at::Tensor> alone;
+    for (const auto& seq : seqs) alone.push_back(Logits(m, seq));
+
+    c10::InferenceMode inference;
+    KvCache a, b, c;
+    // Step 1: prefill a (4 tokens) and b (1 token); c has not arrived.
+    std::vector<int64_t> packed = {10, 20, 30, 40, 7};
+    auto step = m.model->Forward(at::tensor(packed, at::kLong), {{&a, 4}, {&b, 1}},
+                                 Logits::kLastOfEach, m.dispatched.get());
+    ASSERT_THAT(step, IsOk());
+    ASSERT_EQ(step->sizes(), (std::vector<int64_t>{2, 300}));
+    EXPECT_TRUE(at::allclose((*step)[0], alone[0][3], 1e-5, 1e-6));
+    EXPECT_TRUE(at::allclose((*step)[1], alone[1][0], 1e-5, 1e-6));
+    // Step 2: a and b decode one token; c prefills 7 tokens; all logits.
+    packed = {50, 250, 1, 2, 3, 4, 5, 6, 7};
+    step = m.model->Forward(at::tensor(packed, at::kLong), {{&a, 1}, {&b, 1}, {&c, 7}},
+                            Logits::kAll, m.dispatched.get());
+    ASSERT_THAT(step, IsOk());
+    ASSERT_EQ(step->size(0), 9);
+    EXPECT_TRUE(at::allclose((*step)[0], alone[0][4], 1e-5, 1e-6));
+    EXPECT_TRUE(at::allclose((*step)[1], alone[1][1], 1e-5, 1e-6));
+    EXPECT_TRUE(at::allclose(step->narrow(0, 2, 7), alone[2].narrow(0, 0, 7), 1e-5, 1e-6));
+    // Step 3: b has finished; a and c decode.
+    step = m.model->Forward(at::tensor({60, 8}, at::kLong), {{&a, 1}, {&c, 1}}, Logits::kLastOfEach,
+                            m.dispatched.get());
+    ASSERT_THAT(step, IsOk());
+    EXPECT_TRUE(at::allclose((*step)[0], alone[0][5], 1e-5, 1e-6));
+    EXPECT_TRUE(at::allclose((*step)[1], alone[2][7], 1e-5, 1e-6));
+    EXPECT_EQ(a.length, 6);
+    EXPECT_EQ(b.length, 2);
+    EXPECT_EQ(c.length, 8);
+  }
 }
 
 TEST(CausalLMTest, SplitOverCpuAndDiskGivesTheSameLogits) {
@@ -306,10 +386,9 @@ TEST(CausalLMTest, SplitOverCpuAndDiskGivesTheSameLogits) {
   split.Set("model.rotary_emb", Placement::Cpu());
   split.Set("lm_head", Placement::Disk());
   Loaded parted = Load(dir.path(), split);
-  at::Tensor ids = at::tensor({1, 2, 3, 4, 5}, at::kLong).unsqueeze(0);
+  const std::vector<int64_t> ids = {1, 2, 3, 4, 5};
   for (int pass = 0; pass < 2; ++pass) {
-    EXPECT_TRUE(
-        at::equal(Logits(parted, ids, Positions(1, 0, 5)), Logits(whole, ids, Positions(1, 0, 5))));
+    EXPECT_TRUE(at::equal(Logits(parted, ids), Logits(whole, ids)));
   }
   EXPECT_GT(parted.dispatched->stats().fetches, 0);
 }
@@ -320,19 +399,52 @@ TEST(CausalLMTest, BadInputsAreClearErrors) {
   o.max_position_embeddings = 8;
   ASSERT_THAT(MakeModel(gpt2_dir.path(), o), IsOk());
   Loaded gpt2 = Load(gpt2_dir.path(), AllCpu());
-  EXPECT_THAT(
-      gpt2.model->Forward(at::ones({1, 9}, at::kLong), Positions(1, 0, 9), nullptr, nullptr),
-      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("position 8")));
+  c10::InferenceMode inference;
+  EXPECT_THAT(gpt2.model->Forward(at::ones({9}, at::kLong), {{nullptr, 9}}, Logits::kAll, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("position 8")));
+  // Past the limit through the cache: nothing is appended.
+  KvCache full;
+  ASSERT_THAT(gpt2.model->Forward(at::ones({8}, at::kLong), {{&full, 8}}, Logits::kAll, nullptr),
+              IsOk());
+  EXPECT_THAT(gpt2.model->Forward(at::ones({1}, at::kLong), {{&full, 1}}, Logits::kAll, nullptr),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("position 8")));
+  EXPECT_EQ(full.length, 8);
+
   loader::ModelConfig falcon = gpt2.config;
   falcon.architectures = {"FalconForCausalLM"};
   EXPECT_THAT(BuildCausalLM(falcon, at::kFloat),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("LlamaForCausalLM")));
+
   TempDir dir;
   ASSERT_THAT(MakeModel(dir.path(), Small("llama")), IsOk());
   Loaded m = Load(dir.path(), AllCpu());
-  EXPECT_THAT(m.model->Forward(at::tensor({1, 2}, at::kLong), at::tensor({0, 1}, at::kLong),
-                               nullptr, nullptr),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("[batch, tokens]")));
+  auto forward = [&](const at::Tensor& ids, std::vector<SequenceChunk> chunks) {
+    return m.model->Forward(ids, chunks, Logits::kAll, nullptr);
+  };
+  const at::Tensor two = at::tensor({1, 2}, at::kLong);
+  EXPECT_THAT(forward(two.unsqueeze(0), {{nullptr, 2}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("one int64 row")));
+  EXPECT_THAT(forward(two.to(at::kInt), {{nullptr, 2}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("one int64 row")));
+  EXPECT_THAT(forward(two, {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no sequences")));
+  EXPECT_THAT(forward(two, {{nullptr, 3}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("3 tokens in all")));
+  EXPECT_THAT(forward(two, {{nullptr, 2}, {nullptr, 0}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("sequence 1 has 0 tokens")));
+  KvCache shared;
+  EXPECT_THAT(forward(two, {{&shared, 1}, {&shared, 1}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("share one KV cache")));
+  EXPECT_THAT(forward(at::tensor({1, 300}, at::kLong), {{nullptr, 2}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("token id 300")));
+  EXPECT_THAT(forward(at::tensor({-1, 3}, at::kLong), {{nullptr, 2}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("token id -1")));
+  KvCache foreign;
+  foreign.length = 3;
+  foreign.keys.resize(5);
+  foreign.values.resize(5);
+  EXPECT_THAT(forward(two, {{&foreign, 2}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has 5 layers")));
 }
 
 }  // namespace
