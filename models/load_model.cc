@@ -1,0 +1,127 @@
+#include "models/load_model.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <utility>
+
+#include <ATen/Context.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "core/dtype.h"
+#include "core/placement.h"
+#include "core/status.h"
+#include "dispatch/empty_weights.h"
+#include "dispatch/module_tree.h"
+#include "loader/loader.h"
+#include "models/families.h"
+
+namespace accel::models {
+namespace {
+
+absl::StatusOr<at::ScalarType> ChooseDType(const ModelLoadOptions& options,
+                                           const loader::ModelConfig& config) {
+  std::string name = options.dtype;
+  if (name.empty() || name == "auto")
+    name = config.torch_dtype.empty() ? "float32" : config.torch_dtype;
+  absl::StatusOr<at::ScalarType> dtype = ParseDType(name);
+  if (!dtype.ok() || (*dtype != at::kFloat && *dtype != at::kBFloat16 && *dtype != at::kHalf)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dtype '", name, "'", options.dtype == "auto" ? " (config.json's torch_dtype)" : "",
+        ": expected auto, float32, bfloat16 or float16"));
+  }
+  return *dtype;
+}
+
+bool IsStrategy(absl::string_view name) {
+  return name == "auto" || name == "balanced" || name == "balanced_low_0" || name == "sequential";
+}
+
+absl::Status CheckGpus(const dispatch::DeviceMap& map) {
+  for (const auto& [name, placement] : map.entries()) {
+    if (placement.is_cuda() && !at::hasCUDA()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device_map puts '", name.empty() ? std::string("the whole model") : name, "' on ",
+          placement.ToString(), " but this build of libtorch has no CUDA (or sees no GPU)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& options,
+                                                    const loader::ModelConfig& config,
+                                                    at::ScalarType dtype) {
+  const std::string& spec = options.device_map;
+  if (!IsStrategy(spec)) {
+    if (!options.max_memory.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("max_memory plans a device map; it cannot go with device_map '", spec, "'"));
+    }
+    dispatch::DeviceMap map;
+    if (absl::StatusOr<Placement> one = Placement::Parse(spec); one.ok()) {
+      map.Set("", *one);
+      return map;
+    }
+    if (!std::filesystem::exists(spec)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device_map '", spec,
+          "': expected auto, balanced, balanced_low_0, sequential, a device (cpu, 0, disk) or "
+          "the path of a JSON device map"));
+    }
+    ACCEL_ASSIGN_OR_RETURN(std::string text, loader::ReadFile(spec));
+    return dispatch::DeviceMap::FromJson(text, spec);
+  }
+  dispatch::MaxMemory max_memory;
+  const bool probed = options.max_memory.empty();
+  if (probed) {
+    ACCEL_ASSIGN_OR_RETURN(max_memory, dispatch::ProbeMaxMemory());
+    if (!at::hasCUDA()) {  // GPUs NVML sees but this libtorch cannot use
+      max_memory.erase(std::remove_if(max_memory.begin(), max_memory.end(),
+                                      [](const auto& entry) { return entry.first.is_cuda(); }),
+                       max_memory.end());
+    }
+  } else {
+    absl::StatusOr<dispatch::MaxMemory> parsed = dispatch::ParseMaxMemory(options.max_memory);
+    if (!parsed.ok()) return Annotate(parsed.status(), "max_memory");
+    max_memory = *std::move(parsed);
+  }
+  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype));
+  ACCEL_ASSIGN_OR_RETURN(Family family, FamilyOf(config));
+  dispatch::PlanOptions plan;
+  plan.no_split = {family.block_class};
+  plan.sizes.dtype = dtype;
+  return dispatch::PlanDeviceMap(tree, spec, max_memory, plan, probed);
+}
+
+}  // namespace
+
+std::vector<int64_t> LoadedModel::eos_token_ids() const {
+  return generation_config.eos_token_ids.empty() ? config.eos_token_ids
+                                                 : generation_config.eos_token_ids;
+}
+
+absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOptions& options) {
+  LoadedModel out;
+  out.dir = dir;
+  ACCEL_ASSIGN_OR_RETURN(out.config, loader::ReadModelConfig(dir + "/config.json"));
+  const std::string generation = dir + "/generation_config.json";
+  if (std::filesystem::exists(generation)) {
+    ACCEL_ASSIGN_OR_RETURN(out.generation_config, loader::ReadGenerationConfig(generation));
+  }
+  ACCEL_ASSIGN_OR_RETURN(out.dtype, ChooseDType(options, out.config));
+  ACCEL_ASSIGN_OR_RETURN(out.device_map, ChooseDeviceMap(options, out.config, out.dtype));
+  ACCEL_RETURN_IF_ERROR(CheckGpus(out.device_map));
+  {
+    dispatch::EmptyWeightsGuard empty;
+    ACCEL_ASSIGN_OR_RETURN(out.model, BuildCausalLM(out.config, out.dtype));
+  }
+  dispatch::LoadOptions load;
+  load.dtype = out.dtype;
+  load.offload_folder = options.offload_folder;
+  load.progress = options.progress;
+  ACCEL_ASSIGN_OR_RETURN(out.dispatched,
+                         dispatch::DispatchedModel::Load(out.model, dir, out.device_map, load));
+  return out;
+}
+
+}  // namespace accel::models

@@ -1,0 +1,67 @@
+// models/load_model.h: everything between a HuggingFace model folder and a
+// model ready to generate, as accel-serve and accel-generate need it:
+// config.json (and generation_config.json when present), the device map
+// (planned from max_memory, or given), the model built on empty weights and
+// loaded with cpu/disk offload, and the stop tokens.
+//
+//   ModelLoadOptions options;
+//   options.device_map = "auto";
+//   options.max_memory = "cpu=8GiB,disk=100GiB";
+//   ACCEL_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModel("/models/llama", options));
+//   Generator generator(loaded.model, loaded.dispatched.get());
+#ifndef ACCEL_MODELS_LOAD_MODEL_H_
+#define ACCEL_MODELS_LOAD_MODEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+#include "core/progress.h"
+#include "dispatch/device_map.h"
+#include "dispatch/dispatch.h"
+#include "loader/config.h"
+#include "models/causal_lm.h"
+
+namespace accel::models {
+
+struct ModelLoadOptions {
+  // A strategy ("auto", "balanced", "balanced_low_0", "sequential"), a
+  // single device for everything ("cpu", "0", "cuda:1", "disk"), or the path
+  // of a JSON device map as accel-device-map prints it.
+  std::string device_map = "auto";
+  // Budgets as accel-device-map takes them ("0=10GiB,cpu=30GiB,disk=1TB");
+  // empty: probed (free GPU memory, RAM available within the cgroup).
+  std::string max_memory;
+  // Where disk-placed weights that need a dtype conversion are written.
+  std::string offload_folder;
+  // "auto" (config.json's torch_dtype, float32 when it has none), or
+  // float32, bfloat16, float16.
+  std::string dtype = "auto";
+  Progress::Style progress = Progress::Style::kAuto;
+};
+
+struct LoadedModel {
+  std::string dir;
+  loader::ModelConfig config;
+  loader::GenerationConfig generation_config;  // defaults without the file
+  at::ScalarType dtype = at::kFloat;
+  dispatch::DeviceMap device_map;
+  std::shared_ptr<CausalLM> model;
+  std::unique_ptr<dispatch::DispatchedModel> dispatched;
+
+  // generation_config.json's eos ids, else config.json's.
+  std::vector<int64_t> eos_token_ids() const;
+};
+
+// Errors name the file or the option: NotFound for a folder without
+// config.json; InvalidArgument for a bad option (naming it), an unsupported
+// architecture, a GPU in the map on a build without CUDA; and whatever
+// loading the weights reports (dispatch::DispatchedModel::Load).
+absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOptions& options);
+
+}  // namespace accel::models
+
+#endif  // ACCEL_MODELS_LOAD_MODEL_H_
