@@ -1,0 +1,168 @@
+// Decode speed on the cpu: tokens/s at batch 1 and the throughput of a batch
+// of 8, for a generated ~1 GB float32 model and a ~500 MB bfloat16 one, next
+// to the memory-bandwidth bound measured in the same run: decode at batch 1
+// reads every weight once per token, so tokens/s cannot beat (read
+// bandwidth) / (weight bytes per token).
+//
+//   build/bin/accel-bench-decode [--tokens 32] [--batch 8] [--dir /tmp/x]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <c10/core/InferenceMode.h>
+
+#include "core/bytes.h"
+#include "core/dtype.h"
+#include "models/generator.h"
+#include "models/load_model.h"
+#include "models/make_model.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(const std::function<void()>& fn) {
+  const auto start = Clock::now();
+  fn();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double Best(int repeats, const std::function<void()>& fn) {
+  double best = 1e30;
+  for (int i = 0; i < repeats; ++i) best = std::min(best, Seconds(fn));
+  return best;
+}
+
+struct Bandwidth {
+  double copy;  // bytes copied per second (memcpy)
+  double read;  // bytes read per second (a threaded sum, as matmuls read)
+};
+
+Bandwidth MeasureBandwidth(int64_t bytes) {
+  c10::InferenceMode inference;
+  at::Tensor a = at::ones({bytes / 4}, at::kFloat), b = at::empty_like(a);
+  Bandwidth out;
+  out.copy = bytes / Best(3, [&] { std::memcpy(b.data_ptr(), a.data_ptr(), bytes); });
+  volatile float sink = 0;
+  out.read = bytes / Best(3, [&] { sink = a.sum().item<float>(); });
+  (void)sink;
+  return out;
+}
+
+struct Result {
+  double batch1_tokens_per_s;
+  double batch_tokens_per_s;
+};
+
+// Decode steps only: the first step (prefill) is excluded.
+double DecodeRate(accel::models::LoadedModel& m, int batch, int64_t tokens) {
+  accel::models::Generator generator(m.model, m.dispatched.get());
+  for (int i = 0; i < batch; ++i) {
+    accel::models::GenerationRequest r;
+    for (int t = 0; t < 8; ++t) r.prompt_ids.push_back(1 + (i * 8 + t) % 1000);
+    r.sampling.temperature = 0;
+    r.max_new_tokens = tokens;  // no stop tokens: exactly this many
+    if (!generator.Add(r).ok()) std::abort();
+  }
+  if (!generator.Step().ok()) std::abort();  // prefill
+  int64_t produced = 0;
+  const double seconds = Seconds([&] {
+    while (generator.running() > 0) {
+      auto events = generator.Step();
+      if (!events.ok()) {
+        std::fprintf(stderr, "%s\n", events.status().ToString().c_str());
+        std::abort();
+      }
+      produced += static_cast<int64_t>(events->size());
+    }
+  });
+  return produced / seconds;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t tokens = 32;
+  int batch = 8;
+  std::string root;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--tokens")
+      tokens = std::atoll(argv[i + 1]);
+    else if (flag == "--batch")
+      batch = std::atoi(argv[i + 1]);
+    else if (flag == "--dir")
+      root = argv[i + 1];
+    else {
+      std::fprintf(stderr, "usage: accel-bench-decode [--tokens N] [--batch B] [--dir DIR]\n");
+      return 2;
+    }
+  }
+  const bool own_root = root.empty();
+  if (own_root) {
+    root = (std::filesystem::temp_directory_path() / "accel-bench-decode").string();
+  }
+  std::filesystem::create_directories(root);
+
+  const Bandwidth bw = MeasureBandwidth(int64_t{1} << 30);
+  std::printf("memory bandwidth (1 GiB, best of 3): memcpy %.1f GB/s, threaded read %.1f GB/s\n",
+              bw.copy / 1e9, bw.read / 1e9);
+
+  struct Case {
+    const char* name;
+    c10::ScalarType dtype;
+    int64_t bytes;
+  };
+  for (const Case& c : {Case{"float32", c10::ScalarType::Float, int64_t{1} << 30},
+                        Case{"bfloat16", c10::ScalarType::BFloat16, 500'000'000}}) {
+    accel::models::MakeModelOptions o;
+    o.family = "llama";
+    o.vocab_size = 32000;
+    o.hidden_size = 1024;
+    o.num_heads = 16;
+    o.num_kv_heads = 4;
+    o.dtype = c.dtype;
+    o.target_bytes = c.bytes;
+    const std::string dir = root + "/" + c.name;
+    auto made = accel::models::MakeModel(dir, o);
+    if (!made.ok()) {
+      std::fprintf(stderr, "%s\n", made.status().ToString().c_str());
+      return 1;
+    }
+    accel::models::ModelLoadOptions options;
+    options.device_map = "cpu";
+    options.progress = accel::Progress::Style::kSilent;
+    auto loaded = accel::models::LoadModel(dir, options);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str());
+      return 1;
+    }
+    // Every weight is read once per step except the embedding, of which
+    // one row per token is.
+    const double element = c.dtype == c10::ScalarType::Float ? 4 : 2;
+    const double per_token = static_cast<double>(made->bytes) -
+                             element * static_cast<double>(o.vocab_size * o.hidden_size);
+    const double bound_read = bw.read / per_token, bound_copy = bw.copy / per_token;
+    const double one = DecodeRate(*loaded, 1, tokens);
+    const double many = DecodeRate(*loaded, batch, tokens);
+    std::printf(
+        "%s model, %d layers, %s of weights (%s read per token):\n"
+        "  batch 1: %.2f tokens/s = %.0f%% of the read-bandwidth bound %.2f tokens/s "
+        "(memcpy bound %.2f); %.1f GB/s of weights\n"
+        "  batch %d: %.2f tokens/s in all (%.2fx batch 1)\n",
+        c.name, static_cast<int>(made->config.num_hidden_layers),
+        accel::FormatBytes(static_cast<int64_t>(made->bytes)).c_str(),
+        accel::FormatBytes(static_cast<int64_t>(per_token)).c_str(), one, 100 * one / bound_read,
+        bound_read, bound_copy, one * per_token / 1e9, batch, many, many / one);
+    std::fflush(stdout);
+  }
+  if (own_root) std::filesystem::remove_all(root);
+  return 0;
+}
