@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/torch_compat.h"
+#include "models/internal/cpu_linear.h"
 
 namespace accel::nn {
 
@@ -46,6 +47,9 @@ at::Tensor GeluNew(const at::Tensor& x) {
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) {
+  // A few rows on the cpu (decode): our GEMV kernels stream the weights at
+  // close to memory bandwidth (models/internal/cpu_linear.h).
+  if (std::optional<at::Tensor> y = models::internal::FastLinear(x, weight, bias)) return *y;
   if (NeedsHalfUpcast(x)) return at::linear(Float(x), Float(weight), Float(bias)).to(at::kHalf);
   return at::linear(x, weight, bias);
 }
