@@ -90,5 +90,5 @@ function(accel_test path)
   gtest_discover_tests(${name}
     DISCOVERY_MODE PRE_TEST
     PROPERTIES LABELS "${component};${T_LABELS}"
-               ENVIRONMENT "ACCEL_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
+               ENVIRONMENT "ACCEL_BIN_DIR=${CMAKE_BINARY_DIR}/bin;ACCEL_TOKENIZER_REFS=${CMAKE_BINARY_DIR}/tokenizer-refs")
 endfunction()

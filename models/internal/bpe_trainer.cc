@@ -140,6 +140,9 @@ std::string ByteLevelTokenizerJson(const std::vector<std::pair<std::string, std:
     if (!vocab.contains(a + b)) vocab[a + b] = id++;
     merge_list.push_back(absl::StrCat(a, " ", b));
   }
+  // The special tokens are in the model's vocabulary too: HF gives an added
+  // token that the vocabulary lacks the next free id, not the one in the file.
+  for (const SpecialToken& s : specials) vocab[s.content] = s.id;
   Json added = Json::array();
   for (const SpecialToken& s : specials) {
     added.push_back({{"id", s.id},

@@ -32,7 +32,8 @@ struct SpecialToken {
 };
 
 // tokenizer.json for a byte-level BPE with the byte alphabet as ids
-// 0..255, then one token per merge, plus the special tokens.
+// 0..255, then one token per merge, plus the special tokens (in the
+// vocabulary at their ids, and as special added tokens).
 std::string ByteLevelTokenizerJson(const std::vector<std::pair<std::string, std::string>>& merges,
                                    const std::vector<SpecialToken>& specials);
 

@@ -12,6 +12,7 @@
 #include "loader/config.h"
 #include "loader/loader.h"
 #include "models/families.h"
+#include "models/tokenizer.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -114,9 +115,13 @@ TEST(MakeModelTest, TokenizerJsonIsAByteLevelBpeThatFitsTheVocabulary) {
   const auto& vocab = tok["model"]["vocab"];
   std::set<int64_t> ids;
   for (const auto& [token, id] : vocab.items()) {
-    EXPECT_LT(id.get<int64_t>(), 298);
+    EXPECT_LT(id.get<int64_t>(), 300);
     ids.insert(id.get<int64_t>());
   }
+  // The special tokens are in the vocabulary at their ids, which HF requires
+  // to keep those ids (it gives an added token outside it the next free id).
+  EXPECT_EQ(vocab["<|startoftext|>"], 298);
+  EXPECT_EQ(vocab["<|endoftext|>"], 299);
   EXPECT_EQ(ids.size(), vocab.size());  // no id used twice
   EXPECT_EQ(vocab["!"], 0);             // GPT-2's byte order: printable bytes first
   EXPECT_EQ(vocab["Ġ"], 220);           // the space byte
@@ -129,6 +134,25 @@ TEST(MakeModelTest, TokenizerJsonIsAByteLevelBpeThatFitsTheVocabulary) {
   }
   EXPECT_EQ(tok["added_tokens"][1]["content"], "<|endoftext|>");
   EXPECT_EQ(tok["added_tokens"][1]["id"], 299);
+}
+
+TEST(MakeModelTest, TokenizerJsonLoadsWithTheConfigsSpecialTokens) {
+  TempDir dir;
+  MakeModelOptions options;
+  options.vocab_size = 1000;
+  ASSERT_THAT(MakeModel(dir.path(), options), IsOk());
+  ACCEL_ASSERT_OK_AND_ASSIGN(loader::ModelConfig config,
+                             loader::ReadModelConfig(dir.File("config.json")));
+  ACCEL_ASSERT_OK_AND_ASSIGN(Tokenizer tok, Tokenizer::FromFile(dir.File("tokenizer.json")));
+  EXPECT_EQ(tok.vocab_size(), config.vocab_size);
+  EXPECT_EQ(tok.TokenToId("<|begin_of_text|>"), config.bos_token_id);
+  EXPECT_EQ(tok.TokenToId("<|end_of_text|>"), config.eos_token_ids[0]);
+  EXPECT_TRUE(tok.IsSpecial(*config.bos_token_id));
+  const std::string text = "The server reads the weights once.\n\tDone: 42 \xC3\xA9t\xC3\xA9s!";
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::vector<int64_t> ids, tok.Encode(text, true));
+  EXPECT_LT(ids.size(), text.size());
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::string decoded, tok.Decode(ids, false));
+  EXPECT_EQ(decoded, text);
 }
 
 TEST(MakeModelTest, BadOptionsNameTheFlag) {
