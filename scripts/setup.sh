@@ -10,6 +10,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcivetweb-dev libre2-dev libgloo-dev libgoogle-glog-dev
+  libutf8proc-dev
 )
 
 missing=()
@@ -18,6 +19,13 @@ for p in "${packages[@]}"; do
     missing+=("$p")
   fi
 done
+
+# Node.js runs HuggingFace tokenizers for the tokenizer references
+# (scripts/tokenizer_references.sh). Checked by command: a nodejs from
+# elsewhere (NodeSource) already brings npm, and Debian's npm would conflict.
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  missing+=(nodejs npm)
+fi
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds everything and runs every check: clang-format in check mode, the
-# include layering, the unit and integration tests (ctest), the core, loader
+# include layering, the tokenizer references (HF tokenizers through node, the
+# one step after setup that may use the network: npm ci, once per lock file),
+# the unit and integration tests (ctest), the core, loader
 # and dispatch tests again under ASan+UBSan, and a short bounded fuzz run of
 # the parsers of untrusted bytes.
 # Works on a fresh machine: scripts/setup.sh installs what is missing.
@@ -52,6 +54,9 @@ python3 tools/check_layering.py
 step "build (build/, RelWithDebInfo)"
 cmake --preset default >/dev/null
 cmake --build --preset default
+
+step "tokenizer references: HF tokenizers through node (scripts/tokenizer_references.sh)"
+bash scripts/tokenizer_references.sh build
 
 step "tests"
 run_ctest --preset default
