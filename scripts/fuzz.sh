@@ -26,11 +26,16 @@ fi
 BUILD_DIR=build-fuzz
 
 # target -> seed corpus folder and dictionary under tests/fuzz/
-declare -A CORPUS=([safetensors_header_fuzz]=safetensors [config_fuzz]=config)
-declare -A DICT=([safetensors_header_fuzz]=safetensors.dict [config_fuzz]=config.dict)
+declare -A CORPUS=([safetensors_header_fuzz]=safetensors [config_fuzz]=config
+                   [tokenizer_json_fuzz]=tokenizer_json [tokenizer_encode_fuzz]=tokenizer_encode)
+declare -A DICT=([safetensors_header_fuzz]=safetensors.dict [config_fuzz]=config.dict
+                 [tokenizer_json_fuzz]=tokenizer_json.dict
+                 [tokenizer_encode_fuzz]=tokenizer_encode.dict)
 
 targets=("$@")
-if [ ${#targets[@]} -eq 0 ]; then targets=(safetensors_header_fuzz config_fuzz); fi
+if [ ${#targets[@]} -eq 0 ]; then
+  targets=(safetensors_header_fuzz config_fuzz tokenizer_json_fuzz tokenizer_encode_fuzz)
+fi
 for t in "${targets[@]}"; do
   if [ -z "${CORPUS[$t]:-}" ]; then
     echo "fuzz.sh: unknown target '$t' (known: ${!CORPUS[*]})" >&2
