@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/status.h"
+#include "models/tokenizer.h"
 
 namespace accel::models {
 
@@ -25,6 +26,29 @@ absl::string_view FinishReasonName(FinishReason reason) {
       return "stop";
   }
   return "length";
+}
+
+namespace {
+
+class TokenizerStream : public TextStream {
+ public:
+  explicit TokenizerStream(const Tokenizer& tokenizer)
+      : decoder_(tokenizer, /*skip_special_tokens=*/true) {}
+  // An id outside the tokenizer's vocabulary is not part of the stream.
+  std::string Next(int64_t id) override {
+    absl::StatusOr<std::string> piece = decoder_.Next(id);
+    return piece.ok() ? *std::move(piece) : std::string();
+  }
+  std::string Flush() override { return decoder_.Flush(); }
+
+ private:
+  IncrementalDecoder decoder_;
+};
+
+}  // namespace
+
+TextStreamFactory TokenizerTextStreams(const Tokenizer& tokenizer) {
+  return [tokenizer] { return std::make_unique<TokenizerStream>(tokenizer); };
 }
 
 struct Generator::Sequence {

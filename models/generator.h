@@ -4,7 +4,7 @@
 // of new ones and the last token of the others packed together, so the
 // weights are read once per step whatever the batch.
 //
-//   Generator generator(model, dispatched.get(), MakeTextStreams(tokenizer));
+//   Generator generator(model, dispatched.get(), TokenizerTextStreams(tokenizer));
 //   ACCEL_ASSIGN_OR_RETURN(uint64_t id, generator.Add(request));
 //   while (generator.running() > 0) {
 //     ACCEL_ASSIGN_OR_RETURN(std::vector<TokenEvent> events, generator.Step());
@@ -61,6 +61,12 @@ class TextStream {
   virtual std::string Flush() = 0;
 };
 using TextStreamFactory = std::function<std::unique_ptr<TextStream>()>;
+
+class Tokenizer;
+// Text streams from the tokenizer's incremental decoder, skipping special
+// tokens (so an eos reads as nothing). The factory keeps its own copy of
+// the tokenizer (a shared, immutable table).
+TextStreamFactory TokenizerTextStreams(const Tokenizer& tokenizer);
 
 // What one step produced for one sequence.
 struct TokenEvent {

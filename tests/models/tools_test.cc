@@ -37,6 +37,11 @@ Result RunTool(const std::string& command) {
   return r;
 }
 
+// stdout alone (stderr dropped): for output that must parse.
+Result RunToolStdout(const std::string& command) {
+  return RunTool(command + " 2>/dev/null #");  // the '#' comments out RunTool's own 2>&1
+}
+
 TEST(ToolsTest, InspectJsonDescribesWhatMakeModelWrote) {
   TempDir dir;
   Result made = RunTool("accel-make-model " + dir.path() +
@@ -180,6 +185,86 @@ TEST(ToolsTest, EstimateMemoryMatchesAccelerateArithmetic) {
   Result missing = RunTool("accel-estimate-memory --model " + dir.path() + "/nope");
   EXPECT_EQ(missing.exit_code, 1);
   EXPECT_THAT(missing.out, HasSubstr("config.json"));
+}
+
+// ---- accel-generate ----------------------------------------------------------
+
+class GenerateToolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = dir_.path() + "/m";
+    Result made = RunTool("accel-make-model " + model_ + " --family llama --num_layers 3");
+    ASSERT_EQ(made.exit_code, 0) << made.out;
+  }
+  nlohmann::json Json(const std::string& flags) {
+    Result r = RunToolStdout("accel-generate --model " + model_ + " --json " + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.out;
+    auto parsed = nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+    EXPECT_FALSE(parsed.is_discarded()) << r.out;
+    return parsed;
+  }
+  TempDir dir_;
+  std::string model_;
+};
+
+TEST_F(GenerateToolTest, JsonFromInputIdsIsOneLineAndReproducible) {
+  nlohmann::json greedy =
+      Json("--input_ids 1,2,3 --max_new_tokens 6 --ignore_eos --device_map cpu");
+  ASSERT_TRUE(greedy.is_object());
+  EXPECT_EQ(greedy["token_ids"].size(), 6u);
+  EXPECT_EQ(greedy["finish_reason"], "length");
+  EXPECT_TRUE(greedy["text"].is_string());
+  EXPECT_FALSE(greedy.contains("logprobs"));
+  EXPECT_EQ(Json("--input_ids 1,2,3 --max_new_tokens 6 --ignore_eos"), greedy);  // auto map
+  const std::string sampled =
+      "--input_ids 1,2,3 --max_new_tokens 8 --ignore_eos --temperature 1.5 ";
+  nlohmann::json a = Json(sampled + "--seed 11 --logprobs");
+  EXPECT_EQ(a, Json(sampled + "--seed 11 --logprobs"));
+  EXPECT_NE(a["token_ids"], Json(sampled + "--seed 12")["token_ids"]);
+  ASSERT_EQ(a["logprobs"].size(), 8u);
+  for (const auto& lp : a["logprobs"]) EXPECT_LT(lp.get<double>(), 0.0);
+}
+
+TEST_F(GenerateToolTest, APromptIsTokenizedAndTheTextStreamsOut) {
+  nlohmann::json j = Json("--prompt 'Hello there, world' --max_new_tokens 5 --ignore_eos");
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["token_ids"].size(), 5u);
+  // Without --json the same text goes to stdout, the speed to stderr.
+  Result plain = RunTool("accel-generate --model " + model_ +
+                         " --prompt 'Hello there, world' --max_new_tokens 5 --ignore_eos");
+  ASSERT_EQ(plain.exit_code, 0) << plain.out;
+  EXPECT_THAT(plain.out, HasSubstr(j["text"].get<std::string>()));
+  EXPECT_THAT(plain.out, HasSubstr("tokens/s"));
+  EXPECT_THAT(plain.out, HasSubstr("finish: length"));
+}
+
+TEST_F(GenerateToolTest, OffloadedToDiskGeneratesTheSameTokens) {
+  const std::string flags = "--input_ids 5,6,7,8 --max_new_tokens 6 --ignore_eos --dtype bfloat16 ";
+  nlohmann::json in_ram = Json(flags + "--device_map cpu");
+  nlohmann::json offloaded =
+      Json(flags + "--max_memory cpu=60KB,disk=1GB --offload_folder " + dir_.path() + "/off");
+  EXPECT_EQ(offloaded["token_ids"], in_ram["token_ids"]);
+}
+
+TEST_F(GenerateToolTest, BadInputIsAMessageAndExitOne) {
+  auto fails = [&](const std::string& args, const std::string& message) {
+    Result r = RunTool("accel-generate " + args);
+    EXPECT_EQ(r.exit_code, 1) << args << "\n" << r.out;
+    EXPECT_THAT(r.out, HasSubstr(message)) << args;
+  };
+  const std::string m = "--model " + model_ + " ";
+  fails("--input_ids 1", "--model DIR is required");
+  fails(m, "exactly one of --prompt");
+  fails(m + "--prompt hi --input_ids 1", "exactly one of --prompt");
+  fails(m + "--input_ids 1,x", "'x' is not a token id");
+  fails(m + "--input_ids 1,99999", "token id 99999");
+  fails(m + "--input_ids 1 --dtype int8", "dtype 'int8'");
+  fails(m + "--input_ids 1 --device_map moon", "device_map 'moon'");
+  fails(m + "--input_ids 1 --temperature -2", "temperature");
+  fails(m + "--input_ids 1 --max_new_tokens 0", "max_new_tokens");
+  fails("--model " + dir_.path() + "/none --input_ids 1", "config.json");
+  ASSERT_EQ(std::remove((model_ + "/tokenizer.json").c_str()), 0);
+  fails(m + "--prompt hi", "tokenizer.json");
 }
 
 }  // namespace

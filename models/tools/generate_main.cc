@@ -1,0 +1,211 @@
+// accel-generate: load a model as accel-serve does and generate from one
+// prompt, streaming the text, then tokens/s on stderr (or one JSON line).
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+
+#include "core/status.h"
+#include "core/tool_main.h"
+#include "models/generator.h"
+#include "models/load_model.h"
+#include "models/tokenizer.h"
+
+ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (config.json, safetensors, ...).");
+ABSL_FLAG(std::string, prompt, "", "The prompt text (needs the model's tokenizer.json).");
+ABSL_FLAG(std::string, input_ids, "", "The prompt as token ids, e.g. 1,2,3 (instead of --prompt).");
+ABSL_FLAG(int64_t, max_new_tokens, -1,
+          "Tokens to generate at most. Default: generation_config.json's, else 32.");
+ABSL_FLAG(double, temperature, -1,
+          "0: greedy. Default: generation_config.json's when it samples, else greedy.");
+ABSL_FLAG(int64_t, top_k, -1, "Keep the k likeliest tokens (0: off). Default: generation_config.");
+ABSL_FLAG(double, top_p, -1, "Nucleus sampling (1: off). Default: generation_config.");
+ABSL_FLAG(double, min_p, -1, "Drop tokens below min_p x the top probability (0: off).");
+ABSL_FLAG(double, repetition_penalty, -1, "Penalise seen tokens (1: off).");
+ABSL_FLAG(int64_t, seed, -1, "Seed for sampling (-1: random). The same seed, the same text.");
+ABSL_FLAG(std::vector<std::string>, stop, {}, "Stop strings, comma-separated.");
+ABSL_FLAG(bool, ignore_eos, false, "Do not stop at the model's end-of-sequence tokens.");
+ABSL_FLAG(bool, logprobs, false, "Report each generated token's log-probability (with --json).");
+ABSL_FLAG(bool, add_special_tokens, true, "Let the tokenizer add its special tokens (BOS).");
+ABSL_FLAG(bool, json, false,
+          "Print one JSON line {token_ids, text, finish_reason[, logprobs]} instead of the text.");
+ABSL_FLAG(std::string, device_map, "auto",
+          "auto | balanced | balanced_low_0 | sequential | a device (cpu, 0, disk) | a JSON file.");
+ABSL_FLAG(std::string, max_memory, "",
+          "Budgets, e.g. 0=10GiB,cpu=30GiB,disk=1TB. Default: what this machine has free.");
+ABSL_FLAG(std::string, offload_folder, "",
+          "Where disk-placed weights that need a dtype conversion are written.");
+ABSL_FLAG(std::string, dtype, "auto", "auto (config's torch_dtype) | float32 | bfloat16 | float16");
+
+namespace {
+
+using accel::models::FinishReason;
+using accel::models::GenerationRequest;
+using accel::models::TokenEvent;
+using Clock = std::chrono::steady_clock;
+
+int Fail(const absl::Status& status) {
+  std::cerr << "accel-generate: " << status.message() << "\n";
+  return 1;
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseIds(const std::string& text) {
+  std::vector<int64_t> ids;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int64_t id = 0;
+    if (!absl::SimpleAtoi(part, &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--input_ids: '", std::string(part), "' is not a token id"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+// Flags override generation_config.json, which overrides greedy decoding.
+absl::StatusOr<GenerationRequest> MakeRequest(const accel::models::LoadedModel& loaded) {
+  const accel::loader::GenerationConfig& g = loaded.generation_config;
+  GenerationRequest r;
+  r.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
+  if (r.max_new_tokens < 0) r.max_new_tokens = g.max_new_tokens.value_or(32);
+  const bool samples = g.do_sample.value_or(false);
+  r.sampling.temperature = samples ? g.temperature.value_or(1.0) : 0.0;
+  if (samples) {
+    r.sampling.top_k = g.top_k.value_or(0);
+    r.sampling.top_p = g.top_p.value_or(1.0);
+    r.sampling.min_p = g.min_p.value_or(0.0);
+  }
+  r.sampling.repetition_penalty = g.repetition_penalty.value_or(1.0);
+  if (double t = absl::GetFlag(FLAGS_temperature); t != -1) r.sampling.temperature = t;
+  if (int64_t k = absl::GetFlag(FLAGS_top_k); k != -1) r.sampling.top_k = k;
+  if (double p = absl::GetFlag(FLAGS_top_p); p != -1) r.sampling.top_p = p;
+  if (double p = absl::GetFlag(FLAGS_min_p); p != -1) r.sampling.min_p = p;
+  if (double p = absl::GetFlag(FLAGS_repetition_penalty); p != -1) {
+    r.sampling.repetition_penalty = p;
+  }
+  if (int64_t seed = absl::GetFlag(FLAGS_seed); seed >= 0) {
+    r.sampling.seed = static_cast<uint64_t>(seed);
+  }
+  if (!absl::GetFlag(FLAGS_ignore_eos)) r.stop_token_ids = loaded.eos_token_ids();
+  r.stop_strings = absl::GetFlag(FLAGS_stop);
+  r.logprobs = absl::GetFlag(FLAGS_logprobs);
+  return r;
+}
+
+int Run(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "accel-generate --model DIR (--prompt TEXT | --input_ids 1,2,3) [flags]\n"
+      "Loads the model as accel-serve does (device map, offload, dtype) and generates.\n"
+      "  accel-generate --model /tmp/tiny --prompt 'Once upon a time' --max_new_tokens 20\n"
+      "  accel-generate --model DIR --input_ids 1,2,3 --temperature 0.8 --seed 1 --json");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 1) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument '", args[1], "' (see --help)")));
+  }
+  const std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) return Fail(absl::InvalidArgumentError("--model DIR is required"));
+  const std::string prompt = absl::GetFlag(FLAGS_prompt);
+  const std::string ids_text = absl::GetFlag(FLAGS_input_ids);
+  if (prompt.empty() == ids_text.empty()) {
+    return Fail(absl::InvalidArgumentError("give exactly one of --prompt TEXT or --input_ids"));
+  }
+
+  // The tokenizer first: a bad one fails before minutes of loading.
+  std::optional<accel::models::Tokenizer> tokenizer;
+  const std::string tokenizer_path = dir + "/tokenizer.json";
+  if (std::filesystem::exists(tokenizer_path)) {
+    auto loaded = accel::models::Tokenizer::FromFile(tokenizer_path);
+    if (!loaded.ok()) return Fail(loaded.status());
+    tokenizer.emplace(*std::move(loaded));
+  } else if (!prompt.empty()) {
+    return Fail(absl::NotFoundError(
+        absl::StrCat(tokenizer_path, " does not exist: --prompt needs it (or give --input_ids)")));
+  }
+  std::vector<int64_t> prompt_ids;
+  if (!prompt.empty()) {
+    auto encoded = tokenizer->Encode(prompt, absl::GetFlag(FLAGS_add_special_tokens));
+    if (!encoded.ok()) return Fail(accel::Annotate(encoded.status(), "--prompt"));
+    prompt_ids = *std::move(encoded);
+  } else {
+    auto parsed = ParseIds(ids_text);
+    if (!parsed.ok()) return Fail(parsed.status());
+    prompt_ids = *std::move(parsed);
+  }
+
+  accel::models::ModelLoadOptions options;
+  options.device_map = absl::GetFlag(FLAGS_device_map);
+  options.max_memory = absl::GetFlag(FLAGS_max_memory);
+  options.offload_folder = absl::GetFlag(FLAGS_offload_folder);
+  options.dtype = absl::GetFlag(FLAGS_dtype);
+  const auto load_start = Clock::now();
+  auto loaded = accel::models::LoadModel(dir, options);
+  if (!loaded.ok()) return Fail(loaded.status());
+  const double load_seconds = std::chrono::duration<double>(Clock::now() - load_start).count();
+
+  auto request = MakeRequest(*loaded);
+  if (!request.ok()) return Fail(request.status());
+  request->prompt_ids = prompt_ids;
+  accel::models::TextStreamFactory streams;
+  if (tokenizer) streams = accel::models::TokenizerTextStreams(*tokenizer);
+  accel::models::Generator generator(loaded->model, loaded->dispatched.get(), streams);
+  if (auto added = generator.Add(*request); !added.ok()) return Fail(added.status());
+
+  const bool json = absl::GetFlag(FLAGS_json);
+  std::vector<int64_t> token_ids;
+  std::vector<float> logprobs;
+  std::string text;
+  FinishReason finish = FinishReason::kLength;
+  const auto start = Clock::now();
+  Clock::time_point first_token;
+  while (generator.running() > 0) {
+    auto events = generator.Step();
+    if (!events.ok()) return Fail(events.status());
+    for (const TokenEvent& e : *events) {
+      if (token_ids.empty()) first_token = Clock::now();
+      token_ids.push_back(e.token_id);
+      if (e.logprob) logprobs.push_back(*e.logprob);
+      text += e.text;
+      if (!json) std::cout << e.text << std::flush;
+      if (e.finish) finish = *e.finish;
+    }
+  }
+  const auto end = Clock::now();
+  const double prefill = std::chrono::duration<double>(first_token - start).count();
+  const double decode = std::chrono::duration<double>(end - first_token).count();
+  const int64_t decoded = static_cast<int64_t>(token_ids.size()) - 1;
+  if (json) {
+    nlohmann::json out = {{"token_ids", token_ids},
+                          {"text", text},
+                          {"finish_reason", std::string(FinishReasonName(finish))}};
+    if (request->logprobs) out["logprobs"] = logprobs;
+    // Invalid UTF-8 cannot come out of the decoder; replace rather than throw regardless.
+    std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  } else {
+    std::cout << "\n";
+  }
+  std::cerr << absl::StrFormat(
+      "accel-generate: loaded in %.2f s; prompt %d tokens in %.3f s; %d tokens generated "
+      "(finish: %s), %.2f tokens/s after the first\n",
+      load_seconds, prompt_ids.size(), prefill, token_ids.size(), FinishReasonName(finish),
+      decoded > 0 && decode > 0 ? decoded / decode : 0.0);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return accel::ToolMain("accel-generate", argc, argv, Run); }
