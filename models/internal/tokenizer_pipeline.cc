@@ -423,10 +423,15 @@ const Regex* Gpt2Regex() {
   return kRegex;
 }
 
-// HF's Whitespace pre-tokenizer: `\w+|[^\w\s]+` (inverted, removed).
+// HF's Whitespace pre-tokenizer: `\w+|[^\w\s]+` (inverted, removed), with the
+// regex crate's \w: Alphabetic (letters, Nl, Other_Alphabetic), marks, Nd,
+// Pc and the join controls, rather than Oniguruma's.
 const Regex* WhitespaceRegex() {
   static const Regex* const kRegex = [] {
-    auto regex = Regex::FromOniguruma(R"(\w+|[^\w\s]+)");
+    constexpr absl::string_view kWord =
+        R"(\p{L}\p{M}\p{Nd}\p{Nl}\p{Pc}\x{200C}\x{200D}\x{24B6}-\x{24E9}\x{1F130}-\x{1F149})"
+        R"(\x{1F150}-\x{1F169}\x{1F170}-\x{1F189})";
+    auto regex = Regex::FromOniguruma(absl::StrCat("[", kWord, "]+|[^", kWord, "\\s]+"));
     return regex.ok() ? regex->release() : nullptr;
   }();
   return kRegex;

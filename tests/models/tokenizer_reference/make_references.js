@@ -255,7 +255,7 @@ const FIXED = [
   "สวัสดีครับ", "Привет, мир", "😀", "👍🏽", "👨‍👩‍👧‍👦", "🏳️‍🌈", "I ❤️ NY", "🙂🙂🙂", " 🙂 x",
   "a\u00A0b", "\u00A0\u00A0x", "a\u3000b", "\u3000", "a\u000Bb", "a\u000Cb", "a\u0085b", "a\u2028b\u2029c",
   "x\u2000\u2001\u200Ay", "a\u200Bb", "a\u180Eb", "a\u202Fb\u205Fc", "a\u1680b", "   \u00A0 ", "\u00A0",
-  "x \u00A0y", "x\u00A0 y", "\u3000\u3000hello", "a\u0000b", "\uFFFD", "\uFEFFbom", "\u0001\u0002\u001F",
+  "abⅫcd xⒶy aⅰb", "x \u00A0y", "x\u00A0 y", "\u3000\u3000hello", "a\u0000b", "\uFFFD", "\uFEFFbom", "\u0001\u0002\u001F",
   "<0x41>", "<0x0A>", "<0xZZ>", "<unk>", "<s>", "</s>", "▁x ▁ ▁▁", "ĠHello Ġ",
   "The quick brown fox jumps over the lazy dog. THE QUICK BROWN FOX! the quick brown fox?",
   "a".repeat(300), "ab".repeat(200), "x ".repeat(100), "\n".repeat(20), " ".repeat(40) + "end",
