@@ -37,6 +37,26 @@ function(accel_use_torch target)
   endif()
 endfunction()
 
+# accel_torch_parallel(target source...): these sources call at::parallel_for.
+# In libtorch 1.13 (OpenMP backend) it is a header template around
+# `#pragma omp parallel`, so it runs on one thread in a file compiled without
+# -fopenmp. They get -fopenmp (g++ only: libtorch's runtime is libgomp, and
+# clang's would be a second OpenMP runtime; elsewhere they stay serial) and
+# skip the shared PCH, which is built without it.
+function(accel_torch_parallel target)
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    return()
+  endif()
+  find_package(OpenMP COMPONENTS CXX)
+  if(NOT OpenMP_CXX_FOUND)
+    return()
+  endif()
+  set_source_files_properties(${ARGN} TARGET_DIRECTORY ${target} PROPERTIES
+    COMPILE_OPTIONS "${OpenMP_CXX_FLAGS}" SKIP_PRECOMPILE_HEADERS ON)
+  # The library alone: OpenMP::OpenMP_CXX would put -fopenmp on every source.
+  target_link_libraries(${target} PRIVATE ${OpenMP_CXX_LIBRARIES})
+endfunction()
+
 # accel_component(NAME name [SOURCES ...] [PUBLIC_DEPS ...] [PRIVATE_DEPS ...] [TORCH])
 # Makes accel_<name> (alias accel::<name>). Headers are included from the repo
 # root as "<name>/<header>.h". A component without sources is an INTERFACE

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <vector>
 
-#include <ATen/Functions.h>
+// Compiled with -fopenmp and without the shared PCH (accel_torch_parallel in
+// models/CMakeLists.txt): at::parallel_for is serial otherwise.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 
 #include "models/internal/gemv.h"

@@ -138,6 +138,12 @@ void RunVector(const GemvArgs& a, int64_t n_begin, int64_t n_end) {
 #define ACCEL_TARGET_AVX512 __attribute__((target("avx512f,avx512bw")))
 #define ACCEL_INLINE inline __attribute__((always_inline))
 
+// Keeps a loaded x vector in a register for its C uses. Left alone, the
+// compilers fold the load into every FMA, which makes the kernel bound by
+// loads (C per row instead of one): about 40% slower at m = 8 from cache.
+ACCEL_TARGET_AVX2 ACCEL_INLINE void InRegister(__m256& v) { asm("" : "+x"(v)); }
+ACCEL_TARGET_AVX512 ACCEL_INLINE void InRegister(__m512& v) { asm("" : "+v"(v)); }
+
 // ---- AVX2 + FMA + F16C: 8 floats per register, 16 registers -------------------
 
 template <GemvWeight T>
@@ -196,7 +202,8 @@ struct Avx2 {
       for (int c = 0; c < C; ++c) wv[c] = L::Load(w + c * ws + j);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + r * xs + j);
+        __m256 xv = _mm256_loadu_ps(x + r * xs + j);
+        if constexpr (C > 1) InRegister(xv);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
       }
@@ -280,9 +287,16 @@ struct Avx512 {
       __m512 wv[C];
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) wv[c] = L::Load(w + c * ws + j);
+        // The next group's rows at the same offset: they are in cache when
+        // that group starts, and twice as many rows stream from memory at once.
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (C + c) * ws + j), _MM_HINT_T0);
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_loadu_ps(x + r * xs + j);
+        __m512 xv = _mm512_loadu_ps(x + r * xs + j);
+        if constexpr (C > 1) InRegister(xv);
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
       }
