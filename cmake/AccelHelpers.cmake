@@ -40,11 +40,14 @@ endfunction()
 # accel_torch_parallel(target source...): these sources call at::parallel_for.
 # In libtorch 1.13 (OpenMP backend) it is a header template around
 # `#pragma omp parallel`, so it runs on one thread in a file compiled without
-# -fopenmp. They get -fopenmp (g++ only: libtorch's runtime is libgomp, and
-# clang's would be a second OpenMP runtime; elsewhere they stay serial) and
-# skip the shared PCH, which is built without it.
+# -fopenmp. They get -fopenmp and skip the shared PCH, which is built without
+# it. Only where that links the OpenMP runtime libtorch already uses: g++'s
+# libgomp against Debian's libtorch. clang's libomp, or the renamed libgomp
+# that PyTorch's wheels ship in torch/lib, would be a second runtime with its
+# own threads; there these files stay serial.
 function(accel_torch_parallel target)
-  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+  file(GLOB bundled_runtime "${TORCH_INSTALL_PREFIX}/lib/libgomp*")
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "GNU" OR bundled_runtime)
     return()
   endif()
   find_package(OpenMP COMPONENTS CXX)

@@ -10,7 +10,8 @@
 //                      copies, rounded back
 // and, in the same run, the memory bandwidth over the same bytes: a read that
 // sums every weight byte and a memcpy of them, split over the same threads.
-// Every figure is the best of --repeats passes, measured interleaved.
+// All sets are built first (about 6 x --gb GB of memory); each repeat times
+// one pass of every method in turn, and the table shows the best pass.
 //
 //   build-gemv/bin/accel-bench-gemv [--gb 1] [--repeats 5] [--threads 2] [--rows 1,8]
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -152,15 +154,29 @@ struct Shape {
   int64_t n, k;
 };
 
-struct Row {
-  std::string dtype, shape, method;
-  int64_t rows;
-  double bytes, seconds;  // one pass over the set
-  int64_t calls;          // matrices in the set
+// One weight set: a dtype and a shape, about --gb GB of matrices.
+struct Set {
+  std::string dtype, shape;
+  std::vector<at::Tensor> weights;
+  double bytes = 0;
+  bool torch_native = true;  // libtorch has this product on the cpu (1.13: not for float16)
+};
+
+struct Method {
+  const Set* set;
+  std::string name;
+  int64_t rows;  // 0: a bandwidth baseline
+  std::function<void()> pass;
+  double best = 1e30;  // seconds for one pass over the set
 };
 
 std::string Name(at::ScalarType t) {
   return t == at::kFloat ? "float32" : t == at::kBFloat16 ? "bfloat16" : "float16";
+}
+
+at::Tensor TorchLinear(const Set& set, const at::Tensor& x, const at::Tensor& w) {
+  if (set.torch_native) return at::linear(x, w);
+  return at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(x.scalar_type());
 }
 
 int Main(int argc, char** argv) {
@@ -175,97 +191,91 @@ int Main(int argc, char** argv) {
           .c_str(),
       at::get_num_threads(), flags.gb, flags.repeats);
 
+  // Every set is built first and every method timed once per repeat, so a
+  // noisy neighbour slows one sample of each method, not all of one method.
   const Shape shapes[] = {{4096, 4096}, {11008, 4096}};
   const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
-  std::vector<Row> rows;
+  std::vector<std::unique_ptr<Set>> sets;
+  std::vector<Method> methods;
   std::vector<char> copy_out;
   for (at::ScalarType dtype : dtypes) {
     for (const Shape& shape : shapes) {
+      auto set = std::make_unique<Set>();
+      set->dtype = Name(dtype);
+      set->shape = absl::StrCat(shape.n, "x", shape.k);
       const double matrix_bytes =
           static_cast<double>(shape.n * shape.k) * static_cast<double>(c10::elementSize(dtype));
       const int64_t count =
           std::max<int64_t>(1, static_cast<int64_t>(flags.gb * 1e9 / matrix_bytes));
-      std::vector<at::Tensor> weights;
       for (int64_t i = 0; i < count; ++i) {
-        weights.push_back((at::randn({shape.n, shape.k}) * 0.02).to(dtype));
+        set->weights.push_back((at::randn({shape.n, shape.k}) * 0.02).to(dtype));
       }
-      copy_out.resize(static_cast<size_t>(matrix_bytes));
-      std::memset(copy_out.data(), 1, copy_out.size());
-      const double bytes = matrix_bytes * static_cast<double>(count);
-      const std::string dname = Name(dtype);
-      const std::string sname = absl::StrCat(shape.n, "x", shape.k);
-
-      // Does libtorch have this product on the cpu? (1.13: not for float16.)
-      bool torch_native = true;
+      set->bytes = matrix_bytes * static_cast<double>(count);
+      copy_out.resize(std::max(copy_out.size(), static_cast<size_t>(matrix_bytes)), 1);
       try {
-        at::linear(at::randn({1, shape.k}).to(dtype), weights[0]);
+        at::linear(at::randn({1, shape.k}).to(dtype), set->weights[0]);
       } catch (const c10::Error&) {
-        torch_native = false;
+        set->torch_native = false;
       }
-      auto torch_linear = [&](const at::Tensor& x, const at::Tensor& w) {
-        if (torch_native) return at::linear(x, w);
-        return at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(x.scalar_type());
-      };
-      const std::string torch_name = torch_native ? "at::linear" : "at::linear on float32 copies";
-
-      double best_read = 1e30, best_copy = 1e30;
+      const Set& s = *set;
+      methods.push_back({&s, "read (sum every word)", 0, [&s] { ReadAll(s.weights); }});
+      methods.push_back({&s, "memcpy", 0, [&s, &copy_out] { CopyAll(s.weights, copy_out); }});
       for (int64_t m : flags.rows) {
         at::Tensor x = at::randn({m, shape.k}).to(dtype);
         // One check that both agree before timing them.
-        {
-          at::Tensor ours = FastLinear(x, weights[0], at::Tensor()).value().to(at::kFloat);
-          at::Tensor theirs = torch_linear(x, weights[0]).to(at::kFloat);
-          const double diff = (ours - theirs).abs().max().item<double>();
-          const double scale = theirs.abs().max().item<double>();
-          if (!(diff <= 0.02 * scale)) {
-            std::fprintf(stderr, "%s %s m=%ld: FastLinear and %s differ by %g (scale %g)\n",
-                         dname.c_str(), sname.c_str(), static_cast<long>(m), torch_name.c_str(),
-                         diff, scale);
-            return 1;
-          }
+        at::Tensor ours = FastLinear(x, s.weights[0], at::Tensor()).value().to(at::kFloat);
+        at::Tensor theirs = TorchLinear(s, x, s.weights[0]).to(at::kFloat);
+        const double diff = (ours - theirs).abs().max().item<double>();
+        const double scale = theirs.abs().max().item<double>();
+        if (!(diff <= 0.02 * scale)) {
+          std::fprintf(stderr, "%s %s m=%ld: FastLinear and libtorch differ by %g (scale %g)\n",
+                       s.dtype.c_str(), s.shape.c_str(), static_cast<long>(m), diff, scale);
+          return 1;
         }
-        double best_ours = 1e30, best_torch = 1e30;
-        for (int r = 0; r < flags.repeats; ++r) {
-          best_read = std::min(best_read, Seconds([&] { ReadAll(weights); }));
-          best_copy = std::min(best_copy, Seconds([&] { CopyAll(weights, copy_out); }));
-          best_ours = std::min(
-              best_ours, Seconds([&] {
-                for (const at::Tensor& w : weights) {
-                  g_sink = g_sink + static_cast<uint64_t>(FastLinear(x, w, at::Tensor())->numel());
-                }
-              }));
-          best_torch = std::min(best_torch, Seconds([&] {
-                                  for (const at::Tensor& w : weights) {
-                                    g_sink =
-                                        g_sink + static_cast<uint64_t>(torch_linear(x, w).numel());
-                                  }
-                                }));
-        }
-        rows.push_back({dname, sname, "accel FastLinear", m, bytes, best_ours, count});
-        rows.push_back({dname, sname, torch_name, m, bytes, best_torch, count});
+        methods.push_back({&s, "accel FastLinear", m, [&s, x] {
+                             for (const at::Tensor& w : s.weights) {
+                               g_sink = g_sink + static_cast<uint64_t>(
+                                                     FastLinear(x, w, at::Tensor())->numel());
+                             }
+                           }});
+        methods.push_back(
+            {&s, s.torch_native ? "at::linear" : "at::linear on float32 copies", m, [&s, x] {
+               for (const at::Tensor& w : s.weights) {
+                 g_sink = g_sink + static_cast<uint64_t>(TorchLinear(s, x, w).numel());
+               }
+             }});
       }
-      rows.push_back({dname, sname, "read (sum every word)", 0, bytes, best_read, count});
-      rows.push_back({dname, sname, "memcpy", 0, bytes, best_copy, count});
-      std::printf("done: %s %s (%ld matrices, %.2f GB)\n", dname.c_str(), sname.c_str(),
-                  static_cast<long>(count), bytes / 1e9);
-      std::fflush(stdout);
+      std::printf("built %s %s: %zu matrices, %.2f GB\n", s.dtype.c_str(), s.shape.c_str(),
+                  s.weights.size(), s.bytes / 1e9);
+      sets.push_back(std::move(set));
     }
   }
+  std::fflush(stdout);
 
-  std::printf("\n%-9s %-10s %-4s %-30s %11s %8s %8s\n", "dtype", "shape", "m", "method",
-              "ms / call", "GB/s", "of read");
-  for (const Row& row : rows) {
+  for (int r = 0; r < flags.repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    for (Method& method : methods) method.best = std::min(method.best, Seconds(method.pass));
+    std::printf("repeat %d/%d: %.1f s\n", r + 1, flags.repeats,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    std::fflush(stdout);
+  }
+
+  std::printf(
+      "\nbest of %d; GB = 1e9 bytes of weights per second; 'of read' = GB/s over the read's\n",
+      flags.repeats);
+  std::printf("%-9s %-10s %-4s %-30s %11s %8s %8s\n", "dtype", "shape", "m", "method", "ms / call",
+              "GB/s", "of read");
+  for (const Method& method : methods) {
+    const Set& s = *method.set;
     double read_s = 0;
-    for (const Row& other : rows) {
-      if (other.dtype == row.dtype && other.shape == row.shape && other.rows == 0 &&
-          other.method.rfind("read", 0) == 0) {
-        read_s = other.seconds;
-      }
+    for (const Method& other : methods) {
+      if (other.set == method.set && other.name.rfind("read", 0) == 0) read_s = other.best;
     }
-    const std::string m = row.rows == 0 ? "-" : std::to_string(row.rows);
-    std::printf("%-9s %-10s %-4s %-30s %11.3f %8.2f %8.2f\n", row.dtype.c_str(), row.shape.c_str(),
-                m.c_str(), row.method.c_str(), 1e3 * row.seconds / static_cast<double>(row.calls),
-                row.bytes / 1e9 / row.seconds, read_s / row.seconds);
+    const std::string m = method.rows == 0 ? "-" : std::to_string(method.rows);
+    std::printf("%-9s %-10s %-4s %-30s %11.3f %8.2f %8.2f\n", s.dtype.c_str(), s.shape.c_str(),
+                m.c_str(), method.name.c_str(),
+                1e3 * method.best / static_cast<double>(s.weights.size()),
+                s.bytes / 1e9 / method.best, read_s / method.best);
   }
   return 0;
 }
