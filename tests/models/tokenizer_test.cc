@@ -544,7 +544,7 @@ TEST(AddedTokensTest, OptionsAsHuggingFaceTestsThem) {
   Tokenizer tok = Load(json);
   std::vector<std::string> expected = {"[CLS]", "my", "name"};
   for (char c : std::string(" is anthony ")) expected.emplace_back(1, c);
-  expected.push_back("[SEP]");
+  expected.emplace_back("[SEP]");
   EXPECT_THAT(Tokens(tok, text), ElementsAreArray(expected));
 
   Json mask = BpeJson(CharsOf(" mynaeisthorAM\t\xE2\x80\x80"));
@@ -648,7 +648,7 @@ TEST(DecoderTest, Chains) {
 
 TEST(DecoderTest, ByteLevelIsLossy) {
   std::vector<std::string> vocab = internal::ByteAlphabet();
-  vocab.push_back("<|end|>");
+  vocab.emplace_back("<|end|>");
   Json json = BpeJson(vocab);
   json["decoder"] = {{"type", "ByteLevel"}};
   json["added_tokens"] = Json::array({AddedToken(256, "<|end|>", true, false)});
@@ -771,6 +771,7 @@ TEST(IncrementalDecoderTest, ByteLevelStreamsEqualDecode) {
   for (int i = 0; i < 300; ++i) {
     ExpectStreamMatchesDecode(tok, Ids(tok, RandomUtf8(rng), true), i % 2 == 0);
     std::vector<int64_t> random_ids;
+    random_ids.reserve(12);
     for (int k = 0; k < 12; ++k) random_ids.push_back(static_cast<int64_t>(rng() % 1002));
     ExpectStreamMatchesDecode(tok, random_ids, i % 2 == 0);
   }
@@ -808,18 +809,24 @@ TEST(TokenizerThreadsTest, ConcurrentEncodesAgree) {
   Tokenizer tok = GeneratorTokenizer();
   std::mt19937_64 rng(3);
   std::vector<std::string> texts;
+  texts.reserve(200);
   for (int i = 0; i < 200; ++i) texts.push_back(RandomUtf8(rng) + " the server and the model");
   std::vector<std::vector<int64_t>> expected;
+  expected.reserve(texts.size());
   for (const std::string& t : texts) expected.push_back(Ids(tok, t));
   std::vector<std::thread> threads;
+  threads.reserve(4);
   std::vector<int> failures(4, 0);
-  for (int t = 0; t < 4; ++t) {
+  for (size_t t = 0; t < 4; ++t) {
     threads.emplace_back([&, t] {
-      Tokenizer copy = tok;  // copies share the tables and the cache
+      // A copy per thread: copies share the tables and the cache, which is what runs here.
+      // NOLINTNEXTLINE(performance-unnecessary-copy-initialization)
+      const Tokenizer copy = tok;
       for (int round = 0; round < 5; ++round) {
         for (size_t i = 0; i < texts.size(); ++i) {
-          auto ids = copy.Encode(texts[(i + t * 37) % texts.size()], false);
-          if (!ids.ok() || *ids != expected[(i + t * 37) % texts.size()]) ++failures[t];
+          const size_t k = (i + t * 37) % texts.size();
+          auto ids = copy.Encode(texts[k], false);
+          if (!ids.ok() || *ids != expected[k]) ++failures[t];
         }
       }
     });
