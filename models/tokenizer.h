@@ -71,7 +71,9 @@ class Tokenizer {
 // Decode(all ids). It decodes a window of recent ids and returns what the
 // newest ids added to it (transformers' prefix_offset / read_offset scheme),
 // holding text back while it ends in U+FFFD (an incomplete character) or in a
-// byte-fallback token whose run may still grow. One per stream; not
+// byte-fallback token whose run may still grow. While the text keeps ending
+// in U+FFFD (a model emitting stray bytes) the window grows, and each Next()
+// costs time in its length, as in transformers. One per stream; not
 // thread-safe; keeps its own reference to the tokenizer.
 class IncrementalDecoder {
  public:
