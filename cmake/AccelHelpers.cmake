@@ -110,8 +110,18 @@ function(accel_test path)
   endif()
   get_filename_component(component ${path} DIRECTORY)
   set_property(GLOBAL APPEND PROPERTY ACCEL_TESTS_${component} ${name})
+  # LABELS sanitized: also built and run by the ASan + UBSan job.
+  if("sanitized" IN_LIST T_LABELS)
+    set_property(GLOBAL APPEND PROPERTY ACCEL_TESTS_sanitized ${name})
+  endif()
+  # One label and one environment entry: PRE_TEST discovery writes a list
+  # property as separate arguments, so a second element would be read as a
+  # property name. "models_sanitized" still matches -L models.
+  set(label ${component})
+  if("sanitized" IN_LIST T_LABELS)
+    set(label ${component}_sanitized)
+  endif()
   gtest_discover_tests(${name}
     DISCOVERY_MODE PRE_TEST
-    PROPERTIES LABELS "${component};${T_LABELS}"
-               ENVIRONMENT "ACCEL_BIN_DIR=${CMAKE_BINARY_DIR}/bin;ACCEL_TOKENIZER_REFS=${CMAKE_BINARY_DIR}/tokenizer-refs")
+    PROPERTIES LABELS ${label} ENVIRONMENT "ACCEL_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
 endfunction()

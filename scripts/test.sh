@@ -61,9 +61,10 @@ bash scripts/tokenizer_references.sh build
 step "tests"
 run_ctest --preset default
 
-step "ASan + UBSan build and the core, loader and dispatch tests (build-asan/)"
+step "ASan + UBSan build and the core, loader, dispatch, tokenizer and GEMV tests (build-asan/)"
 cmake --preset asan >/dev/null
 cmake --build --preset asan --target accel-sanitized-tests
+ln -sfn "$PWD/build/tokenizer-refs" build-asan/tokenizer-refs  # the same references
 # libtorch's own static initialisers allocate once and never free.
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" \
   LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" UBSAN_OPTIONS="print_stacktrace=1" \

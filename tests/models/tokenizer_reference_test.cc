@@ -3,8 +3,9 @@
 // every decoding (skipping special tokens or not) of the corpus and of random
 // id sequences that scripts/tokenizer_references.sh wrote with the library
 // itself, and the IncrementalDecoder on all of them. The references live in
-// $ACCEL_TOKENIZER_REFS (CMake passes <build>/tokenizer-refs); without them
-// every test here fails.
+// $ACCEL_TOKENIZER_REFS, by default <build>/tokenizer-refs next to
+// $ACCEL_BIN_DIR (<build>/bin, which CMake passes); without them every test
+// here fails.
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -34,8 +35,10 @@ using Json = nlohmann::json;
 constexpr int kMaxReports = 15;
 
 std::string RefsDir() {
-  const char* dir = std::getenv("ACCEL_TOKENIZER_REFS");
-  return dir == nullptr ? std::string() : std::string(dir);
+  if (const char* dir = std::getenv("ACCEL_TOKENIZER_REFS"); dir != nullptr) return dir;
+  const char* bin = std::getenv("ACCEL_BIN_DIR");
+  return bin == nullptr ? std::string("build/tokenizer-refs")
+                        : std::string(bin) + "/../tokenizer-refs";
 }
 
 std::string ReadAll(const std::string& path) {
