@@ -52,7 +52,7 @@ TextStreamFactory TokenizerTextStreams(const Tokenizer& tokenizer) {
 }
 
 struct Generator::Sequence {
-  Sequence(GenerationRequest r, Sampler s) : request(std::move(r)), sampler(std::move(s)) {}
+  Sequence(GenerationRequest r, const Sampler& s) : request(std::move(r)), sampler(s) {}
 
   GenerationRequest request;
   Sampler sampler;
@@ -159,7 +159,7 @@ absl::StatusOr<uint64_t> Generator::Add(GenerationRequest request) {
     return absl::InvalidArgumentError("stop_strings need a tokenizer, and this model has none");
   }
   ACCEL_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(request.sampling));
-  auto sequence = std::make_unique<Sequence>(std::move(request), std::move(sampler));
+  auto sequence = std::make_unique<Sequence>(std::move(request), sampler);
   if (text_streams_) sequence->text_stream = text_streams_();
   sequence->ids = sequence->request.prompt_ids;
   for (const std::string& stop : sequence->request.stop_strings) {

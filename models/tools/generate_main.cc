@@ -202,7 +202,7 @@ int Run(int argc, char** argv) {
       "accel-generate: loaded in %.2f s; prompt %d tokens in %.3f s; %d tokens generated "
       "(finish: %s), %.2f tokens/s after the first\n",
       load_seconds, prompt_ids.size(), prefill, token_ids.size(), FinishReasonName(finish),
-      decoded > 0 && decode > 0 ? decoded / decode : 0.0);
+      decoded > 0 && decode > 0 ? static_cast<double>(decoded) / decode : 0.0);
   return 0;
 }
 
