@@ -366,14 +366,8 @@ absl::StatusOr<std::unique_ptr<Decoder>> ParseDecoder(const JsonReader& reader, 
   ACCEL_RETURN_IF_ERROR(reader.ExpectObject(value, path));
   ACCEL_ASSIGN_OR_RETURN(std::string type, reader.Type(value, path));
   if (type == "Sequence") {
-    ACCEL_ASSIGN_OR_RETURN(const Json* list, reader.Array(value, path, "decoders"));
-    std::vector<std::unique_ptr<Decoder>> parts;
-    for (size_t i = 0; i < list->size(); ++i) {
-      const std::string item_path = JsonReader::Index(JsonReader::Child(path, "decoders"), i);
-      ACCEL_ASSIGN_OR_RETURN(auto part, ParseDecoder(reader, (*list)[i], item_path));
-      if (part == nullptr) return reader.Invalid(item_path, "must be a decoder, not null");
-      parts.push_back(std::move(part));
-    }
+    ACCEL_ASSIGN_OR_RETURN(
+        auto parts, reader.Components<Decoder>(value, path, "decoders", "decoder", ParseDecoder));
     return std::unique_ptr<Decoder>(new SequenceDecoder(std::move(parts)));
   }
   if (type == "ByteLevel") return std::unique_ptr<Decoder>(new ByteLevelDecoder());
@@ -421,14 +415,9 @@ absl::StatusOr<std::unique_ptr<PostProcessor>> ParsePostProcessor(const JsonRead
   ACCEL_RETURN_IF_ERROR(reader.ExpectObject(value, path));
   ACCEL_ASSIGN_OR_RETURN(std::string type, reader.Type(value, path));
   if (type == "Sequence") {
-    ACCEL_ASSIGN_OR_RETURN(const Json* list, reader.Array(value, path, "processors"));
-    std::vector<std::unique_ptr<PostProcessor>> parts;
-    for (size_t i = 0; i < list->size(); ++i) {
-      const std::string item_path = JsonReader::Index(JsonReader::Child(path, "processors"), i);
-      ACCEL_ASSIGN_OR_RETURN(auto part, ParsePostProcessor(reader, (*list)[i], item_path));
-      if (part == nullptr) return reader.Invalid(item_path, "must be a post-processor, not null");
-      parts.push_back(std::move(part));
-    }
+    ACCEL_ASSIGN_OR_RETURN(
+        auto parts, reader.Components<PostProcessor>(value, path, "processors", "post-processor",
+                                                     ParsePostProcessor));
     return std::unique_ptr<PostProcessor>(new SequenceProcessor(std::move(parts)));
   }
   // ByteLevel only trims offsets, which ids do not have.

@@ -4,8 +4,10 @@
 #define ACCEL_MODELS_INTERNAL_TOKENIZER_JSON_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -59,6 +61,30 @@ class JsonReader {
                                    absl::string_view key) const;
   // The "type" member of a component.
   absl::StatusOr<std::string> Type(const Json& obj, absl::string_view path) const;
+
+  // The components listed in obj[key] (a "Sequence"), each read by
+  // `parse(reader, item, item_path)`, which returns a null pointer for a
+  // JSON null: refused here, since a sequence of nothing is not a component.
+  template <typename T, typename Parse>
+  absl::StatusOr<std::vector<std::unique_ptr<T>>> Components(const Json& obj,
+                                                             absl::string_view path,
+                                                             absl::string_view key,
+                                                             absl::string_view what,
+                                                             Parse parse) const {
+    absl::StatusOr<const Json*> list = Array(obj, path, key);
+    if (!list.ok()) return list.status();
+    std::vector<std::unique_ptr<T>> parts;
+    for (size_t i = 0; i < (*list)->size(); ++i) {
+      const std::string item_path = Index(Child(path, key), i);
+      absl::StatusOr<std::unique_ptr<T>> part = parse(*this, (**list)[i], item_path);
+      if (!part.ok()) return part.status();
+      if (*part == nullptr) {
+        return Invalid(item_path, std::string("must be a ") + std::string(what) + ", not null");
+      }
+      parts.push_back(*std::move(part));
+    }
+    return parts;
+  }
 
  private:
   std::string source_;

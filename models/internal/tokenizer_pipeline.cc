@@ -514,14 +514,9 @@ absl::StatusOr<std::unique_ptr<Normalizer>> ParseNormalizer(const JsonReader& re
   ACCEL_RETURN_IF_ERROR(reader.ExpectObject(value, path));
   ACCEL_ASSIGN_OR_RETURN(std::string type, reader.Type(value, path));
   if (type == "Sequence") {
-    ACCEL_ASSIGN_OR_RETURN(const Json* list, reader.Array(value, path, "normalizers"));
-    std::vector<std::unique_ptr<Normalizer>> parts;
-    for (size_t i = 0; i < list->size(); ++i) {
-      const std::string item_path = JsonReader::Index(JsonReader::Child(path, "normalizers"), i);
-      ACCEL_ASSIGN_OR_RETURN(auto part, ParseNormalizer(reader, (*list)[i], item_path));
-      if (part == nullptr) return reader.Invalid(item_path, "must be a normalizer, not null");
-      parts.push_back(std::move(part));
-    }
+    ACCEL_ASSIGN_OR_RETURN(
+        auto parts,
+        reader.Components<Normalizer>(value, path, "normalizers", "normalizer", ParseNormalizer));
     return std::unique_ptr<Normalizer>(new SequenceNormalizer(std::move(parts)));
   }
   if (type == "NFC") return std::unique_ptr<Normalizer>(new UnicodeNormalizer(NormalForm::kNfc));
@@ -554,14 +549,9 @@ absl::StatusOr<std::unique_ptr<PreTokenizer>> ParsePreTokenizer(const JsonReader
   ACCEL_RETURN_IF_ERROR(reader.ExpectObject(value, path));
   ACCEL_ASSIGN_OR_RETURN(std::string type, reader.Type(value, path));
   if (type == "Sequence") {
-    ACCEL_ASSIGN_OR_RETURN(const Json* list, reader.Array(value, path, "pretokenizers"));
-    std::vector<std::unique_ptr<PreTokenizer>> parts;
-    for (size_t i = 0; i < list->size(); ++i) {
-      const std::string item_path = JsonReader::Index(JsonReader::Child(path, "pretokenizers"), i);
-      ACCEL_ASSIGN_OR_RETURN(auto part, ParsePreTokenizer(reader, (*list)[i], item_path));
-      if (part == nullptr) return reader.Invalid(item_path, "must be a pre-tokenizer, not null");
-      parts.push_back(std::move(part));
-    }
+    ACCEL_ASSIGN_OR_RETURN(
+        auto parts, reader.Components<PreTokenizer>(value, path, "pretokenizers", "pre-tokenizer",
+                                                    ParsePreTokenizer));
     return std::unique_ptr<PreTokenizer>(new SequencePreTokenizer(std::move(parts)));
   }
   if (type == "ByteLevel") {

@@ -227,6 +227,32 @@ TEST(TokenizerErrorsTest, MalformedFieldsNameTheirPath) {
                        HasSubstr("post_processor.single[0].SpecialToken.id")));
 }
 
+// A Sequence of each component kind refuses a null member and a list that
+// is not an array, naming the member's path.
+TEST(TokenizerErrorsTest, SequencesRefuseNullMembers) {
+  struct Case {
+    const char* field;
+    const char* list;
+    const char* what;
+  };
+  for (const Case& c : {Case{"normalizer", "normalizers", "normalizer"},
+                        Case{"pre_tokenizer", "pretokenizers", "pre-tokenizer"},
+                        Case{"decoder", "decoders", "decoder"},
+                        Case{"post_processor", "processors", "post-processor"}}) {
+    SCOPED_TRACE(c.field);
+    Json json = BpeJson({"a"});
+    json[c.field] = {{"type", "Sequence"}, {c.list, Json::array({nullptr})}};
+    EXPECT_THAT(Tokenizer::FromJson(json.dump(), "t.json"),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         ::testing::AllOf(HasSubstr(std::string(c.field) + "." + c.list + "[0]"),
+                                          HasSubstr(std::string("must be a ") + c.what))));
+    json[c.field] = {{"type", "Sequence"}, {c.list, "none"}};
+    EXPECT_THAT(Tokenizer::FromJson(json.dump(), "t.json"),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr(std::string(c.field) + "." + c.list)));
+  }
+}
+
 TEST(TokenizerErrorsTest, UnsupportedRegexIsUnimplementedNamingThePattern) {
   for (const char* pattern : {"(?<=a)b", "a(?=b)", "(?>ab)", "a++", "\\bword", "^a", "(a)\\1",
                               "[[:alpha:]]", "[a&&b]", "(?x) a"}) {
