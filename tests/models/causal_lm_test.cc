@@ -445,6 +445,10 @@ TEST(CausalLMTest, BadInputsAreClearErrors) {
   foreign.values.resize(5);
   EXPECT_THAT(forward(two, {{&foreign, 2}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has 5 layers")));
+  KvCache negative;
+  negative.length = -1;
+  EXPECT_THAT(forward(two, {{&negative, 2}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("has length -1")));
 }
 
 }  // namespace

@@ -254,6 +254,7 @@ TEST_F(GenerateToolTest, BadInputIsAMessageAndExitOne) {
   };
   const std::string m = "--model " + model_ + " ";
   fails("--input_ids 1", "--model DIR is required");
+  fails(m + "--input_ids 1 stray", "unexpected argument 'stray'");
   fails(m, "exactly one of --prompt");
   fails(m + "--prompt hi --input_ids 1", "exactly one of --prompt");
   fails(m + "--input_ids 1,x", "'x' is not a token id");
