@@ -24,13 +24,16 @@ function(accel_torch_pch_target)
   endif()
   add_library(accel_torch_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/pch_stub.cc)
   target_link_libraries(accel_torch_pch PUBLIC torch)
-  target_compile_options(accel_torch_pch PRIVATE ${ACCEL_WARNINGS})
+  # -pthread (it defines _REENTRANT) everywhere the PCH is used: gRPC's
+  # targets add it, and a PCH built without it is rejected beside them.
+  target_compile_options(accel_torch_pch PRIVATE ${ACCEL_WARNINGS} -pthread)
   target_precompile_headers(accel_torch_pch PRIVATE
     <ATen/core/Tensor.h> <ATen/Functions.h> <ATen/TensorOperators.h>)
 endfunction()
 
 function(accel_use_torch target)
   target_link_libraries(${target} PRIVATE torch)
+  target_compile_options(${target} PRIVATE -pthread)
   if(ACCEL_USE_PCH)
     accel_torch_pch_target()
     target_precompile_headers(${target} REUSE_FROM accel_torch_pch)

@@ -1,0 +1,237 @@
+#include "server/engine.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <utility>
+
+#include <ATen/Parallel.h>
+#include <torch/nn/module.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "models/generator.h"
+#include "models/load_model.h"
+#include "models/sampling.h"
+#include "models/tokenizer.h"
+#include "server/server_metrics.h"
+
+namespace accel::server {
+
+struct Engine::Model {
+  models::LoadedModel loaded;
+  std::optional<models::Tokenizer> tokenizer;
+};
+
+namespace {
+
+std::string DeviceName(const Placement& placement) { return placement.ToString(); }
+
+// The folder's own name, or "model" for "/".
+std::string FolderName(const std::string& dir) {
+  std::filesystem::path path(dir);
+  if (!path.has_filename()) path = path.parent_path();
+  const std::string name = path.filename().string();
+  return name.empty() ? "model" : name;
+}
+
+}  // namespace
+
+Engine::~Engine() {
+  scheduler_.reset();  // joins the scheduler thread before the model goes
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& options,
+                                                     ServerMetrics* metrics) {
+  std::unique_ptr<Engine> engine(new Engine());
+  engine->options_ = options;
+  engine->metrics_ = metrics;
+  engine->model_ = std::make_unique<Model>();
+  Model& model = *engine->model_;
+  const absl::Time start = absl::Now();
+  if (options.threads > 0) at::set_num_threads(options.threads);
+
+  // The tokenizer first: a bad one fails before minutes of loading.
+  const std::string tokenizer_path = options.model_dir + "/tokenizer.json";
+  if (std::filesystem::exists(tokenizer_path)) {
+    ACCEL_ASSIGN_OR_RETURN(models::Tokenizer tokenizer,
+                           models::Tokenizer::FromFile(tokenizer_path));
+    model.tokenizer.emplace(std::move(tokenizer));
+  }
+  models::ModelLoadOptions load;
+  load.device_map = options.device_map;
+  load.max_memory = options.max_memory;
+  load.offload_folder = options.offload_folder;
+  load.dtype = options.dtype;
+  ACCEL_ASSIGN_OR_RETURN(model.loaded, models::LoadModel(options.model_dir, load));
+  const models::LoadedModel& loaded = model.loaded;
+
+  ModelInfo& info = engine->info_;
+  info.name =
+      options.served_model_name.empty() ? FolderName(options.model_dir) : options.served_model_name;
+  info.architecture = loaded.config.architectures.empty() ? "" : loaded.config.architectures[0];
+  info.model_type = loaded.config.model_type;
+  info.dtype = std::string(DTypeName(loaded.dtype));
+  for (const auto& [module, placement] : loaded.device_map.entries()) {
+    info.device_map.emplace_back(module, DeviceName(placement));
+  }
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    torch::nn::Module& module = loaded.dispatched->module();
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      info.parameters += item.value().numel();
+      const std::optional<Placement> placement = loaded.device_map.Lookup(item.key());
+      const std::string device = placement ? DeviceName(*placement) : "cpu";
+      info.bytes_per_device[device] +=
+          item.value().numel() * static_cast<int64_t>(item.value().element_size());
+    }
+  }));
+  const int64_t context = loaded.config.max_position_embeddings;
+  info.max_context = context;
+  info.max_total_tokens = options.max_total_tokens > 0 ? options.max_total_tokens : context;
+  if (context > 0) info.max_total_tokens = std::min(info.max_total_tokens, context);
+  info.max_input_tokens =
+      options.max_input_tokens > 0 ? options.max_input_tokens : info.max_total_tokens - 1;
+  info.max_input_tokens = std::min(info.max_input_tokens, info.max_total_tokens - 1);
+  if (info.max_input_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_total_tokens=", info.max_total_tokens,
+                     " leaves no room for a prompt and a generated token"));
+  }
+  info.vocab_size = loaded.config.vocab_size;
+  info.eos_token_ids = loaded.eos_token_ids();
+  info.has_tokenizer = model.tokenizer.has_value();
+  info.load_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+
+  models::TextStreamFactory streams;
+  if (model.tokenizer) streams = models::TokenizerTextStreams(*model.tokenizer);
+  auto generator = std::make_unique<models::Generator>(loaded.model, loaded.dispatched.get(),
+                                                       std::move(streams));
+  engine->scheduler_ =
+      std::make_unique<Scheduler>(std::move(generator), options.scheduler, metrics);
+  if (metrics != nullptr) {
+    metrics->model_load_seconds.Set(info.load_seconds);
+    for (const auto& [device, bytes] : info.bytes_per_device) {
+      metrics->weight_bytes.WithLabels({device}).Set(static_cast<double>(bytes));
+    }
+  }
+  return engine;
+}
+
+std::pair<int64_t, int64_t> Engine::offload_stats() const {
+  const dispatch::DispatchedModel::Stats stats = model_->loaded.dispatched->stats();
+  return {stats.fetches, stats.bytes_read};
+}
+
+absl::StatusOr<Request> Engine::ToRequest(const GenerateParams& params) const {
+  if (!params.model.empty() && params.model != info_.name) {
+    return absl::NotFoundError(absl::StrCat("model \"", params.model,
+                                            "\" is not served here; this server serves \"",
+                                            info_.name, "\""));
+  }
+  Request request;
+  if (params.prompt.has_value()) {
+    if (params.prompt->empty()) return absl::InvalidArgumentError("prompt is empty");
+    if (!model_->tokenizer) {
+      return absl::InvalidArgumentError(
+          "prompt: this model has no tokenizer.json; send input_ids instead");
+    }
+    ACCEL_ASSIGN_OR_RETURN(request.prompt_ids,
+                           model_->tokenizer->Encode(*params.prompt, /*add_special_tokens=*/true));
+    if (request.prompt_ids.empty()) {
+      return absl::InvalidArgumentError("prompt: the text encodes to no tokens");
+    }
+  } else {
+    if (params.input_ids.empty()) {
+      return absl::InvalidArgumentError("the request has neither a prompt nor input_ids");
+    }
+    request.prompt_ids = params.input_ids;
+    for (size_t i = 0; i < request.prompt_ids.size(); ++i) {
+      const int64_t id = request.prompt_ids[i];
+      if (id < 0 || id >= info_.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat("input_ids[", i, "]: token id ", id,
+                                                       " is outside the vocabulary [0, ",
+                                                       info_.vocab_size, ")"));
+      }
+    }
+  }
+  const int64_t prompt = static_cast<int64_t>(request.prompt_ids.size());
+  if (prompt > info_.max_input_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the prompt has ", prompt, " tokens, over the limit of ",
+                     info_.max_input_tokens, " (--max_input_tokens)"));
+  }
+  if (params.max_new_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_new_tokens must be 0 (the default) or more, got ", params.max_new_tokens));
+  }
+  const int64_t room = info_.max_total_tokens - prompt;
+  if (params.max_new_tokens > room) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt (", prompt, " tokens) + max_new_tokens (", params.max_new_tokens,
+        ") is over the limit of ", info_.max_total_tokens, " tokens (--max_total_tokens)"));
+  }
+  request.max_new_tokens = params.max_new_tokens > 0
+                               ? params.max_new_tokens
+                               : std::min(options_.default_max_new_tokens, room);
+  models::SamplingParams sampling;
+  sampling.temperature = params.sampling.temperature;
+  sampling.top_k = params.sampling.top_k;
+  sampling.top_p = params.sampling.top_p;
+  sampling.min_p = params.sampling.min_p;
+  sampling.repetition_penalty = params.sampling.repetition_penalty;
+  ACCEL_RETURN_IF_ERROR(models::Sampler::Create(sampling).status());
+  request.sampling = params.sampling;
+  for (size_t i = 0; i < params.stop.size(); ++i) {
+    if (params.stop[i].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] is empty"));
+    }
+  }
+  if (!params.stop.empty() && !model_->tokenizer) {
+    return absl::InvalidArgumentError("stop: this model has no tokenizer.json to match text with");
+  }
+  request.stop_strings = params.stop;
+  request.stop_token_ids = params.stop_token_ids;
+  if (!params.ignore_eos) {
+    request.stop_token_ids.insert(request.stop_token_ids.end(), info_.eos_token_ids.begin(),
+                                  info_.eos_token_ids.end());
+  }
+  request.logprobs = params.logprobs;
+  request.deadline = params.client_deadline;
+  request.deadline_reason = "the client's deadline";
+  if (options_.request_timeout > absl::ZeroDuration()) {
+    const absl::Time limit = absl::Now() + options_.request_timeout;
+    if (limit < request.deadline) {
+      request.deadline = limit;
+      request.deadline_reason =
+          absl::StrCat("--request_timeout=", absl::FormatDuration(options_.request_timeout));
+    }
+  }
+  return request;
+}
+
+absl::StatusOr<uint64_t> Engine::Submit(const GenerateParams& params,
+                                        std::shared_ptr<RequestSink> sink) {
+  absl::StatusOr<Request> request = ToRequest(params);
+  absl::StatusOr<uint64_t> id = request.ok()
+                                    ? scheduler_->Submit(*std::move(request), std::move(sink))
+                                    : absl::StatusOr<uint64_t>(request.status());
+  if (!id.ok() && metrics_ != nullptr) {
+    switch (id.status().code()) {
+      case absl::StatusCode::kNotFound:
+        metrics_->RequestFailed("not_found");
+        break;
+      case absl::StatusCode::kResourceExhausted:
+        metrics_->RequestFailed("overloaded");
+        break;
+      case absl::StatusCode::kUnavailable:
+        metrics_->RequestFailed("unavailable");
+        break;
+      default:
+        metrics_->RequestFailed("invalid");
+    }
+  }
+  return id;
+}
+
+}  // namespace accel::server

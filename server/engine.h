@@ -1,0 +1,113 @@
+// server/engine.h: the served model behind the gRPC services. Loads the
+// model and its tokenizer, turns a request in the terms clients use (text or
+// ids, sampling, stops, limits) into a scheduler Request, checking every
+// field, and hands it to the Scheduler. Both accel.v1.Generation and the
+// KServe v2 service go through Engine::Submit, so they validate alike.
+//
+// Torch-free header: server/ headers include no libtorch.
+#ifndef ACCEL_SERVER_ENGINE_H_
+#define ACCEL_SERVER_ENGINE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+#include "server/scheduler.h"
+
+namespace accel::server {
+
+class ServerMetrics;
+
+struct EngineOptions {
+  std::string model_dir;
+  std::string served_model_name;  // empty: the model folder's name
+  // As models::ModelLoadOptions takes them.
+  std::string device_map = "auto";
+  std::string max_memory;
+  std::string offload_folder;
+  std::string dtype = "auto";
+  int threads = 0;  // libtorch's intra-op threads; 0: its default (the cores)
+  SchedulerOptions scheduler;
+  int64_t max_input_tokens = 0;  // prompt tokens; 0: the model's context - 1
+  int64_t max_total_tokens = 0;  // prompt + generated; 0: the model's context
+  int64_t default_max_new_tokens = 16;
+  absl::Duration request_timeout = absl::ZeroDuration();  // zero: none
+};
+
+struct ModelInfo {
+  std::string name;
+  std::string architecture;
+  std::string model_type;
+  int64_t parameters = 0;
+  std::string dtype;
+  std::string quantization = "none";
+  std::vector<std::pair<std::string, std::string>> device_map;  // module -> "0" | "cpu" | "disk"
+  std::map<std::string, int64_t> bytes_per_device;
+  int64_t max_context = 0;
+  int64_t max_input_tokens = 0;
+  int64_t max_total_tokens = 0;
+  int64_t vocab_size = 0;
+  std::vector<int64_t> eos_token_ids;
+  bool has_tokenizer = false;
+  double load_seconds = 0;
+};
+
+// A generation request as the services receive it.
+struct GenerateParams {
+  std::string model;                  // empty: the served model
+  std::optional<std::string> prompt;  // text, or
+  std::vector<int64_t> input_ids;     // ids (used when prompt is unset)
+  int64_t max_new_tokens = 0;         // 0: the default
+  Sampling sampling;
+  std::vector<std::string> stop;
+  std::vector<int64_t> stop_token_ids;
+  bool ignore_eos = false;
+  bool logprobs = false;
+  absl::Time client_deadline = absl::InfiniteFuture();
+};
+
+class Engine {
+ public:
+  // Loads the model (a minute for a big one). `metrics` may be null.
+  static absl::StatusOr<std::unique_ptr<Engine>> Load(const EngineOptions& options,
+                                                      ServerMetrics* metrics);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Validates and queues a request; returns its id for Cancel. Errors name
+  // the field: NotFound for another model name; InvalidArgument for an
+  // empty prompt, bad sampling values, a prompt over max_input_tokens or
+  // prompt + max_new_tokens over max_total_tokens, ids outside the
+  // vocabulary, empty stop strings; ResourceExhausted when the queue is
+  // full; Unavailable when draining.
+  absl::StatusOr<uint64_t> Submit(const GenerateParams& params, std::shared_ptr<RequestSink> sink);
+  void Cancel(uint64_t id) { scheduler_->Cancel(id); }
+
+  const ModelInfo& info() const { return info_; }
+  Scheduler& scheduler() { return *scheduler_; }
+  // Offload counters (modules fetched, bytes read from disk) so far.
+  std::pair<int64_t, int64_t> offload_stats() const;
+
+ private:
+  struct Model;
+  Engine() = default;
+  absl::StatusOr<Request> ToRequest(const GenerateParams& params) const;
+
+  EngineOptions options_;
+  ServerMetrics* metrics_ = nullptr;
+  ModelInfo info_;
+  std::unique_ptr<Model> model_;  // the loaded model and tokenizer (torch types)
+  std::unique_ptr<Scheduler> scheduler_;
+};
+
+}  // namespace accel::server
+
+#endif  // ACCEL_SERVER_ENGINE_H_

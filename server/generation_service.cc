@@ -1,0 +1,362 @@
+#include "server/generation_service.h"
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+#include "server/engine.h"
+#include "server/scheduler.h"
+
+namespace accel::server {
+namespace {
+
+using accel::v1::GenerateRequest;
+using accel::v1::GenerateResponse;
+
+accel::v1::FinishReason ToProto(Finish finish) {
+  switch (finish) {
+    case Finish::kLength:
+      return accel::v1::FINISH_REASON_LENGTH;
+    case Finish::kEos:
+      return accel::v1::FINISH_REASON_EOS;
+    case Finish::kStop:
+      return accel::v1::FINISH_REASON_STOP;
+    case Finish::kCancelled:
+      return accel::v1::FINISH_REASON_CANCELLED;
+  }
+  return accel::v1::FINISH_REASON_UNSPECIFIED;
+}
+
+GenerateParams ToParams(const GenerateRequest& request, const grpc::ServerContextBase& context) {
+  GenerateParams params;
+  params.model = request.model();
+  if (request.input_case() == GenerateRequest::kPrompt) {
+    params.prompt = request.prompt();
+  } else {
+    params.input_ids.assign(request.input_ids().ids().begin(), request.input_ids().ids().end());
+  }
+  params.max_new_tokens = request.max_new_tokens();
+  const accel::v1::SamplingParameters& s = request.sampling();
+  params.sampling.temperature = s.temperature();
+  params.sampling.top_k = s.top_k();
+  // 0 is proto3's unset: the neutral value.
+  params.sampling.top_p = s.top_p() == 0 ? 1.0 : s.top_p();
+  params.sampling.min_p = s.min_p();
+  params.sampling.repetition_penalty = s.repetition_penalty() == 0 ? 1.0 : s.repetition_penalty();
+  if (s.has_seed()) params.sampling.seed = s.seed();
+  params.stop.assign(request.stop().begin(), request.stop().end());
+  params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
+  params.ignore_eos = request.ignore_eos();
+  params.logprobs = request.return_logprobs();
+  params.client_deadline = CallDeadline(context);
+  return params;
+}
+
+void AppendChunk(const TokenChunk& chunk, GenerateResponse& out) {
+  out.mutable_token_ids()->Add(chunk.token_ids.begin(), chunk.token_ids.end());
+  out.mutable_logprobs()->Add(chunk.logprobs.begin(), chunk.logprobs.end());
+  out.mutable_text()->append(chunk.text);
+}
+
+void SetCompletion(const Completion& completion, GenerateResponse& out) {
+  out.set_finish_reason(ToProto(completion.finish));
+  out.mutable_usage()->set_prompt_tokens(completion.prompt_tokens);
+  out.mutable_usage()->set_generated_tokens(completion.generated_tokens);
+  out.mutable_timing()->set_queue_seconds(absl::ToDoubleSeconds(completion.queue_time));
+  out.mutable_timing()->set_time_to_first_token_seconds(
+      absl::ToDoubleSeconds(completion.time_to_first_token));
+  out.mutable_timing()->set_total_seconds(absl::ToDoubleSeconds(completion.total));
+}
+
+// Validation and submission shared by both RPCs: the request id, or the
+// status to answer with.
+absl::StatusOr<uint64_t> Submit(ServingState& state, grpc::CallbackServerContext& context,
+                                const GenerateRequest& request, std::shared_ptr<RequestSink> sink) {
+  absl::StatusOr<Engine*> engine = state.ReadyEngine();
+  if (!engine.ok()) return engine.status();
+  absl::StatusOr<uint64_t> id = (*engine)->Submit(ToParams(request, context), std::move(sink));
+  if (!id.ok() && absl::IsResourceExhausted(id.status())) AddRetryHint(context);
+  return id;
+}
+
+// Unary Generate: the sink fills the response and finishes the call. The
+// reactor and the sink share Call; the reactor leaves it (reactor = null)
+// in OnDone, after which the sink must not touch it.
+class GenerateReactor : public grpc::ServerUnaryReactor {
+ public:
+  struct Call {
+    absl::Mutex mu;
+    GenerateReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;
+    GenerateResponse* response ABSL_GUARDED_BY(mu) = nullptr;
+    Engine* engine ABSL_GUARDED_BY(mu) = nullptr;
+    std::optional<uint64_t> id ABSL_GUARDED_BY(mu);
+    bool cancelled ABSL_GUARDED_BY(mu) = false;
+  };
+
+  class Sink : public RequestSink {
+   public:
+    explicit Sink(std::shared_ptr<Call> call) : call_(std::move(call)) {}
+    void OnTokens(TokenChunk chunk) override {
+      absl::MutexLock lock(&call_->mu);
+      if (call_->response != nullptr) AppendChunk(chunk, *call_->response);
+    }
+    void OnDone(const absl::Status& status, const Completion& completion) override {
+      GenerateReactor* reactor = nullptr;
+      {
+        absl::MutexLock lock(&call_->mu);
+        if (call_->reactor == nullptr) return;
+        if (status.ok()) SetCompletion(completion, *call_->response);
+        reactor = call_->reactor;
+      }
+      // Outside the lock: gRPC may run callbacks that take it on this
+      // thread. The reactor lives until its OnDone, which comes only after
+      // this Finish, the one Finish of a submitted call.
+      reactor->Finish(ToGrpcStatus(status));
+    }
+
+   private:
+    std::shared_ptr<Call> call_;
+  };
+
+  GenerateReactor(ServingState* state, grpc::CallbackServerContext* context,
+                  const GenerateRequest* request, GenerateResponse* response)
+      : call_(std::make_shared<Call>()) {
+    {
+      absl::MutexLock lock(&call_->mu);
+      call_->reactor = this;
+      call_->response = response;
+    }
+    grpc::Status auth = state->Authorize(*context);
+    if (!auth.ok()) {
+      FinishNow(auth);
+      return;
+    }
+    absl::StatusOr<uint64_t> id = Submit(*state, *context, *request, std::make_shared<Sink>(call_));
+    if (!id.ok()) {
+      FinishNow(ToGrpcStatus(id.status()));
+      return;
+    }
+    absl::MutexLock lock(&call_->mu);
+    call_->id = *id;
+    call_->engine = state->engine();
+    // Cancelled before we knew the id: pass it on now.
+    if (call_->cancelled) call_->engine->Cancel(*id);
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&call_->mu);
+    call_->cancelled = true;
+    if (call_->id && call_->engine != nullptr) call_->engine->Cancel(*call_->id);
+  }
+
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&call_->mu);
+      call_->reactor = nullptr;
+      call_->response = nullptr;
+    }
+    delete this;
+  }
+
+ private:
+  void FinishNow(const grpc::Status& status) { Finish(status); }
+  std::shared_ptr<Call> call_;
+};
+
+// GenerateStream: one write in flight at a time; chunks produced while a
+// write is in flight are merged into the next message, so a slow client
+// gets fewer, larger messages instead of an unbounded queue.
+class StreamReactor : public grpc::ServerWriteReactor<GenerateResponse> {
+ public:
+  struct Call {
+    absl::Mutex mu;
+    StreamReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;
+    Engine* engine ABSL_GUARDED_BY(mu) = nullptr;
+    std::optional<uint64_t> id ABSL_GUARDED_BY(mu);
+    bool cancelled ABSL_GUARDED_BY(mu) = false;
+    bool writing ABSL_GUARDED_BY(mu) = false;
+    GenerateResponse in_flight ABSL_GUARDED_BY(mu);  // must outlive its write
+    std::optional<GenerateResponse> next ABSL_GUARDED_BY(mu);
+    std::optional<grpc::Status> final_status ABSL_GUARDED_BY(mu);
+    bool finished ABSL_GUARDED_BY(mu) = false;
+
+    // What to do once the lock is released: gRPC may run OnWriteDone (which
+    // takes the lock) on the thread that calls StartWrite or Finish.
+    struct Action {
+      StreamReactor* reactor = nullptr;
+      const GenerateResponse* write = nullptr;
+      std::optional<grpc::Status> finish;
+      void Run() const {
+        if (write != nullptr) reactor->StartWrite(write);
+        if (finish) reactor->Finish(*finish);
+      }
+    };
+    // The next write, or the finish once everything went out.
+    Action Pump() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      Action action;
+      if (reactor == nullptr || writing || finished) return action;
+      action.reactor = reactor;
+      if (next && !cancelled) {
+        in_flight = *std::move(next);
+        next.reset();
+        writing = true;
+        action.write = &in_flight;
+      } else if (final_status) {
+        finished = true;
+        action.finish = *final_status;
+      }
+      return action;
+    }
+  };
+
+  class Sink : public RequestSink {
+   public:
+    explicit Sink(std::shared_ptr<Call> call) : call_(std::move(call)) {}
+    void OnTokens(TokenChunk chunk) override {
+      Call::Action action;
+      {
+        absl::MutexLock lock(&call_->mu);
+        if (!call_->next) call_->next.emplace();
+        AppendChunk(chunk, *call_->next);
+        action = call_->Pump();
+      }
+      action.Run();
+    }
+    void OnDone(const absl::Status& status, const Completion& completion) override {
+      Call::Action action;
+      {
+        absl::MutexLock lock(&call_->mu);
+        if (status.ok()) {
+          if (!call_->next) call_->next.emplace();
+          SetCompletion(completion, *call_->next);
+        }
+        call_->final_status = ToGrpcStatus(status);
+        action = call_->Pump();
+      }
+      action.Run();
+    }
+
+   private:
+    std::shared_ptr<Call> call_;
+  };
+
+  StreamReactor(ServingState* state, grpc::CallbackServerContext* context,
+                const GenerateRequest* request)
+      : call_(std::make_shared<Call>()) {
+    {
+      absl::MutexLock lock(&call_->mu);
+      call_->reactor = this;
+    }
+    grpc::Status auth = state->Authorize(*context);
+    if (!auth.ok()) {
+      FinishWith(auth);
+      return;
+    }
+    absl::StatusOr<uint64_t> id = Submit(*state, *context, *request, std::make_shared<Sink>(call_));
+    if (!id.ok()) {
+      FinishWith(ToGrpcStatus(id.status()));
+      return;
+    }
+    absl::MutexLock lock(&call_->mu);
+    call_->id = *id;
+    call_->engine = state->engine();
+    if (call_->cancelled) call_->engine->Cancel(*id);
+  }
+
+  void OnWriteDone(bool ok) override {
+    Call::Action action;
+    {
+      absl::MutexLock lock(&call_->mu);
+      call_->writing = false;
+      if (!ok) {
+        // The client is gone: stop generating; the sink's OnDone finishes.
+        call_->cancelled = true;
+        if (call_->id && call_->engine != nullptr) call_->engine->Cancel(*call_->id);
+      }
+      action = call_->Pump();
+    }
+    action.Run();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&call_->mu);
+    call_->cancelled = true;
+    if (call_->id && call_->engine != nullptr) call_->engine->Cancel(*call_->id);
+  }
+
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&call_->mu);
+      call_->reactor = nullptr;
+    }
+    delete this;
+  }
+
+ private:
+  void FinishWith(const grpc::Status& status) {
+    Call::Action action;
+    {
+      absl::MutexLock lock(&call_->mu);
+      call_->final_status = status;
+      action = call_->Pump();
+    }
+    action.Run();
+  }
+  std::shared_ptr<Call> call_;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* context,
+                                                      const GenerateRequest* request,
+                                                      GenerateResponse* response) {
+  return new GenerateReactor(state_, context, request, response);
+}
+
+grpc::ServerWriteReactor<GenerateResponse>* GenerationService::GenerateStream(
+    grpc::CallbackServerContext* context, const GenerateRequest* request) {
+  return new StreamReactor(state_, context, request);
+}
+
+grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                          const accel::v1::GetModelInfoRequest*,
+                                                          accel::v1::ModelInfo* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  grpc::Status auth = state_->Authorize(*context);
+  if (!auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
+  Engine* engine = state_->engine();
+  if (engine == nullptr) {
+    reactor->Finish(ToGrpcStatus(absl::UnavailableError("the model is still loading")));
+    return reactor;
+  }
+  const ModelInfo& info = engine->info();
+  response->set_name(info.name);
+  response->set_architecture(info.architecture);
+  response->set_model_type(info.model_type);
+  response->set_parameters(info.parameters);
+  response->set_dtype(info.dtype);
+  response->set_quantization(info.quantization);
+  for (const auto& [module, device] : info.device_map) {
+    accel::v1::DevicePlacement* placement = response->add_device_map();
+    placement->set_module(module);
+    placement->set_device(device);
+  }
+  for (const auto& [device, bytes] : info.bytes_per_device) {
+    (*response->mutable_bytes_per_device())[device] = bytes;
+  }
+  response->set_max_context(info.max_context);
+  response->set_max_input_tokens(info.max_input_tokens);
+  response->set_max_total_tokens(info.max_total_tokens);
+  response->set_vocab_size(info.vocab_size);
+  response->mutable_eos_token_ids()->Add(info.eos_token_ids.begin(), info.eos_token_ids.end());
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace accel::server

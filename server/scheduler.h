@@ -1,0 +1,173 @@
+// server/scheduler.h: continuous batching for accel-serve. One thread owns
+// the models::Generator; requests wait in a bounded queue, join the running
+// batch between decode steps (within --max_batch_size sequences and
+// --max_batch_tokens tokens a step) and leave the step they finish, are
+// cancelled or pass their deadline, which frees their KV cache at once.
+//
+//   Scheduler scheduler(std::move(generator), options, &metrics);
+//   ACCEL_ASSIGN_OR_RETURN(uint64_t id, scheduler.Submit(std::move(request), sink));
+//   ...  // sink->OnTokens(...) per step, then sink->OnDone(status, completion)
+//   scheduler.Cancel(id);  // the client went away
+//
+// Sinks are called on the scheduler thread and must not block. One
+// request's failure ends that request only: a step that fails is retried
+// without the sequences that joined in it, so a request that breaks the
+// model (say, out of memory on its prompt) cannot take the others down.
+#ifndef ACCEL_SERVER_SCHEDULER_H_
+#define ACCEL_SERVER_SCHEDULER_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace accel::models {
+class Generator;
+}
+
+namespace accel::server {
+
+class ServerMetrics;
+
+struct Sampling {
+  double temperature = 0.0;  // 0: greedy
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  double min_p = 0.0;
+  double repetition_penalty = 1.0;
+  std::optional<uint64_t> seed;
+};
+
+struct Request {
+  std::vector<int64_t> prompt_ids;
+  Sampling sampling;
+  int64_t max_new_tokens = 16;
+  std::vector<int64_t> stop_token_ids;
+  std::vector<std::string> stop_strings;
+  bool logprobs = false;
+  // Past it the request ends with DeadlineExceeded; `deadline_reason` says
+  // whose deadline it was ("the client's deadline", "--request_timeout=30s").
+  absl::Time deadline = absl::InfiniteFuture();
+  std::string deadline_reason;
+};
+
+// The tokens one step produced for one request.
+struct TokenChunk {
+  std::vector<int64_t> token_ids;
+  std::vector<float> logprobs;  // one per token when the request asked
+  std::string text;             // text that became final (may be empty)
+};
+
+enum class Finish { kLength, kEos, kStop, kCancelled };
+// "length", "eos", "stop", "cancelled".
+const char* FinishName(Finish finish);
+
+struct Completion {
+  Finish finish = Finish::kLength;
+  int64_t prompt_tokens = 0;
+  int64_t generated_tokens = 0;
+  absl::Duration queue_time;           // accepted -> scheduled
+  absl::Duration time_to_first_token;  // accepted -> first token (zero if none)
+  absl::Duration total;                // accepted -> done
+};
+
+class RequestSink {
+ public:
+  virtual ~RequestSink() = default;
+  virtual void OnTokens(TokenChunk chunk) = 0;
+  // Called once, last. OK: finished as `completion.finish` says (kCancelled
+  // when the server ended it, e.g. a drain past its grace period). Else:
+  // Cancelled (the client cancelled), DeadlineExceeded, InvalidArgument (the
+  // generator refused it), Internal (the model failed) or Unavailable (the
+  // scheduler is shutting down).
+  virtual void OnDone(const absl::Status& status, const Completion& completion) = 0;
+};
+
+struct SchedulerOptions {
+  int max_batch_size = 32;  // sequences in one step
+  int64_t max_batch_tokens =
+      4096;             // tokens in one step (prompts of joining sequences + 1 per running)
+  int max_queue = 256;  // requests waiting; past it Submit is ResourceExhausted
+};
+
+class Scheduler {
+ public:
+  // `metrics` may be null.
+  Scheduler(std::unique_ptr<models::Generator> generator, SchedulerOptions options,
+            ServerMetrics* metrics);
+  // Ends what is left with Unavailable and joins the thread.
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Queues a request and returns its id. ResourceExhausted when max_queue
+  // requests already wait; Unavailable once StopAdmission() was called.
+  absl::StatusOr<uint64_t> Submit(Request request, std::shared_ptr<RequestSink> sink)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The request stops before the next step and its sink gets Cancelled.
+  // Unknown or finished ids are ignored.
+  void Cancel(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);
+  // From now on Submit answers Unavailable; queued and running requests go on.
+  void StopAdmission() ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits until nothing waits or runs, or `timeout` passes; true when idle.
+  bool WaitIdle(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends every queued and running request now with Finish::kCancelled and
+  // the output so far.
+  void CancelAll() ABSL_LOCKS_EXCLUDED(mu_);
+
+  struct Snapshot {
+    int waiting = 0;
+    int running = 0;
+    int64_t kv_cache_bytes = 0;
+    int64_t steps = 0;
+  };
+  Snapshot snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  struct Pending;
+  struct Running;
+  void Loop();
+  void Admit(std::vector<std::unique_ptr<Pending>> admitted);
+  void RunStep();
+  void EndRunning(uint64_t sequence, const absl::Status& status, Finish finish);
+  void EndPending(Pending& pending, const absl::Status& status);
+  void PublishGauges() ABSL_LOCKS_EXCLUDED(mu_);
+  void Ended() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const SchedulerOptions options_;
+  ServerMetrics* const metrics_;
+  std::unique_ptr<models::Generator> generator_;  // scheduler thread only
+
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<Pending>> waiting_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> cancels_ ABSL_GUARDED_BY(mu_);
+  bool cancel_all_ ABSL_GUARDED_BY(mu_) = false;
+  bool admitting_ ABSL_GUARDED_BY(mu_) = true;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Published by the scheduler thread for snapshot() and WaitIdle().
+  int running_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // accepted and not yet ended
+  int64_t kv_cache_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Scheduler thread only: running requests by generator sequence id.
+  std::map<uint64_t, std::unique_ptr<Running>> running_;
+
+  std::thread thread_;  // last: starts after everything above exists
+};
+
+}  // namespace accel::server
+
+#endif  // ACCEL_SERVER_SCHEDULER_H_

@@ -1,0 +1,390 @@
+// accel-serve: serves one HuggingFace-format model over gRPC
+// (accel.v1.Generation, KServe v2, grpc.health.v1, reflection) with
+// Prometheus metrics on HTTP. docs/API.md describes the services.
+//
+// Lifecycle: the gRPC port opens first (health: live), the model loads, then
+// ready. SIGTERM or SIGINT starts a drain: ready turns NOT_SERVING, new
+// requests get UNAVAILABLE, running ones finish within --shutdown_timeout
+// (past it they end with finish_reason cancelled), and the process exits 0.
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <pthread.h>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+#include "core/tool_main.h"
+#include "server/engine.h"
+#include "server/generation_service.h"
+#include "server/kserve_service.h"
+#include "server/metrics.h"
+#include "server/metrics_http.h"
+#include "server/server_metrics.h"
+#include "server/serving.h"
+
+ABSL_FLAG(std::string, model, "",
+          "A HuggingFace model folder (config.json, *.safetensors, tokenizer.json). Empty: the "
+          "embedded default model (share/accel/default-model beside the binary's bin/, or "
+          "$ACCEL_DEFAULT_MODEL).");
+ABSL_FLAG(std::string, served_model_name, "",
+          "The name clients use in requests; empty: the model folder's name.");
+ABSL_FLAG(std::string, device_map, "auto",
+          "auto | balanced | balanced_low_0 | sequential (planned within --max_memory), one "
+          "device for everything (cpu, 0, cuda:1, disk), or a JSON map file as accel-device-map "
+          "prints it.");
+ABSL_FLAG(std::string, max_memory, "",
+          "Memory per device for planning, e.g. 0=20GiB,cpu=64GiB,disk=1TB. Empty: free GPU "
+          "memory and the RAM available to this container.");
+ABSL_FLAG(std::string, offload_folder, "",
+          "Where disk-placed weights that need a dtype conversion are written.");
+ABSL_FLAG(std::string, dtype, "auto",
+          "auto (config.json's torch_dtype) | float32 | bfloat16 | float16");
+ABSL_FLAG(std::string, host, "0.0.0.0", "Address the gRPC and metrics ports listen on.");
+ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one (printed on stdout).");
+ABSL_FLAG(int, metrics_port, 8002,
+          "Prometheus /metrics HTTP port; 0 picks a free one; -1 turns metrics off.");
+ABSL_FLAG(int, max_batch_size, 32, "Most sequences in one decode step.");
+ABSL_FLAG(int64_t, max_batch_tokens, 4096,
+          "Most tokens in one step (prompts joining plus one per running sequence); a longer "
+          "prompt still runs, alone.");
+ABSL_FLAG(int, max_queue, 256,
+          "Most requests waiting to join the batch; past it: RESOURCE_EXHAUSTED with a "
+          "retry-after-ms hint.");
+ABSL_FLAG(int64_t, max_input_tokens, 0, "Most prompt tokens; 0: the model's context - 1.");
+ABSL_FLAG(int64_t, max_total_tokens, 0,
+          "Most prompt + generated tokens per request; 0: the model's context.");
+ABSL_FLAG(int64_t, default_max_new_tokens, 16, "max_new_tokens when a request leaves it 0.");
+ABSL_FLAG(absl::Duration, request_timeout, absl::ZeroDuration(),
+          "Longest a request may take, queue included (e.g. 60s); 0: no limit beyond the "
+          "client's deadline.");
+ABSL_FLAG(absl::Duration, shutdown_timeout, absl::Seconds(30),
+          "On SIGTERM/SIGINT, how long running requests may take to finish before they are "
+          "ended (finish_reason cancelled).");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain: serve gRPC over TLS (with --tls_key).");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "A file holding a token; requests must then carry \"authorization: Bearer <token>\" "
+          "(health checks excepted).");
+ABSL_FLAG(bool, grpc_reflection, true, "Register gRPC server reflection (grpcurl, grpc_cli).");
+ABSL_FLAG(int, threads, 0, "libtorch intra-op threads; 0: one per core.");
+
+namespace {
+
+using accel::server::Engine;
+using accel::server::ServingState;
+
+constexpr char kVersion[] = "0.1.0";
+constexpr int kMaxMessageBytes = 64 << 20;
+// Health service names: live from the start, ready while the model serves.
+const std::vector<std::string> kLiveServices = {"", "accel.live"};
+const std::vector<std::string> kReadyServices = {"accel.ready", "accel.v1.Generation",
+                                                 "inference.GRPCInferenceService"};
+
+void Log(const std::string& message) {
+  std::fprintf(stderr, "accel-serve: %s\n", message.c_str());
+  std::fflush(stderr);
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--", flag, ": cannot read ", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::string DefaultModelDir() {
+  if (const char* env = std::getenv("ACCEL_DEFAULT_MODEL"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  std::error_code error;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) return "share/accel/default-model";
+  return (exe.parent_path().parent_path() / "share/accel/default-model").string();
+}
+
+struct Options {
+  accel::server::EngineOptions engine;
+  std::string host;
+  int port = 0;
+  int metrics_port = 0;
+  absl::Duration shutdown_timeout;
+  std::optional<std::string> auth_token;
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+};
+
+absl::StatusOr<Options> ReadOptions() {
+  Options o;
+  accel::server::EngineOptions& e = o.engine;
+  e.model_dir = absl::GetFlag(FLAGS_model);
+  if (e.model_dir.empty()) e.model_dir = DefaultModelDir();
+  e.served_model_name = absl::GetFlag(FLAGS_served_model_name);
+  e.device_map = absl::GetFlag(FLAGS_device_map);
+  e.max_memory = absl::GetFlag(FLAGS_max_memory);
+  e.offload_folder = absl::GetFlag(FLAGS_offload_folder);
+  e.dtype = absl::GetFlag(FLAGS_dtype);
+  e.threads = absl::GetFlag(FLAGS_threads);
+  e.scheduler.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  e.scheduler.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  e.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
+  e.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
+  e.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
+  e.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
+  e.request_timeout = absl::GetFlag(FLAGS_request_timeout);
+  o.host = absl::GetFlag(FLAGS_host);
+  o.port = absl::GetFlag(FLAGS_port);
+  o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  o.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
+
+  auto positive = [](const char* flag, int64_t value) -> absl::Status {
+    if (value >= 1) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be at least 1, got ", value));
+  };
+  auto non_negative = [](const char* flag, int64_t value) -> absl::Status {
+    if (value >= 0) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be 0 or more, got ", value));
+  };
+  for (absl::Status s : {positive("max_batch_size", e.scheduler.max_batch_size),
+                         positive("max_batch_tokens", e.scheduler.max_batch_tokens),
+                         non_negative("max_queue", e.scheduler.max_queue),
+                         non_negative("max_input_tokens", e.max_input_tokens),
+                         non_negative("max_total_tokens", e.max_total_tokens),
+                         positive("default_max_new_tokens", e.default_max_new_tokens),
+                         non_negative("threads", e.threads)}) {
+    if (!s.ok()) return s;
+  }
+  if (o.port < 0 || o.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--port must be in [0, 65535], got ", o.port));
+  }
+  if (o.metrics_port < -1 || o.metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics_port must be -1 (off) or in [0, 65535], got ", o.metrics_port));
+  }
+  if (e.request_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--request_timeout must not be negative");
+  }
+  if (o.shutdown_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--shutdown_timeout must not be negative");
+  }
+  if (!std::filesystem::exists(e.model_dir + "/config.json")) {
+    return absl::NotFoundError(
+        absl::StrCat("--model: ", e.model_dir,
+                     "/config.json does not exist (a HuggingFace model folder has "
+                     "config.json, *.safetensors and tokenizer.json)"));
+  }
+
+  const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
+  if (!token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadFile(token_file, "auth_token_file");
+    if (!token.ok()) return token.status();
+    std::string trimmed(absl::StripAsciiWhitespace(*token));
+    if (trimmed.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--auth_token_file: ", token_file, " holds no token"));
+    }
+    o.auth_token = std::move(trimmed);
+  }
+  const std::string cert = absl::GetFlag(FLAGS_tls_cert);
+  const std::string key = absl::GetFlag(FLAGS_tls_key);
+  if (cert.empty() != key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together: give both or neither");
+  }
+  if (cert.empty()) {
+    o.credentials = grpc::InsecureServerCredentials();
+  } else {
+    absl::StatusOr<std::string> cert_pem = ReadFile(cert, "tls_cert");
+    if (!cert_pem.ok()) return cert_pem.status();
+    absl::StatusOr<std::string> key_pem = ReadFile(key, "tls_key");
+    if (!key_pem.ok()) return key_pem.status();
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({*key_pem, *cert_pem});
+    o.credentials = grpc::SslServerCredentials(ssl);
+  }
+  return o;
+}
+
+void SetHealth(grpc::Server& server, const std::vector<std::string>& names, bool serving) {
+  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
+  for (const std::string& name : names) health->SetServingStatus(name, serving);
+}
+
+int Run(int argc, char** argv) {
+  // Before any thread starts, so every thread inherits the mask and the
+  // signals queue for sigtimedwait below.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::SetProgramUsageMessage(
+      "Serves a HuggingFace-format model over gRPC.\n"
+      "  accel-serve [--model DIR] [--device_map auto] [--port 50051] [--metrics_port 8002]\n"
+      "Without --model it serves the embedded default model. docs/API.md has the services.");
+  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    Log(absl::StrCat("unexpected argument \"", rest[1], "\" (flags are --name=value)"));
+    return 1;
+  }
+  absl::StatusOr<Options> options = ReadOptions();
+  if (!options.ok()) {
+    Log(std::string(options.status().message()));
+    return 1;
+  }
+
+  accel::server::MetricsRegistry registry;
+  accel::server::ServerMetrics metrics(&registry);
+  metrics.build_info.WithLabels({kVersion}).Set(1);
+  ServingState state(options->auth_token, &metrics);
+  std::atomic<Engine*> loaded_engine{nullptr};
+  absl::Mutex collect_mu;  // scrapes may run at once; each delta is added once
+  registry.AddCollectHook([&metrics, &loaded_engine, &collect_mu] {
+    absl::MutexLock lock(&collect_mu);
+    Engine* engine = loaded_engine.load();
+    if (engine == nullptr) return;
+    const auto [fetches, bytes] = engine->offload_stats();
+    metrics.offload_fetches.Increment(static_cast<double>(fetches) -
+                                      metrics.offload_fetches.value());
+    metrics.offload_disk_read_bytes.Increment(static_cast<double>(bytes) -
+                                              metrics.offload_disk_read_bytes.value());
+  });
+  std::unique_ptr<accel::server::MetricsHttpServer> metrics_http;
+  if (options->metrics_port >= 0) {
+    auto started =
+        accel::server::MetricsHttpServer::Start(options->host, options->metrics_port, &registry);
+    if (!started.ok()) {
+      Log(absl::StrCat("--metrics_port: ", started.status().message()));
+      return 1;
+    }
+    metrics_http = *std::move(started);
+  }
+
+  accel::server::GenerationService generation(&state);
+  accel::server::KServeService kserve(&state, kVersion);
+  grpc::EnableDefaultHealthCheckService(true);
+  if (absl::GetFlag(FLAGS_grpc_reflection))
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int grpc_port = 0;
+  builder.AddListeningPort(absl::StrCat(options->host, ":", options->port), options->credentials,
+                           &grpc_port);
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  builder.RegisterService(&generation);
+  builder.RegisterService(&kserve);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || grpc_port == 0) {
+    Log(absl::StrCat("--port: cannot listen on ", options->host, ":", options->port,
+                     " (in use, or a bad --host?)"));
+    return 1;
+  }
+  SetHealth(*server, kLiveServices, true);
+  SetHealth(*server, kReadyServices, false);
+  // One line on stdout that scripts and tests read for the ports.
+  std::printf("accel-serve: listening grpc=%s:%d metrics=%s:%d\n", options->host.c_str(), grpc_port,
+              options->host.c_str(), metrics_http ? metrics_http->port() : -1);
+  std::fflush(stdout);
+  Log(absl::StrCat("loading ", options->engine.model_dir));
+
+  // The model loads on its own thread so that a signal during a long load
+  // still ends the process at once.
+  absl::Mutex load_mu;
+  bool load_done = false;
+  absl::StatusOr<std::unique_ptr<Engine>> engine = absl::UnknownError("not loaded");
+  std::thread loader([&] {
+    absl::StatusOr<std::unique_ptr<Engine>> result = Engine::Load(options->engine, &metrics);
+    absl::MutexLock lock(&load_mu);
+    engine = std::move(result);
+    load_done = true;
+  });
+
+  const timespec tick = {0, 100'000'000};
+  bool ready = false;
+  while (true) {
+    siginfo_t info;
+    const int signal = sigtimedwait(&signals, &info, &tick);
+    if (signal == SIGTERM || signal == SIGINT) {
+      Log(absl::StrCat(signal == SIGTERM ? "SIGTERM" : "SIGINT", ": draining"));
+      break;
+    }
+    if (ready) continue;
+    {
+      absl::MutexLock lock(&load_mu);
+      if (!load_done) continue;
+    }
+    if (!engine.ok()) {
+      Log(absl::StrCat("cannot load the model: ", engine.status().message()));
+      loader.join();
+      server->Shutdown(std::chrono::system_clock::now());
+      return 1;
+    }
+    Engine& e = **engine;
+    loaded_engine.store(&e);
+    state.SetReady(&e);
+    metrics.ready.Set(1);
+    SetHealth(*server, kReadyServices, true);
+    ready = true;
+    Log(absl::StrFormat("ready: %s (%s, %d parameters, %s) loaded in %.2f s", e.info().name,
+                        e.info().architecture, e.info().parameters, e.info().dtype,
+                        e.info().load_seconds));
+  }
+
+  // Drain.
+  state.SetDraining();
+  metrics.ready.Set(0);
+  metrics.draining.Set(1);
+  SetHealth(*server, kReadyServices, false);
+  if (!ready) {
+    // A load cannot be interrupted; nothing was served, so nothing is lost.
+    Log("the model was still loading; exiting");
+    server->Shutdown(std::chrono::system_clock::now());
+    std::fflush(nullptr);
+    std::_Exit(0);
+  }
+  loader.join();
+  accel::server::Scheduler& scheduler = (*engine)->scheduler();
+  scheduler.StopAdmission();
+  if (!scheduler.WaitIdle(options->shutdown_timeout)) {
+    const accel::server::Scheduler::Snapshot left = scheduler.snapshot();
+    Log(absl::StrCat("--shutdown_timeout passed with ", left.running + left.waiting,
+                     " requests left; ending them (finish_reason cancelled)"));
+    scheduler.CancelAll();
+    scheduler.WaitIdle(absl::Seconds(10));
+  }
+  // Lets the last responses go out, then cancels whatever RPC is left.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  server->Wait();
+  loaded_engine.store(nullptr);
+  metrics_http.reset();
+  Log("drained; exiting");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return accel::ToolMain("accel-serve", argc, argv, Run); }

@@ -1,0 +1,94 @@
+#include "server/server_metrics.h"
+
+#include <string>
+#include <vector>
+
+namespace accel::server {
+namespace {
+
+// vLLM's buckets, with finer ones below 0.3 s for small models on a cpu.
+std::vector<double> LatencyBuckets() {
+  return {0.005, 0.01, 0.025, 0.05, 0.1,  0.3,  0.5,  0.8,   1.0,   1.5,   2.0,   2.5,    5.0,
+          10.0,  15.0, 20.0,  30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+}
+std::vector<double> TimeToFirstTokenBuckets() {
+  return {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,  0.25,  0.5,   0.75,
+          1.0,   2.5,   5.0,  7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0};
+}
+std::vector<double> InterTokenBuckets() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,  0.15, 0.2,  0.3,
+          0.4,   0.5,    0.75,  1.0,  2.5,   5.0,  7.5,   10.0, 20.0, 40.0, 80.0};
+}
+// 1, 2, 5, 10, ... 50000 tokens.
+std::vector<double> TokenBuckets() {
+  std::vector<double> buckets;
+  for (double scale = 1; scale <= 10000; scale *= 10) {
+    for (double m : {1.0, 2.0, 5.0}) buckets.push_back(m * scale);
+  }
+  return buckets;
+}
+
+}  // namespace
+
+ServerMetrics::ServerMetrics(MetricsRegistry* r)
+    : request_success(r->AddCounterFamily("accel_request_success_total",
+                                          "Requests that finished, by finish reason.",
+                                          {"finished_reason"})),
+      request_failure(r->AddCounterFamily(
+          "accel_request_failure_total",
+          "Requests that ended in an error, by reason (invalid, not_found, unauthenticated, "
+          "overloaded, unavailable, cancelled, timeout, internal).",
+          {"reason"})),
+      e2e_latency(r->AddHistogram("accel_e2e_request_latency_seconds",
+                                  "Time from accepting a request to its last token.",
+                                  LatencyBuckets())),
+      queue_time(r->AddHistogram("accel_request_queue_time_seconds",
+                                 "Time a request waited before joining the running batch.",
+                                 LatencyBuckets())),
+      time_to_first_token(r->AddHistogram("accel_time_to_first_token_seconds",
+                                          "Time from accepting a request to its first token.",
+                                          TimeToFirstTokenBuckets())),
+      inter_token_latency(r->AddHistogram("accel_inter_token_latency_seconds",
+                                          "Time between consecutive tokens of a request.",
+                                          InterTokenBuckets())),
+      prompt_tokens(r->AddCounter("accel_prompt_tokens_total", "Prompt tokens prefilled.")),
+      generation_tokens(r->AddCounter("accel_generation_tokens_total", "Tokens generated.")),
+      request_prompt_tokens(r->AddHistogram("accel_request_prompt_tokens",
+                                            "Prompt tokens per request.", TokenBuckets())),
+      request_generation_tokens(r->AddHistogram("accel_request_generation_tokens",
+                                                "Generated tokens per request.", TokenBuckets())),
+      requests_running(r->AddGauge("accel_num_requests_running", "Requests in the running batch.")),
+      requests_waiting(
+          r->AddGauge("accel_num_requests_waiting", "Requests queued, waiting to join the batch.")),
+      batch_size(r->AddGauge("accel_batch_size", "Sequences in the last decode step.")),
+      iteration_tokens(r->AddHistogram("accel_iteration_tokens",
+                                       "Tokens run through the model per step.", TokenBuckets())),
+      step_duration(r->AddHistogram("accel_step_duration_seconds",
+                                    "Duration of one forward step over the batch.",
+                                    InterTokenBuckets())),
+      kv_cache_bytes(
+          r->AddGauge("accel_kv_cache_bytes", "Bytes held by the KV caches of running requests.")),
+      kv_cache_usage(
+          r->AddGauge("accel_kv_cache_usage_ratio",
+                      "KV-cache bytes over the most the limits allow (max_batch_size sequences of "
+                      "max_total_tokens), 0 to 1.")),
+      weight_bytes(r->AddGaugeFamily("accel_weight_bytes",
+                                     "Model weight bytes placed on each device (0, 1, cpu, disk).",
+                                     {"device"})),
+      offload_fetches(r->AddCounter("accel_offload_fetches_total",
+                                    "Offloaded modules brought to the execution device.")),
+      offload_disk_read_bytes(r->AddCounter("accel_offload_disk_read_bytes_total",
+                                            "Bytes of offloaded weights read from disk.")),
+      model_load_seconds(r->AddGauge("accel_model_load_seconds",
+                                     "Seconds the model took to load (0 until loaded).")),
+      ready(
+          r->AddGauge("accel_ready", "1 when the model is loaded and the server admits requests.")),
+      draining(r->AddGauge("accel_draining", "1 while the server drains before exiting.")),
+      build_info(
+          r->AddGaugeFamily("accel_build_info", "The accel version (always 1).", {"version"})) {}
+
+void ServerMetrics::RequestFailed(absl::string_view reason) {
+  request_failure.WithLabels({std::string(reason)}).Increment();
+}
+
+}  // namespace accel::server

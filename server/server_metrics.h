@@ -1,0 +1,50 @@
+// server/server_metrics.h: the metrics accel-serve exports, registered once
+// on a MetricsRegistry. Names follow vLLM's where one fits, with the prefix
+// accel_, base units in the name and _total on counters (docs/API.md lists
+// them all).
+#ifndef ACCEL_SERVER_SERVER_METRICS_H_
+#define ACCEL_SERVER_SERVER_METRICS_H_
+
+#include "absl/strings/string_view.h"
+
+#include "server/metrics.h"
+
+namespace accel::server {
+
+class ServerMetrics {
+ public:
+  explicit ServerMetrics(MetricsRegistry* registry);
+
+  // A request that ended in an error, by reason: invalid, not_found,
+  // unauthenticated, overloaded, unavailable, cancelled, timeout, internal.
+  void RequestFailed(absl::string_view reason);
+
+  CounterFamily& request_success;  // {finished_reason}
+  CounterFamily& request_failure;  // {reason}
+  Histogram& e2e_latency;
+  Histogram& queue_time;
+  Histogram& time_to_first_token;
+  Histogram& inter_token_latency;
+  Counter& prompt_tokens;
+  Counter& generation_tokens;
+  Histogram& request_prompt_tokens;
+  Histogram& request_generation_tokens;
+  Gauge& requests_running;
+  Gauge& requests_waiting;
+  Gauge& batch_size;
+  Histogram& iteration_tokens;
+  Histogram& step_duration;
+  Gauge& kv_cache_bytes;
+  Gauge& kv_cache_usage;
+  GaugeFamily& weight_bytes;  // {device}
+  Counter& offload_fetches;
+  Counter& offload_disk_read_bytes;
+  Gauge& model_load_seconds;
+  Gauge& ready;
+  Gauge& draining;
+  GaugeFamily& build_info;  // {version}
+};
+
+}  // namespace accel::server
+
+#endif  // ACCEL_SERVER_SERVER_METRICS_H_

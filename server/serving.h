@@ -1,0 +1,64 @@
+// server/serving.h: what every gRPC service of accel-serve shares: the
+// lifecycle (loading -> ready -> draining), the engine once it is loaded,
+// the optional bearer token, the metrics, and the absl -> gRPC status bridge.
+#ifndef ACCEL_SERVER_SERVING_H_
+#define ACCEL_SERVER_SERVING_H_
+
+#include <atomic>
+#include <chrono>
+#include <optional>
+#include <string>
+
+#include <grpcpp/server_context.h>
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace accel::server {
+
+class Engine;
+class ServerMetrics;
+
+class ServingState {
+ public:
+  enum class Phase { kLoading, kReady, kDraining };
+
+  // `auth_token` unset: no authentication. `metrics` may be null.
+  ServingState(std::optional<std::string> auth_token, ServerMetrics* metrics);
+
+  // The engine while ready; else Unavailable saying why ("the model is still
+  // loading", "the server is draining").
+  absl::StatusOr<Engine*> ReadyEngine() const;
+  // The engine once loaded (still there while draining), or null.
+  Engine* engine() const { return engine_.load(); }
+  Phase phase() const { return phase_.load(); }
+  void SetReady(Engine* engine);
+  void SetDraining();
+
+  // OK when no token is configured or the call carries the metadata
+  // "authorization: Bearer <token>"; else Unauthenticated (and counted).
+  grpc::Status Authorize(const grpc::ServerContextBase& context) const;
+
+  ServerMetrics* metrics() const { return metrics_; }
+
+ private:
+  const std::optional<std::string> auth_token_;
+  ServerMetrics* const metrics_;
+  std::atomic<Engine*> engine_{nullptr};
+  std::atomic<Phase> phase_{Phase::kLoading};
+};
+
+// Same code, same message. ResourceExhausted also gets the trailing
+// metadata "retry-after-ms" through AddRetryHint.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+// For a ResourceExhausted answer: how long a client should wait.
+void AddRetryHint(grpc::ServerContextBase& context);
+
+// The call's deadline, or InfiniteFuture when the client set none.
+absl::Time CallDeadline(const grpc::ServerContextBase& context);
+
+}  // namespace accel::server
+
+#endif  // ACCEL_SERVER_SERVING_H_
