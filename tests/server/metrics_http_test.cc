@@ -1,0 +1,184 @@
+#include "server/metrics_http.h"
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+#include <utility>
+#include <vector>
+
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+#include "server/metrics.h"
+#include "tests/testing/status_matchers.h"
+
+namespace accel::server {
+namespace {
+
+using ::accel::test::IsOk;
+using ::accel::test::StatusIs;
+using ::testing::HasSubstr;
+
+// A socket, closed when it goes out of scope.
+class Socket {
+ public:
+  Socket() : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {}
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  ~Socket() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int fd() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+sockaddr_in Loopback(int port) {
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return addr;
+}
+
+// 0, or the errno of a failed connect to 127.0.0.1:port.
+int ConnectError(const Socket& s, int port) {
+  sockaddr_in addr = Loopback(port);
+  return ::connect(s.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 ? 0 : errno;
+}
+
+struct Response {
+  std::string status_line;
+  std::map<std::string, std::string> headers;  // names lowercased
+  std::string body;
+};
+
+// A minimal HTTP/1.1 client: one request with Connection: close, read until the server closes.
+Response Fetch(int port, const std::string& method, const std::string& path) {
+  Response response;
+  Socket s;
+  timeval timeout = {10, 0};  // a hung server fails the test instead of hanging it
+  ::setsockopt(s.fd(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  int error = ConnectError(s, port);
+  if (error != 0) {
+    ADD_FAILURE() << "connect to port " << port << ": " << std::strerror(error);
+    return response;
+  }
+  std::string request = absl::StrCat(method, " ", path,
+                                     " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                                     "Content-Length: 0\r\n\r\n");
+  if (::send(s.fd(), request.data(), request.size(), MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(request.size())) {
+    ADD_FAILURE() << "send: " << std::strerror(errno);
+    return response;
+  }
+  std::string raw;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::recv(s.fd(), buf, sizeof buf, 0)) > 0) raw.append(buf, static_cast<size_t>(n));
+  if (n < 0) ADD_FAILURE() << "recv: " << std::strerror(errno);
+
+  size_t end_of_head = raw.find("\r\n\r\n");
+  if (end_of_head == std::string::npos) {
+    ADD_FAILURE() << "no end of headers in: " << raw;
+    return response;
+  }
+  response.body = raw.substr(end_of_head + 4);
+  std::vector<std::string> lines = absl::StrSplit(raw.substr(0, end_of_head), "\r\n");
+  response.status_line = lines[0];
+  for (size_t i = 1; i < lines.size(); ++i) {
+    std::pair<std::string, std::string> header = absl::StrSplit(lines[i], absl::MaxSplits(':', 1));
+    response.headers[absl::AsciiStrToLower(header.first)] =
+        std::string(absl::StripAsciiWhitespace(header.second));
+  }
+  return response;
+}
+
+class MetricsHttpServerTest : public ::testing::Test {
+ protected:
+  MetricsHttpServerTest() {
+    registry_.AddCounter("accel_requests_total", "Requests.").Increment(7);
+    registry_.AddHistogram("accel_step_duration_seconds", "Steps.", {0.5, 1}).Observe(0.75);
+  }
+
+  MetricsRegistry registry_;
+};
+
+TEST_F(MetricsHttpServerTest, ServesTheRegistryAtMetrics) {
+  auto server = MetricsHttpServer::Start("127.0.0.1", 0, &registry_);
+  ASSERT_THAT(server, IsOk());
+  ASSERT_GT((*server)->port(), 0);
+  for (int i = 0; i < 2; ++i) {  // the server keeps serving after a request
+    Response r = Fetch((*server)->port(), "GET", "/metrics");
+    EXPECT_EQ(r.status_line, "HTTP/1.1 200 OK");
+    EXPECT_EQ(r.headers["content-type"], "text/plain; version=0.0.4; charset=utf-8");
+    EXPECT_EQ(r.headers["content-length"], std::to_string(r.body.size()));
+    EXPECT_EQ(r.body, registry_.Render());
+    EXPECT_THAT(r.body, HasSubstr("accel_requests_total 7\n"));
+  }
+}
+
+TEST_F(MetricsHttpServerTest, OtherPathsAre404AndOtherMethods405) {
+  auto server = MetricsHttpServer::Start("127.0.0.1", 0, &registry_);
+  ASSERT_THAT(server, IsOk());
+  int port = (*server)->port();
+  for (const char* path : {"/nope", "/", "/metricsx", "/metrics/x"}) {
+    Response r = Fetch(port, "GET", path);
+    EXPECT_EQ(r.status_line, "HTTP/1.1 404 Not Found") << path;
+  }
+  Response post = Fetch(port, "POST", "/metrics");
+  EXPECT_EQ(post.status_line, "HTTP/1.1 405 Method Not Allowed");
+  EXPECT_EQ(post.headers["allow"], "GET");
+}
+
+TEST_F(MetricsHttpServerTest, PortInUseIsUnavailableAndNamesThePort) {
+  Socket taken;
+  sockaddr_in addr = Loopback(0);
+  ASSERT_EQ(::bind(taken.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(taken.fd(), 1), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(taken.fd(), reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  int port = ntohs(addr.sin_port);
+
+  EXPECT_THAT(
+      MetricsHttpServer::Start("127.0.0.1", port, &registry_),
+      StatusIs(absl::StatusCode::kUnavailable,
+               ::testing::AllOf(HasSubstr(absl::StrCat("127.0.0.1:", port)), HasSubstr("in use"))));
+}
+
+TEST_F(MetricsHttpServerTest, BadAddressesAreInvalidArgument) {
+  EXPECT_THAT(MetricsHttpServer::Start("999.1.1.1", 0, &registry_),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("999.1.1.1:0")));
+  EXPECT_THAT(MetricsHttpServer::Start("localhost", 0, &registry_),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("IPv4")));
+  EXPECT_THAT(MetricsHttpServer::Start("127.0.0.1", 70000, &registry_),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("127.0.0.1:70000")));
+}
+
+TEST_F(MetricsHttpServerTest, DestructorStopsServing) {
+  auto server = MetricsHttpServer::Start("127.0.0.1", 0, &registry_);
+  ASSERT_THAT(server, IsOk());
+  int port = (*server)->port();
+  {
+    Socket s;
+    EXPECT_EQ(ConnectError(s, port), 0);
+  }
+  server->reset();
+  Socket s;
+  EXPECT_EQ(ConnectError(s, port), ECONNREFUSED);
+}
+
+}  // namespace
+}  // namespace accel::server
