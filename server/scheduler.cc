@@ -195,6 +195,13 @@ void Scheduler::EndRunning(uint64_t sequence, const absl::Status& status, Finish
   std::unique_ptr<Running> r = std::move(it->second);
   running_.erase(it);
   generator_->Cancel(sequence);  // frees its cache; no-op when the generator already dropped it
+  // Published before the client hears back, so what it scrapes next agrees.
+  {
+    absl::MutexLock lock(&mu_);
+    running_count_ = static_cast<int>(running_.size());
+    kv_cache_bytes_ = generator_->kv_cache_bytes();
+  }
+  PublishGauges();
   const absl::Time now = absl::Now();
   Completion completion;
   completion.finish = finish;

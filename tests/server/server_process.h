@@ -17,12 +17,15 @@
 #include <poll.h>
 #include <signal.h>
 #include <string>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <vector>
 
+#include <arpa/inet.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
+#include <netinet/in.h>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
@@ -42,20 +45,75 @@ inline std::string BinDir() {
 // Runs a command; its exit status (0 on success).
 inline int RunCommand(const std::string& command) { return std::system(command.c_str()); }
 
-// A small llama model with a tokenizer.json, made once per test binary.
+// A model made by accel-make-model with `flags`, kept under the build
+// folder (test-models/<name>) so the many test processes make it once: it is
+// made in a private folder and renamed into place.
+inline std::string MadeModel(const std::string& name, const std::string& flags) {
+  const std::string dir = BinDir() + "/../test-models/" + name;
+  if (std::filesystem::exists(dir + "/config.json")) return dir;
+  const std::string staging = absl::StrCat(dir, ".tmp-", getpid());
+  const std::string command =
+      absl::StrCat(BinDir(), "/accel-make-model ", staging, " ", flags, " > /dev/null");
+  if (RunCommand(command) != 0) std::fprintf(stderr, "failed: %s\n", command.c_str());
+  std::error_code error;
+  std::filesystem::rename(staging, dir, error);  // another process may have won the race
+  if (error) std::filesystem::remove_all(staging, error);
+  return dir;
+}
+
+// A small llama model with a tokenizer.json.
 inline const std::string& TestModelDir() {
-  static const std::string* dir = [] {
-    char pattern[] = "/tmp/accel-serve-test-XXXXXX";
-    const char* made = mkdtemp(pattern);
-    auto* path = new std::string(std::string(made != nullptr ? made : "/tmp") + "/model");
-    const std::string command =
-        absl::StrCat(BinDir(), "/accel-make-model ", *path,
-                     " --family llama --num_layers 2 --hidden_size 64 --num_kv_heads 2"
-                     " --max_position_embeddings 256 --seed 3 > /dev/null");
-    if (RunCommand(command) != 0) std::fprintf(stderr, "failed: %s\n", command.c_str());
-    return path;
-  }();
-  return *dir;
+  static const std::string dir =
+      MadeModel("serve-small",
+                "--family llama --num_layers 2 --hidden_size 64 --num_kv_heads 2"
+                " --max_position_embeddings 256 --seed 3");
+  return dir;
+}
+
+// GET http://127.0.0.1:<port><path>: the whole response (status line,
+// headers, body), or an error.
+inline absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError("socket failed");
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot connect to port ", port));
+  }
+  const std::string request =
+      absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return absl::InternalError("write failed");
+  }
+  std::string response;
+  char buffer[8192];
+  ssize_t n;
+  while ((n = read(fd, buffer, sizeof(buffer))) > 0)
+    response.append(buffer, static_cast<size_t>(n));
+  close(fd);
+  return response;
+}
+
+// The value of one series in a Prometheus text exposition, e.g.
+// MetricValue(text, "accel_request_success_total{finished_reason=\"length\"}");
+// nullopt when absent.
+inline std::optional<double> MetricValue(const std::string& text, const std::string& series) {
+  size_t at = 0;
+  while ((at = text.find(series + " ", at)) != std::string::npos) {
+    if (at == 0 || text[at - 1] == '\n') {
+      const size_t start = at + series.size() + 1;
+      const std::string value = text.substr(start, text.find('\n', start) - start);
+      double parsed = 0;
+      if (absl::SimpleAtod(value, &parsed)) return parsed;
+      return std::nullopt;
+    }
+    at += series.size();
+  }
+  return std::nullopt;
 }
 
 class ServerProcess {
@@ -131,9 +189,19 @@ class ServerProcess {
     std::filesystem::remove(stderr_path_, ignored);
   }
 
+  // The /metrics text (body only), or an error.
+  absl::StatusOr<std::string> Metrics() const {
+    absl::StatusOr<std::string> response = HttpGet(metrics_port_, "/metrics");
+    if (!response.ok()) return response.status();
+    const size_t body = response->find("\r\n\r\n");
+    if (body == std::string::npos) return absl::InternalError("no HTTP body");
+    return response->substr(body + 4);
+  }
+
   std::string address() const { return absl::StrCat("127.0.0.1:", grpc_port_); }
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
+  pid_t pid() const { return pid_; }
   std::shared_ptr<grpc::Channel> Channel() const {
     return grpc::CreateChannel(address(), grpc::InsecureChannelCredentials());
   }
@@ -156,11 +224,17 @@ class ServerProcess {
     return response.status();
   }
 
-  bool WaitForHealth(const std::string& service, absl::Time until) const {
+  // False when the time passes or the process exits first.
+  bool WaitForHealth(const std::string& service, absl::Time until) {
     while (absl::Now() < until) {
       auto status = Health(service);
       if (status.ok() && *status == grpc::health::v1::HealthCheckResponse::SERVING) return true;
       if (exited_) return false;
+      int status_code = 0;
+      if (waitpid(pid_, &status_code, WNOHANG) == pid_) {
+        exited_ = true;
+        return false;
+      }
       absl::SleepFor(absl::Milliseconds(50));
     }
     return false;

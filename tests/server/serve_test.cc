@@ -1,0 +1,606 @@
+// accel-serve end to end: the real binary on a loopback port, driven by a
+// real gRPC client (the generated C++ stubs).
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <sys/types.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/security/credentials.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+#include "accel/v1/generation.grpc.pb.h"
+#include "tests/server/server_process.h"
+#include "tests/testing/temp_dir.h"
+
+namespace accel::testing {
+namespace {
+
+using ::accel::test::TempDir;
+using ::accel::v1::GenerateRequest;
+using ::accel::v1::GenerateResponse;
+using ::accel::v1::Generation;
+using ::testing::HasSubstr;
+using HealthStatus = ::grpc::health::v1::HealthCheckResponse;
+
+std::unique_ptr<ServerProcess> StartOrDie(const std::string& model,
+                                          std::vector<std::string> args = {}) {
+  auto server = ServerProcess::Start(model, std::move(args));
+  if (!server.ok()) {
+    ADD_FAILURE() << server.status();
+    return nullptr;
+  }
+  return *std::move(server);
+}
+
+// A model slow enough (a few ms a step on a cpu) that a long request is
+// still running while the test does something else.
+const std::string& SlowModelDir() {
+  static const std::string dir =
+      MadeModel("serve-slow",
+                "--family llama --num_layers 6 --hidden_size 384 --num_kv_heads 2"
+                " --max_position_embeddings 4096 --seed 4");
+  return dir;
+}
+
+GenerateRequest Greedy(const std::string& prompt, int64_t max_new_tokens) {
+  GenerateRequest request;
+  request.set_prompt(prompt);
+  request.set_max_new_tokens(max_new_tokens);
+  request.set_ignore_eos(true);
+  return request;
+}
+
+grpc::Status Call(Generation::Stub& stub, const GenerateRequest& request,
+                  GenerateResponse* response, absl::Duration timeout = absl::Seconds(60)) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  return stub.Generate(&context, request, response);
+}
+
+double Metric(const ServerProcess& server, const std::string& series) {
+  absl::StatusOr<std::string> text = server.Metrics();
+  if (!text.ok()) return -1;
+  return MetricValue(*text, series).value_or(0);
+}
+
+// Polls a metric until it equals `want` (the scheduler publishes between steps).
+bool WaitForMetric(const ServerProcess& server, const std::string& series, double want,
+                   absl::Duration timeout = absl::Seconds(20)) {
+  const absl::Time end = absl::Now() + timeout;
+  while (absl::Now() < end) {
+    if (Metric(server, series) == want) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+struct GenerateCli {
+  std::vector<int64_t> token_ids;
+  std::string text;
+};
+
+// The reference: accel-generate, in-process generation without the server.
+GenerateCli RunGenerateTool(const std::string& model, const std::string& prompt, int n) {
+  const std::string command =
+      absl::StrCat(BinDir(), "/accel-generate --model ", model, " --prompt '", prompt,
+                   "' --max_new_tokens ", n, " --temperature 0 --ignore_eos --json 2>/dev/null");
+  GenerateCli out;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return out;
+  std::string text;
+  char buffer[4096];
+  size_t read;
+  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) text.append(buffer, read);
+  pclose(pipe);
+  nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded()) return out;
+  out.token_ids = json["token_ids"].get<std::vector<int64_t>>();
+  out.text = json["text"].get<std::string>();
+  return out;
+}
+
+class ServeTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { server_ = StartOrDie(TestModelDir()).release(); }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    stub_ = Generation::NewStub(server_->Channel());
+  }
+  static ServerProcess* server_;
+  std::unique_ptr<Generation::Stub> stub_;
+};
+ServerProcess* ServeTest::server_ = nullptr;
+
+TEST_F(ServeTest, GreedyGenerateMatchesAccelGenerate) {
+  const std::string prompt = "The quick brown fox";
+  GenerateResponse response;
+  grpc::Status status = Call(*stub_, Greedy(prompt, 12), &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  const GenerateCli reference = RunGenerateTool(TestModelDir(), prompt, 12);
+  ASSERT_EQ(reference.token_ids.size(), 12u);
+  EXPECT_EQ(std::vector<int64_t>(response.token_ids().begin(), response.token_ids().end()),
+            reference.token_ids);
+  EXPECT_EQ(response.text(), reference.text);
+  EXPECT_EQ(response.finish_reason(), accel::v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(response.usage().generated_tokens(), 12);
+  EXPECT_GT(response.usage().prompt_tokens(), 0);
+  EXPECT_GT(response.timing().total_seconds(), 0);
+  EXPECT_LE(response.timing().time_to_first_token_seconds(), response.timing().total_seconds());
+}
+
+TEST_F(ServeTest, StreamChunksAddUpToTheUnaryAnswer) {
+  GenerateRequest request = Greedy("Once upon a time", 20);
+  request.set_return_logprobs(true);
+  GenerateResponse unary;
+  ASSERT_TRUE(Call(*stub_, request, &unary).ok());
+
+  grpc::ClientContext context;
+  auto reader = stub_->GenerateStream(&context, request);
+  GenerateResponse chunk;
+  std::vector<int64_t> ids;
+  std::string text;
+  int finished_chunks = 0;
+  int chunks = 0;
+  while (reader->Read(&chunk)) {
+    ++chunks;
+    EXPECT_EQ(chunk.finish_reason() != accel::v1::FINISH_REASON_UNSPECIFIED, chunk.has_usage());
+    if (chunk.finish_reason() != accel::v1::FINISH_REASON_UNSPECIFIED) ++finished_chunks;
+    EXPECT_EQ(chunk.logprobs_size(), chunk.token_ids_size());
+    for (float logprob : chunk.logprobs()) EXPECT_LE(logprob, 0.0f);
+    ids.insert(ids.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+    text += chunk.text();
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_GT(chunks, 1);
+  EXPECT_EQ(finished_chunks, 1);
+  EXPECT_EQ(ids, std::vector<int64_t>(unary.token_ids().begin(), unary.token_ids().end()));
+  EXPECT_EQ(text, unary.text());
+}
+
+TEST_F(ServeTest, InputIdsAndStopTokenIds) {
+  GenerateResponse first;
+  ASSERT_TRUE(Call(*stub_, Greedy("Hello there", 8), &first).ok());
+  ASSERT_EQ(first.token_ids_size(), 8);
+  // The same prompt as ids, stopping at the third generated token.
+  GenerateRequest request;
+  for (int64_t id : std::vector<int64_t>{1, 2, 3}) request.mutable_input_ids()->add_ids(id);
+  request.set_max_new_tokens(8);
+  request.set_ignore_eos(true);
+  GenerateResponse by_ids;
+  ASSERT_TRUE(Call(*stub_, request, &by_ids).ok());
+  ASSERT_EQ(by_ids.token_ids_size(), 8);
+  request.add_stop_token_ids(by_ids.token_ids(2));
+  GenerateResponse stopped;
+  ASSERT_TRUE(Call(*stub_, request, &stopped).ok());
+  EXPECT_EQ(stopped.finish_reason(), accel::v1::FINISH_REASON_EOS);
+  // Stops at the first occurrence of that id, which is at most the third.
+  EXPECT_LE(stopped.token_ids_size(), 3);
+  EXPECT_EQ(stopped.token_ids(stopped.token_ids_size() - 1), by_ids.token_ids(2));
+}
+
+TEST_F(ServeTest, ConcurrentRequestsAreBatchedAndAllSucceed) {
+  const double steps_before = Metric(*server_, "accel_step_duration_seconds_count");
+  const double tokens_before = Metric(*server_, "accel_generation_tokens_total");
+  constexpr int kClients = 12;
+  constexpr int kTokens = 24;
+  std::vector<GenerateResponse> responses(kClients);
+  std::vector<grpc::Status> statuses(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      GenerateRequest request = Greedy(absl::StrCat("Request number ", i, " says"), kTokens);
+      statuses[i] = Call(*stub_, request, &responses[i]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << i << ": " << statuses[i].error_message();
+    EXPECT_EQ(responses[i].token_ids_size(), kTokens);
+  }
+  const double steps = Metric(*server_, "accel_step_duration_seconds_count") - steps_before;
+  const double tokens = Metric(*server_, "accel_generation_tokens_total") - tokens_before;
+  EXPECT_EQ(tokens, kClients * kTokens);
+  // One request at a time would take one step per token; batching takes fewer.
+  EXPECT_LT(steps, tokens * 0.75) << steps << " steps for " << tokens << " tokens";
+}
+
+TEST_F(ServeTest, BadRequestsAreInvalidArgumentOrNotFound) {
+  struct Case {
+    const char* name;
+    GenerateRequest request;
+    grpc::StatusCode code;
+    const char* message;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"empty prompt", Greedy("", 4), grpc::INVALID_ARGUMENT, "prompt is empty"});
+  GenerateRequest none;
+  cases.push_back({"no input", none, grpc::INVALID_ARGUMENT, "neither a prompt nor input_ids"});
+  GenerateRequest hot = Greedy("hi", 4);
+  hot.mutable_sampling()->set_temperature(-1);
+  cases.push_back({"temperature", hot, grpc::INVALID_ARGUMENT, "temperature"});
+  GenerateRequest top_p = Greedy("hi", 4);
+  top_p.mutable_sampling()->set_top_p(1.5);
+  cases.push_back({"top_p", top_p, grpc::INVALID_ARGUMENT, "top_p"});
+  GenerateRequest min_p = Greedy("hi", 4);
+  min_p.mutable_sampling()->set_min_p(-0.5);
+  cases.push_back({"min_p", min_p, grpc::INVALID_ARGUMENT, "min_p"});
+  GenerateRequest top_k = Greedy("hi", 4);
+  top_k.mutable_sampling()->set_top_k(-3);
+  cases.push_back({"top_k", top_k, grpc::INVALID_ARGUMENT, "top_k"});
+  GenerateRequest too_long = Greedy("hi", 100000);
+  cases.push_back({"max_new_tokens", too_long, grpc::INVALID_ARGUMENT, "--max_total_tokens"});
+  GenerateRequest negative = Greedy("hi", -2);
+  cases.push_back({"negative max_new_tokens", negative, grpc::INVALID_ARGUMENT, "max_new_tokens"});
+  GenerateRequest ids;
+  ids.mutable_input_ids()->add_ids(1 << 30);
+  cases.push_back({"id outside vocab", ids, grpc::INVALID_ARGUMENT, "outside the vocabulary"});
+  GenerateRequest stop = Greedy("hi", 4);
+  stop.add_stop("");
+  cases.push_back({"empty stop", stop, grpc::INVALID_ARGUMENT, "stop[0] is empty"});
+  GenerateRequest other = Greedy("hi", 4);
+  other.set_model("gpt-17");
+  cases.push_back({"unknown model", other, grpc::NOT_FOUND, "gpt-17"});
+  for (const Case& c : cases) {
+    GenerateResponse response;
+    grpc::Status status = Call(*stub_, c.request, &response);
+    EXPECT_EQ(status.error_code(), c.code) << c.name << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(c.message)) << c.name;
+    // The streaming RPC validates the same way.
+    grpc::ClientContext context;
+    auto reader = stub_->GenerateStream(&context, c.request);
+    while (reader->Read(&response)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), c.code) << c.name << " (stream)";
+  }
+  // The server is still fine.
+  GenerateResponse response;
+  EXPECT_TRUE(Call(*stub_, Greedy("still here", 3), &response).ok());
+  EXPECT_GE(Metric(*server_, "accel_request_failure_total{reason=\"invalid\"}"), 20);
+  EXPECT_GE(Metric(*server_, "accel_request_failure_total{reason=\"not_found\"}"), 2);
+}
+
+TEST_F(ServeTest, ModelInfoDescribesTheModel) {
+  grpc::ClientContext context;
+  accel::v1::ModelInfo info;
+  ASSERT_TRUE(stub_->GetModelInfo(&context, {}, &info).ok());
+  EXPECT_EQ(info.name(), "serve-small");  // the folder's name
+  EXPECT_EQ(info.architecture(), "LlamaForCausalLM");
+  EXPECT_EQ(info.model_type(), "llama");
+  EXPECT_EQ(info.dtype(), "float32");
+  EXPECT_EQ(info.quantization(), "none");
+  EXPECT_EQ(info.max_context(), 256);
+  EXPECT_EQ(info.max_total_tokens(), 256);
+  EXPECT_EQ(info.max_input_tokens(), 255);
+  EXPECT_GT(info.parameters(), 0);
+  ASSERT_GT(info.device_map_size(), 0);
+  EXPECT_EQ(info.device_map(0).device(), "cpu");
+  // float32: four bytes a parameter, all on the cpu.
+  EXPECT_EQ(info.bytes_per_device().at("cpu"), 4 * info.parameters());
+  // Named explicitly, the model is found.
+  GenerateRequest named = Greedy("hi", 2);
+  named.set_model("serve-small");
+  GenerateResponse response;
+  EXPECT_TRUE(Call(*stub_, named, &response).ok());
+}
+
+TEST_F(ServeTest, HealthServesLiveAndReadyNames) {
+  for (const char* name :
+       {"", "accel.live", "accel.ready", "accel.v1.Generation", "inference.GRPCInferenceService"}) {
+    auto status = server_->Health(name);
+    ASSERT_TRUE(status.ok()) << name << ": " << status.status();
+    EXPECT_EQ(*status, HealthStatus::SERVING) << name;
+  }
+  EXPECT_EQ(server_->Health("no.such.Service").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ServeTest, MetricsPassPromtoolAndCountRequests) {
+  GenerateResponse response;
+  const double before = Metric(*server_, "accel_request_success_total{finished_reason=\"length\"}");
+  ASSERT_TRUE(Call(*stub_, Greedy("count me", 5), &response).ok());
+  absl::StatusOr<std::string> text = server_->Metrics();
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(MetricValue(*text, "accel_request_success_total{finished_reason=\"length\"}"),
+            before + 1);
+  EXPECT_EQ(MetricValue(*text, "accel_ready"), 1);
+  EXPECT_GT(MetricValue(*text, "accel_weight_bytes{device=\"cpu\"}").value_or(0), 0);
+  EXPECT_GT(MetricValue(*text, "accel_model_load_seconds").value_or(0), 0);
+  EXPECT_EQ(MetricValue(*text, "accel_num_requests_running"), 0);
+  EXPECT_EQ(MetricValue(*text, "accel_kv_cache_bytes"), 0);
+  for (const char* family :
+       {"accel_time_to_first_token_seconds_bucket", "accel_inter_token_latency_seconds_count",
+        "accel_e2e_request_latency_seconds_sum", "accel_request_queue_time_seconds_count",
+        "accel_prompt_tokens_total", "accel_num_requests_waiting", "accel_batch_size",
+        "accel_kv_cache_usage_ratio", "accel_offload_disk_read_bytes_total", "accel_build_info"}) {
+    EXPECT_THAT(*text, HasSubstr(family));
+  }
+  TempDir dir;
+  const std::string path = dir.path() + "/metrics.txt";
+  std::ofstream(path) << *text;
+  const int rc = RunCommand("promtool check metrics < " + path + " > " + path + ".out 2>&1");
+  std::ifstream lint(path + ".out");
+  const std::string problems((std::istreambuf_iterator<char>(lint)), {});
+  EXPECT_EQ(rc, 0) << "promtool check metrics (scripts/setup.sh installs prometheus): " << problems;
+}
+
+TEST(ServeLimitsTest, PromptOverMaxInputTokensIsRefused) {
+  auto server = StartOrDie(TestModelDir(), {"--max_input_tokens=4", "--max_total_tokens=64"});
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  GenerateRequest request;
+  for (int64_t id : std::vector<int64_t>{5, 6, 7, 8, 9}) request.mutable_input_ids()->add_ids(id);
+  GenerateResponse response;
+  grpc::Status status = Call(*stub, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_input_tokens"));
+  request.mutable_input_ids()->mutable_ids()->RemoveLast();
+  request.set_max_new_tokens(61);
+  status = Call(*stub, request, &response);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_total_tokens"));
+  request.set_max_new_tokens(60);
+  EXPECT_TRUE(Call(*stub, request, &response).ok());
+}
+
+TEST(ServeSchedulingTest, CancellingAStreamFreesItsSequence) {
+  auto server = StartOrDie(SlowModelDir());
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  grpc::ClientContext context;
+  auto reader = stub->GenerateStream(&context, Greedy("a long story", 4000));
+  GenerateResponse chunk;
+  ASSERT_TRUE(reader->Read(&chunk));
+  ASSERT_TRUE(reader->Read(&chunk));
+  EXPECT_EQ(Metric(*server, "accel_num_requests_running"), 1);
+  EXPECT_GT(Metric(*server, "accel_kv_cache_bytes"), 0);
+  context.TryCancel();
+  while (reader->Read(&chunk)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::CANCELLED);
+  EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 0));
+  EXPECT_TRUE(WaitForMetric(*server, "accel_kv_cache_bytes", 0));
+  EXPECT_TRUE(WaitForMetric(*server, "accel_request_failure_total{reason=\"cancelled\"}", 1));
+}
+
+TEST(ServeSchedulingTest, DeadlinesEndRequests) {
+  auto server = StartOrDie(SlowModelDir(), {"--request_timeout=300ms"});
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  // The server's own limit.
+  GenerateResponse response;
+  grpc::Status status = Call(*stub, Greedy("a long story", 4000), &response);
+  EXPECT_EQ(status.error_code(), grpc::DEADLINE_EXCEEDED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--request_timeout=300ms"));
+  // The client's deadline, shorter than the server's.
+  status = Call(*stub, Greedy("a long story", 4000), &response, absl::Milliseconds(100));
+  EXPECT_EQ(status.error_code(), grpc::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 0));
+  EXPECT_TRUE(WaitForMetric(*server, "accel_kv_cache_bytes", 0));
+  EXPECT_GE(Metric(*server, "accel_request_failure_total{reason=\"timeout\"}") +
+                Metric(*server, "accel_request_failure_total{reason=\"cancelled\"}"),
+            2);
+  // Short requests still work.
+  EXPECT_TRUE(Call(*stub, Greedy("short", 2), &response).ok());
+}
+
+TEST(ServeSchedulingTest, FullQueueIsResourceExhaustedWithARetryHint) {
+  auto server = StartOrDie(SlowModelDir(), {"--max_batch_size=1", "--max_queue=1"});
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  // One running, one waiting.
+  grpc::ClientContext running_context;
+  auto running = stub->GenerateStream(&running_context, Greedy("first", 4000));
+  GenerateResponse chunk;
+  ASSERT_TRUE(running->Read(&chunk));
+  grpc::ClientContext waiting_context;
+  auto waiting = stub->GenerateStream(&waiting_context, Greedy("second", 4000));
+  ASSERT_TRUE(WaitForMetric(*server, "accel_num_requests_waiting", 1));
+  grpc::ClientContext context;
+  GenerateResponse response;
+  grpc::Status status = stub->Generate(&context, Greedy("third", 4), &response);
+  EXPECT_EQ(status.error_code(), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_queue=1"));
+  const auto& trailers = context.GetServerTrailingMetadata();
+  EXPECT_NE(trailers.find("retry-after-ms"), trailers.end());
+  EXPECT_GE(Metric(*server, "accel_request_failure_total{reason=\"overloaded\"}"), 1);
+  running_context.TryCancel();
+  waiting_context.TryCancel();
+  while (running->Read(&chunk)) {
+  }
+  while (waiting->Read(&chunk)) {
+  }
+  running->Finish();
+  waiting->Finish();
+  // Once the server has seen both cancellations it takes requests again.
+  EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_waiting", 0));
+  EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 0));
+  grpc::ClientContext again;
+  status = stub->Generate(&again, Greedy("fourth", 2), &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+TEST(ServeLifecycleTest, SigtermDrainsInFlightRequestsAndExitsZero) {
+  auto server = StartOrDie(SlowModelDir(), {"--shutdown_timeout=60s"});
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  grpc::ClientContext context;
+  auto stream = stub->GenerateStream(&context, Greedy("in flight", 60));
+  GenerateResponse chunk;
+  ASSERT_TRUE(stream->Read(&chunk));
+  int64_t tokens = chunk.token_ids_size();
+  server->Signal(SIGTERM);
+  // Ready turns NOT_SERVING; live stays SERVING; new requests are refused.
+  const absl::Time end = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<HealthStatus::ServingStatus> ready = server->Health("accel.ready");
+  while (absl::Now() < end && ready.ok() && *ready == HealthStatus::SERVING) {
+    absl::SleepFor(absl::Milliseconds(10));
+    ready = server->Health("accel.ready");
+  }
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  EXPECT_EQ(*ready, HealthStatus::NOT_SERVING);
+  EXPECT_EQ(*server->Health(""), HealthStatus::SERVING);
+  GenerateResponse refused;
+  grpc::Status status = Call(*stub, Greedy("too late", 2), &refused);
+  EXPECT_EQ(status.error_code(), grpc::UNAVAILABLE);
+  EXPECT_THAT(status.error_message(), HasSubstr("draining"));
+  // The request in flight runs to its end.
+  accel::v1::FinishReason finish = accel::v1::FINISH_REASON_UNSPECIFIED;
+  while (stream->Read(&chunk)) {
+    tokens += chunk.token_ids_size();
+    if (chunk.finish_reason() != accel::v1::FINISH_REASON_UNSPECIFIED)
+      finish = chunk.finish_reason();
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(tokens, 60);
+  EXPECT_EQ(finish, accel::v1::FINISH_REASON_LENGTH);
+  EXPECT_EQ(server->Wait(absl::Seconds(30)), 0) << server->Stderr();
+}
+
+TEST(ServeLifecycleTest, DrainPastItsGracePeriodEndsRequestsAsCancelled) {
+  auto server = StartOrDie(SlowModelDir(), {"--shutdown_timeout=200ms"});
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  grpc::ClientContext context;
+  auto stream = stub->GenerateStream(&context, Greedy("never ends", 4000));
+  GenerateResponse chunk;
+  ASSERT_TRUE(stream->Read(&chunk));
+  server->Signal(SIGINT);
+  accel::v1::FinishReason finish = accel::v1::FINISH_REASON_UNSPECIFIED;
+  int64_t generated = 0;
+  while (stream->Read(&chunk)) {
+    if (chunk.finish_reason() != accel::v1::FINISH_REASON_UNSPECIFIED) {
+      finish = chunk.finish_reason();
+      generated = chunk.usage().generated_tokens();
+    }
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  EXPECT_EQ(finish, accel::v1::FINISH_REASON_CANCELLED);
+  EXPECT_GT(generated, 0);
+  EXPECT_LT(generated, 4000);
+  EXPECT_EQ(server->Wait(absl::Seconds(30)), 0) << server->Stderr();
+  EXPECT_THAT(server->Stderr(), HasSubstr("--shutdown_timeout"));
+}
+
+TEST(ServeAuthTest, BearerTokenIsRequiredExceptForHealth) {
+  TempDir dir;
+  const std::string token_file = dir.path() + "/token";
+  std::ofstream(token_file) << "s3cret-token\n";
+  auto server = StartOrDie(TestModelDir(), {"--auth_token_file=" + token_file});
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  GenerateResponse response;
+  {
+    grpc::ClientContext context;
+    grpc::Status status = stub->Generate(&context, Greedy("hi", 2), &response);
+    EXPECT_EQ(status.error_code(), grpc::UNAUTHENTICATED);
+    EXPECT_THAT(status.error_message(), HasSubstr("authorization: Bearer"));
+  }
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer wrong-token!");
+    EXPECT_EQ(stub->Generate(&context, Greedy("hi", 2), &response).error_code(),
+              grpc::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer s3cret-token");
+    EXPECT_TRUE(stub->Generate(&context, Greedy("hi", 2), &response).ok());
+  }
+  {
+    grpc::ClientContext context;
+    accel::v1::ModelInfo info;
+    EXPECT_EQ(stub->GetModelInfo(&context, {}, &info).error_code(), grpc::UNAUTHENTICATED);
+  }
+  // Kubernetes probes carry no token.
+  EXPECT_EQ(*server->Health("accel.ready"), HealthStatus::SERVING);
+  EXPECT_EQ(Metric(*server, "accel_request_failure_total{reason=\"unauthenticated\"}"), 3);
+}
+
+TEST(ServeTlsTest, ServesOverTls) {
+  TempDir dir;
+  const std::string cert = dir.path() + "/cert.pem";
+  const std::string key = dir.path() + "/key.pem";
+  ASSERT_EQ(RunCommand("openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+                       "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " +
+                       key + " -out " + cert + " > /dev/null 2>&1"),
+            0);
+  auto server = ServerProcess::Start(TestModelDir(), {"--tls_cert=" + cert, "--tls_key=" + key},
+                                     absl::Seconds(60), /*wait_ready=*/false);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::ifstream in(cert);
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs.assign(std::istreambuf_iterator<char>(in), {});
+  auto stub =
+      Generation::NewStub(grpc::CreateChannel((*server)->address(), grpc::SslCredentials(ssl)));
+  GenerateResponse response;
+  grpc::Status status = grpc::Status::CANCELLED;
+  // Ready is not probed over plain text here: retry until the model loaded.
+  for (int i = 0; i < 200; ++i) {
+    status = Call(*stub, Greedy("secure", 2), &response, absl::Seconds(5));
+    if (status.error_code() != grpc::UNAVAILABLE) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.token_ids_size(), 2);
+  // A plain-text client gets nowhere.
+  auto plain = Generation::NewStub((*server)->Channel());
+  EXPECT_FALSE(Call(*plain, Greedy("plain", 2), &response, absl::Seconds(2)).ok());
+}
+
+TEST(ServeDefaultModelTest, ServesTheEmbeddedModelWithoutModelFlag) {
+  auto server = StartOrDie("");
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  grpc::ClientContext context;
+  accel::v1::ModelInfo info;
+  ASSERT_TRUE(stub->GetModelInfo(&context, {}, &info).ok());
+  EXPECT_EQ(info.name(), "default-model");
+  GenerateResponse response;
+  EXPECT_TRUE(Call(*stub, Greedy("Hello", 4), &response).ok());
+  EXPECT_EQ(response.token_ids_size(), 4);
+}
+
+struct BadFlags {
+  std::vector<std::string> args;
+  const char* message;
+};
+
+class ServeFlagsTest : public ::testing::TestWithParam<BadFlags> {};
+
+TEST_P(ServeFlagsTest, BadFlagsExitOneWithAMessage) {
+  auto server = ServerProcess::Start(TestModelDir(), GetParam().args, absl::Seconds(30));
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr(GetParam().message));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Flags, ServeFlagsTest,
+    ::testing::Values(BadFlags{{"--max_batch_size=0"}, "--max_batch_size must be at least 1"},
+                      BadFlags{{"--model=/nonexistent/model"}, "/nonexistent/model/config.json"},
+                      BadFlags{{"--tls_cert=/tmp/x.pem"}, "--tls_cert and --tls_key"},
+                      BadFlags{{"--auth_token_file=/nonexistent"}, "--auth_token_file"},
+                      BadFlags{{"--dtype=float8"}, "float8"},
+                      BadFlags{{"--device_map=cuda:3"}, "no CUDA"},
+                      BadFlags{{"--max_queue=-1"}, "--max_queue"},
+                      BadFlags{{"stray"}, "unexpected argument"}),
+    [](const ::testing::TestParamInfo<BadFlags>& info) {
+      return absl::StrCat("case", info.index);
+    });
+
+}  // namespace
+}  // namespace accel::testing
