@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Installs every system dependency of accel from Debian packages.
+# prometheus brings promtool (the tests lint /metrics with it); openssl makes
+# the TLS test's certificate.
 # Idempotent and quiet: when everything is present it only checks, in about a second.
 set -euo pipefail
 
@@ -11,6 +13,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcivetweb-dev libre2-dev libgloo-dev libgoogle-glog-dev
   libutf8proc-dev
+  prometheus openssl
 )
 
 missing=()
