@@ -339,6 +339,32 @@ TEST_F(ServeTest, MetricsPassPromtoolAndCountRequests) {
   EXPECT_EQ(rc, 0) << "promtool check metrics (scripts/setup.sh installs prometheus): " << problems;
 }
 
+TEST_F(ServeTest, AccelClientGeneratesAndProbesHealth) {
+  GenerateResponse response;
+  ASSERT_TRUE(Call(*stub_, Greedy("A client says", 6), &response).ok());
+  const std::string client = absl::StrCat(BinDir(), "/accel-client --address ", server_->address());
+  // --max_new_tokens 6 without ignore_eos: the same answer unless eos came first.
+  for (const char* mode : {"", " --stream"}) {
+    FILE* pipe = popen(
+        (client + " generate --prompt 'A client says' --max_new_tokens 6" + mode + " 2>/dev/null")
+            .c_str(),
+        "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string out;
+    char buffer[4096];
+    size_t n;
+    while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, n);
+    EXPECT_EQ(pclose(pipe), 0);
+    if (response.finish_reason() == accel::v1::FINISH_REASON_LENGTH) {
+      EXPECT_EQ(out, response.text() + "\n") << mode;
+    }
+  }
+  EXPECT_EQ(RunCommand(client + " health > /dev/null"), 0);
+  EXPECT_EQ(RunCommand(client + " health --service accel.live > /dev/null"), 0);
+  EXPECT_NE(RunCommand(client + " health --service no.such > /dev/null 2>&1"), 0);
+  EXPECT_NE(RunCommand(client + " generate --prompt '' > /dev/null 2>&1"), 0);
+}
+
 TEST(ServeLimitsTest, PromptOverMaxInputTokensIsRefused) {
   auto server = StartOrDie(TestModelDir(), {"--max_input_tokens=4", "--max_total_tokens=64"});
   ASSERT_NE(server, nullptr);
