@@ -103,12 +103,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   info.has_tokenizer = model.tokenizer.has_value();
   info.load_seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
+  // Keys and values of every layer, per token, in the model's dtype.
+  const int64_t kv_bytes_per_token = 2 * loaded.config.num_hidden_layers *
+                                     loaded.config.kv_heads() * loaded.config.head_size() *
+                                     static_cast<int64_t>(c10::elementSize(loaded.dtype));
+  SchedulerOptions scheduler = options.scheduler;
+  scheduler.kv_cache_capacity_bytes =
+      kv_bytes_per_token * info.max_total_tokens * scheduler.max_batch_size;
+
   models::TextStreamFactory streams;
   if (model.tokenizer) streams = models::TokenizerTextStreams(*model.tokenizer);
   auto generator = std::make_unique<models::Generator>(loaded.model, loaded.dispatched.get(),
                                                        std::move(streams));
-  engine->scheduler_ =
-      std::make_unique<Scheduler>(std::move(generator), options.scheduler, metrics);
+  engine->scheduler_ = std::make_unique<Scheduler>(std::move(generator), scheduler, metrics);
   if (metrics != nullptr) {
     metrics->model_load_seconds.Set(info.load_seconds);
     for (const auto& [device, bytes] : info.bytes_per_device) {

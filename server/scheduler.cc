@@ -165,6 +165,12 @@ void Scheduler::PublishGauges() {
   metrics_->requests_waiting.Set(now.waiting);
   metrics_->requests_running.Set(now.running);
   metrics_->kv_cache_bytes.Set(static_cast<double>(now.kv_cache_bytes));
+  if (options_.kv_cache_capacity_bytes > 0) {
+    // Caches grow by doubling, so a full batch can hold a little more than
+    // the limits' worth; the ratio stays a ratio.
+    metrics_->kv_cache_usage.Set(
+        std::min(1.0, static_cast<double>(now.kv_cache_bytes) / options_.kv_cache_capacity_bytes));
+  }
 }
 
 void Scheduler::EndPending(Pending& pending, const absl::Status& status) {

@@ -94,10 +94,14 @@ class RequestSink {
 };
 
 struct SchedulerOptions {
-  int max_batch_size = 32;  // sequences in one step
-  int64_t max_batch_tokens =
-      4096;             // tokens in one step (prompts of joining sequences + 1 per running)
-  int max_queue = 256;  // requests waiting; past it Submit is ResourceExhausted
+  // Sequences in one step.
+  int max_batch_size = 32;
+  // Tokens in one step: the prompts of joining sequences plus one per running one.
+  int64_t max_batch_tokens = 4096;
+  // Requests waiting; past it Submit is ResourceExhausted.
+  int max_queue = 256;
+  // The most KV-cache bytes the limits allow, for the usage ratio metric; 0: not reported.
+  int64_t kv_cache_capacity_bytes = 0;
 };
 
 class Scheduler {

@@ -394,12 +394,16 @@ TEST(ServeSchedulingTest, CancellingAStreamFreesItsSequence) {
   ASSERT_TRUE(reader->Read(&chunk));
   EXPECT_EQ(Metric(*server, "accel_num_requests_running"), 1);
   EXPECT_GT(Metric(*server, "accel_kv_cache_bytes"), 0);
+  const double usage = Metric(*server, "accel_kv_cache_usage_ratio");
+  EXPECT_GT(usage, 0);
+  EXPECT_LE(usage, 1);
   context.TryCancel();
   while (reader->Read(&chunk)) {
   }
   EXPECT_EQ(reader->Finish().error_code(), grpc::CANCELLED);
   EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 0));
   EXPECT_TRUE(WaitForMetric(*server, "accel_kv_cache_bytes", 0));
+  EXPECT_TRUE(WaitForMetric(*server, "accel_kv_cache_usage_ratio", 0));
   EXPECT_TRUE(WaitForMetric(*server, "accel_request_failure_total{reason=\"cancelled\"}", 1));
 }
 
