@@ -169,7 +169,8 @@ void Scheduler::PublishGauges() {
     // Caches grow by doubling, so a full batch can hold a little more than
     // the limits' worth; the ratio stays a ratio.
     metrics_->kv_cache_usage.Set(
-        std::min(1.0, static_cast<double>(now.kv_cache_bytes) / options_.kv_cache_capacity_bytes));
+        std::min(1.0, static_cast<double>(now.kv_cache_bytes) /
+                          static_cast<double>(options_.kv_cache_capacity_bytes)));
   }
 }
 

@@ -22,7 +22,8 @@ std::vector<double> InterTokenBuckets() {
 // 1, 2, 5, 10, ... 50000 tokens.
 std::vector<double> TokenBuckets() {
   std::vector<double> buckets;
-  for (double scale = 1; scale <= 10000; scale *= 10) {
+  double scale = 1;
+  for (int decade = 0; decade < 5; ++decade, scale *= 10) {
     for (double m : {1.0, 2.0, 5.0}) buckets.push_back(m * scale);
   }
   return buckets;
