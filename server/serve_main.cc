@@ -6,6 +6,7 @@
 // ready. SIGTERM or SIGINT starts a drain: ready turns NOT_SERVING, new
 // requests get UNAVAILABLE, running ones finish within --shutdown_timeout
 // (past it they end with finish_reason cancelled), and the process exits 0.
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
@@ -23,6 +24,8 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
@@ -228,6 +231,20 @@ absl::StatusOr<Options> ReadOptions() {
   return o;
 }
 
+// Linking gRPC's reflection library registers its plugin for every server
+// (a static initializer); --grpc_reflection=false takes it out again.
+class NoReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+                                    return plugin->name() == "proto_server_reflection";
+                                  }),
+                   plugins->end());
+  }
+};
+
 void SetHealth(grpc::Server& server, const std::vector<std::string>& names, bool serving) {
   grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
   for (const std::string& name : names) health->SetServingStatus(name, serving);
@@ -287,9 +304,9 @@ int Run(int argc, char** argv) {
   accel::server::GenerationService generation(&state);
   accel::server::KServeService kserve(&state, kVersion);
   grpc::EnableDefaultHealthCheckService(true);
-  if (absl::GetFlag(FLAGS_grpc_reflection))
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  if (!absl::GetFlag(FLAGS_grpc_reflection)) builder.SetOption(std::make_unique<NoReflection>());
   int grpc_port = 0;
   builder.AddListeningPort(absl::StrCat(options->host, ":", options->port), options->credentials,
                            &grpc_port);

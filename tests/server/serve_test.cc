@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 
 #include "accel/v1/generation.grpc.pb.h"
+#include "server/proto/reflection_client.grpc.pb.h"
 #include "tests/server/server_process.h"
 #include "tests/testing/temp_dir.h"
 
@@ -363,6 +364,49 @@ TEST_F(ServeTest, AccelClientGeneratesAndProbesHealth) {
   EXPECT_EQ(RunCommand(client + " health --service accel.live > /dev/null"), 0);
   EXPECT_NE(RunCommand(client + " health --service no.such > /dev/null 2>&1"), 0);
   EXPECT_NE(RunCommand(client + " generate --prompt '' > /dev/null 2>&1"), 0);
+}
+
+// Lists the services through server reflection; the gRPC status on failure.
+absl::StatusOr<std::vector<std::string>> ReflectedServices(const ServerProcess& server) {
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(server.Channel());
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  auto stream = stub->ServerReflectionInfo(&context);
+  grpc::reflection::v1alpha::ServerReflectionRequest request;
+  request.set_list_services("*");
+  stream->Write(request);
+  request.set_file_containing_symbol("accel.v1.Generation");
+  stream->Write(request);
+  stream->WritesDone();
+  std::vector<std::string> names;
+  grpc::reflection::v1alpha::ServerReflectionResponse response;
+  while (stream->Read(&response)) {
+    for (const auto& service : response.list_services_response().service()) {
+      names.push_back(service.name());
+    }
+    if (response.has_file_descriptor_response()) {
+      names.push_back(
+          absl::StrCat("files:", response.file_descriptor_response().file_descriptor_proto_size()));
+    }
+  }
+  grpc::Status status = stream->Finish();
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  }
+  return names;
+}
+
+TEST_F(ServeTest, ReflectionListsTheServices) {
+  absl::StatusOr<std::vector<std::string>> names = ReflectedServices(*server_);
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_THAT(*names, ::testing::IsSupersetOf(
+                          {"accel.v1.Generation", "inference.GRPCInferenceService", "files:1"}));
+}
+
+TEST(ServeReflectionTest, ReflectionCanBeTurnedOff) {
+  auto server = StartOrDie(TestModelDir(), {"--grpc_reflection=false"});
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(ReflectedServices(*server).status().code(), absl::StatusCode::kUnimplemented);
 }
 
 TEST(ServeLimitsTest, PromptOverMaxInputTokensIsRefused) {
