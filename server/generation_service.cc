@@ -71,15 +71,40 @@ void SetCompletion(const Completion& completion, GenerateResponse& out) {
   out.mutable_timing()->set_total_seconds(absl::ToDoubleSeconds(completion.total));
 }
 
-// Validation and submission shared by both RPCs: the request id, or the
-// status to answer with.
-absl::StatusOr<uint64_t> Submit(ServingState& state, grpc::CallbackServerContext& context,
-                                const GenerateRequest& request, std::shared_ptr<RequestSink> sink) {
+// What both reactors share with their sink about the request itself.
+struct CallState {
+  absl::Mutex mu;
+  Engine* engine ABSL_GUARDED_BY(mu) = nullptr;
+  std::optional<uint64_t> id ABSL_GUARDED_BY(mu);
+  bool cancelled ABSL_GUARDED_BY(mu) = false;
+
+  // The client went away: stop the request (now, or once its id is known).
+  void Cancel() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    cancelled = true;
+    if (id && engine != nullptr) engine->Cancel(*id);
+  }
+};
+
+// Authorizes, validates and submits a request for `call`; the status to
+// finish the call with when that fails.
+grpc::Status Start(ServingState& state, grpc::CallbackServerContext& context,
+                   const GenerateRequest& request, std::shared_ptr<RequestSink> sink,
+                   CallState& call) {
+  grpc::Status auth = state.Authorize(context);
+  if (!auth.ok()) return auth;
   absl::StatusOr<Engine*> engine = state.ReadyEngine();
-  if (!engine.ok()) return engine.status();
+  if (!engine.ok()) return ToGrpcStatus(engine.status());
   absl::StatusOr<uint64_t> id = (*engine)->Submit(ToParams(request, context), std::move(sink));
-  if (!id.ok() && absl::IsResourceExhausted(id.status())) AddRetryHint(context);
-  return id;
+  if (!id.ok()) {
+    if (absl::IsResourceExhausted(id.status())) AddRetryHint(context);
+    return ToGrpcStatus(id.status());
+  }
+  absl::MutexLock lock(&call.mu);
+  call.id = *id;
+  call.engine = *engine;
+  // Cancelled before the id was known: pass it on now.
+  if (call.cancelled) call.engine->Cancel(*id);
+  return grpc::Status::OK;
 }
 
 // Unary Generate: the sink fills the response and finishes the call. The
@@ -87,13 +112,9 @@ absl::StatusOr<uint64_t> Submit(ServingState& state, grpc::CallbackServerContext
 // in OnDone, after which the sink must not touch it.
 class GenerateReactor : public grpc::ServerUnaryReactor {
  public:
-  struct Call {
-    absl::Mutex mu;
+  struct Call : CallState {
     GenerateReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;
     GenerateResponse* response ABSL_GUARDED_BY(mu) = nullptr;
-    Engine* engine ABSL_GUARDED_BY(mu) = nullptr;
-    std::optional<uint64_t> id ABSL_GUARDED_BY(mu);
-    bool cancelled ABSL_GUARDED_BY(mu) = false;
   };
 
   class Sink : public RequestSink {
@@ -129,27 +150,13 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
       call_->reactor = this;
       call_->response = response;
     }
-    grpc::Status auth = state->Authorize(*context);
-    if (!auth.ok()) {
-      FinishNow(auth);
-      return;
-    }
-    absl::StatusOr<uint64_t> id = Submit(*state, *context, *request, std::make_shared<Sink>(call_));
-    if (!id.ok()) {
-      FinishNow(ToGrpcStatus(id.status()));
-      return;
-    }
-    absl::MutexLock lock(&call_->mu);
-    call_->id = *id;
-    call_->engine = state->engine();
-    // Cancelled before we knew the id: pass it on now.
-    if (call_->cancelled) call_->engine->Cancel(*id);
+    grpc::Status started = Start(*state, *context, *request, std::make_shared<Sink>(call_), *call_);
+    if (!started.ok()) Finish(started);
   }
 
   void OnCancel() override {
     absl::MutexLock lock(&call_->mu);
-    call_->cancelled = true;
-    if (call_->id && call_->engine != nullptr) call_->engine->Cancel(*call_->id);
+    call_->Cancel();
   }
 
   void OnDone() override {
@@ -162,7 +169,6 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
   }
 
  private:
-  void FinishNow(const grpc::Status& status) { Finish(status); }
   std::shared_ptr<Call> call_;
 };
 
@@ -171,12 +177,8 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
 // gets fewer, larger messages instead of an unbounded queue.
 class StreamReactor : public grpc::ServerWriteReactor<GenerateResponse> {
  public:
-  struct Call {
-    absl::Mutex mu;
+  struct Call : CallState {
     StreamReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;
-    Engine* engine ABSL_GUARDED_BY(mu) = nullptr;
-    std::optional<uint64_t> id ABSL_GUARDED_BY(mu);
-    bool cancelled ABSL_GUARDED_BY(mu) = false;
     bool writing ABSL_GUARDED_BY(mu) = false;
     GenerateResponse in_flight ABSL_GUARDED_BY(mu);  // must outlive its write
     std::optional<GenerateResponse> next ABSL_GUARDED_BY(mu);
@@ -250,20 +252,8 @@ class StreamReactor : public grpc::ServerWriteReactor<GenerateResponse> {
       absl::MutexLock lock(&call_->mu);
       call_->reactor = this;
     }
-    grpc::Status auth = state->Authorize(*context);
-    if (!auth.ok()) {
-      FinishWith(auth);
-      return;
-    }
-    absl::StatusOr<uint64_t> id = Submit(*state, *context, *request, std::make_shared<Sink>(call_));
-    if (!id.ok()) {
-      FinishWith(ToGrpcStatus(id.status()));
-      return;
-    }
-    absl::MutexLock lock(&call_->mu);
-    call_->id = *id;
-    call_->engine = state->engine();
-    if (call_->cancelled) call_->engine->Cancel(*id);
+    grpc::Status started = Start(*state, *context, *request, std::make_shared<Sink>(call_), *call_);
+    if (!started.ok()) FinishWith(started);
   }
 
   void OnWriteDone(bool ok) override {
@@ -273,8 +263,7 @@ class StreamReactor : public grpc::ServerWriteReactor<GenerateResponse> {
       call_->writing = false;
       if (!ok) {
         // The client is gone: stop generating; the sink's OnDone finishes.
-        call_->cancelled = true;
-        if (call_->id && call_->engine != nullptr) call_->engine->Cancel(*call_->id);
+        call_->Cancel();
       }
       action = call_->Pump();
     }
@@ -283,8 +272,7 @@ class StreamReactor : public grpc::ServerWriteReactor<GenerateResponse> {
 
   void OnCancel() override {
     absl::MutexLock lock(&call_->mu);
-    call_->cancelled = true;
-    if (call_->id && call_->engine != nullptr) call_->engine->Cancel(*call_->id);
+    call_->Cancel();
   }
 
   void OnDone() override {
