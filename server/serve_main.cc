@@ -75,8 +75,8 @@ ABSL_FLAG(int64_t, max_batch_tokens, 4096,
           "Most tokens in one step (prompts joining plus one per running sequence); a longer "
           "prompt still runs, alone.");
 ABSL_FLAG(int, max_queue, 256,
-          "Most requests waiting to join the batch; past it: RESOURCE_EXHAUSTED with a "
-          "retry-after-ms hint.");
+          "Most requests waiting to join the batch (at least 1: every request passes through "
+          "it); past it: RESOURCE_EXHAUSTED with a retry-after-ms hint.");
 ABSL_FLAG(int64_t, max_input_tokens, 0, "Most prompt tokens; 0: the model's context - 1.");
 ABSL_FLAG(int64_t, max_total_tokens, 0,
           "Most prompt + generated tokens per request; 0: the model's context.");
@@ -174,7 +174,7 @@ absl::StatusOr<Options> ReadOptions() {
   };
   for (absl::Status s : {positive("max_batch_size", e.scheduler.max_batch_size),
                          positive("max_batch_tokens", e.scheduler.max_batch_tokens),
-                         non_negative("max_queue", e.scheduler.max_queue),
+                         positive("max_queue", e.scheduler.max_queue),
                          non_negative("max_input_tokens", e.max_input_tokens),
                          non_negative("max_total_tokens", e.max_total_tokens),
                          positive("default_max_new_tokens", e.default_max_new_tokens),
@@ -251,6 +251,14 @@ void SetHealth(grpc::Server& server, const std::vector<std::string>& names, bool
 }
 
 int Run(int argc, char** argv) {
+  // libtorch's oneDNN caches keep a primitive per matrix shape (1024 each by
+  // default); a server sees a new row count with every batch size and prompt
+  // length, and its memory grew by megabytes a minute under load in
+  // bfloat16 (docs/BENCHMARKS.md). A small cap keeps it flat at the same
+  // speed. Read on first use, so set before anything touches libtorch; a
+  // value in the environment wins.
+  setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "32", /*overwrite=*/0);
+  setenv("LRU_CACHE_CAPACITY", "32", /*overwrite=*/0);
   // Before any thread starts, so every thread inherits the mask and the
   // signals queue for sigtimedwait below.
   sigset_t signals;

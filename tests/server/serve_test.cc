@@ -670,7 +670,7 @@ INSTANTIATE_TEST_SUITE_P(
                       BadFlags{{"--auth_token_file=/nonexistent"}, "--auth_token_file"},
                       BadFlags{{"--dtype=float8"}, "float8"},
                       BadFlags{{"--device_map=cuda:3"}, "no CUDA"},
-                      BadFlags{{"--max_queue=-1"}, "--max_queue"},
+                      BadFlags{{"--max_queue=0"}, "--max_queue must be at least 1"},
                       BadFlags{{"stray"}, "unexpected argument"}),
     [](const ::testing::TestParamInfo<BadFlags>& info) {
       return absl::StrCat("case", info.index);

@@ -49,7 +49,7 @@ inline int RunCommand(const std::string& command) { return std::system(command.c
 // folder (test-models/<name>) so the many test processes make it once: it is
 // made in a private folder and renamed into place.
 inline std::string MadeModel(const std::string& name, const std::string& flags) {
-  const std::string dir = BinDir() + "/../test-models/" + name;
+  std::string dir = BinDir() + "/../test-models/" + name;
   if (std::filesystem::exists(dir + "/config.json")) return dir;
   const std::string staging = absl::StrCat(dir, ".tmp-", getpid());
   const std::string command =
@@ -137,6 +137,7 @@ class ServerProcess {
       dup2(stderr_fd, STDERR_FILENO);
       close(out[0]);
       std::vector<char*> argv;
+      argv.reserve(args.size() + 1);
       for (std::string& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
       execv(argv[0], argv.data());
