@@ -646,7 +646,7 @@ grpc::ServerUnaryReactor* KServeService::ModelMetadata(
   response->add_versions(kModelVersion);
   response->set_platform("accel_libtorch");
   const auto add = [](auto* list, const char* name, const char* datatype,
-                      std::vector<int64_t> shape) {
+                      const std::vector<int64_t>& shape) {
     auto* tensor = list->Add();
     tensor->set_name(name);
     tensor->set_datatype(datatype);

@@ -107,7 +107,7 @@ absl::StatusOr<std::vector<uint64_t>> DecodeUnsignedRaw(const InputTensor& tenso
 }
 
 int64_t SignExtend(uint64_t v, size_t bytes) {
-  if (bytes == 8) return static_cast<int64_t>(v);
+  if (bytes == 0 || bytes >= 8) return static_cast<int64_t>(v);
   const uint64_t sign = uint64_t{1} << (8 * bytes - 1);
   return static_cast<int64_t>((v ^ sign) - sign);
 }
@@ -571,7 +571,8 @@ const std::vector<std::string>& KnownOutputs() {
 }
 
 OutputTensor* AddOutput(absl::string_view name, absl::string_view datatype,
-                        std::vector<int64_t> shape, inference::ModelInferResponse* response) {
+                        const std::vector<int64_t>& shape,
+                        inference::ModelInferResponse* response) {
   OutputTensor* out = response->add_outputs();
   out->set_name(std::string(name));
   out->set_datatype(std::string(datatype));
@@ -928,6 +929,7 @@ void BuildInferResponse(const KServeRequest& request, const std::vector<Generati
   for (const std::string& name : request.outputs) {
     if (name == kTextOutput) {
       std::vector<std::string> texts;
+      texts.reserve(results.size());
       for (const GenerationResult& r : results) texts.push_back(r.text);
       AddBytesOutput(name, texts, request.raw, response);
     } else if (name == kOutputIds) {
@@ -938,10 +940,12 @@ void BuildInferResponse(const KServeRequest& request, const std::vector<Generati
       continue;  // the rest describe a finished generation
     } else if (name == kFinishReason) {
       std::vector<std::string> reasons;
+      reasons.reserve(results.size());
       for (const GenerationResult& r : results) reasons.push_back(r.finish_reason);
       AddBytesOutput(name, reasons, request.raw, response);
     } else if (name == kNumInputTokens || name == kNumOutputTokens) {
       std::vector<int64_t> counts;
+      counts.reserve(results.size());
       for (const GenerationResult& r : results) {
         counts.push_back(name == kNumInputTokens ? r.prompt_tokens : r.generated_tokens);
       }
