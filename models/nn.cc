@@ -47,8 +47,9 @@ at::Tensor GeluNew(const at::Tensor& x) {
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) {
-  // A few rows on the cpu (decode): our GEMV kernels stream the weights at
-  // close to memory bandwidth (models/internal/cpu_linear.h).
+  // On the cpu our GEMV kernels (models/internal/cpu_linear.h): a decode step
+  // streams the weights at close to memory bandwidth, a prefill runs them over
+  // chunks of rows (in bfloat16 only up to one chunk: oneDNN is faster above).
   if (std::optional<at::Tensor> y = models::internal::FastLinear(x, weight, bias)) return *y;
   if (NeedsHalfUpcast(x)) return at::linear(Float(x), Float(weight), Float(bias)).to(at::kHalf);
   return at::linear(x, weight, bias);

@@ -1,9 +1,11 @@
-// accel-bench-gemv: the decode path's linear layers, y = x W^T for a few rows
-// of x, in GB/s of weights streamed. For each weight dtype it builds a set of
-// Llama-7B-shaped matrices (k = 4096, n = 4096 or 11008) of about --gb GB, far
-// more than the caches hold, and times one pass over the set (each matrix
-// once, like the layers of a decode step) for:
-//   accel FastLinear   models/internal/cpu_linear.h (what nn::Linear runs)
+// accel-bench-gemv: the cpu linear layers, y = x W^T for m rows of x (a decode
+// step: a few; a prefill: many), in GB/s of weights. For each weight dtype it
+// builds a set of Llama-7B-shaped matrices (k = 4096, n = 4096 or 11008) of
+// about --gb GB, far more than the caches hold, and times one pass over the
+// set (each matrix once, like the layers of a step) for:
+//   accel FastLinear   models/internal/cpu_linear.h (what nn::Linear runs);
+//                      where it declines (bfloat16 above kFastLinearChunkRows
+//                      rows), FastLinearAnyRows: what it would run there
 //   at::linear         libtorch's own CPU product (the baseline); float16 has
 //                      no CPU matmul in libtorch 1.13, so there the baseline is
 //                      nn::Linear's former fallback: at::linear on float32
@@ -15,9 +17,11 @@
 // one pass of every method in turn. The machine is shared: a sample during
 // which another process used the CPU (/proc/stat) is discarded, rounds go on
 // until each method has --repeats clean samples, and the table shows the
-// best clean pass.
+// best clean pass. GB/s is weight bytes over time whatever m is (above
+// kFastLinearChunkRows rows the work grows with m, not the bytes).
 //
 //   build-gemv/bin/accel-bench-gemv [--gb 1] [--repeats 5] [--threads 2] [--rows 1,8]
+//       [--dtypes float32,bfloat16,float16] [--shapes 4096x4096,11008x4096]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -40,6 +44,7 @@
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
@@ -49,23 +54,34 @@
 namespace {
 
 using accel::models::internal::FastLinear;
+using accel::models::internal::FastLinearAnyRows;
+
+struct Shape {
+  int64_t n, k;
+};
 
 struct Flags {
   double gb = 1.0;
   int repeats = 5;
   int threads = 2;
   std::vector<int64_t> rows = {1, 8};
+  std::vector<at::ScalarType> dtypes = {at::kFloat, at::kBFloat16, at::kHalf};
+  std::vector<Shape> shapes = {{4096, 4096}, {11008, 4096}};
 };
 
 [[noreturn]] void Usage(const char* argv0, const std::string& error) {
   if (!error.empty()) std::fprintf(stderr, "%s: %s\n", argv0, error.c_str());
-  std::fprintf(stderr,
-               "usage: %s [--gb G] [--repeats R] [--threads T] [--rows 1,8]\n"
-               "  --gb G        weight set per dtype and shape, in GB (default 1)\n"
-               "  --repeats R   undisturbed passes per method, the best shown (default 5)\n"
-               "  --threads T   intra-op threads for every method (default 2)\n"
-               "  --rows LIST   rows of x (batch), comma-separated, each 1..16 (default 1,8)\n",
-               argv0);
+  std::fprintf(
+      stderr,
+      "usage: %s [--gb G] [--repeats R] [--threads T] [--rows 1,8] [--dtypes LIST]\n"
+      "          [--shapes LIST]\n"
+      "  --gb G         weight set per dtype and shape, in GB (default 1)\n"
+      "  --repeats R    undisturbed passes per method, the best shown (default 5)\n"
+      "  --threads T    intra-op threads for every method (default 2)\n"
+      "  --rows LIST    rows of x (batch, or prompt tokens), comma-separated (default 1,8)\n"
+      "  --dtypes LIST  weight dtypes (default float32,bfloat16,float16)\n"
+      "  --shapes LIST  weight shapes NxK (default 4096x4096,11008x4096)\n",
+      argv0);
   std::exit(2);
 }
 
@@ -99,11 +115,35 @@ Flags ParseFlags(int argc, char** argv) {
     } else if (arg == "--rows") {
       flags.rows.clear();
       for (absl::string_view part : absl::StrSplit(value, ',')) {
-        const int64_t r = std::atoll(std::string(part).c_str());
-        if (r < 1 || r > accel::models::internal::kFastLinearMaxRows) {
-          Usage(argv[0], absl::StrCat("--rows: ", part, " is not in 1..16"));
+        int64_t r = 0;
+        if (!absl::SimpleAtoi(part, &r) || r < 1) {
+          Usage(argv[0], absl::StrCat("--rows: '", part, "' is not a positive integer"));
         }
         flags.rows.push_back(r);
+      }
+    } else if (arg == "--dtypes") {
+      flags.dtypes.clear();
+      for (absl::string_view part : absl::StrSplit(value, ',')) {
+        if (part == "float32") {
+          flags.dtypes.push_back(at::kFloat);
+        } else if (part == "bfloat16") {
+          flags.dtypes.push_back(at::kBFloat16);
+        } else if (part == "float16") {
+          flags.dtypes.push_back(at::kHalf);
+        } else {
+          Usage(argv[0], absl::StrCat("--dtypes: unknown dtype '", part, "'"));
+        }
+      }
+    } else if (arg == "--shapes") {
+      flags.shapes.clear();
+      for (absl::string_view part : absl::StrSplit(value, ',')) {
+        std::vector<absl::string_view> nk = absl::StrSplit(part, 'x');
+        Shape shape{0, 0};
+        if (nk.size() != 2 || !absl::SimpleAtoi(nk[0], &shape.n) ||
+            !absl::SimpleAtoi(nk[1], &shape.k) || shape.n < 1 || shape.k < 1) {
+          Usage(argv[0], absl::StrCat("--shapes: '", part, "' is not NxK"));
+        }
+        flags.shapes.push_back(shape);
       }
     } else if (arg == "--help" || arg == "-h") {
       Usage(argv[0], "");
@@ -183,10 +223,6 @@ void CopyAll(const std::vector<at::Tensor>& weights, std::vector<char>& out) {
   }
 }
 
-struct Shape {
-  int64_t n, k;
-};
-
 // One weight set: a dtype and a shape, about --gb GB of matrices.
 struct Set {
   std::string dtype, shape;
@@ -258,13 +294,11 @@ int Main(int argc, char** argv) {
 
   // Every set is built first and every method timed once per repeat, so a
   // noisy neighbour slows one sample of each method, not all of one method.
-  const Shape shapes[] = {{4096, 4096}, {11008, 4096}};
-  const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kHalf};
   std::vector<std::unique_ptr<Set>> sets;
   std::vector<Method> methods;
   std::vector<char> copy_out;
-  for (at::ScalarType dtype : dtypes) {
-    for (const Shape& shape : shapes) {
+  for (at::ScalarType dtype : flags.dtypes) {
+    for (const Shape& shape : flags.shapes) {
       auto set = std::make_unique<Set>();
       set->dtype = Name(dtype);
       set->shape = absl::StrCat(shape.n, "x", shape.k);
@@ -288,8 +322,13 @@ int Main(int argc, char** argv) {
       methods.push_back({&s, "read, 8 streams per thread", 0, [&s] { ReadAllStreams(s.weights); }});
       for (int64_t m : flags.rows) {
         at::Tensor x = at::randn({m, shape.k}).to(dtype);
+        const bool takes = FastLinear(x, s.weights[0], at::Tensor()).has_value();
+        auto ours_fn = [takes](const at::Tensor& input, const at::Tensor& w) {
+          return takes ? *FastLinear(input, w, at::Tensor())
+                       : *FastLinearAnyRows(input, w, at::Tensor());
+        };
         // One check that both agree before timing them.
-        at::Tensor ours = FastLinear(x, s.weights[0], at::Tensor()).value().to(at::kFloat);
+        at::Tensor ours = ours_fn(x, s.weights[0]).to(at::kFloat);
         at::Tensor theirs = TorchLinear(s, x, s.weights[0]).to(at::kFloat);
         const double diff = (ours - theirs).abs().max().item<double>();
         const double scale = theirs.abs().max().item<double>();
@@ -298,12 +337,12 @@ int Main(int argc, char** argv) {
                        s.dtype.c_str(), s.shape.c_str(), static_cast<long>(m), diff, scale);
           return 1;
         }
-        methods.push_back({&s, "accel FastLinear", m, [&s, x] {
-                             for (const at::Tensor& w : s.weights) {
-                               g_sink = g_sink + static_cast<uint64_t>(
-                                                     FastLinear(x, w, at::Tensor())->numel());
-                             }
-                           }});
+        methods.push_back(
+            {&s, takes ? "accel FastLinear" : "FastLinearAnyRows (declined)", m, [&s, x, ours_fn] {
+               for (const at::Tensor& w : s.weights) {
+                 g_sink = g_sink + static_cast<uint64_t>(ours_fn(x, w).numel());
+               }
+             }});
         methods.push_back(
             {&s, s.torch_native ? "at::linear" : "at::linear on float32 copies", m, [&s, x] {
                for (const at::Tensor& w : s.weights) {

@@ -1,6 +1,7 @@
 // FastLinear against at::linear computed in float64, within the float32
-// accumulation bound (plus the final rounding to bfloat16 / float16); the
-// cases it must leave to libtorch; and nn::Linear taking it for decode.
+// accumulation bound (plus the final rounding to bfloat16 / float16), for
+// decode-sized inputs and for prefill-sized ones cut into row chunks; the
+// cases it must leave to libtorch; and nn::Linear taking it.
 #include "models/internal/cpu_linear.h"
 
 #include <cmath>
@@ -54,6 +55,9 @@ void ExpectMatchesFloat64(const at::Tensor& y, const at::Tensor& x, const at::Te
 class CpuLinearTest : public ::testing::TestWithParam<at::ScalarType> {
  protected:
   at::ScalarType dtype() const { return GetParam(); }
+  // Whether FastLinear takes more than one chunk's rows in this dtype
+  // (bfloat16 leaves them to libtorch's oneDNN product).
+  bool TakesPrefill() const { return dtype() != at::kBFloat16; }
 };
 
 TEST_P(CpuLinearTest, MatchesLinearInFloat64) {
@@ -76,6 +80,56 @@ TEST_P(CpuLinearTest, MatchesLinearInFloat64) {
   }
 }
 
+TEST_P(CpuLinearTest, CutsManyRowsIntoChunks) {
+  ASSERT_EQ(kFastLinearChunkRows, 16);
+  at::manual_seed(7);
+  // Chunks of 16 rows: 17 = 9 + 8, 31 = 16 + 15, 32 and 33 two and three
+  // chunks, 100 seven.
+  for (int64_t rows : {17, 31, 32, 33, 100}) {
+    for (int64_t in : {33, 256}) {
+      for (int64_t out : {17, 300}) {
+        for (bool with_bias : {false, true}) {
+          SCOPED_TRACE(testing::Message()
+                       << rows << " x " << in << " -> " << out << (with_bias ? " with bias" : ""));
+          at::Tensor x = Random({rows, in}, dtype());
+          at::Tensor w = Random({out, in}, dtype());
+          at::Tensor b = with_bias ? Random({out}, dtype()) : at::Tensor();
+          std::optional<at::Tensor> y = FastLinear(x, w, b);
+          ASSERT_EQ(y.has_value(), TakesPrefill());
+          // What bfloat16 would get (accel-bench-gemv compares it with oneDNN).
+          std::optional<at::Tensor> any = FastLinearAnyRows(x, w, b);
+          ASSERT_TRUE(any.has_value());
+          ExpectMatchesFloat64(*any, x, w, b);
+          if (y) {
+            EXPECT_TRUE(at::equal(*y, *any));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CpuLinearTest, ChunksGiveEachRowWhatItGetsAlone) {
+  // Each output element is summed in the same order however the rows are
+  // blocked, so a row of a chunked product equals the one-row product
+  // exactly: a wrong chunk offset cannot hide within the tolerance.
+  // FastLinearAnyRows: the same path, which bfloat16 gets too.
+  at::manual_seed(8);
+  at::Tensor w = Random({70, 100}, dtype());
+  at::Tensor b = Random({70}, dtype());
+  for (int64_t rows : {32, 45}) {
+    SCOPED_TRACE(testing::Message() << rows << " rows");
+    at::Tensor x = Random({rows, 100}, dtype());
+    std::optional<at::Tensor> y = FastLinearAnyRows(x, w, b);
+    ASSERT_TRUE(y.has_value());
+    for (int64_t i = 0; i < rows; ++i) {
+      std::optional<at::Tensor> row = FastLinear(x[i], w, b);
+      ASSERT_TRUE(row.has_value());
+      EXPECT_TRUE(at::equal((*y)[i], *row)) << "row " << i;
+    }
+  }
+}
+
 TEST_P(CpuLinearTest, KeepsLeadingDimensions) {
   at::manual_seed(2);
   at::Tensor w = Random({40, 24}, dtype());
@@ -91,6 +145,14 @@ TEST_P(CpuLinearTest, KeepsLeadingDimensions) {
   ASSERT_TRUE(y1.has_value());
   EXPECT_EQ(y1->sizes(), (std::vector<int64_t>{40}));
   ExpectMatchesFloat64(*y1, x1, w, b);
+
+  at::Tensor prefill = Random({2, 50, 24}, dtype());  // [B, T, in]: 100 rows, 7 chunks
+  std::optional<at::Tensor> y = FastLinear(prefill, w, b);
+  ASSERT_EQ(y.has_value(), TakesPrefill());
+  if (y) {
+    EXPECT_EQ(y->sizes(), (std::vector<int64_t>{2, 50, 40}));
+    ExpectMatchesFloat64(*y, prefill, w, b);
+  }
 }
 
 TEST_P(CpuLinearTest, TakesNonContiguousInputs) {
@@ -102,13 +164,44 @@ TEST_P(CpuLinearTest, TakesNonContiguousInputs) {
       Random({4, 128}, dtype()).slice(1, 10, 74),  // rows strided, columns dense
       Random({1, 64}, dtype()).expand({6, 64}),    // one row seen 6 times (stride 0)
       Random({3, 8, 64}, dtype()).permute({1, 0, 2}).slice(0, 0, 4),  // [4, 3, in], permuted
+      // More than one chunk of rows.
+      Random({64, 40}, dtype()).t(),                    // 40 rows, columns strided
+      Random({48, 128}, dtype()).slice(1, 10, 74),      // 48 rows (3 chunks), rows strided
+      Random({1, 64}, dtype()).expand({33, 64}),        // stride 0, 33 rows
+      Random({3, 20, 64}, dtype()).permute({1, 0, 2}),  // [20, 3, in]: 60 rows, permuted
   };
   for (const at::Tensor& x : inputs) {
     SCOPED_TRACE(testing::Message() << "x " << x.sizes() << " strides " << x.strides());
     ASSERT_FALSE(x.is_contiguous());
     std::optional<at::Tensor> y = FastLinear(x, w, b);
+    if (x.numel() / 64 > kFastLinearChunkRows && !TakesPrefill()) {
+      EXPECT_FALSE(y.has_value());
+      continue;
+    }
     ASSERT_TRUE(y.has_value());
     ExpectMatchesFloat64(*y, x, w, b);
+  }
+}
+
+TEST_P(CpuLinearTest, TilesAndThreadsDoNotChangeAChunkedResult) {
+  // 3001 x 512 weights are 6 MB in float32 (3 MB in 16 bits): several column
+  // tiles per thread, each taken through the 3 chunks of 40 rows.
+  // FastLinearAnyRows: the same path, which bfloat16 gets too.
+  at::manual_seed(9);
+  at::Tensor x = Random({40, 512}, dtype());
+  at::Tensor w = Random({3001, 512}, dtype());
+  at::Tensor b = Random({3001}, dtype());
+  at::set_num_threads(1);
+  std::optional<at::Tensor> one = FastLinearAnyRows(x, w, b);
+  at::set_num_threads(2);
+  std::optional<at::Tensor> two = FastLinearAnyRows(x, w, b);
+  ASSERT_TRUE(one.has_value() && two.has_value());
+  EXPECT_TRUE(at::equal(*one, *two));
+  ExpectMatchesFloat64(*two, x, w, b);
+  for (int64_t i : {0, 12, 13, 25, 26, 39}) {  // first and last rows of each chunk
+    std::optional<at::Tensor> row = FastLinear(x[i], w, b);
+    ASSERT_TRUE(row.has_value());
+    EXPECT_TRUE(at::equal((*two)[i], *row)) << "row " << i;
   }
 }
 
@@ -154,8 +247,15 @@ TEST(CpuLinearFallbackTest, LeavesEverythingElseToLibtorch) {
   at::Tensor b = at::randn({8});
   at::Tensor x = at::randn({2, 16});
   ASSERT_TRUE(FastLinear(x, w, b).has_value());
-  EXPECT_FALSE(FastLinear(at::randn({17, 16}), w, b).has_value()) << "too many rows";
-  EXPECT_FALSE(FastLinear(at::randn({3, 6, 16}), w, b).has_value()) << "18 rows";
+  EXPECT_TRUE(FastLinear(at::randn({17, 16}), w, b).has_value()) << "17 rows: two chunks";
+  EXPECT_TRUE(
+      FastLinear(at::randn({16, 16}).to(at::kBFloat16), w.to(at::kBFloat16), b.to(at::kBFloat16))
+          .has_value())
+      << "bfloat16, one chunk";
+  EXPECT_FALSE(
+      FastLinear(at::randn({3, 6, 16}).to(at::kBFloat16), w.to(at::kBFloat16), b.to(at::kBFloat16))
+          .has_value())
+      << "bfloat16, 18 rows: oneDNN";
   EXPECT_FALSE(FastLinear(at::randn({0, 16}), w, b).has_value()) << "no rows";
   EXPECT_FALSE(FastLinear(at::randn({2, 15}), w, b).has_value()) << "in mismatch";
   EXPECT_FALSE(FastLinear(x, at::randn({16, 8}).t(), b).has_value()) << "weight not contiguous";
@@ -190,7 +290,7 @@ TEST(CpuLinearFallbackTest, LeavesAutogradToLibtorch) {
   }
 }
 
-TEST(CpuLinearLayerTest, LinearForwardUsesItForDecodeAndLibtorchOtherwise) {
+TEST(CpuLinearLayerTest, LinearForwardUsesItOnTheCpu) {
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     SCOPED_TRACE(c10::toString(dtype));
     nn::Linear linear(64, 48, /*bias=*/true, dtype);
@@ -202,9 +302,14 @@ TEST(CpuLinearLayerTest, LinearForwardUsesItForDecodeAndLibtorchOtherwise) {
     std::optional<at::Tensor> fast = FastLinear(decode, linear.weight, linear.bias);
     ASSERT_TRUE(fast.has_value());
     EXPECT_TRUE(at::equal(linear.forward(decode), *fast));
-    // A prefill of 40 rows goes to libtorch and still agrees.
+    // A prefill of 40 rows: three chunks, except in bfloat16, which goes to
+    // libtorch and still agrees.
     at::Tensor prefill = Random({40, 64}, dtype);
-    ASSERT_FALSE(FastLinear(prefill, linear.weight, linear.bias).has_value());
+    std::optional<at::Tensor> chunked = FastLinear(prefill, linear.weight, linear.bias);
+    ASSERT_EQ(chunked.has_value(), dtype != at::kBFloat16);
+    if (chunked) {
+      EXPECT_TRUE(at::equal(linear.forward(prefill), *chunked));
+    }
     ExpectMatchesFloat64(linear.forward(prefill), prefill, linear.weight, linear.bias);
   }
 }
