@@ -636,6 +636,33 @@ TEST(ServeTlsTest, ServesOverTls) {
   EXPECT_FALSE(Call(*plain, Greedy("plain", 2), &response, absl::Seconds(2)).ok());
 }
 
+TEST(ServeNoTokenizerTest, TextNeedsATokenizerButIdsWork) {
+  TempDir dir;
+  const std::string model = dir.path() + "/no-tokenizer";
+  ASSERT_EQ(
+      RunCommand("cp -r " + TestModelDir() + " " + model + " && rm " + model + "/tokenizer.json"),
+      0);
+  auto server = StartOrDie(model);
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  GenerateResponse response;
+  grpc::Status status = Call(*stub, Greedy("words", 2), &response);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("no tokenizer.json"));
+  GenerateRequest ids;
+  ids.mutable_input_ids()->add_ids(5);
+  ids.set_max_new_tokens(3);
+  ids.set_ignore_eos(true);
+  status = Call(*stub, ids, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.token_ids_size(), 3);
+  EXPECT_EQ(response.text(), "");
+  ids.add_stop("x");
+  status = Call(*stub, ids, &response);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("stop: this model has no tokenizer.json"));
+}
+
 TEST(ServeDefaultModelTest, ServesTheEmbeddedModelWithoutModelFlag) {
   auto server = StartOrDie("");
   ASSERT_NE(server, nullptr);
@@ -671,7 +698,13 @@ INSTANTIATE_TEST_SUITE_P(
                       BadFlags{{"--dtype=float8"}, "float8"},
                       BadFlags{{"--device_map=cuda:3"}, "no CUDA"},
                       BadFlags{{"--max_queue=0"}, "--max_queue must be at least 1"},
-                      BadFlags{{"stray"}, "unexpected argument"}),
+                      BadFlags{{"stray"}, "unexpected argument"},
+                      BadFlags{{"--port=70000"}, "--port must be in [0, 65535]"},
+                      BadFlags{{"--metrics_port=-2"}, "--metrics_port must be -1 (off)"},
+                      BadFlags{{"--request_timeout=-1s"}, "--request_timeout must not be negative"},
+                      BadFlags{{"--shutdown_timeout=-1s"},
+                               "--shutdown_timeout must not be negative"},
+                      BadFlags{{"--max_total_tokens=1"}, "leaves no room for a prompt"}),
     [](const ::testing::TestParamInfo<BadFlags>& info) {
       return absl::StrCat("case", info.index);
     });
