@@ -1,0 +1,478 @@
+#include "quant/internal/kernels_cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+// Compiled with -fopenmp and without the shared PCH (accel_torch_parallel in
+// quant/CMakeLists.txt): at::parallel_for is serial otherwise.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+namespace accel::quant::internal {
+namespace {
+
+// Weight bytes per thread below which a kernel is not split further: a split
+// costs a few microseconds, about what 64 KiB take to stream.
+constexpr int64_t kMinBytesPerTask = int64_t{64} << 10;
+
+// Elements of a weight row decoded at a time by Gemv4bit: 4 KiB of float32,
+// which stay in the L1 cache while every row of x is dotted with them.
+constexpr int64_t kChunk = 1024;
+
+// ---- Portable ---------------------------------------------------------------
+
+template <DenseType T>
+inline float RoundScalar(float v) {
+  if constexpr (T == DenseType::kBFloat16) {
+    return static_cast<float>(c10::BFloat16(v));  // nearest even; NaN -> 0x7FC0
+  } else if constexpr (T == DenseType::kFloat16) {
+    return static_cast<float>(c10::Half(v));
+  } else {
+    return v;
+  }
+}
+
+inline float DecodeScalar(const Packed4bit& w, int64_t j) {
+  const uint8_t byte = w.packed[j >> 1];
+  const int index = (j & 1) == 0 ? byte >> 4 : byte & 0xF;
+  return w.code[index] * w.absmax[j / w.blocksize];
+}
+
+// Stores the rounded value v as element `i` of `out` (float32, or the bits of
+// a bfloat16 / float16 when !kFloatOut).
+template <DenseType T, bool kFloatOut>
+inline void StoreScalar(void* out, int64_t i, float v) {
+  if constexpr (kFloatOut || T == DenseType::kFloat32) {
+    static_cast<float*>(out)[i] = RoundScalar<T>(v);
+  } else if constexpr (T == DenseType::kBFloat16) {
+    static_cast<uint16_t*>(out)[i] = c10::BFloat16(v).x;
+  } else {
+    static_cast<uint16_t*>(out)[i] = c10::Half(v).x;
+  }
+}
+
+// Flat elements [begin, end) into out[0, end - begin).
+template <DenseType T, bool kFloatOut>
+void DecodeRangeScalar(const Packed4bit& w, int64_t begin, int64_t end, void* out) {
+  for (int64_t j = begin; j < end; ++j)
+    StoreScalar<T, kFloatOut>(out, j - begin, DecodeScalar(w, j));
+}
+
+// sums[r] += sum_j w[j] * x[r * x_stride + j] for r < rows.
+void DotRowsScalar(const float* w, int64_t len, const float* x, int64_t x_stride, int64_t rows,
+                   float* sums) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < len; ++j) sum += w[j] * xr[j];
+    sums[r] += sum;
+  }
+}
+
+void Int8Scalar(const int8_t* a, const int8_t* b, int64_t m, int64_t k, int64_t n, int64_t n_begin,
+                int64_t n_end, int32_t* c) {
+  for (int64_t col = n_begin; col < n_end; ++col) {
+    const int8_t* bc = b + col * k;
+    for (int64_t i = 0; i < m; ++i) {
+      const int8_t* ai = a + i * k;
+      int32_t sum = 0;
+      for (int64_t t = 0; t < k; ++t) sum += static_cast<int32_t>(ai[t]) * bc[t];
+      c[i * n + col] = sum;
+    }
+  }
+}
+
+// ---- AVX2 + FMA + F16C ------------------------------------------------------
+
+#if defined(__x86_64__)
+
+#define ACCEL_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define ACCEL_INLINE inline __attribute__((always_inline))
+
+// The 16-entry code table in two registers, and the per-lane shifts that
+// bring element e of 4 packed bytes (8 nibbles, high nibble first) into
+// place: right by s_e for its low 3 bits (vpermps reads only those), left by
+// 28 - s_e for its bit 3 (vblendvps reads only the sign bit).
+struct Avx2Code {
+  __m256 lo, hi;
+  __m256i right, left;
+};
+
+ACCEL_TARGET_AVX2 ACCEL_INLINE Avx2Code LoadCode(const float* code) {
+  // Element e sits at bit s_e = 8 * (e / 2) + (e even ? 4 : 0) of the little-endian word.
+  return {_mm256_loadu_ps(code), _mm256_loadu_ps(code + 8),
+          _mm256_setr_epi32(4, 0, 12, 8, 20, 16, 28, 24),
+          _mm256_setr_epi32(24, 28, 16, 20, 8, 12, 0, 4)};
+}
+
+// The 8 code values of flat elements 2 * (p - packed) .. + 7.
+ACCEL_TARGET_AVX2 ACCEL_INLINE __m256 Decode8(const uint8_t* p, const Avx2Code& c) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  const __m256i bytes = _mm256_set1_epi32(word);
+  const __m256i index = _mm256_srlv_epi32(bytes, c.right);
+  const __m256 select = _mm256_castsi256_ps(_mm256_sllv_epi32(bytes, c.left));
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(c.lo, index),
+                          _mm256_permutevar8x32_ps(c.hi, index), select);
+}
+
+// Nearest-even bfloat16 bits in the high half of each lane, as c10::BFloat16
+// rounds (NaN -> 0x7FC0).
+ACCEL_TARGET_AVX2 ACCEL_INLINE __m256i RoundBf16Bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                       _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+}
+
+template <DenseType T, bool kFloatOut>
+ACCEL_TARGET_AVX2 ACCEL_INLINE void Store8(void* out, int64_t i, __m256 v) {
+  if constexpr (T == DenseType::kFloat32) {
+    _mm256_storeu_ps(static_cast<float*>(out) + i, v);
+  } else if constexpr (T == DenseType::kBFloat16) {
+    const __m256i bits = RoundBf16Bits(v);
+    if constexpr (kFloatOut) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<float*>(out) + i), bits);
+    } else {
+      const __m256i high = _mm256_srli_epi32(bits, 16);
+      const __m128i packed =
+          _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), packed);
+    }
+  } else {
+    const __m128i half = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if constexpr (kFloatOut) {
+      _mm256_storeu_ps(static_cast<float*>(out) + i, _mm256_cvtph_ps(half));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), half);
+    }
+  }
+}
+
+// DecodeRangeScalar with 8 elements at a time: inside a block, from an even
+// flat index (a byte boundary), as long as 8 remain.
+template <DenseType T, bool kFloatOut>
+ACCEL_TARGET_AVX2 void DecodeRangeAvx2(const Packed4bit& w, int64_t begin, int64_t end, void* out) {
+  const Avx2Code code = LoadCode(w.code);
+  // Block by block (a lambda would not inherit the target attribute).
+  int64_t block = begin / w.blocksize;
+  for (int64_t j = begin; j < end; ++block) {
+    const int64_t e = std::min(end, (block + 1) * w.blocksize);
+    if ((j & 1) != 0) {
+      StoreScalar<T, kFloatOut>(out, j - begin, DecodeScalar(w, j));
+      ++j;
+    }
+    const __m256 scale = _mm256_set1_ps(w.absmax[block]);
+    for (; j + 16 <= e; j += 16) {
+      const __m256 v0 = _mm256_mul_ps(Decode8(w.packed + j / 2, code), scale);
+      const __m256 v1 = _mm256_mul_ps(Decode8(w.packed + j / 2 + 4, code), scale);
+      Store8<T, kFloatOut>(out, j - begin, v0);
+      Store8<T, kFloatOut>(out, j + 8 - begin, v1);
+    }
+    if (j + 8 <= e) {
+      Store8<T, kFloatOut>(out, j - begin, _mm256_mul_ps(Decode8(w.packed + j / 2, code), scale));
+      j += 8;
+    }
+    for (; j < e; ++j) StoreScalar<T, kFloatOut>(out, j - begin, DecodeScalar(w, j));
+  }
+}
+
+ACCEL_TARGET_AVX2 ACCEL_INLINE float Sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// DotRowsScalar for R rows at once: each decoded weight vector is loaded once
+// for all R rows; two accumulators per row hide the FMA latency.
+template <int R>
+ACCEL_TARGET_AVX2 void DotRowsAvx2(const float* w, int64_t len, const float* x, int64_t x_stride,
+                                   float* sums) {
+  __m256 acc0[R], acc1[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= len; j += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + j), w1 = _mm256_loadu_ps(w + j + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + j), w0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + j + 8), w1, acc1[r]);
+    }
+  }
+  if (j + 8 <= len) {
+    const __m256 w0 = _mm256_loadu_ps(w + j);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + j), w0, acc0[r]);
+    }
+    j += 8;
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    float sum = Sum8(_mm256_add_ps(acc0[r], acc1[r]));
+    for (int64_t t = j; t < len; ++t) sum += w[t] * x[r * x_stride + t];
+    sums[r] += sum;
+  }
+}
+
+void DotRowsAvx2Any(const float* w, int64_t len, const float* x, int64_t x_stride, int64_t rows,
+                    float* sums) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    const float* xr = x + r * x_stride;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 1:
+        DotRowsAvx2<1>(w, len, xr, x_stride, sums + r);
+        break;
+      case 2:
+        DotRowsAvx2<2>(w, len, xr, x_stride, sums + r);
+        break;
+      case 3:
+        DotRowsAvx2<3>(w, len, xr, x_stride, sums + r);
+        break;
+      default:
+        DotRowsAvx2<4>(w, len, xr, x_stride, sums + r);
+        break;
+    }
+  }
+}
+
+ACCEL_TARGET_AVX2 ACCEL_INLINE int32_t SumInt8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// C[i0 + r, n0 + c] for r < R, c < C: int8 sign-extended to int16, products
+// summed in pairs by vpmaddwd (exact: |pair| <= 2 * 128^2) into int32 lanes.
+// a16 is A already widened to int16, so each row is widened once per call.
+template <int R, int C>
+ACCEL_TARGET_AVX2 void Int8Avx2(const int16_t* a16, const int8_t* b, int64_t k, int64_t n,
+                                int64_t i0, int64_t n0, int32_t* c) {
+  __m256i acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int cc = 0; cc < C; ++cc) acc[r][cc] = _mm256_setzero_si256();
+  }
+  const int8_t* bn = b + n0 * k;
+  const int16_t* ai = a16 + i0 * k;
+  int64_t t = 0;
+  for (; t + 16 <= k; t += 16) {
+    __m256i wv[C];
+#pragma GCC unroll 4
+    for (int cc = 0; cc < C; ++cc) {
+      wv[cc] =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bn + cc * k + t)));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ai + r * k + t));
+#pragma GCC unroll 4
+      for (int cc = 0; cc < C; ++cc) {
+        acc[r][cc] = _mm256_add_epi32(acc[r][cc], _mm256_madd_epi16(xv, wv[cc]));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int cc = 0; cc < C; ++cc) {
+      int32_t sum = SumInt8(acc[r][cc]);
+      for (int64_t u = t; u < k; ++u) sum += static_cast<int32_t>(ai[r * k + u]) * bn[cc * k + u];
+      c[(i0 + r) * n + n0 + cc] = sum;
+    }
+  }
+}
+
+// Columns of rows in blocks of R with C columns each (registers: R x C
+// accumulators, C weights, one x), the column group outermost so its weight
+// rows stay in the L1 cache for every block of rows.
+template <int R>
+void Int8Avx2Rows(const int16_t* a16, const int8_t* b, int64_t k, int64_t n, int64_t i0,
+                  int64_t n_begin, int64_t n_end, int32_t* c) {
+  constexpr int C = R <= 2 ? 4 : R == 3 ? 3 : 2;
+  int64_t col = n_begin;
+  for (; col + C <= n_end; col += C) Int8Avx2<R, C>(a16, b, k, n, i0, col, c);
+  for (; col < n_end; ++col) Int8Avx2<R, 1>(a16, b, k, n, i0, col, c);
+}
+
+void Int8Avx2Range(const int16_t* a16, const int8_t* b, int64_t m, int64_t k, int64_t n,
+                   int64_t n_begin, int64_t n_end, int32_t* c) {
+  // Tiles of columns whose weights (64 KiB) stay in the L2 cache for all rows.
+  const int64_t tile = std::max<int64_t>(4, (int64_t{64} << 10) / std::max<int64_t>(1, k));
+  for (int64_t t = n_begin; t < n_end; t += tile) {
+    const int64_t t_end = std::min(n_end, t + tile);
+    for (int64_t i = 0; i < m; i += 4) {
+      switch (std::min<int64_t>(4, m - i)) {
+        case 1:
+          Int8Avx2Rows<1>(a16, b, k, n, i, t, t_end, c);
+          break;
+        case 2:
+          Int8Avx2Rows<2>(a16, b, k, n, i, t, t_end, c);
+          break;
+        case 3:
+          Int8Avx2Rows<3>(a16, b, k, n, i, t, t_end, c);
+          break;
+        default:
+          Int8Avx2Rows<4>(a16, b, k, n, i, t, t_end, c);
+          break;
+      }
+    }
+  }
+}
+
+bool CpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  return (ecx & bit_F16C) != 0;
+}
+
+#endif  // __x86_64__
+
+bool DetectAvx2() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
+#else
+  return false;
+#endif
+}
+
+bool HasAvx2() {
+  static const bool has = DetectAvx2();
+  return has;
+}
+
+// -1: none; otherwise a CpuIsa.
+std::atomic<int> g_isa_override{-1};
+
+void CheckSupported(CpuIsa isa, const char* what) {
+  if (!CpuIsaSupported(isa)) {
+    std::fprintf(stderr, "%s: this CPU cannot run the %s kernels\n", what, CpuIsaName(isa).data());
+    std::abort();
+  }
+}
+
+// Decoding a range of flat elements, by ISA and output.
+using DecodeFn = void (*)(const Packed4bit&, int64_t, int64_t, void*);
+
+template <bool kFloatOut>
+DecodeFn PickDecode(CpuIsa isa, DenseType type) {
+#if defined(__x86_64__)
+  if (isa == CpuIsa::kAvx2) {
+    switch (type) {
+      case DenseType::kFloat32:
+        return DecodeRangeAvx2<DenseType::kFloat32, kFloatOut>;
+      case DenseType::kBFloat16:
+        return DecodeRangeAvx2<DenseType::kBFloat16, kFloatOut>;
+      case DenseType::kFloat16:
+        return DecodeRangeAvx2<DenseType::kFloat16, kFloatOut>;
+    }
+  }
+#endif
+  switch (type) {
+    case DenseType::kFloat32:
+      return DecodeRangeScalar<DenseType::kFloat32, kFloatOut>;
+    case DenseType::kBFloat16:
+      return DecodeRangeScalar<DenseType::kBFloat16, kFloatOut>;
+    case DenseType::kFloat16:
+      break;
+  }
+  return DecodeRangeScalar<DenseType::kFloat16, kFloatOut>;
+}
+
+}  // namespace
+
+absl::string_view CpuIsaName(CpuIsa isa) { return isa == CpuIsa::kAvx2 ? "avx2" : "scalar"; }
+
+bool CpuIsaSupported(CpuIsa isa) { return isa == CpuIsa::kScalar || HasAvx2(); }
+
+CpuIsa ActiveIsa() {
+  const int forced = g_isa_override.load(std::memory_order_relaxed);
+  if (forced >= 0) return static_cast<CpuIsa>(forced);
+  return HasAvx2() ? CpuIsa::kAvx2 : CpuIsa::kScalar;
+}
+
+void SetIsaOverrideForTesting(std::optional<CpuIsa> isa) {
+  if (isa) CheckSupported(*isa, "SetIsaOverrideForTesting");
+  g_isa_override.store(isa ? static_cast<int>(*isa) : -1, std::memory_order_relaxed);
+}
+
+void Dequantize4bit(CpuIsa isa, const Packed4bit& w, DenseType type, void* out) {
+  CheckSupported(isa, "Dequantize4bit");
+  const DecodeFn decode = PickDecode<false>(isa, type);
+  const int64_t element = type == DenseType::kFloat32 ? 4 : 2;
+  // Ranges of whole 16-element groups, so a thread's part starts on a byte.
+  const int64_t groups = (w.numel + 15) / 16;
+  at::parallel_for(0, groups, kMinBytesPerTask / (16 * element), [&](int64_t begin, int64_t end) {
+    const int64_t first = begin * 16, last = std::min(w.numel, end * 16);
+    decode(w, first, last, static_cast<char*>(out) + first * element);
+  });
+}
+
+void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
+  CheckSupported(isa, "Gemv4bit");
+  if (a.m <= 0 || a.out <= 0) return;
+  const DecodeFn decode = PickDecode<true>(isa, a.round);
+  auto dot = isa == CpuIsa::kScalar ? DotRowsScalar : nullptr;
+#if defined(__x86_64__)
+  if (isa == CpuIsa::kAvx2) dot = DotRowsAvx2Any;
+#endif
+  const int64_t row_bytes = std::max<int64_t>(1, a.in / 2);
+  at::parallel_for(0, a.out, std::max<int64_t>(1, kMinBytesPerTask / row_bytes),
+                   [&](int64_t begin, int64_t end) {
+                     alignas(64) float chunk[kChunk];
+                     std::vector<float> sums(static_cast<size_t>(a.m));
+                     for (int64_t n = begin; n < end; ++n) {
+                       std::fill(sums.begin(), sums.end(), 0.0f);
+                       const int64_t row = n * a.in;
+                       for (int64_t k0 = 0; k0 < a.in; k0 += kChunk) {
+                         const int64_t len = std::min(kChunk, a.in - k0);
+                         decode(a.w, row + k0, row + k0 + len, chunk);
+                         dot(chunk, len, a.x + k0, a.x_stride, a.m, sums.data());
+                       }
+                       const float bias = a.bias != nullptr ? a.bias[n] : 0.0f;
+                       for (int64_t i = 0; i < a.m; ++i) {
+                         a.y[i * a.y_stride + n] = sums[static_cast<size_t>(i)] + bias;
+                       }
+                     }
+                   });
+}
+
+void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
+                int32_t* c) {
+  CheckSupported(isa, "Int8Matmul");
+  if (m <= 0 || n <= 0) return;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, k));
+#if defined(__x86_64__)
+  if (isa == CpuIsa::kAvx2) {
+    std::vector<int16_t> a16(static_cast<size_t>(m * k));
+    for (size_t i = 0; i < a16.size(); ++i) a16[i] = a[i];
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      Int8Avx2Range(a16.data(), b, m, k, n, begin, end, c);
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, n, grain,
+                   [&](int64_t begin, int64_t end) { Int8Scalar(a, b, m, k, n, begin, end, c); });
+}
+
+}  // namespace accel::quant::internal

@@ -1,0 +1,83 @@
+// The CPU kernels behind quant/matmul.h, torch-free in their interface (raw
+// pointers), split over libtorch's intra-op threads (at::parallel_for):
+//
+//   Dequantize4bit  the packed 4-bit weight as dense float32 / bfloat16 /
+//                   float16 values (bnb's dequantize_4bit, bit for bit);
+//   Gemv4bit        y = x W^T for a few rows of x, decoding the packed weight
+//                   on the fly (the decode path: the weight is read once and
+//                   never materialized);
+//   Int8Matmul      C = A B^T for int8 A [M, K], B [N, K], exact in int32.
+//
+// Every kernel has an AVX2 level (with FMA and F16C; each function carries its
+// own target attribute, so the library builds for plain x86-64) and a portable
+// scalar one, picked at run time (ActiveIsa()). Both give the same results:
+// the dequantized values and the int32 products bit for bit, the float32 sums
+// of Gemv4bit up to the order of their additions.
+#ifndef ACCEL_QUANT_INTERNAL_KERNELS_CPU_H_
+#define ACCEL_QUANT_INTERNAL_KERNELS_CPU_H_
+
+#include <cstdint>
+#include <optional>
+
+#include "absl/strings/string_view.h"
+
+namespace accel::quant::internal {
+
+enum class CpuIsa { kScalar, kAvx2 };
+
+absl::string_view CpuIsaName(CpuIsa isa);
+// Whether this CPU (and build) can run `isa`; kScalar always can.
+bool CpuIsaSupported(CpuIsa isa);
+// The level quant/matmul.cc uses: the best supported one, unless a test set
+// an override.
+CpuIsa ActiveIsa();
+// Makes ActiveIsa() return `isa` (which must be supported: checked, an
+// unsupported level aborts) until reset with nullopt. For tests, which run
+// the public functions at every level; not thread-safe against running kernels.
+void SetIsaOverrideForTesting(std::optional<CpuIsa> isa);
+
+// The dtype values are rounded to (round to nearest even), and for
+// Dequantize4bit also the type of the output elements.
+enum class DenseType { kFloat32, kBFloat16, kFloat16 };
+
+// A 4-bit weight over the flat index j < numel: code index
+// (j even) ? packed[j / 2] >> 4 : packed[j / 2] & 0xF, value
+// float32(code[index]) * absmax[j / blocksize], then rounded.
+struct Packed4bit {
+  const uint8_t* packed = nullptr;  // (numel + 1) / 2 bytes
+  const float* absmax = nullptr;    // ceil(numel / blocksize)
+  const float* code = nullptr;      // 16
+  int64_t blocksize = 64;           // > 0, any value (blocks may cross rows)
+  int64_t numel = 0;
+};
+
+// out[j] for every j < w.numel, of `type` (float*, or uint16_t* bits for
+// bfloat16 / float16). Threaded.
+void Dequantize4bit(CpuIsa isa, const Packed4bit& w, DenseType type, void* out);
+
+// y[i, n] = sum_k W[n, k] * x[i, k] (+ bias[n]) for i < m, n < out, with W =
+// w viewed [out, in] (w.numel == out * in) and its values rounded to
+// `round`. x holds values already in that dtype (as float32); products and
+// sums are float32. Each thread takes a range of output rows n and decodes
+// each weight row once, a chunk at a time into the L1 cache, for all m rows
+// of x. Meant for m <= 16 (any m works). Threaded.
+struct Gemv4bitArgs {
+  int64_t m = 0, in = 0, out = 0;
+  const float* x = nullptr;  // x[i, k] = x[i * x_stride + k]
+  int64_t x_stride = 0;
+  Packed4bit w;
+  DenseType round = DenseType::kFloat32;
+  const float* bias = nullptr;  // [out], or null
+  float* y = nullptr;           // y[i, n] = y[i * y_stride + n]
+  int64_t y_stride = 0;
+};
+void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& args);
+
+// c[i, n] = sum_k a[i, k] * b[n, k] in int32 (exact while |sum| < 2^31: any
+// K up to 131072), a [m, k], b [n, k], c [m, n], all contiguous. Threaded over n.
+void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
+                int32_t* c);
+
+}  // namespace accel::quant::internal
+
+#endif  // ACCEL_QUANT_INTERNAL_KERNELS_CPU_H_

@@ -1,0 +1,405 @@
+#include "quant/matmul.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+// Compiled with -fopenmp (accel_torch_parallel in quant/CMakeLists.txt), so
+// the epilogue of the int8 product runs on the intra-op threads.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+#include "core/dtype.h"
+#include "core/status.h"
+#include "quant/internal/kernels_cpu.h"
+
+namespace accel::quant {
+namespace {
+
+using internal::DenseType;
+
+// Up to this many rows (x's elements / in) Linear4bitForward runs the fused
+// dequantize-GEMV; above, the weight is dequantized once and multiplied by
+// libtorch, whose products reuse each weight for many rows.
+constexpr int64_t kFusedMaxRows = 16;
+
+// 1/16129 = 1/127^2 rounded to float32: the constant of bnb's CUDA
+// int8_mm_dequant (the default backend's 6.200124e-05 has two digits swapped).
+constexpr float kInv127Squared = 1.0f / 16129.0f;
+// bnb's int8_vectorwise_dequant multiplies by this float32 constant (1/127).
+constexpr float kInv127 = static_cast<float>(7.874015718698502e-3);
+
+std::optional<DenseType> DenseTypeOf(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return DenseType::kFloat32;
+    case at::kBFloat16:
+      return DenseType::kBFloat16;
+    case at::kHalf:
+      return DenseType::kFloat16;
+    default:
+      return std::nullopt;
+  }
+}
+
+absl::Status CheckCpuTensor(const at::Tensor& t, absl::string_view name) {
+  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(name, " is undefined"));
+  if (!t.device().is_cpu() || t.layout() != at::kStrided) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " must be a dense cpu tensor, got one on ", t.device().str()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDType(const at::Tensor& t, absl::string_view name, at::ScalarType want) {
+  if (t.scalar_type() != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " must be ", DTypeName(want), ", got ", DTypeName(t.scalar_type())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFloatDType(const at::Tensor& t, absl::string_view name) {
+  if (!DenseTypeOf(t.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, " must be float32, bfloat16 or float16, got ", DTypeName(t.scalar_type())));
+  }
+  return absl::OkStatus();
+}
+
+// x [..., in] of a float dtype on the cpu.
+absl::Status CheckInput(const at::Tensor& x, int64_t in) {
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(x, "x"));
+  ACCEL_RETURN_IF_ERROR(CheckFloatDType(x, "x"));
+  if (x.dim() < 1 || x.size(-1) != in) {
+    return absl::InvalidArgumentError(absl::StrCat("x must be [..., ", in, "] (in_features), got [",
+                                                   absl::StrJoin(x.sizes(), ", "), "]"));
+  }
+  return absl::OkStatus();
+}
+
+// bias: undefined, or [out] of a float dtype on the cpu.
+absl::Status CheckBias(const at::Tensor& bias, int64_t out) {
+  if (!bias.defined()) return absl::OkStatus();
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(bias, "bias"));
+  ACCEL_RETURN_IF_ERROR(CheckFloatDType(bias, "bias"));
+  if (bias.dim() != 1 || bias.size(0) != out) {
+    return absl::InvalidArgumentError(absl::StrCat("bias must be [", out, "] (out_features), got [",
+                                                   absl::StrJoin(bias.sizes(), ", "), "]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckContiguous(const at::Tensor& t, absl::string_view name) {
+  if (!t.is_contiguous())
+    return absl::InvalidArgumentError(absl::StrCat(name, " must be contiguous"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckWeight4bit(const Weight4bit& w) {
+  if (w.out_features <= 0 || w.in_features <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("weight.out_features and weight.in_features ",
+                                                   "must be positive, got ", w.out_features,
+                                                   " and ", w.in_features));
+  }
+  if (w.blocksize <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight.blocksize must be positive, got ", w.blocksize));
+  }
+  const int64_t n = w.out_features * w.in_features;
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.packed, "weight.packed"));
+  ACCEL_RETURN_IF_ERROR(CheckDType(w.packed, "weight.packed", at::kByte));
+  ACCEL_RETURN_IF_ERROR(CheckContiguous(w.packed, "weight.packed"));
+  if (w.packed.numel() < (n + 1) / 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight.packed holds ", w.packed.numel(), " bytes, fewer than the ",
+                     (n + 1) / 2, " of a [", w.out_features, ", ", w.in_features, "] weight"));
+  }
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.absmax, "weight.absmax"));
+  ACCEL_RETURN_IF_ERROR(CheckDType(w.absmax, "weight.absmax", at::kFloat));
+  ACCEL_RETURN_IF_ERROR(CheckContiguous(w.absmax, "weight.absmax"));
+  const int64_t blocks = (n + w.blocksize - 1) / w.blocksize;
+  if (w.absmax.numel() != blocks) {
+    return absl::InvalidArgumentError(absl::StrCat("weight.absmax holds ", w.absmax.numel(),
+                                                   " values, not ceil(", n, " / ", w.blocksize,
+                                                   ") = ", blocks));
+  }
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.code, "weight.code"));
+  ACCEL_RETURN_IF_ERROR(CheckDType(w.code, "weight.code", at::kFloat));
+  ACCEL_RETURN_IF_ERROR(CheckContiguous(w.code, "weight.code"));
+  if (w.code.numel() != 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight.code must hold 16 values, got ", w.code.numel()));
+  }
+  return absl::OkStatus();
+}
+
+internal::Packed4bit PackedOf(const Weight4bit& w) {
+  internal::Packed4bit p;
+  p.packed = w.packed.data_ptr<uint8_t>();
+  p.absmax = w.absmax.data_ptr<float>();
+  p.code = w.code.data_ptr<float>();
+  p.blocksize = w.blocksize;
+  p.numel = w.out_features * w.in_features;
+  return p;
+}
+
+std::vector<int64_t> OutputShape(const at::Tensor& x, int64_t out) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out;
+  return shape;
+}
+
+at::Tensor DequantizeUnchecked(const Weight4bit& w, at::ScalarType dtype) {
+  at::Tensor out = at::empty({w.out_features, w.in_features}, at::TensorOptions().dtype(dtype));
+  internal::Dequantize4bit(internal::ActiveIsa(), PackedOf(w), *DenseTypeOf(dtype), out.data_ptr());
+  return out;
+}
+
+// Int8 codes of one activation value: round half to even, as torch.round and
+// CUDA's __float2int_rn do; NaN (an inf input with threshold 0) becomes 0.
+int8_t Int8Code(float scaled) {
+  const float r = std::nearbyint(scaled);
+  if (!(r >= -128.0f && r <= 127.0f)) return 0;
+  return static_cast<int8_t>(r);
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> Dequantize4bitDense(const Weight4bit& weight, at::ScalarType dtype) {
+  ACCEL_RETURN_IF_ERROR(CheckWeight4bit(weight));
+  if (!DenseTypeOf(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype must be float32, bfloat16 or float16, got ", DTypeName(dtype)));
+  }
+  at::Tensor out;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] { out = DequantizeUnchecked(weight, dtype); }));
+  return out;
+}
+
+absl::StatusOr<at::Tensor> Linear4bitForward(const at::Tensor& x, const Weight4bit& weight,
+                                             const at::Tensor& bias, at::ScalarType compute_dtype) {
+  ACCEL_RETURN_IF_ERROR(CheckWeight4bit(weight));
+  const std::optional<DenseType> compute = DenseTypeOf(compute_dtype);
+  if (!compute) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compute_dtype must be float32, bfloat16 or float16, got ", DTypeName(compute_dtype)));
+  }
+  const int64_t in = weight.in_features, out = weight.out_features;
+  ACCEL_RETURN_IF_ERROR(CheckInput(x, in));
+  ACCEL_RETURN_IF_ERROR(CheckBias(bias, out));
+
+  // Like bnb's Linear4bit.forward: x and bias are cast to the compute dtype,
+  // the product comes out in the compute dtype (float32 sums of values of
+  // that dtype, rounded once), then in x's dtype.
+  at::Tensor y;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    const int64_t rows = x.numel() / in;
+    const std::vector<int64_t> shape = OutputShape(x, out);
+    if (rows == 0) {
+      y = at::empty(shape, x.options());
+      return;
+    }
+    at::Tensor x2 = x.reshape({rows, in});
+    if (rows <= kFusedMaxRows) {
+      const at::Tensor x32 = x2.to(compute_dtype).to(at::kFloat).contiguous();
+      at::Tensor b32;
+      if (bias.defined()) b32 = bias.to(compute_dtype).to(at::kFloat).contiguous();
+      at::Tensor y32 = at::empty({rows, out}, x.options().dtype(at::kFloat));
+      internal::Gemv4bitArgs args;
+      args.m = rows;
+      args.in = in;
+      args.out = out;
+      args.x = x32.data_ptr<float>();
+      args.x_stride = in;
+      args.w = PackedOf(weight);
+      args.round = *compute;
+      args.bias = b32.defined() ? b32.data_ptr<float>() : nullptr;
+      args.y = y32.data_ptr<float>();
+      args.y_stride = out;
+      internal::Gemv4bit(internal::ActiveIsa(), args);
+      y = y32.to(compute_dtype);
+    } else if (compute_dtype == at::kHalf) {
+      // libtorch 1.13 has no float16 product on the cpu: the same values in
+      // float32, the result rounded to float16.
+      const at::Tensor w32 = DequantizeUnchecked(weight, at::kHalf).to(at::kFloat);
+      at::Tensor b32;
+      if (bias.defined()) b32 = bias.to(at::kHalf).to(at::kFloat);
+      y = at::linear(x2.to(at::kHalf).to(at::kFloat), w32, b32).to(at::kHalf);
+    } else {
+      at::Tensor b;
+      if (bias.defined()) b = bias.to(compute_dtype);
+      y = at::linear(x2.to(compute_dtype), DequantizeUnchecked(weight, compute_dtype), b);
+    }
+    y = y.to(x.scalar_type()).view(shape);
+  }));
+  return y;
+}
+
+absl::StatusOr<at::Tensor> Int8MatmulInt32(const at::Tensor& a, const at::Tensor& b) {
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(a, "a"));
+  ACCEL_RETURN_IF_ERROR(CheckDType(a, "a", at::kChar));
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(b, "b"));
+  ACCEL_RETURN_IF_ERROR(CheckDType(b, "b", at::kChar));
+  if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a [M, K] and b [N, K] must be 2-D with the same K, got [", absl::StrJoin(a.sizes(), ", "),
+        "] and [", absl::StrJoin(b.sizes(), ", "), "]"));
+  }
+  at::Tensor c;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+    c = at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kInt));
+    internal::Int8Matmul(internal::ActiveIsa(), ac.data_ptr<int8_t>(), bc.data_ptr<int8_t>(),
+                         a.size(0), b.size(0), a.size(1), c.data_ptr<int32_t>());
+  }));
+  return c;
+}
+
+absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tensor& cb,
+                                             const at::Tensor& scb, const at::Tensor& bias,
+                                             double threshold) {
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(cb, "cb"));
+  ACCEL_RETURN_IF_ERROR(CheckDType(cb, "cb", at::kChar));
+  if (cb.dim() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cb must be [out, in], got [", absl::StrJoin(cb.sizes(), ", "), "]"));
+  }
+  const int64_t out = cb.size(0), in = cb.size(1);
+  if (in == 0) return absl::InvalidArgumentError("cb must have at least one column (in_features)");
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(scb, "scb"));
+  ACCEL_RETURN_IF_ERROR(CheckDType(scb, "scb", at::kFloat));
+  if (scb.dim() != 1 || scb.size(0) != out) {
+    return absl::InvalidArgumentError(absl::StrCat("scb must be [", out, "] (cb's rows), got [",
+                                                   absl::StrJoin(scb.sizes(), ", "), "]"));
+  }
+  ACCEL_RETURN_IF_ERROR(CheckInput(x, in));
+  ACCEL_RETURN_IF_ERROR(CheckBias(bias, out));
+  if (!(threshold >= 0.0) || std::isinf(threshold)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("threshold must be a finite number >= 0, got ", threshold));
+  }
+
+  at::Tensor y;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    const int64_t rows = x.numel() / in;
+    const std::vector<int64_t> shape = OutputShape(x, out);
+    if (rows == 0 || out == 0) {
+      y = at::empty(shape, x.options());
+      return;
+    }
+    const at::Tensor x2 = x.reshape({rows, in}).contiguous();
+    // A: x rounded to float16 (bnb's MatMul8bitLt casts it), held as float32.
+    const at::Tensor a32 = x2.to(at::kHalf).to(at::kFloat).contiguous();
+    const float* a = a32.data_ptr<float>();
+    const float limit = static_cast<float>(threshold);
+    const bool decompose = limit > 0.0f;
+    auto outlier = [&](float v) { return decompose && std::fabs(v) >= limit; };
+
+    // Outlier columns: any row holds |A| >= threshold there (compared in
+    // float32, as CUDA's kInt8VectorQuant does).
+    std::vector<uint8_t> outlier_col(static_cast<size_t>(in), 0);
+    std::vector<int64_t> cols;
+    if (decompose) {
+      for (int64_t i = 0; i < rows * in; ++i) {
+        if (outlier(a[i])) outlier_col[static_cast<size_t>(i % in)] = 1;
+      }
+      for (int64_t k = 0; k < in; ++k) {
+        if (outlier_col[static_cast<size_t>(k)]) cols.push_back(k);
+      }
+    }
+
+    // SCA over the elements below the threshold; CA = rint(A * (127 / SCA))
+    // (float32), outlier elements 0 and, for more than one row, whole outlier
+    // columns 0 (bnb's int8_vectorwise_quant). A row with SCA 0 has codes 0.
+    std::vector<float> sca(static_cast<size_t>(rows));
+    at::Tensor ca = at::empty({rows, in}, x.options().dtype(at::kChar));
+    int8_t* ca_data = ca.data_ptr<int8_t>();
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* am = a + m * in;
+      float absmax = 0.0f;
+      for (int64_t k = 0; k < in; ++k) {
+        if (!outlier(am[k])) absmax = std::max(absmax, std::fabs(am[k]));
+      }
+      sca[static_cast<size_t>(m)] = absmax;
+      const float scale = 127.0f / absmax;
+      for (int64_t k = 0; k < in; ++k) {
+        const bool zero = absmax == 0.0f || outlier(am[k]) ||
+                          (rows > 1 && outlier_col[static_cast<size_t>(k)] != 0);
+        ca_data[m * in + k] = zero ? 0 : Int8Code(am[k] * scale);
+      }
+    }
+
+    at::Tensor c = at::empty({rows, out}, x.options().dtype(at::kInt));
+    const at::Tensor cb_c = cb.contiguous();
+    const int8_t* cb_data = cb_c.data_ptr<int8_t>();
+    internal::Int8Matmul(internal::ActiveIsa(), ca_data, cb_data, rows, out, in,
+                         c.data_ptr<int32_t>());
+
+    // The outlier part, bnb's int8_mixed_scaled_mm: x's own values in the
+    // outlier columns times the int8 weight dequantized to x's dtype,
+    // round(CB * SCB * (1/127 in float32)).
+    const int64_t nout = static_cast<int64_t>(cols.size());
+    std::vector<float> sub_a(static_cast<size_t>(rows * nout));
+    at::Tensor sub_b;
+    if (nout > 0) {
+      const at::Tensor x32 = x2.to(at::kFloat).contiguous();
+      for (int64_t m = 0; m < rows; ++m) {
+        for (int64_t j = 0; j < nout; ++j) {
+          sub_a[static_cast<size_t>(m * nout + j)] = x32.data_ptr<float>()[m * in + cols[j]];
+        }
+      }
+      sub_b = at::empty({out, nout}, x.options().dtype(at::kFloat));
+    }
+
+    // out = float32(C) * (SCA * SCB) * (1/16129) + bias, then + the outlier
+    // dot (summed in float32 first), rounded to x's dtype once. bnb rounds
+    // the int8 part to x's dtype before its addmm; one rounding is closer to
+    // the exact result and identical for float32 x.
+    const at::Tensor scb_c = scb.contiguous();
+    const float* scb_data = scb_c.data_ptr<float>();
+    at::Tensor b32;
+    if (bias.defined()) b32 = bias.to(at::kFloat).contiguous();
+    const float* bias_data = b32.defined() ? b32.data_ptr<float>() : nullptr;
+    const int32_t* c_data = c.data_ptr<int32_t>();
+    at::Tensor y32 = at::empty({rows, out}, x.options().dtype(at::kFloat));
+    float* y_data = y32.data_ptr<float>();
+    float* sub_b_data = nout > 0 ? sub_b.data_ptr<float>() : nullptr;
+    const at::ScalarType x_type = x.scalar_type();
+    at::parallel_for(0, out, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, rows)),
+                     [&](int64_t begin, int64_t end) {
+                       for (int64_t n = begin; n < end; ++n) {
+                         float* bn = nout > 0 ? sub_b_data + n * nout : nullptr;
+                         for (int64_t j = 0; j < nout; ++j) {
+                           const float v = static_cast<float>(cb_data[n * in + cols[j]]) *
+                                           scb_data[n] * kInv127;
+                           bn[j] = x_type == at::kFloat      ? v
+                                   : x_type == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v))
+                                                             : static_cast<float>(c10::Half(v));
+                         }
+                         for (int64_t m = 0; m < rows; ++m) {
+                           float v = static_cast<float>(c_data[m * out + n]) *
+                                     (sca[static_cast<size_t>(m)] * scb_data[n]) * kInv127Squared;
+                           if (bias_data != nullptr) v += bias_data[n];
+                           float extra = 0.0f;
+                           for (int64_t j = 0; j < nout; ++j) {
+                             extra += sub_a[static_cast<size_t>(m * nout + j)] * bn[j];
+                           }
+                           y_data[m * out + n] = nout > 0 ? v + extra : v;
+                         }
+                       }
+                     });
+    y = y32.to(x_type).view(shape);
+  }));
+  return y;
+}
+
+}  // namespace accel::quant

@@ -1,0 +1,665 @@
+// quant/matmul.h against straightforward references written here (double or
+// int64 sums), at every kernel level this CPU runs (scalar and AVX2):
+// 4-bit dequantization bit for bit; the fused 4-bit GEMV (up to 16 rows) and
+// the dequantize-and-multiply path (more rows) within the float32 summation
+// bound; the int8 product exactly (where float32 would not be); LLM.int8's
+// outlier decomposition; and every validation error.
+#include "quant/matmul.h"
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "quant/internal/kernels_cpu.h"
+#include "tests/testing/status_matchers.h"
+
+namespace accel::quant {
+namespace {
+
+using internal::CpuIsa;
+using test::StatusIs;
+using ::testing::HasSubstr;
+
+// NF4 and FP4 (bit-pattern order) from ../shared/reference/bitsandbytes.md §1.1.
+constexpr std::array<float, 16> kNf4 = {-1.0f,
+                                        -0.6961928009986877f,
+                                        -0.5250730514526367f,
+                                        -0.39491748809814453f,
+                                        -0.28444138169288635f,
+                                        -0.18477343022823334f,
+                                        -0.09105003625154495f,
+                                        0.0f,
+                                        0.07958029955625534f,
+                                        0.16093020141124725f,
+                                        0.24611230194568634f,
+                                        0.33791524171829224f,
+                                        0.44070982933044434f,
+                                        0.5626170039176941f,
+                                        0.7229568362236023f,
+                                        1.0f};
+constexpr std::array<float, 16> kFp4 = {0.0f / 12,  0.0625f / 12,  8.0f / 12,  12.0f / 12,
+                                        4.0f / 12,  6.0f / 12,     2.0f / 12,  3.0f / 12,
+                                        -0.0f / 12, -0.0625f / 12, -8.0f / 12, -12.0f / 12,
+                                        -4.0f / 12, -6.0f / 12,    -2.0f / 12, -3.0f / 12};
+
+std::vector<CpuIsa> Isas() {
+  std::vector<CpuIsa> isas = {CpuIsa::kScalar};
+  if (internal::CpuIsaSupported(CpuIsa::kAvx2)) isas.push_back(CpuIsa::kAvx2);
+  return isas;
+}
+
+// Runs the public functions at one kernel level while it lives.
+class IsaScope {
+ public:
+  explicit IsaScope(CpuIsa isa) { internal::SetIsaOverrideForTesting(isa); }
+  ~IsaScope() { internal::SetIsaOverrideForTesting(std::nullopt); }
+  IsaScope(const IsaScope&) = delete;
+  IsaScope& operator=(const IsaScope&) = delete;
+};
+
+// A plain blockwise 4-bit quantizer over the flat row-major weight: absmax
+// per block, nearest code of x / absmax, high nibble first.
+Weight4bit Quantize(const at::Tensor& w, int64_t blocksize, const std::array<float, 16>& table) {
+  const at::Tensor flat = w.to(at::kFloat).contiguous().flatten();
+  const float* v = flat.data_ptr<float>();
+  const int64_t n = flat.numel();
+  const int64_t blocks = (n + blocksize - 1) / blocksize;
+  Weight4bit q;
+  q.blocksize = blocksize;
+  q.out_features = w.size(0);
+  q.in_features = w.size(1);
+  q.absmax = at::zeros({blocks}, at::kFloat);
+  q.packed = at::zeros({(n + 1) / 2, 1}, at::kByte);
+  q.code = at::from_blob(const_cast<float*>(table.data()), {16}, at::kFloat).clone();
+  float* absmax = q.absmax.data_ptr<float>();
+  uint8_t* packed = q.packed.data_ptr<uint8_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    absmax[j / blocksize] = std::max(absmax[j / blocksize], std::fabs(v[j]));
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float a = absmax[j / blocksize];
+    const float s = a > 0 ? v[j] / a : 0.0f;
+    int best = 0;
+    for (int c = 1; c < 16; ++c) {
+      if (std::fabs(s - table[c]) < std::fabs(s - table[best])) best = c;
+    }
+    packed[j / 2] |= static_cast<uint8_t>((j % 2 == 0) ? best << 4 : best);
+  }
+  return q;
+}
+
+// The spec's formula, one element at a time: float32(code) * absmax, then
+// rounded by torch's own conversion.
+at::Tensor ReferenceDequantize(const Weight4bit& q, at::ScalarType dtype) {
+  const int64_t n = q.out_features * q.in_features;
+  at::Tensor out = at::empty({n}, at::kFloat);
+  const uint8_t* packed = q.packed.data_ptr<uint8_t>();
+  const float* absmax = q.absmax.data_ptr<float>();
+  const float* code = q.code.data_ptr<float>();
+  for (int64_t j = 0; j < n; ++j) {
+    const int c = j % 2 == 0 ? packed[j / 2] >> 4 : packed[j / 2] & 0xF;
+    out.data_ptr<float>()[j] = code[c] * absmax[j / q.blocksize];
+  }
+  return out.to(dtype).view({q.out_features, q.in_features});
+}
+
+// Bit-for-bit equality (NaN-free inputs).
+void ExpectSameBits(const at::Tensor& a, const at::Tensor& b) {
+  ASSERT_EQ(a.scalar_type(), b.scalar_type());
+  ASSERT_EQ(a.sizes(), b.sizes());
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const int64_t bytes = ac.numel() * static_cast<int64_t>(ac.element_size());
+  if (std::memcmp(ac.data_ptr(), bc.data_ptr(), static_cast<size_t>(bytes)) == 0) return;
+  const at::Tensor diff = (ac.to(at::kDouble) - bc.to(at::kDouble)).abs();
+  ADD_FAILURE() << "differ at " << diff.flatten().argmax().item<int64_t>() << " by "
+                << diff.max().item<double>();
+}
+
+// Uniform in [-scale, scale], float32.
+at::Tensor Random(at::IntArrayRef shape, double scale = 1.0) {
+  return ((at::rand(shape, at::kDouble) * 2 - 1) * scale).to(at::kFloat);
+}
+
+// Unit roundoff of a dtype's rounding: 2^-p.
+double Unit(at::ScalarType t) {
+  return t == at::kBFloat16 ? std::ldexp(1.0, -8) : t == at::kHalf ? std::ldexp(1.0, -11) : 0.0;
+}
+
+// y against exact (double) with float32 sums over `terms` terms of magnitude
+// `magnitude`, then the roundings to each of `roundings` (in order).
+void ExpectWithin(const at::Tensor& y, const at::Tensor& exact, const at::Tensor& magnitude,
+                  int64_t terms, std::vector<at::ScalarType> roundings) {
+  const double u = std::ldexp(1.0, -24);
+  const double gamma =
+      static_cast<double>(terms + 1) * u / (1 - static_cast<double>(terms + 1) * u);
+  at::Tensor bound = gamma * magnitude;
+  for (at::ScalarType t : roundings) {
+    if (t == at::kFloat) continue;
+    bound = bound + Unit(t) * (exact.abs() + bound) + std::ldexp(1.0, -126);
+  }
+  ASSERT_EQ(y.sizes(), exact.sizes());
+  const at::Tensor error = (y.to(at::kDouble) - exact).abs();
+  EXPECT_LE((error - bound).max().item<double>(), 0.0)
+      << "worst error " << error.max().item<double>() << " bound there "
+      << bound.flatten()[(error - bound).argmax()].item<double>();
+}
+
+// ---- 4-bit dequantization ---------------------------------------------------
+
+struct Shape4bit {
+  int64_t out, in, blocksize;
+};
+
+TEST(Dequantize4bitTest, BitExactAtEveryLevel) {
+  at::manual_seed(1);
+  // Rows a multiple of the block; blocks crossing rows (96 % 64); an odd
+  // number of elements; blocks larger than the weight; blocksizes that are not
+  // a multiple of 8 (not bnb's, but the kernel takes any).
+  const std::vector<Shape4bit> shapes = {{64, 128, 64}, {5, 96, 64}, {7, 33, 32},    {3, 5, 4096},
+                                         {9, 31, 6},    {4, 17, 1},  {300, 2600, 64}};
+  for (const Shape4bit& s : shapes) {
+    for (const auto* table : {&kNf4, &kFp4}) {
+      const Weight4bit q = Quantize(Random({s.out, s.in}, 3.0), s.blocksize, *table);
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        const at::Tensor expected = ReferenceDequantize(q, dtype);
+        for (CpuIsa isa : Isas()) {
+          SCOPED_TRACE(testing::Message() << s.out << "x" << s.in << " blocksize " << s.blocksize
+                                          << " " << dtype << " " << internal::CpuIsaName(isa));
+          IsaScope scope(isa);
+          ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor got, Dequantize4bitDense(q, dtype));
+          ExpectSameBits(got, expected);
+        }
+      }
+    }
+  }
+}
+
+// Scales chosen so that code * absmax lands on rounding ties, float16
+// subnormals and float16 overflow, with every code in every position.
+TEST(Dequantize4bitTest, RoundingTiesSubnormalsAndOverflow) {
+  auto bits = [](uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, sizeof(f));
+    return f;
+  };
+  const std::vector<float> scales = {
+      bits(0x3F808000u),                 // bfloat16 tie, even: down
+      bits(0x3F818000u),                 // bfloat16 tie, odd: up
+      1.0f + std::ldexp(1.0f, -11),      // float16 tie, even: down
+      1.0f + 3 * std::ldexp(1.0f, -11),  // float16 tie, odd: up
+      1e-6f,                             // float16 subnormals
+      7e4f,                              // beyond float16's 65504: inf for +-1
+      0.0f,                              // an all-zero block
+      3.4e38f,                           // bfloat16 overflow
+  };
+  Weight4bit q;
+  q.blocksize = 32;
+  q.out_features = static_cast<int64_t>(scales.size());
+  q.in_features = 32;
+  q.absmax = at::from_blob(const_cast<float*>(scales.data()), {q.out_features}, at::kFloat).clone();
+  q.packed = at::empty({q.out_features * 16}, at::kByte);
+  for (int64_t i = 0; i < q.packed.numel(); ++i) {
+    q.packed.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(i * 37 + 11);
+  }
+  q.code = at::from_blob(const_cast<float*>(kNf4.data()), {16}, at::kFloat).clone();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (CpuIsa isa : Isas()) {
+      SCOPED_TRACE(testing::Message() << dtype << " " << internal::CpuIsaName(isa));
+      IsaScope scope(isa);
+      ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor got, Dequantize4bitDense(q, dtype));
+      ExpectSameBits(got, ReferenceDequantize(q, dtype));
+    }
+  }
+}
+
+// ---- Linear4bitForward --------------------------------------------------------
+
+// bnb's Linear4bit on the reference weights, in double: x and bias rounded to
+// the compute dtype, the weight dequantized to it.
+void ExpectLinear4bit(const at::Tensor& y, const at::Tensor& x, const Weight4bit& q,
+                      const at::Tensor& bias, at::ScalarType compute) {
+  const at::Tensor w = ReferenceDequantize(q, compute).to(at::kDouble);
+  const at::Tensor xd = x.to(compute).to(at::kDouble);
+  const at::Tensor bd = bias.defined() ? bias.to(compute).to(at::kDouble) : at::Tensor();
+  const at::Tensor exact = at::linear(xd, w, bd);
+  const at::Tensor magnitude = at::linear(xd.abs(), w.abs(), bd.defined() ? bd.abs() : bd);
+  ASSERT_EQ(y.scalar_type(), x.scalar_type());
+  ExpectWithin(y, exact, magnitude, q.in_features, {compute, x.scalar_type()});
+}
+
+struct DTypes {
+  at::ScalarType x, compute;
+};
+
+TEST(Linear4bitForwardTest, MatchesReferenceForFewAndManyRows) {
+  at::manual_seed(2);
+  const std::vector<Shape4bit> shapes = {{48, 128, 64}, {37, 96, 64}, {7, 33, 32}, {300, 2600, 64}};
+  const std::vector<DTypes> dtypes = {{at::kFloat, at::kFloat},
+                                      {at::kFloat, at::kBFloat16},
+                                      {at::kBFloat16, at::kBFloat16},
+                                      {at::kBFloat16, at::kFloat},
+                                      {at::kHalf, at::kHalf}};
+  for (const Shape4bit& s : shapes) {
+    const Weight4bit q = Quantize(Random({s.out, s.in}, 0.1), s.blocksize, kNf4);
+    for (int64_t rows : {1, 2, 5, 16, 17, 40}) {
+      if (s.out == 300 && rows > 5 && rows != 17) continue;  // the large shape: a few cases
+      for (bool with_bias : {false, true}) {
+        for (const DTypes& d : dtypes) {
+          const at::Tensor x = Random({rows, s.in}).to(d.x);
+          const at::Tensor bias = with_bias ? Random({s.out}).to(d.x) : at::Tensor();
+          for (CpuIsa isa : Isas()) {
+            SCOPED_TRACE(testing::Message()
+                         << rows << " rows, " << s.out << "x" << s.in << " blocksize "
+                         << s.blocksize << (with_bias ? " with bias" : "") << ", x " << d.x
+                         << ", compute " << d.compute << ", " << internal::CpuIsaName(isa));
+            IsaScope scope(isa);
+            ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Linear4bitForward(x, q, bias, d.compute));
+            ExpectLinear4bit(y, x, q, bias, d.compute);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Linear4bitForwardTest, ThreeDimensionalInputAndFp4) {
+  at::manual_seed(3);
+  const Weight4bit q = Quantize(Random({20, 96}), 64, kFp4);
+  const at::Tensor bias = Random({20});
+  for (std::vector<int64_t> shape : {std::vector<int64_t>{2, 3, 96}, {3, 7, 96}, {0, 4, 96}}) {
+    const at::Tensor x = Random(shape).to(at::kBFloat16);
+    ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Linear4bitForward(x, q, bias, at::kBFloat16));
+    EXPECT_EQ(y.sizes(), (std::vector<int64_t>{shape[0], shape[1], 20}));
+    if (x.numel() > 0) {
+      ExpectLinear4bit(y.reshape({-1, 20}), x.reshape({-1, 96}), q, bias, at::kBFloat16);
+    }
+  }
+}
+
+// The kernel itself at both levels on the same inputs: within the bound of
+// the exact result each, so within twice of each other; the rounding of W
+// to bfloat16 happens inside the kernel (x is passed already rounded).
+TEST(Gemv4bitKernelTest, ScalarAndAvx2Agree) {
+  if (!internal::CpuIsaSupported(CpuIsa::kAvx2)) GTEST_SKIP() << "no AVX2 here";
+  at::manual_seed(4);
+  const Weight4bit q = Quantize(Random({65, 1100}), 64, kNf4);
+  for (int64_t m : {1, 3, 4, 9}) {
+    const at::Tensor x = Random({m, 1100}).to(at::kBFloat16).to(at::kFloat).contiguous();
+    const at::Tensor bias = Random({65}).to(at::kFloat);
+    std::vector<at::Tensor> ys;
+    for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2}) {
+      at::Tensor y = at::full({m, 65}, std::nan(""), at::kFloat);
+      internal::Gemv4bitArgs args;
+      args.m = m;
+      args.in = 1100;
+      args.out = 65;
+      args.x = x.data_ptr<float>();
+      args.x_stride = 1100;
+      args.w.packed = q.packed.data_ptr<uint8_t>();
+      args.w.absmax = q.absmax.data_ptr<float>();
+      args.w.code = q.code.data_ptr<float>();
+      args.w.blocksize = q.blocksize;
+      args.w.numel = 65 * 1100;
+      args.round = internal::DenseType::kBFloat16;
+      args.bias = bias.data_ptr<float>();
+      args.y = y.data_ptr<float>();
+      args.y_stride = 65;
+      internal::Gemv4bit(isa, args);
+      const at::Tensor w = ReferenceDequantize(q, at::kBFloat16).to(at::kDouble);
+      ExpectWithin(y, at::linear(x.to(at::kDouble), w, bias.to(at::kDouble)),
+                   at::linear(x.to(at::kDouble).abs(), w.abs(), bias.to(at::kDouble).abs()), 1100,
+                   {});
+      ys.push_back(y);
+    }
+    const double scale = ys[0].abs().max().item<double>();
+    EXPECT_LE((ys[0] - ys[1]).abs().max().item<double>(), 1e-5 * scale);
+  }
+}
+
+// ---- int8 ---------------------------------------------------------------------
+
+at::Tensor RandomInt8(at::IntArrayRef shape) {
+  return at::randint(-128, 128, shape, at::kLong).to(at::kChar);
+}
+
+at::Tensor Int64Product(const at::Tensor& a, const at::Tensor& b) {
+  return at::mm(a.to(at::kLong), b.to(at::kLong).t());
+}
+
+TEST(Int8MatmulTest, ExactInt32AtEveryLevel) {
+  at::manual_seed(5);
+  const std::vector<std::array<int64_t, 3>> shapes = {
+      {1, 7, 5}, {3, 33, 10}, {5, 100, 17}, {16, 257, 9}, {40, 64, 13}, {2, 4096, 300}, {1, 0, 3}};
+  for (const auto& [m, k, n] : shapes) {
+    const at::Tensor a = RandomInt8({m, k}), b = RandomInt8({n, k});
+    for (CpuIsa isa : Isas()) {
+      SCOPED_TRACE(testing::Message()
+                   << m << "x" << k << " . " << n << "x" << k << " " << internal::CpuIsaName(isa));
+      IsaScope scope(isa);
+      ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor c, Int8MatmulInt32(a, b));
+      ASSERT_EQ(c.scalar_type(), at::kInt);
+      EXPECT_TRUE(at::equal(c.to(at::kLong), Int64Product(a, b)));
+    }
+  }
+}
+
+// Sums of 8192 products of +-127 are above 2^24, where float32 (bnb's
+// fallback) loses bits; the int32 kernel must not.
+TEST(Int8MatmulTest, WorstCaseK8192IsExact) {
+  const int64_t k = 8192;
+  at::Tensor a = at::full({2, k}, 127, at::kChar);
+  a[1].fill_(-127);
+  a[1][5] = 126;
+  at::Tensor b = at::full({3, k}, 127, at::kChar);
+  b[1][100] = 126;
+  b[2].fill_(-127);
+  b[2][k - 1] = -126;
+  const at::Tensor exact = Int64Product(a, b);
+  // The test can fail: float32 gets these wrong.
+  const at::Tensor as_float = at::mm(a.to(at::kFloat), b.to(at::kFloat).t()).to(at::kLong);
+  ASSERT_FALSE(at::equal(as_float, exact));
+  for (CpuIsa isa : Isas()) {
+    SCOPED_TRACE(internal::CpuIsaName(isa));
+    IsaScope scope(isa);
+    ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor c, Int8MatmulInt32(a, b));
+    EXPECT_TRUE(at::equal(c.to(at::kLong), exact)) << c << exact;
+  }
+}
+
+float RoundTo(float v, at::ScalarType t) {
+  if (t == at::kBFloat16) return static_cast<float>(c10::BFloat16(v));
+  if (t == at::kHalf) return static_cast<float>(c10::Half(v));
+  return v;
+}
+
+// LLM.int8 per ../shared/reference/bitsandbytes.md §3.2 / §3.3, one element at
+// a time. Returns y (x's dtype) and, for the comparison's bound, the part of
+// each output from outlier columns (magnitude) in `outlier_magnitude`.
+struct Int8Reference {
+  at::Tensor y;                  // x's dtype, [rows, out]
+  at::Tensor outlier_magnitude;  // double, sum |x * subB| over outlier columns
+  int64_t outlier_cols = 0;
+};
+
+Int8Reference ReferenceInt8(const at::Tensor& x, const at::Tensor& cb, const at::Tensor& scb,
+                            const at::Tensor& bias, double threshold) {
+  const int64_t out = cb.size(0), in = cb.size(1);
+  const at::Tensor x2 = x.reshape({-1, in}).to(at::kFloat).contiguous();
+  const int64_t rows = x2.size(0);
+  const at::Tensor a = x.reshape({-1, in}).to(at::kHalf).to(at::kFloat).contiguous();
+  auto A = [&](int64_t m, int64_t k) { return a.data_ptr<float>()[m * in + k]; };
+  auto X = [&](int64_t m, int64_t k) { return x2.data_ptr<float>()[m * in + k]; };
+  const float t = static_cast<float>(threshold);
+  auto is_outlier = [&](int64_t m, int64_t k) { return t > 0 && std::fabs(A(m, k)) >= t; };
+  std::vector<bool> outlier_col(static_cast<size_t>(in), false);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t k = 0; k < in; ++k) {
+      if (is_outlier(m, k)) outlier_col[static_cast<size_t>(k)] = true;
+    }
+  }
+  Int8Reference ref;
+  for (bool c : outlier_col) ref.outlier_cols += c ? 1 : 0;
+  const int8_t* cbp = cb.data_ptr<int8_t>();
+  const float* scbp = scb.data_ptr<float>();
+  at::Tensor y = at::empty({rows, out}, at::kDouble);
+  ref.outlier_magnitude = at::zeros({rows, out}, at::kDouble);
+  for (int64_t m = 0; m < rows; ++m) {
+    float sca = 0;
+    for (int64_t k = 0; k < in; ++k) {
+      if (!is_outlier(m, k)) sca = std::max(sca, std::fabs(A(m, k)));
+    }
+    std::vector<int64_t> ca(static_cast<size_t>(in), 0);
+    for (int64_t k = 0; k < in; ++k) {
+      const bool zero =
+          sca == 0 || is_outlier(m, k) || (rows > 1 && outlier_col[static_cast<size_t>(k)]);
+      if (!zero)
+        ca[static_cast<size_t>(k)] = static_cast<int64_t>(std::nearbyint(A(m, k) * (127.0f / sca)));
+    }
+    for (int64_t n = 0; n < out; ++n) {
+      int64_t c = 0;
+      for (int64_t k = 0; k < in; ++k) c += ca[static_cast<size_t>(k)] * cbp[n * in + k];
+      float v = static_cast<float>(c) * (sca * scbp[n]) * (1.0f / 16129.0f);
+      if (bias.defined()) v += bias.to(at::kFloat)[n].item<float>();
+      double extra = 0, magnitude = 0;
+      for (int64_t k = 0; k < in; ++k) {
+        if (!outlier_col[static_cast<size_t>(k)]) continue;
+        const float sub_b = RoundTo(static_cast<float>(cbp[n * in + k]) * scbp[n] *
+                                        static_cast<float>(7.874015718698502e-3),
+                                    x.scalar_type());
+        extra += static_cast<double>(X(m, k)) * sub_b;
+        magnitude += std::fabs(static_cast<double>(X(m, k)) * sub_b);
+      }
+      y[m][n] = static_cast<double>(v) + extra;
+      ref.outlier_magnitude[m][n] = magnitude;
+    }
+  }
+  ref.y = y;
+  return ref;
+}
+
+// Without outlier columns every step is the same float32 operation as the
+// reference's: bit for bit. With them, the outlier dot is a float32 sum.
+void ExpectInt8(const at::Tensor& y, const at::Tensor& x, const at::Tensor& cb,
+                const at::Tensor& scb, const at::Tensor& bias, double threshold) {
+  const Int8Reference ref = ReferenceInt8(x, cb, scb, bias, threshold);
+  ASSERT_EQ(y.scalar_type(), x.scalar_type());
+  const at::Tensor y2 = y.reshape({-1, cb.size(0)});
+  if (ref.outlier_cols == 0) {
+    ExpectSameBits(y2, ref.y.to(at::kFloat).to(x.scalar_type()));
+  } else {
+    ExpectWithin(y2, ref.y, ref.outlier_magnitude + ref.y.abs(), ref.outlier_cols + 1,
+                 {x.scalar_type()});
+  }
+}
+
+// Rows quantized the way Int8Params does, so SCB and CB are consistent.
+std::pair<at::Tensor, at::Tensor> QuantizeRows(const at::Tensor& w) {
+  const at::Tensor w32 = w.to(at::kHalf).to(at::kFloat);
+  const at::Tensor scb = std::get<0>(w32.abs().max(1)).contiguous();
+  const at::Tensor cb = at::round(w32 * (127.0 / scb.unsqueeze(1))).to(at::kChar).contiguous();
+  return {cb, scb};
+}
+
+TEST(Int8LinearForwardTest, NoDecompositionIsBitExact) {
+  at::manual_seed(6);
+  for (int64_t in : {64, 100, 4096}) {
+    auto [cb, scb] = QuantizeRows(Random({33, in}, 0.05));
+    for (int64_t rows : {1, 3, 17}) {
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        for (bool with_bias : {false, true}) {
+          at::Tensor x = Random({rows, in}, 4.0);
+          x[0][3] = 9.5;  // large, but threshold 0 takes no outliers
+          x = x.to(dtype);
+          const at::Tensor bias = with_bias ? Random({33}).to(dtype) : at::Tensor();
+          for (CpuIsa isa : Isas()) {
+            SCOPED_TRACE(testing::Message()
+                         << rows << "x" << in << " " << dtype << (with_bias ? " with bias " : " ")
+                         << internal::CpuIsaName(isa));
+            IsaScope scope(isa);
+            for (double threshold : {0.0, 100.0}) {  // 100: nothing reaches it
+              ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y,
+                                         Int8LinearForward(x, cb, scb, bias, threshold));
+              ExpectInt8(y, x, cb, scb, bias, threshold);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Int8LinearForwardTest, OutlierColumnsOneRowAndManyRows) {
+  at::manual_seed(7);
+  const int64_t in = 96, out = 21;
+  auto [cb, scb] = QuantizeRows(Random({out, in}, 0.05));
+  for (int64_t rows : {1, 4}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      at::Tensor x = Random({rows, in}, 3.0);
+      x[0][5] = 8.5;           // outlier column 5
+      x[rows - 1][17] = -6.0;  // exactly the threshold: an outlier (>=)
+      x[0][40] = 5.99;         // below it
+      x = x.to(dtype);
+      const at::Tensor bias = Random({out}).to(dtype);
+      for (CpuIsa isa : Isas()) {
+        SCOPED_TRACE(testing::Message()
+                     << rows << " rows " << dtype << " " << internal::CpuIsaName(isa));
+        IsaScope scope(isa);
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Int8LinearForward(x, cb, scb, bias, 6.0));
+        ExpectInt8(y, x, cb, scb, bias, 6.0);
+        // The decomposition matters: without it the answer is different.
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor plain, Int8LinearForward(x, cb, scb, bias, 0.0));
+        EXPECT_FALSE(at::equal(plain, y));
+      }
+    }
+  }
+}
+
+// With more than one row, the other rows' values in an outlier column leave
+// the int8 product too (they go through the outlier product instead); with
+// one row only the outlier itself does. A row whose values are all outliers
+// or all zero has SCA 0 and contributes no int8 codes.
+TEST(Int8LinearForwardTest, ZeroRowsAndRowsOfOutliers) {
+  at::manual_seed(8);
+  const int64_t in = 40, out = 9;
+  auto [cb, scb] = QuantizeRows(Random({out, in}, 0.05));
+  at::Tensor x = Random({3, 2, in}, 2.0);
+  x[0][0].zero_();
+  x[1][1].fill_(7.0);
+  const at::Tensor bias = Random({out});
+  for (CpuIsa isa : Isas()) {
+    SCOPED_TRACE(internal::CpuIsaName(isa));
+    IsaScope scope(isa);
+    ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Int8LinearForward(x, cb, scb, bias, 6.0));
+    EXPECT_EQ(y.sizes(), (std::vector<int64_t>{3, 2, out}));
+    ExpectInt8(y, x, cb, scb, bias, 6.0);
+    // Row 0: all zero, so bias alone (every column is an outlier column, and
+    // x is 0 there).
+    EXPECT_TRUE(at::allclose(y[0][0], bias, 0, 0)) << y[0][0] << bias;
+    ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y0, Int8LinearForward(x, cb, scb, bias, 0.0));
+    ExpectInt8(y0, x, cb, scb, bias, 0.0);
+  }
+  ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor empty,
+                             Int8LinearForward(at::zeros({0, in}), cb, scb, bias, 6.0));
+  EXPECT_EQ(empty.sizes(), (std::vector<int64_t>{0, out}));
+}
+
+// ---- validation ---------------------------------------------------------------
+
+class ValidationTest : public ::testing::Test {
+ protected:
+  void SetUp() override { q_ = Quantize(Random({4, 64}), 64, kNf4); }
+  Weight4bit q_;
+};
+
+TEST_F(ValidationTest, Linear4bitArguments) {
+  const at::Tensor x = Random({2, 64}).to(at::kFloat);
+  auto bad = [&](const Weight4bit& w, const at::Tensor& xx, const at::Tensor& bias,
+                 at::ScalarType compute) { return Linear4bitForward(xx, w, bias, compute); };
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  EXPECT_THAT(bad(q_, x.to(at::kDouble), {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("x must be float32")));
+  EXPECT_THAT(bad(q_, Random({2, 63}).to(at::kFloat), {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("in_features")));
+  EXPECT_THAT(bad(q_, at::empty({2, 64}, at::TensorOptions().device(at::kMeta)), {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("x must be a dense cpu tensor")));
+  EXPECT_THAT(bad(q_, x, {}, at::kDouble), StatusIs(kInvalid, HasSubstr("compute_dtype")));
+  EXPECT_THAT(bad(q_, x, at::zeros({5}), at::kFloat),
+              StatusIs(kInvalid, HasSubstr("bias must be [4]")));
+  EXPECT_THAT(bad(q_, x, at::zeros({4}, at::kInt), at::kFloat),
+              StatusIs(kInvalid, HasSubstr("bias")));
+  EXPECT_THAT(bad(q_, at::Tensor(), {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("x is undefined")));
+
+  Weight4bit w = q_;
+  w.packed = q_.packed.to(at::kChar);
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.packed must be uint8")));
+  w = q_;
+  w.packed = q_.packed.narrow(0, 0, 127);
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.packed holds 127 bytes")));
+  w = q_;
+  w.packed = at::empty({128}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.packed must be a dense cpu")));
+  w = q_;
+  w.absmax = at::ones({5});
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.absmax holds 5 values")));
+  w = q_;
+  w.absmax = q_.absmax.to(at::kHalf);
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.absmax must be float32")));
+  w = q_;
+  w.code = q_.code.narrow(0, 0, 15);
+  EXPECT_THAT(bad(w, x, {}, at::kFloat), StatusIs(kInvalid, HasSubstr("weight.code must hold 16")));
+  w = q_;
+  w.code = q_.code.to(at::kDouble);
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.code must be float32")));
+  w = q_;
+  w.blocksize = 0;
+  EXPECT_THAT(bad(w, x, {}, at::kFloat), StatusIs(kInvalid, HasSubstr("weight.blocksize")));
+  w = q_;
+  w.in_features = 0;
+  EXPECT_THAT(bad(w, x, {}, at::kFloat), StatusIs(kInvalid, HasSubstr("weight.out_features")));
+  w = q_;
+  w.blocksize = 32;  // absmax would need 8 values
+  EXPECT_THAT(bad(w, x, {}, at::kFloat), StatusIs(kInvalid, HasSubstr("ceil(256 / 32) = 8")));
+
+  EXPECT_THAT(Dequantize4bitDense(q_, at::kInt), StatusIs(kInvalid, HasSubstr("dtype must be")));
+  w = q_;
+  w.absmax = at::ones({2});
+  EXPECT_THAT(Dequantize4bitDense(w, at::kFloat), StatusIs(kInvalid, HasSubstr("weight.absmax")));
+}
+
+TEST_F(ValidationTest, Int8Arguments) {
+  auto [cb, scb] = QuantizeRows(Random({4, 64}));
+  const at::Tensor x = Random({2, 64}).to(at::kFloat);
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  EXPECT_THAT(Int8LinearForward(x, cb.to(at::kFloat), scb, {}, 6.0),
+              StatusIs(kInvalid, HasSubstr("cb must be int8")));
+  EXPECT_THAT(Int8LinearForward(x, cb.flatten(), scb, {}, 6.0),
+              StatusIs(kInvalid, HasSubstr("cb must be [out, in]")));
+  EXPECT_THAT(Int8LinearForward(x, cb, scb.narrow(0, 0, 3), {}, 6.0),
+              StatusIs(kInvalid, HasSubstr("scb must be [4]")));
+  EXPECT_THAT(Int8LinearForward(x, cb, scb.to(at::kHalf), {}, 6.0),
+              StatusIs(kInvalid, HasSubstr("scb must be float32")));
+  EXPECT_THAT(Int8LinearForward(Random({2, 65}).to(at::kFloat), cb, scb, {}, 6.0),
+              StatusIs(kInvalid, HasSubstr("in_features")));
+  EXPECT_THAT(Int8LinearForward(x.to(at::kChar), cb, scb, {}, 6.0),
+              StatusIs(kInvalid, HasSubstr("x must be float32")));
+  EXPECT_THAT(Int8LinearForward(x, cb, scb, at::zeros({3}), 6.0),
+              StatusIs(kInvalid, HasSubstr("bias must be [4]")));
+  EXPECT_THAT(Int8LinearForward(x, cb, scb, {}, -1.0), StatusIs(kInvalid, HasSubstr("threshold")));
+  EXPECT_THAT(Int8LinearForward(x, cb, scb, {}, std::nan("")),
+              StatusIs(kInvalid, HasSubstr("threshold")));
+  EXPECT_THAT(Int8LinearForward(at::empty({2, 64}, at::TensorOptions().device(at::kMeta)), cb, scb,
+                                {}, 6.0),
+              StatusIs(kInvalid, HasSubstr("x must be a dense cpu tensor")));
+  EXPECT_THAT(Int8LinearForward(
+                  x, at::empty({4, 64}, at::TensorOptions().dtype(at::kChar).device(at::kMeta)),
+                  scb, {}, 6.0),
+              StatusIs(kInvalid, HasSubstr("cb must be a dense cpu tensor")));
+
+  EXPECT_THAT(Int8MatmulInt32(cb.to(at::kFloat), cb),
+              StatusIs(kInvalid, HasSubstr("a must be int8")));
+  EXPECT_THAT(Int8MatmulInt32(cb, cb.to(at::kShort)),
+              StatusIs(kInvalid, HasSubstr("b must be int8")));
+  EXPECT_THAT(Int8MatmulInt32(cb, cb.narrow(1, 0, 63)), StatusIs(kInvalid, HasSubstr("same K")));
+  EXPECT_THAT(Int8MatmulInt32(cb.flatten(), cb), StatusIs(kInvalid, HasSubstr("2-D")));
+}
+
+}  // namespace
+}  // namespace accel::quant
