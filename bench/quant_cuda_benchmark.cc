@@ -1,0 +1,250 @@
+// accel-bench-quant-cuda: the batch-1 4-bit GEMV of quant/cuda/kernels.h
+// (Gemv4bit, NF4, blocksize 64) on Llama-7B-shaped weights (N x K = 4096 x
+// 4096 and 11008 x 4096), in GB/s of the bytes it has to read (packed
+// weights + float32 absmax), next to a cudaMemcpy device-to-device of the
+// same bytes in the same run: the copy moves them once (GB/s copied) and
+// reads and writes them (2x that in traffic), so "GEMV / copy traffic" is the
+// share of the memory system's copy speed the GEMV reaches.
+// Each weight exists in enough copies to hold 4x the GPU's L2 cache, and the
+// timed calls cycle through them, so every call reads from device memory, as
+// a decode step does (each layer's weights once). Each figure is the median
+// of --rounds rounds of --iters calls timed with CUDA events.
+//
+//   build/bin/accel-bench-quant-cuda [--iters 200] [--rounds 5]
+//       [--dtypes bfloat16,float16,float32]
+// With no CUDA device it says so and exits with status 1.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cuda_runtime_api.h>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "quant/cuda/kernels.h"
+
+namespace {
+
+using accel::quant::cuda::DType;
+
+#define CHECK_CUDA(expr)                                                     \
+  do {                                                                       \
+    const cudaError_t check_status_ = (expr);                                \
+    if (check_status_ != cudaSuccess) {                                      \
+      std::fprintf(stderr, "accel-bench-quant-cuda: %s failed: %s\n", #expr, \
+                   cudaGetErrorString(check_status_));                       \
+      std::exit(1);                                                          \
+    }                                                                        \
+  } while (0)
+
+// NF4 (../shared/reference/bitsandbytes.md §1.1); the values do not change
+// the speed, but they keep the sums finite.
+constexpr uint32_t kNf4Bits[16] = {
+    0xbf800000, 0xbf3239b1, 0xbf066b30, 0xbeca32a0, 0xbe91a24d, 0xbe3d353f, 0xbdba7871, 0x00000000,
+    0x3da2faff, 0x3e24cae3, 0x3e7c04dd, 0x3ead033a, 0x3ee1a4b8, 0x3f1007ab, 0x3f3913b3, 0x3f800000};
+
+constexpr int64_t kBlocksize = 64;
+
+struct Options {
+  int iters = 200;
+  int rounds = 5;
+  std::vector<DType> dtypes = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+};
+
+[[noreturn]] void Usage(const char* argv0, const std::string& error) {
+  if (!error.empty()) std::fprintf(stderr, "%s: %s\n", argv0, error.c_str());
+  std::fprintf(stderr, "usage: %s [--iters N] [--rounds N] [--dtypes bfloat16,float16,float32]\n",
+               argv0);
+  std::exit(2);
+}
+
+bool ParseDType(const std::string& name, DType* out) {
+  for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    if (name == accel::quant::cuda::DTypeName(d)) {
+      *out = d;
+      return true;
+    }
+  }
+  return false;
+}
+
+Options ParseOptions(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) Usage(argv[0], "missing value after " + flag);
+    const std::string value = argv[++i];
+    if (flag == "--iters" || flag == "--rounds") {
+      const int n = std::atoi(value.c_str());
+      if (n < 1) Usage(argv[0], flag + " must be a positive integer, got '" + value + "'");
+      (flag == "--iters" ? options.iters : options.rounds) = n;
+    } else if (flag == "--dtypes") {
+      options.dtypes.clear();
+      size_t start = 0;
+      while (start <= value.size()) {
+        const size_t comma = std::min(value.find(',', start), value.size());
+        DType d;
+        if (!ParseDType(value.substr(start, comma - start), &d)) {
+          Usage(argv[0], "unknown dtype in --dtypes '" + value + "'");
+        }
+        options.dtypes.push_back(d);
+        start = comma + 1;
+      }
+    } else {
+      Usage(argv[0], "unknown flag " + flag);
+    }
+  }
+  return options;
+}
+
+// One weight's bytes in one allocation: packed codes, then the absmax at a
+// 256-byte boundary (both as the kernel's fast path wants them).
+struct WeightCopy {
+  uint8_t* base = nullptr;
+  const uint8_t* packed() const { return base; }
+  const float* absmax(int64_t packed_bytes) const {
+    return reinterpret_cast<const float*>(base + (packed_bytes + 255) / 256 * 256);
+  }
+};
+
+template <typename T>
+T* DeviceAlloc(size_t bytes) {
+  void* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, bytes));
+  return static_cast<T*>(p);
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median seconds per call of `call(i)` over rounds of `iters` calls.
+template <typename Call>
+double TimePerCall(const Options& options, cudaStream_t stream, Call&& call) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<double> samples;
+  int64_t calls = 0;
+  for (int r = 0; r < options.rounds; ++r) {
+    CHECK_CUDA(cudaEventRecord(start, stream));
+    for (int i = 0; i < options.iters; ++i) call(calls++);
+    CHECK_CUDA(cudaEventRecord(stop, stream));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0.0f;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    samples.push_back(ms * 1e-3 / options.iters);
+  }
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  return Median(samples);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options options = ParseOptions(argc, argv);
+  int devices = 0;
+  const cudaError_t status = cudaGetDeviceCount(&devices);
+  if (status != cudaSuccess || devices == 0) {
+    std::fprintf(stderr,
+                 "accel-bench-quant-cuda: no CUDA device (cudaGetDeviceCount: %s, %d devices); "
+                 "this benchmark needs a GPU\n",
+                 status == cudaSuccess ? "ok" : cudaGetErrorString(status), devices);
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device 0: %s, sm_%d%d, %d SMs, L2 %.0f MiB, %.1f GiB\n", prop.name, prop.major,
+              prop.minor, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0,
+              prop.totalGlobalMem / 1073741824.0);
+  std::printf("Gemv4bit: NF4, blocksize %ld, no bias; %d rounds of %d calls, median\n\n",
+              static_cast<long>(kBlocksize), options.rounds, options.iters);
+
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  std::vector<float> code(16);
+  for (int i = 0; i < 16; ++i) std::memcpy(&code[static_cast<size_t>(i)], &kNf4Bits[i], 4);
+  float* code_d = DeviceAlloc<float>(sizeof(float) * 16);
+  CHECK_CUDA(cudaMemcpy(code_d, code.data(), sizeof(float) * 16, cudaMemcpyHostToDevice));
+
+  std::printf("%-9s %-11s %10s %6s | %10s %9s | %10s %11s %12s | %s\n", "dtype", "N x K", "bytes",
+              "copies", "GEMV us", "GEMV GB/s", "copy us", "copy GB/s", "copy traffic",
+              "GEMV / copy traffic");
+  const int64_t shapes[][2] = {{4096, 4096}, {11008, 4096}};
+  std::mt19937 rng(1);
+  for (const auto& shape : shapes) {
+    const int64_t n_rows = shape[0], k = shape[1], n = n_rows * k;
+    const int64_t packed_bytes = n / 2, nblocks = n / kBlocksize;
+    const int64_t bytes = packed_bytes + nblocks * 4;
+    const int64_t alloc_bytes = (packed_bytes + 255) / 256 * 256 + nblocks * 4;
+    const int64_t copies =
+        std::max<int64_t>(2, (4 * static_cast<int64_t>(prop.l2CacheSize) + bytes - 1) / bytes);
+
+    // Random codes and absmax around 1, uploaded once and copied on the device.
+    std::vector<uint8_t> host(static_cast<size_t>(alloc_bytes));
+    for (int64_t i = 0; i < packed_bytes; ++i) host[static_cast<size_t>(i)] = rng() & 0xFF;
+    std::uniform_real_distribution<float> scale(0.5f, 2.0f);
+    float* absmax_host = reinterpret_cast<float*>(host.data() + (packed_bytes + 255) / 256 * 256);
+    for (int64_t b = 0; b < nblocks; ++b) absmax_host[b] = scale(rng);
+    std::vector<WeightCopy> weights(static_cast<size_t>(copies));
+    std::vector<uint8_t*> copy_src(static_cast<size_t>(copies)),
+        copy_dst(static_cast<size_t>(copies));
+    for (int64_t c = 0; c < copies; ++c) {
+      WeightCopy& w = weights[static_cast<size_t>(c)];
+      w.base = DeviceAlloc<uint8_t>(static_cast<size_t>(alloc_bytes));
+      CHECK_CUDA(cudaMemcpy(w.base, host.data(), static_cast<size_t>(alloc_bytes),
+                            cudaMemcpyHostToDevice));
+      // The copy baseline moves the same number of bytes between its own
+      // buffers, also cycled, so it cannot live in L2 either.
+      copy_src[static_cast<size_t>(c)] = w.base;
+      copy_dst[static_cast<size_t>(c)] = DeviceAlloc<uint8_t>(static_cast<size_t>(bytes));
+    }
+
+    for (DType dtype : options.dtypes) {
+      const size_t size = static_cast<size_t>(accel::quant::cuda::DTypeSize(dtype));
+      void* x = DeviceAlloc<void>(size * static_cast<size_t>(k));
+      void* y = DeviceAlloc<void>(size * static_cast<size_t>(n_rows));
+      // 0x3c: small positive numbers in every dtype (0x3c3c... as bfloat16,
+      // float16 and float32 are all about 0.01 to 1.1).
+      CHECK_CUDA(cudaMemset(x, 0x3c, size * static_cast<size_t>(k)));
+      auto gemv = [&](int64_t i) {
+        const WeightCopy& w = weights[static_cast<size_t>(i % copies)];
+        CHECK_CUDA(accel::quant::cuda::Gemv4bit(x, w.packed(), w.absmax(packed_bytes), code_d,
+                                                n_rows, k, kBlocksize, nullptr, dtype, y, stream));
+      };
+      auto copy = [&](int64_t i) {
+        CHECK_CUDA(cudaMemcpyAsync(copy_dst[static_cast<size_t>(i % copies)],
+                                   copy_src[static_cast<size_t>(i % copies)],
+                                   static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream));
+      };
+      for (int64_t c = 0; c < copies; ++c) {  // warm-up: first launches, clocks up
+        gemv(c);
+        copy(c);
+      }
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const double gemv_s = TimePerCall(options, stream, gemv);
+      const double copy_s = TimePerCall(options, stream, copy);
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const double gemv_gbs = static_cast<double>(bytes) / gemv_s / 1e9;
+      const double copy_gbs = static_cast<double>(bytes) / copy_s / 1e9;
+      const std::string shape_name = std::to_string(n_rows) + "x" + std::to_string(k);
+      std::printf("%-9s %-11s %7.2f MB %6ld | %10.2f %9.1f | %10.2f %11.1f %12.1f | %.2f\n",
+                  accel::quant::cuda::DTypeName(dtype), shape_name.c_str(), bytes / 1e6,
+                  static_cast<long>(copies), gemv_s * 1e6, gemv_gbs, copy_s * 1e6, copy_gbs,
+                  2 * copy_gbs, gemv_gbs / (2 * copy_gbs));
+      CHECK_CUDA(cudaFree(x));
+      CHECK_CUDA(cudaFree(y));
+    }
+    for (int64_t c = 0; c < copies; ++c) {
+      CHECK_CUDA(cudaFree(weights[static_cast<size_t>(c)].base));
+      CHECK_CUDA(cudaFree(copy_dst[static_cast<size_t>(c)]));
+    }
+  }
+  CHECK_CUDA(cudaFree(code_d));
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return 0;
+}

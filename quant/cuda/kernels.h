@@ -1,0 +1,92 @@
+// quant/cuda/kernels.h: the CUDA kernels of the bitsandbytes formats (see
+// quant/bnb.h and ../shared/reference/bitsandbytes.md), over raw device
+// pointers and a stream, so they build with nvcc alone (no CUDA libtorch) and
+// any caller can wrap them. Every function checks its arguments first and
+// returns cudaErrorInvalidValue for a null pointer, a negative size or a bad
+// blocksize without touching the device; otherwise it enqueues its kernels on
+// `stream` and returns the launch status (cudaGetLastError), so errors of
+// the kernel itself surface at the next synchronizing call.
+//
+// Numerics are strict IEEE float32 (no --use_fast_math): dequantization and
+// the int8 rescale are bit-exact with a plain CPU loop doing the same float32
+// operations in the same order; the GEMV accumulates in float32 in its own
+// order (within the float32 summation bound of such a loop).
+#ifndef ACCEL_QUANT_CUDA_KERNELS_H_
+#define ACCEL_QUANT_CUDA_KERNELS_H_
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace accel::quant::cuda {
+
+// Element types of activations and outputs. bfloat16 and float16 are their
+// IEEE-style 16-bit patterns (at::BFloat16 / at::Half / __nv_bfloat16 /
+// __half all have this layout); conversions from float32 round to nearest
+// even.
+enum class DType { kFloat32, kBFloat16, kFloat16 };
+int DTypeSize(DType dtype);
+const char* DTypeName(DType dtype);
+
+// bnb's dequantize_4bit (reference §1.3-1.4): for j in [0, n),
+//   nibble = (j even) ? packed[j/2] >> 4 : packed[j/2] & 0xF
+//   out[j] = cast<out_dtype>(code[nibble] * absmax[j / blocksize])   (float32 multiply, RNE)
+// `packed` holds (n+1)/2 bytes, `absmax` ceil(n/blocksize) floats, `code`
+// the 16 floats of the table (NF4 / FP4 / the checkpoint's quant_map), all on
+// the device. Any n >= 0 and blocksize >= 1 (a partial last block, odd n).
+cudaError_t Dequantize4bit(const uint8_t* packed, const float* absmax, const float* code, int64_t n,
+                           int64_t blocksize, DType out_dtype, void* out, cudaStream_t stream);
+
+// The double-quant absmax (reference §2.2), bnb's nested blocksize 256:
+//   out[b] = (nested_map[absmax_u8[b]] * nested_absmax[b / 256]) + offset
+// both float32 operations rounded in that order (no fused multiply-add).
+inline constexpr int64_t kNestedBlocksize = 256;
+cudaError_t DequantizeAbsmaxDq(const uint8_t* absmax_u8, const float* nested_absmax,
+                               const float* nested_map, float offset, int64_t nblocks, float* out,
+                               cudaStream_t stream);
+
+// The batch-1 decode product y = W x + bias for a 4-bit W [N, K] stored as
+// Dequantize4bit stores it (flat row-major, n = N*K). x [K], bias [N] (or
+// null) and y [N] are `dtype`. Each weight is dequantized exactly as
+// Dequantize4bit does into `dtype` (code * absmax in float32, rounded), then
+// multiplied by x and summed in float32; bias is added in float32 and the sum
+// rounded to `dtype`: the numerics of quant::Linear4bitForward.
+// Any K and blocksize are handled, blocks crossing rows included (bnb needs
+// K % blocksize == 0): the fast path (one warp per row reading 16-byte chunks
+// of packed weights) needs K % 32 == 0, blocksize % 32 == 0, `packed` 16-byte
+// aligned and `x` 16-byte aligned (cudaMalloc's pointers are); other cases
+// take a per-element path with the same numerics, several times slower.
+cudaError_t Gemv4bit(const void* x, const uint8_t* packed, const float* absmax, const float* code,
+                     int64_t n_rows, int64_t k, int64_t blocksize, const void* bias, DType dtype,
+                     void* y, cudaStream_t stream);
+
+// LLM.int8 activation quantization per row (reference §3.2) of x [M, K]
+// float16 (bit patterns). With threshold > 0: outlier_cols[k] = 1 where any
+// |x[m, k]| >= threshold, else 0; row_scale[m] = max |x[m, k]| over the
+// elements below the threshold (all elements when threshold <= 0); then
+//   out[m, k] = outlier_cols[k] ? 0 : round_half_even(x[m, k] * (127 / row_scale[m]))
+// with 127 / row_scale a float32 division and the product in float32. A row
+// whose scale is 0 gets codes 0. outlier_cols [K] may be null only when
+// threshold <= 0 (it is then zeroed if given).
+cudaError_t Int8RowQuantize(const uint16_t* x_f16, int64_t m, int64_t k, float threshold,
+                            int8_t* out, float* row_scale, uint8_t* outlier_cols,
+                            cudaStream_t stream);
+
+// c [M, N] = a [M, K] . b [N, K]^T in int32 (both operands row-major with K
+// contiguous, as bnb's CA and CB are), exact while no sum leaves the int32
+// range (always for K <= 131071); otherwise it wraps as int32 arithmetic
+// does. Any K (K % 4 != 0 included) and any pointer alignment.
+cudaError_t Int8Matmul(const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
+                       int32_t* c, cudaStream_t stream);
+
+// bnb's int8_mm_dequant in float32:
+//   out[m, n] = cast<dtype>(float(c[m, n]) * (row_scale[m] * col_scale[n]) * (1/16129) + bias[n])
+// each operation a float32 rounding in that order (1/16129 is the float32
+// constant 1.0f / 16129.0f); bias is `dtype` [N] or null. bnb's CUDA kernel
+// writes float16 first; we round once, into `dtype`.
+cudaError_t Int8Dequant(const int32_t* c, const float* row_scale, const float* col_scale,
+                        const void* bias, int64_t m, int64_t n, DType dtype, void* out,
+                        cudaStream_t stream);
+
+}  // namespace accel::quant::cuda
+
+#endif  // ACCEL_QUANT_CUDA_KERNELS_H_
