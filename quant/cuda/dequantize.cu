@@ -2,7 +2,7 @@
 // (and, for the nested absmax, one add) per element, rounded to the output
 // type; memory-bound, so each thread moves 8 elements with vector stores
 // where the pointers allow.
-#include "quant/cuda/common.cuh"
+#include "quant/cuda/internal/common.cuh"
 #include "quant/cuda/kernels.h"
 
 namespace accel::quant::cuda {

@@ -4,7 +4,7 @@
 // into the activation type and accumulating x * w in float32, then a warp
 // shuffle reduction. The packed weights are read once and never written out,
 // so the kernel is bound by the bytes of packed + absmax.
-#include "quant/cuda/common.cuh"
+#include "quant/cuda/internal/common.cuh"
 #include "quant/cuda/kernels.h"
 
 namespace accel::quant::cuda {

@@ -2,7 +2,7 @@
 // outlier columns, the exact int8 x int8 -> int32 product (a tiled __dp4a
 // kernel: no cuBLASLt, so it builds and runs without it) and the float32
 // rescale. Each follows ../shared/reference/bitsandbytes.md §3.2-3.3.
-#include "quant/cuda/common.cuh"
+#include "quant/cuda/internal/common.cuh"
 #include "quant/cuda/kernels.h"
 
 namespace accel::quant::cuda {

@@ -1,8 +1,8 @@
-// quant/cuda/common.cuh: what the .cu files of quant/cuda share: the element
-// types behind DType, exact conversions, the dtype switch and launch sizes.
-// Private to quant/cuda (not installed, not included by callers).
-#ifndef ACCEL_QUANT_CUDA_COMMON_CUH_
-#define ACCEL_QUANT_CUDA_COMMON_CUH_
+// quant/cuda/internal/common.cuh: what the .cu files of quant/cuda share:
+// the element types behind DType, exact conversions, the dtype switch and
+// launch sizes. Private to quant/cuda (callers include kernels.h only).
+#ifndef ACCEL_QUANT_CUDA_INTERNAL_COMMON_CUH_
+#define ACCEL_QUANT_CUDA_INTERNAL_COMMON_CUH_
 
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -76,4 +76,4 @@ __device__ __forceinline__ int64_t GridThreads() {
 
 }  // namespace accel::quant::cuda::internal
 
-#endif  // ACCEL_QUANT_CUDA_COMMON_CUH_
+#endif  // ACCEL_QUANT_CUDA_INTERNAL_COMMON_CUH_
