@@ -68,14 +68,16 @@ void DecodeRangeScalar(const Packed4bit& w, int64_t begin, int64_t end, void* ou
     StoreScalar<T, kFloatOut>(out, j - begin, DecodeScalar(w, j));
 }
 
-// sums[r] += sum_j w[j] * x[r * x_stride + j] for r < rows.
-void DotRowsScalar(const float* w, int64_t len, const float* x, int64_t x_stride, int64_t rows,
-                   float* sums) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * x_stride;
-    float sum = 0.0f;
-    for (int64_t j = 0; j < len; ++j) sum += w[j] * xr[j];
-    sums[r] += sum;
+// sums[c][r] += sum_j w[c][j] * x[r * x_stride + j] for r < rows, c < cols.
+void DotRowsScalar(const float* const* w, int64_t cols, int64_t len, const float* x,
+                   int64_t x_stride, int64_t rows, float* const* sums) {
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * x_stride;
+      float sum = 0.0f;
+      for (int64_t j = 0; j < len; ++j) sum += w[c][j] * xr[j];
+      sums[c][r] += sum;
+    }
   }
 }
 
@@ -99,75 +101,87 @@ void Int8Scalar(const int8_t* a, const int8_t* b, int64_t m, int64_t k, int64_t 
 #define ACCEL_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define ACCEL_INLINE inline __attribute__((always_inline))
 
-// The 16-entry code table in two registers, and the per-lane shifts that
-// bring element e of 4 packed bytes (8 nibbles, high nibble first) into
-// place: right by s_e for its low 3 bits (vpermps reads only those), left by
-// 28 - s_e for its bit 3 (vblendvps reads only the sign bit).
-struct Avx2Code {
-  __m256 lo, hi;
+// Per-lane shifts that bring element e of 4 packed bytes (8 nibbles, high
+// nibble first; element e at bit s_e = 8 * (e / 2) + (e even ? 4 : 0) of the
+// little-endian word) into place: right by s_e for its low 3 bits (vpermps
+// reads only those), left by 28 - s_e for its bit 3 (vblendvps reads only the
+// sign bit).
+struct Avx2Shifts {
   __m256i right, left;
 };
 
-ACCEL_TARGET_AVX2 ACCEL_INLINE Avx2Code LoadCode(const float* code) {
-  // Element e sits at bit s_e = 8 * (e / 2) + (e even ? 4 : 0) of the little-endian word.
-  return {_mm256_loadu_ps(code), _mm256_loadu_ps(code + 8),
-          _mm256_setr_epi32(4, 0, 12, 8, 20, 16, 28, 24),
+ACCEL_TARGET_AVX2 ACCEL_INLINE Avx2Shifts MakeShifts() {
+  return {_mm256_setr_epi32(4, 0, 12, 8, 20, 16, 28, 24),
           _mm256_setr_epi32(24, 28, 16, 20, 8, 12, 0, 4)};
 }
 
-// The 8 code values of flat elements 2 * (p - packed) .. + 7.
-ACCEL_TARGET_AVX2 ACCEL_INLINE __m256 Decode8(const uint8_t* p, const Avx2Code& c) {
+// The values of flat elements 2 * (p - packed) .. + 7 from a 16-entry table
+// held in two registers.
+ACCEL_TARGET_AVX2 ACCEL_INLINE __m256 Lookup8(const uint8_t* p, __m256 lo, __m256 hi,
+                                              const Avx2Shifts& s) {
   int32_t word;
   std::memcpy(&word, p, sizeof(word));
   const __m256i bytes = _mm256_set1_epi32(word);
-  const __m256i index = _mm256_srlv_epi32(bytes, c.right);
-  const __m256 select = _mm256_castsi256_ps(_mm256_sllv_epi32(bytes, c.left));
-  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(c.lo, index),
-                          _mm256_permutevar8x32_ps(c.hi, index), select);
+  const __m256i index = _mm256_srlv_epi32(bytes, s.right);
+  const __m256 select = _mm256_castsi256_ps(_mm256_sllv_epi32(bytes, s.left));
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, index), _mm256_permutevar8x32_ps(hi, index),
+                          select);
 }
 
-// Nearest-even bfloat16 bits in the high half of each lane, as c10::BFloat16
-// rounds (NaN -> 0x7FC0).
-ACCEL_TARGET_AVX2 ACCEL_INLINE __m256i RoundBf16Bits(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
-                       _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  return _mm256_castps_si256(_mm256_blendv_ps(
-      _mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+// v rounded to T (nearest even), as float32. bfloat16 as c10::BFloat16
+// rounds (NaN -> 0x7FC0); float16 through the F16C conversion.
+template <DenseType T>
+ACCEL_TARGET_AVX2 ACCEL_INLINE __m256 Round8(__m256 v) {
+  if constexpr (T == DenseType::kBFloat16) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                         _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded),
+                            _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+  } else if constexpr (T == DenseType::kFloat16) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    return v;
+  }
 }
 
+// A block's table: round(code[c] * absmax) for the 16 codes, the exact
+// values the elements of the block take, so decoding is a lookup.
+struct Avx2Table {
+  __m256 lo, hi;
+};
+
+template <DenseType T>
+ACCEL_TARGET_AVX2 ACCEL_INLINE Avx2Table BlockTable(const float* code, float absmax) {
+  const __m256 scale = _mm256_set1_ps(absmax);
+  return {Round8<T>(_mm256_mul_ps(_mm256_loadu_ps(code), scale)),
+          Round8<T>(_mm256_mul_ps(_mm256_loadu_ps(code + 8), scale))};
+}
+
+// 8 values already rounded to T, stored as float32 or as T's 16 bits (exact).
 template <DenseType T, bool kFloatOut>
 ACCEL_TARGET_AVX2 ACCEL_INLINE void Store8(void* out, int64_t i, __m256 v) {
-  if constexpr (T == DenseType::kFloat32) {
+  if constexpr (kFloatOut || T == DenseType::kFloat32) {
     _mm256_storeu_ps(static_cast<float*>(out) + i, v);
   } else if constexpr (T == DenseType::kBFloat16) {
-    const __m256i bits = RoundBf16Bits(v);
-    if constexpr (kFloatOut) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<float*>(out) + i), bits);
-    } else {
-      const __m256i high = _mm256_srli_epi32(bits, 16);
-      const __m128i packed =
-          _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), packed);
-    }
+    const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), packed);
   } else {
-    const __m128i half = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    if constexpr (kFloatOut) {
-      _mm256_storeu_ps(static_cast<float*>(out) + i, _mm256_cvtph_ps(half));
-    } else {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i), half);
-    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i),
+                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 }
 
 // DecodeRangeScalar with 8 elements at a time: inside a block, from an even
-// flat index (a byte boundary), as long as 8 remain.
+// flat index (a byte boundary), as long as 8 remain; the rest one by one.
 template <DenseType T, bool kFloatOut>
 ACCEL_TARGET_AVX2 void DecodeRangeAvx2(const Packed4bit& w, int64_t begin, int64_t end, void* out) {
-  const Avx2Code code = LoadCode(w.code);
+  const Avx2Shifts shifts = MakeShifts();
   // Block by block (a lambda would not inherit the target attribute).
   int64_t block = begin / w.blocksize;
   for (int64_t j = begin; j < end; ++block) {
@@ -176,16 +190,17 @@ ACCEL_TARGET_AVX2 void DecodeRangeAvx2(const Packed4bit& w, int64_t begin, int64
       StoreScalar<T, kFloatOut>(out, j - begin, DecodeScalar(w, j));
       ++j;
     }
-    const __m256 scale = _mm256_set1_ps(w.absmax[block]);
-    for (; j + 16 <= e; j += 16) {
-      const __m256 v0 = _mm256_mul_ps(Decode8(w.packed + j / 2, code), scale);
-      const __m256 v1 = _mm256_mul_ps(Decode8(w.packed + j / 2 + 4, code), scale);
-      Store8<T, kFloatOut>(out, j - begin, v0);
-      Store8<T, kFloatOut>(out, j + 8 - begin, v1);
-    }
     if (j + 8 <= e) {
-      Store8<T, kFloatOut>(out, j - begin, _mm256_mul_ps(Decode8(w.packed + j / 2, code), scale));
-      j += 8;
+      const Avx2Table t = BlockTable<T>(w.code, w.absmax[block]);
+      for (; j + 16 <= e; j += 16) {
+        Store8<T, kFloatOut>(out, j - begin, Lookup8(w.packed + (j >> 1), t.lo, t.hi, shifts));
+        Store8<T, kFloatOut>(out, j + 8 - begin,
+                             Lookup8(w.packed + (j >> 1) + 4, t.lo, t.hi, shifts));
+      }
+      if (j + 8 <= e) {
+        Store8<T, kFloatOut>(out, j - begin, Lookup8(w.packed + (j >> 1), t.lo, t.hi, shifts));
+        j += 8;
+      }
     }
     for (; j < e; ++j) StoreScalar<T, kFloatOut>(out, j - begin, DecodeScalar(w, j));
   }
@@ -198,58 +213,169 @@ ACCEL_TARGET_AVX2 ACCEL_INLINE float Sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// DotRowsScalar for R rows at once: each decoded weight vector is loaded once
-// for all R rows; two accumulators per row hide the FMA latency.
-template <int R>
-ACCEL_TARGET_AVX2 void DotRowsAvx2(const float* w, int64_t len, const float* x, int64_t x_stride,
-                                   float* sums) {
-  __m256 acc0[R], acc1[R];
+// DotRowsScalar for R rows and C weight rows at once, with R x C
+// accumulators: each loaded vector of x serves C products and each of w R.
+template <int R, int C>
+ACCEL_TARGET_AVX2 void DotRowsAvx2(const float* const* w, int64_t len, const float* x,
+                                   int64_t x_stride, float* const* sums) {
+  __m256 acc[R][C];
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= len; j += 16) {
-    const __m256 w0 = _mm256_loadu_ps(w + j), w1 = _mm256_loadu_ps(w + j + 8);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + j), w0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + j + 8), w1, acc1[r]);
-    }
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   }
-  if (j + 8 <= len) {
-    const __m256 w0 = _mm256_loadu_ps(w + j);
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    __m256 wv[C];
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w[c] + j);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * x_stride + j), w0, acc0[r]);
+      const __m256 xv = _mm256_loadu_ps(x + r * x_stride + j);
+#pragma GCC unroll 2
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
-    j += 8;
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    float sum = Sum8(_mm256_add_ps(acc0[r], acc1[r]));
-    for (int64_t t = j; t < len; ++t) sum += w[t] * x[r * x_stride + t];
-    sums[r] += sum;
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) {
+      float sum = Sum8(acc[r][c]);
+      for (int64_t t = j; t < len; ++t) sum += w[c][t] * x[r * x_stride + t];
+      sums[c][r] += sum;
+    }
   }
 }
 
-void DotRowsAvx2Any(const float* w, int64_t len, const float* x, int64_t x_stride, int64_t rows,
-                    float* sums) {
+template <int C>
+void DotRowsAvx2Blocks(const float* const* w, int64_t len, const float* x, int64_t x_stride,
+                       int64_t rows, float* const* sums) {
   for (int64_t r = 0; r < rows; r += 4) {
     const float* xr = x + r * x_stride;
+    float* s[C];
+    for (int c = 0; c < C; ++c) s[c] = sums[c] + r;
     switch (std::min<int64_t>(4, rows - r)) {
       case 1:
-        DotRowsAvx2<1>(w, len, xr, x_stride, sums + r);
+        DotRowsAvx2<1, C>(w, len, xr, x_stride, s);
         break;
       case 2:
-        DotRowsAvx2<2>(w, len, xr, x_stride, sums + r);
+        DotRowsAvx2<2, C>(w, len, xr, x_stride, s);
         break;
       case 3:
-        DotRowsAvx2<3>(w, len, xr, x_stride, sums + r);
+        DotRowsAvx2<3, C>(w, len, xr, x_stride, s);
         break;
       default:
-        DotRowsAvx2<4>(w, len, xr, x_stride, sums + r);
+        DotRowsAvx2<4, C>(w, len, xr, x_stride, s);
         break;
     }
   }
+}
+
+void DotRowsAvx2Any(const float* const* w, int64_t cols, int64_t len, const float* x,
+                    int64_t x_stride, int64_t rows, float* const* sums) {
+  if (cols == 2) {
+    DotRowsAvx2Blocks<2>(w, len, x, x_stride, rows, sums);
+  } else {
+    DotRowsAvx2Blocks<1>(w, len, x, x_stride, rows, sums);
+  }
+}
+
+// Gemv4bit for R <= 4 rows of x and weight rows [n_begin, n_end), with no
+// buffer: each weight row is decoded into registers, 16 values at a time, and
+// dotted with the R rows at once (two accumulators per row).
+template <DenseType T, int R>
+ACCEL_TARGET_AVX2 void GemvDirectAvx2(const Gemv4bitArgs& a, int64_t n_begin, int64_t n_end) {
+  const Avx2Shifts shifts = MakeShifts();
+  const Packed4bit& w = a.w;
+  const float* x = a.x;
+  const int64_t xs = a.x_stride;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m256 acc0[R], acc1[R];
+    float tail[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = acc1[r] = _mm256_setzero_ps();
+      tail[r] = 0.0f;
+    }
+    const int64_t row = n * a.in, row_end = row + a.in;
+    int64_t block = row / w.blocksize;
+    for (int64_t j = row; j < row_end; ++block) {
+      const int64_t e = std::min(row_end, (block + 1) * w.blocksize);
+      if ((j & 1) != 0) {
+        const float v = RoundScalar<T>(DecodeScalar(w, j));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) tail[r] += v * x[r * xs + (j - row)];
+        ++j;
+      }
+      if (j + 8 <= e) {
+        const Avx2Table t = BlockTable<T>(w.code, w.absmax[block]);
+        for (; j + 16 <= e; j += 16) {
+          const __m256 w0 = Lookup8(w.packed + (j >> 1), t.lo, t.hi, shifts);
+          const __m256 w1 = Lookup8(w.packed + (j >> 1) + 4, t.lo, t.hi, shifts);
+          const float* xk = x + (j - row);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + r * xs), w0, acc0[r]);
+            // Two chains per row where the registers allow it (R <= 2).
+            if constexpr (R <= 2) {
+              acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + r * xs + 8), w1, acc1[r]);
+            } else {
+              acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + r * xs + 8), w1, acc0[r]);
+            }
+          }
+        }
+        if (j + 8 <= e) {
+          const __m256 w0 = Lookup8(w.packed + (j >> 1), t.lo, t.hi, shifts);
+          const float* xk = x + (j - row);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xk + r * xs), w0, acc0[r]);
+          }
+          j += 8;
+        }
+      }
+      for (; j < e; ++j) {
+        const float v = RoundScalar<T>(DecodeScalar(w, j));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) tail[r] += v * x[r * xs + (j - row)];
+      }
+    }
+    const float bias = a.bias != nullptr ? a.bias[n] : 0.0f;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      a.y[r * a.y_stride + n] = Sum8(_mm256_add_ps(acc0[r], acc1[r])) + tail[r] + bias;
+    }
+  }
+}
+
+using GemvRangeFn = void (*)(const Gemv4bitArgs&, int64_t, int64_t);
+
+template <DenseType T>
+GemvRangeFn PickDirectRows(int64_t m) {
+  switch (m) {
+    case 1:
+      return GemvDirectAvx2<T, 1>;
+    case 2:
+      return GemvDirectAvx2<T, 2>;
+    case 3:
+      return GemvDirectAvx2<T, 3>;
+    case 4:
+      return GemvDirectAvx2<T, 4>;
+    default:
+      return nullptr;
+  }
+}
+
+GemvRangeFn PickDirect(DenseType type, int64_t m) {
+  switch (type) {
+    case DenseType::kFloat32:
+      return PickDirectRows<DenseType::kFloat32>(m);
+    case DenseType::kBFloat16:
+      return PickDirectRows<DenseType::kBFloat16>(m);
+    case DenseType::kFloat16:
+      break;
+  }
+  return PickDirectRows<DenseType::kFloat16>(m);
 }
 
 ACCEL_TARGET_AVX2 ACCEL_INLINE int32_t SumInt8(__m256i v) {
@@ -436,24 +562,40 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
   if (isa == CpuIsa::kAvx2) dot = DotRowsAvx2Any;
 #endif
   const int64_t row_bytes = std::max<int64_t>(1, a.in / 2);
-  at::parallel_for(0, a.out, std::max<int64_t>(1, kMinBytesPerTask / row_bytes),
-                   [&](int64_t begin, int64_t end) {
-                     alignas(64) float chunk[kChunk];
-                     std::vector<float> sums(static_cast<size_t>(a.m));
-                     for (int64_t n = begin; n < end; ++n) {
-                       std::fill(sums.begin(), sums.end(), 0.0f);
-                       const int64_t row = n * a.in;
-                       for (int64_t k0 = 0; k0 < a.in; k0 += kChunk) {
-                         const int64_t len = std::min(kChunk, a.in - k0);
-                         decode(a.w, row + k0, row + k0 + len, chunk);
-                         dot(chunk, len, a.x + k0, a.x_stride, a.m, sums.data());
-                       }
-                       const float bias = a.bias != nullptr ? a.bias[n] : 0.0f;
-                       for (int64_t i = 0; i < a.m; ++i) {
-                         a.y[i * a.y_stride + n] = sums[static_cast<size_t>(i)] + bias;
-                       }
-                     }
-                   });
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / row_bytes);
+#if defined(__x86_64__)
+  // Up to 4 rows: decoded straight into registers.
+  if (isa == CpuIsa::kAvx2 && a.m <= 4) {
+    const GemvRangeFn direct = PickDirect(a.round, a.m);
+    at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) { direct(a, begin, end); });
+    return;
+  }
+#endif
+  // More rows: each weight row decoded once, a chunk at a time, into the L1
+  // cache, then dotted with every row of x from there, two weight rows at a
+  // time (each x vector loaded serves both).
+  at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float chunks[2][kChunk];
+    const float* w[2] = {chunks[0], chunks[1]};
+    std::vector<float> sums(static_cast<size_t>(2 * a.m));
+    float* s[2] = {sums.data(), sums.data() + a.m};
+    for (int64_t n = begin; n < end; n += 2) {
+      const int64_t cols = std::min<int64_t>(2, end - n);
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      for (int64_t k0 = 0; k0 < a.in; k0 += kChunk) {
+        const int64_t len = std::min(kChunk, a.in - k0);
+        for (int64_t c = 0; c < cols; ++c) {
+          const int64_t first = (n + c) * a.in + k0;
+          decode(a.w, first, first + len, chunks[c]);
+        }
+        dot(w, cols, len, a.x + k0, a.x_stride, a.m, s);
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        const float bias = a.bias != nullptr ? a.bias[n + c] : 0.0f;
+        for (int64_t i = 0; i < a.m; ++i) a.y[i * a.y_stride + n + c] = s[c][i] + bias;
+      }
+    }
+  });
 }
 
 void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
