@@ -47,8 +47,11 @@ __device__ __forceinline__ void LoadX(const T* __restrict__ x, float (&out)[kChu
 
 // Fast path: K % 32 == 0 and blocksize % 32 == 0, so a chunk starts at a
 // 32-aligned flat index, is 16 aligned bytes of `packed` and lies in one
-// block; `packed` and `x` are 16-byte aligned. The next chunk's weights are
-// loaded before the current one is used, to keep two loads in flight a lane.
+// block; `packed` and `x` are 16-byte aligned. A lane issues the loads of
+// kUnroll chunks (weights and their absmax) before using any: a K = 4096 row
+// is 4 chunks a lane, so the whole row is one round trip to memory.
+constexpr int kUnroll = 4;
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     Gemv4bitChunkKernel(const T* __restrict__ x, const uint8_t* __restrict__ packed,
@@ -66,24 +69,35 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t chunks = k / kChunk;
   const uint4* weights = reinterpret_cast<const uint4*>(packed + row_start / 2);
   float acc = 0.0f;
-  int64_t c = lane;
-  uint4 next = c < chunks ? __ldcs(weights + c) : make_uint4(0, 0, 0, 0);
-  for (; c < chunks; c += 32) {
-    const uint4 current = next;
-    if (c + 32 < chunks) next = __ldcs(weights + c + 32);
-    const float scale = __ldg(absmax + (row_start + c * kChunk) / blocksize);
-    float xs[kChunk];
-    LoadX(x + c * kChunk, xs);
-    const uint32_t words[4] = {current.x, current.y, current.z, current.w};
+  for (int64_t c0 = lane; c0 < chunks; c0 += 32 * kUnroll) {
+    uint4 w[kUnroll];
+    float scale[kUnroll];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + 32 * u;
+      if (c < chunks) {
+        // Streaming loads: the weights are read once, x and absmax stay cached.
+        w[u] = __ldcs(weights + c);
+        scale[u] = __ldg(absmax + (row_start + c * kChunk) / blocksize);
+      }
+    }
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        // Byte 4w+b of the chunk holds elements 2(4w+b) (high nibble) and the next one.
-        const uint32_t byte = (words[w] >> (8 * b)) & 0xFF;
-        const int e = 2 * (4 * w + b);
-        acc = __fmaf_rn(xs[e], Weight<T>(lut[byte >> 4], scale), acc);
-        acc = __fmaf_rn(xs[e + 1], Weight<T>(lut[byte & 0xF], scale), acc);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + 32 * u;
+      if (c >= chunks) break;
+      float xs[kChunk];
+      LoadX(x + c * kChunk, xs);
+      const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          // Byte 4i+b of the chunk holds elements 2(4i+b) (high nibble) and the next one.
+          const uint32_t byte = (words[i] >> (8 * b)) & 0xFF;
+          const int e = 2 * (4 * i + b);
+          acc = __fmaf_rn(xs[e], Weight<T>(lut[byte >> 4], scale[u]), acc);
+          acc = __fmaf_rn(xs[e + 1], Weight<T>(lut[byte & 0xF], scale[u]), acc);
+        }
       }
     }
   }

@@ -370,6 +370,7 @@ const GemvCase kGemvCases[] = {
     {5, 77, 32, false, 0},                                // odd K: rows start at a low nibble
     {3, 4096, 4096, true, 0},  {256, 4096, 64, true, 1},  // misaligned x
     {2, 0, 64, true, 0},                                  // empty rows: y = bias
+    {24, 11008, 128, true, 0},  // down_proj's K: 344 chunks, a lane loops past kUnroll
 };
 
 struct GemvInputs {
