@@ -1,5 +1,6 @@
 // Decode speed on the cpu: tokens/s at batch 1 and the throughput of a batch
-// of 8, for a generated ~1 GB float32 model and a ~500 MB bfloat16 one, next
+// of 8, for a generated ~1 GB float32 model and a ~500 MB bfloat16 one (also
+// quantized on loading: LLM.int8, NF4, NF4 with double quant), next
 // to the memory-bandwidth bound measured in the same run: decode at batch 1
 // reads every weight once per token, so tokens/s cannot beat (read
 // bandwidth) / (weight bytes per token).
@@ -18,6 +19,7 @@
 
 #include <ATen/Functions.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/nn/module.h>
 
 #include "core/bytes.h"
 #include "core/dtype.h"
@@ -148,9 +150,15 @@ int main(int argc, char** argv) {
     const char* name;
     c10::ScalarType dtype;
     int64_t bytes;
+    const char* quantize;
+    bool double_quant;
   };
-  for (const Case& c : {Case{"float32", c10::ScalarType::Float, int64_t{1} << 30},
-                        Case{"bfloat16", c10::ScalarType::BFloat16, 500'000'000}}) {
+  const c10::ScalarType f32 = c10::ScalarType::Float, bf16 = c10::ScalarType::BFloat16;
+  for (const Case& c : {Case{"float32", f32, int64_t{1} << 30, "none", false},
+                        Case{"bfloat16", bf16, 500'000'000, "none", false},
+                        Case{"bfloat16 -> int8", bf16, 500'000'000, "int8", false},
+                        Case{"bfloat16 -> nf4", bf16, 500'000'000, "nf4", false},
+                        Case{"bfloat16 -> nf4+dq", bf16, 500'000'000, "nf4", true}}) {
     accel::models::MakeModelOptions o;
     o.family = "llama";
     o.vocab_size = 32000;
@@ -159,35 +167,46 @@ int main(int argc, char** argv) {
     o.num_kv_heads = 4;
     o.dtype = c.dtype;
     o.target_bytes = c.bytes;
-    const std::string dir = root + "/" + c.name;
-    auto made = accel::models::MakeModel(dir, o);
-    if (!made.ok()) {
-      std::fprintf(stderr, "%s\n", made.status().ToString().c_str());
-      return 1;
+    const std::string dir = root + "/" + std::string(accel::DTypeName(c.dtype));
+    if (!std::filesystem::exists(dir + "/config.json")) {
+      auto made = accel::models::MakeModel(dir, o);
+      if (!made.ok()) {
+        std::fprintf(stderr, "%s\n", made.status().ToString().c_str());
+        return 1;
+      }
     }
     accel::models::ModelLoadOptions options;
     options.device_map = "cpu";
+    options.quantize = c.quantize;
+    options.double_quant = c.double_quant;
     options.progress = accel::Progress::Style::kSilent;
     auto loaded = accel::models::LoadModel(dir, options);
     if (!loaded.ok()) {
       std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str());
       return 1;
     }
-    // Every weight is read once per step except the embedding, of which
-    // one row per token is.
-    const double element = c.dtype == c10::ScalarType::Float ? 4 : 2;
-    const double per_token = static_cast<double>(made->bytes) -
-                             element * static_cast<double>(o.vocab_size * o.hidden_size);
+    // Every tensor is read once per step except the embedding, of which
+    // one row per token is; quantized layers as stored.
+    double held = 0, per_token = 0;
+    for (const auto& t : loaded->model->named_parameters()) {
+      held += static_cast<double>(t.value().nbytes());
+      if (t.key() != "model.embed_tokens.weight")
+        per_token += static_cast<double>(t.value().nbytes());
+    }
+    for (const auto& t : loaded->model->named_buffers()) {
+      held += static_cast<double>(t.value().nbytes());
+      per_token += static_cast<double>(t.value().nbytes());
+    }
     const double bound_read = bw.read / per_token, bound_copy = bw.copy / per_token;
     const double one = DecodeRate(*loaded, 1, tokens);
     const double many = DecodeRate(*loaded, batch, tokens);
     std::printf(
-        "%s model, %d layers, %s of weights (%s read per token):\n"
+        "%s model, %d layers, %s held (%s read per token):\n"
         "  batch 1: %.2f tokens/s = %.0f%% of the read-bandwidth bound %.2f tokens/s "
         "(memcpy bound %.2f); %.1f GB/s of weights\n"
         "  batch %d: %.2f tokens/s in all (%.2fx batch 1)\n",
-        c.name, static_cast<int>(made->config.num_hidden_layers),
-        accel::FormatBytes(static_cast<int64_t>(made->bytes)).c_str(),
+        c.name, static_cast<int>(loaded->config.num_hidden_layers),
+        accel::FormatBytes(static_cast<int64_t>(held)).c_str(),
         accel::FormatBytes(static_cast<int64_t>(per_token)).c_str(), one, 100 * one / bound_read,
         bound_read, bound_copy, one * per_token / 1e9, batch, many, many / one);
     std::fflush(stdout);

@@ -382,80 +382,104 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   Progress progress("loading", static_cast<int64_t>(ckpt.total_bytes()),
                     static_cast<int64_t>(ckpt.tensors().size()), options.progress);
 
-  for (const loader::Checkpoint::Entry& entry : ckpt.tensors()) {
-    const std::string& name = entry.info.name;
+  // Places model tensor `name` from a checkpoint entry, or (entry null) from
+  // `ready`, a tensor a LoadHook made, which keeps its dtype.
+  const auto place = [&](const std::string& name, const loader::Checkpoint::Entry* entry,
+                         const at::Tensor& ready) -> absl::Status {
     const auto label = [&](absl::string_view what) {
       return absl::StrCat("tensor '", name, "': ", what);
     };
     const bool is_buffer = buffers.count(name) > 0;
     auto found = is_buffer ? buffers.find(name) : params.find(name);
     if (found == (is_buffer ? buffers.end() : params.end())) {
+      if (entry == nullptr) {
+        return absl::InvalidArgumentError(
+            label("made on loading, but the model has no such tensor"));
+      }
       out->unexpected_.push_back(name);
-      progress.Add(static_cast<int64_t>(entry.info.nbytes()));
-      continue;
+      return absl::OkStatus();
     }
     at::Tensor target = found->second;
     std::optional<Placement> placement = map.Lookup(name);
     if (!placement) {
       return absl::InvalidArgumentError(label("the device map places no module that holds it"));
     }
-    if (entry.info.shape != target.sizes().vec()) {
-      return absl::InvalidArgumentError(label(
-          absl::StrCat("the checkpoint holds shape [", absl::StrJoin(entry.info.shape, ", "),
-                       "] but the model expects [", absl::StrJoin(target.sizes(), ", "), "]")));
+    const std::vector<int64_t> shape = entry ? entry->info.shape : ready.sizes().vec();
+    if (shape != target.sizes().vec()) {
+      return absl::InvalidArgumentError(label(absl::StrCat(
+          entry ? "the checkpoint holds" : "loading made", " shape [", absl::StrJoin(shape, ", "),
+          "] but the model expects [", absl::StrJoin(target.sizes(), ", "), "]")));
     }
-    auto file_dtype = loader::TorchDType(entry.info.dtype);
-    if (!file_dtype.ok()) return Annotate(file_dtype.status(), absl::StrCat("tensor '", name, "'"));
+    at::ScalarType file_dtype = at::kFloat;
+    if (entry) {
+      auto parsed = loader::TorchDType(entry->info.dtype);
+      if (!parsed.ok()) return Annotate(parsed.status(), absl::StrCat("tensor '", name, "'"));
+      file_dtype = *parsed;
+    } else {
+      file_dtype = ready.scalar_type();
+    }
     at::ScalarType dtype = target.scalar_type();
-    if (c10::isFloatingType(*file_dtype) && c10::isFloatingType(dtype) && options.dtype) {
+    if (entry == nullptr) {
+      if (dtype != file_dtype) {
+        return absl::InvalidArgumentError(label(absl::StrCat(
+            "loading made ", DTypeName(file_dtype), " but the model expects ", DTypeName(dtype))));
+      }
+    } else if (c10::isFloatingType(file_dtype) && c10::isFloatingType(dtype) && options.dtype) {
       dtype = *options.dtype;
       if ((dtype == at::kHalf || dtype == at::kBFloat16) &&
           KeepInFp32(name, options.keep_in_fp32_modules)) {
         dtype = at::kFloat;
       }
     }
-    if (!c10::isFloatingType(dtype) && c10::isFloatingType(*file_dtype)) {
-      return absl::InvalidArgumentError(
-          label(absl::StrCat("cannot convert ", entry.info.dtype, " to ", DTypeName(dtype))));
+    if (!c10::isFloatingType(dtype) && c10::isFloatingType(file_dtype)) {
+      return absl::InvalidArgumentError(label(absl::StrCat(
+          "cannot convert ", entry ? entry->info.dtype : std::string(DTypeName(file_dtype)), " to ",
+          DTypeName(dtype))));
     }
+    const auto value = [&]() -> absl::StatusOr<at::Tensor> {
+      if (entry == nullptr) return ready;
+      return ckpt.Tensor(name);
+    };
 
     const bool offload_disk = placement->is_disk() && (!is_buffer || options.offload_buffers);
     const bool offload_cpu = placement->is_cpu() && out->main_.is_cuda();
-    if (offload_disk && dtype == *file_dtype) {
+    if (offload_disk && entry != nullptr && dtype == file_dtype) {
       // Read straight from the checkpoint for each forward: no copy is written.
-      const loader::SafetensorsFile& shard = ckpt.shard(entry.shard);
+      const loader::SafetensorsFile& shard = ckpt.shard(entry->shard);
       im.tensors.push_back(
           {name,
-           {at::Tensor(), shard.path(), shard.data_offset() + entry.info.data_begin,
-            entry.info.nbytes(), dtype, entry.info.shape}});
+           {at::Tensor(), shard.path(), shard.data_offset() + entry->info.data_begin,
+            entry->info.nbytes(), dtype, shape}});
     } else if (offload_disk) {
       if (options.offload_folder.empty()) {
-        return absl::InvalidArgumentError(label(
-            absl::StrCat("mapped to disk, and needs converting from ", entry.info.dtype, " to ",
-                         DTypeName(dtype), "; give an offload folder to write it to")));
+        return absl::InvalidArgumentError(label(absl::StrCat(
+            "mapped to disk, and needs ",
+            entry ? absl::StrCat("converting from ", entry->info.dtype, " to ", DTypeName(dtype))
+                  : std::string("writing (it was made on loading)"),
+            "; give an offload folder to write it to")));
       }
       std::error_code ec;
       std::filesystem::create_directories(options.offload_folder, ec);
       if (ec)
         return ErrnoStatus(ec.value(),
                            absl::StrCat("creating offload folder ", options.offload_folder));
-      ACCEL_ASSIGN_OR_RETURN(at::Tensor value, ckpt.Tensor(name));
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor source, value());
       at::Tensor converted;
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] { converted = value.to(dtype).contiguous(); }));
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { converted = source.to(dtype).contiguous(); }));
       const std::string path = absl::StrCat(options.offload_folder, "/", name, ".dat");
       const uint64_t nbytes = converted.nbytes();
       ACCEL_RETURN_IF_ERROR(Annotate(
           loader::WriteFileAtomically(
               path, absl::string_view(static_cast<const char*>(converted.data_ptr()), nbytes)),
           absl::StrCat("offloading tensor '", name, "'")));
-      index[name] = {{"dtype", IndexDType(dtype)}, {"shape", entry.info.shape}};
+      index[name] = {{"dtype", IndexDType(dtype)}, {"shape", shape}};
       wrote_offload = true;
-      im.tensors.push_back({name, {at::Tensor(), path, 0, nbytes, dtype, entry.info.shape}});
+      im.tensors.push_back({name, {at::Tensor(), path, 0, nbytes, dtype, shape}});
     } else if (offload_cpu) {
-      ACCEL_ASSIGN_OR_RETURN(at::Tensor value, ckpt.Tensor(name));
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor source, value());
       at::Tensor host;
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] { host = value.to(dtype).contiguous().pin_memory(); }));
-      im.tensors.push_back({name, {host, "", 0, host.nbytes(), dtype, entry.info.shape}});
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { host = source.to(dtype).contiguous().pin_memory(); }));
+      im.tensors.push_back({name, {host, "", 0, host.nbytes(), dtype, shape}});
     }
 
     if (offload_disk || offload_cpu) {
@@ -463,13 +487,28 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       ACCEL_RETURN_IF_ERROR(SetModuleTensor(*model, name, at::kMeta, at::Tensor(), dtype));
     } else {
       const at::Device device = placement->is_cuda() ? DeviceOf(*placement) : out->main_;
-      ACCEL_ASSIGN_OR_RETURN(at::Tensor value, ckpt.Tensor(name));
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor source, value());
       ACCEL_RETURN_IF_ERROR(
-          Annotate(SetModuleTensor(*model, name, device, value, dtype), label("loading")));
+          Annotate(SetModuleTensor(*model, name, device, source, dtype), label("loading")));
     }
     loaded.insert(target.unsafeGetTensorImpl());
+    return absl::OkStatus();
+  };
+
+  for (const loader::Checkpoint::Entry& entry : ckpt.tensors()) {
+    const std::string& name = entry.info.name;
+    if (options.hook != nullptr && options.hook->Claims(name)) {
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor stored, ckpt.Tensor(name));
+      ACCEL_ASSIGN_OR_RETURN(std::vector<HookTensor> made, options.hook->Convert(name, stored));
+      for (const HookTensor& t : made) {
+        ACCEL_RETURN_IF_ERROR(place(t.name, nullptr, t.value));
+      }
+    } else {
+      ACCEL_RETURN_IF_ERROR(place(name, &entry, at::Tensor()));
+    }
     progress.Add(static_cast<int64_t>(entry.info.nbytes()));
   }
+  if (options.hook != nullptr) ACCEL_RETURN_IF_ERROR(options.hook->Finish());
   progress.Finish();
 
   if (options.strict && !out->unexpected_.empty()) {

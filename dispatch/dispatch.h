@@ -42,6 +42,31 @@ class Module;
 
 namespace accel::dispatch {
 
+// A tensor a LoadHook makes: placed under `name` with its own dtype.
+struct HookTensor {
+  std::string name;
+  at::Tensor value;
+};
+
+// Takes over the checkpoint tensors that do not load as they are stored:
+// quantization turns a float weight into the tensors of a quantized layer,
+// and reads a quantized checkpoint's metadata. Called on the loading thread,
+// in checkpoint order.
+class LoadHook {
+ public:
+  virtual ~LoadHook() = default;
+  // Whether checkpoint tensor `name` goes through Convert().
+  virtual bool Claims(absl::string_view name) const = 0;
+  // `stored`: the checkpoint tensor, on the cpu, as stored. Returns the model
+  // tensors to place in its stead (each must exist in the model with that
+  // shape and dtype); none when it keeps the tensor for later (metadata, or a
+  // part of something not yet complete). An error aborts the load.
+  virtual absl::StatusOr<std::vector<HookTensor>> Convert(const std::string& name,
+                                                          const at::Tensor& stored) = 0;
+  // After the last tensor: an error for anything still incomplete.
+  virtual absl::Status Finish() { return absl::OkStatus(); }
+};
+
 struct LoadOptions {
   // Floating tensors are converted to this; unset: to the model tensor's dtype.
   std::optional<at::ScalarType> dtype;
@@ -60,6 +85,8 @@ struct LoadOptions {
   // Read the next offloaded module while the current one runs.
   bool prefetch = true;
   Progress::Style progress = Progress::Style::kAuto;
+  // Not owned; null: every tensor loads as it is stored.
+  LoadHook* hook = nullptr;
 };
 
 class DispatchedModel {

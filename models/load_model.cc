@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 #include <utility>
 
 #include <ATen/Context.h>
@@ -15,6 +16,8 @@
 #include "dispatch/module_tree.h"
 #include "loader/loader.h"
 #include "models/families.h"
+#include "models/quantize.h"
+#include "quant/bnb.h"
 
 namespace accel::models {
 namespace {
@@ -48,9 +51,70 @@ absl::Status CheckGpus(const dispatch::DeviceMap& map) {
   return absl::OkStatus();
 }
 
+// The layers to quantize: as the checkpoint stores them, or as asked.
+absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
+                                             const ModelLoadOptions& options,
+                                             const loader::ModelConfig& config,
+                                             at::ScalarType dtype, bool& prequantized) {
+  const std::string& method = options.quantize;
+  if (method != "none" && method != "int8" && method != "nf4" && method != "fp4") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("quantize '", method, "': expected none, int8, nf4 or fp4"));
+  }
+  if (options.double_quant && method != "nf4" && method != "fp4") {
+    return absl::InvalidArgumentError("double_quant applies to 4-bit quantization (nf4, fp4)");
+  }
+  ACCEL_ASSIGN_OR_RETURN(std::optional<quant::BnbQuantizationConfig> stored,
+                         ReadQuantizationConfig(dir + "/config.json"));
+  if (stored) {
+    prequantized = true;
+    const std::string stored_method =
+        stored->load_in_8bit ? "int8" : quant::QuantType4bitName(stored->bnb_4bit_quant_type);
+    if (method != "none" && method != stored_method) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "quantize '", method, "': ", dir, " holds a model quantized already (", stored_method,
+          ", config.json's quantization_config); leave quantize at none"));
+    }
+    ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint checkpoint, loader::Checkpoint::Open(dir));
+    return PlanFromCheckpoint(checkpoint, *stored);
+  }
+  if (method == "none") return QuantPlan();
+  quant::BnbQuantizationConfig asked;
+  asked.load_in_8bit = method == "int8";
+  asked.load_in_4bit = !asked.load_in_8bit;
+  if (asked.load_in_4bit) {
+    ACCEL_ASSIGN_OR_RETURN(asked.bnb_4bit_quant_type, quant::ParseQuantType4bit(method));
+  }
+  asked.bnb_4bit_use_double_quant = options.double_quant;
+  if (!quant::IsValidBlocksize4bit(options.quant_blocksize)) {
+    return absl::InvalidArgumentError(absl::StrCat("quant_blocksize ", options.quant_blocksize,
+                                                   ": expected 32, 64, 128, ..., 4096"));
+  }
+  asked.blocksize = options.quant_blocksize;
+  if (!(options.int8_threshold >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("int8_threshold ", options.int8_threshold, ": expected 0 or more"));
+  }
+  asked.llm_int8_threshold = options.int8_threshold;
+  asked.bnb_4bit_compute_dtype = dtype;
+  if (options.quant_compute_dtype != "auto") {
+    absl::StatusOr<at::ScalarType> compute = ParseDType(options.quant_compute_dtype);
+    if (!compute.ok() ||
+        !(*compute == at::kFloat || *compute == at::kBFloat16 || *compute == at::kHalf)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("quant_compute_dtype '", options.quant_compute_dtype,
+                       "': expected auto, float32, bfloat16 or float16"));
+    }
+    asked.bnb_4bit_compute_dtype = *compute;
+  }
+  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype));
+  return PlanQuantization(tree, asked);
+}
+
 absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& options,
                                                     const loader::ModelConfig& config,
-                                                    at::ScalarType dtype) {
+                                                    at::ScalarType dtype,
+                                                    const QuantPlan& quantization) {
   const std::string& spec = options.device_map;
   if (!IsStrategy(spec)) {
     if (!options.max_memory.empty()) {
@@ -90,6 +154,11 @@ absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& opti
   dispatch::PlanOptions plan;
   plan.no_split = {family.block_class};
   plan.sizes.dtype = dtype;
+  if (!quantization.empty()) {
+    // Sized as stored: quantized weights at their packed bytes.
+    ACCEL_ASSIGN_OR_RETURN(tree, QuantizeModuleTree(tree, quantization));
+    AddQuantizedSizes(quantization, plan.sizes.special_bytes);
+  }
   return dispatch::PlanDeviceMap(tree, spec, max_memory, plan, probed);
 }
 
@@ -109,7 +178,10 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
     ACCEL_ASSIGN_OR_RETURN(out.generation_config, loader::ReadGenerationConfig(generation));
   }
   ACCEL_ASSIGN_OR_RETURN(out.dtype, ChooseDType(options, out.config));
-  ACCEL_ASSIGN_OR_RETURN(out.device_map, ChooseDeviceMap(options, out.config, out.dtype));
+  ACCEL_ASSIGN_OR_RETURN(out.quantization,
+                         ChooseQuantization(dir, options, out.config, out.dtype, out.prequantized));
+  ACCEL_ASSIGN_OR_RETURN(out.device_map,
+                         ChooseDeviceMap(options, out.config, out.dtype, out.quantization));
   ACCEL_RETURN_IF_ERROR(CheckGpus(out.device_map));
   {
     dispatch::EmptyWeightsGuard empty;
@@ -119,6 +191,12 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   load.dtype = out.dtype;
   load.offload_folder = options.offload_folder;
   load.progress = options.progress;
+  std::unique_ptr<dispatch::LoadHook> hook;
+  if (!out.quantization.empty()) {
+    ACCEL_RETURN_IF_ERROR(QuantizeLinears(*out.model, out.quantization));
+    hook = MakeQuantizationHook(out.model, out.quantization, out.dtype);
+    load.hook = hook.get();
+  }
   ACCEL_ASSIGN_OR_RETURN(out.dispatched,
                          dispatch::DispatchedModel::Load(out.model, dir, out.device_map, load));
   return out;

@@ -13,6 +13,7 @@
 #define ACCEL_MODELS_LOAD_MODEL_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "dispatch/dispatch.h"
 #include "loader/config.h"
 #include "models/causal_lm.h"
+#include "models/nn.h"
 
 namespace accel::models {
 
@@ -40,6 +42,16 @@ struct ModelLoadOptions {
   // "auto" (config.json's torch_dtype, float32 when it has none), or
   // float32, bfloat16, float16.
   std::string dtype = "auto";
+  // Quantize the linear layers on loading (bitsandbytes' formats): "none",
+  // "int8" (LLM.int8), "nf4" or "fp4". The head (lm_head) stays as it is. A
+  // pre-quantized model (config.json's quantization_config) loads as it was
+  // saved whatever this says, but a different method here is an error.
+  std::string quantize = "none";
+  bool double_quant = false;     // 4-bit: quantize the absmaxes too
+  int64_t quant_blocksize = 64;  // 4-bit
+  double int8_threshold = 6.0;   // int8: outlier threshold (0: none)
+  // 4-bit compute dtype; "auto": the model's dtype.
+  std::string quant_compute_dtype = "auto";
   Progress::Style progress = Progress::Style::kAuto;
 };
 
@@ -49,6 +61,10 @@ struct LoadedModel {
   loader::GenerationConfig generation_config;  // defaults without the file
   at::ScalarType dtype = at::kFloat;
   dispatch::DeviceMap device_map;
+  // The quantized linear layers (empty: none), and whether the checkpoint
+  // was stored quantized.
+  std::map<std::string, nn::LinearQuantization> quantization;
+  bool prequantized = false;
   std::shared_ptr<CausalLM> model;
   std::unique_ptr<dispatch::DispatchedModel> dispatched;
 

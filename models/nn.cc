@@ -7,8 +7,10 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/status.h"
 #include "core/torch_compat.h"
 #include "models/internal/cpu_linear.h"
+#include "quant/matmul.h"
 
 namespace accel::nn {
 
@@ -23,12 +25,176 @@ at::Tensor Float(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : 
 
 }  // namespace
 
+std::string LinearQuantization::ToString() const {
+  switch (method) {
+    case Method::kNone:
+      return "none";
+    case Method::kInt8:
+      return "int8";
+    case Method::k4bit:
+      return absl::StrCat(quant::QuantType4bitName(quant_type), double_quant ? "+dq" : "");
+  }
+  return "none";
+}
+
+namespace {
+
+at::Tensor Empty(at::IntArrayRef shape, at::ScalarType dtype, bool meta) {
+  return at::empty(shape, at::TensorOptions().device(meta ? at::kMeta : at::kCPU).dtype(dtype));
+}
+
+}  // namespace
+
+absl::Status QuantizableLinear::Quantize(const LinearQuantization& how) {
+  return Quantize(how, /*empty=*/weight.is_meta());
+}
+
+absl::Status QuantizableLinear::Quantize(const LinearQuantization& how, bool empty) {
+  if (quantization_.enabled()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer is quantized already (", quantization_.ToString(), ")"));
+  }
+  if (!how.enabled()) return absl::OkStatus();
+  if (shared_weight_) {
+    return absl::InvalidArgumentError(
+        "the weight is shared with another layer (a tied head): it cannot be quantized");
+  }
+  if (how.method == LinearQuantization::Method::k4bit &&
+      !quant::IsValidBlocksize4bit(how.blocksize)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("blocksize ", how.blocksize, ": expected a power of two from 32 to 4096"));
+  }
+  const bool meta = weight.is_meta();
+  if (!empty && !weight.device().is_cpu()) {
+    return absl::InvalidArgumentError("quantizing a loaded weight needs it on the cpu");
+  }
+  at::Tensor dense;  // [out, in]
+  if (!empty) {
+    ACCEL_RETURN_IF_ERROR(
+        CallTorch([&] { dense = transposed_ ? weight.t().contiguous() : weight; }));
+  }
+  const at::ScalarType dtype = weight.scalar_type();
+  at::Tensor new_weight;
+  if (how.method == LinearQuantization::Method::kInt8) {
+    at::Tensor new_scb;
+    if (empty) {
+      new_weight = Empty({out_, in_}, at::kChar, meta);
+      new_scb = Empty({out_}, at::kFloat, meta);
+    } else {
+      ACCEL_ASSIGN_OR_RETURN(quant::QuantizedInt8 q, quant::QuantizeInt8(dense));
+      new_weight = q.weight;
+      new_scb = q.scb;
+    }
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      scb = register_buffer("SCB", new_scb);
+      weight_format = register_buffer("weight_format", at::zeros({}, at::kByte));
+    }));
+  } else {
+    auto state = std::make_shared<Params4bit>();
+    quant::QuantState4bit qs;
+    qs.quant_type = how.quant_type;
+    qs.blocksize = how.blocksize;
+    qs.dtype = dtype;
+    qs.shape = {out_, in_};
+    qs.double_quant = how.double_quant;
+    at::Tensor expanded;
+    if (empty) {
+      const quant::Layout4bit layout =
+          quant::LayoutOf4bit(out_ * in_, how.blocksize, how.double_quant);
+      new_weight = Empty(layout.packed_shape, at::kByte, meta);
+      state->absmax = Empty({layout.absmax_len}, how.double_quant ? at::kByte : at::kFloat, meta);
+      state->quant_map = Empty({16}, at::kFloat, meta);
+      if (how.double_quant) {
+        state->nested_absmax = Empty({layout.nested_absmax_len}, at::kFloat, meta);
+        state->nested_quant_map = Empty({256}, at::kFloat, meta);
+        expanded = Empty({layout.absmax_len}, at::kFloat, meta);
+      }
+    } else {
+      ACCEL_ASSIGN_OR_RETURN(
+          quant::Quantized4bit q,
+          quant::Quantize4bit(dense, how.quant_type, how.blocksize, how.double_quant));
+      new_weight = q.packed;
+      state->absmax = q.absmax;
+      state->quant_map = q.quant_map;
+      state->nested_absmax = q.nested_absmax;
+      state->nested_quant_map = q.nested_quant_map;
+      qs = q.state;
+      if (how.double_quant) {
+        ACCEL_ASSIGN_OR_RETURN(expanded, quant::BlockAbsmax(q));
+      }
+    }
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      state->absmax = state->register_buffer("absmax", state->absmax);
+      state->quant_map = state->register_buffer("quant_map", state->quant_map);
+      if (how.double_quant) {
+        state->nested_absmax = state->register_buffer("nested_absmax", state->nested_absmax);
+        state->nested_quant_map =
+            state->register_buffer("nested_quant_map", state->nested_quant_map);
+        block_absmax = AddBuffer("block_absmax", expanded, /*persistent=*/false);
+      }
+      weight_state = register_module("weight", state);
+    }));
+    quant_state = qs;
+  }
+  // The same name, now the quantized tensor (integer: no gradient).
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    new_weight.set_requires_grad(false);
+    parameters_["weight"] = new_weight;
+  }));
+  weight = new_weight;
+  quantization_ = how;
+  return absl::OkStatus();
+}
+
+at::Tensor QuantizableLinear::QuantizedForward(const at::Tensor& x) {
+  absl::StatusOr<at::Tensor> y;
+  if (quantization_.method == LinearQuantization::Method::kInt8) {
+    y = quant::Int8LinearForward(x, weight, scb, bias, quantization_.threshold);
+  } else {
+    quant::Weight4bit w;
+    w.packed = weight;
+    w.absmax = quantization_.double_quant ? block_absmax : weight_state->absmax;
+    w.code = weight_state->quant_map;
+    w.blocksize = quant_state.blocksize;
+    w.out_features = out_;
+    w.in_features = in_;
+    y = quant::Linear4bitForward(x, w, bias, quantization_.compute_dtype);
+  }
+  TORCH_CHECK(y.ok(), "quantized ", name(), ": ", y.status().message());
+  return *std::move(y);
+}
+
 Linear::Linear(int64_t in, int64_t out, bool bias, at::ScalarType dtype,
                const at::Tensor& shared_weight)
-    : dispatch::Layer("Linear") {
+    : QuantizableLinear("Linear", in, out, /*transposed=*/false) {
+  shared_weight_ = shared_weight.defined();
   weight = shared_weight.defined() ? register_parameter("weight", shared_weight)
                                    : AddParameter("weight", {out, in}, dtype);
   if (bias) this->bias = AddParameter("bias", {out}, dtype);
+}
+
+Linear8bitLt::Linear8bitLt(int64_t in, int64_t out, bool bias, at::ScalarType dtype,
+                           double threshold)
+    : Linear(in, out, bias, dtype) {
+  LinearQuantization how;
+  how.method = LinearQuantization::Method::kInt8;
+  how.threshold = threshold;
+  const absl::Status status = Quantize(how, /*empty=*/true);
+  TORCH_CHECK(status.ok(), "Linear8bitLt: ", status.message());
+}
+
+Linear4bit::Linear4bit(int64_t in, int64_t out, bool bias, at::ScalarType dtype,
+                       at::ScalarType compute_dtype, quant::QuantType4bit quant_type,
+                       bool double_quant, int64_t blocksize)
+    : Linear(in, out, bias, dtype) {
+  LinearQuantization how;
+  how.method = LinearQuantization::Method::k4bit;
+  how.quant_type = quant_type;
+  how.double_quant = double_quant;
+  how.blocksize = blocksize;
+  how.compute_dtype = compute_dtype;
+  const absl::Status status = Quantize(how, /*empty=*/true);
+  TORCH_CHECK(status.ok(), "Linear4bit: ", status.message());
 }
 
 at::Tensor MatMul(const at::Tensor& a, const at::Tensor& b) {
@@ -47,6 +213,7 @@ at::Tensor GeluNew(const at::Tensor& x) {
 }
 
 at::Tensor Linear::forward(const at::Tensor& x) {
+  if (quantization().enabled()) return QuantizedForward(x);
   // On the cpu our GEMV kernels (models/internal/cpu_linear.h): a decode step
   // streams the weights at close to memory bandwidth, a prefill runs them over
   // chunks of rows (in bfloat16 only up to one chunk: oneDNN is faster above).
@@ -55,12 +222,14 @@ at::Tensor Linear::forward(const at::Tensor& x) {
   return at::linear(x, weight, bias);
 }
 
-Conv1D::Conv1D(int64_t in, int64_t out, at::ScalarType dtype) : dispatch::Layer("Conv1D") {
+Conv1D::Conv1D(int64_t in, int64_t out, at::ScalarType dtype)
+    : QuantizableLinear("Conv1D", in, out, /*transposed=*/true) {
   weight = AddParameter("weight", {in, out}, dtype);
   bias = AddParameter("bias", {out}, dtype);
 }
 
 at::Tensor Conv1D::forward(const at::Tensor& x) {
+  if (quantization().enabled()) return QuantizedForward(x);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = weight.size(1);
   if (NeedsHalfUpcast(x)) {

@@ -16,31 +16,124 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 #include "dispatch/layer.h"
 #include "loader/config.h"
+#include "quant/bnb.h"
 
 namespace accel::nn {
 
+// How a linear layer stores its weight: as it is, or quantized the way
+// bitsandbytes' Linear8bitLt (LLM.int8) and Linear4bit (NF4 / FP4) do.
+struct LinearQuantization {
+  enum class Method { kNone, kInt8, k4bit };
+  Method method = Method::kNone;
+  double threshold = 6.0;  // int8: llm_int8_threshold (0: no outlier decomposition)
+  quant::QuantType4bit quant_type = quant::QuantType4bit::kNf4;  // 4-bit
+  int64_t blocksize = quant::kDefaultBlocksize4bit;
+  bool double_quant = false;
+  at::ScalarType compute_dtype = at::kFloat;  // 4-bit: what the product runs in
+
+  bool enabled() const { return method != Method::kNone; }
+  // "int8", "nf4", "fp4" (+ "+dq") or "none".
+  std::string ToString() const;
+};
+
+// The 4-bit quant state tensors, which transformers' checkpoints name
+// "<linear>.weight.absmax" and so on: the child module "weight" of a 4-bit
+// layer (bnb's Params4bit keeps them on the weight itself).
+class Params4bit : public dispatch::Layer {
+ public:
+  Params4bit() : dispatch::Layer("Params4bit") {}
+  at::Tensor absmax;            // float32 [nblocks]; uint8 with double quant
+  at::Tensor quant_map;         // float32 [16]
+  at::Tensor nested_absmax;     // float32 [ceil(nblocks / 256)] (double quant)
+  at::Tensor nested_quant_map;  // float32 [256] (double quant)
+};
+
+// What Linear and Conv1D share: y = x W^T + b with W [out, in] as it is, or
+// quantized (Quantize()). Quantized, the layer holds what a bitsandbytes
+// checkpoint of transformers holds for it:
+//   int8:  weight int8 [out, in], SCB float32 [out], weight_format uint8 [] (0)
+//   4-bit: weight uint8 [(n+1)/2, 1] (packed), weight.absmax, weight.quant_map,
+//          weight.nested_absmax, weight.nested_quant_map (child "weight"),
+//          plus block_absmax (double quant: the absmaxes expanded to float32,
+//          not persistent: made on loading) and quant_state (the metadata the
+//          checkpoint's JSON blob carries).
+class QuantizableLinear : public dispatch::Layer {
+ public:
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  const LinearQuantization& quantization() const { return quantization_; }
+  // The float weight's layout: [out, in], or [in, out] for Conv1D.
+  bool transposed() const { return transposed_; }
+
+  // Replaces the float weight by the tensors of `how`. On meta (empty)
+  // weights they are meta, for loading (see models/quantize.h); on real ones
+  // the weight is quantized now. InvalidArgument for a layer quantized
+  // already, a weight shared with another layer, or a bad blocksize.
+  absl::Status Quantize(const LinearQuantization& how);
+
+  at::Tensor weight;
+  at::Tensor bias;                           // undefined without bias
+  at::Tensor scb;                            // int8
+  at::Tensor weight_format;                  // int8
+  std::shared_ptr<Params4bit> weight_state;  // 4-bit
+  at::Tensor block_absmax;                   // 4-bit with double quant
+  quant::QuantState4bit quant_state;         // 4-bit
+
+ protected:
+  QuantizableLinear(const std::string& class_name, int64_t in, int64_t out, bool transposed)
+      : dispatch::Layer(class_name), in_(in), out_(out), transposed_(transposed) {}
+  // With `empty`, the quantized tensors are left empty (meta when the
+  // weight is meta), to be loaded; otherwise the weight is quantized.
+  absl::Status Quantize(const LinearQuantization& how, bool empty);
+  // y for a quantized weight (throws c10::Error on an inconsistent state).
+  at::Tensor QuantizedForward(const at::Tensor& x);
+
+ private:
+  int64_t in_;
+  int64_t out_;
+  bool transposed_;
+  bool shared_weight_ = false;
+  LinearQuantization quantization_;
+
+  friend class Linear;
+  friend class Linear8bitLt;
+  friend class Linear4bit;
+};
+
 // y = x W^T + b, W [out, in] (transformers' nn.Linear). With `shared_weight`
 // the layer holds that tensor instead of a new one (a head tied to an embedding).
-class Linear : public dispatch::Layer {
+class Linear : public QuantizableLinear {
  public:
   Linear(int64_t in, int64_t out, bool bias, at::ScalarType dtype,
          const at::Tensor& shared_weight = {});
   at::Tensor forward(const at::Tensor& x);
-  at::Tensor weight;
-  at::Tensor bias;  // undefined without bias
 };
 
-// GPT-2's Conv1D: y = x W + b, W [in, out].
-class Conv1D : public dispatch::Layer {
+// bitsandbytes' layers: a Linear quantized from the start (its tensors are
+// empty until loaded, or meta under an EmptyWeightsGuard).
+class Linear8bitLt : public Linear {
+ public:
+  Linear8bitLt(int64_t in, int64_t out, bool bias, at::ScalarType dtype, double threshold = 6.0);
+};
+class Linear4bit : public Linear {
+ public:
+  Linear4bit(int64_t in, int64_t out, bool bias, at::ScalarType dtype,
+             at::ScalarType compute_dtype = at::kFloat,
+             quant::QuantType4bit quant_type = quant::QuantType4bit::kNf4,
+             bool double_quant = false, int64_t blocksize = quant::kDefaultBlocksize4bit);
+};
+
+// GPT-2's Conv1D: y = x W + b, W [in, out]. Quantized, W is stored [out, in]
+// as transformers stores it (transposed before quantizing).
+class Conv1D : public QuantizableLinear {
  public:
   Conv1D(int64_t in, int64_t out, at::ScalarType dtype);
   at::Tensor forward(const at::Tensor& x);
-  at::Tensor weight;
-  at::Tensor bias;
 };
 
 class Embedding : public dispatch::Layer {

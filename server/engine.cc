@@ -13,6 +13,7 @@
 #include "core/status.h"
 #include "models/generator.h"
 #include "models/load_model.h"
+#include "models/nn.h"
 #include "models/sampling.h"
 #include "models/tokenizer.h"
 #include "server/server_metrics.h"
@@ -64,6 +65,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   load.max_memory = options.max_memory;
   load.offload_folder = options.offload_folder;
   load.dtype = options.dtype;
+  load.quantize = options.quantize;
+  load.double_quant = options.double_quant;
   ACCEL_ASSIGN_OR_RETURN(model.loaded, models::LoadModel(options.model_dir, load));
   const models::LoadedModel& loaded = model.loaded;
 
@@ -73,17 +76,29 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   info.architecture = loaded.config.architectures.empty() ? "" : loaded.config.architectures[0];
   info.model_type = loaded.config.model_type;
   info.dtype = std::string(DTypeName(loaded.dtype));
+  if (!loaded.quantization.empty()) {
+    info.quantization = loaded.quantization.begin()->second.ToString();
+  }
   for (const auto& [module, placement] : loaded.device_map.entries()) {
     info.device_map.emplace_back(module, DeviceName(placement));
   }
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     torch::nn::Module& module = loaded.dispatched->module();
     for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-      info.parameters += item.value().numel();
+      info.parameters += item.value().numel();  // 4-bit weights: corrected below
       const std::optional<Placement> placement = loaded.device_map.Lookup(item.key());
       const std::string device = placement ? DeviceName(*placement) : "cpu";
       info.bytes_per_device[device] +=
           item.value().numel() * static_cast<int64_t>(item.value().element_size());
+    }
+  }));
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    // A packed 4-bit weight holds two parameters a byte.
+    for (const auto& item : loaded.dispatched->module().named_modules()) {
+      auto linear = std::dynamic_pointer_cast<nn::QuantizableLinear>(item.value());
+      if (linear && linear->quantization().method == nn::LinearQuantization::Method::k4bit) {
+        info.parameters += linear->in_features() * linear->out_features() - linear->weight.numel();
+      }
     }
   }));
   const int64_t context = loaded.config.max_position_embeddings;

@@ -66,6 +66,12 @@ ABSL_FLAG(std::string, offload_folder, "",
           "Where disk-placed weights that need a dtype conversion are written.");
 ABSL_FLAG(std::string, dtype, "auto",
           "auto (config.json's torch_dtype) | float32 | bfloat16 | float16");
+ABSL_FLAG(std::string, quantize, "none",
+          "Quantize the linear layers on loading, in bitsandbytes' formats: none | int8 "
+          "(LLM.int8, outlier threshold 6) | nf4 | fp4 (4-bit, blocksize 64). lm_head stays as it "
+          "is. A model saved quantized (accel-quantize, transformers) loads as it is.");
+ABSL_FLAG(bool, double_quant, false,
+          "With nf4/fp4: quantize the absmaxes too (8 bits, groups of 256).");
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address the gRPC and metrics ports listen on.");
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one (printed on stdout).");
 ABSL_FLAG(int, metrics_port, 8002,
@@ -151,6 +157,8 @@ absl::StatusOr<Options> ReadOptions() {
   e.max_memory = absl::GetFlag(FLAGS_max_memory);
   e.offload_folder = absl::GetFlag(FLAGS_offload_folder);
   e.dtype = absl::GetFlag(FLAGS_dtype);
+  e.quantize = absl::GetFlag(FLAGS_quantize);
+  e.double_quant = absl::GetFlag(FLAGS_double_quant);
   e.threads = absl::GetFlag(FLAGS_threads);
   e.scheduler.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   e.scheduler.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);

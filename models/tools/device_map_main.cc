@@ -9,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 
@@ -20,6 +21,8 @@
 #include "loader/config.h"
 #include "loader/loader.h"
 #include "models/families.h"
+#include "models/quantize.h"
+#include "quant/bnb.h"
 
 ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
 ABSL_FLAG(std::string, tree, "",
@@ -33,6 +36,10 @@ ABSL_FLAG(std::string, no_split, "",
 ABSL_FLAG(std::string, dtype, "",
           "Size floating weights as this dtype (float32, float16, bfloat16). Default: the "
           "config's torch_dtype with --model; the tree's own dtypes with --tree.");
+ABSL_FLAG(std::string, quantize, "none",
+          "Size the linear layers as bitsandbytes stores them: none | int8 | nf4 | fp4 (lm_head "
+          "kept). A model saved quantized is sized as it is stored, whatever this says.");
+ABSL_FLAG(bool, double_quant, false, "With nf4/fp4: the absmaxes quantized too.");
 ABSL_FLAG(std::string, strategy, "auto", "auto | balanced | balanced_low_0 | sequential");
 ABSL_FLAG(bool, offload_buffers, false, "Offload the buffers of offloaded modules with them.");
 ABSL_FLAG(bool, verbose, false, "Print a per-device summary on stderr.");
@@ -80,6 +87,45 @@ int Run() {
     options.sizes.dtype = *dtype;
   }
   options.offload_buffers = absl::GetFlag(FLAGS_offload_buffers);
+
+  // Quantized sizes, from the code accel-serve --quantize loads with.
+  std::optional<accel::models::QuantPlan> plan;
+  const std::string quantize = absl::GetFlag(FLAGS_quantize);
+  std::optional<accel::quant::BnbQuantizationConfig> stored;
+  if (!model_dir.empty()) {
+    auto read = accel::models::ReadQuantizationConfig(model_dir + "/config.json");
+    if (!read.ok()) return Fail(read.status());
+    stored = *read;
+  }
+  if (stored) {
+    auto checkpoint = accel::loader::Checkpoint::Open(model_dir);
+    if (!checkpoint.ok()) return Fail(checkpoint.status());
+    auto made = accel::models::PlanFromCheckpoint(*checkpoint, *stored);
+    if (!made.ok()) return Fail(made.status());
+    plan = *std::move(made);
+  } else if (quantize != "none") {
+    accel::quant::BnbQuantizationConfig bnb;
+    bnb.load_in_8bit = quantize == "int8";
+    bnb.load_in_4bit = !bnb.load_in_8bit;
+    if (bnb.load_in_4bit) {
+      auto type = accel::quant::ParseQuantType4bit(quantize);
+      if (!type.ok()) {
+        return Fail(absl::InvalidArgumentError(
+            absl::StrCat("--quantize '", quantize, "': expected none, int8, nf4 or fp4")));
+      }
+      bnb.bnb_4bit_quant_type = *type;
+    }
+    bnb.bnb_4bit_use_double_quant = absl::GetFlag(FLAGS_double_quant);
+    auto made = accel::models::PlanQuantization(*tree, bnb);
+    if (!made.ok()) return Fail(accel::Annotate(made.status(), "--quantize"));
+    plan = *std::move(made);
+  }
+  if (plan) {
+    auto quantized = accel::models::QuantizeModuleTree(*tree, *plan);
+    if (!quantized.ok()) return Fail(quantized.status());
+    tree = *std::move(quantized);
+    accel::models::AddQuantizedSizes(*plan, options.sizes.special_bytes);
+  }
 
   bool probed = false;
   absl::StatusOr<accel::dispatch::MaxMemory> mm;

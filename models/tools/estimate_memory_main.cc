@@ -16,6 +16,8 @@
 #include "dispatch/device_map.h"
 #include "loader/config.h"
 #include "models/families.h"
+#include "models/quantize.h"
+#include "quant/bnb.h"
 
 ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
 ABSL_FLAG(bool, json, false, "Print one JSON object instead of a table.");
@@ -34,7 +36,9 @@ std::string Size(double bytes) { return accel::FormatBytes(static_cast<int64_t>(
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "accel-estimate-memory --model DIR [--json]\n"
-      "Per dtype (float32, float16/bfloat16, int8, int4): the largest layer, the total size,\n"
+      "Per dtype (float32, float16/bfloat16, int8, int4 as Accelerate scales them; then\n"
+      "bitsandbytes int8 and 4-bit as stored: linears quantized, the rest 16-bit): the largest\n"
+      "layer, the total size,\n"
       "and the peak for training with Adam, as `accelerate estimate-memory` computes them.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 1 || absl::GetFlag(FLAGS_model).empty()) {
@@ -86,6 +90,42 @@ int Main(int argc, char** argv) {
     } else {
       std::cout << absl::StrFormat("%-18s %14s %14s %28s\n", row.dtype, Size(layer), Size(size),
                                    row.trainable ? Size(training) : "N/A");
+    }
+  }
+  // bitsandbytes as transformers stores it: the linear layers quantized
+  // (lm_head kept), everything else in 16 bits; sized from the same module
+  // tree that accel-serve --quantize plans its device map on.
+  struct Quantized {
+    const char* dtype;
+    bool int8;
+    bool double_quant;
+  };
+  for (const Quantized& q :
+       {Quantized{"bnb int8", true, false}, Quantized{"bnb nf4/fp4", false, false},
+        Quantized{"bnb nf4/fp4 +dq", false, true}}) {
+    accel::quant::BnbQuantizationConfig bnb;
+    bnb.load_in_8bit = q.int8;
+    bnb.load_in_4bit = !q.int8;
+    bnb.bnb_4bit_use_double_quant = q.double_quant;
+    auto plan = accel::models::PlanQuantization(*tree, bnb);
+    if (!plan.ok()) return Fail(plan.status());
+    auto quantized = accel::models::QuantizeModuleTree(*tree, *plan);
+    if (!quantized.ok()) return Fail(quantized.status());
+    accel::dispatch::SizeOptions options;
+    options.dtype = c10::ScalarType::Half;
+    accel::models::AddQuantizedSizes(*plan, options.special_bytes);
+    accel::dispatch::ModuleSizes qsizes = accel::dispatch::ComputeModuleSizes(*quantized, options);
+    const double layer =
+        accel::dispatch::GetMaxLayerSize(*quantized, qsizes, {family->block_class}).bytes;
+    const double size = qsizes.total();
+    if (absl::GetFlag(FLAGS_json)) {
+      out.push_back({{"dtype", q.dtype},
+                     {"largest_layer_bytes", layer},
+                     {"total_bytes", size},
+                     {"training_adam_peak_bytes", nlohmann::ordered_json()}});
+    } else {
+      std::cout << absl::StrFormat("%-18s %14s %14s %28s\n", q.dtype, Size(layer), Size(size),
+                                   "N/A");
     }
   }
   if (absl::GetFlag(FLAGS_json)) std::cout << out.dump() << "\n";

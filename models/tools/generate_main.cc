@@ -50,6 +50,10 @@ ABSL_FLAG(std::string, max_memory, "",
 ABSL_FLAG(std::string, offload_folder, "",
           "Where disk-placed weights that need a dtype conversion are written.");
 ABSL_FLAG(std::string, dtype, "auto", "auto (config's torch_dtype) | float32 | bfloat16 | float16");
+ABSL_FLAG(std::string, quantize, "none",
+          "Quantize the linear layers on loading (bitsandbytes' formats): none | int8 | nf4 | fp4. "
+          "lm_head stays as it is; a model saved quantized loads as it is.");
+ABSL_FLAG(bool, double_quant, false, "With nf4/fp4: quantize the absmaxes too.");
 
 namespace {
 
@@ -152,6 +156,8 @@ int Run(int argc, char** argv) {
   options.max_memory = absl::GetFlag(FLAGS_max_memory);
   options.offload_folder = absl::GetFlag(FLAGS_offload_folder);
   options.dtype = absl::GetFlag(FLAGS_dtype);
+  options.quantize = absl::GetFlag(FLAGS_quantize);
+  options.double_quant = absl::GetFlag(FLAGS_double_quant);
   const auto load_start = Clock::now();
   auto loaded = accel::models::LoadModel(dir, options);
   if (!loaded.ok()) return Fail(loaded.status());

@@ -165,7 +165,7 @@ TEST(ToolsTest, EstimateMemoryMatchesAccelerateArithmetic) {
   Result r = RunTool("accel-estimate-memory --json --model " + dir.path());
   ASSERT_EQ(r.exit_code, 0) << r.out;
   nlohmann::json rows = nlohmann::json::parse(r.out);
-  ASSERT_EQ(rows.size(), 4u);
+  ASSERT_EQ(rows.size(), 7u);
   // float32: 2 x (512 x 64) embedding/head + 2 layers of (4 x 64 x 64 + 3 x 64 x 176 + 2 x 64)
   // + the final norm (64) + the rotary inv_freq buffer (head_dim / 2 = 8; Accelerate counts
   // buffers).
@@ -180,6 +180,20 @@ TEST(ToolsTest, EstimateMemoryMatchesAccelerateArithmetic) {
   EXPECT_EQ(rows[1]["training_adam_peak_bytes"].get<double>(), 2 * total);
   EXPECT_EQ(rows[3]["total_bytes"].get<double>(), total / 8);
   EXPECT_TRUE(rows[3]["training_adam_peak_bytes"].is_null());
+  // bitsandbytes as stored: the 7 linears of each layer quantized, the rest in 16 bits.
+  const double linear_params = 4 * 64 * 64 + 3 * 64 * 176;
+  const double linear_outputs = 4 * 64 + 2 * 176 + 64;  // rows: one SCB each
+  const double rest16 = 2.0 * (2 * 512 * 64 + 64 + 8 + 2 * 2 * 64);
+  EXPECT_EQ(rows[4]["dtype"], "bnb int8");
+  EXPECT_EQ(rows[4]["total_bytes"].get<double>(),
+            rest16 + 2 * (linear_params + 4 * linear_outputs + 7 /* weight_format */));
+  // 4-bit: half a byte a weight, a float32 absmax per 64, a 16-value map per linear.
+  const double blocks = 2 * (4 * 64 + 3 * 176);  // per layer: 64x64 -> 64 blocks, 64x176 -> 176
+  EXPECT_EQ(rows[5]["total_bytes"].get<double>(),
+            rest16 + 2 * (linear_params / 2 + 7 * 16 * 4) + 4 * blocks);
+  // Double quant: uint8 absmaxes, a float32 per 256 of them, a 256-value map per linear, and
+  // the float32 expanded absmaxes kept for compute.
+  EXPECT_LT(rows[6]["total_bytes"].get<double>(), rows[4]["total_bytes"].get<double>());
   Result table = RunTool("accel-estimate-memory --model " + dir.path());
   EXPECT_THAT(table.out, HasSubstr("float16/bfloat16"));
   Result missing = RunTool("accel-estimate-memory --model " + dir.path() + "/nope");

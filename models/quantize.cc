@@ -1,0 +1,586 @@
+#include "models/quantize.h"
+
+#include <cstring>
+#include <filesystem>
+#include <optional>
+#include <set>
+#include <utility>
+
+#include <ATen/Functions.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+#include "core/dtype.h"
+#include "core/status.h"
+
+namespace accel::models {
+namespace {
+
+using Method = nn::LinearQuantization::Method;
+
+constexpr char kBlobPrefix[] = ".weight.quant_state.bitsandbytes__";
+
+bool IsLinearClass(const std::string& class_name) {
+  return class_name == "Linear" || class_name == "Conv1D";
+}
+
+// Accelerate's keep_in_fp32_modules test: the module appears as a dotted part.
+bool HasDottedPart(absl::string_view name, const std::vector<std::string>& parts) {
+  for (const std::string& part : parts) {
+    if (name == part || absl::StartsWith(name, part + ".") || absl::EndsWith(name, "." + part) ||
+        absl::StrContains(name, "." + part + ".")) {
+      return true;
+    }
+  }
+  return false;
+}
+
+nn::LinearQuantization FromConfig(const quant::BnbQuantizationConfig& config) {
+  nn::LinearQuantization how;
+  how.method = config.load_in_8bit ? Method::kInt8 : Method::k4bit;
+  how.threshold = config.llm_int8_threshold;
+  how.quant_type = config.bnb_4bit_quant_type;
+  how.double_quant = config.bnb_4bit_use_double_quant;
+  how.compute_dtype = config.bnb_4bit_compute_dtype;
+  how.blocksize = config.blocksize;
+  return how;
+}
+
+// The module a quantized layer's checkpoint tensor belongs to, and the
+// tensor's name below it ("weight.absmax"); nullopt for other names.
+std::optional<std::pair<std::string, std::string>> SplitQuantTensor(absl::string_view name) {
+  for (absl::string_view local : {".weight", ".SCB", ".weight_format"}) {
+    if (absl::EndsWith(name, local)) {
+      return std::make_pair(std::string(name.substr(0, name.size() - local.size())),
+                            std::string(local.substr(1)));
+    }
+  }
+  const size_t at = name.rfind(".weight.");
+  if (at == absl::string_view::npos) return std::nullopt;
+  return std::make_pair(std::string(name.substr(0, at)), std::string(name.substr(at + 1)));
+}
+
+absl::StatusOr<std::shared_ptr<nn::QuantizableLinear>> FindLinear(torch::nn::Module& model,
+                                                                  const std::string& name) {
+  std::shared_ptr<torch::nn::Module> found;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      if (item.key() == name) {
+        found = item.value();
+        break;
+      }
+    }
+  }));
+  if (found == nullptr) return absl::NotFoundError(absl::StrCat("no module '", name, "'"));
+  auto linear = std::dynamic_pointer_cast<nn::QuantizableLinear>(found);
+  if (linear == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("module '", name, "' is a ", found->name(), ", not a linear layer"));
+  }
+  return linear;
+}
+
+dispatch::TensorDecl Decl(std::string name, std::vector<int64_t> shape, at::ScalarType dtype,
+                          bool persistent = true) {
+  dispatch::TensorDecl d;
+  d.name = std::move(name);
+  d.shape = std::move(shape);
+  d.dtype = dtype;
+  d.persistent = persistent;
+  return d;
+}
+
+// What QuantizableLinear::Quantize registers, as declarations.
+absl::Status AddQuantizedLinear(dispatch::ModuleTree& out, int node,
+                                const dispatch::ModuleTree::Node& from, const std::string& name,
+                                const nn::LinearQuantization& how) {
+  const dispatch::TensorDecl* weight = nullptr;
+  for (const dispatch::TensorDecl& p : from.params) {
+    if (p.name == "weight") weight = &p;
+  }
+  if (weight == nullptr || weight->shape.size() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("module '", name, "' has no 2-D weight to quantize"));
+  }
+  const bool transposed = from.class_name == "Conv1D";
+  const int64_t out_features = transposed ? weight->shape[1] : weight->shape[0];
+  const int64_t in_features = transposed ? weight->shape[0] : weight->shape[1];
+  for (const dispatch::TensorDecl& p : from.params) {
+    if (p.name != "weight") {
+      out.AddParam(node, p);
+    } else if (how.method == Method::kInt8) {
+      out.AddParam(node, Decl("weight", {out_features, in_features}, at::kChar));
+    } else {
+      const quant::Layout4bit layout =
+          quant::LayoutOf4bit(out_features * in_features, how.blocksize, how.double_quant);
+      out.AddParam(node, Decl("weight", layout.packed_shape, at::kByte));
+    }
+  }
+  for (const dispatch::TensorDecl& b : from.buffers) out.AddBuffer(node, b);
+  if (how.method == Method::kInt8) {
+    out.AddBuffer(node, Decl("SCB", {out_features}, at::kFloat));
+    out.AddBuffer(node, Decl("weight_format", {}, at::kByte));
+    return absl::OkStatus();
+  }
+  const quant::Layout4bit layout =
+      quant::LayoutOf4bit(out_features * in_features, how.blocksize, how.double_quant);
+  if (how.double_quant) {
+    out.AddBuffer(node, Decl("block_absmax", {layout.absmax_len}, at::kFloat, false));
+  }
+  const int state = out.AddChild(node, "weight", "Params4bit");
+  out.AddBuffer(state,
+                Decl("absmax", {layout.absmax_len}, how.double_quant ? at::kByte : at::kFloat));
+  out.AddBuffer(state, Decl("quant_map", {16}, at::kFloat));
+  if (how.double_quant) {
+    out.AddBuffer(state, Decl("nested_absmax", {layout.nested_absmax_len}, at::kFloat));
+    out.AddBuffer(state, Decl("nested_quant_map", {256}, at::kFloat));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CopyTree(const dispatch::ModuleTree& from, int from_node, const std::string& name,
+                      const QuantPlan& plan, dispatch::ModuleTree& out, int out_node,
+                      std::set<std::string>& done) {
+  const dispatch::ModuleTree::Node& node = from.node(from_node);
+  auto planned = plan.find(name);
+  if (planned != plan.end()) {
+    if (!IsLinearClass(node.class_name)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("module '", name, "' is a ", node.class_name,
+                       ", not a linear layer: it cannot be quantized"));
+    }
+    ACCEL_RETURN_IF_ERROR(AddQuantizedLinear(out, out_node, node, name, planned->second));
+    done.insert(name);
+  } else {
+    for (const dispatch::TensorDecl& p : node.params) out.AddParam(out_node, p);
+    for (const dispatch::TensorDecl& b : node.buffers) out.AddBuffer(out_node, b);
+  }
+  for (const auto& [child_name, child] : node.children) {
+    const std::string full = name.empty() ? child_name : absl::StrCat(name, ".", child_name);
+    const int added = out.AddChild(out_node, child_name, from.node(child).class_name);
+    ACCEL_RETURN_IF_ERROR(CopyTree(from, child, full, plan, out, added, done));
+  }
+  return absl::OkStatus();
+}
+
+// Loads a model whose planned layers were quantized on empty weights.
+class QuantizationHook : public dispatch::LoadHook {
+ public:
+  QuantizationHook(std::shared_ptr<torch::nn::Module> model, QuantPlan plan, at::ScalarType dtype)
+      : model_(std::move(model)), plan_(std::move(plan)), dtype_(dtype) {}
+
+  bool Claims(absl::string_view name) const override {
+    auto split = SplitQuantTensor(name);
+    return split && plan_.count(split->first) > 0;
+  }
+
+  absl::StatusOr<std::vector<dispatch::HookTensor>> Convert(const std::string& name,
+                                                            const at::Tensor& stored) override {
+    auto [module, local] = *SplitQuantTensor(name);
+    const nn::LinearQuantization& how = plan_.at(module);
+    Layer& layer = layers_[module];
+    if (layer.linear == nullptr) {
+      ACCEL_ASSIGN_OR_RETURN(layer.linear, FindLinear(*model_, module));
+      if (layer.linear->quantization().method != how.method) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("module '", module, "' is not quantized as planned (",
+                         layer.linear->quantization().ToString(), ")"));
+      }
+    }
+    const auto label = [&](absl::string_view what) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "': ", what));
+    };
+    std::vector<dispatch::HookTensor> out;
+    if (local == "weight" && c10::isFloatingType(stored.scalar_type())) {
+      ACCEL_RETURN_IF_ERROR(QuantizeNow(name, module, stored, layer, out));
+      return out;
+    }
+    if (how.method == Method::kInt8) {
+      if (local == "weight_format") {
+        if (stored.numel() != 1 || c10::isFloatingType(stored.scalar_type())) {
+          return label("expected one integer (0: row-major)");
+        }
+        int64_t format = 0;
+        ACCEL_RETURN_IF_ERROR(CallTorch([&] { format = stored.reshape({}).item<int64_t>(); }));
+        if (format != 0) {
+          return label(absl::StrCat("weight format ", format,
+                                    " (a tiled GPU layout of bitsandbytes <= 0.44) is not "
+                                    "supported; only 0 (row-major)"));
+        }
+        out.push_back({name, at::zeros({}, at::kByte)});
+      } else if (local == "weight" || local == "SCB") {
+        out.push_back({name, stored});
+      } else {
+        return label("not a tensor of an 8-bit layer");
+      }
+      return out;
+    }
+    // 4-bit, pre-quantized.
+    if (absl::StartsWith(local, "weight.quant_state.bitsandbytes__")) {
+      if (stored.scalar_type() != at::kByte || stored.dim() != 1) {
+        return label("expected the quant state as uint8 JSON bytes");
+      }
+      const std::string json(static_cast<const char*>(stored.data_ptr()),
+                             static_cast<size_t>(stored.numel()));
+      ACCEL_ASSIGN_OR_RETURN(quant::QuantState4bit state,
+                             quant::QuantState4bitFromJson(json, name));
+      const std::string type = std::string(local.substr(local.rfind("__") + 2));
+      if (type != quant::QuantType4bitName(state.quant_type)) {
+        return label(absl::StrCat("named ", type, " but it holds quant_type ",
+                                  quant::QuantType4bitName(state.quant_type)));
+      }
+      const nn::QuantizableLinear& linear = *layer.linear;
+      int64_t numel = 1;
+      for (int64_t d : state.shape) numel *= d;
+      if (numel != linear.in_features() * linear.out_features()) {
+        return label(absl::StrCat("shape [", absl::StrJoin(state.shape, ", "), "] does not fit a ",
+                                  linear.out_features(), "x", linear.in_features(), " layer"));
+      }
+      if (state.blocksize != how.blocksize || state.double_quant != how.double_quant ||
+          state.quant_type != how.quant_type) {
+        return label("differs from the other layers' quant state read before loading");
+      }
+      layer.state = state;
+    } else if (local == "weight") {
+      at::Tensor bytes = stored;
+      if (stored.scalar_type() != at::kByte) {
+        // A quant_storage other than uint8 (FSDP): the same bytes, viewed as another dtype.
+        ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+          bytes = stored.contiguous().view(at::kByte).reshape({-1, 1});
+        }));
+      }
+      if (how.double_quant) layer.parts[local] = bytes;
+      out.push_back({name, bytes});
+    } else if (local == "weight.absmax" || local == "weight.quant_map" ||
+               local == "weight.nested_absmax" || local == "weight.nested_quant_map") {
+      if (local == "weight.quant_map" &&
+          (stored.scalar_type() != at::kFloat || stored.numel() != 16)) {
+        return label("expected 16 float32 code values");
+      }
+      if (how.double_quant && local != "weight.quant_map") layer.parts[local] = stored;
+      out.push_back({name, stored});
+    } else {
+      return label("not a tensor of a 4-bit layer");
+    }
+    if (how.double_quant && !layer.expanded && layer.state && layer.parts.size() == 4) {
+      quant::Quantized4bit q;
+      q.packed = layer.parts["weight"];
+      q.absmax = layer.parts["weight.absmax"];
+      q.nested_absmax = layer.parts["weight.nested_absmax"];
+      q.nested_quant_map = layer.parts["weight.nested_quant_map"];
+      q.state = *layer.state;
+      absl::StatusOr<at::Tensor> expanded = quant::BlockAbsmax(q);
+      if (!expanded.ok()) return Annotate(expanded.status(), absl::StrCat("module '", module, "'"));
+      out.push_back({module + ".block_absmax", *expanded});
+      layer.expanded = true;
+      layer.parts.clear();
+    }
+    if (layer.state) layer.linear->quant_state = *layer.state;
+    return out;
+  }
+
+  absl::Status Finish() override {
+    for (const auto& [module, how] : plan_) {
+      if (how.method != Method::k4bit) continue;
+      auto found = layers_.find(module);
+      const std::string blob =
+          absl::StrCat(module, kBlobPrefix, quant::QuantType4bitName(how.quant_type));
+      if (found == layers_.end() || !found->second.state) {
+        return absl::NotFoundError(
+            absl::StrCat("the checkpoint lacks '", blob, "' (the quant state of a 4-bit layer)"));
+      }
+      if (how.double_quant && !found->second.expanded) {
+        return absl::NotFoundError(absl::StrCat(
+            "the checkpoint lacks part of the double-quantized absmax of '", module,
+            "' (weight, weight.absmax, weight.nested_absmax, weight.nested_quant_map)"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Layer {
+    std::shared_ptr<nn::QuantizableLinear> linear;
+    std::optional<quant::QuantState4bit> state;
+    // Double quant: what block_absmax is computed from (the packed weight,
+    // the absmax codes, the nested absmax and map).
+    std::map<std::string, at::Tensor> parts;
+    bool expanded = false;
+  };
+
+  // A float weight: converted to the model's dtype and quantized, as
+  // transformers' quantizers do on loading.
+  absl::Status QuantizeNow(const std::string& name, const std::string& module,
+                           const at::Tensor& stored, Layer& layer,
+                           std::vector<dispatch::HookTensor>& out) {
+    const nn::LinearQuantization& how = plan_.at(module);
+    const nn::QuantizableLinear& linear = *layer.linear;
+    const std::vector<int64_t> want =
+        linear.transposed() ? std::vector<int64_t>{linear.in_features(), linear.out_features()}
+                            : std::vector<int64_t>{linear.out_features(), linear.in_features()};
+    if (stored.sizes().vec() != want) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", name, "': the checkpoint holds shape [", absl::StrJoin(stored.sizes(), ", "),
+          "] but the model expects [", absl::StrJoin(want, ", "), "] (before quantizing)"));
+    }
+    at::Tensor dense;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      dense = stored.to(dtype_);
+      if (linear.transposed()) dense = dense.t();
+      dense = dense.contiguous();
+    }));
+    const auto annotate = [&](const absl::Status& s) {
+      return Annotate(s, absl::StrCat("quantizing tensor '", name, "'"));
+    };
+    if (how.method == Method::kInt8) {
+      absl::StatusOr<quant::QuantizedInt8> q = quant::QuantizeInt8(dense);
+      if (!q.ok()) return annotate(q.status());
+      out.push_back({name, q->weight});
+      out.push_back({module + ".SCB", q->scb});
+      return absl::OkStatus();
+    }
+    absl::StatusOr<quant::Quantized4bit> q =
+        quant::Quantize4bit(dense, how.quant_type, how.blocksize, how.double_quant);
+    if (!q.ok()) return annotate(q.status());
+    out.push_back({name, q->packed});
+    out.push_back({name + ".absmax", q->absmax});
+    out.push_back({name + ".quant_map", q->quant_map});
+    if (how.double_quant) {
+      out.push_back({name + ".nested_absmax", q->nested_absmax});
+      out.push_back({name + ".nested_quant_map", q->nested_quant_map});
+      absl::StatusOr<at::Tensor> expanded = quant::BlockAbsmax(*q);
+      if (!expanded.ok()) return annotate(expanded.status());
+      out.push_back({module + ".block_absmax", *expanded});
+      layer.expanded = true;
+    }
+    layer.state = q->state;
+    layer.linear->quant_state = q->state;
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<torch::nn::Module> model_;
+  QuantPlan plan_;
+  at::ScalarType dtype_;
+  std::map<std::string, Layer> layers_;
+};
+
+}  // namespace
+
+absl::StatusOr<QuantPlan> PlanQuantization(const dispatch::ModuleTree& tree,
+                                           const quant::BnbQuantizationConfig& config) {
+  if (!config.enabled()) {
+    return absl::InvalidArgumentError("the quantization config enables neither 8 nor 4 bits");
+  }
+  std::set<std::string> tied;
+  for (const auto& group : tree.TiedParameters()) tied.insert(group.begin(), group.end());
+  QuantPlan plan;
+  for (const auto& [name, node] : tree.NamedModules()) {
+    if (name.empty() || !IsLinearClass(tree.node(node).class_name)) continue;
+    if (!config.Quantizes(name) || HasDottedPart(name, config.keep_in_fp32_modules)) continue;
+    if (tied.count(name + ".weight")) continue;
+    plan[name] = FromConfig(config);
+  }
+  if (plan.empty()) {
+    return absl::InvalidArgumentError(
+        "no linear layer is left to quantize (every one is skipped, kept in float32 or tied)");
+  }
+  return plan;
+}
+
+absl::StatusOr<QuantPlan> PlanFromCheckpoint(const loader::Checkpoint& checkpoint,
+                                             const quant::BnbQuantizationConfig& config) {
+  QuantPlan plan;
+  for (const loader::Checkpoint::Entry& entry : checkpoint.tensors()) {
+    const std::string& name = entry.info.name;
+    nn::LinearQuantization how = FromConfig(config);
+    if (absl::EndsWith(name, ".SCB")) {
+      how.method = Method::kInt8;
+      plan[name.substr(0, name.size() - 4)] = how;
+      continue;
+    }
+    const size_t at = name.find(kBlobPrefix);
+    if (at == std::string::npos) continue;
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor blob, checkpoint.Tensor(name));
+    if (blob.scalar_type() != at::kByte || blob.dim() != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", name, "': expected the quant state as uint8 JSON bytes"));
+    }
+    const std::string json(static_cast<const char*>(blob.data_ptr()),
+                           static_cast<size_t>(blob.numel()));
+    ACCEL_ASSIGN_OR_RETURN(quant::QuantState4bit state, quant::QuantState4bitFromJson(json, name));
+    how.method = Method::k4bit;
+    how.quant_type = state.quant_type;
+    how.blocksize = state.blocksize;
+    how.double_quant = state.double_quant;
+    plan[name.substr(0, at)] = how;
+  }
+  if (plan.empty()) {
+    return absl::InvalidArgumentError(
+        "config.json has a quantization_config, but the checkpoint holds no quantized layer "
+        "(no '<layer>.SCB' or '<layer>.weight.quant_state.bitsandbytes__*' tensor)");
+  }
+  return plan;
+}
+
+absl::StatusOr<std::optional<quant::BnbQuantizationConfig>> ReadQuantizationConfig(
+    const std::string& config_json_path) {
+  ACCEL_ASSIGN_OR_RETURN(std::string text, loader::ReadFile(config_json_path));
+  const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded() || !json.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(config_json_path, ": not a JSON object"));
+  }
+  auto found = json.find("quantization_config");
+  if (found == json.end() || found->is_null()) return std::nullopt;
+  ACCEL_ASSIGN_OR_RETURN(
+      quant::BnbQuantizationConfig config,
+      quant::BnbConfigFromJson(found->dump(),
+                               absl::StrCat(config_json_path, ": quantization_config")));
+  return config;
+}
+
+absl::StatusOr<dispatch::ModuleTree> QuantizeModuleTree(const dispatch::ModuleTree& tree,
+                                                        const QuantPlan& plan) {
+  dispatch::ModuleTree out(tree.node(0).class_name);
+  std::set<std::string> done;
+  ACCEL_RETURN_IF_ERROR(CopyTree(tree, 0, "", plan, out, 0, done));
+  for (const auto& [name, how] : plan) {
+    if (!done.count(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("no linear layer '", name, "' to quantize"));
+    }
+  }
+  for (const auto& group : tree.TiedParameters()) ACCEL_RETURN_IF_ERROR(out.Tie(group));
+  return out;
+}
+
+void AddQuantizedSizes(const QuantPlan& plan, std::map<std::string, double>& special_bytes) {
+  for (const auto& [name, how] : plan) {
+    if (how.method == Method::kInt8) {
+      special_bytes[name + ".SCB"] = 4;
+      continue;
+    }
+    if (!how.double_quant) special_bytes[name + ".weight.absmax"] = 4;
+    special_bytes[name + ".weight.quant_map"] = 4;
+    if (how.double_quant) {
+      special_bytes[name + ".block_absmax"] = 4;
+      special_bytes[name + ".weight.nested_absmax"] = 4;
+      special_bytes[name + ".weight.nested_quant_map"] = 4;
+    }
+  }
+}
+
+absl::Status QuantizeLinears(torch::nn::Module& model, const QuantPlan& plan) {
+  for (const auto& [name, how] : plan) {
+    ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<nn::QuantizableLinear> linear, FindLinear(model, name));
+    ACCEL_RETURN_IF_ERROR(
+        Annotate(linear->Quantize(how), absl::StrCat("quantizing module '", name, "'")));
+  }
+  return absl::OkStatus();
+}
+
+std::unique_ptr<dispatch::LoadHook> MakeQuantizationHook(std::shared_ptr<torch::nn::Module> model,
+                                                         const QuantPlan& plan,
+                                                         at::ScalarType dtype) {
+  return std::make_unique<QuantizationHook>(std::move(model), plan, dtype);
+}
+
+absl::StatusOr<std::vector<loader::NamedTensor>> QuantizedStateDict(
+    torch::nn::Module& model, dispatch::DispatchedModel* dispatched) {
+  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, dispatch::ModuleTree::FromModule(model));
+  std::map<std::string, at::Tensor> tensors;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    for (const auto& p : model.named_parameters(true)) tensors.emplace(p.key(), p.value());
+    for (const auto& b : model.named_buffers(true)) tensors.emplace(b.key(), b.value());
+  }));
+  std::vector<dispatch::ModuleTree::Named> named = tree.NamedParameters();
+  for (const auto& b : tree.NamedBuffers()) {
+    if (b.decl->persistent) named.push_back(b);
+  }
+  // The blobs follow their layer's other tensors.
+  std::map<std::string, std::string> blobs;  // weight name -> blob JSON
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      auto linear = std::dynamic_pointer_cast<nn::QuantizableLinear>(item.value());
+      if (linear && linear->quantization().method == Method::k4bit) {
+        blobs[item.key() + ".weight"] = quant::QuantState4bitToJson(linear->quant_state);
+      }
+    }
+  }));
+  std::vector<loader::NamedTensor> out;
+  for (const auto& entry : named) {
+    const std::string& name = entry.name;
+    at::Tensor value = tensors.at(name);
+    if (value.is_meta()) {
+      if (dispatched == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat("tensor '", name, "' is not loaded"));
+      }
+      const std::string module = name.substr(0, name.rfind('.'));
+      ACCEL_ASSIGN_OR_RETURN(dispatch::DispatchedModel::Scope scope, dispatched->Enter(module));
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { value = tensors.at(name).to(at::kCPU).clone(); }));
+    } else {
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { value = value.to(at::kCPU).contiguous(); }));
+    }
+    out.emplace_back(name, value);
+  }
+  for (const auto& [weight, json] : blobs) {
+    at::Tensor bytes = at::empty({static_cast<int64_t>(json.size())}, at::kByte);
+    std::memcpy(bytes.data_ptr(), json.data(), json.size());
+    const std::string type = nlohmann::json::parse(json)["quant_type"].get<std::string>();
+    out.emplace_back(absl::StrCat(weight, ".quant_state.bitsandbytes__", type), bytes);
+  }
+  return out;
+}
+
+absl::Status SaveQuantizedModel(LoadedModel& loaded, const std::string& out_dir,
+                                int64_t max_shard_size) {
+  if (loaded.quantization.empty()) {
+    return absl::InvalidArgumentError("the model was loaded without quantization");
+  }
+  std::error_code ec;
+  if (std::filesystem::exists(out_dir, ec) &&
+      std::filesystem::equivalent(out_dir, loaded.dir, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("out '", out_dir, "' is the model's own folder; write somewhere else"));
+  }
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating ", out_dir));
+
+  // config.json: the model's, with the quantization_config of the plan.
+  const nn::LinearQuantization& how = loaded.quantization.begin()->second;
+  quant::BnbQuantizationConfig config;
+  config.load_in_8bit = how.method == Method::kInt8;
+  config.load_in_4bit = how.method == Method::k4bit;
+  config.llm_int8_threshold = how.threshold;
+  config.bnb_4bit_quant_type = how.quant_type;
+  config.bnb_4bit_use_double_quant = how.double_quant;
+  config.bnb_4bit_compute_dtype = how.compute_dtype;
+  config.blocksize = how.blocksize;
+  ACCEL_ASSIGN_OR_RETURN(std::string config_text, loader::ReadFile(loaded.dir + "/config.json"));
+  nlohmann::ordered_json json =
+      nlohmann::ordered_json::parse(config_text, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded() || !json.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(loaded.dir, "/config.json: not a JSON object"));
+  }
+  json["quantization_config"] = nlohmann::ordered_json::parse(quant::BnbConfigToJson(config));
+  json["torch_dtype"] = std::string(DTypeName(loaded.dtype));
+
+  ACCEL_ASSIGN_OR_RETURN(std::vector<loader::NamedTensor> tensors,
+                         QuantizedStateDict(*loaded.model, loaded.dispatched.get()));
+  loader::CheckpointWriteOptions write;
+  write.max_shard_size = max_shard_size;
+  ACCEL_RETURN_IF_ERROR(loader::WriteCheckpoint(out_dir, tensors, write).status());
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                           "generation_config.json"}) {
+    const std::string from = absl::StrCat(loaded.dir, "/", file);
+    if (!std::filesystem::exists(from)) continue;
+    ACCEL_ASSIGN_OR_RETURN(std::string text, loader::ReadFile(from));
+    ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(absl::StrCat(out_dir, "/", file), text));
+  }
+  // config.json last: a folder without it is not taken for a model.
+  return loader::WriteFileAtomically(out_dir + "/config.json", json.dump(2) + "\n");
+}
+
+}  // namespace accel::models
