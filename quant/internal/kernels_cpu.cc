@@ -15,7 +15,17 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+// GCC 12's AVX-512 intrinsics initialise their "undefined" vectors from
+// themselves, which -Wuninitialized reports once inlined (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
+#else
+#include <immintrin.h>
+#endif
 #endif
 
 namespace accel::quant::internal {
@@ -28,6 +38,11 @@ constexpr int64_t kMinBytesPerTask = int64_t{64} << 10;
 // Elements of a weight row decoded at a time by Gemv4bit: 4 KiB of float32,
 // which stay in the L1 cache while every row of x is dotted with them.
 constexpr int64_t kChunk = 1024;
+
+// The register kernels of Gemv4bit take kRowTile weight rows at a time
+// through every tile of columns, with a tile of x of at most kXTileBytes.
+constexpr int64_t kRowTile = 32;
+constexpr int64_t kXTileBytes = int64_t{24} << 10;
 
 // ---- Portable ---------------------------------------------------------------
 
@@ -280,11 +295,12 @@ void DotRowsAvx2Any(const float* const* w, int64_t cols, int64_t len, const floa
   }
 }
 
-// Gemv4bit for R <= 4 rows of x and weight rows [n_begin, n_end), with no
-// buffer: each weight row is decoded into registers, 16 values at a time, and
-// dotted with the R rows at once (two accumulators per row).
+// Gemv4bit for R <= 4 rows of x, weight rows [n_begin, n_end) and columns
+// [k0, k1) (a GemvRangeFn), with no buffer: each weight row is decoded into
+// registers, 16 values at a time, and dotted with the R rows at once.
 template <DenseType T, int R>
-ACCEL_TARGET_AVX2 void GemvDirectAvx2(const Gemv4bitArgs& a, int64_t n_begin, int64_t n_end) {
+ACCEL_TARGET_AVX2 void GemvDirectAvx2(const Gemv4bitArgs& a, int64_t n_begin, int64_t n_end,
+                                      int64_t k0, int64_t k1, float* sums, int64_t sums_stride) {
   const Avx2Shifts shifts = MakeShifts();
   const Packed4bit& w = a.w;
   const float* x = a.x;
@@ -297,9 +313,9 @@ ACCEL_TARGET_AVX2 void GemvDirectAvx2(const Gemv4bitArgs& a, int64_t n_begin, in
       acc0[r] = acc1[r] = _mm256_setzero_ps();
       tail[r] = 0.0f;
     }
-    const int64_t row = n * a.in, row_end = row + a.in;
-    int64_t block = row / w.blocksize;
-    for (int64_t j = row; j < row_end; ++block) {
+    const int64_t row = n * a.in, row_end = row + k1;
+    int64_t block = (row + k0) / w.blocksize;
+    for (int64_t j = row + k0; j < row_end; ++block) {
       const int64_t e = std::min(row_end, (block + 1) * w.blocksize);
       if ((j & 1) != 0) {
         const float v = RoundScalar<T>(DecodeScalar(w, j));
@@ -340,42 +356,10 @@ ACCEL_TARGET_AVX2 void GemvDirectAvx2(const Gemv4bitArgs& a, int64_t n_begin, in
         for (int r = 0; r < R; ++r) tail[r] += v * x[r * xs + (j - row)];
       }
     }
-    const float bias = a.bias != nullptr ? a.bias[n] : 0.0f;
+    float* sn = sums + (n - n_begin) * sums_stride;
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      a.y[r * a.y_stride + n] = Sum8(_mm256_add_ps(acc0[r], acc1[r])) + tail[r] + bias;
-    }
+    for (int r = 0; r < R; ++r) sn[r] += Sum8(_mm256_add_ps(acc0[r], acc1[r])) + tail[r];
   }
-}
-
-using GemvRangeFn = void (*)(const Gemv4bitArgs&, int64_t, int64_t);
-
-template <DenseType T>
-GemvRangeFn PickDirectRows(int64_t m) {
-  switch (m) {
-    case 1:
-      return GemvDirectAvx2<T, 1>;
-    case 2:
-      return GemvDirectAvx2<T, 2>;
-    case 3:
-      return GemvDirectAvx2<T, 3>;
-    case 4:
-      return GemvDirectAvx2<T, 4>;
-    default:
-      return nullptr;
-  }
-}
-
-GemvRangeFn PickDirect(DenseType type, int64_t m) {
-  switch (type) {
-    case DenseType::kFloat32:
-      return PickDirectRows<DenseType::kFloat32>(m);
-    case DenseType::kBFloat16:
-      return PickDirectRows<DenseType::kBFloat16>(m);
-    case DenseType::kFloat16:
-      break;
-  }
-  return PickDirectRows<DenseType::kFloat16>(m);
 }
 
 ACCEL_TARGET_AVX2 ACCEL_INLINE int32_t SumInt8(__m256i v) {
@@ -464,6 +448,188 @@ void Int8Avx2Range(const int16_t* a16, const int8_t* b, int64_t m, int64_t k, in
   }
 }
 
+// ---- AVX-512 (F, BW, VL, VBMI): the 4-bit kernels 16 values at a time ------
+//
+// A lookup is two instructions: vpmultishiftqb brings the 16 nibbles of 8
+// packed bytes to the low bits of 16 lanes, and vpermps (which reads only
+// those 4 bits) takes their values from the block's 16-entry table, held in
+// one register. The int8 product and the dot products of the buffered path
+// stay with the AVX2 code.
+
+#define ACCEL_TARGET_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")))
+
+// For qword q (lanes 2q and 2q + 1): byte 0 takes the bits from 8q + 4 on
+// (the high nibble of packed byte q: element 2q), byte 4 from 8q (the low
+// nibble: element 2q + 1).
+constexpr long long NibbleControl(int q) {
+  return (8 * q + 4) | (static_cast<long long>(8 * q) << 32);
+}
+
+ACCEL_TARGET_AVX512 ACCEL_INLINE __m512i MakeNibbleControl() {
+  return _mm512_set_epi64(NibbleControl(7), NibbleControl(6), NibbleControl(5), NibbleControl(4),
+                          NibbleControl(3), NibbleControl(2), NibbleControl(1), NibbleControl(0));
+}
+
+// The values of flat elements 2 * (p - packed) .. + 15.
+ACCEL_TARGET_AVX512 ACCEL_INLINE __m512 Lookup16(const uint8_t* p, __m512 table, __m512i control) {
+  long long word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(control, _mm512_set1_epi64(word)),
+                               table);
+}
+
+template <DenseType T>
+ACCEL_TARGET_AVX512 ACCEL_INLINE __m512 Round16(__m512 v) {
+  if constexpr (T == DenseType::kBFloat16) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded =
+        _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                         _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(rounded), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+  } else if constexpr (T == DenseType::kFloat16) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    return v;
+  }
+}
+
+template <DenseType T>
+ACCEL_TARGET_AVX512 ACCEL_INLINE __m512 BlockTable16(const float* code, float absmax) {
+  return Round16<T>(_mm512_mul_ps(_mm512_loadu_ps(code), _mm512_set1_ps(absmax)));
+}
+
+template <DenseType T, bool kFloatOut>
+ACCEL_TARGET_AVX512 ACCEL_INLINE void Store16(void* out, int64_t i, __m512 v) {
+  if constexpr (kFloatOut || T == DenseType::kFloat32) {
+    _mm512_storeu_ps(static_cast<float*>(out) + i, v);
+  } else if constexpr (T == DenseType::kBFloat16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+template <DenseType T, bool kFloatOut>
+ACCEL_TARGET_AVX512 void DecodeRangeAvx512(const Packed4bit& w, int64_t begin, int64_t end,
+                                           void* out) {
+  const __m512i control = MakeNibbleControl();
+  int64_t block = begin / w.blocksize;
+  for (int64_t j = begin; j < end; ++block) {
+    const int64_t e = std::min(end, (block + 1) * w.blocksize);
+    if ((j & 1) != 0) {
+      StoreScalar<T, kFloatOut>(out, j - begin, DecodeScalar(w, j));
+      ++j;
+    }
+    if (j + 16 <= e) {
+      const __m512 table = BlockTable16<T>(w.code, w.absmax[block]);
+      for (; j + 16 <= e; j += 16) {
+        Store16<T, kFloatOut>(out, j - begin, Lookup16(w.packed + (j >> 1), table, control));
+      }
+    }
+    for (; j < e; ++j) StoreScalar<T, kFloatOut>(out, j - begin, DecodeScalar(w, j));
+  }
+}
+
+// GemvDirectAvx2 16 values at a time.
+template <DenseType T, int R>
+ACCEL_TARGET_AVX512 void GemvDirectAvx512(const Gemv4bitArgs& a, int64_t n_begin, int64_t n_end,
+                                          int64_t k0, int64_t k1, float* sums,
+                                          int64_t sums_stride) {
+  const __m512i control = MakeNibbleControl();
+  const Packed4bit& w = a.w;
+  const float* x = a.x;
+  const int64_t xs = a.x_stride;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m512 acc0[R], acc1[R];
+    float tail[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = acc1[r] = _mm512_setzero_ps();
+      tail[r] = 0.0f;
+    }
+    const int64_t row = n * a.in, row_end = row + k1;
+    int64_t block = (row + k0) / w.blocksize;
+    for (int64_t j = row + k0; j < row_end; ++block) {
+      const int64_t e = std::min(row_end, (block + 1) * w.blocksize);
+      if ((j & 1) != 0) {
+        const float v = RoundScalar<T>(DecodeScalar(w, j));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) tail[r] += v * x[r * xs + (j - row)];
+        ++j;
+      }
+      if (j + 16 <= e) {
+        const __m512 table = BlockTable16<T>(w.code, w.absmax[block]);
+        for (; j + 32 <= e; j += 32) {
+          const __m512 w0 = Lookup16(w.packed + (j >> 1), table, control);
+          const __m512 w1 = Lookup16(w.packed + (j >> 1) + 8, table, control);
+          const float* xk = x + (j - row);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + r * xs), w0, acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + r * xs + 16), w1, acc1[r]);
+          }
+        }
+        if (j + 16 <= e) {
+          const __m512 w0 = Lookup16(w.packed + (j >> 1), table, control);
+          const float* xk = x + (j - row);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + r * xs), w0, acc0[r]);
+          }
+          j += 16;
+        }
+      }
+      for (; j < e; ++j) {
+        const float v = RoundScalar<T>(DecodeScalar(w, j));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) tail[r] += v * x[r * xs + (j - row)];
+      }
+    }
+    float* sn = sums + (n - n_begin) * sums_stride;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      sn[r] += _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + tail[r];
+    }
+  }
+}
+
+// Adds the dot products of weight rows [n_begin, n_end) and a.m <= 8 rows of
+// x over columns [k0, k1) to sums[(n - n_begin) * sums_stride + i].
+using GemvRangeFn = void (*)(const Gemv4bitArgs&, int64_t, int64_t, int64_t, int64_t, float*,
+                             int64_t);
+
+template <DenseType T, int R>
+GemvRangeFn DirectKernel(CpuIsa isa) {
+  if (isa == CpuIsa::kAvx512) return GemvDirectAvx512<T, R>;
+  if constexpr (R <= 4) return GemvDirectAvx2<T, R>;
+  return nullptr;
+}
+
+// The register kernel for m rows: up to 4 (AVX2) or 8 (AVX-512).
+template <DenseType T, int R = 1>
+GemvRangeFn PickDirectRows(CpuIsa isa, int64_t m) {
+  if (m == R) return DirectKernel<T, R>(isa);
+  if constexpr (R < 8) return PickDirectRows<T, R + 1>(isa, m);
+  return nullptr;
+}
+
+GemvRangeFn PickDirect(CpuIsa isa, DenseType type, int64_t m) {
+  switch (type) {
+    case DenseType::kFloat32:
+      return PickDirectRows<DenseType::kFloat32>(isa, m);
+    case DenseType::kBFloat16:
+      return PickDirectRows<DenseType::kBFloat16>(isa, m);
+    case DenseType::kFloat16:
+      break;
+  }
+  return PickDirectRows<DenseType::kFloat16>(isa, m);
+}
+
 bool CpuHasF16c() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
@@ -472,18 +638,25 @@ bool CpuHasF16c() {
 
 #endif  // __x86_64__
 
-bool DetectAvx2() {
+struct Support {
+  bool avx2 = false;
+  bool avx512 = false;
+};
+
+Support Detect() {
+  Support s;
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
-#else
-  return false;
+  s.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
+  s.avx512 = s.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
 #endif
+  return s;
 }
 
-bool HasAvx2() {
-  static const bool has = DetectAvx2();
-  return has;
+const Support& CpuSupport() {
+  static const Support support = Detect();
+  return support;
 }
 
 // -1: none; otherwise a CpuIsa.
@@ -502,6 +675,16 @@ using DecodeFn = void (*)(const Packed4bit&, int64_t, int64_t, void*);
 template <bool kFloatOut>
 DecodeFn PickDecode(CpuIsa isa, DenseType type) {
 #if defined(__x86_64__)
+  if (isa == CpuIsa::kAvx512) {
+    switch (type) {
+      case DenseType::kFloat32:
+        return DecodeRangeAvx512<DenseType::kFloat32, kFloatOut>;
+      case DenseType::kBFloat16:
+        return DecodeRangeAvx512<DenseType::kBFloat16, kFloatOut>;
+      case DenseType::kFloat16:
+        return DecodeRangeAvx512<DenseType::kFloat16, kFloatOut>;
+    }
+  }
   if (isa == CpuIsa::kAvx2) {
     switch (type) {
       case DenseType::kFloat32:
@@ -526,14 +709,35 @@ DecodeFn PickDecode(CpuIsa isa, DenseType type) {
 
 }  // namespace
 
-absl::string_view CpuIsaName(CpuIsa isa) { return isa == CpuIsa::kAvx2 ? "avx2" : "scalar"; }
+absl::string_view CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar:
+      return "scalar";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kAvx512:
+      return "avx512";
+  }
+  return "unknown";
+}
 
-bool CpuIsaSupported(CpuIsa isa) { return isa == CpuIsa::kScalar || HasAvx2(); }
+bool CpuIsaSupported(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar:
+      return true;
+    case CpuIsa::kAvx2:
+      return CpuSupport().avx2;
+    case CpuIsa::kAvx512:
+      return CpuSupport().avx512;
+  }
+  return false;
+}
 
 CpuIsa ActiveIsa() {
   const int forced = g_isa_override.load(std::memory_order_relaxed);
   if (forced >= 0) return static_cast<CpuIsa>(forced);
-  return HasAvx2() ? CpuIsa::kAvx2 : CpuIsa::kScalar;
+  if (CpuSupport().avx512) return CpuIsa::kAvx512;
+  return CpuSupport().avx2 ? CpuIsa::kAvx2 : CpuIsa::kScalar;
 }
 
 void SetIsaOverrideForTesting(std::optional<CpuIsa> isa) {
@@ -559,19 +763,52 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
   const DecodeFn decode = PickDecode<true>(isa, a.round);
   auto dot = isa == CpuIsa::kScalar ? DotRowsScalar : nullptr;
 #if defined(__x86_64__)
-  if (isa == CpuIsa::kAvx2) dot = DotRowsAvx2Any;
+  if (isa != CpuIsa::kScalar) dot = DotRowsAvx2Any;
 #endif
   const int64_t row_bytes = std::max<int64_t>(1, a.in / 2);
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / row_bytes);
 #if defined(__x86_64__)
-  // Up to 4 rows: decoded straight into registers.
-  if (isa == CpuIsa::kAvx2 && a.m <= 4) {
-    const GemvRangeFn direct = PickDirect(a.round, a.m);
-    at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) { direct(a, begin, end); });
+  // Decoded straight into registers: up to 4 rows with AVX2; with AVX-512
+  // any number, in passes of at most 8 rows (a lookup costs two
+  // instructions, so decoding a weight tile again from L1 is cheaper than a
+  // buffer).
+  const int64_t max_direct = isa == CpuIsa::kAvx512 ? 8 : 4;
+  if (isa != CpuIsa::kScalar && (a.m <= max_direct || isa == CpuIsa::kAvx512)) {
+    const int64_t passes = (a.m + max_direct - 1) / max_direct;
+    const int64_t pass_rows = (a.m + passes - 1) / passes;
+    // Columns in tiles whose rows of x (float32) fit in the L1 cache next to
+    // the weights streaming through: 4 rows of 4096 columns (64 KiB) would
+    // come from L2 for every weight row, which bounds the kernel at 4 rows to
+    // a quarter of its speed at 1 (measured). Weight rows in tiles of
+    // kRowTile, each column tile through all of them.
+    const int64_t k_tile = std::max<int64_t>(64, (kXTileBytes / (4 * pass_rows)) / 64 * 64);
+    at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> sums(static_cast<size_t>(kRowTile * a.m));
+      for (int64_t n0 = begin; n0 < end; n0 += kRowTile) {
+        const int64_t n1 = std::min(end, n0 + kRowTile);
+        std::fill(sums.begin(), sums.end(), 0.0f);
+        for (int64_t k0 = 0; k0 < a.in; k0 += k_tile) {
+          const int64_t k1 = std::min(a.in, k0 + k_tile);
+          for (int64_t p = 0, i0 = 0; p < passes; ++p) {
+            Gemv4bitArgs part = a;
+            part.m = (a.m - i0) / (passes - p);  // as even as possible: 9 = 5 + 4
+            part.x = a.x + i0 * a.x_stride;
+            PickDirect(isa, a.round, part.m)(part, n0, n1, k0, k1, sums.data() + i0, a.m);
+            i0 += part.m;
+          }
+        }
+        for (int64_t n = n0; n < n1; ++n) {
+          const float bias = a.bias != nullptr ? a.bias[n] : 0.0f;
+          for (int64_t i = 0; i < a.m; ++i) {
+            a.y[i * a.y_stride + n] = sums[static_cast<size_t>((n - n0) * a.m + i)] + bias;
+          }
+        }
+      }
+    });
     return;
   }
 #endif
-  // More rows: each weight row decoded once, a chunk at a time, into the L1
+  // More rows (AVX2, scalar): each weight row decoded once, a chunk at a time, into the L1
   // cache, then dotted with every row of x from there, two weight rows at a
   // time (each x vector loaded serves both).
   at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
@@ -604,7 +841,7 @@ void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t
   if (m <= 0 || n <= 0) return;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, k));
 #if defined(__x86_64__)
-  if (isa == CpuIsa::kAvx2) {
+  if (isa != CpuIsa::kScalar) {  // AVX-512 runs the AVX2 product
     std::vector<int16_t> a16(static_cast<size_t>(m * k));
     for (size_t i = 0; i < a16.size(); ++i) a16[i] = a[i];
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {

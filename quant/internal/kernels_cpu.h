@@ -10,9 +10,12 @@
 //
 // Every kernel has an AVX2 level (with FMA and F16C; each function carries its
 // own target attribute, so the library builds for plain x86-64) and a portable
-// scalar one, picked at run time (ActiveIsa()). Both give the same results:
-// the dequantized values and the int32 products bit for bit, the float32 sums
-// of Gemv4bit up to the order of their additions.
+// scalar one; the 4-bit kernels also an AVX-512 level (F, BW, VL and VBMI:
+// Ice Lake, Sapphire Rapids, Zen 4 and later), which looks up 16 values with
+// two instructions. The best level this CPU runs is picked at run time
+// (ActiveIsa()). All give the same results: the dequantized values and the
+// int32 products bit for bit, the float32 sums of Gemv4bit up to the order of
+// their additions.
 #ifndef ACCEL_QUANT_INTERNAL_KERNELS_CPU_H_
 #define ACCEL_QUANT_INTERNAL_KERNELS_CPU_H_
 
@@ -23,7 +26,7 @@
 
 namespace accel::quant::internal {
 
-enum class CpuIsa { kScalar, kAvx2 };
+enum class CpuIsa { kScalar, kAvx2, kAvx512 };
 
 absl::string_view CpuIsaName(CpuIsa isa);
 // Whether this CPU (and build) can run `isa`; kScalar always can.
