@@ -14,19 +14,28 @@
 //   memcpy, read       the NF4 set's bytes copied / summed, split over the
 //                      same threads: the bandwidth the GEMV is bound by
 // Each round times one pass of every method over its set (each matrix once,
-// like the layers of a step); the table shows the best of --repeats rounds.
+// like the layers of a step). The machine is shared: a sample during which
+// another process used the CPU (/proc/stat) is discarded, rounds go on until
+// each method has --repeats clean samples (at most 5 x --repeats rounds), and
+// the table shows the best clean pass (* = every sample disturbed).
+// --isa runs the quant kernels at a lower level (avx2, scalar) than the best
+// this CPU has, for comparison.
 //
 //   build-qb/bin/accel-bench-quant [--gb 1] [--repeats 5] [--threads 2]
-//       [--rows 1,4,16] [--shapes 4096x4096,11008x4096]
+//       [--rows 1,4,16] [--shapes 4096x4096,11008x4096] [--isa avx2]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -55,17 +64,20 @@ struct Flags {
   int threads = 2;
   std::vector<int64_t> rows = {1, 4, 16};
   std::vector<Shape> shapes = {{4096, 4096}, {11008, 4096}};
+  std::optional<accel::quant::internal::CpuIsa> isa;
 };
 
 [[noreturn]] void Usage(const char* argv0, const std::string& error) {
   if (!error.empty()) std::fprintf(stderr, "%s: %s\n", argv0, error.c_str());
   std::fprintf(stderr,
                "usage: %s [--gb G] [--repeats R] [--threads T] [--rows 1,4,16] [--shapes LIST]\n"
+               "          [--isa LEVEL]\n"
                "  --gb G         weight set per format and shape, in GB (default 1)\n"
                "  --repeats R    passes per method, the best shown (default 5)\n"
                "  --threads T    intra-op threads for every method (default 2)\n"
                "  --rows LIST    rows of x (the batch), comma-separated (default 1,4,16)\n"
-               "  --shapes LIST  weight shapes NxK (default 4096x4096,11008x4096)\n",
+               "  --shapes LIST  weight shapes NxK (default 4096x4096,11008x4096)\n"
+               "  --isa LEVEL    quant kernel level: scalar, avx2, avx512 (default: the best)\n",
                argv0);
   std::exit(2);
 }
@@ -117,6 +129,15 @@ Flags ParseFlags(int argc, char** argv) {
           Usage(argv[0], absl::StrCat("--shapes: '", part, "' is not NxK (N*K a multiple of 64)"));
         }
         flags.shapes.push_back(shape);
+      }
+    } else if (arg == "--isa") {
+      using accel::quant::internal::CpuIsa;
+      for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+        if (value == accel::quant::internal::CpuIsaName(isa)) flags.isa = isa;
+      }
+      if (!flags.isa) Usage(argv[0], absl::StrCat("--isa: unknown level '", value, "'"));
+      if (!accel::quant::internal::CpuIsaSupported(*flags.isa)) {
+        Usage(argv[0], absl::StrCat("--isa: this CPU cannot run ", value));
       }
     } else {
       Usage(argv[0], absl::StrCat("unknown argument '", arg, "'"));
@@ -188,8 +209,39 @@ struct Method {
   double bytes;   // weight bytes one pass reads
   int64_t calls;  // calls (matrices) per pass
   std::function<void()> pass;
-  double best = 1e30;
+  double best = 1e30;      // seconds per pass, undisturbed samples
+  double best_any = 1e30;  // the same over every sample
+  int clean = 0, disturbed = 0;
 };
+
+// CPU time in clock ticks of the whole machine (steal included) and of this
+// process, from /proc: a sample during which other processes ran is
+// disturbed (on 2 shared cores one busy neighbour delays half of every
+// parallel region), as accel-bench-gemv does.
+struct CpuTicks {
+  uint64_t machine = 0, self = 0;
+};
+
+CpuTicks ReadCpuTicks() {
+  CpuTicks ticks;
+  std::ifstream stat("/proc/stat");
+  std::string cpu;
+  uint64_t v[8] = {};  // user nice system idle iowait irq softirq steal
+  stat >> cpu;
+  for (uint64_t& x : v) stat >> x;
+  ticks.machine = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
+  std::ifstream self("/proc/self/stat");
+  std::string line;
+  std::getline(self, line);
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos) return ticks;
+  std::istringstream fields(line.substr(paren + 2));  // from field 3 (state) on
+  std::string field;
+  for (int i = 3; i <= 15 && fields >> field; ++i) {
+    if (i == 14 || i == 15) ticks.self += std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return ticks;
+}
 
 double Seconds(const std::function<void()>& fn) {
   const auto start = std::chrono::steady_clock::now();
@@ -286,12 +338,36 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
          }});
   }
 
-  for (int round = 0; round < flags.repeats; ++round) {
-    for (Method& method : methods) method.best = std::min(method.best, Seconds(method.pass));
+  // Rounds until every method has --repeats undisturbed samples (at most
+  // 5 x --repeats rounds).
+  const double ticks_per_s = static_cast<double>(::sysconf(_SC_CLK_TCK));
+  const double cpus = static_cast<double>(std::thread::hardware_concurrency());
+  for (int round = 0; round < 5 * flags.repeats; ++round) {
+    int short_of = 0;
+    for (Method& method : methods) {
+      if (method.clean >= flags.repeats) continue;
+      const CpuTicks before = ReadCpuTicks();
+      const double seconds = Seconds(method.pass);
+      const CpuTicks after = ReadCpuTicks();
+      const double others = static_cast<double>(after.machine - before.machine) -
+                            static_cast<double>(after.self - before.self);
+      method.best_any = std::min(method.best_any, seconds);
+      if (others <= 1 + 0.02 * seconds * ticks_per_s * cpus) {
+        method.best = std::min(method.best, seconds);
+        ++method.clean;
+      } else {
+        ++method.disturbed;
+      }
+      if (method.clean < flags.repeats) ++short_of;
+    }
+    if (short_of == 0) break;
+  }
+  for (Method& method : methods) {
+    if (method.clean == 0) method.best = method.best_any;
   }
 
-  std::printf("\n%-10s %-4s %-32s %10s %8s %12s\n", "shape", "m", "method", "ms / call", "GB/s",
-              "vs bf16 call");
+  std::printf("\n%-10s %-4s %-32s %10s %8s %12s %8s\n", "shape", "m", "method", "ms / call", "GB/s",
+              "vs bf16 call", "samples");
   for (const Method& method : methods) {
     double bf16_call = 0;
     for (const Method& other : methods) {
@@ -306,8 +382,9 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
       std::snprintf(per_call, sizeof(per_call), "%.3f", 1e3 * seconds);
       std::snprintf(relative, sizeof(relative), "%.2fx", bf16_call / seconds);
     }
-    std::printf("%-10s %-4s %-32s %10s %8.2f %12s\n", shape.c_str(), m.c_str(), method.name.c_str(),
-                per_call, method.bytes / 1e9 / method.best, relative);
+    std::printf("%-10s %-4s %-32s %10s %8.2f %12s %5d/%-2d%s\n", shape.c_str(), m.c_str(),
+                method.name.c_str(), per_call, method.bytes / 1e9 / method.best, relative,
+                method.clean, method.disturbed, method.clean > 0 ? "" : " *");
   }
   std::printf("\n");
   std::fflush(stdout);
@@ -316,10 +393,12 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
 int Main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
   at::set_num_threads(flags.threads);
+  if (flags.isa) accel::quant::internal::SetIsaOverrideForTesting(*flags.isa);
   c10::InferenceMode inference;
   std::printf(
       "machine: %u cores, quant kernels: %s, intra-op threads: %d, weight set %.2f GB per "
-      "format and shape, best of %d passes; GB = 1e9 bytes of weights read per second;\n"
+      "format and shape, best of %d undisturbed passes; GB = 1e9 bytes of weights read per\n"
+      "second; samples = undisturbed/disturbed;\n"
       "'vs bf16 call' = at::linear bfloat16's time per call / this method's (higher: faster)\n",
       std::thread::hardware_concurrency(),
       std::string(accel::quant::internal::CpuIsaName(accel::quant::internal::ActiveIsa())).c_str(),
