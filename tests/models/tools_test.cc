@@ -201,6 +201,51 @@ TEST(ToolsTest, EstimateMemoryMatchesAccelerateArithmetic) {
   EXPECT_THAT(missing.out, HasSubstr("config.json"));
 }
 
+// ---- accel-quantize ----------------------------------------------------------
+
+TEST(ToolsTest, QuantizeWritesAModelThatGeneratesAsQuantizingOnLoad) {
+  TempDir dir;
+  const std::string model = dir.path() + "/m", out = dir.path() + "/m-nf4";
+  ASSERT_EQ(RunTool("accel-make-model " + model + " --num_layers 2 --hidden_size 64").exit_code, 0);
+  Result r =
+      RunTool("accel-quantize --model " + model + " --out " + out + " --method nf4 --double_quant");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("14 layers quantized (nf4+dq)"));
+  const std::string generate = " --prompt 'Once upon' --max_new_tokens 6 --temperature 0 --json";
+  Result from_saved = RunToolStdout("accel-generate --model " + out + generate);
+  Result on_load = RunToolStdout("accel-generate --model " + model + generate +
+                                 " --quantize nf4 --double_quant");
+  ASSERT_EQ(from_saved.exit_code, 0) << from_saved.out;
+  EXPECT_EQ(nlohmann::json::parse(from_saved.out)["token_ids"],
+            nlohmann::json::parse(on_load.out)["token_ids"]);
+  // The saved model is sized as stored: it needs fewer disk modules than the float one.
+  Result plan_saved =
+      RunTool("accel-device-map --model " + out + " --max_memory cpu=400KiB,disk=1GiB");
+  Result plan_asked = RunTool("accel-device-map --model " + model +
+                              " --quantize nf4 --double_quant --max_memory cpu=400KiB,disk=1GiB");
+  Result plan_float =
+      RunTool("accel-device-map --model " + model + " --max_memory cpu=400KiB,disk=1GiB");
+  ASSERT_EQ(plan_saved.exit_code, 0) << plan_saved.out;
+  EXPECT_EQ(plan_saved.out, plan_asked.out);
+  EXPECT_NE(plan_saved.out, plan_float.out);
+
+  Result again =
+      RunTool("accel-quantize --model " + out + " --out " + dir.path() + "/x --method int8");
+  EXPECT_EQ(again.exit_code, 1);
+  EXPECT_THAT(again.out, HasSubstr("quantized already"));
+  Result bad =
+      RunTool("accel-quantize --model " + model + " --out " + dir.path() + "/y --method q4");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_THAT(bad.out, HasSubstr("--method 'q4'"));
+  Result no_out = RunTool("accel-quantize --model " + model + " --method int8");
+  EXPECT_EQ(no_out.exit_code, 1);
+  EXPECT_THAT(no_out.out, HasSubstr("--out"));
+  Result block = RunTool("accel-quantize --model " + model + " --out " + dir.path() +
+                         "/z --method fp4 --blocksize 100");
+  EXPECT_EQ(block.exit_code, 1);
+  EXPECT_THAT(block.out, HasSubstr("blocksize 100"));
+}
+
 // ---- accel-generate ----------------------------------------------------------
 
 class GenerateToolTest : public ::testing::Test {

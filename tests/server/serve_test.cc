@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -94,10 +95,11 @@ struct GenerateCli {
 };
 
 // The reference: accel-generate, in-process generation without the server.
-GenerateCli RunGenerateTool(const std::string& model, const std::string& prompt, int n) {
-  const std::string command =
-      absl::StrCat(BinDir(), "/accel-generate --model ", model, " --prompt '", prompt,
-                   "' --max_new_tokens ", n, " --temperature 0 --ignore_eos --json 2>/dev/null");
+GenerateCli RunGenerateTool(const std::string& model, const std::string& prompt, int n,
+                            const std::string& flags = "") {
+  const std::string command = absl::StrCat(
+      BinDir(), "/accel-generate --model ", model, " --prompt '", prompt, "' --max_new_tokens ", n,
+      " --temperature 0 --ignore_eos --json ", flags, " 2>/dev/null");
   GenerateCli out;
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return out;
@@ -299,6 +301,36 @@ TEST_F(ServeTest, ModelInfoDescribesTheModel) {
   named.set_model("serve-small");
   GenerateResponse response;
   EXPECT_TRUE(Call(*stub_, named, &response).ok());
+}
+
+TEST_F(ServeTest, QuantizedServingMatchesAccelGenerateQuantized) {
+  grpc::ClientContext context;
+  accel::v1::ModelInfo full;
+  ASSERT_TRUE(stub_->GetModelInfo(&context, {}, &full).ok());
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{"--quantize=nf4", "--double_quant"},
+        std::vector<std::string>{"--quantize=int8"}}) {
+    SCOPED_TRACE(flags[0]);
+    auto server = StartOrDie(TestModelDir(), flags);
+    ASSERT_NE(server, nullptr);
+    auto stub = Generation::NewStub(server->Channel());
+    grpc::ClientContext info_context;
+    accel::v1::ModelInfo info;
+    ASSERT_TRUE(stub->GetModelInfo(&info_context, {}, &info).ok());
+    EXPECT_EQ(info.quantization(), flags.size() == 2 ? "nf4+dq" : "int8");
+    EXPECT_EQ(info.parameters(), full.parameters());  // packed 4-bit weights counted whole
+    EXPECT_LT(info.bytes_per_device().at("cpu"), full.bytes_per_device().at("cpu"));
+
+    const std::string prompt = "The quick brown fox";
+    GenerateResponse response;
+    grpc::Status status = Call(*stub, Greedy(prompt, 8), &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    const GenerateCli reference =
+        RunGenerateTool(TestModelDir(), prompt, 8, absl::StrJoin(flags, " "));
+    ASSERT_EQ(reference.token_ids.size(), 8u);
+    EXPECT_EQ(std::vector<int64_t>(response.token_ids().begin(), response.token_ids().end()),
+              reference.token_ids);
+  }
 }
 
 TEST_F(ServeTest, HealthServesLiveAndReadyNames) {
@@ -704,7 +736,9 @@ INSTANTIATE_TEST_SUITE_P(
                       BadFlags{{"--request_timeout=-1s"}, "--request_timeout must not be negative"},
                       BadFlags{{"--shutdown_timeout=-1s"},
                                "--shutdown_timeout must not be negative"},
-                      BadFlags{{"--max_total_tokens=1"}, "leaves no room for a prompt"}),
+                      BadFlags{{"--max_total_tokens=1"}, "leaves no room for a prompt"},
+                      BadFlags{{"--quantize=int4"}, "quantize 'int4'"},
+                      BadFlags{{"--double_quant"}, "double_quant applies to 4-bit"}),
     [](const ::testing::TestParamInfo<BadFlags>& info) {
       return absl::StrCat("case", info.index);
     });
