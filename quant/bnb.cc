@@ -22,6 +22,7 @@
 #include <c10/util/Half.h>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -132,7 +133,7 @@ constexpr int kChunk = 16;
 // The 15 NF4 thresholds (float32 midpoints of the table, bit-identical to
 // the literals of bnb's CUDA dQuantizeNF4).
 struct Nf4Search {
-  float t[15];
+  float t[15] = {};
   Nf4Search() {
     for (int i = 0; i < 15; ++i) t[i] = (kNf4[i] + kNf4[i + 1]) / 2.0f;
   }
@@ -171,7 +172,7 @@ struct Fp4Search {
 // Nearest entry of the dynamic map, ties to the lower index: bucketize over
 // the 255 float32 midpoints (bnb's default quantize_blockwise).
 struct DynamicSearch {
-  float m[256];
+  float m[256] = {};
   DynamicSearch() {
     const std::array<float, 256>& map = DynamicMap();
     for (int i = 0; i < 255; ++i) m[i] = (map[i] + map[i + 1]) / 2.0f;
@@ -509,8 +510,11 @@ std::optional<int64_t> AsInt(const Json& v) {
   return std::nullopt;
 }
 
-// The weight dtypes a quant state may name, in torch's spelling.
+// The weight dtypes a quant state may name, in torch's spelling. bnb writes
+// str(dtype).strip("torch."); a "torch." prefix (str(dtype) itself) is taken
+// too.
 std::optional<at::ScalarType> WeightDTypeFromName(absl::string_view name) {
+  if (absl::StartsWith(name, "torch.")) name.remove_prefix(6);
   if (name == "float32") return at::kFloat;
   if (name == "bfloat16") return at::kBFloat16;
   if (name == "float16") return at::kHalf;
@@ -772,7 +776,7 @@ absl::StatusOr<QuantState4bit> QuantState4bitFromJson(absl::string_view json,
   if (AsInt(*v) != kNestedBlocksize) return FieldError(label, "nested_blocksize", "256", *v);
   st.nested_blocksize = kNestedBlocksize;
   v = get("nested_dtype");
-  if (!v->is_string() || v->get<std::string>() != "float32") {
+  if (!v->is_string() || WeightDTypeFromName(v->get<std::string>()) != at::kFloat) {
     return FieldError(label, "nested_dtype", "\"float32\"", *v);
   }
   v = get("nested_offset");
@@ -885,9 +889,9 @@ absl::StatusOr<at::Tensor> DequantizeInt8(const QuantizedInt8& q, at::ScalarType
 
 int64_t StoredBytes4bit(int64_t numel, int64_t blocksize, bool double_quant) {
   const int64_t nblocks = NumBlocks(numel, blocksize);
-  int64_t bytes = (numel + 1) / 2 + 16 * 4;  // packed codes + quant_map
+  int64_t bytes = (numel + 1) / 2 + int64_t{16} * 4;  // packed codes + quant_map
   if (double_quant) {
-    bytes += nblocks + NumBlocks(nblocks, kNestedBlocksize) * 4 + 256 * 4;
+    bytes += nblocks + NumBlocks(nblocks, kNestedBlocksize) * 4 + int64_t{256} * 4;
   } else {
     bytes += nblocks * 4;
   }

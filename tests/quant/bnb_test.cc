@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <ATen/Functions.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -84,7 +85,7 @@ std::string Sha256Hex(const uint8_t* data, size_t len) {
   auto rotr = [](uint32_t x, int n) { return (x >> n) | (x << (32 - n)); };
   for (size_t off = 0; off < msg.size(); off += 64) {
     uint32_t w[64];
-    for (int i = 0; i < 16; ++i) {
+    for (size_t i = 0; i < 16; ++i) {
       w[i] = (uint32_t{msg[off + 4 * i]} << 24) | (uint32_t{msg[off + 4 * i + 1]} << 16) |
              (uint32_t{msg[off + 4 * i + 2]} << 8) | uint32_t{msg[off + 4 * i + 3]};
     }
@@ -341,7 +342,7 @@ TEST(Quantize4bitTest, MatchesThePlainLoopReferenceByteForByte) {
   }
   // More than 256 blocks: several nested groups, the last partial.
   ExpectMatchesReference(RandomWeights(64 * 700 + 5, 99), QuantType4bit::kNf4, 64, true);
-  ExpectMatchesReference(RandomWeights(32 * 1000, 98), QuantType4bit::kFp4, 32, true);
+  ExpectMatchesReference(RandomWeights(int64_t{32} * 1000, 98), QuantType4bit::kFp4, 32, true);
 }
 
 TEST(Quantize4bitTest, WorkedExampleOfTheReference) {
@@ -514,6 +515,22 @@ TEST(Quantize4bitTest, NonContiguousInputIsFlattenedRowMajor) {
   const RefResult r = RefQuantize(ToVector(w), QuantType4bit::kNf4, 64, false);
   EXPECT_EQ(Bytes(q.packed), r.packed);
   EXPECT_EQ(q.state.shape, (std::vector<int64_t>{96, 64}));
+}
+
+TEST(Quantize4bitTest, ThreadCountDoesNotChangeTheResult) {
+  at::manual_seed(9);
+  at::Tensor w = at::randn({1000, 1003}).to(at::kBFloat16);
+  const int threads = at::get_num_threads();
+  std::vector<std::vector<uint8_t>> packed, absmax;
+  for (int t : {1, 4}) {
+    at::set_num_threads(t);
+    ACCEL_ASSERT_OK_AND_ASSIGN(Quantized4bit q, Quantize4bit(w, QuantType4bit::kNf4, 64, true));
+    packed.push_back(Bytes(q.packed));
+    absmax.push_back(Bytes(q.absmax));
+  }
+  at::set_num_threads(threads);
+  EXPECT_EQ(packed[0], packed[1]);
+  EXPECT_EQ(absmax[0], absmax[1]);
 }
 
 // bnb's tests/test_functional.py:test_4bit_quant: randn(1024, 1024), blocksize
@@ -723,10 +740,11 @@ TEST(Quantize4bitTest, LayoutAndStoredBytesMatchTheTensors) {
         EXPECT_EQ(q.packed.sizes().vec(), l.packed_shape);
         EXPECT_EQ(q.absmax.numel(), l.absmax_len);
         EXPECT_EQ(q.absmax.scalar_type(), dq ? at::kByte : at::kFloat);
-        int64_t bytes = q.packed.nbytes() + q.absmax.nbytes() + q.quant_map.nbytes();
+        auto bytes =
+            static_cast<int64_t>(q.packed.nbytes() + q.absmax.nbytes() + q.quant_map.nbytes());
         if (dq) {
           EXPECT_EQ(q.nested_absmax.numel(), l.nested_absmax_len);
-          bytes += q.nested_absmax.nbytes() + q.nested_quant_map.nbytes();
+          bytes += static_cast<int64_t>(q.nested_absmax.nbytes() + q.nested_quant_map.nbytes());
         } else {
           EXPECT_EQ(l.nested_absmax_len, 0);
           EXPECT_FALSE(q.nested_absmax.defined());
@@ -749,8 +767,8 @@ TEST(StoredBytesTest, NumbersOfTheReference) {
   EXPECT_EQ(StoredBytes4bit(n, 32, false) - 64, n * 5 / 8);  // 0.625
   EXPECT_EQ(StoredBytes4bit(n, 64, true), 8655936);
   // LLM.int8: 1 + 4/K per parameter, plus the 1-byte weight_format.
-  EXPECT_EQ(StoredBytesInt8(4096, 4096), n + 4096 * 4 + 1);
-  EXPECT_EQ(StoredBytesInt8(11008, 4096), int64_t{11008} * 4096 + 11008 * 4 + 1);
+  EXPECT_EQ(StoredBytesInt8(4096, 4096), n + int64_t{4096} * 4 + 1);
+  EXPECT_EQ(StoredBytesInt8(11008, 4096), int64_t{11008} * 4096 + int64_t{11008} * 4 + 1);
 }
 
 // ---------------------------------------------------------------------------
@@ -844,6 +862,13 @@ TEST(QuantStateJsonTest, ParsesBnbsOwnBlob) {
           R"({"quant_type": "fp4", "blocksize": 4096, "dtype": "float32", "shape": [3]})", "x"));
   EXPECT_FALSE(st.double_quant);
   EXPECT_EQ(st.blocksize, 4096);
+  // str(dtype) without the strip, as some writers have it.
+  ACCEL_ASSERT_OK_AND_ASSIGN(st, QuantState4bitFromJson(R"({"quant_type": "nf4", "blocksize": 64,
+          "dtype": "torch.float16", "shape": [3], "nested_blocksize": 256,
+          "nested_dtype": "torch.float32", "nested_offset": 1})",
+                                                        "x"));
+  EXPECT_EQ(st.dtype, at::kHalf);
+  EXPECT_EQ(st.nested_offset, 1.0f);
 }
 
 TEST(QuantStateJsonTest, ErrorsNameTheLabelAndTheKey) {
