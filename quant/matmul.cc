@@ -338,16 +338,18 @@ absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tens
       }
     }
 
+    // The int8 product, and CB's outlier columns picked up on the way.
+    const int64_t nout = static_cast<int64_t>(cols.size());
     at::Tensor c = at::empty({rows, out}, x.options().dtype(at::kInt));
     const at::Tensor cb_c = cb.contiguous();
-    const int8_t* cb_data = cb_c.data_ptr<int8_t>();
-    internal::Int8Matmul(internal::ActiveIsa(), ca_data, cb_data, rows, out, in,
-                         c.data_ptr<int32_t>());
+    std::vector<int8_t> cb_cols(static_cast<size_t>(out * nout));
+    const internal::Int8Gather gather{cols.data(), nout, cb_cols.data()};
+    internal::Int8Matmul(internal::ActiveIsa(), ca_data, cb_c.data_ptr<int8_t>(), rows, out, in,
+                         c.data_ptr<int32_t>(), nout > 0 ? &gather : nullptr);
 
     // The outlier part, bnb's int8_mixed_scaled_mm: x's own values in the
     // outlier columns times the int8 weight dequantized to x's dtype,
     // round(CB * SCB * (1/127 in float32)).
-    const int64_t nout = static_cast<int64_t>(cols.size());
     std::vector<float> sub_a(static_cast<size_t>(rows * nout));
     at::Tensor sub_b;
     if (nout > 0) {
@@ -379,8 +381,8 @@ absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tens
                        for (int64_t n = begin; n < end; ++n) {
                          float* bn = nout > 0 ? sub_b_data + n * nout : nullptr;
                          for (int64_t j = 0; j < nout; ++j) {
-                           const float v = static_cast<float>(cb_data[n * in + cols[j]]) *
-                                           scb_data[n] * kInv127;
+                           const float v =
+                               static_cast<float>(cb_cols[n * nout + j]) * scb_data[n] * kInv127;
                            bn[j] = x_type == at::kFloat      ? v
                                    : x_type == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v))
                                                              : static_cast<float>(c10::Half(v));

@@ -423,27 +423,23 @@ void Int8Avx2Rows(const int16_t* a16, const int8_t* b, int64_t k, int64_t n, int
   for (; col < n_end; ++col) Int8Avx2<R, 1>(a16, b, k, n, i0, col, c);
 }
 
-void Int8Avx2Range(const int16_t* a16, const int8_t* b, int64_t m, int64_t k, int64_t n,
-                   int64_t n_begin, int64_t n_end, int32_t* c) {
-  // Tiles of columns whose weights (64 KiB) stay in the L2 cache for all rows.
-  const int64_t tile = std::max<int64_t>(4, (int64_t{64} << 10) / std::max<int64_t>(1, k));
-  for (int64_t t = n_begin; t < n_end; t += tile) {
-    const int64_t t_end = std::min(n_end, t + tile);
-    for (int64_t i = 0; i < m; i += 4) {
-      switch (std::min<int64_t>(4, m - i)) {
-        case 1:
-          Int8Avx2Rows<1>(a16, b, k, n, i, t, t_end, c);
-          break;
-        case 2:
-          Int8Avx2Rows<2>(a16, b, k, n, i, t, t_end, c);
-          break;
-        case 3:
-          Int8Avx2Rows<3>(a16, b, k, n, i, t, t_end, c);
-          break;
-        default:
-          Int8Avx2Rows<4>(a16, b, k, n, i, t, t_end, c);
-          break;
-      }
+// Columns [n_begin, n_end) for every row of a, in blocks of up to 4 rows.
+void Int8Avx2Tile(const int16_t* a16, const int8_t* b, int64_t m, int64_t k, int64_t n,
+                  int64_t n_begin, int64_t n_end, int32_t* c) {
+  for (int64_t i = 0; i < m; i += 4) {
+    switch (std::min<int64_t>(4, m - i)) {
+      case 1:
+        Int8Avx2Rows<1>(a16, b, k, n, i, n_begin, n_end, c);
+        break;
+      case 2:
+        Int8Avx2Rows<2>(a16, b, k, n, i, n_begin, n_end, c);
+        break;
+      case 3:
+        Int8Avx2Rows<3>(a16, b, k, n, i, n_begin, n_end, c);
+        break;
+      default:
+        Int8Avx2Rows<4>(a16, b, k, n, i, n_begin, n_end, c);
+        break;
     }
   }
 }
@@ -547,7 +543,7 @@ ACCEL_TARGET_AVX512 void GemvDirectAvx512(const Gemv4bitArgs& a, int64_t n_begin
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m512 acc0[R], acc1[R];
     float tail[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       acc0[r] = acc1[r] = _mm512_setzero_ps();
       tail[r] = 0.0f;
@@ -558,7 +554,7 @@ ACCEL_TARGET_AVX512 void GemvDirectAvx512(const Gemv4bitArgs& a, int64_t n_begin
       const int64_t e = std::min(row_end, (block + 1) * w.blocksize);
       if ((j & 1) != 0) {
         const float v = RoundScalar<T>(DecodeScalar(w, j));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) tail[r] += v * x[r * xs + (j - row)];
         ++j;
       }
@@ -568,7 +564,7 @@ ACCEL_TARGET_AVX512 void GemvDirectAvx512(const Gemv4bitArgs& a, int64_t n_begin
           const __m512 w0 = Lookup16(w.packed + (j >> 1), table, control);
           const __m512 w1 = Lookup16(w.packed + (j >> 1) + 8, table, control);
           const float* xk = x + (j - row);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + r * xs), w0, acc0[r]);
             acc1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + r * xs + 16), w1, acc1[r]);
@@ -577,7 +573,7 @@ ACCEL_TARGET_AVX512 void GemvDirectAvx512(const Gemv4bitArgs& a, int64_t n_begin
         if (j + 16 <= e) {
           const __m512 w0 = Lookup16(w.packed + (j >> 1), table, control);
           const float* xk = x + (j - row);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             acc0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xk + r * xs), w0, acc0[r]);
           }
@@ -586,12 +582,12 @@ ACCEL_TARGET_AVX512 void GemvDirectAvx512(const Gemv4bitArgs& a, int64_t n_begin
       }
       for (; j < e; ++j) {
         const float v = RoundScalar<T>(DecodeScalar(w, j));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; ++r) tail[r] += v * x[r * xs + (j - row)];
       }
     }
     float* sn = sums + (n - n_begin) * sums_stride;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       sn[r] += _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r])) + tail[r];
     }
@@ -836,22 +832,40 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
 }
 
 void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
-                int32_t* c) {
+                int32_t* c, const Int8Gather* gather) {
   CheckSupported(isa, "Int8Matmul");
   if (m <= 0 || n <= 0) return;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, k));
+  // Columns in tiles whose weights (64 KiB) stay in the L2 cache for every
+  // row of a and for the gather.
+  const int64_t tile = std::max<int64_t>(4, (int64_t{64} << 10) / std::max<int64_t>(1, k));
+  std::vector<int16_t> a16;
 #if defined(__x86_64__)
   if (isa != CpuIsa::kScalar) {  // AVX-512 runs the AVX2 product
-    std::vector<int16_t> a16(static_cast<size_t>(m * k));
+    a16.resize(static_cast<size_t>(m * k));
     for (size_t i = 0; i < a16.size(); ++i) a16[i] = a[i];
-    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      Int8Avx2Range(a16.data(), b, m, k, n, begin, end, c);
-    });
-    return;
   }
 #endif
-  at::parallel_for(0, n, grain,
-                   [&](int64_t begin, int64_t end) { Int8Scalar(a, b, m, k, n, begin, end, c); });
+  at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, k)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t t = begin; t < end; t += tile) {
+                       const int64_t t_end = std::min(end, t + tile);
+#if defined(__x86_64__)
+                       if (isa != CpuIsa::kScalar) {
+                         Int8Avx2Tile(a16.data(), b, m, k, n, t, t_end, c);
+                       } else {
+                         Int8Scalar(a, b, m, k, n, t, t_end, c);
+                       }
+#else
+                       Int8Scalar(a, b, m, k, n, t, t_end, c);
+#endif
+                       if (gather == nullptr) continue;
+                       for (int64_t col = t; col < t_end; ++col) {
+                         for (int64_t j = 0; j < gather->count; ++j) {
+                           gather->out[col * gather->count + j] = b[col * k + gather->cols[j]];
+                         }
+                       }
+                     }
+                   });
 }
 
 }  // namespace accel::quant::internal

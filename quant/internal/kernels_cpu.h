@@ -78,8 +78,16 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& args);
 
 // c[i, n] = sum_k a[i, k] * b[n, k] in int32 (exact while |sum| < 2^31: any
 // K up to 131072), a [m, k], b [n, k], c [m, n], all contiguous. Threaded over n.
+// With `gather`, also copies b[n, gather->cols[j]] to gather->out[n * count + j]
+// while row n is in the cache (LLM.int8's outlier columns: picked from a
+// weight that is no longer cached, they cost more than the product).
+struct Int8Gather {
+  const int64_t* cols = nullptr;
+  int64_t count = 0;
+  int8_t* out = nullptr;
+};
 void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
-                int32_t* c);
+                int32_t* c, const Int8Gather* gather = nullptr);
 
 }  // namespace accel::quant::internal
 
