@@ -146,7 +146,41 @@ absl::Status QuantizableLinear::Quantize(const LinearQuantization& how, bool emp
   return absl::OkStatus();
 }
 
+at::Tensor QuantizableLinear::DequantizedForward(const at::Tensor& x) {
+  TORCH_CHECK(quantization_.enabled(), "DequantizedForward: ", name(), " is not quantized");
+  at::Tensor w;
+  at::ScalarType compute = x.scalar_type();
+  if (quantization_.method == LinearQuantization::Method::kInt8) {
+    // CB * SCB / 127 in float32 (bnb's int8_vectorwise_dequant constant).
+    w = weight.to(at::kFloat) * scb.to(at::kFloat).unsqueeze(1) *
+        static_cast<float>(7.874015718698502e-3);
+  } else {
+    compute = quantization_.compute_dtype;
+    const at::Tensor bytes = weight.reshape({-1});
+    const at::Tensor codes = at::stack({bytes.__rshift__(4), bytes.__and__(0xF)}, 1)
+                                 .reshape({-1})
+                                 .narrow(0, 0, out_ * in_)
+                                 .to(at::kLong);
+    const at::Tensor absmax =
+        (quantization_.double_quant ? block_absmax : weight_state->absmax).to(at::kFloat);
+    const at::Tensor scales =
+        absmax.repeat_interleave(quant_state.blocksize).narrow(0, 0, out_ * in_);
+    w = weight_state->quant_map.to(at::kFloat).index_select(0, codes) * scales;
+    w = w.view({out_, in_});
+  }
+  w = w.to(compute);
+  const at::Tensor b = bias.defined() ? bias.to(compute) : bias;
+  at::Tensor y;
+  if (NeedsHalfUpcast(w)) {
+    y = at::linear(Float(x.to(compute)), Float(w), Float(b)).to(compute);
+  } else {
+    y = at::linear(x.to(compute), w, b);
+  }
+  return y.to(x.scalar_type());
+}
+
 at::Tensor QuantizableLinear::QuantizedForward(const at::Tensor& x) {
+  if (!x.device().is_cpu()) return DequantizedForward(x);
   absl::StatusOr<at::Tensor> y;
   if (quantization_.method == LinearQuantization::Method::kInt8) {
     y = quant::Int8LinearForward(x, weight, scb, bias, quantization_.threshold);

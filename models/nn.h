@@ -76,6 +76,13 @@ class QuantizableLinear : public dispatch::Layer {
   // already, a weight shared with another layer, or a bad blocksize.
   absl::Status Quantize(const LinearQuantization& how);
 
+  // A quantized layer's product with ATen ops alone, on any device: the
+  // weight dequantized (bnb's formula) to the compute dtype (4-bit) or to
+  // x's dtype (int8: no outlier decomposition, bnb's MatMul8bitFp), then
+  // at::linear. forward() runs it on devices other than the cpu, where
+  // quant/cuda's kernels are not wired in yet.
+  at::Tensor DequantizedForward(const at::Tensor& x);
+
   at::Tensor weight;
   at::Tensor bias;                           // undefined without bias
   at::Tensor scb;                            // int8

@@ -61,7 +61,7 @@ bash scripts/tokenizer_references.sh build
 step "tests"
 run_ctest --preset default
 
-step "ASan + UBSan build and the core, loader, dispatch, tokenizer, GEMV and metrics tests (build-asan/)"
+step "ASan + UBSan build and the core, loader, quant, dispatch, tokenizer, GEMV and metrics tests (build-asan/)"
 cmake --preset asan >/dev/null
 cmake --build --preset asan --target accel-sanitized-tests
 ln -sfn "$PWD/build/tokenizer-refs" build-asan/tokenizer-refs  # the same references

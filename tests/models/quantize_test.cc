@@ -15,6 +15,7 @@
 #include <vector>
 
 #include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -316,6 +317,57 @@ TEST_F(QuantizeTest, BadOptionsAndBrokenCheckpointsNameTheProblem) {
   EXPECT_THAT(LoadModel(out.path(), Options("none")),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("model.layers.1.self_attn.k_proj.weight")));
+}
+
+TEST(QuantizableLinearTest, QuantizingALoadedLayerAndTheDeviceAgnosticPathAgree) {
+  at::manual_seed(3);
+  for (const auto& [method, type] : std::vector<std::pair<Method, quant::QuantType4bit>>{
+           {Method::k4bit, quant::QuantType4bit::kNf4},
+           {Method::k4bit, quant::QuantType4bit::kFp4},
+           {Method::kInt8, quant::QuantType4bit::kNf4}}) {
+    nn::Linear layer(96, 40, /*bias=*/true, at::kFloat);
+    {
+      at::NoGradGuard no_grad;
+      layer.weight.normal_(0, 0.05);
+      layer.bias.normal_(0, 0.05);
+    }
+    const at::Tensor x = at::randn({3, 96});
+    const at::Tensor dense = at::linear(x, layer.weight, layer.bias);
+    nn::LinearQuantization how;
+    how.method = method;
+    how.quant_type = type;
+    how.double_quant = method == Method::k4bit;
+    how.threshold = 0;
+    ASSERT_THAT(layer.Quantize(how), IsOk());
+    EXPECT_THAT(layer.Quantize(how),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("quantized already")));
+    c10::InferenceMode inference;
+    const at::Tensor kernel = layer.forward(x);
+    const at::Tensor aten = layer.DequantizedForward(x);
+    ASSERT_EQ(kernel.sizes(), dense.sizes());
+    // The ATen path and the kernels dequantize alike; int8's kernel also
+    // quantizes x, so it differs by that rounding.
+    const double tolerance = method == Method::kInt8 ? 2e-2 : 1e-5;
+    EXPECT_LT((kernel - aten).abs().max().item<double>(), tolerance) << how.ToString();
+    // |y| is about 0.5 here; 4-bit keeps about 3 bits of each weight.
+    EXPECT_LT((kernel - dense).abs().max().item<double>(), method == Method::kInt8 ? 0.05 : 0.3)
+        << how.ToString();
+    EXPECT_GT((kernel - dense).abs().max().item<double>(), 0.0) << how.ToString();
+  }
+  // Built quantized: empty tensors of the stored layout, nothing to compute yet.
+  nn::Linear4bit four(128, 16, false, at::kBFloat16, at::kBFloat16, quant::QuantType4bit::kNf4,
+                      /*double_quant=*/true);
+  EXPECT_EQ(four.weight.sizes(), (std::vector<int64_t>{128 * 16 / 2, 1}));
+  EXPECT_EQ(four.weight_state->absmax.scalar_type(), at::kByte);
+  nn::Linear8bitLt eight(128, 16, false, at::kBFloat16);
+  EXPECT_EQ(eight.weight.scalar_type(), at::kChar);
+  EXPECT_EQ(eight.scb.sizes(), (std::vector<int64_t>{16}));
+  // A tied head cannot be quantized.
+  nn::Linear tied(16, 8, false, at::kFloat, at::zeros({8, 16}));
+  nn::LinearQuantization int8;
+  int8.method = Method::kInt8;
+  EXPECT_THAT(tied.Quantize(int8),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shared")));
 }
 
 TEST(QuantizedInt8Format, ATiledWeightFormatIsRefusedByName) {
