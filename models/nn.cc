@@ -1,6 +1,8 @@
 #include "models/nn.h"
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
@@ -192,7 +194,20 @@ at::Tensor QuantizableLinear::QuantizedForward(const at::Tensor& x) {
     w.blocksize = quant_state.blocksize;
     w.out_features = out_;
     w.in_features = in_;
-    y = quant::Linear4bitForward(x, w, bias, quantization_.compute_dtype);
+    const at::ScalarType compute = quantization_.compute_dtype;
+    if (x.numel() / std::max<int64_t>(in_, 1) > models::internal::kFastLinearChunkRows &&
+        compute != at::kBFloat16) {
+      // Many rows (a prefill): the dense weight through our GEMV kernels, as
+      // an unquantized layer runs (libtorch's float32 product on this BLAS is
+      // far slower; bfloat16 goes to oneDNN inside Linear4bitForward).
+      absl::StatusOr<at::Tensor> dense = quant::Dequantize4bitDense(w, compute);
+      TORCH_CHECK(dense.ok(), "quantized ", name(), ": ", dense.status().message());
+      const at::Tensor b = bias.defined() ? bias.to(compute) : bias;
+      if (std::optional<at::Tensor> fast = models::internal::FastLinear(x.to(compute), *dense, b)) {
+        return fast->to(x.scalar_type());
+      }
+    }
+    y = quant::Linear4bitForward(x, w, bias, compute);
   }
   TORCH_CHECK(y.ok(), "quantized ", name(), ": ", y.status().message());
   return *std::move(y);

@@ -353,6 +353,11 @@ TEST(QuantizableLinearTest, QuantizingALoadedLayerAndTheDeviceAgnosticPathAgree)
     EXPECT_LT((kernel - dense).abs().max().item<double>(), method == Method::kInt8 ? 0.05 : 0.3)
         << how.ToString();
     EXPECT_GT((kernel - dense).abs().max().item<double>(), 0.0) << how.ToString();
+    // A prefill's many rows take the dense path; it agrees with the ATen one too.
+    const at::Tensor many = at::randn({40, 96});
+    EXPECT_LT((layer.forward(many) - layer.DequantizedForward(many)).abs().max().item<double>(),
+              tolerance)
+        << how.ToString();
   }
   // Built quantized: empty tensors of the stored layout, nothing to compute yet.
   nn::Linear4bit four(128, 16, false, at::kBFloat16, at::kBFloat16, quant::QuantType4bit::kNf4,
