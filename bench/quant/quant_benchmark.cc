@@ -47,6 +47,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
+#include "quant/bnb.h"
 #include "quant/internal/kernels_cpu.h"
 #include "quant/matmul.h"
 
@@ -403,24 +404,8 @@ int Main(int argc, char** argv) {
       std::thread::hardware_concurrency(),
       std::string(accel::quant::internal::CpuIsaName(accel::quant::internal::ActiveIsa())).c_str(),
       at::get_num_threads(), flags.gb, flags.repeats);
-  // NF4 (../shared/reference/bitsandbytes.md §1.1).
-  const float nf4_code[16] = {-1.0f,
-                              -0.6961928009986877f,
-                              -0.5250730514526367f,
-                              -0.39491748809814453f,
-                              -0.28444138169288635f,
-                              -0.18477343022823334f,
-                              -0.09105003625154495f,
-                              0.0f,
-                              0.07958029955625534f,
-                              0.16093020141124725f,
-                              0.24611230194568634f,
-                              0.33791524171829224f,
-                              0.44070982933044434f,
-                              0.5626170039176941f,
-                              0.7229568362236023f,
-                              1.0f};
-  const at::Tensor code = at::from_blob(const_cast<float*>(nf4_code), {16}, at::kFloat).clone();
+  const auto& nf4 = accel::quant::CodeTable(accel::quant::QuantType4bit::kNf4);
+  const at::Tensor code = at::from_blob(const_cast<float*>(nf4.data()), {16}, at::kFloat).clone();
   for (const Shape& s : flags.shapes) RunShape(flags, s, code);
   return 0;
 }

@@ -21,6 +21,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "quant/bnb.h"
 #include "quant/internal/kernels_cpu.h"
 #include "tests/testing/status_matchers.h"
 
@@ -32,22 +33,7 @@ using test::StatusIs;
 using ::testing::HasSubstr;
 
 // NF4 and FP4 (bit-pattern order) from ../shared/reference/bitsandbytes.md §1.1.
-constexpr std::array<float, 16> kNf4 = {-1.0f,
-                                        -0.6961928009986877f,
-                                        -0.5250730514526367f,
-                                        -0.39491748809814453f,
-                                        -0.28444138169288635f,
-                                        -0.18477343022823334f,
-                                        -0.09105003625154495f,
-                                        0.0f,
-                                        0.07958029955625534f,
-                                        0.16093020141124725f,
-                                        0.24611230194568634f,
-                                        0.33791524171829224f,
-                                        0.44070982933044434f,
-                                        0.5626170039176941f,
-                                        0.7229568362236023f,
-                                        1.0f};
+const std::array<float, 16>& kNf4 = CodeTable(QuantType4bit::kNf4);  // checked by hex in bnb_test
 constexpr std::array<float, 16> kFp4 = {0.0f / 12,  0.0625f / 12,  8.0f / 12,  12.0f / 12,
                                         4.0f / 12,  6.0f / 12,     2.0f / 12,  3.0f / 12,
                                         -0.0f / 12, -0.0625f / 12, -8.0f / 12, -12.0f / 12,
