@@ -86,9 +86,9 @@ inline int64_t NumBlocks(int64_t numel, int64_t blocksize) {
 // The shapes and dtypes of a Quantized4bit's tensors for a weight of `numel`
 // elements, without computing it (meta tensors are made from these).
 struct Layout4bit {
-  std::vector<int64_t> packed_shape;     // [(n+1)/2, 1], uint8
-  int64_t absmax_len = 0;                // uint8 with double quant, else float32
-  int64_t nested_absmax_len = 0;         // 0 without double quant
+  std::vector<int64_t> packed_shape;  // [(n+1)/2, 1], uint8
+  int64_t absmax_len = 0;             // uint8 with double quant, else float32
+  int64_t nested_absmax_len = 0;      // 0 without double quant
 };
 Layout4bit LayoutOf4bit(int64_t numel, int64_t blocksize, bool double_quant);
 
@@ -155,7 +155,7 @@ struct BnbQuantizationConfig {
 // dtype, a quant storage other than uint8, or a wrong JSON type. Missing
 // keys take transformers' defaults.
 absl::StatusOr<BnbQuantizationConfig> BnbConfigFromJson(absl::string_view json,
-                                                         absl::string_view label);
+                                                        absl::string_view label);
 // transformers' BitsAndBytesConfig.to_dict() (the blocksize is not in it).
 std::string BnbConfigToJson(const BnbQuantizationConfig& config);
 

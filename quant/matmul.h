@@ -33,8 +33,7 @@ struct Weight4bit {
 // [..., out]. InvalidArgument naming the argument for shapes, dtypes or
 // devices that do not fit.
 absl::StatusOr<at::Tensor> Linear4bitForward(const at::Tensor& x, const Weight4bit& weight,
-                                             const at::Tensor& bias,
-                                             at::ScalarType compute_dtype);
+                                             const at::Tensor& bias, at::ScalarType compute_dtype);
 
 // The weight as a dense [out, in] tensor of `dtype`, as Linear4bitForward
 // sees it (the vectorized dequantize).
