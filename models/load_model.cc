@@ -17,7 +17,6 @@
 #include "loader/loader.h"
 #include "models/families.h"
 #include "models/quantize.h"
-#include "quant/bnb.h"
 
 namespace accel::models {
 namespace {
@@ -56,47 +55,12 @@ absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
                                              const ModelLoadOptions& options,
                                              const loader::ModelConfig& config,
                                              at::ScalarType dtype, bool& prequantized) {
-  const std::string& method = options.quantize;
-  if (method != "none" && method != "int8" && method != "nf4" && method != "fp4") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("quantize '", method, "': expected none, int8, nf4 or fp4"));
-  }
-  if (options.double_quant && method != "nf4" && method != "fp4") {
-    return absl::InvalidArgumentError("double_quant applies to 4-bit quantization (nf4, fp4)");
-  }
-  ACCEL_ASSIGN_OR_RETURN(std::optional<quant::BnbQuantizationConfig> stored,
-                         ReadQuantizationConfig(dir + "/config.json"));
-  if (stored) {
-    prequantized = true;
-    const std::string stored_method =
-        stored->load_in_8bit ? "int8" : quant::QuantType4bitName(stored->bnb_4bit_quant_type);
-    if (method != "none" && method != stored_method) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "quantize '", method, "': ", dir, " holds a model quantized already (", stored_method,
-          ", config.json's quantization_config); leave quantize at none"));
-    }
-    ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint checkpoint, loader::Checkpoint::Open(dir));
-    return PlanFromCheckpoint(checkpoint, *stored);
-  }
-  if (method == "none") return QuantPlan();
-  quant::BnbQuantizationConfig asked;
-  asked.load_in_8bit = method == "int8";
-  asked.load_in_4bit = !asked.load_in_8bit;
-  if (asked.load_in_4bit) {
-    ACCEL_ASSIGN_OR_RETURN(asked.bnb_4bit_quant_type, quant::ParseQuantType4bit(method));
-  }
-  asked.bnb_4bit_use_double_quant = options.double_quant;
-  if (!quant::IsValidBlocksize4bit(options.quant_blocksize)) {
-    return absl::InvalidArgumentError(absl::StrCat("quant_blocksize ", options.quant_blocksize,
-                                                   ": expected 32, 64, 128, ..., 4096"));
-  }
+  QuantizeOptions asked;
+  asked.method = options.quantize;
+  asked.double_quant = options.double_quant;
   asked.blocksize = options.quant_blocksize;
-  if (!(options.int8_threshold >= 0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("int8_threshold ", options.int8_threshold, ": expected 0 or more"));
-  }
-  asked.llm_int8_threshold = options.int8_threshold;
-  asked.bnb_4bit_compute_dtype = dtype;
+  asked.int8_threshold = options.int8_threshold;
+  asked.compute_dtype = dtype;
   if (options.quant_compute_dtype != "auto") {
     absl::StatusOr<at::ScalarType> compute = ParseDType(options.quant_compute_dtype);
     if (!compute.ok() ||
@@ -105,10 +69,10 @@ absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
           absl::StrCat("quant_compute_dtype '", options.quant_compute_dtype,
                        "': expected auto, float32, bfloat16 or float16"));
     }
-    asked.bnb_4bit_compute_dtype = *compute;
+    asked.compute_dtype = *compute;
   }
   ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype));
-  return PlanQuantization(tree, asked);
+  return PlanForModel(dir, tree, asked, &prequantized);
 }
 
 absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& options,

@@ -28,17 +28,6 @@ bool IsLinearClass(const std::string& class_name) {
   return class_name == "Linear" || class_name == "Conv1D";
 }
 
-// Accelerate's keep_in_fp32_modules test: the module appears as a dotted part.
-bool HasDottedPart(absl::string_view name, const std::vector<std::string>& parts) {
-  for (const std::string& part : parts) {
-    if (name == part || absl::StartsWith(name, part + ".") || absl::EndsWith(name, "." + part) ||
-        absl::StrContains(name, "." + part + ".")) {
-      return true;
-    }
-  }
-  return false;
-}
-
 nn::LinearQuantization FromConfig(const quant::BnbQuantizationConfig& config) {
   nn::LinearQuantization how;
   how.method = config.load_in_8bit ? Method::kInt8 : Method::k4bit;
@@ -380,7 +369,7 @@ absl::StatusOr<QuantPlan> PlanQuantization(const dispatch::ModuleTree& tree,
   QuantPlan plan;
   for (const auto& [name, node] : tree.NamedModules()) {
     if (name.empty() || !IsLinearClass(tree.node(node).class_name)) continue;
-    if (!config.Quantizes(name) || HasDottedPart(name, config.keep_in_fp32_modules)) continue;
+    if (!config.Quantizes(name)) continue;  // the skip list and keep_in_fp32_modules
     if (tied.count(name + ".weight")) continue;
     plan[name] = FromConfig(config);
   }
@@ -424,6 +413,65 @@ absl::StatusOr<QuantPlan> PlanFromCheckpoint(const loader::Checkpoint& checkpoin
         "(no '<layer>.SCB' or '<layer>.weight.quant_state.bitsandbytes__*' tensor)");
   }
   return plan;
+}
+
+absl::StatusOr<quant::BnbQuantizationConfig> BnbConfigFor(const QuantizeOptions& options) {
+  const std::string& method = options.method;
+  if (method != "int8" && method != "nf4" && method != "fp4") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("quantize '", method, "': expected none, int8, nf4 or fp4"));
+  }
+  quant::BnbQuantizationConfig config;
+  config.load_in_8bit = method == "int8";
+  config.load_in_4bit = !config.load_in_8bit;
+  if (config.load_in_4bit) {
+    ACCEL_ASSIGN_OR_RETURN(config.bnb_4bit_quant_type, quant::ParseQuantType4bit(method));
+  }
+  if (options.double_quant && config.load_in_8bit) {
+    return absl::InvalidArgumentError("double_quant applies to 4-bit quantization (nf4, fp4)");
+  }
+  config.bnb_4bit_use_double_quant = options.double_quant;
+  if (!quant::IsValidBlocksize4bit(options.blocksize)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("quant_blocksize ", options.blocksize, ": expected 32, 64, 128, ..., 4096"));
+  }
+  config.blocksize = options.blocksize;
+  if (!(options.int8_threshold >= 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("int8_threshold ", options.int8_threshold, ": expected 0 or more"));
+  }
+  config.llm_int8_threshold = options.int8_threshold;
+  config.bnb_4bit_compute_dtype = options.compute_dtype;
+  return config;
+}
+
+absl::StatusOr<QuantPlan> PlanForModel(const std::string& dir, const dispatch::ModuleTree& tree,
+                                       const QuantizeOptions& options, bool* prequantized) {
+  const std::string& method = options.method;
+  if (method != "none" && method != "int8" && method != "nf4" && method != "fp4") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("quantize '", method, "': expected none, int8, nf4 or fp4"));
+  }
+  if (options.double_quant && method != "nf4" && method != "fp4") {
+    return absl::InvalidArgumentError("double_quant applies to 4-bit quantization (nf4, fp4)");
+  }
+  ACCEL_ASSIGN_OR_RETURN(std::optional<quant::BnbQuantizationConfig> stored,
+                         ReadQuantizationConfig(dir + "/config.json"));
+  if (prequantized != nullptr) *prequantized = stored.has_value();
+  if (stored) {
+    const std::string stored_method =
+        stored->load_in_8bit ? "int8" : quant::QuantType4bitName(stored->bnb_4bit_quant_type);
+    if (method != "none" && method != stored_method) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "quantize '", method, "': ", dir, " holds a model quantized already (", stored_method,
+          ", config.json's quantization_config); leave quantize at none"));
+    }
+    ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint checkpoint, loader::Checkpoint::Open(dir));
+    return PlanFromCheckpoint(checkpoint, *stored);
+  }
+  if (method == "none") return QuantPlan();
+  ACCEL_ASSIGN_OR_RETURN(quant::BnbQuantizationConfig config, BnbConfigFor(options));
+  return PlanQuantization(tree, config);
 }
 
 absl::StatusOr<std::optional<quant::BnbQuantizationConfig>> ReadQuantizationConfig(
@@ -500,12 +548,14 @@ absl::StatusOr<std::vector<loader::NamedTensor>> QuantizedStateDict(
     if (b.decl->persistent) named.push_back(b);
   }
   // The blobs follow their layer's other tensors.
-  std::map<std::string, std::string> blobs;  // weight name -> blob JSON
+  std::map<std::string, std::string> blobs;  // blob tensor name -> JSON
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     for (const auto& item : model.named_modules("", /*include_self=*/false)) {
       auto linear = std::dynamic_pointer_cast<nn::QuantizableLinear>(item.value());
       if (linear && linear->quantization().method == Method::k4bit) {
-        blobs[item.key() + ".weight"] = quant::QuantState4bitToJson(linear->quant_state);
+        blobs[absl::StrCat(item.key(), kBlobPrefix,
+                           quant::QuantType4bitName(linear->quant_state.quant_type))] =
+            quant::QuantState4bitToJson(linear->quant_state);
       }
     }
   }));
@@ -525,11 +575,10 @@ absl::StatusOr<std::vector<loader::NamedTensor>> QuantizedStateDict(
     }
     out.emplace_back(name, value);
   }
-  for (const auto& [weight, json] : blobs) {
+  for (const auto& [name, json] : blobs) {
     at::Tensor bytes = at::empty({static_cast<int64_t>(json.size())}, at::kByte);
     std::memcpy(bytes.data_ptr(), json.data(), json.size());
-    const std::string type = nlohmann::json::parse(json)["quant_type"].get<std::string>();
-    out.emplace_back(absl::StrCat(weight, ".quant_state.bitsandbytes__", type), bytes);
+    out.emplace_back(name, bytes);
   }
   return out;
 }

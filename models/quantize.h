@@ -55,6 +55,27 @@ absl::StatusOr<QuantPlan> PlanQuantization(const dispatch::ModuleTree& tree,
 absl::StatusOr<QuantPlan> PlanFromCheckpoint(const loader::Checkpoint& checkpoint,
                                              const quant::BnbQuantizationConfig& config);
 
+// What a caller asks of load-time quantization (flags, ModelLoadOptions).
+struct QuantizeOptions {
+  std::string method = "none";  // none | int8 | nf4 | fp4
+  bool double_quant = false;    // 4-bit only
+  int64_t blocksize = quant::kDefaultBlocksize4bit;
+  double int8_threshold = 6.0;
+  at::ScalarType compute_dtype = at::kFloat;  // 4-bit
+};
+
+// The BnbQuantizationConfig for `options` (method not "none"). InvalidArgument
+// naming the option: an unknown method, double_quant without 4 bits, a
+// blocksize bnb refuses, a negative threshold.
+absl::StatusOr<quant::BnbQuantizationConfig> BnbConfigFor(const QuantizeOptions& options);
+
+// The plan for the model in `dir` whose module tree is `tree`: as its
+// checkpoint stores it when config.json has a quantization_config
+// (`prequantized` set; a different method in `options` is InvalidArgument),
+// else as `options` asks (empty for "none").
+absl::StatusOr<QuantPlan> PlanForModel(const std::string& dir, const dispatch::ModuleTree& tree,
+                                       const QuantizeOptions& options, bool* prequantized);
+
 // config.json's "quantization_config", if it has one. InvalidArgument
 // naming the file for a bad one.
 absl::StatusOr<std::optional<quant::BnbQuantizationConfig>> ReadQuantizationConfig(

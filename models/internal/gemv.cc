@@ -5,7 +5,6 @@
 #include <cstring>
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 // GCC 12.2's AVX-512 intrinsics initialise their "undefined" vectors from
 // themselves, which -Wuninitialized reports once inlined (GCC bug 105593).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -18,6 +17,8 @@
 #include <immintrin.h>
 #endif
 #endif
+
+#include "core/cpu_features.h"
 
 namespace accel::models::internal {
 
@@ -325,12 +326,6 @@ struct Avx512 {
   }
 };
 
-bool CpuHasF16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
-  return (ecx & bit_F16C) != 0;
-}
-
 #endif  // __x86_64__
 
 template <template <GemvWeight> class Run>
@@ -372,12 +367,10 @@ struct Support {
 };
 
 Support Detect() {
+  const CpuFeatures& f = CpuFeaturesOfThisMachine();
   Support s;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  s.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
-  s.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-#endif
+  s.avx2 = f.avx2_fma_f16c;
+  s.avx512 = f.avx512_f_bw;
   return s;
 }
 

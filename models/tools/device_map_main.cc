@@ -9,7 +9,6 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 
@@ -22,7 +21,6 @@
 #include "loader/loader.h"
 #include "models/families.h"
 #include "models/quantize.h"
-#include "quant/bnb.h"
 
 ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
 ABSL_FLAG(std::string, tree, "",
@@ -90,33 +88,17 @@ int Run() {
 
   // Quantized sizes, from the code accel-serve --quantize loads with.
   std::optional<accel::models::QuantPlan> plan;
-  const std::string quantize = absl::GetFlag(FLAGS_quantize);
-  std::optional<accel::quant::BnbQuantizationConfig> stored;
+  accel::models::QuantizeOptions quantize;
+  quantize.method = absl::GetFlag(FLAGS_quantize);
+  quantize.double_quant = absl::GetFlag(FLAGS_double_quant);
   if (!model_dir.empty()) {
-    auto read = accel::models::ReadQuantizationConfig(model_dir + "/config.json");
-    if (!read.ok()) return Fail(read.status());
-    stored = *read;
-  }
-  if (stored) {
-    auto checkpoint = accel::loader::Checkpoint::Open(model_dir);
-    if (!checkpoint.ok()) return Fail(checkpoint.status());
-    auto made = accel::models::PlanFromCheckpoint(*checkpoint, *stored);
-    if (!made.ok()) return Fail(made.status());
-    plan = *std::move(made);
-  } else if (quantize != "none") {
-    accel::quant::BnbQuantizationConfig bnb;
-    bnb.load_in_8bit = quantize == "int8";
-    bnb.load_in_4bit = !bnb.load_in_8bit;
-    if (bnb.load_in_4bit) {
-      auto type = accel::quant::ParseQuantType4bit(quantize);
-      if (!type.ok()) {
-        return Fail(absl::InvalidArgumentError(
-            absl::StrCat("--quantize '", quantize, "': expected none, int8, nf4 or fp4")));
-      }
-      bnb.bnb_4bit_quant_type = *type;
-    }
-    bnb.bnb_4bit_use_double_quant = absl::GetFlag(FLAGS_double_quant);
-    auto made = accel::models::PlanQuantization(*tree, bnb);
+    auto made = accel::models::PlanForModel(model_dir, *tree, quantize, nullptr);
+    if (!made.ok()) return Fail(accel::Annotate(made.status(), "--quantize"));
+    if (!made->empty()) plan = *std::move(made);
+  } else if (quantize.method != "none") {
+    auto config = accel::models::BnbConfigFor(quantize);
+    if (!config.ok()) return Fail(accel::Annotate(config.status(), "--quantize"));
+    auto made = accel::models::PlanQuantization(*tree, *config);
     if (!made.ok()) return Fail(accel::Annotate(made.status(), "--quantize"));
     plan = *std::move(made);
   }

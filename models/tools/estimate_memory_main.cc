@@ -17,7 +17,6 @@
 #include "loader/config.h"
 #include "models/families.h"
 #include "models/quantize.h"
-#include "quant/bnb.h"
 
 ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
 ABSL_FLAG(bool, json, false, "Print one JSON object instead of a table.");
@@ -103,11 +102,12 @@ int Main(int argc, char** argv) {
   for (const Quantized& q :
        {Quantized{"bnb int8", true, false}, Quantized{"bnb nf4/fp4", false, false},
         Quantized{"bnb nf4/fp4 +dq", false, true}}) {
-    accel::quant::BnbQuantizationConfig bnb;
-    bnb.load_in_8bit = q.int8;
-    bnb.load_in_4bit = !q.int8;
-    bnb.bnb_4bit_use_double_quant = q.double_quant;
-    auto plan = accel::models::PlanQuantization(*tree, bnb);
+    accel::models::QuantizeOptions asked;
+    asked.method = q.int8 ? "int8" : "nf4";  // nf4 and fp4 store the same bytes
+    asked.double_quant = q.double_quant;
+    auto bnb = accel::models::BnbConfigFor(asked);
+    if (!bnb.ok()) return Fail(bnb.status());
+    auto plan = accel::models::PlanQuantization(*tree, *bnb);
     if (!plan.ok()) return Fail(plan.status());
     auto quantized = accel::models::QuantizeModuleTree(*tree, *plan);
     if (!quantized.ok()) return Fail(quantized.status());

@@ -14,7 +14,6 @@
 #include <c10/util/Half.h>
 
 #if defined(__x86_64__)
-#include <cpuid.h>
 // GCC 12's AVX-512 intrinsics initialise their "undefined" vectors from
 // themselves, which -Wuninitialized reports once inlined (GCC bug 105593).
 #if defined(__GNUC__) && !defined(__clang__)
@@ -27,6 +26,8 @@
 #include <immintrin.h>
 #endif
 #endif
+
+#include "core/cpu_features.h"
 
 namespace accel::quant::internal {
 namespace {
@@ -626,12 +627,6 @@ GemvRangeFn PickDirect(CpuIsa isa, DenseType type, int64_t m) {
   return PickDirectRows<DenseType::kFloat16>(isa, m);
 }
 
-bool CpuHasF16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
-  return (ecx & bit_F16C) != 0;
-}
-
 #endif  // __x86_64__
 
 struct Support {
@@ -640,13 +635,10 @@ struct Support {
 };
 
 Support Detect() {
+  const CpuFeatures& f = CpuFeaturesOfThisMachine();
   Support s;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  s.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
-  s.avx512 = s.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
-#endif
+  s.avx2 = f.avx2_fma_f16c;
+  s.avx512 = s.avx2 && f.avx512_f_bw && f.avx512_vl_vbmi;
   return s;
 }
 

@@ -237,6 +237,14 @@ TEST(ToolsTest, QuantizeWritesAModelThatGeneratesAsQuantizingOnLoad) {
       RunTool("accel-quantize --model " + model + " --out " + dir.path() + "/y --method q4");
   EXPECT_EQ(bad.exit_code, 1);
   EXPECT_THAT(bad.out, HasSubstr("--method 'q4'"));
+  Result bad_map =
+      RunTool("accel-device-map --model " + model + " --quantize q4 --max_memory cpu=1GiB");
+  EXPECT_EQ(bad_map.exit_code, 1);
+  EXPECT_THAT(bad_map.out, HasSubstr("quantize 'q4'"));
+  Result saved_as_int8 =
+      RunTool("accel-device-map --model " + out + " --quantize int8 --max_memory cpu=1GiB");
+  EXPECT_EQ(saved_as_int8.exit_code, 1);
+  EXPECT_THAT(saved_as_int8.out, HasSubstr("quantized already"));
   Result no_out = RunTool("accel-quantize --model " + model + " --method int8");
   EXPECT_EQ(no_out.exit_code, 1);
   EXPECT_THAT(no_out.out, HasSubstr("--out"));
