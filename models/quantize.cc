@@ -231,7 +231,11 @@ class QuantizationHook : public dispatch::LoadHook {
       }
       if (state.blocksize != how.blocksize || state.double_quant != how.double_quant ||
           state.quant_type != how.quant_type) {
-        return label("differs from the other layers' quant state read before loading");
+        return label(absl::StrCat("holds ", quant::QuantType4bitName(state.quant_type),
+                                  " blocksize ", state.blocksize,
+                                  state.double_quant ? " with" : " without",
+                                  " double quant, but the layer was built for ", how.ToString(),
+                                  " blocksize ", how.blocksize));
       }
       layer.state = state;
     } else if (local == "weight") {

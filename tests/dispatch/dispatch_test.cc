@@ -3,6 +3,7 @@
 #include "dispatch/dispatch.h"
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <set>
 #include <signal.h>
@@ -11,11 +12,14 @@
 #include <vector>
 
 #include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
+
+#include "absl/strings/match.h"
 
 #include "dispatch/empty_weights.h"
 #include "loader/loader.h"
@@ -353,6 +357,93 @@ TEST(DispatchTest, ResidentModulesNeedNoScopeWork) {
   ACCEL_ASSERT_OK_AND_ASSIGN(auto scope, (*dispatched)->Enter("l2"));
   EXPECT_EQ(scope.device(), at::Device(at::kCPU));
   EXPECT_EQ((*dispatched)->stats().fetches, 0);
+}
+
+// A LoadHook that claims "l<i>.weight" tensors and hands back `make(value)`.
+class TestHook : public LoadHook {
+ public:
+  using Make = std::function<std::vector<HookTensor>(const std::string&, const at::Tensor&)>;
+  explicit TestHook(Make make, absl::Status finish = absl::OkStatus())
+      : make_(std::move(make)), finish_(std::move(finish)) {}
+  bool Claims(absl::string_view name) const override { return absl::EndsWith(name, ".weight"); }
+  absl::StatusOr<std::vector<HookTensor>> Convert(const std::string& name,
+                                                  const at::Tensor& stored) override {
+    claimed.push_back(name);
+    return make_(name, stored);
+  }
+  absl::Status Finish() override { return finish_; }
+  std::vector<std::string> claimed;
+
+ private:
+  Make make_;
+  absl::Status finish_;
+};
+
+TEST(DispatchHookTest, HookTensorsArePlacedLikeCheckpointTensorsOnCpuAndDisk) {
+  TempDir dir, offload;
+  auto reference = SaveReference(dir.path(), at::kFloat);
+  const at::Tensor x = at::randn({3, 8});
+  // The hook doubles every weight; halving the reference's gives the same outputs.
+  TestHook hook([](const std::string& name, const at::Tensor& w) {
+    return std::vector<HookTensor>{{name, w * 2}};
+  });
+  LoadOptions options = Quiet();
+  options.hook = &hook;
+  options.offload_folder = offload.path();  // hook tensors on disk are written there
+  auto model = EmptyMlp();
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto dispatched,
+                             DispatchedModel::Load(model, dir.path(), Split(), options));
+  EXPECT_EQ(hook.claimed.size(), static_cast<size_t>(kLayers));
+  {
+    at::NoGradGuard no_grad;
+    for (auto& layer : reference->layers) layer->weight.mul_(2);
+  }
+  EXPECT_TRUE(at::allclose(model->forward(x, dispatched.get()), reference->forward(x)));
+  EXPECT_TRUE(std::filesystem::exists(offload.File("l1.weight.dat")));
+
+  // Without an offload folder, a made tensor mapped to disk has nowhere to go.
+  LoadOptions no_folder = Quiet();
+  no_folder.hook = &hook;
+  EXPECT_THAT(DispatchedModel::Load(EmptyMlp(), dir.path(), Split(), no_folder),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("l1.weight"), HasSubstr("made on loading"))));
+}
+
+TEST(DispatchHookTest, BadHookTensorsAndHookErrorsNameTheTensor) {
+  TempDir dir;
+  SaveReference(dir.path(), at::kFloat);
+  DeviceMap cpu;
+  cpu.Set("", *Placement::Parse("cpu"));
+  const auto load = [&](TestHook& hook) {
+    LoadOptions options = Quiet();
+    options.hook = &hook;
+    return DispatchedModel::Load(EmptyMlp(), dir.path(), cpu, options).status();
+  };
+  TestHook unknown([](const std::string& name, const at::Tensor& w) {
+    return std::vector<HookTensor>{{name + "_extra", w}};
+  });
+  EXPECT_THAT(load(unknown), StatusIs(absl::StatusCode::kInvalidArgument,
+                                      HasSubstr("made on loading, but the model has no such")));
+  TestHook wrong_dtype([](const std::string& name, const at::Tensor& w) {
+    return std::vector<HookTensor>{{name, w.to(at::kDouble)}};
+  });
+  EXPECT_THAT(load(wrong_dtype),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("loading made float64"), HasSubstr("expects float32"))));
+  TestHook wrong_shape([](const std::string& name, const at::Tensor& w) {
+    return std::vector<HookTensor>{{name, w.reshape({-1})}};
+  });
+  EXPECT_THAT(load(wrong_shape),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("loading made shape")));
+  // Tensors the hook keeps (returns none for) are missing parameters.
+  TestHook keeps([](const std::string&, const at::Tensor&) { return std::vector<HookTensor>{}; });
+  EXPECT_THAT(load(keeps), StatusIs(absl::StatusCode::kNotFound, HasSubstr("l0.weight")));
+  TestHook unfinished(
+      [](const std::string& name, const at::Tensor& w) {
+        return std::vector<HookTensor>{{name, w}};
+      },
+      absl::NotFoundError("the checkpoint lacks 'x.quant_state'"));
+  EXPECT_THAT(load(unfinished), StatusIs(absl::StatusCode::kNotFound, HasSubstr("x.quant_state")));
 }
 
 }  // namespace

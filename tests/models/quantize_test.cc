@@ -319,6 +319,84 @@ TEST_F(QuantizeTest, BadOptionsAndBrokenCheckpointsNameTheProblem) {
                        HasSubstr("model.layers.1.self_attn.k_proj.weight")));
 }
 
+at::Tensor Bytes(const std::string& text) {
+  at::Tensor t = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), text.data(), text.size());
+  return t;
+}
+
+TEST_F(QuantizeTest, TheHookRefusesTensorsThatDoNotFitTheLayerByName) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel float_model, LoadModel(dir_.path(), Options("none")));
+  EXPECT_THAT(SaveQuantizedModel(float_model, dir_.path() + "/out"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("without quantization")));
+  ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint float_ckpt, loader::Checkpoint::Open(dir_.path()));
+  EXPECT_THAT(PlanFromCheckpoint(float_ckpt, quant::BnbQuantizationConfig()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no quantized layer")));
+  {
+    TempDir bad;
+    ASSERT_THAT(loader::WriteSafetensors(
+                    bad.File("model.safetensors"),
+                    {{"a.weight.quant_state.bitsandbytes__nf4", at::zeros({4}, at::kFloat)}}),
+                IsOk());
+    ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint ckpt, loader::Checkpoint::Open(bad.path()));
+    EXPECT_THAT(PlanFromCheckpoint(ckpt, quant::BnbQuantizationConfig()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("uint8 JSON bytes")));
+  }
+
+  for (const char* method : {"nf4", "int8"}) {
+    SCOPED_TRACE(method);
+    const std::string layer = "model.layers.0.self_attn.q_proj";
+    ACCEL_ASSERT_OK_AND_ASSIGN(loader::ModelConfig config,
+                               loader::ReadModelConfig(dir_.path() + "/config.json"));
+    ACCEL_ASSERT_OK_AND_ASSIGN(dispatch::ModuleTree tree, ModuleTreeFor(config, at::kFloat));
+    QuantizeOptions asked;
+    asked.method = method;
+    ACCEL_ASSERT_OK_AND_ASSIGN(quant::BnbQuantizationConfig bnb, BnbConfigFor(asked));
+    ACCEL_ASSERT_OK_AND_ASSIGN(QuantPlan plan, PlanQuantization(tree, bnb));
+    std::shared_ptr<CausalLM> model;
+    {
+      dispatch::EmptyWeightsGuard empty;
+      ACCEL_ASSERT_OK_AND_ASSIGN(model, BuildCausalLM(config, at::kFloat));
+    }
+    ASSERT_THAT(QuantizeLinears(*model, plan), IsOk());
+    auto hook = MakeQuantizationHook(model, plan, at::kFloat);
+    const auto refused = [&](const std::string& name, const at::Tensor& value,
+                             const std::string& message) {
+      EXPECT_TRUE(hook->Claims(name)) << name;
+      EXPECT_THAT(hook->Convert(name, value),
+                  StatusIs(absl::StatusCode::kInvalidArgument,
+                           testing::AllOf(HasSubstr(name), HasSubstr(message))));
+    };
+    EXPECT_FALSE(hook->Claims("model.embed_tokens.weight"));
+    EXPECT_FALSE(hook->Claims(layer + ".bias"));
+    if (std::string(method) == "int8") {
+      refused(layer + ".weight_format", at::zeros({2}, at::kFloat), "expected one integer");
+      refused(layer + ".weight.absmax", at::zeros({4}, at::kFloat), "not a tensor of an 8-bit");
+      refused(layer + ".weight", at::zeros({3, 3}, at::kFloat), "before quantizing");
+      continue;
+    }
+    const std::string blob = layer + ".weight.quant_state.bitsandbytes__nf4";
+    const std::string good = quant::QuantState4bitToJson(
+        quant::QuantState4bit{quant::QuantType4bit::kNf4, 64, at::kFloat, {128, 128}});
+    refused(layer + ".weight.quant_state.bitsandbytes__fp4", Bytes(good), "holds quant_type nf4");
+    refused(blob, at::zeros({4}, at::kFloat), "uint8 JSON bytes");
+    refused(blob,
+            Bytes(quant::QuantState4bitToJson(
+                quant::QuantState4bit{quant::QuantType4bit::kNf4, 64, at::kFloat, {10, 10}})),
+            "does not fit a 128x128 layer");
+    refused(blob,
+            Bytes(quant::QuantState4bitToJson(
+                quant::QuantState4bit{quant::QuantType4bit::kNf4, 128, at::kFloat, {128, 128}})),
+            "built for nf4 blocksize 64");
+    refused(layer + ".weight.quant_map", at::zeros({15}, at::kFloat), "16 float32 code values");
+    refused(layer + ".weight.bogus", at::zeros({1}, at::kByte), "not a tensor of a 4-bit");
+    // Nothing complete yet: Finish names the missing blob.
+    EXPECT_THAT(hook->Finish(),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("bitsandbytes__nf4")));
+    EXPECT_THAT(hook->Convert(blob, Bytes(good)), IsOk());
+  }
+}
+
 TEST(QuantizableLinearTest, QuantizingALoadedLayerAndTheDeviceAgnosticPathAgree) {
   at::manual_seed(3);
   for (const auto& [method, type] : std::vector<std::pair<Method, quant::QuantType4bit>>{
