@@ -48,6 +48,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
+#include "bench/undisturbed.h"
 #include "models/internal/cpu_linear.h"
 #include "models/internal/gemv.h"
 
@@ -154,12 +155,6 @@ Flags ParseFlags(int argc, char** argv) {
   return flags;
 }
 
-double Seconds(const std::function<void()>& fn) {
-  const auto start = std::chrono::steady_clock::now();
-  fn();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
 volatile uint64_t g_sink = 0;
 
 // Sums every 8-byte word of the tensors, split over the intra-op threads as
@@ -236,40 +231,8 @@ struct Method {
   std::string name;
   int64_t rows;  // 0: a bandwidth baseline
   std::function<void()> pass;
-  double best = 1e30;      // seconds for one pass over the set, undisturbed samples
-  double best_any = 1e30;  // the same over every sample
-  int clean = 0, disturbed = 0;
+  accel::bench::Samples samples = {};  // seconds per pass
 };
-
-// CPU time in clock ticks used by the whole machine (steal included) and by
-// this process, from /proc: a sample during which other processes ran is
-// disturbed (on 2 shared cores, one busy neighbour delays half of every
-// parallel region by a scheduler time slice).
-struct CpuTicks {
-  uint64_t machine = 0, self = 0;
-};
-
-CpuTicks ReadCpuTicks() {
-  CpuTicks ticks;
-  std::ifstream stat("/proc/stat");
-  std::string cpu;
-  uint64_t v[8] = {};  // user nice system idle iowait irq softirq steal
-  stat >> cpu;
-  for (uint64_t& x : v) stat >> x;
-  ticks.machine = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
-  std::ifstream self("/proc/self/stat");
-  std::string line;
-  std::getline(self, line);
-  const size_t paren = line.rfind(')');
-  if (paren == std::string::npos) return ticks;
-  std::istringstream fields(line.substr(paren + 2));  // from field 3 (state) on
-  std::string field;
-  for (int i = 3; i <= 15 && fields >> field; ++i) {
-    if (i == 14 || i == 15)
-      ticks.self += std::strtoull(field.c_str(), nullptr, 10);  // utime, stime
-  }
-  return ticks;
-}
 
 std::string Name(at::ScalarType t) {
   return t == at::kFloat ? "float32" : t == at::kBFloat16 ? "bfloat16" : "float16";
@@ -359,26 +322,13 @@ int Main(int argc, char** argv) {
 
   // Rounds until every method has --repeats undisturbed samples (at most
   // 5 x --repeats rounds).
-  const double ticks_per_s = static_cast<double>(::sysconf(_SC_CLK_TCK));
-  const double cpus = static_cast<double>(std::thread::hardware_concurrency());
   for (int round = 0; round < 5 * flags.repeats; ++round) {
     int short_of = 0;
     const auto start = std::chrono::steady_clock::now();
     for (Method& method : methods) {
-      if (method.clean >= flags.repeats) continue;
-      const CpuTicks before = ReadCpuTicks();
-      const double seconds = Seconds(method.pass);
-      const CpuTicks after = ReadCpuTicks();
-      const double others = static_cast<double>(after.machine - before.machine) -
-                            static_cast<double>(after.self - before.self);
-      method.best_any = std::min(method.best_any, seconds);
-      if (others <= 1 + 0.02 * seconds * ticks_per_s * cpus) {
-        method.best = std::min(method.best, seconds);
-        ++method.clean;
-      } else {
-        ++method.disturbed;
-      }
-      if (method.clean < flags.repeats) ++short_of;
+      if (method.samples.clean >= flags.repeats) continue;
+      accel::bench::Sample(method.pass, method.samples);
+      if (method.samples.clean < flags.repeats) ++short_of;
     }
     std::printf("round %d: %.1f s, %d methods short of %d undisturbed samples\n", round + 1,
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
@@ -393,7 +343,9 @@ int Main(int argc, char** argv) {
       "samples = undisturbed/disturbed\n");
   std::printf("%-9s %-10s %-4s %-28s %10s %7s %8s %8s %8s\n", "dtype", "shape", "m", "method",
               "ms / call", "GB/s", "of read", "of 8x", "samples");
-  auto best = [](const Method& m) { return m.clean > 0 ? m.best : m.best_any; };
+  auto best = [](const Method& m) {
+    return m.samples.clean > 0 ? m.samples.best : m.samples.best_any;
+  };
   for (const Method& method : methods) {
     const Set& s = *method.set;
     double read_s = 0, streams_s = 0;
@@ -407,8 +359,8 @@ int Main(int argc, char** argv) {
     std::printf("%-9s %-10s %-4s %-28s %10.3f %7.2f %8.2f %8.2f %5d/%-2d%s\n", s.dtype.c_str(),
                 s.shape.c_str(), m.c_str(), method.name.c_str(),
                 1e3 * seconds / static_cast<double>(s.weights.size()), s.bytes / 1e9 / seconds,
-                read_s / seconds, streams_s / seconds, method.clean, method.disturbed,
-                method.clean > 0 ? "" : " *");
+                read_s / seconds, streams_s / seconds, method.samples.clean,
+                method.samples.disturbed, method.samples.clean > 0 ? "" : " *");
   }
   return 0;
 }

@@ -47,6 +47,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
+#include "bench/undisturbed.h"
 #include "quant/bnb.h"
 #include "quant/internal/kernels_cpu.h"
 #include "quant/matmul.h"
@@ -210,45 +211,8 @@ struct Method {
   double bytes;   // weight bytes one pass reads
   int64_t calls;  // calls (matrices) per pass
   std::function<void()> pass;
-  double best = 1e30;      // seconds per pass, undisturbed samples
-  double best_any = 1e30;  // the same over every sample
-  int clean = 0, disturbed = 0;
+  accel::bench::Samples samples = {};  // seconds per pass
 };
-
-// CPU time in clock ticks of the whole machine (steal included) and of this
-// process, from /proc: a sample during which other processes ran is
-// disturbed (on 2 shared cores one busy neighbour delays half of every
-// parallel region), as accel-bench-gemv does.
-struct CpuTicks {
-  uint64_t machine = 0, self = 0;
-};
-
-CpuTicks ReadCpuTicks() {
-  CpuTicks ticks;
-  std::ifstream stat("/proc/stat");
-  std::string cpu;
-  uint64_t v[8] = {};  // user nice system idle iowait irq softirq steal
-  stat >> cpu;
-  for (uint64_t& x : v) stat >> x;
-  ticks.machine = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
-  std::ifstream self("/proc/self/stat");
-  std::string line;
-  std::getline(self, line);
-  const size_t paren = line.rfind(')');
-  if (paren == std::string::npos) return ticks;
-  std::istringstream fields(line.substr(paren + 2));  // from field 3 (state) on
-  std::string field;
-  for (int i = 3; i <= 15 && fields >> field; ++i) {
-    if (i == 14 || i == 15) ticks.self += std::strtoull(field.c_str(), nullptr, 10);
-  }
-  return ticks;
-}
-
-double Seconds(const std::function<void()>& fn) {
-  const auto start = std::chrono::steady_clock::now();
-  fn();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
   const std::string shape = absl::StrCat(s.n, "x", s.k);
@@ -341,30 +305,17 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
 
   // Rounds until every method has --repeats undisturbed samples (at most
   // 5 x --repeats rounds).
-  const double ticks_per_s = static_cast<double>(::sysconf(_SC_CLK_TCK));
-  const double cpus = static_cast<double>(std::thread::hardware_concurrency());
   for (int round = 0; round < 5 * flags.repeats; ++round) {
     int short_of = 0;
     for (Method& method : methods) {
-      if (method.clean >= flags.repeats) continue;
-      const CpuTicks before = ReadCpuTicks();
-      const double seconds = Seconds(method.pass);
-      const CpuTicks after = ReadCpuTicks();
-      const double others = static_cast<double>(after.machine - before.machine) -
-                            static_cast<double>(after.self - before.self);
-      method.best_any = std::min(method.best_any, seconds);
-      if (others <= 1 + 0.02 * seconds * ticks_per_s * cpus) {
-        method.best = std::min(method.best, seconds);
-        ++method.clean;
-      } else {
-        ++method.disturbed;
-      }
-      if (method.clean < flags.repeats) ++short_of;
+      if (method.samples.clean >= flags.repeats) continue;
+      accel::bench::Sample(method.pass, method.samples);
+      if (method.samples.clean < flags.repeats) ++short_of;
     }
     if (short_of == 0) break;
   }
   for (Method& method : methods) {
-    if (method.clean == 0) method.best = method.best_any;
+    if (method.samples.clean == 0) method.samples.best = method.samples.best_any;
   }
 
   std::printf("\n%-10s %-4s %-32s %10s %8s %12s %8s\n", "shape", "m", "method", "ms / call", "GB/s",
@@ -373,19 +324,20 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
     double bf16_call = 0;
     for (const Method& other : methods) {
       if (other.rows == method.rows && other.name == "at::linear bfloat16") {
-        bf16_call = other.best / static_cast<double>(other.calls);
+        bf16_call = other.samples.best / static_cast<double>(other.calls);
       }
     }
     const std::string m = method.rows == 0 ? "-" : std::to_string(method.rows);
     char per_call[32] = "-", relative[32] = "";
     if (method.calls > 0) {
-      const double seconds = method.best / static_cast<double>(method.calls);
+      const double seconds = method.samples.best / static_cast<double>(method.calls);
       std::snprintf(per_call, sizeof(per_call), "%.3f", 1e3 * seconds);
       std::snprintf(relative, sizeof(relative), "%.2fx", bf16_call / seconds);
     }
     std::printf("%-10s %-4s %-32s %10s %8.2f %12s %5d/%-2d%s\n", shape.c_str(), m.c_str(),
-                method.name.c_str(), per_call, method.bytes / 1e9 / method.best, relative,
-                method.clean, method.disturbed, method.clean > 0 ? "" : " *");
+                method.name.c_str(), per_call, method.bytes / 1e9 / method.samples.best, relative,
+                method.samples.clean, method.samples.disturbed,
+                method.samples.clean > 0 ? "" : " *");
   }
   std::printf("\n");
   std::fflush(stdout);
