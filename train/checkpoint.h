@@ -1,0 +1,106 @@
+// train/checkpoint.h: the files of Accelerate's save_state / load_state and
+// save_model, each written atomically (temporary file, then rename), and the
+// automatic checkpoint naming with total_limit pruning.
+//
+// A save_state folder holds (names as Accelerate's): model.safetensors
+// (model_{i} for the i-th extra model), optimizer.bin, scheduler.bin,
+// scaler.pt, random_states_{rank}.pkl, custom_checkpoint_{i}.pkl. The .bin /
+// .pkl / .pt files are torch pickles (torch::pickle_save of a dict), which
+// Python's torch.load reads; the optimizer's is libtorch's own archive
+// (its state layout differs from Python's).
+#ifndef ACCEL_TRAIN_CHECKPOINT_H_
+#define ACCEL_TRAIN_CHECKPOINT_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+#include "train/grad_scaler.h"
+#include "train/scheduler.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace accel::train {
+
+using StateDict = std::vector<std::pair<std::string, at::Tensor>>;
+
+// ---- save_model ----
+
+// "10GB", "500MB", "100KB" (decimal units, huggingface_hub's rule; KiB/MiB/GiB
+// binary) or a plain byte count. InvalidArgument naming the text.
+absl::StatusOr<int64_t> ParseShardSize(absl::string_view text);
+
+struct SaveModelOptions {
+  int64_t max_shard_size = 10'000'000'000;  // "10GB"
+  // Stem of the files: "model" gives model.safetensors or
+  // model-0000i-of-0000n.safetensors + model.safetensors.index.json.
+  std::string weights_name = "model";
+};
+
+// Writes `state_dict` (huggingface_hub's greedy split: state-dict order, a
+// tensor over the limit alone, tensors sharing storage kept once, in the
+// shard of the first) as safetensors with metadata {"format": "pt"}; the
+// index is JSON with indent 2, sorted keys and a trailing newline. Shards of
+// an earlier save with the same stem that the new split does not use are removed.
+absl::Status SaveModel(const StateDict& state_dict, const std::string& dir,
+                       const SaveModelOptions& options = {});
+// Reads back what SaveModel wrote (one file or the index and its shards), on CPU.
+absl::StatusOr<StateDict> LoadModelWeights(const std::string& dir,
+                                           absl::string_view weights_name = "model");
+
+// ---- state files ----
+
+absl::Status SaveOptimizer(torch::optim::Optimizer& optimizer, const std::string& path);
+absl::Status LoadOptimizer(torch::optim::Optimizer& optimizer, const std::string& path);
+
+absl::Status SaveSchedulerState(const SchedulerState& state, const std::string& path);
+absl::StatusOr<SchedulerState> LoadSchedulerState(const std::string& path);
+
+absl::Status SaveScalerState(const GradScalerState& state, const std::string& path);
+absl::StatusOr<GradScalerState> LoadScalerState(const std::string& path);
+
+// random_states_{rank}.pkl: {"step": accumulation step, "torch_manual_seed":
+// the CPU generator state, "torch_cuda_manual_seed": one state per CUDA
+// device}, plus a "sampler_epoch" / "sampler_seed" pair of ours.
+struct RandomStates {
+  int64_t step = 0;
+  at::Tensor cpu_state;                 // uint8, at::CPUGeneratorImpl::get_state()
+  std::vector<at::Tensor> cuda_states;  // empty without CUDA
+};
+RandomStates CaptureRandomStates(int64_t step);
+absl::Status RestoreRandomStates(const RandomStates& states);
+absl::Status SaveRandomStates(const RandomStates& states, const std::string& path);
+absl::StatusOr<RandomStates> LoadRandomStates(const std::string& path);
+
+// A registered object's state (register_for_checkpointing): named tensors.
+absl::Status SaveCustomState(const std::map<std::string, at::Tensor>& state,
+                             const std::string& path);
+absl::StatusOr<std::map<std::string, at::Tensor>> LoadCustomState(const std::string& path);
+
+// ---- automatic checkpoint naming ----
+
+// project_dir/checkpoints/checkpoint_{iteration}. When `prune` (the main
+// process) and total_limit is set, first removes the oldest entries of
+// project_dir/checkpoints (by the number that ends their name, never
+// lexicographically) so that with the new one at most total_limit remain.
+// FailedPrecondition if the target already exists (Accelerate's ValueError).
+absl::StatusOr<std::string> NextCheckpointDir(const std::string& project_dir, int64_t iteration,
+                                              std::optional<int64_t> total_limit, bool prune);
+// The entry of project_dir/checkpoints with the largest trailing number;
+// NotFound when there is none.
+absl::StatusOr<std::string> LatestCheckpointDir(const std::string& project_dir);
+
+}  // namespace accel::train
+
+#endif  // ACCEL_TRAIN_CHECKPOINT_H_

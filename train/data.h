@@ -1,0 +1,179 @@
+// train/data.h: datasets, samplers and data loaders with Accelerate's exact
+// sharding semantics (data_loader.py): BatchSamplerShard, IterableDatasetShard,
+// SeedableRandomSampler (bit-identical to torch.randperm for the same seed),
+// skip_first_batches, and the prepared loader that knows when it is on its
+// last batch (end_of_dataloader, remainder) for gradient accumulation and
+// gather_for_metrics.
+#ifndef ACCEL_TRAIN_DATA_H_
+#define ACCEL_TRAIN_DATA_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+#include "train/collectives.h"
+#include "train/process_group.h"
+
+namespace accel::train {
+
+using IndexBatch = std::vector<int64_t>;
+
+// ---- Index-level building blocks (pure; the unit tests use Accelerate's vectors) ----
+
+// torch.randperm(n, generator=torch.Generator().manual_seed(seed)), bit for bit.
+std::vector<int64_t> RandomPermutation(int64_t n, uint64_t seed);
+// torch's BatchSampler over `order`.
+std::vector<IndexBatch> MakeBatches(const std::vector<int64_t>& order, int64_t batch_size,
+                                    bool drop_last);
+
+struct ShardOptions {
+  int num_processes = 1;
+  int process_index = 0;
+  bool split_batches = false;
+  bool even_batches = true;
+};
+
+// BatchSamplerShard: rank process_index's batches out of `batches` (the
+// output of a batch sampler). `batch_size` is the sampler's batch size, or
+// nullopt for dynamic batches; `drop_last` the sampler's. InvalidArgument
+// (mentioning "split_batches" / "round multiple") as Accelerate raises.
+absl::StatusOr<std::vector<IndexBatch>> ShardBatches(const std::vector<IndexBatch>& batches,
+                                                     std::optional<int64_t> batch_size,
+                                                     bool drop_last, const ShardOptions& options);
+// BatchSamplerShard.__len__ (the split-mode quirk included).
+int64_t ShardedLength(int64_t num_batches, bool drop_last, const ShardOptions& options);
+
+// IterableDatasetShard over a stream of `n` elements 0..n-1: the elements
+// rank process_index yields, in order.
+absl::StatusOr<std::vector<int64_t>> ShardIterable(int64_t n, int64_t batch_size, bool drop_last,
+                                                   const ShardOptions& options);
+
+// SkipBatchSampler: everything after the first `skip` batches.
+std::vector<IndexBatch> SkipBatches(const std::vector<IndexBatch>& batches, int64_t skip);
+
+// ---- Datasets and loaders ----
+
+// One example or one batch: named tensors ("input_ids", "labels", ...).
+using Example = TensorMap;
+using Batch = TensorMap;
+
+// A map-style dataset.
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  virtual int64_t size() const = 0;
+  virtual absl::StatusOr<Example> Get(int64_t index) const = 0;
+};
+
+// Rows of named tensors that share their first dimension.
+class TensorDataset : public Dataset {
+ public:
+  // InvalidArgument naming the tensor whose first dimension differs.
+  static absl::StatusOr<std::shared_ptr<TensorDataset>> Create(TensorMap columns);
+  int64_t size() const override;
+  absl::StatusOr<Example> Get(int64_t index) const override;
+
+ private:
+  explicit TensorDataset(TensorMap columns, int64_t rows);
+  TensorMap columns_;
+  int64_t rows_;
+};
+
+// Stacks the examples' tensors along a new dimension 0; InvalidArgument
+// naming the key when examples disagree on keys or shapes.
+absl::StatusOr<Batch> Collate(const std::vector<Example>& examples);
+
+// What a user builds (torch.utils.data.DataLoader's arguments).
+struct DataLoaderOptions {
+  int64_t batch_size = 1;
+  bool shuffle = false;  // a seeded random permutation per epoch
+  bool drop_last = false;
+  // The seed of the shuffle (SeedableRandomSampler's initial_seed); unset:
+  // the seed of the last SetSeed, else 0.
+  std::optional<uint64_t> seed;
+};
+
+// The gradient state's view of the loaders being iterated: a stack, the
+// innermost active loader last (Accelerate's GradientState.dataloader_references).
+struct LoaderProgress {
+  bool end_of_dataloader = false;
+  int64_t remainder = -1;  // len(dataset) % total_batch_size, -1 when unknown or drop_last
+};
+class ActiveLoaders {
+ public:
+  void Push(const LoaderProgress* loader);
+  void Pop(const LoaderProgress* loader);
+  // The innermost active loader, or nullptr.
+  const LoaderProgress* active() const;
+
+ private:
+  std::vector<const LoaderProgress*> stack_;
+};
+
+// DataLoaderConfiguration's options that shape the prepared loader.
+struct PrepareOptions {
+  ShardOptions shard;             // num_processes and process_index come from the group
+  bool dispatch_batches = false;  // rank 0 reads and broadcasts (DataLoaderDispatcher)
+  bool use_seedable_sampler = true;
+  std::optional<uint64_t> data_seed;
+  // Batches are moved here (non_blocking where the device allows).
+  c10::Device device = c10::Device(c10::kCPU);
+  bool non_blocking = false;
+};
+
+// DataLoaderShard / DataLoaderDispatcher: iterate with
+//   ACCEL_RETURN_IF_ERROR(loader.Start());
+//   while (true) { ACCEL_ASSIGN_OR_RETURN(std::optional<Batch> b, loader.Next()); if (!b) break;
+//   ... }
+// The loader runs one batch ahead, so end_of_dataloader() is true while the
+// last batch is being used. A full pass moves to the next epoch.
+class DataLoader {
+ public:
+  // An unprepared, single-process loader.
+  static absl::StatusOr<std::unique_ptr<DataLoader>> Create(std::shared_ptr<const Dataset> dataset,
+                                                            const DataLoaderOptions& options);
+  // The sharded loader of one rank. `group` and `active` must outlive it;
+  // `group` is used by dispatch_batches only.
+  static absl::StatusOr<std::unique_ptr<DataLoader>> Prepare(const DataLoader& loader,
+                                                             ProcessGroup& group,
+                                                             ActiveLoaders* active,
+                                                             const PrepareOptions& options);
+  // skip_first_batches: a loader that skips the first `num_batches` of the
+  // current epoch once (the epoch carries over), then behaves as this one.
+  std::unique_ptr<DataLoader> SkipFirstBatches(int64_t num_batches) const;
+
+  ~DataLoader();
+  DataLoader(const DataLoader&) = delete;
+  DataLoader& operator=(const DataLoader&) = delete;
+
+  absl::Status Start();
+  absl::StatusOr<std::optional<Batch>> Next();
+  // Batches this rank yields per epoch (BatchSamplerShard.__len__).
+  int64_t size() const;
+  int64_t epoch() const;
+  void set_epoch(int64_t epoch);
+  const LoaderProgress& progress() const;
+  const DataLoaderOptions& options() const;
+  // batch_size * num_processes (or batch_size when split_batches).
+  int64_t total_batch_size() const;
+  int64_t dataset_size() const;
+  // The indices of the batches this rank yields in the current epoch (for tests and resume).
+  absl::StatusOr<std::vector<IndexBatch>> EpochBatches() const;
+
+ private:
+  struct State;
+  explicit DataLoader(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace accel::train
+
+#endif  // ACCEL_TRAIN_DATA_H_

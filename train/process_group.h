@@ -1,0 +1,78 @@
+// train/process_group.h: one c10d process group (gloo on CPU, NCCL on GPU)
+// behind a small Status-returning interface. Every method is a collective:
+// all ranks call it in the same order. A peer that dies or a timeout comes
+// back as an error Status naming the operation, never a hang past `timeout`.
+//
+//   ACCEL_ASSIGN_OR_RETURN(auto group, ProcessGroup::Connect(env, {}));
+//   ACCEL_RETURN_IF_ERROR(group->AllReduce(grads, ReduceOp::kSum));
+#ifndef ACCEL_TRAIN_PROCESS_GROUP_H_
+#define ACCEL_TRAIN_PROCESS_GROUP_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+#include "train/env.h"
+
+namespace accel::train {
+
+// gloo has no AVG in libtorch 1.13: a mean is a sum divided by size().
+enum class ReduceOp { kSum, kMax, kMin };
+
+struct ProcessGroupOptions {
+  // "gloo", "nccl", or "auto" (nccl when the tensors will be on CUDA and
+  // libtorch has NCCL, else gloo). Accelerate's InitProcessGroupKwargs.backend.
+  std::string backend = "auto";
+  bool use_cuda = false;
+  // InitProcessGroupKwargs.timeout: 1800 s (600 s for nccl when unset).
+  absl::Duration timeout = absl::Seconds(1800);
+};
+
+// An asynchronous collective in flight (the gradient all-reduce overlaps
+// backward with these). Wait() returns its error, if any; the destructor
+// waits too.
+class PendingWork {
+ public:
+  virtual ~PendingWork() = default;
+  virtual absl::Status Wait() = 0;
+};
+
+class ProcessGroup {
+ public:
+  // Rank 0 hosts the TCP store at master_addr:master_port; the others connect.
+  static absl::StatusOr<std::unique_ptr<ProcessGroup>> Connect(const ProcessEnvironment& env,
+                                                               const ProcessGroupOptions& options);
+  // A group of one: every collective is the identity (no sockets, no threads).
+  static std::unique_ptr<ProcessGroup> Single();
+
+  virtual ~ProcessGroup() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const std::string& backend() const = 0;  // "gloo", "nccl" or "single"
+
+  // In place on every tensor (same shapes and dtypes on every rank).
+  virtual absl::Status AllReduce(std::vector<at::Tensor>& tensors, ReduceOp op) = 0;
+  virtual absl::StatusOr<std::unique_ptr<PendingWork>> AllReduceAsync(
+      std::vector<at::Tensor>& tensors, ReduceOp op) = 0;
+  // Every rank's tensor (equal shapes), concatenated along dim 0 in rank order.
+  // A 0-d tensor counts as shape [1].
+  virtual absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor) = 0;
+  // In place: afterwards every rank holds `src`'s values.
+  virtual absl::Status Broadcast(at::Tensor& tensor, int src) = 0;
+  virtual absl::Status Barrier() = 0;
+  // Byte strings of any length: every rank's, in rank order.
+  virtual absl::StatusOr<std::vector<std::string>> AllGatherBytes(absl::string_view bytes) = 0;
+  // `src`'s bytes on every rank (the others' argument is ignored).
+  virtual absl::StatusOr<std::string> BroadcastBytes(absl::string_view bytes, int src) = 0;
+};
+
+}  // namespace accel::train
+
+#endif  // ACCEL_TRAIN_PROCESS_GROUP_H_
