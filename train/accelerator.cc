@@ -1,1 +1,741 @@
-// Being written.
+#include "train/accelerator.h"
+
+#include <atomic>
+#include <filesystem>
+#include <iostream>
+#include <new>
+#include <regex>
+#include <set>
+#include <utility>
+
+#include <ATen/Context.h>
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/nn/module.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/optimizer.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+#include "core/status.h"
+#include "train/checkpoint.h"
+
+namespace accel::train {
+namespace {
+
+std::atomic<uint64_t> g_last_seed{0};
+
+bool EnvTrue(const EnvLookup& env, const std::string& name) {
+  std::optional<std::string> v = env(name);
+  if (!v) return false;
+  std::string s = absl::AsciiStrToLower(*v);
+  return s == "1" || s == "true" || s == "yes";
+}
+
+std::string Indexed(absl::string_view stem, size_t i, absl::string_view ext) {
+  return i == 0 ? absl::StrCat(stem, ext) : absl::StrCat(stem, "_", i, ext);
+}
+
+// The number that ends a checkpoint folder's name, or -1.
+int64_t TrailingNumber(const std::string& path) {
+  std::string name = std::filesystem::path(path).filename().string();
+  if (name.empty()) name = std::filesystem::path(path).parent_path().filename().string();
+  std::smatch m;
+  static const std::regex kDigits("(\\d+)$");
+  int64_t n = -1;
+  if (std::regex_search(name, m, kDigits) && absl::SimpleAtoi(m.str(1), &n)) return n;
+  return -1;
+}
+
+}  // namespace
+
+// ---- Prepared objects ----
+
+NamedTensors PreparedModel::StateDict() const {
+  NamedTensors out;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    out.emplace_back(item.key(), item.value().detach());
+  }
+  for (const auto& item : module_->named_buffers(/*recurse=*/true)) {
+    out.emplace_back(item.key(), item.value().detach());
+  }
+  return out;
+}
+
+absl::Status PreparedOptimizer::Step() {
+  if (!accelerator_->sync_gradients()) return absl::OkStatus();
+  GradScaler* scaler = accelerator_->scaler();
+  if (scaler != nullptr) {
+    ACCEL_ASSIGN_OR_RETURN(bool stepped, scaler->Step(*optimizer_));
+    ACCEL_RETURN_IF_ERROR(scaler->Update());
+    step_was_skipped_ = !stepped;
+    return absl::OkStatus();
+  }
+  step_was_skipped_ = false;
+  return Annotate(CallTorch([&] { optimizer_->step(); }), "optimizer step");
+}
+
+void PreparedOptimizer::ZeroGrad() {
+  if (!accelerator_->sync_gradients()) return;
+  // set_to_none, Accelerate's default: the next backward writes fresh
+  // gradients instead of adding to zeros.
+  for (auto& group : optimizer_->param_groups()) {
+    for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+  }
+}
+
+absl::Status PreparedScheduler::Step() {
+  const Accelerator& acc = *accelerator_;
+  if (!acc.options_.step_scheduler_with_optimizer) {
+    scheduler_->Step();
+    return absl::OkStatus();
+  }
+  if (!acc.sync_gradients()) {
+    if (acc.plugin_.adjust_scheduler) scheduler_->IncrementStepCount();
+    return absl::OkStatus();
+  }
+  for (const auto& opt : acc.optimizers_) {
+    if (opt->step_was_skipped()) return absl::OkStatus();
+  }
+  // The loss is averaged over num_processes times the per-process batch, so
+  // one optimizer step covers that many single-process steps (Accelerate).
+  const int ticks = acc.dataloader_config_.split_batches ? 1 : acc.num_processes();
+  for (int i = 0; i < ticks; ++i) {
+    std::optional<int64_t> total = scheduler_->total_steps();
+    if (total && scheduler_->step_count() > *total) break;
+    scheduler_->Step();
+  }
+  return absl::OkStatus();
+}
+
+AccumulateScope::AccumulateScope(AccumulateScope&& other) noexcept
+    : restore_(std::move(other.restore_)) {
+  other.restore_.clear();
+}
+
+AccumulateScope::~AccumulateScope() {
+  for (auto& [sync, previous] : restore_) sync->set_require_sync(previous);
+}
+
+// ---- Accelerator ----
+
+absl::StatusOr<std::unique_ptr<Accelerator>> Accelerator::Create(const AcceleratorOptions& options,
+                                                                 const EnvLookup& env) {
+  auto acc = std::unique_ptr<Accelerator>(new Accelerator());
+  acc->options_ = options;
+
+  // What a C++ program cannot do is refused, never ignored.
+  std::string dynamo = options.dynamo_backend;
+  if (std::optional<std::string> v = env("ACCELERATE_DYNAMO_BACKEND"); v && dynamo == "no") {
+    dynamo = *v;
+  }
+  if (absl::AsciiStrToLower(dynamo) != "no") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dynamo_backend \"", dynamo,
+                     "\": torch.compile backends exist only in Python; a C++ program runs eagerly "
+                     "(use \"no\")"));
+  }
+  if (options.use_deepspeed || EnvTrue(env, "ACCELERATE_USE_DEEPSPEED")) {
+    return absl::InvalidArgumentError("use_deepspeed: DeepSpeed is not available to C++ programs");
+  }
+  if (options.use_fsdp || EnvTrue(env, "ACCELERATE_USE_FSDP")) {
+    return absl::InvalidArgumentError(
+        "use_fsdp: FSDP is not in libtorch 1.13's C++ API; use data parallel (the default)");
+  }
+  if (options.use_megatron_lm) {
+    return absl::InvalidArgumentError("use_megatron_lm: Megatron-LM is not available to C++");
+  }
+  if (options.dataloader_config.use_stateful_dataloader) {
+    return absl::InvalidArgumentError(
+        "dataloader_config.use_stateful_dataloader: torchdata's StatefulDataLoader is Python-only; "
+        "save_state records the loaders' epoch and position instead");
+  }
+
+  // Mixed precision: the argument, else $ACCELERATE_MIXED_PRECISION, else "no".
+  std::string precision = "no";
+  if (options.mixed_precision) {
+    precision = *options.mixed_precision;
+  } else if (std::optional<std::string> v = env("ACCELERATE_MIXED_PRECISION")) {
+    precision = absl::AsciiStrToLower(*v);
+  }
+  absl::StatusOr<PrecisionType> parsed = ParsePrecision(precision);
+  if (!parsed.ok()) return Annotate(parsed.status(), "mixed_precision");
+  acc->precision_ = *parsed;
+
+  // Gradient accumulation.
+  if (options.gradient_accumulation_steps && options.gradient_accumulation_plugin) {
+    return absl::InvalidArgumentError(
+        "gradient_accumulation_steps and gradient_accumulation_plugin are both set: set the steps "
+        "in the plugin (num_steps) only");
+  }
+  if (options.gradient_accumulation_plugin) acc->plugin_ = *options.gradient_accumulation_plugin;
+  if (options.gradient_accumulation_steps) {
+    acc->plugin_.num_steps = *options.gradient_accumulation_steps;
+  }
+  if (std::optional<std::string> v = env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(*v, &n)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ACCELERATE_GRADIENT_ACCUMULATION_STEPS=\"", *v, "\" is not an integer"));
+    }
+    acc->plugin_.num_steps = n;
+  }
+  if (acc->plugin_.num_steps < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gradient_accumulation_steps must be >= 1, got ", acc->plugin_.num_steps));
+  }
+
+  // Kwargs handlers.
+  if (options.ddp_kwargs) {
+    const DistributedDataParallelKwargs& ddp = *options.ddp_kwargs;
+    if (ddp.dim != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DistributedDataParallelKwargs.dim = ", ddp.dim,
+                       ": batches are split along dimension 0 only"));
+    }
+    if (!ddp.comm_hook.empty() && ddp.comm_hook != "no" && ddp.comm_hook != "fp16" &&
+        ddp.comm_hook != "bf16") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("DistributedDataParallelKwargs.comm_hook \"", ddp.comm_hook,
+                       "\": supported are \"fp16\" and \"bf16\" (power_sgd is not implemented)"));
+    }
+    if (ddp.bucket_cap_mb <= 0) {
+      return absl::InvalidArgumentError("DistributedDataParallelKwargs.bucket_cap_mb must be > 0");
+    }
+  }
+  ProcessGroupOptions group_options;
+  if (options.init_process_group_kwargs) {
+    const InitProcessGroupKwargs& pg = *options.init_process_group_kwargs;
+    if (!pg.init_method.empty() && pg.init_method != "env://") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("InitProcessGroupKwargs.init_method \"", pg.init_method,
+                       "\": only env:// (the launcher's MASTER_ADDR / MASTER_PORT) is supported"));
+    }
+    group_options.backend = pg.backend;
+    if (pg.timeout) group_options.timeout = *pg.timeout;
+  }
+
+  ACCEL_ASSIGN_OR_RETURN(acc->environment_, DetectProcessEnvironment(env));
+  const bool use_cpu =
+      options.cpu || acc->environment_.use_cpu || EnvTrue(env, "ACCELERATE_USE_CPU");
+  if (!use_cpu && at::globalContext().hasCUDA()) {
+    acc->device_ =
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(
+                                    acc->environment_.local_rank %
+                                    std::max<int64_t>(1, at::detail::getCUDAHooks().getNumGPUs())));
+  }
+  group_options.use_cuda = acc->device_.is_cuda();
+  if (acc->environment_.world_size > 1) {
+    acc->distributed_type_ =
+        acc->device_.is_cuda() ? DistributedType::kMultiGpu : DistributedType::kMultiCpu;
+    ACCEL_ASSIGN_OR_RETURN(acc->group_, ProcessGroup::Connect(acc->environment_, group_options));
+  } else {
+    acc->group_ = ProcessGroup::Single();
+  }
+
+  if (acc->precision_ == PrecisionType::kFp16) {
+    GradScalerOptions scaler_options = options.grad_scaler_kwargs.value_or(GradScalerOptions{});
+    absl::StatusOr<GradScaler> scaler = GradScaler::Create(scaler_options);
+    if (!scaler.ok()) return Annotate(scaler.status(), "GradScalerKwargs");
+    acc->scaler_ = std::make_unique<GradScaler>(*std::move(scaler));
+  }
+
+  acc->dataloader_config_ = options.dataloader_config;
+  acc->project_ = options.project_config;
+  if (acc->project_.logging_dir.empty()) acc->project_.logging_dir = acc->project_.project_dir;
+  if (acc->project_.automatic_checkpoint_naming && acc->project_.project_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "ProjectConfiguration.automatic_checkpoint_naming needs project_dir");
+  }
+  if (acc->project_.total_limit && *acc->project_.total_limit < 1) {
+    return absl::InvalidArgumentError("ProjectConfiguration.total_limit must be >= 1");
+  }
+  for (const std::string& name : options.log_with) {
+    if (name != "jsonl" && name != "tensorboard" && name != "all") {
+      return absl::InvalidArgumentError(absl::StrCat("log_with: unknown tracker \"", name,
+                                                     "\" (known: jsonl, tensorboard, all)"));
+    }
+  }
+  return acc;
+}
+
+Accelerator::~Accelerator() = default;
+
+absl::StatusOr<PreparedModel*> Accelerator::PrepareModel(
+    std::shared_ptr<torch::nn::Module> module) {
+  if (module == nullptr) return absl::InvalidArgumentError("PrepareModel: the module is null");
+  auto prepared = std::make_unique<PreparedModel>();
+  prepared->module_ = std::move(module);
+  if (device_.type() != c10::kCPU) {
+    ACCEL_RETURN_IF_ERROR(
+        Annotate(CallTorch([&] { prepared->module_->to(device_); }), "moving the model"));
+  }
+  if (num_processes() > 1) {
+    DdpOptions ddp;
+    if (options_.ddp_kwargs) {
+      const DistributedDataParallelKwargs& k = *options_.ddp_kwargs;
+      ddp.bucket_cap_mb = k.bucket_cap_mb;
+      ddp.find_unused_parameters = k.find_unused_parameters;
+      ddp.gradient_as_bucket_view = k.gradient_as_bucket_view;
+      ddp.broadcast_buffers = k.broadcast_buffers;
+      ddp.comm_hook = k.comm_hook == "fp16"   ? CommHook::kFp16
+                      : k.comm_hook == "bf16" ? CommHook::kBf16
+                                              : CommHook::kNone;
+    }
+    NamedTensors params;
+    for (const auto& item : prepared->module_->named_parameters(true)) {
+      params.emplace_back(item.key(), item.value());
+    }
+    NamedTensors buffers;
+    for (const auto& item : prepared->module_->named_buffers(true)) {
+      buffers.emplace_back(item.key(), item.value());
+    }
+    ACCEL_ASSIGN_OR_RETURN(
+        prepared->synchronizer_,
+        GradientSynchronizer::Attach(std::move(params), std::move(buffers), *group_, ddp));
+  }
+  models_.push_back(std::move(prepared));
+  return models_.back().get();
+}
+
+absl::StatusOr<PreparedOptimizer*> Accelerator::PrepareOptimizer(
+    std::shared_ptr<torch::optim::Optimizer> optimizer) {
+  if (optimizer == nullptr) return absl::InvalidArgumentError("PrepareOptimizer: null optimizer");
+  auto prepared = std::make_unique<PreparedOptimizer>();
+  prepared->accelerator_ = this;
+  prepared->optimizer_ = std::move(optimizer);
+  optimizers_.push_back(std::move(prepared));
+  return optimizers_.back().get();
+}
+
+absl::StatusOr<PreparedScheduler*> Accelerator::PrepareScheduler(
+    std::shared_ptr<LRScheduler> scheduler) {
+  if (scheduler == nullptr) return absl::InvalidArgumentError("PrepareScheduler: null scheduler");
+  auto prepared = std::make_unique<PreparedScheduler>();
+  prepared->accelerator_ = this;
+  prepared->scheduler_ = std::move(scheduler);
+  schedulers_.push_back(std::move(prepared));
+  return schedulers_.back().get();
+}
+
+absl::StatusOr<std::unique_ptr<DataLoader>> Accelerator::PrepareDataLoader(
+    const DataLoader& loader) {
+  PrepareOptions prepare;
+  prepare.shard.num_processes = num_processes();
+  prepare.shard.process_index = process_index();
+  prepare.shard.split_batches = dataloader_config_.split_batches;
+  prepare.shard.even_batches = dataloader_config_.even_batches;
+  prepare.dispatch_batches = dataloader_config_.dispatch_batches.value_or(false);
+  prepare.use_seedable_sampler = dataloader_config_.use_seedable_sampler;
+  prepare.data_seed = dataloader_config_.data_seed;
+  if (!prepare.data_seed) prepare.data_seed = loader.options().seed;
+  if (!prepare.data_seed) prepare.data_seed = LastSeed();
+  prepare.device = device_;
+  prepare.non_blocking = dataloader_config_.non_blocking;
+  return DataLoader::Prepare(loader, *group_, &active_loaders_, prepare);
+}
+
+std::unique_ptr<DataLoader> Accelerator::SkipFirstBatches(const DataLoader& loader,
+                                                          int64_t num_batches) const {
+  return loader.SkipFirstBatches(num_batches);
+}
+
+void Accelerator::DoSync() {
+  const LoaderProgress* active = active_loaders_.active();
+  if (plugin_.sync_with_dataloader && active != nullptr && active->end_of_dataloader) {
+    step_ = 0;
+    sync_gradients_ = true;
+  } else {
+    step_ += 1;
+    sync_gradients_ = step_ % plugin_.num_steps == 0;
+  }
+}
+
+absl::StatusOr<AccumulateScope> Accelerator::Accumulate(const std::vector<PreparedModel*>& models) {
+  DoSync();
+  AccumulateScope scope;
+  const bool skip_sync = !(sync_gradients_ || (num_processes() > 1 && plugin_.sync_each_batch));
+  if (skip_sync) {
+    for (PreparedModel* m : models) {
+      if (m == nullptr) return absl::InvalidArgumentError("Accumulate: a null model");
+      if (GradientSynchronizer* s = m->synchronizer()) {
+        scope.restore_.emplace_back(s, s->require_sync());
+        s->set_require_sync(false);
+      }
+    }
+  }
+  return scope;
+}
+
+AccumulateScope Accelerator::NoSync(const std::vector<PreparedModel*>& models) {
+  AccumulateScope scope;
+  for (PreparedModel* m : models) {
+    if (m == nullptr) continue;
+    if (GradientSynchronizer* s = m->synchronizer()) {
+      scope.restore_.emplace_back(s, s->require_sync());
+      s->set_require_sync(false);
+    }
+  }
+  return scope;
+}
+
+std::unique_ptr<AutocastScope> Accelerator::Autocast(const AutocastKwargs& kwargs) const {
+  const bool enabled = kwargs.enabled && precision_ != PrecisionType::kNo;
+  const c10::ScalarType dtype =
+      precision_ == PrecisionType::kFp16 ? c10::ScalarType::Half : c10::ScalarType::BFloat16;
+  return std::make_unique<AutocastScope>(device_.type(), enabled, dtype, kwargs.cache_enabled);
+}
+
+absl::StatusOr<ForwardScope> Accelerator::BeginForward(const PreparedModel& model) {
+  if (GradientSynchronizer* s = model.synchronizer()) {
+    ACCEL_RETURN_IF_ERROR(Annotate(s->PrepareForward(), "broadcasting buffers before forward"));
+  }
+  ForwardScope scope;
+  if (precision_ != PrecisionType::kNo) {
+    scope.autocast_ = Autocast(options_.autocast_kwargs.value_or(AutocastKwargs{}));
+  }
+  return scope;
+}
+
+absl::Status Accelerator::Backward(const at::Tensor& loss) {
+  if (!loss.defined()) return absl::InvalidArgumentError("Backward: the loss is undefined");
+  if (!loss.requires_grad()) {
+    return absl::InvalidArgumentError(
+        "Backward: the loss does not require grad (computed under NoGradGuard, or from parameters "
+        "that do not require grad?)");
+  }
+  ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                   at::Tensor scaled = loss / plugin_.num_steps;
+                                   if (scaler_ != nullptr) scaled = scaler_->Scale(scaled);
+                                   scaled.backward();
+                                 }),
+                                 "backward"));
+  for (const auto& model : models_) {
+    GradientSynchronizer* s = model->synchronizer();
+    if (s != nullptr && s->require_sync()) {
+      ACCEL_RETURN_IF_ERROR(Annotate(s->Finish(), "gradient all-reduce"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Accelerator::UnscaleGradients() {
+  if (scaler_ == nullptr) return absl::OkStatus();
+  for (const auto& opt : optimizers_) {
+    ACCEL_RETURN_IF_ERROR(scaler_->Unscale(opt->optimizer()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> Accelerator::ClipGradNorm(const std::vector<at::Tensor>& parameters,
+                                                 double max_norm, double norm_type) {
+  ACCEL_RETURN_IF_ERROR(UnscaleGradients());
+  double norm = 0;
+  ACCEL_RETURN_IF_ERROR(Annotate(
+      CallTorch([&] { norm = torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type); }),
+      "clip_grad_norm_"));
+  return norm;
+}
+
+absl::Status Accelerator::ClipGradValue(const std::vector<at::Tensor>& parameters,
+                                        double clip_value) {
+  ACCEL_RETURN_IF_ERROR(UnscaleGradients());
+  return Annotate(CallTorch([&] { torch::nn::utils::clip_grad_value_(parameters, clip_value); }),
+                  "clip_grad_value_");
+}
+
+// ---- Collectives ----
+
+absl::StatusOr<at::Tensor> Accelerator::Gather(const at::Tensor& tensor) const {
+  return train::Gather(*group_, tensor);
+}
+
+absl::StatusOr<TensorMap> Accelerator::Gather(const TensorMap& tensors) const {
+  return train::Gather(*group_, tensors);
+}
+
+namespace {
+// gather_for_metrics' rule: only at the end of the loader, and only when the
+// dataset did not divide evenly, keep the first `remainder` rows.
+int64_t MetricsRows(const ActiveLoaders& loaders) {
+  const LoaderProgress* active = loaders.active();
+  if (active == nullptr || !active->end_of_dataloader || active->remainder <= 0) return -1;
+  return active->remainder;
+}
+}  // namespace
+
+absl::StatusOr<at::Tensor> Accelerator::GatherForMetrics(const at::Tensor& tensor) const {
+  ACCEL_ASSIGN_OR_RETURN(at::Tensor gathered, Gather(tensor));
+  const int64_t rows = MetricsRows(active_loaders_);
+  if (rows < 0 || gathered.dim() == 0 || rows >= gathered.size(0)) return gathered;
+  return gathered.narrow(0, 0, rows);
+}
+
+absl::StatusOr<TensorMap> Accelerator::GatherForMetrics(const TensorMap& tensors) const {
+  ACCEL_ASSIGN_OR_RETURN(TensorMap gathered, Gather(tensors));
+  const int64_t rows = MetricsRows(active_loaders_);
+  if (rows < 0) return gathered;
+  for (auto& [name, t] : gathered) {
+    if (t.dim() > 0 && rows < t.size(0)) t = t.narrow(0, 0, rows);
+  }
+  return gathered;
+}
+
+absl::StatusOr<at::Tensor> Accelerator::Reduce(const at::Tensor& tensor,
+                                               Reduction reduction) const {
+  return train::Reduce(*group_, tensor, reduction);
+}
+
+absl::StatusOr<at::Tensor> Accelerator::PadAcrossProcesses(const at::Tensor& tensor,
+                                                           const PadOptions& options) const {
+  return train::PadAcrossProcesses(*group_, tensor, options);
+}
+
+absl::StatusOr<at::Tensor> Accelerator::Broadcast(const at::Tensor& tensor, int src) const {
+  return BroadcastFrom(*group_, tensor, src);
+}
+
+absl::Status Accelerator::WaitForEveryone() const { return group_->Barrier(); }
+
+void Accelerator::Print(absl::string_view text) const {
+  if (is_main_process()) std::cout << text << std::endl;
+}
+
+// ---- Checkpoints ----
+
+void Accelerator::RegisterForCheckpointing(std::shared_ptr<Checkpointable> object) {
+  custom_objects_.push_back(std::move(object));
+}
+
+absl::StatusOr<std::string> Accelerator::SaveState(const std::string& output_dir) {
+  std::string dir = output_dir;
+  if (project_.automatic_checkpoint_naming) {
+    if (is_main_process()) {
+      ACCEL_ASSIGN_OR_RETURN(dir, NextCheckpointDir(project_.project_dir, project_.iteration,
+                                                    project_.total_limit, /*prune=*/true));
+    } else {
+      dir = absl::StrCat(project_.project_dir, "/checkpoints/checkpoint_", project_.iteration);
+    }
+  } else if (dir.empty()) {
+    return absl::InvalidArgumentError(
+        "SaveState: no output_dir, and ProjectConfiguration.automatic_checkpoint_naming is off");
+  }
+  // Everyone agrees the folder is free before anyone writes into it.
+  ACCEL_RETURN_IF_ERROR(WaitForEveryone());
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::PermissionDeniedError(absl::StrCat(dir, ": ", ec.message()));
+
+  const bool writer = is_main_process() || (project_.save_on_each_node && is_local_main_process());
+  if (writer) {
+    for (size_t i = 0; i < models_.size(); ++i) {
+      SaveModelOptions save;
+      save.max_shard_size = int64_t{1} << 62;  // one file, as save_state does
+      save.weights_name = Indexed("model", i, "");
+      ACCEL_RETURN_IF_ERROR(train::SaveModel(models_[i]->StateDict(), dir, save));
+    }
+    for (size_t i = 0; i < optimizers_.size(); ++i) {
+      ACCEL_RETURN_IF_ERROR(SaveOptimizer(optimizers_[i]->optimizer(),
+                                          absl::StrCat(dir, "/", Indexed("optimizer", i, ".bin"))));
+    }
+    for (size_t i = 0; i < schedulers_.size(); ++i) {
+      ACCEL_RETURN_IF_ERROR(
+          SaveSchedulerState(schedulers_[i]->scheduler().state(),
+                             absl::StrCat(dir, "/", Indexed("scheduler", i, ".bin"))));
+    }
+    if (scaler_ != nullptr) {
+      ACCEL_RETURN_IF_ERROR(SaveScalerState(scaler_->state(), dir + "/scaler.pt"));
+    }
+    for (size_t i = 0; i < custom_objects_.size(); ++i) {
+      ACCEL_RETURN_IF_ERROR(SaveCustomState(custom_objects_[i]->StateDict(),
+                                            absl::StrCat(dir, "/custom_checkpoint_", i, ".pkl")));
+    }
+  }
+  ACCEL_RETURN_IF_ERROR(SaveRandomStates(
+      CaptureRandomStates(step_), absl::StrCat(dir, "/random_states_", process_index(), ".pkl")));
+  ACCEL_RETURN_IF_ERROR(WaitForEveryone());
+  project_.iteration += 1;
+  return dir;
+}
+
+absl::Status Accelerator::LoadState(const std::string& input_dir) {
+  std::string dir = input_dir;
+  if (dir.empty()) {
+    if (!project_.automatic_checkpoint_naming) {
+      return absl::InvalidArgumentError(
+          "LoadState: no input_dir, and ProjectConfiguration.automatic_checkpoint_naming is off");
+    }
+    ACCEL_ASSIGN_OR_RETURN(dir, LatestCheckpointDir(project_.project_dir));
+  }
+  if (!std::filesystem::is_directory(dir)) {
+    return absl::NotFoundError(absl::StrCat("LoadState: ", dir, " is not a folder"));
+  }
+  for (size_t i = 0; i < models_.size(); ++i) {
+    const std::string stem = Indexed("model", i, "");
+    ACCEL_ASSIGN_OR_RETURN(StateDict saved, LoadModelWeights(dir, stem));
+    std::map<std::string, at::Tensor> by_name(saved.begin(), saved.end());
+    NamedTensors live = models_[i]->StateDict();
+    std::set<std::string> expected;
+    for (auto& [name, tensor] : live) {
+      expected.insert(name);
+      auto it = by_name.find(name);
+      if (it == by_name.end()) {
+        return absl::NotFoundError(
+            absl::StrCat(dir, "/", stem, ".safetensors: no tensor \"", name, "\""));
+      }
+      if (it->second.sizes() != tensor.sizes()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(dir, "/", stem, ".safetensors: \"", name, "\" has shape ",
+                         c10::str(it->second.sizes()), ", the model ", c10::str(tensor.sizes())));
+      }
+    }
+    for (const auto& [name, tensor] : by_name) {
+      if (expected.count(name) == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            dir, "/", stem, ".safetensors: unexpected tensor \"", name, "\" (not in the model)"));
+      }
+    }
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                     at::NoGradGuard no_grad;
+                                     for (auto& [name, tensor] : live) {
+                                       tensor.copy_(by_name.at(name));
+                                     }
+                                   }),
+                                   "restoring the model's weights"));
+  }
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    ACCEL_RETURN_IF_ERROR(LoadOptimizer(optimizers_[i]->optimizer(),
+                                        absl::StrCat(dir, "/", Indexed("optimizer", i, ".bin"))));
+  }
+  for (size_t i = 0; i < schedulers_.size(); ++i) {
+    ACCEL_ASSIGN_OR_RETURN(SchedulerState state, LoadSchedulerState(absl::StrCat(
+                                                     dir, "/", Indexed("scheduler", i, ".bin"))));
+    ACCEL_RETURN_IF_ERROR(schedulers_[i]->scheduler().LoadState(state));
+  }
+  if (scaler_ != nullptr) {
+    ACCEL_ASSIGN_OR_RETURN(GradScalerState state, LoadScalerState(dir + "/scaler.pt"));
+    ACCEL_RETURN_IF_ERROR(scaler_->LoadState(state));
+  }
+  // As Accelerate: the number of custom_checkpoint_N.pkl files must match.
+  size_t custom_files = 0;
+  static const std::regex kCustom("custom_checkpoint_\\d+\\.pkl");
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (std::regex_match(entry.path().filename().string(), kCustom)) ++custom_files;
+  }
+  if (custom_files != custom_objects_.size()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(dir, " holds ", custom_files, " custom_checkpoint files but ",
+                     custom_objects_.size(), " objects are registered for checkpointing"));
+  }
+  for (size_t i = 0; i < custom_objects_.size(); ++i) {
+    ACCEL_ASSIGN_OR_RETURN(auto state,
+                           LoadCustomState(absl::StrCat(dir, "/custom_checkpoint_", i, ".pkl")));
+    ACCEL_RETURN_IF_ERROR(custom_objects_[i]->LoadStateDict(state));
+  }
+  ACCEL_ASSIGN_OR_RETURN(
+      RandomStates states,
+      LoadRandomStates(absl::StrCat(dir, "/random_states_", process_index(), ".pkl")));
+  ACCEL_RETURN_IF_ERROR(RestoreRandomStates(states));
+  step_ = states.step;
+  if (project_.automatic_checkpoint_naming) {
+    const int64_t n = TrailingNumber(dir);
+    if (n >= 0) project_.iteration = n + 1;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Accelerator::SaveModel(const PreparedModel& model, const std::string& dir,
+                                    const std::string& max_shard_size) const {
+  if (!is_main_process()) return absl::OkStatus();
+  SaveModelOptions save;
+  absl::StatusOr<int64_t> limit = ParseShardSize(max_shard_size);
+  if (!limit.ok()) return Annotate(limit.status(), "SaveModel max_shard_size");
+  save.max_shard_size = *limit;
+  return train::SaveModel(model.StateDict(), dir, save);
+}
+
+// ---- Trackers ----
+
+absl::Status Accelerator::InitTrackers(const std::string& project_name,
+                                       const std::map<std::string, std::string>& config) {
+  if (!is_main_process() || options_.log_with.empty()) return absl::OkStatus();
+  if (project_.logging_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "InitTrackers: log_with is set but ProjectConfiguration has no logging_dir or project_dir");
+  }
+  std::vector<std::string> names;
+  for (const std::string& name : options_.log_with) {
+    if (name == "all") {
+      names = {"jsonl", "tensorboard"};
+      break;
+    }
+    names.push_back(name);
+  }
+  for (const std::string& name : names) {
+    ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<Tracker> tracker,
+                           MakeTracker(name, project_.logging_dir, project_name));
+    ACCEL_RETURN_IF_ERROR(tracker->StoreConfig(config));
+    trackers_.push_back(std::move(tracker));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Accelerator::Log(const std::map<std::string, double>& values, int64_t step) {
+  for (auto& tracker : trackers_) ACCEL_RETURN_IF_ERROR(tracker->Log(values, step));
+  return absl::OkStatus();
+}
+
+absl::Status Accelerator::EndTraining() {
+  absl::Status status;
+  for (auto& tracker : trackers_) status.Update(tracker->Finish());
+  trackers_.clear();
+  return status;
+}
+
+// ---- Free functions ----
+
+void SetSeed(uint64_t seed, bool device_specific, int process_index) {
+  const uint64_t s = device_specific ? seed + static_cast<uint64_t>(process_index) : seed;
+  at::manual_seed(s);
+  g_last_seed = s;
+}
+
+uint64_t LastSeed() { return g_last_seed; }
+
+absl::Status FindExecutableBatchSize(int64_t starting_batch_size,
+                                     const std::function<absl::Status(int64_t)>& fn) {
+  if (starting_batch_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "find_executable_batch_size: starting_batch_size ", starting_batch_size, " must be >= 1"));
+  }
+  for (int64_t batch_size = starting_batch_size; batch_size > 0; batch_size /= 2) {
+    absl::Status status;
+    try {
+      status = fn(batch_size);
+    } catch (const std::bad_alloc&) {
+      status = absl::ResourceExhaustedError("out of memory (std::bad_alloc)");
+    } catch (const c10::Error& e) {
+      const std::string what = e.what_without_backtrace();
+      if (what.find("out of memory") == std::string::npos &&
+          what.find("OutOfMemory") == std::string::npos) {
+        throw;
+      }
+      status = absl::ResourceExhaustedError(what);
+    }
+    if (status.code() != absl::StatusCode::kResourceExhausted) return status;
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("find_executable_batch_size: no executable batch size found (halved from ",
+                   starting_batch_size, " to 1, every size ran out of memory)"));
+}
+
+void FreeMemory(std::vector<at::Tensor>& tensors) {
+  tensors.clear();
+  tensors.shrink_to_fit();
+}
+
+}  // namespace accel::train

@@ -1,0 +1,376 @@
+// train/accelerator.h: the Accelerator of HuggingFace Accelerate, in C++ on
+// the dispatch core: one object that knows the process's place in the run
+// (env.h), owns the process group, and prepares a model, optimizer, data
+// loaders and scheduler so that the same training loop runs on one process
+// or many, with gradient accumulation and mixed precision.
+//
+//   AcceleratorOptions options;
+//   options.gradient_accumulation_steps = 4;
+//   options.mixed_precision = "bf16";
+//   ACCEL_ASSIGN_OR_RETURN(auto accelerator, Accelerator::Create(options));
+//   ACCEL_ASSIGN_OR_RETURN(PreparedModel* model, accelerator->PrepareModel(net.ptr()));
+//   ACCEL_ASSIGN_OR_RETURN(PreparedOptimizer* opt, accelerator->PrepareOptimizer(adam));
+//   ACCEL_ASSIGN_OR_RETURN(auto loader, accelerator->PrepareDataLoader(*train_loader));
+//   ACCEL_RETURN_IF_ERROR(loader->Start());
+//   while (true) {
+//     ACCEL_ASSIGN_OR_RETURN(std::optional<Batch> batch, loader->Next());
+//     if (!batch) break;
+//     ACCEL_ASSIGN_OR_RETURN(auto step, accelerator->Accumulate({model}));
+//     at::Tensor loss;
+//     {
+//       ACCEL_ASSIGN_OR_RETURN(auto forward, accelerator->BeginForward(*model));
+//       loss = Loss(net->forward((*batch)["x"]), (*batch)["y"]);
+//     }
+//     ACCEL_RETURN_IF_ERROR(accelerator->Backward(loss));
+//     ACCEL_RETURN_IF_ERROR(opt->Step());      // acts only when sync_gradients()
+//     opt->ZeroGrad();
+//   }
+#ifndef ACCEL_TRAIN_ACCELERATOR_H_
+#define ACCEL_TRAIN_ACCELERATOR_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+#include "train/autocast.h"
+#include "train/collectives.h"
+#include "train/data.h"
+#include "train/ddp.h"
+#include "train/env.h"
+#include "train/grad_scaler.h"
+#include "train/process_group.h"
+#include "train/scheduler.h"
+#include "train/trackers.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace accel::train {
+
+// ---- Configuration (Accelerate's dataclasses and kwargs handlers) ----
+
+struct GradientAccumulationPlugin {
+  int64_t num_steps = 1;
+  // Accelerate's default is True, but its to_kwargs() drops defaults and the
+  // gradient state then reads False: the branch never fires there (reference
+  // §2.4). Here the field means what it says; set it to false for
+  // Accelerate's observable behaviour (that is our default too).
+  bool adjust_scheduler = false;
+  bool sync_with_dataloader = true;
+  bool sync_each_batch = false;
+};
+
+struct DataLoaderConfiguration {
+  bool split_batches = false;
+  // Unset: false for our map-style datasets (Accelerate: true for iterable ones).
+  std::optional<bool> dispatch_batches;
+  bool even_batches = true;
+  bool use_seedable_sampler = true;
+  std::optional<uint64_t> data_seed;
+  bool non_blocking = false;
+  // Accelerate options with no C++ meaning; true is refused.
+  bool use_stateful_dataloader = false;
+};
+
+struct ProjectConfiguration {
+  std::string project_dir;
+  std::string logging_dir;  // empty: project_dir
+  bool automatic_checkpoint_naming = false;
+  std::optional<int64_t> total_limit;
+  int64_t iteration = 0;
+  bool save_on_each_node = false;
+};
+
+struct AutocastKwargs {
+  bool enabled = true;
+  std::optional<bool> cache_enabled;
+};
+
+struct InitProcessGroupKwargs {
+  std::string backend = "auto";           // "gloo", "nccl" or "auto"
+  std::optional<absl::Duration> timeout;  // 1800 s; 600 s for nccl
+  std::string init_method;                // only "" / "env://" (torchrun's variables) is supported
+};
+
+struct DistributedDataParallelKwargs {
+  int64_t dim = 0;  // only 0
+  bool broadcast_buffers = true;
+  double bucket_cap_mb = 25;
+  bool find_unused_parameters = false;
+  bool check_reduction = false;  // deprecated in PyTorch; ignored there too
+  bool gradient_as_bucket_view = false;
+  bool static_graph = false;  // accepted; our buckets are static anyway
+  // "", "fp16" or "bf16" (DDPCommunicationHookType); power_sgd is refused.
+  std::string comm_hook;
+};
+
+struct AcceleratorOptions {
+  // "no", "fp16", "bf16"; unset: $ACCELERATE_MIXED_PRECISION, else "no".
+  std::optional<std::string> mixed_precision;
+  // At most one of the two; $ACCELERATE_GRADIENT_ACCUMULATION_STEPS overrides the count.
+  std::optional<int64_t> gradient_accumulation_steps;
+  std::optional<GradientAccumulationPlugin> gradient_accumulation_plugin;
+  bool cpu = false;  // or $ACCELERATE_USE_CPU
+  DataLoaderConfiguration dataloader_config;
+  ProjectConfiguration project_config;
+  bool step_scheduler_with_optimizer = true;
+  // Trackers by name ("jsonl", "tensorboard", "all").
+  std::vector<std::string> log_with;
+  // Kwargs handlers (one of each, as Accelerate requires).
+  std::optional<GradScalerOptions> grad_scaler_kwargs;
+  std::optional<AutocastKwargs> autocast_kwargs;
+  std::optional<InitProcessGroupKwargs> init_process_group_kwargs;
+  std::optional<DistributedDataParallelKwargs> ddp_kwargs;
+  // Accelerate options a C++ program cannot have: anything but "no" / false
+  // is refused with a message (never ignored).
+  std::string dynamo_backend = "no";
+  bool use_deepspeed = false;
+  bool use_fsdp = false;
+  bool use_megatron_lm = false;
+};
+
+// ---- Prepared objects ----
+
+class Accelerator;
+
+// A model on its device, with the gradient all-reduce attached when distributed.
+class PreparedModel {
+ public:
+  torch::nn::Module& module() const { return *module_; }
+  const std::shared_ptr<torch::nn::Module>& shared() const { return module_; }
+  // nullptr on one process.
+  GradientSynchronizer* synchronizer() const { return synchronizer_.get(); }
+  // named_parameters + named_buffers, the keys of model.safetensors.
+  NamedTensors StateDict() const;
+
+ private:
+  friend class Accelerator;
+  std::shared_ptr<torch::nn::Module> module_;
+  std::unique_ptr<GradientSynchronizer> synchronizer_;
+};
+
+// AcceleratedOptimizer: Step and ZeroGrad act only when gradients are synced.
+class PreparedOptimizer {
+ public:
+  torch::optim::Optimizer& optimizer() const { return *optimizer_; }
+  // optimizer.step() through the scaler (fp16): skipped on inf/NaN gradients.
+  absl::Status Step();
+  void ZeroGrad();  // set_to_none
+  bool step_was_skipped() const { return step_was_skipped_; }
+
+ private:
+  friend class Accelerator;
+  Accelerator* accelerator_ = nullptr;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  bool step_was_skipped_ = false;
+};
+
+// AcceleratedScheduler: steps with the optimizer, num_processes ticks per
+// real step (one with split_batches), none when the step was skipped.
+class PreparedScheduler {
+ public:
+  LRScheduler& scheduler() const { return *scheduler_; }
+  absl::Status Step();
+
+ private:
+  friend class Accelerator;
+  Accelerator* accelerator_ = nullptr;
+  std::shared_ptr<LRScheduler> scheduler_;
+};
+
+// An object saved by save_state (register_for_checkpointing).
+class Checkpointable {
+ public:
+  virtual ~Checkpointable() = default;
+  virtual std::map<std::string, at::Tensor> StateDict() const = 0;
+  virtual absl::Status LoadStateDict(const std::map<std::string, at::Tensor>& state) = 0;
+};
+
+// ---- Scopes ----
+
+// What Accumulate() returns: while alive, the models skip the gradient
+// all-reduce unless this step syncs.
+class AccumulateScope {
+ public:
+  AccumulateScope(AccumulateScope&&) noexcept;
+  ~AccumulateScope();
+
+ private:
+  friend class Accelerator;
+  AccumulateScope() = default;
+  std::vector<std::pair<GradientSynchronizer*, bool>> restore_;
+};
+
+// What BeginForward() returns: the autocast region of a forward.
+class ForwardScope {
+ public:
+  ForwardScope(ForwardScope&&) noexcept = default;
+
+ private:
+  friend class Accelerator;
+  ForwardScope() = default;
+  std::unique_ptr<AutocastScope> autocast_;
+};
+
+class Accelerator {
+ public:
+  // Reads the environment (torchrun / accel-launch / MPI / SLURM), connects
+  // the process group when world_size > 1, and checks every option:
+  // InvalidArgument naming the option for a value that is wrong or that a
+  // C++ program cannot honour.
+  static absl::StatusOr<std::unique_ptr<Accelerator>> Create(const AcceleratorOptions& options,
+                                                             const EnvLookup& env = ProcessEnv());
+  ~Accelerator();
+
+  // ---- Where we are ----
+  int process_index() const { return environment_.rank; }
+  int num_processes() const { return environment_.world_size; }
+  int local_process_index() const { return environment_.local_rank; }
+  bool is_main_process() const { return process_index() == 0; }
+  bool is_local_main_process() const { return local_process_index() == 0; }
+  bool is_last_process() const { return process_index() == num_processes() - 1; }
+  c10::Device device() const { return device_; }
+  DistributedType distributed_type() const { return distributed_type_; }
+  PrecisionType mixed_precision() const { return precision_; }
+  ProcessGroup& group() const { return *group_; }
+  const ProcessEnvironment& environment() const { return environment_; }
+  const ProjectConfiguration& project_configuration() const { return project_; }
+
+  // ---- prepare ----
+  absl::StatusOr<PreparedModel*> PrepareModel(std::shared_ptr<torch::nn::Module> module);
+  absl::StatusOr<PreparedOptimizer*> PrepareOptimizer(
+      std::shared_ptr<torch::optim::Optimizer> optimizer);
+  absl::StatusOr<PreparedScheduler*> PrepareScheduler(std::shared_ptr<LRScheduler> scheduler);
+  absl::StatusOr<std::unique_ptr<DataLoader>> PrepareDataLoader(const DataLoader& loader);
+  // The loader that skips the first `num_batches` of its epoch (resuming).
+  std::unique_ptr<DataLoader> SkipFirstBatches(const DataLoader& loader, int64_t num_batches) const;
+
+  // ---- The training step ----
+  int64_t gradient_accumulation_steps() const { return plugin_.num_steps; }
+  bool sync_gradients() const { return sync_gradients_; }
+  int64_t accumulation_step() const { return step_; }
+  // Moves the step counter (Accelerate's _do_sync) and turns the models'
+  // all-reduce off for a non-sync step.
+  absl::StatusOr<AccumulateScope> Accumulate(const std::vector<PreparedModel*>& models);
+  // The all-reduce off for `models` while the scope lives (no_sync).
+  AccumulateScope NoSync(const std::vector<PreparedModel*>& models);
+  // Autocast for mixed precision and the DDP buffer broadcast.
+  absl::StatusOr<ForwardScope> BeginForward(const PreparedModel& model);
+  // An explicit autocast region (accelerator.autocast(AutocastKwargs)).
+  std::unique_ptr<AutocastScope> Autocast(const AutocastKwargs& kwargs) const;
+  // loss / gradient_accumulation_steps, scaled for fp16, backward, then the
+  // gradient all-reduce of every prepared model that syncs this step.
+  absl::Status Backward(const at::Tensor& loss);
+  // Unscales (fp16) then clips; returns the total norm before clipping.
+  absl::StatusOr<double> ClipGradNorm(const std::vector<at::Tensor>& parameters, double max_norm,
+                                      double norm_type = 2.0);
+  absl::Status ClipGradValue(const std::vector<at::Tensor>& parameters, double clip_value);
+  // Unscales the prepared optimizers' gradients (fp16), once per step.
+  absl::Status UnscaleGradients();
+  GradScaler* scaler() const { return scaler_.get(); }
+
+  // ---- Collectives ----
+  absl::StatusOr<at::Tensor> Gather(const at::Tensor& tensor) const;
+  absl::StatusOr<TensorMap> Gather(const TensorMap& tensors) const;
+  // Gather, then at the end of the active prepared loader drop the samples
+  // even_batches duplicated (the first `remainder` rows of the last batch).
+  absl::StatusOr<at::Tensor> GatherForMetrics(const at::Tensor& tensor) const;
+  absl::StatusOr<TensorMap> GatherForMetrics(const TensorMap& tensors) const;
+  absl::StatusOr<at::Tensor> Reduce(const at::Tensor& tensor, Reduction reduction) const;
+  absl::StatusOr<at::Tensor> PadAcrossProcesses(const at::Tensor& tensor,
+                                                const PadOptions& options = {}) const;
+  absl::StatusOr<at::Tensor> Broadcast(const at::Tensor& tensor, int src = 0) const;
+  absl::Status WaitForEveryone() const;
+  template <typename T>
+  std::vector<T> SplitBetweenProcesses(const std::vector<T>& items,
+                                       bool apply_padding = false) const {
+    return train::SplitBetweenProcesses(items, process_index(), num_processes(), apply_padding);
+  }
+  // Printed by the main process only (a newline is added).
+  void Print(absl::string_view text) const;
+
+  // ---- Checkpoints ----
+  void RegisterForCheckpointing(std::shared_ptr<Checkpointable> object);
+  // Accelerate's save_state: returns the folder written. With automatic
+  // naming `output_dir` is ignored (project_dir/checkpoints/checkpoint_N).
+  absl::StatusOr<std::string> SaveState(const std::string& output_dir = "");
+  // Empty `input_dir` with automatic naming: the latest checkpoint. Restores
+  // models, optimizers, schedulers, scaler, RNG states, the accumulation
+  // step and registered objects; also sets project iteration to the loaded
+  // checkpoint's number + 1 (Accelerate forgets this: issues #1601 / #3306).
+  absl::Status LoadState(const std::string& input_dir = "");
+  // save_model: the model's state dict as (sharded) safetensors, main process only.
+  absl::Status SaveModel(const PreparedModel& model, const std::string& dir,
+                         const std::string& max_shard_size = "10GB") const;
+
+  // ---- Trackers (main process only) ----
+  absl::Status InitTrackers(const std::string& project_name,
+                            const std::map<std::string, std::string>& config = {});
+  absl::Status Log(const std::map<std::string, double>& values, int64_t step);
+  absl::Status EndTraining();
+
+  // The gradient state's loader stack (prepared loaders register here).
+  ActiveLoaders* active_loaders() { return &active_loaders_; }
+
+ private:
+  friend class PreparedOptimizer;
+  friend class PreparedScheduler;
+  Accelerator() = default;
+  void DoSync();
+
+  ProcessEnvironment environment_;
+  std::unique_ptr<ProcessGroup> group_;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  DistributedType distributed_type_ = DistributedType::kNo;
+  PrecisionType precision_ = PrecisionType::kNo;
+  GradientAccumulationPlugin plugin_;
+  DataLoaderConfiguration dataloader_config_;
+  ProjectConfiguration project_;
+  AcceleratorOptions options_;
+  std::unique_ptr<GradScaler> scaler_;
+  ActiveLoaders active_loaders_;
+  bool sync_gradients_ = true;
+  int64_t step_ = 0;
+  std::vector<std::unique_ptr<PreparedModel>> models_;
+  std::vector<std::unique_ptr<PreparedOptimizer>> optimizers_;
+  std::vector<std::unique_ptr<PreparedScheduler>> schedulers_;
+  std::vector<std::shared_ptr<Checkpointable>> custom_objects_;
+  std::vector<std::unique_ptr<Tracker>> trackers_;
+};
+
+// set_seed: seeds libtorch's CPU (and CUDA) generators with `seed`, plus the
+// process index when device_specific; prepared loaders without data_seed
+// shuffle from it.
+void SetSeed(uint64_t seed, bool device_specific = false, int process_index = 0);
+// The seed of the last SetSeed (0 before any).
+uint64_t LastSeed();
+
+// find_executable_batch_size: calls fn(batch_size), halving batch_size
+// while it fails with ResourceExhausted (out of memory: a c10::OutOfMemoryError
+// or std::bad_alloc turned into a Status), until it succeeds or reaches 0
+// (ResourceExhausted "no executable batch size found").
+absl::Status FindExecutableBatchSize(int64_t starting_batch_size,
+                                     const std::function<absl::Status(int64_t)>& fn);
+// free_memory: drops the references, then releases cached allocator memory
+// (CUDA's cache where there is one).
+void FreeMemory(std::vector<at::Tensor>& tensors);
+
+}  // namespace accel::train
+
+#endif  // ACCEL_TRAIN_ACCELERATOR_H_
