@@ -165,8 +165,12 @@ absl::StatusOr<MadeModel> MakeModel(const std::string& out_dir, const MakeModelO
       loader::WriteFileAtomically(out_dir + "/generation_config.json", generation.ToJson()));
 
   const int64_t room = config.vocab_size - 256 - 2;
-  auto merges = internal::TrainMerges(internal::SampleEnglishText(),
-                                      static_cast<int>(std::min<int64_t>(room, kMaxMerges)));
+  // The built-in sample holds enough text for kMaxMerges merges; a corpus of
+  // the caller's may fill the whole vocabulary.
+  auto merges = options.tokenizer_text.empty()
+                    ? internal::TrainMerges(internal::SampleEnglishText(),
+                                            static_cast<int>(std::min<int64_t>(room, kMaxMerges)))
+                    : internal::TrainMerges(options.tokenizer_text, static_cast<int>(room));
   const bool gpt2 = config.model_type == "gpt2";
   std::vector<internal::SpecialToken> specials = {
       {gpt2 ? "<|startoftext|>" : "<|begin_of_text|>", *config.bos_token_id},

@@ -37,6 +37,9 @@ struct MakeModelOptions {
   // When set, num_layers is chosen so the weights come closest to this size.
   std::optional<int64_t> target_bytes;
   int64_t max_shard_size = 5'000'000'000;
+  // The text tokenizer.json's byte-level BPE merges are learned from
+  // (deterministically); empty: a few built-in paragraphs of English.
+  std::string tokenizer_text;
 };
 
 struct MadeModel {

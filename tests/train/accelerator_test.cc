@@ -1,2 +1,650 @@
+// The Accelerator: option checks, Accelerate's accumulation / stepping rules,
+// save_state / load_state, and (in real processes over gloo) data-parallel
+// equivalence with a single process on the same global batch.
+#include "train/accelerator.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
-TEST(Placeholder, BeingWritten) { GTEST_SKIP(); }
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include "tests/testing/multiprocess.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+#include "train/checkpoint.h"
+
+namespace accel::train {
+namespace {
+
+using ::accel::test::IsOk;
+using ::accel::test::StatusIs;
+using ::testing::Each;
+using ::testing::HasSubstr;
+
+// An environment with only the given variables.
+EnvLookup FakeEnv(std::map<std::string, std::string> vars = {}) {
+  return [vars](const std::string& name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+std::unique_ptr<Accelerator> MakeAccelerator(AcceleratorOptions options = {},
+                                             std::map<std::string, std::string> env = {}) {
+  auto acc = Accelerator::Create(options, FakeEnv(std::move(env)));
+  EXPECT_THAT(acc, IsOk());
+  return acc.ok() ? *std::move(acc) : nullptr;
+}
+
+// Rows i of x are deterministic functions of i, y a fixed linear map plus a bend.
+std::shared_ptr<TensorDataset> Regression(int64_t n) {
+  at::Tensor i = at::arange(n, at::kFloat).unsqueeze(1);
+  at::Tensor x = at::cat({at::sin(i), at::cos(i * 0.5), i / n, at::ones_like(i)}, 1);
+  at::Tensor y =
+      at::cat({x.sum(1, true) * 0.3, at::tanh(x.narrow(1, 0, 1)), x.narrow(1, 2, 1) * 2}, 1);
+  auto ds = TensorDataset::Create({{"x", x}, {"y", y}, {"index", at::arange(n, at::kLong)}});
+  EXPECT_THAT(ds, IsOk());
+  return *ds;
+}
+
+// Rows [begin, end) of the dataset as one batch.
+Batch Rows(const Dataset& ds, int64_t begin, int64_t end) {
+  std::vector<Example> rows;
+  for (int64_t i = begin; i < end; ++i) rows.push_back(*ds.Get(i));
+  return *Collate(rows);
+}
+
+torch::nn::Linear MakeNet(uint64_t seed = 7) {
+  at::manual_seed(seed);
+  return torch::nn::Linear(4, 3);
+}
+
+at::Tensor Loss(torch::nn::Linear& net, const Batch& batch) {
+  return (net->forward(batch.at("x")) - batch.at("y")).pow(2).mean();
+}
+
+std::unique_ptr<DataLoader> Loader(std::shared_ptr<TensorDataset> ds, int64_t batch_size,
+                                   bool shuffle = false) {
+  DataLoaderOptions options;
+  options.batch_size = batch_size;
+  options.shuffle = shuffle;
+  options.seed = 11;
+  auto loader = DataLoader::Create(std::move(ds), options);
+  EXPECT_THAT(loader, IsOk());
+  return *std::move(loader);
+}
+
+// ---- Options ----
+
+TEST(AcceleratorOptions, RefusesWhatCxxCannotDo) {
+  AcceleratorOptions dynamo;
+  dynamo.dynamo_backend = "inductor";
+  EXPECT_THAT(Accelerator::Create(dynamo, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dynamo_backend")));
+  EXPECT_THAT(Accelerator::Create({}, FakeEnv({{"ACCELERATE_DYNAMO_BACKEND", "INDUCTOR"}})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("dynamo_backend")));
+  AcceleratorOptions ds;
+  ds.use_deepspeed = true;
+  EXPECT_THAT(Accelerator::Create(ds, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("use_deepspeed")));
+  EXPECT_THAT(Accelerator::Create({}, FakeEnv({{"ACCELERATE_USE_FSDP", "true"}})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("use_fsdp")));
+  AcceleratorOptions stateful;
+  stateful.dataloader_config.use_stateful_dataloader = true;
+  EXPECT_THAT(Accelerator::Create(stateful, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("use_stateful_dataloader")));
+  AcceleratorOptions hook;
+  hook.ddp_kwargs = DistributedDataParallelKwargs{};
+  hook.ddp_kwargs->comm_hook = "power_sgd";
+  EXPECT_THAT(Accelerator::Create(hook, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("power_sgd")));
+  AcceleratorOptions init;
+  init.init_process_group_kwargs = InitProcessGroupKwargs{};
+  init.init_process_group_kwargs->init_method = "tcp://10.0.0.1:23456";
+  EXPECT_THAT(Accelerator::Create(init, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("init_method")));
+}
+
+TEST(AcceleratorOptions, BadValuesNameTheOption) {
+  AcceleratorOptions fp8;
+  fp8.mixed_precision = "fp8";
+  EXPECT_THAT(Accelerator::Create(fp8, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mixed_precision")));
+  AcceleratorOptions both;
+  both.gradient_accumulation_steps = 2;
+  both.gradient_accumulation_plugin = GradientAccumulationPlugin{};
+  EXPECT_THAT(Accelerator::Create(both, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("both set")));
+  AcceleratorOptions zero;
+  zero.gradient_accumulation_steps = 0;
+  EXPECT_THAT(
+      Accelerator::Create(zero, FakeEnv()),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("gradient_accumulation_steps")));
+  EXPECT_THAT(Accelerator::Create({}, FakeEnv({{"ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "x"}})),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")));
+  AcceleratorOptions tracker;
+  tracker.log_with = {"wandb"};
+  EXPECT_THAT(Accelerator::Create(tracker, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("wandb")));
+  AcceleratorOptions naming;
+  naming.project_config.automatic_checkpoint_naming = true;
+  EXPECT_THAT(Accelerator::Create(naming, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("project_dir")));
+}
+
+TEST(AcceleratorOptions, EnvironmentSuppliesDefaults) {
+  auto acc = MakeAccelerator({}, {{"ACCELERATE_MIXED_PRECISION", "bf16"},
+                                  {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3"}});
+  ASSERT_NE(acc, nullptr);
+  EXPECT_EQ(acc->mixed_precision(), PrecisionType::kBf16);
+  EXPECT_EQ(acc->gradient_accumulation_steps(), 3);
+  EXPECT_EQ(acc->num_processes(), 1);
+  EXPECT_EQ(acc->distributed_type(), DistributedType::kNo);
+  EXPECT_TRUE(acc->is_main_process());
+  // The argument wins over the environment for precision.
+  AcceleratorOptions options;
+  options.mixed_precision = "no";
+  auto acc2 = MakeAccelerator(options, {{"ACCELERATE_MIXED_PRECISION", "bf16"}});
+  EXPECT_EQ(acc2->mixed_precision(), PrecisionType::kNo);
+}
+
+// ---- Gradient accumulation ----
+
+// sync_gradients per batch for a loader of n batches with k accumulation steps.
+std::vector<bool> SyncPattern(int64_t n, int64_t k) {
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = k;
+  auto acc = MakeAccelerator(options);
+  auto prepared = acc->PrepareDataLoader(*Loader(Regression(n), 1));
+  EXPECT_THAT(prepared, IsOk());
+  std::vector<bool> pattern;
+  for (int epoch = 0; epoch < 2; ++epoch) {  // the counter restarts every epoch
+    EXPECT_THAT((*prepared)->Start(), IsOk());
+    while (true) {
+      auto batch = (*prepared)->Next();
+      EXPECT_THAT(batch, IsOk());
+      if (!batch.ok() || !*batch) break;
+      auto scope = acc->Accumulate({});
+      EXPECT_THAT(scope, IsOk());
+      pattern.push_back(acc->sync_gradients());
+    }
+  }
+  return pattern;
+}
+
+TEST(AcceleratorAccumulate, SyncsEveryKStepsAndAtTheLastBatch) {
+  // Reference §2.2 [derived]: N=5, k=2: F,T,F,T,T; N=7, k=3: F,F,T,F,F,T,T (twice: two epochs).
+  EXPECT_EQ(SyncPattern(5, 2),
+            std::vector<bool>({false, true, false, true, true, false, true, false, true, true}));
+  EXPECT_EQ(SyncPattern(7, 3), std::vector<bool>({false, false, true, false, false, true, true,
+                                                  false, false, true, false, false, true, true}));
+}
+
+// k micro-batches of b rows with accumulation == one step on the k*b rows.
+TEST(AcceleratorAccumulate, EqualsOneStepOnTheWholeBatch) {
+  constexpr int64_t kSteps = 4;
+  auto ds = Regression(16);
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = kSteps;
+  auto acc = MakeAccelerator(options);
+  torch::nn::Linear net = MakeNet();
+  auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto model = acc->PrepareModel(net.ptr());
+  auto opt = acc->PrepareOptimizer(sgd);
+  ASSERT_THAT(model, IsOk());
+  ASSERT_THAT(opt, IsOk());
+  auto loader = acc->PrepareDataLoader(*Loader(ds, 4));
+  ASSERT_THAT(loader, IsOk());
+  ASSERT_THAT((*loader)->Start(), IsOk());
+  int steps = 0;
+  while (true) {
+    auto batch = (*loader)->Next();
+    ASSERT_THAT(batch, IsOk());
+    if (!*batch) break;
+    auto scope = acc->Accumulate({*model});
+    ASSERT_THAT(scope, IsOk());
+    ASSERT_THAT(acc->Backward(Loss(net, **batch)), IsOk());
+    ASSERT_THAT((*opt)->Step(), IsOk());
+    (*opt)->ZeroGrad();
+    ++steps;
+  }
+  EXPECT_EQ(steps, 4);
+
+  // The reference: one SGD step on all 16 rows.
+  torch::nn::Linear ref = MakeNet();
+  torch::optim::SGD ref_sgd(ref->parameters(), torch::optim::SGDOptions(0.1));
+  Loss(ref, Rows(*ds, 0, 16)).backward();
+  ref_sgd.step();
+  EXPECT_TRUE(at::allclose(net->weight, ref->weight, 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(net->bias, ref->bias, 1e-6, 1e-6));
+  EXPECT_FALSE(at::equal(ref->weight, MakeNet()->weight));  // the step did move the weights
+}
+
+// ---- Optimizer and scheduler stepping ----
+
+TEST(AcceleratorScheduler, StepsWithTheOptimizerOnly) {
+  // Upstream lambda_test, one process: LambdaLR(1 - n/10) at lr 1.0.
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 2;
+  auto acc = MakeAccelerator(options);
+  torch::nn::Linear net = MakeNet();
+  auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(1.0));
+  std::shared_ptr<LRScheduler> lambda =
+      MakeLambdaLR(*sgd, [](int64_t n) { return 1.0 - static_cast<double>(n) / 10; });
+  auto opt = acc->PrepareOptimizer(sgd);
+  auto sched = acc->PrepareScheduler(lambda);
+  ASSERT_THAT(opt, IsOk());
+  ASSERT_THAT(sched, IsOk());
+  auto lr = [&] { return lambda->last_lrs().at(0); };
+  // A non-sync micro-step: neither the optimizer nor the scheduler move.
+  ASSERT_THAT(acc->Accumulate({}), IsOk());
+  EXPECT_FALSE(acc->sync_gradients());
+  ASSERT_THAT((*sched)->Step(), IsOk());
+  EXPECT_DOUBLE_EQ(lr(), 1.0);
+  // The sync step: one tick (one process).
+  ASSERT_THAT(acc->Accumulate({}), IsOk());
+  EXPECT_TRUE(acc->sync_gradients());
+  ASSERT_THAT((*sched)->Step(), IsOk());
+  EXPECT_DOUBLE_EQ(lr(), 0.9);
+}
+
+TEST(AcceleratorScheduler, WithoutStepWithOptimizerEveryCallTicks) {
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 2;
+  options.step_scheduler_with_optimizer = false;
+  auto acc = MakeAccelerator(options);
+  torch::nn::Linear net = MakeNet();
+  auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(1.0));
+  std::shared_ptr<LRScheduler> lambda =
+      MakeLambdaLR(*sgd, [](int64_t n) { return 1.0 - static_cast<double>(n) / 10; });
+  auto sched = acc->PrepareScheduler(lambda);
+  ASSERT_THAT(acc->Accumulate({}), IsOk());
+  ASSERT_THAT((*sched)->Step(), IsOk());
+  ASSERT_THAT((*sched)->Step(), IsOk());
+  EXPECT_DOUBLE_EQ(lambda->last_lrs().at(0), 0.8);
+}
+
+// fp16 on the CPU: the host GradScaler. An inf gradient skips the optimizer
+// step and the scheduler with it, and backs the scale off.
+TEST(AcceleratorFp16, OverflowSkipsOptimizerAndScheduler) {
+  AcceleratorOptions options;
+  options.mixed_precision = "fp16";
+  options.grad_scaler_kwargs = GradScalerOptions{};
+  options.grad_scaler_kwargs->init_scale = 1024;
+  auto acc = MakeAccelerator(options);
+  ASSERT_NE(acc->scaler(), nullptr);
+  torch::nn::Linear net = MakeNet();
+  auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(1.0));
+  std::shared_ptr<LRScheduler> lambda =
+      MakeLambdaLR(*sgd, [](int64_t n) { return 1.0 - static_cast<double>(n) / 10; });
+  auto model = acc->PrepareModel(net.ptr());
+  auto opt = acc->PrepareOptimizer(sgd);
+  auto sched = acc->PrepareScheduler(lambda);
+  ASSERT_THAT(opt, IsOk());
+  auto ds = Regression(4);
+  Batch batch = Rows(*ds, 0, 4);
+
+  // Clean step: the gradient the optimizer sees is the unscaled one.
+  at::Tensor before = net->weight.detach().clone();
+  ASSERT_THAT(acc->Backward(Loss(net, batch)), IsOk());
+  at::Tensor scaled_grad = net->weight.grad().clone();
+  ASSERT_THAT((*opt)->Step(), IsOk());
+  EXPECT_FALSE((*opt)->step_was_skipped());
+  EXPECT_TRUE(at::allclose(net->weight, before - scaled_grad / 1024, 1e-5, 1e-6));
+  ASSERT_THAT((*sched)->Step(), IsOk());
+  EXPECT_DOUBLE_EQ(lambda->last_lrs().at(0), 0.9);
+  (*opt)->ZeroGrad();
+
+  // Overflow: an inf in the loss.
+  at::Tensor weights = net->weight.detach().clone();
+  ASSERT_THAT(acc->Backward(Loss(net, batch) * std::numeric_limits<float>::infinity()), IsOk());
+  ASSERT_THAT((*opt)->Step(), IsOk());
+  EXPECT_TRUE((*opt)->step_was_skipped());
+  EXPECT_TRUE(at::equal(net->weight, weights));
+  EXPECT_DOUBLE_EQ(acc->scaler()->scale(), 512);
+  ASSERT_THAT((*sched)->Step(), IsOk());
+  EXPECT_DOUBLE_EQ(lambda->last_lrs().at(0), 0.9);
+}
+
+TEST(AcceleratorClip, ClipGradNormMatchesTheNormByHand) {
+  auto acc = MakeAccelerator();
+  torch::nn::Linear net = MakeNet();
+  auto ds = Regression(8);
+  Loss(net, Rows(*ds, 0, 8)).backward();
+  double by_hand = std::sqrt(net->weight.grad().pow(2).sum().item<double>() +
+                             net->bias.grad().pow(2).sum().item<double>());
+  at::Tensor grad = net->weight.grad().clone();
+  auto norm = acc->ClipGradNorm(net->parameters(), by_hand / 2);
+  ASSERT_THAT(norm, IsOk());
+  EXPECT_NEAR(*norm, by_hand, 1e-5);
+  EXPECT_TRUE(at::allclose(net->weight.grad(), grad * 0.5, 1e-4, 1e-6));
+  ASSERT_THAT(acc->ClipGradValue(net->parameters(), 1e-4), IsOk());
+  EXPECT_LE(net->weight.grad().abs().max().item<double>(), 1e-4 + 1e-9);
+}
+
+TEST(AcceleratorAutocast, Bf16ForwardRunsInBfloat16) {
+  AcceleratorOptions options;
+  options.mixed_precision = "bf16";
+  auto acc = MakeAccelerator(options);
+  torch::nn::Linear net = MakeNet();
+  auto model = acc->PrepareModel(net.ptr());
+  ASSERT_THAT(model, IsOk());
+  at::Tensor x = at::ones({2, 4});
+  {
+    auto forward = acc->BeginForward(**model);
+    ASSERT_THAT(forward, IsOk());
+    EXPECT_EQ(net->forward(x).scalar_type(), at::kBFloat16);
+    auto off = acc->Autocast(AutocastKwargs{false, std::nullopt});
+    EXPECT_EQ(net->forward(x).scalar_type(), at::kFloat);
+  }
+  EXPECT_EQ(net->forward(x).scalar_type(), at::kFloat);
+}
+
+// ---- Checkpoints ----
+
+// Trains `steps` batches of a shuffled loader with Adam and a linear
+// schedule; with `save_at`, saves the state after that many steps.
+struct Trainer {
+  std::unique_ptr<Accelerator> acc;
+  torch::nn::Linear net = nullptr;
+  PreparedModel* model = nullptr;
+  PreparedOptimizer* opt = nullptr;
+  PreparedScheduler* sched = nullptr;
+  std::unique_ptr<DataLoader> loader;
+
+  explicit Trainer(AcceleratorOptions options, uint64_t init_seed = 7) {
+    SetSeed(3);
+    acc = MakeAccelerator(options);
+    net = MakeNet(init_seed);
+    auto adam =
+        std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.05));
+    std::shared_ptr<LRScheduler> linear = MakeLinearWarmupLR(*adam, 2, 40);
+    model = *acc->PrepareModel(net.ptr());
+    opt = *acc->PrepareOptimizer(adam);
+    sched = *acc->PrepareScheduler(linear);
+    loader = *acc->PrepareDataLoader(*Loader(Regression(20), 3, /*shuffle=*/true));
+  }
+
+  // Runs batches until `count` more have been used (across epochs), with dropout-like noise
+  // from the global RNG so the RNG state matters too.
+  void Run(int count, DataLoader* first = nullptr) {
+    DataLoader* current = first != nullptr ? first : loader.get();
+    ASSERT_THAT(current->Start(), IsOk());
+    while (count > 0) {
+      auto batch = current->Next();
+      ASSERT_THAT(batch, IsOk());
+      if (!*batch) {
+        current = loader.get();
+        ASSERT_THAT(current->Start(), IsOk());
+        continue;
+      }
+      auto scope = acc->Accumulate({model});
+      ASSERT_THAT(scope, IsOk());
+      at::Tensor noise = at::rand({1}) * 1e-3;
+      ASSERT_THAT(acc->Backward(Loss(net, **batch) + noise.sum()), IsOk());
+      ASSERT_THAT(opt->Step(), IsOk());
+      ASSERT_THAT(sched->Step(), IsOk());
+      opt->ZeroGrad();
+      --count;
+    }
+  }
+};
+
+TEST(AcceleratorCheckpoint, ResumeIsBitForBit) {
+  test::TempDir dir;
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 2;
+
+  Trainer straight(options);
+  straight.Run(11);  // 20 rows / 3 = 7 batches an epoch: this crosses into the second epoch
+
+  Trainer first(options);
+  first.Run(9);  // 7 of epoch 0, 2 of epoch 1
+  auto saved = first.acc->SaveState(dir.File("ckpt"));
+  ASSERT_THAT(saved, IsOk());
+  for (const char* name :
+       {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}) {
+    EXPECT_TRUE(std::filesystem::exists(dir.File("ckpt/") + name)) << name;
+  }
+
+  // A fresh process-like start from different weights, then load_state.
+  Trainer resumed(options, /*init_seed=*/99);
+  ASSERT_THAT(resumed.acc->LoadState(dir.File("ckpt")), IsOk());
+  EXPECT_EQ(resumed.acc->accumulation_step(), first.acc->accumulation_step());
+  resumed.loader->set_epoch(1);
+  std::unique_ptr<DataLoader> skipping = resumed.acc->SkipFirstBatches(*resumed.loader, 2);
+  resumed.Run(2, skipping.get());
+
+  EXPECT_TRUE(at::equal(resumed.net->weight, straight.net->weight));
+  EXPECT_TRUE(at::equal(resumed.net->bias, straight.net->bias));
+  EXPECT_EQ(resumed.sched->scheduler().last_epoch(), straight.sched->scheduler().last_epoch());
+}
+
+TEST(AcceleratorCheckpoint, AutomaticNamingPrunesAndLoadsTheLatest) {
+  test::TempDir dir;
+  AcceleratorOptions options;
+  options.project_config.project_dir = dir.path();
+  options.project_config.automatic_checkpoint_naming = true;
+  options.project_config.total_limit = 2;
+  Trainer t(options);
+  for (int i = 0; i < 4; ++i) {
+    t.Run(1);
+    auto saved = t.acc->SaveState();
+    ASSERT_THAT(saved, IsOk());
+    EXPECT_THAT(*saved, testing::EndsWith("checkpoint_" + std::to_string(i)));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.File("checkpoints/checkpoint_1")));
+  EXPECT_TRUE(std::filesystem::exists(dir.File("checkpoints/checkpoint_2")));
+  EXPECT_TRUE(std::filesystem::exists(dir.File("checkpoints/checkpoint_3")));
+  at::Tensor latest = t.net->weight.detach().clone();
+  t.Run(2);
+  ASSERT_THAT(t.acc->LoadState(), IsOk());
+  EXPECT_TRUE(at::equal(t.net->weight, latest));
+  // The next save continues the numbering instead of colliding with checkpoint_3.
+  EXPECT_EQ(t.acc->project_configuration().iteration, 4);
+  auto next = t.acc->SaveState();
+  ASSERT_THAT(next, IsOk());
+  EXPECT_THAT(*next, testing::EndsWith("checkpoint_4"));
+}
+
+TEST(AcceleratorCheckpoint, LoadErrorsNameTheProblem) {
+  test::TempDir dir;
+  Trainer t({});
+  EXPECT_THAT(t.acc->LoadState(dir.File("missing")),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("missing")));
+  EXPECT_THAT(t.acc->LoadState(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                           HasSubstr("automatic_checkpoint_naming")));
+  ASSERT_THAT(t.acc->SaveState(dir.File("a")), IsOk());
+  // A registered object without its file.
+  struct Counter : Checkpointable {
+    at::Tensor value = at::zeros({1});
+    std::map<std::string, at::Tensor> StateDict() const override { return {{"value", value}}; }
+    absl::Status LoadStateDict(const std::map<std::string, at::Tensor>& s) override {
+      value = s.at("value");
+      return absl::OkStatus();
+    }
+  };
+  t.acc->RegisterForCheckpointing(std::make_shared<Counter>());
+  EXPECT_THAT(t.acc->LoadState(dir.File("a")),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("custom_checkpoint")));
+  // A model of another shape.
+  auto acc = MakeAccelerator();
+  ASSERT_THAT(acc->PrepareModel(torch::nn::Linear(5, 3).ptr()), IsOk());
+  EXPECT_THAT(acc->LoadState(dir.File("a")),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight")));
+}
+
+TEST(AcceleratorCheckpoint, CustomObjectsRoundTrip) {
+  test::TempDir dir;
+  struct Counter : Checkpointable {
+    at::Tensor value = at::zeros({2});
+    std::map<std::string, at::Tensor> StateDict() const override { return {{"value", value}}; }
+    absl::Status LoadStateDict(const std::map<std::string, at::Tensor>& s) override {
+      value = s.at("value").clone();
+      return absl::OkStatus();
+    }
+  };
+  auto counter = std::make_shared<Counter>();
+  counter->value = at::tensor({3.5f, -1.0f});
+  auto acc = MakeAccelerator();
+  acc->RegisterForCheckpointing(counter);
+  ASSERT_THAT(acc->SaveState(dir.File("c")), IsOk());
+  counter->value.zero_();
+  ASSERT_THAT(acc->LoadState(dir.File("c")), IsOk());
+  EXPECT_TRUE(at::equal(counter->value, at::tensor({3.5f, -1.0f})));
+}
+
+TEST(AcceleratorSaveModel, ShardsAndReloads) {
+  test::TempDir dir;
+  auto acc = MakeAccelerator();
+  torch::nn::Linear net = MakeNet();
+  auto model = acc->PrepareModel(net.ptr());
+  ASSERT_THAT(acc->SaveModel(**model, dir.File("m"), "40"), IsOk());  // 48 + 12 bytes: 2 shards
+  EXPECT_TRUE(std::filesystem::exists(dir.File("m/model.safetensors.index.json")));
+  auto back = LoadModelWeights(dir.File("m"));
+  ASSERT_THAT(back, IsOk());
+  ASSERT_EQ(back->size(), 2u);
+  EXPECT_THAT(acc->SaveModel(**model, dir.File("m"), "ten gigs"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_shard_size")));
+}
+
+// ---- Trackers, batch size search ----
+
+TEST(AcceleratorTrackers, LogsJsonLinesOnTheMainProcess) {
+  test::TempDir dir;
+  AcceleratorOptions options;
+  options.log_with = {"jsonl"};
+  options.project_config.project_dir = dir.path();
+  auto acc = MakeAccelerator(options);
+  ASSERT_THAT(acc->InitTrackers("run", {{"lr", "0.1"}}), IsOk());
+  ASSERT_THAT(acc->Log({{"loss", 1.5}}, 3), IsOk());
+  ASSERT_THAT(acc->EndTraining(), IsOk());
+  std::string text = test::ReadAll(dir.File("run/metrics.jsonl"));
+  EXPECT_THAT(text, HasSubstr("\"loss\""));
+  EXPECT_THAT(text, HasSubstr("1.5"));
+}
+
+TEST(FindExecutableBatchSize, HalvesOnOutOfMemory) {
+  std::vector<int64_t> tried;
+  EXPECT_THAT(FindExecutableBatchSize(64,
+                                      [&](int64_t bs) -> absl::Status {
+                                        tried.push_back(bs);
+                                        if (bs > 8) return absl::ResourceExhaustedError("oom");
+                                        return absl::OkStatus();
+                                      }),
+              IsOk());
+  EXPECT_EQ(tried, std::vector<int64_t>({64, 32, 16, 8}));
+  tried.clear();
+  EXPECT_THAT(FindExecutableBatchSize(4,
+                                      [&](int64_t bs) -> absl::Status {
+                                        tried.push_back(bs);
+                                        if (bs > 1) throw std::bad_alloc();
+                                        return absl::InternalError("a real bug");
+                                      }),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("a real bug")));
+  EXPECT_EQ(tried, std::vector<int64_t>({4, 2, 1}));
+  EXPECT_THAT(
+      FindExecutableBatchSize(2, [](int64_t) { return absl::ResourceExhaustedError("always"); }),
+      StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("no executable batch size")));
+  EXPECT_THAT(FindExecutableBatchSize(0, [](int64_t) { return absl::OkStatus(); }),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("starting_batch_size")));
+}
+
+// ---- Several processes (real ranks over gloo) ----
+
+// Each rank trains one step on its shard of a global batch; the result must
+// equal one single-process step on the whole global batch.
+TEST(AcceleratorDistributedWorker, DataParallelStep) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of AcceleratorDistributed.*";
+  const int64_t k = std::stoi(std::getenv("ACCUM"));
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = k;
+  options.ddp_kwargs = DistributedDataParallelKwargs{};
+  options.ddp_kwargs->bucket_cap_mb = 0.00001;  // one bucket per tensor
+  auto created = Accelerator::Create(options);
+  ASSERT_THAT(created, IsOk());
+  auto& acc = *created;
+  const int64_t p = acc->num_processes();
+  const int64_t b = 2;
+  auto ds = Regression(p * b * k * 2);  // two optimizer steps
+  // Rank 0's initial weights win (DDP broadcasts them).
+  torch::nn::Linear net = MakeNet(acc->process_index() == 0 ? 7 : 1234);
+  auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.2));
+  std::shared_ptr<LRScheduler> lambda =
+      MakeLambdaLR(*sgd, [](int64_t n) { return 1.0 - static_cast<double>(n) / 100; });
+  auto model = acc->PrepareModel(net.ptr());
+  ASSERT_THAT(model, IsOk());
+  auto opt = acc->PrepareOptimizer(sgd);
+  auto sched = acc->PrepareScheduler(lambda);
+  auto loader = acc->PrepareDataLoader(*Loader(ds, b));
+  ASSERT_THAT(loader, IsOk());
+  ASSERT_THAT((*loader)->Start(), IsOk());
+  std::vector<at::Tensor> seen;
+  while (true) {
+    auto batch = (*loader)->Next();
+    ASSERT_THAT(batch, IsOk());
+    if (!*batch) break;
+    auto scope = acc->Accumulate({*model});
+    ASSERT_THAT(scope, IsOk());
+    ASSERT_THAT(acc->Backward(Loss(net, **batch)), IsOk());
+    ASSERT_THAT((*opt)->Step(), IsOk());
+    ASSERT_THAT((*sched)->Step(), IsOk());
+    (*opt)->ZeroGrad();
+    auto gathered = acc->GatherForMetrics((*batch)->at("index"));
+    ASSERT_THAT(gathered, IsOk());
+    seen.push_back(*gathered);
+  }
+  // gather_for_metrics returns exactly the dataset, in order.
+  EXPECT_TRUE(at::equal(at::cat(seen), at::arange(ds->size(), at::kLong)));
+  // The scheduler ticked num_processes times per optimizer step.
+  EXPECT_NEAR(lambda->last_lrs().at(0), 0.2 * (1.0 - 2.0 * p / 100), 1e-12);
+
+  // The single-process reference: two SGD steps of p*b*k rows each, at the
+  // lrs the schedule gives (0.2, then 0.2 * (1 - p/100)).
+  torch::nn::Linear ref = MakeNet(7);
+  torch::optim::SGD ref_sgd(ref->parameters(), torch::optim::SGDOptions(0.2));
+  const int64_t global = p * b * k;
+  for (int64_t s = 0; s < 2; ++s) {
+    static_cast<torch::optim::SGDOptions&>(ref_sgd.param_groups()[0].options())
+        .lr(0.2 * (1.0 - static_cast<double>(s * p) / 100));
+    ref_sgd.zero_grad();
+    Loss(ref, Rows(*ds, s * global, (s + 1) * global)).backward();
+    ref_sgd.step();
+  }
+  EXPECT_TRUE(at::allclose(net->weight, ref->weight, 1e-5, 1e-6)) << net->weight << "\nvs\n"
+                                                                  << ref->weight;
+  EXPECT_TRUE(at::allclose(net->bias, ref->bias, 1e-5, 1e-6));
+  ASSERT_THAT(acc->WaitForEveryone(), IsOk());
+}
+
+TEST(AcceleratorDistributed, TwoRanksEqualOneProcess) {
+  EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.DataParallelStep", {{"ACCUM", "1"}}),
+              Each(0));
+}
+
+TEST(AcceleratorDistributed, TwoRanksWithAccumulationEqualOneProcess) {
+  EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.DataParallelStep", {{"ACCUM", "3"}}),
+              Each(0));
+}
+
+TEST(AcceleratorDistributed, FourRanksWithAccumulationEqualOneProcess) {
+  EXPECT_THAT(test::RunRanks(4, "AcceleratorDistributedWorker.DataParallelStep", {{"ACCUM", "2"}}),
+              Each(0));
+}
+
+}  // namespace
+}  // namespace accel::train
