@@ -157,8 +157,8 @@ absl::StatusOr<std::unique_ptr<Accelerator>> Accelerator::Create(const Accelerat
 
   // Mixed precision: the argument, else $ACCELERATE_MIXED_PRECISION, else "no".
   std::string precision = "no";
-  if (options.mixed_precision) {
-    precision = *options.mixed_precision;
+  if (!options.mixed_precision.empty()) {
+    precision = options.mixed_precision;
   } else if (std::optional<std::string> v = env("ACCELERATE_MIXED_PRECISION")) {
     precision = absl::AsciiStrToLower(*v);
   }

@@ -121,8 +121,8 @@ struct DistributedDataParallelKwargs {
 };
 
 struct AcceleratorOptions {
-  // "no", "fp16", "bf16"; unset: $ACCELERATE_MIXED_PRECISION, else "no".
-  std::optional<std::string> mixed_precision;
+  // "no", "fp16", "bf16"; empty: $ACCELERATE_MIXED_PRECISION, else "no".
+  std::string mixed_precision;
   // At most one of the two; $ACCELERATE_GRADIENT_ACCUMULATION_STEPS overrides the count.
   std::optional<int64_t> gradient_accumulation_steps;
   std::optional<GradientAccumulationPlugin> gradient_accumulation_plugin;
