@@ -1,1 +1,310 @@
-// Being written.
+#include "train/process_group.h"
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <utility>
+
+#include <ATen/Functions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "absl/strings/str_cat.h"
+
+#include "core/status.h"
+
+namespace accel::train {
+namespace {
+
+c10d::ReduceOp ToC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// Waits for `work`; its exception (a peer gone, a timeout) becomes a Status
+// naming the operation.
+absl::Status WaitFor(const c10::intrusive_ptr<c10d::Work>& work, absl::string_view op) {
+  absl::Status status = CallTorch([&] { work->wait(); });
+  if (!status.ok()) return Annotate(status, absl::StrCat("collective ", op));
+  return absl::OkStatus();
+}
+
+// Tensors of one dtype, flattened into one buffer for a single collective
+// (gloo's allreduce takes one tensor per device, not a list of different ones).
+struct FlatGroup {
+  std::vector<size_t> members;
+  at::Tensor flat;
+};
+
+std::vector<FlatGroup> Flatten(const std::vector<at::Tensor>& tensors) {
+  std::map<c10::ScalarType, FlatGroup> by_dtype;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    by_dtype[tensors[i].scalar_type()].members.push_back(i);
+  }
+  std::vector<FlatGroup> groups;
+  for (auto& [dtype, group] : by_dtype) {
+    std::vector<at::Tensor> parts;
+    for (size_t i : group.members) parts.push_back(tensors[i].reshape({-1}));
+    group.flat = parts.size() == 1 ? parts[0].contiguous().clone() : at::cat(parts);
+    groups.push_back(std::move(group));
+  }
+  return groups;
+}
+
+void Unflatten(const std::vector<FlatGroup>& groups, std::vector<at::Tensor>& tensors) {
+  for (const FlatGroup& group : groups) {
+    int64_t offset = 0;
+    for (size_t i : group.members) {
+      const int64_t n = tensors[i].numel();
+      tensors[i].copy_(group.flat.narrow(0, offset, n).view(tensors[i].sizes()));
+      offset += n;
+    }
+  }
+}
+
+class C10dWork : public PendingWork {
+ public:
+  C10dWork(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<FlatGroup> groups,
+           std::vector<at::Tensor>* tensors)
+      : works_(std::move(works)), groups_(std::move(groups)), tensors_(tensors) {}
+  ~C10dWork() override { (void)Wait(); }
+
+  absl::Status Wait() override {
+    if (done_) return status_;
+    done_ = true;
+    for (auto& work : works_) {
+      status_ = WaitFor(work, "all_reduce");
+      if (!status_.ok()) return status_;
+    }
+    status_ = CallTorch([&] { Unflatten(groups_, *tensors_); });
+    return status_;
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::vector<FlatGroup> groups_;
+  std::vector<at::Tensor>* tensors_;
+  bool done_ = false;
+  absl::Status status_;
+};
+
+class DoneWork : public PendingWork {
+ public:
+  absl::Status Wait() override { return absl::OkStatus(); }
+};
+
+class GlooGroup : public ProcessGroup {
+ public:
+  GlooGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroup> pg,
+            int rank, int size)
+      : store_(std::move(store)), pg_(std::move(pg)), rank_(rank), size_(size) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& backend() const override { return backend_; }
+
+  absl::Status AllReduce(std::vector<at::Tensor>& tensors, ReduceOp op) override {
+    ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<PendingWork> work, AllReduceAsync(tensors, op));
+    return work->Wait();
+  }
+
+  absl::StatusOr<std::unique_ptr<PendingWork>> AllReduceAsync(std::vector<at::Tensor>& tensors,
+                                                              ReduceOp op) override {
+    if (tensors.empty()) return std::unique_ptr<PendingWork>(std::make_unique<DoneWork>());
+    std::vector<FlatGroup> groups;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                     groups = Flatten(tensors);
+                                     c10d::AllreduceOptions options;
+                                     options.reduceOp = ToC10d(op);
+                                     for (FlatGroup& g : groups) {
+                                       std::vector<at::Tensor> one = {g.flat};
+                                       works.push_back(pg_->allreduce(one, options));
+                                     }
+                                   }),
+                                   "collective all_reduce"));
+    return std::unique_ptr<PendingWork>(
+        std::make_unique<C10dWork>(std::move(works), std::move(groups), &tensors));
+  }
+
+  absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor) override {
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    std::vector<at::Tensor> inputs;
+    c10::intrusive_ptr<c10d::Work> work;
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                     at::Tensor in = tensor.dim() == 0 ? tensor.reshape({1})
+                                                                       : tensor.contiguous();
+                                     inputs = {in};
+                                     for (int r = 0; r < size_; ++r) {
+                                       outputs[0].push_back(at::empty_like(in));
+                                     }
+                                     work = pg_->allgather(outputs, inputs);
+                                   }),
+                                   "collective all_gather"));
+    ACCEL_RETURN_IF_ERROR(WaitFor(work, "all_gather"));
+    at::Tensor out;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { out = at::cat(outputs[0], 0); }));
+    return out;
+  }
+
+  absl::Status Broadcast(at::Tensor& tensor, int src) override {
+    if (src < 0 || src >= size_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("broadcast: source rank ", src, " is outside [0, ", size_, ")"));
+    }
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor buffer;
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                     buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+                                     std::vector<at::Tensor> one = {buffer};
+                                     c10d::BroadcastOptions options;
+                                     options.rootRank = src;
+                                     work = pg_->broadcast(one, options);
+                                   }),
+                                   "collective broadcast"));
+    ACCEL_RETURN_IF_ERROR(WaitFor(work, "broadcast"));
+    if (!buffer.is_same(tensor)) {
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { tensor.copy_(buffer); }));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Barrier() override {
+    // An all-reduce of one number: gloo's barrier, but with our error path.
+    std::vector<at::Tensor> one = {at::zeros({1}, at::kInt)};
+    return Annotate(AllReduce(one, ReduceOp::kSum), "barrier");
+  }
+
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(absl::string_view bytes) override {
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor lengths,
+                           AllGather(at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong)));
+    int64_t longest = 0;
+    for (int r = 0; r < size_; ++r) longest = std::max(longest, lengths[r].item<int64_t>());
+    at::Tensor mine = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
+    std::memcpy(mine.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor all, AllGather(mine));
+    std::vector<std::string> out;
+    const int64_t stride = mine.numel();
+    for (int r = 0; r < size_; ++r) {
+      const auto* p = all.data_ptr<uint8_t>() + r * stride;
+      out.emplace_back(reinterpret_cast<const char*>(p),
+                       static_cast<size_t>(lengths[r].item<int64_t>()));
+    }
+    return out;
+  }
+
+  absl::StatusOr<std::string> BroadcastBytes(absl::string_view bytes, int src) override {
+    at::Tensor length = at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong);
+    ACCEL_RETURN_IF_ERROR(Broadcast(length, src));
+    const int64_t n = length.item<int64_t>();
+    at::Tensor data = at::zeros({std::max<int64_t>(n, 1)}, at::kByte);
+    if (rank_ == src) std::memcpy(data.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+    ACCEL_RETURN_IF_ERROR(Broadcast(data, src));
+    return std::string(reinterpret_cast<const char*>(data.data_ptr<uint8_t>()),
+                       static_cast<size_t>(n));
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int rank_;
+  int size_;
+  std::string backend_ = "gloo";
+};
+
+class SingleGroup : public ProcessGroup {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  const std::string& backend() const override { return backend_; }
+  absl::Status AllReduce(std::vector<at::Tensor>&, ReduceOp) override { return absl::OkStatus(); }
+  absl::StatusOr<std::unique_ptr<PendingWork>> AllReduceAsync(std::vector<at::Tensor>&,
+                                                              ReduceOp) override {
+    return std::unique_ptr<PendingWork>(std::make_unique<DoneWork>());
+  }
+  absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor) override {
+    return tensor.dim() == 0 ? tensor.reshape({1}) : tensor;
+  }
+  absl::Status Broadcast(at::Tensor&, int src) override {
+    if (src != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("broadcast: source rank ", src, " is outside [0, 1)"));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Barrier() override { return absl::OkStatus(); }
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(absl::string_view bytes) override {
+    return std::vector<std::string>{std::string(bytes)};
+  }
+  absl::StatusOr<std::string> BroadcastBytes(absl::string_view bytes, int) override {
+    return std::string(bytes);
+  }
+
+ private:
+  std::string backend_ = "single";
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
+    const ProcessEnvironment& env, const ProcessGroupOptions& options) {
+  std::string backend = options.backend;
+  if (backend == "auto") backend = options.use_cuda ? "nccl" : "gloo";
+  if (backend == "nccl") {
+    return absl::UnimplementedError(
+        "process group backend \"nccl\": this libtorch was built without NCCL (CPU only); use "
+        "gloo");
+  }
+  if (backend != "gloo") {
+    return absl::InvalidArgumentError(absl::StrCat("process group backend \"", options.backend,
+                                                   "\": expected gloo, nccl or auto"));
+  }
+  if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", env.rank, " of world size ", env.world_size));
+  }
+  const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(options.timeout));
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  absl::Status status = CallTorch([&] {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<std::uint16_t>(env.master_port);
+    store_options.isServer = env.rank == 0;
+    store_options.numWorkers = static_cast<std::size_t>(env.world_size);
+    store_options.waitWorkers = true;
+    store_options.timeout = timeout;
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+    // GLOO_SOCKET_IFNAME is read by Python's torch.distributed only; a C++
+    // program must honour it itself. Otherwise bind to the address that
+    // reaches the master: on Debian the hostname maps to 127.0.1.1, so
+    // createDefaultDevice would pick loopback on a multi-host run.
+    if (!env.gloo_socket_ifname.empty()) {
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForInterface(env.gloo_socket_ifname));
+    } else if (env.world_size == env.local_world_size) {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else {
+      gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    gloo_options->threads = 2;
+    pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
+  });
+  if (!status.ok()) {
+    return Annotate(status, absl::StrCat("connecting rank ", env.rank, " of ", env.world_size,
+                                         " to ", env.master_addr, ":", env.master_port, " (gloo)"));
+  }
+  return std::unique_ptr<ProcessGroup>(
+      std::make_unique<GlooGroup>(std::move(store), std::move(pg), env.rank, env.world_size));
+}
+
+std::unique_ptr<ProcessGroup> ProcessGroup::Single() { return std::make_unique<SingleGroup>(); }
+
+}  // namespace accel::train
