@@ -1,1 +1,618 @@
-// Being written.
+#include "train/data.h"
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+#include <utility>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+#include "core/status.h"
+
+namespace accel::train {
+
+// ---- Index-level building blocks ----
+
+std::vector<int64_t> RandomPermutation(int64_t n, uint64_t seed) {
+  at::Tensor perm = at::randperm(n, at::make_generator<at::CPUGeneratorImpl>(seed),
+                                 at::TensorOptions().dtype(at::kLong));
+  const int64_t* p = perm.data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + n);
+}
+
+std::vector<IndexBatch> MakeBatches(const std::vector<int64_t>& order, int64_t batch_size,
+                                    bool drop_last) {
+  std::vector<IndexBatch> batches;
+  if (batch_size < 1) return batches;
+  for (size_t i = 0; i < order.size(); i += static_cast<size_t>(batch_size)) {
+    const size_t end = std::min(order.size(), i + static_cast<size_t>(batch_size));
+    if (drop_last && end - i < static_cast<size_t>(batch_size)) break;
+    batches.emplace_back(order.begin() + static_cast<std::ptrdiff_t>(i),
+                         order.begin() + static_cast<std::ptrdiff_t>(end));
+  }
+  return batches;
+}
+
+namespace {
+
+absl::Status CheckShard(const ShardOptions& o) {
+  if (o.num_processes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_processes must be at least 1, got ", o.num_processes));
+  }
+  if (o.process_index < 0 || o.process_index >= o.num_processes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("process_index ", o.process_index, " is outside [0, ", o.num_processes, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// Python's list[a:b] on a batch (clipped to its length).
+IndexBatch Slice(const IndexBatch& batch, int64_t begin, int64_t end) {
+  const auto n = static_cast<int64_t>(batch.size());
+  begin = std::min(begin, n);
+  end = std::min(end, n);
+  if (end <= begin) return {};
+  return IndexBatch(batch.begin() + begin, batch.begin() + end);
+}
+
+std::vector<IndexBatch> ShardSplit(const std::vector<IndexBatch>& batches, int64_t batch_size,
+                                   bool drop_last, const ShardOptions& o) {
+  std::vector<IndexBatch> out;
+  const int64_t per = batch_size / o.num_processes;
+  const int64_t begin = per * o.process_index, end = per * (o.process_index + 1);
+  IndexBatch initial;
+  for (size_t idx = 0; idx < batches.size(); ++idx) {
+    if (idx == 0) initial = batches[idx];
+    if (static_cast<int64_t>(batches[idx].size()) == batch_size) {
+      out.push_back(Slice(batches[idx], begin, end));
+    }
+  }
+  if (batches.empty()) return out;
+  IndexBatch last = batches.back();
+  if (!drop_last && !initial.empty() && static_cast<int64_t>(last.size()) < batch_size) {
+    if (!o.even_batches) {
+      if (static_cast<int64_t>(last.size()) > begin) out.push_back(Slice(last, begin, end));
+    } else {
+      while (static_cast<int64_t>(initial.size()) < batch_size) {
+        IndexBatch twice = initial;
+        twice.insert(twice.end(), initial.begin(), initial.end());
+        initial = std::move(twice);
+      }
+      last.insert(last.end(), initial.begin(), initial.end());
+      out.push_back(Slice(last, begin, end));
+    }
+  }
+  return out;
+}
+
+std::vector<IndexBatch> ShardNoSplit(const std::vector<IndexBatch>& batches,
+                                     std::optional<int64_t> batch_size, bool drop_last,
+                                     const ShardOptions& o) {
+  const int64_t p = o.num_processes, r = o.process_index;
+  const bool dynamic = !batch_size.has_value();
+  auto full = [&](const IndexBatch& b) {
+    return dynamic || static_cast<int64_t>(b.size()) == *batch_size;
+  };
+  std::vector<IndexBatch> out;
+  std::vector<IndexBatch> initial;  // the first P batches (only without drop_last)
+  IndexBatch to_yield;
+  int64_t idx = 0;
+  IndexBatch batch;
+  for (const IndexBatch& b : batches) {
+    batch = b;
+    if (!drop_last && idx < p) initial.push_back(b);
+    if (idx % p == r) to_yield = b;
+    if (idx % p == p - 1 && full(b)) {
+      out.push_back(to_yield);
+      to_yield.clear();
+    }
+    ++idx;
+  }
+  if (batches.empty() || drop_last || initial.empty()) return out;
+  --idx;  // Python's loop variable: the index of the last batch
+  if (!o.even_batches) {
+    if (!to_yield.empty()) out.push_back(to_yield);
+    return out;
+  }
+  if (!to_yield.empty() && full(to_yield)) out.push_back(to_yield);
+  if (dynamic) {
+    // Whole batches are cycled: at least P of them.
+    std::vector<IndexBatch> pool = initial;
+    while (static_cast<int64_t>(pool.size()) < p) {
+      std::vector<IndexBatch> twice = pool;
+      twice.insert(twice.end(), pool.begin(), pool.end());
+      pool = std::move(twice);
+    }
+    ++idx;  // the last batch was "full" and has been yielded by its rank
+    size_t cycle = 0;
+    while (idx % p != 0) {
+      if (idx % p == r) out.push_back(pool[cycle]);
+      ++cycle;
+      ++idx;
+    }
+    return out;
+  }
+  const int64_t bs = *batch_size;
+  IndexBatch flat;
+  for (const IndexBatch& b : initial) flat.insert(flat.end(), b.begin(), b.end());
+  while (static_cast<int64_t>(flat.size()) < p * bs) {
+    IndexBatch twice = flat;
+    twice.insert(twice.end(), flat.begin(), flat.end());
+    flat = std::move(twice);
+  }
+  if (static_cast<int64_t>(batch.size()) == bs) {
+    batch.clear();
+    ++idx;
+  }
+  int64_t cycle = 0;
+  while (idx % p != 0 || !batch.empty()) {
+    const int64_t end = cycle + bs - static_cast<int64_t>(batch.size());
+    IndexBatch more = Slice(flat, cycle, end);
+    batch.insert(batch.end(), more.begin(), more.end());
+    if (idx % p == r) out.push_back(batch);
+    cycle = end;
+    batch.clear();
+    ++idx;
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<IndexBatch>> ShardBatches(const std::vector<IndexBatch>& batches,
+                                                     std::optional<int64_t> batch_size,
+                                                     bool drop_last, const ShardOptions& options) {
+  ACCEL_RETURN_IF_ERROR(CheckShard(options));
+  if (options.split_batches) {
+    if (!batch_size) {
+      return absl::InvalidArgumentError(
+          "split_batches needs a batch sampler with a batch size (dynamic batches cannot be split "
+          "between processes)");
+    }
+    if (*batch_size % options.num_processes != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "split_batches: the batch size (", *batch_size,
+          ") must be a round multiple of the number of processes (", options.num_processes, ")"));
+    }
+    return ShardSplit(batches, *batch_size, drop_last, options);
+  }
+  if (batch_size && *batch_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("batch_size must be >= 1, got ", *batch_size));
+  }
+  return ShardNoSplit(batches, batch_size, drop_last, options);
+}
+
+int64_t ShardedLength(int64_t num_batches, bool drop_last, const ShardOptions& o) {
+  if (o.split_batches) return num_batches;  // Accelerate's quirk: even when uneven
+  const int64_t p = o.num_processes;
+  if (num_batches % p == 0) return num_batches / p;
+  const int64_t length = num_batches / p;
+  if (drop_last) return length;
+  if (o.even_batches) return length + 1;
+  return length + (o.process_index < num_batches % p ? 1 : 0);
+}
+
+absl::StatusOr<std::vector<int64_t>> ShardIterable(int64_t n, int64_t batch_size, bool drop_last,
+                                                   const ShardOptions& o) {
+  ACCEL_RETURN_IF_ERROR(CheckShard(o));
+  if (batch_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("batch_size must be >= 1, got ", batch_size));
+  }
+  if (o.split_batches && batch_size > 1 && batch_size % o.num_processes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "split_batches: the batch size (", batch_size,
+        ") must be a round multiple of the number of processes (", o.num_processes, ")"));
+  }
+  const int64_t real = o.split_batches ? batch_size : batch_size * o.num_processes;
+  const int64_t per = o.split_batches ? batch_size / o.num_processes : batch_size;
+  const int64_t begin = o.process_index * per, end = (o.process_index + 1) * per;
+  std::vector<int64_t> out, first, current;
+  for (int64_t e = 0; e < n; ++e) {
+    current.push_back(e);
+    if (static_cast<int64_t>(current.size()) == real) {
+      for (int64_t i = begin; i < end; ++i) out.push_back(current[static_cast<size_t>(i)]);
+      if (first.empty()) first = current;
+      current.clear();
+    }
+  }
+  if (!drop_last && !current.empty()) {
+    if (first.empty()) first = current;
+    while (static_cast<int64_t>(current.size()) < real) {
+      current.insert(current.end(), first.begin(), first.end());
+    }
+    for (int64_t i = begin; i < end; ++i) out.push_back(current[static_cast<size_t>(i)]);
+  }
+  return out;
+}
+
+std::vector<IndexBatch> SkipBatches(const std::vector<IndexBatch>& batches, int64_t skip) {
+  if (skip <= 0) return batches;
+  if (skip >= static_cast<int64_t>(batches.size())) return {};
+  return std::vector<IndexBatch>(batches.begin() + skip, batches.end());
+}
+
+// ---- Datasets ----
+
+TensorDataset::TensorDataset(TensorMap columns, int64_t rows)
+    : columns_(std::move(columns)), rows_(rows) {}
+
+absl::StatusOr<std::shared_ptr<TensorDataset>> TensorDataset::Create(TensorMap columns) {
+  if (columns.empty()) return absl::InvalidArgumentError("TensorDataset: no columns");
+  int64_t rows = -1;
+  std::string first;
+  for (const auto& [name, t] : columns) {
+    if (!t.defined() || t.dim() == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("TensorDataset: column \"", name, "\" has no first dimension"));
+    }
+    if (rows < 0) {
+      rows = t.size(0);
+      first = name;
+    } else if (t.size(0) != rows) {
+      return absl::InvalidArgumentError(absl::StrCat("TensorDataset: column \"", name, "\" has ",
+                                                     t.size(0), " rows but \"", first, "\" has ",
+                                                     rows));
+    }
+  }
+  return std::shared_ptr<TensorDataset>(new TensorDataset(std::move(columns), rows));
+}
+
+int64_t TensorDataset::size() const { return rows_; }
+
+absl::StatusOr<Example> TensorDataset::Get(int64_t index) const {
+  if (index < 0 || index >= rows_) {
+    return absl::OutOfRangeError(
+        absl::StrCat("TensorDataset: index ", index, " is outside [0, ", rows_, ")"));
+  }
+  Example out;
+  for (const auto& [name, t] : columns_) out.emplace(name, t[index]);
+  return out;
+}
+
+absl::StatusOr<Batch> Collate(const std::vector<Example>& examples) {
+  if (examples.empty()) return absl::InvalidArgumentError("Collate: no examples");
+  Batch out;
+  for (const auto& [name, first] : examples[0]) {
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < examples.size(); ++i) {
+      auto it = examples[i].find(name);
+      if (it == examples[i].end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("Collate: example ", i, " has no \"", name, "\""));
+      }
+      if (it->second.sizes() != first.sizes() || it->second.scalar_type() != first.scalar_type()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "Collate: \"", name, "\" of example ", i, " is ",
+            c10::toString(it->second.scalar_type()), c10::str(it->second.sizes()),
+            " but example 0's is ", c10::toString(first.scalar_type()), c10::str(first.sizes())));
+      }
+      parts.push_back(it->second);
+    }
+    out.emplace(name, at::stack(parts));
+  }
+  for (size_t i = 1; i < examples.size(); ++i) {
+    if (examples[i].size() != examples[0].size()) {
+      return absl::InvalidArgumentError(absl::StrCat("Collate: example ", i, " has ",
+                                                     examples[i].size(), " keys, example 0 has ",
+                                                     examples[0].size()));
+    }
+  }
+  return out;
+}
+
+// ---- The loader stack of the gradient state ----
+
+void ActiveLoaders::Push(const LoaderProgress* loader) { stack_.push_back(loader); }
+
+void ActiveLoaders::Pop(const LoaderProgress* loader) {
+  auto it = std::find(stack_.rbegin(), stack_.rend(), loader);
+  if (it != stack_.rend()) stack_.erase(std::next(it).base());
+}
+
+const LoaderProgress* ActiveLoaders::active() const {
+  return stack_.empty() ? nullptr : stack_.back();
+}
+
+// ---- DataLoader ----
+
+struct DataLoader::State {
+  std::shared_ptr<const Dataset> dataset;
+  DataLoaderOptions options;
+  bool prepared = false;
+  PrepareOptions prepare;
+  ProcessGroup* group = nullptr;
+  ActiveLoaders* active = nullptr;
+  int64_t epoch = 0;
+  int64_t skip = 0;  // SkipFirstBatches: skipped by the next pass only
+
+  // The pass in progress.
+  bool running = false;
+  bool registered = false;
+  std::vector<IndexBatch> batches;  // this rank's, or the global ones (dispatch)
+  size_t next = 0;
+  std::optional<Batch> lookahead;
+  LoaderProgress progress;
+
+  int64_t num_processes() const { return prepared ? prepare.shard.num_processes : 1; }
+  bool dispatch() const { return prepared && prepare.dispatch_batches && num_processes() > 1; }
+  uint64_t seed() const {
+    if (prepared && prepare.data_seed) return *prepare.data_seed;
+    return options.seed.value_or(0);
+  }
+
+  // The base loader's batches of `epoch` (BatchSampler over the sampler's order).
+  std::vector<IndexBatch> BaseBatches() const {
+    std::vector<int64_t> order;
+    if (options.shuffle) {
+      order = RandomPermutation(dataset->size(), seed() + static_cast<uint64_t>(epoch));
+    } else {
+      order.resize(static_cast<size_t>(dataset->size()));
+      std::iota(order.begin(), order.end(), 0);
+    }
+    return MakeBatches(order, options.batch_size, options.drop_last);
+  }
+
+  absl::StatusOr<std::vector<IndexBatch>> RankBatches() const {
+    std::vector<IndexBatch> base = BaseBatches();
+    if (!prepared || num_processes() == 1) return base;
+    if (dispatch()) {
+      // Global batches: P base batches each (one when split).
+      std::vector<IndexBatch> global;
+      const size_t group_size = prepare.shard.split_batches ? 1 : prepare.shard.num_processes;
+      for (size_t i = 0; i < base.size(); i += group_size) {
+        IndexBatch g;
+        for (size_t j = i; j < std::min(base.size(), i + group_size); ++j) {
+          g.insert(g.end(), base[j].begin(), base[j].end());
+        }
+        global.push_back(std::move(g));
+      }
+      return global;
+    }
+    return ShardBatches(base, options.batch_size, options.drop_last, prepare.shard);
+  }
+
+  int64_t RemainderOf() const {
+    if (options.drop_last) return -1;
+    const int64_t total = prepare.shard.split_batches || !prepared
+                              ? options.batch_size
+                              : options.batch_size * num_processes();
+    return dataset->size() % total;
+  }
+
+  absl::StatusOr<std::optional<Batch>> Fetch() {
+    if (next >= batches.size()) return std::optional<Batch>();
+    const IndexBatch& indices = batches[next++];
+    if (dispatch()) return FetchDispatched(indices);
+    return Load(indices);
+  }
+
+  absl::StatusOr<std::optional<Batch>> Load(const IndexBatch& indices) const {
+    std::vector<Example> examples;
+    examples.reserve(indices.size());
+    for (int64_t i : indices) {
+      ACCEL_ASSIGN_OR_RETURN(Example e, dataset->Get(i));
+      examples.push_back(std::move(e));
+    }
+    ACCEL_ASSIGN_OR_RETURN(Batch batch, Collate(examples));
+    if (prepared && prepare.device.type() != c10::kCPU) {
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        for (auto& [name, t] : batch) t = t.to(prepare.device, prepare.non_blocking);
+      }));
+    }
+    return std::optional<Batch>(std::move(batch));
+  }
+
+  // DataLoaderDispatcher: rank 0 reads the global batch and broadcasts it;
+  // each rank takes its contiguous slice. An uneven last global batch is
+  // padded by wrapping around to its start, so every rank gets
+  // ceil(n / P) rows and gather_for_metrics drops the padding (remainder).
+  absl::StatusOr<std::optional<Batch>> FetchDispatched(const IndexBatch& indices) {
+    Batch global;
+    std::string header;
+    if (group->rank() == 0) {
+      ACCEL_ASSIGN_OR_RETURN(std::optional<Batch> loaded, Load(indices));
+      global = *std::move(loaded);
+      for (const auto& [name, t] : global) {
+        absl::StrAppend(&header, name, "\t", static_cast<int>(t.scalar_type()));
+        for (int64_t d : t.sizes()) absl::StrAppend(&header, "\t", d);
+        absl::StrAppend(&header, "\n");
+      }
+    }
+    ACCEL_ASSIGN_OR_RETURN(header, group->BroadcastBytes(header, 0));
+    if (group->rank() != 0) {
+      for (absl::string_view line : absl::StrSplit(header, '\n', absl::SkipEmpty())) {
+        std::vector<std::string> fields = absl::StrSplit(line, '\t');
+        if (fields.size() < 2) return absl::DataLossError("dispatch_batches: bad batch header");
+        int dtype = 0;
+        std::vector<int64_t> shape;
+        if (!absl::SimpleAtoi(fields[1], &dtype)) {
+          return absl::DataLossError("dispatch_batches: bad dtype in the batch header");
+        }
+        for (size_t k = 2; k < fields.size(); ++k) {
+          int64_t d = 0;
+          if (!absl::SimpleAtoi(fields[k], &d)) {
+            return absl::DataLossError("dispatch_batches: bad shape in the batch header");
+          }
+          shape.push_back(d);
+        }
+        global.emplace(
+            fields[0],
+            at::empty(shape, at::TensorOptions().dtype(static_cast<c10::ScalarType>(dtype))));
+      }
+    }
+    for (auto& [name, t] : global) ACCEL_RETURN_IF_ERROR(group->Broadcast(t, 0));
+    const int64_t p = num_processes(), r = prepare.shard.process_index;
+    Batch mine;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      for (auto& [name, t] : global) {
+        const int64_t n = t.size(0);
+        const int64_t per = (n + p - 1) / p;
+        at::Tensor padded = t;
+        if (per * p != n) {
+          std::vector<at::Tensor> parts = {t};
+          int64_t have = n;
+          while (have < per * p) {
+            const int64_t take = std::min(n, per * p - have);
+            parts.push_back(t.narrow(0, 0, take));
+            have += take;
+          }
+          padded = at::cat(parts);
+        }
+        at::Tensor slice = padded.narrow(0, r * per, per);
+        if (prepare.device.type() != c10::kCPU) {
+          slice = slice.to(prepare.device, prepare.non_blocking);
+        }
+        mine.emplace(name, slice);
+      }
+    }));
+    if (next >= batches.size()) progress.remainder = static_cast<int64_t>(indices.size());
+    return std::optional<Batch>(std::move(mine));
+  }
+
+  void Unregister() {
+    if (registered && active != nullptr) active->Pop(&progress);
+    registered = false;
+  }
+};
+
+DataLoader::DataLoader(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+DataLoader::~DataLoader() {
+  if (state_) state_->Unregister();
+}
+
+absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(
+    std::shared_ptr<const Dataset> dataset, const DataLoaderOptions& options) {
+  if (dataset == nullptr) return absl::InvalidArgumentError("DataLoader: no dataset");
+  if (options.batch_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DataLoader: batch_size must be >= 1, got ", options.batch_size));
+  }
+  auto state = std::make_unique<State>();
+  state->dataset = std::move(dataset);
+  state->options = options;
+  return std::unique_ptr<DataLoader>(new DataLoader(std::move(state)));
+}
+
+absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Prepare(const DataLoader& loader,
+                                                                ProcessGroup& group,
+                                                                ActiveLoaders* active,
+                                                                const PrepareOptions& options) {
+  PrepareOptions prepare = options;
+  prepare.shard.num_processes = group.size();
+  prepare.shard.process_index = group.rank();
+  ACCEL_RETURN_IF_ERROR(CheckShard(prepare.shard));
+  if (prepare.shard.split_batches && loader.state_->options.batch_size % group.size() != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("split_batches: the batch size (", loader.state_->options.batch_size,
+                     ") must be a round multiple of the number of processes (", group.size(), ")"));
+  }
+  auto state = std::make_unique<State>();
+  state->dataset = loader.state_->dataset;
+  state->options = loader.state_->options;
+  state->prepared = true;
+  state->prepare = prepare;
+  state->group = &group;
+  state->active = active;
+  state->epoch = loader.state_->epoch;
+  return std::unique_ptr<DataLoader>(new DataLoader(std::move(state)));
+}
+
+std::unique_ptr<DataLoader> DataLoader::SkipFirstBatches(int64_t num_batches) const {
+  auto state = std::make_unique<State>();
+  state->dataset = state_->dataset;
+  state->options = state_->options;
+  state->prepared = state_->prepared;
+  state->prepare = state_->prepare;
+  state->group = state_->group;
+  state->active = state_->active;
+  state->epoch = state_->epoch;  // carried over (Accelerate PR #4071)
+  state->skip = std::max<int64_t>(0, num_batches);
+  return std::unique_ptr<DataLoader>(new DataLoader(std::move(state)));
+}
+
+absl::Status DataLoader::Start() {
+  State& s = *state_;
+  s.Unregister();
+  ACCEL_ASSIGN_OR_RETURN(s.batches, s.RankBatches());
+  s.batches = SkipBatches(s.batches, s.skip);
+  s.skip = 0;
+  s.next = 0;
+  s.progress = LoaderProgress{};
+  s.progress.remainder = s.RemainderOf();
+  s.running = true;
+  if (s.active != nullptr) {
+    s.active->Push(&s.progress);
+    s.registered = true;
+  }
+  ACCEL_ASSIGN_OR_RETURN(s.lookahead, s.Fetch());
+  if (!s.lookahead) {
+    s.progress.end_of_dataloader = true;
+  } else if (s.next >= s.batches.size()) {
+    s.progress.end_of_dataloader = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
+  State& s = *state_;
+  if (!s.running) {
+    return absl::FailedPreconditionError("DataLoader::Next before Start (or after the pass ended)");
+  }
+  if (!s.lookahead) {
+    // The pass is over: the next one is a new epoch.
+    s.running = false;
+    s.Unregister();
+    ++s.epoch;
+    return std::optional<Batch>();
+  }
+  std::optional<Batch> current = std::move(s.lookahead);
+  s.lookahead.reset();
+  if (s.next < s.batches.size()) {
+    ACCEL_ASSIGN_OR_RETURN(s.lookahead, s.Fetch());
+  }
+  s.progress.end_of_dataloader = !s.lookahead.has_value();
+  return current;
+}
+
+int64_t DataLoader::size() const {
+  const State& s = *state_;
+  const int64_t n = static_cast<int64_t>(s.dataset->size());
+  const int64_t bs = s.options.batch_size;
+  const int64_t base = s.options.drop_last ? n / bs : (n + bs - 1) / bs;
+  if (!s.prepared || s.num_processes() == 1) return base;
+  if (s.dispatch()) {
+    if (s.prepare.shard.split_batches) return base;
+    return s.options.drop_last ? base / s.num_processes()
+                               : (base + s.num_processes() - 1) / s.num_processes();
+  }
+  return ShardedLength(base, s.options.drop_last, s.prepare.shard);
+}
+
+int64_t DataLoader::epoch() const { return state_->epoch; }
+void DataLoader::set_epoch(int64_t epoch) { state_->epoch = epoch; }
+const LoaderProgress& DataLoader::progress() const { return state_->progress; }
+const DataLoaderOptions& DataLoader::options() const { return state_->options; }
+
+int64_t DataLoader::total_batch_size() const {
+  const State& s = *state_;
+  if (!s.prepared || s.prepare.shard.split_batches) return s.options.batch_size;
+  return s.options.batch_size * s.num_processes();
+}
+
+int64_t DataLoader::dataset_size() const { return state_->dataset->size(); }
+
+absl::StatusOr<std::vector<IndexBatch>> DataLoader::EpochBatches() const {
+  ACCEL_ASSIGN_OR_RETURN(std::vector<IndexBatch> batches, state_->RankBatches());
+  return SkipBatches(batches, state_->skip);
+}
+
+}  // namespace accel::train
