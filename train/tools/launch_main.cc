@@ -1,1 +1,90 @@
-int main() { return 1; }
+// accel-launch [--num_processes N] [--num_machines M --machine_rank R
+//     --main_process_ip IP --main_process_port P] [--config_file F] [--cpu]
+//     [--mixed_precision no|fp16|bf16] [--num_cpu_threads_per_process T] PROGRAM ARGS...
+//
+// Starts this machine's share of a distributed job with torchrun's
+// environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT, ...), forwards signals to every rank, and when one rank
+// fails stops the others and exits with its code.
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <sys/socket.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include <netinet/in.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "train/internal/supervisor.h"
+#include "train/launch_config.h"
+
+extern char** environ;
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: accel-launch [--num_processes N] [--num_machines M --machine_rank R\n"
+    "         --main_process_ip IP --main_process_port P] [--config_file F] [--cpu]\n"
+    "         [--mixed_precision no|fp16|bf16] [--num_cpu_threads_per_process T]\n"
+    "         PROGRAM ARGS...\n"
+    "Flags left unset come from the config file (accel-config), else the defaults:\n"
+    "1 process, 1 machine, 127.0.0.1:29500. --main_process_port 0 picks a free port.\n";
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const char* eq = std::strchr(*e, '=');
+    if (eq != nullptr) env[std::string(*e, static_cast<size_t>(eq - *e))] = eq + 1;
+  }
+  absl::StatusOr<accel::train::LaunchPlan> plan = accel::train::ParseLaunchArgs(args, env);
+  if (!plan.ok()) {
+    std::fprintf(stderr, "accel-launch: %s\n%s", std::string(plan.status().message()).c_str(),
+                 kUsage);
+    return 1;
+  }
+  if (plan->main_process_port == 0) {
+    if (plan->num_machines > 1) {
+      std::fprintf(stderr,
+                   "accel-launch: --main_process_port 0 works on one machine only (the others "
+                   "could not know the port)\n");
+      return 1;
+    }
+    plan->main_process_port = FreePort();
+  }
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<accel::train::internal::ChildSpec> children;
+  for (int local = 0; local < plan->local_processes(); ++local) {
+    accel::train::internal::ChildSpec child;
+    child.argv = plan->command;
+    child.env_additions = accel::train::RankEnvironment(*plan, local, cores, env);
+    child.label = absl::StrCat("rank ", child.env_additions["RANK"]);
+    children.push_back(std::move(child));
+  }
+  return accel::train::internal::Supervise(children, /*grace_seconds=*/5);
+}

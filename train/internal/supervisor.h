@@ -1,0 +1,30 @@
+// Starts the ranks of accel-launch and watches them: signals to the launcher
+// reach every rank, and a rank that fails takes the others down.
+#ifndef ACCEL_TRAIN_INTERNAL_SUPERVISOR_H_
+#define ACCEL_TRAIN_INTERNAL_SUPERVISOR_H_
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace accel::train::internal {
+
+struct ChildSpec {
+  std::vector<std::string> argv;                     // argv[0] looked up in PATH
+  std::map<std::string, std::string> env_additions;  // over the launcher's environment
+  std::string label;                                 // "rank 3", for messages
+};
+
+// Runs every child in its own process group and waits for all of them.
+// SIGINT / SIGTERM / SIGHUP to the launcher are forwarded to every child.
+// When a child exits non-zero or is killed, the others get SIGTERM, then
+// SIGKILL after `grace_seconds`. Returns the launcher's exit code: 0 when
+// every child exited 0, else the first failing child's code (128 + signal
+// when it was killed), or 128 + the signal the launcher received. Messages
+// go to stderr. A child that cannot be started fails the launch (code 1)
+// after stopping those already started.
+int Supervise(const std::vector<ChildSpec>& children, int grace_seconds);
+
+}  // namespace accel::train::internal
+
+#endif  // ACCEL_TRAIN_INTERNAL_SUPERVISOR_H_

@@ -1,0 +1,89 @@
+// train/launch_config.h: accel-launch's configuration: Accelerate's
+// ClusterConfig (default_config.yaml) read from YAML as Accelerate writes it
+// or JSON, the launch plan (how many processes, which ranks, which
+// environment), and the environment each rank gets (torchrun's contract).
+// Torch-free: accel-launch, accel-config and accel-env link only this.
+#ifndef ACCEL_TRAIN_LAUNCH_CONFIG_H_
+#define ACCEL_TRAIN_LAUNCH_CONFIG_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace accel::train {
+
+// The keys of Accelerate's ClusterConfig that accel-launch uses; the rest of
+// Accelerate's known keys are accepted and kept in `other` (unknown keys are
+// an error, as Accelerate's test_invalid_keys wants).
+struct ClusterConfig {
+  std::string compute_environment = "LOCAL_MACHINE";
+  std::string distributed_type = "NO";  // NO, MULTI_CPU, MULTI_GPU
+  std::string mixed_precision = "no";
+  bool use_cpu = false;
+  bool debug = false;
+  int num_processes = 1;
+  int num_machines = 1;
+  int machine_rank = 0;
+  std::string gpu_ids = "all";
+  std::string main_process_ip;
+  std::optional<int> main_process_port;
+  std::string rdzv_backend = "static";
+  bool same_network = true;
+  std::string main_training_function = "main";
+  bool enable_cpu_affinity = false;
+  // Known keys accel-launch does not act on (nested sections included), verbatim.
+  std::map<std::string, std::string> other;
+};
+
+// Parses YAML (flat `key: value` pairs, nested mappings by indentation, `#`
+// comments, quoted or bare scalars) or JSON (text starting with '{').
+// InvalidArgument naming `source` and the line for what it cannot read, and
+// listing unknown keys sorted.
+absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::string_view source);
+absl::StatusOr<ClusterConfig> ReadClusterConfig(const std::string& path);
+// JSON (valid YAML), what `accelerate config` writes.
+std::string ClusterConfigToJson(const ClusterConfig& config);
+// Writes `config` to `path` atomically; AlreadyExists when the file exists
+// and !overwrite.
+absl::Status WriteClusterConfig(const ClusterConfig& config, const std::string& path,
+                                bool overwrite);
+
+// $ACCEL_CONFIG_FILE, else ${XDG_CACHE_HOME:-$HOME/.cache}/accel/default_config.yaml.
+std::string DefaultConfigPath();
+
+// What accel-launch starts on this machine.
+struct LaunchPlan {
+  int num_processes = 1;  // in the whole job
+  int num_machines = 1;
+  int machine_rank = 0;
+  std::string main_process_ip = "127.0.0.1";
+  int main_process_port = 29500;
+  std::string mixed_precision = "no";
+  bool use_cpu = false;
+  std::optional<int> threads_per_process;  // --num_cpu_threads_per_process
+  std::vector<std::string> command;        // PROGRAM ARGS...
+
+  int local_processes() const { return num_processes / num_machines; }
+};
+
+// accel-launch's command line (after the program name), with the config
+// file's values underneath the flags. `env` supplies SLURM_NNODES /
+// SLURM_NODEID defaults and the config file location. InvalidArgument naming
+// the flag for anything wrong; nothing is started.
+absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
+                                           const std::map<std::string, std::string>& env);
+
+// The environment additions of local rank `local_rank` (torchrun's variables
+// plus Accelerate's ACCELERATE_*).
+std::map<std::string, std::string> RankEnvironment(const LaunchPlan& plan, int local_rank,
+                                                   int cpu_count,
+                                                   const std::map<std::string, std::string>& env);
+
+}  // namespace accel::train
+
+#endif  // ACCEL_TRAIN_LAUNCH_CONFIG_H_
