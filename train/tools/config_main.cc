@@ -1,1 +1,154 @@
-int main() { return 1; }
+// accel-config: writes accel-launch's default_config.yaml (Accelerate's
+// `accelerate config`): `--default` writes the minimal config, otherwise the
+// questions are asked on stdin. `--show` prints the current one.
+//
+//   accel-config --default [--config_file F] [--mixed_precision no|fp16|bf16]
+//   accel-config [--config_file F]          (interactive)
+//   accel-config --show [--config_file F]
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+#include "train/launch_config.h"
+
+namespace {
+
+using accel::train::ClusterConfig;
+
+// Asks until the answer is valid; an empty answer takes the default. EOF on
+// stdin: the default too (so a script can pipe fewer answers).
+std::string Ask(const std::string& question, const std::string& fallback,
+                bool (*valid)(const std::string&)) {
+  while (true) {
+    std::cout << question << " [" << fallback << "]: " << std::flush;
+    std::string answer;
+    if (!std::getline(std::cin, answer)) {
+      std::cout << "\n";
+      return fallback;
+    }
+    answer = std::string(absl::StripAsciiWhitespace(answer));
+    if (answer.empty()) return fallback;
+    if (valid(answer)) return answer;
+    std::cout << "  \"" << answer << "\" is not a valid answer; try again\n";
+  }
+}
+
+bool AnyText(const std::string&) { return true; }
+bool PositiveInt(const std::string& s) {
+  int n = 0;
+  return absl::SimpleAtoi(s, &n) && n >= 1;
+}
+bool NonNegativeInt(const std::string& s) {
+  int n = 0;
+  return absl::SimpleAtoi(s, &n) && n >= 0;
+}
+bool Port(const std::string& s) {
+  int n = 0;
+  return absl::SimpleAtoi(s, &n) && n >= 1 && n <= 65535;
+}
+bool Precision(const std::string& s) {
+  const std::string p = absl::AsciiStrToLower(s);
+  return p == "no" || p == "fp16" || p == "bf16";
+}
+bool DistributedType(const std::string& s) {
+  const std::string t = absl::AsciiStrToLower(s);
+  return t == "no" || t == "multi-cpu" || t == "multi-gpu" || t == "multi_cpu" || t == "multi_gpu";
+}
+
+int Usage() {
+  std::cerr << "usage: accel-config [--default | --show] [--config_file F] "
+               "[--mixed_precision no|fp16|bf16]\n";
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool defaults = false, show = false;
+  std::string path = accel::train::DefaultConfigPath();
+  std::string precision = "no";
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](std::string* out) {
+      if (i + 1 >= argc) return false;
+      *out = argv[++i];
+      return true;
+    };
+    if (a == "--default") {
+      defaults = true;
+    } else if (a == "--show") {
+      show = true;
+    } else if (a == "--config_file" || a == "--config-file") {
+      if (!value(&path)) return Usage();
+    } else if (a == "--mixed_precision" || a == "--mixed-precision") {
+      if (!value(&precision) || !Precision(precision)) {
+        std::cerr << "accel-config: --mixed_precision must be no, fp16 or bf16\n";
+        return 1;
+      }
+    } else if (a == "--help" || a == "-h") {
+      Usage();
+      return 0;
+    } else {
+      std::cerr << "accel-config: unknown argument " << a << "\n";
+      return Usage();
+    }
+  }
+  if (show) {
+    absl::StatusOr<ClusterConfig> config = accel::train::ReadClusterConfig(path);
+    if (!config.ok()) {
+      std::cerr << "accel-config: " << config.status().message() << "\n";
+      return 1;
+    }
+    std::cout << accel::train::ClusterConfigToJson(*config);
+    return 0;
+  }
+  ClusterConfig config;
+  config.mixed_precision = absl::AsciiStrToLower(precision);
+  config.use_cpu = true;  // no GPU in a CPU-only libtorch; accel-env says which libtorch
+  if (!defaults) {
+    std::cout << "accel-config: answers go to " << path << "\n";
+    std::string type = absl::AsciiStrToUpper(
+        Ask("Which kind of machine (no / multi-CPU / multi-GPU)?", "no", DistributedType));
+    for (char& c : type) c = c == '-' ? '_' : c;
+    config.distributed_type = type;
+    if (type != "NO") {
+      absl::SimpleAtoi(
+          Ask("How many processes in all?",
+              absl::StrCat(std::max(2u, std::thread::hardware_concurrency() / 2)), PositiveInt),
+          &config.num_processes);
+      absl::SimpleAtoi(Ask("How many machines?", "1", PositiveInt), &config.num_machines);
+      if (config.num_machines > 1) {
+        absl::SimpleAtoi(Ask("The rank of this machine?", "0", NonNegativeInt),
+                         &config.machine_rank);
+        config.main_process_ip = Ask("The IP address of machine 0?", "127.0.0.1", AnyText);
+        int port = 29500;
+        absl::SimpleAtoi(Ask("The port of machine 0?", "29500", Port), &port);
+        config.main_process_port = port;
+      }
+      config.use_cpu = type == "MULTI_CPU";
+    }
+    config.mixed_precision = absl::AsciiStrToLower(
+        Ask("Mixed precision (no / fp16 / bf16)?", config.mixed_precision, Precision));
+    if (config.num_processes % config.num_machines != 0 ||
+        config.machine_rank >= config.num_machines) {
+      std::cerr << "accel-config: " << config.num_processes << " processes on "
+                << config.num_machines << " machines (this one rank " << config.machine_rank
+                << ") do not fit\n";
+      return 1;
+    }
+  }
+  absl::Status written = accel::train::WriteClusterConfig(config, path, /*overwrite=*/!defaults);
+  if (!written.ok()) {
+    std::cerr << "accel-config: " << written.message() << "\n";
+    return 1;
+  }
+  std::cout << "accel-config: wrote " << path << "\n";
+  return 0;
+}
