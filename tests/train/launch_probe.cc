@@ -1,1 +1,62 @@
-int main() { return 0; }
+// A program for accel-launch's tests to launch:
+//   launch_probe env OUTDIR              writes OUTDIR/rank_<RANK>.txt (KEY=VALUE lines), exits 0
+//   launch_probe crash R CODE OUTDIR     writes OUTDIR/pid_<RANK>; rank R exits CODE at once,
+//                                        the others sleep 60 s
+//   launch_probe signal OUTDIR           writes OUTDIR/ready_<RANK>, then waits; SIGTERM makes
+//                                        it write OUTDIR/got_<RANK> and exit 0
+#include <cstdlib>
+#include <fstream>
+#include <signal.h>
+#include <string>
+#include <unistd.h>
+
+namespace {
+
+std::string g_outdir;
+std::string g_rank;
+
+void OnTerm(int) {
+  std::ofstream(g_outdir + "/got_" + g_rank) << "SIGTERM\n";
+  _exit(0);
+}
+
+std::string Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? v : "";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) return 2;
+  const std::string mode = argv[1];
+  g_rank = Env("RANK");
+  if (mode == "env") {
+    std::ofstream out(std::string(argv[2]) + "/rank_" + g_rank + ".txt");
+    for (const char* k :
+         {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "ACCELERATE_MIXED_PRECISION",
+          "ACCELERATE_USE_CPU", "OMP_NUM_THREADS", "ACCEL_LAUNCHER"}) {
+      out << k << "=" << Env(k) << "\n";
+    }
+    for (int i = 3; i < argc; ++i) out << "ARG=" << argv[i] << "\n";
+    return 0;
+  }
+  if (mode == "crash" && argc >= 5) {
+    std::ofstream(std::string(argv[4]) + "/pid_" + g_rank) << ::getpid() << "\n";
+    if (g_rank == argv[2]) {
+      ::usleep(200 * 1000);
+      return std::atoi(argv[3]);
+    }
+    ::sleep(60);
+    return 0;
+  }
+  if (mode == "signal") {
+    g_outdir = argv[2];
+    ::signal(SIGTERM, OnTerm);
+    std::ofstream(g_outdir + "/ready_" + g_rank) << ::getpid() << "\n";
+    ::sleep(60);
+    return 3;
+  }
+  return 2;
+}
