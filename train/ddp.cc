@@ -283,6 +283,12 @@ absl::StatusOr<std::unique_ptr<GradientSynchronizer>> GradientSynchronizer::Atta
     return absl::InvalidArgumentError(
         absl::StrCat("bucket_cap_mb must be > 0, got ", options.bucket_cap_mb));
   }
+  if (options.comm_hook == CommHook::kBf16 && group.backend() == "gloo") {
+    // PyTorch's bf16_compress_hook is an NCCL feature: gloo in libtorch 1.13
+    // has no bfloat16 reduction ("Invalid scalar type").
+    return absl::InvalidArgumentError(
+        "the bf16 compression hook needs NCCL; gloo cannot sum bfloat16 (use fp16 or none)");
+  }
   auto sync = std::make_unique<Synchronizer>(group, options);
   ACCEL_RETURN_IF_ERROR(sync->Init(std::move(parameters), std::move(buffers)));
   return std::unique_ptr<GradientSynchronizer>(std::move(sync));

@@ -35,7 +35,8 @@ struct DdpOptions {
   bool find_unused_parameters = false;
   // The gradients become views into the flat bucket buffers (no copy back).
   bool gradient_as_bucket_view = false;
-  // Gradients travel compressed (fp16 / bf16) and are decompressed on arrival.
+  // Gradients travel compressed (fp16; bf16 needs NCCL, gloo cannot sum it)
+  // and are decompressed on arrival.
   CommHook comm_hook = CommHook::kNone;
   // Buffers are broadcast from rank 0 before each forward (PrepareForward).
   bool broadcast_buffers = true;
