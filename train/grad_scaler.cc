@@ -41,6 +41,8 @@ struct GradScaler::Impl {
   };
   std::map<const torch::optim::Optimizer*, PerOptimizer> per_optimizer;
   bool step_was_skipped = false;
+  // Where Scale saw the loss: the update runs there (_amp_update_scale_ on CUDA).
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
 };
 
 absl::StatusOr<GradScaler> GradScaler::Create(const GradScalerOptions& options) {
@@ -72,6 +74,7 @@ bool GradScaler::enabled() const { return impl_->options.enabled; }
 at::Tensor GradScaler::Scale(const at::Tensor& loss) {
   if (!enabled()) return loss;
   impl_->initialized = true;
+  impl_->device = loss.device();
   // torch multiplies by a float32 0-d tensor on the loss's device.
   return loss * at::full({}, impl_->scale, loss.options().dtype(at::kFloat));
 }
@@ -93,12 +96,13 @@ std::vector<at::Tensor> Grads(torch::optim::Optimizer& optimizer) {
 absl::Status GradScaler::Unscale(torch::optim::Optimizer& optimizer) {
   if (!enabled()) return absl::OkStatus();
   Impl::PerOptimizer& state = impl_->per_optimizer[&optimizer];
+  // torch's stage is STEPPED after step(): that message wins.
+  if (state.stepped) {
+    return absl::FailedPreconditionError("unscale_() is being called after step()");
+  }
   if (state.unscaled) {
     return absl::FailedPreconditionError(
         "unscale_() has already been called on this optimizer since the last update()");
-  }
-  if (state.stepped) {
-    return absl::FailedPreconditionError("unscale_() is being called after step()");
   }
   std::vector<at::Tensor> grads = Grads(optimizer);
   for (const at::Tensor& g : grads) {
@@ -170,9 +174,25 @@ absl::Status GradScaler::Update(std::optional<double> new_scale) {
   } else {
     bool found_inf = false;
     for (const auto& [opt, state] : impl_->per_optimizer) found_inf |= state.found_inf;
-    std::tie(impl_->scale, impl_->growth_tracker) = UpdateScaleRule(
-        impl_->scale, impl_->growth_tracker, found_inf, impl_->options.growth_factor,
-        impl_->options.backoff_factor, impl_->options.growth_interval);
+    if (impl_->device.is_cuda()) {
+      // torch's own kernel on the scale's device (float32 scale, int32 tracker).
+      ACCEL_RETURN_IF_ERROR(Annotate(
+          CallTorch([&] {
+            const auto on = at::TensorOptions().device(impl_->device);
+            at::Tensor scale = at::full({1}, impl_->scale, on.dtype(at::kFloat));
+            at::Tensor tracker = at::full({1}, impl_->growth_tracker, on.dtype(at::kInt));
+            at::Tensor found = at::full({1}, found_inf ? 1.0 : 0.0, on.dtype(at::kFloat));
+            at::_amp_update_scale_(scale, tracker, found, impl_->options.growth_factor,
+                                   impl_->options.backoff_factor, impl_->options.growth_interval);
+            impl_->scale = scale.item<float>();
+            impl_->growth_tracker = tracker.item<int>();
+          }),
+          "updating the loss scale"));
+    } else {
+      std::tie(impl_->scale, impl_->growth_tracker) = UpdateScaleRule(
+          impl_->scale, impl_->growth_tracker, found_inf, impl_->options.growth_factor,
+          impl_->options.backoff_factor, impl_->options.growth_interval);
+    }
   }
   impl_->per_optimizer.clear();
   return absl::OkStatus();

@@ -1,5 +1,6 @@
 #include "train/scheduler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -24,6 +25,17 @@ void LRScheduler::Step() {
   ++step_count_;
   ++last_epoch_;
   Apply();
+}
+
+absl::Status LRScheduler::TryStep() {
+  const std::optional<int64_t> total = total_steps();
+  if (total && last_epoch_ + 1 > *total) {
+    return absl::OutOfRangeError(absl::StrCat("Tried to step ", last_epoch_ + 1,
+                                              " times. The specified number of total steps is ",
+                                              *total));
+  }
+  Step();
+  return absl::OkStatus();
 }
 
 void LRScheduler::Apply() {
@@ -99,10 +111,12 @@ class OneCycleLR : public LRScheduler {
   double LrAt(int64_t epoch, size_t) const override {
     const double initial = o_.max_lr / o_.div_factor;
     const double min_lr = initial / o_.final_div_factor;
-    // torch's two phases (three_phase=False), cosine annealing.
+    // torch's two phases (three_phase=False), cosine annealing. torch allows
+    // last_epoch == total_steps (the last phase's pct is then past 1) and
+    // raises beyond it; Step() stays at total_steps there, TryStep refuses.
     const double end_up = o_.pct_start * static_cast<double>(o_.total_steps) - 1;
     const double end_down = static_cast<double>(o_.total_steps) - 1;
-    const double step = std::min(static_cast<double>(epoch), end_down);
+    const double step = static_cast<double>(std::min(epoch, o_.total_steps));
     auto cosine = [](double start, double end, double pct) {
       return end + (start - end) / 2.0 * (std::cos(M_PI * pct) + 1);
     };
@@ -177,6 +191,12 @@ absl::StatusOr<std::unique_ptr<LRScheduler>> MakeOneCycleLR(torch::optim::Optimi
   if (!(options.max_lr > 0) || !(options.div_factor > 0) || !(options.final_div_factor > 0)) {
     return absl::InvalidArgumentError(
         "OneCycleLR max_lr, div_factor, final_div_factor must be > 0");
+  }
+  if (options.pct_start * static_cast<double>(options.total_steps) == 1.0) {
+    // The warm-up phase would span zero steps: torch divides by zero there.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "OneCycleLR pct_start * total_steps must not be 1 (the warm-up phase would be empty), got ",
+        options.pct_start, " * ", options.total_steps));
   }
   return Make<Init<OneCycleLR>>(optimizer, options);
 }

@@ -33,7 +33,11 @@ class LRScheduler {
  public:
   virtual ~LRScheduler() = default;
   // One tick: last_epoch += 1, then the lrs of every param group are set.
+  // Past total_steps (OneCycleLR) the lrs stay at the last allowed step's.
   void Step();
+  // Step, or OutOfRange past total_steps as torch's OneCycleLR raises
+  // ("Tried to step N times. The specified number of total steps is T").
+  absl::Status TryStep();
   int64_t last_epoch() const { return last_epoch_; }
   int64_t step_count() const { return step_count_; }
   // Accelerate's adjust_scheduler bumps _step_count alone.

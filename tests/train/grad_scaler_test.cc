@@ -97,7 +97,10 @@ TEST(GradScaler, CleanStepsUnscaleExactlyAndGrow) {
   auto stepped = scaler->Step(*s.sgd);
   ASSERT_THAT(stepped, IsOk());
   EXPECT_TRUE(*stepped);
+  EXPECT_FALSE(scaler->step_was_skipped());
   EXPECT_TRUE(at::allclose(s.net->weight, before - 0.1 * want));
+  EXPECT_THAT(scaler->Step(*s.sgd),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("step() has already")));
   ASSERT_THAT(scaler->Update(), IsOk());
   EXPECT_EQ(scaler->scale(), 8);
   EXPECT_EQ(scaler->growth_tracker(), 1);
@@ -136,10 +139,18 @@ TEST(GradScaler, StateRoundTripAndDisabled) {
   ASSERT_THAT(scaler->LoadState(s), IsOk());
   EXPECT_EQ(scaler->scale(), 128);
   EXPECT_EQ(scaler->growth_tracker(), 5);
+  GradScalerState negative = s;
+  negative.growth_tracker = -1;
+  EXPECT_THAT(scaler->LoadState(negative),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("_growth_tracker")));
   s.backoff_factor = 2;
-  EXPECT_THAT(scaler->LoadState(s), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(scaler->LoadState(s),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("backoff_factor")));
+  EXPECT_EQ(scaler->state().backoff_factor, 0.5);  // a refused state changes nothing
   ASSERT_THAT(scaler->Update(256.0), IsOk());
   EXPECT_EQ(scaler->scale(), 256);
+  EXPECT_THAT(scaler->Update(0.0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("new_scale")));
 
   GradScalerOptions off;
   off.enabled = false;
@@ -153,6 +164,40 @@ TEST(GradScaler, StateRoundTripAndDisabled) {
   EXPECT_TRUE(*stepped);
   EXPECT_THAT(disabled->LoadState(GradScalerState{}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("disabled")));
+}
+
+TEST(GradScaler, UnscaleAfterStepIsRefused) {
+  auto scaler = GradScaler::Create({});
+  TinyModel s;
+  scaler->Scale(s.Loss()).backward();
+  ASSERT_THAT(scaler->Step(*s.sgd), IsOk());
+  EXPECT_THAT(scaler->Unscale(*s.sgd),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("after step()")));
+  // Update clears the per-optimizer record: the next iteration may unscale.
+  ASSERT_THAT(scaler->Update(), IsOk());
+  s.sgd->zero_grad();
+  scaler->Scale(s.Loss()).backward();
+  EXPECT_THAT(scaler->Unscale(*s.sgd), IsOk());
+}
+
+TEST(GradScaler, TwoOptimizersAreTrackedApart) {
+  // An inf in one optimizer's gradients skips that one only; Update backs off.
+  auto scaler = GradScaler::Create({});
+  TinyModel a, b;
+  at::Tensor a_before = a.net->weight.detach().clone();
+  at::Tensor b_before = b.net->weight.detach().clone();
+  (scaler->Scale(a.Loss()) + scaler->Scale(b.Loss() * std::numeric_limits<float>::infinity()))
+      .backward();
+  auto a_stepped = scaler->Step(*a.sgd);
+  auto b_stepped = scaler->Step(*b.sgd);
+  ASSERT_THAT(a_stepped, IsOk());
+  ASSERT_THAT(b_stepped, IsOk());
+  EXPECT_TRUE(*a_stepped);
+  EXPECT_FALSE(*b_stepped);
+  EXPECT_FALSE(at::equal(a.net->weight, a_before));
+  EXPECT_TRUE(at::equal(b.net->weight, b_before));
+  ASSERT_THAT(scaler->Update(), IsOk());
+  EXPECT_EQ(scaler->scale(), 32768);
 }
 
 TEST(GradScaler, RefusesFp16Gradients) {

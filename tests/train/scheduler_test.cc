@@ -93,15 +93,48 @@ TEST(OneCycleLR, TorchsCosinePhases) {
     EXPECT_NEAR(o.lr(), want, 1e-12) << step;
     (*s)->Step();
   }
+  // torch allows last_epoch == total_steps: the last phase's pct passes 1.
+  EXPECT_NEAR(o.lr(), cosine(0.01, min_lr, (10 - up_end) / (down_end - up_end)), 1e-12);
   EXPECT_EQ((*s)->total_steps(), 10);
+  EXPECT_THAT(
+      (*s)->TryStep(),
+      StatusIs(absl::StatusCode::kOutOfRange,
+               HasSubstr("Tried to step 11 times. The specified number of total steps is 10")));
+  const double at_total = o.lr();
+  (*s)->Step();  // stays at total_steps' lr rather than running off the cosine
+  EXPECT_DOUBLE_EQ(o.lr(), at_total);
   OneCycleOptions bad = c;
   bad.total_steps = 0;
   EXPECT_THAT(MakeOneCycleLR(o.sgd, bad),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("total_steps")));
   bad = c;
+  bad.pct_start = 0.1;  // a warm-up of zero steps: torch divides by zero
+  EXPECT_THAT(MakeOneCycleLR(o.sgd, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pct_start * total_steps")));
+  bad = c;
+  bad.max_lr = 0;
+  EXPECT_THAT(MakeOneCycleLR(o.sgd, bad),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_lr")));
+  bad = c;
   bad.pct_start = 1.5;
   EXPECT_THAT(MakeOneCycleLR(o.sgd, bad),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pct_start")));
+}
+
+TEST(OneCycleLR, ShortCycleStartsInTheSecondPhase) {
+  // pct_start * total_steps - 1 < 0: torch's first phase ends before step 0.
+  Opt o;
+  OneCycleOptions c;
+  c.max_lr = 1;
+  c.total_steps = 3;
+  auto s = MakeOneCycleLR(o.sgd, c);
+  ASSERT_THAT(s, IsOk());
+  const double up_end = 0.3 * 3 - 1, down_end = 2, min_lr = 1.0 / 25 / 1e4;
+  for (int64_t step = 0; step < 3; ++step) {
+    const double pct = (step - up_end) / (down_end - up_end);
+    EXPECT_NEAR(o.lr(), min_lr + (1 - min_lr) / 2 * (std::cos(M_PI * pct) + 1), 1e-12) << step;
+    ASSERT_THAT((*s)->TryStep(), IsOk());
+  }
 }
 
 TEST(LRScheduler, StateRoundTripContinuesIdentically) {
