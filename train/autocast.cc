@@ -15,7 +15,8 @@ AutocastScope::AutocastScope(c10::DeviceType device, bool enabled, c10::ScalarTy
     std::cerr << "accel: CPU autocast in libtorch 1.13 supports only bfloat16; disabling it "
                  "for this region\n";
     enabled = false;
-    dtype = c10::ScalarType::BFloat16;  // 1.13 refuses any other CPU autocast dtype
+    // 1.13 refuses any other CPU autocast dtype: keep the current one.
+    dtype = at::autocast::get_autocast_cpu_dtype();
   }
   prev_enabled_ = cpu ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
   prev_dtype_ =
