@@ -4,9 +4,12 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <dirent.h>
 #include <fcntl.h>
+#include <fstream>
 #include <set>
 #include <sys/stat.h>
+#include <thread>
 #include <unistd.h>
 #include <utility>
 
@@ -24,141 +27,435 @@
 namespace accel::train {
 namespace {
 
+using Json = nlohmann::json;
+
 // Accelerate's ClusterConfig fields (commands/config/config_args.py) and the
-// legacy fp16 flag. Anything else in a config file is an error.
+// legacy keys its loader converts (fp16, dynamo_backend). Anything else in a
+// config file is an error.
 const std::set<std::string>& KnownKeys() {
-  static const auto* keys = new std::set<std::string>{"compute_environment",
-                                                      "distributed_type",
-                                                      "mixed_precision",
-                                                      "use_cpu",
-                                                      "debug",
-                                                      "num_processes",
-                                                      "machine_rank",
-                                                      "num_machines",
-                                                      "gpu_ids",
-                                                      "main_process_ip",
-                                                      "main_process_port",
-                                                      "rdzv_backend",
-                                                      "same_network",
-                                                      "main_training_function",
-                                                      "enable_cpu_affinity",
-                                                      "fp8_config",
-                                                      "deepspeed_config",
-                                                      "fsdp_config",
-                                                      "parallelism_config",
-                                                      "megatron_lm_config",
-                                                      "mpirun_config",
-                                                      "dynamo_config",
-                                                      "downcast_bf16",
-                                                      "tpu_name",
-                                                      "tpu_zone",
-                                                      "tpu_use_cluster",
-                                                      "tpu_use_sudo",
-                                                      "command_file",
-                                                      "commands",
-                                                      "tpu_vm",
-                                                      "tpu_env",
-                                                      "ipex_config",
-                                                      "mpirun_hostfile",
-                                                      "fp16"};
+  static const auto* keys = new std::set<std::string>{
+      "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug",
+      "num_processes", "machine_rank", "num_machines", "gpu_ids", "main_process_ip",
+      "main_process_port", "rdzv_backend", "same_network", "main_training_function",
+      "enable_cpu_affinity", "fp8_config", "deepspeed_config", "fsdp_config", "parallelism_config",
+      "megatron_lm_config", "ipex_config", "mpirun_config", "dynamo_config", "downcast_bf16",
+      "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands",
+      "tpu_vm", "tpu_env",
+      // Legacy, converted on load.
+      "fp16", "dynamo_backend"};
   return *keys;
 }
 
-std::string Unquote(absl::string_view v) {
-  v = absl::StripAsciiWhitespace(v);
-  if (v.size() >= 2 &&
-      ((v.front() == '"' && v.back() == '"') || (v.front() == '\'' && v.back() == '\''))) {
-    v = v.substr(1, v.size() - 2);
-  }
-  return std::string(v);
+// ---------------------------------------------------------------------------
+// A YAML subset: what `accelerate config` (yaml.safe_dump) writes and what
+// people write by hand in that shape. Values become JSON, so YAML and JSON
+// files go through the same checks.
+
+struct Line {
+  int number = 0;     // 1-based, for messages
+  size_t indent = 0;  // leading spaces
+  std::string text;   // without indentation, comment and trailing blanks
+};
+
+absl::Status YamlError(absl::string_view source, int line, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(source, ":", line, ": ", what));
 }
 
-absl::StatusOr<bool> Bool(const std::string& key, const std::string& v, absl::string_view source) {
-  const std::string s = absl::AsciiStrToLower(v);
-  if (s == "true" || s == "yes") return true;
-  if (s == "false" || s == "no") return false;
-  return absl::InvalidArgumentError(
-      absl::StrCat(source, ": ", key, " is \"", v, "\", expected true or false"));
-}
-
-absl::StatusOr<int> Int(const std::string& key, const std::string& v, absl::string_view source) {
-  int n = 0;
-  if (!absl::SimpleAtoi(v, &n)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(source, ": ", key, " is \"", v, "\", expected an integer"));
-  }
-  return n;
-}
-
-// Top-level scalars as strings; nested sections as their raw text.
-absl::StatusOr<std::map<std::string, std::string>> ReadYaml(absl::string_view text,
-                                                            absl::string_view source) {
-  std::map<std::string, std::string> out;
-  std::string section;
-  int line_number = 0;
-  for (absl::string_view raw : absl::StrSplit(text, '\n')) {
-    ++line_number;
-    std::string line(absl::StripTrailingAsciiWhitespace(raw));
-    absl::string_view trimmed = absl::StripLeadingAsciiWhitespace(line);
-    if (trimmed.empty() || trimmed.front() == '#' || trimmed == "---") continue;
-    const size_t indent = line.size() - trimmed.size();
-    if (indent > 0 || trimmed.front() == '-') {
-      if (section.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            source, ":", line_number, ": indented or list line outside a section: ", trimmed));
+// Drops a `#` comment (at the start or after a blank, outside quotes).
+absl::StatusOr<std::string> StripComment(absl::string_view s, absl::string_view source, int line) {
+  char quote = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    const char c = s[i];
+    if (quote != 0) {
+      if (quote == '"' && c == '\\') {
+        ++i;
+      } else if (quote == '\'' && c == '\'' && i + 1 < s.size() && s[i + 1] == '\'') {
+        ++i;  // '' inside '...' is a quote
+      } else if (c == quote) {
+        quote = 0;
       }
-      absl::StrAppend(&out[section], out[section].empty() ? "" : "\n", trimmed);
       continue;
     }
-    const size_t colon = trimmed.find(':');
-    if (colon == absl::string_view::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(source, ":", line_number, ": expected `key: value`, got: ", trimmed));
+    if ((c == '"' || c == '\'') && (i == 0 || s[i - 1] == ' ' || s[i - 1] == '[' ||
+                                    s[i - 1] == '{' || s[i - 1] == ',' || s[i - 1] == ':')) {
+      quote = c;
+    } else if (c == '#' && (i == 0 || s[i - 1] == ' ')) {
+      return std::string(absl::StripTrailingAsciiWhitespace(s.substr(0, i)));
     }
-    std::string key(absl::StripAsciiWhitespace(trimmed.substr(0, colon)));
-    absl::string_view value = trimmed.substr(colon + 1);
-    // An inline comment after a bare value.
-    if (size_t hash = value.find(" #");
-        hash != absl::string_view::npos && !absl::StrContains(value.substr(0, hash), "\"")) {
-      value = value.substr(0, hash);
+  }
+  if (quote != 0) return YamlError(source, line, "unterminated quoted string");
+  return std::string(absl::StripTrailingAsciiWhitespace(s));
+}
+
+// A quoted scalar that is the whole of `s`.
+absl::StatusOr<std::string> Unquote(absl::string_view s, absl::string_view source, int line) {
+  const char q = s.front();
+  std::string out;
+  size_t i = 1;
+  for (; i < s.size(); ++i) {
+    const char c = s[i];
+    if (q == '\'' && c == '\'') {
+      if (i + 1 < s.size() && s[i + 1] == '\'') {  // '' is a quote
+        out += '\'';
+        ++i;
+        continue;
+      }
+      break;
     }
-    std::string v = Unquote(value);
-    if (v == "null" || v == "~") v.clear();
-    out[key] = v;
-    section = value.empty() || absl::StripAsciiWhitespace(value).empty() ? key : "";
+    if (q == '"' && c == '"') break;
+    if (q == '"' && c == '\\' && i + 1 < s.size()) {
+      const char e = s[++i];
+      switch (e) {
+        case 'n':
+          out += '\n';
+          break;
+        case 't':
+          out += '\t';
+          break;
+        case '"':
+          out += '"';
+          break;
+        case '\\':
+          out += '\\';
+          break;
+        case '/':
+          out += '/';
+          break;
+        default:
+          return YamlError(source, line, absl::StrCat("unsupported escape \\", std::string(1, e)));
+      }
+      continue;
+    }
+    out += c;
+  }
+  if (i >= s.size()) return YamlError(source, line, "unterminated quoted string");
+  if (i + 1 != s.size()) {
+    return YamlError(source, line, absl::StrCat("text after the closing quote: ", s.substr(i + 1)));
   }
   return out;
 }
 
-absl::StatusOr<std::map<std::string, std::string>> ReadJson(absl::string_view text,
-                                                            absl::string_view source) {
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+// A plain (unquoted) scalar, typed as YAML 1.2's core schema does.
+Json PlainScalar(absl::string_view s) {
+  if (s.empty() || s == "~" || s == "null" || s == "Null" || s == "NULL") return nullptr;
+  if (s == "true" || s == "True" || s == "TRUE") return true;
+  if (s == "false" || s == "False" || s == "FALSE") return false;
+  int64_t i = 0;
+  if (s.find_first_not_of("+-0123456789") == absl::string_view::npos && absl::SimpleAtoi(s, &i)) {
+    return i;
   }
-  std::map<std::string, std::string> out;
-  for (auto it = j.begin(); it != j.end(); ++it) {
-    if (it->is_string()) {
-      out[it.key()] = it->get<std::string>();
-    } else if (it->is_null()) {
-      out[it.key()] = "";
+  double d = 0;
+  if (s.find_first_not_of("+-0123456789.eE") == absl::string_view::npos &&
+      s.find_first_of("0123456789") != absl::string_view::npos && absl::SimpleAtod(s, &d)) {
+    return d;
+  }
+  return std::string(s);
+}
+
+absl::StatusOr<Json> Scalar(absl::string_view s, absl::string_view source, int line);
+
+// Splits the inside of a flow collection at top-level commas.
+absl::StatusOr<std::vector<std::string>> FlowItems(absl::string_view inner,
+                                                   absl::string_view source, int line) {
+  std::vector<std::string> items;
+  std::string current;
+  char quote = 0;
+  for (size_t i = 0; i < inner.size(); ++i) {
+    const char c = inner[i];
+    if (quote != 0) {
+      current += c;
+      if (quote == '"' && c == '\\' && i + 1 < inner.size()) {
+        current += inner[++i];
+      } else if (c == quote) {
+        quote = 0;
+      }
+      continue;
+    }
+    if (c == '[' || c == '{') {
+      return YamlError(source, line, "nested flow collections are not supported");
+    }
+    if (c == '"' || c == '\'') quote = c;
+    if (c == ',') {
+      items.emplace_back(absl::StripAsciiWhitespace(current));
+      current.clear();
     } else {
-      out[it.key()] = it->dump();
+      current += c;
     }
   }
-  return out;
+  const std::string last(absl::StripAsciiWhitespace(current));
+  if (!last.empty()) items.push_back(last);
+  for (const std::string& item : items) {
+    if (item.empty()) return YamlError(source, line, "empty item in a flow collection");
+  }
+  return items;
+}
+
+absl::StatusOr<Json> Scalar(absl::string_view s, absl::string_view source, int line) {
+  s = absl::StripAsciiWhitespace(s);
+  if (s.empty()) return Json(nullptr);
+  const char c = s.front();
+  if (c == '"' || c == '\'') {
+    absl::StatusOr<std::string> text = Unquote(s, source, line);
+    if (!text.ok()) return text.status();
+    return Json(*text);
+  }
+  if (c == '[' || c == '{') {
+    const char close = c == '[' ? ']' : '}';
+    if (s.back() != close) {
+      return YamlError(source, line,
+                       "a flow collection must close on its line (multi-line ones are not "
+                       "supported)");
+    }
+    absl::StatusOr<std::vector<std::string>> items =
+        FlowItems(s.substr(1, s.size() - 2), source, line);
+    if (!items.ok()) return items.status();
+    Json out = c == '[' ? Json::array() : Json::object();
+    for (const std::string& item : *items) {
+      if (c == '[') {
+        absl::StatusOr<Json> v = Scalar(item, source, line);
+        if (!v.ok()) return v.status();
+        out.push_back(*v);
+        continue;
+      }
+      const size_t colon = item.find(": ");
+      if (colon == std::string::npos && !absl::EndsWith(item, ":")) {
+        return YamlError(source, line, absl::StrCat("expected `key: value` in {...}, got: ", item));
+      }
+      absl::StatusOr<Json> key = Scalar(item.substr(0, colon), source, line);
+      absl::StatusOr<Json> v = colon == std::string::npos
+                                   ? absl::StatusOr<Json>(Json(nullptr))
+                                   : Scalar(item.substr(colon + 2), source, line);
+      if (!key.ok()) return key.status();
+      if (!v.ok()) return v.status();
+      out[key->is_string() ? key->get<std::string>() : key->dump()] = *v;
+    }
+    return out;
+  }
+  if (c == '&' || c == '*' || c == '!') {
+    return YamlError(source, line, "anchors, aliases and tags are not supported");
+  }
+  if (c == '|' || c == '>') {
+    return YamlError(source, line, "block scalars (| and >) are not supported");
+  }
+  if (c == '@' || c == '`' || c == '%') {
+    return YamlError(source, line,
+                     absl::StrCat("a plain value cannot start with ", s.substr(0, 1)));
+  }
+  return PlainScalar(s);
+}
+
+class YamlReader {
+ public:
+  YamlReader(std::vector<Line> lines, absl::string_view source)
+      : lines_(std::move(lines)), source_(source) {}
+
+  absl::StatusOr<Json> Document() {
+    if (lines_.empty()) return Json::object();
+    if (lines_[0].indent != 0) {
+      return YamlError(source_, lines_[0].number, "the first key must not be indented");
+    }
+    absl::StatusOr<Json> root = Block(0);
+    if (!root.ok()) return root.status();
+    if (next_ < lines_.size()) {
+      return YamlError(source_, lines_[next_].number,
+                       "indentation does not match any enclosing mapping");
+    }
+    if (!root->is_object()) {
+      return YamlError(source_, lines_[0].number, "the top level is not a mapping");
+    }
+    return root;
+  }
+
+ private:
+  static bool IsItem(const Line& l) { return l.text == "-" || absl::StartsWith(l.text, "- "); }
+
+  // The mapping or sequence whose lines sit at `indent`.
+  absl::StatusOr<Json> Block(size_t indent) {
+    return IsItem(lines_[next_]) ? Sequence(indent) : Mapping(indent);
+  }
+
+  absl::StatusOr<Json> Sequence(size_t indent) {
+    Json out = Json::array();
+    while (next_ < lines_.size() && lines_[next_].indent == indent && IsItem(lines_[next_])) {
+      const Line& l = lines_[next_++];
+      const std::string item(
+          absl::StripLeadingAsciiWhitespace(absl::string_view(l.text).substr(1)));
+      if (item.empty() || (item.front() != '"' && item.front() != '\'' &&
+                           (absl::StrContains(item, ": ") || absl::EndsWith(item, ":")))) {
+        return YamlError(source_, l.number, "only plain values are supported as list items");
+      }
+      absl::StatusOr<Json> v = Scalar(item, source_, l.number);
+      if (!v.ok()) return v.status();
+      out.push_back(*v);
+    }
+    return out;
+  }
+
+  absl::StatusOr<Json> Mapping(size_t indent) {
+    Json out = Json::object();
+    while (next_ < lines_.size() && lines_[next_].indent == indent) {
+      const Line& l = lines_[next_++];
+      if (IsItem(l)) return YamlError(source_, l.number, "a list item inside a mapping");
+      // The key ends at the first ": " (or a final ':') outside quotes.
+      size_t colon = std::string::npos;
+      char quote = 0;
+      for (size_t i = 0; i < l.text.size(); ++i) {
+        const char c = l.text[i];
+        if (quote != 0) {
+          if (c == quote) quote = 0;
+        } else if ((c == '"' || c == '\'') && i == 0) {
+          quote = c;
+        } else if (c == ':' && (i + 1 == l.text.size() || l.text[i + 1] == ' ')) {
+          colon = i;
+          break;
+        }
+      }
+      if (colon == std::string::npos) {
+        return YamlError(source_, l.number, absl::StrCat("expected `key: value`, got: ", l.text));
+      }
+      absl::StatusOr<Json> key = Scalar(l.text.substr(0, colon), source_, l.number);
+      if (!key.ok()) return key.status();
+      if (!key->is_string()) {
+        return YamlError(source_, l.number, absl::StrCat("a key must be text: ", key->dump()));
+      }
+      const std::string name = key->get<std::string>();
+      if (out.contains(name)) {
+        return YamlError(source_, l.number, absl::StrCat("duplicate key ", name));
+      }
+      const absl::string_view rest =
+          absl::StripAsciiWhitespace(absl::string_view(l.text).substr(colon + 1));
+      if (!rest.empty()) {
+        absl::StatusOr<Json> v = Scalar(rest, source_, l.number);
+        if (!v.ok()) return v.status();
+        out[name] = *v;
+        if (next_ < lines_.size() && lines_[next_].indent > indent) {
+          return YamlError(source_, lines_[next_].number,
+                           "unexpected indentation (a value continued on the next line is not "
+                           "supported)");
+        }
+        continue;
+      }
+      // `key:` then a nested block: deeper lines, or (as PyYAML writes lists)
+      // `- item` lines at the key's own indentation.
+      if (next_ < lines_.size() && lines_[next_].indent > indent) {
+        absl::StatusOr<Json> v = Block(lines_[next_].indent);
+        if (!v.ok()) return v.status();
+        out[name] = *v;
+      } else if (next_ < lines_.size() && lines_[next_].indent == indent && IsItem(lines_[next_])) {
+        absl::StatusOr<Json> v = Sequence(indent);
+        if (!v.ok()) return v.status();
+        out[name] = *v;
+      } else {
+        out[name] = nullptr;
+      }
+    }
+    return out;
+  }
+
+  std::vector<Line> lines_;
+  size_t next_ = 0;
+  absl::string_view source_;
+};
+
+absl::StatusOr<Json> ReadYaml(absl::string_view text, absl::string_view source) {
+  std::vector<Line> lines;
+  int number = 0;
+  for (absl::string_view raw : absl::StrSplit(text, '\n')) {
+    ++number;
+    if (absl::EndsWith(raw, "\r")) raw.remove_suffix(1);
+    const size_t indent = raw.find_first_not_of(' ');
+    if (indent == absl::string_view::npos) continue;
+    if (raw[indent] == '\t') {
+      return YamlError(source, number, "tabs are not allowed for indentation");
+    }
+    absl::StatusOr<std::string> content = StripComment(raw.substr(indent), source, number);
+    if (!content.ok()) return content.status();
+    if (content->empty()) continue;
+    if (indent == 0 && (*content == "---" || *content == "...")) {
+      if (!lines.empty() && *content == "---") {
+        return YamlError(source, number, "more than one document");
+      }
+      continue;
+    }
+    if (indent == 0 && content->front() == '%') {
+      return YamlError(source, number, "directives are not supported");
+    }
+    lines.push_back(Line{number, indent, *std::move(content)});
+  }
+  return YamlReader(std::move(lines), source).Document();
+}
+
+absl::StatusOr<Json> ReadJson(absl::string_view text, absl::string_view source) {
+  try {
+    Json j = Json::parse(text.begin(), text.end());
+    if (!j.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+    }
+    return j;
+  } catch (const Json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": invalid JSON: ", e.what()));
+  }
+}
+
+// Field readers: the value's JSON type, or the same as text (a quoted "4").
+absl::Status WrongType(absl::string_view source, const std::string& key, const Json& v,
+                       absl::string_view expected) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(source, ": ", key, " is ", v.dump(), ", expected ", expected));
+}
+
+absl::StatusOr<bool> BoolField(absl::string_view source, const std::string& key, const Json& v) {
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_string()) {
+    const std::string s = absl::AsciiStrToLower(v.get<std::string>());
+    if (s == "true" || s == "yes" || s == "1") return true;
+    if (s == "false" || s == "no" || s == "0") return false;
+  }
+  return WrongType(source, key, v, "true or false");
+}
+
+absl::StatusOr<int> IntField(absl::string_view source, const std::string& key, const Json& v,
+                             int min, int max) {
+  int64_t n = 0;
+  bool ok = false;
+  if (v.is_number_integer()) {
+    n = v.get<int64_t>();
+    ok = true;
+  } else if (v.is_string()) {
+    ok = absl::SimpleAtoi(v.get<std::string>(), &n);
+  }
+  if (!ok) return WrongType(source, key, v, "an integer");
+  if (n < min || n > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": ", key, " is ", n, ", expected [", min, ", ", max, "]"));
+  }
+  return static_cast<int>(n);
+}
+
+absl::StatusOr<std::string> StringField(absl::string_view source, const std::string& key,
+                                        const Json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_number()) return v.dump();  // gpu_ids: 0
+  return WrongType(source, key, v, "text");
+}
+
+absl::Status CheckPrecision(absl::string_view what, const std::string& p) {
+  if (p == "no" || p == "fp16" || p == "bf16") return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, " \"", p, "\": expected no, fp16 or bf16",
+                   p == "fp8" ? " (fp8 needs Transformer Engine / MS-AMP, Python only)" : ""));
 }
 
 }  // namespace
 
 absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::string_view source) {
   absl::string_view start = absl::StripLeadingAsciiWhitespace(text);
-  absl::StatusOr<std::map<std::string, std::string>> fields =
+  absl::StatusOr<Json> fields =
       !start.empty() && start.front() == '{' ? ReadJson(text, source) : ReadYaml(text, source);
   if (!fields.ok()) return fields.status();
   std::vector<std::string> unknown;
-  for (const auto& [key, value] : *fields) {
-    if (KnownKeys().count(key) == 0) unknown.push_back(key);
+  for (auto it = fields->begin(); it != fields->end(); ++it) {
+    if (KnownKeys().count(it.key()) == 0) unknown.push_back(it.key());
   }
   if (!unknown.empty()) {
     std::sort(unknown.begin(), unknown.end());
@@ -167,113 +464,167 @@ absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::s
         "']), please try upgrading your `accel` version or fix (and potentially "
         "remove) these keys from your config file."));
   }
+  // Accelerate's loader (process_config): the legacy forms first.
+  Json& f = *fields;
+  if (!f.contains("mixed_precision") || f["mixed_precision"].is_null()) {
+    bool fp16 = false;
+    if (f.contains("fp16") && !f["fp16"].is_null()) {
+      absl::StatusOr<bool> b = BoolField(source, "fp16", f["fp16"]);
+      if (!b.ok()) return b.status();
+      fp16 = *b;
+    }
+    f["mixed_precision"] = fp16 ? "fp16" : "no";
+  } else if (f["mixed_precision"].is_boolean()) {  // `mixed_precision: no` read as YAML 1.1
+    f["mixed_precision"] = f["mixed_precision"].get<bool>() ? "fp16" : "no";
+  }
+  f.erase("fp16");
+  if (f.contains("dynamo_backend")) {
+    Json backend = f["dynamo_backend"];
+    f.erase("dynamo_backend");
+    f["dynamo_config"] =
+        backend.is_string() && absl::AsciiStrToUpper(backend.get<std::string>()) != "NO"
+            ? Json{{"dynamo_backend", backend}}
+            : Json::object();
+  }
+
   ClusterConfig c;
-  for (const auto& [key, v] : *fields) {
+  for (auto it = f.begin(); it != f.end(); ++it) {
+    const std::string& key = it.key();
+    const Json& v = it.value();
+    if (v.is_null() && key != "main_process_port" && key != "main_process_ip") {
+      if (key == "num_processes" || key == "compute_environment" || key == "distributed_type" ||
+          key == "mixed_precision" || key == "use_cpu" || key == "debug" || key == "num_machines" ||
+          key == "machine_rank" || key == "gpu_ids" || key == "rdzv_backend" ||
+          key == "same_network" || key == "main_training_function" ||
+          key == "enable_cpu_affinity") {
+        continue;  // the default
+      }
+    }
+    absl::Status status;
+    auto set_bool = [&](bool* out) {
+      absl::StatusOr<bool> b = BoolField(source, key, v);
+      if (b.ok()) *out = *b;
+      status = b.status();
+    };
+    auto set_int = [&](int* out, int min, int max) {
+      absl::StatusOr<int> n = IntField(source, key, v, min, max);
+      if (n.ok()) *out = *n;
+      status = n.status();
+    };
+    auto set_string = [&](std::string* out) {
+      absl::StatusOr<std::string> s = StringField(source, key, v);
+      if (s.ok()) *out = *s;
+      status = s.status();
+    };
     if (key == "compute_environment") {
-      c.compute_environment = v;
+      set_string(&c.compute_environment);
     } else if (key == "distributed_type") {
-      c.distributed_type = absl::AsciiStrToUpper(v);
-      if (c.distributed_type != "NO" && c.distributed_type != "MULTI_CPU" &&
+      set_string(&c.distributed_type);
+      c.distributed_type = absl::AsciiStrToUpper(c.distributed_type);
+      if (status.ok() && c.distributed_type != "NO" && c.distributed_type != "MULTI_CPU" &&
           c.distributed_type != "MULTI_GPU") {
-        return absl::InvalidArgumentError(absl::StrCat(
-            source, ": distributed_type \"", v,
+        status = absl::InvalidArgumentError(absl::StrCat(
+            source, ": distributed_type \"", c.distributed_type,
             "\" is not one accel runs (NO, MULTI_CPU, MULTI_GPU; DeepSpeed, FSDP, TPU are "
             "Python-only)"));
       }
     } else if (key == "mixed_precision") {
-      c.mixed_precision = absl::AsciiStrToLower(v.empty() ? "no" : v);
-    } else if (key == "fp16") {
-      absl::StatusOr<bool> b = Bool(key, v, source);
-      if (!b.ok()) return b.status();
-      if (*b) c.mixed_precision = "fp16";
+      set_string(&c.mixed_precision);
+      c.mixed_precision = absl::AsciiStrToLower(c.mixed_precision);
+      if (status.ok())
+        status = CheckPrecision(absl::StrCat(source, ": mixed_precision"), c.mixed_precision);
     } else if (key == "use_cpu") {
-      absl::StatusOr<bool> b = Bool(key, v, source);
-      if (!b.ok()) return b.status();
-      c.use_cpu = *b;
+      set_bool(&c.use_cpu);
     } else if (key == "debug") {
-      absl::StatusOr<bool> b = Bool(key, v, source);
-      if (!b.ok()) return b.status();
-      c.debug = *b;
+      set_bool(&c.debug);
     } else if (key == "same_network") {
-      absl::StatusOr<bool> b = Bool(key, v, source);
-      if (!b.ok()) return b.status();
-      c.same_network = *b;
+      set_bool(&c.same_network);
     } else if (key == "enable_cpu_affinity") {
-      absl::StatusOr<bool> b = Bool(key, v, source);
-      if (!b.ok()) return b.status();
-      c.enable_cpu_affinity = *b;
-    } else if (key == "num_processes" || key == "num_machines" || key == "machine_rank" ||
-               key == "main_process_port") {
-      if (v.empty()) continue;
-      absl::StatusOr<int> n = Int(key, v, source);
-      if (!n.ok()) return n.status();
-      if (key == "num_processes") c.num_processes = *n;
-      if (key == "num_machines") c.num_machines = *n;
-      if (key == "machine_rank") c.machine_rank = *n;
-      if (key == "main_process_port") c.main_process_port = *n;
-    } else if (key == "gpu_ids") {
-      c.gpu_ids = v;
+      set_bool(&c.enable_cpu_affinity);
+    } else if (key == "num_processes") {
+      // -1: "pass --num_processes at launch" (Accelerate's SLURM pattern).
+      set_int(&c.num_processes, -1, 1 << 20);
+      if (status.ok() && c.num_processes == 0) {
+        status = absl::InvalidArgumentError(
+            absl::StrCat(source, ": num_processes is 0, expected at least 1 (or -1)"));
+      }
+    } else if (key == "num_machines") {
+      set_int(&c.num_machines, 1, 1 << 16);
+    } else if (key == "machine_rank") {
+      set_int(&c.machine_rank, 0, 1 << 16);
+    } else if (key == "main_process_port") {
+      if (!v.is_null()) {
+        int port = 0;
+        set_int(&port, 0, 65535);
+        c.main_process_port = port;
+      }
     } else if (key == "main_process_ip") {
-      c.main_process_ip = v;
+      if (!v.is_null()) set_string(&c.main_process_ip);
+    } else if (key == "gpu_ids") {
+      set_string(&c.gpu_ids);
     } else if (key == "rdzv_backend") {
-      c.rdzv_backend = v;
+      set_string(&c.rdzv_backend);
     } else if (key == "main_training_function") {
-      c.main_training_function = v;
+      set_string(&c.main_training_function);
     } else {
-      c.other[key] = v;
+      c.other[key] = v.dump();
     }
+    if (!status.ok()) return status;
   }
   if (c.distributed_type == "NO") c.num_processes = 1;
+  if (c.machine_rank >= c.num_machines) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": machine_rank ", c.machine_rank,
+                                                   " is outside [0, num_machines ", c.num_machines,
+                                                   ")"));
+  }
   return c;
 }
 
 absl::StatusOr<ClusterConfig> ReadClusterConfig(const std::string& path) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) return absl::NotFoundError(absl::StrCat("config file ", path, ": not found"));
-  std::string text;
-  char buf[4096];
-  size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) text.append(buf, n);
-  std::fclose(f);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("config file ", path, ": not found"));
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return absl::DataLossError(absl::StrCat("config file ", path, ": read error"));
   return ParseClusterConfig(text, path);
 }
 
 std::string ClusterConfigToJson(const ClusterConfig& c) {
-  nlohmann::ordered_json j;
+  Json j = Json::object();  // std::map underneath: sorted keys, as Accelerate's sort_keys=True
+  for (const auto& [key, text] : c.other) {
+    j[key] = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j[key].is_discarded()) j[key] = text;  // set by hand as plain text
+  }
   j["compute_environment"] = c.compute_environment;
   j["debug"] = c.debug;
   j["distributed_type"] = c.distributed_type;
   j["enable_cpu_affinity"] = c.enable_cpu_affinity;
+  j["gpu_ids"] = c.gpu_ids;
   if (!c.main_process_ip.empty()) j["main_process_ip"] = c.main_process_ip;
   if (c.main_process_port) j["main_process_port"] = *c.main_process_port;
   j["machine_rank"] = c.machine_rank;
+  j["main_training_function"] = c.main_training_function;
   j["mixed_precision"] = c.mixed_precision;
   j["num_machines"] = c.num_machines;
   j["num_processes"] = c.num_processes;
+  j["rdzv_backend"] = c.rdzv_backend;
+  j["same_network"] = c.same_network;
   j["use_cpu"] = c.use_cpu;
   return j.dump(2) + "\n";
 }
 
 absl::Status WriteClusterConfig(const ClusterConfig& config, const std::string& path,
                                 bool overwrite) {
-  if (!overwrite) {
-    if (FILE* f = std::fopen(path.c_str(), "rb")) {
-      std::fclose(f);
-      return absl::AlreadyExistsError(
-          absl::StrCat("config file ", path, " already exists; not overwriting it"));
-    }
-  }
   const size_t slash = path.rfind('/');
   if (slash != std::string::npos && slash > 0) {
-    std::string dir = path.substr(0, slash);
+    const std::string dir = path.substr(0, slash);
     size_t pos = 0;
     while ((pos = dir.find('/', pos + 1)) != std::string::npos) {
       (void)::mkdir(dir.substr(0, pos).c_str(), 0755);
     }
     (void)::mkdir(dir.c_str(), 0755);
   }
-  // A temporary file beside it, synced, then renamed over: a reader sees the
-  // old file or the new one, never half of one.
+  // A temporary file beside it, synced, then moved into place: a reader sees
+  // the old file or the new one, never half of one.
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
   const std::string text = ClusterConfigToJson(config);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -281,17 +632,27 @@ absl::Status WriteClusterConfig(const ClusterConfig& config, const std::string& 
     return absl::PermissionDeniedError(
         absl::StrCat("cannot write ", tmp, ": ", std::strerror(errno)));
   }
-  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) &&
-                  ::fsync(fd) == 0;
-  const int err = errno;
+  const bool written = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) &&
+                       ::fsync(fd) == 0;
+  int err = errno;
   ::close(fd);
-  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = ok ? errno : err;
+  if (written) {
+    // Without overwrite, link() fails when the file exists, so two writers
+    // cannot both believe they created it.
+    const int moved =
+        overwrite ? ::rename(tmp.c_str(), path.c_str()) : ::link(tmp.c_str(), path.c_str());
+    err = errno;
     ::unlink(tmp.c_str());
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot write ", path, ": ", std::strerror(e)));
+    if (moved == 0) return absl::OkStatus();
+    if (!overwrite && err == EEXIST) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("config file ", path, " already exists; not overwriting it"));
+    }
+  } else {
+    ::unlink(tmp.c_str());
   }
-  return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("cannot write ", path, ": ", std::strerror(err)));
 }
 
 std::string DefaultConfigPath() {
@@ -306,22 +667,61 @@ std::string DefaultConfigPath() {
   return cache + "/accel/default_config.yaml";
 }
 
+absl::StatusOr<std::string> FindProgram(const std::string& name, const std::string& path_env) {
+  auto runnable = [](const std::string& p) {
+    struct stat st {};
+    return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(p.c_str(), X_OK) == 0;
+  };
+  if (name.empty()) return absl::InvalidArgumentError("PROGRAM is empty");
+  if (name.find('/') != std::string::npos) {
+    if (runnable(name)) return name;
+    return absl::NotFoundError(absl::StrCat("PROGRAM ", name, " is not an executable file"));
+  }
+  for (absl::string_view dir : absl::StrSplit(path_env, ':')) {
+    const std::string candidate = absl::StrCat(dir.empty() ? "." : dir, "/", name);
+    if (runnable(candidate)) return candidate;
+  }
+  return absl::NotFoundError(absl::StrCat("PROGRAM ", name, " not found in PATH (", path_env, ")"));
+}
+
+int PhysicalCoreCount() {
+  std::set<std::pair<std::string, std::string>> cores;
+  if (DIR* dir = ::opendir("/sys/devices/system/cpu")) {
+    while (const dirent* e = ::readdir(dir)) {
+      const absl::string_view name = e->d_name;
+      int index = 0;
+      if (!absl::StartsWith(name, "cpu") || !absl::SimpleAtoi(name.substr(3), &index)) continue;
+      const std::string topology = absl::StrCat("/sys/devices/system/cpu/", name, "/topology/");
+      std::string package, core;
+      std::ifstream(topology + "physical_package_id") >> package;
+      std::ifstream(topology + "core_id") >> core;
+      if (!core.empty()) cores.emplace(package, core);
+    }
+    ::closedir(dir);
+  }
+  if (!cores.empty()) return static_cast<int>(cores.size());
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
                                            const std::map<std::string, std::string>& env) {
   std::map<std::string, std::string> flags;
   std::set<std::string> switches;
   size_t i = 0;
   static const std::set<std::string> kValued = {
-      "config_file",     "num_processes",     "num_machines",    "machine_rank",
-      "main_process_ip", "main_process_port", "mixed_precision", "num_cpu_threads_per_process"};
-  static const std::set<std::string> kSwitches = {"cpu", "multi_gpu", "no_python", "quiet"};
+      "config_file",     "num_processes",   "num_machines",
+      "machine_rank",    "main_process_ip", "main_process_port",
+      "mixed_precision", "gpu_ids",         "num_cpu_threads_per_process",
+      "monitor_interval"};
+  static const std::set<std::string> kSwitches = {"cpu",   "multi_gpu", "no_python",
+                                                  "quiet", "debug",     "enable_cpu_affinity"};
   for (; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--") {
       ++i;
       break;
     }
-    if (a.rfind("--", 0) != 0) break;
+    if (a.rfind("--", 0) != 0) break;  // PROGRAM
     std::string name = a.substr(2), value;
     bool has_value = false;
     if (size_t eq = name.find('='); eq != std::string::npos) {
@@ -358,19 +758,27 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
   // The config file underneath the flags.
   ClusterConfig config;
   std::string config_path;
+  bool from_file = false;
   if (auto it = flags.find("config_file"); it != flags.end()) {
     config_path = it->second;
+    from_file = true;
+  } else if (auto e = env.find("ACCEL_CONFIG_FILE"); e != env.end() && !e->second.empty()) {
+    config_path = e->second;
+    from_file = true;
+  } else {
+    std::string cache;
+    if (auto x = env.find("XDG_CACHE_HOME"); x != env.end() && !x->second.empty()) {
+      cache = x->second;
+    } else if (auto h = env.find("HOME"); h != env.end()) {
+      cache = h->second + "/.cache";
+    }
+    config_path = cache + "/accel/default_config.yaml";
+    from_file = !cache.empty() && ::access(config_path.c_str(), F_OK) == 0;
+  }
+  if (from_file) {
     absl::StatusOr<ClusterConfig> c = ReadClusterConfig(config_path);
     if (!c.ok()) return c.status();
-    config = *c;
-  } else {
-    config_path = DefaultConfigPath();
-    if (FILE* f = std::fopen(config_path.c_str(), "rb")) {
-      std::fclose(f);
-      absl::StatusOr<ClusterConfig> c = ReadClusterConfig(config_path);
-      if (!c.ok()) return c.status();
-      config = *c;
-    }
+    config = *std::move(c);
   }
   plan.num_processes = config.num_processes;
   plan.num_machines = config.num_machines;
@@ -379,14 +787,27 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
   if (config.main_process_port) plan.main_process_port = *config.main_process_port;
   plan.mixed_precision = config.mixed_precision;
   plan.use_cpu = config.use_cpu;
-  // Under SLURM, one accel-launch per node.
-  if (auto n = env.find("SLURM_NNODES"); n != env.end()) {
+  plan.debug = config.debug;
+  plan.enable_cpu_affinity = config.enable_cpu_affinity;
+  plan.gpu_ids = config.gpu_ids;
+  // Under SLURM, one accel-launch per node: the node count and this node's
+  // index unless the flags say otherwise.
+  auto slurm = [&](const char* var, int min, int* out) -> absl::Status {
+    auto it = env.find(var);
+    if (it == env.end() || it->second.empty()) return absl::OkStatus();
     int v = 0;
-    if (absl::SimpleAtoi(n->second, &v) && v > 0) plan.num_machines = v;
+    if (!absl::SimpleAtoi(it->second, &v) || v < min) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("$", var, " \"", it->second, "\" is not an integer >= ", min));
+    }
+    *out = v;
+    return absl::OkStatus();
+  };
+  if (!flags.count("num_machines")) {
+    if (absl::Status s = slurm("SLURM_NNODES", 1, &plan.num_machines); !s.ok()) return s;
   }
-  if (auto r = env.find("SLURM_NODEID"); r != env.end()) {
-    int v = 0;
-    if (absl::SimpleAtoi(r->second, &v) && v >= 0) plan.machine_rank = v;
+  if (!flags.count("machine_rank")) {
+    if (absl::Status s = slurm("SLURM_NODEID", 0, &plan.machine_rank); !s.ok()) return s;
   }
 
   auto int_flag = [&](const std::string& name, int* out, int min, int max) -> absl::Status {
@@ -415,19 +836,32 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
     }
     plan.threads_per_process = t;
   }
-  if (auto it = flags.find("main_process_ip"); it != flags.end()) plan.main_process_ip = it->second;
+  if (auto it = flags.find("monitor_interval"); it != flags.end()) {
+    double s = 0;
+    if (!absl::SimpleAtod(it->second, &s) || !(s > 0) || s > 3600) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--monitor_interval \"", it->second, "\": expected seconds in (0, 3600]"));
+    }
+    plan.monitor_interval_s = s;
+  }
+  if (auto it = flags.find("main_process_ip"); it != flags.end()) {
+    if (it->second.empty()) return absl::InvalidArgumentError("--main_process_ip is empty");
+    plan.main_process_ip = it->second;
+  }
+  if (auto it = flags.find("gpu_ids"); it != flags.end()) plan.gpu_ids = it->second;
   if (auto it = flags.find("mixed_precision"); it != flags.end()) {
     plan.mixed_precision = absl::AsciiStrToLower(it->second);
-  }
-  if (plan.mixed_precision != "no" && plan.mixed_precision != "fp16" &&
-      plan.mixed_precision != "bf16") {
-    return absl::InvalidArgumentError(absl::StrCat("--mixed_precision \"", plan.mixed_precision,
-                                                   "\": expected no, fp16 or bf16"));
+    if (absl::Status s = CheckPrecision("--mixed_precision", plan.mixed_precision); !s.ok()) {
+      return s;
+    }
   }
   if (switches.count("cpu")) plan.use_cpu = true;
+  if (switches.count("debug")) plan.debug = true;
+  if (switches.count("enable_cpu_affinity")) plan.enable_cpu_affinity = true;
   if (plan.num_processes < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("num_processes must be at least 1, got ", plan.num_processes));
+        absl::StrCat("num_processes is ", plan.num_processes, " in ", config_path,
+                     "; pass --num_processes N (the processes of the whole job)"));
   }
   if (plan.num_processes % plan.num_machines != 0) {
     return absl::InvalidArgumentError(
@@ -442,11 +876,21 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
     return absl::InvalidArgumentError(
         "--num_machines > 1 needs --main_process_ip, the address of machine 0");
   }
+  if (plan.num_machines > 1 && plan.main_process_port == 0) {
+    return absl::InvalidArgumentError(
+        "--main_process_port 0 (a free port) works on one machine only: the others could not "
+        "know it");
+  }
+  auto path = env.find("PATH");
+  absl::StatusOr<std::string> program = FindProgram(
+      plan.command[0], path != env.end() ? path->second : "/usr/local/bin:/usr/bin:/bin");
+  if (!program.ok()) return program.status();
+  plan.program_path = *std::move(program);
   return plan;
 }
 
 std::map<std::string, std::string> RankEnvironment(const LaunchPlan& plan, int local_rank,
-                                                   int cpu_count,
+                                                   int physical_cores,
                                                    const std::map<std::string, std::string>& env) {
   const int local = plan.local_processes();
   std::map<std::string, std::string> out;
@@ -456,20 +900,32 @@ std::map<std::string, std::string> RankEnvironment(const LaunchPlan& plan, int l
   out["WORLD_SIZE"] = absl::StrCat(plan.num_processes);
   out["LOCAL_WORLD_SIZE"] = absl::StrCat(local);
   out["GROUP_RANK"] = absl::StrCat(plan.machine_rank);
-  out["ROLE_RANK"] = absl::StrCat(rank);
   out["GROUP_WORLD_SIZE"] = absl::StrCat(plan.num_machines);
+  out["ROLE_RANK"] = absl::StrCat(rank);
+  out["ROLE_WORLD_SIZE"] = absl::StrCat(plan.num_processes);
+  out["ROLE_NAME"] = "default";
   out["MASTER_ADDR"] = plan.main_process_ip;
   out["MASTER_PORT"] = absl::StrCat(plan.main_process_port);
   out["TORCHELASTIC_RESTART_COUNT"] = "0";
+  out["TORCHELASTIC_MAX_RESTARTS"] = "0";
   out["ACCELERATE_MIXED_PRECISION"] = plan.mixed_precision;
   out["ACCELERATE_USE_CPU"] = plan.use_cpu ? "true" : "false";
-  out["ACCEL_LAUNCHER"] = "accel-launch";
-  if (plan.threads_per_process) {
-    out["OMP_NUM_THREADS"] = absl::StrCat(*plan.threads_per_process);
-  } else if (env.count("OMP_NUM_THREADS") == 0 && local > 1) {
-    // The cores shared out among the local processes (Accelerate's --cpu rule).
-    out["OMP_NUM_THREADS"] = absl::StrCat(std::max(1, cpu_count / local));
+  if (plan.debug) out["ACCELERATE_DEBUG_MODE"] = "true";
+  if (plan.enable_cpu_affinity) out["ACCELERATE_CPU_AFFINITY"] = "1";
+  if (!plan.gpu_ids.empty() && plan.gpu_ids != "all") {
+    out["CUDA_VISIBLE_DEVICES"] = plan.gpu_ids;
   }
+  out["ACCEL_LAUNCHER"] = "accel-launch";
+  int threads = 1;
+  if (plan.threads_per_process) {
+    threads = *plan.threads_per_process;
+  } else if (auto it = env.find("OMP_NUM_THREADS"); it != env.end() && !it->second.empty()) {
+    out["OMP_NUM_THREADS"] = it->second;  // what the user set stands
+    return out;
+  } else if (plan.use_cpu) {
+    threads = std::max(1, physical_cores / std::max(1, local));
+  }
+  out["OMP_NUM_THREADS"] = absl::StrCat(threads);
   return out;
 }
 

@@ -36,17 +36,23 @@ struct ClusterConfig {
   bool same_network = true;
   std::string main_training_function = "main";
   bool enable_cpu_affinity = false;
-  // Known keys accel-launch does not act on (nested sections included), verbatim.
+  // Known keys accel-launch does not act on (nested sections included), each
+  // value as JSON text, so that writing the config back keeps them.
   std::map<std::string, std::string> other;
 };
 
 // Parses YAML (flat `key: value` pairs, nested mappings by indentation, `#`
-// comments, quoted or bare scalars) or JSON (text starting with '{').
-// InvalidArgument naming `source` and the line for what it cannot read, and
-// listing unknown keys sorted.
+// comments, quoted or bare scalars, `- item` lists and the flow forms `{}`,
+// `[a, b]`, `{k: v}` of scalars) or JSON (text starting with '{').
+// InvalidArgument naming `source` and the line for what it cannot read
+// (anchors, tags, block scalars, duplicate keys...), a value of the wrong
+// type or range, and listing unknown keys sorted. Accelerate's legacy forms
+// are converted: `fp16: true`, `dynamo_backend: X`, `mixed_precision: false`.
+// distributed_type NO forces num_processes 1.
 absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::string_view source);
 absl::StatusOr<ClusterConfig> ReadClusterConfig(const std::string& path);
-// JSON (valid YAML), what `accelerate config` writes.
+// JSON (valid YAML) with sorted keys, what `accelerate config` writes; every
+// field, `other` included, so it parses back to the same config.
 std::string ClusterConfigToJson(const ClusterConfig& config);
 // Writes `config` to `path` atomically; AlreadyExists when the file exists
 // and !overwrite.
@@ -65,24 +71,45 @@ struct LaunchPlan {
   int main_process_port = 29500;
   std::string mixed_precision = "no";
   bool use_cpu = false;
+  bool debug = false;                      // ACCELERATE_DEBUG_MODE
+  bool enable_cpu_affinity = false;        // ACCELERATE_CPU_AFFINITY
+  std::string gpu_ids = "all";             // else CUDA_VISIBLE_DEVICES
   std::optional<int> threads_per_process;  // --num_cpu_threads_per_process
+  double monitor_interval_s = 0.1;         // how often the ranks are checked
   std::vector<std::string> command;        // PROGRAM ARGS...
+  std::string program_path;                // PROGRAM found in $PATH
 
   int local_processes() const { return num_processes / num_machines; }
 };
 
 // accel-launch's command line (after the program name), with the config
-// file's values underneath the flags. `env` supplies SLURM_NNODES /
-// SLURM_NODEID defaults and the config file location. InvalidArgument naming
-// the flag for anything wrong; nothing is started.
+// file's values underneath the flags. Flags are `--name value` or
+// `--name=value`, hyphens or underscores; the first argument that is not a
+// flag (or the one after `--`) is PROGRAM, and everything from there on is
+// passed through untouched. `env` supplies SLURM_NNODES / SLURM_NODEID
+// defaults, PATH, and the config file location ($ACCEL_CONFIG_FILE, else
+// ${XDG_CACHE_HOME:-$HOME/.cache}/accel/default_config.yaml when present).
+// InvalidArgument naming the flag (or config file) for anything wrong, or
+// NotFound naming PROGRAM; nothing is started.
 absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
                                            const std::map<std::string, std::string>& env);
 
 // The environment additions of local rank `local_rank` (torchrun's variables
-// plus Accelerate's ACCELERATE_*).
+// plus Accelerate's ACCELERATE_*). OMP_NUM_THREADS as Accelerate sets it:
+// --num_cpu_threads_per_process, else the existing OMP_NUM_THREADS, else with
+// use_cpu `physical_cores` / local processes (at least 1), else 1.
 std::map<std::string, std::string> RankEnvironment(const LaunchPlan& plan, int local_rank,
-                                                   int cpu_count,
+                                                   int physical_cores,
                                                    const std::map<std::string, std::string>& env);
+
+// `name` as execvp would find it: a name with a '/' as is, else the first
+// executable regular file in the ':'-separated `path_env` (empty entries are
+// the current directory). NotFound naming it otherwise.
+absl::StatusOr<std::string> FindProgram(const std::string& name, const std::string& path_env);
+
+// Distinct (package, core) pairs in /sys; the logical CPU count when that is
+// unreadable. Accelerate divides physical cores among the ranks.
+int PhysicalCoreCount();
 
 }  // namespace accel::train
 

@@ -1,5 +1,6 @@
 // accel-launch, accel-config and accel-env as users run them: real
-// processes (tests/train/launch_probe.cc is the launched program).
+// processes (tests/train/launch_probe.cc is the launched program), plus the
+// config parser and the launch plan as functions.
 #include <chrono>
 #include <cstdlib>
 #include <fcntl.h>
@@ -8,6 +9,7 @@
 #include <map>
 #include <signal.h>
 #include <spawn.h>
+#include <sstream>
 #include <string>
 #include <sys/wait.h>
 #include <thread>
@@ -28,51 +30,51 @@ namespace {
 
 using ::accel::test::IsOk;
 using ::accel::test::StatusIs;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::MatchesRegex;
+
+using Env = std::map<std::string, std::string>;
 
 std::string Bin(const std::string& name) {
   const char* dir = std::getenv("ACCEL_BIN_DIR");
   return std::string(dir != nullptr ? dir : "build/bin") + "/" + name;
 }
 
-struct Result {
-  int code = -1;
-  std::string out;
-  std::string err;
-};
-
-// Runs argv with HOME pointed at `home` (so no user config file is read),
-// stdin from `input`; waits at most `timeout_s`.
-Result RunTool(const std::vector<std::string>& args, const std::string& home,
-               const std::string& input = "", int timeout_s = 60) {
-  test::TempDir io;
-  const std::string in = io.Write("stdin", input), out = io.File("stdout"), err = io.File("stderr");
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 0, in.c_str(), O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> env_strings;
+// This process's environment without what would let the machine's own setup
+// leak in (a user config, SLURM, OMP_NUM_THREADS), HOME set to `home`, plus
+// `extra`.
+std::vector<std::string> ToolEnvironment(const std::string& home, const Env& extra) {
+  std::vector<std::string> out;
   for (char** e = environ; *e != nullptr; ++e) {
-    std::string kv(*e);
-    if (kv.rfind("HOME=", 0) == 0 || kv.rfind("ACCEL_CONFIG_FILE=", 0) == 0 ||
-        kv.rfind("XDG_CACHE_HOME=", 0) == 0 || kv.rfind("OMP_NUM_THREADS=", 0) == 0) {
+    const std::string kv(*e);
+    const std::string key = kv.substr(0, kv.find('='));
+    if (key == "HOME" || key == "ACCEL_CONFIG_FILE" || key == "XDG_CACHE_HOME" ||
+        key == "OMP_NUM_THREADS" || key.rfind("SLURM_", 0) == 0 || extra.count(key)) {
       continue;
     }
-    env_strings.push_back(kv);
+    out.push_back(kv);
   }
-  env_strings.push_back("HOME=" + home);
-  std::vector<char*> envp;
-  for (auto& s : env_strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> copy = args;
-  std::vector<char*> argv;
-  for (auto& a : copy) argv.push_back(a.data());
+  out.push_back("HOME=" + home);
+  for (const auto& [k, v] : extra) out.push_back(k + "=" + v);
+  return out;
+}
+
+pid_t Spawn(const std::vector<std::string>& args, const std::vector<std::string>& env,
+            const posix_spawn_file_actions_t* files) {
+  std::vector<std::string> a = args, e = env;
+  std::vector<char*> argv, envp;
+  for (auto& s : a) argv.push_back(s.data());
   argv.push_back(nullptr);
+  for (auto& s : e) envp.push_back(s.data());
+  envp.push_back(nullptr);
   pid_t pid = -1;
-  Result r;
-  if (posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), envp.data()) != 0) return r;
-  posix_spawn_file_actions_destroy(&fa);
+  if (posix_spawn(&pid, argv[0], files, nullptr, argv.data(), envp.data()) != 0) return -1;
+  return pid;
+}
+
+// Waits at most `timeout_s`, then kills; the exit code, 128 + signal if killed.
+int Wait(pid_t pid, int timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
   int status = 0;
   while (waitpid(pid, &status, WNOHANG) == 0) {
@@ -83,10 +85,40 @@ Result RunTool(const std::vector<std::string>& args, const std::string& home,
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+struct Result {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs args with stdin from `input`; waits at most `timeout_s`.
+Result RunTool(const std::vector<std::string>& args, const std::string& home,
+               const std::string& input = "", const Env& extra = {}, int timeout_s = 60) {
+  test::TempDir io;
+  const std::string in = io.Write("stdin", input), out = io.File("stdout"), err = io.File("stderr");
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 0, in.c_str(), O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const pid_t pid = Spawn(args, ToolEnvironment(home, extra), &fa);
+  posix_spawn_file_actions_destroy(&fa);
+  Result r;
+  if (pid < 0) return r;
+  r.code = Wait(pid, timeout_s);
   r.out = test::ReadAll(out);
   r.err = test::ReadAll(err);
   return r;
+}
+
+Result Launch(const std::vector<std::string>& flags_and_program, const std::string& home,
+              const Env& extra = {}) {
+  std::vector<std::string> args = {Bin("accel-launch")};
+  args.insert(args.end(), flags_and_program.begin(), flags_and_program.end());
+  return RunTool(args, home, "", extra);
 }
 
 std::map<std::string, std::string> ReadVars(const std::string& path) {
@@ -94,57 +126,141 @@ std::map<std::string, std::string> ReadVars(const std::string& path) {
   std::ifstream in(path);
   std::string line;
   while (std::getline(in, line)) {
-    size_t eq = line.find('=');
-    if (eq != std::string::npos) vars[line.substr(0, eq)] = line.substr(eq + 1);
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos && line.rfind("ARG=", 0) != 0) {
+      vars[line.substr(0, eq)] = line.substr(eq + 1);
+    }
   }
   return vars;
 }
 
+std::vector<std::string> ReadArgs(const std::string& path) {
+  std::vector<std::string> args;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("ARG=", 0) == 0) args.push_back(line.substr(4));
+  }
+  return args;
+}
+
+std::string RankFile(const test::TempDir& out, int rank) {
+  return out.File("rank_" + std::to_string(rank) + ".txt");
+}
+
+// ---------------------------------------------------------------------------
+// accel-launch, end to end.
+
 TEST(AccelLaunch, SetsTorchrunEnvironmentForEveryRank) {
   for (int n : {2, 4}) {
     test::TempDir home, out;
-    Result r = RunTool(
-        {Bin("accel-launch"), "--num_processes", std::to_string(n), "--main-process-port=0",
-         "--mixed_precision", "bf16", Bin("accel_launch_probe"), "env", out.path(), "--an-arg"},
-        home.path());
+    Result r =
+        Launch({"--num_processes", std::to_string(n), "--main-process-port=0", "--mixed_precision",
+                "bf16", "--monitor_interval", "0.05", Bin("accel_launch_probe"), "env", out.path(),
+                "--an-arg", "--num_processes", "9", "--", "last"},
+               home.path());
     ASSERT_EQ(r.code, 0) << r.err;
     std::string port;
     for (int rank = 0; rank < n; ++rank) {
-      auto vars = ReadVars(out.File("rank_" + std::to_string(rank) + ".txt"));
+      auto vars = ReadVars(RankFile(out, rank));
       EXPECT_EQ(vars["RANK"], std::to_string(rank));
       EXPECT_EQ(vars["LOCAL_RANK"], std::to_string(rank));
       EXPECT_EQ(vars["WORLD_SIZE"], std::to_string(n));
       EXPECT_EQ(vars["LOCAL_WORLD_SIZE"], std::to_string(n));
+      EXPECT_EQ(vars["GROUP_RANK"], "0");
+      EXPECT_EQ(vars["GROUP_WORLD_SIZE"], "1");
+      EXPECT_EQ(vars["ROLE_RANK"], std::to_string(rank));
       EXPECT_EQ(vars["MASTER_ADDR"], "127.0.0.1");
       EXPECT_EQ(vars["TORCHELASTIC_RESTART_COUNT"], "0");
       EXPECT_EQ(vars["ACCELERATE_MIXED_PRECISION"], "bf16");
+      EXPECT_EQ(vars["ACCELERATE_USE_CPU"], "false");
       EXPECT_EQ(vars["ACCEL_LAUNCHER"], "accel-launch");
-      EXPECT_EQ(vars["ARG"], "--an-arg");  // the program's own flags pass through
-      EXPECT_FALSE(vars["OMP_NUM_THREADS"].empty());
+      // Neither the flag nor an inherited value, and not --cpu: Accelerate's 1.
+      EXPECT_EQ(vars["OMP_NUM_THREADS"], "1");
+      // The program's own arguments pass through untouched, flags included.
+      EXPECT_THAT(ReadArgs(RankFile(out, rank)),
+                  ElementsAre("--an-arg", "--num_processes", "9", "--", "last"));
+      // Port 0: one free port, the same for every rank.
       EXPECT_NE(vars["MASTER_PORT"], "0");
       if (rank == 0) port = vars["MASTER_PORT"];
       EXPECT_EQ(vars["MASTER_PORT"], port);
     }
+    EXPECT_FALSE(std::filesystem::exists(RankFile(out, n)));
   }
+}
+
+TEST(AccelLaunch, DefaultsToOneProcessAndPort29500) {
+  test::TempDir home, out;
+  // `--` ends the flags, PROGRAM is found in PATH.
+  Result r = Launch({"--", "accel_launch_probe", "env", out.path()}, home.path(),
+                    {{"PATH", std::filesystem::path(Bin("x")).parent_path().string() + ":/bin"}});
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto vars = ReadVars(RankFile(out, 0));
+  EXPECT_EQ(vars["WORLD_SIZE"], "1");
+  EXPECT_EQ(vars["MASTER_ADDR"], "127.0.0.1");
+  EXPECT_EQ(vars["MASTER_PORT"], "29500");
+  EXPECT_EQ(vars["ACCELERATE_MIXED_PRECISION"], "no");
+  EXPECT_FALSE(std::filesystem::exists(RankFile(out, 1)));
+}
+
+TEST(AccelLaunch, ThreadsPerProcessFromFlagThenEnvironment) {
+  test::TempDir home, out, out2;
+  Result r =
+      Launch({"--num_processes", "2", "--main_process_port", "0", "--cpu",
+              "--num_cpu_threads_per_process=3", Bin("accel_launch_probe"), "env", out.path()},
+             home.path(), {{"OMP_NUM_THREADS", "5"}});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(ReadVars(RankFile(out, 1))["OMP_NUM_THREADS"], "3");
+  EXPECT_EQ(ReadVars(RankFile(out, 1))["ACCELERATE_USE_CPU"], "true");
+  r = Launch({"--num_processes", "2", "--main_process_port", "0", "--cpu",
+              Bin("accel_launch_probe"), "env", out2.path()},
+             home.path(), {{"OMP_NUM_THREADS", "5"}});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(ReadVars(RankFile(out2, 0))["OMP_NUM_THREADS"], "5");
 }
 
 TEST(AccelLaunch, SecondMachineGetsItsRanks) {
   test::TempDir home, out;
-  Result r = RunTool({Bin("accel-launch"), "--num_processes", "4", "--num_machines", "2",
-                      "--machine_rank", "1", "--main_process_ip", "10.1.2.3", "--main_process_port",
-                      "29400", Bin("accel_launch_probe"), "env", out.path()},
-                     home.path());
+  Result r = Launch(
+      {"--num_processes", "4", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip",
+       "10.1.2.3", "--main_process_port", "29400", Bin("accel_launch_probe"), "env", out.path()},
+      home.path());
   ASSERT_EQ(r.code, 0) << r.err;
   for (int rank : {2, 3}) {
-    auto vars = ReadVars(out.File("rank_" + std::to_string(rank) + ".txt"));
+    auto vars = ReadVars(RankFile(out, rank));
+    EXPECT_EQ(vars["RANK"], std::to_string(rank));
     EXPECT_EQ(vars["LOCAL_RANK"], std::to_string(rank - 2));
     EXPECT_EQ(vars["WORLD_SIZE"], "4");
     EXPECT_EQ(vars["LOCAL_WORLD_SIZE"], "2");
     EXPECT_EQ(vars["GROUP_RANK"], "1");
+    EXPECT_EQ(vars["GROUP_WORLD_SIZE"], "2");
     EXPECT_EQ(vars["MASTER_ADDR"], "10.1.2.3");
     EXPECT_EQ(vars["MASTER_PORT"], "29400");
   }
-  EXPECT_FALSE(std::filesystem::exists(out.File("rank_0.txt")));
+  EXPECT_FALSE(std::filesystem::exists(RankFile(out, 0)));
+  EXPECT_FALSE(std::filesystem::exists(RankFile(out, 1)));
+}
+
+TEST(AccelLaunch, SlurmNodeDefaultsUnderTheFlags) {
+  test::TempDir home, out, out2;
+  const Env slurm = {{"SLURM_NNODES", "2"}, {"SLURM_NODEID", "1"}};
+  Result r = Launch({"--num_processes", "4", "--main_process_ip", "10.0.0.9",
+                     Bin("accel_launch_probe"), "env", out.path()},
+                    home.path(), slurm);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(ReadVars(RankFile(out, 3))["LOCAL_RANK"], "1");
+  EXPECT_EQ(ReadVars(RankFile(out, 3))["GROUP_RANK"], "1");
+  EXPECT_FALSE(std::filesystem::exists(RankFile(out, 0)));
+  // The flags win.
+  r = Launch({"--num_processes", "2", "--num_machines", "1", "--machine_rank", "0",
+              "--main_process_port", "0", Bin("accel_launch_probe"), "env", out2.path()},
+             home.path(), slurm);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(ReadVars(RankFile(out2, 1))["LOCAL_WORLD_SIZE"], "2");
+  r = Launch({"--num_processes", "2", Bin("accel_launch_probe"), "env", out2.path()}, home.path(),
+             {{"SLURM_NODEID", "first"}});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_THAT(r.err, HasSubstr("$SLURM_NODEID \"first\""));
 }
 
 TEST(AccelLaunch, ConfigFileUnderTheFlags) {
@@ -156,164 +272,592 @@ TEST(AccelLaunch, ConfigFileUnderTheFlags) {
                                         "num_processes: 3\n"
                                         "mixed_precision: 'bf16'\n"
                                         "main_process_port: 29411\n"
+                                        "use_cpu: true\n"
+                                        "debug: true\n"
+                                        "gpu_ids: 0,2\n"
                                         "dynamo_config:\n"
                                         "  dynamo_backend: NO\n");
-  Result r = RunTool(
-      {Bin("accel-launch"), "--config_file", config, Bin("accel_launch_probe"), "env", out.path()},
-      home.path());
+  Result r =
+      Launch({"--config_file", config, Bin("accel_launch_probe"), "env", out.path()}, home.path());
   ASSERT_EQ(r.code, 0) << r.err;
-  auto vars = ReadVars(out.File("rank_2.txt"));
+  auto vars = ReadVars(RankFile(out, 2));
   EXPECT_EQ(vars["WORLD_SIZE"], "3");
   EXPECT_EQ(vars["ACCELERATE_MIXED_PRECISION"], "bf16");
+  EXPECT_EQ(vars["ACCELERATE_USE_CPU"], "true");
+  EXPECT_EQ(vars["ACCELERATE_DEBUG_MODE"], "true");
+  EXPECT_EQ(vars["CUDA_VISIBLE_DEVICES"], "0,2");
   EXPECT_EQ(vars["MASTER_PORT"], "29411");
   test::TempDir out2;
-  r = RunTool({Bin("accel-launch"), "--config_file", config, "--mixed_precision", "no",
-               "--num_processes", "1", Bin("accel_launch_probe"), "env", out2.path()},
-              home.path());
+  r = Launch({"--config-file=" + config, "--mixed_precision", "no", "--num_processes", "1",
+              "--main_process_port", "29412", Bin("accel_launch_probe"), "env", out2.path()},
+             home.path());
   ASSERT_EQ(r.code, 0) << r.err;
-  vars = ReadVars(out2.File("rank_0.txt"));
+  vars = ReadVars(RankFile(out2, 0));
   EXPECT_EQ(vars["WORLD_SIZE"], "1");
   EXPECT_EQ(vars["ACCELERATE_MIXED_PRECISION"], "no");
-  EXPECT_FALSE(std::filesystem::exists(out2.File("rank_1.txt")));
+  EXPECT_EQ(vars["MASTER_PORT"], "29412");
+  EXPECT_FALSE(std::filesystem::exists(RankFile(out2, 1)));
+}
+
+TEST(AccelLaunch, FindsTheDefaultConfigFile) {
+  const std::string yaml = "distributed_type: MULTI_CPU\nnum_processes: 2\nmain_process_port: 0\n";
+  {  // ${XDG_CACHE_HOME}/accel/default_config.yaml
+    test::TempDir home, cache, out;
+    std::filesystem::create_directories(cache.File("accel"));
+    cache.Write("accel/default_config.yaml", yaml);
+    Result r = Launch({Bin("accel_launch_probe"), "env", out.path()}, home.path(),
+                      {{"XDG_CACHE_HOME", cache.path()}});
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_EQ(ReadVars(RankFile(out, 1))["WORLD_SIZE"], "2");
+  }
+  {  // ~/.cache/accel/default_config.yaml
+    test::TempDir home, out;
+    std::filesystem::create_directories(home.File(".cache/accel"));
+    home.Write(".cache/accel/default_config.yaml", yaml);
+    Result r = Launch({Bin("accel_launch_probe"), "env", out.path()}, home.path());
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_EQ(ReadVars(RankFile(out, 1))["WORLD_SIZE"], "2");
+  }
+  {  // $ACCEL_CONFIG_FILE wins over the cache
+    test::TempDir home, out;
+    std::filesystem::create_directories(home.File(".cache/accel"));
+    home.Write(".cache/accel/default_config.yaml", yaml);
+    const std::string three =
+        home.Write("three.json",
+                   "{\"distributed_type\": \"MULTI_CPU\", \"num_processes\": 3, "
+                   "\"main_process_port\": 0}");
+    Result r = Launch({Bin("accel_launch_probe"), "env", out.path()}, home.path(),
+                      {{"ACCEL_CONFIG_FILE", three}});
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_EQ(ReadVars(RankFile(out, 2))["WORLD_SIZE"], "3");
+  }
 }
 
 TEST(AccelLaunch, FailingRankStopsTheOthers) {
-  test::TempDir home, out;
-  const auto start = std::chrono::steady_clock::now();
-  Result r = RunTool({Bin("accel-launch"), "--num_processes", "3", "--main_process_port", "0",
-                      Bin("accel_launch_probe"), "crash", "1", "7", out.path()},
-                     home.path());
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_EQ(r.code, 7);
-  EXPECT_THAT(r.err, HasSubstr("rank 1"));
-  EXPECT_THAT(r.err, HasSubstr("exited with code 7"));
-  // The sleeping ranks (60 s) were stopped, not waited for.
-  EXPECT_LT(seconds, 30);
-  for (int rank : {0, 2}) {
-    std::ifstream in(out.File("pid_" + std::to_string(rank)));
-    pid_t pid = 0;
-    in >> pid;
-    ASSERT_GT(pid, 0);
-    EXPECT_NE(kill(pid, 0), 0) << "rank " << rank << " is still alive";
+  struct Case {
+    std::string code;   // what rank 1 does
+    int launcher_code;  // accel-launch's exit code
+    std::string message;
+  };
+  for (const Case& c :
+       {Case{"7", 7, "rank 1 (pid "}, Case{"sig:9", 128 + 9, "killed by signal 9"}}) {
+    test::TempDir home, out;
+    Result r = Launch({"--num_processes", "3", "--main_process_port", "0",
+                       Bin("accel_launch_probe"), "crash", "1", c.code, out.path()},
+                      home.path());
+    EXPECT_EQ(r.code, c.launcher_code) << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message));
+    EXPECT_THAT(r.err, HasSubstr("rank 1"));
+    if (c.code == "7") {
+      EXPECT_THAT(r.err, HasSubstr("exited with code 7"));
+    }
+    // The sleeping ranks (60 s) were stopped, not waited for (RunTool gives
+    // up after 60 s, so a code above means the launcher returned itself).
+    for (int rank : {0, 2}) {
+      std::ifstream in(out.File("pid_" + std::to_string(rank)));
+      pid_t pid = 0;
+      in >> pid;
+      ASSERT_GT(pid, 0);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (kill(pid, 0) == 0 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      EXPECT_NE(kill(pid, 0), 0) << "rank " << rank << " is still alive";
+    }
   }
 }
 
-TEST(AccelLaunch, ForwardsSigtermToEveryRank) {
-  test::TempDir home, out;
-  std::vector<std::string> args = {
-      Bin("accel-launch"),       "--num_processes", "2",       "--main_process_port", "0",
-      Bin("accel_launch_probe"), "signal",          out.path()};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  ASSERT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ), 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (!(std::filesystem::exists(out.File("ready_0")) &&
-           std::filesystem::exists(out.File("ready_1"))) &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+TEST(AccelLaunch, ForwardsSignalsToEveryRank) {
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+    test::TempDir home, out;
+    const pid_t pid = Spawn({Bin("accel-launch"), "--num_processes", "3", "--main_process_port",
+                             "0", Bin("accel_launch_probe"), "signal", out.path()},
+                            ToolEnvironment(home.path(), {}), nullptr);
+    ASSERT_GT(pid, 0);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    auto all_ready = [&] {
+      for (int rank = 0; rank < 3; ++rank) {
+        if (!std::filesystem::exists(out.File("ready_" + std::to_string(rank)))) return false;
+      }
+      return true;
+    };
+    while (!all_ready() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_TRUE(all_ready());
+    ASSERT_EQ(kill(pid, sig), 0);
+    EXPECT_EQ(Wait(pid, 30), 128 + sig);
+    for (int rank = 0; rank < 3; ++rank) {
+      EXPECT_EQ(test::ReadAll(out.File("got_" + std::to_string(rank))), std::to_string(sig) + "\n")
+          << "rank " << rank << ", signal " << sig;
+    }
   }
-  ASSERT_EQ(kill(pid, SIGTERM), 0);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  EXPECT_TRUE(std::filesystem::exists(out.File("got_0")));
-  EXPECT_TRUE(std::filesystem::exists(out.File("got_1")));
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
 }
 
 TEST(AccelLaunch, BadInputIsRefusedBeforeAnythingStarts) {
   test::TempDir home, out;
   const std::string probe = Bin("accel_launch_probe");
+  const std::string bad_port = home.Write("port.yaml", "main_process_port: 70000\n");
+  const std::string ask_n = home.Write("ask.yaml",
+                                       "distributed_type: MULTI_CPU\n"
+                                       "num_processes: -1\n");
+  const std::string unknown = home.Write("unknown.yaml", "num_processes: 2\nbogus_key: 1\n");
   struct Case {
     std::vector<std::string> args;
     std::string message;
   };
   const std::vector<Case> cases = {
       {{"--bogus", probe}, "unknown flag --bogus"},
-      {{"--num_processes", "0", probe}, "--num_processes"},
-      {{"--num_processes", "two", probe}, "--num_processes"},
+      {{"--num_processes", "0", probe}, "--num_processes \"0\""},
+      {{"--num_processes", "two", probe}, "--num_processes \"two\""},
+      {{"--num_processes", "-3", probe}, "--num_processes \"-3\""},
+      {{"--num_processes"}, "--num_processes needs a value"},
+      {{"--cpu=yes", probe}, "--cpu takes no value"},
+      {{"--num_machines", "0", probe}, "--num_machines \"0\""},
       {{"--num_processes", "3", "--num_machines", "2", "--main_process_ip", "1.2.3.4", probe},
-       "not divisible"},
+       "--num_processes 3 is not divisible by --num_machines 2"},
       {{"--num_processes", "4", "--num_machines", "2", "--machine_rank", "2", "--main_process_ip",
         "1.2.3.4", probe},
-       "--machine_rank"},
-      {{"--num_processes", "4", "--num_machines", "2", probe}, "--main_process_ip"},
-      {{"--main_process_port", "70000", probe}, "--main_process_port"},
-      {{"--mixed_precision", "fp8", probe}, "--mixed_precision"},
+       "--machine_rank 2 is outside [0, 2)"},
+      {{"--machine_rank", "-1", probe}, "--machine_rank \"-1\""},
+      {{"--num_processes", "4", "--num_machines", "2", probe}, "needs --main_process_ip"},
+      {{"--num_processes", "4", "--num_machines", "2", "--main_process_ip", "1.2.3.4",
+        "--main_process_port", "0", probe},
+       "one machine only"},
+      {{"--main_process_port", "70000", probe}, "--main_process_port \"70000\""},
+      {{"--main_process_port", "-1", probe}, "--main_process_port \"-1\""},
+      {{"--mixed_precision", "fp8", probe}, "--mixed_precision \"fp8\""},
+      {{"--num_cpu_threads_per_process", "0", probe}, "--num_cpu_threads_per_process \"0\""},
+      {{"--monitor_interval", "-1", probe}, "--monitor_interval \"-1\""},
       {{"--num_processes", "2"}, "no PROGRAM"},
-      {{"--config_file", home.File("missing.yaml"), probe}, "missing.yaml"},
-      {{"--num_processes", "2", "--main_process_port", "0", "/nonexistent/program"},
-       "cannot start"},
+      {{"--"}, "no PROGRAM"},
+      {{"--config_file", home.File("missing.yaml"), probe}, "missing.yaml: not found"},
+      {{"--config_file", bad_port, probe}, "port.yaml: main_process_port is 70000"},
+      {{"--config_file", ask_n, probe}, "pass --num_processes"},
+      {{"--config_file", unknown, probe}, "had unknown keys (['bogus_key'])"},
+      {{"--num_processes", "2", "/nonexistent/program"},
+       "PROGRAM /nonexistent/program is not an executable file"},
+      {{"--num_processes", "2", "no-such-program-accel"},
+       "PROGRAM no-such-program-accel not found in PATH"},
+      {{"--num_processes", "2", home.path()}, "is not an executable file"},  // a directory
   };
   for (const Case& c : cases) {
-    std::vector<std::string> args = {Bin("accel-launch")};
-    args.insert(args.end(), c.args.begin(), c.args.end());
-    Result r = RunTool(args, home.path());
-    EXPECT_EQ(r.code, 1) << c.message;
+    std::vector<std::string> args = c.args;
+    if (args.back() == probe) {  // it would leave a file in `out` if it ran
+      args.push_back("env");
+      args.push_back(out.path());
+    }
+    Result r = Launch(args, home.path());
+    EXPECT_EQ(r.code, 1) << c.message << "\n" << r.err;
     EXPECT_THAT(r.err, HasSubstr(c.message));
+    EXPECT_THAT(r.err, HasSubstr("usage: accel-launch")) << c.message;
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(out.path()));
+}
+
+// ---------------------------------------------------------------------------
+// The launch plan and each rank's environment, as functions.
+
+TEST(LaunchPlan, FlagSpellingsAndPassThrough) {
+  test::TempDir home;
+  const Env env = {{"HOME", home.path()}, {"PATH", "/usr/bin:/bin"}};
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      LaunchPlan plan,
+      ParseLaunchArgs({"--num-processes=4", "--num_machines", "2", "--machine-rank", "1",
+                       "--main_process_ip=10.0.0.1", "--monitor-interval", "0.5", "--gpu_ids", "1",
+                       "--debug", "--quiet", "sh", "-c", "--num_processes=8"},
+                      env));
+  EXPECT_EQ(plan.num_processes, 4);
+  EXPECT_EQ(plan.num_machines, 2);
+  EXPECT_EQ(plan.machine_rank, 1);
+  EXPECT_EQ(plan.local_processes(), 2);
+  EXPECT_EQ(plan.main_process_ip, "10.0.0.1");
+  EXPECT_EQ(plan.main_process_port, 29500);
+  EXPECT_DOUBLE_EQ(plan.monitor_interval_s, 0.5);
+  EXPECT_TRUE(plan.debug);
+  EXPECT_THAT(plan.command, ElementsAre("sh", "-c", "--num_processes=8"));
+  EXPECT_TRUE(plan.program_path == "/usr/bin/sh" || plan.program_path == "/bin/sh")
+      << plan.program_path;
+}
+
+TEST(LaunchPlan, RankEnvironmentFollowsTorchrunAndAccelerate) {
+  LaunchPlan plan;
+  plan.num_processes = 8;
+  plan.num_machines = 2;
+  plan.machine_rank = 1;
+  plan.main_process_ip = "10.0.0.1";
+  plan.main_process_port = 1234;
+  plan.mixed_precision = "fp16";
+  plan.gpu_ids = "2,3";
+  plan.enable_cpu_affinity = true;
+  auto e = RankEnvironment(plan, /*local_rank=*/3, /*physical_cores=*/16, {});
+  EXPECT_EQ(e["RANK"], "7");  // 1 * 4 + 3
+  EXPECT_EQ(e["LOCAL_RANK"], "3");
+  EXPECT_EQ(e["WORLD_SIZE"], "8");
+  EXPECT_EQ(e["LOCAL_WORLD_SIZE"], "4");
+  EXPECT_EQ(e["GROUP_RANK"], "1");
+  EXPECT_EQ(e["GROUP_WORLD_SIZE"], "2");
+  EXPECT_EQ(e["ROLE_RANK"], "7");
+  EXPECT_EQ(e["MASTER_ADDR"], "10.0.0.1");
+  EXPECT_EQ(e["MASTER_PORT"], "1234");
+  EXPECT_EQ(e["TORCHELASTIC_RESTART_COUNT"], "0");
+  EXPECT_EQ(e["ACCELERATE_MIXED_PRECISION"], "fp16");
+  EXPECT_EQ(e["ACCELERATE_USE_CPU"], "false");
+  EXPECT_EQ(e["ACCELERATE_CPU_AFFINITY"], "1");
+  EXPECT_EQ(e["CUDA_VISIBLE_DEVICES"], "2,3");
+  EXPECT_EQ(e.count("ACCELERATE_DEBUG_MODE"), 0u);
+  EXPECT_EQ(e["ACCEL_LAUNCHER"], "accel-launch");
+
+  // OMP_NUM_THREADS, Accelerate's order: the flag, the inherited value, with
+  // --cpu the physical cores shared out (at least 1), else 1.
+  EXPECT_EQ(e["OMP_NUM_THREADS"], "1");
+  plan.use_cpu = true;
+  EXPECT_EQ(RankEnvironment(plan, 0, 16, {})["OMP_NUM_THREADS"], "4");  // 16 / 4 local
+  EXPECT_EQ(RankEnvironment(plan, 0, 18, {})["OMP_NUM_THREADS"], "4");  // floor(18 / 4)
+  EXPECT_EQ(RankEnvironment(plan, 0, 2, {})["OMP_NUM_THREADS"], "1");   // never 0
+  EXPECT_EQ(RankEnvironment(plan, 0, 16, {{"OMP_NUM_THREADS", "6"}})["OMP_NUM_THREADS"], "6");
+  plan.threads_per_process = 3;
+  EXPECT_EQ(RankEnvironment(plan, 0, 16, {{"OMP_NUM_THREADS", "6"}})["OMP_NUM_THREADS"], "3");
+  EXPECT_EQ(RankEnvironment(plan, 0, 16, {})["ACCELERATE_USE_CPU"], "true");
+}
+
+TEST(LaunchPlan, FindProgramLikeExecvp) {
+  test::TempDir dir;
+  const std::string tool = dir.Write("tool", "#!/bin/sh\n");
+  dir.Write("plain", "not executable");
+  ASSERT_EQ(chmod(tool.c_str(), 0755), 0);
+  EXPECT_EQ(FindProgram("tool", "/nonexistent:" + dir.path()).value_or(""), tool);
+  EXPECT_THAT(FindProgram("plain", dir.path()),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("plain not found in PATH")));
+  EXPECT_EQ(FindProgram(tool, "").value_or(""), tool);
+  EXPECT_THAT(FindProgram(dir.File("plain"), ""),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("is not an executable file")));
+  EXPECT_GE(PhysicalCoreCount(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Config files.
+
+TEST(ClusterConfig, UnknownKeysAreListedSorted) {
+  // Accelerate's tests/test_configs/invalid_keys.yaml.
+  EXPECT_THAT(
+      ParseClusterConfig("compute_environment: LOCAL_MACHINE\n"
+                         "deepspeed_config: {}\n"
+                         "distributed_type: 'NO'\n"
+                         "downcast_bf16: 'no'\n"
+                         "fsdp_config: {}\n"
+                         "machine_rank: 0\n"
+                         "main_process_ip: null\n"
+                         "main_process_port: null\n"
+                         "main_training_function: main\n"
+                         "mixed_precision: 'no'\n"
+                         "num_machines: 1\n"
+                         "num_processes: 1\n"
+                         "use_cpu: false\n"
+                         "invalid_key: \"invalid_value\"\n"
+                         "another_invalid_key: \"another_invalid_value\"",
+                         "invalid_keys.yaml"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               HasSubstr("The config file at invalid_keys.yaml had unknown keys "
+                         "(['another_invalid_key', 'invalid_key']), please try upgrading")));
+  EXPECT_THAT(ParseClusterConfig("{\"bad\": 1, \"Also\": 2}", "c.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(['Also', 'bad'])")));
+}
+
+TEST(ClusterConfig, AccelerateSampleFiles) {
+  // tests/test_configs/0_28_0_mpi.yaml from Accelerate.
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig mpi,
+                             ParseClusterConfig("compute_environment: LOCAL_MACHINE\n"
+                                                "debug: false\n"
+                                                "distributed_type: MULTI_CPU\n"
+                                                "downcast_bf16: 'no'\n"
+                                                "ipex_config:\n"
+                                                "  ipex: true\n"
+                                                "machine_rank: 0\n"
+                                                "main_process_ip: 127.0.0.1\n"
+                                                "main_process_port: 29500\n"
+                                                "main_training_function: main\n"
+                                                "mixed_precision: 'no'\n"
+                                                "mpirun_config:\n"
+                                                "  mpirun_ccl: '1'\n"
+                                                "  mpirun_hostfile: /home/user/hostfile\n"
+                                                "num_machines: 4\n"
+                                                "num_processes: 16\n"
+                                                "rdzv_backend: static\n"
+                                                "same_network: true\n"
+                                                "tpu_env: []\n"
+                                                "tpu_use_cluster: false\n"
+                                                "tpu_use_sudo: false\n"
+                                                "use_cpu: true\n",
+                                                "0_28_0_mpi.yaml"));
+  EXPECT_EQ(mpi.distributed_type, "MULTI_CPU");
+  EXPECT_EQ(mpi.num_processes, 16);
+  EXPECT_EQ(mpi.num_machines, 4);
+  EXPECT_TRUE(mpi.use_cpu);
+  EXPECT_EQ(mpi.main_process_ip, "127.0.0.1");
+  EXPECT_EQ(mpi.main_process_port, 29500);
+  EXPECT_EQ(mpi.mixed_precision, "no");
+  EXPECT_EQ(mpi.other["mpirun_config"],
+            R"({"mpirun_ccl":"1","mpirun_hostfile":"/home/user/hostfile"})");
+  EXPECT_EQ(mpi.other["ipex_config"], R"({"ipex":true})");
+  EXPECT_EQ(mpi.other["tpu_env"], "[]");
+  EXPECT_EQ(mpi.other["downcast_bf16"], "\"no\"");
+
+  // tests/test_configs/0_12_0.yaml: nulls are the defaults, NO is one process.
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig old,
+                             ParseClusterConfig("compute_environment: LOCAL_MACHINE\n"
+                                                "deepspeed_config: {}\n"
+                                                "distributed_type: 'NO'\n"
+                                                "downcast_bf16: 'no'\n"
+                                                "fsdp_config: {}\n"
+                                                "machine_rank: 0\n"
+                                                "main_process_ip: null\n"
+                                                "main_process_port: null\n"
+                                                "main_training_function: main\n"
+                                                "mixed_precision: 'no'\n"
+                                                "num_machines: 1\n"
+                                                "num_processes: 1\n"
+                                                "use_cpu: false",
+                                                "0_12_0.yaml"));
+  EXPECT_EQ(old.distributed_type, "NO");
+  EXPECT_EQ(old.num_processes, 1);
+  EXPECT_EQ(old.main_process_ip, "");
+  EXPECT_FALSE(old.main_process_port.has_value());
+  EXPECT_EQ(old.other["deepspeed_config"], "{}");
+
+  // latest_fsdp.yaml: FSDP is Python-only.
+  EXPECT_THAT(ParseClusterConfig("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n",
+                                 "latest_fsdp.yaml"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("latest_fsdp.yaml: distributed_type \"FSDP\"")));
+}
+
+TEST(ClusterConfig, LegacyFieldsAndDefaults) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig fp16,
+                             ParseClusterConfig("distributed_type: MULTI_CPU\nfp16: true\n", "a"));
+  EXPECT_EQ(fp16.mixed_precision, "fp16");
+  EXPECT_EQ(fp16.other.count("fp16"), 0u);
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig fp32, ParseClusterConfig("fp16: false\n", "b"));
+  EXPECT_EQ(fp32.mixed_precision, "no");
+  // dynamo_backend moves into dynamo_config ({} for NO), as Accelerate's loader does.
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig dynamo,
+                             ParseClusterConfig("dynamo_backend: INDUCTOR\n", "c"));
+  EXPECT_EQ(dynamo.other["dynamo_config"], R"({"dynamo_backend":"INDUCTOR"})");
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig no_dynamo,
+                             ParseClusterConfig("dynamo_backend: 'NO'\n", "d"));
+  EXPECT_EQ(no_dynamo.other["dynamo_config"], "{}");
+  // An empty file is every default.
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig empty, ParseClusterConfig("# nothing\n", "e"));
+  EXPECT_EQ(empty.distributed_type, "NO");
+  EXPECT_EQ(empty.num_processes, 1);
+  EXPECT_EQ(empty.mixed_precision, "no");
+  EXPECT_EQ(empty.compute_environment, "LOCAL_MACHINE");
+  // distributed_type NO means one process, whatever num_processes says.
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig no,
+                             ParseClusterConfig("distributed_type: NO\nnum_processes: 8\n", "n"));
+  EXPECT_EQ(no.num_processes, 1);
+}
+
+TEST(ClusterConfig, YamlSubset) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      ClusterConfig c,
+      ParseClusterConfig("---\r\n"
+                         "# a comment\r\n"
+                         "distributed_type: multi_cpu   # lower case is fine\r\n"
+                         "\"num_processes\": '4'\n"
+                         "main_process_ip: \"10.0.0.1\"  # quoted, then a comment\n"
+                         "main_training_function: 'it''s # not a comment'\n"
+                         "gpu_ids: 0\n"
+                         "same_network: false\n"
+                         "commands:\n"
+                         "- echo one\n"
+                         "- 'echo # two'\n"
+                         "tpu_vm: [a, 'b, c', 3]\n"
+                         "fsdp_config: {fsdp_version: 2, name: x}\n"
+                         "deepspeed_config:\n"
+                         "    zero_stage: 2\n"
+                         "    offload:\n"
+                         "      device: cpu\n"
+                         "    list:\n"
+                         "      - 1.5\n"
+                         "      - ~\n"
+                         "megatron_lm_config:\n"
+                         "tpu_name: ~\n",
+                         "sub.yaml"));
+  EXPECT_EQ(c.distributed_type, "MULTI_CPU");
+  EXPECT_EQ(c.num_processes, 4);
+  EXPECT_EQ(c.main_process_ip, "10.0.0.1");
+  EXPECT_EQ(c.main_training_function, "it's # not a comment");
+  EXPECT_EQ(c.gpu_ids, "0");
+  EXPECT_FALSE(c.same_network);
+  EXPECT_EQ(c.other["commands"], R"(["echo one","echo # two"])");
+  EXPECT_EQ(c.other["tpu_vm"], R"(["a","b, c",3])");
+  EXPECT_EQ(c.other["fsdp_config"], R"({"fsdp_version":2,"name":"x"})");
+  EXPECT_EQ(c.other["deepspeed_config"],
+            R"({"list":[1.5,null],"offload":{"device":"cpu"},"zero_stage":2})");
+  EXPECT_EQ(c.other["megatron_lm_config"], "null");
+  EXPECT_EQ(c.other["tpu_name"], "null");
+}
+
+TEST(ClusterConfig, RefusesWhatItDoesNotReadWithTheLine) {
+  struct Case {
+    std::string text;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"num_processes: 2\n  indented: 1\n", "c.yaml:2: unexpected indentation"},
+      {"  indented: 1\n", "c.yaml:1: the first key must not be indented"},
+      {"use_cpu: true\nmpirun_config:\n\tmpirun_ccl: 1\n", "c.yaml:3: tabs"},
+      {"debug: false\nmain_process_ip: &ip 10.0.0.1\n", "c.yaml:2: anchors"},
+      {"main_process_ip: *ip\n", "c.yaml:1: anchors, aliases"},
+      {"gpu_ids: !!str 1\n", "c.yaml:1: anchors, aliases and tags"},
+      {"main_training_function: |\n  main\n", "c.yaml:1: block scalars"},
+      {"num_processes: 2\nnum_processes: 3\n", "c.yaml:2: duplicate key num_processes"},
+      {"main_process_ip: \"10.0.0.1\n", "c.yaml:1: unterminated quoted string"},
+      {"main_process_ip: '10.0.0.1' x\n", "c.yaml:1: text after the closing quote"},
+      {"just words\n", "c.yaml:1: expected `key: value`, got: just words"},
+      {"- 1\n- 2\n", "c.yaml:1: the top level is not a mapping"},
+      {"commands:\n- a: 1\n", "c.yaml:2: only plain values are supported as list items"},
+      {"tpu_vm: [a, [b]]\n", "c.yaml:1: nested flow collections"},
+      {"tpu_vm: [a,\n  b]\n", "c.yaml:1: a flow collection must close on its line"},
+      {"fsdp_config:\n    a: 1\n  b: 2\n", "c.yaml:3: indentation does not match"},
+      {"debug: false\n---\nuse_cpu: true\n", "c.yaml:2: more than one document"},
+      {"%YAML 1.2\ndebug: false\n", "c.yaml:1: directives"},
+      {"main_process_ip: \"a\\qb\"\n", "c.yaml:1: unsupported escape \\q"},
+      // Values of the wrong type or range name the key.
+      {"num_processes: many\n", "c.yaml: num_processes is \"many\", expected an integer"},
+      {"num_processes: 0\n", "c.yaml: num_processes is 0"},
+      {"num_machines: 0\n", "c.yaml: num_machines is 0, expected [1, 65536]"},
+      {"main_process_port: 65536\n", "c.yaml: main_process_port is 65536, expected [0, 65535]"},
+      {"use_cpu: maybe\n", "c.yaml: use_cpu is \"maybe\", expected true or false"},
+      {"mixed_precision: fp8\n", "c.yaml: mixed_precision \"fp8\": expected no, fp16 or bf16"},
+      {"main_process_ip: [1]\n", "c.yaml: main_process_ip is [1], expected text"},
+      {"num_machines: 2\nmachine_rank: 2\n",
+       "c.yaml: machine_rank 2 is outside [0, num_machines 2)"},
+      {"{\"num_processes\": }", "c.yaml: invalid JSON"},
+      {"{\"num_processes\": 2} trailing", "c.yaml: invalid JSON"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_THAT(ParseClusterConfig(c.text, "c.yaml"),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
+        << c.text;
   }
 }
 
-TEST(ClusterConfig, UnknownKeysAreListedSorted) {
-  EXPECT_THAT(
-      ParseClusterConfig("invalid_key: 1\nnum_processes: 2\nanother_invalid_key: x\n", "cfg.yaml"),
-      StatusIs(absl::StatusCode::kInvalidArgument,
-               HasSubstr("cfg.yaml had unknown keys (['another_invalid_key', "
-                         "'invalid_key'])")));
-  EXPECT_THAT(ParseClusterConfig("{\"bad\": 1}", "c.json"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("['bad']")));
-  EXPECT_THAT(ParseClusterConfig("num_processes: many\n", "c.yaml"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_processes")));
-  EXPECT_THAT(ParseClusterConfig("  indented: 1\n", "c.yaml"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("c.yaml:1")));
-  EXPECT_THAT(ParseClusterConfig("distributed_type: DEEPSPEED\n", "c.yaml"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("DEEPSPEED")));
+TEST(ClusterConfig, WritesAndReadsBack) {
+  ClusterConfig c;
+  c.distributed_type = "MULTI_CPU";
+  c.num_processes = 8;
+  c.num_machines = 2;
+  c.machine_rank = 1;
+  c.main_process_ip = "10.0.0.1";
+  c.main_process_port = 29555;
+  c.mixed_precision = "bf16";
+  c.use_cpu = true;
+  c.gpu_ids = "0,1";
+  c.same_network = false;
+  c.rdzv_backend = "c10d";
+  c.other["mpirun_config"] = R"({"mpirun_hostfile":"/h"})";
+  test::TempDir dir;
+  const std::string path = dir.File("sub/dir/c.yaml");  // folders are made
+  ASSERT_THAT(WriteClusterConfig(c, path, /*overwrite=*/false), IsOk());
+  const std::string text = test::ReadAll(path);
+  EXPECT_EQ(text.front(), '{');
+  // Sorted keys, as Accelerate's to_json_file(sort_keys=True).
+  EXPECT_LT(text.find("\"compute_environment\""), text.find("\"debug\""));
+  EXPECT_LT(text.find("\"mpirun_config\""), text.find("\"num_machines\""));
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig back, ReadClusterConfig(path));
+  EXPECT_EQ(back.distributed_type, "MULTI_CPU");
+  EXPECT_EQ(back.num_processes, 8);
+  EXPECT_EQ(back.num_machines, 2);
+  EXPECT_EQ(back.machine_rank, 1);
+  EXPECT_EQ(back.main_process_ip, "10.0.0.1");
+  EXPECT_EQ(back.main_process_port, 29555);
+  EXPECT_EQ(back.mixed_precision, "bf16");
+  EXPECT_TRUE(back.use_cpu);
+  EXPECT_EQ(back.gpu_ids, "0,1");
+  EXPECT_FALSE(back.same_network);
+  EXPECT_EQ(back.rdzv_backend, "c10d");
+  EXPECT_EQ(back.other, c.other);
+  EXPECT_EQ(ClusterConfigToJson(back), text);
+  // No temporary file left beside it.
+  EXPECT_THAT(std::distance(std::filesystem::directory_iterator(dir.File("sub/dir")),
+                            std::filesystem::directory_iterator()),
+              1);
+  c.num_processes = 2;
+  EXPECT_THAT(WriteClusterConfig(c, path, /*overwrite=*/false),
+              StatusIs(absl::StatusCode::kAlreadyExists, HasSubstr("already exists")));
+  EXPECT_EQ(test::ReadAll(path), text);
+  ASSERT_THAT(WriteClusterConfig(c, path, /*overwrite=*/true), IsOk());
+  EXPECT_EQ(ReadClusterConfig(path)->num_processes, 2);
+  EXPECT_THAT(ReadClusterConfig(dir.File("none.yaml")),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("none.yaml")));
 }
 
-TEST(ClusterConfig, YamlJsonAndLegacyFields) {
-  auto yaml = ParseClusterConfig(
-      "distributed_type: MULTI_CPU\nnum_processes: 4  # four\nfp16: true\nmain_process_ip: "
-      "\"10.0.0.1\"\nmpirun_config:\n  mpirun_hostfile: /etc/hosts\n  mpirun_ccl: 1\n",
-      "y");
-  ASSERT_THAT(yaml, IsOk());
-  EXPECT_EQ(yaml->num_processes, 4);
-  EXPECT_EQ(yaml->mixed_precision, "fp16");
-  EXPECT_EQ(yaml->main_process_ip, "10.0.0.1");
-  EXPECT_EQ(yaml->other["mpirun_config"], "mpirun_hostfile: /etc/hosts\nmpirun_ccl: 1");
-  auto json = ParseClusterConfig(ClusterConfigToJson(*yaml), "j");
-  ASSERT_THAT(json, IsOk());
-  EXPECT_EQ(json->num_processes, 4);
-  EXPECT_EQ(json->distributed_type, "MULTI_CPU");
-  EXPECT_EQ(json->mixed_precision, "fp16");
-  // distributed_type NO means one process, whatever num_processes says.
-  auto no = ParseClusterConfig("distributed_type: NO\nnum_processes: 8\n", "n");
-  ASSERT_THAT(no, IsOk());
-  EXPECT_EQ(no->num_processes, 1);
-}
+// ---------------------------------------------------------------------------
+// accel-config and accel-env.
 
 TEST(AccelConfig, DefaultWritesOnceAndParsesBack) {
   test::TempDir home;
   Result r = RunTool({Bin("accel-config"), "--default", "--mixed_precision", "bf16"}, home.path());
   ASSERT_EQ(r.code, 0) << r.err;
   const std::string path = home.File(".cache/accel/default_config.yaml");
-  auto config = ReadClusterConfig(path);
-  ASSERT_THAT(config, IsOk());
-  EXPECT_EQ(config->mixed_precision, "bf16");
-  EXPECT_EQ(config->num_processes, 1);
+  EXPECT_THAT(r.out, HasSubstr(path));
   const std::string before = test::ReadAll(path);
+  EXPECT_EQ(before.front(), '{');  // JSON syntax in the .yaml path, as Accelerate
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig config, ReadClusterConfig(path));
+  EXPECT_EQ(config.mixed_precision, "bf16");
+  EXPECT_EQ(config.num_processes, 1);
+  EXPECT_EQ(config.distributed_type, "NO");
+  EXPECT_FALSE(config.debug);
+  EXPECT_FALSE(config.enable_cpu_affinity);
   r = RunTool({Bin("accel-config"), "--default"}, home.path());
   EXPECT_EQ(r.code, 1);
-  EXPECT_THAT(r.err, HasSubstr("already exists"));
+  EXPECT_THAT(r.err, HasSubstr(path + " already exists"));
   EXPECT_EQ(test::ReadAll(path), before);
-  // accel-launch reads it from there, and accel-env shows it.
+  // --show prints it; accel-launch reads it from there; accel-env shows it.
+  r = RunTool({Bin("accel-config"), "--show"}, home.path());
+  EXPECT_EQ(r.code, 0);
+  EXPECT_EQ(r.out, before);
+  test::TempDir out;
+  r = Launch({Bin("accel_launch_probe"), "env", out.path()}, home.path());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(ReadVars(RankFile(out, 0))["ACCELERATE_MIXED_PRECISION"], "bf16");
   r = RunTool({Bin("accel-env")}, home.path());
   EXPECT_EQ(r.code, 0);
-  EXPECT_THAT(r.out, HasSubstr("Copy-and-paste the text below in your GitHub issue"));
-  EXPECT_THAT(r.out, HasSubstr("- libtorch version: "));
-  EXPECT_THAT(r.out, HasSubstr("\t- mixed_precision: bf16"));
+  EXPECT_THAT(r.out, HasSubstr("- accel default config:\n\t- compute_environment: "
+                               "LOCAL_MACHINE\n\t- debug: false\n"));
+  EXPECT_THAT(r.out, HasSubstr("\t- mixed_precision: bf16\n"));
+  EXPECT_THAT(r.out, HasSubstr("\t- num_processes: 1\n"));
+  // Elsewhere with --config_file=.
+  const std::string other = home.File("mine.yaml");
+  r = RunTool({Bin("accel-config"), "--default", "--config-file=" + other}, home.path());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(ReadClusterConfig(other), IsOk());
+}
+
+TEST(AccelConfig, BadArgumentsAreRefused) {
+  test::TempDir home;
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {{"--bogus"}, "unknown argument --bogus"},
+      {{"--default", "--mixed_precision", "fp8"}, "--mixed_precision \"fp8\""},
+      {{"--default", "--mixed_precision"}, "--mixed_precision needs a value"},
+      {{"--default", "--show"}, "do not go together"},
+      {{"--default=1"}, "--default takes no value"},
+      {{"--show", "--config_file", home.File("none.yaml")}, "none.yaml: not found"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = {Bin("accel-config")};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    Result r = RunTool(args, home.path());
+    EXPECT_EQ(r.code, 1) << c.message;
+    EXPECT_THAT(r.err, HasSubstr(c.message));
+  }
+  EXPECT_FALSE(std::filesystem::exists(home.File(".cache")));
 }
 
 TEST(AccelConfig, InteractiveAnswers) {
@@ -321,17 +865,69 @@ TEST(AccelConfig, InteractiveAnswers) {
   const std::string path = home.File("answers.yaml");
   // A wrong answer is asked again; an empty one takes the default.
   Result r = RunTool({Bin("accel-config"), "--config_file", path}, home.path(),
-                     "multi-cpu\nlots\n4\n\nbf16\n");
+                     "multi-cpu\n\nlots\n4\nbf16\n");
   ASSERT_EQ(r.code, 0) << r.err << r.out;
-  EXPECT_THAT(r.out, HasSubstr("not a valid answer"));
-  auto config = ReadClusterConfig(path);
-  ASSERT_THAT(config, IsOk());
-  EXPECT_EQ(config->distributed_type, "MULTI_CPU");
-  EXPECT_EQ(config->num_processes, 4);
-  EXPECT_EQ(config->num_machines, 1);
-  EXPECT_EQ(config->mixed_precision, "bf16");
+  EXPECT_THAT(r.out, HasSubstr("\"lots\" is not a valid answer"));
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig config, ReadClusterConfig(path));
+  EXPECT_EQ(config.distributed_type, "MULTI_CPU");
+  EXPECT_TRUE(config.use_cpu);
+  EXPECT_EQ(config.num_processes, 4);
+  EXPECT_EQ(config.num_machines, 1);
+  EXPECT_EQ(config.mixed_precision, "bf16");
+
+  // Two machines: processes must divide, the rank must be in range; the
+  // address and port are asked.
+  r = RunTool({Bin("accel-config"), "--config_file", path}, home.path(),
+              "MULTI_GPU\n2\n3\n6\n2\n1\n10.0.0.7\n99999\n29600\n\n");
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  EXPECT_THAT(r.out, HasSubstr("\"3\" is not a valid answer"));
+  EXPECT_THAT(r.out, HasSubstr("\"2\" is not a valid answer"));
+  EXPECT_THAT(r.out, HasSubstr("\"99999\" is not a valid answer"));
+  ACCEL_ASSERT_OK_AND_ASSIGN(config, ReadClusterConfig(path));
+  EXPECT_EQ(config.distributed_type, "MULTI_GPU");
+  EXPECT_FALSE(config.use_cpu);
+  EXPECT_EQ(config.num_processes, 6);
+  EXPECT_EQ(config.num_machines, 2);
+  EXPECT_EQ(config.machine_rank, 1);
+  EXPECT_EQ(config.main_process_ip, "10.0.0.7");
+  EXPECT_EQ(config.main_process_port, 29600);
+  EXPECT_EQ(config.mixed_precision, "no");
+
+  // Nothing on stdin: every default (one process, no mixed precision).
+  r = RunTool({Bin("accel-config"), "--config_file", path}, home.path(), "");
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  ACCEL_ASSERT_OK_AND_ASSIGN(config, ReadClusterConfig(path));
+  EXPECT_EQ(config.distributed_type, "NO");
+  EXPECT_EQ(config.num_processes, 1);
+}
+
+TEST(AccelEnv, PrintsTheBullets) {
+  test::TempDir home;
+  Result r = RunTool({Bin("accel-env")}, home.path());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("Copy-and-paste the text below in your GitHub issue\n\n"));
+  std::vector<std::string> bullets;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("- ", 0) == 0) bullets.push_back(line);
+  }
+  ASSERT_EQ(bullets.size(), 8u) << r.out;
+  EXPECT_THAT(bullets[0], MatchesRegex("- `accel` version: [0-9]+\\.[0-9]+\\.[0-9]+.*"));
+  EXPECT_THAT(bullets[1], MatchesRegex("- Platform: Linux .+"));
+  EXPECT_THAT(bullets[2], HasSubstr("- `accel-env` location: "));
+  EXPECT_THAT(bullets[3], MatchesRegex("- libtorch version: [0-9]+\\.[0-9]+.*"));
+  EXPECT_THAT(bullets[4],
+              MatchesRegex("- CPU count: [1-9][0-9]* \\(physical cores: [1-9][0-9]*\\)"));
+  EXPECT_THAT(bullets[5], MatchesRegex("- System RAM: [0-9]+\\.[0-9][0-9] GB"));
+  EXPECT_THAT(bullets[6], MatchesRegex("- GPUs: .+"));
+  EXPECT_EQ(bullets[7], "- accel default config: Not found");
+  // An unreadable config is reported, not taken for a missing one.
+  std::filesystem::create_directories(home.File(".cache/accel"));
+  home.Write(".cache/accel/default_config.yaml", "num_processes: [\n");
   r = RunTool({Bin("accel-env")}, home.path());
-  EXPECT_THAT(r.out, HasSubstr("accel default config: Not found"));
+  EXPECT_EQ(r.code, 0);
+  EXPECT_THAT(r.out, HasSubstr("- accel default config: unreadable: "));
+  EXPECT_EQ(RunTool({Bin("accel-env"), "--bogus"}, home.path()).code, 1);
 }
 
 }  // namespace

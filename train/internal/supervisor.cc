@@ -1,11 +1,14 @@
 #include "train/internal/supervisor.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <thread>
 #include <unistd.h>
@@ -19,6 +22,8 @@ std::atomic<int> g_signal{0};
 
 void OnSignal(int sig) { g_signal.store(sig); }
 
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP};
+
 struct Child {
   pid_t pid = -1;
   bool running = false;
@@ -31,47 +36,102 @@ void SignalAll(const std::vector<Child>& children, int sig) {
   }
 }
 
+// Everything execve needs, built before fork: the child only calls
+// async-signal-safe functions.
+struct Exec {
+  std::vector<std::string> strings;  // argv then envp, owned
+  std::vector<char*> argv;
+  std::vector<char*> envp;
+  std::string program;
+};
+
+Exec Prepare(const ChildSpec& spec) {
+  std::map<std::string, std::string> vars;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const char* eq = std::strchr(*e, '=');
+    if (eq != nullptr) vars[std::string(*e, static_cast<size_t>(eq - *e))] = eq + 1;
+  }
+  for (const auto& [k, v] : spec.env_additions) vars[k] = v;
+  Exec x;
+  x.strings = spec.argv;
+  for (const auto& [k, v] : vars) x.strings.push_back(k + "=" + v);
+  for (size_t i = 0; i < x.strings.size(); ++i) {
+    (i < spec.argv.size() ? x.argv : x.envp).push_back(x.strings[i].data());
+  }
+  x.argv.push_back(nullptr);
+  x.envp.push_back(nullptr);
+  x.program = spec.program;
+  return x;
+}
+
+// Starts `x` in its own process group. Returns the pid, or -errno when the
+// program could not be executed (reported through a close-on-exec pipe).
+pid_t Start(Exec& x) {
+  int report[2];
+  if (::pipe2(report, O_CLOEXEC) != 0) return -errno;
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    const int err = errno;
+    ::close(report[0]);
+    ::close(report[1]);
+    return -err;
+  }
+  if (pid == 0) {
+    ::close(report[0]);
+    ::setpgid(0, 0);  // its own group: signals reach the rank's children too
+    // A launcher killed outright (SIGKILL, OOM) must not leave ranks behind.
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(128 + SIGTERM);
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    for (int sig : kForwarded) ::sigaction(sig, &dfl, nullptr);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    if (x.program.empty()) {
+      ::execvpe(x.argv[0], x.argv.data(), x.envp.data());
+    } else {
+      ::execve(x.program.c_str(), x.argv.data(), x.envp.data());
+    }
+    const int err = errno;
+    (void)!::write(report[1], &err, sizeof(err));
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);  // also here, so a signal sent right away finds the group
+  ::close(report[1]);
+  int err = 0;
+  ssize_t n;
+  do {
+    n = ::read(report[0], &err, sizeof(err));
+  } while (n < 0 && errno == EINTR);
+  ::close(report[0]);
+  if (n == static_cast<ssize_t>(sizeof(err))) {
+    ::waitpid(pid, nullptr, 0);
+    return -err;
+  }
+  return pid;
+}
+
 }  // namespace
 
-int Supervise(const std::vector<ChildSpec>& specs, int grace_seconds) {
+int Supervise(const std::vector<ChildSpec>& specs, int grace_seconds, double poll_interval_s) {
   struct sigaction action {};
   action.sa_handler = OnSignal;
   sigemptyset(&action.sa_mask);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &action, nullptr);
+  for (int sig : kForwarded) ::sigaction(sig, &action, nullptr);
+  const auto poll = std::chrono::microseconds(
+      std::max<int64_t>(1000, static_cast<int64_t>(poll_interval_s * 1e6)));
 
   std::vector<Child> children(specs.size());
   bool start_failed = false;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    std::map<std::string, std::string> vars;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const char* eq = std::strchr(*e, '=');
-      if (eq != nullptr) vars[std::string(*e, static_cast<size_t>(eq - *e))] = eq + 1;
-    }
-    for (const auto& [k, v] : specs[i].env_additions) vars[k] = v;
-    std::vector<std::string> env_strings;
-    for (const auto& [k, v] : vars) env_strings.push_back(k + "=" + v);
-    std::vector<char*> envp;
-    for (std::string& s : env_strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> args = specs[i].argv;
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    posix_spawnattr_setpgroup(&attr, 0);  // its own group: signals reach its children too
-    sigset_t defaults;
-    sigemptyset(&defaults);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&defaults, sig);
-    posix_spawnattr_setsigdefault(&attr, &defaults);
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF);
-    pid_t pid = -1;
-    const int rc = ::posix_spawnp(&pid, argv[0], nullptr, &attr, argv.data(), envp.data());
-    posix_spawnattr_destroy(&attr);
-    if (rc != 0) {
+  for (size_t i = 0; i < specs.size() && g_signal.load() == 0; ++i) {
+    Exec x = Prepare(specs[i]);
+    const pid_t pid = Start(x);
+    if (pid < 0) {
       std::fprintf(stderr, "accel-launch: cannot start %s (%s): %s\n", specs[i].label.c_str(),
-                   specs[i].argv[0].c_str(), std::strerror(rc));
+                   specs[i].argv[0].c_str(), std::strerror(static_cast<int>(-pid)));
       start_failed = true;
       break;
     }
@@ -92,11 +152,12 @@ int Supervise(const std::vector<ChildSpec>& specs, int grace_seconds) {
       if (!c.running) continue;
       int status = 0;
       const pid_t r = ::waitpid(c.pid, &status, WNOHANG);
-      if (r == 0) {
+      if (r == 0 || (r < 0 && errno == EINTR)) {
         any = true;
         continue;
       }
       c.running = false;
+      if (r < 0) continue;  // not ours any more (cannot happen); nothing to report
       c.code = WIFEXITED(status)     ? WEXITSTATUS(status)
                : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
                                      : 1;
@@ -134,8 +195,9 @@ int Supervise(const std::vector<ChildSpec>& specs, int grace_seconds) {
       SignalAll(children, SIGKILL);
       killed = true;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(poll);
   }
+  if (const int sig = g_signal.exchange(0); sig != 0 && received == 0) received = sig;
   if (result == 0 && received != 0) result = 128 + received;
   return result;
 }

@@ -10,7 +10,8 @@
 namespace accel::train::internal {
 
 struct ChildSpec {
-  std::vector<std::string> argv;                     // argv[0] looked up in PATH
+  std::vector<std::string> argv;                     // as the program sees it
+  std::string program;                               // the file to run; empty: argv[0] in PATH
   std::map<std::string, std::string> env_additions;  // over the launcher's environment
   std::string label;                                 // "rank 3", for messages
 };
@@ -22,8 +23,10 @@ struct ChildSpec {
 // every child exited 0, else the first failing child's code (128 + signal
 // when it was killed), or 128 + the signal the launcher received. Messages
 // go to stderr. A child that cannot be started fails the launch (code 1)
-// after stopping those already started.
-int Supervise(const std::vector<ChildSpec>& children, int grace_seconds);
+// after stopping those already started. The children are checked every
+// `poll_interval_s`; each dies with SIGTERM when the launcher itself dies.
+int Supervise(const std::vector<ChildSpec>& children, int grace_seconds,
+              double poll_interval_s = 0.1);
 
 }  // namespace accel::train::internal
 

@@ -5,7 +5,9 @@
 //   accel-config --default [--config_file F] [--mixed_precision no|fp16|bf16]
 //   accel-config [--config_file F]          (interactive)
 //   accel-config --show [--config_file F]
+#include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -25,7 +27,7 @@ using accel::train::ClusterConfig;
 // Asks until the answer is valid; an empty answer takes the default. EOF on
 // stdin: the default too (so a script can pipe fewer answers).
 std::string Ask(const std::string& question, const std::string& fallback,
-                bool (*valid)(const std::string&)) {
+                const std::function<bool(const std::string&)>& valid) {
   while (true) {
     std::cout << question << " [" << fallback << "]: " << std::flush;
     std::string answer;
@@ -40,14 +42,10 @@ std::string Ask(const std::string& question, const std::string& fallback,
   }
 }
 
-bool AnyText(const std::string&) { return true; }
+bool AnyText(const std::string& s) { return s.find_first_of(" \t") == std::string::npos; }
 bool PositiveInt(const std::string& s) {
   int n = 0;
   return absl::SimpleAtoi(s, &n) && n >= 1;
-}
-bool NonNegativeInt(const std::string& s) {
-  int n = 0;
-  return absl::SimpleAtoi(s, &n) && n >= 0;
 }
 bool Port(const std::string& s) {
   int n = 0;
@@ -75,30 +73,59 @@ int main(int argc, char** argv) {
   std::string path = accel::train::DefaultConfigPath();
   std::string precision = "no";
   for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&](std::string* out) {
-      if (i + 1 >= argc) return false;
-      *out = argv[++i];
+    std::string a = argv[i], value;
+    bool has_value = false;
+    if (const size_t eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = a.substr(eq + 1);
+      a = a.substr(0, eq);
+      has_value = true;
+    }
+    if (a.rfind("--", 0) == 0) {  // --config-file is --config_file
+      std::replace(a.begin() + 2, a.end(), '-', '_');
+    }
+    auto take_value = [&](const char* flag) {
+      if (has_value) return true;
+      if (i + 1 >= argc) {
+        std::cerr << "accel-config: " << flag << " needs a value\n";
+        return false;
+      }
+      value = argv[++i];
       return true;
     };
+    if ((a == "--default" || a == "--show") && has_value) {
+      std::cerr << "accel-config: " << a << " takes no value\n";
+      return 1;
+    }
     if (a == "--default") {
       defaults = true;
     } else if (a == "--show") {
       show = true;
-    } else if (a == "--config_file" || a == "--config-file") {
-      if (!value(&path)) return Usage();
-    } else if (a == "--mixed_precision" || a == "--mixed-precision") {
-      if (!value(&precision) || !Precision(precision)) {
-        std::cerr << "accel-config: --mixed_precision must be no, fp16 or bf16\n";
+    } else if (a == "--config_file") {
+      if (!take_value("--config_file")) return Usage();
+      if (value.empty()) {
+        std::cerr << "accel-config: --config_file is empty\n";
         return 1;
       }
+      path = value;
+    } else if (a == "--mixed_precision") {
+      if (!take_value("--mixed_precision")) return Usage();
+      if (!Precision(value)) {
+        std::cerr << "accel-config: --mixed_precision \"" << value
+                  << "\": expected no, fp16 or bf16\n";
+        return 1;
+      }
+      precision = value;
     } else if (a == "--help" || a == "-h") {
       Usage();
       return 0;
     } else {
-      std::cerr << "accel-config: unknown argument " << a << "\n";
+      std::cerr << "accel-config: unknown argument " << argv[i] << "\n";
       return Usage();
     }
+  }
+  if (defaults && show) {
+    std::cerr << "accel-config: --default and --show do not go together\n";
+    return 1;
   }
   if (show) {
     absl::StatusOr<ClusterConfig> config = accel::train::ReadClusterConfig(path);
@@ -119,14 +146,25 @@ int main(int argc, char** argv) {
     for (char& c : type) c = c == '-' ? '_' : c;
     config.distributed_type = type;
     if (type != "NO") {
-      absl::SimpleAtoi(
-          Ask("How many processes in all?",
-              absl::StrCat(std::max(2u, std::thread::hardware_concurrency() / 2)), PositiveInt),
-          &config.num_processes);
       absl::SimpleAtoi(Ask("How many machines?", "1", PositiveInt), &config.num_machines);
-      if (config.num_machines > 1) {
-        absl::SimpleAtoi(Ask("The rank of this machine?", "0", NonNegativeInt),
-                         &config.machine_rank);
+      const int machines = config.num_machines;
+      absl::SimpleAtoi(
+          Ask(machines > 1 ? "How many processes in all (on every machine together)?"
+                           : "How many processes?",
+              absl::StrCat(machines * std::max(2u, std::thread::hardware_concurrency() / 2)),
+              [machines](const std::string& s) {
+                int n = 0;
+                return absl::SimpleAtoi(s, &n) && n >= 1 && n % machines == 0;
+              }),
+          &config.num_processes);
+      if (machines > 1) {
+        absl::SimpleAtoi(
+            Ask(absl::StrCat("The rank of this machine (0 to ", machines - 1, ")?"), "0",
+                [machines](const std::string& s) {
+                  int n = 0;
+                  return absl::SimpleAtoi(s, &n) && n >= 0 && n < machines;
+                }),
+            &config.machine_rank);
         config.main_process_ip = Ask("The IP address of machine 0?", "127.0.0.1", AnyText);
         int port = 29500;
         absl::SimpleAtoi(Ask("The port of machine 0?", "29500", Port), &port);
@@ -136,13 +174,6 @@ int main(int argc, char** argv) {
     }
     config.mixed_precision = absl::AsciiStrToLower(
         Ask("Mixed precision (no / fp16 / bf16)?", config.mixed_precision, Precision));
-    if (config.num_processes % config.num_machines != 0 ||
-        config.machine_rank >= config.num_machines) {
-      std::cerr << "accel-config: " << config.num_processes << " processes on "
-                << config.num_machines << " machines (this one rank " << config.machine_rank
-                << ") do not fit\n";
-      return 1;
-    }
   }
   absl::Status written = accel::train::WriteClusterConfig(config, path, /*overwrite=*/!defaults);
   if (!written.ok()) {

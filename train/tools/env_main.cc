@@ -1,16 +1,14 @@
 // accel-env: what to paste into a bug report (Accelerate's `accelerate env`).
 #include <cstdio>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <sys/utsname.h>
 #include <thread>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 
 #include "train/launch_config.h"
 
@@ -55,27 +53,28 @@ int main(int argc, char** argv) {
   std::cout << "- `accel-env` location: "
             << (n > 0 ? std::string(self, static_cast<size_t>(n)) : "?") << "\n";
   std::cout << "- libtorch version: " << ACCEL_TORCH_VERSION << "\n";
-  std::cout << "- CPU count: " << std::thread::hardware_concurrency() << "\n";
+  std::cout << "- CPU count: " << std::thread::hardware_concurrency()
+            << " (physical cores: " << accel::train::PhysicalCoreCount() << ")\n";
   std::cout << absl::StrFormat("- System RAM: %.2f GB\n", ram_gb);
   std::cout << "- GPUs: " << gpus << "\n";
   const std::string path = accel::train::DefaultConfigPath();
   absl::StatusOr<accel::train::ClusterConfig> config = accel::train::ReadClusterConfig(path);
   std::cout << "- accel default config:";
-  if (!config.ok()) {
+  if (absl::IsNotFound(config.status())) {
     std::cout << " Not found\n";
     return 0;
   }
+  if (!config.ok()) {  // worth reporting too: it is what accel-launch would refuse
+    std::cout << " unreadable: " << config.status().message() << "\n";
+    return 0;
+  }
   std::cout << "\n";
-  // The config as `key: value` lines (JSON keys and values, unquoted).
-  for (absl::string_view line : absl::StrSplit(accel::train::ClusterConfigToJson(*config), '\n')) {
-    if (line == "{" || line == "}" || line.empty()) continue;
-    std::string l(absl::StripAsciiWhitespace(line));
-    if (!l.empty() && l.back() == ',') l.pop_back();
-    std::string out;
-    for (char c : l) {
-      if (c != '"') out += c;
-    }
-    std::cout << "\t- " << out << "\n";
+  // The config as `key: value` lines, as `accelerate env` prints the dict:
+  // text bare, everything else as JSON.
+  const nlohmann::json fields = nlohmann::json::parse(accel::train::ClusterConfigToJson(*config));
+  for (auto it = fields.begin(); it != fields.end(); ++it) {
+    std::cout << "\t- " << it.key() << ": "
+              << (it->is_string() ? it->get<std::string>() : it->dump()) << "\n";
   }
   return 0;
 }

@@ -1,6 +1,7 @@
 // accel-launch [--num_processes N] [--num_machines M --machine_rank R
 //     --main_process_ip IP --main_process_port P] [--config_file F] [--cpu]
-//     [--mixed_precision no|fp16|bf16] [--num_cpu_threads_per_process T] PROGRAM ARGS...
+//     [--mixed_precision no|fp16|bf16] [--num_cpu_threads_per_process T]
+//     [--monitor_interval S] [--gpu_ids IDS] [--debug] [--enable_cpu_affinity] PROGRAM ARGS...
 //
 // Starts this machine's share of a distributed job with torchrun's
 // environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -11,7 +12,6 @@
 #include <map>
 #include <string>
 #include <sys/socket.h>
-#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -30,8 +30,14 @@ constexpr char kUsage[] =
     "usage: accel-launch [--num_processes N] [--num_machines M --machine_rank R\n"
     "         --main_process_ip IP --main_process_port P] [--config_file F] [--cpu]\n"
     "         [--mixed_precision no|fp16|bf16] [--num_cpu_threads_per_process T]\n"
-    "         PROGRAM ARGS...\n"
-    "Flags left unset come from the config file (accel-config), else the defaults:\n"
+    "         [--monitor_interval S] [--gpu_ids IDS] [--debug] [--enable_cpu_affinity]\n"
+    "         [--] PROGRAM ARGS...\n"
+    "Starts num_processes / num_machines copies of PROGRAM (found in PATH) with torchrun's\n"
+    "environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).\n"
+    "Flags are --name value or --name=value, hyphens or underscores; ARGS pass through.\n"
+    "Flags left unset come from SLURM_NNODES / SLURM_NODEID (machines), then the config\n"
+    "file (--config_file, $ACCEL_CONFIG_FILE, ${XDG_CACHE_HOME:-~/.cache}/accel/\n"
+    "default_config.yaml; see accel-config), else the defaults:\n"
     "1 process, 1 machine, 127.0.0.1:29500. --main_process_port 0 picks a free port.\n";
 
 int FreePort() {
@@ -69,22 +75,21 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (plan->main_process_port == 0) {
-    if (plan->num_machines > 1) {
-      std::fprintf(stderr,
-                   "accel-launch: --main_process_port 0 works on one machine only (the others "
-                   "could not know the port)\n");
+    plan->main_process_port = FreePort();
+    if (plan->main_process_port == 0) {
+      std::fprintf(stderr, "accel-launch: --main_process_port 0: no free port on 127.0.0.1\n");
       return 1;
     }
-    plan->main_process_port = FreePort();
   }
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = accel::train::PhysicalCoreCount();
   std::vector<accel::train::internal::ChildSpec> children;
   for (int local = 0; local < plan->local_processes(); ++local) {
     accel::train::internal::ChildSpec child;
     child.argv = plan->command;
+    child.program = plan->program_path;
     child.env_additions = accel::train::RankEnvironment(*plan, local, cores, env);
     child.label = absl::StrCat("rank ", child.env_additions["RANK"]);
     children.push_back(std::move(child));
   }
-  return accel::train::internal::Supervise(children, /*grace_seconds=*/5);
+  return accel::train::internal::Supervise(children, /*grace_seconds=*/5, plan->monitor_interval_s);
 }
