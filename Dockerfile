@@ -1,23 +1,91 @@
-# accel: build stage on Debian bookworm with the project's own set-up script,
-# then a slim runtime stage with only the runtime libraries.
+# syntax=docker/dockerfile:1
+# accel-serve's image: a Debian bookworm build stage that runs the project's own
+# set-up script and CMake preset, then a slim runtime stage with only the
+# runtime libraries, the binaries and the embedded default model.
 #
-# For now the image carries the tools (accel-make-model, accel-inspect);
-# accel-serve becomes the entrypoint when the server lands (issue 5), and
-# the deployment issue (9) adds the CUDA variant, health check and non-root
-# hardening described in docs/ARCHITECTURE.md.
-FROM debian:bookworm AS build
+#   docker build -t accel-serve:0.1.0 .                                # CPU (default)
+#   docker build --build-arg VARIANT=cuda -t accel-serve:0.1.0-cuda .  # NVIDIA GPUs
+#   docker run --rm -p 50051:50051 -p 8002:8002 accel-serve:0.1.0 [accel-serve flags]
+#
+# VARIANT selects the build: cpu (Debian's libtorch 1.13, the `default`
+# preset) or cuda (the libtorch of PyTorch 2.x built for CUDA 11.8, from
+# LIBTORCH_URL, with Debian's CUDA 11.8 toolkit; the `cuda` preset with the
+# server turned on). docs/DEPLOY.md describes both. scripts/check_deploy.sh
+# checks this file against the build: the ports, the health service, the
+# runtime packages (from the binaries' NEEDED entries) and the paths.
+ARG VARIANT=cpu
+
+# --- build: cpu --------------------------------------------------------------
+FROM debian:bookworm AS build-cpu
 WORKDIR /src
 COPY . .
 RUN bash scripts/setup.sh \
  && cmake --preset default -DACCEL_BUILD_TESTS=OFF -DACCEL_BUILD_BENCHMARKS=OFF -DACCEL_USE_CCACHE=OFF \
- && cmake --build --preset default --target accel-make-model accel-inspect
+ && cmake --build --preset default --target accel-serve accel-client accel-default-model
 
-FROM debian:bookworm-slim AS runtime
+# --- build: cuda -------------------------------------------------------------
+FROM debian:bookworm AS build-cuda
+ARG LIBTORCH_URL=https://download.pytorch.org/libtorch/cu118/libtorch-cxx11-abi-shared-with-deps-2.1.2%2Bcu118.zip
+WORKDIR /src
+RUN sed -i 's/^Components: main$/Components: main contrib non-free non-free-firmware/' \
+      /etc/apt/sources.list.d/debian.sources \
+ && apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      ca-certificates curl unzip nvidia-cuda-toolkit \
+ && curl -fsSL "$LIBTORCH_URL" -o /tmp/libtorch.zip \
+ && unzip -q /tmp/libtorch.zip -d /opt \
+ && rm /tmp/libtorch.zip
+COPY . .
+ENV ACCEL_TORCH_PREFIX=/opt/libtorch
+RUN bash scripts/setup.sh \
+ && cmake --preset cuda -B build -DACCEL_WITH_SERVER=ON -DACCEL_BUILD_TESTS=OFF \
+      -DACCEL_BUILD_BENCHMARKS=OFF -DACCEL_USE_CCACHE=OFF \
+ && cmake --build build --target accel-serve accel-client accel-default-model
+
+FROM build-${VARIANT} AS build
+
+# --- runtime -----------------------------------------------------------------
+FROM debian:bookworm-slim AS runtime-base
+# The packages of the libraries accel-serve and accel-client link directly
+# (libc6, libgcc-s1 and libstdc++6 are in the base image).
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      libtorch1.13 libabsl20220623 libgoogle-glog0v6 libgflags2.2 \
+      libabsl20220623 libcivetweb1 libgomp1 libgrpc++1.51 libgrpc29 libprotobuf32 libre2-9 \
+      libutf8proc2 \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --system --uid 10001 --no-create-home accel
-COPY --from=build /src/build/bin/accel-make-model /src/build/bin/accel-inspect /usr/local/bin/
-USER 10001
-ENTRYPOINT ["accel-inspect"]
+ && groupadd --system --gid 10001 accel \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp accel
+
+FROM runtime-base AS runtime-cpu
+RUN apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libtorch1.13 \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM runtime-base AS runtime-cuda
+# libtorch's "with-deps" archive carries the CUDA runtime, cuBLAS and cuDNN;
+# the driver comes from the NVIDIA container runtime.
+COPY --from=build /opt/libtorch/lib /opt/libtorch/lib
+ENV LD_LIBRARY_PATH=/opt/libtorch/lib \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+FROM runtime-${VARIANT} AS runtime
+# bin/ and share/accel/ side by side: accel-serve finds its embedded default
+# model at ../share/accel/default-model, where the build (server/CMakeLists.txt)
+# made it.
+COPY --from=build /src/build/bin/accel-serve /src/build/bin/accel-client /opt/accel/bin/
+COPY --from=build /src/build/share/accel /opt/accel/share/accel
+ENV PATH=/opt/accel/bin:$PATH
+# The offload folder (--offload_folder) and /tmp are the only places written;
+# Kubernetes mounts emptyDirs there (readOnlyRootFilesystem).
+RUN mkdir -p /var/lib/accel/offload && chown 10001:10001 /var/lib/accel/offload
+USER 10001:10001
+WORKDIR /tmp
+# gRPC (accel.v1.Generation, KServe v2, grpc.health.v1, reflection), metrics.
+EXPOSE 50051 8002
+# Healthy once the model serves (accel.ready); a big model may take minutes.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=10m --retries=3 \
+  CMD ["accel-client", "health", "--address=localhost:50051", "--service=accel.ready", "--timeout=5s"]
+# SIGTERM drains (--shutdown_timeout, 30 s by default): give docker stop -t 45.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["accel-serve"]
