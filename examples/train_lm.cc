@@ -55,6 +55,9 @@ ABSL_FLAG(double, weight_decay, 0.01, "AdamW weight decay.");
 ABSL_FLAG(std::string, mixed_precision, "no", "no, bf16 or fp16.");
 ABSL_FLAG(int64_t, save_every, 0, "save_state every N optimizer steps (0: never).");
 ABSL_FLAG(bool, resume, false, "Resume from the latest checkpoint in the project folder.");
+ABSL_FLAG(int64_t, stop_after, 0,
+          "Stop (as if interrupted) after this many optimizer steps, without saving the model; "
+          "0: run to --max_steps. For testing resume.");
 ABSL_FLAG(int64_t, log_every, 10, "Log the training loss every N optimizer steps.");
 ABSL_FLAG(double, heldout_fraction, 0.1, "Share of the tokens held out for evaluation.");
 ABSL_FLAG(uint64_t, seed, 0, "Seed of the weights, the shuffle and everything else.");
@@ -213,6 +216,7 @@ absl::Status Train() {
   int64_t loss_count = 0;
   double last_loss = 0;
   while (progress->optimizer_steps < max_steps) {
+    loader->set_epoch(progress->epoch);
     train::DataLoader* current = resumed != nullptr ? resumed.get() : loader.get();
     ACCEL_RETURN_IF_ERROR(current->Start());
     while (progress->optimizer_steps < max_steps) {
@@ -250,6 +254,10 @@ absl::Status Train() {
       if (save_every > 0 && step % save_every == 0) {
         ACCEL_ASSIGN_OR_RETURN(std::string dir, acc->SaveState());
         acc->Print("saved " + dir);
+      }
+      if (step == absl::GetFlag(FLAGS_stop_after)) {
+        acc->Print(absl::StrFormat("stopping after optimizer step %d (--stop_after)", step));
+        return acc->WaitForEveryone();
       }
     }
     if (progress->optimizer_steps < max_steps) {
