@@ -67,10 +67,11 @@ absl::StatusOr<std::string> StripComment(absl::string_view s, absl::string_view 
   for (size_t i = 0; i < s.size(); ++i) {
     const char c = s[i];
     if (quote != 0) {
-      if (quote == '"' && c == '\\') {
+      const bool escaped =
+          (quote == '"' && c == '\\') ||                                         // \x inside "..."
+          (quote == '\'' && c == '\'' && i + 1 < s.size() && s[i + 1] == '\'');  // '' inside '...'
+      if (escaped) {
         ++i;
-      } else if (quote == '\'' && c == '\'' && i + 1 < s.size() && s[i + 1] == '\'') {
-        ++i;  // '' inside '...' is a quote
       } else if (c == quote) {
         quote = 0;
       }

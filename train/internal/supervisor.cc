@@ -13,6 +13,8 @@
 #include <thread>
 #include <unistd.h>
 
+#include "absl/strings/str_cat.h"
+
 extern char** environ;
 
 namespace accel::train::internal {
@@ -54,7 +56,7 @@ Exec Prepare(const ChildSpec& spec) {
   for (const auto& [k, v] : spec.env_additions) vars[k] = v;
   Exec x;
   x.strings = spec.argv;
-  for (const auto& [k, v] : vars) x.strings.push_back(k + "=" + v);
+  for (const auto& [k, v] : vars) x.strings.push_back(absl::StrCat(k, "=", v));
   for (size_t i = 0; i < x.strings.size(); ++i) {
     (i < spec.argv.size() ? x.argv : x.envp).push_back(x.strings[i].data());
   }

@@ -7,6 +7,7 @@
 //   accel-config --show [--config_file F]
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <iostream>
 #include <string>
@@ -66,9 +67,7 @@ int Usage() {
   return 1;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   bool defaults = false, show = false;
   std::string path = accel::train::DefaultConfigPath();
   std::string precision = "no";
@@ -182,4 +181,19 @@ int main(int argc, char** argv) {
   }
   std::cout << "accel-config: wrote " << path << "\n";
   return 0;
+}
+
+}  // namespace
+
+// As core/tool_main.h (which links libtorch): an escaping exception becomes a
+// message and exit code 1, never a crash.
+int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "accel-config: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "accel-config: unknown error\n");
+  }
+  return 1;
 }

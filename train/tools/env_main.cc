@@ -1,5 +1,6 @@
 // accel-env: what to paste into a bug report (Accelerate's `accelerate env`).
 #include <cstdio>
+#include <exception>
 #include <iostream>
 #include <string>
 #include <sys/utsname.h>
@@ -32,9 +33,7 @@ std::string Run(const char* command) {
   return out;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   if (argc > 1) {
     std::cerr << "usage: accel-env (no arguments)\n";
     return std::string(argv[1]) == "--help" ? 0 : 1;
@@ -77,4 +76,19 @@ int main(int argc, char** argv) {
               << (it->is_string() ? it->get<std::string>() : it->dump()) << "\n";
   }
   return 0;
+}
+
+}  // namespace
+
+// As core/tool_main.h (which links libtorch): an escaping exception becomes a
+// message and exit code 1, never a crash.
+int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "accel-env: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "accel-env: unknown error\n");
+  }
+  return 1;
 }

@@ -9,6 +9,7 @@
 // fails stops the others and exits with its code.
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <string>
 #include <sys/socket.h>
@@ -55,9 +56,7 @@ int FreePort() {
   return port;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (!args.empty() && (args[0] == "--help" || args[0] == "-h")) {
     std::fputs(kUsage, stdout);
@@ -92,4 +91,19 @@ int main(int argc, char** argv) {
     children.push_back(std::move(child));
   }
   return accel::train::internal::Supervise(children, /*grace_seconds=*/5, plan->monitor_interval_s);
+}
+
+}  // namespace
+
+// As core/tool_main.h (which links libtorch): an escaping exception becomes a
+// message and exit code 1, never a crash.
+int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "accel-launch: %s\n", e.what());
+  } catch (...) {
+    std::fprintf(stderr, "accel-launch: unknown error\n");
+  }
+  return 1;
 }
