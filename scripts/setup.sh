@@ -14,6 +14,7 @@ packages=(
   nlohmann-json3-dev libcivetweb-dev libre2-dev libgloo-dev libgoogle-glog-dev
   libutf8proc-dev
   prometheus openssl
+  yamllint
 )
 
 missing=()
@@ -28,6 +29,13 @@ done
 # elsewhere (NodeSource) already brings npm, and Debian's npm would conflict.
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
   missing+=(nodejs npm)
+fi
+
+# kubectl renders deploy/ (kubectl kustomize; scripts/check_deploy.sh). Checked
+# by command: a kubectl from elsewhere (Google's or Kubernetes' apt
+# repository) conflicts with Debian's kubernetes-client.
+if ! command -v kubectl >/dev/null 2>&1; then
+  missing+=(kubernetes-client)
 fi
 
 if [ ${#missing[@]} -eq 0 ]; then

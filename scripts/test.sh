@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds everything and runs every check: clang-format in check mode, the
-# include layering, the tokenizer references (HF tokenizers through node, the
-# one step after setup that may use the network: npm ci, once per lock file),
+# include layering, the tokenizer references (HF tokenizers through node, one
+# of the two steps after setup that may use the network: npm ci, once per lock
+# file), the deployment files (scripts/check_deploy.sh; the other npm ci),
 # the unit and integration tests (ctest), the core, loader
 # and dispatch tests again under ASan+UBSan, and a short bounded fuzz run of
 # the parsers of untrusted bytes.
@@ -57,6 +58,9 @@ cmake --build --preset default
 
 step "tokenizer references: HF tokenizers through node (scripts/tokenizer_references.sh)"
 bash scripts/tokenizer_references.sh build
+
+step "deploy: yamllint, kustomize, schemas, Dockerfile and manifests against accel-serve (scripts/check_deploy.sh)"
+bash scripts/check_deploy.sh build
 
 step "tests"
 run_ctest --preset default

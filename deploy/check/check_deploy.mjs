@@ -105,10 +105,13 @@ function parseFlagLines(text, where) {
 }
 
 // --- the real server: health names and metrics ---------------------------------
-function startServer(model) {
+let tmp = "";
+// `first` goes before the overrides (absl: a later flag wins over a flagfile's).
+function startServer(model, first = []) {
   return new Promise((resolve, reject) => {
-    const child = spawn(serveBin, [`--model=${model}`, "--host=127.0.0.1", "--port=0",
-      "--metrics_port=0", "--threads=1"], { stdio: ["ignore", "pipe", "pipe"] });
+    const child = spawn(serveBin, [...first, `--model=${model}`, "--host=127.0.0.1", "--port=0",
+      "--metrics_port=0", "--threads=1", `--offload_folder=${tmp}/offload`],
+    { stdio: ["ignore", "pipe", "pipe"] });
     let out = "";
     let err = "";
     const timer = setTimeout(() => reject(new Error(`accel-serve did not start: ${err}`)), 60000);
@@ -468,8 +471,20 @@ const asked = new Set(["", hcService ?? ""]);
 for (const docs of Object.values(renders)) for (const p of probesOf(docs)) asked.add(p.service);
 asked.add("no.such.service");  // shows the check tells registered names apart
 
+// Writes the ConfigMap files a rendered Deployment's --flagfile names into tmp.
+function flagfilesOf(docs) {
+  const out = [];
+  for (const cm of docs.filter((d) => d.kind === "ConfigMap" && /flags/.test(d.metadata.name))) {
+    for (const [key, text] of Object.entries(cm.data ?? {})) {
+      fs.writeFileSync(path.join(tmp, key), text);
+      out.push(path.join(tmp, key));
+    }
+  }
+  return out.length > 0 ? [`--flagfile=${out.join(",")}`] : [];
+}
+
 // Loading: a copy of the default model whose config.json is a FIFO nobody writes.
-const tmp = fs.mkdtempSync(path.join(os.tmpdir(), "accel-check-deploy-"));
+tmp = fs.mkdtempSync(path.join(os.tmpdir(), "accel-check-deploy-"));
 const loading = new Map();
 const ready = new Map();
 const metricNames = new Map();
@@ -481,7 +496,8 @@ try {
   for (const s of asked) loading.set(s, health(server.grpc, s));
   await stopServer(server);
 
-  server = await startServer(defaultModel);
+  // The ready run reads the cpu overlay's flag files, as the pod does.
+  server = await startServer(defaultModel, flagfilesOf(renders.cpu ?? []));
   for (let i = 0; i < 300 && health(server.grpc, "accel.ready") !== "SERVING"; ++i) await sleep(100);
   for (const s of asked) ready.set(s, health(server.grpc, s));
   const text = await (await fetch(`http://127.0.0.1:${server.metrics}/metrics`)).text();
