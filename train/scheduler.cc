@@ -93,7 +93,9 @@ class StepLR : public LRScheduler {
 
  protected:
   double LrAt(int64_t epoch, size_t group) const override {
-    return base_lrs()[group] * std::pow(gamma_, static_cast<double>(epoch / step_size_));
+    // Whole step_size periods completed: the division floors on purpose.
+    const int64_t periods = epoch / step_size_;
+    return base_lrs()[group] * std::pow(gamma_, static_cast<double>(periods));
   }
 
  private:

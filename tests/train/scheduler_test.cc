@@ -43,7 +43,7 @@ TEST(LambdaLR, UpstreamLambdaTest) {
 TEST(LinearWarmup, TransformersFormula) {
   Opt o;
   auto s = MakeLinearWarmupLR(o.sgd, 3, 10);
-  for (int64_t step = 0; step <= 12; ++step) {
+  for (int step = 0; step <= 12; ++step) {
     const double want = step < 3 ? step / 3.0 : std::max(0.0, (10.0 - step) / 7.0);
     EXPECT_NEAR(o.lr(), want, 1e-12) << step;
     s->Step();
@@ -53,7 +53,7 @@ TEST(LinearWarmup, TransformersFormula) {
 TEST(CosineWarmup, TransformersFormula) {
   Opt o;
   auto s = MakeCosineWarmupLR(o.sgd, 2, 12);
-  for (int64_t step = 0; step <= 12; ++step) {
+  for (int step = 0; step <= 12; ++step) {
     double want = step / 2.0;
     if (step >= 2) {
       const double progress = (step - 2) / 10.0;
@@ -86,7 +86,7 @@ TEST(OneCycleLR, TorchsCosinePhases) {
   auto cosine = [](double a, double b, double pct) {
     return b + (a - b) / 2 * (std::cos(M_PI * pct) + 1);
   };
-  for (int64_t step = 0; step < 10; ++step) {
+  for (int step = 0; step < 10; ++step) {
     const double want = step <= up_end
                             ? cosine(initial, 0.01, step / up_end)
                             : cosine(0.01, min_lr, (step - up_end) / (down_end - up_end));
@@ -130,7 +130,7 @@ TEST(OneCycleLR, ShortCycleStartsInTheSecondPhase) {
   auto s = MakeOneCycleLR(o.sgd, c);
   ASSERT_THAT(s, IsOk());
   const double up_end = 0.3 * 3 - 1, down_end = 2, min_lr = 1.0 / 25 / 1e4;
-  for (int64_t step = 0; step < 3; ++step) {
+  for (int step = 0; step < 3; ++step) {
     const double pct = (step - up_end) / (down_end - up_end);
     EXPECT_NEAR(o.lr(), min_lr + (1 - min_lr) / 2 * (std::cos(M_PI * pct) + 1), 1e-12) << step;
     ASSERT_THAT((*s)->TryStep(), IsOk());
@@ -159,7 +159,7 @@ TEST(LRScheduler, StateRoundTripContinuesIdentically) {
 TEST(LRScheduler, WorksWithAdam) {
   at::Tensor w = at::zeros({2}).set_requires_grad(true);
   torch::optim::Adam adam({w}, torch::optim::AdamOptions(0.5));
-  auto s = MakeLambdaLR(adam, [](int64_t n) { return 1.0 / (1 + n); });
+  auto s = MakeLambdaLR(adam, [](int64_t n) { return 1.0 / (1.0 + static_cast<double>(n)); });
   s->Step();
   EXPECT_DOUBLE_EQ(adam.param_groups()[0].options().get_lr(), 0.25);
 }
