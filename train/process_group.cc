@@ -8,8 +8,12 @@
 #include <ATen/Functions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 #include "core/status.h"
 
@@ -28,10 +32,12 @@ c10d::ReduceOp ToC10d(ReduceOp op) {
   return c10d::ReduceOp::SUM;
 }
 
-// Waits for `work`; its exception (a peer gone, a timeout) becomes a Status
-// naming the operation.
-absl::Status WaitFor(const c10::intrusive_ptr<c10d::Work>& work, absl::string_view op) {
-  absl::Status status = CallTorch([&] { work->wait(); });
+// Waits for `work` at most `timeout` (gloo's own per-operation timeout
+// usually fires first); its exception (a peer gone, a timeout) becomes a
+// Status naming the operation.
+absl::Status WaitFor(const c10::intrusive_ptr<c10d::Work>& work, absl::string_view op,
+                     std::chrono::milliseconds timeout) {
+  absl::Status status = CallTorch([&] { work->wait(timeout); });
   if (!status.ok()) return Annotate(status, absl::StrCat("collective ", op));
   return absl::OkStatus();
 }
@@ -41,6 +47,13 @@ absl::Status WaitFor(const c10::intrusive_ptr<c10d::Work>& work, absl::string_vi
 struct FlatGroup {
   std::vector<size_t> members;
   at::Tensor flat;
+  // The one member is contiguous and `flat` is a view of it: reduced in place.
+  bool in_place = false;
+  // gloo in libtorch 1.13 has no bfloat16 reduction: such a group travels as
+  // its 16-bit words (labelled half: gloo copies them without looking)
+  // through an all-gather, and Wait() reduces in float.
+  bool gathered = false;
+  std::vector<std::vector<at::Tensor>> gather_out;
 };
 
 std::vector<FlatGroup> Flatten(const std::vector<at::Tensor>& tensors) {
@@ -50,16 +63,40 @@ std::vector<FlatGroup> Flatten(const std::vector<at::Tensor>& tensors) {
   }
   std::vector<FlatGroup> groups;
   for (auto& [dtype, group] : by_dtype) {
-    std::vector<at::Tensor> parts;
-    for (size_t i : group.members) parts.push_back(tensors[i].reshape({-1}));
-    group.flat = parts.size() == 1 ? parts[0].contiguous().clone() : at::cat(parts);
+    if (group.members.size() == 1 && tensors[group.members[0]].is_contiguous()) {
+      group.flat = tensors[group.members[0]].view({-1});
+      group.in_place = true;
+    } else {
+      std::vector<at::Tensor> parts;
+      for (size_t i : group.members) parts.push_back(tensors[i].reshape({-1}));
+      group.flat = parts.size() == 1 ? parts[0].contiguous().clone() : at::cat(parts);
+    }
     groups.push_back(std::move(group));
   }
   return groups;
 }
 
+// The emulated bfloat16 reduction of a gathered group, into group.flat.
+void ReduceGathered(FlatGroup& group, ReduceOp op) {
+  at::Tensor all = at::stack(group.gather_out[0]).view(at::kBFloat16).to(at::kFloat);
+  at::Tensor reduced;
+  switch (op) {
+    case ReduceOp::kSum:
+      reduced = all.sum(0);
+      break;
+    case ReduceOp::kMax:
+      reduced = std::get<0>(all.max(0));
+      break;
+    case ReduceOp::kMin:
+      reduced = std::get<0>(all.min(0));
+      break;
+  }
+  group.flat.copy_(reduced);
+}
+
 void Unflatten(const std::vector<FlatGroup>& groups, std::vector<at::Tensor>& tensors) {
   for (const FlatGroup& group : groups) {
+    if (group.in_place) continue;
     int64_t offset = 0;
     for (size_t i : group.members) {
       const int64_t n = tensors[i].numel();
@@ -72,18 +109,28 @@ void Unflatten(const std::vector<FlatGroup>& groups, std::vector<at::Tensor>& te
 class C10dWork : public PendingWork {
  public:
   C10dWork(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<FlatGroup> groups,
-           std::vector<at::Tensor>* tensors)
-      : works_(std::move(works)), groups_(std::move(groups)), tensors_(tensors) {}
+           std::vector<at::Tensor>* tensors, ReduceOp op, std::chrono::milliseconds timeout)
+      : works_(std::move(works)),
+        groups_(std::move(groups)),
+        tensors_(tensors),
+        op_(op),
+        timeout_(timeout) {}
   ~C10dWork() override { (void)Wait(); }
 
   absl::Status Wait() override {
     if (done_) return status_;
     done_ = true;
     for (auto& work : works_) {
-      status_ = WaitFor(work, "all_reduce");
+      status_ = WaitFor(work, "all_reduce", timeout_);
       if (!status_.ok()) return status_;
     }
-    status_ = CallTorch([&] { Unflatten(groups_, *tensors_); });
+    status_ = Annotate(CallTorch([&] {
+                         for (FlatGroup& g : groups_) {
+                           if (g.gathered) ReduceGathered(g, op_);
+                         }
+                         Unflatten(groups_, *tensors_);
+                       }),
+                       "collective all_reduce");
     return status_;
   }
 
@@ -91,6 +138,8 @@ class C10dWork : public PendingWork {
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::vector<FlatGroup> groups_;
   std::vector<at::Tensor>* tensors_;
+  ReduceOp op_;
+  std::chrono::milliseconds timeout_;
   bool done_ = false;
   absl::Status status_;
 };
@@ -100,11 +149,17 @@ class DoneWork : public PendingWork {
   absl::Status Wait() override { return absl::OkStatus(); }
 };
 
-class GlooGroup : public ProcessGroup {
+// A c10d group: gloo, or NCCL where libtorch has it.
+class C10dGroup : public ProcessGroup {
  public:
-  GlooGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-            int rank, int size)
-      : store_(std::move(store)), pg_(std::move(pg)), rank_(rank), size_(size) {}
+  C10dGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroup> pg,
+            int rank, int size, std::string backend, std::chrono::milliseconds timeout)
+      : store_(std::move(store)),
+        pg_(std::move(pg)),
+        rank_(rank),
+        size_(size),
+        backend_(std::move(backend)),
+        timeout_(timeout) {}
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -125,13 +180,24 @@ class GlooGroup : public ProcessGroup {
                                      c10d::AllreduceOptions options;
                                      options.reduceOp = ToC10d(op);
                                      for (FlatGroup& g : groups) {
+                                       if (backend_ == "gloo" &&
+                                           g.flat.scalar_type() == at::kBFloat16) {
+                                         g.gathered = true;
+                                         std::vector<at::Tensor> words = {g.flat.view(at::kHalf)};
+                                         g.gather_out.resize(1);
+                                         for (int r = 0; r < size_; ++r) {
+                                           g.gather_out[0].push_back(at::empty_like(words[0]));
+                                         }
+                                         works.push_back(pg_->allgather(g.gather_out, words));
+                                         continue;
+                                       }
                                        std::vector<at::Tensor> one = {g.flat};
                                        works.push_back(pg_->allreduce(one, options));
                                      }
                                    }),
                                    "collective all_reduce"));
     return std::unique_ptr<PendingWork>(
-        std::make_unique<C10dWork>(std::move(works), std::move(groups), &tensors));
+        std::make_unique<C10dWork>(std::move(works), std::move(groups), &tensors, op, timeout_));
   }
 
   absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor) override {
@@ -141,16 +207,17 @@ class GlooGroup : public ProcessGroup {
     ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
                                      at::Tensor in = tensor.dim() == 0 ? tensor.reshape({1})
                                                                        : tensor.contiguous();
-                                     inputs = {in};
+                                     inputs = {AsWords(in)};
                                      for (int r = 0; r < size_; ++r) {
-                                       outputs[0].push_back(at::empty_like(in));
+                                       outputs[0].push_back(at::empty_like(inputs[0]));
                                      }
                                      work = pg_->allgather(outputs, inputs);
                                    }),
                                    "collective all_gather"));
-    ACCEL_RETURN_IF_ERROR(WaitFor(work, "all_gather"));
+    ACCEL_RETURN_IF_ERROR(WaitFor(work, "all_gather", timeout_));
     at::Tensor out;
-    ACCEL_RETURN_IF_ERROR(CallTorch([&] { out = at::cat(outputs[0], 0); }));
+    ACCEL_RETURN_IF_ERROR(
+        CallTorch([&] { out = at::cat(outputs[0], 0).view(tensor.scalar_type()); }));
     return out;
   }
 
@@ -163,13 +230,13 @@ class GlooGroup : public ProcessGroup {
     at::Tensor buffer;
     ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
                                      buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
-                                     std::vector<at::Tensor> one = {buffer};
+                                     std::vector<at::Tensor> one = {AsWords(buffer)};
                                      c10d::BroadcastOptions options;
                                      options.rootRank = src;
                                      work = pg_->broadcast(one, options);
                                    }),
                                    "collective broadcast"));
-    ACCEL_RETURN_IF_ERROR(WaitFor(work, "broadcast"));
+    ACCEL_RETURN_IF_ERROR(WaitFor(work, "broadcast", timeout_));
     if (!buffer.is_same(tensor)) {
       ACCEL_RETURN_IF_ERROR(CallTorch([&] { tensor.copy_(buffer); }));
     }
@@ -212,11 +279,23 @@ class GlooGroup : public ProcessGroup {
   }
 
  private:
+  // gloo in libtorch 1.13 moves only float, double, half and 8/32/64-bit
+  // 8/32/64-bit integers; bfloat16 and bool travel relabelled as half and
+  // uint8 (broadcast and all-gather copy bits without arithmetic, so exact). A view: writes reach
+  // `tensor`.
+  at::Tensor AsWords(const at::Tensor& tensor) const {
+    if (backend_ != "gloo") return tensor;
+    if (tensor.scalar_type() == at::kBFloat16) return tensor.view(at::kHalf);
+    if (tensor.scalar_type() == at::kBool) return tensor.view(at::kByte);
+    return tensor;
+  }
+
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int rank_;
   int size_;
-  std::string backend_ = "gloo";
+  std::string backend_;
+  std::chrono::milliseconds timeout_;
 };
 
 class SingleGroup : public ProcessGroup {
@@ -255,20 +334,29 @@ class SingleGroup : public ProcessGroup {
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     const ProcessEnvironment& env, const ProcessGroupOptions& options) {
+#ifdef USE_C10D_NCCL
+  constexpr bool kHaveNccl = true;
+#else
+  constexpr bool kHaveNccl = false;
+#endif
   std::string backend = options.backend;
-  if (backend == "auto") backend = options.use_cuda ? "nccl" : "gloo";
-  if (backend == "nccl") {
+  if (backend == "auto") backend = options.use_cuda && kHaveNccl ? "nccl" : "gloo";
+  if (backend == "nccl" && !kHaveNccl) {
     return absl::UnimplementedError(
         "process group backend \"nccl\": this libtorch was built without NCCL (CPU only); use "
         "gloo");
   }
-  if (backend != "gloo") {
+  if (backend != "gloo" && backend != "nccl") {
     return absl::InvalidArgumentError(absl::StrCat("process group backend \"", options.backend,
                                                    "\": expected gloo, nccl or auto"));
   }
   if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", env.rank, " of world size ", env.world_size));
+  }
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("process group timeout must be positive, got ",
+                                                   absl::FormatDuration(options.timeout)));
   }
   const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(options.timeout));
   c10::intrusive_ptr<c10d::Store> store;
@@ -281,11 +369,22 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     store_options.waitWorkers = true;
     store_options.timeout = timeout;
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+#ifdef USE_C10D_NCCL
+    if (backend == "nccl") {
+      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+      nccl_options->timeout = timeout;
+      pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size,
+                                                       nccl_options);
+      return;
+    }
+#endif
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
-    // GLOO_SOCKET_IFNAME is read by Python's torch.distributed only; a C++
-    // program must honour it itself. Otherwise bind to the address that
-    // reaches the master: on Debian the hostname maps to 127.0.1.1, so
-    // createDefaultDevice would pick loopback on a multi-host run.
+    // The device gloo binds its pair sockets to. GLOO_SOCKET_IFNAME is read
+    // by Python's torch.distributed only, so a C++ program honours it itself.
+    // A single-host run binds to loopback, which always exists and needs no
+    // name resolution. Otherwise createDefaultDevice resolves this machine's
+    // hostname; on Debian the hostname maps to 127.0.1.1 in /etc/hosts, so a
+    // multi-host run on such a machine needs GLOO_SOCKET_IFNAME.
     if (!env.gloo_socket_ifname.empty()) {
       gloo_options->devices.push_back(
           c10d::ProcessGroupGloo::createDeviceForInterface(env.gloo_socket_ifname));
@@ -298,11 +397,12 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
   });
   if (!status.ok()) {
-    return Annotate(status, absl::StrCat("connecting rank ", env.rank, " of ", env.world_size,
-                                         " to ", env.master_addr, ":", env.master_port, " (gloo)"));
+    return Annotate(status,
+                    absl::StrCat("connecting rank ", env.rank, " of ", env.world_size, " to ",
+                                 env.master_addr, ":", env.master_port, " (", backend, ")"));
   }
-  return std::unique_ptr<ProcessGroup>(
-      std::make_unique<GlooGroup>(std::move(store), std::move(pg), env.rank, env.world_size));
+  return std::unique_ptr<ProcessGroup>(std::make_unique<C10dGroup>(
+      std::move(store), std::move(pg), env.rank, env.world_size, backend, timeout));
 }
 
 std::unique_ptr<ProcessGroup> ProcessGroup::Single() { return std::make_unique<SingleGroup>(); }

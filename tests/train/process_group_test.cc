@@ -116,6 +116,37 @@ TEST(CollectivesWorker, Run) {
   ASSERT_THAT(group->AllReduce(mins, ReduceOp::kMin), IsOk());
   EXPECT_EQ(mins[0].item<float>(), 0);
   EXPECT_THAT(group->Broadcast(mins[0], p), StatusIs(absl::StatusCode::kInvalidArgument));
+  // A non-contiguous tensor is reduced through a copy and written back.
+  std::vector<at::Tensor> strided = {(at::arange(6, at::kFloat) * (r + 1)).view({2, 3}).t()};
+  ASSERT_THAT(group->AllReduce(strided, ReduceOp::kSum), IsOk());
+  EXPECT_TRUE(
+      at::equal(strided[0], (at::arange(6, at::kFloat) * (p * (p + 1) / 2)).view({2, 3}).t()));
+
+  // bfloat16 and bool, which gloo in libtorch 1.13 cannot move by itself.
+  std::vector<at::Tensor> bf16 = {at::full({3}, 1.5 + r, at::kBFloat16),
+                                  at::full({2}, -r, at::kBFloat16)};
+  ASSERT_THAT(group->AllReduce(bf16, ReduceOp::kSum), IsOk());
+  EXPECT_EQ(bf16[0].scalar_type(), at::kBFloat16);
+  // 1.5 P + P (P - 1) / 2: 4 for P = 2, 7.5 for P = 3, exact in bfloat16.
+  EXPECT_TRUE(at::equal(bf16[0], at::full({3}, 1.5 * p + p * (p - 1) / 2.0, at::kBFloat16)));
+  EXPECT_TRUE(at::equal(bf16[1], at::full({2}, -p * (p - 1) / 2.0, at::kBFloat16)));
+  std::vector<at::Tensor> bf16_max = {at::full({2}, 0.25 * r, at::kBFloat16)};
+  auto bf16_work = group->AllReduceAsync(bf16_max, ReduceOp::kMax);
+  ASSERT_THAT(bf16_work, IsOk());
+  ASSERT_THAT((*bf16_work)->Wait(), IsOk());
+  EXPECT_TRUE(at::equal(bf16_max[0], at::full({2}, 0.25 * (p - 1), at::kBFloat16)));
+  at::Tensor bf16_root = at::full({2}, r == 0 ? 3.25 : 0.0, at::kBFloat16);
+  ASSERT_THAT(group->Broadcast(bf16_root, 0), IsOk());
+  EXPECT_TRUE(at::equal(bf16_root, at::full({2}, 3.25, at::kBFloat16)));
+  auto bf16_all = group->AllGather(at::full({1}, r + 0.5, at::kBFloat16));
+  ASSERT_THAT(bf16_all, IsOk());
+  EXPECT_TRUE(at::equal(*bf16_all, (at::arange(p, at::kFloat) + 0.5).to(at::kBFloat16)));
+  at::Tensor flags = at::full({2}, r == 0, at::kBool);
+  ASSERT_THAT(group->Broadcast(flags, 0), IsOk());
+  EXPECT_TRUE(flags.all().item<bool>());
+  auto parity = group->AllGather(at::full({1}, r % 2 == 0, at::kBool));
+  ASSERT_THAT(parity, IsOk());
+  EXPECT_TRUE(at::equal(*parity, at::arange(p, at::kLong).remainder(2).eq(0)));
   ASSERT_THAT(group->Barrier(), IsOk());
 }
 
@@ -162,9 +193,29 @@ TEST(ProcessGroup, BadBackendAndRank) {
   mpi.backend = "mpi";
   EXPECT_THAT(ProcessGroup::Connect(env, mpi),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"mpi\"")));
+  ProcessGroupOptions no_time;
+  no_time.timeout = absl::ZeroDuration();
+  EXPECT_THAT(ProcessGroup::Connect(env, no_time),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("timeout")));
   env.rank = 3;
   env.world_size = 2;
-  EXPECT_THAT(ProcessGroup::Connect(env, {}), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(ProcessGroup::Connect(env, {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rank 3 of world size 2")));
+}
+
+// "auto" means NCCL only where libtorch has it; this one is CPU-only, so gloo.
+TEST(ProcessGroup, AutoFallsBackToGlooWithoutNccl) {
+  ProcessEnvironment env;
+  env.master_port = test::FreePort();
+  ProcessGroupOptions options;
+  options.use_cuda = true;
+  options.timeout = absl::Seconds(20);
+  auto group = ProcessGroup::Connect(env, options);
+  ASSERT_THAT(group, IsOk());
+  EXPECT_EQ((*group)->backend(), "gloo");
+  std::vector<at::Tensor> t = {at::arange(3, at::kFloat)};
+  ASSERT_THAT((*group)->AllReduce(t, ReduceOp::kMax), IsOk());
+  EXPECT_TRUE(at::equal(t[0], at::arange(3, at::kFloat)));
 }
 
 TEST(SplitBetweenProcesses, ContiguousSharesAndPadding) {
