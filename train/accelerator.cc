@@ -579,14 +579,26 @@ absl::Status Accelerator::LoadState(const std::string& input_dir) {
     ACCEL_ASSIGN_OR_RETURN(StateDict saved, LoadModelWeights(dir, stem));
     std::map<std::string, at::Tensor> by_name(saved.begin(), saved.end());
     NamedTensors live = models_[i]->StateDict();
+    // Tied tensors were saved once, under their first name: a missing name
+    // whose storage another saved name shares is restored through that one.
+    std::map<std::pair<const void*, int64_t>, std::string> saved_storage;
+    for (const auto& [name, tensor] : live) {
+      if (by_name.count(name)) {
+        saved_storage.emplace(std::make_pair(tensor.storage().data(), tensor.storage_offset()),
+                              name);
+      }
+    }
     std::set<std::string> expected;
+    NamedTensors to_copy;
     for (auto& [name, tensor] : live) {
       expected.insert(name);
       auto it = by_name.find(name);
       if (it == by_name.end()) {
+        if (saved_storage.count({tensor.storage().data(), tensor.storage_offset()})) continue;
         return absl::NotFoundError(
             absl::StrCat(dir, "/", stem, ".safetensors: no tensor \"", name, "\""));
       }
+      to_copy.emplace_back(name, tensor);
       if (it->second.sizes() != tensor.sizes()) {
         return absl::InvalidArgumentError(
             absl::StrCat(dir, "/", stem, ".safetensors: \"", name, "\" has shape ",
@@ -601,7 +613,7 @@ absl::Status Accelerator::LoadState(const std::string& input_dir) {
     }
     ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
                                      at::NoGradGuard no_grad;
-                                     for (auto& [name, tensor] : live) {
+                                     for (auto& [name, tensor] : to_copy) {
                                        tensor.copy_(by_name.at(name));
                                      }
                                    }),
