@@ -5,6 +5,7 @@
 //   launch_probe crash R CODE OUTDIR     writes OUTDIR/pid_<RANK>; rank R exits with CODE
 //                                        after 0.2 s (CODE "sig:N": it kills itself with signal
 //                                        N), the others sleep 60 s
+//   launch_probe stubborn R CODE OUTDIR  as crash, but every rank ignores SIGTERM
 //   launch_probe signal OUTDIR           writes OUTDIR/ready_<RANK>, then waits; SIGTERM,
 //                                        SIGINT or SIGHUP makes it write OUTDIR/got_<RANK> (the
 //                                        signal number) and exit 0
@@ -52,7 +53,8 @@ int main(int argc, char** argv) {
     std::rename((path + ".tmp").c_str(), path.c_str());
     return 0;
   }
-  if (mode == "crash" && argc >= 5) {
+  if ((mode == "crash" || mode == "stubborn") && argc >= 5) {
+    if (mode == "stubborn") ::signal(SIGTERM, SIG_IGN);  // only SIGKILL stops it
     std::ofstream(std::string(argv[4]) + "/pid_" + g_rank) << ::getpid() << "\n";
     if (g_rank == argv[2]) {
       ::usleep(200 * 1000);

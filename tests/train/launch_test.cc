@@ -367,6 +367,25 @@ TEST(AccelLaunch, FailingRankStopsTheOthers) {
   }
 }
 
+TEST(AccelLaunch, RanksIgnoringSigtermAreKilledAfterTheGrace) {
+  test::TempDir home, out;
+  Result r = Launch({"--num_processes", "2", "--main_process_port", "0", Bin("accel_launch_probe"),
+                     "stubborn", "0", "4", out.path()},
+                    home.path());
+  EXPECT_EQ(r.code, 4) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rank 0 (pid "));
+  EXPECT_THAT(r.err, HasSubstr("still running 5 s after SIGTERM; killing them"));
+  std::ifstream in(out.File("pid_1"));
+  pid_t pid = 0;
+  in >> pid;
+  ASSERT_GT(pid, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (kill(pid, 0) == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_NE(kill(pid, 0), 0) << "rank 1 is still alive";
+}
+
 TEST(AccelLaunch, ForwardsSignalsToEveryRank) {
   for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
     test::TempDir home, out;
