@@ -10,8 +10,6 @@
 // batch of --batch windows (so N processes see N times the samples per
 // step), and reports from rank 0: median step time, samples/s, and the time
 // the gradient all-reduce made backward wait (GradientSynchronizer).
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -21,6 +19,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -32,6 +31,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+
 #include "core/status.h"
 #include "models/causal_lm.h"
 #include "models/load_model.h"
@@ -73,8 +73,8 @@ Flags Parse(int argc, char** argv) {
 absl::Status Rank(const Flags& f) {
   using namespace accel;  // NOLINT(google-build-using-namespace): a benchmark's main
   ACCEL_ASSIGN_OR_RETURN(auto acc, train::Accelerator::Create({}));
-  const std::string dir = absl::StrCat("/tmp/accel-bench-train-", f.hidden, "-", f.layers, "-",
-                                       getppid());
+  const std::string dir =
+      absl::StrCat("/tmp/accel-bench-train-", f.hidden, "-", f.layers, "-", getppid());
   if (acc->is_main_process() && !std::filesystem::exists(dir + "/config.json")) {
     models::MakeModelOptions make;
     make.hidden_size = f.hidden;
@@ -90,12 +90,17 @@ absl::Status Rank(const Flags& f) {
   ACCEL_ASSIGN_OR_RETURN(models::LoadedModel loaded, models::LoadModel(dir, load));
   auto model = loaded.model;
   int64_t params = 0;
+  std::vector<at::Tensor> unique;  // tied weights once
   for (at::Tensor& p : model->parameters()) {
     p.set_requires_grad(true);
-    params += p.numel();
+    bool seen = false;
+    for (const at::Tensor& u : unique) seen = seen || u.is_same(p);
+    if (!seen) {
+      unique.push_back(p);
+      params += p.numel();
+    }
   }
-  auto adamw = std::make_shared<torch::optim::AdamW>(model->parameters(),
-                                                     torch::optim::AdamWOptions(1e-3));
+  auto adamw = std::make_shared<torch::optim::AdamW>(unique, torch::optim::AdamWOptions(1e-3));
   ACCEL_ASSIGN_OR_RETURN(train::PreparedModel * prepared, acc->PrepareModel(model));
   ACCEL_ASSIGN_OR_RETURN(train::PreparedOptimizer * opt, acc->PrepareOptimizer(adamw));
   at::manual_seed(acc->process_index());
@@ -147,11 +152,12 @@ absl::Status Rank(const Flags& f) {
 int Drive(const Flags& f, const char* self) {
   const std::string bin = std::filesystem::path(self).parent_path().string();
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  std::printf("accel-bench-train: llama hidden %lld, %lld layers, batch %lld x %lld tokens per "
-              "process, %lld steps, %u cores\n",
-              static_cast<long long>(f.hidden), static_cast<long long>(f.layers),
-              static_cast<long long>(f.batch), static_cast<long long>(f.seq),
-              static_cast<long long>(f.steps), cores);
+  std::printf(
+      "accel-bench-train: llama hidden %lld, %lld layers, batch %lld x %lld tokens per "
+      "process, %lld steps, %u cores\n",
+      static_cast<long long>(f.hidden), static_cast<long long>(f.layers),
+      static_cast<long long>(f.batch), static_cast<long long>(f.seq),
+      static_cast<long long>(f.steps), cores);
   double baseline = 0;
   for (absl::string_view p : absl::StrSplit(f.processes, ',')) {
     int n = 0;

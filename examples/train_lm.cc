@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,18 @@ struct Progress : train::Checkpointable {
     return absl::OkStatus();
   }
 };
+
+// Each parameter once: tied weights (the embedding and the output head) are
+// one tensor listed under two names, and an optimizer given it twice would
+// update it twice per step.
+std::vector<at::Tensor> UniqueParameters(torch::nn::Module& module) {
+  std::vector<at::Tensor> out;
+  std::set<const void*> seen;
+  for (const at::Tensor& p : module.parameters()) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  }
+  return out;
+}
 
 // Mean next-token cross-entropy of windows [B, T+1].
 absl::StatusOr<at::Tensor> WindowLoss(models::CausalLM& model, const at::Tensor& windows) {
@@ -182,9 +195,10 @@ absl::Status Train() {
   loader_options.drop_last = true;
   ACCEL_ASSIGN_OR_RETURN(auto base_loader, train::DataLoader::Create(dataset, loader_options));
 
+  const std::vector<at::Tensor> params = UniqueParameters(*model);
   auto optimizer = std::make_shared<torch::optim::AdamW>(
-      model->parameters(), torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
-                               .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
+      params, torch::optim::AdamWOptions(absl::GetFlag(FLAGS_lr))
+                  .weight_decay(absl::GetFlag(FLAGS_weight_decay)));
   const int64_t max_steps = absl::GetFlag(FLAGS_max_steps);
   // The scheduler ticks num_processes times per optimizer step (Accelerate's rule).
   std::shared_ptr<train::LRScheduler> schedule =
@@ -233,7 +247,7 @@ absl::Status Train() {
       loss_sum += loss.item<double>();
       ++loss_count;
       if (!acc->sync_gradients()) continue;
-      ACCEL_RETURN_IF_ERROR(acc->ClipGradNorm(model->parameters(), 1.0).status());
+      ACCEL_RETURN_IF_ERROR(acc->ClipGradNorm(params, 1.0).status());
       ACCEL_RETURN_IF_ERROR(opt->Step());
       ACCEL_RETURN_IF_ERROR(sched->Step());
       opt->ZeroGrad();

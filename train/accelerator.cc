@@ -286,9 +286,13 @@ absl::StatusOr<PreparedModel*> Accelerator::PrepareModel(
                       : k.comm_hook == "bf16" ? CommHook::kBf16
                                               : CommHook::kNone;
     }
+    // Tied weights are one tensor under two names: reduce it once.
     NamedTensors params;
+    std::set<const void*> seen;
     for (const auto& item : prepared->module_->named_parameters(true)) {
-      params.emplace_back(item.key(), item.value());
+      if (seen.insert(item.value().unsafeGetTensorImpl()).second) {
+        params.emplace_back(item.key(), item.value());
+      }
     }
     NamedTensors buffers;
     for (const auto& item : prepared->module_->named_buffers(true)) {
