@@ -1,4 +1,6 @@
 # syntax=docker/dockerfile:1
+# Needs BuildKit (the default builder since Docker 23): it builds only the
+# stages the selected VARIANT uses.
 # accel-serve's image: a Debian bookworm build stage that runs the project's own
 # set-up script and CMake preset, then a slim runtime stage with only the
 # runtime libraries, the binaries and the embedded default model.

@@ -454,6 +454,13 @@ function checkRender(name, docs, liveNames, readyNames, metricNames) {
       problem(where, `memory limit ${res.limits?.memory} is far above --max_memory cpu=${budget}`);
     }
   }
+  // libtorch's intra-op threads fit the CPU limit (more only time-slice).
+  const threads = Number(flags.get("threads") ?? 0);
+  const cpuLimit = String(res.limits?.cpu ?? "");
+  const cores = cpuLimit.endsWith("m") ? Number(cpuLimit.slice(0, -1)) / 1000 : Number(cpuLimit);
+  if (name !== "base" && threads > Math.max(1, Math.ceil(cores))) {
+    problem(where, `--threads=${threads} exceeds the CPU limit ${cpuLimit}`);
+  }
   const gpus = res.limits?.["nvidia.com/gpu"];
   if (gpus !== undefined) {
     if (res.requests?.["nvidia.com/gpu"] !== gpus) problem(where, "nvidia.com/gpu requests differ from limits");
