@@ -282,6 +282,54 @@ function modelClass(apiVersion, kind) {
   const key = group.split(/[.-]/).map((w, i) => (i ? w[0].toUpperCase() + w.slice(1) : w)).join("");
   return (k8s[key] ?? promop[key])?.[version]?.[kind];
 }
+// Unknown fields: the schemas allow extra properties, and a client-side apply
+// passes them; the API server drops them or refuses the object. The field names
+// come from the models' type declarations (generated from the same OpenAPI
+// document): a property whose type is an imported interface is checked in
+// turn; maps, inline objects and scalars are not looked into.
+const declarations = new Map();
+function declarationsOf(file) {
+  if (declarations.has(file)) return declarations.get(file);
+  const decl = { props: null, imports: new Map() };
+  declarations.set(file, decl);
+  if (!fs.existsSync(file)) return decl;
+  const text = fs.readFileSync(file, "utf8");
+  for (const m of text.matchAll(/^import \{ (\w+) \} from "([^"]+)";$/gm)) {
+    decl.imports.set(m[1], m[2].startsWith(".")
+      ? path.resolve(path.dirname(file), m[2].replace(/\.js$/, ".d.ts"))
+      : path.join(modules, `${m[2]}.d.ts`));
+  }
+  const body = text.match(/^export interface I\w+(?: extends [^{]*)? \{\n([\s\S]*?)\n\}/m)?.[1];
+  if (body === undefined) return decl;  // a type alias (IntOrString, Quantity): opaque
+  decl.props = new Map();
+  for (const m of body.matchAll(/^ {4}"([^"]+)"\??: (.*?);?$/gm)) decl.props.set(m[1], m[2]);
+  return decl;
+}
+function checkFields(where, value, file, at) {
+  const decl = declarationsOf(file);
+  if (decl.props === null || value === null || typeof value !== "object" || Array.isArray(value)) return;
+  for (const [key, child] of Object.entries(value)) {
+    if (key === "apiVersion" || key === "kind") continue;
+    const type = decl.props.get(key);
+    if (type === undefined) {
+      problem(where, `unknown field ${at}${key}`);
+      continue;
+    }
+    const element = type.match(/^Array<(\w+)>$/)?.[1];
+    const target = decl.imports.get(element ?? type);
+    if (!target) continue;
+    if (element) child.forEach?.((item, i) => checkFields(where, item, target, `${at}${key}[${i}].`));
+    else checkFields(where, child, target, `${at}${key}.`);
+  }
+}
+function declarationFile(apiVersion, kind) {
+  const [group, version] = apiVersion.includes("/") ? apiVersion.split("/") : ["", apiVersion];
+  if (group === "") return path.join(modules, "kubernetes-models", version, `${kind}.d.ts`);
+  const inCore = path.join(modules, "kubernetes-models", group, version, `${kind}.d.ts`);
+  if (fs.existsSync(inCore)) return inCore;
+  return path.join(modules, "@kubernetes-models/prometheus-operator", group, version, `${kind}.d.ts`);
+}
+
 function validate(name, doc) {
   const Model = modelClass(doc.apiVersion ?? "", doc.kind ?? "");
   const where = `${name}: ${doc.kind}/${doc.metadata?.name}`;
@@ -289,6 +337,9 @@ function validate(name, doc) {
     problem(where, `no schema for apiVersion ${doc.apiVersion} kind ${doc.kind}`);
     return;
   }
+  const file = declarationFile(doc.apiVersion, doc.kind);
+  if (declarationsOf(file).props === null) problem(where, `no type declaration at ${file}`);
+  checkFields(where, doc, file, "");
   try {
     new Model(doc).validate();
   } catch (e) {
