@@ -1,6 +1,7 @@
 #include "train/ddp.h"
 
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <utility>
 
@@ -24,16 +25,23 @@ struct Param {
   std::string name;
   at::Tensor tensor;
   size_t bucket = 0;
-  bool ready = false;
+  int64_t offset = 0;  // into the bucket's flat buffer, in elements
+  bool ready = false;  // its gradient is final for this backward
+  bool used = false;   // got a gradient since the last synchronization
 };
 
 struct Bucket {
   std::vector<size_t> params;  // indices into params_
   size_t pending = 0;          // params not yet ready this iteration
-  bool launched = false;
-  std::vector<at::Tensor> buffers;  // one flat buffer; outlives its pending work
-  std::unique_ptr<PendingWork> work;
   c10::ScalarType dtype = c10::ScalarType::Float;
+  // The bucket's gradients, flat, in the parameters' dtype. Lives as long as
+  // the synchronizer, so with gradient_as_bucket_view each .grad is a view
+  // of it and AccumulateGrad writes straight into it (no copy either way).
+  at::Tensor flat;
+  // What travels: `flat` itself, or its fp16/bf16 copy under a comm hook.
+  // A vector because AllReduceAsync keeps a pointer to it until Wait.
+  std::vector<at::Tensor> wire;
+  std::unique_ptr<PendingWork> work;
 };
 
 class Synchronizer;
@@ -49,6 +57,17 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   Synchronizer* owner_;
   size_t index_;
 };
+
+// The slice of `flat` that holds a gradient shaped like `param`.
+at::Tensor SliceOf(const at::Tensor& flat, const at::Tensor& param, int64_t offset) {
+  return flat.narrow(0, offset, param.numel()).view(param.sizes());
+}
+
+// Whether `grad` already is that slice (a bucket view from an earlier step).
+bool IsSlice(const at::Tensor& grad, const at::Tensor& slice) {
+  return grad.defined() && grad.data_ptr() == slice.data_ptr() && grad.sizes() == slice.sizes() &&
+         grad.strides() == slice.strides() && grad.scalar_type() == slice.scalar_type();
+}
 
 class Synchronizer : public GradientSynchronizer {
  public:
@@ -82,24 +101,41 @@ class Synchronizer : public GradientSynchronizer {
       params_.push_back(Param{name, t});
     }
     // Buckets in reverse registration order (gradients arrive roughly in
-    // that order during backward), one dtype per bucket.
+    // that order during backward), one dtype per bucket; the first is capped
+    // at 1 MiB so that communication starts early, as PyTorch's DDP does.
+    // (The 1 MiB applies to each dtype's first bucket, as PyTorch's limits
+    // are per dtype.)
     const auto cap = static_cast<int64_t>(options_.bucket_cap_mb * 1024 * 1024);
+    std::map<c10::ScalarType, int> buckets_of_dtype;
     int64_t bytes = 0;
     for (size_t i = params_.size(); i-- > 0;) {
       const at::Tensor& t = params_[i].tensor;
       const int64_t size = t.numel() * static_cast<int64_t>(t.element_size());
-      const int64_t limit = buckets_.size() <= 1 ? std::min(kFirstBucketBytes, cap) : cap;
+      const int64_t limit =
+          buckets_of_dtype[t.scalar_type()] <= 1 ? std::min(kFirstBucketBytes, cap) : cap;
       if (buckets_.empty() || buckets_.back().dtype != t.scalar_type() ||
           (bytes + size > limit && !buckets_.back().params.empty())) {
         buckets_.emplace_back();
         buckets_.back().dtype = t.scalar_type();
+        ++buckets_of_dtype[t.scalar_type()];
         bytes = 0;
       }
       buckets_.back().params.push_back(i);
       params_[i].bucket = buckets_.size() - 1;
       bytes += size;
     }
-    for (auto& bucket : buckets_) bucket.pending = bucket.params.size();
+    absl::Status allocated = CallTorch([&] {
+      for (auto& bucket : buckets_) {
+        bucket.pending = bucket.params.size();
+        int64_t numel = 0;
+        for (size_t i : bucket.params) {
+          params_[i].offset = numel;
+          numel += params_[i].tensor.numel();
+        }
+        bucket.flat = at::zeros({numel}, params_[bucket.params[0]].tensor.options());
+      }
+    });
+    if (!allocated.ok()) return Annotate(allocated, "allocating the gradient buckets");
     for (size_t i = 0; i < params_.size(); ++i) {
       absl::Status s = CallTorch([&] {
         std::shared_ptr<torch::autograd::Node> acc =
@@ -113,8 +149,14 @@ class Synchronizer : public GradientSynchronizer {
     return absl::OkStatus();
   }
 
-  void set_require_sync(bool require_sync) override { require_sync_ = require_sync; }
-  bool require_sync() const override { return require_sync_; }
+  void set_require_sync(bool require_sync) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    require_sync_ = require_sync;
+  }
+  bool require_sync() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return require_sync_;
+  }
 
   absl::Status PrepareForward() override {
     if (!options_.broadcast_buffers) return absl::OkStatus();
@@ -126,19 +168,21 @@ class Synchronizer : public GradientSynchronizer {
     return absl::OkStatus();
   }
 
+  // From the autograd thread that ran the parameter's AccumulateGrad.
   void OnReady(size_t index) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (dead_ || !require_sync_) return;
+    if (dead_) return;
     Param& p = params_[index];
-    if (p.ready) return;  // a parameter used twice gets one hook call per backward
+    p.used = true;  // no_sync micro-batches count towards find_unused_parameters
+    if (!require_sync_ || p.ready) return;  // used twice: one call per backward
     p.ready = true;
     Bucket& b = buckets_[p.bucket];
     if (--b.pending == 0) LaunchReadyLocked();
   }
 
   absl::Status Finish() override {
-    if (!require_sync_) return absl::OkStatus();
     std::unique_lock<std::mutex> lock(mu_);
+    if (!require_sync_) return absl::OkStatus();
     if (!launch_error_.ok()) return Reset(launch_error_);
     // Parameters that got no gradient this backward.
     std::vector<std::string> unused;
@@ -161,6 +205,20 @@ class Synchronizer : public GradientSynchronizer {
     for (auto& b : buckets_) b.pending = 0;
     LaunchReadyLocked();
     if (!launch_error_.ok()) return Reset(launch_error_);
+    // Which parameters some rank used (PyTorch's local_used_map): one that
+    // no rank used keeps its .grad untouched, as PyTorch's DDP leaves it, so
+    // optimizers skip it. Issued after every bucket, in the same order on
+    // every rank.
+    at::Tensor used_anywhere;
+    if (options_.find_unused_parameters) {
+      std::vector<at::Tensor> used = {at::zeros({static_cast<int64_t>(params_.size())}, at::kInt)};
+      for (size_t i = 0; i < params_.size(); ++i) {
+        used[0][static_cast<int64_t>(i)] = params_[i].used ? 1 : 0;
+      }
+      absl::Status s = group_.AllReduce(used, ReduceOp::kMax);
+      if (!s.ok()) return Reset(Annotate(s, "all-reducing the map of used parameters"));
+      used_anywhere = used[0];
+    }
     const auto start = std::chrono::steady_clock::now();
     for (Bucket& b : buckets_) {
       absl::Status s = b.work->Wait();
@@ -172,19 +230,22 @@ class Synchronizer : public GradientSynchronizer {
       at::NoGradGuard no_grad;
       const double world = group_.size();
       for (Bucket& b : buckets_) {
-        at::Tensor flat = b.buffers[0];
-        if (flat.scalar_type() != b.dtype) flat = flat.to(b.dtype);
-        flat.div_(world);
-        int64_t offset = 0;
+        if (!b.wire[0].is_same(b.flat)) b.flat.copy_(b.wire[0]);  // decompress
+        b.flat.div_(world);
         for (size_t i : b.params) {
-          at::Tensor& t = params_[i].tensor;
-          at::Tensor slice = flat.narrow(0, offset, t.numel()).view(t.sizes());
-          offset += t.numel();
-          at::Tensor& grad = t.mutable_grad();
-          if (options_.gradient_as_bucket_view || !grad.defined()) {
+          Param& p = params_[i];
+          if (used_anywhere.defined() && used_anywhere[static_cast<int64_t>(i)].item<int>() == 0) {
+            continue;
+          }
+          at::Tensor slice = SliceOf(b.flat, p.tensor, p.offset);
+          at::Tensor& grad = p.tensor.mutable_grad();
+          if (IsSlice(grad, slice)) continue;
+          if (options_.gradient_as_bucket_view) {
             grad = slice;
-          } else {
+          } else if (grad.defined()) {
             grad.copy_(slice);
+          } else {
+            grad = slice.clone();
           }
         }
       }
@@ -214,21 +275,25 @@ class Synchronizer : public GradientSynchronizer {
       ++next_bucket_;
       absl::Status s = CallTorch([&] {
         at::NoGradGuard no_grad;
-        std::vector<at::Tensor> parts;
         for (size_t i : b.params) {
-          const at::Tensor& t = params_[i].tensor;
-          const at::Tensor& g = t.grad();
-          parts.push_back(g.defined() ? g.reshape({-1}) : at::zeros({t.numel()}, t.options()));
+          const Param& p = params_[i];
+          at::Tensor slice = SliceOf(b.flat, p.tensor, p.offset);
+          const at::Tensor& grad = p.tensor.grad();
+          if (!grad.defined()) {
+            slice.zero_();  // an unused parameter contributes zeros
+          } else if (!IsSlice(grad, slice)) {
+            slice.copy_(grad);
+          }
         }
-        at::Tensor flat = parts.size() == 1 ? parts[0].clone() : at::cat(parts);
-        if (options_.comm_hook == CommHook::kFp16) flat = flat.to(at::kHalf);
-        if (options_.comm_hook == CommHook::kBf16) flat = flat.to(at::kBFloat16);
-        b.buffers = {flat};
-        reduced_bytes_ += flat.numel() * static_cast<int64_t>(flat.element_size());
+        at::Tensor wire = b.flat;
+        if (options_.comm_hook == CommHook::kFp16) wire = b.flat.to(at::kHalf);
+        if (options_.comm_hook == CommHook::kBf16) wire = b.flat.to(at::kBFloat16);
+        b.wire = {wire};
+        reduced_bytes_ += wire.numel() * static_cast<int64_t>(wire.element_size());
       });
       if (s.ok()) {
         absl::StatusOr<std::unique_ptr<PendingWork>> work =
-            group_.AllReduceAsync(b.buffers, ReduceOp::kSum);
+            group_.AllReduceAsync(b.wire, ReduceOp::kSum);
         if (work.ok()) {
           b.work = *std::move(work);
         } else {
@@ -236,7 +301,6 @@ class Synchronizer : public GradientSynchronizer {
         }
       }
       if (!s.ok() && launch_error_.ok()) launch_error_ = Annotate(s, "gradient all-reduce");
-      b.launched = true;
     }
   }
 
@@ -245,10 +309,12 @@ class Synchronizer : public GradientSynchronizer {
     for (Bucket& b : buckets_) {
       if (b.work) (void)b.work->Wait();
       b.work.reset();
-      b.launched = false;
       b.pending = b.params.size();
     }
-    for (Param& p : params_) p.ready = false;
+    for (Param& p : params_) {
+      p.ready = false;
+      p.used = false;
+    }
     next_bucket_ = 0;
     launch_error_ = absl::OkStatus();
     return status;
@@ -256,7 +322,7 @@ class Synchronizer : public GradientSynchronizer {
 
   ProcessGroup& group_;
   DdpOptions options_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   bool dead_ = false;
   bool require_sync_ = true;
   std::vector<Param> params_;
@@ -282,12 +348,6 @@ absl::StatusOr<std::unique_ptr<GradientSynchronizer>> GradientSynchronizer::Atta
   if (options.bucket_cap_mb <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("bucket_cap_mb must be > 0, got ", options.bucket_cap_mb));
-  }
-  if (options.comm_hook == CommHook::kBf16 && group.backend() == "gloo") {
-    // PyTorch's bf16_compress_hook is an NCCL feature: gloo in libtorch 1.13
-    // has no bfloat16 reduction ("Invalid scalar type").
-    return absl::InvalidArgumentError(
-        "the bf16 compression hook needs NCCL; gloo cannot sum bfloat16 (use fp16 or none)");
   }
   auto sync = std::make_unique<Synchronizer>(group, options);
   ACCEL_RETURN_IF_ERROR(sync->Init(std::move(parameters), std::move(buffers)));

@@ -35,8 +35,9 @@ struct DdpOptions {
   bool find_unused_parameters = false;
   // The gradients become views into the flat bucket buffers (no copy back).
   bool gradient_as_bucket_view = false;
-  // Gradients travel compressed (fp16; bf16 needs NCCL, gloo cannot sum it)
-  // and are decompressed on arrival.
+  // Gradients travel compressed (fp16 / bf16) and are decompressed on
+  // arrival. gloo cannot sum bfloat16 in libtorch 1.13: there the bf16 words
+  // travel through an all-gather and are summed in float (process_group.h).
   CommHook comm_hook = CommHook::kNone;
   // Buffers are broadcast from rank 0 before each forward (PrepareForward).
   bool broadcast_buffers = true;
@@ -65,15 +66,18 @@ class GradientSynchronizer {
   virtual absl::Status PrepareForward() = 0;
   // After backward: waits for every bucket, averages, and writes the result
   // into each parameter's grad. With find_unused_parameters, a parameter that
-  // got no gradient counts as zero; without it, FailedPrecondition naming the
-  // parameter (PyTorch's "Expected to have finished reduction" error).
+  // got no gradient counts as zero, and one that no rank used keeps its grad
+  // as it was (undefined, so optimizers skip it), as PyTorch's DDP does;
+  // without it, FailedPrecondition naming the parameters (PyTorch's
+  // "Expected to have finished reduction" error).
   virtual absl::Status Finish() = 0;
 
   virtual int num_buckets() const = 0;
   // Parameter names per bucket, in the order buckets are reduced.
   virtual std::vector<std::vector<std::string>> bucket_names() const = 0;
   // Seconds Finish() spent waiting on communication, summed (the bench's
-  // all-reduce share), and bytes sent, since Attach.
+  // all-reduce share), and gradient bytes put on the wire (after any
+  // compression), since Attach.
   virtual double wait_seconds() const = 0;
   virtual int64_t reduced_bytes() const = 0;
 };

@@ -58,6 +58,8 @@ class ProcessGroup {
   virtual const std::string& backend() const = 0;  // "gloo", "nccl" or "single"
 
   // In place on every tensor (same shapes and dtypes on every rank).
+  // bfloat16 on gloo (which has no bfloat16 arithmetic in libtorch 1.13) is
+  // all-gathered and reduced here in float, then rounded once.
   virtual absl::Status AllReduce(std::vector<at::Tensor>& tensors, ReduceOp op) = 0;
   virtual absl::StatusOr<std::unique_ptr<PendingWork>> AllReduceAsync(
       std::vector<at::Tensor>& tensors, ReduceOp op) = 0;

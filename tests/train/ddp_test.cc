@@ -21,8 +21,10 @@ namespace {
 
 using ::accel::test::IsOk;
 using ::accel::test::StatusIs;
+using ::testing::AllOf;
 using ::testing::Each;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // Two layers and a branch that only some forwards use.
 struct Net : torch::nn::Module {
@@ -96,15 +98,11 @@ TEST(DdpWorker, Run) {
   net->named_buffers()["steps"].fill_(r == 0 ? 7 : -1);
   DdpOptions options;
   if (mode == "buckets") options.bucket_cap_mb = 0.0001;  // about 100 bytes: several buckets
-  if (mode == "unused") options.find_unused_parameters = true;
+  if (mode == "unused" || mode == "partial") options.find_unused_parameters = true;
   if (mode == "fp16") options.comm_hook = CommHook::kFp16;
   if (mode == "bf16") options.comm_hook = CommHook::kBf16;
   if (mode == "view") options.gradient_as_bucket_view = true;
   auto ddp = GradientSynchronizer::Attach(Params(*net), Buffers(*net), *group, options);
-  if (mode == "bf16") {
-    EXPECT_THAT(ddp, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("NCCL")));
-    return;
-  }
   ASSERT_THAT(ddp, IsOk());
   EXPECT_EQ(net->named_buffers()["steps"].item<float>(), 7);
   if (mode == "buckets") {
@@ -113,40 +111,76 @@ TEST(DdpWorker, Run) {
     EXPECT_EQ((*ddp)->bucket_names().front().front(), "side.bias");
   } else {
     EXPECT_EQ((*ddp)->num_buckets(), 1);
+    EXPECT_EQ((*ddp)->bucket_names().front(),
+              std::vector<std::string>(
+                  {"side.bias", "side.weight", "b.bias", "b.weight", "a.bias", "a.weight"}));
   }
 
   auto ref = MakeNet(1);
-  const bool use_side = mode != "unused" && mode != "missing";
+  // Whether rank k's forward takes the side branch: no rank ("unused",
+  // "missing"), rank 0 only ("partial"), every rank otherwise.
+  auto uses_side = [&](int k) {
+    if (mode == "unused" || mode == "missing") return false;
+    return mode != "partial" || k == 0;
+  };
   const int micro = mode == "accumulate" ? 3 : 1;
+  const int steps = mode == "view" ? 2 : 1;  // the second reuses the bucket views
   const int64_t global = rows * p;
-  at::Tensor all = Inputs(global * micro);
-  for (int m = 0; m < micro; ++m) {
-    (*ddp)->set_require_sync(m == micro - 1);
-    at::Tensor x = all.narrow(0, m * global + r * rows, rows);
-    // The global mean loss, split: each rank's mean / P, summed by the all-reduce.
-    Loss(*net, x, use_side).backward();
-    absl::Status finished = (*ddp)->Finish();
-    if (mode == "missing") {
-      EXPECT_THAT(finished,
-                  StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("side.weight")));
-      return;
+  at::Tensor all = Inputs(global * micro * steps);
+  for (int step = 0; step < steps; ++step) {
+    if (step > 0) {
+      // zero_grad without set_to_none: the views stay views.
+      for (auto& t : net->parameters()) t.mutable_grad().zero_();
+      for (auto& t : ref->parameters()) t.mutable_grad().zero_();
     }
-    ASSERT_THAT(finished, IsOk());
-    Loss(*ref, all.narrow(0, m * global, global), use_side).backward();
+    for (int m = 0; m < micro; ++m) {
+      (*ddp)->set_require_sync(m == micro - 1);
+      EXPECT_EQ((*ddp)->require_sync(), m == micro - 1);
+      const int64_t first = (step * micro + m) * global;
+      // The global mean loss, split: each rank's mean / P, summed by the all-reduce.
+      Loss(*net, all.narrow(0, first + r * rows, rows), uses_side(r)).backward();
+      absl::Status finished = (*ddp)->Finish();
+      if (mode == "missing") {
+        EXPECT_THAT(finished, StatusIs(absl::StatusCode::kFailedPrecondition,
+                                       AllOf(HasSubstr("side.weight"), HasSubstr("side.bias"),
+                                             Not(HasSubstr("a.weight")))));
+        return;
+      }
+      ASSERT_THAT(finished, IsOk());
+      // The reference: one model, every rank's rows, each as its rank's forward.
+      at::Tensor loss = at::zeros({});
+      for (int k = 0; k < p; ++k) {
+        loss = loss + Loss(*ref, all.narrow(0, first + k * rows, rows), uses_side(k)) / p;
+      }
+      loss.backward();
+    }
   }
-  const double tolerance = mode == "fp16" ? 2e-3 : 1e-6;
+  const double tolerance = mode == "fp16" ? 2e-3 : mode == "bf16" ? 1e-2 : 1e-6;
   if (mode == "unused") {
-    // The unused branch gets zeros, like PyTorch's DDP with find_unused_parameters.
-    EXPECT_TRUE(at::equal(net->side->weight.grad(), at::zeros_like(net->side->weight)));
+    // No rank used the branch: its gradients stay undefined, as PyTorch's DDP
+    // leaves them, so an optimizer skips them.
+    EXPECT_FALSE(net->side->weight.grad().defined());
+    EXPECT_FALSE(net->side->bias.grad().defined());
     EXPECT_TRUE(at::allclose(net->b->weight.grad(), ref->b->weight.grad(), 1e-6, 1e-6));
+    EXPECT_TRUE(at::allclose(net->a->weight.grad(), ref->a->weight.grad(), 1e-6, 1e-6));
   } else {
+    // "partial": ranks that skipped the branch still hold rank 0's share.
     ExpectGradsClose(*net, *ref, tolerance);
   }
+  if (mode == "view") {
+    // Every gradient is a view of the one bucket: no copies.
+    const at::Tensor& first = net->a->weight.grad();
+    for (const auto& t : net->parameters()) {
+      EXPECT_TRUE(t.grad().is_alias_of(first));
+    }
+  }
   int64_t param_bytes = 0;
-  for (const auto& p : net->parameters()) param_bytes += p.numel() * 4;
-  // Bytes on the wire: every parameter once per sync (one sync when accumulating), half in fp16.
-  const int64_t expected_bytes = mode == "fp16" ? param_bytes / 2 : param_bytes;
-  EXPECT_EQ((*ddp)->reduced_bytes(), expected_bytes);
+  for (const auto& t : net->parameters()) param_bytes += t.numel() * 4;
+  // Bytes on the wire: every parameter once per sync (one sync when
+  // accumulating), unused ones as zeros, half of that under a 16-bit hook.
+  const bool half = mode == "fp16" || mode == "bf16";
+  EXPECT_EQ((*ddp)->reduced_bytes(), steps * (half ? param_bytes / 2 : param_bytes));
+  EXPECT_GE((*ddp)->wait_seconds(), 0);
   // Buffers follow rank 0 before each forward.
   net->named_buffers()["steps"].fill_(r == 0 ? 9 : -5);
   ASSERT_THAT((*ddp)->PrepareForward(), IsOk());
@@ -161,10 +195,11 @@ TEST(Ddp, GradientsEqualOneProcessOnTheGlobalBatch) { RunMode(2, "plain"); }
 TEST(Ddp, ThreeRanks) { RunMode(3, "plain"); }
 TEST(Ddp, SeveralBuckets) { RunMode(2, "buckets"); }
 TEST(Ddp, NoSyncAccumulatesThenSyncsTheSum) { RunMode(2, "accumulate"); }
-TEST(Ddp, FindUnusedParameters) { RunMode(2, "unused"); }
+TEST(Ddp, FindUnusedParametersNoRankUsed) { RunMode(2, "unused"); }
+TEST(Ddp, FindUnusedParametersOneRankUsed) { RunMode(3, "partial"); }
 TEST(Ddp, UnusedWithoutFindUnusedIsAnError) { RunMode(2, "missing"); }
 TEST(Ddp, Fp16Compression) { RunMode(2, "fp16"); }
-TEST(Ddp, Bf16CompressionNeedsNccl) { RunMode(2, "bf16"); }
+TEST(Ddp, Bf16Compression) { RunMode(2, "bf16"); }
 TEST(Ddp, GradientAsBucketView) { RunMode(2, "view"); }
 
 TEST(Ddp, BadOptions) {
@@ -173,6 +208,48 @@ TEST(Ddp, BadOptions) {
   options.bucket_cap_mb = 0;
   EXPECT_THAT(GradientSynchronizer::Attach({}, {}, *group, options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bucket_cap_mb")));
+}
+
+// PyTorch's bucketing: reverse registration order, the first bucket capped at
+// 1 MiB, then bucket_cap_mb; one dtype per bucket; frozen parameters skipped.
+TEST(Ddp, BucketLayoutInOneProcess) {
+  auto group = ProcessGroup::Single();
+  const int64_t half_mib = 128 * 1024;  // floats
+  NamedTensors params;
+  for (int i = 0; i < 5; ++i) {
+    params.emplace_back("p" + std::to_string(i), at::ones({half_mib}).requires_grad_());
+  }
+  params.emplace_back("frozen", at::ones({4}));
+  params.emplace_back("d", at::ones({2}, at::kDouble).requires_grad_());
+  params.emplace_back("e", at::ones({2}, at::kDouble).requires_grad_());
+  DdpOptions options;
+  options.bucket_cap_mb = 1.5;
+  auto ddp = GradientSynchronizer::Attach(params, {}, *group, options);
+  ASSERT_THAT(ddp, IsOk());
+  using Names = std::vector<std::vector<std::string>>;
+  // The doubles first (registered last); the floats' first bucket holds 1 MiB
+  // (p4, p3), the next 1.5 MiB (p2, p1, p0).
+  EXPECT_EQ((*ddp)->bucket_names(), Names({{"e", "d"}, {"p4", "p3"}, {"p2", "p1", "p0"}}));
+
+  // One process: Finish leaves each gradient as backward made it.
+  at::Tensor loss = at::zeros({});
+  for (int i = 0; i < 5; ++i) loss = loss + params[i].second.sum() * (i + 1);
+  loss = loss + (params[6].second * params[7].second).sum().to(at::kFloat);
+  loss.backward();
+  ASSERT_THAT((*ddp)->Finish(), IsOk());
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_TRUE(at::equal(params[i].second.grad(), at::full({half_mib}, i + 1.0f)));
+  }
+  EXPECT_FALSE(params[5].second.grad().defined());
+  EXPECT_TRUE(at::equal(params[6].second.grad(), at::ones({2}, at::kDouble)));
+  EXPECT_EQ((*ddp)->reduced_bytes(), 5 * half_mib * 4 + 2 * 2 * 8);
+
+  // no_sync: nothing happens, and Finish is a no-op however far backward got.
+  (*ddp)->set_require_sync(false);
+  (params[0].second.sum() * 2).backward();
+  ASSERT_THAT((*ddp)->Finish(), IsOk());
+  EXPECT_TRUE(at::equal(params[0].second.grad(), at::full({half_mib}, 3.0f)));
+  EXPECT_EQ((*ddp)->reduced_bytes(), 5 * half_mib * 4 + 2 * 2 * 8);
 }
 
 }  // namespace
