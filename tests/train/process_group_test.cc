@@ -20,6 +20,7 @@ namespace {
 
 using ::accel::test::IsOk;
 using ::accel::test::StatusIs;
+using ::testing::AllOf;
 using ::testing::Each;
 using ::testing::HasSubstr;
 
@@ -148,6 +149,93 @@ TEST(CollectivesWorker, Run) {
   ASSERT_THAT(parity, IsOk());
   EXPECT_TRUE(at::equal(*parity, at::arange(p, at::kLong).remainder(2).eq(0)));
   ASSERT_THAT(group->Barrier(), IsOk());
+}
+
+// The nested forms and the refusals, which every rank must reach together.
+TEST(CollectiveEdgesWorker, Run) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of Collectives.Edges";
+  auto group = Connect(absl::Seconds(30));
+  ASSERT_NE(group, nullptr);
+  const int p = group->size(), r = group->rank();
+  // A batch: 2-d ids padded along dim 1 (and -1), a 1-d tensor that has no
+  // dim 1 and stays as it is (Accelerate's rule), a 0-d one.
+  TensorMap batch = {{"ids", at::full({2, r + 1}, r + 1, at::kLong)},
+                     {"lengths", at::full({r + 1}, 5, at::kLong)},
+                     {"loss", at::tensor(0.5f * r)}};
+  PadOptions along1;
+  along1.dim = 1;
+  along1.pad_index = -7;
+  auto padded = PadAcrossProcesses(*group, batch, along1);
+  ASSERT_THAT(padded, IsOk());
+  at::Tensor want_ids = at::full({2, p}, -7, at::kLong);
+  want_ids.narrow(1, 0, r + 1).fill_(r + 1);
+  EXPECT_TRUE(at::equal(padded->at("ids"), want_ids));
+  EXPECT_TRUE(at::equal(padded->at("lengths"), batch.at("lengths")));
+  EXPECT_TRUE(at::equal(padded->at("loss"), batch.at("loss")));
+  PadOptions last_first;
+  last_first.dim = -1;
+  last_first.pad_first = true;
+  auto padded_first = PadAcrossProcesses(*group, batch.at("ids"), last_first);
+  ASSERT_THAT(padded_first, IsOk());
+  at::Tensor want_first = at::zeros({2, p}, at::kLong);
+  want_first.narrow(1, p - (r + 1), r + 1).fill_(r + 1);
+  EXPECT_TRUE(at::equal(*padded_first, want_first));
+  // Gathered after padding: rank order along dim 0; a 0-d entry counts as [1].
+  padded->erase("lengths");
+  auto gathered = Gather(*group, *padded);
+  ASSERT_THAT(gathered, IsOk());
+  EXPECT_EQ(gathered->at("ids").sizes(), at::IntArrayRef({2 * p, p}));
+  EXPECT_TRUE(at::equal(gathered->at("ids").narrow(0, 2 * r, 2), want_ids));
+  EXPECT_TRUE(at::equal(gathered->at("loss"), at::arange(p, at::kFloat) * 0.5));
+  // Without padding, the ragged entry is refused on every rank, naming the key.
+  TensorMap ragged = {{"ids", batch.at("ids")}};
+  EXPECT_THAT(Gather(*group, ragged),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("\"ids\""), HasSubstr("differ in shape"))));
+  // A different number of dims or dtype is refused too, not exchanged as garbage.
+  EXPECT_THAT(Gather(*group, r == 0 ? at::zeros({2, 2}) : at::zeros({4})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("-d tensor")));
+  EXPECT_THAT(
+      Gather(*group, TensorList{at::ones({1}), r == 0 ? at::ones({1}) : at::ones({1}, at::kInt)}),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("element 1"), HasSubstr("Float"), HasSubstr("Int"))));
+  // Reduce and broadcast over a map.
+  TensorMap values = {{"a", at::full({2}, 1.0 + r)}, {"b", at::full({1}, 2.0 * r, at::kDouble)}};
+  auto means = Reduce(*group, values, Reduction::kMean);
+  ASSERT_THAT(means, IsOk());
+  EXPECT_TRUE(at::allclose(means->at("a"), at::full({2}, (p + 1) / 2.0)));
+  EXPECT_TRUE(at::allclose(means->at("b"), at::full({1}, p - 1.0, at::kDouble)));
+  EXPECT_TRUE(at::equal(values.at("a"), at::full({2}, 1.0 + r)));  // the input stays
+  auto from_last = BroadcastFrom(*group, values, p - 1);
+  ASSERT_THAT(from_last, IsOk());
+  EXPECT_TRUE(at::equal(from_last->at("a"), at::full({2}, 1.0 * p)));
+  auto int_sum = Reduce(*group, at::full({3}, r + 1, at::kInt), Reduction::kSum);
+  ASSERT_THAT(int_sum, IsOk());
+  EXPECT_TRUE(at::equal(*int_sum, at::full({3}, p * (p + 1) / 2, at::kInt)));
+  // gather_object with empty and binary strings.
+  std::string mine = r == 0 ? std::string() : std::string("\0x\xff", 3);
+  auto objects = GatherObject(*group, mine);
+  ASSERT_THAT(objects, IsOk());
+  EXPECT_EQ((*objects)[0], "");
+  EXPECT_EQ((*objects)[p - 1], std::string("\0x\xff", 3));
+  ASSERT_THAT(group->Barrier(), IsOk());
+}
+
+TEST(Collectives, Edges) { EXPECT_THAT(test::RunRanks(2, "CollectiveEdgesWorker.Run"), Each(0)); }
+
+TEST(Collectives, UndefinedTensorsAreRefused) {
+  auto single = ProcessGroup::Single();
+  EXPECT_THAT(Gather(*single, at::Tensor()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("gather: undefined")));
+  EXPECT_THAT(PadAcrossProcesses(*single, at::Tensor()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pad_across_processes")));
+  EXPECT_THAT(Reduce(*single, at::Tensor(), Reduction::kSum),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("reduce: undefined")));
+  EXPECT_THAT(BroadcastFrom(*single, TensorMap{{"x", at::Tensor()}}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"x\"")));
+  auto objects = GatherObject(*single, "only");
+  ASSERT_THAT(objects, IsOk());
+  EXPECT_EQ(*objects, std::vector<std::string>({"only"}));
 }
 
 TEST(Collectives, TwoRanks) { EXPECT_THAT(test::RunRanks(2, "CollectivesWorker.Run"), Each(0)); }
