@@ -9,6 +9,7 @@
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -233,6 +234,14 @@ absl::StatusOr<std::vector<int64_t>> ShardIterable(int64_t n, int64_t batch_size
   return out;
 }
 
+int64_t IterableShardLength(int64_t n, int64_t batch_size, bool drop_last,
+                            const ShardOptions& options) {
+  // Accelerate's formula uses batch_size * P even in split mode (its quirk).
+  const int64_t real = batch_size * options.num_processes;
+  if (real < 1) return 0;
+  return (drop_last ? n / real : (n + real - 1) / real) * batch_size;
+}
+
 std::vector<IndexBatch> SkipBatches(const std::vector<IndexBatch>& batches, int64_t skip) {
   if (skip <= 0) return batches;
   if (skip >= static_cast<int64_t>(batches.size())) return {};
@@ -323,6 +332,11 @@ const LoaderProgress* ActiveLoaders::active() const {
 
 // ---- DataLoader ----
 
+namespace {
+// Starts the dispatch header when rank 0 failed to load the batch.
+constexpr char kLoadFailed[] = "!load failed: ";
+}  // namespace
+
 struct DataLoader::State {
   std::shared_ptr<const Dataset> dataset;
   DataLoaderOptions options;
@@ -340,6 +354,8 @@ struct DataLoader::State {
   size_t next = 0;
   std::optional<Batch> lookahead;
   LoaderProgress progress;
+  std::optional<Batch> dispatch_first;  // the first P rows of the pass's first global batch
+  int64_t last_observed = -1;           // the rows of the last global batch (dispatch)
 
   int64_t num_processes() const { return prepared ? prepare.shard.num_processes : 1; }
   bool dispatch() const { return prepared && prepare.dispatch_batches && num_processes() > 1; }
@@ -364,10 +380,12 @@ struct DataLoader::State {
     std::vector<IndexBatch> base = BaseBatches();
     if (!prepared || num_processes() == 1) return base;
     if (dispatch()) {
-      // Global batches: P base batches each (one when split).
+      // Global batches: P base batches each (one when split); with drop_last
+      // an incomplete final group is dropped (its StopIteration ends the pass).
       std::vector<IndexBatch> global;
       const size_t group_size = prepare.shard.split_batches ? 1 : prepare.shard.num_processes;
       for (size_t i = 0; i < base.size(); i += group_size) {
+        if (options.drop_last && i + group_size > base.size()) break;
         IndexBatch g;
         for (size_t j = i; j < std::min(base.size(), i + group_size); ++j) {
           g.insert(g.end(), base[j].begin(), base[j].end());
@@ -394,7 +412,8 @@ struct DataLoader::State {
     return Load(indices);
   }
 
-  absl::StatusOr<std::optional<Batch>> Load(const IndexBatch& indices) const {
+  absl::StatusOr<std::optional<Batch>> Load(const IndexBatch& indices,
+                                            bool to_device = true) const {
     std::vector<Example> examples;
     examples.reserve(indices.size());
     for (int64_t i : indices) {
@@ -402,7 +421,7 @@ struct DataLoader::State {
       examples.push_back(std::move(e));
     }
     ACCEL_ASSIGN_OR_RETURN(Batch batch, Collate(examples));
-    if (prepared && prepare.device.type() != c10::kCPU) {
+    if (to_device && prepared && prepare.device.type() != c10::kCPU) {
       ACCEL_RETURN_IF_ERROR(CallTorch([&] {
         for (auto& [name, t] : batch) t = t.to(prepare.device, prepare.non_blocking);
       }));
@@ -411,70 +430,121 @@ struct DataLoader::State {
   }
 
   // DataLoaderDispatcher: rank 0 reads the global batch and broadcasts it;
-  // each rank takes its contiguous slice. An uneven last global batch is
-  // padded by wrapping around to its start, so every rank gets
-  // ceil(n / P) rows and gather_for_metrics drops the padding (remainder).
+  // rank r takes rows [r * per, (r + 1) * per) with per = rows / P. The last
+  // global batch, when not split, not drop_last and not divisible by P, gets
+  // the first P rows of the pass's first global batch appended and per grows
+  // by one (Accelerate's rule); gather_for_metrics then keeps the first
+  // `remainder` = rows of that batch.
   absl::StatusOr<std::optional<Batch>> FetchDispatched(const IndexBatch& indices) {
+    const bool last = next >= batches.size();
     Batch global;
     std::string header;
+    absl::Status load_status;
     if (group->rank() == 0) {
-      ACCEL_ASSIGN_OR_RETURN(std::optional<Batch> loaded, Load(indices));
-      global = *std::move(loaded);
-      for (const auto& [name, t] : global) {
-        absl::StrAppend(&header, name, "\t", static_cast<int>(t.scalar_type()));
-        for (int64_t d : t.sizes()) absl::StrAppend(&header, "\t", d);
-        absl::StrAppend(&header, "\n");
+      absl::StatusOr<std::optional<Batch>> loaded = Load(indices, /*to_device=*/false);
+      if (loaded.ok()) {
+        global = **std::move(loaded);
+        for (const auto& [name, t] : global) {
+          absl::StrAppend(&header, name, "\t", static_cast<int>(t.scalar_type()));
+          for (int64_t d : t.sizes()) absl::StrAppend(&header, "\t", d);
+          absl::StrAppend(&header, "\n");
+        }
+      } else {
+        // The other ranks wait for this header: tell them, rather than let
+        // them time out.
+        load_status = loaded.status();
+        header = absl::StrCat(kLoadFailed, load_status.message());
       }
     }
     ACCEL_ASSIGN_OR_RETURN(header, group->BroadcastBytes(header, 0));
+    if (!load_status.ok()) return load_status;
+    if (absl::StartsWith(header, kLoadFailed)) {
+      return absl::AbortedError(
+          absl::StrCat("dispatch_batches: rank 0 could not load the batch: ",
+                       absl::string_view(header).substr(sizeof(kLoadFailed) - 1)));
+    }
     if (group->rank() != 0) {
-      for (absl::string_view line : absl::StrSplit(header, '\n', absl::SkipEmpty())) {
-        std::vector<std::string> fields = absl::StrSplit(line, '\t');
-        if (fields.size() < 2) return absl::DataLossError("dispatch_batches: bad batch header");
-        int dtype = 0;
-        std::vector<int64_t> shape;
-        if (!absl::SimpleAtoi(fields[1], &dtype)) {
-          return absl::DataLossError("dispatch_batches: bad dtype in the batch header");
-        }
-        for (size_t k = 2; k < fields.size(); ++k) {
-          int64_t d = 0;
-          if (!absl::SimpleAtoi(fields[k], &d)) {
-            return absl::DataLossError("dispatch_batches: bad shape in the batch header");
-          }
-          shape.push_back(d);
-        }
-        global.emplace(
-            fields[0],
-            at::empty(shape, at::TensorOptions().dtype(static_cast<c10::ScalarType>(dtype))));
+      ACCEL_ASSIGN_OR_RETURN(global, EmptyBatchFromHeader(header));
+    }
+    for (auto& [name, t] : global) {
+      absl::Status broadcast = group->Broadcast(t, 0);
+      if (!broadcast.ok()) {
+        return absl::Status(broadcast.code(), absl::StrCat("dispatch_batches: broadcasting \"",
+                                                           name, "\": ", broadcast.message()));
       }
     }
-    for (auto& [name, t] : global) ACCEL_RETURN_IF_ERROR(group->Broadcast(t, 0));
     const int64_t p = num_processes(), r = prepare.shard.process_index;
+    const int64_t observed = global.empty() ? 0 : global.begin()->second.size(0);
+    int64_t per = observed / p;
+    const bool pad =
+        !options.drop_last && !prepare.shard.split_batches && last && observed % p != 0;
     Batch mine;
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-      for (auto& [name, t] : global) {
-        const int64_t n = t.size(0);
-        const int64_t per = (n + p - 1) / p;
-        at::Tensor padded = t;
-        if (per * p != n) {
-          std::vector<at::Tensor> parts = {t};
-          int64_t have = n;
-          while (have < per * p) {
-            const int64_t take = std::min(n, per * p - have);
-            parts.push_back(t.narrow(0, 0, take));
-            have += take;
-          }
-          padded = at::cat(parts);
+      if (!options.drop_last && !dispatch_first) {
+        Batch first;
+        for (const auto& [name, t] : global)
+          first.emplace(name, t.narrow(0, 0, std::min(p, t.size(0))));
+        dispatch_first = std::move(first);
+      }
+      if (pad) ++per;
+      for (const auto& [name, t] : global) {
+        at::Tensor rows = t;
+        if (pad) {
+          auto it = dispatch_first->find(name);
+          if (it != dispatch_first->end()) rows = at::cat({t, it->second});
         }
-        at::Tensor slice = padded.narrow(0, r * per, per);
+        // Python's slice: clipped to the rows there are.
+        const int64_t begin = std::min(r * per, rows.size(0));
+        const int64_t end = std::min((r + 1) * per, rows.size(0));
+        at::Tensor slice = rows.narrow(0, begin, end - begin);
         if (prepare.device.type() != c10::kCPU) {
           slice = slice.to(prepare.device, prepare.non_blocking);
         }
         mine.emplace(name, slice);
       }
     }));
-    if (next >= batches.size()) progress.remainder = static_cast<int64_t>(indices.size());
+    if (last) last_observed = observed;
     return std::optional<Batch>(std::move(mine));
+  }
+
+  // The batch rank 0 described: "name\tdtype\tdim0\tdim1...\n" per tensor.
+  static absl::StatusOr<Batch> EmptyBatchFromHeader(absl::string_view header) {
+    Batch batch;
+    for (absl::string_view line : absl::StrSplit(header, '\n', absl::SkipEmpty())) {
+      std::vector<std::string> fields = absl::StrSplit(line, '\t');
+      if (fields.size() < 2) {
+        return absl::DataLossError(
+            absl::StrCat("dispatch_batches: bad batch header line \"", line, "\""));
+      }
+      int dtype = 0;
+      if (!absl::SimpleAtoi(fields[1], &dtype) || dtype < 0 ||
+          dtype >= static_cast<int>(c10::ScalarType::NumOptions)) {
+        return absl::DataLossError(absl::StrCat("dispatch_batches: bad dtype \"", fields[1],
+                                                "\" for \"", fields[0], "\""));
+      }
+      std::vector<int64_t> shape;
+      for (size_t k = 2; k < fields.size(); ++k) {
+        int64_t d = 0;
+        if (!absl::SimpleAtoi(fields[k], &d) || d < 0) {
+          return absl::DataLossError(absl::StrCat("dispatch_batches: bad dimension \"", fields[k],
+                                                  "\" for \"", fields[0], "\""));
+        }
+        shape.push_back(d);
+      }
+      at::Tensor t;
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        t = at::empty(shape, at::TensorOptions().dtype(static_cast<c10::ScalarType>(dtype)));
+      }));
+      batch.emplace(fields[0], std::move(t));
+    }
+    return batch;
+  }
+
+  // end_of_dataloader is set while the last batch is current; the
+  // dispatcher's remainder is the size of its last global batch.
+  void MarkEnd() {
+    progress.end_of_dataloader = true;
+    if (dispatch() && last_observed >= 0) progress.remainder = last_observed;
   }
 
   void Unregister() {
@@ -548,17 +618,15 @@ absl::Status DataLoader::Start() {
   s.next = 0;
   s.progress = LoaderProgress{};
   s.progress.remainder = s.RemainderOf();
+  s.dispatch_first.reset();
+  s.last_observed = -1;
   s.running = true;
   if (s.active != nullptr) {
     s.active->Push(&s.progress);
     s.registered = true;
   }
   ACCEL_ASSIGN_OR_RETURN(s.lookahead, s.Fetch());
-  if (!s.lookahead) {
-    s.progress.end_of_dataloader = true;
-  } else if (s.next >= s.batches.size()) {
-    s.progress.end_of_dataloader = true;
-  }
+  if (s.next >= s.batches.size()) s.MarkEnd();  // no batch, or the first is the last
   return absl::OkStatus();
 }
 
@@ -579,7 +647,7 @@ absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
   if (s.next < s.batches.size()) {
     ACCEL_ASSIGN_OR_RETURN(s.lookahead, s.Fetch());
   }
-  s.progress.end_of_dataloader = !s.lookahead.has_value();
+  if (!s.lookahead) s.MarkEnd();
   return current;
 }
 

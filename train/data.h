@@ -56,6 +56,11 @@ int64_t ShardedLength(int64_t num_batches, bool drop_last, const ShardOptions& o
 absl::StatusOr<std::vector<int64_t>> ShardIterable(int64_t n, int64_t batch_size, bool drop_last,
                                                    const ShardOptions& options);
 
+// IterableDatasetShard.__len__ for a stream of `n` elements (the split-mode
+// quirk included: it counts batch_size * num_processes per real batch).
+int64_t IterableShardLength(int64_t n, int64_t batch_size, bool drop_last,
+                            const ShardOptions& options);
+
 // SkipBatchSampler: everything after the first `skip` batches.
 std::vector<IndexBatch> SkipBatches(const std::vector<IndexBatch>& batches, int64_t skip);
 

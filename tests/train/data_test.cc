@@ -10,6 +10,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+
 #include "tests/testing/multiprocess.h"
 #include "tests/testing/status_matchers.h"
 
@@ -141,6 +143,11 @@ TEST(BatchSamplerShard, NoSplitsNoEven) {
        false,
        {{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}},
        {{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 22, 23}}},
+      {24,
+       3,
+       true,
+       {{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}},
+       {{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 22, 23}}},
       {21,
        3,
        false,
@@ -177,6 +184,11 @@ TEST(BatchSamplerShard, SplitsNoEven) {
        false,
        {{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}, {20, 21}},
        {{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}, {22, 23}}},
+      {24,
+       4,
+       true,
+       {{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}, {20, 21}},
+       {{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}, {22, 23}}},
       {22,
        4,
        false,
@@ -191,6 +203,11 @@ TEST(BatchSamplerShard, SplitsNoEven) {
        4,
        false,
        {{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}, {20}},
+       {{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}}},
+      {21,
+       4,
+       true,
+       {{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}},
        {{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}}},
       {2, 4, false, {{0, 1}}, {}},
       {2, 4, true, {}, {}},
@@ -259,6 +276,8 @@ TEST(BatchSamplerShard, ThreeAndFourProcesses) {
   s = Shards(13, 6, 3, true, false, false);
   EXPECT_EQ(s,
             std::vector<Batches>({{{0, 1}, {6, 7}, {12}}, {{2, 3}, {8, 9}}, {{4, 5}, {10, 11}}}));
+  // The quirk: every rank reports 3 though ranks 1 and 2 yield 2.
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(ShardedLength(3, false, {3, r, true, false}), 3);
   s = Shards(13, 6, 3, true, true, true);
   EXPECT_EQ(s, std::vector<Batches>({{{0, 1}, {6, 7}}, {{2, 3}, {8, 9}}, {{4, 5}, {10, 11}}}));
   s = Shards(5, 4, 4, false, true, false);
@@ -303,6 +322,12 @@ TEST(IterableDatasetShard, DerivedVectors) {
       EXPECT_EQ(*got, c.ranks[static_cast<size_t>(r)]) << "n=" << c.n << " rank " << r;
     }
   }
+  // __len__: ceil (floor with drop_last) of n / (bs * P) real batches, times bs.
+  EXPECT_EQ(IterableShardLength(10, 4, false, {2, 0, false, true}), 8);
+  EXPECT_EQ(IterableShardLength(10, 4, true, {2, 1, false, true}), 4);
+  EXPECT_EQ(IterableShardLength(10, 4, false, {2, 0, true, true}), 8);  // quirk: yields 6
+  EXPECT_EQ(IterableShardLength(10, 4, true, {2, 0, true, true}), 4);
+  EXPECT_EQ(IterableShardLength(7, 2, false, {3, 2, false, true}), 4);
   EXPECT_THAT(ShardIterable(10, 3, false, {2, 0, true, true}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("round multiple")));
 }
@@ -320,6 +345,39 @@ TEST(SeedableSampler, MatchesTorchRandperm) {
 TEST(SkipBatchSampler, SkipsTheFirstBatches) {
   EXPECT_EQ(SkipBatches(Range(16, 4, false), 2), Batches({{8, 9, 10, 11}, {12, 13, 14, 15}}));
   EXPECT_TRUE(SkipBatches(Range(16, 4, false), 9).empty());
+}
+
+// A group of `size` ranks seen from rank `rank`, for loaders without
+// dispatch_batches: only the rank and the size are used.
+class FakeGroup : public ProcessGroup {
+ public:
+  FakeGroup(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& backend() const override { return name_; }
+  absl::Status AllReduce(std::vector<at::Tensor>&, ReduceOp) override { return Fake(); }
+  absl::StatusOr<std::unique_ptr<PendingWork>> AllReduceAsync(std::vector<at::Tensor>&,
+                                                              ReduceOp) override {
+    return Fake();
+  }
+  absl::StatusOr<at::Tensor> AllGather(const at::Tensor&) override { return Fake(); }
+  absl::Status Broadcast(at::Tensor&, int) override { return Fake(); }
+  absl::Status Barrier() override { return Fake(); }
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(absl::string_view) override {
+    return Fake();
+  }
+  absl::StatusOr<std::string> BroadcastBytes(absl::string_view, int) override { return Fake(); }
+
+ private:
+  static absl::Status Fake() { return absl::UnimplementedError("FakeGroup has no collectives"); }
+  int rank_, size_;
+  std::string name_ = "fake";
+};
+
+DataLoaderOptions Options(int64_t batch_size) {
+  DataLoaderOptions o;
+  o.batch_size = batch_size;
+  return o;
 }
 
 std::shared_ptr<TensorDataset> Numbers(int64_t n) {
@@ -363,35 +421,7 @@ TEST(DataLoaderShard, SeedablePipelineMatchesAccelerate) {
     auto base = DataLoader::Create(Numbers(c.n), o);
     ASSERT_THAT(base, IsOk());
     for (int r = 0; r < 2; ++r) {
-      // A fake group: only its rank and size matter without dispatch_batches.
-      struct FakeGroup : ProcessGroup {
-        int r;
-        explicit FakeGroup(int rank) : r(rank) {}
-        int rank() const override { return r; }
-        int size() const override { return 2; }
-        const std::string& backend() const override { return name; }
-        absl::Status AllReduce(std::vector<at::Tensor>&, ReduceOp) override {
-          return absl::UnimplementedError("fake");
-        }
-        absl::StatusOr<std::unique_ptr<PendingWork>> AllReduceAsync(std::vector<at::Tensor>&,
-                                                                    ReduceOp) override {
-          return absl::UnimplementedError("fake");
-        }
-        absl::StatusOr<at::Tensor> AllGather(const at::Tensor&) override {
-          return absl::UnimplementedError("fake");
-        }
-        absl::Status Broadcast(at::Tensor&, int) override {
-          return absl::UnimplementedError("fake");
-        }
-        absl::Status Barrier() override { return absl::UnimplementedError("fake"); }
-        absl::StatusOr<std::vector<std::string>> AllGatherBytes(absl::string_view) override {
-          return absl::UnimplementedError("fake");
-        }
-        absl::StatusOr<std::string> BroadcastBytes(absl::string_view, int) override {
-          return absl::UnimplementedError("fake");
-        }
-        std::string name = "fake";
-      } group(r);
+      FakeGroup group(r, 2);
       PrepareOptions prepare;
       prepare.data_seed = 42;
       auto loader = DataLoader::Prepare(**base, group, nullptr, prepare);
@@ -453,28 +483,185 @@ TEST(DataLoaderShard, SkipFirstBatchesKeepsTheEpoch) {
 }
 
 TEST(DataLoaderShard, RemainderForGatherForMetrics) {
-  // n=99, bs=16, P=2: the gathered last batch is 32 rows, remainder 99 % 32 = 3 = [96, 97, 98].
+  // n=99, bs=16, P=2 (§1.6): gather concatenates the ranks' last batches in
+  // rank order; the first `remainder` = 99 % 32 = 3 rows are [96, 97, 98].
   DataLoaderOptions o;
   o.batch_size = 16;
   auto base = DataLoader::Create(Numbers(99), o);
-  std::vector<int64_t> last_round;
+  ASSERT_THAT(base, IsOk());
+  std::vector<int64_t> gathered_last;
   for (int r = 0; r < 2; ++r) {
-    auto batches = ShardBatches(Range(99, 16, false), 16, false, {2, r, false, true});
+    FakeGroup group(r, 2);
+    ActiveLoaders active;
+    auto loader = DataLoader::Prepare(**base, group, &active, {});
+    ASSERT_THAT(loader, IsOk());
+    EXPECT_EQ((*loader)->total_batch_size(), 32);
+    EXPECT_EQ((*loader)->dataset_size(), 99);
+    EXPECT_EQ((*loader)->size(), 4);  // 7 batches over 2 ranks, evened
+    auto batches = (*loader)->EpochBatches();
     ASSERT_THAT(batches, IsOk());
-    last_round.insert(last_round.end(), batches->back().begin(), batches->back().end());
+    ASSERT_EQ(batches->size(), 4u);
+    gathered_last.insert(gathered_last.end(), batches->back().begin(), batches->back().end());
+    // What the loader yields is what EpochBatches says, and the progress on
+    // the last batch is what gather_for_metrics reads.
+    std::vector<bool> ends;
+    EXPECT_EQ(Pass(**loader, &ends), *batches);
+    EXPECT_EQ(ends, std::vector<bool>({false, false, false, true}));
+    EXPECT_EQ((*loader)->progress().remainder, 3);
+    EXPECT_TRUE((*loader)->progress().end_of_dataloader);
   }
-  const int64_t remainder = 99 % 32;
-  EXPECT_EQ(std::vector<int64_t>(last_round.begin(), last_round.begin() + remainder),
+  ASSERT_EQ(gathered_last.size(), 32u);
+  EXPECT_EQ(std::vector<int64_t>(gathered_last.begin(), gathered_last.begin() + 3),
             std::vector<int64_t>({96, 97, 98}));
+
+  // Single process: remainder = 99 % 16; drop_last: -1.
   ActiveLoaders active;
-  auto prepared = DataLoader::Prepare(**base, *ProcessGroup::Single(), &active, {});
-  ASSERT_THAT((*prepared)->Start(), IsOk());
-  EXPECT_EQ((*prepared)->progress().remainder, 99 % 16);
+  auto single = DataLoader::Prepare(**base, *ProcessGroup::Single(), &active, {});
+  ASSERT_THAT((*single)->Start(), IsOk());
+  EXPECT_EQ((*single)->progress().remainder, 99 % 16);
+  EXPECT_EQ((*single)->total_batch_size(), 16);
   DataLoaderOptions drop = o;
   drop.drop_last = true;
   auto dropped = DataLoader::Create(Numbers(99), drop);
   ASSERT_THAT((*dropped)->Start(), IsOk());
   EXPECT_EQ((*dropped)->progress().remainder, -1);
+  // Split batches: total_batch_size is the batch size.
+  PrepareOptions split;
+  split.shard.split_batches = true;
+  FakeGroup rank1(1, 2);
+  auto split_loader = DataLoader::Prepare(**base, rank1, nullptr, split);
+  ASSERT_THAT(split_loader, IsOk());
+  EXPECT_EQ((*split_loader)->total_batch_size(), 16);
+  EXPECT_EQ((*split_loader)->size(), 7);
+  ASSERT_THAT((*split_loader)->Start(), IsOk());
+  EXPECT_EQ((*split_loader)->progress().remainder, 99 % 16);
+}
+
+TEST(DataLoaderShard, PreparedLoaderShardsTheEpochsOrder) {
+  // Prepare is BatchSamplerShard over the base loader's batches, for every
+  // combination of split / even / drop_last.
+  for (bool split : {false, true}) {
+    for (bool even : {false, true}) {
+      for (bool drop : {false, true}) {
+        DataLoaderOptions o;
+        o.batch_size = 4;
+        o.drop_last = drop;
+        auto base = DataLoader::Create(Numbers(22), o);
+        ASSERT_THAT(base, IsOk());
+        for (int r = 0; r < 2; ++r) {
+          FakeGroup group(r, 2);
+          PrepareOptions prepare;
+          prepare.shard.split_batches = split;
+          prepare.shard.even_batches = even;
+          auto loader = DataLoader::Prepare(**base, group, nullptr, prepare);
+          ASSERT_THAT(loader, IsOk());
+          auto want = ShardBatches(Range(22, 4, drop), 4, drop, {2, r, split, even});
+          ASSERT_THAT(want, IsOk());
+          EXPECT_EQ(Pass(**loader), *want) << split << even << drop << " rank " << r;
+          EXPECT_EQ((*loader)->size(), ShardedLength(drop ? 5 : 6, drop, {2, r, split, even}));
+        }
+      }
+    }
+  }
+}
+
+TEST(SeedableSampler, Reproducibility) {
+  auto epochs = [](std::optional<uint64_t> seed, std::optional<uint64_t> data_seed, int p) {
+    std::vector<std::vector<std::vector<int64_t>>> out;
+    DataLoaderOptions o;
+    o.batch_size = 2;
+    o.shuffle = true;
+    o.seed = seed;
+    auto base = DataLoader::Create(Numbers(10), o);
+    EXPECT_THAT(base, IsOk());
+    for (int r = 0; r < p; ++r) {
+      FakeGroup group(r, p);
+      PrepareOptions prepare;
+      prepare.data_seed = data_seed;
+      auto loader = DataLoader::Prepare(**base, group, nullptr, prepare);
+      EXPECT_THAT(loader, IsOk());
+      (*loader)->set_epoch(0);
+      for (int e = 0; e < 3; ++e) out.push_back(Pass(**loader));
+      EXPECT_EQ((*loader)->epoch(), 3);
+    }
+    return out;
+  };
+  for (int p : {1, 2}) {
+    // set_seed(21) twice: the same order; set_seed(42): another.
+    EXPECT_EQ(epochs(21, std::nullopt, p), epochs(21, std::nullopt, p));
+    EXPECT_NE(epochs(21, std::nullopt, p), epochs(42, std::nullopt, p));
+    // data_seed wins over the seed; 42 and 43 differ.
+    EXPECT_EQ(epochs(7, 42, p), epochs(8, 42, p));
+    EXPECT_NE(epochs(7, 42, p), epochs(7, 43, p));
+  }
+  // The seed is initial_seed + epoch: epoch 1 of seed 42 is epoch 0 of seed 43.
+  auto one = epochs(42, std::nullopt, 1);
+  auto other = epochs(43, std::nullopt, 1);
+  EXPECT_EQ(one[1], other[0]);
+  std::vector<int64_t> flat;
+  for (const auto& b : one[0]) flat.insert(flat.end(), b.begin(), b.end());
+  EXPECT_EQ(flat, RandomPermutation(10, 42));
+  // Unset seeds shuffle with 0.
+  auto zero = epochs(std::nullopt, std::nullopt, 1);
+  flat.clear();
+  for (const auto& b : zero[0]) flat.insert(flat.end(), b.begin(), b.end());
+  EXPECT_EQ(flat, std::vector<int64_t>({4, 1, 7, 5, 3, 9, 0, 8, 6, 2}));
+}
+
+// A dataset whose row `bad` cannot be read.
+class BrokenDataset : public Dataset {
+ public:
+  explicit BrokenDataset(int64_t bad) : bad_(bad) {}
+  int64_t size() const override { return 8; }
+  absl::StatusOr<Example> Get(int64_t index) const override {
+    if (index == bad_) return absl::DataLossError(absl::StrCat("row ", index, " is corrupt"));
+    return Example{{"x", at::scalar_tensor(index, at::kLong)}};
+  }
+
+ private:
+  int64_t bad_;
+};
+
+TEST(DataLoader, DatasetErrorsReachTheCaller) {
+  DataLoaderOptions o;
+  o.batch_size = 2;
+  auto at_start = DataLoader::Create(std::make_shared<BrokenDataset>(1), o);
+  EXPECT_THAT((*at_start)->Start(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("row 1")));
+  auto later = DataLoader::Create(std::make_shared<BrokenDataset>(5), o);
+  ASSERT_THAT((*later)->Start(), IsOk());
+  // One batch ahead: the second Next reads batch 2, which holds row 5.
+  EXPECT_THAT((*later)->Next(), IsOk());
+  EXPECT_THAT((*later)->Next(), StatusIs(absl::StatusCode::kDataLoss, HasSubstr("row 5")));
+}
+
+TEST(DataLoader, UnpreparedLoader) {
+  DataLoaderOptions o;
+  o.batch_size = 3;
+  auto loader = DataLoader::Create(Numbers(7), o);
+  ASSERT_THAT(loader, IsOk());
+  EXPECT_EQ((*loader)->size(), 3);
+  EXPECT_EQ((*loader)->total_batch_size(), 3);
+  EXPECT_EQ((*loader)->dataset_size(), 7);
+  std::vector<bool> ends;
+  EXPECT_EQ(Pass(**loader, &ends), std::vector<std::vector<int64_t>>({{0, 1, 2}, {3, 4, 5}, {6}}));
+  EXPECT_EQ(ends, std::vector<bool>({false, false, true}));
+  EXPECT_EQ((*loader)->epoch(), 1);
+  EXPECT_EQ((*loader)->progress().remainder, 1);
+  // Collate stacks each column along a new dimension 0.
+  auto ds = TensorDataset::Create(
+      {{"x", at::arange(12, at::kFloat).reshape({4, 3})}, {"y", at::arange(4, at::kLong)}});
+  ASSERT_THAT(ds, IsOk());
+  auto pairs = DataLoader::Create(*ds, Options(2));
+  ASSERT_THAT((*pairs)->Start(), IsOk());
+  auto first = (*pairs)->Next();
+  ASSERT_THAT(first, IsOk());
+  EXPECT_TRUE(at::equal((**first).at("x"), at::arange(6, at::kFloat).reshape({2, 3})));
+  EXPECT_TRUE(at::equal((**first).at("y"), at::arange(2, at::kLong)));
+  // An empty dataset: a pass with no batch.
+  auto none = DataLoader::Create(Numbers(0), o);
+  ASSERT_THAT(none, IsOk());
+  EXPECT_TRUE(Pass(**none).empty());
+  EXPECT_EQ((*none)->size(), 0);
 }
 
 TEST(DataLoader, BadInputNamesTheProblem) {
@@ -498,44 +685,101 @@ TEST(DataLoader, BadInputNamesTheProblem) {
   EXPECT_THAT((*loader)->Next(), StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
-// dispatch_batches over two real ranks: rank 0 reads, both get their slice,
-// and the gathered batches are the dataset.
+// dispatch_batches over two real ranks: rank 0 reads, broadcasts the global
+// batch, and each rank keeps its slice (Accelerate's DataLoaderDispatcher, §1.5).
 TEST(DataLoaderDispatcherWorker, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of DataLoaderDispatcher.TwoRanks";
   auto env = DetectProcessEnvironment(ProcessEnv());
   ASSERT_THAT(env, IsOk());
   auto group = ProcessGroup::Connect(*env, {});
   ASSERT_THAT(group, IsOk());
-  DataLoaderOptions o;
-  o.batch_size = 2;
-  auto base = DataLoader::Create(Numbers(9), o);
-  ActiveLoaders active;
+  const int rank = (*group)->rank();
+  ASSERT_EQ((*group)->size(), 2);
+  struct Case {
+    std::string name;
+    int64_t n, bs;
+    bool drop, split, shuffle;
+    int64_t size, remainder;
+    Batches p0, p1;
+  };
+  const std::vector<Case> cases = {
+      // Global batches [0..3] [4..7] [8]: the last gets the first P rows of
+      // the first batch ([8, 0, 1]) and a slice of 1 each.
+      {"n9", 9, 2, false, false, false, 3, 1, {{0, 1}, {4, 5}, {8}}, {{2, 3}, {6, 7}, {0}}},
+      // [8, 9, 10] + [0, 1], slices of 2.
+      {"n11",
+       11,
+       2,
+       false,
+       false,
+       false,
+       3,
+       3,
+       {{0, 1}, {4, 5}, {8, 9}},
+       {{2, 3}, {6, 7}, {10, 0}}},
+      // Divisible: no padding.
+      {"n12",
+       12,
+       2,
+       false,
+       false,
+       false,
+       3,
+       4,
+       {{0, 1}, {4, 5}, {8, 9}},
+       {{2, 3}, {6, 7}, {10, 11}}},
+      // drop_last: 5 base batches, the incomplete group [8, 9] is dropped.
+      {"drop", 10, 2, true, false, false, 2, 4, {{0, 1}, {4, 5}}, {{2, 3}, {6, 7}}},
+      // split: one base batch per global batch, halves; the short last one [8, 9] too.
+      {"split", 10, 4, false, true, false, 3, 2, {{0, 1}, {4, 5}, {8}}, {{2, 3}, {6, 7}, {9}}},
+      // Seeded shuffle (seed 42): rank 0 reads 2 6 1 8 | 4 5 0 9 | 3 7.
+      {"shuffle", 10, 2, false, false, true, 3, 2, {{2, 6}, {4, 5}, {3}}, {{1, 8}, {0, 9}, {7}}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    DataLoaderOptions o;
+    o.batch_size = c.bs;
+    o.drop_last = c.drop;
+    o.shuffle = c.shuffle;
+    o.seed = 42;
+    auto base = DataLoader::Create(Numbers(c.n), o);
+    ASSERT_THAT(base, IsOk());
+    ActiveLoaders active;
+    PrepareOptions prepare;
+    prepare.dispatch_batches = true;
+    prepare.shard.split_batches = c.split;
+    auto loader = DataLoader::Prepare(**base, **group, &active, prepare);
+    ASSERT_THAT(loader, IsOk());
+    EXPECT_EQ((*loader)->size(), c.size);
+    for (int pass = 0; pass < 2 && !c.shuffle; ++pass) {
+      std::vector<bool> ends;
+      EXPECT_EQ(Pass(**loader, &ends), rank == 0 ? c.p0 : c.p1);
+      std::vector<bool> want_ends(static_cast<size_t>(c.size), false);
+      want_ends.back() = true;
+      EXPECT_EQ(ends, want_ends);  // end_of_dataloader exactly on the last batch, every pass
+      EXPECT_EQ((*loader)->progress().remainder, c.remainder);
+      EXPECT_EQ(active.active(), nullptr);
+    }
+    if (c.shuffle) {
+      EXPECT_EQ(Pass(**loader), rank == 0 ? c.p0 : c.p1);
+    }
+  }
+  // A row rank 0 cannot read fails the pass on both ranks (no rank waits for
+  // a broadcast that never comes).
+  auto broken = DataLoader::Create(std::make_shared<BrokenDataset>(5), Options(2));
   PrepareOptions prepare;
   prepare.dispatch_batches = true;
-  auto loader = DataLoader::Prepare(**base, **group, &active, prepare);
+  auto loader = DataLoader::Prepare(**broken, **group, nullptr, prepare);
   ASSERT_THAT(loader, IsOk());
-  EXPECT_EQ((*loader)->size(), 3);  // ceil(5 batches / 2)
-  auto mine = Pass(**loader);
-  std::vector<int64_t> flat;
-  for (const auto& b : mine) flat.insert(flat.end(), b.begin(), b.end());
-  auto all = (*group)->AllGatherBytes(
-      std::string(reinterpret_cast<const char*>(flat.data()), flat.size() * sizeof(int64_t)));
-  ASSERT_THAT(all, IsOk());
-  // Rank r holds rows [r*2, r*2+2) of each global batch of 4; the last global
-  // batch is the one row [8], which each rank gets (rank 1's copy is padding,
-  // which gather_for_metrics drops: remainder 1).
-  EXPECT_EQ(mine.size(), 3u);
-  ASSERT_EQ((*all)[0].size(), 5 * sizeof(int64_t));
-  ASSERT_EQ((*all)[1].size(), 5 * sizeof(int64_t));
-  const auto* r0 = reinterpret_cast<const int64_t*>((*all)[0].data());
-  const auto* r1 = reinterpret_cast<const int64_t*>((*all)[1].data());
-  EXPECT_EQ(std::vector<int64_t>(r0, r0 + 5), std::vector<int64_t>({0, 1, 4, 5, 8}));
-  EXPECT_EQ(std::vector<int64_t>(r1, r1 + 5), std::vector<int64_t>({2, 3, 6, 7, 8}));
-  EXPECT_EQ((*loader)->progress().remainder, 1);
+  ASSERT_THAT((*loader)->Start(), IsOk());
+  EXPECT_THAT((*loader)->Next(),
+              StatusIs(rank == 0 ? absl::StatusCode::kDataLoss : absl::StatusCode::kAborted,
+                       HasSubstr("row 5 is corrupt")));
 }
 
 TEST(DataLoaderDispatcher, TwoRanks) {
-  EXPECT_THAT(test::RunRanks(2, "DataLoaderDispatcherWorker.Run"), testing::Each(0));
+  EXPECT_THAT(test::RunRanks(2, "DataLoaderDispatcherWorker.Run", {}, /*timeout_s=*/60),
+              testing::Each(0));
 }
 
 }  // namespace
