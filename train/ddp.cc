@@ -83,6 +83,14 @@ class Synchronizer : public GradientSynchronizer {
   }
 
   absl::Status Init(NamedTensors parameters, NamedTensors buffers) {
+    for (const auto* list : {&parameters, &buffers}) {
+      for (const auto& [name, t] : *list) {
+        if (!t.defined()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(list == &parameters ? "parameter " : "buffer ", name, " is undefined"));
+        }
+      }
+    }
     // Every rank starts from rank 0's weights and buffers.
     {
       at::NoGradGuard no_grad;
@@ -98,6 +106,11 @@ class Synchronizer : public GradientSynchronizer {
     buffers_ = std::move(buffers);
     for (auto& [name, t] : parameters) {
       if (!t.requires_grad()) continue;
+      if (!t.is_leaf()) {
+        // Only a leaf has an AccumulateGrad to hook, and a .grad to average.
+        return absl::InvalidArgumentError(absl::StrCat(
+            "parameter ", name, " is not a leaf tensor (it was computed from others)"));
+      }
       params_.push_back(Param{name, t});
     }
     // Buckets in reverse registration order (gradients arrive roughly in

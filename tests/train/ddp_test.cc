@@ -208,6 +208,15 @@ TEST(Ddp, BadOptions) {
   options.bucket_cap_mb = 0;
   EXPECT_THAT(GradientSynchronizer::Attach({}, {}, *group, options),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bucket_cap_mb")));
+  at::Tensor leaf = at::ones({2}).requires_grad_();
+  EXPECT_THAT(GradientSynchronizer::Attach({{"twice", leaf * 2}}, {}, *group, {}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("twice"), HasSubstr("not a leaf"))));
+  EXPECT_THAT(
+      GradientSynchronizer::Attach({{"w", leaf}}, {{"running_mean", at::Tensor()}}, *group, {}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("buffer running_mean is undefined")));
+  EXPECT_THAT(GradientSynchronizer::Attach({{"ghost", at::Tensor()}}, {}, *group, {}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("parameter ghost")));
 }
 
 // PyTorch's bucketing: reverse registration order, the first bucket capped at
