@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <regex>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -12,6 +13,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <nlohmann/json.hpp>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize.h>
 #include <torch/serialize/input-archive.h>
@@ -20,6 +22,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 
 #include "core/status.h"
@@ -121,6 +124,86 @@ std::vector<fs::path> CheckpointEntries(const std::string& project_dir) {
   return entries;
 }
 
+// One shard: the tensors of one file, in state-dict order.
+using Shard = std::vector<loader::NamedTensor>;
+
+// Two names for one tensor: same storage, offset, shape, strides and dtype.
+struct AliasKey {
+  const void* storage;
+  int64_t offset;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  c10::ScalarType dtype;
+  bool operator<(const AliasKey& o) const {
+    return std::tie(storage, offset, sizes, strides, dtype) <
+           std::tie(o.storage, o.offset, o.sizes, o.strides, o.dtype);
+  }
+};
+
+// huggingface_hub's split_state_dict_into_shards_factory, after Accelerate's
+// clean_state_dict_for_safetensors: a name whose tensor is the very tensor of
+// an earlier name (tied weights) is dropped, the first name kept. Then, in
+// state-dict order, a tensor over the limit is appended as a shard of its own
+// at once (the shard being filled stays open), and the shard being filled is
+// closed when the next tensor would take it over the limit. A tensor that is
+// a different view of an earlier tensor's storage joins that tensor's shard
+// (Accelerate would drop it, losing its values; we write it as a copy).
+absl::StatusOr<std::vector<Shard>> SplitIntoShards(const StateDict& state_dict,
+                                                   int64_t max_shard_size) {
+  std::set<AliasKey> aliases;
+  std::map<const void*, std::string> first_of_storage;
+  std::vector<std::pair<std::string, loader::NamedTensor>> joiners;  // (first name, tensor)
+  std::vector<Shard> shards;
+  Shard current;
+  uint64_t current_size = 0;
+  const auto limit = static_cast<uint64_t>(max_shard_size);
+  for (const auto& [name, t] : state_dict) {
+    if (!t.defined())
+      return absl::InvalidArgumentError(absl::StrCat("\"", name, "\" is undefined"));
+    const void* storage = t.storage().data();
+    if (storage != nullptr) {
+      AliasKey key{storage, t.storage_offset(), t.sizes().vec(), t.strides().vec(),
+                   t.scalar_type()};
+      if (!aliases.insert(std::move(key)).second) continue;
+      auto [first, added] = first_of_storage.emplace(storage, name);
+      if (!added) {
+        joiners.push_back({first->second, {name, t.detach()}});
+        continue;
+      }
+    }
+    const uint64_t size = t.nbytes();
+    if (size > limit) {
+      shards.push_back({{name, t.detach()}});
+      continue;
+    }
+    if (current_size + size > limit) {
+      shards.push_back(std::move(current));
+      current.clear();
+      current_size = 0;
+    }
+    current.emplace_back(name, t.detach());
+    current_size += size;
+  }
+  if (!current.empty() || shards.empty()) shards.push_back(std::move(current));
+  std::map<std::string, size_t> shard_of_name;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    for (const auto& [n, unused] : shards[i]) shard_of_name[n] = i;
+  }
+  for (auto& [first, tensor] : joiners)
+    shards[shard_of_name.at(first)].push_back(std::move(tensor));
+  return shards;
+}
+
+std::string RegexQuote(absl::string_view text) {
+  static const std::string kSpecial = R"(\^$.|?*+()[]{})";
+  std::string out;
+  for (char c : text) {
+    if (kSpecial.find(c) != std::string::npos) out.push_back('\\');
+    out.push_back(c);
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::StatusOr<int64_t> ParseShardSize(absl::string_view text) {
@@ -144,7 +227,10 @@ absl::StatusOr<int64_t> ParseShardSize(absl::string_view text) {
     if (!absl::ConsumeSuffix(&number, u.suffix)) continue;
     double value = 0;
     if (!absl::SimpleAtod(absl::StripAsciiWhitespace(number), &value) || !(value > 0)) break;
-    return static_cast<int64_t>(value * static_cast<double>(u.factor));
+    const double bytes = value * static_cast<double>(u.factor);
+    // 2^63 as a double: anything at or past it (inf included) has no int64_t.
+    if (!(bytes < 9.2233720368547758e18) || bytes < 1) break;
+    return static_cast<int64_t>(bytes);
   }
   int64_t bytes = 0;
   if (absl::SimpleAtoi(t, &bytes) && bytes > 0) return bytes;
@@ -154,44 +240,92 @@ absl::StatusOr<int64_t> ParseShardSize(absl::string_view text) {
 
 absl::Status SaveModel(const StateDict& state_dict, const std::string& dir,
                        const SaveModelOptions& options) {
-  // Tensors sharing storage (tied weights) are kept once, under the first
-  // name (Accelerate's clean_state_dict_for_safetensors).
-  std::vector<loader::NamedTensor> tensors;
-  std::set<std::pair<const void*, int64_t>> seen;
-  for (const auto& [name, t] : state_dict) {
-    if (!t.defined())
-      return absl::InvalidArgumentError(absl::StrCat("\"", name, "\" is undefined"));
-    const auto key = std::make_pair(t.storage().data(), t.storage_offset());
-    if (t.storage().data() != nullptr && !seen.insert(key).second) continue;
-    tensors.emplace_back(name, t.detach());
+  if (options.max_shard_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_shard_size must be positive, got ", options.max_shard_size));
   }
-  if (options.weights_name == "model") {
-    loader::CheckpointWriteOptions write;
-    write.max_shard_size = options.max_shard_size;
-    return loader::WriteCheckpoint(dir, tensors, write).status();
+  if (options.weights_name.empty() || options.weights_name.find('/') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("weights_name \"", options.weights_name,
+                                                   "\" must be a plain, non-empty file stem"));
   }
+  ACCEL_ASSIGN_OR_RETURN(std::vector<Shard> shards,
+                         SplitIntoShards(state_dict, options.max_shard_size));
+  const std::string& stem = options.weights_name;
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating folder ", dir));
-  return loader::WriteSafetensors(absl::StrCat(dir, "/", options.weights_name, ".safetensors"),
-                                  tensors, {{"format", "pt"}});
+
+  // Every shard goes to a hidden temporary name first and is renamed only
+  // when all were written, so a failed save leaves the earlier files as they
+  // were and nothing of its own behind.
+  std::vector<std::string> names;
+  std::vector<std::string> temps;
+  auto remove_temps = [&] {
+    for (const std::string& t : temps) fs::remove(t, ec);
+  };
+  uint64_t total_size = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    names.push_back(shards.size() == 1 ? absl::StrCat(stem, ".safetensors")
+                                       : absl::StrFormat("%s-%05d-of-%05d.safetensors", stem, i + 1,
+                                                         shards.size()));
+    temps.push_back(absl::StrCat(dir, "/.", names.back(), ".partial"));
+    for (const auto& [name, t] : shards[i]) total_size += t.nbytes();
+    absl::Status s = loader::WriteSafetensors(temps.back(), shards[i], {{"format", "pt"}});
+    if (!s.ok()) {
+      remove_temps();
+      return Annotate(s, absl::StrCat("saving the model to ", dir));
+    }
+  }
+  for (size_t i = 0; i < shards.size(); ++i) {
+    fs::rename(temps[i], absl::StrCat(dir, "/", names[i]), ec);
+    if (ec) {
+      absl::Status s = ErrnoStatus(ec.value(), absl::StrCat("renaming ", temps[i]));
+      remove_temps();
+      return s;
+    }
+  }
+  const std::string index_name = absl::StrCat(stem, ".safetensors.index.json");
+  if (shards.size() > 1) {
+    // huggingface_hub's index: json.dumps(indent=2, sort_keys=True) + "\n";
+    // nlohmann::json keeps object keys sorted.
+    nlohmann::json weight_map = nlohmann::json::object();
+    for (size_t i = 0; i < shards.size(); ++i) {
+      for (const auto& [name, t] : shards[i]) weight_map[name] = names[i];
+    }
+    nlohmann::json index = {{"metadata", {{"total_size", total_size}}}, {"weight_map", weight_map}};
+    ACCEL_RETURN_IF_ERROR(
+        loader::WriteFileAtomically(absl::StrCat(dir, "/", index_name), index.dump(2) + "\n"));
+  }
+
+  // The new files are complete: remove what an earlier save with this stem
+  // left that is not part of this one (Accelerate removes stale shards; the
+  // stale index or single file would otherwise shadow or confuse a reader).
+  const std::set<std::string> keep(names.begin(), names.end());
+  const std::regex shard_name(absl::StrCat(RegexQuote(stem), "-\\d{5}-of-\\d{5}\\.safetensors"));
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (keep.count(name) || !entry.is_regular_file(ec)) continue;
+    const bool stale = std::regex_match(name, shard_name) ||
+                       (shards.size() == 1 && name == index_name) ||
+                       (shards.size() > 1 && name == absl::StrCat(stem, ".safetensors"));
+    if (!stale) continue;
+    fs::remove(entry.path(), ec);
+    if (ec) return ErrnoStatus(ec.value(), absl::StrCat("removing stale ", entry.path().string()));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<StateDict> LoadModelWeights(const std::string& dir, absl::string_view weights_name) {
+  const std::string index = absl::StrCat(dir, "/", weights_name, ".safetensors.index.json");
+  const std::string single = absl::StrCat(dir, "/", weights_name, ".safetensors");
+  std::error_code ec;
+  ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint checkpoint,
+                         loader::Checkpoint::Open(fs::exists(index, ec) ? index : single));
   StateDict out;
-  if (weights_name == "model") {
-    ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint checkpoint, loader::Checkpoint::Open(dir));
-    for (const auto& entry : checkpoint.tensors()) {
-      ACCEL_ASSIGN_OR_RETURN(at::Tensor t, checkpoint.Tensor(entry.info.name));
-      out.emplace_back(entry.info.name, t.clone());
-    }
-    return out;
-  }
-  const std::string path = absl::StrCat(dir, "/", weights_name, ".safetensors");
-  ACCEL_ASSIGN_OR_RETURN(loader::SafetensorsFile file, loader::SafetensorsFile::Open(path));
-  for (const auto& info : file.tensors()) {
-    ACCEL_ASSIGN_OR_RETURN(at::Tensor t, file.Tensor(info.name));
-    out.emplace_back(info.name, t.clone());
+  for (const auto& entry : checkpoint.tensors()) {
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor t, checkpoint.Tensor(entry.info.name));
+    // A copy: the mapped tensor would keep the file open and its pages shared.
+    out.emplace_back(entry.info.name, t.clone());
   }
   return out;
 }
@@ -284,12 +418,30 @@ RandomStates CaptureRandomStates(int64_t step) {
 }
 
 absl::Status RestoreRandomStates(const RandomStates& states) {
-  return Annotate(CallTorch([&] {
-                    auto gen = at::detail::getDefaultCPUGenerator();
-                    std::lock_guard<std::mutex> lock(gen.mutex());
-                    gen.set_state(states.cpu_state);
-                  }),
-                  "restoring the CPU random state");
+  if (!states.cpu_state.defined()) {
+    return absl::InvalidArgumentError("restoring the CPU random state: no state tensor");
+  }
+  ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                   auto gen = at::detail::getDefaultCPUGenerator();
+                                   std::lock_guard<std::mutex> lock(gen.mutex());
+                                   gen.set_state(states.cpu_state);
+                                 }),
+                                 "restoring the CPU random state"));
+  // Like torch.cuda.set_rng_state_all: one state per device, in order. States
+  // saved on more devices than this process sees (or on a CUDA machine, read
+  // back without CUDA) are left unused.
+  if (states.cuda_states.empty() || !at::globalContext().hasCUDA()) return absl::OkStatus();
+  const int n = at::detail::getCUDAHooks().getNumGPUs();
+  for (int i = 0; i < n && i < static_cast<int>(states.cuda_states.size()); ++i) {
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                     at::Generator g =
+                                         at::detail::getCUDAHooks().getDefaultCUDAGenerator(i);
+                                     std::lock_guard<std::mutex> lock(g.mutex());
+                                     g.set_state(states.cuda_states[static_cast<size_t>(i)]);
+                                   }),
+                                   absl::StrCat("restoring the random state of CUDA device ", i)));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SaveRandomStates(const RandomStates& states, const std::string& path) {

@@ -49,10 +49,15 @@ struct SaveModelOptions {
 };
 
 // Writes `state_dict` (huggingface_hub's greedy split: state-dict order, a
-// tensor over the limit alone, tensors sharing storage kept once, in the
-// shard of the first) as safetensors with metadata {"format": "pt"}; the
-// index is JSON with indent 2, sorted keys and a trailing newline. Shards of
-// an earlier save with the same stem that the new split does not use are removed.
+// tensor over the limit a shard of its own, appended at once) as safetensors
+// with metadata {"format": "pt"}; the index is JSON with indent 2, sorted keys
+// and a trailing newline. A name whose tensor is exactly an earlier name's
+// (tied weights: same storage, offset, shape, strides, dtype) is dropped, the
+// first kept (clean_state_dict_for_safetensors); a different view of an
+// earlier tensor's storage is written as a copy in that tensor's shard
+// (Accelerate would drop it). All files are written under temporary names and
+// renamed once all succeeded, the index last; then this stem's shards, index
+// or single file of an earlier save that the new one does not use are removed.
 absl::Status SaveModel(const StateDict& state_dict, const std::string& dir,
                        const SaveModelOptions& options = {});
 // Reads back what SaveModel wrote (one file or the index and its shards), on CPU.
@@ -72,7 +77,8 @@ absl::StatusOr<GradScalerState> LoadScalerState(const std::string& path);
 
 // random_states_{rank}.pkl: {"step": accumulation step, "torch_manual_seed":
 // the CPU generator state, "torch_cuda_manual_seed": one state per CUDA
-// device}, plus a "sampler_epoch" / "sampler_seed" pair of ours.
+// device}. Restore sets the CPU generator and, where CUDA is present, the
+// first min(saved, visible) devices' generators (torch.cuda.set_rng_state_all).
 struct RandomStates {
   int64_t step = 0;
   at::Tensor cpu_state;                 // uint8, at::CPUGeneratorImpl::get_state()

@@ -2,9 +2,12 @@
 // ModelForTest case), the state files, and checkpoint naming.
 #include "train/checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
+#include <vector>
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
@@ -14,6 +17,9 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
@@ -41,6 +47,48 @@ StateDict ModelForTest() {
           {"linear2.bias", l2->bias}};
 }
 
+// Any error whose message contains `text` (the code depends on the errno).
+MATCHER_P(FailsMentioning, text, absl::StrCat("fails mentioning ", text)) {
+  const absl::Status& s = ::accel::test::GetStatus(arg);
+  *result_listener << "status " << s;
+  return !s.ok() && absl::StrContains(s.message(), text);
+}
+
+// An independent reading of a safetensors header: tensor name -> byte count
+// (data_offsets end - begin), and the __metadata__ object.
+struct SafetensorsHeader {
+  std::map<std::string, int64_t> bytes;
+  nlohmann::json metadata;
+  int64_t total = 0;
+};
+SafetensorsHeader ReadHeader(const std::string& path) {
+  const std::string file = test::ReadAll(path);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(file[static_cast<size_t>(i)]);
+  nlohmann::json header = nlohmann::json::parse(file.substr(8, n));
+  SafetensorsHeader out;
+  for (const auto& [name, info] : header.items()) {
+    if (name == "__metadata__") {
+      out.metadata = info;
+      continue;
+    }
+    const int64_t b =
+        info["data_offsets"][1].get<int64_t>() - info["data_offsets"][0].get<int64_t>();
+    out.bytes[name] = b;
+    out.total += b;
+  }
+  return out;
+}
+
+std::vector<std::string> FilesIn(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 TEST(ParseShardSize, DecimalBinaryAndBytes) {
   EXPECT_EQ(*ParseShardSize("10GB"), 10'000'000'000);
   EXPECT_EQ(*ParseShardSize("500MB"), 500'000'000);
@@ -50,7 +98,55 @@ TEST(ParseShardSize, DecimalBinaryAndBytes) {
   EXPECT_EQ(*ParseShardSize("1.5mb"), 1'500'000);
   EXPECT_THAT(ParseShardSize("ten"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"ten\"")));
-  EXPECT_THAT(ParseShardSize("-5GB"), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(*ParseShardSize(" 10 KB "), 10'000);  // huggingface_hub's whitespace rule
+  EXPECT_EQ(*ParseShardSize("20mb"), 20'000'000);
+  EXPECT_EQ(*ParseShardSize("1TB"), 1'000'000'000'000);
+  EXPECT_EQ(*ParseShardSize("3KiB"), 3072);
+  EXPECT_EQ(*ParseShardSize("100B"), 100);
+  for (const char* bad : {"-5GB", "", "0", "5XB", "1ooKB", "infGB", "nanMB", "1e30TB", "GB"}) {
+    EXPECT_THAT(ParseShardSize(bad), StatusIs(absl::StatusCode::kInvalidArgument,
+                                              HasSubstr(absl::StrCat("\"", bad, "\""))))
+        << bad;
+  }
+}
+
+// huggingface_hub's test_multiple_shards vector (sizes 6, 10, 30, 2, 2, limit
+// 10): the oversized layer_3 is a shard of its own, appended while layer_2's
+// shard is still being filled, so it comes second.
+TEST(SaveModel, HuggingfaceHubSplitVector) {
+  test::TempDir dir;
+  StateDict state;
+  int64_t i = 0;
+  for (int64_t n : {6, 10, 30, 2, 2}) {
+    ++i;
+    state.emplace_back(absl::StrCat("layer_", i), at::full({n}, i, at::kByte));
+  }
+  SaveModelOptions o;
+  o.max_shard_size = 10;
+  ASSERT_THAT(SaveModel(state, dir.path(), o), IsOk());
+  // json.dumps(index, indent=2, sort_keys=True) + "\n", byte for byte.
+  EXPECT_EQ(test::ReadAll(dir.File("model.safetensors.index.json")),
+            "{\n"
+            "  \"metadata\": {\n"
+            "    \"total_size\": 50\n"
+            "  },\n"
+            "  \"weight_map\": {\n"
+            "    \"layer_1\": \"model-00001-of-00004.safetensors\",\n"
+            "    \"layer_2\": \"model-00003-of-00004.safetensors\",\n"
+            "    \"layer_3\": \"model-00002-of-00004.safetensors\",\n"
+            "    \"layer_4\": \"model-00004-of-00004.safetensors\",\n"
+            "    \"layer_5\": \"model-00004-of-00004.safetensors\"\n"
+            "  }\n"
+            "}\n");
+  EXPECT_THAT(ReadHeader(dir.File("model-00004-of-00004.safetensors")).bytes,
+              ::testing::ElementsAre(::testing::Pair("layer_4", 2), ::testing::Pair("layer_5", 2)));
+  EXPECT_EQ(ReadHeader(dir.File("model-00002-of-00004.safetensors")).metadata,
+            nlohmann::json({{"format", "pt"}}));
+  auto back = LoadModelWeights(dir.path());
+  ASSERT_THAT(back, IsOk());
+  std::map<std::string, at::Tensor> by_name(back->begin(), back->end());
+  ASSERT_EQ(by_name.size(), 5u);
+  for (const auto& [name, t] : state) EXPECT_TRUE(at::equal(by_name.at(name), t)) << name;
 }
 
 TEST(SaveModel, UpstreamThreeShards) {
@@ -76,6 +172,15 @@ TEST(SaveModel, UpstreamThreeShards) {
   }
   EXPECT_EQ(map["linear2.weight"], s3);
   EXPECT_EQ(map["linear2.bias"], s3);
+  // The byte sizes of the table, read from each shard's own header.
+  const SafetensorsHeader h1 = ReadHeader(dir.File(s1)), h2 = ReadHeader(dir.File(s2)),
+                          h3 = ReadHeader(dir.File(s3));
+  EXPECT_EQ(h1.total, 96);
+  EXPECT_EQ(h1.bytes.at("linear1.weight"), 48);
+  EXPECT_EQ(h2.total, 40);
+  EXPECT_EQ(h2.bytes.at("batchnorm.num_batches_tracked"), 8);
+  EXPECT_EQ(h3.total, 100);
+  EXPECT_EQ(h3.bytes.at("linear2.weight"), 80);
   // huggingface_hub's format: indent 2, sorted keys, trailing newline.
   const std::string text = test::ReadAll(dir.File("model.safetensors.index.json"));
   EXPECT_EQ(text.back(), '\n');
@@ -86,11 +191,23 @@ TEST(SaveModel, UpstreamThreeShards) {
   std::map<std::string, at::Tensor> by_name(back->begin(), back->end());
   for (const auto& [name, t] : state) EXPECT_TRUE(at::equal(by_name.at(name), t)) << name;
 
-  // A bigger limit: one file, and the stale shards and index are gone.
+  // A bigger limit: one file; the stale shards and index are gone, files that
+  // are not this stem's shards stay.
+  dir.Write("notes.txt", "keep");
+  dir.Write("model_1-00001-of-00002.safetensors", "another stem");
   ASSERT_THAT(SaveModel(state, dir.path(), {}), IsOk());
-  EXPECT_TRUE(std::filesystem::exists(dir.File("model.safetensors")));
-  EXPECT_FALSE(std::filesystem::exists(dir.File(s1)));
-  EXPECT_FALSE(std::filesystem::exists(dir.File("model.safetensors.index.json")));
+  EXPECT_THAT(FilesIn(dir.path()),
+              ::testing::ElementsAre("model.safetensors", "model_1-00001-of-00002.safetensors",
+                                     "notes.txt"));
+  // And back to two shards: the single file goes.
+  o.max_shard_size = 150;
+  ASSERT_THAT(SaveModel(state, dir.path(), o), IsOk());
+  EXPECT_THAT(
+      FilesIn(dir.path()),
+      ::testing::ElementsAre("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                             "model.safetensors.index.json", "model_1-00001-of-00002.safetensors",
+                             "notes.txt"));
+  EXPECT_THAT(LoadModelWeights(dir.path()), IsOk());
 }
 
 TEST(SaveModel, TiedTensorsAreKeptOnce) {
@@ -105,6 +222,35 @@ TEST(SaveModel, TiedTensorsAreKeptOnce) {
   std::vector<std::string> names;
   for (const auto& [n, t] : *back) names.push_back(n);
   EXPECT_THAT(names, ::testing::UnorderedElementsAre("embed.weight", "bias"));
+  EXPECT_EQ(ReadHeader(dir.File("model.safetensors")).total, 6 * 4 + 2 * 4);
+  std::map<std::string, at::Tensor> by_name(back->begin(), back->end());
+  EXPECT_TRUE(at::equal(by_name.at("embed.weight"), shared));
+}
+
+// Different views of one storage are different tensors: each is written (as
+// a copy), in the shard of the first, even past the limit.
+TEST(SaveModel, ViewsOfOneStorageStayTogether) {
+  test::TempDir dir;
+  at::Tensor fused = at::arange(8, at::kFloat);
+  SaveModelOptions o;
+  o.max_shard_size = 16;
+  ASSERT_THAT(SaveModel({{"q", fused.slice(0, 0, 4)},
+                         {"other", at::ones({4})},
+                         {"k", fused.slice(0, 4, 8)},
+                         {"q_again", fused.slice(0, 0, 4)}},
+                        dir.path(), o),
+              IsOk());
+  nlohmann::json index =
+      nlohmann::json::parse(test::ReadAll(dir.File("model.safetensors.index.json")));
+  EXPECT_EQ(index["weight_map"], nlohmann::json({{"q", "model-00001-of-00002.safetensors"},
+                                                 {"k", "model-00001-of-00002.safetensors"},
+                                                 {"other", "model-00002-of-00002.safetensors"}}));
+  EXPECT_EQ(index["metadata"]["total_size"], 48);
+  auto back = LoadModelWeights(dir.path());
+  ASSERT_THAT(back, IsOk());
+  std::map<std::string, at::Tensor> by_name(back->begin(), back->end());
+  EXPECT_TRUE(at::equal(by_name.at("k"), at::arange(4, 8, at::kFloat)));
+  EXPECT_TRUE(at::equal(by_name.at("q"), at::arange(4, at::kFloat)));
 }
 
 TEST(SaveModel, OtherStemsAndErrors) {
@@ -116,9 +262,30 @@ TEST(SaveModel, OtherStemsAndErrors) {
   EXPECT_THAT(LoadModelWeights(dir.path(), "model_1"), IsOk());
   EXPECT_THAT(LoadModelWeights(dir.path(), "model_2"),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("model_2")));
-  // A file where the folder should be: the error names it, nothing is left half-written.
+  // A file where the folder should be: the error names it.
   const std::string blocker = dir.Write("blocker", "x");
-  EXPECT_FALSE(SaveModel({{"w", at::ones({2})}}, blocker + "/sub").ok());
+  EXPECT_THAT(SaveModel({{"w", at::ones({2})}}, blocker + "/sub"),
+              FailsMentioning((blocker + "/sub")));
+  EXPECT_THAT(SaveModel({{"w", at::ones({2})}}, dir.path(), {0, "model"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_shard_size")));
+  EXPECT_THAT(SaveModel({{"w", at::Tensor()}}, dir.path()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("\"w\"")));
+}
+
+// A save that fails part-way (the second shard has a dtype safetensors cannot
+// hold) leaves the earlier save untouched and no file of its own.
+TEST(SaveModel, FailedSaveWritesNothing) {
+  test::TempDir dir;
+  StateDict good = {{"a", at::ones({4})}, {"b", at::zeros({4})}};
+  ASSERT_THAT(SaveModel(good, dir.path()), IsOk());
+  const std::string before = test::ReadAll(dir.File("model.safetensors"));
+  SaveModelOptions o;
+  o.max_shard_size = 16;
+  EXPECT_THAT(SaveModel({{"a", at::full({4}, 7.0)}, {"c", at::ones({2}, at::kComplexFloat)}},
+                        dir.path(), o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(dir.path())));
+  EXPECT_THAT(FilesIn(dir.path()), ::testing::ElementsAre("model.safetensors"));
+  EXPECT_EQ(test::ReadAll(dir.File("model.safetensors")), before);
 }
 
 TEST(StateFiles, OptimizerRoundTripTakesTheSameNextStep) {
@@ -145,6 +312,13 @@ TEST(StateFiles, OptimizerRoundTripTakesTheSameNextStep) {
   dir.Write("corrupt.bin", "not an archive");
   EXPECT_THAT(LoadOptimizer(a2, dir.File("corrupt.bin")),
               StatusIs(absl::StatusCode::kInternal, HasSubstr("corrupt.bin")));
+  const std::string whole = test::ReadAll(dir.File("optimizer.bin"));
+  dir.Write("truncated.bin", whole.substr(0, whole.size() / 2));
+  EXPECT_THAT(LoadOptimizer(a2, dir.File("truncated.bin")),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("truncated.bin")));
+  // Saving into a folder that is not there fails naming the file, leaving no temporary.
+  EXPECT_THAT(SaveOptimizer(a1, dir.File("no/such/optimizer.bin")),
+              FailsMentioning(("no/such/optimizer.bin")));
 }
 
 TEST(StateFiles, PicklesRoundTrip) {
@@ -192,6 +366,26 @@ TEST(StateFiles, RandomStatesRepeatTheSequence) {
   EXPECT_EQ(states->step, 4);
   ASSERT_THAT(RestoreRandomStates(*states), IsOk());
   EXPECT_TRUE(at::equal(at::rand({8}), first));
+  // Restoring twice repeats it again, randn and randperm included.
+  ASSERT_THAT(RestoreRandomStates(*states), IsOk());
+  (void)at::rand({8});
+  at::Tensor a = at::randn({5});  // an odd count: Box-Muller's cached second sample is state too
+  at::Tensor p = at::randperm(20);
+  ASSERT_THAT(RestoreRandomStates(*states), IsOk());
+  EXPECT_TRUE(at::equal(at::rand({8}), first));
+  EXPECT_TRUE(at::equal(at::randn({5}), a));
+  EXPECT_TRUE(at::equal(at::randperm(20), p));
+
+  RandomStates bad;
+  bad.cpu_state = at::zeros({3}, at::kByte);
+  EXPECT_THAT(RestoreRandomStates(bad), FailsMentioning(("CPU random state")));
+  EXPECT_THAT(RestoreRandomStates(RandomStates{}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("CPU random state")));
+  dir.Write("garbage.pkl", "\x80\x02garbage");
+  EXPECT_THAT(LoadRandomStates(dir.File("garbage.pkl")),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("garbage.pkl")));
+  EXPECT_THAT(LoadRandomStates(dir.File("random_states_1.pkl")),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("random_states_1.pkl")));
 }
 
 TEST(CheckpointNaming, TotalLimitPrunesNumerically) {
