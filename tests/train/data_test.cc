@@ -459,6 +459,35 @@ TEST(DataLoaderShard, EndOfDataloaderOnTheLastBatchOfEveryPass) {
   EXPECT_EQ(active.active(), &(*prepared)->progress());
 }
 
+TEST(DataLoaderShard, AnAbandonedPassKeepsItsEpoch) {
+  // Breaking out of a pass does not finish it: the epoch (and so the
+  // shuffle) stays, and the loader leaves the stack when restarted or destroyed.
+  DataLoaderOptions o = Options(2);
+  o.shuffle = true;
+  o.seed = 3;
+  auto loader = DataLoader::Create(Numbers(6), o);
+  ASSERT_THAT(loader, IsOk());
+  ActiveLoaders active;
+  auto prepared = DataLoader::Prepare(**loader, *ProcessGroup::Single(), &active, {});
+  ASSERT_THAT(prepared, IsOk());
+  ASSERT_THAT((*prepared)->Start(), IsOk());
+  auto first = (*prepared)->Next();
+  ASSERT_THAT(first, IsOk());
+  EXPECT_EQ((*prepared)->epoch(), 0);
+  auto whole = Pass(**prepared);  // Start again: one registration, the same epoch
+  ASSERT_EQ(whole.size(), 3u);
+  EXPECT_TRUE(at::equal((**first).at("x"), at::tensor(whole[0], at::kLong)));
+  std::vector<int64_t> flat;
+  for (const auto& b : whole) flat.insert(flat.end(), b.begin(), b.end());
+  EXPECT_EQ(flat, RandomPermutation(6, 3));
+  EXPECT_EQ((*prepared)->epoch(), 1);
+  EXPECT_EQ(active.active(), nullptr);
+  // The next epoch is seed + 1.
+  flat.clear();
+  for (const auto& b : Pass(**prepared)) flat.insert(flat.end(), b.begin(), b.end());
+  EXPECT_EQ(flat, RandomPermutation(6, 4));
+}
+
 TEST(DataLoaderShard, SkipFirstBatchesKeepsTheEpoch) {
   DataLoaderOptions o;
   o.batch_size = 4;
@@ -558,6 +587,8 @@ TEST(DataLoaderShard, PreparedLoaderShardsTheEpochsOrder) {
           auto want = ShardBatches(Range(22, 4, drop), 4, drop, {2, r, split, even});
           ASSERT_THAT(want, IsOk());
           EXPECT_EQ(Pass(**loader), *want) << split << even << drop << " rank " << r;
+          // skip_first_batches counts this rank's batches.
+          EXPECT_EQ(Pass(*(*loader)->SkipFirstBatches(1)), SkipBatches(*want, 1));
           EXPECT_EQ((*loader)->size(), ShardedLength(drop ? 5 : 6, drop, {2, r, split, even}));
         }
       }
@@ -763,6 +794,20 @@ TEST(DataLoaderDispatcherWorker, Run) {
     if (c.shuffle) {
       EXPECT_EQ(Pass(**loader), rank == 0 ? c.p0 : c.p1);
     }
+  }
+  // skip_first_batches skips global batches; the padding of the last batch
+  // then comes from the first batch this pass yields ([4, 5]).
+  {
+    auto base = DataLoader::Create(Numbers(9), Options(2));
+    PrepareOptions prepare;
+    prepare.dispatch_batches = true;
+    auto loader = DataLoader::Prepare(**base, **group, nullptr, prepare);
+    ASSERT_THAT(loader, IsOk());
+    auto skipping = (*loader)->SkipFirstBatches(1);
+    std::vector<bool> ends;
+    EXPECT_EQ(Pass(*skipping, &ends), rank == 0 ? Batches({{4, 5}, {8}}) : Batches({{6, 7}, {4}}));
+    EXPECT_EQ(ends, std::vector<bool>({false, true}));
+    EXPECT_EQ(skipping->progress().remainder, 1);
   }
   // A row rank 0 cannot read fails the pass on both ranks (no rank waits for
   // a broadcast that never comes).
