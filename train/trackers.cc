@@ -1,6 +1,7 @@
 #include "train/trackers.h"
 
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -13,8 +14,10 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 
 #include "core/status.h"
+#include "loader/loader.h"
 
 namespace accel::train {
 namespace {
@@ -42,6 +45,9 @@ class AppendFile {
     return f;
   }
   absl::Status Write(absl::string_view bytes) {
+    if (!out_.is_open()) {
+      return absl::FailedPreconditionError(absl::StrCat(path_, ": the tracker was finished"));
+    }
     out_.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     out_.flush();
     if (!out_) return ErrnoStatus(errno, absl::StrCat("writing ", path_));
@@ -148,6 +154,36 @@ std::string Record(absl::string_view data) {
   return r;
 }
 
+// Summary{value: Value{tag=1, metadata=9: SummaryMetadata{plugin_data=1:
+// PluginData{plugin_name=1: "text"}}, tensor=8: TensorProto{dtype=1:
+// DT_STRING (7), tensor_shape=2: {dim=2: {size=1: 1}}, string_val=8: text}}},
+// what torch.utils.tensorboard's add_text writes.
+std::string TextSummary(absl::string_view tag, absl::string_view text) {
+  std::string plugin_data, metadata, dim, shape, tensor, value, summary;
+  PutBytesField(&plugin_data, 1, "text");
+  PutBytesField(&metadata, 1, plugin_data);
+  PutVarint(&dim, (1 << 3) | 0);
+  PutVarint(&dim, 1);
+  PutBytesField(&shape, 2, dim);
+  PutVarint(&tensor, (1 << 3) | 0);
+  PutVarint(&tensor, 7);
+  PutBytesField(&tensor, 2, shape);
+  PutBytesField(&tensor, 8, text);
+  PutBytesField(&value, 1, tag);
+  PutBytesField(&value, 9, metadata);
+  PutBytesField(&value, 8, tensor);
+  PutBytesField(&summary, 1, value);
+  return summary;
+}
+
+// | name | value | rows; a '|' inside a cell is escaped so it stays one cell.
+std::string ConfigTable(const std::map<std::string, std::string>& config) {
+  auto cell = [](const std::string& text) { return absl::StrReplaceAll(text, {{"|", "\\|"}}); };
+  std::string table = "| name | value |\n|---|---|\n";
+  for (const auto& [k, v] : config) absl::StrAppend(&table, "| ", cell(k), " | ", cell(v), " |\n");
+  return table;
+}
+
 class TensorBoardTracker : public Tracker {
  public:
   TensorBoardTracker(AppendFile file, std::string dir)
@@ -156,18 +192,15 @@ class TensorBoardTracker : public Tracker {
 
   absl::Status Start() { return file_.Write(Record(EventProto(Now(), 0, "brain.Event:2", ""))); }
 
-  // TensorBoard's hparams plugin needs its own protos; the run's config goes
-  // beside the events as config.json instead.
+  // The hparams plugin needs protos of its own (experiment, session start);
+  // the config goes in as a text summary instead (tag "hparams", a Markdown
+  // table the Text tab shows), and beside the events as hparams.json for
+  // tools (Accelerate writes hparams.yml there).
   absl::Status StoreConfig(const std::map<std::string, std::string>& config) override {
-    nlohmann::json j = config;
-    return Annotate(
-        [&]() -> absl::Status {
-          std::ofstream out(dir_ + "/config.json", std::ios::binary | std::ios::trunc);
-          out << j.dump(2) << "\n";
-          if (!out) return ErrnoStatus(errno, absl::StrCat("writing ", dir_, "/config.json"));
-          return absl::OkStatus();
-        }(),
-        "tensorboard config");
+    ACCEL_RETURN_IF_ERROR(
+        file_.Write(Record(EventProto(Now(), 0, "", TextSummary("hparams", ConfigTable(config))))));
+    return loader::WriteFileAtomically(dir_ + "/hparams.json",
+                                       nlohmann::json(config).dump(2) + "\n");
   }
 
   absl::Status Log(const std::map<std::string, double>& values, int64_t step) override {
@@ -207,8 +240,11 @@ absl::StatusOr<std::unique_ptr<Tracker>> MakeTensorBoardTracker(const std::strin
   ACCEL_ASSIGN_OR_RETURN(std::string dir, MakeRunDir(logging_dir, run_name));
   char host[256] = "localhost";
   (void)::gethostname(host, sizeof(host) - 1);
+  // A process-wide counter ends the name, as torch.utils.tensorboard's, so
+  // two trackers opened within one second never share a file.
+  static std::atomic<int> counter{0};
   const std::string path = absl::StrCat(dir, "/events.out.tfevents.", static_cast<int64_t>(Now()),
-                                        ".", host, ".", ::getpid());
+                                        ".", host, ".", ::getpid(), ".", counter++);
   ACCEL_ASSIGN_OR_RETURN(AppendFile file, AppendFile::Open(path));
   auto tracker = std::make_unique<TensorBoardTracker>(std::move(file), dir);
   ACCEL_RETURN_IF_ERROR(tracker->Start());

@@ -25,11 +25,16 @@ class Tracker {
   virtual absl::Status Finish() = 0;
 };
 
-// logging_dir/run_name/metrics.jsonl: one {"step": s, "name": value, ...} per Log.
+// logging_dir/run_name/metrics.jsonl, appended: {"config": {...}} per
+// StoreConfig, {"step": s, "time": unix seconds, "name": value, ...} per Log
+// (a non-finite value is written as null, keeping the line valid JSON).
 absl::StatusOr<std::unique_ptr<Tracker>> MakeJsonlTracker(const std::string& logging_dir,
                                                           const std::string& run_name);
-// logging_dir/run_name/events.out.tfevents.<time>.<host>.<pid>: a file_version
-// event ("brain.Event:2"), then one scalar summary event per value.
+// logging_dir/run_name/events.out.tfevents.<time>.<host>.<pid>.<n> (n counts
+// the trackers this process opened): a file_version event ("brain.Event:2"),
+// then one event per Log holding a scalar summary value per name. StoreConfig
+// writes a text summary "hparams" (a Markdown table, TensorBoard's Text tab)
+// and logging_dir/run_name/hparams.json; the hparams plugin's protos are not written.
 absl::StatusOr<std::unique_ptr<Tracker>> MakeTensorBoardTracker(const std::string& logging_dir,
                                                                 const std::string& run_name);
 // By name: "jsonl" or "tensorboard"; InvalidArgument listing the known names.
