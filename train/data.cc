@@ -345,7 +345,9 @@ struct DataLoader::State {
   ProcessGroup* group = nullptr;
   ActiveLoaders* active = nullptr;
   int64_t epoch = 0;
-  int64_t skip = 0;  // SkipFirstBatches: skipped by the next pass only
+  // SkipFirstBatches: skipped by every pass until one completes (a pass
+  // abandoned midway skips again when restarted, like the upstream sampler).
+  int64_t skip = 0;
 
   // The pass in progress.
   bool running = false;
@@ -356,6 +358,9 @@ struct DataLoader::State {
   LoaderProgress progress;
   std::optional<Batch> dispatch_first;  // the first P rows of the pass's first global batch
   int64_t last_observed = -1;           // the rows of the last global batch (dispatch)
+
+  // Batches per epoch without SkipFirstBatches.
+  int64_t FullSize() const;
 
   int64_t num_processes() const { return prepared ? prepare.shard.num_processes : 1; }
   bool dispatch() const { return prepared && prepare.dispatch_batches && num_processes() > 1; }
@@ -614,7 +619,6 @@ absl::Status DataLoader::Start() {
   s.Unregister();
   ACCEL_ASSIGN_OR_RETURN(s.batches, s.RankBatches());
   s.batches = SkipBatches(s.batches, s.skip);
-  s.skip = 0;
   s.next = 0;
   s.progress = LoaderProgress{};
   s.progress.remainder = s.RemainderOf();
@@ -640,6 +644,7 @@ absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
     s.running = false;
     s.Unregister();
     ++s.epoch;
+    s.skip = 0;  // only the first complete pass skips
     return std::optional<Batch>();
   }
   std::optional<Batch> current = std::move(s.lookahead);
@@ -653,6 +658,12 @@ absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
 
 int64_t DataLoader::size() const {
   const State& s = *state_;
+  // SkipBatchSampler.__len__: the skipped batches are not counted.
+  return std::max<int64_t>(0, s.FullSize() - s.skip);
+}
+
+int64_t DataLoader::State::FullSize() const {
+  const State& s = *this;
   const int64_t n = static_cast<int64_t>(s.dataset->size());
   const int64_t bs = s.options.batch_size;
   const int64_t base = s.options.drop_last ? n / bs : (n + bs - 1) / bs;

@@ -500,8 +500,14 @@ TEST(DataLoaderShard, SkipFirstBatchesKeepsTheEpoch) {
   (*loader)->set_epoch(1);
   auto skipping = (*loader)->SkipFirstBatches(2);
   EXPECT_EQ(skipping->epoch(), 1);
+  EXPECT_EQ(skipping->size(), 2);  // SkipBatchSampler.__len__
+  // A pass abandoned midway skips again when restarted.
+  ASSERT_THAT(skipping->Start(), IsOk());
+  EXPECT_THAT(skipping->Next(), IsOk());
   EXPECT_EQ(Pass(*skipping), std::vector<std::vector<int64_t>>(full.begin() + 2, full.end()));
-  // Only the first pass skips.
+  EXPECT_EQ(skipping->epoch(), 2);
+  // Only the first complete pass skips.
+  EXPECT_EQ(skipping->size(), 4);
   EXPECT_EQ(Pass(*skipping).size(), 4u);
   // Unshuffled: upstream's skip_first_batches(DataLoader(range(16), bs=4), 2).
   DataLoaderOptions plain;
