@@ -115,9 +115,13 @@ class C10dWork : public PendingWork {
         tensors_(tensors),
         op_(op),
         timeout_(timeout) {}
-  ~C10dWork() override { (void)Wait(); }
+  ~C10dWork() override { (void)WaitOnce(); }
 
-  absl::Status Wait() override {
+  absl::Status Wait() override { return WaitOnce(); }
+
+ private:
+  // Non-virtual, so the destructor can call it.
+  absl::Status WaitOnce() {
     if (done_) return status_;
     done_ = true;
     for (auto& work : works_) {
@@ -134,7 +138,6 @@ class C10dWork : public PendingWork {
     return status_;
   }
 
- private:
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::vector<FlatGroup> groups_;
   std::vector<at::Tensor>* tensors_;

@@ -61,6 +61,8 @@ class ProcessGroup {
   // bfloat16 on gloo (which has no bfloat16 arithmetic in libtorch 1.13) is
   // all-gathered and reduced here in float, then rounded once.
   virtual absl::Status AllReduce(std::vector<at::Tensor>& tensors, ReduceOp op) = 0;
+  // The same, returning at once; the results are in `tensors` after Wait(),
+  // so `tensors` (the vector too) must outlive the returned work.
   virtual absl::StatusOr<std::unique_ptr<PendingWork>> AllReduceAsync(
       std::vector<at::Tensor>& tensors, ReduceOp op) = 0;
   // Every rank's tensor (equal shapes), concatenated along dim 0 in rank order.
