@@ -42,7 +42,7 @@ TEST(Crc32c, StandardCheckValue) { EXPECT_EQ(BitwiseCrc32c("123456789"), 0xE3069
 
 struct Scalar {
   std::string tag;
-  float value;
+  float value = 0;
 };
 struct Text {
   std::string tag;
