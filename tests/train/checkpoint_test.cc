@@ -404,10 +404,21 @@ TEST(CheckpointNaming, TotalLimitPrunesNumerically) {
   auto latest = LatestCheckpointDir(dir.path());
   ASSERT_THAT(latest, IsOk());
   EXPECT_THAT(*latest, ::testing::EndsWith("checkpoint_10"));
+  EXPECT_THAT(*latest, ::testing::StartsWith(dir.File("checkpoints/")));
+  // One more: checkpoint_9 is the oldest (a lexicographic sort would drop _10).
+  ASSERT_THAT(NextCheckpointDir(dir.path(), 11, 2, true), IsOk());
+  std::filesystem::create_directories(dir.File("checkpoints/checkpoint_11"));
+  EXPECT_FALSE(std::filesystem::exists(dir.File("checkpoints/checkpoint_9")));
+  EXPECT_TRUE(std::filesystem::exists(dir.File("checkpoints/checkpoint_10")));
+  // Not the main process (prune = false): nothing is removed.
+  ASSERT_THAT(NextCheckpointDir(dir.path(), 12, 2, false), IsOk());
+  EXPECT_TRUE(std::filesystem::exists(dir.File("checkpoints/checkpoint_10")));
+  EXPECT_TRUE(std::filesystem::exists(dir.File("checkpoints/checkpoint_11")));
   EXPECT_THAT(NextCheckpointDir(dir.path(), 10, std::nullopt, true),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already exists")));
   test::TempDir empty;
-  EXPECT_THAT(LatestCheckpointDir(empty.path()), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(LatestCheckpointDir(empty.path()),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr(empty.File("checkpoints"))));
 }
 
 }  // namespace
