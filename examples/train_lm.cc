@@ -69,22 +69,20 @@ namespace {
 using train::Accelerator;
 using train::Batch;
 
-// Where the run is, saved with each checkpoint (register_for_checkpointing).
+// The optimizer step count, saved with each checkpoint
+// (register_for_checkpointing). The loader's epoch and position are saved by
+// save_state itself.
 struct Progress : train::Checkpointable {
   int64_t optimizer_steps = 0;
-  int64_t epoch = 0;
-  int64_t batches_in_epoch = 0;
   std::map<std::string, at::Tensor> StateDict() const override {
-    return {{"progress", at::tensor({optimizer_steps, epoch, batches_in_epoch}, at::kLong)}};
+    return {{"progress", at::tensor({optimizer_steps}, at::kLong)}};
   }
   absl::Status LoadStateDict(const std::map<std::string, at::Tensor>& state) override {
     auto it = state.find("progress");
-    if (it == state.end() || it->second.numel() != 3) {
-      return absl::InvalidArgumentError("progress state: expected 3 numbers");
+    if (it == state.end() || it->second.numel() != 1) {
+      return absl::InvalidArgumentError("progress state: expected 1 number");
     }
     optimizer_steps = it->second[0].item<int64_t>();
-    epoch = it->second[1].item<int64_t>();
-    batches_in_epoch = it->second[2].item<int64_t>();
     return absl::OkStatus();
   }
 };
@@ -209,17 +207,21 @@ absl::Status Train() {
   ACCEL_ASSIGN_OR_RETURN(train::PreparedScheduler * sched, acc->PrepareScheduler(schedule));
   ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<train::DataLoader> loader,
                          acc->PrepareDataLoader(*base_loader));
+  if (loader->size() == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--batch_size ", loader_options.batch_size, " leaves no full batch of the ",
+                     train_windows.size(0), " training windows on each of ", acc->num_processes(),
+                     " processes"));
+  }
   auto progress = std::make_shared<Progress>();
   acc->RegisterForCheckpointing(progress);
 
-  std::unique_ptr<train::DataLoader> resumed;
   if (absl::GetFlag(FLAGS_resume)) {
+    // The loader continues the saved epoch where it was.
     ACCEL_RETURN_IF_ERROR(acc->LoadState());
-    loader->set_epoch(progress->epoch);
-    resumed = acc->SkipFirstBatches(*loader, progress->batches_in_epoch);
     acc->Print(absl::StrFormat("resumed at optimizer step %d (epoch %d, batch %d)",
-                               progress->optimizer_steps, progress->epoch,
-                               progress->batches_in_epoch));
+                               progress->optimizer_steps, loader->position().epoch,
+                               loader->position().batches_yielded));
   }
   ACCEL_RETURN_IF_ERROR(
       acc->InitTrackers("train_lm", {{"lr", absl::StrCat(absl::GetFlag(FLAGS_lr))},
@@ -229,14 +231,12 @@ absl::Status Train() {
   double loss_sum = 0;
   int64_t loss_count = 0;
   double last_loss = 0;
+  // Each pass is one epoch; the loader moves to the next when a pass completes.
   while (progress->optimizer_steps < max_steps) {
-    loader->set_epoch(progress->epoch);
-    train::DataLoader* current = resumed != nullptr ? resumed.get() : loader.get();
-    ACCEL_RETURN_IF_ERROR(current->Start());
+    ACCEL_RETURN_IF_ERROR(loader->Start());
     while (progress->optimizer_steps < max_steps) {
-      ACCEL_ASSIGN_OR_RETURN(std::optional<Batch> batch, current->Next());
+      ACCEL_ASSIGN_OR_RETURN(std::optional<Batch> batch, loader->Next());
       if (!batch) break;
-      ++progress->batches_in_epoch;
       ACCEL_ASSIGN_OR_RETURN(train::AccumulateScope scope, acc->Accumulate({prepared}));
       at::Tensor loss;
       {
@@ -273,12 +273,6 @@ absl::Status Train() {
         acc->Print(absl::StrFormat("stopping after optimizer step %d (--stop_after)", step));
         return acc->WaitForEveryone();
       }
-    }
-    if (progress->optimizer_steps < max_steps) {
-      // A full pass: the next one is a new epoch.
-      ++progress->epoch;
-      progress->batches_in_epoch = 0;
-      resumed.reset();
     }
   }
   ACCEL_RETURN_IF_ERROR(acc->EndTraining());

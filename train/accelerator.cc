@@ -340,7 +340,10 @@ absl::StatusOr<std::unique_ptr<DataLoader>> Accelerator::PrepareDataLoader(
   if (!prepare.data_seed) prepare.data_seed = LastSeed();
   prepare.device = device_;
   prepare.non_blocking = dataloader_config_.non_blocking;
-  return DataLoader::Prepare(loader, *group_, &active_loaders_, prepare);
+  ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<DataLoader> prepared,
+                         DataLoader::Prepare(loader, *group_, &active_loaders_, prepare));
+  loader_cursors_.push_back(prepared->cursor());
+  return prepared;
 }
 
 std::unique_ptr<DataLoader> Accelerator::SkipFirstBatches(const DataLoader& loader,
@@ -561,6 +564,16 @@ absl::StatusOr<std::string> Accelerator::SaveState(const std::string& output_dir
   }
   ACCEL_RETURN_IF_ERROR(SaveRandomStates(
       CaptureRandomStates(step_), absl::StrCat(dir, "/random_states_", process_index(), ".pkl")));
+  if (!loader_cursors_.empty()) {
+    // Every rank its own: with even_batches off the ranks' counts can differ.
+    std::vector<SavedLoaderPosition> positions;
+    for (const auto& cursor : loader_cursors_) {
+      const LoaderPosition p = cursor->position();
+      positions.push_back({p.epoch, p.batches_yielded});
+    }
+    ACCEL_RETURN_IF_ERROR(SaveLoaderPositions(
+        positions, absl::StrCat(dir, "/dataloader_positions_", process_index(), ".pkl")));
+  }
   ACCEL_RETURN_IF_ERROR(WaitForEveryone());
   project_.iteration += 1;
   return dir;
@@ -657,6 +670,15 @@ absl::Status Accelerator::LoadState(const std::string& input_dir) {
       LoadRandomStates(absl::StrCat(dir, "/random_states_", process_index(), ".pkl")));
   ACCEL_RETURN_IF_ERROR(RestoreRandomStates(states));
   step_ = states.step;
+  const std::string positions_file =
+      absl::StrCat(dir, "/dataloader_positions_", process_index(), ".pkl");
+  if (std::filesystem::exists(positions_file)) {
+    ACCEL_ASSIGN_OR_RETURN(std::vector<SavedLoaderPosition> positions,
+                           LoadLoaderPositions(positions_file));
+    for (size_t i = 0; i < positions.size() && i < loader_cursors_.size(); ++i) {
+      loader_cursors_[i]->Restore({positions[i].epoch, positions[i].batches_yielded});
+    }
+  }
   if (project_.automatic_checkpoint_naming) {
     const int64_t n = TrailingNumber(dir);
     if (n >= 0) project_.iteration = n + 1;

@@ -257,8 +257,13 @@ class Accelerator {
   absl::StatusOr<PreparedOptimizer*> PrepareOptimizer(
       std::shared_ptr<torch::optim::Optimizer> optimizer);
   absl::StatusOr<PreparedScheduler*> PrepareScheduler(std::shared_ptr<LRScheduler> scheduler);
+  // The prepared loader's position (epoch, batches handed out) is recorded
+  // by SaveState and restored by LoadState, whose caller then simply iterates
+  // it: the first pass continues the saved epoch where it was.
   absl::StatusOr<std::unique_ptr<DataLoader>> PrepareDataLoader(const DataLoader& loader);
-  // The loader that skips the first `num_batches` of its epoch (resuming).
+  // The loader that skips the first `num_batches` of its epoch (resuming by
+  // hand; it shares the position of `loader`, and its count replaces one
+  // LoadState restored).
   std::unique_ptr<DataLoader> SkipFirstBatches(const DataLoader& loader, int64_t num_batches) const;
 
   // ---- The training step ----
@@ -312,8 +317,11 @@ class Accelerator {
   absl::StatusOr<std::string> SaveState(const std::string& output_dir = "");
   // Empty `input_dir` with automatic naming: the latest checkpoint. Restores
   // models, optimizers, schedulers, scaler, RNG states, the accumulation
-  // step and registered objects; also sets project iteration to the loaded
-  // checkpoint's number + 1 (Accelerate forgets this: issues #1601 / #3306).
+  // step, registered objects and the prepared loaders' positions (the first
+  // min(saved, prepared) loaders, in the order they were prepared: prepare
+  // them before loading; a checkpoint without positions leaves them as they
+  // are); also sets project iteration to the loaded checkpoint's number + 1
+  // (Accelerate forgets this: issues #1601 / #3306).
   absl::Status LoadState(const std::string& input_dir = "");
   // save_model: the model's state dict as (sharded) safetensors, main process only.
   absl::Status SaveModel(const PreparedModel& model, const std::string& dir,
@@ -351,6 +359,8 @@ class Accelerator {
   std::vector<std::unique_ptr<PreparedOptimizer>> optimizers_;
   std::vector<std::unique_ptr<PreparedScheduler>> schedulers_;
   std::vector<std::shared_ptr<Checkpointable>> custom_objects_;
+  // One per prepared loader, in order; they outlive the loaders.
+  std::vector<std::shared_ptr<LoaderCursor>> loader_cursors_;
   std::vector<std::unique_ptr<Tracker>> trackers_;
 };
 

@@ -474,6 +474,42 @@ absl::StatusOr<RandomStates> LoadRandomStates(const std::string& path) {
   return s;
 }
 
+absl::Status SaveLoaderPositions(const std::vector<SavedLoaderPosition>& positions,
+                                 const std::string& path) {
+  c10::List<int64_t> epochs;
+  c10::List<int64_t> yielded;
+  for (const SavedLoaderPosition& p : positions) {
+    epochs.push_back(p.epoch);
+    yielded.push_back(p.batches_yielded);
+  }
+  GenericDict d = NewDict();
+  d.insert("epoch", epochs);
+  d.insert("batches_yielded", yielded);
+  return WritePickle(d, path);
+}
+
+absl::StatusOr<std::vector<SavedLoaderPosition>> LoadLoaderPositions(const std::string& path) {
+  ACCEL_ASSIGN_OR_RETURN(GenericDict d, ReadPickle(path));
+  ACCEL_ASSIGN_OR_RETURN(c10::IValue epochs, Field(d, "epoch", path));
+  ACCEL_ASSIGN_OR_RETURN(c10::IValue yielded, Field(d, "batches_yielded", path));
+  if (!epochs.isList() || !yielded.isList() ||
+      epochs.toListRef().size() != yielded.toListRef().size()) {
+    return absl::DataLossError(
+        absl::StrCat(path, ": \"epoch\" and \"batches_yielded\" must be lists of one length"));
+  }
+  std::vector<SavedLoaderPosition> out;
+  for (size_t i = 0; i < epochs.toListRef().size(); ++i) {
+    const c10::IValue& e = epochs.toListRef()[i];
+    const c10::IValue& y = yielded.toListRef()[i];
+    if (!e.isInt() || !y.isInt() || e.toInt() < 0 || y.toInt() < 0) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": loader ", i, "'s position is not two integers >= 0"));
+    }
+    out.push_back({e.toInt(), y.toInt()});
+  }
+  return out;
+}
+
 absl::Status SaveCustomState(const std::map<std::string, at::Tensor>& state,
                              const std::string& path) {
   GenericDict d = NewDict();

@@ -4,7 +4,8 @@
 //
 // A save_state folder holds (names as Accelerate's): model.safetensors
 // (model_{i} for the i-th extra model), optimizer.bin, scheduler.bin,
-// scaler.pt, random_states_{rank}.pkl, custom_checkpoint_{i}.pkl. The .bin /
+// scaler.pt, random_states_{rank}.pkl, custom_checkpoint_{i}.pkl, and ours,
+// dataloader_positions_{rank}.pkl. The .bin /
 // .pkl / .pt files are torch pickles (torch::pickle_save of a dict), which
 // Python's torch.load reads; the optimizer's is libtorch's own archive
 // (its state layout differs from Python's).
@@ -88,6 +89,18 @@ RandomStates CaptureRandomStates(int64_t step);
 absl::Status RestoreRandomStates(const RandomStates& states);
 absl::Status SaveRandomStates(const RandomStates& states, const std::string& path);
 absl::StatusOr<RandomStates> LoadRandomStates(const std::string& path);
+
+// dataloader_positions_{rank}.pkl (ours; Accelerate saves a map-style
+// sampler's position only through torchdata's StatefulDataLoader): one entry
+// per prepared loader, in the order they were prepared, as {"epoch": [...],
+// "batches_yielded": [...]}.
+struct SavedLoaderPosition {
+  int64_t epoch = 0;
+  int64_t batches_yielded = 0;
+};
+absl::Status SaveLoaderPositions(const std::vector<SavedLoaderPosition>& positions,
+                                 const std::string& path);
+absl::StatusOr<std::vector<SavedLoaderPosition>> LoadLoaderPositions(const std::string& path);
 
 // A registered object's state (register_for_checkpointing): named tensors.
 absl::Status SaveCustomState(const std::map<std::string, at::Tensor>& state,

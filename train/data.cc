@@ -337,6 +337,12 @@ namespace {
 constexpr char kLoadFailed[] = "!load failed: ";
 }  // namespace
 
+void LoaderCursor::Restore(const LoaderPosition& position) {
+  epoch_ = position.epoch;
+  yielded_ = std::max<int64_t>(0, position.batches_yielded);
+  resume_ = LoaderPosition{epoch_, yielded_};
+}
+
 struct DataLoader::State {
   std::shared_ptr<const Dataset> dataset;
   DataLoaderOptions options;
@@ -344,10 +350,11 @@ struct DataLoader::State {
   PrepareOptions prepare;
   ProcessGroup* group = nullptr;
   ActiveLoaders* active = nullptr;
-  int64_t epoch = 0;
+  // The epoch and position, shared with the loaders SkipFirstBatches makes.
+  std::shared_ptr<LoaderCursor> cursor = std::make_shared<LoaderCursor>();
   // SkipFirstBatches: skipped by every pass until one completes (a pass
   // abandoned midway skips again when restarted, like the upstream sampler).
-  int64_t skip = 0;
+  std::optional<int64_t> skip;
 
   // The pass in progress.
   bool running = false;
@@ -362,6 +369,15 @@ struct DataLoader::State {
   // Batches per epoch without SkipFirstBatches.
   int64_t FullSize() const;
 
+  int64_t epoch() const { return cursor->epoch_; }
+  // What the next pass skips: SkipFirstBatches' count, else the position
+  // load_state restored while the loader is still in that epoch.
+  int64_t PendingSkip() const {
+    if (skip) return *skip;
+    const std::optional<LoaderPosition>& resume = cursor->resume_;
+    return resume && resume->epoch == epoch() ? resume->batches_yielded : 0;
+  }
+
   int64_t num_processes() const { return prepared ? prepare.shard.num_processes : 1; }
   bool dispatch() const { return prepared && prepare.dispatch_batches && num_processes() > 1; }
   uint64_t seed() const {
@@ -373,7 +389,7 @@ struct DataLoader::State {
   std::vector<IndexBatch> BaseBatches() const {
     std::vector<int64_t> order;
     if (options.shuffle) {
-      order = RandomPermutation(dataset->size(), seed() + static_cast<uint64_t>(epoch));
+      order = RandomPermutation(dataset->size(), seed() + static_cast<uint64_t>(epoch()));
     } else {
       order.resize(static_cast<size_t>(dataset->size()));
       std::iota(order.begin(), order.end(), 0);
@@ -597,7 +613,7 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Prepare(const DataLoader
   state->prepare = prepare;
   state->group = &group;
   state->active = active;
-  state->epoch = loader.state_->epoch;
+  state->cursor->epoch_ = loader.state_->epoch();
   return std::unique_ptr<DataLoader>(new DataLoader(std::move(state)));
 }
 
@@ -609,16 +625,21 @@ std::unique_ptr<DataLoader> DataLoader::SkipFirstBatches(int64_t num_batches) co
   state->prepare = state_->prepare;
   state->group = state_->group;
   state->active = state_->active;
-  state->epoch = state_->epoch;  // carried over (Accelerate PR #4071)
+  state->cursor = state_->cursor;  // the epoch carries over (Accelerate PR #4071)
   state->skip = std::max<int64_t>(0, num_batches);
   return std::unique_ptr<DataLoader>(new DataLoader(std::move(state)));
 }
 
 absl::Status DataLoader::Start() {
   State& s = *state_;
+  LoaderCursor& cursor = *s.cursor;
   s.Unregister();
+  // A restored position belongs to its epoch only.
+  if (cursor.resume_ && cursor.resume_->epoch != cursor.epoch_) cursor.resume_.reset();
+  const int64_t skip = s.PendingSkip();
   ACCEL_ASSIGN_OR_RETURN(s.batches, s.RankBatches());
-  s.batches = SkipBatches(s.batches, s.skip);
+  cursor.yielded_ = std::min<int64_t>(skip, static_cast<int64_t>(s.batches.size()));
+  s.batches = SkipBatches(s.batches, skip);
   s.next = 0;
   s.progress = LoaderProgress{};
   s.progress.remainder = s.RemainderOf();
@@ -640,15 +661,19 @@ absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
     return absl::FailedPreconditionError("DataLoader::Next before Start (or after the pass ended)");
   }
   if (!s.lookahead) {
-    // The pass is over: the next one is a new epoch.
+    // The pass is over: the next one is a new epoch, from its start.
     s.running = false;
     s.Unregister();
-    ++s.epoch;
-    s.skip = 0;  // only the first complete pass skips
+    LoaderCursor& cursor = *s.cursor;
+    ++cursor.epoch_;
+    cursor.yielded_ = 0;
+    cursor.resume_.reset();
+    s.skip.reset();  // only the first complete pass skips
     return std::optional<Batch>();
   }
   std::optional<Batch> current = std::move(s.lookahead);
   s.lookahead.reset();
+  ++s.cursor->yielded_;
   if (s.next < s.batches.size()) {
     ACCEL_ASSIGN_OR_RETURN(s.lookahead, s.Fetch());
   }
@@ -659,7 +684,7 @@ absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
 int64_t DataLoader::size() const {
   const State& s = *state_;
   // SkipBatchSampler.__len__: the skipped batches are not counted.
-  return std::max<int64_t>(0, s.FullSize() - s.skip);
+  return std::max<int64_t>(0, s.FullSize() - s.PendingSkip());
 }
 
 int64_t DataLoader::State::FullSize() const {
@@ -676,8 +701,10 @@ int64_t DataLoader::State::FullSize() const {
   return ShardedLength(base, s.options.drop_last, s.prepare.shard);
 }
 
-int64_t DataLoader::epoch() const { return state_->epoch; }
-void DataLoader::set_epoch(int64_t epoch) { state_->epoch = epoch; }
+int64_t DataLoader::epoch() const { return state_->epoch(); }
+void DataLoader::set_epoch(int64_t epoch) { state_->cursor->epoch_ = epoch; }
+LoaderPosition DataLoader::position() const { return state_->cursor->position(); }
+const std::shared_ptr<LoaderCursor>& DataLoader::cursor() const { return state_->cursor; }
 const LoaderProgress& DataLoader::progress() const { return state_->progress; }
 const DataLoaderOptions& DataLoader::options() const { return state_->options; }
 
@@ -691,7 +718,7 @@ int64_t DataLoader::dataset_size() const { return state_->dataset->size(); }
 
 absl::StatusOr<std::vector<IndexBatch>> DataLoader::EpochBatches() const {
   ACCEL_ASSIGN_OR_RETURN(std::vector<IndexBatch> batches, state_->RankBatches());
-  return SkipBatches(batches, state_->skip);
+  return SkipBatches(batches, state_->PendingSkip());
 }
 
 }  // namespace accel::train

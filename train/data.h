@@ -123,6 +123,34 @@ class ActiveLoaders {
   std::vector<const LoaderProgress*> stack_;
 };
 
+// Where a loader is in its epochs: what save_state records for each prepared
+// loader (the sampler's epoch and how far this rank got into it).
+struct LoaderPosition {
+  int64_t epoch = 0;
+  // Batches of `epoch` this rank has been handed, the skipped ones included;
+  // 0 between passes (a completed pass has moved to the next epoch).
+  int64_t batches_yielded = 0;
+};
+
+// The position of a loader, shared by the loader, the loaders
+// SkipFirstBatches makes from it (they walk the same sampler) and whoever
+// records it (the Accelerator keeps one per prepared loader for save_state,
+// so it outlives the loader).
+class LoaderCursor {
+ public:
+  LoaderPosition position() const { return {epoch_, yielded_}; }
+  // load_state: the epoch becomes position.epoch, and the passes of that
+  // epoch skip its first position.batches_yielded batches (as
+  // skip_first_batches does) until one completes.
+  void Restore(const LoaderPosition& position);
+
+ private:
+  friend class DataLoader;
+  int64_t epoch_ = 0;
+  int64_t yielded_ = 0;
+  std::optional<LoaderPosition> resume_;
+};
+
 // DataLoaderConfiguration's options that shape the prepared loader.
 struct PrepareOptions {
   ShardOptions shard;             // num_processes and process_index come from the group
@@ -153,6 +181,8 @@ class DataLoader {
                                                              const PrepareOptions& options);
   // skip_first_batches: a loader that skips the first `num_batches` of the
   // current epoch once (the epoch carries over), then behaves as this one.
+  // It shares this loader's cursor: its passes move this loader's epoch and
+  // position, and its skip replaces a position restored by load_state.
   std::unique_ptr<DataLoader> SkipFirstBatches(int64_t num_batches) const;
 
   ~DataLoader();
@@ -161,10 +191,16 @@ class DataLoader {
 
   absl::Status Start();
   absl::StatusOr<std::optional<Batch>> Next();
-  // Batches this rank yields per epoch (BatchSamplerShard.__len__).
+  // Batches this rank yields per epoch (BatchSamplerShard.__len__), less the
+  // ones the next pass skips.
   int64_t size() const;
   int64_t epoch() const;
   void set_epoch(int64_t epoch);
+  // The epoch and the batches of it handed out so far (save_state).
+  LoaderPosition position() const;
+  // The cursor behind position(), for a caller that must read or restore it
+  // after the loader is gone.
+  const std::shared_ptr<LoaderCursor>& cursor() const;
   const LoaderProgress& progress() const;
   const DataLoaderOptions& options() const;
   // batch_size * num_processes (or batch_size when split_batches).

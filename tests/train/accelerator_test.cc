@@ -365,6 +365,7 @@ struct Trainer {
   PreparedOptimizer* opt = nullptr;
   PreparedScheduler* sched = nullptr;
   std::unique_ptr<DataLoader> loader;
+  DataLoader* current = nullptr;  // the loader of the pass in progress
 
   explicit Trainer(AcceleratorOptions options, uint64_t init_seed = 7) {
     SetSeed(3);
@@ -380,10 +381,13 @@ struct Trainer {
   }
 
   // Runs batches until `count` more have been used (across epochs), with dropout-like noise
-  // from the global RNG so the RNG state matters too.
+  // from the global RNG so the RNG state matters too. The pass in progress
+  // goes on; `first` starts a pass of that loader instead.
   void Run(int count, DataLoader* first = nullptr) {
-    DataLoader* current = first != nullptr ? first : loader.get();
-    ASSERT_THAT(current->Start(), IsOk());
+    if (first != nullptr || current == nullptr) {
+      current = first != nullptr ? first : loader.get();
+      ASSERT_THAT(current->Start(), IsOk());
+    }
     while (count > 0) {
       auto batch = current->Next();
       ASSERT_THAT(batch, IsOk());
@@ -432,6 +436,41 @@ TEST(AcceleratorCheckpoint, ResumeIsBitForBit) {
   EXPECT_TRUE(at::equal(resumed.net->weight, straight.net->weight));
   EXPECT_TRUE(at::equal(resumed.net->bias, straight.net->bias));
   EXPECT_EQ(resumed.sched->scheduler().last_epoch(), straight.sched->scheduler().last_epoch());
+}
+
+// save_state records the prepared loader's epoch and position: after
+// load_state, iterating the loader continues where the saved run was.
+TEST(AcceleratorCheckpoint, LoadStateContinuesTheLoader) {
+  test::TempDir dir;
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 2;
+
+  Trainer straight(options);
+  straight.Run(11);
+
+  Trainer first(options);
+  first.Run(9);  // the 2nd batch of epoch 1
+  ASSERT_THAT(first.acc->SaveState(dir.File("ckpt")), IsOk());
+  EXPECT_TRUE(std::filesystem::exists(dir.File("ckpt/dataloader_positions_0.pkl")));
+  auto positions = LoadLoaderPositions(dir.File("ckpt/dataloader_positions_0.pkl"));
+  ASSERT_THAT(positions, IsOk());
+  ASSERT_EQ(positions->size(), 1u);
+  EXPECT_EQ((*positions)[0].epoch, 1);
+  EXPECT_EQ((*positions)[0].batches_yielded, 2);
+
+  Trainer resumed(options, /*init_seed=*/99);
+  ASSERT_THAT(resumed.acc->LoadState(dir.File("ckpt")), IsOk());
+  EXPECT_EQ(resumed.loader->epoch(), 1);
+  EXPECT_EQ(resumed.loader->position().batches_yielded, 2);
+  resumed.Run(2);  // no set_epoch, no SkipFirstBatches
+  EXPECT_TRUE(at::equal(resumed.net->weight, straight.net->weight));
+  EXPECT_TRUE(at::equal(resumed.net->bias, straight.net->bias));
+
+  // Into the next epochs too: 7 batches an epoch, so 5 more end epoch 1 and 3 start epoch 2.
+  straight.Run(8);
+  resumed.Run(8);
+  EXPECT_TRUE(at::equal(resumed.net->weight, straight.net->weight));
+  EXPECT_EQ(resumed.loader->position().epoch, 2);
 }
 
 TEST(AcceleratorCheckpoint, AutomaticNamingPrunesAndLoadsTheLatest) {
@@ -629,6 +668,63 @@ TEST(AcceleratorDistributedWorker, DataParallelStep) {
                                                                   << ref->weight;
   EXPECT_TRUE(at::allclose(net->bias, ref->bias, 1e-5, 1e-6));
   ASSERT_THAT(acc->WaitForEveryone(), IsOk());
+}
+
+// The "index" column of every batch of one pass (or of the rest of the
+// pass in progress when `start` is false).
+std::vector<int64_t> Indices(DataLoader& loader, bool start = true) {
+  std::vector<int64_t> out;
+  if (start) {
+    EXPECT_THAT(loader.Start(), IsOk());
+  }
+  while (true) {
+    auto batch = loader.Next();
+    EXPECT_THAT(batch, IsOk());
+    if (!batch.ok() || !*batch) break;
+    at::Tensor index = (**batch).at("index");
+    out.insert(out.end(), index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
+  }
+  return out;
+}
+
+// Each rank saves its own position in the shuffled, sharded epoch, and
+// load_state brings every rank back to it.
+TEST(AcceleratorDistributedWorker, LoaderPositionRoundTrip) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of AcceleratorDistributed.*";
+  const std::string dir = std::getenv("CKPT_DIR");
+  auto created = Accelerator::Create({});
+  ASSERT_THAT(created, IsOk());
+  auto& acc = *created;
+  // 22 rows in batches of 3: 8 batches, 4 per rank.
+  auto prepared = acc->PrepareDataLoader(*Loader(Regression(22), 3, /*shuffle=*/true));
+  ASSERT_THAT(prepared, IsOk());
+  DataLoader& loader = **prepared;
+  EXPECT_EQ(Indices(loader).size(), 12u);
+  ASSERT_THAT(loader.Start(), IsOk());
+  ASSERT_THAT(loader.Next(), IsOk());  // one batch into epoch 1
+  ASSERT_THAT(acc->SaveState(dir + "/ckpt"), IsOk());
+  const std::vector<int64_t> rest = Indices(loader, /*start=*/false);
+  const std::vector<int64_t> next_epoch = Indices(loader);
+  EXPECT_EQ(rest.size(), 9u);
+  EXPECT_EQ(loader.epoch(), 3);
+
+  ASSERT_THAT(acc->LoadState(dir + "/ckpt"), IsOk());
+  EXPECT_EQ(loader.epoch(), 1);
+  EXPECT_EQ(loader.position().batches_yielded, 1);
+  EXPECT_EQ(Indices(loader), rest);
+  EXPECT_EQ(Indices(loader), next_epoch);
+  // The ranks continued different shards.
+  auto all = acc->Gather(at::tensor(rest, at::kLong));
+  ASSERT_THAT(all, IsOk());
+  EXPECT_EQ(std::get<0>(at::_unique(*all)).numel(), 18);
+  ASSERT_THAT(acc->WaitForEveryone(), IsOk());
+}
+
+TEST(AcceleratorDistributed, TwoRanksSaveAndRestoreTheirLoaderPositions) {
+  test::TempDir dir;
+  EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.LoaderPositionRoundTrip",
+                             {{"CKPT_DIR", dir.path()}}),
+              Each(0));
 }
 
 TEST(AcceleratorDistributed, TwoRanksEqualOneProcess) {

@@ -517,6 +517,70 @@ TEST(DataLoaderShard, SkipFirstBatchesKeepsTheEpoch) {
             std::vector<std::vector<int64_t>>({{8, 9, 10, 11}, {12, 13, 14, 15}}));
 }
 
+// save_state / load_state: the position is the epoch and the batches handed
+// out; a restored position makes the passes of its epoch skip what was used.
+TEST(DataLoaderShard, PositionIsSavedAndRestored) {
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  o.shuffle = true;
+  o.seed = 5;
+  auto base = DataLoader::Create(Numbers(16), o);
+  ASSERT_THAT(base, IsOk());
+  auto prepare = [&] {
+    auto loader = DataLoader::Prepare(**base, *ProcessGroup::Single(), nullptr, {});
+    EXPECT_THAT(loader, IsOk());
+    return *std::move(loader);
+  };
+  auto saved = prepare();
+  saved->set_epoch(1);
+  const auto epoch1 = Pass(*saved);
+  const auto epoch2 = Pass(*saved);
+  saved->set_epoch(1);
+  EXPECT_EQ(saved->position().epoch, 1);
+  EXPECT_EQ(saved->position().batches_yielded, 0);
+  ASSERT_THAT(saved->Start(), IsOk());
+  ASSERT_THAT(saved->Next(), IsOk());
+  ASSERT_THAT(saved->Next(), IsOk());
+  const LoaderPosition at = saved->position();
+  EXPECT_EQ(at.epoch, 1);
+  EXPECT_EQ(at.batches_yielded, 2);
+
+  // A fresh loader (a new process) restored there continues the epoch, then
+  // runs whole epochs again.
+  auto resumed = prepare();
+  resumed->cursor()->Restore(at);
+  EXPECT_EQ(resumed->epoch(), 1);
+  EXPECT_EQ(resumed->size(), 2);
+  // A pass abandoned midway skips again when restarted.
+  ASSERT_THAT(resumed->Start(), IsOk());
+  EXPECT_EQ(resumed->position().batches_yielded, 2);
+  ASSERT_THAT(resumed->Next(), IsOk());
+  EXPECT_EQ(resumed->position().batches_yielded, 3);
+  EXPECT_EQ(Pass(*resumed), std::vector<std::vector<int64_t>>(epoch1.begin() + 2, epoch1.end()));
+  EXPECT_EQ(resumed->position().epoch, 2);
+  EXPECT_EQ(resumed->position().batches_yielded, 0);
+  EXPECT_EQ(resumed->size(), 4);
+  EXPECT_EQ(Pass(*resumed), epoch2);
+
+  // The position belongs to its epoch: another epoch is not skipped.
+  auto moved = prepare();
+  moved->cursor()->Restore(at);
+  moved->set_epoch(2);
+  EXPECT_EQ(Pass(*moved), epoch2);
+  moved->set_epoch(1);
+  EXPECT_EQ(Pass(*moved), epoch1);
+
+  // Resuming by hand (set_epoch + SkipFirstBatches) still works after a
+  // restore: the explicit count wins, and the loader it came from moves on
+  // with it to the next epoch, unskipped.
+  auto by_hand = prepare();
+  by_hand->cursor()->Restore(at);
+  auto skipping = by_hand->SkipFirstBatches(3);
+  EXPECT_EQ(Pass(*skipping), std::vector<std::vector<int64_t>>(epoch1.begin() + 3, epoch1.end()));
+  EXPECT_EQ(by_hand->epoch(), 2);
+  EXPECT_EQ(Pass(*by_hand), epoch2);
+}
+
 TEST(DataLoaderShard, RemainderForGatherForMetrics) {
   // n=99, bs=16, P=2 (§1.6): gather concatenates the ranks' last batches in
   // rank order; the first `remainder` = 99 % 32 = 3 rows are [96, 97, 98].
