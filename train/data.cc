@@ -452,10 +452,13 @@ struct DataLoader::State {
 
   // DataLoaderDispatcher: rank 0 reads the global batch and broadcasts it;
   // rank r takes rows [r * per, (r + 1) * per) with per = rows / P. The last
-  // global batch, when not split, not drop_last and not divisible by P, gets
-  // the first P rows of the pass's first global batch appended and per grows
-  // by one (Accelerate's rule); gather_for_metrics then keeps the first
-  // `remainder` = rows of that batch.
+  // global batch, when not drop_last and not divisible by P, gets the first P
+  // rows of the pass's first global batch appended and per grows by one
+  // (Accelerate's rule, split or not; its dispatcher pads whatever
+  // even_batches says); gather_for_metrics then keeps the first `remainder`
+  // = rows of that batch. Without the padding a split batch of fewer rows
+  // than P gives some ranks nothing and the rows beyond a multiple of P are
+  // never seen.
   absl::StatusOr<std::optional<Batch>> FetchDispatched(const IndexBatch& indices) {
     const bool last = next >= batches.size();
     Batch global;
@@ -497,8 +500,7 @@ struct DataLoader::State {
     const int64_t p = num_processes(), r = prepare.shard.process_index;
     const int64_t observed = global.empty() ? 0 : global.begin()->second.size(0);
     int64_t per = observed / p;
-    const bool pad =
-        !options.drop_last && !prepare.shard.split_batches && last && observed % p != 0;
+    const bool pad = !options.drop_last && last && observed % p != 0;
     Batch mine;
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
       if (!options.drop_last && !dispatch_first) {

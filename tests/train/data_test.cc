@@ -833,6 +833,22 @@ TEST(DataLoaderDispatcherWorker, Run) {
       {"drop", 10, 2, true, false, false, 2, 4, {{0, 1}, {4, 5}}, {{2, 3}, {6, 7}}},
       // split: one base batch per global batch, halves; the short last one [8, 9] too.
       {"split", 10, 4, false, true, false, 3, 2, {{0, 1}, {4, 5}, {8}}, {{2, 3}, {6, 7}, {9}}},
+      // split, a last batch of one row: [8] + [0, 1], a row each (unpadded,
+      // row 8 went to no rank).
+      {"split_n9", 9, 4, false, true, false, 3, 1, {{0, 1}, {4, 5}, {8}}, {{2, 3}, {6, 7}, {0}}},
+      // split, [8, 9, 10] + [0, 1]: two rows each (unpadded, row 10 was lost).
+      {"split_n11",
+       11,
+       4,
+       false,
+       true,
+       false,
+       3,
+       3,
+       {{0, 1}, {4, 5}, {8, 9}},
+       {{2, 3}, {6, 7}, {10, 0}}},
+      // Not split, batch 4: global batches [0..7] and [8]; [8] + [0, 1].
+      {"n9_bs4", 9, 4, false, false, false, 2, 1, {{0, 1, 2, 3}, {8}}, {{4, 5, 6, 7}, {0}}},
       // Seeded shuffle (seed 42): rank 0 reads 2 6 1 8 | 4 5 0 9 | 3 7.
       {"shuffle", 10, 2, false, false, true, 3, 2, {{2, 6}, {4, 5}, {3}}, {{1, 8}, {0, 9}, {7}}},
   };
