@@ -447,6 +447,91 @@ absl::Status CheckPrecision(absl::string_view what, const std::string& p) {
                    p == "fp8" ? " (fp8 needs Transformer Engine / MS-AMP, Python only)" : ""));
 }
 
+// A section that is absent, null or {} (how Accelerate's older versions wrote
+// the ones not in use).
+bool EmptySection(const Json& f, const std::string& key) {
+  if (!f.contains(key)) return true;
+  const Json& v = f.at(key);
+  return v.is_null() || (v.is_object() && v.empty());
+}
+
+absl::Status Refuse(absl::string_view source, absl::string_view key, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(source, ": ", key, ": ", why));
+}
+
+// Keys Accelerate knows that accel-launch cannot honour: a value that asks
+// for them is refused (naming the key) rather than kept and ignored; their
+// harmless defaults (NO, 'no', false, {}, null) are accepted. `legacy_dynamo`:
+// the file said `dynamo_backend`, which the loader moved into dynamo_config.
+absl::Status RefuseWhatLaunchCannotDo(const Json& f, absl::string_view source, bool legacy_dynamo) {
+  if (!EmptySection(f, "dynamo_config")) {
+    const Json& d = f.at("dynamo_config");
+    if (!d.is_object()) return WrongType(source, "dynamo_config", d, "a mapping");
+    if (d.contains("dynamo_backend") && !d.at("dynamo_backend").is_null()) {
+      const Json& backend = d.at("dynamo_backend");
+      if (!backend.is_string() || absl::AsciiStrToUpper(backend.get<std::string>()) != "NO") {
+        return Refuse(source, legacy_dynamo ? "dynamo_backend" : "dynamo_config.dynamo_backend",
+                      absl::StrCat(backend.dump(),
+                                   ": torch.compile backends exist only in Python; accel programs "
+                                   "run eagerly (use NO)"));
+      }
+    }
+  }
+  struct Section {
+    const char* key;
+    const char* why;
+  };
+  for (const Section& section : {
+           Section{"deepspeed_config",
+                   "DeepSpeed is Python-only; accel-launch runs plain data parallel (remove the "
+                   "section)"},
+           Section{"fsdp_config",
+                   "FSDP is not in libtorch's C++ API; accel-launch runs plain data parallel "
+                   "(remove the section)"},
+           Section{"megatron_lm_config",
+                   "Megatron-LM is Python-only; accel-launch runs plain data parallel (remove the "
+                   "section)"},
+       }) {
+    if (!EmptySection(f, section.key)) return Refuse(source, section.key, section.why);
+  }
+  if (!EmptySection(f, "mpirun_config")) {
+    const Json& m = f.at("mpirun_config");
+    if (!m.is_object()) return WrongType(source, "mpirun_config", m, "a mapping");
+    if (m.contains("mpirun_hostfile") && !m.at("mpirun_hostfile").is_null() &&
+        m.at("mpirun_hostfile") != "") {
+      return Refuse(source, "mpirun_config.mpirun_hostfile",
+                    "accel-launch does not start ranks through mpirun; run accel-launch on each "
+                    "machine with --num_machines and --machine_rank (or start the program with "
+                    "mpirun yourself: the ranks read its variables)");
+    }
+  }
+  if (f.contains("downcast_bf16") && !f.at("downcast_bf16").is_null()) {
+    const Json& v = f.at("downcast_bf16");
+    const bool off = (v.is_boolean() && !v.get<bool>()) ||
+                     (v.is_string() && (absl::AsciiStrToLower(v.get<std::string>()) == "no" ||
+                                        absl::AsciiStrToLower(v.get<std::string>()) == "false"));
+    if (!off) {
+      return Refuse(source, "downcast_bf16",
+                    absl::StrCat(v.dump(),
+                                 ": downcasting to bfloat16 is for TPUs (XLA), which accel does "
+                                 "not run (use 'no')"));
+    }
+  }
+  if (!EmptySection(f, "ipex_config")) {
+    const Json& i = f.at("ipex_config");
+    if (!i.is_object()) return WrongType(source, "ipex_config", i, "a mapping");
+    if (i.contains("ipex") && !i.at("ipex").is_null()) {
+      absl::StatusOr<bool> ipex = BoolField(source, "ipex_config.ipex", i.at("ipex"));
+      if (!ipex.ok()) return ipex.status();
+      if (*ipex) {
+        return Refuse(source, "ipex_config.ipex",
+                      "Intel Extension for PyTorch is Python-only (use false)");
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::string_view source) {
@@ -479,6 +564,7 @@ absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::s
     f["mixed_precision"] = f["mixed_precision"].get<bool>() ? "fp16" : "no";
   }
   f.erase("fp16");
+  const bool legacy_dynamo = f.contains("dynamo_backend");
   if (f.contains("dynamo_backend")) {
     Json backend = f["dynamo_backend"];
     f.erase("dynamo_backend");
@@ -572,6 +658,8 @@ absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::s
     }
     if (!status.ok()) return status;
   }
+  // After the fields, so that a distributed_type we do not run is named first.
+  if (absl::Status s = RefuseWhatLaunchCannotDo(f, source, legacy_dynamo); !s.ok()) return s;
   if (c.distributed_type == "NO") c.num_processes = 1;
   if (c.machine_rank >= c.num_machines) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": machine_rank ", c.machine_rank,

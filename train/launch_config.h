@@ -19,7 +19,11 @@ namespace accel::train {
 
 // The keys of Accelerate's ClusterConfig that accel-launch uses; the rest of
 // Accelerate's known keys are accepted and kept in `other` (unknown keys are
-// an error, as Accelerate's test_invalid_keys wants).
+// an error, as Accelerate's test_invalid_keys wants) when their values ask
+// for nothing accel-launch cannot do. Refused, naming the key: a dynamo
+// backend other than NO, a non-empty deepspeed_config / fsdp_config /
+// megatron_lm_config, an mpirun hostfile, downcast_bf16 other than 'no',
+// ipex true, and distributed types other than NO, MULTI_CPU and MULTI_GPU.
 struct ClusterConfig {
   std::string compute_environment = "LOCAL_MACHINE";
   std::string distributed_type = "NO";  // NO, MULTI_CPU, MULTI_GPU

@@ -19,6 +19,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_replace.h"
+
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "train/launch_config.h"
@@ -584,31 +586,41 @@ TEST(ClusterConfig, UnknownKeysAreListedSorted) {
 }
 
 TEST(ClusterConfig, AccelerateSampleFiles) {
-  // tests/test_configs/0_28_0_mpi.yaml from Accelerate.
-  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig mpi,
-                             ParseClusterConfig("compute_environment: LOCAL_MACHINE\n"
-                                                "debug: false\n"
-                                                "distributed_type: MULTI_CPU\n"
-                                                "downcast_bf16: 'no'\n"
-                                                "ipex_config:\n"
-                                                "  ipex: true\n"
-                                                "machine_rank: 0\n"
-                                                "main_process_ip: 127.0.0.1\n"
-                                                "main_process_port: 29500\n"
-                                                "main_training_function: main\n"
-                                                "mixed_precision: 'no'\n"
-                                                "mpirun_config:\n"
-                                                "  mpirun_ccl: '1'\n"
-                                                "  mpirun_hostfile: /home/user/hostfile\n"
-                                                "num_machines: 4\n"
-                                                "num_processes: 16\n"
-                                                "rdzv_backend: static\n"
-                                                "same_network: true\n"
-                                                "tpu_env: []\n"
-                                                "tpu_use_cluster: false\n"
-                                                "tpu_use_sudo: false\n"
-                                                "use_cpu: true\n",
-                                                "0_28_0_mpi.yaml"));
+  // tests/test_configs/0_28_0_mpi.yaml from Accelerate: it asks for mpirun
+  // (and IPEX), which accel-launch cannot do.
+  const std::string mpi_yaml =
+      "compute_environment: LOCAL_MACHINE\n"
+      "debug: false\n"
+      "distributed_type: MULTI_CPU\n"
+      "downcast_bf16: 'no'\n"
+      "ipex_config:\n"
+      "  ipex: true\n"
+      "machine_rank: 0\n"
+      "main_process_ip: 127.0.0.1\n"
+      "main_process_port: 29500\n"
+      "main_training_function: main\n"
+      "mixed_precision: 'no'\n"
+      "mpirun_config:\n"
+      "  mpirun_ccl: '1'\n"
+      "  mpirun_hostfile: /home/user/hostfile\n"
+      "num_machines: 4\n"
+      "num_processes: 16\n"
+      "rdzv_backend: static\n"
+      "same_network: true\n"
+      "tpu_env: []\n"
+      "tpu_use_cluster: false\n"
+      "tpu_use_sudo: false\n"
+      "use_cpu: true\n";
+  EXPECT_THAT(ParseClusterConfig(mpi_yaml, "0_28_0_mpi.yaml"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("0_28_0_mpi.yaml: mpirun_config.mpirun_hostfile: accel-launch "
+                                 "does not start ranks through mpirun")));
+  // The same file as `accelerate config` writes it without mpirun and IPEX.
+  std::string plain = absl::StrReplaceAll(
+      mpi_yaml,
+      {{"  ipex: true\n", "  ipex: false\n"},
+       {"mpirun_config:\n  mpirun_ccl: '1'\n  mpirun_hostfile: /home/user/hostfile\n", ""}});
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig mpi, ParseClusterConfig(plain, "0_28_0_cpu.yaml"));
   EXPECT_EQ(mpi.distributed_type, "MULTI_CPU");
   EXPECT_EQ(mpi.num_processes, 16);
   EXPECT_EQ(mpi.num_machines, 4);
@@ -616,9 +628,8 @@ TEST(ClusterConfig, AccelerateSampleFiles) {
   EXPECT_EQ(mpi.main_process_ip, "127.0.0.1");
   EXPECT_EQ(mpi.main_process_port, 29500);
   EXPECT_EQ(mpi.mixed_precision, "no");
-  EXPECT_EQ(mpi.other["mpirun_config"],
-            R"({"mpirun_ccl":"1","mpirun_hostfile":"/home/user/hostfile"})");
-  EXPECT_EQ(mpi.other["ipex_config"], R"({"ipex":true})");
+  EXPECT_EQ(mpi.other.count("mpirun_config"), 0u);
+  EXPECT_EQ(mpi.other["ipex_config"], R"({"ipex":false})");
   EXPECT_EQ(mpi.other["tpu_env"], "[]");
   EXPECT_EQ(mpi.other["downcast_bf16"], "\"no\"");
 
@@ -651,6 +662,91 @@ TEST(ClusterConfig, AccelerateSampleFiles) {
                        HasSubstr("latest_fsdp.yaml: distributed_type \"FSDP\"")));
 }
 
+// What accel-launch cannot honour is refused naming the key, never kept and
+// ignored; the defaults Accelerate writes for the same keys are accepted.
+TEST(ClusterConfig, RefusesWhatLaunchCannotHonour) {
+  struct Case {
+    std::string yaml;
+    std::string message;
+  };
+  const std::vector<Case> refused = {
+      {"distributed_type: MULTI_GPU\n"
+       "dynamo_config:\n"
+       "  dynamo_backend: INDUCTOR\n"
+       "  dynamo_mode: default\n",
+       "c.yaml: dynamo_config.dynamo_backend: \"INDUCTOR\""},
+      {"distributed_type: MULTI_GPU\n"
+       "deepspeed_config:\n"
+       "  gradient_accumulation_steps: 1\n"
+       "  zero_stage: 2\n",
+       "c.yaml: deepspeed_config: DeepSpeed"},
+      {"fsdp_config:\n"
+       "  fsdp_sharding_strategy: FULL_SHARD\n",
+       "c.yaml: fsdp_config: FSDP"},
+      {"megatron_lm_config:\n"
+       "  megatron_lm_tp_degree: 2\n",
+       "c.yaml: megatron_lm_config: Megatron-LM"},
+      {"distributed_type: MULTI_CPU\n"
+       "mpirun_config:\n"
+       "  mpirun_hostfile: /etc/hosts.mpi\n",
+       "c.yaml: mpirun_config.mpirun_hostfile"},
+      {"downcast_bf16: 'yes'\n", "c.yaml: downcast_bf16: \"yes\": downcasting"},
+      {"downcast_bf16: true\n", "c.yaml: downcast_bf16: true"},
+      {"ipex_config:\n"
+       "  ipex: true\n",
+       "c.yaml: ipex_config.ipex"},
+      {"distributed_type: DEEPSPEED\n", "c.yaml: distributed_type \"DEEPSPEED\""},
+      {"distributed_type: XLA\n", "c.yaml: distributed_type \"XLA\""},
+      {"distributed_type: MULTI_NPU\n", "c.yaml: distributed_type \"MULTI_NPU\""},
+      {"{\"fsdp_config\": {\"fsdp_version\": 2}}", "c.yaml: fsdp_config"},
+      {"dynamo_config: fast\n", "c.yaml: dynamo_config is \"fast\", expected a mapping"},
+  };
+  for (const Case& c : refused) {
+    EXPECT_THAT(ParseClusterConfig(c.yaml, "c.yaml"),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.message)))
+        << c.yaml;
+  }
+  // The values Accelerate writes when those features are off.
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig defaults,
+                             ParseClusterConfig("compute_environment: LOCAL_MACHINE\n"
+                                                "debug: false\n"
+                                                "deepspeed_config: {}\n"
+                                                "distributed_type: MULTI_GPU\n"
+                                                "downcast_bf16: 'no'\n"
+                                                "dynamo_config:\n"
+                                                "  dynamo_backend: 'NO'\n"
+                                                "enable_cpu_affinity: false\n"
+                                                "fsdp_config: {}\n"
+                                                "gpu_ids: all\n"
+                                                "ipex_config:\n"
+                                                "  ipex: false\n"
+                                                "machine_rank: 0\n"
+                                                "main_training_function: main\n"
+                                                "megatron_lm_config: {}\n"
+                                                "mixed_precision: bf16\n"
+                                                "mpirun_config: {}\n"
+                                                "num_machines: 1\n"
+                                                "num_processes: 2\n"
+                                                "rdzv_backend: static\n"
+                                                "same_network: true\n"
+                                                "tpu_env: []\n"
+                                                "tpu_use_cluster: false\n"
+                                                "tpu_use_sudo: false\n"
+                                                "use_cpu: false\n",
+                                                "default_config.yaml"));
+  EXPECT_EQ(defaults.num_processes, 2);
+  EXPECT_EQ(defaults.mixed_precision, "bf16");
+  // Empty sections, and mpirun settings without a hostfile (no mpirun).
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig nulls, ParseClusterConfig("deepspeed_config:\n"
+                                                                     "fsdp_config: ~\n"
+                                                                     "downcast_bf16: false\n"
+                                                                     "dynamo_config: {}\n"
+                                                                     "mpirun_config:\n"
+                                                                     "  mpirun_ccl: 1\n",
+                                                                     "n.yaml"));
+  EXPECT_EQ(nulls.other["deepspeed_config"], "null");
+}
+
 TEST(ClusterConfig, LegacyFieldsAndDefaults) {
   ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig fp16,
                              ParseClusterConfig("distributed_type: MULTI_CPU\nfp16: true\n", "a"));
@@ -658,10 +754,11 @@ TEST(ClusterConfig, LegacyFieldsAndDefaults) {
   EXPECT_EQ(fp16.other.count("fp16"), 0u);
   ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig fp32, ParseClusterConfig("fp16: false\n", "b"));
   EXPECT_EQ(fp32.mixed_precision, "no");
-  // dynamo_backend moves into dynamo_config ({} for NO), as Accelerate's loader does.
-  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig dynamo,
-                             ParseClusterConfig("dynamo_backend: INDUCTOR\n", "c"));
-  EXPECT_EQ(dynamo.other["dynamo_config"], R"({"dynamo_backend":"INDUCTOR"})");
+  // dynamo_backend moves into dynamo_config ({} for NO), as Accelerate's
+  // loader does; a real backend is refused under the name the file used.
+  EXPECT_THAT(ParseClusterConfig("dynamo_backend: INDUCTOR\n", "c"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("c: dynamo_backend: \"INDUCTOR\": torch.compile")));
   ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig no_dynamo,
                              ParseClusterConfig("dynamo_backend: 'NO'\n", "d"));
   EXPECT_EQ(no_dynamo.other["dynamo_config"], "{}");
@@ -692,8 +789,8 @@ TEST(ClusterConfig, YamlSubset) {
                          "- echo one\n"
                          "- 'echo # two'\n"
                          "tpu_vm: [a, 'b, c', 3]\n"
-                         "fsdp_config: {fsdp_version: 2, name: x}\n"
-                         "deepspeed_config:\n"
+                         "ipex_config: {ipex: false, name: x}\n"
+                         "fp8_config:\n"
                          "    zero_stage: 2\n"
                          "    offload:\n"
                          "      device: cpu\n"
@@ -711,8 +808,8 @@ TEST(ClusterConfig, YamlSubset) {
   EXPECT_FALSE(c.same_network);
   EXPECT_EQ(c.other["commands"], R"(["echo one","echo # two"])");
   EXPECT_EQ(c.other["tpu_vm"], R"(["a","b, c",3])");
-  EXPECT_EQ(c.other["fsdp_config"], R"({"fsdp_version":2,"name":"x"})");
-  EXPECT_EQ(c.other["deepspeed_config"],
+  EXPECT_EQ(c.other["ipex_config"], R"({"ipex":false,"name":"x"})");
+  EXPECT_EQ(c.other["fp8_config"],
             R"({"list":[1.5,null],"offload":{"device":"cpu"},"zero_stage":2})");
   EXPECT_EQ(c.other["megatron_lm_config"], "null");
   EXPECT_EQ(c.other["tpu_name"], "null");
@@ -776,7 +873,7 @@ TEST(ClusterConfig, WritesAndReadsBack) {
   c.gpu_ids = "0,1";
   c.same_network = false;
   c.rdzv_backend = "c10d";
-  c.other["mpirun_config"] = R"({"mpirun_hostfile":"/h"})";
+  c.other["mpirun_config"] = R"({"mpirun_ccl":"4"})";
   test::TempDir dir;
   const std::string path = dir.File("sub/dir/c.yaml");  // folders are made
   ASSERT_THAT(WriteClusterConfig(c, path, /*overwrite=*/false), IsOk());
