@@ -128,8 +128,8 @@ absl::StatusOr<uint64_t> Scheduler::Submit(Request request, std::shared_ptr<Requ
     pending->id = id;
     waiting_.push_back(std::move(pending));
     ++in_flight_;
+    PublishGaugesLocked();
   }
-  PublishGauges();
   return id;
 }
 
@@ -159,17 +159,16 @@ Scheduler::Snapshot Scheduler::snapshot() const {
   return {static_cast<int>(waiting_.size()), running_count_, kv_cache_bytes_, steps_};
 }
 
-void Scheduler::PublishGauges() {
+void Scheduler::PublishGaugesLocked() {
   if (metrics_ == nullptr) return;
-  const Snapshot now = snapshot();
-  metrics_->requests_waiting.Set(now.waiting);
-  metrics_->requests_running.Set(now.running);
-  metrics_->kv_cache_bytes.Set(static_cast<double>(now.kv_cache_bytes));
+  metrics_->requests_waiting.Set(static_cast<double>(waiting_.size()));
+  metrics_->requests_running.Set(running_count_);
+  metrics_->kv_cache_bytes.Set(static_cast<double>(kv_cache_bytes_));
   if (options_.kv_cache_capacity_bytes > 0) {
     // Caches grow by doubling, so a full batch can hold a little more than
     // the limits' worth; the ratio stays a ratio.
     metrics_->kv_cache_usage.Set(
-        std::min(1.0, static_cast<double>(now.kv_cache_bytes) /
+        std::min(1.0, static_cast<double>(kv_cache_bytes_) /
                           static_cast<double>(options_.kv_cache_capacity_bytes)));
   }
 }
@@ -207,8 +206,8 @@ void Scheduler::EndRunning(uint64_t sequence, const absl::Status& status, Finish
     absl::MutexLock lock(&mu_);
     running_count_ = static_cast<int>(running_.size());
     kv_cache_bytes_ = generator_->kv_cache_bytes();
+    PublishGaugesLocked();
   }
-  PublishGauges();
   const absl::Time now = absl::Now();
   Completion completion;
   completion.finish = finish;
@@ -351,6 +350,13 @@ void Scheduler::Loop() {
         admitted.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
       }
+      // Admitted requests count as running from here: their first tokens can
+      // reach a client before this step ends, and a scrape after that must
+      // not still see them waiting.
+      if (!admitted.empty() || !ended.empty()) {
+        running_count_ = static_cast<int>(running_.size() + admitted.size());
+        PublishGaugesLocked();
+      }
     }
     const absl::Time now = absl::Now();
     for (std::unique_ptr<Pending>& p : ended) {
@@ -401,8 +407,8 @@ void Scheduler::Loop() {
       running_count_ = static_cast<int>(running_.size());
       kv_cache_bytes_ = generator_->kv_cache_bytes();
       if (step) ++steps_;
+      PublishGaugesLocked();
     }
-    PublishGauges();
   }
 }
 

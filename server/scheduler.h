@@ -146,7 +146,10 @@ class Scheduler {
   void RunStep();
   void EndRunning(uint64_t sequence, const absl::Status& status, Finish finish);
   void EndPending(Pending& pending, const absl::Status& status);
-  void PublishGauges() ABSL_LOCKS_EXCLUDED(mu_);
+  // Sets the gauges from the guarded state. Called under mu_ wherever that
+  // state changes, so a scrape never sees an older value land after a newer
+  // one (two threads publish: request handlers and the scheduler).
+  void PublishGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Ended() ABSL_LOCKS_EXCLUDED(mu_);
 
   const SchedulerOptions options_;
