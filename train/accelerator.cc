@@ -149,6 +149,11 @@ absl::StatusOr<std::unique_ptr<Accelerator>> Accelerator::Create(const Accelerat
   if (options.use_megatron_lm) {
     return absl::InvalidArgumentError("use_megatron_lm: Megatron-LM is not available to C++");
   }
+  if (!options.dataloader_config.use_seedable_sampler && options.dataloader_config.data_seed) {
+    return absl::InvalidArgumentError(
+        "dataloader_config.data_seed seeds the seedable sampler only: with use_seedable_sampler "
+        "false the shuffle comes from the global RNG (SetSeed) or the loader's own seed");
+  }
   if (options.dataloader_config.use_stateful_dataloader) {
     return absl::InvalidArgumentError(
         "dataloader_config.use_stateful_dataloader: torchdata's StatefulDataLoader is Python-only; "
@@ -569,7 +574,7 @@ absl::StatusOr<std::string> Accelerator::SaveState(const std::string& output_dir
     std::vector<SavedLoaderPosition> positions;
     for (const auto& cursor : loader_cursors_) {
       const LoaderPosition p = cursor->position();
-      positions.push_back({p.epoch, p.batches_yielded});
+      positions.push_back({p.epoch, p.batches_yielded, p.pass_started, p.generator_state});
     }
     ACCEL_RETURN_IF_ERROR(SaveLoaderPositions(
         positions, absl::StrCat(dir, "/dataloader_positions_", process_index(), ".pkl")));
@@ -676,7 +681,11 @@ absl::Status Accelerator::LoadState(const std::string& input_dir) {
     ACCEL_ASSIGN_OR_RETURN(std::vector<SavedLoaderPosition> positions,
                            LoadLoaderPositions(positions_file));
     for (size_t i = 0; i < positions.size() && i < loader_cursors_.size(); ++i) {
-      loader_cursors_[i]->Restore({positions[i].epoch, positions[i].batches_yielded});
+      const SavedLoaderPosition& saved = positions[i];
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        loader_cursors_[i]->Restore(
+            {saved.epoch, saved.batches_yielded, saved.pass_started, saved.generator_state});
+      }));
     }
   }
   if (project_.automatic_checkpoint_naming) {

@@ -81,7 +81,19 @@ struct DataLoaderConfiguration {
   // Unset: false for our map-style datasets (Accelerate: true for iterable ones).
   std::optional<bool> dispatch_batches;
   bool even_batches = true;
+  // true: shuffles are SeedableRandomSampler's (randperm seeded with
+  // data_seed, else the loader's seed, else the last SetSeed, plus the
+  // epoch), the same on every rank whatever their global RNG. false:
+  // Accelerate's RandomSampler path, implemented as torch 1.13 draws it
+  // (PrepareOptions::use_seedable_sampler in data.h): the order comes from a
+  // generator seeded from the global RNG and synchronised from rank 0 at
+  // every pass. Accelerate's default is false; ours is true, because only
+  // the seedable sampler gives the same order for the same seed across runs
+  // and process counts, which resuming and our tests rely on. Both resume
+  // exactly through save_state / load_state (false: the generator is saved too).
   bool use_seedable_sampler = true;
+  // The seedable sampler's seed; refused with use_seedable_sampler false
+  // (Accelerate ignores it there).
   std::optional<uint64_t> data_seed;
   bool non_blocking = false;
   // Accelerate options with no C++ meaning; true is refused.

@@ -478,13 +478,19 @@ absl::Status SaveLoaderPositions(const std::vector<SavedLoaderPosition>& positio
                                  const std::string& path) {
   c10::List<int64_t> epochs;
   c10::List<int64_t> yielded;
+  c10::List<bool> started;
+  c10::List<at::Tensor> states;
   for (const SavedLoaderPosition& p : positions) {
     epochs.push_back(p.epoch);
     yielded.push_back(p.batches_yielded);
+    started.push_back(p.pass_started);
+    states.push_back(p.generator_state.defined() ? p.generator_state : at::empty({0}, at::kByte));
   }
   GenericDict d = NewDict();
   d.insert("epoch", epochs);
   d.insert("batches_yielded", yielded);
+  d.insert("pass_started", started);
+  d.insert("generator_state", states);
   return WritePickle(d, path);
 }
 
@@ -505,7 +511,32 @@ absl::StatusOr<std::vector<SavedLoaderPosition>> LoadLoaderPositions(const std::
       return absl::DataLossError(
           absl::StrCat(path, ": loader ", i, "'s position is not two integers >= 0"));
     }
-    out.push_back({e.toInt(), y.toInt()});
+    SavedLoaderPosition position;
+    position.epoch = e.toInt();
+    position.batches_yielded = y.toInt();
+    out.push_back(position);
+  }
+  // Optional: the generator of use_seedable_sampler false.
+  auto started = d.find("pass_started");
+  auto states = d.find("generator_state");
+  if (started != d.end() && states != d.end()) {
+    const c10::IValue& s = started->value();
+    const c10::IValue& t = states->value();
+    if (!s.isList() || !t.isList() || s.toListRef().size() != out.size() ||
+        t.toListRef().size() != out.size()) {
+      return absl::DataLossError(absl::StrCat(
+          path, ": \"pass_started\" and \"generator_state\" must have one entry per loader"));
+    }
+    for (size_t i = 0; i < out.size(); ++i) {
+      const c10::IValue& b = s.toListRef()[i];
+      const c10::IValue& g = t.toListRef()[i];
+      if (!b.isBool() || !g.isTensor() || g.toTensor().scalar_type() != at::kByte) {
+        return absl::DataLossError(absl::StrCat(
+            path, ": loader ", i, "'s generator entry is not a bool and a uint8 tensor"));
+      }
+      out[i].pass_started = b.toBool();
+      if (g.toTensor().numel() > 0) out[i].generator_state = g.toTensor();
+    }
   }
   return out;
 }

@@ -93,10 +93,14 @@ absl::StatusOr<RandomStates> LoadRandomStates(const std::string& path);
 // dataloader_positions_{rank}.pkl (ours; Accelerate saves a map-style
 // sampler's position only through torchdata's StatefulDataLoader): one entry
 // per prepared loader, in the order they were prepared, as {"epoch": [...],
-// "batches_yielded": [...]}.
+// "batches_yielded": [...], "pass_started": [...], "generator_state": [...]}
+// (the last two for use_seedable_sampler false; an empty uint8 tensor for
+// no state).
 struct SavedLoaderPosition {
   int64_t epoch = 0;
   int64_t batches_yielded = 0;
+  bool pass_started = false;
+  at::Tensor generator_state;  // undefined: none
 };
 absl::Status SaveLoaderPositions(const std::vector<SavedLoaderPosition>& positions,
                                  const std::string& path);

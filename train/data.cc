@@ -1,6 +1,8 @@
 #include "train/data.h"
 
 #include <algorithm>
+#include <cstring>
+#include <mutex>
 #include <numeric>
 #include <set>
 #include <utility>
@@ -335,12 +337,61 @@ const LoaderProgress* ActiveLoaders::active() const {
 namespace {
 // Starts the dispatch header when rank 0 failed to load the batch.
 constexpr char kLoadFailed[] = "!load failed: ";
+
+// torch.empty((), dtype=torch.int64).random_(generator=g).item(), from the
+// global CPU generator when `g` is null.
+int64_t DrawInt64(at::Generator* g) {
+  at::Tensor t = at::empty({}, at::TensorOptions().dtype(at::kLong));
+  if (g != nullptr) {
+    t.random_(*g);
+  } else {
+    t.random_();
+  }
+  return t.item<int64_t>();
+}
+
+at::Tensor GeneratorState(at::Generator g) {
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.get_state();
+}
+
+void SetGeneratorState(at::Generator g, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(g.mutex());
+  g.set_state(state);
+}
+
+std::vector<int64_t> Permutation(int64_t n, const at::Generator& g) {
+  at::Tensor perm = at::randperm(n, g, at::TensorOptions().dtype(at::kLong));
+  const int64_t* p = perm.data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + n);
+}
 }  // namespace
+
+LoaderPosition LoaderCursor::position() const {
+  LoaderPosition p;
+  p.epoch = epoch_;
+  p.batches_yielded = yielded_;
+  p.pass_started = in_pass_;
+  if (in_pass_ && pass_state_.defined()) {
+    p.generator_state = pass_state_.clone();
+  } else if (!in_pass_ && generator_) {
+    p.generator_state = GeneratorState(*generator_);
+  }
+  return p;
+}
 
 void LoaderCursor::Restore(const LoaderPosition& position) {
   epoch_ = position.epoch;
   yielded_ = std::max<int64_t>(0, position.batches_yielded);
-  resume_ = LoaderPosition{epoch_, yielded_};
+  resume_ = LoaderPosition();
+  resume_->epoch = epoch_;
+  resume_->batches_yielded = yielded_;
+  const bool has_state = position.generator_state.defined() && position.generator_state.numel() > 0;
+  in_pass_ = position.pass_started;
+  pass_state_ =
+      position.pass_started && has_state ? position.generator_state.clone() : at::Tensor();
+  replay_ = in_pass_ && has_state;
+  if (generator_ && has_state) SetGeneratorState(*generator_, position.generator_state);
 }
 
 struct DataLoader::State {
@@ -357,6 +408,8 @@ struct DataLoader::State {
   std::optional<int64_t> skip;
 
   // The pass in progress.
+  std::vector<int64_t> pass_order;  // the sampler's order
+  int64_t pass_skip = 0;
   bool running = false;
   bool registered = false;
   std::vector<IndexBatch> batches;  // this rank's, or the global ones (dispatch)
@@ -384,21 +437,90 @@ struct DataLoader::State {
     if (prepared && prepare.data_seed) return *prepare.data_seed;
     return options.seed.value_or(0);
   }
+  // Accelerate's RandomSampler path (use_seedable_sampler false).
+  bool synced_shuffle() const {
+    return prepared && options.shuffle && !prepare.use_seedable_sampler;
+  }
+  // Whether this process draws the order (the dispatcher's rank 0 only).
+  bool draws() const { return !dispatch() || group->rank() == 0; }
 
-  // The base loader's batches of `epoch` (BatchSampler over the sampler's order).
-  std::vector<IndexBatch> BaseBatches() const {
-    std::vector<int64_t> order;
-    if (options.shuffle) {
-      order = RandomPermutation(dataset->size(), seed() + static_cast<uint64_t>(epoch()));
-    } else {
-      order.resize(static_cast<size_t>(dataset->size()));
-      std::iota(order.begin(), order.end(), 0);
+  // The sampler's order for `epoch` when it needs no drawing: the identity,
+  // or the seedable sampler's randperm(seed + epoch).
+  std::vector<int64_t> SeededOrder() const {
+    if (options.shuffle && !synced_shuffle()) {
+      return RandomPermutation(dataset->size(), seed() + static_cast<uint64_t>(epoch()));
     }
+    std::vector<int64_t> order(static_cast<size_t>(dataset->size()));
+    std::iota(order.begin(), order.end(), 0);
+    return order;
+  }
+
+  // use_seedable_sampler false: the order of the pass that starts, drawn as
+  // DataLoaderShard.__iter__ over torch 1.13's DataLoader and RandomSampler
+  // would (data.h, PrepareOptions::use_seedable_sampler). A pass restored
+  // by load_state replays its generator state and leaves the global RNG alone.
+  absl::StatusOr<std::vector<int64_t>> DrawOrder() {
+    LoaderCursor& c = *cursor;
+    const bool replay = c.replay_ && c.resume_ && c.resume_->epoch == c.epoch_;
+    c.replay_ = false;
+    c.in_pass_ = true;
+    if (!draws()) {
+      c.pass_state_ = at::Tensor();
+      return SeededOrder();  // only the batch sizes matter on this rank
+    }
+    const int64_t n = dataset->size();
+    std::vector<int64_t> order;
+    if (c.generator_) {
+      at::Generator& g = *c.generator_;
+      if (num_processes() > 1 && !dispatch()) {
+        at::Tensor state;
+        ACCEL_RETURN_IF_ERROR(CallTorch([&] { state = GeneratorState(g).contiguous(); }));
+        ACCEL_ASSIGN_OR_RETURN(
+            std::string bytes,
+            group->BroadcastBytes(
+                absl::string_view(reinterpret_cast<const char*>(state.data_ptr<uint8_t>()),
+                                  static_cast<size_t>(state.numel())),
+                0));
+        ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+          at::Tensor synced = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+          std::memcpy(synced.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+          SetGeneratorState(g, synced);
+        }));
+      }
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        c.pass_state_ = GeneratorState(g);
+        // torch's DataLoader draws its workers' base seed first: from the
+        // loader's generator when the user gave one, else the global RNG.
+        if (options.seed) {
+          DrawInt64(&g);
+        } else if (!replay) {
+          DrawInt64(nullptr);
+        }
+        order = Permutation(n, g);
+      }));
+      return order;
+    }
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      at::Generator g = at::make_generator<at::CPUGeneratorImpl>();
+      if (replay && c.pass_state_.defined()) {
+        SetGeneratorState(g, c.pass_state_);
+      } else {
+        DrawInt64(nullptr);  // the base seed, then RandomSampler's seed
+        g = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(DrawInt64(nullptr)));
+      }
+      c.pass_state_ = GeneratorState(g);
+      order = Permutation(n, g);
+    }));
+    return order;
+  }
+
+  // The base loader's batches (BatchSampler over the sampler's order).
+  std::vector<IndexBatch> BaseBatches(const std::vector<int64_t>& order) const {
     return MakeBatches(order, options.batch_size, options.drop_last);
   }
 
-  absl::StatusOr<std::vector<IndexBatch>> RankBatches() const {
-    std::vector<IndexBatch> base = BaseBatches();
+  absl::StatusOr<std::vector<IndexBatch>> RankBatches(const std::vector<int64_t>& order) const {
+    std::vector<IndexBatch> base = BaseBatches(order);
     if (!prepared || num_processes() == 1) return base;
     if (dispatch()) {
       // Global batches: P base batches each (one when split); with drop_last
@@ -564,10 +686,17 @@ struct DataLoader::State {
   }
 
   // end_of_dataloader is set while the last batch is current; the
-  // dispatcher's remainder is the size of its last global batch.
-  void MarkEnd() {
+  // dispatcher's remainder is the size of its last global batch. The pass's
+  // sampler is exhausted by then: torch 1.13's RandomSampler draws one more
+  // randperm from its generator at that point (the next pass's order
+  // depends on it).
+  absl::Status MarkEnd() {
     progress.end_of_dataloader = true;
     if (dispatch() && last_observed >= 0) progress.remainder = last_observed;
+    if (synced_shuffle() && cursor->generator_ && draws()) {
+      return CallTorch([&] { Permutation(dataset->size(), *cursor->generator_); });
+    }
+    return absl::OkStatus();
   }
 
   void Unregister() {
@@ -616,6 +745,19 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Prepare(const DataLoader
   state->group = &group;
   state->active = active;
   state->cursor->epoch_ = loader.state_->epoch();
+  if (state->synced_shuffle()) {
+    // The sampler's generator: the user's (DataLoaderOptions::seed), or one
+    // prepare_data_loader makes, seeded from the global RNG, to synchronise
+    // across processes. One process, or a dispatcher, without a seed keeps
+    // none: RandomSampler seeds a fresh one every pass.
+    const std::optional<uint64_t> user_seed = state->options.seed;
+    if (user_seed || (group.size() > 1 && !state->dispatch())) {
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        const uint64_t seed = user_seed ? *user_seed : static_cast<uint64_t>(DrawInt64(nullptr));
+        state->cursor->generator_ = at::make_generator<at::CPUGeneratorImpl>(seed);
+      }));
+    }
+  }
   return std::unique_ptr<DataLoader>(new DataLoader(std::move(state)));
 }
 
@@ -639,7 +781,13 @@ absl::Status DataLoader::Start() {
   // A restored position belongs to its epoch only.
   if (cursor.resume_ && cursor.resume_->epoch != cursor.epoch_) cursor.resume_.reset();
   const int64_t skip = s.PendingSkip();
-  ACCEL_ASSIGN_OR_RETURN(s.batches, s.RankBatches());
+  if (s.synced_shuffle()) {
+    ACCEL_ASSIGN_OR_RETURN(s.pass_order, s.DrawOrder());
+  } else {
+    s.pass_order = s.SeededOrder();
+  }
+  s.pass_skip = skip;
+  ACCEL_ASSIGN_OR_RETURN(s.batches, s.RankBatches(s.pass_order));
   cursor.yielded_ = std::min<int64_t>(skip, static_cast<int64_t>(s.batches.size()));
   s.batches = SkipBatches(s.batches, skip);
   s.next = 0;
@@ -653,7 +801,9 @@ absl::Status DataLoader::Start() {
     s.registered = true;
   }
   ACCEL_ASSIGN_OR_RETURN(s.lookahead, s.Fetch());
-  if (s.next >= s.batches.size()) s.MarkEnd();  // no batch, or the first is the last
+  if (s.next >= s.batches.size()) {
+    ACCEL_RETURN_IF_ERROR(s.MarkEnd());  // no batch, or the first is the last
+  }
   return absl::OkStatus();
 }
 
@@ -670,6 +820,9 @@ absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
     ++cursor.epoch_;
     cursor.yielded_ = 0;
     cursor.resume_.reset();
+    cursor.in_pass_ = false;
+    cursor.pass_state_ = at::Tensor();
+    cursor.replay_ = false;
     s.skip.reset();  // only the first complete pass skips
     return std::optional<Batch>();
   }
@@ -679,7 +832,7 @@ absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
   if (s.next < s.batches.size()) {
     ACCEL_ASSIGN_OR_RETURN(s.lookahead, s.Fetch());
   }
-  if (!s.lookahead) s.MarkEnd();
+  if (!s.lookahead) ACCEL_RETURN_IF_ERROR(s.MarkEnd());
   return current;
 }
 
@@ -719,8 +872,18 @@ int64_t DataLoader::total_batch_size() const {
 int64_t DataLoader::dataset_size() const { return state_->dataset->size(); }
 
 absl::StatusOr<std::vector<IndexBatch>> DataLoader::EpochBatches() const {
-  ACCEL_ASSIGN_OR_RETURN(std::vector<IndexBatch> batches, state_->RankBatches());
-  return SkipBatches(batches, state_->PendingSkip());
+  const State& s = *state_;
+  if (s.synced_shuffle()) {
+    if (!s.running) {
+      return absl::FailedPreconditionError(
+          "EpochBatches: with use_seedable_sampler false the order is drawn when a pass starts "
+          "(call Start first)");
+    }
+    ACCEL_ASSIGN_OR_RETURN(std::vector<IndexBatch> batches, s.RankBatches(s.pass_order));
+    return SkipBatches(batches, s.pass_skip);
+  }
+  ACCEL_ASSIGN_OR_RETURN(std::vector<IndexBatch> batches, s.RankBatches(s.SeededOrder()));
+  return SkipBatches(batches, s.PendingSkip());
 }
 
 }  // namespace accel::train

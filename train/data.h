@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/status.h"
@@ -130,6 +131,11 @@ struct LoaderPosition {
   // Batches of `epoch` this rank has been handed, the skipped ones included;
   // 0 between passes (a completed pass has moved to the next epoch).
   int64_t batches_yielded = 0;
+  // use_seedable_sampler false only (else false / undefined): whether a pass
+  // of `epoch` has started, and the generator state its order was drawn from
+  // (before it started: the sampler's generator's state, if it keeps one).
+  bool pass_started = false;
+  at::Tensor generator_state;
 };
 
 // The position of a loader, shared by the loader, the loaders
@@ -138,10 +144,13 @@ struct LoaderPosition {
 // so it outlives the loader).
 class LoaderCursor {
  public:
-  LoaderPosition position() const { return {epoch_, yielded_}; }
+  LoaderPosition position() const;
   // load_state: the epoch becomes position.epoch, and the passes of that
   // epoch skip its first position.batches_yielded batches (as
-  // skip_first_batches does) until one completes.
+  // skip_first_batches does) until one completes. With
+  // use_seedable_sampler false the generator state comes back too, and a
+  // pass that had started draws the same order again (global RNG untouched:
+  // load_state restores that separately).
   void Restore(const LoaderPosition& position);
 
  private:
@@ -149,14 +158,33 @@ class LoaderCursor {
   int64_t epoch_ = 0;
   int64_t yielded_ = 0;
   std::optional<LoaderPosition> resume_;
+  // use_seedable_sampler false: the sampler's generator when it keeps one,
+  // whether a pass of the epoch has started, the state its order came from,
+  // and whether the next pass replays that state (after a restore).
+  std::optional<at::Generator> generator_;
+  bool in_pass_ = false;
+  at::Tensor pass_state_;
+  bool replay_ = false;
 };
 
 // DataLoaderConfiguration's options that shape the prepared loader.
 struct PrepareOptions {
   ShardOptions shard;             // num_processes and process_index come from the group
   bool dispatch_batches = false;  // rank 0 reads and broadcasts (DataLoaderDispatcher)
+  // true: a shuffle is SeedableRandomSampler's, randperm seeded with
+  // data_seed + epoch. false: Accelerate's RandomSampler path, as torch 1.13
+  // draws it: a loader given DataLoaderOptions::seed keeps a generator seeded
+  // with it (the user's torch.Generator); without one, several processes
+  // (not dispatching) share a generator each process seeds from one draw of
+  // its global RNG when prepared; either way every pass first broadcasts
+  // rank 0's generator state (synchronize_rng_states), draws torch's
+  // DataLoader base seed (from that generator, else the global RNG), then
+  // randperm, and a second randperm once the pass is exhausted. One process,
+  // or the dispatcher's rank 0, without a seed: each pass seeds a fresh
+  // generator from the global RNG (after the base seed). Accelerate's
+  // default is false; ours is true (the Accelerator's option says why).
   bool use_seedable_sampler = true;
-  std::optional<uint64_t> data_seed;
+  std::optional<uint64_t> data_seed;  // the seedable sampler's seed
   // Batches are moved here (non_blocking where the device allows).
   c10::Device device = c10::Device(c10::kCPU);
   bool non_blocking = false;
@@ -206,7 +234,9 @@ class DataLoader {
   // batch_size * num_processes (or batch_size when split_batches).
   int64_t total_batch_size() const;
   int64_t dataset_size() const;
-  // The indices of the batches this rank yields in the current epoch (for tests and resume).
+  // The indices of the batches this rank yields in the current epoch (for
+  // tests and resume). With use_seedable_sampler false the order is drawn
+  // when a pass starts: FailedPrecondition outside a pass.
   absl::StatusOr<std::vector<IndexBatch>> EpochBatches() const;
 
  private:

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <gmock/gmock.h>
@@ -725,6 +726,91 @@ TEST(AcceleratorDistributed, TwoRanksSaveAndRestoreTheirLoaderPositions) {
   EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.LoaderPositionRoundTrip",
                              {{"CKPT_DIR", dir.path()}}),
               Each(0));
+}
+
+// use_seedable_sampler false on two ranks whose global RNGs differ: every
+// pass draws from one generator, seeded by rank 0's global RNG and
+// broadcast at each pass, so the ranks shard one permutation; save_state /
+// load_state bring a pass in progress back with its order.
+TEST(AcceleratorDistributedWorker, RandomSamplerIsSynchronised) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of AcceleratorDistributed.*";
+  const std::string dir = std::getenv("CKPT_DIR");
+  AcceleratorOptions options;
+  options.dataloader_config.use_seedable_sampler = false;
+  auto created = Accelerator::Create(options);
+  ASSERT_THAT(created, IsOk());
+  auto& acc = *created;
+  const int rank = acc->process_index();
+  SetSeed(100, /*device_specific=*/true, rank);
+  DataLoaderOptions o;
+  o.batch_size = 3;
+  o.shuffle = true;  // no seed of its own
+  auto base = DataLoader::Create(Regression(22), o);
+  ASSERT_THAT(base, IsOk());
+  // Rank 0's expectation, as torch 1.13 draws it: the generator's seed at
+  // prepare, then per pass the DataLoader's base seed (global RNG), randperm,
+  // and one more randperm when the sampler is exhausted.
+  at::Tensor want = at::empty({2, 22}, at::kLong);
+  if (rank == 0) {
+    at::Tensor saved = at::detail::getDefaultCPUGenerator().get_state();
+    auto draw = [](at::Generator* g) {
+      at::Tensor t = at::empty({}, at::kLong);
+      if (g != nullptr) {
+        t.random_(*g);
+      } else {
+        t.random_();
+      }
+      return t.item<int64_t>();
+    };
+    at::Generator g = at::make_generator<at::CPUGeneratorImpl>(draw(nullptr));
+    for (int e = 0; e < 2; ++e) {
+      draw(nullptr);
+      want[e].copy_(at::randperm(22, g, at::TensorOptions().dtype(at::kLong)));
+      at::randperm(22, g, at::TensorOptions().dtype(at::kLong));
+    }
+    at::Generator global = at::detail::getDefaultCPUGenerator();
+    global.set_state(saved);
+  }
+  auto sent = acc->Broadcast(want);
+  ASSERT_THAT(sent, IsOk());
+  want = *sent;
+  auto prepared = acc->PrepareDataLoader(**base);
+  ASSERT_THAT(prepared, IsOk());
+  DataLoader& loader = **prepared;
+  for (int e = 0; e < 2; ++e) {
+    std::vector<int64_t> order(want[e].data_ptr<int64_t>(), want[e].data_ptr<int64_t>() + 22);
+    auto shard = ShardBatches(MakeBatches(order, 3, false), 3, false, {2, rank, false, true});
+    ASSERT_THAT(shard, IsOk());
+    std::vector<int64_t> flat;
+    for (const auto& b : *shard) flat.insert(flat.end(), b.begin(), b.end());
+    EXPECT_EQ(Indices(loader), flat) << "epoch " << e;
+  }
+  // Resume in the middle of epoch 2.
+  ASSERT_THAT(loader.Start(), IsOk());
+  ASSERT_THAT(loader.Next(), IsOk());
+  ASSERT_THAT(acc->SaveState(dir + "/ckpt"), IsOk());
+  const std::vector<int64_t> rest = Indices(loader, /*start=*/false);
+  const std::vector<int64_t> next_epoch = Indices(loader);
+  at::rand({3});  // the global RNG moves on; load_state brings it back
+  ASSERT_THAT(acc->LoadState(dir + "/ckpt"), IsOk());
+  EXPECT_EQ(Indices(loader), rest);
+  EXPECT_EQ(Indices(loader), next_epoch);
+  ASSERT_THAT(acc->WaitForEveryone(), IsOk());
+}
+
+TEST(AcceleratorDistributed, TwoRanksShareTheRandomSamplersOrder) {
+  test::TempDir dir;
+  EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.RandomSamplerIsSynchronised",
+                             {{"CKPT_DIR", dir.path()}}),
+              Each(0));
+}
+
+TEST(AcceleratorOptions, DataSeedNeedsTheSeedableSampler) {
+  AcceleratorOptions options;
+  options.dataloader_config.use_seedable_sampler = false;
+  options.dataloader_config.data_seed = 3;
+  EXPECT_THAT(Accelerator::Create(options, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("data_seed")));
 }
 
 TEST(AcceleratorDistributed, TwoRanksEqualOneProcess) {

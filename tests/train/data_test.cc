@@ -3,9 +3,11 @@
 // end-of-data state that accumulation and gather_for_metrics rely on.
 #include "train/data.h"
 
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Functions.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -579,6 +581,143 @@ TEST(DataLoaderShard, PositionIsSavedAndRestored) {
   EXPECT_EQ(Pass(*skipping), std::vector<std::vector<int64_t>>(epoch1.begin() + 3, epoch1.end()));
   EXPECT_EQ(by_hand->epoch(), 2);
   EXPECT_EQ(Pass(*by_hand), epoch2);
+}
+
+// use_seedable_sampler false: Accelerate's RandomSampler path as torch 1.13
+// draws it.
+
+// torch.empty((), dtype=torch.int64).random_(generator=g).item().
+int64_t Draw(at::Generator* g = nullptr) {
+  at::Tensor t = at::empty({}, at::kLong);
+  if (g != nullptr) {
+    t.random_(*g);
+  } else {
+    t.random_();
+  }
+  return t.item<int64_t>();
+}
+
+std::vector<int64_t> Flat(const std::vector<std::vector<int64_t>>& batches) {
+  std::vector<int64_t> out;
+  for (const auto& b : batches) out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
+at::Tensor GlobalRngState() {
+  at::Generator g = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.get_state();
+}
+
+void SetGlobalRngState(const at::Tensor& state) {
+  at::Generator g = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(g.mutex());
+  g.set_state(state);
+}
+
+TEST(RandomSamplerPath, OneProcessSeedsAFreshGeneratorEveryPass) {
+  DataLoaderOptions o;
+  o.batch_size = 3;
+  o.shuffle = true;  // no seed: RandomSampler(generator=None)
+  auto base = DataLoader::Create(Numbers(10), o);
+  ASSERT_THAT(base, IsOk());
+  PrepareOptions prepare;
+  prepare.use_seedable_sampler = false;
+  auto loader = DataLoader::Prepare(**base, *ProcessGroup::Single(), nullptr, prepare);
+  ASSERT_THAT(loader, IsOk());
+  EXPECT_THAT((*loader)->EpochBatches(), StatusIs(absl::StatusCode::kFailedPrecondition));
+  at::manual_seed(21);
+  const auto e0 = Flat(Pass(**loader));
+  const auto e1 = Flat(Pass(**loader));
+  // Each pass: the DataLoader's base seed, then the sampler's seed, both from
+  // the global RNG; the order is randperm from a generator seeded with the second.
+  at::manual_seed(21);
+  Draw();
+  const std::vector<int64_t> want0 = RandomPermutation(10, static_cast<uint64_t>(Draw()));
+  Draw();
+  const std::vector<int64_t> want1 = RandomPermutation(10, static_cast<uint64_t>(Draw()));
+  EXPECT_EQ(e0, want0);
+  EXPECT_EQ(e1, want1);
+  EXPECT_NE(e0, e1);
+  EXPECT_NE(e0, RandomPermutation(10, 21));  // not the seedable sampler's
+  // set_seed reproduces it; another seed does not.
+  at::manual_seed(21);
+  EXPECT_EQ(Flat(Pass(**loader)), e0);
+  at::manual_seed(42);
+  EXPECT_NE(Flat(Pass(**loader)), e0);
+}
+
+TEST(RandomSamplerPath, AGivenSeedIsTheSamplersOwnGenerator) {
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  o.shuffle = true;
+  o.seed = 7;  // DataLoader(generator=torch.Generator().manual_seed(7))
+  auto base = DataLoader::Create(Numbers(10), o);
+  PrepareOptions prepare;
+  prepare.use_seedable_sampler = false;
+  auto loader = DataLoader::Prepare(**base, *ProcessGroup::Single(), nullptr, prepare);
+  ASSERT_THAT(loader, IsOk());
+  at::manual_seed(5);
+  const at::Tensor global = GlobalRngState();
+  const auto e0 = Flat(Pass(**loader));
+  const auto e1 = Flat(Pass(**loader));
+  // The base seed and both randperms (the second when the sampler is
+  // exhausted) come from that generator; the global RNG is untouched.
+  EXPECT_TRUE(at::equal(GlobalRngState(), global));
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(7);
+  Draw(&g);
+  auto perm = [&] {
+    at::Tensor p = at::randperm(10, g, at::TensorOptions().dtype(at::kLong));
+    return std::vector<int64_t>(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + 10);
+  };
+  const std::vector<int64_t> first = perm();
+  perm();
+  Draw(&g);
+  const std::vector<int64_t> second = perm();
+  EXPECT_EQ(e0, first);
+  EXPECT_EQ(e1, second);
+}
+
+TEST(RandomSamplerPath, APassInProgressResumesWithItsOrder) {
+  DataLoaderOptions o;
+  o.batch_size = 2;
+  o.shuffle = true;
+  auto base = DataLoader::Create(Numbers(9), o);
+  PrepareOptions prepare;
+  prepare.use_seedable_sampler = false;
+  auto prepare_loader = [&] {
+    auto loader = DataLoader::Prepare(**base, *ProcessGroup::Single(), nullptr, prepare);
+    EXPECT_THAT(loader, IsOk());
+    return *std::move(loader);
+  };
+  at::manual_seed(3);
+  auto straight = prepare_loader();
+  Pass(*straight);
+  ASSERT_THAT(straight->Start(), IsOk());
+  ASSERT_THAT(straight->Next(), IsOk());
+  ASSERT_THAT(straight->Next(), IsOk());
+  const LoaderPosition at = straight->position();  // save_state
+  const at::Tensor global = GlobalRngState();
+  EXPECT_TRUE(at.pass_started);
+  ASSERT_TRUE(at.generator_state.defined());
+  std::vector<std::vector<int64_t>> tail;
+  while (true) {
+    auto b = straight->Next();
+    ASSERT_THAT(b, IsOk());
+    if (!*b) break;
+    at::Tensor x = (**b).at("x");
+    tail.emplace_back(x.data_ptr<int64_t>(), x.data_ptr<int64_t>() + x.numel());
+  }
+  EXPECT_EQ(tail.size(), 3u);
+  const auto next_epoch = Pass(*straight);
+
+  // A new process: other global RNG state until load_state restores it.
+  at::manual_seed(999);
+  auto resumed = prepare_loader();
+  resumed->cursor()->Restore(at);
+  SetGlobalRngState(global);
+  EXPECT_EQ(Pass(*resumed), tail);
+  EXPECT_EQ(Pass(*resumed), next_epoch);
 }
 
 TEST(DataLoaderShard, RemainderForGatherForMetrics) {
