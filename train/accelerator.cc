@@ -6,6 +6,7 @@
 #include <new>
 #include <regex>
 #include <set>
+#include <unistd.h>
 #include <utility>
 
 #include <ATen/Context.h>
@@ -523,25 +524,10 @@ void Accelerator::RegisterForCheckpointing(std::shared_ptr<Checkpointable> objec
   custom_objects_.push_back(std::move(object));
 }
 
-absl::StatusOr<std::string> Accelerator::SaveState(const std::string& output_dir) {
-  std::string dir = output_dir;
-  if (project_.automatic_checkpoint_naming) {
-    if (is_main_process()) {
-      ACCEL_ASSIGN_OR_RETURN(dir, NextCheckpointDir(project_.project_dir, project_.iteration,
-                                                    project_.total_limit, /*prune=*/true));
-    } else {
-      dir = absl::StrCat(project_.project_dir, "/checkpoints/checkpoint_", project_.iteration);
-    }
-  } else if (dir.empty()) {
-    return absl::InvalidArgumentError(
-        "SaveState: no output_dir, and ProjectConfiguration.automatic_checkpoint_naming is off");
-  }
-  // Everyone agrees the folder is free before anyone writes into it.
-  ACCEL_RETURN_IF_ERROR(WaitForEveryone());
+absl::Status Accelerator::WriteStateFiles(const std::string& dir) const {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::PermissionDeniedError(absl::StrCat(dir, ": ", ec.message()));
-
   const bool writer = is_main_process() || (project_.save_on_each_node && is_local_main_process());
   if (writer) {
     for (size_t i = 0; i < models_.size(); ++i) {
@@ -579,6 +565,57 @@ absl::StatusOr<std::string> Accelerator::SaveState(const std::string& output_dir
     ACCEL_RETURN_IF_ERROR(SaveLoaderPositions(
         positions, absl::StrCat(dir, "/dataloader_positions_", process_index(), ".pkl")));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Accelerator::SaveState(const std::string& output_dir) {
+  if (!project_.automatic_checkpoint_naming && output_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "SaveState: no output_dir, and ProjectConfiguration.automatic_checkpoint_naming is off");
+  }
+  // The folder: rank 0 picks it (with automatic naming the next
+  // checkpoint_N, which must not exist) and names the temporary folder
+  // beside it after its pid; the state is written there and moved into place
+  // only when complete, so a folder LoadState can pick is never half written.
+  std::string dir = output_dir;
+  std::vector<std::string> to_prune;
+  if (is_main_process() && project_.automatic_checkpoint_naming) {
+    ACCEL_ASSIGN_OR_RETURN(
+        CheckpointPlan plan,
+        PlanCheckpoint(project_.project_dir, project_.iteration, project_.total_limit));
+    dir = plan.dir;
+    to_prune = std::move(plan.to_prune);
+  }
+  ACCEL_ASSIGN_OR_RETURN(std::string chosen,
+                         group_->BroadcastBytes(absl::StrCat(::getpid(), "\n", dir), 0));
+  const size_t newline = chosen.find('\n');
+  const std::string pid = chosen.substr(0, newline);
+  dir = std::filesystem::path(chosen.substr(newline + 1)).lexically_normal().string();
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const std::string tmp = absl::StrCat(dir, ".tmp-", pid);
+  // Those who write the shared files also make and move the folder (one per
+  // node with save_on_each_node).
+  const bool committer =
+      is_main_process() || (project_.save_on_each_node && is_local_main_process());
+  if (committer) {
+    std::error_code ec;
+    std::filesystem::remove_all(tmp, ec);  // a crashed save's, with a reused pid
+    std::filesystem::create_directories(tmp, ec);
+    if (ec) return absl::PermissionDeniedError(absl::StrCat(tmp, ": ", ec.message()));
+  }
+  ACCEL_RETURN_IF_ERROR(WaitForEveryone());
+  absl::Status written = WriteStateFiles(tmp);
+  if (!written.ok()) {
+    if (committer) {
+      std::error_code ec;
+      std::filesystem::remove_all(tmp, ec);
+    }
+    return written;
+  }
+  ACCEL_RETURN_IF_ERROR(WaitForEveryone());
+  if (committer) ACCEL_RETURN_IF_ERROR(CommitCheckpointDir(tmp, dir));
+  // Pruned only once the new checkpoint is in place.
+  if (is_main_process()) ACCEL_RETURN_IF_ERROR(RemoveCheckpoints(to_prune));
   ACCEL_RETURN_IF_ERROR(WaitForEveryone());
   project_.iteration += 1;
   return dir;

@@ -326,6 +326,12 @@ class Accelerator {
   void RegisterForCheckpointing(std::shared_ptr<Checkpointable> object);
   // Accelerate's save_state: returns the folder written. With automatic
   // naming `output_dir` is ignored (project_dir/checkpoints/checkpoint_N).
+  // The files are written into a temporary folder beside it
+  // (checkpoint_N.tmp-PID), which is renamed once complete: a failed or
+  // interrupted save leaves no checkpoint_N behind, and total_limit prunes
+  // older checkpoint_<int> folders (nothing else) only after the new one is
+  // in place. An existing output_dir is updated file by file, keeping the
+  // other files in it.
   absl::StatusOr<std::string> SaveState(const std::string& output_dir = "");
   // Empty `input_dir` with automatic naming: the latest checkpoint. Restores
   // models, optimizers, schedulers, scaler, RNG states, the accumulation
@@ -353,6 +359,8 @@ class Accelerator {
   friend class PreparedScheduler;
   Accelerator() = default;
   void DoSync();
+  // This rank's files of save_state, into `dir`.
+  absl::Status WriteStateFiles(const std::string& dir) const;
 
   ProcessEnvironment environment_;
   std::unique_ptr<ProcessGroup> group_;

@@ -112,12 +112,22 @@ int64_t TrailingNumber(const std::string& name) {
   return -1;
 }
 
+// The checkpoint_<int> folders of project_dir/checkpoints, oldest first.
+// Only those: a save in progress (checkpoint_N.tmp-PID) is not a checkpoint,
+// and nothing else kept there is ever pruned.
 std::vector<fs::path> CheckpointEntries(const std::string& project_dir) {
   std::vector<fs::path> entries;
   std::error_code ec;
   const fs::path root = fs::path(project_dir) / "checkpoints";
   if (!fs::is_directory(root, ec)) return entries;
-  for (const auto& e : fs::directory_iterator(root, ec)) entries.push_back(e.path());
+  static const std::regex kCheckpoint("checkpoint_\\d+");
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    std::error_code dir_ec;
+    if (std::regex_match(e.path().filename().string(), kCheckpoint) &&
+        fs::is_directory(e.path(), dir_ec)) {
+      entries.push_back(e.path());
+    }
+  }
   std::sort(entries.begin(), entries.end(), [](const fs::path& a, const fs::path& b) {
     return TrailingNumber(a.filename().string()) < TrailingNumber(b.filename().string());
   });
@@ -560,28 +570,36 @@ absl::StatusOr<std::map<std::string, at::Tensor>> LoadCustomState(const std::str
   return out;
 }
 
-absl::StatusOr<std::string> NextCheckpointDir(const std::string& project_dir, int64_t iteration,
-                                              std::optional<int64_t> total_limit, bool prune) {
+absl::StatusOr<CheckpointPlan> PlanCheckpoint(const std::string& project_dir, int64_t iteration,
+                                              std::optional<int64_t> total_limit) {
   const fs::path root = fs::path(project_dir) / "checkpoints";
-  if (prune && total_limit) {
+  CheckpointPlan plan;
+  plan.dir = (root / absl::StrCat("checkpoint_", iteration)).string();
+  std::error_code ec;
+  if (fs::exists(plan.dir, ec)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint folder ", plan.dir,
+        " already exists: set ProjectConfiguration.iteration past it, or load_state first"));
+  }
+  fs::create_directories(root, ec);
+  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating ", root.string()));
+  if (total_limit) {
     std::vector<fs::path> entries = CheckpointEntries(project_dir);
     const int64_t excess = static_cast<int64_t>(entries.size()) + 1 - *total_limit;
     for (int64_t i = 0; i < excess && i < static_cast<int64_t>(entries.size()); ++i) {
-      std::error_code ec;
-      fs::remove_all(entries[static_cast<size_t>(i)], ec);
-      if (ec) return ErrnoStatus(ec.value(), absl::StrCat("removing ", entries[i].string()));
+      plan.to_prune.push_back(entries[static_cast<size_t>(i)].string());
     }
   }
-  const fs::path target = root / absl::StrCat("checkpoint_", iteration);
-  if (fs::exists(target)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint folder ", target.string(),
-        " already exists: set ProjectConfiguration.iteration past it, or load_state first"));
+  return plan;
+}
+
+absl::Status RemoveCheckpoints(const std::vector<std::string>& dirs) {
+  for (const std::string& dir : dirs) {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    if (ec) return ErrnoStatus(ec.value(), absl::StrCat("removing ", dir));
   }
-  std::error_code ec;
-  fs::create_directories(root, ec);
-  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating ", root.string()));
-  return target.string();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> LatestCheckpointDir(const std::string& project_dir) {
@@ -591,6 +609,36 @@ absl::StatusOr<std::string> LatestCheckpointDir(const std::string& project_dir) 
         absl::StrCat("no checkpoint in ", (fs::path(project_dir) / "checkpoints").string()));
   }
   return entries.back().string();
+}
+
+absl::Status CommitCheckpointDir(const std::string& tmp, const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) {
+    fs::rename(tmp, dir, ec);
+    if (!ec) return absl::OkStatus();
+    std::error_code probe;
+    if (!fs::exists(tmp, probe) && fs::is_directory(dir, probe)) return absl::OkStatus();
+    return ErrnoStatus(ec.value(), absl::StrCat("renaming ", tmp, " to ", dir));
+  }
+  if (!fs::is_directory(dir, ec)) {
+    return absl::FailedPreconditionError(absl::StrCat(dir, " exists and is not a folder"));
+  }
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(tmp, ec)) files.push_back(e.path());
+  if (ec) {
+    std::error_code probe;
+    if (!fs::exists(tmp, probe)) return absl::OkStatus();
+    return ErrnoStatus(ec.value(), absl::StrCat("listing ", tmp));
+  }
+  for (const fs::path& file : files) {
+    fs::rename(file, fs::path(dir) / file.filename(), ec);
+    std::error_code probe;
+    if (ec && fs::exists(file, probe)) {
+      return ErrnoStatus(ec.value(), absl::StrCat("moving ", file.string(), " into ", dir));
+    }
+  }
+  fs::remove_all(tmp, ec);
+  return absl::OkStatus();
 }
 
 }  // namespace accel::train

@@ -111,18 +111,36 @@ absl::Status SaveCustomState(const std::map<std::string, at::Tensor>& state,
                              const std::string& path);
 absl::StatusOr<std::map<std::string, at::Tensor>> LoadCustomState(const std::string& path);
 
-// ---- automatic checkpoint naming ----
+// ---- automatic checkpoint naming and atomic folders ----
 
-// project_dir/checkpoints/checkpoint_{iteration}. When `prune` (the main
-// process) and total_limit is set, first removes the oldest entries of
-// project_dir/checkpoints (by the number that ends their name, never
-// lexicographically) so that with the new one at most total_limit remain.
-// FailedPrecondition if the target already exists (Accelerate's ValueError).
-absl::StatusOr<std::string> NextCheckpointDir(const std::string& project_dir, int64_t iteration,
-                                              std::optional<int64_t> total_limit, bool prune);
-// The entry of project_dir/checkpoints with the largest trailing number;
-// NotFound when there is none.
+// What save_state with automatic naming writes, and what it prunes once
+// that is in place.
+struct CheckpointPlan {
+  std::string dir;  // project_dir/checkpoints/checkpoint_{iteration}
+  // With total_limit: the oldest checkpoint folders (by their number, never
+  // lexicographically) to remove so that with `dir` at most total_limit remain.
+  std::vector<std::string> to_prune;
+};
+// Creates project_dir/checkpoints; FailedPrecondition if the target already
+// exists (Accelerate's ValueError). Only folders named checkpoint_<int>
+// count and are pruned (Accelerate counts every entry): a save's temporary
+// folder, or anything else kept there, is never removed.
+absl::StatusOr<CheckpointPlan> PlanCheckpoint(const std::string& project_dir, int64_t iteration,
+                                              std::optional<int64_t> total_limit);
+// remove_all of each folder; the first error names its folder.
+absl::Status RemoveCheckpoints(const std::vector<std::string>& dirs);
+// The checkpoint_<int> folder of project_dir/checkpoints with the largest
+// number (a folder save_state is still writing has another name); NotFound
+// when there is none.
 absl::StatusOr<std::string> LatestCheckpointDir(const std::string& project_dir);
+
+// Moves the complete folder `tmp` (written beside `dir`) to `dir`: one
+// rename when `dir` does not exist, so `dir` appears whole or not at all;
+// into an existing folder (an explicit save_state output_dir) file by file,
+// each replaced atomically, and other files there are kept. A `tmp` that
+// another process already moved (save_on_each_node on a shared file
+// system) is fine.
+absl::Status CommitCheckpointDir(const std::string& tmp, const std::string& dir);
 
 }  // namespace accel::train
 

@@ -3,6 +3,7 @@
 // equivalence with a single process on the same global batch.
 #include "train/accelerator.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +22,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include "tests/testing/file_size_limit.h"
 #include "tests/testing/multiprocess.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
@@ -499,6 +501,85 @@ TEST(AcceleratorCheckpoint, AutomaticNamingPrunesAndLoadsTheLatest) {
   auto next = t.acc->SaveState();
   ASSERT_THAT(next, IsOk());
   EXPECT_THAT(*next, testing::EndsWith("checkpoint_4"));
+}
+
+// A registered object whose state can be made too big for the disk.
+struct Blob : Checkpointable {
+  at::Tensor value = at::zeros({2});
+  std::map<std::string, at::Tensor> StateDict() const override { return {{"value", value}}; }
+  absl::Status LoadStateDict(const std::map<std::string, at::Tensor>& s) override {
+    value = s.at("value").clone();
+    return absl::OkStatus();
+  }
+};
+
+std::vector<std::string> Entries(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// save_state writes a temporary folder and renames it when complete: a save
+// that fails midway (a full disk) leaves the earlier checkpoints as they
+// were, prunes nothing, and load_state picks the last complete one.
+TEST(AcceleratorCheckpoint, AFailedSaveLeavesTheCompleteCheckpoints) {
+  test::TempDir dir;
+  AcceleratorOptions options;
+  options.project_config.project_dir = dir.path();
+  options.project_config.automatic_checkpoint_naming = true;
+  options.project_config.total_limit = 2;
+  Trainer t(options);
+  auto blob = std::make_shared<Blob>();
+  t.acc->RegisterForCheckpointing(blob);
+  t.Run(1);
+  ASSERT_THAT(t.acc->SaveState(), IsOk());
+  t.Run(1);
+  ASSERT_THAT(t.acc->SaveState(), IsOk());
+  const at::Tensor saved_weight = t.net->weight.detach().clone();
+  // A crashed save's leftovers and a folder of the user's: neither is a checkpoint.
+  std::filesystem::create_directories(dir.File("checkpoints/checkpoint_7.tmp-1"));
+  std::filesystem::create_directories(dir.File("checkpoints/notes"));
+
+  t.Run(1);
+  blob->value = at::zeros({1 << 20});  // 4 MiB, written after the model and optimizer
+  absl::StatusOr<std::string> failed = absl::UnknownError("not run");
+  {
+    test::FileSizeLimit full_disk(1 << 20);
+    ASSERT_TRUE(full_disk.ok());
+    failed = t.acc->SaveState();
+  }
+  EXPECT_THAT(failed, StatusIs(absl::StatusCode::kResourceExhausted));
+  EXPECT_THAT(
+      Entries(dir.File("checkpoints")),
+      ::testing::ElementsAre("checkpoint_0", "checkpoint_1", "checkpoint_7.tmp-1", "notes"));
+  EXPECT_THAT(Entries(dir.File("checkpoints/checkpoint_0")),
+              ::testing::Contains("model.safetensors"));
+
+  blob->value = at::zeros({2});
+  t.Run(1);
+  ASSERT_THAT(t.acc->LoadState(), IsOk());
+  EXPECT_TRUE(at::equal(t.net->weight, saved_weight));
+  EXPECT_EQ(t.acc->project_configuration().iteration, 2);
+  // The next save prunes checkpoint_0 once checkpoint_2 is in place, and
+  // only checkpoint folders.
+  auto next = t.acc->SaveState();
+  ASSERT_THAT(next, IsOk());
+  EXPECT_THAT(*next, ::testing::EndsWith("checkpoint_2"));
+  EXPECT_THAT(
+      Entries(dir.File("checkpoints")),
+      ::testing::ElementsAre("checkpoint_1", "checkpoint_2", "checkpoint_7.tmp-1", "notes"));
+  // An explicit folder that exists is updated, its other files kept.
+  Trainer explicit_dir({});
+  std::filesystem::create_directories(dir.File("mine"));
+  dir.Write("mine/notes.txt", "keep");
+  ASSERT_THAT(explicit_dir.acc->SaveState(dir.File("mine")), IsOk());
+  EXPECT_THAT(Entries(dir.File("mine")), ::testing::Contains("notes.txt"));
+  EXPECT_THAT(Entries(dir.File("mine")), ::testing::Contains("model.safetensors"));
+  EXPECT_THAT(Entries(dir.path()),
+              ::testing::Not(::testing::Contains(::testing::StartsWith("mine.tmp-"))));
 }
 
 TEST(AcceleratorCheckpoint, LoadErrorsNameTheProblem) {

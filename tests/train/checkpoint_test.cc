@@ -390,11 +390,13 @@ TEST(StateFiles, RandomStatesRepeatTheSequence) {
 
 TEST(CheckpointNaming, TotalLimitPrunesNumerically) {
   test::TempDir dir;
+  // Saves 0..10 with total_limit 2, each pruning after its folder exists.
   for (int64_t i = 0; i <= 10; ++i) {
-    auto next = NextCheckpointDir(dir.path(), i, 2, true);
-    ASSERT_THAT(next, IsOk());
-    EXPECT_THAT(*next, ::testing::EndsWith("checkpoint_" + std::to_string(i)));
-    std::filesystem::create_directories(*next);
+    auto plan = PlanCheckpoint(dir.path(), i, 2);
+    ASSERT_THAT(plan, IsOk());
+    EXPECT_THAT(plan->dir, ::testing::EndsWith("checkpoint_" + std::to_string(i)));
+    std::filesystem::create_directories(plan->dir);
+    ASSERT_THAT(RemoveCheckpoints(plan->to_prune), IsOk());
   }
   EXPECT_FALSE(std::filesystem::exists(dir.File("checkpoints/checkpoint_0")));
   EXPECT_FALSE(std::filesystem::exists(dir.File("checkpoints/checkpoint_8")));
@@ -406,19 +408,60 @@ TEST(CheckpointNaming, TotalLimitPrunesNumerically) {
   EXPECT_THAT(*latest, ::testing::EndsWith("checkpoint_10"));
   EXPECT_THAT(*latest, ::testing::StartsWith(dir.File("checkpoints/")));
   // One more: checkpoint_9 is the oldest (a lexicographic sort would drop _10).
-  ASSERT_THAT(NextCheckpointDir(dir.path(), 11, 2, true), IsOk());
-  std::filesystem::create_directories(dir.File("checkpoints/checkpoint_11"));
-  EXPECT_FALSE(std::filesystem::exists(dir.File("checkpoints/checkpoint_9")));
-  EXPECT_TRUE(std::filesystem::exists(dir.File("checkpoints/checkpoint_10")));
-  // Not the main process (prune = false): nothing is removed.
-  ASSERT_THAT(NextCheckpointDir(dir.path(), 12, 2, false), IsOk());
-  EXPECT_TRUE(std::filesystem::exists(dir.File("checkpoints/checkpoint_10")));
-  EXPECT_TRUE(std::filesystem::exists(dir.File("checkpoints/checkpoint_11")));
-  EXPECT_THAT(NextCheckpointDir(dir.path(), 10, std::nullopt, true),
+  auto plan = PlanCheckpoint(dir.path(), 11, 2);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_THAT(plan->to_prune, ::testing::ElementsAre(dir.File("checkpoints/checkpoint_9")));
+  // Planning removes nothing: pruning waits until the new one is in place.
+  EXPECT_TRUE(std::filesystem::exists(dir.File("checkpoints/checkpoint_9")));
+  EXPECT_THAT(PlanCheckpoint(dir.path(), 10, std::nullopt),
               StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("already exists")));
   test::TempDir empty;
   EXPECT_THAT(LatestCheckpointDir(empty.path()),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr(empty.File("checkpoints"))));
+}
+
+// A save in progress (checkpoint_N.tmp-PID) is not a checkpoint: never the
+// latest, never counted or pruned; nor is anything else kept there.
+TEST(CheckpointNaming, OnlyCheckpointFoldersCount) {
+  test::TempDir dir;
+  for (const char* name :
+       {"checkpoints/checkpoint_1", "checkpoints/checkpoint_2", "checkpoints/checkpoint_3.tmp-4242",
+        "checkpoints/notes_99", "checkpoints/checkpoint_7_old"}) {
+    std::filesystem::create_directories(dir.File(name));
+  }
+  dir.Write("checkpoints/checkpoint_8", "a file, not a folder");
+  auto latest = LatestCheckpointDir(dir.path());
+  ASSERT_THAT(latest, IsOk());
+  EXPECT_THAT(*latest, ::testing::EndsWith("checkpoints/checkpoint_2"));
+  auto plan = PlanCheckpoint(dir.path(), 3, 1);
+  ASSERT_THAT(plan, IsOk());
+  EXPECT_THAT(plan->to_prune, ::testing::ElementsAre(dir.File("checkpoints/checkpoint_1"),
+                                                     dir.File("checkpoints/checkpoint_2")));
+}
+
+TEST(CheckpointNaming, CommitMovesAWholeFolder) {
+  test::TempDir dir;
+  std::filesystem::create_directories(dir.File("c.tmp-1"));
+  dir.Write("c.tmp-1/a.bin", "a");
+  ASSERT_THAT(CommitCheckpointDir(dir.File("c.tmp-1"), dir.File("c")), IsOk());
+  EXPECT_EQ(test::ReadAll(dir.File("c/a.bin")), "a");
+  EXPECT_FALSE(std::filesystem::exists(dir.File("c.tmp-1")));
+  // Already moved (another node's process was first): fine.
+  EXPECT_THAT(CommitCheckpointDir(dir.File("c.tmp-1"), dir.File("c")), IsOk());
+  // Into an existing folder: file by file, other files kept.
+  dir.Write("c/mine.txt", "keep");
+  std::filesystem::create_directories(dir.File("c.tmp-2"));
+  dir.Write("c.tmp-2/a.bin", "new a");
+  dir.Write("c.tmp-2/b.bin", "b");
+  ASSERT_THAT(CommitCheckpointDir(dir.File("c.tmp-2"), dir.File("c")), IsOk());
+  EXPECT_EQ(test::ReadAll(dir.File("c/a.bin")), "new a");
+  EXPECT_EQ(test::ReadAll(dir.File("c/b.bin")), "b");
+  EXPECT_EQ(test::ReadAll(dir.File("c/mine.txt")), "keep");
+  EXPECT_FALSE(std::filesystem::exists(dir.File("c.tmp-2")));
+  dir.Write("f", "a file");
+  std::filesystem::create_directories(dir.File("f.tmp-3"));
+  EXPECT_THAT(CommitCheckpointDir(dir.File("f.tmp-3"), dir.File("f")),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("not a folder")));
 }
 
 }  // namespace
