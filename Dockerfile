@@ -59,8 +59,12 @@ RUN apt-get update -qq \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp accel
 
 FROM runtime-base AS runtime-cpu
+# libopenblas0-openmp: libtorch's float32 products go through libblas.so.3,
+# and OpenBLAS serves them about 30x faster than the reference BLAS
+# (scripts/setup.sh installs the same).
 RUN apt-get update -qq \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libtorch1.13 \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      libtorch1.13 libopenblas0-openmp \
  && rm -rf /var/lib/apt/lists/*
 
 FROM runtime-base AS runtime-cuda

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # Installs every system dependency of accel from Debian packages.
+# libopenblas0-openmp takes over libblas.so.3 (Debian's alternatives), which
+# libtorch's float32 matrix products call: the reference BLAS that comes by
+# default is about 30x slower for training (docs/BENCHMARKS.md). The OpenMP
+# build shares libtorch's thread pool (libgomp) instead of starting its own.
 # prometheus brings promtool (the tests lint /metrics with it); openssl makes
 # the TLS test's certificate.
 # Idempotent and quiet: when everything is present it only checks, in about a second.
@@ -8,7 +12,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build ccache pkg-config git lld python3
   clang clang-format clang-tidy libclang-rt-14-dev
-  libtorch-dev
+  libtorch-dev libopenblas0-openmp
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcivetweb-dev libre2-dev libgloo-dev libgoogle-glog-dev

@@ -1,9 +1,12 @@
 #include "server/metrics_http.h"
 
+#include <cerrno>
 #include <civetweb.h>
 #include <cstdio>
 #include <cstring>
+#include <dlfcn.h>
 #include <mutex>
+#include <pthread.h>
 #include <string>
 
 #include <arpa/inet.h>
@@ -11,6 +14,23 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+
+// Debian's civetweb is built with USE_STACK_SIZE=102400: every thread it
+// starts asks for a 100 KiB stack. glibc refuses such a stack (EINVAL) once
+// the process's static TLS no longer fits in it, and OpenBLAS alone, which
+// libtorch reaches through libblas.so.3, brings 60 KiB of it; civetweb then
+// fails with "Cannot create threads: error 0". This definition, linked into
+// every binary that can start the metrics server, takes precedence over
+// libc's for civetweb too, and raises stacks under 1 MiB to 1 MiB (address
+// space only: pages are touched as they are used).
+extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
+  using Setter = int (*)(pthread_attr_t*, size_t);
+  static const auto libc_setter =
+      reinterpret_cast<Setter>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
+  constexpr size_t kFloor = size_t{1} << 20;
+  if (libc_setter == nullptr) return ENOSYS;
+  return libc_setter(attr, size < kFloor ? kFloor : size);
+}
 
 namespace accel::server {
 namespace {

@@ -259,6 +259,18 @@ for (const bin of [serveBin, clientBin]) {
     else if (!kInBaseImage.has(owner)) needed.add(owner);
   }
 }
+// libtorch links libblas.so.3, which Debian's alternatives point at the best
+// BLAS installed. setup.sh installs OpenBLAS (the OpenMP build) because the
+// reference BLAS that libtorch's package pulls in is about 30x slower for
+// float32 products; the image must carry the same one.
+const kBlas = "libopenblas0-openmp";
+if ([...needed].some((p) => /^libtorch/.test(p))) {
+  const setup = `${args.dockerfile.replace(/[^/]*$/, "")}scripts/setup.sh`;
+  if (!fs.readFileSync(setup, "utf8").includes(kBlas)) {
+    problem("scripts/setup.sh", `does not install ${kBlas}, libtorch's fast BLAS`);
+  }
+  needed.add(kBlas);
+}
 const installed = new Set();
 for (const s of docker.order.filter((s) => /^runtime/.test(s.name) && s.name !== "runtime-cuda")) {
   for (const [instr, text] of s.lines) {

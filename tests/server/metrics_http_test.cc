@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <pthread.h>
 #include <string>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -178,6 +179,22 @@ TEST_F(MetricsHttpServerTest, DestructorStopsServing) {
   server->reset();
   Socket s;
   EXPECT_EQ(ConnectError(s, port), ECONNREFUSED);
+}
+
+// civetweb asks for 100 KiB thread stacks, which glibc refuses once libtorch
+// and OpenBLAS are loaded (their static TLS does not fit); the server raises
+// such requests to 1 MiB for everyone in the process.
+TEST(ThreadStackFloorTest, SmallStackRequestsAreRaisedToOneMebibyte) {
+  pthread_attr_t attr;
+  ASSERT_EQ(pthread_attr_init(&attr), 0);
+  ASSERT_EQ(pthread_attr_setstacksize(&attr, 102400), 0);
+  size_t size = 0;
+  ASSERT_EQ(pthread_attr_getstacksize(&attr, &size), 0);
+  EXPECT_EQ(size, size_t{1} << 20);
+  ASSERT_EQ(pthread_attr_setstacksize(&attr, size_t{8} << 20), 0);
+  ASSERT_EQ(pthread_attr_getstacksize(&attr, &size), 0);
+  EXPECT_EQ(size, size_t{8} << 20);
+  pthread_attr_destroy(&attr);
 }
 
 }  // namespace
