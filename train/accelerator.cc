@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 #include "core/status.h"
 #include "train/checkpoint.h"
@@ -50,6 +51,32 @@ int64_t TrailingNumber(const std::string& path) {
   int64_t n = -1;
   if (std::regex_search(name, m, kDigits) && absl::SimpleAtoi(m.str(1), &n)) return n;
   return -1;
+}
+
+// Every rank's outcome of one step of a collective operation, on every rank:
+// OK when all succeeded; else the failing rank keeps its own error and the
+// others get its code, with the rank named. Everyone returns together, so no
+// rank is left waiting in a collective that a failed rank never reaches.
+absl::Status AgreeOnOutcome(ProcessGroup& group, const absl::Status& local,
+                            absl::string_view what) {
+  const std::string mine =
+      local.ok() ? "" : absl::StrCat(static_cast<int>(local.code()), "\t", local.message());
+  absl::StatusOr<std::vector<std::string>> all = group.AllGatherBytes(mine);
+  if (!local.ok()) return local;
+  if (!all.ok()) return Annotate(all.status(), what);
+  for (size_t r = 0; r < all->size(); ++r) {
+    const std::string& failure = (*all)[r];
+    if (failure.empty()) continue;
+    const size_t tab = failure.find('\t');
+    int code = static_cast<int>(absl::StatusCode::kUnknown);
+    if (!absl::SimpleAtoi(failure.substr(0, tab), &code)) {
+      code = static_cast<int>(absl::StatusCode::kUnknown);
+    }
+    return absl::Status(static_cast<absl::StatusCode>(code),
+                        absl::StrCat(what, ": rank ", r, " failed: ",
+                                     tab == std::string::npos ? "" : failure.substr(tab + 1)));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -577,47 +604,73 @@ absl::StatusOr<std::string> Accelerator::SaveState(const std::string& output_dir
   // checkpoint_N, which must not exist) and names the temporary folder
   // beside it after its pid; the state is written there and moved into place
   // only when complete, so a folder LoadState can pick is never half written.
+  // Each step's outcome is shared (rank 0's by its broadcast, the others'
+  // through AgreeOnOutcome), so a failure anywhere fails SaveState on every
+  // rank instead of leaving the others in a barrier.
   std::string dir = output_dir;
   std::vector<std::string> to_prune;
+  absl::Status planned;
   if (is_main_process() && project_.automatic_checkpoint_naming) {
-    ACCEL_ASSIGN_OR_RETURN(
-        CheckpointPlan plan,
-        PlanCheckpoint(project_.project_dir, project_.iteration, project_.total_limit));
-    dir = plan.dir;
-    to_prune = std::move(plan.to_prune);
+    absl::StatusOr<CheckpointPlan> plan =
+        PlanCheckpoint(project_.project_dir, project_.iteration, project_.total_limit);
+    if (plan.ok()) {
+      dir = plan->dir;
+      to_prune = std::move(plan->to_prune);
+    } else {
+      planned = plan.status();
+    }
   }
-  ACCEL_ASSIGN_OR_RETURN(std::string chosen,
-                         group_->BroadcastBytes(absl::StrCat(::getpid(), "\n", dir), 0));
-  const size_t newline = chosen.find('\n');
-  const std::string pid = chosen.substr(0, newline);
-  dir = std::filesystem::path(chosen.substr(newline + 1)).lexically_normal().string();
+  ACCEL_ASSIGN_OR_RETURN(
+      std::string chosen,
+      group_->BroadcastBytes(
+          planned.ok()
+              ? absl::StrCat("ok\n", ::getpid(), "\n", dir)
+              : absl::StrCat("error\n", static_cast<int>(planned.code()), "\n", planned.message()),
+          0));
+  if (!planned.ok()) return planned;
+  std::vector<std::string> fields = absl::StrSplit(chosen, absl::MaxSplits('\n', 2));
+  if (fields.size() != 3) return absl::DataLossError("SaveState: a bad message from rank 0");
+  if (fields[0] != "ok") {
+    int code = static_cast<int>(absl::StatusCode::kUnknown);
+    if (!absl::SimpleAtoi(fields[1], &code)) code = static_cast<int>(absl::StatusCode::kUnknown);
+    return absl::Status(static_cast<absl::StatusCode>(code),
+                        absl::StrCat("SaveState: rank 0 failed: ", fields[2]));
+  }
+  dir = std::filesystem::path(fields[2]).lexically_normal().string();
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-  const std::string tmp = absl::StrCat(dir, ".tmp-", pid);
+  const std::string tmp = absl::StrCat(dir, ".tmp-", fields[1]);
   // Those who write the shared files also make and move the folder (one per
   // node with save_on_each_node).
   const bool committer =
       is_main_process() || (project_.save_on_each_node && is_local_main_process());
+  auto discard = [&] {
+    std::error_code ec;
+    if (committer) std::filesystem::remove_all(tmp, ec);
+  };
+  absl::Status made;
   if (committer) {
     std::error_code ec;
     std::filesystem::remove_all(tmp, ec);  // a crashed save's, with a reused pid
     std::filesystem::create_directories(tmp, ec);
-    if (ec) return absl::PermissionDeniedError(absl::StrCat(tmp, ": ", ec.message()));
+    if (ec) made = absl::PermissionDeniedError(absl::StrCat(tmp, ": ", ec.message()));
   }
-  ACCEL_RETURN_IF_ERROR(WaitForEveryone());
-  absl::Status written = WriteStateFiles(tmp);
+  ACCEL_RETURN_IF_ERROR(AgreeOnOutcome(*group_, made, "SaveState"));
+  absl::Status written = AgreeOnOutcome(*group_, WriteStateFiles(tmp), "SaveState");
   if (!written.ok()) {
-    if (committer) {
-      std::error_code ec;
-      std::filesystem::remove_all(tmp, ec);
-    }
+    discard();
     return written;
   }
-  ACCEL_RETURN_IF_ERROR(WaitForEveryone());
-  if (committer) ACCEL_RETURN_IF_ERROR(CommitCheckpointDir(tmp, dir));
-  // Pruned only once the new checkpoint is in place.
-  if (is_main_process()) ACCEL_RETURN_IF_ERROR(RemoveCheckpoints(to_prune));
-  ACCEL_RETURN_IF_ERROR(WaitForEveryone());
+  absl::Status committed = AgreeOnOutcome(
+      *group_, committer ? CommitCheckpointDir(tmp, dir) : absl::OkStatus(), "SaveState");
+  if (!committed.ok()) {
+    discard();
+    return committed;
+  }
   project_.iteration += 1;
+  // Pruned only once the new checkpoint is in place.
+  ACCEL_RETURN_IF_ERROR(
+      AgreeOnOutcome(*group_, is_main_process() ? RemoveCheckpoints(to_prune) : absl::OkStatus(),
+                     absl::StrCat("SaveState (", dir, " is saved; pruning older checkpoints)")));
   return dir;
 }
 

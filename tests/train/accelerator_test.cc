@@ -894,6 +894,81 @@ TEST(AcceleratorOptions, DataSeedNeedsTheSeedableSampler) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("data_seed")));
 }
 
+// A save_state that fails on one rank fails on every rank (no rank is left
+// in a barrier), leaves no folder behind, and the next save works.
+TEST(AcceleratorDistributedWorker, SaveStateFailsTogether) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of AcceleratorDistributed.*";
+  const std::string dir = std::getenv("CKPT_DIR");
+  AcceleratorOptions options;
+  options.project_config.project_dir = dir;
+  options.project_config.automatic_checkpoint_naming = true;
+  auto created = Accelerator::Create(options);
+  ASSERT_THAT(created, IsOk());
+  auto& acc = *created;
+  const int rank = acc->process_index();
+  torch::nn::Linear net = MakeNet();
+  ASSERT_THAT(acc->PrepareModel(net.ptr()), IsOk());
+  auto blob = std::make_shared<Blob>();
+  acc->RegisterForCheckpointing(blob);
+  const std::string checkpoints = dir + "/checkpoints";
+  auto clean = [&] {
+    ASSERT_THAT(acc->WaitForEveryone(), IsOk());  // rank 0 has cleaned up
+    EXPECT_TRUE(!std::filesystem::exists(checkpoints) || Entries(checkpoints).empty())
+        << ::testing::PrintToString(Entries(checkpoints));
+  };
+
+  // The folder exists (rank 0 finds out).
+  if (rank == 0) std::filesystem::create_directories(checkpoints + "/checkpoint_0");
+  ASSERT_THAT(acc->WaitForEveryone(), IsOk());
+  EXPECT_THAT(
+      acc->SaveState(),
+      StatusIs(absl::StatusCode::kFailedPrecondition,
+               HasSubstr(rank == 0 ? "already exists" : "rank 0 failed: checkpoint folder")));
+  ASSERT_THAT(acc->WaitForEveryone(), IsOk());
+  if (rank == 0) std::filesystem::remove(checkpoints + "/checkpoint_0");
+  clean();
+
+  // Rank 0's disk is full while it writes the registered object.
+  blob->value = at::zeros({1 << 20});
+  {
+    std::optional<test::FileSizeLimit> full_disk;
+    if (rank == 0) full_disk.emplace(1 << 20);
+    EXPECT_THAT(acc->SaveState(),
+                StatusIs(absl::StatusCode::kResourceExhausted,
+                         HasSubstr(rank == 0 ? "custom_checkpoint_0" : "rank 0 failed")));
+  }
+  blob->value = at::zeros({2});
+  clean();
+
+  // Rank 1's disk is full (its random states).
+  {
+    std::optional<test::FileSizeLimit> full_disk;
+    if (rank == 1) full_disk.emplace(1000);
+    EXPECT_THAT(acc->SaveState(),
+                StatusIs(absl::StatusCode::kResourceExhausted,
+                         HasSubstr(rank == 1 ? "random_states_1" : "rank 1 failed")));
+  }
+  clean();
+  EXPECT_EQ(acc->project_configuration().iteration, 0);
+
+  // Then a save works on both.
+  auto saved = acc->SaveState();
+  ASSERT_THAT(saved, IsOk());
+  EXPECT_THAT(*saved, testing::EndsWith("checkpoint_0"));
+  ASSERT_THAT(acc->WaitForEveryone(), IsOk());
+  EXPECT_THAT(Entries(*saved),
+              ::testing::IsSupersetOf({"model.safetensors", "custom_checkpoint_0.pkl",
+                                       "random_states_0.pkl", "random_states_1.pkl"}));
+  ASSERT_THAT(acc->LoadState(), IsOk());
+}
+
+TEST(AcceleratorDistributed, TwoRanksFailASaveTogether) {
+  test::TempDir dir;
+  EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.SaveStateFailsTogether",
+                             {{"CKPT_DIR", dir.path()}}, /*timeout_s=*/60),
+              Each(0));
+}
+
 TEST(AcceleratorDistributed, TwoRanksEqualOneProcess) {
   EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.DataParallelStep", {{"ACCUM", "1"}}),
               Each(0));
