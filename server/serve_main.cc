@@ -41,6 +41,7 @@
 #include "absl/time/time.h"
 
 #include "core/tool_main.h"
+#include "models/default_model.h"
 #include "server/engine.h"
 #include "server/generation_service.h"
 #include "server/kserve_service.h"
@@ -127,16 +128,6 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) 
   return text.str();
 }
 
-std::string DefaultModelDir() {
-  if (const char* env = std::getenv("ACCEL_DEFAULT_MODEL"); env != nullptr && *env != '\0') {
-    return env;
-  }
-  std::error_code error;
-  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (error) return "share/accel/default-model";
-  return (exe.parent_path().parent_path() / "share/accel/default-model").string();
-}
-
 struct Options {
   accel::server::EngineOptions engine;
   std::string host;
@@ -151,7 +142,7 @@ absl::StatusOr<Options> ReadOptions() {
   Options o;
   accel::server::EngineOptions& e = o.engine;
   e.model_dir = absl::GetFlag(FLAGS_model);
-  if (e.model_dir.empty()) e.model_dir = DefaultModelDir();
+  if (e.model_dir.empty()) e.model_dir = accel::models::DefaultModelDir();
   e.served_model_name = absl::GetFlag(FLAGS_served_model_name);
   e.device_map = absl::GetFlag(FLAGS_device_map);
   e.max_memory = absl::GetFlag(FLAGS_max_memory);

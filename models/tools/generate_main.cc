@@ -21,11 +21,15 @@
 
 #include "core/status.h"
 #include "core/tool_main.h"
+#include "models/default_model.h"
 #include "models/generator.h"
 #include "models/load_model.h"
 #include "models/tokenizer.h"
 
-ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (config.json, safetensors, ...).");
+ABSL_FLAG(std::string, model, "",
+          "A HuggingFace model folder (config.json, safetensors, ...). Empty: the embedded "
+          "default model, as accel-serve (share/accel/default-model beside bin/, or "
+          "$ACCEL_DEFAULT_MODEL).");
 ABSL_FLAG(std::string, prompt, "", "The prompt text (needs the model's tokenizer.json).");
 ABSL_FLAG(std::string, input_ids, "", "The prompt as token ids, e.g. 1,2,3 (instead of --prompt).");
 ABSL_FLAG(int64_t, max_new_tokens, -1,
@@ -112,7 +116,7 @@ absl::StatusOr<GenerationRequest> MakeRequest(const accel::models::LoadedModel& 
 
 int Run(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "accel-generate --model DIR (--prompt TEXT | --input_ids 1,2,3) [flags]\n"
+      "accel-generate [--model DIR] (--prompt TEXT | --input_ids 1,2,3) [flags]\n"
       "Loads the model as accel-serve does (device map, offload, dtype) and generates.\n"
       "  accel-generate --model /tmp/tiny --prompt 'Once upon a time' --max_new_tokens 20\n"
       "  accel-generate --model DIR --input_ids 1,2,3 --temperature 0.8 --seed 1 --json");
@@ -121,8 +125,8 @@ int Run(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("unexpected argument '", args[1], "' (see --help)")));
   }
-  const std::string dir = absl::GetFlag(FLAGS_model);
-  if (dir.empty()) return Fail(absl::InvalidArgumentError("--model DIR is required"));
+  std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) dir = accel::models::DefaultModelDir();
   const std::string prompt = absl::GetFlag(FLAGS_prompt);
   const std::string ids_text = absl::GetFlag(FLAGS_input_ids);
   if (prompt.empty() == ids_text.empty()) {

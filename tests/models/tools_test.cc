@@ -23,9 +23,11 @@ struct Result {
   std::string out;  // stdout and stderr together
 };
 
-Result RunTool(const std::string& command) {
+// `env`: VAR=value assignments for the command, or empty.
+Result RunTool(const std::string& command, const std::string& env = "") {
   const char* bin = std::getenv("ACCEL_BIN_DIR");
-  std::string full = std::string(bin ? bin : "build/bin") + "/" + command + " 2>&1";
+  std::string full = (env.empty() ? "" : env + " ") + std::string(bin ? bin : "build/bin") + "/" +
+                     command + " 2>&1";
   Result r;
   FILE* pipe = popen(full.c_str(), "r");
   if (pipe == nullptr) return r;
@@ -38,8 +40,8 @@ Result RunTool(const std::string& command) {
 }
 
 // stdout alone (stderr dropped): for output that must parse.
-Result RunToolStdout(const std::string& command) {
-  return RunTool(command + " 2>/dev/null #");  // the '#' comments out RunTool's own 2>&1
+Result RunToolStdout(const std::string& command, const std::string& env = "") {
+  return RunTool(command + " 2>/dev/null #", env);  // the '#' comments out RunTool's own 2>&1
 }
 
 TEST(ToolsTest, InspectJsonDescribesWhatMakeModelWrote) {
@@ -305,6 +307,17 @@ TEST_F(GenerateToolTest, APromptIsTokenizedAndTheTextStreamsOut) {
   EXPECT_THAT(plain.out, HasSubstr("finish: length"));
 }
 
+TEST_F(GenerateToolTest, WithoutModelItUsesTheDefaultModel) {
+  const std::string flags = " --input_ids 5,6,7 --max_new_tokens 4 --ignore_eos --json";
+  Result named = RunToolStdout("accel-generate --model " + model_ + flags);
+  ASSERT_EQ(named.exit_code, 0) << named.out;
+  // ACCEL_DEFAULT_MODEL stands in for share/accel/default-model beside bin/.
+  Result fallback = RunToolStdout("accel-generate" + flags, "ACCEL_DEFAULT_MODEL=" + model_);
+  ASSERT_EQ(fallback.exit_code, 0) << fallback.out;
+  EXPECT_EQ(nlohmann::json::parse(fallback.out)["token_ids"],
+            nlohmann::json::parse(named.out)["token_ids"]);
+}
+
 TEST_F(GenerateToolTest, OffloadedToDiskGeneratesTheSameTokens) {
   const std::string flags = "--input_ids 5,6,7,8 --max_new_tokens 6 --ignore_eos --dtype bfloat16 ";
   nlohmann::json in_ram = Json(flags + "--device_map cpu");
@@ -320,7 +333,12 @@ TEST_F(GenerateToolTest, BadInputIsAMessageAndExitOne) {
     EXPECT_THAT(r.out, HasSubstr(message)) << args;
   };
   const std::string m = "--model " + model_ + " ";
-  fails("--input_ids 1", "--model DIR is required");
+  {  // No --model: the default model, here one that is not there.
+    Result r =
+        RunTool("accel-generate --input_ids 1", "ACCEL_DEFAULT_MODEL=" + dir_.path() + "/gone");
+    EXPECT_EQ(r.exit_code, 1) << r.out;
+    EXPECT_THAT(r.out, HasSubstr(dir_.path() + "/gone")) << r.out;
+  }
   fails(m + "--input_ids 1 stray", "unexpected argument 'stray'");
   fails(m, "exactly one of --prompt");
   fails(m + "--prompt hi --input_ids 1", "exactly one of --prompt");
