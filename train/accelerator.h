@@ -331,7 +331,9 @@ class Accelerator {
   // interrupted save leaves no checkpoint_N behind, and total_limit prunes
   // older checkpoint_<int> folders (nothing else) only after the new one is
   // in place. An existing output_dir is updated file by file, keeping the
-  // other files in it.
+  // other files in it. Collective: every rank calls it, and a failure on any
+  // rank (rank 0 finding checkpoint_N exists, a writer failing) makes it
+  // return an error on every rank, naming the rank that failed.
   absl::StatusOr<std::string> SaveState(const std::string& output_dir = "");
   // Empty `input_dir` with automatic naming: the latest checkpoint. Restores
   // models, optimizers, schedulers, scaler, RNG states, the accumulation
