@@ -1,6 +1,7 @@
 // accel-serve end to end: the real binary on a loopback port, driven by a
 // real gRPC client (the generated C++ stubs).
 #include <atomic>
+#include <cctype>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
@@ -704,8 +705,15 @@ TEST(ServeDefaultModelTest, ServesTheEmbeddedModelWithoutModelFlag) {
   ASSERT_TRUE(stub->GetModelInfo(&context, {}, &info).ok());
   EXPECT_EQ(info.name(), "default-model");
   GenerateResponse response;
-  EXPECT_TRUE(Call(*stub, Greedy("Hello", 4), &response).ok());
-  EXPECT_EQ(response.token_ids_size(), 4);
+  ASSERT_TRUE(Call(*stub, Greedy("The meaning of life is", 16), &response).ok());
+  EXPECT_EQ(response.token_ids_size(), 16);
+  // The embedded model is the trained demo model (models/demo), not random
+  // weights: its text is words and spaces.
+  const std::string& text = response.text();
+  int letters_or_spaces = 0;
+  for (unsigned char c : text) letters_or_spaces += (std::isalpha(c) || std::isspace(c)) ? 1 : 0;
+  EXPECT_GT(text.size(), 16u) << text;
+  EXPECT_GT(letters_or_spaces, static_cast<int>(text.size() * 8 / 10)) << text;
 }
 
 struct BadFlags {
