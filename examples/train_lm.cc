@@ -54,7 +54,9 @@ ABSL_FLAG(int64_t, max_steps, 100, "Optimizer steps.");
 ABSL_FLAG(double, lr, 3e-3, "Peak learning rate (AdamW, cosine schedule with warmup).");
 ABSL_FLAG(int64_t, warmup, 10, "Warmup optimizer steps.");
 ABSL_FLAG(double, weight_decay, 0.01, "AdamW weight decay.");
-ABSL_FLAG(std::string, mixed_precision, "no", "no, bf16 or fp16.");
+ABSL_FLAG(std::string, mixed_precision, "",
+          "no, bf16 or fp16; empty: what accel-launch or its config file set "
+          "(ACCELERATE_MIXED_PRECISION), else no.");
 ABSL_FLAG(int64_t, save_every, 0, "save_state every N optimizer steps (0: never).");
 ABSL_FLAG(bool, resume, false, "Resume from the latest checkpoint in the project folder.");
 ABSL_FLAG(int64_t, stop_after, 0,

@@ -1,6 +1,7 @@
 #include "train/autocast.h"
 
 #include <iostream>
+#include <mutex>
 
 #include <ATen/autocast_mode.h>
 
@@ -12,8 +13,12 @@ AutocastScope::AutocastScope(c10::DeviceType device, bool enabled, c10::ScalarTy
   const bool cpu = device == c10::DeviceType::CPU;
   if (cpu && enabled && dtype != c10::ScalarType::BFloat16) {
     // What Python's torch.autocast does in 1.13: CPU autocast is bfloat16 only.
-    std::cerr << "accel: CPU autocast in libtorch 1.13 supports only bfloat16; disabling it "
-                 "for this region\n";
+    // Said once per process: a training loop enters a region every step.
+    static std::once_flag warned;
+    std::call_once(warned, [] {
+      std::cerr << "accel: CPU autocast in libtorch 1.13 supports only bfloat16; fp16 regions "
+                   "run in the current dtype\n";
+    });
     enabled = false;
     // 1.13 refuses any other CPU autocast dtype: keep the current one.
     dtype = at::autocast::get_autocast_cpu_dtype();

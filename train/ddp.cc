@@ -241,10 +241,8 @@ class Synchronizer : public GradientSynchronizer {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     absl::Status copied = CallTorch([&] {
       at::NoGradGuard no_grad;
-      const double world = group_.size();
       for (Bucket& b : buckets_) {
         if (!b.wire[0].is_same(b.flat)) b.flat.copy_(b.wire[0]);  // decompress
-        b.flat.div_(world);
         for (size_t i : b.params) {
           Param& p = params_[i];
           if (used_anywhere.defined() && used_anywhere[static_cast<int64_t>(i)].item<int>() == 0) {
@@ -298,6 +296,10 @@ class Synchronizer : public GradientSynchronizer {
             slice.copy_(grad);
           }
         }
+        // Divided before the sum, as PyTorch's reducer and its compression
+        // hooks do: a loss-scaled fp16 sum of P ranks would overflow P times
+        // sooner than the average that is wanted.
+        b.flat.div_(static_cast<double>(group_.size()));
         at::Tensor wire = b.flat;
         if (options_.comm_hook == CommHook::kFp16) wire = b.flat.to(at::kHalf);
         if (options_.comm_hook == CommHook::kBf16) wire = b.flat.to(at::kBFloat16);

@@ -2,6 +2,7 @@
 // gradients equal the gradients of one model on the whole global batch.
 #include "train/ddp.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -74,16 +75,18 @@ std::unique_ptr<ProcessGroup> Connect() {
   return *std::move(group);
 }
 
-void ExpectGradsClose(Net& net, Net& ref, double tolerance) {
+// `scale`: both sides are divided by it first (a loss-scaled run).
+void ExpectGradsClose(Net& net, Net& ref, double tolerance, double scale = 1) {
   auto mine = net.named_parameters();
   auto theirs = ref.named_parameters();
   for (const auto& p : mine) {
     const at::Tensor& g = p.value().grad();
-    const at::Tensor& want = theirs[p.key()].grad();
     ASSERT_TRUE(g.defined()) << p.key();
-    EXPECT_TRUE(at::allclose(g, want, tolerance, tolerance)) << p.key() << "\n"
-                                                             << g << "\nvs\n"
-                                                             << want;
+    at::Tensor got = g / scale;
+    at::Tensor want = theirs[p.key()].grad() / scale;
+    EXPECT_TRUE(at::allclose(got, want, tolerance, tolerance)) << p.key() << "\n"
+                                                               << got << "\nvs\n"
+                                                               << want;
   }
 }
 
@@ -99,7 +102,7 @@ TEST(DdpWorker, Run) {
   DdpOptions options;
   if (mode == "buckets") options.bucket_cap_mb = 0.0001;  // about 100 bytes: several buckets
   if (mode == "unused" || mode == "partial") options.find_unused_parameters = true;
-  if (mode == "fp16") options.comm_hook = CommHook::kFp16;
+  if (mode == "fp16" || mode == "fp16_scaled") options.comm_hook = CommHook::kFp16;
   if (mode == "bf16") options.comm_hook = CommHook::kBf16;
   if (mode == "view") options.gradient_as_bucket_view = true;
   auto ddp = GradientSynchronizer::Attach(Params(*net), Buffers(*net), *group, options);
@@ -127,6 +130,21 @@ TEST(DdpWorker, Run) {
   const int steps = mode == "view" ? 2 : 1;  // the second reuses the bucket views
   const int64_t global = rows * p;
   at::Tensor all = Inputs(global * micro * steps);
+  // "fp16_scaled": the loss is scaled (as fp16 loss scaling does) so that the
+  // largest averaged gradient is 45000: it fits in float16 (65504), the sum
+  // over two ranks would not. The same on every rank (the reference's init).
+  double scale = 1;
+  if (mode == "fp16_scaled") {
+    auto probe = MakeNet(1);
+    at::Tensor loss = at::zeros({});
+    for (int k = 0; k < p; ++k) loss = loss + Loss(*probe, all.narrow(0, k * rows, rows), true) / p;
+    loss.backward();
+    double largest = 0;
+    for (const auto& t : probe->parameters()) {
+      largest = std::max(largest, t.grad().abs().max().item<double>());
+    }
+    scale = 45000 / largest;
+  }
   for (int step = 0; step < steps; ++step) {
     if (step > 0) {
       // zero_grad without set_to_none: the views stay views.
@@ -138,7 +156,7 @@ TEST(DdpWorker, Run) {
       EXPECT_EQ((*ddp)->require_sync(), m == micro - 1);
       const int64_t first = (step * micro + m) * global;
       // The global mean loss, split: each rank's mean / P, summed by the all-reduce.
-      Loss(*net, all.narrow(0, first + r * rows, rows), uses_side(r)).backward();
+      (Loss(*net, all.narrow(0, first + r * rows, rows), uses_side(r)) * scale).backward();
       absl::Status finished = (*ddp)->Finish();
       if (mode == "missing") {
         EXPECT_THAT(finished, StatusIs(absl::StatusCode::kFailedPrecondition,
@@ -152,10 +170,12 @@ TEST(DdpWorker, Run) {
       for (int k = 0; k < p; ++k) {
         loss = loss + Loss(*ref, all.narrow(0, first + k * rows, rows), uses_side(k)) / p;
       }
+      loss = loss * scale;
       loss.backward();
     }
   }
-  const double tolerance = mode == "fp16" ? 2e-3 : mode == "bf16" ? 1e-2 : 1e-6;
+  const bool fp16 = mode == "fp16" || mode == "fp16_scaled";
+  const double tolerance = fp16 ? 2e-3 : mode == "bf16" ? 1e-2 : 1e-6;
   if (mode == "unused") {
     // No rank used the branch: its gradients stay undefined, as PyTorch's DDP
     // leaves them, so an optimizer skips them.
@@ -165,7 +185,7 @@ TEST(DdpWorker, Run) {
     EXPECT_TRUE(at::allclose(net->a->weight.grad(), ref->a->weight.grad(), 1e-6, 1e-6));
   } else {
     // "partial": ranks that skipped the branch still hold rank 0's share.
-    ExpectGradsClose(*net, *ref, tolerance);
+    ExpectGradsClose(*net, *ref, tolerance, scale);
   }
   if (mode == "view") {
     // Every gradient is a view of the one bucket: no copies.
@@ -178,7 +198,7 @@ TEST(DdpWorker, Run) {
   for (const auto& t : net->parameters()) param_bytes += t.numel() * 4;
   // Bytes on the wire: every parameter once per sync (one sync when
   // accumulating), unused ones as zeros, half of that under a 16-bit hook.
-  const bool half = mode == "fp16" || mode == "bf16";
+  const bool half = fp16 || mode == "bf16";
   EXPECT_EQ((*ddp)->reduced_bytes(), steps * (half ? param_bytes / 2 : param_bytes));
   EXPECT_GE((*ddp)->wait_seconds(), 0);
   // Buffers follow rank 0 before each forward.
@@ -200,6 +220,9 @@ TEST(Ddp, FindUnusedParametersOneRankUsed) { RunMode(3, "partial"); }
 TEST(Ddp, UnusedWithoutFindUnusedIsAnError) { RunMode(2, "missing"); }
 TEST(Ddp, Fp16Compression) { RunMode(2, "fp16"); }
 TEST(Ddp, Bf16Compression) { RunMode(2, "bf16"); }
+// Divided before the fp16 sum, as PyTorch's hook does: a sum that overflows
+// float16 where the average does not still arrives finite and right.
+TEST(Ddp, Fp16CompressionDividesBeforeTheSum) { RunMode(2, "fp16_scaled"); }
 TEST(Ddp, GradientAsBucketView) { RunMode(2, "view"); }
 
 TEST(Ddp, BadOptions) {
