@@ -454,9 +454,14 @@ absl::Status Accelerator::Backward(const at::Tensor& loss) {
                                    scaled.backward();
                                  }),
                                  "backward"));
+  // Only the models this backward reached: with two prepared models and a
+  // backward each (a GAN, a teacher and a student), the other model's
+  // reduction waits for its own backward, as each DDP module's does. (A
+  // model that one rank's loss reaches and another's does not cannot be
+  // told apart from that; find_unused_parameters covers parts of a model.)
   for (const auto& model : models_) {
     GradientSynchronizer* s = model->synchronizer();
-    if (s != nullptr && s->require_sync()) {
+    if (s != nullptr && s->require_sync() && s->received_gradients()) {
       ACCEL_RETURN_IF_ERROR(Annotate(s->Finish(), "gradient all-reduce"));
     }
   }

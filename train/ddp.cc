@@ -1,5 +1,6 @@
 #include "train/ddp.h"
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -169,6 +170,10 @@ class Synchronizer : public GradientSynchronizer {
   bool require_sync() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return require_sync_;
+  }
+  bool received_gradients() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::any_of(params_.begin(), params_.end(), [](const Param& p) { return p.ready; });
   }
 
   absl::Status PrepareForward() override {

@@ -71,6 +71,11 @@ class GradientSynchronizer {
   // without it, FailedPrecondition naming the parameters (PyTorch's
   // "Expected to have finished reduction" error).
   virtual absl::Status Finish() = 0;
+  // Whether a backward with sync on has given one of its parameters a
+  // gradient since the last Finish(): a backward through another model only
+  // (a GAN's discriminator step, a teacher's loss) leaves this one's
+  // reduction for the backward that reaches it.
+  virtual bool received_gradients() const = 0;
 
   virtual int num_buckets() const = 0;
   // Parameter names per bucket, in the order buckets are reduced.

@@ -754,6 +754,40 @@ TEST(AcceleratorDistributedWorker, DataParallelStep) {
   ASSERT_THAT(acc->WaitForEveryone(), IsOk());
 }
 
+// Two prepared models, a backward each (as a GAN's discriminator and
+// generator steps): each backward all-reduces only the model it reached,
+// and both end with the gradients of one process on the global batch.
+TEST(AcceleratorDistributedWorker, TwoModelsTwoBackwards) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of AcceleratorDistributed.*";
+  AcceleratorOptions options;
+  options.ddp_kwargs = DistributedDataParallelKwargs{};
+  auto created = Accelerator::Create(options);
+  ASSERT_THAT(created, IsOk());
+  auto& acc = *created;
+  const int64_t p = acc->num_processes(), r = acc->process_index();
+  auto ds = Regression(4 * p);
+  torch::nn::Linear first = MakeNet(r == 0 ? 7 : 100 + static_cast<uint64_t>(r));
+  torch::nn::Linear second = MakeNet(r == 0 ? 8 : 200 + static_cast<uint64_t>(r));
+  ASSERT_THAT(acc->PrepareModel(first.ptr()), IsOk());
+  ASSERT_THAT(acc->PrepareModel(second.ptr()), IsOk());
+  const Batch mine = Rows(*ds, 4 * r, 4 * (r + 1));
+  ASSERT_THAT(acc->Backward(Loss(first, mine)), IsOk());
+  EXPECT_FALSE(second->weight.grad().defined());
+  ASSERT_THAT(acc->Backward(Loss(second, mine)), IsOk());
+  torch::nn::Linear first_ref = MakeNet(7);
+  torch::nn::Linear second_ref = MakeNet(8);
+  Loss(first_ref, Rows(*ds, 0, 4 * p)).backward();
+  Loss(second_ref, Rows(*ds, 0, 4 * p)).backward();
+  EXPECT_TRUE(at::allclose(first->weight.grad(), first_ref->weight.grad(), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(second->weight.grad(), second_ref->weight.grad(), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(second->bias.grad(), second_ref->bias.grad(), 1e-5, 1e-6));
+  ASSERT_THAT(acc->WaitForEveryone(), IsOk());
+}
+
+TEST(AcceleratorDistributed, TwoModelsWithABackwardEachOnTwoRanks) {
+  EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.TwoModelsTwoBackwards", {}), Each(0));
+}
+
 // The "index" column of every batch of one pass (or of the rest of the
 // pass in progress when `start` is false).
 std::vector<int64_t> Indices(DataLoader& loader, bool start = true) {
