@@ -399,8 +399,10 @@ uint64_t LastSeed();
 // (ResourceExhausted "no executable batch size found").
 absl::Status FindExecutableBatchSize(int64_t starting_batch_size,
                                      const std::function<absl::Status(int64_t)>& fn);
-// free_memory: drops the references, then releases cached allocator memory
-// (CUDA's cache where there is one).
+// free_memory: drops the references (and the vector's own storage). The CPU
+// allocator keeps no cache to release; releasing CUDA's caching allocator
+// (Accelerate's torch.cuda.empty_cache()) needs a CUDA build of the library,
+// which is not made yet, so on a GPU the cached blocks stay with the process.
 void FreeMemory(std::vector<at::Tensor>& tensors);
 
 }  // namespace accel::train
