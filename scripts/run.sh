@@ -12,5 +12,5 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 bash scripts/setup.sh
 cmake --preset default >/dev/null
-cmake --build --preset default --target accel-serve accel-generate accel-default-model
+cmake --build --preset default --target accel-serve accel-client accel-generate accel-default-model
 exec build/bin/accel-serve "$@"
