@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 #include <utility>
 
 #include <ATen/Parallel.h>
@@ -84,7 +85,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   }
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     torch::nn::Module& module = loaded.dispatched->module();
+    // Tied weights (an lm_head that is the embedding) are one tensor under two
+    // names: counted once, as transformers' num_parameters() and the bytes do.
+    std::set<const void*> seen;
     for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
       info.parameters += item.value().numel();  // 4-bit weights: corrected below
       const std::optional<Placement> placement = loaded.device_map.Lookup(item.key());
       const std::string device = placement ? DeviceName(*placement) : "cpu";

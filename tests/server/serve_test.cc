@@ -4,6 +4,7 @@
 #include <cctype>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -18,6 +19,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -696,6 +698,29 @@ TEST(ServeNoTokenizerTest, TextNeedsATokenizerButIdsWork) {
   EXPECT_THAT(status.error_message(), HasSubstr("stop: this model has no tokenizer.json"));
 }
 
+// Parameters in the folder's *.safetensors (each tensor stored once: a tied
+// lm_head is not written), read from the files' own headers.
+int64_t CheckpointParameters(const std::string& dir) {
+  int64_t total = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    std::ifstream in(entry.path(), std::ios::binary);
+    uint64_t header_size = 0;
+    in.read(reinterpret_cast<char*>(&header_size), sizeof header_size);  // little-endian host
+    std::string header(header_size, '\0');
+    in.read(header.data(), static_cast<std::streamsize>(header_size));
+    const nlohmann::json tensors = nlohmann::json::parse(header);
+    for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+      // Not parameters: the header's metadata, and rotary's inv_freq buffer.
+      if (it.key() == "__metadata__" || absl::EndsWith(it.key(), "inv_freq")) continue;
+      int64_t n = 1;
+      for (const auto& d : it.value().at("shape")) n *= d.get<int64_t>();
+      total += n;
+    }
+  }
+  return total;
+}
+
 TEST(ServeDefaultModelTest, ServesTheEmbeddedModelWithoutModelFlag) {
   auto server = StartOrDie("");
   ASSERT_NE(server, nullptr);
@@ -704,6 +729,9 @@ TEST(ServeDefaultModelTest, ServesTheEmbeddedModelWithoutModelFlag) {
   accel::v1::ModelInfo info;
   ASSERT_TRUE(stub->GetModelInfo(&context, {}, &info).ok());
   EXPECT_EQ(info.name(), "default-model");
+  // Its lm_head is the embedding: one tensor, counted once.
+  EXPECT_EQ(info.parameters(), CheckpointParameters(ACCEL_DEMO_MODEL_DIR));
+  EXPECT_EQ(info.bytes_per_device().at("cpu"), 4 * info.parameters());
   GenerateResponse response;
   ASSERT_TRUE(Call(*stub, Greedy("The meaning of life is", 16), &response).ok());
   EXPECT_EQ(response.token_ids_size(), 16);
