@@ -53,28 +53,33 @@ int64_t TrailingNumber(const std::string& path) {
   return -1;
 }
 
+// A Status as bytes for a collective ("code\tmessage"; empty for OK), and
+// back, prefixed with `what` and the rank it came from.
+std::string EncodeFailure(const absl::Status& status) {
+  return status.ok() ? "" : absl::StrCat(static_cast<int>(status.code()), "\t", status.message());
+}
+absl::Status DecodeFailure(absl::string_view failure, absl::string_view what, size_t rank) {
+  const size_t tab = failure.find('\t');
+  int code = static_cast<int>(absl::StatusCode::kUnknown);
+  if (!absl::SimpleAtoi(failure.substr(0, tab), &code)) {
+    code = static_cast<int>(absl::StatusCode::kUnknown);
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code),
+                      absl::StrCat(what, ": rank ", rank, " failed: ",
+                                   tab == absl::string_view::npos ? "" : failure.substr(tab + 1)));
+}
+
 // Every rank's outcome of one step of a collective operation, on every rank:
 // OK when all succeeded; else the failing rank keeps its own error and the
 // others get its code, with the rank named. Everyone returns together, so no
 // rank is left waiting in a collective that a failed rank never reaches.
 absl::Status AgreeOnOutcome(ProcessGroup& group, const absl::Status& local,
                             absl::string_view what) {
-  const std::string mine =
-      local.ok() ? "" : absl::StrCat(static_cast<int>(local.code()), "\t", local.message());
-  absl::StatusOr<std::vector<std::string>> all = group.AllGatherBytes(mine);
+  absl::StatusOr<std::vector<std::string>> all = group.AllGatherBytes(EncodeFailure(local));
   if (!local.ok()) return local;
   if (!all.ok()) return Annotate(all.status(), what);
   for (size_t r = 0; r < all->size(); ++r) {
-    const std::string& failure = (*all)[r];
-    if (failure.empty()) continue;
-    const size_t tab = failure.find('\t');
-    int code = static_cast<int>(absl::StatusCode::kUnknown);
-    if (!absl::SimpleAtoi(failure.substr(0, tab), &code)) {
-      code = static_cast<int>(absl::StatusCode::kUnknown);
-    }
-    return absl::Status(static_cast<absl::StatusCode>(code),
-                        absl::StrCat(what, ": rank ", r, " failed: ",
-                                     tab == std::string::npos ? "" : failure.substr(tab + 1)));
+    if (!(*all)[r].empty()) return DecodeFailure((*all)[r], what, r);
   }
   return absl::OkStatus();
 }
@@ -625,21 +630,17 @@ absl::StatusOr<std::string> Accelerator::SaveState(const std::string& output_dir
       planned = plan.status();
     }
   }
+  // Rank 0's message: "ok\n<pid>\n<dir>", or "error\n<code>\t<message>".
   ACCEL_ASSIGN_OR_RETURN(
       std::string chosen,
-      group_->BroadcastBytes(
-          planned.ok()
-              ? absl::StrCat("ok\n", ::getpid(), "\n", dir)
-              : absl::StrCat("error\n", static_cast<int>(planned.code()), "\n", planned.message()),
-          0));
+      group_->BroadcastBytes(planned.ok() ? absl::StrCat("ok\n", ::getpid(), "\n", dir)
+                                          : absl::StrCat("error\n", EncodeFailure(planned)),
+                             0));
   if (!planned.ok()) return planned;
   std::vector<std::string> fields = absl::StrSplit(chosen, absl::MaxSplits('\n', 2));
-  if (fields.size() != 3) return absl::DataLossError("SaveState: a bad message from rank 0");
-  if (fields[0] != "ok") {
-    int code = static_cast<int>(absl::StatusCode::kUnknown);
-    if (!absl::SimpleAtoi(fields[1], &code)) code = static_cast<int>(absl::StatusCode::kUnknown);
-    return absl::Status(static_cast<absl::StatusCode>(code),
-                        absl::StrCat("SaveState: rank 0 failed: ", fields[2]));
+  if (fields.size() == 2 && fields[0] == "error") return DecodeFailure(fields[1], "SaveState", 0);
+  if (fields.size() != 3 || fields[0] != "ok") {
+    return absl::DataLossError("SaveState: a bad message from rank 0");
   }
   dir = std::filesystem::path(fields[2]).lexically_normal().string();
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
@@ -775,6 +776,15 @@ absl::Status Accelerator::LoadState(const std::string& input_dir) {
   if (std::filesystem::exists(positions_file)) {
     ACCEL_ASSIGN_OR_RETURN(std::vector<SavedLoaderPosition> positions,
                            LoadLoaderPositions(positions_file));
+    // Matched by the order of preparation: another number of loaders would
+    // put one loader's position on another.
+    if (!loader_cursors_.empty() && positions.size() != loader_cursors_.size()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(positions_file, " holds the positions of ", positions.size(),
+                       " data loader(s), but ", loader_cursors_.size(),
+                       " are prepared: prepare the same loaders, in the same order, as the run "
+                       "that saved it"));
+    }
     for (size_t i = 0; i < positions.size() && i < loader_cursors_.size(); ++i) {
       const SavedLoaderPosition& saved = positions[i];
       ACCEL_RETURN_IF_ERROR(CallTorch([&] {

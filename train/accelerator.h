@@ -337,11 +337,11 @@ class Accelerator {
   absl::StatusOr<std::string> SaveState(const std::string& output_dir = "");
   // Empty `input_dir` with automatic naming: the latest checkpoint. Restores
   // models, optimizers, schedulers, scaler, RNG states, the accumulation
-  // step, registered objects and the prepared loaders' positions (the first
-  // min(saved, prepared) loaders, in the order they were prepared: prepare
-  // them before loading; a checkpoint without positions leaves them as they
-  // are); also sets project iteration to the loaded checkpoint's number + 1
-  // (Accelerate forgets this: issues #1601 / #3306).
+  // step, registered objects and the prepared loaders' positions (matched in
+  // the order they were prepared: prepare the same loaders before loading,
+  // another number is FailedPrecondition; a checkpoint without positions, or
+  // no loader prepared yet, leaves them as they are); also sets project iteration to the loaded
+  // checkpoint's number + 1 (Accelerate forgets this: issues #1601 / #3306).
   absl::Status LoadState(const std::string& input_dir = "");
   // save_model: the model's state dict as (sharded) safetensors, main process only.
   absl::Status SaveModel(const PreparedModel& model, const std::string& dir,

@@ -609,6 +609,15 @@ TEST(AcceleratorCheckpoint, LoadErrorsNameTheProblem) {
   ASSERT_THAT(acc->PrepareModel(torch::nn::Linear(5, 3).ptr()), IsOk());
   EXPECT_THAT(acc->LoadState(dir.File("a")),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("weight")));
+  // Saved with one loader, loaded with two prepared.
+  Trainer two({});
+  ASSERT_THAT(two.acc->SaveState(dir.File("b")), IsOk());
+  auto second = two.acc->PrepareDataLoader(*Loader(Regression(8), 2));
+  ASSERT_THAT(second, IsOk());
+  EXPECT_THAT(two.acc->LoadState(dir.File("b")),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       AllOf(HasSubstr("dataloader_positions_0.pkl"), HasSubstr("1 data loader"),
+                             HasSubstr("2 are prepared"))));
 }
 
 TEST(AcceleratorCheckpoint, CustomObjectsRoundTrip) {
