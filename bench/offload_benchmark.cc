@@ -2,6 +2,9 @@
 // raw read of the offloaded bytes and the forward with every weight in RAM,
 // all measured in one run with a cold page cache (posix_fadvise DONTNEED on
 // the checkpoint before each forward). Also the load time against a raw read.
+// With a CUDA device (a CUDA libtorch), the same with the GPU as the main
+// device: cpu and disk entries come over the copy stream, next to a plain
+// pinned host-to-device copy of the same bytes.
 //
 //   build/bin/accel-bench-offload [--layers 8] [--hidden 4096] [--repeats 5]
 #include <algorithm>
@@ -17,6 +20,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -93,10 +97,14 @@ uint64_t RawRead(const std::vector<std::string>& files, std::vector<char>& buffe
   return total;
 }
 
+// `where` for every layer; `first`, when given, for l0 (a GPU there makes
+// the GPU the main device).
 std::unique_ptr<DispatchedModel> Dispatch(std::shared_ptr<Stack> model, const std::string& dir,
-                                          const char* where, bool prefetch) {
+                                          const char* where, bool prefetch,
+                                          const char* first = nullptr) {
   accel::dispatch::DeviceMap map;
   map.Set("", *accel::Placement::Parse(where));
+  if (first != nullptr) map.Set("l0", *accel::Placement::Parse(first));
   accel::dispatch::LoadOptions options;
   options.prefetch = prefetch;
   options.progress = accel::Progress::Style::kSilent;
@@ -106,6 +114,76 @@ std::unique_ptr<DispatchedModel> Dispatch(std::shared_ptr<Stack> model, const st
     std::exit(1);
   }
   return *std::move(loaded);
+}
+
+std::shared_ptr<Stack> EmptyStack(int layers, int64_t hidden) {
+  auto m = std::make_shared<Stack>(layers, hidden);
+  (void)accel::dispatch::EmptyModule(*m);
+  return m;
+}
+
+// The GPU as the main device: l0 on GPU 0, the other layers resident there,
+// in RAM, or on disk. Forward times include waiting for the GPU.
+void GpuRows(const std::string& dir, const std::vector<std::string>& files, int layers,
+             int64_t hidden, int repeats) {
+  const at::Device gpu(at::kCUDA, 0);
+  at::Tensor x = at::randn({1, hidden}).to(gpu);
+  const auto forward = [&](const std::shared_ptr<Stack>& m, DispatchedModel* d) {
+    (void)m->forward(x, d).cpu();  // waits for the GPU
+  };
+  struct Row {
+    const char* label;
+    const char* where;
+    bool prefetch;
+    bool cold;
+    std::shared_ptr<Stack> model;
+    std::unique_ptr<DispatchedModel> dispatched;
+    std::vector<double> seconds;
+  };
+  std::vector<Row> rows;
+  rows.push_back({"GPU, weights resident", "0", false, false, nullptr, nullptr, {}});
+  rows.push_back({"GPU, cpu offload", "cpu", false, false, nullptr, nullptr, {}});
+  rows.push_back({"GPU, cpu offload + prefetch", "cpu", true, false, nullptr, nullptr, {}});
+  rows.push_back({"GPU, disk offload (cold cache)", "disk", false, true, nullptr, nullptr, {}});
+  rows.push_back({"GPU, disk + prefetch (cold cache)", "disk", true, true, nullptr, nullptr, {}});
+  for (Row& r : rows) {
+    r.model = EmptyStack(layers, hidden);
+    r.dispatched = Dispatch(r.model, dir, r.where, r.prefetch, "0");
+    forward(r.model, r.dispatched.get());  // learns the order, warms the kernels
+  }
+  // The baseline: the offloaded bytes copied host-to-device from pinned memory.
+  const int64_t offloaded = static_cast<int64_t>(layers - 1) * hidden * hidden;
+  at::Tensor pinned = at::randn({offloaded}).pin_memory();
+  at::Tensor on_gpu = at::empty({offloaded}, at::TensorOptions().device(gpu));
+  std::vector<double> copy;
+  for (int r = 0; r < repeats; ++r) {
+    copy.push_back(Seconds([&] {
+      on_gpu.copy_(pinned);
+      (void)on_gpu[0].item<float>();
+    }));
+    for (Row& row : rows) {
+      if (row.cold) DropCache(files);
+      row.seconds.push_back(Seconds([&] { forward(row.model, row.dispatched.get()); }));
+    }
+  }
+  const double gb = static_cast<double>(offloaded) * 4 / 1e9;
+  std::printf(
+      "\nGPU main device (%s): l0 on the GPU, %d layers (%.2f GB) offloaded; median of %d\n",
+      gpu.str().c_str(), layers - 1, gb, repeats);
+  std::printf("%-34s %9s %9s\n", "per forward", "seconds", "x copy");
+  std::printf("%-34s %9.4f %9.2f   (%.1f GB/s)\n", "pinned host-to-device copy", Median(copy), 1.0,
+              gb / Median(copy));
+  for (const Row& row : rows) {
+    std::printf("%-34s %9.4f %9.2f\n", row.label, Median(row.seconds),
+                Median(row.seconds) / Median(copy));
+  }
+  for (const Row& row : rows) {
+    if (!row.prefetch) continue;
+    auto stats = row.dispatched->stats();
+    std::printf("%s: %lld prefetch hits of %lld fetches, %.2f GB over the copy stream\n", row.label,
+                static_cast<long long>(stats.prefetch_hits), static_cast<long long>(stats.fetches),
+                static_cast<double>(stats.bytes_to_device) / 1e9);
+  }
 }
 
 }  // namespace
@@ -198,6 +276,11 @@ int main(int argc, char** argv) {
   auto stats = prefetch->stats();
   std::printf("prefetch hits: %lld of %lld fetches\n", static_cast<long long>(stats.prefetch_hits),
               static_cast<long long>(stats.fetches));
+  if (at::hasCUDA()) {
+    GpuRows(dir, files, layers, hidden, repeats);
+  } else {
+    std::printf("GPU rows: skipped, no CUDA device (at::hasCUDA() is false)\n");
+  }
   std::filesystem::remove_all(dir);
   return 0;
 }

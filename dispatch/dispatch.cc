@@ -27,6 +27,7 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "dispatch/empty_weights.h"
+#include "dispatch/internal/device_stager.h"
 #include "loader/loader.h"
 
 namespace accel::dispatch {
@@ -45,6 +46,12 @@ struct Source {
 struct Offloaded {
   std::string name;
   Source source;
+};
+
+// A group's data, ready to set into the model.
+struct Fetched {
+  std::vector<at::Tensor> values;   // in group order, shaped; on the GPU when staged
+  std::vector<at::Tensor> buffers;  // pooled host buffers the values use until released
 };
 
 absl::Status ReadRange(const std::string& path, uint64_t offset, void* dst, uint64_t n) {
@@ -104,6 +111,11 @@ struct DispatchedModel::Impl {
   std::unordered_map<std::string, int> group_of;
   std::vector<at::Device> group_device;
   bool prefetch = true;
+  // With a GPU main device: host buffers are pinned, and fetched groups are
+  // copied to the GPU on a copy stream (internal/device_stager.h), by the
+  // reader thread when prefetched.
+  bool pinned = false;
+  std::unique_ptr<internal::DeviceStager> stager;
 
   // Execution order for prefetching.
   std::vector<std::string> order;
@@ -115,7 +127,7 @@ struct DispatchedModel::Impl {
   std::condition_variable cv;
   int requested = -1;  // group to read next
   int ready_group = -1;
-  std::optional<absl::StatusOr<std::vector<at::Tensor>>> ready;
+  std::optional<absl::StatusOr<Fetched>> ready;
   bool busy = false;
   bool stop = false;
   std::thread reader;
@@ -123,12 +135,12 @@ struct DispatchedModel::Impl {
 
   // Staging buffers for disk reads, reused across forwards: a fresh 64 MiB
   // allocation costs more in page faults than reading it from the page cache.
-  // Keyed by (bytes, dtype); flat tensors. Guarded by `mu`.
+  // Keyed by (bytes, dtype); flat host tensors. Guarded by `mu`.
   std::multimap<std::pair<uint64_t, int>, at::Tensor> pool;
-  // The flat buffers whose data a group's tensors use while it is entered.
+  // The host buffers whose data a group's tensors use while it is entered.
   std::unordered_map<int, std::vector<at::Tensor>> active;
 
-  at::Tensor TakeBuffer(const Source& s, bool pinned) {
+  at::Tensor TakeBuffer(const Source& s) {
     {
       std::lock_guard<std::mutex> lock(mu);
       auto it = pool.find({s.nbytes, static_cast<int>(s.dtype)});
@@ -153,28 +165,47 @@ struct DispatchedModel::Impl {
     }
   }
 
-  absl::StatusOr<std::vector<at::Tensor>> Fetch(int group, bool pinned) {
-    std::vector<at::Tensor> out;
+  absl::StatusOr<Fetched> Fetch(int group) {
+    // Enter() adds groups while the reader runs: read ours under the lock.
+    std::vector<int> members;
+    bool to_device = false;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      members = groups[group];
+      to_device = stager != nullptr && group_device[group] == stager->device();
+    }
+    Fetched out;
     int64_t bytes = 0;
-    for (int i : groups[group]) {
+    for (int i : members) {
       const Source& s = tensors[i].source;
       if (s.host.defined()) {
-        out.push_back(s.host);
+        out.values.push_back(s.host);
         continue;
       }
       at::Tensor t;
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] { t = TakeBuffer(s, pinned); }));
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { t = TakeBuffer(s); }));
       ACCEL_RETURN_IF_ERROR(Annotate(ReadRange(s.path, s.offset, t.data_ptr(), s.nbytes),
                                      absl::StrCat("tensor '", tensors[i].name, "'")));
       bytes += static_cast<int64_t>(s.nbytes);
-      out.push_back(std::move(t));
+      at::Tensor shaped;
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { shaped = t.view(s.shape); }));
+      out.values.push_back(std::move(shaped));
+      out.buffers.push_back(std::move(t));
+    }
+    int64_t staged_bytes = 0;
+    if (to_device) {
+      ACCEL_ASSIGN_OR_RETURN(std::vector<at::Tensor> staged, stager->Stage(out.values));
+      out.values = std::move(staged);  // drops the views: the buffers are free again
+      GiveBack(std::exchange(out.buffers, {}));
+      for (const at::Tensor& v : out.values) staged_bytes += static_cast<int64_t>(v.nbytes());
     }
     std::lock_guard<std::mutex> lock(mu);
     stats.bytes_read += bytes;
+    stats.bytes_to_device += staged_bytes;
     return out;
   }
 
-  void ReaderLoop(bool pinned) {
+  void ReaderLoop() {
     std::unique_lock<std::mutex> lock(mu);
     while (true) {
       cv.wait(lock, [&] { return stop || requested >= 0; });
@@ -182,7 +213,7 @@ struct DispatchedModel::Impl {
       const int group = std::exchange(requested, -1);
       busy = true;
       lock.unlock();
-      auto result = Fetch(group, pinned);
+      auto result = Fetch(group);
       lock.lock();
       busy = false;
       ready_group = group;
@@ -192,7 +223,7 @@ struct DispatchedModel::Impl {
   }
 
   // The data of `group`: from the reader if it has (or is reading) it.
-  absl::StatusOr<std::vector<at::Tensor>> Take(int group, bool pinned) {
+  absl::StatusOr<Fetched> Take(int group) {
     {
       std::unique_lock<std::mutex> lock(mu);
       if (requested == group || (busy && ready_group != group)) {
@@ -206,7 +237,7 @@ struct DispatchedModel::Impl {
         return result;
       }
     }
-    return Fetch(group, pinned);
+    return Fetch(group);
   }
 
   void Request(int group) {
@@ -277,6 +308,7 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
       collect(model_->named_buffers(true));
     }));
     std::vector<int> members(member_set.begin(), member_set.end());
+    std::lock_guard<std::mutex> lock(im.mu);  // the reader reads these
     group = members.empty() ? -1 : static_cast<int>(im.groups.size());
     if (group >= 0) {
       im.groups.push_back(std::move(members));
@@ -296,32 +328,26 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
     }
   }
 
-  const bool pinned = main_.is_cuda();
-  absl::StatusOr<std::vector<at::Tensor>> data = im.Take(group, pinned);
+  absl::StatusOr<Fetched> data = im.Take(group);
   if (!data.ok()) return data.status();
   {
     std::lock_guard<std::mutex> lock(im.mu);
     im.stats.fetches++;
   }
+  // Disk buffers return to the pool when the scope ends (host sources are
+  // the weights themselves and are kept; staged groups hold no buffers).
+  im.active[group] = std::move(data->buffers);
   const at::Device device = im.group_device[group];
   for (size_t k = 0; k < im.groups[group].size(); ++k) {
     const Offloaded& t = im.tensors[im.groups[group][k]];
-    at::Tensor value = (*data)[k];
-    if (!t.source.host.defined()) value = value.view(t.source.shape);
-    absl::Status set = SetModuleTensor(*model_, t.name, device, value, t.source.dtype);
+    absl::Status set = SetModuleTensor(*model_, t.name, device, data->values[k], t.source.dtype);
     if (!set.ok()) {
-      im.active[group] = *std::move(data);
+      data->values.clear();
       Release(group);
       return set;
     }
   }
-  // Disk buffers return to the pool when the scope ends (host sources are
-  // the weights themselves and are kept).
-  std::vector<at::Tensor>& staged = im.active[group];
-  for (size_t k = 0; k < im.groups[group].size(); ++k) {
-    if (!im.tensors[im.groups[group][k]].source.host.defined())
-      staged.push_back(std::move((*data)[k]));
-  }
+  data->values.clear();  // the module holds them now: its release frees them
 
   // Read the module expected next (wrapping: the next forward starts over).
   if (im.prefetch && im.order_complete && !im.order.empty()) {
@@ -339,6 +365,9 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
 }
 
 void DispatchedModel::Release(int group) {
+  // Before the last reference goes: a later copy into the same GPU memory
+  // waits for the kernels queued so far. Cannot fail once Load made the stager.
+  if (impl_->stager != nullptr) (void)impl_->stager->Released();
   for (int i : impl_->groups[group]) {
     // Cannot fail: the tensor exists and meta needs no value.
     (void)SetModuleTensor(*model_, impl_->tensors[i].name, at::kMeta);
@@ -368,6 +397,7 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     }
   }
   Impl& im = *out->impl_;
+  im.pinned = out->main_.is_cuda();
 
   // The model's tensors by name; a tied tensor appears under each of its names.
   std::map<std::string, at::Tensor> params, buffers;
@@ -548,9 +578,11 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     }
     ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(index_path, index.dump(2)));
   }
+  if (out->main_.is_cuda() && !im.tensors.empty()) {
+    ACCEL_ASSIGN_OR_RETURN(im.stager, internal::DeviceStager::Create(out->main_));
+  }
   if (options.prefetch && !im.tensors.empty()) {
-    const bool pinned = out->main_.is_cuda();
-    im.reader = std::thread([&im, pinned] { im.ReaderLoop(pinned); });
+    im.reader = std::thread([&im] { im.ReaderLoop(); });
   }
   return out;
 }

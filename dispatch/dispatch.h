@@ -18,8 +18,9 @@
 // conversion is needed, otherwise from an offload folder written once in
 // Accelerate's format (index.json + one raw <name>.dat per tensor). While a
 // module runs, the next offloaded module's weights are read by a background
-// thread. Tied parameters share one tensor (Note [In-place tensor moves]),
-// so they stay tied on every device.
+// thread and, with a GPU main device, copied there from pinned host memory
+// on a copy stream of their own (internal/device_stager.h). Tied parameters share one tensor (Note
+// [In-place tensor moves]), so they stay tied on every device.
 #ifndef ACCEL_DISPATCH_DISPATCH_H_
 #define ACCEL_DISPATCH_DISPATCH_H_
 
@@ -114,6 +115,9 @@ class DispatchedModel {
     int64_t fetches = 0;        // modules brought in
     int64_t prefetch_hits = 0;  // of which the reader thread had already read
     int64_t bytes_read = 0;     // from disk
+    // Copied to the main GPU on the copy stream (cpu and disk entries), by
+    // the reader thread for prefetched modules.
+    int64_t bytes_to_device = 0;
   };
 
   // Loads `checkpoint` (a file, index or folder; see loader::Checkpoint)

@@ -11,6 +11,7 @@
 #include <sys/resource.h>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
 #include <gmock/gmock.h>
@@ -444,6 +445,65 @@ TEST(DispatchHookTest, BadHookTensorsAndHookErrorsNameTheTensor) {
       },
       absl::NotFoundError("the checkpoint lacks 'x.quant_state'"));
   EXPECT_THAT(load(unfinished), StatusIs(absl::StatusCode::kNotFound, HasSubstr("x.quant_state")));
+}
+
+// --- A GPU main device: cpu and disk entries come in over the copy stream ----
+
+DeviceMap GpuSplit() {
+  DeviceMap map;
+  const char* where[kLayers] = {"0", "disk", "cpu", "disk", "cpu", "0"};
+  for (int i = 0; i < kLayers; ++i) map.Set("l" + std::to_string(i), *Placement::Parse(where[i]));
+  return map;
+}
+
+TEST(DispatchGpuTest, WithoutCudaAGpuMapIsAnErrorNotACrash) {
+  if (at::hasCUDA()) GTEST_SKIP() << "this libtorch has CUDA and a device";
+  TempDir dir;
+  SaveReference(dir.path(), at::kFloat);
+  auto result = DispatchedModel::Load(EmptyMlp(), dir.path(), GpuSplit(), Quiet());
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(result.status().message(), HasSubstr("l0."));
+}
+
+TEST(DispatchGpuTest, SplitOverGpuCpuAndDiskGivesTheSameOutputs) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (at::hasCUDA)";
+  const at::Device gpu(at::kCUDA, 0);
+  TempDir dir;
+  auto reference = SaveReference(dir.path(), at::kFloat);
+  reference->to(gpu);
+  at::Tensor x = at::randn({5, 8}).to(gpu);
+  at::Tensor expected = reference->forward(x);
+  // l1..l4 (32->32, 32->16, 16->32, 32->16) cross the bus each pass.
+  const int64_t per_pass = 4 * ((32 * 32 + 32) + (16 * 32 + 16) + (32 * 16 + 32) + (16 * 32 + 16));
+  for (bool prefetch : {false, true}) {
+    SCOPED_TRACE(prefetch ? "prefetch" : "no prefetch");
+    auto model = EmptyMlp();
+    LoadOptions options = Quiet();
+    options.prefetch = prefetch;
+    auto dispatched = DispatchedModel::Load(model, dir.path(), GpuSplit(), options);
+    ASSERT_THAT(dispatched, IsOk());
+    EXPECT_EQ((*dispatched)->main_device(), gpu);
+    EXPECT_EQ(model->layers[0]->weight.device(), gpu);
+    EXPECT_TRUE(model->layers[1]->weight.is_meta());
+    EXPECT_TRUE(model->layers[2]->weight.is_meta());  // cpu entries too, between forwards
+    {
+      ACCEL_ASSERT_OK_AND_ASSIGN(auto scope, (*dispatched)->Enter("l2"));
+      EXPECT_EQ(scope.device(), gpu);
+      EXPECT_EQ(model->layers[2]->weight.device(), gpu);
+    }
+    EXPECT_TRUE(model->layers[2]->weight.is_meta());
+    for (int pass = 0; pass < 3; ++pass) {
+      EXPECT_TRUE(at::equal(model->forward(x, dispatched->get()), expected)) << "pass " << pass;
+    }
+    DispatchedModel::Stats stats = (*dispatched)->stats();
+    EXPECT_EQ(stats.fetches, 1 + 4 * 3);
+    EXPECT_GE(stats.bytes_to_device, 3 * per_pass);
+    if (prefetch) {
+      EXPECT_GT(stats.prefetch_hits, 0);
+    } else {
+      EXPECT_EQ(stats.prefetch_hits, 0);
+    }
+  }
 }
 
 }  // namespace
