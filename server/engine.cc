@@ -145,9 +145,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   return engine;
 }
 
-std::pair<int64_t, int64_t> Engine::offload_stats() const {
+Engine::OffloadStats Engine::offload_stats() const {
   const dispatch::DispatchedModel::Stats stats = model_->loaded.dispatched->stats();
-  return {stats.fetches, stats.bytes_read};
+  return {stats.fetches, stats.prefetch_hits, stats.bytes_read, stats.bytes_to_device};
 }
 
 absl::StatusOr<Request> Engine::ToRequest(const GenerateParams& params) const {

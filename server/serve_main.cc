@@ -291,11 +291,14 @@ int Run(int argc, char** argv) {
     absl::MutexLock lock(&collect_mu);
     Engine* engine = loaded_engine.load();
     if (engine == nullptr) return;
-    const auto [fetches, bytes] = engine->offload_stats();
-    metrics.offload_fetches.Increment(static_cast<double>(fetches) -
-                                      metrics.offload_fetches.value());
-    metrics.offload_disk_read_bytes.Increment(static_cast<double>(bytes) -
-                                              metrics.offload_disk_read_bytes.value());
+    const Engine::OffloadStats stats = engine->offload_stats();
+    const auto catch_up = [](accel::server::Counter& counter, int64_t total) {
+      counter.Increment(static_cast<double>(total) - counter.value());
+    };
+    catch_up(metrics.offload_fetches, stats.fetches);
+    catch_up(metrics.offload_prefetch_hits, stats.prefetch_hits);
+    catch_up(metrics.offload_disk_read_bytes, stats.bytes_read);
+    catch_up(metrics.offload_device_copy_bytes, stats.bytes_to_device);
   });
   std::unique_ptr<accel::server::MetricsHttpServer> metrics_http;
   if (options->metrics_port >= 0) {

@@ -78,8 +78,14 @@ ServerMetrics::ServerMetrics(MetricsRegistry* r)
                                      {"device"})),
       offload_fetches(r->AddCounter("accel_offload_fetches_total",
                                     "Offloaded modules brought to the execution device.")),
+      offload_prefetch_hits(
+          r->AddCounter("accel_offload_prefetch_hits_total",
+                        "Offloaded modules whose weights the reader thread had ready.")),
       offload_disk_read_bytes(r->AddCounter("accel_offload_disk_read_bytes_total",
                                             "Bytes of offloaded weights read from disk.")),
+      offload_device_copy_bytes(
+          r->AddCounter("accel_offload_device_copy_bytes_total",
+                        "Bytes of offloaded weights copied to the GPU on the copy stream.")),
       model_load_seconds(r->AddGauge("accel_model_load_seconds",
                                      "Seconds the model took to load (0 until loaded).")),
       ready(

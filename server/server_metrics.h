@@ -38,7 +38,9 @@ class ServerMetrics {
   Gauge& kv_cache_usage;
   GaugeFamily& weight_bytes;  // {device}
   Counter& offload_fetches;
+  Counter& offload_prefetch_hits;
   Counter& offload_disk_read_bytes;
+  Counter& offload_device_copy_bytes;
   Gauge& model_load_seconds;
   Gauge& ready;
   Gauge& draining;

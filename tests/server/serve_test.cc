@@ -363,7 +363,9 @@ TEST_F(ServeTest, MetricsPassPromtoolAndCountRequests) {
        {"accel_time_to_first_token_seconds_bucket", "accel_inter_token_latency_seconds_count",
         "accel_e2e_request_latency_seconds_sum", "accel_request_queue_time_seconds_count",
         "accel_prompt_tokens_total", "accel_num_requests_waiting", "accel_batch_size",
-        "accel_kv_cache_usage_ratio", "accel_offload_disk_read_bytes_total", "accel_build_info"}) {
+        "accel_kv_cache_usage_ratio", "accel_offload_disk_read_bytes_total",
+        "accel_offload_prefetch_hits_total", "accel_offload_device_copy_bytes_total",
+        "accel_build_info"}) {
     EXPECT_THAT(*text, HasSubstr(family));
   }
   TempDir dir;
@@ -442,6 +444,38 @@ TEST(ServeReflectionTest, ReflectionCanBeTurnedOff) {
   auto server = StartOrDie(TestModelDir(), {"--grpc_reflection=false"});
   ASSERT_NE(server, nullptr);
   EXPECT_EQ(ReflectedServices(*server).status().code(), absl::StatusCode::kUnimplemented);
+}
+
+// Most of the model on disk (--max_memory leaves the cpu room for the
+// embedding only): the answers are those of the model in RAM, and the
+// offload counters show the layers coming in from disk, prefetched.
+TEST(ServeOffloadTest, DiskOffloadAnswersAsTheModelInRamAndIsCounted) {
+  auto server = StartOrDie(TestModelDir(), {"--max_memory=cpu=400KiB,disk=1GiB"});
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  const std::string prompt = "Offloaded weights";
+  const GenerateCli reference = RunGenerateTool(TestModelDir(), prompt, 10);
+  ASSERT_EQ(reference.token_ids.size(), 10u);
+  for (int round = 0; round < 2; ++round) {
+    GenerateResponse response;
+    grpc::Status status = Call(*stub, Greedy(prompt, 10), &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(std::vector<int64_t>(response.token_ids().begin(), response.token_ids().end()),
+              reference.token_ids)
+        << "round " << round;
+  }
+  absl::StatusOr<std::string> text = server->Metrics();
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_GT(MetricValue(*text, "accel_weight_bytes{device=\"disk\"}").value_or(0), 0);
+  const double fetches = MetricValue(*text, "accel_offload_fetches_total").value_or(0);
+  // Every step of both requests brings in each disk module: 11 steps a request at least.
+  EXPECT_GE(fetches, 2 * 11);
+  EXPECT_GT(MetricValue(*text, "accel_offload_disk_read_bytes_total").value_or(0), 0);
+  const double hits = MetricValue(*text, "accel_offload_prefetch_hits_total").value_or(-1);
+  EXPECT_GT(hits, 0);
+  EXPECT_LE(hits, fetches);
+  // The main device is the cpu: nothing crosses to a GPU.
+  EXPECT_EQ(MetricValue(*text, "accel_offload_device_copy_bytes_total"), 0);
 }
 
 TEST(ServeLimitsTest, PromptOverMaxInputTokensIsRefused) {
