@@ -194,10 +194,18 @@ struct DispatchedModel::Impl {
     }
     int64_t staged_bytes = 0;
     if (to_device) {
-      ACCEL_ASSIGN_OR_RETURN(std::vector<at::Tensor> staged, stager->Stage(out.values));
-      out.values = std::move(staged);  // drops the views: the buffers are free again
-      GiveBack(std::exchange(out.buffers, {}));
-      for (const at::Tensor& v : out.values) staged_bytes += static_cast<int64_t>(v.nbytes());
+      absl::StatusOr<std::vector<at::Tensor>> staged = stager->Stage(out.values);
+      if (staged.ok()) {
+        out.values = *std::move(staged);  // drops the views: the buffers are free again
+        GiveBack(std::exchange(out.buffers, {}));
+        for (const at::Tensor& v : out.values) staged_bytes += static_cast<int64_t>(v.nbytes());
+      } else if (!absl::IsResourceExhausted(staged.status())) {
+        return staged.status();
+      }
+      // Out of GPU memory: ahead of time, two modules' weights are on the GPU
+      // at once, where the planner reserved room for one. The host data is
+      // copied in line when the module is entered, after the last one's
+      // release; an error then is a real one.
     }
     std::lock_guard<std::mutex> lock(mu);
     stats.bytes_read += bytes;
