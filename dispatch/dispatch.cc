@@ -111,10 +111,9 @@ struct DispatchedModel::Impl {
   std::unordered_map<std::string, int> group_of;
   std::vector<at::Device> group_device;
   bool prefetch = true;
-  // With a GPU main device: host buffers are pinned, and fetched groups are
-  // copied to the GPU on a copy stream (internal/device_stager.h), by the
-  // reader thread when prefetched.
-  bool pinned = false;
+  // With a GPU main device (null otherwise): host buffers are pinned, and
+  // fetched groups are copied to the GPU on its copy stream, by the reader
+  // thread when prefetched.
   std::unique_ptr<internal::DeviceStager> stager;
 
   // Execution order for prefetching.
@@ -152,7 +151,7 @@ struct DispatchedModel::Impl {
     }
     int64_t numel = 1;
     for (int64_t d : s.shape) numel *= d;
-    return at::empty({numel}, at::TensorOptions().dtype(s.dtype).pinned_memory(pinned));
+    return at::empty({numel}, at::TensorOptions().dtype(s.dtype).pinned_memory(stager != nullptr));
   }
 
   // Back to the pool, unless something still holds the buffer's storage.
@@ -405,7 +404,6 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     }
   }
   Impl& im = *out->impl_;
-  im.pinned = out->main_.is_cuda();
 
   // The model's tensors by name; a tied tensor appears under each of its names.
   std::map<std::string, at::Tensor> params, buffers;

@@ -36,6 +36,7 @@
 
 #include "core/progress.h"
 #include "dispatch/device_map.h"
+#include "dispatch/offload_stats.h"
 
 namespace torch::nn {
 class Module;
@@ -111,14 +112,7 @@ class DispatchedModel {
     at::Device device_;
   };
 
-  struct Stats {
-    int64_t fetches = 0;        // modules brought in
-    int64_t prefetch_hits = 0;  // of which the reader thread had already read
-    int64_t bytes_read = 0;     // from disk
-    // Copied to the main GPU on the copy stream (cpu and disk entries), by
-    // the reader thread for prefetched modules.
-    int64_t bytes_to_device = 0;
-  };
+  using Stats = OffloadStats;
 
   // Loads `checkpoint` (a file, index or folder; see loader::Checkpoint)
   // into `model`, whose tensors may be meta. Errors name the tensor or the

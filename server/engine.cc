@@ -145,10 +145,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   return engine;
 }
 
-Engine::OffloadStats Engine::offload_stats() const {
-  const dispatch::DispatchedModel::Stats stats = model_->loaded.dispatched->stats();
-  return {stats.fetches, stats.prefetch_hits, stats.bytes_read, stats.bytes_to_device};
-}
+dispatch::OffloadStats Engine::offload_stats() const { return model_->loaded.dispatched->stats(); }
 
 absl::StatusOr<Request> Engine::ToRequest(const GenerateParams& params) const {
   if (!params.model.empty() && params.model != info_.name) {

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
+#include "dispatch/offload_stats.h"
 #include "server/scheduler.h"
 
 namespace accel::server {
@@ -95,14 +96,8 @@ class Engine {
 
   const ModelInfo& info() const { return info_; }
   Scheduler& scheduler() { return *scheduler_; }
-  // Offload counters so far (dispatch::DispatchedModel::Stats).
-  struct OffloadStats {
-    int64_t fetches = 0;          // offloaded modules brought in
-    int64_t prefetch_hits = 0;    // of which the reader thread had ready
-    int64_t bytes_read = 0;       // from disk
-    int64_t bytes_to_device = 0;  // over the copy stream to a GPU
-  };
-  OffloadStats offload_stats() const;
+  // The model's offload counters so far.
+  dispatch::OffloadStats offload_stats() const;
 
  private:
   struct Model;

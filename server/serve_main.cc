@@ -291,7 +291,7 @@ int Run(int argc, char** argv) {
     absl::MutexLock lock(&collect_mu);
     Engine* engine = loaded_engine.load();
     if (engine == nullptr) return;
-    const Engine::OffloadStats stats = engine->offload_stats();
+    const accel::dispatch::OffloadStats stats = engine->offload_stats();
     const auto catch_up = [](accel::server::Counter& counter, int64_t total) {
       counter.Increment(static_cast<double>(total) - counter.value());
     };
