@@ -775,6 +775,152 @@ MaxMemory Balance(const ModuleTree& tree, const ModuleSizes& sizes, const MaxMem
 
 }  // namespace
 
+namespace {
+
+bool IsBelow(absl::string_view name, absl::string_view prefix) {
+  return name == prefix || (name.size() > prefix.size() && name[prefix.size()] == '.' &&
+                            absl::StartsWith(name, prefix));
+}
+
+// Replaces each key of `map` that holds an expert list (strictly above it)
+// by the key's children and direct tensors on the same device, down to the
+// lists, which are left out: their experts are placed one by one after.
+DeviceMap SplitAroundExpertLists(const ModuleTree& tree, const DeviceMap& map,
+                                 const std::vector<std::string>& lists) {
+  const auto holds_list = [&](const std::string& name) {
+    for (const std::string& l : lists) {
+      if (name != l && IsBelow(l, name)) return true;
+    }
+    return false;
+  };
+  const auto is_list = [&](const std::string& name) {
+    return std::find(lists.begin(), lists.end(), name) != lists.end();
+  };
+  DeviceMap out;
+  std::function<void(const std::string&, Placement)> expand = [&](const std::string& name,
+                                                                  Placement p) {
+    if (is_list(name)) return;
+    if (!holds_list(name)) {
+      out.Set(name, p);
+      return;
+    }
+    absl::StatusOr<int> node = tree.FindModule(name);
+    if (!node.ok()) return;
+    const ModuleTree::Node& n = tree.node(*node);
+    for (const TensorDecl& t : n.params) out.Set(Join(name, t.name), p);
+    for (const TensorDecl& t : n.buffers) out.Set(Join(name, t.name), p);
+    for (const auto& [child, id] : n.children) expand(Join(name, child), p);
+  };
+  for (const auto& [name, p] : map.entries()) {
+    if (holds_list(name) || is_list(name)) {
+      expand(name, p);
+    } else {
+      out.Set(name, p);
+    }
+  }
+  return out;
+}
+
+// The expert phase of PlanDeviceMap (see PlanOptions::expert_lists).
+absl::StatusOr<DeviceMap> PlanWithExperts(const ModuleTree& tree, const MaxMemory& mm,
+                                          const PlanOptions& options, PlanReport* report) {
+  // The experts, in order, with their sizes.
+  const ModuleSizes sizes = ComputeModuleSizes(tree, options.sizes);
+  std::vector<std::pair<std::string, double>> experts;
+  for (const std::string& list : options.expert_lists) {
+    ACCEL_ASSIGN_OR_RETURN(int node, tree.FindModule(list));
+    for (const auto& [child, id] : tree.node(node).children) {
+      const std::string name = Join(list, child);
+      experts.emplace_back(name, sizes.at(name));
+    }
+  }
+  // Everything else, with the experts weighing nothing.
+  PlanOptions dense = options;
+  dense.expert_lists.clear();
+  dense.clean_result = false;
+  for (const ModuleTree::Named& t : tree.NamedParameters()) {
+    for (const std::string& list : options.expert_lists) {
+      if (IsBelow(t.name, list)) dense.sizes.special_bytes[t.name] = 0;
+    }
+  }
+  for (const ModuleTree::Named& t : tree.NamedBuffers()) {
+    for (const std::string& list : options.expert_lists) {
+      if (IsBelow(t.name, list)) dense.sizes.special_bytes[t.name] = 0;
+    }
+  }
+  PlanReport dense_report;
+  ACCEL_ASSIGN_OR_RETURN(DeviceMap dense_map, Infer(tree, ComputeModuleSizes(tree, dense.sizes), mm,
+                                                    dense, &dense_report));
+  DeviceMap map = SplitAroundExpertLists(tree, dense_map, options.expert_lists);
+
+  std::vector<Placement> devices;
+  std::map<Placement, double> budget;
+  for (const auto& [p, bytes] : mm) {
+    devices.push_back(p);
+    budget[p] = bytes;
+  }
+  if (!budget.count(Placement::Disk())) devices.push_back(Placement::Disk());
+  Placement execution = Placement::Cpu();
+  for (const Placement& p : devices) {
+    if (p.is_cuda()) {
+      execution = p;
+      break;
+    }
+  }
+  std::map<Placement, double> used;
+  for (const auto& [p, bytes] : dense_report.used) used[p] = bytes;
+  // Experts start on the last device the rest reached.
+  size_t first = 0;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    if (used[devices[i]] > 0) first = i;
+  }
+  // Placed without a cache reserve first; if an expert lands past the
+  // execution device, again with the reserve.
+  const auto place = [&](double reserve, std::vector<std::pair<std::string, Placement>>& placed,
+                         std::map<Placement, double>& fill) {
+    fill = used;
+    size_t current = first;
+    bool spilled = false;
+    for (const auto& [name, bytes] : experts) {
+      while (true) {
+        const Placement d = devices[current];
+        double capacity = d.is_disk() ? std::numeric_limits<double>::infinity() : budget[d];
+        if (d == execution) capacity -= reserve;
+        if (fill[d] + bytes <= capacity || current + 1 == devices.size()) {
+          fill[d] += bytes;
+          placed.emplace_back(name, d);
+          if (d != execution && !(execution.is_cpu() && d.is_cuda())) spilled = true;
+          break;
+        }
+        ++current;
+      }
+    }
+    return spilled;
+  };
+  std::vector<std::pair<std::string, Placement>> placed;
+  std::map<Placement, double> fill;
+  double reserve = 0;
+  if (place(0, placed, fill)) {
+    placed.clear();
+    reserve = options.expert_cache_bytes;
+    place(reserve, placed, fill);
+  }
+  for (const auto& [name, p] : placed) map.Set(name, p);
+  if (options.clean_result) map = CleanDeviceMap(map);
+  if (report != nullptr) {
+    *report = dense_report;
+    report->used.clear();
+    for (const Placement& p : devices) {
+      const double u = fill[p] + (p == execution ? reserve : 0);
+      if (u > 0) report->used.emplace_back(p, u);
+    }
+    report->expert_cache_bytes = reserve;
+  }
+  return map;
+}
+
+}  // namespace
+
 absl::StatusOr<DeviceMap> PlanDeviceMap(const ModuleTree& tree, absl::string_view strategy,
                                         const MaxMemory& max_memory, const PlanOptions& options,
                                         bool max_memory_was_probed, PlanReport* report) {
@@ -791,6 +937,7 @@ absl::StatusOr<DeviceMap> PlanDeviceMap(const ModuleTree& tree, absl::string_vie
         absl::StrCat("unknown device map strategy '", strategy,
                      "' (auto, balanced, balanced_low_0, sequential)"));
   }
+  if (!options.expert_lists.empty()) return PlanWithExperts(tree, mm, options, report);
   return Infer(tree, sizes, mm, options, report);
 }
 

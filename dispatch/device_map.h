@@ -125,6 +125,16 @@ struct PlanOptions {
   bool offload_buffers = false;  // buffers of offloaded modules go with them
   bool fallback_allocation = false;
   bool clean_result = true;
+  // Expert-granular placement: the ModuleLists of mixture-of-experts blocks
+  // ("model.layers.3.block_sparse_moe.experts") whose experts are placed one
+  // by one. Everything else is planned first, as if the experts weighed
+  // nothing; the experts then fill, in order, the room that leaves on each
+  // device (sequentially from the device the rest ended on), and when any
+  // of them lands past the execution device (the first GPU, else the cpu),
+  // `expert_cache_bytes` of that device's budget is kept free for the expert
+  // cache. Empty: Accelerate's plan.
+  std::vector<std::string> expert_lists;
+  double expert_cache_bytes = 0;
 };
 
 // What planning noticed that a user should hear about.
@@ -135,6 +145,9 @@ struct PlanReport {
   // Bytes used per device (including the reserve charged on leaving it).
   std::vector<std::pair<Placement, double>> used;
   std::vector<std::string> warnings;
+  // With expert lists: the bytes kept for the expert cache on the execution
+  // device (0 when every expert fits there).
+  double expert_cache_bytes = 0;
 };
 
 // infer_auto_device_map: fills devices in order (GPUs, cpu, then disk, which

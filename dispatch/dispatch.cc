@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <condition_variable>
-#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -11,7 +10,6 @@
 #include <set>
 #include <sstream>
 #include <thread>
-#include <unistd.h>
 #include <unordered_map>
 #include <utility>
 
@@ -21,6 +19,7 @@
 #include <torch/nn/module.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -28,55 +27,22 @@
 #include "core/status.h"
 #include "dispatch/empty_weights.h"
 #include "dispatch/internal/device_stager.h"
+#include "dispatch/internal/expert_cache.h"
+#include "dispatch/internal/offloaded.h"
 #include "loader/loader.h"
 
 namespace accel::dispatch {
 namespace {
 
-// Where an offloaded tensor's data lives between forwards.
-struct Source {
-  at::Tensor host;   // in RAM (a cpu entry when the main device is a GPU)
-  std::string path;  // or on disk: `nbytes` raw bytes at `offset`
-  uint64_t offset = 0;
-  uint64_t nbytes = 0;
-  at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> shape;
-};
-
-struct Offloaded {
-  std::string name;
-  Source source;
-};
+using internal::Offloaded;
+using internal::ReadRange;
+using internal::Source;
 
 // A group's data, ready to set into the model.
 struct Fetched {
   std::vector<at::Tensor> values;   // in group order, shaped; on the GPU when staged
   std::vector<at::Tensor> buffers;  // pooled host buffers the values use until released
 };
-
-absl::Status ReadRange(const std::string& path, uint64_t offset, void* dst, uint64_t n) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  auto* out = static_cast<char*>(dst);
-  absl::Status status;
-  while (n > 0) {
-    ssize_t got = ::pread(fd, out, n, static_cast<off_t>(offset));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) {
-      status = ErrnoStatus(errno, absl::StrCat("reading ", path));
-      break;
-    }
-    if (got == 0) {
-      status = absl::DataLossError(absl::StrCat(path, " ends before byte ", offset + n));
-      break;
-    }
-    out += got;
-    offset += static_cast<uint64_t>(got);
-    n -= static_cast<uint64_t>(got);
-  }
-  ::close(fd);
-  return status;
-}
 
 bool Below(absl::string_view name, absl::string_view prefix) {
   return prefix.empty() || name == prefix ||
@@ -115,6 +81,20 @@ struct DispatchedModel::Impl {
   // fetched groups are copied to the GPU on its copy stream, by the reader
   // thread when prefetched.
   std::unique_ptr<internal::DeviceStager> stager;
+  bool drop_pages = false;
+
+  // Expert lists whose experts are fetched one by one: list -> the cache
+  // unit of each expert (-1: resident, nothing to fetch). After `tensors`,
+  // which the cache reads, so it is destroyed first.
+  std::map<std::string, std::vector<int>, std::less<>> expert_units;
+  std::unique_ptr<internal::ExpertCache> experts;
+  bool InFetchedExpertList(absl::string_view name) const {
+    for (const auto& [list, units] : expert_units) {
+      if (name.size() > list.size() && name[list.size()] == '.' && absl::StartsWith(name, list))
+        return true;
+    }
+    return false;
+  }
 
   // Execution order for prefetching.
   std::vector<std::string> order;
@@ -183,8 +163,9 @@ struct DispatchedModel::Impl {
       }
       at::Tensor t;
       ACCEL_RETURN_IF_ERROR(CallTorch([&] { t = TakeBuffer(s); }));
-      ACCEL_RETURN_IF_ERROR(Annotate(ReadRange(s.path, s.offset, t.data_ptr(), s.nbytes),
-                                     absl::StrCat("tensor '", tensors[i].name, "'")));
+      ACCEL_RETURN_IF_ERROR(
+          Annotate(ReadRange(s.path, s.offset, t.data_ptr(), s.nbytes, drop_pages),
+                   absl::StrCat("tensor '", tensors[i].name, "'")));
       bytes += static_cast<int64_t>(s.nbytes);
       at::Tensor shaped;
       ACCEL_RETURN_IF_ERROR(CallTorch([&] { shaped = t.view(s.shape); }));
@@ -282,8 +263,81 @@ at::Device DispatchedModel::ExecutionDevice(absl::string_view name) const {
 }
 
 DispatchedModel::Stats DispatchedModel::stats() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->stats;
+  Stats out;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    out = impl_->stats;
+  }
+  if (impl_->experts != nullptr) impl_->experts->AddStats(out);
+  return out;
+}
+
+DispatchedModel::ExpertScope::ExpertScope(ExpertScope&& other) noexcept
+    : owner_(other.owner_), units_(std::exchange(other.units_, {})) {}
+
+DispatchedModel::ExpertScope::~ExpertScope() {
+  if (owner_ != nullptr && !units_.empty()) owner_->ReleaseExperts(units_);
+}
+
+bool DispatchedModel::FetchesExpertsOf(absl::string_view list) const {
+  return impl_->expert_units.find(list) != impl_->expert_units.end();
+}
+
+absl::StatusOr<DispatchedModel::ExpertScope> DispatchedModel::EnterExperts(
+    absl::string_view list, absl::Span<const int64_t> experts) {
+  Impl& im = *impl_;
+  auto found = im.expert_units.find(list);
+  if (found == im.expert_units.end()) return ExpertScope(this, {});
+  const std::vector<int>& table = found->second;
+  std::vector<int> units;
+  for (int64_t e : experts) {
+    if (e < 0 || e >= static_cast<int64_t>(table.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expert ", e, " of '", list, "', which has ", table.size(), " experts"));
+    }
+    if (table[e] >= 0 && std::find(units.begin(), units.end(), table[e]) == units.end()) {
+      units.push_back(table[e]);
+    }
+  }
+  if (units.empty()) return ExpertScope(this, {});
+  ACCEL_ASSIGN_OR_RETURN(std::vector<std::vector<at::Tensor>> values, im.experts->Acquire(units));
+  for (size_t k = 0; k < units.size(); ++k) {
+    const std::vector<int>& members = im.experts->members(units[k]);
+    for (size_t m = 0; m < members.size(); ++m) {
+      const Offloaded& t = im.tensors[members[m]];
+      absl::Status set = SetModuleTensor(*model_, t.name, main_, values[k][m], t.source.dtype);
+      if (!set.ok()) {
+        ReleaseExperts(units);
+        return set;
+      }
+    }
+  }
+  return ExpertScope(this, std::move(units));
+}
+
+void DispatchedModel::ReleaseExperts(const std::vector<int>& units) {
+  Impl& im = *impl_;
+  if (im.stager != nullptr) (void)im.stager->Released();
+  for (int unit : units) {
+    for (int i : im.experts->members(unit)) {
+      // Cannot fail: the tensor exists and meta needs no value.
+      (void)SetModuleTensor(*model_, im.tensors[i].name, at::kMeta);
+    }
+  }
+  im.experts->Release(units);
+}
+
+void DispatchedModel::PrefetchExperts(absl::string_view list, absl::Span<const int64_t> experts) {
+  Impl& im = *impl_;
+  auto found = im.expert_units.find(list);
+  if (found == im.expert_units.end()) return;
+  std::vector<int> units;
+  for (int64_t e : experts) {
+    if (e >= 0 && e < static_cast<int64_t>(found->second.size()) && found->second[e] >= 0) {
+      units.push_back(found->second[e]);
+    }
+  }
+  im.experts->Prefetch(units);
 }
 
 void DispatchedModel::SetExecutionOrder(std::vector<std::string> names) {
@@ -306,7 +360,7 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
       auto collect = [&](const auto& named) {
         for (const auto& item : named) {
-          if (!Below(item.key(), key)) continue;
+          if (!Below(item.key(), key) || im.InFetchedExpertList(item.key())) continue;
           auto found = im.by_impl.find(item.value().unsafeGetTensorImpl());
           if (found != im.by_impl.end()) member_set.insert(found->second);
         }
@@ -386,6 +440,65 @@ void DispatchedModel::Release(int group) {
   }
 }
 
+absl::Status DispatchedModel::SetUpExpertCache(const LoadOptions& options) {
+  Impl& im = *impl_;
+  if (options.expert_lists.empty()) return absl::OkStatus();
+  // The experts of each list: its children, in order.
+  std::map<std::string, int64_t> counts;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    for (const auto& item : model_->named_modules("", /*include_self=*/false)) {
+      for (const std::string& list : options.expert_lists) {
+        if (item.key() == list)
+          counts[list] = static_cast<int64_t>(item.value()->children().size());
+      }
+    }
+  }));
+  std::map<std::string, std::vector<std::vector<int>>> members;
+  for (const std::string& list : options.expert_lists) {
+    if (!counts.count(list)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expert list '", list, "': the model has no such module"));
+    }
+    members[list].resize(counts[list]);
+  }
+  bool any = false;
+  for (size_t i = 0; i < im.tensors.size(); ++i) {
+    const std::string& name = im.tensors[i].name;
+    for (auto& [list, experts] : members) {
+      if (name.size() <= list.size() + 1 || !absl::StartsWith(name, list + ".")) continue;
+      const size_t dot = name.find('.', list.size() + 1);
+      int64_t e = -1;
+      if (dot != std::string::npos &&
+          absl::SimpleAtoi(name.substr(list.size() + 1, dot - list.size() - 1), &e) && e >= 0 &&
+          e < static_cast<int64_t>(experts.size())) {
+        experts[e].push_back(static_cast<int>(i));
+        any = true;
+      }
+    }
+  }
+  if (!any) return absl::OkStatus();  // every expert is resident
+  internal::ExpertCache::Options cache;
+  cache.budget_bytes = options.expert_cache_bytes;
+  cache.device = main_;
+  cache.stager = im.stager.get();
+  cache.drop_pages = options.drop_read_pages;
+  im.experts = std::make_unique<internal::ExpertCache>(im.tensors, cache);
+  for (auto& [list, experts] : members) {
+    bool offloaded = false;
+    std::vector<int> units;
+    for (std::vector<int>& m : experts) {
+      if (m.empty()) {
+        units.push_back(-1);
+      } else {
+        offloaded = true;
+        units.push_back(im.experts->AddUnit(std::move(m)));
+      }
+    }
+    if (offloaded) im.expert_units.emplace(list, std::move(units));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     std::shared_ptr<torch::nn::Module> model, const std::string& checkpoint, const DeviceMap& map,
     const LoadOptions& options) {
@@ -403,7 +516,20 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       break;
     }
   }
+  if (options.execution_device) {
+    const at::Device& d = *options.execution_device;
+    if (!d.is_cpu() && !d.is_cuda()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("execution device ", d.str(), ": expected the cpu or a CUDA device"));
+    }
+    if (d.is_cuda() && !at::hasCUDA()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "execution device ", d.str(), ": this build of libtorch has no CUDA (or sees no GPU)"));
+    }
+    out->main_ = d;
+  }
   Impl& im = *out->impl_;
+  im.drop_pages = options.drop_read_pages;
 
   // The model's tensors by name; a tied tensor appears under each of its names.
   std::map<std::string, at::Tensor> params, buffers;
@@ -587,6 +713,7 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   if (out->main_.is_cuda() && !im.tensors.empty()) {
     ACCEL_ASSIGN_OR_RETURN(im.stager, internal::DeviceStager::Create(out->main_));
   }
+  ACCEL_RETURN_IF_ERROR(out->SetUpExpertCache(options));
   if (options.prefetch && !im.tensors.empty()) {
     im.reader = std::thread([&im] { im.ReaderLoop(); });
   }

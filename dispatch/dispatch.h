@@ -33,6 +33,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 #include "core/progress.h"
 #include "dispatch/device_map.h"
@@ -89,6 +90,19 @@ struct LoadOptions {
   Progress::Style progress = Progress::Style::kAuto;
   // Not owned; null: every tensor loads as it is stored.
   LoadHook* hook = nullptr;
+  // Where cpu and disk entries run (Accelerate's execution_device / main
+  // device); unset: the first GPU in the map, else the cpu. A GPU here
+  // streams a model held in RAM or on disk through it.
+  std::optional<at::Device> execution_device;
+  // Expert lists (ModuleLists of mixture-of-experts blocks, as
+  // PlanOptions::expert_lists) whose offloaded experts are brought in one at
+  // a time by EnterExperts(), through a cache of `expert_cache_bytes` on the
+  // execution device, instead of all together by Enter() of their block.
+  std::vector<std::string> expert_lists;
+  int64_t expert_cache_bytes = 0;
+  // Disk reads drop their pages from the page cache afterwards, so offloaded
+  // weights live in the process's buffers only (a memory budget that holds).
+  bool drop_read_pages = false;
 };
 
 class DispatchedModel {
@@ -112,6 +126,22 @@ class DispatchedModel {
     at::Device device_;
   };
 
+  // Brings in chosen experts of one expert list for its life; moves only.
+  class ExpertScope {
+   public:
+    ExpertScope(ExpertScope&& other) noexcept;
+    ExpertScope& operator=(ExpertScope&& other) = delete;
+    ExpertScope(const ExpertScope&) = delete;
+    ~ExpertScope();
+
+   private:
+    friend class DispatchedModel;
+    ExpertScope(DispatchedModel* owner, std::vector<int> units)
+        : owner_(owner), units_(std::move(units)) {}
+    DispatchedModel* owner_;
+    std::vector<int> units_;  // expert-cache units to release
+  };
+
   using Stats = OffloadStats;
 
   // Loads `checkpoint` (a file, index or folder; see loader::Checkpoint)
@@ -130,7 +160,8 @@ class DispatchedModel {
 
   torch::nn::Module& module() { return *model_; }
   const DeviceMap& device_map() const { return map_; }
-  // The first GPU in the map, or the cpu.
+  // Where cpu and disk entries run: LoadOptions::execution_device, else the
+  // first GPU in the map, else the cpu.
   const at::Device& main_device() const { return main_; }
   // Where module (or tensor) `name` runs: its GPU, or the main device for
   // cpu and disk entries.
@@ -141,6 +172,20 @@ class DispatchedModel {
   // for resident modules) and starts reading the module expected next.
   // Not thread-safe: one thread runs the model.
   absl::StatusOr<Scope> Enter(absl::string_view name);
+  // Whether the experts of `list` are brought in one by one (offloaded, and
+  // named in LoadOptions::expert_lists); otherwise Enter() of the block
+  // holding them brought them all.
+  bool FetchesExpertsOf(absl::string_view list) const;
+  // Brings in experts `experts` (indices into `list`, distinct) from the
+  // expert cache, reading those not cached; the others stay empty. Call
+  // inside the scope of the block holding the list. A no-op scope when
+  // !FetchesExpertsOf(list). InvalidArgument for an index outside the list.
+  absl::StatusOr<ExpertScope> EnterExperts(absl::string_view list,
+                                           absl::Span<const int64_t> experts);
+  // Reads these experts of `list` into the cache ahead of use, as far as its
+  // budget allows (a guess: nothing fails). No-op when not FetchesExpertsOf.
+  void PrefetchExperts(absl::string_view list, absl::Span<const int64_t> experts);
+
   // The order modules will be entered in, for prefetching. Unset, it is
   // learned from the first pass of Enter() calls.
   void SetExecutionOrder(std::vector<std::string> names);
@@ -151,6 +196,8 @@ class DispatchedModel {
   struct Impl;
   explicit DispatchedModel(std::unique_ptr<Impl> impl);
   void Release(int group);
+  void ReleaseExperts(const std::vector<int>& units);
+  absl::Status SetUpExpertCache(const LoadOptions& options);
 
   std::unique_ptr<Impl> impl_;
   std::shared_ptr<torch::nn::Module> model_;

@@ -15,6 +15,13 @@ struct OffloadStats {
   // Copied to the main GPU on the copy stream (cpu and disk entries), by
   // the reader thread for prefetched modules.
   int64_t bytes_to_device = 0;
+  // The expert cache (mixture-of-experts models with experts offloaded one
+  // by one): experts read from their source (disk, or RAM for a GPU), uses
+  // served from the cache, and of those the ones the reader had read ahead.
+  int64_t expert_fetches = 0;
+  int64_t expert_cache_hits = 0;
+  int64_t expert_prefetch_hits = 0;
+  int64_t expert_bytes_read = 0;  // from disk; also counted in bytes_read
 };
 
 }  // namespace accel::dispatch

@@ -1,5 +1,6 @@
 #include "loader/config.h"
 
+#include <algorithm>
 #include <set>
 #include <utility>
 
@@ -74,6 +75,63 @@ class FieldReader {
     if (Get(name) == nullptr) return;
     Number(name, &value);
     *out = value;
+  }
+  // A number that may be null: absent keeps *out (a family default), null
+  // clears it, a number sets it.
+  void NullableNumber(absl::string_view name, std::optional<double>* out) {
+    consumed_.insert(std::string(name));
+    auto it = object_.find(std::string(name));
+    if (it == object_.end()) return;
+    if (it->is_null()) {
+      out->reset();
+    } else if (it->is_number()) {
+      *out = it->get<double>();
+    } else {
+      Fail(name, "a number or null", *it);
+    }
+  }
+  // An integer that may be null, like NullableNumber.
+  void NullableInt(absl::string_view name, std::optional<int64_t>* out) {
+    consumed_.insert(std::string(name));
+    auto it = object_.find(std::string(name));
+    if (it == object_.end()) return;
+    if (it->is_null()) {
+      out->reset();
+    } else if (auto i = AsInt(*it)) {
+      *out = *i;
+    } else {
+      Fail(name, "a non-negative integer or null", *it);
+    }
+  }
+  void OptionalSize(absl::string_view name, std::optional<int64_t>* out) {
+    int64_t value = 0;
+    if (Get(name) == nullptr) return;
+    Size(name, &value);
+    *out = value;
+  }
+  void OptionalString(absl::string_view name, std::optional<std::string>* out) {
+    std::string value;
+    if (Get(name) == nullptr) return;
+    String(name, &value);
+    *out = value;
+  }
+  // A list of non-negative integers; returns whether the field was there.
+  bool Ints(absl::string_view name, std::vector<int64_t>* out) {
+    const Json* v = Get(name);
+    if (v == nullptr) return false;
+    if (!v->is_array()) {
+      Fail(name, "a list of non-negative integers", *v);
+      return true;
+    }
+    for (const Json& item : *v) {
+      auto i = AsInt(item);
+      if (!i) {
+        Fail(name, "a list of non-negative integers", *v);
+        return true;
+      }
+      out->push_back(*i);
+    }
+    return true;
   }
   void Bool(absl::string_view name, bool* out) {
     if (const Json* v = Get(name)) {
@@ -185,6 +243,13 @@ void PutIds(OrderedJson& out, const char* name, const std::vector<int64_t>& ids)
 }
 
 bool IsGpt2(const ModelConfig& c) { return c.model_type == "gpt2"; }
+bool IsGemma(const ModelConfig& c) {
+  return c.model_type == "gemma2" || c.model_type == "gemma3_text";
+}
+// Mixtral's name for the expert count; the Qwen MoE families say num_experts.
+const char* NumExpertsKey(const ModelConfig& c) {
+  return c.model_type == "mixtral" ? "num_local_experts" : "num_experts";
+}
 
 }  // namespace
 
@@ -254,12 +319,31 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text, absl::strin
     r.Size("num_hidden_layers", &c.num_hidden_layers);
     r.Size("num_attention_heads", &c.num_attention_heads);
     r.Size("num_key_value_heads", &c.num_key_value_heads);
+    if (IsGemma(c)) {
+      // transformers' Gemma2Config / Gemma3TextConfig defaults, for fields a
+      // config leaves out (configuration_gemma2.py, configuration_gemma3.py).
+      c.tie_word_embeddings = true;
+      c.head_dim = 256;
+      c.hidden_activation = "gelu_pytorch_tanh";
+      c.query_pre_attn_scalar = 256;
+      c.sliding_window = 4096;
+      if (c.model_type == "gemma2") {
+        c.attn_logit_softcapping = 50.0;
+        c.final_logit_softcapping = 30.0;
+      } else {
+        c.rope_theta = 1'000'000.0;
+        c.rope_local_base_freq = 10'000.0;
+        c.sliding_window_pattern = 6;
+      }
+    }
+    // Qwen3Config names head_dim with a default of 128, not hidden / heads.
+    if (c.model_type == "qwen3") c.head_dim = 128;
     r.Size("head_dim", &c.head_dim);
     r.Size("max_position_embeddings", &c.max_position_embeddings);
     r.Number("rms_norm_eps", &c.norm_eps);
     r.Number("rope_theta", &c.rope_theta);
     r.Bool("attention_bias", &c.attention_bias);
-    r.OptionalInt("sliding_window", &c.sliding_window);
+    r.NullableInt("sliding_window", &c.sliding_window);
     r.String("hidden_act", &c.hidden_act);
     if (const Json* scaling = r.Get("rope_scaling")) {
       if (!scaling->is_object()) {
@@ -271,13 +355,45 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text, absl::strin
             rs.rope_type = value.get<std::string>();
           } else if (value.is_number()) {
             rs.numbers[key] = value.get<double>();
+          } else if (value.is_array() && !value.empty() &&
+                     std::all_of(value.begin(), value.end(),
+                                 [](const Json& x) { return x.is_number(); })) {
+            std::vector<double>& list = rs.lists[key];
+            for (const Json& x : value) list.push_back(x.get<double>());
           } else {
-            r.Fail(absl::StrCat("rope_scaling.", key), "a number", value);
+            r.Fail(absl::StrCat("rope_scaling.", key), "a number or a list of numbers", value);
           }
         }
         c.rope_scaling = std::move(rs);
       }
     }
+    // Mixture of experts.
+    r.Size(NumExpertsKey(c), &c.moe.num_experts);
+    r.Size("num_experts_per_tok", &c.moe.num_experts_per_tok);
+    r.OptionalSize("moe_intermediate_size", &c.moe.moe_intermediate_size);
+    r.OptionalSize("shared_expert_intermediate_size", &c.moe.shared_expert_intermediate_size);
+    r.OptionalBool("norm_topk_prob", &c.moe.norm_topk_prob);
+    r.OptionalSize("decoder_sparse_step", &c.moe.decoder_sparse_step);
+    c.moe.has_mlp_only_layers = r.Ints("mlp_only_layers", &c.moe.mlp_only_layers);
+    // Gemma.
+    r.OptionalString("hidden_activation", &c.hidden_activation);
+    r.NullableNumber("query_pre_attn_scalar", &c.query_pre_attn_scalar);
+    r.NullableNumber("attn_logit_softcapping", &c.attn_logit_softcapping);
+    r.NullableNumber("final_logit_softcapping", &c.final_logit_softcapping);
+    r.OptionalSize("sliding_window_pattern", &c.sliding_window_pattern);
+    r.Strings("layer_types", &c.layer_types);
+    r.NullableNumber("rope_local_base_freq", &c.rope_local_base_freq);
+    // Phi-3, and Qwen's window switch.
+    r.OptionalSize("original_max_position_embeddings", &c.original_max_position_embeddings);
+    if (const Json* v = r.Get("partial_rotary_factor")) {
+      if (v->is_number()) {
+        c.partial_rotary_factor = v->get<double>();
+      } else {
+        r.Fail("partial_rotary_factor", "a number", *v);
+      }
+    }
+    r.OptionalBool("use_sliding_window", &c.use_sliding_window);
+    r.OptionalBool("qkv_bias", &c.qkv_bias);
   }
   r.Bool("tie_word_embeddings", &c.tie_word_embeddings);
   r.String("torch_dtype", &c.torch_dtype);
@@ -316,11 +432,42 @@ std::string ModelConfig::ToJson() const {
       OrderedJson rs = OrderedJson::object();
       if (!rope_scaling->rope_type.empty()) rs["rope_type"] = rope_scaling->rope_type;
       for (const auto& [key, value] : rope_scaling->numbers) rs[key] = value;
+      for (const auto& [key, value] : rope_scaling->lists) rs[key] = value;
       out["rope_scaling"] = rs;
     }
     out["attention_bias"] = attention_bias;
     if (sliding_window) out["sliding_window"] = *sliding_window;
     out["hidden_act"] = hidden_act;
+    if (moe.enabled()) {
+      out[NumExpertsKey(*this)] = moe.num_experts;
+      out["num_experts_per_tok"] = moe.num_experts_per_tok;
+    }
+    if (moe.moe_intermediate_size) out["moe_intermediate_size"] = *moe.moe_intermediate_size;
+    if (moe.shared_expert_intermediate_size)
+      out["shared_expert_intermediate_size"] = *moe.shared_expert_intermediate_size;
+    if (moe.norm_topk_prob) out["norm_topk_prob"] = *moe.norm_topk_prob;
+    if (moe.decoder_sparse_step) out["decoder_sparse_step"] = *moe.decoder_sparse_step;
+    if (moe.has_mlp_only_layers) out["mlp_only_layers"] = moe.mlp_only_layers;
+    if (hidden_activation) out["hidden_activation"] = *hidden_activation;
+    // Gemma's soft-caps and scalar have non-null defaults: write a null to keep one off.
+    const auto nullable = [&](const char* name, const std::optional<double>& v) {
+      if (v) {
+        out[name] = *v;
+      } else if (IsGemma(*this)) {
+        out[name] = nullptr;
+      }
+    };
+    nullable("query_pre_attn_scalar", query_pre_attn_scalar);
+    nullable("attn_logit_softcapping", attn_logit_softcapping);
+    nullable("final_logit_softcapping", final_logit_softcapping);
+    if (sliding_window_pattern) out["sliding_window_pattern"] = *sliding_window_pattern;
+    if (!layer_types.empty()) out["layer_types"] = layer_types;
+    nullable("rope_local_base_freq", rope_local_base_freq);
+    if (original_max_position_embeddings)
+      out["original_max_position_embeddings"] = *original_max_position_embeddings;
+    if (partial_rotary_factor) out["partial_rotary_factor"] = *partial_rotary_factor;
+    if (use_sliding_window) out["use_sliding_window"] = *use_sliding_window;
+    if (qkv_bias) out["qkv_bias"] = *qkv_bias;
   }
   out["tie_word_embeddings"] = tie_word_embeddings;
   if (!torch_dtype.empty()) out["torch_dtype"] = torch_dtype;

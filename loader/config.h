@@ -21,8 +21,25 @@
 namespace accel::loader {
 
 struct RopeScaling {
-  std::string rope_type;                  // "llama3", "linear", "dynamic", "yarn", ...
-  std::map<std::string, double> numbers;  // factor, low_freq_factor, ...
+  std::string rope_type;                             // "llama3", "linear", "longrope", "yarn", ...
+  std::map<std::string, double> numbers;             // factor, low_freq_factor, ...
+  std::map<std::string, std::vector<double>> lists;  // longrope: short_factor, long_factor
+};
+
+// The mixture-of-experts fields of a config. Mixtral names the expert count
+// num_local_experts, Qwen2-MoE and Qwen3-MoE num_experts; both read into
+// `num_experts` and are written back under the family's own name.
+struct MoeFields {
+  int64_t num_experts = 0;                                 // 0: a dense model
+  int64_t num_experts_per_tok = 0;                         // top-k
+  std::optional<int64_t> moe_intermediate_size;            // Qwen MoE: each expert's MLP
+  std::optional<int64_t> shared_expert_intermediate_size;  // Qwen2-MoE
+  std::optional<bool> norm_topk_prob;                      // unset: the family's default
+  std::optional<int64_t> decoder_sparse_step;              // Qwen MoE; unset: 1
+  std::vector<int64_t> mlp_only_layers;                    // Qwen MoE: dense layers
+  bool has_mlp_only_layers = false;                        // the field was present
+
+  bool enabled() const { return num_experts > 0; }
 };
 
 struct ModelConfig {
@@ -47,6 +64,21 @@ struct ModelConfig {
   std::optional<int64_t> bos_token_id;
   std::vector<int64_t> eos_token_ids;  // "eos_token_id" may be one id or a list
   std::optional<int64_t> pad_token_id;
+  MoeFields moe;
+  // Gemma 2 / 3 (defaults as transformers' Gemma2Config / Gemma3TextConfig
+  // for those model types; a null in the file disables a soft-cap).
+  std::optional<std::string> hidden_activation;  // "gelu_pytorch_tanh"
+  std::optional<double> query_pre_attn_scalar;
+  std::optional<double> attn_logit_softcapping;
+  std::optional<double> final_logit_softcapping;
+  std::optional<int64_t> sliding_window_pattern;  // Gemma 3: every n-th layer is global
+  std::vector<std::string> layer_types;           // "sliding_attention" | "full_attention"
+  std::optional<double> rope_local_base_freq;     // Gemma 3: RoPE base of sliding layers
+  // Phi-3 (and Qwen's window switches, which accel refuses when on).
+  std::optional<int64_t> original_max_position_embeddings;
+  std::optional<double> partial_rotary_factor;
+  std::optional<bool> use_sliding_window;
+  std::optional<bool> qkv_bias;              // Qwen2-MoE: biases on q, k and v (its default: true)
   std::map<std::string, std::string> extra;  // unknown field -> its JSON text
 
   // The number of key/value heads and the head size with defaults applied.

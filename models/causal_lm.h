@@ -44,6 +44,9 @@ struct KvCache {
   std::vector<at::Tensor> keys;
   std::vector<at::Tensor> values;
   int64_t length = 0;  // tokens seen; the next token's position
+  // Those tokens' ids, in order: a model that must recompute its cache (a
+  // LongRoPE model crossing its original context) reads them back.
+  std::vector<int64_t> token_ids;
 
   int64_t bytes() const;  // memory held by the buffers
   void Clear();           // frees the buffers

@@ -10,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 #include "core/bytes.h"
 #include "core/dtype.h"
@@ -37,6 +38,12 @@ bool IsNormWeight(const std::string& name) {
          absl::StrContains(name, "ln_2.weight") || absl::StrContains(name, "ln_f.weight");
 }
 
+// A mixture-of-experts router ("block_sparse_moe.gate.weight", "mlp.gate.weight").
+bool IsRouterWeight(const std::string& name) {
+  return absl::EndsWith(name, "block_sparse_moe.gate.weight") ||
+         absl::EndsWith(name, "mlp.gate.weight");
+}
+
 absl::StatusOr<uint64_t> WeightBytes(const loader::ModelConfig& config, c10::ScalarType dtype) {
   ACCEL_ASSIGN_OR_RETURN(std::vector<loader::TensorSpec> specs, CheckpointTensors(config, dtype));
   uint64_t total = 0;
@@ -57,17 +64,20 @@ absl::Status Positive(const char* flag, int64_t value) {
 
 absl::StatusOr<loader::ModelConfig> MakeModelConfig(const MakeModelOptions& o) {
   loader::ModelConfig c;
-  bool known = false;
+  std::optional<Family> family;
+  const std::string wanted = o.family == "gemma3" ? "gemma3_text" : o.family;
+  std::vector<std::string> known;
   for (const Family& f : SupportedFamilies()) {
-    if (o.family == f.model_type) {
+    known.emplace_back(f.model_type);
+    if (wanted == f.model_type) {
       c.architectures = {f.architecture};
       c.model_type = f.model_type;
-      known = true;
+      family = f;
     }
   }
-  if (!known) {
+  if (!family) {
     return absl::InvalidArgumentError(absl::StrCat("--family: unknown family '", o.family,
-                                                   "' (known: llama, mistral, qwen2, gpt2)"));
+                                                   "' (known: ", absl::StrJoin(known, ", "), ")"));
   }
   const bool gpt2 = o.family == "gpt2";
   ACCEL_RETURN_IF_ERROR(Positive("hidden_size", o.hidden_size));
@@ -99,7 +109,70 @@ absl::StatusOr<loader::ModelConfig> MakeModelConfig(const MakeModelOptions& o) {
   c.max_position_embeddings = o.max_position_embeddings;
   c.tie_word_embeddings = gpt2 || o.tie_word_embeddings;
   c.attention_bias = !gpt2 && o.attention_bias;
-  if (o.family == "mistral") c.sliding_window = o.sliding_window;
+  if (family->sliding != SlidingLayers::kNone) c.sliding_window = o.sliding_window;
+  if (o.head_dim < 0) return absl::InvalidArgumentError("--head_dim must not be negative");
+  c.head_dim = o.head_dim;
+  const int64_t head_dim = o.head_dim > 0 ? o.head_dim : o.hidden_size / o.num_heads;
+  if (family->moe != MoeKind::kNone) {
+    const bool mixtral = family->moe == MoeKind::kMixtral;
+    c.moe.num_experts = o.num_experts > 0 ? o.num_experts : 8;
+    c.moe.num_experts_per_tok = o.num_experts_per_tok > 0 ? o.num_experts_per_tok : 2;
+    if (!mixtral) {
+      c.moe.moe_intermediate_size =
+          o.moe_intermediate_size > 0 ? o.moe_intermediate_size : c.intermediate_size / 2;
+      c.moe.norm_topk_prob = o.norm_topk_prob.value_or(family->moe == MoeKind::kQwen);
+      c.moe.decoder_sparse_step = o.decoder_sparse_step;
+      c.moe.mlp_only_layers = o.mlp_only_layers;
+      c.moe.has_mlp_only_layers = true;
+    }
+    if (family->moe == MoeKind::kQwenShared) {
+      c.moe.shared_expert_intermediate_size = o.shared_expert_intermediate_size > 0
+                                                  ? o.shared_expert_intermediate_size
+                                                  : c.intermediate_size;
+      c.qkv_bias = true;
+    }
+  }
+  if (family->model_type == std::string("qwen3") || family->norm == NormKind::kRmsOnePlus) {
+    c.head_dim = head_dim;  // Qwen3Config's and Gemma's defaults are not hidden / heads
+  }
+  if (family->norm == NormKind::kRmsOnePlus) {
+    c.hidden_activation = "gelu_pytorch_tanh";
+    c.hidden_act = "gelu_pytorch_tanh";
+    c.norm_eps = 1e-6;
+    c.query_pre_attn_scalar = static_cast<double>(head_dim);
+    if (!c.sliding_window) c.sliding_window = 4096;
+    if (family->model_type == std::string("gemma2")) {
+      c.attn_logit_softcapping = 50.0;
+      c.final_logit_softcapping = 30.0;
+    } else {
+      c.sliding_window_pattern = o.sliding_window_pattern;
+      c.rope_local_base_freq = 10000.0;
+    }
+  }
+  if (family->partial_rotary) {
+    c.partial_rotary_factor = o.partial_rotary_factor;
+    if (o.longrope_factor > 0) {
+      if (o.max_position_embeddings % o.longrope_factor != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("--longrope_factor ", o.longrope_factor,
+                                                       " must divide --max_position_embeddings ",
+                                                       o.max_position_embeddings));
+      }
+      c.original_max_position_embeddings = o.max_position_embeddings / o.longrope_factor;
+      // Factors that grow across the frequencies, as LongRoPE's searched ones do.
+      const int64_t n =
+          static_cast<int64_t>(static_cast<double>(head_dim) * o.partial_rotary_factor) / 2;
+      loader::RopeScaling scaling;
+      scaling.rope_type = "longrope";
+      for (int64_t i = 0; i < n; ++i) {
+        const double x = n > 1 ? static_cast<double>(i) / static_cast<double>(n - 1) : 0.0;
+        scaling.lists["short_factor"].push_back(1.0 + 0.5 * x);
+        scaling.lists["long_factor"].push_back(1.0 + static_cast<double>(o.longrope_factor) * x);
+      }
+      c.rope_scaling = scaling;
+    } else {
+      c.original_max_position_embeddings = o.max_position_embeddings;
+    }
+  }
   c.torch_dtype = std::string(DTypeName(o.dtype));
   if (gpt2) {
     c.hidden_act = "gelu_new";
@@ -145,7 +218,13 @@ absl::StatusOr<MadeModel> MakeModel(const std::string& out_dir, const MakeModelO
     at::Tensor t;
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
       at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(Fnv1a(spec.name, seed));
-      t = at::normal(0.0, 0.02, spec.shape, gen, at::TensorOptions().dtype(at::kFloat));
+      // Routers get a spread of logits a few units wide whatever the hidden
+      // size, so the top experts stand apart (a router at N(0, 0.02) gives
+      // near-ties that any rounding may flip).
+      const double std_dev = IsRouterWeight(spec.name) && !spec.shape.empty()
+                                 ? 2.0 / std::sqrt(static_cast<double>(spec.shape.back()))
+                                 : 0.02;
+      t = at::normal(0.0, std_dev, spec.shape, gen, at::TensorOptions().dtype(at::kFloat));
       if (IsNormWeight(spec.name)) t.add_(1.0);
       t = t.to(spec.dtype);
     }));

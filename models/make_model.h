@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <c10/core/ScalarType.h>
 
@@ -21,7 +22,9 @@
 namespace accel::models {
 
 struct MakeModelOptions {
-  std::string family = "llama";  // llama | mistral | qwen2 | gpt2
+  // A model_type: llama | mistral | qwen2 | gpt2 | mixtral | qwen3 | qwen3_moe |
+  // qwen2_moe | gemma2 | gemma3_text (or gemma3) | phi3.
+  std::string family = "llama";
   int64_t vocab_size = 512;
   int64_t hidden_size = 64;
   int64_t intermediate_size = 0;  // 0: 4 x hidden (gpt2), else about 8/3 x hidden rounded to 8
@@ -29,9 +32,28 @@ struct MakeModelOptions {
   int64_t num_heads = 4;
   int64_t num_kv_heads = 0;  // 0: num_heads (no grouping); ignored for gpt2
   int64_t max_position_embeddings = 256;
-  bool tie_word_embeddings = false;       // gpt2 always ties
-  bool attention_bias = false;            // llama: q/k/v/o biases; qwen2 always has q/k/v biases
-  std::optional<int64_t> sliding_window;  // mistral
+  bool tie_word_embeddings = false;  // gpt2 always ties
+  bool attention_bias = false;       // llama: q/k/v/o biases; qwen2 always has q/k/v biases
+  // mistral, mixtral, phi3, gemma2, gemma3_text (Gemma's own default 4096
+  // when unset).
+  std::optional<int64_t> sliding_window;
+  int64_t head_dim = 0;  // 0: hidden / heads (written out for qwen3 and Gemma)
+  // Mixture of experts (mixtral, qwen3_moe, qwen2_moe): 0 takes 8 experts,
+  // top-2, an expert MLP of intermediate_size (Mixtral) or half of it (Qwen),
+  // a shared expert of intermediate_size (qwen2_moe).
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t shared_expert_intermediate_size = 0;
+  std::optional<bool> norm_topk_prob;  // Qwen MoE; unset: true for qwen3_moe, false for qwen2_moe
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  // gemma3_text: every n-th layer attends globally.
+  int64_t sliding_window_pattern = 6;
+  // phi3: LongRoPE over a context this many times original_max_position_embeddings
+  // (which is then max_position_embeddings / longrope_factor); 0: no rope scaling.
+  int64_t longrope_factor = 0;
+  double partial_rotary_factor = 1.0;  // phi3
   c10::ScalarType dtype = c10::ScalarType::Float;
   uint64_t seed = 0;
   // When set, num_layers is chosen so the weights come closest to this size.

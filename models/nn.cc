@@ -261,6 +261,22 @@ at::Tensor GeluNew(const at::Tensor& x) {
   return 0.5 * x * (1.0 + at::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * at::pow(x, 3.0))));
 }
 
+at::Tensor Activation(const std::string& name, const at::Tensor& x) {
+  if (name == "silu") return Silu(x);
+  if (name == "gelu_new") return GeluNew(x);
+  if (NeedsHalfUpcast(x)) return Activation(name, Float(x)).to(at::kHalf);
+  // PytorchGELUTanh: torch's own kernel, whose last bits differ from GeluNew's formula.
+  if (name == "gelu_pytorch_tanh") return at::gelu(x, "tanh");
+  return at::gelu(x);
+}
+
+std::string ActivationClass(const std::string& name) {
+  if (name == "silu") return "SiLU";
+  if (name == "gelu_pytorch_tanh") return "PytorchGELUTanh";
+  if (name == "gelu_new") return "NewGELUActivation";
+  return "GELUActivation";
+}
+
 at::Tensor Linear::forward(const at::Tensor& x) {
   if (quantization().enabled()) return QuantizedForward(x);
   // On the cpu our GEMV kernels (models/internal/cpu_linear.h): a decode step
@@ -289,21 +305,38 @@ at::Tensor Conv1D::forward(const at::Tensor& x) {
   return at::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(shape);
 }
 
-Embedding::Embedding(int64_t count, int64_t dim, at::ScalarType dtype)
-    : dispatch::Layer("Embedding") {
+Embedding::Embedding(int64_t count, int64_t dim, at::ScalarType dtype,
+                     const std::string& class_name)
+    : dispatch::Layer(class_name) {
   weight = AddParameter("weight", {count, dim}, dtype);
 }
 
 at::Tensor Embedding::forward(const at::Tensor& ids) { return at::embedding(weight, ids); }
 
-RMSNorm::RMSNorm(const std::string& class_name, int64_t dim, double eps, at::ScalarType dtype)
-    : dispatch::Layer(class_name), eps_(eps) {
+ScaledEmbedding::ScaledEmbedding(const std::string& class_name, int64_t count, int64_t dim,
+                                 at::ScalarType dtype, double scale)
+    : Embedding(count, dim, dtype, class_name) {
+  // Python's float scale, rounded once to the model dtype (as from_pretrained
+  // builds the buffer under that default dtype).
+  embed_scale = AddBuffer("embed_scale", at::scalar_tensor(scale, at::TensorOptions(dtype)),
+                          /*persistent=*/false);
+}
+
+at::Tensor ScaledEmbedding::forward(const at::Tensor& ids) {
+  return at::embedding(weight, ids) * embed_scale.to(weight.device(), weight.scalar_type());
+}
+
+RMSNorm::RMSNorm(const std::string& class_name, int64_t dim, double eps, at::ScalarType dtype,
+                 bool unit_offset)
+    : dispatch::Layer(class_name), eps_(eps), unit_offset_(unit_offset) {
   weight = AddParameter("weight", {dim}, dtype);
 }
 
 at::Tensor RMSNorm::forward(const at::Tensor& x) {
   at::Tensor h = x.to(at::kFloat);
   h = h * at::rsqrt(h.pow(2).mean({-1}, /*keepdim=*/true) + eps_);
+  // Gemma: (x * (1 + w)) in float32, one cast at the end (modeling_gemma2.py).
+  if (unit_offset_) return (h * (1.0 + weight.to(at::kFloat))).to(x.scalar_type());
   return weight * h.to(x.scalar_type());
 }
 
@@ -320,10 +353,10 @@ at::Tensor LayerNorm::forward(const at::Tensor& x) {
   return at::layer_norm(x, {dim_}, weight, bias, eps_);
 }
 
-at::Tensor RopeInverseFrequencies(int64_t head_dim, double theta,
+at::Tensor RopeInverseFrequencies(int64_t dim, double theta,
                                   const std::optional<loader::RopeScaling>& scaling) {
-  at::Tensor inv_freq = 1.0 / at::pow(theta, at::arange(0, head_dim, 2, at::kLong).to(at::kFloat) /
-                                                 static_cast<double>(head_dim));
+  at::Tensor inv_freq = 1.0 / at::pow(theta, at::arange(0, dim, 2, at::kLong).to(at::kFloat) /
+                                                 static_cast<double>(dim));
   if (!scaling || scaling->rope_type.empty() || scaling->rope_type == "default") return inv_freq;
   const double factor = scaling->numbers.count("factor") ? scaling->numbers.at("factor") : 1.0;
   if (scaling->rope_type == "linear") return inv_freq / factor;
@@ -343,15 +376,89 @@ at::Tensor RopeInverseFrequencies(int64_t head_dim, double theta,
   return at::where(medium, smoothed, scaled);
 }
 
+namespace {
+
+bool IsLongRope(const std::optional<loader::RopeScaling>& scaling) {
+  return scaling && (scaling->rope_type == "longrope" || scaling->rope_type == "su");
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<RotaryEmbedding>> RotaryEmbedding::Create(
     const std::string& class_name, int64_t head_dim, double theta,
     const std::optional<loader::RopeScaling>& scaling) {
+  RopeSettings settings;
+  settings.dim = head_dim;
+  settings.theta = theta;
+  settings.scaling = scaling;
+  return Create(class_name, settings);
+}
+
+absl::StatusOr<std::shared_ptr<RotaryEmbedding>> RotaryEmbedding::Create(
+    const std::string& class_name, const RopeSettings& settings) {
+  const int64_t head_dim = settings.dim;
+  const double theta = settings.theta;
+  const std::optional<loader::RopeScaling>& scaling = settings.scaling;
+  if (head_dim <= 0 || head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rotary embeddings need an even head size, got ", head_dim));
+  }
+  if (IsLongRope(scaling)) {
+    // transformers' _compute_longrope_parameters (modeling_rope_utils.py,
+    // v4.53.0): inv_freq = 1 / (factor_i * theta^(2i/dim)), short factors up
+    // to the original context and long ones past it; cos and sin scaled by
+    // sqrt(1 + ln(s) / ln(original)), s = max_position / original, unless
+    // rope_scaling names an attention_factor.
+    for (const char* key : {"short_factor", "long_factor"}) {
+      auto it = scaling->lists.find(key);
+      if (it == scaling->lists.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config.json: rope_scaling 'longrope' needs the list '", key, "'"));
+      }
+      if (static_cast<int64_t>(it->second.size()) != head_dim / 2) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config.json: rope_scaling '", key, "' has ", it->second.size(),
+                         " numbers; the rotary dimension ", head_dim, " needs ", head_dim / 2));
+      }
+    }
+    const int64_t original =
+        settings.original_max_position_embeddings.value_or(settings.max_position_embeddings);
+    if (original <= 0) {
+      return absl::InvalidArgumentError(
+          "config.json: rope_scaling 'longrope' needs original_max_position_embeddings");
+    }
+    double attention = 1.0;
+    if (auto it = scaling->numbers.find("attention_factor"); it != scaling->numbers.end()) {
+      attention = it->second;
+    } else {
+      double factor = scaling->numbers.count("factor") ? scaling->numbers.at("factor") : 1.0;
+      if (settings.original_max_position_embeddings) {
+        factor = static_cast<double>(settings.max_position_embeddings) /
+                 static_cast<double>(*settings.original_max_position_embeddings);
+      }
+      if (factor > 1.0) {
+        attention = std::sqrt(1 + std::log(factor) / std::log(static_cast<double>(original)));
+      }
+    }
+    at::Tensor shape =
+        at::arange(0, head_dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(head_dim);
+    const auto frequencies = [&](const char* key) {
+      return 1.0 / (at::tensor(scaling->lists.at(key), at::kDouble).to(at::kFloat) *
+                    at::pow(theta, shape));
+    };
+    std::shared_ptr<RotaryEmbedding> rope(
+        new RotaryEmbedding(class_name, frequencies("short_factor")));
+    rope->long_inv_freq_ = frequencies("long_factor");
+    rope->long_after_ = original;
+    rope->attention_scaling_ = attention;
+    return rope;
+  }
   if (scaling && !scaling->rope_type.empty() && scaling->rope_type != "default") {
     const std::string& type = scaling->rope_type;
     if (type != "linear" && type != "llama3") {
       return absl::InvalidArgumentError(
           absl::StrCat("config.json: rope_scaling type '", type,
-                       "' is not supported (default, linear, llama3)"));
+                       "' is not supported (default, linear, llama3, longrope)"));
     }
     const char* needed_llama3[] = {"factor", "low_freq_factor", "high_freq_factor",
                                    "original_max_position_embeddings"};
@@ -361,10 +468,6 @@ absl::StatusOr<std::shared_ptr<RotaryEmbedding>> RotaryEmbedding::Create(
             absl::StrCat("config.json: rope_scaling '", type, "' needs '", key, "'"));
       }
     }
-  }
-  if (head_dim <= 0 || head_dim % 2 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rotary embeddings need an even head size, got ", head_dim));
   }
   return std::shared_ptr<RotaryEmbedding>(
       new RotaryEmbedding(class_name, RopeInverseFrequencies(head_dim, theta, scaling)));
@@ -376,13 +479,27 @@ RotaryEmbedding::RotaryEmbedding(const std::string& class_name, const at::Tensor
 }
 
 std::pair<at::Tensor, at::Tensor> RotaryEmbedding::forward(const at::Tensor& positions,
-                                                           at::ScalarType dtype) {
-  at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * inv_freq.to(positions.device());
+                                                           at::ScalarType dtype,
+                                                           bool long_factors) {
+  const at::Tensor& frequencies =
+      long_factors && long_inv_freq_.defined() ? long_inv_freq_ : inv_freq;
+  at::Tensor freqs = positions.to(at::kFloat).unsqueeze(-1) * frequencies.to(positions.device());
   at::Tensor emb = at::cat({freqs, freqs}, -1);
-  return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  at::Tensor cos = emb.cos(), sin = emb.sin();
+  if (attention_scaling_ != 1.0) {
+    cos = cos * attention_scaling_;
+    sin = sin * attention_scaling_;
+  }
+  return {cos.to(dtype), sin.to(dtype)};
 }
 
 at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t dim = cos.size(-1);
+  if (dim < x.size(-1)) {
+    // Phi-3's partial rotary: the first `dim` channels rotate, the rest pass.
+    return at::cat(
+        {ApplyRotary(x.narrow(-1, 0, dim), cos, sin), x.narrow(-1, dim, x.size(-1) - dim)}, -1);
+  }
   const int64_t half = x.size(-1) / 2;
   at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
   return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);

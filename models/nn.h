@@ -145,22 +145,38 @@ class Conv1D : public QuantizableLinear {
 
 class Embedding : public dispatch::Layer {
  public:
-  Embedding(int64_t count, int64_t dim, at::ScalarType dtype);
+  Embedding(int64_t count, int64_t dim, at::ScalarType dtype,
+            const std::string& class_name = "Embedding");
   at::Tensor forward(const at::Tensor& ids);
   at::Tensor weight;
 };
 
 // x / sqrt(mean(x^2) + eps) * w, normalised in float32 and cast back before
 // the weight (transformers' LlamaRMSNorm). `class_name` is the family's
-// ("LlamaRMSNorm", "Qwen2RMSNorm", ...).
+// ("LlamaRMSNorm", "Qwen2RMSNorm", ...). With `unit_offset` the weight is
+// applied as (1 + w), in float32 before the one cast back (Gemma2RMSNorm,
+// Gemma3RMSNorm, whose checkpoints store w around 0).
 class RMSNorm : public dispatch::Layer {
  public:
-  RMSNorm(const std::string& class_name, int64_t dim, double eps, at::ScalarType dtype);
+  RMSNorm(const std::string& class_name, int64_t dim, double eps, at::ScalarType dtype,
+          bool unit_offset = false);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;
 
  private:
   double eps_;
+  bool unit_offset_;
+};
+
+// An embedding whose output is multiplied by `scale` rounded to the
+// weight's dtype, held in a buffer "embed_scale" that is not persistent
+// (Gemma3TextScaledWordEmbedding: sqrt(hidden)).
+class ScaledEmbedding : public Embedding {
+ public:
+  ScaledEmbedding(const std::string& class_name, int64_t count, int64_t dim, at::ScalarType dtype,
+                  double scale);
+  at::Tensor forward(const at::Tensor& ids);
+  at::Tensor embed_scale;
 };
 
 class LayerNorm : public dispatch::Layer {
@@ -176,25 +192,49 @@ class LayerNorm : public dispatch::Layer {
 };
 
 // The rotary inverse frequencies of transformers' rope init functions:
-// default, "linear" and "llama3" scaling. InvalidArgument-free: unknown
-// scaling types are rejected by RotaryEmbedding's factory.
-at::Tensor RopeInverseFrequencies(int64_t head_dim, double theta,
+// default, "linear" and "llama3" scaling (modeling_rope_utils.py).
+// InvalidArgument-free: unknown scaling types are rejected by
+// RotaryEmbedding's factory. `dim` is the rotated part of a head.
+at::Tensor RopeInverseFrequencies(int64_t dim, double theta,
                                   const std::optional<loader::RopeScaling>& scaling);
+
+// What a rotary embedding is made from (a config's RoPE fields).
+struct RopeSettings {
+  int64_t dim = 0;  // rotated channels of a head: head_dim x partial_rotary_factor
+  double theta = 10000.0;
+  std::optional<loader::RopeScaling> scaling;
+  // LongRoPE (Phi-3): the context the model was pretrained with (Phi3Config's
+  // original_max_position_embeddings) and the one it is extended to.
+  int64_t max_position_embeddings = 0;
+  std::optional<int64_t> original_max_position_embeddings;
+};
 
 // cos / sin tables for positions; inv_freq is a buffer that is not persistent.
 class RotaryEmbedding : public dispatch::Layer {
  public:
   // InvalidArgument (through Create) for a rope type other than default,
-  // linear or llama3, or missing scaling numbers.
+  // linear, llama3 or longrope ("su" is its old name), or missing scaling
+  // numbers, or LongRoPE factor lists whose length is not dim / 2.
+  static absl::StatusOr<std::shared_ptr<RotaryEmbedding>> Create(const std::string& class_name,
+                                                                 const RopeSettings& settings);
   static absl::StatusOr<std::shared_ptr<RotaryEmbedding>> Create(
       const std::string& class_name, int64_t head_dim, double theta,
       const std::optional<loader::RopeScaling>& scaling);
-  // positions [B, T] (int64) -> cos, sin [B, T, head_dim] in `dtype`.
-  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& positions, at::ScalarType dtype);
+  // positions [B, T] (int64) -> cos, sin [B, T, dim] in `dtype`, computed in
+  // float32 and multiplied by the attention scaling before the cast. With
+  // `long_factors`, LongRoPE's long frequencies (transformers switches to
+  // them when a forward's last position + 1 passes the original context).
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& positions, at::ScalarType dtype,
+                                            bool long_factors = false);
+  // LongRoPE: the original context (0 for every other kind).
+  int64_t long_after() const { return long_after_; }
   at::Tensor inv_freq;
 
  private:
   RotaryEmbedding(const std::string& class_name, const at::Tensor& inv_freq);
+  at::Tensor long_inv_freq_;  // LongRoPE only
+  int64_t long_after_ = 0;
+  double attention_scaling_ = 1.0;
 };
 
 // at::matmul, except that float16 on a cpu whose libtorch lacks its kernels
@@ -205,8 +245,15 @@ at::Tensor Silu(const at::Tensor& x);
 // transformers' NewGELUActivation ("gelu_new", GPT-2): the tanh
 // approximation, with the same float16 fallback.
 at::Tensor GeluNew(const at::Tensor& x);
+// transformers' ACT2FN by name: "silu", "gelu_pytorch_tanh" (torch's gelu
+// with approximate="tanh"), "gelu" (erf), "gelu_new". Callers validate the name.
+at::Tensor Activation(const std::string& name, const at::Tensor& x);
+// The class transformers' ACT2FN gives a name ("SiLU", "PytorchGELUTanh", ...).
+std::string ActivationClass(const std::string& name);
 
-// x * cos + rotate_half(x) * sin, x [B, heads, T, head_dim], cos/sin [B, T, head_dim].
+// x * cos + rotate_half(x) * sin, x [B, heads, T, head_dim], cos/sin [B, T,
+// dim]: the first `dim` channels of each head rotate, the rest pass (Phi-3's
+// partial rotary; dim == head_dim elsewhere).
 at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 }  // namespace accel::nn

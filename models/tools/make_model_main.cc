@@ -7,6 +7,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 #include "core/bytes.h"
@@ -15,7 +17,9 @@
 #include "core/tool_main.h"
 #include "models/make_model.h"
 
-ABSL_FLAG(std::string, family, "llama", "llama | mistral | qwen2 | gpt2");
+ABSL_FLAG(std::string, family, "llama",
+          "llama | mistral | qwen2 | gpt2 | mixtral | qwen3 | qwen3_moe | qwen2_moe | gemma2 | "
+          "gemma3_text | phi3");
 ABSL_FLAG(int64_t, vocab_size, 512, "Vocabulary size (at least 258).");
 ABSL_FLAG(int64_t, hidden_size, 64, "Hidden size.");
 ABSL_FLAG(int64_t, intermediate_size, 0, "MLP size; 0: 4 x hidden (gpt2) or about 8/3 x hidden.");
@@ -26,7 +30,26 @@ ABSL_FLAG(int64_t, max_position_embeddings, 256, "Context length.");
 ABSL_FLAG(bool, tie_word_embeddings, false,
           "Share the embedding with the output head (gpt2 always does).");
 ABSL_FLAG(bool, attention_bias, false, "llama: biases on q/k/v/o (qwen2 always has q/k/v biases).");
-ABSL_FLAG(int64_t, sliding_window, 0, "mistral: attention window; 0: none.");
+ABSL_FLAG(int64_t, sliding_window, 0,
+          "Attention window of the sliding layers (mistral, mixtral, phi3, gemma2, gemma3_text); "
+          "0: none (Gemma: 4096).");
+ABSL_FLAG(int64_t, head_dim, 0, "Head size; 0: hidden_size / num_heads.");
+ABSL_FLAG(int64_t, num_experts, 0, "MoE families: experts per layer (0: 8).");
+ABSL_FLAG(int64_t, num_experts_per_tok, 0, "MoE families: experts each token is routed to (0: 2).");
+ABSL_FLAG(int64_t, moe_intermediate_size, 0,
+          "qwen3_moe, qwen2_moe: each expert's MLP size (0: intermediate_size / 2).");
+ABSL_FLAG(int64_t, shared_expert_intermediate_size, 0,
+          "qwen2_moe: the shared expert's MLP size (0: intermediate_size).");
+ABSL_FLAG(
+    std::string, norm_topk_prob, "auto",
+    "Qwen MoE: renormalise the top-k weights (auto: true for qwen3_moe, false for qwen2_moe).");
+ABSL_FLAG(int64_t, decoder_sparse_step, 1, "Qwen MoE: every n-th layer is sparse.");
+ABSL_FLAG(std::vector<std::string>, mlp_only_layers, {},
+          "Qwen MoE: layers with a dense MLP, comma-separated.");
+ABSL_FLAG(int64_t, sliding_window_pattern, 6, "gemma3_text: every n-th layer attends globally.");
+ABSL_FLAG(int64_t, longrope_factor, 0,
+          "phi3: LongRoPE over max_position_embeddings = factor x the original context; 0: none.");
+ABSL_FLAG(double, partial_rotary_factor, 1.0, "phi3: the rotated fraction of each head.");
 ABSL_FLAG(std::string, dtype, "float32", "float32 | float16 | bfloat16");
 ABSL_FLAG(uint64_t, seed, 0, "Seed: the same flags and seed give the same bytes.");
 ABSL_FLAG(std::string, size, "",
@@ -67,6 +90,29 @@ int Main(int argc, char** argv) {
   options.attention_bias = absl::GetFlag(FLAGS_attention_bias);
   if (absl::GetFlag(FLAGS_sliding_window) > 0)
     options.sliding_window = absl::GetFlag(FLAGS_sliding_window);
+  options.head_dim = absl::GetFlag(FLAGS_head_dim);
+  options.num_experts = absl::GetFlag(FLAGS_num_experts);
+  options.num_experts_per_tok = absl::GetFlag(FLAGS_num_experts_per_tok);
+  options.moe_intermediate_size = absl::GetFlag(FLAGS_moe_intermediate_size);
+  options.shared_expert_intermediate_size = absl::GetFlag(FLAGS_shared_expert_intermediate_size);
+  if (const std::string norm = absl::GetFlag(FLAGS_norm_topk_prob); norm != "auto") {
+    if (norm != "true" && norm != "false") {
+      return Fail(absl::InvalidArgumentError("--norm_topk_prob: expected auto, true or false"));
+    }
+    options.norm_topk_prob = norm == "true";
+  }
+  options.decoder_sparse_step = absl::GetFlag(FLAGS_decoder_sparse_step);
+  for (const std::string& layer : absl::GetFlag(FLAGS_mlp_only_layers)) {
+    int64_t i = 0;
+    if (!absl::SimpleAtoi(layer, &i) || i < 0) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("--mlp_only_layers: '", layer, "' is not a layer number")));
+    }
+    options.mlp_only_layers.push_back(i);
+  }
+  options.sliding_window_pattern = absl::GetFlag(FLAGS_sliding_window_pattern);
+  options.longrope_factor = absl::GetFlag(FLAGS_longrope_factor);
+  options.partial_rotary_factor = absl::GetFlag(FLAGS_partial_rotary_factor);
   options.seed = absl::GetFlag(FLAGS_seed);
   auto dtype = accel::ParseDType(absl::GetFlag(FLAGS_dtype));
   if (!dtype.ok()) return Fail(accel::Annotate(dtype.status(), "--dtype"));

@@ -124,7 +124,7 @@ TEST(RopeTest, DefaultAndLinearFrequencies) {
   ASSERT_EQ(f.numel(), 4);
   for (int i = 0; i < 4; ++i)
     EXPECT_NEAR(f[i].item<double>(), std::pow(10000.0, -2.0 * i / 8), 1e-7);
-  loader::RopeScaling linear{"linear", {{"factor", 4.0}}};
+  loader::RopeScaling linear{"linear", {{"factor", 4.0}}, {}};
   at::Tensor g = RopeInverseFrequencies(8, 10000.0, linear);
   for (int i = 0; i < 4; ++i)
     EXPECT_NEAR(g[i].item<double>(), std::pow(10000.0, -2.0 * i / 8) / 4, 1e-7);
@@ -136,7 +136,8 @@ TEST(RopeTest, Llama3ScalingMatchesAScalarImplementation) {
                         {{"factor", 8.0},
                          {"low_freq_factor", 1.0},
                          {"high_freq_factor", 4.0},
-                         {"original_max_position_embeddings", 8192.0}}};
+                         {"original_max_position_embeddings", 8192.0}},
+                        {}};
   at::Tensor f = RopeInverseFrequencies(128, 500000.0, s);
   ASSERT_EQ(f.numel(), 64);
   int scaled = 0, kept = 0, blended = 0;
@@ -164,10 +165,10 @@ TEST(RopeTest, Llama3ScalingMatchesAScalarImplementation) {
 
 TEST(RopeTest, UnsupportedScalingIsInvalid) {
   EXPECT_THAT(RotaryEmbedding::Create("LlamaRotaryEmbedding", 8, 1e4,
-                                      loader::RopeScaling{"yarn", {{"factor", 2}}}),
+                                      loader::RopeScaling{"yarn", {{"factor", 2}}, {}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'yarn'")));
   EXPECT_THAT(RotaryEmbedding::Create("LlamaRotaryEmbedding", 8, 1e4,
-                                      loader::RopeScaling{"llama3", {{"factor", 2}}}),
+                                      loader::RopeScaling{"llama3", {{"factor", 2}}, {}}),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("low_freq_factor")));
   EXPECT_THAT(RotaryEmbedding::Create("LlamaRotaryEmbedding", 7, 1e4, std::nullopt),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("even")));

@@ -1,0 +1,624 @@
+// The decoder families, after transformers v4.53.0's modeling files
+// (src/transformers/models/<family>/modeling_<family>.py; each family's file
+// is named in its Family entry): eager attention with the softmax in
+// float32, rotate-half rotary, GQA by sharing key/value heads, and the
+// family's own parts where it has them. Module names and registration order
+// are transformers', so ModuleTreeFor() (derived from this model) plans the
+// device maps Accelerate plans and checkpoints load as they are.
+#include "models/internal/decoder_lm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "core/status.h"
+#include "dispatch/layer.h"
+#include "models/internal/packed.h"
+#include "models/nn.h"
+
+namespace accel::models::internal {
+namespace {
+
+using dispatch::Layer;
+
+// What a step carries through the layers: the dispatcher, and a failure
+// that must keep its own status (an expert read) while the layer unwinds.
+struct StepState {
+  dispatch::DispatchedModel* dispatched = nullptr;
+  absl::Status failure;
+};
+
+std::shared_ptr<nn::Linear> NewLinear(int64_t in, int64_t out, bool bias, at::ScalarType dtype) {
+  return std::make_shared<nn::Linear>(in, out, bias, dtype);
+}
+
+std::string Cls(const Family& f, const char* what) { return absl::StrCat(f.prefix, what); }
+
+std::shared_ptr<nn::RMSNorm> NewNorm(const ResolvedConfig& r, int64_t dim, at::ScalarType dtype) {
+  return std::make_shared<nn::RMSNorm>(Cls(r.family, "RMSNorm"), dim, r.config.norm_eps, dtype,
+                                       r.family.norm == NormKind::kRmsOnePlus);
+}
+
+// A gated MLP under one of its three namings:
+//   kGated:  gate_proj, up_proj, down_proj, act_fn       (LlamaMLP and most)
+//   kFused:  gate_up_proj (gate half first), down_proj, activation_fn (Phi3MLP)
+//   kMixtral: w1 (gate), w2 (down), w3 (up), act_fn      (MixtralBlockSparseTop2MLP)
+// All compute down(act(gate(x)) * up(x)).
+class GatedMlp : public Layer {
+ public:
+  enum class Names { kGated, kFused, kMixtral };
+  GatedMlp(const std::string& class_name, Names names, int64_t hidden, int64_t inter,
+           const std::string& activation, at::ScalarType dtype)
+      : Layer(class_name), activation_(activation), inter_(inter) {
+    const std::string act_class = nn::ActivationClass(activation);
+    switch (names) {
+      case Names::kGated:
+        gate_ = register_module("gate_proj", NewLinear(hidden, inter, false, dtype));
+        up_ = register_module("up_proj", NewLinear(hidden, inter, false, dtype));
+        down_ = register_module("down_proj", NewLinear(inter, hidden, false, dtype));
+        register_module("act_fn", std::make_shared<Layer>(act_class));
+        break;
+      case Names::kFused:
+        gate_up_ = register_module("gate_up_proj", NewLinear(hidden, 2 * inter, false, dtype));
+        down_ = register_module("down_proj", NewLinear(inter, hidden, false, dtype));
+        register_module("activation_fn", std::make_shared<Layer>(act_class));
+        break;
+      case Names::kMixtral:
+        gate_ = register_module("w1", NewLinear(hidden, inter, false, dtype));
+        down_ = register_module("w2", NewLinear(inter, hidden, false, dtype));
+        up_ = register_module("w3", NewLinear(hidden, inter, false, dtype));
+        register_module("act_fn", std::make_shared<Layer>(act_class));
+        break;
+    }
+  }
+
+  at::Tensor forward(const at::Tensor& x) {
+    if (gate_up_) {
+      // Phi3MLP: gate, up_states = gate_up_proj(x).chunk(2, dim=-1)
+      at::Tensor both = gate_up_->forward(x);
+      at::Tensor gate = both.narrow(-1, 0, inter_), up = both.narrow(-1, inter_, inter_);
+      return down_->forward(up * nn::Activation(activation_, gate));
+    }
+    return down_->forward(nn::Activation(activation_, gate_->forward(x)) * up_->forward(x));
+  }
+
+ private:
+  std::string activation_;
+  int64_t inter_;
+  std::shared_ptr<nn::Linear> gate_, up_, down_, gate_up_;
+};
+
+class Attention : public Layer {
+ public:
+  Attention(const ResolvedConfig& r, at::ScalarType dtype,
+            std::shared_ptr<nn::RotaryEmbedding> unused_rotary)
+      : Layer(Cls(r.family, "Attention")),
+        heads_(r.config.num_attention_heads),
+        kv_heads_(r.config.kv_heads()),
+        head_dim_(r.config.head_size()) {
+    const Family& f = r.family;
+    const int64_t hidden = r.config.hidden_size;
+    const int64_t q_out = heads_ * head_dim_, kv_out = kv_heads_ * head_dim_;
+    bool qkv_bias = false, o_bias = false;
+    switch (f.attention_bias) {
+      case AttentionBias::kNone:
+        break;
+      case AttentionBias::kConfig:
+        qkv_bias = o_bias = r.config.attention_bias;
+        break;
+      case AttentionBias::kQkv:
+        qkv_bias = r.config.qkv_bias.value_or(true);
+        break;
+    }
+    if (f.fused_qkv) {
+      // Phi3Attention registers o_proj first.
+      o_proj_ = register_module("o_proj", NewLinear(q_out, hidden, false, dtype));
+      qkv_proj_ = register_module("qkv_proj", NewLinear(hidden, q_out + 2 * kv_out, false, dtype));
+    } else {
+      q_proj_ = register_module("q_proj", NewLinear(hidden, q_out, qkv_bias, dtype));
+      k_proj_ = register_module("k_proj", NewLinear(hidden, kv_out, qkv_bias, dtype));
+      v_proj_ = register_module("v_proj", NewLinear(hidden, kv_out, qkv_bias, dtype));
+      o_proj_ = register_module("o_proj", NewLinear(q_out, hidden, o_bias, dtype));
+    }
+    // Qwen2MoeAttention (v4.53.0) holds a rotary embedding it never uses.
+    if (unused_rotary) register_module("rotary_emb", std::move(unused_rotary));
+    if (f.qk_norm) {
+      q_norm_ = register_module("q_norm", NewNorm(r, head_dim_, dtype));
+      k_norm_ = register_module("k_norm", NewNorm(r, head_dim_, dtype));
+    }
+    if (f.divide_scores) {
+      rule_.scale = std::sqrt(static_cast<double>(head_dim_));
+      rule_.divide = true;
+    } else if (r.query_pre_attn_scalar) {
+      rule_.scale = std::pow(*r.query_pre_attn_scalar, -0.5);
+    } else {
+      rule_.scale = std::pow(static_cast<double>(head_dim_), -0.5);
+    }
+    rule_.softcap = r.attn_softcap;
+  }
+
+  // x [1, total, hidden]: the packed tokens of `chunks`.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     absl::Span<const SequenceChunk> chunks, size_t layer,
+                     std::optional<int64_t> window) {
+    const int64_t t = x.size(1), q_out = heads_ * head_dim_, kv_out = kv_heads_ * head_dim_;
+    at::Tensor q, k, v;
+    if (qkv_proj_) {
+      at::Tensor qkv = qkv_proj_->forward(x);
+      q = qkv.narrow(-1, 0, q_out);
+      k = qkv.narrow(-1, q_out, kv_out);
+      v = qkv.narrow(-1, q_out + kv_out, kv_out);
+    } else {
+      q = q_proj_->forward(x);
+      k = k_proj_->forward(x);
+      v = v_proj_->forward(x);
+    }
+    q = q.reshape({1, t, heads_, head_dim_});
+    k = k.reshape({1, t, kv_heads_, head_dim_});
+    v = v.reshape({1, t, kv_heads_, head_dim_});
+    // Per head, before RoPE (Qwen3 before the transpose, Gemma 3 after: the
+    // same numbers, as the norm runs over the last dimension).
+    if (q_norm_) {
+      q = q_norm_->forward(q);
+      k = k_norm_->forward(k);
+    }
+    q = nn::ApplyRotary(q.transpose(1, 2), cos, sin);
+    k = nn::ApplyRotary(k.transpose(1, 2), cos, sin);
+    at::Tensor out = AttendPacked(q[0], k[0], v.transpose(1, 2)[0], chunks, layer, window, rule_);
+    return o_proj_->forward(out.unsqueeze(0));
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  ScoreRule rule_;
+  std::shared_ptr<nn::Linear> q_proj_, k_proj_, v_proj_, o_proj_, qkv_proj_;
+  std::shared_ptr<nn::RMSNorm> q_norm_, k_norm_;
+};
+
+// A sparse mixture-of-experts block (MixtralSparseMoeBlock,
+// Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock): the router's softmax in
+// float32 over every expert, the top k, renormalised where the family does,
+// cast to the model dtype; each expert that was picked runs once on the rows
+// routed to it, and its weighted output is added into those rows, experts in
+// ascending order (index_add_, as transformers accumulates). No expert that
+// was not picked runs.
+class SparseMoe : public Layer {
+ public:
+  SparseMoe(const ResolvedConfig& r, std::string experts_name, at::ScalarType dtype)
+      : Layer(Cls(r.family, "SparseMoeBlock")),
+        experts_name_(std::move(experts_name)),
+        top_k_(r.top_k),
+        norm_topk_(r.norm_topk) {
+    const Family& f = r.family;
+    const int64_t hidden = r.config.hidden_size;
+    gate = register_module("gate", NewLinear(hidden, r.num_experts, false, dtype));
+    auto list = register_module("experts", std::make_shared<Layer>("ModuleList"));
+    const bool mixtral = f.moe == MoeKind::kMixtral;
+    for (int64_t e = 0; e < r.num_experts; ++e) {
+      experts_.push_back(list->register_module(
+          absl::StrCat(e), std::make_shared<GatedMlp>(
+                               mixtral ? std::string("MixtralBlockSparseTop2MLP") : Cls(f, "MLP"),
+                               mixtral ? GatedMlp::Names::kMixtral : GatedMlp::Names::kGated,
+                               hidden, r.expert_intermediate, r.activation, dtype)));
+    }
+    if (f.moe == MoeKind::kQwenShared) {
+      shared_expert_ =
+          register_module("shared_expert",
+                          std::make_shared<GatedMlp>(Cls(f, "MLP"), GatedMlp::Names::kGated, hidden,
+                                                     r.shared_intermediate, r.activation, dtype));
+      shared_expert_gate_ =
+          register_module("shared_expert_gate", NewLinear(hidden, 1, false, dtype));
+    }
+  }
+
+  const std::string& experts_name() const { return experts_name_; }
+
+  // The routing of rows h [T, hidden]: weights [T, k] (model dtype) and the
+  // experts [T, k] (int64).
+  std::pair<at::Tensor, at::Tensor> Route(const at::Tensor& h) {
+    at::Tensor probs = at::softmax(gate->forward(h), 1, at::kFloat);
+    auto [weights, selected] = at::topk(probs, top_k_, -1);
+    if (norm_topk_) weights = weights / weights.sum(-1, /*keepdim=*/true);
+    return {weights.to(h.scalar_type()), selected};
+  }
+
+  // Whether the router's weights are here (it can guess ahead).
+  bool CanRoute() const { return !gate->weight.is_meta(); }
+
+  at::Tensor forward(const at::Tensor& x, StepState& step) {
+    const int64_t hidden = x.size(-1);
+    at::Tensor h = x.reshape({-1, hidden});
+    const int64_t tokens = h.size(0);
+    auto [weights, selected] = Route(h);
+    // The rows of each expert, in transformers' order (top-k slot, then token).
+    const at::Tensor picks = selected.to(at::kCPU).contiguous();
+    const int64_t* pick = picks.data_ptr<int64_t>();
+    std::vector<std::vector<int64_t>> rows(experts_.size()), slots(experts_.size());
+    for (int64_t j = 0; j < top_k_; ++j) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t e = pick[t * top_k_ + j];
+        rows[e].push_back(t);
+        slots[e].push_back(j);
+      }
+    }
+    std::vector<int64_t> hit;
+    for (size_t e = 0; e < rows.size(); ++e) {
+      if (!rows[e].empty()) hit.push_back(static_cast<int64_t>(e));
+    }
+    std::optional<dispatch::DispatchedModel::ExpertScope> scope;
+    if (step.dispatched != nullptr) {
+      auto entered = step.dispatched->EnterExperts(experts_name_, hit);
+      if (!entered.ok()) {
+        step.failure = entered.status();
+        TORCH_CHECK(false, "bringing in experts of ", experts_name_, " failed");
+      }
+      scope.emplace(*std::move(entered));
+    }
+    at::Tensor out = at::zeros({tokens, hidden}, h.options());
+    const at::TensorOptions index = at::TensorOptions(at::kLong).device(h.device());
+    for (int64_t e : hit) {
+      at::Tensor idx = at::tensor(rows[e], at::kLong).to(index.device());
+      at::Tensor slot = at::tensor(slots[e], at::kLong).to(index.device());
+      at::Tensor w = weights.index_select(0, idx).gather(1, slot.unsqueeze(1));
+      at::Tensor y = experts_[e]->forward(h.index_select(0, idx)) * w;
+      out.index_add_(0, idx, y.to(out.scalar_type()));
+    }
+    if (shared_expert_) {
+      out = out + at::sigmoid(shared_expert_gate_->forward(h)) * shared_expert_->forward(h);
+    }
+    return out.view(x.sizes());
+  }
+
+  std::shared_ptr<nn::Linear> gate;
+
+ private:
+  std::string experts_name_;
+  int64_t top_k_;
+  bool norm_topk_;
+  std::vector<std::shared_ptr<GatedMlp>> experts_;
+  std::shared_ptr<GatedMlp> shared_expert_;
+  std::shared_ptr<nn::Linear> shared_expert_gate_;
+};
+
+class DecoderLayer : public Layer {
+ public:
+  DecoderLayer(const ResolvedConfig& r, size_t index, at::ScalarType dtype,
+               std::shared_ptr<nn::RotaryEmbedding> unused_rotary)
+      : Layer(r.family.block_class), window_(r.windows[index]), local_(r.local_rope[index]) {
+    const Family& f = r.family;
+    const int64_t hidden = r.config.hidden_size;
+    self_attn = register_module("self_attn",
+                                std::make_shared<Attention>(r, dtype, std::move(unused_rotary)));
+    if (r.sparse[index]) {
+      const char* block = f.moe == MoeKind::kMixtral ? "block_sparse_moe" : "mlp";
+      moe = register_module(
+          block, std::make_shared<SparseMoe>(
+                     r, absl::StrCat("model.layers.", index, ".", block, ".experts"), dtype));
+    } else {
+      mlp = register_module("mlp", std::make_shared<GatedMlp>(
+                                       Cls(f, "MLP"),
+                                       f.mlp == MlpKind::kFusedGated ? GatedMlp::Names::kFused
+                                                                     : GatedMlp::Names::kGated,
+                                       hidden, r.config.intermediate_size, r.activation, dtype));
+    }
+    input_layernorm = register_module("input_layernorm", NewNorm(r, hidden, dtype));
+    post_attention_layernorm =
+        register_module("post_attention_layernorm", NewNorm(r, hidden, dtype));
+    if (f.sandwich_norms) {
+      pre_feedforward_layernorm =
+          register_module("pre_feedforward_layernorm", NewNorm(r, hidden, dtype));
+      post_feedforward_layernorm =
+          register_module("post_feedforward_layernorm", NewNorm(r, hidden, dtype));
+    }
+    if (f.residual_dropouts) {
+      register_module("resid_attn_dropout", std::make_shared<Layer>("Dropout"));
+      register_module("resid_mlp_dropout", std::make_shared<Layer>("Dropout"));
+    }
+  }
+
+  bool uses_local_rope() const { return local_; }
+
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                     absl::Span<const SequenceChunk> chunks, size_t layer, StepState& step) {
+    if (pre_feedforward_layernorm) {
+      // Gemma's sandwich: each branch normalised on the way in and the way out.
+      at::Tensor h =
+          self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_);
+      x = x + post_attention_layernorm->forward(h);
+      h = Mlp(pre_feedforward_layernorm->forward(x), step);
+      return x + post_feedforward_layernorm->forward(h);
+    }
+    x = x + self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_);
+    if (next_sparse != nullptr && step.dispatched != nullptr) GuessNext(x, step);
+    return x + Mlp(post_attention_layernorm->forward(x), step);
+  }
+
+  std::shared_ptr<Attention> self_attn;
+  std::shared_ptr<GatedMlp> mlp;
+  std::shared_ptr<SparseMoe> moe;
+  std::shared_ptr<nn::RMSNorm> input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+      post_feedforward_layernorm;
+  // The next layer with a sparse block, whose experts this one guesses.
+  DecoderLayer* next_sparse = nullptr;
+
+ private:
+  at::Tensor Mlp(const at::Tensor& x, StepState& step) {
+    return moe ? moe->forward(x, step) : mlp->forward(x);
+  }
+
+  // Reads ahead the experts the next sparse layer's router would pick for
+  // this layer's residual stream: it changes little from one layer to the
+  // next, so the guess is mostly right, and a wrong one costs only a read.
+  void GuessNext(const at::Tensor& x, StepState& step) {
+    DecoderLayer& next = *next_sparse;
+    if (!next.moe->CanRoute() || next.post_attention_layernorm->weight.is_meta() ||
+        !step.dispatched->FetchesExpertsOf(next.moe->experts_name())) {
+      return;
+    }
+    const at::Tensor& w = next.post_attention_layernorm->weight;
+    at::Tensor h = next.post_attention_layernorm->forward(x.to(w.device()));
+    at::Tensor picked = std::get<1>(next.moe->Route(h.reshape({-1, h.size(-1)})));
+    at::Tensor unique = std::get<0>(at::_unique(picked.reshape({-1}).to(at::kCPU)));
+    std::vector<int64_t> experts(unique.data_ptr<int64_t>(),
+                                 unique.data_ptr<int64_t>() + unique.numel());
+    step.dispatched->PrefetchExperts(next.moe->experts_name(), experts);
+  }
+
+  std::optional<int64_t> window_;
+  bool local_;
+};
+
+nn::RopeSettings GlobalRope(const ResolvedConfig& r) {
+  nn::RopeSettings s;
+  s.dim = r.rotary_dim;
+  s.theta = r.config.rope_theta;
+  s.scaling = r.config.rope_scaling;
+  s.max_position_embeddings = r.config.max_position_embeddings;
+  s.original_max_position_embeddings = r.config.original_max_position_embeddings;
+  // Phi3Config always has one (default 4096); LongRoPE divides by it.
+  if (r.family.partial_rotary && !s.original_max_position_embeddings) {
+    s.original_max_position_embeddings = 4096;
+  }
+  return s;
+}
+
+class DecoderModel : public Layer {
+ public:
+  DecoderModel(const ResolvedConfig& r, at::ScalarType dtype,
+               std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries)
+      : Layer(r.family.model_class) {
+    const Family& f = r.family;
+    const loader::ModelConfig& c = r.config;
+    if (f.embedding_scale == EmbeddingScale::kInModule) {
+      // Gemma3TextScaledWordEmbedding: sqrt(hidden) in a buffer.
+      scaled_embed = std::make_shared<nn::ScaledEmbedding>(
+          "Gemma3TextScaledWordEmbedding", c.vocab_size, c.hidden_size, dtype,
+          std::pow(static_cast<double>(c.hidden_size), 0.5));
+      embed_tokens = register_module("embed_tokens", std::shared_ptr<nn::Embedding>(scaled_embed));
+    } else {
+      embed_tokens = register_module(
+          "embed_tokens", std::make_shared<nn::Embedding>(c.vocab_size, c.hidden_size, dtype));
+    }
+    auto list = register_module("layers", std::make_shared<Layer>("ModuleList"));
+    size_t next_rotary = 2;  // rotaries: global, local, then one per layer (Qwen2-MoE)
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      std::shared_ptr<nn::RotaryEmbedding> unused;
+      if (next_rotary < rotaries.size()) unused = rotaries[next_rotary++];
+      layers.push_back(list->register_module(
+          absl::StrCat(i),
+          std::make_shared<DecoderLayer>(r, static_cast<size_t>(i), dtype, std::move(unused))));
+    }
+    DecoderLayer* next = nullptr;
+    for (size_t i = layers.size(); i-- > 0;) {
+      layers[i]->next_sparse = next;
+      if (layers[i]->moe) next = layers[i].get();
+    }
+    norm = register_module("norm", NewNorm(r, c.hidden_size, dtype));
+    rotary_emb = register_module("rotary_emb", rotaries[0]);
+    if (rotaries[1]) rotary_emb_local = register_module("rotary_emb_local", rotaries[1]);
+  }
+
+  std::shared_ptr<nn::Embedding> embed_tokens;
+  std::shared_ptr<nn::ScaledEmbedding> scaled_embed;  // Gemma 3: embed_tokens itself
+  std::vector<std::shared_ptr<DecoderLayer>> layers;
+  std::shared_ptr<nn::RMSNorm> norm;
+  std::shared_ptr<nn::RotaryEmbedding> rotary_emb, rotary_emb_local;
+};
+
+class DecoderLM : public CausalLM {
+ public:
+  DecoderLM(const ResolvedConfig& r, at::ScalarType dtype,
+            std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries)
+      : CausalLM(r.family.architecture, r.config, dtype), r_(r) {
+    model = register_module("model", std::make_shared<DecoderModel>(r, dtype, std::move(rotaries)));
+    at::Tensor shared = r.config.tie_word_embeddings ? model->embed_tokens->weight : at::Tensor();
+    lm_head = register_module(
+        "lm_head", std::make_shared<nn::Linear>(r.config.hidden_size, r.config.vocab_size, false,
+                                                dtype, shared));
+  }
+
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
+                                     absl::Span<const SequenceChunk> given, Logits which,
+                                     dispatch::DispatchedModel* dispatched) override {
+    const size_t n = model->layers.size();
+    ACCEL_RETURN_IF_ERROR(PreparePositions(input_ids, given, config(), n).status());
+    // LongRoPE: a sequence whose step crosses the original context is run
+    // again whole with the long factors, into a fresh cache that replaces
+    // its own once the step succeeds (Phi3ForCausalLM drops the cache then).
+    at::Tensor ids = input_ids;
+    std::vector<SequenceChunk> chunks(given.begin(), given.end());
+    std::vector<KvCache> fresh(chunks.size());
+    std::vector<int64_t> rows;  // the rows of `ids` that belong to this step (kAll)
+    const int64_t long_after = model->rotary_emb->long_after();
+    bool recompute = false;
+    for (const SequenceChunk& c : chunks) {
+      recompute |= long_after > 0 && c.cache != nullptr && c.cache->length > 0 &&
+                   c.cache->length <= long_after && c.cache->length + c.tokens > long_after;
+    }
+    if (recompute) {
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        const at::Tensor cpu = input_ids.to(at::kCPU).contiguous();
+        const int64_t* data = cpu.data_ptr<int64_t>();
+        std::vector<int64_t> all;
+        int64_t row = 0;
+        for (size_t i = 0; i < chunks.size(); ++i) {
+          SequenceChunk& c = chunks[i];
+          const bool crossing = c.cache != nullptr && c.cache->length > 0 &&
+                                c.cache->length <= long_after &&
+                                c.cache->length + c.tokens > long_after;
+          if (crossing) {
+            const std::vector<int64_t>& past = c.cache->token_ids;
+            all.insert(all.end(), past.begin(), past.end());
+            row += static_cast<int64_t>(past.size());
+            c.tokens += static_cast<int64_t>(past.size());
+            c.cache = &fresh[i];
+          }
+          for (int64_t t = 0; t < given[i].tokens; ++t) {
+            all.push_back(*data++);
+            rows.push_back(row++);
+          }
+        }
+        ids = at::tensor(all, at::kLong).to(input_ids.device());
+      }));
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        if (chunks[i].cache == &fresh[i] &&
+            given[i].cache->token_ids.size() != static_cast<size_t>(given[i].cache->length)) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("sequence ", i,
+                           " crosses the original context of a LongRoPE model and must be "
+                           "recomputed, but its KV cache does not hold the ids of its tokens"));
+        }
+      }
+    }
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, PreparePositions(ids, chunks, config(), n));
+
+    StepState step;
+    step.dispatched = dispatched;
+    const at::Device home = input_ids.device();
+    ACCEL_ASSIGN_OR_RETURN(
+        at::Tensor x, InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
+          at::Tensor e = model->scaled_embed ? model->scaled_embed->forward(ids.to(d).unsqueeze(0))
+                                             : model->embed_tokens->forward(ids.to(d).unsqueeze(0));
+          if (r_.family.embedding_scale == EmbeddingScale::kInModel) {
+            // Gemma2Model: hidden * torch.tensor(hidden_size**0.5, dtype=hidden.dtype)
+            e = e * at::scalar_tensor(std::pow(static_cast<double>(config().hidden_size), 0.5),
+                                      e.options());
+          }
+          return e;
+        }));
+    at::Tensor cos, sin, local_cos, local_sin;
+    ACCEL_RETURN_IF_ERROR(InScope(dispatched, "model.rotary_emb", home, [&](const at::Device& d) {
+                            std::tie(cos, sin) =
+                                Rotary(*model->rotary_emb, positions.to(d), chunks);
+                            return cos;
+                          }).status());
+    if (model->rotary_emb_local) {
+      ACCEL_RETURN_IF_ERROR(
+          InScope(dispatched, "model.rotary_emb_local", home, [&](const at::Device& d) {
+            std::tie(local_cos, local_sin) =
+                Rotary(*model->rotary_emb_local, positions.to(d), chunks);
+            return local_cos;
+          }).status());
+    }
+    for (size_t i = 0; i < n; ++i) {
+      DecoderLayer& layer = *model->layers[i];
+      const bool local = layer.uses_local_rope();
+      absl::StatusOr<at::Tensor> out =
+          InScope(dispatched, absl::StrCat("model.layers.", i), home, [&](const at::Device& d) {
+            return layer.forward(x.to(d), (local ? local_cos : cos).to(d),
+                                 (local ? local_sin : sin).to(d), chunks, i, step);
+          });
+      if (!step.failure.ok()) return step.failure;
+      if (!out.ok()) return out.status();
+      x = *std::move(out);
+    }
+    if (which == Logits::kLastOfEach) {
+      ACCEL_RETURN_IF_ERROR(
+          CallTorch([&] { x = x.index_select(1, LastTokens(chunks).to(x.device())); }));
+    } else if (recompute) {
+      ACCEL_RETURN_IF_ERROR(
+          CallTorch([&] { x = x.index_select(1, at::tensor(rows, at::kLong).to(x.device())); }));
+    }
+    ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "model.norm", home, [&](const at::Device& d) {
+                             return model->norm->forward(x.to(d));
+                           }));
+    ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
+                             at::Tensor logits = lm_head->forward(x.to(d));
+                             if (r_.final_softcap) {
+                               // Gemma2ForCausalLM, in the logits' dtype.
+                               logits = at::tanh(logits / *r_.final_softcap) * *r_.final_softcap;
+                             }
+                             return logits;
+                           }));
+    AdvanceCaches(ids, chunks);
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (chunks[i].cache == &fresh[i]) *given[i].cache = std::move(fresh[i]);
+    }
+    return x[0].to(home, at::kFloat);
+  }
+
+  std::shared_ptr<DecoderModel> model;
+  std::shared_ptr<nn::Linear> lm_head;
+
+ private:
+  // cos / sin of every packed position; with LongRoPE, each chunk with the
+  // factors its last position calls for.
+  std::pair<at::Tensor, at::Tensor> Rotary(nn::RotaryEmbedding& rope, const at::Tensor& positions,
+                                           const std::vector<SequenceChunk>& chunks) {
+    if (rope.long_after() == 0) return rope.forward(positions, dtype());
+    std::vector<at::Tensor> cos, sin;
+    int64_t offset = 0;
+    for (const SequenceChunk& c : chunks) {
+      at::Tensor p = positions.narrow(1, offset, c.tokens);
+      const int64_t last = p[0][c.tokens - 1].item<int64_t>();
+      auto [a, b] = rope.forward(p, dtype(), /*long_factors=*/last + 1 > rope.long_after());
+      cos.push_back(a);
+      sin.push_back(b);
+      offset += c.tokens;
+    }
+    return {at::cat(cos, 1), at::cat(sin, 1)};
+  }
+
+  ResolvedConfig r_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<CausalLM>> BuildDecoderLM(const ResolvedConfig& r,
+                                                         at::ScalarType dtype) {
+  const Family& f = r.family;
+  std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries(2);
+  ACCEL_ASSIGN_OR_RETURN(rotaries[0],
+                         nn::RotaryEmbedding::Create(Cls(f, "RotaryEmbedding"), GlobalRope(r)));
+  if (f.local_rope) {
+    // Gemma3TextModel: a copy of the config with rope_theta = rope_local_base_freq
+    // and default RoPE, for the sliding layers.
+    nn::RopeSettings local;
+    local.dim = r.rotary_dim;
+    local.theta = *r.config.rope_local_base_freq;
+    ACCEL_ASSIGN_OR_RETURN(rotaries[1],
+                           nn::RotaryEmbedding::Create(Cls(f, "RotaryEmbedding"), local));
+  }
+  if (f.moe == MoeKind::kQwenShared) {
+    for (int64_t i = 0; i < r.config.num_hidden_layers; ++i) {
+      ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<nn::RotaryEmbedding> unused,
+                             nn::RotaryEmbedding::Create(Cls(f, "RotaryEmbedding"), GlobalRope(r)));
+      rotaries.push_back(std::move(unused));
+    }
+  }
+  std::shared_ptr<CausalLM> model;
+  ACCEL_RETURN_IF_ERROR(
+      CallTorch([&] { model = std::make_shared<DecoderLM>(r, dtype, std::move(rotaries)); }));
+  return model;
+}
+
+}  // namespace accel::models::internal

@@ -1,0 +1,26 @@
+// The decoder-only families (Llama, Mistral, Qwen2, Mixtral, Qwen3,
+// Qwen3-MoE, Qwen2-MoE, Gemma 2, Gemma 3, Phi-3): one model whose parts
+// follow the family's traits (models/families.h), with transformers' module
+// names and arithmetic.
+#ifndef ACCEL_MODELS_INTERNAL_DECODER_LM_H_
+#define ACCEL_MODELS_INTERNAL_DECODER_LM_H_
+
+#include <memory>
+
+#include <c10/core/ScalarType.h>
+
+#include "absl/status/statusor.h"
+
+#include "models/causal_lm.h"
+#include "models/families.h"
+
+namespace accel::models::internal {
+
+// A model of `config`'s family with uninitialised weights (meta under a
+// dispatch::EmptyWeightsGuard). InvalidArgument for a bad RoPE setting.
+absl::StatusOr<std::shared_ptr<CausalLM>> BuildDecoderLM(const ResolvedConfig& config,
+                                                         at::ScalarType dtype);
+
+}  // namespace accel::models::internal
+
+#endif  // ACCEL_MODELS_INTERNAL_DECODER_LM_H_

@@ -1,0 +1,167 @@
+#include "models/internal/packed.h"
+
+#include <algorithm>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "models/nn.h"
+
+namespace accel::models::internal {
+namespace {
+
+// Writes this step's keys and values [kv_heads, n, head_dim] after the
+// cache's `length` tokens in layer `layer`'s buffers (growing them by
+// doubling) and returns views of everything so far, [kv_heads, length + n,
+// head_dim]. `length` itself is advanced by Forward() once every layer ran.
+std::pair<at::Tensor, at::Tensor> AppendToCache(KvCache* cache, size_t layer, const at::Tensor& k,
+                                                const at::Tensor& v) {
+  at::Tensor& key_buffer = cache->keys[layer];
+  at::Tensor& value_buffer = cache->values[layer];
+  const int64_t past = cache->length, n = k.size(1), needed = past + n;
+  if (!key_buffer.defined() || key_buffer.size(1) < needed || key_buffer.device() != k.device() ||
+      key_buffer.scalar_type() != k.scalar_type()) {
+    const int64_t old = key_buffer.defined() ? key_buffer.size(1) : 0;
+    const int64_t capacity = std::max<int64_t>({needed, 2 * old, 16});
+    at::Tensor keys = at::empty({k.size(0), capacity, k.size(2)}, k.options());
+    at::Tensor values = at::empty({v.size(0), capacity, v.size(2)}, v.options());
+    if (past > 0) {
+      keys.narrow(1, 0, past).copy_(key_buffer.narrow(1, 0, past));
+      values.narrow(1, 0, past).copy_(value_buffer.narrow(1, 0, past));
+    }
+    key_buffer = keys;
+    value_buffer = values;
+  }
+  key_buffer.narrow(1, past, n).copy_(k);
+  value_buffer.narrow(1, past, n).copy_(v);
+  return {key_buffer.narrow(1, 0, needed), value_buffer.narrow(1, 0, needed)};
+}
+
+}  // namespace
+
+at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        absl::Span<const SequenceChunk> chunks, size_t layer,
+                        std::optional<int64_t> window, const ScoreRule& rule) {
+  const int64_t heads = q.size(0), kv_heads = k.size(0), d = q.size(2), dv = v.size(2);
+  const int64_t group = heads / kv_heads;
+  std::vector<at::Tensor> outs;
+  outs.reserve(chunks.size());
+  int64_t offset = 0;
+  for (const SequenceChunk& chunk : chunks) {
+    const int64_t n = chunk.tokens;
+    at::Tensor keys = k.narrow(1, offset, n), values = v.narrow(1, offset, n);
+    int64_t past = 0;
+    if (chunk.cache != nullptr) {
+      past = chunk.cache->length;
+      std::tie(keys, values) = AppendToCache(chunk.cache, layer, keys, values);
+    }
+    const int64_t total = past + n;
+    at::Tensor queries = q.narrow(1, offset, n).reshape({kv_heads, group * n, d});
+    at::Tensor scores = nn::MatMul(queries, keys.transpose(1, 2));
+    scores = rule.divide ? scores / rule.scale : scores * rule.scale;
+    if (rule.softcap) scores = at::tanh(scores / *rule.softcap) * *rule.softcap;
+    scores = scores.view({kv_heads, group, n, total});
+    // Query i (at position past + i) sees key j when j <= past + i and, with
+    // a sliding window, past + i - j < window. A lone query without a window
+    // sees everything.
+    if (n > 1 || (window && total > *window)) {
+      at::Tensor query_pos = at::arange(past, total, q.options().dtype(at::kLong)).unsqueeze(1);
+      at::Tensor key_pos = at::arange(0, total, q.options().dtype(at::kLong)).unsqueeze(0);
+      at::Tensor allowed = key_pos <= query_pos;
+      if (window) allowed = allowed.logical_and(query_pos - key_pos < *window);
+      scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+    }
+    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+    at::Tensor out = nn::MatMul(probs.view({kv_heads, group * n, total}), values);
+    outs.push_back(out.view({heads, n, dv}).transpose(0, 1).reshape({n, heads * dv}));
+    offset += n;
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+}
+
+absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
+                                            absl::Span<const SequenceChunk> chunks,
+                                            const loader::ModelConfig& config, size_t layers) {
+  if (input_ids.dim() != 1 || input_ids.scalar_type() != at::kLong) {
+    return absl::InvalidArgumentError("input_ids must be one int64 row of packed tokens");
+  }
+  if (chunks.empty()) return absl::InvalidArgumentError("no sequences in the batch");
+  int64_t total = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const SequenceChunk& chunk = chunks[i];
+    if (chunk.tokens < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", i, " has ", chunk.tokens, " tokens; each needs at least 1"));
+    }
+    total += chunk.tokens;
+    if (chunk.cache == nullptr) continue;
+    for (size_t j = 0; j < i; ++j) {
+      if (chunks[j].cache == chunk.cache) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("sequences ", j, " and ", i, " share one KV cache"));
+      }
+    }
+    if (chunk.cache->length > 0 && chunk.cache->keys.size() != layers) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", i, "'s KV cache has ",
+                                                     chunk.cache->keys.size(),
+                                                     " layers but the model has ", layers));
+    }
+    if (chunk.cache->length < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", i, "'s KV cache has length ", chunk.cache->length));
+    }
+  }
+  if (total != input_ids.numel()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the sequences have ", total, " tokens in all but input_ids has ", input_ids.numel()));
+  }
+  at::Tensor positions = at::empty({1, total}, at::kLong);
+  int64_t* out = positions.data_ptr<int64_t>();
+  for (const SequenceChunk& chunk : chunks) {
+    const int64_t first = chunk.cache != nullptr ? chunk.cache->length : 0;
+    for (int64_t t = 0; t < chunk.tokens; ++t) *out++ = first + t;
+  }
+  int64_t low = 0, high = 0;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    low = input_ids.min().item<int64_t>();
+    high = input_ids.max().item<int64_t>();
+  }));
+  if (low < 0 || high >= config.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat("token id ", low < 0 ? low : high,
+                                                   " is outside the vocabulary [0, ",
+                                                   config.vocab_size, ")"));
+  }
+  for (const SequenceChunk& chunk : chunks) {
+    if (chunk.cache != nullptr && chunk.cache->keys.size() != layers) {
+      chunk.cache->keys.assign(layers, at::Tensor());
+      chunk.cache->values.assign(layers, at::Tensor());
+    }
+  }
+  return positions;
+}
+
+at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks) {
+  std::vector<int64_t> last;
+  int64_t offset = 0;
+  for (const SequenceChunk& chunk : chunks) last.push_back((offset += chunk.tokens) - 1);
+  return at::tensor(last, at::kLong);
+}
+
+void AdvanceCaches(const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks) {
+  const at::Tensor ids = input_ids.to(at::kCPU).contiguous();
+  const int64_t* data = ids.data_ptr<int64_t>();
+  for (const SequenceChunk& chunk : chunks) {
+    if (chunk.cache != nullptr) {
+      chunk.cache->length += chunk.tokens;
+      chunk.cache->token_ids.insert(chunk.cache->token_ids.end(), data, data + chunk.tokens);
+    }
+    data += chunk.tokens;
+  }
+}
+
+}  // namespace accel::models::internal

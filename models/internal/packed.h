@@ -1,0 +1,76 @@
+// The packed batch every model's Forward() runs: sequences' tokens one after
+// another without padding, attention per sequence against its own KV cache,
+// and each module run inside its dispatch scope. Shared by the GPT-2 and the
+// decoder families (models/internal/decoder_lm.h).
+#ifndef ACCEL_MODELS_INTERNAL_PACKED_H_
+#define ACCEL_MODELS_INTERNAL_PACKED_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+#include "core/status.h"
+#include "dispatch/dispatch.h"
+#include "loader/config.h"
+#include "models/causal_lm.h"
+
+namespace accel::models::internal {
+
+// How q.k becomes an attention score; the families differ in the last bit.
+struct ScoreRule {
+  double scale = 1.0;
+  bool divide = false;            // scores / scale (GPT-2, Qwen2-MoE); else scores * scale
+  std::optional<double> softcap;  // then tanh(s / cap) * cap (Gemma 2)
+};
+
+// Causal attention of each chunk's queries over its cache and its own keys.
+// q [heads, total, d] and k, v [kv_heads, total, d] hold the packed tokens;
+// returns [total, heads * d]. Query heads share key/value heads in groups
+// (GQA) by viewing q as [kv_heads, group * n, d]: no copy of the cache. With
+// a window, query position p sees key position j when 0 <= p - j < window
+// (transformers' sliding_window_overlay). Appends each chunk's keys and
+// values to its cache's layer `layer`.
+at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        absl::Span<const SequenceChunk> chunks, size_t layer,
+                        std::optional<int64_t> window, const ScoreRule& rule);
+
+// Checks the chunks against the ids, prepares the caches, and returns the
+// positions [1, total] (int64, cpu).
+absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
+                                            absl::Span<const SequenceChunk> chunks,
+                                            const loader::ModelConfig& config, size_t layers);
+
+// Each chunk's last token, as indices into the packed tokens.
+at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks);
+
+// After a whole step: each cache's length grows by its chunk, and it keeps
+// the chunk's ids (input_ids, cpu int64, packed as `chunks`).
+void AdvanceCaches(const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks);
+
+// Runs `fn` on module `name`'s execution device, inside its scope when the
+// model is dispatched; without a dispatcher, on `fallback`.
+template <typename Fn>
+absl::StatusOr<at::Tensor> InScope(dispatch::DispatchedModel* dispatched, const std::string& name,
+                                   const at::Device& fallback, Fn&& fn) {
+  std::optional<dispatch::DispatchedModel::Scope> scope;
+  at::Device device = fallback;
+  if (dispatched != nullptr) {
+    ACCEL_ASSIGN_OR_RETURN(dispatch::DispatchedModel::Scope entered, dispatched->Enter(name));
+    device = entered.device();
+    scope.emplace(std::move(entered));
+  }
+  at::Tensor out;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] { out = fn(device); }));
+  return out;
+}
+
+}  // namespace accel::models::internal
+
+#endif  // ACCEL_MODELS_INTERNAL_PACKED_H_
