@@ -7,8 +7,10 @@
 
 #include <ATen/Context.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
+#include "core/bytes.h"
 #include "core/dtype.h"
 #include "core/placement.h"
 #include "core/status.h"
@@ -75,16 +77,55 @@ absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
   return PlanForModel(dir, tree, asked, &prequantized);
 }
 
+// The expert cache's bytes: as asked, or the experts one token routes to in
+// every sparse layer, at most half of the execution device's budget.
+absl::StatusOr<int64_t> ExpertCacheBytes(const ModelLoadOptions& options,
+                                         const ResolvedConfig& resolved,
+                                         const dispatch::ModuleTree& tree,
+                                         const dispatch::SizeOptions& sizes,
+                                         const dispatch::MaxMemory& max_memory) {
+  if (options.expert_cache != "auto") {
+    absl::StatusOr<int64_t> bytes = ParseByteSize(options.expert_cache);
+    if (!bytes.ok()) return Annotate(bytes.status(), "expert_cache");
+    return *bytes;
+  }
+  const std::vector<std::string> lists = ExpertLists(resolved);
+  if (lists.empty()) return 0;
+  const dispatch::ModuleSizes table = dispatch::ComputeModuleSizes(tree, sizes);
+  double bytes = 0;
+  for (const std::string& list : lists) bytes += resolved.top_k * table.at(list + ".0");
+  for (const auto& [p, budget] : max_memory) {
+    if (p.is_cuda() || p.is_cpu()) {  // the first of them runs the experts
+      bytes = std::min(bytes, budget / 2);
+      break;
+    }
+  }
+  return static_cast<int64_t>(bytes);
+}
+
 absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& options,
                                                     const loader::ModelConfig& config,
                                                     at::ScalarType dtype,
-                                                    const QuantPlan& quantization) {
+                                                    const QuantPlan& quantization,
+                                                    int64_t* expert_cache_bytes) {
+  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype));
+  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(config));
+  dispatch::PlanOptions plan;
+  plan.no_split = {resolved.family.block_class};
+  plan.sizes.dtype = dtype;
+  if (!quantization.empty()) {
+    // Sized as stored: quantized weights at their packed bytes.
+    ACCEL_ASSIGN_OR_RETURN(tree, QuantizeModuleTree(tree, quantization));
+    AddQuantizedSizes(quantization, plan.sizes.special_bytes);
+  }
   const std::string& spec = options.device_map;
   if (!IsStrategy(spec)) {
     if (!options.max_memory.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("max_memory plans a device map; it cannot go with device_map '", spec, "'"));
     }
+    ACCEL_ASSIGN_OR_RETURN(*expert_cache_bytes,
+                           ExpertCacheBytes(options, resolved, tree, plan.sizes, {}));
     dispatch::DeviceMap map;
     if (absl::StatusOr<Placement> one = Placement::Parse(spec); one.ok()) {
       map.Set("", *one);
@@ -113,17 +154,49 @@ absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& opti
     if (!parsed.ok()) return Annotate(parsed.status(), "max_memory");
     max_memory = *std::move(parsed);
   }
-  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype));
-  ACCEL_ASSIGN_OR_RETURN(Family family, FamilyOf(config));
-  dispatch::PlanOptions plan;
-  plan.no_split = {family.block_class};
-  plan.sizes.dtype = dtype;
-  if (!quantization.empty()) {
-    // Sized as stored: quantized weights at their packed bytes.
-    ACCEL_ASSIGN_OR_RETURN(tree, QuantizeModuleTree(tree, quantization));
-    AddQuantizedSizes(quantization, plan.sizes.special_bytes);
+  ACCEL_ASSIGN_OR_RETURN(*expert_cache_bytes,
+                         ExpertCacheBytes(options, resolved, tree, plan.sizes, max_memory));
+  if (options.offload_experts) {
+    plan.expert_lists = ExpertLists(resolved);
+    plan.expert_cache_bytes = static_cast<double>(*expert_cache_bytes);
   }
-  return dispatch::PlanDeviceMap(tree, spec, max_memory, plan, probed);
+  dispatch::PlanReport report;
+  ACCEL_ASSIGN_OR_RETURN(dispatch::DeviceMap map,
+                         dispatch::PlanDeviceMap(tree, spec, max_memory, plan, probed, &report));
+  if (options.offload_experts && report.expert_cache_bytes > 0) {
+    *expert_cache_bytes = static_cast<int64_t>(report.expert_cache_bytes);
+  }
+  return map;
+}
+
+// The expert lists to fetch one by one: all, with offload_experts; else
+// those the device map places inside of (a map planned that way).
+std::vector<std::string> FetchedExpertLists(const ModelLoadOptions& options,
+                                            const ResolvedConfig& resolved,
+                                            const dispatch::DeviceMap& map) {
+  std::vector<std::string> lists = ExpertLists(resolved);
+  if (options.offload_experts) return lists;
+  std::vector<std::string> inside;
+  for (const std::string& list : lists) {
+    for (const auto& [name, p] : map.entries()) {
+      if (absl::StartsWith(name, list + ".")) {
+        inside.push_back(list);
+        break;
+      }
+    }
+  }
+  return inside;
+}
+
+absl::StatusOr<std::optional<at::Device>> ChooseExecutionDevice(const std::string& spec) {
+  if (spec.empty() || spec == "auto") return std::nullopt;
+  absl::StatusOr<Placement> p = Placement::Parse(spec);
+  if (!p.ok() || p->is_disk()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("execution_device '", spec, "': expected auto, cpu, or a GPU (0, cuda:1)"));
+  }
+  if (p->is_cpu()) return at::Device(at::kCPU);
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(p->index()));
 }
 
 }  // namespace
@@ -144,9 +217,14 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   ACCEL_ASSIGN_OR_RETURN(out.dtype, ChooseDType(options, out.config));
   ACCEL_ASSIGN_OR_RETURN(out.quantization,
                          ChooseQuantization(dir, options, out.config, out.dtype, out.prequantized));
-  ACCEL_ASSIGN_OR_RETURN(out.device_map,
-                         ChooseDeviceMap(options, out.config, out.dtype, out.quantization));
+  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(out.config));
+  ACCEL_ASSIGN_OR_RETURN(std::optional<at::Device> execution,
+                         ChooseExecutionDevice(options.execution_device));
+  ACCEL_ASSIGN_OR_RETURN(
+      out.device_map,
+      ChooseDeviceMap(options, out.config, out.dtype, out.quantization, &out.expert_cache_bytes));
   ACCEL_RETURN_IF_ERROR(CheckGpus(out.device_map));
+  out.expert_lists = FetchedExpertLists(options, resolved, out.device_map);
   {
     dispatch::EmptyWeightsGuard empty;
     ACCEL_ASSIGN_OR_RETURN(out.model, BuildCausalLM(out.config, out.dtype));
@@ -155,6 +233,10 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   load.dtype = out.dtype;
   load.offload_folder = options.offload_folder;
   load.progress = options.progress;
+  load.execution_device = execution;
+  load.expert_lists = out.expert_lists;
+  load.expert_cache_bytes = out.expert_cache_bytes;
+  load.drop_read_pages = options.drop_read_pages;
   std::unique_ptr<dispatch::LoadHook> hook;
   if (!out.quantization.empty()) {
     ACCEL_RETURN_IF_ERROR(QuantizeLinears(*out.model, out.quantization));

@@ -52,6 +52,23 @@ struct ModelLoadOptions {
   double int8_threshold = 6.0;   // int8: outlier threshold (0: none)
   // 4-bit compute dtype; "auto": the model's dtype.
   std::string quant_compute_dtype = "auto";
+  // Mixture-of-experts models: plan the experts one by one (after everything
+  // else, in the room it leaves: dispatch::PlanOptions::expert_lists) and
+  // bring offloaded experts in as the router picks them, through an expert
+  // cache on the execution device, instead of every expert of a block with
+  // it. Off: Accelerate's plan, whole blocks. A device map file with keys
+  // inside an expert list turns it on too.
+  bool offload_experts = false;
+  // The expert cache's size: "auto" (the experts one token routes to in every
+  // sparse layer, at most half of the execution device's budget) or a size
+  // ("2GiB"), counted inside max_memory.
+  std::string expert_cache = "auto";
+  // Where cpu and disk entries run: "auto" (the first GPU in the map, else
+  // the cpu), "cpu", or a GPU ("0", "cuda:1"), which streams weights held in
+  // RAM or on disk through it.
+  std::string execution_device = "auto";
+  // Disk reads of offloaded weights drop their pages from the page cache.
+  bool drop_read_pages = false;
   Progress::Style progress = Progress::Style::kAuto;
 };
 
@@ -65,6 +82,9 @@ struct LoadedModel {
   // was stored quantized.
   std::map<std::string, nn::LinearQuantization> quantization;
   bool prequantized = false;
+  // Expert lists whose experts are fetched one by one, and the cache's bytes.
+  std::vector<std::string> expert_lists;
+  int64_t expert_cache_bytes = 0;
   std::shared_ptr<CausalLM> model;
   std::unique_ptr<dispatch::DispatchedModel> dispatched;
 

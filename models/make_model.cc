@@ -113,6 +113,14 @@ absl::StatusOr<loader::ModelConfig> MakeModelConfig(const MakeModelOptions& o) {
   if (o.head_dim < 0) return absl::InvalidArgumentError("--head_dim must not be negative");
   c.head_dim = o.head_dim;
   const int64_t head_dim = o.head_dim > 0 ? o.head_dim : o.hidden_size / o.num_heads;
+  if (gpt2) {
+    c.hidden_act = "gelu_new";
+    c.norm_eps = 1e-5;
+  } else {
+    c.hidden_act = "silu";
+    c.norm_eps = 1e-5;
+    c.rope_theta = 10000.0;
+  }
   if (family->moe != MoeKind::kNone) {
     const bool mixtral = family->moe == MoeKind::kMixtral;
     c.moe.num_experts = o.num_experts > 0 ? o.num_experts : 8;
@@ -139,6 +147,7 @@ absl::StatusOr<loader::ModelConfig> MakeModelConfig(const MakeModelOptions& o) {
     c.hidden_activation = "gelu_pytorch_tanh";
     c.hidden_act = "gelu_pytorch_tanh";
     c.norm_eps = 1e-6;
+    c.rope_theta = family->local_rope ? 1'000'000.0 : 10'000.0;
     c.query_pre_attn_scalar = static_cast<double>(head_dim);
     if (!c.sliding_window) c.sliding_window = 4096;
     if (family->model_type == std::string("gemma2")) {
@@ -174,14 +183,6 @@ absl::StatusOr<loader::ModelConfig> MakeModelConfig(const MakeModelOptions& o) {
     }
   }
   c.torch_dtype = std::string(DTypeName(o.dtype));
-  if (gpt2) {
-    c.hidden_act = "gelu_new";
-    c.norm_eps = 1e-5;
-  } else {
-    c.hidden_act = "silu";
-    c.norm_eps = 1e-5;
-    c.rope_theta = 10000.0;
-  }
   // Special tokens sit at the top of the vocabulary (GPT-2's 50256 habit).
   c.bos_token_id = o.vocab_size - 2;
   c.eos_token_ids = {o.vocab_size - 1};

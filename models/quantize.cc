@@ -370,11 +370,25 @@ absl::StatusOr<QuantPlan> PlanQuantization(const dispatch::ModuleTree& tree,
   }
   std::set<std::string> tied;
   for (const auto& group : tree.TiedParameters()) tied.insert(group.begin(), group.end());
+  // The router of a mixture-of-experts block ("<...SparseMoeBlock>.gate")
+  // stays as it is: transformers v5 makes routers TopKRouter modules holding
+  // a bare Parameter, and its bitsandbytes replacement converts only modules
+  // whose type is nn.Linear (integrations/bitsandbytes.py), so no router is
+  // quantized. (v4.x routers were nn.Linear and were quantized; checkpoints
+  // saved so load as they were saved, by PlanFromCheckpoint.) Qwen2-MoE's
+  // shared_expert_gate is still an nn.Linear in v5 and is quantized.
+  std::set<std::string> routers;
+  for (const auto& [name, node] : tree.NamedModules()) {
+    if (!absl::EndsWith(tree.node(node).class_name, "SparseMoeBlock")) continue;
+    for (const auto& [child, id] : tree.node(node).children) {
+      if (child == "gate") routers.insert(absl::StrCat(name, ".gate"));
+    }
+  }
   QuantPlan plan;
   for (const auto& [name, node] : tree.NamedModules()) {
     if (name.empty() || !IsLinearClass(tree.node(node).class_name)) continue;
     if (!config.Quantizes(name)) continue;  // the skip list and keep_in_fp32_modules
-    if (tied.count(name + ".weight")) continue;
+    if (tied.count(name + ".weight") || routers.count(name)) continue;
     plan[name] = FromConfig(config);
   }
   if (plan.empty()) {
