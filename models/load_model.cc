@@ -77,30 +77,12 @@ absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
   return PlanForModel(dir, tree, asked, &prequantized);
 }
 
-// The expert cache's bytes: as asked, or the experts one token routes to in
-// every sparse layer, at most half of the execution device's budget.
-absl::StatusOr<int64_t> ExpertCacheBytes(const ModelLoadOptions& options,
-                                         const ResolvedConfig& resolved,
-                                         const dispatch::ModuleTree& tree,
-                                         const dispatch::SizeOptions& sizes,
-                                         const dispatch::MaxMemory& max_memory) {
-  if (options.expert_cache != "auto") {
-    absl::StatusOr<int64_t> bytes = ParseByteSize(options.expert_cache);
-    if (!bytes.ok()) return Annotate(bytes.status(), "expert_cache");
-    return *bytes;
-  }
-  const std::vector<std::string> lists = ExpertLists(resolved);
-  if (lists.empty()) return 0;
-  const dispatch::ModuleSizes table = dispatch::ComputeModuleSizes(tree, sizes);
-  double bytes = 0;
-  for (const std::string& list : lists) bytes += resolved.top_k * table.at(list + ".0");
-  for (const auto& [p, budget] : max_memory) {
-    if (p.is_cuda() || p.is_cpu()) {  // the first of them runs the experts
-      bytes = std::min(bytes, budget / 2);
-      break;
-    }
-  }
-  return static_cast<int64_t>(bytes);
+absl::StatusOr<int64_t> ExpertCacheBytesFor(const ModelLoadOptions& options,
+                                            const ResolvedConfig& resolved,
+                                            const dispatch::ModuleTree& tree,
+                                            const dispatch::SizeOptions& sizes,
+                                            const dispatch::MaxMemory& max_memory) {
+  return ExpertCacheBytes(options.expert_cache, resolved, tree, sizes, max_memory);
 }
 
 absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& options,
@@ -125,7 +107,7 @@ absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& opti
           absl::StrCat("max_memory plans a device map; it cannot go with device_map '", spec, "'"));
     }
     ACCEL_ASSIGN_OR_RETURN(*expert_cache_bytes,
-                           ExpertCacheBytes(options, resolved, tree, plan.sizes, {}));
+                           ExpertCacheBytesFor(options, resolved, tree, plan.sizes, {}));
     dispatch::DeviceMap map;
     if (absl::StatusOr<Placement> one = Placement::Parse(spec); one.ok()) {
       map.Set("", *one);
@@ -155,7 +137,7 @@ absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& opti
     max_memory = *std::move(parsed);
   }
   ACCEL_ASSIGN_OR_RETURN(*expert_cache_bytes,
-                         ExpertCacheBytes(options, resolved, tree, plan.sizes, max_memory));
+                         ExpertCacheBytesFor(options, resolved, tree, plan.sizes, max_memory));
   if (options.offload_experts) {
     plan.expert_lists = ExpertLists(resolved);
     plan.expert_cache_bytes = static_cast<double>(*expert_cache_bytes);
@@ -200,6 +182,30 @@ absl::StatusOr<std::optional<at::Device>> ChooseExecutionDevice(const std::strin
 }
 
 }  // namespace
+
+absl::StatusOr<int64_t> ExpertCacheBytes(const std::string& expert_cache,
+                                         const ResolvedConfig& resolved,
+                                         const dispatch::ModuleTree& tree,
+                                         const dispatch::SizeOptions& sizes,
+                                         const dispatch::MaxMemory& max_memory) {
+  if (expert_cache != "auto") {
+    absl::StatusOr<int64_t> bytes = ParseByteSize(expert_cache);
+    if (!bytes.ok()) return Annotate(bytes.status(), "expert_cache");
+    return *bytes;
+  }
+  const std::vector<std::string> lists = ExpertLists(resolved);
+  if (lists.empty()) return 0;
+  const dispatch::ModuleSizes table = dispatch::ComputeModuleSizes(tree, sizes);
+  double bytes = 0;
+  for (const std::string& list : lists) bytes += resolved.top_k * table.at(list + ".0");
+  for (const auto& [p, budget] : max_memory) {
+    if (p.is_cuda() || p.is_cpu()) {  // the first of them runs the experts
+      bytes = std::min(bytes, budget / 2);
+      break;
+    }
+  }
+  return static_cast<int64_t>(bytes);
+}
 
 std::vector<int64_t> LoadedModel::eos_token_ids() const {
   return generation_config.eos_token_ids.empty() ? config.eos_token_ids

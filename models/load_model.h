@@ -25,6 +25,7 @@
 #include "dispatch/dispatch.h"
 #include "loader/config.h"
 #include "models/causal_lm.h"
+#include "models/families.h"
 #include "models/nn.h"
 
 namespace accel::models {
@@ -91,6 +92,17 @@ struct LoadedModel {
   // generation_config.json's eos ids, else config.json's.
   std::vector<int64_t> eos_token_ids() const;
 };
+
+// The expert cache's bytes for `expert_cache` ("auto" or a size, as
+// ModelLoadOptions::expert_cache): "auto" is the experts one token routes to
+// in every sparse layer of `resolved`, sized on `tree` with `sizes`, at most
+// half the budget of the first GPU or cpu in `max_memory` (when it has one).
+// 0 for a dense model. InvalidArgument naming expert_cache for a bad size.
+absl::StatusOr<int64_t> ExpertCacheBytes(const std::string& expert_cache,
+                                         const ResolvedConfig& resolved,
+                                         const dispatch::ModuleTree& tree,
+                                         const dispatch::SizeOptions& sizes,
+                                         const dispatch::MaxMemory& max_memory);
 
 // Errors name the file or the option: NotFound for a folder without
 // config.json; InvalidArgument for a bad option (naming it), an unsupported

@@ -68,6 +68,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   load.dtype = options.dtype;
   load.quantize = options.quantize;
   load.double_quant = options.double_quant;
+  load.offload_experts = options.offload_experts;
+  load.expert_cache = options.expert_cache;
+  load.execution_device = options.execution_device;
   ACCEL_ASSIGN_OR_RETURN(model.loaded, models::LoadModel(options.model_dir, load));
   const models::LoadedModel& loaded = model.loaded;
 

@@ -36,6 +36,9 @@ struct EngineOptions {
   std::string dtype = "auto";
   std::string quantize = "none";  // none | int8 | nf4 | fp4
   bool double_quant = false;
+  bool offload_experts = false;
+  std::string expert_cache = "auto";
+  std::string execution_device = "auto";
   int threads = 0;  // libtorch's intra-op threads; 0: its default (the cores)
   SchedulerOptions scheduler;
   int64_t max_input_tokens = 0;  // prompt tokens; 0: the model's context - 1

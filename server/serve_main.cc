@@ -73,6 +73,15 @@ ABSL_FLAG(std::string, quantize, "none",
           "is. A model saved quantized (accel-quantize, transformers) loads as it is.");
 ABSL_FLAG(bool, double_quant, false,
           "With nf4/fp4: quantize the absmaxes too (8 bits, groups of 256).");
+ABSL_FLAG(bool, offload_experts, false,
+          "Mixture-of-experts models: place experts one by one and bring offloaded ones in as the "
+          "router picks them, through an expert cache (otherwise whole blocks, as Accelerate).");
+ABSL_FLAG(std::string, expert_cache, "auto",
+          "The expert cache's size, e.g. 2GiB (auto: the experts one token uses in every sparse "
+          "layer, at most half the execution device's budget), inside max_memory.");
+ABSL_FLAG(std::string, execution_device, "auto",
+          "Where cpu- and disk-placed weights run: auto (the first GPU in the map, else the cpu), "
+          "cpu, or a GPU (0, cuda:1), through which a model held in RAM or on disk streams.");
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address the gRPC and metrics ports listen on.");
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one (printed on stdout).");
 ABSL_FLAG(int, metrics_port, 8002,
@@ -150,6 +159,9 @@ absl::StatusOr<Options> ReadOptions() {
   e.dtype = absl::GetFlag(FLAGS_dtype);
   e.quantize = absl::GetFlag(FLAGS_quantize);
   e.double_quant = absl::GetFlag(FLAGS_double_quant);
+  e.offload_experts = absl::GetFlag(FLAGS_offload_experts);
+  e.expert_cache = absl::GetFlag(FLAGS_expert_cache);
+  e.execution_device = absl::GetFlag(FLAGS_execution_device);
   e.threads = absl::GetFlag(FLAGS_threads);
   e.scheduler.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   e.scheduler.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
@@ -299,6 +311,12 @@ int Run(int argc, char** argv) {
     catch_up(metrics.offload_prefetch_hits, stats.prefetch_hits);
     catch_up(metrics.offload_disk_read_bytes, stats.bytes_read);
     catch_up(metrics.offload_device_copy_bytes, stats.bytes_to_device);
+    catch_up(metrics.offload_expert_fetches, stats.expert_fetches);
+    catch_up(metrics.offload_expert_cache_hits, stats.expert_cache_hits);
+    catch_up(metrics.offload_expert_prefetch_hits, stats.expert_prefetch_hits);
+    const double tokens = metrics.prompt_tokens.value() + metrics.generation_tokens.value();
+    metrics.offload_read_bytes_per_token.Set(
+        tokens > 0 ? static_cast<double>(stats.bytes_read) / tokens : 0.0);
   });
   std::unique_ptr<accel::server::MetricsHttpServer> metrics_http;
   if (options->metrics_port >= 0) {

@@ -86,6 +86,20 @@ ServerMetrics::ServerMetrics(MetricsRegistry* r)
       offload_device_copy_bytes(
           r->AddCounter("accel_offload_device_copy_bytes_total",
                         "Bytes of offloaded weights copied to the GPU on the copy stream.")),
+      offload_expert_fetches(r->AddCounter(
+          "accel_offload_expert_fetches_total",
+          "Experts of mixture-of-experts layers read into the expert cache (from disk, or from "
+          "RAM for a GPU).")),
+      offload_expert_cache_hits(
+          r->AddCounter("accel_offload_expert_cache_hits_total",
+                        "Uses of offloaded experts served by the expert cache without a read.")),
+      offload_expert_prefetch_hits(
+          r->AddCounter("accel_offload_expert_prefetch_hits_total",
+                        "Expert cache hits on experts the reader thread had read ahead of use.")),
+      offload_read_bytes_per_token(r->AddGauge(
+          "accel_offload_read_bytes_per_token",
+          "Bytes of offloaded weights read from disk per token processed (prompt and generated), "
+          "since the start.")),
       model_load_seconds(r->AddGauge("accel_model_load_seconds",
                                      "Seconds the model took to load (0 until loaded).")),
       ready(

@@ -41,6 +41,10 @@ class ServerMetrics {
   Counter& offload_prefetch_hits;
   Counter& offload_disk_read_bytes;
   Counter& offload_device_copy_bytes;
+  Counter& offload_expert_fetches;
+  Counter& offload_expert_cache_hits;
+  Counter& offload_expert_prefetch_hits;
+  Gauge& offload_read_bytes_per_token;
   Gauge& model_load_seconds;
   Gauge& ready;
   Gauge& draining;

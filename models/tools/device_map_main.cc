@@ -9,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 
@@ -20,6 +21,7 @@
 #include "loader/config.h"
 #include "loader/loader.h"
 #include "models/families.h"
+#include "models/load_model.h"
 #include "models/quantize.h"
 
 ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
@@ -41,6 +43,12 @@ ABSL_FLAG(bool, double_quant, false, "With nf4/fp4: the absmaxes quantized too."
 ABSL_FLAG(std::string, strategy, "auto", "auto | balanced | balanced_low_0 | sequential");
 ABSL_FLAG(bool, offload_buffers, false, "Offload the buffers of offloaded modules with them.");
 ABSL_FLAG(bool, verbose, false, "Print a per-device summary on stderr.");
+ABSL_FLAG(bool, offload_experts, false,
+          "Mixture-of-experts models (--model): place the experts one by one, after the rest, "
+          "keeping room for the expert cache on the execution device.");
+ABSL_FLAG(std::string, expert_cache, "auto",
+          "With --offload_experts: the expert cache's size (auto: the experts one token uses in "
+          "every sparse layer, at most half the execution device's budget).");
 
 namespace {
 
@@ -119,6 +127,28 @@ int Run() {
     if (!mm.ok()) return Fail(mm.status());
     probed = true;
   }
+  if (absl::GetFlag(FLAGS_offload_experts)) {
+    if (model_dir.empty()) {
+      return Fail(
+          absl::InvalidArgumentError("--offload_experts needs --model (its config names "
+                                     "the experts)"));
+    }
+    auto config = accel::loader::ReadModelConfig(model_dir + "/config.json");
+    if (!config.ok()) return Fail(config.status());
+    auto resolved = accel::models::ResolveConfig(*config);
+    if (!resolved.ok()) return Fail(resolved.status());
+    options.expert_lists = accel::models::ExpertLists(*resolved);
+    if (options.expert_lists.empty()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--offload_experts: ",
+          config->architectures.empty() ? config->model_type : config->architectures[0],
+          " has no mixture-of-experts layers")));
+    }
+    auto cache = accel::models::ExpertCacheBytes(absl::GetFlag(FLAGS_expert_cache), *resolved,
+                                                 *tree, options.sizes, *mm);
+    if (!cache.ok()) return Fail(accel::Annotate(cache.status(), "--expert_cache"));
+    options.expert_cache_bytes = static_cast<double>(*cache);
+  }
   accel::dispatch::PlanReport report;
   auto map = accel::dispatch::PlanDeviceMap(*tree, absl::GetFlag(FLAGS_strategy), *mm, options,
                                             probed, &report);
@@ -144,6 +174,11 @@ int Run() {
                                    accel::FormatBytes(static_cast<int64_t>(total.first)),
                                    total.second, budget);
     }
+    if (report.expert_cache_bytes > 0) {
+      std::cerr << absl::StrFormat(
+          "  expert cache: %s kept on the execution device\n",
+          accel::FormatBytes(static_cast<int64_t>(report.expert_cache_bytes)));
+    }
     for (const std::string& w : report.warnings) std::cerr << "note: " << w << "\n";
   }
   return 0;
@@ -155,6 +190,7 @@ int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "accel-device-map (--model DIR | --tree FILE.json) [--max_memory 0=10GiB,cpu=30GiB]\n"
       "  [--no_split A,B] [--dtype bfloat16] [--strategy auto] [--offload_buffers] [--verbose]\n"
+      "  [--offload_experts [--expert_cache 2GiB]]\n"
       "Prints the device map as one JSON object: {\"module.name\": 0 | \"cpu\" | \"disk\"}.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 1) {

@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 
+#include "core/bytes.h"
 #include "core/status.h"
 #include "core/tool_main.h"
 #include "models/default_model.h"
@@ -58,6 +59,15 @@ ABSL_FLAG(std::string, quantize, "none",
           "Quantize the linear layers on loading (bitsandbytes' formats): none | int8 | nf4 | fp4. "
           "lm_head stays as it is; a model saved quantized loads as it is.");
 ABSL_FLAG(bool, double_quant, false, "With nf4/fp4: quantize the absmaxes too.");
+ABSL_FLAG(bool, offload_experts, false,
+          "Mixture-of-experts models: place experts one by one and bring offloaded ones in as the "
+          "router picks them, through an expert cache (otherwise whole blocks, as Accelerate).");
+ABSL_FLAG(std::string, expert_cache, "auto",
+          "The expert cache's size, e.g. 2GiB (auto: the experts one token uses in every sparse "
+          "layer, at most half the execution device's budget).");
+ABSL_FLAG(std::string, execution_device, "auto",
+          "Where cpu- and disk-placed weights run: auto (the first GPU in the map, else the cpu), "
+          "cpu, or a GPU (0, cuda:1).");
 
 namespace {
 
@@ -162,6 +172,9 @@ int Run(int argc, char** argv) {
   options.dtype = absl::GetFlag(FLAGS_dtype);
   options.quantize = absl::GetFlag(FLAGS_quantize);
   options.double_quant = absl::GetFlag(FLAGS_double_quant);
+  options.offload_experts = absl::GetFlag(FLAGS_offload_experts);
+  options.expert_cache = absl::GetFlag(FLAGS_expert_cache);
+  options.execution_device = absl::GetFlag(FLAGS_execution_device);
   const auto load_start = Clock::now();
   auto loaded = accel::models::LoadModel(dir, options);
   if (!loaded.ok()) return Fail(loaded.status());
@@ -213,6 +226,16 @@ int Run(int argc, char** argv) {
       "(finish: %s), %.2f tokens/s after the first\n",
       load_seconds, prompt_ids.size(), prefill, token_ids.size(), FinishReasonName(finish),
       decoded > 0 && decode > 0 ? static_cast<double>(decoded) / decode : 0.0);
+  const accel::dispatch::OffloadStats stats = loaded->dispatched->stats();
+  if (stats.fetches > 0 || stats.expert_fetches > 0 || stats.expert_cache_hits > 0) {
+    const double tokens = static_cast<double>(std::max<size_t>(token_ids.size(), 1));
+    std::cerr << absl::StrFormat(
+        "accel-generate: offload: %d module fetches, %d experts read, %d expert cache hits "
+        "(%d read ahead), %s read from disk (%s a token)\n",
+        stats.fetches, stats.expert_fetches, stats.expert_cache_hits, stats.expert_prefetch_hits,
+        accel::FormatBytes(stats.bytes_read),
+        accel::FormatBytes(static_cast<int64_t>(static_cast<double>(stats.bytes_read) / tokens)));
+  }
   return 0;
 }
 

@@ -725,3 +725,126 @@ TEST(DeviceMapJsonTest, RoundTripsAndRejectsNonDevices) {
 
 }  // namespace
 }  // namespace accel::dispatch
+
+// ---- expert-granular placement (PlanOptions::expert_lists) ---------------------
+
+namespace accel::dispatch {
+namespace {
+
+// A mixture-of-experts toy: an embedding, 2 blocks of attention (4 KiB) and
+// a sparse block of a router (256 B) and 4 experts (4 KiB each), a head.
+ModuleTree ToyMoe() {
+  ModuleTree t("ToyMoe");
+  int embed = t.AddChild(0, "embed", "Embedding");
+  t.AddParam(embed, {"weight", {64, 16}});  // 4 KiB
+  int layers = t.AddChild(0, "layers", "ModuleList");
+  for (int i = 0; i < 2; ++i) {
+    int block = t.AddChild(layers, std::to_string(i), "Block");
+    Linear(t, block, "attn", 32, 32, /*bias=*/false);  // 4 KiB
+    int moe = t.AddChild(block, "moe", "SparseMoeBlock");
+    Linear(t, moe, "gate", 16, 4, /*bias=*/false);  // 256 B
+    int experts = t.AddChild(moe, "experts", "ModuleList");
+    for (int e = 0; e < 4; ++e) Linear(t, experts, std::to_string(e), 32, 32, /*bias=*/false);
+  }
+  Linear(t, 0, "head", 16, 64, /*bias=*/false);  // 4 KiB
+  return t;
+}
+
+PlanOptions MoeOptions() {
+  PlanOptions o;
+  o.no_split = {"Block"};
+  o.expert_lists = {"layers.0.moe.experts", "layers.1.moe.experts"};
+  return o;
+}
+
+TEST(ExpertPlacementTest, WithoutExpertListsThePlanIsAccelerates) {
+  const ModuleTree t = ToyMoe();
+  PlanOptions o = MoeOptions();
+  o.expert_lists.clear();
+  ACCEL_ASSERT_OK_AND_ASSIGN(MaxMemory mm, ParseMaxMemory("cpu=47000"));
+  ACCEL_ASSERT_OK_AND_ASSIGN(DeviceMap map, PlanDeviceMap(t, "sequential", mm, o));
+  // Blocks (20.25 KiB) are whole: with the next one reserved as the largest
+  // layer, the first fits beside the embedding and the second does not.
+  EXPECT_EQ(map.Lookup("layers.0.moe.experts.3"), Placement::Cpu());
+  EXPECT_EQ(map.Lookup("layers.1.attn.weight"), Placement::Disk());
+  EXPECT_EQ(map.Lookup("layers.1.moe.experts.0.weight"), Placement::Disk());
+}
+
+TEST(ExpertPlacementTest, ExpertsFillTheRoomTheRestLeavesAfterTheCache) {
+  const ModuleTree t = ToyMoe();
+  PlanOptions o = MoeOptions();
+  o.expert_cache_bytes = 8192;  // two experts
+  // Dense parts: 4 + 2 x (4 + 0.25) + 4 KiB = 16.5 KiB; with the 8 KiB cache,
+  // 40000 bytes leave room for 3 experts (12 KiB) of the 8.
+  ACCEL_ASSERT_OK_AND_ASSIGN(MaxMemory mm, ParseMaxMemory("cpu=40000"));
+  PlanReport report;
+  ACCEL_ASSERT_OK_AND_ASSIGN(DeviceMap map, PlanDeviceMap(t, "sequential", mm, o, false, &report));
+  for (const char* dense : {"embed.weight", "layers.0.attn.weight", "layers.0.moe.gate.weight",
+                            "layers.1.attn.weight", "layers.1.moe.gate.weight", "head.weight"}) {
+    EXPECT_EQ(map.Lookup(dense), Placement::Cpu()) << dense;
+  }
+  std::vector<std::string> on_cpu, on_disk;
+  for (int layer = 0; layer < 2; ++layer) {
+    for (int e = 0; e < 4; ++e) {
+      const std::string name =
+          "layers." + std::to_string(layer) + ".moe.experts." + std::to_string(e) + ".weight";
+      (map.Lookup(name) == Placement::Cpu() ? on_cpu : on_disk).push_back(name);
+    }
+  }
+  EXPECT_THAT(on_cpu, ElementsAre("layers.0.moe.experts.0.weight", "layers.0.moe.experts.1.weight",
+                                  "layers.0.moe.experts.2.weight"));
+  EXPECT_EQ(on_disk.size(), 5u);
+  EXPECT_EQ(report.expert_cache_bytes, 8192);
+  // The cache is counted in what the cpu uses, and it stays within its budget.
+  double cpu = 0;
+  for (const auto& [p, bytes] : report.used) {
+    if (p == Placement::Cpu()) cpu = bytes;
+  }
+  EXPECT_EQ(cpu, 16.5 * 1024 + 3 * 4096 + 8192);
+  EXPECT_LE(cpu, 40000);
+  // Every tensor is placed, and no key nests inside another.
+  EXPECT_THAT(CheckDeviceMap(t, map), IsOk());
+  for (const auto& [a, pa] : map.entries()) {
+    for (const auto& [b, pb] : map.entries()) {
+      EXPECT_FALSE(a != b && b.rfind(a + ".", 0) == 0) << a << " holds " << b;
+    }
+  }
+}
+
+TEST(ExpertPlacementTest, WhenEveryExpertFitsNoCacheIsKept) {
+  const ModuleTree t = ToyMoe();
+  PlanOptions o = MoeOptions();
+  o.expert_cache_bytes = 8192;
+  ACCEL_ASSERT_OK_AND_ASSIGN(MaxMemory mm, ParseMaxMemory("cpu=1MB"));
+  PlanReport report;
+  ACCEL_ASSERT_OK_AND_ASSIGN(DeviceMap map, PlanDeviceMap(t, "sequential", mm, o, false, &report));
+  EXPECT_THAT(map.entries(), ElementsAre(Pair("", Placement::Cpu())));
+  EXPECT_EQ(report.expert_cache_bytes, 0);
+}
+
+TEST(ExpertPlacementTest, AGpuTakesTheRestThenExpertsSpillToCpuAndDisk) {
+  const ModuleTree t = ToyMoe();
+  PlanOptions o = MoeOptions();
+  o.expert_cache_bytes = 4096;
+  // GPU 0: 16.5 KiB of dense parts + 4 KiB of cache + 1 expert; cpu: 4 experts; disk: the rest.
+  ACCEL_ASSERT_OK_AND_ASSIGN(MaxMemory mm, ParseMaxMemory("0=26000,cpu=16384"));
+  PlanReport report;
+  ACCEL_ASSERT_OK_AND_ASSIGN(DeviceMap map, PlanDeviceMap(t, "sequential", mm, o, false, &report));
+  EXPECT_EQ(map.Lookup("layers.1.attn.weight"), Placement::Cuda(0));
+  EXPECT_EQ(map.Lookup("layers.0.moe.experts.0.weight"), Placement::Cuda(0));
+  EXPECT_EQ(map.Lookup("layers.0.moe.experts.1.weight"), Placement::Cpu());
+  EXPECT_EQ(map.Lookup("layers.1.moe.experts.0.weight"), Placement::Cpu());
+  EXPECT_EQ(map.Lookup("layers.1.moe.experts.1.weight"), Placement::Disk());
+  EXPECT_EQ(report.expert_cache_bytes, 4096);
+}
+
+TEST(ExpertPlacementTest, AnUnknownExpertListIsAnError) {
+  PlanOptions o = MoeOptions();
+  o.expert_lists = {"layers.7.moe.experts"};
+  ACCEL_ASSERT_OK_AND_ASSIGN(MaxMemory mm, ParseMaxMemory("cpu=1MB"));
+  EXPECT_THAT(PlanDeviceMap(ToyMoe(), "sequential", mm, o),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("layers.7.moe.experts")));
+}
+
+}  // namespace
+}  // namespace accel::dispatch

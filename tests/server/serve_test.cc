@@ -478,6 +478,49 @@ TEST(ServeOffloadTest, DiskOffloadAnswersAsTheModelInRamAndIsCounted) {
   EXPECT_EQ(MetricValue(*text, "accel_offload_device_copy_bytes_total"), 0);
 }
 
+// A small Mixtral: 8 experts of which each token uses 2.
+const std::string& MixtralModelDir() {
+  static const std::string dir =
+      MadeModel("serve-mixtral",
+                "--family mixtral --num_layers 2 --hidden_size 64 --num_kv_heads 2"
+                " --num_experts 8 --num_experts_per_tok 2 --max_position_embeddings 256 --seed 5");
+  return dir;
+}
+
+// Experts on disk, brought in one by one as the router picks them: the
+// answers of the model held in RAM, and the expert counters move.
+TEST(ServeOffloadTest, OffloadedExpertsAnswerAsTheModelInRamAndAreCounted) {
+  auto server =
+      StartOrDie(MixtralModelDir(), {"--offload_experts", "--max_memory=cpu=1MiB,disk=1GiB"});
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  const std::string prompt = "Experts on disk";
+  const GenerateCli reference = RunGenerateTool(MixtralModelDir(), prompt, 10, "--device_map cpu");
+  ASSERT_EQ(reference.token_ids.size(), 10u);
+  for (int round = 0; round < 2; ++round) {
+    GenerateResponse response;
+    grpc::Status status = Call(*stub, Greedy(prompt, 10), &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(std::vector<int64_t>(response.token_ids().begin(), response.token_ids().end()),
+              reference.token_ids)
+        << "round " << round;
+  }
+  absl::StatusOr<std::string> text = server->Metrics();
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_GT(MetricValue(*text, "accel_weight_bytes{device=\"disk\"}").value_or(0), 0);
+  // The dense parts stay in RAM: no module is fetched, only experts.
+  EXPECT_EQ(MetricValue(*text, "accel_offload_fetches_total").value_or(-1), 0);
+  const double fetches = MetricValue(*text, "accel_offload_expert_fetches_total").value_or(0);
+  const double hits = MetricValue(*text, "accel_offload_expert_cache_hits_total").value_or(-1);
+  EXPECT_GT(fetches, 0);
+  EXPECT_GE(hits, 0);
+  // 2 requests of 10 tokens, 2 sparse layers, top 2: at least 80 uses of an expert.
+  EXPECT_GE(fetches + hits, 80);
+  EXPECT_LE(MetricValue(*text, "accel_offload_expert_prefetch_hits_total").value_or(-1), hits);
+  EXPECT_GT(MetricValue(*text, "accel_offload_read_bytes_per_token").value_or(0), 0);
+  EXPECT_GT(MetricValue(*text, "accel_offload_disk_read_bytes_total").value_or(0), 0);
+}
+
 TEST(ServeLimitsTest, PromptOverMaxInputTokensIsRefused) {
   auto server = StartOrDie(TestModelDir(), {"--max_input_tokens=4", "--max_total_tokens=64"});
   ASSERT_NE(server, nullptr);

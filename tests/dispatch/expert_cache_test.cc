@@ -1,0 +1,208 @@
+// The expert cache on its own: what it reads, what it keeps, what it evicts,
+// what the reader thread reads ahead, and that no value handed out is ever
+// overwritten by a later read into a reused buffer.
+#include "dispatch/internal/expert_cache.h"
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "loader/loader.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+
+namespace accel::dispatch::internal {
+namespace {
+
+using ::accel::test::IsOk;
+using ::accel::test::StatusIs;
+using ::accel::test::TempDir;
+using ::testing::HasSubstr;
+
+constexpr int kUnits = 4;
+constexpr int64_t kNumel = 256;  // floats per tensor; a unit is two tensors: 2 KiB
+constexpr int64_t kUnitBytes = 2 * kNumel * 4;
+
+// A raw file of kUnits x 2 tensors, tensor i holding the value i everywhere,
+// and the table of offloaded tensors that points into it.
+struct Fixture {
+  TempDir dir;
+  std::string path = dir.path() + "/experts.bin";
+  std::vector<Offloaded> tensors;
+
+  Fixture() {
+    std::string bytes;
+    for (int i = 0; i < 2 * kUnits; ++i) {
+      at::Tensor t = at::full({kNumel}, static_cast<float>(i));
+      bytes.append(static_cast<const char*>(t.data_ptr()), kNumel * 4);
+      Source s;
+      s.path = path;
+      s.offset = static_cast<uint64_t>(i) * kNumel * 4;
+      s.nbytes = kNumel * 4;
+      s.dtype = at::kFloat;
+      s.shape = {16, 16};
+      tensors.push_back({absl::StrCat("experts.", i / 2, ".w", i % 2), s});
+    }
+    EXPECT_THAT(loader::WriteFileAtomically(path, bytes), IsOk());
+  }
+
+  std::unique_ptr<ExpertCache> Cache(int64_t budget_units) {
+    ExpertCache::Options options;
+    options.budget_bytes = budget_units * kUnitBytes;
+    auto cache = std::make_unique<ExpertCache>(tensors, options);
+    for (int u = 0; u < kUnits; ++u) EXPECT_EQ(cache->AddUnit({2 * u, 2 * u + 1}), u);
+    return cache;
+  }
+};
+
+OffloadStats Stats(const ExpertCache& cache) {
+  OffloadStats s;
+  cache.AddStats(s);
+  return s;
+}
+
+// The values of unit u are u's two tensors, 2u and 2u + 1, shaped [16, 16].
+void ExpectUnit(const std::vector<at::Tensor>& values, int u) {
+  ASSERT_EQ(values.size(), 2u);
+  for (int m = 0; m < 2; ++m) {
+    EXPECT_EQ(values[m].sizes(), (std::vector<int64_t>{16, 16}));
+    EXPECT_TRUE(at::equal(values[m], at::full({16, 16}, static_cast<float>(2 * u + m))))
+        << "unit " << u << " member " << m;
+  }
+}
+
+// Waits (bounded) until the reader has read `n` units in all.
+bool WaitForFetches(const ExpertCache& cache, int64_t n) {
+  for (int i = 0; i < 2000; ++i) {
+    if (Stats(cache).expert_fetches >= n) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return false;
+}
+
+TEST(ExpertCacheTest, ReadsAUnitOnceThenServesItFromTheCache) {
+  Fixture f;
+  auto cache = f.Cache(2);
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({1}));
+  ExpectUnit(values[0], 1);
+  cache->Release({1});
+  ACCEL_ASSERT_OK_AND_ASSIGN(values, cache->Acquire({1}));
+  ExpectUnit(values[0], 1);
+  cache->Release({1});
+  const OffloadStats s = Stats(*cache);
+  EXPECT_EQ(s.expert_fetches, 1);
+  EXPECT_EQ(s.expert_cache_hits, 1);
+  EXPECT_EQ(s.expert_prefetch_hits, 0);
+  EXPECT_EQ(s.expert_bytes_read, kUnitBytes);
+  EXPECT_EQ(s.bytes_read, kUnitBytes);
+  EXPECT_EQ(cache->cached_bytes(), kUnitBytes);
+}
+
+TEST(ExpertCacheTest, EvictsTheLeastRecentlyUsed) {
+  Fixture f;
+  auto cache = f.Cache(2);
+  for (int u : {0, 1, 0, 2}) {  // 1 is now the oldest, and goes for 2
+    ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({u}));
+    cache->Release({u});
+  }
+  EXPECT_EQ(Stats(*cache).expert_fetches, 3);
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({0}));  // still cached
+  cache->Release({0});
+  EXPECT_EQ(Stats(*cache).expert_fetches, 3);
+  ACCEL_ASSERT_OK_AND_ASSIGN(values, cache->Acquire({1}));  // evicted: read again
+  ExpectUnit(values[0], 1);
+  cache->Release({1});
+  EXPECT_EQ(Stats(*cache).expert_fetches, 4);
+  EXPECT_LE(cache->cached_bytes(), 2 * kUnitBytes);
+}
+
+TEST(ExpertCacheTest, PinnedUnitsStayPastTheBudgetUntilReleased) {
+  Fixture f;
+  auto cache = f.Cache(1);
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({0, 1, 3}));
+  for (int k = 0; k < 3; ++k) ExpectUnit(values[k], k == 2 ? 3 : k);
+  EXPECT_EQ(cache->cached_bytes(), 3 * kUnitBytes);  // a step never fails for want of room
+  cache->Release({0, 1, 3});
+  EXPECT_LE(cache->cached_bytes(), kUnitBytes);  // and the budget holds again after it
+}
+
+TEST(ExpertCacheTest, PrefetchedUnitsAreHitsThatCountAsReadAhead) {
+  Fixture f;
+  auto cache = f.Cache(2);
+  cache->Prefetch({2, 3});
+  ASSERT_TRUE(WaitForFetches(*cache, 2));
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({3, 2}));
+  ExpectUnit(values[0], 3);
+  ExpectUnit(values[1], 2);
+  cache->Release({3, 2});
+  OffloadStats s = Stats(*cache);
+  EXPECT_EQ(s.expert_fetches, 2);
+  EXPECT_EQ(s.expert_cache_hits, 2);
+  EXPECT_EQ(s.expert_prefetch_hits, 2);
+  // Used once, a unit is no longer "read ahead".
+  ACCEL_ASSERT_OK_AND_ASSIGN(values, cache->Acquire({3}));
+  cache->Release({3});
+  EXPECT_EQ(Stats(*cache).expert_prefetch_hits, 2);
+}
+
+TEST(ExpertCacheTest, AGuessNeverEvictsWhatIsPinned) {
+  Fixture f;
+  auto cache = f.Cache(1);
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({0}));
+  cache->Prefetch({1});  // no room: the only unit is pinned
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ExpectUnit(values[0], 0);
+  EXPECT_EQ(Stats(*cache).expert_fetches, 1);
+  EXPECT_EQ(cache->cached_bytes(), kUnitBytes);
+  cache->Release({0});
+}
+
+TEST(ExpertCacheTest, AValueHeldPastItsEvictionIsNeverOverwritten) {
+  Fixture f;
+  auto cache = f.Cache(1);
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto held, cache->Acquire({0}));
+  cache->Release({0});
+  // Units 1, 2 and 3 evict one another, reading into freed buffers.
+  for (int u : {1, 2, 3}) {
+    ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({u}));
+    ExpectUnit(values[0], u);
+    cache->Release({u});
+  }
+  ExpectUnit(held[0], 0);
+}
+
+TEST(ExpertCacheTest, AFailedReadNamesTheTensorAndLeavesNothingPinned) {
+  Fixture f;
+  f.tensors[5].source.path = f.dir.path() + "/missing.bin";  // unit 2's second tensor
+  auto cache = f.Cache(1);
+  EXPECT_THAT(cache->Acquire({0, 2}),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("experts.2.w1")));
+  // Unit 0 was read and is not left pinned: another unit can take its room.
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({1}));
+  ExpectUnit(values[0], 1);
+  cache->Release({1});
+  EXPECT_LE(cache->cached_bytes(), kUnitBytes);
+}
+
+TEST(ExpertCacheTest, ATruncatedFileIsDataLoss) {
+  Fixture f;
+  ASSERT_EQ(::truncate(f.path.c_str(), 3 * kNumel * 4), 0);  // units 0 and half of 1 remain
+  auto cache = f.Cache(2);
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({0}));
+  ExpectUnit(values[0], 0);
+  cache->Release({0});
+  EXPECT_THAT(cache->Acquire({1}),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("experts.1.w1")));
+}
+
+}  // namespace
+}  // namespace accel::dispatch::internal
