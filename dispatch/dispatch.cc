@@ -35,7 +35,6 @@ namespace accel::dispatch {
 namespace {
 
 using internal::Offloaded;
-using internal::ReadRange;
 using internal::Source;
 
 // A group's data, ready to set into the model.
@@ -81,7 +80,7 @@ struct DispatchedModel::Impl {
   // fetched groups are copied to the GPU on its copy stream, by the reader
   // thread when prefetched.
   std::unique_ptr<internal::DeviceStager> stager;
-  bool drop_pages = false;
+  bool direct = false;  // disk reads bypass the page cache
 
   // Expert lists whose experts are fetched one by one: list -> the cache
   // unit of each expert (-1: resident, nothing to fetch). After `tensors`,
@@ -114,33 +113,31 @@ struct DispatchedModel::Impl {
 
   // Staging buffers for disk reads, reused across forwards: a fresh 64 MiB
   // allocation costs more in page faults than reading it from the page cache.
-  // Keyed by (bytes, dtype); flat host tensors. Guarded by `mu`.
-  std::multimap<std::pair<uint64_t, int>, at::Tensor> pool;
+  // Flat uint8 host tensors by size. Guarded by `mu`.
+  std::multimap<uint64_t, at::Tensor> pool;
   // The host buffers whose data a group's tensors use while it is entered.
   std::unordered_map<int, std::vector<at::Tensor>> active;
 
-  at::Tensor TakeBuffer(const Source& s) {
+  // A pooled buffer of `bytes` (or up to 1/8 more), else a new one.
+  at::Tensor TakeBuffer(uint64_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mu);
-      auto it = pool.find({s.nbytes, static_cast<int>(s.dtype)});
-      if (it != pool.end()) {
+      auto it = pool.lower_bound(bytes);
+      if (it != pool.end() && it->first <= bytes + bytes / 8) {
         at::Tensor buffer = std::move(it->second);
         pool.erase(it);
         return buffer;
       }
     }
-    int64_t numel = 1;
-    for (int64_t d : s.shape) numel *= d;
-    return at::empty({numel}, at::TensorOptions().dtype(s.dtype).pinned_memory(stager != nullptr));
+    return at::empty({static_cast<int64_t>(bytes)},
+                     at::TensorOptions(at::kByte).pinned_memory(stager != nullptr));
   }
 
   // Back to the pool, unless something still holds the buffer's storage.
   void GiveBack(std::vector<at::Tensor> buffers) {
     std::lock_guard<std::mutex> lock(mu);
     for (at::Tensor& b : buffers) {
-      if (b.defined() && b.storage().use_count() == 1) {
-        pool.emplace(std::make_pair(b.nbytes(), static_cast<int>(b.scalar_type())), std::move(b));
-      }
+      if (b.defined() && b.storage().use_count() == 1) pool.emplace(b.nbytes(), std::move(b));
     }
   }
 
@@ -154,23 +151,28 @@ struct DispatchedModel::Impl {
       to_device = stager != nullptr && group_device[group] == stager->device();
     }
     Fetched out;
-    int64_t bytes = 0;
-    for (int i : members) {
-      const Source& s = tensors[i].source;
-      if (s.host.defined()) {
-        out.values.push_back(s.host);
-        continue;
+    out.values.resize(members.size());
+    std::vector<const Source*> disk;
+    std::vector<std::string> names;
+    std::vector<size_t> slot;
+    for (size_t k = 0; k < members.size(); ++k) {
+      const Offloaded& t = tensors[members[k]];
+      if (t.source.host.defined()) {
+        out.values[k] = t.source.host;
+      } else {
+        disk.push_back(&t.source);
+        names.push_back(t.name);
+        slot.push_back(k);
       }
-      at::Tensor t;
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] { t = TakeBuffer(s); }));
-      ACCEL_RETURN_IF_ERROR(
-          Annotate(ReadRange(s.path, s.offset, t.data_ptr(), s.nbytes, drop_pages),
-                   absl::StrCat("tensor '", tensors[i].name, "'")));
-      bytes += static_cast<int64_t>(s.nbytes);
-      at::Tensor shaped;
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] { shaped = t.view(s.shape); }));
-      out.values.push_back(std::move(shaped));
-      out.buffers.push_back(std::move(t));
+    }
+    int64_t bytes = 0;
+    if (!disk.empty()) {
+      ACCEL_ASSIGN_OR_RETURN(
+          internal::ReadTensors got,
+          internal::ReadCoalesced(disk, names, direct, [&](uint64_t n) { return TakeBuffer(n); }));
+      for (size_t k = 0; k < disk.size(); ++k) out.values[slot[k]] = std::move(got.values[k]);
+      out.buffers = std::move(got.buffers);
+      bytes = static_cast<int64_t>(got.bytes_read);
     }
     int64_t staged_bytes = 0;
     if (to_device) {
@@ -327,17 +329,27 @@ void DispatchedModel::ReleaseExperts(const std::vector<int>& units) {
   im.experts->Release(units);
 }
 
-void DispatchedModel::PrefetchExperts(absl::string_view list, absl::Span<const int64_t> experts) {
+void DispatchedModel::PrefetchExperts(absl::string_view list, absl::Span<const int64_t> experts,
+                                      bool needed) {
   Impl& im = *impl_;
   auto found = im.expert_units.find(list);
-  if (found == im.expert_units.end()) return;
+  if (found == im.expert_units.end() || (!needed && !im.prefetch)) return;
   std::vector<int> units;
   for (int64_t e : experts) {
     if (e >= 0 && e < static_cast<int64_t>(found->second.size()) && found->second[e] >= 0) {
       units.push_back(found->second[e]);
     }
   }
-  im.experts->Prefetch(units);
+  im.experts->Prefetch(units, needed);
+}
+
+bool DispatchedModel::ExpertReady(absl::string_view list, int64_t expert) const {
+  const Impl& im = *impl_;
+  auto found = im.expert_units.find(list);
+  if (found == im.expert_units.end()) return true;
+  if (expert < 0 || expert >= static_cast<int64_t>(found->second.size())) return false;
+  const int unit = found->second[expert];
+  return unit < 0 || im.experts->Cached(unit);
 }
 
 void DispatchedModel::SetExecutionOrder(std::vector<std::string> names) {
@@ -479,19 +491,20 @@ absl::Status DispatchedModel::SetUpExpertCache(const LoadOptions& options) {
   if (!any) return absl::OkStatus();  // every expert is resident
   internal::ExpertCache::Options cache;
   cache.budget_bytes = options.expert_cache_bytes;
-  cache.device = main_;
   cache.stager = im.stager.get();
-  cache.drop_pages = options.drop_read_pages;
+  cache.direct = options.direct_reads;
+  cache.positions = static_cast<int>(options.expert_lists.size());
   im.experts = std::make_unique<internal::ExpertCache>(im.tensors, cache);
-  for (auto& [list, experts] : members) {
+  for (size_t position = 0; position < options.expert_lists.size(); ++position) {
+    const std::string& list = options.expert_lists[position];
     bool offloaded = false;
     std::vector<int> units;
-    for (std::vector<int>& m : experts) {
+    for (std::vector<int>& m : members[list]) {
       if (m.empty()) {
         units.push_back(-1);
       } else {
         offloaded = true;
-        units.push_back(im.experts->AddUnit(std::move(m)));
+        units.push_back(im.experts->AddUnit(std::move(m), static_cast<int>(position)));
       }
     }
     if (offloaded) im.expert_units.emplace(list, std::move(units));
@@ -529,7 +542,7 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     out->main_ = d;
   }
   Impl& im = *out->impl_;
-  im.drop_pages = options.drop_read_pages;
+  im.direct = options.direct_reads;
 
   // The model's tensors by name; a tied tensor appears under each of its names.
   std::map<std::string, at::Tensor> params, buffers;

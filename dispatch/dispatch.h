@@ -85,7 +85,8 @@ struct LoadOptions {
   // Buffers of disk modules are offloaded with them (otherwise they stay
   // on the execution device, as Accelerate does).
   bool offload_buffers = false;
-  // Read the next offloaded module while the current one runs.
+  // Read the next offloaded module while the current one runs, and the
+  // experts a model expects next (PrefetchExperts).
   bool prefetch = true;
   Progress::Style progress = Progress::Style::kAuto;
   // Not owned; null: every tensor loads as it is stored.
@@ -100,9 +101,11 @@ struct LoadOptions {
   // execution device, instead of all together by Enter() of their block.
   std::vector<std::string> expert_lists;
   int64_t expert_cache_bytes = 0;
-  // Disk reads drop their pages from the page cache afterwards, so offloaded
-  // weights live in the process's buffers only (a memory budget that holds).
-  bool drop_read_pages = false;
+  // Disk reads bypass the page cache (O_DIRECT; a buffered read whose pages
+  // are dropped after, where the file system refuses it), so offloaded
+  // weights live in the process's buffers only: a memory budget that holds,
+  // and large reads at the device's rate.
+  bool direct_reads = false;
 };
 
 class DispatchedModel {
@@ -182,9 +185,16 @@ class DispatchedModel {
   // !FetchesExpertsOf(list). InvalidArgument for an index outside the list.
   absl::StatusOr<ExpertScope> EnterExperts(absl::string_view list,
                                            absl::Span<const int64_t> experts);
-  // Reads these experts of `list` into the cache ahead of use, as far as its
-  // budget allows (a guess: nothing fails). No-op when not FetchesExpertsOf.
-  void PrefetchExperts(absl::string_view list, absl::Span<const int64_t> experts);
+  // Has the reader thread read these experts of `list` into the cache ahead
+  // of use. `needed`: the step enters them next, in this order (read first,
+  // evicting what is not pinned); otherwise a guess (read when nothing is
+  // needed, into room that evicts nothing needed sooner, and only with
+  // LoadOptions::prefetch). Nothing fails here. No-op when not FetchesExpertsOf.
+  void PrefetchExperts(absl::string_view list, absl::Span<const int64_t> experts,
+                       bool needed = false);
+  // Whether EnterExperts(list, {expert}) would read nothing: the expert is
+  // resident or cached (always, when not FetchesExpertsOf).
+  bool ExpertReady(absl::string_view list, int64_t expert) const;
 
   // The order modules will be entered in, for prefetching. Unset, it is
   // learned from the first pass of Enter() calls.

@@ -20,6 +20,7 @@ struct OffloadStats {
   // served from the cache, and of those the ones the reader had read ahead.
   int64_t expert_fetches = 0;
   int64_t expert_cache_hits = 0;
+  int64_t expert_misses = 0;  // uses read in line, not cached (fetches = misses + read-aheads)
   int64_t expert_prefetch_hits = 0;
   int64_t expert_bytes_read = 0;  // from disk; also counted in bytes_read
 };

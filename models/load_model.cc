@@ -242,7 +242,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   load.execution_device = execution;
   load.expert_lists = out.expert_lists;
   load.expert_cache_bytes = out.expert_cache_bytes;
-  load.drop_read_pages = options.drop_read_pages;
+  load.direct_reads = options.direct_reads;
+  load.prefetch = options.prefetch;
   std::unique_ptr<dispatch::LoadHook> hook;
   if (!out.quantization.empty()) {
     ACCEL_RETURN_IF_ERROR(QuantizeLinears(*out.model, out.quantization));

@@ -68,8 +68,11 @@ struct ModelLoadOptions {
   // the cpu), "cpu", or a GPU ("0", "cuda:1"), which streams weights held in
   // RAM or on disk through it.
   std::string execution_device = "auto";
-  // Disk reads of offloaded weights drop their pages from the page cache.
-  bool drop_read_pages = false;
+  // Disk reads of offloaded weights bypass the page cache (O_DIRECT).
+  bool direct_reads = false;
+  // Read ahead: the next offloaded module while one runs, and the experts the
+  // next sparse layer's router is expected to pick.
+  bool prefetch = true;
   Progress::Style progress = Progress::Style::kAuto;
 };
 

@@ -12,8 +12,8 @@
 namespace accel::dispatch::internal {
 namespace {
 
-// Prefetch requests beyond this many are stale guesses: the oldest go.
-constexpr size_t kMaxQueued = 256;
+// Guesses beyond this many are stale: the oldest go.
+constexpr size_t kMaxGuesses = 64;
 
 }  // namespace
 
@@ -31,10 +31,11 @@ ExpertCache::~ExpertCache() {
   reader_.join();
 }
 
-int ExpertCache::AddUnit(std::vector<int> tensors) {
+int ExpertCache::AddUnit(std::vector<int> tensors, int position) {
   Unit unit;
   for (int i : tensors) unit.bytes += static_cast<int64_t>(tensors_[i].source.nbytes);
   unit.tensors = std::move(tensors);
+  unit.position = position;
   std::lock_guard<std::mutex> lock(mu_);
   units_.push_back(std::move(unit));
   return static_cast<int>(units_.size()) - 1;
@@ -45,33 +46,47 @@ int64_t ExpertCache::cached_bytes() const {
   return used_bytes_;
 }
 
+bool ExpertCache::Cached(int unit) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return entries_.count(unit) > 0;
+}
+
 void ExpertCache::AddStats(OffloadStats& stats) const {
   std::lock_guard<std::mutex> lock(mu_);
   stats.expert_fetches += stats_.expert_fetches;
   stats.expert_cache_hits += stats_.expert_cache_hits;
+  stats.expert_misses += stats_.expert_misses;
   stats.expert_prefetch_hits += stats_.expert_prefetch_hits;
   stats.expert_bytes_read += stats_.expert_bytes_read;
   stats.bytes_read += stats_.expert_bytes_read;
   stats.bytes_to_device += stats_.bytes_to_device;
 }
 
-bool ExpertCache::MakeRoom(int64_t bytes) {
+int ExpertCache::Distance(int unit) const {
+  const int n = std::max(options_.positions, 1);
+  // The next layer 0, ..., the layer being run n - 1.
+  return ((units_[unit].position - current_position_ - 1) % n + n) % n;
+}
+
+bool ExpertCache::MakeRoom(int64_t bytes, int unit) {
   while (used_bytes_ + bytes > options_.budget_bytes) {
     auto victim = entries_.end();
+    int victim_distance = -1;
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if (it->second.pins == 0 &&
-          (victim == entries_.end() || it->second.last_use < victim->second.last_use)) {
+      if (it->second.pins > 0) continue;
+      const int d = Distance(it->first);
+      if (d > victim_distance ||
+          (d == victim_distance && it->second.last_use < victim->second.last_use)) {
         victim = it;
+        victim_distance = d;
       }
     }
-    if (victim == entries_.end()) return false;
+    // A guess takes only the room of units to be used after it.
+    if (victim == entries_.end() || (unit >= 0 && victim_distance <= Distance(unit))) return false;
     used_bytes_ -= units_[victim->first].bytes;
     for (at::Tensor& b : victim->second.buffers) {
-      // Back for the next read of the same size, unless someone still holds it.
-      if (b.storage().use_count() == 1) {
-        free_buffers_.emplace(std::make_pair(b.nbytes(), static_cast<int>(b.scalar_type())),
-                              std::move(b));
-      }
+      // Back for the next read, unless someone still holds it.
+      if (b.storage().use_count() == 1) free_buffers_.emplace(b.nbytes(), std::move(b));
     }
     entries_.erase(victim);
   }
@@ -79,59 +94,58 @@ bool ExpertCache::MakeRoom(int64_t bytes) {
 }
 
 absl::StatusOr<ExpertCache::Entry> ExpertCache::Read(int unit) {
-  std::vector<int> members;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    members = units_[unit].tensors;
-  }
+  std::vector<const Source*> disk;
+  std::vector<std::string> names;
+  std::vector<size_t> disk_slot;
   Entry entry;
-  int64_t read = 0, to_device = 0;
-  for (int i : members) {
-    const Source& s = tensors_[i].source;
-    at::Tensor host;
-    if (s.host.defined()) {
-      host = s.host;
+  const std::vector<int>& members = units_[unit].tensors;
+  entry.values.resize(members.size());
+  for (size_t m = 0; m < members.size(); ++m) {
+    const Offloaded& t = tensors_[members[m]];
+    if (t.source.host.defined()) {
+      entry.values[m] = t.source.host;  // in RAM already (a GPU execution device)
     } else {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = free_buffers_.find({s.nbytes, static_cast<int>(s.dtype)});
-        if (it != free_buffers_.end()) {
-          host = std::move(it->second);
-          free_buffers_.erase(it);
-        }
-      }
-      if (!host.defined()) {
-        ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-          int64_t numel = 1;
-          for (int64_t d : s.shape) numel *= d;
-          host = at::empty({numel}, at::TensorOptions().dtype(s.dtype).pinned_memory(
-                                        options_.stager != nullptr));
-        }));
-      }
-      ACCEL_RETURN_IF_ERROR(
-          Annotate(ReadRange(s.path, s.offset, host.data_ptr(), s.nbytes, options_.drop_pages),
-                   absl::StrCat("tensor '", tensors_[i].name, "'")));
-      read += static_cast<int64_t>(s.nbytes);
-      entry.buffers.push_back(host);
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] { host = host.view(s.shape); }));
+      disk.push_back(&t.source);
+      names.push_back(t.name);
+      disk_slot.push_back(m);
     }
-    entry.values.push_back(std::move(host));
   }
+  uint64_t read = 0;
+  if (!disk.empty()) {
+    const bool pinned = options_.stager != nullptr;
+    ACCEL_ASSIGN_OR_RETURN(ReadTensors got,
+                           ReadCoalesced(disk, names, options_.direct, [&](uint64_t bytes) {
+                             {
+                               std::lock_guard<std::mutex> lock(mu_);
+                               auto it = free_buffers_.lower_bound(bytes);
+                               // A free buffer of about this size (an expert's), not a much larger
+                               // one.
+                               if (it != free_buffers_.end() && it->first <= bytes + bytes / 8) {
+                                 at::Tensor b = std::move(it->second);
+                                 free_buffers_.erase(it);
+                                 return b;
+                               }
+                             }
+                             return at::empty({static_cast<int64_t>(bytes)},
+                                              at::TensorOptions(at::kByte).pinned_memory(pinned));
+                           }));
+    for (size_t k = 0; k < disk.size(); ++k) entry.values[disk_slot[k]] = std::move(got.values[k]);
+    entry.buffers = std::move(got.buffers);
+    read = got.bytes_read;
+  }
+  int64_t to_device = 0;
   if (options_.stager != nullptr) {
     ACCEL_ASSIGN_OR_RETURN(std::vector<at::Tensor> staged, options_.stager->Stage(entry.values));
     for (const at::Tensor& t : staged) to_device += static_cast<int64_t>(t.nbytes());
     entry.values = std::move(staged);
     // The host buffers are free again once the copies are done.
     std::lock_guard<std::mutex> lock(mu_);
-    for (at::Tensor& b : entry.buffers) {
-      free_buffers_.emplace(std::make_pair(b.nbytes(), static_cast<int>(b.scalar_type())),
-                            std::move(b));
-    }
+    for (at::Tensor& b : entry.buffers) free_buffers_.emplace(b.nbytes(), std::move(b));
     entry.buffers.clear();
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.expert_fetches++;
-  stats_.expert_bytes_read += read;
+  stats_.expert_bytes_read += static_cast<int64_t>(read);
   stats_.bytes_to_device += to_device;
   return entry;
 }
@@ -142,14 +156,17 @@ absl::StatusOr<std::vector<std::vector<at::Tensor>>> ExpertCache::Acquire(
   std::vector<size_t> missing;
   {
     std::unique_lock<std::mutex> lock(mu_);
+    if (!units.empty()) current_position_ = units_[units[0]].position;
     for (size_t k = 0; k < units.size(); ++k) {
       const int unit = units[k];
       // Being read by the reader: wait for it rather than read it twice.
       cv_.wait(lock, [&] { return !in_flight_.count(unit); });
       auto it = entries_.find(unit);
       if (it == entries_.end()) {
-        queue_.erase(std::remove(queue_.begin(), queue_.end(), unit), queue_.end());
+        needed_.erase(std::remove(needed_.begin(), needed_.end(), unit), needed_.end());
+        guesses_.erase(std::remove(guesses_.begin(), guesses_.end(), unit), guesses_.end());
         in_flight_[unit] = false;
+        stats_.expert_misses++;
         missing.push_back(k);
         continue;
       }
@@ -204,29 +221,32 @@ void ExpertCache::Release(absl::Span<const int> units) {
   MakeRoom(0);  // back within the budget if an inline read ran past it
 }
 
-void ExpertCache::Prefetch(absl::Span<const int> units) {
+void ExpertCache::Prefetch(absl::Span<const int> units, bool needed) {
   std::lock_guard<std::mutex> lock(mu_);
+  std::deque<int>& queue = needed ? needed_ : guesses_;
   for (int unit : units) {
     if (entries_.count(unit) || in_flight_.count(unit)) continue;
-    if (std::find(queue_.begin(), queue_.end(), unit) != queue_.end()) continue;
-    queue_.push_back(unit);
+    if (std::find(queue.begin(), queue.end(), unit) != queue.end()) continue;
+    queue.push_back(unit);
   }
-  while (queue_.size() > kMaxQueued) queue_.pop_front();
+  while (guesses_.size() > kMaxGuesses) guesses_.pop_front();
   cv_.notify_all();
 }
 
 void ExpertCache::ReaderLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    cv_.wait(lock, [&] { return stop_ || !needed_.empty() || !guesses_.empty(); });
     if (stop_) return;
-    const int unit = queue_.front();
-    queue_.pop_front();
+    const bool needed = !needed_.empty();
+    std::deque<int>& queue = needed ? needed_ : guesses_;
+    const int unit = queue.front();
+    queue.pop_front();
     if (entries_.count(unit) || in_flight_.count(unit)) continue;
-    // A guess never evicts what is pinned, nor runs past the budget.
-    if (units_[unit].bytes > options_.budget_bytes || !MakeRoom(units_[unit].bytes)) continue;
+    const int64_t bytes = units_[unit].bytes;
+    if (bytes > options_.budget_bytes || !MakeRoom(bytes, needed ? -1 : unit)) continue;
     in_flight_[unit] = true;
-    used_bytes_ += units_[unit].bytes;  // its room is taken while it is read
+    used_bytes_ += bytes;  // its room is taken while it is read
     lock.unlock();
     absl::StatusOr<Entry> entry = Read(unit);
     lock.lock();
@@ -236,7 +256,7 @@ void ExpertCache::ReaderLoop() {
       entry->last_use = ++clock_;
       entries_[unit] = *std::move(entry);
     } else {
-      used_bytes_ -= units_[unit].bytes;
+      used_bytes_ -= bytes;
     }
     cv_.notify_all();
   }

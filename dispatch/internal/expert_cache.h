@@ -1,12 +1,22 @@
 // The expert cache: offloaded experts of mixture-of-experts blocks, brought
 // to the execution device one expert at a time, as the router picks them,
-// and kept there within a byte budget (least recently used out first).
+// and kept there within a byte budget.
 //
 // Accelerate's hooks load an offloaded expert each time it runs and drop it
 // after; a whole-block fetch loads every expert of the block. Here a step
-// reads only the experts its tokens were routed to and are not cached, and
-// the reader thread reads ahead the experts a caller expects next (the next
-// layer's router applied to the current hidden state, for example).
+// reads only the experts its tokens were routed to that are not cached; the
+// reader thread reads the rest of a block's picked experts while the first
+// ones compute, and reads ahead experts a caller guesses it will need.
+//
+// Replacement. Experts are used in a cycle: the sparse layers in order, one
+// pass a step. Each unit has its layer's position in that cycle, and the
+// cache evicts the unit whose next use can come latest: the one whose layer
+// comes farthest after the layer being run (the layer just run first, the
+// next layer last), the least recently used among those. When a step's
+// experts fit, this keeps what recent steps used, as least-recently-used
+// would; when they do not (a batch routed to most experts), it keeps a
+// stable part of them, where least-recently-used evicts each expert just
+// before its layer comes round again and hits nothing.
 //
 // Two threads: the compute thread calls Acquire / Release / Prefetch; the
 // reader thread serves Prefetch. An acquired unit is pinned (never evicted)
@@ -41,9 +51,9 @@ class ExpertCache {
  public:
   struct Options {
     int64_t budget_bytes = 0;
-    at::Device device = at::kCPU;    // the execution device
-    DeviceStager* stager = nullptr;  // a GPU device's copy stream; not owned
-    bool drop_pages = false;         // see ReadRange
+    DeviceStager* stager = nullptr;  // a GPU execution device's copy stream; not owned
+    bool direct = false;             // disk reads bypass the page cache (ReadCoalesced)
+    int positions = 1;               // sparse layers in the cycle
   };
 
   // `tensors` is the dispatch core's table of offloaded tensors; it must
@@ -53,19 +63,26 @@ class ExpertCache {
   ExpertCache(const ExpertCache&) = delete;
   ExpertCache& operator=(const ExpertCache&) = delete;
 
-  // A unit (one expert) made of these entries of `tensors`; returns its id.
-  int AddUnit(std::vector<int> tensors);
+  // A unit (one expert) made of these entries of `tensors`, in the sparse
+  // layer at `position` of the cycle; returns its id. Before any use.
+  int AddUnit(std::vector<int> tensors, int position);
   const std::vector<int>& members(int unit) const { return units_[unit].tensors; }
 
-  // Pins `units` (distinct) and returns their values (device tensors, in member order),
-  // reading those that are not cached. Errors are the read's, naming the tensor.
+  // Pins `units` (distinct) and returns their values (on the execution
+  // device, in member order), reading those that are not cached; waits for
+  // the reader where it is reading one. Errors are the read's, naming the
+  // tensor; nothing stays pinned then.
   absl::StatusOr<std::vector<std::vector<at::Tensor>>> Acquire(absl::Span<const int> units);
   // Unpins what Acquire pinned.
   void Release(absl::Span<const int> units);
-  // Asks the reader thread to bring these in ahead of use, as far as the
-  // budget allows without evicting pinned units. Best effort: a failed read
-  // is forgotten here and surfaces, if it persists, in Acquire.
-  void Prefetch(absl::Span<const int> units);
+  // Asks the reader thread to read these. `needed`: units a step is about to
+  // acquire, read first, in order, evicting as needed (never a pinned unit).
+  // Otherwise guesses, read after those, only into room that evicts nothing
+  // pinned and nothing needed sooner. Best effort: a failed read is
+  // forgotten here and surfaces, if it persists, in Acquire.
+  void Prefetch(absl::Span<const int> units, bool needed);
+  // Whether the unit is cached now.
+  bool Cached(int unit) const;
 
   // Adds the expert counters (and the bytes read) to `stats`.
   void AddStats(OffloadStats& stats) const;
@@ -75,6 +92,7 @@ class ExpertCache {
   struct Unit {
     std::vector<int> tensors;
     int64_t bytes = 0;
+    int position = 0;
   };
   struct Entry {
     std::vector<at::Tensor> values;
@@ -84,24 +102,29 @@ class ExpertCache {
     bool prefetched = false;  // brought by the reader and not used since
   };
 
-  // Reads one unit (no lock held). `reuse` are host buffers from evictions.
+  // Reads one unit (no lock held).
   absl::StatusOr<Entry> Read(int unit);
-  // Evicts unpinned entries, oldest first, until `bytes` more fit; whether they do.
-  bool MakeRoom(int64_t bytes);  // mu_ held
+  // How far after the layer being run a unit's layer comes (larger: used later).
+  int Distance(int unit) const;  // mu_ held
+  // Evicts unpinned entries that will be used later than `unit` would be
+  // (any, for unit -1), farthest first, until `bytes` more fit; whether they do.
+  bool MakeRoom(int64_t bytes, int unit = -1);  // mu_ held
   void ReaderLoop();
 
   const std::vector<Offloaded>& tensors_;
   const Options options_;
-  std::vector<Unit> units_;  // grows on the compute thread; guarded by mu_ for the reader
+  std::vector<Unit> units_;  // complete before use
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::unordered_map<int, Entry> entries_;
-  std::unordered_map<int, bool> in_flight_;  // unit -> read by the reader (true) or inline
-  std::deque<int> queue_;                    // prefetch requests
-  std::multimap<std::pair<uint64_t, int>, at::Tensor> free_buffers_;  // (bytes, dtype)
+  std::unordered_map<int, bool> in_flight_;  // unit -> being read (by the reader: true)
+  std::deque<int> needed_;                   // prefetch requests, in order
+  std::deque<int> guesses_;
+  std::multimap<uint64_t, at::Tensor> free_buffers_;  // by bytes
   int64_t used_bytes_ = 0;
   uint64_t clock_ = 0;
+  int current_position_ = 0;  // the layer of the latest Acquire
   bool stop_ = false;
   OffloadStats stats_;
   std::thread reader_;

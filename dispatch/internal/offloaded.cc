@@ -1,44 +1,147 @@
 #include "dispatch/internal/offloaded.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <fcntl.h>
+#include <numeric>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <ATen/Functions.h>
 
 #include "absl/strings/str_cat.h"
 
 #include "core/status.h"
 
 namespace accel::dispatch::internal {
+namespace {
+
+constexpr uint64_t kAlign = 4096;                // O_DIRECT: offsets, lengths and memory
+constexpr uint64_t kMaxGap = uint64_t{1} << 20;  // read through gaps smaller than this
+
+// Reads [offset, offset + n) of an open file into dst; DataLoss if it ends first.
+absl::Status PreadAll(int fd, const std::string& path, uint64_t offset, char* dst, uint64_t n,
+                      uint64_t needed) {
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd, dst + done, n - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return ErrnoStatus(errno, absl::StrCat("reading ", path));
+    if (got == 0) break;
+    done += static_cast<uint64_t>(got);
+  }
+  if (done < needed) {
+    return absl::DataLossError(absl::StrCat(path, " ends before byte ", offset + needed));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status ReadRange(const std::string& path, uint64_t offset, void* dst, uint64_t n,
                        bool drop_pages) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  auto* out = static_cast<char*>(dst);
-  const uint64_t first = offset, total = n;
-  absl::Status status;
-  while (n > 0) {
-    ssize_t got = ::pread(fd, out, n, static_cast<off_t>(offset));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) {
-      status = ErrnoStatus(errno, absl::StrCat("reading ", path));
-      break;
-    }
-    if (got == 0) {
-      status = absl::DataLossError(absl::StrCat(path, " ends before byte ", offset + n));
-      break;
-    }
-    out += got;
-    offset += static_cast<uint64_t>(got);
-    n -= static_cast<uint64_t>(got);
-  }
+  absl::Status status = PreadAll(fd, path, offset, static_cast<char*>(dst), n, n);
   // Advice only: a failure changes nothing that was read.
   if (drop_pages && status.ok()) {
-    (void)::posix_fadvise(fd, static_cast<off_t>(first), static_cast<off_t>(total),
+    (void)::posix_fadvise(fd, static_cast<off_t>(offset), static_cast<off_t>(n),
                           POSIX_FADV_DONTNEED);
   }
   ::close(fd);
   return status;
+}
+
+absl::StatusOr<ReadTensors> ReadCoalesced(const std::vector<const Source*>& tensors,
+                                          const std::vector<std::string>& names, bool direct,
+                                          const BufferSource& buffer) {
+  ReadTensors out;
+  out.values.resize(tensors.size());
+  // Runs of tensors adjacent in one file, in file order.
+  std::vector<size_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (tensors[a]->path != tensors[b]->path) return tensors[a]->path < tensors[b]->path;
+    return tensors[a]->offset < tensors[b]->offset;
+  });
+  size_t i = 0;
+  while (i < order.size()) {
+    size_t j = i + 1;
+    uint64_t end = tensors[order[i]]->offset + tensors[order[i]]->nbytes;
+    while (j < order.size() && tensors[order[j]]->path == tensors[order[i]]->path &&
+           tensors[order[j]]->offset <= end + kMaxGap) {
+      end = std::max(end, tensors[order[j]]->offset + tensors[order[j]]->nbytes);
+      ++j;
+    }
+    const Source& first = *tensors[order[i]];
+    const std::string& label = names[order[i]];
+    const uint64_t start = direct ? first.offset / kAlign * kAlign : first.offset;
+    const uint64_t length = direct ? (end - start + kAlign - 1) / kAlign * kAlign : end - start;
+    at::Tensor storage;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { storage = buffer(length + kAlign); }));
+    // The run starts at the buffer's first 4 KiB boundary.
+    const auto address = reinterpret_cast<uintptr_t>(storage.data_ptr());
+    const uint64_t pad = direct ? (kAlign - address % kAlign) % kAlign : 0;
+    char* dst = static_cast<char*>(storage.data_ptr()) + pad;
+
+    int fd = -1;
+    bool drop_after = false;
+    if (direct) {
+      fd = ::open(first.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+      if (fd < 0 && errno == EINVAL) drop_after = true;  // no O_DIRECT here (tmpfs)
+    }
+    if (fd < 0) fd = ::open(first.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      return Annotate(ErrnoStatus(errno, absl::StrCat("opening ", first.path)),
+                      absl::StrCat("tensor '", label, "'"));
+    }
+    absl::Status read = PreadAll(fd, first.path, start, dst, length, end - start);
+    if (drop_after && read.ok()) {
+      (void)::posix_fadvise(fd, static_cast<off_t>(start), static_cast<off_t>(length),
+                            POSIX_FADV_DONTNEED);
+    }
+    ::close(fd);
+    if (!read.ok()) {
+      // Name the first tensor the short read cut into.
+      std::string cut = label;
+      if (absl::IsDataLoss(read)) {
+        for (size_t k = i; k < j; ++k) {
+          cut = names[order[k]];
+          struct stat st;
+          if (::stat(first.path.c_str(), &st) == 0 &&
+              tensors[order[k]]->offset + tensors[order[k]]->nbytes >
+                  static_cast<uint64_t>(st.st_size)) {
+            break;
+          }
+        }
+      }
+      return Annotate(read, absl::StrCat("tensor '", cut, "'"));
+    }
+    out.bytes_read += length;
+    for (size_t k = i; k < j; ++k) {
+      const size_t index = order[k];
+      const Source& s = *tensors[index];
+      const uint64_t at = pad + (s.offset - start);
+      const int64_t element = static_cast<int64_t>(c10::elementSize(s.dtype));
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        at::Tensor bytes =
+            storage.narrow(0, static_cast<int64_t>(at), static_cast<int64_t>(s.nbytes));
+        if (at % static_cast<uint64_t>(element) == 0) {
+          out.values[index] = bytes.view(s.dtype).view(s.shape);
+        } else {
+          // Data not aligned to its element size (possible in files from
+          // other writers): a copy into an aligned tensor.
+          at::Tensor aligned = at::empty(s.shape, at::TensorOptions(s.dtype));
+          std::memcpy(aligned.data_ptr(), bytes.data_ptr(), s.nbytes);
+          out.values[index] = aligned;
+        }
+      }));
+    }
+    out.buffers.push_back(std::move(storage));
+    i = j;
+  }
+  return out;
 }
 
 }  // namespace accel::dispatch::internal

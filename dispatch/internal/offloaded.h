@@ -4,12 +4,14 @@
 #define ACCEL_DISPATCH_INTERNAL_OFFLOADED_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace accel::dispatch::internal {
 
@@ -29,10 +31,34 @@ struct Offloaded {
 
 // Reads `n` bytes at `offset` of `path` into `dst` with pread. With
 // `drop_pages`, the file's pages of that range are dropped from the page
-// cache afterwards (POSIX_FADV_DONTNEED), so a read-once-per-use weight does
-// not also sit in the page cache beside the copy made of it.
+// cache afterwards (POSIX_FADV_DONTNEED).
 absl::Status ReadRange(const std::string& path, uint64_t offset, void* dst, uint64_t n,
                        bool drop_pages = false);
+
+// A host buffer of at least `bytes` bytes (uint8, flat): a pooled one, or new
+// (pinned when the caller copies to a GPU from it).
+using BufferSource = std::function<at::Tensor(uint64_t bytes)>;
+
+// Tensors read from disk, and the host buffers their values view.
+struct ReadTensors {
+  std::vector<at::Tensor> values;   // in the order asked, shaped, typed
+  std::vector<at::Tensor> buffers;  // uint8; give them back when the values are dropped
+  uint64_t bytes_read = 0;          // from the files (alignment padding included)
+};
+
+// Reads the disk sources `tensors` (each names itself in errors as
+// `names[i]`): sources that sit next to one another in one file (gaps under
+// 1 MiB) are read in one request into one buffer, and each value is a view
+// of it, so a unit of several tensors costs one large read and no copy.
+// With `direct`, the requests bypass the page cache (O_DIRECT, each widened
+// to 4 KiB boundaries into a 4 KiB-aligned buffer; large direct reads stream
+// at the device's rate, where buffered ones of the same size went at about
+// half of it on the build machine); where the file system refuses O_DIRECT,
+// a buffered read whose pages are dropped after. Errors name the tensor:
+// the errno status of open / read, DataLoss for a file that ends early.
+absl::StatusOr<ReadTensors> ReadCoalesced(const std::vector<const Source*>& tensors,
+                                          const std::vector<std::string>& names, bool direct,
+                                          const BufferSource& buffer);
 
 }  // namespace accel::dispatch::internal
 

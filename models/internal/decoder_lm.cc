@@ -254,23 +254,47 @@ class SparseMoe : public Layer {
     for (size_t e = 0; e < rows.size(); ++e) {
       if (!rows[e].empty()) hit.push_back(static_cast<int64_t>(e));
     }
-    std::optional<dispatch::DispatchedModel::ExpertScope> scope;
-    if (step.dispatched != nullptr) {
-      auto entered = step.dispatched->EnterExperts(experts_name_, hit);
+    // Each picked expert's weighted output, added in ascending order below.
+    std::vector<at::Tensor> outputs(experts_.size());
+    const auto run = [&](int64_t e) {
+      at::Tensor idx = at::tensor(rows[e], at::kLong).to(h.device());
+      at::Tensor slot = at::tensor(slots[e], at::kLong).to(h.device());
+      at::Tensor w = weights.index_select(0, idx).gather(1, slot.unsqueeze(1));
+      outputs[e] = experts_[e]->forward(h.index_select(0, idx)) * w;
+    };
+    const auto enter = [&](const std::vector<int64_t>& which) {
+      auto entered = step.dispatched->EnterExperts(experts_name_, which);
       if (!entered.ok()) {
         step.failure = entered.status();
         TORCH_CHECK(false, "bringing in experts of ", experts_name_, " failed");
       }
-      scope.emplace(*std::move(entered));
+      return *std::move(entered);
+    };
+    if (step.dispatched != nullptr && step.dispatched->FetchesExpertsOf(experts_name_)) {
+      // The picked experts that are here run first, held while they do; the
+      // reader reads the others in order meanwhile, and each runs as it comes.
+      std::vector<int64_t> ready, missing;
+      for (int64_t e : hit) {
+        (step.dispatched->ExpertReady(experts_name_, e) ? ready : missing).push_back(e);
+      }
+      {
+        dispatch::DispatchedModel::ExpertScope held = enter(ready);
+        step.dispatched->PrefetchExperts(experts_name_, missing, /*needed=*/true);
+        for (int64_t e : ready) run(e);
+      }
+      for (int64_t e : missing) {
+        dispatch::DispatchedModel::ExpertScope held = enter({e});
+        run(e);
+      }
+    } else {
+      std::optional<dispatch::DispatchedModel::ExpertScope> held;
+      if (step.dispatched != nullptr) held.emplace(enter(hit));
+      for (int64_t e : hit) run(e);
     }
     at::Tensor out = at::zeros({tokens, hidden}, h.options());
-    const at::TensorOptions index = at::TensorOptions(at::kLong).device(h.device());
     for (int64_t e : hit) {
-      at::Tensor idx = at::tensor(rows[e], at::kLong).to(index.device());
-      at::Tensor slot = at::tensor(slots[e], at::kLong).to(index.device());
-      at::Tensor w = weights.index_select(0, idx).gather(1, slot.unsqueeze(1));
-      at::Tensor y = experts_[e]->forward(h.index_select(0, idx)) * w;
-      out.index_add_(0, idx, y.to(out.scalar_type()));
+      out.index_add_(0, at::tensor(rows[e], at::kLong).to(h.device()),
+                     outputs[e].to(out.scalar_type()));
     }
     if (shared_expert_) {
       out = out + at::sigmoid(shared_expert_gate_->forward(h)) * shared_expert_->forward(h);

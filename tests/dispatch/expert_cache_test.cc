@@ -55,11 +55,16 @@ struct Fixture {
     EXPECT_THAT(loader::WriteFileAtomically(path, bytes), IsOk());
   }
 
-  std::unique_ptr<ExpertCache> Cache(int64_t budget_units) {
+  // Unit u in layer u % positions of the cycle.
+  std::unique_ptr<ExpertCache> Cache(int64_t budget_units, int positions = 1, bool direct = false) {
     ExpertCache::Options options;
     options.budget_bytes = budget_units * kUnitBytes;
+    options.positions = positions;
+    options.direct = direct;
     auto cache = std::make_unique<ExpertCache>(tensors, options);
-    for (int u = 0; u < kUnits; ++u) EXPECT_EQ(cache->AddUnit({2 * u, 2 * u + 1}), u);
+    for (int u = 0; u < kUnits; ++u) {
+      EXPECT_EQ(cache->AddUnit({2 * u, 2 * u + 1}, u % positions), u);
+    }
     return cache;
   }
 };
@@ -125,6 +130,50 @@ TEST(ExpertCacheTest, EvictsTheLeastRecentlyUsed) {
   EXPECT_LE(cache->cached_bytes(), 2 * kUnitBytes);
 }
 
+// Layers run in a cycle: with layer 2 running, layer 0's unit is needed
+// next and layer 1's (just run) last, so layer 1's goes, where
+// least-recently-used would have evicted layer 0's.
+TEST(ExpertCacheTest, EvictsTheUnitWhoseLayerComesRoundLast) {
+  Fixture f;
+  auto cache = f.Cache(2, /*positions=*/3);
+  for (int u : {0, 1, 2}) {  // layers 0, 1, 2
+    ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({u}));
+    ExpectUnit(values[0], u);
+    cache->Release({u});
+  }
+  EXPECT_TRUE(cache->Cached(0));
+  EXPECT_FALSE(cache->Cached(1));
+  EXPECT_TRUE(cache->Cached(2));
+}
+
+// The experts a step needs next are read by the reader in order while the
+// step computes; each is then a hit that counts as read ahead.
+TEST(ExpertCacheTest, NeededUnitsAreReadAheadInOrder) {
+  Fixture f;
+  auto cache = f.Cache(4);
+  cache->Prefetch({1, 2, 3}, /*needed=*/true);
+  for (int u : {1, 2, 3}) {
+    ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({u}));
+    ExpectUnit(values[0], u);
+    cache->Release({u});
+  }
+  const OffloadStats s = Stats(*cache);
+  EXPECT_EQ(s.expert_fetches, 3);  // each read once, by one thread or the other
+  EXPECT_EQ(s.expert_cache_hits + s.expert_misses, 3);
+}
+
+// Direct reads (O_DIRECT, widened to 4 KiB boundaries) give the same values.
+TEST(ExpertCacheTest, DirectReadsGiveTheSameValues) {
+  Fixture f;
+  auto cache = f.Cache(1, 1, /*direct=*/true);
+  for (int u : {3, 0, 2, 1}) {
+    ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({u}));
+    ExpectUnit(values[0], u);
+    cache->Release({u});
+  }
+  EXPECT_EQ(Stats(*cache).expert_fetches, 4);
+}
+
 TEST(ExpertCacheTest, PinnedUnitsStayPastTheBudgetUntilReleased) {
   Fixture f;
   auto cache = f.Cache(1);
@@ -138,7 +187,7 @@ TEST(ExpertCacheTest, PinnedUnitsStayPastTheBudgetUntilReleased) {
 TEST(ExpertCacheTest, PrefetchedUnitsAreHitsThatCountAsReadAhead) {
   Fixture f;
   auto cache = f.Cache(2);
-  cache->Prefetch({2, 3});
+  cache->Prefetch({2, 3}, /*needed=*/false);
   ASSERT_TRUE(WaitForFetches(*cache, 2));
   ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({3, 2}));
   ExpectUnit(values[0], 3);
@@ -158,7 +207,7 @@ TEST(ExpertCacheTest, AGuessNeverEvictsWhatIsPinned) {
   Fixture f;
   auto cache = f.Cache(1);
   ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({0}));
-  cache->Prefetch({1});  // no room: the only unit is pinned
+  cache->Prefetch({1}, /*needed=*/false);  // no room: the only unit is pinned
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   ExpectUnit(values[0], 0);
   EXPECT_EQ(Stats(*cache).expert_fetches, 1);

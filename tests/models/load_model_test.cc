@@ -22,6 +22,7 @@ namespace {
 using ::accel::test::IsOk;
 using ::accel::test::StatusIs;
 using ::accel::test::TempDir;
+using ::testing::AllOf;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -129,6 +130,43 @@ TEST_F(LoadModelTest, BadOptionsAreClearErrors) {
   std::ofstream(bad_map) << R"({"model": "moon"})";
   EXPECT_THAT(LoadModel(dir_.path(), Options(bad_map)),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad.json")));
+  options = Options("cpu");
+  options.execution_device = "disk";
+  EXPECT_THAT(LoadModel(dir_.path(), options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("execution_device 'disk'")));
+  options.execution_device = "gpu";
+  EXPECT_THAT(LoadModel(dir_.path(), options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("execution_device 'gpu'")));
+  if (!at::hasCUDA()) {
+    // A model held in RAM streamed through a GPU this build cannot use.
+    options.execution_device = "cuda:0";
+    EXPECT_THAT(LoadModel(dir_.path(), options),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr("execution device cuda:0"), HasSubstr("no CUDA"))));
+  }
+  options = Options("auto");
+  options.max_memory = "cpu=1MB";
+  options.expert_cache = "a lot";
+  EXPECT_THAT(LoadModel(dir_.path(), options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("expert_cache")));
+}
+
+// The cpu as execution device is the default's own: the same logits.
+TEST_F(LoadModelTest, TheCpuAsExecutionDeviceChangesNothing) {
+  ModelLoadOptions options = Options("auto");
+  options.max_memory = "cpu=100KiB,disk=1GiB";
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel by_default, LoadModel(dir_.path(), options));
+  options.execution_device = "cpu";
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel on_cpu, LoadModel(dir_.path(), options));
+  EXPECT_EQ(on_cpu.dispatched->main_device(), at::Device(at::kCPU));
+  c10::InferenceMode inference;
+  const at::Tensor ids = at::tensor(std::vector<int64_t>{1, 2, 3}, at::kLong);
+  const SequenceChunk chunk{nullptr, 3};
+  ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor a, by_default.model->Forward(ids, {chunk}, Logits::kAll,
+                                                                     by_default.dispatched.get()));
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      at::Tensor b, on_cpu.model->Forward(ids, {chunk}, Logits::kAll, on_cpu.dispatched.get()));
+  EXPECT_TRUE(at::equal(a, b));
 }
 
 }  // namespace
