@@ -1,21 +1,24 @@
 // Decode of a Mixtral-shaped model (8 experts, top-2, over 1 GB) whose
-// experts do not fit the memory budget, three ways, in one run:
+// experts do not fit the memory budget, in one run:
 //   (a) everything in RAM (the page cache warm): the compute bound;
 //   (b) experts on disk, fetched whole-layer: Accelerate's plan for the
 //       budget (MixtralDecoderLayer never split) and its block-at-a-time
-//       loading, which reads every expert of a disk layer each step;
+//       loading, which reads every expert of a disk layer each step (with
+//       accel's reader one layer ahead, and the same direct reads as (c));
 //   (c) experts on disk, fetched one by one as the router picks them, through
-//       the expert cache (--offload_experts), with and without read-ahead.
+//       the expert cache (--offload_experts); (c') the same without the
+//       guessed read-ahead of the next layer's experts.
 // The experts really come from disk: the checkpoint's pages are dropped from
-// the page cache before each run (posix_fadvise DONTNEED) and every offloaded
-// read drops its pages behind it, so no run is served by the page cache and
+// the page cache before each run (posix_fadvise DONTNEED) and offloaded
+// weights are read with O_DIRECT, so no run is served by the page cache and
 // the cpu budget (below the experts' total) is the memory that holds weights.
-// Each row: tokens/s, bytes read from disk per token, and the read bound:
-// the sequential read rate of the same file, measured in the same run, over
-// the bytes each token needed. For (c) also the experts routed per token, how
-// many came from the cache, and what the routed experts alone weigh (what
-// per-expert loading without a cache, as Accelerate's per-module hooks do,
-// would read).
+// The disk is shared and its rate moves a lot, so the runs alternate (a),
+// (b), (c), (c') three times and each row is the median run, and the read
+// bound (O_DIRECT reads of one expert's size, over the bytes a token read) is
+// measured between them. For (c) also the experts routed per token, how many
+// came from the cache, the guesses read and used, and what the routed experts
+// alone weigh (what per-expert loading without a cache, as Accelerate's
+// per-module hooks do, would read).
 //
 //   build/bin/accel-bench-moe [--layers 8] [--hidden 1024] [--tokens 16]
 //       [--budget 700MB] [--dir /tmp/accel-bench-moe]
@@ -35,12 +38,15 @@
 #include <c10/core/InferenceMode.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 #include "core/bytes.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
 
 namespace {
+
+constexpr int kRounds = 3;
 
 using Clock = std::chrono::steady_clock;
 
@@ -68,23 +74,58 @@ void DropCache(const std::vector<std::string>& files) {
   }
 }
 
-// Reads the files once, sequentially, in 16 MiB reads: bytes per second
-// from disk when `cold`, from the page cache otherwise.
-double ReadRate(const std::vector<std::string>& files, bool cold) {
-  if (cold) DropCache(files);
-  std::vector<char> buffer(16 << 20);
-  int64_t total = 0;
+// O_DIRECT reads of `chunk` bytes at spread-out offsets of the files, as
+// the engine reads an expert with direct reads: bytes per second from the
+// device, the page cache bypassed.
+double DirectReadRate(const std::vector<std::string>& files, uint64_t chunk, int reads) {
+  constexpr uint64_t kAlign = 4096;
+  chunk = (chunk + kAlign - 1) / kAlign * kAlign;
+  void* raw = nullptr;
+  if (::posix_memalign(&raw, kAlign, chunk) != 0) return 0;
+  uint64_t total = 0;
   const double seconds = Seconds([&] {
-    for (const std::string& f : files) {
-      const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
+    for (int r = 0; r < reads; ++r) {
+      const std::string& f = files[static_cast<size_t>(r) % files.size()];
+      const uint64_t size = std::filesystem::file_size(f);
+      if (size < chunk) continue;
+      // Offsets spread over the file, in a scrambled order.
+      const uint64_t slots = (size - chunk) / kAlign;
+      const uint64_t at = (static_cast<uint64_t>(r) * 2654435761u % (slots + 1)) * kAlign;
+      const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
       if (fd < 0) continue;
-      ssize_t got;
-      while ((got = ::read(fd, buffer.data(), buffer.size())) > 0) total += got;
+      const ssize_t got = ::pread(fd, raw, chunk, static_cast<off_t>(at));
+      if (got > 0) total += static_cast<uint64_t>(got);
       ::close(fd);
     }
   });
-  if (cold) DropCache(files);
+  std::free(raw);
   return static_cast<double>(total) / seconds;
+}
+
+// Reads the files twice from the page cache (warming it for (a)); the rate
+// of the second pass.
+double CachedReadRate(const std::vector<std::string>& files) {
+  std::vector<char> buffer(16 << 20);
+  double rate = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    int64_t total = 0;
+    const double seconds = Seconds([&] {
+      for (const std::string& f : files) {
+        const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        ssize_t got;
+        while ((got = ::read(fd, buffer.data(), buffer.size())) > 0) total += got;
+        ::close(fd);
+      }
+    });
+    rate = static_cast<double>(total) / seconds;
+  }
+  return rate;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
 }
 
 struct Row {
@@ -96,6 +137,7 @@ struct Row {
   double prefetch_hits_per_token = 0;
   double reads_per_token = 0;   // experts read
   double misses_per_token = 0;  // of which read in line, not cached
+  double guess_reads_per_token = 0, guess_hits_per_token = 0;
 };
 
 int64_t ExpertBytes(const accel::models::LoadedModel& m) {
@@ -157,6 +199,10 @@ Row Decode(const std::string& name, const std::string& dir,
   row.misses_per_token =
       static_cast<double>(after.expert_misses - before.expert_misses) / generated;
   row.expert_uses_per_token = row.hits_per_token + row.misses_per_token;
+  row.guess_reads_per_token =
+      static_cast<double>(after.expert_guess_reads - before.expert_guess_reads) / generated;
+  row.guess_hits_per_token =
+      static_cast<double>(after.expert_guess_hits - before.expert_guess_hits) / generated;
   return row;
 }
 
@@ -200,8 +246,6 @@ int main(int argc, char** argv) {
   int64_t file_bytes = 0;
   for (const auto& s : shards) file_bytes += static_cast<int64_t>(std::filesystem::file_size(s));
 
-  const double cold_rate = ReadRate(shards, /*cold=*/true);
-  const double warm_rate = ReadRate(shards, /*cold=*/false);
 
   accel::models::ModelLoadOptions ram;
   ram.device_map = "cpu";
@@ -234,39 +278,61 @@ int main(int argc, char** argv) {
         static_cast<long long>(hidden), accel::FormatBytes(expert_bytes).c_str(), budget.c_str(),
         accel::FormatBytes(probe->expert_cache_bytes).c_str());
   }
+  const double warm_rate = CachedReadRate(shards);
+  std::printf("the checkpoint from the page cache: %.2f GB/s\n", warm_rate / 1e9);
   std::printf(
-      "sequential read of the checkpoint: %.2f GB/s from disk, %.2f GB/s from the page "
-      "cache\n\n",
-      cold_rate / 1e9, warm_rate / 1e9);
+      "rows: medians of %d alternating runs; the read bound is the rate of O_DIRECT reads of one "
+      "expert's size at spread-out offsets (measured between the runs) over the bytes a token "
+      "read\n\n",
+      kRounds);
 
   for (int batch : {1, 8}) {
     std::printf("batch %d, %d decode steps:\n", batch, tokens);
-    std::printf("  %-44s %9s %12s %11s %9s\n", "", "tokens/s", "read/token", "read bound",
+    std::printf("  %-44s %9s %12s %12s %9s\n", "", "tokens/s", "read/token", "read bound",
                 "of bound");
-    // (a): the page cache warm, nothing offloaded.
-    ReadRate(shards, /*cold=*/false);
+    const char* names[] = {"(a) all in RAM", "(b) experts on disk, whole layers",
+                           "(c) experts on disk, one by one + cache",
+                           "(c') the same, no guessed read-ahead"};
+    const accel::models::ModelLoadOptions* modes[] = {&ram, &whole, &experts, &no_ahead};
+    std::vector<std::vector<Row>> runs(4);
+    std::vector<double> rates;
+    for (int round = 0; round < kRounds; ++round) {
+      rates.push_back(DirectReadRate(shards, static_cast<uint64_t>(expert_bytes), 12));
+      for (int m = 0; m < 4; ++m) {
+        if (m == 0) CachedReadRate(shards);  // (a): the page cache warm
+        runs[m].push_back(Decode(names[m], dir, *modes[m], batch, tokens, shards, m > 0));
+      }
+    }
+    rates.push_back(DirectReadRate(shards, static_cast<uint64_t>(expert_bytes), 12));
+    const double rate = Median(rates);
     std::vector<Row> rows;
-    rows.push_back(Decode("(a) all in RAM", dir, ram, batch, tokens, shards, false));
-    rows.push_back(
-        Decode("(b) experts on disk, whole layers", dir, whole, batch, tokens, shards, true));
-    rows.push_back(Decode("(c) experts on disk, one by one + cache", dir, experts, batch, tokens,
-                          shards, true));
-    rows.push_back(
-        Decode("(c') the same without read-ahead", dir, no_ahead, batch, tokens, shards, true));
+    for (int m = 0; m < 4; ++m) {
+      std::vector<Row> sorted = runs[m];
+      std::sort(sorted.begin(), sorted.end(), [](const Row& x, const Row& y) {
+        return x.tokens_per_second < y.tokens_per_second;
+      });
+      rows.push_back(sorted[sorted.size() / 2]);
+    }
     for (const Row& r : rows) {
-      const double bound = r.read_per_token > 0 ? cold_rate / r.read_per_token : 0;
-      std::printf("  %-44s %9.2f %12s %11s %8.0f%%\n", r.name.c_str(), r.tokens_per_second,
+      const double bound = r.read_per_token > 0 ? rate / r.read_per_token : 0;
+      std::printf("  %-44s %9.2f %12s %12s %8.0f%%\n", r.name.c_str(), r.tokens_per_second,
                   accel::FormatBytes(static_cast<int64_t>(r.read_per_token)).c_str(),
-                  bound > 0 ? absl::StrCat(absl::SixDigits(bound), " t/s").c_str() : "-",
+                  bound > 0 ? absl::StrFormat("%.2f t/s", bound).c_str() : "-",
                   bound > 0 ? 100 * r.tokens_per_second / bound : 0.0);
     }
+    std::printf("  O_DIRECT reads of %s: %.2f GB/s (median; from %.2f to %.2f)\n",
+                accel::FormatBytes(expert_bytes).c_str(), rate / 1e9,
+                *std::min_element(rates.begin(), rates.end()) / 1e9,
+                *std::max_element(rates.begin(), rates.end()) / 1e9);
     for (size_t i = 2; i < rows.size(); ++i) {
       const Row& r = rows[i];
       std::printf(
           "  %s per token: %.2f offloaded experts routed to (%.2f cache hits, %.2f of them read "
-          "ahead; %.2f read in line), %.2f experts read in all; the routed ones weigh %s\n",
+          "ahead; %.2f read in line); %.2f experts read in all, %.2f of them guesses (%.2f used); "
+          "the routed ones weigh %s\n",
           r.name.substr(0, 4).c_str(), r.expert_uses_per_token, r.hits_per_token,
           r.prefetch_hits_per_token, r.misses_per_token, r.reads_per_token,
+          r.guess_reads_per_token, r.guess_hits_per_token,
           accel::FormatBytes(
               static_cast<int64_t>(r.expert_uses_per_token * static_cast<double>(expert_bytes)))
               .c_str());

@@ -22,6 +22,10 @@ struct OffloadStats {
   int64_t expert_cache_hits = 0;
   int64_t expert_misses = 0;  // uses read in line, not cached (fetches = misses + read-aheads)
   int64_t expert_prefetch_hits = 0;
+  // Guessed experts read ahead (the next layer's router on this layer's
+  // stream), and how many of them were then used.
+  int64_t expert_guess_reads = 0;
+  int64_t expert_guess_hits = 0;
   int64_t expert_bytes_read = 0;  // from disk; also counted in bytes_read
 };
 

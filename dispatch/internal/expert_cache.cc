@@ -57,9 +57,17 @@ void ExpertCache::AddStats(OffloadStats& stats) const {
   stats.expert_cache_hits += stats_.expert_cache_hits;
   stats.expert_misses += stats_.expert_misses;
   stats.expert_prefetch_hits += stats_.expert_prefetch_hits;
+  stats.expert_guess_reads += stats_.expert_guess_reads;
+  stats.expert_guess_hits += stats_.expert_guess_hits;
   stats.expert_bytes_read += stats_.expert_bytes_read;
   stats.bytes_read += stats_.expert_bytes_read;
   stats.bytes_to_device += stats_.bytes_to_device;
+}
+
+void ExpertCache::CountGuess(bool used) {
+  constexpr double kWeight = 0.1;  // about the last 10 guesses
+  guess_rate_ = (1 - kWeight) * guess_rate_ + kWeight * (used ? 1.0 : 0.0);
+  if (used) stats_.expert_guess_hits++;
 }
 
 int ExpertCache::Distance(int unit) const {
@@ -84,6 +92,7 @@ bool ExpertCache::MakeRoom(int64_t bytes, int unit) {
     // A guess takes only the room of units to be used after it.
     if (victim == entries_.end() || (unit >= 0 && victim_distance <= Distance(unit))) return false;
     used_bytes_ -= units_[victim->first].bytes;
+    if (victim->second.prefetched && victim->second.guess) CountGuess(false);
     for (at::Tensor& b : victim->second.buffers) {
       // Back for the next read, unless someone still holds it.
       if (b.storage().use_count() == 1) free_buffers_.emplace(b.nbytes(), std::move(b));
@@ -173,6 +182,7 @@ absl::StatusOr<std::vector<std::vector<at::Tensor>>> ExpertCache::Acquire(
       Entry& e = it->second;
       stats_.expert_cache_hits++;
       if (e.prefetched) stats_.expert_prefetch_hits++;
+      if (e.prefetched && e.guess) CountGuess(true);
       e.prefetched = false;
       e.pins++;
       e.last_use = ++clock_;
@@ -224,6 +234,7 @@ void ExpertCache::Release(absl::Span<const int> units) {
 void ExpertCache::Prefetch(absl::Span<const int> units, bool needed) {
   std::lock_guard<std::mutex> lock(mu_);
   std::deque<int>& queue = needed ? needed_ : guesses_;
+  if (!needed && guess_rate_ < kMinGuessRate && guesses_seen_++ % kGuessProbe != 0) return;
   for (int unit : units) {
     if (entries_.count(unit) || in_flight_.count(unit)) continue;
     if (std::find(queue.begin(), queue.end(), unit) != queue.end()) continue;
@@ -253,6 +264,8 @@ void ExpertCache::ReaderLoop() {
     in_flight_.erase(unit);
     if (entry.ok()) {
       entry->prefetched = true;
+      entry->guess = !needed;
+      if (!needed) stats_.expert_guess_reads++;
       entry->last_use = ++clock_;
       entries_[unit] = *std::move(entry);
     } else {

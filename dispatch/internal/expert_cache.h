@@ -18,6 +18,12 @@
 // stable part of them, where least-recently-used evicts each expert just
 // before its layer comes round again and hits nothing.
 //
+// Guesses cost a read when wrong, which on a disk-bound step is read time a
+// needed expert waits for, and save only the overlap with compute when
+// right: the cache keeps a running rate of guesses used, and while it is
+// under kMinGuessRate reads only one guess in kGuessProbe (to notice when
+// guessing gets better).
+//
 // Two threads: the compute thread calls Acquire / Release / Prefetch; the
 // reader thread serves Prefetch. An acquired unit is pinned (never evicted)
 // until released; a unit needed now and not cached is read on the compute
@@ -46,6 +52,10 @@
 #include "dispatch/offload_stats.h"
 
 namespace accel::dispatch::internal {
+
+// Below this share of guesses used, guessing is mostly off (see ExpertCache).
+inline constexpr double kMinGuessRate = 0.7;
+inline constexpr uint64_t kGuessProbe = 8;
 
 class ExpertCache {
  public:
@@ -100,8 +110,11 @@ class ExpertCache {
     int pins = 0;
     uint64_t last_use = 0;
     bool prefetched = false;  // brought by the reader and not used since
+    bool guess = false;       // ... as a guess
   };
 
+  // A guess read ahead was used (or evicted unused): the running rate.
+  void CountGuess(bool used);  // mu_ held
   // Reads one unit (no lock held).
   absl::StatusOr<Entry> Read(int unit);
   // How far after the layer being run a unit's layer comes (larger: used later).
@@ -125,6 +138,8 @@ class ExpertCache {
   int64_t used_bytes_ = 0;
   uint64_t clock_ = 0;
   int current_position_ = 0;  // the layer of the latest Acquire
+  double guess_rate_ = 1.0;   // running share of guesses read that were used
+  uint64_t guesses_seen_ = 0;
   bool stop_ = false;
   OffloadStats stats_;
   std::thread reader_;
