@@ -246,7 +246,6 @@ int main(int argc, char** argv) {
   int64_t file_bytes = 0;
   for (const auto& s : shards) file_bytes += static_cast<int64_t>(std::filesystem::file_size(s));
 
-
   accel::models::ModelLoadOptions ram;
   ram.device_map = "cpu";
   ram.progress = accel::Progress::Style::kSilent;
@@ -331,8 +330,8 @@ int main(int argc, char** argv) {
           "ahead; %.2f read in line); %.2f experts read in all, %.2f of them guesses (%.2f used); "
           "the routed ones weigh %s\n",
           r.name.substr(0, 4).c_str(), r.expert_uses_per_token, r.hits_per_token,
-          r.prefetch_hits_per_token, r.misses_per_token, r.reads_per_token,
-          r.guess_reads_per_token, r.guess_hits_per_token,
+          r.prefetch_hits_per_token, r.misses_per_token, r.reads_per_token, r.guess_reads_per_token,
+          r.guess_hits_per_token,
           accel::FormatBytes(
               static_cast<int64_t>(r.expert_uses_per_token * static_cast<double>(expert_bytes)))
               .c_str());

@@ -111,34 +111,13 @@ struct DispatchedModel::Impl {
   std::thread reader;
   Stats stats;
 
-  // Staging buffers for disk reads, reused across forwards: a fresh 64 MiB
-  // allocation costs more in page faults than reading it from the page cache.
-  // Flat uint8 host tensors by size. Guarded by `mu`.
-  std::multimap<uint64_t, at::Tensor> pool;
+  // Staging buffers for disk reads, reused across forwards.
+  internal::BufferPool pool;
   // The host buffers whose data a group's tensors use while it is entered.
   std::unordered_map<int, std::vector<at::Tensor>> active;
 
-  // A pooled buffer of `bytes` (or up to 1/8 more), else a new one.
-  at::Tensor TakeBuffer(uint64_t bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      auto it = pool.lower_bound(bytes);
-      if (it != pool.end() && it->first <= bytes + bytes / 8) {
-        at::Tensor buffer = std::move(it->second);
-        pool.erase(it);
-        return buffer;
-      }
-    }
-    return at::empty({static_cast<int64_t>(bytes)},
-                     at::TensorOptions(at::kByte).pinned_memory(stager != nullptr));
-  }
-
-  // Back to the pool, unless something still holds the buffer's storage.
   void GiveBack(std::vector<at::Tensor> buffers) {
-    std::lock_guard<std::mutex> lock(mu);
-    for (at::Tensor& b : buffers) {
-      if (b.defined() && b.storage().use_count() == 1) pool.emplace(b.nbytes(), std::move(b));
-    }
+    for (at::Tensor& b : buffers) pool.Give(std::move(b));
   }
 
   absl::StatusOr<Fetched> Fetch(int group) {
@@ -167,9 +146,10 @@ struct DispatchedModel::Impl {
     }
     int64_t bytes = 0;
     if (!disk.empty()) {
-      ACCEL_ASSIGN_OR_RETURN(
-          internal::ReadTensors got,
-          internal::ReadCoalesced(disk, names, direct, [&](uint64_t n) { return TakeBuffer(n); }));
+      ACCEL_ASSIGN_OR_RETURN(internal::ReadTensors got,
+                             internal::ReadCoalesced(disk, names, direct, [&](uint64_t n) {
+                               return pool.Take(n, stager != nullptr);
+                             }));
       for (size_t k = 0; k < disk.size(); ++k) out.values[slot[k]] = std::move(got.values[k]);
       out.buffers = std::move(got.buffers);
       bytes = static_cast<int64_t>(got.bytes_read);

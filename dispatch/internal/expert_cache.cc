@@ -93,11 +93,9 @@ bool ExpertCache::MakeRoom(int64_t bytes, int unit) {
     if (victim == entries_.end() || (unit >= 0 && victim_distance <= Distance(unit))) return false;
     used_bytes_ -= units_[victim->first].bytes;
     if (victim->second.prefetched && victim->second.guess) CountGuess(false);
-    for (at::Tensor& b : victim->second.buffers) {
-      // Back for the next read, unless someone still holds it.
-      if (b.storage().use_count() == 1) free_buffers_.emplace(b.nbytes(), std::move(b));
-    }
-    entries_.erase(victim);
+    std::vector<at::Tensor> freed = std::move(victim->second.buffers);
+    entries_.erase(victim);  // drops its values, the views of the buffers
+    for (at::Tensor& b : freed) buffers_.Give(std::move(b));
   }
   return true;
 }
@@ -124,19 +122,7 @@ absl::StatusOr<ExpertCache::Entry> ExpertCache::Read(int unit) {
     const bool pinned = options_.stager != nullptr;
     ACCEL_ASSIGN_OR_RETURN(ReadTensors got,
                            ReadCoalesced(disk, names, options_.direct, [&](uint64_t bytes) {
-                             {
-                               std::lock_guard<std::mutex> lock(mu_);
-                               auto it = free_buffers_.lower_bound(bytes);
-                               // A free buffer of about this size (an expert's), not a much larger
-                               // one.
-                               if (it != free_buffers_.end() && it->first <= bytes + bytes / 8) {
-                                 at::Tensor b = std::move(it->second);
-                                 free_buffers_.erase(it);
-                                 return b;
-                               }
-                             }
-                             return at::empty({static_cast<int64_t>(bytes)},
-                                              at::TensorOptions(at::kByte).pinned_memory(pinned));
+                             return buffers_.Take(bytes, pinned);
                            }));
     for (size_t k = 0; k < disk.size(); ++k) entry.values[disk_slot[k]] = std::move(got.values[k]);
     entry.buffers = std::move(got.buffers);
@@ -148,9 +134,7 @@ absl::StatusOr<ExpertCache::Entry> ExpertCache::Read(int unit) {
     for (const at::Tensor& t : staged) to_device += static_cast<int64_t>(t.nbytes());
     entry.values = std::move(staged);
     // The host buffers are free again once the copies are done.
-    std::lock_guard<std::mutex> lock(mu_);
-    for (at::Tensor& b : entry.buffers) free_buffers_.emplace(b.nbytes(), std::move(b));
-    entry.buffers.clear();
+    for (at::Tensor& b : std::exchange(entry.buffers, {})) buffers_.Give(std::move(b));
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.expert_fetches++;

@@ -134,7 +134,7 @@ class ExpertCache {
   std::unordered_map<int, bool> in_flight_;  // unit -> being read (by the reader: true)
   std::deque<int> needed_;                   // prefetch requests, in order
   std::deque<int> guesses_;
-  std::multimap<uint64_t, at::Tensor> free_buffers_;  // by bytes
+  BufferPool buffers_;  // reused by reads after evictions
   int64_t used_bytes_ = 0;
   uint64_t clock_ = 0;
   int current_position_ = 0;  // the layer of the latest Acquire

@@ -39,6 +39,26 @@ absl::Status PreadAll(int fd, const std::string& path, uint64_t offset, char* ds
 
 }  // namespace
 
+at::Tensor BufferPool::Take(uint64_t bytes, bool pinned) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = free_.lower_bound(bytes);
+    if (it != free_.end() && it->first <= bytes + bytes / 8) {
+      at::Tensor buffer = std::move(it->second);
+      free_.erase(it);
+      return buffer;
+    }
+  }
+  return at::empty({static_cast<int64_t>(bytes)},
+                   at::TensorOptions(at::kByte).pinned_memory(pinned));
+}
+
+void BufferPool::Give(at::Tensor buffer) {
+  if (!buffer.defined() || buffer.storage().use_count() != 1) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  free_.emplace(buffer.nbytes(), std::move(buffer));
+}
+
 absl::Status ReadRange(const std::string& path, uint64_t offset, void* dst, uint64_t n,
                        bool drop_pages) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,23 @@ absl::Status ReadRange(const std::string& path, uint64_t offset, void* dst, uint
 // A host buffer of at least `bytes` bytes (uint8, flat): a pooled one, or new
 // (pinned when the caller copies to a GPU from it).
 using BufferSource = std::function<at::Tensor(uint64_t bytes)>;
+
+// Host buffers for disk reads, reused across reads: a fresh 64 MiB
+// allocation costs more in page faults than reading it from the page cache.
+// Thread-safe.
+class BufferPool {
+ public:
+  // A free buffer of `bytes` to bytes + 1/8 (not a much larger one), else a
+  // new one, pinned when asked.
+  at::Tensor Take(uint64_t bytes, bool pinned);
+  // Back to the pool, unless something still holds its storage (a value
+  // someone kept must never be overwritten by a later read).
+  void Give(at::Tensor buffer);
+
+ private:
+  std::mutex mu_;
+  std::multimap<uint64_t, at::Tensor> free_;  // by bytes
+};
 
 // Tensors read from disk, and the host buffers their values view.
 struct ReadTensors {
