@@ -424,7 +424,9 @@ std::string ModelConfig::ToJson() const {
     out["num_hidden_layers"] = num_hidden_layers;
     out["num_attention_heads"] = num_attention_heads;
     out["num_key_value_heads"] = kv_heads();
-    if (head_dim > 0) out["head_dim"] = head_dim;
+    // Where the family's default is not hidden / heads, a 0 is written too,
+    // so that reading it back does not bring the default in.
+    if (head_dim > 0 || IsGemma(*this) || model_type == "qwen3") out["head_dim"] = head_dim;
     out["max_position_embeddings"] = max_position_embeddings;
     out["rms_norm_eps"] = norm_eps;
     out["rope_theta"] = rope_theta;
@@ -436,12 +438,14 @@ std::string ModelConfig::ToJson() const {
       out["rope_scaling"] = rs;
     }
     out["attention_bias"] = attention_bias;
-    if (sliding_window) out["sliding_window"] = *sliding_window;
-    out["hidden_act"] = hidden_act;
-    if (moe.enabled()) {
-      out[NumExpertsKey(*this)] = moe.num_experts;
-      out["num_experts_per_tok"] = moe.num_experts_per_tok;
+    if (sliding_window) {
+      out["sliding_window"] = *sliding_window;
+    } else if (IsGemma(*this)) {
+      out["sliding_window"] = nullptr;  // Gemma's default is 4096
     }
+    out["hidden_act"] = hidden_act;
+    if (moe.num_experts > 0) out[NumExpertsKey(*this)] = moe.num_experts;
+    if (moe.num_experts_per_tok > 0) out["num_experts_per_tok"] = moe.num_experts_per_tok;
     if (moe.moe_intermediate_size) out["moe_intermediate_size"] = *moe.moe_intermediate_size;
     if (moe.shared_expert_intermediate_size)
       out["shared_expert_intermediate_size"] = *moe.shared_expert_intermediate_size;

@@ -68,11 +68,11 @@ enum class SlidingLayers {
 };
 
 struct Family {
-  const char* architecture;  // config.json "architectures"[0]: "LlamaForCausalLM"
-  const char* model_type;    // config.json "model_type": "llama"
-  const char* prefix;        // class-name prefix: "Llama" -> LlamaAttention, LlamaMLP, ...
-  const char* model_class;   // the decoder stack: "LlamaModel" ("GPT2Model", "Gemma3TextModel")
-  const char* block_class;   // the decoder block, never split over devices: "LlamaDecoderLayer"
+  const char* architecture = "";  // config.json "architectures"[0]: "LlamaForCausalLM"
+  const char* model_type = "";    // config.json "model_type": "llama"
+  const char* prefix = "";        // class-name prefix: "Llama" -> LlamaAttention, LlamaMLP, ...
+  const char* model_class = "";   // the decoder stack: "LlamaModel" ("GPT2Model", ...)
+  const char* block_class = "";  // the decoder block, never split over devices: "LlamaDecoderLayer"
   NormKind norm = NormKind::kRms;
   MlpKind mlp = MlpKind::kGated;
   AttentionBias attention_bias = AttentionBias::kConfig;

@@ -197,7 +197,8 @@ absl::StatusOr<int64_t> ExpertCacheBytes(const std::string& expert_cache,
   if (lists.empty()) return 0;
   const dispatch::ModuleSizes table = dispatch::ComputeModuleSizes(tree, sizes);
   double bytes = 0;
-  for (const std::string& list : lists) bytes += resolved.top_k * table.at(list + ".0");
+  for (const std::string& list : lists)
+    bytes += static_cast<double>(resolved.top_k) * table.at(list + ".0");
   for (const auto& [p, budget] : max_memory) {
     if (p.is_cuda() || p.is_cpu()) {  // the first of them runs the experts
       bytes = std::min(bytes, budget / 2);

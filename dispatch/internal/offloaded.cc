@@ -128,7 +128,7 @@ absl::StatusOr<ReadTensors> ReadCoalesced(const std::vector<const Source*>& tens
       if (absl::IsDataLoss(read)) {
         for (size_t k = i; k < j; ++k) {
           cut = names[order[k]];
-          struct stat st;
+          struct stat st = {};
           if (::stat(first.path.c_str(), &st) == 0 &&
               tensors[order[k]]->offset + tensors[order[k]]->nbytes >
                   static_cast<uint64_t>(st.st_size)) {

@@ -238,7 +238,8 @@ class SparseMoe : public Layer {
     const int64_t hidden = x.size(-1);
     at::Tensor h = x.reshape({-1, hidden});
     const int64_t tokens = h.size(0);
-    auto [weights, selected] = Route(h);
+    at::Tensor weights, selected;
+    std::tie(weights, selected) = Route(h);
     // The rows of each expert, in transformers' order (top-k slot, then token).
     const at::Tensor picks = selected.to(at::kCPU).contiguous();
     const int64_t* pick = picks.data_ptr<int64_t>();

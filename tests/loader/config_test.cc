@@ -90,6 +90,106 @@ TEST(ModelConfigTest, RoundTripsThroughToJson) {
   EXPECT_THAT(again.eos_token_ids, ElementsAre(128001, 128008, 128009));
 }
 
+// Each config round-trips: ToJson, read back, ToJson again gives the same text.
+std::string RoundTrip(const std::string& json) {
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(json, "config.json");
+  EXPECT_THAT(c, IsOk());
+  if (!c.ok()) return "";
+  absl::StatusOr<ModelConfig> again = ParseModelConfig(c->ToJson(), "again");
+  EXPECT_THAT(again, IsOk());
+  EXPECT_EQ(again->ToJson(), c->ToJson());
+  return c->ToJson();
+}
+
+TEST(ModelConfigTest, ReadsMixtureOfExpertsFieldsUnderEachFamilysNames) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(ModelConfig mixtral,
+                             ParseModelConfig(R"({"model_type": "mixtral", "num_local_experts": 8,
+                           "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02})",
+                                              "config.json"));
+  EXPECT_EQ(mixtral.moe.num_experts, 8);
+  EXPECT_EQ(mixtral.moe.num_experts_per_tok, 2);
+  EXPECT_EQ(mixtral.extra.count("num_local_experts"), 0u);
+  EXPECT_EQ(mixtral.extra.at("router_aux_loss_coef"), "0.02");
+  EXPECT_THAT(mixtral.ToJson(), HasSubstr("\"num_local_experts\": 8"));
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      ModelConfig qwen,
+      ParseModelConfig(R"({"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
+                           "moe_intermediate_size": 768, "norm_topk_prob": true,
+                           "decoder_sparse_step": 1, "mlp_only_layers": [0, 3],
+                           "shared_expert_intermediate_size": 5632})",
+                       "config.json"));
+  EXPECT_EQ(qwen.moe.num_experts, 128);
+  EXPECT_EQ(qwen.moe.moe_intermediate_size, 768);
+  EXPECT_EQ(qwen.moe.norm_topk_prob, true);
+  EXPECT_EQ(qwen.moe.decoder_sparse_step, 1);
+  EXPECT_THAT(qwen.moe.mlp_only_layers, ElementsAre(0, 3));
+  EXPECT_EQ(qwen.moe.shared_expert_intermediate_size, 5632);
+  EXPECT_THAT(RoundTrip(qwen.ToJson()), HasSubstr("\"num_experts\": 128"));
+  EXPECT_THAT(ParseModelConfig(R"({"model_type": "qwen3_moe", "mlp_only_layers": [1, "x"]})", "c"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mlp_only_layers")));
+}
+
+// Gemma's defaults are Gemma2Config's / Gemma3TextConfig's, and a null turns
+// a soft-cap (or the window) off rather than bringing the default back.
+TEST(ModelConfigTest, GemmaDefaultsAndNullsSurviveARoundTrip) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(ModelConfig g2,
+                             ParseModelConfig(R"({"model_type": "gemma2"})", "config.json"));
+  EXPECT_TRUE(g2.tie_word_embeddings);
+  EXPECT_EQ(g2.head_dim, 256);
+  EXPECT_EQ(g2.sliding_window, 4096);
+  EXPECT_EQ(g2.attn_logit_softcapping, 50.0);
+  EXPECT_EQ(g2.final_logit_softcapping, 30.0);
+  EXPECT_EQ(g2.query_pre_attn_scalar, 256.0);
+  EXPECT_EQ(g2.hidden_activation, "gelu_pytorch_tanh");
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      ModelConfig off, ParseModelConfig(R"({"model_type": "gemma2", "attn_logit_softcapping": null,
+                           "final_logit_softcapping": null, "sliding_window": null,
+                           "head_dim": 0})",
+                                        "config.json"));
+  EXPECT_FALSE(off.attn_logit_softcapping.has_value());
+  EXPECT_FALSE(off.final_logit_softcapping.has_value());
+  EXPECT_FALSE(off.sliding_window.has_value());
+  const std::string json = RoundTrip(off.ToJson());
+  ACCEL_ASSERT_OK_AND_ASSIGN(ModelConfig again, ParseModelConfig(json, "again"));
+  EXPECT_FALSE(again.attn_logit_softcapping.has_value());
+  EXPECT_FALSE(again.sliding_window.has_value());
+  EXPECT_EQ(again.head_dim, 0);
+  ACCEL_ASSERT_OK_AND_ASSIGN(ModelConfig g3, ParseModelConfig(R"({"model_type": "gemma3_text",
+                                                  "layer_types": ["sliding_attention",
+                                                                  "full_attention"]})",
+                                                              "config.json"));
+  EXPECT_EQ(g3.rope_theta, 1e6);
+  EXPECT_EQ(g3.rope_local_base_freq, 1e4);
+  EXPECT_EQ(g3.sliding_window_pattern, 6);
+  EXPECT_FALSE(g3.attn_logit_softcapping.has_value());
+  EXPECT_THAT(g3.layer_types, ElementsAre("sliding_attention", "full_attention"));
+  RoundTrip(g3.ToJson());
+  ACCEL_ASSERT_OK_AND_ASSIGN(ModelConfig qwen3,
+                             ParseModelConfig(R"({"model_type": "qwen3"})", "config.json"));
+  EXPECT_EQ(qwen3.head_dim, 128);  // Qwen3Config's default, not hidden / heads
+}
+
+TEST(ModelConfigTest, LongRopeFactorListsAreRead) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      ModelConfig c,
+      ParseModelConfig(R"({"model_type": "phi3", "original_max_position_embeddings": 4096,
+                           "partial_rotary_factor": 0.75,
+                           "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5],
+                                            "long_factor": [2.0, 8.25]}})",
+                       "config.json"));
+  EXPECT_EQ(c.original_max_position_embeddings, 4096);
+  EXPECT_EQ(c.partial_rotary_factor, 0.75);
+  ASSERT_TRUE(c.rope_scaling.has_value());
+  EXPECT_EQ(c.rope_scaling->rope_type, "longrope");
+  EXPECT_THAT(c.rope_scaling->lists.at("long_factor"), ElementsAre(2.0, 8.25));
+  ACCEL_ASSERT_OK_AND_ASSIGN(ModelConfig again, ParseModelConfig(RoundTrip(c.ToJson()), "again"));
+  EXPECT_THAT(again.rope_scaling->lists.at("short_factor"), ElementsAre(1.0, 1.5));
+  EXPECT_THAT(ParseModelConfig(R"({"rope_scaling": {"type": "longrope", "long_factor": []}})", "c"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rope_scaling.long_factor")));
+  EXPECT_THAT(ParseModelConfig(R"({"partial_rotary_factor": "half"})", "c"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("partial_rotary_factor")));
+}
+
 TEST(ModelConfigTest, ReadsGpt2NamesIntoTheCommonFields) {
   ACCEL_ASSERT_OK_AND_ASSIGN(ModelConfig c, ParseModelConfig(kGpt2, "config.json"));
   EXPECT_EQ(c.hidden_size, 768);
