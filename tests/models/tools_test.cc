@@ -132,6 +132,43 @@ TEST(ToolsTest, DeviceMapPlansAGeneratedModelWithoutItsWeights) {
   EXPECT_EQ(nlohmann::json::parse(half.out), nlohmann::json::parse(R"({"": 0})"));
 }
 
+// A Mixtral's experts placed one by one: dense parts in RAM, experts past
+// the room left (beside the cache) on disk; without the flag, whole layers.
+TEST(ToolsTest, DeviceMapPlacesExpertsOneByOneWithOffloadExperts) {
+  TempDir dir;
+  ASSERT_EQ(RunTool("accel-make-model " + dir.path() +
+                    " --family mixtral --num_layers 2 --hidden_size 64 --num_experts 8")
+                .exit_code,
+            0);
+  std::remove((dir.path() + "/model.safetensors").c_str());  // planning never reads weights
+  Result r = RunToolStdout("accel-device-map --model " + dir.path() +
+                           " --max_memory cpu=1MiB,disk=1GiB --offload_experts --verbose");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  nlohmann::json map = nlohmann::json::parse(r.out);
+  EXPECT_EQ(map["model.layers.1.self_attn"], "cpu");
+  EXPECT_EQ(map["model.layers.1.block_sparse_moe.gate"], "cpu");
+  EXPECT_EQ(map["lm_head"], "cpu");
+  EXPECT_EQ(map["model.layers.1.block_sparse_moe.experts"], "disk");
+  EXPECT_FALSE(map.contains("model.layers.1"));
+  Result verbose = RunTool("accel-device-map --model " + dir.path() +
+                           " --max_memory cpu=1MiB,disk=1GiB --offload_experts --verbose");
+  EXPECT_THAT(verbose.out, HasSubstr("expert cache: 512 KiB"));
+
+  // Without it, Accelerate's plan: no key inside a MixtralDecoderLayer, never split.
+  Result whole = RunToolStdout("accel-device-map --model " + dir.path() +
+                               " --max_memory cpu=1MiB,disk=1GiB --strategy sequential");
+  ASSERT_EQ(whole.exit_code, 0) << whole.out;
+  EXPECT_THAT(whole.out, ::testing::Not(HasSubstr("experts")));
+  EXPECT_THAT(whole.out, ::testing::Not(HasSubstr("self_attn")));
+
+  Result dense = RunTool("accel-make-model " + dir.path() + "/llama --num_layers 1");
+  ASSERT_EQ(dense.exit_code, 0);
+  Result refused = RunTool("accel-device-map --model " + dir.path() +
+                           "/llama --max_memory cpu=1MiB --offload_experts");
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_THAT(refused.out, HasSubstr("no mixture-of-experts layers"));
+}
+
 TEST(ToolsTest, DeviceMapReadsATreeAndExplainsBadInput) {
   TempDir dir;
   std::string tree = dir.Write("tree.json", R"({"class": "M", "children": [
