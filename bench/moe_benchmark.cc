@@ -20,8 +20,12 @@
 // alone weigh (what per-expert loading without a cache, as Accelerate's
 // per-module hooks do, would read).
 //
+// With --gpu_budget (a CUDA build), the GPU is the execution device: (a) is
+// the whole model in GPU memory, and (b), (c) hold that budget on GPU 0 with
+// the rest planned into the cpu budget and disk as above.
+//
 //   build/bin/accel-bench-moe [--layers 8] [--hidden 1024] [--tokens 16]
-//       [--budget 700MB] [--dir /tmp/accel-bench-moe]
+//       [--budget 700MB] [--gpu_budget 300MB] [--rounds 3] [--dir /tmp/accel-bench-moe]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -45,8 +49,6 @@
 #include "models/make_model.h"
 
 namespace {
-
-constexpr int kRounds = 3;
 
 using Clock = std::chrono::steady_clock;
 
@@ -176,7 +178,7 @@ Row Decode(const std::string& name, const std::string& dir,
       std::fprintf(stderr, "accel-bench-moe: %s\n", std::string(logits.status().message()).c_str());
       std::exit(1);
     }
-    const at::Tensor next = logits->argmax(-1).contiguous();
+    const at::Tensor next = logits->argmax(-1).to(at::kCPU).contiguous();
     return std::vector<int64_t>(next.data_ptr<int64_t>(), next.data_ptr<int64_t>() + batch);
   };
   std::vector<int64_t> next = step(ids);
@@ -213,6 +215,8 @@ int main(int argc, char** argv) {
   int tokens = 16;
   std::string budget = "700MB";
   std::string dir = "/tmp/accel-bench-moe";
+  std::string gpu_budget;
+  int rounds = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--layers") layers = std::atoll(argv[i + 1]);
@@ -220,7 +224,10 @@ int main(int argc, char** argv) {
     if (flag == "--tokens") tokens = std::atoi(argv[i + 1]);
     if (flag == "--budget") budget = argv[i + 1];
     if (flag == "--dir") dir = argv[i + 1];
+    if (flag == "--gpu_budget") gpu_budget = argv[i + 1];
+    if (flag == "--rounds") rounds = std::max(1, std::atoi(argv[i + 1]));
   }
+  const int kRounds = rounds;
   accel::models::MakeModelOptions make;
   make.family = "mixtral";
   make.vocab_size = 32000;
@@ -253,6 +260,13 @@ int main(int argc, char** argv) {
   whole.device_map = "auto";
   whole.max_memory = absl::StrCat("cpu=", budget, ",disk=1TB");
   whole.direct_reads = true;
+  if (!gpu_budget.empty()) {
+    ram.device_map = "0";
+    whole.max_memory = absl::StrCat("0=", gpu_budget, ",", whole.max_memory);
+    whole.execution_device = "cuda:0";
+    std::printf("execution device cuda:0: (a) all in GPU memory, (b) and (c) with 0=%s\n",
+                gpu_budget.c_str());
+  }
   accel::models::ModelLoadOptions experts = whole;
   experts.offload_experts = true;
   accel::models::ModelLoadOptions no_ahead = experts;

@@ -6,7 +6,12 @@
 // device: cpu and disk entries come over the copy stream, next to a plain
 // pinned host-to-device copy of the same bytes.
 //
+// Then decode rows (bench/offload_decode.cc): a model of over 1 GB decoding
+// with 0%, 50% and 100% of its layers on disk, warm and cold.
+//
 //   build/bin/accel-bench-offload [--layers 8] [--hidden 4096] [--repeats 5]
+//       [--decode_only] [--decode_layers 18] [--decode_hidden 1024]
+//       [--decode_tokens 16] [--decode_dir /tmp/accel-bench-offload-decode]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -29,6 +34,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "bench/offload_decode.h"
 #include "dispatch/dispatch.h"
 #include "dispatch/empty_weights.h"
 #include "loader/loader.h"
@@ -190,11 +196,20 @@ void GpuRows(const std::string& dir, const std::vector<std::string>& files, int 
 int main(int argc, char** argv) {
   int layers = 8, repeats = 5;
   int64_t hidden = 4096;
-  for (int i = 1; i + 1 < argc; ++i) {
+  bool decode_only = false;
+  accel::bench::DecodeRowsOptions decode;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--decode_only")) decode_only = true;
+    if (i + 1 >= argc) continue;
     if (!std::strcmp(argv[i], "--layers")) layers = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--hidden")) hidden = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--repeats")) repeats = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--decode_layers")) decode.layers = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--decode_hidden")) decode.hidden = std::atoll(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--decode_tokens")) decode.tokens = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--decode_dir")) decode.dir = argv[i + 1];
   }
+  if (decode_only) return accel::bench::DecodeRows(decode);
   const char* tmp = std::getenv("TMPDIR");
   std::string dir = std::string(tmp ? tmp : "/tmp") + "/accel-bench-offload-XXXXXX";
   if (::mkdtemp(dir.data()) == nullptr) return 1;
@@ -277,5 +292,5 @@ int main(int argc, char** argv) {
     std::printf("GPU rows: skipped, no CUDA device (at::hasCUDA() is false)\n");
   }
   std::filesystem::remove_all(dir);
-  return 0;
+  return accel::bench::DecodeRows(decode);
 }

@@ -1,6 +1,22 @@
 # Helpers that make every component, test, tool and benchmark the same shape.
 
-set(ACCEL_WARNINGS -Wall -Wextra -Werror -Wno-unused-parameter)
+option(ACCEL_WERROR "Treat warnings as errors" ON)
+set(ACCEL_WARNINGS -Wall -Wextra)
+if(ACCEL_WERROR)
+  list(APPEND ACCEL_WARNINGS -Werror)
+endif()
+list(APPEND ACCEL_WARNINGS -Wno-unused-parameter)
+
+# An imported target NAME for library LIB whose header HEADER is found by a
+# plain search (CMAKE_PREFIX_PATH), for machines without pkg-config.
+function(accel_import_library name lib header)
+  string(MAKE_C_IDENTIFIER "${name}" id)
+  find_path(${id}_INCLUDE_DIR ${header} REQUIRED)
+  find_library(${id}_LIBRARY ${lib} REQUIRED)
+  add_library(${name} UNKNOWN IMPORTED)
+  set_target_properties(${name} PROPERTIES IMPORTED_LOCATION ${${id}_LIBRARY}
+    INTERFACE_INCLUDE_DIRECTORIES ${${id}_INCLUDE_DIR})
+endfunction()
 
 # Sets ACCEL_TORCH_VERSION and ACCEL_TORCH_HAS_CUDA from the libtorch found.
 function(accel_detect_torch)
@@ -32,7 +48,12 @@ function(accel_torch_pch_target)
 endfunction()
 
 function(accel_use_torch target)
-  target_link_libraries(${target} PRIVATE torch)
+  # stdc++ ahead of torch. PyTorch's wheels export std::filesystem functions
+  # from libtorch.so (pytorch/pytorch#133437); a binary that meets libtorch
+  # first on its link line binds our std::filesystem calls to those copies,
+  # which crash (torch 2.11 on the GPU machine: remove_all jumped to address
+  # 0). With libstdc++ named first the calls bind to libstdc++'s own.
+  target_link_libraries(${target} PRIVATE stdc++ torch)
   target_compile_options(${target} PRIVATE -pthread)
   if(ACCEL_USE_PCH)
     accel_torch_pch_target()

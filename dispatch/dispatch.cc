@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <condition_variable>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -41,6 +42,7 @@ using internal::Source;
 struct Fetched {
   std::vector<at::Tensor> values;   // in group order, shaped; on the GPU when staged
   std::vector<at::Tensor> buffers;  // pooled host buffers the values use until released
+  int64_t mapped_bytes = 0;         // of the values, used in place from a mapping
 };
 
 bool Below(absl::string_view name, absl::string_view prefix) {
@@ -100,16 +102,88 @@ struct DispatchedModel::Impl {
   bool order_given = false;
   bool order_complete = false;
 
-  // The reader thread and its one slot.
+  // The reader thread works through `wanted` (the next `depth` groups after
+  // the running one), leaving each result in `ready` until it is entered.
   std::mutex mu;
   std::condition_variable cv;
-  int requested = -1;  // group to read next
-  int ready_group = -1;
-  std::optional<absl::StatusOr<Fetched>> ready;
-  bool busy = false;
+  int depth = 2;
+  std::deque<int> wanted;
+  int reading = -1;  // the group the reader is on
+  std::map<int, absl::StatusOr<Fetched>> ready;
   bool stop = false;
   std::thread reader;
   Stats stats;
+
+  // Mapped disk sources (LoadOptions::map_disk): the byte spans of each
+  // group in its files, and the released groups whose pages are still in
+  // the process, oldest first, within `mapped_allowance` bytes (<0: all).
+  struct Span {
+    const internal::FileMapping* mapping;
+    uint64_t offset, bytes;
+  };
+  std::vector<std::vector<Span>> group_spans;
+  int64_t mapped_allowance = -1;
+  std::deque<int> kept;
+  int64_t kept_bytes = 0;
+
+  static int64_t SpanBytes(const std::vector<Span>& spans) {
+    int64_t n = 0;
+    for (const Span& sp : spans) n += static_cast<int64_t>(sp.bytes);
+    return n;
+  }
+
+  // The spans of `members`' mapped sources, adjacent ones merged.
+  std::vector<Span> MappedSpans(const std::vector<int>& members) const {
+    std::vector<Span> spans;
+    for (int m : members) {
+      const Source& src = tensors[m].source;
+      if (!src.mapping) continue;
+      spans.push_back({src.mapping.get(), src.offset, src.nbytes});
+    }
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+      return a.mapping != b.mapping ? a.mapping < b.mapping : a.offset < b.offset;
+    });
+    std::vector<Span> merged;
+    for (const Span& sp : spans) {
+      if (!merged.empty() && merged.back().mapping == sp.mapping &&
+          merged.back().offset + merged.back().bytes >= sp.offset) {
+        Span& last = merged.back();
+        last.bytes = std::max(last.offset + last.bytes, sp.offset + sp.bytes) - last.offset;
+      } else {
+        merged.push_back(sp);
+      }
+    }
+    return merged;
+  }
+
+  // `group` is in use or about to be: its pages must not be dropped.
+  void Unkeep(int group) {  // under mu
+    auto it = std::find(kept.begin(), kept.end(), group);
+    if (it == kept.end()) return;
+    kept_bytes -= SpanBytes(group_spans[group]);
+    kept.erase(it);
+  }
+
+  // `group` was released: its pages stay while the allowance holds them.
+  void Keep(int group) {
+    std::vector<int> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (group_spans[group].empty()) return;
+      Unkeep(group);
+      kept.push_back(group);
+      kept_bytes += SpanBytes(group_spans[group]);
+      while (mapped_allowance >= 0 && kept_bytes > mapped_allowance && !kept.empty()) {
+        drop.push_back(kept.front());
+        kept_bytes -= SpanBytes(group_spans[kept.front()]);
+        kept.pop_front();
+      }
+      for (int g : drop) stats.bytes_dropped += SpanBytes(group_spans[g]);
+    }
+    for (int g : drop) {
+      for (const Span& sp : group_spans[g]) sp.mapping->Drop(sp.offset, sp.bytes);
+    }
+  }
 
   // Staging buffers for disk reads, reused across forwards.
   internal::BufferPool pool;
@@ -120,14 +194,22 @@ struct DispatchedModel::Impl {
     for (at::Tensor& b : buffers) pool.Give(std::move(b));
   }
 
-  absl::StatusOr<Fetched> Fetch(int group) {
+  // `ahead`: by the reader, before the group is entered, so mapped pages
+  // are made resident now rather than faulted in as the module runs.
+  absl::StatusOr<Fetched> Fetch(int group, bool ahead) {
     // Enter() adds groups while the reader runs: read ours under the lock.
     std::vector<int> members;
+    std::vector<Span> spans;
     bool to_device = false;
     {
       std::lock_guard<std::mutex> lock(mu);
       members = groups[group];
+      spans = group_spans[group];
       to_device = stager != nullptr && group_device[group] == stager->device();
+      Unkeep(group);
+    }
+    if (ahead) {
+      for (const Span& sp : spans) sp.mapping->Populate(sp.offset, sp.bytes);
     }
     Fetched out;
     out.values.resize(members.size());
@@ -138,6 +220,9 @@ struct DispatchedModel::Impl {
       const Offloaded& t = tensors[members[k]];
       if (t.source.host.defined()) {
         out.values[k] = t.source.host;
+      } else if (t.source.mapping) {
+        out.values[k] = internal::MappedView(t.source);  // Load checked the alignment
+        out.mapped_bytes += static_cast<int64_t>(t.source.nbytes);
       } else {
         disk.push_back(&t.source);
         names.push_back(t.name);
@@ -178,16 +263,17 @@ struct DispatchedModel::Impl {
   void ReaderLoop() {
     std::unique_lock<std::mutex> lock(mu);
     while (true) {
-      cv.wait(lock, [&] { return stop || requested >= 0; });
+      cv.wait(lock, [&] { return stop || !wanted.empty(); });
       if (stop) return;
-      const int group = std::exchange(requested, -1);
-      busy = true;
+      const int group = wanted.front();
+      wanted.pop_front();
+      if (ready.count(group)) continue;
+      reading = group;
       lock.unlock();
-      auto result = Fetch(group);
+      auto result = Fetch(group, /*ahead=*/true);
       lock.lock();
-      busy = false;
-      ready_group = group;
-      ready = std::move(result);
+      reading = -1;
+      ready.emplace(group, std::move(result));
       cv.notify_all();
     }
   }
@@ -196,25 +282,45 @@ struct DispatchedModel::Impl {
   absl::StatusOr<Fetched> Take(int group) {
     {
       std::unique_lock<std::mutex> lock(mu);
-      if (requested == group || (busy && ready_group != group)) {
-        cv.wait(lock, [&] { return requested != group && !busy; });
-      }
-      if (ready_group == group && ready) {
-        auto result = std::move(*ready);
-        ready.reset();
-        ready_group = -1;
+      wanted.erase(std::remove(wanted.begin(), wanted.end(), group), wanted.end());
+      cv.wait(lock, [&] { return reading != group; });
+      auto it = ready.find(group);
+      if (it != ready.end()) {
+        auto result = std::move(it->second);
+        ready.erase(it);
         stats.prefetch_hits++;
         return result;
       }
     }
-    return Fetch(group);
+    return Fetch(group, /*ahead=*/false);
   }
 
-  void Request(int group) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (ready_group == group || requested == group) return;
-    requested = group;
-    cv.notify_all();
+  // The reader works on `next` (the groups after the running one, in order)
+  // from now on; what it read for groups no longer expected is let go.
+  void Request(const std::vector<int>& next) {
+    std::vector<at::Tensor> unused;
+    std::vector<int> dropped;  // mapped in, never used: may be dropped again
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      wanted.clear();
+      for (int g : next) {
+        if (g != reading && !ready.count(g)) wanted.push_back(g);
+      }
+      for (auto it = ready.begin(); it != ready.end();) {
+        if (std::find(next.begin(), next.end(), it->first) == next.end()) {
+          if (it->second.ok()) {
+            for (at::Tensor& b : it->second->buffers) unused.push_back(std::move(b));
+          }
+          dropped.push_back(it->first);
+          it = ready.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      cv.notify_all();
+    }
+    GiveBack(std::move(unused));
+    for (int g : dropped) Keep(g);
   }
 };
 
@@ -364,6 +470,7 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
     std::lock_guard<std::mutex> lock(im.mu);  // the reader reads these
     group = members.empty() ? -1 : static_cast<int>(im.groups.size());
     if (group >= 0) {
+      im.group_spans.push_back(im.MappedSpans(members));
       im.groups.push_back(std::move(members));
       im.group_names.push_back(key);
       im.group_device.push_back(ExecutionDevice(key));
@@ -386,6 +493,7 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
   {
     std::lock_guard<std::mutex> lock(im.mu);
     im.stats.fetches++;
+    im.stats.bytes_mapped += data->mapped_bytes;
   }
   // Disk buffers return to the pool when the scope ends (host sources are
   // the weights themselves and are kept; staged groups hold no buffers).
@@ -402,16 +510,20 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
   }
   data->values.clear();  // the module holds them now: its release frees them
 
-  // Read the module expected next (wrapping: the next forward starts over).
+  // Read the modules expected next (wrapping: the next forward starts over).
   if (im.prefetch && im.order_complete && !im.order.empty()) {
     auto pos = std::find(im.order.begin(), im.order.end(), key);
     if (pos != im.order.end()) {
-      const std::string& next = (pos + 1 == im.order.end()) ? im.order.front() : *(pos + 1);
-      auto next_group = im.group_of.find(next);
-      if (next_group != im.group_of.end() && next_group->second >= 0 &&
-          next_group->second != group) {
-        im.Request(next_group->second);
+      std::vector<int> next;
+      const size_t at = static_cast<size_t>(pos - im.order.begin());
+      for (size_t step = 1; step < im.order.size() && static_cast<int>(next.size()) < im.depth;
+           ++step) {
+        auto found = im.group_of.find(im.order[(at + step) % im.order.size()]);
+        if (found == im.group_of.end() || found->second < 0 || found->second == group) continue;
+        if (std::find(next.begin(), next.end(), found->second) == next.end())
+          next.push_back(found->second);
       }
+      im.Request(next);
     }
   }
   return Scope(this, group, device);
@@ -430,6 +542,7 @@ void DispatchedModel::Release(int group) {
     impl_->GiveBack(std::move(staged->second));
     impl_->active.erase(staged);
   }
+  impl_->Keep(group);
 }
 
 absl::Status DispatchedModel::SetUpExpertCache(const LoadOptions& options) {
@@ -500,6 +613,8 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
 
   auto impl = std::make_unique<Impl>();
   impl->prefetch = options.prefetch;
+  impl->depth = std::max(1, options.prefetch_depth);
+  impl->mapped_allowance = options.mapped_resident_bytes;
   std::unique_ptr<DispatchedModel> out(new DispatchedModel(std::move(impl)));
   out->model_ = model;
   out->map_ = map;
@@ -523,6 +638,20 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   }
   Impl& im = *out->impl_;
   im.direct = options.direct_reads;
+  // Disk entries used in place: their files mapped once each.
+  const bool map_disk = options.map_disk && !options.direct_reads && out->main_.is_cpu();
+  std::map<std::string, std::shared_ptr<const internal::FileMapping>> mappings;
+  const auto mapped = [&](Source source) -> absl::StatusOr<Source> {
+    if (!map_disk) return source;
+    auto& mapping = mappings[source.path];
+    if (!mapping) {
+      ACCEL_ASSIGN_OR_RETURN(mapping, internal::FileMapping::Open(source.path));
+    }
+    source.mapping = mapping;
+    // Bytes unaligned for their type (another writer's layout) are read.
+    if (!internal::MappedView(source).defined()) source.mapping.reset();
+    return source;
+  };
 
   // The model's tensors by name; a tied tensor appears under each of its names.
   std::map<std::string, at::Tensor> params, buffers;
@@ -601,10 +730,10 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     if (offload_disk && entry != nullptr && dtype == file_dtype) {
       // Read straight from the checkpoint for each forward: no copy is written.
       const loader::SafetensorsFile& shard = ckpt.shard(entry->shard);
-      im.tensors.push_back(
-          {name,
-           {at::Tensor(), shard.path(), shard.data_offset() + entry->info.data_begin,
-            entry->info.nbytes(), dtype, shape}});
+      ACCEL_ASSIGN_OR_RETURN(Source source, mapped({at::Tensor(), shard.path(),
+                                                    shard.data_offset() + entry->info.data_begin,
+                                                    entry->info.nbytes(), dtype, shape, nullptr}));
+      im.tensors.push_back({name, std::move(source)});
     } else if (offload_disk) {
       if (options.offload_folder.empty()) {
         return absl::InvalidArgumentError(label(absl::StrCat(
@@ -629,12 +758,14 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
           absl::StrCat("offloading tensor '", name, "'")));
       index[name] = {{"dtype", IndexDType(dtype)}, {"shape", shape}};
       wrote_offload = true;
-      im.tensors.push_back({name, {at::Tensor(), path, 0, nbytes, dtype, shape}});
+      ACCEL_ASSIGN_OR_RETURN(Source written,
+                             mapped({at::Tensor(), path, 0, nbytes, dtype, shape, nullptr}));
+      im.tensors.push_back({name, std::move(written)});
     } else if (offload_cpu) {
       ACCEL_ASSIGN_OR_RETURN(at::Tensor source, value());
       at::Tensor host;
       ACCEL_RETURN_IF_ERROR(CallTorch([&] { host = source.to(dtype).contiguous().pin_memory(); }));
-      im.tensors.push_back({name, {host, "", 0, host.nbytes(), dtype, shape}});
+      im.tensors.push_back({name, {host, "", 0, host.nbytes(), dtype, shape, nullptr}});
     }
 
     if (offload_disk || offload_cpu) {

@@ -106,6 +106,21 @@ struct LoadOptions {
   // weights live in the process's buffers only: a memory budget that holds,
   // and large reads at the device's rate.
   bool direct_reads = false;
+  // Disk entries that run on the cpu and need no conversion are used in
+  // place from a read-only mapping of their file (zero copies, as cpu entries
+  // alias the checkpoint), unless direct_reads asks for reads that bypass the
+  // page cache. The reader thread maps the next modules' pages in ahead of
+  // use (MADV_POPULATE_READ), reading what the page cache lacks.
+  bool map_disk = true;
+  // Bytes of mapped disk weights that may stay in the process between uses
+  // (what max_memory's cpu budget leaves them). Past it, modules' pages are
+  // dropped behind them as they are released, oldest first (MADV_DONTNEED;
+  // the page cache keeps them), so the process's resident weights stay within
+  // the budget plus the read-ahead window. Negative: no limit.
+  int64_t mapped_resident_bytes = -1;
+  // How many offloaded modules ahead of the running one the reader works
+  // (at least 1): mapped ones are made resident, others read into buffers.
+  int prefetch_depth = 2;
 };
 
 class DispatchedModel {

@@ -11,7 +11,13 @@ namespace accel::dispatch {
 struct OffloadStats {
   int64_t fetches = 0;        // modules brought in
   int64_t prefetch_hits = 0;  // of which the reader thread had already read
-  int64_t bytes_read = 0;     // from disk
+  int64_t bytes_read = 0;     // from disk into buffers
+  // Disk weights used in place from their file's mapping (LoadOptions::
+  // map_disk): brought in by the page cache, read from disk where it lacked
+  // them; and of those, the bytes dropped from the process behind their
+  // module to keep within the memory budget.
+  int64_t bytes_mapped = 0;
+  int64_t bytes_dropped = 0;
   // Copied to the main GPU on the copy stream (cpu and disk entries), by
   // the reader thread for prefetched modules.
   int64_t bytes_to_device = 0;

@@ -85,11 +85,9 @@ absl::StatusOr<int64_t> ExpertCacheBytesFor(const ModelLoadOptions& options,
   return ExpertCacheBytes(options.expert_cache, resolved, tree, sizes, max_memory);
 }
 
-absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& options,
-                                                    const loader::ModelConfig& config,
-                                                    at::ScalarType dtype,
-                                                    const QuantPlan& quantization,
-                                                    int64_t* expert_cache_bytes) {
+absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(
+    const ModelLoadOptions& options, const loader::ModelConfig& config, at::ScalarType dtype,
+    const QuantPlan& quantization, int64_t* expert_cache_bytes, int64_t* cpu_room) {
   ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype));
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(config));
   dispatch::PlanOptions plan;
@@ -147,6 +145,16 @@ absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(const ModelLoadOptions& opti
                          dispatch::PlanDeviceMap(tree, spec, max_memory, plan, probed, &report));
   if (options.offload_experts && report.expert_cache_bytes > 0) {
     *expert_cache_bytes = static_cast<int64_t>(report.expert_cache_bytes);
+  }
+  // What the cpu budget leaves beside the modules planned there: the room
+  // for disk weights mapped in place to stay between uses.
+  for (const auto& [p, budget] : max_memory) {
+    if (!p.is_cpu()) continue;
+    double used = 0;
+    for (const auto& [q, bytes] : report.used) {
+      if (q.is_cpu()) used = bytes;
+    }
+    *cpu_room = static_cast<int64_t>(std::max(0.0, budget - used));
   }
   return map;
 }
@@ -227,9 +235,10 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(out.config));
   ACCEL_ASSIGN_OR_RETURN(std::optional<at::Device> execution,
                          ChooseExecutionDevice(options.execution_device));
-  ACCEL_ASSIGN_OR_RETURN(
-      out.device_map,
-      ChooseDeviceMap(options, out.config, out.dtype, out.quantization, &out.expert_cache_bytes));
+  int64_t cpu_room = -1;
+  ACCEL_ASSIGN_OR_RETURN(out.device_map,
+                         ChooseDeviceMap(options, out.config, out.dtype, out.quantization,
+                                         &out.expert_cache_bytes, &cpu_room));
   ACCEL_RETURN_IF_ERROR(CheckGpus(out.device_map));
   out.expert_lists = FetchedExpertLists(options, resolved, out.device_map);
   {
@@ -245,6 +254,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   load.expert_cache_bytes = out.expert_cache_bytes;
   load.direct_reads = options.direct_reads;
   load.prefetch = options.prefetch;
+  load.map_disk = options.map_disk;
+  load.mapped_resident_bytes = cpu_room;
   std::unique_ptr<dispatch::LoadHook> hook;
   if (!out.quantization.empty()) {
     ACCEL_RETURN_IF_ERROR(QuantizeLinears(*out.model, out.quantization));

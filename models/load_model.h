@@ -70,6 +70,11 @@ struct ModelLoadOptions {
   std::string execution_device = "auto";
   // Disk reads of offloaded weights bypass the page cache (O_DIRECT).
   bool direct_reads = false;
+  // Disk weights that run on the cpu are used in place from their file's
+  // mapping, made resident ahead of use and dropped behind it where the cpu
+  // budget of max_memory has no room to keep them (dispatch::LoadOptions::
+  // map_disk); false: read into buffers for each use.
+  bool map_disk = true;
   // Read ahead: the next offloaded module while one runs, and the experts the
   // next sparse layer's router is expected to pick.
   bool prefetch = true;

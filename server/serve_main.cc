@@ -310,13 +310,15 @@ int Run(int argc, char** argv) {
     catch_up(metrics.offload_fetches, stats.fetches);
     catch_up(metrics.offload_prefetch_hits, stats.prefetch_hits);
     catch_up(metrics.offload_disk_read_bytes, stats.bytes_read);
+    catch_up(metrics.offload_disk_mapped_bytes, stats.bytes_mapped);
+    catch_up(metrics.offload_disk_dropped_bytes, stats.bytes_dropped);
     catch_up(metrics.offload_device_copy_bytes, stats.bytes_to_device);
     catch_up(metrics.offload_expert_fetches, stats.expert_fetches);
     catch_up(metrics.offload_expert_cache_hits, stats.expert_cache_hits);
     catch_up(metrics.offload_expert_prefetch_hits, stats.expert_prefetch_hits);
     const double tokens = metrics.prompt_tokens.value() + metrics.generation_tokens.value();
     metrics.offload_read_bytes_per_token.Set(
-        tokens > 0 ? static_cast<double>(stats.bytes_read) / tokens : 0.0);
+        tokens > 0 ? static_cast<double>(stats.bytes_read + stats.bytes_mapped) / tokens : 0.0);
   });
   std::unique_ptr<accel::server::MetricsHttpServer> metrics_http;
   if (options->metrics_port >= 0) {

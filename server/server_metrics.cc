@@ -81,8 +81,17 @@ ServerMetrics::ServerMetrics(MetricsRegistry* r)
       offload_prefetch_hits(
           r->AddCounter("accel_offload_prefetch_hits_total",
                         "Offloaded modules whose weights the reader thread had ready.")),
-      offload_disk_read_bytes(r->AddCounter("accel_offload_disk_read_bytes_total",
-                                            "Bytes of offloaded weights read from disk.")),
+      offload_disk_read_bytes(
+          r->AddCounter("accel_offload_disk_read_bytes_total",
+                        "Bytes of offloaded weights read from disk into buffers.")),
+      offload_disk_mapped_bytes(r->AddCounter(
+          "accel_offload_disk_mapped_bytes_total",
+          "Bytes of disk-offloaded weights used in place from their file's mapping (the page "
+          "cache brings them in, reading from disk what it lacks).")),
+      offload_disk_dropped_bytes(r->AddCounter(
+          "accel_offload_disk_dropped_bytes_total",
+          "Bytes of mapped disk weights dropped from the process behind their module to keep "
+          "within the cpu memory budget.")),
       offload_device_copy_bytes(
           r->AddCounter("accel_offload_device_copy_bytes_total",
                         "Bytes of offloaded weights copied to the GPU on the copy stream.")),
@@ -98,8 +107,8 @@ ServerMetrics::ServerMetrics(MetricsRegistry* r)
                         "Expert cache hits on experts the reader thread had read ahead of use.")),
       offload_read_bytes_per_token(r->AddGauge(
           "accel_offload_read_bytes_per_token",
-          "Bytes of offloaded weights read from disk per token processed (prompt and generated), "
-          "since the start.")),
+          "Bytes of disk-offloaded weights brought in (read into buffers, or mapped in place) per "
+          "token processed (prompt and generated), since the start.")),
       model_load_seconds(r->AddGauge("accel_model_load_seconds",
                                      "Seconds the model took to load (0 until loaded).")),
       ready(

@@ -40,6 +40,8 @@ class ServerMetrics {
   Counter& offload_fetches;
   Counter& offload_prefetch_hits;
   Counter& offload_disk_read_bytes;
+  Counter& offload_disk_mapped_bytes;
+  Counter& offload_disk_dropped_bytes;
   Counter& offload_device_copy_bytes;
   Counter& offload_expert_fetches;
   Counter& offload_expert_cache_hits;

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <fcntl.h>
 #include <numeric>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -37,7 +38,77 @@ absl::Status PreadAll(int fd, const std::string& path, uint64_t offset, char* ds
   return absl::OkStatus();
 }
 
+uint64_t PageSize() {
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  return page;
+}
+
 }  // namespace
+
+absl::StatusOr<std::shared_ptr<FileMapping>> FileMapping::Open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return ErrnoStatus(err, absl::StrCat("reading the size of ", path));
+  }
+  const auto size = static_cast<uint64_t>(st.st_size);
+  void* addr = nullptr;
+  if (size > 0) {
+    addr = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    if (addr == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      return ErrnoStatus(err, absl::StrCat("mapping ", path));
+    }
+  }
+  ::close(fd);  // the mapping keeps the file
+  return std::shared_ptr<FileMapping>(new FileMapping(path, addr, size));
+}
+
+FileMapping::~FileMapping() {
+  if (addr_ != nullptr) ::munmap(addr_, size_);
+}
+
+void FileMapping::Populate(uint64_t offset, uint64_t n) const {
+  if (n == 0 || offset >= size_) return;
+  n = std::min(n, size_ - offset);
+  const uint64_t page = PageSize();
+  const uint64_t begin = offset / page * page;
+  char* start = static_cast<char*>(addr_) + begin;
+  const uint64_t length = offset + n - begin;
+#ifdef MADV_POPULATE_READ
+  if (::madvise(start, length, MADV_POPULATE_READ) == 0) return;
+#endif
+  volatile const char* bytes = start;
+  char sink = 0;
+  for (uint64_t i = 0; i < length; i += page) sink = static_cast<char>(sink ^ bytes[i]);
+  (void)sink;
+}
+
+void FileMapping::Drop(uint64_t offset, uint64_t n) const {
+  if (n == 0 || offset >= size_) return;
+  n = std::min(n, size_ - offset);
+  const uint64_t page = PageSize();
+  const uint64_t begin = (offset + page - 1) / page * page;
+  const uint64_t end = (offset + n) / page * page;
+  if (end <= begin) return;
+  // Advice on a read-only shared mapping: nothing is lost, the pages come
+  // back from the page cache (or the file) on the next touch.
+  (void)::madvise(static_cast<char*>(addr_) + begin, end - begin, MADV_DONTNEED);
+}
+
+at::Tensor MappedView(const Source& source) {
+  if (!source.mapping || source.offset + source.nbytes > source.mapping->size()) return {};
+  const char* data = source.mapping->data() + source.offset;
+  if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(source.dtype) != 0) return {};
+  std::shared_ptr<const FileMapping> keep = source.mapping;
+  return at::from_blob(
+      const_cast<char*>(data), source.shape, [keep](void*) mutable { keep.reset(); },
+      at::TensorOptions(source.dtype));
+}
 
 at::Tensor BufferPool::Take(uint64_t bytes, bool pinned) {
   {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -17,6 +18,38 @@
 
 namespace accel::dispatch::internal {
 
+// A whole file mapped read-only and shared (so the page cache's pages are
+// used as they are, and a write to them is a fault, never a silent change),
+// for disk entries used in place on a cpu execution device. Unmapped when the
+// last owner goes. Thread-safe: its methods are advice on ranges.
+class FileMapping {
+ public:
+  static absl::StatusOr<std::shared_ptr<FileMapping>> Open(const std::string& path);
+  ~FileMapping();
+  FileMapping(const FileMapping&) = delete;
+  FileMapping& operator=(const FileMapping&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return size_; }
+  const char* data() const { return static_cast<const char*>(addr_); }
+  // Maps [offset, offset + n) into the process from the page cache, reading
+  // what is not cached (MADV_POPULATE_READ; before Linux 5.14 a touch per
+  // page). Returns when the range is resident.
+  void Populate(uint64_t offset, uint64_t n) const;
+  // Unmaps the whole pages inside [offset, offset + n) from the process
+  // (MADV_DONTNEED): its resident memory falls, the page cache keeps them,
+  // and a later use maps them again. Pages shared with a neighbour at the
+  // edges stay.
+  void Drop(uint64_t offset, uint64_t n) const;
+
+ private:
+  FileMapping(std::string path, void* addr, uint64_t size)
+      : path_(std::move(path)), addr_(addr), size_(size) {}
+  std::string path_;
+  void* addr_ = nullptr;
+  uint64_t size_ = 0;
+};
+
 struct Source {
   at::Tensor host;   // in RAM (a cpu entry when the execution device is a GPU)
   std::string path;  // or on disk: `nbytes` raw bytes at `offset`
@@ -24,7 +57,13 @@ struct Source {
   uint64_t nbytes = 0;
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;
+  // Set for a disk source used in place: the mapping of `path`.
+  std::shared_ptr<const FileMapping> mapping;
 };
+
+// The disk source `source` as a tensor viewing its mapping (no copy); it
+// keeps the mapping alive. Null when the bytes are not aligned for the dtype.
+at::Tensor MappedView(const Source& source);
 
 struct Offloaded {
   std::string name;  // the model's tensor

@@ -231,10 +231,13 @@ int Run(int argc, char** argv) {
     const double tokens = static_cast<double>(std::max<size_t>(token_ids.size(), 1));
     std::cerr << absl::StrFormat(
         "accel-generate: offload: %d module fetches, %d experts read, %d expert cache hits "
-        "(%d read ahead), %s read from disk (%s a token)\n",
+        "(%d read ahead), %s read from disk and %s used in place from its mapping (%s a "
+        "token), %s dropped behind to keep the cpu budget\n",
         stats.fetches, stats.expert_fetches, stats.expert_cache_hits, stats.expert_prefetch_hits,
-        accel::FormatBytes(stats.bytes_read),
-        accel::FormatBytes(static_cast<int64_t>(static_cast<double>(stats.bytes_read) / tokens)));
+        accel::FormatBytes(stats.bytes_read), accel::FormatBytes(stats.bytes_mapped),
+        accel::FormatBytes(static_cast<int64_t>(
+            static_cast<double>(stats.bytes_read + stats.bytes_mapped) / tokens)),
+        accel::FormatBytes(stats.bytes_dropped));
   }
   return 0;
 }

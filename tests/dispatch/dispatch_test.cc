@@ -2,11 +2,15 @@
 // as the model wholly in RAM; the offload folder; prefetch; every error.
 #include "dispatch/dispatch.h"
 
+#include <cctype>
+#include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <set>
 #include <signal.h>
+#include <sstream>
 #include <string>
 #include <sys/resource.h>
 #include <vector>
@@ -109,7 +113,10 @@ TEST(DispatchTest, SplitOverCpuAndDiskGivesTheSameOutputs) {
   at::Tensor expected = reference->forward(x);
 
   auto model = EmptyMlp();
-  auto dispatched = DispatchedModel::Load(model, dir.path(), Split(), Quiet());
+  LoadOptions options = Quiet();
+  options.map_disk = false;  // read into buffers each time (the mapping: below)
+  options.prefetch_depth = 1;
+  auto dispatched = DispatchedModel::Load(model, dir.path(), Split(), options);
   ASSERT_THAT(dispatched, IsOk());
   // Disk layers hold nothing between forwards; cpu layers hold their weights.
   EXPECT_TRUE(model->layers[1]->weight.is_meta());
@@ -128,6 +135,7 @@ TEST(DispatchTest, SplitOverCpuAndDiskGivesTheSameOutputs) {
   EXPECT_GE(stats.bytes_read, 3 * per_pass);
   EXPECT_LE(stats.bytes_read, 3 * per_pass + 4 * (32 * 32 + 32));
   EXPECT_GT(stats.prefetch_hits, 0);
+  EXPECT_EQ(stats.bytes_mapped, 0);
   EXPECT_EQ((*dispatched)->main_device(), at::Device(at::kCPU));
 }
 
@@ -137,6 +145,7 @@ TEST(DispatchTest, AWeightKeptPastItsScopeIsNeverOverwritten) {
   auto model = EmptyMlp();
   LoadOptions options = Quiet();
   options.prefetch = false;  // a fixed order of buffer reuse
+  options.map_disk = false;  // buffers, not the mapping
   auto dispatched = DispatchedModel::Load(model, dir.path(), Split(), options);
   ASSERT_THAT(dispatched, IsOk());
   at::Tensor kept;
@@ -161,6 +170,200 @@ TEST(DispatchTest, CpuLayersAliasTheCheckpointWithoutACopy) {
   absl::string_view bytes = ckpt.shard(entry->shard).Bytes(entry->info);
   // Same file bytes: the tensor's data is the page cache, not a copy.
   EXPECT_EQ(0, std::memcmp(model->layers[0]->weight.data_ptr(), bytes.data(), bytes.size()));
+}
+
+// --- Disk entries on a cpu execution device: in place from the mapping ----
+
+constexpr int kWideLayers = 8;
+constexpr int64_t kWidth = 256;
+constexpr int64_t kWideLayerBytes = kWidth * kWidth * 4;  // 256 KiB
+
+// Layers big enough that resident memory is counted in whole pages.
+struct Wide : torch::nn::Module {
+  Wide() : torch::nn::Module("Wide") {
+    for (int i = 0; i < kWideLayers; ++i) {
+      layers.push_back(
+          register_module("l" + std::to_string(i),
+                          torch::nn::Linear(torch::nn::LinearOptions(kWidth, kWidth).bias(false))));
+    }
+  }
+  at::Tensor forward(at::Tensor x, DispatchedModel* dispatched = nullptr,
+                     const std::function<void(int)>& inside = nullptr) {
+    for (int i = 0; i < kWideLayers; ++i) {
+      std::optional<DispatchedModel::Scope> scope;
+      if (dispatched != nullptr) {
+        auto entered = dispatched->Enter("l" + std::to_string(i));
+        EXPECT_TRUE(entered.ok()) << entered.status();
+        scope.emplace(*std::move(entered));
+      }
+      if (inside) inside(i);
+      x = at::tanh(layers[i]->forward(x));
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+
+std::shared_ptr<Wide> SaveWide(const std::string& dir) {
+  at::manual_seed(5);
+  auto model = std::make_shared<Wide>();
+  std::vector<loader::NamedTensor> tensors;
+  for (const auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
+  EXPECT_THAT(loader::WriteCheckpoint(dir, tensors, {}), IsOk());
+  return model;
+}
+
+std::shared_ptr<Wide> EmptyWide() {
+  auto model = std::make_shared<Wide>();
+  EXPECT_THAT(EmptyModule(*model), IsOk());
+  return model;
+}
+
+// l0 in RAM, the other seven on disk.
+DeviceMap WideMap() {
+  DeviceMap map;
+  map.Set("", *Placement::Parse("disk"));
+  map.Set("l0", *Placement::Parse("cpu"));
+  return map;
+}
+
+// One line of /proc/self/maps or a header line of /proc/self/smaps.
+struct MapsLine {
+  uintptr_t begin = 0, end = 0;
+  std::string perms, path;
+};
+std::optional<MapsLine> ParseMapsLine(const std::string& line) {
+  std::istringstream in(line);
+  std::string range, offset, dev, inode;
+  MapsLine out;
+  if (!(in >> range >> out.perms >> offset >> dev >> inode)) return std::nullopt;
+  const size_t dash = range.find('-');
+  if (dash == std::string::npos || !std::isxdigit(static_cast<unsigned char>(range[0]))) {
+    return std::nullopt;
+  }
+  out.begin = std::stoull(range.substr(0, dash), nullptr, 16);
+  out.end = std::stoull(range.substr(dash + 1), nullptr, 16);
+  std::getline(in >> std::ws, out.path);
+  return out;
+}
+
+// The mapping of the process that holds `address`.
+std::optional<MapsLine> MappingOf(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  for (std::string line; std::getline(maps, line);) {
+    std::optional<MapsLine> m = ParseMapsLine(line);
+    if (m && m->begin <= at && at < m->end) return m;
+  }
+  return std::nullopt;
+}
+
+// Bytes of the files under `dir` that the process holds through read-only
+// shared mappings (the dispatch core's; the loader's own mapping is private),
+// from /proc/self/smaps.
+int64_t MappedResidentBytes(const std::string& dir) {
+  const std::string root = std::filesystem::canonical(dir).string() + "/";
+  std::ifstream smaps("/proc/self/smaps");
+  bool counting = false;
+  int64_t total = 0;
+  for (std::string line; std::getline(smaps, line);) {
+    if (std::optional<MapsLine> m = ParseMapsLine(line)) {
+      counting = m->perms == "r--s" && absl::StartsWith(m->path, root);
+    } else if (counting && absl::StartsWith(line, "Rss:")) {
+      total += std::stoll(line.substr(4)) * 1024;
+    }
+  }
+  return total;
+}
+
+TEST(DispatchMappedTest, DiskLayersRunInPlaceFromTheirFileWithoutACopy) {
+  TempDir dir;
+  auto reference = SaveWide(dir.path());
+  at::Tensor x = at::randn({3, kWidth});
+  at::Tensor expected = reference->forward(x);
+  auto model = EmptyWide();
+  auto dispatched = DispatchedModel::Load(model, dir.path(), WideMap(), Quiet());
+  ASSERT_THAT(dispatched, IsOk());
+  std::vector<std::string> where(kWideLayers);
+  const auto look = [&](int i) {
+    std::optional<MapsLine> m = MappingOf(model->layers[i]->weight.data_ptr());
+    where[i] = m ? m->perms + " " + m->path : "unmapped";
+  };
+  for (int pass = 0; pass < 3; ++pass) {
+    EXPECT_TRUE(at::equal(model->forward(x, dispatched->get(), look), expected)) << pass;
+    EXPECT_TRUE(model->layers[1]->weight.is_meta());
+  }
+  // Inside its scope a disk layer's weight is the file's own bytes, mapped
+  // read-only: no buffer, no copy. l0 aliases the loader's private mapping.
+  const std::string file = std::filesystem::canonical(dir.path() + "/model.safetensors").string();
+  for (int i = 1; i < kWideLayers; ++i) EXPECT_EQ(where[i], "r--s " + file) << "l" << i;
+  EXPECT_EQ(where[0], "rw-p " + file);
+  const DispatchedModel::Stats stats = (*dispatched)->stats();
+  EXPECT_EQ(stats.fetches, 3 * (kWideLayers - 1));
+  EXPECT_EQ(stats.bytes_read, 0);
+  EXPECT_EQ(stats.bytes_mapped, 3 * (kWideLayers - 1) * kWideLayerBytes);
+  EXPECT_GT(stats.prefetch_hits, 0);
+}
+
+TEST(DispatchMappedTest, DirectReadsOrMapDiskOffReadIntoBuffersWithTheSameOutputs) {
+  TempDir dir;
+  auto reference = SaveWide(dir.path());
+  at::Tensor x = at::randn({2, kWidth});
+  at::Tensor expected = reference->forward(x);
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "direct_reads" : "map_disk off");
+    auto model = EmptyWide();
+    LoadOptions options = Quiet();
+    options.direct_reads = direct;
+    options.map_disk = direct;  // direct reads win over the mapping
+    auto dispatched = DispatchedModel::Load(model, dir.path(), WideMap(), options);
+    ASSERT_THAT(dispatched, IsOk());
+    EXPECT_TRUE(at::equal(model->forward(x, dispatched->get()), expected));
+    const DispatchedModel::Stats stats = (*dispatched)->stats();
+    EXPECT_EQ(stats.bytes_mapped, 0);
+    EXPECT_GE(stats.bytes_read, (kWideLayers - 1) * kWideLayerBytes);
+    EXPECT_EQ(MappedResidentBytes(dir.path()), 0);
+  }
+}
+
+TEST(DispatchMappedTest, ResidentMappedWeightsStayWithinTheAllowancePlusTheWindow) {
+  TempDir dir;
+  auto reference = SaveWide(dir.path());
+  at::Tensor x = at::randn({1, kWidth});
+  at::Tensor expected = reference->forward(x);
+  constexpr int64_t kDiskBytes = (kWideLayers - 1) * kWideLayerBytes;
+  // Fault-around can map up to 64 KiB past a touched page at each end.
+  constexpr int64_t kSlack = 128 << 10;
+  struct Case {
+    int64_t allowance;  // mapped_resident_bytes
+    int depth;          // prefetch_depth: the window ahead
+  };
+  for (const Case c : {Case{0, 1}, Case{0, 3}, Case{3 * kWideLayerBytes, 1}, Case{-1, 2}}) {
+    SCOPED_TRACE(::testing::Message() << "allowance " << c.allowance << ", depth " << c.depth);
+    auto model = EmptyWide();
+    LoadOptions options = Quiet();
+    options.mapped_resident_bytes = c.allowance;
+    options.prefetch_depth = c.depth;
+    auto dispatched = DispatchedModel::Load(model, dir.path(), WideMap(), options);
+    ASSERT_THAT(dispatched, IsOk());
+    const int64_t window = c.depth * kWideLayerBytes;
+    const int64_t kept = c.allowance < 0 ? kDiskBytes : c.allowance;
+    int64_t most = 0;
+    const auto measure = [&](int) { most = std::max(most, MappedResidentBytes(dir.path())); };
+    for (int pass = 0; pass < 4; ++pass) {
+      EXPECT_TRUE(at::equal(model->forward(x, dispatched->get(), measure), expected)) << pass;
+    }
+    // The running layer, the window ahead, and what the allowance keeps.
+    EXPECT_LE(most, std::min(kDiskBytes, kept + window + kWideLayerBytes) + kSlack);
+    const DispatchedModel::Stats stats = (*dispatched)->stats();
+    if (c.allowance < 0) {
+      EXPECT_EQ(stats.bytes_dropped, 0);
+      EXPECT_GE(MappedResidentBytes(dir.path()), kDiskBytes);  // all of it, kept
+    } else {
+      EXPECT_GT(stats.bytes_dropped, 0);
+      EXPECT_GE(most, kWideLayerBytes);  // the running layer at least
+    }
+  }
 }
 
 TEST(DispatchTest, ConvertedDiskTensorsGoToAnOffloadFolderInAccelerateFormat) {

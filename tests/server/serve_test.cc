@@ -364,6 +364,7 @@ TEST_F(ServeTest, MetricsPassPromtoolAndCountRequests) {
         "accel_e2e_request_latency_seconds_sum", "accel_request_queue_time_seconds_count",
         "accel_prompt_tokens_total", "accel_num_requests_waiting", "accel_batch_size",
         "accel_kv_cache_usage_ratio", "accel_offload_disk_read_bytes_total",
+        "accel_offload_disk_mapped_bytes_total",
         "accel_offload_prefetch_hits_total", "accel_offload_device_copy_bytes_total",
         "accel_build_info"}) {
     EXPECT_THAT(*text, HasSubstr(family));
@@ -470,7 +471,10 @@ TEST(ServeOffloadTest, DiskOffloadAnswersAsTheModelInRamAndIsCounted) {
   const double fetches = MetricValue(*text, "accel_offload_fetches_total").value_or(0);
   // Every step of both requests brings in each disk module: 11 steps a request at least.
   EXPECT_GE(fetches, 2 * 11);
-  EXPECT_GT(MetricValue(*text, "accel_offload_disk_read_bytes_total").value_or(0), 0);
+  // On the cpu, disk weights are used in place from the checkpoint's mapping.
+  EXPECT_GT(MetricValue(*text, "accel_offload_disk_mapped_bytes_total").value_or(0), 0);
+  EXPECT_EQ(MetricValue(*text, "accel_offload_disk_read_bytes_total").value_or(-1), 0);
+  EXPECT_GT(MetricValue(*text, "accel_offload_read_bytes_per_token").value_or(0), 0);
   const double hits = MetricValue(*text, "accel_offload_prefetch_hits_total").value_or(-1);
   EXPECT_GT(hits, 0);
   EXPECT_LE(hits, fetches);
