@@ -44,37 +44,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
+#include "bench/bench_util.h"
 #include "core/bytes.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double Seconds(const std::function<void()>& fn) {
-  const auto start = Clock::now();
-  fn();
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-std::vector<std::string> Shards(const std::string& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    if (e.path().extension() == ".safetensors") out.push_back(e.path().string());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-void DropCache(const std::vector<std::string>& files) {
-  for (const std::string& f : files) {
-    const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) continue;
-    (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(fd);
-  }
-}
+using accel::bench::DropPageCache;
+using accel::bench::Median;
+using accel::bench::SafetensorsFiles;
+using accel::bench::Seconds;
 
 // O_DIRECT reads of `chunk` bytes at spread-out offsets of the files, as
 // the engine reads an expert with direct reads: bytes per second from the
@@ -125,11 +105,6 @@ double CachedReadRate(const std::vector<std::string>& files) {
   return rate;
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 struct Row {
   std::string name;
   double tokens_per_second = 0;
@@ -155,7 +130,7 @@ Row Decode(const std::string& name, const std::string& dir,
            const std::vector<std::string>& shards, bool cold) {
   Row row;
   row.name = name;
-  if (cold) DropCache(shards);
+  if (cold) DropPageCache(shards);
   auto loaded = accel::models::LoadModel(dir, options);
   if (!loaded.ok()) {
     std::fprintf(stderr, "accel-bench-moe: %s: %s\n", name.c_str(),
@@ -249,7 +224,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  const std::vector<std::string> shards = Shards(dir);
+  const std::vector<std::string> shards = SafetensorsFiles(dir);
   int64_t file_bytes = 0;
   for (const auto& s : shards) file_bytes += static_cast<int64_t>(std::filesystem::file_size(s));
 

@@ -34,6 +34,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "bench/bench_util.h"
 #include "bench/offload_decode.h"
 #include "dispatch/dispatch.h"
 #include "dispatch/empty_weights.h"
@@ -41,6 +42,10 @@
 
 namespace {
 
+using accel::bench::DropPageCache;
+using accel::bench::Median;
+using accel::bench::SafetensorsFiles;
+using accel::bench::Seconds;
 using accel::dispatch::DispatchedModel;
 
 struct Stack : torch::nn::Module {
@@ -61,36 +66,6 @@ struct Stack : torch::nn::Module {
   }
   std::vector<torch::nn::Linear> blocks;
 };
-
-double Seconds(const std::function<void()>& fn) {
-  auto start = std::chrono::steady_clock::now();
-  fn();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-std::vector<std::string> Files(const std::string& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    if (e.path().extension() == ".safetensors") out.push_back(e.path().string());
-  }
-  return out;
-}
-
-// Drops the files' pages from the page cache: the next read goes to disk.
-void DropCache(const std::vector<std::string>& files) {
-  for (const std::string& f : files) {
-    int fd = ::open(f.c_str(), O_RDONLY);
-    if (fd < 0) continue;
-    ::fdatasync(fd);
-    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(fd);
-  }
-}
 
 uint64_t RawRead(const std::vector<std::string>& files, std::vector<char>& buffer) {
   uint64_t total = 0;
@@ -167,7 +142,7 @@ void GpuRows(const std::string& dir, const std::vector<std::string>& files, int 
       (void)on_gpu[0].item<float>();
     }));
     for (Row& row : rows) {
-      if (std::strcmp(row.where, "disk") == 0) DropCache(files);
+      if (std::strcmp(row.where, "disk") == 0) DropPageCache(files);
       row.seconds.push_back(Seconds([&] { forward(row.model, row.dispatched.get()); }));
     }
   }
@@ -224,7 +199,7 @@ int main(int argc, char** argv) {
   accel::loader::CheckpointWriteOptions write;
   write.max_shard_size = 1'000'000'000;
   if (!accel::loader::WriteCheckpoint(dir, specs, produce, write).ok()) return 1;
-  const std::vector<std::string> files = Files(dir);
+  const std::vector<std::string> files = SafetensorsFiles(dir);
   std::vector<char> buffer(64 << 20);
 
   c10::InferenceMode inference;
@@ -235,9 +210,9 @@ int main(int argc, char** argv) {
 
   std::vector<double> load_raw, load_cpu;
   for (int r = 0; r < 3; ++r) {
-    DropCache(files);
+    DropPageCache(files);
     load_raw.push_back(Seconds([&] { RawRead(files, buffer); }));
-    DropCache(files);
+    DropPageCache(files);
     auto m = EmptyStack(layers, hidden);
     load_cpu.push_back(Seconds([&] {
       auto d = Dispatch(m, dir, "cpu", false);
@@ -255,12 +230,12 @@ int main(int argc, char** argv) {
 
   std::vector<double> raw, in_ram, no_prefetch, with_prefetch;
   for (int r = 0; r < repeats; ++r) {
-    DropCache(files);
+    DropPageCache(files);
     raw.push_back(Seconds([&] { RawRead(files, buffer); }));
     in_ram.push_back(Seconds([&] { resident_model->forward(x, resident.get()); }));
-    DropCache(files);
+    DropPageCache(files);
     no_prefetch.push_back(Seconds([&] { disk_model->forward(x, disk.get()); }));
-    DropCache(files);
+    DropPageCache(files);
     with_prefetch.push_back(Seconds([&] { prefetch_model->forward(x, prefetch.get()); }));
   }
   const double gb = static_cast<double>(layers) * hidden * hidden * 4 / 1e9;

@@ -34,38 +34,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
+#include "bench/bench_util.h"
 #include "core/bytes.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
 
 namespace accel::bench {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double Seconds(const std::function<void()>& fn) {
-  const auto start = Clock::now();
-  fn();
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-std::vector<std::string> Shards(const std::string& dir) {
-  std::vector<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    if (e.path().extension() == ".safetensors") out.push_back(e.path().string());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-void DropCache(const std::vector<std::string>& files) {
-  for (const std::string& f : files) {
-    const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) continue;
-    (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(fd);
-  }
-}
 
 // Reads every byte of the files once (into the page cache).
 void Warm(const std::vector<std::string>& files) {
@@ -222,7 +197,7 @@ int DecodeRows(const DecodeRowsOptions& o) {
       return 1;
     }
   }
-  const std::vector<std::string> shards = Shards(dir);
+  const std::vector<std::string> shards = SafetensorsFiles(dir);
   int64_t file_bytes = 0;
   for (const auto& s : shards) file_bytes += static_cast<int64_t>(std::filesystem::file_size(s));
   // Budgets that plan about half, and all, of the layers onto disk: the
@@ -265,7 +240,7 @@ int DecodeRows(const DecodeRowsOptions& o) {
         options.map_disk = m.map;
         options.direct_reads = m.cold;
         if (m.cold) {
-          DropCache(shards);
+          DropPageCache(shards);
         } else {
           Warm(shards);
         }

@@ -364,9 +364,8 @@ TEST_F(ServeTest, MetricsPassPromtoolAndCountRequests) {
         "accel_e2e_request_latency_seconds_sum", "accel_request_queue_time_seconds_count",
         "accel_prompt_tokens_total", "accel_num_requests_waiting", "accel_batch_size",
         "accel_kv_cache_usage_ratio", "accel_offload_disk_read_bytes_total",
-        "accel_offload_disk_mapped_bytes_total",
-        "accel_offload_prefetch_hits_total", "accel_offload_device_copy_bytes_total",
-        "accel_build_info"}) {
+        "accel_offload_disk_mapped_bytes_total", "accel_offload_prefetch_hits_total",
+        "accel_offload_device_copy_bytes_total", "accel_build_info"}) {
     EXPECT_THAT(*text, HasSubstr(family));
   }
   TempDir dir;
