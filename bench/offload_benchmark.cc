@@ -51,7 +51,7 @@ using accel::dispatch::DispatchedModel;
 struct Stack : torch::nn::Module {
   Stack(int layers, int64_t hidden) {
     for (int i = 0; i < layers; ++i) {
-      blocks.push_back(
+      blocks.emplace_back(
           register_module("l" + std::to_string(i),
                           torch::nn::Linear(torch::nn::LinearOptions(hidden, hidden).bias(false))));
     }
@@ -80,8 +80,8 @@ uint64_t RawRead(const std::vector<std::string>& files, std::vector<char>& buffe
 
 // `where` for every layer; `first`, when given, for l0 (a GPU there makes
 // the GPU the main device).
-std::unique_ptr<DispatchedModel> Dispatch(std::shared_ptr<Stack> model, const std::string& dir,
-                                          const char* where, bool prefetch,
+std::unique_ptr<DispatchedModel> Dispatch(const std::shared_ptr<Stack>& model,
+                                          const std::string& dir, const char* where, bool prefetch,
                                           const char* first = nullptr) {
   accel::dispatch::DeviceMap map;
   map.Set("", *accel::Placement::Parse(where));
@@ -191,6 +191,7 @@ int main(int argc, char** argv) {
 
   // A checkpoint of `layers` float32 [hidden, hidden] weights.
   std::vector<accel::loader::TensorSpec> specs;
+  specs.reserve(static_cast<size_t>(layers));
   for (int i = 0; i < layers; ++i)
     specs.push_back({"l" + std::to_string(i) + ".weight", at::kFloat, {hidden, hidden}});
   auto produce = [](const accel::loader::TensorSpec& s) -> absl::StatusOr<at::Tensor> {
@@ -238,7 +239,8 @@ int main(int argc, char** argv) {
     DropPageCache(files);
     with_prefetch.push_back(Seconds([&] { prefetch_model->forward(x, prefetch.get()); }));
   }
-  const double gb = static_cast<double>(layers) * hidden * hidden * 4 / 1e9;
+  const double gb = static_cast<double>(layers) * static_cast<double>(hidden) *
+                    static_cast<double>(hidden) * 4 / 1e9;
   std::printf(
       "%d layers of float32 [%lld, %lld]: %.2f GB offloaded; %d cores, %d torch threads; median of "
       "%d\n",

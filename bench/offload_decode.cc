@@ -64,7 +64,8 @@ double CachedRead(const std::vector<std::string>& files, int64_t bytes) {
       const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
       ssize_t got;
       while (left > 0 &&
-             (got = ::read(fd, buffer.data(), std::min<int64_t>(left, buffer.size()))) > 0) {
+             (got = ::read(fd, buffer.data(),
+                           std::min<int64_t>(left, static_cast<int64_t>(buffer.size())))) > 0) {
         left -= got;
       }
       ::close(fd);
@@ -204,11 +205,12 @@ int DecodeRows(const DecodeRowsOptions& o) {
   // embedding, half the layers, and the planner's reserve for the largest
   // layer (lm_head, the embedding's size); the embedding and the reserve.
   const int64_t layer_bytes = 4 * (4 * o.hidden * o.hidden + 3 * o.hidden * (o.hidden * 11 / 4));
-  const int64_t embed_bytes = 4 * 32000 * o.hidden;
+  const int64_t embed_bytes = int64_t{4} * 32000 * o.hidden;
   const std::string half = absl::StrCat(
-      "cpu=", (2 * embed_bytes + o.layers / 2 * layer_bytes + (8 << 20)) >> 20, "MiB,disk=1TB");
+      "cpu=", (2 * embed_bytes + int64_t{o.layers / 2} * layer_bytes + (int64_t{8} << 20)) >> 20,
+      "MiB,disk=1TB");
   const std::string none =
-      absl::StrCat("cpu=", (2 * embed_bytes + (8 << 20)) >> 20, "MiB,disk=1TB");
+      absl::StrCat("cpu=", (2 * embed_bytes + (int64_t{8} << 20)) >> 20, "MiB,disk=1TB");
   std::printf(
       "\ndecode: %s Llama (%d layers, hidden %lld, float32), greedy, %d steps after the prompt; "
       "%d cores; max_memory %s (50%%) and %s (100%%)\n",

@@ -78,11 +78,11 @@ struct DispatchedModel::Impl {
   std::unordered_map<std::string, int> group_of;
   std::vector<at::Device> group_device;
   bool prefetch = true;
+  bool direct = false;  // disk reads bypass the page cache
   // With a GPU main device (null otherwise): host buffers are pinned, and
   // fetched groups are copied to the GPU on its copy stream, by the reader
   // thread when prefetched.
   std::unique_ptr<internal::DeviceStager> stager;
-  bool direct = false;  // disk reads bypass the page cache
 
   // Expert lists whose experts are fetched one by one: list -> the cache
   // unit of each expert (-1: resident, nothing to fetch). After `tensors`,
@@ -106,10 +106,10 @@ struct DispatchedModel::Impl {
   // the running one), leaving each result in `ready` until it is entered.
   std::mutex mu;
   std::condition_variable cv;
-  int depth = 2;
   std::deque<int> wanted;
-  int reading = -1;  // the group the reader is on
   std::map<int, absl::StatusOr<Fetched>> ready;
+  int depth = 2;
+  int reading = -1;  // the group the reader is on
   bool stop = false;
   std::thread reader;
   Stats stats;
@@ -281,9 +281,13 @@ struct DispatchedModel::Impl {
   // The data of `group`: from the reader if it has (or is reading) it.
   absl::StatusOr<Fetched> Take(int group) {
     {
+      // Wanted groups are the next ones, nearest first: ours is the reader's
+      // next job, or its current one.
       std::unique_lock<std::mutex> lock(mu);
-      wanted.erase(std::remove(wanted.begin(), wanted.end(), group), wanted.end());
-      cv.wait(lock, [&] { return reading != group; });
+      cv.wait(lock, [&] {
+        return stop || (reading != group &&
+                        std::find(wanted.begin(), wanted.end(), group) == wanted.end());
+      });
       auto it = ready.find(group);
       if (it != ready.end()) {
         auto result = std::move(it->second);

@@ -48,7 +48,7 @@ struct Mlp : torch::nn::Module {
   Mlp() : torch::nn::Module("Mlp") {
     const int widths[kLayers + 1] = {8, 32, 32, 16, 32, 16, 4};
     for (int i = 0; i < kLayers; ++i) {
-      layers.push_back(
+      layers.emplace_back(
           register_module("l" + std::to_string(i), torch::nn::Linear(widths[i], widths[i + 1])));
     }
   }
@@ -131,9 +131,9 @@ TEST(DispatchTest, SplitOverCpuAndDiskGivesTheSameOutputs) {
   // No dtype conversion: the disk layers are read from the checkpoint itself,
   // once per pass, plus perhaps l1 again: after the last disk layer the
   // reader starts on the first one for the next pass.
-  const int64_t per_pass = 4 * ((32 * 32 + 32) + (16 * 32 + 32) + (32 * 16 + 16));
+  const int64_t per_pass = int64_t{4} * ((32 * 32 + 32) + (16 * 32 + 32) + (32 * 16 + 16));
   EXPECT_GE(stats.bytes_read, 3 * per_pass);
-  EXPECT_LE(stats.bytes_read, 3 * per_pass + 4 * (32 * 32 + 32));
+  EXPECT_LE(stats.bytes_read, 3 * per_pass + int64_t{4} * (32 * 32 + 32));
   EXPECT_GT(stats.prefetch_hits, 0);
   EXPECT_EQ(stats.bytes_mapped, 0);
   EXPECT_EQ((*dispatched)->main_device(), at::Device(at::kCPU));
@@ -182,7 +182,7 @@ constexpr int64_t kWideLayerBytes = kWidth * kWidth * 4;  // 256 KiB
 struct Wide : torch::nn::Module {
   Wide() : torch::nn::Module("Wide") {
     for (int i = 0; i < kWideLayers; ++i) {
-      layers.push_back(
+      layers.emplace_back(
           register_module("l" + std::to_string(i),
                           torch::nn::Linear(torch::nn::LinearOptions(kWidth, kWidth).bias(false))));
     }
@@ -301,7 +301,7 @@ TEST(DispatchMappedTest, DiskLayersRunInPlaceFromTheirFileWithoutACopy) {
   const DispatchedModel::Stats stats = (*dispatched)->stats();
   EXPECT_EQ(stats.fetches, 3 * (kWideLayers - 1));
   EXPECT_EQ(stats.bytes_read, 0);
-  EXPECT_EQ(stats.bytes_mapped, 3 * (kWideLayers - 1) * kWideLayerBytes);
+  EXPECT_EQ(stats.bytes_mapped, int64_t{3} * (kWideLayers - 1) * kWideLayerBytes);
   EXPECT_GT(stats.prefetch_hits, 0);
 }
 
@@ -677,7 +677,8 @@ TEST(DispatchGpuTest, SplitOverGpuCpuAndDiskGivesTheSameOutputs) {
   at::Tensor x = at::randn({5, 8}).to(gpu);
   at::Tensor expected = reference->forward(x);
   // l1..l4 (32->32, 32->16, 16->32, 32->16) cross the bus each pass.
-  const int64_t per_pass = 4 * ((32 * 32 + 32) + (16 * 32 + 16) + (32 * 16 + 32) + (16 * 32 + 16));
+  const int64_t per_pass =
+      int64_t{4} * ((32 * 32 + 32) + (16 * 32 + 16) + (32 * 16 + 32) + (16 * 32 + 16));
   for (bool prefetch : {false, true}) {
     SCOPED_TRACE(prefetch ? "prefetch" : "no prefetch");
     auto model = EmptyMlp();
