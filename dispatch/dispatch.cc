@@ -285,8 +285,8 @@ struct DispatchedModel::Impl {
       // next job, or its current one.
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] {
-        return stop || (reading != group &&
-                        std::find(wanted.begin(), wanted.end(), group) == wanted.end());
+        return stop ||
+               (reading != group && std::find(wanted.begin(), wanted.end(), group) == wanted.end());
       });
       auto it = ready.find(group);
       if (it != ready.end()) {
