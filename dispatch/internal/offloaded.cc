@@ -65,7 +65,7 @@ absl::StatusOr<std::shared_ptr<FileMapping>> FileMapping::Open(const std::string
     }
   }
   ::close(fd);  // the mapping keeps the file
-  return std::shared_ptr<FileMapping>(new FileMapping(path, addr, size));
+  return std::shared_ptr<FileMapping>(new FileMapping(addr, size));
 }
 
 FileMapping::~FileMapping() {

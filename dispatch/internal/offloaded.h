@@ -29,7 +29,6 @@ class FileMapping {
   FileMapping(const FileMapping&) = delete;
   FileMapping& operator=(const FileMapping&) = delete;
 
-  const std::string& path() const { return path_; }
   uint64_t size() const { return size_; }
   const char* data() const { return static_cast<const char*>(addr_); }
   // Maps [offset, offset + n) into the process from the page cache, reading
@@ -43,9 +42,7 @@ class FileMapping {
   void Drop(uint64_t offset, uint64_t n) const;
 
  private:
-  FileMapping(std::string path, void* addr, uint64_t size)
-      : path_(std::move(path)), addr_(addr), size_(size) {}
-  std::string path_;
+  FileMapping(void* addr, uint64_t size) : addr_(addr), size_(size) {}
   void* addr_ = nullptr;
   uint64_t size_ = 0;
 };

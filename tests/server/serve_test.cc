@@ -473,6 +473,8 @@ TEST(ServeOffloadTest, DiskOffloadAnswersAsTheModelInRamAndIsCounted) {
   // On the cpu, disk weights are used in place from the checkpoint's mapping.
   EXPECT_GT(MetricValue(*text, "accel_offload_disk_mapped_bytes_total").value_or(0), 0);
   EXPECT_EQ(MetricValue(*text, "accel_offload_disk_read_bytes_total").value_or(-1), 0);
+  // The 400 KiB budget has no room to keep them mapped: they are dropped behind.
+  EXPECT_GT(MetricValue(*text, "accel_offload_disk_dropped_bytes_total").value_or(0), 0);
   EXPECT_GT(MetricValue(*text, "accel_offload_read_bytes_per_token").value_or(0), 0);
   const double hits = MetricValue(*text, "accel_offload_prefetch_hits_total").value_or(-1);
   EXPECT_GT(hits, 0);

@@ -1,0 +1,92 @@
+// dispatch/internal/offloaded.h's file mapping: disk weights used in place.
+#include "dispatch/internal/offloaded.h"
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/string_view.h"
+
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+
+namespace accel::dispatch::internal {
+namespace {
+
+using ::accel::test::StatusIs;
+using ::accel::test::TempDir;
+using ::testing::HasSubstr;
+
+// `count` float32 values 0, 1, 2, ... as raw bytes.
+std::string WriteFloats(const TempDir& dir, int64_t count) {
+  std::vector<float> values(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) values[static_cast<size_t>(i)] = static_cast<float>(i);
+  return dir.Write("weights.bin", absl::string_view(reinterpret_cast<const char*>(values.data()),
+                                                    values.size() * sizeof(float)));
+}
+
+TEST(FileMappingTest, AMissingFileIsAnErrorNamingIt) {
+  TempDir dir;
+  EXPECT_THAT(FileMapping::Open(dir.path() + "/absent.bin"),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("absent.bin")));
+}
+
+TEST(FileMappingTest, AViewIsTheFilesBytesAndSurvivesDropAndPopulate) {
+  TempDir dir;
+  constexpr int64_t kCount = 3 * 1024 + 17;
+  const std::string path = WriteFloats(dir, kCount);
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(path));
+  EXPECT_EQ(mapping->size(), static_cast<uint64_t>(kCount * 4));
+  Source source;
+  source.path = path;
+  source.offset = 400 * 4;
+  source.nbytes = 2000 * 4;
+  source.dtype = at::kFloat;
+  source.shape = {40, 50};
+  source.mapping = mapping;
+  at::Tensor view = MappedView(source);
+  ASSERT_TRUE(view.defined());
+  EXPECT_EQ(view.data_ptr(), mapping->data() + source.offset);  // no copy
+  const at::Tensor expected = at::arange(400, 2400, at::kFloat).reshape({40, 50});
+  EXPECT_TRUE(at::equal(view, expected));
+  // Dropped pages come back from the file on the next touch; edges past the
+  // file's end are clipped, not an error.
+  mapping->Drop(0, mapping->size());
+  EXPECT_TRUE(at::equal(view, expected));
+  mapping->Populate(source.offset, source.nbytes);
+  mapping->Populate(mapping->size() - 4, 1 << 20);
+  mapping->Drop(mapping->size() + 10, 100);
+  EXPECT_TRUE(at::equal(view, expected));
+  // The view keeps the mapping alive past its last other owner.
+  mapping.reset();
+  source.mapping.reset();
+  EXPECT_TRUE(at::equal(view, expected));
+}
+
+TEST(FileMappingTest, UnalignedOrOutOfRangeBytesHaveNoView) {
+  TempDir dir;
+  const std::string path = WriteFloats(dir, 64);
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(path));
+  Source source;
+  source.path = path;
+  source.dtype = at::kFloat;
+  source.shape = {4};
+  source.nbytes = 16;
+  source.mapping = mapping;
+  source.offset = 2;  // not a multiple of 4: such a tensor is read into a buffer instead
+  EXPECT_FALSE(MappedView(source).defined());
+  source.offset = 64 * 4 - 8;  // past the end
+  EXPECT_FALSE(MappedView(source).defined());
+  source.offset = 8;
+  EXPECT_TRUE(MappedView(source).defined());
+  source.mapping.reset();  // a source without a mapping
+  EXPECT_FALSE(MappedView(source).defined());
+}
+
+}  // namespace
+}  // namespace accel::dispatch::internal
