@@ -131,33 +131,13 @@ Generator::Generator(std::shared_ptr<CausalLM> model, dispatch::DispatchedModel*
 Generator::~Generator() = default;
 
 absl::StatusOr<uint64_t> Generator::Add(GenerationRequest request) {
-  const int64_t vocab = model_->config().vocab_size;
-  const int64_t prompt = static_cast<int64_t>(request.prompt_ids.size());
-  if (prompt == 0) return absl::InvalidArgumentError("prompt_ids: the prompt is empty");
-  for (size_t i = 0; i < request.prompt_ids.size(); ++i) {
-    const int64_t id = request.prompt_ids[i];
-    if (id < 0 || id >= vocab) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prompt_ids[", i, "]: token id ", id, " is outside the vocabulary [0, ", vocab, ")"));
-    }
-  }
-  if (prompt >= position_limit_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prompt_ids: the prompt has ", prompt, " tokens but the model takes at most ",
-                     position_limit_, " positions, leaving no room to generate"));
-  }
-  if (request.max_new_tokens < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_new_tokens must be at least 1, got ", request.max_new_tokens));
-  }
-  for (size_t i = 0; i < request.stop_strings.size(); ++i) {
-    if (request.stop_strings[i].empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("stop_strings[", i, "] is empty"));
-    }
-  }
-  if (!request.stop_strings.empty() && !text_streams_) {
-    return absl::InvalidArgumentError("stop_strings need a tokenizer, and this model has none");
-  }
+  RequestLimits limits;
+  limits.vocab_size = model_->config().vocab_size;
+  limits.max_input_tokens = position_limit_ - 1;  // room for one generated token
+  limits.input_limit_name = absl::StrCat("the model takes at most ", position_limit_, " positions");
+  limits.has_text_streams = static_cast<bool>(text_streams_);
+  ACCEL_RETURN_IF_ERROR(ValidateGenerationRequest(request, limits));
+  if (request.max_new_tokens == 0) request.max_new_tokens = kDefaultMaxNewTokens;
   ACCEL_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(request.sampling));
   auto sequence = std::make_unique<Sequence>(std::move(request), sampler);
   if (text_streams_) sequence->text_stream = text_streams_();

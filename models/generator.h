@@ -28,6 +28,7 @@
 
 #include "dispatch/dispatch.h"
 #include "models/causal_lm.h"
+#include "models/generation_request.h"
 #include "models/sampling.h"
 
 namespace accel::models {
@@ -39,15 +40,6 @@ enum class FinishReason {
 };
 // "length", "eos", "stop".
 absl::string_view FinishReasonName(FinishReason reason);
-
-struct GenerationRequest {
-  std::vector<int64_t> prompt_ids;
-  SamplingParams sampling;
-  int64_t max_new_tokens = 16;
-  std::vector<int64_t> stop_token_ids;    // e.g. generation_config.json's eos_token_id
-  std::vector<std::string> stop_strings;  // need text streams (a tokenizer)
-  bool logprobs = false;                  // report each generated token's log-probability
-};
 
 // Turns one sequence's generated ids into text as they arrive: every piece
 // is valid UTF-8 and the pieces plus Flush() are the decoded text (a
@@ -89,11 +81,10 @@ class Generator {
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
 
-  // Validates and queues a request; it starts with the next Step().
-  // InvalidArgument naming the field: an empty prompt, an id outside the
-  // vocabulary, a prompt that leaves no room before the model's position
-  // limit, max_new_tokens < 1, bad sampling parameters, an empty stop
-  // string, or stop strings without text streams.
+  // Validates (ValidateGenerationRequest, with the model's position limit
+  // for the prompt) and queues a request on prompt_ids; it starts with the
+  // next Step(). max_new_tokens 0 is kDefaultMaxNewTokens; generation ends
+  // at the model's position limit whatever max_new_tokens says.
   absl::StatusOr<uint64_t> Add(GenerationRequest request);
 
   // One forward pass over every running sequence and one token for each.

@@ -16,16 +16,9 @@
 
 #include "absl/status/statusor.h"
 
-namespace accel::models {
+#include "models/generation_request.h"  // SamplingParams
 
-struct SamplingParams {
-  double temperature = 1.0;         // 0: greedy
-  int64_t top_k = 0;                // 0: off
-  double top_p = 1.0;               // 1: off
-  double min_p = 0.0;               // 0: off
-  double repetition_penalty = 1.0;  // 1: off
-  std::optional<uint64_t> seed;     // the same seed and inputs give the same tokens
-};
+namespace accel::models {
 
 // Not thread-safe: one sequence, one sampler.
 class Sampler {

@@ -150,82 +150,40 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
 
 dispatch::OffloadStats Engine::offload_stats() const { return model_->loaded.dispatched->stats(); }
 
-absl::StatusOr<Request> Engine::ToRequest(const GenerateParams& params) const {
-  if (!params.model.empty() && params.model != info_.name) {
-    return absl::NotFoundError(absl::StrCat("model \"", params.model,
+absl::Status Engine::Complete(models::GenerationRequest& request) const {
+  if (!request.model.empty() && request.model != info_.name) {
+    return absl::NotFoundError(absl::StrCat("model \"", request.model,
                                             "\" is not served here; this server serves \"",
                                             info_.name, "\""));
   }
-  Request request;
-  if (params.prompt.has_value()) {
-    if (params.prompt->empty()) return absl::InvalidArgumentError("prompt is empty");
+  if (request.prompt.has_value()) {
+    if (request.prompt->empty()) return absl::InvalidArgumentError("prompt is empty");
     if (!model_->tokenizer) {
       return absl::InvalidArgumentError(
           "prompt: this model has no tokenizer.json; send input_ids instead");
     }
     ACCEL_ASSIGN_OR_RETURN(request.prompt_ids,
-                           model_->tokenizer->Encode(*params.prompt, /*add_special_tokens=*/true));
-    if (request.prompt_ids.empty()) {
-      return absl::InvalidArgumentError("prompt: the text encodes to no tokens");
-    }
-  } else {
-    if (params.input_ids.empty()) {
-      return absl::InvalidArgumentError("the request has neither a prompt nor input_ids");
-    }
-    request.prompt_ids = params.input_ids;
-    for (size_t i = 0; i < request.prompt_ids.size(); ++i) {
-      const int64_t id = request.prompt_ids[i];
-      if (id < 0 || id >= info_.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat("input_ids[", i, "]: token id ", id,
-                                                       " is outside the vocabulary [0, ",
-                                                       info_.vocab_size, ")"));
-      }
-    }
+                           model_->tokenizer->Encode(*request.prompt, /*add_special_tokens=*/true));
+  } else if (request.prompt_ids.empty()) {
+    return absl::InvalidArgumentError("the request has neither a prompt nor input_ids");
   }
-  const int64_t prompt = static_cast<int64_t>(request.prompt_ids.size());
-  if (prompt > info_.max_input_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the prompt has ", prompt, " tokens, over the limit of ",
-                     info_.max_input_tokens, " (--max_input_tokens)"));
+  models::RequestLimits limits;
+  limits.vocab_size = info_.vocab_size;
+  limits.max_input_tokens = info_.max_input_tokens;
+  limits.max_total_tokens = info_.max_total_tokens;
+  limits.has_text_streams = model_->tokenizer.has_value();
+  ACCEL_RETURN_IF_ERROR(models::ValidateGenerationRequest(request, limits));
+  if (request.max_new_tokens == 0) {
+    const int64_t room = info_.max_total_tokens - static_cast<int64_t>(request.prompt_ids.size());
+    request.max_new_tokens = std::min(options_.default_max_new_tokens, room);
   }
-  if (params.max_new_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_new_tokens must be 0 (the default) or more, got ", params.max_new_tokens));
-  }
-  const int64_t room = info_.max_total_tokens - prompt;
-  if (params.max_new_tokens > room) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", prompt, " tokens) + max_new_tokens (", params.max_new_tokens,
-        ") is over the limit of ", info_.max_total_tokens, " tokens (--max_total_tokens)"));
-  }
-  request.max_new_tokens = params.max_new_tokens > 0
-                               ? params.max_new_tokens
-                               : std::min(options_.default_max_new_tokens, room);
-  models::SamplingParams sampling;
-  sampling.temperature = params.sampling.temperature;
-  sampling.top_k = params.sampling.top_k;
-  sampling.top_p = params.sampling.top_p;
-  sampling.min_p = params.sampling.min_p;
-  sampling.repetition_penalty = params.sampling.repetition_penalty;
-  ACCEL_RETURN_IF_ERROR(models::Sampler::Create(sampling).status());
-  request.sampling = params.sampling;
-  for (size_t i = 0; i < params.stop.size(); ++i) {
-    if (params.stop[i].empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] is empty"));
-    }
-  }
-  if (!params.stop.empty() && !model_->tokenizer) {
-    return absl::InvalidArgumentError("stop: this model has no tokenizer.json to match text with");
-  }
-  request.stop_strings = params.stop;
-  request.stop_token_ids = params.stop_token_ids;
-  if (!params.ignore_eos) {
+  if (!request.ignore_eos) {
     request.stop_token_ids.insert(request.stop_token_ids.end(), info_.eos_token_ids.begin(),
                                   info_.eos_token_ids.end());
   }
-  request.logprobs = params.logprobs;
-  request.deadline = params.client_deadline;
-  request.deadline_reason = "the client's deadline";
+  if (request.deadline != absl::InfiniteFuture() && request.deadline_reason.empty()) {
+    request.deadline_reason = "the client's deadline";
+  }
   if (options_.request_timeout > absl::ZeroDuration()) {
     const absl::Time limit = absl::Now() + options_.request_timeout;
     if (limit < request.deadline) {
@@ -234,15 +192,15 @@ absl::StatusOr<Request> Engine::ToRequest(const GenerateParams& params) const {
           absl::StrCat("--request_timeout=", absl::FormatDuration(options_.request_timeout));
     }
   }
-  return request;
+  return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> Engine::Submit(const GenerateParams& params,
+absl::StatusOr<uint64_t> Engine::Submit(models::GenerationRequest request,
                                         std::shared_ptr<RequestSink> sink) {
-  absl::StatusOr<Request> request = ToRequest(params);
-  absl::StatusOr<uint64_t> id = request.ok()
-                                    ? scheduler_->Submit(*std::move(request), std::move(sink))
-                                    : absl::StatusOr<uint64_t>(request.status());
+  const absl::Status completed = Complete(request);
+  absl::StatusOr<uint64_t> id = completed.ok()
+                                    ? scheduler_->Submit(std::move(request), std::move(sink))
+                                    : absl::StatusOr<uint64_t>(completed);
   if (!id.ok() && metrics_ != nullptr) {
     switch (id.status().code()) {
       case absl::StatusCode::kNotFound:

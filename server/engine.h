@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 
 #include "dispatch/offload_stats.h"
+#include "models/generation_request.h"
 #include "server/scheduler.h"
 
 namespace accel::server {
@@ -65,20 +66,6 @@ struct ModelInfo {
   double load_seconds = 0;
 };
 
-// A generation request as the services receive it.
-struct GenerateParams {
-  std::string model;                  // empty: the served model
-  std::optional<std::string> prompt;  // text, or
-  std::vector<int64_t> input_ids;     // ids (used when prompt is unset)
-  int64_t max_new_tokens = 0;         // 0: the default
-  Sampling sampling;
-  std::vector<std::string> stop;
-  std::vector<int64_t> stop_token_ids;
-  bool ignore_eos = false;
-  bool logprobs = false;
-  absl::Time client_deadline = absl::InfiniteFuture();
-};
-
 class Engine {
  public:
   // Loads the model (a minute for a big one). `metrics` may be null.
@@ -88,13 +75,15 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Validates and queues a request; returns its id for Cancel. Errors name
-  // the field: NotFound for another model name; InvalidArgument for an
-  // empty prompt, bad sampling values, a prompt over max_input_tokens or
-  // prompt + max_new_tokens over max_total_tokens, ids outside the
-  // vocabulary, empty stop strings; ResourceExhausted when the queue is
-  // full; Unavailable when draining.
-  absl::StatusOr<uint64_t> Submit(const GenerateParams& params, std::shared_ptr<RequestSink> sink);
+  // Completes a request as the wire adapters fill it (tokenizes the
+  // prompt, applies --default_max_new_tokens, adds the model's eos,
+  // --request_timeout), validates it once (models::ValidateGenerationRequest
+  // with the server's limits) and queues it; returns its id for Cancel.
+  // Errors name the field: NotFound for another model name; InvalidArgument
+  // for a bad request; ResourceExhausted when the queue is full; Unavailable
+  // when draining.
+  absl::StatusOr<uint64_t> Submit(models::GenerationRequest request,
+                                  std::shared_ptr<RequestSink> sink);
   void Cancel(uint64_t id) { scheduler_->Cancel(id); }
 
   const ModelInfo& info() const { return info_; }
@@ -105,7 +94,7 @@ class Engine {
  private:
   struct Model;
   Engine() = default;
-  absl::StatusOr<Request> ToRequest(const GenerateParams& params) const;
+  absl::Status Complete(models::GenerationRequest& request) const;
 
   EngineOptions options_;
   ServerMetrics* metrics_ = nullptr;

@@ -30,13 +30,14 @@ accel::v1::FinishReason ToProto(Finish finish) {
   return accel::v1::FINISH_REASON_UNSPECIFIED;
 }
 
-GenerateParams ToParams(const GenerateRequest& request, const grpc::ServerContextBase& context) {
-  GenerateParams params;
+models::GenerationRequest ToParams(const GenerateRequest& request,
+                                   const grpc::ServerContextBase& context) {
+  models::GenerationRequest params;
   params.model = request.model();
   if (request.input_case() == GenerateRequest::kPrompt) {
     params.prompt = request.prompt();
   } else {
-    params.input_ids.assign(request.input_ids().ids().begin(), request.input_ids().ids().end());
+    params.prompt_ids.assign(request.input_ids().ids().begin(), request.input_ids().ids().end());
   }
   params.max_new_tokens = request.max_new_tokens();
   const accel::v1::SamplingParameters& s = request.sampling();
@@ -47,11 +48,11 @@ GenerateParams ToParams(const GenerateRequest& request, const grpc::ServerContex
   params.sampling.min_p = s.min_p();
   params.sampling.repetition_penalty = s.repetition_penalty() == 0 ? 1.0 : s.repetition_penalty();
   if (s.has_seed()) params.sampling.seed = s.seed();
-  params.stop.assign(request.stop().begin(), request.stop().end());
+  params.stop_strings.assign(request.stop().begin(), request.stop().end());
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.ignore_eos = request.ignore_eos();
   params.logprobs = request.return_logprobs();
-  params.client_deadline = CallDeadline(context);
+  params.deadline = CallDeadline(context);
   return params;
 }
 

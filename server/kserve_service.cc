@@ -205,9 +205,10 @@ class InferReactor : public grpc::ServerUnaryReactor {
         absl::MutexLock lock(&call_->mu);
         if (call_->finished) return;
       }
-      GenerateParams params = internal::PromptParams(parsed, i);
-      params.client_deadline = deadline;
-      absl::StatusOr<uint64_t> id = engine->Submit(params, std::make_shared<Sink>(call_, i));
+      models::GenerationRequest params = internal::PromptParams(parsed, i);
+      params.deadline = deadline;
+      absl::StatusOr<uint64_t> id =
+          engine->Submit(std::move(params), std::make_shared<Sink>(call_, i));
       Call::Action action;
       {
         absl::MutexLock lock(&call_->mu);
@@ -544,12 +545,12 @@ class StreamReactor : public grpc::ServerBidiReactor<ModelInferRequest, ModelStr
       call_->live.emplace(generation->key, generation);
       call_->engine = *engine;
     }
-    GenerateParams params = internal::PromptParams(*generation->request, 0);
-    params.client_deadline = CallDeadline(*context_);
+    models::GenerationRequest params = internal::PromptParams(*generation->request, 0);
+    params.deadline = CallDeadline(*context_);
     // Outside the lock: the scheduler may call the sink (which takes it)
     // before Submit returns.
     absl::StatusOr<uint64_t> id =
-        (*engine)->Submit(params, std::make_shared<Sink>(call_, generation));
+        (*engine)->Submit(std::move(params), std::make_shared<Sink>(call_, generation));
     bool cancel = false;
     {
       absl::MutexLock lock(&call_->mu);

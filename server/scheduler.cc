@@ -26,7 +26,7 @@ const char* FinishName(Finish finish) {
 
 struct Scheduler::Pending {
   uint64_t id = 0;
-  Request request;
+  models::GenerationRequest request;
   std::shared_ptr<RequestSink> sink;
   absl::Time accepted;
 };
@@ -46,22 +46,6 @@ struct Scheduler::Running {
 };
 
 namespace {
-
-models::GenerationRequest ToGenerationRequest(Request request) {
-  models::GenerationRequest out;
-  out.prompt_ids = std::move(request.prompt_ids);
-  out.sampling.temperature = request.sampling.temperature;
-  out.sampling.top_k = request.sampling.top_k;
-  out.sampling.top_p = request.sampling.top_p;
-  out.sampling.min_p = request.sampling.min_p;
-  out.sampling.repetition_penalty = request.sampling.repetition_penalty;
-  out.sampling.seed = request.sampling.seed;
-  out.max_new_tokens = request.max_new_tokens;
-  out.stop_token_ids = std::move(request.stop_token_ids);
-  out.stop_strings = std::move(request.stop_strings);
-  out.logprobs = request.logprobs;
-  return out;
-}
 
 Finish ToFinish(models::FinishReason reason) {
   switch (reason) {
@@ -108,7 +92,8 @@ Scheduler::~Scheduler() {
   thread_.join();
 }
 
-absl::StatusOr<uint64_t> Scheduler::Submit(Request request, std::shared_ptr<RequestSink> sink) {
+absl::StatusOr<uint64_t> Scheduler::Submit(models::GenerationRequest request,
+                                           std::shared_ptr<RequestSink> sink) {
   auto pending = std::make_unique<Pending>();
   pending->request = std::move(request);
   pending->sink = std::move(sink);
@@ -240,7 +225,7 @@ void Scheduler::Admit(std::vector<std::unique_ptr<Pending>> admitted) {
     r->accepted = p->accepted;
     r->scheduled = absl::Now();
     r->prompt_tokens = static_cast<int64_t>(p->request.prompt_ids.size());
-    absl::StatusOr<uint64_t> sequence = generator_->Add(ToGenerationRequest(p->request));
+    absl::StatusOr<uint64_t> sequence = generator_->Add(p->request);
     if (!sequence.ok()) {
       EndPending(*p, sequence.status());
       continue;

@@ -31,6 +31,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
+#include "models/generation_request.h"
+
 namespace accel::models {
 class Generator;
 }
@@ -38,28 +40,6 @@ class Generator;
 namespace accel::server {
 
 class ServerMetrics;
-
-struct Sampling {
-  double temperature = 0.0;  // 0: greedy
-  int64_t top_k = 0;
-  double top_p = 1.0;
-  double min_p = 0.0;
-  double repetition_penalty = 1.0;
-  std::optional<uint64_t> seed;
-};
-
-struct Request {
-  std::vector<int64_t> prompt_ids;
-  Sampling sampling;
-  int64_t max_new_tokens = 16;
-  std::vector<int64_t> stop_token_ids;
-  std::vector<std::string> stop_strings;
-  bool logprobs = false;
-  // Past it the request ends with DeadlineExceeded; `deadline_reason` says
-  // whose deadline it was ("the client's deadline", "--request_timeout=30s").
-  absl::Time deadline = absl::InfiniteFuture();
-  std::string deadline_reason;
-};
 
 // The tokens one step produced for one request.
 struct TokenChunk {
@@ -116,8 +96,8 @@ class Scheduler {
 
   // Queues a request and returns its id. ResourceExhausted when max_queue
   // requests already wait; Unavailable once StopAdmission() was called.
-  absl::StatusOr<uint64_t> Submit(Request request, std::shared_ptr<RequestSink> sink)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<uint64_t> Submit(models::GenerationRequest request,
+                                  std::shared_ptr<RequestSink> sink) ABSL_LOCKS_EXCLUDED(mu_);
   // The request stops before the next step and its sink gets Cancelled.
   // Unknown or finished ids are ignored.
   void Cancel(uint64_t id) ABSL_LOCKS_EXCLUDED(mu_);

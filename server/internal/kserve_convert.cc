@@ -380,7 +380,7 @@ class KnobSetter {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": ", knob.canonical, " is already set by ", it->second));
     }
-    GenerateParams& p = out_->params;
+    models::GenerationRequest& p = out_->params;
     const absl::string_view name = knob.canonical;
     switch (knob.type) {
       case KnobType::kInt: {
@@ -423,7 +423,7 @@ class KnobSetter {
         if (name == "bad_words") {
           if (!strings.empty()) return KnobError(where, "bad words are not supported");
         } else {
-          p.stop = std::move(strings);
+          p.stop_strings = std::move(strings);
         }
         return absl::OkStatus();
       }
@@ -899,10 +899,10 @@ absl::StatusOr<KServeRequest> ParseInferRequest(const inference::ModelInferReque
   return out;
 }
 
-GenerateParams PromptParams(const KServeRequest& request, size_t i) {
-  GenerateParams params = request.params;
+models::GenerationRequest PromptParams(const KServeRequest& request, size_t i) {
+  models::GenerationRequest params = request.params;
   if (request.ids_rank > 0) {
-    params.input_ids = request.input_ids[i];
+    params.prompt_ids = request.input_ids[i];
   } else {
     params.prompt = request.prompts[i];
   }

@@ -291,15 +291,15 @@ TEST_F(GeneratorTest, BadRequestsAreClearErrors) {
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(message)));
   };
   bad(Greedy({}, 4), "prompt is empty");
-  bad(Greedy({1, 300}, 4), "prompt_ids[1]: token id 300");
+  bad(Greedy({1, 300}, 4), "input_ids[1]: token id 300");
   bad(Greedy({-5}, 4), "token id -5");
-  bad(Greedy({1}, 0), "max_new_tokens");
+  bad(Greedy({1}, -1), "max_new_tokens");
   GenerationRequest hot = Greedy({1}, 4);
   hot.sampling.temperature = -1;
   bad(hot, "temperature");
   GenerationRequest empty_stop = Greedy({1}, 4);
   empty_stop.stop_strings = {"x", ""};
-  bad(empty_stop, "stop_strings[1] is empty");
+  bad(empty_stop, "stop[1] is empty");
   Generator no_text = MakeGenerator(/*text=*/false);
   GenerationRequest stop = Greedy({1}, 4);
   stop.stop_strings = {"x"};

@@ -17,6 +17,13 @@ namespace {
 using ::accel::test::StatusIs;
 using ::testing::HasSubstr;
 
+// Sampling proper: the default temperature (0) is greedy.
+SamplingParams Sampled() {
+  SamplingParams p;
+  p.temperature = 1.0;
+  return p;
+}
+
 Sampler Make(SamplingParams p) {
   auto s = Sampler::Create(p);
   EXPECT_TRUE(s.ok()) << s.status();
@@ -60,7 +67,7 @@ TEST(SamplerTest, TemperatureDividesTheLogits) {
 }
 
 TEST(SamplerTest, TopKKeepsTiesAtTheBoundary) {
-  SamplingParams p;
+  SamplingParams p = Sampled();
   p.top_k = 2;
   at::Tensor logits = at::tensor({1.0f, 5.0f, 5.0f, 3.0f});
   EXPECT_EQ(Kept(Make(p), logits), (std::vector<int64_t>{1, 2}));
@@ -69,7 +76,7 @@ TEST(SamplerTest, TopKKeepsTiesAtTheBoundary) {
 }
 
 TEST(SamplerTest, TopPKeepsTheSmallestSetReachingP) {
-  SamplingParams p;
+  SamplingParams p = Sampled();
   p.top_p = 0.79;  // 0.5 + 0.3 reaches it (away from the 0.8 boundary)
   EXPECT_EQ(Kept(Make(p), LogProbs({0.5, 0.3, 0.15, 0.05})), (std::vector<int64_t>{0, 1}));
   p.top_p = 0.81;  // needs the 0.15 too
@@ -79,13 +86,13 @@ TEST(SamplerTest, TopPKeepsTheSmallestSetReachingP) {
 }
 
 TEST(SamplerTest, MinPDropsTokensFarBelowTheBest) {
-  SamplingParams p;
+  SamplingParams p = Sampled();
   p.min_p = 0.2;  // below 0.2 x 0.5 = 0.1 goes
   EXPECT_EQ(Kept(Make(p), LogProbs({0.5, 0.3, 0.15, 0.05})), (std::vector<int64_t>{0, 1, 2}));
 }
 
 TEST(SamplerTest, DrawsFollowTheFilteredDistribution) {
-  SamplingParams p;
+  SamplingParams p = Sampled();
   p.seed = 1234;
   p.top_k = 2;  // {0.5, 0.3} renormalised: 0.625, 0.375
   Sampler s = Make(p);
@@ -99,7 +106,7 @@ TEST(SamplerTest, DrawsFollowTheFilteredDistribution) {
 }
 
 TEST(SamplerTest, TheSameSeedGivesTheSameTokens) {
-  SamplingParams p;
+  SamplingParams p = Sampled();
   p.seed = 7;
   Sampler a = Make(p), b = Make(p);
   p.seed = 8;

@@ -271,7 +271,7 @@ TEST(KServeConvertTest, Int64IdsOfRankOneAreOnePrompt) {
   ASSERT_THAT(parsed, IsOk());
   EXPECT_EQ(parsed->ids_rank, 1);
   ASSERT_EQ(parsed->num_prompts(), 1u);
-  EXPECT_THAT(PromptParams(*parsed, 0).input_ids, ElementsAre(1, 5, 9));
+  EXPECT_THAT(PromptParams(*parsed, 0).prompt_ids, ElementsAre(1, 5, 9));
   EXPECT_FALSE(PromptParams(*parsed, 0).prompt.has_value());
   // Ids in, ids out by default.
   EXPECT_THAT(parsed->outputs, ::testing::Contains("output_ids"));
@@ -369,7 +369,7 @@ TEST(KServeConvertTest, ParametersOfEachType) {
   SetParam(request, "return_logprobs", String("true"));
   auto parsed = ParseInferRequest(request);
   ASSERT_THAT(parsed, IsOk());
-  const GenerateParams& p = parsed->params;
+  const models::GenerationRequest& p = parsed->params;
   EXPECT_EQ(p.max_new_tokens, 12);
   EXPECT_DOUBLE_EQ(p.sampling.temperature, 0.5);
   EXPECT_EQ(p.sampling.top_k, 40);
@@ -377,7 +377,7 @@ TEST(KServeConvertTest, ParametersOfEachType) {
   EXPECT_DOUBLE_EQ(p.sampling.min_p, 0.0);
   EXPECT_DOUBLE_EQ(p.sampling.repetition_penalty, 1.1);
   EXPECT_EQ(p.sampling.seed, 18446744073709551615u);
-  EXPECT_THAT(p.stop, ElementsAre("\n\n"));
+  EXPECT_THAT(p.stop_strings, ElementsAre("\n\n"));
   EXPECT_THAT(p.stop_token_ids, ElementsAre(2, 3));
   EXPECT_TRUE(p.ignore_eos);
   EXPECT_TRUE(p.logprobs);
@@ -390,13 +390,13 @@ TEST(KServeConvertTest, StopAsJsonListOrLiteral) {
   SetParam(list, "stop", String("[\"</s>\", \"###\"]"));
   auto parsed = ParseInferRequest(list);
   ASSERT_THAT(parsed, IsOk());
-  EXPECT_THAT(parsed->params.stop, ElementsAre("</s>", "###"));
+  EXPECT_THAT(parsed->params.stop_strings, ElementsAre("</s>", "###"));
   // Llama-2's "[INST]" is not JSON: one literal stop string.
   ModelInferRequest literal = TextRequest({"a"});
   SetParam(literal, "stop", String("[INST]"));
   parsed = ParseInferRequest(literal);
   ASSERT_THAT(parsed, IsOk());
-  EXPECT_THAT(parsed->params.stop, ElementsAre("[INST]"));
+  EXPECT_THAT(parsed->params.stop_strings, ElementsAre("[INST]"));
 }
 
 TEST(KServeConvertTest, WrongParameterTypeNamesTheKey) {
@@ -453,12 +453,12 @@ TEST(KServeConvertTest, SamplingParametersJson) {
                   R"( "ignore_eos": false, "exclude_input_in_output": true})");
   auto parsed = ParseInferRequest(request);
   ASSERT_THAT(parsed, IsOk());
-  const GenerateParams& p = parsed->params;
+  const models::GenerationRequest& p = parsed->params;
   EXPECT_EQ(p.max_new_tokens, 20);
   EXPECT_DOUBLE_EQ(p.sampling.temperature, 0.7);
   EXPECT_DOUBLE_EQ(p.sampling.top_p, 0.95);
   EXPECT_EQ(p.sampling.top_k, 5);
-  EXPECT_THAT(p.stop, ElementsAre("a", "b"));
+  EXPECT_THAT(p.stop_strings, ElementsAre("a", "b"));
   EXPECT_THAT(p.stop_token_ids, ElementsAre(7));
   EXPECT_EQ(p.sampling.seed, 9u);
   EXPECT_DOUBLE_EQ(p.sampling.min_p, 0.0);
@@ -515,7 +515,7 @@ TEST(KServeConvertTest, ScalarInputTensors) {
   EXPECT_EQ(parsed->params.max_new_tokens, 8);
   EXPECT_DOUBLE_EQ(parsed->params.sampling.temperature, 0.25);
   EXPECT_EQ(parsed->params.sampling.seed, 18446744073709551610u);
-  EXPECT_THAT(parsed->params.stop, ElementsAre("x", "yz"));  // "" means none
+  EXPECT_THAT(parsed->params.stop_strings, ElementsAre("x", "yz"));  // "" means none
   EXPECT_TRUE(parsed->stream);
 }
 

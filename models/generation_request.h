@@ -1,0 +1,72 @@
+// models/generation_request.h: the one generation request type, from every
+// wire adapter (accel.v1, KServe v2, any later HTTP front door) through the
+// server's engine and scheduler to the Generator. Torch-free, so server/
+// headers can hold it.
+//
+// The engine fills it from the wire, tokenizes `prompt` into `prompt_ids`,
+// applies the server's defaults and limits, and checks it once with
+// ValidateGenerationRequest() before it is queued; the Generator checks the
+// same rules again only as a guard (one function, one set of messages).
+#ifndef ACCEL_MODELS_GENERATION_REQUEST_H_
+#define ACCEL_MODELS_GENERATION_REQUEST_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace accel::models {
+
+// One set of defaults: greedy unless a temperature is given, as
+// transformers' generate() (do_sample=False) and proto3's zero both mean.
+struct SamplingParams {
+  double temperature = 0.0;         // 0: greedy
+  int64_t top_k = 0;                // 0: off
+  double top_p = 1.0;               // 1: off
+  double min_p = 0.0;               // 0: off
+  double repetition_penalty = 1.0;  // 1: off
+  std::optional<uint64_t> seed;     // the same seed and inputs give the same tokens
+};
+
+// max_new_tokens when a request leaves it 0 and nobody set another default.
+inline constexpr int64_t kDefaultMaxNewTokens = 16;
+
+struct GenerationRequest {
+  std::string model;                  // the model asked for; empty: the served one
+  std::optional<std::string> prompt;  // text, tokenized into prompt_ids by the engine, or
+  std::vector<int64_t> prompt_ids;    // ids
+  SamplingParams sampling;
+  int64_t max_new_tokens = 0;             // 0: the default
+  std::vector<int64_t> stop_token_ids;    // the engine adds the model's eos unless ignore_eos
+  std::vector<std::string> stop_strings;  // need text streams (a tokenizer)
+  bool ignore_eos = false;
+  bool logprobs = false;  // report each generated token's log-probability
+  // Past it the request ends with DeadlineExceeded; `deadline_reason` says
+  // whose deadline it was ("the client's deadline", "--request_timeout=30s").
+  absl::Time deadline = absl::InfiniteFuture();
+  std::string deadline_reason;
+};
+
+// What a model allows a request.
+struct RequestLimits {
+  int64_t vocab_size = 0;
+  int64_t max_input_tokens = 0;                         // prompt tokens; 0: unchecked
+  int64_t max_total_tokens = 0;                         // prompt + max_new_tokens; 0: unchecked
+  std::string input_limit_name = "--max_input_tokens";  // where max_input_tokens comes from
+  bool has_text_streams = false;                        // stop strings can be matched
+};
+
+// The rules every request meets before it runs, on prompt_ids (the prompt
+// text must be tokenized first). InvalidArgument naming the field: an empty
+// prompt, an id outside the vocabulary, a prompt over max_input_tokens,
+// prompt + max_new_tokens over max_total_tokens, max_new_tokens < 0, bad
+// sampling values, an empty stop string, or stop strings without text.
+absl::Status ValidateGenerationRequest(const GenerationRequest& request,
+                                       const RequestLimits& limits);
+
+}  // namespace accel::models
+
+#endif  // ACCEL_MODELS_GENERATION_REQUEST_H_
