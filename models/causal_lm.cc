@@ -172,8 +172,41 @@ int64_t KvCache::bytes() const {
 void KvCache::Clear() {
   keys.clear();
   values.clear();
+  store = nullptr;
+  block_table.clear();
   token_ids.clear();
   length = 0;
+}
+
+KvBlockStore::KvBlockStore(int64_t num_blocks, int64_t block_size, size_t layers)
+    : num_blocks_(num_blocks), block_size_(block_size), keys_(layers), values_(layers) {}
+
+std::pair<at::Tensor, at::Tensor> KvBlockStore::Layer(size_t layer, const at::Tensor& k,
+                                                      const at::Tensor& v) {
+  TORCH_CHECK(layer < keys_.size(), "KV block store: layer ", layer, " of ", keys_.size());
+  at::Tensor& keys = keys_[layer];
+  at::Tensor& values = values_[layer];
+  if (!keys.defined() || keys.device() != k.device() || keys.scalar_type() != k.scalar_type()) {
+    keys = at::empty({num_blocks_, k.size(0), block_size_, k.size(2)}, k.options());
+    values = at::empty({num_blocks_, v.size(0), block_size_, v.size(2)}, v.options());
+  }
+  return {keys, values};
+}
+
+int64_t KvBlockStore::bytes() const {
+  int64_t total = 0;
+  for (const std::vector<at::Tensor>* buffers : {&keys_, &values_}) {
+    for (const at::Tensor& buffer : *buffers) {
+      if (buffer.defined()) total += static_cast<int64_t>(buffer.nbytes());
+    }
+  }
+  return total;
+}
+
+int64_t KvBlockStore::BytesPerBlock(const loader::ModelConfig& config, at::ScalarType dtype,
+                                    int64_t block_size) {
+  return 2 * config.num_hidden_layers * config.kv_heads() * config.head_size() * block_size *
+         static_cast<int64_t>(c10::elementSize(dtype));
 }
 
 absl::StatusOr<std::shared_ptr<CausalLM>> BuildCausalLM(const loader::ModelConfig& c,

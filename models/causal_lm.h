@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -35,21 +36,52 @@
 
 namespace accel::models {
 
-// The keys and values of one sequence for every layer, each buffer
-// [kv_heads, capacity, head_dim] on its layer's device and in the model's
-// dtype. Capacity doubles when full, so a decode step appends in place
-// instead of copying the past. `length` advances only when a whole
-// Forward() succeeds: a failed step leaves the cache as it was.
+// The keys and values of many sequences in fixed-size blocks (the storage
+// behind models/kv_blocks.h's accounting): layer l's keys and values are
+// [num_blocks, kv_heads, block_size, head_dim] on that layer's device, in
+// the model's dtype, made when the layer first writes (so a split model's
+// blocks live where its layers run). One store per server.
+class KvBlockStore {
+ public:
+  KvBlockStore(int64_t num_blocks, int64_t block_size, size_t layers);
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t block_size() const { return block_size_; }
+  // Layer `layer`'s key and value blocks, made like `k` and `v` ([kv_heads,
+  // n, head_dim]) on first use.
+  std::pair<at::Tensor, at::Tensor> Layer(size_t layer, const at::Tensor& k, const at::Tensor& v);
+  // Memory of the blocks made so far.
+  int64_t bytes() const;
+  // Bytes one block takes in every layer, for sizing the pool.
+  static int64_t BytesPerBlock(const loader::ModelConfig& config, at::ScalarType dtype,
+                               int64_t block_size);
+
+ private:
+  int64_t num_blocks_, block_size_;
+  std::vector<at::Tensor> keys_, values_;
+};
+
+// The keys and values of one sequence for every layer, in one of two forms.
+// Contiguous (store null): buffers [kv_heads, capacity, head_dim] per layer
+// on its layer's device; capacity doubles when full, so a decode step
+// appends in place. Paged (store set): the tokens' keys and values live in
+// the store's blocks listed in block_table, which must cover every position
+// a Forward() writes; attention reads them in place. `length` advances when
+// a whole Forward() succeeds: a failed step leaves it as it was (its writes
+// past `length` are overwritten by the next).
 struct KvCache {
   std::vector<at::Tensor> keys;
   std::vector<at::Tensor> values;
+  KvBlockStore* store = nullptr;
+  std::vector<int32_t> block_table;
   int64_t length = 0;  // tokens seen; the next token's position
   // Those tokens' ids, in order: a model that must recompute its cache (a
-  // LongRoPE model crossing its original context) reads them back.
+  // LongRoPE model crossing its original context) reads them back, into a
+  // contiguous cache that replaces a paged one.
   std::vector<int64_t> token_ids;
 
-  int64_t bytes() const;  // memory held by the buffers
-  void Clear();           // frees the buffers
+  bool paged() const { return store != nullptr; }
+  int64_t bytes() const;  // memory held by contiguous buffers (paged: 0, the store holds it)
+  void Clear();           // frees the buffers and forgets the blocks
 };
 
 // `tokens` of the packed input ids belong to the sequence whose cache is

@@ -32,9 +32,10 @@ absl::Status ValidateGenerationRequest(const GenerationRequest& request,
         "max_new_tokens must be 0 (the default) or more, got ", request.max_new_tokens));
   }
   if (limits.max_total_tokens > 0 && request.max_new_tokens > limits.max_total_tokens - prompt) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt (", prompt, " tokens) + max_new_tokens (", request.max_new_tokens,
-        ") is over the limit of ", limits.max_total_tokens, " tokens (--max_total_tokens)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt (", prompt, " tokens) + max_new_tokens (", request.max_new_tokens,
+                     ") is over the limit of ", limits.max_total_tokens, " tokens (",
+                     limits.total_limit_name, ")"));
   }
   absl::Status sampling = Sampler::Create(request.sampling).status();
   if (!sampling.ok()) return sampling;

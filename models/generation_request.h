@@ -56,6 +56,7 @@ struct RequestLimits {
   int64_t max_input_tokens = 0;                         // prompt tokens; 0: unchecked
   int64_t max_total_tokens = 0;                         // prompt + max_new_tokens; 0: unchecked
   std::string input_limit_name = "--max_input_tokens";  // where max_input_tokens comes from
+  std::string total_limit_name = "--max_total_tokens";  // where max_total_tokens comes from
   bool has_text_streams = false;                        // stop strings can be matched
 };
 

@@ -58,7 +58,12 @@ struct Generator::Sequence {
   Sampler sampler;
   std::unique_ptr<TextStream> text_stream;
   KvCache cache;
-  std::vector<int64_t> ids;  // prompt, then generated
+  // The blocks holding its tokens (the accounting, kept here because a
+  // LongRoPE recompute replaces `cache` with a contiguous one).
+  std::vector<int32_t> blocks;
+  int64_t sealed_blocks = 0;  // blocks keyed for the prefix cache
+  uint64_t sealed_key = 0;    // the last keyed block's key
+  std::vector<int64_t> ids;   // prompt, then generated
   int64_t generated = 0;
   bool prefilled = false;
   // Text decoded so far; [0, emitted) has gone out in events, the rest is
@@ -120,15 +125,34 @@ struct Generator::Sequence {
 };
 
 Generator::Generator(std::shared_ptr<CausalLM> model, dispatch::DispatchedModel* dispatched,
-                     TextStreamFactory text_streams)
+                     TextStreamFactory text_streams, GeneratorOptions options)
     : model_(std::move(model)),
       dispatched_(dispatched),
       text_streams_(std::move(text_streams)),
       position_limit_(model_->config().max_position_embeddings > 0
                           ? model_->config().max_position_embeddings
-                          : std::numeric_limits<int64_t>::max()) {}
+                          : std::numeric_limits<int64_t>::max()),
+      options_(options) {
+  options_.block_size = std::max<int64_t>(options_.block_size, 1);
+  int64_t blocks = options_.kv_cache_blocks;
+  if (blocks <= 0) {
+    const int64_t per_block =
+        KvBlockStore::BytesPerBlock(model_->config(), model_->dtype(), options_.block_size);
+    const int64_t limit = std::min<int64_t>(position_limit_, 8192);
+    blocks = (4 * limit + options_.block_size - 1) / options_.block_size;
+    if (per_block > 0) blocks = std::min<int64_t>(blocks, (int64_t{1} << 30) / per_block);
+    blocks = std::max<int64_t>(blocks, 1);
+  }
+  store_ = std::make_unique<KvBlockStore>(blocks, options_.block_size,
+                                          static_cast<size_t>(model_->config().num_hidden_layers));
+  blocks_ = std::make_unique<KvBlockManager>(blocks, options_.block_size, options_.prefix_caching);
+}
 
 Generator::~Generator() = default;
+
+int64_t Generator::kv_capacity_tokens() const {
+  return blocks_->num_blocks() * blocks_->block_size();
+}
 
 absl::StatusOr<uint64_t> Generator::Add(GenerationRequest request) {
   RequestLimits limits;
@@ -138,61 +162,194 @@ absl::StatusOr<uint64_t> Generator::Add(GenerationRequest request) {
   limits.has_text_streams = static_cast<bool>(text_streams_);
   ACCEL_RETURN_IF_ERROR(ValidateGenerationRequest(request, limits));
   if (request.max_new_tokens == 0) request.max_new_tokens = kDefaultMaxNewTokens;
+  const int64_t prompt = static_cast<int64_t>(request.prompt_ids.size());
+  const int64_t most =
+      std::min(prompt + std::min(request.max_new_tokens, position_limit_), position_limit_);
+  if (most > kv_capacity_tokens()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("prompt (", prompt, " tokens) + max_new_tokens (", request.max_new_tokens,
+                     ") needs more KV cache than the server has in all (", kv_capacity_tokens(),
+                     " tokens: --kv_cache_memory)"));
+  }
   ACCEL_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(request.sampling));
   auto sequence = std::make_unique<Sequence>(std::move(request), sampler);
   if (text_streams_) sequence->text_stream = text_streams_();
   sequence->ids = sequence->request.prompt_ids;
+  sequence->cache.store = store_.get();
   for (const std::string& stop : sequence->request.stop_strings) {
     sequence->longest_stop = std::max(sequence->longest_stop, stop.size());
   }
   const uint64_t id = next_id_++;
   sequences_.emplace(id, std::move(sequence));
+  waiting_.push_back(id);
   return id;
+}
+
+bool Generator::Reserve(Sequence& seq, int64_t tokens) {
+  const int64_t needed =
+      blocks_->BlocksFor(seq.cache.length + tokens) - static_cast<int64_t>(seq.blocks.size());
+  if (needed <= 0) return true;
+  if (blocks_->free_blocks() < needed) return false;
+  for (int64_t i = 0; i < needed; ++i) seq.blocks.push_back(*blocks_->Allocate());
+  return true;
+}
+
+void Generator::ReleaseBlocks(Sequence& seq) {
+  for (int32_t block : seq.blocks) blocks_->Release(block);
+  seq.blocks.clear();
+  seq.cache.Clear();
+  seq.cache.store = store_.get();
+  seq.sealed_blocks = 0;
+  seq.sealed_key = 0;
+}
+
+void Generator::Preempt(uint64_t id) {
+  ReleaseBlocks(*sequences_.at(id));
+  admitted_.erase(std::remove(admitted_.begin(), admitted_.end(), id), admitted_.end());
+  waiting_.push_front(id);
+  ++counters_.preemptions;
+}
+
+void Generator::Seal(Sequence& seq) {
+  if (!seq.cache.paged()) return;  // a contiguous (recomputed) cache has no blocks to share
+  const int64_t block_size = blocks_->block_size();
+  while ((seq.sealed_blocks + 1) * block_size <= seq.cache.length &&
+         seq.sealed_blocks < static_cast<int64_t>(seq.blocks.size())) {
+    const absl::Span<const int64_t> ids =
+        absl::MakeConstSpan(seq.ids).subspan(seq.sealed_blocks * block_size, block_size);
+    seq.sealed_key = KvBlockManager::ChainKey(seq.sealed_key, ids);
+    blocks_->Seal(seq.blocks[seq.sealed_blocks], seq.sealed_key, ids);
+    ++seq.sealed_blocks;
+  }
 }
 
 absl::StatusOr<std::vector<TokenEvent>> Generator::Step() {
   std::vector<TokenEvent> events;
   if (sequences_.empty()) return events;
   c10::InferenceMode inference;
+  struct Work {
+    uint64_t id;
+    Sequence* seq;
+    int64_t tokens;
+  };
+  std::vector<Work> work;
+  const auto pending = [](const Sequence& seq) {
+    return static_cast<int64_t>(seq.ids.size()) - seq.cache.length;
+  };
+  // The token budget: every decoding sequence's one token first, so a long
+  // prompt being read cannot slow them; prompt chunks share what is left.
+  int64_t prompt_budget = std::numeric_limits<int64_t>::max();
+  if (options_.max_num_batched_tokens > 0) {
+    int64_t decoding = 0;
+    for (uint64_t id : admitted_) decoding += pending(*sequences_.at(id)) == 1 ? 1 : 0;
+    prompt_budget = std::max<int64_t>(options_.max_num_batched_tokens - decoding, 0);
+    // A step with no decoding sequence always reads some prompt.
+    if (decoding == 0) prompt_budget = std::max<int64_t>(prompt_budget, 1);
+  }
+  // Running sequences, oldest first. One that cannot get a block preempts
+  // the most recently admitted (possibly itself), which has not been
+  // scheduled yet, so nothing in `work` loses its blocks.
+  for (size_t i = 0; i < admitted_.size(); ++i) {
+    const uint64_t id = admitted_[i];
+    Sequence& seq = *sequences_.at(id);
+    const int64_t left = pending(seq);
+    const int64_t take = left == 1 ? 1 : std::min(left, prompt_budget);
+    if (take == 0) continue;
+    bool preempted = false;
+    while (!Reserve(seq, take)) {
+      const uint64_t victim = admitted_.back();
+      Preempt(victim);
+      if (victim == id) {
+        preempted = true;
+        break;
+      }
+    }
+    if (preempted) break;
+    if (left > 1) prompt_budget -= take;
+    work.push_back({id, &seq, take});
+  }
+  // Waiting sequences join in order while their whole input fits the free
+  // blocks (after reusing a cached prefix) and the budgets allow.
+  while (!waiting_.empty() && prompt_budget > 0 &&
+         (options_.max_num_seqs <= 0 ||
+          static_cast<int64_t>(admitted_.size()) < options_.max_num_seqs)) {
+    const uint64_t id = waiting_.front();
+    Sequence& seq = *sequences_.at(id);
+    const int64_t input = static_cast<int64_t>(seq.ids.size());
+    if (blocks_->BlocksFor(input) > blocks_->free_blocks() + blocks_->cached_blocks()) break;
+    KvBlockManager::Prefix prefix = blocks_->MatchPrefix(seq.ids, input - 1);
+    if (blocks_->BlocksFor(input) - static_cast<int64_t>(prefix.blocks.size()) >
+        blocks_->free_blocks()) {
+      for (int32_t block : prefix.blocks) blocks_->Release(block);
+      break;
+    }
+    seq.blocks = std::move(prefix.blocks);
+    seq.cache.length = prefix.tokens;
+    seq.cache.token_ids.assign(seq.ids.begin(), seq.ids.begin() + prefix.tokens);
+    seq.sealed_blocks = static_cast<int64_t>(seq.blocks.size());
+    seq.sealed_key = prefix.key;
+    const int64_t take = std::min(input - prefix.tokens, prompt_budget);
+    Reserve(seq, take);  // fits: checked above
+    waiting_.pop_front();
+    admitted_.push_back(id);
+    prompt_budget -= take;
+    work.push_back({id, &seq, take});
+  }
+  if (work.empty()) return events;
+
   std::vector<int64_t> packed;
   std::vector<SequenceChunk> chunks;
-  std::vector<Sequence*> order;
-  std::vector<uint64_t> ids;
-  for (auto& [id, seq] : sequences_) {
-    ids.push_back(id);
-    if (seq->prefilled) {
-      packed.push_back(seq->ids.back());
-      chunks.push_back({&seq->cache, 1});
-    } else {
-      packed.insert(packed.end(), seq->ids.begin(), seq->ids.end());
-      chunks.push_back({&seq->cache, static_cast<int64_t>(seq->ids.size())});
-    }
-    order.push_back(seq.get());
+  std::vector<int64_t> lengths;  // before the step, to undo a failed one
+  int64_t prompt_tokens = 0;
+  for (const Work& w : work) {
+    Sequence& seq = *w.seq;
+    if (seq.cache.paged()) seq.cache.block_table = seq.blocks;
+    const auto first = seq.ids.begin() + seq.cache.length;
+    packed.insert(packed.end(), first, first + w.tokens);
+    chunks.push_back({&seq.cache, w.tokens});
+    lengths.push_back(seq.cache.length);
+    if (pending(seq) > 1) prompt_tokens += w.tokens;
   }
   at::Tensor input_ids;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] { input_ids = at::tensor(packed, at::kLong); }));
   ACCEL_ASSIGN_OR_RETURN(at::Tensor logits,
                          model_->Forward(input_ids, chunks, Logits::kLastOfEach, dispatched_));
-  // Sample every sequence first: text decoding below cannot fail halfway
-  // through the batch and leave some sequences advanced.
-  std::vector<int64_t> tokens(order.size());
-  std::vector<std::optional<float>> logprobs(order.size());
-  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-    for (size_t i = 0; i < order.size(); ++i) {
+  // Sample every sequence that read its whole input first: text decoding
+  // below cannot fail halfway through the batch and leave some sequences
+  // advanced. If sampling fails, the caches go back to where they were.
+  std::vector<int64_t> tokens(work.size(), -1);
+  std::vector<std::optional<float>> logprobs(work.size());
+  const absl::Status sampled = CallTorch([&] {
+    for (size_t i = 0; i < work.size(); ++i) {
+      Sequence& seq = *work[i].seq;
+      if (pending(seq) != 0) continue;  // a prompt chunk: no token yet
       const at::Tensor row = logits[static_cast<int64_t>(i)];
-      tokens[i] = order[i]->sampler.Next(row, order[i]->ids);
-      if (order[i]->request.logprobs) {
-        logprobs[i] = at::log_softmax(row, -1)[tokens[i]].item<float>();
+      tokens[i] = seq.sampler.Next(row, seq.ids);
+      if (seq.request.logprobs) logprobs[i] = at::log_softmax(row, -1)[tokens[i]].item<float>();
+    }
+  });
+  if (!sampled.ok()) {
+    for (size_t i = 0; i < work.size(); ++i) {
+      KvCache& cache = work[i].seq->cache;
+      cache.length = lengths[i];
+      if (static_cast<int64_t>(cache.token_ids.size()) > lengths[i]) {
+        cache.token_ids.resize(static_cast<size_t>(lengths[i]));
       }
     }
-  }));
-  for (size_t i = 0; i < order.size(); ++i) {
-    Sequence& seq = *order[i];
-    seq.prefilled = true;
+    return sampled;
+  }
+  ++counters_.steps;
+  counters_.last_step_tokens = static_cast<int64_t>(packed.size());
+  counters_.prompt_tokens += prompt_tokens;
+  for (size_t i = 0; i < work.size(); ++i) {
+    Sequence& seq = *work[i].seq;
+    Seal(seq);
+    if (tokens[i] < 0) continue;
+    ++counters_.generation_tokens;
     seq.ids.push_back(tokens[i]);
     ++seq.generated;
     TokenEvent event;
-    event.sequence = ids[i];
+    event.sequence = work[i].id;
     event.token_id = tokens[i];
     event.logprob = logprobs[i];
     bool stopped = false;
@@ -216,17 +373,38 @@ absl::StatusOr<std::vector<TokenEvent>> Generator::Step() {
     events.push_back(std::move(event));
   }
   for (const TokenEvent& event : events) {
-    if (event.finish) sequences_.erase(event.sequence);
+    if (event.finish) Cancel(event.sequence);
   }
   return events;
 }
 
-bool Generator::Cancel(uint64_t sequence) { return sequences_.erase(sequence) > 0; }
+bool Generator::Cancel(uint64_t sequence) {
+  auto found = sequences_.find(sequence);
+  if (found == sequences_.end()) return false;
+  ReleaseBlocks(*found->second);
+  admitted_.erase(std::remove(admitted_.begin(), admitted_.end(), sequence), admitted_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), sequence), waiting_.end());
+  sequences_.erase(found);
+  return true;
+}
 
 int64_t Generator::kv_cache_bytes() const {
-  int64_t total = 0;
+  int64_t total = store_->bytes();
   for (const auto& [id, seq] : sequences_) total += seq->cache.bytes();
   return total;
+}
+
+GeneratorStats Generator::stats() const {
+  GeneratorStats stats = counters_;
+  stats.running = static_cast<int64_t>(admitted_.size());
+  stats.waiting = static_cast<int64_t>(waiting_.size());
+  stats.kv_blocks_total = blocks_->num_blocks();
+  stats.kv_blocks_used = blocks_->used_blocks();
+  stats.kv_block_size = blocks_->block_size();
+  stats.kv_cache_bytes = kv_cache_bytes();
+  stats.prefix_query_tokens = blocks_->prefix_query_tokens();
+  stats.prefix_hit_tokens = blocks_->prefix_hit_tokens();
+  return stats;
 }
 
 absl::StatusOr<std::vector<GenerationResult>> Generate(Generator& generator,

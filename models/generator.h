@@ -1,8 +1,16 @@
 // models/generator.h: text generation over a CausalLM with continuous
-// batching. Requests join (Add) and leave (they finish, or Cancel) between
-// steps; each Step() is one Forward() over every running sequence, prompts
-// of new ones and the last token of the others packed together, so the
-// weights are read once per step whatever the batch.
+// batching on a paged KV cache. Requests join (Add) and leave (they finish,
+// or Cancel) between steps; each Step() is one Forward() over the running
+// sequences (the last token of each decoding one, and a chunk of each
+// prompt being read) packed together, so the weights are read once per step
+// whatever the batch.
+//
+// Memory: the keys and values live in fixed-size blocks of one store sized
+// by GeneratorOptions (models/kv_blocks.h). A request waits until blocks
+// are free for it; when a running sequence needs a block and none is free,
+// the most recently admitted sequence is preempted (its blocks freed, its
+// tokens recomputed when it resumes, its stream going on where it was).
+// Full blocks are shared between requests with the same prefix.
 //
 //   Generator generator(model, dispatched.get(), TokenizerTextStreams(tokenizer));
 //   ACCEL_ASSIGN_OR_RETURN(uint64_t id, generator.Add(request));
@@ -16,6 +24,7 @@
 #define ACCEL_MODELS_GENERATOR_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -29,17 +38,11 @@
 #include "dispatch/dispatch.h"
 #include "models/causal_lm.h"
 #include "models/generation_request.h"
+#include "models/kv_blocks.h"
 #include "models/sampling.h"
+#include "models/token_generator.h"
 
 namespace accel::models {
-
-enum class FinishReason {
-  kLength,  // max_new_tokens, or the model's position limit
-  kEos,     // a stop token id was generated (it is the last of token_ids)
-  kStop,    // a stop string appeared in the text (which ends before it)
-};
-// "length", "eos", "stop".
-absl::string_view FinishReasonName(FinishReason reason);
 
 // Turns one sequence's generated ids into text as they arrive: every piece
 // is valid UTF-8 and the pieces plus Flush() are the decoded text (a
@@ -60,45 +63,53 @@ class Tokenizer;
 // the tokenizer (a shared, immutable table).
 TextStreamFactory TokenizerTextStreams(const Tokenizer& tokenizer);
 
-// What one step produced for one sequence.
-struct TokenEvent {
-  uint64_t sequence = 0;
-  int64_t token_id = 0;
-  // log p(token) under the model's own distribution (log-softmax of the raw
-  // logits, before sampling's processing); set when the request asked.
-  std::optional<float> logprob;
-  std::string text;  // text that became final with this token (may be empty)
-  std::optional<FinishReason> finish;
+struct GeneratorOptions {
+  // KV blocks in the store; 0: enough for four sequences at the position
+  // limit, at most 1 GiB.
+  int64_t kv_cache_blocks = 0;
+  int64_t block_size = 16;  // tokens a block
+  bool prefix_caching = true;
+  // Tokens in one step's forward pass: one per decoding sequence first, then
+  // prompt chunks; 0: no limit (whole prompts). At least 1 prompt token runs
+  // a step whatever the limit, so a prompt always makes progress.
+  int64_t max_num_batched_tokens = 0;
+  int max_num_seqs = 0;  // sequences holding blocks; 0: no limit
 };
 
-class Generator {
+class Generator : public TokenGenerator {
  public:
   // `dispatched` may be null (a model with real weights on one device).
   // Without `text_streams`, events carry no text and stop strings are refused.
   Generator(std::shared_ptr<CausalLM> model, dispatch::DispatchedModel* dispatched,
-            TextStreamFactory text_streams = nullptr);
+            TextStreamFactory text_streams = nullptr, GeneratorOptions options = {});
   ~Generator();
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
 
   // Validates (ValidateGenerationRequest, with the model's position limit
-  // for the prompt) and queues a request on prompt_ids; it starts with the
-  // next Step(). max_new_tokens 0 is kDefaultMaxNewTokens; generation ends
-  // at the model's position limit whatever max_new_tokens says.
-  absl::StatusOr<uint64_t> Add(GenerationRequest request);
+  // for the prompt) and queues a request on prompt_ids. max_new_tokens 0 is
+  // kDefaultMaxNewTokens; generation ends at the model's position limit
+  // whatever max_new_tokens says. ResourceExhausted when the request could
+  // never fit the KV store (prompt + max_new_tokens over its tokens).
+  absl::StatusOr<uint64_t> Add(GenerationRequest request) override;
 
-  // One forward pass over every running sequence and one token for each.
-  // Finished sequences are removed (their KV caches freed) before it
-  // returns. On an error nothing advances: the step can be retried.
-  absl::StatusOr<std::vector<TokenEvent>> Step();
+  // One forward pass over what is scheduled and one token for each sequence
+  // that read its whole input. Finished sequences are removed (their blocks
+  // freed) before it returns. On an error nothing advances (caches keep
+  // their length; no token is taken): the step can be retried.
+  absl::StatusOr<std::vector<TokenEvent>> Step() override;
 
-  // Drops a sequence and frees its cache at once; false if unknown.
-  bool Cancel(uint64_t sequence);
+  // Drops a sequence, running or waiting, and frees its blocks at once.
+  bool Cancel(uint64_t sequence) override;
 
+  GeneratorStats stats() const override;
+  // Sequences added and not finished (running or waiting).
   size_t running() const { return sequences_.size(); }
   int64_t kv_cache_bytes() const;
   // The most positions a sequence may use (prompt plus generated tokens).
   int64_t position_limit() const { return position_limit_; }
+  // Tokens the KV store holds in all.
+  int64_t kv_capacity_tokens() const;
 
  private:
   struct Sequence;
@@ -108,6 +119,18 @@ class Generator {
   int64_t position_limit_;
   uint64_t next_id_ = 1;
   std::map<uint64_t, std::unique_ptr<Sequence>> sequences_;  // in arrival order
+  GeneratorOptions options_;
+  std::unique_ptr<KvBlockStore> store_;
+  std::unique_ptr<KvBlockManager> blocks_;
+  std::deque<uint64_t> waiting_;    // preempted first, then in arrival order
+  std::vector<uint64_t> admitted_;  // holding blocks, in admission order
+  GeneratorStats counters_;
+
+  void Preempt(uint64_t sequence);
+  void ReleaseBlocks(Sequence& sequence);
+  // Blocks for `tokens` more tokens of `sequence`; false if none are free.
+  bool Reserve(Sequence& sequence, int64_t tokens);
+  void Seal(Sequence& sequence);
 };
 
 struct GenerationResult {

@@ -8,10 +8,13 @@
 #include <ATen/Parallel.h>
 #include <torch/nn/module.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
+#include "core/bytes.h"
 #include "core/dtype.h"
 #include "core/status.h"
+#include "dispatch/device_map.h"
 #include "models/generator.h"
 #include "models/load_model.h"
 #include "models/nn.h"
@@ -36,6 +39,58 @@ std::string FolderName(const std::string& dir) {
   if (!path.has_filename()) path = path.parent_path();
   const std::string name = path.filename().string();
   return name.empty() ? "model" : name;
+}
+
+// The KV store's bytes as --kv_cache_memory asks.
+absl::StatusOr<int64_t> KvCacheBytes(const EngineOptions& options,
+                                     const models::LoadedModel& loaded, int64_t max_total_tokens,
+                                     int64_t block_bytes) {
+  const std::string& spec = options.kv_cache_memory;
+  double fraction = 0;
+  const bool is_auto = spec.empty() || spec == "auto";
+  if (!is_auto && spec.find('.') != std::string::npos && absl::SimpleAtod(spec, &fraction)) {
+    if (!(fraction > 0 && fraction <= 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv_cache_memory=", spec, ": a fraction must be in (0, 1]; or give bytes (\"4GiB\")"));
+    }
+  } else if (!is_auto) {
+    absl::StatusOr<int64_t> bytes = ParseByteSize(spec);
+    if (!bytes.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv_cache_memory=", spec,
+          ": give bytes (\"4GiB\"), a fraction of the free memory (\"0.5\") or \"auto\"; ",
+          bytes.status().message()));
+    }
+    return *bytes;
+  }
+  // What the device that runs the most layers has free, now that the
+  // weights are in.
+  std::map<std::string, int> layers_on;
+  for (const auto& [module, placement] : loaded.device_map.entries()) {
+    if (module.find("layers.") != std::string::npos || module.find(".h.") != std::string::npos) {
+      ++layers_on[placement.ToString()];
+    }
+  }
+  std::string main = "cpu";
+  int most = 0;
+  for (const auto& [device, count] : layers_on) {
+    if (device != "disk" && count > most) {
+      most = count;
+      main = device;
+    }
+  }
+  ACCEL_ASSIGN_OR_RETURN(dispatch::MaxMemory free, dispatch::ProbeMaxMemory());
+  double available = 0;
+  for (const auto& [placement, bytes] : free) {
+    if (placement.ToString() == main) available = bytes;
+  }
+  if (!is_auto) return static_cast<int64_t>(fraction * available);
+  const int64_t wanted =
+      std::max<int64_t>(block_bytes, block_bytes *
+                                         ((max_total_tokens + options.kv_block_size - 1) /
+                                          std::max<int64_t>(options.kv_block_size, 1)) *
+                                         options.scheduler.max_batch_size);
+  return std::min<int64_t>(wanted, static_cast<int64_t>(0.5 * available));
 }
 
 }  // namespace
@@ -126,19 +181,46 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   info.has_tokenizer = model.tokenizer.has_value();
   info.load_seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
-  // Keys and values of every layer, per token, in the model's dtype.
-  const int64_t kv_bytes_per_token = 2 * loaded.config.num_hidden_layers *
-                                     loaded.config.kv_heads() * loaded.config.head_size() *
-                                     static_cast<int64_t>(c10::elementSize(loaded.dtype));
-  SchedulerOptions scheduler = options.scheduler;
-  scheduler.kv_cache_capacity_bytes =
-      kv_bytes_per_token * info.max_total_tokens * scheduler.max_batch_size;
+  // The KV store: blocks of every layer's keys and values in the model's dtype.
+  const int64_t block_size = std::max<int64_t>(options.kv_block_size, 1);
+  const int64_t block_bytes =
+      models::KvBlockStore::BytesPerBlock(loaded.config, loaded.dtype, block_size);
+  ACCEL_ASSIGN_OR_RETURN(const int64_t kv_bytes,
+                         KvCacheBytes(options, loaded, info.max_total_tokens, block_bytes));
+  const int64_t blocks = kv_bytes / block_bytes;
+  if (blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_cache_memory=", options.kv_cache_memory, " holds no KV block (one takes ",
+        FormatBytes(block_bytes), " with --kv_block_size=", block_size, ")"));
+  }
+  info.kv_cache_blocks = blocks;
+  info.kv_block_size = block_size;
+  info.kv_cache_bytes = blocks * block_bytes;
+  // A request can use at most what the store holds.
+  if (blocks * block_size < info.max_total_tokens) {
+    info.max_total_tokens = blocks * block_size;
+    info.max_input_tokens = std::min(info.max_input_tokens, info.max_total_tokens - 1);
+    engine->total_limit_name_ =
+        absl::StrCat("the KV cache's ", info.max_total_tokens,
+                     " tokens under --kv_cache_memory=", options.kv_cache_memory);
+  }
+  if (info.max_input_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_cache_memory=", options.kv_cache_memory, " holds ",
+                     info.max_total_tokens, " tokens, no room for a prompt and a generated token"));
+  }
 
   models::TextStreamFactory streams;
   if (model.tokenizer) streams = models::TokenizerTextStreams(*model.tokenizer);
+  models::GeneratorOptions generator_options;
+  generator_options.kv_cache_blocks = blocks;
+  generator_options.block_size = block_size;
+  generator_options.prefix_caching = options.enable_prefix_caching;
+  generator_options.max_num_batched_tokens = options.max_num_batched_tokens;
   auto generator = std::make_unique<models::Generator>(loaded.model, loaded.dispatched.get(),
-                                                       std::move(streams));
-  engine->scheduler_ = std::make_unique<Scheduler>(std::move(generator), scheduler, metrics);
+                                                       std::move(streams), generator_options);
+  engine->scheduler_ =
+      std::make_unique<Scheduler>(std::move(generator), options.scheduler, metrics);
   if (metrics != nullptr) {
     metrics->model_load_seconds.Set(info.load_seconds);
     for (const auto& [device, bytes] : info.bytes_per_device) {
@@ -171,6 +253,7 @@ absl::Status Engine::Complete(models::GenerationRequest& request) const {
   limits.vocab_size = info_.vocab_size;
   limits.max_input_tokens = info_.max_input_tokens;
   limits.max_total_tokens = info_.max_total_tokens;
+  if (!total_limit_name_.empty()) limits.total_limit_name = total_limit_name_;
   limits.has_text_streams = model_->tokenizer.has_value();
   ACCEL_RETURN_IF_ERROR(models::ValidateGenerationRequest(request, limits));
   if (request.max_new_tokens == 0) {

@@ -42,6 +42,15 @@ struct EngineOptions {
   std::string execution_device = "auto";
   int threads = 0;  // libtorch's intra-op threads; 0: its default (the cores)
   SchedulerOptions scheduler;
+  // KV-cache memory: bytes ("4GiB"), a fraction of what the execution
+  // device has free after the weights ("0.5"), or "auto": max_batch_size
+  // sequences of max_total_tokens, within half of what is free.
+  std::string kv_cache_memory = "auto";
+  int64_t kv_block_size = 16;  // tokens a KV block
+  bool enable_prefix_caching = true;
+  // Tokens in one forward step (decoding sequences first, then prompt
+  // chunks); 0: whole prompts.
+  int64_t max_num_batched_tokens = 512;
   int64_t max_input_tokens = 0;  // prompt tokens; 0: the model's context - 1
   int64_t max_total_tokens = 0;  // prompt + generated; 0: the model's context
   int64_t default_max_new_tokens = 16;
@@ -61,6 +70,9 @@ struct ModelInfo {
   int64_t max_input_tokens = 0;
   int64_t max_total_tokens = 0;
   int64_t vocab_size = 0;
+  int64_t kv_cache_blocks = 0;
+  int64_t kv_block_size = 0;
+  int64_t kv_cache_bytes = 0;  // the blocks' memory in all
   std::vector<int64_t> eos_token_ids;
   bool has_tokenizer = false;
   double load_seconds = 0;
@@ -99,6 +111,7 @@ class Engine {
   EngineOptions options_;
   ServerMetrics* metrics_ = nullptr;
   ModelInfo info_;
+  std::string total_limit_name_;  // set when the KV cache bounds max_total_tokens
   std::unique_ptr<Model> model_;  // the loaded model and tokenizer (torch types)
   std::unique_ptr<Scheduler> scheduler_;
 };

@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 
-#include "models/generator.h"
 #include "server/server_metrics.h"
 
 namespace accel::server {
@@ -77,7 +76,7 @@ const char* FailureReason(const absl::Status& status) {
 
 }  // namespace
 
-Scheduler::Scheduler(std::unique_ptr<models::Generator> generator, SchedulerOptions options,
+Scheduler::Scheduler(std::unique_ptr<models::TokenGenerator> generator, SchedulerOptions options,
                      ServerMetrics* metrics)
     : options_(options), metrics_(metrics), generator_(std::move(generator)) {
   thread_ = std::thread([this] { Loop(); });
@@ -141,21 +140,39 @@ bool Scheduler::WaitIdle(absl::Duration timeout) {
 
 Scheduler::Snapshot Scheduler::snapshot() const {
   absl::MutexLock lock(&mu_);
-  return {static_cast<int>(waiting_.size()), running_count_, kv_cache_bytes_, steps_};
+  Snapshot snapshot;
+  snapshot.waiting = static_cast<int>(waiting_.size() + stats_.waiting);
+  snapshot.running = static_cast<int>(stats_.running);
+  snapshot.kv_cache_bytes = stats_.kv_cache_bytes;
+  snapshot.steps = steps_;
+  snapshot.generator = stats_;
+  return snapshot;
 }
 
 void Scheduler::PublishGaugesLocked() {
   if (metrics_ == nullptr) return;
-  metrics_->requests_waiting.Set(static_cast<double>(waiting_.size()));
-  metrics_->requests_running.Set(running_count_);
-  metrics_->kv_cache_bytes.Set(static_cast<double>(kv_cache_bytes_));
-  if (options_.kv_cache_capacity_bytes > 0) {
-    // Caches grow by doubling, so a full batch can hold a little more than
-    // the limits' worth; the ratio stays a ratio.
-    metrics_->kv_cache_usage.Set(
-        std::min(1.0, static_cast<double>(kv_cache_bytes_) /
-                          static_cast<double>(options_.kv_cache_capacity_bytes)));
+  metrics_->requests_waiting.Set(static_cast<double>(waiting_.size() + stats_.waiting));
+  metrics_->requests_running.Set(static_cast<double>(stats_.running));
+  metrics_->kv_cache_bytes.Set(static_cast<double>(stats_.kv_cache_bytes));
+  metrics_->kv_cache_blocks.Set(static_cast<double>(stats_.kv_blocks_total));
+  if (stats_.kv_blocks_total > 0) {
+    metrics_->kv_cache_usage.Set(static_cast<double>(stats_.kv_blocks_used) /
+                                 static_cast<double>(stats_.kv_blocks_total));
   }
+}
+
+void Scheduler::UpdateStatsLocked() {
+  const models::GeneratorStats now = generator_->stats();
+  if (metrics_ != nullptr) {
+    metrics_->preemptions.Increment(static_cast<double>(now.preemptions - stats_.preemptions));
+    metrics_->prefix_cache_queries.Increment(
+        static_cast<double>(now.prefix_query_tokens - stats_.prefix_query_tokens));
+    metrics_->prefix_cache_hits.Increment(
+        static_cast<double>(now.prefix_hit_tokens - stats_.prefix_hit_tokens));
+    metrics_->prompt_tokens.Increment(
+        static_cast<double>(now.prompt_tokens - stats_.prompt_tokens));
+  }
+  stats_ = now;
 }
 
 void Scheduler::EndPending(Pending& pending, const absl::Status& status) {
@@ -185,12 +202,12 @@ void Scheduler::EndRunning(uint64_t sequence, const absl::Status& status, Finish
   if (it == running_.end()) return;
   std::unique_ptr<Running> r = std::move(it->second);
   running_.erase(it);
-  generator_->Cancel(sequence);  // frees its cache; no-op when the generator already dropped it
+  generator_->Cancel(sequence);  // frees its blocks; no-op when the generator already dropped it
   // Published before the client hears back, so what it scrapes next agrees.
   {
     absl::MutexLock lock(&mu_);
     running_count_ = static_cast<int>(running_.size());
-    kv_cache_bytes_ = generator_->kv_cache_bytes();
+    UpdateStatsLocked();
     PublishGaugesLocked();
   }
   const absl::Time now = absl::Now();
@@ -232,7 +249,6 @@ void Scheduler::Admit(std::vector<std::unique_ptr<Pending>> admitted) {
     }
     if (metrics_ != nullptr) {
       metrics_->queue_time.Observe(absl::ToDoubleSeconds(r->scheduled - r->accepted));
-      metrics_->prompt_tokens.Increment(static_cast<double>(r->prompt_tokens));
       metrics_->request_prompt_tokens.Observe(static_cast<double>(r->prompt_tokens));
     }
     running_.emplace(*sequence, std::move(r));
@@ -240,20 +256,21 @@ void Scheduler::Admit(std::vector<std::unique_ptr<Pending>> admitted) {
 }
 
 void Scheduler::RunStep() {
-  int64_t step_tokens = 0;
-  for (const auto& [sequence, r] : running_) {
-    step_tokens += r->generated == 0 ? r->prompt_tokens : 1;
-  }
   const absl::Time start = absl::Now();
   absl::StatusOr<std::vector<models::TokenEvent>> events = generator_->Step();
   const absl::Time end = absl::Now();
   if (!events.ok()) {
     // Nothing advanced. Blame the sequences that joined in this step (the
-    // step with only running ones worked before); if none did, the model
-    // is failing for everyone.
+    // step with only running ones worked before), else those still reading
+    // their prompt; if none, the model is failing for everyone.
     std::vector<uint64_t> blamed;
     for (const auto& [sequence, r] : running_) {
       if (r->joined_this_step) blamed.push_back(sequence);
+    }
+    if (blamed.empty()) {
+      for (const auto& [sequence, r] : running_) {
+        if (r->generated == 0) blamed.push_back(sequence);
+      }
     }
     if (blamed.empty()) {
       for (const auto& [sequence, r] : running_) blamed.push_back(sequence);
@@ -263,9 +280,10 @@ void Scheduler::RunStep() {
     for (uint64_t sequence : blamed) EndRunning(sequence, failed, Finish::kLength);
     return;
   }
+  const models::GeneratorStats stats = generator_->stats();
   if (metrics_ != nullptr) {
-    metrics_->batch_size.Set(static_cast<double>(running_.size()));
-    metrics_->iteration_tokens.Observe(static_cast<double>(step_tokens));
+    metrics_->batch_size.Set(static_cast<double>(stats.running));
+    metrics_->iteration_tokens.Observe(static_cast<double>(stats.last_step_tokens));
     metrics_->step_duration.Observe(absl::ToDoubleSeconds(end - start));
     metrics_->generation_tokens.Increment(static_cast<double>(events->size()));
   }
@@ -323,15 +341,10 @@ void Scheduler::Loop() {
           ++it;
         }
       }
-      // Admission: fill the batch in arrival order within both limits; a
-      // prompt larger than the token budget still runs alone.
-      int64_t tokens = running_count_;
+      // Hand requests to the generator in arrival order, up to the batch
+      // size; it admits them into steps as KV memory allows.
       while (!waiting_.empty() &&
              static_cast<int>(running_.size() + admitted.size()) < options_.max_batch_size) {
-        const int64_t prompt = static_cast<int64_t>(waiting_.front()->request.prompt_ids.size());
-        const bool batch_empty = running_.empty() && admitted.empty();
-        if (!batch_empty && tokens + prompt > options_.max_batch_tokens) break;
-        tokens += prompt;
         admitted.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
       }
@@ -381,7 +394,6 @@ void Scheduler::Loop() {
     if (stopping) {
       absl::MutexLock lock(&mu_);
       running_count_ = 0;
-      kv_cache_bytes_ = 0;
       return;
     }
     Admit(std::move(admitted));
@@ -390,7 +402,7 @@ void Scheduler::Loop() {
     {
       absl::MutexLock lock(&mu_);
       running_count_ = static_cast<int>(running_.size());
-      kv_cache_bytes_ = generator_->kv_cache_bytes();
+      UpdateStatsLocked();
       if (step) ++steps_;
       PublishGaugesLocked();
     }

@@ -1,8 +1,11 @@
 // server/scheduler.h: continuous batching for accel-serve. One thread owns
-// the models::Generator; requests wait in a bounded queue, join the running
-// batch between decode steps (within --max_batch_size sequences and
-// --max_batch_tokens tokens a step) and leave the step they finish, are
-// cancelled or pass their deadline, which frees their KV cache at once.
+// the generator (models::TokenGenerator); requests wait in a bounded queue
+// and are handed to the generator, at most --max_batch_size at a time. The
+// generator decides by KV memory which of them run each step (admitting
+// while blocks are free, preempting the newest when a running one needs a
+// block, reading long prompts in chunks); the scheduler streams the tokens,
+// and ends requests that finish, are cancelled or pass their deadline,
+// which frees their blocks at once.
 //
 //   Scheduler scheduler(std::move(generator), options, &metrics);
 //   ACCEL_ASSIGN_OR_RETURN(uint64_t id, scheduler.Submit(std::move(request), sink));
@@ -32,10 +35,7 @@
 #include "absl/time/time.h"
 
 #include "models/generation_request.h"
-
-namespace accel::models {
-class Generator;
-}
+#include "models/token_generator.h"
 
 namespace accel::server {
 
@@ -74,20 +74,17 @@ class RequestSink {
 };
 
 struct SchedulerOptions {
-  // Sequences in one step.
+  // Requests handed to the generator at once (running, or waiting there for
+  // KV blocks): the most sequences in one step.
   int max_batch_size = 32;
-  // Tokens in one step: the prompts of joining sequences plus one per running one.
-  int64_t max_batch_tokens = 4096;
   // Requests waiting; past it Submit is ResourceExhausted.
   int max_queue = 256;
-  // The most KV-cache bytes the limits allow, for the usage ratio metric; 0: not reported.
-  int64_t kv_cache_capacity_bytes = 0;
 };
 
 class Scheduler {
  public:
   // `metrics` may be null.
-  Scheduler(std::unique_ptr<models::Generator> generator, SchedulerOptions options,
+  Scheduler(std::unique_ptr<models::TokenGenerator> generator, SchedulerOptions options,
             ServerMetrics* metrics);
   // Ends what is left with Unavailable and joins the thread.
   ~Scheduler();
@@ -110,10 +107,11 @@ class Scheduler {
   void CancelAll() ABSL_LOCKS_EXCLUDED(mu_);
 
   struct Snapshot {
-    int waiting = 0;
-    int running = 0;
+    int waiting = 0;  // queued here, or in the generator waiting for KV blocks
+    int running = 0;  // holding KV blocks
     int64_t kv_cache_bytes = 0;
     int64_t steps = 0;
+    models::GeneratorStats generator;  // as of the last step
   };
   Snapshot snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   const SchedulerOptions& options() const { return options_; }
@@ -131,10 +129,12 @@ class Scheduler {
   // one (two threads publish: request handlers and the scheduler).
   void PublishGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Ended() ABSL_LOCKS_EXCLUDED(mu_);
+  // Reads the generator's stats into stats_ (and the counters' metrics).
+  void UpdateStatsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const SchedulerOptions options_;
   ServerMetrics* const metrics_;
-  std::unique_ptr<models::Generator> generator_;  // scheduler thread only
+  std::unique_ptr<models::TokenGenerator> generator_;  // scheduler thread only
 
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<Pending>> waiting_ ABSL_GUARDED_BY(mu_);
@@ -144,9 +144,9 @@ class Scheduler {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Published by the scheduler thread for snapshot() and WaitIdle().
-  int running_count_ ABSL_GUARDED_BY(mu_) = 0;
-  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // accepted and not yet ended
-  int64_t kv_cache_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int running_count_ ABSL_GUARDED_BY(mu_) = 0;  // handed to the generator
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;      // accepted and not yet ended
+  models::GeneratorStats stats_ ABSL_GUARDED_BY(mu_);
   int64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Scheduler thread only: running requests by generator sequence id.

@@ -87,9 +87,17 @@ ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one (printed on stdout)."
 ABSL_FLAG(int, metrics_port, 8002,
           "Prometheus /metrics HTTP port; 0 picks a free one; -1 turns metrics off.");
 ABSL_FLAG(int, max_batch_size, 32, "Most sequences in one decode step.");
-ABSL_FLAG(int64_t, max_batch_tokens, 4096,
-          "Most tokens in one step (prompts joining plus one per running sequence); a longer "
-          "prompt still runs, alone.");
+ABSL_FLAG(int64_t, max_num_batched_tokens, 512,
+          "Most tokens in one forward step: one per decoding sequence first, then chunks of "
+          "prompts being read (chunked prefill), so decoding keeps its pace beside a long "
+          "prompt; 0: whole prompts.");
+ABSL_FLAG(std::string, kv_cache_memory, "auto",
+          "KV-cache memory, in blocks allocated up front: bytes (\"4GiB\"), a fraction of what "
+          "the execution device has free after the weights (\"0.5\"), or auto (max_batch_size "
+          "sequences of max_total_tokens, within half of what is free).");
+ABSL_FLAG(int64_t, kv_block_size, 16, "Tokens in one KV-cache block.");
+ABSL_FLAG(bool, enable_prefix_caching, true,
+          "Share the KV blocks of a common prompt prefix between requests.");
 ABSL_FLAG(int, max_queue, 256,
           "Most requests waiting to join the batch (at least 1: every request passes through "
           "it); past it: RESOURCE_EXHAUSTED with a retry-after-ms hint.");
@@ -164,7 +172,10 @@ absl::StatusOr<Options> ReadOptions() {
   e.execution_device = absl::GetFlag(FLAGS_execution_device);
   e.threads = absl::GetFlag(FLAGS_threads);
   e.scheduler.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
-  e.scheduler.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  e.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
+  e.kv_cache_memory = absl::GetFlag(FLAGS_kv_cache_memory);
+  e.kv_block_size = absl::GetFlag(FLAGS_kv_block_size);
+  e.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   e.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
   e.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
   e.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
@@ -184,7 +195,8 @@ absl::StatusOr<Options> ReadOptions() {
     return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be 0 or more, got ", value));
   };
   for (absl::Status s : {positive("max_batch_size", e.scheduler.max_batch_size),
-                         positive("max_batch_tokens", e.scheduler.max_batch_tokens),
+                         positive("kv_block_size", e.kv_block_size),
+                         non_negative("max_num_batched_tokens", e.max_num_batched_tokens),
                          positive("max_queue", e.scheduler.max_queue),
                          non_negative("max_input_tokens", e.max_input_tokens),
                          non_negative("max_total_tokens", e.max_total_tokens),

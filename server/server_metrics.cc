@@ -67,12 +67,23 @@ ServerMetrics::ServerMetrics(MetricsRegistry* r)
       step_duration(r->AddHistogram("accel_step_duration_seconds",
                                     "Duration of one forward step over the batch.",
                                     InterTokenBuckets())),
-      kv_cache_bytes(
-          r->AddGauge("accel_kv_cache_bytes", "Bytes held by the KV caches of running requests.")),
-      kv_cache_usage(
-          r->AddGauge("accel_kv_cache_usage_ratio",
-                      "KV-cache bytes over the most the limits allow (max_batch_size sequences of "
-                      "max_total_tokens), 0 to 1.")),
+      kv_cache_bytes(r->AddGauge(
+          "accel_kv_cache_bytes",
+          "Bytes of KV-cache storage allocated (the block store, made as layers first write).")),
+      kv_cache_usage(r->AddGauge("accel_kv_cache_usage_ratio",
+                                 "KV-cache blocks held by requests over all blocks "
+                                 "(--kv_cache_memory), 0 to 1 (vLLM's kv_cache_usage_perc).")),
+      kv_cache_blocks(r->AddGauge("accel_kv_cache_blocks",
+                                  "KV-cache blocks in the store (--kv_cache_memory over the bytes "
+                                  "of one block in every layer).")),
+      preemptions(r->AddCounter("accel_num_preemptions_total",
+                                "Running requests preempted for lack of KV blocks (their blocks "
+                                "freed, their tokens recomputed when they resume).")),
+      prefix_cache_queries(r->AddCounter(
+          "accel_prefix_cache_queries_total",
+          "Prompt tokens looked up in the prefix cache (whole blocks) when requests joined.")),
+      prefix_cache_hits(r->AddCounter("accel_prefix_cache_hits_total",
+                                      "Prompt tokens found in the prefix cache (not recomputed).")),
       weight_bytes(r->AddGaugeFamily("accel_weight_bytes",
                                      "Model weight bytes placed on each device (0, 1, cpu, disk).",
                                      {"device"})),

@@ -36,6 +36,10 @@ class ServerMetrics {
   Histogram& step_duration;
   Gauge& kv_cache_bytes;
   Gauge& kv_cache_usage;
+  Gauge& kv_cache_blocks;
+  Counter& preemptions;
+  Counter& prefix_cache_queries;
+  Counter& prefix_cache_hits;
   GaugeFamily& weight_bytes;  // {device}
   Counter& offload_fetches;
   Counter& offload_prefetch_hits;

@@ -42,6 +42,38 @@ std::pair<at::Tensor, at::Tensor> AppendToCache(KvCache* cache, size_t layer, co
   return {key_buffer.narrow(1, 0, needed), value_buffer.narrow(1, 0, needed)};
 }
 
+// Writes the chunk's keys and values [kv_heads, n, d] at positions
+// [past, past + n) of a paged cache's blocks; returns the layer's blocks.
+std::pair<at::Tensor, at::Tensor> WriteBlocks(KvCache* cache, size_t layer, const at::Tensor& k,
+                                              const at::Tensor& v) {
+  auto [key_blocks, value_blocks] = cache->store->Layer(layer, k, v);
+  const int64_t block_size = cache->store->block_size(), past = cache->length, n = k.size(1);
+  TORCH_CHECK(static_cast<int64_t>(cache->block_table.size()) * block_size >= past + n,
+              "paged KV cache: ", past + n, " positions but the block table holds ",
+              cache->block_table.size(), " blocks of ", block_size);
+  for (int64_t t = 0; t < n;) {
+    const int64_t position = past + t, slot = position % block_size;
+    const int64_t run = std::min(n - t, block_size - slot);
+    const int64_t block = cache->block_table[static_cast<size_t>(position / block_size)];
+    key_blocks[block].narrow(1, slot, run).copy_(k.narrow(1, t, run));
+    value_blocks[block].narrow(1, slot, run).copy_(v.narrow(1, t, run));
+    t += run;
+  }
+  return {key_blocks, value_blocks};
+}
+
+// A paged cache's first `total` positions as [kv_heads, total, d] (a copy).
+at::Tensor GatherBlocks(const at::Tensor& blocks, const std::vector<int32_t>& table,
+                        int64_t total) {
+  const int64_t block_size = blocks.size(2);
+  const int64_t used = (total + block_size - 1) / block_size;
+  std::vector<int64_t> index(table.begin(), table.begin() + used);
+  at::Tensor picked = blocks.index_select(0, at::tensor(index, at::kLong).to(blocks.device()));
+  return picked.permute({1, 0, 2, 3})
+      .reshape({blocks.size(1), used * block_size, blocks.size(3)})
+      .narrow(1, 0, total);
+}
+
 }  // namespace
 
 at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -49,14 +81,34 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         std::optional<int64_t> window, const ScoreRule& rule) {
   const int64_t heads = q.size(0), kv_heads = k.size(0), d = q.size(2), dv = v.size(2);
   const int64_t group = heads / kv_heads;
-  std::vector<at::Tensor> outs;
-  outs.reserve(chunks.size());
+  std::vector<at::Tensor> outs(chunks.size());
+  // Paged one-token chunks on the cpu, attended together in place below.
+  std::vector<PagedQuery> decodes;
+  std::vector<size_t> decode_chunks;
+  at::Tensor decode_keys, decode_values;
   int64_t offset = 0;
-  for (const SequenceChunk& chunk : chunks) {
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const SequenceChunk& chunk = chunks[c];
     const int64_t n = chunk.tokens;
     at::Tensor keys = k.narrow(1, offset, n), values = v.narrow(1, offset, n);
     int64_t past = 0;
-    if (chunk.cache != nullptr) {
+    if (chunk.cache != nullptr && chunk.cache->paged()) {
+      past = chunk.cache->length;
+      auto [key_blocks, value_blocks] = WriteBlocks(chunk.cache, layer, keys, values);
+      if (n == 1 && key_blocks.device().is_cpu()) {
+        decodes.push_back(
+            {q.narrow(1, offset, 1).select(1, 0), chunk.cache->block_table, past + 1});
+        decode_chunks.push_back(c);
+        TORCH_CHECK(!decode_keys.defined() || decode_keys.is_same(key_blocks),
+                    "paged KV caches of one step must share one block store");
+        decode_keys = key_blocks;
+        decode_values = value_blocks;
+        offset += n;
+        continue;
+      }
+      keys = GatherBlocks(key_blocks, chunk.cache->block_table, past + n);
+      values = GatherBlocks(value_blocks, chunk.cache->block_table, past + n);
+    } else if (chunk.cache != nullptr) {
       past = chunk.cache->length;
       std::tie(keys, values) = AppendToCache(chunk.cache, layer, keys, values);
     }
@@ -78,8 +130,15 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
     }
     at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
     at::Tensor out = nn::MatMul(probs.view({kv_heads, group * n, total}), values);
-    outs.push_back(out.view({heads, n, dv}).transpose(0, 1).reshape({n, heads * dv}));
+    outs[c] = out.view({heads, n, dv}).transpose(0, 1).reshape({n, heads * dv});
     offset += n;
+  }
+  if (!decodes.empty()) {
+    at::Tensor attended =
+        PagedDecodeAttention(decodes, decode_keys, decode_values, window, rule).to(q.scalar_type());
+    for (size_t i = 0; i < decodes.size(); ++i) {
+      outs[decode_chunks[i]] = attended.narrow(0, static_cast<int64_t>(i), 1);
+    }
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
 }
@@ -106,7 +165,7 @@ absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
             absl::StrCat("sequences ", j, " and ", i, " share one KV cache"));
       }
     }
-    if (chunk.cache->length > 0 && chunk.cache->keys.size() != layers) {
+    if (!chunk.cache->paged() && chunk.cache->length > 0 && chunk.cache->keys.size() != layers) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", i, "'s KV cache has ",
                                                      chunk.cache->keys.size(),
                                                      " layers but the model has ", layers));
@@ -137,7 +196,7 @@ absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
                                                    config.vocab_size, ")"));
   }
   for (const SequenceChunk& chunk : chunks) {
-    if (chunk.cache != nullptr && chunk.cache->keys.size() != layers) {
+    if (chunk.cache != nullptr && !chunk.cache->paged() && chunk.cache->keys.size() != layers) {
       chunk.cache->keys.assign(layers, at::Tensor());
       chunk.cache->values.assign(layers, at::Tensor());
     }

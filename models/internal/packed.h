@@ -20,15 +20,9 @@
 #include "dispatch/dispatch.h"
 #include "loader/config.h"
 #include "models/causal_lm.h"
+#include "models/internal/paged_attention.h"  // ScoreRule
 
 namespace accel::models::internal {
-
-// How q.k becomes an attention score; the families differ in the last bit.
-struct ScoreRule {
-  double scale = 1.0;
-  bool divide = false;            // scores / scale (GPT-2, Qwen2-MoE); else scores * scale
-  std::optional<double> softcap;  // then tanh(s / cap) * cap (Gemma 2)
-};
 
 // Causal attention of each chunk's queries over its cache and its own keys.
 // q [heads, total, d] and k, v [kv_heads, total, d] hold the packed tokens;
@@ -36,7 +30,10 @@ struct ScoreRule {
 // (GQA) by viewing q as [kv_heads, group * n, d]: no copy of the cache. With
 // a window, query position p sees key position j when 0 <= p - j < window
 // (transformers' sliding_window_overlay). Appends each chunk's keys and
-// values to its cache's layer `layer`.
+// values to its cache's layer `layer`: a contiguous cache's buffers, or a
+// paged cache's blocks. A paged chunk of one token on the cpu attends in
+// place (PagedDecodeAttention, all such chunks in one parallel call);
+// longer paged chunks (prefill) and other devices gather the blocks first.
 at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         absl::Span<const SequenceChunk> chunks, size_t layer,
                         std::optional<int64_t> window, const ScoreRule& rule);

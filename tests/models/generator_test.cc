@@ -6,6 +6,8 @@
 #include "models/generator.h"
 
 #include <memory>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -71,10 +73,28 @@ class GeneratorTest : public ::testing::Test {
     loaded_ = std::make_unique<LoadedModel>(*std::move(loaded));
   }
 
-  Generator MakeGenerator(bool text = true) {
+  Generator MakeGenerator(bool text = true, GeneratorOptions options = {}) {
     TextStreamFactory streams;
     if (text) streams = [] { return std::make_unique<LetterStream>(); };
-    return Generator(loaded_->model, loaded_->dispatched.get(), streams);
+    return Generator(loaded_->model, loaded_->dispatched.get(), streams, options);
+  }
+
+  // Each request run alone in a generator with room to spare.
+  std::vector<GenerationResult> Alone(const std::vector<GenerationRequest>& requests) {
+    std::vector<GenerationResult> alone;
+    for (const GenerationRequest& r : requests) {
+      Generator generator = MakeGenerator();
+      auto result = Generate(generator, {r});
+      EXPECT_THAT(result, IsOk());
+      if (result.ok()) alone.push_back((*result)[0]);
+    }
+    return alone;
+  }
+
+  std::vector<int64_t> Prompt(int64_t first, int64_t n) {
+    std::vector<int64_t> ids;
+    for (int64_t i = 0; i < n; ++i) ids.push_back((first + i * 37) % 300);
+    return ids;
   }
 
   // The reference: no cache, no packing, the whole sequence every step.
@@ -125,7 +145,7 @@ TEST_F(GeneratorTest, GreedyEqualsTheLoopWithoutACache) {
     EXPECT_LT((*results)[0].logprobs[i], 0.0f);
   }
   EXPECT_EQ(generator.running(), 0u);
-  EXPECT_EQ(generator.kv_cache_bytes(), 0);
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
 }
 
 TEST_F(GeneratorTest, ABatchGeneratesWhatEachRequestGeneratesAlone) {
@@ -267,18 +287,18 @@ TEST_F(GeneratorTest, CancelFreesTheCacheAtOnce) {
   ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t a, generator.Add(Greedy({1, 2, 3}, 50)));
   ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t b, generator.Add(Greedy({4, 5}, 50)));
   ASSERT_THAT(generator.Step(), IsOk());
-  const int64_t both = generator.kv_cache_bytes();
+  const int64_t both = generator.stats().kv_blocks_used;
   EXPECT_GT(both, 0);
   EXPECT_TRUE(generator.Cancel(a));
   EXPECT_FALSE(generator.Cancel(a));
-  EXPECT_LT(generator.kv_cache_bytes(), both);
+  EXPECT_LT(generator.stats().kv_blocks_used, both);
   auto events = generator.Step();
   ASSERT_THAT(events, IsOk());
   ASSERT_EQ(events->size(), 1u);
   EXPECT_EQ((*events)[0].sequence, b);
   EXPECT_TRUE(generator.Cancel(b));
   EXPECT_EQ(generator.running(), 0u);
-  EXPECT_EQ(generator.kv_cache_bytes(), 0);
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
   auto none = generator.Step();
   ASSERT_THAT(none, IsOk());
   EXPECT_TRUE(none->empty());
@@ -310,6 +330,170 @@ TEST_F(GeneratorTest, BadRequestsAreClearErrors) {
   auto results = Generate(generator, {Greedy({1}, 2), Greedy({}, 2)});
   EXPECT_THAT(results, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("request 1")));
   EXPECT_EQ(generator.running(), 0u);
+}
+
+// Paged KV memory: requests that need far more blocks than there are all
+// finish, preempted and recomputed, with the tokens they make alone.
+TEST_F(GeneratorTest, ManyRequestsUnderASmallKvBudgetGenerateWhatTheyGenerateAlone) {
+  std::vector<GenerationRequest> requests;
+  for (int i = 0; i < 8; ++i) requests.push_back(Greedy(Prompt(i * 11 + 1, 6 + i), 20));
+  const std::vector<GenerationResult> alone = Alone(requests);
+  GeneratorOptions options;
+  options.block_size = 4;
+  options.kv_cache_blocks = 24;  // 96 tokens for 8 requests of up to 33
+  Generator generator = MakeGenerator(true, options);
+  auto together = Generate(generator, requests);
+  ASSERT_THAT(together, IsOk());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_THAT((*together)[i].token_ids, ElementsAreArray(alone[i].token_ids)) << i;
+    EXPECT_EQ((*together)[i].text, alone[i].text) << i;
+  }
+  const GeneratorStats stats = generator.stats();
+  EXPECT_GT(stats.preemptions, 0);
+  EXPECT_EQ(stats.kv_blocks_used, 0);
+  EXPECT_EQ(stats.running, 0);
+  EXPECT_EQ(stats.waiting, 0);
+}
+
+TEST_F(GeneratorTest, ARequestThatCouldNeverFitIsRefusedAtOnce) {
+  GeneratorOptions options;
+  options.block_size = 4;
+  options.kv_cache_blocks = 4;  // 16 tokens
+  Generator generator = MakeGenerator(true, options);
+  EXPECT_THAT(generator.Add(Greedy(Prompt(1, 10), 10)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("16 tokens")));
+  EXPECT_THAT(generator.Add(Greedy(Prompt(1, 10), 6)), IsOk());
+}
+
+TEST_F(GeneratorTest, APrefixFoundInTheCacheGivesTheSameTokensAsNoReuse) {
+  const std::vector<int64_t> system = Prompt(3, 21);
+  std::vector<int64_t> first = system, second = system;
+  first.push_back(5);
+  second.insert(second.end(), {9, 10, 11});
+  GeneratorOptions off;
+  off.block_size = 4;
+  off.prefix_caching = false;
+  Generator plain = MakeGenerator(true, off);
+  auto expected = Generate(plain, {Greedy(second, 10)});
+  ASSERT_THAT(expected, IsOk());
+  EXPECT_EQ(plain.stats().prefix_hit_tokens, 0);
+
+  GeneratorOptions on = off;
+  on.prefix_caching = true;
+  Generator cached = MakeGenerator(true, on);
+  ASSERT_THAT(Generate(cached, {Greedy(first, 3)}), IsOk());
+  auto reused = Generate(cached, {Greedy(second, 10)});
+  ASSERT_THAT(reused, IsOk());
+  EXPECT_THAT((*reused)[0].token_ids, ElementsAreArray((*expected)[0].token_ids));
+  // The 21 shared tokens hold 5 full blocks of 4.
+  EXPECT_EQ(cached.stats().prefix_hit_tokens, 20);
+  EXPECT_EQ(cached.stats().kv_blocks_used, 0);
+  // Two at once, sharing the blocks while both run.
+  auto both = Generate(cached, {Greedy(second, 10), Greedy(first, 3)});
+  ASSERT_THAT(both, IsOk());
+  EXPECT_THAT((*both)[0].token_ids, ElementsAreArray((*expected)[0].token_ids));
+}
+
+// Chunked prefill: a long prompt is read a few tokens a step while a
+// decoding sequence gets a token every step, and both generate what they
+// generate alone.
+TEST_F(GeneratorTest, ALongPromptIsReadInChunksWhileOthersKeepDecoding) {
+  const GenerationRequest decoder = Greedy(Prompt(2, 3), 30);
+  const GenerationRequest reader = Greedy(Prompt(7, 40), 5);
+  const std::vector<GenerationResult> alone = Alone({decoder, reader});
+  GeneratorOptions options;
+  options.max_num_batched_tokens = 5;
+  Generator generator = MakeGenerator(true, options);
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t a, generator.Add(decoder));
+  std::vector<int64_t> got_a, got_b;
+  auto first = generator.Step();  // a's prompt and first token
+  ASSERT_THAT(first, IsOk());
+  ASSERT_EQ(first->size(), 1u);
+  got_a.push_back((*first)[0].token_id);
+  ASSERT_THAT(generator.Add(reader), IsOk());
+  int steps_without_b = 0;
+  while (generator.running() > 0) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    EXPECT_LE(generator.stats().last_step_tokens, 5);
+    bool a_went = false, b_went = false;
+    for (const TokenEvent& e : *events) {
+      (e.sequence == a ? got_a : got_b).push_back(e.token_id);
+      (e.sequence == a ? a_went : b_went) = true;
+    }
+    if (static_cast<int64_t>(got_a.size()) < decoder.max_new_tokens) {
+      EXPECT_TRUE(a_went) << "the decoding sequence waited for a prompt";
+    }
+    if (got_b.empty() && !b_went) ++steps_without_b;
+  }
+  EXPECT_GE(steps_without_b, 40 / 4 - 1);  // the prompt took many steps
+  EXPECT_THAT(got_a, ElementsAreArray(alone[0].token_ids));
+  EXPECT_THAT(got_b, ElementsAreArray(alone[1].token_ids));
+}
+
+TEST_F(GeneratorTest, CancellingDuringPrefillChunksFreesTheBlocks) {
+  GeneratorOptions options;
+  options.max_num_batched_tokens = 4;
+  options.block_size = 4;
+  Generator generator = MakeGenerator(true, options);
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t id, generator.Add(Greedy(Prompt(1, 40), 4)));
+  for (int i = 0; i < 3; ++i) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    EXPECT_TRUE(events->empty());  // still reading the prompt
+  }
+  EXPECT_EQ(generator.stats().kv_blocks_used, 3);
+  EXPECT_TRUE(generator.Cancel(id));
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
+  EXPECT_EQ(generator.stats().running, 0);
+}
+
+// Random arrivals, cancellations and steps under a small budget with
+// chunking and prefix caching: every request that is not cancelled
+// finishes, and when all are gone every block is free again.
+TEST_F(GeneratorTest, ARandomizedRunLeavesEveryBlockFree) {
+  std::mt19937 rng(11);
+  GeneratorOptions options;
+  options.block_size = 4;
+  options.kv_cache_blocks = 20;
+  options.max_num_batched_tokens = 9;
+  Generator generator = MakeGenerator(true, options);
+  std::set<uint64_t> live;
+  int finished = 0;
+  for (int round = 0; round < 150; ++round) {
+    const int action = static_cast<int>(rng() % 6);
+    if (action <= 1) {
+      const int64_t length = 2 + static_cast<int64_t>(rng() % 30);
+      // Half share a system prompt.
+      std::vector<int64_t> prompt = rng() % 2 == 0 ? Prompt(1, 12) : std::vector<int64_t>();
+      for (int64_t id : Prompt(static_cast<int64_t>(rng() % 300), length)) prompt.push_back(id);
+      auto id = generator.Add(Greedy(prompt, 1 + static_cast<int64_t>(rng() % 20)));
+      if (id.ok()) live.insert(*id);
+    } else if (action == 2 && !live.empty()) {
+      auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
+      EXPECT_TRUE(generator.Cancel(*it));
+      live.erase(it);
+    } else {
+      auto events = generator.Step();
+      ASSERT_THAT(events, IsOk());
+      for (const TokenEvent& e : *events) {
+        if (e.finish) {
+          live.erase(e.sequence);
+          ++finished;
+        }
+      }
+    }
+    const GeneratorStats stats = generator.stats();
+    ASSERT_LE(stats.kv_blocks_used, 20);
+    ASSERT_EQ(stats.running + stats.waiting, static_cast<int64_t>(live.size()));
+  }
+  while (generator.running() > 0) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    for (const TokenEvent& e : *events) finished += e.finish ? 1 : 0;
+  }
+  EXPECT_GT(finished, 10);
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
 }
 
 }  // namespace

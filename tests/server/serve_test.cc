@@ -358,7 +358,7 @@ TEST_F(ServeTest, MetricsPassPromtoolAndCountRequests) {
   EXPECT_GT(MetricValue(*text, "accel_weight_bytes{device=\"cpu\"}").value_or(0), 0);
   EXPECT_GT(MetricValue(*text, "accel_model_load_seconds").value_or(0), 0);
   EXPECT_EQ(MetricValue(*text, "accel_num_requests_running"), 0);
-  EXPECT_EQ(MetricValue(*text, "accel_kv_cache_bytes"), 0);
+  EXPECT_EQ(MetricValue(*text, "accel_kv_cache_usage_ratio"), 0);  // every block free again
   for (const char* family :
        {"accel_time_to_first_token_seconds_bucket", "accel_inter_token_latency_seconds_count",
         "accel_e2e_request_latency_seconds_sum", "accel_request_queue_time_seconds_count",
@@ -563,7 +563,7 @@ TEST(ServeSchedulingTest, CancellingAStreamFreesItsSequence) {
   }
   EXPECT_EQ(reader->Finish().error_code(), grpc::CANCELLED);
   EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 0));
-  EXPECT_TRUE(WaitForMetric(*server, "accel_kv_cache_bytes", 0));
+  EXPECT_GT(Metric(*server, "accel_kv_cache_blocks"), 0);
   EXPECT_TRUE(WaitForMetric(*server, "accel_kv_cache_usage_ratio", 0));
   EXPECT_TRUE(WaitForMetric(*server, "accel_request_failure_total{reason=\"cancelled\"}", 1));
 }
@@ -581,7 +581,7 @@ TEST(ServeSchedulingTest, DeadlinesEndRequests) {
   status = Call(*stub, Greedy("a long story", 4000), &response, absl::Milliseconds(100));
   EXPECT_EQ(status.error_code(), grpc::DEADLINE_EXCEEDED);
   EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 0));
-  EXPECT_TRUE(WaitForMetric(*server, "accel_kv_cache_bytes", 0));
+  EXPECT_TRUE(WaitForMetric(*server, "accel_kv_cache_usage_ratio", 0));
   EXPECT_GE(Metric(*server, "accel_request_failure_total{reason=\"timeout\"}") +
                 Metric(*server, "accel_request_failure_total{reason=\"cancelled\"}"),
             2);
