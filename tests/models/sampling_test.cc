@@ -289,7 +289,7 @@ TEST_F(ExtremeParametersTest, HugeRepetitionPenaltyAvoidsEverySeenToken) {
           << "row " << row << " temperature " << temperature;
     }
     // At temperature 1 no seen token is ever more likely than e^-max of the unseen ones.
-    SamplingParams p;
+    SamplingParams p = Sampled();
     p.repetition_penalty = kMaxRepetitionPenalty;
     at::Tensor probs = Make(p).Process(logits, *prompt_).softmax(0);
     EXPECT_LE(probs.masked_select(seen).max().item<double>(),
