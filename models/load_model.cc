@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <iostream>
 #include <optional>
 #include <utility>
 
@@ -9,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 #include "core/bytes.h"
 #include "core/dtype.h"
@@ -189,6 +191,66 @@ absl::StatusOr<std::optional<at::Device>> ChooseExecutionDevice(const std::strin
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(p->index()));
 }
 
+// Warnings go to stderr at once, as transformers' logger.warning does (so accel-serve's log
+// shows them), and stay in LoadedModel::warnings for callers and tests.
+void Warn(LoadedModel& out, std::string message) {
+  std::cerr << "accel: warning: " << message << "\n";
+  out.warnings.push_back(std::move(message));
+}
+
+// An eos id outside [0, vocab_size) can never be generated, so it could never stop anything.
+// transformers accepts such a config: GenerationConfig does not check eos against the
+// vocabulary, and generate() only warns for a negative one ("Your generation will not stop
+// until the maximum length is reached"). So accel accepts it too, warns naming the file and
+// field, and drops the id, so that nothing downstream meets an id the model cannot produce.
+// When generation_config.json's ids are all dropped, config.json's apply, as they do when
+// that file names none (LoadedModel::eos_token_ids).
+void DropEosOutsideVocabulary(LoadedModel& out, const std::string& file,
+                              std::vector<int64_t>& ids) {
+  const int64_t vocab = out.config.vocab_size;
+  std::vector<int64_t> kept, dropped;
+  for (int64_t id : ids) (id >= 0 && id < vocab ? kept : dropped).push_back(id);
+  if (dropped.empty()) return;
+  Warn(out, absl::StrCat(file, ": eos_token_id ", absl::StrJoin(dropped, ", "),
+                         " outside the vocabulary [0, ", vocab,
+                         ") of config.json's vocab_size can never be generated; dropped"));
+  ids = std::move(kept);
+}
+
+// GPT-2 checkpoints store each layer's causal mask (h.N.attn.bias, h.N.attn.masked_bias).
+// transformers' GPT2Attention holds them as buffers, so it never reports them as unused;
+// accel computes its mask and has no such tensors, so they are not reported either.
+bool IsGpt2MaskBuffer(const loader::ModelConfig& config, absl::string_view name) {
+  return config.model_type == "gpt2" &&
+         (absl::EndsWith(name, ".attn.bias") || absl::EndsWith(name, ".attn.masked_bias"));
+}
+
+// As transformers' "Some weights of the model checkpoint at X were not used when
+// initializing Y": the load goes on (a checkpoint may hold more than a config asks for, e.g.
+// a model cut to fewer layers on purpose), but a config whose num_hidden_layers, or another
+// size, leaves tensors unused is most often a mistake, so they are named (the first few and
+// a count: a cut model can leave thousands).
+void WarnAboutUnusedTensors(LoadedModel& out, const std::string& dir) {
+  constexpr size_t kNamed = 5;
+  std::vector<std::string> unused;
+  for (const std::string& name : out.dispatched->unexpected()) {
+    if (!IsGpt2MaskBuffer(out.config, name)) unused.push_back(name);
+  }
+  if (unused.empty()) return;
+  const std::string model_class =
+      out.config.architectures.empty() ? out.config.model_type : out.config.architectures[0];
+  std::string named = absl::StrJoin(
+      unused.begin(), unused.begin() + static_cast<std::ptrdiff_t>(std::min(kNamed, unused.size())),
+      ", ");
+  if (unused.size() > kNamed) absl::StrAppend(&named, ", ... (", unused.size() - kNamed, " more)");
+  Warn(out,
+       absl::StrCat("Some weights of the model checkpoint at ", dir,
+                    " were not used when initializing ", model_class, ": ", unused.size(),
+                    " tensor", unused.size() == 1 ? "" : "s", " (", named,
+                    "). Check config.json: its num_hidden_layers (", out.config.num_hidden_layers,
+                    ") or another size may be smaller than the checkpoint's"));
+}
+
 }  // namespace
 
 absl::StatusOr<int64_t> ExpertCacheBytes(const std::string& expert_cache,
@@ -229,6 +291,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   if (std::filesystem::exists(generation)) {
     ACCEL_ASSIGN_OR_RETURN(out.generation_config, loader::ReadGenerationConfig(generation));
   }
+  DropEosOutsideVocabulary(out, "config.json", out.config.eos_token_ids);
+  DropEosOutsideVocabulary(out, "generation_config.json", out.generation_config.eos_token_ids);
   ACCEL_ASSIGN_OR_RETURN(out.dtype, ChooseDType(options, out.config));
   ACCEL_ASSIGN_OR_RETURN(out.quantization,
                          ChooseQuantization(dir, options, out.config, out.dtype, out.prequantized));
@@ -264,6 +328,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   }
   ACCEL_ASSIGN_OR_RETURN(out.dispatched,
                          dispatch::DispatchedModel::Load(out.model, dir, out.device_map, load));
+  WarnAboutUnusedTensors(out, dir);
   return out;
 }
 

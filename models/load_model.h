@@ -96,6 +96,10 @@ struct LoadedModel {
   int64_t expert_cache_bytes = 0;
   std::shared_ptr<CausalLM> model;
   std::unique_ptr<dispatch::DispatchedModel> dispatched;
+  // What loading warned about (also written to stderr as it happened), as
+  // transformers warns: checkpoint tensors the model does not use, eos ids
+  // outside the vocabulary (dropped from config / generation_config).
+  std::vector<std::string> warnings;
 
   // generation_config.json's eos ids, else config.json's.
   std::vector<int64_t> eos_token_ids() const;

@@ -11,7 +11,7 @@
 namespace accel::models {
 namespace {
 
-constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
 
 absl::Status Bad(const char* name, double value, const char* want) {
   return absl::InvalidArgumentError(absl::StrCat(name, " must be ", want, ", got ", value));
@@ -25,8 +25,16 @@ absl::StatusOr<Sampler> Sampler::Create(const SamplingParams& p) {
   if (p.top_k < 0) return Bad("top_k", static_cast<double>(p.top_k), "0 (off) or more");
   if (!(p.top_p > 0 && p.top_p <= 1)) return Bad("top_p", p.top_p, "in (0, 1]");
   if (!(p.min_p >= 0 && p.min_p <= 1)) return Bad("min_p", p.min_p, "in [0, 1]");
-  if (!(p.repetition_penalty > 0) || !std::isfinite(p.repetition_penalty)) {
-    return Bad("repetition_penalty", p.repetition_penalty, "positive");
+  // The penalty divides or multiplies logits, computed in float64 (Process). Inside
+  // [1e-30, 1e30] any float32 / bfloat16 / float16 logit (|x| <= 3.4e38, smallest 1.4e-45)
+  // stays finite and nonzero after it, so the order it sets is exact; far past it, 1e-300 or
+  // 1e300, products overflow to inf (and inf / inf is NaN), which drew the last token, often
+  // eos, at every step (issue 19). Such values are refused rather than clamped: the client
+  // asked for something that cannot be computed, and 1e30 already moves a logit by thirty
+  // orders of magnitude, so nothing useful lies beyond. transformers and vLLM only ask > 0.
+  if (!(p.repetition_penalty >= kMinRepetitionPenalty &&
+        p.repetition_penalty <= kMaxRepetitionPenalty)) {
+    return Bad("repetition_penalty", p.repetition_penalty, "in [1e-30, 1e30] (1: off)");
   }
   return Sampler(p);
 }
@@ -35,7 +43,13 @@ Sampler::Sampler(const SamplingParams& params)
     : params_(params), rng_(params.seed.value_or(std::random_device{}())) {}
 
 at::Tensor Sampler::Process(const at::Tensor& logits, const std::vector<int64_t>& previous) const {
-  at::Tensor x = logits.to(at::kFloat).flatten().clone();
+  // float64 throughout: in float32 a temperature below about 1e-38 (its reciprocal, or the
+  // temperature itself, is out of range) turned the logits into inf and NaN, and the draw then
+  // fell through to the last token, often eos, at every step (issue 19). In double neither the
+  // penalty (bounded in Create) nor the temperature overflows for any logit the model can give,
+  // except as handled below. The vectors are vocabulary-sized: the cost is nothing beside a
+  // forward pass.
+  at::Tensor x = logits.to(at::kDouble).flatten().clone();
   const int64_t vocab = x.numel();
   // Repetition penalty (CTRL's): a seen token's logit is divided by the
   // penalty when positive, multiplied when negative.
@@ -51,6 +65,15 @@ at::Tensor Sampler::Process(const at::Tensor& logits, const std::vector<int64_t>
     x.index_copy_(0, index, picked);
   }
   if (params_.temperature == 0) return x;  // greedy: only the argmax matters
+  // A tiny positive temperature is accepted, not refused: its limit is greedy, and a client
+  // sending 1e-40 means "as good as greedy"; a cut-off somewhere would be a cliff of our own.
+  // Below about 1e-270 even double overflows (largest / temperature is inf, or -inf for every
+  // token when all logits are negative, and the softmax of either is NaN). Shifting the largest
+  // logit to 0 first changes no probability and leaves every other value below 0, so the
+  // division can only send the others towards -inf (probability 0): exactly greedy, the limit.
+  // Without overflow the logits are left unshifted, as transformers' warper leaves them.
+  const double top = x.max().item<double>();
+  if (std::isfinite(top) && !std::isfinite(top / params_.temperature)) x = x - top;
   x = x / params_.temperature;
   // Top-k keeps every token at least as large as the k-th (ties included).
   if (params_.top_k > 0 && params_.top_k < vocab) {
@@ -77,7 +100,7 @@ at::Tensor Sampler::Process(const at::Tensor& logits, const std::vector<int64_t>
 int64_t Sampler::Next(const at::Tensor& logits, const std::vector<int64_t>& previous) {
   at::Tensor x = Process(logits, previous);
   if (params_.temperature == 0) return x.argmax().item<int64_t>();
-  at::Tensor probs = x.softmax(0).to(at::kDouble).contiguous();
+  at::Tensor probs = x.softmax(0).contiguous();
   const double* p = probs.data_ptr<double>();
   const int64_t vocab = probs.numel();
   // Inverse CDF with our own generator: reproducible across machines.

@@ -20,19 +20,28 @@
 
 namespace accel::models {
 
+// The accepted repetition penalties (see Sampler::Create).
+inline constexpr double kMinRepetitionPenalty = 1e-30;
+inline constexpr double kMaxRepetitionPenalty = 1e30;
+
 // Not thread-safe: one sequence, one sampler.
 class Sampler {
  public:
-  // InvalidArgument naming the parameter: temperature < 0, top_k < 0, top_p
-  // outside (0, 1], min_p outside [0, 1], repetition_penalty <= 0.
+  // InvalidArgument naming the parameter and the accepted range: temperature
+  // < 0 or not finite, top_k < 0, top_p outside (0, 1], min_p outside [0, 1],
+  // repetition_penalty outside [1e-30, 1e30]. Any positive temperature is
+  // accepted: a tiny one (even below float32's range) gives the greedy token,
+  // its limit.
   static absl::StatusOr<Sampler> Create(const SamplingParams& params);
 
   // `logits` [vocab] (any floating dtype); `previous` the ids seen so far
   // (prompt and generated) for the repetition penalty.
   int64_t Next(const at::Tensor& logits, const std::vector<int64_t>& previous);
 
-  // The logits after the penalty and the filters (filtered tokens at -inf),
-  // in float32: what Next() draws from. Public for tests and log-probs.
+  // The logits after the penalty, the temperature and the filters (filtered
+  // tokens at -inf), in float64: what Next() draws from. Where dividing by a
+  // tiny temperature would overflow, the largest is shifted to 0 first (no
+  // probability changes). Public for tests and log-probs.
   at::Tensor Process(const at::Tensor& logits, const std::vector<int64_t>& previous) const;
 
  private:

@@ -78,10 +78,31 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   InitCivetwebOnce();
 
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer(registry));
-  // Two threads: one scrape at a time is the norm, a second covers a stray client. The timeout
-  // keeps a client that never finishes its request from holding a thread forever.
-  const char* options[] = {"listening_ports",    address.c_str(), "num_threads", "2",
-                           "request_timeout_ms", "10000",         nullptr};
+  // civetweb 1.15 gives each accepted connection a worker thread of its own until the connection
+  // closes, and a connection that sends nothing holds its thread until the request timeout. With
+  // the old 2 threads and 10 s, four idle sockets stopped every scrape (issue 19). So:
+  // - num_threads 128: a scrape finds a free thread beside 100+ idle or slowloris connections.
+  //   An idle worker costs little: 1 MiB of stack address space (pages touched only as used, see
+  //   pthread_attr_setstacksize above) and a 16 KiB request buffer.
+  // - request_timeout_ms 3000: a scrape's request is one small packet, sent at once; 3 s bounds
+  //   how long any client that never finishes its request head (idle, or trickling bytes: the
+  //   timeout counts from the first read, not between bytes) holds a thread. Past 128 such
+  //   connections a scrape queues behind them, and waits at most about one timeout per 128.
+  // - enable_keep_alive no (civetweb's default, stated): every response closes its connection,
+  //   so a scraper does not hold a thread idle between scrapes.
+  // - connection_queue and listen_backlog stay at civetweb's defaults: the queue is first in,
+  //   first out, so a longer one would not let a scrape overtake the idle connections ahead of
+  //   it; threads and the timeout do. linger_timeout_ms stays unset: a zero linger would reset
+  //   connections and could cut a response the scraper has not read yet.
+  const char* options[] = {"listening_ports",
+                           address.c_str(),
+                           "num_threads",
+                           "128",
+                           "request_timeout_ms",
+                           "3000",
+                           "enable_keep_alive",
+                           "no",
+                           nullptr};
   mg_callbacks callbacks = {};
   callbacks.log_message = &MetricsHttpServer::LogMessage;
   mg_init_data init = {&callbacks, server.get(), options};

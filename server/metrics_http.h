@@ -1,5 +1,6 @@
 // server/metrics_http.h: the HTTP endpoint Prometheus scrapes, GET /metrics, served by civetweb
-// on its own two threads, apart from gRPC's.
+// on its own threads (a thread per open connection, up to 128; a client that does not finish its
+// request within 3 s is dropped), apart from gRPC's.
 //
 //   ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<MetricsHttpServer> http,
 //                          MetricsHttpServer::Start("0.0.0.0", 9090, &registry));

@@ -432,19 +432,59 @@ function checkRender(name, docs, liveNames, readyNames, metricNames) {
   if (startup && startup.periodSeconds * startup.failureThreshold < 600) {
     problem(where, "the startupProbe allows less than 10 minutes for the model to load");
   }
-  for (const service of byKind("Service")) {
+  // Services: two over the same pods. The ClusterIP one (grpc and metrics) balances
+  // connections, so a gRPC client's requests stay on one pod until it reconnects; the headless
+  // one (grpc only) gives DNS one record per ready pod, for clients that balance each request
+  // themselves (dns:/// target, round_robin policy). docs/DEPLOY.md says which to use when.
+  const podLabels = deployment.spec.template.metadata?.labels ?? {};
+  const matches = (labels, selector) =>
+    Object.entries(selector ?? {}).every(([k, v]) => (labels ?? {})[k] === v);
+  const services = byKind("Service");
+  const portsOf = (service) => new Map((service.spec.ports ?? []).map((p) => [p.name, p]));
+  for (const service of services) {
+    const at = `${name}: Service/${service.metadata.name}`;
     for (const p of service.spec.ports ?? []) {
       const target = typeof p.targetPort === "string" ? named.get(p.targetPort) : p.targetPort;
-      if (target === undefined) problem(`${name}: Service/${service.metadata.name}`, `port ${p.name} targets nothing`);
+      if (target === undefined) problem(at, `port ${p.name} targets nothing`);
     }
-    const sp = new Map((service.spec.ports ?? []).map((p) => [p.name, p]));
-    if (!sp.has("grpc") || !sp.has("metrics")) problem(`${name}: Service/${service.metadata.name}`, "needs ports grpc and metrics");
+    if (!service.spec.selector || !matches(podLabels, service.spec.selector)) {
+      problem(at, "its selector does not select the Deployment's pods");
+    }
+    if (!portsOf(service).has("grpc")) problem(at, "needs port grpc");
+  }
+  const headless = services.filter((s) => s.spec.clusterIP === "None");
+  const virtual = services.filter((s) => s.spec.clusterIP !== "None");
+  if (virtual.length !== 1 || (virtual[0].spec.type ?? "ClusterIP") !== "ClusterIP") {
+    problem(name, "needs exactly one ClusterIP Service (the default way in)");
+  } else if (!portsOf(virtual[0]).has("metrics")) {
+    problem(`${name}: Service/${virtual[0].metadata.name}`, "needs ports grpc and metrics");
+  }
+  if (headless.length !== 1) {
+    problem(name, "needs exactly one headless Service (clusterIP: None) for client-side round-robin");
+  } else {
+    const at = `${name}: Service/${headless[0].metadata.name}`;
+    if (portsOf(headless[0]).has("metrics")) {
+      problem(at, "has a metrics port: the ServiceMonitor would scrape every pod twice");
+    }
+    if (headless[0].spec.publishNotReadyAddresses === true) {
+      problem(at, "publishes pods that are not ready: clients would connect to loading or draining pods");
+    }
+    if (virtual.length === 1 && portsOf(headless[0]).get("grpc")?.port !== portsOf(virtual[0]).get("grpc")?.port) {
+      problem(at, "its grpc port differs from the ClusterIP Service's");
+    }
   }
   for (const sm of byKind("ServiceMonitor")) {
     for (const e of sm.spec.endpoints ?? []) {
       if (e.port !== "metrics" || (e.path ?? "/metrics") !== "/metrics") {
         problem(`${name}: ServiceMonitor/${sm.metadata.name}`, "must scrape port metrics at /metrics");
       }
+    }
+    // Each pod scraped once: exactly one selected Service has the metrics port.
+    const scraped = services.filter(
+      (s) => matches(s.metadata.labels, sm.spec.selector?.matchLabels) && portsOf(s).has("metrics"));
+    if (scraped.length !== 1) {
+      problem(`${name}: ServiceMonitor/${sm.metadata.name}`,
+        `selects ${scraped.length} Services with a metrics port; each pod must be scraped once`);
     }
   }
   // The HPA's metrics are ones accel-serve exports, as gauges.

@@ -101,6 +101,105 @@ TEST_F(LoadModelTest, StopTokensComeFromTheGenerationConfigFirst) {
   EXPECT_THAT(m.eos_token_ids(), ElementsAre(5, 6));
 }
 
+// Regression (issue 19): a config.json whose num_hidden_layers leaves checkpoint tensors unused
+// loaded silently. As transformers, the load goes on and a warning names them: the first few
+// and how many.
+TEST_F(LoadModelTest, CheckpointTensorsTheConfigLeavesUnusedAreWarnedAbout) {
+  {
+    ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel m, LoadModel(dir_.path(), Options("cpu")));
+    EXPECT_THAT(m.warnings, ::testing::IsEmpty());  // the model as made uses every tensor
+  }
+  ACCEL_ASSERT_OK_AND_ASSIGN(loader::ModelConfig config,
+                             loader::ReadModelConfig(dir_.path() + "/config.json"));
+  ASSERT_EQ(config.num_hidden_layers, 3);
+  config.num_hidden_layers = 1;
+  std::ofstream(dir_.path() + "/config.json") << config.ToJson();
+
+  ::testing::internal::CaptureStderr();
+  auto cut = LoadModel(dir_.path(), Options("cpu"));
+  const std::string stderr_text = ::testing::internal::GetCapturedStderr();
+  ASSERT_THAT(cut, IsOk());
+  ASSERT_EQ(cut->warnings.size(), 1u);
+  const std::string& warning = cut->warnings[0];
+  // Layers 1 and 2 of a llama: 9 tensors each (4 attention projections, 3 MLP, 2 norms).
+  EXPECT_THAT(warning, AllOf(HasSubstr("Some weights of the model checkpoint at " + dir_.path() +
+                                       " were not used when initializing LlamaForCausalLM"),
+                             HasSubstr("18 tensors"), HasSubstr("model.layers.1."),
+                             HasSubstr("(13 more)"), HasSubstr("num_hidden_layers (1)")))
+      << warning;
+  EXPECT_THAT(warning, ::testing::Not(HasSubstr("model.layers.0.")));
+  EXPECT_THAT(stderr_text, HasSubstr(warning));  // the operator sees it too
+}
+
+// GPT-2 checkpoints hold each layer's causal mask (h.N.attn.bias, h.N.attn.masked_bias), which
+// transformers' model holds as buffers and never reports; accel computes its mask and does not
+// report them either, but a stray tensor beside them is still named.
+TEST(LoadModelGpt2Test, CausalMaskTensorsAreNotReportedAsUnused) {
+  TempDir dir;
+  MakeModelOptions o;
+  o.family = "gpt2";
+  o.hidden_size = 32;
+  o.num_layers = 1;
+  o.vocab_size = 300;
+  ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
+  const std::string file = dir.path() + "/model.safetensors";
+  std::vector<loader::NamedTensor> tensors;
+  {
+    ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint ckpt, loader::Checkpoint::Open(file));
+    for (const loader::Checkpoint::Entry& entry : ckpt.tensors()) {
+      ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor t, ckpt.Tensor(entry.info.name));
+      tensors.emplace_back(entry.info.name, t.clone());
+    }
+  }
+  tensors.emplace_back("h.0.attn.bias", at::ones({1, 1, 8, 8}));
+  tensors.emplace_back("h.0.attn.masked_bias", at::scalar_tensor(-1e4));
+  ASSERT_THAT(loader::WriteSafetensors(file, tensors, {{"format", "pt"}}), IsOk());
+  ModelLoadOptions options;
+  options.device_map = "cpu";
+  options.progress = Progress::Style::kSilent;
+  {
+    ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel m, LoadModel(dir.path(), options));
+    EXPECT_THAT(m.warnings, ::testing::IsEmpty());
+  }
+  tensors.emplace_back("h.0.attn.stray", at::ones({2}));
+  ASSERT_THAT(loader::WriteSafetensors(file, tensors, {{"format", "pt"}}), IsOk());
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel m, LoadModel(dir.path(), options));
+  ASSERT_EQ(m.warnings.size(), 1u);
+  EXPECT_THAT(m.warnings[0], AllOf(HasSubstr("1 tensor (h.0.attn.stray)"),
+                                   ::testing::Not(HasSubstr("masked_bias"))));
+}
+
+// Regression (issue 19): an eos_token_id outside [0, vocab_size) loaded silently. transformers
+// accepts it (it can never be generated); accel warns naming the file and the field, and drops
+// it.
+TEST_F(LoadModelTest, EosIdsOutsideTheVocabularyAreWarnedAboutAndDropped) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(loader::ModelConfig config,
+                             loader::ReadModelConfig(dir_.path() + "/config.json"));
+  config.eos_token_ids = {5000, 7};  // a negative id is refused by the config parser
+  std::ofstream(dir_.path() + "/config.json") << config.ToJson();
+  ACCEL_ASSERT_OK_AND_ASSIGN(loader::GenerationConfig generation,
+                             loader::ReadGenerationConfig(dir_.path() + "/generation_config.json"));
+  generation.eos_token_ids = {299, 300, 100000};  // vocab_size is 300
+  std::ofstream(dir_.path() + "/generation_config.json") << generation.ToJson();
+
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel m, LoadModel(dir_.path(), Options("cpu")));
+  EXPECT_THAT(m.config.eos_token_ids, ElementsAre(7));
+  EXPECT_THAT(m.generation_config.eos_token_ids, ElementsAre(299));
+  EXPECT_THAT(m.eos_token_ids(), ElementsAre(299));
+  EXPECT_THAT(
+      m.warnings,
+      ElementsAre(
+          AllOf(::testing::StartsWith("config.json: eos_token_id 5000 "), HasSubstr("[0, 300)")),
+          AllOf(::testing::StartsWith("generation_config.json: eos_token_id 300, 100000 "),
+                HasSubstr("[0, 300)"))));
+
+  // When every id of generation_config.json goes, config.json's apply, as without the file's.
+  generation.eos_token_ids = {300};
+  std::ofstream(dir_.path() + "/generation_config.json") << generation.ToJson();
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel fallback, LoadModel(dir_.path(), Options("cpu")));
+  EXPECT_THAT(fallback.eos_token_ids(), ElementsAre(7));
+}
+
 TEST_F(LoadModelTest, BadOptionsAreClearErrors) {
   EXPECT_THAT(LoadModel(dir_.path() + "/nowhere", Options("cpu")),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("config.json")));

@@ -1,6 +1,8 @@
 #include "server/metrics_http.h"
 
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -8,6 +10,7 @@
 #include <string>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <thread>
 #include <unistd.h>
 #include <utility>
 #include <vector>
@@ -67,10 +70,11 @@ struct Response {
 };
 
 // A minimal HTTP/1.1 client: one request with Connection: close, read until the server closes.
-Response Fetch(int port, const std::string& method, const std::string& path) {
+// A server that sends nothing for `timeout_s` fails the test instead of hanging it.
+Response Fetch(int port, const std::string& method, const std::string& path, int timeout_s = 10) {
   Response response;
   Socket s;
-  timeval timeout = {10, 0};  // a hung server fails the test instead of hanging it
+  timeval timeout = {timeout_s, 0};
   ::setsockopt(s.fd(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
   int error = ConnectError(s, port);
   if (error != 0) {
@@ -179,6 +183,75 @@ TEST_F(MetricsHttpServerTest, DestructorStopsServing) {
   server->reset();
   Socket s;
   EXPECT_EQ(ConnectError(s, port), ECONNREFUSED);
+}
+
+// Regression (issue 19): with 2 civetweb threads and a 10 s request timeout, four idle TCP
+// connections held every thread and each scrape waited behind them. Here 64 connections send
+// nothing and 4 trickle half a request, one byte every 100 ms, for the whole test; a scrape must
+// still be answered promptly. 5 s is far above a scrape's real time (milliseconds) and far below
+// what the old server needed (tens of seconds), so the bound is not a timing test.
+TEST_F(MetricsHttpServerTest, ScrapesAreServedBesideManyIdleAndSlowConnections) {
+  auto server = MetricsHttpServer::Start("127.0.0.1", 0, &registry_);
+  ASSERT_THAT(server, IsOk());
+  const int port = (*server)->port();
+
+  std::vector<std::unique_ptr<Socket>> idle;
+  for (int i = 0; i < 64; ++i) {
+    idle.push_back(std::make_unique<Socket>());
+    ASSERT_EQ(ConnectError(*idle.back(), port), 0) << "idle connection " << i;
+  }
+  std::vector<std::unique_ptr<Socket>> slow;
+  for (int i = 0; i < 4; ++i) {
+    slow.push_back(std::make_unique<Socket>());
+    ASSERT_EQ(ConnectError(*slow.back(), port), 0) << "slow connection " << i;
+  }
+  std::atomic<bool> stop{false};
+  std::thread trickle([&] {
+    const std::string half = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ";
+    for (size_t i = 0; !stop.load(); ++i) {
+      for (const auto& s : slow) {
+        ::send(s->fd(), &half[i % half.size()], 1, MSG_NOSIGNAL);  // errors: the server closed it
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+  // Let civetweb accept (and hand to its threads) everything above before the scrape arrives.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+
+  for (int scrape = 0; scrape < 3; ++scrape) {
+    const auto start = std::chrono::steady_clock::now();
+    Response r = Fetch(port, "GET", "/metrics", /*timeout_s=*/5);
+    const auto elapsed = std::chrono::steady_clock::now() - start;
+    EXPECT_EQ(r.status_line, "HTTP/1.1 200 OK") << "scrape " << scrape;
+    EXPECT_EQ(r.body, registry_.Render()) << "scrape " << scrape;
+    EXPECT_LT(elapsed, std::chrono::seconds(5)) << "scrape " << scrape;
+  }
+  stop = true;
+  trickle.join();
+}
+
+// The request timeout is what frees a thread from a client that never finishes its request: an
+// idle connection is closed by the server (recv sees the end of the stream or a 408) within a
+// few seconds, not held for 10 s as before or forever.
+TEST_F(MetricsHttpServerTest, IdleConnectionsAreClosedByTheServer) {
+  auto server = MetricsHttpServer::Start("127.0.0.1", 0, &registry_);
+  ASSERT_THAT(server, IsOk());
+  Socket s;
+  ASSERT_EQ(ConnectError(s, (*server)->port()), 0);
+  timeval timeout = {20, 0};
+  ::setsockopt(s.fd(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  const auto start = std::chrono::steady_clock::now();
+  std::string raw;
+  char buf[512];
+  ssize_t n;
+  while ((n = ::recv(s.fd(), buf, sizeof buf, 0)) > 0) raw.append(buf, static_cast<size_t>(n));
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  // n < 0 with EAGAIN is the socket's own 20 s timeout: the server never closed it. A reset
+  // (ECONNRESET) is the server closing it too.
+  EXPECT_TRUE(n == 0 || errno == ECONNRESET) << std::strerror(errno);
+  // The server's request timeout is 3 s (it was 10 s); 9 s leaves room for a loaded machine.
+  EXPECT_LT(elapsed, std::chrono::seconds(9));
+  EXPECT_THAT(raw, ::testing::AnyOf(::testing::IsEmpty(), ::testing::StartsWith("HTTP/1.1 408")));
 }
 
 // civetweb asks for 100 KiB thread stacks, which glibc refuses once libtorch
