@@ -38,6 +38,10 @@ at::Tensor PagedDecodeAttention(absl::Span<const PagedQuery> queries, const at::
                                 const at::Tensor& value_blocks, std::optional<int64_t> window,
                                 const ScoreRule& rule);
 
+// Tests: with `portable` the kernel runs its plain loops instead of AVX2;
+// returns whether the AVX2 loops run now.
+bool UsePortablePagedAttention(bool portable);
+
 }  // namespace accel::models::internal
 
 #endif  // ACCEL_MODELS_INTERNAL_PAGED_ATTENTION_H_

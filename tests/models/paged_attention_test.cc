@@ -80,14 +80,20 @@ TEST_P(PagedAttentionTest, EqualsAttentionOverTheContiguousCache) {
     queries.push_back({q.select(1, 0), {}, total});
   }
   for (size_t i = 0; i < queries.size(); ++i) queries[i].table = tables[i];
-  at::Tensor got = PagedDecodeAttention(queries, key_blocks, value_blocks, c.window, rule);
-  ASSERT_EQ(got.size(0), static_cast<int64_t>(lengths.size()));
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    const at::Tensor want = expected[i].to(at::kFloat);
-    const at::Tensor have = got[static_cast<int64_t>(i)].unsqueeze(0).to(at::kFloat);
-    const double diff = (want - have).abs().max().item<double>();
-    EXPECT_LE(diff, c.tolerance) << "sequence " << i << " of length " << lengths[i];
+  // Both instruction paths: the plain loops, and AVX2 where the cpu has it.
+  for (bool portable : {true, false}) {
+    const bool avx2 = UsePortablePagedAttention(portable);
+    at::Tensor got = PagedDecodeAttention(queries, key_blocks, value_blocks, c.window, rule);
+    ASSERT_EQ(got.size(0), static_cast<int64_t>(lengths.size()));
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      const at::Tensor want = expected[i].to(at::kFloat);
+      const at::Tensor have = got[static_cast<int64_t>(i)].unsqueeze(0).to(at::kFloat);
+      const double diff = (want - have).abs().max().item<double>();
+      EXPECT_LE(diff, c.tolerance)
+          << "sequence " << i << " of length " << lengths[i] << (avx2 ? " (avx2)" : " (portable)");
+    }
   }
+  UsePortablePagedAttention(false);
 }
 
 INSTANTIATE_TEST_SUITE_P(
