@@ -165,6 +165,186 @@ void ToFloat(const T* in, float* out, int64_t n, bool avx2) {
   }
 }
 
+// One (sequence, kv head) of decode attention: the `group` query heads that
+// share kv head g, against the keys and values in the sequence's blocks.
+template <typename T>
+struct Item {
+  const float* q;  // [group, d], scaled
+  const T* keys;   // the store's key blocks
+  const T* values;
+  absl::Span<const int32_t> table;
+  int64_t first, total;  // positions [first, total) are attended
+  int64_t block_size, kv_heads, g, group, d, dv;
+  std::optional<double> softcap;
+  float* scores;  // [group, total - first]
+  float* rows;    // [block_size, max(d, dv)]: one block's rows in float32
+  float* acc;     // [group, dv]
+};
+
+// A block's `rows` rows of kv head g, from `pos` on, as float32 (a pointer
+// into the store itself when it holds float32).
+template <typename T>
+const float* BlockRows(const Item<T>& it, const T* base, int64_t width, int64_t pos, int64_t rows,
+                       bool avx2) {
+  const int64_t block = it.table[static_cast<size_t>(pos / it.block_size)];
+  const T* src =
+      base + ((block * it.kv_heads + it.g) * it.block_size + pos % it.block_size) * width;
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    ToFloat(src, it.rows, rows * width, avx2);
+    return it.rows;
+  }
+}
+
+template <typename T>
+void Softmax(const Item<T>& it, const Kernels& kernels) {
+  const int64_t n = it.total - it.first;
+  for (int64_t h = 0; h < it.group; ++h) {
+    float* s = it.scores + h * n;
+    if (it.softcap) {
+      const float cap = static_cast<float>(*it.softcap);
+      for (int64_t j = 0; j < n; ++j) s[j] = std::tanh(s[j] / cap) * cap;
+    }
+    const float top = *std::max_element(s, s + n);
+    const float inv = 1.0f / kernels.exp_shift(s, n, top);
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+  }
+}
+
+template <typename T>
+void AttendPortable(const Item<T>& it, const Kernels& kernels) {
+  const int64_t n = it.total - it.first;
+  for (int64_t pos = it.first; pos < it.total;) {
+    const int64_t rows = std::min(it.block_size - pos % it.block_size, it.total - pos);
+    const float* k = BlockRows(it, it.keys, it.d, pos, rows, false);
+    for (int64_t h = 0; h < it.group; ++h) {
+      for (int64_t r = 0; r < rows; ++r) {
+        it.scores[h * n + pos - it.first + r] = DotPortable(it.q + h * it.d, k + r * it.d, it.d);
+      }
+    }
+    pos += rows;
+  }
+  Softmax(it, kernels);
+  std::fill(it.acc, it.acc + it.group * it.dv, 0.0f);
+  for (int64_t pos = it.first; pos < it.total;) {
+    const int64_t rows = std::min(it.block_size - pos % it.block_size, it.total - pos);
+    const float* v = BlockRows(it, it.values, it.dv, pos, rows, false);
+    for (int64_t h = 0; h < it.group; ++h) {
+      for (int64_t r = 0; r < rows; ++r) {
+        AxpyPortable(it.scores[h * n + pos - it.first + r], v + r * it.dv, it.acc + h * it.dv,
+                     it.dv);
+      }
+    }
+    pos += rows;
+  }
+}
+
+#if defined(__x86_64__)
+// Eight keys' scores at once: eight accumulators over d, reduced together
+// (one horizontal-add tree instead of eight horizontal sums). d % 8 == 0.
+__attribute__((target("avx2,fma"))) inline __m256 EightDots(const float* q, const float* k,
+                                                            int64_t d) {
+  // Named accumulators: an array of them is kept on the stack at -O2.
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 x = _mm256_loadu_ps(q + c);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + c), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d + c), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * d + c), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * d + c), a3);
+    a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * d + c), a4);
+    a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * d + c), a5);
+    a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * d + c), a6);
+    a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * d + c), a7);
+  }
+  const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+  const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// acc[0, 32) += sum over r of p[r] * v[r * stride + (0, 32)]: four
+// independent accumulator chains, so the FMAs overlap instead of waiting on
+// each other.
+__attribute__((target("avx2,fma"))) inline void WeightedRows32(const float* p, const float* v,
+                                                               int64_t rows, int64_t stride,
+                                                               float* acc) {
+  __m256 s0 = _mm256_loadu_ps(acc), s1 = _mm256_loadu_ps(acc + 8);
+  __m256 s2 = _mm256_loadu_ps(acc + 16), s3 = _mm256_loadu_ps(acc + 24);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 w = _mm256_set1_ps(p[r]);
+    const float* row = v + r * stride;
+    s0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), s0);
+    s1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), s1);
+    s2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), s2);
+    s3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), s3);
+  }
+  _mm256_storeu_ps(acc, s0);
+  _mm256_storeu_ps(acc + 8, s1);
+  _mm256_storeu_ps(acc + 16, s2);
+  _mm256_storeu_ps(acc + 24, s3);
+}
+
+// The blocks are scattered, so the hardware prefetcher loses the stream at
+// each block boundary: ask for the next block's rows while this one runs.
+template <typename T>
+__attribute__((target("avx2,fma"))) void PrefetchBlock(const Item<T>& it, const T* base,
+                                                       int64_t width, int64_t pos) {
+  if (pos >= it.total) return;
+  const int64_t block = it.table[static_cast<size_t>(pos / it.block_size)];
+  const char* p =
+      reinterpret_cast<const char*>(base + ((block * it.kv_heads + it.g) * it.block_size) * width);
+  const int64_t bytes = it.block_size * width * static_cast<int64_t>(sizeof(T));
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(p + offset, _MM_HINT_T0);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void AttendAvx2(const Item<T>& it, const Kernels& kernels) {
+  const int64_t n = it.total - it.first;
+  const bool eights = it.d % 8 == 0;
+  for (int64_t pos = it.first; pos < it.total;) {
+    const int64_t rows = std::min(it.block_size - pos % it.block_size, it.total - pos);
+    PrefetchBlock(it, it.keys, it.d, pos + rows);
+    const float* k = BlockRows(it, it.keys, it.d, pos, rows, true);
+    for (int64_t h = 0; h < it.group; ++h) {
+      float* out = it.scores + h * n + pos - it.first;
+      const float* q = it.q + h * it.d;
+      int64_t r = 0;
+      if (eights) {
+        for (; r + 8 <= rows; r += 8) _mm256_storeu_ps(out + r, EightDots(q, k + r * it.d, it.d));
+      }
+      for (; r < rows; ++r) out[r] = DotAvx2(q, k + r * it.d, it.d);
+    }
+    pos += rows;
+  }
+  Softmax(it, kernels);
+  std::fill(it.acc, it.acc + it.group * it.dv, 0.0f);
+  for (int64_t pos = it.first; pos < it.total;) {
+    const int64_t rows = std::min(it.block_size - pos % it.block_size, it.total - pos);
+    PrefetchBlock(it, it.values, it.dv, pos + rows);
+    const float* v = BlockRows(it, it.values, it.dv, pos, rows, true);
+    for (int64_t h = 0; h < it.group; ++h) {
+      const float* p = it.scores + h * n + pos - it.first;
+      float* acc = it.acc + h * it.dv;
+      int64_t c = 0;
+      for (; c + 32 <= it.dv; c += 32) WeightedRows32(p, v + c, rows, it.dv, acc + c);
+      for (; c + 8 <= it.dv; c += 8) {
+        __m256 sum = _mm256_loadu_ps(acc + c);
+        for (int64_t r = 0; r < rows; ++r) {
+          sum = _mm256_fmadd_ps(_mm256_set1_ps(p[r]), _mm256_loadu_ps(v + r * it.dv + c), sum);
+        }
+        _mm256_storeu_ps(acc + c, sum);
+      }
+      for (; c < it.dv; ++c) {
+        for (int64_t r = 0; r < rows; ++r) acc[c] += p[r] * v[r * it.dv + c];
+      }
+    }
+    pos += rows;
+  }
+}
+#endif
+
 template <typename T>
 void Run(absl::Span<const PagedQuery> queries, const at::Tensor& key_blocks,
          const at::Tensor& value_blocks, std::optional<int64_t> window, const ScoreRule& rule,
@@ -172,55 +352,47 @@ void Run(absl::Span<const PagedQuery> queries, const at::Tensor& key_blocks,
   const int64_t kv_heads = key_blocks.size(1), block_size = key_blocks.size(2);
   const int64_t d = key_blocks.size(3), dv = value_blocks.size(3);
   const int64_t heads = queries[0].q.size(0), group = heads / kv_heads;
-  const T* keys = key_blocks.data_ptr<T>();
-  const T* values = value_blocks.data_ptr<T>();
   T* result = out.data_ptr<T>();
   const float scale = static_cast<float>(rule.divide ? 1.0 / rule.scale : rule.scale);
   const int64_t items = static_cast<int64_t>(queries.size()) * kv_heads;
   const Kernels kernels = PickKernels();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(static_cast<size_t>(group * d)), row(static_cast<size_t>(std::max(d, dv)));
+    std::vector<float> q(static_cast<size_t>(group * d));
+    std::vector<float> rows(static_cast<size_t>(block_size * std::max(d, dv)));
     std::vector<float> acc(static_cast<size_t>(group * dv)), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const PagedQuery& query = queries[static_cast<size_t>(item / kv_heads)];
-      const int64_t g = item % kv_heads, total = query.total;
-      const int64_t first =
-          window && total > *window ? total - *window : 0;  // keys before it are out of the window
-      const T* qs = query.q.data_ptr<T>() + g * group * d;
-      ToFloat(qs, q.data(), group * d, kernels.avx2);
-      scores.assign(static_cast<size_t>(group * (total - first)), 0.0f);
-      const int64_t n = total - first;
-      for (int64_t j = first; j < total; ++j) {
-        const int64_t block = query.table[static_cast<size_t>(j / block_size)];
-        const T* k = keys + ((block * kv_heads + g) * block_size + j % block_size) * d;
-        ToFloat(k, row.data(), d, kernels.avx2);
-        for (int64_t h = 0; h < group; ++h) {
-          float s = kernels.dot(q.data() + h * d, row.data(), d) * scale;
-          if (rule.softcap) {
-            const float cap = static_cast<float>(*rule.softcap);
-            s = std::tanh(s / cap) * cap;
-          }
-          scores[static_cast<size_t>(h * n + (j - first))] = s;
-        }
+    for (int64_t index = begin; index < end; ++index) {
+      const PagedQuery& query = queries[static_cast<size_t>(index / kv_heads)];
+      Item<T> it;
+      it.g = index % kv_heads;
+      it.total = query.total;
+      // Keys before `first` are out of the window.
+      it.first = window && query.total > *window ? query.total - *window : 0;
+      ToFloat(query.q.data_ptr<T>() + it.g * group * d, q.data(), group * d, kernels.avx2);
+      for (float& x : q) x *= scale;
+      scores.resize(static_cast<size_t>(group * (it.total - it.first)));
+      it.q = q.data();
+      it.keys = key_blocks.data_ptr<T>();
+      it.values = value_blocks.data_ptr<T>();
+      it.table = query.table;
+      it.block_size = block_size;
+      it.kv_heads = kv_heads;
+      it.group = group;
+      it.d = d;
+      it.dv = dv;
+      it.softcap = rule.softcap;
+      it.scores = scores.data();
+      it.rows = rows.data();
+      it.acc = acc.data();
+#if defined(__x86_64__)
+      if (kernels.avx2) {
+        AttendAvx2(it, kernels);
+      } else {
+        AttendPortable(it, kernels);
       }
-      for (int64_t h = 0; h < group; ++h) {
-        float* s = scores.data() + h * n;
-        const float top = *std::max_element(s, s + n);
-        const float sum = kernels.exp_shift(s, n, top);
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < n; ++j) s[j] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = first; j < total; ++j) {
-        const int64_t block = query.table[static_cast<size_t>(j / block_size)];
-        const T* v = values + ((block * kv_heads + g) * block_size + j % block_size) * dv;
-        ToFloat(v, row.data(), dv, kernels.avx2);
-        for (int64_t h = 0; h < group; ++h) {
-          kernels.axpy(scores[static_cast<size_t>(h * n + (j - first))], row.data(),
-                       acc.data() + h * dv, dv);
-        }
-      }
-      T* o = result + (item / kv_heads) * heads * dv + g * group * dv;
+#else
+      AttendPortable(it, kernels);
+#endif
+      T* o = result + (index / kv_heads) * heads * dv + it.g * group * dv;
       for (int64_t i = 0; i < group * dv; ++i) o[i] = static_cast<T>(acc[static_cast<size_t>(i)]);
     }
   });
