@@ -23,7 +23,22 @@
 
 namespace accel::server {
 
-class KServeService final : public inference::GRPCInferenceService::CallbackService {
+// gRPC's CallbackService with ModelInfer and ModelStreamInfer raw (a raw
+// bidi method cannot sit on top of the typed one: same parameters).
+using KServeServiceBase = inference::GRPCInferenceService::WithCallbackMethod_ServerLive<
+    inference::GRPCInferenceService::WithCallbackMethod_ServerReady<
+        inference::GRPCInferenceService::WithCallbackMethod_ModelReady<
+            inference::GRPCInferenceService::WithCallbackMethod_ServerMetadata<
+                inference::GRPCInferenceService::WithCallbackMethod_ModelMetadata<
+                    inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
+                        inference::GRPCInferenceService::WithRawCallbackMethod_ModelStreamInfer<
+                            inference::GRPCInferenceService::Service>>>>>>>;
+
+// ModelInfer and ModelStreamInfer are raw methods (grpc::ByteBuffer in and
+// out) that parse their requests themselves (server/internal/wire.h), so a
+// body that does not parse is INVALID_ARGUMENT naming the problem rather
+// than gRPC's bare UNIMPLEMENTED.
+class KServeService final : public KServeServiceBase {
  public:
   // `state` outlives the service; `server_version` is what ServerMetadata reports.
   KServeService(ServingState* state, std::string server_version);
@@ -49,10 +64,10 @@ class KServeService final : public inference::GRPCInferenceService::CallbackServ
                                           const inference::ModelMetadataRequest* request,
                                           inference::ModelMetadataResponse* response) override;
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
-                                       const inference::ModelInferRequest* request,
-                                       inference::ModelInferResponse* response) override;
-  grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>*
-  ModelStreamInfer(grpc::CallbackServerContext* context) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ModelStreamInfer(
+      grpc::CallbackServerContext* context) override;
 
  private:
   ServingState* const state_;
