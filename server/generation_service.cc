@@ -292,18 +292,21 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::GenerateStream(
 }
 
 grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,
-                                                          const accel::v1::GetModelInfoRequest*,
-                                                          accel::v1::ModelInfo* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  grpc::Status auth = state_->Authorize(*context);
-  if (!auth.ok()) {
-    reactor->Finish(auth);
-    return reactor;
-  }
+                                                          const grpc::ByteBuffer* body,
+                                                          grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<accel::v1::GetModelInfoRequest, accel::v1::ModelInfo>(
+      context, *body, out, [this, context](const auto&, accel::v1::ModelInfo* response) {
+        return AnswerGetModelInfo(*context, response);
+      });
+}
+
+grpc::Status GenerationService::AnswerGetModelInfo(grpc::CallbackServerContext& context,
+                                                   accel::v1::ModelInfo* response) {
+  grpc::Status auth = state_->Authorize(context);
+  if (!auth.ok()) return auth;
   Engine* engine = state_->engine();
   if (engine == nullptr) {
-    reactor->Finish(ToGrpcStatus(absl::UnavailableError("the model is still loading")));
-    return reactor;
+    return ToGrpcStatus(absl::UnavailableError("the model is still loading"));
   }
   const ModelInfo& info = engine->info();
   response->set_name(info.name);
@@ -325,8 +328,7 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
   response->set_max_total_tokens(info.max_total_tokens);
   response->set_vocab_size(info.vocab_size);
   response->mutable_eos_token_ids()->Add(info.eos_token_ids.begin(), info.eos_token_ids.end());
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return grpc::Status::OK;
 }
 
 }  // namespace accel::server

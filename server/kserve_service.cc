@@ -518,28 +518,23 @@ class StreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
 KServeService::KServeService(ServingState* state, std::string server_version)
     : state_(state), server_version_(std::move(server_version)) {}
 
-grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext* context,
-                                                    const inference::ServerLiveRequest*,
-                                                    inference::ServerLiveResponse* response) {
+grpc::Status KServeService::AnswerServerLive(grpc::CallbackServerContext* context,
+                                             const inference::ServerLiveRequest*,
+                                             inference::ServerLiveResponse* response) {
   response->set_live(true);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return grpc::Status::OK;
 }
 
-grpc::ServerUnaryReactor* KServeService::ServerReady(grpc::CallbackServerContext* context,
-                                                     const inference::ServerReadyRequest*,
-                                                     inference::ServerReadyResponse* response) {
+grpc::Status KServeService::AnswerServerReady(grpc::CallbackServerContext* context,
+                                              const inference::ServerReadyRequest*,
+                                              inference::ServerReadyResponse* response) {
   response->set_ready(state_->phase() == ServingState::Phase::kReady);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return grpc::Status::OK;
 }
 
-grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext* context,
-                                                    const inference::ModelReadyRequest* request,
-                                                    inference::ModelReadyResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+grpc::Status KServeService::AnswerModelReady(grpc::CallbackServerContext* context,
+                                             const inference::ModelReadyRequest* request,
+                                             inference::ModelReadyResponse* response) {
   grpc::Status status = state_->Authorize(*context);
   if (status.ok()) {
     const Engine* engine = state_->engine();
@@ -549,14 +544,12 @@ grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext*
     }
     response->set_ready(engine != nullptr && state_->phase() == ServingState::Phase::kReady);
   }
-  reactor->Finish(status);
-  return reactor;
+  return status;
 }
 
-grpc::ServerUnaryReactor* KServeService::ServerMetadata(
-    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest*,
-    inference::ServerMetadataResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+grpc::Status KServeService::AnswerServerMetadata(grpc::CallbackServerContext* context,
+                                                 const inference::ServerMetadataRequest*,
+                                                 inference::ServerMetadataResponse* response) {
   grpc::Status status = state_->Authorize(*context);
   if (status.ok()) {
     response->set_name("accel");
@@ -565,14 +558,12 @@ grpc::ServerUnaryReactor* KServeService::ServerMetadata(
     // parameters (sampling knobs in ModelInferRequest.parameters).
     response->add_extensions("parameters");
   }
-  reactor->Finish(status);
-  return reactor;
+  return status;
 }
 
-grpc::ServerUnaryReactor* KServeService::ModelMetadata(
-    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
-    inference::ModelMetadataResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+grpc::Status KServeService::AnswerModelMetadata(grpc::CallbackServerContext* context,
+                                                const inference::ModelMetadataRequest* request,
+                                                inference::ModelMetadataResponse* response) {
   grpc::Status status = state_->Authorize(*context);
   const Engine* engine = state_->engine();
   if (status.ok() && engine == nullptr) {
@@ -581,8 +572,7 @@ grpc::ServerUnaryReactor* KServeService::ModelMetadata(
   }
   if (status.ok()) status = ToGrpcStatus(CheckModel(*engine, request->name(), request->version()));
   if (!status.ok()) {
-    reactor->Finish(status);
-    return reactor;
+    return status;
   }
   const ModelInfo& info = engine->info();
   response->set_name(info.name);
@@ -630,8 +620,52 @@ grpc::ServerUnaryReactor* KServeService::ModelMetadata(
   properties["max_total_tokens"] = std::to_string(info.max_total_tokens);
   properties["vocab_size"] = std::to_string(info.vocab_size);
   properties["has_tokenizer"] = info.has_tokenizer ? "true" : "false";
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return grpc::Status::OK;
+}
+
+grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* body,
+                                                    grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ServerLiveRequest, inference::ServerLiveResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerServerLive(context, &request, response);
+      });
+}
+
+grpc::ServerUnaryReactor* KServeService::ServerReady(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* body,
+                                                     grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ServerReadyRequest, inference::ServerReadyResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerServerReady(context, &request, response);
+      });
+}
+
+grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* body,
+                                                    grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ModelReadyRequest, inference::ModelReadyResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerModelReady(context, &request, response);
+      });
+}
+
+grpc::ServerUnaryReactor* KServeService::ServerMetadata(grpc::CallbackServerContext* context,
+                                                        const grpc::ByteBuffer* body,
+                                                        grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ServerMetadataRequest, inference::ServerMetadataResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerServerMetadata(context, &request, response);
+      });
+}
+
+grpc::ServerUnaryReactor* KServeService::ModelMetadata(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* body,
+                                                       grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ModelMetadataRequest, inference::ModelMetadataResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerModelMetadata(context, &request, response);
+      });
 }
 
 grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext* context,

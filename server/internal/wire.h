@@ -11,7 +11,12 @@
 #ifndef ACCEL_SERVER_INTERNAL_WIRE_H_
 #define ACCEL_SERVER_INTERNAL_WIRE_H_
 
+#include <string>
+
+#include <grpcpp/server_context.h>
 #include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/server_callback.h>
+#include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
 
@@ -29,6 +34,25 @@ absl::Status ParseBody(const grpc::ByteBuffer& body, google::protobuf::Message& 
 
 // `message` serialized into a ByteBuffer to write.
 grpc::ByteBuffer SerializeBody(const google::protobuf::Message& message);
+
+// A typed unary answer behind a raw method: parses `body` as a Request
+// (INVALID_ARGUMENT naming the problem when it does not parse), runs
+// `answer(request, &response)` and sends the response when that is OK.
+template <typename Request, typename Response, typename Answer>
+grpc::ServerUnaryReactor* AnswerRaw(grpc::CallbackServerContext* context,
+                                    const grpc::ByteBuffer& body, grpc::ByteBuffer* out,
+                                    Answer answer) {
+  Request request;
+  Response response;
+  const absl::Status parsed = ParseBody(body, request);
+  grpc::Status status =
+      parsed.ok() ? answer(request, &response)
+                  : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::string(parsed.message()));
+  if (status.ok()) *out = SerializeBody(response);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(status);
+  return reactor;
+}
 
 }  // namespace accel::server::internal
 

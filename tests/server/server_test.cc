@@ -249,6 +249,17 @@ TEST(ServerTest, UnparsableRequestsAreInvalidArgumentNamingTheProblem) {
   EXPECT_THAT(status.error_message(),
               HasSubstr("inference.ModelInferRequest.InferInputTensor.name"));
 
+  // Every method parses its own body: the small ones too.
+  inference::ModelReadyRequest ready;
+  ready.set_name("m\xff");
+  status =
+      RawCall(*channel, "/inference.GRPCInferenceService/ModelReady", ready.SerializeAsString());
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("inference.ModelReadyRequest.name"));
+  status = RawCall(*channel, "/accel.v1.Generation/GetModelInfo", "\x0a");
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("not a valid accel.v1.GetModelInfoRequest"));
+
   // On ModelStreamInfer the error is in-band and the stream goes on.
   auto kserve = inference::GRPCInferenceService::NewStub(channel);
   grpc::ClientContext stream_context;
