@@ -20,6 +20,7 @@
 #include "models/nn.h"
 #include "models/sampling.h"
 #include "models/tokenizer.h"
+#include "server/internal/quote.h"
 #include "server/server_metrics.h"
 
 namespace accel::server {
@@ -234,8 +235,8 @@ dispatch::OffloadStats Engine::offload_stats() const { return model_->loaded.dis
 
 absl::Status Engine::Complete(models::GenerationRequest& request) const {
   if (!request.model.empty() && request.model != info_.name) {
-    return absl::NotFoundError(absl::StrCat("model \"", request.model,
-                                            "\" is not served here; this server serves \"",
+    return absl::NotFoundError(absl::StrCat("model ", internal::Quote(request.model),
+                                            " is not served here; this server serves \"",
                                             info_.name, "\""));
   }
   if (request.prompt.has_value()) {

@@ -8,7 +8,10 @@
 #include "absl/synchronization/mutex.h"
 
 #include "server/engine.h"
+#include "server/internal/wire.h"
+#include "server/internal/write_pump.h"
 #include "server/scheduler.h"
+#include "server/server_metrics.h"
 
 namespace accel::server {
 namespace {
@@ -80,19 +83,28 @@ struct CallState {
   bool cancelled ABSL_GUARDED_BY(mu) = false;
 
   // The client went away: stop the request (now, or once its id is known).
-  void Cancel() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  // A call whose deadline came is left to the scheduler, which ends it for
+  // that deadline before its next step (counted as a timeout).
+  void Cancel(const grpc::ServerContextBase& context) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (DeadlineReached(context)) return;
     cancelled = true;
     if (id && engine != nullptr) engine->Cancel(*id);
   }
 };
 
-// Authorizes, validates and submits a request for `call`; the status to
-// finish the call with when that fails.
+// Parses, authorizes, validates and submits a request for `call`; the status
+// to finish the call with when that fails.
 grpc::Status Start(ServingState& state, grpc::CallbackServerContext& context,
-                   const GenerateRequest& request, std::shared_ptr<RequestSink> sink,
+                   const grpc::ByteBuffer& body, std::shared_ptr<RequestSink> sink,
                    CallState& call) {
   grpc::Status auth = state.Authorize(context);
   if (!auth.ok()) return auth;
+  GenerateRequest request;
+  const absl::Status parsed = internal::ParseBody(body, request);
+  if (!parsed.ok()) {
+    if (state.metrics() != nullptr) state.metrics()->RequestFailed("invalid");
+    return ToGrpcStatus(parsed);
+  }
   absl::StatusOr<Engine*> engine = state.ReadyEngine();
   if (!engine.ok()) return ToGrpcStatus(engine.status());
   absl::StatusOr<uint64_t> id = (*engine)->Submit(ToParams(request, context), std::move(sink));
@@ -115,7 +127,8 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
  public:
   struct Call : CallState {
     GenerateReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;
-    GenerateResponse* response ABSL_GUARDED_BY(mu) = nullptr;
+    GenerateResponse response ABSL_GUARDED_BY(mu);
+    grpc::ByteBuffer* body ABSL_GUARDED_BY(mu) = nullptr;  // gRPC's, where the answer goes
   };
 
   class Sink : public RequestSink {
@@ -123,14 +136,17 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
     explicit Sink(std::shared_ptr<Call> call) : call_(std::move(call)) {}
     void OnTokens(TokenChunk chunk) override {
       absl::MutexLock lock(&call_->mu);
-      if (call_->response != nullptr) AppendChunk(chunk, *call_->response);
+      AppendChunk(chunk, call_->response);
     }
     void OnDone(const absl::Status& status, const Completion& completion) override {
       GenerateReactor* reactor = nullptr;
       {
         absl::MutexLock lock(&call_->mu);
         if (call_->reactor == nullptr) return;
-        if (status.ok()) SetCompletion(completion, *call_->response);
+        if (status.ok()) {
+          SetCompletion(completion, call_->response);
+          *call_->body = internal::SerializeBody(call_->response);
+        }
         reactor = call_->reactor;
       }
       // Outside the lock: gRPC may run callbacks that take it on this
@@ -144,12 +160,12 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
   };
 
   GenerateReactor(ServingState* state, grpc::CallbackServerContext* context,
-                  const GenerateRequest* request, GenerateResponse* response)
-      : call_(std::make_shared<Call>()) {
+                  const grpc::ByteBuffer* request, grpc::ByteBuffer* response)
+      : context_(context), call_(std::make_shared<Call>()) {
     {
       absl::MutexLock lock(&call_->mu);
       call_->reactor = this;
-      call_->response = response;
+      call_->body = response;
     }
     grpc::Status started = Start(*state, *context, *request, std::make_shared<Sink>(call_), *call_);
     if (!started.ok()) Finish(started);
@@ -157,172 +173,140 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
 
   void OnCancel() override {
     absl::MutexLock lock(&call_->mu);
-    call_->Cancel();
+    call_->Cancel(*context_);
   }
 
   void OnDone() override {
     {
       absl::MutexLock lock(&call_->mu);
       call_->reactor = nullptr;
-      call_->response = nullptr;
+      call_->body = nullptr;
     }
     delete this;
   }
 
  private:
+  grpc::CallbackServerContext* const context_;
   std::shared_ptr<Call> call_;
 };
 
-// GenerateStream: one write in flight at a time; chunks produced while a
-// write is in flight are merged into the next message, so a slow client
-// gets fewer, larger messages instead of an unbounded queue.
-class StreamReactor : public grpc::ServerWriteReactor<GenerateResponse> {
+// GenerateStream: the request's chunks go out through a WritePump; chunks
+// produced while a write is in flight are merged into the next message.
+class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  struct Call : CallState {
-    StreamReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;
-    bool writing ABSL_GUARDED_BY(mu) = false;
-    GenerateResponse in_flight ABSL_GUARDED_BY(mu);  // must outlive its write
+  // What the stream has to say next: every chunk since the last write.
+  struct News : internal::WritePump::Source {
+    absl::Mutex mu;
     std::optional<GenerateResponse> next ABSL_GUARDED_BY(mu);
-    std::optional<grpc::Status> final_status ABSL_GUARDED_BY(mu);
-    bool finished ABSL_GUARDED_BY(mu) = false;
 
-    // What to do once the lock is released: gRPC may run OnWriteDone (which
-    // takes the lock) on the thread that calls StartWrite or Finish.
-    struct Action {
-      StreamReactor* reactor = nullptr;
-      const GenerateResponse* write = nullptr;
-      std::optional<grpc::Status> finish;
-      void Run() const {
-        if (write != nullptr) reactor->StartWrite(write);
-        if (finish) reactor->Finish(*finish);
-      }
-    };
-    // The next write, or the finish once everything went out.
-    Action Pump() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      Action action;
-      if (reactor == nullptr || writing || finished) return action;
-      action.reactor = reactor;
-      if (next && !cancelled) {
-        in_flight = *std::move(next);
-        next.reset();
-        writing = true;
-        action.write = &in_flight;
-      } else if (final_status) {
-        finished = true;
-        action.finish = *final_status;
-      }
-      return action;
+    std::optional<grpc::ByteBuffer> TakeMessage() override {
+      absl::MutexLock lock(&mu);
+      if (!next) return std::nullopt;
+      grpc::ByteBuffer message = internal::SerializeBody(*next);
+      next.reset();
+      return message;
     }
   };
 
   class Sink : public RequestSink {
    public:
-    explicit Sink(std::shared_ptr<Call> call) : call_(std::move(call)) {}
+    Sink(std::shared_ptr<internal::WritePump> pump, std::shared_ptr<News> news)
+        : pump_(std::move(pump)), news_(std::move(news)) {}
     void OnTokens(TokenChunk chunk) override {
-      Call::Action action;
       {
-        absl::MutexLock lock(&call_->mu);
-        if (!call_->next) call_->next.emplace();
-        AppendChunk(chunk, *call_->next);
-        action = call_->Pump();
+        absl::MutexLock lock(&news_->mu);
+        if (!news_->next) news_->next.emplace();
+        AppendChunk(chunk, *news_->next);
       }
-      action.Run();
+      pump_->Notify(news_);
     }
     void OnDone(const absl::Status& status, const Completion& completion) override {
-      Call::Action action;
-      {
-        absl::MutexLock lock(&call_->mu);
-        if (status.ok()) {
-          if (!call_->next) call_->next.emplace();
-          SetCompletion(completion, *call_->next);
+      if (status.ok()) {
+        {
+          absl::MutexLock lock(&news_->mu);
+          if (!news_->next) news_->next.emplace();
+          SetCompletion(completion, *news_->next);
         }
-        call_->final_status = ToGrpcStatus(status);
-        action = call_->Pump();
+        pump_->Notify(news_);
       }
-      action.Run();
+      pump_->FinishAfterWrites(ToGrpcStatus(status));
     }
 
    private:
-    std::shared_ptr<Call> call_;
+    const std::shared_ptr<internal::WritePump> pump_;
+    const std::shared_ptr<News> news_;
   };
 
   StreamReactor(ServingState* state, grpc::CallbackServerContext* context,
-                const GenerateRequest* request)
-      : call_(std::make_shared<Call>()) {
-    {
-      absl::MutexLock lock(&call_->mu);
-      call_->reactor = this;
-    }
-    grpc::Status started = Start(*state, *context, *request, std::make_shared<Sink>(call_), *call_);
-    if (!started.ok()) FinishWith(started);
+                const grpc::ByteBuffer* request)
+      : context_(context),
+        pump_(std::make_shared<internal::WritePump>(
+            [this](const grpc::ByteBuffer* message) { StartWrite(message); },
+            [this](const grpc::Status& status) { Finish(status); })) {
+    grpc::Status started = Start(*state, *context, *request,
+                                 std::make_shared<Sink>(pump_, std::make_shared<News>()), call_);
+    if (!started.ok()) pump_->FinishAfterWrites(started);
   }
 
   void OnWriteDone(bool ok) override {
-    Call::Action action;
-    {
-      absl::MutexLock lock(&call_->mu);
-      call_->writing = false;
-      if (!ok) {
-        // The client is gone: stop generating; the sink's OnDone finishes.
-        call_->Cancel();
-      }
-      action = call_->Pump();
+    if (!ok) {
+      // The client is gone: stop generating.
+      absl::MutexLock lock(&call_.mu);
+      call_.Cancel(*context_);
     }
-    action.Run();
+    pump_->OnWriteDone(ok);
   }
 
   void OnCancel() override {
-    absl::MutexLock lock(&call_->mu);
-    call_->Cancel();
+    {
+      absl::MutexLock lock(&call_.mu);
+      call_.Cancel(*context_);
+    }
+    pump_->Abort(grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled"));
   }
 
   void OnDone() override {
-    {
-      absl::MutexLock lock(&call_->mu);
-      call_->reactor = nullptr;
-    }
+    pump_->Detach();
     delete this;
   }
 
  private:
-  void FinishWith(const grpc::Status& status) {
-    Call::Action action;
-    {
-      absl::MutexLock lock(&call_->mu);
-      call_->final_status = status;
-      action = call_->Pump();
-    }
-    action.Run();
-  }
-  std::shared_ptr<Call> call_;
+  grpc::CallbackServerContext* const context_;
+  // The sink reaches the call only through the pump, which Detach cuts off;
+  // `call_` is the reactor's own.
+  CallState call_;
+  const std::shared_ptr<internal::WritePump> pump_;
 };
 
 }  // namespace
 
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* context,
-                                                      const GenerateRequest* request,
-                                                      GenerateResponse* response) {
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
   return new GenerateReactor(state_, context, request, response);
 }
 
-grpc::ServerWriteReactor<GenerateResponse>* GenerationService::GenerateStream(
-    grpc::CallbackServerContext* context, const GenerateRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::GenerateStream(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   return new StreamReactor(state_, context, request);
 }
 
 grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,
-                                                          const accel::v1::GetModelInfoRequest*,
-                                                          accel::v1::ModelInfo* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  grpc::Status auth = state_->Authorize(*context);
-  if (!auth.ok()) {
-    reactor->Finish(auth);
-    return reactor;
-  }
+                                                          const grpc::ByteBuffer* body,
+                                                          grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<accel::v1::GetModelInfoRequest, accel::v1::ModelInfo>(
+      context, *body, out, [this, context](const auto&, accel::v1::ModelInfo* response) {
+        return AnswerGetModelInfo(*context, response);
+      });
+}
+
+grpc::Status GenerationService::AnswerGetModelInfo(grpc::CallbackServerContext& context,
+                                                   accel::v1::ModelInfo* response) {
+  grpc::Status auth = state_->Authorize(context);
+  if (!auth.ok()) return auth;
   Engine* engine = state_->engine();
   if (engine == nullptr) {
-    reactor->Finish(ToGrpcStatus(absl::UnavailableError("the model is still loading")));
-    return reactor;
+    return ToGrpcStatus(absl::UnavailableError("the model is still loading"));
   }
   const ModelInfo& info = engine->info();
   response->set_name(info.name);
@@ -344,8 +328,7 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
   response->set_max_total_tokens(info.max_total_tokens);
   response->set_vocab_size(info.vocab_size);
   response->mutable_eos_token_ids()->Add(info.eos_token_ids.begin(), info.eos_token_ids.end());
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return grpc::Status::OK;
 }
 
 }  // namespace accel::server

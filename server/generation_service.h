@@ -9,20 +9,30 @@
 
 namespace accel::server {
 
-class GenerationService final : public accel::v1::Generation::CallbackService {
+// Every method is raw (grpc::ByteBuffer in and out) and parses its request
+// itself (server/internal/wire.h), so a body
+// that does not parse is INVALID_ARGUMENT naming the problem rather than
+// gRPC's bare UNIMPLEMENTED.
+class GenerationService final : public accel::v1::Generation::WithRawCallbackMethod_Generate<
+                                    accel::v1::Generation::WithRawCallbackMethod_GenerateStream<
+                                        accel::v1::Generation::WithRawCallbackMethod_GetModelInfo<
+                                            accel::v1::Generation::Service>>> {
  public:
   explicit GenerationService(ServingState* state) : state_(state) {}
 
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* context,
-                                     const accel::v1::GenerateRequest* request,
-                                     accel::v1::GenerateResponse* response) override;
-  grpc::ServerWriteReactor<accel::v1::GenerateResponse>* GenerateStream(
-      grpc::CallbackServerContext* context, const accel::v1::GenerateRequest* request) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerateStream(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
-                                         const accel::v1::GetModelInfoRequest* request,
-                                         accel::v1::ModelInfo* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
 
  private:
+  grpc::Status AnswerGetModelInfo(grpc::CallbackServerContext& context,
+                                  accel::v1::ModelInfo* response);
+
   ServingState* const state_;
 };
 

@@ -1,7 +1,6 @@
 #include "server/kserve_service.h"
 
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -16,7 +15,11 @@
 #include "core/status.h"
 #include "server/engine.h"
 #include "server/internal/kserve_convert.h"
+#include "server/internal/quote.h"
+#include "server/internal/wire.h"
+#include "server/internal/write_pump.h"
 #include "server/scheduler.h"
+#include "server/server_metrics.h"
 
 namespace accel::server {
 namespace {
@@ -34,12 +37,14 @@ constexpr char kModelVersion[] = "1";
 absl::Status CheckModel(const Engine& engine, const std::string& name, const std::string& version) {
   const std::string& served = engine.info().name;
   if (!name.empty() && name != served) {
-    return absl::NotFoundError(absl::StrCat(
-        "model \"", name, "\" is not served here; this server serves \"", served, "\""));
+    return absl::NotFoundError(absl::StrCat("model ", internal::Quote(name),
+                                            " is not served here; this server serves \"", served,
+                                            "\""));
   }
   if (!version.empty() && version != kModelVersion) {
-    return absl::NotFoundError(absl::StrCat("model \"", served, "\" has no version \"", version,
-                                            "\"; its only version is \"", kModelVersion, "\""));
+    return absl::NotFoundError(absl::StrCat("model \"", served, "\" has no version ",
+                                            internal::Quote(version), "; its only version is \"",
+                                            kModelVersion, "\""));
   }
   return absl::OkStatus();
 }
@@ -108,7 +113,8 @@ class InferReactor : public grpc::ServerUnaryReactor {
 
     absl::Mutex mu;
     InferReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;  // null once OnDone ran
-    ModelInferResponse* response ABSL_GUARDED_BY(mu) = nullptr;
+    ModelInferResponse response ABSL_GUARDED_BY(mu);
+    grpc::ByteBuffer* body ABSL_GUARDED_BY(mu) = nullptr;  // gRPC's, where the answer goes
     grpc::CallbackServerContext* context ABSL_GUARDED_BY(mu) = nullptr;
     std::vector<GenerationResult> results ABSL_GUARDED_BY(mu);
     std::vector<uint64_t> ids ABSL_GUARDED_BY(mu);  // submitted so far
@@ -142,7 +148,8 @@ class InferReactor : public grpc::ServerUnaryReactor {
     // Fills the response when every prompt has ended.
     Action MaybeAnswer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
       if (finished || reactor == nullptr || !all_submitted || ended < results.size()) return {};
-      internal::BuildInferResponse(*request, results, /*final=*/true, response);
+      internal::BuildInferResponse(*request, results, /*final=*/true, &response);
+      *body = internal::SerializeBody(response);
       return FinishWith(absl::OkStatus());
     }
 
@@ -183,16 +190,16 @@ class InferReactor : public grpc::ServerUnaryReactor {
   // Submits every prompt; the call may be finished before this returns.
   InferReactor(std::shared_ptr<const KServeRequest> request, Engine* engine,
                grpc::CallbackServerContext* context, const ModelInferRequest& proto,
-               ModelInferResponse* response)
-      : call_(std::make_shared<Call>(std::move(request), engine)) {
+               grpc::ByteBuffer* body)
+      : context_(context), call_(std::make_shared<Call>(std::move(request), engine)) {
     const KServeRequest& parsed = *call_->request;
-    response->set_model_name(engine->info().name);
-    response->set_model_version(kModelVersion);
-    response->set_id(proto.id());
     {
       absl::MutexLock lock(&call_->mu);
       call_->reactor = this;
-      call_->response = response;
+      call_->response.set_model_name(engine->info().name);
+      call_->response.set_model_version(kModelVersion);
+      call_->response.set_id(proto.id());
+      call_->body = body;
       call_->context = context;
       for (size_t i = 0; i < parsed.num_prompts(); ++i) {
         call_->results.push_back(internal::InitialResult(parsed, i));
@@ -238,6 +245,9 @@ class InferReactor : public grpc::ServerUnaryReactor {
       absl::MutexLock lock(&call_->mu);
       action = call_->FinishWith(absl::CancelledError("the client cancelled the call"));
     }
+    // A passed deadline is left to the scheduler, which ends the prompts for
+    // it before their next step (counted as a timeout, not a cancel).
+    if (DeadlineReached(*context_)) action.cancel.clear();
     call_->Run(action);
   }
 
@@ -245,281 +255,207 @@ class InferReactor : public grpc::ServerUnaryReactor {
     {
       absl::MutexLock lock(&call_->mu);
       call_->reactor = nullptr;
-      call_->response = nullptr;
+      call_->body = nullptr;
       call_->context = nullptr;
     }
     delete this;
   }
 
  private:
+  grpc::CallbackServerContext* const context_;
   const std::shared_ptr<Call> call_;
 };
 
 // ---------------------------------------------------------------------------
-// ModelStreamInfer: each request read is a generation; its tokens go out as
-// responses, one write in flight at a time. A generation with news waits in
-// `queue` once; when its turn comes, everything it produced meanwhile goes
-// out as one response, so a slow reader gets fewer, larger messages rather
-// than an unbounded backlog.
+// ModelStreamInfer: each request read is a generation; its tokens go out
+// through the call's WritePump, so a slow reader gets fewer, larger messages
+// rather than an unbounded backlog.
 
-class StreamReactor : public grpc::ServerBidiReactor<ModelInferRequest, ModelStreamInferResponse> {
+class StreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  // Guarded by Call::mu (a sink and the reactor share it).
-  struct Generation {
-    std::shared_ptr<const KServeRequest> request;
-    std::string id;  // the client's, echoed
-    std::string model_name;
-    uint64_t key = 0;                   // in Call::live
-    std::optional<uint64_t> engine_id;  // once submitted
-    GenerationResult pending;           // produced and not yet written
-    bool done = false;
-    absl::Status status;  // the end's (EndStatus)
-    bool queued = false;
-  };
+  // One request of the stream: its news, written when its turn comes.
+  struct Generation : internal::WritePump::Source {
+    Generation(std::shared_ptr<const KServeRequest> request, std::string id, std::string model_name)
+        : request(std::move(request)), id(std::move(id)), model_name(std::move(model_name)) {}
+    const std::shared_ptr<const KServeRequest> request;
+    const std::string id;  // the client's, echoed
+    const std::string model_name;
 
-  // One thing to write: a generation's news, or a ready message (an error).
-  struct Outbound {
-    std::shared_ptr<Generation> generation;
-    std::optional<ModelStreamInferResponse> message;
-  };
-
-  struct Call {
     absl::Mutex mu;
-    StreamReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;  // null once OnDone ran
-    Engine* engine ABSL_GUARDED_BY(mu) = nullptr;          // the one generations were submitted to
-    std::map<uint64_t, std::shared_ptr<Generation>> live ABSL_GUARDED_BY(mu);
+    GenerationResult pending ABSL_GUARDED_BY(mu);  // produced and not yet written
+    bool done ABSL_GUARDED_BY(mu) = false;
+    absl::Status status ABSL_GUARDED_BY(mu);  // the end's (EndStatus)
+
+    // Everything since the last write, as one response.
+    std::optional<grpc::ByteBuffer> TakeMessage() override {
+      absl::MutexLock lock(&mu);
+      ModelStreamInferResponse message;
+      ModelInferResponse& response = *message.mutable_infer_response();
+      response.set_id(id);
+      response.set_model_name(model_name);
+      response.set_model_version(kModelVersion);
+      if (done && !status.ok()) {
+        message.set_error_message(
+            absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message()));
+        SetFinal(true, response);
+        return internal::SerializeBody(message);
+      }
+      if (!done && (!request->stream || (pending.text.empty() && pending.token_ids.empty()))) {
+        return std::nullopt;
+      }
+      internal::BuildInferResponse(*request, {pending}, done, &response);
+      SetFinal(done, response);
+      pending = GenerationResult();
+      return internal::SerializeBody(message);
+    }
+  };
+
+  // Shared by the reactor and the sinks.
+  struct Call {
+    explicit Call(std::shared_ptr<internal::WritePump> pump) : pump(std::move(pump)) {}
+    const std::shared_ptr<internal::WritePump> pump;
+
+    absl::Mutex mu;
+    Engine* engine ABSL_GUARDED_BY(mu) = nullptr;  // the one generations were submitted to
+    // Generations not yet ended, by key, with their engine ids once submitted.
+    std::map<uint64_t, std::optional<uint64_t>> live ABSL_GUARDED_BY(mu);
     uint64_t next_key ABSL_GUARDED_BY(mu) = 1;
-    std::deque<Outbound> queue ABSL_GUARDED_BY(mu);
-    ModelStreamInferResponse in_flight ABSL_GUARDED_BY(mu);  // must outlive its write
-    bool writing ABSL_GUARDED_BY(mu) = false;
-    // In OnReadDone until its next StartRead is issued: no Finish then, since
-    // a read must not start after Finish.
-    bool in_read ABSL_GUARDED_BY(mu) = false;
-    bool reads_done ABSL_GUARDED_BY(mu) = false;            // the client half-closed
-    bool cancelled ABSL_GUARDED_BY(mu) = false;             // client gone or a write failed
-    std::optional<grpc::Status> abort ABSL_GUARDED_BY(mu);  // finish with this at once
-    bool finished ABSL_GUARDED_BY(mu) = false;
+    bool reads_done ABSL_GUARDED_BY(mu) = false;  // the client half-closed (or we stopped reading)
+    bool cancelled ABSL_GUARDED_BY(mu) = false;   // client gone or a write failed
 
-    // What to do once the lock is released: gRPC may run reactions that
-    // take it on the thread that calls StartWrite or Finish.
-    struct Action {
-      StreamReactor* reactor = nullptr;
-      const ModelStreamInferResponse* write = nullptr;
-      std::optional<grpc::Status> finish;
-      std::vector<uint64_t> cancel;
-      Engine* engine = nullptr;
-    };
-
-    void Run(const Action& action) {
-      for (uint64_t id : action.cancel) action.engine->Cancel(id);
-      if (action.write != nullptr) action.reactor->StartWrite(action.write);
-      if (action.finish) action.reactor->Finish(*action.finish);
+    // The call is over once the client half-closed and every generation ended.
+    void MaybeFinish() ABSL_LOCKS_EXCLUDED(mu) {
+      bool over;
+      {
+        absl::MutexLock lock(&mu);
+        over = reads_done && live.empty();
+      }
+      if (over) pump->FinishAfterWrites(grpc::Status::OK);
     }
 
     // Stops every generation (the client is gone).
-    void CancelAll(Action& action) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      cancelled = true;
-      action.engine = engine;
-      for (const auto& [key, generation] : live) {
-        if (generation->engine_id) action.cancel.push_back(*generation->engine_id);
-      }
-    }
-
-    // Moves `generation`'s news into `in_flight`; false when there is none.
-    bool TakeNews(Generation& generation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      in_flight.Clear();
-      ModelInferResponse& response = *in_flight.mutable_infer_response();
-      response.set_id(generation.id);
-      response.set_model_name(generation.model_name);
-      response.set_model_version(kModelVersion);
-      const KServeRequest& request = *generation.request;
-      if (generation.done && !generation.status.ok()) {
-        in_flight.set_error_message(absl::StrCat(absl::StatusCodeToString(generation.status.code()),
-                                                 ": ", generation.status.message()));
-        SetFinal(true, response);
-        return true;
-      }
-      if (!generation.done) {
-        const GenerationResult& p = generation.pending;
-        if (!request.stream || (p.text.empty() && p.token_ids.empty())) return false;
-      }
-      internal::BuildInferResponse(request, {generation.pending}, generation.done, &response);
-      SetFinal(generation.done, response);
-      generation.pending = GenerationResult();
-      return true;
-    }
-
-    // Adds the next write, or the Finish once nothing is left to do.
-    void Pump(Action& action) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      if (reactor == nullptr || finished || writing) return;
-      action.reactor = reactor;
-      if (!cancelled && !abort) {
-        while (!queue.empty()) {
-          Outbound next = std::move(queue.front());
-          queue.pop_front();
-          if (next.message) {
-            in_flight = *std::move(next.message);
-          } else {
-            Generation& generation = *next.generation;
-            generation.queued = false;
-            if (!TakeNews(generation)) continue;
-            if (generation.done) live.erase(generation.key);
-          }
-          writing = true;
-          action.write = &in_flight;
-          return;
+    void CancelAll() ABSL_LOCKS_EXCLUDED(mu) {
+      std::vector<uint64_t> ids;
+      Engine* target = nullptr;
+      {
+        absl::MutexLock lock(&mu);
+        if (cancelled) return;
+        cancelled = true;
+        target = engine;
+        for (const auto& [key, id] : live) {
+          if (id) ids.push_back(*id);
         }
       }
-      if (in_read) return;
-      if (cancelled) {
-        finished = true;
-        action.finish = grpc::Status(grpc::StatusCode::CANCELLED, "the stream was cancelled");
-      } else if (abort) {
-        finished = true;
-        action.finish = *abort;
-      } else if (reads_done && live.empty()) {
-        finished = true;
-        action.finish = grpc::Status::OK;
-      }
-    }
-
-    void Enqueue(const std::shared_ptr<Generation>& generation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-      if (generation->queued) return;
-      generation->queued = true;
-      queue.push_back({generation, std::nullopt});
+      for (uint64_t id : ids) target->Cancel(id);
     }
 
     // An in-band error for the request with `id`; the stream stays open.
-    void EnqueueError(const std::string& id, const absl::Status& status)
-        ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    void WriteError(const std::string& id, const absl::Status& status) {
       ModelStreamInferResponse message;
       message.set_error_message(
           absl::StrCat(absl::StatusCodeToString(status.code()), ": ", status.message()));
       message.mutable_infer_response()->set_id(id);
       SetFinal(true, *message.mutable_infer_response());
-      queue.push_back({nullptr, std::move(message)});
+      pump->Write(internal::SerializeBody(message));
     }
   };
 
   class Sink : public RequestSink {
    public:
-    Sink(std::shared_ptr<Call> call, std::shared_ptr<Generation> generation)
-        : call_(std::move(call)), generation_(std::move(generation)) {}
+    Sink(std::shared_ptr<Call> call, std::shared_ptr<Generation> generation, uint64_t key)
+        : call_(std::move(call)), generation_(std::move(generation)), key_(key) {}
     void OnTokens(TokenChunk chunk) override {
-      Call::Action action;
       {
-        absl::MutexLock lock(&call_->mu);
-        if (call_->finished) return;
+        absl::MutexLock lock(&generation_->mu);
         AppendChunk(chunk, generation_->pending);
-        if (generation_->request->stream) call_->Enqueue(generation_);
-        call_->Pump(action);
       }
-      call_->Run(action);
+      if (generation_->request->stream) call_->pump->Notify(generation_);
     }
     void OnDone(const absl::Status& status, const Completion& completion) override {
-      Call::Action action;
       {
-        absl::MutexLock lock(&call_->mu);
-        if (call_->finished) return;
+        absl::MutexLock lock(&generation_->mu);
         generation_->done = true;
         generation_->status = ForPrompt(EndStatus(status, completion), *generation_->request, 0);
         SetCompletion(completion, generation_->pending);
-        call_->Enqueue(generation_);
-        call_->Pump(action);
       }
-      call_->Run(action);
+      call_->pump->Notify(generation_);
+      {
+        absl::MutexLock lock(&call_->mu);
+        call_->live.erase(key_);
+      }
+      call_->MaybeFinish();
     }
 
    private:
     const std::shared_ptr<Call> call_;
     const std::shared_ptr<Generation> generation_;
+    const uint64_t key_;
   };
 
   StreamReactor(ServingState* state, grpc::CallbackServerContext* context)
-      : state_(state), context_(context), call_(std::make_shared<Call>()) {
+      : state_(state),
+        context_(context),
+        call_(std::make_shared<Call>(std::make_shared<internal::WritePump>(
+            [this](const grpc::ByteBuffer* message) { StartWrite(message); },
+            [this](const grpc::Status& status) { Finish(status); }))) {
     grpc::Status auth = state->Authorize(*context);
-    Call::Action action;
-    {
-      absl::MutexLock lock(&call_->mu);
-      call_->reactor = this;
-      if (!auth.ok()) {
-        call_->abort = auth;
-        call_->Pump(action);
-      }
-    }
     if (!auth.ok()) {
-      call_->Run(action);
+      call_->pump->Abort(auth);
       return;
     }
-    StartRead(&request_);
+    StartRead(&body_);
   }
 
   void OnReadDone(bool ok) override {
-    Call::Action action;
-    bool handle = false;
-    {
-      absl::MutexLock lock(&call_->mu);
-      if (ok && !call_->finished && !call_->cancelled) {
-        call_->in_read = true;
-        handle = true;
-      } else {
-        call_->reads_done = true;
-        call_->Pump(action);
-      }
-    }
-    if (!handle) {
-      call_->Run(action);
+    internal::WritePump& pump = *call_->pump;
+    if (ok && !pump.ending()) {
+      // Held until the next read is issued: no read may start after Finish.
+      pump.Hold();
+      Handle();
+      const bool read_again = !pump.ending();
+      if (read_again) StartRead(&body_);
+      if (!read_again) StopReading();
+      pump.Release();
       return;
     }
-    Handle(request_);
-    bool read_again;
-    {
-      absl::MutexLock lock(&call_->mu);
-      read_again = !call_->finished && !call_->cancelled;
-    }
-    // in_read holds off Finish until this read is issued.
-    if (read_again) StartRead(&request_);
-    {
-      absl::MutexLock lock(&call_->mu);
-      call_->in_read = false;
-      if (!read_again) call_->reads_done = true;
-      call_->Pump(action);
-    }
-    call_->Run(action);
+    StopReading();
   }
 
   void OnWriteDone(bool ok) override {
-    Call::Action action;
-    {
-      absl::MutexLock lock(&call_->mu);
-      call_->writing = false;
-      if (!ok && !call_->cancelled) call_->CancelAll(action);
-      call_->Pump(action);
-    }
-    call_->Run(action);
+    if (!ok) call_->CancelAll();
+    call_->pump->OnWriteDone(ok);
   }
 
   void OnCancel() override {
-    Call::Action action;
-    {
-      absl::MutexLock lock(&call_->mu);
-      if (!call_->cancelled) call_->CancelAll(action);
-      call_->Pump(action);
-    }
-    call_->Run(action);
+    // A passed deadline is left to the scheduler, which ends the generations
+    // for it before their next step (counted as a timeout, not a cancel).
+    if (!DeadlineReached(*context_)) call_->CancelAll();
+    call_->pump->Abort(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was cancelled"));
   }
 
   void OnDone() override {
-    {
-      absl::MutexLock lock(&call_->mu);
-      call_->reactor = nullptr;
-    }
+    call_->pump->Detach();
     delete this;
   }
 
  private:
-  // Starts the generation `request` asks for, or queues its error.
-  void Handle(const ModelInferRequest& request) {
+  void StopReading() {
+    {
+      absl::MutexLock lock(&call_->mu);
+      call_->reads_done = true;
+    }
+    call_->MaybeFinish();
+  }
+
+  // Starts the generation the request just read asks for, or writes its error.
+  void Handle() {
+    ModelInferRequest request;
+    const absl::Status body = internal::ParseBody(body_, request);
+    if (!body.ok()) {
+      if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("invalid");
+      call_->WriteError("", body);
+      return;
+    }
     absl::StatusOr<Engine*> engine = EngineFor(*state_, request);
     absl::StatusOr<KServeRequest> parsed = engine.ok()
                                                ? internal::ParseInferRequest(request)
@@ -530,19 +466,21 @@ class StreamReactor : public grpc::ServerBidiReactor<ModelInferRequest, ModelStr
                        "; send one request per prompt on the stream"));
     }
     if (!parsed.ok()) {
-      absl::MutexLock lock(&call_->mu);
-      call_->EnqueueError(request.id(), parsed.status());
+      call_->WriteError(request.id(), parsed.status());
       return;
     }
-    auto generation = std::make_shared<Generation>();
-    generation->request = std::make_shared<const KServeRequest>(*std::move(parsed));
-    generation->id = request.id();
-    generation->model_name = (*engine)->info().name;
-    generation->pending = internal::InitialResult(*generation->request, 0);
+    auto generation =
+        std::make_shared<Generation>(std::make_shared<const KServeRequest>(*std::move(parsed)),
+                                     request.id(), (*engine)->info().name);
+    {
+      absl::MutexLock lock(&generation->mu);
+      generation->pending = internal::InitialResult(*generation->request, 0);
+    }
+    uint64_t key;
     {
       absl::MutexLock lock(&call_->mu);
-      generation->key = call_->next_key++;
-      call_->live.emplace(generation->key, generation);
+      key = call_->next_key++;
+      call_->live.emplace(key, std::nullopt);
       call_->engine = *engine;
     }
     models::GenerationRequest params = internal::PromptParams(*generation->request, 0);
@@ -550,17 +488,21 @@ class StreamReactor : public grpc::ServerBidiReactor<ModelInferRequest, ModelStr
     // Outside the lock: the scheduler may call the sink (which takes it)
     // before Submit returns.
     absl::StatusOr<uint64_t> id =
-        (*engine)->Submit(std::move(params), std::make_shared<Sink>(call_, generation));
+        (*engine)->Submit(std::move(params), std::make_shared<Sink>(call_, generation, key));
     bool cancel = false;
     {
       absl::MutexLock lock(&call_->mu);
-      if (!id.ok()) {
-        call_->live.erase(generation->key);
-        call_->EnqueueError(request.id(), ForPrompt(id.status(), *generation->request, 0));
-        return;
+      if (id.ok()) {
+        auto it = call_->live.find(key);
+        if (it != call_->live.end()) it->second = *id;
+        cancel = call_->cancelled;
+      } else {
+        call_->live.erase(key);
       }
-      generation->engine_id = *id;
-      cancel = call_->cancelled;
+    }
+    if (!id.ok()) {
+      call_->WriteError(request.id(), ForPrompt(id.status(), *generation->request, 0));
+      return;
     }
     if (cancel) (*engine)->Cancel(*id);
   }
@@ -568,7 +510,7 @@ class StreamReactor : public grpc::ServerBidiReactor<ModelInferRequest, ModelStr
   ServingState* const state_;
   grpc::CallbackServerContext* const context_;
   const std::shared_ptr<Call> call_;
-  ModelInferRequest request_;  // the read in flight
+  grpc::ByteBuffer body_;  // the read in flight
 };
 
 }  // namespace
@@ -576,28 +518,23 @@ class StreamReactor : public grpc::ServerBidiReactor<ModelInferRequest, ModelStr
 KServeService::KServeService(ServingState* state, std::string server_version)
     : state_(state), server_version_(std::move(server_version)) {}
 
-grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext* context,
-                                                    const inference::ServerLiveRequest*,
-                                                    inference::ServerLiveResponse* response) {
+grpc::Status KServeService::AnswerServerLive(grpc::CallbackServerContext* context,
+                                             const inference::ServerLiveRequest*,
+                                             inference::ServerLiveResponse* response) {
   response->set_live(true);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return grpc::Status::OK;
 }
 
-grpc::ServerUnaryReactor* KServeService::ServerReady(grpc::CallbackServerContext* context,
-                                                     const inference::ServerReadyRequest*,
-                                                     inference::ServerReadyResponse* response) {
+grpc::Status KServeService::AnswerServerReady(grpc::CallbackServerContext* context,
+                                              const inference::ServerReadyRequest*,
+                                              inference::ServerReadyResponse* response) {
   response->set_ready(state_->phase() == ServingState::Phase::kReady);
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return grpc::Status::OK;
 }
 
-grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext* context,
-                                                    const inference::ModelReadyRequest* request,
-                                                    inference::ModelReadyResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+grpc::Status KServeService::AnswerModelReady(grpc::CallbackServerContext* context,
+                                             const inference::ModelReadyRequest* request,
+                                             inference::ModelReadyResponse* response) {
   grpc::Status status = state_->Authorize(*context);
   if (status.ok()) {
     const Engine* engine = state_->engine();
@@ -607,14 +544,12 @@ grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext*
     }
     response->set_ready(engine != nullptr && state_->phase() == ServingState::Phase::kReady);
   }
-  reactor->Finish(status);
-  return reactor;
+  return status;
 }
 
-grpc::ServerUnaryReactor* KServeService::ServerMetadata(
-    grpc::CallbackServerContext* context, const inference::ServerMetadataRequest*,
-    inference::ServerMetadataResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+grpc::Status KServeService::AnswerServerMetadata(grpc::CallbackServerContext* context,
+                                                 const inference::ServerMetadataRequest*,
+                                                 inference::ServerMetadataResponse* response) {
   grpc::Status status = state_->Authorize(*context);
   if (status.ok()) {
     response->set_name("accel");
@@ -623,14 +558,12 @@ grpc::ServerUnaryReactor* KServeService::ServerMetadata(
     // parameters (sampling knobs in ModelInferRequest.parameters).
     response->add_extensions("parameters");
   }
-  reactor->Finish(status);
-  return reactor;
+  return status;
 }
 
-grpc::ServerUnaryReactor* KServeService::ModelMetadata(
-    grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
-    inference::ModelMetadataResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+grpc::Status KServeService::AnswerModelMetadata(grpc::CallbackServerContext* context,
+                                                const inference::ModelMetadataRequest* request,
+                                                inference::ModelMetadataResponse* response) {
   grpc::Status status = state_->Authorize(*context);
   const Engine* engine = state_->engine();
   if (status.ok() && engine == nullptr) {
@@ -639,8 +572,7 @@ grpc::ServerUnaryReactor* KServeService::ModelMetadata(
   }
   if (status.ok()) status = ToGrpcStatus(CheckModel(*engine, request->name(), request->version()));
   if (!status.ok()) {
-    reactor->Finish(status);
-    return reactor;
+    return status;
   }
   const ModelInfo& info = engine->info();
   response->set_name(info.name);
@@ -688,13 +620,57 @@ grpc::ServerUnaryReactor* KServeService::ModelMetadata(
   properties["max_total_tokens"] = std::to_string(info.max_total_tokens);
   properties["vocab_size"] = std::to_string(info.vocab_size);
   properties["has_tokenizer"] = info.has_tokenizer ? "true" : "false";
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return grpc::Status::OK;
+}
+
+grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* body,
+                                                    grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ServerLiveRequest, inference::ServerLiveResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerServerLive(context, &request, response);
+      });
+}
+
+grpc::ServerUnaryReactor* KServeService::ServerReady(grpc::CallbackServerContext* context,
+                                                     const grpc::ByteBuffer* body,
+                                                     grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ServerReadyRequest, inference::ServerReadyResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerServerReady(context, &request, response);
+      });
+}
+
+grpc::ServerUnaryReactor* KServeService::ModelReady(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* body,
+                                                    grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ModelReadyRequest, inference::ModelReadyResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerModelReady(context, &request, response);
+      });
+}
+
+grpc::ServerUnaryReactor* KServeService::ServerMetadata(grpc::CallbackServerContext* context,
+                                                        const grpc::ByteBuffer* body,
+                                                        grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ServerMetadataRequest, inference::ServerMetadataResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerServerMetadata(context, &request, response);
+      });
+}
+
+grpc::ServerUnaryReactor* KServeService::ModelMetadata(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* body,
+                                                       grpc::ByteBuffer* out) {
+  return internal::AnswerRaw<inference::ModelMetadataRequest, inference::ModelMetadataResponse>(
+      context, *body, out, [this, context](const auto& request, auto* response) {
+        return AnswerModelMetadata(context, &request, response);
+      });
 }
 
 grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext* context,
-                                                    const ModelInferRequest* request,
-                                                    ModelInferResponse* response) {
+                                                    const grpc::ByteBuffer* body,
+                                                    grpc::ByteBuffer* response) {
   const auto fail = [context](const grpc::Status& status) {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(status);
@@ -702,9 +678,15 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
   };
   grpc::Status auth = state_->Authorize(*context);
   if (!auth.ok()) return fail(auth);
-  absl::StatusOr<Engine*> engine = EngineFor(*state_, *request);
+  ModelInferRequest request;
+  const absl::Status body_status = internal::ParseBody(*body, request);
+  if (!body_status.ok()) {
+    if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("invalid");
+    return fail(ToGrpcStatus(body_status));
+  }
+  absl::StatusOr<Engine*> engine = EngineFor(*state_, request);
   if (!engine.ok()) return fail(ToGrpcStatus(engine.status()));
-  absl::StatusOr<KServeRequest> parsed = internal::ParseInferRequest(*request);
+  absl::StatusOr<KServeRequest> parsed = internal::ParseInferRequest(request);
   if (!parsed.ok()) return fail(ToGrpcStatus(parsed.status()));
   if (parsed->stream) {
     // Triton answers the same for a decoupled model on the unary RPC.
@@ -712,11 +694,11 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
                              "stream=true needs ModelStreamInfer; ModelInfer answers once"));
   }
   return new InferReactor(std::make_shared<const KServeRequest>(*std::move(parsed)), *engine,
-                          context, *request, response);
+                          context, request, response);
 }
 
-grpc::ServerBidiReactor<ModelInferRequest, ModelStreamInferResponse>*
-KServeService::ModelStreamInfer(grpc::CallbackServerContext* context) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KServeService::ModelStreamInfer(
+    grpc::CallbackServerContext* context) {
   return new StreamReactor(state_, context);
 }
 

@@ -6,29 +6,17 @@
 // ready. SIGTERM or SIGINT starts a drain: ready turns NOT_SERVING, new
 // requests get UNAVAILABLE, running ones finish within --shutdown_timeout
 // (past it they end with finish_reason cancelled), and the process exits 0.
-#include <algorithm>
-#include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <optional>
 #include <pthread.h>
 #include <sstream>
 #include <string>
-#include <thread>
-#include <unistd.h>
 #include <vector>
-
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
-#include <grpcpp/health_check_service_interface.h>
-#include <grpcpp/impl/server_builder_option.h>
-#include <grpcpp/impl/server_builder_plugin.h>
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/server.h>
-#include <grpcpp/server_builder.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -37,18 +25,15 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 #include "core/tool_main.h"
 #include "models/default_model.h"
-#include "server/engine.h"
-#include "server/generation_service.h"
-#include "server/kserve_service.h"
-#include "server/metrics.h"
-#include "server/metrics_http.h"
-#include "server/server_metrics.h"
-#include "server/serving.h"
+#include "server/server.h"
+
+namespace {
+constexpr char kVersion[] = "0.1.0";
+}  // namespace
 
 ABSL_FLAG(std::string, model, "",
           "A HuggingFace model folder (config.json, *.safetensors, tokenizer.json). Empty: the "
@@ -118,19 +103,16 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "A file holding a token; requests must then carry \"authorization: Bearer <token>\" "
           "(health checks excepted).");
 ABSL_FLAG(bool, grpc_reflection, true, "Register gRPC server reflection (grpcurl, grpc_cli).");
+ABSL_FLAG(absl::Duration, max_connection_age, absl::Minutes(5),
+          "Close a client connection this old (GOAWAY, then --max_connection_age_grace for its "
+          "calls to finish), so clients reconnect and spread over the replicas behind a "
+          "Kubernetes ClusterIP Service as they come and go; 0: connections live forever.");
+ABSL_FLAG(absl::Duration, max_connection_age_grace, absl::Seconds(30),
+          "After --max_connection_age, how long calls on the old connection may run before it "
+          "is closed.");
 ABSL_FLAG(int, threads, 0, "libtorch intra-op threads; 0: one per core.");
 
 namespace {
-
-using accel::server::Engine;
-using accel::server::ServingState;
-
-constexpr char kVersion[] = "0.1.0";
-constexpr int kMaxMessageBytes = 64 << 20;
-// Health service names: live from the start, ready while the model serves.
-const std::vector<std::string> kLiveServices = {"", "accel.live"};
-const std::vector<std::string> kReadyServices = {"accel.ready", "accel.v1.Generation",
-                                                 "inference.GRPCInferenceService"};
 
 void Log(const std::string& message) {
   std::fprintf(stderr, "accel-serve: %s\n", message.c_str());
@@ -145,18 +127,8 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) 
   return text.str();
 }
 
-struct Options {
-  accel::server::EngineOptions engine;
-  std::string host;
-  int port = 0;
-  int metrics_port = 0;
-  absl::Duration shutdown_timeout;
-  std::optional<std::string> auth_token;
-  std::shared_ptr<grpc::ServerCredentials> credentials;
-};
-
-absl::StatusOr<Options> ReadOptions() {
-  Options o;
+absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
+  accel::server::ServerOptions o;
   accel::server::EngineOptions& e = o.engine;
   e.model_dir = absl::GetFlag(FLAGS_model);
   if (e.model_dir.empty()) e.model_dir = accel::models::DefaultModelDir();
@@ -185,6 +157,12 @@ absl::StatusOr<Options> ReadOptions() {
   o.port = absl::GetFlag(FLAGS_port);
   o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   o.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
+  o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  o.reflection = absl::GetFlag(FLAGS_grpc_reflection);
+  o.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
+  o.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);
+  o.version = kVersion;
 
   auto positive = [](const char* flag, int64_t value) -> absl::Status {
     if (value >= 1) return absl::OkStatus();
@@ -217,6 +195,12 @@ absl::StatusOr<Options> ReadOptions() {
   if (o.shutdown_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--shutdown_timeout must not be negative");
   }
+  if (o.max_connection_age < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--max_connection_age must not be negative");
+  }
+  if (o.max_connection_age_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--max_connection_age_grace must not be negative");
+  }
   if (!std::filesystem::exists(e.model_dir + "/config.json")) {
     return absl::NotFoundError(
         absl::StrCat("--model: ", e.model_dir,
@@ -235,42 +219,7 @@ absl::StatusOr<Options> ReadOptions() {
     }
     o.auth_token = std::move(trimmed);
   }
-  const std::string cert = absl::GetFlag(FLAGS_tls_cert);
-  const std::string key = absl::GetFlag(FLAGS_tls_key);
-  if (cert.empty() != key.empty()) {
-    return absl::InvalidArgumentError("--tls_cert and --tls_key go together: give both or neither");
-  }
-  if (cert.empty()) {
-    o.credentials = grpc::InsecureServerCredentials();
-  } else {
-    absl::StatusOr<std::string> cert_pem = ReadFile(cert, "tls_cert");
-    if (!cert_pem.ok()) return cert_pem.status();
-    absl::StatusOr<std::string> key_pem = ReadFile(key, "tls_key");
-    if (!key_pem.ok()) return key_pem.status();
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({*key_pem, *cert_pem});
-    o.credentials = grpc::SslServerCredentials(ssl);
-  }
   return o;
-}
-
-// Linking gRPC's reflection library registers its plugin for every server
-// (a static initializer); --grpc_reflection=false takes it out again.
-class NoReflection : public grpc::ServerBuilderOption {
- public:
-  void UpdateArguments(grpc::ChannelArguments*) override {}
-  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
-    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
-                                  [](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
-                                    return plugin->name() == "proto_server_reflection";
-                                  }),
-                   plugins->end());
-  }
-};
-
-void SetHealth(grpc::Server& server, const std::vector<std::string>& names, bool serving) {
-  grpc::HealthCheckServiceInterface* health = server.GetHealthCheckService();
-  for (const std::string& name : names) health->SetServingStatus(name, serving);
 }
 
 int Run(int argc, char** argv) {
@@ -299,91 +248,26 @@ int Run(int argc, char** argv) {
     Log(absl::StrCat("unexpected argument \"", rest[1], "\" (flags are --name=value)"));
     return 1;
   }
-  absl::StatusOr<Options> options = ReadOptions();
+  absl::StatusOr<accel::server::ServerOptions> options = ReadOptions();
   if (!options.ok()) {
     Log(std::string(options.status().message()));
     return 1;
   }
-
-  accel::server::MetricsRegistry registry;
-  accel::server::ServerMetrics metrics(&registry);
-  metrics.build_info.WithLabels({kVersion}).Set(1);
-  ServingState state(options->auth_token, &metrics);
-  std::atomic<Engine*> loaded_engine{nullptr};
-  absl::Mutex collect_mu;  // scrapes may run at once; each delta is added once
-  registry.AddCollectHook([&metrics, &loaded_engine, &collect_mu] {
-    absl::MutexLock lock(&collect_mu);
-    Engine* engine = loaded_engine.load();
-    if (engine == nullptr) return;
-    const accel::dispatch::OffloadStats stats = engine->offload_stats();
-    const auto catch_up = [](accel::server::Counter& counter, int64_t total) {
-      counter.Increment(static_cast<double>(total) - counter.value());
-    };
-    catch_up(metrics.offload_fetches, stats.fetches);
-    catch_up(metrics.offload_prefetch_hits, stats.prefetch_hits);
-    catch_up(metrics.offload_disk_read_bytes, stats.bytes_read);
-    catch_up(metrics.offload_disk_mapped_bytes, stats.bytes_mapped);
-    catch_up(metrics.offload_disk_dropped_bytes, stats.bytes_dropped);
-    catch_up(metrics.offload_device_copy_bytes, stats.bytes_to_device);
-    catch_up(metrics.offload_expert_fetches, stats.expert_fetches);
-    catch_up(metrics.offload_expert_cache_hits, stats.expert_cache_hits);
-    catch_up(metrics.offload_expert_prefetch_hits, stats.expert_prefetch_hits);
-    const double tokens = metrics.prompt_tokens.value() + metrics.generation_tokens.value();
-    metrics.offload_read_bytes_per_token.Set(
-        tokens > 0 ? static_cast<double>(stats.bytes_read + stats.bytes_mapped) / tokens : 0.0);
-  });
-  std::unique_ptr<accel::server::MetricsHttpServer> metrics_http;
-  if (options->metrics_port >= 0) {
-    auto started =
-        accel::server::MetricsHttpServer::Start(options->host, options->metrics_port, &registry);
-    if (!started.ok()) {
-      Log(absl::StrCat("--metrics_port: ", started.status().message()));
-      return 1;
-    }
-    metrics_http = *std::move(started);
-  }
-
-  accel::server::GenerationService generation(&state);
-  accel::server::KServeService kserve(&state, kVersion);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  if (!absl::GetFlag(FLAGS_grpc_reflection)) builder.SetOption(std::make_unique<NoReflection>());
-  int grpc_port = 0;
-  builder.AddListeningPort(absl::StrCat(options->host, ":", options->port), options->credentials,
-                           &grpc_port);
-  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  builder.SetMaxSendMessageSize(kMaxMessageBytes);
-  builder.RegisterService(&generation);
-  builder.RegisterService(&kserve);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || grpc_port == 0) {
-    Log(absl::StrCat("--port: cannot listen on ", options->host, ":", options->port,
-                     " (in use, or a bad --host?)"));
+  absl::StatusOr<std::unique_ptr<accel::server::Server>> server =
+      accel::server::Server::Start(*options);
+  if (!server.ok()) {
+    Log(std::string(server.status().message()));
     return 1;
   }
-  SetHealth(*server, kLiveServices, true);
-  SetHealth(*server, kReadyServices, false);
+  const accel::server::Server::Ports ports = (*server)->ports();
   // One line on stdout that scripts and tests read for the ports.
-  std::printf("accel-serve: listening grpc=%s:%d metrics=%s:%d\n", options->host.c_str(), grpc_port,
-              options->host.c_str(), metrics_http ? metrics_http->port() : -1);
+  std::printf("accel-serve: listening grpc=%s:%d metrics=%s:%d\n", options->host.c_str(),
+              ports.grpc, options->host.c_str(), ports.metrics);
   std::fflush(stdout);
   Log(absl::StrCat("loading ", options->engine.model_dir));
 
-  // The model loads on its own thread so that a signal during a long load
-  // still ends the process at once.
-  absl::Mutex load_mu;
-  bool load_done = false;
-  absl::StatusOr<std::unique_ptr<Engine>> engine = absl::UnknownError("not loaded");
-  std::thread loader([&] {
-    absl::StatusOr<std::unique_ptr<Engine>> result = Engine::Load(options->engine, &metrics);
-    absl::MutexLock lock(&load_mu);
-    engine = std::move(result);
-    load_done = true;
-  });
-
   const timespec tick = {0, 100'000'000};
-  bool ready = false;
+  bool logged_ready = false;
   while (true) {
     siginfo_t info;
     const int signal = sigtimedwait(&signals, &info, &tick);
@@ -391,55 +275,38 @@ int Run(int argc, char** argv) {
       Log(absl::StrCat(signal == SIGTERM ? "SIGTERM" : "SIGINT", ": draining"));
       break;
     }
-    if (ready) continue;
-    {
-      absl::MutexLock lock(&load_mu);
-      if (!load_done) continue;
-    }
-    if (!engine.ok()) {
-      Log(absl::StrCat("cannot load the model: ", engine.status().message()));
-      loader.join();
-      server->Shutdown(std::chrono::system_clock::now());
+    if (logged_ready) continue;
+    const absl::Status loaded = (*server)->WaitReady(absl::ZeroDuration());
+    if (absl::IsDeadlineExceeded(loaded)) continue;
+    if (!loaded.ok()) {
+      Log(absl::StrCat("cannot load the model: ", loaded.message()));
       return 1;
     }
-    Engine& e = **engine;
-    loaded_engine.store(&e);
-    state.SetReady(&e);
-    metrics.ready.Set(1);
-    SetHealth(*server, kReadyServices, true);
-    ready = true;
-    Log(absl::StrFormat("ready: %s (%s, %d parameters, %s) loaded in %.2f s", e.info().name,
-                        e.info().architecture, e.info().parameters, e.info().dtype,
-                        e.info().load_seconds));
+    logged_ready = true;
+    const accel::server::ModelInfo& model = (*server)->model_info();
+    Log(absl::StrFormat("ready: %s (%s, %d parameters, %s) loaded in %.2f s", model.name,
+                        model.architecture, model.parameters, model.dtype, model.load_seconds));
   }
 
-  // Drain.
-  state.SetDraining();
-  metrics.ready.Set(0);
-  metrics.draining.Set(1);
-  SetHealth(*server, kReadyServices, false);
-  if (!ready) {
+  // Asked of the server, not of the loop above: it turns ready (and says so
+  // on the health service) the moment the load ends, between two ticks.
+  const absl::Status loaded = (*server)->WaitReady(absl::ZeroDuration());
+  if (absl::IsDeadlineExceeded(loaded)) {
     // A load cannot be interrupted; nothing was served, so nothing is lost.
     Log("the model was still loading; exiting");
-    server->Shutdown(std::chrono::system_clock::now());
     std::fflush(nullptr);
     std::_Exit(0);
   }
-  loader.join();
-  accel::server::Scheduler& scheduler = (*engine)->scheduler();
-  scheduler.StopAdmission();
-  if (!scheduler.WaitIdle(options->shutdown_timeout)) {
-    const accel::server::Scheduler::Snapshot left = scheduler.snapshot();
-    Log(absl::StrCat("--shutdown_timeout passed with ", left.running + left.waiting,
-                     " requests left; ending them (finish_reason cancelled)"));
-    scheduler.CancelAll();
-    scheduler.WaitIdle(absl::Seconds(10));
+  if (!loaded.ok()) {
+    Log(absl::StrCat("cannot load the model: ", loaded.message()));
+    return 1;
   }
-  // Lets the last responses go out, then cancels whatever RPC is left.
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  server->Wait();
-  loaded_engine.store(nullptr);
-  metrics_http.reset();
+  const int ended = (*server)->Drain();
+  if (ended > 0) {
+    Log(absl::StrCat("--shutdown_timeout passed with ", ended,
+                     " requests left; they were ended (finish_reason cancelled)"));
+  }
+  server->reset();
   Log("drained; exiting");
   return 0;
 }

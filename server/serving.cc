@@ -42,6 +42,7 @@ void ServingState::SetReady(Engine* engine) {
 void ServingState::SetDraining() { phase_.store(Phase::kDraining); }
 
 grpc::Status ServingState::Authorize(const grpc::ServerContextBase& context) const {
+  last_call_ns_.store(absl::ToUnixNanos(absl::Now()));
   if (!auth_token_) return grpc::Status::OK;
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
@@ -76,6 +77,12 @@ absl::Time CallDeadline(const grpc::ServerContextBase& context) {
     return absl::InfiniteFuture();
   }
   return absl::FromChrono(deadline);
+}
+
+bool DeadlineReached(const grpc::ServerContextBase& context) {
+  // gRPC's timer and absl's clock may disagree by a little; a cancel this
+  // close to the deadline is the deadline's.
+  return CallDeadline(context) <= absl::Now() + absl::Milliseconds(100);
 }
 
 }  // namespace accel::server

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -39,7 +40,12 @@ class ServingState {
 
   // OK when no token is configured or the call carries the metadata
   // "authorization: Bearer <token>"; else Unauthenticated (and counted).
+  // Every handler but the liveness probes calls it first, so it also notes
+  // when the last call arrived (see last_call()).
   grpc::Status Authorize(const grpc::ServerContextBase& context) const;
+  // When a handler last called Authorize; InfinitePast before any call. A
+  // drain waits for a quiet moment before it stops gRPC (server/server.cc).
+  absl::Time last_call() const { return absl::FromUnixNanos(last_call_ns_.load()); }
 
   ServerMetrics* metrics() const { return metrics_; }
 
@@ -48,6 +54,7 @@ class ServingState {
   ServerMetrics* const metrics_;
   std::atomic<Engine*> engine_{nullptr};
   std::atomic<Phase> phase_{Phase::kLoading};
+  mutable std::atomic<int64_t> last_call_ns_{0};
 };
 
 // Same code, same message. ResourceExhausted also gets the trailing
@@ -58,6 +65,13 @@ void AddRetryHint(grpc::ServerContextBase& context);
 
 // The call's deadline, or InfiniteFuture when the client set none.
 absl::Time CallDeadline(const grpc::ServerContextBase& context);
+
+// True when the call's deadline has come (within a few milliseconds). gRPC
+// reports a passed deadline as a cancellation (OnCancel); a handler that
+// sees this leaves the request to the scheduler, which ends it for its
+// deadline in the same step, so it is counted as a timeout, not as a
+// client's cancel.
+bool DeadlineReached(const grpc::ServerContextBase& context);
 
 }  // namespace accel::server
 

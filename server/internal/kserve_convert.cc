@@ -19,6 +19,7 @@
 
 #include "core/json_depth.h"
 #include "core/status.h"
+#include "server/internal/quote.h"
 
 namespace accel::server::internal {
 namespace {
@@ -68,7 +69,7 @@ bool IsUnsignedInt(absl::string_view datatype) {
 }
 
 std::string TensorLabel(const InputTensor& tensor) {
-  return absl::StrCat("input \"", tensor.name(), "\"");
+  return absl::StrCat("input ", Quote(tensor.name()));
 }
 
 // The typed-form element count must match the shape.
@@ -92,7 +93,7 @@ absl::Status CheckRawSize(const InputTensor& tensor, const std::string& raw, int
 
 absl::Status WrongDatatype(const InputTensor& tensor, absl::string_view expected) {
   return absl::InvalidArgumentError(absl::StrCat(TensorLabel(tensor), ": datatype must be ",
-                                                 expected, ", got \"", tensor.datatype(), "\""));
+                                                 expected, ", got ", Quote(tensor.datatype())));
 }
 
 // Unsigned values (UINT64 as sent) keep their full range here; DecodeInts
@@ -272,7 +273,7 @@ absl::StatusOr<int64_t> AsInt(const Value& v, absl::string_view where) {
     // Triton's vLLM examples send every sampling value as a string.
     int64_t i;
     if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*s), &i)) return i;
-    return KnobError(where, absl::StrCat("must be an integer, got \"", *s, "\""));
+    return KnobError(where, absl::StrCat("must be an integer, got ", Quote(*s)));
   }
   return KnobError(where, absl::StrCat("must be an integer, got ", TypeName(v)));
 }
@@ -282,7 +283,7 @@ absl::StatusOr<uint64_t> AsSeed(const Value& v, absl::string_view where) {
   if (const auto* s = std::get_if<std::string>(&v)) {
     uint64_t u;
     if (absl::SimpleAtoi(absl::StripAsciiWhitespace(*s), &u)) return u;
-    return KnobError(where, absl::StrCat("must be an integer >= 0, got \"", *s, "\""));
+    return KnobError(where, absl::StrCat("must be an integer >= 0, got ", Quote(*s)));
   }
   ACCEL_ASSIGN_OR_RETURN(const int64_t i, AsInt(v, where));
   if (i < 0) return KnobError(where, absl::StrCat("must be >= 0, got ", i));
@@ -299,7 +300,7 @@ absl::StatusOr<double> AsDouble(const Value& v, absl::string_view where) {
     d = static_cast<double>(*u);
   } else if (const auto* s = std::get_if<std::string>(&v)) {
     if (!absl::SimpleAtod(absl::StripAsciiWhitespace(*s), &d)) {
-      return KnobError(where, absl::StrCat("must be a number, got \"", *s, "\""));
+      return KnobError(where, absl::StrCat("must be a number, got ", Quote(*s)));
     }
   } else {
     return KnobError(where, absl::StrCat("must be a number, got ", TypeName(v)));
@@ -318,7 +319,7 @@ absl::StatusOr<bool> AsBool(const Value& v, absl::string_view where) {
     const std::string lower = absl::AsciiStrToLower(absl::StripAsciiWhitespace(*s));
     if (lower == "true" || lower == "1") return true;
     if (lower == "false" || lower == "0") return false;
-    return KnobError(where, absl::StrCat("must be true or false, got \"", *s, "\""));
+    return KnobError(where, absl::StrCat("must be true or false, got ", Quote(*s)));
   }
   return KnobError(where, absl::StrCat("must be true or false, got ", TypeName(v)));
 }
@@ -359,7 +360,7 @@ absl::StatusOr<std::vector<int64_t>> AsInts(const Value& v, absl::string_view wh
         return j.get<std::vector<int64_t>>();
       }
     }
-    return KnobError(where, absl::StrCat("must be a list of integers, got \"", *s, "\""));
+    return KnobError(where, absl::StrCat("must be a list of integers, got ", Quote(*s)));
   }
   if (std::holds_alternative<int64_t>(v) || std::holds_alternative<uint64_t>(v)) {
     ACCEL_ASSIGN_OR_RETURN(const int64_t i, AsInt(v, where));
@@ -503,7 +504,7 @@ absl::Status ApplySamplingJson(const std::string& text, KnobSetter* setter) {
         absl::StrCat("input \"sampling_parameters\": expected a JSON object, got ", j.type_name()));
   }
   for (const auto& [key, value] : j.items()) {
-    const std::string where = absl::StrCat("sampling_parameters \"", key, "\"");
+    const std::string where = absl::StrCat("sampling_parameters ", Quote(key));
     const Knob* knob = FindKnob(key);
     if (knob == nullptr) {
       return absl::InvalidArgumentError(
@@ -558,7 +559,7 @@ absl::StatusOr<Value> TensorValue(const Knob& knob, const InputTensor& tensor,
     return Value(ints[0]);
   }
   return absl::InvalidArgumentError(
-      absl::StrCat(TensorLabel(tensor), ": datatype \"", type, "\" is not accepted here"));
+      absl::StrCat(TensorLabel(tensor), ": datatype ", Quote(type), " is not accepted here"));
 }
 
 // ---------------------------------------------------------------------------
@@ -792,7 +793,7 @@ absl::StatusOr<KServeRequest> ParseInferRequest(const inference::ModelInferReque
   std::sort(keys.begin(), keys.end());
   for (const std::string& key : keys) {
     if (IsReservedParameter(key)) continue;
-    const std::string where = absl::StrCat("parameter \"", key, "\"");
+    const std::string where = absl::StrCat("parameter ", Quote(key));
     const Knob* knob = FindKnob(key);
     if (knob == nullptr) {
       return absl::InvalidArgumentError(
@@ -876,8 +877,8 @@ absl::StatusOr<KServeRequest> ParseInferRequest(const inference::ModelInferReque
     const std::vector<std::string>& known = KnownOutputs();
     if (std::find(known.begin(), known.end(), output.name()) == known.end()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("requested output \"", output.name(),
-                       "\" is not known; outputs: ", absl::StrJoin(known, ", ")));
+          absl::StrCat("requested output ", Quote(output.name()),
+                       " is not known; outputs: ", absl::StrJoin(known, ", ")));
     }
     requested.insert(output.name());
   }

@@ -1,0 +1,370 @@
+#include "server/server.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <sstream>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <grpc/grpc.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/impl/server_builder_option.h>
+#include <grpcpp/impl/server_builder_plugin.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+
+#include "server/generation_service.h"
+#include "server/kserve_service.h"
+#include "server/metrics.h"
+#include "server/metrics_http.h"
+#include "server/server_metrics.h"
+#include "server/serving.h"
+
+namespace accel::server {
+namespace {
+
+constexpr int kMaxMessageBytes = 64 << 20;
+// Health service names: live from the start, ready while the model serves.
+const char* const kLiveServices[] = {"", "accel.live"};
+const char* const kReadyServices[] = {"accel.ready", "accel.v1.Generation",
+                                      "inference.GRPCInferenceService"};
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--", flag, ": cannot read ", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// OpenSSL's reasons for the last failure, oldest first; clears them.
+std::string OpenSslErrors() {
+  std::string reasons;
+  while (unsigned long code = ERR_get_error()) {
+    char buffer[256];
+    ERR_error_string_n(code, buffer, sizeof(buffer));
+    absl::StrAppend(&reasons, reasons.empty() ? "" : "; ", buffer);
+  }
+  return reasons.empty() ? "no PEM block found" : reasons;
+}
+
+// Refuses a key file that asks for a password rather than prompting on the
+// terminal, as OpenSSL otherwise would.
+int NoPassword(char*, int, int, void*) { return 0; }
+
+// gRPC reports any credential it cannot use only as a port it cannot open
+// (BuildAndStart fails), so the PEM files are checked here first, with
+// OpenSSL, which gRPC itself uses on Debian: the certificate chain parses,
+// the key parses (unencrypted), and the key is the first certificate's.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(
+    const std::string& cert_path, const std::string& key_path) {
+  if (cert_path.empty() != key_path.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together: give both or neither");
+  }
+  if (cert_path.empty()) return grpc::InsecureServerCredentials();
+  absl::StatusOr<std::string> cert_pem = ReadFile(cert_path, "tls_cert");
+  if (!cert_pem.ok()) return cert_pem.status();
+  absl::StatusOr<std::string> key_pem = ReadFile(key_path, "tls_key");
+  if (!key_pem.ok()) return key_pem.status();
+
+  ERR_clear_error();
+  BIO* cert_bio = BIO_new_mem_buf(cert_pem->data(), static_cast<int>(cert_pem->size()));
+  X509* cert = PEM_read_bio_X509(cert_bio, nullptr, NoPassword, nullptr);
+  BIO_free(cert_bio);
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_cert: ", cert_path, " holds no valid PEM certificate (", OpenSslErrors(), ")"));
+  }
+  BIO* key_bio = BIO_new_mem_buf(key_pem->data(), static_cast<int>(key_pem->size()));
+  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio, nullptr, NoPassword, nullptr);
+  BIO_free(key_bio);
+  if (key == nullptr) {
+    X509_free(cert);
+    return absl::InvalidArgumentError(absl::StrCat("--tls_key: ", key_path,
+                                                   " holds no valid unencrypted PEM private key (",
+                                                   OpenSslErrors(), ")"));
+  }
+  const bool match = X509_check_private_key(cert, key) == 1;
+  EVP_PKEY_free(key);
+  X509_free(cert);
+  if (!match) {
+    ERR_clear_error();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_key: ", key_path, " is not the private key of the certificate in ", cert_path));
+  }
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({*key_pem, *cert_pem});
+  return grpc::SslServerCredentials(ssl);
+}
+
+// Linking gRPC's reflection library registers its plugin for every server
+// (a static initializer); reflection=false takes it out again.
+class NoReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+                                    return plugin->name() == "proto_server_reflection";
+                                  }),
+                   plugins->end());
+  }
+};
+
+int Milliseconds(absl::Duration d) {
+  return static_cast<int>(
+      std::min<int64_t>(absl::ToInt64Milliseconds(d), std::numeric_limits<int>::max()));
+}
+
+}  // namespace
+
+struct Server::Impl {
+  explicit Impl(const ServerOptions& o)
+      : options(o),
+        metrics(&registry),
+        state(o.auth_token, &metrics),
+        generation(&state),
+        kserve(&state, o.version) {}
+
+  ~Impl() {
+    // gRPC first (its reactors reach the engine), then the engine (its
+    // scheduler calls the sinks), then the metrics endpoint (it reads both).
+    grpc_server.reset();
+    if (loader.joinable()) loader.join();
+    {
+      absl::MutexLock lock(&collect_mu);
+      collecting = nullptr;
+    }
+    engine.reset();
+    metrics_http.reset();
+  }
+
+  void SetHealth(const char* const* names, size_t count, bool serving) {
+    grpc::HealthCheckServiceInterface* health = grpc_server->GetHealthCheckService();
+    for (size_t i = 0; i < count; ++i) health->SetServingStatus(names[i], serving);
+  }
+
+  // Refreshes the offload counters from the engine's snapshot at scrape time.
+  void Collect() {
+    absl::MutexLock lock(&collect_mu);  // scrapes may run at once; each delta is added once
+    if (collecting == nullptr) return;
+    const dispatch::OffloadStats stats = collecting->offload_stats();
+    const auto catch_up = [](Counter& counter, int64_t total) {
+      counter.Increment(static_cast<double>(total) - counter.value());
+    };
+    catch_up(metrics.offload_fetches, stats.fetches);
+    catch_up(metrics.offload_prefetch_hits, stats.prefetch_hits);
+    catch_up(metrics.offload_disk_read_bytes, stats.bytes_read);
+    catch_up(metrics.offload_disk_mapped_bytes, stats.bytes_mapped);
+    catch_up(metrics.offload_disk_dropped_bytes, stats.bytes_dropped);
+    catch_up(metrics.offload_device_copy_bytes, stats.bytes_to_device);
+    catch_up(metrics.offload_expert_fetches, stats.expert_fetches);
+    catch_up(metrics.offload_expert_cache_hits, stats.expert_cache_hits);
+    catch_up(metrics.offload_expert_prefetch_hits, stats.expert_prefetch_hits);
+    const double tokens = metrics.prompt_tokens.value() + metrics.generation_tokens.value();
+    metrics.offload_read_bytes_per_token.Set(
+        tokens > 0 ? static_cast<double>(stats.bytes_read + stats.bytes_mapped) / tokens : 0.0);
+  }
+
+  void Load() {
+    absl::StatusOr<std::unique_ptr<Engine>> loaded = Engine::Load(options.engine, &metrics);
+    absl::MutexLock lock(&mu);
+    load_done = true;
+    if (!loaded.ok()) {
+      load_status = loaded.status();
+      return;
+    }
+    engine = *std::move(loaded);
+    // A drain that started during the load already stopped serving.
+    if (drain_started) {
+      load_status = absl::UnavailableError("the server was drained while the model loaded");
+      return;
+    }
+    {
+      absl::MutexLock collect_lock(&collect_mu);
+      collecting = engine.get();
+    }
+    state.SetReady(engine.get());
+    metrics.ready.Set(1);
+    SetHealth(kReadyServices, std::size(kReadyServices), true);
+    ready = true;
+  }
+
+  // gRPC C++ answers a call that arrives once Server::Shutdown has begun
+  // with CANCELLED (core zombifies it before any handler runs; grpc/grpc
+  // issue 41785, fix proposed in PR 41786), which clients do not retry, and
+  // a call already on its way when the GOAWAY leaves arrives then. While
+  // gRPC still runs, our handlers answer UNAVAILABLE (retryable) instead;
+  // so the drain keeps answering until clients went quiet (no call for
+  // kQuiet, at most kMaxLinger) and only then shuts gRPC down.
+  void Linger(absl::Time drain_start) {
+    constexpr absl::Duration kQuiet = absl::Milliseconds(250);
+    constexpr absl::Duration kMaxLinger = absl::Seconds(2);
+    const absl::Time end = absl::Now() + kMaxLinger;
+    while (true) {
+      const absl::Time now = absl::Now();
+      const absl::Time quiet_since = std::max(drain_start, state.last_call());
+      if (now - quiet_since >= kQuiet || now >= end) return;
+      absl::SleepFor(std::min(kQuiet - (now - quiet_since), end - now));
+    }
+  }
+
+  int Drain(absl::Duration grace) {
+    bool was_ready;
+    {
+      absl::MutexLock lock(&mu);
+      if (drain_started) {
+        mu.Await(absl::Condition(&drained));
+        return 0;
+      }
+      drain_started = true;
+      was_ready = ready;
+    }
+    const absl::Time drain_start = absl::Now();
+    state.SetDraining();
+    metrics.ready.Set(0);
+    metrics.draining.Set(1);
+    SetHealth(kReadyServices, std::size(kReadyServices), false);
+    int ended = 0;
+    if (was_ready) {
+      Scheduler& scheduler = engine->scheduler();
+      scheduler.StopAdmission();
+      if (!scheduler.WaitIdle(grace)) {
+        const Scheduler::Snapshot left = scheduler.snapshot();
+        ended = left.running + left.waiting;
+        scheduler.CancelAll();
+        scheduler.WaitIdle(absl::Seconds(10));
+      }
+    }
+    Linger(drain_start);
+    // Lets the last responses go out, then cancels whatever RPC is left.
+    grpc_server->Shutdown(std::chrono::system_clock::now() +
+                          std::chrono::seconds(was_ready ? 5 : 0));
+    grpc_server->Wait();
+    absl::MutexLock lock(&mu);
+    drained = true;
+    return ended;
+  }
+
+  const ServerOptions options;
+  MetricsRegistry registry;
+  ServerMetrics metrics;
+  ServingState state;
+  GenerationService generation;
+  KServeService kserve;
+  std::unique_ptr<MetricsHttpServer> metrics_http;
+  std::unique_ptr<grpc::Server> grpc_server;
+  Ports ports;
+
+  absl::Mutex collect_mu;
+  Engine* collecting ABSL_GUARDED_BY(collect_mu) = nullptr;
+
+  absl::Mutex mu;
+  bool load_done ABSL_GUARDED_BY(mu) = false;
+  absl::Status load_status ABSL_GUARDED_BY(mu);
+  // Set once by the loader; only read after `ready` (or after the join).
+  std::unique_ptr<Engine> engine;
+  bool ready ABSL_GUARDED_BY(mu) = false;
+  bool drain_started ABSL_GUARDED_BY(mu) = false;
+  bool drained ABSL_GUARDED_BY(mu) = false;
+  std::thread loader;  // last: started after everything above exists
+};
+
+Server::Server(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Server::~Server() {
+  impl_->Drain(absl::ZeroDuration());
+  impl_.reset();
+}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  if (options.max_connection_age < absl::ZeroDuration() ||
+      options.max_connection_age_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--max_connection_age and --max_connection_age_grace must not be negative");
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      TlsCredentials(options.tls_cert_file, options.tls_key_file);
+  if (!credentials.ok()) return credentials.status();
+
+  auto impl = std::make_unique<Impl>(options);
+  Impl& s = *impl;
+  s.metrics.build_info.WithLabels({options.version}).Set(1);
+  s.registry.AddCollectHook([&s] { s.Collect(); });
+  if (options.metrics_port >= 0) {
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
+        MetricsHttpServer::Start(options.host, options.metrics_port, &s.registry);
+    if (!http.ok()) {
+      return absl::Status(http.status().code(),
+                          absl::StrCat("--metrics_port: ", http.status().message()));
+    }
+    s.metrics_http = *std::move(http);
+    s.ports.metrics = s.metrics_http->port();
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  if (!options.reflection) builder.SetOption(std::make_unique<NoReflection>());
+  builder.AddListeningPort(absl::StrCat(options.host, ":", options.port), *credentials,
+                           &s.ports.grpc);
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  if (options.max_connection_age > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               Milliseconds(options.max_connection_age));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               Milliseconds(options.max_connection_age_grace));
+  }
+  builder.RegisterService(&s.generation);
+  builder.RegisterService(&s.kserve);
+  s.grpc_server = builder.BuildAndStart();
+  if (s.grpc_server == nullptr || s.ports.grpc == 0) {
+    s.grpc_server.reset();
+    return absl::UnavailableError(absl::StrCat("--port: cannot listen on ", options.host, ":",
+                                               options.port, " (in use, or a bad --host?)"));
+  }
+  s.SetHealth(kLiveServices, std::size(kLiveServices), true);
+  s.SetHealth(kReadyServices, std::size(kReadyServices), false);
+  s.loader = std::thread([&s] { s.Load(); });
+  return std::unique_ptr<Server>(new Server(std::move(impl)));
+}
+
+Server::Ports Server::ports() const { return impl_->ports; }
+
+const ModelInfo& Server::model_info() const { return impl_->engine->info(); }
+
+absl::Status Server::WaitReady(absl::Duration timeout) {
+  Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
+  if (!s.mu.AwaitWithTimeout(absl::Condition(&s.load_done), timeout)) {
+    return absl::DeadlineExceededError("the model is still loading");
+  }
+  return s.load_status;
+}
+
+int Server::Drain() { return impl_->Drain(impl_->options.shutdown_timeout); }
+
+void Server::Wait() {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->mu.Await(absl::Condition(&impl_->drained));
+}
+
+}  // namespace accel::server
