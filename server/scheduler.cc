@@ -79,6 +79,12 @@ const char* FailureReason(const absl::Status& status) {
 Scheduler::Scheduler(std::unique_ptr<models::TokenGenerator> generator, SchedulerOptions options,
                      ServerMetrics* metrics)
     : options_(options), metrics_(metrics), generator_(std::move(generator)) {
+  {
+    // The store's size is known before the first request: publish it.
+    absl::MutexLock lock(&mu_);
+    UpdateStatsLocked();
+    PublishGaugesLocked();
+  }
   thread_ = std::thread([this] { Loop(); });
 }
 

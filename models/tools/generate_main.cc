@@ -99,6 +99,9 @@ absl::StatusOr<GenerationRequest> MakeRequest(const accel::models::LoadedModel& 
   const accel::loader::GenerationConfig& g = loaded.generation_config;
   GenerationRequest r;
   r.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
+  if (r.max_new_tokens == 0) {
+    return absl::InvalidArgumentError("--max_new_tokens must be at least 1, got 0");
+  }
   if (r.max_new_tokens < 0) r.max_new_tokens = g.max_new_tokens.value_or(32);
   const bool samples = g.do_sample.value_or(false);
   r.sampling.temperature = samples ? g.temperature.value_or(1.0) : 0.0;

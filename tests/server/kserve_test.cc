@@ -420,7 +420,9 @@ struct StreamResult {
 TEST_F(KServeTest, StreamConcatenatesToTheUnaryText) {
   const std::string prompt = "The quick brown fox";
   ModelInferResponse unary;
-  ASSERT_TRUE(Infer(TextRequest({prompt}, 12), &unary).ok());
+  // Enough tokens that a stream cannot plausibly be merged into one message
+  // (the write pump merges what arrives while a write is in flight).
+  ASSERT_TRUE(Infer(TextRequest({prompt}, 48), &unary).ok());
   ASSERT_FALSE(Texts(unary).at(0).empty());  // else the comparison below proves little
 
   grpc::ClientContext context;
@@ -429,7 +431,7 @@ TEST_F(KServeTest, StreamConcatenatesToTheUnaryText) {
   // Two generations at once, told apart by id, and a bad request between
   // them that must not close the stream.
   for (const char* id : {"a", "bad", "b"}) {
-    ModelInferRequest request = TextRequest({std::string(id) == "bad" ? "" : prompt}, 12);
+    ModelInferRequest request = TextRequest({std::string(id) == "bad" ? "" : prompt}, 48);
     request.set_id(id);
     AddInput(request, "stream", "BOOL", {1})->mutable_contents()->add_bool_contents(true);
     ASSERT_TRUE(stream->Write(request));

@@ -590,6 +590,55 @@ TEST(ServeSchedulingTest, DeadlinesEndRequests) {
   EXPECT_TRUE(Call(*stub, Greedy("short", 2), &response).ok());
 }
 
+// A KV budget far below what the requests need together: they all finish,
+// some preempted and recomputed, with the tokens each makes alone; a shared
+// prompt prefix is found in the cache; a request larger than the whole
+// budget is refused at once; and every block is free again at the end.
+TEST(ServeSchedulingTest, RequestsUnderASmallKvBudgetAllFinishAsTheyWouldAlone) {
+  // serve-small: 2 layers, 2 kv heads of 16 in float32, 512 bytes a token:
+  // 64 KiB hold 128 tokens, the store's whole room.
+  auto server = StartOrDie(TestModelDir(), {"--kv_cache_memory=64KiB", "--kv_block_size=4"});
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
+  EXPECT_EQ(Metric(*server, "accel_kv_cache_blocks"), 32);
+  constexpr int kClients = 8;
+  std::vector<GenerateRequest> requests;
+  for (int i = 0; i < kClients; ++i) {
+    requests.push_back(Greedy(absl::StrCat("shared system prompt, then request ", i), 40));
+  }
+  std::vector<std::vector<int64_t>> alone(kClients);
+  for (int i = 0; i < kClients; ++i) {
+    GenerateResponse response;
+    ASSERT_TRUE(Call(*stub, requests[static_cast<size_t>(i)], &response).ok());
+    alone[static_cast<size_t>(i)].assign(response.token_ids().begin(), response.token_ids().end());
+  }
+  EXPECT_GT(Metric(*server, "accel_prefix_cache_hits_total"), 0);
+  std::vector<std::vector<int64_t>> together(kClients);
+  std::vector<grpc::Status> statuses(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      GenerateResponse response;
+      statuses[static_cast<size_t>(i)] = Call(*stub, requests[static_cast<size_t>(i)], &response);
+      together[static_cast<size_t>(i)].assign(response.token_ids().begin(),
+                                              response.token_ids().end());
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kClients; ++i) {
+    EXPECT_TRUE(statuses[static_cast<size_t>(i)].ok())
+        << i << ": " << statuses[static_cast<size_t>(i)].error_message();
+    EXPECT_EQ(together[static_cast<size_t>(i)], alone[static_cast<size_t>(i)]) << i;
+  }
+  EXPECT_GT(Metric(*server, "accel_num_preemptions_total"), 0);
+  EXPECT_TRUE(WaitForMetric(*server, "accel_kv_cache_usage_ratio", 0));
+  // Over the whole store: refused, naming the budget.
+  GenerateResponse response;
+  grpc::Status too_big = Call(*stub, Greedy("hi", 200), &response);
+  EXPECT_EQ(too_big.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(too_big.error_message(), HasSubstr("--kv_cache_memory"));
+}
+
 TEST(ServeSchedulingTest, FullQueueIsResourceExhaustedWithARetryHint) {
   auto server = StartOrDie(SlowModelDir(), {"--max_batch_size=1", "--max_queue=1"});
   ASSERT_NE(server, nullptr);
