@@ -239,13 +239,25 @@ absl::StatusOr<std::vector<TokenEvent>> Generator::Step() {
   // The token budget: every decoding sequence's one token first, so a long
   // prompt being read cannot slow them; prompt chunks share what is left.
   int64_t prompt_budget = std::numeric_limits<int64_t>::max();
+  int64_t reading = static_cast<int64_t>(waiting_.size());  // prompts waiting or being read
+  int64_t decoding = 0;
+  for (uint64_t id : admitted_) {
+    const int64_t left = pending(*sequences_.at(id));
+    decoding += left == 1 ? 1 : 0;
+    reading += left > 1 ? 1 : 0;
+  }
   if (options_.max_num_batched_tokens > 0) {
-    int64_t decoding = 0;
-    for (uint64_t id : admitted_) decoding += pending(*sequences_.at(id)) == 1 ? 1 : 0;
     prompt_budget = std::max<int64_t>(options_.max_num_batched_tokens - decoding, 0);
     // A step with no decoding sequence always reads some prompt.
     if (decoding == 0) prompt_budget = std::max<int64_t>(prompt_budget, 1);
   }
+  // When several prompts are to be read, one takes at most half of the
+  // prompt budget a step (vLLM's long_prefill_token_threshold), so a short
+  // prompt arriving behind a long one starts within a few steps instead of
+  // after the whole long prompt.
+  const int64_t prefill_cap = reading > 1 && options_.max_num_batched_tokens > 0
+                                  ? std::max<int64_t>(prompt_budget / 2, 1)
+                                  : prompt_budget;
   // Running sequences, oldest first. One that cannot get a block preempts
   // the most recently admitted (possibly itself), which has not been
   // scheduled yet, so nothing in `work` loses its blocks.
@@ -253,7 +265,7 @@ absl::StatusOr<std::vector<TokenEvent>> Generator::Step() {
     const uint64_t id = admitted_[i];
     Sequence& seq = *sequences_.at(id);
     const int64_t left = pending(seq);
-    const int64_t take = left == 1 ? 1 : std::min(left, prompt_budget);
+    const int64_t take = left == 1 ? 1 : std::min({left, prompt_budget, prefill_cap});
     if (take == 0) continue;
     bool preempted = false;
     while (!Reserve(seq, take)) {
@@ -288,7 +300,7 @@ absl::StatusOr<std::vector<TokenEvent>> Generator::Step() {
     seq.cache.token_ids.assign(seq.ids.begin(), seq.ids.begin() + prefix.tokens);
     seq.sealed_blocks = static_cast<int64_t>(seq.blocks.size());
     seq.sealed_key = prefix.key;
-    const int64_t take = std::min(input - prefix.tokens, prompt_budget);
+    const int64_t take = std::min({input - prefix.tokens, prompt_budget, prefill_cap});
     Reserve(seq, take);  // fits: checked above
     waiting_.pop_front();
     admitted_.push_back(id);

@@ -107,9 +107,10 @@ ABSL_FLAG(absl::Duration, max_connection_age, absl::Minutes(5),
           "Close a client connection this old (GOAWAY, then --max_connection_age_grace for its "
           "calls to finish), so clients reconnect and spread over the replicas behind a "
           "Kubernetes ClusterIP Service as they come and go; 0: connections live forever.");
-ABSL_FLAG(absl::Duration, max_connection_age_grace, absl::Seconds(30),
+ABSL_FLAG(absl::Duration, max_connection_age_grace, absl::InfiniteDuration(),
           "After --max_connection_age, how long calls on the old connection may run before it "
-          "is closed.");
+          "is closed; inf (the default): to their end, so no generation is cut (the client "
+          "sends new calls on a new connection at once either way).");
 ABSL_FLAG(int, threads, 0, "libtorch intra-op threads; 0: one per core.");
 
 namespace {

@@ -47,11 +47,12 @@ struct ServerOptions {
   std::string tls_key_file;
   bool reflection = true;
   // gRPC's GRPC_ARG_MAX_CONNECTION_AGE_MS and _GRACE_MS: a connection older
-  // than the age is sent GOAWAY, and closed after the grace, so clients
+  // than the age is sent GOAWAY, and closed after the grace (infinite: when
+  // its last call ends, so a long generation is never cut), so clients
   // behind a Kubernetes ClusterIP Service reconnect and spread over the
   // replicas there are now. Zero age: connections live forever.
   absl::Duration max_connection_age = absl::Minutes(5);
-  absl::Duration max_connection_age_grace = absl::Seconds(30);
+  absl::Duration max_connection_age_grace = absl::InfiniteDuration();
   std::string version = "0.1.0";  // ServerMetadata and accel_build_info
 };
 

@@ -431,6 +431,37 @@ TEST_F(GeneratorTest, ALongPromptIsReadInChunksWhileOthersKeepDecoding) {
   EXPECT_THAT(got_b, ElementsAreArray(alone[1].token_ids));
 }
 
+// A short prompt arriving while a long one is read in chunks does not wait
+// for the whole long prompt: it starts within a few steps, and both
+// generate what they generate alone.
+TEST_F(GeneratorTest, AShortPromptBehindALongOneStartsWithinAFewSteps) {
+  const GenerationRequest long_prompt = Greedy(Prompt(3, 60), 3);
+  const GenerationRequest short_prompt = Greedy(Prompt(8, 6), 3);
+  const std::vector<GenerationResult> alone = Alone({long_prompt, short_prompt});
+  GeneratorOptions options;
+  options.max_num_batched_tokens = 6;
+  Generator generator = MakeGenerator(true, options);
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t a, generator.Add(long_prompt));
+  ASSERT_THAT(generator.Step(), IsOk());  // the first 6 of 60
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t b, generator.Add(short_prompt));
+  std::vector<int64_t> got_a, got_b;
+  int steps = 0, first_b = -1;
+  while (generator.running() > 0) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    ++steps;
+    for (const TokenEvent& e : *events) {
+      if (e.sequence == b && first_b < 0) first_b = steps;
+      (e.sequence == a ? got_a : got_b).push_back(e.token_id);
+    }
+  }
+  // Half the budget (3 tokens) a step: 6 tokens in 2 steps, not after ~9.
+  EXPECT_GT(first_b, 0);
+  EXPECT_LE(first_b, 3);
+  EXPECT_THAT(got_a, ElementsAreArray(alone[0].token_ids));
+  EXPECT_THAT(got_b, ElementsAreArray(alone[1].token_ids));
+}
+
 TEST_F(GeneratorTest, CancellingDuringPrefillChunksFreesTheBlocks) {
   GeneratorOptions options;
   options.max_num_batched_tokens = 4;
