@@ -11,10 +11,8 @@
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <pthread.h>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,6 +28,7 @@
 #include "core/tool_main.h"
 #include "models/default_model.h"
 #include "server/server.h"
+#include "server/serving.h"
 
 namespace {
 constexpr char kVersion[] = "0.1.0";
@@ -120,14 +119,6 @@ void Log(const std::string& message) {
   std::fflush(stderr);
 }
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("--", flag, ": cannot read ", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   accel::server::ServerOptions o;
   accel::server::EngineOptions& e = o.engine;
@@ -211,7 +202,7 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
 
   const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
   if (!token_file.empty()) {
-    absl::StatusOr<std::string> token = ReadFile(token_file, "auth_token_file");
+    absl::StatusOr<std::string> token = accel::server::ReadFlagFile(token_file, "auth_token_file");
     if (!token.ok()) return token.status();
     std::string trimmed(absl::StripAsciiWhitespace(*token));
     if (trimmed.empty()) {

@@ -3,10 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <fstream>
 #include <iterator>
 #include <limits>
-#include <sstream>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -46,14 +44,6 @@ const char* const kLiveServices[] = {"", "accel.live"};
 const char* const kReadyServices[] = {"accel.ready", "accel.v1.Generation",
                                       "inference.GRPCInferenceService"};
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("--", flag, ": cannot read ", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // OpenSSL's reasons for the last failure, oldest first; clears them.
 std::string OpenSslErrors() {
   std::string reasons;
@@ -79,9 +69,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(
     return absl::InvalidArgumentError("--tls_cert and --tls_key go together: give both or neither");
   }
   if (cert_path.empty()) return grpc::InsecureServerCredentials();
-  absl::StatusOr<std::string> cert_pem = ReadFile(cert_path, "tls_cert");
+  absl::StatusOr<std::string> cert_pem = ReadFlagFile(cert_path, "tls_cert");
   if (!cert_pem.ok()) return cert_pem.status();
-  absl::StatusOr<std::string> key_pem = ReadFile(key_path, "tls_key");
+  absl::StatusOr<std::string> key_pem = ReadFlagFile(key_path, "tls_key");
   if (!key_pem.ok()) return key_pem.status();
 
   ERR_clear_error();

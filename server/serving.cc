@@ -1,6 +1,10 @@
 #include "server/serving.h"
 
+#include <fstream>
+#include <sstream>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 #include "server/server_metrics.h"
 
@@ -83,6 +87,14 @@ bool DeadlineReached(const grpc::ServerContextBase& context) {
   // gRPC's timer and absl's clock may disagree by a little; a cancel this
   // close to the deadline is the deadline's.
   return CallDeadline(context) <= absl::Now() + absl::Milliseconds(100);
+}
+
+absl::StatusOr<std::string> ReadFlagFile(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--", flag, ": cannot read ", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 }  // namespace accel::server

@@ -73,6 +73,10 @@ absl::Time CallDeadline(const grpc::ServerContextBase& context);
 // client's cancel.
 bool DeadlineReached(const grpc::ServerContextBase& context);
 
+// The whole of a file a flag names (a TLS certificate, a token file); NotFound
+// naming the flag and the path when it cannot be read.
+absl::StatusOr<std::string> ReadFlagFile(const std::string& path, const char* flag);
+
 }  // namespace accel::server
 
 #endif  // ACCEL_SERVER_SERVING_H_

@@ -27,6 +27,7 @@
 
 #include "accel/v1/generation.grpc.pb.h"
 #include "server/proto/reflection_client.grpc.pb.h"
+#include "tests/server/generation_client.h"
 #include "tests/server/server_process.h"
 #include "tests/testing/temp_dir.h"
 
@@ -58,21 +59,6 @@ const std::string& SlowModelDir() {
                 "--family llama --num_layers 6 --hidden_size 384 --num_kv_heads 2"
                 " --max_position_embeddings 4096 --seed 4");
   return dir;
-}
-
-GenerateRequest Greedy(const std::string& prompt, int64_t max_new_tokens) {
-  GenerateRequest request;
-  request.set_prompt(prompt);
-  request.set_max_new_tokens(max_new_tokens);
-  request.set_ignore_eos(true);
-  return request;
-}
-
-grpc::Status Call(Generation::Stub& stub, const GenerateRequest& request,
-                  GenerateResponse* response, absl::Duration timeout = absl::Seconds(60)) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  return stub.Generate(&context, request, response);
 }
 
 double Metric(const ServerProcess& server, const std::string& series) {

@@ -24,6 +24,7 @@
 
 #include "accel/v1/generation.grpc.pb.h"
 #include "inference/grpc_service.grpc.pb.h"
+#include "tests/server/generation_client.h"
 #include "tests/server/server_process.h"
 #include "tests/testing/temp_dir.h"
 
@@ -31,6 +32,8 @@ namespace accel::server {
 namespace {
 
 using ::accel::test::TempDir;
+using ::accel::testing::Call;
+using ::accel::testing::Greedy;
 using ::accel::testing::HttpGet;
 using ::accel::testing::MadeModel;
 using ::accel::testing::MetricValue;
@@ -78,21 +81,6 @@ std::unique_ptr<Server> StartReady(const ServerOptions& options) {
 std::shared_ptr<grpc::Channel> Channel(const Server& server) {
   return grpc::CreateChannel(absl::StrCat("127.0.0.1:", server.ports().grpc),
                              grpc::InsecureChannelCredentials());
-}
-
-GenerateRequest Greedy(const std::string& prompt, int64_t max_new_tokens) {
-  GenerateRequest request;
-  request.set_prompt(prompt);
-  request.set_max_new_tokens(max_new_tokens);
-  request.set_ignore_eos(true);
-  return request;
-}
-
-grpc::Status Call(Generation::Stub& stub, const GenerateRequest& request,
-                  GenerateResponse* response, absl::Duration timeout = absl::Seconds(60)) {
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  return stub.Generate(&context, request, response);
 }
 
 // A unary call with `body` as the request's bytes, whatever they are.
