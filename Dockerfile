@@ -49,11 +49,12 @@ FROM build-${VARIANT} AS build
 # --- runtime -----------------------------------------------------------------
 FROM debian:bookworm-slim AS runtime-base
 # The packages of the libraries accel-serve and accel-client link directly
-# (libc6, libgcc-s1 and libstdc++6 are in the base image).
+# (libc6, libgcc-s1 and libstdc++6 are in the base image; libssl3: accel-serve checks
+# --tls_cert / --tls_key with OpenSSL).
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       libabsl20220623 libcivetweb1 libgomp1 libgrpc++1.51 libgrpc29 libprotobuf32 libre2-9 \
-      libutf8proc2 \
+      libssl3 libutf8proc2 \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 accel \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp accel
