@@ -134,6 +134,12 @@ Generator::Generator(std::shared_ptr<CausalLM> model, dispatch::DispatchedModel*
                           : std::numeric_limits<int64_t>::max()),
       options_(options) {
   options_.block_size = std::max<int64_t>(options_.block_size, 1);
+  // LongRoPE: a position's keys depend on the sequence's length (the short
+  // factors until it passes the original context, then the long ones for
+  // the whole sequence), so equal tokens need not have equal keys and blocks
+  // cannot be shared between sequences.
+  const std::optional<loader::RopeScaling>& rope = model_->config().rope_scaling;
+  if (rope && rope->rope_type == "longrope") options_.prefix_caching = false;
   int64_t blocks = options_.kv_cache_blocks;
   if (blocks <= 0) {
     const int64_t per_block =

@@ -67,8 +67,8 @@ struct GeneratorOptions {
   // KV blocks in the store; 0: enough for four sequences at the position
   // limit, at most 1 GiB.
   int64_t kv_cache_blocks = 0;
-  int64_t block_size = 16;  // tokens a block
-  bool prefix_caching = true;
+  int64_t block_size = 16;     // tokens a block
+  bool prefix_caching = true;  // off for LongRoPE models, whose keys depend on the length
   // Tokens in one step's forward pass: one per decoding sequence first, then
   // prompt chunks; 0: no limit (whole prompts). At least 1 prompt token runs
   // a step whatever the limit, so a prompt always makes progress.

@@ -55,9 +55,10 @@ class GeneratorTest : public ::testing::Test {
  protected:
   void SetUp() override { Load("llama", 0); }
 
-  void Load(const std::string& family, int64_t max_positions) {
+  void Load(const std::string& family, int64_t max_positions, int64_t longrope_factor = 0) {
     MakeModelOptions o;
     o.family = family;
+    o.longrope_factor = longrope_factor;
     o.hidden_size = 32;
     o.num_heads = 4;
     o.num_kv_heads = 2;
@@ -460,6 +461,28 @@ TEST_F(GeneratorTest, AShortPromptBehindALongOneStartsWithinAFewSteps) {
   EXPECT_LE(first_b, 3);
   EXPECT_THAT(got_a, ElementsAreArray(alone[0].token_ids));
   EXPECT_THAT(got_b, ElementsAreArray(alone[1].token_ids));
+}
+
+// LongRoPE (Phi-3): crossing the original context recomputes the sequence
+// with the long factors, also when its prompt is read in chunks into paged
+// blocks and when it is preempted; the tokens equal a loop without a cache.
+// Blocks are never shared: a position's keys depend on the sequence's length.
+TEST_F(GeneratorTest, ALongRopeModelCrossesItsOriginalContextInChunksAndNeverSharesBlocks) {
+  Load("phi3", 64, /*longrope_factor=*/4);  // original context 16
+  const std::vector<int64_t> prompt = Prompt(5, 12);
+  const std::vector<int64_t> expected = GreedyByHand(prompt, 20);  // to 32 positions
+  GeneratorOptions options;
+  options.block_size = 4;
+  options.kv_cache_blocks = 12;  // 48 tokens for two requests of 32: one is preempted
+  options.max_num_batched_tokens = 5;
+  Generator generator = MakeGenerator(true, options);
+  auto results = Generate(generator, {Greedy(prompt, 20), Greedy(prompt, 20)});
+  ASSERT_THAT(results, IsOk());
+  EXPECT_THAT((*results)[0].token_ids, ElementsAreArray(expected));
+  EXPECT_THAT((*results)[1].token_ids, ElementsAreArray(expected));
+  EXPECT_EQ(generator.stats().prefix_hit_tokens, 0);
+  EXPECT_GT(generator.stats().preemptions, 0);
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
 }
 
 TEST_F(GeneratorTest, CancellingDuringPrefillChunksFreesTheBlocks) {
