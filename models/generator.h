@@ -82,7 +82,7 @@ class Generator : public TokenGenerator {
   // Without `text_streams`, events carry no text and stop strings are refused.
   Generator(std::shared_ptr<CausalLM> model, dispatch::DispatchedModel* dispatched,
             TextStreamFactory text_streams = nullptr, GeneratorOptions options = {});
-  ~Generator();
+  ~Generator() override;
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
 

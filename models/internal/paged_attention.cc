@@ -169,16 +169,16 @@ void ToFloat(const T* in, float* out, int64_t n, bool avx2) {
 // share kv head g, against the keys and values in the sequence's blocks.
 template <typename T>
 struct Item {
-  const float* q;  // [group, d], scaled
-  const T* keys;   // the store's key blocks
-  const T* values;
+  const float* q = nullptr;  // [group, d], scaled
+  const T* keys = nullptr;   // the store's key blocks
+  const T* values = nullptr;
   absl::Span<const int32_t> table;
-  int64_t first, total;  // positions [first, total) are attended
-  int64_t block_size, kv_heads, g, group, d, dv;
+  int64_t first = 0, total = 0;  // positions [first, total) are attended
+  int64_t block_size = 0, kv_heads = 0, g = 0, group = 0, d = 0, dv = 0;
   std::optional<double> softcap;
-  float* scores;  // [group, total - first]
-  float* rows;    // [block_size, max(d, dv)]: one block's rows in float32
-  float* acc;     // [group, dv]
+  float* scores = nullptr;  // [group, total - first]
+  float* rows = nullptr;    // [block_size, max(d, dv)]: one block's rows in float32
+  float* acc = nullptr;     // [group, dv]
 };
 
 // A block's `rows` rows of kv head g, from `pos` on, as float32 (a pointer
