@@ -65,7 +65,6 @@ struct Generator::Sequence {
   uint64_t sealed_key = 0;    // the last keyed block's key
   std::vector<int64_t> ids;   // prompt, then generated
   int64_t generated = 0;
-  bool prefilled = false;
   // Text decoded so far; [0, emitted) has gone out in events, the rest is
   // held back because it could be the start of a stop string.
   std::string text;
@@ -406,12 +405,6 @@ bool Generator::Cancel(uint64_t sequence) {
   return true;
 }
 
-int64_t Generator::kv_cache_bytes() const {
-  int64_t total = store_->bytes();
-  for (const auto& [id, seq] : sequences_) total += seq->cache.bytes();
-  return total;
-}
-
 GeneratorStats Generator::stats() const {
   GeneratorStats stats = counters_;
   stats.running = static_cast<int64_t>(admitted_.size());
@@ -419,7 +412,9 @@ GeneratorStats Generator::stats() const {
   stats.kv_blocks_total = blocks_->num_blocks();
   stats.kv_blocks_used = blocks_->used_blocks();
   stats.kv_block_size = blocks_->block_size();
-  stats.kv_cache_bytes = kv_cache_bytes();
+  // The store, and contiguous caches that LongRoPE recomputes made.
+  stats.kv_cache_bytes = store_->bytes();
+  for (const auto& [id, seq] : sequences_) stats.kv_cache_bytes += seq->cache.bytes();
   stats.prefix_query_tokens = blocks_->prefix_query_tokens();
   stats.prefix_hit_tokens = blocks_->prefix_hit_tokens();
   return stats;

@@ -105,7 +105,6 @@ class Generator : public TokenGenerator {
   GeneratorStats stats() const override;
   // Sequences added and not finished (running or waiting).
   size_t running() const { return sequences_.size(); }
-  int64_t kv_cache_bytes() const;
   // The most positions a sequence may use (prompt plus generated tokens).
   int64_t position_limit() const { return position_limit_; }
   // Tokens the KV store holds in all.

@@ -150,4 +150,6 @@ std::string IncrementalDecoder::Flush() {
   return rest;
 }
 
+bool IsValidUtf8(absl::string_view text) { return internal::IsValidUtf8(text); }
+
 }  // namespace accel::models

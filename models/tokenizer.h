@@ -36,6 +36,10 @@ namespace internal {
 class TokenizerImpl;
 }
 
+// Whether `text` is well-formed UTF-8 (RFC 3629: no overlong forms, no
+// surrogates, nothing past U+10FFFF), as protobuf and HF tokenizers require.
+bool IsValidUtf8(absl::string_view text);
+
 class Tokenizer {
  public:
   // Reads tokenizer.json. NotFound for a missing file; InvalidArgument for

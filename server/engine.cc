@@ -44,7 +44,8 @@ std::string FolderName(const std::string& dir) {
 
 // The KV store's bytes as --kv_cache_memory asks.
 absl::StatusOr<int64_t> KvCacheBytes(const EngineOptions& options,
-                                     const models::LoadedModel& loaded, int64_t max_total_tokens,
+                                     const std::map<std::string, int64_t>& bytes_per_device,
+                                     int64_t max_total_tokens, int64_t block_size,
                                      int64_t block_bytes) {
   const std::string& spec = options.kv_cache_memory;
   double fraction = 0;
@@ -64,19 +65,12 @@ absl::StatusOr<int64_t> KvCacheBytes(const EngineOptions& options,
     }
     return *bytes;
   }
-  // What the device that runs the most layers has free, now that the
-  // weights are in.
-  std::map<std::string, int> layers_on;
-  for (const auto& [module, placement] : loaded.device_map.entries()) {
-    if (module.find("layers.") != std::string::npos || module.find(".h.") != std::string::npos) {
-      ++layers_on[placement.ToString()];
-    }
-  }
+  // What the device holding the most weights has free, now that they are in.
   std::string main = "cpu";
-  int most = 0;
-  for (const auto& [device, count] : layers_on) {
-    if (device != "disk" && count > most) {
-      most = count;
+  int64_t most = 0;
+  for (const auto& [device, bytes] : bytes_per_device) {
+    if (device != "disk" && bytes > most) {
+      most = bytes;
       main = device;
     }
   }
@@ -86,11 +80,9 @@ absl::StatusOr<int64_t> KvCacheBytes(const EngineOptions& options,
     if (placement.ToString() == main) available = bytes;
   }
   if (!is_auto) return static_cast<int64_t>(fraction * available);
+  const int64_t blocks_per_request = (max_total_tokens + block_size - 1) / block_size;
   const int64_t wanted =
-      std::max<int64_t>(block_bytes, block_bytes *
-                                         ((max_total_tokens + options.kv_block_size - 1) /
-                                          std::max<int64_t>(options.kv_block_size, 1)) *
-                                         options.scheduler.max_batch_size);
+      block_bytes * std::max<int64_t>(blocks_per_request * options.scheduler.max_batch_size, 1);
   return std::min<int64_t>(wanted, static_cast<int64_t>(0.5 * available));
 }
 
@@ -186,17 +178,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   const int64_t block_size = std::max<int64_t>(options.kv_block_size, 1);
   const int64_t block_bytes =
       models::KvBlockStore::BytesPerBlock(loaded.config, loaded.dtype, block_size);
-  ACCEL_ASSIGN_OR_RETURN(const int64_t kv_bytes,
-                         KvCacheBytes(options, loaded, info.max_total_tokens, block_bytes));
+  ACCEL_ASSIGN_OR_RETURN(
+      const int64_t kv_bytes,
+      KvCacheBytes(options, info.bytes_per_device, info.max_total_tokens, block_size, block_bytes));
   const int64_t blocks = kv_bytes / block_bytes;
   if (blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--kv_cache_memory=", options.kv_cache_memory, " holds no KV block (one takes ",
         FormatBytes(block_bytes), " with --kv_block_size=", block_size, ")"));
   }
-  info.kv_cache_blocks = blocks;
-  info.kv_block_size = block_size;
-  info.kv_cache_bytes = blocks * block_bytes;
   // A request can use at most what the store holds.
   if (blocks * block_size < info.max_total_tokens) {
     info.max_total_tokens = blocks * block_size;

@@ -42,8 +42,8 @@ struct EngineOptions {
   std::string execution_device = "auto";
   int threads = 0;  // libtorch's intra-op threads; 0: its default (the cores)
   SchedulerOptions scheduler;
-  // KV-cache memory: bytes ("4GiB"), a fraction of what the execution
-  // device has free after the weights ("0.5"), or "auto": max_batch_size
+  // KV-cache memory: bytes ("4GiB"), a fraction of what the device holding
+  // most weights has free after them ("0.5"), or "auto": max_batch_size
   // sequences of max_total_tokens, within half of what is free.
   std::string kv_cache_memory = "auto";
   int64_t kv_block_size = 16;  // tokens a KV block
@@ -70,9 +70,6 @@ struct ModelInfo {
   int64_t max_input_tokens = 0;
   int64_t max_total_tokens = 0;
   int64_t vocab_size = 0;
-  int64_t kv_cache_blocks = 0;
-  int64_t kv_block_size = 0;
-  int64_t kv_cache_bytes = 0;  // the blocks' memory in all
   std::vector<int64_t> eos_token_ids;
   bool has_tokenizer = false;
   double load_seconds = 0;

@@ -77,7 +77,7 @@ ABSL_FLAG(int64_t, max_num_batched_tokens, 512,
           "prompt; 0: whole prompts.");
 ABSL_FLAG(std::string, kv_cache_memory, "auto",
           "KV-cache memory, in blocks allocated up front: bytes (\"4GiB\"), a fraction of what "
-          "the execution device has free after the weights (\"0.5\"), or auto (max_batch_size "
+          "the device holding most weights has free after them (\"0.5\"), or auto (max_batch_size "
           "sequences of max_total_tokens, within half of what is free).");
 ABSL_FLAG(int64_t, kv_block_size, 16, "Tokens in one KV-cache block.");
 ABSL_FLAG(bool, enable_prefix_caching, true,

@@ -61,16 +61,6 @@ __attribute__((target("avx2,fma"))) float DotAvx2(const float* a, const float* b
   return sum;
 }
 
-__attribute__((target("avx2,fma"))) void AxpyAvx2(float alpha, const float* x, float* y,
-                                                  int64_t n) {
-  const __m256 a = _mm256_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  }
-  for (; i < n; ++i) y[i] += alpha * x[i];
-}
-
 // exp(x) for x <= 0 (Cephes' expf as avx_mathfun writes it: 2^n times a
 // degree-5 polynomial on the remainder; about 1 ulp). Inputs below -87.3
 // give 0, as expf does after rounding.
@@ -128,24 +118,15 @@ bool CpuHasAvx2() { return false; }
 
 std::atomic<bool> force_portable{false};
 
-struct Kernels {
-  float (*dot)(const float*, const float*, int64_t) = DotPortable;
-  void (*axpy)(float, const float*, float*, int64_t) = AxpyPortable;
-  float (*exp_shift)(float*, int64_t, float) = ExpShiftPortable;
-  bool avx2 = false;
-};
+// The AVX2 loops, unless the cpu lacks them or a test asked for the portable ones.
+bool UseAvx2() { return CpuHasAvx2() && !force_portable.load(); }
 
-Kernels PickKernels() {
-  Kernels k;
+// s[i] = exp(s[i] - top); returns the sum.
+float ExpShift(float* s, int64_t n, float top, bool avx2) {
 #if defined(__x86_64__)
-  if (CpuHasAvx2() && !force_portable.load()) {
-    k.dot = DotAvx2;
-    k.axpy = AxpyAvx2;
-    k.exp_shift = ExpShiftAvx2;
-    k.avx2 = true;
-  }
+  if (avx2) return ExpShiftAvx2(s, n, top);
 #endif
-  return k;
+  return ExpShiftPortable(s, n, top);
 }
 
 template <typename T>
@@ -198,7 +179,7 @@ const float* BlockRows(const Item<T>& it, const T* base, int64_t width, int64_t 
 }
 
 template <typename T>
-void Softmax(const Item<T>& it, const Kernels& kernels) {
+void Softmax(const Item<T>& it, bool avx2) {
   const int64_t n = it.total - it.first;
   for (int64_t h = 0; h < it.group; ++h) {
     float* s = it.scores + h * n;
@@ -207,13 +188,13 @@ void Softmax(const Item<T>& it, const Kernels& kernels) {
       for (int64_t j = 0; j < n; ++j) s[j] = std::tanh(s[j] / cap) * cap;
     }
     const float top = *std::max_element(s, s + n);
-    const float inv = 1.0f / kernels.exp_shift(s, n, top);
+    const float inv = 1.0f / ExpShift(s, n, top, avx2);
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
 }
 
 template <typename T>
-void AttendPortable(const Item<T>& it, const Kernels& kernels) {
+void AttendPortable(const Item<T>& it) {
   const int64_t n = it.total - it.first;
   for (int64_t pos = it.first; pos < it.total;) {
     const int64_t rows = std::min(it.block_size - pos % it.block_size, it.total - pos);
@@ -225,7 +206,7 @@ void AttendPortable(const Item<T>& it, const Kernels& kernels) {
     }
     pos += rows;
   }
-  Softmax(it, kernels);
+  Softmax(it, false);
   std::fill(it.acc, it.acc + it.group * it.dv, 0.0f);
   for (int64_t pos = it.first; pos < it.total;) {
     const int64_t rows = std::min(it.block_size - pos % it.block_size, it.total - pos);
@@ -300,7 +281,7 @@ __attribute__((target("avx2,fma"))) void PrefetchBlock(const Item<T>& it, const 
 }
 
 template <typename T>
-__attribute__((target("avx2,fma"))) void AttendAvx2(const Item<T>& it, const Kernels& kernels) {
+__attribute__((target("avx2,fma"))) void AttendAvx2(const Item<T>& it) {
   const int64_t n = it.total - it.first;
   const bool eights = it.d % 8 == 0;
   for (int64_t pos = it.first; pos < it.total;) {
@@ -318,7 +299,7 @@ __attribute__((target("avx2,fma"))) void AttendAvx2(const Item<T>& it, const Ker
     }
     pos += rows;
   }
-  Softmax(it, kernels);
+  Softmax(it, true);
   std::fill(it.acc, it.acc + it.group * it.dv, 0.0f);
   for (int64_t pos = it.first; pos < it.total;) {
     const int64_t rows = std::min(it.block_size - pos % it.block_size, it.total - pos);
@@ -355,7 +336,7 @@ void Run(absl::Span<const PagedQuery> queries, const at::Tensor& key_blocks,
   T* result = out.data_ptr<T>();
   const float scale = static_cast<float>(rule.divide ? 1.0 / rule.scale : rule.scale);
   const int64_t items = static_cast<int64_t>(queries.size()) * kv_heads;
-  const Kernels kernels = PickKernels();
+  const bool avx2 = UseAvx2();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(static_cast<size_t>(group * d));
     std::vector<float> rows(static_cast<size_t>(block_size * std::max(d, dv)));
@@ -367,7 +348,7 @@ void Run(absl::Span<const PagedQuery> queries, const at::Tensor& key_blocks,
       it.total = query.total;
       // Keys before `first` are out of the window.
       it.first = window && query.total > *window ? query.total - *window : 0;
-      ToFloat(query.q.data_ptr<T>() + it.g * group * d, q.data(), group * d, kernels.avx2);
+      ToFloat(query.q.data_ptr<T>() + it.g * group * d, q.data(), group * d, avx2);
       for (float& x : q) x *= scale;
       scores.resize(static_cast<size_t>(group * (it.total - it.first)));
       it.q = q.data();
@@ -384,13 +365,13 @@ void Run(absl::Span<const PagedQuery> queries, const at::Tensor& key_blocks,
       it.rows = rows.data();
       it.acc = acc.data();
 #if defined(__x86_64__)
-      if (kernels.avx2) {
-        AttendAvx2(it, kernels);
+      if (avx2) {
+        AttendAvx2(it);
       } else {
-        AttendPortable(it, kernels);
+        AttendPortable(it);
       }
 #else
-      AttendPortable(it, kernels);
+      AttendPortable(it);
 #endif
       T* o = result + (index / kv_heads) * heads * dv + it.g * group * dv;
       for (int64_t i = 0; i < group * dv; ++i) o[i] = static_cast<T>(acc[static_cast<size_t>(i)]);

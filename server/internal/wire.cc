@@ -11,44 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "models/tokenizer.h"
+
 namespace accel::server::internal {
 namespace {
-
-bool IsUtf8(const std::string& text) {
-  // Well-formed UTF-8 as RFC 3629 defines it: no overlong forms, no
-  // surrogates, nothing past U+10FFFF (what protobuf checks).
-  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
-  const unsigned char* end = p + text.size();
-  while (p < end) {
-    const unsigned char c = *p;
-    int extra = 0;
-    unsigned char lo = 0x80;
-    unsigned char hi = 0xBF;
-    if (c < 0x80) {
-      ++p;
-      continue;
-    } else if (c >= 0xC2 && c <= 0xDF) {
-      extra = 1;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-      extra = 2;
-      if (c == 0xE0) lo = 0xA0;
-      if (c == 0xED) hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-      extra = 3;
-      if (c == 0xF0) lo = 0x90;
-      if (c == 0xF4) hi = 0x8F;
-    } else {
-      return false;
-    }
-    if (end - p <= extra) return false;
-    if (p[1] < lo || p[1] > hi) return false;
-    for (int i = 2; i <= extra; ++i) {
-      if (p[i] < 0x80 || p[i] > 0xBF) return false;
-    }
-    p += extra + 1;
-  }
-  return true;
-}
 
 // The first string field under `type` in the wire fields `fields` whose
 // bytes are not UTF-8, as "pkg.Message.field"; empty when there is none.
@@ -63,7 +29,7 @@ std::string FindBadUtf8(const google::protobuf::Descriptor& type,
     const google::protobuf::FieldDescriptor* descriptor = type.FindFieldByNumber(field.number());
     if (descriptor == nullptr) continue;
     if (descriptor->type() == google::protobuf::FieldDescriptor::TYPE_STRING) {
-      if (!IsUtf8(field.length_delimited())) return descriptor->full_name();
+      if (!models::IsValidUtf8(field.length_delimited())) return descriptor->full_name();
     } else if (descriptor->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE) {
       google::protobuf::UnknownFieldSet inner;
       if (!inner.ParseFromString(field.length_delimited())) continue;

@@ -893,6 +893,11 @@ INSTANTIATE_TEST_SUITE_P(
         BadFlags{{"--quantize=int4"}, "quantize 'int4'"},
         BadFlags{{"--double_quant"}, "double_quant applies to 4-bit"},
         BadFlags{{"--max_connection_age=-1s"}, "--max_connection_age must not be negative"},
+        BadFlags{{"--kv_cache_memory=lots"}, "--kv_cache_memory=lots: give bytes"},
+        BadFlags{{"--kv_cache_memory=1.5"}, "a fraction must be in (0, 1]"},
+        BadFlags{{"--kv_cache_memory=100"}, "holds no KV block"},
+        BadFlags{{"--kv_block_size=0"}, "--kv_block_size must be at least 1"},
+        BadFlags{{"--max_num_batched_tokens=-1"}, "--max_num_batched_tokens must be 0 or more"},
         // A file that is no certificate is named, not taken for a busy port.
         BadFlags{{"--tls_cert=/proc/self/cmdline", "--tls_key=/proc/self/cmdline"},
                  "--tls_cert: /proc/self/cmdline holds no valid PEM certificate"}),
