@@ -37,7 +37,7 @@
 #include "models/causal_lm.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
-#include "models/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "train/accelerator.h"
 
 ABSL_FLAG(std::string, text, "", "Training text (UTF-8). Required.");
@@ -185,8 +185,8 @@ absl::Status Train() {
   std::shared_ptr<models::CausalLM> model = loaded.model;
   for (at::Tensor& p : model->parameters()) p.set_requires_grad(true);
 
-  ACCEL_ASSIGN_OR_RETURN(models::Tokenizer tokenizer,
-                         models::Tokenizer::FromFile(init + "/tokenizer.json"));
+  ACCEL_ASSIGN_OR_RETURN(tokenizer::Tokenizer tokenizer,
+                         tokenizer::Tokenizer::FromFile(init + "/tokenizer.json"));
   ACCEL_ASSIGN_OR_RETURN(std::vector<int64_t> train_ids, tokenizer.Encode(train_text, false));
   ACCEL_ASSIGN_OR_RETURN(std::vector<int64_t> heldout_ids, tokenizer.Encode(heldout_text, false));
   const size_t token_count = train_ids.size() + heldout_ids.size();

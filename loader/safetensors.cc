@@ -37,7 +37,7 @@ namespace {
 
 // Reads every page in, read-only. MAP_POPULATE would fault a private writable
 // mapping in for writing, copying the whole file (2x a plain read, measured
-// by bench/load_benchmark.cc); MADV_POPULATE_READ maps the page cache as is.
+// by bench/loader/load_benchmark.cc); MADV_POPULATE_READ maps the page cache as is.
 // Kernels before 5.14 lack it: touch one byte per page instead.
 void Populate(void* addr, size_t size) {
   if (::madvise(addr, size, MADV_POPULATE_READ) == 0) return;

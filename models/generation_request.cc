@@ -27,6 +27,13 @@ absl::Status ValidateGenerationRequest(const GenerationRequest& request,
         absl::StrCat("the prompt has ", prompt, " tokens, over the limit of ",
                      limits.max_input_tokens, " (", limits.input_limit_name, ")"));
   }
+  if (request.top_logprobs < 0 || request.top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat("top_logprobs must be in [0, ", kMaxTopLogprobs,
+                                                   "], got ", request.top_logprobs));
+  }
+  if (request.top_logprobs > 0 && !request.logprobs) {
+    return absl::InvalidArgumentError("top_logprobs needs logprobs");
+  }
   if (request.max_new_tokens < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_new_tokens must be 0 (the default) or more, got ", request.max_new_tokens));

@@ -34,9 +34,24 @@ struct SamplingParams {
 // max_new_tokens when a request leaves it 0 and nobody set another default.
 inline constexpr int64_t kDefaultMaxNewTokens = 16;
 
+// A conversation, for the model's chat template (tokenizer/chat_template.h)
+// to render into the prompt. JSON text, since templates read any field a
+// message has: messages is an array of objects with "role" and "content"
+// and optionally "name", "tool_calls", "tool_call_id", ...; tools an array
+// of tool (function) definitions, or empty.
+struct ChatInput {
+  std::string messages_json;
+  std::string tools_json;
+  bool add_generation_prompt = true;
+};
+
+// The most tokens top_logprobs may ask for (OpenAI's bound).
+inline constexpr int64_t kMaxTopLogprobs = 20;
+
 struct GenerationRequest {
   std::string model;                  // the model asked for; empty: the served one
   std::optional<std::string> prompt;  // text, tokenized into prompt_ids by the engine, or
+  std::optional<ChatInput> chat;      // a conversation the engine renders and tokenizes, or
   std::vector<int64_t> prompt_ids;    // ids
   SamplingParams sampling;
   int64_t max_new_tokens = 0;             // 0: the default
@@ -44,6 +59,9 @@ struct GenerationRequest {
   std::vector<std::string> stop_strings;  // need text streams (a tokenizer)
   bool ignore_eos = false;
   bool logprobs = false;  // report each generated token's log-probability
+  // With logprobs: also the this many most likely tokens at each step, in
+  // [0, kMaxTopLogprobs].
+  int64_t top_logprobs = 0;
   // Past it the request ends with DeadlineExceeded; `deadline_reason` says
   // whose deadline it was ("the client's deadline", "--request_timeout=30s").
   absl::Time deadline = absl::InfiniteFuture();
@@ -64,7 +82,8 @@ struct RequestLimits {
 // text must be tokenized first). InvalidArgument naming the field: an empty
 // prompt, an id outside the vocabulary, a prompt over max_input_tokens,
 // prompt + max_new_tokens over max_total_tokens, max_new_tokens < 0, bad
-// sampling values, an empty stop string, or stop strings without text.
+// sampling values, top_logprobs outside [0, 20] or without logprobs, an empty stop string, or stop
+// strings without text.
 absl::Status ValidateGenerationRequest(const GenerationRequest& request,
                                        const RequestLimits& limits);
 

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/status.h"
-#include "models/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::models {
 
@@ -32,7 +32,7 @@ namespace {
 
 class TokenizerStream : public TextStream {
  public:
-  explicit TokenizerStream(const Tokenizer& tokenizer)
+  explicit TokenizerStream(const tokenizer::Tokenizer& tokenizer)
       : decoder_(tokenizer, /*skip_special_tokens=*/true) {}
   // An id outside the tokenizer's vocabulary is not part of the stream.
   std::string Next(int64_t id) override {
@@ -42,12 +42,12 @@ class TokenizerStream : public TextStream {
   std::string Flush() override { return decoder_.Flush(); }
 
  private:
-  IncrementalDecoder decoder_;
+  tokenizer::IncrementalDecoder decoder_;
 };
 
 }  // namespace
 
-TextStreamFactory TokenizerTextStreams(const Tokenizer& tokenizer) {
+TextStreamFactory TokenizerTextStreams(const tokenizer::Tokenizer& tokenizer) {
   return [tokenizer] { return std::make_unique<TokenizerStream>(tokenizer); };
 }
 
@@ -336,13 +336,23 @@ absl::StatusOr<std::vector<TokenEvent>> Generator::Step() {
   // advanced. If sampling fails, the caches go back to where they were.
   std::vector<int64_t> tokens(work.size(), -1);
   std::vector<std::optional<float>> logprobs(work.size());
+  std::vector<std::vector<TokenLogprob>> top_logprobs(work.size());
   const absl::Status sampled = CallTorch([&] {
     for (size_t i = 0; i < work.size(); ++i) {
       Sequence& seq = *work[i].seq;
       if (pending(seq) != 0) continue;  // a prompt chunk: no token yet
       const at::Tensor row = logits[static_cast<int64_t>(i)];
       tokens[i] = seq.sampler.Next(row, seq.ids);
-      if (seq.request.logprobs) logprobs[i] = at::log_softmax(row, -1)[tokens[i]].item<float>();
+      if (!seq.request.logprobs) continue;
+      const at::Tensor log_probs = at::log_softmax(row.to(at::kFloat), -1);
+      logprobs[i] = log_probs[tokens[i]].item<float>();
+      if (seq.request.top_logprobs > 0) {
+        const auto [values, ids] =
+            at::topk(log_probs, std::min(seq.request.top_logprobs, log_probs.size(0)));
+        for (int64_t k = 0; k < values.size(0); ++k) {
+          top_logprobs[i].push_back({ids[k].item<int64_t>(), values[k].item<float>()});
+        }
+      }
     }
   });
   if (!sampled.ok()) {
@@ -369,6 +379,7 @@ absl::StatusOr<std::vector<TokenEvent>> Generator::Step() {
     event.sequence = work[i].id;
     event.token_id = tokens[i];
     event.logprob = logprobs[i];
+    event.top_logprobs = std::move(top_logprobs[i]);
     bool stopped = false;
     if (seq.text_stream != nullptr) {
       std::tie(event.text, stopped) = seq.Take(seq.text_stream->Next(tokens[i]));

@@ -42,6 +42,10 @@
 #include "models/sampling.h"
 #include "models/token_generator.h"
 
+namespace accel::tokenizer {
+class Tokenizer;
+}  // namespace accel::tokenizer
+
 namespace accel::models {
 
 // Turns one sequence's generated ids into text as they arrive: every piece
@@ -57,11 +61,10 @@ class TextStream {
 };
 using TextStreamFactory = std::function<std::unique_ptr<TextStream>()>;
 
-class Tokenizer;
 // Text streams from the tokenizer's incremental decoder, skipping special
 // tokens (so an eos reads as nothing). The factory keeps its own copy of
 // the tokenizer (a shared, immutable table).
-TextStreamFactory TokenizerTextStreams(const Tokenizer& tokenizer);
+TextStreamFactory TokenizerTextStreams(const tokenizer::Tokenizer& tokenizer);
 
 struct GeneratorOptions {
   // KV blocks in the store; 0: enough for four sequences at the position

@@ -17,7 +17,7 @@
 #include "core/status.h"
 #include "loader/loader.h"
 #include "models/families.h"
-#include "models/internal/bpe_trainer.h"
+#include "tokenizer/bpe_trainer.h"
 
 namespace accel::models {
 namespace {
@@ -248,15 +248,15 @@ absl::StatusOr<MadeModel> MakeModel(const std::string& out_dir, const MakeModelO
   // The built-in sample holds enough text for kMaxMerges merges; a corpus of
   // the caller's may fill the whole vocabulary.
   auto merges = options.tokenizer_text.empty()
-                    ? internal::TrainMerges(internal::SampleEnglishText(),
-                                            static_cast<int>(std::min<int64_t>(room, kMaxMerges)))
-                    : internal::TrainMerges(options.tokenizer_text, static_cast<int>(room));
+                    ? tokenizer::TrainMerges(tokenizer::SampleEnglishText(),
+                                             static_cast<int>(std::min<int64_t>(room, kMaxMerges)))
+                    : tokenizer::TrainMerges(options.tokenizer_text, static_cast<int>(room));
   const bool gpt2 = config.model_type == "gpt2";
-  std::vector<internal::SpecialToken> specials = {
+  std::vector<tokenizer::SpecialToken> specials = {
       {gpt2 ? "<|startoftext|>" : "<|begin_of_text|>", *config.bos_token_id},
       {gpt2 ? "<|endoftext|>" : "<|end_of_text|>", config.eos_token_ids[0]}};
   ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(
-      out_dir + "/tokenizer.json", internal::ByteLevelTokenizerJson(merges, specials)));
+      out_dir + "/tokenizer.json", tokenizer::ByteLevelTokenizerJson(merges, specials)));
 
   MadeModel made;
   made.config = std::move(config);

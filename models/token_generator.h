@@ -26,12 +26,19 @@ enum class FinishReason {
 absl::string_view FinishReasonName(FinishReason reason);
 
 // What one step produced for one sequence.
+struct TokenLogprob {
+  int64_t token_id = 0;
+  float logprob = 0;
+};
+
 struct TokenEvent {
   uint64_t sequence = 0;
   int64_t token_id = 0;
   // log p(token) under the model's own distribution (log-softmax of the raw
   // logits, before sampling's processing); set when the request asked.
   std::optional<float> logprob;
+  // The request's top_logprobs most likely tokens, most likely first.
+  std::vector<TokenLogprob> top_logprobs;
   std::string text;  // text that became final with this token (may be empty)
   std::optional<FinishReason> finish;
 };

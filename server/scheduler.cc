@@ -311,6 +311,7 @@ void Scheduler::RunStep() {
     TokenChunk chunk;
     chunk.token_ids.push_back(event.token_id);
     if (event.logprob) chunk.logprobs.push_back(*event.logprob);
+    if (!event.top_logprobs.empty()) chunk.top_logprobs.push_back(std::move(event.top_logprobs));
     chunk.text = std::move(event.text);
     r.sink->OnTokens(std::move(chunk));
     if (event.finish) EndRunning(event.sequence, absl::OkStatus(), ToFinish(*event.finish));

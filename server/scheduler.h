@@ -45,7 +45,9 @@ class ServerMetrics;
 struct TokenChunk {
   std::vector<int64_t> token_ids;
   std::vector<float> logprobs;  // one per token when the request asked
-  std::string text;             // text that became final (may be empty)
+  // One per token when the request asked for top_logprobs.
+  std::vector<std::vector<models::TokenLogprob>> top_logprobs;
+  std::string text;  // text that became final (may be empty)
 };
 
 enum class Finish { kLength, kEos, kStop, kCancelled };

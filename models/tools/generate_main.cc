@@ -25,7 +25,7 @@
 #include "models/default_model.h"
 #include "models/generator.h"
 #include "models/load_model.h"
-#include "models/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 ABSL_FLAG(std::string, model, "",
           "A HuggingFace model folder (config.json, safetensors, ...). Empty: the embedded "
@@ -147,10 +147,10 @@ int Run(int argc, char** argv) {
   }
 
   // The tokenizer first: a bad one fails before minutes of loading.
-  std::optional<accel::models::Tokenizer> tokenizer;
+  std::optional<accel::tokenizer::Tokenizer> tokenizer;
   const std::string tokenizer_path = dir + "/tokenizer.json";
   if (std::filesystem::exists(tokenizer_path)) {
-    auto loaded = accel::models::Tokenizer::FromFile(tokenizer_path);
+    auto loaded = accel::tokenizer::Tokenizer::FromFile(tokenizer_path);
     if (!loaded.ok()) return Fail(loaded.status());
     tokenizer.emplace(*std::move(loaded));
   } else if (!prompt.empty()) {

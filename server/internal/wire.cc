@@ -11,7 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 
-#include "models/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::server::internal {
 namespace {
@@ -29,7 +29,7 @@ std::string FindBadUtf8(const google::protobuf::Descriptor& type,
     const google::protobuf::FieldDescriptor* descriptor = type.FindFieldByNumber(field.number());
     if (descriptor == nullptr) continue;
     if (descriptor->type() == google::protobuf::FieldDescriptor::TYPE_STRING) {
-      if (!models::IsValidUtf8(field.length_delimited())) return descriptor->full_name();
+      if (!tokenizer::IsValidUtf8(field.length_delimited())) return descriptor->full_name();
     } else if (descriptor->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE) {
       google::protobuf::UnknownFieldSet inner;
       if (!inner.ParseFromString(field.length_delimited())) continue;

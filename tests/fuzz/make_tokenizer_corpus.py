@@ -2,7 +2,7 @@
 """Writes the seed corpora of the tokenizer fuzzers (checked in; rerun after editing).
 
 corpus/tokenizer_json/: small tokenizer.json files, one or more per component
-kind models/tokenizer.h supports, and a few broken ones.
+kind tokenizer/tokenizer.h supports, and a few broken ones.
 corpus/tokenizer_encode/: inputs of tokenizer_encode_fuzz: one byte (low bits:
 which built-in tokenizer; 0x80: decode the rest as ids; 0x40: skip special
 tokens), then the text.

@@ -1,4 +1,4 @@
-// libFuzzer target for encoding and decoding (models/tokenizer.h;
+// libFuzzer target for encoding and decoding (tokenizer/tokenizer.h;
 // scripts/fuzz.sh runs it) with fixed byte-level tokenizers built in: the one
 // accel-make-model writes (GPT-2's pattern), and the same vocabulary behind
 // Llama 3's and Qwen2's split patterns with added tokens. The first byte
@@ -19,14 +19,14 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-#include "models/internal/bpe_trainer.h"
-#include "models/internal/tokenizer_unicode.h"
-#include "models/tokenizer.h"
+#include "tokenizer/bpe_trainer.h"
+#include "tokenizer/internal/unicode.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
 
-using accel::models::IncrementalDecoder;
-using accel::models::Tokenizer;
+using accel::tokenizer::IncrementalDecoder;
+using accel::tokenizer::Tokenizer;
 using Json = nlohmann::json;
 
 void Check(bool ok) {
@@ -47,9 +47,8 @@ Json AddedToken(int64_t id, const char* content, bool special, bool normalized, 
 }
 
 std::vector<Tokenizer> MakeTokenizers() {
-  const auto merges =
-      accel::models::internal::TrainMerges(accel::models::internal::SampleEnglishText(), 300);
-  const Json base = Json::parse(accel::models::internal::ByteLevelTokenizerJson(
+  const auto merges = accel::tokenizer::TrainMerges(accel::tokenizer::SampleEnglishText(), 300);
+  const Json base = Json::parse(accel::tokenizer::ByteLevelTokenizerJson(
       merges, {{"<|begin_of_text|>", 600}, {"<|end_of_text|>", 601}}));
   std::vector<Json> variants = {base, base, base};
   for (int k : {1, 2}) {
@@ -82,11 +81,11 @@ void CheckStream(const Tokenizer& tok, const std::vector<int64_t>& ids, bool ski
   std::string streamed;
   for (int64_t id : ids) {
     absl::StatusOr<std::string> piece = stream.Next(id);
-    Check(piece.ok() && accel::models::internal::IsValidUtf8(*piece));
+    Check(piece.ok() && accel::tokenizer::internal::IsValidUtf8(*piece));
     streamed += *piece;
   }
   const std::string rest = stream.Flush();
-  Check(accel::models::internal::IsValidUtf8(rest));
+  Check(accel::tokenizer::internal::IsValidUtf8(rest));
   Check(streamed + rest == expected);
 }
 
@@ -110,13 +109,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ids.push_back(raw % tok.vocab_size());
     }
     absl::StatusOr<std::string> text = tok.Decode(ids, skip);
-    Check(text.ok() && accel::models::internal::IsValidUtf8(*text));
+    Check(text.ok() && accel::tokenizer::internal::IsValidUtf8(*text));
     CheckStream(tok, ids, skip, *text);
     return 0;
   }
 
   absl::StatusOr<std::vector<int64_t>> ids = tok.Encode(rest, /*add_special_tokens=*/true);
-  if (!accel::models::internal::IsValidUtf8(rest)) {
+  if (!accel::tokenizer::internal::IsValidUtf8(rest)) {
     Check(!ids.ok() && ids.status().code() == absl::StatusCode::kInvalidArgument);
     return 0;
   }

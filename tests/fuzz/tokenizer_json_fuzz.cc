@@ -1,4 +1,4 @@
-// libFuzzer target for tokenizer.json (models/tokenizer.h; scripts/fuzz.sh
+// libFuzzer target for tokenizer.json (tokenizer/tokenizer.h; scripts/fuzz.sh
 // runs it). Any input must load or give InvalidArgument / Unimplemented; a
 // tokenizer that loads must encode and decode a few fixed inputs, and stream
 // its ids, without crashing and with valid UTF-8 text. (That a stream equals
@@ -14,8 +14,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-#include "models/internal/tokenizer_unicode.h"
-#include "models/tokenizer.h"
+#include "tokenizer/internal/unicode.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
 
@@ -23,7 +23,7 @@ void Check(bool ok) {
   if (!ok) __builtin_trap();
 }
 
-void Exercise(const accel::models::Tokenizer& tok) {
+void Exercise(const accel::tokenizer::Tokenizer& tok) {
   const std::vector<int64_t> empty;
   for (absl::string_view text :
        {absl::string_view("Hello world, it's 2024!\n  x\t\xC3\xA9\xE4\xBD\xA0 <s> <|endoftext|>"),
@@ -50,13 +50,13 @@ void Exercise(const accel::models::Tokenizer& tok) {
   for (int64_t id = 0; id < tok.vocab_size() && id < 300; ++id) ids.push_back(id);
   for (bool skip : {false, true}) {
     absl::StatusOr<std::string> text = tok.Decode(ids, skip);
-    Check(text.ok() && accel::models::internal::IsValidUtf8(*text));
-    accel::models::IncrementalDecoder stream(tok, skip);
+    Check(text.ok() && accel::tokenizer::internal::IsValidUtf8(*text));
+    accel::tokenizer::IncrementalDecoder stream(tok, skip);
     for (int64_t id : ids) {
       absl::StatusOr<std::string> piece = stream.Next(id);
-      Check(piece.ok() && accel::models::internal::IsValidUtf8(*piece));
+      Check(piece.ok() && accel::tokenizer::internal::IsValidUtf8(*piece));
     }
-    Check(accel::models::internal::IsValidUtf8(stream.Flush()));
+    Check(accel::tokenizer::internal::IsValidUtf8(stream.Flush()));
   }
   Check(!tok.Decode({tok.vocab_size()}, false).ok());
 }
@@ -65,8 +65,8 @@ void Exercise(const accel::models::Tokenizer& tok) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::string_view json(reinterpret_cast<const char*>(data), size);
-  absl::StatusOr<accel::models::Tokenizer> tok =
-      accel::models::Tokenizer::FromJson(json, "fuzz.json");
+  absl::StatusOr<accel::tokenizer::Tokenizer> tok =
+      accel::tokenizer::Tokenizer::FromJson(json, "fuzz.json");
   if (!tok.ok()) {
     const absl::StatusCode code = tok.status().code();
     Check(code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kUnimplemented);

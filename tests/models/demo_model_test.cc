@@ -15,14 +15,15 @@
 
 #include "models/causal_lm.h"
 #include "models/load_model.h"
-#include "models/tokenizer.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::models {
 namespace {
 
 using ::accel::test::IsOk;
+using ::accel::tokenizer::Tokenizer;
 
 const char kDir[] = ACCEL_DEMO_MODEL_DIR;
 

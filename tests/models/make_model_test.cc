@@ -12,9 +12,9 @@
 #include "loader/config.h"
 #include "loader/loader.h"
 #include "models/families.h"
-#include "models/tokenizer.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::models {
 namespace {
@@ -22,6 +22,7 @@ namespace {
 using ::accel::test::IsOk;
 using ::accel::test::StatusIs;
 using ::accel::test::TempDir;
+using ::accel::tokenizer::Tokenizer;
 using ::testing::HasSubstr;
 
 TEST(MakeModelTest, WritesAFolderThatLoadsBack) {

@@ -17,14 +17,15 @@
 #include "models/causal_lm.h"
 #include "models/generator.h"
 #include "models/load_model.h"
-#include "models/tokenizer.h"
 #include "tests/testing/status_matchers.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::models {
 namespace {
 
 using ::accel::test::IsOk;
 using ::accel::test::StatusIs;
+using ::accel::tokenizer::Tokenizer;
 using ::testing::HasSubstr;
 
 // Sampling proper: the default temperature (0) is greedy.
