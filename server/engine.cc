@@ -221,6 +221,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   return engine;
 }
 
+std::string Engine::TokenText(int64_t token_id) const {
+  if (!model_->tokenizer) return "";
+  const int64_t ids[] = {token_id};
+  absl::StatusOr<std::string> text = model_->tokenizer->Decode(ids, /*skip_special_tokens=*/false);
+  return text.ok() ? *std::move(text) : std::string();
+}
+
 dispatch::OffloadStats Engine::offload_stats() const { return model_->loaded.dispatched->stats(); }
 
 absl::Status Engine::Complete(models::GenerationRequest& request) const {

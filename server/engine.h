@@ -94,6 +94,10 @@ class Engine {
   absl::StatusOr<uint64_t> Submit(models::GenerationRequest request,
                                   std::shared_ptr<RequestSink> sink);
   void Cancel(uint64_t id) { scheduler_->Cancel(id); }
+  // One token's text, as the OpenAI API's logprobs show it: the token
+  // decoded alone (special tokens included; a piece of a UTF-8 character
+  // decodes to U+FFFD). Empty without a tokenizer or for an unknown id.
+  std::string TokenText(int64_t token_id) const;
 
   const ModelInfo& info() const { return info_; }
   Scheduler& scheduler() { return *scheduler_; }

@@ -70,6 +70,12 @@ ABSL_FLAG(std::string, host, "0.0.0.0", "Address the gRPC and metrics ports list
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one (printed on stdout).");
 ABSL_FLAG(int, metrics_port, 8002,
           "Prometheus /metrics HTTP port; 0 picks a free one; -1 turns metrics off.");
+ABSL_FLAG(int, http_port, 0,
+          "The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) "
+          "on this port; 0: off. Plain HTTP (refused with --tls_cert).");
+ABSL_FLAG(absl::Duration, http_request_timeout, absl::Seconds(10),
+          "An HTTP request's head and body must arrive within this of its first byte; a slower "
+          "client is answered 408 and closed.");
 ABSL_FLAG(int, max_batch_size, 32, "Most sequences in one decode step.");
 ABSL_FLAG(int64_t, max_num_batched_tokens, 512,
           "Most tokens in one forward step: one per decoding sequence first, then chunks of "
@@ -148,6 +154,8 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   o.host = absl::GetFlag(FLAGS_host);
   o.port = absl::GetFlag(FLAGS_port);
   o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  o.http_port = absl::GetFlag(FLAGS_http_port);
+  o.http_request_timeout = absl::GetFlag(FLAGS_http_request_timeout);
   o.shutdown_timeout = absl::GetFlag(FLAGS_shutdown_timeout);
   o.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   o.tls_key_file = absl::GetFlag(FLAGS_tls_key);
@@ -253,8 +261,11 @@ int Run(int argc, char** argv) {
   }
   const accel::server::Server::Ports ports = (*server)->ports();
   // One line on stdout that scripts and tests read for the ports.
-  std::printf("accel-serve: listening grpc=%s:%d metrics=%s:%d\n", options->host.c_str(),
-              ports.grpc, options->host.c_str(), ports.metrics);
+  // " http=H:P" is added only when the OpenAI HTTP API is on.
+  const std::string http =
+      ports.http > 0 ? absl::StrCat(" http=", options->host, ":", ports.http) : "";
+  std::printf("accel-serve: listening grpc=%s:%d metrics=%s:%d%s\n", options->host.c_str(),
+              ports.grpc, options->host.c_str(), ports.metrics, http.c_str());
   std::fflush(stdout);
   Log(absl::StrCat("loading ", options->engine.model_dir));
 

@@ -32,6 +32,7 @@
 #include "server/kserve_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
+#include "server/openai_http.h"
 #include "server/server_metrics.h"
 #include "server/serving.h"
 
@@ -134,9 +135,11 @@ struct Server::Impl {
         kserve(&state, o.version) {}
 
   ~Impl() {
-    // gRPC first (its reactors reach the engine), then the engine (its
-    // scheduler calls the sinks), then the metrics endpoint (it reads both).
+    // gRPC and HTTP first (their handlers reach the engine), then the engine
+    // (its scheduler calls the sinks), then the metrics endpoint (it reads
+    // both).
     grpc_server.reset();
+    http.reset();
     if (loader.joinable()) loader.join();
     {
       absl::MutexLock lock(&collect_mu);
@@ -243,6 +246,9 @@ struct Server::Impl {
         scheduler.WaitIdle(absl::Seconds(10));
       }
     }
+    // In-flight HTTP answers have ended with their requests; new ones got
+    // 503 meanwhile. Stop accepting and let the last answers go out.
+    if (http != nullptr) http->Stop(absl::Seconds(5));
     Linger(drain_start);
     // Lets the last responses go out, then cancels whatever RPC is left.
     grpc_server->Shutdown(std::chrono::system_clock::now() +
@@ -260,6 +266,7 @@ struct Server::Impl {
   GenerationService generation;
   KServeService kserve;
   std::unique_ptr<MetricsHttpServer> metrics_http;
+  std::unique_ptr<OpenAiHttpServer> http;
   std::unique_ptr<grpc::Server> grpc_server;
   Ports ports;
 
@@ -307,6 +314,31 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     }
     s.metrics_http = *std::move(http);
     s.ports.metrics = s.metrics_http->port();
+  }
+
+  if (options.http_port < 0 || options.http_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http_port=", options.http_port, ": give a port in 1..65535, or 0 for off"));
+  }
+  if (options.http_port > 0) {
+    if (!options.tls_cert_file.empty()) {
+      return absl::InvalidArgumentError(
+          "--http_port with --tls_cert: the OpenAI HTTP API serves plain HTTP only; terminate "
+          "TLS in front of it (an ingress, a sidecar) or serve it from a replica without "
+          "--tls_cert");
+    }
+    OpenAiHttpOptions http;
+    http.host = options.host;
+    http.port = options.http_port;
+    http.request_timeout = options.http_request_timeout;
+    absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
+        OpenAiHttpServer::Start(http, &s.state);
+    if (!started.ok()) {
+      return absl::Status(started.status().code(),
+                          absl::StrCat("--http_port: ", started.status().message()));
+    }
+    s.http = *std::move(started);
+    s.ports.http = s.http->port();
   }
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -1,6 +1,7 @@
 // server/server.h: one accel-serve server in a process: the gRPC port
 // (accel.v1.Generation, KServe v2, grpc.health.v1, reflection), the
-// Prometheus port, and the engine, with their lifecycle. accel-serve is
+// Prometheus port, the OpenAI-compatible HTTP port (optional), and the
+// engine, with their lifecycle. accel-serve is
 // flag parsing around it; tests start one in-process.
 //
 //   ServerOptions options;
@@ -37,6 +38,13 @@ struct ServerOptions {
   std::string host = "0.0.0.0";
   int port = 50051;         // 0: a free one (see ports())
   int metrics_port = 8002;  // 0: a free one; -1: no metrics endpoint
+  // The OpenAI-compatible HTTP API (server/openai_http.h) on its own port;
+  // 0: off. (No "free port" value: a test picks a free port itself.) Plain
+  // HTTP only: with tls_cert_file set, Start refuses an http_port.
+  int http_port = 0;
+  // A request's head and body must arrive within this of its first byte
+  // (a slow client is then answered 408 and closed).
+  absl::Duration http_request_timeout = absl::Seconds(10);
   // How long Drain lets accepted requests run before ending them.
   absl::Duration shutdown_timeout = absl::Seconds(30);
   std::optional<std::string> auth_token;  // unset: no authentication
@@ -61,6 +69,7 @@ class Server {
   struct Ports {
     int grpc = 0;
     int metrics = -1;  // -1: no metrics endpoint
+    int http = 0;      // 0: no OpenAI HTTP API
   };
 
   // Opens both ports and starts loading the model on a thread; returns once

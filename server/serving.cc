@@ -56,12 +56,25 @@ grpc::Status ServingState::Authorize(const grpc::ServerContextBase& context) con
                         "this server needs the metadata \"authorization: Bearer <token>\"");
   }
   const std::string value(it->second.data(), it->second.size());
-  const std::string expected = "Bearer " + *auth_token_;
-  if (!ConstantTimeEquals(value, expected)) {
-    if (metrics_ != nullptr) metrics_->RequestFailed("unauthenticated");
-    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "the bearer token is not valid");
-  }
+  const absl::Status checked = AuthorizeBearer(&value);
+  if (!checked.ok()) return ToGrpcStatus(checked);
   return grpc::Status::OK;
+}
+
+absl::Status ServingState::AuthorizeBearer(const std::string* authorization) const {
+  last_call_ns_.store(absl::ToUnixNanos(absl::Now()));
+  if (!auth_token_) return absl::OkStatus();
+  if (authorization == nullptr) {
+    if (metrics_ != nullptr) metrics_->RequestFailed("unauthenticated");
+    return absl::UnauthenticatedError(
+        "this server needs the header \"Authorization: Bearer <token>\"");
+  }
+  const std::string expected = "Bearer " + *auth_token_;
+  if (!ConstantTimeEquals(*authorization, expected)) {
+    if (metrics_ != nullptr) metrics_->RequestFailed("unauthenticated");
+    return absl::UnauthenticatedError("the bearer token is not valid");
+  }
+  return absl::OkStatus();
 }
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {

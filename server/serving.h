@@ -43,6 +43,9 @@ class ServingState {
   // Every handler but the liveness probes calls it first, so it also notes
   // when the last call arrived (see last_call()).
   grpc::Status Authorize(const grpc::ServerContextBase& context) const;
+  // The same check for HTTP: `authorization` is the Authorization header's
+  // value (null when absent). OK or Unauthenticated (and counted).
+  absl::Status AuthorizeBearer(const std::string* authorization) const;
   // When a handler last called Authorize; InfinitePast before any call. A
   // drain waits for a quiet moment before it stops gRPC (server/server.cc).
   absl::Time last_call() const { return absl::FromUnixNanos(last_call_ns_.load()); }

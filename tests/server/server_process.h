@@ -168,7 +168,17 @@ class ServerProcess {
       return absl::InternalError("unexpected stdout line: " + line);
     }
     const std::string grpc_address = line.substr(grpc + 5, metrics - grpc - 5);
-    const std::string metrics_address = line.substr(metrics + 9, line.find('\n') - metrics - 9);
+    const size_t metrics_end = line.find_first_of(" \n", metrics + 9);
+    const std::string metrics_address = line.substr(metrics + 9, metrics_end - metrics - 9);
+    // " http=H:P" when --http_port is on.
+    const size_t http = line.find(" http=");
+    if (http != std::string::npos) {
+      const std::string http_address = line.substr(http + 6, line.find('\n') - http - 6);
+      if (!absl::SimpleAtoi(http_address.substr(http_address.rfind(':') + 1),
+                            &server->http_port_)) {
+        return absl::InternalError("cannot read the HTTP port from: " + line);
+      }
+    }
     if (!absl::SimpleAtoi(grpc_address.substr(grpc_address.rfind(':') + 1), &server->grpc_port_) ||
         !absl::SimpleAtoi(metrics_address.substr(metrics_address.rfind(':') + 1),
                           &server->metrics_port_)) {
@@ -202,6 +212,7 @@ class ServerProcess {
   std::string address() const { return absl::StrCat("127.0.0.1:", grpc_port_); }
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_port_; }
+  int http_port() const { return http_port_; }  // 0: --http_port was not given
   pid_t pid() const { return pid_; }
   std::shared_ptr<grpc::Channel> Channel() const {
     return grpc::CreateChannel(address(), grpc::InsecureChannelCredentials());
@@ -277,6 +288,7 @@ class ServerProcess {
   std::string stderr_path_;
   int grpc_port_ = 0;
   int metrics_port_ = -1;
+  int http_port_ = 0;
 };
 
 }  // namespace accel::testing

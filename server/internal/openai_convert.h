@@ -1,0 +1,128 @@
+// server/internal/openai_convert.h: OpenAI's HTTP API (chat completions,
+// completions, models) <-> the engine's terms, with no server attached, so
+// every wire rule is unit-tested (tests/server/openai_convert_test.cc) and
+// fuzzed (tests/fuzz/openai_request_fuzz.cc) on its own. Torch-free.
+//
+//   absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(OpenAiEndpoint::kChat, body);
+//   if (!parsed.ok()) return ErrorBody(ErrorForStatus(parsed.status()));
+//   ... engine->Submit(parsed->generation, sink) ...
+//   OpenAiResponseWriter writer(*parsed, info.name, token_text);
+//   writer.Add(chunk); ...; std::string body = writer.Final(completion);   // unary
+//   writer.StreamStart(); writer.StreamChunk(chunk); writer.StreamEnd(c);  // SSE events
+//
+// What OpenAI's fields mean here is in docs/API.md ("OpenAI-compatible HTTP
+// API"). Errors are InvalidArgument whose message begins with the field
+// ("max_tokens: ..."); ErrorForStatus turns any Status into OpenAI's error
+// object and its HTTP status.
+#ifndef ACCEL_SERVER_INTERNAL_OPENAI_CONVERT_H_
+#define ACCEL_SERVER_INTERNAL_OPENAI_CONVERT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+#include "models/generation_request.h"
+#include "server/scheduler.h"
+
+namespace accel::server::internal {
+
+enum class OpenAiEndpoint { kChat, kCompletions };
+
+// The most nesting a request body may have (messages with content parts and
+// tool schemas need a few levels; nlohmann recurses once per level).
+inline constexpr int kMaxOpenAiJsonDepth = 64;
+
+struct OpenAiRequest {
+  OpenAiEndpoint endpoint = OpenAiEndpoint::kChat;
+  models::GenerationRequest generation;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  // Chat: logprobs true; completions: logprobs is a number (the top count).
+  bool logprobs = false;
+  int64_t top_logprobs = 0;
+};
+
+// Parses a request body for `endpoint`. InvalidArgument naming the field for
+// malformed JSON, a wrong type, an out-of-range value, or a field this
+// server refuses (n > 1, non-zero penalties, logit_bias, a tool_choice other
+// than auto/none, ...). Unknown fields are ignored, as OpenAI does.
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint, absl::string_view body);
+
+// OpenAI's error object and the HTTP status it goes with.
+struct OpenAiError {
+  int http_status = 500;
+  std::string type;  // invalid_request_error, authentication_error, ...
+  std::string message;
+  std::string param;  // empty: null
+  std::string code;   // empty: null
+};
+
+// InvalidArgument -> 400 (param: the field the message begins with),
+// NotFound -> 404 model_not_found, Unauthenticated -> 401,
+// ResourceExhausted -> 429, Unavailable -> 503, DeadlineExceeded -> 504,
+// Cancelled -> 499 (the client went away; nobody reads it), else 500.
+OpenAiError ErrorForStatus(const absl::Status& status);
+// {"error": {"message", "type", "param", "code"}}.
+std::string ErrorBody(const OpenAiError& error);
+
+// "stop" (eos or a stop string), "length" (max_tokens, the context, or a
+// server-side end such as a drain past its grace period).
+const char* OpenAiFinishReason(Finish finish);
+
+// GET /v1/models: {"object": "list", "data": [{"id", "object": "model",
+// "created", "owned_by": "accel"}]}; GET /v1/models/{id} is the one entry.
+std::string ModelObject(const std::string& model, int64_t created);
+std::string ModelList(const std::string& model, int64_t created);
+
+// A token's text, for logprobs (its decoded bytes; a token that is part of a
+// UTF-8 character decodes to U+FFFD, as HF's decode does).
+using TokenTextFn = std::function<std::string(int64_t token_id)>;
+
+// Builds one request's answer: the unary body, or the SSE events of a stream
+// ("data: {json}\n\n" ... "data: [DONE]\n\n"). Not thread-safe.
+class OpenAiResponseWriter {
+ public:
+  // `id` empty: a fresh random one ("chatcmpl-..." / "cmpl-...").
+  OpenAiResponseWriter(const OpenAiRequest& request, std::string model, TokenTextFn token_text,
+                       int64_t created, std::string id = "");
+  ~OpenAiResponseWriter();
+  OpenAiResponseWriter(const OpenAiResponseWriter&) = delete;
+  OpenAiResponseWriter& operator=(const OpenAiResponseWriter&) = delete;
+
+  const std::string& id() const { return id_; }
+
+  // Unary: collects a chunk; Final returns the whole body.
+  void Add(const TokenChunk& chunk);
+  std::string Final(const Completion& completion) const;
+
+  // Streaming. Chat: the first event carries {role: assistant, content: ""}.
+  std::string StreamStart() const;
+  // One event with the chunk's text and logprobs ("" when it has neither).
+  std::string StreamChunk(const TokenChunk& chunk);
+  // The event with finish_reason, the usage event when include_usage, and
+  // "data: [DONE]".
+  std::string StreamEnd(const Completion& completion) const;
+  // An error in the middle of a stream: an event {"error": {...}}, then
+  // "data: [DONE]" (the openai clients raise the error).
+  static std::string StreamError(const OpenAiError& error);
+
+ private:
+  struct State;  // the collected answer (nlohmann JSON, kept out of this header)
+
+  const OpenAiRequest& request_;
+  const std::string model_;
+  const TokenTextFn token_text_;
+  const int64_t created_;
+  std::string id_;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace accel::server::internal
+
+#endif  // ACCEL_SERVER_INTERNAL_OPENAI_CONVERT_H_

@@ -1,0 +1,69 @@
+// server/openai_http.h: accel-serve's OpenAI-compatible HTTP API on its own
+// port (--http_port): POST /v1/chat/completions, POST /v1/completions (both
+// unary or streamed as server-sent events), GET /v1/models and
+// GET /v1/models/{id}. The same engine, queue, bearer token, lifecycle and
+// metrics as the gRPC services; docs/API.md describes the fields.
+//
+// Each connection has a thread (internal/http_server.h); a handler submits
+// the request to the engine and waits for its tokens, looking every 50 ms
+// whether the client closed its connection, which cancels the request
+// (Engine::Cancel), as a failed write does.
+//
+// Torch-free header: server/ headers include no libtorch.
+#ifndef ACCEL_SERVER_OPENAI_HTTP_H_
+#define ACCEL_SERVER_OPENAI_HTTP_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace accel::server {
+
+class ServingState;
+namespace internal {
+class HttpServer;
+class HttpExchange;
+}  // namespace internal
+
+struct OpenAiHttpOptions {
+  std::string host = "0.0.0.0";
+  int port = 0;  // 0: a free one
+  // A request's head and body must arrive within this of its first byte.
+  absl::Duration request_timeout = absl::Seconds(10);
+  size_t max_body_bytes = 4 << 20;
+  int max_connections = 512;
+};
+
+class OpenAiHttpServer {
+ public:
+  // Listens; `state` (not owned) must outlive the server. InvalidArgument /
+  // Unavailable as internal::HttpServer::Start.
+  static absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> Start(const OpenAiHttpOptions& options,
+                                                                 ServingState* state);
+  ~OpenAiHttpServer();
+  OpenAiHttpServer(const OpenAiHttpServer&) = delete;
+  OpenAiHttpServer& operator=(const OpenAiHttpServer&) = delete;
+
+  int port() const;
+  // Stops accepting and closes idle connections, then waits up to `timeout`
+  // for the answers in progress (their requests ended first: Server::Drain
+  // stops the scheduler before this).
+  void Stop(absl::Duration timeout);
+
+ private:
+  OpenAiHttpServer(ServingState* state, int64_t created);
+  void Handle(internal::HttpExchange& exchange);
+  void Generate(internal::HttpExchange& exchange, bool chat);
+
+  ServingState* const state_;
+  const int64_t created_;  // the models' "created"
+  std::unique_ptr<internal::HttpServer> http_;
+};
+
+}  // namespace accel::server
+
+#endif  // ACCEL_SERVER_OPENAI_HTTP_H_
