@@ -297,6 +297,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(
         "--max_connection_age and --max_connection_age_grace must not be negative");
   }
+  if (options.http_port < 0 || options.http_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http_port=", options.http_port, ": give a port in 1..65535, or 0 for off"));
+  }
+  if (options.http_port > 0 && !options.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--http_port with --tls_cert: the OpenAI HTTP API serves plain HTTP only; terminate "
+        "TLS in front of it (an ingress, a sidecar) or serve it from a replica without "
+        "--tls_cert");
+  }
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       TlsCredentials(options.tls_cert_file, options.tls_key_file);
   if (!credentials.ok()) return credentials.status();
@@ -316,17 +326,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     s.ports.metrics = s.metrics_http->port();
   }
 
-  if (options.http_port < 0 || options.http_port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--http_port=", options.http_port, ": give a port in 1..65535, or 0 for off"));
-  }
   if (options.http_port > 0) {
-    if (!options.tls_cert_file.empty()) {
-      return absl::InvalidArgumentError(
-          "--http_port with --tls_cert: the OpenAI HTTP API serves plain HTTP only; terminate "
-          "TLS in front of it (an ingress, a sidecar) or serve it from a replica without "
-          "--tls_cert");
-    }
     OpenAiHttpOptions http;
     http.host = options.host;
     http.port = options.http_port;

@@ -1,0 +1,222 @@
+#include "server/internal/openai_convert.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+
+namespace accel::server::internal {
+namespace {
+
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+OpenAiRequest ParseOk(OpenAiEndpoint endpoint, const std::string& body) {
+  absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(endpoint, body);
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  return parsed.ok() ? *parsed : OpenAiRequest();
+}
+
+OpenAiError ParseError(OpenAiEndpoint endpoint, const std::string& body) {
+  absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(endpoint, body);
+  EXPECT_FALSE(parsed.ok()) << body;
+  return ErrorForStatus(parsed.status());
+}
+
+TEST(OpenAiConvertTest, ChatMessagesAndSampling) {
+  const OpenAiRequest r = ParseOk(OpenAiEndpoint::kChat, R"({
+    "model": "m", "messages": [
+      {"role": "system", "content": "be brief"},
+      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+      {"role": "assistant", "content": null, "tool_calls": []}],
+    "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
+    "stop": "END", "n": 1, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "auto", "user": "u", "unknown_field": {"x": 1},
+    "logprobs": true, "top_logprobs": 3, "stream": true,
+    "stream_options": {"include_usage": true}})");
+  ASSERT_TRUE(r.generation.chat.has_value());
+  const json messages = json::parse(r.generation.chat->messages_json);
+  ASSERT_EQ(messages.size(), 3u);
+  EXPECT_EQ(messages[1]["content"], "ab");
+  EXPECT_EQ(messages[2]["content"], "");
+  EXPECT_TRUE(messages[2].contains("tool_calls"));
+  EXPECT_EQ(json::parse(r.generation.chat->tools_json)[0]["function"]["name"], "f");
+  EXPECT_TRUE(r.generation.chat->add_generation_prompt);
+  EXPECT_EQ(r.generation.model, "m");
+  EXPECT_EQ(r.generation.max_new_tokens, 7);
+  EXPECT_DOUBLE_EQ(r.generation.sampling.temperature, 0.5);
+  EXPECT_DOUBLE_EQ(r.generation.sampling.top_p, 0.9);
+  EXPECT_EQ(r.generation.sampling.seed, 3u);
+  EXPECT_EQ(r.generation.stop_strings, std::vector<std::string>{"END"});
+  EXPECT_TRUE(r.generation.logprobs);
+  EXPECT_EQ(r.generation.top_logprobs, 3);
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage);
+}
+
+TEST(OpenAiConvertTest, DefaultsFollowOpenAi) {
+  const OpenAiRequest r = ParseOk(OpenAiEndpoint::kCompletions, R"({"prompt": "hi"})");
+  EXPECT_EQ(r.generation.prompt, "hi");
+  EXPECT_DOUBLE_EQ(r.generation.sampling.temperature, 1.0);  // OpenAI's default
+  EXPECT_EQ(r.generation.max_new_tokens, 0);                 // the server's default
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.generation.logprobs);
+}
+
+TEST(OpenAiConvertTest, CompletionPromptForms) {
+  EXPECT_EQ(ParseOk(OpenAiEndpoint::kCompletions, R"({"prompt": ["one"]})").generation.prompt,
+            "one");
+  EXPECT_EQ(ParseOk(OpenAiEndpoint::kCompletions, R"({"prompt": [1, 2, 3]})").generation.prompt_ids,
+            (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(ParseOk(OpenAiEndpoint::kCompletions, R"({"prompt": [[4, 5]]})").generation.prompt_ids,
+            (std::vector<int64_t>{4, 5}));
+  EXPECT_EQ(ParseError(OpenAiEndpoint::kCompletions, R"({"prompt": ["a", "b"]})").param, "prompt");
+  EXPECT_EQ(ParseError(OpenAiEndpoint::kCompletions, R"({"prompt": [1, "x"]})").param, "prompt[1]");
+  const OpenAiRequest r = ParseOk(OpenAiEndpoint::kCompletions,
+                                  R"({"prompt": "x", "logprobs": 5, "stop": ["a", "b"]})");
+  EXPECT_TRUE(r.generation.logprobs);
+  EXPECT_EQ(r.generation.top_logprobs, 5);
+  EXPECT_EQ(r.generation.stop_strings.size(), 2u);
+}
+
+TEST(OpenAiConvertTest, ErrorsNameTheField) {
+  struct Case {
+    OpenAiEndpoint endpoint;
+    const char* body;
+    const char* param;
+  };
+  const OpenAiEndpoint chat = OpenAiEndpoint::kChat;
+  const OpenAiEndpoint text = OpenAiEndpoint::kCompletions;
+  const Case cases[] = {
+      {text, R"({"prompt": "x", "max_tokens": "ten"})", "max_tokens"},
+      {text, R"({"prompt": "x", "max_tokens": 0})", "max_tokens"},
+      {text, R"({"prompt": "x", "temperature": 2.5})", "temperature"},
+      {text, R"({"prompt": "x", "top_p": 0})", "top_p"},
+      {text, R"({"prompt": "x", "n": 2})", "n"},
+      {text, R"({"prompt": "x", "logprobs": 6})", "logprobs"},
+      {text, R"({"prompt": "x", "frequency_penalty": 1})", "frequency_penalty"},
+      {text, R"({"prompt": "x", "stop": 3})", "stop"},
+      {text, R"({"prompt": "x", "echo": true})", "echo"},
+      {text, R"({"prompt": "x", "stream": "yes"})", "stream"},
+      {text, R"({"model": 3, "prompt": "x"})", "model"},
+      {text, R"({})", "prompt"},
+      {chat, R"({"messages": []})", "messages"},
+      {chat, R"({"messages": [{"content": "x"}]})", "messages[0].role"},
+      {chat, R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content"},
+      {chat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
+       "messages[0].content[0].type"},
+      {chat, R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21,
+                 "logprobs": true})",
+       "top_logprobs"},
+      {chat, R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})",
+       "top_logprobs"},
+      {chat, R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
+       "tool_choice"},
+      {chat, R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}})",
+       "logit_bias"},
+  };
+  for (const Case& c : cases) {
+    const OpenAiError error = ParseError(c.endpoint, c.body);
+    EXPECT_EQ(error.http_status, 400) << c.body;
+    EXPECT_EQ(error.type, "invalid_request_error");
+    EXPECT_EQ(error.param, c.param) << c.body << ": " << error.message;
+  }
+  EXPECT_THAT(ParseError(text, "{").message, HasSubstr("not valid JSON"));
+  EXPECT_THAT(ParseError(text, "[]").message, HasSubstr("JSON object"));
+  EXPECT_THAT(ParseError(text, std::string(1000, '[')).message, HasSubstr("nests deeper"));
+}
+
+TEST(OpenAiConvertTest, StatusesMapToOpenAiErrors) {
+  EXPECT_EQ(ErrorForStatus(absl::NotFoundError("m")).http_status, 404);
+  EXPECT_EQ(ErrorForStatus(absl::NotFoundError("m")).code, "model_not_found");
+  EXPECT_EQ(ErrorForStatus(absl::UnauthenticatedError("x")).http_status, 401);
+  EXPECT_EQ(ErrorForStatus(absl::ResourceExhaustedError("x")).http_status, 429);
+  EXPECT_EQ(ErrorForStatus(absl::UnavailableError("x")).http_status, 503);
+  EXPECT_EQ(ErrorForStatus(absl::InternalError("x")).http_status, 500);
+  const json body = json::parse(ErrorBody(ErrorForStatus(absl::InvalidArgumentError("x: bad"))));
+  EXPECT_EQ(body["error"]["message"], "x: bad");
+  EXPECT_EQ(body["error"]["param"], "x");
+  EXPECT_TRUE(body["error"]["code"].is_null());
+  EXPECT_STREQ(OpenAiFinishReason(Finish::kEos), "stop");
+  EXPECT_STREQ(OpenAiFinishReason(Finish::kStop), "stop");
+  EXPECT_STREQ(OpenAiFinishReason(Finish::kLength), "length");
+  EXPECT_STREQ(OpenAiFinishReason(Finish::kCancelled), "length");
+}
+
+TokenChunk Chunk(std::vector<int64_t> ids, std::string text, std::vector<float> logprobs = {},
+                 std::vector<std::vector<models::TokenLogprob>> top = {}) {
+  TokenChunk chunk;
+  chunk.token_ids = std::move(ids);
+  chunk.text = std::move(text);
+  chunk.logprobs = std::move(logprobs);
+  chunk.top_logprobs = std::move(top);
+  return chunk;
+}
+
+std::string Name(int64_t id) { return "t" + std::to_string(id); }
+
+TEST(OpenAiConvertTest, ChatAnswerAndStream) {
+  OpenAiRequest request = ParseOk(
+      OpenAiEndpoint::kChat,
+      R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 1,
+          "stream": true, "stream_options": {"include_usage": true}})");
+  OpenAiResponseWriter writer(request, "m", Name, 42, "chatcmpl-1");
+  const TokenChunk chunk = Chunk({7, 8}, "ab", {-0.5f, -0.25f}, {{{7, -0.5f}}, {{8, -0.25f}}});
+  writer.Add(chunk);
+  Completion completion;
+  completion.finish = Finish::kEos;
+  completion.prompt_tokens = 3;
+  completion.generated_tokens = 2;
+  const json body = json::parse(writer.Final(completion));
+  EXPECT_EQ(body["object"], "chat.completion");
+  EXPECT_EQ(body["id"], "chatcmpl-1");
+  EXPECT_EQ(body["created"], 42);
+  EXPECT_EQ(body["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(body["choices"][0]["message"]["content"], "ab");
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "stop");
+  const json& content = body["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 2u);
+  EXPECT_EQ(content[0]["token"], "t7");
+  EXPECT_EQ(content[0]["bytes"], json::array({'t', '7'}));
+  EXPECT_EQ(content[1]["top_logprobs"][0]["token"], "t8");
+  EXPECT_EQ(body["usage"]["total_tokens"], 5);
+
+  const std::string start = writer.StreamStart();
+  ASSERT_TRUE(absl::StartsWith(start, "data: "));
+  const json first = json::parse(start.substr(6));
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["choices"][0]["delta"], json({{"role", "assistant"}, {"content", ""}}));
+  EXPECT_TRUE(first["usage"].is_null());
+  const json middle = json::parse(writer.StreamChunk(chunk).substr(6));
+  EXPECT_EQ(middle["choices"][0]["delta"]["content"], "ab");
+  EXPECT_EQ(middle["choices"][0]["logprobs"]["content"].size(), 2u);
+  EXPECT_EQ(writer.StreamChunk(Chunk({}, "")), "");
+  const std::string end = writer.StreamEnd(completion);
+  EXPECT_TRUE(absl::EndsWith(end, "data: [DONE]\n\n"));
+  EXPECT_THAT(end, HasSubstr("\"finish_reason\":\"stop\""));
+  EXPECT_THAT(end, HasSubstr("\"choices\":[]"));
+  EXPECT_THAT(end, HasSubstr("\"total_tokens\":5"));
+}
+
+TEST(OpenAiConvertTest, CompletionLogprobsAndModels) {
+  OpenAiRequest request =
+      ParseOk(OpenAiEndpoint::kCompletions, R"({"prompt": "x", "logprobs": 1})");
+  OpenAiResponseWriter writer(request, "m", Name, 1);
+  EXPECT_TRUE(absl::StartsWith(writer.id(), "cmpl-"));
+  writer.Add(Chunk({1, 22}, "t1t22", {-1.0f, -2.0f}, {{{1, -1.0f}}, {{3, -0.5f}}}));
+  const json body = json::parse(writer.Final(Completion()));
+  EXPECT_EQ(body["object"], "text_completion");
+  const json& logprobs = body["choices"][0]["logprobs"];
+  EXPECT_EQ(logprobs["tokens"], json::array({"t1", "t22"}));
+  EXPECT_EQ(logprobs["text_offset"], json::array({0, 2}));
+  EXPECT_EQ(logprobs["top_logprobs"][1]["t3"], -0.5);
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "length");
+  const json list = json::parse(ModelList("m", 5));
+  EXPECT_EQ(list["object"], "list");
+  EXPECT_EQ(list["data"][0],
+            json({{"id", "m"}, {"object", "model"}, {"created", 5}, {"owned_by", "accel"}}));
+}
+
+}  // namespace
+}  // namespace accel::server::internal

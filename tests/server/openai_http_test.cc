@@ -1,0 +1,527 @@
+// The OpenAI-compatible HTTP API of the real accel-serve binary: through the
+// official `openai` npm client (pinned by tests/server/openai_client/
+// package-lock.json, installed by scripts/openai_client.sh into
+// build/npm-openai), and through raw sockets for what a client library
+// would never send (malformed requests, slow clients, closed connections).
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <sys/socket.h>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+#include "accel/v1/generation.grpc.pb.h"
+#include "tests/server/generation_client.h"
+#include "tests/server/server_process.h"
+
+namespace accel::testing {
+namespace {
+
+using ::accel::v1::GenerateResponse;
+using ::accel::v1::Generation;
+using ::testing::HasSubstr;
+using json = nlohmann::json;
+
+constexpr char kToken[] = "sesame";
+
+// A port nobody listens on now (the kernel's pick, released).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t length = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// accel-serve with --http_port on a free port (retried if another process
+// took the port in between).
+std::unique_ptr<ServerProcess> StartHttp(const std::string& model, std::vector<std::string> args) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::vector<std::string> all = args;
+    all.push_back(absl::StrCat("--http_port=", FreePort()));
+    auto server = ServerProcess::Start(model, all);
+    if (server.ok()) return *std::move(server);
+    if (attempt == 2) ADD_FAILURE() << server.status();
+  }
+  return nullptr;
+}
+
+const std::string& SlowModelDir() {
+  static const std::string dir =
+      MadeModel("serve-slow",
+                "--family llama --num_layers 6 --hidden_size 384 --num_kv_heads 2"
+                " --max_position_embeddings 4096 --seed 4");
+  return dir;
+}
+
+double Metric(const ServerProcess& server, const std::string& series) {
+  absl::StatusOr<std::string> text = server.Metrics();
+  if (!text.ok()) return -1;
+  return MetricValue(*text, series).value_or(0);
+}
+
+bool WaitForMetric(const ServerProcess& server, const std::string& series, double want,
+                   absl::Duration timeout = absl::Seconds(10)) {
+  const absl::Time end = absl::Now() + timeout;
+  while (absl::Now() < end) {
+    if (Metric(server, series) == want) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
+std::string ShellQuote(const std::string& text) {
+  return absl::StrCat("'", absl::StrReplaceAll(text, {{"'", "'\\''"}}), "'");
+}
+
+// Runs tests/server/openai_client/client.js: one call of the openai client.
+json RunClient(int port, const std::string& key, const std::string& method,
+               const json& params = json::object()) {
+  const std::string npm = BinDir() + "/../npm-openai";
+  if (!std::filesystem::exists(npm + "/node_modules/openai")) {
+    ADD_FAILURE() << npm << " lacks the openai package: run scripts/openai_client.sh build";
+    return json();
+  }
+  const std::string command =
+      absl::StrCat("node ", ACCEL_OPENAI_CLIENT_DIR, "/client.js ", npm, " http://127.0.0.1:", port,
+                   "/v1 ", ShellQuote(key), " ", method, " ", ShellQuote(params.dump()));
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return json();
+  std::string text;
+  char buffer[4096];
+  size_t read;
+  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) text.append(buffer, read);
+  pclose(pipe);
+  json out = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (out.is_discarded()) ADD_FAILURE() << "client.js printed: " << text;
+  return out;
+}
+
+// A connected socket to the server's HTTP port.
+int Connect(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+void SendAll(int fd, const std::string& data) {
+  size_t sent = 0;
+  while (sent < data.size()) {
+    const ssize_t n = send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) return;
+    sent += static_cast<size_t>(n);
+  }
+}
+
+// Reads until the server closes or `until` appears in what was read.
+std::string ReadUntil(int fd, const std::string& until = "",
+                      absl::Duration timeout = absl::Seconds(30)) {
+  timeval tv = absl::ToTimeval(timeout);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string out;
+  char buffer[8192];
+  while (until.empty() || out.find(until) == std::string::npos) {
+    const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+    if (n <= 0) break;
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// One request on a fresh connection (Connection: close); the whole response.
+std::string Exchange(int port, const std::string& method, const std::string& path,
+                     const std::string& body, const std::string& extra_headers = "") {
+  const int fd = Connect(port);
+  if (fd < 0) return "";
+  SendAll(fd, absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n",
+                           "Content-Type: application/json\r\nContent-Length: ", body.size(),
+                           "\r\n", extra_headers, "\r\n", body));
+  std::string response = ReadUntil(fd);
+  close(fd);
+  return response;
+}
+
+int StatusOf(const std::string& response) {
+  if (response.size() < 12) return 0;
+  return std::atoi(response.substr(9, 3).c_str());
+}
+
+json BodyOf(const std::string& response) {
+  const size_t at = response.find("\r\n\r\n");
+  if (at == std::string::npos) return json();
+  return json::parse(response.substr(at + 4), nullptr, false);
+}
+
+// OpenAI's error shape: {"error": {"message", "type", "param", "code"}}.
+void ExpectOpenAiError(const std::string& response, int status, const std::string& type) {
+  EXPECT_EQ(StatusOf(response), status) << response;
+  const json body = BodyOf(response);
+  ASSERT_TRUE(body.is_object()) << response;
+  ASSERT_TRUE(body.contains("error")) << response;
+  const json& error = body["error"];
+  EXPECT_TRUE(error["message"].is_string());
+  EXPECT_EQ(error["type"], type);
+  EXPECT_TRUE(error.contains("param"));
+  EXPECT_TRUE(error.contains("code"));
+}
+
+class OpenAiClientTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string token_file = BinDir() + "/../openai-http-test-token";
+    FILE* f = std::fopen(token_file.c_str(), "w");
+    std::fputs(kToken, f);
+    std::fclose(f);
+    server_ = StartHttp(TestModelDir(), {"--auth_token_file=" + token_file}).release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(server_, nullptr); }
+  int port() const { return server_->http_port(); }
+  static ServerProcess* server_;
+};
+ServerProcess* OpenAiClientTest::server_ = nullptr;
+
+TEST_F(OpenAiClientTest, ModelsList) {
+  const json out = RunClient(port(), kToken, "models.list");
+  ASSERT_TRUE(out["ok"]) << out;
+  ASSERT_EQ(out["result"].size(), 1u);
+  const json& model = out["result"][0];
+  EXPECT_EQ(model["id"], "serve-small");
+  EXPECT_EQ(model["object"], "model");
+  EXPECT_EQ(model["owned_by"], "accel");
+  EXPECT_TRUE(model["created"].is_number_integer());
+}
+
+// Greedy /v1/completions equals accel.v1 Generate on the same prompt.
+TEST_F(OpenAiClientTest, CompletionMatchesGrpcGenerate) {
+  const json out = RunClient(port(), kToken, "completions.create",
+                             {{"model", "serve-small"},
+                              {"prompt", "hello world"},
+                              {"max_tokens", 8},
+                              {"temperature", 0},
+                              {"ignore_eos", true}});
+  ASSERT_TRUE(out["ok"]) << out;
+  const json& result = out["result"];
+  EXPECT_EQ(result["object"], "text_completion");
+  EXPECT_TRUE(absl::StartsWith(result["id"].get<std::string>(), "cmpl-"));
+  EXPECT_EQ(result["model"], "serve-small");
+  ASSERT_EQ(result["choices"].size(), 1u);
+  EXPECT_EQ(result["choices"][0]["index"], 0);
+  EXPECT_EQ(result["choices"][0]["finish_reason"], "length");
+  EXPECT_TRUE(result["choices"][0]["logprobs"].is_null());
+  EXPECT_EQ(result["usage"]["completion_tokens"], 8);
+  EXPECT_EQ(result["usage"]["total_tokens"].get<int>(),
+            result["usage"]["prompt_tokens"].get<int>() + 8);
+
+  auto stub = Generation::NewStub(server_->Channel());
+  accel::v1::GenerateRequest request = Greedy("hello world", 8);
+  request.set_ignore_eos(true);
+  GenerateResponse response;
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+  ASSERT_TRUE(stub->Generate(&context, request, &response).ok());
+  EXPECT_EQ(result["choices"][0]["text"], response.text());
+  EXPECT_EQ(result["usage"]["prompt_tokens"], response.usage().prompt_tokens());
+}
+
+TEST_F(OpenAiClientTest, StreamedCompletionJoinsToTheUnaryOne) {
+  json params = {
+      {"prompt", "once upon"}, {"max_tokens", 12}, {"temperature", 0}, {"ignore_eos", true}};
+  const json unary = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(unary["ok"]) << unary;
+  params["stream"] = true;
+  params["stream_options"] = {{"include_usage", true}};
+  const json streamed = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(streamed["ok"]) << streamed;
+  const json& chunks = streamed["chunks"];
+  ASSERT_GE(chunks.size(), 3u);
+  std::string text;
+  std::string finish;
+  for (size_t i = 0; i + 1 < chunks.size(); ++i) {
+    EXPECT_EQ(chunks[i]["object"], "text_completion");
+    EXPECT_EQ(chunks[i]["id"], chunks[0]["id"]);
+    EXPECT_TRUE(chunks[i]["usage"].is_null());
+    ASSERT_EQ(chunks[i]["choices"].size(), 1u);
+    text += chunks[i]["choices"][0]["text"].get<std::string>();
+    if (!chunks[i]["choices"][0]["finish_reason"].is_null()) {
+      finish = chunks[i]["choices"][0]["finish_reason"];
+    }
+  }
+  EXPECT_EQ(text, unary["result"]["choices"][0]["text"]);
+  EXPECT_EQ(finish, "length");
+  const json& usage = chunks.back();  // include_usage: empty choices, the usage
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_EQ(usage["usage"], unary["result"]["usage"]);
+}
+
+TEST_F(OpenAiClientTest, CompletionLogprobs) {
+  const json out = RunClient(port(), kToken, "completions.create",
+                             {{"prompt", "hello"},
+                              {"max_tokens", 4},
+                              {"temperature", 0},
+                              {"ignore_eos", true},
+                              {"logprobs", 2}});
+  ASSERT_TRUE(out["ok"]) << out;
+  const json& logprobs = out["result"]["choices"][0]["logprobs"];
+  ASSERT_EQ(logprobs["tokens"].size(), 4u);
+  ASSERT_EQ(logprobs["token_logprobs"].size(), 4u);
+  ASSERT_EQ(logprobs["top_logprobs"].size(), 4u);
+  ASSERT_EQ(logprobs["text_offset"].size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_LE(logprobs["token_logprobs"][i].get<double>(), 0);
+    EXPECT_GE(logprobs["top_logprobs"][i].size(), 1u);  // two ids may decode alike
+    EXPECT_LE(logprobs["top_logprobs"][i].size(), 2u);
+    // Greedy: the chosen token is the most likely one.
+    double best = -1e9;
+    for (const auto& [token, logprob] : logprobs["top_logprobs"][i].items()) {
+      best = std::max(best, logprob.get<double>());
+    }
+    EXPECT_NEAR(best, logprobs["token_logprobs"][i].get<double>(), 1e-5);
+  }
+}
+
+TEST_F(OpenAiClientTest, BadTemperatureIsABadRequestError) {
+  const json out =
+      RunClient(port(), kToken, "completions.create", {{"prompt", "hello"}, {"temperature", 7}});
+  ASSERT_FALSE(out["ok"]) << out;
+  EXPECT_EQ(out["error"]["class"], "BadRequestError");
+  EXPECT_TRUE(out["error"]["isBadRequest"]);
+  EXPECT_EQ(out["error"]["status"], 400);
+  EXPECT_EQ(out["error"]["param"], "temperature");
+  EXPECT_EQ(out["error"]["type"], "invalid_request_error");
+}
+
+TEST_F(OpenAiClientTest, UnknownModelIsNotFound) {
+  const json out =
+      RunClient(port(), kToken, "completions.create", {{"model", "gpt-4"}, {"prompt", "hello"}});
+  ASSERT_FALSE(out["ok"]) << out;
+  EXPECT_TRUE(out["error"]["isNotFound"]);
+  EXPECT_EQ(out["error"]["code"], "model_not_found");
+}
+
+TEST_F(OpenAiClientTest, WrongKeyIsAnAuthenticationError) {
+  const json out = RunClient(port(), "not-the-token", "models.list");
+  ASSERT_FALSE(out["ok"]) << out;
+  EXPECT_EQ(out["error"]["class"], "AuthenticationError");
+  EXPECT_TRUE(out["error"]["isAuthentication"]);
+  EXPECT_EQ(out["error"]["status"], 401);
+  const std::string raw = Exchange(port(), "GET", "/v1/models", "");
+  ExpectOpenAiError(raw, 401, "invalid_request_error");
+  EXPECT_GE(Metric(*server_, "accel_request_failure_total{reason=\"unauthenticated\"}"), 2);
+}
+
+// Raw HTTP: what no client library sends.
+class RawHttpTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server_ = StartHttp(TestModelDir(), {"--http_request_timeout=1s"}).release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(server_, nullptr); }
+  int port() const { return server_->http_port(); }
+  static ServerProcess* server_;
+};
+ServerProcess* RawHttpTest::server_ = nullptr;
+
+TEST_F(RawHttpTest, MalformedJson) {
+  const std::string response = Exchange(port(), "POST", "/v1/completions", "{\"prompt\": ");
+  ExpectOpenAiError(response, 400, "invalid_request_error");
+  EXPECT_THAT(response, HasSubstr("not valid JSON"));
+  ExpectOpenAiError(Exchange(port(), "POST", "/v1/chat/completions", "[1, 2]"), 400,
+                    "invalid_request_error");
+  ExpectOpenAiError(Exchange(port(), "POST", "/v1/completions", std::string(100000, '[')), 400,
+                    "invalid_request_error");
+}
+
+TEST_F(RawHttpTest, WrongTypesNameTheField) {
+  const std::string response =
+      Exchange(port(), "POST", "/v1/completions", R"({"prompt": "hi", "max_tokens": "ten"})");
+  ExpectOpenAiError(response, 400, "invalid_request_error");
+  EXPECT_EQ(BodyOf(response)["error"]["param"], "max_tokens");
+  EXPECT_EQ(BodyOf(Exchange(port(), "POST", "/v1/chat/completions",
+                            R"({"messages": "hello"})"))["error"]["param"],
+            "messages");
+  EXPECT_EQ(BodyOf(Exchange(port(), "POST", "/v1/completions",
+                            R"({"prompt": "hi", "n": 2})"))["error"]["param"],
+            "n");
+  EXPECT_EQ(BodyOf(Exchange(port(), "POST", "/v1/completions",
+                            R"({"prompt": "hi", "presence_penalty": 0.5})"))["error"]["param"],
+            "presence_penalty");
+  // The engine's own validation, in OpenAI's shape.
+  ExpectOpenAiError(Exchange(port(), "POST", "/v1/completions", R"({"prompt": [999999]})"), 400,
+                    "invalid_request_error");
+}
+
+TEST_F(RawHttpTest, OversizedBodyIs413) {
+  const int fd = Connect(port());
+  ASSERT_GE(fd, 0);
+  SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n");
+  const std::string response = ReadUntil(fd);
+  close(fd);
+  ExpectOpenAiError(response, 413, "invalid_request_error");
+}
+
+TEST_F(RawHttpTest, UnknownRouteAndWrongMethod) {
+  ExpectOpenAiError(Exchange(port(), "GET", "/v1/engines", ""), 404, "invalid_request_error");
+  ExpectOpenAiError(Exchange(port(), "GET", "/", ""), 404, "invalid_request_error");
+  const std::string wrong = Exchange(port(), "GET", "/v1/completions", "");
+  ExpectOpenAiError(wrong, 405, "invalid_request_error");
+  EXPECT_THAT(wrong, HasSubstr("Allow: POST"));
+  ExpectOpenAiError(Exchange(port(), "POST", "/v1/models", "{}"), 405, "invalid_request_error");
+  EXPECT_EQ(StatusOf(Exchange(port(), "GET", "/v1/models/serve-small", "")), 200);
+  ExpectOpenAiError(Exchange(port(), "GET", "/v1/models/other", ""), 404, "invalid_request_error");
+  ExpectOpenAiError(Exchange(port(), "GARBAGE", "nonsense", ""), 400, "invalid_request_error");
+}
+
+// A client that trickles its request head is answered 408 and closed after
+// --http_request_timeout, and others are served meanwhile.
+TEST_F(RawHttpTest, SlowClientTimesOutAndOthersAreServed) {
+  std::vector<int> slow;
+  for (int i = 0; i < 20; ++i) slow.push_back(Connect(port()));
+  const absl::Time start = absl::Now();
+  std::thread trickle([&] {
+    const std::string head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n";
+    for (size_t i = 0; i < head.size() && absl::Now() - start < absl::Seconds(3); ++i) {
+      for (int fd : slow) SendAll(fd, head.substr(i, 1));
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  });
+  // Served while the slow ones trickle.
+  const std::string fast = Exchange(port(), "GET", "/v1/models", "");
+  EXPECT_EQ(StatusOf(fast), 200);
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(900));
+  const std::string answer = ReadUntil(slow[0], "", absl::Seconds(5));
+  const absl::Duration took = absl::Now() - start;
+  trickle.join();
+  EXPECT_EQ(StatusOf(answer), 408) << answer;
+  EXPECT_GE(took, absl::Milliseconds(900));
+  EXPECT_LT(took, absl::Seconds(3));
+  for (int fd : slow) close(fd);
+  // A connection that sends nothing at all is closed too.
+  const int idle = Connect(port());
+  EXPECT_EQ(StatusOf(ReadUntil(idle, "", absl::Seconds(5))), 408);
+  close(idle);
+}
+
+TEST_F(RawHttpTest, SseFramingAndKeepAlive) {
+  const int fd = Connect(port());
+  ASSERT_GE(fd, 0);
+  const std::string body =
+      R"({"prompt": "hello", "max_tokens": 3, "temperature": 0, "ignore_eos": true, "stream": true})";
+  const std::string request =
+      absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ", body.size(),
+                   "\r\n\r\n", body);
+  SendAll(fd, request);
+  const std::string first = ReadUntil(fd, "0\r\n\r\n");
+  EXPECT_THAT(first, HasSubstr("Content-Type: text/event-stream"));
+  EXPECT_THAT(first, HasSubstr("data: [DONE]\n\n"));
+  // The same connection serves the next request.
+  SendAll(fd, "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+  const std::string second = ReadUntil(fd, "\"owned_by\"");
+  EXPECT_EQ(StatusOf(second), 200);
+  close(fd);
+}
+
+// A client that closes its connection cancels its request, streamed or not.
+TEST(OpenAiHttpCancelTest, ClosedConnectionCancelsTheRequest) {
+  auto server = StartHttp(SlowModelDir(), {});
+  ASSERT_NE(server, nullptr);
+  for (bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "stream" : "unary");
+    const json body = {{"prompt", "a long story"},
+                       {"max_tokens", 3000},
+                       {"ignore_eos", true},
+                       {"temperature", 0},
+                       {"stream", stream}};
+    const int fd = Connect(server->http_port());
+    ASSERT_GE(fd, 0);
+    SendAll(fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ",
+                             body.dump().size(), "\r\n\r\n", body.dump()));
+    if (stream) {
+      const std::string some = ReadUntil(fd, "data: ", absl::Seconds(20));
+      EXPECT_THAT(some, HasSubstr("data: "));
+    }
+    ASSERT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 1));
+    const double cancelled = Metric(*server, "accel_request_failure_total{reason=\"cancelled\"}");
+    close(fd);
+    const absl::Time closed = absl::Now();
+    EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 0, absl::Seconds(5)));
+    EXPECT_LT(absl::Now() - closed, absl::Seconds(2));
+    EXPECT_TRUE(
+        WaitForMetric(*server, "accel_request_failure_total{reason=\"cancelled\"}", cancelled + 1));
+  }
+}
+
+// SIGTERM: new requests get 503, a stream in flight runs to its end, exit 0.
+TEST(OpenAiHttpDrainTest, DrainFinishesStreamsAndRefusesNewRequests) {
+  auto server = StartHttp(SlowModelDir(), {"--shutdown_timeout=60s"});
+  ASSERT_NE(server, nullptr);
+  const json body = {{"prompt", "a story"},
+                     {"max_tokens", 40},
+                     {"ignore_eos", true},
+                     {"temperature", 0},
+                     {"stream", true}};
+  const int fd = Connect(server->http_port());
+  ASSERT_GE(fd, 0);
+  SendAll(fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ",
+                           body.dump().size(), "\r\n\r\n", body.dump()));
+  std::string stream = ReadUntil(fd, "data: ", absl::Seconds(20));
+  const int other = Connect(server->http_port());  // connected before the drain
+  server->Signal(SIGTERM);
+  ASSERT_TRUE(WaitForMetric(*server, "accel_draining", 1, absl::Seconds(5)));
+  const std::string refused_body = R"({"prompt": "hi"})";
+  SendAll(other, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ",
+                              refused_body.size(), "\r\n\r\n", refused_body));
+  const std::string refused = ReadUntil(other, "}}");
+  close(other);
+  ExpectOpenAiError(refused, 503, "server_error");
+  EXPECT_THAT(refused, HasSubstr("Retry-After: 1"));
+  stream += ReadUntil(fd, "0\r\n\r\n");
+  close(fd);
+  EXPECT_THAT(stream, HasSubstr("\"finish_reason\":\"length\""));
+  EXPECT_THAT(stream, HasSubstr("data: [DONE]"));
+  EXPECT_EQ(server->Wait(absl::Seconds(30)), 0);
+}
+
+TEST(OpenAiHttpStartTest, TlsIsRefusedForHttp) {
+  auto server = ServerProcess::Start(
+      TestModelDir(),
+      {"--http_port=1", "--tls_cert=/nonexistent.pem", "--tls_key=/nonexistent.key"},
+      absl::Seconds(30), /*wait_ready=*/false);
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("--http_port with --tls_cert"));
+}
+
+}  // namespace
+}  // namespace accel::testing
