@@ -92,6 +92,10 @@ ABSL_FLAG(std::string, server_args, "",
 ABSL_FLAG(std::string, address, "",
           "HOST:PORT of an already running accel-serve; empty: start servers (RSS and metrics "
           "are then reported).");
+ABSL_FLAG(std::string, protocol, "grpc",
+          "grpc | http | both: the clients use accel.v1 GenerateStream, the OpenAI-compatible "
+          "HTTP API (POST /v1/completions with stream: true, server-sent events; the server is "
+          "started with --http_port), or both, one after the other on the same server.");
 ABSL_FLAG(int, load_rounds, 1,
           "How many times each load phase runs back to back (more than 1 shows whether RSS "
           "keeps growing).");
@@ -250,6 +254,125 @@ void RunClient(accel::v1::Generation::Stub* stub, const Group* group, Clock::tim
   }
 }
 
+// The protocol the clients of the phases now running use, and the server's
+// HTTP port (--protocol http/both).
+std::string g_protocol = "grpc";
+int g_http_port = 0;
+
+// RunClient over the OpenAI-compatible HTTP API: POST /v1/completions with
+// the same ids as a token-id prompt, stream: true, on a connection of its
+// own per request. TTFT: the first event with text; the tokens: the usage
+// event's completion_tokens; the ITL: the time from the first to the last
+// event over the tokens after the first.
+void RunHttpClient(const Group* group, Clock::time_point begin, Clock::time_point end,
+                   PhaseResult* out, absl::Mutex* mu) {
+  PhaseResult mine;
+  while (Clock::now() < end) {
+    google::protobuf::RepeatedField<int64_t> ids;
+    ids.Add(group->fixed.begin(), group->fixed.end());
+    AppendRandomIds(group->fresh, &ids);
+    const int64_t sent = ids.size();
+    const std::string body = absl::StrCat(
+        "{\"prompt\": [", absl::StrJoin(ids, ","), "], \"max_tokens\": ", group->max_new_tokens,
+        ", \"ignore_eos\": true, \"temperature\": 0, \"stream\": true, ",
+        "\"stream_options\": {\"include_usage\": true}}");
+    const Clock::time_point start = Clock::now();
+    std::string error;
+    int64_t generated = -1, prompt = -1;
+    std::optional<Clock::time_point> first, last;
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr = {};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(g_http_port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      error = "cannot connect to the HTTP port";
+    } else {
+      const std::string request = absl::StrCat(
+          "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+          "Content-Type: application/json\r\nContent-Length: ",
+          body.size(), "\r\n\r\n", body);
+      if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) !=
+          static_cast<ssize_t>(request.size())) {
+        error = "send failed";
+      }
+      std::string buffer;
+      size_t scanned = 0;
+      bool done = false;
+      char chunk[16384];
+      while (error.empty() && !done) {
+        const ssize_t n = recv(fd, chunk, sizeof(chunk), 0);
+        if (n <= 0) break;
+        const Clock::time_point now = Clock::now();
+        buffer.append(chunk, static_cast<size_t>(n));
+        size_t at;
+        while ((at = buffer.find("data: ", scanned)) != std::string::npos) {
+          const size_t stop = buffer.find("\n\n", at);
+          if (stop == std::string::npos) break;
+          const std::string event = buffer.substr(at + 6, stop - at - 6);
+          scanned = stop + 2;
+          if (event == "[DONE]") {
+            done = true;
+            break;
+          }
+          if (event.find("\"error\"") != std::string::npos) {
+            error = event;
+            break;
+          }
+          if (event.find("\"text\":\"\"") == std::string::npos &&
+              event.find("\"text\"") != std::string::npos) {
+            if (!first) first = now;
+            last = now;
+          }
+          const size_t usage = event.find("\"completion_tokens\":");
+          if (usage != std::string::npos) {
+            generated = std::atoll(event.c_str() + usage + 20);
+            const size_t p = event.find("\"prompt_tokens\":");
+            if (p != std::string::npos) prompt = std::atoll(event.c_str() + p + 16);
+          }
+        }
+      }
+      if (error.empty() && !done) error = "the stream ended before [DONE]";
+      if (error.empty() && buffer.rfind("HTTP/1.1 200", 0) != 0) {
+        error = buffer.substr(0, 200);
+      }
+    }
+    close(fd);
+    if (error.empty() && generated != group->max_new_tokens) {
+      error = absl::StrCat("usage says ", generated, " tokens, max_tokens ", group->max_new_tokens);
+    } else if (error.empty() && prompt != sent) {
+      error = absl::StrCat("sent ", sent, " prompt ids, usage says ", prompt);
+    }
+    if (!error.empty()) {
+      ++mine.errors;
+      if (mine.error_messages.size() < 3) mine.error_messages.push_back("http: " + error);
+      continue;
+    }
+    if (first) {
+      mine.ttft_ms.push_back(Ms(*first - start));
+      if (generated > 1) {
+        const double gap = Ms(*last - *first) / static_cast<double>(generated - 1);
+        for (int64_t i = 1; i < generated; ++i) mine.itl_ms.push_back(gap);
+      }
+    }
+    ++mine.requests;
+    mine.tokens += generated;
+    mine.prompt_tokens = prompt;
+  }
+  const double wall = std::chrono::duration<double>(Clock::now() - begin).count();
+  absl::MutexLock lock(mu);
+  out->wall_seconds = std::max(out->wall_seconds, wall);
+  out->requests += mine.requests;
+  out->tokens += mine.tokens;
+  out->errors += mine.errors;
+  if (mine.prompt_tokens > 0) out->prompt_tokens = mine.prompt_tokens;
+  out->ttft_ms.insert(out->ttft_ms.end(), mine.ttft_ms.begin(), mine.ttft_ms.end());
+  out->itl_ms.insert(out->itl_ms.end(), mine.itl_ms.begin(), mine.itl_ms.end());
+  for (std::string& m : mine.error_messages) {
+    if (out->error_messages.size() < 5) out->error_messages.push_back(std::move(m));
+  }
+}
+
 // Runs every group's clients at once for `seconds`; each group's figures go
 // to its own result.
 void RunGroups(accel::v1::Generation::Stub* stub, const std::vector<Group*>& groups,
@@ -263,7 +386,11 @@ void RunGroups(accel::v1::Generation::Stub* stub, const std::vector<Group*>& gro
   for (Group* g : groups) {
     g->result = PhaseResult();
     for (int i = 0; i < g->clients; ++i) {
-      threads.emplace_back(RunClient, stub, g, start, end, call_timeout, &g->result, &mu);
+      if (g_protocol == "http") {
+        threads.emplace_back(RunHttpClient, g, start, end, &g->result, &mu);
+      } else {
+        threads.emplace_back(RunClient, stub, g, start, end, call_timeout, &g->result, &mu);
+      }
     }
   }
   for (std::thread& t : threads) t.join();
@@ -326,12 +453,25 @@ std::unique_ptr<Target> Connect(const std::string& model_dir, const std::string&
         absl::StrSplit(absl::GetFlag(FLAGS_server_args), ' ', absl::SkipWhitespace());
     for (absl::string_view f : absl::StrSplit(flags, ' ', absl::SkipWhitespace()))
       args.emplace_back(f);
+    if (absl::GetFlag(FLAGS_protocol) != "grpc") {
+      // A free port for the HTTP API: the kernel's pick, released.
+      const int fd = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in addr = {};
+      addr.sin_family = AF_INET;
+      addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      socklen_t length = sizeof(addr);
+      bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
+      close(fd);
+      args.push_back(absl::StrCat("--http_port=", ntohs(addr.sin_port)));
+    }
     auto started = ServerProcess::Start(model_dir, args, absl::Seconds(300));
     if (!started.ok()) {
       std::fprintf(stderr, "accel-bench-serve: %s\n", started.status().ToString().c_str());
       return nullptr;
     }
     target->server = *std::move(started);
+    g_http_port = target->server->http_port();
     target->channel = target->server->Channel();
     std::fprintf(stderr, "accel-bench-serve: accel-serve pid %d on %s, %s\n",
                  static_cast<int>(target->server->pid()), target->server->address().c_str(),
@@ -444,14 +584,14 @@ std::vector<double> ClientPhases(Report& report, Target& target, const std::vect
   group.clients = *std::max_element(counts.begin(), counts.end());
   report.WarmUp(target, &group);
   group.clients = 1;
-  report.Phase(target, {"baseline (1 client)"}, {&group}, {std::nullopt}, seconds);
+  report.Phase(target, {g_protocol + " baseline (1 client)"}, {&group}, {std::nullopt}, seconds);
   const double base = group.result.tokens_per_second();
   std::vector<double> rates = {base};
   for (int clients : counts) {
     if (clients == 1) continue;
     group.clients = clients;
     for (int round = 0; round < absl::GetFlag(FLAGS_load_rounds); ++round) {
-      std::string name = absl::StrCat("load (", clients, " clients)");
+      std::string name = absl::StrCat(g_protocol, " load (", clients, " clients)");
       if (absl::GetFlag(FLAGS_load_rounds) > 1) absl::StrAppend(&name, " #", round + 1);
       report.Phase(target, {name}, {&group}, {base}, seconds);
     }
@@ -552,6 +692,14 @@ int main(int argc, char** argv) {
   }
   // server_process.h finds accel-serve and accel-make-model in $ACCEL_BIN_DIR:
   // default to the folder this binary is in.
+  {
+    const std::string protocol = absl::GetFlag(FLAGS_protocol);
+    if (protocol != "grpc" && protocol != "http" && protocol != "both") {
+      std::fprintf(stderr, "accel-bench-serve: --protocol must be grpc, http or both, not \"%s\"\n",
+                   protocol.c_str());
+      return 2;
+    }
+  }
   if (std::getenv("ACCEL_BIN_DIR") == nullptr) {
     const std::string self = SelfDir();
     if (!self.empty()) setenv("ACCEL_BIN_DIR", self.c_str(), 1);
@@ -635,7 +783,18 @@ int main(int argc, char** argv) {
 
   Report report;
   bool stopped_cleanly = true;
-  const std::vector<double> cached = ClientPhases(report, *target, counts, system_prompt);
+  const std::string protocol = absl::GetFlag(FLAGS_protocol);
+  // --protocol both: HTTP first, on the same server, then gRPC (whose
+  // figures the rest of the report uses).
+  std::vector<double> http_rates;
+  if (protocol == "http" || protocol == "both") {
+    g_protocol = "http";
+    http_rates = ClientPhases(report, *target, counts, system_prompt);
+    g_protocol = "grpc";
+  }
+  if (protocol == "http") g_protocol = "http";
+  const std::vector<double> cached =
+      protocol == "http" ? http_rates : ClientPhases(report, *target, counts, system_prompt);
   stopped_cleanly &= Stop(*target);
   std::vector<double> uncached;
   if (system_tokens > 0) {
@@ -673,6 +832,14 @@ int main(int argc, char** argv) {
   };
   std::printf("\ntok/s over 1 client (%s tok/s): %s\n", Fmt(cached[0]).c_str(),
               multiples(cached).c_str());
+  if (protocol == "both") {
+    std::printf("HTTP (SSE) over gRPC, tok/s:");
+    for (size_t i = 0; i < cached.size() && i < http_rates.size(); ++i) {
+      std::printf("%s %d client%s %s", i > 0 ? "," : "", loads[i], loads[i] > 1 ? "s" : "",
+                  Fmt(http_rates[i] / cached[i], "%.2fx").c_str());
+    }
+    std::printf("\n");
+  }
   if (!uncached.empty()) {
     std::printf("tok/s over 1 client with prefix caching off (%s tok/s): %s\n",
                 Fmt(uncached[0]).c_str(), multiples(uncached).c_str());
