@@ -13,6 +13,7 @@ import sys
 
 DEPS = {
     "core": set(),
+    "jinja": {"core"},
     "loader": {"core"},
     "quant": {"core"},
     "dispatch": {"core", "loader", "quant"},
