@@ -58,6 +58,7 @@ cmake --build --preset default
 
 step "tokenizer references: HF tokenizers through node (scripts/tokenizer_references.sh)"
 bash scripts/tokenizer_references.sh build
+bash scripts/jinja_references.sh build
 
 step "deploy: yamllint, kustomize, schemas, Dockerfile and manifests against accel-serve (scripts/check_deploy.sh)"
 bash scripts/check_deploy.sh build
