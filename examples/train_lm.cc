@@ -314,7 +314,8 @@ absl::Status Train() {
   unigram /= static_cast<double>(targets);
   if (acc->is_main_process()) {
     ACCEL_RETURN_IF_ERROR(acc->SaveModel(*prepared, out, "10GB"));
-    for (const char* name : {"config.json", "generation_config.json", "tokenizer.json"}) {
+    for (const char* name :
+         {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}) {
       ACCEL_ASSIGN_OR_RETURN(std::string bytes, loader::ReadFile(init + "/" + name));
       ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(out + "/" + name, bytes));
     }

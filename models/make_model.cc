@@ -257,6 +257,9 @@ absl::StatusOr<MadeModel> MakeModel(const std::string& out_dir, const MakeModelO
       {gpt2 ? "<|endoftext|>" : "<|end_of_text|>", config.eos_token_ids[0]}};
   ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(
       out_dir + "/tokenizer.json", tokenizer::ByteLevelTokenizerJson(merges, specials)));
+  ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(
+      out_dir + "/tokenizer_config.json",
+      tokenizer::TokenizerConfigJson(specials[0].content, specials[1].content)));
 
   MadeModel made;
   made.config = std::move(config);

@@ -58,6 +58,7 @@ cmake --build --preset default
 
 step "tokenizer references: HF tokenizers through node (scripts/tokenizer_references.sh)"
 bash scripts/tokenizer_references.sh build
+bash scripts/jinja_references.sh build
 step "openai client: the pinned openai npm package for the HTTP API tests (scripts/openai_client.sh)"
 bash scripts/openai_client.sh build
 

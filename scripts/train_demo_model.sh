@@ -11,7 +11,7 @@
 #
 # It prints the held-out perplexity next to a unigram model's and writes
 # models/demo/: config.json, generation_config.json, model.safetensors,
-# tokenizer.json, heldout.txt (held-out text for the test), metrics.json.
+# tokenizer.json, tokenizer_config.json (its chat template), heldout.txt (held-out text for the test), metrics.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -47,7 +47,7 @@ echo "trained in $(($(date +%s) - start)) s"
 
 out=models/demo
 mkdir -p "$out"
-for f in config.json generation_config.json model.safetensors tokenizer.json; do
+for f in config.json generation_config.json model.safetensors tokenizer.json tokenizer_config.json; do
   cp "$work/model/$f" "$out/$f"
 done
 grep '"heldout_perplexity"' "$work/train.log" | tail -1 >"$out/metrics.json"

@@ -21,6 +21,7 @@
 #include "models/sampling.h"
 #include "server/internal/quote.h"
 #include "server/server_metrics.h"
+#include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
 namespace accel::server {
@@ -28,6 +29,8 @@ namespace accel::server {
 struct Engine::Model {
   models::LoadedModel loaded;
   std::optional<tokenizer::Tokenizer> tokenizer;
+  std::optional<tokenizer::ChatTemplate> chat_template;
+  std::vector<int64_t> end_of_turn_ids;  // the template's turn ends, in the vocabulary
 };
 
 namespace {
@@ -108,6 +111,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
     ACCEL_ASSIGN_OR_RETURN(tokenizer::Tokenizer tokenizer,
                            tokenizer::Tokenizer::FromFile(tokenizer_path));
     model.tokenizer.emplace(std::move(tokenizer));
+    // The chat template too: a broken one is named now, not at the first chat.
+    absl::StatusOr<tokenizer::ChatTemplate> chat =
+        tokenizer::ChatTemplate::FromModelDir(options.model_dir);
+    if (chat.ok()) {
+      for (const std::string& token : chat->end_of_turn_tokens()) {
+        if (std::optional<int64_t> id = model.tokenizer->TokenToId(token)) {
+          model.end_of_turn_ids.push_back(*id);
+        }
+      }
+      model.chat_template.emplace(*std::move(chat));
+    } else if (!absl::IsNotFound(chat.status())) {
+      return chat.status();
+    }
   }
   models::ModelLoadOptions load;
   load.device_map = options.device_map;
@@ -172,6 +188,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   info.vocab_size = loaded.config.vocab_size;
   info.eos_token_ids = loaded.eos_token_ids();
   info.has_tokenizer = model.tokenizer.has_value();
+  info.has_chat_template = model.chat_template.has_value();
   info.load_seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
   // The KV store: blocks of every layer's keys and values in the model's dtype.
@@ -236,7 +253,28 @@ absl::Status Engine::Complete(models::GenerationRequest& request) const {
                                             " is not served here; this server serves \"",
                                             info_.name, "\""));
   }
-  if (request.prompt.has_value()) {
+  if (request.chat.has_value()) {
+    if (!model_->chat_template) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "messages: this model has no chat template (", options_.model_dir,
+          " has no chat_template.jinja and no chat_template in tokenizer_config.json); send a "
+          "prompt instead"));
+    }
+    ACCEL_ASSIGN_OR_RETURN(
+        const std::string text,
+        model_->chat_template->Render(request.chat->messages_json, request.chat->tools_json,
+                                      request.chat->add_generation_prompt));
+    if (text.empty())
+      return absl::InvalidArgumentError("messages: the chat template rendered nothing");
+    // The template wrote the special tokens itself (transformers encodes
+    // apply_chat_template's text without them too).
+    ACCEL_ASSIGN_OR_RETURN(request.prompt_ids,
+                           model_->tokenizer->Encode(text, /*add_special_tokens=*/false));
+    if (!request.ignore_eos) {
+      request.stop_token_ids.insert(request.stop_token_ids.end(), model_->end_of_turn_ids.begin(),
+                                    model_->end_of_turn_ids.end());
+    }
+  } else if (request.prompt.has_value()) {
     if (request.prompt->empty()) return absl::InvalidArgumentError("prompt is empty");
     if (!model_->tokenizer) {
       return absl::InvalidArgumentError(

@@ -72,6 +72,7 @@ struct ModelInfo {
   int64_t vocab_size = 0;
   std::vector<int64_t> eos_token_ids;
   bool has_tokenizer = false;
+  bool has_chat_template = false;  // Chat / chat completions work
   double load_seconds = 0;
 };
 

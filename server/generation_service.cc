@@ -4,9 +4,14 @@
 #include <string>
 #include <utility>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 
+#include "core/json_depth.h"
+#include "core/status.h"
 #include "server/engine.h"
 #include "server/internal/wire.h"
 #include "server/internal/write_pump.h"
@@ -16,8 +21,14 @@
 namespace accel::server {
 namespace {
 
+using accel::v1::ChatRequest;
 using accel::v1::GenerateRequest;
 using accel::v1::GenerateResponse;
+using Json = nlohmann::json;
+
+// Which request a reactor serves: Generate* take a GenerateRequest, Chat* a
+// ChatRequest; both become one models::GenerationRequest.
+enum class Method { kGenerate, kChat };
 
 accel::v1::FinishReason ToProto(Finish finish) {
   switch (finish) {
@@ -33,6 +44,85 @@ accel::v1::FinishReason ToProto(Finish finish) {
   return accel::v1::FINISH_REASON_UNSPECIFIED;
 }
 
+void SetSampling(const accel::v1::SamplingParameters& s, models::SamplingParams& out) {
+  out.temperature = s.temperature();
+  out.top_k = s.top_k();
+  // 0 is proto3's unset: the neutral value.
+  out.top_p = s.top_p() == 0 ? 1.0 : s.top_p();
+  out.min_p = s.min_p();
+  out.repetition_penalty = s.repetition_penalty() == 0 ? 1.0 : s.repetition_penalty();
+  if (s.has_seed()) out.seed = s.seed();
+}
+
+absl::StatusOr<Json> ParseJsonField(const std::string& text, const std::string& field) {
+  if (JsonNestsDeeperThan(text, 64)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": nests deeper than 64 levels"));
+  }
+  Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(field, ": invalid JSON"));
+  return json;
+}
+
+// The messages as chat templates read them (transformers' shape: a tool
+// call's arguments are an object, not the wire's JSON text).
+absl::StatusOr<models::GenerationRequest> ChatToParams(const ChatRequest& request,
+                                                       const grpc::ServerContextBase& context) {
+  if (request.messages().empty()) return absl::InvalidArgumentError("messages is empty");
+  Json messages = Json::array();
+  for (int i = 0; i < request.messages_size(); ++i) {
+    const accel::v1::ChatMessage& m = request.messages(i);
+    const std::string where = absl::StrCat("messages[", i, "]");
+    if (m.role().empty()) return absl::InvalidArgumentError(absl::StrCat(where, ".role is empty"));
+    Json message = {{"role", m.role()}};
+    message["content"] = m.has_content() ? Json(m.content()) : Json(nullptr);
+    if (!m.name().empty()) message["name"] = m.name();
+    if (!m.tool_call_id().empty()) message["tool_call_id"] = m.tool_call_id();
+    if (m.tool_calls_size() > 0) {
+      Json calls = Json::array();
+      for (int j = 0; j < m.tool_calls_size(); ++j) {
+        const accel::v1::ToolCall& call = m.tool_calls(j);
+        const std::string call_where = absl::StrCat(where, ".tool_calls[", j, "]");
+        Json arguments = Json::object();
+        if (!call.arguments_json().empty()) {
+          ACCEL_ASSIGN_OR_RETURN(
+              arguments, ParseJsonField(call.arguments_json(), call_where + ".arguments_json"));
+        }
+        Json function = {{"name", call.name()}, {"arguments", std::move(arguments)}};
+        Json entry = {{"type", call.type().empty() ? "function" : call.type()},
+                      {"function", std::move(function)}};
+        if (!call.id().empty()) entry["id"] = call.id();
+        calls.push_back(std::move(entry));
+      }
+      message["tool_calls"] = std::move(calls);
+    }
+    messages.push_back(std::move(message));
+  }
+  Json tools = Json::array();
+  for (int i = 0; i < request.tools_json_size(); ++i) {
+    ACCEL_ASSIGN_OR_RETURN(
+        Json tool, ParseJsonField(request.tools_json(i), absl::StrCat("tools_json[", i, "]")));
+    if (!tool.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat("tools_json[", i, "]: expected an object"));
+    }
+    tools.push_back(std::move(tool));
+  }
+  models::GenerationRequest params;
+  params.model = request.model();
+  models::ChatInput chat;
+  chat.messages_json = messages.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (!tools.empty()) chat.tools_json = tools.dump(-1, ' ', false, Json::error_handler_t::replace);
+  chat.add_generation_prompt = request.add_generation_prompt();
+  params.chat = std::move(chat);
+  params.max_new_tokens = request.max_new_tokens();
+  SetSampling(request.sampling(), params.sampling);
+  params.stop_strings.assign(request.stop().begin(), request.stop().end());
+  params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
+  params.ignore_eos = request.ignore_eos();
+  params.logprobs = request.return_logprobs();
+  params.deadline = CallDeadline(context);
+  return params;
+}
+
 models::GenerationRequest ToParams(const GenerateRequest& request,
                                    const grpc::ServerContextBase& context) {
   models::GenerationRequest params;
@@ -43,14 +133,7 @@ models::GenerationRequest ToParams(const GenerateRequest& request,
     params.prompt_ids.assign(request.input_ids().ids().begin(), request.input_ids().ids().end());
   }
   params.max_new_tokens = request.max_new_tokens();
-  const accel::v1::SamplingParameters& s = request.sampling();
-  params.sampling.temperature = s.temperature();
-  params.sampling.top_k = s.top_k();
-  // 0 is proto3's unset: the neutral value.
-  params.sampling.top_p = s.top_p() == 0 ? 1.0 : s.top_p();
-  params.sampling.min_p = s.min_p();
-  params.sampling.repetition_penalty = s.repetition_penalty() == 0 ? 1.0 : s.repetition_penalty();
-  if (s.has_seed()) params.sampling.seed = s.seed();
+  SetSampling(request.sampling(), params.sampling);
   params.stop_strings.assign(request.stop().begin(), request.stop().end());
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.ignore_eos = request.ignore_eos();
@@ -94,20 +177,31 @@ struct CallState {
 
 // Parses, authorizes, validates and submits a request for `call`; the status
 // to finish the call with when that fails.
-grpc::Status Start(ServingState& state, grpc::CallbackServerContext& context,
+absl::StatusOr<models::GenerationRequest> ParseParams(Method method, const grpc::ByteBuffer& body,
+                                                      const grpc::ServerContextBase& context) {
+  if (method == Method::kChat) {
+    ChatRequest request;
+    ACCEL_RETURN_IF_ERROR(internal::ParseBody(body, request));
+    return ChatToParams(request, context);
+  }
+  GenerateRequest request;
+  ACCEL_RETURN_IF_ERROR(internal::ParseBody(body, request));
+  return ToParams(request, context);
+}
+
+grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerContext& context,
                    const grpc::ByteBuffer& body, std::shared_ptr<RequestSink> sink,
                    CallState& call) {
   grpc::Status auth = state.Authorize(context);
   if (!auth.ok()) return auth;
-  GenerateRequest request;
-  const absl::Status parsed = internal::ParseBody(body, request);
-  if (!parsed.ok()) {
+  absl::StatusOr<models::GenerationRequest> params = ParseParams(method, body, context);
+  if (!params.ok()) {
     if (state.metrics() != nullptr) state.metrics()->RequestFailed("invalid");
-    return ToGrpcStatus(parsed);
+    return ToGrpcStatus(params.status());
   }
   absl::StatusOr<Engine*> engine = state.ReadyEngine();
   if (!engine.ok()) return ToGrpcStatus(engine.status());
-  absl::StatusOr<uint64_t> id = (*engine)->Submit(ToParams(request, context), std::move(sink));
+  absl::StatusOr<uint64_t> id = (*engine)->Submit(*std::move(params), std::move(sink));
   if (!id.ok()) {
     if (absl::IsResourceExhausted(id.status())) AddRetryHint(context);
     return ToGrpcStatus(id.status());
@@ -159,7 +253,7 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
     std::shared_ptr<Call> call_;
   };
 
-  GenerateReactor(ServingState* state, grpc::CallbackServerContext* context,
+  GenerateReactor(Method method, ServingState* state, grpc::CallbackServerContext* context,
                   const grpc::ByteBuffer* request, grpc::ByteBuffer* response)
       : context_(context), call_(std::make_shared<Call>()) {
     {
@@ -167,7 +261,8 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
       call_->reactor = this;
       call_->body = response;
     }
-    grpc::Status started = Start(*state, *context, *request, std::make_shared<Sink>(call_), *call_);
+    grpc::Status started =
+        Start(method, *state, *context, *request, std::make_shared<Sink>(call_), *call_);
     if (!started.ok()) Finish(started);
   }
 
@@ -237,13 +332,13 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     const std::shared_ptr<News> news_;
   };
 
-  StreamReactor(ServingState* state, grpc::CallbackServerContext* context,
+  StreamReactor(Method method, ServingState* state, grpc::CallbackServerContext* context,
                 const grpc::ByteBuffer* request)
       : context_(context),
         pump_(std::make_shared<internal::WritePump>(
             [this](const grpc::ByteBuffer* message) { StartWrite(message); },
             [this](const grpc::Status& status) { Finish(status); })) {
-    grpc::Status started = Start(*state, *context, *request,
+    grpc::Status started = Start(method, *state, *context, *request,
                                  std::make_shared<Sink>(pump_, std::make_shared<News>()), call_);
     if (!started.ok()) pump_->FinishAfterWrites(started);
   }
@@ -283,12 +378,23 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
-  return new GenerateReactor(state_, context, request, response);
+  return new GenerateReactor(Method::kGenerate, state_, context, request, response);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::GenerateStream(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-  return new StreamReactor(state_, context, request);
+  return new StreamReactor(Method::kGenerate, state_, context, request);
+}
+
+grpc::ServerUnaryReactor* GenerationService::Chat(grpc::CallbackServerContext* context,
+                                                  const grpc::ByteBuffer* request,
+                                                  grpc::ByteBuffer* response) {
+  return new GenerateReactor(Method::kChat, state_, context, request, response);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::ChatStream(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  return new StreamReactor(Method::kChat, state_, context, request);
 }
 
 grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,
@@ -328,6 +434,7 @@ grpc::Status GenerationService::AnswerGetModelInfo(grpc::CallbackServerContext& 
   response->set_max_total_tokens(info.max_total_tokens);
   response->set_vocab_size(info.vocab_size);
   response->mutable_eos_token_ids()->Add(info.eos_token_ids.begin(), info.eos_token_ids.end());
+  response->set_has_chat_template(info.has_chat_template);
   return grpc::Status::OK;
 }
 

@@ -13,10 +13,13 @@ namespace accel::server {
 // itself (server/internal/wire.h), so a body
 // that does not parse is INVALID_ARGUMENT naming the problem rather than
 // gRPC's bare UNIMPLEMENTED.
-class GenerationService final : public accel::v1::Generation::WithRawCallbackMethod_Generate<
-                                    accel::v1::Generation::WithRawCallbackMethod_GenerateStream<
-                                        accel::v1::Generation::WithRawCallbackMethod_GetModelInfo<
-                                            accel::v1::Generation::Service>>> {
+class GenerationService final
+    : public accel::v1::Generation::WithRawCallbackMethod_Generate<
+          accel::v1::Generation::WithRawCallbackMethod_GenerateStream<
+              accel::v1::Generation::WithRawCallbackMethod_Chat<
+                  accel::v1::Generation::WithRawCallbackMethod_ChatStream<
+                      accel::v1::Generation::WithRawCallbackMethod_GetModelInfo<
+                          accel::v1::Generation::Service>>>>> {
  public:
   explicit GenerationService(ServingState* state) : state_(state) {}
 
@@ -25,6 +28,11 @@ class GenerationService final : public accel::v1::Generation::WithRawCallbackMet
                                      grpc::ByteBuffer* response) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerateStream(
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* Chat(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer* request,
+                                 grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* ChatStream(grpc::CallbackServerContext* context,
+                                                         const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const grpc::ByteBuffer* request,
                                          grpc::ByteBuffer* response) override;

@@ -129,6 +129,26 @@ std::vector<std::pair<std::string, std::string>> TrainMerges(absl::string_view t
   return merges;
 }
 
+const char kPlainChatTemplate[] =
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "    {{- '<|' + message['role'] + '|>\\n' }}\n"
+    "    {%- if message['content'] is string %}{{- message['content'] }}{%- endif %}\n"
+    "    {{- eos_token + '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|assistant|>\\n' }}\n"
+    "{%- endif %}\n";
+
+std::string TokenizerConfigJson(absl::string_view bos_token, absl::string_view eos_token) {
+  nlohmann::ordered_json config;
+  config["bos_token"] = std::string(bos_token);
+  config["eos_token"] = std::string(eos_token);
+  config["tokenizer_class"] = "PreTrainedTokenizerFast";
+  config["chat_template"] = kPlainChatTemplate;
+  return config.dump(2) + "\n";
+}
+
 std::string ByteLevelTokenizerJson(const std::vector<std::pair<std::string, std::string>>& merges,
                                    const std::vector<SpecialToken>& specials) {
   using Json = nlohmann::ordered_json;

@@ -37,6 +37,16 @@ struct SpecialToken {
 std::string ByteLevelTokenizerJson(const std::vector<std::pair<std::string, std::string>>& merges,
                                    const std::vector<SpecialToken>& specials);
 
+// A chat template for models that were not tuned for chat (Zephyr's shape:
+// "<|role|>\n" + content + eos per message, then "<|assistant|>\n" for the
+// generation prompt), so every model accel-make-model writes can be served
+// through Chat and /v1/chat/completions.
+extern const char kPlainChatTemplate[];
+
+// tokenizer_config.json for such a tokenizer: its bos and eos tokens and
+// kPlainChatTemplate.
+std::string TokenizerConfigJson(absl::string_view bos_token, absl::string_view eos_token);
+
 // A few paragraphs of plain English to learn merges from.
 absl::string_view SampleEnglishText();
 

@@ -1,8 +1,5 @@
 #include "tokenizer/tokenizer.h"
 
-#include <cerrno>
-#include <cstring>
-#include <fstream>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -11,6 +8,7 @@
 #include "core/status.h"
 #include "tokenizer/internal/decoding.h"
 #include "tokenizer/internal/impl.h"
+#include "tokenizer/internal/read_file.h"
 #include "tokenizer/internal/unicode.h"
 
 namespace accel::tokenizer {
@@ -18,39 +16,15 @@ namespace {
 
 constexpr absl::string_view kReplacementChar = "\xEF\xBF\xBD";
 
-// Reads a whole file without libtorch (loader::ReadFile's ErrnoStatus lives
-// in a torch-dependent source).
-absl::StatusOr<std::string> ReadTokenizerFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) {
-    const int err = errno;
-    std::string message = absl::StrCat("opening ", path, ": ", std::strerror(err));
-    if (err == ENOENT) return absl::NotFoundError(message);
-    if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
-    return absl::InvalidArgumentError(message);
-  }
-  const std::streamoff size = in.tellg();
-  if (size < 0) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot tell its size"));
-  if (static_cast<uint64_t>(size) > internal::kMaxTokenizerFileBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": ", size, " bytes is larger than ",
-                                                   internal::kMaxTokenizerFileBytes,
-                                                   ", too large for a tokenizer.json"));
-  }
-  std::string data(static_cast<size_t>(size), '\0');
-  in.seekg(0);
-  if (!in.read(data.data(), size)) {
-    return absl::DataLossError(absl::StrCat("reading ", path, ": ", std::strerror(errno)));
-  }
-  return data;
-}
-
 }  // namespace
 
 Tokenizer::Tokenizer(std::shared_ptr<const internal::TokenizerImpl> impl)
     : impl_(std::move(impl)) {}
 
 absl::StatusOr<Tokenizer> Tokenizer::FromFile(const std::string& path) {
-  ACCEL_ASSIGN_OR_RETURN(std::string json, ReadTokenizerFile(path));
+  ACCEL_ASSIGN_OR_RETURN(
+      std::string json,
+      internal::ReadWholeFile(path, internal::kMaxTokenizerFileBytes, "tokenizer.json"));
   return FromJson(json, path);
 }
 

@@ -25,6 +25,7 @@
 #include "models/default_model.h"
 #include "models/generator.h"
 #include "models/load_model.h"
+#include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
 ABSL_FLAG(std::string, model, "",
@@ -46,6 +47,10 @@ ABSL_FLAG(std::vector<std::string>, stop, {}, "Stop strings, comma-separated.");
 ABSL_FLAG(bool, ignore_eos, false, "Do not stop at the model's end-of-sequence tokens.");
 ABSL_FLAG(bool, logprobs, false, "Report each generated token's log-probability (with --json).");
 ABSL_FLAG(bool, add_special_tokens, true, "Let the tokenizer add its special tokens (BOS).");
+ABSL_FLAG(bool, chat, false,
+          "Send --prompt as the user's message through the model's chat template (and stop at its "
+          "end-of-turn token).");
+ABSL_FLAG(std::string, system, "", "With --chat (implied): a system message before --prompt.");
 ABSL_FLAG(bool, json, false,
           "Print one JSON line {token_ids, text, finish_reason[, logprobs]} instead of the text.");
 ABSL_FLAG(std::string, device_map, "auto",
@@ -129,7 +134,8 @@ absl::StatusOr<GenerationRequest> MakeRequest(const accel::models::LoadedModel& 
 
 int Run(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "accel-generate [--model DIR] (--prompt TEXT | --input_ids 1,2,3) [flags]\n"
+      "accel-generate [--model DIR] (--prompt TEXT [--chat] [--system TEXT] | --input_ids 1,2,3) "
+      "[flags]\n"
       "Loads the model as accel-serve does (device map, offload, dtype) and generates.\n"
       "  accel-generate --model /tmp/tiny --prompt 'Once upon a time' --max_new_tokens 20\n"
       "  accel-generate --model DIR --input_ids 1,2,3 --temperature 0.8 --seed 1 --json");
@@ -157,8 +163,33 @@ int Run(int argc, char** argv) {
     return Fail(absl::NotFoundError(
         absl::StrCat(tokenizer_path, " does not exist: --prompt needs it (or give --input_ids)")));
   }
+  const bool chat = absl::GetFlag(FLAGS_chat) || !absl::GetFlag(FLAGS_system).empty();
+  if (chat && prompt.empty()) {
+    return Fail(
+        absl::InvalidArgumentError("--chat and --system need --prompt (the user's message)"));
+  }
   std::vector<int64_t> prompt_ids;
-  if (!prompt.empty()) {
+  std::vector<int64_t> end_of_turn_ids;
+  if (chat) {
+    auto chat_template = accel::tokenizer::ChatTemplate::FromModelDir(dir);
+    if (!chat_template.ok()) return Fail(accel::Annotate(chat_template.status(), "--chat"));
+    nlohmann::json messages = nlohmann::json::array();
+    if (const std::string system = absl::GetFlag(FLAGS_system); !system.empty()) {
+      messages.push_back({{"role", "system"}, {"content", system}});
+    }
+    messages.push_back({{"role", "user"}, {"content", prompt}});
+    auto text = chat_template->Render(
+        messages.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), "",
+        /*add_generation_prompt=*/true);
+    if (!text.ok()) return Fail(accel::Annotate(text.status(), "--chat"));
+    // The template wrote the special tokens itself.
+    auto encoded = tokenizer->Encode(*text, /*add_special_tokens=*/false);
+    if (!encoded.ok()) return Fail(accel::Annotate(encoded.status(), "--chat"));
+    prompt_ids = *std::move(encoded);
+    for (const std::string& token : chat_template->end_of_turn_tokens()) {
+      if (auto id = tokenizer->TokenToId(token)) end_of_turn_ids.push_back(*id);
+    }
+  } else if (!prompt.empty()) {
     auto encoded = tokenizer->Encode(prompt, absl::GetFlag(FLAGS_add_special_tokens));
     if (!encoded.ok()) return Fail(accel::Annotate(encoded.status(), "--prompt"));
     prompt_ids = *std::move(encoded);
@@ -186,6 +217,10 @@ int Run(int argc, char** argv) {
   auto request = MakeRequest(*loaded);
   if (!request.ok()) return Fail(request.status());
   request->prompt_ids = prompt_ids;
+  if (!absl::GetFlag(FLAGS_ignore_eos)) {
+    request->stop_token_ids.insert(request->stop_token_ids.end(), end_of_turn_ids.begin(),
+                                   end_of_turn_ids.end());
+  }
   accel::models::TextStreamFactory streams;
   if (tokenizer) streams = accel::models::TokenizerTextStreams(*tokenizer);
   accel::models::Generator generator(loaded->model, loaded->dispatched.get(), streams);

@@ -2,6 +2,7 @@
 // for probes (Docker HEALTHCHECK, scripts).
 //
 //   accel-client generate --prompt "Once upon a time" --max_new_tokens 32 [--stream]
+//   accel-client chat --prompt "Hello!" [--system "Be brief."] [--messages chat.json] [--stream]
 //   accel-client info
 //   accel-client health [--service accel.ready]   # exit 0 when SERVING
 #include <cstdio>
@@ -15,6 +16,7 @@
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
+#include <nlohmann/json.hpp>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -29,7 +31,11 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 
 ABSL_FLAG(std::string, address, "localhost:50051", "accel-serve's gRPC address (host:port).");
-ABSL_FLAG(std::string, prompt, "", "generate: the prompt text.");
+ABSL_FLAG(std::string, prompt, "", "generate: the prompt text; chat: the user's message.");
+ABSL_FLAG(std::string, system, "", "chat: a system message first.");
+ABSL_FLAG(std::string, messages, "",
+          "chat: a JSON file of earlier messages ([{\"role\": ..., \"content\": ...}, ...]); "
+          "--prompt, if given, is appended as the user's message.");
 ABSL_FLAG(int64_t, max_new_tokens, 0,
           "generate: tokens to generate at most; 0: the server's default.");
 ABSL_FLAG(double, temperature, 0.0, "generate: 0 is greedy.");
@@ -90,9 +96,8 @@ const char* FinishName(accel::v1::FinishReason reason) {
   }
 }
 
-int Generate(accel::v1::Generation::Stub& stub) {
-  accel::v1::GenerateRequest request;
-  request.set_prompt(absl::GetFlag(FLAGS_prompt));
+template <typename Request>
+void SetCommon(Request& request) {
   request.set_max_new_tokens(absl::GetFlag(FLAGS_max_new_tokens));
   request.mutable_sampling()->set_temperature(absl::GetFlag(FLAGS_temperature));
   request.mutable_sampling()->set_top_k(absl::GetFlag(FLAGS_top_k));
@@ -101,13 +106,18 @@ int Generate(accel::v1::Generation::Stub& stub) {
     request.mutable_sampling()->set_seed(static_cast<uint64_t>(absl::GetFlag(FLAGS_seed)));
   }
   for (const std::string& stop : absl::GetFlag(FLAGS_stop)) request.add_stop(stop);
+}
+
+// Runs a request whole or streamed and prints its text, then a summary on stderr.
+template <typename Request, typename Unary, typename Stream>
+int RunRequest(const char* command, const Request& request, Unary unary, Stream stream) {
   grpc::ClientContext context;
   std::string error;
   if (!Prepare(context, &error)) return Fail(error);
   accel::v1::GenerateResponse last;
   grpc::Status status;
   if (absl::GetFlag(FLAGS_stream)) {
-    auto reader = stub.GenerateStream(&context, request);
+    auto reader = stream(&context, request);
     accel::v1::GenerateResponse chunk;
     while (reader->Read(&chunk)) {
       std::cout << chunk.text() << std::flush;
@@ -116,11 +126,11 @@ int Generate(accel::v1::Generation::Stub& stub) {
     status = reader->Finish();
     std::cout << "\n";
   } else {
-    status = stub.Generate(&context, request, &last);
+    status = unary(&context, request, &last);
     if (status.ok()) std::cout << last.text() << "\n";
   }
   if (!status.ok()) {
-    return Fail(absl::StrCat("generate: ", status.error_code(), " ", status.error_message()));
+    return Fail(absl::StrCat(command, ": ", status.error_code(), " ", status.error_message()));
   }
   std::fprintf(
       stderr, "[%s; %lld prompt + %lld generated tokens; first token %.3f s, total %.3f s]\n",
@@ -128,6 +138,70 @@ int Generate(accel::v1::Generation::Stub& stub) {
       static_cast<long long>(last.usage().generated_tokens()),
       last.timing().time_to_first_token_seconds(), last.timing().total_seconds());
   return 0;
+}
+
+int Generate(accel::v1::Generation::Stub& stub) {
+  accel::v1::GenerateRequest request;
+  request.set_prompt(absl::GetFlag(FLAGS_prompt));
+  SetCommon(request);
+  return RunRequest(
+      "generate", request,
+      [&](grpc::ClientContext* c, const auto& r, auto* out) { return stub.Generate(c, r, out); },
+      [&](grpc::ClientContext* c, const auto& r) { return stub.GenerateStream(c, r); });
+}
+
+// --messages' file: the earlier turns, as OpenAI's and transformers' JSON.
+bool ReadMessages(const std::string& path, accel::v1::ChatRequest& request, std::string* error) {
+  std::string text;
+  if (!ReadFile(path, &text)) {
+    *error = "--messages: cannot read " + path;
+    return false;
+  }
+  const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!json.is_array()) {
+    *error = "--messages " + path + ": expected a JSON array of messages";
+    return false;
+  }
+  for (size_t i = 0; i < json.size(); ++i) {
+    const nlohmann::json& m = json[i];
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
+        (m.contains("content") && !m["content"].is_string() && !m["content"].is_null())) {
+      *error = absl::StrCat("--messages ", path, ": messages[", i,
+                            "]: expected {\"role\": string, \"content\": string}");
+      return false;
+    }
+    accel::v1::ChatMessage* message = request.add_messages();
+    message->set_role(m["role"].get<std::string>());
+    if (m.contains("content") && m["content"].is_string()) {
+      message->set_content(m["content"].get<std::string>());
+    }
+  }
+  return true;
+}
+
+int Chat(accel::v1::Generation::Stub& stub) {
+  accel::v1::ChatRequest request;
+  if (const std::string system = absl::GetFlag(FLAGS_system); !system.empty()) {
+    accel::v1::ChatMessage* message = request.add_messages();
+    message->set_role("system");
+    message->set_content(system);
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_messages); !path.empty()) {
+    std::string error;
+    if (!ReadMessages(path, request, &error)) return Fail(error);
+  }
+  if (const std::string prompt = absl::GetFlag(FLAGS_prompt); !prompt.empty()) {
+    accel::v1::ChatMessage* message = request.add_messages();
+    message->set_role("user");
+    message->set_content(prompt);
+  }
+  if (request.messages().empty()) return Fail("chat: give --prompt or --messages");
+  request.set_add_generation_prompt(true);
+  SetCommon(request);
+  return RunRequest(
+      "chat", request,
+      [&](grpc::ClientContext* c, const auto& r, auto* out) { return stub.Chat(c, r, out); },
+      [&](grpc::ClientContext* c, const auto& r) { return stub.ChatStream(c, r); });
 }
 
 int Info(accel::v1::Generation::Stub& stub) {
@@ -161,10 +235,11 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "A client of accel-serve.\n"
       "  accel-client generate --prompt TEXT [--max_new_tokens N] [--stream]\n"
+      "  accel-client chat --prompt TEXT [--system TEXT] [--messages FILE.json] [--stream]\n"
       "  accel-client info\n"
       "  accel-client health [--service accel.ready]   (exit 0 when SERVING)");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2) return Fail("give one command: generate, info or health (--help)");
+  if (args.size() != 2) return Fail("give one command: generate, chat, info or health (--help)");
   const std::string command = args[1];
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
   if (const std::string ca = absl::GetFlag(FLAGS_tls_ca); !ca.empty()) {
@@ -175,7 +250,8 @@ int main(int argc, char** argv) {
   auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_address), credentials);
   auto stub = accel::v1::Generation::NewStub(channel);
   if (command == "generate") return Generate(*stub);
+  if (command == "chat") return Chat(*stub);
   if (command == "info") return Info(*stub);
   if (command == "health") return Health(channel);
-  return Fail("unknown command \"" + command + "\": generate, info or health");
+  return Fail("unknown command \"" + command + "\": generate, chat, info or health");
 }

@@ -292,6 +292,211 @@ TEST_F(ServeTest, ModelInfoDescribesTheModel) {
   EXPECT_TRUE(Call(*stub_, named, &response).ok());
 }
 
+// The reference ids of a conversation: accel-tokenize, the template
+// rendered and tokenized outside the server.
+std::vector<int64_t> RenderedChatIds(const std::string& model, const std::string& messages_json) {
+  TempDir dir;
+  dir.Write("messages.json", messages_json);
+  FILE* pipe = popen(absl::StrCat(BinDir(), "/accel-tokenize --model ", model, " --chat ",
+                                  dir.File("messages.json"),
+                                  " --add_generation_prompt --json 2>/dev/null")
+                         .c_str(),
+                     "r");
+  if (pipe == nullptr) return {};
+  std::string text;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) text.append(buffer, n);
+  pclose(pipe);
+  const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  return json.is_discarded() ? std::vector<int64_t>() : json["ids"].get<std::vector<int64_t>>();
+}
+
+accel::v1::ChatRequest GreedyChat(const std::string& system, const std::string& user, int n) {
+  accel::v1::ChatRequest request;
+  if (!system.empty()) {
+    accel::v1::ChatMessage* m = request.add_messages();
+    m->set_role("system");
+    m->set_content(system);
+  }
+  accel::v1::ChatMessage* m = request.add_messages();
+  m->set_role("user");
+  m->set_content(user);
+  request.set_add_generation_prompt(true);
+  request.set_max_new_tokens(n);
+  request.set_ignore_eos(true);
+  return request;
+}
+
+TEST_F(ServeTest, GreedyChatEqualsGenerateOnTheRenderedTemplatesIds) {
+  const accel::v1::ChatRequest chat = GreedyChat("Be brief.", "What is a fox? 🦊", 12);
+  GenerateResponse answer;
+  {
+    grpc::ClientContext context;
+    const grpc::Status status = stub_->Chat(&context, chat, &answer);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  const std::vector<int64_t> ids = RenderedChatIds(
+      TestModelDir(), R"([{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": "What is a fox? 🦊"}])");
+  ASSERT_FALSE(ids.empty());
+  GenerateRequest generate;
+  generate.mutable_input_ids()->mutable_ids()->Add(ids.begin(), ids.end());
+  generate.set_max_new_tokens(12);
+  generate.set_ignore_eos(true);
+  GenerateResponse reference;
+  ASSERT_TRUE(Call(*stub_, generate, &reference).ok());
+  EXPECT_EQ(std::vector<int64_t>(answer.token_ids().begin(), answer.token_ids().end()),
+            std::vector<int64_t>(reference.token_ids().begin(), reference.token_ids().end()));
+  EXPECT_EQ(answer.text(), reference.text());
+  EXPECT_EQ(answer.usage().prompt_tokens(), static_cast<int64_t>(ids.size()));
+  EXPECT_EQ(answer.token_ids_size(), 12);
+
+  // accel-generate --chat --system renders the same conversation in-process.
+  const GenerateCli cli =
+      RunGenerateTool(TestModelDir(), "What is a fox? 🦊", 12, "--chat --system 'Be brief.'");
+  EXPECT_EQ(cli.token_ids,
+            std::vector<int64_t>(answer.token_ids().begin(), answer.token_ids().end()));
+
+  // ChatStream's chunks add up to the same answer.
+  grpc::ClientContext context;
+  auto reader = stub_->ChatStream(&context, chat);
+  GenerateResponse chunk;
+  std::vector<int64_t> streamed;
+  std::string text;
+  while (reader->Read(&chunk)) {
+    streamed.insert(streamed.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+    text += chunk.text();
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(streamed, std::vector<int64_t>(answer.token_ids().begin(), answer.token_ids().end()));
+  EXPECT_EQ(text, answer.text());
+}
+
+TEST_F(ServeTest, ChatStopsAtTheEndOfTurnAndAccelClientChats) {
+  // Without ignore_eos the template's turn end (here the model's eos) stops
+  // generation: the answer is the ignore_eos answer cut after that token.
+  accel::v1::ChatRequest chat = GreedyChat("", "Tell me a story.", 40);
+  GenerateResponse full;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->Chat(&context, chat, &full).ok());
+  }
+  chat.set_ignore_eos(false);
+  GenerateResponse stopped;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub_->Chat(&context, chat, &stopped).ok());
+  }
+  grpc::ClientContext info_context;
+  accel::v1::ModelInfo info;
+  ASSERT_TRUE(stub_->GetModelInfo(&info_context, {}, &info).ok());
+  EXPECT_TRUE(info.has_chat_template());
+  std::vector<int64_t> expected;
+  for (int64_t id : full.token_ids()) {
+    expected.push_back(id);
+    if (id == info.eos_token_ids(0)) break;
+  }
+  EXPECT_EQ(std::vector<int64_t>(stopped.token_ids().begin(), stopped.token_ids().end()), expected);
+
+  // accel-client chat sends the same conversation.
+  const std::string client = absl::StrCat(BinDir(), "/accel-client --address ", server_->address());
+  for (const char* mode : {"", " --stream"}) {
+    FILE* pipe = popen((client + " chat --prompt 'Tell me a story.' --max_new_tokens 40" + mode +
+                        " 2>/dev/null")
+                           .c_str(),
+                       "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string out;
+    char buffer[4096];
+    size_t n;
+    while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, n);
+    EXPECT_EQ(pclose(pipe), 0);
+    EXPECT_EQ(out, stopped.text() + "\n") << mode;
+  }
+  EXPECT_NE(RunCommand(client + " chat > /dev/null 2>&1"), 0);  // no messages
+}
+
+TEST_F(ServeTest, BadChatRequestsAreInvalidArgumentsNamingTheField) {
+  struct Case {
+    accel::v1::ChatRequest request;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  cases.push_back({accel::v1::ChatRequest(), "messages is empty"});
+  {
+    accel::v1::ChatRequest r = GreedyChat("", "hi", 2);
+    r.mutable_messages(0)->clear_role();
+    cases.push_back({r, "messages[0].role is empty"});
+  }
+  {
+    accel::v1::ChatRequest r = GreedyChat("", "hi", 2);
+    accel::v1::ToolCall* call = r.mutable_messages(0)->add_tool_calls();
+    call->set_name("f");
+    call->set_arguments_json("{not json");
+    cases.push_back({r, "messages[0].tool_calls[0].arguments_json: invalid JSON"});
+  }
+  {
+    accel::v1::ChatRequest r = GreedyChat("", "hi", 2);
+    r.add_tools_json("[1]");
+    cases.push_back({r, "tools_json[0]: expected an object"});
+  }
+  {
+    accel::v1::ChatRequest r = GreedyChat("", "hi", 2);
+    r.set_model("other");
+    cases.push_back({r, "is not served here"});
+  }
+  for (const Case& c : cases) {
+    grpc::ClientContext context;
+    GenerateResponse response;
+    const grpc::Status status = stub_->Chat(&context, c.request, &response);
+    EXPECT_NE(status.error_code(), grpc::OK) << c.message;
+    EXPECT_THAT(status.error_message(), HasSubstr(c.message));
+  }
+}
+
+TEST(ServeChatTemplateTest, TheTemplatesRefusalAndAMissingTemplateAreNamed) {
+  TempDir dir;
+  const std::string model = dir.path() + "/strict";
+  ASSERT_EQ(RunCommand("cp -r " + TestModelDir() + " " + model), 0);
+  {
+    std::ofstream config(model + "/chat_template.jinja");
+    config << "{% for m in messages %}{% if m.role != 'user' %}"
+              "{{ raise_exception('only user messages, please') }}{% endif %}"
+              "{{ m.content }}{% endfor %}";
+  }
+  const std::string bare = dir.path() + "/bare";
+  ASSERT_EQ(RunCommand("cp -r " + TestModelDir() + " " + bare + " && rm " + bare +
+                       "/tokenizer_config.json"),
+            0);
+  auto strict = StartOrDie(model);
+  ASSERT_NE(strict, nullptr);
+  auto stub = Generation::NewStub(strict->Channel());
+  GenerateResponse response;
+  {
+    grpc::ClientContext context;
+    const grpc::Status status = stub->Chat(&context, GreedyChat("sys", "hi", 2), &response);
+    EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), HasSubstr("only user messages, please"));
+    EXPECT_THAT(status.error_message(), HasSubstr("chat_template.jinja"));
+  }
+  {
+    grpc::ClientContext context;
+    EXPECT_TRUE(stub->Chat(&context, GreedyChat("", "hi", 2), &response).ok());
+  }
+  auto plain = StartOrDie(bare);
+  ASSERT_NE(plain, nullptr);
+  stub = Generation::NewStub(plain->Channel());
+  grpc::ClientContext context;
+  const grpc::Status status = stub->Chat(&context, GreedyChat("", "hi", 2), &response);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("messages: this model has no chat template"));
+  grpc::ClientContext info_context;
+  accel::v1::ModelInfo info;
+  ASSERT_TRUE(stub->GetModelInfo(&info_context, {}, &info).ok());
+  EXPECT_FALSE(info.has_chat_template());
+}
+
 TEST_F(ServeTest, QuantizedServingMatchesAccelGenerateQuantized) {
   grpc::ClientContext context;
   accel::v1::ModelInfo full;

@@ -46,10 +46,16 @@ inline std::string BinDir() {
 inline int RunCommand(const std::string& command) { return std::system(command.c_str()); }
 
 // A model made by accel-make-model with `flags`, kept under the build
-// folder (test-models/<name>) so the many test processes make it once: it is
-// made in a private folder and renamed into place.
+// folder (test-models/<name>.<accel-make-model's mtime>, so a rebuilt maker
+// makes it anew) so the many test processes make it once: it is made in a
+// private folder and renamed into place. Its folder's name is `name`.
 inline std::string MadeModel(const std::string& name, const std::string& flags) {
-  std::string dir = BinDir() + "/../test-models/" + name;
+  std::error_code stat_error;
+  const auto maker_time = std::filesystem::last_write_time(BinDir() + "/accel-make-model", stat_error);
+  const std::string parent = absl::StrCat(BinDir(), "/../test-models/",
+                                          stat_error ? 0 : maker_time.time_since_epoch().count());
+  std::filesystem::create_directories(parent, stat_error);
+  std::string dir = parent + "/" + name;
   if (std::filesystem::exists(dir + "/config.json")) return dir;
   const std::string staging = absl::StrCat(dir, ".tmp-", getpid());
   const std::string command =

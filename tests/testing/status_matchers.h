@@ -41,6 +41,16 @@ MATCHER_P2(StatusIs, code, message_matcher,
   return s.code() == code && ::testing::Matches(message_matcher)(std::string(s.message()));
 }
 
+// A StatusOr that is OK and whose value equals `expected`.
+MATCHER_P(IsOkAndHolds, expected, "is OK and holds " + ::testing::PrintToString(expected)) {
+  if (!arg.ok()) {
+    *result_listener << "status: " << arg.status();
+    return false;
+  }
+  *result_listener << "holds " << ::testing::PrintToString(*arg);
+  return *arg == expected;
+}
+
 }  // namespace accel::test
 
 // ASSERT that a StatusOr is OK and move its value into `lhs`.

