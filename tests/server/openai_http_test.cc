@@ -308,6 +308,89 @@ TEST_F(OpenAiClientTest, CompletionLogprobs) {
   }
 }
 
+// Greedy chat through the openai client equals accel.v1 Chat (the same
+// template rendering, the same end-of-turn stops) on the same messages.
+TEST_F(OpenAiClientTest, ChatMatchesGrpcChat) {
+  const json messages = {{{"role", "system"}, {"content", "be brief"}},
+                         {{"role", "user"}, {"content", "hello there"}}};
+  const json out = RunClient(port(), kToken, "chat.completions.create",
+                             {{"model", "serve-small"},
+                              {"messages", messages},
+                              {"max_completion_tokens", 10},
+                              {"temperature", 0}});
+  ASSERT_TRUE(out["ok"]) << out;
+  const json& result = out["result"];
+  EXPECT_EQ(result["object"], "chat.completion");
+  EXPECT_TRUE(absl::StartsWith(result["id"].get<std::string>(), "chatcmpl-"));
+  ASSERT_EQ(result["choices"].size(), 1u);
+  EXPECT_EQ(result["choices"][0]["message"]["role"], "assistant");
+  const std::string finish = result["choices"][0]["finish_reason"];
+  EXPECT_TRUE(finish == "stop" || finish == "length") << finish;
+
+  auto stub = Generation::NewStub(server_->Channel());
+  accel::v1::ChatRequest request;
+  request.set_add_generation_prompt(true);
+  request.set_max_new_tokens(10);
+  for (const json& m : messages) {
+    accel::v1::ChatMessage* message = request.add_messages();
+    message->set_role(m["role"]);
+    message->set_content(m["content"]);
+  }
+  GenerateResponse response;
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+  const grpc::Status status = stub->Chat(&context, request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(result["choices"][0]["message"]["content"], response.text());
+  EXPECT_EQ(result["usage"]["prompt_tokens"], response.usage().prompt_tokens());
+  EXPECT_EQ(result["usage"]["completion_tokens"], response.usage().generated_tokens());
+}
+
+TEST_F(OpenAiClientTest, ChatStreamAndLogprobs) {
+  json params = {
+      {"messages",
+       {{{"role", "user"},
+         {"content", {{{"type", "text"}, {"text", "hi "}}, {{"type", "text"}, {"text", "you"}}}}}}},
+      {"max_tokens", 6},
+      {"temperature", 0},
+      {"ignore_eos", true},
+      {"logprobs", true},
+      {"top_logprobs", 2}};
+  const json unary = RunClient(port(), kToken, "chat.completions.create", params);
+  ASSERT_TRUE(unary["ok"]) << unary;
+  const json& content = unary["result"]["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), 6u);
+  for (const json& entry : content) {
+    EXPECT_TRUE(entry["token"].is_string());
+    EXPECT_LE(entry["logprob"].get<double>(), 0);
+    EXPECT_TRUE(entry["bytes"].is_array());
+    EXPECT_GE(entry["top_logprobs"].size(), 1u);
+    EXPECT_LE(entry["top_logprobs"].size(), 2u);
+  }
+  params["stream"] = true;
+  params["stream_options"] = {{"include_usage", true}};
+  const json streamed = RunClient(port(), kToken, "chat.completions.create", params);
+  ASSERT_TRUE(streamed["ok"]) << streamed;
+  const json& chunks = streamed["chunks"];
+  ASSERT_GE(chunks.size(), 3u);
+  EXPECT_EQ(chunks[0]["object"], "chat.completion.chunk");
+  EXPECT_EQ(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+  std::string text;
+  size_t logprob_entries = 0;
+  std::string finish;
+  for (size_t i = 0; i + 1 < chunks.size(); ++i) {
+    const json& choice = chunks[i]["choices"][0];
+    if (choice["delta"].contains("content")) text += choice["delta"]["content"].get<std::string>();
+    if (choice["logprobs"].is_object()) logprob_entries += choice["logprobs"]["content"].size();
+    if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+  }
+  EXPECT_EQ(text, unary["result"]["choices"][0]["message"]["content"]);
+  EXPECT_EQ(logprob_entries, 6u);
+  EXPECT_EQ(finish, "length");
+  EXPECT_TRUE(chunks.back()["choices"].empty());
+  EXPECT_EQ(chunks.back()["usage"]["completion_tokens"], 6);
+}
+
 TEST_F(OpenAiClientTest, BadTemperatureIsABadRequestError) {
   const json out =
       RunClient(port(), kToken, "completions.create", {{"prompt", "hello"}, {"temperature", 7}});
