@@ -107,8 +107,8 @@ class Evaluator {
   absl::StatusOr<Value> CallDictMethod(const Value& dict, const std::string& name, Args args);
   absl::StatusOr<Value> SelectAttr(const Value& operand, const Node& filter, bool select,
                                    const EnvPtr& env);
-  absl::StatusOr<Value> Sort(const Value& operand, Args args);
-  absl::StatusOr<Value> ToJsonFilter(const Value& operand, Args args);
+  absl::StatusOr<Value> Sort(const Value& operand, const Args& args);
+  absl::StatusOr<Value> ToJsonFilter(const Value& operand, const Args& args);
   static bool IsStringMethod(absl::string_view name);
   static bool IsDictMethod(absl::string_view name);
 
