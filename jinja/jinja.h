@@ -8,7 +8,12 @@
 //
 // Where @huggingface/jinja and Python's Jinja2 differ, this follows
 // @huggingface/jinja (true prints "true", str.strip() ignores its argument,
-// `~` prints 1.0 as "1"); jinja/README.md lists the differences that remain.
+// `~` prints 1.0 as "1", only its filters and tests exist). Known differences
+// from it: division by zero and integer overflow are errors (not Infinity),
+// upper/lower/title/capitalize change ASCII letters only, sort_keys orders
+// keys case-insensitively rather than by ICU collation, dicts from `context`
+// iterate in key order (nlohmann::json sorts them), and strftime_now passes
+// every directive to strftime(3).
 // Hostile templates are bounded: nesting, macro recursion, loop work, value
 // sizes and the output (64 MiB) end in an error, never a crash or a hang.
 //

@@ -72,6 +72,7 @@ step "ASan + UBSan build and the core, loader, quant, dispatch, tokenizer, GEMV 
 cmake --preset asan >/dev/null
 cmake --build --preset asan --target accel-sanitized-tests
 ln -sfn "$PWD/build/tokenizer-refs" build-asan/tokenizer-refs  # the same references
+ln -sfn "$PWD/build/jinja-refs" build-asan/jinja-refs
 # libtorch's own static initialisers allocate once and never free.
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" \
   LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp" UBSAN_OPTIONS="print_stacktrace=1" \

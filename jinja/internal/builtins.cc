@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <ctime>
+#include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,7 +76,9 @@ std::optional<double> ParseFloat(absl::string_view s) {
   s = JsTrimStart(s);
   size_t k = 0;
   if (k < s.size() && (s[k] == '+' || s[k] == '-')) ++k;
-  if (s.substr(k, 8) == "Infinity") return s[0] == '-' ? -INFINITY : INFINITY;
+  if (s.substr(k, 8) == "Infinity")
+    return s[0] == '-' ? -std::numeric_limits<double>::infinity()
+                       : std::numeric_limits<double>::infinity();
   const size_t mantissa = k;
   while (k < s.size() && s[k] >= '0' && s[k] <= '9') ++k;
   size_t int_digits = k - mantissa;
@@ -377,7 +381,7 @@ absl::StatusOr<Value> Evaluator::CallStringMethod(const std::string& s, const st
     if (!count.is_int() && !count.is_none())
       return Invalid("replace() count must be an integer or none");
     const size_t pieces = from.s().empty() ? Utf16Length(s) + 1 : s.size() / from.s().size() + 1;
-    if (to.s().size() > 0 && pieces > limits_.max_output / to.s().size()) {
+    if (!to.s().empty() && pieces > limits_.max_output / to.s().size()) {
       return Invalid(absl::StrCat("string longer than ", limits_.max_output, " bytes"));
     }
     return NewString(Replace(s, from.s(), to.s(), count.is_int() ? count.i() : -1));
@@ -433,7 +437,7 @@ absl::StatusOr<Value> Evaluator::CallDictMethod(const Value& dict, const std::st
   return Invalid(absl::StrCat("unknown dict method '", name, "'"));
 }
 
-absl::StatusOr<Value> Evaluator::ToJsonFilter(const Value& operand, Args args) {
+absl::StatusOr<Value> Evaluator::ToJsonFilter(const Value& operand, const Args& args) {
   JsonOptions options;
   if (const Value* indent = Keyword(args.keyword, "indent");
       indent != nullptr && !indent->is_none()) {
@@ -459,7 +463,7 @@ absl::StatusOr<Value> Evaluator::ToJsonFilter(const Value& operand, Args args) {
   return NewString(std::move(json));
 }
 
-absl::StatusOr<Value> Evaluator::Sort(const Value& operand, Args args) {
+absl::StatusOr<Value> Evaluator::Sort(const Value& operand, const Args& args) {
   const Value reverse = Arg(args.positional, 0, args.keyword, "reverse", Value::Bool(false));
   const Value case_sensitive =
       Arg(args.positional, 1, args.keyword, "case_sensitive", Value::Bool(false));
@@ -632,7 +636,7 @@ absl::StatusOr<Value> Evaluator::ApplyFilterCall(const Value& operand, const Nod
     return SelectAttr(operand, filter, name == "selectattr", env);
   }
   ACCEL_ASSIGN_OR_RETURN(Args args, EvalArgs(filter.list, env));
-  if (name == "tojson") return ToJsonFilter(operand, std::move(args));
+  if (name == "tojson") return ToJsonFilter(operand, args);
   if (name == "join") {
     std::vector<std::string> parts;
     if (operand.is_string()) {
@@ -674,7 +678,7 @@ absl::StatusOr<Value> Evaluator::ApplyFilterCall(const Value& operand, const Nod
     return operand;
   }
   if (operand.is_array()) {
-    if (name == "sort") return Sort(operand, std::move(args));
+    if (name == "sort") return Sort(operand, args);
     if (name == "map") {
       const Value* attribute = Keyword(args.keyword, "attribute");
       if (attribute == nullptr) return Invalid("'map' without attribute= is not supported");

@@ -333,6 +333,7 @@ absl::StatusOr<Evaluator::Flow> Evaluator::ExecFor(const Node& node, const EnvPt
   std::vector<Value> items;
   if (node.c != nullptr) {
     for (const Value& item : candidates) {
+      ACCEL_RETURN_IF_ERROR(Enter());
       auto loop_scope = std::make_shared<Env>(scope);
       ACCEL_RETURN_IF_ERROR(bind(item, *loop_scope));
       ACCEL_ASSIGN_OR_RETURN(Value keep, Eval(*node.c, loop_scope));
@@ -344,6 +345,7 @@ absl::StatusOr<Evaluator::Flow> Evaluator::ExecFor(const Node& node, const EnvPt
   bool no_iteration = true;
   const auto n = static_cast<int64_t>(items.size());
   for (int64_t k = 0; k < n; ++k) {
+    ACCEL_RETURN_IF_ERROR(Enter());  // an empty body still costs a step per item
     const auto idx = static_cast<size_t>(k);
     scope->vars["loop"] = MakeObject({
         {"index", Value::Int(k + 1)},

@@ -21,7 +21,7 @@ namespace accel::jinja::internal {
 
 // Hostile templates end in an error at these bounds, never in a crash or a hang.
 struct Limits {
-  int64_t max_steps = 20'000'000;        // nodes evaluated (loops, recursion)
+  int64_t max_steps = 5'000'000;         // nodes evaluated (loops, recursion)
   int max_depth = 400;                   // nested evaluation (macro recursion)
   size_t max_output = size_t{64} << 20;  // the result, and any one string
   size_t max_items = size_t{1} << 20;    // one list (range(), +)
@@ -107,8 +107,8 @@ class Evaluator {
   absl::StatusOr<Value> CallDictMethod(const Value& dict, const std::string& name, Args args);
   absl::StatusOr<Value> SelectAttr(const Value& operand, const Node& filter, bool select,
                                    const EnvPtr& env);
-  absl::StatusOr<Value> Sort(const Value& operand, Args args);
-  absl::StatusOr<Value> ToJsonFilter(const Value& operand, Args args);
+  absl::StatusOr<Value> Sort(const Value& operand, const Args& args);
+  absl::StatusOr<Value> ToJsonFilter(const Value& operand, const Args& args);
   static bool IsStringMethod(absl::string_view name);
   static bool IsDictMethod(absl::string_view name);
 

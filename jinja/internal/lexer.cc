@@ -421,7 +421,7 @@ absl::StatusOr<std::vector<Token>> Lexer::Run() {
     if (c == '\'' || c == '"') {
       const size_t start = pos_++;
       absl::StatusOr<std::string> str =
-          ConsumeWhile([this, c](char ch, bool in) { return !in || ch != c; });
+          ConsumeWhile([c](char ch, bool in) { return !in || ch != c; });
       if (!str.ok()) return str.status();
       Push(TokenType::kString, *std::move(str), start);
       ++pos_;

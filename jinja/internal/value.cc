@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,16 +26,17 @@ constexpr int kMaxJsonDepth = 256;
 double JsStringToNumber(absl::string_view s) {
   s = JsTrimEnd(JsTrimStart(s));
   if (s.empty()) return 0;
-  if (s == "Infinity" || s == "+Infinity") return INFINITY;
-  if (s == "-Infinity") return -INFINITY;
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  if (s == "Infinity" || s == "+Infinity") return kInf;
+  if (s == "-Infinity") return -kInf;
   const std::string text(s);
   for (char c : text) {
     if (!(absl::ascii_isdigit(c) || c == '.' || c == 'e' || c == 'E' || c == '+' || c == '-'))
-      return NAN;
+      return std::numeric_limits<double>::quiet_NaN();
   }
   char* end = nullptr;
   const double d = std::strtod(text.c_str(), &end);
-  return end == text.c_str() + text.size() ? d : NAN;
+  return end == text.c_str() + text.size() ? d : std::numeric_limits<double>::quiet_NaN();
 }
 
 // A stand-in for String.prototype.localeCompare (ICU root collation) on the

@@ -31,7 +31,7 @@ struct Result {
 };
 
 // Runs build/bin/accel-tokenize; `stderr_too` adds stderr to the output.
-Result Run(const std::string& args, bool stderr_too = true) {
+Result RunTokenize(const std::string& args, bool stderr_too = true) {
   const char* bin = std::getenv("ACCEL_BIN_DIR");
   const std::string command = std::string(bin ? bin : "build/bin") + "/accel-tokenize " + args +
                               (stderr_too ? " 2>&1" : " 2>/dev/null");
@@ -62,7 +62,7 @@ TEST(TokenizeToolTest, ChatPrintsWhatTheModelReadsAndItsIds) {
   const std::string messages =
       R"([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo 🙂"}])";
   dir.Write("messages.json", messages);
-  const Result r = Run("--model " + dir.path() + " --chat " + dir.File("messages.json") +
+  const Result r = RunTokenize("--model " + dir.path() + " --chat " + dir.File("messages.json") +
                            " --add_generation_prompt --json",
                        /*stderr_too=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.out;
@@ -78,7 +78,7 @@ TEST(TokenizeToolTest, ChatPrintsWhatTheModelReadsAndItsIds) {
   EXPECT_THAT(text, HasSubstr("<|user|>\nHéllo 🙂<|end_of_text|>\n<|assistant|>\n"));
 
   // Without the generation prompt the text ends after the last turn.
-  const Result plain = Run("--model " + dir.path() + " --chat " + dir.File("messages.json"));
+  const Result plain = RunTokenize("--model " + dir.path() + " --chat " + dir.File("messages.json"));
   ASSERT_EQ(plain.exit_code, 0) << plain.out;
   EXPECT_THAT(plain.out, HasSubstr("Héllo 🙂<|end_of_text|>\n\nids ("));
   EXPECT_THAT(plain.out, ::testing::Not(HasSubstr("<|assistant|>")));
@@ -87,7 +87,7 @@ TEST(TokenizeToolTest, ChatPrintsWhatTheModelReadsAndItsIds) {
 TEST(TokenizeToolTest, TextGetsTheTokenizersSpecialTokens) {
   TempDir dir;
   WriteTokenizer(dir, false);
-  const Result r = Run("--model " + dir.path() + " --text 'Hello world' --json", false);
+  const Result r = RunTokenize("--model " + dir.path() + " --text 'Hello world' --json", false);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   ACCEL_ASSERT_OK_AND_ASSIGN(Tokenizer tok, Tokenizer::FromFile(dir.File("tokenizer.json")));
   ACCEL_ASSERT_OK_AND_ASSIGN(std::vector<int64_t> ids, tok.Encode("Hello world", true));
@@ -105,7 +105,7 @@ TEST(TokenizeToolTest, ToolsReachTheTemplate) {
                 .dump());
   dir.Write("m.json", R"([{"role": "user", "content": "go"}])");
   dir.Write("t.json", R"([{"type": "function", "function": {"name": "search"}}])");
-  const Result r = Run("--model " + dir.path() + " --chat " + dir.File("m.json") + " --tools " +
+  const Result r = RunTokenize("--model " + dir.path() + " --chat " + dir.File("m.json") + " --tools " +
                            dir.File("t.json") + " --json",
                        false);
   ASSERT_EQ(r.exit_code, 0) << r.out;
@@ -127,15 +127,15 @@ TEST(TokenizeToolTest, MistakesAreNamed) {
       {"--model " + dir.path() + "/nope --text hi", "nope/tokenizer.json"},
   };
   for (const auto& [args, message] : cases) {
-    const Result r = Run(args);
+    const Result r = RunTokenize(args);
     EXPECT_NE(r.exit_code, 0) << args;
     EXPECT_THAT(r.out, HasSubstr(message)) << args;
   }
   dir.Write("tokenizer_config.json", TokenizerConfigJson("<|begin_of_text|>", "<|end_of_text|>"));
-  const Result missing = Run(model + " --chat " + dir.File("none.json"));
+  const Result missing = RunTokenize(model + " --chat " + dir.File("none.json"));
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_THAT(missing.out, HasSubstr("none.json"));
-  const Result bad = Run(model + " --chat " + dir.File("bad.json"));
+  const Result bad = RunTokenize(model + " --chat " + dir.File("bad.json"));
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_THAT(bad.out, HasSubstr("--chat " + dir.File("bad.json") + ": messages: expected an array"));
 }
