@@ -28,7 +28,7 @@ absl::StatusOr<Template> Template::Parse(absl::string_view source, TemplateOptio
   }
 }
 
-absl::StatusOr<std::string> Template::Render(const nlohmann::json& context) const {
+absl::StatusOr<std::string> Template::Render(const nlohmann::ordered_json& context) const {
   try {
     return internal::RenderProgram(*program_, context, internal::Limits());
   } catch (const std::exception& e) {  // nlohmann's accessors, std::bad_alloc

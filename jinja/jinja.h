@@ -11,9 +11,10 @@
 // `~` prints 1.0 as "1", only its filters and tests exist). Known differences
 // from it: division by zero and integer overflow are errors (not Infinity),
 // upper/lower/title/capitalize change ASCII letters only, sort_keys orders
-// keys case-insensitively rather than by ICU collation, dicts from `context`
-// iterate in key order (nlohmann::json sorts them), and strftime_now passes
-// every directive to strftime(3).
+// keys case-insensitively rather than by ICU collation, and strftime_now
+// passes every directive to strftime(3). Dicts from `context` keep their
+// keys' order (an ordered_json), as Python's dicts and JS objects do, so
+// `tool | tojson` prints a tool as transformers prints it.
 // Hostile templates are bounded: nesting, macro recursion, loop work, value
 // sizes and the output (64 MiB) end in an error, never a crash or a hang.
 //
@@ -52,7 +53,7 @@ class Template {
 
   // `context` is a JSON object whose members are the template's variables.
   // raise_exception('msg') gives InvalidArgument whose message contains msg.
-  absl::StatusOr<std::string> Render(const nlohmann::json& context) const;
+  absl::StatusOr<std::string> Render(const nlohmann::ordered_json& context) const;
 
  private:
   explicit Template(std::shared_ptr<const internal::Program> program)

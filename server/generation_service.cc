@@ -24,7 +24,7 @@ namespace {
 using accel::v1::ChatRequest;
 using accel::v1::GenerateRequest;
 using accel::v1::GenerateResponse;
-using Json = nlohmann::json;
+using Json = nlohmann::ordered_json;  // keeps tool definitions and arguments in their order
 
 // Which request a reactor serves: Generate* take a GenerateRequest, Chat* a
 // ChatRequest; both become one models::GenerationRequest.

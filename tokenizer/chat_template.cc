@@ -17,7 +17,8 @@
 namespace accel::tokenizer {
 namespace {
 
-using Json = nlohmann::json;
+// Ordered: templates print dicts (tools, tool-call arguments) in their own order.
+using Json = nlohmann::ordered_json;
 
 constexpr uint64_t kMaxConfigBytes = uint64_t{64} << 20;
 // Deeper than any conversation; nlohmann recurses once per level.

@@ -87,23 +87,23 @@ absl::StatusOr<Value> Evaluator::NewArray(std::vector<Value> items, bool tuple) 
   return array;
 }
 
-absl::StatusOr<Value> Evaluator::FromJson(const nlohmann::json& j, int depth) {
+absl::StatusOr<Value> Evaluator::FromJson(const nlohmann::ordered_json& j, int depth) {
   if (depth > kMaxValueDepth) return Invalid("context nested too deeply");
   switch (j.type()) {
-    case nlohmann::json::value_t::null:
+    case nlohmann::ordered_json::value_t::null:
       return Value::None();
-    case nlohmann::json::value_t::boolean:
+    case nlohmann::ordered_json::value_t::boolean:
       return Value::Bool(j.get<bool>());
-    case nlohmann::json::value_t::number_integer:
+    case nlohmann::ordered_json::value_t::number_integer:
       return Value::Int(j.get<int64_t>());
-    case nlohmann::json::value_t::number_unsigned: {
+    case nlohmann::ordered_json::value_t::number_unsigned: {
       const auto u = j.get<uint64_t>();
       if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
         return Value::Float(static_cast<double>(u));
       }
       return Value::Int(static_cast<int64_t>(u));
     }
-    case nlohmann::json::value_t::number_float: {
+    case nlohmann::ordered_json::value_t::number_float: {
       // JavaScript has one number type: an integral 1.0 is IntegerValue(1).
       const double d = j.get<double>();
       if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.2e18) {
@@ -111,18 +111,18 @@ absl::StatusOr<Value> Evaluator::FromJson(const nlohmann::json& j, int depth) {
       }
       return Value::Float(d);
     }
-    case nlohmann::json::value_t::string:
+    case nlohmann::ordered_json::value_t::string:
       return Value::String(j.get<std::string>());
-    case nlohmann::json::value_t::array: {
+    case nlohmann::ordered_json::value_t::array: {
       std::vector<Value> items;
       items.reserve(j.size());
-      for (const nlohmann::json& item : j) {
+      for (const nlohmann::ordered_json& item : j) {
         ACCEL_ASSIGN_OR_RETURN(Value v, FromJson(item, depth + 1));
         items.push_back(std::move(v));
       }
       return MakeArray(std::move(items));
     }
-    case nlohmann::json::value_t::object: {
+    case nlohmann::ordered_json::value_t::object: {
       std::vector<std::pair<std::string, Value>> entries;
       for (const auto& [key, item] : j.items()) {
         ACCEL_ASSIGN_OR_RETURN(Value v, FromJson(item, depth + 1));
@@ -135,7 +135,7 @@ absl::StatusOr<Value> Evaluator::FromJson(const nlohmann::json& j, int depth) {
   }
 }
 
-absl::Status Evaluator::DeclareGlobals(const nlohmann::json& context) {
+absl::Status Evaluator::DeclareGlobals(const nlohmann::ordered_json& context) {
   globals_ = std::make_shared<Env>(nullptr);
   auto global_fn = [](const char* name) {
     auto fn = std::make_shared<Function>();
@@ -166,7 +166,7 @@ absl::Status Evaluator::DeclareGlobals(const nlohmann::json& context) {
 }
 
 absl::StatusOr<std::string> Evaluator::Render(const Program& program,
-                                              const nlohmann::json& context) {
+                                              const nlohmann::ordered_json& context) {
   ACCEL_RETURN_IF_ERROR(DeclareGlobals(context));
   std::string out;
   ACCEL_RETURN_IF_ERROR(RenderBody(program.body, globals_, &out));
@@ -804,7 +804,7 @@ absl::StatusOr<Value> Evaluator::Call(const Value& fn_value, Args args, const En
   return Invalid("unknown function");
 }
 
-absl::StatusOr<std::string> RenderProgram(const Program& program, const nlohmann::json& context,
+absl::StatusOr<std::string> RenderProgram(const Program& program, const nlohmann::ordered_json& context,
                                           const Limits& limits) {
   Evaluator evaluator(limits);
   return evaluator.Render(program, context);

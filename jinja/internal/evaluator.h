@@ -37,7 +37,7 @@ struct Env {
   const Value* Find(const std::string& name) const;
 };
 
-absl::StatusOr<std::string> RenderProgram(const Program& program, const nlohmann::json& context,
+absl::StatusOr<std::string> RenderProgram(const Program& program, const nlohmann::ordered_json& context,
                                           const Limits& limits);
 
 class Evaluator {
@@ -47,7 +47,7 @@ class Evaluator {
   Evaluator(const Evaluator&) = delete;
   Evaluator& operator=(const Evaluator&) = delete;
 
-  absl::StatusOr<std::string> Render(const Program& program, const nlohmann::json& context);
+  absl::StatusOr<std::string> Render(const Program& program, const nlohmann::ordered_json& context);
 
  private:
   using EnvPtr = std::shared_ptr<Env>;
@@ -94,8 +94,8 @@ class Evaluator {
   absl::StatusOr<Value> NewArray(std::vector<Value> items, bool tuple = false);
   absl::StatusOr<Value> NewString(std::string s);
   absl::Status Annotate(absl::Status status, const Node& node);
-  absl::Status DeclareGlobals(const nlohmann::json& context);
-  absl::StatusOr<Value> FromJson(const nlohmann::json& j, int depth);
+  absl::Status DeclareGlobals(const nlohmann::ordered_json& context);
+  absl::StatusOr<Value> FromJson(const nlohmann::ordered_json& j, int depth);
 
   // builtins.cc: filters, tests, global functions and methods.
   absl::StatusOr<Value> ApplyFilter(const Value& operand, const Node& filter, const EnvPtr& env);

@@ -17,7 +17,8 @@
 namespace accel::server::internal {
 namespace {
 
-using nlohmann::json;
+// Ordered: messages and tools reach the chat template in the client's key order.
+using json = nlohmann::ordered_json;
 
 // JSON text of a value; invalid UTF-8 (never expected: the texts are final
 // decoded text) becomes U+FFFD rather than an exception.
@@ -144,13 +145,31 @@ absl::Status ParseMessages(const json& body, models::ChatInput& chat) {
       return FieldError(absl::StrCat(field, ".role"), "required, a string");
     }
     json copy = message;
+    // Text parts are joined into one string; null (an assistant turn that
+    // only calls tools) stays null, as templates test `content is none`.
     auto content = message.find("content");
-    if (content != message.end()) {
+    if (content != message.end() && !content->is_null()) {
       absl::StatusOr<std::string> text = ContentText(*content, absl::StrCat(field, ".content"));
       if (!text.ok()) return text.status();
       copy["content"] = *std::move(text);
-    } else {
-      copy["content"] = "";
+    }
+    // The wire's tool-call arguments are JSON text; templates read them as
+    // an object (transformers' and vLLM's shape).
+    if (auto calls = copy.find("tool_calls"); calls != copy.end() && calls->is_array()) {
+      for (size_t j = 0; j < calls->size(); ++j) {
+        json& call = (*calls)[j];
+        if (!call.is_object()) continue;
+        auto function = call.find("function");
+        if (function == call.end() || !function->is_object()) continue;
+        auto arguments = function->find("arguments");
+        if (arguments == function->end() || !arguments->is_string()) continue;
+        const std::string where = absl::StrCat(field, ".tool_calls[", j, "].function.arguments");
+        const std::string text = arguments->get<std::string>();
+        if (JsonNestsDeeperThan(text, 64)) return FieldError(where, "nests deeper than 64 levels");
+        json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
+        if (parsed.is_discarded()) return FieldError(where, "is not valid JSON");
+        *arguments = std::move(parsed);
+      }
     }
     normalized.push_back(std::move(copy));
   }

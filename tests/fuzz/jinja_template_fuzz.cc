@@ -22,8 +22,8 @@ void Check(bool ok) {
   if (!ok) __builtin_trap();
 }
 
-const nlohmann::json& Context() {
-  static const auto* const context = new nlohmann::json(nlohmann::json::parse(R"({
+const nlohmann::ordered_json& Context() {
+  static const auto* const context = new nlohmann::ordered_json(nlohmann::ordered_json::parse(R"({
     "messages": [
       {"role": "system", "content": "Be brief."},
       {"role": "user", "content": "Hi {{ x }} \u00e9 \ud83d\ude00"},

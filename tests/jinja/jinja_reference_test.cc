@@ -35,11 +35,11 @@ TEST(JinjaReferenceTest, EveryRenderingMatchesHuggingFaceJinja) {
   std::ifstream in(refs_path);
   std::stringstream text;
   text << in.rdbuf();
-  const nlohmann::json refs = nlohmann::json::parse(text.str());
+  const nlohmann::ordered_json refs = nlohmann::ordered_json::parse(text.str());
   ASSERT_GT(refs.size(), 300U);
   int passed = 0;
   int failed = 0;
-  for (const nlohmann::json& ref : refs) {
+  for (const nlohmann::ordered_json& ref : refs) {
     const std::string name = ref["template_name"].get<std::string>();
     const std::string source = ref["template"].get<std::string>();
     const bool want_error = ref.value("error", false);

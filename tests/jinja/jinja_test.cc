@@ -12,7 +12,7 @@ namespace accel::jinja {
 namespace {
 
 using ::testing::HasSubstr;
-using Json = nlohmann::json;
+using Json = nlohmann::ordered_json;
 
 absl::StatusOr<std::string> Try(const std::string& source, const Json& context = Json::object()) {
   absl::StatusOr<Template> t = Template::Parse(source);

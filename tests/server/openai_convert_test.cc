@@ -10,7 +10,7 @@ namespace accel::server::internal {
 namespace {
 
 using ::testing::HasSubstr;
-using json = nlohmann::json;
+using json = nlohmann::ordered_json;
 
 OpenAiRequest ParseOk(OpenAiEndpoint endpoint, const std::string& body) {
   absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(endpoint, body);
@@ -29,7 +29,9 @@ TEST(OpenAiConvertTest, ChatMessagesAndSampling) {
     "model": "m", "messages": [
       {"role": "system", "content": "be brief"},
       {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-      {"role": "assistant", "content": null, "tool_calls": []}],
+      {"role": "assistant", "content": null, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "f", "arguments": "{\"zeta\": 1, \"alpha\": [2]}"}}]}],
     "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3,
     "stop": "END", "n": 1, "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "auto", "user": "u", "unknown_field": {"x": 1},
@@ -39,8 +41,11 @@ TEST(OpenAiConvertTest, ChatMessagesAndSampling) {
   const json messages = json::parse(r.generation.chat->messages_json);
   ASSERT_EQ(messages.size(), 3u);
   EXPECT_EQ(messages[1]["content"], "ab");
-  EXPECT_EQ(messages[2]["content"], "");
-  EXPECT_TRUE(messages[2].contains("tool_calls"));
+  // null stays null (templates test `content is none`); the arguments'
+  // JSON text becomes an object in its own key order, as templates read it.
+  EXPECT_TRUE(messages[2]["content"].is_null());
+  EXPECT_EQ(messages[2]["tool_calls"][0]["function"]["arguments"].dump(),
+            R"({"zeta":1,"alpha":[2]})");
   EXPECT_EQ(json::parse(r.generation.chat->tools_json)[0]["function"]["name"], "f");
   EXPECT_TRUE(r.generation.chat->add_generation_prompt);
   EXPECT_EQ(r.generation.model, "m");
@@ -115,6 +120,9 @@ TEST(OpenAiConvertTest, ErrorsNameTheField) {
        "tool_choice"},
       {chat, R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}})",
        "logit_bias"},
+      {chat, R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [
+                 {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]})",
+       "messages[0].tool_calls[0].function.arguments"},
   };
   for (const Case& c : cases) {
     const OpenAiError error = ParseError(c.endpoint, c.body);

@@ -3,8 +3,8 @@
 // renders every (template, context) pair with @huggingface/jinja (installed
 // in NPM_DIR by scripts/jinja_references.sh) and writes OUT_DIR/refs.json:
 // [{template_name, template, context, output} | {..., error: true}].
-// Contexts have their keys sorted: the C++ API takes an nlohmann::json, whose
-// objects are sorted, so insertion order cannot be compared.
+// Contexts keep their keys' order (the C++ API takes an nlohmann::ordered_json),
+// so a tool definition printed with tojson reads as transformers prints it.
 "use strict";
 const fs = require("fs");
 const path = require("path");
@@ -30,18 +30,8 @@ async function main() {
   const constructed = require("./constructed.js");
   for (const [name, source] of Object.entries(constructed.templates)) templates["constructed-" + name] = source;
 
-  const sortKeys = (v) => {
-    if (Array.isArray(v)) return v.map(sortKeys);
-    if (v !== null && typeof v === "object") {
-      const out = {};
-      for (const k of Object.keys(v).sort()) out[k] = sortKeys(v[k]);
-      return out;
-    }
-    return v;
-  };
   const refs = [];
   const render = (name, source, context) => {
-    context = sortKeys(context);
     const ref = { template_name: name, template: source, context };
     try {
       ref.output = new Template(source).render(JSON.parse(JSON.stringify(context)));
