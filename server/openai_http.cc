@@ -91,6 +91,8 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
   http.request_timeout = options.request_timeout;
   http.max_body_bytes = options.max_body_bytes;
   http.max_connections = options.max_connections;
+  http.tls_cert_pem = options.tls_cert_pem;
+  http.tls_key_pem = options.tls_key_pem;
   OpenAiHttpServer* self = server.get();
   absl::StatusOr<std::unique_ptr<internal::HttpServer>> started = internal::HttpServer::Start(
       http, [self](HttpExchange& exchange) { self->Handle(exchange); },

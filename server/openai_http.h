@@ -36,6 +36,10 @@ struct OpenAiHttpOptions {
   absl::Duration request_timeout = absl::Seconds(10);
   size_t max_body_bytes = 4 << 20;
   int max_connections = 512;
+  // PEM text of the certificate chain and its key: HTTPS (TLS 1.2+) on the
+  // port. Both empty: plain HTTP.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
 };
 
 class OpenAiHttpServer {

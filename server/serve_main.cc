@@ -72,10 +72,12 @@ ABSL_FLAG(int, metrics_port, 8002,
           "Prometheus /metrics HTTP port; 0 picks a free one; -1 turns metrics off.");
 ABSL_FLAG(int, http_port, 0,
           "The OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) "
-          "on this port; 0: off. Plain HTTP (refused with --tls_cert).");
+          "on this port; 0: off. HTTPS with --tls_cert/--tls_key (the gRPC port's certificate), "
+          "else plain HTTP.");
 ABSL_FLAG(absl::Duration, http_request_timeout, absl::Seconds(10),
           "An HTTP request's head and body must arrive within this of its first byte; a slower "
-          "client is answered 408 and closed.");
+          "client is answered 408 and closed. Under TLS the handshake must also end within this of "
+          "the connection.");
 ABSL_FLAG(int, max_batch_size, 32, "Most sequences in one decode step.");
 ABSL_FLAG(int64_t, max_num_batched_tokens, 512,
           "Most tokens in one forward step: one per decoding sequence first, then chunks of "
@@ -102,7 +104,7 @@ ABSL_FLAG(absl::Duration, shutdown_timeout, absl::Seconds(30),
           "On SIGTERM/SIGINT, how long running requests may take to finish before they are "
           "ended (finish_reason cancelled).");
 ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate chain: serve gRPC over TLS (with --tls_key).");
+          "PEM certificate chain: serve gRPC (and --http_port) over TLS (with --tls_key).");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "A file holding a token; requests must then carry \"authorization: Bearer <token>\" "

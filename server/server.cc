@@ -60,16 +60,22 @@ std::string OpenSslErrors() {
 // terminal, as OpenSSL otherwise would.
 int NoPassword(char*, int, int, void*) { return 0; }
 
+// The PEM text of --tls_cert and --tls_key, read once for both ports; both
+// empty without TLS.
+struct TlsPem {
+  std::string cert;
+  std::string key;
+};
+
 // gRPC reports any credential it cannot use only as a port it cannot open
 // (BuildAndStart fails), so the PEM files are checked here first, with
 // OpenSSL, which gRPC itself uses on Debian: the certificate chain parses,
 // the key parses (unencrypted), and the key is the first certificate's.
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(
-    const std::string& cert_path, const std::string& key_path) {
+absl::StatusOr<TlsPem> ReadTlsFiles(const std::string& cert_path, const std::string& key_path) {
   if (cert_path.empty() != key_path.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key go together: give both or neither");
   }
-  if (cert_path.empty()) return grpc::InsecureServerCredentials();
+  if (cert_path.empty()) return TlsPem{};
   absl::StatusOr<std::string> cert_pem = ReadFlagFile(cert_path, "tls_cert");
   if (!cert_pem.ok()) return cert_pem.status();
   absl::StatusOr<std::string> key_pem = ReadFlagFile(key_path, "tls_key");
@@ -100,8 +106,13 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsCredentials(
     return absl::InvalidArgumentError(absl::StrCat(
         "--tls_key: ", key_path, " is not the private key of the certificate in ", cert_path));
   }
+  return TlsPem{*std::move(cert_pem), *std::move(key_pem)};
+}
+
+std::shared_ptr<grpc::ServerCredentials> GrpcCredentials(const TlsPem& pem) {
+  if (pem.cert.empty()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions ssl;
-  ssl.pem_key_cert_pairs.push_back({*key_pem, *cert_pem});
+  ssl.pem_key_cert_pairs.push_back({pem.key, pem.cert});
   return grpc::SslServerCredentials(ssl);
 }
 
@@ -301,15 +312,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(
         absl::StrCat("--http_port=", options.http_port, ": give a port in 1..65535, or 0 for off"));
   }
-  if (options.http_port > 0 && !options.tls_cert_file.empty()) {
-    return absl::InvalidArgumentError(
-        "--http_port with --tls_cert: the OpenAI HTTP API serves plain HTTP only; terminate "
-        "TLS in front of it (an ingress, a sidecar) or serve it from a replica without "
-        "--tls_cert");
-  }
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
-      TlsCredentials(options.tls_cert_file, options.tls_key_file);
-  if (!credentials.ok()) return credentials.status();
+  absl::StatusOr<TlsPem> tls = ReadTlsFiles(options.tls_cert_file, options.tls_key_file);
+  if (!tls.ok()) return tls.status();
 
   auto impl = std::make_unique<Impl>(options);
   Impl& s = *impl;
@@ -331,6 +335,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     http.host = options.host;
     http.port = options.http_port;
     http.request_timeout = options.http_request_timeout;
+    http.tls_cert_pem = tls->cert;  // HTTPS with gRPC's certificate, or plain HTTP
+    http.tls_key_pem = tls->key;
     absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
         OpenAiHttpServer::Start(http, &s.state);
     if (!started.ok()) {
@@ -345,7 +351,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   if (!options.reflection) builder.SetOption(std::make_unique<NoReflection>());
-  builder.AddListeningPort(absl::StrCat(options.host, ":", options.port), *credentials,
+  builder.AddListeningPort(absl::StrCat(options.host, ":", options.port), GrpcCredentials(*tls),
                            &s.ports.grpc);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);

@@ -39,8 +39,9 @@ struct ServerOptions {
   int port = 50051;         // 0: a free one (see ports())
   int metrics_port = 8002;  // 0: a free one; -1: no metrics endpoint
   // The OpenAI-compatible HTTP API (server/openai_http.h) on its own port;
-  // 0: off. (No "free port" value: a test picks a free port itself.) Plain
-  // HTTP only: with tls_cert_file set, Start refuses an http_port.
+  // 0: off. (No "free port" value: a test picks a free port itself.) With
+  // tls_cert_file / tls_key_file it speaks HTTPS only, with the same
+  // certificate and key as the gRPC port.
   int http_port = 0;
   // A request's head and body must arrive within this of its first byte
   // (a slow client is then answered 408 and closed).

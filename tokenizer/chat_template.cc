@@ -27,8 +27,8 @@ constexpr int kMaxJsonDepth = 64;
 // Tokens templates end a turn with; one of them written by the template is
 // where the model stops. (eos_token is always one.)
 constexpr const char* kTurnEndTokens[] = {
-    "<|eot_id|>", "<|eom_id|>", "<|im_end|>",       "<end_of_turn>", "<|end|>",
-    "<|endoftext|>", "</s>",    "<|end_of_text|>", "<|END_OF_TURN_TOKEN|>"};
+    "<|eot_id|>",    "<|eom_id|>", "<|im_end|>",      "<end_of_turn>",        "<|end|>",
+    "<|endoftext|>", "</s>",       "<|end_of_text|>", "<|END_OF_TURN_TOKEN|>"};
 
 // The special-token names transformers passes to templates (special_tokens_map).
 constexpr const char* kSpecialTokenNames[] = {"bos_token", "eos_token", "unk_token", "sep_token",
@@ -176,8 +176,8 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir) 
         const std::string where = absl::StrCat(source_name, "[", i, "]");
         if (!entry.is_object() || !entry.contains("name") || !entry["name"].is_string() ||
             !entry.contains("template") || !entry["template"].is_string()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              where, ": expected an object with string \"name\" and \"template\""));
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ": expected an object with string \"name\" and \"template\""));
         }
         const std::string name = entry["name"].get<std::string>();
         const std::string source = entry["template"].get<std::string>();

@@ -6,8 +6,17 @@
 // connection meanwhile, to cancel the request; civetweb 1.15 offers no way to
 // reach a connection's socket or to ask whether the peer closed, and Debian
 // builds it without TLS. Here each connection has a thread (at most
-// max_connections; past it a connection is answered 503 at once), the socket
-// is ours (PeerClosed polls it), and every read has a deadline.
+// max_connections; past it a connection is answered 503 at once, or closed
+// at once under TLS), the socket is ours (PeerClosed polls it), and every
+// read has a deadline.
+//
+// TLS: with tls_cert_pem / tls_key_pem set the port speaks HTTPS only (TLS
+// 1.2 or later, OpenSSL; one SSL_CTX built by Start). The handshake must end
+// within request_timeout of the connection (a client that never sends its
+// ClientHello is closed then, as is one that trickles it); a plain HTTP
+// request to the port is answered 400 in plain text and closed. A connection's
+// bytes go through a Transport (http_server.cc: a plain socket, or TLS over
+// it), so the parsing and the limits below are the same either way.
 //
 //   HttpServerOptions options;  options.port = 8000;
 //   auto server = HttpServer::Start(options, [](HttpExchange& exchange) {
@@ -51,7 +60,16 @@ struct HttpServerOptions {
   absl::Duration idle_timeout = absl::Seconds(30);
   absl::Duration write_timeout = absl::Seconds(30);  // a client that stops reading
   int max_connections = 512;
+  // PEM text (not paths): the certificate chain, leaf first, and its
+  // unencrypted private key. Both empty: plain HTTP. Start checks them
+  // (InvalidArgument naming the reason).
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
 };
+
+// A connection's byte stream (http_server.cc): a plain socket, or TLS.
+class Transport;
+class TlsContext;
 
 struct HttpRequest {
   std::string method;
@@ -87,11 +105,11 @@ class HttpExchange {
 
  private:
   friend class HttpServer;
-  HttpExchange(int fd, const HttpRequest& request, const std::atomic<bool>* stopping)
-      : fd_(fd), request_(request), stopping_(stopping) {}
+  HttpExchange(Transport* io, const HttpRequest& request, const std::atomic<bool>* stopping)
+      : io_(io), request_(request), stopping_(stopping) {}
   bool Send(absl::string_view data);
 
-  int fd_;
+  Transport* io_;
   const HttpRequest& request_;
   const std::atomic<bool>* stopping_;
   bool responded_ = false;
@@ -107,8 +125,8 @@ class HttpServer {
   // 411, 413, 431, 503 too many connections), given status and message.
   using ErrorBody = std::function<std::string(int status, absl::string_view message)>;
 
-  // Listens and starts accepting. InvalidArgument for a bad host or port,
-  // Unavailable when it cannot listen.
+  // Listens and starts accepting. InvalidArgument for a bad host or port or
+  // TLS PEM text, Unavailable when it cannot listen.
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(const HttpServerOptions& options,
                                                            Handler handler, ErrorBody error_body);
   // Stop(), then waits for every connection's thread.
@@ -128,18 +146,19 @@ class HttpServer {
     std::thread thread;
     std::atomic<bool> done{false};
   };
-  HttpServer(HttpServerOptions options, Handler handler, ErrorBody error_body)
-      : options_(std::move(options)),
-        handler_(std::move(handler)),
-        error_body_(std::move(error_body)) {}
+  HttpServer(HttpServerOptions options, Handler handler, ErrorBody error_body);
   void AcceptLoop();
-  void Serve(int fd);
+  // One connection, from its accept at `accepted` to its last answer.
+  void Serve(int fd, absl::Time accepted);
+  void ServeRequests(Transport& io, absl::Time accepted);
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool SendError(int fd, int status, absl::string_view message);
+  bool SendError(Transport& io, int status, absl::string_view message);
+  std::string ErrorResponse(int status, absl::string_view message) const;
 
   const HttpServerOptions options_;
   const Handler handler_;
   const ErrorBody error_body_;
+  std::unique_ptr<TlsContext> tls_;  // null: plain HTTP
   int listen_fd_ = -1;
   int wake_pipe_[2] = {-1, -1};
   int port_ = 0;

@@ -3,6 +3,7 @@
 // package-lock.json, installed by scripts/openai_client.sh into
 // build/npm-openai), and through raw sockets for what a client library
 // would never send (malformed requests, slow clients, closed connections).
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -17,6 +18,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <nlohmann/json.hpp>
+#include <openssl/ssl.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -27,10 +29,12 @@
 #include "accel/v1/generation.grpc.pb.h"
 #include "tests/server/generation_client.h"
 #include "tests/server/server_process.h"
+#include "tests/testing/temp_dir.h"
 
 namespace accel::testing {
 namespace {
 
+using ::accel::test::TempDir;
 using ::accel::v1::GenerateResponse;
 using ::accel::v1::Generation;
 using ::testing::HasSubstr;
@@ -53,11 +57,14 @@ int FreePort() {
 
 // accel-serve with --http_port on a free port (retried if another process
 // took the port in between).
-std::unique_ptr<ServerProcess> StartHttp(const std::string& model, std::vector<std::string> args) {
+// wait_ready=false for a TLS server (the readiness probe speaks plain gRPC):
+// WaitReady then.
+std::unique_ptr<ServerProcess> StartHttp(const std::string& model, std::vector<std::string> args,
+                                         bool wait_ready = true) {
   for (int attempt = 0; attempt < 3; ++attempt) {
     std::vector<std::string> all = args;
     all.push_back(absl::StrCat("--http_port=", FreePort()));
-    auto server = ServerProcess::Start(model, all);
+    auto server = ServerProcess::Start(model, all, absl::Seconds(60), wait_ready);
     if (server.ok()) return *std::move(server);
     if (attempt == 2) ADD_FAILURE() << server.status();
   }
@@ -92,27 +99,39 @@ std::string ShellQuote(const std::string& text) {
   return absl::StrCat("'", absl::StrReplaceAll(text, {{"'", "'\\''"}}), "'");
 }
 
-// Runs tests/server/openai_client/client.js: one call of the openai client.
-json RunClient(int port, const std::string& key, const std::string& method,
-               const json& params = json::object()) {
+// What `command` prints on stdout.
+std::string Capture(const std::string& command) {
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return "";
+  std::string text;
+  char buffer[4096];
+  size_t read;
+  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) text.append(buffer, read);
+  pclose(pipe);
+  return text;
+}
+
+// Runs tests/server/openai_client/client.js: one call of the openai client
+// at `base_url`; `env`: "NAME=value " words before the command.
+json RunClientAt(const std::string& base_url, const std::string& key, const std::string& method,
+                 const json& params = json::object(), const std::string& env = "") {
   const std::string npm = BinDir() + "/../npm-openai";
   if (!std::filesystem::exists(npm + "/node_modules/openai")) {
     ADD_FAILURE() << npm << " lacks the openai package: run scripts/openai_client.sh build";
     return json();
   }
   const std::string command =
-      absl::StrCat("node ", ACCEL_OPENAI_CLIENT_DIR, "/client.js ", npm, " http://127.0.0.1:", port,
-                   "/v1 ", ShellQuote(key), " ", method, " ", ShellQuote(params.dump()));
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return json();
-  std::string text;
-  char buffer[4096];
-  size_t read;
-  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) text.append(buffer, read);
-  pclose(pipe);
+      absl::StrCat(env, "node ", ACCEL_OPENAI_CLIENT_DIR, "/client.js ", npm, " ", base_url, " ",
+                   ShellQuote(key), " ", method, " ", ShellQuote(params.dump()));
+  const std::string text = Capture(command);
   json out = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (out.is_discarded()) ADD_FAILURE() << "client.js printed: " << text;
   return out;
+}
+
+json RunClient(int port, const std::string& key, const std::string& method,
+               const json& params = json::object()) {
+  return RunClientAt(absl::StrCat("http://127.0.0.1:", port, "/v1"), key, method, params);
 }
 
 // A connected socket to the server's HTTP port.
@@ -597,13 +616,315 @@ TEST(OpenAiHttpDrainTest, DrainFinishesStreamsAndRefusesNewRequests) {
   EXPECT_EQ(server->Wait(absl::Seconds(30)), 0);
 }
 
-TEST(OpenAiHttpStartTest, TlsIsRefusedForHttp) {
+// --http_port with --tls_cert is HTTPS (OpenAiHttpsTest); the certificate
+// files are checked, and named, before any port opens.
+TEST(OpenAiHttpStartTest, HttpPortWithTlsChecksTheCertificateFiles) {
   auto server = ServerProcess::Start(
       TestModelDir(),
       {"--http_port=1", "--tls_cert=/nonexistent.pem", "--tls_key=/nonexistent.key"},
       absl::Seconds(30), /*wait_ready=*/false);
   ASSERT_FALSE(server.ok());
-  EXPECT_THAT(std::string(server.status().message()), HasSubstr("--http_port with --tls_cert"));
+  EXPECT_THAT(std::string(server.status().message()), HasSubstr("/nonexistent.pem"));
+  EXPECT_THAT(std::string(server.status().message()), ::testing::Not(HasSubstr("--http_port")));
+}
+
+// A full queue: 429 with Retry-After (OpenAI's rate_limit_error), as the
+// gRPC API answers RESOURCE_EXHAUSTED with retry-after-ms.
+TEST(OpenAiHttpQueueTest, FullQueueIs429WithRetryAfter) {
+  auto server = StartHttp(SlowModelDir(), {"--max_batch_size=1", "--max_queue=1"});
+  ASSERT_NE(server, nullptr);
+  auto stream_request = [](const std::string& prompt) {
+    const std::string body = json({{"prompt", prompt},
+                                   {"max_tokens", 4000},
+                                   {"ignore_eos", true},
+                                   {"temperature", 0},
+                                   {"stream", true}})
+                                 .dump();
+    return absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ", body.size(),
+                        "\r\n\r\n", body);
+  };
+  // One running, one waiting.
+  const int running = Connect(server->http_port());
+  ASSERT_GE(running, 0);
+  SendAll(running, stream_request("first"));
+  EXPECT_THAT(ReadUntil(running, "data: ", absl::Seconds(20)), HasSubstr("data: "));
+  const int waiting = Connect(server->http_port());
+  ASSERT_GE(waiting, 0);
+  SendAll(waiting, stream_request("second"));
+  ASSERT_TRUE(WaitForMetric(*server, "accel_num_requests_waiting", 1));
+
+  const std::string refused = Exchange(server->http_port(), "POST", "/v1/completions",
+                                       R"({"prompt": "third", "max_tokens": 4})");
+  ExpectOpenAiError(refused, 429, "rate_limit_error");
+  EXPECT_THAT(refused, HasSubstr("Retry-After: 1\r\n"));
+  EXPECT_EQ(BodyOf(refused)["error"]["code"], "rate_limit_exceeded");
+  EXPECT_THAT(refused, HasSubstr("--max_queue=1"));
+  // The openai client sees a RateLimitError (client.js: maxRetries 0).
+  const json out = RunClient(server->http_port(), "unused", "completions.create",
+                             {{"prompt", "fourth"}, {"max_tokens", 4}});
+  ASSERT_FALSE(out["ok"]) << out;
+  EXPECT_EQ(out["error"]["class"], "RateLimitError");
+  EXPECT_EQ(out["error"]["status"], 429);
+  EXPECT_GE(Metric(*server, "accel_request_failure_total{reason=\"overloaded\"}"), 2);
+
+  // Once both are cancelled (their connections closed) requests are taken again.
+  close(running);
+  close(waiting);
+  EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_waiting", 0));
+  EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 0));
+  EXPECT_EQ(StatusOf(Exchange(server->http_port(), "POST", "/v1/completions",
+                              R"({"prompt": "fifth", "max_tokens": 2})")),
+            200);
+}
+
+// HTTPS: --http_port with --tls_cert/--tls_key.
+
+// A self-signed certificate for localhost and 127.0.0.1 in `dir`.
+bool MakeCertificate(const TempDir& dir) {
+  return RunCommand(
+             "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+             "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " +
+             dir.File("key.pem") + " -out " + dir.File("cert.pem") + " > /dev/null 2>&1") == 0;
+}
+
+std::vector<std::string> TlsFlags(const TempDir& dir) {
+  return {"--tls_cert=" + dir.File("cert.pem"), "--tls_key=" + dir.File("key.pem")};
+}
+
+// A TLS client on the HTTP port (OpenSSL), verifying the server's
+// certificate against `ca_file` as a client library would.
+class TlsClient {
+ public:
+  static std::unique_ptr<TlsClient> Open(int port, const std::string& ca_file) {
+    std::unique_ptr<TlsClient> client(new TlsClient());
+    client->ctx_ = SSL_CTX_new(TLS_client_method());
+    if (client->ctx_ == nullptr ||
+        SSL_CTX_load_verify_locations(client->ctx_, ca_file.c_str(), nullptr) != 1) {
+      return nullptr;
+    }
+    SSL_CTX_set_verify(client->ctx_, SSL_VERIFY_PEER, nullptr);
+    client->fd_ = Connect(port);
+    if (client->fd_ < 0) return nullptr;
+    timeval tv = absl::ToTimeval(absl::Seconds(30));
+    setsockopt(client->fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    client->ssl_ = SSL_new(client->ctx_);
+    SSL_set_fd(client->ssl_, client->fd_);
+    SSL_set_tlsext_host_name(client->ssl_, "localhost");
+    SSL_set1_host(client->ssl_, "localhost");
+    if (SSL_connect(client->ssl_) != 1) {
+      ADD_FAILURE() << "TLS handshake failed";
+      return nullptr;
+    }
+    return client;
+  }
+  ~TlsClient() {
+    if (ssl_ != nullptr) SSL_free(ssl_);
+    if (fd_ >= 0) close(fd_);
+    if (ctx_ != nullptr) SSL_CTX_free(ctx_);
+  }
+  TlsClient(const TlsClient&) = delete;
+  TlsClient& operator=(const TlsClient&) = delete;
+
+  bool Send(const std::string& data) {
+    return SSL_write(ssl_, data.data(), static_cast<int>(data.size())) ==
+           static_cast<int>(data.size());
+  }
+  // Reads until the server closes or `until` appears.
+  std::string ReadUntil(const std::string& until = "") {
+    std::string out;
+    char buffer[8192];
+    while (until.empty() || out.find(until) == std::string::npos) {
+      const int n = SSL_read(ssl_, buffer, sizeof(buffer));
+      if (n <= 0) break;
+      out.append(buffer, static_cast<size_t>(n));
+    }
+    return out;
+  }
+  // Sends close_notify; the TCP connection stays open.
+  void CloseNotify() { SSL_shutdown(ssl_); }
+
+ private:
+  TlsClient() = default;
+  SSL_CTX* ctx_ = nullptr;
+  SSL* ssl_ = nullptr;
+  int fd_ = -1;
+};
+
+// GET /v1/models over TLS on a fresh connection: the status.
+int HttpsModelsStatus(int port, const std::string& ca_file) {
+  auto client = TlsClient::Open(port, ca_file);
+  if (client == nullptr) return 0;
+  client->Send("GET /v1/models HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+  return StatusOf(client->ReadUntil());
+}
+
+std::string CompletionRequest(const json& body) {
+  return absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: ",
+                      body.dump().size(), "\r\n\r\n", body.dump());
+}
+
+class OpenAiHttpsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    if (!MakeCertificate(*dir_)) return;
+    std::vector<std::string> flags = TlsFlags(*dir_);
+    flags.push_back("--http_request_timeout=2s");
+    server_ = StartHttp(TestModelDir(), flags, /*wait_ready=*/false).release();
+    if (server_ != nullptr && !WaitForMetric(*server_, "accel_ready", 1, absl::Seconds(60))) {
+      ADD_FAILURE() << "the TLS server did not become ready";
+    }
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+    delete dir_;
+    dir_ = nullptr;
+  }
+  void SetUp() override { ASSERT_NE(server_, nullptr) << "openssl req or accel-serve failed"; }
+  int port() const { return server_->http_port(); }
+  std::string cert() const { return dir_->File("cert.pem"); }
+  std::string base_url() const { return absl::StrCat("https://127.0.0.1:", port(), "/v1"); }
+  static TempDir* dir_;
+  static ServerProcess* server_;
+};
+TempDir* OpenAiHttpsTest::dir_ = nullptr;
+ServerProcess* OpenAiHttpsTest::server_ = nullptr;
+
+// The official openai client over https with the certificate trusted
+// (NODE_EXTRA_CA_CERTS): a chat completion, and a streamed completion equal
+// to the unary one. Without the certificate trusted it refuses the server.
+TEST_F(OpenAiHttpsTest, OpenAiClientOverHttps) {
+  const std::string trust = absl::StrCat("NODE_EXTRA_CA_CERTS=", ShellQuote(cert()), " ");
+  const json chat = RunClientAt(base_url(), "unused", "chat.completions.create",
+                                {{"messages", {{{"role", "user"}, {"content", "hello over TLS"}}}},
+                                 {"max_tokens", 6},
+                                 {"temperature", 0},
+                                 {"ignore_eos", true}},
+                                trust);
+  ASSERT_TRUE(chat["ok"]) << chat;
+  EXPECT_EQ(chat["result"]["object"], "chat.completion");
+  EXPECT_EQ(chat["result"]["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(chat["result"]["usage"]["completion_tokens"], 6);
+
+  json params = {
+      {"prompt", "secure story"}, {"max_tokens", 10}, {"temperature", 0}, {"ignore_eos", true}};
+  const json unary = RunClientAt(base_url(), "unused", "completions.create", params, trust);
+  ASSERT_TRUE(unary["ok"]) << unary;
+  params["stream"] = true;
+  const json streamed = RunClientAt(base_url(), "unused", "completions.create", params, trust);
+  ASSERT_TRUE(streamed["ok"]) << streamed;
+  ASSERT_GE(streamed["chunks"].size(), 2u);
+  std::string text;
+  for (const json& chunk : streamed["chunks"]) {
+    text += chunk["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(text, unary["result"]["choices"][0]["text"]);
+  EXPECT_EQ(streamed["chunks"].back()["choices"][0]["finish_reason"], "length");
+
+  const json untrusted =
+      RunClientAt(base_url(), "unused", "models.list", json::object(), "NODE_EXTRA_CA_CERTS= ");
+  ASSERT_FALSE(untrusted["ok"]) << untrusted;
+  EXPECT_EQ(untrusted["error"]["class"], "APIConnectionError");
+}
+
+// Plain HTTP to the TLS port is answered 400 in plain text; bytes that are
+// neither are dropped; the server goes on serving over TLS.
+TEST_F(OpenAiHttpsTest, PlainHttpFailsCleanlyAndTheServerGoesOn) {
+  const std::string plain = Exchange(port(), "GET", "/v1/models", "");
+  ExpectOpenAiError(plain, 400, "invalid_request_error");
+  EXPECT_THAT(plain, HasSubstr("https://"));
+  const std::string posted =
+      Exchange(port(), "POST", "/v1/completions", R"({"prompt": "hi", "max_tokens": 2})");
+  EXPECT_EQ(StatusOf(posted), 400) << posted;
+  const int garbage = Connect(port());
+  ASSERT_GE(garbage, 0);
+  SendAll(garbage, std::string("\x01\x02\x03\x04\x05 not TLS\r\n\r\n"));
+  EXPECT_EQ(ReadUntil(garbage, "", absl::Seconds(5)), "");
+  close(garbage);
+  EXPECT_EQ(kill(server_->pid(), 0), 0);
+  EXPECT_EQ(HttpsModelsStatus(port(), cert()), 200);
+}
+
+// A client that connects and never sends its ClientHello (or only part of
+// it) is closed after --http_request_timeout (2s); others are served
+// meanwhile.
+TEST_F(OpenAiHttpsTest, SilentClientIsDroppedAndOthersAreServed) {
+  std::vector<int> silent;
+  for (int i = 0; i < 10; ++i) {
+    silent.push_back(Connect(port()));
+    ASSERT_GE(silent.back(), 0);
+    if (i % 2 == 1) SendAll(silent.back(), std::string("\x16\x03\x01", 3));  // a record's start
+  }
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(HttpsModelsStatus(port(), cert()), 200);
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(1800));
+  for (int fd : silent) {
+    EXPECT_EQ(ReadUntil(fd, "", absl::Seconds(10)), "");  // closed, no answer
+  }
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_GE(took, absl::Milliseconds(1800));
+  EXPECT_LT(took, absl::Seconds(5));
+  for (int fd : silent) close(fd);
+  EXPECT_EQ(HttpsModelsStatus(port(), cert()), 200);
+}
+
+// curl --cacert, when curl is installed.
+TEST_F(OpenAiHttpsTest, Curl) {
+  if (RunCommand("command -v curl > /dev/null 2>&1") != 0) GTEST_SKIP() << "curl is not installed";
+  const std::string curl = absl::StrCat("curl -sS --max-time 60 --cacert ", ShellQuote(cert()),
+                                        " -H 'Content-Type: application/json' ");
+  const json chat = json::parse(
+      Capture(absl::StrCat(curl, base_url(), "/chat/completions -d ",
+                           ShellQuote(R"({"messages": [{"role": "user", "content": "hi"}],
+                                          "max_tokens": 4})"))),
+      nullptr, false);
+  ASSERT_TRUE(chat.is_object()) << chat;
+  EXPECT_EQ(chat["object"], "chat.completion");
+  const std::string streamed =
+      Capture(absl::StrCat(curl, "-N ", base_url(), "/completions -d ",
+                           ShellQuote(R"({"prompt": "hi", "max_tokens": 4, "stream": true})")));
+  EXPECT_THAT(streamed, HasSubstr("data: [DONE]"));
+  // Without the certificate trusted curl refuses the server.
+  EXPECT_NE(
+      RunCommand(absl::StrCat("curl -sS --max-time 30 ", base_url(), "/models > /dev/null 2>&1")),
+      0);
+}
+
+// A client that closes its TLS connection cancels its request: a plain
+// close (FIN, seen by poll) while streaming, a close_notify alone (the TCP
+// connection stays open; SSL_peek sees it) while waiting for a unary answer.
+TEST(OpenAiHttpsCancelTest, ClosedTlsConnectionCancelsTheRequest) {
+  TempDir dir;
+  ASSERT_TRUE(MakeCertificate(dir));
+  auto server = StartHttp(SlowModelDir(), TlsFlags(dir), /*wait_ready=*/false);
+  ASSERT_NE(server, nullptr);
+  ASSERT_TRUE(WaitForMetric(*server, "accel_ready", 1, absl::Seconds(60)));
+  for (bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "stream, close" : "unary, close_notify");
+    auto client = TlsClient::Open(server->http_port(), dir.File("cert.pem"));
+    ASSERT_NE(client, nullptr);
+    ASSERT_TRUE(client->Send(CompletionRequest({{"prompt", "a long story"},
+                                                {"max_tokens", 3000},
+                                                {"ignore_eos", true},
+                                                {"temperature", 0},
+                                                {"stream", stream}})));
+    if (stream) {
+      EXPECT_THAT(client->ReadUntil("data: "), HasSubstr("data: "));
+    }
+    ASSERT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 1));
+    const double cancelled = Metric(*server, "accel_request_failure_total{reason=\"cancelled\"}");
+    if (stream) {
+      client.reset();
+    } else {
+      client->CloseNotify();
+    }
+    const absl::Time closed = absl::Now();
+    EXPECT_TRUE(WaitForMetric(*server, "accel_num_requests_running", 0, absl::Seconds(5)));
+    EXPECT_LT(absl::Now() - closed, absl::Seconds(2));
+    EXPECT_TRUE(
+        WaitForMetric(*server, "accel_request_failure_total{reason=\"cancelled\"}", cancelled + 1));
+  }
 }
 
 }  // namespace

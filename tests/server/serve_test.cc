@@ -297,11 +297,11 @@ TEST_F(ServeTest, ModelInfoDescribesTheModel) {
 std::vector<int64_t> RenderedChatIds(const std::string& model, const std::string& messages_json) {
   TempDir dir;
   dir.Write("messages.json", messages_json);
-  FILE* pipe = popen(absl::StrCat(BinDir(), "/accel-tokenize --model ", model, " --chat ",
-                                  dir.File("messages.json"),
-                                  " --add_generation_prompt --json 2>/dev/null")
-                         .c_str(),
-                     "r");
+  FILE* pipe =
+      popen(absl::StrCat(BinDir(), "/accel-tokenize --model ", model, " --chat ",
+                         dir.File("messages.json"), " --add_generation_prompt --json 2>/dev/null")
+                .c_str(),
+            "r");
   if (pipe == nullptr) return {};
   std::string text;
   char buffer[4096];
@@ -336,8 +336,8 @@ TEST_F(ServeTest, GreedyChatEqualsGenerateOnTheRenderedTemplatesIds) {
     const grpc::Status status = stub_->Chat(&context, chat, &answer);
     ASSERT_TRUE(status.ok()) << status.error_message();
   }
-  const std::vector<int64_t> ids = RenderedChatIds(
-      TestModelDir(), R"([{"role": "system", "content": "Be brief."},
+  const std::vector<int64_t> ids =
+      RenderedChatIds(TestModelDir(), R"([{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": "What is a fox? 🦊"}])");
   ASSERT_FALSE(ids.empty());
   GenerateRequest generate;
@@ -402,10 +402,10 @@ TEST_F(ServeTest, ChatStopsAtTheEndOfTurnAndAccelClientChats) {
   // accel-client chat sends the same conversation.
   const std::string client = absl::StrCat(BinDir(), "/accel-client --address ", server_->address());
   for (const char* mode : {"", " --stream"}) {
-    FILE* pipe = popen((client + " chat --prompt 'Tell me a story.' --max_new_tokens 40" + mode +
-                        " 2>/dev/null")
-                           .c_str(),
-                       "r");
+    FILE* pipe = popen(
+        (client + " chat --prompt 'Tell me a story.' --max_new_tokens 40" + mode + " 2>/dev/null")
+            .c_str(),
+        "r");
     ASSERT_NE(pipe, nullptr);
     std::string out;
     char buffer[4096];

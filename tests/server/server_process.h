@@ -51,7 +51,8 @@ inline int RunCommand(const std::string& command) { return std::system(command.c
 // private folder and renamed into place. Its folder's name is `name`.
 inline std::string MadeModel(const std::string& name, const std::string& flags) {
   std::error_code stat_error;
-  const auto maker_time = std::filesystem::last_write_time(BinDir() + "/accel-make-model", stat_error);
+  const auto maker_time =
+      std::filesystem::last_write_time(BinDir() + "/accel-make-model", stat_error);
   const std::string parent = absl::StrCat(BinDir(), "/../test-models/",
                                           stat_error ? 0 : maker_time.time_since_epoch().count());
   std::filesystem::create_directories(parent, stat_error);

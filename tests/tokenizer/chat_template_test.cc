@@ -37,8 +37,10 @@ TEST(ChatTemplateTest, ReadsTheTemplateAndSpecialTokensOfTokenizerConfig) {
                      "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant]"
                      "{% endif %}"}}));
   ACCEL_ASSERT_OK_AND_ASSIGN(ChatTemplate chat, ChatTemplate::FromModelDir(dir.path()));
-  EXPECT_THAT(chat.Render(kHello, "", true), test::IsOkAndHolds(std::string("<s>[user]Hello</s>[assistant]")));
-  EXPECT_THAT(chat.Render(kHello, "", false), test::IsOkAndHolds(std::string("<s>[user]Hello</s>")));
+  EXPECT_THAT(chat.Render(kHello, "", true),
+              test::IsOkAndHolds(std::string("<s>[user]Hello</s>[assistant]")));
+  EXPECT_THAT(chat.Render(kHello, "", false),
+              test::IsOkAndHolds(std::string("<s>[user]Hello</s>")));
   EXPECT_THAT(chat.end_of_turn_tokens(), ElementsAre("</s>"));
   EXPECT_EQ(chat.source_name(), dir.File("tokenizer_config.json") + ": chat_template");
 }
@@ -59,24 +61,28 @@ TEST(ChatTemplateTest, AChatTemplateJinjaFileOverridesTokenizerConfig) {
 
 TEST(ChatTemplateTest, NamedTemplatesUseToolUseWhenTheRequestHasTools) {
   TempDir dir;
-  dir.Write("tokenizer_config.json",
-            Config({{"chat_template",
-                     Json::array({{{"name", "default"}, {"template", "plain"}},
-                                  {{"name", "tool_use"},
-                                   {"template", "tools:{{ tools | length }} {{ tools[0].function.name }}"}}})}}));
+  dir.Write(
+      "tokenizer_config.json",
+      Config({{"chat_template",
+               Json::array(
+                   {{{"name", "default"}, {"template", "plain"}},
+                    {{"name", "tool_use"},
+                     {"template", "tools:{{ tools | length }} {{ tools[0].function.name }}"}}})}}));
   ACCEL_ASSERT_OK_AND_ASSIGN(ChatTemplate chat, ChatTemplate::FromModelDir(dir.path()));
   EXPECT_THAT(chat.Render(kHello, "", true), test::IsOkAndHolds(std::string("plain")));
   EXPECT_THAT(chat.Render(kHello, "[]", true), test::IsOkAndHolds(std::string("plain")));
-  EXPECT_THAT(chat.Render(kHello, R"([{"type": "function", "function": {"name": "get_time"}}])", true),
-              test::IsOkAndHolds(std::string("tools:1 get_time")));
+  EXPECT_THAT(
+      chat.Render(kHello, R"([{"type": "function", "function": {"name": "get_time"}}])", true),
+      test::IsOkAndHolds(std::string("tools:1 get_time")));
 }
 
 TEST(ChatTemplateTest, TheTemplateSeesToolsAsNoneAndMessagesWithAllTheirFields) {
   ACCEL_ASSERT_OK_AND_ASSIGN(
       ChatTemplate chat,
-      ChatTemplate::FromSource("{{ tools is none }}|{{ messages[0].tool_calls[0].function.arguments.city }}"
-                               "|{{ messages[0].content is none }}|{{ documents is none }}",
-                               {}, "test"));
+      ChatTemplate::FromSource(
+          "{{ tools is none }}|{{ messages[0].tool_calls[0].function.arguments.city }}"
+          "|{{ messages[0].content is none }}|{{ documents is none }}",
+          {}, "test"));
   EXPECT_THAT(chat.Render(R"([{"role": "assistant", "content": null, "tool_calls": [
                   {"type": "function", "function": {"name": "w", "arguments": {"city": "Oslo"}}}]}])",
                           "", true),
@@ -87,32 +93,34 @@ TEST(ChatTemplateTest, ThePlainTemplateOfMadeModelsRendersEveryTurn) {
   TempDir dir;
   dir.Write("tokenizer_config.json", TokenizerConfigJson("<|begin_of_text|>", "<|end_of_text|>"));
   ACCEL_ASSERT_OK_AND_ASSIGN(ChatTemplate chat, ChatTemplate::FromModelDir(dir.path()));
-  EXPECT_THAT(chat.Render(R"([{"role": "system", "content": "Be brief."},
+  EXPECT_THAT(
+      chat.Render(R"([{"role": "system", "content": "Be brief."},
                               {"role": "user", "content": "Hi"},
                               {"role": "assistant", "content": "Hello."},
                               {"role": "user", "content": "More?"}])",
-                          "", true),
-              test::IsOkAndHolds(std::string(
-                  "<|begin_of_text|><|system|>\nBe brief.<|end_of_text|>\n<|user|>\nHi<|end_of_text|>\n"
-                  "<|assistant|>\nHello.<|end_of_text|>\n<|user|>\nMore?<|end_of_text|>\n"
-                  "<|assistant|>\n")));
+                  "", true),
+      test::IsOkAndHolds(std::string(
+          "<|begin_of_text|><|system|>\nBe brief.<|end_of_text|>\n<|user|>\nHi<|end_of_text|>\n"
+          "<|assistant|>\nHello.<|end_of_text|>\n<|user|>\nMore?<|end_of_text|>\n"
+          "<|assistant|>\n")));
   EXPECT_THAT(chat.end_of_turn_tokens(), ElementsAre("<|end_of_text|>"));
 }
 
 TEST(ChatTemplateTest, KnownTurnEndsTheTemplateWritesEndGeneration) {
   ACCEL_ASSERT_OK_AND_ASSIGN(
       ChatTemplate chat,
-      ChatTemplate::FromSource("{% for m in messages %}<|start_header_id|>{{ m.role }}"
-                               "<|end_header_id|>{{ m.content }}<|eot_id|>{% endfor %}",
-                               {{"eos_token", "<|end_of_text|>"}, {"bos_token", "<|begin_of_text|>"}},
-                               "llama3"));
+      ChatTemplate::FromSource(
+          "{% for m in messages %}<|start_header_id|>{{ m.role }}"
+          "<|end_header_id|>{{ m.content }}<|eot_id|>{% endfor %}",
+          {{"eos_token", "<|end_of_text|>"}, {"bos_token", "<|begin_of_text|>"}}, "llama3"));
   EXPECT_THAT(chat.end_of_turn_tokens(), ElementsAre("<|end_of_text|>", "<|eot_id|>"));
 }
 
 TEST(ChatTemplateTest, AFolderWithoutATemplateIsNotFoundNamingTheFolder) {
   TempDir dir;
-  EXPECT_THAT(ChatTemplate::FromModelDir(dir.path()),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr(dir.path() + " has no chat template")));
+  EXPECT_THAT(
+      ChatTemplate::FromModelDir(dir.path()),
+      StatusIs(absl::StatusCode::kNotFound, HasSubstr(dir.path() + " has no chat template")));
   dir.Write("tokenizer_config.json", Config({{"eos_token", "</s>"}}));
   EXPECT_THAT(ChatTemplate::FromModelDir(dir.path()),
               StatusIs(absl::StatusCode::kNotFound,
@@ -182,16 +190,18 @@ TEST(ChatTemplateTest, TheTemplatesOwnRefusalReachesTheCallerWithItsMessage) {
       ChatTemplate chat,
       ChatTemplate::FromSource(
           "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
-          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+          "{{ raise_exception('Conversation roles must alternate "
+          "user/assistant/user/assistant/...') }}"
           "{% endif %}{{ m.content }}{% endfor %}",
           {}, "mistral"));
-  EXPECT_THAT(chat.Render(R"([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])",
-                          "", true),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("Conversation roles must alternate")));
-  EXPECT_THAT(chat.Render(R"([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])",
-                          "", true),
-              test::IsOkAndHolds(std::string("ab")));
+  EXPECT_THAT(
+      chat.Render(R"([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])", "",
+                  true),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("Conversation roles must alternate")));
+  EXPECT_THAT(
+      chat.Render(R"([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])",
+                  "", true),
+      test::IsOkAndHolds(std::string("ab")));
 }
 
 }  // namespace

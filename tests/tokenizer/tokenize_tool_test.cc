@@ -1,11 +1,10 @@
 // accel-tokenize as users run it: text and conversations in, the rendered
 // text and its ids out, checked against the library's own answer; and the
 // errors people will meet.
-#include <sys/wait.h>
-
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <sys/wait.h>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -99,10 +98,11 @@ TEST(TokenizeToolTest, TextGetsTheTokenizersSpecialTokens) {
 TEST(TokenizeToolTest, ToolsReachTheTemplate) {
   TempDir dir;
   WriteTokenizer(dir, false);
-  dir.Write("tokenizer_config.json",
-            Json({{"chat_template",
-                   "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"}})
-                .dump());
+  dir.Write(
+      "tokenizer_config.json",
+      Json({{"chat_template",
+             "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"}})
+          .dump());
   dir.Write("m.json", R"([{"role": "user", "content": "go"}])");
   dir.Write("t.json", R"([{"type": "function", "function": {"name": "search"}}])");
   const Result r = RunTokenize("--model " + dir.path() + " --chat " + dir.File("m.json") + " --tools " +
@@ -137,7 +137,8 @@ TEST(TokenizeToolTest, MistakesAreNamed) {
   EXPECT_THAT(missing.out, HasSubstr("none.json"));
   const Result bad = RunTokenize(model + " --chat " + dir.File("bad.json"));
   EXPECT_NE(bad.exit_code, 0);
-  EXPECT_THAT(bad.out, HasSubstr("--chat " + dir.File("bad.json") + ": messages: expected an array"));
+  EXPECT_THAT(bad.out,
+              HasSubstr("--chat " + dir.File("bad.json") + ": messages: expected an array"));
 }
 
 }  // namespace

@@ -24,7 +24,8 @@
 #include "tokenizer/internal/read_file.h"
 #include "tokenizer/tokenizer.h"
 
-ABSL_FLAG(std::string, model, "", "Model or tokenizer folder (tokenizer.json, tokenizer_config.json).");
+ABSL_FLAG(std::string, model, "",
+          "Model or tokenizer folder (tokenizer.json, tokenizer_config.json).");
 ABSL_FLAG(std::string, text, "", "Text to tokenize, with the tokenizer's special tokens (BOS...).");
 ABSL_FLAG(std::string, chat, "",
           "A JSON file of messages ([{\"role\": ..., \"content\": ...}, ...]) to render with the "
