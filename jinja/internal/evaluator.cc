@@ -804,7 +804,8 @@ absl::StatusOr<Value> Evaluator::Call(const Value& fn_value, Args args, const En
   return Invalid("unknown function");
 }
 
-absl::StatusOr<std::string> RenderProgram(const Program& program, const nlohmann::ordered_json& context,
+absl::StatusOr<std::string> RenderProgram(const Program& program,
+                                          const nlohmann::ordered_json& context,
                                           const Limits& limits) {
   Evaluator evaluator(limits);
   return evaluator.Render(program, context);

@@ -37,7 +37,8 @@ struct Env {
   const Value* Find(const std::string& name) const;
 };
 
-absl::StatusOr<std::string> RenderProgram(const Program& program, const nlohmann::ordered_json& context,
+absl::StatusOr<std::string> RenderProgram(const Program& program,
+                                          const nlohmann::ordered_json& context,
                                           const Limits& limits);
 
 class Evaluator {

@@ -62,8 +62,8 @@ TEST(TokenizeToolTest, ChatPrintsWhatTheModelReadsAndItsIds) {
       R"([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo 🙂"}])";
   dir.Write("messages.json", messages);
   const Result r = RunTokenize("--model " + dir.path() + " --chat " + dir.File("messages.json") +
-                           " --add_generation_prompt --json",
-                       /*stderr_too=*/false);
+                                   " --add_generation_prompt --json",
+                               /*stderr_too=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   const Json out = Json::parse(r.out);
 
@@ -77,7 +77,8 @@ TEST(TokenizeToolTest, ChatPrintsWhatTheModelReadsAndItsIds) {
   EXPECT_THAT(text, HasSubstr("<|user|>\nHéllo 🙂<|end_of_text|>\n<|assistant|>\n"));
 
   // Without the generation prompt the text ends after the last turn.
-  const Result plain = RunTokenize("--model " + dir.path() + " --chat " + dir.File("messages.json"));
+  const Result plain =
+      RunTokenize("--model " + dir.path() + " --chat " + dir.File("messages.json"));
   ASSERT_EQ(plain.exit_code, 0) << plain.out;
   EXPECT_THAT(plain.out, HasSubstr("Héllo 🙂<|end_of_text|>\n\nids ("));
   EXPECT_THAT(plain.out, ::testing::Not(HasSubstr("<|assistant|>")));
@@ -105,9 +106,9 @@ TEST(TokenizeToolTest, ToolsReachTheTemplate) {
           .dump());
   dir.Write("m.json", R"([{"role": "user", "content": "go"}])");
   dir.Write("t.json", R"([{"type": "function", "function": {"name": "search"}}])");
-  const Result r = RunTokenize("--model " + dir.path() + " --chat " + dir.File("m.json") + " --tools " +
-                           dir.File("t.json") + " --json",
-                       false);
+  const Result r = RunTokenize("--model " + dir.path() + " --chat " + dir.File("m.json") +
+                                   " --tools " + dir.File("t.json") + " --json",
+                               false);
   ASSERT_EQ(r.exit_code, 0) << r.out;
   EXPECT_EQ(Json::parse(r.out)["text"], "search;go");
 }
