@@ -172,6 +172,23 @@ std::optional<double> RssMib(pid_t pid) {
 
 // One client of `group`: GenerateStream requests back to back until `end`; a
 // request started before `end` runs to its finish.
+// Adds one client's figures to the phase's (shared by the clients).
+void AddClientResult(PhaseResult& mine, Clock::time_point begin, PhaseResult* out,
+                     absl::Mutex* mu) {
+  const double wall = std::chrono::duration<double>(Clock::now() - begin).count();
+  absl::MutexLock lock(mu);
+  out->wall_seconds = std::max(out->wall_seconds, wall);
+  out->requests += mine.requests;
+  out->tokens += mine.tokens;
+  out->errors += mine.errors;
+  if (mine.prompt_tokens > 0) out->prompt_tokens = mine.prompt_tokens;
+  out->ttft_ms.insert(out->ttft_ms.end(), mine.ttft_ms.begin(), mine.ttft_ms.end());
+  out->itl_ms.insert(out->itl_ms.end(), mine.itl_ms.begin(), mine.itl_ms.end());
+  for (std::string& m : mine.error_messages) {
+    if (out->error_messages.size() < 5) out->error_messages.push_back(std::move(m));
+  }
+}
+
 void RunClient(accel::v1::Generation::Stub* stub, const Group* group, Clock::time_point begin,
                Clock::time_point end, absl::Duration call_timeout, PhaseResult* out,
                absl::Mutex* mu) {
@@ -240,18 +257,7 @@ void RunClient(accel::v1::Generation::Stub* stub, const Group* group, Clock::tim
     mine.tokens += tokens;
     mine.prompt_tokens = prompt;
   }
-  const double wall = std::chrono::duration<double>(Clock::now() - begin).count();
-  absl::MutexLock lock(mu);
-  out->wall_seconds = std::max(out->wall_seconds, wall);
-  out->requests += mine.requests;
-  out->tokens += mine.tokens;
-  out->errors += mine.errors;
-  if (mine.prompt_tokens > 0) out->prompt_tokens = mine.prompt_tokens;
-  out->ttft_ms.insert(out->ttft_ms.end(), mine.ttft_ms.begin(), mine.ttft_ms.end());
-  out->itl_ms.insert(out->itl_ms.end(), mine.itl_ms.begin(), mine.itl_ms.end());
-  for (std::string& m : mine.error_messages) {
-    if (out->error_messages.size() < 5) out->error_messages.push_back(std::move(m));
-  }
+  AddClientResult(mine, begin, out, mu);
 }
 
 // The protocol the clients of the phases now running use, and the server's
@@ -359,18 +365,7 @@ void RunHttpClient(const Group* group, Clock::time_point begin, Clock::time_poin
     mine.tokens += generated;
     mine.prompt_tokens = prompt;
   }
-  const double wall = std::chrono::duration<double>(Clock::now() - begin).count();
-  absl::MutexLock lock(mu);
-  out->wall_seconds = std::max(out->wall_seconds, wall);
-  out->requests += mine.requests;
-  out->tokens += mine.tokens;
-  out->errors += mine.errors;
-  if (mine.prompt_tokens > 0) out->prompt_tokens = mine.prompt_tokens;
-  out->ttft_ms.insert(out->ttft_ms.end(), mine.ttft_ms.begin(), mine.ttft_ms.end());
-  out->itl_ms.insert(out->itl_ms.end(), mine.itl_ms.begin(), mine.itl_ms.end());
-  for (std::string& m : mine.error_messages) {
-    if (out->error_messages.size() < 5) out->error_messages.push_back(std::move(m));
-  }
+  AddClientResult(mine, begin, out, mu);
 }
 
 // Runs every group's clients at once for `seconds`; each group's figures go

@@ -71,30 +71,6 @@ std::unique_ptr<ServerProcess> StartHttp(const std::string& model, std::vector<s
   return nullptr;
 }
 
-const std::string& SlowModelDir() {
-  static const std::string dir =
-      MadeModel("serve-slow",
-                "--family llama --num_layers 6 --hidden_size 384 --num_kv_heads 2"
-                " --max_position_embeddings 4096 --seed 4");
-  return dir;
-}
-
-double Metric(const ServerProcess& server, const std::string& series) {
-  absl::StatusOr<std::string> text = server.Metrics();
-  if (!text.ok()) return -1;
-  return MetricValue(*text, series).value_or(0);
-}
-
-bool WaitForMetric(const ServerProcess& server, const std::string& series, double want,
-                   absl::Duration timeout = absl::Seconds(10)) {
-  const absl::Time end = absl::Now() + timeout;
-  while (absl::Now() < end) {
-    if (Metric(server, series) == want) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return false;
-}
-
 std::string ShellQuote(const std::string& text) {
   return absl::StrCat("'", absl::StrReplaceAll(text, {{"'", "'\\''"}}), "'");
 }

@@ -51,33 +51,6 @@ std::unique_ptr<ServerProcess> StartOrDie(const std::string& model,
   return *std::move(server);
 }
 
-// A model slow enough (a few ms a step on a cpu) that a long request is
-// still running while the test does something else.
-const std::string& SlowModelDir() {
-  static const std::string dir =
-      MadeModel("serve-slow",
-                "--family llama --num_layers 6 --hidden_size 384 --num_kv_heads 2"
-                " --max_position_embeddings 4096 --seed 4");
-  return dir;
-}
-
-double Metric(const ServerProcess& server, const std::string& series) {
-  absl::StatusOr<std::string> text = server.Metrics();
-  if (!text.ok()) return -1;
-  return MetricValue(*text, series).value_or(0);
-}
-
-// Polls a metric until it equals `want` (the scheduler publishes between steps).
-bool WaitForMetric(const ServerProcess& server, const std::string& series, double want,
-                   absl::Duration timeout = absl::Seconds(20)) {
-  const absl::Time end = absl::Now() + timeout;
-  while (absl::Now() < end) {
-    if (Metric(server, series) == want) return true;
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  return false;
-}
-
 struct GenerateCli {
   std::vector<int64_t> token_ids;
   std::string text;

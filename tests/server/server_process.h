@@ -68,6 +68,16 @@ inline std::string MadeModel(const std::string& name, const std::string& flags) 
   return dir;
 }
 
+// A model slow enough (a few ms a step on a cpu) that a long request is
+// still running while a test does something else.
+inline const std::string& SlowModelDir() {
+  static const std::string dir =
+      MadeModel("serve-slow",
+                "--family llama --num_layers 6 --hidden_size 384 --num_kv_heads 2"
+                " --max_position_embeddings 4096 --seed 4");
+  return dir;
+}
+
 // A small llama model with a tokenizer.json.
 inline const std::string& TestModelDir() {
   static const std::string dir =
@@ -297,6 +307,25 @@ class ServerProcess {
   int metrics_port_ = -1;
   int http_port_ = 0;
 };
+
+// A series' value from the server's /metrics (0 when absent, -1 when the
+// scrape failed).
+inline double Metric(const ServerProcess& server, const std::string& series) {
+  absl::StatusOr<std::string> text = server.Metrics();
+  if (!text.ok()) return -1;
+  return MetricValue(*text, series).value_or(0);
+}
+
+// Polls a metric until it equals `want` (the scheduler publishes between steps).
+inline bool WaitForMetric(const ServerProcess& server, const std::string& series, double want,
+                          absl::Duration timeout = absl::Seconds(20)) {
+  const absl::Time end = absl::Now() + timeout;
+  while (absl::Now() < end) {
+    if (Metric(server, series) == want) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
 
 }  // namespace accel::testing
 
