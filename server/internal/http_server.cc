@@ -9,6 +9,7 @@
 #include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <variant>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -20,12 +21,10 @@
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
 
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+
+#include "server/internal/http_parse.h"
 
 namespace accel::server::internal {
 namespace {
@@ -733,62 +732,23 @@ void HttpServer::ServeRequests(Transport& io, absl::Time accepted) {
                 absl::StrCat("the request head is over ", options_.max_header_bytes, " bytes"));
       return;
     }
-    HttpRequest request;
-    const std::vector<absl::string_view> lines =
-        absl::StrSplit(absl::string_view(buffer).substr(0, head_end), "\r\n");
-    const std::vector<absl::string_view> start = absl::StrSplit(lines[0], ' ');
-    if (start.size() != 3 || start[0].empty() || start[1].empty() || start[1][0] != '/' ||
-        !absl::StartsWith(start[2], "HTTP/1.")) {
-      SendError(io, 400, "malformed HTTP request line");
+    HttpParseResult parsed = ParseHttpRequestHead(absl::string_view(buffer).substr(0, head_end),
+                                                  options_.max_body_bytes);
+    if (const HttpParseError* error = std::get_if<HttpParseError>(&parsed)) {
+      SendError(io, error->status, error->message);
       return;
     }
-    request.method = std::string(start[0]);
-    const size_t question = start[1].find('?');
-    request.path = std::string(start[1].substr(0, question));
-    if (question != absl::string_view::npos)
-      request.query = std::string(start[1].substr(question + 1));
-    const bool http10 = start[2] == "HTTP/1.0";
-    for (size_t i = 1; i < lines.size(); ++i) {
-      const size_t colon = lines[i].find(':');
-      if (colon == absl::string_view::npos || colon == 0) {
-        SendError(io, 400, "malformed HTTP header line");
-        return;
-      }
-      request.headers.emplace_back(
-          absl::AsciiStrToLower(lines[i].substr(0, colon)),
-          std::string(absl::StripAsciiWhitespace(lines[i].substr(colon + 1))));
-    }
-    size_t length = 0;
-    if (const std::string* encoding = request.Header("transfer-encoding")) {
-      if (!absl::EqualsIgnoreCase(*encoding, "identity")) {
-        SendError(io, 411, "send the body with Content-Length (chunked bodies are not accepted)");
-        return;
-      }
-    }
-    if (const std::string* value = request.Header("content-length")) {
-      uint64_t parsed = 0;
-      if (!absl::SimpleAtoi(*value, &parsed)) {
-        SendError(io, 400, "Content-Length is not a number");
-        return;
-      }
-      if (parsed > options_.max_body_bytes) {
-        SendError(io, 413,
-                  absl::StrCat("the body is ", parsed, " bytes, over this server's limit of ",
-                               options_.max_body_bytes, " bytes"));
-        return;
-      }
-      length = static_cast<size_t>(parsed);
-    }
-    bool close_after = http10;
-    if (const std::string* connection = request.Header("connection")) {
-      if (absl::EqualsIgnoreCase(*connection, "close")) close_after = true;
-      if (http10 && absl::EqualsIgnoreCase(*connection, "keep-alive")) close_after = false;
-    }
+    HttpRequestHead& head = std::get<HttpRequestHead>(parsed);
+    HttpRequest request;
+    request.method = std::move(head.method);
+    request.path = std::move(head.path);
+    request.query = std::move(head.query);
+    request.headers = std::move(head.headers);
+    const size_t length = static_cast<size_t>(head.content_length);
+    const bool close_after = !head.keep_alive;
     buffer.erase(0, head_end + 4);
-    if (const std::string* expect = request.Header("expect")) {
-      if (absl::EqualsIgnoreCase(*expect, "100-continue") && buffer.size() < length) {
-        if (!io.Write("HTTP/1.1 100 Continue\r\n\r\n")) return;
-      }
+    if (head.expect_continue && buffer.size() < length) {
+      if (!io.Write("HTTP/1.1 100 Continue\r\n\r\n")) return;
     }
     while (buffer.size() < length) {
       const ReadResult r = io.Read(buffer, deadline, stopping_, false);

@@ -29,7 +29,9 @@
 // request_timeout of the request's first byte (408, then close: a client
 // trickling bytes holds a thread for at most that long), keep-alive
 // connections idle at most idle_timeout. Request bodies need Content-Length
-// (chunked request bodies: 411).
+// (chunked request bodies: 411). The head is parsed by ParseHttpRequestHead
+// (http_parse.h: its rules against request smuggling and header injection,
+// and at most kMaxHttpHeaders header lines, 431).
 #ifndef ACCEL_SERVER_INTERNAL_HTTP_SERVER_H_
 #define ACCEL_SERVER_INTERNAL_HTTP_SERVER_H_
 
