@@ -414,6 +414,14 @@ function checkRender(name, docs, liveNames, readyNames, metricNames) {
   if (named.get("metrics") !== metricsPort) {
     problem(where, `containerPort metrics is ${named.get("metrics")}, --metrics_port is ${metricsPort}`);
   }
+  // The OpenAI-compatible HTTP API: a container port named http exactly when it is on.
+  const httpPort = Number(flags.get("http_port") ?? "0");
+  if (httpPort !== 0 && named.get("http") !== httpPort) {
+    problem(where, `containerPort http is ${named.get("http")}, --http_port is ${httpPort}`);
+  }
+  if (httpPort === 0 && named.has("http")) {
+    problem(where, `containerPort http is ${named.get("http")}, but --http_port is off`);
+  }
   for (const kind of ["startupProbe", "readinessProbe", "livenessProbe"]) {
     const probe = container[kind];
     if (!probe?.grpc) {
@@ -458,6 +466,9 @@ function checkRender(name, docs, liveNames, readyNames, metricNames) {
     problem(name, "needs exactly one ClusterIP Service (the default way in)");
   } else if (!portsOf(virtual[0]).has("metrics")) {
     problem(`${name}: Service/${virtual[0].metadata.name}`, "needs ports grpc and metrics");
+  } else if (httpPort !== 0 && !portsOf(virtual[0]).has("http")) {
+    problem(`${name}: Service/${virtual[0].metadata.name}`,
+      "needs port http: the pods serve the OpenAI-compatible API (--http_port)");
   }
   if (headless.length !== 1) {
     problem(name, "needs exactly one headless Service (clusterIP: None) for client-side round-robin");
