@@ -31,8 +31,8 @@ constexpr absl::Duration kClosedCheck = absl::Milliseconds(50);
 
 bool SendError(HttpExchange& exchange, const OpenAiError& error) {
   std::vector<std::string> headers;
-  if (error.http_status == 429 || error.http_status == 503) headers.push_back("Retry-After: 1");
-  if (error.http_status == 401) headers.push_back("WWW-Authenticate: Bearer");
+  if (error.http_status == 429 || error.http_status == 503) headers.emplace_back("Retry-After: 1");
+  if (error.http_status == 401) headers.emplace_back("WWW-Authenticate: Bearer");
   return exchange.Respond(error.http_status, kJson, internal::ErrorBody(error), headers);
 }
 

@@ -433,7 +433,7 @@ std::string Event(const json& value) { return absl::StrCat("data: ", Dump(value)
 // ("max_tokens: ..."), else empty.
 std::string ParamOf(absl::string_view message) {
   const size_t colon = message.find(": ");
-  if (colon == absl::string_view::npos || colon > 64) return "";
+  if (colon > 64) return "";  // npos too
   const absl::string_view head = message.substr(0, colon);
   for (char c : head) {
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '[' ||

@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 
 #include "accel/v1/generation.grpc.pb.h"
+#include "core/tool_main.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 ABSL_FLAG(std::string, address, "localhost:50051", "accel-serve's gRPC address (host:port).");
@@ -229,9 +230,7 @@ int Health(const std::shared_ptr<grpc::Channel>& channel) {
   return serving ? 0 : 1;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "A client of accel-serve.\n"
       "  accel-client generate --prompt TEXT [--max_new_tokens N] [--stream]\n"
@@ -255,3 +254,7 @@ int main(int argc, char** argv) {
   if (command == "health") return Health(channel);
   return Fail("unknown command \"" + command + "\": generate, chat, info or health");
 }
+
+}  // namespace
+
+int main(int argc, char** argv) { return accel::ToolMain("accel-client", argc, argv, Run); }
