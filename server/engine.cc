@@ -115,11 +115,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
     absl::StatusOr<tokenizer::ChatTemplate> chat =
         tokenizer::ChatTemplate::FromModelDir(options.model_dir);
     if (chat.ok()) {
-      for (const std::string& token : chat->end_of_turn_tokens()) {
-        if (std::optional<int64_t> id = model.tokenizer->TokenToId(token)) {
-          model.end_of_turn_ids.push_back(*id);
-        }
-      }
+      model.end_of_turn_ids = chat->EndOfTurnIds(*model.tokenizer);
       model.chat_template.emplace(*std::move(chat));
     } else if (!absl::IsNotFound(chat.status())) {
       return chat.status();

@@ -13,6 +13,7 @@
 #include "core/status.h"
 #include "jinja/jinja.h"
 #include "tokenizer/internal/read_file.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::tokenizer {
 namespace {
@@ -208,6 +209,14 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir) 
   chat.source_name_ = std::move(source_name);
   chat.parsed_ = std::move(parsed);
   return chat;
+}
+
+std::vector<int64_t> ChatTemplate::EndOfTurnIds(const Tokenizer& tokenizer) const {
+  std::vector<int64_t> ids;
+  for (const std::string& token : end_of_turn_) {
+    if (std::optional<int64_t> id = tokenizer.TokenToId(token)) ids.push_back(*id);
+  }
+  return ids;
 }
 
 absl::StatusOr<std::string> ChatTemplate::Render(absl::string_view messages_json,

@@ -18,6 +18,7 @@
 #ifndef ACCEL_TOKENIZER_CHAT_TEMPLATE_H_
 #define ACCEL_TOKENIZER_CHAT_TEMPLATE_H_
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -27,6 +28,8 @@
 #include "absl/strings/string_view.h"
 
 namespace accel::tokenizer {
+
+class Tokenizer;
 
 class ChatTemplate {
  public:
@@ -58,6 +61,8 @@ class ChatTemplate {
   // eos_token, and the known end-of-turn tokens (<|eot_id|>, <|im_end|>,
   // <end_of_turn>, <|end|>, ...) that the template writes.
   const std::vector<std::string>& end_of_turn_tokens() const { return end_of_turn_; }
+  // Those of them that `tokenizer` has, as ids: what a request adds to its stop ids.
+  std::vector<int64_t> EndOfTurnIds(const Tokenizer& tokenizer) const;
   // Where the template came from, for messages ("DIR/chat_template.jinja").
   const std::string& source_name() const { return source_name_; }
 

@@ -186,9 +186,7 @@ int Run(int argc, char** argv) {
     auto encoded = tokenizer->Encode(*text, /*add_special_tokens=*/false);
     if (!encoded.ok()) return Fail(accel::Annotate(encoded.status(), "--chat"));
     prompt_ids = *std::move(encoded);
-    for (const std::string& token : chat_template->end_of_turn_tokens()) {
-      if (auto id = tokenizer->TokenToId(token)) end_of_turn_ids.push_back(*id);
-    }
+    end_of_turn_ids = chat_template->EndOfTurnIds(*tokenizer);
   } else if (!prompt.empty()) {
     auto encoded = tokenizer->Encode(prompt, absl::GetFlag(FLAGS_add_special_tokens));
     if (!encoded.ok()) return Fail(accel::Annotate(encoded.status(), "--prompt"));

@@ -331,6 +331,21 @@ TEST_F(GenerateToolTest, JsonFromInputIdsIsOneLineAndReproducible) {
   for (const auto& lp : a["logprobs"]) EXPECT_LT(lp.get<double>(), 0.0);
 }
 
+TEST_F(GenerateToolTest, ChatMistakesAreNamed) {
+  Result no_prompt = RunTool("accel-generate --model " + model_ + " --chat --input_ids 1,2");
+  EXPECT_NE(no_prompt.exit_code, 0);
+  EXPECT_THAT(no_prompt.out, HasSubstr("--chat and --system need --prompt"));
+  Result system_only =
+      RunTool("accel-generate --model " + model_ + " --system 'Be brief.' --input_ids 1");
+  EXPECT_NE(system_only.exit_code, 0);
+  EXPECT_THAT(system_only.out, HasSubstr("--chat and --system need --prompt"));
+  ASSERT_EQ(std::remove((model_ + "/tokenizer_config.json").c_str()), 0);
+  Result no_template = RunTool("accel-generate --model " + model_ + " --chat --prompt hi");
+  EXPECT_NE(no_template.exit_code, 0);
+  EXPECT_THAT(no_template.out, HasSubstr("--chat"));
+  EXPECT_THAT(no_template.out, HasSubstr("has no chat template"));
+}
+
 TEST_F(GenerateToolTest, APromptIsTokenizedAndTheTextStreamsOut) {
   nlohmann::json j = Json("--prompt 'Hello there, world' --max_new_tokens 5 --ignore_eos");
   ASSERT_TRUE(j.is_object());

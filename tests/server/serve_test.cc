@@ -63,13 +63,7 @@ GenerateCli RunGenerateTool(const std::string& model, const std::string& prompt,
       BinDir(), "/accel-generate --model ", model, " --prompt '", prompt, "' --max_new_tokens ", n,
       " --temperature 0 --ignore_eos --json ", flags, " 2>/dev/null");
   GenerateCli out;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return out;
-  std::string text;
-  char buffer[4096];
-  size_t read;
-  while ((read = fread(buffer, 1, sizeof(buffer), pipe)) > 0) text.append(buffer, read);
-  pclose(pipe);
+  const std::string text = CommandOutput(command).out;
   nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (json.is_discarded()) return out;
   out.token_ids = json["token_ids"].get<std::vector<int64_t>>();
@@ -270,17 +264,11 @@ TEST_F(ServeTest, ModelInfoDescribesTheModel) {
 std::vector<int64_t> RenderedChatIds(const std::string& model, const std::string& messages_json) {
   TempDir dir;
   dir.Write("messages.json", messages_json);
-  FILE* pipe =
-      popen(absl::StrCat(BinDir(), "/accel-tokenize --model ", model, " --chat ",
-                         dir.File("messages.json"), " --add_generation_prompt --json 2>/dev/null")
-                .c_str(),
-            "r");
-  if (pipe == nullptr) return {};
-  std::string text;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) text.append(buffer, n);
-  pclose(pipe);
+  const std::string text =
+      CommandOutput(absl::StrCat(BinDir(), "/accel-tokenize --model ", model, " --chat ",
+                                 dir.File("messages.json"),
+                                 " --add_generation_prompt --json 2>/dev/null"))
+          .out;
   const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   return json.is_discarded() ? std::vector<int64_t>() : json["ids"].get<std::vector<int64_t>>();
 }
@@ -375,16 +363,10 @@ TEST_F(ServeTest, ChatStopsAtTheEndOfTurnAndAccelClientChats) {
   // accel-client chat sends the same conversation.
   const std::string client = absl::StrCat(BinDir(), "/accel-client --address ", server_->address());
   for (const char* mode : {"", " --stream"}) {
-    FILE* pipe = popen(
-        (client + " chat --prompt 'Tell me a story.' --max_new_tokens 40" + mode + " 2>/dev/null")
-            .c_str(),
-        "r");
-    ASSERT_NE(pipe, nullptr);
-    std::string out;
-    char buffer[4096];
-    size_t n;
-    while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, n);
-    EXPECT_EQ(pclose(pipe), 0);
+    const CommandResult run = CommandOutput(
+        (client + " chat --prompt 'Tell me a story.' --max_new_tokens 40" + mode + " 2>/dev/null"));
+    EXPECT_EQ(run.exit_code, 0);
+    const std::string& out = run.out;
     EXPECT_EQ(out, stopped.text() + "\n") << mode;
   }
   EXPECT_NE(RunCommand(client + " chat > /dev/null 2>&1"), 0);  // no messages
@@ -547,16 +529,10 @@ TEST_F(ServeTest, AccelClientGeneratesAndProbesHealth) {
   const std::string client = absl::StrCat(BinDir(), "/accel-client --address ", server_->address());
   // --max_new_tokens 6 without ignore_eos: the same answer unless eos came first.
   for (const char* mode : {"", " --stream"}) {
-    FILE* pipe = popen(
-        (client + " generate --prompt 'A client says' --max_new_tokens 6" + mode + " 2>/dev/null")
-            .c_str(),
-        "r");
-    ASSERT_NE(pipe, nullptr);
-    std::string out;
-    char buffer[4096];
-    size_t n;
-    while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) out.append(buffer, n);
-    EXPECT_EQ(pclose(pipe), 0);
+    const CommandResult run = CommandOutput(
+        (client + " generate --prompt 'A client says' --max_new_tokens 6" + mode + " 2>/dev/null"));
+    EXPECT_EQ(run.exit_code, 0);
+    const std::string& out = run.out;
     if (response.finish_reason() == accel::v1::FINISH_REASON_LENGTH) {
       EXPECT_EQ(out, response.text() + "\n") << mode;
     }

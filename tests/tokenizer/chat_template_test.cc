@@ -13,6 +13,7 @@
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "tokenizer/bpe_trainer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::tokenizer {
 namespace {
@@ -114,6 +115,21 @@ TEST(ChatTemplateTest, KnownTurnEndsTheTemplateWritesEndGeneration) {
           "<|end_header_id|>{{ m.content }}<|eot_id|>{% endfor %}",
           {{"eos_token", "<|end_of_text|>"}, {"bos_token", "<|begin_of_text|>"}}, "llama3"));
   EXPECT_THAT(chat.end_of_turn_tokens(), ElementsAre("<|end_of_text|>", "<|eot_id|>"));
+}
+
+TEST(ChatTemplateTest, EndOfTurnIdsAreTheTurnEndsTheTokenizerHas) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      Tokenizer tokenizer,
+      Tokenizer::FromJson(
+          ByteLevelTokenizerJson(TrainMerges(SampleEnglishText(), 200),
+                                 {{"<|begin_of_text|>", 456}, {"<|end_of_text|>", 457}}),
+          "test"));
+  // <|eot_id|> is written by the template but is not in this vocabulary.
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      ChatTemplate chat,
+      ChatTemplate::FromSource("{% for m in messages %}{{ m.content }}<|eot_id|>{% endfor %}",
+                               {{"eos_token", "<|end_of_text|>"}}, "test"));
+  EXPECT_THAT(chat.EndOfTurnIds(tokenizer), ElementsAre(457));
 }
 
 TEST(ChatTemplateTest, AFolderWithoutATemplateIsNotFoundNamingTheFolder) {
