@@ -5,7 +5,6 @@
 #include <set>
 #include <utility>
 
-#include <ATen/Parallel.h>
 #include <torch/nn/module.h>
 
 #include "absl/strings/numbers.h"
@@ -14,6 +13,7 @@
 #include "core/bytes.h"
 #include "core/dtype.h"
 #include "core/status.h"
+#include "core/threads.h"
 #include "dispatch/device_map.h"
 #include "models/generator.h"
 #include "models/load_model.h"
@@ -103,7 +103,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   engine->model_ = std::make_unique<Model>();
   Model& model = *engine->model_;
   const absl::Time start = absl::Now();
-  if (options.threads > 0) at::set_num_threads(options.threads);
+  SetIntraOpThreads(options.threads);
 
   // The tokenizer first: a bad one fails before minutes of loading.
   const std::string tokenizer_path = options.model_dir + "/tokenizer.json";

@@ -40,7 +40,7 @@ struct EngineOptions {
   bool offload_experts = false;
   std::string expert_cache = "auto";
   std::string execution_device = "auto";
-  int threads = 0;  // libtorch's intra-op threads; 0: its default (the cores)
+  int threads = 0;  // libtorch's intra-op threads; 0: core/threads.h's default
   SchedulerOptions scheduler;
   // KV-cache memory: bytes ("4GiB"), a fraction of what the device holding
   // most weights has free after them ("0.5"), or "auto": max_batch_size

@@ -118,7 +118,8 @@ ABSL_FLAG(absl::Duration, max_connection_age_grace, absl::InfiniteDuration(),
           "After --max_connection_age, how long calls on the old connection may run before it "
           "is closed; inf (the default): to their end, so no generation is cut (the client "
           "sends new calls on a new connection at once either way).");
-ABSL_FLAG(int, threads, 0, "libtorch intra-op threads; 0: one per core.");
+ABSL_FLAG(int, threads, 0,
+          "libtorch intra-op threads; 0: OMP_NUM_THREADS, else one per CPU this process may use.");
 
 namespace {
 

@@ -23,6 +23,7 @@
 
 #include "core/bytes.h"
 #include "core/dtype.h"
+#include "core/threads.h"
 #include "models/generator.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
@@ -120,8 +121,12 @@ int main(int argc, char** argv) {
   int64_t tokens = 32;
   int batch = 8;
   std::string root;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "usage: accel-bench-decode [--tokens N] [--batch B] [--dir DIR]\n");
+      return 2;
+    }
     if (flag == "--tokens")
       tokens = std::atoll(argv[i + 1]);
     else if (flag == "--batch")
@@ -139,7 +144,7 @@ int main(int argc, char** argv) {
   }
   std::filesystem::create_directories(root);
 
-  const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = accel::SetIntraOpThreads(0);
   const Bandwidth bw = MeasureBandwidth(int64_t{1} << 30, threads);
   std::printf(
       "memory bandwidth (1 GiB, best of 3): memcpy %.1f GB/s, read (sum every word, %d threads) "

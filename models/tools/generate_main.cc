@@ -21,6 +21,7 @@
 
 #include "core/bytes.h"
 #include "core/status.h"
+#include "core/threads.h"
 #include "core/tool_main.h"
 #include "models/default_model.h"
 #include "models/generator.h"
@@ -63,6 +64,8 @@ ABSL_FLAG(std::string, dtype, "auto", "auto (config's torch_dtype) | float32 | b
 ABSL_FLAG(std::string, quantize, "none",
           "Quantize the linear layers on loading (bitsandbytes' formats): none | int8 | nf4 | fp4. "
           "lm_head stays as it is; a model saved quantized loads as it is.");
+ABSL_FLAG(int, threads, 0,
+          "libtorch intra-op threads; 0: OMP_NUM_THREADS, else one per CPU this process may use.");
 ABSL_FLAG(bool, double_quant, false, "With nf4/fp4: quantize the absmaxes too.");
 ABSL_FLAG(bool, offload_experts, false,
           "Mixture-of-experts models: place experts one by one and bring offloaded ones in as the "
@@ -197,6 +200,7 @@ int Run(int argc, char** argv) {
     prompt_ids = *std::move(parsed);
   }
 
+  accel::SetIntraOpThreads(absl::GetFlag(FLAGS_threads));
   accel::models::ModelLoadOptions options;
   options.device_map = absl::GetFlag(FLAGS_device_map);
   options.max_memory = absl::GetFlag(FLAGS_max_memory);
