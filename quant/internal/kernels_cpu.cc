@@ -28,6 +28,7 @@
 #endif
 
 #include "core/cpu_features.h"
+#include "quant/internal/nibble_avx2.h"
 
 namespace accel::quant::internal {
 namespace {
@@ -44,6 +45,9 @@ constexpr int64_t kChunk = 1024;
 // through every tile of columns, with a tile of x of at most kXTileBytes.
 constexpr int64_t kRowTile = 32;
 constexpr int64_t kXTileBytes = int64_t{24} << 10;
+
+// Rows of x up to which AVX2 takes the nibble kernels when they apply.
+constexpr int64_t kNibbleMaxRows = 2;
 
 // ---- Portable ---------------------------------------------------------------
 
@@ -595,11 +599,6 @@ ACCEL_TARGET_AVX512 void GemvDirectAvx512(const Gemv4bitArgs& a, int64_t n_begin
   }
 }
 
-// Adds the dot products of weight rows [n_begin, n_end) and a.m <= 8 rows of
-// x over columns [k0, k1) to sums[(n - n_begin) * sums_stride + i].
-using GemvRangeFn = void (*)(const Gemv4bitArgs&, int64_t, int64_t, int64_t, int64_t, float*,
-                             int64_t);
-
 template <DenseType T, int R>
 GemvRangeFn DirectKernel(CpuIsa isa) {
   if (isa == CpuIsa::kAvx512) return GemvDirectAvx512<T, R>;
@@ -760,8 +759,21 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
   // any number, in passes of at most 8 rows (a lookup costs two
   // instructions, so decoding a weight tile again from L1 is cheaper than a
   // buffer).
+  // AVX2, 1-2 rows, the common layout: byte lookups over a rearranged x
+  // (quant/internal/nibble_avx2.h), 1.45x the float permutes at one row and
+  // 1.3x at two; from three rows the FMAs, not the decode, bound both, and
+  // the permutes measured as fast or faster (docs/BENCHMARKS.md).
   const int64_t max_direct = isa == CpuIsa::kAvx512 ? 8 : 4;
-  if (isa != CpuIsa::kScalar && (a.m <= max_direct || isa == CpuIsa::kAvx512)) {
+  const bool nibble = isa == CpuIsa::kAvx2 && a.m <= kNibbleMaxRows && NibbleGemvApplies(a);
+  if (isa != CpuIsa::kScalar && (a.m <= max_direct || isa == CpuIsa::kAvx512 || nibble)) {
+    std::vector<float> permuted;
+    Gemv4bitArgs src = a;
+    if (nibble) {
+      permuted.resize(static_cast<size_t>(a.m * a.in));
+      NibblePermuteX(a, permuted.data());
+      src.x = permuted.data();
+      src.x_stride = a.m * 64;
+    }
     const int64_t passes = (a.m + max_direct - 1) / max_direct;
     const int64_t pass_rows = (a.m + passes - 1) / passes;
     // Columns in tiles whose rows of x (float32) fit in the L1 cache next to
@@ -778,10 +790,12 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
         for (int64_t k0 = 0; k0 < a.in; k0 += k_tile) {
           const int64_t k1 = std::min(a.in, k0 + k_tile);
           for (int64_t p = 0, i0 = 0; p < passes; ++p) {
-            Gemv4bitArgs part = a;
+            Gemv4bitArgs part = src;
             part.m = (a.m - i0) / (passes - p);  // as even as possible: 9 = 5 + 4
-            part.x = a.x + i0 * a.x_stride;
-            PickDirect(isa, a.round, part.m)(part, n0, n1, k0, k1, sums.data() + i0, a.m);
+            part.x = src.x + i0 * (nibble ? 64 : src.x_stride);
+            const GemvRangeFn kernel =
+                nibble ? NibbleKernel(a.round, part.m) : PickDirect(isa, a.round, part.m);
+            kernel(part, n0, n1, k0, k1, sums.data() + i0, a.m);
             i0 += part.m;
           }
         }

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <random>
 #include <vector>
@@ -23,6 +24,7 @@
 
 #include "quant/bnb.h"
 #include "quant/internal/kernels_cpu.h"
+#include "quant/internal/nibble_avx2.h"
 #include "tests/testing/status_matchers.h"
 
 namespace accel::quant {
@@ -317,6 +319,192 @@ TEST(Gemv4bitKernelTest, LevelsAgree) {
         EXPECT_LE((ys[0] - y).abs().max().item<double>(), 1e-5 * ys[0].abs().max().item<double>());
       }
       ys.push_back(y);
+    }
+  }
+}
+
+// The nibble kernels (AVX2, 1-2 rows, rows and blocks of a multiple of 64
+// elements, bfloat16 / float16 rounding): the shapes they take, checked like
+// every other path, with blocks longer than a row's span of 16 groups and
+// shorter than a row; three rows and float32 compute go elsewhere on the same
+// weights.
+TEST(Linear4bitForwardTest, NibbleKernelShapes) {
+  at::manual_seed(5);
+  const std::vector<Shape4bit> shapes = {
+      {96, 512, 64}, {40, 1024, 128}, {33, 2048, 2048}, {17, 192, 64}, {5, 4096, 256}};
+  const std::vector<DTypes> dtypes = {{at::kBFloat16, at::kBFloat16},
+                                      {at::kFloat, at::kBFloat16},
+                                      {at::kHalf, at::kHalf},
+                                      {at::kFloat, at::kHalf},
+                                      {at::kFloat, at::kFloat}};
+  for (const Shape4bit& s : shapes) {
+    const Weight4bit q = Quantize(Random({s.out, s.in}, 0.1), s.blocksize, kNf4);
+    internal::Gemv4bitArgs args;
+    args.in = s.in;
+    args.w.code = q.code.data_ptr<float>();
+    args.w.blocksize = s.blocksize;
+    args.round = internal::DenseType::kBFloat16;
+    EXPECT_EQ(internal::NibbleGemvApplies(args), internal::CpuIsaSupported(CpuIsa::kAvx2));
+    for (int64_t rows : {1, 2, 3}) {
+      for (const DTypes& d : dtypes) {
+        const at::Tensor x = Random({rows, s.in}).to(d.x);
+        const at::Tensor bias = Random({s.out}).to(d.x);
+        for (CpuIsa isa : Isas()) {
+          SCOPED_TRACE(testing::Message()
+                       << rows << " rows, " << s.out << "x" << s.in << " blocksize " << s.blocksize
+                       << ", x " << d.x << ", compute " << d.compute << ", "
+                       << internal::CpuIsaName(isa));
+          IsaScope scope(isa);
+          ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Linear4bitForward(x, q, bias, d.compute));
+          ExpectLinear4bit(y, x, q, bias, d.compute);
+        }
+      }
+    }
+  }
+}
+
+TEST(Gemv4bitKernelTest, NibbleKernelsTakeOnlyTheirLayout) {
+  float code[16];
+  std::copy(kNf4.begin(), kNf4.end(), code);
+  internal::Gemv4bitArgs a;
+  a.in = 128;
+  a.w.code = code;
+  a.w.blocksize = 64;
+  a.round = internal::DenseType::kBFloat16;
+  const bool avx2 = internal::CpuIsaSupported(CpuIsa::kAvx2);
+  EXPECT_EQ(internal::NibbleGemvApplies(a), avx2);
+  a.round = internal::DenseType::kFloat16;
+  EXPECT_EQ(internal::NibbleGemvApplies(a), avx2);
+  a.round = internal::DenseType::kFloat32;  // four byte tables: not taken
+  EXPECT_FALSE(internal::NibbleGemvApplies(a));
+  a.round = internal::DenseType::kBFloat16;
+  a.in = 96;  // a group would cross rows
+  EXPECT_FALSE(internal::NibbleGemvApplies(a));
+  a.in = 128;
+  a.w.blocksize = 32;  // a group would cross blocks
+  EXPECT_FALSE(internal::NibbleGemvApplies(a));
+  a.w.blocksize = 64;
+  code[3] = std::nanf("");  // a damaged code table
+  EXPECT_FALSE(internal::NibbleGemvApplies(a));
+  code[3] = std::numeric_limits<float>::infinity();
+  EXPECT_FALSE(internal::NibbleGemvApplies(a));
+}
+
+// A damaged checkpoint's NaN or inf absmax: the nibble kernel rounds that
+// block's values as c10 does (its integer rounding holds for finite values
+// only) and gives NaN / inf exactly where the scalar level does, the same
+// sums elsewhere.
+TEST(Gemv4bitKernelTest, NibbleKernelNonFiniteAbsmax) {
+  at::manual_seed(6);
+  constexpr int64_t kOut = 6, kIn = 256;
+  Weight4bit q = Quantize(Random({kOut, kIn}), 64, kNf4);
+  float* absmax = q.absmax.data_ptr<float>();
+  absmax[1] = std::nanf("");                           // row 0
+  absmax[6] = std::numeric_limits<float>::infinity();  // row 1: code 0 gives NaN, others inf
+  for (int64_t m : {1, 2}) {
+    const at::Tensor x = Random({m, kIn}).to(at::kBFloat16).to(at::kFloat).contiguous();
+    std::vector<at::Tensor> ys;
+    for (CpuIsa isa : Isas()) {
+      SCOPED_TRACE(testing::Message() << m << " rows, " << internal::CpuIsaName(isa));
+      at::Tensor y = at::zeros({m, kOut}, at::kFloat);
+      internal::Gemv4bitArgs args;
+      args.m = m;
+      args.in = kIn;
+      args.out = kOut;
+      args.x = x.data_ptr<float>();
+      args.x_stride = kIn;
+      args.w.packed = q.packed.data_ptr<uint8_t>();
+      args.w.absmax = absmax;
+      args.w.code = q.code.data_ptr<float>();
+      args.w.blocksize = 64;
+      args.w.numel = kOut * kIn;
+      args.round = internal::DenseType::kBFloat16;
+      args.y = y.data_ptr<float>();
+      args.y_stride = kOut;
+      internal::Gemv4bit(isa, args);
+      if (!ys.empty()) {
+        const at::Tensor ref = ys[0];
+        EXPECT_TRUE(at::equal(at::isnan(y), at::isnan(ref))) << y << ref;
+        EXPECT_TRUE(at::equal(at::isinf(y), at::isinf(ref)));
+        const at::Tensor finite = at::isfinite(ref);
+        EXPECT_TRUE(finite.any().item<bool>());
+        EXPECT_LE((y.masked_select(finite) - ref.masked_select(finite)).abs().max().item<double>(),
+                  1e-5 * ref.masked_select(finite).abs().max().item<double>());
+      } else {
+        EXPECT_TRUE(at::isnan(y.select(1, 0)).all().item<bool>());
+        EXPECT_TRUE(at::isfinite(y.select(1, 2)).all().item<bool>());
+      }
+      ys.push_back(y);
+    }
+  }
+}
+
+// The nibble kernels' tables bit for bit: x one-hot at column k makes
+// y[n] = W[n, k] exactly (one product by 1, the rest +0: NaN in a row that
+// holds an inf), so each block's
+// rounded values, ties, bfloat16 overflow and float16 subnormals included,
+// must equal the reference dequantization's.
+TEST(Gemv4bitKernelTest, NibbleTablesRoundExactly) {
+  auto bits = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  };
+  const std::vector<float> scales = {1.0f,
+                                     bits(0x3F808000u),
+                                     bits(0x3F818000u),
+                                     1.0f + std::ldexp(1.0f, -11),
+                                     1e-6f,
+                                     7e4f,
+                                     0.0f,
+                                     3.4e38f,
+                                     0.0123f};
+  Weight4bit q;
+  q.blocksize = 64;
+  q.out_features = static_cast<int64_t>(scales.size());
+  q.in_features = 64;
+  q.absmax = at::from_blob(const_cast<float*>(scales.data()), {q.out_features}, at::kFloat).clone();
+  q.packed = at::empty({q.out_features * 32}, at::kByte);
+  for (int64_t i = 0; i < q.packed.numel(); ++i) {
+    q.packed.data_ptr<uint8_t>()[i] = static_cast<uint8_t>(i * 37 + 11);
+  }
+  q.code = at::from_blob(const_cast<float*>(kNf4.data()), {16}, at::kFloat).clone();
+  for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    const at::Tensor w = ReferenceDequantize(q, dtype).to(at::kFloat);
+    for (CpuIsa isa : Isas()) {
+      SCOPED_TRACE(testing::Message() << dtype << " " << internal::CpuIsaName(isa));
+      for (int64_t k = 0; k < 64; ++k) {
+        at::Tensor x = at::zeros({1, 64}, at::kFloat);
+        x[0][k] = 1.0f;
+        at::Tensor y = at::zeros({1, q.out_features}, at::kFloat);
+        internal::Gemv4bitArgs args;
+        args.m = 1;
+        args.in = 64;
+        args.out = q.out_features;
+        args.x = x.data_ptr<float>();
+        args.x_stride = 64;
+        args.w.packed = q.packed.data_ptr<uint8_t>();
+        args.w.absmax = q.absmax.data_ptr<float>();
+        args.w.code = q.code.data_ptr<float>();
+        args.w.blocksize = 64;
+        args.w.numel = q.out_features * 64;
+        args.round =
+            dtype == at::kBFloat16 ? internal::DenseType::kBFloat16 : internal::DenseType::kFloat16;
+        args.y = y.data_ptr<float>();
+        args.y_stride = q.out_features;
+        internal::Gemv4bit(isa, args);
+        // In double: inf x 0 (a huge block's other columns) is NaN there too.
+        const at::Tensor want = at::linear(x.to(at::kDouble), w.to(at::kDouble));
+        for (int64_t n = 0; n < q.out_features; ++n) {
+          const float got = y[0][n].item<float>();
+          const double expected = want[0][n].item<double>();
+          if (std::isnan(expected)) {
+            EXPECT_TRUE(std::isnan(got)) << "row " << n << " column " << k;
+          } else {
+            EXPECT_EQ(static_cast<double>(got), expected) << "row " << n << " column " << k;
+          }
+        }
+      }
     }
   }
 }

@@ -1,0 +1,272 @@
+#include "quant/internal/nibble_avx2.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+#include <c10/util/BFloat16.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "core/cpu_features.h"
+
+namespace accel::quant::internal {
+namespace {
+
+constexpr int64_t kGroup = 64;  // elements a load decodes: 32 packed bytes
+constexpr int64_t kSpan = 16;   // groups whose tables are built ahead
+
+// Where element `slot` (0-63) of a group's decoded vectors comes from in
+// memory (the group's element index). Vector v = 8 * parity-part + ...:
+// the high nibbles (even elements) decode to vectors 0-3, the low nibbles
+// (odd elements) to 4-7; within a parity, vpunpck{l,h}bw of the two byte
+// lookups gives u = 0 (bytes 0-7 of each 128-bit lane) and u = 1 (bytes
+// 8-15), and each of those 16-bit vectors widens to two float vectors:
+//   bfloat16: s = 0 the even 16-bit positions (a shift), s = 1 the odd ones
+//             (a mask): float lane t (lane l = t / 4, q = t % 4) holds byte
+//             16 l + 8 u + 2 q + s;
+//   float16:  h = 0 the low 128 bits, h = 1 the high ones (vcvtph2ps):
+//             float lane t holds byte 16 h + 8 u + t.
+// Byte b holds elements 2 b (high nibble) and 2 b + 1 (low nibble).
+int SourceElement(DenseType round, int slot) {
+  const int v = slot / 8, t = slot % 8;
+  const int parity = v / 4, u = (v / 2) % 2, s = v % 2;
+  const int byte =
+      round == DenseType::kBFloat16 ? 16 * (t / 4) + 8 * u + 2 * (t % 4) + s : 16 * s + 8 * u + t;
+  return 2 * byte + parity;
+}
+
+std::array<int, kGroup> MakeOrder(DenseType round) {
+  std::array<int, kGroup> order{};
+  for (int slot = 0; slot < kGroup; ++slot) order[slot] = SourceElement(round, slot);
+  return order;
+}
+
+#if defined(__x86_64__)
+
+#define ACCEL_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define ACCEL_INLINE inline __attribute__((always_inline))
+
+// A block's 16 rounded values as two byte tables, each in both 128-bit lanes.
+struct ByteTables {
+  __m256i lo, hi;
+};
+
+// The 16-bit values of codes 0-7 in lane 0 and 8-15 in lane 1, split into
+// byte tables.
+ACCEL_TARGET_AVX2 ACCEL_INLINE ByteTables SplitTables(__m256i values16) {
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2,
+                                         4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m256i q = _mm256_shuffle_epi8(values16, split);
+  return {_mm256_permute4x64_epi64(q, _MM_SHUFFLE(2, 0, 2, 0)),
+          _mm256_permute4x64_epi64(q, _MM_SHUFFLE(3, 1, 3, 1))};
+}
+
+// The code table as the table builders read it: bfloat16 in the order that
+// vpackusdw turns into codes 0-7 / 8-15 per lane, float16 as it is.
+struct CodeRegs {
+  __m256 a, b;
+};
+
+template <DenseType T>
+ACCEL_TARGET_AVX2 ACCEL_INLINE CodeRegs LoadCodes(const float* code) {
+  if constexpr (T == DenseType::kBFloat16) {
+    return {
+        _mm256_setr_ps(code[0], code[1], code[2], code[3], code[8], code[9], code[10], code[11]),
+        _mm256_setr_ps(code[4], code[5], code[6], code[7], code[12], code[13], code[14], code[15])};
+  } else {
+    return {_mm256_loadu_ps(code), _mm256_loadu_ps(code + 8)};
+  }
+}
+
+// bfloat16 bits (in the low half of each lane) of finite float32 values,
+// rounded to nearest even as c10::BFloat16 does.
+ACCEL_TARGET_AVX2 ACCEL_INLINE __m256i Bf16BitsOfFinite(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                           16);
+}
+
+// A non-finite absmax (NaN / inf in a damaged checkpoint): the values as
+// c10::BFloat16 rounds them, NaN included.
+__attribute__((noinline, cold)) std::array<uint16_t, 16> Bf16TableSlow(const float* code,
+                                                                       float absmax) {
+  std::array<uint16_t, 16> out{};
+  for (int c = 0; c < 16; ++c) out[c] = c10::BFloat16(code[c] * absmax).x;
+  return out;
+}
+
+template <DenseType T>
+ACCEL_TARGET_AVX2 ACCEL_INLINE ByteTables BlockTables(const CodeRegs& codes, const float* code,
+                                                      float absmax) {
+  const __m256 scale = _mm256_set1_ps(absmax);
+  if constexpr (T == DenseType::kBFloat16) {
+    if (__builtin_expect(!std::isfinite(absmax), 0)) {
+      const std::array<uint16_t, 16> slow = Bf16TableSlow(code, absmax);
+      return SplitTables(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slow.data())));
+    }
+    return SplitTables(_mm256_packus_epi32(Bf16BitsOfFinite(_mm256_mul_ps(codes.a, scale)),
+                                           Bf16BitsOfFinite(_mm256_mul_ps(codes.b, scale))));
+  } else {
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m128i lo = _mm256_cvtps_ph(_mm256_mul_ps(codes.a, scale), kRound);
+    const __m128i hi = _mm256_cvtps_ph(_mm256_mul_ps(codes.b, scale), kRound);
+    return SplitTables(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+  }
+}
+
+// The two float vectors of one 16-bit vector (see SourceElement).
+template <DenseType T>
+ACCEL_TARGET_AVX2 ACCEL_INLINE void Widen(__m256i v16, __m256* first, __m256* second) {
+  if constexpr (T == DenseType::kBFloat16) {
+    *first = _mm256_castsi256_ps(_mm256_slli_epi32(v16, 16));
+    *second = _mm256_castsi256_ps(
+        _mm256_and_si256(v16, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    *first = _mm256_cvtph_ps(_mm256_castsi256_si128(v16));
+    *second = _mm256_cvtph_ps(_mm256_extracti128_si256(v16, 1));
+  }
+}
+
+ACCEL_TARGET_AVX2 ACCEL_INLINE float Sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One parity of a group: the 32 values of `index` (one nibble a byte) as
+// four float vectors, each multiplied into the R rows' accumulators with
+// the x vectors at xk + 64 r + 8 v.
+template <DenseType T, int R, int kAcc, int kFirst>
+ACCEL_TARGET_AVX2 ACCEL_INLINE void DotParity(__m256i index, const ByteTables& t, const float* xk,
+                                              __m256 (&acc)[R][kAcc]) {
+  const __m256i lo = _mm256_shuffle_epi8(t.lo, index);
+  const __m256i hi = _mm256_shuffle_epi8(t.hi, index);
+  __m256 w[4];
+  Widen<T>(_mm256_unpacklo_epi8(lo, hi), &w[0], &w[1]);
+  Widen<T>(_mm256_unpackhi_epi8(lo, hi), &w[2], &w[3]);
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; ++v) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      __m256& a = acc[r][(kFirst + v) % kAcc];
+      a = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xk + r * kGroup + 8 * v), a);
+    }
+  }
+}
+
+template <DenseType T, int R>
+ACCEL_TARGET_AVX2 void NibbleRows(const Gemv4bitArgs& a, int64_t n_begin, int64_t n_end, int64_t k0,
+                                  int64_t k1, float* sums, int64_t sums_stride) {
+  // Independent chains per row while the registers last (an accumulator
+  // spilled to the stack puts a store and a load into its chain).
+  constexpr int kAcc = R == 1 ? 4 : 2;
+  const Packed4bit& w = a.w;
+  const CodeRegs codes = LoadCodes<T>(w.code);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m256 acc[R][kAcc];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < kAcc; ++c) acc[r][c] = _mm256_setzero_ps();
+    }
+    const int64_t row = n * a.in;
+    const uint8_t* packed = w.packed + row / 2;
+    // In spans of kSpan groups: first every group's tables into an L1
+    // buffer, then the groups. Built inside the decode loop, each table's
+    // chain (multiply, round, pack, permute) stalled the decode behind it.
+    // One division a row: a 64-bit divide per block would cost as much as
+    // decoding it.
+    int64_t block = (row + k0) / w.blocksize;
+    int64_t block_end = (block + 1) * w.blocksize - row;
+    for (int64_t span = k0; span < k1; span += kSpan * kGroup) {
+      const int64_t span_end = std::min(k1, span + kSpan * kGroup);
+      ByteTables tables[kSpan];
+      for (int64_t k = span, g = 0; k < span_end;) {
+        const ByteTables t = BlockTables<T>(codes, w.code, w.absmax[block]);
+        for (const int64_t e = std::min(span_end, block_end); k < e; k += kGroup) tables[g++] = t;
+        if (k == block_end) {
+          ++block;
+          block_end += w.blocksize;
+        }
+      }
+      for (int64_t k = span, g = 0; k < span_end; k += kGroup, ++g) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + k / 2));
+        const float* xk = a.x + (k / kGroup) * a.x_stride;
+        DotParity<T, R, kAcc, 0>(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), tables[g],
+                                 xk, acc);
+        DotParity<T, R, kAcc, 4>(_mm256_and_si256(bytes, nibble), tables[g], xk + 32, acc);
+      }
+    }
+    float* sn = sums + (n - n_begin) * sums_stride;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      __m256 total = acc[r][0];
+#pragma GCC unroll 8
+      for (int c = 1; c < kAcc; ++c) total = _mm256_add_ps(total, acc[r][c]);
+      sn[r] += Sum8(total);
+    }
+  }
+}
+
+template <DenseType T>
+GemvRangeFn KernelForRows(int64_t rows) {
+  switch (rows) {
+    case 1:
+      return NibbleRows<T, 1>;
+    case 2:
+      return NibbleRows<T, 2>;
+    default:
+      return nullptr;
+  }
+}
+
+#endif  // __x86_64__
+
+}  // namespace
+
+bool NibbleGemvApplies(const Gemv4bitArgs& a) {
+#if defined(__x86_64__)
+  if (!CpuFeaturesOfThisMachine().avx2_fma_f16c) return false;
+  if (a.round != DenseType::kBFloat16 && a.round != DenseType::kFloat16) return false;
+  if (a.in % kGroup != 0 || a.w.blocksize % kGroup != 0) return false;
+  for (int c = 0; c < 16; ++c) {
+    if (!std::isfinite(a.w.code[c])) return false;
+  }
+  return true;
+#else
+  (void)a;
+  return false;
+#endif
+}
+
+void NibblePermuteX(const Gemv4bitArgs& a, float* out) {
+  static const std::array<int, kGroup> bf16_order = MakeOrder(DenseType::kBFloat16);
+  static const std::array<int, kGroup> f16_order = MakeOrder(DenseType::kFloat16);
+  const std::array<int, kGroup>& order = a.round == DenseType::kBFloat16 ? bf16_order : f16_order;
+  for (int64_t i = 0; i < a.m; ++i) {
+    const float* x = a.x + i * a.x_stride;
+    for (int64_t g = 0; g < a.in; g += kGroup) {
+      float* o = out + (g * a.m + i * kGroup);
+      for (int slot = 0; slot < kGroup; ++slot) o[slot] = x[g + order[slot]];
+    }
+  }
+}
+
+GemvRangeFn NibbleKernel(DenseType round, int64_t rows) {
+#if defined(__x86_64__)
+  return round == DenseType::kBFloat16 ? KernelForRows<DenseType::kBFloat16>(rows)
+                                       : KernelForRows<DenseType::kFloat16>(rows);
+#else
+  (void)round;
+  (void)rows;
+  return nullptr;
+#endif
+}
+
+}  // namespace accel::quant::internal
