@@ -168,6 +168,11 @@ int main(int argc, char** argv) {
     o.family = "llama";
     o.vocab_size = 32000;
     o.hidden_size = 1024;
+    // A multiple of 256, as Llama's multiple_of makes its MLPs (11008 = 43 x
+    // 256): 4-bit rows of a multiple of 64 take the AVX2 nibble kernels. The
+    // generator's default (2736, 8/3 x hidden rounded to 8) would leave the
+    // down projection to the float-permute ones.
+    o.intermediate_size = 2816;
     o.num_heads = 16;
     o.num_kv_heads = 4;
     o.dtype = c.dtype;
