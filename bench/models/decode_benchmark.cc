@@ -5,7 +5,7 @@
 // reads every weight once per token, so tokens/s cannot beat (read
 // bandwidth) / (weight bytes per token).
 //
-//   build/bin/accel-bench-decode [--tokens 32] [--batch 8] [--dir /tmp/x]
+//   build/bin/accel-bench-decode [--tokens 32] [--batch 8] [--rounds 3] [--dir /tmp/x]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -120,11 +120,12 @@ double DecodeRate(accel::models::LoadedModel& m, int batch, int64_t tokens) {
 int main(int argc, char** argv) {
   int64_t tokens = 32;
   int batch = 8;
+  int rounds = 3;
   std::string root;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) {
-      std::fprintf(stderr, "usage: accel-bench-decode [--tokens N] [--batch B] [--dir DIR]\n");
+      std::fprintf(stderr, "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR]\n");
       return 2;
     }
     if (flag == "--tokens")
@@ -133,8 +134,10 @@ int main(int argc, char** argv) {
       batch = std::atoi(argv[i + 1]);
     else if (flag == "--dir")
       root = argv[i + 1];
+    else if (flag == "--rounds")
+      rounds = std::max(1, std::atoi(argv[i + 1]));
     else {
-      std::fprintf(stderr, "usage: accel-bench-decode [--tokens N] [--batch B] [--dir DIR]\n");
+      std::fprintf(stderr, "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR]\n");
       return 2;
     }
   }
@@ -159,11 +162,18 @@ int main(int argc, char** argv) {
     bool double_quant;
   };
   const c10::ScalarType f32 = c10::ScalarType::Float, bf16 = c10::ScalarType::BFloat16;
-  for (const Case& c : {Case{"float32", f32, int64_t{1} << 30, "none", false},
-                        Case{"bfloat16", bf16, 500'000'000, "none", false},
-                        Case{"bfloat16 -> int8", bf16, 500'000'000, "int8", false},
-                        Case{"bfloat16 -> nf4", bf16, 500'000'000, "nf4", false},
-                        Case{"bfloat16 -> nf4+dq", bf16, 500'000'000, "nf4", true}}) {
+  const std::vector<Case> cases = {Case{"float32", f32, int64_t{1} << 30, "none", false},
+                                   Case{"bfloat16", bf16, 500'000'000, "none", false},
+                                   Case{"bfloat16 -> int8", bf16, 500'000'000, "int8", false},
+                                   Case{"bfloat16 -> nf4", bf16, 500'000'000, "nf4", false},
+                                   Case{"bfloat16 -> nf4+dq", bf16, 500'000'000, "nf4", true}};
+  struct Loaded {
+    accel::models::LoadedModel model;
+    double held = 0, per_token = 0;
+    std::vector<double> one, many;  // tokens/s per round
+  };
+  std::vector<Loaded> models;
+  for (const Case& c : cases) {
     accel::models::MakeModelOptions o;
     o.family = "llama";
     o.vocab_size = 32000;
@@ -195,30 +205,51 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", loaded.status().ToString().c_str());
       return 1;
     }
+    Loaded l;
+    l.model = *std::move(loaded);
     // Every tensor is read once per step except the embedding, of which
     // one row per token is; quantized layers as stored.
-    double held = 0, per_token = 0;
-    for (const auto& t : loaded->model->named_parameters()) {
-      held += static_cast<double>(t.value().nbytes());
+    for (const auto& t : l.model.model->named_parameters()) {
+      l.held += static_cast<double>(t.value().nbytes());
       if (t.key() != "model.embed_tokens.weight")
-        per_token += static_cast<double>(t.value().nbytes());
+        l.per_token += static_cast<double>(t.value().nbytes());
     }
-    for (const auto& t : loaded->model->named_buffers()) {
-      held += static_cast<double>(t.value().nbytes());
-      per_token += static_cast<double>(t.value().nbytes());
+    for (const auto& t : l.model.model->named_buffers()) {
+      l.held += static_cast<double>(t.value().nbytes());
+      l.per_token += static_cast<double>(t.value().nbytes());
     }
-    const double bound_read = bw.read / per_token, bound_copy = bw.copy / per_token;
-    const double one = DecodeRate(*loaded, 1, tokens);
-    const double many = DecodeRate(*loaded, batch, tokens);
+    models.push_back(std::move(l));
+  }
+  // Rounds alternate the models, so a noisy spell (other processes on a
+  // shared machine) lands on all of them; the median is reported.
+  for (int round = 0; round < rounds; ++round) {
+    for (Loaded& l : models) {
+      l.one.push_back(DecodeRate(l.model, 1, tokens));
+      l.many.push_back(DecodeRate(l.model, batch, tokens));
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double bf16_one = median(models[1].one), bf16_many = median(models[1].many);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Loaded& l = models[i];
+    const double one = median(l.one), many = median(l.many);
+    const double bound_read = bw.read / l.per_token, bound_copy = bw.copy / l.per_token;
     std::printf(
-        "%s model, %d layers, %s held (%s read per token):\n"
-        "  batch 1: %.2f tokens/s = %.0f%% of the read-bandwidth bound %.2f tokens/s "
-        "(memcpy bound %.2f); %.1f GB/s of weights\n"
-        "  batch %d: %.2f tokens/s in all (%.2fx batch 1)\n",
-        c.name, static_cast<int>(loaded->config.num_hidden_layers),
-        accel::FormatBytes(static_cast<int64_t>(held)).c_str(),
-        accel::FormatBytes(static_cast<int64_t>(per_token)).c_str(), one, 100 * one / bound_read,
-        bound_read, bound_copy, one * per_token / 1e9, batch, many, many / one);
+        "%s model, %d layers, %s held (%s read per token), median of %d rounds:\n"
+        "  batch 1: %.2f tokens/s (%.2f-%.2f) = %.2fx bfloat16, %.0f%% of the read-bandwidth "
+        "bound %.2f tokens/s (memcpy bound %.2f); %.1f GB/s of weights\n"
+        "  batch %d: %.2f tokens/s in all (%.2f-%.2f) = %.2fx bfloat16, %.2fx batch 1\n",
+        cases[i].name, static_cast<int>(l.model.config.num_hidden_layers),
+        accel::FormatBytes(static_cast<int64_t>(l.held)).c_str(),
+        accel::FormatBytes(static_cast<int64_t>(l.per_token)).c_str(), rounds, one,
+        *std::min_element(l.one.begin(), l.one.end()),
+        *std::max_element(l.one.begin(), l.one.end()), one / bf16_one, 100 * one / bound_read,
+        bound_read, bound_copy, one * l.per_token / 1e9, batch, many,
+        *std::min_element(l.many.begin(), l.many.end()),
+        *std::max_element(l.many.begin(), l.many.end()), many / bf16_many, many / one);
     std::fflush(stdout);
   }
   if (own_root) std::filesystem::remove_all(root);

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // Compiled with -fopenmp and without the shared PCH (accel_torch_parallel in
@@ -79,6 +80,30 @@ inline void StoreScalar(void* out, int64_t i, float v) {
   } else {
     static_cast<uint16_t*>(out)[i] = c10::Half(v).x;
   }
+}
+
+// Element i of values stored as From (float32, or bfloat16 / float16 bits).
+template <DenseType From>
+inline float LoadScalar(const void* in, int64_t i) {
+  if constexpr (From == DenseType::kFloat32) {
+    return static_cast<const float*>(in)[i];
+  } else if constexpr (From == DenseType::kBFloat16) {
+    return static_cast<float>(
+        c10::BFloat16(static_cast<const uint16_t*>(in)[i], c10::BFloat16::from_bits()));
+  } else {
+    return static_cast<float>(
+        c10::Half(static_cast<const uint16_t*>(in)[i], c10::Half::from_bits()));
+  }
+}
+
+template <DenseType From, DenseType Round>
+void LoadRoundedScalar(const void* in, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = RoundScalar<Round>(LoadScalar<From>(in, i));
+}
+
+template <DenseType Round, DenseType To>
+void StoreRoundedScalar(const float* in, int64_t n, void* out) {
+  for (int64_t i = 0; i < n; ++i) StoreScalar<To, false>(out, i, RoundScalar<Round>(in[i]));
 }
 
 // Flat elements [begin, end) into out[0, end - begin).
@@ -447,6 +472,38 @@ void Int8Avx2Tile(const int16_t* a16, const int8_t* b, int64_t m, int64_t k, int
         break;
     }
   }
+}
+
+// LoadRounded / StoreRounded 8 values at a time; the rest one by one.
+template <DenseType From>
+ACCEL_TARGET_AVX2 ACCEL_INLINE __m256 Load8(const void* in, int64_t i) {
+  if constexpr (From == DenseType::kFloat32) {
+    return _mm256_loadu_ps(static_cast<const float*>(in) + i);
+  } else {
+    const __m128i bits =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(in) + i));
+    if constexpr (From == DenseType::kBFloat16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    } else {
+      return _mm256_cvtph_ps(bits);
+    }
+  }
+}
+
+template <DenseType From, DenseType Round>
+ACCEL_TARGET_AVX2 void LoadRoundedAvx2(const void* in, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, Round8<Round>(Load8<From>(in, i)));
+  for (; i < n; ++i) out[i] = RoundScalar<Round>(LoadScalar<From>(in, i));
+}
+
+template <DenseType Round, DenseType To>
+ACCEL_TARGET_AVX2 void StoreRoundedAvx2(const float* in, int64_t n, void* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    Store8<To, false>(out, i, Round8<To>(Round8<Round>(_mm256_loadu_ps(in + i))));
+  }
+  for (; i < n; ++i) StoreScalar<To, false>(out, i, RoundScalar<Round>(in[i]));
 }
 
 // ---- AVX-512 (F, BW, VL, VBMI): the 4-bit kernels 16 values at a time ------
@@ -872,6 +929,76 @@ void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t
                        }
                      }
                    });
+}
+
+namespace {
+
+// The instantiation for (a, b) of the three dense types, at `isa`.
+template <template <DenseType, DenseType> class Pick, typename Fn>
+Fn PickPair(DenseType a, DenseType b) {
+  auto with_b = [&](auto a_tag) -> Fn {
+    constexpr DenseType A = decltype(a_tag)::value;
+    switch (b) {
+      case DenseType::kFloat32:
+        return Pick<A, DenseType::kFloat32>::Get();
+      case DenseType::kBFloat16:
+        return Pick<A, DenseType::kBFloat16>::Get();
+      case DenseType::kFloat16:
+        break;
+    }
+    return Pick<A, DenseType::kFloat16>::Get();
+  };
+  switch (a) {
+    case DenseType::kFloat32:
+      return with_b(std::integral_constant<DenseType, DenseType::kFloat32>());
+    case DenseType::kBFloat16:
+      return with_b(std::integral_constant<DenseType, DenseType::kBFloat16>());
+    case DenseType::kFloat16:
+      break;
+  }
+  return with_b(std::integral_constant<DenseType, DenseType::kFloat16>());
+}
+
+using LoadFn = void (*)(const void*, int64_t, float*);
+using StoreFn = void (*)(const float*, int64_t, void*);
+
+template <DenseType A, DenseType B>
+struct LoadScalarOf {
+  static LoadFn Get() { return LoadRoundedScalar<A, B>; }
+};
+template <DenseType A, DenseType B>
+struct StoreScalarOf {
+  static StoreFn Get() { return StoreRoundedScalar<A, B>; }
+};
+#if defined(__x86_64__)
+template <DenseType A, DenseType B>
+struct LoadAvx2Of {
+  static LoadFn Get() { return LoadRoundedAvx2<A, B>; }
+};
+template <DenseType A, DenseType B>
+struct StoreAvx2Of {
+  static StoreFn Get() { return StoreRoundedAvx2<A, B>; }
+};
+#endif
+
+}  // namespace
+
+void LoadRounded(CpuIsa isa, const void* in, DenseType from, int64_t n, DenseType round,
+                 float* out) {
+  CheckSupported(isa, "LoadRounded");
+#if defined(__x86_64__)
+  if (isa != CpuIsa::kScalar) return PickPair<LoadAvx2Of, LoadFn>(from, round)(in, n, out);
+#endif
+  PickPair<LoadScalarOf, LoadFn>(from, round)(in, n, out);
+}
+
+void StoreRounded(CpuIsa isa, const float* in, int64_t n, DenseType round, DenseType to,
+                  void* out) {
+  CheckSupported(isa, "StoreRounded");
+#if defined(__x86_64__)
+  if (isa != CpuIsa::kScalar) return PickPair<StoreAvx2Of, StoreFn>(round, to)(in, n, out);
+#endif
+  PickPair<StoreScalarOf, StoreFn>(round, to)(in, n, out);
 }
 
 }  // namespace accel::quant::internal

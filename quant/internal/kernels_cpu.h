@@ -54,6 +54,18 @@ struct Packed4bit {
   int64_t numel = 0;
 };
 
+// Activations in and out of the kernels without a libtorch op (whose
+// dispatch and allocation cost more than the work at decode sizes; a
+// scalar float16 conversion costs ~15 ns a value). LoadRounded: n values
+// stored as `from` (float32, or bfloat16 / float16 bits) into float32,
+// rounded to `round`. StoreRounded: n float32 values rounded to `round`,
+// then to `to`, stored as `to`. Both round to nearest even (bfloat16 NaN
+// as c10 makes it); every level gives the same bits. Not threaded.
+void LoadRounded(CpuIsa isa, const void* in, DenseType from, int64_t n, DenseType round,
+                 float* out);
+void StoreRounded(CpuIsa isa, const float* in, int64_t n, DenseType round, DenseType to,
+                  void* out);
+
 // out[j] for every j < w.numel, of `type` (float*, or uint16_t* bits for
 // bfloat16 / float16). Threaded.
 void Dequantize4bit(CpuIsa isa, const Packed4bit& w, DenseType type, void* out);
