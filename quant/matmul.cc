@@ -172,7 +172,6 @@ int8_t Int8Code(float scaled) {
   return static_cast<int8_t>(r);
 }
 
-
 // x [rows, in] (any strides) into out[i * in + k] as float32, rounded to
 // `round`; the output's values rounded to `round`, then stored in x's dtype.
 // No libtorch op for a contiguous x: at a decode step's layer sizes (a few

@@ -125,7 +125,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) {
-      std::fprintf(stderr, "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR]\n");
+      std::fprintf(stderr,
+                   "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR]\n");
       return 2;
     }
     if (flag == "--tokens")
@@ -137,7 +138,8 @@ int main(int argc, char** argv) {
     else if (flag == "--rounds")
       rounds = std::max(1, std::atoi(argv[i + 1]));
     else {
-      std::fprintf(stderr, "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR]\n");
+      std::fprintf(stderr,
+                   "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR]\n");
       return 2;
     }
   }

@@ -276,7 +276,10 @@ ACCEL_TARGET_AVX2 void DotRowsAvx2(const float* const* w, int64_t len, const flo
     for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w[c] + j);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * x_stride + j);
+      __m256 xv = _mm256_loadu_ps(x + r * x_stride + j);
+      // In a register: folded into each of the C FMAs as a memory operand,
+      // the load repeats per FMA and the loads, not the FMAs, bound the loop.
+      asm("" : "+x"(xv));
 #pragma GCC unroll 2
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
     }
@@ -870,6 +873,18 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
   // More rows (AVX2, scalar): each weight row decoded once, a chunk at a time, into the L1
   // cache, then dotted with every row of x from there, two weight rows at a
   // time (each x vector loaded serves both).
+  // AVX2 with the nibble layout: rows decoded by byte lookups, x rearranged
+  // row by row to match.
+  const bool nibble_rows = isa == CpuIsa::kAvx2 && NibbleGemvApplies(a);
+  std::vector<float> permuted;
+  const float* x = a.x;
+  int64_t x_stride = a.x_stride;
+  if (nibble_rows) {
+    permuted.resize(static_cast<size_t>(a.m * a.in));
+    NibblePermuteRows(a, permuted.data());
+    x = permuted.data();
+    x_stride = a.in;
+  }
   at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float chunks[2][kChunk];
     const float* w[2] = {chunks[0], chunks[1]};
@@ -882,9 +897,13 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
         const int64_t len = std::min(kChunk, a.in - k0);
         for (int64_t c = 0; c < cols; ++c) {
           const int64_t first = (n + c) * a.in + k0;
-          decode(a.w, first, first + len, chunks[c]);
+          if (nibble_rows) {
+            NibbleDecodeRow(a, n + c, k0, k0 + len, chunks[c]);
+          } else {
+            decode(a.w, first, first + len, chunks[c]);
+          }
         }
-        dot(w, cols, len, a.x + k0, a.x_stride, a.m, s);
+        dot(w, cols, len, x + k0, x_stride, a.m, s);
       }
       for (int64_t c = 0; c < cols; ++c) {
         const float bias = a.bias != nullptr ? a.bias[n + c] : 0.0f;

@@ -63,8 +63,7 @@ struct Packed4bit {
 // as c10 makes it); every level gives the same bits. Not threaded.
 void LoadRounded(CpuIsa isa, const void* in, DenseType from, int64_t n, DenseType round,
                  float* out);
-void StoreRounded(CpuIsa isa, const float* in, int64_t n, DenseType round, DenseType to,
-                  void* out);
+void StoreRounded(CpuIsa isa, const float* in, int64_t n, DenseType round, DenseType to, void* out);
 
 // out[j] for every j < w.numel, of `type` (float*, or uint16_t* bits for
 // bfloat16 / float16). Threaded.

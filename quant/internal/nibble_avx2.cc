@@ -44,6 +44,12 @@ std::array<int, kGroup> MakeOrder(DenseType round) {
   return order;
 }
 
+const std::array<int, kGroup>& OrderOf(DenseType round) {
+  static const std::array<int, kGroup> bf16_order = MakeOrder(DenseType::kBFloat16);
+  static const std::array<int, kGroup> f16_order = MakeOrder(DenseType::kFloat16);
+  return round == DenseType::kBFloat16 ? bf16_order : f16_order;
+}
+
 #if defined(__x86_64__)
 
 #define ACCEL_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -141,14 +147,20 @@ ACCEL_TARGET_AVX2 ACCEL_INLINE float Sum8(__m256 v) {
 // One parity of a group: the 32 values of `index` (one nibble a byte) as
 // four float vectors, each multiplied into the R rows' accumulators with
 // the x vectors at xk + 64 r + 8 v.
+template <DenseType T>
+ACCEL_TARGET_AVX2 ACCEL_INLINE void DecodeParity(__m256i index, const ByteTables& t,
+                                                 __m256 (&w)[4]) {
+  const __m256i lo = _mm256_shuffle_epi8(t.lo, index);
+  const __m256i hi = _mm256_shuffle_epi8(t.hi, index);
+  Widen<T>(_mm256_unpacklo_epi8(lo, hi), &w[0], &w[1]);
+  Widen<T>(_mm256_unpackhi_epi8(lo, hi), &w[2], &w[3]);
+}
+
 template <DenseType T, int R, int kAcc, int kFirst>
 ACCEL_TARGET_AVX2 ACCEL_INLINE void DotParity(__m256i index, const ByteTables& t, const float* xk,
                                               __m256 (&acc)[R][kAcc]) {
-  const __m256i lo = _mm256_shuffle_epi8(t.lo, index);
-  const __m256i hi = _mm256_shuffle_epi8(t.hi, index);
   __m256 w[4];
-  Widen<T>(_mm256_unpacklo_epi8(lo, hi), &w[0], &w[1]);
-  Widen<T>(_mm256_unpackhi_epi8(lo, hi), &w[2], &w[3]);
+  DecodeParity<T>(index, t, w);
 #pragma GCC unroll 4
   for (int v = 0; v < 4; ++v) {
 #pragma GCC unroll 4
@@ -214,6 +226,33 @@ ACCEL_TARGET_AVX2 void NibbleRows(const Gemv4bitArgs& a, int64_t n_begin, int64_
   }
 }
 
+// Weight row n, columns [k0, k1), as float32 in the kernels' order.
+template <DenseType T>
+ACCEL_TARGET_AVX2 void NibbleDecodeRow(const Gemv4bitArgs& a, int64_t n, int64_t k0, int64_t k1,
+                                       float* out) {
+  const Packed4bit& w = a.w;
+  const CodeRegs codes = LoadCodes<T>(w.code);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int64_t row = n * a.in;
+  const uint8_t* packed = w.packed + row / 2;
+  int64_t block = (row + k0) / w.blocksize;
+  int64_t block_end = (block + 1) * w.blocksize - row;
+  for (int64_t k = k0; k < k1; ++block, block_end += w.blocksize) {
+    const ByteTables t = BlockTables<T>(codes, w.code, w.absmax[block]);
+    for (const int64_t e = std::min(k1, block_end); k < e; k += kGroup) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + k / 2));
+      float* o = out + (k - k0);
+      __m256 v[4];
+      DecodeParity<T>(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), t, v);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, v[i]);
+      DecodeParity<T>(_mm256_and_si256(bytes, nibble), t, v);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 32 + 8 * i, v[i]);
+    }
+  }
+}
+
 template <DenseType T>
 GemvRangeFn KernelForRows(int64_t rows) {
   switch (rows) {
@@ -246,9 +285,7 @@ bool NibbleGemvApplies(const Gemv4bitArgs& a) {
 }
 
 void NibblePermuteX(const Gemv4bitArgs& a, float* out) {
-  static const std::array<int, kGroup> bf16_order = MakeOrder(DenseType::kBFloat16);
-  static const std::array<int, kGroup> f16_order = MakeOrder(DenseType::kFloat16);
-  const std::array<int, kGroup>& order = a.round == DenseType::kBFloat16 ? bf16_order : f16_order;
+  const std::array<int, kGroup>& order = OrderOf(a.round);
   for (int64_t i = 0; i < a.m; ++i) {
     const float* x = a.x + i * a.x_stride;
     for (int64_t g = 0; g < a.in; g += kGroup) {
@@ -256,6 +293,33 @@ void NibblePermuteX(const Gemv4bitArgs& a, float* out) {
       for (int slot = 0; slot < kGroup; ++slot) o[slot] = x[g + order[slot]];
     }
   }
+}
+
+void NibblePermuteRows(const Gemv4bitArgs& a, float* out) {
+  const std::array<int, kGroup>& order = OrderOf(a.round);
+  for (int64_t i = 0; i < a.m; ++i) {
+    const float* x = a.x + i * a.x_stride;
+    float* o = out + i * a.in;
+    for (int64_t g = 0; g < a.in; g += kGroup) {
+      for (int slot = 0; slot < kGroup; ++slot) o[g + slot] = x[g + order[slot]];
+    }
+  }
+}
+
+void NibbleDecodeRow(const Gemv4bitArgs& a, int64_t n, int64_t k0, int64_t k1, float* out) {
+#if defined(__x86_64__)
+  if (a.round == DenseType::kBFloat16) {
+    NibbleDecodeRow<DenseType::kBFloat16>(a, n, k0, k1, out);
+  } else {
+    NibbleDecodeRow<DenseType::kFloat16>(a, n, k0, k1, out);
+  }
+#else
+  (void)a;
+  (void)n;
+  (void)k0;
+  (void)k1;
+  (void)out;
+#endif
 }
 
 GemvRangeFn NibbleKernel(DenseType round, int64_t rows) {

@@ -34,6 +34,13 @@ bool NibbleGemvApplies(const Gemv4bitArgs& a);
 // i at out[(g * a.m + i) * 64], rearranged within (a.m * a.in floats).
 void NibblePermuteX(const Gemv4bitArgs& a, float* out);
 
+// For more rows, a weight row decoded once into a buffer and dotted with
+// every row of x from there: x rearranged in place, row by row
+// (out[i * a.in + k]), and weight row n's columns [k0, k1) (multiples of 64)
+// decoded into out[0, k1 - k0) in the same order.
+void NibblePermuteRows(const Gemv4bitArgs& a, float* out);
+void NibbleDecodeRow(const Gemv4bitArgs& a, int64_t n, int64_t k0, int64_t k1, float* out);
+
 // The kernel for `rows` (1 or 2; else null) rows of permuted x: a.x the first row's first
 // group in NibblePermuteX's output, a.x_stride the floats from one group to
 // the next (64 x the rows permuted); k0 and k1 multiples of 64.

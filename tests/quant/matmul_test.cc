@@ -323,11 +323,11 @@ TEST(Gemv4bitKernelTest, LevelsAgree) {
   }
 }
 
-// The nibble kernels (AVX2, 1-2 rows, rows and blocks of a multiple of 64
-// elements, bfloat16 / float16 rounding): the shapes they take, checked like
-// every other path, with blocks longer than a row's span of 16 groups and
-// shorter than a row; three rows and float32 compute go elsewhere on the same
-// weights.
+// The nibble kernels (AVX2, rows and blocks of a multiple of 64 elements,
+// bfloat16 / float16 rounding; 1-2 rows in registers, 5-16 rows through the
+// decoded buffer): the shapes they take, checked like every other path, with
+// blocks longer than a row's span of 16 groups and shorter than a row; three
+// rows and float32 compute go elsewhere on the same weights.
 TEST(Linear4bitForwardTest, NibbleKernelShapes) {
   at::manual_seed(5);
   const std::vector<Shape4bit> shapes = {
@@ -345,7 +345,7 @@ TEST(Linear4bitForwardTest, NibbleKernelShapes) {
     args.w.blocksize = s.blocksize;
     args.round = internal::DenseType::kBFloat16;
     EXPECT_EQ(internal::NibbleGemvApplies(args), internal::CpuIsaSupported(CpuIsa::kAvx2));
-    for (int64_t rows : {1, 2, 3}) {
+    for (int64_t rows : {1, 2, 3, 8, 16}) {
       for (const DTypes& d : dtypes) {
         const at::Tensor x = Random({rows, s.in}).to(d.x);
         const at::Tensor bias = Random({s.out}).to(d.x);
