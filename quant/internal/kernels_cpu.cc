@@ -814,18 +814,21 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
 #endif
   const int64_t row_bytes = std::max<int64_t>(1, a.in / 2);
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / row_bytes);
+  bool nibble_layout = false;
 #if defined(__x86_64__)
-  // Decoded straight into registers: up to 4 rows with AVX2; with AVX-512
-  // any number, in passes of at most 8 rows (a lookup costs two
-  // instructions, so decoding a weight tile again from L1 is cheaper than a
-  // buffer).
-  // AVX2, 1-2 rows, the common layout: byte lookups over a rearranged x
-  // (quant/internal/nibble_avx2.h), 1.45x the float permutes at one row and
-  // 1.3x at two; from three rows the FMAs, not the decode, bound both, and
-  // the permutes measured as fast or faster (docs/BENCHMARKS.md).
+  // Decoded straight into registers: with AVX-512 any number of rows, in
+  // passes of at most 8 (a lookup costs two instructions, so decoding a
+  // weight tile again from L1 is cheaper than a buffer). With AVX2 and the
+  // common layout (quant/internal/nibble_avx2.h: byte lookups over a
+  // rearranged x) 1-2 rows, 1.45x the float permutes at one row and 1.9x at
+  // two; with AVX2 and other layouts up to 4. More rows take the buffer
+  // below, which measured faster from there (one 4096 x 4096 weight from
+  // cache, one thread: nibble layout 3 rows 3.8 against 4.5 ms, 4 rows 4.1
+  // against 5.6; other layouts 4 rows 4.9 against 5.1, 3 rows slower).
   const int64_t max_direct = isa == CpuIsa::kAvx512 ? 8 : 4;
-  const bool nibble = isa == CpuIsa::kAvx2 && a.m <= kNibbleMaxRows && NibbleGemvApplies(a);
-  if (isa != CpuIsa::kScalar && (a.m <= max_direct || isa == CpuIsa::kAvx512 || nibble)) {
+  nibble_layout = isa == CpuIsa::kAvx2 && NibbleGemvApplies(a);
+  const bool nibble = nibble_layout && a.m <= kNibbleMaxRows;
+  if (isa == CpuIsa::kAvx512 || nibble || (isa == CpuIsa::kAvx2 && !nibble_layout && a.m <= 4)) {
     std::vector<float> permuted;
     Gemv4bitArgs src = a;
     if (nibble) {
@@ -875,11 +878,10 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
   // time (each x vector loaded serves both).
   // AVX2 with the nibble layout: rows decoded by byte lookups, x rearranged
   // row by row to match.
-  const bool nibble_rows = isa == CpuIsa::kAvx2 && NibbleGemvApplies(a);
   std::vector<float> permuted;
   const float* x = a.x;
   int64_t x_stride = a.x_stride;
-  if (nibble_rows) {
+  if (nibble_layout) {
     permuted.resize(static_cast<size_t>(a.m * a.in));
     NibblePermuteRows(a, permuted.data());
     x = permuted.data();
@@ -897,7 +899,7 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
         const int64_t len = std::min(kChunk, a.in - k0);
         for (int64_t c = 0; c < cols; ++c) {
           const int64_t first = (n + c) * a.in + k0;
-          if (nibble_rows) {
+          if (nibble_layout) {
             NibbleDecodeRow(a, n + c, k0, k0 + len, chunks[c]);
           } else {
             decode(a.w, first, first + len, chunks[c]);

@@ -324,10 +324,10 @@ TEST(Gemv4bitKernelTest, LevelsAgree) {
 }
 
 // The nibble kernels (AVX2, rows and blocks of a multiple of 64 elements,
-// bfloat16 / float16 rounding; 1-2 rows in registers, 5-16 rows through the
+// bfloat16 / float16 rounding; 1-2 rows in registers, 3-16 rows through the
 // decoded buffer): the shapes they take, checked like every other path, with
-// blocks longer than a row's span of 16 groups and shorter than a row; three
-// rows and float32 compute go elsewhere on the same weights.
+// blocks longer than a row's span of 16 groups and shorter than a row;
+// float32 compute goes elsewhere on the same weights.
 TEST(Linear4bitForwardTest, NibbleKernelShapes) {
   at::manual_seed(5);
   const std::vector<Shape4bit> shapes = {
