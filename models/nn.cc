@@ -99,7 +99,6 @@ absl::Status QuantizableLinear::Quantize(const LinearQuantization& how, bool emp
     qs.dtype = dtype;
     qs.shape = {out_, in_};
     qs.double_quant = how.double_quant;
-    at::Tensor expanded;
     if (empty) {
       const quant::Layout4bit layout =
           quant::LayoutOf4bit(out_ * in_, how.blocksize, how.double_quant);
@@ -109,7 +108,6 @@ absl::Status QuantizableLinear::Quantize(const LinearQuantization& how, bool emp
       if (how.double_quant) {
         state->nested_absmax = Empty({layout.nested_absmax_len}, at::kFloat, meta);
         state->nested_quant_map = Empty({256}, at::kFloat, meta);
-        expanded = Empty({layout.absmax_len}, at::kFloat, meta);
       }
     } else {
       ACCEL_ASSIGN_OR_RETURN(
@@ -121,9 +119,6 @@ absl::Status QuantizableLinear::Quantize(const LinearQuantization& how, bool emp
       state->nested_absmax = q.nested_absmax;
       state->nested_quant_map = q.nested_quant_map;
       qs = q.state;
-      if (how.double_quant) {
-        ACCEL_ASSIGN_OR_RETURN(expanded, quant::BlockAbsmax(q));
-      }
     }
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
       state->absmax = state->register_buffer("absmax", state->absmax);
@@ -132,7 +127,6 @@ absl::Status QuantizableLinear::Quantize(const LinearQuantization& how, bool emp
         state->nested_absmax = state->register_buffer("nested_absmax", state->nested_absmax);
         state->nested_quant_map =
             state->register_buffer("nested_quant_map", state->nested_quant_map);
-        block_absmax = AddBuffer("block_absmax", expanded, /*persistent=*/false);
       }
       weight_state = register_module("weight", state);
     }));
@@ -163,8 +157,16 @@ at::Tensor QuantizableLinear::DequantizedForward(const at::Tensor& x) {
                                  .reshape({-1})
                                  .narrow(0, 0, out_ * in_)
                                  .to(at::kLong);
-    const at::Tensor absmax =
-        (quantization_.double_quant ? block_absmax : weight_state->absmax).to(at::kFloat);
+    at::Tensor absmax = weight_state->absmax.to(at::kFloat);
+    if (quantization_.double_quant) {
+      // bnb's dequantize_blockwise (one float32 multiply), then + offset:
+      // two ops, two roundings, as quant::BlockAbsmax does on the cpu.
+      const int64_t blocks = weight_state->absmax.numel();
+      const at::Tensor scaled =
+          weight_state->nested_quant_map.index_select(0, weight_state->absmax.to(at::kLong)) *
+          weight_state->nested_absmax.repeat_interleave(quant::kNestedBlocksize).narrow(0, 0, blocks);
+      absmax = scaled + quant_state.nested_offset;
+    }
     const at::Tensor scales =
         absmax.repeat_interleave(quant_state.blocksize).narrow(0, 0, out_ * in_);
     w = weight_state->quant_map.to(at::kFloat).index_select(0, codes) * scales;
@@ -189,8 +191,13 @@ at::Tensor QuantizableLinear::QuantizedForward(const at::Tensor& x) {
   } else {
     quant::Weight4bit w;
     w.packed = weight;
-    w.absmax = quantization_.double_quant ? block_absmax : weight_state->absmax;
+    w.absmax = weight_state->absmax;  // uint8 codes with double quant
     w.code = weight_state->quant_map;
+    if (quantization_.double_quant) {
+      w.nested_absmax = weight_state->nested_absmax;
+      w.nested_code = weight_state->nested_quant_map;
+      w.nested_offset = quant_state.nested_offset;
+    }
     w.blocksize = quant_state.blocksize;
     w.out_features = out_;
     w.in_features = in_;

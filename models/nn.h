@@ -59,9 +59,9 @@ class Params4bit : public dispatch::Layer {
 //   int8:  weight int8 [out, in], SCB float32 [out], weight_format uint8 [] (0)
 //   4-bit: weight uint8 [(n+1)/2, 1] (packed), weight.absmax, weight.quant_map,
 //          weight.nested_absmax, weight.nested_quant_map (child "weight"),
-//          plus block_absmax (double quant: the absmaxes expanded to float32,
-//          not persistent: made on loading) and quant_state (the metadata the
-//          checkpoint's JSON blob carries).
+//          and quant_state (the metadata the checkpoint's JSON blob
+//          carries). Double quant is computed from as stored: the cpu kernels
+//          dequantize each block's absmax as they reach it.
 class QuantizableLinear : public dispatch::Layer {
  public:
   int64_t in_features() const { return in_; }
@@ -88,7 +88,6 @@ class QuantizableLinear : public dispatch::Layer {
   at::Tensor scb;                            // int8
   at::Tensor weight_format;                  // int8
   std::shared_ptr<Params4bit> weight_state;  // 4-bit
-  at::Tensor block_absmax;                   // 4-bit with double quant
   quant::QuantState4bit quant_state;         // 4-bit
 
  protected:

@@ -117,9 +117,6 @@ absl::Status AddQuantizedLinear(dispatch::ModuleTree& out, int node,
   }
   const quant::Layout4bit layout =
       quant::LayoutOf4bit(out_features * in_features, how.blocksize, how.double_quant);
-  if (how.double_quant) {
-    out.AddBuffer(node, Decl("block_absmax", {layout.absmax_len}, at::kFloat, false));
-  }
   const int state = out.AddChild(node, "weight", "Params4bit");
   out.AddBuffer(state,
                 Decl("absmax", {layout.absmax_len}, how.double_quant ? at::kByte : at::kFloat));
@@ -259,17 +256,18 @@ class QuantizationHook : public dispatch::LoadHook {
     } else {
       return label("not a tensor of a 4-bit layer");
     }
-    if (how.double_quant && !layer.expanded && layer.state && layer.parts.size() == 4) {
+    if (how.double_quant && !layer.checked && layer.state && layer.parts.size() == 4) {
       quant::Quantized4bit q;
       q.packed = layer.parts["weight"];
       q.absmax = layer.parts["weight.absmax"];
       q.nested_absmax = layer.parts["weight.nested_absmax"];
       q.nested_quant_map = layer.parts["weight.nested_quant_map"];
       q.state = *layer.state;
-      absl::StatusOr<at::Tensor> expanded = quant::BlockAbsmax(q);
-      if (!expanded.ok()) return Annotate(expanded.status(), absl::StrCat("module '", module, "'"));
-      out.push_back({module + ".block_absmax", *expanded});
-      layer.expanded = true;
+      // The kernels read the nested state as stored; checked here, whole,
+      // so a damaged one fails the load naming the module.
+      absl::Status fits = quant::BlockAbsmax(q).status();
+      if (!fits.ok()) return Annotate(fits, absl::StrCat("module '", module, "'"));
+      layer.checked = true;
       layer.parts.clear();
     }
     if (layer.state) layer.linear->quant_state = *layer.state;
@@ -286,7 +284,7 @@ class QuantizationHook : public dispatch::LoadHook {
         return absl::NotFoundError(
             absl::StrCat("the checkpoint lacks '", blob, "' (the quant state of a 4-bit layer)"));
       }
-      if (how.double_quant && !found->second.expanded) {
+      if (how.double_quant && !found->second.checked) {
         return absl::NotFoundError(absl::StrCat(
             "the checkpoint lacks part of the double-quantized absmax of '", module,
             "' (weight, weight.absmax, weight.nested_absmax, weight.nested_quant_map)"));
@@ -299,10 +297,11 @@ class QuantizationHook : public dispatch::LoadHook {
   struct Layer {
     std::shared_ptr<nn::QuantizableLinear> linear;
     std::optional<quant::QuantState4bit> state;
-    // Double quant: what block_absmax is computed from (the packed weight,
-    // the absmax codes, the nested absmax and map).
+    // Double quant: what the nested state is checked against once all of it
+    // has arrived (the packed weight, the absmax codes, the nested absmax
+    // and map).
     std::map<std::string, at::Tensor> parts;
-    bool expanded = false;
+    bool checked = false;
   };
 
   // A float weight: converted to the model's dtype and quantized, as
@@ -345,10 +344,7 @@ class QuantizationHook : public dispatch::LoadHook {
     if (how.double_quant) {
       out.push_back({name + ".nested_absmax", q->nested_absmax});
       out.push_back({name + ".nested_quant_map", q->nested_quant_map});
-      absl::StatusOr<at::Tensor> expanded = quant::BlockAbsmax(*q);
-      if (!expanded.ok()) return annotate(expanded.status());
-      out.push_back({module + ".block_absmax", *expanded});
-      layer.expanded = true;
+      layer.checked = true;
     }
     layer.state = q->state;
     layer.linear->quant_state = q->state;
@@ -531,7 +527,6 @@ void AddQuantizedSizes(const QuantPlan& plan, std::map<std::string, double>& spe
     if (!how.double_quant) special_bytes[name + ".weight.absmax"] = 4;
     special_bytes[name + ".weight.quant_map"] = 4;
     if (how.double_quant) {
-      special_bytes[name + ".block_absmax"] = 4;
       special_bytes[name + ".weight.nested_absmax"] = 4;
       special_bytes[name + ".weight.nested_quant_map"] = 4;
     }

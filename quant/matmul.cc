@@ -124,13 +124,32 @@ absl::Status CheckWeight4bit(const Weight4bit& w) {
                      (n + 1) / 2, " of a [", w.out_features, ", ", w.in_features, "] weight"));
   }
   ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.absmax, "weight.absmax"));
-  ACCEL_RETURN_IF_ERROR(CheckDType(w.absmax, "weight.absmax", at::kFloat));
+  const bool nested = w.absmax.scalar_type() == at::kByte;
+  if (!nested) ACCEL_RETURN_IF_ERROR(CheckDType(w.absmax, "weight.absmax", at::kFloat));
   ACCEL_RETURN_IF_ERROR(CheckContiguous(w.absmax, "weight.absmax"));
   const int64_t blocks = (n + w.blocksize - 1) / w.blocksize;
   if (w.absmax.numel() != blocks) {
     return absl::InvalidArgumentError(absl::StrCat("weight.absmax holds ", w.absmax.numel(),
                                                    " values, not ceil(", n, " / ", w.blocksize,
                                                    ") = ", blocks));
+  }
+  if (nested) {
+    ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.nested_absmax, "weight.nested_absmax"));
+    ACCEL_RETURN_IF_ERROR(CheckDType(w.nested_absmax, "weight.nested_absmax", at::kFloat));
+    ACCEL_RETURN_IF_ERROR(CheckContiguous(w.nested_absmax, "weight.nested_absmax"));
+    const int64_t nested_blocks = (blocks + 255) / 256;
+    if (w.nested_absmax.numel() != nested_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weight.nested_absmax holds ", w.nested_absmax.numel(), " values, not ceil(",
+                       blocks, " / 256) = ", nested_blocks, " (uint8 absmax: double quant)"));
+    }
+    ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.nested_code, "weight.nested_code"));
+    ACCEL_RETURN_IF_ERROR(CheckDType(w.nested_code, "weight.nested_code", at::kFloat));
+    ACCEL_RETURN_IF_ERROR(CheckContiguous(w.nested_code, "weight.nested_code"));
+    if (w.nested_code.numel() != 256) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weight.nested_code must hold 256 values, got ", w.nested_code.numel()));
+    }
   }
   ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.code, "weight.code"));
   ACCEL_RETURN_IF_ERROR(CheckDType(w.code, "weight.code", at::kFloat));
@@ -145,7 +164,14 @@ absl::Status CheckWeight4bit(const Weight4bit& w) {
 internal::Packed4bit PackedOf(const Weight4bit& w) {
   internal::Packed4bit p;
   p.packed = w.packed.data_ptr<uint8_t>();
-  p.absmax = w.absmax.data_ptr<float>();
+  if (w.absmax.scalar_type() == at::kByte) {
+    p.absmax_codes = w.absmax.data_ptr<uint8_t>();
+    p.nested_absmax = w.nested_absmax.data_ptr<float>();
+    p.nested_code = w.nested_code.data_ptr<float>();
+    p.nested_offset = w.nested_offset;
+  } else {
+    p.absmax = w.absmax.data_ptr<float>();
+  }
   p.code = w.code.data_ptr<float>();
   p.blocksize = w.blocksize;
   p.numel = w.out_features * w.in_features;

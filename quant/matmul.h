@@ -15,15 +15,22 @@
 
 namespace accel::quant {
 
-// A 4-bit weight ready for compute: what quant::Quantized4bit holds, with the
-// double-quantized absmax already expanded to float32 (quant::BlockAbsmax).
+// A 4-bit weight ready for compute: what quant::Quantized4bit holds. With
+// double quant, absmax holds the uint8 codes and the nested fields are set:
+// the kernels dequantize each block's absmax as they reach it (bnb's
+// dequantize_blockwise then + offset, in float32), so nothing is expanded.
 struct Weight4bit {
   at::Tensor packed;  // uint8, (n+1)/2 bytes (any shape; contiguous), high nibble first
-  at::Tensor absmax;  // float32 [ceil(n / blocksize)]
+  at::Tensor absmax;  // [ceil(n / blocksize)]: float32, or uint8 codes (double quant)
   at::Tensor code;    // float32 [16]: the code table (the checkpoint's quant_map)
   int64_t blocksize = 64;
   int64_t out_features = 0;
   int64_t in_features = 0;
+  // Double quant only (absmax uint8): float32 [ceil(blocks / 256)], float32
+  // [256] (the nested quant_map), and the offset added after the multiply.
+  at::Tensor nested_absmax;
+  at::Tensor nested_code;
+  float nested_offset = 0.0f;
 };
 
 // bnb's Linear4bit.forward: x [..., in] (float32, bfloat16 or float16, cpu)

@@ -66,7 +66,7 @@ inline float RoundScalar(float v) {
 inline float DecodeScalar(const Packed4bit& w, int64_t j) {
   const uint8_t byte = w.packed[j >> 1];
   const int index = (j & 1) == 0 ? byte >> 4 : byte & 0xF;
-  return w.code[index] * w.absmax[j / w.blocksize];
+  return w.code[index] * BlockAbsmax(w, j / w.blocksize);
 }
 
 // Stores the rounded value v as element `i` of `out` (float32, or the bits of
@@ -236,7 +236,7 @@ ACCEL_TARGET_AVX2 void DecodeRangeAvx2(const Packed4bit& w, int64_t begin, int64
       ++j;
     }
     if (j + 8 <= e) {
-      const Avx2Table t = BlockTable<T>(w.code, w.absmax[block]);
+      const Avx2Table t = BlockTable<T>(w.code, BlockAbsmax(w, block));
       for (; j + 16 <= e; j += 16) {
         Store8<T, kFloatOut>(out, j - begin, Lookup8(w.packed + (j >> 1), t.lo, t.hi, shifts));
         Store8<T, kFloatOut>(out, j + 8 - begin,
@@ -357,7 +357,7 @@ ACCEL_TARGET_AVX2 void GemvDirectAvx2(const Gemv4bitArgs& a, int64_t n_begin, in
         ++j;
       }
       if (j + 8 <= e) {
-        const Avx2Table t = BlockTable<T>(w.code, w.absmax[block]);
+        const Avx2Table t = BlockTable<T>(w.code, BlockAbsmax(w, block));
         for (; j + 16 <= e; j += 16) {
           const __m256 w0 = Lookup8(w.packed + (j >> 1), t.lo, t.hi, shifts);
           const __m256 w1 = Lookup8(w.packed + (j >> 1) + 4, t.lo, t.hi, shifts);
@@ -587,7 +587,7 @@ ACCEL_TARGET_AVX512 void DecodeRangeAvx512(const Packed4bit& w, int64_t begin, i
       ++j;
     }
     if (j + 16 <= e) {
-      const __m512 table = BlockTable16<T>(w.code, w.absmax[block]);
+      const __m512 table = BlockTable16<T>(w.code, BlockAbsmax(w, block));
       for (; j + 16 <= e; j += 16) {
         Store16<T, kFloatOut>(out, j - begin, Lookup16(w.packed + (j >> 1), table, control));
       }
@@ -624,7 +624,7 @@ ACCEL_TARGET_AVX512 void GemvDirectAvx512(const Gemv4bitArgs& a, int64_t n_begin
         ++j;
       }
       if (j + 16 <= e) {
-        const __m512 table = BlockTable16<T>(w.code, w.absmax[block]);
+        const __m512 table = BlockTable16<T>(w.code, BlockAbsmax(w, block));
         for (; j + 32 <= e; j += 32) {
           const __m512 w0 = Lookup16(w.packed + (j >> 1), table, control);
           const __m512 w1 = Lookup16(w.packed + (j >> 1) + 8, table, control);

@@ -45,14 +45,39 @@ enum class DenseType { kFloat32, kBFloat16, kFloat16 };
 
 // A 4-bit weight over the flat index j < numel: code index
 // (j even) ? packed[j / 2] >> 4 : packed[j / 2] & 0xF, value
-// float32(code[index]) * absmax[j / blocksize], then rounded.
+// float32(code[index]) * BlockAbsmax(w, j / blocksize), then rounded.
 struct Packed4bit {
   const uint8_t* packed = nullptr;  // (numel + 1) / 2 bytes
-  const float* absmax = nullptr;    // ceil(numel / blocksize)
+  const float* absmax = nullptr;    // ceil(numel / blocksize), or null: double quant
   const float* code = nullptr;      // 16
   int64_t blocksize = 64;           // > 0, any value (blocks may cross rows)
   int64_t numel = 0;
+  // Double quant (absmax null), read as stored: one byte a block instead of
+  // a float32 expanded at load. Block b's absmax is
+  // nested_code[absmax_codes[b]] * nested_absmax[b / 256] + nested_offset,
+  // a float32 multiply then an add (bnb's dequantize_blockwise, then
+  // absmax += offset), computed per block as the kernels reach it.
+  const uint8_t* absmax_codes = nullptr;  // ceil(numel / blocksize)
+  const float* nested_absmax = nullptr;   // ceil(blocks / 256)
+  const float* nested_code = nullptr;     // 256
+  float nested_offset = 0.0f;
 };
+
+// bnb's nested blocksize (quant/bnb.h), fixed: a shift, not a divide.
+inline constexpr int kNestedBlockShift = 8;
+
+// Block b's absmax, either way it is stored.
+inline float BlockAbsmax(const Packed4bit& w, int64_t b) {
+  if (w.absmax != nullptr) return w.absmax[b];
+  float scaled = w.nested_code[w.absmax_codes[b]] * w.nested_absmax[b >> kNestedBlockShift];
+  // Two roundings, as bnb's two steps: no fused multiply-add.
+#if defined(__x86_64__)
+  asm("" : "+x"(scaled));
+#else
+  asm("" : "+m"(scaled));
+#endif
+  return scaled + w.nested_offset;
+}
 
 // Activations in and out of the kernels without a libtorch op (whose
 // dispatch and allocation cost more than the work at decode sizes; a

@@ -200,7 +200,7 @@ ACCEL_TARGET_AVX2 void NibbleRows(const Gemv4bitArgs& a, int64_t n_begin, int64_
       const int64_t span_end = std::min(k1, span + kSpan * kGroup);
       ByteTables tables[kSpan];
       for (int64_t k = span, g = 0; k < span_end;) {
-        const ByteTables t = BlockTables<T>(codes, w.code, w.absmax[block]);
+        const ByteTables t = BlockTables<T>(codes, w.code, BlockAbsmax(w, block));
         for (const int64_t e = std::min(span_end, block_end); k < e; k += kGroup) tables[g++] = t;
         if (k == block_end) {
           ++block;
@@ -238,7 +238,7 @@ ACCEL_TARGET_AVX2 void NibbleDecodeRow(const Gemv4bitArgs& a, int64_t n, int64_t
   int64_t block = (row + k0) / w.blocksize;
   int64_t block_end = (block + 1) * w.blocksize - row;
   for (int64_t k = k0; k < k1; ++block, block_end += w.blocksize) {
-    const ByteTables t = BlockTables<T>(codes, w.code, w.absmax[block]);
+    const ByteTables t = BlockTables<T>(codes, w.code, BlockAbsmax(w, block));
     for (const int64_t e = std::min(k1, block_end); k < e; k += kGroup) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + k / 2));
       float* o = out + (k - k0);

@@ -648,7 +648,17 @@ at::Tensor Dequantized(const nn::QuantizableLinear& layer) {
   const int64_t n = layer.out_features() * layer.in_features();
   const at::Tensor codes =
       at::stack({bytes.__rshift__(4), bytes.__and__(0xF)}, 1).reshape({-1}).narrow(0, 0, n);
-  const at::Tensor absmax = how.double_quant ? layer.block_absmax : layer.weight_state->absmax;
+  at::Tensor absmax = layer.weight_state->absmax;
+  if (how.double_quant) {
+    quant::Quantized4bit q;
+    q.packed = layer.weight;
+    q.absmax = layer.weight_state->absmax;
+    q.quant_map = layer.weight_state->quant_map;
+    q.nested_absmax = layer.weight_state->nested_absmax;
+    q.nested_quant_map = layer.weight_state->nested_quant_map;
+    q.state = layer.quant_state;
+    absmax = quant::BlockAbsmax(q).value();
+  }
   const at::Tensor scale = absmax.to(at::kDouble).repeat_interleave(how.blocksize).narrow(0, 0, n);
   return (layer.weight_state->quant_map.to(at::kDouble).index_select(0, codes.to(at::kLong)) *
           scale)

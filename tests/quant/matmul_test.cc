@@ -509,6 +509,51 @@ TEST(Gemv4bitKernelTest, NibbleTablesRoundExactly) {
   }
 }
 
+// Double quant read as stored (uint8 absmax codes, nested absmax and map,
+// offset): the kernels dequantize each block's absmax on the way and give
+// the very bits of the same weight with the absmax expanded to float32
+// (quant::BlockAbsmax, bnb's two float32 steps), at every level, on the
+// register, buffered and dequantize-then-multiply paths, and on shapes with
+// and without the nibble layout (2600 columns: blocks cross rows).
+TEST(Linear4bitForwardTest, DoubleQuantReadAsStoredMatchesExpanded) {
+  at::manual_seed(7);
+  for (const Shape4bit& s : std::vector<Shape4bit>{{300, 1024, 64}, {70, 2600, 64}, {9, 512, 128}}) {
+    ACCEL_ASSERT_OK_AND_ASSIGN(
+        Quantized4bit q, Quantize4bit(Random({s.out, s.in}, 0.1), QuantType4bit::kNf4, s.blocksize,
+                                      /*double_quant=*/true));
+    ASSERT_EQ(q.absmax.scalar_type(), at::kByte);
+    Weight4bit nested;
+    nested.packed = q.packed;
+    nested.absmax = q.absmax;
+    nested.code = q.quant_map;
+    nested.blocksize = s.blocksize;
+    nested.out_features = s.out;
+    nested.in_features = s.in;
+    nested.nested_absmax = q.nested_absmax;
+    nested.nested_code = q.nested_quant_map;
+    nested.nested_offset = q.state.nested_offset;
+    ASSERT_NE(nested.nested_offset, 0.0f);
+    Weight4bit expanded = nested;
+    ACCEL_ASSERT_OK_AND_ASSIGN(expanded.absmax, BlockAbsmax(q));
+    for (CpuIsa isa : Isas()) {
+      IsaScope scope(isa);
+      for (at::ScalarType compute : {at::kBFloat16, at::kHalf, at::kFloat}) {
+        SCOPED_TRACE(testing::Message() << s.out << "x" << s.in << ", compute " << compute << ", "
+                                        << internal::CpuIsaName(isa));
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor a, Dequantize4bitDense(nested, compute));
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor b, Dequantize4bitDense(expanded, compute));
+        ExpectSameBits(a, b);
+        for (int64_t rows : {1, 2, 3, 8, 17}) {
+          const at::Tensor x = Random({rows, s.in}).to(at::kBFloat16);
+          ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor ya, Linear4bitForward(x, nested, {}, compute));
+          ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor yb, Linear4bitForward(x, expanded, {}, compute));
+          ExpectSameBits(ya, yb);
+        }
+      }
+    }
+  }
+}
+
 // ---- int8 ---------------------------------------------------------------------
 
 at::Tensor RandomInt8(at::IntArrayRef shape) {
@@ -783,6 +828,24 @@ TEST_F(ValidationTest, Linear4bitArguments) {
   w.absmax = q_.absmax.to(at::kHalf);
   EXPECT_THAT(bad(w, x, {}, at::kFloat),
               StatusIs(kInvalid, HasSubstr("weight.absmax must be float32")));
+  // uint8 absmax: double quant, whose nested tensors must be there and fit.
+  w = q_;
+  w.absmax = at::zeros(q_.absmax.sizes(), at::kByte);
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.nested_absmax is undefined")));
+  w.nested_absmax = at::ones({2});
+  w.nested_code = at::ones({256});
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.nested_absmax holds 2 values, not ceil(")));
+  w.nested_absmax = at::ones({1});
+  w.nested_code = at::ones({255});
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.nested_code must hold 256 values")));
+  w.nested_code = at::ones({256}, at::kDouble);
+  EXPECT_THAT(bad(w, x, {}, at::kFloat),
+              StatusIs(kInvalid, HasSubstr("weight.nested_code must be float32")));
+  w.nested_code = at::ones({256});
+  EXPECT_TRUE(bad(w, x, {}, at::kFloat).ok());
   w = q_;
   w.code = q_.code.narrow(0, 0, 15);
   EXPECT_THAT(bad(w, x, {}, at::kFloat), StatusIs(kInvalid, HasSubstr("weight.code must hold 16")));
