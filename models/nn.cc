@@ -164,7 +164,8 @@ at::Tensor QuantizableLinear::DequantizedForward(const at::Tensor& x) {
       const int64_t blocks = weight_state->absmax.numel();
       const at::Tensor scaled =
           weight_state->nested_quant_map.index_select(0, weight_state->absmax.to(at::kLong)) *
-          weight_state->nested_absmax.repeat_interleave(quant::kNestedBlocksize).narrow(0, 0, blocks);
+          weight_state->nested_absmax.repeat_interleave(quant::kNestedBlocksize)
+              .narrow(0, 0, blocks);
       absmax = scaled + quant_state.nested_offset;
     }
     const at::Tensor scales =
