@@ -517,7 +517,8 @@ TEST(Gemv4bitKernelTest, NibbleTablesRoundExactly) {
 // and without the nibble layout (2600 columns: blocks cross rows).
 TEST(Linear4bitForwardTest, DoubleQuantReadAsStoredMatchesExpanded) {
   at::manual_seed(7);
-  for (const Shape4bit& s : std::vector<Shape4bit>{{300, 1024, 64}, {70, 2600, 64}, {9, 512, 128}}) {
+  for (const Shape4bit& s :
+       std::vector<Shape4bit>{{300, 1024, 64}, {70, 2600, 64}, {9, 512, 128}}) {
     ACCEL_ASSERT_OK_AND_ASSIGN(
         Quantized4bit q, Quantize4bit(Random({s.out, s.in}, 0.1), QuantType4bit::kNf4, s.blocksize,
                                       /*double_quant=*/true));
