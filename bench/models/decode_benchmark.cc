@@ -54,6 +54,7 @@ struct Bandwidth {
 uint64_t ReadAll(const uint64_t* words, int64_t count, int threads) {
   std::vector<uint64_t> sums(static_cast<size_t>(threads), 0);
   std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads));
   const int64_t per = count / threads;
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
@@ -77,10 +78,11 @@ uint64_t ReadAll(const uint64_t* words, int64_t count, int threads) {
 
 Bandwidth MeasureBandwidth(int64_t bytes, int threads) {
   std::vector<uint64_t> a(static_cast<size_t>(bytes / 8), 1), b(a.size());
-  Bandwidth out;
-  out.copy = bytes / Best(3, [&] { std::memcpy(b.data(), a.data(), bytes); });
+  Bandwidth out{};
+  out.copy = static_cast<double>(bytes) / Best(3, [&] { std::memcpy(b.data(), a.data(), bytes); });
   volatile uint64_t sink = 0;
-  out.read = bytes / Best(3, [&] { sink = ReadAll(a.data(), bytes / 8, threads); });
+  out.read =
+      static_cast<double>(bytes) / Best(3, [&] { sink = ReadAll(a.data(), bytes / 8, threads); });
   (void)sink;
   return out;
 }
@@ -112,7 +114,7 @@ double DecodeRate(accel::models::LoadedModel& m, int batch, int64_t tokens) {
       produced += static_cast<int64_t>(events->size());
     }
   });
-  return produced / seconds;
+  return static_cast<double>(produced) / seconds;
 }
 
 }  // namespace

@@ -523,9 +523,7 @@ ACCEL_TARGET_AVX2 void StoreRoundedAvx2(const float* in, int64_t n, void* out) {
 // For qword q (lanes 2q and 2q + 1): byte 0 takes the bits from 8q + 4 on
 // (the high nibble of packed byte q: element 2q), byte 4 from 8q (the low
 // nibble: element 2q + 1).
-constexpr long long NibbleControl(int q) {
-  return (8 * q + 4) | (static_cast<long long>(8 * q) << 32);
-}
+constexpr int64_t NibbleControl(int q) { return (8 * q + 4) | (static_cast<int64_t>(8 * q) << 32); }
 
 ACCEL_TARGET_AVX512 ACCEL_INLINE __m512i MakeNibbleControl() {
   return _mm512_set_epi64(NibbleControl(7), NibbleControl(6), NibbleControl(5), NibbleControl(4),
@@ -534,7 +532,7 @@ ACCEL_TARGET_AVX512 ACCEL_INLINE __m512i MakeNibbleControl() {
 
 // The values of flat elements 2 * (p - packed) .. + 15.
 ACCEL_TARGET_AVX512 ACCEL_INLINE __m512 Lookup16(const uint8_t* p, __m512 table, __m512i control) {
-  long long word;
+  int64_t word;
   std::memcpy(&word, p, sizeof(word));
   return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(control, _mm512_set1_epi64(word)),
                                table);
@@ -926,7 +924,10 @@ void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t
 #if defined(__x86_64__)
   if (isa != CpuIsa::kScalar) {  // AVX-512 runs the AVX2 product
     a16.resize(static_cast<size_t>(m * k));
-    for (size_t i = 0; i < a16.size(); ++i) a16[i] = a[i];
+    // int8 codes, sign-extended on purpose.
+    for (size_t i = 0; i < a16.size(); ++i) {
+      a16[i] = static_cast<int16_t>(a[i]);  // NOLINT(bugprone-signed-char-misuse)
+    }
   }
 #endif
   at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, k)),

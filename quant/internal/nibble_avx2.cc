@@ -166,7 +166,7 @@ ACCEL_TARGET_AVX2 ACCEL_INLINE void DotParity(__m256i index, const ByteTables& t
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       __m256& a = acc[r][(kFirst + v) % kAcc];
-      a = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xk + r * kGroup + 8 * v), a);
+      a = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xk + r * kGroup + int64_t{8} * v), a);
     }
   }
 }
@@ -245,10 +245,10 @@ ACCEL_TARGET_AVX2 void NibbleDecodeRow(const Gemv4bitArgs& a, int64_t n, int64_t
       __m256 v[4];
       DecodeParity<T>(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), t, v);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, v[i]);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + int64_t{8} * i, v[i]);
       DecodeParity<T>(_mm256_and_si256(bytes, nibble), t, v);
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 32 + 8 * i, v[i]);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 32 + int64_t{8} * i, v[i]);
     }
   }
 }

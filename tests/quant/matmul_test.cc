@@ -129,7 +129,7 @@ double Unit(at::ScalarType t) {
 // y against exact (double) with float32 sums over `terms` terms of magnitude
 // `magnitude`, then the roundings to each of `roundings` (in order).
 void ExpectWithin(const at::Tensor& y, const at::Tensor& exact, const at::Tensor& magnitude,
-                  int64_t terms, std::vector<at::ScalarType> roundings) {
+                  int64_t terms, const std::vector<at::ScalarType>& roundings) {
   const double u = std::ldexp(1.0, -24);
   const double gamma =
       static_cast<double>(terms + 1) * u / (1 - static_cast<double>(terms + 1) * u);
