@@ -104,6 +104,13 @@ absl::Status CheckContiguous(const at::Tensor& t, absl::string_view name) {
   return absl::OkStatus();
 }
 
+// A dense contiguous cpu tensor of `dtype`: what the kernels take raw.
+absl::Status CheckKernelInput(const at::Tensor& t, absl::string_view name, at::ScalarType dtype) {
+  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(t, name));
+  ACCEL_RETURN_IF_ERROR(CheckDType(t, name, dtype));
+  return CheckContiguous(t, name);
+}
+
 absl::Status CheckWeight4bit(const Weight4bit& w) {
   if (w.out_features <= 0 || w.in_features <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("weight.out_features and weight.in_features ",
@@ -115,18 +122,15 @@ absl::Status CheckWeight4bit(const Weight4bit& w) {
         absl::StrCat("weight.blocksize must be positive, got ", w.blocksize));
   }
   const int64_t n = w.out_features * w.in_features;
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.packed, "weight.packed"));
-  ACCEL_RETURN_IF_ERROR(CheckDType(w.packed, "weight.packed", at::kByte));
-  ACCEL_RETURN_IF_ERROR(CheckContiguous(w.packed, "weight.packed"));
+  ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.packed, "weight.packed", at::kByte));
   if (w.packed.numel() < (n + 1) / 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("weight.packed holds ", w.packed.numel(), " bytes, fewer than the ",
                      (n + 1) / 2, " of a [", w.out_features, ", ", w.in_features, "] weight"));
   }
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.absmax, "weight.absmax"));
-  const bool nested = w.absmax.scalar_type() == at::kByte;
-  if (!nested) ACCEL_RETURN_IF_ERROR(CheckDType(w.absmax, "weight.absmax", at::kFloat));
-  ACCEL_RETURN_IF_ERROR(CheckContiguous(w.absmax, "weight.absmax"));
+  const bool nested = w.absmax.defined() && w.absmax.scalar_type() == at::kByte;
+  ACCEL_RETURN_IF_ERROR(
+      CheckKernelInput(w.absmax, "weight.absmax", nested ? at::kByte : at::kFloat));
   const int64_t blocks = (n + w.blocksize - 1) / w.blocksize;
   if (w.absmax.numel() != blocks) {
     return absl::InvalidArgumentError(absl::StrCat("weight.absmax holds ", w.absmax.numel(),
@@ -134,26 +138,20 @@ absl::Status CheckWeight4bit(const Weight4bit& w) {
                                                    ") = ", blocks));
   }
   if (nested) {
-    ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.nested_absmax, "weight.nested_absmax"));
-    ACCEL_RETURN_IF_ERROR(CheckDType(w.nested_absmax, "weight.nested_absmax", at::kFloat));
-    ACCEL_RETURN_IF_ERROR(CheckContiguous(w.nested_absmax, "weight.nested_absmax"));
+    ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.nested_absmax, "weight.nested_absmax", at::kFloat));
     const int64_t nested_blocks = (blocks + 255) / 256;
     if (w.nested_absmax.numel() != nested_blocks) {
       return absl::InvalidArgumentError(
           absl::StrCat("weight.nested_absmax holds ", w.nested_absmax.numel(), " values, not ceil(",
                        blocks, " / 256) = ", nested_blocks, " (uint8 absmax: double quant)"));
     }
-    ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.nested_code, "weight.nested_code"));
-    ACCEL_RETURN_IF_ERROR(CheckDType(w.nested_code, "weight.nested_code", at::kFloat));
-    ACCEL_RETURN_IF_ERROR(CheckContiguous(w.nested_code, "weight.nested_code"));
+    ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.nested_code, "weight.nested_code", at::kFloat));
     if (w.nested_code.numel() != 256) {
       return absl::InvalidArgumentError(
           absl::StrCat("weight.nested_code must hold 256 values, got ", w.nested_code.numel()));
     }
   }
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(w.code, "weight.code"));
-  ACCEL_RETURN_IF_ERROR(CheckDType(w.code, "weight.code", at::kFloat));
-  ACCEL_RETURN_IF_ERROR(CheckContiguous(w.code, "weight.code"));
+  ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.code, "weight.code", at::kFloat));
   if (w.code.numel() != 16) {
     return absl::InvalidArgumentError(
         absl::StrCat("weight.code must hold 16 values, got ", w.code.numel()));

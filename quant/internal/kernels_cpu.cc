@@ -955,72 +955,59 @@ void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t
 
 namespace {
 
-// The instantiation for (a, b) of the three dense types, at `isa`.
-template <template <DenseType, DenseType> class Pick, typename Fn>
-Fn PickPair(DenseType a, DenseType b) {
-  auto with_b = [&](auto a_tag) -> Fn {
-    constexpr DenseType A = decltype(a_tag)::value;
+template <DenseType T>
+using DenseTag = std::integral_constant<DenseType, T>;
+
+// fn(DenseTag<a>(), DenseTag<b>()): a run-time pair of dense types as
+// compile-time ones.
+template <typename Fn>
+void WithDenseTypes(DenseType a, DenseType b, Fn&& fn) {
+  auto with_b = [&](auto a_tag) {
     switch (b) {
       case DenseType::kFloat32:
-        return Pick<A, DenseType::kFloat32>::Get();
+        return fn(a_tag, DenseTag<DenseType::kFloat32>());
       case DenseType::kBFloat16:
-        return Pick<A, DenseType::kBFloat16>::Get();
+        return fn(a_tag, DenseTag<DenseType::kBFloat16>());
       case DenseType::kFloat16:
         break;
     }
-    return Pick<A, DenseType::kFloat16>::Get();
+    return fn(a_tag, DenseTag<DenseType::kFloat16>());
   };
   switch (a) {
     case DenseType::kFloat32:
-      return with_b(std::integral_constant<DenseType, DenseType::kFloat32>());
+      return with_b(DenseTag<DenseType::kFloat32>());
     case DenseType::kBFloat16:
-      return with_b(std::integral_constant<DenseType, DenseType::kBFloat16>());
+      return with_b(DenseTag<DenseType::kBFloat16>());
     case DenseType::kFloat16:
       break;
   }
-  return with_b(std::integral_constant<DenseType, DenseType::kFloat16>());
+  return with_b(DenseTag<DenseType::kFloat16>());
 }
-
-using LoadFn = void (*)(const void*, int64_t, float*);
-using StoreFn = void (*)(const float*, int64_t, void*);
-
-template <DenseType A, DenseType B>
-struct LoadScalarOf {
-  static LoadFn Get() { return LoadRoundedScalar<A, B>; }
-};
-template <DenseType A, DenseType B>
-struct StoreScalarOf {
-  static StoreFn Get() { return StoreRoundedScalar<A, B>; }
-};
-#if defined(__x86_64__)
-template <DenseType A, DenseType B>
-struct LoadAvx2Of {
-  static LoadFn Get() { return LoadRoundedAvx2<A, B>; }
-};
-template <DenseType A, DenseType B>
-struct StoreAvx2Of {
-  static StoreFn Get() { return StoreRoundedAvx2<A, B>; }
-};
-#endif
 
 }  // namespace
 
 void LoadRounded(CpuIsa isa, const void* in, DenseType from, int64_t n, DenseType round,
                  float* out) {
   CheckSupported(isa, "LoadRounded");
+  WithDenseTypes(from, round, [&](auto from_tag, auto round_tag) {
+    constexpr DenseType kFrom = decltype(from_tag)::value, kRound = decltype(round_tag)::value;
 #if defined(__x86_64__)
-  if (isa != CpuIsa::kScalar) return PickPair<LoadAvx2Of, LoadFn>(from, round)(in, n, out);
+    if (isa != CpuIsa::kScalar) return LoadRoundedAvx2<kFrom, kRound>(in, n, out);
 #endif
-  PickPair<LoadScalarOf, LoadFn>(from, round)(in, n, out);
+    LoadRoundedScalar<kFrom, kRound>(in, n, out);
+  });
 }
 
 void StoreRounded(CpuIsa isa, const float* in, int64_t n, DenseType round, DenseType to,
                   void* out) {
   CheckSupported(isa, "StoreRounded");
+  WithDenseTypes(round, to, [&](auto round_tag, auto to_tag) {
+    constexpr DenseType kRound = decltype(round_tag)::value, kTo = decltype(to_tag)::value;
 #if defined(__x86_64__)
-  if (isa != CpuIsa::kScalar) return PickPair<StoreAvx2Of, StoreFn>(round, to)(in, n, out);
+    if (isa != CpuIsa::kScalar) return StoreRoundedAvx2<kRound, kTo>(in, n, out);
 #endif
-  PickPair<StoreScalarOf, StoreFn>(round, to)(in, n, out);
+    StoreRoundedScalar<kRound, kTo>(in, n, out);
+  });
 }
 
 }  // namespace accel::quant::internal

@@ -1,15 +1,14 @@
 // The command-line tools as a user runs them: accel-make-model, then
 // accel-inspect on its output, checking stdout, stderr and exit codes.
-#include <cstdio>
 #include <cstdlib>
 #include <set>
 #include <string>
-#include <sys/wait.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tests/testing/command.h"
 #include "tests/testing/temp_dir.h"
 
 namespace accel {
@@ -18,25 +17,13 @@ namespace {
 using ::accel::test::TempDir;
 using ::testing::HasSubstr;
 
-struct Result {
-  int exit_code = -1;
-  std::string out;  // stdout and stderr together
-};
+using Result = test::CommandResult;  // out: stdout and stderr together
 
 // `env`: VAR=value assignments for the command, or empty.
 Result RunTool(const std::string& command, const std::string& env = "") {
   const char* bin = std::getenv("ACCEL_BIN_DIR");
-  std::string full = (env.empty() ? "" : env + " ") + std::string(bin ? bin : "build/bin") + "/" +
-                     command + " 2>&1";
-  Result r;
-  FILE* pipe = popen(full.c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) r.out.append(buffer, n);
-  int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return test::CommandOutput((env.empty() ? "" : env + " ") + std::string(bin ? bin : "build/bin") +
+                             "/" + command + " 2>&1");
 }
 
 // stdout alone (stderr dropped): for output that must parse.

@@ -34,6 +34,7 @@
 #include "absl/time/time.h"
 
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "tests/testing/command.h"
 
 namespace accel::testing {
 
@@ -45,22 +46,8 @@ inline std::string BinDir() {
 // Runs a command; its exit status (0 on success).
 inline int RunCommand(const std::string& command) { return std::system(command.c_str()); }
 
-// A command's stdout and its exit status (-1 when it could not run).
-struct CommandResult {
-  int exit_code = -1;
-  std::string out;
-};
-inline CommandResult CommandOutput(const std::string& command) {
-  CommandResult result;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.out.append(buffer, n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
+using ::accel::test::CommandOutput;
+using ::accel::test::CommandResult;
 
 // A model made by accel-make-model with `flags`, kept under the build
 // folder (test-models/<name>.<accel-make-model's mtime>, so a rebuilt maker

@@ -1,16 +1,15 @@
 // accel-tokenize as users run it: text and conversations in, the rendered
 // text and its ids out, checked against the library's own answer; and the
 // errors people will meet.
-#include <cstdio>
 #include <cstdlib>
 #include <string>
-#include <sys/wait.h>
 #include <vector>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tests/testing/command.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "tokenizer/bpe_trainer.h"
@@ -24,25 +23,13 @@ using ::accel::test::TempDir;
 using ::testing::HasSubstr;
 using Json = nlohmann::json;
 
-struct Result {
-  int exit_code = -1;
-  std::string out;
-};
+using Result = test::CommandResult;
 
 // Runs build/bin/accel-tokenize; `stderr_too` adds stderr to the output.
 Result RunTokenize(const std::string& args, bool stderr_too = true) {
   const char* bin = std::getenv("ACCEL_BIN_DIR");
-  const std::string command = std::string(bin ? bin : "build/bin") + "/accel-tokenize " + args +
-                              (stderr_too ? " 2>&1" : " 2>/dev/null");
-  Result r;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) r.out.append(buffer, n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return test::CommandOutput(std::string(bin ? bin : "build/bin") + "/accel-tokenize " + args +
+                             (stderr_too ? " 2>&1" : " 2>/dev/null"));
 }
 
 // A tokenizer folder as accel-make-model writes it.
