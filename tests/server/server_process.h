@@ -142,8 +142,12 @@ class ServerProcess {
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
       const std::string& model_dir, std::vector<std::string> extra_args,
       absl::Duration timeout = absl::Seconds(60), bool wait_ready = true) {
+    // One intra-op thread unless a test asks for more: the test models are
+    // tiny, and ctest runs tests side by side, where each server's OpenMP
+    // workers spinning on every core slowed the others past their 300 ms
+    // limits (ServeSchedulingTest.DeadlinesEndRequests, once in CI).
     std::vector<std::string> args = {BinDir() + "/accel-serve", "--host=127.0.0.1", "--port=0",
-                                     "--metrics_port=0"};
+                                     "--metrics_port=0", "--threads=1"};
     if (!model_dir.empty()) args.push_back("--model=" + model_dir);
     args.insert(args.end(), extra_args.begin(), extra_args.end());
     std::unique_ptr<ServerProcess> server(new ServerProcess());
