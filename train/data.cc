@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 
 #include "core/status.h"
+#include "train/operations.h"
 
 namespace accel::train {
 
@@ -337,6 +338,11 @@ const LoaderProgress* ActiveLoaders::active() const {
 namespace {
 // Starts the dispatch header when rank 0 failed to load the batch.
 constexpr char kLoadFailed[] = "!load failed: ";
+// The dispatch header of a stream that has ended (no batch follows), and the
+// first line of the header of its last batch: only rank 0 reads a stream, so
+// the others learn from it where the pass ends.
+constexpr char kStreamEnded[] = "!end";
+constexpr char kLastBatch[] = "!last\n";
 
 // torch.empty((), dtype=torch.int64).random_(generator=g).item(), from the
 // global CPU generator when `g` is null.
@@ -395,7 +401,8 @@ void LoaderCursor::Restore(const LoaderPosition& position) {
 }
 
 struct DataLoader::State {
-  std::shared_ptr<const Dataset> dataset;
+  std::shared_ptr<const Dataset> dataset;  // null over a stream
+  std::shared_ptr<IterableDataset> stream;
   DataLoaderOptions options;
   bool prepared = false;
   PrepareOptions prepare;
@@ -419,6 +426,20 @@ struct DataLoader::State {
   std::optional<Batch> dispatch_first;  // the first P rows of the pass's first global batch
   int64_t last_observed = -1;           // the rows of the last global batch (dispatch)
 
+  // The pass over a stream.
+  bool stream_done = false;  // nothing more to fetch in this pass
+  bool stream_eof = false;   // the dataset's Next() has returned nullopt
+  // Reset's failure on the dispatcher's rank 0, told to the others at the first fetch.
+  absl::Status stream_status;
+  // IterableDatasetShard's first group of the pass (the examples that
+  // complete a short final group), and the real examples in that final
+  // group (-1: none was short).
+  std::vector<Example> stream_first;
+  int64_t stream_tail = -1;
+  // The dispatcher's rank 0 reads one group ahead: the next group, once read.
+  bool stream_pending_read = false;
+  std::optional<std::vector<Example>> stream_pending;
+
   // Batches per epoch without SkipFirstBatches.
   int64_t FullSize() const;
 
@@ -432,6 +453,17 @@ struct DataLoader::State {
   }
 
   int64_t num_processes() const { return prepared ? prepare.shard.num_processes : 1; }
+  bool iterable() const { return stream != nullptr; }
+  // Whether another batch may come in this pass.
+  bool MoreToFetch() const { return iterable() ? !stream_done : next < batches.size(); }
+  // Over a stream: the examples that make one global batch (Accelerate's
+  // real_batch_size): batch_size * P, or batch_size when split or on one process.
+  int64_t StreamGroupSize() const {
+    if (!prepared || num_processes() == 1 || prepare.shard.split_batches) {
+      return options.batch_size;
+    }
+    return options.batch_size * num_processes();
+  }
   bool dispatch() const { return prepared && prepare.dispatch_batches && num_processes() > 1; }
   uint64_t seed() const {
     if (prepared && prepare.data_seed) return *prepare.data_seed;
@@ -541,7 +573,7 @@ struct DataLoader::State {
   }
 
   int64_t RemainderOf() const {
-    if (options.drop_last) return -1;
+    if (options.drop_last || iterable()) return -1;  // a stream's is known at its end
     const int64_t total = prepare.shard.split_batches || !prepared
                               ? options.batch_size
                               : options.batch_size * num_processes();
@@ -549,6 +581,7 @@ struct DataLoader::State {
   }
 
   absl::StatusOr<std::optional<Batch>> Fetch() {
+    if (iterable()) return dispatch() ? FetchStreamDispatched() : FetchStream();
     if (next >= batches.size()) return std::optional<Batch>();
     const IndexBatch& indices = batches[next++];
     if (dispatch()) return FetchDispatched(indices);
@@ -564,12 +597,105 @@ struct DataLoader::State {
       examples.push_back(std::move(e));
     }
     ACCEL_ASSIGN_OR_RETURN(Batch batch, Collate(examples));
-    if (to_device && prepared && prepare.device.type() != c10::kCPU) {
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-        for (auto& [name, t] : batch) t = t.to(prepare.device, prepare.non_blocking);
-      }));
+    if (to_device) {
+      ACCEL_ASSIGN_OR_RETURN(batch, Place(std::move(batch)));
     }
     return std::optional<Batch>(std::move(batch));
+  }
+
+  // The batch on the prepared loader's device, if it has one.
+  absl::StatusOr<Batch> Place(Batch batch) const {
+    if (!prepared || !prepare.device) return batch;
+    SendToDeviceOptions send;
+    send.non_blocking = prepare.non_blocking;
+    return SendToDevice(batch, *prepare.device, send);
+  }
+
+  // Up to `count` more examples of the stream into `out`; at its end the
+  // pass has nothing more to fetch.
+  absl::Status ReadStream(int64_t count, std::vector<Example>* out) {
+    while (static_cast<int64_t>(out->size()) < count) {
+      ACCEL_ASSIGN_OR_RETURN(std::optional<Example> example, stream->Next());
+      if (!example) {
+        stream_eof = true;
+        break;
+      }
+      out->push_back(*std::move(example));
+    }
+    return absl::OkStatus();
+  }
+
+  // IterableDatasetShard: every rank reads each group of the stream and
+  // keeps its slice as one batch. On one process (or unprepared): plain
+  // batches, the last one possibly short.
+  absl::StatusOr<std::optional<Batch>> FetchStream() {
+    if (stream_done) return std::optional<Batch>();
+    const int64_t real = StreamGroupSize();
+    std::vector<Example> group;
+    ACCEL_RETURN_IF_ERROR(ReadStream(real, &group));
+    const auto got = static_cast<int64_t>(group.size());
+    if (got < real) stream_done = true;
+    if (got == 0 || (got < real && options.drop_last)) return std::optional<Batch>();
+    const bool shard = prepared && num_processes() > 1;
+    if (!shard) {
+      ACCEL_ASSIGN_OR_RETURN(Batch batch, Collate(group));
+      ACCEL_ASSIGN_OR_RETURN(batch, Place(std::move(batch)));
+      return std::optional<Batch>(std::move(batch));
+    }
+    if (stream_first.empty()) stream_first = group;
+    if (got < real) {
+      // Completed from the pass's first group, cycled (a stream shorter
+      // than one group cycles itself), as Accelerate does.
+      stream_tail = got;
+      const std::vector<Example> first = stream_first;
+      while (static_cast<int64_t>(group.size()) < real) {
+        group.insert(group.end(), first.begin(), first.end());
+      }
+    }
+    const int64_t per =
+        prepare.shard.split_batches ? options.batch_size / num_processes() : options.batch_size;
+    const int64_t begin = prepare.shard.process_index * per;
+    std::vector<Example> mine(group.begin() + begin, group.begin() + begin + per);
+    ACCEL_ASSIGN_OR_RETURN(Batch batch, Collate(mine));
+    ACCEL_ASSIGN_OR_RETURN(batch, Place(std::move(batch)));
+    return std::optional<Batch>(std::move(batch));
+  }
+
+  // The dispatcher's rank 0: the next global group of the stream (nullopt at
+  // its end; a short final group is dropped with drop_last).
+  absl::StatusOr<std::optional<std::vector<Example>>> ReadStreamGroup() {
+    std::vector<Example> group;
+    if (!stream_eof) ACCEL_RETURN_IF_ERROR(ReadStream(StreamGroupSize(), &group));
+    if (group.empty() || (stream_eof && options.drop_last &&
+                          static_cast<int64_t>(group.size()) < StreamGroupSize())) {
+      return std::optional<std::vector<Example>>();
+    }
+    return std::optional<std::vector<Example>>(std::move(group));
+  }
+
+  // DataLoaderDispatcher over a stream: rank 0 reads one group ahead, so the
+  // header of the last batch says it is the last.
+  absl::StatusOr<std::optional<Batch>> FetchStreamDispatched() {
+    if (stream_done && group->rank() != 0) return std::optional<Batch>();
+    absl::StatusOr<std::optional<Batch>> loaded = std::optional<Batch>();
+    bool last = false;
+    if (group->rank() == 0) {
+      loaded = [&]() -> absl::StatusOr<std::optional<Batch>> {
+        ACCEL_RETURN_IF_ERROR(stream_status);
+        if (!stream_pending_read) {
+          ACCEL_ASSIGN_OR_RETURN(stream_pending, ReadStreamGroup());
+          stream_pending_read = true;
+        }
+        std::optional<std::vector<Example>> current = std::move(stream_pending);
+        stream_pending.reset();
+        if (!current) return std::optional<Batch>();
+        ACCEL_ASSIGN_OR_RETURN(stream_pending, ReadStreamGroup());
+        last = !stream_pending;
+        ACCEL_ASSIGN_OR_RETURN(Batch batch, Collate(*current));
+        return std::optional<Batch>(std::move(batch));
+      }();
+    }
+    return Dispatch(std::move(loaded), last);
   }
 
   // DataLoaderDispatcher: rank 0 reads the global batch and broadcasts it;
@@ -583,13 +709,26 @@ struct DataLoader::State {
   // never seen.
   absl::StatusOr<std::optional<Batch>> FetchDispatched(const IndexBatch& indices) {
     const bool last = next >= batches.size();
+    absl::StatusOr<std::optional<Batch>> loaded = std::optional<Batch>();
+    if (group->rank() == 0) loaded = Load(indices, /*to_device=*/false);
+    return Dispatch(std::move(loaded), last);
+  }
+
+  // Sends rank 0's global batch (`loaded`: the batch, nullopt when a stream
+  // has ended, or the error reading it) to every rank and returns this
+  // rank's rows. `last`: whether it is the pass's last batch, as this rank
+  // knows it (over a stream only rank 0 does, and the header tells the rest).
+  absl::StatusOr<std::optional<Batch>> Dispatch(absl::StatusOr<std::optional<Batch>> loaded,
+                                                bool last) {
     Batch global;
     std::string header;
     absl::Status load_status;
     if (group->rank() == 0) {
-      absl::StatusOr<std::optional<Batch>> loaded = Load(indices, /*to_device=*/false);
-      if (loaded.ok()) {
+      if (loaded.ok() && !loaded->has_value()) {
+        header = kStreamEnded;
+      } else if (loaded.ok()) {
         global = **std::move(loaded);
+        if (last) header = kLastBatch;
         for (const auto& [name, t] : global) {
           absl::StrAppend(&header, name, "\t", static_cast<int>(t.scalar_type()));
           for (int64_t d : t.sizes()) absl::StrAppend(&header, "\t", d);
@@ -598,6 +737,7 @@ struct DataLoader::State {
       } else {
         // The other ranks wait for this header: tell them, rather than let
         // them time out.
+        stream_done = true;
         load_status = loaded.status();
         header = absl::StrCat(kLoadFailed, load_status.message());
       }
@@ -605,10 +745,20 @@ struct DataLoader::State {
     ACCEL_ASSIGN_OR_RETURN(header, group->BroadcastBytes(header, 0));
     if (!load_status.ok()) return load_status;
     if (absl::StartsWith(header, kLoadFailed)) {
+      stream_done = true;
       return absl::AbortedError(
           absl::StrCat("dispatch_batches: rank 0 could not load the batch: ",
                        absl::string_view(header).substr(sizeof(kLoadFailed) - 1)));
     }
+    if (header == kStreamEnded) {
+      stream_done = true;
+      return std::optional<Batch>();
+    }
+    if (absl::StartsWith(header, kLastBatch)) {
+      last = true;
+      header.erase(0, sizeof(kLastBatch) - 1);
+    }
+    if (last && iterable()) stream_done = true;
     if (group->rank() != 0) {
       ACCEL_ASSIGN_OR_RETURN(global, EmptyBatchFromHeader(header));
     }
@@ -641,13 +791,10 @@ struct DataLoader::State {
         // Python's slice: clipped to the rows there are.
         const int64_t begin = std::min(r * per, rows.size(0));
         const int64_t end = std::min((r + 1) * per, rows.size(0));
-        at::Tensor slice = rows.narrow(0, begin, end - begin);
-        if (prepare.device.type() != c10::kCPU) {
-          slice = slice.to(prepare.device, prepare.non_blocking);
-        }
-        mine.emplace(name, slice);
+        mine.emplace(name, rows.narrow(0, begin, end - begin));
       }
     }));
+    ACCEL_ASSIGN_OR_RETURN(mine, Place(std::move(mine)));
     if (last) last_observed = observed;
     return std::optional<Batch>(std::move(mine));
   }
@@ -693,6 +840,10 @@ struct DataLoader::State {
   absl::Status MarkEnd() {
     progress.end_of_dataloader = true;
     if (dispatch() && last_observed >= 0) progress.remainder = last_observed;
+    if (iterable() && !dispatch() && prepared && num_processes() > 1 && !options.drop_last) {
+      // The real examples of the completed final group (0: none was short).
+      progress.remainder = std::max<int64_t>(0, stream_tail);
+    }
     if (synced_shuffle() && cursor->generator_ && draws()) {
       return CallTorch([&] { Permutation(dataset->size(), *cursor->generator_); });
     }
@@ -702,6 +853,51 @@ struct DataLoader::State {
   void Unregister() {
     if (registered && active != nullptr) active->Pop(&progress);
     registered = false;
+  }
+
+  // Start() over a stream: Reset(epoch) where it is read, then the batches
+  // to skip are fetched and dropped (a stream cannot seek: Accelerate's skip
+  // for iterables), then the first batch is fetched ahead.
+  absl::Status StartStream(int64_t skip) {
+    batches.clear();
+    next = 0;
+    pass_skip = skip;
+    progress = LoaderProgress{};
+    progress.remainder = -1;
+    dispatch_first.reset();
+    last_observed = -1;
+    stream_done = false;
+    stream_eof = false;
+    stream_status = absl::OkStatus();
+    stream_first.clear();
+    stream_tail = -1;
+    stream_pending_read = false;
+    stream_pending.reset();
+    if (draws()) {
+      absl::Status reset = Annotate(stream->Reset(epoch()), "IterableDataset::Reset");
+      // The dispatcher's other ranks wait for rank 0's first header: its
+      // failure travels there instead of returning before it.
+      if (!reset.ok() && !dispatch()) return reset;
+      stream_status = reset;
+    }
+    running = true;
+    if (active != nullptr) {
+      active->Push(&progress);
+      registered = true;
+    }
+    int64_t skipped = 0;
+    while (skipped < skip && MoreToFetch()) {
+      ACCEL_ASSIGN_OR_RETURN(std::optional<Batch> dropped, Fetch());
+      if (!dropped) break;
+      ++skipped;
+    }
+    cursor->yielded_ = skipped;
+    lookahead.reset();
+    if (MoreToFetch()) {
+      ACCEL_ASSIGN_OR_RETURN(lookahead, Fetch());
+    }
+    if (!MoreToFetch() || !lookahead) ACCEL_RETURN_IF_ERROR(MarkEnd());
+    return absl::OkStatus();
   }
 };
 
@@ -724,6 +920,24 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(
   return std::unique_ptr<DataLoader>(new DataLoader(std::move(state)));
 }
 
+absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(
+    std::shared_ptr<IterableDataset> dataset, const DataLoaderOptions& options) {
+  if (dataset == nullptr) return absl::InvalidArgumentError("DataLoader: no dataset");
+  if (options.batch_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DataLoader: batch_size must be >= 1, got ", options.batch_size));
+  }
+  if (options.shuffle) {
+    return absl::InvalidArgumentError(
+        "DataLoader: shuffle is for map-style datasets; an IterableDataset reads in its own order "
+        "(shuffle in its Reset(epoch))");
+  }
+  auto state = std::make_unique<State>();
+  state->stream = std::move(dataset);
+  state->options = options;
+  return std::unique_ptr<DataLoader>(new DataLoader(std::move(state)));
+}
+
 absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Prepare(const DataLoader& loader,
                                                                 ProcessGroup& group,
                                                                 ActiveLoaders* active,
@@ -739,6 +953,7 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Prepare(const DataLoader
   }
   auto state = std::make_unique<State>();
   state->dataset = loader.state_->dataset;
+  state->stream = loader.state_->stream;
   state->options = loader.state_->options;
   state->prepared = true;
   state->prepare = prepare;
@@ -764,6 +979,7 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Prepare(const DataLoader
 std::unique_ptr<DataLoader> DataLoader::SkipFirstBatches(int64_t num_batches) const {
   auto state = std::make_unique<State>();
   state->dataset = state_->dataset;
+  state->stream = state_->stream;
   state->options = state_->options;
   state->prepared = state_->prepared;
   state->prepare = state_->prepare;
@@ -781,6 +997,7 @@ absl::Status DataLoader::Start() {
   // A restored position belongs to its epoch only.
   if (cursor.resume_ && cursor.resume_->epoch != cursor.epoch_) cursor.resume_.reset();
   const int64_t skip = s.PendingSkip();
+  if (s.iterable()) return s.StartStream(skip);
   if (s.synced_shuffle()) {
     ACCEL_ASSIGN_OR_RETURN(s.pass_order, s.DrawOrder());
   } else {
@@ -829,7 +1046,7 @@ absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
   std::optional<Batch> current = std::move(s.lookahead);
   s.lookahead.reset();
   ++s.cursor->yielded_;
-  if (s.next < s.batches.size()) {
+  if (s.MoreToFetch()) {
     ACCEL_ASSIGN_OR_RETURN(s.lookahead, s.Fetch());
   }
   if (!s.lookahead) ACCEL_RETURN_IF_ERROR(s.MarkEnd());
@@ -839,11 +1056,22 @@ absl::StatusOr<std::optional<Batch>> DataLoader::Next() {
 int64_t DataLoader::size() const {
   const State& s = *state_;
   // SkipBatchSampler.__len__: the skipped batches are not counted.
-  return std::max<int64_t>(0, s.FullSize() - s.PendingSkip());
+  const int64_t full = s.FullSize();
+  if (full < 0) return -1;
+  return std::max<int64_t>(0, full - s.PendingSkip());
 }
+
+bool DataLoader::is_iterable() const { return state_->iterable(); }
 
 int64_t DataLoader::State::FullSize() const {
   const State& s = *this;
+  if (s.iterable()) {
+    // One batch per group of the stream, on every rank and in every mode.
+    const std::optional<int64_t> n = s.stream->size();
+    if (!n) return -1;
+    const int64_t group = s.StreamGroupSize();
+    return s.options.drop_last ? *n / group : (*n + group - 1) / group;
+  }
   const int64_t n = static_cast<int64_t>(s.dataset->size());
   const int64_t bs = s.options.batch_size;
   const int64_t base = s.options.drop_last ? n / bs : (n + bs - 1) / bs;
@@ -869,10 +1097,17 @@ int64_t DataLoader::total_batch_size() const {
   return s.options.batch_size * s.num_processes();
 }
 
-int64_t DataLoader::dataset_size() const { return state_->dataset->size(); }
+int64_t DataLoader::dataset_size() const {
+  if (state_->iterable()) return state_->stream->size().value_or(-1);
+  return state_->dataset->size();
+}
 
 absl::StatusOr<std::vector<IndexBatch>> DataLoader::EpochBatches() const {
   const State& s = *state_;
+  if (s.iterable()) {
+    return absl::FailedPreconditionError(
+        "EpochBatches: the loader reads an IterableDataset, whose examples have no indices");
+  }
   if (s.synced_shuffle()) {
     if (!s.running) {
       return absl::FailedPreconditionError(

@@ -79,6 +79,24 @@ class Dataset {
   virtual absl::StatusOr<Example> Get(int64_t index) const = 0;
 };
 
+// An iterable (streaming) dataset, torch's IterableDataset: examples come
+// one after another and the loader cannot index them. A loader starts each
+// pass with Reset(epoch) (torch's set_epoch, then iter()) and reads with
+// Next() until it returns nullopt. Resuming (load_state, SkipFirstBatches)
+// re-reads the pass and drops the batches already handed out, as Accelerate's
+// skip does: it is exact when Reset with the same epoch replays the same
+// examples in the same order. One pass at a time: the loaders made from one
+// loader (prepared, skipping) share the dataset, and so share its stream.
+class IterableDataset {
+ public:
+  virtual ~IterableDataset() = default;
+  virtual absl::Status Reset(int64_t epoch) = 0;
+  // The next example of the pass; nullopt at its end.
+  virtual absl::StatusOr<std::optional<Example>> Next() = 0;
+  // Examples per pass when known (__len__), for DataLoader::size().
+  virtual std::optional<int64_t> size() const { return std::nullopt; }
+};
+
 // Rows of named tensors that share their first dimension.
 class TensorDataset : public Dataset {
  public:
@@ -185,8 +203,9 @@ struct PrepareOptions {
   // default is false; ours is true (the Accelerator's option says why).
   bool use_seedable_sampler = true;
   std::optional<uint64_t> data_seed;  // the seedable sampler's seed
-  // Batches are moved here (non_blocking where the device allows).
-  c10::Device device = c10::Device(c10::kCPU);
+  // Batches are moved here (non_blocking where the device allows); nullopt:
+  // they stay where the dataset made them (device_placement false).
+  std::optional<c10::Device> device = c10::Device(c10::kCPU);
   bool non_blocking = false;
 };
 
@@ -196,11 +215,29 @@ struct PrepareOptions {
 //   ... }
 // The loader runs one batch ahead, so end_of_dataloader() is true while the
 // last batch is being used. A full pass moves to the next epoch.
+//
+// Over an IterableDataset, prepared for several processes: without
+// dispatch_batches every rank reads the whole stream and keeps its slice of
+// each group of batch_size * P examples (batch_size with split_batches) as
+// one batch, Accelerate's IterableDatasetShard; a short final group is
+// completed by cycling the pass's first group (drop_last: dropped), so every
+// rank yields the same number of batches, and gather_for_metrics keeps the
+// final group's real examples (remainder: their count; Accelerate computes
+// 0 there and keeps the duplicates). With dispatch_batches (Accelerate's
+// default for iterables) rank 0 alone reads, one group ahead so that it
+// knows which group is the last, and sends each rank its rows
+// (DataLoaderDispatcher; remainder: the rows of the last group). On one
+// process the stream is simply batched, the last batch possibly short.
 class DataLoader {
  public:
   // An unprepared, single-process loader.
   static absl::StatusOr<std::unique_ptr<DataLoader>> Create(std::shared_ptr<const Dataset> dataset,
                                                             const DataLoaderOptions& options);
+  // The same over a stream; `options.shuffle` is refused (torch's
+  // DataLoader refuses it too: an iterable dataset shuffles itself, in
+  // Reset(epoch)).
+  static absl::StatusOr<std::unique_ptr<DataLoader>> Create(
+      std::shared_ptr<IterableDataset> dataset, const DataLoaderOptions& options);
   // The sharded loader of one rank. `group` and `active` must outlive it;
   // `group` is used by dispatch_batches only.
   static absl::StatusOr<std::unique_ptr<DataLoader>> Prepare(const DataLoader& loader,
@@ -220,8 +257,10 @@ class DataLoader {
   absl::Status Start();
   absl::StatusOr<std::optional<Batch>> Next();
   // Batches this rank yields per epoch (BatchSamplerShard.__len__), less the
-  // ones the next pass skips.
+  // ones the next pass skips; over a stream of unknown size, -1.
   int64_t size() const;
+  // Whether the dataset is an IterableDataset.
+  bool is_iterable() const;
   int64_t epoch() const;
   void set_epoch(int64_t epoch);
   // The epoch and the batches of it handed out so far (save_state).
@@ -233,10 +272,12 @@ class DataLoader {
   const DataLoaderOptions& options() const;
   // batch_size * num_processes (or batch_size when split_batches).
   int64_t total_batch_size() const;
+  // The examples per pass; over a stream of unknown size, -1.
   int64_t dataset_size() const;
   // The indices of the batches this rank yields in the current epoch (for
   // tests and resume). With use_seedable_sampler false the order is drawn
-  // when a pass starts: FailedPrecondition outside a pass.
+  // when a pass starts: FailedPrecondition outside a pass, and always over
+  // an IterableDataset (a stream has no indices).
   absl::StatusOr<std::vector<IndexBatch>> EpochBatches() const;
 
  private:

@@ -1052,5 +1052,351 @@ TEST(DataLoaderDispatcher, TwoRanks) {
               testing::Each(0));
 }
 
+// ---- Iterable datasets ----
+
+// A stream of `n` examples {"x": i + 1000 * epoch}; `bad` makes element
+// `bad` fail, `bad_reset` makes Reset fail.
+class Stream : public IterableDataset {
+ public:
+  explicit Stream(int64_t n, bool sized = true) : n_(n), sized_(sized) {}
+  absl::Status Reset(int64_t epoch) override {
+    resets.push_back(epoch);
+    if (bad_reset) return absl::UnavailableError("the stream's server is down");
+    epoch_ = epoch;
+    position_ = 0;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::optional<Example>> Next() override {
+    if (position_ >= n_) return std::optional<Example>();
+    if (position_ == bad) {
+      return absl::DataLossError(absl::StrCat("element ", position_, " is corrupt"));
+    }
+    const int64_t value = position_++ + 1000 * epoch_;
+    ++reads;
+    return std::optional<Example>(Example{{"x", at::scalar_tensor(value, at::kLong)}});
+  }
+  std::optional<int64_t> size() const override {
+    return sized_ ? std::optional<int64_t>(n_) : std::nullopt;
+  }
+
+  int64_t bad = -1;
+  bool bad_reset = false;
+  std::vector<int64_t> resets;
+  int64_t reads = 0;
+
+ private:
+  int64_t n_;
+  bool sized_;
+  int64_t epoch_ = 0;
+  int64_t position_ = 0;
+};
+
+TEST(IterableLoader, OneProcessBatchesTheStream) {
+  DataLoaderOptions o = Options(3);
+  auto stream = std::make_shared<Stream>(7);
+  auto loader = DataLoader::Create(stream, o);
+  ASSERT_THAT(loader, IsOk());
+  EXPECT_TRUE((*loader)->is_iterable());
+  EXPECT_EQ((*loader)->size(), 3);
+  EXPECT_EQ((*loader)->dataset_size(), 7);
+  std::vector<bool> ends;
+  EXPECT_EQ(Pass(**loader, &ends), Batches({{0, 1, 2}, {3, 4, 5}, {6}}));
+  EXPECT_EQ(ends, std::vector<bool>({false, false, true}));
+  EXPECT_EQ((*loader)->epoch(), 1);
+  // The next pass is epoch 1: Reset(1) restarts the stream.
+  EXPECT_EQ(Pass(**loader), Batches({{1000, 1001, 1002}, {1003, 1004, 1005}, {1006}}));
+  EXPECT_EQ(stream->resets, std::vector<int64_t>({0, 1}));
+  // drop_last drops the short batch; an unsized stream has no size.
+  o.drop_last = true;
+  auto unsized = DataLoader::Create(std::make_shared<Stream>(7, /*sized=*/false), o);
+  ASSERT_THAT(unsized, IsOk());
+  EXPECT_EQ((*unsized)->size(), -1);
+  EXPECT_EQ((*unsized)->dataset_size(), -1);
+  ends.clear();
+  EXPECT_EQ(Pass(**unsized, &ends), Batches({{0, 1, 2}, {3, 4, 5}}));
+  EXPECT_EQ(ends, std::vector<bool>({false, true}));
+  // Prepared for one process: the same batches (no padding), and an empty stream is an empty pass.
+  FakeGroup one(0, 1);
+  auto single = DataLoader::Prepare(**DataLoader::Create(std::make_shared<Stream>(7), Options(3)),
+                                    one, nullptr, {});
+  ASSERT_THAT(single, IsOk());
+  EXPECT_EQ(Pass(**single), Batches({{0, 1, 2}, {3, 4, 5}, {6}}));
+  auto empty = DataLoader::Create(std::make_shared<Stream>(0), Options(3));
+  ASSERT_THAT(empty, IsOk());
+  EXPECT_TRUE(Pass(**empty).empty());
+  EXPECT_TRUE((*empty)->progress().end_of_dataloader);
+}
+
+TEST(IterableLoader, ShardsLikeIterableDatasetShard) {
+  // Accelerate's vectors (ShardIterable above): every rank reads the stream
+  // and keeps its slice of each group of bs * P (bs when split) as a batch;
+  // the short final group is completed from the first one.
+  struct Case {
+    int64_t n, bs;
+    int p;
+    bool split, drop;
+    int64_t remainder;  // the real examples of the final group
+  };
+  const std::vector<Case> cases = {
+      {10, 4, 2, false, false, 2}, {10, 4, 2, false, true, -1}, {10, 4, 2, true, false, 2},
+      {10, 4, 2, true, true, -1},  {3, 4, 2, false, false, 3},  {3, 4, 2, true, false, 3},
+      {7, 2, 3, false, false, 1},  {7, 3, 3, true, false, 1},   {16, 4, 2, false, false, 0},
+      {0, 2, 2, false, false, 0},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(
+        absl::StrCat("n=", c.n, " bs=", c.bs, " P=", c.p, " split=", c.split, " drop=", c.drop));
+    const int64_t per = c.split ? c.bs / c.p : c.bs;
+    const int64_t group = c.split ? c.bs : c.bs * c.p;
+    const int64_t want_batches = c.drop ? c.n / group : (c.n + group - 1) / group;
+    std::vector<int64_t> gathered_last;
+    for (int r = 0; r < c.p; ++r) {
+      FakeGroup fake(r, c.p);
+      ActiveLoaders active;
+      DataLoaderOptions o = Options(c.bs);
+      o.drop_last = c.drop;
+      auto base = DataLoader::Create(std::make_shared<Stream>(c.n), o);
+      ASSERT_THAT(base, IsOk());
+      PrepareOptions prepare;
+      prepare.shard.split_batches = c.split;
+      auto loader = DataLoader::Prepare(**base, fake, &active, prepare);
+      ASSERT_THAT(loader, IsOk());
+      EXPECT_EQ((*loader)->size(), want_batches);
+      std::vector<bool> ends;
+      const Batches batches = Pass(**loader, &ends);
+      auto want = ShardIterable(c.n, c.bs, c.drop, {c.p, r, c.split, true});
+      ASSERT_THAT(want, IsOk());
+      EXPECT_EQ(Flat(batches), *want) << "rank " << r;
+      // Every rank the same number of full batches; the end seen on the last.
+      ASSERT_EQ(static_cast<int64_t>(batches.size()), want_batches) << "rank " << r;
+      for (const auto& b : batches) EXPECT_EQ(static_cast<int64_t>(b.size()), per);
+      if (want_batches > 0) {
+        std::vector<bool> want_ends(static_cast<size_t>(want_batches), false);
+        want_ends.back() = true;
+        EXPECT_EQ(ends, want_ends);
+        gathered_last.insert(gathered_last.end(), batches.back().begin(), batches.back().end());
+      }
+      EXPECT_EQ((*loader)->progress().remainder, c.remainder);
+      EXPECT_EQ(active.active(), nullptr);
+    }
+    // gather_for_metrics keeps the first `remainder` rows of the gathered
+    // last batch: exactly the stream's tail, with no duplicate.
+    if (c.remainder > 0) {
+      const std::vector<int64_t> kept(gathered_last.begin(), gathered_last.begin() + c.remainder);
+      std::vector<int64_t> tail;
+      for (int64_t i = c.n - c.remainder; i < c.n; ++i) tail.push_back(i);
+      EXPECT_EQ(kept, tail);
+    }
+  }
+}
+
+TEST(IterableLoader, SkipAndResumeReplayTheStream) {
+  // P=2, bs=2: rank 0's batches are [0,1] [4,5] [8,9] [12,13] [16,17].
+  FakeGroup rank0(0, 2);
+  auto stream = std::make_shared<Stream>(20);
+  auto base = DataLoader::Create(stream, Options(2));
+  ASSERT_THAT(base, IsOk());
+  auto loader = DataLoader::Prepare(**base, rank0, nullptr, {});
+  ASSERT_THAT(loader, IsOk());
+  auto skipping = (*loader)->SkipFirstBatches(2);
+  EXPECT_EQ(skipping->size(), 3);
+  EXPECT_EQ(Pass(*skipping), Batches({{8, 9}, {12, 13}, {16, 17}}));
+  EXPECT_EQ((*loader)->epoch(), 1);  // the skipping loader moved the shared cursor
+  // Epoch 1, two batches in, then "the process dies": its position says so.
+  ASSERT_THAT((*loader)->Start(), IsOk());
+  ASSERT_THAT((*loader)->Next(), IsOk());
+  ASSERT_THAT((*loader)->Next(), IsOk());
+  const LoaderPosition saved = (*loader)->position();
+  EXPECT_EQ(saved.epoch, 1);
+  EXPECT_EQ(saved.batches_yielded, 2);
+  // A new run restores it: the stream is replayed from Reset(1) and the
+  // first two batches are dropped.
+  auto stream2 = std::make_shared<Stream>(20);
+  auto resumed = DataLoader::Prepare(**DataLoader::Create(stream2, Options(2)), rank0, nullptr, {});
+  ASSERT_THAT(resumed, IsOk());
+  (*resumed)->cursor()->Restore(saved);
+  EXPECT_EQ((*resumed)->size(), 3);
+  EXPECT_EQ(Pass(**resumed), Batches({{1008, 1009}, {1012, 1013}, {1016, 1017}}));
+  EXPECT_EQ(stream2->resets, std::vector<int64_t>({1}));
+  EXPECT_EQ((*resumed)->epoch(), 2);
+  EXPECT_EQ(Pass(**resumed).size(), 5u);  // the next epoch is whole again
+  // Skipping past the end leaves an empty pass.
+  auto past = (*loader)->SkipFirstBatches(9);
+  EXPECT_TRUE(Pass(*past).empty());
+}
+
+TEST(IterableLoader, BadInputAndStreamErrorsNameTheProblem) {
+  DataLoaderOptions o = Options(2);
+  o.shuffle = true;
+  EXPECT_THAT(DataLoader::Create(std::make_shared<Stream>(4), o),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shuffle")));
+  EXPECT_THAT(DataLoader::Create(std::shared_ptr<IterableDataset>(), Options(2)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("no dataset")));
+  DataLoaderOptions zero;
+  zero.batch_size = 0;
+  EXPECT_THAT(DataLoader::Create(std::make_shared<Stream>(4), zero),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("batch_size")));
+  auto loader = DataLoader::Create(std::make_shared<Stream>(4), Options(2));
+  ASSERT_THAT(loader, IsOk());
+  EXPECT_THAT((*loader)->EpochBatches(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("IterableDataset")));
+  FakeGroup rank0(0, 2);
+  PrepareOptions split;
+  split.shard.split_batches = true;
+  EXPECT_THAT(DataLoader::Prepare(**DataLoader::Create(std::make_shared<Stream>(4), Options(3)),
+                                  rank0, nullptr, split),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("round multiple")));
+  // The stream's own errors reach the caller: Reset's at Start, Next's one batch ahead.
+  auto broken_reset = std::make_shared<Stream>(4);
+  broken_reset->bad_reset = true;
+  EXPECT_THAT((*DataLoader::Create(broken_reset, Options(2)))->Start(),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("IterableDataset::Reset")));
+  auto broken = std::make_shared<Stream>(8);
+  broken->bad = 5;
+  auto reading = DataLoader::Prepare(**DataLoader::Create(broken, Options(2)), rank0, nullptr, {});
+  ASSERT_THAT(reading, IsOk());
+  ASSERT_THAT((*reading)->Start(), IsOk());  // group [0..3]
+  EXPECT_THAT((*reading)->Next(),
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("element 5 is corrupt")));
+}
+
+TEST(DataLoaderPlacement, BatchesGoToThePreparedDeviceOrStay) {
+  // The meta device stands for a GPU: a move there is observable on any libtorch.
+  FakeGroup one(0, 1);
+  for (bool iterable : {false, true}) {
+    SCOPED_TRACE(iterable ? "iterable" : "map-style");
+    auto make = [&] {
+      return iterable ? DataLoader::Create(std::make_shared<Stream>(4), Options(2))
+                      : DataLoader::Create(Numbers(4), Options(2));
+    };
+    PrepareOptions placed;
+    placed.device = c10::Device(c10::kMeta);
+    auto on_meta = DataLoader::Prepare(**make(), one, nullptr, placed);
+    ASSERT_THAT(on_meta, IsOk());
+    ASSERT_THAT((*on_meta)->Start(), IsOk());
+    auto batch = (*on_meta)->Next();
+    ASSERT_THAT(batch, IsOk());
+    EXPECT_TRUE((**batch).at("x").is_meta());
+    PrepareOptions unplaced;
+    unplaced.device = std::nullopt;
+    auto on_cpu = DataLoader::Prepare(**make(), one, nullptr, unplaced);
+    ASSERT_THAT(on_cpu, IsOk());
+    EXPECT_EQ(Pass(**on_cpu), Batches({{0, 1}, {2, 3}}));
+  }
+}
+
+// dispatch_batches over a stream, on two real ranks: rank 0 alone reads (one
+// group ahead, to know the last), and the batches are those of the
+// map-style dispatcher over the same examples (DataLoaderDispatcherWorker).
+TEST(IterableDispatcherWorker, Run) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of IterableDispatcher.TwoRanks";
+  auto env = DetectProcessEnvironment(ProcessEnv());
+  ASSERT_THAT(env, IsOk());
+  auto group = ProcessGroup::Connect(*env, {});
+  ASSERT_THAT(group, IsOk());
+  const int rank = (*group)->rank();
+  ASSERT_EQ((*group)->size(), 2);
+  struct Case {
+    std::string name;
+    int64_t n, bs;
+    bool drop, split;
+    int64_t size, remainder;
+    Batches p0, p1;
+  };
+  const std::vector<Case> cases = {
+      {"n9", 9, 2, false, false, 3, 1, {{0, 1}, {4, 5}, {8}}, {{2, 3}, {6, 7}, {0}}},
+      {"n11", 11, 2, false, false, 3, 3, {{0, 1}, {4, 5}, {8, 9}}, {{2, 3}, {6, 7}, {10, 0}}},
+      {"n12", 12, 2, false, false, 3, 4, {{0, 1}, {4, 5}, {8, 9}}, {{2, 3}, {6, 7}, {10, 11}}},
+      {"drop", 10, 2, true, false, 2, 4, {{0, 1}, {4, 5}}, {{2, 3}, {6, 7}}},
+      {"split", 10, 4, false, true, 3, 2, {{0, 1}, {4, 5}, {8}}, {{2, 3}, {6, 7}, {9}}},
+      {"split_n9", 9, 4, false, true, 3, 1, {{0, 1}, {4, 5}, {8}}, {{2, 3}, {6, 7}, {0}}},
+      {"n9_bs4", 9, 4, false, false, 2, 1, {{0, 1, 2, 3}, {8}}, {{4, 5, 6, 7}, {0}}},
+      {"one_group", 4, 2, false, false, 1, 4, {{0, 1}}, {{2, 3}}},
+      {"empty", 0, 2, false, false, 0, -1, {}, {}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    DataLoaderOptions o = Options(c.bs);
+    o.drop_last = c.drop;
+    auto stream = std::make_shared<Stream>(c.n);
+    auto base = DataLoader::Create(stream, o);
+    ASSERT_THAT(base, IsOk());
+    ActiveLoaders active;
+    PrepareOptions prepare;
+    prepare.dispatch_batches = true;
+    prepare.shard.split_batches = c.split;
+    auto loader = DataLoader::Prepare(**base, **group, &active, prepare);
+    ASSERT_THAT(loader, IsOk());
+    EXPECT_EQ((*loader)->size(), c.size);
+    for (int pass = 0; pass < 2; ++pass) {
+      std::vector<bool> ends;
+      const int64_t offset = 1000 * pass;  // the stream's epoch shows in its values
+      Batches want = rank == 0 ? c.p0 : c.p1;
+      for (auto& b : want) {
+        for (auto& v : b) v += offset;
+      }
+      EXPECT_EQ(Pass(**loader, &ends), want);
+      if (c.size > 0) {
+        std::vector<bool> want_ends(static_cast<size_t>(c.size), false);
+        want_ends.back() = true;
+        EXPECT_EQ(ends, want_ends);
+      }
+      EXPECT_EQ((*loader)->progress().remainder, c.remainder);
+      EXPECT_TRUE((*loader)->progress().end_of_dataloader);
+      EXPECT_EQ(active.active(), nullptr);
+    }
+    // Only rank 0 reads the stream.
+    EXPECT_EQ(stream->reads, rank == 0 ? 2 * c.n : 0);
+  }
+  // Skipping (resume) drops batches after dispatching them, as Accelerate's
+  // skip_batches does for a dispatcher: the padding still comes from the
+  // pass's first group ([0, 1]).
+  {
+    auto base = DataLoader::Create(std::make_shared<Stream>(9), Options(2));
+    PrepareOptions prepare;
+    prepare.dispatch_batches = true;
+    auto loader = DataLoader::Prepare(**base, **group, nullptr, prepare);
+    ASSERT_THAT(loader, IsOk());
+    auto skipping = (*loader)->SkipFirstBatches(1);
+    std::vector<bool> ends;
+    EXPECT_EQ(Pass(*skipping, &ends), rank == 0 ? Batches({{4, 5}, {8}}) : Batches({{6, 7}, {0}}));
+    EXPECT_EQ(ends, std::vector<bool>({false, true}));
+    EXPECT_EQ(skipping->progress().remainder, 1);
+  }
+  // Rank 0's failures reach both ranks (no rank waits for a header that
+  // never comes): Reset's at the first fetch, Next's mid-stream.
+  {
+    auto stream = std::make_shared<Stream>(6);
+    stream->bad_reset = true;
+    PrepareOptions prepare;
+    prepare.dispatch_batches = true;
+    auto loader =
+        DataLoader::Prepare(**DataLoader::Create(stream, Options(2)), **group, nullptr, prepare);
+    ASSERT_THAT(loader, IsOk());
+    EXPECT_THAT((*loader)->Start(),
+                StatusIs(rank == 0 ? absl::StatusCode::kUnavailable : absl::StatusCode::kAborted,
+                         HasSubstr("server is down")));
+  }
+  {
+    auto stream = std::make_shared<Stream>(20);
+    stream->bad = 9;  // in the third group: read ahead while the first is handed out
+    PrepareOptions prepare;
+    prepare.dispatch_batches = true;
+    auto loader =
+        DataLoader::Prepare(**DataLoader::Create(stream, Options(2)), **group, nullptr, prepare);
+    ASSERT_THAT(loader, IsOk());
+    ASSERT_THAT((*loader)->Start(), IsOk());
+    EXPECT_THAT((*loader)->Next(),
+                StatusIs(rank == 0 ? absl::StatusCode::kDataLoss : absl::StatusCode::kAborted,
+                         HasSubstr("element 9 is corrupt")));
+  }
+  ASSERT_THAT((*group)->Barrier(), IsOk());
+}
+
+TEST(IterableDispatcher, TwoRanks) {
+  EXPECT_THAT(test::RunRanks(2, "IterableDispatcherWorker.Run", {}, /*timeout_s=*/60),
+              testing::Each(0));
+}
+
 }  // namespace
 }  // namespace accel::train
