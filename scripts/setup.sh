@@ -16,7 +16,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcivetweb-dev libre2-dev libgloo-dev libgoogle-glog-dev
-  libutf8proc-dev libssl-dev
+  libutf8proc-dev libssl-dev libyaml-cpp-dev
   prometheus openssl
   yamllint
 )

@@ -2,18 +2,22 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <dirent.h>
 #include <fcntl.h>
 #include <fstream>
 #include <set>
+#include <sstream>
 #include <sys/stat.h>
 #include <thread>
 #include <unistd.h>
 #include <utility>
 
 #include <nlohmann/json.hpp>
+#include <yaml-cpp/eventhandler.h>
+#include <yaml-cpp/yaml.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -47,96 +51,35 @@ const std::set<std::string>& KnownKeys() {
 }
 
 // ---------------------------------------------------------------------------
-// A YAML subset: what `accelerate config` (yaml.safe_dump) writes and what
-// people write by hand in that shape. Values become JSON, so YAML and JSON
-// files go through the same checks.
+// YAML, read by yaml-cpp: anything valid that `accelerate config` writes
+// (yaml.safe_dump, or JSON, which is YAML) or a person edits (anchors and
+// aliases, `<<` merge keys, flow style, quoting, block scalars, comments).
+// Values become JSON, so every file goes through the same field checks.
 
-struct Line {
-  int number = 0;     // 1-based, for messages
-  size_t indent = 0;  // leading spaces
-  std::string text;   // without indentation, comment and trailing blanks
-};
+// yaml-cpp resolves aliases to shared nodes, so a document can name the same
+// node many times over (a "billion laughs") or, through an anchor used inside
+// itself, loop: conversion stops at these limits rather than exhaust memory or
+// the stack.
+constexpr int kMaxYamlDepth = 64;
+constexpr int64_t kMaxYamlNodes = 100000;
 
-absl::Status YamlError(absl::string_view source, int line, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(source, ":", line, ": ", what));
+// A value as JSON text. YAML text need not be valid UTF-8, and nlohmann's
+// dump() throws on what is not: such bytes become U+FFFD instead.
+std::string JsonText(const Json& v) {
+  return v.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
-// Drops a `#` comment (at the start or after a blank, outside quotes).
-absl::StatusOr<std::string> StripComment(absl::string_view s, absl::string_view source, int line) {
-  char quote = 0;
-  for (size_t i = 0; i < s.size(); ++i) {
-    const char c = s[i];
-    if (quote != 0) {
-      const bool escaped =
-          (quote == '"' && c == '\\') ||                                         // \x inside "..."
-          (quote == '\'' && c == '\'' && i + 1 < s.size() && s[i + 1] == '\'');  // '' inside '...'
-      if (escaped) {
-        ++i;
-      } else if (c == quote) {
-        quote = 0;
-      }
-      continue;
-    }
-    if ((c == '"' || c == '\'') && (i == 0 || s[i - 1] == ' ' || s[i - 1] == '[' ||
-                                    s[i - 1] == '{' || s[i - 1] == ',' || s[i - 1] == ':')) {
-      quote = c;
-    } else if (c == '#' && (i == 0 || s[i - 1] == ' ')) {
-      return std::string(absl::StripTrailingAsciiWhitespace(s.substr(0, i)));
-    }
-  }
-  if (quote != 0) return YamlError(source, line, "unterminated quoted string");
-  return std::string(absl::StripTrailingAsciiWhitespace(s));
+// "file:line:column: what", 1-based as editors count.
+absl::Status YamlError(absl::string_view source, const YAML::Mark& mark, absl::string_view what) {
+  if (mark.is_null()) return absl::InvalidArgumentError(absl::StrCat(source, ": ", what));
+  return absl::InvalidArgumentError(
+      absl::StrCat(source, ":", mark.line + 1, ":", mark.column + 1, ": ", what));
 }
 
-// A quoted scalar that is the whole of `s`.
-absl::StatusOr<std::string> Unquote(absl::string_view s, absl::string_view source, int line) {
-  const char q = s.front();
-  std::string out;
-  size_t i = 1;
-  for (; i < s.size(); ++i) {
-    const char c = s[i];
-    if (q == '\'' && c == '\'') {
-      if (i + 1 < s.size() && s[i + 1] == '\'') {  // '' is a quote
-        out += '\'';
-        ++i;
-        continue;
-      }
-      break;
-    }
-    if (q == '"' && c == '"') break;
-    if (q == '"' && c == '\\' && i + 1 < s.size()) {
-      const char e = s[++i];
-      switch (e) {
-        case 'n':
-          out += '\n';
-          break;
-        case 't':
-          out += '\t';
-          break;
-        case '"':
-          out += '"';
-          break;
-        case '\\':
-          out += '\\';
-          break;
-        case '/':
-          out += '/';
-          break;
-        default:
-          return YamlError(source, line, absl::StrCat("unsupported escape \\", std::string(1, e)));
-      }
-      continue;
-    }
-    out += c;
-  }
-  if (i >= s.size()) return YamlError(source, line, "unterminated quoted string");
-  if (i + 1 != s.size()) {
-    return YamlError(source, line, absl::StrCat("text after the closing quote: ", s.substr(i + 1)));
-  }
-  return out;
-}
-
-// A plain (unquoted) scalar, typed as YAML 1.2's core schema does.
+// A plain (unquoted, untagged) scalar, typed as YAML 1.2's core schema does.
+// Not PyYAML's 1.1 (where `no` and `off` are false): `distributed_type: NO`
+// means the distributed type NO, as people write it by hand; the legacy
+// `mixed_precision: false` of 1.1 readers is still converted (ParseClusterConfig).
 Json PlainScalar(absl::string_view s) {
   if (s.empty() || s == "~" || s == "null" || s == "Null" || s == "NULL") return nullptr;
   if (s == "true" || s == "True" || s == "TRUE") return true;
@@ -147,262 +90,192 @@ Json PlainScalar(absl::string_view s) {
   }
   double d = 0;
   if (s.find_first_not_of("+-0123456789.eE") == absl::string_view::npos &&
-      s.find_first_of("0123456789") != absl::string_view::npos && absl::SimpleAtod(s, &d)) {
+      s.find_first_of("0123456789") != absl::string_view::npos && absl::SimpleAtod(s, &d) &&
+      std::isfinite(d)) {
     return d;
   }
   return std::string(s);
 }
 
-absl::StatusOr<Json> Scalar(absl::string_view s, absl::string_view source, int line);
-
-// Splits the inside of a flow collection at top-level commas.
-absl::StatusOr<std::vector<std::string>> FlowItems(absl::string_view inner,
-                                                   absl::string_view source, int line) {
-  std::vector<std::string> items;
-  std::string current;
-  char quote = 0;
-  for (size_t i = 0; i < inner.size(); ++i) {
-    const char c = inner[i];
-    if (quote != 0) {
-      current += c;
-      if (quote == '"' && c == '\\' && i + 1 < inner.size()) {
-        current += inner[++i];
-      } else if (c == quote) {
-        quote = 0;
-      }
-      continue;
-    }
-    if (c == '[' || c == '{') {
-      return YamlError(source, line, "nested flow collections are not supported");
-    }
-    if (c == '"' || c == '\'') quote = c;
-    if (c == ',') {
-      items.emplace_back(absl::StripAsciiWhitespace(current));
-      current.clear();
-    } else {
-      current += c;
-    }
-  }
-  const std::string last(absl::StripAsciiWhitespace(current));
-  if (!last.empty()) items.push_back(last);
-  for (const std::string& item : items) {
-    if (item.empty()) return YamlError(source, line, "empty item in a flow collection");
-  }
-  return items;
-}
-
-absl::StatusOr<Json> Scalar(absl::string_view s, absl::string_view source, int line) {
-  s = absl::StripAsciiWhitespace(s);
-  if (s.empty()) return Json(nullptr);
-  const char c = s.front();
-  if (c == '"' || c == '\'') {
-    absl::StatusOr<std::string> text = Unquote(s, source, line);
-    if (!text.ok()) return text.status();
-    return Json(*text);
-  }
-  if (c == '[' || c == '{') {
-    const char close = c == '[' ? ']' : '}';
-    if (s.back() != close) {
-      return YamlError(source, line,
-                       "a flow collection must close on its line (multi-line ones are not "
-                       "supported)");
-    }
-    absl::StatusOr<std::vector<std::string>> items =
-        FlowItems(s.substr(1, s.size() - 2), source, line);
-    if (!items.ok()) return items.status();
-    Json out = c == '[' ? Json::array() : Json::object();
-    for (const std::string& item : *items) {
-      if (c == '[') {
-        absl::StatusOr<Json> v = Scalar(item, source, line);
-        if (!v.ok()) return v.status();
-        out.push_back(*v);
-        continue;
-      }
-      const size_t colon = item.find(": ");
-      if (colon == std::string::npos && !absl::EndsWith(item, ":")) {
-        return YamlError(source, line, absl::StrCat("expected `key: value` in {...}, got: ", item));
-      }
-      absl::StatusOr<Json> key = Scalar(item.substr(0, colon), source, line);
-      absl::StatusOr<Json> v = colon == std::string::npos
-                                   ? absl::StatusOr<Json>(Json(nullptr))
-                                   : Scalar(item.substr(colon + 2), source, line);
-      if (!key.ok()) return key.status();
-      if (!v.ok()) return v.status();
-      out[key->is_string() ? key->get<std::string>() : key->dump()] = *v;
-    }
-    return out;
-  }
-  if (c == '&' || c == '*' || c == '!') {
-    return YamlError(source, line, "anchors, aliases and tags are not supported");
-  }
-  if (c == '|' || c == '>') {
-    return YamlError(source, line, "block scalars (| and >) are not supported");
-  }
-  if (c == '@' || c == '`' || c == '%') {
-    return YamlError(source, line,
-                     absl::StrCat("a plain value cannot start with ", s.substr(0, 1)));
-  }
-  return PlainScalar(s);
-}
-
-class YamlReader {
+class YamlToJson {
  public:
-  YamlReader(std::vector<Line> lines, absl::string_view source)
-      : lines_(std::move(lines)), source_(source) {}
+  explicit YamlToJson(absl::string_view source) : source_(source) {}
 
-  absl::StatusOr<Json> Document() {
-    if (lines_.empty()) return Json::object();
-    if (lines_[0].indent != 0) {
-      return YamlError(source_, lines_[0].number, "the first key must not be indented");
+  // `at`: where to point when `node` itself has no position (an empty value
+  // has none; its key does).
+  absl::StatusOr<Json> Convert(const YAML::Node& node, const YAML::Mark& at, int depth) {
+    const YAML::Mark mark = node.Mark().is_null() ? at : node.Mark();
+    if (depth > kMaxYamlDepth) {
+      return YamlError(source_, mark,
+                       absl::StrCat("nested deeper than ", kMaxYamlDepth,
+                                    " levels (an alias inside its own anchor?)"));
     }
-    absl::StatusOr<Json> root = Block(0);
-    if (!root.ok()) return root.status();
-    if (next_ < lines_.size()) {
-      return YamlError(source_, lines_[next_].number,
-                       "indentation does not match any enclosing mapping");
+    if (++nodes_ > kMaxYamlNodes) {
+      return YamlError(source_, mark,
+                       absl::StrCat("more than ", kMaxYamlNodes,
+                                    " values once aliases are expanded; not a config file"));
     }
-    if (!root->is_object()) {
-      return YamlError(source_, lines_[0].number, "the top level is not a mapping");
+    if (node.IsSequence() || node.IsMap()) {
+      const std::string& tag = node.Tag();
+      if (tag != "?" && tag != "!" && !tag.empty() && tag != "tag:yaml.org,2002:seq" &&
+          tag != "tag:yaml.org,2002:map") {
+        return YamlError(source_, mark, absl::StrCat("tag ", tag, " is not supported"));
+      }
     }
-    return root;
+    switch (node.Type()) {
+      case YAML::NodeType::Undefined:
+      case YAML::NodeType::Null:
+        return Json(nullptr);
+      case YAML::NodeType::Scalar:
+        return Scalar(node, mark);
+      case YAML::NodeType::Sequence: {
+        Json out = Json::array();
+        for (auto it = node.begin(); it != node.end(); ++it) {
+          const YAML::Node item = *it;  // a copy: the iterator yields a temporary
+          absl::StatusOr<Json> v = Convert(item, mark, depth + 1);
+          if (!v.ok()) return v.status();
+          out.push_back(*std::move(v));
+        }
+        return out;
+      }
+      case YAML::NodeType::Map:
+        return Mapping(node, mark, depth);
+    }
+    return YamlError(source_, mark, "unknown YAML node");
   }
 
  private:
-  static bool IsItem(const Line& l) { return l.text == "-" || absl::StartsWith(l.text, "- "); }
-
-  // The mapping or sequence whose lines sit at `indent`.
-  absl::StatusOr<Json> Block(size_t indent) {
-    return IsItem(lines_[next_]) ? Sequence(indent) : Mapping(indent);
-  }
-
-  absl::StatusOr<Json> Sequence(size_t indent) {
-    Json out = Json::array();
-    while (next_ < lines_.size() && lines_[next_].indent == indent && IsItem(lines_[next_])) {
-      const Line& l = lines_[next_++];
-      const std::string item(
-          absl::StripLeadingAsciiWhitespace(absl::string_view(l.text).substr(1)));
-      if (item.empty() || (item.front() != '"' && item.front() != '\'' &&
-                           (absl::StrContains(item, ": ") || absl::EndsWith(item, ":")))) {
-        return YamlError(source_, l.number, "only plain values are supported as list items");
-      }
-      absl::StatusOr<Json> v = Scalar(item, source_, l.number);
-      if (!v.ok()) return v.status();
-      out.push_back(*v);
+  absl::StatusOr<Json> Scalar(const YAML::Node& node, const YAML::Mark& mark) {
+    const std::string& tag = node.Tag();
+    const std::string& text = node.Scalar();
+    if (tag == "!" || tag == "tag:yaml.org,2002:str") return Json(text);  // quoted, or !!str
+    if (tag == "?" || tag.empty()) return PlainScalar(text);
+    // The core schema's other explicit tags; anything else (PyYAML's
+    // !!python/... included) names a type we cannot build, as safe_load refuses.
+    const Json typed = PlainScalar(text);
+    if ((tag == "tag:yaml.org,2002:int" && typed.is_number_integer()) ||
+        (tag == "tag:yaml.org,2002:float" && typed.is_number()) ||
+        (tag == "tag:yaml.org,2002:bool" && typed.is_boolean()) ||
+        (tag == "tag:yaml.org,2002:null" && typed.is_null())) {
+      return typed;
     }
-    return out;
+    return YamlError(source_, mark,
+                     absl::StrCat("tag ", tag, " on \"", text, "\" is not supported"));
   }
 
-  absl::StatusOr<Json> Mapping(size_t indent) {
+  absl::StatusOr<Json> Mapping(const YAML::Node& node, const YAML::Mark& mark, int depth) {
     Json out = Json::object();
-    while (next_ < lines_.size() && lines_[next_].indent == indent) {
-      const Line& l = lines_[next_++];
-      if (IsItem(l)) return YamlError(source_, l.number, "a list item inside a mapping");
-      // The key ends at the first ": " (or a final ':') outside quotes.
-      size_t colon = std::string::npos;
-      char quote = 0;
-      for (size_t i = 0; i < l.text.size(); ++i) {
-        const char c = l.text[i];
-        if (quote != 0) {
-          if (c == quote) quote = 0;
-        } else if ((c == '"' || c == '\'') && i == 0) {
-          quote = c;
-        } else if (c == ':' && (i + 1 == l.text.size() || l.text[i + 1] == ' ')) {
-          colon = i;
-          break;
+    std::vector<Json> merged;  // `<<: *base` (YAML 1.1 merge keys, which PyYAML reads)
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      // Copies: the iterator yields a temporary pair.
+      const YAML::Node key = it->first;
+      const YAML::Node value_node = it->second;
+      const YAML::Mark key_mark = key.Mark().is_null() ? mark : key.Mark();
+      if (!key.IsScalar()) {
+        return YamlError(source_, key_mark, "a key must be text, not a list or mapping");
+      }
+      absl::StatusOr<Json> value = Convert(value_node, key_mark, depth + 1);
+      if (!value.ok()) return value.status();
+      if (key.Scalar() == "<<" && key.Tag() == "?") {
+        if (value->is_object()) {
+          merged.push_back(*std::move(value));
+          continue;
         }
+        if (value->is_array() && std::all_of(value->begin(), value->end(),
+                                             [](const Json& j) { return j.is_object(); })) {
+          for (Json& m : *value) merged.push_back(std::move(m));
+          continue;
+        }
+        return YamlError(source_, key_mark, "`<<` merges a mapping or a list of mappings");
       }
-      if (colon == std::string::npos) {
-        return YamlError(source_, l.number, absl::StrCat("expected `key: value`, got: ", l.text));
-      }
-      absl::StatusOr<Json> key = Scalar(l.text.substr(0, colon), source_, l.number);
-      if (!key.ok()) return key.status();
-      if (!key->is_string()) {
-        return YamlError(source_, l.number, absl::StrCat("a key must be text: ", key->dump()));
-      }
-      const std::string name = key->get<std::string>();
+      const std::string name = key.Scalar();
       if (out.contains(name)) {
-        return YamlError(source_, l.number, absl::StrCat("duplicate key ", name));
+        return YamlError(source_, key_mark, absl::StrCat("duplicate key ", name));
       }
-      const absl::string_view rest =
-          absl::StripAsciiWhitespace(absl::string_view(l.text).substr(colon + 1));
-      if (!rest.empty()) {
-        absl::StatusOr<Json> v = Scalar(rest, source_, l.number);
-        if (!v.ok()) return v.status();
-        out[name] = *v;
-        if (next_ < lines_.size() && lines_[next_].indent > indent) {
-          return YamlError(source_, lines_[next_].number,
-                           "unexpected indentation (a value continued on the next line is not "
-                           "supported)");
-        }
-        continue;
-      }
-      // `key:` then a nested block: deeper lines, or (as PyYAML writes lists)
-      // `- item` lines at the key's own indentation.
-      if (next_ < lines_.size() && lines_[next_].indent > indent) {
-        absl::StatusOr<Json> v = Block(lines_[next_].indent);
-        if (!v.ok()) return v.status();
-        out[name] = *v;
-      } else if (next_ < lines_.size() && lines_[next_].indent == indent && IsItem(lines_[next_])) {
-        absl::StatusOr<Json> v = Sequence(indent);
-        if (!v.ok()) return v.status();
-        out[name] = *v;
-      } else {
-        out[name] = nullptr;
+      out[name] = *std::move(value);
+    }
+    // Keys written in the mapping win over merged ones; among merged
+    // mappings the first wins, as YAML's merge key specifies.
+    for (const Json& m : merged) {
+      for (auto it = m.begin(); it != m.end(); ++it) {
+        if (!out.contains(it.key())) out[it.key()] = it.value();
       }
     }
     return out;
   }
 
-  std::vector<Line> lines_;
-  size_t next_ = 0;
   absl::string_view source_;
+  int64_t nodes_ = 0;
+};
+
+// Where each document of a YAML stream starts (events only, no nodes built).
+class DocumentStarts : public YAML::EventHandler {
+ public:
+  std::vector<YAML::Mark> starts;
+  void OnDocumentStart(const YAML::Mark& mark) override { starts.push_back(mark); }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
 };
 
 absl::StatusOr<Json> ReadYaml(absl::string_view text, absl::string_view source) {
-  std::vector<Line> lines;
-  int number = 0;
-  for (absl::string_view raw : absl::StrSplit(text, '\n')) {
-    ++number;
-    if (absl::EndsWith(raw, "\r")) raw.remove_suffix(1);
-    const size_t indent = raw.find_first_not_of(' ');
-    if (indent == absl::string_view::npos) continue;
-    if (raw[indent] == '\t') {
-      return YamlError(source, number, "tabs are not allowed for indentation");
-    }
-    absl::StatusOr<std::string> content = StripComment(raw.substr(indent), source, number);
-    if (!content.ok()) return content.status();
-    if (content->empty()) continue;
-    if (indent == 0 && (*content == "---" || *content == "...")) {
-      if (!lines.empty() && *content == "---") {
-        return YamlError(source, number, "more than one document");
-      }
-      continue;
-    }
-    if (indent == 0 && content->front() == '%') {
-      return YamlError(source, number, "directives are not supported");
-    }
-    lines.push_back(Line{number, indent, *std::move(content)});
-  }
-  return YamlReader(std::move(lines), source).Document();
-}
-
-absl::StatusOr<Json> ReadJson(absl::string_view text, absl::string_view source) {
+  // yaml-cpp reports malformed text by throwing; the message and the mark
+  // (line and column) become the error, never a crash.
+  YAML::Node document;
   try {
-    Json j = Json::parse(text.begin(), text.end());
-    if (!j.is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ": not a JSON object"));
+    // Documents are counted first, two at most. yaml-cpp 0.7's LoadAll never
+    // returns when a document's root is followed by a ',' (`{"a": 1},`, an
+    // easy slip in a JSON file): the parser makes an empty document of it
+    // without consuming it, forever, until memory runs out. Stopping at the
+    // second document turns that into an error at the ','.
+    std::istringstream stream{std::string(text)};
+    YAML::Parser parser(stream);
+    DocumentStarts documents;
+    while (documents.starts.size() < 2 && parser.HandleNextDocument(documents)) {
     }
-    return j;
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": invalid JSON: ", e.what()));
+    if (documents.starts.empty()) return Json::object();  // empty, or only comments
+    if (documents.starts.size() > 1) {
+      return YamlError(source, documents.starts[1],
+                       "text after the end of the first YAML document (a second document, or a "
+                       "stray ','?); a config file is one mapping");
+    }
+    document = YAML::Load(std::string(text));
+  } catch (const YAML::Exception& e) {
+    return YamlError(source, e.mark, absl::StrCat("invalid YAML: ", e.msg));
+  } catch (const std::exception& e) {  // e.g. bad_alloc on absurd input
+    return absl::InvalidArgumentError(absl::StrCat(source, ": invalid YAML: ", e.what()));
   }
+  absl::StatusOr<Json> root;
+  try {
+    root = YamlToJson(source).Convert(document, YAML::Mark::null_mark(), 0);
+  } catch (const YAML::Exception& e) {
+    return YamlError(source, e.mark, absl::StrCat("invalid YAML: ", e.msg));
+  }
+  if (!root.ok()) return root.status();
+  if (root->is_null()) return Json::object();
+  if (!root->is_object()) {
+    return YamlError(source, document.Mark(),
+                     absl::StrCat("the top level is ",
+                                  root->is_array() ? std::string("a list")
+                                                   : absl::StrCat("the value ", JsonText(*root)),
+                                  ", not a mapping of keys"));
+  }
+  return root;
 }
 
 // Field readers: the value's JSON type, or the same as text (a quoted "4").
 absl::Status WrongType(absl::string_view source, const std::string& key, const Json& v,
                        absl::string_view expected) {
   return absl::InvalidArgumentError(
-      absl::StrCat(source, ": ", key, " is ", v.dump(), ", expected ", expected));
+      absl::StrCat(source, ": ", key, " is ", JsonText(v), ", expected ", expected));
 }
 
 absl::StatusOr<bool> BoolField(absl::string_view source, const std::string& key, const Json& v) {
@@ -436,7 +309,7 @@ absl::StatusOr<int> IntField(absl::string_view source, const std::string& key, c
 absl::StatusOr<std::string> StringField(absl::string_view source, const std::string& key,
                                         const Json& v) {
   if (v.is_string()) return v.get<std::string>();
-  if (v.is_number()) return v.dump();  // gpu_ids: 0
+  if (v.is_number()) return JsonText(v);  // gpu_ids: 0
   return WrongType(source, key, v, "text");
 }
 
@@ -471,7 +344,7 @@ absl::Status RefuseWhatLaunchCannotDo(const Json& f, absl::string_view source, b
       const Json& backend = d.at("dynamo_backend");
       if (!backend.is_string() || absl::AsciiStrToUpper(backend.get<std::string>()) != "NO") {
         return Refuse(source, legacy_dynamo ? "dynamo_backend" : "dynamo_config.dynamo_backend",
-                      absl::StrCat(backend.dump(),
+                      absl::StrCat(JsonText(backend),
                                    ": torch.compile backends exist only in Python; accel programs "
                                    "run eagerly (use NO)"));
       }
@@ -512,7 +385,7 @@ absl::Status RefuseWhatLaunchCannotDo(const Json& f, absl::string_view source, b
                                         absl::AsciiStrToLower(v.get<std::string>()) == "false"));
     if (!off) {
       return Refuse(source, "downcast_bf16",
-                    absl::StrCat(v.dump(),
+                    absl::StrCat(JsonText(v),
                                  ": downcasting to bfloat16 is for TPUs (XLA), which accel does "
                                  "not run (use 'no')"));
     }
@@ -535,9 +408,8 @@ absl::Status RefuseWhatLaunchCannotDo(const Json& f, absl::string_view source, b
 }  // namespace
 
 absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::string_view source) {
-  absl::string_view start = absl::StripLeadingAsciiWhitespace(text);
-  absl::StatusOr<Json> fields =
-      !start.empty() && start.front() == '{' ? ReadJson(text, source) : ReadYaml(text, source);
+  // JSON (what accel-config and `accelerate config` write) is YAML too.
+  absl::StatusOr<Json> fields = ReadYaml(text, source);
   if (!fields.ok()) return fields.status();
   std::vector<std::string> unknown;
   for (auto it = fields->begin(); it != fields->end(); ++it) {
@@ -654,7 +526,7 @@ absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::s
     } else if (key == "main_training_function") {
       set_string(&c.main_training_function);
     } else {
-      c.other[key] = v.dump();
+      c.other[key] = JsonText(v);
     }
     if (!status.ok()) return status;
   }
@@ -698,7 +570,7 @@ std::string ClusterConfigToJson(const ClusterConfig& c) {
   j["rdzv_backend"] = c.rdzv_backend;
   j["same_network"] = c.same_network;
   j["use_cpu"] = c.use_cpu;
-  return j.dump(2) + "\n";
+  return j.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
 absl::Status WriteClusterConfig(const ClusterConfig& config, const std::string& path,

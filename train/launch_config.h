@@ -45,14 +45,16 @@ struct ClusterConfig {
   std::map<std::string, std::string> other;
 };
 
-// Parses YAML (flat `key: value` pairs, nested mappings by indentation, `#`
-// comments, quoted or bare scalars, `- item` lists and the flow forms `{}`,
-// `[a, b]`, `{k: v}` of scalars) or JSON (text starting with '{').
-// InvalidArgument naming `source` and the line for what it cannot read
-// (anchors, tags, block scalars, duplicate keys...), a value of the wrong
-// type or range, and listing unknown keys sorted. Accelerate's legacy forms
-// are converted: `fp16: true`, `dynamo_backend: X`, `mixed_precision: false`.
-// distributed_type NO forces num_processes 1.
+// Parses a config file's text: YAML through yaml-cpp (anything valid:
+// anchors and aliases, `<<` merge keys, flow and block style, quoting, block
+// scalars, comments), JSON being YAML too. Plain scalars are typed by YAML
+// 1.2's core schema (`NO` is text, not false). InvalidArgument naming `source`
+// with the line and column for malformed YAML (yaml-cpp's message), duplicate
+// keys, unsupported tags, more than one document, a top level that is not a
+// mapping; naming the key for a value of the wrong type or range; listing
+// unknown keys sorted. Accelerate's legacy forms are converted: `fp16: true`,
+// `dynamo_backend: X`, `mixed_precision: false`. distributed_type NO forces
+// num_processes 1.
 absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::string_view source);
 absl::StatusOr<ClusterConfig> ReadClusterConfig(const std::string& path);
 // JSON (valid YAML) with sorted keys, what `accelerate config` writes; every
