@@ -84,6 +84,18 @@ absl::Status AgreeOnOutcome(ProcessGroup& group, const absl::Status& local,
   return absl::OkStatus();
 }
 
+// Whether a parameter or buffer of `module` is somewhere other than `device`
+// (a model already there is not touched: Module::to would rewrap every tensor).
+bool ModuleOffDevice(const torch::nn::Module& module, const c10::Device& device) {
+  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) {
+    if (p.device() != device) return true;
+  }
+  for (const at::Tensor& b : module.buffers(/*recurse=*/true)) {
+    if (b.defined() && b.device() != device) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 // ---- Prepared objects ----
@@ -303,12 +315,13 @@ absl::StatusOr<std::unique_ptr<Accelerator>> Accelerator::Create(const Accelerat
 
 Accelerator::~Accelerator() = default;
 
-absl::StatusOr<PreparedModel*> Accelerator::PrepareModel(
-    std::shared_ptr<torch::nn::Module> module) {
+absl::StatusOr<PreparedModel*> Accelerator::PrepareModel(std::shared_ptr<torch::nn::Module> module,
+                                                         std::optional<bool> device_placement) {
   if (module == nullptr) return absl::InvalidArgumentError("PrepareModel: the module is null");
   auto prepared = std::make_unique<PreparedModel>();
   prepared->module_ = std::move(module);
-  if (device_.type() != c10::kCPU) {
+  if (device_placement.value_or(options_.device_placement) &&
+      ModuleOffDevice(*prepared->module_, device_)) {
     ACCEL_RETURN_IF_ERROR(
         Annotate(CallTorch([&] { prepared->module_->to(device_); }), "moving the model"));
   }
@@ -365,18 +378,22 @@ absl::StatusOr<PreparedScheduler*> Accelerator::PrepareScheduler(
 }
 
 absl::StatusOr<std::unique_ptr<DataLoader>> Accelerator::PrepareDataLoader(
-    const DataLoader& loader) {
+    const DataLoader& loader, std::optional<bool> device_placement) {
+  const bool place = device_placement.value_or(options_.device_placement);
   PrepareOptions prepare;
   prepare.shard.num_processes = num_processes();
   prepare.shard.process_index = process_index();
   prepare.shard.split_batches = dataloader_config_.split_batches;
   prepare.shard.even_batches = dataloader_config_.even_batches;
-  prepare.dispatch_batches = dataloader_config_.dispatch_batches.value_or(false);
+  // Accelerate's default: dispatch an iterable dataset's batches, when
+  // batches are placed on the device.
+  prepare.dispatch_batches =
+      dataloader_config_.dispatch_batches.value_or(loader.is_iterable() && place);
   prepare.use_seedable_sampler = dataloader_config_.use_seedable_sampler;
   prepare.data_seed = dataloader_config_.data_seed;
   if (!prepare.data_seed) prepare.data_seed = loader.options().seed;
   if (!prepare.data_seed) prepare.data_seed = LastSeed();
-  prepare.device = device_;
+  prepare.device = place ? std::optional<c10::Device>(device_) : std::nullopt;
   prepare.non_blocking = dataloader_config_.non_blocking;
   ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<DataLoader> prepared,
                          DataLoader::Prepare(loader, *group_, &active_loaders_, prepare));
@@ -553,6 +570,76 @@ absl::Status Accelerator::WaitForEveryone() const { return group_->Barrier(); }
 
 void Accelerator::Print(absl::string_view text) const {
   if (is_main_process()) std::cout << text << std::endl;
+}
+
+// ---- Objects ----
+
+absl::StatusOr<std::vector<std::string>> Accelerator::GatherObject(absl::string_view bytes) const {
+  return train::GatherObject(*group_, bytes);
+}
+
+absl::StatusOr<std::vector<std::string>> Accelerator::GatherObject(
+    const std::vector<std::string>& items) const {
+  return train::GatherObject(*group_, items);
+}
+
+absl::Status Accelerator::BroadcastObjectList(std::vector<std::string>& objects,
+                                              int from_process) const {
+  ACCEL_ASSIGN_OR_RETURN(objects, train::BroadcastObjectList(*group_, objects, from_process));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> Accelerator::GatherForMetrics(
+    const std::vector<std::string>& items) const {
+  ACCEL_ASSIGN_OR_RETURN(std::vector<std::string> gathered, train::GatherObject(*group_, items));
+  const int64_t rows = MetricsRows(active_loaders_);
+  if (rows >= 0 && rows < static_cast<int64_t>(gathered.size())) gathered.resize(rows);
+  return gathered;
+}
+
+absl::StatusOr<at::Tensor> Accelerator::GatherForMetrics(const at::Tensor& tensor,
+                                                         bool use_gather_object) const {
+  if (!use_gather_object) return GatherForMetrics(tensor);
+  if (!tensor.defined()) return absl::InvalidArgumentError("gather_for_metrics: undefined tensor");
+  ACCEL_ASSIGN_OR_RETURN(TensorMap gathered, GatherForMetrics(TensorMap{{"", tensor}}, true));
+  return gathered.at("");
+}
+
+absl::StatusOr<TensorMap> Accelerator::GatherForMetrics(const TensorMap& tensors,
+                                                        bool use_gather_object) const {
+  if (!use_gather_object) return GatherForMetrics(tensors);
+  ACCEL_ASSIGN_OR_RETURN(std::vector<TensorMap> ranks, GatherTensorObjects(*group_, tensors));
+  const int64_t rows = MetricsRows(active_loaders_);
+  TensorMap out;
+  for (const auto& [name, mine] : tensors) {
+    // A 0-d tensor is one row, as Gather counts it.
+    const auto row_shape = [](const at::Tensor& t) {
+      return t.dim() == 0 ? std::vector<int64_t>{} : t.sizes().slice(1).vec();
+    };
+    std::vector<at::Tensor> parts;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      auto it = ranks[r].find(name);
+      if (it == ranks[r].end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "gather_for_metrics(use_gather_object): rank ", r, " has no \"", name, "\""));
+      }
+      const at::Tensor& theirs = it->second;
+      if (theirs.scalar_type() != mine.scalar_type() || row_shape(theirs) != row_shape(mine)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("gather_for_metrics(use_gather_object): \"", name, "\" is ",
+                         c10::toString(theirs.scalar_type()), c10::str(theirs.sizes()), " on rank ",
+                         r, " but ", c10::toString(mine.scalar_type()), c10::str(mine.sizes()),
+                         " on this rank (", process_index(), "): the rows must agree past dim 0"));
+      }
+      parts.push_back(theirs.dim() == 0 ? theirs.reshape({1}) : theirs);
+    }
+    at::Tensor all;
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] { all = at::cat(parts).to(mine.device()); }),
+                                   absl::StrCat("gather_for_metrics \"", name, "\"")));
+    if (rows >= 0 && rows < all.size(0)) all = all.narrow(0, 0, rows);
+    out.emplace(name, std::move(all));
+  }
+  return out;
 }
 
 // ---- Checkpoints ----
@@ -850,10 +937,13 @@ absl::Status Accelerator::EndTraining() {
 
 // ---- Free functions ----
 
-void SetSeed(uint64_t seed, bool device_specific, int process_index) {
+void SetSeed(uint64_t seed, bool device_specific, int process_index, bool deterministic) {
   const uint64_t s = device_specific ? seed + static_cast<uint64_t>(process_index) : seed;
   at::manual_seed(s);
   g_last_seed = s;
+  // torch.use_deterministic_algorithms(True): errors, not warnings, for ops
+  // without a deterministic implementation.
+  if (deterministic) at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
 }
 
 uint64_t LastSeed() { return g_last_seed; }

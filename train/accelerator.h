@@ -78,7 +78,10 @@ struct GradientAccumulationPlugin {
 
 struct DataLoaderConfiguration {
   bool split_batches = false;
-  // Unset: false for our map-style datasets (Accelerate: true for iterable ones).
+  // Unset: true for an IterableDataset (rank 0 reads the stream and sends
+  // each rank its rows), false for a map-style one, as Accelerate; false too
+  // without device placement (Accelerate ties dispatching to it; explicitly
+  // true dispatches anyway here, the rows left on the cpu).
   std::optional<bool> dispatch_batches;
   bool even_batches = true;
   // true: shuffles are SeedableRandomSampler's (randperm seeded with
@@ -139,6 +142,9 @@ struct AcceleratorOptions {
   std::optional<int64_t> gradient_accumulation_steps;
   std::optional<GradientAccumulationPlugin> gradient_accumulation_plugin;
   bool cpu = false;  // or $ACCELERATE_USE_CPU
+  // false: prepare leaves models and batches where they are (the program
+  // moves them); PrepareModel / PrepareDataLoader can say so per object.
+  bool device_placement = true;
   DataLoaderConfiguration dataloader_config;
   ProjectConfiguration project_config;
   bool step_scheduler_with_optimizer = true;
@@ -265,14 +271,21 @@ class Accelerator {
   const ProjectConfiguration& project_configuration() const { return project_; }
 
   // ---- prepare ----
-  absl::StatusOr<PreparedModel*> PrepareModel(std::shared_ptr<torch::nn::Module> module);
+  // `device_placement` (unset: AcceleratorOptions::device_placement) moves
+  // every parameter and buffer not on device() there (Accelerate's
+  // model.to(device)); off, the model stays where it is.
+  absl::StatusOr<PreparedModel*> PrepareModel(std::shared_ptr<torch::nn::Module> module,
+                                              std::optional<bool> device_placement = std::nullopt);
   absl::StatusOr<PreparedOptimizer*> PrepareOptimizer(
       std::shared_ptr<torch::optim::Optimizer> optimizer);
   absl::StatusOr<PreparedScheduler*> PrepareScheduler(std::shared_ptr<LRScheduler> scheduler);
   // The prepared loader's position (epoch, batches handed out) is recorded
   // by SaveState and restored by LoadState, whose caller then simply iterates
   // it: the first pass continues the saved epoch where it was.
-  absl::StatusOr<std::unique_ptr<DataLoader>> PrepareDataLoader(const DataLoader& loader);
+  // `device_placement` (unset: the option): batches on device(), or left
+  // where the dataset made them.
+  absl::StatusOr<std::unique_ptr<DataLoader>> PrepareDataLoader(
+      const DataLoader& loader, std::optional<bool> device_placement = std::nullopt);
   // The loader that skips the first `num_batches` of its epoch (resuming by
   // hand; it shares the position of `loader`, and its count replaces one
   // LoadState restored).
@@ -321,6 +334,35 @@ class Accelerator {
   }
   // Printed by the main process only (a newline is added).
   void Print(absl::string_view text) const;
+
+  // ---- Objects: gather_object, broadcast_object_list, gather_for_metrics(use_gather_object) ----
+  // Values travel as byte strings: serialise them first (nlohmann::json's
+  // dump() / parse(), a protobuf, ...). Collective, like the tensor ones.
+  // gather_object of one value: every rank's, in rank order.
+  absl::StatusOr<std::vector<std::string>> GatherObject(absl::string_view bytes) const;
+  // gather_object of a list: every rank's items, concatenated in rank order.
+  absl::StatusOr<std::vector<std::string>> GatherObject(
+      const std::vector<std::string>& items) const;
+  // broadcast_object_list: afterwards `objects` is from_process's list on
+  // every rank (its length too). InvalidArgument naming from_process when it
+  // is not a rank.
+  absl::Status BroadcastObjectList(std::vector<std::string>& objects, int from_process = 0) const;
+  // gather_for_metrics of non-tensors (the object path): every rank's items
+  // in rank order; on the last batch of the active prepared loader, the
+  // first `remainder` of them (the duplicates of even batches dropped), as
+  // for tensors.
+  absl::StatusOr<std::vector<std::string>> GatherForMetrics(
+      const std::vector<std::string>& items) const;
+  // gather_for_metrics(use_gather_object=true): each rank's tensor travels
+  // as an object, so the ranks' first dimensions may differ (nothing to pad);
+  // the result is their concatenation along dim 0 in rank order (Accelerate
+  // returns the list of those rows), truncated as above, on this rank's
+  // device. The ranks must agree on dtype and on the dims past 0
+  // (InvalidArgument naming the rank). false: GatherForMetrics above.
+  absl::StatusOr<at::Tensor> GatherForMetrics(const at::Tensor& tensor,
+                                              bool use_gather_object) const;
+  absl::StatusOr<TensorMap> GatherForMetrics(const TensorMap& tensors,
+                                             bool use_gather_object) const;
 
   // ---- Checkpoints ----
   void RegisterForCheckpointing(std::shared_ptr<Checkpointable> object);
@@ -388,8 +430,13 @@ class Accelerator {
 
 // set_seed: seeds libtorch's CPU (and CUDA) generators with `seed`, plus the
 // process index when device_specific; prepared loaders without data_seed
-// shuffle from it.
-void SetSeed(uint64_t seed, bool device_specific = false, int process_index = 0);
+// shuffle from it. deterministic: torch.use_deterministic_algorithms(True)
+// (at::globalContext().setDeterministicAlgorithms(true, false)): an op
+// without a deterministic implementation then throws (a Status through
+// CallTorch) instead of running; false leaves the setting as it is, as
+// Accelerate does.
+void SetSeed(uint64_t seed, bool device_specific = false, int process_index = 0,
+             bool deterministic = false);
 // The seed of the last SetSeed (0 before any).
 uint64_t LastSeed();
 

@@ -1,5 +1,6 @@
 #include "train/collectives.h"
 
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -154,6 +155,146 @@ absl::StatusOr<TensorMap> BroadcastFrom(ProcessGroup& group, const TensorMap& te
 absl::StatusOr<std::vector<std::string>> GatherObject(ProcessGroup& group,
                                                       absl::string_view bytes) {
   return group.AllGatherBytes(bytes);
+}
+
+namespace {
+
+// Objects on the wire: each field is a little-endian u64 length (or value)
+// followed by its bytes. Every rank builds and reads it, so the layout only
+// has to agree with itself.
+void PutU64(std::string* out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutBytes(std::string* out, absl::string_view bytes) {
+  PutU64(out, bytes.size());
+  out->append(bytes.data(), bytes.size());
+}
+
+// Reads what PutU64 / PutBytes wrote; DataLoss on a short message.
+class WireReader {
+ public:
+  WireReader(absl::string_view bytes, absl::string_view what) : bytes_(bytes), what_(what) {}
+  bool done() const { return bytes_.empty(); }
+  absl::StatusOr<uint64_t> U64() {
+    if (bytes_.size() < 8) return Truncated();
+    uint64_t v = 0;
+    for (int i = 0; i < 8; ++i)
+      v |= static_cast<uint64_t>(static_cast<uint8_t>(bytes_[i])) << (8 * i);
+    bytes_.remove_prefix(8);
+    return v;
+  }
+  absl::StatusOr<absl::string_view> Bytes() {
+    ACCEL_ASSIGN_OR_RETURN(uint64_t n, U64());
+    if (bytes_.size() < n) return Truncated();
+    absl::string_view out = bytes_.substr(0, n);
+    bytes_.remove_prefix(n);
+    return out;
+  }
+
+ private:
+  absl::Status Truncated() const {
+    return absl::DataLossError(absl::StrCat(what_, ": a truncated message"));
+  }
+  absl::string_view bytes_;
+  absl::string_view what_;
+};
+
+std::string EncodeList(const std::vector<std::string>& items) {
+  std::string out;
+  PutU64(&out, items.size());
+  for (const std::string& item : items) PutBytes(&out, item);
+  return out;
+}
+
+absl::Status DecodeList(absl::string_view bytes, absl::string_view what,
+                        std::vector<std::string>* out) {
+  WireReader in(bytes, what);
+  ACCEL_ASSIGN_OR_RETURN(uint64_t n, in.U64());
+  for (uint64_t i = 0; i < n; ++i) {
+    ACCEL_ASSIGN_OR_RETURN(absl::string_view item, in.Bytes());
+    out->emplace_back(item);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> GatherObject(ProcessGroup& group,
+                                                      const std::vector<std::string>& items) {
+  ACCEL_ASSIGN_OR_RETURN(std::vector<std::string> all, group.AllGatherBytes(EncodeList(items)));
+  std::vector<std::string> out;
+  for (const std::string& rank_items : all) {
+    ACCEL_RETURN_IF_ERROR(DecodeList(rank_items, "gather_object", &out));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<std::string>> BroadcastObjectList(
+    ProcessGroup& group, const std::vector<std::string>& objects, int src) {
+  // Checked on every rank before any message, so all of them refuse together.
+  if (src < 0 || src >= group.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("broadcast_object_list: from_process ", src,
+                                                   " is not a rank (0..", group.size() - 1, ")"));
+  }
+  ACCEL_ASSIGN_OR_RETURN(std::string bytes,
+                         group.BroadcastBytes(group.rank() == src ? EncodeList(objects) : "", src));
+  std::vector<std::string> out;
+  ACCEL_RETURN_IF_ERROR(DecodeList(bytes, "broadcast_object_list", &out));
+  return out;
+}
+
+absl::StatusOr<std::vector<TensorMap>> GatherTensorObjects(ProcessGroup& group,
+                                                           const TensorMap& tensors) {
+  std::string message;
+  PutU64(&message, tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    if (!tensor.defined()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gather_object: \"", name, "\" is an undefined tensor"));
+    }
+    at::Tensor host;
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] { host = tensor.detach().cpu().contiguous(); }),
+                                   absl::StrCat("gather_object: \"", name, "\"")));
+    PutBytes(&message, name);
+    PutU64(&message, static_cast<uint64_t>(host.scalar_type()));
+    PutU64(&message, static_cast<uint64_t>(host.dim()));
+    for (int64_t d : host.sizes()) PutU64(&message, static_cast<uint64_t>(d));
+    PutBytes(&message, absl::string_view(static_cast<const char*>(host.data_ptr()), host.nbytes()));
+  }
+  ACCEL_ASSIGN_OR_RETURN(std::vector<std::string> all, group.AllGatherBytes(message));
+  std::vector<TensorMap> out;
+  for (const std::string& bytes : all) {
+    WireReader in(bytes, "gather_object");
+    TensorMap rank_tensors;
+    ACCEL_ASSIGN_OR_RETURN(uint64_t n, in.U64());
+    for (uint64_t i = 0; i < n; ++i) {
+      ACCEL_ASSIGN_OR_RETURN(absl::string_view name, in.Bytes());
+      ACCEL_ASSIGN_OR_RETURN(uint64_t dtype, in.U64());
+      ACCEL_ASSIGN_OR_RETURN(uint64_t dims, in.U64());
+      if (dtype >= static_cast<uint64_t>(c10::ScalarType::NumOptions) || dims > 64) {
+        return absl::DataLossError(
+            absl::StrCat("gather_object: a bad tensor header for \"", name, "\""));
+      }
+      std::vector<int64_t> shape;
+      for (uint64_t d = 0; d < dims; ++d) {
+        ACCEL_ASSIGN_OR_RETURN(uint64_t size, in.U64());
+        shape.push_back(static_cast<int64_t>(size));
+      }
+      ACCEL_ASSIGN_OR_RETURN(absl::string_view data, in.Bytes());
+      at::Tensor t;
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        t = at::empty(shape, at::TensorOptions().dtype(static_cast<c10::ScalarType>(dtype)));
+      }));
+      if (t.nbytes() != data.size()) {
+        return absl::DataLossError(absl::StrCat("gather_object: \"", name, "\" has ", data.size(),
+                                                " bytes, its shape needs ", t.nbytes()));
+      }
+      if (!data.empty()) std::memcpy(t.data_ptr(), data.data(), data.size());
+      rank_tensors.emplace(std::string(name), std::move(t));
+    }
+    out.push_back(std::move(rank_tensors));
+  }
+  return out;
 }
 
 }  // namespace accel::train

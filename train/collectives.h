@@ -55,6 +55,19 @@ absl::StatusOr<TensorMap> BroadcastFrom(ProcessGroup& group, const TensorMap& te
 
 // gather_object for byte strings: every rank's, in rank order.
 absl::StatusOr<std::vector<std::string>> GatherObject(ProcessGroup& group, absl::string_view bytes);
+// gather_object of a list: every rank's items, concatenated in rank order
+// (Accelerate flattens the ranks' lists the same way).
+absl::StatusOr<std::vector<std::string>> GatherObject(ProcessGroup& group,
+                                                      const std::vector<std::string>& items);
+// broadcast_object_list: `src`'s list (its length too) on every rank.
+// InvalidArgument naming from_process when `src` is not a rank.
+absl::StatusOr<std::vector<std::string>> BroadcastObjectList(
+    ProcessGroup& group, const std::vector<std::string>& objects, int src = 0);
+// gather_object for tensors: every rank's map, in rank order. The tensors
+// travel as bytes (dtype, shape, data), so the ranks' shapes may differ in
+// every dimension; they come back on the cpu, contiguous.
+absl::StatusOr<std::vector<TensorMap>> GatherTensorObjects(ProcessGroup& group,
+                                                           const TensorMap& tensors);
 
 // split_between_processes: rank r's contiguous share of `items`; the first
 // size() % P ranks get one more. With apply_padding every rank gets the same

@@ -24,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/status.h"
 #include "tests/testing/file_size_limit.h"
 #include "tests/testing/multiprocess.h"
 #include "tests/testing/status_matchers.h"
@@ -1079,6 +1080,248 @@ TEST(AcceleratorDistributed, TwoRanksWithAccumulationEqualOneProcess) {
 
 TEST(AcceleratorDistributed, FourRanksWithAccumulationEqualOneProcess) {
   EXPECT_THAT(test::RunRanks(4, "AcceleratorDistributedWorker.DataParallelStep", {{"ACCUM", "2"}}),
+              Each(0));
+}
+
+// ---- Device placement, set_seed(deterministic), objects and iterables ----
+
+// A model whose weights are on the meta device: a move to the cpu fails
+// (there is no data to copy), so whether prepare moved it is observable on
+// a cpu-only libtorch.
+struct MetaNetImpl : torch::nn::Module {
+  MetaNetImpl() {
+    weight = register_parameter("weight", at::empty({3, 4}, at::kMeta));
+    bias = register_parameter("bias", at::empty({3}, at::kMeta));
+  }
+  at::Tensor weight, bias;
+};
+std::shared_ptr<torch::nn::Module> MetaNet() { return std::make_shared<MetaNetImpl>(); }
+
+TEST(AcceleratorDevicePlacement, OnByDefaultOffOnRequest) {
+  auto placing = MakeAccelerator();
+  ASSERT_NE(placing, nullptr);
+  // Placement on: the model is moved (here it cannot be, and says so).
+  EXPECT_THAT(placing->PrepareModel(MetaNet()),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("moving the model")));
+  // A model already on the device is left as it is (no copy).
+  torch::nn::Linear net = MakeNet();
+  const void* weight = net->weight.data_ptr();
+  ASSERT_THAT(placing->PrepareModel(net.ptr()), IsOk());
+  EXPECT_EQ(net->weight.data_ptr(), weight);
+  // Off for this model only (prepare(..., device_placement=[False])).
+  auto kept = placing->PrepareModel(MetaNet(), /*device_placement=*/false);
+  ASSERT_THAT(kept, IsOk());
+  EXPECT_TRUE((*kept)->module().parameters()[0].is_meta());
+
+  // Off for the Accelerator: models stay; a per-call true still moves.
+  AcceleratorOptions options;
+  options.device_placement = false;
+  auto leaving = MakeAccelerator(options);
+  ASSERT_NE(leaving, nullptr);
+  auto left = leaving->PrepareModel(MetaNet());
+  ASSERT_THAT(left, IsOk());
+  for (const at::Tensor& p : (*left)->module().parameters()) EXPECT_TRUE(p.is_meta());
+  EXPECT_THAT(leaving->PrepareModel(MetaNet(), /*device_placement=*/true),
+              StatusIs(absl::StatusCode::kUnimplemented));
+  // Batches stay where the dataset made them (here, on the meta device).
+  auto meta_rows = TensorDataset::Create({{"x", at::zeros({4, 2}, at::kMeta)}});
+  ASSERT_THAT(meta_rows, IsOk());
+  auto loader = leaving->PrepareDataLoader(*Loader(*meta_rows, 2));
+  ASSERT_THAT(loader, IsOk());
+  ASSERT_THAT((*loader)->Start(), IsOk());
+  auto batch = (*loader)->Next();
+  ASSERT_THAT(batch, IsOk());
+  EXPECT_TRUE((**batch).at("x").is_meta());
+  // With placement, the same batches are brought to the device (the cpu),
+  // which meta tensors cannot be.
+  auto placed = placing->PrepareDataLoader(*Loader(*meta_rows, 2));
+  ASSERT_THAT(placed, IsOk());
+  EXPECT_FALSE((*placed)->Start().ok());
+}
+
+TEST(SetSeed, DeterministicTurnsOnDeterministicAlgorithms) {
+  auto& context = at::globalContext();
+  const bool before = context.deterministicAlgorithms();
+  context.setDeterministicAlgorithms(false, false);
+  SetSeed(5);
+  EXPECT_FALSE(context.deterministicAlgorithms());  // not asked: left as it was
+  SetSeed(5, /*device_specific=*/true, /*process_index=*/2, /*deterministic=*/true);
+  EXPECT_TRUE(context.deterministicAlgorithms());
+  EXPECT_FALSE(context.deterministicAlgorithmsWarnOnly());
+  EXPECT_EQ(LastSeed(), 7u);
+  // The seed took: the same draws as a manual seed of 7.
+  const at::Tensor drawn = at::rand({4});
+  at::manual_seed(7);
+  EXPECT_TRUE(at::equal(drawn, at::rand({4})));
+  // A nondeterministic op (put_ without accumulate, on any device) now throws.
+  at::Tensor target = at::zeros({3});
+  EXPECT_ANY_THROW(target.put_(at::tensor({0, 0}, at::kLong), at::ones({2}), false));
+  // deterministic=false does not turn it off (Accelerate leaves it too).
+  SetSeed(5, false, 0, false);
+  EXPECT_TRUE(context.deterministicAlgorithms());
+  context.setDeterministicAlgorithms(before, false);
+}
+
+TEST(AcceleratorObjects, OneProcess) {
+  auto acc = MakeAccelerator();
+  ASSERT_NE(acc, nullptr);
+  auto one = acc->GatherObject(absl::string_view("only"));
+  ASSERT_THAT(one, IsOk());
+  EXPECT_EQ(*one, std::vector<std::string>({"only"}));
+  std::vector<std::string> list = {"a", "", std::string("\0b", 2)};
+  auto flat = acc->GatherObject(list);
+  ASSERT_THAT(flat, IsOk());
+  EXPECT_EQ(*flat, list);
+  ASSERT_THAT(acc->BroadcastObjectList(list), IsOk());
+  EXPECT_EQ(list.size(), 3u);
+  EXPECT_THAT(acc->BroadcastObjectList(list, 1),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("from_process 1")));
+  EXPECT_THAT(acc->GatherForMetrics(at::Tensor(), true),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("undefined")));
+}
+
+// A stream of `n` rows {"x": [i, i, i, i] / n, "y": ..., "index": i}.
+class RegressionStream : public IterableDataset {
+ public:
+  explicit RegressionStream(int64_t n) : rows_(Regression(n)), n_(n) {}
+  absl::Status Reset(int64_t) override {
+    position_ = 0;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::optional<Example>> Next() override {
+    if (position_ >= n_) return std::optional<Example>();
+    ACCEL_ASSIGN_OR_RETURN(Example e, rows_->Get(position_++));
+    ++reads;
+    return std::optional<Example>(std::move(e));
+  }
+  std::optional<int64_t> size() const override { return n_; }
+
+  int64_t reads = 0;
+
+ private:
+  std::shared_ptr<TensorDataset> rows_;
+  int64_t n_;
+  int64_t position_ = 0;
+};
+
+TEST(AcceleratorDistributedWorker, ObjectsAndIterables) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of AcceleratorDistributed.*";
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 4;
+  const std::string dispatch = std::getenv("DISPATCH");
+  if (dispatch != "default") options.dataloader_config.dispatch_batches = dispatch == "1";
+  options.dataloader_config.split_batches = std::string(std::getenv("SPLIT")) == "1";
+  auto created = Accelerator::Create(options);
+  ASSERT_THAT(created, IsOk());
+  auto& acc = *created;
+  const int rank = acc->process_index();
+  const int size = acc->num_processes();
+
+  // gather_object / broadcast_object_list.
+  auto names = acc->GatherObject(absl::string_view(absl::StrCat("rank", rank)));
+  ASSERT_THAT(names, IsOk());
+  std::vector<std::string> want_names;
+  for (int r = 0; r < size; ++r) want_names.push_back(absl::StrCat("rank", r));
+  EXPECT_EQ(*names, want_names);
+  std::vector<std::string> mine(static_cast<size_t>(rank + 1), std::to_string(rank));
+  auto flat = acc->GatherObject(mine);
+  ASSERT_THAT(flat, IsOk());
+  std::vector<std::string> want_flat;
+  for (int r = 0; r < size; ++r) want_flat.insert(want_flat.end(), r + 1, std::to_string(r));
+  EXPECT_EQ(*flat, want_flat);
+  std::vector<std::string> objects =
+      rank == 1 ? std::vector<std::string>{"config", std::string("\0\1", 2), ""}
+                : std::vector<std::string>{"stale"};
+  ASSERT_THAT(acc->BroadcastObjectList(objects, /*from_process=*/1), IsOk());
+  EXPECT_EQ(objects, std::vector<std::string>({"config", std::string("\0\1", 2), ""}));
+  EXPECT_THAT(acc->BroadcastObjectList(objects, size),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("from_process")));
+  // use_gather_object: the ranks' first dimensions differ, nothing is padded.
+  at::Tensor rows = at::full({rank + 1, 2}, rank, at::kLong);
+  auto gathered = acc->GatherForMetrics(rows, /*use_gather_object=*/true);
+  ASSERT_THAT(gathered, IsOk());
+  std::vector<at::Tensor> want_rows;
+  for (int r = 0; r < size; ++r) want_rows.push_back(at::full({r + 1, 2}, r, at::kLong));
+  EXPECT_TRUE(at::equal(*gathered, at::cat(want_rows)));
+  EXPECT_THAT(acc->GatherForMetrics(at::zeros({2, rank + 1}), true),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("past dim 0")));
+
+  // An iterable dataset through the prepared loader (Accelerate's test: 30
+  // elements, batch 4; and 31 for a padded last group): gather_for_metrics
+  // gives the stream, tensors and objects alike; accumulation syncs every 4
+  // steps and at the last batch, which the loader knows one batch ahead.
+  for (int64_t n : {30, 31, 8}) {
+    SCOPED_TRACE(absl::StrCat("n = ", n));
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    auto stream = std::make_shared<RegressionStream>(n);
+    auto base = DataLoader::Create(stream, o);
+    ASSERT_THAT(base, IsOk());
+    auto loader = acc->PrepareDataLoader(**base);
+    ASSERT_THAT(loader, IsOk());
+    const int64_t group = options.dataloader_config.split_batches ? 4 : 4 * size;
+    const int64_t batches = (n + group - 1) / group;
+    EXPECT_EQ((*loader)->size(), batches);
+    ASSERT_THAT((*loader)->Start(), IsOk());
+    std::vector<at::Tensor> indices, by_object, xs;
+    std::vector<std::string> items;
+    std::vector<bool> syncs;
+    while (true) {
+      auto batch = (*loader)->Next();
+      ASSERT_THAT(batch, IsOk());
+      if (!*batch) break;
+      ASSERT_THAT(acc->Accumulate({}), IsOk());
+      syncs.push_back(acc->sync_gradients());
+      const at::Tensor index = (**batch).at("index");
+      auto gathered_index = acc->GatherForMetrics(index);
+      ASSERT_THAT(gathered_index, IsOk());
+      indices.push_back(*gathered_index);
+      auto as_object = acc->GatherForMetrics(index, /*use_gather_object=*/true);
+      ASSERT_THAT(as_object, IsOk());
+      by_object.push_back(*as_object);
+      auto columns = acc->GatherForMetrics(TensorMap{{"x", (**batch).at("x")}}, true);
+      ASSERT_THAT(columns, IsOk());
+      xs.push_back(columns->at("x"));
+      std::vector<std::string> labels;
+      for (int64_t i = 0; i < index.numel(); ++i) {
+        labels.push_back(std::to_string(index[i].item<int64_t>()));
+      }
+      auto gathered_labels = acc->GatherForMetrics(labels);
+      ASSERT_THAT(gathered_labels, IsOk());
+      items.insert(items.end(), gathered_labels->begin(), gathered_labels->end());
+    }
+    ASSERT_EQ(static_cast<int64_t>(syncs.size()), batches);
+    for (int64_t i = 0; i < batches; ++i) {
+      EXPECT_EQ(syncs[static_cast<size_t>(i)], (i + 1) % 4 == 0 || i + 1 == batches) << i;
+    }
+    const at::Tensor all = at::arange(n, at::kLong);
+    EXPECT_TRUE(at::equal(at::cat(indices), all)) << at::cat(indices);
+    EXPECT_TRUE(at::equal(at::cat(by_object), all)) << at::cat(by_object);
+    EXPECT_TRUE(at::equal(at::cat(xs), Rows(*Regression(n), 0, n).at("x")));
+    std::vector<std::string> want_items;
+    for (int64_t i = 0; i < n; ++i) want_items.push_back(std::to_string(i));
+    EXPECT_EQ(items, want_items);
+    // Dispatching (the default for iterables): rank 0 alone reads the
+    // stream; without it every rank reads all of it.
+    EXPECT_EQ(stream->reads, dispatch == "0" || rank == 0 ? n : 0);
+  }
+  ASSERT_THAT(acc->WaitForEveryone(), IsOk());
+}
+
+TEST(AcceleratorDistributed, ObjectsAndIterablesOnTwoRanks) {
+  for (const char* split : {"0", "1"}) {
+    for (const char* dispatch : {"default", "0"}) {
+      EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.ObjectsAndIterables",
+                                 {{"SPLIT", split}, {"DISPATCH", dispatch}}),
+                  Each(0))
+          << "split_batches " << split << ", dispatch_batches " << dispatch;
+    }
+  }
+}
+
+TEST(AcceleratorDistributed, ObjectsAndIterablesOnThreeRanks) {
+  EXPECT_THAT(test::RunRanks(3, "AcceleratorDistributedWorker.ObjectsAndIterables",
+                             {{"SPLIT", "0"}, {"DISPATCH", "0"}}),
               Each(0));
 }
 
