@@ -228,6 +228,8 @@ struct PrepareOptions {
 // knows which group is the last, and sends each rank its rows
 // (DataLoaderDispatcher; remainder: the rows of the last group). On one
 // process the stream is simply batched, the last batch possibly short.
+// even_batches does not apply to a stream (Accelerate's shard always evens
+// it out, as here).
 class DataLoader {
  public:
   // An unprepared, single-process loader.

@@ -1204,6 +1204,40 @@ class RegressionStream : public IterableDataset {
   int64_t position_ = 0;
 };
 
+TEST(AcceleratorCheckpoint, AnIterableLoaderResumesByReplayingItsEpoch) {
+  test::TempDir dir;
+  auto first = MakeAccelerator();
+  ASSERT_NE(first, nullptr);
+  DataLoaderOptions o;
+  o.batch_size = 3;
+  auto loader =
+      first->PrepareDataLoader(**DataLoader::Create(std::make_shared<RegressionStream>(10), o));
+  ASSERT_THAT(loader, IsOk());
+  ASSERT_THAT((*loader)->Start(), IsOk());
+  ASSERT_THAT((*loader)->Next(), IsOk());
+  ASSERT_THAT((*loader)->Next(), IsOk());  // rows 0..5 handed out
+  ASSERT_THAT(first->SaveState(dir.File("ckpt")), IsOk());
+
+  auto second = MakeAccelerator();
+  ASSERT_NE(second, nullptr);
+  auto stream = std::make_shared<RegressionStream>(10);
+  auto resumed = second->PrepareDataLoader(**DataLoader::Create(stream, o));
+  ASSERT_THAT(resumed, IsOk());
+  ASSERT_THAT(second->LoadState(dir.File("ckpt")), IsOk());
+  EXPECT_EQ((*resumed)->size(), 2);  // 4 batches an epoch, 2 of them done
+  ASSERT_THAT((*resumed)->Start(), IsOk());
+  std::vector<at::Tensor> rest;
+  while (true) {
+    auto batch = (*resumed)->Next();
+    ASSERT_THAT(batch, IsOk());
+    if (!*batch) break;
+    rest.push_back((**batch).at("index"));
+  }
+  EXPECT_TRUE(at::equal(at::cat(rest), at::arange(6, 10, at::kLong))) << at::cat(rest);
+  EXPECT_EQ(stream->reads, 10);  // the skipped batches were read again, then dropped
+  EXPECT_EQ((*resumed)->epoch(), 1);
+}
+
 TEST(AcceleratorDistributedWorker, ObjectsAndIterables) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of AcceleratorDistributed.*";
   AcceleratorOptions options;
