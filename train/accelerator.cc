@@ -1,6 +1,7 @@
 #include "train/accelerator.h"
 
 #include <atomic>
+#include <cmath>
 #include <filesystem>
 #include <iostream>
 #include <new>
@@ -118,10 +119,18 @@ absl::Status PreparedOptimizer::Step() {
     ACCEL_ASSIGN_OR_RETURN(bool stepped, scaler->Step(*optimizer_));
     ACCEL_RETURN_IF_ERROR(scaler->Update());
     step_was_skipped_ = !stepped;
-    return absl::OkStatus();
+  } else {
+    step_was_skipped_ = false;
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] { optimizer_->step(); }), "optimizer step"));
   }
-  step_was_skipped_ = false;
-  return Annotate(CallTorch([&] { optimizer_->step(); }), "optimizer step");
+  // The optimizer stepped the shards: what a sharded model keeps gathered
+  // (its root) is gathered again, on every rank together.
+  for (const auto& model : accelerator_->models_) {
+    if (ShardedModel* sharded = model->sharded()) {
+      ACCEL_RETURN_IF_ERROR(Annotate(sharded->ShardsChanged(), "FSDP after the optimizer step"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 void PreparedOptimizer::ZeroGrad() {
@@ -130,6 +139,11 @@ void PreparedOptimizer::ZeroGrad() {
   // gradients instead of adding to zeros.
   for (auto& group : optimizer_->param_groups()) {
     for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+  }
+  // A sharded model's gradients go too: the shard gradients behind the
+  // pieces, and any gathered ones no_sync left on the parameters.
+  for (const auto& model : accelerator_->models_) {
+    if (ShardedModel* sharded = model->sharded()) sharded->ZeroGrad();
   }
 }
 
@@ -158,12 +172,14 @@ absl::Status PreparedScheduler::Step() {
 }
 
 AccumulateScope::AccumulateScope(AccumulateScope&& other) noexcept
-    : restore_(std::move(other.restore_)) {
+    : restore_(std::move(other.restore_)), restore_sharded_(std::move(other.restore_sharded_)) {
   other.restore_.clear();
+  other.restore_sharded_.clear();
 }
 
 AccumulateScope::~AccumulateScope() {
   for (auto& [sync, previous] : restore_) sync->set_require_sync(previous);
+  for (auto& [sharded, previous] : restore_sharded_) sharded->set_require_sync(previous);
 }
 
 // ---- Accelerator ----
@@ -187,9 +203,20 @@ absl::StatusOr<std::unique_ptr<Accelerator>> Accelerator::Create(const Accelerat
   if (options.use_deepspeed || EnvTrue(env, "ACCELERATE_USE_DEEPSPEED")) {
     return absl::InvalidArgumentError("use_deepspeed: DeepSpeed is not available to C++ programs");
   }
-  if (options.use_fsdp || EnvTrue(env, "ACCELERATE_USE_FSDP")) {
-    return absl::InvalidArgumentError(
-        "use_fsdp: FSDP is not in libtorch 1.13's C++ API; use data parallel (the default)");
+  if (options.use_fsdp || options.fsdp_plugin || EnvTrue(env, "ACCELERATE_USE_FSDP")) {
+    if (options.fsdp_plugin) {
+      acc->fsdp_ = *options.fsdp_plugin;
+    } else {
+      ACCEL_ASSIGN_OR_RETURN(acc->fsdp_, FullyShardedDataParallelPlugin::FromEnv(env));
+    }
+    if (acc->fsdp_->activation_checkpointing) {
+      return absl::InvalidArgumentError(
+          "FSDP activation_checkpointing: libtorch's C++ modules have no recomputation hooks");
+    }
+    if (!acc->fsdp_->use_orig_params) {
+      return absl::InvalidArgumentError(
+          "FSDP use_orig_params=false: the optimizer steps the original parameters' pieces here");
+    }
   }
   if (options.use_megatron_lm) {
     return absl::InvalidArgumentError("use_megatron_lm: Megatron-LM is not available to C++");
@@ -256,6 +283,16 @@ absl::StatusOr<std::unique_ptr<Accelerator>> Accelerator::Create(const Accelerat
     if (ddp.bucket_cap_mb <= 0) {
       return absl::InvalidArgumentError("DistributedDataParallelKwargs.bucket_cap_mb must be > 0");
     }
+    if (ddp.static_graph) {
+      return absl::InvalidArgumentError(
+          "DistributedDataParallelKwargs.static_graph = true: PyTorch's static-graph mode is not "
+          "implemented (its buckets are fixed at prepare here anyway; use false)");
+    }
+    if (ddp.check_reduction) {
+      return absl::InvalidArgumentError(
+          "DistributedDataParallelKwargs.check_reduction = true: deprecated in PyTorch, where it "
+          "does nothing; not implemented here (use false)");
+    }
   }
   ProcessGroupOptions group_options;
   if (options.init_process_group_kwargs) {
@@ -287,6 +324,16 @@ absl::StatusOr<std::unique_ptr<Accelerator>> Accelerator::Create(const Accelerat
     acc->group_ = ProcessGroup::Single();
   }
 
+  if (acc->fsdp_) {
+    acc->distributed_type_ = DistributedType::kFsdp;
+    if (acc->precision_ == PrecisionType::kFp16) {
+      // Each rank's inf check would see only its own shards, and ranks
+      // could disagree on skipping a step (PyTorch's ShardedGradScaler
+      // all-reduces found_inf for this).
+      return absl::InvalidArgumentError(
+          "mixed_precision fp16 with FSDP: the loss scaler does not shard its inf check; use bf16");
+    }
+  }
   if (acc->precision_ == PrecisionType::kFp16) {
     GradScalerOptions scaler_options = options.grad_scaler_kwargs.value_or(GradScalerOptions{});
     absl::StatusOr<GradScaler> scaler = GradScaler::Create(scaler_options);
@@ -324,6 +371,22 @@ absl::StatusOr<PreparedModel*> Accelerator::PrepareModel(std::shared_ptr<torch::
       ModuleOffDevice(*prepared->module_, device_)) {
     ACCEL_RETURN_IF_ERROR(
         Annotate(CallTorch([&] { prepared->module_->to(device_); }), "moving the model"));
+  }
+  if (fsdp_) {
+    for (const auto& m : models_) {
+      if (m->sharded() != nullptr) {
+        return absl::InvalidArgumentError(
+            "PrepareModel: FSDP shards one model per Accelerator (its module hooks are the "
+            "thread's); prepare the others before, or train them with another Accelerator");
+      }
+    }
+    const int nodes =
+        std::max(1, environment_.world_size / std::max(1, environment_.local_world_size));
+    ACCEL_ASSIGN_OR_RETURN(prepared->sharded_,
+                           ShardedModel::Wrap(prepared->module_, *group_, *fsdp_, device_, nodes));
+    prepared_hooks_ = std::make_unique<dispatch::ScopedModuleHooks>(prepared->sharded_.get());
+    models_.push_back(std::move(prepared));
+    return models_.back().get();
   }
   if (num_processes() > 1) {
     DdpOptions ddp;
@@ -363,6 +426,23 @@ absl::StatusOr<PreparedOptimizer*> Accelerator::PrepareOptimizer(
   auto prepared = std::make_unique<PreparedOptimizer>();
   prepared->accelerator_ = this;
   prepared->optimizer_ = std::move(optimizer);
+  // Under FSDP the optimizer steps this rank's piece of each parameter:
+  // its groups keep their options, their tensors become the pieces.
+  for (const auto& model : models_) {
+    ShardedModel* sharded = model->sharded();
+    if (sharded == nullptr) continue;
+    if (!prepared->optimizer_->state().empty()) {
+      return absl::FailedPreconditionError(
+          "PrepareOptimizer: the optimizer has state already; under FSDP prepare it before its "
+          "first step (its state must be the shards')");
+    }
+    for (auto& group : prepared->optimizer_->param_groups()) {
+      for (at::Tensor& p : group.params()) {
+        at::Tensor piece = sharded->PieceOf(p);
+        if (piece.defined()) p = piece;
+      }
+    }
+  }
   optimizers_.push_back(std::move(prepared));
   return optimizers_.back().get();
 }
@@ -428,6 +508,10 @@ absl::StatusOr<AccumulateScope> Accelerator::Accumulate(const std::vector<Prepar
         scope.restore_.emplace_back(s, s->require_sync());
         s->set_require_sync(false);
       }
+      if (ShardedModel* s = m->sharded()) {
+        scope.restore_sharded_.emplace_back(s, s->require_sync());
+        s->set_require_sync(false);
+      }
     }
   }
   return scope;
@@ -439,6 +523,10 @@ AccumulateScope Accelerator::NoSync(const std::vector<PreparedModel*>& models) {
     if (m == nullptr) continue;
     if (GradientSynchronizer* s = m->synchronizer()) {
       scope.restore_.emplace_back(s, s->require_sync());
+      s->set_require_sync(false);
+    }
+    if (ShardedModel* s = m->sharded()) {
+      scope.restore_sharded_.emplace_back(s, s->require_sync());
       s->set_require_sync(false);
     }
   }
@@ -457,6 +545,9 @@ absl::StatusOr<ForwardScope> Accelerator::BeginForward(const PreparedModel& mode
     ACCEL_RETURN_IF_ERROR(Annotate(s->PrepareForward(), "broadcasting buffers before forward"));
   }
   ForwardScope scope;
+  if (model.sharded() != nullptr) {
+    scope.hooks_ = std::make_unique<dispatch::ScopedModuleHooks>(model.sharded());
+  }
   if (precision_ != PrecisionType::kNo) {
     scope.autocast_ = Autocast(options_.autocast_kwargs.value_or(AutocastKwargs{}));
   }
@@ -486,6 +577,12 @@ absl::Status Accelerator::Backward(const at::Tensor& loss) {
     if (s != nullptr && s->require_sync() && s->received_gradients()) {
       ACCEL_RETURN_IF_ERROR(Annotate(s->Finish(), "gradient all-reduce"));
     }
+    // A sharded model finishes every backward (no_sync ones too: it frees
+    // what backward gathered).
+    ShardedModel* sharded = model->sharded();
+    if (sharded != nullptr && sharded->received_gradients()) {
+      ACCEL_RETURN_IF_ERROR(Annotate(sharded->Finish(), "FSDP gradient reduce-scatter"));
+    }
   }
   return absl::OkStatus();
 }
@@ -501,6 +598,23 @@ absl::Status Accelerator::UnscaleGradients() {
 absl::StatusOr<double> Accelerator::ClipGradNorm(const std::vector<at::Tensor>& parameters,
                                                  double max_norm, double norm_type) {
   ACCEL_RETURN_IF_ERROR(UnscaleGradients());
+  // Parameters of a sharded model: the norm over every rank's pieces (as
+  // FSDP's clip_grad_norm_), and each rank clips its own.
+  std::vector<at::Tensor> pieces;
+  for (const at::Tensor& p : parameters) {
+    for (const auto& model : models_) {
+      if (model->sharded() == nullptr) continue;
+      at::Tensor piece = model->sharded()->PieceOf(p);
+      if (piece.defined()) pieces.push_back(piece);
+    }
+  }
+  if (!pieces.empty()) {
+    if (pieces.size() != parameters.size()) {
+      return absl::InvalidArgumentError(
+          "ClipGradNorm: some parameters are sharded (FSDP) and some are not; clip them apart");
+    }
+    return ClipShardedGradNorm(pieces, max_norm, norm_type);
+  }
   double norm = 0;
   ACCEL_RETURN_IF_ERROR(Annotate(
       CallTorch([&] { norm = torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type); }),
@@ -508,10 +622,59 @@ absl::StatusOr<double> Accelerator::ClipGradNorm(const std::vector<at::Tensor>& 
   return norm;
 }
 
+absl::StatusOr<double> Accelerator::ClipShardedGradNorm(const std::vector<at::Tensor>& pieces,
+                                                        double max_norm, double norm_type) {
+  const bool inf = std::isinf(norm_type);
+  at::Tensor local;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    at::NoGradGuard no_grad;
+    local = at::zeros({1}, at::kDouble);
+    for (const at::Tensor& p : pieces) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined() || g.numel() == 0) continue;
+      at::Tensor d = g.to(at::kDouble);
+      local = inf ? at::maximum(local, d.abs().max().reshape({1}))
+                  : local + d.abs().pow(norm_type).sum().reshape({1});
+    }
+  }));
+  std::vector<at::Tensor> one = {local};
+  ACCEL_RETURN_IF_ERROR(Annotate(group_->AllReduce(one, inf ? ReduceOp::kMax : ReduceOp::kSum),
+                                 "clip_grad_norm_ (FSDP)"));
+  const double total = inf ? local.item<double>() : std::pow(local.item<double>(), 1.0 / norm_type);
+  // torch's rule: scale by max_norm / (total + 1e-6) when that is below 1.
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1) {
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      at::NoGradGuard no_grad;
+      for (const at::Tensor& p : pieces) {
+        if (p.grad().defined()) p.grad().mul_(coef);
+      }
+    }));
+  }
+  return total;
+}
+
+std::vector<at::Tensor> Accelerator::GradientHolders(
+    const std::vector<at::Tensor>& parameters) const {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& p : parameters) {
+    at::Tensor holder = p;
+    for (const auto& model : models_) {
+      if (model->sharded() == nullptr) continue;
+      at::Tensor piece = model->sharded()->PieceOf(p);
+      if (piece.defined()) holder = piece;
+    }
+    out.push_back(holder);
+  }
+  return out;
+}
+
 absl::Status Accelerator::ClipGradValue(const std::vector<at::Tensor>& parameters,
                                         double clip_value) {
   ACCEL_RETURN_IF_ERROR(UnscaleGradients());
-  return Annotate(CallTorch([&] { torch::nn::utils::clip_grad_value_(parameters, clip_value); }),
+  // Elementwise: each rank clips its own pieces of a sharded model.
+  const std::vector<at::Tensor> holders = GradientHolders(parameters);
+  return Annotate(CallTorch([&] { torch::nn::utils::clip_grad_value_(holders, clip_value); }),
                   "clip_grad_value_");
 }
 
@@ -653,14 +816,43 @@ absl::Status Accelerator::WriteStateFiles(const std::string& dir) const {
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::PermissionDeniedError(absl::StrCat(dir, ": ", ec.message()));
   const bool writer = is_main_process() || (project_.save_on_each_node && is_local_main_process());
+  // A sharded model is saved by every rank together: gathered whole
+  // (FULL_STATE_DICT, written by the writer) or each rank its own shards
+  // (SHARDED_STATE_DICT, pytorch_model_fsdp_<i>/, as Accelerate names it).
+  std::vector<std::optional<NamedTensors>> states(models_.size());
+  bool any_sharded = false;
+  for (size_t i = 0; i < models_.size(); ++i) {
+    ShardedModel* sharded = models_[i]->sharded();
+    if (sharded == nullptr) {
+      if (writer) states[i] = models_[i]->StateDict();
+      continue;
+    }
+    any_sharded = true;
+    if (fsdp_->state_dict_type == StateDictType::kShardedStateDict) {
+      ACCEL_RETURN_IF_ERROR(
+          sharded->SaveShards(absl::StrCat(dir, "/", Indexed("pytorch_model_fsdp", i, ""))));
+    } else {
+      ACCEL_ASSIGN_OR_RETURN(states[i], sharded->FullStateDict());
+    }
+  }
+  // The optimizers' state is the shards' under FSDP: one file per rank.
+  if (any_sharded) {
+    for (size_t i = 0; i < optimizers_.size(); ++i) {
+      ACCEL_RETURN_IF_ERROR(
+          SaveOptimizer(optimizers_[i]->optimizer(),
+                        absl::StrCat(dir, "/", Indexed("optimizer", i, ""), ".rank",
+                                     process_index(), "-of-", num_processes(), ".bin")));
+    }
+  }
   if (writer) {
     for (size_t i = 0; i < models_.size(); ++i) {
+      if (!states[i]) continue;
       SaveModelOptions save;
       save.max_shard_size = int64_t{1} << 62;  // one file, as save_state does
       save.weights_name = Indexed("model", i, "");
-      ACCEL_RETURN_IF_ERROR(train::SaveModel(models_[i]->StateDict(), dir, save));
+      ACCEL_RETURN_IF_ERROR(train::SaveModel(*states[i], dir, save));
     }
-    for (size_t i = 0; i < optimizers_.size(); ++i) {
+    for (size_t i = 0; i < optimizers_.size() && !any_sharded; ++i) {
       ACCEL_RETURN_IF_ERROR(SaveOptimizer(optimizers_[i]->optimizer(),
                                           absl::StrCat(dir, "/", Indexed("optimizer", i, ".bin"))));
     }
@@ -779,8 +971,22 @@ absl::Status Accelerator::LoadState(const std::string& input_dir) {
   if (!std::filesystem::is_directory(dir)) {
     return absl::NotFoundError(absl::StrCat("LoadState: ", dir, " is not a folder"));
   }
+  bool any_sharded = false;
   for (size_t i = 0; i < models_.size(); ++i) {
     const std::string stem = Indexed("model", i, "");
+    if (ShardedModel* sharded = models_[i]->sharded()) {
+      // Whichever the checkpoint holds: each rank's shards, or the whole model.
+      any_sharded = true;
+      const std::string shards = absl::StrCat(dir, "/", Indexed("pytorch_model_fsdp", i, ""));
+      if (std::filesystem::is_directory(shards)) {
+        ACCEL_RETURN_IF_ERROR(sharded->LoadShards(shards));
+      } else {
+        ACCEL_ASSIGN_OR_RETURN(StateDict saved, LoadModelWeights(dir, stem));
+        ACCEL_RETURN_IF_ERROR(
+            Annotate(sharded->LoadFullStateDict(saved), absl::StrCat(dir, "/", stem)));
+      }
+      continue;
+    }
     ACCEL_ASSIGN_OR_RETURN(StateDict saved, LoadModelWeights(dir, stem));
     std::map<std::string, at::Tensor> by_name(saved.begin(), saved.end());
     NamedTensors live = models_[i]->StateDict();
@@ -825,8 +1031,17 @@ absl::Status Accelerator::LoadState(const std::string& input_dir) {
                                    "restoring the model's weights"));
   }
   for (size_t i = 0; i < optimizers_.size(); ++i) {
-    ACCEL_RETURN_IF_ERROR(LoadOptimizer(optimizers_[i]->optimizer(),
-                                        absl::StrCat(dir, "/", Indexed("optimizer", i, ".bin"))));
+    const std::string path = any_sharded
+                                 ? absl::StrCat(dir, "/", Indexed("optimizer", i, ""), ".rank",
+                                                process_index(), "-of-", num_processes(), ".bin")
+                                 : absl::StrCat(dir, "/", Indexed("optimizer", i, ".bin"));
+    if (any_sharded && !std::filesystem::exists(path)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path,
+          " does not exist: an FSDP optimizer's state is each rank's shards, so resume with "
+          "the number of processes that saved it"));
+    }
+    ACCEL_RETURN_IF_ERROR(LoadOptimizer(optimizers_[i]->optimizer(), path));
   }
   for (size_t i = 0; i < schedulers_.size(); ++i) {
     ACCEL_ASSIGN_OR_RETURN(SchedulerState state, LoadSchedulerState(absl::StrCat(
@@ -887,13 +1102,24 @@ absl::Status Accelerator::LoadState(const std::string& input_dir) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<NamedTensors> Accelerator::GetStateDict(const PreparedModel& model) const {
+  if (model.sharded() != nullptr) return model.sharded()->FullStateDict();
+  return model.StateDict();
+}
+
 absl::Status Accelerator::SaveModel(const PreparedModel& model, const std::string& dir,
                                     const std::string& max_shard_size) const {
-  if (!is_main_process()) return absl::OkStatus();
   SaveModelOptions save;
   absl::StatusOr<int64_t> limit = ParseShardSize(max_shard_size);
   if (!limit.ok()) return Annotate(limit.status(), "SaveModel max_shard_size");
   save.max_shard_size = *limit;
+  if (model.sharded() != nullptr) {
+    // Every rank gathers; the main process writes.
+    ACCEL_ASSIGN_OR_RETURN(NamedTensors state, model.sharded()->FullStateDict());
+    if (!is_main_process()) return absl::OkStatus();
+    return train::SaveModel(state, dir, save);
+  }
+  if (!is_main_process()) return absl::OkStatus();
   return train::SaveModel(model.StateDict(), dir, save);
 }
 

@@ -49,6 +49,7 @@
 #include "train/data.h"
 #include "train/ddp.h"
 #include "train/env.h"
+#include "train/fsdp.h"
 #include "train/grad_scaler.h"
 #include "train/process_group.h"
 #include "train/scheduler.h"
@@ -118,9 +119,11 @@ struct AutocastKwargs {
 };
 
 struct InitProcessGroupKwargs {
-  std::string backend = "auto";           // "gloo", "nccl" or "auto"
-  std::optional<absl::Duration> timeout;  // 1800 s; 600 s for nccl
-  std::string init_method;                // only "" / "env://" (torchrun's variables) is supported
+  std::string backend = "auto";  // "gloo", "nccl" or "auto"
+  // Unset: 600 s when the backend is nccl, else 1800 s (Accelerate's
+  // __post_init__, torch's defaults; DefaultProcessGroupTimeout).
+  std::optional<absl::Duration> timeout;
+  std::string init_method;  // only "" / "env://" (torchrun's variables) is supported
 };
 
 struct DistributedDataParallelKwargs {
@@ -128,9 +131,12 @@ struct DistributedDataParallelKwargs {
   bool broadcast_buffers = true;
   double bucket_cap_mb = 25;
   bool find_unused_parameters = false;
-  bool check_reduction = false;  // deprecated in PyTorch; ignored there too
+  bool check_reduction = false;  // true is refused: deprecated in PyTorch, a no-op there
   bool gradient_as_bucket_view = false;
-  bool static_graph = false;  // accepted; our buckets are static anyway
+  // true is refused: PyTorch's static-graph mode (reducer rebuilt after the
+  // first iteration, unused parameters tolerated under reentrant checkpoints)
+  // is not implemented; the buckets here are fixed at prepare anyway.
+  bool static_graph = false;
   // "", "fp16" or "bf16" (DDPCommunicationHookType); power_sgd is refused.
   std::string comm_hook;
 };
@@ -159,8 +165,12 @@ struct AcceleratorOptions {
   // is refused with a message (never ignored).
   std::string dynamo_backend = "no";
   bool use_deepspeed = false;
-  bool use_fsdp = false;
   bool use_megatron_lm = false;
+  // Fully sharded data parallel (train/fsdp.h): use_fsdp, or
+  // $ACCELERATE_USE_FSDP (accel-launch's distributed_type FSDP), with this
+  // plugin, else the one the FSDP_* variables describe.
+  bool use_fsdp = false;
+  std::optional<FullyShardedDataParallelPlugin> fsdp_plugin;
 };
 
 // ---- Prepared objects ----
@@ -172,15 +182,20 @@ class PreparedModel {
  public:
   torch::nn::Module& module() const { return *module_; }
   const std::shared_ptr<torch::nn::Module>& shared() const { return module_; }
-  // nullptr on one process.
+  // nullptr on one process, and under FSDP.
   GradientSynchronizer* synchronizer() const { return synchronizer_.get(); }
-  // named_parameters + named_buffers, the keys of model.safetensors.
+  // The FSDP wrapper; nullptr unless the Accelerator uses FSDP.
+  ShardedModel* sharded() const { return sharded_.get(); }
+  // named_parameters + named_buffers, the keys of model.safetensors. Not for
+  // a sharded model, whose tensors are gathered only while they run: use
+  // Accelerator::GetStateDict.
   NamedTensors StateDict() const;
 
  private:
   friend class Accelerator;
   std::shared_ptr<torch::nn::Module> module_;
   std::unique_ptr<GradientSynchronizer> synchronizer_;
+  std::unique_ptr<ShardedModel> sharded_;
 };
 
 // AcceleratedOptimizer: Step and ZeroGrad act only when gradients are synced.
@@ -233,6 +248,7 @@ class AccumulateScope {
   friend class Accelerator;
   AccumulateScope() = default;
   std::vector<std::pair<GradientSynchronizer*, bool>> restore_;
+  std::vector<std::pair<ShardedModel*, bool>> restore_sharded_;
 };
 
 // What BeginForward() returns: the autocast region of a forward.
@@ -244,6 +260,8 @@ class ForwardScope {
   friend class Accelerator;
   ForwardScope() = default;
   std::unique_ptr<AutocastScope> autocast_;
+  // A sharded model's hooks on the thread running the forward.
+  std::unique_ptr<dispatch::ScopedModuleHooks> hooks_;
 };
 
 class Accelerator {
@@ -266,6 +284,8 @@ class Accelerator {
   c10::Device device() const { return device_; }
   DistributedType distributed_type() const { return distributed_type_; }
   PrecisionType mixed_precision() const { return precision_; }
+  // The FSDP plugin in force; nullptr without FSDP.
+  const FullyShardedDataParallelPlugin* fsdp_plugin() const { return fsdp_ ? &*fsdp_ : nullptr; }
   ProcessGroup& group() const { return *group_; }
   const ProcessEnvironment& environment() const { return environment_; }
   const ProjectConfiguration& project_configuration() const { return project_; }
@@ -385,7 +405,12 @@ class Accelerator {
   // no loader prepared yet, leaves them as they are); also sets project iteration to the loaded
   // checkpoint's number + 1 (Accelerate forgets this: issues #1601 / #3306).
   absl::Status LoadState(const std::string& input_dir = "");
-  // save_model: the model's state dict as (sharded) safetensors, main process only.
+  // get_state_dict: the model's named parameters and buffers. Collective for
+  // a sharded model (every rank calls it and gets the whole model, float32
+  // on the cpu).
+  absl::StatusOr<NamedTensors> GetStateDict(const PreparedModel& model) const;
+  // save_model: the model's state dict as (sharded) safetensors, written by
+  // the main process. Collective for a sharded model (GetStateDict).
   absl::Status SaveModel(const PreparedModel& model, const std::string& dir,
                          const std::string& max_shard_size = "10GB") const;
 
@@ -403,6 +428,11 @@ class Accelerator {
   friend class PreparedScheduler;
   Accelerator() = default;
   void DoSync();
+  // ClipGradNorm over FSDP pieces: the norm of every rank's pieces together.
+  absl::StatusOr<double> ClipShardedGradNorm(const std::vector<at::Tensor>& pieces, double max_norm,
+                                             double norm_type);
+  // The tensors ClipGradValue clips: a sharded model's pieces stand for its parameters.
+  std::vector<at::Tensor> GradientHolders(const std::vector<at::Tensor>& parameters) const;
   // This rank's files of save_state, into `dir`.
   absl::Status WriteStateFiles(const std::string& dir) const;
 
@@ -426,6 +456,10 @@ class Accelerator {
   // One per prepared loader, in order; they outlive the loaders.
   std::vector<std::shared_ptr<LoaderCursor>> loader_cursors_;
   std::vector<std::unique_ptr<Tracker>> trackers_;
+  std::optional<FullyShardedDataParallelPlugin> fsdp_;
+  // The sharded model's hooks on the thread that prepared it, for forwards
+  // run outside BeginForward (evaluation).
+  std::unique_ptr<dispatch::ScopedModuleHooks> prepared_hooks_;
 };
 
 // set_seed: seeds libtorch's CPU (and CUDA) generators with `seed`, plus the

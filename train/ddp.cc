@@ -280,6 +280,11 @@ class Synchronizer : public GradientSynchronizer {
   }
   double wait_seconds() const override { return wait_seconds_; }
   int64_t reduced_bytes() const override { return reduced_bytes_; }
+  int64_t bucket_bytes() const override {
+    int64_t n = 0;
+    for (const Bucket& b : buckets_) n += b.flat.nbytes();
+    return n;
+  }
 
  private:
   // Launches, in bucket order, every bucket whose parameters are all ready

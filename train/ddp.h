@@ -84,6 +84,8 @@ class GradientSynchronizer {
   // all-reduce share), and gradient bytes put on the wire (after any
   // compression), since Attach.
   virtual double wait_seconds() const = 0;
+  // Bytes of the flat gradient buckets, held for the synchronizer's life.
+  virtual int64_t bucket_bytes() const = 0;
   virtual int64_t reduced_bytes() const = 0;
 };
 

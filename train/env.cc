@@ -17,6 +17,8 @@ absl::string_view DistributedTypeName(DistributedType type) {
       return "MULTI_CPU";
     case DistributedType::kMultiGpu:
       return "MULTI_GPU";
+    case DistributedType::kFsdp:
+      return "FSDP";
   }
   return "NO";
 }
@@ -26,8 +28,9 @@ absl::StatusOr<DistributedType> ParseDistributedType(absl::string_view name) {
   if (upper == "NO") return DistributedType::kNo;
   if (upper == "MULTI_CPU") return DistributedType::kMultiCpu;
   if (upper == "MULTI_GPU") return DistributedType::kMultiGpu;
+  if (upper == "FSDP") return DistributedType::kFsdp;
   return absl::InvalidArgumentError(
-      absl::StrCat("distributed_type \"", name, "\": expected NO, MULTI_CPU or MULTI_GPU"));
+      absl::StrCat("distributed_type \"", name, "\": expected NO, MULTI_CPU, MULTI_GPU or FSDP"));
 }
 
 absl::string_view PrecisionName(PrecisionType precision) {

@@ -17,7 +17,8 @@
 namespace accel::train {
 
 // Accelerate's DistributedType, the members a C++ program can be.
-enum class DistributedType { kNo, kMultiCpu, kMultiGpu };
+// kFsdp: fully sharded data parallel (train/fsdp.h), on cpus or GPUs.
+enum class DistributedType { kNo, kMultiCpu, kMultiGpu, kFsdp };
 // Accelerate's PrecisionType. "fp8" is refused by ParsePrecision.
 enum class PrecisionType { kNo, kFp16, kBf16 };
 

@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 
@@ -152,6 +153,43 @@ class DoneWork : public PendingWork {
   absl::Status Wait() override { return absl::OkStatus(); }
 };
 
+// One c10d operation whose result lands in place: waiting is all there is.
+// Keeps the operation's tensors referenced until it completes.
+class InPlaceWork : public PendingWork {
+ public:
+  InPlaceWork(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> keep, std::string op,
+              std::chrono::milliseconds timeout)
+      : work_(std::move(work)), keep_(std::move(keep)), op_(std::move(op)), timeout_(timeout) {}
+  ~InPlaceWork() override { (void)Wait(); }
+  absl::Status Wait() override {
+    if (!done_) {
+      done_ = true;
+      status_ = WaitFor(work_, op_, timeout_);
+    }
+    return status_;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<at::Tensor> keep_;
+  std::string op_;
+  std::chrono::milliseconds timeout_;
+  bool done_ = false;
+  absl::Status status_;
+};
+
+absl::Status CheckShardShapes(const at::Tensor& whole, const at::Tensor& shard, int size,
+                              absl::string_view op) {
+  if (!whole.defined() || !shard.defined() || whole.scalar_type() != shard.scalar_type() ||
+      !whole.is_contiguous() || !shard.is_contiguous() || whole.numel() != shard.numel() * size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": the whole buffer must be contiguous, of the shard's dtype and ", size,
+                     " times its elements (whole: ", whole.defined() ? whole.numel() : -1,
+                     ", shard: ", shard.defined() ? shard.numel() : -1, ")"));
+  }
+  return absl::OkStatus();
+}
+
 // A c10d group: gloo, or NCCL where libtorch has it.
 class C10dGroup : public ProcessGroup {
  public:
@@ -222,6 +260,52 @@ class C10dGroup : public ProcessGroup {
     ACCEL_RETURN_IF_ERROR(
         CallTorch([&] { out = at::cat(outputs[0], 0).view(tensor.scalar_type()); }));
     return out;
+  }
+
+  absl::StatusOr<std::unique_ptr<PendingWork>> AllGatherIntoAsync(const at::Tensor& input,
+                                                                  at::Tensor output) override {
+    ACCEL_RETURN_IF_ERROR(CheckShardShapes(output, input, size_, "all_gather_into"));
+    c10::intrusive_ptr<c10d::Work> work;
+    std::vector<at::Tensor> keep;
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                     const at::Tensor words_out = AsWords(output.view({-1}));
+                                     std::vector<at::Tensor> inputs = {AsWords(input.view({-1}))};
+                                     std::vector<std::vector<at::Tensor>> outputs(1);
+                                     const int64_t n = input.numel();
+                                     for (int r = 0; r < size_; ++r) {
+                                       outputs[0].push_back(words_out.narrow(0, r * n, n));
+                                     }
+                                     work = pg_->allgather(outputs, inputs);
+                                     keep = {input, output};
+                                   }),
+                                   "collective all_gather_into"));
+    return std::unique_ptr<PendingWork>(
+        std::make_unique<InPlaceWork>(work, std::move(keep), "all_gather_into", timeout_));
+  }
+
+  absl::Status ReduceScatter(at::Tensor& input, at::Tensor& output) override {
+    ACCEL_RETURN_IF_ERROR(CheckShardShapes(input, output, size_, "reduce_scatter"));
+    if (backend_ == "nccl") {
+      c10::intrusive_ptr<c10d::Work> work;
+      ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                       std::vector<at::Tensor> outs = {output};
+                                       std::vector<std::vector<at::Tensor>> ins(1);
+                                       const int64_t n = output.numel();
+                                       for (int r = 0; r < size_; ++r) {
+                                         ins[0].push_back(input.view({-1}).narrow(0, r * n, n));
+                                       }
+                                       work = pg_->reduce_scatter(outs, ins);
+                                     }),
+                                     "collective reduce_scatter"));
+      return WaitFor(work, "reduce_scatter", timeout_);
+    }
+    std::vector<at::Tensor> whole = {input};
+    ACCEL_RETURN_IF_ERROR(Annotate(AllReduce(whole, ReduceOp::kSum), "reduce_scatter"));
+    return Annotate(CallTorch([&] {
+                      const int64_t n = output.numel();
+                      output.copy_(input.view({-1}).narrow(0, rank_ * n, n).view(output.sizes()));
+                    }),
+                    "reduce_scatter");
   }
 
   absl::Status Broadcast(at::Tensor& tensor, int src) override {
@@ -314,6 +398,20 @@ class SingleGroup : public ProcessGroup {
   absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor) override {
     return tensor.dim() == 0 ? tensor.reshape({1}) : tensor;
   }
+  absl::StatusOr<std::unique_ptr<PendingWork>> AllGatherIntoAsync(const at::Tensor& input,
+                                                                  at::Tensor output) override {
+    ACCEL_RETURN_IF_ERROR(CheckShardShapes(output, input, 1, "all_gather_into"));
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      if (output.data_ptr() != input.data_ptr()) output.view({-1}).copy_(input.view({-1}));
+    }));
+    return std::unique_ptr<PendingWork>(std::make_unique<DoneWork>());
+  }
+  absl::Status ReduceScatter(at::Tensor& input, at::Tensor& output) override {
+    ACCEL_RETURN_IF_ERROR(CheckShardShapes(input, output, 1, "reduce_scatter"));
+    return CallTorch([&] {
+      if (output.data_ptr() != input.data_ptr()) output.view({-1}).copy_(input.view({-1}));
+    });
+  }
   absl::Status Broadcast(at::Tensor&, int src) override {
     if (src != 0) {
       return absl::InvalidArgumentError(
@@ -334,6 +432,19 @@ class SingleGroup : public ProcessGroup {
 };
 
 }  // namespace
+
+// A master address only this host can reach: every rank is here (several
+// accel-launch "machines" on one host, as the multi-node test runs them), so
+// loopback serves, where the hostname's address may not be reachable at all.
+namespace {
+bool IsLoopback(absl::string_view addr) {
+  return absl::StartsWith(addr, "127.") || addr == "localhost" || addr == "::1";
+}
+}  // namespace
+
+absl::Duration DefaultProcessGroupTimeout(absl::string_view backend) {
+  return backend == "nccl" ? absl::Seconds(600) : absl::Seconds(1800);
+}
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     const ProcessEnvironment& env, const ProcessGroupOptions& options) {
@@ -357,11 +468,13 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", env.rank, " of world size ", env.world_size));
   }
-  if (options.timeout <= absl::ZeroDuration()) {
+  const absl::Duration timeout_duration =
+      options.timeout.value_or(DefaultProcessGroupTimeout(backend));
+  if (timeout_duration <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("process group timeout must be positive, got ",
-                                                   absl::FormatDuration(options.timeout)));
+                                                   absl::FormatDuration(timeout_duration)));
   }
-  const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(options.timeout));
+  const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_duration));
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   absl::Status status = CallTorch([&] {
@@ -391,7 +504,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     if (!env.gloo_socket_ifname.empty()) {
       gloo_options->devices.push_back(
           c10d::ProcessGroupGloo::createDeviceForInterface(env.gloo_socket_ifname));
-    } else if (env.world_size == env.local_world_size) {
+    } else if (env.world_size == env.local_world_size || IsLoopback(env.master_addr)) {
       gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
     } else {
       gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());

@@ -9,6 +9,7 @@
 #define ACCEL_TRAIN_PROCESS_GROUP_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,9 +32,14 @@ struct ProcessGroupOptions {
   // libtorch has NCCL, else gloo). Accelerate's InitProcessGroupKwargs.backend.
   std::string backend = "auto";
   bool use_cuda = false;
-  // InitProcessGroupKwargs.timeout: 1800 s (600 s for nccl when unset).
-  absl::Duration timeout = absl::Seconds(1800);
+  // InitProcessGroupKwargs.timeout; unset: DefaultProcessGroupTimeout of the
+  // backend chosen.
+  std::optional<absl::Duration> timeout;
 };
+
+// Accelerate's InitProcessGroupKwargs default (and torch's): 600 s for nccl,
+// 1800 s for any other backend.
+absl::Duration DefaultProcessGroupTimeout(absl::string_view backend);
 
 // An asynchronous collective in flight (the gradient all-reduce overlaps
 // backward with these). Wait() returns its error, if any; the destructor
@@ -68,6 +74,19 @@ class ProcessGroup {
   // Every rank's tensor (equal shapes), concatenated along dim 0 in rank order.
   // A 0-d tensor counts as shape [1].
   virtual absl::StatusOr<at::Tensor> AllGather(const at::Tensor& tensor) = 0;
+  // The all-gather of flat, equal-sized shards into one flat buffer: after
+  // Wait(), `output` (contiguous, input.numel() * size() elements, the
+  // input's dtype) holds rank r's `input` at [r * n, (r + 1) * n). Sharded
+  // training gathers a unit's parameters with it. `output` shares storage
+  // with the caller's tensor, which must stay allocated until Wait().
+  virtual absl::StatusOr<std::unique_ptr<PendingWork>> AllGatherIntoAsync(const at::Tensor& input,
+                                                                          at::Tensor output) = 0;
+  // Reduce-scatter (sum) of a flat buffer: `output` (input.numel() / size()
+  // elements, the input's dtype) receives the sum over ranks of `input`'s
+  // r-th chunk, r = rank(). NCCL has it; gloo in libtorch 1.13 does not, so
+  // there it is an all-reduce of `input` in place (clobbering it) and a copy
+  // of this rank's chunk: the same sums, twice a ring reduce-scatter's bytes.
+  virtual absl::Status ReduceScatter(at::Tensor& input, at::Tensor& output) = 0;
   // In place: afterwards every rank holds `src`'s values.
   virtual absl::Status Broadcast(at::Tensor& tensor, int src) = 0;
   virtual absl::Status Barrier() = 0;

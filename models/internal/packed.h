@@ -18,6 +18,7 @@
 
 #include "core/status.h"
 #include "dispatch/dispatch.h"
+#include "dispatch/module_hooks.h"
 #include "loader/config.h"
 #include "models/causal_lm.h"
 #include "models/internal/paged_attention.h"  // ScoreRule
@@ -63,9 +64,8 @@ absl::StatusOr<at::Tensor> InScope(dispatch::DispatchedModel* dispatched, const 
     device = entered.device();
     scope.emplace(std::move(entered));
   }
-  at::Tensor out;
-  ACCEL_RETURN_IF_ERROR(CallTorch([&] { out = fn(device); }));
-  return out;
+  // Sharded training's hooks (dispatch/module_hooks.h) when a trainer installed them.
+  return dispatch::RunModule(name, [&] { return fn(device); });
 }
 
 }  // namespace accel::models::internal

@@ -363,6 +363,11 @@ class FakeGroup : public ProcessGroup {
     return Fake();
   }
   absl::StatusOr<at::Tensor> AllGather(const at::Tensor&) override { return Fake(); }
+  absl::StatusOr<std::unique_ptr<PendingWork>> AllGatherIntoAsync(const at::Tensor&,
+                                                                  at::Tensor) override {
+    return Fake();
+  }
+  absl::Status ReduceScatter(at::Tensor&, at::Tensor&) override { return Fake(); }
   absl::Status Broadcast(at::Tensor&, int) override { return Fake(); }
   absl::Status Barrier() override { return Fake(); }
   absl::StatusOr<std::vector<std::string>> AllGatherBytes(absl::string_view) override {
