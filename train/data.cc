@@ -611,8 +611,8 @@ struct DataLoader::State {
     return SendToDevice(batch, *prepare.device, send);
   }
 
-  // Up to `count` more examples of the stream into `out`; at its end the
-  // pass has nothing more to fetch.
+  // Up to `count` more examples of the stream into `out` (fewer at its end,
+  // which stream_eof then records).
   absl::Status ReadStream(int64_t count, std::vector<Example>* out) {
     while (static_cast<int64_t>(out->size()) < count) {
       ACCEL_ASSIGN_OR_RETURN(std::optional<Example> example, stream->Next());
@@ -647,9 +647,8 @@ struct DataLoader::State {
       // Completed from the pass's first group, cycled (a stream shorter
       // than one group cycles itself), as Accelerate does.
       stream_tail = got;
-      const std::vector<Example> first = stream_first;
       while (static_cast<int64_t>(group.size()) < real) {
-        group.insert(group.end(), first.begin(), first.end());
+        group.insert(group.end(), stream_first.begin(), stream_first.end());
       }
     }
     const int64_t per =
