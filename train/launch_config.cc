@@ -320,6 +320,27 @@ absl::Status CheckPrecision(absl::string_view what, const std::string& p) {
                    p == "fp8" ? " (fp8 needs Transformer Engine / MS-AMP, Python only)" : ""));
 }
 
+// Why debug mode is refused, for the config key and the flag alike.
+constexpr char kDebugRefusal[] =
+    "true: Accelerate's debug mode (every collective first checks that all ranks pass tensors "
+    "of the same shapes) is not implemented in accel, and a debug flag that checks nothing "
+    "would mislead (use false)";
+
+// torchrun's rendezvous backends; accel-launch's is static: machine 0 hosts
+// the store at main_process_ip:main_process_port and every machine says its
+// rank. Both values of same_network come to the same thing there.
+absl::Status CheckRendezvous(absl::string_view what, const std::string& backend) {
+  if (backend == "static") return absl::OkStatus();
+  if (backend == "c10d" || backend == "etcd" || backend == "etcd-v2") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " \"", backend,
+        "\": accel-launch has no elastic (dynamic) rendezvous; its rendezvous is static: machine "
+        "0 hosts it at main_process_ip:main_process_port and each machine passes its "
+        "--machine_rank (use static)"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(what, " \"", backend, "\": expected static"));
+}
+
 // A section that is absent, null or {} (how Accelerate's older versions wrote
 // the ones not in use).
 bool EmptySection(const Json& f, const std::string& key) {
@@ -358,14 +379,36 @@ absl::Status RefuseWhatLaunchCannotDo(const Json& f, absl::string_view source, b
            Section{"deepspeed_config",
                    "DeepSpeed is Python-only; accel-launch runs plain data parallel (remove the "
                    "section)"},
-           Section{"fsdp_config",
-                   "FSDP is not in libtorch's C++ API; accel-launch runs plain data parallel "
+           Section{"parallelism_config",
+                   "N-D parallelism (tensor / context parallel, ParallelismConfig) is not "
+                   "implemented in accel; accel-launch runs data parallel or FSDP (remove the "
+                   "section)"},
+           Section{"fp8_config",
+                   "fp8 training needs Transformer Engine / MS-AMP / torchao, Python only "
                    "(remove the section)"},
            Section{"megatron_lm_config",
                    "Megatron-LM is Python-only; accel-launch runs plain data parallel (remove the "
                    "section)"},
        }) {
     if (!EmptySection(f, section.key)) return Refuse(source, section.key, section.why);
+  }
+  if (!EmptySection(f, "fsdp_config")) {
+    const Json& fsdp = f.at("fsdp_config");
+    if (!fsdp.is_object()) return WrongType(source, "fsdp_config", fsdp, "a mapping");
+    const bool fsdp_type =
+        f.contains("distributed_type") && f.at("distributed_type").is_string() &&
+        absl::AsciiStrToUpper(f.at("distributed_type").get<std::string>()) == "FSDP";
+    if (!fsdp_type) {
+      return Refuse(source, "fsdp_config",
+                    "set, but distributed_type is not FSDP: it would be ignored (set "
+                    "distributed_type: FSDP, or remove the section)");
+    }
+    for (auto it = fsdp.begin(); it != fsdp.end(); ++it) {
+      if (it.value().is_object()) {
+        return WrongType(source, absl::StrCat("fsdp_config.", it.key()), it.value(),
+                         "a value or a list");
+      }
+    }
   }
   if (!EmptySection(f, "mpirun_config")) {
     const Json& m = f.at("mpirun_config");
@@ -405,7 +448,112 @@ absl::Status RefuseWhatLaunchCannotDo(const Json& f, absl::string_view source, b
   return absl::OkStatus();
 }
 
+// accel-launch's FSDP flags: Accelerate's launch arguments of the same names.
+constexpr const char* kFsdpFlags[] = {"fsdp_version",
+                                      "fsdp_sharding_strategy",
+                                      "fsdp_reshard_after_forward",
+                                      "fsdp_offload_params",
+                                      "fsdp_min_num_params",
+                                      "fsdp_auto_wrap_policy",
+                                      "fsdp_transformer_layer_cls_to_wrap",
+                                      "fsdp_backward_prefetch",
+                                      "fsdp_state_dict_type",
+                                      "fsdp_forward_prefetch",
+                                      "fsdp_use_orig_params",
+                                      "fsdp_cpu_ram_efficient_loading",
+                                      "fsdp_sync_module_states",
+                                      "fsdp_activation_checkpointing",
+                                      "fsdp_ignored_modules"};
+
+// An fsdp_config value as the launcher's environment spells it (Python's
+// str() of what yaml.safe_load gave, lower-cased where Accelerate lowers):
+// text as is, booleans true / false, numbers as written, a list joined by ','.
+std::string FsdpValueText(const Json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
+  if (v.is_array()) {
+    std::vector<std::string> items;
+    for (const Json& item : v) items.push_back(FsdpValueText(item));
+    return absl::StrJoin(items, ",");
+  }
+  return JsonText(v);
+}
+
 }  // namespace
+
+absl::StatusOr<std::map<std::string, std::string>> FsdpEnvironment(
+    const std::map<std::string, std::string>& settings) {
+  auto get = [&](const std::string& name, const std::string& fallback) {
+    auto it = settings.find(name);
+    return it != settings.end() ? it->second : fallback;
+  };
+  auto lower = [&](const std::string& name, const std::string& fallback) {
+    return absl::AsciiStrToLower(get(name, fallback));
+  };
+  std::map<std::string, std::string> env;
+  env["ACCELERATE_USE_FSDP"] = "true";
+  if (lower("fsdp_cpu_ram_efficient_loading", "true") == "true" &&
+      lower("fsdp_sync_module_states", "true") != "true") {
+    return absl::InvalidArgumentError(
+        "fsdp_cpu_ram_efficient_loading true needs fsdp_sync_module_states true (the ranks "
+        "that load no weights receive them from rank 0)");
+  }
+  // Accelerate's prepare_multi_gpu_env, with its launch defaults. Its
+  // FSDP_MIN_NUM_PARAMS default is the float 1e8 ("100000000.0"), which
+  // int() cannot read back; ours is the integer.
+  env["FSDP_VERSION"] = get("fsdp_version", "1");
+  env["FSDP_SHARDING_STRATEGY"] = get("fsdp_sharding_strategy", "FULL_SHARD");
+  env["FSDP_RESHARD_AFTER_FORWARD"] = lower("fsdp_reshard_after_forward", "true");
+  env["FSDP_OFFLOAD_PARAMS"] = lower("fsdp_offload_params", "false");
+  env["FSDP_MIN_NUM_PARAMS"] = get("fsdp_min_num_params", "100000000");
+  for (const auto& [setting, variable] : std::vector<std::pair<std::string, std::string>>{
+           {"fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY"},
+           {"fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP"},
+           {"fsdp_backward_prefetch", "FSDP_BACKWARD_PREFETCH"},
+           {"fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE"},
+           {"fsdp_ignored_modules", "FSDP_IGNORED_MODULES"}}) {
+    if (auto it = settings.find(setting); it != settings.end()) env[variable] = it->second;
+  }
+  env["FSDP_FORWARD_PREFETCH"] = lower("fsdp_forward_prefetch", "false");
+  env["FSDP_USE_ORIG_PARAMS"] = lower("fsdp_use_orig_params", "true");
+  env["FSDP_CPU_RAM_EFFICIENT_LOADING"] = lower("fsdp_cpu_ram_efficient_loading", "true");
+  env["FSDP_SYNC_MODULE_STATES"] = lower("fsdp_sync_module_states", "true");
+  env["FSDP_ACTIVATION_CHECKPOINTING"] = lower("fsdp_activation_checkpointing", "false");
+  // Settings Accelerate has no variable for here (newer or older keys) pass
+  // through as FSDP_<NAME>, for the ranks to use or refuse.
+  for (const auto& [setting, value] : settings) {
+    if (setting == "fsdp_transformer_layer_cls_to_wrap") continue;
+    const std::string variable =
+        absl::AsciiStrToUpper(absl::StrCat("FSDP_", absl::StripPrefix(setting, "fsdp_")));
+    if (!env.count(variable)) env[variable] = value;
+  }
+  return env;
+}
+
+ClusterConfig BasicClusterConfig(const std::string& mixed_precision, int cuda_devices) {
+  ClusterConfig config;
+  config.compute_environment = "LOCAL_MACHINE";
+  config.mixed_precision = mixed_precision;
+  config.num_processes = std::max(1, cuda_devices);
+  config.distributed_type = cuda_devices > 1 ? "MULTI_GPU" : "NO";
+  config.use_cpu = false;
+  config.debug = false;
+  config.enable_cpu_affinity = false;
+  return config;
+}
+
+std::vector<int> CpuShare(const std::vector<int>& allowed, int local_rank, int local_processes) {
+  if (allowed.empty() || local_processes < 1 || local_rank < 0 || local_rank >= local_processes) {
+    return {};
+  }
+  const int n = static_cast<int>(allowed.size());
+  if (n < local_processes) return {allowed[static_cast<size_t>(local_rank % n)]};
+  // Contiguous shares, the first n % local_processes ranks one CPU more.
+  const int base = n / local_processes, extra = n % local_processes;
+  const int begin = local_rank * base + std::min(local_rank, extra);
+  const int size = base + (local_rank < extra ? 1 : 0);
+  return std::vector<int>(allowed.begin() + begin, allowed.begin() + begin + size);
+}
 
 absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::string_view source) {
   // JSON (what accel-config and `accelerate config` write) is YAML too.
@@ -477,15 +625,25 @@ absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::s
     };
     if (key == "compute_environment") {
       set_string(&c.compute_environment);
+      if (status.ok() && c.compute_environment == "AMAZON_SAGEMAKER") {
+        status = Refuse(source, "compute_environment",
+                        "AMAZON_SAGEMAKER: accel-launch starts processes on this machine; "
+                        "SageMaker jobs are submitted by Python's accelerate (use LOCAL_MACHINE)");
+      } else if (status.ok() && c.compute_environment != "LOCAL_MACHINE") {
+        status = Refuse(source, "compute_environment",
+                        absl::StrCat("\"", c.compute_environment,
+                                     "\": expected LOCAL_MACHINE (or Accelerate's "
+                                     "AMAZON_SAGEMAKER, which accel cannot run)"));
+      }
     } else if (key == "distributed_type") {
       set_string(&c.distributed_type);
       c.distributed_type = absl::AsciiStrToUpper(c.distributed_type);
       if (status.ok() && c.distributed_type != "NO" && c.distributed_type != "MULTI_CPU" &&
-          c.distributed_type != "MULTI_GPU") {
+          c.distributed_type != "MULTI_GPU" && c.distributed_type != "FSDP") {
         status = absl::InvalidArgumentError(absl::StrCat(
             source, ": distributed_type \"", c.distributed_type,
-            "\" is not one accel runs (NO, MULTI_CPU, MULTI_GPU; DeepSpeed, FSDP, TPU are "
-            "Python-only)"));
+            "\" is not one accel runs (NO, MULTI_CPU, MULTI_GPU, FSDP; DeepSpeed, Megatron-LM, "
+            "TPU are Python-only)"));
       }
     } else if (key == "mixed_precision") {
       set_string(&c.mixed_precision);
@@ -496,6 +654,7 @@ absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::s
       set_bool(&c.use_cpu);
     } else if (key == "debug") {
       set_bool(&c.debug);
+      if (status.ok() && c.debug) status = Refuse(source, "debug", kDebugRefusal);
     } else if (key == "same_network") {
       set_bool(&c.same_network);
     } else if (key == "enable_cpu_affinity") {
@@ -523,6 +682,8 @@ absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::s
       set_string(&c.gpu_ids);
     } else if (key == "rdzv_backend") {
       set_string(&c.rdzv_backend);
+      if (status.ok())
+        status = CheckRendezvous(absl::StrCat(source, ": rdzv_backend"), c.rdzv_backend);
     } else if (key == "main_training_function") {
       set_string(&c.main_training_function);
     } else {
@@ -669,13 +830,20 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
   std::map<std::string, std::string> flags;
   std::set<std::string> switches;
   size_t i = 0;
-  static const std::set<std::string> kValued = {
-      "config_file",     "num_processes",   "num_machines",
-      "machine_rank",    "main_process_ip", "main_process_port",
-      "mixed_precision", "gpu_ids",         "num_cpu_threads_per_process",
-      "monitor_interval"};
-  static const std::set<std::string> kSwitches = {"cpu",   "multi_gpu", "no_python",
-                                                  "quiet", "debug",     "enable_cpu_affinity"};
+  static const std::set<std::string> kValued = [] {
+    std::set<std::string> valued = {
+        "config_file",      "num_processes",   "num_machines",
+        "machine_rank",     "main_process_ip", "main_process_port",
+        "mixed_precision",  "gpu_ids",         "num_cpu_threads_per_process",
+        "monitor_interval", "rdzv_backend"};
+    for (const char* name : kFsdpFlags) valued.insert(name);
+    return valued;
+  }();
+  // --no_python: PROGRAM runs as it is, which is how accel-launch always runs
+  // it (there is no interpreter to skip). --debug is refused (kDebugRefusal).
+  static const std::set<std::string> kSwitches = {
+      "cpu",   "multi_gpu",           "use_fsdp",    "no_python", "quiet",
+      "debug", "enable_cpu_affinity", "same_network"};
   for (; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--") {
@@ -748,7 +916,6 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
   if (config.main_process_port) plan.main_process_port = *config.main_process_port;
   plan.mixed_precision = config.mixed_precision;
   plan.use_cpu = config.use_cpu;
-  plan.debug = config.debug;
   plan.enable_cpu_affinity = config.enable_cpu_affinity;
   plan.gpu_ids = config.gpu_ids;
   // Under SLURM, one accel-launch per node: the node count and this node's
@@ -816,9 +983,73 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
       return s;
     }
   }
+  if (switches.count("debug")) {
+    return absl::InvalidArgumentError(absl::StrCat("--debug ", kDebugRefusal));
+  }
+  if (auto it = flags.find("rdzv_backend"); it != flags.end()) {
+    if (absl::Status s = CheckRendezvous("--rdzv_backend", it->second); !s.ok()) return s;
+  }
+  // The launch mode: a flag, else the config's distributed_type (Accelerate's
+  // _validate_launch_command). --multi_gpu and FSDP start every rank with
+  // ACCELERATE_USE_CPU=false (Accelerate's torchrun path sets no use_cpu):
+  // each rank takes its GPU where libtorch has CUDA, else runs on the CPU
+  // over gloo, as Accelerate does under torchrun without GPUs.
+  const int modes = static_cast<int>(switches.count("cpu") + switches.count("multi_gpu") +
+                                     switches.count("use_fsdp"));
+  if (modes > 1) {
+    return absl::InvalidArgumentError(
+        "You can only use one of --cpu, --multi_gpu, --use_fsdp at a time");
+  }
+  bool multi_gpu = switches.count("multi_gpu") > 0;
+  plan.use_fsdp = switches.count("use_fsdp") > 0;
+  if (modes == 0) {
+    multi_gpu = config.distributed_type == "MULTI_GPU";
+    plan.use_fsdp = config.distributed_type == "FSDP";
+  }
   if (switches.count("cpu")) plan.use_cpu = true;
-  if (switches.count("debug")) plan.debug = true;
+  if (multi_gpu || plan.use_fsdp) plan.use_cpu = false;
   if (switches.count("enable_cpu_affinity")) plan.enable_cpu_affinity = true;
+  plan.quiet = switches.count("quiet") > 0;
+  if (multi_gpu && plan.num_processes < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--multi_gpu needs at least 2 processes (num_processes is ",
+                     plan.num_processes, "); for one GPU launch without it"));
+  }
+  if (multi_gpu && plan.gpu_ids != "all" && plan.num_machines <= 1 &&
+      std::count(plan.gpu_ids.begin(), plan.gpu_ids.end(), ',') < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gpu_ids \"", plan.gpu_ids,
+        "\": less than two GPU ids for a multi-GPU launch (give at least two, or all)"));
+  }
+  if (plan.use_fsdp) {
+    // The config file's fsdp_config under the --fsdp_* flags; keys without
+    // the fsdp_ prefix get it, as Accelerate's launcher does.
+    std::map<std::string, std::string> settings;
+    if (auto it = config.other.find("fsdp_config"); it != config.other.end()) {
+      const Json section = Json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+      if (section.is_object()) {
+        for (auto kv = section.begin(); kv != section.end(); ++kv) {
+          if (kv.value().is_null()) continue;
+          std::string name = kv.key();
+          if (!absl::StrContains(name, "fsdp")) name = "fsdp_" + name;
+          settings[name] = FsdpValueText(kv.value());
+        }
+      }
+    }
+    for (const char* name : kFsdpFlags) {
+      if (auto it = flags.find(name); it != flags.end()) settings[name] = it->second;
+    }
+    absl::StatusOr<std::map<std::string, std::string>> fsdp = FsdpEnvironment(settings);
+    if (!fsdp.ok()) return fsdp.status();
+    plan.fsdp_environment = *std::move(fsdp);
+  } else {
+    for (const char* name : kFsdpFlags) {
+      if (flags.count(name)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--", name, " without --use_fsdp (or distributed_type: FSDP) would be ignored"));
+      }
+    }
+  }
   if (plan.num_processes < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_processes is ", plan.num_processes, " in ", config_path,
@@ -871,11 +1102,11 @@ std::map<std::string, std::string> RankEnvironment(const LaunchPlan& plan, int l
   out["TORCHELASTIC_MAX_RESTARTS"] = "0";
   out["ACCELERATE_MIXED_PRECISION"] = plan.mixed_precision;
   out["ACCELERATE_USE_CPU"] = plan.use_cpu ? "true" : "false";
-  if (plan.debug) out["ACCELERATE_DEBUG_MODE"] = "true";
   if (plan.enable_cpu_affinity) out["ACCELERATE_CPU_AFFINITY"] = "1";
   if (!plan.gpu_ids.empty() && plan.gpu_ids != "all") {
     out["CUDA_VISIBLE_DEVICES"] = plan.gpu_ids;
   }
+  for (const auto& [name, value] : plan.fsdp_environment) out[name] = value;
   out["ACCEL_LAUNCHER"] = "accel-launch";
   int threads = 1;
   if (plan.threads_per_process) {

@@ -124,6 +124,26 @@ TEST(AcceleratorOptions, RefusesWhatCxxCannotDo) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("init_method")));
 }
 
+// static_graph and check_reduction were accepted and ignored; true is now
+// refused by name (false, their default, is what runs).
+TEST(AcceleratorOptions, DdpStaticGraphAndCheckReductionAreRefused) {
+  AcceleratorOptions static_graph;
+  static_graph.ddp_kwargs = DistributedDataParallelKwargs{};
+  static_graph.ddp_kwargs->static_graph = true;
+  EXPECT_THAT(Accelerator::Create(static_graph, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("DistributedDataParallelKwargs.static_graph = true")));
+  AcceleratorOptions check;
+  check.ddp_kwargs = DistributedDataParallelKwargs{};
+  check.ddp_kwargs->check_reduction = true;
+  EXPECT_THAT(Accelerator::Create(check, FakeEnv()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("DistributedDataParallelKwargs.check_reduction = true")));
+  AcceleratorOptions defaults;
+  defaults.ddp_kwargs = DistributedDataParallelKwargs{};
+  EXPECT_THAT(Accelerator::Create(defaults, FakeEnv()), IsOk());
+}
+
 TEST(AcceleratorOptions, BadValuesNameTheOption) {
   AcceleratorOptions fp8;
   fp8.mixed_precision = "fp8";

@@ -1,6 +1,7 @@
 // A program for accel-launch's tests to launch:
 //   launch_probe env OUTDIR [ARGS...]    writes OUTDIR/rank_<RANK>.txt (KEY=VALUE lines for the
-//                                        launcher's variables, then ARG=<arg> per extra
+//                                        launcher's variables, CPUS=<the CPUs it may run on,
+//                                        comma-separated>, then ARG=<arg> per extra
 //                                        argument), exits 0
 //   launch_probe crash R CODE OUTDIR     writes OUTDIR/pid_<RANK>; rank R exits with CODE
 //                                        after 0.2 s (CODE "sig:N": it kills itself with signal
@@ -12,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <sched.h>
 #include <signal.h>
 #include <string>
 #include <unistd.h>
@@ -41,13 +43,38 @@ int main(int argc, char** argv) {
     const std::string path = std::string(argv[2]) + "/rank_" + g_rank + ".txt";
     {
       std::ofstream out(path + ".tmp");
-      for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                            "GROUP_WORLD_SIZE", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
-                            "TORCHELASTIC_RESTART_COUNT", "ACCELERATE_MIXED_PRECISION",
-                            "ACCELERATE_USE_CPU", "ACCELERATE_DEBUG_MODE", "CUDA_VISIBLE_DEVICES",
-                            "OMP_NUM_THREADS", "ACCEL_LAUNCHER", "ACCEL_PROBE_MARK"}) {
+      for (const char* k : {"RANK",
+                            "LOCAL_RANK",
+                            "WORLD_SIZE",
+                            "LOCAL_WORLD_SIZE",
+                            "GROUP_RANK",
+                            "GROUP_WORLD_SIZE",
+                            "ROLE_RANK",
+                            "MASTER_ADDR",
+                            "MASTER_PORT",
+                            "TORCHELASTIC_RESTART_COUNT",
+                            "ACCELERATE_MIXED_PRECISION",
+                            "ACCELERATE_USE_CPU",
+                            "ACCELERATE_DEBUG_MODE",
+                            "CUDA_VISIBLE_DEVICES",
+                            "OMP_NUM_THREADS",
+                            "ACCEL_LAUNCHER",
+                            "ACCEL_PROBE_MARK",
+                            "ACCELERATE_CPU_AFFINITY",
+                            "ACCELERATE_USE_FSDP",
+                            "FSDP_SHARDING_STRATEGY",
+                            "FSDP_TRANSFORMER_CLS_TO_WRAP"}) {
         out << k << "=" << Env(k) << "\n";
       }
+      cpu_set_t cpus;
+      CPU_ZERO(&cpus);
+      std::string list;
+      if (::sched_getaffinity(0, sizeof(cpus), &cpus) == 0) {
+        for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+          if (CPU_ISSET(cpu, &cpus)) list += (list.empty() ? "" : ",") + std::to_string(cpu);
+        }
+      }
+      out << "CPUS=" << list << "\n";
       for (int i = 3; i < argc; ++i) out << "ARG=" << argv[i] << "\n";
     }
     std::rename((path + ".tmp").c_str(), path.c_str());

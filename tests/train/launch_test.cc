@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sstream>
@@ -20,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 
 #include "tests/testing/status_matchers.h"
@@ -36,6 +38,7 @@ using ::accel::test::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
+using ::testing::Not;
 
 using Env = std::map<std::string, std::string>;
 
@@ -276,7 +279,7 @@ TEST(AccelLaunch, ConfigFileUnderTheFlags) {
                                         "mixed_precision: 'bf16'\n"
                                         "main_process_port: 29411\n"
                                         "use_cpu: true\n"
-                                        "debug: true\n"
+                                        "debug: false\n"
                                         "gpu_ids: 0,2\n"
                                         "dynamo_config:\n"
                                         "  dynamo_backend: NO\n");
@@ -287,7 +290,7 @@ TEST(AccelLaunch, ConfigFileUnderTheFlags) {
   EXPECT_EQ(vars["WORLD_SIZE"], "3");
   EXPECT_EQ(vars["ACCELERATE_MIXED_PRECISION"], "bf16");
   EXPECT_EQ(vars["ACCELERATE_USE_CPU"], "true");
-  EXPECT_EQ(vars["ACCELERATE_DEBUG_MODE"], "true");
+  EXPECT_EQ(vars["ACCELERATE_DEBUG_MODE"], "");
   EXPECT_EQ(vars["CUDA_VISIBLE_DEVICES"], "0,2");
   EXPECT_EQ(vars["MASTER_PORT"], "29411");
   test::TempDir out2;
@@ -487,7 +490,7 @@ TEST(LaunchPlan, FlagSpellingsAndPassThrough) {
       LaunchPlan plan,
       ParseLaunchArgs({"--num-processes=4", "--num_machines", "2", "--machine-rank", "1",
                        "--main_process_ip=10.0.0.1", "--monitor-interval", "0.5", "--gpu_ids", "1",
-                       "--debug", "--quiet", "sh", "-c", "--num_processes=8"},
+                       "--quiet", "sh", "-c", "--num_processes=8"},
                       env));
   EXPECT_EQ(plan.num_processes, 4);
   EXPECT_EQ(plan.num_machines, 2);
@@ -496,7 +499,7 @@ TEST(LaunchPlan, FlagSpellingsAndPassThrough) {
   EXPECT_EQ(plan.main_process_ip, "10.0.0.1");
   EXPECT_EQ(plan.main_process_port, 29500);
   EXPECT_DOUBLE_EQ(plan.monitor_interval_s, 0.5);
-  EXPECT_TRUE(plan.debug);
+  EXPECT_TRUE(plan.quiet);
   EXPECT_THAT(plan.command, ElementsAre("sh", "-c", "--num_processes=8"));
   EXPECT_TRUE(plan.program_path == "/usr/bin/sh" || plan.program_path == "/bin/sh")
       << plan.program_path;
@@ -656,11 +659,13 @@ TEST(ClusterConfig, AccelerateSampleFiles) {
   EXPECT_FALSE(old.main_process_port.has_value());
   EXPECT_EQ(old.other["deepspeed_config"], "{}");
 
-  // latest_fsdp.yaml: FSDP is Python-only.
-  EXPECT_THAT(ParseClusterConfig("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n",
-                                 "latest_fsdp.yaml"),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("latest_fsdp.yaml: distributed_type \"FSDP\"")));
+  // latest_fsdp.yaml: FSDP, its settings kept for the launcher's FSDP_* variables.
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      ClusterConfig fsdp,
+      ParseClusterConfig("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n",
+                         "latest_fsdp.yaml"));
+  EXPECT_EQ(fsdp.distributed_type, "FSDP");
+  EXPECT_EQ(fsdp.other["fsdp_config"], R"({"fsdp_version":2})");
 }
 
 // What accel-launch cannot honour is refused naming the key, never kept and
@@ -683,7 +688,27 @@ TEST(ClusterConfig, RefusesWhatLaunchCannotHonour) {
        "c.yaml: deepspeed_config: DeepSpeed"},
       {"fsdp_config:\n"
        "  fsdp_sharding_strategy: FULL_SHARD\n",
-       "c.yaml: fsdp_config: FSDP"},
+       "c.yaml: fsdp_config: set, but distributed_type is not FSDP"},
+      {"distributed_type: FSDP\n"
+       "fsdp_config:\n"
+       "  fsdp_offload_params: {device: cpu}\n",
+       "c.yaml: fsdp_config.fsdp_offload_params is {\"device\":\"cpu\"}, expected a value"},
+      {"parallelism_config:\n"
+       "  parallelism_config_tp_size: 2\n",
+       "c.yaml: parallelism_config: N-D parallelism"},
+      {"fp8_config:\n"
+       "  backend: TE\n",
+       "c.yaml: fp8_config: fp8 training"},
+      {"compute_environment: AMAZON_SAGEMAKER\n",
+       "c.yaml: compute_environment: AMAZON_SAGEMAKER: accel-launch starts processes on this "
+       "machine"},
+      {"compute_environment: MY_CLUSTER\n",
+       "c.yaml: compute_environment: \"MY_CLUSTER\": expected LOCAL_MACHINE"},
+      {"rdzv_backend: c10d\n", "c.yaml: rdzv_backend \"c10d\": accel-launch has no elastic"},
+      {"rdzv_backend: etcd\n", "c.yaml: rdzv_backend \"etcd\": accel-launch has no elastic"},
+      {"rdzv_backend: carrier-pigeon\n",
+       "c.yaml: rdzv_backend \"carrier-pigeon\": expected static"},
+      {"debug: true\n", "c.yaml: debug: true: Accelerate's debug mode"},
       {"megatron_lm_config:\n"
        "  megatron_lm_tp_degree: 2\n",
        "c.yaml: megatron_lm_config: Megatron-LM"},
@@ -717,6 +742,7 @@ TEST(ClusterConfig, RefusesWhatLaunchCannotHonour) {
                                                 "dynamo_config:\n"
                                                 "  dynamo_backend: 'NO'\n"
                                                 "enable_cpu_affinity: false\n"
+                                                "fp8_config: {}\n"
                                                 "fsdp_config: {}\n"
                                                 "gpu_ids: all\n"
                                                 "ipex_config:\n"
@@ -728,6 +754,7 @@ TEST(ClusterConfig, RefusesWhatLaunchCannotHonour) {
                                                 "mpirun_config: {}\n"
                                                 "num_machines: 1\n"
                                                 "num_processes: 2\n"
+                                                "parallelism_config: {}\n"
                                                 "rdzv_backend: static\n"
                                                 "same_network: true\n"
                                                 "tpu_env: []\n"
@@ -948,7 +975,7 @@ TEST(ClusterConfig, WritesAndReadsBack) {
   c.use_cpu = true;
   c.gpu_ids = "0,1";
   c.same_network = false;
-  c.rdzv_backend = "c10d";
+  c.rdzv_backend = "static";
   c.other["mpirun_config"] = R"({"mpirun_ccl":"4"})";
   test::TempDir dir;
   const std::string path = dir.File("sub/dir/c.yaml");  // folders are made
@@ -969,7 +996,7 @@ TEST(ClusterConfig, WritesAndReadsBack) {
   EXPECT_TRUE(back.use_cpu);
   EXPECT_EQ(back.gpu_ids, "0,1");
   EXPECT_FALSE(back.same_network);
-  EXPECT_EQ(back.rdzv_backend, "c10d");
+  EXPECT_EQ(back.rdzv_backend, "static");
   EXPECT_EQ(back.other, c.other);
   EXPECT_EQ(ClusterConfigToJson(back), text);
   // No temporary file left beside it.
@@ -987,6 +1014,368 @@ TEST(ClusterConfig, WritesAndReadsBack) {
 }
 
 // ---------------------------------------------------------------------------
+// Every launch flag and config key of issue 22: honoured, or refused by name.
+
+// Parses `args` (then PROGRAM `true`) with a config file holding `yaml`, if any.
+absl::StatusOr<LaunchPlan> Plan(std::vector<std::string> args, const std::string& yaml = "") {
+  static test::TempDir* home = new test::TempDir;
+  if (!yaml.empty()) {
+    args.insert(args.begin(), {"--config_file", home->Write("plan.yaml", yaml)});
+  }
+  args.push_back("true");
+  return ParseLaunchArgs(args, {{"HOME", home->path()}, {"PATH", "/usr/bin:/bin"}});
+}
+
+// --multi_gpu: distributed over the GPUs (Accelerate's torchrun path, which
+// sets no use_cpu): every rank gets ACCELERATE_USE_CPU=false. Without CUDA in
+// the ranks' libtorch they run on the CPU over gloo, as Accelerate's do.
+TEST(LaunchPlan, MultiGpuFlag) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(LaunchPlan plan,
+                             Plan({"--multi_gpu", "--num_processes", "2"}, "use_cpu: true\n"));
+  EXPECT_FALSE(plan.use_cpu);
+  EXPECT_EQ(plan.num_processes, 2);
+  EXPECT_EQ(RankEnvironment(plan, 1, 4, {})["ACCELERATE_USE_CPU"], "false");
+  // The config's distributed_type MULTI_GPU means the same.
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      plan, Plan({}, "distributed_type: MULTI_GPU\nnum_processes: 2\nuse_cpu: true\n"));
+  EXPECT_FALSE(plan.use_cpu);
+  // ... unless --cpu says otherwise.
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      plan, Plan({"--cpu"}, "distributed_type: MULTI_GPU\nnum_processes: 2\nuse_cpu: false\n"));
+  EXPECT_TRUE(plan.use_cpu);
+  EXPECT_THAT(Plan({"--multi_gpu", "--num_processes", "1"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--multi_gpu needs at least 2 processes")));
+  EXPECT_THAT(Plan({"--multi_gpu", "--cpu", "--num_processes", "2"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("use one of --cpu, --multi_gpu, --use_fsdp")));
+  EXPECT_THAT(
+      Plan({"--multi_gpu", "--num_processes", "2", "--gpu_ids", "1"}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--gpu_ids \"1\": less than two")));
+  EXPECT_THAT(Plan({"--multi_gpu", "--num_processes", "2", "--gpu_ids", "0,1"}), IsOk());
+}
+
+// --no_python: PROGRAM runs as it is, which is how accel-launch runs every
+// program; Accelerate's meaning (do not put `python` in front) holds.
+TEST(AccelLaunch, NoPythonRunsTheProgramAsItIs) {
+  test::TempDir home, out;
+  Result r = Launch({"--no_python", "--num_processes", "2", "--main_process_port", "0",
+                     Bin("accel_launch_probe"), "env", out.path(), "--no_python"},
+                    home.path());
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(ReadVars(RankFile(out, rank))["RANK"], std::to_string(rank));
+    // After PROGRAM, the same spelling is the program's own argument.
+    EXPECT_THAT(ReadArgs(RankFile(out, rank)), ElementsAre("--no_python"));
+  }
+}
+
+// --quiet: a failing rank's exit code still comes back, without accel-launch's
+// own notices (FailingRankStopsTheOthers shows them without it).
+TEST(AccelLaunch, QuietLeavesFailuresToTheRanks) {
+  test::TempDir home, out;
+  Result r = Launch({"--quiet", "--num_processes", "2", "--main_process_port", "0",
+                     Bin("accel_launch_probe"), "crash", "1", "7", out.path()},
+                    home.path());
+  EXPECT_EQ(r.code, 7);
+  EXPECT_THAT(r.err, Not(HasSubstr("accel-launch")));
+}
+
+// --debug: Accelerate's debug mode (collectives that check every rank's
+// shapes) is not implemented, so the flag and the key are refused by name
+// rather than exported and never read.
+TEST(LaunchPlan, DebugIsRefusedByName) {
+  EXPECT_THAT(Plan({"--debug"}), StatusIs(absl::StatusCode::kInvalidArgument,
+                                          HasSubstr("--debug true: Accelerate's debug mode")));
+  EXPECT_THAT(Plan({}, "debug: true\n"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("debug: true")));
+  ACCEL_ASSERT_OK_AND_ASSIGN(LaunchPlan plan, Plan({}, "debug: false\n"));
+  EXPECT_EQ(RankEnvironment(plan, 0, 4, {}).count("ACCELERATE_DEBUG_MODE"), 0u);
+}
+
+TEST(LaunchPlan, CpuShareSplitsTheCpus) {
+  const std::vector<int> cpus = {0, 1, 2, 3, 4, 5, 6};
+  EXPECT_THAT(CpuShare(cpus, 0, 2), ElementsAre(0, 1, 2, 3));
+  EXPECT_THAT(CpuShare(cpus, 1, 2), ElementsAre(4, 5, 6));
+  EXPECT_THAT(CpuShare(cpus, 2, 3), ElementsAre(5, 6));
+  EXPECT_THAT(CpuShare({4, 9}, 0, 1), ElementsAre(4, 9));
+  EXPECT_THAT(CpuShare({4, 9}, 2, 3), ElementsAre(4));  // fewer CPUs than ranks
+  EXPECT_THAT(CpuShare({}, 0, 2), ElementsAre());
+  EXPECT_THAT(CpuShare(cpus, 2, 2), ElementsAre());
+}
+
+// --enable_cpu_affinity (and the key): each rank runs on its own share of the
+// launcher's CPUs, and ACCELERATE_CPU_AFFINITY=1 says so.
+TEST(AccelLaunch, CpuAffinityPinsEachRank) {
+  cpu_set_t mine;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mine), &mine), 0);
+  std::vector<int> allowed;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &mine)) allowed.push_back(cpu);
+  }
+  test::TempDir home, out;
+  const std::string config = home.Write("c.yaml", "enable_cpu_affinity: true\n");
+  Result r = Launch({"--config_file", config, "--num_processes", "2", "--main_process_port", "0",
+                     Bin("accel_launch_probe"), "env", out.path()},
+                    home.path());
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int rank : {0, 1}) {
+    auto vars = ReadVars(RankFile(out, rank));
+    EXPECT_EQ(vars["ACCELERATE_CPU_AFFINITY"], "1");
+    std::vector<std::string> expected;
+    for (int cpu : CpuShare(allowed, rank, 2)) expected.push_back(std::to_string(cpu));
+    EXPECT_EQ(vars["CPUS"], absl::StrJoin(expected, ",")) << "rank " << rank;
+  }
+  if (allowed.size() >= 2) {
+    EXPECT_NE(ReadVars(RankFile(out, 0))["CPUS"], ReadVars(RankFile(out, 1))["CPUS"]);
+  }
+  // Without it, every rank may run anywhere the launcher may.
+  test::TempDir out2;
+  r = Launch({"--num_processes", "2", "--main_process_port", "0", Bin("accel_launch_probe"), "env",
+              out2.path()},
+             home.path());
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::vector<std::string> all;
+  for (int cpu : allowed) all.push_back(std::to_string(cpu));
+  EXPECT_EQ(ReadVars(RankFile(out2, 1))["CPUS"], absl::StrJoin(all, ","));
+  EXPECT_EQ(ReadVars(RankFile(out2, 1))["ACCELERATE_CPU_AFFINITY"], "");
+}
+
+// compute_environment: LOCAL_MACHINE is what accel-launch does; SageMaker is
+// refused by name (RefusesWhatLaunchCannotHonour has the config side).
+TEST(LaunchPlan, ComputeEnvironmentLocalMachineOnly) {
+  EXPECT_THAT(Plan({}, "compute_environment: LOCAL_MACHINE\n"), IsOk());
+  EXPECT_THAT(Plan({}, "compute_environment: AMAZON_SAGEMAKER\n"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("compute_environment: AMAZON_SAGEMAKER")));
+}
+
+// rdzv_backend: static (machine 0 hosts the rendezvous) is honoured, the
+// elastic backends refused, from the flag as from the key.
+TEST(LaunchPlan, RendezvousIsStatic) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      LaunchPlan plan, Plan({"--rdzv_backend", "static", "--num_processes", "4", "--num_machines",
+                             "2", "--machine_rank", "1", "--main_process_ip", "10.0.0.1"},
+                            "rdzv_backend: static\n"));
+  EXPECT_EQ(RankEnvironment(plan, 1, 4, {})["MASTER_ADDR"], "10.0.0.1");
+  EXPECT_THAT(Plan({"--rdzv_backend", "c10d"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--rdzv_backend \"c10d\": accel-launch has no elastic")));
+  EXPECT_THAT(Plan({}, "rdzv_backend: etcd-v2\n"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("rdzv_backend \"etcd-v2\"")));
+}
+
+// same_network: with a static rendezvous both values mean machine 0's
+// address and port; the key and the --same_network switch are honoured so.
+TEST(LaunchPlan, SameNetworkEitherWay) {
+  const std::vector<std::string> two = {
+      "--num_processes",   "4",        "--num_machines",      "2",    "--machine_rank", "1",
+      "--main_process_ip", "10.0.0.9", "--main_process_port", "29600"};
+  std::vector<std::map<std::string, std::string>> envs;
+  for (const std::string yaml : {"same_network: true\n", "same_network: false\n"}) {
+    ACCEL_ASSERT_OK_AND_ASSIGN(LaunchPlan plan, Plan(two, yaml));
+    envs.push_back(RankEnvironment(plan, 0, 4, {}));
+  }
+  std::vector<std::string> with_switch = two;
+  with_switch.push_back("--same_network");
+  ACCEL_ASSERT_OK_AND_ASSIGN(LaunchPlan plan, Plan(with_switch));
+  envs.push_back(RankEnvironment(plan, 0, 4, {}));
+  for (const auto& env : envs) {
+    EXPECT_EQ(env.at("MASTER_ADDR"), "10.0.0.9");
+    EXPECT_EQ(env.at("MASTER_PORT"), "29600");
+    EXPECT_EQ(env.at("RANK"), "2");
+    EXPECT_EQ(env, envs[0]);
+  }
+  EXPECT_THAT(Plan({}, "same_network: sometimes\n"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("same_network")));
+}
+
+// parallelism_config and fp8_config: refused by name unless empty
+// (RefusesWhatLaunchCannotHonour has the refusals of the keys themselves).
+TEST(LaunchPlan, ParallelismAndFp8SectionsOnlyEmpty) {
+  EXPECT_THAT(Plan({}, "parallelism_config: {}\nfp8_config: ~\n"), IsOk());
+  EXPECT_THAT(Plan({}, "parallelism_config:\n  parallelism_config_cp_size: 2\n"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("parallelism_config")));
+  EXPECT_THAT(Plan({}, "fp8_config:\n  backend: MSAMP\n"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fp8_config")));
+}
+
+// distributed_type FSDP with fsdp_config, or --use_fsdp with --fsdp_* flags:
+// Accelerate's variables, names and spellings, for the ranks' Accelerator.
+TEST(LaunchPlan, FsdpExportsAccelerateVariables) {
+  // tests/test_configs/latest_fsdp.yaml-style file, as `accelerate config` writes it.
+  const std::string yaml =
+      "compute_environment: LOCAL_MACHINE\n"
+      "distributed_type: FSDP\n"
+      "num_processes: 2\n"
+      "use_cpu: true\n"
+      "fsdp_config:\n"
+      "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+      "  fsdp_backward_prefetch: BACKWARD_PRE\n"
+      "  fsdp_cpu_ram_efficient_loading: true\n"
+      "  fsdp_forward_prefetch: false\n"
+      "  fsdp_offload_params: false\n"
+      "  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+      "  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+      "  fsdp_sync_module_states: true\n"
+      "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
+      "  fsdp_use_orig_params: True\n"
+      "  fsdp_version: 2\n"
+      "  reshard_after_forward: false\n"
+      "  fsdp_new_knob: 3\n";
+  ACCEL_ASSERT_OK_AND_ASSIGN(LaunchPlan plan, Plan({}, yaml));
+  EXPECT_TRUE(plan.use_fsdp);
+  auto env = RankEnvironment(plan, 1, 4, {});
+  const std::map<std::string, std::string> expected = {
+      {"ACCELERATE_USE_FSDP", "true"},
+      {"FSDP_VERSION", "2"},
+      {"FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"},
+      {"FSDP_RESHARD_AFTER_FORWARD", "false"},  // the key without its fsdp_ prefix
+      {"FSDP_OFFLOAD_PARAMS", "false"},
+      {"FSDP_MIN_NUM_PARAMS", "100000000"},
+      {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"},
+      {"FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer"},
+      {"FSDP_BACKWARD_PREFETCH", "BACKWARD_PRE"},
+      {"FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"},
+      {"FSDP_FORWARD_PREFETCH", "false"},
+      {"FSDP_USE_ORIG_PARAMS", "true"},  // lower-cased
+      {"FSDP_CPU_RAM_EFFICIENT_LOADING", "true"},
+      {"FSDP_SYNC_MODULE_STATES", "true"},
+      {"FSDP_ACTIVATION_CHECKPOINTING", "false"},
+      {"FSDP_NEW_KNOB", "3"},  // passed through for the ranks to use or refuse
+  };
+  for (const auto& [name, value] : expected) EXPECT_EQ(env[name], value) << name;
+  EXPECT_EQ(env["ACCELERATE_USE_CPU"], "false");
+
+  // Flags over the file; Accelerate's defaults when neither says.
+  ACCEL_ASSERT_OK_AND_ASSIGN(
+      plan, Plan({"--fsdp_sharding_strategy", "NO_SHARD", "--fsdp-offload-params=True"}, yaml));
+  env = RankEnvironment(plan, 0, 4, {});
+  EXPECT_EQ(env["FSDP_SHARDING_STRATEGY"], "NO_SHARD");
+  EXPECT_EQ(env["FSDP_OFFLOAD_PARAMS"], "true");
+  ACCEL_ASSERT_OK_AND_ASSIGN(plan, Plan({"--use_fsdp", "--num_processes", "2"}));
+  env = RankEnvironment(plan, 0, 4, {});
+  EXPECT_EQ(env["FSDP_VERSION"], "1");
+  EXPECT_EQ(env["FSDP_SHARDING_STRATEGY"], "FULL_SHARD");
+  EXPECT_EQ(env["FSDP_USE_ORIG_PARAMS"], "true");
+  EXPECT_EQ(env.count("FSDP_AUTO_WRAP_POLICY"), 0u);
+  EXPECT_EQ(env.count("FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP"), 0u);
+
+  // Not FSDP: no FSDP variables, and FSDP settings are refused, not ignored.
+  ACCEL_ASSERT_OK_AND_ASSIGN(plan, Plan({"--num_processes", "2"}));
+  EXPECT_EQ(RankEnvironment(plan, 0, 4, {}).count("ACCELERATE_USE_FSDP"), 0u);
+  EXPECT_THAT(Plan({"--fsdp_sharding_strategy", "FULL_SHARD"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("--fsdp_sharding_strategy without --use_fsdp")));
+  EXPECT_THAT(Plan({"--use_fsdp", "--fsdp_sync_module_states", "false"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("fsdp_cpu_ram_efficient_loading true needs "
+                                 "fsdp_sync_module_states true")));
+  EXPECT_THAT(Plan({"--use_fsdp", "--multi_gpu", "--num_processes", "2"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("use one of")));
+}
+
+TEST(AccelLaunch, FsdpConfigReachesEveryRank) {
+  test::TempDir home, out;
+  const std::string config = home.Write("fsdp.yaml",
+                                        "distributed_type: FSDP\n"
+                                        "num_processes: 2\n"
+                                        "fsdp_config:\n"
+                                        "  fsdp_sharding_strategy: HYBRID_SHARD\n"
+                                        "  fsdp_transformer_layer_cls_to_wrap: [Block, Embed]\n");
+  Result r = Launch({"--config_file", config, "--main_process_port", "0", Bin("accel_launch_probe"),
+                     "env", out.path()},
+                    home.path());
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int rank : {0, 1}) {
+    auto vars = ReadVars(RankFile(out, rank));
+    EXPECT_EQ(vars["ACCELERATE_USE_FSDP"], "true");
+    EXPECT_EQ(vars["FSDP_SHARDING_STRATEGY"], "HYBRID_SHARD");
+    EXPECT_EQ(vars["FSDP_TRANSFORMER_CLS_TO_WRAP"], "Block,Embed");
+    EXPECT_EQ(vars["ACCELERATE_USE_CPU"], "false");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Two machines, one job: two accel-launch invocations, as two hosts (or two
+// SLURM nodes) run them, here both on 127.0.0.1.
+
+TEST(AccelLaunch, TwoMachinesFormOneJob) {
+  test::TempDir home, out, io;
+  const std::string port = std::to_string(29000 + (getpid() % 2000));
+  std::vector<pid_t> machines;
+  for (int machine : {0, 1}) {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    const std::string log = io.File("machine" + std::to_string(machine) + ".log");
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    // accel-test's ranks check the process state (4 processes, this rank),
+    // all_reduce / gather / broadcast across both machines, the prepared
+    // loader's shards and a data-parallel step against one process.
+    machines.push_back(
+        Spawn({Bin("accel-launch"), "--num_processes", "4", "--num_machines", "2", "--machine_rank",
+               std::to_string(machine), "--main_process_ip", "127.0.0.1", "--main_process_port",
+               port, "--monitor_interval", "0.05", Bin("accel-test")},
+              ToolEnvironment(home.path(), {{"ACCEL_TEST_RANK_OF", "1"}}), &fa));
+    posix_spawn_file_actions_destroy(&fa);
+    ASSERT_GT(machines.back(), 0);
+  }
+  for (int machine : {0, 1}) {
+    EXPECT_EQ(Wait(machines[static_cast<size_t>(machine)], 240), 0)
+        << test::ReadAll(io.File("machine" + std::to_string(machine) + ".log"));
+  }
+  EXPECT_THAT(test::ReadAll(io.File("machine0.log")),
+              HasSubstr("accel-test: 4 processes, distributed type MULTI_CPU"));
+
+  // The ranks each machine started: 0-1 on machine 0, 2-3 on machine 1,
+  // every one seeing the whole job.
+  std::vector<pid_t> probes;
+  for (int machine : {0, 1}) {
+    probes.push_back(
+        Spawn({Bin("accel-launch"), "--num_processes", "4", "--num_machines", "2", "--machine_rank",
+               std::to_string(machine), "--main_process_ip", "127.0.0.1", "--main_process_port",
+               port, Bin("accel_launch_probe"), "env", out.path()},
+              ToolEnvironment(home.path(), {}), nullptr));
+  }
+  for (pid_t pid : probes) EXPECT_EQ(Wait(pid, 60), 0);
+  for (int rank = 0; rank < 4; ++rank) {
+    auto vars = ReadVars(RankFile(out, rank));
+    EXPECT_EQ(vars["WORLD_SIZE"], "4");
+    EXPECT_EQ(vars["LOCAL_RANK"], std::to_string(rank % 2));
+    EXPECT_EQ(vars["GROUP_RANK"], std::to_string(rank / 2));
+    EXPECT_EQ(vars["GROUP_WORLD_SIZE"], "2");
+    EXPECT_EQ(vars["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(vars["MASTER_PORT"], port);
+  }
+}
+
+TEST(ClusterConfig, BasicConfigFollowsTheCudaDevices) {
+  // Accelerate's write_basic_config: one process per device, MULTI_GPU past one.
+  ClusterConfig none = BasicClusterConfig("bf16", 0);
+  EXPECT_EQ(none.distributed_type, "NO");
+  EXPECT_EQ(none.num_processes, 1);
+  EXPECT_FALSE(none.use_cpu);  // a CPU-only host: the CPU anyway, but not forced
+  EXPECT_EQ(none.mixed_precision, "bf16");
+  EXPECT_EQ(none.compute_environment, "LOCAL_MACHINE");
+  ClusterConfig one = BasicClusterConfig("no", 1);
+  EXPECT_EQ(one.distributed_type, "NO");
+  EXPECT_EQ(one.num_processes, 1);
+  EXPECT_FALSE(one.use_cpu);
+  ClusterConfig eight = BasicClusterConfig("no", 8);
+  EXPECT_EQ(eight.distributed_type, "MULTI_GPU");
+  EXPECT_EQ(eight.num_processes, 8);
+  EXPECT_FALSE(eight.use_cpu);
+  // What it writes reads back the same, and accel-launch starts 8 GPU ranks.
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig back,
+                             ParseClusterConfig(ClusterConfigToJson(eight), "basic.yaml"));
+  EXPECT_EQ(ClusterConfigToJson(back), ClusterConfigToJson(eight));
+  ACCEL_ASSERT_OK_AND_ASSIGN(LaunchPlan plan, Plan({}, ClusterConfigToJson(eight)));
+  EXPECT_EQ(plan.num_processes, 8);
+  EXPECT_EQ(RankEnvironment(plan, 0, 4, {})["ACCELERATE_USE_CPU"], "false");
+}
+
+// ---------------------------------------------------------------------------
 // accel-config and accel-env.
 
 TEST(AccelConfig, DefaultWritesOnceAndParsesBack) {
@@ -1000,7 +1389,8 @@ TEST(AccelConfig, DefaultWritesOnceAndParsesBack) {
   ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig config, ReadClusterConfig(path));
   EXPECT_EQ(config.mixed_precision, "bf16");
   EXPECT_EQ(config.num_processes, 1);
-  EXPECT_EQ(config.distributed_type, "NO");
+  EXPECT_EQ(config.distributed_type, "NO");  // this machine's libtorch has no CUDA
+  EXPECT_FALSE(config.use_cpu);  // the quicktour on a GPU machine must not train on the CPU
   EXPECT_FALSE(config.debug);
   EXPECT_FALSE(config.enable_cpu_affinity);
   r = RunTool({Bin("accel-config"), "--default"}, home.path());
@@ -1085,12 +1475,23 @@ TEST(AccelConfig, InteractiveAnswers) {
   EXPECT_EQ(config.main_process_port, 29600);
   EXPECT_EQ(config.mixed_precision, "no");
 
-  // Nothing on stdin: every default (one process, no mixed precision).
+  // Nothing on stdin: every default (one process, no mixed precision, not
+  // the CPU only).
   r = RunTool({Bin("accel-config"), "--config_file", path}, home.path(), "");
   ASSERT_EQ(r.code, 0) << r.err << r.out;
   ACCEL_ASSERT_OK_AND_ASSIGN(config, ReadClusterConfig(path));
   EXPECT_EQ(config.distributed_type, "NO");
   EXPECT_EQ(config.num_processes, 1);
+  EXPECT_FALSE(config.use_cpu);
+
+  // No distributed training, the CPU only when asked for.
+  r = RunTool({Bin("accel-config"), "--config_file", path}, home.path(), "no\nperhaps\nyes\n\n");
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  EXPECT_THAT(r.out, HasSubstr("Train on the CPU only"));
+  EXPECT_THAT(r.out, HasSubstr("\"perhaps\" is not a valid answer"));
+  ACCEL_ASSERT_OK_AND_ASSIGN(config, ReadClusterConfig(path));
+  EXPECT_EQ(config.distributed_type, "NO");
+  EXPECT_TRUE(config.use_cpu);
 }
 
 TEST(AccelEnv, PrintsTheBullets) {

@@ -306,6 +306,14 @@ TEST(ProcessGroup, AutoFallsBackToGlooWithoutNccl) {
   EXPECT_TRUE(at::equal(t[0], at::arange(3, at::kFloat)));
 }
 
+// Accelerate's InitProcessGroupKwargs.__post_init__ (and torch's defaults):
+// 600 s for nccl, 1800 s otherwise, when no timeout is given.
+TEST(ProcessGroup, DefaultTimeoutFollowsAccelerate) {
+  EXPECT_EQ(DefaultProcessGroupTimeout("nccl"), absl::Seconds(600));
+  EXPECT_EQ(DefaultProcessGroupTimeout("gloo"), absl::Seconds(1800));
+  EXPECT_FALSE(ProcessGroupOptions{}.timeout.has_value());
+}
+
 TEST(SplitBetweenProcesses, ContiguousSharesAndPadding) {
   const std::vector<int> items = {1, 2, 3, 4, 5, 6, 7};
   EXPECT_EQ(SplitBetweenProcesses(items, 0, 3), std::vector<int>({1, 2, 3}));

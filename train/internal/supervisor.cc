@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -45,6 +46,8 @@ struct Exec {
   std::vector<char*> argv;
   std::vector<char*> envp;
   std::string program;
+  cpu_set_t cpus;  // valid when pin_cpus
+  bool pin_cpus = false;
 };
 
 Exec Prepare(const ChildSpec& spec) {
@@ -63,6 +66,11 @@ Exec Prepare(const ChildSpec& spec) {
   x.argv.push_back(nullptr);
   x.envp.push_back(nullptr);
   x.program = spec.program;
+  CPU_ZERO(&x.cpus);
+  for (int cpu : spec.cpus) {
+    if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &x.cpus);
+  }
+  x.pin_cpus = CPU_COUNT(&x.cpus) > 0;
   return x;
 }
 
@@ -92,6 +100,13 @@ pid_t Start(Exec& x) {
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    // Pinned before exec, so the program and every thread it starts stay
+    // on the rank's CPUs; a failure is reported as a failed start.
+    if (x.pin_cpus && ::sched_setaffinity(0, sizeof(x.cpus), &x.cpus) != 0) {
+      const int err = errno;
+      (void)!::write(report[1], &err, sizeof(err));
+      ::_exit(127);
+    }
     if (x.program.empty()) {
       ::execvpe(x.argv[0], x.argv.data(), x.envp.data());
     } else {
@@ -118,7 +133,8 @@ pid_t Start(Exec& x) {
 
 }  // namespace
 
-int Supervise(const std::vector<ChildSpec>& specs, int grace_seconds, double poll_interval_s) {
+int Supervise(const std::vector<ChildSpec>& specs, int grace_seconds, double poll_interval_s,
+              bool quiet) {
   struct sigaction action {};
   action.sa_handler = OnSignal;
   sigemptyset(&action.sa_mask);
@@ -164,7 +180,9 @@ int Supervise(const std::vector<ChildSpec>& specs, int grace_seconds, double pol
                : WIFSIGNALED(status) ? 128 + WTERMSIG(status)
                                      : 1;
       if (c.code != 0 && !stopping) {
-        if (WIFSIGNALED(status)) {
+        if (quiet) {
+          // The rank's own output stands alone.
+        } else if (WIFSIGNALED(status)) {
           std::fprintf(stderr,
                        "accel-launch: %s (pid %d) was killed by signal %d (%s); stopping "
                        "the other ranks\n",
@@ -192,8 +210,9 @@ int Supervise(const std::vector<ChildSpec>& specs, int grace_seconds, double pol
       }
     }
     if (stopping && !killed && std::chrono::steady_clock::now() > deadline) {
-      std::fprintf(stderr, "accel-launch: ranks still running %d s after SIGTERM; killing them\n",
-                   grace_seconds);
+      if (!quiet)
+        std::fprintf(stderr, "accel-launch: ranks still running %d s after SIGTERM; killing them\n",
+                     grace_seconds);
       SignalAll(children, SIGKILL);
       killed = true;
     }

@@ -14,6 +14,7 @@ struct ChildSpec {
   std::string program;                               // the file to run; empty: argv[0] in PATH
   std::map<std::string, std::string> env_additions;  // over the launcher's environment
   std::string label;                                 // "rank 3", for messages
+  std::vector<int> cpus;                             // pinned to these; empty: inherited
 };
 
 // Runs every child in its own process group and waits for all of them.
@@ -22,11 +23,12 @@ struct ChildSpec {
 // SIGKILL after `grace_seconds`. Returns the launcher's exit code: 0 when
 // every child exited 0, else the first failing child's code (128 + signal
 // when it was killed), or 128 + the signal the launcher received. Messages
-// go to stderr. A child that cannot be started fails the launch (code 1)
+// go to stderr; with `quiet`, none about failing ranks (the ranks' own output
+// stands alone; accel-launch --quiet). A child that cannot be started fails the launch (code 1)
 // after stopping those already started. The children are checked every
 // `poll_interval_s`; each dies with SIGTERM when the launcher itself dies.
 int Supervise(const std::vector<ChildSpec>& children, int grace_seconds,
-              double poll_interval_s = 0.1);
+              double poll_interval_s = 0.1, bool quiet = false);
 
 }  // namespace accel::train::internal
 

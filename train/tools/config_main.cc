@@ -1,6 +1,8 @@
 // accel-config: writes accel-launch's default_config.yaml (Accelerate's
-// `accelerate config`): `--default` writes the minimal config, otherwise the
-// questions are asked on stdin. `--show` prints the current one.
+// `accelerate config`): `--default` writes the minimal config for this
+// machine's CUDA devices (as libtorch counts them; Accelerate's
+// write_basic_config), otherwise the questions are asked on stdin. `--show`
+// prints the current one.
 //
 //   accel-config --default [--config_file F] [--mixed_precision no|fp16|bf16]
 //   accel-config [--config_file F]          (interactive)
@@ -14,6 +16,8 @@
 #include <thread>
 #include <unistd.h>
 #include <vector>
+
+#include <torch/cuda.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -55,6 +59,10 @@ bool Port(const std::string& s) {
 bool Precision(const std::string& s) {
   const std::string p = absl::AsciiStrToLower(s);
   return p == "no" || p == "fp16" || p == "bf16";
+}
+bool YesNo(const std::string& s) {
+  const std::string a = absl::AsciiStrToLower(s);
+  return a == "yes" || a == "no" || a == "y" || a == "n";
 }
 bool DistributedType(const std::string& s) {
   const std::string t = absl::AsciiStrToLower(s);
@@ -135,10 +143,14 @@ int Run(int argc, char** argv) {
     std::cout << accel::train::ClusterConfigToJson(*config);
     return 0;
   }
-  ClusterConfig config;
-  config.mixed_precision = absl::AsciiStrToLower(precision);
-  config.use_cpu = true;  // no GPU in a CPU-only libtorch; accel-env says which libtorch
+  // The CUDA devices the ranks' libtorch will see (0 with a CPU-only libtorch).
+  const int cuda_devices = static_cast<int>(torch::cuda::device_count());
+  ClusterConfig config =
+      accel::train::BasicClusterConfig(absl::AsciiStrToLower(precision), cuda_devices);
   if (!defaults) {
+    config.num_processes = 1;
+    config.distributed_type = "NO";
+    if (cuda_devices > 0) std::cout << "accel-config: " << cuda_devices << " CUDA device(s)\n";
     std::cout << "accel-config: answers go to " << path << "\n";
     std::string type = absl::AsciiStrToUpper(
         Ask("Which kind of machine (no / multi-CPU / multi-GPU)?", "no", DistributedType));
@@ -150,7 +162,10 @@ int Run(int argc, char** argv) {
       absl::SimpleAtoi(
           Ask(machines > 1 ? "How many processes in all (on every machine together)?"
                            : "How many processes?",
-              absl::StrCat(machines * std::max(2u, std::thread::hardware_concurrency() / 2)),
+              absl::StrCat(machines *
+                           (type == "MULTI_GPU" && cuda_devices > 0
+                                ? static_cast<unsigned>(cuda_devices)
+                                : std::max(2u, std::thread::hardware_concurrency() / 2))),
               [machines](const std::string& s) {
                 int n = 0;
                 return absl::SimpleAtoi(s, &n) && n >= 1 && n % machines == 0;
@@ -170,6 +185,11 @@ int Run(int argc, char** argv) {
         config.main_process_port = port;
       }
       config.use_cpu = type == "MULTI_CPU";
+    } else {
+      // Accelerate asks the same; the CPU only when asked for.
+      const std::string cpu_only = absl::AsciiStrToLower(
+          Ask("Train on the CPU only, even where GPUs are present (yes / no)?", "no", YesNo));
+      config.use_cpu = cpu_only == "yes" || cpu_only == "y";
     }
     config.mixed_precision = absl::AsciiStrToLower(
         Ask("Mixed precision (no / fp16 / bf16)?", config.mixed_precision, Precision));

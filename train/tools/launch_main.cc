@@ -1,7 +1,8 @@
 // accel-launch [--num_processes N] [--num_machines M --machine_rank R
-//     --main_process_ip IP --main_process_port P] [--config_file F] [--cpu]
-//     [--mixed_precision no|fp16|bf16] [--num_cpu_threads_per_process T]
-//     [--monitor_interval S] [--gpu_ids IDS] [--debug] [--enable_cpu_affinity] PROGRAM ARGS...
+//     --main_process_ip IP --main_process_port P] [--config_file F]
+//     [--cpu | --multi_gpu | --use_fsdp [--fsdp_* V...]] [--mixed_precision no|fp16|bf16]
+//     [--num_cpu_threads_per_process T] [--monitor_interval S] [--gpu_ids IDS]
+//     [--enable_cpu_affinity] [--quiet] [--no_python] PROGRAM ARGS...
 //
 // Starts this machine's share of a distributed job with torchrun's
 // environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <exception>
 #include <map>
+#include <sched.h>
 #include <string>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -29,17 +31,26 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: accel-launch [--num_processes N] [--num_machines M --machine_rank R\n"
-    "         --main_process_ip IP --main_process_port P] [--config_file F] [--cpu]\n"
+    "         --main_process_ip IP --main_process_port P [--same_network]\n"
+    "         [--rdzv_backend static]] [--config_file F]\n"
+    "         [--cpu | --multi_gpu | --use_fsdp [--fsdp_sharding_strategy S ...]]\n"
     "         [--mixed_precision no|fp16|bf16] [--num_cpu_threads_per_process T]\n"
-    "         [--monitor_interval S] [--gpu_ids IDS] [--debug] [--enable_cpu_affinity]\n"
-    "         [--] PROGRAM ARGS...\n"
+    "         [--monitor_interval S] [--gpu_ids IDS] [--enable_cpu_affinity] [--quiet]\n"
+    "         [--no_python] [--] PROGRAM ARGS...\n"
     "Starts num_processes / num_machines copies of PROGRAM (found in PATH) with torchrun's\n"
     "environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).\n"
     "Flags are --name value or --name=value, hyphens or underscores; ARGS pass through.\n"
     "Flags left unset come from SLURM_NNODES / SLURM_NODEID (machines), then the config\n"
     "file (--config_file, $ACCEL_CONFIG_FILE, ${XDG_CACHE_HOME:-~/.cache}/accel/\n"
     "default_config.yaml; see accel-config), else the defaults:\n"
-    "1 process, 1 machine, 127.0.0.1:29500. --main_process_port 0 picks a free port.\n";
+    "1 process, 1 machine, 127.0.0.1:29500. --main_process_port 0 picks a free port.\n"
+    "--multi_gpu and --use_fsdp run every rank with ACCELERATE_USE_CPU=false; --use_fsdp\n"
+    "exports Accelerate's FSDP_* variables (--fsdp_version, --fsdp_sharding_strategy,\n"
+    "--fsdp_auto_wrap_policy, --fsdp_transformer_layer_cls_to_wrap, --fsdp_min_num_params,\n"
+    "--fsdp_offload_params, ...). --enable_cpu_affinity pins each rank to its share of\n"
+    "the CPUs. --quiet: no notices of accel-launch's own when a rank fails. --no_python:\n"
+    "PROGRAM runs as it is (always so). --debug is refused (Accelerate's debug mode is\n"
+    "not implemented).\n";
 
 int FreePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -81,6 +92,16 @@ int Run(int argc, char** argv) {
     }
   }
   const int cores = accel::train::PhysicalCoreCount();
+  std::vector<int> allowed_cpus;
+  if (plan->enable_cpu_affinity) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
+      for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+        if (CPU_ISSET(cpu, &set)) allowed_cpus.push_back(cpu);
+      }
+    }
+  }
   std::vector<accel::train::internal::ChildSpec> children;
   for (int local = 0; local < plan->local_processes(); ++local) {
     accel::train::internal::ChildSpec child;
@@ -88,9 +109,11 @@ int Run(int argc, char** argv) {
     child.program = plan->program_path;
     child.env_additions = accel::train::RankEnvironment(*plan, local, cores, env);
     child.label = absl::StrCat("rank ", child.env_additions["RANK"]);
+    child.cpus = accel::train::CpuShare(allowed_cpus, local, plan->local_processes());
     children.push_back(std::move(child));
   }
-  return accel::train::internal::Supervise(children, /*grace_seconds=*/5, plan->monitor_interval_s);
+  return accel::train::internal::Supervise(children, /*grace_seconds=*/5, plan->monitor_interval_s,
+                                           plan->quiet);
 }
 
 }  // namespace
