@@ -312,8 +312,9 @@ absl::Status Train() {
     ++targets;
   }
   unigram /= static_cast<double>(targets);
+  // Every rank: a sharded (FSDP) model is gathered by all of them.
+  ACCEL_RETURN_IF_ERROR(acc->SaveModel(*prepared, out, "10GB"));
   if (acc->is_main_process()) {
-    ACCEL_RETURN_IF_ERROR(acc->SaveModel(*prepared, out, "10GB"));
     for (const char* name :
          {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}) {
       ACCEL_ASSIGN_OR_RETURN(std::string bytes, loader::ReadFile(init + "/" + name));

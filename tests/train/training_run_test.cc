@@ -8,6 +8,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
 #include "tests/testing/temp_dir.h"
 
 namespace {
@@ -91,6 +95,82 @@ TEST(TrainLm, ResumedRunEndsBitForBitWhereTheUninterruptedOneEnds) {
     EXPECT_TRUE(std::filesystem::exists(dir.File(std::string("resumed/") + f))) << f;
   }
   EXPECT_THAT(accel::test::ReadAll(dir.File("log1")), HasSubstr("\"heldout_perplexity\""));
+}
+
+// The JSON figure `key` of accel-train-lm's last line in `log`.
+double Figure(const std::string& log, const std::string& key) {
+  const std::string text = accel::test::ReadAll(log);
+  const size_t at = text.rfind("\"" + key + "\": ");
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + key.size() + 4));
+}
+
+// FSDP through accel-launch --use_fsdp: the run learns what data parallel
+// learns; its sharded checkpoint merges (accel-merge-weights) into exactly
+// the model the run saved whole, which accel-generate then runs.
+TEST(TrainLm, FsdpRunMatchesDataParallelAndItsShardsMergeIntoTheModel) {
+  accel::test::TempDir dir;
+  const std::string text = dir.Write("corpus.txt", Corpus());
+  const std::string common =
+      " --text " + text +
+      " --vocab_size 300 --hidden_size 32 --num_layers 2 --num_heads 2 --seq_len 16"
+      " --batch_size 4 --grad_accum 2 --max_steps 4 --save_every 4 --log_every 2 --lr 0.01"
+      " --warmup 2";
+  const std::string launch = Bin("accel-launch") + " --num_processes 2 --main_process_port 0 ";
+  ASSERT_EQ(Shell(launch + Bin("accel-train-lm") + common + " --out " + dir.File("ddp"),
+                  dir.File("ddp.log")),
+            0)
+      << accel::test::ReadAll(dir.File("ddp.log"));
+  ASSERT_EQ(Shell(launch + "--use_fsdp --fsdp_state_dict_type SHARDED_STATE_DICT " +
+                      Bin("accel-train-lm") + common + " --out " + dir.File("fsdp"),
+                  dir.File("fsdp.log")),
+            0)
+      << accel::test::ReadAll(dir.File("fsdp.log"));
+  const double ddp_loss = Figure(dir.File("ddp.log"), "heldout_loss");
+  const double fsdp_loss = Figure(dir.File("fsdp.log"), "heldout_loss");
+  ASSERT_GT(ddp_loss, 0);
+  EXPECT_NEAR(fsdp_loss, ddp_loss, 1e-4);
+  // Each rank wrote its shards (and its optimizer state).
+  const std::string checkpoint = dir.File("fsdp/run/checkpoints/checkpoint_0");
+  for (const char* f :
+       {"pytorch_model_fsdp/rank0-of-2.safetensors", "pytorch_model_fsdp/rank1-of-2.safetensors",
+        "optimizer.rank0-of-2.bin", "optimizer.rank1-of-2.bin"}) {
+    EXPECT_TRUE(std::filesystem::exists(checkpoint + "/" + f)) << f;
+  }
+  ASSERT_EQ(Shell(Bin("accel-merge-weights") + " " + checkpoint + " " + dir.File("merged"),
+                  dir.File("merge.log")),
+            0)
+      << accel::test::ReadAll(dir.File("merge.log"));
+  EXPECT_TRUE(accel::test::ReadAll(dir.File("merged/model.safetensors")) ==
+              accel::test::ReadAll(dir.File("fsdp/model.safetensors")))
+      << "the merged shards differ from the model the run saved";
+  for (const char* f :
+       {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}) {
+    std::filesystem::copy_file(dir.File(std::string("fsdp/") + f),
+                               dir.File(std::string("merged/") + f));
+  }
+  const std::string generate =
+      Bin("accel-generate") + " --prompt 'The quick' --max_new_tokens 8 --model ";
+  ASSERT_EQ(Shell(generate + dir.File("merged"), dir.File("gen_merged")), 0)
+      << accel::test::ReadAll(dir.File("gen_merged"));
+  ASSERT_EQ(Shell(generate + dir.File("fsdp"), dir.File("gen_fsdp")), 0);
+  // The generated text: the lines that are not progress or timing.
+  auto generated = [](const std::string& log) {
+    std::string text;
+    for (absl::string_view line : absl::StrSplit(accel::test::ReadAll(log), '\n')) {
+      if (!absl::StartsWith(line, "loading") && !absl::StartsWith(line, "accel-generate:")) {
+        absl::StrAppend(&text, line, "\n");
+      }
+    }
+    return text;
+  };
+  EXPECT_FALSE(generated(dir.File("gen_fsdp")).empty());
+  EXPECT_EQ(generated(dir.File("gen_merged")), generated(dir.File("gen_fsdp")));
+  // Bad input names what is wrong.
+  EXPECT_EQ(Shell(Bin("accel-merge-weights") + " " + dir.File("ddp") + " " + dir.File("m2"),
+                  dir.File("merge2.log")),
+            1);
+  EXPECT_THAT(accel::test::ReadAll(dir.File("merge2.log")), HasSubstr("rank<r>-of-<P>"));
 }
 
 TEST(TrainLm, BadFlagsAreRefused) {
