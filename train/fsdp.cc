@@ -566,6 +566,8 @@ class Sharded : public ShardedModel {
     return n;
   }
   double communication_seconds() const override { return comm_seconds_; }
+  int64_t peak_bytes() const override { return peak_bytes_; }
+  void ResetPeakBytes() override { peak_bytes_ = parameter_bytes() + gradient_bytes(); }
 
   // ---- Called from autograd ----
 
@@ -763,9 +765,12 @@ class Sharded : public ShardedModel {
       u.gather_source = at::Tensor();
       ACCEL_RETURN_IF_ERROR(s);
       u.gathered = true;
+      TrackPeak();
     }
     return absl::OkStatus();
   }
+
+  void TrackPeak() { peak_bytes_ = std::max(peak_bytes_, parameter_bytes() + gradient_bytes()); }
 
   absl::Status Prefetch(size_t i) {
     if (i == 0 || i >= units_.size()) return absl::OkStatus();
@@ -802,6 +807,7 @@ class Sharded : public ShardedModel {
 
   absl::Status Reduce(Unit& u) {
     u.reduced = true;
+    TrackPeak();
     if (require_sync_) {
       const auto start = std::chrono::steady_clock::now();
       at::Tensor flat;
@@ -886,6 +892,7 @@ class Sharded : public ShardedModel {
   bool require_sync_ = true;
   bool received_ = false;
   double comm_seconds_ = 0;
+  int64_t peak_bytes_ = 0;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };
 

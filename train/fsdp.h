@@ -180,6 +180,12 @@ class ShardedModel : public dispatch::ModuleHooks {
   // gathered) and for gradients (shard gradients plus gathered ones).
   virtual int64_t parameter_bytes() const = 0;
   virtual int64_t gradient_bytes() const = 0;
+  // The most parameter_bytes() + gradient_bytes() seen, sampled after each
+  // gather and before each reduction frees the gathered gradients.
+  virtual int64_t peak_bytes() const = 0;
+  // Starts peak_bytes() over from what is held now (e.g. after warm-up steps:
+  // the first step keeps every unit gathered while it learns the order).
+  virtual void ResetPeakBytes() = 0;
   // Seconds spent in all-gathers and reductions (waiting), since Wrap.
   virtual double communication_seconds() const = 0;
 };

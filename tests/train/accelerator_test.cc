@@ -106,8 +106,17 @@ TEST(AcceleratorOptions, RefusesWhatCxxCannotDo) {
   ds.use_deepspeed = true;
   EXPECT_THAT(Accelerator::Create(ds, FakeEnv()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("use_deepspeed")));
-  EXPECT_THAT(Accelerator::Create({}, FakeEnv({{"ACCELERATE_USE_FSDP", "true"}})),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("use_fsdp")));
+  // FSDP is honoured (train/fsdp.h); what of it a C++ program cannot do is refused by name.
+  auto fsdp = Accelerator::Create({}, FakeEnv({{"ACCELERATE_USE_FSDP", "true"}}));
+  ASSERT_THAT(fsdp, IsOk());
+  EXPECT_EQ((*fsdp)->distributed_type(), DistributedType::kFsdp);
+  ASSERT_NE((*fsdp)->fsdp_plugin(), nullptr);
+  EXPECT_THAT(Accelerator::Create({}, FakeEnv({{"ACCELERATE_USE_FSDP", "true"},
+                                               {"FSDP_ACTIVATION_CHECKPOINTING", "true"}})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("activation_checkpointing")));
+  EXPECT_THAT(Accelerator::Create({}, FakeEnv({{"ACCELERATE_USE_FSDP", "true"},
+                                               {"FSDP_SHARDING_STRATEGY", "QUARTER_SHARD"}})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("FSDP_SHARDING_STRATEGY")));
   AcceleratorOptions stateful;
   stateful.dataloader_config.use_stateful_dataloader = true;
   EXPECT_THAT(Accelerator::Create(stateful, FakeEnv()),
@@ -787,6 +796,46 @@ TEST(AcceleratorDistributedWorker, DataParallelStep) {
 // Two prepared models, a backward each (as a GAN's discriminator and
 // generator steps): each backward all-reduces only the model it reached,
 // and both end with the gradients of one process on the global batch.
+// Accelerate's debug mode (ACCELERATE_DEBUG_MODE, accel-launch --debug):
+// ranks passing different shapes get the same clear error from Gather, Reduce
+// and Broadcast; alike shapes pass. Without it, a mismatch is not checked.
+TEST(AcceleratorDistributedWorker, DebugModeChecksShapes) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of AcceleratorDistributed.*";
+  auto created = Accelerator::Create({});
+  ASSERT_THAT(created, IsOk());
+  auto& acc = *created;
+  ASSERT_TRUE(acc->debug());
+  const int64_t r = acc->process_index();
+  const at::Tensor alike = at::ones({2, 3});
+  ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor gathered, acc->Gather(alike));
+  EXPECT_EQ(gathered.size(0), 2 * acc->num_processes());
+  EXPECT_THAT(acc->Reduce(alike, Reduction::kSum), IsOk());
+  const at::Tensor differ = r == 0 ? at::ones({1, 5}) : at::ones({1, 2, 5});
+  const std::string listing =
+      "Cannot apply desired operation due to shape mismatches. All shapes across devices must be "
+      "valid.\n\nOperation: `Accelerator::Gather`\nInput shapes:\n  - Process 0: [1, 5]\n  - "
+      "Process 1: [1, 2, 5]";
+  EXPECT_THAT(acc->Gather(differ),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(listing)));
+  EXPECT_THAT(acc->Reduce(differ, Reduction::kSum),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("`Accelerator::Reduce`")));
+  EXPECT_THAT(acc->Broadcast(differ),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("`Accelerator::Broadcast`")));
+  EXPECT_THAT(
+      acc->Gather(TensorMap{{"x", differ}}),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("  - Process 1: {'x': [1, 2, 5]}")));
+  // The group still works after the refusals.
+  EXPECT_THAT(acc->Reduce(alike, Reduction::kSum), IsOk());
+}
+
+TEST(AcceleratorDistributed, DebugModeChecksShapes) {
+  EXPECT_THAT(test::RunRanks(2, "AcceleratorDistributedWorker.DebugModeChecksShapes",
+                             {{"ACCELERATE_DEBUG_MODE", "true"}}),
+              Each(0));
+  EXPECT_FALSE((*Accelerator::Create({}, FakeEnv()))->debug());
+  EXPECT_TRUE((*Accelerator::Create({}, FakeEnv({{"ACCELERATE_DEBUG_MODE", "1"}})))->debug());
+}
+
 TEST(AcceleratorDistributedWorker, TwoModelsTwoBackwards) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of AcceleratorDistributed.*";
   AcceleratorOptions options;
