@@ -1,5 +1,6 @@
 #include "train/accelerator.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <filesystem>
@@ -307,6 +308,7 @@ absl::StatusOr<std::unique_ptr<Accelerator>> Accelerator::Create(const Accelerat
   }
 
   ACCEL_ASSIGN_OR_RETURN(acc->environment_, DetectProcessEnvironment(env));
+  acc->debug_ = EnvTrue(env, "ACCELERATE_DEBUG_MODE");
   const bool use_cpu =
       options.cpu || acc->environment_.use_cpu || EnvTrue(env, "ACCELERATE_USE_CPU");
   if (!use_cpu && at::globalContext().hasCUDA()) {
@@ -680,11 +682,43 @@ absl::Status Accelerator::ClipGradValue(const std::vector<at::Tensor>& parameter
 
 // ---- Collectives ----
 
+namespace {
+// A tensor's shape as Accelerate's get_shape prints it: [2, 5].
+std::string ShapeText(const at::Tensor& t) {
+  if (!t.defined()) return "None";
+  return absl::StrCat("[", absl::StrJoin(t.sizes(), ", "), "]");
+}
+std::string ShapeText(const TensorMap& tensors) {
+  std::vector<std::string> items;
+  for (const auto& [name, t] : tensors)
+    items.push_back(absl::StrCat("'", name, "': ", ShapeText(t)));
+  return absl::StrCat("{", absl::StrJoin(items, ", "), "}");
+}
+}  // namespace
+
+absl::Status Accelerator::VerifyOperation(absl::string_view operation,
+                                          const std::string& shapes) const {
+  if (!debug_ || group_->size() <= 1) return absl::OkStatus();
+  ACCEL_ASSIGN_OR_RETURN(std::vector<std::string> all, train::GatherObject(*group_, shapes));
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) {
+    return absl::OkStatus();
+  }
+  std::string listing;
+  for (size_t i = 0; i < all.size(); ++i)
+    absl::StrAppend(&listing, "\n  - Process ", i, ": ", all[i]);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "Cannot apply desired operation due to shape mismatches. All shapes across devices must "
+      "be valid.\n\nOperation: `",
+      operation, "`\nInput shapes:", listing));
+}
+
 absl::StatusOr<at::Tensor> Accelerator::Gather(const at::Tensor& tensor) const {
+  ACCEL_RETURN_IF_ERROR(VerifyOperation("Accelerator::Gather", ShapeText(tensor)));
   return train::Gather(*group_, tensor);
 }
 
 absl::StatusOr<TensorMap> Accelerator::Gather(const TensorMap& tensors) const {
+  ACCEL_RETURN_IF_ERROR(VerifyOperation("Accelerator::Gather", ShapeText(tensors)));
   return train::Gather(*group_, tensors);
 }
 
@@ -717,6 +751,7 @@ absl::StatusOr<TensorMap> Accelerator::GatherForMetrics(const TensorMap& tensors
 
 absl::StatusOr<at::Tensor> Accelerator::Reduce(const at::Tensor& tensor,
                                                Reduction reduction) const {
+  ACCEL_RETURN_IF_ERROR(VerifyOperation("Accelerator::Reduce", ShapeText(tensor)));
   return train::Reduce(*group_, tensor, reduction);
 }
 
@@ -726,6 +761,7 @@ absl::StatusOr<at::Tensor> Accelerator::PadAcrossProcesses(const at::Tensor& ten
 }
 
 absl::StatusOr<at::Tensor> Accelerator::Broadcast(const at::Tensor& tensor, int src) const {
+  ACCEL_RETURN_IF_ERROR(VerifyOperation("Accelerator::Broadcast", ShapeText(tensor)));
   return BroadcastFrom(*group_, tensor, src);
 }
 

@@ -336,6 +336,11 @@ class Accelerator {
   GradScaler* scaler() const { return scaler_.get(); }
 
   // ---- Collectives ----
+  // Accelerate's debug mode ($ACCELERATE_DEBUG_MODE, accel-launch --debug):
+  // Gather, Reduce and Broadcast first share every rank's shapes and fail on
+  // all ranks (InvalidArgument listing them) when they differ, instead of a
+  // collective that hangs or fails obscurely (verify_operation).
+  bool debug() const { return debug_; }
   absl::StatusOr<at::Tensor> Gather(const at::Tensor& tensor) const;
   absl::StatusOr<TensorMap> Gather(const TensorMap& tensors) const;
   // Gather, then at the end of the active prepared loader drop the samples
@@ -435,11 +440,14 @@ class Accelerator {
   std::vector<at::Tensor> GradientHolders(const std::vector<at::Tensor>& parameters) const;
   // This rank's files of save_state, into `dir`.
   absl::Status WriteStateFiles(const std::string& dir) const;
+  // With debug_: OK when every rank passed `shapes` alike (a collective).
+  absl::Status VerifyOperation(absl::string_view operation, const std::string& shapes) const;
 
   ProcessEnvironment environment_;
   std::unique_ptr<ProcessGroup> group_;
   c10::Device device_ = c10::Device(c10::kCPU);
   DistributedType distributed_type_ = DistributedType::kNo;
+  bool debug_ = false;
   PrecisionType precision_ = PrecisionType::kNo;
   GradientAccumulationPlugin plugin_;
   DataLoaderConfiguration dataloader_config_;

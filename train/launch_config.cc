@@ -320,12 +320,6 @@ absl::Status CheckPrecision(absl::string_view what, const std::string& p) {
                    p == "fp8" ? " (fp8 needs Transformer Engine / MS-AMP, Python only)" : ""));
 }
 
-// Why debug mode is refused, for the config key and the flag alike.
-constexpr char kDebugRefusal[] =
-    "true: Accelerate's debug mode (every collective first checks that all ranks pass tensors "
-    "of the same shapes) is not implemented in accel, and a debug flag that checks nothing "
-    "would mislead (use false)";
-
 // torchrun's rendezvous backends; accel-launch's is static: machine 0 hosts
 // the store at main_process_ip:main_process_port and every machine says its
 // rank. Both values of same_network come to the same thing there.
@@ -654,7 +648,6 @@ absl::StatusOr<ClusterConfig> ParseClusterConfig(absl::string_view text, absl::s
       set_bool(&c.use_cpu);
     } else if (key == "debug") {
       set_bool(&c.debug);
-      if (status.ok() && c.debug) status = Refuse(source, "debug", kDebugRefusal);
     } else if (key == "same_network") {
       set_bool(&c.same_network);
     } else if (key == "enable_cpu_affinity") {
@@ -840,7 +833,7 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
     return valued;
   }();
   // --no_python: PROGRAM runs as it is, which is how accel-launch always runs
-  // it (there is no interpreter to skip). --debug is refused (kDebugRefusal).
+  // it (there is no interpreter to skip).
   static const std::set<std::string> kSwitches = {
       "cpu",   "multi_gpu",           "use_fsdp",    "no_python", "quiet",
       "debug", "enable_cpu_affinity", "same_network"};
@@ -916,6 +909,7 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
   if (config.main_process_port) plan.main_process_port = *config.main_process_port;
   plan.mixed_precision = config.mixed_precision;
   plan.use_cpu = config.use_cpu;
+  plan.debug = config.debug;
   plan.enable_cpu_affinity = config.enable_cpu_affinity;
   plan.gpu_ids = config.gpu_ids;
   // Under SLURM, one accel-launch per node: the node count and this node's
@@ -983,9 +977,7 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
       return s;
     }
   }
-  if (switches.count("debug")) {
-    return absl::InvalidArgumentError(absl::StrCat("--debug ", kDebugRefusal));
-  }
+  if (switches.count("debug")) plan.debug = true;
   if (auto it = flags.find("rdzv_backend"); it != flags.end()) {
     if (absl::Status s = CheckRendezvous("--rdzv_backend", it->second); !s.ok()) return s;
   }
@@ -1102,6 +1094,7 @@ std::map<std::string, std::string> RankEnvironment(const LaunchPlan& plan, int l
   out["TORCHELASTIC_MAX_RESTARTS"] = "0";
   out["ACCELERATE_MIXED_PRECISION"] = plan.mixed_precision;
   out["ACCELERATE_USE_CPU"] = plan.use_cpu ? "true" : "false";
+  if (plan.debug) out["ACCELERATE_DEBUG_MODE"] = "true";
   if (plan.enable_cpu_affinity) out["ACCELERATE_CPU_AFFINITY"] = "1";
   if (!plan.gpu_ids.empty() && plan.gpu_ids != "all") {
     out["CUDA_VISIBLE_DEVICES"] = plan.gpu_ids;

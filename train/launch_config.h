@@ -25,8 +25,7 @@ namespace accel::train {
 // rendezvous is static), distributed_type NO / MULTI_CPU / MULTI_GPU / FSDP
 // with its fsdp_config (exported as Accelerate's FSDP_* variables).
 // Refused, naming the key: compute_environment AMAZON_SAGEMAKER, rdzv_backend
-// c10d / etcd, debug true (Accelerate's debug mode is not implemented), a
-// dynamo backend other than NO, a non-empty deepspeed_config /
+// c10d / etcd, a dynamo backend other than NO, a non-empty deepspeed_config /
 // megatron_lm_config / parallelism_config / fp8_config, an fsdp_config
 // without distributed_type FSDP, an mpirun hostfile, downcast_bf16 other than
 // 'no', ipex true, and the other distributed types (DeepSpeed, Megatron, TPU).
@@ -108,7 +107,8 @@ struct LaunchPlan {
   int main_process_port = 29500;
   std::string mixed_precision = "no";
   bool use_cpu = false;
-  bool quiet = false;                // --quiet: no notices of accel-launch's own about ranks
+  bool debug = false;  // ACCELERATE_DEBUG_MODE: the ranks' collectives check shapes first
+  bool quiet = false;  // --quiet: no notices of accel-launch's own about ranks
   bool enable_cpu_affinity = false;  // ACCELERATE_CPU_AFFINITY; each rank pinned (CpuShare)
   bool use_fsdp = false;             // --use_fsdp or distributed_type FSDP
   std::map<std::string, std::string> fsdp_environment;  // FsdpEnvironment, when use_fsdp

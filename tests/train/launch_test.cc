@@ -279,7 +279,7 @@ TEST(AccelLaunch, ConfigFileUnderTheFlags) {
                                         "mixed_precision: 'bf16'\n"
                                         "main_process_port: 29411\n"
                                         "use_cpu: true\n"
-                                        "debug: false\n"
+                                        "debug: true\n"
                                         "gpu_ids: 0,2\n"
                                         "dynamo_config:\n"
                                         "  dynamo_backend: NO\n");
@@ -290,7 +290,7 @@ TEST(AccelLaunch, ConfigFileUnderTheFlags) {
   EXPECT_EQ(vars["WORLD_SIZE"], "3");
   EXPECT_EQ(vars["ACCELERATE_MIXED_PRECISION"], "bf16");
   EXPECT_EQ(vars["ACCELERATE_USE_CPU"], "true");
-  EXPECT_EQ(vars["ACCELERATE_DEBUG_MODE"], "");
+  EXPECT_EQ(vars["ACCELERATE_DEBUG_MODE"], "true");
   EXPECT_EQ(vars["CUDA_VISIBLE_DEVICES"], "0,2");
   EXPECT_EQ(vars["MASTER_PORT"], "29411");
   test::TempDir out2;
@@ -708,7 +708,6 @@ TEST(ClusterConfig, RefusesWhatLaunchCannotHonour) {
       {"rdzv_backend: etcd\n", "c.yaml: rdzv_backend \"etcd\": accel-launch has no elastic"},
       {"rdzv_backend: carrier-pigeon\n",
        "c.yaml: rdzv_backend \"carrier-pigeon\": expected static"},
-      {"debug: true\n", "c.yaml: debug: true: Accelerate's debug mode"},
       {"megatron_lm_config:\n"
        "  megatron_lm_tp_degree: 2\n",
        "c.yaml: megatron_lm_config: Megatron-LM"},
@@ -1081,16 +1080,19 @@ TEST(AccelLaunch, QuietLeavesFailuresToTheRanks) {
   EXPECT_THAT(r.err, Not(HasSubstr("accel-launch")));
 }
 
-// --debug: Accelerate's debug mode (collectives that check every rank's
-// shapes) is not implemented, so the flag and the key are refused by name
-// rather than exported and never read.
-TEST(LaunchPlan, DebugIsRefusedByName) {
-  EXPECT_THAT(Plan({"--debug"}), StatusIs(absl::StatusCode::kInvalidArgument,
-                                          HasSubstr("--debug true: Accelerate's debug mode")));
-  EXPECT_THAT(Plan({}, "debug: true\n"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("debug: true")));
-  ACCEL_ASSERT_OK_AND_ASSIGN(LaunchPlan plan, Plan({}, "debug: false\n"));
+// --debug (and debug: true): ACCELERATE_DEBUG_MODE=true for every rank, where
+// the Accelerator's collectives then check the ranks' shapes first
+// (AcceleratorDistributed.DebugModeChecksShapes in accelerator_test).
+TEST(LaunchPlan, DebugModeReachesEveryRank) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(LaunchPlan plan, Plan({"--debug", "--num_processes", "2"}));
+  EXPECT_TRUE(plan.debug);
+  EXPECT_EQ(RankEnvironment(plan, 1, 4, {})["ACCELERATE_DEBUG_MODE"], "true");
+  ACCEL_ASSERT_OK_AND_ASSIGN(plan, Plan({}, "debug: true\n"));
+  EXPECT_EQ(RankEnvironment(plan, 0, 4, {})["ACCELERATE_DEBUG_MODE"], "true");
+  ACCEL_ASSERT_OK_AND_ASSIGN(plan, Plan({}, "debug: false\n"));
   EXPECT_EQ(RankEnvironment(plan, 0, 4, {}).count("ACCELERATE_DEBUG_MODE"), 0u);
+  EXPECT_THAT(Plan({"--debug=1"}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--debug takes no value")));
 }
 
 TEST(LaunchPlan, CpuShareSplitsTheCpus) {

@@ -2,7 +2,7 @@
 //     --main_process_ip IP --main_process_port P] [--config_file F]
 //     [--cpu | --multi_gpu | --use_fsdp [--fsdp_* V...]] [--mixed_precision no|fp16|bf16]
 //     [--num_cpu_threads_per_process T] [--monitor_interval S] [--gpu_ids IDS]
-//     [--enable_cpu_affinity] [--quiet] [--no_python] PROGRAM ARGS...
+//     [--enable_cpu_affinity] [--debug] [--quiet] [--no_python] PROGRAM ARGS...
 //
 // Starts this machine's share of a distributed job with torchrun's
 // environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
@@ -35,8 +35,8 @@ constexpr char kUsage[] =
     "         [--rdzv_backend static]] [--config_file F]\n"
     "         [--cpu | --multi_gpu | --use_fsdp [--fsdp_sharding_strategy S ...]]\n"
     "         [--mixed_precision no|fp16|bf16] [--num_cpu_threads_per_process T]\n"
-    "         [--monitor_interval S] [--gpu_ids IDS] [--enable_cpu_affinity] [--quiet]\n"
-    "         [--no_python] [--] PROGRAM ARGS...\n"
+    "         [--monitor_interval S] [--gpu_ids IDS] [--enable_cpu_affinity] [--debug]\n"
+    "         [--quiet] [--no_python] [--] PROGRAM ARGS...\n"
     "Starts num_processes / num_machines copies of PROGRAM (found in PATH) with torchrun's\n"
     "environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...).\n"
     "Flags are --name value or --name=value, hyphens or underscores; ARGS pass through.\n"
@@ -48,9 +48,9 @@ constexpr char kUsage[] =
     "exports Accelerate's FSDP_* variables (--fsdp_version, --fsdp_sharding_strategy,\n"
     "--fsdp_auto_wrap_policy, --fsdp_transformer_layer_cls_to_wrap, --fsdp_min_num_params,\n"
     "--fsdp_offload_params, ...). --enable_cpu_affinity pins each rank to its share of\n"
-    "the CPUs. --quiet: no notices of accel-launch's own when a rank fails. --no_python:\n"
-    "PROGRAM runs as it is (always so). --debug is refused (Accelerate's debug mode is\n"
-    "not implemented).\n";
+    "the CPUs. --debug: ACCELERATE_DEBUG_MODE, the ranks' collectives check that every\n"
+    "rank passes the same shapes. --quiet: no notices of accel-launch's own when a rank\n"
+    "fails. --no_python: PROGRAM runs as it is (always so).\n";
 
 int FreePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
