@@ -150,6 +150,11 @@ TEST(FsdpWorker, Train) {
                                  ? StateDictType::kShardedStateDict
                                  : StateDictType::kFullStateDict;
     plugin.forward_prefetch = true;
+    plugin.cpu_offload = Env("FSDP_TEST_OFFLOAD") == "1";
+    if (Env("FSDP_TEST_PARAM_DTYPE") == "bf16") {
+      plugin.mixed_precision_policy.param_dtype = at::kBFloat16;
+      plugin.mixed_precision_policy.reduce_dtype = at::kBFloat16;
+    }
     options.fsdp_plugin = plugin;
   }
   auto acc = Accelerator::Create(options);
@@ -163,6 +168,11 @@ TEST(FsdpWorker, Train) {
   ASSERT_THAT(model, IsOk());
   auto opt = (*acc)->PrepareOptimizer(adam);
   ASSERT_THAT(opt, IsOk());
+  if (Env("FSDP_TEST_PARAM_DTYPE") == "bf16") {
+    // The module computes in bfloat16; the optimizer's pieces stay float32.
+    EXPECT_EQ(net->in->weight.scalar_type(), at::kBFloat16);
+    EXPECT_EQ((*model)->sharded()->pieces()[0].piece.scalar_type(), at::kFloat);
+  }
   if (mode != "ddp") {
     ASSERT_NE((*model)->sharded(), nullptr);
     EXPECT_EQ((*acc)->distributed_type(), DistributedType::kFsdp);
@@ -312,6 +322,36 @@ TEST_F(FsdpRuns, Bf16AutocastEqualsDataParallel) {
   auto reference = Read(Run(2, env, "ddp") + ".safetensors");
   env["FSDP_TEST_MODE"] = "FULL_SHARD";
   EXPECT_LE(MaxDifference(Read(Run(2, env, "fsdp") + ".safetensors"), reference), 1e-5);
+}
+
+// MixedPrecision(param_dtype=bf16, reduce_dtype=bf16): units compute in
+// bfloat16 from float32 shards. Under autocast that is the arithmetic data
+// parallel does (autocast rounds the same weights to bfloat16, and a cast's
+// gradient is the rounded gradient), except that the gradients are reduced
+// in bfloat16: close, not equal.
+TEST_F(FsdpRuns, Bf16ParamDtypeFollowsDataParallel) {
+  std::map<std::string, std::string> env = {{"FSDP_TEST_PRECISION", "bf16"}};
+  env["FSDP_TEST_MODE"] = "ddp";
+  auto reference = Read(Run(2, env, "ddp") + ".safetensors");
+  env["FSDP_TEST_MODE"] = "FULL_SHARD";
+  env["FSDP_TEST_PARAM_DTYPE"] = "bf16";
+  auto run = Read(Run(2, env, "fsdp") + ".safetensors");
+  const double difference = MaxDifference(run, reference);
+  RecordProperty("max_difference", std::to_string(difference));
+  std::printf("param_dtype bf16 vs autocast data parallel: max difference %.3g\n", difference);
+  EXPECT_LE(difference, 2e-2);
+  EXPECT_GT(difference, 0);  // bfloat16 compute is not float32 compute
+  // The shards stay float32 masters: the saved model is float32.
+  for (const auto& [name, t] : run) EXPECT_EQ(t.scalar_type(), at::kFloat) << name;
+}
+
+// cpu_offload keeps shards, gradients and optimizer state on the cpu; on a
+// cpu execution device that is where they are, and nothing changes.
+TEST_F(FsdpRuns, CpuOffloadEqualsDataParallel) {
+  auto reference = Read(Run(2, {{"FSDP_TEST_MODE", "ddp"}}, "ddp") + ".safetensors");
+  const std::string run =
+      Run(2, {{"FSDP_TEST_MODE", "FULL_SHARD"}, {"FSDP_TEST_OFFLOAD", "1"}}, "offload");
+  EXPECT_LE(MaxDifference(Read(run + ".safetensors"), reference), 1e-6);
 }
 
 TEST_F(FsdpRuns, UnitsRunOutsideTheHooksStayGatheredAndStayCorrect) {
