@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 
+#include "tests/testing/multiprocess.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "train/launch_config.h"
@@ -1304,7 +1305,9 @@ TEST(AccelLaunch, FsdpConfigReachesEveryRank) {
 
 TEST(AccelLaunch, TwoMachinesFormOneJob) {
   test::TempDir home, out, io;
-  const std::string port = std::to_string(29000 + (getpid() % 2000));
+  // Machine 0 hosts the rendezvous on this port; both machines must know it
+  // beforehand, so --main_process_port 0 cannot serve.
+  const std::string port = std::to_string(test::FreePort());
   std::vector<pid_t> machines;
   for (int machine : {0, 1}) {
     posix_spawn_file_actions_t fa;
