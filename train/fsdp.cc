@@ -1000,6 +1000,18 @@ absl::StatusOr<FullyShardedDataParallelPlugin> FullyShardedDataParallelPlugin::F
                          ParseBool(env, "FSDP_ACTIVATION_CHECKPOINTING", false));
   ACCEL_ASSIGN_OR_RETURN(p.cpu_ram_efficient_loading,
                          ParseBool(env, "FSDP_CPU_RAM_EFFICIENT_LOADING", false));
+  ACCEL_ASSIGN_OR_RETURN(const bool reshard, ParseBool(env, "FSDP_RESHARD_AFTER_FORWARD", true));
+  if (!reshard && p.sharding_strategy == ShardingStrategy::kFullShard) {
+    return absl::InvalidArgumentError(
+        "FSDP_RESHARD_AFTER_FORWARD=false is FSDP2's spelling of SHARD_GRAD_OP: with fsdp_version "
+        "1 set fsdp_sharding_strategy SHARD_GRAD_OP instead");
+  }
+  if (auto v = env("FSDP_IGNORED_MODULES"); v && !v->empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FSDP_IGNORED_MODULES \"", *v,
+        "\": ignored modules are not implemented; freeze them (requires_grad false: they are "
+        "then kept whole on every rank) instead"));
+  }
   if (auto v = env("FSDP_VERSION"); v && !v->empty() && *v != "1") {
     return absl::InvalidArgumentError(absl::StrCat(
         "FSDP_VERSION: \"", *v, "\": accel implements FSDP1's plugin (fsdp_version: 1)"));

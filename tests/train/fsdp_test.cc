@@ -532,7 +532,9 @@ TEST(FsdpPlugin, FromEnvReadsAccelerateVariables) {
            {"FSDP_BACKWARD_PREFETCH", "EARLY"},
            {"FSDP_OFFLOAD_PARAMS", "maybe"},
            {"FSDP_MIN_NUM_PARAMS", "lots"},
-           {"FSDP_VERSION", "2"}}) {
+           {"FSDP_VERSION", "2"},
+           {"FSDP_RESHARD_AFTER_FORWARD", "false"},
+           {"FSDP_IGNORED_MODULES", "lm_head"}}) {
     vars = {{name, value}};
     EXPECT_THAT(FullyShardedDataParallelPlugin::FromEnv(env),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(name)))
