@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -129,6 +130,16 @@ struct Unit {
   at::Tensor gather_source;  // what the pending gather reads
 };
 
+// A unit's gradients on their way: the flat copy that travels, where this
+// rank's reduced chunk lands, and the collective.
+struct PendingReduction {
+  size_t unit = 0;
+  at::Tensor flat;
+  at::Tensor out;
+  std::unique_ptr<std::vector<at::Tensor>> keep;  // AllReduceAsync's argument
+  std::unique_ptr<PendingWork> work;
+};
+
 class Sharded;
 
 class GradReadyHook : public torch::autograd::FunctionPostHook {
@@ -159,6 +170,7 @@ class Sharded : public ShardedModel {
     for (Unit& u : units_) {
       if (u.gather_work) (void)u.gather_work->Wait();
     }
+    for (PendingReduction& r : reductions_) (void)r.work->Wait();
   }
 
   absl::Status Init(int num_nodes) {
@@ -357,6 +369,7 @@ class Sharded : public ShardedModel {
       Unit& u = units_[i];
       if (!u.reduced && u.grads_seen > 0) ACCEL_RETURN_IF_ERROR(Reduce(u));
     }
+    while (!reductions_.empty()) ACCEL_RETURN_IF_ERROR(CompleteOldestReduction());
     if (learning_) {
       learning_ = false;
       for (size_t i = 1; i < units_.size(); ++i) {
@@ -562,6 +575,11 @@ class Sharded : public ShardedModel {
       for (const Slot& s : u.slots) {
         if (s.param.grad().defined()) n += s.param.grad().nbytes();
       }
+    }
+    // Gradients on their way.
+    for (const PendingReduction& r : reductions_) {
+      n += static_cast<int64_t>(StorageBytes(r.flat));
+      if (!r.out.is_same(r.flat)) n += static_cast<int64_t>(StorageBytes(r.out));
     }
     return n;
   }
@@ -805,53 +823,45 @@ class Sharded : public ShardedModel {
 
   // ---- Reducing ----
 
+  // Starts reducing unit `u`'s gradients (asynchronously: backward goes on
+  // while they travel) and frees what it gathered. At most two reductions
+  // are in flight; Finish completes the rest.
   absl::Status Reduce(Unit& u) {
     u.reduced = true;
     TrackPeak();
     if (require_sync_) {
-      const auto start = std::chrono::steady_clock::now();
-      at::Tensor flat;
-      at::Tensor out;
+      PendingReduction pending;
+      pending.unit = static_cast<size_t>(&u - units_.data());
       ACCEL_RETURN_IF_ERROR(CallTorch([&] {
         at::NoGradGuard no_grad;
-        flat = at::zeros({u.padded}, at::TensorOptions().dtype(reduce_dtype_).device(device_));
+        pending.flat =
+            at::zeros({u.padded}, at::TensorOptions().dtype(reduce_dtype_).device(device_));
         for (const Slot& s : u.slots) {
           const at::Tensor& g = s.param.grad();
-          if (g.defined()) flat.narrow(0, s.offset, s.numel).copy_(g.reshape({-1}));
-        }
-        out = shard_count_ == 1 ? flat : at::empty({u.shard_numel}, flat.options());
-      }));
-      if (shard_count_ == 1) {
-        std::vector<at::Tensor> one = {flat};
-        ACCEL_RETURN_IF_ERROR(Annotate(group_.AllReduce(one, ReduceOp::kSum),
-                                       absl::StrCat("FSDP: reducing unit ", u.name)));
-      } else {
-        ACCEL_RETURN_IF_ERROR(Annotate(group_.ReduceScatter(flat, out),
-                                       absl::StrCat("FSDP: reducing unit ", u.name)));
-      }
-      comm_seconds_ +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-        at::NoGradGuard no_grad;
-        out.div_(world_);
-        // A piece whose grad the optimizer's zero_grad dropped starts over.
-        const bool accumulate =
-            !u.slots.empty() && pieces_[u.slots[0].piece].piece.grad().defined();
-        const at::Tensor mine = out.to(shard_device_, master_dtype_);
-        if (accumulate && u.shard_grad.defined()) {
-          u.shard_grad.add_(mine);
-        } else {
-          // Allocated per step: zero_grad (set_to_none) releases it.
-          u.shard_grad = mine;
-        }
-        for (const Slot& s : u.slots) {
+          if (g.defined()) pending.flat.narrow(0, s.offset, s.numel).copy_(g.reshape({-1}));
+          // The copy travels; the gathered gradient goes now.
           s.param.mutable_grad() = at::Tensor();
-          ParameterPiece& p = pieces_[s.piece];
-          const int64_t start_in_shard =
-              p.piece.numel() == 0 ? 0 : p.piece.storage_offset() - u.shard.storage_offset();
-          p.piece.mutable_grad() = u.shard_grad.narrow(0, start_in_shard, p.piece.numel());
         }
+        pending.out =
+            shard_count_ == 1 ? pending.flat : at::empty({u.shard_numel}, pending.flat.options());
       }));
+      const std::string what = absl::StrCat("FSDP: reducing unit ", u.name);
+      if (shard_count_ == 1) {
+        auto whole = std::make_unique<std::vector<at::Tensor>>(1, pending.flat);
+        absl::StatusOr<std::unique_ptr<PendingWork>> work =
+            group_.AllReduceAsync(*whole, ReduceOp::kSum);
+        if (!work.ok()) return Annotate(work.status(), what);
+        pending.work = *std::move(work);
+        pending.keep = std::move(whole);
+      } else {
+        absl::StatusOr<std::unique_ptr<PendingWork>> work =
+            group_.ReduceScatterAsync(pending.flat, pending.out);
+        if (!work.ok()) return Annotate(work.status(), what);
+        pending.work = *std::move(work);
+      }
+      reductions_.push_back(std::move(pending));
+      TrackPeak();
+      if (reductions_.size() > 2) ACCEL_RETURN_IF_ERROR(CompleteOldestReduction());
     }
     if (strategy_ != ShardingStrategy::kNoShard) Free(u);
     if (plugin_.backward_prefetch == BackwardPrefetch::kBackwardPost && !learning_) {
@@ -859,6 +869,34 @@ class Sharded : public ShardedModel {
       if (it != unit_of_name_.end()) ACCEL_RETURN_IF_ERROR(Prefetch(Neighbour(it->second, -1)));
     }
     return absl::OkStatus();
+  }
+
+  // Waits for the oldest reduction in flight and adds its mean gradient to
+  // the unit's shard gradient, which the pieces' grads then view.
+  absl::Status CompleteOldestReduction() {
+    PendingReduction pending = std::move(reductions_.front());
+    reductions_.pop_front();
+    Unit& u = units_[pending.unit];
+    ACCEL_RETURN_IF_ERROR(TimedWait(*pending.work, absl::StrCat("FSDP: reducing unit ", u.name)));
+    return CallTorch([&] {
+      at::NoGradGuard no_grad;
+      pending.out.div_(world_);
+      // A piece whose grad the optimizer's zero_grad dropped starts over.
+      const bool accumulate = !u.slots.empty() && pieces_[u.slots[0].piece].piece.grad().defined();
+      const at::Tensor mine = pending.out.to(shard_device_, master_dtype_);
+      if (accumulate && u.shard_grad.defined()) {
+        u.shard_grad.add_(mine);
+      } else {
+        // Allocated per step: zero_grad (set_to_none) releases it.
+        u.shard_grad = mine;
+      }
+      for (const Slot& s : u.slots) {
+        ParameterPiece& p = pieces_[s.piece];
+        const int64_t start_in_shard =
+            p.piece.numel() == 0 ? 0 : p.piece.storage_offset() - u.shard.storage_offset();
+        p.piece.mutable_grad() = u.shard_grad.narrow(0, start_in_shard, p.piece.numel());
+      }
+    });
   }
 
   absl::Status TimedWait(PendingWork& work, absl::string_view what) {
@@ -888,6 +926,7 @@ class Sharded : public ShardedModel {
   std::map<const c10::TensorImpl*, size_t> piece_of_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<size_t> order_;  // units in the order the first forward ran them
+  std::deque<PendingReduction> reductions_;
   bool learning_ = true;
   bool require_sync_ = true;
   bool received_ = false;

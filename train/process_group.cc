@@ -178,6 +178,37 @@ class InPlaceWork : public PendingWork {
   absl::Status status_;
 };
 
+// gloo's reduce-scatter: an all-reduce of the whole buffer, then this
+// rank's chunk copied out.
+class AllReduceThenSlice : public PendingWork {
+ public:
+  AllReduceThenSlice(at::Tensor input, at::Tensor output, int rank)
+      : whole({std::move(input)}), output_(std::move(output)), rank_(rank) {}
+  ~AllReduceThenSlice() override { (void)Wait(); }
+  absl::Status Wait() override {
+    if (done_) return status_;
+    done_ = true;
+    status_ = all_reduce ? all_reduce->Wait() : absl::OkStatus();
+    if (status_.ok()) {
+      status_ = Annotate(CallTorch([&] {
+                           const int64_t n = output_.numel();
+                           output_.view({-1}).copy_(whole[0].view({-1}).narrow(0, rank_ * n, n));
+                         }),
+                         "collective reduce_scatter");
+    }
+    return status_;
+  }
+
+  std::vector<at::Tensor> whole;  // AllReduceAsync keeps a pointer to it
+  std::unique_ptr<PendingWork> all_reduce;
+
+ private:
+  at::Tensor output_;
+  int rank_;
+  bool done_ = false;
+  absl::Status status_;
+};
+
 absl::Status CheckShardShapes(const at::Tensor& whole, const at::Tensor& shard, int size,
                               absl::string_view op) {
   if (!whole.defined() || !shard.defined() || whole.scalar_type() != shard.scalar_type() ||
@@ -283,7 +314,8 @@ class C10dGroup : public ProcessGroup {
         std::make_unique<InPlaceWork>(work, std::move(keep), "all_gather_into", timeout_));
   }
 
-  absl::Status ReduceScatter(at::Tensor& input, at::Tensor& output) override {
+  absl::StatusOr<std::unique_ptr<PendingWork>> ReduceScatterAsync(at::Tensor input,
+                                                                  at::Tensor output) override {
     ACCEL_RETURN_IF_ERROR(CheckShardShapes(input, output, size_, "reduce_scatter"));
     if (backend_ == "nccl") {
       c10::intrusive_ptr<c10d::Work> work;
@@ -297,15 +329,12 @@ class C10dGroup : public ProcessGroup {
                                        work = pg_->reduce_scatter(outs, ins);
                                      }),
                                      "collective reduce_scatter"));
-      return WaitFor(work, "reduce_scatter", timeout_);
+      return std::unique_ptr<PendingWork>(std::make_unique<InPlaceWork>(
+          work, std::vector<at::Tensor>{input, output}, "reduce_scatter", timeout_));
     }
-    std::vector<at::Tensor> whole = {input};
-    ACCEL_RETURN_IF_ERROR(Annotate(AllReduce(whole, ReduceOp::kSum), "reduce_scatter"));
-    return Annotate(CallTorch([&] {
-                      const int64_t n = output.numel();
-                      output.copy_(input.view({-1}).narrow(0, rank_ * n, n).view(output.sizes()));
-                    }),
-                    "reduce_scatter");
+    auto work = std::make_unique<AllReduceThenSlice>(input, output, rank_);
+    ACCEL_ASSIGN_OR_RETURN(work->all_reduce, AllReduceAsync(work->whole, ReduceOp::kSum));
+    return std::unique_ptr<PendingWork>(std::move(work));
   }
 
   absl::Status Broadcast(at::Tensor& tensor, int src) override {
@@ -406,11 +435,13 @@ class SingleGroup : public ProcessGroup {
     }));
     return std::unique_ptr<PendingWork>(std::make_unique<DoneWork>());
   }
-  absl::Status ReduceScatter(at::Tensor& input, at::Tensor& output) override {
+  absl::StatusOr<std::unique_ptr<PendingWork>> ReduceScatterAsync(at::Tensor input,
+                                                                  at::Tensor output) override {
     ACCEL_RETURN_IF_ERROR(CheckShardShapes(input, output, 1, "reduce_scatter"));
-    return CallTorch([&] {
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
       if (output.data_ptr() != input.data_ptr()) output.view({-1}).copy_(input.view({-1}));
-    });
+    }));
+    return std::unique_ptr<PendingWork>(std::make_unique<DoneWork>());
   }
   absl::Status Broadcast(at::Tensor&, int src) override {
     if (src != 0) {

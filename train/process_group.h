@@ -81,12 +81,19 @@ class ProcessGroup {
   // with the caller's tensor, which must stay allocated until Wait().
   virtual absl::StatusOr<std::unique_ptr<PendingWork>> AllGatherIntoAsync(const at::Tensor& input,
                                                                           at::Tensor output) = 0;
-  // Reduce-scatter (sum) of a flat buffer: `output` (input.numel() / size()
-  // elements, the input's dtype) receives the sum over ranks of `input`'s
-  // r-th chunk, r = rank(). NCCL has it; gloo in libtorch 1.13 does not, so
-  // there it is an all-reduce of `input` in place (clobbering it) and a copy
-  // of this rank's chunk: the same sums, twice a ring reduce-scatter's bytes.
-  virtual absl::Status ReduceScatter(at::Tensor& input, at::Tensor& output) = 0;
+  // Reduce-scatter (sum) of a flat buffer: after Wait(), `output`
+  // (input.numel() / size() elements, the input's dtype) holds the sum over
+  // ranks of `input`'s r-th chunk, r = rank(). NCCL has it; gloo in libtorch
+  // 1.13 does not, so there it is an all-reduce of `input` in place
+  // (clobbering it) and a copy of this rank's chunk on Wait(): the same sums,
+  // twice a ring reduce-scatter's bytes. The work keeps both tensors alive.
+  virtual absl::StatusOr<std::unique_ptr<PendingWork>> ReduceScatterAsync(at::Tensor input,
+                                                                          at::Tensor output) = 0;
+  absl::Status ReduceScatter(const at::Tensor& input, const at::Tensor& output) {
+    absl::StatusOr<std::unique_ptr<PendingWork>> work = ReduceScatterAsync(input, output);
+    if (!work.ok()) return work.status();
+    return (*work)->Wait();
+  }
   // In place: afterwards every rank holds `src`'s values.
   virtual absl::Status Broadcast(at::Tensor& tensor, int src) = 0;
   virtual absl::Status Barrier() = 0;

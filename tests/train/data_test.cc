@@ -367,7 +367,9 @@ class FakeGroup : public ProcessGroup {
                                                                   at::Tensor) override {
     return Fake();
   }
-  absl::Status ReduceScatter(at::Tensor&, at::Tensor&) override { return Fake(); }
+  absl::StatusOr<std::unique_ptr<PendingWork>> ReduceScatterAsync(at::Tensor, at::Tensor) override {
+    return Fake();
+  }
   absl::Status Broadcast(at::Tensor&, int) override { return Fake(); }
   absl::Status Barrier() override { return Fake(); }
   absl::StatusOr<std::vector<std::string>> AllGatherBytes(absl::string_view) override {
