@@ -62,11 +62,25 @@ const std::set<std::string>& KnownKeys() {
 // the stack.
 constexpr int kMaxYamlDepth = 64;
 constexpr int64_t kMaxYamlNodes = 100000;
+// Keys are names. YAML limits an implicit key to 1024 characters, so a longer
+// one (or one whose JSON escapes make it longer: up to 6 characters a byte)
+// could not be read back from the JSON that accel-config writes.
+constexpr size_t kMaxYamlKeyBytes = 128;
 
 // A value as JSON text. YAML text need not be valid UTF-8, and nlohmann's
 // dump() throws on what is not: such bytes become U+FFFD instead.
 std::string JsonText(const Json& v) {
   return v.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+// `s` with each byte that is not valid UTF-8 replaced by U+FFFD, as JsonText
+// would write it: done when reading, so that a config reads back unchanged
+// from the JSON written of it.
+std::string ValidUtf8(const std::string& s) {
+  const bool ascii = std::none_of(s.begin(), s.end(),
+                                  [](char c) { return static_cast<unsigned char>(c) >= 0x80; });
+  if (ascii) return s;
+  return Json::parse(JsonText(Json(s))).get<std::string>();
 }
 
 // "file:line:column: what", 1-based as editors count.
@@ -147,7 +161,7 @@ class YamlToJson {
  private:
   absl::StatusOr<Json> Scalar(const YAML::Node& node, const YAML::Mark& mark) {
     const std::string& tag = node.Tag();
-    const std::string& text = node.Scalar();
+    const std::string text = ValidUtf8(node.Scalar());
     if (tag == "!" || tag == "tag:yaml.org,2002:str") return Json(text);  // quoted, or !!str
     if (tag == "?" || tag.empty()) return PlainScalar(text);
     // The core schema's other explicit tags; anything else (PyYAML's
@@ -188,7 +202,12 @@ class YamlToJson {
         }
         return YamlError(source_, key_mark, "`<<` merges a mapping or a list of mappings");
       }
-      const std::string name = key.Scalar();
+      const std::string name = ValidUtf8(key.Scalar());
+      if (name.size() > kMaxYamlKeyBytes) {
+        return YamlError(source_, key_mark,
+                         absl::StrCat("a key of ", name.size(), " bytes (at most ",
+                                      kMaxYamlKeyBytes, ": keys are names)"));
+      }
       if (out.contains(name)) {
         return YamlError(source_, key_mark, absl::StrCat("duplicate key ", name));
       }

@@ -926,6 +926,7 @@ TEST(ClusterConfig, MalformedYamlNamesTheFileAndLine) {
       {"debug: false\ngpu_ids: !!python/tuple [1]\n", "c.yaml:2:10: tag"},
       {"num_machines: !!int two\n", "c.yaml:1:15: tag tag:yaml.org,2002:int on \"two\""},
       {"mpirun_config:\n  <<: 3\n", "c.yaml:2:3: `<<` merges a mapping"},
+      {"tpu_env:\n  " + std::string(129, 'k') + ": 1\n", "c.yaml:2:3: a key of 129 bytes"},
       // Values of the wrong type or range name the key.
       {"num_processes: many\n", "c.yaml: num_processes is \"many\", expected an integer"},
       {"num_processes: 0\n", "c.yaml: num_processes is 0"},
@@ -961,6 +962,20 @@ TEST(ClusterConfig, MalformedYamlNamesTheFileAndLine) {
   const std::string path = dir.Write("broken.yaml", "num_processes: 2\nuse_cpu: [true\n");
   EXPECT_THAT(ReadClusterConfig(path), StatusIs(absl::StatusCode::kInvalidArgument,
                                                 HasSubstr(path + ":3:1: invalid YAML: ")));
+}
+
+// Bytes that are not UTF-8 read as U+FFFD, so that the JSON accel-config
+// writes of a config reads back to the same config (launch_config_fuzz).
+TEST(ClusterConfig, InvalidUtf8ReadsBackTheSame) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig c,
+                             ParseClusterConfig("main_training_function: ma\xffin\n"
+                                                "tpu_env: {\"k\\x1a\xfe\": [\"v\xc3\"]}\n",
+                                                "utf8.yaml"));
+  EXPECT_EQ(c.main_training_function, "ma\xef\xbf\xbdin");
+  const std::string json = ClusterConfigToJson(c);
+  ACCEL_ASSERT_OK_AND_ASSIGN(ClusterConfig back, ParseClusterConfig(json, "utf8.json"));
+  EXPECT_EQ(ClusterConfigToJson(back), json);
+  EXPECT_EQ(back.other, c.other);
 }
 
 TEST(ClusterConfig, WritesAndReadsBack) {
