@@ -2,7 +2,8 @@
 // ClusterConfig (default_config.yaml) read from YAML as Accelerate writes it
 // or JSON, the launch plan (how many processes, which ranks, which
 // environment), and the environment each rank gets (torchrun's contract).
-// Torch-free: accel-launch, accel-config and accel-env link only this.
+// Torch-free: accel-launch and accel-env link only this (accel-config also
+// links libtorch, to count the CUDA devices the ranks will see).
 #ifndef ACCEL_TRAIN_LAUNCH_CONFIG_H_
 #define ACCEL_TRAIN_LAUNCH_CONFIG_H_
 
