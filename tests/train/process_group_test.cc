@@ -238,6 +238,47 @@ TEST(Collectives, UndefinedTensorsAreRefused) {
   EXPECT_EQ(*objects, std::vector<std::string>({"only"}));
 }
 
+// Sharded training's two collectives: all-gather into one flat buffer and
+// reduce-scatter of one (float32 and bfloat16, which gloo moves as words).
+TEST(ShardCollectivesWorker, Run) {
+  if (!test::IsWorker()) GTEST_SKIP() << "runs as a rank of ShardCollectives.*";
+  auto group = Connect();
+  ASSERT_NE(group, nullptr);
+  const int r = group->rank();
+  const int p = group->size();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    // Rank r's shard: 3 values r * 10 + {0, 1, 2}.
+    at::Tensor shard = (at::arange(3, at::kFloat) + r * 10).to(dtype);
+    at::Tensor whole = at::full({3 * p}, -1.0, dtype);
+    auto work = group->AllGatherIntoAsync(shard, whole);
+    ASSERT_THAT(work, IsOk());
+    ASSERT_THAT((*work)->Wait(), IsOk());
+    for (int k = 0; k < p; ++k) {
+      EXPECT_TRUE(
+          at::equal(whole.narrow(0, k * 3, 3), (at::arange(3, at::kFloat) + k * 10).to(dtype)))
+          << "chunk " << k;
+    }
+    // Every rank contributes (rank + 1) * [0 .. 3p); chunk r of the sum is
+    // (1 + ... + p) * [3r .. 3r + 3).
+    at::Tensor input = (at::arange(3 * p, at::kFloat) * (r + 1)).to(dtype);
+    at::Tensor out = at::empty({3}, dtype);
+    ASSERT_THAT(group->ReduceScatter(input, out), IsOk());
+    const double ranks_sum = p * (p + 1) / 2.0;
+    EXPECT_TRUE(at::equal(out, (at::arange(3, at::kFloat) + 3 * r).mul(ranks_sum).to(dtype)))
+        << out;
+  }
+  // Shapes that do not divide are refused, naming the operation.
+  EXPECT_THAT(group->AllGatherIntoAsync(at::zeros({3}), at::zeros({3 * p + 1})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("all_gather_into")));
+  EXPECT_THAT(group->ReduceScatter(at::zeros({3 * p}), at::zeros({2})),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("reduce_scatter")));
+}
+
+TEST(ShardCollectives, TwoAndThreeRanks) {
+  EXPECT_THAT(test::RunRanks(2, "ShardCollectivesWorker.Run"), Each(0));
+  EXPECT_THAT(test::RunRanks(3, "ShardCollectivesWorker.Run"), Each(0));
+}
+
 TEST(Collectives, TwoRanks) { EXPECT_THAT(test::RunRanks(2, "CollectivesWorker.Run"), Each(0)); }
 TEST(Collectives, ThreeRanks) { EXPECT_THAT(test::RunRanks(3, "CollectivesWorker.Run"), Each(0)); }
 
