@@ -532,13 +532,19 @@ absl::StatusOr<std::map<std::string, std::string>> FsdpEnvironment(
   env["FSDP_CPU_RAM_EFFICIENT_LOADING"] = lower("fsdp_cpu_ram_efficient_loading", "true");
   env["FSDP_SYNC_MODULE_STATES"] = lower("fsdp_sync_module_states", "true");
   env["FSDP_ACTIVATION_CHECKPOINTING"] = lower("fsdp_activation_checkpointing", "false");
-  // Settings Accelerate has no variable for here (newer or older keys) pass
-  // through as FSDP_<NAME>, for the ranks to use or refuse.
+  // A setting no variable above carries would reach no rank: the ranks
+  // cannot list the environment for what they do not know, so it is refused
+  // here, by name, rather than passed on and ignored.
   for (const auto& [setting, value] : settings) {
     if (setting == "fsdp_transformer_layer_cls_to_wrap") continue;
     const std::string variable =
         absl::AsciiStrToUpper(absl::StrCat("FSDP_", absl::StripPrefix(setting, "fsdp_")));
-    if (!env.count(variable)) env[variable] = value;
+    if (!env.count(variable)) {
+      std::vector<std::string> known(std::begin(kFsdpFlags), std::end(kFsdpFlags));
+      return absl::InvalidArgumentError(
+          absl::StrCat("fsdp_config key ", setting, " (", value,
+                       "): not one accel's FSDP reads (known: ", absl::StrJoin(known, ", "), ")"));
+    }
   }
   return env;
 }

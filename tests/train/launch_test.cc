@@ -1239,8 +1239,7 @@ TEST(LaunchPlan, FsdpExportsAccelerateVariables) {
       "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
       "  fsdp_use_orig_params: True\n"
       "  fsdp_version: 2\n"
-      "  reshard_after_forward: false\n"
-      "  fsdp_new_knob: 3\n";
+      "  reshard_after_forward: false\n";
   ACCEL_ASSERT_OK_AND_ASSIGN(LaunchPlan plan, Plan({}, yaml));
   EXPECT_TRUE(plan.use_fsdp);
   auto env = RankEnvironment(plan, 1, 4, {});
@@ -1260,10 +1259,13 @@ TEST(LaunchPlan, FsdpExportsAccelerateVariables) {
       {"FSDP_CPU_RAM_EFFICIENT_LOADING", "true"},
       {"FSDP_SYNC_MODULE_STATES", "true"},
       {"FSDP_ACTIVATION_CHECKPOINTING", "false"},
-      {"FSDP_NEW_KNOB", "3"},  // passed through for the ranks to use or refuse
   };
   for (const auto& [name, value] : expected) EXPECT_EQ(env[name], value) << name;
   EXPECT_EQ(env["ACCELERATE_USE_CPU"], "false");
+
+  // A key no variable carries is refused by name, not passed on and ignored.
+  EXPECT_THAT(Plan({}, yaml + "  fsdp_new_knob: 3\n"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fsdp_new_knob")));
 
   // Flags over the file; Accelerate's defaults when neither says.
   ACCEL_ASSERT_OK_AND_ASSIGN(
