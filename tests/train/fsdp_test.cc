@@ -270,6 +270,16 @@ class FsdpRuns : public ::testing::Test {
     EXPECT_THAT(test::RunRanks(ranks, "FsdpWorker.Train", env), Each(0)) << tag;
     return dir_.File(tag);
   }
+  // The largest weight difference between data parallel and `strategy`,
+  // both run on 2 ranks with `env`.
+  double DifferenceFromDataParallel(std::map<std::string, std::string> env,
+                                    const std::string& strategy, const std::string& tag) {
+    env["FSDP_TEST_MODE"] = "ddp";
+    auto reference = Read(Run(2, env, tag + "_ddp") + ".safetensors");
+    env["FSDP_TEST_MODE"] = strategy;
+    return MaxDifference(Read(Run(2, env, tag) + ".safetensors"), reference);
+  }
+
   // Parameter, gradient and optimizer bytes rank `rank` held at the end.
   std::vector<double> Memory(const std::string& prefix, int rank) {
     std::vector<double> out;
@@ -317,11 +327,8 @@ TEST_F(FsdpRuns, AccumulationAndClippingEqualDataParallel) {
 }
 
 TEST_F(FsdpRuns, Bf16AutocastEqualsDataParallel) {
-  std::map<std::string, std::string> env = {{"FSDP_TEST_PRECISION", "bf16"}};
-  env["FSDP_TEST_MODE"] = "ddp";
-  auto reference = Read(Run(2, env, "ddp") + ".safetensors");
-  env["FSDP_TEST_MODE"] = "FULL_SHARD";
-  EXPECT_LE(MaxDifference(Read(Run(2, env, "fsdp") + ".safetensors"), reference), 1e-5);
+  EXPECT_LE(DifferenceFromDataParallel({{"FSDP_TEST_PRECISION", "bf16"}}, "FULL_SHARD", "bf16"),
+            1e-5);
 }
 
 // MixedPrecision(param_dtype=bf16, reduce_dtype=bf16): units compute in
@@ -348,18 +355,12 @@ TEST_F(FsdpRuns, Bf16ParamDtypeFollowsDataParallel) {
 // cpu_offload keeps shards, gradients and optimizer state on the cpu; on a
 // cpu execution device that is where they are, and nothing changes.
 TEST_F(FsdpRuns, CpuOffloadEqualsDataParallel) {
-  auto reference = Read(Run(2, {{"FSDP_TEST_MODE", "ddp"}}, "ddp") + ".safetensors");
-  const std::string run =
-      Run(2, {{"FSDP_TEST_MODE", "FULL_SHARD"}, {"FSDP_TEST_OFFLOAD", "1"}}, "offload");
-  EXPECT_LE(MaxDifference(Read(run + ".safetensors"), reference), 1e-6);
+  EXPECT_LE(DifferenceFromDataParallel({{"FSDP_TEST_OFFLOAD", "1"}}, "FULL_SHARD", "offload"),
+            1e-6);
 }
 
 TEST_F(FsdpRuns, UnitsRunOutsideTheHooksStayGatheredAndStayCorrect) {
-  std::map<std::string, std::string> env = {{"FSDP_TEST_BYPASS", "1"}};
-  env["FSDP_TEST_MODE"] = "ddp";
-  auto reference = Read(Run(2, env, "ddp") + ".safetensors");
-  env["FSDP_TEST_MODE"] = "FULL_SHARD";
-  EXPECT_LE(MaxDifference(Read(Run(2, env, "fsdp") + ".safetensors"), reference), 1e-6);
+  EXPECT_LE(DifferenceFromDataParallel({{"FSDP_TEST_BYPASS", "1"}}, "FULL_SHARD", "bypass"), 1e-6);
 }
 
 TEST_F(FsdpRuns, EachRankHoldsAboutOneOverPOfDataParallelsBytes) {

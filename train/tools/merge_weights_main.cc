@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/tool_main.h"
 #include "train/checkpoint.h"
 #include "train/fsdp.h"
 
@@ -73,10 +74,4 @@ int Run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return Run(argc, argv);
-  } catch (const std::exception& e) {
-    return Fail(e.what());
-  }
-}
+int main(int argc, char** argv) { return accel::ToolMain("accel-merge-weights", argc, argv, Run); }
