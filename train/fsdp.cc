@@ -824,8 +824,8 @@ class Sharded : public ShardedModel {
   // ---- Reducing ----
 
   // Starts reducing unit `u`'s gradients (asynchronously: backward goes on
-  // while they travel) and frees what it gathered. At most two reductions
-  // are in flight; Finish completes the rest.
+  // while they travel) and frees what it gathered. One reduction stays in
+  // flight past this call; Finish completes it.
   absl::Status Reduce(Unit& u) {
     u.reduced = true;
     TrackPeak();
@@ -861,7 +861,9 @@ class Sharded : public ShardedModel {
       }
       reductions_.push_back(std::move(pending));
       TrackPeak();
-      if (reductions_.size() > 2) ACCEL_RETURN_IF_ERROR(CompleteOldestReduction());
+      // One unit's gradients travel while the next unit's backward runs;
+      // more in flight would hold more gathered-size buffers.
+      if (reductions_.size() > 1) ACCEL_RETURN_IF_ERROR(CompleteOldestReduction());
     }
     if (strategy_ != ShardingStrategy::kNoShard) Free(u);
     if (plugin_.backward_prefetch == BackwardPrefetch::kBackwardPost && !learning_) {
