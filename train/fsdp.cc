@@ -1124,9 +1124,13 @@ absl::Status MergeShardedState(const std::string& dir, const std::string& output
       continue;
     }
     const nlohmann::json& entry = pieces0[name];
-    if (!entry.contains("shape") || !entry["shape"].is_array()) {
+    bool integers = entry.is_object() && entry.contains("shape") && entry["shape"].is_array();
+    for (const nlohmann::json& d : integers ? entry["shape"] : nlohmann::json::array()) {
+      integers = integers && d.is_number_integer();
+    }
+    if (!integers) {
       return absl::InvalidArgumentError(
-          absl::StrCat(first.path(), ": \"", name, "\" has no shape"));
+          absl::StrCat(first.path(), ": \"", name, "\" has no shape of integers"));
     }
     std::vector<int64_t> shape = entry["shape"].get<std::vector<int64_t>>();
     int64_t numel = 1;

@@ -568,6 +568,15 @@ TEST(FsdpMerge, BadFoldersAreRefusedByName) {
       IsOk());
   EXPECT_THAT(MergeShardedState(dir.File("shards"), dir.File("out"), 1 << 30),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("accel_fsdp")));
+  // A shape that is not a list of integers.
+  ASSERT_THAT(
+      loader::WriteSafetensors(
+          dir.File("shards/rank0-of-2.safetensors"), {{"w", at::zeros({2})}},
+          {{"accel_fsdp",
+            R"({"world_size": 1, "rank": 0, "pieces": {"w": {"shape": ["4"], "offset": 0}}})"}}),
+      IsOk());
+  EXPECT_THAT(MergeShardedState(dir.File("shards"), dir.File("out"), 1 << 30),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shape of integers")));
   // Rank 1 of 2 missing.
   ASSERT_THAT(
       loader::WriteSafetensors(
