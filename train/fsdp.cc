@@ -386,6 +386,9 @@ class Sharded : public ShardedModel {
     for (Unit& u : units_) {
       u.grads_seen = 0;
       u.reduced = false;
+      // A gather prefetched for a unit this backward never reached would
+      // land the shards as they are before the optimizer steps them.
+      ACCEL_RETURN_IF_ERROR(CompletePendingGather(u));
       if (strategy_ != ShardingStrategy::kNoShard) Free(u);
     }
     received_ = false;
@@ -404,6 +407,7 @@ class Sharded : public ShardedModel {
 
   absl::Status ShardsChanged() override {
     for (Unit& u : units_) {
+      ACCEL_RETURN_IF_ERROR(CompletePendingGather(u));  // it read the old shards
       if (!u.gathered) continue;
       u.gathered = false;
       ACCEL_RETURN_IF_ERROR(Gather(u));
@@ -777,6 +781,11 @@ class Sharded : public ShardedModel {
 
   absl::Status Gather(Unit& u) {
     ACCEL_RETURN_IF_ERROR(StartGather(u));
+    return CompletePendingGather(u);
+  }
+
+  // Waits for a gather in flight (none: nothing to do).
+  absl::Status CompletePendingGather(Unit& u) {
     if (u.gather_work) {
       absl::Status s = TimedWait(*u.gather_work, absl::StrCat("FSDP: gathering unit ", u.name));
       u.gather_work.reset();
