@@ -833,7 +833,8 @@ absl::StatusOr<TensorMap> Accelerator::GatherForMetrics(const TensorMap& tensors
       parts.push_back(theirs.dim() == 0 ? theirs.reshape({1}) : theirs);
     }
     at::Tensor all;
-    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] { all = at::cat(parts).to(mine.device()); }),
+    const c10::Device device = mine.device();  // a structured binding: not capturable in C++17
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] { all = at::cat(parts).to(device); }),
                                    absl::StrCat("gather_for_metrics \"", name, "\"")));
     if (rows >= 0 && rows < all.size(0)) all = all.narrow(0, 0, rows);
     out.emplace(name, std::move(all));

@@ -48,6 +48,7 @@ absl::StatusOr<E> ParseChoice(absl::string_view text, absl::string_view what,
     }
   }
   std::vector<std::string> names;
+  names.reserve(choices.size());
   for (const auto& c : choices) names.push_back(c.first);
   return absl::InvalidArgumentError(
       absl::StrCat(what, ": \"", text, "\" is not one of ", absl::StrJoin(names, ", ")));
@@ -548,7 +549,9 @@ class Sharded : public ShardedModel {
         p.piece.copy_(*t);
       }));
     }
-    for (auto& [name, tensor] : Unsharded()) {
+    for (const auto& item : Unsharded()) {
+      const std::string& name = item.first;
+      at::Tensor tensor = item.second;
       absl::StatusOr<at::Tensor> t = file.Tensor(name);
       if (!t.ok()) return Annotate(t.status(), path);
       if (t->sizes() != tensor.sizes()) {
@@ -577,7 +580,7 @@ class Sharded : public ShardedModel {
     for (const Unit& u : units_) {
       n += static_cast<int64_t>(StorageBytes(u.shard_grad));
       for (const Slot& s : u.slots) {
-        if (s.param.grad().defined()) n += s.param.grad().nbytes();
+        if (s.param.grad().defined()) n += static_cast<int64_t>(s.param.grad().nbytes());
       }
     }
     // Gradients on their way.

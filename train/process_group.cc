@@ -160,8 +160,12 @@ class InPlaceWork : public PendingWork {
   InPlaceWork(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> keep, std::string op,
               std::chrono::milliseconds timeout)
       : work_(std::move(work)), keep_(std::move(keep)), op_(std::move(op)), timeout_(timeout) {}
-  ~InPlaceWork() override { (void)Wait(); }
-  absl::Status Wait() override {
+  ~InPlaceWork() override { (void)WaitOnce(); }
+  absl::Status Wait() override { return WaitOnce(); }
+
+ private:
+  // Non-virtual, so the destructor can call it.
+  absl::Status WaitOnce() {
     if (!done_) {
       done_ = true;
       status_ = WaitFor(work_, op_, timeout_);
@@ -169,7 +173,6 @@ class InPlaceWork : public PendingWork {
     return status_;
   }
 
- private:
   c10::intrusive_ptr<c10d::Work> work_;
   std::vector<at::Tensor> keep_;
   std::string op_;
@@ -184,8 +187,15 @@ class AllReduceThenSlice : public PendingWork {
  public:
   AllReduceThenSlice(at::Tensor input, at::Tensor output, int rank)
       : whole({std::move(input)}), output_(std::move(output)), rank_(rank) {}
-  ~AllReduceThenSlice() override { (void)Wait(); }
-  absl::Status Wait() override {
+  ~AllReduceThenSlice() override { (void)WaitOnce(); }
+  absl::Status Wait() override { return WaitOnce(); }
+
+  std::vector<at::Tensor> whole;  // AllReduceAsync keeps a pointer to it
+  std::unique_ptr<PendingWork> all_reduce;
+
+ private:
+  // Non-virtual, so the destructor can call it.
+  absl::Status WaitOnce() {
     if (done_) return status_;
     done_ = true;
     status_ = all_reduce ? all_reduce->Wait() : absl::OkStatus();
@@ -199,10 +209,6 @@ class AllReduceThenSlice : public PendingWork {
     return status_;
   }
 
-  std::vector<at::Tensor> whole;  // AllReduceAsync keeps a pointer to it
-  std::unique_ptr<PendingWork> all_reduce;
-
- private:
   at::Tensor output_;
   int rank_;
   bool done_ = false;

@@ -163,7 +163,7 @@ absl::Status Rank(const Flags& f) {
   int64_t optimizer_bytes = 0;
   for (const auto& [key, state] : adamw->state()) {
     const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*state);
-    optimizer_bytes += adam.exp_avg().nbytes() + adam.exp_avg_sq().nbytes();
+    optimizer_bytes += static_cast<int64_t>(adam.exp_avg().nbytes() + adam.exp_avg_sq().nbytes());
   }
   int64_t rest_bytes = optimizer_bytes;
   int64_t peak_bytes = optimizer_bytes;
@@ -172,7 +172,7 @@ absl::Status Rank(const Flags& f) {
     peak_bytes += sharded->peak_bytes();
   } else {
     int64_t param_bytes = 0;
-    for (const at::Tensor& p : unique) param_bytes += p.nbytes();
+    for (const at::Tensor& p : unique) param_bytes += static_cast<int64_t>(p.nbytes());
     const int64_t buckets =
         prepared->synchronizer() != nullptr ? prepared->synchronizer()->bucket_bytes() : 0;
     rest_bytes += param_bytes + buckets;

@@ -112,8 +112,10 @@ int64_t OptimizerBytes(torch::optim::Optimizer& opt) {
   for (const auto& [key, state] : opt.state()) {
     auto* adam = dynamic_cast<torch::optim::AdamWParamState*>(state.get());
     if (adam == nullptr) continue;
-    n += adam->exp_avg().nbytes() + adam->exp_avg_sq().nbytes();
-    if (adam->max_exp_avg_sq().defined()) n += adam->max_exp_avg_sq().nbytes();
+    n += static_cast<int64_t>(adam->exp_avg().nbytes() + adam->exp_avg_sq().nbytes());
+    if (adam->max_exp_avg_sq().defined()) {
+      n += static_cast<int64_t>(adam->max_exp_avg_sq().nbytes());
+    }
   }
   return n;
 }
@@ -223,8 +225,8 @@ TEST(FsdpWorker, Train) {
     grad_bytes = s->gradient_bytes();
   } else {
     for (const at::Tensor& p : params) {
-      param_bytes += p.nbytes();
-      if (p.grad().defined()) grad_bytes += p.grad().nbytes();
+      param_bytes += static_cast<int64_t>(p.nbytes());
+      if (p.grad().defined()) grad_bytes += static_cast<int64_t>(p.grad().nbytes());
     }
     if ((*model)->synchronizer() != nullptr) grad_bytes += (*model)->synchronizer()->bucket_bytes();
   }
@@ -427,7 +429,7 @@ TEST_F(FsdpRuns, SaveStateAndLoadStateResumeBitForBit) {
 
 // ---- One process ----
 
-std::unique_ptr<ShardedModel> WrapAlone(std::shared_ptr<Net> net,
+std::unique_ptr<ShardedModel> WrapAlone(const std::shared_ptr<Net>& net,
                                         const FullyShardedDataParallelPlugin& plugin) {
   static std::unique_ptr<ProcessGroup> group = ProcessGroup::Single();
   auto sharded = ShardedModel::Wrap(net, *group, plugin, c10::Device(c10::kCPU), 1);

@@ -244,8 +244,8 @@ TEST(ShardCollectivesWorker, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "runs as a rank of ShardCollectives.*";
   auto group = Connect();
   ASSERT_NE(group, nullptr);
-  const int r = group->rank();
-  const int p = group->size();
+  const int64_t r = group->rank();
+  const int64_t p = group->size();
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     // Rank r's shard: 3 values r * 10 + {0, 1, 2}.
     at::Tensor shard = (at::arange(3, at::kFloat) + r * 10).to(dtype);
@@ -253,7 +253,7 @@ TEST(ShardCollectivesWorker, Run) {
     auto work = group->AllGatherIntoAsync(shard, whole);
     ASSERT_THAT(work, IsOk());
     ASSERT_THAT((*work)->Wait(), IsOk());
-    for (int k = 0; k < p; ++k) {
+    for (int64_t k = 0; k < p; ++k) {
       EXPECT_TRUE(
           at::equal(whole.narrow(0, k * 3, 3), (at::arange(3, at::kFloat) + k * 10).to(dtype)))
           << "chunk " << k;
@@ -263,7 +263,7 @@ TEST(ShardCollectivesWorker, Run) {
     at::Tensor input = (at::arange(3 * p, at::kFloat) * (r + 1)).to(dtype);
     at::Tensor out = at::empty({3}, dtype);
     ASSERT_THAT(group->ReduceScatter(input, out), IsOk());
-    const double ranks_sum = p * (p + 1) / 2.0;
+    const double ranks_sum = static_cast<double>(p * (p + 1)) / 2.0;
     EXPECT_TRUE(at::equal(out, (at::arange(3, at::kFloat) + 3 * r).mul(ranks_sum).to(dtype)))
         << out;
   }
