@@ -427,7 +427,8 @@ absl::Status RefuseWhatLaunchCannotDo(const Json& f, absl::string_view source, b
     const Json& m = f.at("mpirun_config");
     if (!m.is_object()) return WrongType(source, "mpirun_config", m, "a mapping");
     if (m.contains("mpirun_hostfile") && !m.at("mpirun_hostfile").is_null() &&
-        m.at("mpirun_hostfile") != "") {
+        !(m.at("mpirun_hostfile").is_string() &&
+          m.at("mpirun_hostfile").get<std::string>().empty())) {
       return Refuse(source, "mpirun_config.mpirun_hostfile",
                     "accel-launch does not start ranks through mpirun; run accel-launch on each "
                     "machine with --num_machines and --machine_rank (or start the program with "
@@ -1048,7 +1049,7 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
         for (auto kv = section.begin(); kv != section.end(); ++kv) {
           if (kv.value().is_null()) continue;
           std::string name = kv.key();
-          if (!absl::StrContains(name, "fsdp")) name = "fsdp_" + name;
+          if (!absl::StrContains(name, "fsdp")) name.insert(0, "fsdp_");
           settings[name] = FsdpValueText(kv.value());
         }
       }

@@ -81,7 +81,10 @@ absl::StatusOr<TensorMap> SendToDevice(const TensorMap& tensors, const c10::Devi
                                        const SendToDeviceOptions& options) {
   ACCEL_RETURN_IF_ERROR(CheckDevice(device));
   TensorMap out;
-  for (const auto& [name, tensor] : tensors) {
+  for (const auto& item : tensors) {
+    // Named, not a structured binding: lambdas cannot capture those in C++17.
+    const std::string& name = item.first;
+    const at::Tensor& tensor = item.second;
     const bool skip = std::find(options.skip_keys.begin(), options.skip_keys.end(), name) !=
                       options.skip_keys.end();
     if (skip) {
