@@ -12,6 +12,7 @@
 #include "core/status.h"
 #include "core/torch_compat.h"
 #include "models/internal/cpu_linear.h"
+#include "quant/cuda_matmul.h"
 #include "quant/matmul.h"
 
 namespace accel::nn {
@@ -185,10 +186,14 @@ at::Tensor QuantizableLinear::DequantizedForward(const at::Tensor& x) {
 }
 
 at::Tensor QuantizableLinear::QuantizedForward(const at::Tensor& x) {
-  if (!x.device().is_cpu()) return DequantizedForward(x);
+  // On a CUDA device, quant/cuda's kernels where this build has them; on
+  // other devices (and CUDA without them), ATen ops alone.
+  const bool cuda = x.is_cuda() && quant::CudaKernelsBuilt();
+  if (!x.device().is_cpu() && !cuda) return DequantizedForward(x);
   absl::StatusOr<at::Tensor> y;
   if (quantization_.method == LinearQuantization::Method::kInt8) {
-    y = quant::Int8LinearForward(x, weight, scb, bias, quantization_.threshold);
+    y = cuda ? quant::Int8LinearForwardCuda(x, weight, scb, bias, quantization_.threshold)
+             : quant::Int8LinearForward(x, weight, scb, bias, quantization_.threshold);
   } else {
     quant::Weight4bit w;
     w.packed = weight;
@@ -203,7 +208,7 @@ at::Tensor QuantizableLinear::QuantizedForward(const at::Tensor& x) {
     w.out_features = out_;
     w.in_features = in_;
     const at::ScalarType compute = quantization_.compute_dtype;
-    if (x.numel() / std::max<int64_t>(in_, 1) > models::internal::kFastLinearChunkRows &&
+    if (!cuda && x.numel() / std::max<int64_t>(in_, 1) > models::internal::kFastLinearChunkRows &&
         compute != at::kBFloat16) {
       // Many rows (a prefill): the dense weight through our GEMV kernels, as
       // an unquantized layer runs (libtorch's float32 product on this BLAS is
@@ -215,7 +220,8 @@ at::Tensor QuantizableLinear::QuantizedForward(const at::Tensor& x) {
         return fast->to(x.scalar_type());
       }
     }
-    y = quant::Linear4bitForward(x, w, bias, compute);
+    y = cuda ? quant::Linear4bitForwardCuda(x, w, bias, compute)
+             : quant::Linear4bitForward(x, w, bias, compute);
   }
   TORCH_CHECK(y.ok(), "quantized ", name(), ": ", y.status().message());
   return *std::move(y);

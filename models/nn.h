@@ -79,8 +79,9 @@ class QuantizableLinear : public dispatch::Layer {
   // A quantized layer's product with ATen ops alone, on any device: the
   // weight dequantized (bnb's formula) to the compute dtype (4-bit) or to
   // x's dtype (int8: no outlier decomposition, bnb's MatMul8bitFp), then
-  // at::linear. forward() runs it on devices other than the cpu, where
-  // quant/cuda's kernels are not wired in yet.
+  // at::linear. forward() runs it on devices other than the cpu and CUDA,
+  // and on CUDA in a build without quant/cuda's kernels (otherwise a CUDA x
+  // goes to quant/cuda_matmul.h's kernels, as a cpu x to quant/matmul.h's).
   at::Tensor DequantizedForward(const at::Tensor& x);
 
   at::Tensor weight;

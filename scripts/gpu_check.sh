@@ -29,7 +29,8 @@ torch_lib=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch
 export LD_LIBRARY_PATH="$torch_lib:$LD_LIBRARY_PATH"
 
 targets=(accel-make-model accel-generate accel-bench-offload accel-bench-moe accel-bench-quant-cuda
-  quant_cuda_kernels_test dispatch_device_stager_test dispatch_dispatch_test models_load_model_test)
+  quant_cuda_kernels_test quant_cuda_matmul_test dispatch_device_stager_test dispatch_dispatch_test
+  models_load_model_test models_quantize_test)
 [[ -n ${ACCEL_GPU_TARGETS:-} ]] && read -r -a targets <<<"$ACCEL_GPU_TARGETS"
 
 if want build; then
@@ -68,8 +69,8 @@ if want test; then
   # libstdc++ must come before libtorch (CMakeLists.txt says why).
   [[ -x $bin/dispatch_dispatch_test ]] &&
     readelf -d "$bin/dispatch_dispatch_test" | grep NEEDED | head -3 | tee -a "$OUT/check.log"
-  for t in quant_cuda_kernels_test dispatch_device_stager_test dispatch_dispatch_test \
-    models_load_model_test; do
+  for t in quant_cuda_kernels_test quant_cuda_matmul_test dispatch_device_stager_test \
+    dispatch_dispatch_test models_load_model_test models_quantize_test; do
     [[ -x $bin/$t ]] || { log "$t: not built"; continue; }
     run "$t" 120 "$bin/$t" --gtest_brief=1
   done

@@ -1,11 +1,13 @@
 // quant/cuda/kernels.h: the CUDA kernels of the bitsandbytes formats (see
 // quant/bnb.h and ../shared/reference/bitsandbytes.md), over raw device
 // pointers and a stream, so they build with nvcc alone (no CUDA libtorch) and
-// any caller can wrap them. Every function checks its arguments first and
-// returns cudaErrorInvalidValue for a null pointer, a negative size or a bad
-// blocksize without touching the device; otherwise it enqueues its kernels on
-// `stream` and returns the launch status (cudaGetLastError), so errors of
-// the kernel itself surface at the next synchronizing call.
+// any caller can wrap them (quant/cuda_matmul.h does, over at::Tensor, for
+// the quantized layers of accel::nn on a CUDA device). Every function checks
+// its arguments first and returns cudaErrorInvalidValue for a null pointer, a
+// negative size or a bad blocksize without touching the device; otherwise it
+// enqueues its kernels on `stream` and returns the launch status
+// (cudaGetLastError), so errors of the kernel itself surface at the next
+// synchronizing call.
 //
 // Numerics are strict IEEE float32 (no --use_fast_math): dequantization and
 // the int8 rescale are bit-exact with a plain CPU loop doing the same float32

@@ -12,8 +12,10 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
@@ -26,6 +28,7 @@
 #include "models/families.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
+#include "quant/cuda_matmul.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -452,6 +455,57 @@ TEST(QuantizableLinearTest, QuantizingALoadedLayerAndTheDeviceAgnosticPathAgree)
   int8.method = Method::kInt8;
   EXPECT_THAT(tied.Quantize(int8),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("shared")));
+}
+
+// On a CUDA device a quantized layer runs quant/cuda's kernels
+// (quant/cuda_matmul.h) and agrees with the same layer on the cpu; skipped
+// without the kernels, a CUDA libtorch or a device.
+TEST(QuantizableLinearTest, OnCudaTheKernelsAgreeWithTheCpu) {
+  if (!quant::CudaKernelsBuilt() || !at::hasCUDA() || at::getNumGPUs() == 0) {
+    GTEST_SKIP() << "needs the quant CUDA kernels, a CUDA libtorch and a CUDA device";
+  }
+  const at::Device cuda(at::kCUDA, 0);
+  at::manual_seed(4);
+  for (const auto& [method, type, double_quant] :
+       std::vector<std::tuple<Method, quant::QuantType4bit, bool>>{
+           {Method::k4bit, quant::QuantType4bit::kNf4, true},
+           {Method::k4bit, quant::QuantType4bit::kFp4, false},
+           {Method::kInt8, quant::QuantType4bit::kNf4, false}}) {
+    nn::Linear layer(128, 48, /*bias=*/true, at::kBFloat16);
+    {
+      at::NoGradGuard no_grad;
+      layer.weight.normal_(0, 0.05);
+      layer.bias.normal_(0, 0.05);
+    }
+    nn::LinearQuantization how;
+    how.method = method;
+    how.quant_type = type;
+    how.double_quant = double_quant;
+    how.compute_dtype = at::kBFloat16;
+    how.threshold = 6.0;
+    ASSERT_THAT(layer.Quantize(how), IsOk());
+    c10::InferenceMode inference;
+    at::Tensor x = at::randn({1, 3, 128}).to(at::kBFloat16);
+    x[0][0][7] = 9.0;  // an int8 outlier column
+    const at::Tensor one = x.narrow(1, 0, 1);
+    const at::Tensor cpu_many = layer.forward(x), cpu_one = layer.forward(one);
+    std::vector<std::string> names;
+    for (const auto& p : layer.named_parameters(true)) names.push_back(p.key());
+    for (const auto& b : layer.named_buffers(true)) names.push_back(b.key());
+    for (const std::string& name : names) {
+      ASSERT_THAT(dispatch::SetModuleTensor(layer, name, cuda), IsOk()) << name;
+    }
+    ASSERT_TRUE(layer.weight.is_cuda());
+    const at::Tensor cuda_many = layer.forward(x.to(cuda)), cuda_one = layer.forward(one.to(cuda));
+    ASSERT_TRUE(cuda_many.is_cuda());
+    // bfloat16 outputs of |y| < 2: a unit or two in the last place.
+    EXPECT_LT((cuda_many.cpu().to(at::kFloat) - cpu_many.to(at::kFloat)).abs().max().item<double>(),
+              0.02)
+        << how.ToString();
+    EXPECT_LT((cuda_one.cpu().to(at::kFloat) - cpu_one.to(at::kFloat)).abs().max().item<double>(),
+              0.02)
+        << how.ToString();
+  }
 }
 
 TEST(QuantizedInt8Format, ATiledWeightFormatIsRefusedByName) {

@@ -1,0 +1,421 @@
+#include "quant/cuda_matmul.h"
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+
+#include "core/dtype.h"
+#include "core/status.h"
+
+// ACCEL_WITH_QUANT_CUDA: accel_quant_cuda is built and linked
+// (quant/CMakeLists.txt). ACCEL_WITH_CUDA: libtorch is a CUDA build, so its
+// current stream can be asked for.
+#ifdef ACCEL_WITH_QUANT_CUDA
+#include <cuda_runtime_api.h>
+
+#include "quant/cuda/kernels.h"
+#ifdef ACCEL_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+#endif
+
+namespace accel::quant {
+namespace {
+
+// bnb's int8_vectorwise_dequant multiplies by this float32 constant (1/127),
+// as Int8LinearForward does for the outlier columns.
+constexpr float kInv127 = static_cast<float>(7.874015718698502e-3);
+
+bool IsComputeType(at::ScalarType type) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+}
+
+// x itself: a dense tensor on some CUDA device.
+absl::Status CheckCudaInput(const at::Tensor& x) {
+  if (!x.defined()) return absl::InvalidArgumentError("x is undefined");
+  if (!x.is_cuda() || x.layout() != at::kStrided) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("x must be a dense tensor on a CUDA device, got one on ", x.device().str()));
+  }
+  return absl::OkStatus();
+}
+
+// Any other tensor: dense, on x's device.
+absl::Status CheckOnDevice(const at::Tensor& t, absl::string_view name, const at::Device& device) {
+  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(name, " is undefined"));
+  if (t.device() != device || t.layout() != at::kStrided) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " must be a dense tensor on ",
+                                                   device.str(), " (x's device), got one on ",
+                                                   t.device().str()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckDType(const at::Tensor& t, absl::string_view name, at::ScalarType want) {
+  if (t.scalar_type() != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " must be ", DTypeName(want), ", got ", DTypeName(t.scalar_type())));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFloatDType(const at::Tensor& t, absl::string_view name) {
+  if (!IsComputeType(t.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, " must be float32, bfloat16 or float16, got ", DTypeName(t.scalar_type())));
+  }
+  return absl::OkStatus();
+}
+
+// A tensor a kernel reads raw: on the device, of `dtype`, contiguous.
+absl::Status CheckKernelInput(const at::Tensor& t, absl::string_view name, at::ScalarType dtype,
+                              const at::Device& device) {
+  ACCEL_RETURN_IF_ERROR(CheckOnDevice(t, name, device));
+  ACCEL_RETURN_IF_ERROR(CheckDType(t, name, dtype));
+  if (!t.is_contiguous())
+    return absl::InvalidArgumentError(absl::StrCat(name, " must be contiguous"));
+  return absl::OkStatus();
+}
+
+// x [..., in] of a float dtype (its device checked already).
+absl::Status CheckInputShape(const at::Tensor& x, int64_t in) {
+  ACCEL_RETURN_IF_ERROR(CheckFloatDType(x, "x"));
+  if (x.dim() < 1 || x.size(-1) != in) {
+    return absl::InvalidArgumentError(absl::StrCat("x must be [..., ", in, "] (in_features), got [",
+                                                   absl::StrJoin(x.sizes(), ", "), "]"));
+  }
+  return absl::OkStatus();
+}
+
+// bias: undefined, or [out] of a float dtype on x's device.
+absl::Status CheckBias(const at::Tensor& bias, int64_t out, const at::Device& device) {
+  if (!bias.defined()) return absl::OkStatus();
+  ACCEL_RETURN_IF_ERROR(CheckOnDevice(bias, "bias", device));
+  ACCEL_RETURN_IF_ERROR(CheckFloatDType(bias, "bias"));
+  if (bias.dim() != 1 || bias.size(0) != out) {
+    return absl::InvalidArgumentError(absl::StrCat("bias must be [", out, "] (out_features), got [",
+                                                   absl::StrJoin(bias.sizes(), ", "), "]"));
+  }
+  return absl::OkStatus();
+}
+
+// The checks of quant::Linear4bitForward's weight, on `device`.
+absl::Status CheckWeight4bit(const Weight4bit& w, const at::Device& device) {
+  if (w.out_features <= 0 || w.in_features <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("weight.out_features and weight.in_features ",
+                                                   "must be positive, got ", w.out_features,
+                                                   " and ", w.in_features));
+  }
+  if (w.blocksize <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight.blocksize must be positive, got ", w.blocksize));
+  }
+  const int64_t n = w.out_features * w.in_features;
+  ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.packed, "weight.packed", at::kByte, device));
+  if (w.packed.numel() < (n + 1) / 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight.packed holds ", w.packed.numel(), " bytes, fewer than the ",
+                     (n + 1) / 2, " of a [", w.out_features, ", ", w.in_features, "] weight"));
+  }
+  const bool nested = w.absmax.defined() && w.absmax.scalar_type() == at::kByte;
+  ACCEL_RETURN_IF_ERROR(
+      CheckKernelInput(w.absmax, "weight.absmax", nested ? at::kByte : at::kFloat, device));
+  const int64_t blocks = (n + w.blocksize - 1) / w.blocksize;
+  if (w.absmax.numel() != blocks) {
+    return absl::InvalidArgumentError(absl::StrCat("weight.absmax holds ", w.absmax.numel(),
+                                                   " values, not ceil(", n, " / ", w.blocksize,
+                                                   ") = ", blocks));
+  }
+  if (nested) {
+    ACCEL_RETURN_IF_ERROR(
+        CheckKernelInput(w.nested_absmax, "weight.nested_absmax", at::kFloat, device));
+    const int64_t nested_blocks = (blocks + 255) / 256;
+    if (w.nested_absmax.numel() != nested_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weight.nested_absmax holds ", w.nested_absmax.numel(), " values, not ceil(",
+                       blocks, " / 256) = ", nested_blocks, " (uint8 absmax: double quant)"));
+    }
+    ACCEL_RETURN_IF_ERROR(
+        CheckKernelInput(w.nested_code, "weight.nested_code", at::kFloat, device));
+    if (w.nested_code.numel() != 256) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weight.nested_code must hold 256 values, got ", w.nested_code.numel()));
+    }
+  }
+  ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.code, "weight.code", at::kFloat, device));
+  if (w.code.numel() != 16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight.code must hold 16 values, got ", w.code.numel()));
+  }
+  return absl::OkStatus();
+}
+
+#ifdef ACCEL_WITH_QUANT_CUDA
+
+std::vector<int64_t> OutputShape(const at::Tensor& x, int64_t out) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out;
+  return shape;
+}
+
+cuda::DType KernelDType(at::ScalarType type) {
+  switch (type) {
+    case at::kBFloat16:
+      return cuda::DType::kBFloat16;
+    case at::kHalf:
+      return cuda::DType::kFloat16;
+    default:
+      return cuda::DType::kFloat32;
+  }
+}
+
+// A CUDA error as a Status naming what returned it.
+absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("quant/cuda ", what, ": ", cudaGetErrorName(error), " (",
+                                          cudaGetErrorString(error), ")"));
+}
+
+// Makes `device` the current CUDA device for the scope, then restores the
+// previous one (the kernels launch on the current device).
+class DeviceScope {
+ public:
+  DeviceScope() = default;
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ~DeviceScope() {
+    if (restore_) (void)cudaSetDevice(previous_);
+  }
+
+  absl::Status Enter(int device) {
+    ACCEL_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&previous_), "cudaGetDevice"));
+    if (previous_ == device) return absl::OkStatus();
+    ACCEL_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device), "cudaSetDevice"));
+    restore_ = true;
+    return absl::OkStatus();
+  }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+// libtorch's current stream on `device` where libtorch is a CUDA build;
+// otherwise the legacy default stream, libtorch's default current stream.
+cudaStream_t CurrentStream(const at::Device& device) {
+#ifdef ACCEL_WITH_CUDA
+  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
+#else
+  (void)device;
+  return nullptr;
+#endif
+}
+
+#else
+
+absl::Status NotBuilt() {
+  return absl::UnimplementedError(
+      "the quant CUDA kernels are not in this build (quant/cuda/ needs nvcc: "
+      "ACCEL_WITH_QUANT_CUDA)");
+}
+
+#endif  // ACCEL_WITH_QUANT_CUDA
+
+}  // namespace
+
+bool CudaKernelsBuilt() {
+#ifdef ACCEL_WITH_QUANT_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weight4bit& weight,
+                                                 const at::Tensor& bias,
+                                                 at::ScalarType compute_dtype) {
+  ACCEL_RETURN_IF_ERROR(CheckCudaInput(x));
+  const at::Device device = x.device();
+  ACCEL_RETURN_IF_ERROR(CheckWeight4bit(weight, device));
+  if (!IsComputeType(compute_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compute_dtype must be float32, bfloat16 or float16, got ", DTypeName(compute_dtype)));
+  }
+  const int64_t in = weight.in_features, out = weight.out_features;
+  ACCEL_RETURN_IF_ERROR(CheckInputShape(x, in));
+  ACCEL_RETURN_IF_ERROR(CheckBias(bias, out, device));
+#ifndef ACCEL_WITH_QUANT_CUDA
+  return NotBuilt();
+#else
+  DeviceScope scope;
+  ACCEL_RETURN_IF_ERROR(scope.Enter(device.index()));
+  at::Tensor y;
+  absl::Status kernels;  // the first CUDA error, if any
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    const int64_t rows = x.numel() / in;
+    const std::vector<int64_t> shape = OutputShape(x, out);
+    if (rows == 0) {
+      y = at::empty(shape, x.options());
+      return;
+    }
+    cudaStream_t stream = CurrentStream(device);
+    const cuda::DType compute = KernelDType(compute_dtype);
+    const int64_t n = out * in;
+    const int64_t blocks = weight.absmax.numel();
+    const at::TensorOptions options = x.options();
+    // Double quant: the block absmax in float32 first (bnb's
+    // dequantize_blockwise, then + offset), for the 4-bit kernels to read.
+    at::Tensor absmax = weight.absmax;
+    if (absmax.scalar_type() == at::kByte) {
+      absmax = at::empty({blocks}, options.dtype(at::kFloat));
+      kernels =
+          CudaStatus(cuda::DequantizeAbsmaxDq(
+                         weight.absmax.data_ptr<uint8_t>(), weight.nested_absmax.data_ptr<float>(),
+                         weight.nested_code.data_ptr<float>(), weight.nested_offset, blocks,
+                         absmax.data_ptr<float>(), stream),
+                     "DequantizeAbsmaxDq");
+      if (!kernels.ok()) return;
+    }
+    at::Tensor b;
+    if (bias.defined()) b = bias.to(compute_dtype).contiguous();
+    if (rows == 1) {
+      // Decode: the fused GEMV reads the packed weight once; x and bias in
+      // the compute dtype, sums in float32, one rounding to compute_dtype.
+      const at::Tensor xc = x.reshape({in}).to(compute_dtype).contiguous();
+      const at::Tensor yc = at::empty({out}, options.dtype(compute_dtype));
+      kernels = CudaStatus(
+          cuda::Gemv4bit(xc.data_ptr(), weight.packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+                         weight.code.data_ptr<float>(), out, in, weight.blocksize,
+                         b.defined() ? b.data_ptr() : nullptr, compute, yc.data_ptr(), stream),
+          "Gemv4bit");
+      if (!kernels.ok()) return;
+      y = yc.to(x.scalar_type()).view(shape);
+      return;
+    }
+    // More rows: the dense weight once, then libtorch's product (bnb too).
+    const at::Tensor w = at::empty({out, in}, options.dtype(compute_dtype));
+    kernels =
+        CudaStatus(cuda::Dequantize4bit(weight.packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+                                        weight.code.data_ptr<float>(), n, weight.blocksize, compute,
+                                        w.data_ptr(), stream),
+                   "Dequantize4bit");
+    if (!kernels.ok()) return;
+    y = at::linear(x.reshape({rows, in}).to(compute_dtype), w, b).to(x.scalar_type()).view(shape);
+  }));
+  ACCEL_RETURN_IF_ERROR(kernels);
+  return y;
+#endif
+}
+
+absl::StatusOr<at::Tensor> Int8LinearForwardCuda(const at::Tensor& x, const at::Tensor& cb,
+                                                 const at::Tensor& scb, const at::Tensor& bias,
+                                                 double threshold) {
+  ACCEL_RETURN_IF_ERROR(CheckCudaInput(x));
+  const at::Device device = x.device();
+  ACCEL_RETURN_IF_ERROR(CheckOnDevice(cb, "cb", device));
+  ACCEL_RETURN_IF_ERROR(CheckDType(cb, "cb", at::kChar));
+  if (cb.dim() != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cb must be [out, in], got [", absl::StrJoin(cb.sizes(), ", "), "]"));
+  }
+  const int64_t out = cb.size(0), in = cb.size(1);
+  if (in == 0) return absl::InvalidArgumentError("cb must have at least one column (in_features)");
+  ACCEL_RETURN_IF_ERROR(CheckOnDevice(scb, "scb", device));
+  ACCEL_RETURN_IF_ERROR(CheckDType(scb, "scb", at::kFloat));
+  if (scb.dim() != 1 || scb.size(0) != out) {
+    return absl::InvalidArgumentError(absl::StrCat("scb must be [", out, "] (cb's rows), got [",
+                                                   absl::StrJoin(scb.sizes(), ", "), "]"));
+  }
+  ACCEL_RETURN_IF_ERROR(CheckInputShape(x, in));
+  ACCEL_RETURN_IF_ERROR(CheckBias(bias, out, device));
+  if (!(threshold >= 0.0) || std::isinf(threshold)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("threshold must be a finite number >= 0, got ", threshold));
+  }
+#ifndef ACCEL_WITH_QUANT_CUDA
+  return NotBuilt();
+#else
+  DeviceScope scope;
+  ACCEL_RETURN_IF_ERROR(scope.Enter(device.index()));
+  at::Tensor y;
+  absl::Status kernels;  // the first CUDA error, if any
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    const int64_t rows = x.numel() / in;
+    const std::vector<int64_t> shape = OutputShape(x, out);
+    if (rows == 0 || out == 0) {
+      y = at::empty(shape, x.options());
+      return;
+    }
+    cudaStream_t stream = CurrentStream(device);
+    const at::TensorOptions options = x.options();
+    const float limit = static_cast<float>(threshold);
+    const bool decompose = limit > 0.0f;
+    const at::Tensor x2 = x.reshape({rows, in});
+
+    // A: x rounded to float16 (bnb's MatMul8bitLt casts it), quantized per
+    // row; outlier columns (any |A| >= threshold) zeroed and marked.
+    const at::Tensor a = x2.to(at::kHalf).contiguous();
+    const at::Tensor ca = at::empty({rows, in}, options.dtype(at::kChar));
+    const at::Tensor sca = at::empty({rows}, options.dtype(at::kFloat));
+    at::Tensor outlier_cols;
+    if (decompose) outlier_cols = at::empty({in}, options.dtype(at::kByte));
+    kernels = CudaStatus(
+        cuda::Int8RowQuantize(static_cast<const uint16_t*>(a.data_ptr()), rows, in, limit,
+                              ca.data_ptr<int8_t>(), sca.data_ptr<float>(),
+                              decompose ? outlier_cols.data_ptr<uint8_t>() : nullptr, stream),
+        "Int8RowQuantize");
+    if (!kernels.ok()) return;
+
+    // The exact int32 product, then float32(C) * (SCA * SCB) * (1/16129)
+    // + bias (float32, as the cpu path reads it).
+    const at::Tensor cb_c = cb.contiguous();
+    const at::Tensor scb_c = scb.contiguous();
+    const at::Tensor c = at::empty({rows, out}, options.dtype(at::kInt));
+    kernels = CudaStatus(cuda::Int8Matmul(ca.data_ptr<int8_t>(), cb_c.data_ptr<int8_t>(), rows, out,
+                                          in, c.data_ptr<int32_t>(), stream),
+                         "Int8Matmul");
+    if (!kernels.ok()) return;
+    at::Tensor b32;
+    if (bias.defined()) b32 = bias.to(at::kFloat).contiguous();
+    at::Tensor y32 = at::empty({rows, out}, options.dtype(at::kFloat));
+    kernels = CudaStatus(
+        cuda::Int8Dequant(c.data_ptr<int32_t>(), sca.data_ptr<float>(), scb_c.data_ptr<float>(),
+                          b32.defined() ? b32.data_ptr() : nullptr, rows, out,
+                          cuda::DType::kFloat32, y32.data_ptr(), stream),
+        "Int8Dequant");
+    if (!kernels.ok()) return;
+
+    if (decompose) {
+      // The outlier part, bnb's int8_mixed_scaled_mm: x's own values in the
+      // outlier columns times the weight's columns dequantized to x's dtype,
+      // round(CB * SCB * (1/127)), summed in float32 and added before the
+      // one rounding to x's dtype. Finding the columns reads the mask back
+      // (a synchronization, as bnb's torch.nonzero does).
+      const at::Tensor cols = outlier_cols.nonzero().view({-1});
+      if (cols.numel() > 0) {
+        const at::Tensor sub_a = x2.index_select(1, cols).to(at::kFloat);
+        const at::Tensor sub_b = cb_c.index_select(1, cols)
+                                     .to(at::kFloat)
+                                     .mul(scb_c.unsqueeze(1))
+                                     .mul(kInv127)
+                                     .to(x.scalar_type())
+                                     .to(at::kFloat);
+        y32.add_(sub_a.matmul(sub_b.t()));
+      }
+    }
+    y = y32.to(x.scalar_type()).view(shape);
+  }));
+  ACCEL_RETURN_IF_ERROR(kernels);
+  return y;
+#endif
+}
+
+}  // namespace accel::quant
