@@ -15,16 +15,15 @@
 #include "core/dtype.h"
 #include "core/status.h"
 
-// ACCEL_WITH_QUANT_CUDA: accel_quant_cuda is built and linked
-// (quant/CMakeLists.txt). ACCEL_WITH_CUDA: libtorch is a CUDA build, so its
+// ACCEL_WITH_QUANT_CUDA: accel_quant_cuda is built and linked, which
+// quant/CMakeLists.txt does only where libtorch is a CUDA build, so its
 // current stream can be asked for.
 #ifdef ACCEL_WITH_QUANT_CUDA
 #include <cuda_runtime_api.h>
 
-#include "quant/cuda/kernels.h"
-#ifdef ACCEL_WITH_CUDA
 #include <c10/cuda/CUDAStream.h>
-#endif
+
+#include "quant/cuda/kernels.h"
 #endif
 
 namespace accel::quant {
@@ -208,23 +207,17 @@ class DeviceScope {
   bool restore_ = false;
 };
 
-// libtorch's current stream on `device` where libtorch is a CUDA build;
-// otherwise the legacy default stream, libtorch's default current stream.
+// libtorch's current stream on `device`, so our kernels order with its ops.
 cudaStream_t CurrentStream(const at::Device& device) {
-#ifdef ACCEL_WITH_CUDA
   return c10::cuda::getCurrentCUDAStream(device.index()).stream();
-#else
-  (void)device;
-  return nullptr;
-#endif
 }
 
 #else
 
 absl::Status NotBuilt() {
   return absl::UnimplementedError(
-      "the quant CUDA kernels are not in this build (quant/cuda/ needs nvcc: "
-      "ACCEL_WITH_QUANT_CUDA)");
+      "the quant CUDA kernels are not in this build (quant/cuda/ needs nvcc "
+      "and a CUDA libtorch: ACCEL_WITH_CUDA)");
 }
 
 #endif  // ACCEL_WITH_QUANT_CUDA

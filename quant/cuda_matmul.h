@@ -3,14 +3,12 @@
 // Linear8bitLt of accel::nn when x is on cuda:N. Same contracts and numerics
 // as the cpu functions, with every tensor on x's CUDA device.
 //
-// They compile against any libtorch (the kernels take raw device pointers):
-// a build without the kernels (no nvcc: accel_quant_cuda not built) keeps
-// these functions, which then return Unimplemented after checking their
-// arguments; CudaKernelsBuilt() says which build this is. Kernels run on the
-// device of x (set for the call, then restored) and on libtorch's current
-// stream in a build against a CUDA libtorch (ACCEL_WITH_CUDA); otherwise on
-// the legacy default stream, which is libtorch's current one unless the
-// program chose another.
+// They compile against any libtorch: a build without the kernels (no nvcc,
+// or a CPU libtorch, where no tensor can be on a CUDA device and the CUDA
+// runtime is not linked) keeps these functions, which then return
+// Unimplemented after checking their arguments; CudaKernelsBuilt() says which
+// build this is. Kernels run on the device of x (set for the call, then
+// restored) and on libtorch's current stream.
 #ifndef ACCEL_QUANT_CUDA_MATMUL_H_
 #define ACCEL_QUANT_CUDA_MATMUL_H_
 
@@ -22,8 +20,9 @@
 
 namespace accel::quant {
 
-// Whether this build has the CUDA kernels (quant/cuda/, target
-// accel_quant_cuda). Says nothing about devices being present.
+// Whether this build calls the CUDA kernels (quant/cuda/, target
+// accel_quant_cuda, linked where libtorch is a CUDA build). Says nothing
+// about devices being present.
 bool CudaKernelsBuilt();
 
 // Linear4bitForward on a CUDA device: x [..., in] (float32, bfloat16 or

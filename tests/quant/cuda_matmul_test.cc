@@ -35,7 +35,8 @@ using ::testing::HasSubstr;
 
 // Empty when the kernels can run here; otherwise why not.
 std::string NoDevice() {
-  if (!CudaKernelsBuilt()) return "this build has no quant CUDA kernels (no nvcc)";
+  if (!CudaKernelsBuilt())
+    return "this build does not call the quant CUDA kernels (no nvcc or a CPU libtorch)";
   if (!at::hasCUDA()) return "libtorch has no CUDA, or there is no CUDA device";
   if (at::getNumGPUs() == 0) return "no CUDA device";
   return "";
