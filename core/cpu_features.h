@@ -15,6 +15,7 @@ struct CpuFeatures {
   bool avx2_fma_f16c = false;   // AVX2 with FMA and F16C (float16 conversions)
   bool avx512_f_bw = false;     // AVX-512 F and BW
   bool avx512_vl_vbmi = false;  // AVX-512 VL and VBMI (byte permutes)
+  bool avx512_vnni = false;     // AVX-512 VNNI (vpdpbusd: int8 dot products)
 };
 
 inline CpuFeatures DetectCpuFeatures() {
@@ -27,6 +28,7 @@ inline CpuFeatures DetectCpuFeatures() {
   f.avx2_fma_f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   f.avx512_f_bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   f.avx512_vl_vbmi = __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
+  f.avx512_vnni = __builtin_cpu_supports("avx512vnni");
 #endif
   return f;
 }

@@ -426,29 +426,32 @@ absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tens
     float* y_data = y32.data();
     float* sub_b_data = nout > 0 ? sub_b.data() : nullptr;
     const at::ScalarType x_type = x.scalar_type();
-    at::parallel_for(0, out, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, rows)),
-                     [&](int64_t begin, int64_t end) {
-                       for (int64_t n = begin; n < end; ++n) {
-                         float* bn = nout > 0 ? sub_b_data + n * nout : nullptr;
-                         for (int64_t j = 0; j < nout; ++j) {
-                           const float v =
-                               static_cast<float>(cb_cols[n * nout + j]) * scb_data[n] * kInv127;
-                           bn[j] = x_type == at::kFloat      ? v
-                                   : x_type == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v))
-                                                             : static_cast<float>(c10::Half(v));
-                         }
-                         for (int64_t m = 0; m < rows; ++m) {
-                           float v = static_cast<float>(c_data[m * out + n]) *
-                                     (sca[static_cast<size_t>(m)] * scb_data[n]) * kInv127Squared;
-                           if (bias_data != nullptr) v += bias_data[n];
-                           float extra = 0.0f;
-                           for (int64_t j = 0; j < nout; ++j) {
-                             extra += sub_a[static_cast<size_t>(m * nout + j)] * bn[j];
-                           }
-                           y_data[m * out + n] = nout > 0 ? v + extra : v;
-                         }
-                       }
-                     });
+    // About 4096 multiply-adds a task: an output costs `rows` rescales, and
+    // with outlier columns `nout` weight dequantizations and rows x nout
+    // products more (serial at one row, it cost as much as the product).
+    const int64_t per_output = rows + nout * (rows + 1);
+    at::parallel_for(
+        0, out, std::max<int64_t>(1, 4096 / per_output), [&](int64_t begin, int64_t end) {
+          for (int64_t n = begin; n < end; ++n) {
+            float* bn = nout > 0 ? sub_b_data + n * nout : nullptr;
+            for (int64_t j = 0; j < nout; ++j) {
+              const float v = static_cast<float>(cb_cols[n * nout + j]) * scb_data[n] * kInv127;
+              bn[j] = x_type == at::kFloat      ? v
+                      : x_type == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v))
+                                                : static_cast<float>(c10::Half(v));
+            }
+            for (int64_t m = 0; m < rows; ++m) {
+              float v = static_cast<float>(c_data[m * out + n]) *
+                        (sca[static_cast<size_t>(m)] * scb_data[n]) * kInv127Squared;
+              if (bias_data != nullptr) v += bias_data[n];
+              float extra = 0.0f;
+              for (int64_t j = 0; j < nout; ++j) {
+                extra += sub_a[static_cast<size_t>(m * nout + j)] * bn[j];
+              }
+              y_data[m * out + n] = nout > 0 ? v + extra : v;
+            }
+          }
+        });
     y = at::empty(shape, x.options());
     WriteValues(y32.data(), rows * out, DenseType::kFloat32, y);
   }));

@@ -514,11 +514,95 @@ ACCEL_TARGET_AVX2 void StoreRoundedAvx2(const float* in, int64_t n, void* out) {
 // A lookup is two instructions: vpmultishiftqb brings the 16 nibbles of 8
 // packed bytes to the low bits of 16 lanes, and vpermps (which reads only
 // those 4 bits) takes their values from the block's 16-entry table, held in
-// one register. The int8 product and the dot products of the buffered path
-// stay with the AVX2 code.
+// one register. The dot products of the buffered path stay with the AVX2
+// code; the int8 product has its own (vpdpbusd, below).
 
 #define ACCEL_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")))
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,avx2,fma,f16c")))
+
+// C[i0 + r, n0 + c] for r < R, c < C with vpdpbusd, which sums 4 products of
+// an unsigned byte and a signed byte into each int32 lane: 64 multiplies an
+// instruction against 16 for the AVX2 vpmaddwd on widened values. The weight
+// is signed, so it goes in as w ^ 0x80 = w + 128 (unsigned) and the product
+// is sum((w + 128) * a) - 128 * sum(a); a_sum128[i] is 128 * sum(a[i, :]).
+// Lanes wrap modulo 2^32 (vpdpbusd does not saturate), and the true result
+// fits in int32 for any K below 2^17, so the difference is exact. A tail
+// below 64 is loaded under a mask: its weight bytes read 0, i.e. 128 after
+// the flip, against a's 0.
+template <int R, int C>
+ACCEL_TARGET_AVX512 ACCEL_INLINE void Int8VnniStep(__m512i (&acc)[R][C], const int8_t* ai,
+                                                   const int8_t* bn, int64_t k, int64_t t,
+                                                   __mmask64 mask) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i wv[C];
+#pragma GCC unroll 8
+  for (int cc = 0; cc < C; ++cc) {
+    wv[cc] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, bn + cc * k + t), flip);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512i xv = _mm512_maskz_loadu_epi8(mask, ai + r * k + t);
+#pragma GCC unroll 8
+    for (int cc = 0; cc < C; ++cc) acc[r][cc] = _mm512_dpbusd_epi32(acc[r][cc], wv[cc], xv);
+  }
+}
+
+template <int R, int C>
+ACCEL_TARGET_AVX512 void Int8Vnni(const int8_t* a, const int32_t* a_sum128, const int8_t* b,
+                                  int64_t k, int64_t n, int64_t i0, int64_t n0, int32_t* c) {
+  __m512i acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int cc = 0; cc < C; ++cc) acc[r][cc] = _mm512_setzero_si512();
+  }
+  const int8_t* bn = b + n0 * k;
+  const int8_t* ai = a + i0 * k;
+  int64_t t = 0;
+  for (; t + 64 <= k; t += 64) Int8VnniStep<R, C>(acc, ai, bn, k, t, ~__mmask64{0});
+  if (t < k) Int8VnniStep<R, C>(acc, ai, bn, k, t, (~__mmask64{0}) >> (64 - (k - t)));
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int cc = 0; cc < C; ++cc) {
+      const uint32_t sum = static_cast<uint32_t>(_mm512_reduce_add_epi32(acc[r][cc])) -
+                           static_cast<uint32_t>(a_sum128[i0 + r]);
+      c[(i0 + r) * n + n0 + cc] = static_cast<int32_t>(sum);
+    }
+  }
+}
+
+// Columns [n_begin, n_end) for every row of a, in blocks of up to 4 rows
+// (registers: R x C accumulators, C weights and one x of the 32).
+template <int R>
+ACCEL_TARGET_AVX512 void Int8VnniRows(const int8_t* a, const int32_t* a_sum128, const int8_t* b,
+                                      int64_t k, int64_t n, int64_t i0, int64_t n_begin,
+                                      int64_t n_end, int32_t* c) {
+  constexpr int C = R <= 2 ? 8 : 4;
+  int64_t col = n_begin;
+  for (; col + C <= n_end; col += C) Int8Vnni<R, C>(a, a_sum128, b, k, n, i0, col, c);
+  for (; col < n_end; ++col) Int8Vnni<R, 1>(a, a_sum128, b, k, n, i0, col, c);
+}
+
+void Int8VnniTile(const int8_t* a, const int32_t* a_sum128, const int8_t* b, int64_t m, int64_t k,
+                  int64_t n, int64_t n_begin, int64_t n_end, int32_t* c) {
+  for (int64_t i = 0; i < m; i += 4) {
+    switch (std::min<int64_t>(4, m - i)) {
+      case 1:
+        Int8VnniRows<1>(a, a_sum128, b, k, n, i, n_begin, n_end, c);
+        break;
+      case 2:
+        Int8VnniRows<2>(a, a_sum128, b, k, n, i, n_begin, n_end, c);
+        break;
+      case 3:
+        Int8VnniRows<3>(a, a_sum128, b, k, n, i, n_begin, n_end, c);
+        break;
+      default:
+        Int8VnniRows<4>(a, a_sum128, b, k, n, i, n_begin, n_end, c);
+        break;
+    }
+  }
+}
 
 // For qword q (lanes 2q and 2q + 1): byte 0 takes the bits from 8q + 4 on
 // (the high nibble of packed byte q: element 2q), byte 4 from 8q (the low
@@ -695,7 +779,7 @@ Support Detect() {
   const CpuFeatures& f = CpuFeaturesOfThisMachine();
   Support s;
   s.avx2 = f.avx2_fma_f16c;
-  s.avx512 = s.avx2 && f.avx512_f_bw && f.avx512_vl_vbmi;
+  s.avx512 = s.avx2 && f.avx512_f_bw && f.avx512_vl_vbmi && f.avx512_vnni;
   return s;
 }
 
@@ -920,13 +1004,23 @@ void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t
   // Columns in tiles whose weights (64 KiB) stay in the L2 cache for every
   // row of a and for the gather.
   const int64_t tile = std::max<int64_t>(4, (int64_t{64} << 10) / std::max<int64_t>(1, k));
-  std::vector<int16_t> a16;
+  std::vector<int16_t> a16;       // AVX2: a widened to int16
+  std::vector<int32_t> a_sum128;  // AVX-512: 128 * each row's sum
 #if defined(__x86_64__)
-  if (isa != CpuIsa::kScalar) {  // AVX-512 runs the AVX2 product
+  if (isa == CpuIsa::kAvx2) {
     a16.resize(static_cast<size_t>(m * k));
     // int8 codes, sign-extended on purpose.
     for (size_t i = 0; i < a16.size(); ++i) {
       a16[i] = static_cast<int16_t>(a[i]);  // NOLINT(bugprone-signed-char-misuse)
+    }
+  } else if (isa == CpuIsa::kAvx512) {
+    a_sum128.resize(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) {
+      int64_t sum = 0;
+      for (int64_t t = 0; t < k; ++t) sum += a[i * k + t];
+      // Modulo 2^32, as the kernel's lanes.
+      a_sum128[static_cast<size_t>(i)] =
+          static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(sum * 128)));
     }
   }
 #endif
@@ -935,7 +1029,9 @@ void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t
                      for (int64_t t = begin; t < end; t += tile) {
                        const int64_t t_end = std::min(end, t + tile);
 #if defined(__x86_64__)
-                       if (isa != CpuIsa::kScalar) {
+                       if (isa == CpuIsa::kAvx512) {
+                         Int8VnniTile(a, a_sum128.data(), b, m, k, n, t, t_end, c);
+                       } else if (isa == CpuIsa::kAvx2) {
                          Int8Avx2Tile(a16.data(), b, m, k, n, t, t_end, c);
                        } else {
                          Int8Scalar(a, b, m, k, n, t, t_end, c);

@@ -10,9 +10,10 @@
 //
 // Every kernel has an AVX2 level (with FMA and F16C; each function carries its
 // own target attribute, so the library builds for plain x86-64) and a portable
-// scalar one; the 4-bit kernels also an AVX-512 level (F, BW, VL and VBMI:
-// Ice Lake, Sapphire Rapids, Zen 4 and later), which looks up 16 values with
-// two instructions. The best level this CPU runs is picked at run time
+// scalar one; an AVX-512 level too (F, BW, VL, VBMI and VNNI: Ice Lake,
+// Sapphire Rapids, Zen 4 and later), where the 4-bit kernels look up 16 values
+// with two instructions and Int8Matmul multiplies 64 bytes by 64 with one
+// vpdpbusd. The best level this CPU runs is picked at run time
 // (ActiveIsa()). All give the same results: the dequantized values and the
 // int32 products bit for bit, the float32 sums of Gemv4bit up to the order of
 // their additions.
