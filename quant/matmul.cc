@@ -19,6 +19,7 @@
 
 #include "core/dtype.h"
 #include "core/status.h"
+#include "quant/internal/arguments.h"
 #include "quant/internal/kernels_cpu.h"
 
 namespace accel::quant {
@@ -50,113 +51,12 @@ std::optional<DenseType> DenseTypeOf(at::ScalarType type) {
   }
 }
 
-absl::Status CheckCpuTensor(const at::Tensor& t, absl::string_view name) {
-  if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(name, " is undefined"));
-  if (!t.device().is_cpu() || t.layout() != at::kStrided) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " must be a dense cpu tensor, got one on ", t.device().str()));
-  }
-  return absl::OkStatus();
-}
+const at::Device kCpu(at::kCPU);
 
-absl::Status CheckDType(const at::Tensor& t, absl::string_view name, at::ScalarType want) {
-  if (t.scalar_type() != want) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " must be ", DTypeName(want), ", got ", DTypeName(t.scalar_type())));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckFloatDType(const at::Tensor& t, absl::string_view name) {
-  if (!DenseTypeOf(t.scalar_type())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, " must be float32, bfloat16 or float16, got ", DTypeName(t.scalar_type())));
-  }
-  return absl::OkStatus();
-}
-
-// x [..., in] of a float dtype on the cpu.
+// x [..., in] of a compute dtype on the cpu.
 absl::Status CheckInput(const at::Tensor& x, int64_t in) {
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(x, "x"));
-  ACCEL_RETURN_IF_ERROR(CheckFloatDType(x, "x"));
-  if (x.dim() < 1 || x.size(-1) != in) {
-    return absl::InvalidArgumentError(absl::StrCat("x must be [..., ", in, "] (in_features), got [",
-                                                   absl::StrJoin(x.sizes(), ", "), "]"));
-  }
-  return absl::OkStatus();
-}
-
-// bias: undefined, or [out] of a float dtype on the cpu.
-absl::Status CheckBias(const at::Tensor& bias, int64_t out) {
-  if (!bias.defined()) return absl::OkStatus();
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(bias, "bias"));
-  ACCEL_RETURN_IF_ERROR(CheckFloatDType(bias, "bias"));
-  if (bias.dim() != 1 || bias.size(0) != out) {
-    return absl::InvalidArgumentError(absl::StrCat("bias must be [", out, "] (out_features), got [",
-                                                   absl::StrJoin(bias.sizes(), ", "), "]"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckContiguous(const at::Tensor& t, absl::string_view name) {
-  if (!t.is_contiguous())
-    return absl::InvalidArgumentError(absl::StrCat(name, " must be contiguous"));
-  return absl::OkStatus();
-}
-
-// A dense contiguous cpu tensor of `dtype`: what the kernels take raw.
-absl::Status CheckKernelInput(const at::Tensor& t, absl::string_view name, at::ScalarType dtype) {
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(t, name));
-  ACCEL_RETURN_IF_ERROR(CheckDType(t, name, dtype));
-  return CheckContiguous(t, name);
-}
-
-absl::Status CheckWeight4bit(const Weight4bit& w) {
-  if (w.out_features <= 0 || w.in_features <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("weight.out_features and weight.in_features ",
-                                                   "must be positive, got ", w.out_features,
-                                                   " and ", w.in_features));
-  }
-  if (w.blocksize <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("weight.blocksize must be positive, got ", w.blocksize));
-  }
-  const int64_t n = w.out_features * w.in_features;
-  ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.packed, "weight.packed", at::kByte));
-  if (w.packed.numel() < (n + 1) / 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("weight.packed holds ", w.packed.numel(), " bytes, fewer than the ",
-                     (n + 1) / 2, " of a [", w.out_features, ", ", w.in_features, "] weight"));
-  }
-  const bool nested = w.absmax.defined() && w.absmax.scalar_type() == at::kByte;
-  ACCEL_RETURN_IF_ERROR(
-      CheckKernelInput(w.absmax, "weight.absmax", nested ? at::kByte : at::kFloat));
-  const int64_t blocks = (n + w.blocksize - 1) / w.blocksize;
-  if (w.absmax.numel() != blocks) {
-    return absl::InvalidArgumentError(absl::StrCat("weight.absmax holds ", w.absmax.numel(),
-                                                   " values, not ceil(", n, " / ", w.blocksize,
-                                                   ") = ", blocks));
-  }
-  if (nested) {
-    ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.nested_absmax, "weight.nested_absmax", at::kFloat));
-    const int64_t nested_blocks = (blocks + 255) / 256;
-    if (w.nested_absmax.numel() != nested_blocks) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("weight.nested_absmax holds ", w.nested_absmax.numel(), " values, not ceil(",
-                       blocks, " / 256) = ", nested_blocks, " (uint8 absmax: double quant)"));
-    }
-    ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.nested_code, "weight.nested_code", at::kFloat));
-    if (w.nested_code.numel() != 256) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("weight.nested_code must hold 256 values, got ", w.nested_code.numel()));
-    }
-  }
-  ACCEL_RETURN_IF_ERROR(CheckKernelInput(w.code, "weight.code", at::kFloat));
-  if (w.code.numel() != 16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("weight.code must hold 16 values, got ", w.code.numel()));
-  }
-  return absl::OkStatus();
+  ACCEL_RETURN_IF_ERROR(internal::CheckOnDevice(x, "x", kCpu));
+  return internal::CheckInputShape(x, in);
 }
 
 internal::Packed4bit PackedOf(const Weight4bit& w) {
@@ -216,7 +116,7 @@ void WriteValues(const float* y, int64_t n, DenseType round, const at::Tensor& o
 }  // namespace
 
 absl::StatusOr<at::Tensor> Dequantize4bitDense(const Weight4bit& weight, at::ScalarType dtype) {
-  ACCEL_RETURN_IF_ERROR(CheckWeight4bit(weight));
+  ACCEL_RETURN_IF_ERROR(internal::CheckWeight4bit(weight, kCpu));
   if (!DenseTypeOf(dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("dtype must be float32, bfloat16 or float16, got ", DTypeName(dtype)));
@@ -228,15 +128,12 @@ absl::StatusOr<at::Tensor> Dequantize4bitDense(const Weight4bit& weight, at::Sca
 
 absl::StatusOr<at::Tensor> Linear4bitForward(const at::Tensor& x, const Weight4bit& weight,
                                              const at::Tensor& bias, at::ScalarType compute_dtype) {
-  ACCEL_RETURN_IF_ERROR(CheckWeight4bit(weight));
+  ACCEL_RETURN_IF_ERROR(internal::CheckWeight4bit(weight, kCpu));
+  ACCEL_RETURN_IF_ERROR(internal::CheckComputeDType(compute_dtype));
   const std::optional<DenseType> compute = DenseTypeOf(compute_dtype);
-  if (!compute) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "compute_dtype must be float32, bfloat16 or float16, got ", DTypeName(compute_dtype)));
-  }
   const int64_t in = weight.in_features, out = weight.out_features;
   ACCEL_RETURN_IF_ERROR(CheckInput(x, in));
-  ACCEL_RETURN_IF_ERROR(CheckBias(bias, out));
+  ACCEL_RETURN_IF_ERROR(internal::CheckBias(bias, out, kCpu));
 
   // Like bnb's Linear4bit.forward: x and bias are cast to the compute dtype,
   // the product comes out in the compute dtype (float32 sums of values of
@@ -292,10 +189,10 @@ absl::StatusOr<at::Tensor> Linear4bitForward(const at::Tensor& x, const Weight4b
 }
 
 absl::StatusOr<at::Tensor> Int8MatmulInt32(const at::Tensor& a, const at::Tensor& b) {
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(a, "a"));
-  ACCEL_RETURN_IF_ERROR(CheckDType(a, "a", at::kChar));
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(b, "b"));
-  ACCEL_RETURN_IF_ERROR(CheckDType(b, "b", at::kChar));
+  ACCEL_RETURN_IF_ERROR(internal::CheckOnDevice(a, "a", kCpu));
+  ACCEL_RETURN_IF_ERROR(internal::CheckDType(a, "a", at::kChar));
+  ACCEL_RETURN_IF_ERROR(internal::CheckOnDevice(b, "b", kCpu));
+  ACCEL_RETURN_IF_ERROR(internal::CheckDType(b, "b", at::kChar));
   if (a.dim() != 2 || b.dim() != 2 || a.size(1) != b.size(1)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a [M, K] and b [N, K] must be 2-D with the same K, got [", absl::StrJoin(a.sizes(), ", "),
@@ -314,26 +211,11 @@ absl::StatusOr<at::Tensor> Int8MatmulInt32(const at::Tensor& a, const at::Tensor
 absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tensor& cb,
                                              const at::Tensor& scb, const at::Tensor& bias,
                                              double threshold) {
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(cb, "cb"));
-  ACCEL_RETURN_IF_ERROR(CheckDType(cb, "cb", at::kChar));
-  if (cb.dim() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cb must be [out, in], got [", absl::StrJoin(cb.sizes(), ", "), "]"));
-  }
+  ACCEL_RETURN_IF_ERROR(internal::CheckInt8Weight(cb, scb, kCpu));
   const int64_t out = cb.size(0), in = cb.size(1);
-  if (in == 0) return absl::InvalidArgumentError("cb must have at least one column (in_features)");
-  ACCEL_RETURN_IF_ERROR(CheckCpuTensor(scb, "scb"));
-  ACCEL_RETURN_IF_ERROR(CheckDType(scb, "scb", at::kFloat));
-  if (scb.dim() != 1 || scb.size(0) != out) {
-    return absl::InvalidArgumentError(absl::StrCat("scb must be [", out, "] (cb's rows), got [",
-                                                   absl::StrJoin(scb.sizes(), ", "), "]"));
-  }
   ACCEL_RETURN_IF_ERROR(CheckInput(x, in));
-  ACCEL_RETURN_IF_ERROR(CheckBias(bias, out));
-  if (!(threshold >= 0.0) || std::isinf(threshold)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("threshold must be a finite number >= 0, got ", threshold));
-  }
+  ACCEL_RETURN_IF_ERROR(internal::CheckBias(bias, out, kCpu));
+  ACCEL_RETURN_IF_ERROR(internal::CheckThreshold(threshold));
 
   at::Tensor y;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
