@@ -27,10 +27,6 @@
 namespace accel::quant {
 namespace {
 
-// bnb's int8_vectorwise_dequant multiplies by this float32 constant (1/127),
-// as Int8LinearForward does for the outlier columns.
-constexpr float kInv127 = static_cast<float>(7.874015718698502e-3);
-
 // x itself: a dense tensor on some CUDA device.
 absl::Status CheckCudaInput(const at::Tensor& x) {
   if (!x.defined()) return absl::InvalidArgumentError("x is undefined");
@@ -42,6 +38,10 @@ absl::Status CheckCudaInput(const at::Tensor& x) {
 }
 
 #ifdef ACCEL_WITH_QUANT_CUDA
+
+// bnb's int8_vectorwise_dequant multiplies by this float32 constant (1/127),
+// as Int8LinearForward does for the outlier columns.
+constexpr float kInv127 = static_cast<float>(7.874015718698502e-3);
 
 std::vector<int64_t> OutputShape(const at::Tensor& x, int64_t out) {
   std::vector<int64_t> shape = x.sizes().vec();
