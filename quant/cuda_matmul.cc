@@ -122,7 +122,7 @@ absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weig
   ACCEL_RETURN_IF_ERROR(CheckCudaInput(x));
   const at::Device device = x.device();
   ACCEL_RETURN_IF_ERROR(internal::CheckWeight4bit(weight, device));
-  ACCEL_RETURN_IF_ERROR(internal::CheckComputeDType(compute_dtype));
+  ACCEL_RETURN_IF_ERROR(internal::CheckComputeDType(compute_dtype, "compute_dtype"));
   const int64_t in = weight.in_features, out = weight.out_features;
   ACCEL_RETURN_IF_ERROR(internal::CheckInputShape(x, in));
   ACCEL_RETURN_IF_ERROR(internal::CheckBias(bias, out, device));

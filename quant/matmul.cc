@@ -117,10 +117,7 @@ void WriteValues(const float* y, int64_t n, DenseType round, const at::Tensor& o
 
 absl::StatusOr<at::Tensor> Dequantize4bitDense(const Weight4bit& weight, at::ScalarType dtype) {
   ACCEL_RETURN_IF_ERROR(internal::CheckWeight4bit(weight, kCpu));
-  if (!DenseTypeOf(dtype)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype must be float32, bfloat16 or float16, got ", DTypeName(dtype)));
-  }
+  ACCEL_RETURN_IF_ERROR(internal::CheckComputeDType(dtype, "dtype"));
   at::Tensor out;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] { out = DequantizeUnchecked(weight, dtype); }));
   return out;
@@ -129,7 +126,7 @@ absl::StatusOr<at::Tensor> Dequantize4bitDense(const Weight4bit& weight, at::Sca
 absl::StatusOr<at::Tensor> Linear4bitForward(const at::Tensor& x, const Weight4bit& weight,
                                              const at::Tensor& bias, at::ScalarType compute_dtype) {
   ACCEL_RETURN_IF_ERROR(internal::CheckWeight4bit(weight, kCpu));
-  ACCEL_RETURN_IF_ERROR(internal::CheckComputeDType(compute_dtype));
+  ACCEL_RETURN_IF_ERROR(internal::CheckComputeDType(compute_dtype, "compute_dtype"));
   const std::optional<DenseType> compute = DenseTypeOf(compute_dtype);
   const int64_t in = weight.in_features, out = weight.out_features;
   ACCEL_RETURN_IF_ERROR(CheckInput(x, in));

@@ -9,10 +9,14 @@
 #include "core/status.h"
 
 namespace accel::quant::internal {
+namespace {
 
+// float32, bfloat16 or float16: the dtypes x, bias and compute_dtype take.
 bool IsComputeType(at::ScalarType type) {
   return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
 }
+
+}  // namespace
 
 absl::Status CheckOnDevice(const at::Tensor& t, absl::string_view name, const at::Device& device) {
   if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(name, " is undefined"));
@@ -43,8 +47,7 @@ absl::Status CheckFloatDType(const at::Tensor& t, absl::string_view name) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
+// What a kernel reads raw: on `device`, of `dtype`, contiguous.
 absl::Status CheckKernelInput(const at::Tensor& t, absl::string_view name, at::ScalarType dtype,
                               const at::Device& device) {
   ACCEL_RETURN_IF_ERROR(CheckOnDevice(t, name, device));
@@ -54,6 +57,8 @@ absl::Status CheckKernelInput(const at::Tensor& t, absl::string_view name, at::S
   }
   return absl::OkStatus();
 }
+
+}  // namespace
 
 absl::Status CheckInputShape(const at::Tensor& x, int64_t in) {
   ACCEL_RETURN_IF_ERROR(CheckFloatDType(x, "x"));
@@ -125,10 +130,10 @@ absl::Status CheckWeight4bit(const Weight4bit& w, const at::Device& device) {
   return absl::OkStatus();
 }
 
-absl::Status CheckComputeDType(at::ScalarType compute_dtype) {
-  if (!IsComputeType(compute_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "compute_dtype must be float32, bfloat16 or float16, got ", DTypeName(compute_dtype)));
+absl::Status CheckComputeDType(at::ScalarType dtype, absl::string_view name) {
+  if (!IsComputeType(dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " must be float32, bfloat16 or float16, got ", DTypeName(dtype)));
   }
   return absl::OkStatus();
 }

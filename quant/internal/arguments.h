@@ -15,16 +15,10 @@
 
 namespace accel::quant::internal {
 
-// float32, bfloat16 or float16: the dtypes x, bias and compute_dtype take.
-bool IsComputeType(at::ScalarType type);
-
 // Defined, strided, on `device` ("a dense cpu tensor" on the cpu, "a dense
 // tensor on cuda:N (x's device)" elsewhere).
 absl::Status CheckOnDevice(const at::Tensor& t, absl::string_view name, const at::Device& device);
 absl::Status CheckDType(const at::Tensor& t, absl::string_view name, at::ScalarType want);
-// What a kernel reads raw: on `device`, of `dtype`, contiguous.
-absl::Status CheckKernelInput(const at::Tensor& t, absl::string_view name, at::ScalarType dtype,
-                              const at::Device& device);
 
 // x [..., in] of a compute dtype (its device checked already).
 absl::Status CheckInputShape(const at::Tensor& x, int64_t in);
@@ -32,8 +26,9 @@ absl::Status CheckInputShape(const at::Tensor& x, int64_t in);
 absl::Status CheckBias(const at::Tensor& bias, int64_t out, const at::Device& device);
 // A 4-bit weight's tensors and sizes, on `device`.
 absl::Status CheckWeight4bit(const Weight4bit& w, const at::Device& device);
-// compute_dtype of Linear4bitForward.
-absl::Status CheckComputeDType(at::ScalarType compute_dtype);
+// A dtype argument (`name`: compute_dtype, dtype) that must be float32,
+// bfloat16 or float16.
+absl::Status CheckComputeDType(at::ScalarType dtype, absl::string_view name);
 // LLM.int8's weight: cb int8 [out, in] with in > 0, scb float32 [out].
 absl::Status CheckInt8Weight(const at::Tensor& cb, const at::Tensor& scb, const at::Device& device);
 // LLM.int8's outlier threshold: finite, >= 0.

@@ -456,25 +456,34 @@ void Int8Avx2Rows(const int16_t* a16, const int8_t* b, int64_t k, int64_t n, int
   for (; col < n_end; ++col) Int8Avx2<R, 1>(a16, b, k, n, i0, col, c);
 }
 
-// Columns [n_begin, n_end) for every row of a, in blocks of up to 4 rows.
-void Int8Avx2Tile(const int16_t* a16, const int8_t* b, int64_t m, int64_t k, int64_t n,
-                  int64_t n_begin, int64_t n_end, int32_t* c) {
+// Calls rows(std::integral_constant<int, R>{}, i) for the blocks [i, i + R)
+// of up to 4 of m rows: the int8 kernels keep R rows in registers.
+template <typename Rows>
+void ForEachRowBlock(int64_t m, Rows&& rows) {
   for (int64_t i = 0; i < m; i += 4) {
     switch (std::min<int64_t>(4, m - i)) {
       case 1:
-        Int8Avx2Rows<1>(a16, b, k, n, i, n_begin, n_end, c);
+        rows(std::integral_constant<int, 1>{}, i);
         break;
       case 2:
-        Int8Avx2Rows<2>(a16, b, k, n, i, n_begin, n_end, c);
+        rows(std::integral_constant<int, 2>{}, i);
         break;
       case 3:
-        Int8Avx2Rows<3>(a16, b, k, n, i, n_begin, n_end, c);
+        rows(std::integral_constant<int, 3>{}, i);
         break;
       default:
-        Int8Avx2Rows<4>(a16, b, k, n, i, n_begin, n_end, c);
+        rows(std::integral_constant<int, 4>{}, i);
         break;
     }
   }
+}
+
+// Columns [n_begin, n_end) for every row of a, in blocks of up to 4 rows.
+void Int8Avx2Tile(const int16_t* a16, const int8_t* b, int64_t m, int64_t k, int64_t n,
+                  int64_t n_begin, int64_t n_end, int32_t* c) {
+  ForEachRowBlock(m, [&](auto r, int64_t i) {
+    Int8Avx2Rows<decltype(r)::value>(a16, b, k, n, i, n_begin, n_end, c);
+  });
 }
 
 // LoadRounded / StoreRounded 8 values at a time; the rest one by one.
@@ -586,22 +595,9 @@ ACCEL_TARGET_AVX512 void Int8VnniRows(const int8_t* a, const int32_t* a_sum128, 
 
 void Int8VnniTile(const int8_t* a, const int32_t* a_sum128, const int8_t* b, int64_t m, int64_t k,
                   int64_t n, int64_t n_begin, int64_t n_end, int32_t* c) {
-  for (int64_t i = 0; i < m; i += 4) {
-    switch (std::min<int64_t>(4, m - i)) {
-      case 1:
-        Int8VnniRows<1>(a, a_sum128, b, k, n, i, n_begin, n_end, c);
-        break;
-      case 2:
-        Int8VnniRows<2>(a, a_sum128, b, k, n, i, n_begin, n_end, c);
-        break;
-      case 3:
-        Int8VnniRows<3>(a, a_sum128, b, k, n, i, n_begin, n_end, c);
-        break;
-      default:
-        Int8VnniRows<4>(a, a_sum128, b, k, n, i, n_begin, n_end, c);
-        break;
-    }
-  }
+  ForEachRowBlock(m, [&](auto r, int64_t i) {
+    Int8VnniRows<decltype(r)::value>(a, a_sum128, b, k, n, i, n_begin, n_end, c);
+  });
 }
 
 // For qword q (lanes 2q and 2q + 1): byte 0 takes the bits from 8q + 4 on

@@ -23,6 +23,7 @@
 #include <gtest/gtest.h>
 
 #include "quant/bnb.h"
+#include "quant/internal/arguments.h"
 #include "quant/internal/kernels_cpu.h"
 #include "quant/internal/nibble_avx2.h"
 #include "tests/testing/status_matchers.h"
@@ -31,6 +32,7 @@ namespace accel::quant {
 namespace {
 
 using internal::CpuIsa;
+using test::IsOk;
 using test::StatusIs;
 using ::testing::HasSubstr;
 
@@ -891,6 +893,10 @@ TEST_F(ValidationTest, Int8Arguments) {
   EXPECT_THAT(Int8LinearForward(x, cb, scb, {}, -1.0), StatusIs(kInvalid, HasSubstr("threshold")));
   EXPECT_THAT(Int8LinearForward(x, cb, scb, {}, std::nan("")),
               StatusIs(kInvalid, HasSubstr("threshold")));
+  EXPECT_THAT(Int8LinearForward(x, cb, scb, {}, std::numeric_limits<double>::infinity()),
+              StatusIs(kInvalid, HasSubstr("threshold must be a finite number")));
+  EXPECT_THAT(Int8LinearForward(Random({2, 0}).to(at::kFloat), cb.narrow(1, 0, 0), scb, {}, 6.0),
+              StatusIs(kInvalid, HasSubstr("cb must have at least one column")));
   EXPECT_THAT(Int8LinearForward(at::empty({2, 64}, at::TensorOptions().device(at::kMeta)), cb, scb,
                                 {}, 6.0),
               StatusIs(kInvalid, HasSubstr("x must be a dense cpu tensor")));
@@ -905,6 +911,28 @@ TEST_F(ValidationTest, Int8Arguments) {
               StatusIs(kInvalid, HasSubstr("b must be int8")));
   EXPECT_THAT(Int8MatmulInt32(cb, cb.narrow(1, 0, 63)), StatusIs(kInvalid, HasSubstr("same K")));
   EXPECT_THAT(Int8MatmulInt32(cb.flatten(), cb), StatusIs(kInvalid, HasSubstr("2-D")));
+}
+
+// The checks both forward paths share name the device they want: the cpu
+// path's wording, and x's device for the CUDA path (the other branch, run
+// here with the meta device standing in for a CUDA one).
+TEST(ArgumentChecksTest, OnDeviceNamesTheDeviceWanted) {
+  const auto kInvalid = absl::StatusCode::kInvalidArgument;
+  const at::Tensor on_cpu = at::zeros({2});
+  const at::Tensor on_meta = at::empty({2}, at::TensorOptions().device(at::kMeta));
+  EXPECT_THAT(internal::CheckOnDevice(on_cpu, "bias", at::Device(at::kCPU)), IsOk());
+  EXPECT_THAT(internal::CheckOnDevice(on_meta, "bias", at::Device(at::kMeta)), IsOk());
+  EXPECT_THAT(internal::CheckOnDevice(on_meta, "bias", at::Device(at::kCPU)),
+              StatusIs(kInvalid, HasSubstr("bias must be a dense cpu tensor, got one on meta")));
+  EXPECT_THAT(
+      internal::CheckOnDevice(on_cpu, "cb", at::Device(at::kMeta)),
+      StatusIs(kInvalid, HasSubstr("cb must be a dense tensor on meta (x's device), got one "
+                                   "on cpu")));
+  EXPECT_THAT(internal::CheckOnDevice(at::Tensor(), "scb", at::Device(at::kCPU)),
+              StatusIs(kInvalid, HasSubstr("scb is undefined")));
+  EXPECT_THAT(
+      internal::CheckComputeDType(at::kInt, "dtype"),
+      StatusIs(kInvalid, HasSubstr("dtype must be float32, bfloat16 or float16, got int32")));
 }
 
 }  // namespace
