@@ -16,6 +16,7 @@ struct CpuFeatures {
   bool avx512_f_bw = false;     // AVX-512 F and BW
   bool avx512_vl_vbmi = false;  // AVX-512 VL and VBMI (byte permutes)
   bool avx512_vnni = false;     // AVX-512 VNNI (vpdpbusd: int8 dot products)
+  bool avx512_bf16 = false;     // AVX-512 BF16 (vdpbf16ps: bfloat16 dot products)
 };
 
 inline CpuFeatures DetectCpuFeatures() {
@@ -29,6 +30,9 @@ inline CpuFeatures DetectCpuFeatures() {
   f.avx512_f_bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   f.avx512_vl_vbmi = __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
   f.avx512_vnni = __builtin_cpu_supports("avx512vnni");
+  // Nor "avx512bf16" in clang 14: CPUID leaf 7, subleaf 1, EAX bit 5.
+  f.avx512_bf16 = f.avx512_f_bw && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 &&
+                  (eax & (1u << 5)) != 0;
 #endif
   return f;
 }

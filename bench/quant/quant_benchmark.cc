@@ -79,7 +79,8 @@ struct Flags {
                "  --threads T    intra-op threads for every method (default 2)\n"
                "  --rows LIST    rows of x (the batch), comma-separated (default 1,4,16)\n"
                "  --shapes LIST  weight shapes NxK (default 4096x4096,11008x4096)\n"
-               "  --isa LEVEL    quant kernel level: scalar, avx2, avx512 (default: the best)\n",
+               "  --isa LEVEL    quant kernel level: scalar, avx2, avx512, avx512bf16\n"
+               "                 (default: the best)\n",
                argv0);
   std::exit(2);
 }
@@ -134,7 +135,7 @@ Flags ParseFlags(int argc, char** argv) {
       }
     } else if (arg == "--isa") {
       using accel::quant::internal::CpuIsa;
-      for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+      for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
         if (value == accel::quant::internal::CpuIsaName(isa)) flags.isa = isa;
       }
       if (!flags.isa) Usage(argv[0], absl::StrCat("--isa: unknown level '", value, "'"));

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -739,7 +742,7 @@ ACCEL_TARGET_AVX512 void GemvDirectAvx512(const Gemv4bitArgs& a, int64_t n_begin
 
 template <DenseType T, int R>
 GemvRangeFn DirectKernel(CpuIsa isa) {
-  if (isa == CpuIsa::kAvx512) return GemvDirectAvx512<T, R>;
+  if (isa >= CpuIsa::kAvx512) return GemvDirectAvx512<T, R>;
   if constexpr (R <= 4) return GemvDirectAvx2<T, R>;
   return nullptr;
 }
@@ -764,11 +767,248 @@ GemvRangeFn PickDirect(CpuIsa isa, DenseType type, int64_t m) {
   return PickDirectRows<DenseType::kFloat16>(isa, m);
 }
 
+// ---- AVX-512 BF16: Gemv4bit with bfloat16 rounding, 32 values at a time ---
+//
+// With bfloat16 rounding every weight and every x is a bfloat16, so their
+// products are exact in float32 and vdpbf16ps (AVX512-BF16: two such
+// products added into each float32 lane) does the work of two float32 FMAs
+// on 32 values a register. The weights decode straight to bfloat16: vpermq
+// spreads 16 packed bytes so that each 64-bit lane holds the 4 nibbles of its
+// 4 words, vpmultishiftqb brings each nibble to the low bits of its word, and
+// vpermw looks the 32 words up in the block's 16 bfloat16 values (held twice,
+// as vpermw reads 5 index bits). x is converted to bfloat16 once per call.
+// Like oneDNN's bfloat16 product, vdpbf16ps treats subnormal inputs as 0 and
+// flushes subnormal results: the only difference from the float32 levels
+// beyond the order of the additions (kernels_cpu.h).
+
+#define ACCEL_TARGET_AVX512_BF16 \
+  __attribute__((                \
+      target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,avx512bf16,avx2,fma,f16c")))
+
+// For output qword q (words 4q .. 4q + 3: elements 4q + e of the 32, from
+// packed byte 2q + e / 2), which vpermq filled with bytes 8 (q / 4) .. + 7:
+// word e's low byte takes the bits from 8 (2 (q % 4) + e / 2) on, plus 4 for
+// an even element (the high nibble). The high bytes are not read.
+constexpr int64_t Bf16NibbleControl(int q) {
+  int64_t control = 0;
+  for (int e = 0; e < 4; ++e) {
+    const int64_t bit = 8 * (2 * (q % 4) + e / 2) + (e % 2 == 0 ? 4 : 0);
+    control |= bit << (16 * e);
+  }
+  return control;
+}
+
+struct Bf16Decoder {
+  __m512i spread;   // vpermq: qwords 0-3 <- packed qword 0, 4-7 <- qword 1
+  __m512i control;  // vpmultishiftqb
+};
+
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE Bf16Decoder MakeBf16Decoder() {
+  return {_mm512_set_epi64(1, 1, 1, 1, 0, 0, 0, 0),
+          _mm512_set_epi64(Bf16NibbleControl(7), Bf16NibbleControl(6), Bf16NibbleControl(5),
+                           Bf16NibbleControl(4), Bf16NibbleControl(3), Bf16NibbleControl(2),
+                           Bf16NibbleControl(1), Bf16NibbleControl(0))};
+}
+
+// The bfloat16 values of the 32 elements whose nibbles are the 16 bytes of
+// `packed`, from the block's table.
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Decode32(__m128i packed, __m512i table,
+                                                       const Bf16Decoder& d) {
+  const __m512i spread = _mm512_permutexvar_epi64(d.spread, _mm512_castsi128_si512(packed));
+  return _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(d.control, spread), table);
+}
+
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m128i LoadBytes16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+// vdpbf16ps's operand type from 32 bfloat16 bits (GCC 12 and clang 14 give
+// no cast intrinsic; both types are 64-byte vectors of 16-bit integers).
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512bh AsBf16(__m512i v) {
+  return (__m512bh)v;  // NOLINT(google-readability-casting)
+}
+
+// When a block's absmax passes, its 16 values code[c] * absmax are each 0 or
+// a normal float32 (or an overflow to inf), which vcvtneps2bf16 rounds as
+// c10::BFloat16 does; otherwise (tiny, NaN or infinite absmax) the integer
+// rounding of Round16, which also gets subnormals and NaN right.
+struct Bf16TableRule {
+  __m512 code;
+  float min_fast = std::numeric_limits<float>::infinity();  // |absmax| from which fast holds
+};
+
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16Table(const Bf16TableRule& rule, float absmax) {
+  const __m512 values = _mm512_mul_ps(rule.code, _mm512_set1_ps(absmax));
+  __m256i half;
+  if (std::fabs(absmax) >= rule.min_fast && std::fabs(absmax) <= FLT_MAX) {
+    half = (__m256i)_mm512_cvtneps_pbh(values);  // NOLINT(google-readability-casting)
+  } else {
+    half = _mm512_cvtepi32_epi16(
+        _mm512_srli_epi32(_mm512_castps_si512(Round16<DenseType::kBFloat16>(values)), 16));
+  }
+  return _mm512_broadcast_i64x4(half);
+}
+
+// The smallest |absmax| at which every nonzero code[c] * absmax is a normal
+// float32: FLT_MIN / min |code[c]|, rounded up; inf (never fast) for a code
+// table with a non-finite value.
+ACCEL_TARGET_AVX512_BF16 Bf16TableRule MakeBf16TableRule(const float* code) {
+  Bf16TableRule rule;
+  rule.code = _mm512_loadu_ps(code);
+  double min_code = std::numeric_limits<double>::infinity();
+  for (int c = 0; c < 16; ++c) {
+    if (!std::isfinite(code[c])) return rule;
+    if (code[c] != 0.0f) min_code = std::min(min_code, std::fabs(static_cast<double>(code[c])));
+  }
+  const double bound = static_cast<double>(FLT_MIN) / min_code;
+  rule.min_fast = bound >= FLT_MAX ? std::numeric_limits<float>::infinity()
+                                   : std::nextafter(static_cast<float>(bound), FLT_MAX);
+  return rule;
+}
+
+// x rows (float32 values already bfloat16) as bfloat16: out[i * in + k].
+ACCEL_TARGET_AVX512_BF16 void ToBf16Rows(const Gemv4bitArgs& a, uint16_t* out) {
+  for (int64_t i = 0; i < a.m; ++i) {
+    const float* x = a.x + i * a.x_stride;
+    uint16_t* o = out + i * a.in;
+    int64_t k = 0;
+    for (; k + 32 <= a.in; k += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k));
+      _mm512_storeu_si512(o + k, (__m512i)v);  // NOLINT(google-readability-casting)
+    }
+    for (; k < a.in; ++k) o[k] = c10::BFloat16(x[k]).x;
+  }
+}
+
+// acc[r] += the products of `count` (<= 32) elements from the byte at
+// `packed` but the first `lead` (0 or 1) and x row r from xk: weights and x
+// loaded under masks, the elements outside them 0.
+template <int R>
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16MaskedStep(__m512 (&acc)[R], const uint8_t* packed,
+                                                          int64_t count, int64_t lead,
+                                                          __m512i table, const Bf16Decoder& d,
+                                                          const uint16_t* xk, int64_t xb_stride) {
+  const auto bytes = static_cast<__mmask16>((uint32_t{1} << ((count + 1) / 2)) - 1);
+  const auto words = static_cast<__mmask32>(
+      (count == 32 ? ~uint32_t{0} : (uint32_t{1} << count) - 1) & ~((uint32_t{1} << lead) - 1));
+  const __m512i wv =
+      _mm512_maskz_mov_epi16(words, Decode32(_mm_maskz_loadu_epi8(bytes, packed), table, d));
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_dpbf16_ps(acc[r], AsBf16(wv),
+                              AsBf16(_mm512_maskz_loadu_epi16(words, xk + r * xb_stride)));
+  }
+}
+
+// GemvDirectAvx512 for bfloat16 rounding, on x as bfloat16 (xb[r * xb_stride
+// + k]). Each run of a row inside a block goes in steps of 32 elements from
+// its byte boundary; the first and last steps load under masks, so any shape
+// and blocksize take the same instructions.
+template <int R>
+ACCEL_TARGET_AVX512_BF16 void GemvBf16Avx512(const Gemv4bitArgs& a, const uint16_t* xb,
+                                             int64_t xb_stride, int64_t n_begin, int64_t n_end,
+                                             int64_t k0, int64_t k1, float* sums,
+                                             int64_t sums_stride) {
+  const Bf16Decoder d = MakeBf16Decoder();
+  const Bf16TableRule rule = MakeBf16TableRule(a.w.code);
+  const Packed4bit& w = a.w;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m512 acc0[R], acc1[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const int64_t row = n * a.in, row_end = row + k1;
+    int64_t block = (row + k0) / w.blocksize;
+    for (int64_t j = row + k0; j < row_end; ++block) {
+      const int64_t e = std::min(row_end, (block + 1) * w.blocksize);
+      const __m512i table = Bf16Table(rule, BlockAbsmax(w, block));
+      // In steps of 32 elements from the byte boundary at or before j: a
+      // masked step for a start mid-byte (the element before j masked off),
+      // pairs of full steps, a masked step for the rest.
+      int64_t s = j & ~int64_t{1};
+      if (s != j) {
+        Bf16MaskedStep<R>(acc0, w.packed + (s >> 1), std::min<int64_t>(32, e - s), 1, table, d,
+                          xb + (s - row), xb_stride);
+        s += 32;
+      }
+      for (; s + 64 <= e; s += 64) {
+        const __m512i w0 = Decode32(LoadBytes16(w.packed + (s >> 1)), table, d);
+        const __m512i w1 = Decode32(LoadBytes16(w.packed + (s >> 1) + 16), table, d);
+        const uint16_t* xk = xb + (s - row);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          acc0[r] =
+              _mm512_dpbf16_ps(acc0[r], AsBf16(w0), AsBf16(_mm512_loadu_si512(xk + r * xb_stride)));
+          acc1[r] = _mm512_dpbf16_ps(acc1[r], AsBf16(w1),
+                                     AsBf16(_mm512_loadu_si512(xk + r * xb_stride + 32)));
+        }
+      }
+      for (; s < e; s += 32) {
+        Bf16MaskedStep<R>(acc0, w.packed + (s >> 1), std::min<int64_t>(32, e - s), 0, table, d,
+                          xb + (s - row), xb_stride);
+      }
+      j = e;
+    }
+    float* sn = sums + (n - n_begin) * sums_stride;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sn[r] += _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+  }
+}
+
+using Bf16RangeFn = void (*)(const Gemv4bitArgs&, const uint16_t*, int64_t, int64_t, int64_t,
+                             int64_t, int64_t, float*, int64_t);
+
+// The kernel for 1-8 rows.
+template <int R = 1>
+Bf16RangeFn PickBf16(int64_t m) {
+  if (m == R) return GemvBf16Avx512<R>;
+  if constexpr (R < 8) return PickBf16<R + 1>(m);
+  return nullptr;
+}
+
 #endif  // __x86_64__
+
+// Gemv4bit's register paths: weight rows split over the threads and taken
+// kRowTile at a time through every tile of columns, rows of x in passes of at
+// most max_rows, as even as possible (9 = 5 + 4). Columns go in tiles whose
+// rows of x (x_bytes an element) fit in the L1 cache next to the weights
+// streaming through: 4 rows of 4096 float32 columns (64 KiB) would come from
+// L2 for every weight row, which bounds a kernel at 4 rows to a quarter of
+// its speed at 1 (measured). pass(i0, rows, n0, n1, k0, k1, sums) adds the
+// products of weight rows [n0, n1), columns [k0, k1) and rows [i0, i0 +
+// rows) of x to sums[(n - n0) * a.m + i0 + i].
+template <typename Pass>
+void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain, int64_t max_rows, int64_t x_bytes,
+                       const Pass& pass) {
+  const int64_t passes = (a.m + max_rows - 1) / max_rows;
+  const int64_t pass_rows = (a.m + passes - 1) / passes;
+  const int64_t k_tile = std::max<int64_t>(64, (kXTileBytes / (x_bytes * pass_rows)) / 64 * 64);
+  at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(static_cast<size_t>(kRowTile * a.m));
+    for (int64_t n0 = begin; n0 < end; n0 += kRowTile) {
+      const int64_t n1 = std::min(end, n0 + kRowTile);
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      for (int64_t k0 = 0; k0 < a.in; k0 += k_tile) {
+        const int64_t k1 = std::min(a.in, k0 + k_tile);
+        for (int64_t p = 0, i0 = 0; p < passes; ++p) {
+          const int64_t rows = (a.m - i0) / (passes - p);
+          pass(i0, rows, n0, n1, k0, k1, sums.data() + i0);
+          i0 += rows;
+        }
+      }
+      for (int64_t n = n0; n < n1; ++n) {
+        const float bias = a.bias != nullptr ? a.bias[n] : 0.0f;
+        for (int64_t i = 0; i < a.m; ++i) {
+          a.y[i * a.y_stride + n] = sums[static_cast<size_t>((n - n0) * a.m + i)] + bias;
+        }
+      }
+    }
+  });
+}
 
 struct Support {
   bool avx2 = false;
   bool avx512 = false;
+  bool avx512_bf16 = false;
 };
 
 Support Detect() {
@@ -776,6 +1016,7 @@ Support Detect() {
   Support s;
   s.avx2 = f.avx2_fma_f16c;
   s.avx512 = s.avx2 && f.avx512_f_bw && f.avx512_vl_vbmi && f.avx512_vnni;
+  s.avx512_bf16 = s.avx512 && f.avx512_bf16;
   return s;
 }
 
@@ -800,7 +1041,7 @@ using DecodeFn = void (*)(const Packed4bit&, int64_t, int64_t, void*);
 template <bool kFloatOut>
 DecodeFn PickDecode(CpuIsa isa, DenseType type) {
 #if defined(__x86_64__)
-  if (isa == CpuIsa::kAvx512) {
+  if (isa >= CpuIsa::kAvx512) {
     switch (type) {
       case DenseType::kFloat32:
         return DecodeRangeAvx512<DenseType::kFloat32, kFloatOut>;
@@ -842,6 +1083,8 @@ absl::string_view CpuIsaName(CpuIsa isa) {
       return "avx2";
     case CpuIsa::kAvx512:
       return "avx512";
+    case CpuIsa::kAvx512Bf16:
+      return "avx512bf16";
   }
   return "unknown";
 }
@@ -854,6 +1097,8 @@ bool CpuIsaSupported(CpuIsa isa) {
       return CpuSupport().avx2;
     case CpuIsa::kAvx512:
       return CpuSupport().avx512;
+    case CpuIsa::kAvx512Bf16:
+      return CpuSupport().avx512_bf16;
   }
   return false;
 }
@@ -861,6 +1106,7 @@ bool CpuIsaSupported(CpuIsa isa) {
 CpuIsa ActiveIsa() {
   const int forced = g_isa_override.load(std::memory_order_relaxed);
   if (forced >= 0) return static_cast<CpuIsa>(forced);
+  if (CpuSupport().avx512_bf16) return CpuIsa::kAvx512Bf16;
   if (CpuSupport().avx512) return CpuIsa::kAvx512;
   return CpuSupport().avx2 ? CpuIsa::kAvx2 : CpuIsa::kScalar;
 }
@@ -903,10 +1149,22 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
   // below, which measured faster from there (one 4096 x 4096 weight from
   // cache, one thread: nibble layout 3 rows 3.8 against 4.5 ms, 4 rows 4.1
   // against 5.6; other layouts 4 rows 4.9 against 5.1, 3 rows slower).
-  const int64_t max_direct = isa == CpuIsa::kAvx512 ? 8 : 4;
+  // With AVX512-BF16 and bfloat16 rounding, weights and x as bfloat16 and
+  // vdpbf16ps for the products, any number of rows in passes of 8.
+  if (isa == CpuIsa::kAvx512Bf16 && a.round == DenseType::kBFloat16) {
+    std::vector<uint16_t> xb(static_cast<size_t>(a.m * a.in));
+    ToBf16Rows(a, xb.data());
+    RunRegisterPasses(
+        a, grain, 8, sizeof(uint16_t),
+        [&](int64_t i0, int64_t rows, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* sums) {
+          PickBf16(rows)(a, xb.data() + i0 * a.in, a.in, n0, n1, k0, k1, sums, a.m);
+        });
+    return;
+  }
+  const int64_t max_direct = isa >= CpuIsa::kAvx512 ? 8 : 4;
   nibble_layout = isa == CpuIsa::kAvx2 && NibbleGemvApplies(a);
   const bool nibble = nibble_layout && a.m <= kNibbleMaxRows;
-  if (isa == CpuIsa::kAvx512 || nibble || (isa == CpuIsa::kAvx2 && !nibble_layout && a.m <= 4)) {
+  if (isa >= CpuIsa::kAvx512 || nibble || (isa == CpuIsa::kAvx2 && !nibble_layout && a.m <= 4)) {
     std::vector<float> permuted;
     Gemv4bitArgs src = a;
     if (nibble) {
@@ -915,39 +1173,16 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
       src.x = permuted.data();
       src.x_stride = a.m * 64;
     }
-    const int64_t passes = (a.m + max_direct - 1) / max_direct;
-    const int64_t pass_rows = (a.m + passes - 1) / passes;
-    // Columns in tiles whose rows of x (float32) fit in the L1 cache next to
-    // the weights streaming through: 4 rows of 4096 columns (64 KiB) would
-    // come from L2 for every weight row, which bounds the kernel at 4 rows to
-    // a quarter of its speed at 1 (measured). Weight rows in tiles of
-    // kRowTile, each column tile through all of them.
-    const int64_t k_tile = std::max<int64_t>(64, (kXTileBytes / (4 * pass_rows)) / 64 * 64);
-    at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> sums(static_cast<size_t>(kRowTile * a.m));
-      for (int64_t n0 = begin; n0 < end; n0 += kRowTile) {
-        const int64_t n1 = std::min(end, n0 + kRowTile);
-        std::fill(sums.begin(), sums.end(), 0.0f);
-        for (int64_t k0 = 0; k0 < a.in; k0 += k_tile) {
-          const int64_t k1 = std::min(a.in, k0 + k_tile);
-          for (int64_t p = 0, i0 = 0; p < passes; ++p) {
-            Gemv4bitArgs part = src;
-            part.m = (a.m - i0) / (passes - p);  // as even as possible: 9 = 5 + 4
-            part.x = src.x + i0 * (nibble ? 64 : src.x_stride);
-            const GemvRangeFn kernel =
-                nibble ? NibbleKernel(a.round, part.m) : PickDirect(isa, a.round, part.m);
-            kernel(part, n0, n1, k0, k1, sums.data() + i0, a.m);
-            i0 += part.m;
-          }
-        }
-        for (int64_t n = n0; n < n1; ++n) {
-          const float bias = a.bias != nullptr ? a.bias[n] : 0.0f;
-          for (int64_t i = 0; i < a.m; ++i) {
-            a.y[i * a.y_stride + n] = sums[static_cast<size_t>((n - n0) * a.m + i)] + bias;
-          }
-        }
-      }
-    });
+    RunRegisterPasses(
+        a, grain, max_direct, sizeof(float),
+        [&](int64_t i0, int64_t rows, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* sums) {
+          Gemv4bitArgs part = src;
+          part.m = rows;
+          part.x = src.x + i0 * (nibble ? 64 : src.x_stride);
+          const GemvRangeFn kernel =
+              nibble ? NibbleKernel(a.round, rows) : PickDirect(isa, a.round, rows);
+          kernel(part, n0, n1, k0, k1, sums, a.m);
+        });
     return;
   }
 #endif
@@ -1009,7 +1244,7 @@ void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t
     for (size_t i = 0; i < a16.size(); ++i) {
       a16[i] = static_cast<int16_t>(a[i]);  // NOLINT(bugprone-signed-char-misuse)
     }
-  } else if (isa == CpuIsa::kAvx512) {
+  } else if (isa >= CpuIsa::kAvx512) {
     a_sum128.resize(static_cast<size_t>(m));
     for (int64_t i = 0; i < m; ++i) {
       int64_t sum = 0;
@@ -1025,7 +1260,7 @@ void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t
                      for (int64_t t = begin; t < end; t += tile) {
                        const int64_t t_end = std::min(end, t + tile);
 #if defined(__x86_64__)
-                       if (isa == CpuIsa::kAvx512) {
+                       if (isa >= CpuIsa::kAvx512) {
                          Int8VnniTile(a, a_sum128.data(), b, m, k, n, t, t_end, c);
                        } else if (isa == CpuIsa::kAvx2) {
                          Int8Avx2Tile(a16.data(), b, m, k, n, t, t_end, c);

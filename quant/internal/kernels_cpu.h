@@ -13,10 +13,15 @@
 // scalar one; an AVX-512 level too (F, BW, VL, VBMI and VNNI: Ice Lake,
 // Sapphire Rapids, Zen 4 and later), where the 4-bit kernels look up 16 values
 // with two instructions and Int8Matmul multiplies 64 bytes by 64 with one
-// vpdpbusd. The best level this CPU runs is picked at run time
-// (ActiveIsa()). All give the same results: the dequantized values and the
-// int32 products bit for bit, the float32 sums of Gemv4bit up to the order of
-// their additions.
+// vpdpbusd; and an AVX-512 BF16 level (AVX-512 and AVX512-BF16: Cooper Lake,
+// Sapphire Rapids, Zen 4 and later), the AVX-512 one but for Gemv4bit with
+// bfloat16 rounding, which decodes 32 weights to bfloat16 at a time and
+// multiplies with vdpbf16ps. The best level this CPU runs is picked at run
+// time (ActiveIsa()). All give the same results: the dequantized values and
+// the int32 products bit for bit, the float32 sums of Gemv4bit up to the
+// order of their additions, except that vdpbf16ps (like oneDNN's bfloat16
+// product, which uses it) reads subnormal inputs as 0 and flushes subnormal
+// sums to 0.
 #ifndef ACCEL_QUANT_INTERNAL_KERNELS_CPU_H_
 #define ACCEL_QUANT_INTERNAL_KERNELS_CPU_H_
 
@@ -27,7 +32,8 @@
 
 namespace accel::quant::internal {
 
-enum class CpuIsa { kScalar, kAvx2, kAvx512 };
+// In order: each level has every feature of the ones before it.
+enum class CpuIsa { kScalar, kAvx2, kAvx512, kAvx512Bf16 };
 
 absl::string_view CpuIsaName(CpuIsa isa);
 // Whether this CPU (and build) can run `isa`; kScalar always can.

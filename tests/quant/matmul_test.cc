@@ -45,7 +45,7 @@ constexpr std::array<float, 16> kFp4 = {0.0f / 12,  0.0625f / 12,  8.0f / 12,  1
 
 std::vector<CpuIsa> Isas() {
   std::vector<CpuIsa> isas;
-  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
     if (internal::CpuIsaSupported(isa)) isas.push_back(isa);
   }
   return isas;
@@ -507,6 +507,51 @@ TEST(Gemv4bitKernelTest, NibbleTablesRoundExactly) {
           }
         }
       }
+    }
+  }
+}
+
+// What the AVX-512 BF16 level gives up against the others (kernels_cpu.h):
+// vdpbf16ps reads a subnormal weight or x as 0. A block whose absmax makes
+// its values subnormal in bfloat16 (1e-39 x NF4's codes) and a subnormal x
+// give their exact products at every other level and 0 there; in the same
+// call a normal block and x still give theirs exactly (x one-hot).
+TEST(Gemv4bitKernelTest, Bf16LevelReadsSubnormalsAsZero) {
+  if (!internal::CpuIsaSupported(CpuIsa::kAvx512Bf16)) GTEST_SKIP() << "no AVX512-BF16 here";
+  const float tiny = 1e-39f;  // subnormal in float32 and bfloat16
+  ASSERT_EQ(std::fpclassify(c10::BFloat16(tiny * kNf4[15]).operator float()), FP_SUBNORMAL);
+  Weight4bit q;
+  q.blocksize = 64;
+  q.out_features = 2;
+  q.in_features = 64;
+  const std::vector<float> absmax = {tiny, 0.5f};  // row 0 subnormal, row 1 normal
+  q.absmax = at::from_blob(const_cast<float*>(absmax.data()), {2}, at::kFloat).clone();
+  q.packed = at::full({64}, 0xFF, at::kByte);  // code 15 (1.0) everywhere
+  q.code = at::from_blob(const_cast<float*>(kNf4.data()), {16}, at::kFloat).clone();
+  for (float x_value : {1.0f, tiny}) {
+    for (CpuIsa isa : Isas()) {
+      SCOPED_TRACE(testing::Message() << "x " << x_value << ", " << internal::CpuIsaName(isa));
+      std::vector<float> x(64, 0.0f);
+      x[5] = static_cast<float>(c10::BFloat16(x_value));
+      std::vector<float> y(2, -1.0f);
+      internal::Gemv4bitArgs args;
+      args.m = 1;
+      args.in = 64;
+      args.out = 2;
+      args.x = x.data();
+      args.x_stride = 64;
+      args.w.packed = q.packed.data_ptr<uint8_t>();
+      args.w.absmax = q.absmax.data_ptr<float>();
+      args.w.code = q.code.data_ptr<float>();
+      args.w.numel = 128;
+      args.round = internal::DenseType::kBFloat16;
+      args.y = y.data();
+      args.y_stride = 2;
+      internal::Gemv4bit(isa, args);
+      const bool flushes = isa == CpuIsa::kAvx512Bf16;
+      const float w0 = static_cast<float>(c10::BFloat16(tiny)), w1 = 0.5f;
+      EXPECT_EQ(y[0], flushes ? 0.0f : w0 * x[5]);
+      EXPECT_EQ(y[1], flushes && x_value == tiny ? 0.0f : w1 * x[5]);
     }
   }
 }
