@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // Compiled with -fopenmp and without the shared PCH (accel_torch_parallel in
@@ -837,15 +838,20 @@ struct Bf16TableRule {
   float min_fast = std::numeric_limits<float>::infinity();  // |absmax| from which fast holds
 };
 
+// Round16's integer rounding to bfloat16, out of line: only tiny, NaN or
+// infinite absmax take it, and its constants would hold registers.
+ACCEL_TARGET_AVX512_BF16 __attribute__((noinline)) __m256i Bf16HalfExact(__m512 values) {
+  return _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_castps_si512(Round16<DenseType::kBFloat16>(values)), 16));
+}
+
 ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16Table(const Bf16TableRule& rule, float absmax) {
   const __m512 values = _mm512_mul_ps(rule.code, _mm512_set1_ps(absmax));
-  __m256i half;
-  if (std::fabs(absmax) >= rule.min_fast && std::fabs(absmax) <= FLT_MAX) {
-    half = (__m256i)_mm512_cvtneps_pbh(values);  // NOLINT(google-readability-casting)
-  } else {
-    half = _mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_castps_si512(Round16<DenseType::kBFloat16>(values)), 16));
-  }
+  const float magnitude = std::fabs(absmax);
+  const __m256i half =
+      __builtin_expect(static_cast<long>(magnitude >= rule.min_fast && magnitude <= FLT_MAX), 1)
+          ? (__m256i)_mm512_cvtneps_pbh(values)  // NOLINT(google-readability-casting)
+          : Bf16HalfExact(values);
   return _mm512_broadcast_i64x4(half);
 }
 
@@ -954,22 +960,154 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Avx512(const Gemv4bitArgs& a, const uint16
   }
 }
 
-using Bf16RangeFn = void (*)(const Gemv4bitArgs&, const uint16_t*, int64_t, int64_t, int64_t,
-                             int64_t, int64_t, float*, int64_t);
+// GemvBf16Blocks64 decodes with one shuffle fewer: vbroadcasti32x4 (a load)
+// puts the 16 packed bytes in every 128-bit lane, so qword q sees bytes
+// 8 (q % 2) .. + 7 and takes the 4 nibbles of bytes 8 (q % 2) + 2 (q / 2) and
+// the next: word 4 q + e holds element kGroupOrder[q] * 4 + e, an order x is
+// stored in to match (ToBf16Groups).
+constexpr int kGroupOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
-// The kernel for 1-8 rows.
+constexpr int64_t Bf16BroadcastControl(int q) {
+  int64_t control = 0;
+  for (int e = 0; e < 4; ++e) {
+    const int64_t bit = 8 * (2 * (q / 2) + e / 2) + (e % 2 == 0 ? 4 : 0);
+    control |= bit << (16 * e);
+  }
+  return control;
+}
+
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i MakeBf16BroadcastControl() {
+  return _mm512_set_epi64(Bf16BroadcastControl(7), Bf16BroadcastControl(6), Bf16BroadcastControl(5),
+                          Bf16BroadcastControl(4), Bf16BroadcastControl(3), Bf16BroadcastControl(2),
+                          Bf16BroadcastControl(1), Bf16BroadcastControl(0));
+}
+
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Decode32Broadcast(const uint8_t* p, __m512i table,
+                                                                __m512i control) {
+  const __m512i bytes = _mm512_broadcast_i32x4(LoadBytes16(p));
+  return _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(control, bytes), table);
+}
+
+// Rows [i0, i0 + rows) of x (float32 values already bfloat16, a.in a
+// multiple of 32) as bfloat16, interleaved for GemvBf16Blocks64: out[(g * rows
+// + r) * 32 + 4 q + e] = x[i0 + r, 32 g + 4 kGroupOrder[q] + e].
+ACCEL_TARGET_AVX512_BF16 void ToBf16Groups(const Gemv4bitArgs& a, int64_t i0, int64_t rows,
+                                           uint16_t* out) {
+  const __m512i order =
+      _mm512_set_epi64(kGroupOrder[7], kGroupOrder[6], kGroupOrder[5], kGroupOrder[4],
+                       kGroupOrder[3], kGroupOrder[2], kGroupOrder[1], kGroupOrder[0]);
+  for (int64_t g = 0; g < a.in / 32; ++g) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* x = a.x + (i0 + r) * a.x_stride + 32 * g;
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+      // NOLINTNEXTLINE(google-readability-casting)
+      _mm512_storeu_si512(out + (g * rows + r) * 32, _mm512_permutexvar_epi64(order, (__m512i)v));
+    }
+  }
+}
+
+// acc0/acc1[r] += the products of 64 weights (32 packed bytes at p, from
+// `table`) and x row r's 64 values, interleaved as ToBf16Groups leaves them.
+template <int R>
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16Step64(__m512 (&acc0)[R], __m512 (&acc1)[R],
+                                                      const uint8_t* p, __m512i table,
+                                                      __m512i control, const uint16_t* x) {
+  const __m512i w0 = Decode32Broadcast(p, table, control);
+  const __m512i w1 = Decode32Broadcast(p + 16, table, control);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = _mm512_dpbf16_ps(acc0[r], AsBf16(w0), AsBf16(_mm512_loadu_si512(x + 32 * r)));
+    acc1[r] = _mm512_dpbf16_ps(acc1[r], AsBf16(w1), AsBf16(_mm512_loadu_si512(x + 32 * (R + r))));
+  }
+}
+
+// GemvBf16Avx512 for the common layout (bnb's blocksize 64, rows of a
+// multiple of 64 elements): a block is a step of 64 and never crosses a row,
+// and x comes interleaved by ToBf16Groups, so one pointer serves all R rows
+// with no masks. The blocks go 16 at a time: their absmax checked at once
+// for the fast table (Bf16TableRule), which then takes three instructions a
+// block and no branch.
+template <int R>
+ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint16_t* xg,
+                                               int64_t n_begin, int64_t n_end, int64_t k0,
+                                               int64_t k1, float* sums, int64_t sums_stride) {
+  const __m512i control = MakeBf16BroadcastControl();
+  const Bf16TableRule rule = MakeBf16TableRule(a.w.code);
+  const Packed4bit& w = a.w;
+  float absmax[16];
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m512 acc0[R], acc1[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    const int64_t b_end = (n * a.in + k1) / 64;
+    const uint16_t* x = xg + k0 * R;  // group k0 / 32
+    for (int64_t b = (n * a.in + k0) / 64; b < b_end; b += 16) {
+      const int count = static_cast<int>(std::min<int64_t>(16, b_end - b));
+      const float* am = w.absmax + b;
+      if (w.absmax == nullptr) {
+        for (int i = 0; i < count; ++i) absmax[i] = BlockAbsmax(w, b + i);
+        am = absmax;
+      }
+      const auto lanes = static_cast<__mmask16>((1u << count) - 1);
+      const __m512 magnitude = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, am));
+      const __mmask16 fast =
+          _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(rule.min_fast), _CMP_GE_OQ) &
+          _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
+      const uint8_t* p = w.packed + b * 32;
+      if (fast == lanes) {
+        for (int i = 0; i < count; ++i, p += 32, x += 64 * R) {
+          const __m512 values = _mm512_mul_ps(rule.code, _mm512_set1_ps(am[i]));
+          // NOLINTNEXTLINE(google-readability-casting)
+          const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);  // held twice
+          Bf16Step64<R>(acc0, acc1, p, table, control, x);
+        }
+      } else {
+        for (int i = 0; i < count; ++i, p += 32, x += 64 * R) {
+          Bf16Step64<R>(acc0, acc1, p, Bf16Table(rule, am[i]), control, x);
+        }
+      }
+    }
+    float* sn = sums + (n - n_begin) * sums_stride;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sn[r] += _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+  }
+}
+
+// The bfloat16 kernels for R rows: any layout on x row by row, and the
+// common one on x interleaved.
+struct Bf16Kernels {
+  void (*rows)(const Gemv4bitArgs&, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+               float*, int64_t);
+  void (*blocks64)(const Gemv4bitArgs&, const uint16_t*, int64_t, int64_t, int64_t, int64_t, float*,
+                   int64_t);
+};
+
+// The kernels for 1-8 rows.
 template <int R = 1>
-Bf16RangeFn PickBf16(int64_t m) {
-  if (m == R) return GemvBf16Avx512<R>;
+Bf16Kernels PickBf16(int64_t m) {
+  if (m == R) return {GemvBf16Avx512<R>, GemvBf16Blocks64<R>};
   if constexpr (R < 8) return PickBf16<R + 1>(m);
-  return nullptr;
+  return {nullptr, nullptr};
 }
 
 #endif  // __x86_64__
 
+// Rows of x in passes of at most max_rows, as even as possible (9 = 5 + 4):
+// (first row, rows) of each.
+std::vector<std::pair<int64_t, int64_t>> SplitRows(int64_t m, int64_t max_rows) {
+  const int64_t passes = (m + max_rows - 1) / max_rows;
+  std::vector<std::pair<int64_t, int64_t>> split;
+  for (int64_t p = 0, i0 = 0; p < passes; ++p) {
+    const int64_t rows = (m - i0) / (passes - p);
+    split.emplace_back(i0, rows);
+    i0 += rows;
+  }
+  return split;
+}
+
 // Gemv4bit's register paths: weight rows split over the threads and taken
 // kRowTile at a time through every tile of columns, rows of x in passes of at
-// most max_rows, as even as possible (9 = 5 + 4). Columns go in tiles whose
+// most max_rows (SplitRows). Columns go in tiles whose
 // rows of x (x_bytes an element) fit in the L1 cache next to the weights
 // streaming through: 4 rows of 4096 float32 columns (64 KiB) would come from
 // L2 for every weight row, which bounds a kernel at 4 rows to a quarter of
@@ -979,8 +1117,8 @@ Bf16RangeFn PickBf16(int64_t m) {
 template <typename Pass>
 void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain, int64_t max_rows, int64_t x_bytes,
                        const Pass& pass) {
-  const int64_t passes = (a.m + max_rows - 1) / max_rows;
-  const int64_t pass_rows = (a.m + passes - 1) / passes;
+  const std::vector<std::pair<int64_t, int64_t>> passes = SplitRows(a.m, max_rows);
+  const int64_t pass_rows = passes.front().second;  // the most
   const int64_t k_tile = std::max<int64_t>(64, (kXTileBytes / (x_bytes * pass_rows)) / 64 * 64);
   at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(static_cast<size_t>(kRowTile * a.m));
@@ -989,11 +1127,7 @@ void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain, int64_t max_rows, i
       std::fill(sums.begin(), sums.end(), 0.0f);
       for (int64_t k0 = 0; k0 < a.in; k0 += k_tile) {
         const int64_t k1 = std::min(a.in, k0 + k_tile);
-        for (int64_t p = 0, i0 = 0; p < passes; ++p) {
-          const int64_t rows = (a.m - i0) / (passes - p);
-          pass(i0, rows, n0, n1, k0, k1, sums.data() + i0);
-          i0 += rows;
-        }
+        for (const auto& [i0, rows] : passes) pass(i0, rows, n0, n1, k0, k1, sums.data() + i0);
       }
       for (int64_t n = n0; n < n1; ++n) {
         const float bias = a.bias != nullptr ? a.bias[n] : 0.0f;
@@ -1152,12 +1286,26 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
   // With AVX512-BF16 and bfloat16 rounding, weights and x as bfloat16 and
   // vdpbf16ps for the products, any number of rows in passes of 8.
   if (isa == CpuIsa::kAvx512Bf16 && a.round == DenseType::kBFloat16) {
+    constexpr int64_t kMaxRows = 8;
+    const bool blocks64 = a.w.blocksize == 64 && a.in % 64 == 0;
     std::vector<uint16_t> xb(static_cast<size_t>(a.m * a.in));
-    ToBf16Rows(a, xb.data());
+    if (blocks64) {
+      for (const auto& [i0, rows] : SplitRows(a.m, kMaxRows)) {
+        ToBf16Groups(a, i0, rows, xb.data() + i0 * a.in);
+      }
+    } else {
+      ToBf16Rows(a, xb.data());
+    }
     RunRegisterPasses(
-        a, grain, 8, sizeof(uint16_t),
+        a, grain, kMaxRows, sizeof(uint16_t),
         [&](int64_t i0, int64_t rows, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* sums) {
-          PickBf16(rows)(a, xb.data() + i0 * a.in, a.in, n0, n1, k0, k1, sums, a.m);
+          const Bf16Kernels kernels = PickBf16(rows);
+          const uint16_t* x = xb.data() + i0 * a.in;
+          if (blocks64) {
+            kernels.blocks64(a, x, n0, n1, k0, k1, sums, a.m);
+          } else {
+            kernels.rows(a, x, a.in, n0, n1, k0, k1, sums, a.m);
+          }
         });
     return;
   }
