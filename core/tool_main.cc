@@ -3,9 +3,12 @@
 #include <cstdio>
 #include <exception>
 
+#include "core/malloc_tuning.h"
+
 namespace accel {
 
 int ToolMain(const char* tool, int argc, char** argv, int (*run)(int, char**)) {
+  KeepFreedMemoryForReuse();
   try {
     return run(argc, argv);
   } catch (const std::exception& e) {

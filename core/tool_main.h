@@ -7,7 +7,8 @@
 
 namespace accel {
 
-// Runs `run`; an exception that escapes it (out of memory, a bug) becomes a
+// Runs `run` with glibc's malloc set to keep freed memory for reuse
+// (core/malloc_tuning.h); an exception that escapes it (out of memory, a bug) becomes a
 // message on stderr naming the tool, and exit code 1, never a crash.
 int ToolMain(const char* tool, int argc, char** argv, int (*run)(int, char**));
 

@@ -1021,6 +1021,28 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16Step64(__m512 (&acc0)[R], __m512 
   }
 }
 
+// BlockAbsmax of blocks b + i for the lanes i in `lanes` (double quant), 16
+// at a time: the codes widened and looked up in the nested map by a gather,
+// times the nested absmax of each lane's group of 256 (the lanes may reach
+// into the next group), then plus the offset: the same two roundings.
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512 NestedAbsmax16(const Packed4bit& w, int64_t b,
+                                                            __mmask16 lanes) {
+  const __m512i codes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, w.absmax_codes + b));
+  const __m512 nested = _mm512_i32gather_ps(codes, w.nested_code, 4);
+  const int64_t group = b >> kNestedBlockShift;
+  const __m512i position =
+      _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(b & ((1 << kNestedBlockShift) - 1))),
+                       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+  const __mmask16 next =
+      _mm512_mask_cmpge_epi32_mask(lanes, position, _mm512_set1_epi32(1 << kNestedBlockShift));
+  __m512 scale = _mm512_set1_ps(w.nested_absmax[group]);
+  if (next != 0)
+    scale = _mm512_mask_mov_ps(scale, next, _mm512_set1_ps(w.nested_absmax[group + 1]));
+  __m512 scaled = _mm512_mul_ps(nested, scale);
+  asm("" : "+v"(scaled));  // two roundings, as bnb's two steps: no fused multiply-add
+  return _mm512_add_ps(scaled, _mm512_set1_ps(w.nested_offset));
+}
+
 // GemvBf16Avx512 for the common layout (bnb's blocksize 64, rows of a
 // multiple of 64 elements): a block is a step of 64 and never crosses a row,
 // and x comes interleaved by ToBf16Groups, so one pointer serves all R rows
@@ -1043,12 +1065,12 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
     const uint16_t* x = xg + k0 * R;  // group k0 / 32
     for (int64_t b = (n * a.in + k0) / 64; b < b_end; b += 16) {
       const int count = static_cast<int>(std::min<int64_t>(16, b_end - b));
+      const auto lanes = static_cast<__mmask16>((1u << count) - 1);
       const float* am = w.absmax + b;
       if (w.absmax == nullptr) {
-        for (int i = 0; i < count; ++i) absmax[i] = BlockAbsmax(w, b + i);
+        _mm512_storeu_ps(absmax, NestedAbsmax16(w, b, lanes));
         am = absmax;
       }
-      const auto lanes = static_cast<__mmask16>((1u << count) - 1);
       const __m512 magnitude = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, am));
       const __mmask16 fast =
           _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(rule.min_fast), _CMP_GE_OQ) &

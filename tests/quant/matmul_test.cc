@@ -561,11 +561,13 @@ TEST(Gemv4bitKernelTest, Bf16LevelReadsSubnormalsAsZero) {
 // the very bits of the same weight with the absmax expanded to float32
 // (quant::BlockAbsmax, bnb's two float32 steps), at every level, on the
 // register, buffered and dequantize-then-multiply paths, and on shapes with
-// and without the nibble layout (2600 columns: blocks cross rows).
+// and without the nibble layout (2600 columns: blocks cross rows; 2816: 44
+// blocks a row, so the AVX-512 BF16 kernel's runs of 16 blocks straddle the
+// nested groups of 256).
 TEST(Linear4bitForwardTest, DoubleQuantReadAsStoredMatchesExpanded) {
   at::manual_seed(7);
   for (const Shape4bit& s :
-       std::vector<Shape4bit>{{300, 1024, 64}, {70, 2600, 64}, {9, 512, 128}}) {
+       std::vector<Shape4bit>{{300, 1024, 64}, {70, 2600, 64}, {9, 512, 128}, {40, 2816, 64}}) {
     ACCEL_ASSERT_OK_AND_ASSIGN(
         Quantized4bit q, Quantize4bit(Random({s.out, s.in}, 0.1), QuantType4bit::kNf4, s.blocksize,
                                       /*double_quant=*/true));
