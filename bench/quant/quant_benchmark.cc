@@ -7,6 +7,8 @@
 //   nf4 fused GEMV     Linear4bitForward, x bfloat16, compute bfloat16, NF4
 //                      blocksize 64 (packed + float32 absmax: 0.5625 B/param);
 //                      above 16 rows it dequantizes and calls at::linear
+//   nf4+dq fused GEMV  the same with double quant as stored (uint8 absmax
+//                      codes, nested absmax: 0.5157 B/param), up to 16 rows
 //   int8 thr 0         Int8LinearForward, x bfloat16, no decomposition
 //   int8 thr 6         the same with threshold 6 and 4 input columns of x
 //                      holding an outlier (LLM.int8's decomposition)
@@ -24,6 +26,7 @@
 //   build-qb/bin/accel-bench-quant [--gb 1] [--repeats 5] [--threads 2]
 //       [--rows 1,4,16] [--shapes 4096x4096,11008x4096] [--isa avx2]
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -164,8 +167,23 @@ Weight4bit RandomNf4(const Shape& s, const at::Tensor& code) {
   return w;
 }
 
+// The same with double quant as stored: uint8 absmax codes into bnb's
+// dynamic map, a float32 absmax per 256 blocks and an offset.
+Weight4bit RandomNf4DoubleQuant(const Shape& s, const at::Tensor& code) {
+  Weight4bit w = RandomNf4(s, code);
+  const int64_t blocks = w.absmax.numel();
+  w.absmax = at::randint(128, 256, {blocks}, at::kByte);  // the map's positive half
+  w.nested_absmax = at::rand({(blocks + 255) / 256}, at::kFloat) * 0.05 + 0.01;
+  const std::array<float, 256>& map = accel::quant::DynamicMap();
+  w.nested_code = at::from_blob(const_cast<float*>(map.data()), {256}, at::kFloat).clone();
+  w.nested_offset = 0.03f;
+  return w;
+}
+
 double WeightBytes(const Weight4bit& w) {
-  return static_cast<double>(w.packed.nbytes() + w.absmax.nbytes());
+  double bytes = static_cast<double>(w.packed.nbytes() + w.absmax.nbytes());
+  if (w.nested_absmax.defined()) bytes += static_cast<double>(w.nested_absmax.nbytes());
+  return bytes;
 }
 
 // memcpy / an 8-byte-word sum over `tensors`, split over the intra-op threads.
@@ -225,6 +243,10 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
   // The sets: NF4, int8 (CB + SCB), dense float32 and bfloat16.
   std::vector<Weight4bit> nf4;
   for (int64_t i = 0, c = count_for(0.5625); i < c; ++i) nf4.push_back(RandomNf4(s, code));
+  std::vector<Weight4bit> nf4_dq;
+  for (int64_t i = 0, c = count_for(0.5157); i < c; ++i) {
+    nf4_dq.push_back(RandomNf4DoubleQuant(s, code));
+  }
   std::vector<at::Tensor> cb, scb;
   for (int64_t i = 0, c = count_for(1.0); i < c; ++i) {
     cb.push_back(at::randint(-127, 128, {s.n, s.k}, at::kChar));
@@ -235,7 +257,8 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
   for (int64_t i = 0, c = count_for(2.0); i < c; ++i) {
     bf16.push_back((at::randn({s.n, s.k}) * 0.02).to(at::kBFloat16));
   }
-  double nf4_bytes = 0, int8_bytes = 0;
+  double nf4_bytes = 0, nf4_dq_bytes = 0, int8_bytes = 0;
+  for (const Weight4bit& w : nf4_dq) nf4_dq_bytes += WeightBytes(w);
   std::vector<const at::Tensor*> nf4_tensors;
   for (const Weight4bit& w : nf4) {
     nf4_bytes += WeightBytes(w);
@@ -248,10 +271,10 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
   const double f32_bytes = static_cast<double>(f32.size()) * params * 4;
   const double bf16_bytes = static_cast<double>(bf16.size()) * params * 2;
   std::printf(
-      "built %s: %zu nf4 (%.2f GB), %zu int8 (%.2f GB), %zu float32 (%.2f GB), %zu "
-      "bfloat16 (%.2f GB)\n",
-      shape.c_str(), nf4.size(), nf4_bytes / 1e9, cb.size(), int8_bytes / 1e9, f32.size(),
-      f32_bytes / 1e9, bf16.size(), bf16_bytes / 1e9);
+      "built %s: %zu nf4 (%.2f GB), %zu nf4+dq (%.2f GB), %zu int8 (%.2f GB), %zu float32 (%.2f "
+      "GB), %zu bfloat16 (%.2f GB)\n",
+      shape.c_str(), nf4.size(), nf4_bytes / 1e9, nf4_dq.size(), nf4_dq_bytes / 1e9, cb.size(),
+      int8_bytes / 1e9, f32.size(), f32_bytes / 1e9, bf16.size(), bf16_bytes / 1e9);
   std::fflush(stdout);
 
   std::vector<char> copy_out(nf4[0].packed.nbytes());
@@ -276,6 +299,17 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
                                                      .numel());
                          }
                        }});
+    if (m <= 16) {
+      methods.push_back({"nf4+dq fused GEMV (bf16)", m, nf4_dq_bytes,
+                         static_cast<int64_t>(nf4_dq.size()), [&nf4_dq, x] {
+                           for (const Weight4bit& w : nf4_dq) {
+                             g_sink = g_sink + static_cast<uint64_t>(
+                                                   Check(accel::quant::Linear4bitForward(
+                                                             x, w, at::Tensor(), at::kBFloat16))
+                                                       .numel());
+                           }
+                         }});
+    }
     for (double threshold : {0.0, 6.0}) {
       const at::Tensor input = threshold > 0 ? x_outliers : x;
       methods.push_back({threshold > 0 ? "int8 thr 6 (4 outlier cols)" : "int8 thr 0", m,
