@@ -836,7 +836,7 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512bh AsBf16(__m512i v) {
 // c10::BFloat16 does; otherwise (tiny, NaN or infinite absmax) the integer
 // rounding of Round16, which also gets subnormals and NaN right.
 struct Bf16TableRule {
-  __m512 code;
+  __m512 code{};
   float min_fast = std::numeric_limits<float>::infinity();  // |absmax| from which fast holds
 };
 
@@ -851,7 +851,7 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16Table(const Bf16TableRule& rul
   const __m512 values = _mm512_mul_ps(rule.code, _mm512_set1_ps(absmax));
   const float magnitude = std::fabs(absmax);
   const __m256i half =
-      __builtin_expect(static_cast<long>(magnitude >= rule.min_fast && magnitude <= FLT_MAX), 1)
+      __builtin_expect(static_cast<int64_t>(magnitude >= rule.min_fast && magnitude <= FLT_MAX), 1)
           ? (__m256i)_mm512_cvtneps_pbh(values)  // NOLINT(google-readability-casting)
           : Bf16HalfExact(values);
   return _mm512_broadcast_i64x4(half);
@@ -1018,8 +1018,10 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16Step64(__m512 (&acc0)[R], __m512 
   const __m512i w1 = Decode32Broadcast(p + 16, table, control);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    acc0[r] = _mm512_dpbf16_ps(acc0[r], AsBf16(w0), AsBf16(_mm512_loadu_si512(x + 32 * r)));
-    acc1[r] = _mm512_dpbf16_ps(acc1[r], AsBf16(w1), AsBf16(_mm512_loadu_si512(x + 32 * (R + r))));
+    acc0[r] =
+        _mm512_dpbf16_ps(acc0[r], AsBf16(w0), AsBf16(_mm512_loadu_si512(x + int64_t{32} * r)));
+    acc1[r] = _mm512_dpbf16_ps(acc1[r], AsBf16(w1),
+                               AsBf16(_mm512_loadu_si512(x + int64_t{32} * (R + r))));
   }
 }
 
@@ -1095,14 +1097,14 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
           _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
       const uint8_t* p = w.packed + b * 32;
       if (fast == lanes) {
-        for (int i = 0; i < count; ++i, p += 32, x += 64 * R) {
+        for (int i = 0; i < count; ++i, p += 32, x += int64_t{64} * R) {
           const __m512 values = _mm512_mul_ps(rule.code, _mm512_set1_ps(am[i]));
           // NOLINTNEXTLINE(google-readability-casting)
           const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);  // held twice
           Bf16Step64<R>(acc0, acc1, p, table, control, x);
         }
       } else {
-        for (int i = 0; i < count; ++i, p += 32, x += 64 * R) {
+        for (int i = 0; i < count; ++i, p += 32, x += int64_t{64} * R) {
           Bf16Step64<R>(acc0, acc1, p, Bf16Table(rule, am[i]), control, x);
         }
       }
