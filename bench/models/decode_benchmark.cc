@@ -6,6 +6,8 @@
 // bandwidth) / (weight bytes per token).
 //
 //   build/bin/accel-bench-decode [--tokens 32] [--batch 8] [--rounds 3] [--dir /tmp/x]
+//       [--malloc reuse|default]   (default: glibc's malloc as it comes, not
+//                                   core/malloc_tuning.h's settings)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -124,12 +126,14 @@ int main(int argc, char** argv) {
   int64_t tokens = 32;
   int batch = 8;
   int rounds = 3;
+  bool tune_malloc = true;  // --malloc default: glibc's own settings, for comparison
   std::string root;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) {
       std::fprintf(stderr,
-                   "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR]\n");
+                   "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR] "
+                   "[--malloc reuse|default]\n");
       return 2;
     }
     if (flag == "--tokens")
@@ -138,11 +142,15 @@ int main(int argc, char** argv) {
       batch = std::atoi(argv[i + 1]);
     else if (flag == "--dir")
       root = argv[i + 1];
+    else if (flag == "--malloc" &&
+             (std::string(argv[i + 1]) == "reuse" || std::string(argv[i + 1]) == "default"))
+      tune_malloc = std::string(argv[i + 1]) == "reuse";
     else if (flag == "--rounds")
       rounds = std::max(1, std::atoi(argv[i + 1]));
     else {
       std::fprintf(stderr,
-                   "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR]\n");
+                   "usage: accel-bench-decode [--tokens N] [--batch B] [--rounds R] [--dir DIR] "
+                   "[--malloc reuse|default]\n");
       return 2;
     }
   }
@@ -153,14 +161,14 @@ int main(int argc, char** argv) {
   std::filesystem::create_directories(root);
 
   // As the tools run (core/tool_main.cc): freed tensor memory kept for reuse.
-  const bool malloc_tuned = accel::KeepFreedMemoryForReuse();
+  const bool malloc_tuned = tune_malloc && accel::KeepFreedMemoryForReuse();
   const int threads = accel::SetIntraOpThreads(0);
   const Bandwidth bw = MeasureBandwidth(int64_t{1} << 30, threads);
   std::printf(
       "memory bandwidth (1 GiB, best of 3): memcpy %.1f GB/s, read (sum every word, %d threads) "
       "%.1f GB/s; malloc %s\n",
       bw.copy / 1e9, threads, bw.read / 1e9,
-      malloc_tuned ? "keeps freed memory for reuse" : "as the environment set it");
+      malloc_tuned ? "keeps freed memory for reuse" : "glibc's settings");
 
   struct Case {
     const char* name;
