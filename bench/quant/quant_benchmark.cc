@@ -51,6 +51,7 @@
 #include "absl/strings/str_split.h"
 
 #include "bench/undisturbed.h"
+#include "core/malloc_tuning.h"
 #include "quant/bnb.h"
 #include "quant/internal/kernels_cpu.h"
 #include "quant/matmul.h"
@@ -380,6 +381,9 @@ void RunShape(const Flags& flags, const Shape& s, const at::Tensor& code) {
 
 int Main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
+  // As the tools run (core/tool_main.cc): freed buffers kept for reuse, not
+  // faulted in again at every call.
+  accel::KeepFreedMemoryForReuse();
   at::set_num_threads(flags.threads);
   if (flags.isa) accel::quant::internal::SetIsaOverrideForTesting(*flags.isa);
   c10::InferenceMode inference;
