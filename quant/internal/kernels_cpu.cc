@@ -790,14 +790,14 @@ GemvRangeFn PickDirect(CpuIsa isa, DenseType type, int64_t m) {
   __attribute__((                \
       target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni,avx512bf16,avx2,fma,f16c")))
 
-// For output qword q (words 4q .. 4q + 3: elements 4q + e of the 32, from
-// packed byte 2q + e / 2), which vpermq filled with bytes 8 (q / 4) .. + 7:
-// word e's low byte takes the bits from 8 (2 (q % 4) + e / 2) on, plus 4 for
-// an even element (the high nibble). The high bytes are not read.
-constexpr int64_t Bf16NibbleControl(int q) {
+// vpmultishiftqb's control for a qword whose 4 words take the 4 nibbles of
+// its bytes 2 pair and 2 pair + 1, high nibble first: word e's low byte takes
+// the bits from 8 (2 pair + e / 2) on, plus 4 for an even e. The high bytes
+// are not read.
+constexpr int64_t Bf16NibbleControl(int pair) {
   int64_t control = 0;
   for (int e = 0; e < 4; ++e) {
-    const int64_t bit = 8 * (2 * (q % 4) + e / 2) + (e % 2 == 0 ? 4 : 0);
+    const int64_t bit = 8 * (2 * pair + e / 2) + (e % 2 == 0 ? 4 : 0);
     control |= bit << (16 * e);
   }
   return control;
@@ -809,9 +809,11 @@ struct Bf16Decoder {
 };
 
 ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE Bf16Decoder MakeBf16Decoder() {
+  // Output qword q holds elements 4q .. 4q + 3 of the 32, packed bytes 2q and
+  // 2q + 1, which vpermq put at bytes 2 (q % 4) of the qword.
   return {_mm512_set_epi64(1, 1, 1, 1, 0, 0, 0, 0),
-          _mm512_set_epi64(Bf16NibbleControl(7), Bf16NibbleControl(6), Bf16NibbleControl(5),
-                           Bf16NibbleControl(4), Bf16NibbleControl(3), Bf16NibbleControl(2),
+          _mm512_set_epi64(Bf16NibbleControl(3), Bf16NibbleControl(2), Bf16NibbleControl(1),
+                           Bf16NibbleControl(0), Bf16NibbleControl(3), Bf16NibbleControl(2),
                            Bf16NibbleControl(1), Bf16NibbleControl(0))};
 }
 
@@ -849,14 +851,21 @@ ACCEL_TARGET_AVX512_BF16 __attribute__((noinline)) __m256i Bf16HalfExact(__m512 
       _mm512_srli_epi32(_mm512_castps_si512(Round16<DenseType::kBFloat16>(values)), 16));
 }
 
-ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16Table(const Bf16TableRule& rule, float absmax) {
+// The table where the rule holds: one vcvtne2ps2bf16 rounds the 16 values
+// and writes them twice.
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16FastTable(const Bf16TableRule& rule,
+                                                            float absmax) {
   const __m512 values = _mm512_mul_ps(rule.code, _mm512_set1_ps(absmax));
+  return (__m512i)_mm512_cvtne2ps_pbh(values, values);  // NOLINT(google-readability-casting)
+}
+
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16Table(const Bf16TableRule& rule, float absmax) {
   const float magnitude = std::fabs(absmax);
-  const __m256i half =
-      __builtin_expect(static_cast<int64_t>(magnitude >= rule.min_fast && magnitude <= FLT_MAX), 1)
-          ? (__m256i)_mm512_cvtneps_pbh(values)  // NOLINT(google-readability-casting)
-          : Bf16HalfExact(values);
-  return _mm512_broadcast_i64x4(half);
+  if (__builtin_expect(static_cast<int64_t>(magnitude >= rule.min_fast && magnitude <= FLT_MAX),
+                       1)) {
+    return Bf16FastTable(rule, absmax);
+  }
+  return _mm512_broadcast_i64x4(Bf16HalfExact(_mm512_mul_ps(rule.code, _mm512_set1_ps(absmax))));
 }
 
 // The smallest |absmax| at which every nonzero code[c] * absmax is a normal
@@ -971,19 +980,11 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Avx512(const Gemv4bitArgs& a, const uint16
 // stored in to match (ToBf16Groups).
 constexpr int kGroupOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
-constexpr int64_t Bf16BroadcastControl(int q) {
-  int64_t control = 0;
-  for (int e = 0; e < 4; ++e) {
-    const int64_t bit = 8 * (2 * (q / 2) + e / 2) + (e % 2 == 0 ? 4 : 0);
-    control |= bit << (16 * e);
-  }
-  return control;
-}
-
 ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i MakeBf16BroadcastControl() {
-  return _mm512_set_epi64(Bf16BroadcastControl(7), Bf16BroadcastControl(6), Bf16BroadcastControl(5),
-                          Bf16BroadcastControl(4), Bf16BroadcastControl(3), Bf16BroadcastControl(2),
-                          Bf16BroadcastControl(1), Bf16BroadcastControl(0));
+  // Qword q sees bytes 8 (q % 2) .. + 7 and takes their pair q / 2.
+  return _mm512_set_epi64(Bf16NibbleControl(3), Bf16NibbleControl(3), Bf16NibbleControl(2),
+                          Bf16NibbleControl(2), Bf16NibbleControl(1), Bf16NibbleControl(1),
+                          Bf16NibbleControl(0), Bf16NibbleControl(0));
 }
 
 ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Decode32Broadcast(const uint8_t* p, __m512i table,
@@ -1100,10 +1101,7 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
       const uint8_t* p = w.packed + b * 32;
       if (fast == lanes) {
         for (int i = 0; i < count; ++i, p += 32, x += int64_t{64} * R) {
-          const __m512 values = _mm512_mul_ps(rule.code, _mm512_set1_ps(am[i]));
-          // NOLINTNEXTLINE(google-readability-casting)
-          const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);  // held twice
-          Bf16Step64<R>(acc0, acc1, p, table, control, x);
+          Bf16Step64<R>(acc0, acc1, p, Bf16FastTable(rule, am[i]), control, x);
         }
       } else {
         for (int i = 0; i < count; ++i, p += 32, x += int64_t{64} * R) {
@@ -1150,8 +1148,8 @@ std::vector<std::pair<int64_t, int64_t>> SplitRows(int64_t m, int64_t max_rows) 
 }
 
 // Gemv4bit's register paths: weight rows split over the threads and taken
-// kRowTile at a time through every tile of columns, rows of x in passes of at
-// most max_rows (SplitRows). Columns go in tiles whose
+// kRowTile at a time through every tile of columns, rows of x in `passes`
+// (SplitRows). Columns go in tiles whose
 // rows of x (x_bytes an element) fit in the L1 cache next to the weights
 // streaming through: 4 rows of 4096 float32 columns (64 KiB) would come from
 // L2 for every weight row, which bounds a kernel at 4 rows to a quarter of
@@ -1159,9 +1157,9 @@ std::vector<std::pair<int64_t, int64_t>> SplitRows(int64_t m, int64_t max_rows) 
 // products of weight rows [n0, n1), columns [k0, k1) and rows [i0, i0 +
 // rows) of x to sums[(n - n0) * a.m + i0 + i].
 template <typename Pass>
-void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain, int64_t max_rows, int64_t x_bytes,
+void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain,
+                       const std::vector<std::pair<int64_t, int64_t>>& passes, int64_t x_bytes,
                        const Pass& pass) {
-  const std::vector<std::pair<int64_t, int64_t>> passes = SplitRows(a.m, max_rows);
   const int64_t pass_rows = passes.front().second;  // the most
   const int64_t k_tile = std::max<int64_t>(64, (kXTileBytes / (x_bytes * pass_rows)) / 64 * 64);
   at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
@@ -1332,16 +1330,17 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
   if (isa == CpuIsa::kAvx512Bf16 && a.round == DenseType::kBFloat16) {
     constexpr int64_t kMaxRows = 8;
     const bool blocks64 = a.w.blocksize == 64 && a.in % 64 == 0;
+    const std::vector<std::pair<int64_t, int64_t>> passes = SplitRows(a.m, kMaxRows);
     std::vector<uint16_t> xb(static_cast<size_t>(a.m * a.in));
     if (blocks64) {
-      for (const auto& [i0, rows] : SplitRows(a.m, kMaxRows)) {
+      for (const auto& [i0, rows] : passes) {
         ToBf16Groups(a, i0, rows, xb.data() + i0 * a.in);
       }
     } else {
       ToBf16Rows(a, xb.data());
     }
     RunRegisterPasses(
-        a, grain, kMaxRows, sizeof(uint16_t),
+        a, grain, passes, sizeof(uint16_t),
         [&](int64_t i0, int64_t rows, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* sums) {
           const Bf16Kernels kernels = PickBf16(rows);
           const uint16_t* x = xb.data() + i0 * a.in;
@@ -1366,7 +1365,7 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
       src.x_stride = a.m * 64;
     }
     RunRegisterPasses(
-        a, grain, max_direct, sizeof(float),
+        a, grain, SplitRows(a.m, max_direct), sizeof(float),
         [&](int64_t i0, int64_t rows, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* sums) {
           Gemv4bitArgs part = src;
           part.m = rows;
