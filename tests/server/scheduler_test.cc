@@ -217,10 +217,21 @@ TEST(SchedulerTest, TokensReachEachSinkInOrderAndTheRequestEndsOk) {
 // every third step the preempted one goes on where it was.
 TEST(SchedulerTest, OutOfBlocksRequestsWaitOrArePreemptedAndAllFinishWhole) {
   Fixture f(/*room=*/2, /*preempt_every=*/3);
+  // The first step waits until all six are queued: on a loaded machine the
+  // scheduler could otherwise finish each request alone before the next
+  // arrives, and nothing would ever be preempted.
+  {
+    absl::MutexLock lock(&f.control->mu);
+    f.control->stall = true;
+  }
   std::vector<std::shared_ptr<RecordingSink>> sinks;
   for (int64_t k = 1; k <= 6; ++k) {
     sinks.push_back(std::make_shared<RecordingSink>());
     ASSERT_TRUE(f.scheduler.Submit(Request(k, 10), sinks.back()).ok());
+  }
+  {
+    absl::MutexLock lock(&f.control->mu);
+    f.control->stall = false;
   }
   for (int64_t k = 1; k <= 6; ++k) {
     ASSERT_TRUE(sinks[static_cast<size_t>(k - 1)]->WaitDone());
