@@ -32,9 +32,6 @@ using internal::DenseType;
 // libtorch, whose products reuse each weight for many rows.
 constexpr int64_t kFusedMaxRows = 16;
 
-// 1/16129 = 1/127^2 rounded to float32: the constant of bnb's CUDA
-// int8_mm_dequant (the default backend's 6.200124e-05 has two digits swapped).
-constexpr float kInv127Squared = 1.0f / 16129.0f;
 // bnb's int8_vectorwise_dequant multiplies by this float32 constant (1/127).
 constexpr float kInv127 = static_cast<float>(7.874015718698502e-3);
 
@@ -86,14 +83,6 @@ at::Tensor DequantizeUnchecked(const Weight4bit& w, at::ScalarType dtype) {
   at::Tensor out = at::empty({w.out_features, w.in_features}, at::TensorOptions().dtype(dtype));
   internal::Dequantize4bit(internal::ActiveIsa(), PackedOf(w), *DenseTypeOf(dtype), out.data_ptr());
   return out;
-}
-
-// Int8 codes of one activation value: round half to even, as torch.round and
-// CUDA's __float2int_rn do; NaN (an inf input with threshold 0) becomes 0.
-int8_t Int8Code(float scaled) {
-  const float r = std::nearbyint(scaled);
-  if (!(r >= -128.0f && r <= 127.0f)) return 0;
-  return static_cast<int8_t>(r);
 }
 
 // x [rows, in] (any strides) into out[i * in + k] as float32, rounded to
@@ -198,9 +187,10 @@ absl::StatusOr<at::Tensor> Int8MatmulInt32(const at::Tensor& a, const at::Tensor
   at::Tensor c;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     const at::Tensor ac = a.contiguous(), bc = b.contiguous();
-    c = at::empty({a.size(0), b.size(0)}, a.options().dtype(at::kInt));
+    const at::Tensor c_t = at::empty({b.size(0), a.size(0)}, a.options().dtype(at::kInt));
     internal::Int8Matmul(internal::ActiveIsa(), ac.data_ptr<int8_t>(), bc.data_ptr<int8_t>(),
-                         a.size(0), b.size(0), a.size(1), c.data_ptr<int32_t>());
+                         a.size(0), b.size(0), a.size(1), c_t.data_ptr<int32_t>());
+    c = c_t.t().contiguous();
   }));
   return c;
 }
@@ -226,47 +216,23 @@ absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tens
     std::vector<float> a32(static_cast<size_t>(rows * in));
     ReadRows(x, rows, in, DenseType::kFloat16, a32.data());
     const float* a = a32.data();
-    const float limit = static_cast<float>(threshold);
-    const bool decompose = limit > 0.0f;
-    auto outlier = [&](float v) { return decompose && std::fabs(v) >= limit; };
-
-    // Outlier columns: any row holds |A| >= threshold there (compared in
-    // float32, as CUDA's kInt8VectorQuant does).
-    std::vector<uint8_t> outlier_col(static_cast<size_t>(in), 0);
-    std::vector<int64_t> cols;
-    if (decompose) {
-      for (int64_t i = 0; i < rows * in; ++i) {
-        if (outlier(a[i])) outlier_col[static_cast<size_t>(i % in)] = 1;
-      }
-      for (int64_t k = 0; k < in; ++k) {
-        if (outlier_col[static_cast<size_t>(k)]) cols.push_back(k);
-      }
-    }
-
-    // SCA over the elements below the threshold; CA = rint(A * (127 / SCA))
-    // (float32), outlier elements 0 and, for more than one row, whole outlier
-    // columns 0 (bnb's int8_vectorwise_quant). A row with SCA 0 has codes 0.
+    // Outlier columns, SCA and CA (internal::QuantizeInt8Rows): bnb's
+    // int8_vectorwise_quant, the threshold compared in float32 as CUDA's
+    // kInt8VectorQuant does.
+    std::vector<uint8_t> outlier_col(static_cast<size_t>(in));
     std::vector<float> sca(static_cast<size_t>(rows));
     std::vector<int8_t> ca(static_cast<size_t>(rows * in));
-    int8_t* ca_data = ca.data();
-    for (int64_t m = 0; m < rows; ++m) {
-      const float* am = a + m * in;
-      float absmax = 0.0f;
-      for (int64_t k = 0; k < in; ++k) {
-        if (!outlier(am[k])) absmax = std::max(absmax, std::fabs(am[k]));
-      }
-      sca[static_cast<size_t>(m)] = absmax;
-      const float scale = 127.0f / absmax;
-      for (int64_t k = 0; k < in; ++k) {
-        const bool zero = absmax == 0.0f || outlier(am[k]) ||
-                          (rows > 1 && outlier_col[static_cast<size_t>(k)] != 0);
-        ca_data[m * in + k] = zero ? 0 : Int8Code(am[k] * scale);
-      }
+    internal::QuantizeInt8Rows(internal::ActiveIsa(), a, rows, in, static_cast<float>(threshold),
+                               outlier_col.data(), sca.data(), ca.data());
+    const int8_t* ca_data = ca.data();
+    std::vector<int64_t> cols;
+    for (int64_t k = 0; k < in; ++k) {
+      if (outlier_col[static_cast<size_t>(k)]) cols.push_back(k);
     }
 
     // The int8 product, and CB's outlier columns picked up on the way.
     const int64_t nout = static_cast<int64_t>(cols.size());
-    std::vector<int32_t> c(static_cast<size_t>(rows * out));
+    std::vector<int32_t> c(static_cast<size_t>(out * rows));  // transposed: c[n * rows + m]
     const at::Tensor cb_c = cb.contiguous();
     std::vector<int8_t> cb_cols(static_cast<size_t>(out * nout));
     const internal::Int8Gather gather{cols.data(), nout, cb_cols.data()};
@@ -277,13 +243,17 @@ absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tens
     // outlier columns times the int8 weight dequantized to x's dtype,
     // round(CB * SCB * (1/127 in float32)).
     std::vector<float> sub_a(static_cast<size_t>(rows * nout));
-    std::vector<float> sub_b(static_cast<size_t>(out * nout));
+    std::vector<float> sub_b(static_cast<size_t>(nout * out));  // transposed: [nout, out]
     if (nout > 0) {
-      std::vector<float> x32(static_cast<size_t>(rows * in));
-      ReadRows(x, rows, in, DenseType::kFloat32, x32.data());
+      // Just those values, not all of x converted.
+      const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+      const auto* base = static_cast<const char*>(xc.data_ptr());
+      const int64_t size = static_cast<int64_t>(xc.element_size());
       for (int64_t m = 0; m < rows; ++m) {
         for (int64_t j = 0; j < nout; ++j) {
-          sub_a[static_cast<size_t>(m * nout + j)] = x32[static_cast<size_t>(m * in + cols[j])];
+          internal::LoadRounded(internal::ActiveIsa(), base + (m * in + cols[j]) * size,
+                                *DenseTypeOf(x.scalar_type()), 1, DenseType::kFloat32,
+                                &sub_a[static_cast<size_t>(m * nout + j)]);
         }
       }
     }
@@ -300,45 +270,36 @@ absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tens
       ReadRows(bias, 1, out, DenseType::kFloat32, b32.data());
     }
     const float* bias_data = bias.defined() ? b32.data() : nullptr;
-    const int32_t* c_data = c.data();
     std::vector<float> y32(static_cast<size_t>(rows * out));
-    float* y_data = y32.data();
-    float* sub_b_data = nout > 0 ? sub_b.data() : nullptr;
+    float* sub_b_data = sub_b.data();
     const at::ScalarType x_type = x.scalar_type();
     // About 4096 multiply-adds a task: an output costs `rows` rescales, and
     // with outlier columns `nout` weight dequantizations and rows x nout
     // products more (serial at one row, it cost as much as the product).
     const int64_t per_output = rows + nout * (rows + 1);
+    internal::Int8RescaleArgs rescale;
+    rescale.c = c.data();
+    rescale.rows = rows;
+    rescale.out = out;
+    rescale.sca = sca.data();
+    rescale.scb = scb_data;
+    rescale.bias = bias_data;
+    rescale.nout = nout;
+    rescale.outlier_x = sub_a.data();
+    rescale.outlier_w = sub_b.data();
+    rescale.y = y32.data();
     at::parallel_for(
         0, out, std::max<int64_t>(1, 4096 / per_output), [&](int64_t begin, int64_t end) {
-          for (int64_t n = begin; nout > 0 && n < end; ++n) {
-            float* bn = sub_b_data + n * nout;
-            for (int64_t j = 0; j < nout; ++j) {
+          for (int64_t j = 0; j < nout; ++j) {
+            float* bj = sub_b_data + j * out;
+            for (int64_t n = begin; n < end; ++n) {
               const float v = static_cast<float>(cb_cols[n * nout + j]) * scb_data[n] * kInv127;
-              bn[j] = x_type == at::kFloat      ? v
+              bj[n] = x_type == at::kFloat      ? v
                       : x_type == at::kBFloat16 ? static_cast<float>(c10::BFloat16(v))
                                                 : static_cast<float>(c10::Half(v));
             }
           }
-          // Row by row along the outputs: a column of C and y, `out` values
-          // apart, would map every row to the same L1 sets (measured: 78% of
-          // the epilogue's time on those loads at 64 rows).
-          for (int64_t m = 0; m < rows; ++m) {
-            const float sca_m = sca[static_cast<size_t>(m)];
-            const float* am = sub_a.data() + m * nout;
-            for (int64_t n = begin; n < end; ++n) {
-              float v =
-                  static_cast<float>(c_data[m * out + n]) * (sca_m * scb_data[n]) * kInv127Squared;
-              if (bias_data != nullptr) v += bias_data[n];
-              if (nout > 0) {
-                const float* bn = sub_b_data + n * nout;
-                float extra = 0.0f;
-                for (int64_t j = 0; j < nout; ++j) extra += am[j] * bn[j];
-                v += extra;
-              }
-              y_data[m * out + n] = v;
-            }
-          }
+          internal::Int8Rescale(internal::ActiveIsa(), rescale, begin, end);
         });
     y = at::empty(shape, x.options());
     WriteValues(y32.data(), rows * out, DenseType::kFloat32, y);

@@ -6,7 +6,8 @@
 //   Gemv4bit        y = x W^T for a few rows of x, decoding the packed weight
 //                   on the fly (the decode path: the weight is read once and
 //                   never materialized);
-//   Int8Matmul      C = A B^T for int8 A [M, K], B [N, K], exact in int32.
+//   Int8Matmul      C = A B^T for int8 A [M, K], B [N, K], exact in int32;
+//   QuantizeInt8Rows  LLM.int8's rows of x as int8 codes and outlier columns.
 //
 // Every kernel has an AVX2 level (with FMA and F16C; each function carries its
 // own target attribute, so the library builds for plain x86-64) and a portable
@@ -119,8 +120,12 @@ struct Gemv4bitArgs {
 };
 void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& args);
 
-// c[i, n] = sum_k a[i, k] * b[n, k] in int32 (exact while |sum| < 2^31: any
-// K up to 131072), a [m, k], b [n, k], c [m, n], all contiguous. Threaded over n.
+// C[i, j] = sum_k a[i, k] * b[j, k] in int32 (exact while |sum| < 2^31: any
+// K up to 131072), a [m, k], b [n, k], all contiguous, stored transposed:
+// c[j * m + i] (c is [n, m]). Threaded over n. Column-major because the
+// kernels for many rows hold 16 rows of one column in a register, and rows
+// of C `n` values apart would put all of a column's stores in the same L1
+// sets.
 // With `gather`, also copies b[n, gather->cols[j]] to gather->out[n * count + j]
 // while row n is in the cache (LLM.int8's outlier columns: picked from a
 // weight that is no longer cached, they cost more than the product).
@@ -131,6 +136,42 @@ struct Int8Gather {
 };
 void Int8Matmul(CpuIsa isa, const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
                 int32_t* c, const Int8Gather* gather = nullptr);
+
+// LLM.int8's activation quantization (bnb's int8_vectorwise_quant with a
+// threshold) of a [m, k] float32, all compares and products in float32:
+// outlier_col[t] = 1 where some row holds |a| >= threshold (threshold > 0;
+// else no outliers), else 0; sca[i] = the largest |a[i, t]| below the
+// threshold (NaN ignored); codes[i, t] = rint(a[i, t] * (127 / sca[i])), ties
+// to even, and 0 for an element at or above the threshold, for every element
+// of an outlier column when m > 1, for a row with sca 0, and where the
+// rounded value is not in [-128, 127] (NaN: an inf against sca inf). Every
+// level gives the same bytes. Not threaded (a few microseconds a call).
+void QuantizeInt8Rows(CpuIsa isa, const float* a, int64_t m, int64_t k, float threshold,
+                      uint8_t* outlier_col, float* sca, int8_t* codes);
+
+// 1/16129 = 1/127^2 rounded to float32: the constant of bnb's CUDA
+// int8_mm_dequant (the default backend's 6.200124e-05 has two digits swapped).
+inline constexpr float kInv127Squared = 1.0f / 16129.0f;
+
+// LLM.int8's epilogue for the outputs [n_begin, n_end) of every row m:
+// y[m * out + n] = float32(c[n * rows + m]) * (sca[m] * scb[n]) *
+// kInv127Squared (+ bias[n]), then + the outlier dot sum_j
+// outlier_x[m * nout + j] * outlier_w[j * out + n] summed in float32 from 0 in
+// the order of j; each a float32 operation of its own (no fused
+// multiply-add), so every level gives the same bits. Not threaded: a caller
+// splits the outputs.
+struct Int8RescaleArgs {
+  const int32_t* c = nullptr;  // Int8Matmul's [out, rows]
+  int64_t rows = 0, out = 0;
+  const float* sca = nullptr;        // [rows]
+  const float* scb = nullptr;        // [out]
+  const float* bias = nullptr;       // [out], or null
+  int64_t nout = 0;                  // outlier columns (0: none)
+  const float* outlier_x = nullptr;  // [rows, nout]
+  const float* outlier_w = nullptr;  // [nout, out]
+  float* y = nullptr;                // [rows, out]
+};
+void Int8Rescale(CpuIsa isa, const Int8RescaleArgs& args, int64_t n_begin, int64_t n_end);
 
 }  // namespace accel::quant::internal
 

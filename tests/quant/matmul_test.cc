@@ -617,7 +617,13 @@ at::Tensor Int64Product(const at::Tensor& a, const at::Tensor& b) {
 TEST(Int8MatmulTest, ExactInt32AtEveryLevel) {
   at::manual_seed(5);
   const std::vector<std::array<int64_t, 3>> shapes = {
-      {1, 7, 5}, {3, 33, 10}, {5, 100, 17}, {16, 257, 9}, {40, 64, 13}, {2, 4096, 300}, {1, 0, 3}};
+      {1, 7, 5},      {3, 33, 10}, {5, 100, 17},  {16, 257, 9}, {40, 64, 13},
+      {2, 4096, 300}, {1, 0, 3},   {11, 64, 30},  {12, 64, 30}, {33, 101, 29},
+      {64, 1027, 50}, {70, 5, 3},  {130, 66, 49}, {17, 2, 1}};
+  // From 12 rows the AVX-512 level keeps rows in lanes (kInt8LanesMinRows):
+  // row groups of 16 with 1-15 rows missing, 1-4 groups at a time and more
+  // than 4 (130 rows), K not a multiple of 4, columns past a multiple of 24
+  // / 12 / 8 / 6.
   for (const auto& [m, k, n] : shapes) {
     const at::Tensor a = RandomInt8({m, k}), b = RandomInt8({n, k});
     for (CpuIsa isa : Isas()) {
@@ -635,7 +641,9 @@ TEST(Int8MatmulTest, ExactInt32AtEveryLevel) {
 // fallback) loses bits; the int32 kernel must not.
 TEST(Int8MatmulTest, WorstCaseK8192IsExact) {
   const int64_t k = 8192;
-  at::Tensor a = at::full({2, k}, 127, at::kChar);
+  // 20 rows: the AVX-512 level's rows-in-lanes kernel too.
+  at::Tensor a = at::full({20, k}, 127, at::kChar);
+  a[7].fill_(-128);
   a[1].fill_(-127);
   a[1][5] = 126;
   at::Tensor b = at::full({3, k}, 127, at::kChar);
@@ -748,6 +756,73 @@ std::pair<at::Tensor, at::Tensor> QuantizeRows(const at::Tensor& w) {
   return {cb, scb};
 }
 
+// The activation quantization by its definition (reference §3.2), one value
+// at a time in float32, against every level's bytes; with NaN, inf, values
+// exactly at the threshold, a row of zeros and ties to even.
+TEST(QuantizeInt8RowsTest, EveryLevelGivesTheDefinitionsBytes) {
+  std::mt19937 gen(9);
+  std::uniform_real_distribution<float> dist(-5.0f, 5.0f);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<std::array<int64_t, 2>> shapes = {{1, 37}, {3, 16}, {5, 70}, {2, 1}, {4, 33}};
+  for (const auto& [m, k] : shapes) {
+    for (float threshold : {0.0f, 6.0f}) {
+      std::vector<float> a(static_cast<size_t>(m * k));
+      for (float& v : a) v = dist(gen);
+      a[0] = nan;
+      a[static_cast<size_t>(k - 1)] = -6.0f;  // an outlier with threshold 6 (>=)
+      if (m > 1 && k > 2) {
+        // absmax 127 / 32: scale 32, so 2.5 / 32 and -3.5 / 32 are ties.
+        float* r1 = a.data() + k;
+        for (int64_t t = 0; t < k; ++t) r1[t] = 0.0f;
+        r1[0] = 3.96875f;
+        r1[1] = 2.5f / 32;
+        r1[2] = -3.5f / 32;
+      }
+      if (m > 2) std::fill(a.begin() + 2 * k, a.begin() + 3 * k, 0.0f);
+      if (m > 3) a[static_cast<size_t>(3 * k + k - 2)] = inf;
+      // The definition.
+      auto outlier = [&](float v) { return threshold > 0 && std::fabs(v) >= threshold; };
+      std::vector<uint8_t> want_col(static_cast<size_t>(k), 0);
+      for (int64_t i = 0; i < m * k; ++i) {
+        if (outlier(a[static_cast<size_t>(i)])) want_col[static_cast<size_t>(i % k)] = 1;
+      }
+      std::vector<float> want_sca(static_cast<size_t>(m), 0.0f);
+      std::vector<int8_t> want(static_cast<size_t>(m * k), 0);
+      for (int64_t i = 0; i < m; ++i) {
+        float sca = 0.0f;
+        for (int64_t t = 0; t < k; ++t) {
+          const float v = a[static_cast<size_t>(i * k + t)];
+          if (!std::isnan(v) && !outlier(v)) sca = std::max(sca, std::fabs(v));
+        }
+        want_sca[static_cast<size_t>(i)] = sca;
+        for (int64_t t = 0; t < k; ++t) {
+          const float v = a[static_cast<size_t>(i * k + t)];
+          if (sca == 0 || outlier(v) || (m > 1 && want_col[static_cast<size_t>(t)])) continue;
+          const float r = std::nearbyint(v * (127.0f / sca));
+          if (r >= -128 && r <= 127) want[static_cast<size_t>(i * k + t)] = static_cast<int8_t>(r);
+        }
+      }
+      if (m > 1 && k > 2) {
+        EXPECT_EQ(want[static_cast<size_t>(k + 1)], 2);
+        EXPECT_EQ(want[static_cast<size_t>(k + 2)], -4);
+      }
+      for (CpuIsa isa : Isas()) {
+        SCOPED_TRACE(testing::Message() << m << "x" << k << " threshold " << threshold << " "
+                                        << internal::CpuIsaName(isa));
+        std::vector<uint8_t> col(static_cast<size_t>(k), 7);
+        std::vector<float> sca(static_cast<size_t>(m), -1.0f);
+        std::vector<int8_t> codes(static_cast<size_t>(m * k), 99);
+        internal::QuantizeInt8Rows(isa, a.data(), m, k, threshold, col.data(), sca.data(),
+                                   codes.data());
+        EXPECT_EQ(col, want_col);
+        EXPECT_EQ(sca, want_sca);
+        EXPECT_EQ(codes, want);
+      }
+    }
+  }
+}
+
 TEST(Int8LinearForwardTest, NoDecompositionIsBitExact) {
   at::manual_seed(6);
   for (int64_t in : {64, 100, 4096}) {
@@ -780,7 +855,7 @@ TEST(Int8LinearForwardTest, OutlierColumnsOneRowAndManyRows) {
   at::manual_seed(7);
   const int64_t in = 96, out = 21;
   auto [cb, scb] = QuantizeRows(Random({out, in}, 0.05));
-  for (int64_t rows : {1, 4}) {
+  for (int64_t rows : {1, 4, 20}) {
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       at::Tensor x = Random({rows, in}, 3.0);
       x[0][5] = 8.5;           // outlier column 5
@@ -788,12 +863,16 @@ TEST(Int8LinearForwardTest, OutlierColumnsOneRowAndManyRows) {
       x[0][40] = 5.99;         // below it
       x = x.to(dtype);
       const at::Tensor bias = Random({out}).to(dtype);
+      at::Tensor first_level;
       for (CpuIsa isa : Isas()) {
         SCOPED_TRACE(testing::Message()
                      << rows << " rows " << dtype << " " << internal::CpuIsaName(isa));
         IsaScope scope(isa);
         ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Int8LinearForward(x, cb, scb, bias, 6.0));
         ExpectInt8(y, x, cb, scb, bias, 6.0);
+        // Every level sums the outlier dot in the same order: the same bits.
+        if (!first_level.defined()) first_level = y;
+        EXPECT_TRUE(at::equal(y, first_level));
         // The decomposition matters: without it the answer is different.
         ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor plain, Int8LinearForward(x, cb, scb, bias, 0.0));
         EXPECT_FALSE(at::equal(plain, y));
