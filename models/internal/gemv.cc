@@ -4,21 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__)
-// GCC 12.2's AVX-512 intrinsics initialise their "undefined" vectors from
-// themselves, which -Wuninitialized reports once inlined (GCC bug 105593).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#else
-#include <immintrin.h>
-#endif
-#endif
-
 #include "core/cpu_features.h"
+#include "core/x86_intrinsics.h"
 
 namespace accel::models::internal {
 

@@ -7,7 +7,9 @@
 //                   on the fly (the decode path: the weight is read once and
 //                   never materialized);
 //   Int8Matmul      C = A B^T for int8 A [M, K], B [N, K], exact in int32;
-//   QuantizeInt8Rows  LLM.int8's rows of x as int8 codes and outlier columns.
+//   QuantizeInt8Rows, Int8Rescale
+//                   LLM.int8's activation quantization and rescale (these
+//                   three in int8_cpu.cc).
 //
 // Every kernel has an AVX2 level (with FMA and F16C; each function carries its
 // own target attribute, so the library builds for plain x86-64) and a portable
@@ -42,10 +44,17 @@ bool CpuIsaSupported(CpuIsa isa);
 // The level quant/matmul.cc uses: the best supported one, unless a test set
 // an override.
 CpuIsa ActiveIsa();
+// Aborts, naming `what`, unless this CPU can run `isa`: every kernel checks
+// the level it is handed.
+void CheckSupported(CpuIsa isa, const char* what);
 // Makes ActiveIsa() return `isa` (which must be supported: checked, an
 // unsupported level aborts) until reset with nullopt. For tests, which run
 // the public functions at every level; not thread-safe against running kernels.
 void SetIsaOverrideForTesting(std::optional<CpuIsa> isa);
+
+// Weight bytes per thread below which a kernel is not split further: a split
+// costs a few microseconds, about what 64 KiB take to stream.
+inline constexpr int64_t kMinBytesPerTask = int64_t{64} << 10;
 
 // The dtype values are rounded to (round to nearest even), and for
 // Dequantize4bit also the type of the output elements.

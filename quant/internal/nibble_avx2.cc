@@ -6,11 +6,8 @@
 
 #include <c10/util/BFloat16.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "core/cpu_features.h"
+#include "quant/internal/x86_targets.h"
 
 namespace accel::quant::internal {
 namespace {
@@ -51,9 +48,6 @@ const std::array<int, kGroup>& OrderOf(DenseType round) {
 }
 
 #if defined(__x86_64__)
-
-#define ACCEL_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define ACCEL_INLINE inline __attribute__((always_inline))
 
 // A block's 16 rounded values as two byte tables, each in both 128-bit lanes.
 struct ByteTables {
