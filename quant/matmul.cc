@@ -214,7 +214,8 @@ absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tens
     }
     // A: x rounded to float16 (bnb's MatMul8bitLt casts it), held as float32.
     std::vector<float> a32(static_cast<size_t>(rows * in));
-    ReadRows(x, rows, in, DenseType::kFloat16, a32.data());
+    const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+    ReadRows(xc, rows, in, DenseType::kFloat16, a32.data());
     const float* a = a32.data();
     // Outlier columns, SCA and CA (internal::QuantizeInt8Rows): bnb's
     // int8_vectorwise_quant, the threshold compared in float32 as CUDA's
@@ -246,7 +247,6 @@ absl::StatusOr<at::Tensor> Int8LinearForward(const at::Tensor& x, const at::Tens
     std::vector<float> sub_b(static_cast<size_t>(nout * out));  // transposed: [nout, out]
     if (nout > 0) {
       // Just those values, not all of x converted.
-      const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
       const auto* base = static_cast<const char*>(xc.data_ptr());
       const int64_t size = static_cast<int64_t>(xc.element_size());
       for (int64_t m = 0; m < rows; ++m) {

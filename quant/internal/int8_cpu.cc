@@ -77,17 +77,6 @@ void QuantizeInt8RowsScalar(const float* a, int64_t m, int64_t k, float threshol
   QuantizeInt8RowsBody(a, m, k, threshold, outlier_col, sca, codes);
 }
 
-// A float32 value kept from being fused with the next operation (a fused
-// multiply-add rounds once, and GCC fuses by default where the target has
-// one).
-inline __attribute__((always_inline)) void Unfused(float& v) {
-#if defined(__x86_64__)
-  asm("" : "+x"(v));
-#else
-  asm("" : "+m"(v));
-#endif
-}
-
 // 16 outputs (a cache line of y) at a time, row by row: neither c nor y is
 // walked along a column, whose values, a row apart, fall in the same L1 sets.
 void Int8RescaleScalar(const Int8RescaleArgs& a, int64_t n_begin, int64_t n_end) {
@@ -347,8 +336,6 @@ ACCEL_TARGET_AVX512 void RowSums128(const int8_t* a, int64_t m, int64_t k, int32
     out[i] = static_cast<int32_t>(static_cast<uint32_t>(_mm512_reduce_add_epi32(acc)) * 128u);
   }
 }
-
-ACCEL_TARGET_AVX512 ACCEL_INLINE void Unfused(__m512& v) { asm("" : "+v"(v)); }
 
 // Int8Rescale 16 outputs at a time: a row's 16 values of C, `rows` apart,
 // in one gather (their cache lines serve the next 15 rows too).

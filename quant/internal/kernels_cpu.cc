@@ -844,7 +844,7 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512 NestedAbsmax16(const Packed4bit& w,
   if (next != 0)
     scale = _mm512_mask_mov_ps(scale, next, _mm512_set1_ps(w.nested_absmax[group + 1]));
   __m512 scaled = _mm512_mul_ps(nested, scale);
-  asm("" : "+v"(scaled));  // two roundings, as bnb's two steps: no fused multiply-add
+  Unfused(scaled);  // two roundings, as bnb's two steps
   return _mm512_add_ps(scaled, _mm512_set1_ps(w.nested_offset));
 }
 

@@ -83,16 +83,22 @@ struct Packed4bit {
 // bnb's nested blocksize (quant/bnb.h), fixed: a shift, not a divide.
 inline constexpr int kNestedBlockShift = 8;
 
+// A float32 value kept from being fused with the next operation: a fused
+// multiply-add rounds once, and GCC fuses by default where the target has one
+// (x86_targets.h has the same for a 16-float register).
+inline __attribute__((always_inline)) void Unfused(float& v) {
+#if defined(__x86_64__)
+  asm("" : "+x"(v));
+#else
+  asm("" : "+m"(v));
+#endif
+}
+
 // Block b's absmax, either way it is stored.
 inline float BlockAbsmax(const Packed4bit& w, int64_t b) {
   if (w.absmax != nullptr) return w.absmax[b];
   float scaled = w.nested_code[w.absmax_codes[b]] * w.nested_absmax[b >> kNestedBlockShift];
-  // Two roundings, as bnb's two steps: no fused multiply-add.
-#if defined(__x86_64__)
-  asm("" : "+x"(scaled));
-#else
-  asm("" : "+m"(scaled));
-#endif
+  Unfused(scaled);  // two roundings, as bnb's two steps
   return scaled + w.nested_offset;
 }
 

@@ -17,4 +17,14 @@
 
 #define ACCEL_INLINE inline __attribute__((always_inline))
 
+#if defined(__x86_64__)
+namespace accel::quant::internal {
+
+// 16 float32 values kept from being fused with the next operation
+// (kernels_cpu.h's Unfused, for a register).
+ACCEL_TARGET_AVX512 ACCEL_INLINE void Unfused(__m512& v) { asm("" : "+v"(v)); }
+
+}  // namespace accel::quant::internal
+#endif  // __x86_64__
+
 #endif  // ACCEL_QUANT_INTERNAL_X86_TARGETS_H_
