@@ -20,7 +20,7 @@
 #include "absl/strings/strip.h"
 
 #include "core/bytes.h"
-#include "core/json_depth.h"
+#include "core/json.h"
 #include "core/status.h"
 #include "dispatch/internal/gpu_probe.h"
 
@@ -337,16 +337,10 @@ std::string DeviceMap::ToJson() const {
 }
 
 absl::StatusOr<DeviceMap> DeviceMap::FromJson(absl::string_view text, absl::string_view label) {
-  if (JsonNestsDeeperThan(text, 4)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(label, ": a device map is one flat JSON object"));
-  }
-  nlohmann::ordered_json j;
-  try {
-    j = nlohmann::ordered_json::parse(text.begin(), text.end());
-  } catch (const nlohmann::ordered_json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": not valid JSON: ", e.what()));
-  }
+  // A device map is one flat object, in the order it lists modules.
+  JsonLimits limits;
+  limits.max_depth = 4;
+  ACCEL_ASSIGN_OR_RETURN(nlohmann::ordered_json j, ParseOrderedJson(text, label, limits));
   if (!j.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(label, ": expected {\"module.name\": 0 | \"cpu\" | \"disk\"}"));

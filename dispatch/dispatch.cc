@@ -25,6 +25,7 @@
 #include "absl/strings/str_join.h"
 
 #include "core/dtype.h"
+#include "core/json.h"
 #include "core/status.h"
 #include "dispatch/empty_weights.h"
 #include "dispatch/internal/device_stager.h"
@@ -829,9 +830,9 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     // Merged with an index already there, as Accelerate does.
     const std::string index_path = options.offload_folder + "/index.json";
     if (absl::StatusOr<std::string> existing = loader::ReadFile(index_path); existing.ok()) {
-      auto old = nlohmann::ordered_json::parse(*existing, nullptr, /*allow_exceptions=*/false);
-      if (old.is_object()) {
-        for (const auto& [k, v] : old.items()) {
+      absl::StatusOr<nlohmann::ordered_json> old = ParseOrderedJson(*existing, index_path);
+      if (old.ok() && old->is_object()) {
+        for (const auto& [k, v] : old->items()) {
           if (!index.contains(k)) index[k] = v;
         }
       }

@@ -15,7 +15,7 @@
 #include "absl/strings/str_split.h"
 
 #include "core/dtype.h"
-#include "core/json_depth.h"
+#include "core/json.h"
 #include "core/status.h"
 #include "dispatch/layer.h"
 
@@ -278,17 +278,9 @@ std::vector<std::string> ModuleTree::StateDictKeys() const {
 }
 
 absl::StatusOr<ModuleTree> ModuleTree::FromJson(absl::string_view text, absl::string_view label) {
-  constexpr int kMaxDepth = 256;
-  if (JsonNestsDeeperThan(text, kMaxDepth)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(label, ": nested deeper than ", kMaxDepth, " levels"));
-  }
-  Json j;
-  try {
-    j = Json::parse(text.begin(), text.end());
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": not valid JSON: ", e.what()));
-  }
+  JsonLimits limits;
+  limits.max_depth = 256;
+  ACCEL_ASSIGN_OR_RETURN(Json j, ParseJson(text, label, limits));
   JsonReader reader(label);
   if (!j.is_object()) return reader.Error("", "expected a module object");
   std::string root_class;

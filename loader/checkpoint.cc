@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
+#include "core/json.h"
 #include "core/status.h"
 #include "loader/loader.h"
 
@@ -97,12 +98,7 @@ absl::StatusOr<Checkpoint> Checkpoint::Open(const std::string& path, OpenOptions
   }
 
   ACCEL_ASSIGN_OR_RETURN(std::string text, ReadFile(index_path));
-  Json index;
-  try {
-    index = Json::parse(text);
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(index_path, ": not valid JSON: ", e.what()));
-  }
+  ACCEL_ASSIGN_OR_RETURN(Json index, ParseJson(text, index_path));
   if (!index.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(index_path, ": not a JSON object"));
   }

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 
-#include "core/json_depth.h"
+#include "core/json.h"
 #include "core/status.h"
 #include "loader/loader.h"
 
@@ -215,17 +215,9 @@ class FieldReader {
 absl::StatusOr<Json> ParseObject(absl::string_view text, absl::string_view label) {
   // Configs nest a few levels; unknown fields are kept and written back, so
   // deep nesting would also make ToJson() quadratic (found by config_fuzz).
-  constexpr int kMaxDepth = 32;
-  if (JsonNestsDeeperThan(text, kMaxDepth)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(label, ": nested deeper than ", kMaxDepth, " levels"));
-  }
-  Json json;
-  try {
-    json = Json::parse(text.begin(), text.end());
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": not valid JSON: ", e.what()));
-  }
+  JsonLimits limits;
+  limits.max_depth = 32;
+  ACCEL_ASSIGN_OR_RETURN(Json json, ParseJson(text, label, limits));
   if (!json.is_object())
     return absl::InvalidArgumentError(absl::StrCat(label, ": not a JSON object"));
   return json;
@@ -233,7 +225,10 @@ absl::StatusOr<Json> ParseObject(absl::string_view text, absl::string_view label
 
 void PutExtra(OrderedJson& out, const std::map<std::string, std::string>& extra) {
   for (const auto& [key, text] : extra) {
-    if (!out.contains(key)) out[key] = OrderedJson::parse(text, nullptr, false);
+    if (out.contains(key)) continue;
+    // Our own dump of the field, so it parses; linear even for a large one.
+    absl::StatusOr<OrderedJson> value = ParseOrderedJson(text, key);
+    out[key] = value.ok() ? *std::move(value) : OrderedJson();
   }
 }
 

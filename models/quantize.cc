@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 
 #include "core/dtype.h"
+#include "core/json.h"
 #include "core/status.h"
 
 namespace accel::models {
@@ -491,8 +492,8 @@ absl::StatusOr<QuantPlan> PlanForModel(const std::string& dir, const dispatch::M
 absl::StatusOr<std::optional<quant::BnbQuantizationConfig>> ReadQuantizationConfig(
     const std::string& config_json_path) {
   ACCEL_ASSIGN_OR_RETURN(std::string text, loader::ReadFile(config_json_path));
-  const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded() || !json.is_object()) {
+  ACCEL_ASSIGN_OR_RETURN(const nlohmann::json json, ParseJson(text, config_json_path));
+  if (!json.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(config_json_path, ": not a JSON object"));
   }
   auto found = json.find("quantization_config");
@@ -621,12 +622,13 @@ absl::Status SaveQuantizedModel(LoadedModel& loaded, const std::string& out_dir,
   config.bnb_4bit_compute_dtype = how.compute_dtype;
   config.blocksize = how.blocksize;
   ACCEL_ASSIGN_OR_RETURN(std::string config_text, loader::ReadFile(loaded.dir + "/config.json"));
-  nlohmann::ordered_json json =
-      nlohmann::ordered_json::parse(config_text, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded() || !json.is_object()) {
+  ACCEL_ASSIGN_OR_RETURN(nlohmann::ordered_json json,
+                         ParseOrderedJson(config_text, loaded.dir + "/config.json"));
+  if (!json.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(loaded.dir, "/config.json: not a JSON object"));
   }
-  json["quantization_config"] = nlohmann::ordered_json::parse(quant::BnbConfigToJson(config));
+  ACCEL_ASSIGN_OR_RETURN(json["quantization_config"],
+                         ParseOrderedJson(quant::BnbConfigToJson(config), "quantization_config"));
   json["torch_dtype"] = std::string(DTypeName(loaded.dtype));
 
   ACCEL_ASSIGN_OR_RETURN(std::vector<loader::NamedTensor> tensors,

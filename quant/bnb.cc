@@ -27,7 +27,7 @@
 #include "absl/strings/str_join.h"
 
 #include "core/dtype.h"
-#include "core/json_depth.h"
+#include "core/json.h"
 #include "core/status.h"
 
 namespace accel::quant {
@@ -471,17 +471,9 @@ std::string PythonFloatRepr(double v) {
 }
 
 absl::StatusOr<Json> ParseJsonObject(absl::string_view text, absl::string_view label) {
-  constexpr int kMaxDepth = 8;
-  if (JsonNestsDeeperThan(text, kMaxDepth)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(label, ": nested deeper than ", kMaxDepth, " levels"));
-  }
-  Json json;
-  try {
-    json = Json::parse(text.begin(), text.end());
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": not valid JSON: ", e.what()));
-  }
+  JsonLimits limits;
+  limits.max_depth = 8;
+  ACCEL_ASSIGN_OR_RETURN(Json json, ParseJson(text, label, limits));
   if (!json.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(label, ": not a JSON object"));
   }

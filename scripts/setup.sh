@@ -5,7 +5,9 @@
 # default is about 30x slower for training (docs/BENCHMARKS.md). The OpenMP
 # build shares libtorch's thread pool (libgomp) instead of starting its own.
 # prometheus brings promtool (the tests lint /metrics with it); openssl makes
-# the TLS test's certificate.
+# the TLS test's certificate. prometheus-cpp-dev: the server's metrics
+# (core) and its metrics port (pull, on civetweb); libboost-dev: Boost.Beast
+# and Boost.Asio (header-only) under the OpenAI HTTP API.
 # Idempotent and quiet: when everything is present it only checks, in about a second.
 set -euo pipefail
 
@@ -15,7 +17,8 @@ packages=(
   libtorch-dev libopenblas0-openmp
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libcivetweb-dev libre2-dev libgloo-dev libgoogle-glog-dev
+  nlohmann-json3-dev libcivetweb-dev prometheus-cpp-dev libboost-dev libre2-dev libgloo-dev
+  libgoogle-glog-dev
   libutf8proc-dev libssl-dev libyaml-cpp-dev
   prometheus openssl
   yamllint

@@ -252,9 +252,8 @@ absl::Status Engine::Complete(models::GenerationRequest& request) const {
   if (request.chat.has_value()) {
     if (!model_->chat_template) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "messages: this model has no chat template (", options_.model_dir,
-          " has no chat_template.jinja and no chat_template in tokenizer_config.json); send a "
-          "prompt instead"));
+          "messages: this model has no chat template (its folder has no chat_template.jinja "
+          "and no chat_template in tokenizer_config.json); send a prompt instead"));
     }
     ACCEL_ASSIGN_OR_RETURN(
         const std::string text,

@@ -10,9 +10,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 
-#include "core/json_depth.h"
+#include "core/json.h"
 #include "core/status.h"
 #include "server/engine.h"
+#include "server/internal/openai_convert.h"
 #include "server/internal/wire.h"
 #include "server/internal/write_pump.h"
 #include "server/scheduler.h"
@@ -54,13 +55,16 @@ void SetSampling(const accel::v1::SamplingParameters& s, models::SamplingParams&
   if (s.has_seed()) out.seed = s.seed();
 }
 
-absl::StatusOr<Json> ParseJsonField(const std::string& text, const std::string& field) {
-  if (JsonNestsDeeperThan(text, 64)) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": nests deeper than 64 levels"));
-  }
-  Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(field, ": invalid JSON"));
-  return json;
+// The bounds of the JSON fields of one Chat request (tools_json,
+// arguments_json), as the OpenAI API's bodies: depth, and the keys of all the
+// fields together; the parse stops once the client has gone.
+JsonLimits ChatJsonLimits(const grpc::ServerContextBase& context, int64_t* key_total) {
+  JsonLimits limits;
+  limits.max_depth = internal::kMaxOpenAiJsonDepth;
+  limits.max_keys = internal::kMaxOpenAiJsonKeys;
+  limits.key_total = key_total;
+  limits.check = [&context] { return CallStillWanted(context); };
+  return limits;
 }
 
 // The messages as chat templates read them (transformers' shape: a tool
@@ -68,6 +72,8 @@ absl::StatusOr<Json> ParseJsonField(const std::string& text, const std::string& 
 absl::StatusOr<models::GenerationRequest> ChatToParams(const ChatRequest& request,
                                                        const grpc::ServerContextBase& context) {
   if (request.messages().empty()) return absl::InvalidArgumentError("messages is empty");
+  int64_t json_keys = 0;
+  const JsonLimits limits = ChatJsonLimits(context, &json_keys);
   Json messages = Json::array();
   for (int i = 0; i < request.messages_size(); ++i) {
     const accel::v1::ChatMessage& m = request.messages(i);
@@ -85,7 +91,8 @@ absl::StatusOr<models::GenerationRequest> ChatToParams(const ChatRequest& reques
         Json arguments = Json::object();
         if (!call.arguments_json().empty()) {
           ACCEL_ASSIGN_OR_RETURN(
-              arguments, ParseJsonField(call.arguments_json(), call_where + ".arguments_json"));
+              arguments,
+              ParseOrderedJson(call.arguments_json(), call_where + ".arguments_json", limits));
         }
         Json function = {{"name", call.name()}, {"arguments", std::move(arguments)}};
         Json entry = {{"type", call.type().empty() ? "function" : call.type()},
@@ -100,7 +107,8 @@ absl::StatusOr<models::GenerationRequest> ChatToParams(const ChatRequest& reques
   Json tools = Json::array();
   for (int i = 0; i < request.tools_json_size(); ++i) {
     ACCEL_ASSIGN_OR_RETURN(
-        Json tool, ParseJsonField(request.tools_json(i), absl::StrCat("tools_json[", i, "]")));
+        Json tool,
+        ParseOrderedJson(request.tools_json(i), absl::StrCat("tools_json[", i, "]"), limits));
     if (!tool.is_object()) {
       return absl::InvalidArgumentError(absl::StrCat("tools_json[", i, "]: expected an object"));
     }
@@ -196,11 +204,20 @@ grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerConte
   if (!auth.ok()) return auth;
   absl::StatusOr<models::GenerationRequest> params = ParseParams(method, body, context);
   if (!params.ok()) {
-    if (state.metrics() != nullptr) state.metrics()->RequestFailed("invalid");
+    if (state.metrics() != nullptr) {
+      const absl::StatusCode code = params.status().code();
+      state.metrics()->RequestFailed(code == absl::StatusCode::kDeadlineExceeded ? "timeout"
+                                     : code == absl::StatusCode::kCancelled      ? "cancelled"
+                                                                                 : "invalid");
+    }
     return ToGrpcStatus(params.status());
   }
   absl::StatusOr<Engine*> engine = state.ReadyEngine();
   if (!engine.ok()) return ToGrpcStatus(engine.status());
+  // Nobody to answer: nothing is queued (the scheduler would only drop it).
+  if (absl::Status wanted = CallStillWanted(context); !wanted.ok()) {
+    return ToGrpcStatus(wanted);
+  }
   absl::StatusOr<uint64_t> id = (*engine)->Submit(*std::move(params), std::move(sink));
   if (!id.ok()) {
     if (absl::IsResourceExhausted(id.status())) AddRetryHint(context);

@@ -6,9 +6,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <utility>
+
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -18,8 +26,9 @@
 namespace accel::server {
 namespace {
 
-// Misuse of the registry is a bug in our own code, met on the first run, and registration has no
-// caller to hand a Status to: this is a failed CHECK, without glog (this library is torch-free).
+// Misuse of the registry is a bug in our own code, met on the first run, and
+// registration has no caller to hand a Status to: this is a failed CHECK,
+// without glog (this library is torch-free).
 [[noreturn]] void Die(const std::string& message) {
   std::fprintf(stderr, "accel metrics: %s\n", message.c_str());
   std::abort();
@@ -41,16 +50,12 @@ bool IsLabelName(absl::string_view s) {
   return IsMetricName(s) && !absl::StrContains(s, ':') && !absl::StartsWith(s, "__");
 }
 
-// Prometheus reads values with Go's strconv.ParseFloat, which takes every form printed here.
+// For messages only.
 std::string FormatValue(double v) {
   if (std::isnan(v)) return "NaN";
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
   char buf[64];
-  // Integers (counts, bytes) in full, "1000000" rather than "1e+06"; beyond 1e21 that would be a
-  // long run of digits, so those and every fraction take the shortest form that round-trips.
-  std::to_chars_result r = v == std::trunc(v) && std::fabs(v) < 1e21
-                               ? std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed)
-                               : std::to_chars(buf, buf + sizeof buf, v);
+  const std::to_chars_result r = std::to_chars(buf, buf + sizeof buf, v);
   return std::string(buf, r.ptr);
 }
 
@@ -58,65 +63,6 @@ std::string JoinValues(const std::vector<double>& values) {
   return absl::StrJoin(values, ", ",
                        [](std::string* out, double v) { out->append(FormatValue(v)); });
 }
-
-// The text format escapes \ and newline everywhere, and " inside label values.
-void AppendEscaped(absl::string_view s, bool in_quotes, std::string* out) {
-  for (char c : s) {
-    if (c == '\\') {
-      out->append("\\\\");
-    } else if (c == '\n') {
-      out->append("\\n");
-    } else if (c == '"' && in_quotes) {
-      out->append("\\\"");
-    } else {
-      out->push_back(c);
-    }
-  }
-}
-
-// {a="x",b="y"}, with le="..." last when given; nothing when there is no label at all.
-std::string Labels(const std::vector<std::string>& names, const LabelValues& values,
-                   absl::string_view le = {}) {
-  if (names.empty() && le.empty()) return "";
-  std::string out = "{";
-  for (size_t i = 0; i < names.size(); ++i) {
-    absl::StrAppend(&out, i > 0 ? "," : "", names[i], "=\"");
-    AppendEscaped(values[i], /*in_quotes=*/true, &out);
-    out.push_back('"');
-  }
-  if (!le.empty()) absl::StrAppend(&out, names.empty() ? "" : ",", "le=\"", le, "\"");
-  out.push_back('}');
-  return out;
-}
-
-void AppendSamples(const std::string& name, const std::vector<std::string>& label_names,
-                   const LabelValues& values, const Counter& c, std::string* out) {
-  absl::StrAppend(out, name, Labels(label_names, values), " ", FormatValue(c.value()), "\n");
-}
-
-void AppendSamples(const std::string& name, const std::vector<std::string>& label_names,
-                   const LabelValues& values, const Gauge& g, std::string* out) {
-  absl::StrAppend(out, name, Labels(label_names, values), " ", FormatValue(g.value()), "\n");
-}
-
-void AppendSamples(const std::string& name, const std::vector<std::string>& label_names,
-                   const LabelValues& values, const Histogram& h, std::string* out) {
-  Histogram::Snapshot s = h.snapshot();
-  const std::vector<double>& bounds = h.bounds();
-  for (size_t i = 0; i < s.cumulative_counts.size(); ++i) {
-    std::string le = i < bounds.size() ? FormatValue(bounds[i]) : "+Inf";
-    absl::StrAppend(out, name, "_bucket", Labels(label_names, values, le), " ",
-                    s.cumulative_counts[i], "\n");
-  }
-  std::string labels = Labels(label_names, values);
-  absl::StrAppend(out, name, "_sum", labels, " ", FormatValue(s.sum), "\n");
-  absl::StrAppend(out, name, "_count", labels, " ", s.cumulative_counts.back(), "\n");
-}
-
-template <typename Metric>
-constexpr const char* kTypeName = std::is_same_v<Metric, Counter> ? "counter"
-                                  : std::is_same_v<Metric, Gauge> ? "gauge"
-                                                                  : "histogram";
 
 // Drops a trailing +Inf (that bucket is always there) and checks the rest.
 std::vector<double> CheckedBounds(absl::string_view metric, std::vector<double> bounds) {
@@ -132,12 +78,28 @@ std::vector<double> CheckedBounds(absl::string_view metric, std::vector<double> 
   return bounds;
 }
 
-// std::atomic<double>::fetch_add is C++20.
-void AtomicAdd(std::atomic<double>* a, double by) {
-  double old = a->load(std::memory_order_relaxed);
-  // On failure compare_exchange_weak reloads `old`, so each try adds to the latest value.
-  while (!a->compare_exchange_weak(old, old + by, std::memory_order_relaxed)) {
+// HELP text as the text format wants it: prometheus-cpp 1.0.1 writes it
+// verbatim, so a newline in it would end the line early.
+std::string EscapedHelp(absl::string_view help) {
+  std::string out;
+  for (char c : help) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out.push_back(c);
+    }
   }
+  return out;
+}
+
+// The label values of a collected sample, for sorting.
+std::vector<std::string> ValuesOf(const prometheus::ClientMetric& metric) {
+  std::vector<std::string> values;
+  values.reserve(metric.label.size());
+  for (const prometheus::ClientMetric::Label& label : metric.label) values.push_back(label.value);
+  return values;
 }
 
 }  // namespace
@@ -146,33 +108,34 @@ void Counter::Increment(double by) {
   if (!(by >= 0)) {
     Die(absl::StrCat("Counter::Increment(", FormatValue(by), "): a counter never goes down"));
   }
-  AtomicAdd(&value_, by);
+  counter_.Increment(by);
 }
 
-void Gauge::Add(double by) { AtomicAdd(&value_, by); }
+double Counter::value() const { return counter_.Value(); }
 
-Histogram::Histogram(std::vector<double> bounds)
-    : bounds_(CheckedBounds("Histogram", std::move(bounds))), counts_(bounds_.size() + 1, 0) {}
+void Gauge::Set(double v) { gauge_.Set(v); }
+void Gauge::Add(double by) { gauge_.Increment(by); }
+double Gauge::value() const { return gauge_.Value(); }
 
 void Histogram::Observe(double v) {
-  // The first bound >= v (le is inclusive). NaN is >= nothing, so it lands in +Inf.
-  size_t i = std::partition_point(bounds_.begin(), bounds_.end(),
-                                  [v](double bound) { return !(bound >= v); }) -
-             bounds_.begin();
-  absl::MutexLock lock(&mu_);
-  ++counts_[i];
-  sum_ += v;
+  if (std::isnan(v)) {
+    // prometheus-cpp finds a NaN's bucket by lower_bound, which puts it in the
+    // first bucket; the Go client counts it under +Inf only.
+    std::vector<double> increments(bounds_.size() + 1, 0.0);
+    increments.back() = 1.0;
+    histogram_.ObserveMultiple(increments, v);
+    return;
+  }
+  histogram_.Observe(v);
 }
 
 Histogram::Snapshot Histogram::snapshot() const {
+  const prometheus::ClientMetric collected = histogram_.Collect();
   Snapshot s;
-  {
-    absl::MutexLock lock(&mu_);
-    s.cumulative_counts = counts_;
-    s.sum = sum_;
+  s.sum = collected.histogram.sample_sum;
+  for (const prometheus::ClientMetric::Bucket& bucket : collected.histogram.bucket) {
+    s.cumulative_counts.push_back(bucket.cumulative_count);
   }
-  std::partial_sum(s.cumulative_counts.begin(), s.cumulative_counts.end(),
-                   s.cumulative_counts.begin());
   return s;
 }
 
@@ -202,12 +165,12 @@ std::vector<double> LinearBuckets(double start, double width, int count) {
 namespace metrics_internal {
 
 template <typename Metric>
-Family<Metric>::Family(std::string name, std::string help, std::vector<std::string> label_names,
-                       std::vector<double> buckets)
+Family<Metric>::Family(std::string name, std::vector<std::string> label_names,
+                       std::vector<double> buckets, PrometheusFamily& family)
     : name_(std::move(name)),
-      help_(std::move(help)),
       label_names_(std::move(label_names)),
-      buckets_(std::move(buckets)) {}
+      buckets_(std::move(buckets)),
+      family_(family) {}
 
 template <typename Metric>
 Metric& Family<Metric>::WithLabels(const LabelValues& values) {
@@ -224,25 +187,16 @@ Metric& Family<Metric>::WithLabels(const LabelValues& values) {
   absl::MutexLock lock(&mu_);
   std::unique_ptr<Metric>& child = children_[values];
   if (child == nullptr) {  // another thread may have made it between the two locks
+    std::map<std::string, std::string> labels;
+    for (size_t i = 0; i < values.size(); ++i) labels.emplace(label_names_[i], values[i]);
     if constexpr (std::is_same_v<Metric, Histogram>) {
-      child = std::make_unique<Histogram>(buckets_);
+      child = std::make_unique<Histogram>(
+          family_.Add(labels, prometheus::Histogram::BucketBoundaries(buckets_)), buckets_);
     } else {
-      child = std::make_unique<Metric>();
+      child = std::make_unique<Metric>(family_.Add(labels));
     }
   }
   return *child;
-}
-
-template <typename Metric>
-void Family<Metric>::Render(std::string* out) const {
-  absl::ReaderMutexLock lock(&mu_);
-  if (children_.empty()) return;
-  absl::StrAppend(out, "# HELP ", name_, help_.empty() ? "" : " ");
-  AppendEscaped(help_, /*in_quotes=*/false, out);
-  absl::StrAppend(out, "\n# TYPE ", name_, " ", kTypeName<Metric>, "\n");
-  for (const auto& [values, child] : children_) {
-    AppendSamples(name_, label_names_, values, *child, out);
-  }
 }
 
 template class Family<Counter>;
@@ -250,6 +204,75 @@ template class Family<Gauge>;
 template class Family<Histogram>;
 
 }  // namespace metrics_internal
+
+// The registry as prometheus::Exposer and Render collect it: the hooks
+// first, one collection at a time; then the families in the order they were
+// added (prometheus-cpp groups them by type), each family's samples sorted
+// by label values (it keeps them in a hash map), and families with no
+// sample yet left out.
+class MetricsRegistry::Hooked : public prometheus::Collectable {
+ public:
+  explicit Hooked(std::shared_ptr<prometheus::Registry> registry)
+      : registry_(std::move(registry)) {}
+
+  void AddHook(std::function<void()> hook) {
+    absl::MutexLock lock(&mu_);
+    hooks_.push_back(std::move(hook));
+  }
+  void AddName(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    order_.emplace(name, order_.size());
+  }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    absl::MutexLock collect_lock(&collect_mu_);
+    std::vector<std::function<void()>> hooks;
+    std::map<std::string, size_t> order;
+    {
+      absl::MutexLock lock(&mu_);
+      hooks = hooks_;
+      order = order_;
+    }
+    for (const std::function<void()>& hook : hooks) hook();
+    std::vector<prometheus::MetricFamily> families = registry_->Collect();
+    families.erase(std::remove_if(families.begin(), families.end(),
+                                  [](const prometheus::MetricFamily& family) {
+                                    return family.metric.empty();
+                                  }),
+                   families.end());
+    const auto position = [&order](const prometheus::MetricFamily& family) {
+      auto it = order.find(family.name);
+      return it == order.end() ? order.size() : it->second;
+    };
+    std::stable_sort(
+        families.begin(), families.end(),
+        [&position](const prometheus::MetricFamily& a, const prometheus::MetricFamily& b) {
+          return position(a) < position(b);
+        });
+    for (prometheus::MetricFamily& family : families) {
+      std::stable_sort(family.metric.begin(), family.metric.end(),
+                       [](const prometheus::ClientMetric& a, const prometheus::ClientMetric& b) {
+                         return ValuesOf(a) < ValuesOf(b);
+                       });
+    }
+    return families;
+  }
+
+ private:
+  const std::shared_ptr<prometheus::Registry> registry_;
+  // Held through a whole collection, so that hooks never run concurrently.
+  mutable absl::Mutex collect_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable absl::Mutex mu_;
+  std::vector<std::function<void()>> hooks_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, size_t> order_ ABSL_GUARDED_BY(mu_);
+};
+
+MetricsRegistry::MetricsRegistry()
+    : registry_(
+          std::make_shared<prometheus::Registry>(prometheus::Registry::InsertBehavior::Throw)),
+      hooked_(std::make_shared<Hooked>(registry_)) {}
+
+MetricsRegistry::~MetricsRegistry() = default;
 
 void MetricsRegistry::Reserve(const std::string& name, const std::vector<std::string>& label_names,
                               bool histogram) {
@@ -265,7 +288,8 @@ void MetricsRegistry::Reserve(const std::string& name, const std::vector<std::st
     if (histogram && label == "le") Die(absl::StrCat(name, ": a histogram's buckets own \"le\""));
     if (!seen.insert(label).second) Die(absl::StrCat(name, ": label \"", label, "\" repeated"));
   }
-  // A histogram also writes name_bucket, name_sum and name_count; none may clash.
+  // A histogram also writes name_bucket, name_sum and name_count; none may
+  // clash (prometheus-cpp checks only the family names).
   std::vector<std::string> taken = {name};
   if (histogram) {
     for (const char* suffix : {"_bucket", "_sum", "_count"}) taken.push_back(name + suffix);
@@ -274,20 +298,40 @@ void MetricsRegistry::Reserve(const std::string& name, const std::vector<std::st
     if (names_.count(t) > 0) Die(absl::StrCat(name, ": the name ", t, " is already registered"));
   }
   names_.insert(taken.begin(), taken.end());
+  hooked_->AddName(name);
 }
 
-template <typename F>
-F& MetricsRegistry::Add(std::string name, std::string help, std::vector<std::string> label_names,
-                        std::vector<double> buckets) {
-  constexpr bool kHistogram = std::is_same_v<F, HistogramFamily>;
+CounterFamily& MetricsRegistry::AddCounterFamily(std::string name, std::string help,
+                                                 std::vector<std::string> label_names) {
   absl::MutexLock lock(&mu_);
-  Reserve(name, label_names, kHistogram);
-  if (kHistogram) buckets = CheckedBounds(name, std::move(buckets));
-  auto family = std::make_unique<F>(std::move(name), std::move(help), std::move(label_names),
-                                    std::move(buckets));
-  F& result = *family;
-  families_.push_back(std::move(family));
-  return result;
+  Reserve(name, label_names, false);
+  auto& family = prometheus::BuildCounter().Name(name).Help(EscapedHelp(help)).Register(*registry_);
+  counters_.push_back(std::make_unique<CounterFamily>(std::move(name), std::move(label_names),
+                                                      std::vector<double>{}, family));
+  return *counters_.back();
+}
+
+GaugeFamily& MetricsRegistry::AddGaugeFamily(std::string name, std::string help,
+                                             std::vector<std::string> label_names) {
+  absl::MutexLock lock(&mu_);
+  Reserve(name, label_names, false);
+  auto& family = prometheus::BuildGauge().Name(name).Help(EscapedHelp(help)).Register(*registry_);
+  gauges_.push_back(std::make_unique<GaugeFamily>(std::move(name), std::move(label_names),
+                                                  std::vector<double>{}, family));
+  return *gauges_.back();
+}
+
+HistogramFamily& MetricsRegistry::AddHistogramFamily(std::string name, std::string help,
+                                                     std::vector<std::string> label_names,
+                                                     std::vector<double> buckets) {
+  absl::MutexLock lock(&mu_);
+  Reserve(name, label_names, true);
+  buckets = CheckedBounds(name, std::move(buckets));
+  auto& family =
+      prometheus::BuildHistogram().Name(name).Help(EscapedHelp(help)).Register(*registry_);
+  histograms_.push_back(std::make_unique<HistogramFamily>(std::move(name), std::move(label_names),
+                                                          std::move(buckets), family));
+  return *histograms_.back();
 }
 
 Counter& MetricsRegistry::AddCounter(std::string name, std::string help) {
@@ -304,40 +348,14 @@ Histogram& MetricsRegistry::AddHistogram(std::string name, std::string help,
       .WithLabels({});
 }
 
-CounterFamily& MetricsRegistry::AddCounterFamily(std::string name, std::string help,
-                                                 std::vector<std::string> label_names) {
-  return Add<CounterFamily>(std::move(name), std::move(help), std::move(label_names), {});
-}
-
-GaugeFamily& MetricsRegistry::AddGaugeFamily(std::string name, std::string help,
-                                             std::vector<std::string> label_names) {
-  return Add<GaugeFamily>(std::move(name), std::move(help), std::move(label_names), {});
-}
-
-HistogramFamily& MetricsRegistry::AddHistogramFamily(std::string name, std::string help,
-                                                     std::vector<std::string> label_names,
-                                                     std::vector<double> buckets) {
-  return Add<HistogramFamily>(std::move(name), std::move(help), std::move(label_names),
-                              std::move(buckets));
-}
-
 void MetricsRegistry::AddCollectHook(std::function<void()> hook) {
-  absl::MutexLock lock(&mu_);
-  hooks_.push_back(std::move(hook));
+  hooked_->AddHook(std::move(hook));
 }
 
 std::string MetricsRegistry::Render() const {
-  absl::MutexLock render_lock(&render_mu_);
-  std::vector<std::function<void()>> hooks;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    hooks = hooks_;
-  }
-  for (const std::function<void()>& hook : hooks) hook();
-  std::string out;
-  absl::ReaderMutexLock lock(&mu_);
-  for (const auto& family : families_) family->Render(&out);
-  return out;
+  return prometheus::TextSerializer().Serialize(hooked_->Collect());
 }
+
+std::shared_ptr<prometheus::Collectable> MetricsRegistry::collectable() const { return hooked_; }
 
 }  // namespace accel::server

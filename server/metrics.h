@@ -1,25 +1,31 @@
-// server/metrics.h: a small Prometheus metrics registry (counters, gauges, histograms, with or
-// without labels) and its text exposition format 0.0.4. Torch-free and gRPC-free; prometheus-cpp
-// is not packaged in Debian, and we need only this much of it.
+// server/metrics.h: accel-serve's metrics on prometheus-cpp (Debian's
+// prometheus-cpp-dev 1.0.1, core): counters, gauges and histograms, with or
+// without labels, kept in a prometheus::Registry and written in the text
+// exposition format 0.0.4 by prometheus-cpp's TextSerializer. Torch-free and
+// gRPC-free; no prometheus-cpp header here.
+//
+// The thin layer over prometheus-cpp is ours for three reasons: label values
+// by position (WithLabels({"llama", "stop"})) rather than a map built on
+// every update; collect hooks that refresh gauges from snapshots at scrape
+// time (a prometheus::Collectable, so the pull Exposer of the metrics port
+// runs them too); and misuse (a bad or duplicate name, a histogram's _sum
+// clashing with another metric, bad buckets, a negative counter increment,
+// the wrong number of label values) that stops the program with a message
+// naming the metric, where prometheus-cpp throws or ignores it.
 //
 //   MetricsRegistry registry;  // at startup, before any thread uses it
 //   CounterFamily& done = registry.AddCounterFamily(
 //       "accel_request_success_total", "Requests that finished.", {"model", "finish_reason"});
 //   Histogram& ttft = registry.AddHistogram("accel_time_to_first_token_seconds",
-//                                           "Time to first token.", ExponentialBuckets(0.01, 2,
-//                                           12));
+//                                           "Time to first token.",
+//                                           ExponentialBuckets(0.01, 2, 12));
 //   ...
 //   done.WithLabels({"llama", "stop"}).Increment();  // from any thread
 //   ttft.Observe(0.25);
 //   std::string text = registry.Render();  // what GET /metrics serves
-//
-// Misuse (a bad or duplicate name, bad buckets, the wrong number of label values, a negative
-// counter increment) is a programming error: it prints what went wrong (and the metric's name where
-// it is known) to stderr and aborts, as a failed CHECK would.
 #ifndef ACCEL_SERVER_METRICS_H_
 #define ACCEL_SERVER_METRICS_H_
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -31,75 +37,84 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 
+namespace prometheus {
+class Collectable;
+class Counter;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
 namespace accel::server {
 
 // Label values in the order of the family's label names.
 using LabelValues = std::vector<std::string>;
 
-// A value that only goes up. Thread-safe; Increment is a lock-free compare-and-swap.
+// A value that only goes up. Thread-safe and lock-free.
 class Counter {
  public:
-  Counter() = default;
+  explicit Counter(prometheus::Counter& counter) : counter_(counter) {}
   Counter(const Counter&) = delete;
   Counter& operator=(const Counter&) = delete;
 
-  // `by` must be >= 0 (aborts otherwise: a counter that goes down breaks rate()).
+  // `by` must be >= 0 (stops the program otherwise: a counter that goes down
+  // breaks rate(); prometheus-cpp would ignore it silently).
   void Increment(double by = 1.0);
-  double value() const { return value_.load(std::memory_order_relaxed); }
+  double value() const;
 
  private:
-  std::atomic<double> value_{0.0};
+  prometheus::Counter& counter_;
 };
 
 // A value that goes up and down. Thread-safe and lock-free.
 class Gauge {
  public:
-  Gauge() = default;
+  explicit Gauge(prometheus::Gauge& gauge) : gauge_(gauge) {}
   Gauge(const Gauge&) = delete;
   Gauge& operator=(const Gauge&) = delete;
 
-  void Set(double v) { value_.store(v, std::memory_order_relaxed); }
+  void Set(double v);
   void Add(double by);
-  double value() const { return value_.load(std::memory_order_relaxed); }
+  double value() const;
 
  private:
-  std::atomic<double> value_{0.0};
+  prometheus::Gauge& gauge_;
 };
 
-// Observations counted in buckets with inclusive upper bounds (Prometheus' `le`), plus their sum.
-// Thread-safe. A small mutex rather than per-bucket atomics, so that a reader sees the buckets,
-// the count and the sum of one and the same set of observations.
+// Observations counted in buckets with inclusive upper bounds (Prometheus'
+// `le`), plus their sum. Thread-safe: prometheus-cpp's histogram takes a
+// small lock, so a reader sees the buckets, the count and the sum of one and
+// the same set of observations.
 class Histogram {
  public:
-  // One consistent reading. cumulative_counts[i] is the number of observations <= bounds()[i];
-  // the last entry, for +Inf, is the total count.
+  // One consistent reading. cumulative_counts[i] is the number of
+  // observations <= bounds()[i]; the last entry, for +Inf, is the total.
   struct Snapshot {
     std::vector<uint64_t> cumulative_counts;
     double sum = 0.0;
   };
 
-  // `bounds` must be finite and strictly increasing (aborts otherwise); a trailing +Inf is
-  // dropped, since the +Inf bucket is always there.
-  explicit Histogram(std::vector<double> bounds);
+  Histogram(prometheus::Histogram& histogram, const std::vector<double>& bounds)
+      : histogram_(histogram), bounds_(bounds) {}
   Histogram(const Histogram&) = delete;
   Histogram& operator=(const Histogram&) = delete;
 
-  // NaN goes to the +Inf bucket only (as the Go client does) and makes the sum NaN.
-  void Observe(double v) ABSL_LOCKS_EXCLUDED(mu_);
+  // NaN is counted in the +Inf bucket only and makes the sum NaN (as the Go
+  // client does; prometheus-cpp alone would put it in the first bucket).
+  void Observe(double v);
 
-  Snapshot snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
+  Snapshot snapshot() const;
   const std::vector<double>& bounds() const { return bounds_; }
   uint64_t count() const { return snapshot().cumulative_counts.back(); }
   double sum() const { return snapshot().sum; }
-  // Cumulative, one per bound and then +Inf: what Render prints as _bucket.
+  // Cumulative, one per bound and then +Inf: the _bucket lines.
   std::vector<uint64_t> bucket_counts() const { return snapshot().cumulative_counts; }
 
  private:
-  const std::vector<double> bounds_;
-  mutable absl::Mutex mu_;
-  // Per bucket, not cumulative (bounds_.size() + 1 entries, the last for +Inf).
-  std::vector<uint64_t> counts_ ABSL_GUARDED_BY(mu_);
-  double sum_ ABSL_GUARDED_BY(mu_) = 0.0;
+  prometheus::Histogram& histogram_;
+  const std::vector<double>& bounds_;  // the family's, finite, increasing
 };
 
 // Bucket bounds: start, start*factor, ... (count of them; start > 0, factor > 1, count >= 1).
@@ -109,36 +124,46 @@ std::vector<double> LinearBuckets(double start, double width, int count);
 
 namespace metrics_internal {
 
-// What the registry needs of every family.
-class FamilyBase {
- public:
-  virtual ~FamilyBase() = default;
-  // Appends # HELP, # TYPE and one line per sample; nothing for a family with no children yet.
-  virtual void Render(std::string* out) const = 0;
+template <typename Metric>
+struct PrometheusOf;
+template <>
+struct PrometheusOf<Counter> {
+  using type = prometheus::Counter;
+};
+template <>
+struct PrometheusOf<Gauge> {
+  using type = prometheus::Gauge;
+};
+template <>
+struct PrometheusOf<Histogram> {
+  using type = prometheus::Histogram;
 };
 
-// A metric name, its label names, and one child metric per distinct set of label values.
-// Thread-safe. Children live as long as the family; WithLabels on an existing child takes only a
-// reader lock, so the hot path does not serialize threads.
+// A metric name, its label names, and one child per distinct set of label
+// values: prometheus-cpp's family, with our wrappers by value list.
+// Thread-safe; children live as long as the registry. WithLabels on an
+// existing child takes only a reader lock.
 template <typename Metric>
-class Family : public FamilyBase {
+class Family {
  public:
-  Family(std::string name, std::string help, std::vector<std::string> label_names,
-         std::vector<double> buckets);
+  using PrometheusFamily = prometheus::Family<typename PrometheusOf<Metric>::type>;
+
+  // `family` (the registry's) outlives this.
+  Family(std::string name, std::vector<std::string> label_names, std::vector<double> buckets,
+         PrometheusFamily& family);
   Family(const Family&) = delete;
   Family& operator=(const Family&) = delete;
 
-  // Aborts, naming the family, when values.size() differs from the number of label names.
+  // Stops the program, naming the family, when values.size() differs from
+  // the number of label names.
   Metric& WithLabels(const LabelValues& values) ABSL_LOCKS_EXCLUDED(mu_);
-  void Render(std::string* out) const override ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const std::string name_;
-  const std::string help_;
   const std::vector<std::string> label_names_;
   const std::vector<double> buckets_;  // histograms only
+  PrometheusFamily& family_;
   mutable absl::Mutex mu_;
-  // A std::map so that Render lists children sorted by label values.
   std::map<LabelValues, std::unique_ptr<Metric>> children_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -161,14 +186,17 @@ class HistogramFamily final : public metrics_internal::Family<Histogram> {
   using Family::Family;
 };
 
-// The set of metrics one process exports. Thread-safe: families may be added and rendered from
-// any thread, though the server adds them all at startup. Every reference returned stays valid
-// for the registry's life. Metric names follow Prometheus ([a-zA-Z_:][a-zA-Z0-9_:]*), label names
-// too ([a-zA-Z_][a-zA-Z0-9_]*, not starting with "__", not repeated, and not "le" on a
-// histogram); a name already taken, including a histogram's _bucket/_sum/_count, aborts.
+// The metrics of one process. Thread-safe: families may be added and
+// rendered from any thread, though the server adds them all at startup.
+// Every reference returned stays valid for the registry's life. Names follow
+// Prometheus ([a-zA-Z_:][a-zA-Z0-9_:]*), label names too
+// ([a-zA-Z_][a-zA-Z0-9_]*, not starting with "__", not repeated, and not "le"
+// on a histogram); a name already taken, including a histogram's
+// _bucket/_sum/_count, stops the program.
 class MetricsRegistry {
  public:
-  MetricsRegistry() = default;
+  MetricsRegistry();
+  ~MetricsRegistry();
   MetricsRegistry(const MetricsRegistry&) = delete;
   MetricsRegistry& operator=(const MetricsRegistry&) = delete;
 
@@ -184,30 +212,34 @@ class MetricsRegistry {
                                       std::vector<std::string> label_names,
                                       std::vector<double> buckets) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // `hook` runs at the start of every Render, to refresh gauges from a snapshot (KV-cache bytes).
-  // Hooks run in the order added, one Render at a time, with no registry lock held, so a hook may
-  // update any metric.
+  // `hook` runs at the start of every collection (Render, or a scrape of the
+  // pull endpoint), to refresh metrics from a snapshot (the offload
+  // counters). Hooks run in the order added, one collection at a time.
   void AddCollectHook(std::function<void()> hook) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The text exposition format 0.0.4: families in registration order, each with # HELP and
-  // # TYPE, children sorted by label values; histograms as cumulative _bucket{le="..."} lines
-  // ending with le="+Inf", then _sum and _count. Numbers parse back to the same double.
-  std::string Render() const ABSL_LOCKS_EXCLUDED(render_mu_, mu_);
+  // The text exposition format 0.0.4, written by prometheus-cpp's
+  // TextSerializer: each family with # HELP and # TYPE (a family with no
+  // child yet is left out), children sorted by label values, histograms as
+  // cumulative _bucket{le="..."} lines ending with le="+Inf", then _sum and
+  // _count.
+  std::string Render() const;
+
+  // What prometheus::Exposer (the pull endpoint) scrapes: the registry, its
+  // collect hooks run first. Lives as long as the registry.
+  std::shared_ptr<prometheus::Collectable> collectable() const;
 
  private:
-  // Checks the names (aborting on misuse) and takes them.
+  class Hooked;  // the Collectable: hooks, then the prometheus registry
   void Reserve(const std::string& name, const std::vector<std::string>& label_names, bool histogram)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  template <typename F>
-  F& Add(std::string name, std::string help, std::vector<std::string> label_names,
-         std::vector<double> buckets) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Held through a whole Render so that collect hooks never run concurrently.
-  mutable absl::Mutex render_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable absl::Mutex mu_;
-  std::vector<std::unique_ptr<metrics_internal::FamilyBase>> families_ ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<Hooked> hooked_;
+  std::vector<std::unique_ptr<CounterFamily>> counters_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<GaugeFamily>> gauges_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<HistogramFamily>> histograms_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> names_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::function<void()>> hooks_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace accel::server

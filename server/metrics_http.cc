@@ -1,15 +1,18 @@
 #include "server/metrics_http.h"
 
+#include <CivetServer.h>
+#include <algorithm>
 #include <cerrno>
 #include <civetweb.h>
 #include <cstdio>
-#include <cstring>
 #include <dlfcn.h>
-#include <mutex>
+#include <exception>
 #include <pthread.h>
 #include <string>
+#include <vector>
 
 #include <arpa/inet.h>
+#include <prometheus/exposer.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -35,33 +38,23 @@ extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
 namespace accel::server {
 namespace {
 
-constexpr char kMetricsContentType[] = "text/plain; version=0.0.4; charset=utf-8";
-constexpr char kPlainText[] = "text/plain; charset=utf-8";
+// civetweb reports why it cannot start ("cannot bind to 127.0.0.1:8002: Address already in use")
+// only through its log callback, on the thread that starts it; Start collects those lines here.
+thread_local std::string* start_log = nullptr;
 
-// civetweb asks for mg_init_library once before any mg_start and does not make it thread-safe.
-// It is never undone: another server may start later in the process.
-void InitCivetwebOnce() {
-  static std::once_flag once;
-  std::call_once(once, [] { mg_init_library(0); });
-}
-
-// Returns `status`, which civetweb records in its access log.
-int Respond(mg_connection* conn, int status, const char* content_type, absl::string_view body,
-            const char* allow = nullptr) {
-  std::string length = std::to_string(body.size());
-  mg_response_header_start(conn, status);
-  mg_response_header_add(conn, "Content-Type", content_type, -1);
-  mg_response_header_add(conn, "Content-Length", length.c_str(), -1);
-  if (allow != nullptr) mg_response_header_add(conn, "Allow", allow, -1);
-  mg_response_header_send(conn);
-  mg_write(conn, body.data(), body.size());
-  return status;
+int LogMessage(const mg_connection*, const char* message) {
+  if (start_log != nullptr) {
+    absl::StrAppend(start_log, start_log->empty() ? "" : "; ", message);
+    return 1;
+  }
+  std::fprintf(stderr, "accel metrics http: %s\n", message);
+  return 1;  // handled: civetweb writes it nowhere else
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& host, int port, const MetricsRegistry* registry) {
+    const std::string& host, int port, const MetricsRegistry* registry, int threads) {
   const std::string address = absl::StrCat(host, ":", port);
   // civetweb's own parser takes "999.1.1.1" as some other address and listens there anyway
   // (tried with 1.15), so the host is checked here.
@@ -75,15 +68,15 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("metrics HTTP address ", address, ": the port must be in 0..65535"));
   }
-  InitCivetwebOnce();
 
-  std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer(registry));
+  std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
   // civetweb 1.15 gives each accepted connection a worker thread of its own until the connection
   // closes, and a connection that sends nothing holds its thread until the request timeout. With
   // the old 2 threads and 10 s, four idle sockets stopped every scrape (issue 19). So:
-  // - num_threads 128: a scrape finds a free thread beside 100+ idle or slowloris connections.
-  //   An idle worker costs little: 1 MiB of stack address space (pages touched only as used, see
-  //   pthread_attr_setstacksize above) and a 16 KiB request buffer.
+  // - num_threads 128 (fewer under a low descriptor limit: Server::Start passes a share of it,
+  //   internal/connection_limits.h): a scrape finds a free thread beside 100+ idle or slowloris
+  //   connections. An idle worker costs little: 1 MiB of stack address space (pages touched only as
+  //   used, see pthread_attr_setstacksize above) and a 16 KiB request buffer.
   // - request_timeout_ms 3000: a scrape's request is one small packet, sent at once; 3 s bounds
   //   how long any client that never finishes its request head (idle, or trickling bytes: the
   //   timeout counts from the first read, not between bytes) holds a thread. Past 128 such
@@ -94,71 +87,34 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   //   first out, so a longer one would not let a scrape overtake the idle connections ahead of
   //   it; threads and the timeout do. linger_timeout_ms stays unset: a zero linger would reset
   //   connections and could cut a response the scraper has not read yet.
-  const char* options[] = {"listening_ports",
-                           address.c_str(),
-                           "num_threads",
-                           "128",
-                           "request_timeout_ms",
-                           "3000",
-                           "enable_keep_alive",
-                           "no",
-                           nullptr};
-  mg_callbacks callbacks = {};
-  callbacks.log_message = &MetricsHttpServer::LogMessage;
-  mg_init_data init = {&callbacks, server.get(), options};
-  unsigned error_code = 0;
-  char error_text[256] = "";
-  mg_error_data error = {&error_code, error_text, sizeof error_text};
-  server->context_ = mg_start2(&init, &error);
-  {
-    absl::MutexLock lock(&server->log_mu_);
-    if (server->context_ == nullptr) {
-      return absl::UnavailableError(
-          absl::StrCat("metrics HTTP server cannot listen on ", address, ": ",
-                       server->start_log_.empty() ? error_text : server->start_log_));
-    }
-    server->started_ = true;
+  std::vector<std::string> options = {
+      "listening_ports",    address,
+      "num_threads",        std::to_string(std::clamp(threads, 1, 128)),
+      "request_timeout_ms", "3000",
+      "enable_keep_alive",  "no"};
+  CivetCallbacks callbacks;
+  callbacks.log_message = &LogMessage;
+  std::string log;
+  start_log = &log;
+  try {
+    server->exposer_ = std::make_unique<prometheus::Exposer>(std::move(options), &callbacks);
+  } catch (const std::exception& e) {
+    start_log = nullptr;
+    return absl::UnavailableError(absl::StrCat("metrics HTTP server cannot listen on ", address,
+                                               ": ", log.empty() ? e.what() : log));
   }
-
-  // civetweb 1.15 reads back the bound address after bind(), so port 0 reports the real port.
-  mg_server_port bound[1] = {};
-  if (mg_get_server_ports(server->context_, 1, bound) != 1 || bound[0].port <= 0) {
+  start_log = nullptr;
+  const std::vector<int> ports = server->exposer_->GetListeningPorts();
+  if (ports.empty() || ports[0] <= 0) {
     return absl::InternalError(
         absl::StrCat("metrics HTTP server on ", address, ": civetweb reports no listening port"));
   }
-  server->port_ = bound[0].port;
-  // "/**" takes every path, so that routing, and every status but civetweb's own errors, is ours.
-  mg_set_request_handler(server->context_, "/**", &MetricsHttpServer::HandleRequest, server.get());
+  server->port_ = ports[0];
+  // "$": civetweb matches a handler's URI as a prefix otherwise (/metricsx).
+  server->exposer_->RegisterCollectable(registry->collectable(), "/metrics$");
   return server;
 }
 
-MetricsHttpServer::~MetricsHttpServer() {
-  if (context_ != nullptr) mg_stop(context_);
-}
-
-int MetricsHttpServer::HandleRequest(mg_connection* conn, void* self) {
-  const mg_request_info* request = mg_get_request_info(conn);
-  if (request->local_uri == nullptr || std::strcmp(request->local_uri, "/metrics") != 0) {
-    return Respond(conn, 404, kPlainText, "Not Found: the metrics are at /metrics\n");
-  }
-  if (std::strcmp(request->request_method, "GET") != 0) {
-    return Respond(conn, 405, kPlainText, "Method Not Allowed: use GET\n", /*allow=*/"GET");
-  }
-  std::string body = static_cast<const MetricsHttpServer*>(self)->registry_->Render();
-  return Respond(conn, 200, kMetricsContentType, body);
-}
-
-int MetricsHttpServer::LogMessage(const mg_connection* conn, const char* message) {
-  auto* self = static_cast<MetricsHttpServer*>(mg_get_user_data(mg_get_context(conn)));
-  if (self != nullptr) {
-    absl::MutexLock lock(&self->log_mu_);
-    if (!self->started_) {
-      absl::StrAppend(&self->start_log_, self->start_log_.empty() ? "" : "; ", message);
-      return 1;
-    }
-  }
-  std::fprintf(stderr, "accel metrics http: %s\n", message);
-  return 1;  // handled: civetweb writes it nowhere else
-}
+MetricsHttpServer::~MetricsHttpServer() = default;
 
 }  // namespace accel::server

@@ -1,6 +1,8 @@
-// server/metrics_http.h: the HTTP endpoint Prometheus scrapes, GET /metrics, served by civetweb
-// on its own threads (a thread per open connection, up to 128; a client that does not finish its
-// request within 3 s is dropped), apart from gRPC's.
+// server/metrics_http.h: the HTTP endpoint Prometheus scrapes, GET /metrics: prometheus-cpp's pull
+// Exposer (on civetweb, its own threads: a thread per open connection, up to 128; a client that
+// does not finish its request within 3 s is dropped), apart from gRPC's and the OpenAI port's.
+// Besides the registry's metrics it serves the Exposer's own (exposer_scrapes_total,
+// exposer_transferred_bytes_total, exposer_request_latencies).
 //
 //   ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<MetricsHttpServer> http,
 //                          MetricsHttpServer::Start("0.0.0.0", 9090, &registry));
@@ -11,14 +13,13 @@
 #include <memory>
 #include <string>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 
 #include "server/metrics.h"
 
-struct mg_connection;
-struct mg_context;
+namespace prometheus {
+class Exposer;
+}  // namespace prometheus
 
 namespace accel::server {
 
@@ -27,14 +28,17 @@ namespace accel::server {
 class MetricsHttpServer {
  public:
   // Listens on host:port, an IPv4 address ("127.0.0.1", "0.0.0.0"); port 0 picks a free port.
-  // Serves GET /metrics (Content-Type: text/plain; version=0.0.4; charset=utf-8) from
-  // registry->Render(), 405 for any other method there, and 404 for any other path.
+  // Serves GET /metrics (Content-Type: text/plain; version=0.0.4) from registry->collectable()
+  // (its collect hooks run per scrape; gzip when the client accepts it), civetweb's 405 for any
+  // other method there, and 404 for any other path.
   // InvalidArgument for a host that is not an IPv4 address or a port outside 0..65535;
   // Unavailable when civetweb cannot listen (the port is in use, the address is not this
   // machine's). The message names host:port and civetweb's reason. `registry` is not owned and
   // must outlive the server.
+  // `threads`: civetweb's worker threads, each serving one connection at a time (at most 128).
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& host, int port,
-                                                                  const MetricsRegistry* registry);
+                                                                  const MetricsRegistry* registry,
+                                                                  int threads = 128);
 
   MetricsHttpServer(const MetricsHttpServer&) = delete;
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
@@ -46,19 +50,10 @@ class MetricsHttpServer {
   int port() const { return port_; }
 
  private:
-  explicit MetricsHttpServer(const MetricsRegistry* registry) : registry_(registry) {}
+  MetricsHttpServer() = default;
 
-  static int HandleRequest(mg_connection* conn, void* self);
-  static int LogMessage(const mg_connection* conn, const char* message);
-
-  const MetricsRegistry* const registry_;  // not owned
-  mg_context* context_ = nullptr;          // set once by Start, freed by the destructor
+  std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
-  // civetweb reports why it cannot start (e.g. "cannot bind to ...: Address already in use")
-  // only through the log callback; Start collects those lines for its Status.
-  absl::Mutex log_mu_;
-  bool started_ ABSL_GUARDED_BY(log_mu_) = false;
-  std::string start_log_ ABSL_GUARDED_BY(log_mu_);
 };
 
 }  // namespace accel::server

@@ -1,18 +1,15 @@
 #include "server/openai_http.h"
 
-#include <deque>
 #include <optional>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 
 #include "server/engine.h"
-#include "server/internal/http_server.h"
+#include "server/internal/http_transport.h"
 #include "server/internal/openai_convert.h"
 #include "server/internal/quote.h"
 #include "server/server_metrics.h"
@@ -26,8 +23,7 @@ using internal::OpenAiEndpoint;
 using internal::OpenAiError;
 
 constexpr char kJson[] = "application/json";
-// How often a handler waiting for tokens looks whether its client left.
-constexpr absl::Duration kClosedCheck = absl::Milliseconds(50);
+constexpr char kMetricsContentType[] = "text/plain; version=0.0.4; charset=utf-8";
 
 bool SendError(HttpExchange& exchange, const OpenAiError& error) {
   std::vector<std::string> headers;
@@ -37,54 +33,94 @@ bool SendError(HttpExchange& exchange, const OpenAiError& error) {
 }
 
 bool SendStatus(HttpExchange& exchange, const absl::Status& status) {
-  return SendError(exchange, internal::ErrorForStatus(status));
+  return SendError(exchange, internal::ErrorForStatus(ForClient(status)));
 }
 
-// What the scheduler hands a waiting handler: chunks, then the end.
-class WaitingSink : public RequestSink {
+// One generation's answer: the request, its writer, and the exchange. Its
+// methods run on the connection's own sequence (HttpExchange::Post), one at
+// a time, so the writer needs no lock; the engine's sink only posts to it.
+class Answer {
  public:
-  void OnTokens(TokenChunk chunk) override {
-    absl::MutexLock lock(&mu_);
-    chunks_.push_back(std::move(chunk));
-  }
-  void OnDone(const absl::Status& status, const Completion& completion) override {
-    absl::MutexLock lock(&mu_);
-    status_ = status;
-    completion_ = completion;
-    done_ = true;
+  Answer(std::shared_ptr<HttpExchange> exchange, internal::OpenAiRequest request, std::string model,
+         internal::TokenTextFn token_text)
+      : exchange_(std::move(exchange)),
+        request_(std::move(request)),
+        writer_(request_, std::move(model), std::move(token_text),
+                absl::ToUnixSeconds(absl::Now())) {}
+
+  // The stream's head and first event (on the handler's turn, so before any
+  // chunk the sink posts).
+  void Start() {
+    if (!request_.stream) return;
+    exchange_->StartStream(200, "text/event-stream",
+                           {"Cache-Control: no-cache", "X-Accel-Buffering: no"});
+    exchange_->WriteChunk(writer_.StreamStart());
   }
 
-  // Waits up to `timeout` for news; moves the chunks so far into `chunks`.
-  // True once the request ended (then `status` and `completion` are set).
-  bool Wait(absl::Duration timeout, std::vector<TokenChunk>& chunks, absl::Status& status,
-            Completion& completion) {
-    absl::MutexLock lock(&mu_);
-    auto news = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ || !chunks_.empty(); };
-    mu_.AwaitWithTimeout(absl::Condition(&news), timeout);
-    chunks.clear();
-    for (TokenChunk& chunk : chunks_) chunks.push_back(std::move(chunk));
-    chunks_.clear();
-    if (done_) {
-      status = status_;
-      completion = completion_;
+  void Tokens(const TokenChunk& chunk) {
+    if (!request_.stream) {
+      writer_.Add(chunk);
+      return;
     }
-    return done_;
+    exchange_->WriteChunk(writer_.StreamChunk(chunk));
+  }
+
+  void Done(const absl::Status& status, const Completion& completion) {
+    if (!request_.stream) {
+      if (status.ok()) {
+        exchange_->Respond(200, kJson, writer_.Final(completion));
+      } else {
+        SendStatus(*exchange_, status);
+      }
+      return;
+    }
+    exchange_->WriteChunk(status.ok() ? writer_.StreamEnd(completion)
+                                      : internal::OpenAiResponseWriter::StreamError(
+                                            internal::ErrorForStatus(ForClient(status))));
+    exchange_->EndStream();
+  }
+
+  HttpExchange& exchange() { return *exchange_; }
+
+ private:
+  const std::shared_ptr<HttpExchange> exchange_;
+  const internal::OpenAiRequest request_;
+  internal::OpenAiResponseWriter writer_;
+};
+
+// Called on the scheduler's thread, which must not block: each event goes
+// to the connection's sequence, where the answer is framed and written.
+class HttpSink : public RequestSink {
+ public:
+  explicit HttpSink(std::shared_ptr<Answer> answer) : answer_(std::move(answer)) {}
+  void OnTokens(TokenChunk chunk) override {
+    std::shared_ptr<Answer> answer = answer_;
+    answer->exchange().Post([answer, chunk = std::move(chunk)] { answer->Tokens(chunk); });
+  }
+  void OnDone(const absl::Status& status, const Completion& completion) override {
+    std::shared_ptr<Answer> answer = answer_;
+    answer->exchange().Post([answer, status, completion] { answer->Done(status, completion); });
   }
 
  private:
-  absl::Mutex mu_;
-  std::deque<TokenChunk> chunks_ ABSL_GUARDED_BY(mu_);
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-  Completion completion_ ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<Answer> answer_;
 };
+
+OpenAiError RouteError(int status, const char* code, std::string message) {
+  OpenAiError error;
+  error.http_status = status;
+  error.type = "invalid_request_error";
+  error.code = code;
+  error.message = std::move(message);
+  return error;
+}
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
     const OpenAiHttpOptions& options, ServingState* state) {
   std::unique_ptr<OpenAiHttpServer> server(
-      new OpenAiHttpServer(state, absl::ToUnixSeconds(absl::Now())));
+      new OpenAiHttpServer(state, absl::ToUnixSeconds(absl::Now()), options.metrics_text));
   internal::HttpServerOptions http;
   http.host = options.host;
   http.port = options.port;
@@ -95,7 +131,7 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
   http.tls_key_pem = options.tls_key_pem;
   OpenAiHttpServer* self = server.get();
   absl::StatusOr<std::unique_ptr<internal::HttpServer>> started = internal::HttpServer::Start(
-      http, [self](HttpExchange& exchange) { self->Handle(exchange); },
+      http, [self](std::shared_ptr<HttpExchange> exchange) { self->Handle(exchange); },
       [](int status, absl::string_view message) {
         OpenAiError error;
         error.http_status = status;
@@ -103,6 +139,7 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
         error.message = std::string(message);
         if (status == 413) error.code = "request_too_large";
         if (status == 408) error.code = "request_timeout";
+        if (status == 503) error.code = "service_unavailable";
         return internal::ErrorBody(error);
       });
   if (!started.ok()) return started.status();
@@ -110,8 +147,9 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
   return server;
 }
 
-OpenAiHttpServer::OpenAiHttpServer(ServingState* state, int64_t created)
-    : state_(state), created_(created) {}
+OpenAiHttpServer::OpenAiHttpServer(ServingState* state, int64_t created,
+                                   std::function<std::string()> metrics)
+    : state_(state), created_(created), metrics_text_(std::move(metrics)) {}
 
 OpenAiHttpServer::~OpenAiHttpServer() { http_.reset(); }
 
@@ -122,129 +160,116 @@ void OpenAiHttpServer::Stop(absl::Duration timeout) {
   http_->WaitConnections(timeout);
 }
 
-void OpenAiHttpServer::Handle(HttpExchange& exchange) {
-  const internal::HttpRequest& request = exchange.request();
+void OpenAiHttpServer::Handle(const std::shared_ptr<HttpExchange>& exchange) {
+  const internal::HttpRequest& request = exchange->request();
   const std::string& path = request.path;
   const bool chat = path == "/v1/chat/completions";
   const bool completions = path == "/v1/completions";
   const bool models = path == "/v1/models" || absl::StartsWith(path, "/v1/models/");
-  if (!chat && !completions && !models) {
-    OpenAiError error;
-    error.http_status = 404;
-    error.type = "invalid_request_error";
-    error.code = "unknown_url";
-    error.message = absl::StrCat("Invalid URL (", request.method, " ", internal::Quote(path),
-                                 "): this server serves /v1/chat/completions, /v1/completions "
-                                 "and /v1/models");
-    SendError(exchange, error);
+  const bool metrics = path == "/metrics" && metrics_text_ != nullptr;
+  const bool health = path == "/health";
+  if (!chat && !completions && !models && !metrics && !health) {
+    // The path and method are quoted (cut, escaped): a 60 KB path is not
+    // sent back whole.
+    SendError(*exchange,
+              RouteError(404, "unknown_url",
+                         absl::StrCat("Invalid URL (", internal::Quote(request.method), " ",
+                                      internal::Quote(path),
+                                      "): this server serves /v1/chat/completions, "
+                                      "/v1/completions, /v1/models, /metrics and /health")));
     return;
   }
-  const char* allowed = models ? "GET" : "POST";
+  const char* allowed = (models || metrics || health) ? "GET" : "POST";
   if (request.method != allowed) {
-    OpenAiError error;
-    error.http_status = 405;
-    error.type = "invalid_request_error";
-    error.code = "method_not_allowed";
-    error.message = absl::StrCat(request.method, " is not allowed on ", path, "; use ", allowed);
-    exchange.Respond(405, kJson, internal::ErrorBody(error), {absl::StrCat("Allow: ", allowed)});
+    exchange->Respond(405, kJson,
+                      internal::ErrorBody(RouteError(
+                          405, "method_not_allowed",
+                          absl::StrCat(internal::Quote(request.method), " is not allowed on ",
+                                       internal::Quote(path), "; use ", allowed))),
+                      {absl::StrCat("Allow: ", allowed)});
+    return;
+  }
+  if (metrics) {
+    exchange->Respond(200, kMetricsContentType, metrics_text_());
+    return;
+  }
+  if (health) {
+    exchange->Respond(200, kJson, "{}");
     return;
   }
   const absl::Status auth = state_->AuthorizeBearer(request.Header("authorization"));
   if (!auth.ok()) {
-    SendStatus(exchange, auth);
+    SendStatus(*exchange, auth);
     return;
   }
   if (models) {
     Engine* engine = state_->engine();
     if (engine == nullptr) {
-      SendStatus(exchange, absl::UnavailableError("the model is still loading"));
+      SendStatus(*exchange, absl::UnavailableError("the model is still loading"));
       return;
     }
     const std::string& name = engine->info().name;
     if (path == "/v1/models") {
-      exchange.Respond(200, kJson, internal::ModelList(name, created_));
+      exchange->Respond(200, kJson, internal::ModelList(name, created_));
       return;
     }
     const std::string id = path.substr(std::string("/v1/models/").size());
     if (id != name) {
-      SendStatus(exchange, absl::NotFoundError(absl::StrCat("model ", internal::Quote(id),
-                                                            " is not served here; this server "
-                                                            "serves \"",
-                                                            name, "\"")));
+      SendStatus(*exchange, absl::NotFoundError(absl::StrCat("model ", internal::Quote(id),
+                                                             " is not served here; this server "
+                                                             "serves \"",
+                                                             name, "\"")));
       return;
     }
-    exchange.Respond(200, kJson, internal::ModelObject(name, created_));
+    exchange->Respond(200, kJson, internal::ModelObject(name, created_));
     return;
   }
   Generate(exchange, chat);
 }
 
-void OpenAiHttpServer::Generate(HttpExchange& exchange, bool chat) {
-  absl::StatusOr<internal::OpenAiRequest> parsed = internal::ParseOpenAiRequest(
-      chat ? OpenAiEndpoint::kChat : OpenAiEndpoint::kCompletions, exchange.request().body);
+void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, bool chat) {
+  // A client that leaves while its (large) body is read stops the parse.
+  const auto still_there = [&exchange] {
+    return exchange->PeerClosed() ? absl::CancelledError("the client closed its connection")
+                                  : absl::OkStatus();
+  };
+  absl::StatusOr<internal::OpenAiRequest> parsed =
+      internal::ParseOpenAiRequest(chat ? OpenAiEndpoint::kChat : OpenAiEndpoint::kCompletions,
+                                   exchange->request().body, still_there);
   if (!parsed.ok()) {
-    if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("invalid");
-    SendStatus(exchange, parsed.status());
+    const bool gone = absl::IsCancelled(parsed.status());
+    if (state_->metrics() != nullptr) {
+      state_->metrics()->RequestFailed(gone ? "cancelled" : "invalid");
+    }
+    if (!gone) SendStatus(*exchange, parsed.status());
     return;
   }
   absl::StatusOr<Engine*> ready = state_->ReadyEngine();
   if (!ready.ok()) {
-    SendStatus(exchange, ready.status());
+    SendStatus(*exchange, ready.status());
+    return;
+  }
+  // Nobody to answer: nothing is queued.
+  if (!still_there().ok()) {
+    if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("cancelled");
     return;
   }
   Engine* engine = *ready;
-  auto sink = std::make_shared<WaitingSink>();
-  absl::StatusOr<uint64_t> id = engine->Submit(parsed->generation, sink);
+  const models::GenerationRequest generation = parsed->generation;
+  auto answer =
+      std::make_shared<Answer>(exchange, *std::move(parsed), engine->info().name,
+                               [engine](int64_t token) { return engine->TokenText(token); });
+  absl::StatusOr<uint64_t> id = engine->Submit(generation, std::make_shared<HttpSink>(answer));
   if (!id.ok()) {
-    SendStatus(exchange, id.status());
+    SendStatus(*exchange, id.status());
     return;
   }
-  internal::OpenAiResponseWriter writer(
-      *parsed, engine->info().name, [engine](int64_t token) { return engine->TokenText(token); },
-      absl::ToUnixSeconds(absl::Now()));
-  const bool stream = parsed->stream;
-  bool client_gone = false;
-  if (stream) {
-    client_gone = !exchange.StartStream(200, "text/event-stream",
-                                        {"Cache-Control: no-cache", "X-Accel-Buffering: no"}) ||
-                  !exchange.WriteChunk(writer.StreamStart());
-  }
-  std::vector<TokenChunk> chunks;
-  absl::Status status;
-  Completion completion;
-  while (true) {
-    const bool done = sink->Wait(kClosedCheck, chunks, status, completion);
-    if (!client_gone) {
-      std::string events;
-      for (const TokenChunk& chunk : chunks) {
-        if (stream) {
-          events += writer.StreamChunk(chunk);
-        } else {
-          writer.Add(chunk);
-        }
-      }
-      if (stream && !events.empty() && !exchange.WriteChunk(events)) client_gone = true;
-      if (!done && exchange.PeerClosed()) client_gone = true;
-      if (client_gone) engine->Cancel(*id);  // the sink still hears OnDone (Cancelled)
-    }
-    if (done) break;
-  }
-  if (client_gone) return;  // nobody to answer; the connection closes
-  if (!stream) {
-    if (status.ok()) {
-      exchange.Respond(200, kJson, writer.Final(completion));
-    } else {
-      SendStatus(exchange, status);
-    }
-    return;
-  }
-  if (status.ok()) {
-    exchange.WriteChunk(writer.StreamEnd(completion));
-  } else {
-    exchange.WriteChunk(
-        internal::OpenAiResponseWriter::StreamError(internal::ErrorForStatus(status)));
-  }
-  exchange.EndStream();
+  // The sink's first events wait for this turn of the connection to end, so
+  // the stream's head goes first.
+  answer->Start();
+  const uint64_t request_id = *id;
+  // The sink still hears OnDone (Cancelled); nobody reads its answer.
+  exchange->OnClientGone([engine, request_id] { engine->Cancel(request_id); });
 }
 
 }  // namespace accel::server

@@ -4,10 +4,16 @@
 // GET /v1/models/{id}. The same engine, queue, bearer token, lifecycle and
 // metrics as the gRPC services; docs/API.md describes the fields.
 //
-// Each connection has a thread (internal/http_server.h); a handler submits
-// the request to the engine and waits for its tokens, looking every 50 ms
-// whether the client closed its connection, which cancels the request
-// (Engine::Cancel), as a failed write does.
+// The transport is Boost.Beast (internal/http_transport.h). A handler
+// parses the body (stopping if the client leaves meanwhile), submits the
+// request to the engine and returns; the engine's sink hands each chunk to
+// the connection's own sequence, where it is framed (SSE events or the unary
+// body) and written. A client that closes its connection cancels its
+// request at once (Engine::Cancel), as a failed write does.
+//
+// Also served, without the bearer token, as vLLM does: GET /metrics (the
+// Prometheus text of the metrics port) and GET /health (200 while the
+// process serves HTTP).
 //
 // Torch-free header: server/ headers include no libtorch.
 #ifndef ACCEL_SERVER_OPENAI_HTTP_H_
@@ -15,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -35,7 +42,11 @@ struct OpenAiHttpOptions {
   // A request's head and body must arrive within this of its first byte.
   absl::Duration request_timeout = absl::Seconds(10);
   size_t max_body_bytes = 4 << 20;
+  // Past it a new connection takes the place of the one that has waited
+  // longest for its request, or is answered 503 (internal/http_transport.h).
   int max_connections = 512;
+  // The Prometheus text for GET /metrics; unset: no /metrics here.
+  std::function<std::string()> metrics_text;
   // PEM text of the certificate chain and its key: HTTPS (TLS 1.2+) on the
   // port. Both empty: plain HTTP.
   std::string tls_cert_pem;
@@ -59,12 +70,13 @@ class OpenAiHttpServer {
   void Stop(absl::Duration timeout);
 
  private:
-  OpenAiHttpServer(ServingState* state, int64_t created);
-  void Handle(internal::HttpExchange& exchange);
-  void Generate(internal::HttpExchange& exchange, bool chat);
+  OpenAiHttpServer(ServingState* state, int64_t created, std::function<std::string()> metrics);
+  void Handle(const std::shared_ptr<internal::HttpExchange>& exchange);
+  void Generate(const std::shared_ptr<internal::HttpExchange>& exchange, bool chat);
 
   ServingState* const state_;
   const int64_t created_;  // the models' "created"
+  const std::function<std::string()> metrics_text_;
   std::unique_ptr<internal::HttpServer> http_;
 };
 

@@ -27,6 +27,7 @@
 
 #include "core/tool_main.h"
 #include "models/default_model.h"
+#include "server/internal/connection_limits.h"
 #include "server/server.h"
 #include "server/serving.h"
 
@@ -118,6 +119,16 @@ ABSL_FLAG(absl::Duration, max_connection_age_grace, absl::InfiniteDuration(),
           "After --max_connection_age, how long calls on the old connection may run before it "
           "is closed; inf (the default): to their end, so no generation is cut (the client "
           "sends new calls on a new connection at once either way).");
+ABSL_FLAG(int, grpc_max_connections, 0,
+          "Most connections open at once on the gRPC port (plaintext; more wait in the kernel's "
+          "backlog); 0: half of what the file-descriptor limit leaves after a reserve.");
+ABSL_FLAG(int, http_max_connections, 0,
+          "Most connections open at once on --http_port (past it the connection that waited "
+          "longest for its request is closed, or the newcomer gets 503); 0: from the "
+          "file-descriptor limit, at most 512.");
+ABSL_FLAG(absl::Duration, liveness_probe_interval, absl::Seconds(10),
+          "How often every port is probed as a client would; three failures in a row turn "
+          "health accel.live NOT_SERVING. 0: no probes.");
 ABSL_FLAG(int, threads, 0,
           "libtorch intra-op threads; 0: OMP_NUM_THREADS, else one per CPU this process may use.");
 
@@ -165,6 +176,9 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   o.reflection = absl::GetFlag(FLAGS_grpc_reflection);
   o.max_connection_age = absl::GetFlag(FLAGS_max_connection_age);
   o.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);
+  o.grpc_max_connections = absl::GetFlag(FLAGS_grpc_max_connections);
+  o.http_max_connections = absl::GetFlag(FLAGS_http_max_connections);
+  o.liveness_probe_interval = absl::GetFlag(FLAGS_liveness_probe_interval);
   o.version = kVersion;
 
   auto positive = [](const char* flag, int64_t value) -> absl::Status {
@@ -182,7 +196,9 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
                          non_negative("max_input_tokens", e.max_input_tokens),
                          non_negative("max_total_tokens", e.max_total_tokens),
                          positive("default_max_new_tokens", e.default_max_new_tokens),
-                         non_negative("threads", e.threads)}) {
+                         non_negative("threads", e.threads),
+                         non_negative("grpc_max_connections", o.grpc_max_connections),
+                         non_negative("http_max_connections", o.http_max_connections)}) {
     if (!s.ok()) return s;
   }
   if (o.port < 0 || o.port > 65535) {
@@ -191,6 +207,9 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--metrics_port must be -1 (off) or in [0, 65535], got ", o.metrics_port));
+  }
+  if (o.liveness_probe_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--liveness_probe_interval must not be negative");
   }
   if (e.request_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--request_timeout must not be negative");
@@ -256,6 +275,9 @@ int Run(int argc, char** argv) {
     Log(std::string(options.status().message()));
     return 1;
   }
+  // Every connection is a descriptor; the soft limit (often 1024) is far
+  // below what the hard one allows, and running out stalls every port.
+  Log(accel::server::internal::RaiseOpenFileLimit());
   absl::StatusOr<std::unique_ptr<accel::server::Server>> server =
       accel::server::Server::Start(*options);
   if (!server.ok()) {
@@ -270,6 +292,12 @@ int Run(int argc, char** argv) {
   std::printf("accel-serve: listening grpc=%s:%d metrics=%s:%d%s\n", options->host.c_str(),
               ports.grpc, options->host.c_str(), ports.metrics, http.c_str());
   std::fflush(stdout);
+  const accel::server::Server::Limits limits = (*server)->limits();
+  Log(absl::StrCat("connections at once: grpc ",
+                   limits.grpc_connections > 0 ? std::to_string(limits.grpc_connections)
+                                               : std::string("uncapped (gRPC's listener)"),
+                   ", http ", limits.http_connections, ", metrics ", limits.metrics_threads,
+                   " (from ", limits.open_files, " open files)"));
   Log(absl::StrCat("loading ", options->engine.model_dir));
 
   const timespec tick = {0, 100'000'000};

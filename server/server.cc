@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <iterator>
 #include <limits>
 #include <thread>
@@ -29,6 +30,9 @@
 #include "absl/time/clock.h"
 
 #include "server/generation_service.h"
+#include "server/internal/connection_limits.h"
+#include "server/internal/grpc_listener.h"
+#include "server/internal/listener_watchdog.h"
 #include "server/kserve_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
@@ -146,10 +150,13 @@ struct Server::Impl {
         kserve(&state, o.version) {}
 
   ~Impl() {
-    // gRPC and HTTP first (their handlers reach the engine), then the engine
-    // (its scheduler calls the sinks), then the metrics endpoint (it reads
-    // both).
+    // The watchdog first (it probes the ports), then gRPC and HTTP (their
+    // handlers reach the engine), then the engine (its scheduler calls the
+    // sinks), then the metrics endpoint (it reads both).
+    watchdog.reset();
+    if (grpc_listener != nullptr) grpc_listener->Stop();
     grpc_server.reset();
+    grpc_listener.reset();
     http.reset();
     if (loader.joinable()) loader.join();
     {
@@ -158,6 +165,56 @@ struct Server::Impl {
     }
     engine.reset();
     metrics_http.reset();
+  }
+
+  // The liveness watchdog (internal/listener_watchdog.h) over the ports
+  // that serve requests. Our own gRPC accept loop reports through its
+  // heartbeat (a full port is not a dead one: its clients wait in the
+  // backlog); gRPC's own listener (TLS) and the HTTP port are probed as a
+  // client would. The metrics port is left to Prometheus (a failed scrape
+  // is its `up` 0): civetweb's accept loop does not die, and a probe stuck
+  // behind idle sockets there must not restart a server that serves.
+  void StartWatchdog(const std::string& tls) {
+    if (options.liveness_probe_interval <= absl::ZeroDuration()) return;
+    const bool secure = !tls.empty();
+    const std::string host = options.host;
+    constexpr absl::Duration kProbeTimeout = absl::Seconds(2);
+    std::vector<internal::ListenerWatchdog::Listener> listeners;
+    if (grpc_listener != nullptr) {
+      internal::GrpcListener* listener = grpc_listener.get();
+      listeners.push_back({"grpc", [listener] {
+                             return absl::Now() - listener->last_heartbeat() < absl::Seconds(5)
+                                        ? internal::ProbeResult::kAlive
+                                        : internal::ProbeResult::kDead;
+                           }});
+    } else {
+      const int grpc_port = ports.grpc;
+      listeners.push_back({"grpc", [host, grpc_port] {
+                             return internal::ProbeListener(
+                                 host, grpc_port, internal::ProbeKind::kTls, kProbeTimeout, "h2");
+                           }});
+    }
+    if (ports.http > 0) {
+      const int http_port = ports.http;
+      listeners.push_back({"http", [host, http_port, secure] {
+                             return internal::ProbeListener(
+                                 host, http_port,
+                                 secure ? internal::ProbeKind::kTls : internal::ProbeKind::kHttp,
+                                 kProbeTimeout, "http/1.1");
+                           }});
+    }
+    for (const auto& listener : listeners) metrics.listener_up.WithLabels({listener.name}).Set(1);
+    watchdog = std::make_unique<internal::ListenerWatchdog>(
+        std::move(listeners), options.liveness_probe_interval, /*failures=*/3,
+        [this](const std::string& name, bool alive) {
+          metrics.listener_up.WithLabels({name}).Set(alive ? 1 : 0);
+          std::fprintf(stderr, "accel-serve: the %s port %s; health accel.live %s\n", name.c_str(),
+                       alive ? "answers again" : "stopped answering (three probes in a row)",
+                       watchdog->all_alive() ? "SERVING" : "NOT_SERVING");
+          std::fflush(stderr);
+          SetHealth(kLiveServices, std::size(kLiveServices), watchdog->all_alive());
+        });
+    watchdog->Start();
   }
 
   void SetHealth(const char* const* names, size_t count, bool serving) {
@@ -242,6 +299,8 @@ struct Server::Impl {
       was_ready = ready;
     }
     const absl::Time drain_start = absl::Now();
+    // Ports close on purpose from here on.
+    if (watchdog != nullptr) watchdog->Stop();
     state.SetDraining();
     metrics.ready.Set(0);
     metrics.draining.Set(1);
@@ -261,6 +320,8 @@ struct Server::Impl {
     // 503 meanwhile. Stop accepting and let the last answers go out.
     if (http != nullptr) http->Stop(absl::Seconds(5));
     Linger(drain_start);
+    // No new connection is handed to gRPC once it shuts down.
+    if (grpc_listener != nullptr) grpc_listener->Stop();
     // Lets the last responses go out, then cancels whatever RPC is left.
     grpc_server->Shutdown(std::chrono::system_clock::now() +
                           std::chrono::seconds(was_ready ? 5 : 0));
@@ -278,8 +339,11 @@ struct Server::Impl {
   KServeService kserve;
   std::unique_ptr<MetricsHttpServer> metrics_http;
   std::unique_ptr<OpenAiHttpServer> http;
+  std::unique_ptr<internal::GrpcListener> grpc_listener;  // null: gRPC's own listener
   std::unique_ptr<grpc::Server> grpc_server;
+  std::unique_ptr<internal::ListenerWatchdog> watchdog;
   Ports ports;
+  Limits limits;
 
   absl::Mutex collect_mu;
   Engine* collecting ABSL_GUARDED_BY(collect_mu) = nullptr;
@@ -315,13 +379,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   absl::StatusOr<TlsPem> tls = ReadTlsFiles(options.tls_cert_file, options.tls_key_file);
   if (!tls.ok()) return tls.status();
 
+  // Errors name files by their folder's last component only.
+  AddPrivatePath(options.engine.model_dir);
+  if (!options.engine.offload_folder.empty()) AddPrivatePath(options.engine.offload_folder);
   auto impl = std::make_unique<Impl>(options);
   Impl& s = *impl;
+  const internal::ConnectionLimits limits = internal::ConnectionLimitsFor(
+      internal::OpenFileLimit(), options.grpc_max_connections, options.http_max_connections);
+  s.limits.open_files = limits.open_files;
+  s.limits.http_connections = limits.http;
+  s.limits.metrics_threads = limits.metrics_threads;
   s.metrics.build_info.WithLabels({options.version}).Set(1);
   s.registry.AddCollectHook([&s] { s.Collect(); });
   if (options.metrics_port >= 0) {
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
-        MetricsHttpServer::Start(options.host, options.metrics_port, &s.registry);
+    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http = MetricsHttpServer::Start(
+        options.host, options.metrics_port, &s.registry, limits.metrics_threads);
     if (!http.ok()) {
       return absl::Status(http.status().code(),
                           absl::StrCat("--metrics_port: ", http.status().message()));
@@ -335,8 +407,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     http.host = options.host;
     http.port = options.http_port;
     http.request_timeout = options.http_request_timeout;
+    http.max_connections = limits.http;
     http.tls_cert_pem = tls->cert;  // HTTPS with gRPC's certificate, or plain HTTP
     http.tls_key_pem = tls->key;
+    // /metrics on the API port too, as vLLM serves it.
+    http.metrics_text = [&s] { return s.registry.Render(); };
     absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =
         OpenAiHttpServer::Start(http, &s.state);
     if (!started.ok()) {
@@ -351,8 +426,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   if (!options.reflection) builder.SetOption(std::make_unique<NoReflection>());
-  builder.AddListeningPort(absl::StrCat(options.host, ":", options.port), GrpcCredentials(*tls),
-                           &s.ports.grpc);
+  // Plaintext gRPC on an IPv4 host: our accept loop, capped
+  // (internal/grpc_listener.h); else gRPC's own listener.
+  if (tls->cert.empty()) {
+    absl::StatusOr<std::unique_ptr<internal::GrpcListener>> listener =
+        internal::GrpcListener::Bind(options.host, options.port, limits.grpc);
+    if (listener.ok()) {
+      s.grpc_listener = *std::move(listener);
+      s.ports.grpc = s.grpc_listener->port();
+      s.limits.grpc_connections = limits.grpc;
+    } else if (absl::IsUnavailable(listener.status())) {
+      return absl::UnavailableError(absl::StrCat("--port: ", listener.status().message()));
+    }
+  }
+  if (s.grpc_listener == nullptr) {
+    builder.AddListeningPort(absl::StrCat(options.host, ":", options.port), GrpcCredentials(*tls),
+                             &s.ports.grpc);
+  }
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
   if (options.max_connection_age > absl::ZeroDuration()) {
@@ -364,6 +454,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   builder.RegisterService(&s.generation);
   builder.RegisterService(&s.kserve);
   s.grpc_server = builder.BuildAndStart();
+  if (s.grpc_server != nullptr && s.grpc_listener != nullptr) {
+    s.grpc_listener->Serve(s.grpc_server.get());
+  }
   if (s.grpc_server == nullptr || s.ports.grpc == 0) {
     s.grpc_server.reset();
     return absl::UnavailableError(absl::StrCat("--port: cannot listen on ", options.host, ":",
@@ -371,11 +464,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
   s.SetHealth(kLiveServices, std::size(kLiveServices), true);
   s.SetHealth(kReadyServices, std::size(kReadyServices), false);
+  s.StartWatchdog(tls->cert.empty() ? "" : "tls");
   s.loader = std::thread([&s] { s.Load(); });
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 
 Server::Ports Server::ports() const { return impl_->ports; }
+
+Server::Limits Server::limits() const { return impl_->limits; }
 
 const ModelInfo& Server::model_info() const { return impl_->engine->info(); }
 

@@ -21,6 +21,7 @@
 #ifndef ACCEL_SERVER_SERVER_H_
 #define ACCEL_SERVER_SERVER_H_
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -62,6 +63,16 @@ struct ServerOptions {
   // replicas there are now. Zero age: connections live forever.
   absl::Duration max_connection_age = absl::Minutes(5);
   absl::Duration max_connection_age_grace = absl::InfiniteDuration();
+  // Connections open at once on the gRPC and HTTP ports; 0: a share of the
+  // process's file-descriptor limit (internal/connection_limits.h), so that
+  // no port can take the descriptors the others need. The gRPC cap holds
+  // for plaintext gRPC on an IPv4 host (internal/grpc_listener.h).
+  int grpc_max_connections = 0;
+  int http_max_connections = 0;
+  // How often the liveness watchdog probes every port
+  // (internal/listener_watchdog.h); a port that fails three probes in a row
+  // turns health "accel.live" NOT_SERVING. Zero: no watchdog.
+  absl::Duration liveness_probe_interval = absl::Seconds(10);
   std::string version = "0.1.0";  // ServerMetadata and accel_build_info
 };
 
@@ -71,6 +82,14 @@ class Server {
     int grpc = 0;
     int metrics = -1;  // -1: no metrics endpoint
     int http = 0;      // 0: no OpenAI HTTP API
+  };
+  // What each port may hold, from the file-descriptor limit (see
+  // ServerOptions::grpc_max_connections).
+  struct Limits {
+    int64_t open_files = 0;
+    int grpc_connections = 0;  // 0: gRPC's own listener, uncapped (TLS)
+    int http_connections = 0;
+    int metrics_threads = 0;
   };
 
   // Opens both ports and starts loading the model on a thread; returns once
@@ -84,6 +103,7 @@ class Server {
   Server& operator=(const Server&) = delete;
 
   Ports ports() const;
+  Limits limits() const;
   // The served model; valid once WaitReady returned OK.
   const ModelInfo& model_info() const;
   // OK once the model is loaded and the server ready; the load's error if

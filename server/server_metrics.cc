@@ -126,7 +126,12 @@ ServerMetrics::ServerMetrics(MetricsRegistry* r)
           r->AddGauge("accel_ready", "1 when the model is loaded and the server admits requests.")),
       draining(r->AddGauge("accel_draining", "1 while the server drains before exiting.")),
       build_info(
-          r->AddGaugeFamily("accel_build_info", "The accel version (always 1).", {"version"})) {}
+          r->AddGaugeFamily("accel_build_info", "The accel version (always 1).", {"version"})),
+      listener_up(r->AddGaugeFamily(
+          "accel_listener_up",
+          "1 while the port answers the liveness watchdog (grpc, http); 0 once it failed three "
+          "probes in a row, when health accel.live turns NOT_SERVING.",
+          {"listener"})) {}
 
 void ServerMetrics::RequestFailed(absl::string_view reason) {
   request_failure.WithLabels({std::string(reason)}).Increment();

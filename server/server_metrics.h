@@ -54,7 +54,8 @@ class ServerMetrics {
   Gauge& model_load_seconds;
   Gauge& ready;
   Gauge& draining;
-  GaugeFamily& build_info;  // {version}
+  GaugeFamily& build_info;   // {version}
+  GaugeFamily& listener_up;  // {listener}: grpc, http
 };
 
 }  // namespace accel::server

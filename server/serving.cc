@@ -1,10 +1,16 @@
 #include "server/serving.h"
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 #include "server/server_metrics.h"
 
@@ -69,17 +75,70 @@ absl::Status ServingState::AuthorizeBearer(const std::string* authorization) con
     return absl::UnauthenticatedError(
         "this server needs the header \"Authorization: Bearer <token>\"");
   }
-  const std::string expected = "Bearer " + *auth_token_;
-  if (!ConstantTimeEquals(*authorization, expected)) {
+  // RFC 7235: "Bearer", in any case, then one or more spaces, then the
+  // token (RFC 6750's credentials).
+  const absl::string_view value(*authorization);
+  const size_t space = value.find(' ');
+  const absl::string_view scheme = value.substr(0, space);
+  absl::string_view token =
+      space == absl::string_view::npos ? absl::string_view() : value.substr(space);
+  while (!token.empty() && token.front() == ' ') token.remove_prefix(1);
+  if (!absl::EqualsIgnoreCase(scheme, "bearer") ||
+      !ConstantTimeEquals(std::string(token), *auth_token_)) {
     if (metrics_ != nullptr) metrics_->RequestFailed("unauthenticated");
     return absl::UnauthenticatedError("the bearer token is not valid");
   }
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::Mutex private_paths_mu(absl::kConstInit);
+std::vector<std::string>* private_paths ABSL_GUARDED_BY(private_paths_mu) = nullptr;
+
+}  // namespace
+
+void AddPrivatePath(const std::string& path) {
+  std::vector<std::string> forms;
+  std::error_code error;
+  for (std::filesystem::path form :
+       {std::filesystem::path(path), std::filesystem::absolute(path, error),
+        std::filesystem::weakly_canonical(path, error)}) {
+    std::string text = form.lexically_normal().string();
+    while (text.size() > 1 && text.back() == '/') text.pop_back();
+    // Relative and root forms say nothing, and would match everywhere.
+    if (text.size() > 1 && text.front() == '/') forms.push_back(text);
+  }
+  absl::MutexLock lock(&private_paths_mu);
+  if (private_paths == nullptr) private_paths = new std::vector<std::string>();
+  for (std::string& form : forms) private_paths->push_back(std::move(form));
+  // Longest first, so that a folder inside another is replaced whole.
+  std::sort(private_paths->begin(), private_paths->end(),
+            [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+}
+
+absl::Status ForClient(const absl::Status& status) {
+  if (status.ok()) return status;
+  std::string message(status.message());
+  {
+    absl::MutexLock lock(&private_paths_mu);
+    if (private_paths == nullptr) return status;
+    for (const std::string& path : *private_paths) {
+      const std::string shown = std::filesystem::path(path).filename().string();
+      size_t at = 0;
+      while ((at = message.find(path, at)) != std::string::npos) {
+        message.replace(at, path.size(), shown);
+        at += shown.size();
+      }
+    }
+  }
+  return absl::Status(status.code(), message);
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   // absl's codes are gRPC's codes, number for number.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  const absl::Status shown = ForClient(status);
+  return grpc::Status(static_cast<grpc::StatusCode>(shown.code()), std::string(shown.message()));
 }
 
 void AddRetryHint(grpc::ServerContextBase& context) {
@@ -100,6 +159,16 @@ bool DeadlineReached(const grpc::ServerContextBase& context) {
   // gRPC's timer and absl's clock may disagree by a little; a cancel this
   // close to the deadline is the deadline's.
   return CallDeadline(context) <= absl::Now() + absl::Milliseconds(100);
+}
+
+absl::Status CallStillWanted(const grpc::ServerContextBase& context) {
+  if (CallDeadline(context) <= absl::Now()) {
+    return absl::DeadlineExceededError("the call's deadline passed before its request was queued");
+  }
+  if (context.IsCancelled()) {
+    return absl::CancelledError("the client cancelled the call before its request was queued");
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> ReadFlagFile(const std::string& path, const char* flag) {

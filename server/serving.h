@@ -39,7 +39,8 @@ class ServingState {
   void SetDraining();
 
   // OK when no token is configured or the call carries the metadata
-  // "authorization: Bearer <token>"; else Unauthenticated (and counted).
+  // "authorization: Bearer <token>" (the scheme in any case, RFC 7235);
+  // else Unauthenticated (and counted).
   // Every handler but the liveness probes calls it first, so it also notes
   // when the last call arrived (see last_call()).
   grpc::Status Authorize(const grpc::ServerContextBase& context) const;
@@ -60,8 +61,17 @@ class ServingState {
   mutable std::atomic<int64_t> last_call_ns_{0};
 };
 
-// Same code, same message. ResourceExhausted also gets the trailing
-// metadata "retry-after-ms" through AddRetryHint.
+// The server's own folders (the model's, the offload folder): in every error
+// a client is sent (ToGrpcStatus, the OpenAI API's errors) each is shown as
+// its last component only, so no answer tells where the server keeps its
+// files ("/srv/models/llama-3/tokenizer_config.json" -> "llama-3/...").
+// Process-wide; Server::Start adds them.
+void AddPrivatePath(const std::string& path);
+// `status` with the private paths cut as above.
+absl::Status ForClient(const absl::Status& status);
+
+// Same code, same message (ForClient's). ResourceExhausted also gets the
+// trailing metadata "retry-after-ms" through AddRetryHint.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 // For a ResourceExhausted answer: how long a client should wait.
 void AddRetryHint(grpc::ServerContextBase& context);
@@ -75,6 +85,13 @@ absl::Time CallDeadline(const grpc::ServerContextBase& context);
 // deadline in the same step, so it is counted as a timeout, not as a
 // client's cancel.
 bool DeadlineReached(const grpc::ServerContextBase& context);
+
+// OK while the client still waits for the call; DeadlineExceeded once its
+// deadline passed, Cancelled once it cancelled (or its connection went).
+// Asked while a request is read and before it is queued, so that no work
+// outlives the client that asked for it (a large tools_json past a 3 s
+// deadline kept a thread busy for 27 s).
+absl::Status CallStillWanted(const grpc::ServerContextBase& context);
 
 // The whole of a file a flag names (a TLS certificate, a token file); NotFound
 // naming the flag and the path when it cannot be read.

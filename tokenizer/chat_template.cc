@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 
-#include "core/json_depth.h"
+#include "core/json.h"
 #include "core/status.h"
 #include "jinja/jinja.h"
 #include "tokenizer/internal/read_file.h"
@@ -22,8 +22,6 @@ namespace {
 using Json = nlohmann::ordered_json;
 
 constexpr uint64_t kMaxConfigBytes = uint64_t{64} << 20;
-// Deeper than any conversation; nlohmann recurses once per level.
-constexpr int kMaxJsonDepth = 64;
 
 // Tokens templates end a turn with; one of them written by the template is
 // where the model stops. (eos_token is always one.)
@@ -34,16 +32,6 @@ constexpr const char* kTurnEndTokens[] = {
 // The special-token names transformers passes to templates (special_tokens_map).
 constexpr const char* kSpecialTokenNames[] = {"bos_token", "eos_token", "unk_token", "sep_token",
                                               "pad_token", "cls_token", "mask_token"};
-
-absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view what) {
-  if (JsonNestsDeeperThan(text, kMaxJsonDepth)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": nests deeper than ", kMaxJsonDepth, " levels"));
-  }
-  Json json = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (json.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(what, ": invalid JSON"));
-  return json;
-}
 
 // A special token as tokenizer_config.json writes it: a string, or an
 // AddedToken object ({"__type": "AddedToken", "content": ...}); null: none.
@@ -127,7 +115,7 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromModelDir(const std::string& dir) 
   absl::StatusOr<std::string> config_text =
       internal::ReadWholeFile(config_path, kMaxConfigBytes, "tokenizer_config.json");
   if (config_text.ok()) {
-    ACCEL_ASSIGN_OR_RETURN(config, ParseJson(*config_text, config_path));
+    ACCEL_ASSIGN_OR_RETURN(config, ParseOrderedJson(*config_text, config_path));
     if (!config.is_object()) {
       return absl::InvalidArgumentError(absl::StrCat(config_path, ": expected a JSON object"));
     }
@@ -222,7 +210,7 @@ std::vector<int64_t> ChatTemplate::EndOfTurnIds(const Tokenizer& tokenizer) cons
 absl::StatusOr<std::string> ChatTemplate::Render(absl::string_view messages_json,
                                                  absl::string_view tools_json,
                                                  bool add_generation_prompt) const {
-  ACCEL_ASSIGN_OR_RETURN(Json messages, ParseJson(messages_json, "messages"));
+  ACCEL_ASSIGN_OR_RETURN(Json messages, ParseOrderedJson(messages_json, "messages"));
   if (!messages.is_array()) return absl::InvalidArgumentError("messages: expected an array");
   for (size_t i = 0; i < messages.size(); ++i) {
     const Json& message = messages[i];
@@ -235,7 +223,7 @@ absl::StatusOr<std::string> ChatTemplate::Render(absl::string_view messages_json
   }
   Json tools = nullptr;
   if (!tools_json.empty()) {
-    ACCEL_ASSIGN_OR_RETURN(tools, ParseJson(tools_json, "tools"));
+    ACCEL_ASSIGN_OR_RETURN(tools, ParseOrderedJson(tools_json, "tools"));
     if (!tools.is_array() && !tools.is_null()) {
       return absl::InvalidArgumentError("tools: expected an array");
     }

@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
+#include "core/json.h"
 #include "core/status.h"
 #include "loader/loader.h"
 
@@ -1098,10 +1099,11 @@ absl::Status MergeShardedState(const std::string& dir, const std::string& output
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": no \"", kShardsKey, "\" metadata (not an accel FSDP shard file)"));
     }
-    nlohmann::json meta = nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
-    if (meta.is_discarded() || !meta.contains("world_size") || !meta.contains("rank") ||
-        !meta.contains("pieces") || !meta["world_size"].is_number_integer() ||
-        !meta["rank"].is_number_integer() || !meta["pieces"].is_object()) {
+    const absl::StatusOr<nlohmann::json> parsed = ParseJson(it->second, path);
+    nlohmann::json meta = parsed.ok() ? *parsed : nlohmann::json();
+    if (!meta.contains("world_size") || !meta.contains("rank") || !meta.contains("pieces") ||
+        !meta["world_size"].is_number_integer() || !meta["rank"].is_number_integer() ||
+        !meta["pieces"].is_object()) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ": malformed \"", kShardsKey, "\" metadata"));
     }

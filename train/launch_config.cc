@@ -28,6 +28,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
+#include "core/json.h"
+
 namespace accel::train {
 namespace {
 
@@ -732,8 +734,8 @@ absl::StatusOr<ClusterConfig> ReadClusterConfig(const std::string& path) {
 std::string ClusterConfigToJson(const ClusterConfig& c) {
   Json j = Json::object();  // std::map underneath: sorted keys, as Accelerate's sort_keys=True
   for (const auto& [key, text] : c.other) {
-    j[key] = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (j[key].is_discarded()) j[key] = text;  // set by hand as plain text
+    absl::StatusOr<Json> value = ParseJson(text, key);
+    j[key] = value.ok() ? *std::move(value) : Json(text);  // set by hand as plain text
   }
   j["compute_environment"] = c.compute_environment;
   j["debug"] = c.debug;
@@ -1044,7 +1046,8 @@ absl::StatusOr<LaunchPlan> ParseLaunchArgs(const std::vector<std::string>& args,
     // the fsdp_ prefix get it, as Accelerate's launcher does.
     std::map<std::string, std::string> settings;
     if (auto it = config.other.find("fsdp_config"); it != config.other.end()) {
-      const Json section = Json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+      const absl::StatusOr<Json> parsed = ParseJson(it->second, "fsdp_config");
+      const Json section = parsed.ok() ? *parsed : Json();
       if (section.is_object()) {
         for (auto kv = section.begin(); kv != section.end(); ++kv) {
           if (kv.value().is_null()) continue;

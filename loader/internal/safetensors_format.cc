@@ -12,7 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-#include "core/json_depth.h"
+#include "core/json.h"
+#include "core/status.h"
 
 namespace accel::loader::internal {
 namespace {
@@ -112,7 +113,7 @@ absl::StatusOr<TensorInfo> ParseEntry(const std::string& name, const Json& entry
   return info;
 }
 
-// A valid header nests three levels (see core/json_depth.h for why we check).
+// A valid header nests three levels.
 constexpr int kMaxDepth = 16;
 
 }  // namespace
@@ -152,33 +153,13 @@ absl::StatusOr<ParsedHeader> ParseSafetensors(absl::string_view file, absl::stri
   if (text.find('\0') != absl::string_view::npos) {
     return absl::InvalidArgumentError(absl::StrCat(label, ": header contains a NUL byte"));
   }
-  if (JsonNestsDeeperThan(text, kMaxDepth)) {
-    return absl::InvalidArgumentError(absl::StrCat(label, ": header JSON is nested deeper than ",
-                                                   kMaxDepth, " levels (not a safetensors file?)"));
-  }
-
-  // nlohmann keeps the last of duplicate keys silently; the callback sees
-  // every top-level key first.
-  std::set<std::string> seen;
-  std::string duplicate;
-  auto on_event = [&](int depth, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::key && depth == 1 && duplicate.empty()) {
-      std::string key = parsed.get<std::string>();
-      if (!seen.insert(key).second) duplicate = std::move(key);
-    }
-    return true;
-  };
-  Json header;
-  try {
-    header = Json::parse(text.begin(), text.end(), on_event);
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(label, ": header is not valid JSON: ", e.what()));
-  }
-  if (!duplicate.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(label, ": tensor '", duplicate, "' appears more than once in the header"));
-  }
+  // nlohmann keeps the last of duplicate keys silently; the reference
+  // reader's maps would not see the same header, so a key twice in one object
+  // (a tensor named twice, a field of a tensor given twice) is refused.
+  JsonLimits limits;
+  limits.max_depth = kMaxDepth;
+  limits.refuse_duplicate_keys = true;
+  ACCEL_ASSIGN_OR_RETURN(Json header, ParseJson(text, absl::StrCat(label, ": header"), limits));
   if (!header.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(label, ": header is not a JSON object"));
   }

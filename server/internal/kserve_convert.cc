@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-#include "core/json_depth.h"
+#include "core/json.h"
 #include "core/status.h"
 #include "server/internal/quote.h"
 
@@ -30,9 +30,14 @@ using OutputTensor = inference::ModelInferResponse::InferOutputTensor;
 // Far above any real request; keeps shape products from overflowing and a
 // hostile shape from sizing a huge allocation.
 constexpr int64_t kMaxElements = int64_t{1} << 32;
-// sampling_parameters is one flat object; a list of stop strings is the
-// deepest thing in it.
-constexpr int kMaxJsonDepth = 4;
+// JSON in a parameter or in the sampling_parameters input: one flat object
+// (a list of stop strings is the deepest thing in it), a few dozen keys.
+JsonLimits ParameterJsonLimits() {
+  JsonLimits limits;
+  limits.max_depth = 4;
+  limits.max_keys = 1024;
+  return limits;
+}
 
 // ---------------------------------------------------------------------------
 // Little-endian raw data.
@@ -332,12 +337,12 @@ absl::StatusOr<std::vector<std::string>> AsStrings(const Value& v, absl::string_
     return std::vector<std::string>{};
   }
   if (const auto* s = std::get_if<std::string>(&v)) {
-    if (absl::StartsWith(absl::StripLeadingAsciiWhitespace(*s), "[") &&
-        !JsonNestsDeeperThan(*s, kMaxJsonDepth)) {
-      nlohmann::json j = nlohmann::json::parse(*s, nullptr, /*allow_exceptions=*/false);
-      if (j.is_array() &&
-          std::all_of(j.begin(), j.end(), [](const nlohmann::json& e) { return e.is_string(); })) {
-        return j.get<std::vector<std::string>>();
+    if (absl::StartsWith(absl::StripLeadingAsciiWhitespace(*s), "[")) {
+      absl::StatusOr<nlohmann::json> j = ParseJson(*s, where, ParameterJsonLimits());
+      if (j.ok() && j->is_array() && std::all_of(j->begin(), j->end(), [](const nlohmann::json& e) {
+            return e.is_string();
+          })) {
+        return j->get<std::vector<std::string>>();
       }
     }
     return std::vector<std::string>{*s};
@@ -352,13 +357,11 @@ absl::StatusOr<std::vector<int64_t>> AsInts(const Value& v, absl::string_view wh
     return std::vector<int64_t>{};
   }
   if (const auto* s = std::get_if<std::string>(&v)) {
-    if (!JsonNestsDeeperThan(*s, kMaxJsonDepth)) {
-      nlohmann::json j = nlohmann::json::parse(*s, nullptr, /*allow_exceptions=*/false);
-      if (j.is_array() && std::all_of(j.begin(), j.end(), [](const nlohmann::json& e) {
-            return e.is_number_integer();
-          })) {
-        return j.get<std::vector<int64_t>>();
-      }
+    absl::StatusOr<nlohmann::json> j = ParseJson(*s, where, ParameterJsonLimits());
+    if (j.ok() && j->is_array() && std::all_of(j->begin(), j->end(), [](const nlohmann::json& e) {
+          return e.is_number_integer();
+        })) {
+      return j->get<std::vector<int64_t>>();
     }
     return KnobError(where, absl::StrCat("must be a list of integers, got ", Quote(*s)));
   }
@@ -489,16 +492,15 @@ absl::StatusOr<Value> JsonValue(const nlohmann::json& j, absl::string_view where
 }
 
 absl::Status ApplySamplingJson(const std::string& text, KnobSetter* setter) {
-  if (JsonNestsDeeperThan(text, kMaxJsonDepth)) {
+  absl::StatusOr<nlohmann::json> parsed =
+      ParseJson(text, "input \"sampling_parameters\"", ParameterJsonLimits());
+  if (!parsed.ok()) {
     return absl::InvalidArgumentError(
-        "input \"sampling_parameters\": nests too deep; expected one flat JSON object");
+        absl::StrCat(parsed.status().message(),
+                     "; expected one flat JSON object such as {\"temperature\": 0.7, "
+                     "\"max_tokens\": 64}"));
   }
-  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) {
-    return absl::InvalidArgumentError(
-        "input \"sampling_parameters\": not valid JSON; expected an object such as "
-        "{\"temperature\": 0.7, \"max_tokens\": 64}");
-  }
+  const nlohmann::json& j = *parsed;
   if (!j.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat("input \"sampling_parameters\": expected a JSON object, got ", j.type_name()));

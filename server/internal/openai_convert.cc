@@ -12,7 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
-#include "core/json_depth.h"
+#include "core/json.h"
+#include "core/status.h"
 
 namespace accel::server::internal {
 namespace {
@@ -130,7 +131,7 @@ absl::StatusOr<std::string> ContentText(const json& content, const std::string& 
   return text;
 }
 
-absl::Status ParseMessages(const json& body, models::ChatInput& chat) {
+absl::Status ParseMessages(const json& body, const JsonLimits& limits, models::ChatInput& chat) {
   const json* messages = Field(body, "messages");
   if (messages == nullptr) return FieldError("messages", "required");
   if (!messages->is_array()) return WrongType("messages", "an array", *messages);
@@ -164,11 +165,8 @@ absl::Status ParseMessages(const json& body, models::ChatInput& chat) {
         auto arguments = function->find("arguments");
         if (arguments == function->end() || !arguments->is_string()) continue;
         const std::string where = absl::StrCat(field, ".tool_calls[", j, "].function.arguments");
-        const std::string text = arguments->get<std::string>();
-        if (JsonNestsDeeperThan(text, 64)) return FieldError(where, "nests deeper than 64 levels");
-        json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
-        if (parsed.is_discarded()) return FieldError(where, "is not valid JSON");
-        *arguments = std::move(parsed);
+        ACCEL_ASSIGN_OR_RETURN(*arguments,
+                               ParseOrderedJson(arguments->get<std::string>(), where, limits));
       }
     }
     normalized.push_back(std::move(copy));
@@ -260,7 +258,8 @@ absl::Status RequireZero(const json& body, const char* name) {
   return absl::OkStatus();
 }
 
-absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, OpenAiRequest& out) {
+absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimits& limits,
+                       OpenAiRequest& out) {
   models::GenerationRequest& g = out.generation;
   if (const json* model = Field(body, "model")) {
     if (!model->is_string()) return WrongType("model", "a string", *model);
@@ -268,7 +267,7 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, OpenAiRequest&
   }
   if (endpoint == OpenAiEndpoint::kChat) {
     models::ChatInput chat;
-    if (absl::Status s = ParseMessages(body, chat); !s.ok()) return s;
+    if (absl::Status s = ParseMessages(body, limits, chat); !s.ok()) return s;
     g.chat = std::move(chat);
   } else {
     if (absl::Status s = ParsePrompt(body, g); !s.ok()) return s;
@@ -446,16 +445,19 @@ std::string ParamOf(absl::string_view message) {
 
 }  // namespace
 
-absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint, absl::string_view body) {
-  if (JsonNestsDeeperThan(body, kMaxOpenAiJsonDepth)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the body nests deeper than ", kMaxOpenAiJsonDepth, " levels"));
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint, absl::string_view body,
+                                                 const std::function<absl::Status()>& check) {
+  JsonLimits limits;
+  limits.max_depth = kMaxOpenAiJsonDepth;
+  limits.max_keys = kMaxOpenAiJsonKeys;
+  limits.check = check;
+  absl::StatusOr<json> body_json = ParseOrderedJson(body, "the body", limits);
+  if (!body_json.ok()) {
+    if (!absl::IsInvalidArgument(body_json.status())) return body_json.status();
+    return absl::InvalidArgumentError(absl::StrCat(
+        body_json.status().message(), "; send Content-Type: application/json with a JSON object"));
   }
-  json parsed = json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded()) {
-    return absl::InvalidArgumentError(
-        "the body is not valid JSON (send Content-Type: application/json with a JSON object)");
-  }
+  json parsed = *std::move(body_json);
   if (!parsed.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the body must be a JSON object, got ", TypeName(parsed)));
@@ -464,7 +466,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint, absl::
   out.endpoint = endpoint;
   absl::Status status;
   try {
-    status = ParseBody(endpoint, parsed, out);
+    status = ParseBody(endpoint, parsed, limits, out);
   } catch (const json::exception& e) {  // a bug of ours; never a crash
     status = absl::InternalError(absl::StrCat("request parsing failed: ", e.what()));
   }

@@ -35,8 +35,12 @@ namespace accel::server::internal {
 enum class OpenAiEndpoint { kChat, kCompletions };
 
 // The most nesting a request body may have (messages with content parts and
-// tool schemas need a few levels; nlohmann recurses once per level).
+// tool schemas need a few levels; the chat template recurses once per level).
 inline constexpr int kMaxOpenAiJsonDepth = 64;
+// The most object keys a request body may hold, all objects together (a
+// hundred tools of fifty schema keys each is 5,000). Chat templates look
+// keys up linearly, so this also bounds what rendering can cost.
+inline constexpr int64_t kMaxOpenAiJsonKeys = 16384;
 
 struct OpenAiRequest {
   OpenAiEndpoint endpoint = OpenAiEndpoint::kChat;
@@ -51,8 +55,13 @@ struct OpenAiRequest {
 // Parses a request body for `endpoint`. InvalidArgument naming the field for
 // malformed JSON, a wrong type, an out-of-range value, or a field this
 // server refuses (n > 1, non-zero penalties, logit_bias, a tool_choice other
-// than auto/none, ...). Unknown fields are ignored, as OpenAI does.
-absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(OpenAiEndpoint endpoint, absl::string_view body);
+// than auto/none, ...); InvalidArgument past kMaxOpenAiJsonDepth or
+// kMaxOpenAiJsonKeys. Unknown fields are ignored, as OpenAI does. `check`
+// (optional) is asked every few thousand JSON tokens whether to go on (the
+// client still there); its non-OK status ends the parse and is returned.
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(
+    OpenAiEndpoint endpoint, absl::string_view body,
+    const std::function<absl::Status()>& check = nullptr);
 
 // OpenAI's error object and the HTTP status it goes with.
 struct OpenAiError {

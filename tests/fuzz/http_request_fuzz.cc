@@ -1,5 +1,6 @@
-// libFuzzer target for the HTTP server's request-head parser
-// (server/internal/http_parse.h; scripts/fuzz.sh runs it). The input is a
+// libFuzzer target for the HTTP request-head parser, Boost.Beast's parser
+// under our rules (server/internal/http_request_head.h; scripts/fuzz.sh runs
+// it). The input is a
 // request head (the bytes before the blank line). Any input must parse or
 // be refused with 400, 411, 413 or 431 and a message; a parsed head must
 // keep the parser's promises: a path starting with '/', header names that
@@ -15,7 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
 
-#include "server/internal/http_parse.h"
+#include "server/internal/http_request_head.h"
 
 namespace {
 

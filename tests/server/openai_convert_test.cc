@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 
 namespace accel::server::internal {
 namespace {
@@ -130,9 +131,49 @@ TEST(OpenAiConvertTest, ErrorsNameTheField) {
     EXPECT_EQ(error.type, "invalid_request_error");
     EXPECT_EQ(error.param, c.param) << c.body << ": " << error.message;
   }
-  EXPECT_THAT(ParseError(text, "{").message, HasSubstr("not valid JSON"));
+  EXPECT_THAT(ParseError(text, "{").message, HasSubstr("the body: invalid JSON"));
   EXPECT_THAT(ParseError(text, "[]").message, HasSubstr("JSON object"));
   EXPECT_THAT(ParseError(text, std::string(1000, '[')).message, HasSubstr("nests deeper"));
+}
+
+// The outside test's body: 100,000 keys (1.5 MB) cost 24 s of CPU when every
+// key was looked up linearly; now it is refused at kMaxOpenAiJsonKeys.
+TEST(OpenAiConvertTest, ManyKeysAreRefused) {
+  std::string body = R"({"prompt": "hi", "x": {)";
+  for (int i = 0; i < 100000; ++i) absl::StrAppend(&body, i ? "," : "", "\"k", i, "\":0");
+  body += "}}";
+  const OpenAiError error = ParseError(OpenAiEndpoint::kCompletions, body);
+  EXPECT_EQ(error.http_status, 400);
+  EXPECT_THAT(error.message, HasSubstr(absl::StrCat("more than ", kMaxOpenAiJsonKeys)));
+  // Just under the limit parses, keys in the client's order.
+  std::string tools = R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"p": {)";
+  // Five keys outside "p": messages, role, content, tools, p.
+  for (int i = 0; i < kMaxOpenAiJsonKeys - 5; ++i) {
+    absl::StrAppend(&tools, i ? "," : "", "\"k", kMaxOpenAiJsonKeys - i, "\":0");
+  }
+  tools += "}}]}";
+  absl::StatusOr<OpenAiRequest> parsed = ParseOpenAiRequest(OpenAiEndpoint::kChat, tools);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  const nlohmann::json parsed_tools = nlohmann::json::parse(parsed->generation.chat->tools_json);
+  EXPECT_EQ(parsed_tools[0]["p"].size(), static_cast<size_t>(kMaxOpenAiJsonKeys - 5));
+  EXPECT_EQ(parsed->generation.chat->tools_json.substr(0, 16), R"([{"p":{"k16384":)");
+}
+
+// A client gone while its body is parsed: the check's status ends the parse.
+TEST(OpenAiConvertTest, CheckStopsTheParse) {
+  std::string body = R"({"prompt": [)";
+  for (int i = 0; i < 100000; ++i) absl::StrAppend(&body, i ? "," : "", i % 100);
+  body += "]}";
+  int calls = 0;
+  absl::StatusOr<OpenAiRequest> parsed =
+      ParseOpenAiRequest(OpenAiEndpoint::kCompletions, body, [&calls] {
+        ++calls;
+        return absl::CancelledError("the client closed its connection");
+      });
+  EXPECT_EQ(parsed.status(), absl::CancelledError("the client closed its connection"));
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(
+      ParseOpenAiRequest(OpenAiEndpoint::kCompletions, body, [] { return absl::OkStatus(); }).ok());
 }
 
 TEST(OpenAiConvertTest, StatusesMapToOpenAiErrors) {

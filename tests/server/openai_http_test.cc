@@ -435,7 +435,7 @@ ServerProcess* RawHttpTest::server_ = nullptr;
 TEST_F(RawHttpTest, MalformedJson) {
   const std::string response = Exchange(port(), "POST", "/v1/completions", "{\"prompt\": ");
   ExpectOpenAiError(response, 400, "invalid_request_error");
-  EXPECT_THAT(response, HasSubstr("not valid JSON"));
+  EXPECT_THAT(response, HasSubstr("the body: invalid JSON"));
   ExpectOpenAiError(Exchange(port(), "POST", "/v1/chat/completions", "[1, 2]"), 400,
                     "invalid_request_error");
   ExpectOpenAiError(Exchange(port(), "POST", "/v1/completions", std::string(100000, '[')), 400,

@@ -17,6 +17,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <string>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -139,9 +140,10 @@ inline std::optional<double> MetricValue(const std::string& text, const std::str
 
 class ServerProcess {
  public:
+  // `max_open_files` > 0: the process's RLIMIT_NOFILE, soft and hard.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
       const std::string& model_dir, std::vector<std::string> extra_args,
-      absl::Duration timeout = absl::Seconds(60), bool wait_ready = true) {
+      absl::Duration timeout = absl::Seconds(60), bool wait_ready = true, int max_open_files = 0) {
     // One intra-op thread unless a test asks for more: the test models are
     // tiny, and ctest runs tests side by side, where each server's OpenMP
     // workers spinning on every core slowed the others past their 300 ms
@@ -165,6 +167,11 @@ class ServerProcess {
       argv.reserve(args.size() + 1);
       for (std::string& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
+      if (max_open_files > 0) {
+        const rlimit limit = {static_cast<rlim_t>(max_open_files),
+                              static_cast<rlim_t>(max_open_files)};
+        if (setrlimit(RLIMIT_NOFILE, &limit) != 0) _exit(126);
+      }
       execv(argv[0], argv.data());
       _exit(127);
     }

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-#include "core/json_depth.h"
+#include "core/json.h"
 #include "core/status.h"
 #include "tokenizer/internal/unicode.h"
 
@@ -61,18 +61,13 @@ const Json& Member(const Json& root, absl::string_view key) {
 absl::StatusOr<std::unique_ptr<TokenizerImpl>> TokenizerImpl::FromJson(absl::string_view json,
                                                                        absl::string_view source) {
   const JsonReader reader(source);
-  if (JsonNestsDeeperThan(json, kMaxJsonDepth)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(source, ": JSON nests deeper than ", kMaxJsonDepth, " levels"));
-  }
+  JsonLimits limits;
+  limits.max_depth = kMaxJsonDepth;
+  absl::StatusOr<Json> parsed = ParseJson(json, source, limits);
+  if (!parsed.ok()) return parsed.status();
   // nlohmann throws; nothing it throws leaves this function.
   try {
-    Json root;
-    try {
-      root = Json::parse(json.begin(), json.end());
-    } catch (const Json::parse_error& e) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON: ", e.what()));
-    }
+    const Json root = *std::move(parsed);
     ACCEL_RETURN_IF_ERROR(reader.ExpectObject(root, ""));
     if (const Json* version = JsonReader::Find(root, "version"); version != nullptr) {
       if (!version->is_string() || version->get<std::string>() != "1.0") {

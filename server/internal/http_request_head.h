@@ -1,28 +1,28 @@
-// server/internal/http_parse.h: the request-head parser of the HTTP/1.1
-// server (http_server.h), alone: pure, torch-free and socket-free, so it is
-// unit-tested (tests/server/http_parse_test.cc) and fuzzed
-// (tests/fuzz/http_request_fuzz.cc) without a connection.
+// server/internal/http_request_head.h: how the OpenAI HTTP API reads a
+// request head: Boost.Beast's HTTP/1.1 parser (http::basic_parser) under a
+// few rules of ours, pure (no socket), so it is unit-tested
+// (tests/server/http_request_head_test.cc) and fuzzed
+// (tests/fuzz/http_request_fuzz.cc) alone. The transport
+// (http_transport.h) hands it the bytes before the blank line.
 //
-// The head is the bytes of a request before its blank line ("\r\n\r\n", not
-// included). It is untrusted: the rules below are strict where a lax reading
+// The head is untrusted. Beast checks the grammar: the request line (a
+// token method, HTTP/1.0 or 1.1), header names (tokens, no space before the
+// colon), header values (no control characters), Content-Length (digits,
+// no overflow, several equal values or none) and its conflict with
+// Transfer-Encoding. Ours, before Beast sees the bytes, where a lax reading
 // would let this server and a proxy in front of it frame a request
-// differently (request smuggling) or let a header hide inside another
-// (header injection):
-//   - lines end with CRLF only: a bare CR, a bare LF or a NUL anywhere in the
-//     head is an error (400), as is a line folded onto the one before it
-//     (obs-fold: a line beginning with a space or a tab);
-//   - the request line is `METHOD SP /target SP HTTP/1.x`, the method a
-//     token; a header line is `name: value`, the name a non-empty token
-//     (no spaces, no control characters); at most kMaxHttpHeaders headers
-//     (431);
+// differently (request smuggling) or let a header hide inside another:
+//   - lines end with CRLF only: a bare CR, a bare LF or a NUL anywhere is
+//     refused (400), and so is a line folded onto the one before it
+//     (obs-fold, which Beast would unfold);
+//   - at most kMaxHttpHeaders header lines (431);
 //   - any Transfer-Encoding other than `identity`, in any of its headers:
 //     411 (request bodies need Content-Length);
-//   - Content-Length: digits only, at most 2^64-1 (400), every
-//     Content-Length header the same value (400), at most max_body_bytes
-//     (413).
-// The size of the head (431) and the reading of the body are the server's.
-#ifndef ACCEL_SERVER_INTERNAL_HTTP_PARSE_H_
-#define ACCEL_SERVER_INTERNAL_HTTP_PARSE_H_
+// and after Beast: an origin-form target ("/..."; 400), a Content-Length of
+// at most max_body_bytes (413). The size of the head (431) and the reading
+// of the body are the transport's.
+#ifndef ACCEL_SERVER_INTERNAL_HTTP_REQUEST_HEAD_H_
+#define ACCEL_SERVER_INTERNAL_HTTP_REQUEST_HEAD_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -43,7 +43,7 @@ struct HttpRequestHead {
   std::string path;                                          // starts with '/', without the query
   std::string query;                                         // after the first '?', or empty
   std::vector<std::pair<std::string, std::string>> headers;  // names lower-cased, values trimmed
-  bool http10 = false;                                       // HTTP/1.0 (else HTTP/1.x)
+  bool http10 = false;                                       // HTTP/1.0 (else HTTP/1.1)
   // Whether the connection stays open after the answer: HTTP/1.1 unless
   // `Connection: close`; HTTP/1.0 only with `Connection: keep-alive`.
   bool keep_alive = true;
@@ -69,4 +69,4 @@ HttpParseResult ParseHttpRequestHead(absl::string_view head, uint64_t max_body_b
 
 }  // namespace accel::server::internal
 
-#endif  // ACCEL_SERVER_INTERNAL_HTTP_PARSE_H_
+#endif  // ACCEL_SERVER_INTERNAL_HTTP_REQUEST_HEAD_H_

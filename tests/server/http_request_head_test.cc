@@ -1,4 +1,6 @@
-#include "server/internal/http_parse.h"
+// The request-head parser: Boost.Beast's parser under our rules against
+// request smuggling and header injection (server/internal/http_request_head.h).
+#include "server/internal/http_request_head.h"
 
 #include <string>
 #include <variant>
@@ -34,7 +36,7 @@ HttpParseError ParseError(const std::string& head, uint64_t max_body = kMaxBody)
   return std::get<HttpParseError>(std::move(parsed));
 }
 
-TEST(HttpParseTest, RequestLineAndHeaders) {
+TEST(HttpRequestHeadTest, RequestLineAndHeaders) {
   const HttpRequestHead head = ParseOk(
       "POST /v1/chat/completions?a=1&b=2 HTTP/1.1\r\nHost: localhost:8000\r\n"
       "Content-Type:  application/json \r\nX-Empty:\r\nContent-Length: 12");
@@ -55,7 +57,7 @@ TEST(HttpParseTest, RequestLineAndHeaders) {
   EXPECT_EQ(head.Header("accept"), nullptr);
 }
 
-TEST(HttpParseTest, NoHeadersNoBody) {
+TEST(HttpRequestHeadTest, NoHeadersNoBody) {
   const HttpRequestHead head = ParseOk("GET / HTTP/1.1");
   EXPECT_EQ(head.path, "/");
   EXPECT_EQ(head.query, "");
@@ -67,7 +69,7 @@ TEST(HttpParseTest, NoHeadersNoBody) {
   EXPECT_EQ(*ParseOk("GET / HTTP/1.1\r\nA: 1\r\na: 2").Header("a"), "1");
 }
 
-TEST(HttpParseTest, MalformedRequestLine) {
+TEST(HttpRequestHeadTest, MalformedRequestLine) {
   for (const char* head :
        {"", "GET", "GET /", "GET / HTTP/1.1 x", "GET  / HTTP/1.1", " GET / HTTP/1.1",
         "GET x HTTP/1.1", "GET / HTTP/2.0", "GET / http/1.1", "GET / HTTP/1.1 ", "G(T / HTTP/1.1",
@@ -78,16 +80,16 @@ TEST(HttpParseTest, MalformedRequestLine) {
   }
 }
 
-TEST(HttpParseTest, MalformedHeaderLine) {
+TEST(HttpRequestHeadTest, MalformedHeaderLine) {
   for (const char* head :
        {"GET / HTTP/1.1\r\nNoColon", "GET / HTTP/1.1\r\n: value", "GET / HTTP/1.1\r\nA: b\r\n"}) {
     const HttpParseError error = ParseError(head);
     EXPECT_EQ(error.status, 400) << head;
-    EXPECT_EQ(error.message, "malformed HTTP header line") << head;
+    EXPECT_THAT(error.message, HasSubstr("malformed HTTP header")) << head;
   }
 }
 
-TEST(HttpParseTest, HeaderNamesAreTokens) {
+TEST(HttpRequestHeadTest, HeaderNamesAreTokens) {
   // A space before the colon (RFC 9112 5.1: must be refused), inside the
   // name, control characters, separators.
   for (const char* head :
@@ -102,7 +104,7 @@ TEST(HttpParseTest, HeaderNamesAreTokens) {
             "x-a_b.c~!#$%&'*+^`|9");
 }
 
-TEST(HttpParseTest, ObsFoldIsRefused) {
+TEST(HttpRequestHeadTest, ObsFoldIsRefused) {
   for (const char* head : {"GET / HTTP/1.1\r\nA: 1\r\n folded", "GET / HTTP/1.1\r\nA: 1\r\n\tb: 2",
                            "GET / HTTP/1.1\r\n Transfer-Encoding: chunked"}) {
     const HttpParseError error = ParseError(head);
@@ -111,7 +113,7 @@ TEST(HttpParseTest, ObsFoldIsRefused) {
   }
 }
 
-TEST(HttpParseTest, BareCrLfAndNulAreRefused) {
+TEST(HttpRequestHeadTest, BareCrLfAndNulAreRefused) {
   using namespace std::string_literals;
   for (const std::string& head :
        {"GET / HTTP/1.1\r\nA: b\nTransfer-Encoding: chunked"s,
@@ -124,7 +126,7 @@ TEST(HttpParseTest, BareCrLfAndNulAreRefused) {
   }
 }
 
-TEST(HttpParseTest, HeaderCountIsCapped) {
+TEST(HttpRequestHeadTest, HeaderCountIsCapped) {
   std::string head = "GET / HTTP/1.1";
   for (size_t i = 0; i < kMaxHttpHeaders; ++i) absl::StrAppend(&head, "\r\nX-", i, ": v");
   EXPECT_EQ(ParseOk(head).headers.size(), kMaxHttpHeaders);
@@ -134,7 +136,7 @@ TEST(HttpParseTest, HeaderCountIsCapped) {
   EXPECT_THAT(error.message, HasSubstr("101 header lines"));
 }
 
-TEST(HttpParseTest, TransferEncoding) {
+TEST(HttpRequestHeadTest, TransferEncoding) {
   EXPECT_EQ(
       ParseOk("POST / HTTP/1.1\r\nTransfer-Encoding: IDENTITY\r\nContent-Length: 3").content_length,
       3u);
@@ -151,7 +153,7 @@ TEST(HttpParseTest, TransferEncoding) {
   }
 }
 
-TEST(HttpParseTest, ContentLength) {
+TEST(HttpRequestHeadTest, ContentLength) {
   EXPECT_EQ(ParseOk("POST / HTTP/1.1\r\nContent-Length: 0").content_length, 0u);
   EXPECT_EQ(ParseOk("POST / HTTP/1.1\r\ncontent-length:\t007 ").content_length, 7u);
   EXPECT_EQ(ParseOk("POST / HTTP/1.1\r\nContent-Length: 4194304").content_length, kMaxBody);
@@ -161,7 +163,7 @@ TEST(HttpParseTest, ContentLength) {
   for (const char* head :
        {"POST / HTTP/1.1\r\nContent-Length: ", "POST / HTTP/1.1\r\nContent-Length: x",
         "POST / HTTP/1.1\r\nContent-Length: -1", "POST / HTTP/1.1\r\nContent-Length: +5",
-        "POST / HTTP/1.1\r\nContent-Length: 5 5", "POST / HTTP/1.1\r\nContent-Length: 5, 5",
+        "POST / HTTP/1.1\r\nContent-Length: 5 5", "POST / HTTP/1.1\r\nContent-Length: 5, 6",
         "POST / HTTP/1.1\r\nContent-Length: 0x10", "POST / HTTP/1.1\r\nContent-Length: 1e3",
         // 2^64: over uint64.
         "POST / HTTP/1.1\r\nContent-Length: 18446744073709551616",
@@ -170,15 +172,17 @@ TEST(HttpParseTest, ContentLength) {
         "POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: five"}) {
     const HttpParseError error = ParseError(head);
     EXPECT_EQ(error.status, 400) << head;
-    EXPECT_EQ(error.message, "Content-Length is not a number") << head;
+    EXPECT_THAT(error.message, HasSubstr("Content-Length")) << head;
   }
   const HttpParseError conflict =
       ParseError("POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 50");
   EXPECT_EQ(conflict.status, 400);
-  EXPECT_EQ(conflict.message, "conflicting Content-Length headers");
+  EXPECT_THAT(conflict.message, HasSubstr("Content-Length headers conflict"));
+  // A list of one value repeated is that value (RFC 9110 8.6), as Beast reads it.
+  EXPECT_EQ(ParseOk("POST / HTTP/1.1\r\nContent-Length: 5, 5").content_length, 5u);
 }
 
-TEST(HttpParseTest, ContentLengthOverTheLimit) {
+TEST(HttpRequestHeadTest, ContentLengthOverTheLimit) {
   const HttpParseError error = ParseError("POST / HTTP/1.1\r\nContent-Length: 4194305");
   EXPECT_EQ(error.status, 413);
   EXPECT_EQ(error.message, "the body is 4194305 bytes, over this server's limit of 4194304 bytes");
@@ -187,7 +191,7 @@ TEST(HttpParseTest, ContentLengthOverTheLimit) {
   EXPECT_EQ(ParseOk("POST / HTTP/1.1\r\nContent-Length: 10", 10).content_length, 10u);
 }
 
-TEST(HttpParseTest, KeepAlive) {
+TEST(HttpRequestHeadTest, KeepAlive) {
   EXPECT_TRUE(ParseOk("GET / HTTP/1.1").keep_alive);
   EXPECT_FALSE(ParseOk("GET / HTTP/1.1\r\nConnection: Close").keep_alive);
   EXPECT_TRUE(ParseOk("GET / HTTP/1.1\r\nConnection: keep-alive").keep_alive);
@@ -196,12 +200,11 @@ TEST(HttpParseTest, KeepAlive) {
   EXPECT_FALSE(http10.keep_alive);
   EXPECT_TRUE(ParseOk("GET / HTTP/1.0\r\nConnection: Keep-Alive").keep_alive);
   EXPECT_FALSE(ParseOk("GET / HTTP/1.0\r\nConnection: close").keep_alive);
-  // Any other HTTP/1.x is HTTP/1.1.
-  EXPECT_FALSE(ParseOk("GET / HTTP/1.9").http10);
-  EXPECT_TRUE(ParseOk("GET / HTTP/1.9").keep_alive);
+  // HTTP/1.0 and 1.1 only.
+  EXPECT_EQ(ParseError("GET / HTTP/1.9").status, 400);
 }
 
-TEST(HttpParseTest, ExpectContinue) {
+TEST(HttpRequestHeadTest, ExpectContinue) {
   EXPECT_TRUE(
       ParseOk("POST / HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 3").expect_continue);
   EXPECT_FALSE(ParseOk("POST / HTTP/1.1\r\nExpect: something").expect_continue);

@@ -1,0 +1,263 @@
+// Chaos against the real accel-serve binary, the network half of issue 33's
+// outside test: descriptor exhaustion, slow and idle sockets, hostile JSON.
+// Each fault has its expected outcome: an answer within a bound (far above
+// the normal time, far below what the fault cost before), and a server that
+// is healthy afterwards (ready, live, every port answering).
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <grpcpp/client_context.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+#include "accel/v1/generation.grpc.pb.h"
+#include "tests/server/generation_client.h"
+#include "tests/server/raw_http.h"
+#include "tests/server/server_process.h"
+#include "tests/testing/temp_dir.h"
+
+namespace accel::server {
+namespace {
+
+using ::accel::test::ConnectTo;
+using ::accel::test::Exchange;
+using ::accel::test::RawSocket;
+using ::accel::test::SendAll;
+using ::accel::test::StatusOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// Everything a healthy server answers: live and ready on the health
+// service, a greedy Generate, the OpenAI API, a scrape. Within `bound`.
+void ExpectHealthy(ServerProcess& server, absl::Duration bound) {
+  const absl::Time until = absl::Now() + bound;
+  EXPECT_TRUE(server.WaitForHealth("accel.live", until)) << server.Stderr();
+  EXPECT_TRUE(server.WaitForHealth("accel.ready", until));
+  auto stub = accel::v1::Generation::NewStub(server.Channel());
+  accel::v1::GenerateResponse response;
+  const grpc::Status generated = testing::Call(*stub, testing::Greedy("Hello", 4), &response,
+                                               std::max(until - absl::Now(), absl::Seconds(1)));
+  EXPECT_TRUE(generated.ok()) << generated.error_message();
+  EXPECT_EQ(response.token_ids_size(), 4);
+  if (server.http_port() > 0) {
+    EXPECT_EQ(StatusOf(Exchange(server.http_port(), "GET", "/v1/models", "", "",
+                                std::max(until - absl::Now(), absl::Seconds(1)))),
+              200);
+  }
+  absl::StatusOr<std::string> metrics = server.Metrics();
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_THAT(*metrics, HasSubstr("accel_ready 1"));
+  EXPECT_THAT(*metrics, HasSubstr("accel_listener_up{listener=\"grpc\"} 1"));
+}
+
+// The outside test's episode: 300 idle TCP connections against a
+// 256-descriptor limit (100 on each port). Before, gRPC's accept failed
+// with EMFILE and its port never accepted again, the process spun 1.7
+// cores, and the HTTP and metrics ports stalled. Now each port holds at
+// most its share of the descriptors (the rest wait in the backlog), the
+// OpenAI API keeps answering meanwhile, and once the sockets close every
+// port accepts again.
+TEST(ChaosTest, DescriptorExhaustionEndsAndEveryPortAcceptsAgain) {
+  auto server = ServerProcess::Start(
+      TestModelDir(),
+      {"--http_port=0", "--liveness_probe_interval=500ms", "--http_request_timeout=30s"},
+      absl::Seconds(60), /*wait_ready=*/true, /*max_open_files=*/256);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ServerProcess& s = **server;
+  ASSERT_GT(s.http_port(), 0);
+  EXPECT_THAT(s.Stderr(), HasSubstr("open files: 256 (the hard limit)"));
+  EXPECT_THAT(s.Stderr(), HasSubstr("connections at once: grpc 96, http 72, metrics 12"));
+
+  std::vector<RawSocket> idle;
+  for (int port : {s.grpc_port(), s.http_port(), s.metrics_port()}) {
+    for (int i = 0; i < 100; ++i) {
+      RawSocket socket = ConnectTo(port);
+      ASSERT_TRUE(socket.ok()) << "port " << port << ", connection " << i;
+      idle.push_back(std::move(socket));
+    }
+  }
+  absl::SleepFor(absl::Seconds(1));
+  // Meanwhile the OpenAI API answers: a newcomer takes an idle socket's place.
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(StatusOf(Exchange(s.http_port(), "GET", "/v1/models", "", "", absl::Seconds(10))),
+              200);
+  }
+  // And the process did not run out: the liveness watchdog saw every port.
+  absl::SleepFor(absl::Seconds(2));
+  EXPECT_THAT(s.Stderr(), Not(HasSubstr("stopped answering")));
+
+  idle.clear();
+  ExpectHealthy(s, absl::Seconds(30));
+  EXPECT_THAT(s.Stderr(), Not(HasSubstr("stopped answering")));
+}
+
+// 600 sockets on the OpenAI port, half idle and half trickling a request
+// head a byte at a time: the old server gave each a thread up to 512 and
+// locked every other client out (and most of its 503s were lost to a TCP
+// reset). Now real clients are answered throughout.
+TEST(ChaosTest, SlowAndIdleSocketsDoNotLockClientsOut) {
+  auto server =
+      ServerProcess::Start(TestModelDir(), {"--http_port=0", "--http_request_timeout=60s"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ServerProcess& s = **server;
+  std::vector<RawSocket> sockets;
+  for (int i = 0; i < 600; ++i) {
+    sockets.push_back(ConnectTo(s.http_port()));
+    ASSERT_TRUE(sockets.back().ok()) << i;
+  }
+  const std::string head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+  for (size_t round = 0; round < 5; ++round) {
+    for (size_t i = 0; i < sockets.size(); i += 2) {
+      send(sockets[i].fd(), &head[round % head.size()], 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+    const absl::Time start = absl::Now();
+    const std::string response = Exchange(
+        s.http_port(), "POST", "/v1/completions",
+        R"({"prompt": "Hello", "max_tokens": 2, "temperature": 0})", "", absl::Seconds(20));
+    EXPECT_EQ(StatusOf(response), 200) << response;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  }
+  sockets.clear();
+  ExpectHealthy(s, absl::Seconds(30));
+}
+
+// Hostile JSON. A body of 100,000 keys cost 24 s of CPU on /v1/completions
+// (nlohmann::ordered_json looked every key up linearly), the same in gRPC
+// Chat's tools_json went on for 27 s after the client's 3 s deadline, and a
+// deeply nested body could overflow the stack. Now each is refused at once,
+// by name, and the server goes on.
+TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
+  auto server = ServerProcess::Start(TestModelDir(), {"--http_port=0"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ServerProcess& s = **server;
+  std::string keys = R"({"prompt": "hi", "x": {)";
+  for (int i = 0; i < 100000; ++i) absl::StrAppend(&keys, i ? "," : "", "\"k", i, "\":0");
+  keys += "}}";
+  ASSERT_GT(keys.size(), 1000000u);
+  absl::Time start = absl::Now();
+  std::string response = Exchange(s.http_port(), "POST", "/v1/completions", keys);
+  EXPECT_EQ(StatusOf(response), 400) << response.substr(0, 300);
+  EXPECT_THAT(response, HasSubstr("object keys"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+
+  start = absl::Now();
+  response = Exchange(s.http_port(), "POST", "/v1/chat/completions",
+                      std::string(1000000, '[') + std::string(1000000, ']'));
+  EXPECT_EQ(StatusOf(response), 400);
+  EXPECT_THAT(response, HasSubstr("nests deeper than"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+
+  // gRPC Chat: one tools_json of 100,000 keys (1.5 MB), a 3 s deadline.
+  accel::v1::ChatRequest chat;
+  accel::v1::ChatMessage* message = chat.add_messages();
+  message->set_role("user");
+  message->set_content("hi");
+  std::string tool = R"({"type": "function", "function": {"name": "f", "parameters": {)";
+  for (int i = 0; i < 100000; ++i) absl::StrAppend(&tool, i ? "," : "", "\"p", i, "\":{}");
+  tool += "}}}";
+  chat.add_tools_json(tool);
+  auto stub = accel::v1::Generation::NewStub(s.Channel());
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    accel::v1::GenerateResponse reply;
+    start = absl::Now();
+    const grpc::Status status = stub->Chat(&context, chat, &reply);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("tools_json[0]: has more than"));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  }
+  // Many tools of few keys each: the budget is the request's, not each field's.
+  accel::v1::ChatRequest many = chat;
+  many.clear_tools_json();
+  std::string small = R"({"type": "function", "function": {"name": "f", "parameters": {)";
+  for (int i = 0; i < 1000; ++i) absl::StrAppend(&small, i ? "," : "", "\"p", i, "\":{}");
+  small += "}}}";
+  for (int i = 0; i < 100; ++i) many.add_tools_json(small);
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+    accel::v1::GenerateResponse reply;
+    const grpc::Status status = stub->Chat(&context, many, &reply);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr("(with the fields before it)"));
+  }
+  ExpectHealthy(s, absl::Seconds(10));
+}
+
+// What clients see of the server's own paths and of what they sent: a 60 KB
+// path is not echoed back whole, `bearer` in any case is accepted (RFC
+// 7235), and an error from the model's chat template names the model's
+// folder by its last component, never where the server keeps it.
+TEST(ChaosTest, AnswersShowNoServerPathsAndEchoLittle) {
+  test::TempDir dir;
+  const std::string deep = dir.path() + "/srv/secret-location/models/my-model";
+  std::filesystem::create_directories(deep);
+  std::filesystem::copy(TestModelDir(), deep, std::filesystem::copy_options::recursive);
+  {
+    std::ofstream jinja(deep + "/chat_template.jinja");
+    jinja << "{{ raise_exception('roles must alternate user/assistant') }}";
+  }
+  const std::string token_file = dir.Write("token", "s3cret\n");
+  auto server =
+      ServerProcess::Start(deep, {"--http_port=0", absl::StrCat("--auth_token_file=", token_file)});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ServerProcess& s = **server;
+  const std::string auth = "Authorization: bearer s3cret\r\n";
+
+  const std::string long_path = "/" + std::string(60000, 'a');
+  for (const char* method : {"GET", "POST"}) {
+    const std::string response = Exchange(s.http_port(), method, long_path, "", auth);
+    EXPECT_EQ(StatusOf(response), 404);
+    EXPECT_LT(response.size(), 2000u) << "the path came back whole";
+  }
+  EXPECT_EQ(StatusOf(Exchange(s.http_port(), "DELETE", "/v1/completions", "", auth)), 405);
+  // A 3,000-byte method on a known path: 405, the method quoted short.
+  const std::string long_method =
+      Exchange(s.http_port(), std::string(3000, 'X'), "/v1/models", "", auth);
+  EXPECT_EQ(StatusOf(long_method), 405);
+  EXPECT_LT(long_method.size(), 2000u);
+
+  for (const char* scheme : {"Bearer", "bearer", "BEARER", "bEaReR"}) {
+    EXPECT_EQ(StatusOf(Exchange(s.http_port(), "GET", "/v1/models", "",
+                                absl::StrCat("Authorization: ", scheme, " s3cret\r\n"))),
+              200)
+        << scheme;
+  }
+  EXPECT_EQ(
+      StatusOf(Exchange(s.http_port(), "GET", "/v1/models", "", "Authorization: Basic s3cret\r\n")),
+      401);
+
+  const std::string chat =
+      Exchange(s.http_port(), "POST", "/v1/chat/completions",
+               R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})", auth);
+  EXPECT_EQ(StatusOf(chat), 400) << chat;
+  EXPECT_THAT(chat, HasSubstr("roles must alternate"));
+  EXPECT_THAT(chat, HasSubstr("my-model/"));
+  EXPECT_THAT(chat, Not(HasSubstr("secret-location")));
+  EXPECT_THAT(chat, Not(HasSubstr(dir.path())));
+  // The same over gRPC.
+  accel::v1::ChatRequest request;
+  accel::v1::ChatMessage* message = request.add_messages();
+  message->set_role("user");
+  message->set_content("hi");
+  auto stub = accel::v1::Generation::NewStub(s.Channel());
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "bearer s3cret");
+  accel::v1::GenerateResponse reply;
+  const grpc::Status status = stub->Chat(&context, request, &reply);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("roles must alternate"));
+  EXPECT_THAT(status.error_message(), Not(HasSubstr("secret-location")));
+}
+
+}  // namespace
+}  // namespace accel::server
