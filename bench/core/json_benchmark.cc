@@ -32,8 +32,7 @@ double BestMs(int runs, Parse parse) {
     const auto start = std::chrono::steady_clock::now();
     const size_t size = parse();
     const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-            .count();
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     if (size == 0) std::abort();
     if (ms < best) best = ms;
   }
@@ -51,9 +50,8 @@ int main(int argc, char** argv) {
   for (int n = 1000; n <= max_keys; n *= 10) {
     const std::string text = ObjectOfKeys(n);
     const int runs = n <= 10000 ? 5 : 1;
-    const double ours_ordered = BestMs(runs, [&] {
-      return accel::ParseOrderedJson(text, "bench", limits).value().size();
-    });
+    const double ours_ordered =
+        BestMs(runs, [&] { return accel::ParseOrderedJson(text, "bench", limits).value().size(); });
     const double ours_map =
         BestMs(runs, [&] { return accel::ParseJson(text, "bench", limits).value().size(); });
     const double theirs_ordered =
