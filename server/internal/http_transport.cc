@@ -330,6 +330,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // exchange being answered.
   void Answer(const ExchangeShared* exchange, Piece piece) {
     if (state_ != State::kHandling || exchange_ == nullptr || exchange_.get() != exchange) return;
+    // Anything after the answer's end (a chunk queued after EndStream by a
+    // careless caller) would corrupt the next response's framing.
+    if (exchange_done_) return;
     switch (piece.kind) {
       case Piece::kWhole:
         Queue(ResponseHead(piece.status, piece.content_type, piece.data.size(), close_after_,
