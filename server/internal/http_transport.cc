@@ -333,6 +333,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
     // Anything after the answer's end (a chunk queued after EndStream by a
     // careless caller) would corrupt the next response's framing.
     if (exchange_done_) return;
+    // A stop since the request came: this answer is the connection's last.
+    if (server_.life->stopping.load()) close_after_ = true;
     switch (piece.kind) {
       case Piece::kWhole:
         Queue(ResponseHead(piece.status, piece.content_type, piece.data.size(), close_after_,
@@ -355,8 +357,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
     MaybeFinishExchange();
   }
 
-  void RunTask(const std::function<void()>& task) {
-    if (state_ == State::kClosed) return;
+  // A task of `exchange`'s (HttpExchange::Post): run while that exchange is
+  // the one being answered.
+  void RunTask(const ExchangeShared* exchange, const std::function<void()>& task) {
+    if (state_ != State::kHandling || exchange_.get() != exchange || exchange_done_) return;
     task();
   }
 
@@ -761,7 +765,9 @@ void HttpExchange::OnClientGone(std::function<void()> on_gone) {
 }
 
 void HttpExchange::Post(std::function<void()> task) {
-  shared_->Dispatch([task = std::move(task)](Connection& c) { c.RunTask(task); });
+  std::shared_ptr<ExchangeShared> shared = shared_;
+  shared_->Dispatch(
+      [shared, task = std::move(task)](Connection& c) { c.RunTask(shared.get(), task); });
 }
 
 bool HttpExchange::stopping() const { return shared_->life->stopping.load(); }

@@ -119,8 +119,10 @@ class HttpExchange {
   void OnClientGone(std::function<void()> on_gone);
   // Runs `task` on the connection's own sequence (after the writes queued
   // before it), never concurrently with another task of this exchange;
-  // dropped once the connection has ended. For work that must leave the
-  // caller's thread at once (the engine's scheduler calls the sinks).
+  // dropped once this exchange's answer has ended (Respond or EndStream
+  // reached the connection) or the connection closed. For work that must
+  // leave the caller's thread at once (the engine's scheduler calls the
+  // sinks).
   void Post(std::function<void()> task);
   // True once the server stops (HttpServer::Stop).
   bool stopping() const;

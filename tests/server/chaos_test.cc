@@ -32,6 +32,8 @@ using ::accel::test::Exchange;
 using ::accel::test::RawSocket;
 using ::accel::test::SendAll;
 using ::accel::test::StatusOf;
+using ::accel::testing::ServerProcess;
+using ::accel::testing::TestModelDir;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -190,6 +192,40 @@ TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
     EXPECT_THAT(status.error_message(), HasSubstr("(with the fields before it)"));
   }
+  // A tools_json that takes long to read (60 MB of numbers: no key to cap)
+  // past a 300 ms deadline: the parse stops at the deadline (counted as a
+  // timeout), rather than reading on for a client that has gone and then
+  // refusing the array (counted invalid).
+  accel::v1::ChatRequest slow = chat;
+  slow.clear_tools_json();
+  std::string numbers = "[";
+  numbers.reserve(60 << 20);
+  while (numbers.size() < (60u << 20)) numbers += "1234567,";
+  numbers += "0]";
+  slow.add_tools_json(numbers);
+  const auto failures = [&s](const std::string& reason) {
+    absl::StatusOr<std::string> text = s.Metrics();
+    const std::string series =
+        absl::StrCat("accel_request_failure_total{reason=\"", reason, "\"} ");
+    const size_t at = text.ok() ? text->find(series) : std::string::npos;
+    return at == std::string::npos ? 0.0 : std::atof(text->c_str() + at + series.size());
+  };
+  const double timeouts_before = failures("timeout");
+  const double invalid_before = failures("invalid");
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    accel::v1::GenerateResponse reply;
+    const grpc::Status status = stub->Chat(&context, slow, &reply);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (failures("timeout") == timeouts_before && failures("invalid") == invalid_before &&
+         absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(failures("timeout"), timeouts_before + 1);
+  EXPECT_EQ(failures("invalid"), invalid_before);
   ExpectHealthy(s, absl::Seconds(10));
 }
 
