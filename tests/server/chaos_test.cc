@@ -37,6 +37,23 @@ using ::accel::testing::TestModelDir;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
+// accel-serve with the OpenAI API on a free port (--http_port 0 is "off"),
+// retried if another process took the port in between.
+absl::StatusOr<std::unique_ptr<ServerProcess>> StartWithHttp(const std::string& model,
+                                                             std::vector<std::string> args,
+                                                             int max_open_files = 0) {
+  absl::Status last;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::vector<std::string> all = args;
+    all.push_back(absl::StrCat("--http_port=", test::FreePort()));
+    auto server =
+        ServerProcess::Start(model, all, absl::Seconds(60), /*wait_ready=*/true, max_open_files);
+    if (server.ok()) return server;
+    last = server.status();
+  }
+  return last;
+}
+
 // Everything a healthy server answers: live and ready on the health
 // service, a greedy Generate, the OpenAI API, a scrape. Within `bound`.
 void ExpectHealthy(ServerProcess& server, absl::Duration bound) {
@@ -68,10 +85,9 @@ void ExpectHealthy(ServerProcess& server, absl::Duration bound) {
 // OpenAI API keeps answering meanwhile, and once the sockets close every
 // port accepts again.
 TEST(ChaosTest, DescriptorExhaustionEndsAndEveryPortAcceptsAgain) {
-  auto server = ServerProcess::Start(
-      TestModelDir(),
-      {"--http_port=0", "--liveness_probe_interval=500ms", "--http_request_timeout=30s"},
-      absl::Seconds(60), /*wait_ready=*/true, /*max_open_files=*/256);
+  auto server = StartWithHttp(TestModelDir(),
+                              {"--liveness_probe_interval=500ms", "--http_request_timeout=30s"},
+                              /*max_open_files=*/256);
   ASSERT_TRUE(server.ok()) << server.status();
   ServerProcess& s = **server;
   ASSERT_GT(s.http_port(), 0);
@@ -106,8 +122,7 @@ TEST(ChaosTest, DescriptorExhaustionEndsAndEveryPortAcceptsAgain) {
 // locked every other client out (and most of its 503s were lost to a TCP
 // reset). Now real clients are answered throughout.
 TEST(ChaosTest, SlowAndIdleSocketsDoNotLockClientsOut) {
-  auto server =
-      ServerProcess::Start(TestModelDir(), {"--http_port=0", "--http_request_timeout=60s"});
+  auto server = StartWithHttp(TestModelDir(), {"--http_request_timeout=60s"});
   ASSERT_TRUE(server.ok()) << server.status();
   ServerProcess& s = **server;
   std::vector<RawSocket> sockets;
@@ -137,7 +152,7 @@ TEST(ChaosTest, SlowAndIdleSocketsDoNotLockClientsOut) {
 // deeply nested body could overflow the stack. Now each is refused at once,
 // by name, and the server goes on.
 TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
-  auto server = ServerProcess::Start(TestModelDir(), {"--http_port=0"});
+  auto server = StartWithHttp(TestModelDir(), {});
   ASSERT_TRUE(server.ok()) << server.status();
   ServerProcess& s = **server;
   std::string keys = R"({"prompt": "hi", "x": {)";
@@ -243,8 +258,7 @@ TEST(ChaosTest, AnswersShowNoServerPathsAndEchoLittle) {
     jinja << "{{ raise_exception('roles must alternate user/assistant') }}";
   }
   const std::string token_file = dir.Write("token", "s3cret\n");
-  auto server =
-      ServerProcess::Start(deep, {"--http_port=0", absl::StrCat("--auth_token_file=", token_file)});
+  auto server = StartWithHttp(deep, {absl::StrCat("--auth_token_file=", token_file)});
   ASSERT_TRUE(server.ok()) << server.status();
   ServerProcess& s = **server;
   const std::string auth = "Authorization: bearer s3cret\r\n";

@@ -60,6 +60,18 @@ inline RawSocket ConnectTo(int port) {
   return s;
 }
 
+// A port nobody listens on now (the kernel's pick, released).
+inline int FreePort() {
+  RawSocket s(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t length = sizeof(addr);
+  getsockname(s.fd(), reinterpret_cast<sockaddr*>(&addr), &length);
+  return ntohs(addr.sin_port);
+}
+
 inline bool SendAll(int fd, const std::string& data) {
   size_t sent = 0;
   while (sent < data.size()) {
