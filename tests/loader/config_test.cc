@@ -236,10 +236,10 @@ TEST(ModelConfigTest, AbsurdSizesAndDeepNestingAreInvalid) {
   EXPECT_THAT(ParseModelConfig(R"({"vocab_size": 1099511627776})", "c"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("'vocab_size'")));
   std::string deep = R"({"x": )" + std::string(100, '[') + std::string(100, ']') + "}";
-  EXPECT_THAT(ParseModelConfig(deep, "c"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nests deeper than 32 levels")));
-  EXPECT_THAT(ParseGenerationConfig(deep, "g"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nests deeper than 32 levels")));
+  EXPECT_THAT(ParseModelConfig(deep, "c"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                    HasSubstr("nests deeper than 32 levels")));
+  EXPECT_THAT(ParseGenerationConfig(deep, "g"), StatusIs(absl::StatusCode::kInvalidArgument,
+                                                         HasSubstr("nests deeper than 32 levels")));
 }
 
 TEST(ModelConfigTest, NotJsonOrNotAnObjectIsInvalid) {
