@@ -71,6 +71,12 @@ void ExpectHealthy(ServerProcess& server, absl::Duration bound) {
                                 std::max(until - absl::Now(), absl::Seconds(1)))),
               200);
   }
+  if (server.http_port() > 0) {
+    // /metrics on the API port too (as vLLM serves it), without a token.
+    const std::string scrape = Exchange(server.http_port(), "GET", "/metrics");
+    EXPECT_EQ(StatusOf(scrape), 200);
+    EXPECT_THAT(scrape, HasSubstr("accel_ready 1"));
+  }
   absl::StatusOr<std::string> metrics = server.Metrics();
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   EXPECT_THAT(*metrics, HasSubstr("accel_ready 1"));
