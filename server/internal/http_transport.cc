@@ -5,6 +5,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <poll.h>
 #include <sstream>
 #include <thread>
 #include <variant>
@@ -164,6 +165,9 @@ struct Piece {
 struct ExchangeShared : std::enable_shared_from_this<ExchangeShared> {
   std::shared_ptr<ServerLife> life;
   std::weak_ptr<Connection> connection;
+  // The connection's socket, for PeerClosed's look while the exchange is
+  // answered (its strand may be busy with the handler itself).
+  int fd = -1;
   std::atomic<bool> gone{false};
   std::atomic<bool> answered{false};  // Respond or StartStream called
   std::atomic<bool> ended{false};     // Respond or EndStream called
@@ -474,6 +478,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     auto shared = std::make_shared<ExchangeShared>();
     shared->life = server_.life;
     shared->connection = weak_from_this();
+    shared->fd = socket_.native_handle();
     exchange_ = shared;
     std::shared_ptr<HttpExchange> exchange(new HttpExchange(std::move(request_), shared));
     // Keep a read posted while the answer is made, to see the client leave.
@@ -751,7 +756,16 @@ bool HttpExchange::EndStream() {
   return !shared_->gone.load();
 }
 
-bool HttpExchange::PeerClosed() const { return shared_->gone.load(); }
+bool HttpExchange::PeerClosed() const {
+  if (shared_->gone.load()) return true;
+  if (shared_->ended.load()) return false;
+  // The read kept posted on the connection reports a close on its strand,
+  // which the handler itself may be holding (parsing a large body): look at
+  // the socket directly. A FIN, a reset or an error is a client gone; bytes
+  // waiting (a pipelined request) are not.
+  pollfd p = {shared_->fd, POLLRDHUP, 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
 
 void HttpExchange::OnClientGone(std::function<void()> on_gone) {
   {

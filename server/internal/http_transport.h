@@ -111,7 +111,10 @@ class HttpExchange {
                    const std::vector<std::string>& headers = {});
   bool WriteChunk(absl::string_view data);
   bool EndStream();
-  // True once the client is gone (closed its connection, or a write failed).
+  // True once the client is gone (closed its connection, or a write
+  // failed); while the answer is being made, also as soon as its FIN or
+  // reset reached the socket (a cheap, non-blocking look, for a handler busy
+  // on the connection's own sequence: parsing a large body).
   bool PeerClosed() const;
   // `on_gone` runs once if the client goes before the exchange ended (at
   // once, on this thread, if it has already gone); never after the exchange

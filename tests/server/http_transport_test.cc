@@ -49,6 +49,16 @@ class TransportTest : public ::testing::Test {
     auto started = HttpServer::Start(
         options,
         [this](std::shared_ptr<HttpExchange> exchange) {
+          if (exchange->request().path == "/busy") {
+            // A handler that keeps the connection's sequence busy (as a large
+            // body's parse does) and looks whether its client is still there.
+            const absl::Time until = absl::Now() + absl::Seconds(10);
+            while (!exchange->PeerClosed() && absl::Now() < until) {
+              absl::SleepFor(absl::Milliseconds(5));
+            }
+            if (exchange->PeerClosed()) busy_saw_close_.Notify();
+            return;
+          }
           if (exchange->request().path == "/hold") {
             absl::MutexLock lock(&mu_);
             held_.push_back(std::move(exchange));
@@ -81,6 +91,7 @@ class TransportTest : public ::testing::Test {
   }
 
   std::unique_ptr<HttpServer> server_;
+  absl::Notification busy_saw_close_;
   absl::Mutex mu_;
   std::vector<std::shared_ptr<HttpExchange>> held_ ABSL_GUARDED_BY(mu_);
 };
@@ -155,6 +166,19 @@ TEST_F(TransportTest, AClientThatLeavesIsNoticedAtOnce) {
     exchange->OnClientGone([&late] { late.Notify(); });
     EXPECT_TRUE(late.HasBeenNotified());
   }
+}
+
+// A handler busy on the connection's own sequence (the read that reports a
+// close waits behind it) still sees its client leave: what stops the parse
+// of a large body whose client has gone.
+TEST_F(TransportTest, AHandlerBusyOnTheConnectionSeesItsClientLeave) {
+  StartServer();
+  RawSocket s = ConnectTo(server_->port());
+  ASSERT_TRUE(SendAll(s.fd(), Request("POST", "/busy", std::string(100000, 'x'), false)));
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_FALSE(busy_saw_close_.HasBeenNotified());
+  s.Close();
+  EXPECT_TRUE(busy_saw_close_.WaitForNotificationWithTimeout(absl::Seconds(5)));
 }
 
 // Posted tasks run on the connection's sequence, after what was queued
