@@ -21,6 +21,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -28,6 +29,7 @@
 #include "absl/time/time.h"
 
 #include "accel/v1/generation.grpc.pb.h"
+#include "core/json.h"
 #include "core/tool_main.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -158,7 +160,12 @@ bool ReadMessages(const std::string& path, accel::v1::ChatRequest& request, std:
     *error = "--messages: cannot read " + path;
     return false;
   }
-  const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const absl::StatusOr<nlohmann::json> parsed = accel::ParseJson(text, "--messages " + path);
+  if (!parsed.ok()) {
+    *error = std::string(parsed.status().message());
+    return false;
+  }
+  const nlohmann::json& json = *parsed;
   if (!json.is_array()) {
     *error = "--messages " + path + ": expected a JSON array of messages";
     return false;
