@@ -244,22 +244,23 @@ TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
     EXPECT_THAT(status.error_message(), HasSubstr("(with the fields before it)"));
   }
-  // A tools_json that takes long to read (60 MB of numbers: no key to cap)
-  // past a 300 ms deadline: the parse stops at the deadline (counted as a
-  // timeout), rather than reading on for a client that has gone and then
-  // refusing the array (counted invalid).
+  // A tools_json that takes long to read (60 MB of empty arrays: 20 million
+  // values, no key to cap, seconds of parsing) past a 500 ms deadline: the
+  // parse stops at the deadline (counted as a timeout), rather than reading
+  // on for a client that has gone and then refusing the array (counted
+  // invalid).
   accel::v1::ChatRequest slow = chat;
   slow.clear_tools_json();
-  std::string numbers = "[";
-  numbers.reserve(60 << 20);
-  while (numbers.size() < (60u << 20)) numbers += "1234567,";
-  numbers += "0]";
-  slow.add_tools_json(numbers);
+  std::string arrays = "[";
+  arrays.reserve(60 << 20);
+  while (arrays.size() < (60u << 20)) arrays += "[],";
+  arrays += "[]]";
+  slow.add_tools_json(arrays);
   const double timeouts_before = failures("timeout");
   const double invalid_before = failures("invalid");
   {
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
     accel::v1::GenerateResponse reply;
     const grpc::Status status = stub->Chat(&context, slow, &reply);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
