@@ -15,6 +15,11 @@
   (TORCH_VERSION_MAJOR > (major) ||        \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
+// at::scaled_dot_product_attention with `enable_gqa` (query heads sharing
+// key/value heads without copies) is in libtorch 2.5+ (the op itself since
+// 2.0, `scale` since 2.1). models/internal/sdpa.cc calls it under this test.
+#define ACCEL_TORCH_HAS_SDPA ACCEL_TORCH_AT_LEAST(2, 5)
+
 namespace accel::compat {
 
 // libtorch 1.13's CPU kernels lack float16 for matmul ("addmm_impl_cpu_"
@@ -22,6 +27,9 @@ namespace accel::compat {
 // Where this is false, accel::nn computes those ops in float32 and rounds
 // the result back to float16.
 inline constexpr bool kCpuHalfKernels = ACCEL_TORCH_AT_LEAST(2, 1);
+
+// Whether this libtorch has scaled_dot_product_attention with enable_gqa.
+inline constexpr bool kHasScaledDotProductAttention = ACCEL_TORCH_HAS_SDPA;
 
 // The 8-bit float types arrived in libtorch 2.1; nullopt before that.
 inline std::optional<c10::ScalarType> Float8E5M2() {

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "models/internal/sdpa.h"
 #include "models/nn.h"
 
 namespace accel::models::internal {
@@ -95,7 +96,10 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
     if (chunk.cache != nullptr && chunk.cache->paged()) {
       past = chunk.cache->length;
       auto [key_blocks, value_blocks] = WriteBlocks(chunk.cache, layer, keys, values);
-      if (n == 1 && key_blocks.device().is_cpu()) {
+      // One token attends in place: on the cpu, or through the CUDA kernels
+      // where they take these blocks.
+      if (n == 1 &&
+          (key_blocks.device().is_cpu() || PagedCudaTakes(key_blocks, value_blocks, heads))) {
         decodes.push_back(
             {q.narrow(1, offset, 1).select(1, 0), chunk.cache->block_table, past + 1});
         decode_chunks.push_back(c);
@@ -113,6 +117,13 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
       std::tie(keys, values) = AppendToCache(chunk.cache, layer, keys, values);
     }
     const int64_t total = past + n;
+    // On a CUDA device: libtorch's fused attention where it has it (2.5+).
+    if (std::optional<at::Tensor> fused =
+            SdpaAttention(q.narrow(1, offset, n), keys, values, past, window, rule)) {
+      outs[c] = fused->transpose(0, 1).reshape({n, heads * dv});
+      offset += n;
+      continue;
+    }
     at::Tensor queries = q.narrow(1, offset, n).reshape({kv_heads, group * n, d});
     at::Tensor scores = nn::MatMul(queries, keys.transpose(1, 2));
     scores = rule.divide ? scores / rule.scale : scores * rule.scale;
@@ -135,7 +146,10 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   if (!decodes.empty()) {
     at::Tensor attended =
-        PagedDecodeAttention(decodes, decode_keys, decode_values, window, rule).to(q.scalar_type());
+        (decode_keys.is_cuda()
+             ? PagedDecodeAttentionCuda(decodes, decode_keys, decode_values, window, rule)
+             : PagedDecodeAttention(decodes, decode_keys, decode_values, window, rule))
+            .to(q.scalar_type());
     for (size_t i = 0; i < decodes.size(); ++i) {
       outs[decode_chunks[i]] = attended.narrow(0, static_cast<int64_t>(i), 1);
     }

@@ -32,9 +32,13 @@ namespace accel::models::internal {
 // a window, query position p sees key position j when 0 <= p - j < window
 // (transformers' sliding_window_overlay). Appends each chunk's keys and
 // values to its cache's layer `layer`: a contiguous cache's buffers, or a
-// paged cache's blocks. A paged chunk of one token on the cpu attends in
-// place (PagedDecodeAttention, all such chunks in one parallel call);
-// longer paged chunks (prefill) and other devices gather the blocks first.
+// paged cache's blocks. A paged chunk of one token attends in place, all
+// such chunks of the step in one call: on the cpu (PagedDecodeAttention),
+// and on a CUDA device where the kernels take the blocks
+// (PagedDecodeAttentionCuda). Longer paged chunks (prefill) gather the
+// blocks first; on a CUDA device, with libtorch 2.5+ and no soft-cap, they
+// (and contiguous caches) run through scaled_dot_product_attention
+// (SdpaAttention), elsewhere through the matmul path below.
 at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         absl::Span<const SequenceChunk> chunks, size_t layer,
                         std::optional<int64_t> window, const ScoreRule& rule);

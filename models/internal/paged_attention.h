@@ -1,7 +1,8 @@
-// Decode attention over a paged KV cache on the cpu: one query token per
-// sequence against the keys and values in its blocks, read in place (no
-// gather of the past into a contiguous buffer). Scores, softmax and the
-// weighted sum run in float32 whatever the storage dtype.
+// Decode attention over a paged KV cache: one query token per sequence
+// against the keys and values in its blocks, read in place (no gather of the
+// past into a contiguous buffer), on the cpu (PagedDecodeAttention) and on a
+// CUDA device (PagedDecodeAttentionCuda). Scores, softmax and the weighted
+// sum run in float32 whatever the storage dtype.
 #ifndef ACCEL_MODELS_INTERNAL_PAGED_ATTENTION_H_
 #define ACCEL_MODELS_INTERNAL_PAGED_ATTENTION_H_
 
@@ -12,6 +13,8 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/types/span.h"
+
+#include "models/cuda/paged_decode_params.h"
 
 namespace accel::models::internal {
 
@@ -41,6 +44,38 @@ at::Tensor PagedDecodeAttention(absl::Span<const PagedQuery> queries, const at::
 // Tests: with `portable` the kernel runs its plain loops instead of AVX2;
 // returns whether the AVX2 loops run now.
 bool UsePortablePagedAttention(bool portable);
+
+// The same on a CUDA device, through models/cuda's kernels (flash-decoding
+// splits for long contexts; models/cuda/paged_decode_params.h): the blocks
+// on cuda:N, float32, bfloat16 or float16, head dims a multiple of 8 up to
+// 256 (PagedCudaTakes). `partition` 0 lets the plan choose the split length.
+// Runs on libtorch's current stream; returns [queries, heads * dv] in the
+// storage dtype. A build without the kernels (no nvcc, or a CPU libtorch)
+// refuses with an error (PagedAttentionCudaBuilt() says which build this is).
+at::Tensor PagedDecodeAttentionCuda(absl::Span<const PagedQuery> queries,
+                                    const at::Tensor& key_blocks, const at::Tensor& value_blocks,
+                                    std::optional<int64_t> window, const ScoreRule& rule,
+                                    int32_t partition = 0);
+bool PagedAttentionCudaBuilt();
+// Whether the CUDA kernels take these blocks (built, dtype, dims, alignment)
+// for `heads` query heads; AttendPacked gathers the blocks otherwise.
+bool PagedCudaTakes(const at::Tensor& key_blocks, const at::Tensor& value_blocks, int64_t heads);
+
+// The host half of PagedDecodeAttentionCuda, apart so that it is tested
+// without a device (its plan run through the kernels' code on the host):
+// checks the queries as PagedDecodeAttention does, packs the block tables
+// ([queries, table_stride], unused entries 0) followed by the totals
+// ([queries]) into one int32 buffer, and fills the kernel parameters but
+// their pointers. `sm_count` 0 skips the occupancy rule of the split plan.
+struct PagedCudaPlan {
+  cuda::PagedDecodeParams params;
+  cuda::KvDType dtype = cuda::KvDType::kFloat32;
+  std::vector<int32_t> tables_and_totals;
+};
+PagedCudaPlan PlanPagedDecodeCuda(absl::Span<const PagedQuery> queries,
+                                  const at::Tensor& key_blocks, const at::Tensor& value_blocks,
+                                  std::optional<int64_t> window, const ScoreRule& rule,
+                                  int32_t sm_count, int32_t partition);
 
 }  // namespace accel::models::internal
 

@@ -1,10 +1,20 @@
-// Gemv4bit (kernels.h): the batch-1 decode product over a 4-bit weight, the
-// idea of bnb's kgemm_4bit_inference_naive: a warp per output row, each lane
-// reading 16-byte chunks (32 weights) of the packed row, dequantizing them
-// into the activation type and accumulating x * w in float32, then a warp
-// shuffle reduction. The packed weights are read once and never written out,
-// so the kernel is bound by the bytes of packed + absmax.
+// Gemv4bit and Gemv4bitRows (kernels.h). Two kernels:
+// - the tensor-core kernel (internal/gemv_mma.h: its code is host + device
+//   and emulated in tests/quant/cuda_gemv_emulation_test.cc), for 16-bit
+//   activations, K a multiple of 256, blocks a multiple of 64, aligned
+//   pointers, up to 8 activation rows: every weight is read once for all
+//   rows, dequantized in registers through byte permutes, multiplied on
+//   mma.m16n8k16;
+// - the idea of bnb's kgemm_4bit_inference_naive for everything else (one
+//   activation row): a warp per output row, each lane reading 16-byte chunks
+//   (32 weights) of the packed row, dequantizing them into the activation
+//   type and accumulating x * w in float32, then a warp shuffle reduction;
+//   any K, blocksize and alignment through its per-element variant.
+#include <type_traits>
+
 #include "quant/cuda/internal/common.cuh"
+#include "quant/cuda/internal/gemv.h"
+#include "quant/cuda/internal/gemv_mma.h"
 #include "quant/cuda/kernels.h"
 
 namespace accel::quant::cuda {
@@ -135,37 +145,149 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 }  // namespace
-}  // namespace internal
 
-cudaError_t Gemv4bit(const void* x, const uint8_t* packed, const float* absmax, const float* code,
-                     int64_t n_rows, int64_t k, int64_t blocksize, const void* bias, DType dtype,
-                     void* y, cudaStream_t stream) {
+cudaError_t GemvOneRow(const void* x, const uint8_t* packed, const float* absmax, const float* code,
+                       int64_t n_rows, int64_t k, int64_t blocksize, const void* bias, DType dtype,
+                       void* y, cudaStream_t stream) {
   if (x == nullptr || packed == nullptr || absmax == nullptr || code == nullptr || y == nullptr ||
-      n_rows < 0 || k < 0 || blocksize < 1 || !internal::ValidDType(dtype)) {
+      n_rows < 0 || k < 0 || blocksize < 1 || !ValidDType(dtype)) {
     return cudaErrorInvalidValue;
   }
   if (n_rows == 0) return cudaSuccess;
   // One warp per row; a grid of more than 2^31-1 blocks is out of reach of
   // any weight that fits in memory.
-  const int64_t blocks = (n_rows + internal::kWarpsPerBlock - 1) / internal::kWarpsPerBlock;
+  const int64_t blocks = (n_rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const bool chunked = k % internal::kChunk == 0 && blocksize % internal::kChunk == 0 &&
-                       internal::AlignedTo(packed, 16) && internal::AlignedTo(x, 16);
-  return internal::DispatchDType(dtype, [&](auto zero) {
+  const bool chunked =
+      k % kChunk == 0 && blocksize % kChunk == 0 && AlignedTo(packed, 16) && AlignedTo(x, 16);
+  return DispatchDType(dtype, [&](auto zero) {
     using T = decltype(zero);
     const T* xt = static_cast<const T*>(x);
     const T* bt = static_cast<const T*>(bias);
     T* yt = static_cast<T*>(y);
     const dim3 grid(static_cast<unsigned>(blocks));
     if (chunked) {
-      internal::Gemv4bitChunkKernel<T><<<grid, internal::kThreads, 0, stream>>>(
-          xt, packed, absmax, code, n_rows, k, blocksize, bt, yt);
+      Gemv4bitChunkKernel<T>
+          <<<grid, kThreads, 0, stream>>>(xt, packed, absmax, code, n_rows, k, blocksize, bt, yt);
     } else {
-      internal::Gemv4bitElementKernel<T><<<grid, internal::kThreads, 0, stream>>>(
-          xt, packed, absmax, code, n_rows, k, blocksize, bt, yt);
+      Gemv4bitElementKernel<T>
+          <<<grid, kThreads, 0, stream>>>(xt, packed, absmax, code, n_rows, k, blocksize, bt, yt);
     }
     return cudaGetLastError();
   });
+}
+
+namespace {
+
+// The tensor-core kernel's Exec (gemv_mma.h).
+struct MmaExec {
+  __device__ __forceinline__ int tid() const { return static_cast<int>(threadIdx.x); }
+  __device__ __forceinline__ void Sync() { __syncthreads(); }
+  __device__ __forceinline__ void WarpSync() { __syncwarp(); }
+  template <typename Tag>
+  __device__ __forceinline__ void Mma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                      uint32_t b0, uint32_t b1, float (&c)[4]) {
+    if constexpr (std::is_same_v<Tag, MmaBFloat16>) {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+  }
+};
+
+template <typename Tag, int kMaxM>
+__global__ void __launch_bounds__(kMmaThreads) Gemv4bitMmaKernel(const GemvMmaParams p) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  MmaExec exec;
+  Gemv4bitMmaCta<Tag, kMaxM>(p, static_cast<int64_t>(blockIdx.x), shared, exec);
+}
+
+template <typename Tag>
+cudaError_t LaunchMma(const GemvMmaParams& p, cudaStream_t stream) {
+  const int64_t blocks = (p.n_rows + kMmaRows - 1) / kMmaRows;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(blocks));
+  auto launch = [&](auto kernel, int max_m) {
+    kernel<<<grid, kMmaThreads, static_cast<size_t>(MmaSharedBytes(max_m)), stream>>>(p);
+    return cudaGetLastError();
+  };
+  if (p.m <= 1) return launch(Gemv4bitMmaKernel<Tag, 1>, 1);
+  if (p.m <= 2) return launch(Gemv4bitMmaKernel<Tag, 2>, 2);
+  if (p.m <= 4) return launch(Gemv4bitMmaKernel<Tag, 4>, 4);
+  return launch(Gemv4bitMmaKernel<Tag, 8>, 8);
+}
+
+}  // namespace
+
+bool MmaApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
+                const void* packed) {
+  return dtype != DType::kFloat32 && MmaTakes(m, k, blocksize, x, packed);
+}
+
+cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint8_t* packed,
+                         const float* absmax, const float* code, int64_t n_rows, int64_t k,
+                         int64_t blocksize, const void* bias, DType dtype, void* y,
+                         cudaStream_t stream) {
+  if (x == nullptr || packed == nullptr || absmax == nullptr || code == nullptr || y == nullptr ||
+      n_rows < 0 || k < 0 || blocksize < 1 || m < 1 || m > kMmaMaxM || !ValidDType(dtype)) {
+    return cudaErrorInvalidValue;
+  }
+  if (n_rows == 0) return cudaSuccess;
+  const bool mma = MmaApplies(m, k, blocksize, dtype, x, packed);
+  if (kernel == GemvKernel::kMma && !mma) return cudaErrorInvalidValue;
+  if (mma && kernel != GemvKernel::kChunk) {
+    GemvMmaParams p;
+    p.x = x;
+    p.packed = packed;
+    p.absmax = absmax;
+    p.code = code;
+    p.bias = bias;
+    p.y = y;
+    p.n_rows = n_rows;
+    p.k = k;
+    p.blocksize = blocksize;
+    p.m = static_cast<int32_t>(m);
+    return dtype == DType::kBFloat16 ? LaunchMma<MmaBFloat16>(p, stream)
+                                     : LaunchMma<MmaFloat16>(p, stream);
+  }
+  // One activation row at a time (each reads the weights again).
+  const int64_t size = DTypeSize(dtype);
+  for (int64_t r = 0; r < m; ++r) {
+    const cudaError_t status =
+        GemvOneRow(static_cast<const uint8_t*>(x) + r * k * size, packed, absmax, code, n_rows, k,
+                   blocksize, bias, dtype, static_cast<uint8_t*>(y) + r * n_rows * size, stream);
+    if (status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace internal
+
+cudaError_t Gemv4bit(const void* x, const uint8_t* packed, const float* absmax, const float* code,
+                     int64_t n_rows, int64_t k, int64_t blocksize, const void* bias, DType dtype,
+                     void* y, cudaStream_t stream) {
+  return internal::Gemv4bitWith(internal::GemvKernel::kAuto, x, 1, packed, absmax, code, n_rows, k,
+                                blocksize, bias, dtype, y, stream);
+}
+
+cudaError_t Gemv4bitRows(const void* x, int64_t m, const uint8_t* packed, const float* absmax,
+                         const float* code, int64_t n_rows, int64_t k, int64_t blocksize,
+                         const void* bias, DType dtype, void* y, cudaStream_t stream) {
+  return internal::Gemv4bitWith(internal::GemvKernel::kAuto, x, m, packed, absmax, code, n_rows, k,
+                                blocksize, bias, dtype, y, stream);
+}
+
+bool Gemv4bitRowsFused(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
+                       const void* packed) {
+  return m == 1 || internal::MmaApplies(m, k, blocksize, dtype, x, packed);
 }
 
 }  // namespace accel::quant::cuda

@@ -12,7 +12,8 @@
 // Numerics are strict IEEE float32 (no --use_fast_math): dequantization and
 // the int8 rescale are bit-exact with a plain CPU loop doing the same float32
 // operations in the same order; the GEMV accumulates in float32 in its own
-// order (within the float32 summation bound of such a loop).
+// order (within the float32 summation bound of such a loop; on the tensor
+// cores, in theirs).
 #ifndef ACCEL_QUANT_CUDA_KERNELS_H_
 #define ACCEL_QUANT_CUDA_KERNELS_H_
 
@@ -52,14 +53,30 @@ cudaError_t DequantizeAbsmaxDq(const uint8_t* absmax_u8, const float* nested_abs
 // Dequantize4bit does into `dtype` (code * absmax in float32, rounded), then
 // multiplied by x and summed in float32; bias is added in float32 and the sum
 // rounded to `dtype`: the numerics of quant::Linear4bitForward.
-// Any K and blocksize are handled, blocks crossing rows included (bnb needs
-// K % blocksize == 0): the fast path (one warp per row reading 16-byte chunks
-// of packed weights) needs K % 32 == 0, blocksize % 32 == 0, `packed` 16-byte
-// aligned and `x` 16-byte aligned (cudaMalloc's pointers are); other cases
-// take a per-element path with the same numerics, several times slower.
+// With bfloat16 / float16 activations, K a multiple of 256, blocksize a
+// multiple of 64 and `packed` and `x` 16-byte aligned (bnb's layout and
+// cudaMalloc's pointers), the tensor-core kernel runs: products exact in
+// float32, added by the tensor cores' float32 accumulation in their order.
+// Every other case (float32 activations, any K and blocksize, blocks
+// crossing rows included) takes a warp-per-row kernel with the same
+// numerics and float32 FMAs (16-byte chunks where K % 32 == 0, blocksize %
+// 32 == 0 and the pointers are aligned; per element, several times slower,
+// otherwise).
 cudaError_t Gemv4bit(const void* x, const uint8_t* packed, const float* absmax, const float* code,
                      int64_t n_rows, int64_t k, int64_t blocksize, const void* bias, DType dtype,
                      void* y, cudaStream_t stream);
+
+// The same for m activation rows at once (1 <= m <= 8, decode steps of a
+// batch): x [m, K] and y [m, N] row-major, `dtype`. Where
+// Gemv4bitRowsFused() says so (the tensor-core kernel's conditions above,
+// or m == 1) the weights are read once for all rows; otherwise each row of
+// x is a Gemv4bit call, reading them m times (callers then prefer
+// Dequantize4bit and a GEMM).
+cudaError_t Gemv4bitRows(const void* x, int64_t m, const uint8_t* packed, const float* absmax,
+                         const float* code, int64_t n_rows, int64_t k, int64_t blocksize,
+                         const void* bias, DType dtype, void* y, cudaStream_t stream);
+bool Gemv4bitRowsFused(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
+                       const void* packed);
 
 // LLM.int8 activation quantization per row (reference §3.2) of x [M, K]
 // float16 (bit patterns). With threshold > 0: outlier_cols[k] = 1 where any

@@ -6,10 +6,14 @@
 #include "models/internal/paged_attention.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <c10/core/InferenceMode.h>
@@ -17,6 +21,7 @@
 
 #include "models/causal_lm.h"
 #include "models/internal/packed.h"
+#include "tests/models/paged_decode_emulation.h"
 
 namespace accel::models::internal {
 namespace {
@@ -105,6 +110,211 @@ INSTANTIATE_TEST_SUITE_P(
                       // bfloat16: the contiguous path rounds scores and probabilities
                       // to bfloat16, the paged one keeps float32.
                       Case{at::kBFloat16, 8, 2, 64, 16, std::nullopt, std::nullopt, 3e-2}));
+
+// --- The CUDA path ---------------------------------------------------------------
+
+// Random queries over shuffled blocks of one store, for the cpu kernel and
+// the CUDA plan alike.
+struct PagedInputs {
+  at::Tensor key_blocks, value_blocks;
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<PagedQuery> queries;
+};
+
+PagedInputs MakePagedInputs(at::ScalarType dtype, int64_t heads, int64_t kv_heads, int64_t d,
+                            int64_t block_size, const std::vector<int64_t>& totals, uint32_t seed) {
+  at::manual_seed(seed);
+  std::mt19937 rng(seed);
+  PagedInputs in;
+  int64_t blocks = 2;  // two that no table lists
+  for (int64_t total : totals) blocks += (total + block_size - 1) / block_size;
+  in.key_blocks = at::randn({blocks, kv_heads, block_size, d}).to(dtype);
+  in.value_blocks = at::randn({blocks, kv_heads, block_size, d}).to(dtype);
+  std::vector<int32_t> free(static_cast<size_t>(blocks));
+  std::iota(free.begin(), free.end(), 0);
+  std::shuffle(free.begin(), free.end(), rng);
+  for (int64_t total : totals) {
+    std::vector<int32_t> table;
+    for (int64_t b = 0; b * block_size < total; ++b) {
+      table.push_back(free.back());
+      free.pop_back();
+    }
+    in.tables.push_back(std::move(table));
+    in.queries.push_back({at::randn({heads, d}).to(dtype), {}, total});
+  }
+  for (size_t i = 0; i < in.queries.size(); ++i) in.queries[i].table = in.tables[i];
+  return in;
+}
+
+struct CudaCase {
+  const char* name;
+  at::ScalarType dtype;
+  int64_t heads, kv_heads, d, block_size;
+  std::vector<int64_t> totals;
+  std::optional<int64_t> window;
+  std::optional<double> softcap;
+  bool divide;        // a rule that divides by sqrt(d) (GPT-2)
+  int32_t partition;  // 0: the plan's, for a 132-SM device
+};
+
+// Where the kernels' float32 sums and the cpu kernel's differ by more than
+// float32 rounding; bfloat16 and float16 outputs by one rounding at most.
+double CudaTolerance(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? 1.6e-2 : dtype == at::kHalf ? 2e-3 : 2e-5;
+}
+
+const CudaCase kCudaCases[] = {
+    {"Float32Gqa",
+     at::kFloat,
+     8,
+     2,
+     64,
+     16,
+     {1, 7, 16, 33, 70},
+     std::nullopt,
+     std::nullopt,
+     false,
+     0},
+    {"BFloat16GqaSplits",
+     at::kBFloat16,
+     8,
+     2,
+     128,
+     16,
+     {1, 300, 700},
+     std::nullopt,
+     std::nullopt,
+     false,
+     0},
+    {"Float16WindowSplits",
+     at::kHalf,
+     4,
+     1,
+     64,
+     5,
+     {3, 40, 400},
+     int64_t{100},
+     std::nullopt,
+     false,
+     32},
+    {"BFloat16SoftcapDivide", at::kBFloat16, 4, 4, 96, 16, {20, 129}, std::nullopt, 2.0, true, 64},
+};
+
+ScoreRule RuleOf(const CudaCase& c) {
+  ScoreRule rule;
+  if (c.divide) {
+    rule.scale = std::sqrt(static_cast<double>(c.d));
+    rule.divide = true;
+  } else {
+    rule.scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  }
+  rule.softcap = c.softcap;
+  return rule;
+}
+
+void ExpectClose(const at::Tensor& got, const at::Tensor& want, double tolerance,
+                 const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const double diff = (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<double>();
+  EXPECT_LE(diff, tolerance) << what;
+}
+
+// The CUDA path's host plan run through the kernels' own code on the host
+// (every CTA emulated: tests/models/paged_decode_emulation.h), against the
+// cpu kernel: the packing of tables and totals, the scale of a dividing
+// rule, the window, the split plan.
+TEST(PagedAttentionCudaTest, ThePlanRunThroughTheKernelsCodeEqualsTheCpuKernel) {
+  c10::InferenceMode inference;
+  for (const CudaCase& c : kCudaCases) {
+    SCOPED_TRACE(c.name);
+    const PagedInputs in =
+        MakePagedInputs(c.dtype, c.heads, c.kv_heads, c.d, c.block_size, c.totals, 21);
+    const ScoreRule rule = RuleOf(c);
+    const at::Tensor want =
+        PagedDecodeAttention(in.queries, in.key_blocks, in.value_blocks, c.window, rule);
+    PagedCudaPlan plan = PlanPagedDecodeCuda(in.queries, in.key_blocks, in.value_blocks, c.window,
+                                             rule, 132, c.partition);
+    cuda::PagedDecodeParams& p = plan.params;
+    std::vector<at::Tensor> rows;
+    for (const PagedQuery& query : in.queries) rows.push_back(query.q);
+    const at::Tensor q = at::stack(rows).contiguous();
+    at::Tensor out = at::full({p.seqs, p.heads * p.value_dim},
+                              std::numeric_limits<double>::quiet_NaN(), c.dtype);
+    std::vector<float> workspace(static_cast<size_t>(
+        cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits)));
+    p.q = q.data_ptr();
+    p.key_blocks = in.key_blocks.data_ptr();
+    p.value_blocks = in.value_blocks.data_ptr();
+    p.block_tables = plan.tables_and_totals.data();
+    p.totals = p.block_tables + static_cast<int64_t>(p.seqs) * p.table_stride;
+    p.out = out.data_ptr();
+    p.workspace = workspace.empty() ? nullptr : workspace.data();
+    if (c.partition == 0 && c.totals.back() >= 300) {
+      EXPECT_GT(p.max_splits, 1) << "one long sequence on 132 SMs is split";
+    }
+    ASSERT_EQ(models::testing::EmulatePagedDecode(p, plan.dtype), "");
+    ExpectClose(out, want, CudaTolerance(c.dtype),
+                "partition " + std::to_string(p.partition) + ", " + std::to_string(p.max_splits) +
+                    " splits");
+  }
+}
+
+TEST(PagedAttentionCudaTest, ThePlanRefusesWhatTheCpuKernelRefuses) {
+  c10::InferenceMode inference;
+  const at::Tensor blocks = at::zeros({4, 1, 2, 8});
+  const std::vector<int32_t> short_table = {0};
+  EXPECT_THROW(PlanPagedDecodeCuda({{at::zeros({1, 8}), short_table, 3}}, blocks, blocks,
+                                   std::nullopt, {}, 0, 0),
+               c10::Error);
+  const std::vector<int32_t> outside = {0, 9};
+  EXPECT_THROW(PlanPagedDecodeCuda({{at::zeros({1, 8}), outside, 3}}, blocks, blocks, std::nullopt,
+                                   {}, 0, 0),
+               c10::Error);
+  const std::vector<int32_t> table = {0, 1};
+  EXPECT_THROW(PlanPagedDecodeCuda({{at::zeros({3, 8}), table, 3}}, at::zeros({4, 2, 2, 8}),
+                                   at::zeros({4, 2, 2, 8}), std::nullopt, {}, 0, 0),
+               c10::Error);  // 3 heads over 2 kv heads
+  EXPECT_THROW(PlanPagedDecodeCuda({{at::zeros({1, 8}, at::kDouble), table, 3}},
+                                   at::zeros({4, 1, 2, 8}, at::kDouble),
+                                   at::zeros({4, 1, 2, 8}, at::kDouble), std::nullopt, {}, 0, 0),
+               c10::Error);  // float64
+  // The cpu blocks are never the CUDA kernels'.
+  EXPECT_FALSE(PagedCudaTakes(blocks, blocks, 1));
+  if (!PagedAttentionCudaBuilt()) {
+    try {
+      PagedDecodeAttentionCuda({{at::zeros({1, 8}), table, 3}}, blocks, blocks, std::nullopt, {});
+      ADD_FAILURE() << "no error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not in this build"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// On a device: the kernels themselves against the cpu kernel on the same data.
+TEST(PagedAttentionCudaTest, TheKernelsEqualTheCpuKernel) {
+  if (!PagedAttentionCudaBuilt() || !at::hasCUDA()) {
+    GTEST_SKIP() << "no CUDA kernels in this build, or no CUDA device";
+  }
+  c10::InferenceMode inference;
+  const at::Device gpu(at::kCUDA, 0);
+  for (const CudaCase& c : kCudaCases) {
+    SCOPED_TRACE(c.name);
+    const PagedInputs in =
+        MakePagedInputs(c.dtype, c.heads, c.kv_heads, c.d, c.block_size, c.totals, 22);
+    const ScoreRule rule = RuleOf(c);
+    const at::Tensor want =
+        PagedDecodeAttention(in.queries, in.key_blocks, in.value_blocks, c.window, rule);
+    std::vector<PagedQuery> on_gpu = in.queries;
+    for (PagedQuery& query : on_gpu) query.q = query.q.to(gpu);
+    const at::Tensor keys = in.key_blocks.to(gpu), values = in.value_blocks.to(gpu);
+    ASSERT_TRUE(PagedCudaTakes(keys, values, c.heads));
+    for (int32_t partition : {c.partition, 16}) {
+      const at::Tensor got =
+          PagedDecodeAttentionCuda(on_gpu, keys, values, c.window, rule, partition).cpu();
+      ExpectClose(got, want, CudaTolerance(c.dtype), "partition " + std::to_string(partition));
+    }
+  }
+}
 
 TEST(PagedAttentionErrorsTest, ATableTooShortOrABlockOutsideTheStoreIsRefused) {
   c10::InferenceMode inference;

@@ -1,0 +1,269 @@
+// models/cuda/internal/paged_decode.h: the work of one decode CTA (one kv
+// head, one sequence, one split) and of the split reduce, written once for
+// the device kernels (models/cuda/paged_attention.cu) and for a host
+// emulation that runs the same code on a machine without a GPU
+// (tests/models/cuda_paged_decode_test.cc: every thread of a CTA as a fiber,
+// switched at each barrier). `Exec` is what differs: the thread's index,
+// the CTA barrier, and the exchange of a value with the lane whose index
+// differs in `mask` (a warp shuffle on the device). Every barrier and
+// exchange is reached by every thread of the CTA the same number of times
+// (loops over positions are CTA-uniform, with a `valid` flag on the tail),
+// which is what a full-warp shuffle needs and what the emulation checks.
+#ifndef ACCEL_MODELS_CUDA_INTERNAL_PAGED_DECODE_H_
+#define ACCEL_MODELS_CUDA_INTERNAL_PAGED_DECODE_H_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <math.h>
+
+#include "core/float16_bits.h"
+#include "models/cuda/paged_decode_params.h"
+
+namespace accel::models::cuda::internal {
+
+// Storage types of q, the blocks and the output.
+struct Float32 {
+  using Storage = float;
+};
+struct BFloat16 {
+  using Storage = uint16_t;
+};
+struct Float16 {
+  using Storage = uint16_t;
+};
+
+ACCEL_MODELS_HD float NegativeInfinity() { return float16_bits::BitsToFloat(0xff800000u); }
+
+// Exact widening to float32, and rounding to nearest even back
+// (core/float16_bits.h).
+ACCEL_MODELS_HD float ToFloat(Float32, float v) { return v; }
+ACCEL_MODELS_HD float ToFloat(BFloat16, uint16_t v) { return float16_bits::BFloat16ToFloat(v); }
+ACCEL_MODELS_HD float ToFloat(Float16, uint16_t v) { return float16_bits::HalfToFloat(v); }
+ACCEL_MODELS_HD float FromFloat(Float32, float v) { return v; }
+ACCEL_MODELS_HD uint16_t FromFloat(BFloat16, float v) { return float16_bits::FloatToBFloat16(v); }
+ACCEL_MODELS_HD uint16_t FromFloat(Float16, float v) { return float16_bits::FloatToHalf(v); }
+
+// 16 bytes of storage (16-byte aligned) as floats.
+template <typename Tag>
+ACCEL_MODELS_HD void LoadChunk(const typename Tag::Storage* src,
+                               float (&out)[16 / sizeof(typename Tag::Storage)]) {
+  using Storage = typename Tag::Storage;
+  constexpr int kVec = 16 / sizeof(Storage);
+#if defined(__CUDA_ARCH__)
+  union {
+    uint4 raw;
+    Storage values[kVec];
+  } chunk;
+  chunk.raw = __ldg(reinterpret_cast<const uint4*>(src));
+#else
+  struct {
+    Storage values[kVec];
+  } chunk;
+  std::memcpy(chunk.values, src, 16);
+#endif
+  for (int e = 0; e < kVec; ++e) out[e] = ToFloat(Tag{}, chunk.values[e]);
+}
+
+ACCEL_MODELS_HD float Softcap(float score, float cap) {
+  return cap > 0.0f ? tanhf(score / cap) * cap : score;
+}
+
+// One decode CTA: the `group` query heads of kv head `kv_head` of sequence
+// `seq`, over the positions of split `split`. `shared` holds
+// MakeDecodeLayout(...).total_floats floats.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, typename Exec>
+ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, int32_t seq,
+                                 int32_t split, float* shared, Exec& exec) {
+  using Storage = typename Tag::Storage;
+  constexpr int32_t kVec = 16 / sizeof(Storage);
+  const DecodeLayout l = MakeDecodeLayout(p.heads, p.kv_heads, p.head_dim, p.value_dim, p.partition,
+                                          static_cast<int32_t>(sizeof(Storage)), kDecodeThreads);
+  const int32_t total = p.totals[seq];
+  const PositionRange range = SplitPositions(total, p.window, p.partition, split);
+  if (range.begin >= range.end) return;  // past the sequence's last split: the whole CTA
+  const int32_t n = range.end - range.begin;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.table_stride;
+  const int32_t tid = exec.tid();
+  const int32_t head0 = kv_head * l.group;
+  const int64_t first_row = static_cast<int64_t>(seq) * p.heads + head0;  // of q and out
+  float* q_s = shared;
+  float* scores = q_s + l.q_floats;  // [group, partition]
+  float* stats = scores + l.score_floats;
+  float* slice_sums = stats + l.stat_floats;
+
+  // 1. The group's queries, scaled, in float32.
+  const Storage* q = static_cast<const Storage*>(p.q) + first_row * p.head_dim;
+  for (int64_t i = tid; i < l.q_floats; i += kDecodeThreads) {
+    q_s[i] = ToFloat(Tag{}, q[i]) * p.scale;
+  }
+  exec.Sync();
+
+  // 2. Scores: `lanes` threads a key, each holding 16-byte chunks of it
+  // (consecutive lanes, consecutive chunks: coalesced), the dot products
+  // summed over the lanes by exchanges.
+  const Storage* keys = static_cast<const Storage*>(p.key_blocks);
+  const int32_t lane = tid % l.lanes, slot = tid / l.lanes;
+  for (int32_t base = range.begin; base < range.end; base += l.keys_per_pass) {
+    const int32_t pos = base + slot;
+    const bool valid = pos < range.end;
+    float k[kMaxChunksPerLane][kVec];
+    const int64_t row =
+        valid ? KvRowOffset(table, pos, p.block_size, p.kv_heads, kv_head, p.head_dim) : 0;
+    for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
+      const int32_t c = lane + i * l.lanes;
+      if (valid && c < l.chunks) {
+        LoadChunk<Tag>(keys + row + static_cast<int64_t>(c) * kVec, k[i]);
+      } else {
+        for (int32_t e = 0; e < kVec; ++e) k[i][e] = 0.0f;
+      }
+    }
+    for (int32_t h = 0; h < l.group; ++h) {
+      float dot = 0.0f;
+      for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
+        const int32_t c = lane + i * l.lanes;
+        if (c >= l.chunks) break;
+        const float* qc = q_s + static_cast<int64_t>(h) * p.head_dim + c * kVec;
+        for (int32_t e = 0; e < kVec; ++e) dot = fmaf(qc[e], k[i][e], dot);
+      }
+      for (int32_t mask = l.lanes / 2; mask >= 1; mask /= 2) dot += exec.XorLanes(dot, mask);
+      if (valid && lane == 0) {
+        scores[static_cast<int64_t>(h) * p.partition + (pos - range.begin)] =
+            Softcap(dot, p.softcap);
+      }
+    }
+  }
+  exec.Sync();
+
+  // 3. Per head (a warp each): the split's max score, the exponentials in
+  // place of the scores, and their sum.
+  constexpr int32_t kWarps = kDecodeThreads / 32;
+  const int32_t warp = tid / 32, warp_lane = tid % 32;
+  for (int32_t h0 = 0; h0 < l.group; h0 += kWarps) {
+    const int32_t h = h0 + warp;
+    const bool active = h < l.group;
+    float* s = scores + static_cast<int64_t>(active ? h : 0) * p.partition;
+    float top = NegativeInfinity();
+    if (active) {
+      for (int32_t j = warp_lane; j < n; j += 32) top = fmaxf(top, s[j]);
+    }
+    for (int32_t mask = 16; mask >= 1; mask /= 2) top = fmaxf(top, exec.XorLanes(top, mask));
+    float sum = 0.0f;
+    if (active) {
+      for (int32_t j = warp_lane; j < n; j += 32) {
+        const float e = expf(s[j] - top);
+        s[j] = e;
+        sum += e;
+      }
+    }
+    for (int32_t mask = 16; mask >= 1; mask /= 2) sum += exec.XorLanes(sum, mask);
+    if (active && warp_lane == 0) {
+      stats[h] = top;
+      stats[l.group + h] = sum;
+    }
+  }
+  exec.Sync();
+
+  // 4. The weighted sum of the values: a value column a thread (two when
+  // value_dim > threads), keys taken in `slices` interleaved sets summed
+  // apart and added at the end, heads kHeadTile at a time.
+  const Storage* values = static_cast<const Storage*>(p.value_blocks);
+  const int32_t slice = tid / l.columns, column0 = tid % l.columns;
+  // When columns does not divide the threads, the last few have no slice.
+  const bool sums_values = slice < l.slices;
+  const bool split_output = p.max_splits > 1;
+  const SplitWorkspace ws = SplitArrays(p);
+  for (int32_t h0 = 0; h0 < l.group; h0 += kHeadTile) {
+    const int32_t tile = l.group - h0 < kHeadTile ? l.group - h0 : kHeadTile;
+    float acc[kHeadTile][kMaxColumnsPerThread];
+    for (int32_t hh = 0; hh < kHeadTile; ++hh) {
+      for (int32_t ci = 0; ci < kMaxColumnsPerThread; ++ci) acc[hh][ci] = 0.0f;
+    }
+    for (int32_t j = sums_values ? slice : n; j < n; j += l.slices) {
+      const int64_t row =
+          KvRowOffset(table, range.begin + j, p.block_size, p.kv_heads, kv_head, p.value_dim);
+      for (int32_t ci = 0; ci < kMaxColumnsPerThread; ++ci) {
+        const int32_t col = column0 + ci * l.columns;
+        if (col >= p.value_dim) break;
+        const float v = ToFloat(Tag{}, values[row + col]);
+        for (int32_t hh = 0; hh < kHeadTile; ++hh) {
+          if (hh < tile) {
+            acc[hh][ci] =
+                fmaf(scores[static_cast<int64_t>(h0 + hh) * p.partition + j], v, acc[hh][ci]);
+          }
+        }
+      }
+    }
+    if (l.slices > 1) {  // then value_dim <= columns: one column a thread
+      for (int32_t hh = 0; hh < (sums_values ? kHeadTile : 0); ++hh) {
+        slice_sums[(static_cast<int64_t>(slice) * kHeadTile + hh) * l.columns + column0] =
+            acc[hh][0];
+      }
+      exec.Sync();
+      if (slice == 0) {
+        for (int32_t other = 1; other < l.slices; ++other) {
+          for (int32_t hh = 0; hh < kHeadTile; ++hh) {
+            acc[hh][0] +=
+                slice_sums[(static_cast<int64_t>(other) * kHeadTile + hh) * l.columns + column0];
+          }
+        }
+      }
+      exec.Sync();  // before the next tile writes slice_sums again
+    }
+    if (slice == 0) {
+      for (int32_t hh = 0; hh < tile; ++hh) {
+        const int64_t out_row = first_row + h0 + hh;
+        for (int32_t ci = 0; ci < kMaxColumnsPerThread; ++ci) {
+          const int32_t col = column0 + ci * l.columns;
+          if (col >= p.value_dim) break;
+          if (split_output) {
+            ws.sums[(out_row * p.max_splits + split) * p.value_dim + col] = acc[hh][ci];
+          } else {
+            static_cast<Storage*>(p.out)[out_row * p.value_dim + col] =
+                FromFloat(Tag{}, acc[hh][ci] / stats[l.group + h0 + hh]);
+          }
+        }
+      }
+    }
+  }
+  if (split_output && tid < l.group) {
+    const int64_t entry = (first_row + tid) * p.max_splits + split;
+    ws.maxes[entry] = stats[tid];
+    ws.exp_sums[entry] = stats[l.group + tid];
+  }
+}
+
+// The reduce over a sequence's splits for one (sequence, head): thread `tid`
+// of `threads` writes columns tid, tid + threads, ... Each split's sum and
+// sum of exponentials are rescaled by exp(its max - the overall max).
+template <typename Tag>
+ACCEL_MODELS_HD void ReduceSplits(const PagedDecodeParams& p, int32_t seq, int32_t head,
+                                  int32_t tid, int32_t threads) {
+  using Storage = typename Tag::Storage;
+  const int32_t count = PagedDecodeSplits(p.totals[seq], p.window, p.partition);
+  const SplitWorkspace ws = SplitArrays(p);
+  const int64_t row = static_cast<int64_t>(seq) * p.heads + head;
+  const int64_t entry = row * p.max_splits;
+  float top = NegativeInfinity();
+  for (int32_t s = 0; s < count; ++s) top = fmaxf(top, ws.maxes[entry + s]);
+  float denominator = 0.0f;
+  for (int32_t s = 0; s < count; ++s) {
+    denominator = fmaf(expf(ws.maxes[entry + s] - top), ws.exp_sums[entry + s], denominator);
+  }
+  for (int32_t col = tid; col < p.value_dim; col += threads) {
+    float numerator = 0.0f;
+    for (int32_t s = 0; s < count; ++s) {
+      numerator = fmaf(expf(ws.maxes[entry + s] - top), ws.sums[(entry + s) * p.value_dim + col],
+                       numerator);
+    }
+    static_cast<Storage*>(p.out)[row * p.value_dim + col] =
+        FromFloat(Tag{}, numerator / denominator);
+  }
+}
+
+}  // namespace accel::models::cuda::internal
+
+#endif  // ACCEL_MODELS_CUDA_INTERNAL_PAGED_DECODE_H_

@@ -1,0 +1,290 @@
+// quant/cuda/internal/gemv_mma.h: the 4-bit GEMV of up to 8 activation rows
+// on the tensor cores, written as host + device code: quant/cuda/gemv.cu runs
+// it as a kernel, tests/quant/cuda_gemv_emulation_test.cc runs the same code
+// on the host (tests/testing/cta_emulator.h), so its indexing is checked on
+// a machine without a GPU. Private to quant/cuda.
+//
+// y [m, N] = x [m, K] W^T + bias for a bnb 4-bit W [N, K] and 16-bit x
+// (bfloat16 or float16). A CTA of 8 warps takes 16 rows of W; its warps
+// take K in chunks of 256 (warp w: chunks w, w + 8, ...) and add their sums
+// at the end through shared memory (no atomics). For each chunk a lane
+// (g = lane / 4, t = lane % 4) holds 32 bytes of rows g and g + 8: the 64
+// weights k = 64t .. 64t + 63 of the chunk, one quantization block
+// (blocksize a multiple of 64). Each weight is dequantized exactly as
+// Dequantize4bit does (code * absmax in float32, rounded to the activation
+// type): the block's 16 possible values are rounded once into registers
+// as byte planes, and a nibble is looked up with byte permutes (prmt), four
+// at a time, with no shared-memory traffic. The products run on
+// mma.m16n8k16 (A = 16 rows of W, B = up to 8 activation rows, fp32
+// accumulators): the k order inside a chunk is permuted so that each lane's
+// own bytes are its A fragments, and x is staged through shared memory in
+// the same permuted order for the B fragments. Products of two 16-bit
+// values are exact in float32; the tensor cores add them in float32 in
+// their own order.
+#ifndef ACCEL_QUANT_CUDA_INTERNAL_GEMV_MMA_H_
+#define ACCEL_QUANT_CUDA_INTERNAL_GEMV_MMA_H_
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
+#include "core/float16_bits.h"
+
+namespace accel::quant::cuda::internal {
+
+inline constexpr int kMmaWarps = 8;
+inline constexpr int kMmaThreads = kMmaWarps * 32;
+inline constexpr int kMmaRows = 16;    // rows of W a CTA takes
+inline constexpr int kMmaChunk = 256;  // k a warp takes at a time
+inline constexpr int kMmaSlices = kMmaChunk / 16;
+inline constexpr int kMmaMaxM = 8;  // activation rows
+
+struct GemvMmaParams {
+  const void* x = nullptr;          // [m, k], 16-byte aligned
+  const uint8_t* packed = nullptr;  // 16-byte aligned
+  const float* absmax = nullptr;
+  const float* code = nullptr;
+  const void* bias = nullptr;  // [n_rows] or null
+  void* y = nullptr;           // [m, n_rows]
+  int64_t n_rows = 0, k = 0, blocksize = 0;
+  int32_t m = 1;
+};
+
+// Activation types.
+struct MmaBFloat16 {};
+struct MmaFloat16 {};
+
+ACCEL_HD float Widen(MmaBFloat16, uint16_t v) { return float16_bits::BFloat16ToFloat(v); }
+ACCEL_HD float Widen(MmaFloat16, uint16_t v) { return float16_bits::HalfToFloat(v); }
+ACCEL_HD uint16_t Narrow(MmaBFloat16, float v) { return float16_bits::FloatToBFloat16(v); }
+ACCEL_HD uint16_t Narrow(MmaFloat16, float v) { return float16_bits::FloatToHalf(v); }
+
+// Two floats rounded to the activation type, `lo` in the low 16 bits.
+ACCEL_HD uint32_t PackRounded(MmaBFloat16, float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t bits;
+  memcpy(&bits, &v, sizeof(bits));
+  return bits;
+#else
+  return static_cast<uint32_t>(float16_bits::FloatToBFloat16(lo)) |
+         static_cast<uint32_t>(float16_bits::FloatToBFloat16(hi)) << 16;
+#endif
+}
+ACCEL_HD uint32_t PackRounded(MmaFloat16, float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  const __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t bits;
+  memcpy(&bits, &v, sizeof(bits));
+  return bits;
+#else
+  return static_cast<uint32_t>(float16_bits::FloatToHalf(lo)) |
+         static_cast<uint32_t>(float16_bits::FloatToHalf(hi)) << 16;
+#endif
+}
+
+// PTX prmt.b32 in its default mode: byte i of the result is byte
+// s[4i+2:4i] of {b, a} (a holds bytes 0-3), or that byte's sign replicated
+// when s[4i+3] is set.
+ACCEL_HD uint32_t Prmt(uint32_t a, uint32_t b, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+  return d;
+#else
+  const uint64_t bytes = static_cast<uint64_t>(b) << 32 | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nibble = (s >> (4 * i)) & 0xfu;
+    uint32_t byte = static_cast<uint32_t>(bytes >> (8 * (nibble & 7u))) & 0xffu;
+    if (nibble & 8u) byte = (byte & 0x80u) ? 0xffu : 0u;
+    d |= byte << (8 * i);
+  }
+  return d;
+#endif
+}
+
+// A block's 16 values code[i] * scale rounded to the activation type, as
+// byte planes: lo[q] byte i is the low byte of value 4q + i, hi[q] its high
+// byte.
+template <typename Tag>
+ACCEL_HD void BuildPlanes(const float* code, float scale, uint32_t (&lo)[4], uint32_t (&hi)[4]) {
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t first = PackRounded(Tag{}, code[4 * q] * scale, code[4 * q + 1] * scale);
+    const uint32_t second = PackRounded(Tag{}, code[4 * q + 2] * scale, code[4 * q + 3] * scale);
+    lo[q] = Prmt(first, second, 0x6420u);
+    hi[q] = Prmt(first, second, 0x7531u);
+  }
+}
+
+// The four weights of two packed bytes (`half`: the byte at the lower address
+// in bits 0-7), as the two 16-bit pairs an mma fragment holds: `first` the
+// lower byte's elements (its high nibble, the even element, in the low half),
+// `second` the upper byte's.
+ACCEL_HD void LookupPairs(uint32_t half, const uint32_t (&lo)[4], const uint32_t (&hi)[4],
+                          uint32_t& first, uint32_t& second) {
+  const uint32_t index = half & 0x7777u;                    // each nibble's low 3 bits
+  const uint32_t pick = ((half >> 1) & 0x4444u) | 0x3210u;  // its bit 3: the upper 8 values
+  const uint32_t low = Prmt(Prmt(lo[0], lo[1], index), Prmt(lo[2], lo[3], index), pick);
+  const uint32_t high = Prmt(Prmt(hi[0], hi[1], index), Prmt(hi[2], hi[3], index), pick);
+  first = Prmt(low, high, 0x4051u);   // [low byte 1, high byte 1, low byte 0, high byte 0]
+  second = Prmt(low, high, 0x6273u);  // the same for nibbles 3 and 2
+}
+
+// x in shared memory, per warp: 8-byte units, unit (s, g, t) holding x[g]
+// at k = 64t + 4s .. 64t + 4s + 3 of the chunk (the B fragment of lane
+// (g, t) for slice s), rows of a slice `XStride` units apart (padded so
+// that a warp's stores spread over the banks).
+ACCEL_HD int XStride(int max_m) { return 4 * max_m + (max_m == 1 ? 6 : 2); }
+ACCEL_HD int64_t XWarpBytes(int max_m) {
+  return static_cast<int64_t>(kMmaSlices) * XStride(max_m) * 8;
+}
+// Shared memory of a CTA: the code (16 floats), the warps' sums
+// ([warps][16 rows][8 activation rows] floats), each warp's x.
+inline constexpr int64_t kMmaReduceOffset = 64;
+inline constexpr int64_t kMmaXOffset = kMmaReduceOffset + kMmaWarps * kMmaRows * kMmaMaxM * 4;
+ACCEL_HD int64_t MmaSharedBytes(int max_m) { return kMmaXOffset + kMmaWarps * XWarpBytes(max_m); }
+
+// Whether the kernel takes these arguments (else the callers use the other
+// kernels): 16-bit activations, K a multiple of 256, blocks a multiple of 64,
+// x and packed 16-byte aligned, 1 <= m <= 8.
+ACCEL_HD bool MmaTakes(int64_t m, int64_t k, int64_t blocksize, const void* x, const void* packed) {
+  return m >= 1 && m <= kMmaMaxM && k > 0 && k % kMmaChunk == 0 && blocksize > 0 &&
+         blocksize % 64 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(packed) % 16 == 0;
+}
+
+// 16 bytes at a 16-byte aligned address, as four words. `stream`: read once
+// (the weights), so past the caches.
+ACCEL_HD void Load16(const void* src, uint32_t (&out)[4], bool stream) {
+#if defined(__CUDA_ARCH__)
+  const uint4 v =
+      stream ? __ldcs(static_cast<const uint4*>(src)) : __ldg(static_cast<const uint4*>(src));
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
+#else
+  (void)stream;
+  std::memcpy(out, src, 16);
+#endif
+}
+
+// A lane's 32 bytes of a row for a chunk, and their block's absmax (zeros
+// past the rows or the chunks).
+struct RowChunk {
+  uint32_t words[8];
+  float scale;
+};
+
+ACCEL_HD void LoadRowChunk(const GemvMmaParams& p, int64_t row, int64_t chunk, int t,
+                           RowChunk& out) {
+  if (row >= p.n_rows || chunk * kMmaChunk >= p.k) {
+    for (uint32_t& w : out.words) w = 0;
+    out.scale = 0.0f;
+    return;
+  }
+  const int64_t first = row * p.k + chunk * kMmaChunk + 64 * t;  // flat index of the 64 weights
+  const uint8_t* bytes = p.packed + first / 2;
+  uint32_t a[4], b[4];
+  Load16(bytes, a, true);
+  Load16(bytes + 16, b, true);
+  for (int i = 0; i < 4; ++i) {
+    out.words[i] = a[i];
+    out.words[4 + i] = b[i];
+  }
+#if defined(__CUDA_ARCH__)
+  out.scale = __ldg(p.absmax + first / p.blocksize);
+#else
+  out.scale = p.absmax[first / p.blocksize];
+#endif
+}
+
+// CTA `cta` of the kernel: rows 16 cta .. 16 cta + 15. `shared` holds
+// MmaSharedBytes(kMaxM) bytes, 16-byte aligned. Exec: tid(), Sync(),
+// WarpSync(), and Mma<Tag>(a0, a1, a2, a3, b0, b1, c) (mma.m16n8k16,
+// fp32 accumulators c[4]).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, int kMaxM, typename Exec>
+ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* shared, Exec& exec) {
+  const int tid = exec.tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  float* code_s = reinterpret_cast<float*>(shared);
+  float* sums_s = reinterpret_cast<float*>(shared + kMmaReduceOffset);
+  uint8_t* x_s = shared + kMmaXOffset + warp * XWarpBytes(kMaxM);
+  if (tid < 16) code_s[tid] = p.code[tid];
+  exec.Sync();
+  const int stride = XStride(kMaxM);
+  const int64_t row_a = cta * kMmaRows + g, row_b = row_a + 8;
+  const int64_t chunks = p.k / kMmaChunk;
+  const int64_t rounds = (chunks + kMmaWarps - 1) / kMmaWarps;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Software pipeline: a round's weights are loaded while the previous
+  // round is computed.
+  RowChunk a, b, next_a, next_b;
+  LoadRowChunk(p, row_a, warp, t, a);
+  LoadRowChunk(p, row_b, warp, t, b);
+  for (int64_t round = 0; round < rounds; ++round) {
+    const int64_t chunk = round * kMmaWarps + warp;
+    if (chunk >= chunks) break;  // uniform over the warp
+    LoadRowChunk(p, row_a, chunk + kMmaWarps, t, next_a);
+    LoadRowChunk(p, row_b, chunk + kMmaWarps, t, next_b);
+    // The chunk's x, in the permuted order: lane l reads x[r] at k = 8l
+    // of the chunk (coalesced), which is t' = l / 8, slices 2(l % 8) and
+    // the next.
+    exec.WarpSync();  // the previous chunk's reads of x_s are done
+    for (int r = 0; r < p.m; ++r) {
+      uint32_t v[4];
+      Load16(x + r * p.k + chunk * kMmaChunk + 8 * lane, v, false);
+      const int slice = 2 * (lane % 8), tt = lane / 8;
+      uint8_t* unit = x_s + static_cast<int64_t>(slice * stride + r * 4 + tt) * 8;
+      memcpy(unit, v, 8);
+      memcpy(unit + stride * 8, v + 2, 8);
+    }
+    exec.WarpSync();
+    uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
+    BuildPlanes<Tag>(code_s, a.scale, lo_a, hi_a);
+    BuildPlanes<Tag>(code_s, b.scale, lo_b, hi_b);
+    for (int s = 0; s < kMmaSlices; ++s) {
+      // Slice s: bytes 2s and 2s + 1 of the lane's 32, k = 64t + 4s .. + 3.
+      const int shift = 16 * (s % 2);
+      uint32_t a0, a1, a2, a3;
+      LookupPairs((a.words[s / 2] >> shift) & 0xffffu, lo_a, hi_a, a0, a2);
+      LookupPairs((b.words[s / 2] >> shift) & 0xffffu, lo_b, hi_b, a1, a3);
+      uint32_t b01[2] = {0u, 0u};
+      if (g < p.m) memcpy(b01, x_s + static_cast<int64_t>(s * stride + g * 4 + t) * 8, 8);
+      exec.template Mma<Tag>(a0, a1, a2, a3, b01[0], b01[1], c);
+    }
+    a = next_a;
+    b = next_b;
+  }
+  // The warps' sums: lane (g, t) holds rows g, g + 8 of activation rows
+  // 2t, 2t + 1.
+  float* mine = sums_s + warp * kMmaRows * kMmaMaxM;
+  mine[g * kMmaMaxM + 2 * t] = c[0];
+  mine[g * kMmaMaxM + 2 * t + 1] = c[1];
+  mine[(g + 8) * kMmaMaxM + 2 * t] = c[2];
+  mine[(g + 8) * kMmaMaxM + 2 * t + 1] = c[3];
+  exec.Sync();
+  const uint16_t* bias = static_cast<const uint16_t*>(p.bias);
+  uint16_t* y = static_cast<uint16_t*>(p.y);
+  for (int i = tid; i < kMmaRows * p.m; i += kMmaThreads) {
+    const int r = i / p.m, m = i % p.m;
+    const int64_t row = cta * kMmaRows + r;
+    if (row >= p.n_rows) continue;
+    float sum = 0.0f;
+    for (int w = 0; w < kMmaWarps; ++w) sum += sums_s[(w * kMmaRows + r) * kMmaMaxM + m];
+    if (bias != nullptr) sum += Widen(Tag{}, bias[row]);
+    y[m * p.n_rows + row] = Narrow(Tag{}, sum);
+  }
+}
+
+}  // namespace accel::quant::cuda::internal
+
+#endif  // ACCEL_QUANT_CUDA_INTERNAL_GEMV_MMA_H_

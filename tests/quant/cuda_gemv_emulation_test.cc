@@ -1,0 +1,295 @@
+// The tensor-core 4-bit GEMV's code (quant/cuda/internal/gemv_mma.h) run on
+// the host: every CTA emulated thread by thread (tests/testing/cta_emulator.h),
+// the byte permutes and the mma.m16n8k16 fragments as PTX defines them,
+// against a plain double reference of the bnb formula (weights dequantized
+// into the activation type, products summed; within the float32 summation
+// bound) and bit for bit where every sum is exact. What this verifies
+// without a GPU: the nibble lookup through prmt, the permuted k order of
+// the A and B fragments, the x staging in shared memory, the split of K over
+// warps and its reduce, rows past N, up to 8 activation rows. What only a
+// device verifies (cuda_kernels_test.cc): the instructions themselves and
+// the tensor cores' float32 accumulation.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/float16_bits.h"
+#include "quant/cuda/internal/gemv_mma.h"
+#include "tests/testing/cta_emulator.h"
+
+namespace accel::quant::cuda::internal {
+namespace {
+
+using accel::testing::CtaEmulator;
+
+// --- prmt and the lookup ---------------------------------------------------------
+
+TEST(GemvMmaTest, PrmtSelectsAndReplicatesSigns) {
+  const uint32_t a = 0x83828180u, b = 0x07060504u;
+  EXPECT_EQ(Prmt(a, b, 0x3210u), a);
+  EXPECT_EQ(Prmt(a, b, 0x7654u), b);
+  EXPECT_EQ(Prmt(a, b, 0x4051u), 0x04800581u);
+  EXPECT_EQ(Prmt(a, b, 0x8888u), 0xffffffffu);  // byte 0 (0x80) has its sign set
+  EXPECT_EQ(Prmt(a, b, 0x000cu), 0x80808000u);  // byte 4 (0x04): sign clear
+}
+
+template <typename Tag>
+void ExpectLookupMatchesTheTable() {
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+  float code[16];
+  for (float& c : code) c = value(rng);
+  const float scale = 1.7f;
+  uint32_t lo[4], hi[4];
+  BuildPlanes<Tag>(code, scale, lo, hi);
+  uint16_t want[16];
+  for (int i = 0; i < 16; ++i) want[i] = Narrow(Tag{}, code[i] * scale);
+  for (uint32_t half = 0; half <= 0xffffu; ++half) {
+    uint32_t first, second;
+    LookupPairs(half, lo, hi, first, second);
+    // Byte 0: its high nibble is the even element (low half of `first`).
+    const uint32_t byte0 = half & 0xffu, byte1 = half >> 8;
+    const uint32_t expect_first = want[byte0 >> 4] | static_cast<uint32_t>(want[byte0 & 15]) << 16;
+    const uint32_t expect_second = want[byte1 >> 4] | static_cast<uint32_t>(want[byte1 & 15]) << 16;
+    ASSERT_EQ(first, expect_first) << std::hex << half;
+    ASSERT_EQ(second, expect_second) << std::hex << half;
+  }
+}
+
+TEST(GemvMmaTest, LookupGivesEveryNibblesRoundedValue) {
+  ExpectLookupMatchesTheTable<MmaBFloat16>();
+  ExpectLookupMatchesTheTable<MmaFloat16>();
+}
+
+// --- The CTA, emulated -------------------------------------------------------------
+
+// The kernel's Exec on the host: mma.m16n8k16 with the fragment layout of
+// the PTX ISA (A row-major 16x16: register r of lane (g, t) holds row g +
+// 8 (r % 2), columns 2t + 8 (r / 2) and the next; B 16x8: register r holds
+// rows 2t + 8r and the next, column g; C: rows g and g + 8, columns 2t and
+// 2t + 1), each product exact in float32, summed in k order.
+class HostExec {
+ public:
+  explicit HostExec(CtaEmulator::Exec& exec) : exec_(exec) {}
+  int tid() const { return exec_.tid(); }
+  void Sync() { exec_.Sync(); }
+  void WarpSync() { exec_.WarpSync(); }
+  template <typename Tag>
+  void Mma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
+           float (&c)[4]) {
+    struct Fragments {
+      uint32_t a[4], b[2];
+    };
+    const Fragments mine = {{a0, a1, a2, a3}, {b0, b1}};
+    Fragments all[32];
+    exec_.WarpGather(&mine, sizeof(mine), all);
+    auto half = [](uint32_t word, int k) {
+      return static_cast<uint16_t>(k % 2 == 0 ? word & 0xffffu : word >> 16);
+    };
+    auto a = [&](int row, int k) {
+      const Fragments& f = all[(row % 8) * 4 + (k % 8) / 2];
+      return Widen(Tag{}, half(f.a[(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k));
+    };
+    auto b = [&](int k, int n) {
+      const Fragments& f = all[n * 4 + (k % 8) / 2];
+      return Widen(Tag{}, half(f.b[k >= 8 ? 1 : 0], k));
+    };
+    const int lane = tid() % 32, g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+      for (int k = 0; k < 16; ++k) c[i] += a(row, k) * b(k, col);
+    }
+  }
+
+ private:
+  CtaEmulator::Exec& exec_;
+};
+
+struct Case {
+  const char* name;
+  bool bf16;
+  int64_t n_rows, k, blocksize;
+  int32_t m;
+  bool bias;
+};
+
+struct Inputs {
+  std::vector<uint8_t> packed;
+  std::vector<float> absmax, code;
+  std::vector<uint16_t> x, bias;  // [m, k], [n_rows]
+};
+
+template <typename Tag>
+std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, std::string* error) {
+  std::vector<uint16_t> y(static_cast<size_t>(c.m * c.n_rows), 0xffffu);  // NaN
+  GemvMmaParams p;
+  p.x = in.x.data();
+  p.packed = in.packed.data();
+  p.absmax = in.absmax.data();
+  p.code = in.code.data();
+  p.bias = c.bias ? in.bias.data() : nullptr;
+  p.y = y.data();
+  p.n_rows = c.n_rows;
+  p.k = c.k;
+  p.blocksize = c.blocksize;
+  p.m = c.m;
+  if (!MmaTakes(c.m, c.k, c.blocksize, p.x, p.packed)) {
+    *error = "MmaTakes refused";
+    return y;
+  }
+  const int max_m = c.m <= 1 ? 1 : c.m <= 2 ? 2 : c.m <= 4 ? 4 : 8;
+  std::vector<uint64_t> shared(static_cast<size_t>(MmaSharedBytes(max_m) / 8 + 1));
+  CtaEmulator cta(kMmaThreads);
+  for (int64_t block = 0; block * kMmaRows < c.n_rows; ++block) {
+    // Shared memory starts as garbage on the device: NaN patterns here.
+    std::fill(shared.begin(), shared.end(), ~uint64_t{0});
+    uint8_t* s = reinterpret_cast<uint8_t*>(shared.data());
+    *error = cta.Run([&](CtaEmulator::Exec& exec) {
+      HostExec host(exec);
+      switch (max_m) {
+        case 1:
+          Gemv4bitMmaCta<Tag, 1>(p, block, s, host);
+          break;
+        case 2:
+          Gemv4bitMmaCta<Tag, 2>(p, block, s, host);
+          break;
+        case 4:
+          Gemv4bitMmaCta<Tag, 4>(p, block, s, host);
+          break;
+        default:
+          Gemv4bitMmaCta<Tag, 8>(p, block, s, host);
+      }
+    });
+    if (!error->empty()) return y;
+  }
+  return y;
+}
+
+// NF4 (../shared/reference/bitsandbytes.md §1.1).
+std::vector<float> Nf4() {
+  constexpr uint32_t kBits[16] = {0xbf800000, 0xbf3239b1, 0xbf066b30, 0xbeca32a0,
+                                  0xbe91a24d, 0xbe3d353f, 0xbdba7871, 0x00000000,
+                                  0x3da2faff, 0x3e24cae3, 0x3e7c04dd, 0x3ead033a,
+                                  0x3ee1a4b8, 0x3f1007ab, 0x3f3913b3, 0x3f800000};
+  std::vector<float> code(16);
+  for (int i = 0; i < 16; ++i) code[static_cast<size_t>(i)] = float16_bits::BitsToFloat(kBits[i]);
+  return code;
+}
+
+template <typename Tag>
+void CheckCase(const Case& c, bool exact_sums) {
+  SCOPED_TRACE(c.name);
+  std::mt19937_64 rng(7);
+  Inputs in;
+  const int64_t n = c.n_rows * c.k;
+  in.packed.resize(static_cast<size_t>(n / 2));
+  for (uint8_t& b : in.packed) b = static_cast<uint8_t>(rng());
+  in.absmax.resize(static_cast<size_t>((n + c.blocksize - 1) / c.blocksize));
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f), scale(0.5f, 2.0f);
+  std::uniform_int_distribution<int> small(-8, 8), exponent(-1, 2);
+  if (exact_sums) {
+    // Codes (i - 8) / 8, scales 2^-1..2^2, integer x and bias: every sum is
+    // exact in float32, so y is the exact sum rounded once.
+    in.code.resize(16);
+    for (int i = 0; i < 16; ++i) in.code[static_cast<size_t>(i)] = static_cast<float>(i - 8) / 8;
+    for (float& a : in.absmax) a = std::ldexp(1.0f, exponent(rng));
+  } else {
+    in.code = Nf4();
+    for (float& a : in.absmax) a = scale(rng);
+  }
+  in.x.resize(static_cast<size_t>(c.m * c.k));
+  for (uint16_t& v : in.x) {
+    v = Narrow(Tag{}, exact_sums ? static_cast<float>(small(rng)) : unit(rng));
+  }
+  in.bias.resize(static_cast<size_t>(c.n_rows));
+  for (uint16_t& v : in.bias)
+    v = Narrow(Tag{}, exact_sums ? static_cast<float>(small(rng)) : unit(rng));
+
+  std::string error;
+  const std::vector<uint16_t> y = RunEmulated<Tag>(c, in, &error);
+  ASSERT_EQ(error, "");
+  const double u = std::ldexp(1.0, -24);
+  const double gamma = static_cast<double>(c.k + 1) * u / (1 - static_cast<double>(c.k + 1) * u);
+  const double u_out =
+      std::is_same_v<Tag, MmaBFloat16> ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+  int64_t failures = 0;
+  for (int32_t m = 0; m < c.m; ++m) {
+    for (int64_t row = 0; row < c.n_rows; ++row) {
+      double exact = c.bias ? Widen(Tag{}, in.bias[static_cast<size_t>(row)]) : 0.0;
+      double magnitude = std::fabs(exact);
+      for (int64_t i = 0; i < c.k; ++i) {
+        const int64_t j = row * c.k + i;
+        const uint8_t byte = in.packed[static_cast<size_t>(j / 2)];
+        const int nibble = j % 2 == 0 ? byte >> 4 : byte & 0xF;
+        const double w =
+            Widen(Tag{}, Narrow(Tag{}, in.code[static_cast<size_t>(nibble)] *
+                                           in.absmax[static_cast<size_t>(j / c.blocksize)]));
+        const double p = Widen(Tag{}, in.x[static_cast<size_t>(m * c.k + i)]) * w;
+        exact += p;
+        magnitude += std::fabs(p);
+      }
+      const uint16_t got = y[static_cast<size_t>(m * c.n_rows + row)];
+      bool ok;
+      if (exact_sums) {
+        ok = got == Narrow(Tag{}, static_cast<float>(exact));
+      } else {
+        const double bound =
+            gamma * magnitude + u_out * (std::fabs(exact) + gamma * magnitude) + 1e-9;
+        ok = std::fabs(Widen(Tag{}, got) - exact) <= bound;
+      }
+      if (!ok && ++failures <= 5) {
+        ADD_FAILURE() << "x row " << m << ", row " << row << ": got " << Widen(Tag{}, got)
+                      << ", exact " << exact;
+      }
+    }
+  }
+  EXPECT_EQ(failures, 0);
+}
+
+const Case kCases[] = {
+    {"Bf16Batch1", true, 64, 4096, 64, 1, true},
+    {"Fp16ThreeRowsRaggedN", false, 37, 512, 128, 3, false},  // N % 16 != 0, m not a power of 2
+    {"Bf16EightRowsOneChunk", true, 16, 256, 256, 8, true},   // seven idle warps
+    {"Fp16TwoRowsTwoRounds", false, 50, 2304, 64, 2, true},   // 9 chunks over 8 warps
+    {"Bf16DownProjK", true, 24, 11008, 64, 1, false},         // 43 chunks
+    {"Fp16FiveRowsBigBlocks", false, 20, 1024, 1024, 5, true},
+};
+
+TEST(GemvMmaTest, EmulatedKernelIsWithinTheFloat32SummationBound) {
+  for (const Case& c : kCases) {
+    if (c.bf16) {
+      CheckCase<MmaBFloat16>(c, false);
+    } else {
+      CheckCase<MmaFloat16>(c, false);
+    }
+  }
+}
+
+TEST(GemvMmaTest, EmulatedKernelIsBitExactWhenEverySumIsExact) {
+  for (const Case& c : kCases) {
+    CheckCase<MmaBFloat16>(c, true);
+    CheckCase<MmaFloat16>(c, true);
+  }
+}
+
+TEST(GemvMmaTest, TakesOnlyWhatItCan) {
+  alignas(16) static uint8_t buffer[64];
+  EXPECT_TRUE(MmaTakes(1, 4096, 64, buffer, buffer));
+  EXPECT_TRUE(MmaTakes(8, 256, 4096, buffer, buffer));
+  EXPECT_FALSE(MmaTakes(9, 4096, 64, buffer, buffer));       // more than 8 rows
+  EXPECT_FALSE(MmaTakes(1, 4096 + 64, 64, buffer, buffer));  // K % 256
+  EXPECT_FALSE(MmaTakes(1, 4096, 32, buffer, buffer));       // blocks of 32
+  EXPECT_FALSE(MmaTakes(1, 4096, 64, buffer + 2, buffer));   // misaligned x
+  EXPECT_FALSE(MmaTakes(1, 4096, 64, buffer, buffer + 8));   // misaligned weights
+  EXPECT_LE(MmaSharedBytes(kMmaMaxM), 48 * 1024);
+}
+
+}  // namespace
+}  // namespace accel::quant::cuda::internal
