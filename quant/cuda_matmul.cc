@@ -39,6 +39,11 @@ absl::Status CheckCudaInput(const at::Tensor& x) {
 
 #ifdef ACCEL_WITH_QUANT_CUDA
 
+// Up to this many rows (a decode step's batch) run the fused GEMV where it
+// reads the weights once for all of them (cuda::Gemv4bitRowsFused); more
+// dequantize once and call libtorch's GEMM.
+constexpr int64_t kFusedRows = 8;
+
 // bnb's int8_vectorwise_dequant multiplies by this float32 constant (1/127),
 // as Int8LinearForward does for the outlier columns.
 constexpr float kInv127 = static_cast<float>(7.874015718698502e-3);
@@ -160,16 +165,21 @@ absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weig
     }
     at::Tensor b;
     if (bias.defined()) b = bias.to(compute_dtype).contiguous();
-    if (rows == 1) {
-      // Decode: the fused GEMV reads the packed weight once; x and bias in
-      // the compute dtype, sums in float32, one rounding to compute_dtype.
-      const at::Tensor xc = x.reshape({in}).to(compute_dtype).contiguous();
-      const at::Tensor yc = at::empty({out}, options.dtype(compute_dtype));
+    const at::Tensor xc =
+        rows <= kFusedRows ? x.reshape({rows, in}).to(compute_dtype).contiguous() : at::Tensor();
+    if (rows == 1 || (rows <= kFusedRows &&
+                      cuda::Gemv4bitRowsFused(rows, in, weight.blocksize, compute, xc.data_ptr(),
+                                              weight.packed.data_ptr<uint8_t>()))) {
+      // Decode: the fused GEMV reads the packed weight once for all rows; x
+      // and bias in the compute dtype, sums in float32, one rounding to
+      // compute_dtype.
+      const at::Tensor yc = at::empty({rows, out}, options.dtype(compute_dtype));
       kernels = CudaStatus(
-          cuda::Gemv4bit(xc.data_ptr(), weight.packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
-                         weight.code.data_ptr<float>(), out, in, weight.blocksize,
-                         b.defined() ? b.data_ptr() : nullptr, compute, yc.data_ptr(), stream),
-          "Gemv4bit");
+          cuda::Gemv4bitRows(xc.data_ptr(), rows, weight.packed.data_ptr<uint8_t>(),
+                             absmax.data_ptr<float>(), weight.code.data_ptr<float>(), out, in,
+                             weight.blocksize, b.defined() ? b.data_ptr() : nullptr, compute,
+                             yc.data_ptr(), stream),
+          "Gemv4bitRows");
       if (!kernels.ok()) return;
       y = yc.to(x.scalar_type()).view(shape);
       return;

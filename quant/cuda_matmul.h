@@ -28,10 +28,12 @@ bool CudaKernelsBuilt();
 // Linear4bitForward on a CUDA device: x [..., in] (float32, bfloat16 or
 // float16) and the weight's tensors (packed, absmax, code and, with double
 // quant, nested_absmax and nested_code) on one CUDA device; bias undefined
-// or [out] there too. One row (decode) runs the fused 4-bit GEMV (with
-// double quant the absmax is expanded to float32 first); more rows
-// dequantize the weight to a dense [out, in] compute_dtype tensor and call
-// at::linear, as bnb does. y in x's dtype, [..., out].
+// or [out] there too. One row (decode), and up to 8 where the tensor-core
+// kernel takes the shapes (quant/cuda/kernels.h: Gemv4bitRowsFused), run the
+// fused 4-bit GEMV, which reads the packed weight once (with double quant
+// the absmax is expanded to float32 first); more rows dequantize the weight
+// to a dense [out, in] compute_dtype tensor and call at::linear, as bnb
+// does. y in x's dtype, [..., out].
 // InvalidArgument naming the argument for shapes, dtypes or devices that do
 // not fit; Internal naming the kernel for a CUDA error.
 absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weight4bit& weight,

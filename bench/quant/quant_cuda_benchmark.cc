@@ -1,17 +1,21 @@
-// accel-bench-quant-cuda: the batch-1 4-bit GEMV of quant/cuda/kernels.h
-// (Gemv4bit, NF4, blocksize 64) on Llama-7B-shaped weights (N x K = 4096 x
-// 4096 and 11008 x 4096), in GB/s of the bytes it has to read (packed
-// weights + float32 absmax), next to a cudaMemcpy device-to-device of the
-// same bytes in the same run: the copy moves them once (GB/s copied) and
-// reads and writes them (2x that in traffic), so "GEMV / copy traffic" is the
-// share of the memory system's copy speed the GEMV reaches.
+// accel-bench-quant-cuda: the 4-bit GEMV of quant/cuda/kernels.h (NF4,
+// blocksize 64) on Llama-7B-shaped (4096 x 4096, 11008 x 4096) and
+// Llama-3-8B-shaped weights (1024 x 4096, 14336 x 4096, 4096 x 14336), in
+// GB/s of the bytes it has to read (packed weights + float32 absmax): the
+// warp-per-row kernel at one activation row and the tensor-core kernel at 1,
+// 2, 4 and 8 rows (a decode step's batch: the weights are still read once).
+// Baselines from the same run: a cudaMemcpy device-to-device of the same
+// bytes, which moves them once (GB/s copied) and reads and writes them (2x
+// that in traffic), and a copy of 1 GiB, far past the L2 cache, whose
+// traffic is what the device's memory sustains. "of copy" / "of HBM" are the
+// GEMV's GB/s over those traffic figures.
 // Each weight exists in enough copies to hold 4x the GPU's L2 cache, and the
 // timed calls cycle through them, so every call reads from device memory, as
 // a decode step does (each layer's weights once). Each figure is the median
 // of --rounds rounds of --iters calls timed with CUDA events.
 //
 //   build/bin/accel-bench-quant-cuda [--iters 200] [--rounds 5]
-//       [--dtypes bfloat16,float16,float32]
+//       [--dtypes bfloat16,float16,float32] [--json FILE]
 // With no CUDA device it says so and exits with status 1.
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "quant/cuda/internal/gemv.h"
 #include "quant/cuda/kernels.h"
 
 namespace {
@@ -51,11 +56,14 @@ struct Options {
   int iters = 200;
   int rounds = 5;
   std::vector<DType> dtypes = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+  std::string json;  // where to write the rows as JSON, if anywhere
 };
 
 [[noreturn]] void Usage(const char* argv0, const std::string& error) {
   if (!error.empty()) std::fprintf(stderr, "%s: %s\n", argv0, error.c_str());
-  std::fprintf(stderr, "usage: %s [--iters N] [--rounds N] [--dtypes bfloat16,float16,float32]\n",
+  std::fprintf(stderr,
+               "usage: %s [--iters N] [--rounds N] [--dtypes bfloat16,float16,float32] "
+               "[--json FILE]\n",
                argv0);
   std::exit(2);
 }
@@ -80,6 +88,8 @@ Options ParseOptions(int argc, char** argv) {
       const int n = std::atoi(value.c_str());
       if (n < 1) Usage(argv[0], flag + " must be a positive integer, got '" + value + "'");
       (flag == "--iters" ? options.iters : options.rounds) = n;
+    } else if (flag == "--json") {
+      options.json = value;
     } else if (flag == "--dtypes") {
       options.dtypes.clear();
       size_t start = 0;
@@ -161,7 +171,7 @@ int main(int argc, char** argv) {
   std::printf("device 0: %s, sm_%d%d, %d SMs, L2 %.0f MiB, %.1f GiB\n", prop.name, prop.major,
               prop.minor, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0,
               prop.totalGlobalMem / 1073741824.0);
-  std::printf("Gemv4bit: NF4, blocksize %ld, no bias; %d rounds of %d calls, median\n\n",
+  std::printf("Gemv4bit: NF4, blocksize %ld, no bias; %d rounds of %d calls, median\n",
               static_cast<long>(kBlocksize), options.rounds, options.iters);
 
   cudaStream_t stream;
@@ -171,13 +181,43 @@ int main(int argc, char** argv) {
   float* code_d = DeviceAlloc<float>(sizeof(float) * 16);
   CHECK_CUDA(cudaMemcpy(code_d, code.data(), sizeof(float) * 16, cudaMemcpyHostToDevice));
 
-  std::printf("%-9s %-11s %10s %6s | %10s %9s | %10s %11s %12s | %s\n", "dtype", "N x K", "bytes",
-              "copies", "GEMV us", "GEMV GB/s", "copy us", "copy GB/s", "copy traffic",
-              "GEMV / copy traffic");
-  const int64_t shapes[][2] = {{4096, 4096}, {11008, 4096}};
+  // What the device's memory sustains: a 1 GiB copy.
+  const size_t big = size_t{1} << 30;
+  uint8_t* big_src = DeviceAlloc<uint8_t>(big);
+  uint8_t* big_dst = DeviceAlloc<uint8_t>(big);
+  CHECK_CUDA(cudaMemset(big_src, 1, big));
+  Options big_options = options;
+  big_options.iters = 10;
+  auto big_copy = [&](int64_t) {
+    CHECK_CUDA(cudaMemcpyAsync(big_dst, big_src, big, cudaMemcpyDeviceToDevice, stream));
+  };
+  big_copy(0);
+  const double big_s = TimePerCall(big_options, stream, big_copy);
+  const double hbm_traffic = 2.0 * static_cast<double>(big) / big_s / 1e9;
+  CHECK_CUDA(cudaFree(big_src));
+  CHECK_CUDA(cudaFree(big_dst));
+  std::printf("device-to-device copy of 1 GiB: %.1f GB/s copied, %.1f GB/s of traffic (HBM)\n\n",
+              hbm_traffic / 2, hbm_traffic);
+
+  std::printf("%-9s %-11s %9s %6s %-6s %2s | %9s %9s | %9s %11s | %7s %6s\n", "dtype", "N x K",
+              "bytes", "copies", "kernel", "m", "GEMV us", "GEMV GB/s", "copy us", "copy traffic",
+              "of copy", "of HBM");
+  struct Shape {
+    const char* model;
+    int64_t n_rows, k;
+  };
+  const Shape shapes[] = {{"llama-7b", 4096, 4096},
+                          {"llama-7b", 11008, 4096},
+                          {"llama3-8b", 1024, 4096},
+                          {"llama3-8b", 14336, 4096},
+                          {"llama3-8b", 4096, 14336}};
+  std::string json = "{\"device\": \"" + std::string(prop.name) +
+                     "\", \"hbm_copy_traffic_gbs\": " + std::to_string(hbm_traffic) +
+                     ", \"rows\": [";
+  bool first_row = true;
   std::mt19937 rng(1);
-  for (const auto& shape : shapes) {
-    const int64_t n_rows = shape[0], k = shape[1], n = n_rows * k;
+  for (const Shape& shape : shapes) {
+    const int64_t n_rows = shape.n_rows, k = shape.k, n = n_rows * k;
     const int64_t packed_bytes = n / 2, nblocks = n / kBlocksize;
     const int64_t bytes = packed_bytes + nblocks * 4;
     const int64_t alloc_bytes = (packed_bytes + 255) / 256 * 256 + nblocks * 4;
@@ -203,45 +243,78 @@ int main(int argc, char** argv) {
       copy_src[static_cast<size_t>(c)] = w.base;
       copy_dst[static_cast<size_t>(c)] = DeviceAlloc<uint8_t>(static_cast<size_t>(bytes));
     }
+    auto copy = [&](int64_t i) {
+      CHECK_CUDA(cudaMemcpyAsync(copy_dst[static_cast<size_t>(i % copies)],
+                                 copy_src[static_cast<size_t>(i % copies)],
+                                 static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream));
+    };
+    for (int64_t c = 0; c < copies; ++c) copy(c);  // warm-up
+    const double copy_s = TimePerCall(options, stream, copy);
+    const double copy_traffic = 2.0 * static_cast<double>(bytes) / copy_s / 1e9;
 
     for (DType dtype : options.dtypes) {
+      using accel::quant::cuda::internal::GemvKernel;
       const size_t size = static_cast<size_t>(accel::quant::cuda::DTypeSize(dtype));
-      void* x = DeviceAlloc<void>(size * static_cast<size_t>(k));
-      void* y = DeviceAlloc<void>(size * static_cast<size_t>(n_rows));
+      constexpr int64_t kMaxRows = 8;
+      void* x = DeviceAlloc<void>(size * static_cast<size_t>(kMaxRows * k));
+      void* y = DeviceAlloc<void>(size * static_cast<size_t>(kMaxRows * n_rows));
       // 0x3c: small positive numbers in every dtype (0x3c3c... as bfloat16,
       // float16 and float32 are all about 0.01 to 1.1).
-      CHECK_CUDA(cudaMemset(x, 0x3c, size * static_cast<size_t>(k)));
-      auto gemv = [&](int64_t i) {
-        const WeightCopy& w = weights[static_cast<size_t>(i % copies)];
-        CHECK_CUDA(accel::quant::cuda::Gemv4bit(x, w.packed(), w.absmax(packed_bytes), code_d,
-                                                n_rows, k, kBlocksize, nullptr, dtype, y, stream));
+      CHECK_CUDA(cudaMemset(x, 0x3c, size * static_cast<size_t>(kMaxRows * k)));
+      struct Run {
+        GemvKernel kernel;
+        const char* name;
+        int64_t m;
       };
-      auto copy = [&](int64_t i) {
-        CHECK_CUDA(cudaMemcpyAsync(copy_dst[static_cast<size_t>(i % copies)],
-                                   copy_src[static_cast<size_t>(i % copies)],
-                                   static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream));
-      };
-      for (int64_t c = 0; c < copies; ++c) {  // warm-up: first launches, clocks up
-        gemv(c);
-        copy(c);
+      std::vector<Run> runs = {{GemvKernel::kChunk, "rowwise", 1}};
+      if (dtype != DType::kFloat32) {
+        for (int64_t m : {1, 2, 4, 8}) runs.push_back({GemvKernel::kMma, "mma", m});
       }
-      CHECK_CUDA(cudaStreamSynchronize(stream));
-      const double gemv_s = TimePerCall(options, stream, gemv);
-      const double copy_s = TimePerCall(options, stream, copy);
-      CHECK_CUDA(cudaStreamSynchronize(stream));
-      const double gemv_gbs = static_cast<double>(bytes) / gemv_s / 1e9;
-      const double copy_gbs = static_cast<double>(bytes) / copy_s / 1e9;
-      const std::string shape_name = std::to_string(n_rows) + "x" + std::to_string(k);
-      std::printf("%-9s %-11s %7.2f MB %6ld | %10.2f %9.1f | %10.2f %11.1f %12.1f | %.2f\n",
-                  accel::quant::cuda::DTypeName(dtype), shape_name.c_str(), bytes / 1e6,
-                  static_cast<long>(copies), gemv_s * 1e6, gemv_gbs, copy_s * 1e6, copy_gbs,
-                  2 * copy_gbs, gemv_gbs / (2 * copy_gbs));
+      for (const Run& run : runs) {
+        auto gemv = [&](int64_t i) {
+          const WeightCopy& w = weights[static_cast<size_t>(i % copies)];
+          CHECK_CUDA(accel::quant::cuda::internal::Gemv4bitWith(
+              run.kernel, x, run.m, w.packed(), w.absmax(packed_bytes), code_d, n_rows, k,
+              kBlocksize, nullptr, dtype, y, stream));
+        };
+        for (int64_t c = 0; c < copies; ++c) gemv(c);  // warm-up: first launches, clocks up
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        const double gemv_s = TimePerCall(options, stream, gemv);
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        const double gemv_gbs = static_cast<double>(bytes) / gemv_s / 1e9;
+        const std::string shape_name = std::to_string(n_rows) + "x" + std::to_string(k);
+        std::printf(
+            "%-9s %-11s %6.2f MB %6ld %-6s %2ld | %9.2f %9.1f | %9.2f %11.1f | %7.2f %6.2f\n",
+            accel::quant::cuda::DTypeName(dtype), shape_name.c_str(), bytes / 1e6,
+            static_cast<long>(copies), run.name, static_cast<long>(run.m), gemv_s * 1e6, gemv_gbs,
+            copy_s * 1e6, copy_traffic, gemv_gbs / copy_traffic, gemv_gbs / hbm_traffic);
+        std::fflush(stdout);
+        json += std::string(first_row ? "" : ",") + "\n  {\"model\": \"" + shape.model +
+                "\", \"dtype\": \"" + accel::quant::cuda::DTypeName(dtype) +
+                "\", \"n\": " + std::to_string(n_rows) + ", \"k\": " + std::to_string(k) +
+                ", \"kernel\": \"" + run.name + "\", \"m\": " + std::to_string(run.m) +
+                ", \"bytes\": " + std::to_string(bytes) +
+                ", \"us\": " + std::to_string(gemv_s * 1e6) +
+                ", \"gbs\": " + std::to_string(gemv_gbs) +
+                ", \"copy_traffic_gbs\": " + std::to_string(copy_traffic) +
+                ", \"of_copy\": " + std::to_string(gemv_gbs / copy_traffic) +
+                ", \"of_hbm\": " + std::to_string(gemv_gbs / hbm_traffic) + "}";
+        first_row = false;
+      }
       CHECK_CUDA(cudaFree(x));
       CHECK_CUDA(cudaFree(y));
     }
     for (int64_t c = 0; c < copies; ++c) {
       CHECK_CUDA(cudaFree(weights[static_cast<size_t>(c)].base));
       CHECK_CUDA(cudaFree(copy_dst[static_cast<size_t>(c)]));
+    }
+  }
+  json += "\n]}\n";
+  if (!options.json.empty()) {
+    std::FILE* f = std::fopen(options.json.c_str(), "w");
+    if (f == nullptr || std::fputs(json.c_str(), f) < 0 || std::fclose(f) != 0) {
+      std::fprintf(stderr, "accel-bench-quant-cuda: cannot write %s\n", options.json.c_str());
+      return 1;
     }
   }
   CHECK_CUDA(cudaFree(code_d));

@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include "quant/cuda/internal/gemv.h"
 #include "quant/cuda/kernels.h"
 
 namespace accel::quant::cuda {
@@ -546,6 +547,136 @@ TEST_F(CudaGemvTest, WeightsAreRoundedToTheActivationTypeFirst) {
       EXPECT_EQ(y.Get(1), want);
     }
   }
+}
+
+// Several activation rows at once (Gemv4bitRows), and each GEMV kernel on
+// its own (the tensor-core one and the warp-per-row one, internal/gemv.h):
+// every row of y within the float32 summation bound of its reference.
+struct RowsCase {
+  int64_t n_rows, k, blocksize, m;
+  bool bias;
+};
+
+class CudaGemvRowsTest : public CudaKernelsTest {
+ protected:
+  // y [m, n_rows] through `kernel`; x [m, k] random in [-1, 1], NF4 weights.
+  void Check(const RowsCase& c, DType dtype, internal::GemvKernel kernel) {
+    SCOPED_TRACE(std::string(DTypeName(dtype)) + " " + std::to_string(c.n_rows) + "x" +
+                 std::to_string(c.k) + " blocksize=" + std::to_string(c.blocksize) + " m=" +
+                 std::to_string(c.m) + " kernel=" + std::to_string(static_cast<int>(kernel)));
+    std::mt19937_64 rng(5);
+    const std::vector<float> code = Table(kNf4Bits);
+    const int64_t n = c.n_rows * c.k;
+    const std::vector<uint8_t> packed = RandomBytes(static_cast<size_t>(n / 2), rng);
+    const std::vector<float> absmax =
+        RandomFloats(static_cast<size_t>((n + c.blocksize - 1) / c.blocksize), 0.5f, 2.0f, rng);
+    Values x(dtype, static_cast<size_t>(c.m * c.k)), bias(dtype, static_cast<size_t>(c.n_rows));
+    const std::vector<float> xs = RandomFloats(x.size(), -1.0f, 1.0f, rng);
+    const std::vector<float> bs = RandomFloats(bias.size(), -1.0f, 1.0f, rng);
+    for (size_t i = 0; i < xs.size(); ++i) x.Set(i, xs[i]);
+    for (size_t i = 0; i < bs.size(); ++i) bias.Set(i, bs[i]);
+    const size_t size = static_cast<size_t>(DTypeSize(dtype));
+    uint8_t* y = Alloc(static_cast<size_t>(c.m * c.n_rows) * size);
+    const cudaError_t status = internal::Gemv4bitWith(
+        kernel, Upload(x.bytes()), c.m, Upload(packed), Upload(absmax), Upload(code), c.n_rows, c.k,
+        c.blocksize, c.bias ? Upload(bias.bytes()) : nullptr, dtype, y, stream_);
+    ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
+    Values got(dtype, static_cast<size_t>(c.m * c.n_rows));
+    DownloadInto(y, got);
+    const double u = std::ldexp(1.0, -24);
+    const double gamma = static_cast<double>(c.k + 1) * u / (1 - static_cast<double>(c.k + 1) * u);
+    const double u_out = dtype == DType::kBFloat16  ? std::ldexp(1.0, -8)
+                         : dtype == DType::kFloat16 ? std::ldexp(1.0, -11)
+                                                    : 0.0;
+    int64_t failures = 0;
+    for (int64_t r = 0; r < c.n_rows; ++r) {
+      std::vector<double> w(static_cast<size_t>(c.k));
+      for (int64_t i = 0; i < c.k; ++i) {
+        const int64_t j = r * c.k + i;
+        const uint8_t byte = packed[static_cast<size_t>(j / 2)];
+        const int nibble = j % 2 == 0 ? byte >> 4 : byte & 0xF;
+        w[static_cast<size_t>(i)] =
+            Rounded(dtype, code[static_cast<size_t>(nibble)] *
+                               absmax[static_cast<size_t>(j / c.blocksize)]);
+      }
+      for (int64_t m = 0; m < c.m; ++m) {
+        double exact = c.bias ? bias.Get(static_cast<size_t>(r)) : 0.0;
+        double magnitude = std::fabs(exact);
+        for (int64_t i = 0; i < c.k; ++i) {
+          const double p = x.Get(static_cast<size_t>(m * c.k + i)) * w[static_cast<size_t>(i)];
+          exact += p;
+          magnitude += std::fabs(p);
+        }
+        const double bound = gamma * magnitude + u_out * (std::fabs(exact) + gamma * magnitude) +
+                             std::ldexp(1.0, -30);
+        const double have = got.Get(static_cast<size_t>(m * c.n_rows + r));
+        if (!(std::fabs(have - exact) <= bound) && ++failures <= 5) {
+          ADD_FAILURE() << "x row " << m << ", row " << r << ": got " << have << ", exact " << exact
+                        << ", bound " << bound;
+        }
+      }
+    }
+    EXPECT_EQ(failures, 0);
+  }
+};
+
+TEST_F(CudaGemvRowsTest, TensorCoreKernelWithinTheBound) {
+  const RowsCase cases[] = {
+      {4096, 4096, 64, 1, true},   {11008, 4096, 64, 1, false}, {4096, 11008, 64, 1, true},
+      {37, 512, 128, 3, false},    {16, 256, 256, 8, true},     {50, 2304, 64, 2, true},
+      {14336, 4096, 64, 8, false}, {4096, 14336, 64, 4, true},
+  };
+  for (const RowsCase& c : cases) {
+    for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+      ASSERT_TRUE(internal::MmaApplies(c.m, c.k, c.blocksize, dtype,
+                                       reinterpret_cast<const void*>(256),
+                                       reinterpret_cast<const void*>(256)));
+      Check(c, dtype, internal::GemvKernel::kMma);
+    }
+  }
+}
+
+TEST_F(CudaGemvRowsTest, RowsWhereTheTensorCoresCannotGoOneByOne) {
+  // float32 activations, K % 256 != 0, blocks of 32: the warp-per-row
+  // kernel, a row of x at a time, and Gemv4bitRowsFused says so.
+  const RowsCase cases[] = {
+      {64, 4096, 64, 3, true}, {37, 320, 64, 2, false}, {24, 512, 32, 4, true}};
+  for (const RowsCase& c : cases) {
+    for (DType dtype : kDTypes) {
+      Check(c, dtype, internal::GemvKernel::kAuto);
+      Check(c, dtype, internal::GemvKernel::kChunk);
+    }
+  }
+  alignas(16) static uint8_t buffer[16];
+  EXPECT_FALSE(Gemv4bitRowsFused(3, 4096, 64, DType::kFloat32, buffer, buffer));
+  EXPECT_FALSE(Gemv4bitRowsFused(2, 320, 64, DType::kBFloat16, buffer, buffer));
+  EXPECT_TRUE(Gemv4bitRowsFused(8, 4096, 64, DType::kBFloat16, buffer, buffer));
+  EXPECT_TRUE(Gemv4bitRowsFused(1, 320, 32, DType::kFloat32, buffer, buffer));  // one row: always
+  EXPECT_EQ(internal::Gemv4bitWith(internal::GemvKernel::kMma, buffer, 1, buffer,
+                                   reinterpret_cast<const float*>(buffer),
+                                   reinterpret_cast<const float*>(buffer), 1, 320, 64, nullptr,
+                                   DType::kBFloat16, buffer, stream_),
+            cudaErrorInvalidValue);
+}
+
+TEST_F(CudaGemvRowsTest, WarpPerRowKernelStillRightOnTensorCoreShapes) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    Check({4096, 4096, 64, 1, true}, dtype, internal::GemvKernel::kChunk);
+  }
+}
+
+TEST(CudaGemvArgumentsTest, RowsOutOfRangeAreRefused) {
+  alignas(16) static uint8_t buffer[64];
+  const float* f = reinterpret_cast<const float*>(buffer);
+  EXPECT_EQ(
+      Gemv4bitRows(buffer, 0, buffer, f, f, 4, 256, 64, nullptr, DType::kBFloat16, buffer, nullptr),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(
+      Gemv4bitRows(buffer, 9, buffer, f, f, 4, 256, 64, nullptr, DType::kBFloat16, buffer, nullptr),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(Gemv4bitRows(nullptr, 1, buffer, f, f, 4, 256, 64, nullptr, DType::kBFloat16, buffer,
+                         nullptr),
+            cudaErrorInvalidValue);
 }
 
 // --- Int8RowQuantize -------------------------------------------------------
