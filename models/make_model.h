@@ -80,7 +80,8 @@ absl::StatusOr<loader::ModelConfig> MakeModelConfig(const MakeModelOptions& opti
 // `out_dir`, creating it. Weights are streamed tensor by tensor, so a model
 // larger than memory can be made. Each tensor depends only on the seed and
 // its name: N(0, 0.02) for matrices and biases, 1 + N(0, 0.02) for norm
-// weights.
+// weights (tensors over 4M elements drawn in 4M-element pieces on the
+// intra-op threads, each piece from its own seeded generator).
 absl::StatusOr<MadeModel> MakeModel(const std::string& out_dir, const MakeModelOptions& options);
 
 }  // namespace accel::models

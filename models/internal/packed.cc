@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <ATen/Functions.h>
+#include <ATen/TensorIndexing.h>
 #include <ATen/TensorOperators.h>
 
 #include "absl/strings/str_cat.h"
@@ -43,6 +44,24 @@ std::pair<at::Tensor, at::Tensor> AppendToCache(KvCache* cache, size_t layer, co
   return {key_buffer.narrow(1, 0, needed), value_buffer.narrow(1, 0, needed)};
 }
 
+}  // namespace
+
+void WriteRowsIndexed(at::Tensor blocks, absl::Span<const int32_t> table, int64_t past,
+                      const at::Tensor& rows) {
+  const int64_t n = rows.size(1), block_size = blocks.size(2);
+  std::vector<int64_t> where(static_cast<size_t>(2 * n));
+  for (int64_t t = 0; t < n; ++t) {
+    where[static_cast<size_t>(t)] = table[static_cast<size_t>((past + t) / block_size)];
+    where[static_cast<size_t>(n + t)] = (past + t) % block_size;
+  }
+  const at::Tensor index =
+      at::tensor(where, at::TensorOptions().dtype(at::kLong)).view({2, n}).to(blocks.device());
+  // [n, kv_heads, d] lands at blocks[block[t], :, slot[t]].
+  blocks.index_put_({index[0], at::indexing::Slice(), index[1]}, rows.transpose(0, 1));
+}
+
+namespace {
+
 // Writes the chunk's keys and values [kv_heads, n, d] at positions
 // [past, past + n) of a paged cache's blocks; returns the layer's blocks.
 std::pair<at::Tensor, at::Tensor> WriteBlocks(KvCache* cache, size_t layer, const at::Tensor& k,
@@ -52,6 +71,13 @@ std::pair<at::Tensor, at::Tensor> WriteBlocks(KvCache* cache, size_t layer, cons
   TORCH_CHECK(static_cast<int64_t>(cache->block_table.size()) * block_size >= past + n,
               "paged KV cache: ", past + n, " positions but the block table holds ",
               cache->block_table.size(), " blocks of ", block_size);
+  if (!key_blocks.is_cpu() && n > 1) {
+    // A run per block would be a copy kernel each (a 2048-token prompt: 256 a
+    // layer); one indexed copy per tensor instead.
+    WriteRowsIndexed(key_blocks, cache->block_table, past, k);
+    WriteRowsIndexed(value_blocks, cache->block_table, past, v);
+    return {key_blocks, value_blocks};
+  }
   for (int64_t t = 0; t < n;) {
     const int64_t position = past + t, slot = position % block_size;
     const int64_t run = std::min(n - t, block_size - slot);

@@ -43,6 +43,13 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         absl::Span<const SequenceChunk> chunks, size_t layer,
                         std::optional<int64_t> window, const ScoreRule& rule);
 
+// Writes rows [kv_heads, n, d] at positions [past, past + n) of a layer's
+// blocks [num_blocks, kv_heads, block_size, d] through a block table, as one
+// indexed copy (what AttendPacked does for a prompt off the cpu, where a
+// copy per block run would be a kernel launch each).
+void WriteRowsIndexed(at::Tensor blocks, absl::Span<const int32_t> table, int64_t past,
+                      const at::Tensor& rows);
+
 // Checks the chunks against the ids, prepares the caches, and returns the
 // positions [1, total] (int64, cpu).
 absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,

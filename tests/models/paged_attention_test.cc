@@ -316,6 +316,25 @@ TEST(PagedAttentionCudaTest, TheKernelsEqualTheCpuKernel) {
   }
 }
 
+// The indexed write of a prompt's rows into blocks (AttendPacked's way off
+// the cpu): every position lands in its block and slot, nothing else moves.
+TEST(PagedAttentionCudaTest, IndexedRowsLandWhereTheTableSays) {
+  c10::InferenceMode inference;
+  at::manual_seed(4);
+  const at::Tensor before = at::randn({9, 3, 4, 8});
+  at::Tensor blocks = before.clone();
+  const std::vector<int32_t> table = {7, 2, 5, 0};
+  const int64_t past = 3, n = 10;  // positions 3..12: blocks 7 (slot 3), 2, 5, 0 (slot 0)
+  const at::Tensor rows = at::randn({3, n, 8});
+  WriteRowsIndexed(blocks, table, past, rows);
+  at::Tensor want = before.clone();
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t position = past + t;
+    want[table[static_cast<size_t>(position / 4)]].select(1, position % 4).copy_(rows.select(1, t));
+  }
+  EXPECT_TRUE(at::equal(blocks, want));
+}
+
 TEST(PagedAttentionErrorsTest, ATableTooShortOrABlockOutsideTheStoreIsRefused) {
   c10::InferenceMode inference;
   at::Tensor blocks = at::zeros({4, 1, 2, 8});
