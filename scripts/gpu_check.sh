@@ -1,112 +1,279 @@
 #!/usr/bin/env bash
-# On the GPU machine (the device tool; ../shared/DESIGN.md): builds the core,
-# the CUDA kernels, the GPU-relevant tests and the benchmarks against that
-# machine's PyTorch, then runs the CUDA tests and the GPU benchmark rows.
-# Everything it prints is also written to $OUT (build.log, check.log).
+# The one device script (issue 37): on the GPU machine (the device tool;
+# ../shared/DESIGN.md), builds what the GPU checks need against that
+# machine's PyTorch (no gRPC there, so no server), runs every CUDA test, the
+# greedy GPU-against-cpu runs of every family and the GPU benchmarks, and
+# leaves ONE summary: $OUT/summary.json and $OUT/summary.txt
+# (scripts/gpu_summary.py, rewritten after every step, so a stopped run still
+# has one), beside each step's log.
 #
-#   scripts/gpu_deps.sh            # here: the packages it lacks, into .deps/
-#   (device) bash scripts/gpu_check.sh [build|test|generate|bench|all]...
+#   here:     bash scripts/gpu_deps.sh       # the Debian packages it lacks, into .deps/
+#   device:   bash scripts/gpu_check.sh [build|test|bench|generate|all]...
+#             (the device tool carries .deps/ with `carry: [".deps"]`)
 #
-# The machine has no gRPC development files, so the server is left out.
+# Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
+# the device is lent for minutes): every step runs under `timeout`, gets at
+# most what is left of the budget, and is skipped (and says so) when too
+# little is left. Steps run most valuable first: build, the kernels' tests,
+# the GEMV benchmark, the other CUDA tests, the 8B decode benchmark, the
+# families' greedy runs, then the older offload / MoE benchmarks. A second
+# run on the same (still warm) machine reuses the build directory.
+# The build uses every core, builds only the targets below, for sm_90 only.
+# If accel_models does not compile against the device's libtorch, the build
+# is retried with the newer pieces off (ACCEL_WITH_SDPA, then
+# ACCEL_WITH_MODELS_CUDA), and the summary says so.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/accel-gpu-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT"/{steps,logs,tests,bench,generate}
 phases=("$@")
 [[ ${#phases[@]} -eq 0 ]] && phases=(all)
 want() { for p in "${phases[@]}"; do [[ $p == all || $p == "$1" ]] && return 0; done; return 1; }
-log() { echo "=== $*" | tee -a "$OUT/check.log"; }
+budget=${ACCEL_GPU_BUDGET:-480}
+start=$(date +%s)
+left() { echo $((start + budget - $(date +%s))); }
+summarize() { python3 scripts/gpu_summary.py "$OUT" 2>>"$OUT/logs/summary.err" || true; }
+step_no=0
+
+# step NAME LIMIT CMD...: runs CMD under `timeout` (at most LIMIT seconds and
+# what the budget has left, less 10), output to $OUT/logs/NAME.log; records
+# rc and seconds; skips when under 15 s would be left.
+step() {
+  local name=$1 limit=$2; shift 2
+  step_no=$((step_no + 1))
+  local tag; tag=$(printf '%02d-%s' "$step_no" "${name//[^A-Za-z0-9_.-]/_}")
+  local room=$(( $(left) - 10 ))
+  (( room < limit )) && limit=$room
+  if (( limit < 15 )); then
+    echo "skipped" >"$OUT/steps/$tag.rc"; echo 0 >"$OUT/steps/$tag.seconds"
+    echo "no time left in the ${budget}s budget" >"$OUT/steps/$tag.note"
+    echo "=== $name: skipped (budget)"
+    summarize
+    return 1
+  fi
+  echo "=== $name (limit ${limit}s, $(( $(date +%s) - start ))s into the run)"
+  local t0; t0=$(date +%s.%N)
+  # Through bash, so that CMD may be one of the functions exported below.
+  timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@" >"$OUT/logs/$tag.log" 2>&1
+  local rc=$?
+  local t1; t1=$(date +%s.%N)
+  echo "$rc" >"$OUT/steps/$tag.rc"
+  python3 -c "print(round($t1 - $t0, 1))" >"$OUT/steps/$tag.seconds"
+  (( rc == 124 || rc == 137 )) && echo "timed out after ${limit}s" >"$OUT/steps/$tag.note"
+  echo "    rc=$rc in $(cat "$OUT/steps/$tag.seconds") s"
+  tail -3 "$OUT/logs/$tag.log" | sed 's/^/    /'
+  summarize
+  return "$rc"
+}
+note() { echo "$2" >"$OUT/steps/$(printf '%02d' "$step_no")-$1.note"; }
 
 deps=/tmp/accel-deps
 build=${ACCEL_GPU_BUILD:-build-gpu}
 if [[ ! -d $deps/usr ]]; then
   mkdir -p "$deps"
-  for f in .deps/*.deb; do dpkg -x "$f" "$deps"; done
+  for f in .deps/*.deb; do [[ -f $f ]] && dpkg -x "$f" "$deps"; done
 fi
 export LD_LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 torch_prefix=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
 torch_lib=$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))')
 export LD_LIBRARY_PATH="$torch_lib:$LD_LIBRARY_PATH"
 
-targets=(accel-make-model accel-generate accel-bench-offload accel-bench-moe accel-bench-quant-cuda
-  quant_cuda_kernels_test quant_cuda_matmul_test dispatch_device_stager_test dispatch_dispatch_test
-  models_load_model_test models_quantize_test)
-[[ -n ${ACCEL_GPU_TARGETS:-} ]] && read -r -a targets <<<"$ACCEL_GPU_TARGETS"
+python3 - "$OUT/machine.json" <<'PY'
+import json, subprocess, sys, os
+def run(cmd):
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        return f"? ({e})"
+info = {
+    "gpu": run("nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader"),
+    "cores": os.cpu_count(),
+    "torch": run("python3 -c 'import torch;print(torch.__version__, torch.version.cuda)'"),
+    "nvcc": run("nvcc --version | tail -1"),
+    "gxx": run("g++ --version | head -1"),
+    "cmake": run("cmake --version | head -1"),
+    "shm_free_gb": round(os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize / 1e9, 1) if os.path.isdir("/dev/shm") else 0,
+}
+json.dump(info, open(sys.argv[1], "w"))
+PY
+cat "$OUT/machine.json"; echo
 
-if want build; then
-  log "machine"
-  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc;
-    python3 -c 'import torch;print("torch",torch.__version__,torch.version.cuda)'; nvcc --version | tail -1;
-    g++ --version | head -1; cmake --version | head -1; } 2>&1 | tee -a "$OUT/check.log"
-  log "configure"
+tests=(quant_cuda_kernels_test models_cuda_attention_kernels_test quant_cuda_matmul_test
+  models_paged_attention_test models_sdpa_test models_quantize_test dispatch_device_stager_test
+  dispatch_dispatch_test)
+benches=(accel-bench-quant-cuda accel-bench-decode-gpu accel-bench-offload accel-bench-moe)
+tools=(accel-make-model accel-generate)
+targets="${tests[*]} ${benches[*]} ${tools[*]}"
+[[ -n ${ACCEL_GPU_TARGETS:-} ]] && targets=$ACCEL_GPU_TARGETS
+bin=$build/bin
+export OUT build bin deps torch_prefix targets
+
+configure() {  # extra cmake flags...
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" -DCMAKE_DISABLE_FIND_PACKAGE_PkgConfig=ON \
     -DACCEL_WITH_SERVER=OFF -DACCEL_WERROR=OFF -DACCEL_USE_CCACHE=OFF \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DACCEL_WITH_CUDA=ON >"$OUT/configure.log" 2>&1
-  rc=$?
-  grep -E "accel:|Error|error" "$OUT/configure.log" | head -30 | tee -a "$OUT/check.log"
-  [[ $rc -ne 0 ]] && { tail -40 "$OUT/configure.log"; exit 1; }
-  log "build (${#targets[@]} targets)"
-  start=$(date +%s)
-  ninja -C "$build" -k 0 "${targets[@]}" >"$OUT/build.log" 2>&1
-  rc=$?
-  echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/check.log"
-  grep -E "error:|FAILED:" "$OUT/build.log" | head -40 | tee -a "$OUT/check.log"
-  if [[ $rc -ne 0 ]]; then  # the headers, to compile against them elsewhere
-    tar -C "$torch_prefix/../.." -cf - include | xz -T0 -3 >"$OUT/torch_include.tar.xz"
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DACCEL_CUDA_ARCHITECTURES=90 -DACCEL_WITH_CUDA=ON "$@"
+}
+build_targets() {
+  local list
+  read -r -a list <<<"$targets"
+  ninja -C "$build" -j "$(nproc)" -k 0 "${list[@]}"
+}
+export -f configure build_targets
+
+if want build; then
+  if [[ ! -f $build/build.ninja ]]; then
+    step configure 120 configure || { tail -40 "$OUT"/logs/*configure.log; }
+  fi
+  if ! step build 330 build_targets; then
+    log=$(ls -t "$OUT"/logs/*-build.log | head -1)
+    grep -E "error:|FAILED:" "$log" | head -40
+    # The newer pieces of accel_models first (they are what compiles against
+    # this libtorch for the first time), then build again: ninja redoes only
+    # what failed and what depends on it.
+    if grep -q "FAILED: .*internal/sdpa.cc" "$log"; then
+      step configure_without_sdpa 60 configure -DACCEL_WITH_SDPA=OFF
+      note configure_without_sdpa "internal/sdpa.cc failed to compile: prefill without scaled_dot_product_attention"
+      step build_without_sdpa 200 build_targets
+      log=$(ls -t "$OUT"/logs/*-build_without_sdpa.log | head -1)
+    fi
+    if grep -q "FAILED: .*\(paged_attention_cuda.cc\|models/cuda/\)" "$log"; then
+      step configure_without_models_cuda 60 configure -DACCEL_WITH_MODELS_CUDA=OFF
+      note configure_without_models_cuda "the paged attention CUDA pieces failed to compile: decode attention gathers blocks"
+      step build_without_models_cuda 200 build_targets
+    fi
+    if grep -q "error:" "$log"; then  # the headers, to compile against them elsewhere
+      tar -C "$torch_prefix/../.." -cf - include 2>/dev/null | xz -T0 -3 >"$OUT/torch_include.tar.xz"
+    fi
   fi
 fi
 
-bin=$build/bin
-run() {  # label, timeout seconds, command...
-  local label=$1 limit=$2; shift 2
-  log "$label"
-  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/check.log" | tail -60
-  echo "rc=${PIPESTATUS[0]}" | tee -a "$OUT/check.log"
+run_test() {  # binary [gtest filter]
+  local t=$1 filter=${2:-*}
+  [[ -x $bin/$t ]] || { echo "$t: not built"; return 3; }
+  "$bin/$t" --gtest_filter="$filter" --gtest_output="json:$OUT/tests/$t.json"
 }
+export -f run_test
 
 if want test; then
   # libstdc++ must come before libtorch (CMakeLists.txt says why).
   [[ -x $bin/dispatch_dispatch_test ]] &&
-    readelf -d "$bin/dispatch_dispatch_test" | grep NEEDED | head -3 | tee -a "$OUT/check.log"
-  for t in quant_cuda_kernels_test quant_cuda_matmul_test dispatch_device_stager_test \
-    dispatch_dispatch_test models_load_model_test models_quantize_test; do
-    [[ -x $bin/$t ]] || { log "$t: not built"; continue; }
-    run "$t" 120 "$bin/$t" --gtest_brief=1
-  done
+    readelf -d "$bin/dispatch_dispatch_test" | grep NEEDED | head -3 >"$OUT/logs/needed.txt"
+  step test:quant_cuda_kernels 120 run_test quant_cuda_kernels_test
+  step test:models_cuda_attention_kernels 120 run_test models_cuda_attention_kernels_test
 fi
 
-if want generate && [[ -x $bin/accel-generate ]]; then
-  # Greedy tokens of a small Mixtral and Llama: all on the cpu, against the GPU
-  # as the execution device with layers / experts on cpu and disk.
-  for fam in mixtral llama; do
-    m=/tmp/accel-gpu-$fam
-    "$bin/accel-make-model" "$m" --family $fam --hidden_size 256 --num_layers 4 --num_heads 4 \
-      --vocab_size 1000 --seed 7 >/dev/null
-    gen=("$bin/accel-generate" --model "$m" --input_ids 1,5,9,200,33,7 --max_new_tokens 24 \
+if want bench; then
+  [[ -x $bin/accel-bench-quant-cuda ]] &&
+    step bench:quant_cuda 150 "$bin/accel-bench-quant-cuda" --iters 100 --rounds 3 \
+      --json "$OUT/bench/quant_cuda.json"
+fi
+
+if want test; then
+  step test:quant_cuda_matmul 90 run_test quant_cuda_matmul_test
+  step test:models_paged_attention 60 run_test models_paged_attention_test
+  step test:models_sdpa 60 run_test models_sdpa_test
+  step test:models_quantize_on_cuda 60 run_test models_quantize_test 'QuantizableLinearTest.OnCuda*'
+  step test:dispatch_device_stager 60 run_test dispatch_device_stager_test
+  step test:dispatch_gpu 60 run_test dispatch_dispatch_test 'DispatchGpu*'
+fi
+
+if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]]; then
+  # An 8B-shaped bfloat16 Llama (Llama-3-8B's shape, random weights), in RAM
+  # (/dev/shm) when it has room, so no disk write is timed.
+  shm_free=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)
+  if [[ -n $shm_free && $shm_free -gt 40000000 ]]; then model8b=/dev/shm/accel-llama8b; else model8b=/tmp/accel-llama8b; fi
+  export model8b
+  make8b() {
+    [[ -f $model8b/config.json ]] && { echo "reusing $model8b"; return 0; }
+    "$bin/accel-make-model" "$model8b" --family llama --hidden_size 4096 --intermediate_size 14336 \
+      --num_layers 32 --num_heads 32 --num_kv_heads 8 --vocab_size 128256 \
+      --max_position_embeddings 8192 --dtype bfloat16 --seed 1
+  }
+  export -f make8b
+  t0=$(date +%s)
+  if step bench:make_8b_model 200 make8b; then
+    echo "{\"seconds\": $(( $(date +%s) - t0 )), \"dir\": \"$model8b\"}" >"$OUT/bench/make_model.json"
+    step bench:decode_8b 300 "$bin/accel-bench-decode-gpu" --model "$model8b" --quantize none,nf4 \
+      --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --json "$OUT/bench/decode_gpu.json"
+  fi
+fi
+
+if want generate && [[ -x $bin/accel-generate && -x $bin/accel-make-model ]]; then
+  # Greedy tokens of a small float32 model of every family: all on GPU 0 (the
+  # CUDA paged decode kernel, prefill through scaled_dot_product_attention)
+  # against all on the cpu; for Llama and Mixtral also split over GPU / cpu /
+  # disk and through the GPU as the execution device.
+  generate_family() {  # family
+    local fam=$1 m=/tmp/accel-gpu-$1
+    [[ -f $m/config.json ]] || "$bin/accel-make-model" "$m" --family "$fam" --hidden_size 256 \
+      --num_layers 4 --num_heads 4 --num_kv_heads 2 --vocab_size 1000 --seed 7 >/dev/null || return 1
+    # shellcheck disable=SC2054
+    local gen=("$bin/accel-generate" --model "$m" --input_ids 1,5,9,200,33,7 --max_new_tokens 24
       --ignore_eos --json --logprobs)
-    cpu=$("${gen[@]}" --device_map cpu 2>&1)
-    for variant in "--device_map 0" "--device_map auto --max_memory 0=2MB,cpu=6MB,disk=1GB" \
-      "--device_map auto --max_memory 0=2MB,cpu=3MB,disk=1GB --offload_experts --expert_cache 1MB" \
-      "--device_map cpu --execution_device cuda:0"; do
-      [[ $fam == llama && $variant == *offload_experts* ]] && continue
+    "${gen[@]}" --device_map cpu >"$OUT/generate/$fam.cpu.txt" 2>&1
+    local variants=("--device_map 0")
+    if [[ $fam == llama || $fam == mixtral ]]; then
+      variants+=("--device_map auto --max_memory 0=2MB,cpu=6MB,disk=1GB"
+        "--device_map cpu --execution_device cuda:0")
+    fi
+    [[ $fam == mixtral ]] &&
+      variants+=("--device_map auto --max_memory 0=2MB,cpu=3MB,disk=1GB --offload_experts --expert_cache 1MB")
+    local i=0
+    for variant in "${variants[@]}"; do
+      i=$((i + 1))
       # shellcheck disable=SC2086
-      gpu=$("${gen[@]}" $variant 2>&1)
-      a=$(grep -o '"token_ids":\[[0-9,]*\]' <<<"$cpu" | head -1)
-      b=$(grep -o '"token_ids":\[[0-9,]*\]' <<<"$gpu" | head -1)
-      if [[ -n $a && $a == "$b" ]]; then r=SAME; else r=DIFFERENT; fi
-      log "generate $fam [$variant]: $r"
-      echo "cpu: $a" | tee -a "$OUT/check.log"; echo "gpu: $b" | tee -a "$OUT/check.log"
-      [[ $r == SAME ]] || tail -15 <<<"$gpu" | tee -a "$OUT/check.log"
+      "${gen[@]}" $variant >"$OUT/generate/$fam.gpu$i.txt" 2>&1
+      python3 - "$fam" "$variant" "$OUT/generate/$fam.cpu.txt" "$OUT/generate/$fam.gpu$i.txt" \
+        "$OUT/generate/$fam-$i.json" <<'PY'
+import json, sys
+fam, variant, cpu_path, gpu_path, out = sys.argv[1:]
+def first_json(path):
+    for line in open(path, errors="replace"):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                pass
+    return None
+cpu, gpu = first_json(cpu_path), first_json(gpu_path)
+result = {"family": fam, "variant": variant, "same": False}
+if cpu and gpu:
+    result["same"] = cpu.get("token_ids") == gpu.get("token_ids")
+    result["cpu_tokens"], result["gpu_tokens"] = cpu.get("token_ids"), gpu.get("token_ids")
+    a, b = cpu.get("logprobs") or [], gpu.get("logprobs") or []
+    # Log-probs compare while the tokens agree (after a split they mean different things).
+    same_prefix = 0
+    for x, y in zip(cpu.get("token_ids", []), gpu.get("token_ids", [])):
+        if x != y:
+            break
+        same_prefix += 1
+    diffs = [abs(x - y) for x, y in list(zip(a, b))[:same_prefix]]
+    result["max_logprob_diff"] = max(diffs) if diffs else None
+    result["same_prefix"] = same_prefix
+else:
+    result["error"] = open(gpu_path, errors="replace").read()[-1500:]
+json.dump(result, open(out, "w"))
+print(fam, variant, "SAME" if result["same"] else "DIFFERENT", result.get("max_logprob_diff"))
+PY
     done
+  }
+  export -f generate_family
+  for fam in llama mistral qwen2 gpt2 mixtral qwen3 qwen3_moe qwen2_moe gemma2 gemma3_text phi3; do
+    step "generate:$fam" 60 generate_family "$fam"
   done
 fi
 
 if want bench; then
-  [[ -x $bin/accel-bench-quant-cuda ]] && run "accel-bench-quant-cuda" 120 "$bin/accel-bench-quant-cuda"
-  [[ -x $bin/accel-bench-offload ]] && run "accel-bench-offload" 200 "$bin/accel-bench-offload" --layers 8 --hidden 4096 --repeats 3
-  if [[ -x $bin/accel-bench-moe ]]; then
-    run "accel-bench-moe (GPU execution device)" 150 "$bin/accel-bench-moe" --gpu_budget 300MB --rounds 1 --tokens 16
-  fi
+  [[ -x $bin/accel-bench-offload ]] &&
+    step bench:offload 150 "$bin/accel-bench-offload" --layers 8 --hidden 4096 --repeats 3
+  [[ -x $bin/accel-bench-moe ]] &&
+    step bench:moe 150 "$bin/accel-bench-moe" --gpu_budget 300MB --rounds 1 --tokens 16
 fi
+
+summarize
+echo
+cat "$OUT/summary.txt"
+echo "=== done in $(( $(date +%s) - start )) s (budget ${budget} s); $OUT/summary.json"
 exit 0

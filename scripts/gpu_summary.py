@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Folds what scripts/gpu_check.sh left in $OUT into one summary.json and one summary.txt.
+
+Reads $OUT/steps/<n>-<name>.{rc,seconds,note} (one entry per step the check ran or skipped),
+$OUT/machine.json, the gtest JSON reports in $OUT/tests/, $OUT/generate/*.json (greedy tokens
+of a GPU run against the cpu) and the benchmarks' JSON in $OUT/bench/. It runs after every
+step, so a check stopped at any point still leaves a summary of what it did.
+"""
+import json
+import pathlib
+import sys
+
+
+def read(path, default=None):
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return default
+
+
+def load_json(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def steps(out):
+    result = []
+    for rc_path in sorted((out / "steps").glob("*.rc")):
+        stem = rc_path.with_suffix("")
+        name = stem.name.split("-", 1)[1] if "-" in stem.name else stem.name
+        rc = read(rc_path)
+        result.append({
+            "step": name,
+            "rc": int(rc) if rc and rc.lstrip("-").isdigit() else rc,
+            "seconds": float(read(stem.with_suffix(".seconds"), "0") or 0),
+            "note": read(stem.with_suffix(".note"), ""),
+        })
+    return result
+
+
+def tests(out):
+    result = []
+    for path in sorted((out / "tests").glob("*.json")):
+        report = load_json(path)
+        entry = {"binary": path.stem}
+        if report is None:
+            entry["error"] = "no report (crashed or timed out: see its .log)"
+            result.append(entry)
+            continue
+        passed = failed = skipped = 0
+        failures = []
+        for suite in report.get("testsuites", []):
+            for case in suite.get("testsuite", []):
+                name = suite.get("name", "") + "." + case.get("name", "")
+                if case.get("result") == "SKIPPED" or case.get("status") == "NOTRUN":
+                    skipped += 1
+                elif case.get("failures"):
+                    failed += 1
+                    failures.append({
+                        "test": name,
+                        "message": case["failures"][0].get("failure", "")[:2000],
+                    })
+                else:
+                    passed += 1
+        entry.update(passed=passed, failed=failed, skipped=skipped, failures=failures,
+                     seconds=report.get("time"))
+        result.append(entry)
+    return result
+
+
+def main():
+    out = pathlib.Path(sys.argv[1])
+    summary = {
+        "machine": load_json(out / "machine.json"),
+        "steps": steps(out),
+        "tests": tests(out),
+        "generate": [load_json(p) for p in sorted((out / "generate").glob("*.json"))],
+        "bench": {p.stem: load_json(p) for p in sorted((out / "bench").glob("*.json"))},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+    lines = []
+    machine = summary["machine"] or {}
+    lines.append("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+    lines.append("")
+    lines.append("steps:")
+    for s in summary["steps"]:
+        note = f"  ({s['note']})" if s["note"] else ""
+        lines.append(f"  {s['step']:<28} rc={s['rc']!s:<4} {s['seconds']:7.1f} s{note}")
+    lines.append("")
+    lines.append("tests (passed / failed / skipped):")
+    for t in summary["tests"]:
+        if "error" in t:
+            lines.append(f"  {t['binary']:<40} {t['error']}")
+            continue
+        lines.append(f"  {t['binary']:<40} {t['passed']:3d} / {t['failed']:3d} / {t['skipped']:3d}")
+        for f in t["failures"][:5]:
+            first = f["message"].splitlines()[0] if f["message"] else ""
+            lines.append(f"      FAILED {f['test']}: {first[:160]}")
+    lines.append("")
+    lines.append("greedy tokens, GPU against cpu:")
+    for g in summary["generate"]:
+        if g:
+            diff = g.get("max_logprob_diff")
+            diff_text = f", max |logprob diff| {diff:.2e}" if isinstance(diff, float) else ""
+            lines.append(f"  {g.get('family', '?'):<12} {g.get('variant', ''):<48} "
+                         f"{'SAME' if g.get('same') else 'DIFFERENT'}{diff_text}")
+    lines.append("")
+    quant = summary["bench"].get("quant_cuda")
+    if quant:
+        lines.append(f"4-bit GEMV on {quant.get('device')}: HBM copy traffic "
+                     f"{quant.get('hbm_copy_traffic_gbs', 0):.0f} GB/s")
+        for r in quant.get("rows", []):
+            lines.append(f"  {r['dtype']:<9} {r['n']:>5}x{r['k']:<5} {r['kernel']:<7} m={r['m']} "
+                         f"{r['us']:8.2f} us {r['gbs']:7.0f} GB/s  of copy {r['of_copy']:.2f}  "
+                         f"of HBM {r['of_hbm']:.2f}")
+    decode = summary["bench"].get("decode_gpu")
+    if decode:
+        lines.append(f"decode on GPU 0: copy traffic {decode.get('copy_traffic_gbs', 0):.0f} GB/s")
+        for m in decode.get("models", []):
+            lines.append(f"  {m['quantize']}: {m['bytes_per_step'] / 1e9:.2f} GB a step, loaded in "
+                         f"{m['load_s']:.1f} s, TTFT ({decode.get('prompt')} tokens) "
+                         f"{1e3 * m['ttft_s']:.1f} ms")
+            for d in m.get("decode", []):
+                lines.append(f"    batch {d['batch']:>3}: {d['tokens_per_s']:9.1f} tokens/s, "
+                             f"{d['step_ms']:.2f} ms a step, {d['weight_gbs']:.0f} GB/s = "
+                             f"{d['of_copy_traffic']:.2f} of copy traffic")
+    make = summary["bench"].get("make_model")
+    if make:
+        lines.append(f"accel-make-model, 8B-shaped bfloat16 Llama: {make.get('seconds')} s "
+                     f"into {make.get('dir')}")
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
