@@ -18,7 +18,11 @@
 // at::scaled_dot_product_attention with `enable_gqa` (query heads sharing
 // key/value heads without copies) is in libtorch 2.5+ (the op itself since
 // 2.0, `scale` since 2.1). models/internal/sdpa.cc calls it under this test.
+// (scripts/cuda_compile_check.sh sets it to compile that call against 2.x's
+// declaration on a machine with libtorch 1.13.)
+#ifndef ACCEL_TORCH_HAS_SDPA
 #define ACCEL_TORCH_HAS_SDPA ACCEL_TORCH_AT_LEAST(2, 5)
+#endif
 
 namespace accel::compat {
 
