@@ -174,6 +174,29 @@ ACCEL_HD void Load16(const void* src, uint32_t (&out)[4], bool stream) {
 #endif
 }
 
+// 8 bytes at an 8-byte aligned shared-memory address, as two words (typed
+// accesses on the device: a memcpy there may become byte loads).
+ACCEL_HD void Store8(uint8_t* dst, uint32_t lo, uint32_t hi) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+#else
+  const uint32_t words[2] = {lo, hi};
+  std::memcpy(dst, words, 8);
+#endif
+}
+ACCEL_HD void Load8(const uint8_t* src, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__)
+  const uint2 v = *reinterpret_cast<const uint2*>(src);
+  lo = v.x;
+  hi = v.y;
+#else
+  uint32_t words[2];
+  std::memcpy(words, src, 8);
+  lo = words[0];
+  hi = words[1];
+#endif
+}
+
 // A lane's 32 bytes of a row for a chunk, and their block's absmax (zeros
 // past the rows or the chunks).
 struct RowChunk {
@@ -181,15 +204,21 @@ struct RowChunk {
   float scale;
 };
 
-ACCEL_HD void LoadRowChunk(const GemvMmaParams& p, int64_t row, int64_t chunk, int t,
-                           RowChunk& out) {
+// 64-weight segments: a row has k / 64, a block blocksize / 64 (computed once
+// per thread: a 64-bit division per load would cost as much as the loads).
+struct Segments {
+  int64_t per_row = 0, per_block = 1;
+};
+
+ACCEL_HD void LoadRowChunk(const GemvMmaParams& p, const Segments& segments, int64_t row,
+                           int64_t chunk, int t, RowChunk& out) {
   if (row >= p.n_rows || chunk * kMmaChunk >= p.k) {
     for (uint32_t& w : out.words) w = 0;
     out.scale = 0.0f;
     return;
   }
-  const int64_t first = row * p.k + chunk * kMmaChunk + 64 * t;  // flat index of the 64 weights
-  const uint8_t* bytes = p.packed + first / 2;
+  const int64_t segment = row * segments.per_row + chunk * (kMmaChunk / 64) + t;
+  const uint8_t* bytes = p.packed + segment * 32;
   uint32_t a[4], b[4];
   Load16(bytes, a, true);
   Load16(bytes + 16, b, true);
@@ -197,10 +226,11 @@ ACCEL_HD void LoadRowChunk(const GemvMmaParams& p, int64_t row, int64_t chunk, i
     out.words[i] = a[i];
     out.words[4 + i] = b[i];
   }
+  const int64_t block = segments.per_block == 1 ? segment : segment / segments.per_block;
 #if defined(__CUDA_ARCH__)
-  out.scale = __ldg(p.absmax + first / p.blocksize);
+  out.scale = __ldg(p.absmax + block);
 #else
-  out.scale = p.absmax[first / p.blocksize];
+  out.scale = p.absmax[block];
 #endif
 }
 
@@ -227,14 +257,17 @@ ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* share
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // Software pipeline: a round's weights are loaded while the previous
   // round is computed.
+  Segments segments;
+  segments.per_row = p.k / 64;
+  segments.per_block = p.blocksize / 64;
   RowChunk a, b, next_a, next_b;
-  LoadRowChunk(p, row_a, warp, t, a);
-  LoadRowChunk(p, row_b, warp, t, b);
+  LoadRowChunk(p, segments, row_a, warp, t, a);
+  LoadRowChunk(p, segments, row_b, warp, t, b);
   for (int64_t round = 0; round < rounds; ++round) {
     const int64_t chunk = round * kMmaWarps + warp;
     if (chunk >= chunks) break;  // uniform over the warp
-    LoadRowChunk(p, row_a, chunk + kMmaWarps, t, next_a);
-    LoadRowChunk(p, row_b, chunk + kMmaWarps, t, next_b);
+    LoadRowChunk(p, segments, row_a, chunk + kMmaWarps, t, next_a);
+    LoadRowChunk(p, segments, row_b, chunk + kMmaWarps, t, next_b);
     // The chunk's x, in the permuted order: lane l reads x[r] at k = 8l
     // of the chunk (coalesced), which is t' = l / 8, slices 2(l % 8) and
     // the next.
@@ -244,8 +277,8 @@ ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* share
       Load16(x + r * p.k + chunk * kMmaChunk + 8 * lane, v, false);
       const int slice = 2 * (lane % 8), tt = lane / 8;
       uint8_t* unit = x_s + static_cast<int64_t>(slice * stride + r * 4 + tt) * 8;
-      memcpy(unit, v, 8);
-      memcpy(unit + stride * 8, v + 2, 8);
+      Store8(unit, v[0], v[1]);
+      Store8(unit + stride * 8, v[2], v[3]);
     }
     exec.WarpSync();
     uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
@@ -257,9 +290,9 @@ ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* share
       uint32_t a0, a1, a2, a3;
       LookupPairs((a.words[s / 2] >> shift) & 0xffffu, lo_a, hi_a, a0, a2);
       LookupPairs((b.words[s / 2] >> shift) & 0xffffu, lo_b, hi_b, a1, a3);
-      uint32_t b01[2] = {0u, 0u};
-      if (g < p.m) memcpy(b01, x_s + static_cast<int64_t>(s * stride + g * 4 + t) * 8, 8);
-      exec.template Mma<Tag>(a0, a1, a2, a3, b01[0], b01[1], c);
+      uint32_t b0 = 0u, b1 = 0u;
+      if (g < p.m) Load8(x_s + static_cast<int64_t>(s * stride + g * 4 + t) * 8, b0, b1);
+      exec.template Mma<Tag>(a0, a1, a2, a3, b0, b1, c);
     }
     a = next_a;
     b = next_b;
