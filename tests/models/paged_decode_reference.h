@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -37,6 +38,9 @@ struct DecodeCase {
   std::vector<int32_t> totals;  // per sequence: past + this token
   int32_t partition = 0;        // 0: ChoosePagedPartition (without the occupancy rule)
 };
+
+// gtest prints a case by its name (not its bytes, which hold pointers).
+inline void PrintTo(const DecodeCase& c, std::ostream* os) { *os << c.name; }
 
 inline const char* KvDTypeName(KvDType dtype) {
   switch (dtype) {
