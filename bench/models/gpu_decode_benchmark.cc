@@ -20,7 +20,9 @@
 //
 //   build/bin/accel-bench-decode-gpu --model DIR [--quantize none,nf4]
 //       [--batches 1,8,32,128] [--tokens 64] [--prompt 2048] [--rounds 3] [--json FILE]
-// Without a CUDA device it says so and exits with status 1.
+//       [--device cpu]   (the same measurements on the cpu: a check of the harness)
+// Without a CUDA device (and without --device cpu) it says so and exits with
+// status 1.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -75,9 +77,9 @@ std::vector<std::string> Split(const std::string& text) {
 
 // Bytes copied per second by a device-to-device copy of 1 GiB (median of
 // rounds of 10 copies; the final .item() waits for the stream).
-double DeviceCopyRate(int rounds) {
+double DeviceCopyRate(const at::Device& device, int rounds) {
   const int64_t bytes = int64_t{1} << 30;
-  const at::TensorOptions options = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, 0);
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kByte).device(device);
   at::Tensor src = at::ones({bytes}, options), dst = at::empty({bytes}, options);
   dst.copy_(src);
   (void)dst[0].item<uint8_t>();
@@ -154,6 +156,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches = {1, 8, 32, 128};
   int64_t tokens = 64, prompt = 2048;
   int rounds = 3;
+  bool cpu = false;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) Usage("missing value after " + flag);
@@ -171,6 +174,9 @@ int main(int argc, char** argv) {
       tokens = std::atoll(value.c_str());
     } else if (flag == "--prompt") {
       prompt = std::atoll(value.c_str());
+    } else if (flag == "--device") {
+      if (value != "cpu" && value != "0") Usage("--device is 0 or cpu, got " + value);
+      cpu = value == "cpu";
     } else if (flag == "--rounds") {
       rounds = std::max(1, std::atoi(value.c_str()));
     } else {
@@ -182,16 +188,17 @@ int main(int argc, char** argv) {
     if (b < 1) Usage("--batches must be positive");
   }
   if (tokens < 2 || prompt < 1) Usage("--tokens must be at least 2 and --prompt positive");
-  if (!at::hasCUDA()) {
+  if (!cpu && !at::hasCUDA()) {
     std::fprintf(stderr,
                  "accel-bench-decode-gpu: no CUDA device (or a libtorch without CUDA); this "
                  "benchmark needs a GPU\n");
     return 1;
   }
   c10::InferenceMode inference;
-  const double copy_rate = DeviceCopyRate(rounds);
-  std::printf("device-to-device copy of 1 GiB: %.1f GB/s copied, %.1f GB/s of traffic\n",
-              copy_rate / 1e9, 2 * copy_rate / 1e9);
+  const at::Device device = cpu ? at::Device(at::kCPU) : at::Device(at::kCUDA, 0);
+  const double copy_rate = DeviceCopyRate(device, rounds);
+  std::printf("%s copy of 1 GiB: %.1f GB/s copied, %.1f GB/s of traffic\n",
+              cpu ? "cpu" : "device-to-device", copy_rate / 1e9, 2 * copy_rate / 1e9);
   std::fflush(stdout);
   std::string json = "{\"copy_gbs\": " + std::to_string(copy_rate / 1e9) +
                      ", \"copy_traffic_gbs\": " + std::to_string(2 * copy_rate / 1e9) +
@@ -208,7 +215,7 @@ int main(int argc, char** argv) {
   bool first_model = true;
   for (const std::string& q : quantize) {
     accel::models::ModelLoadOptions options;
-    options.device_map = "0";
+    options.device_map = cpu ? "cpu" : "0";
     options.quantize = q;
     options.progress = accel::Progress::Style::kSilent;
     absl::StatusOr<accel::models::LoadedModel> loaded;
@@ -227,10 +234,11 @@ int main(int argc, char** argv) {
     }
     for (const auto& t : m.model->named_buffers())
       per_step += static_cast<double>(t.value().nbytes());
-    std::printf("\n%s: %d layers, %s read a step, loaded onto GPU 0 in %.1f s\n",
+    std::printf("\n%s: %d layers, %s read a step, loaded onto %s in %.1f s\n",
                 q == "none" ? "as stored" : ("quantized " + q).c_str(),
                 static_cast<int>(m.config.num_hidden_layers),
-                accel::FormatBytes(static_cast<int64_t>(per_step)).c_str(), load_s);
+                accel::FormatBytes(static_cast<int64_t>(per_step)).c_str(),
+                cpu ? "the cpu" : "GPU 0", load_s);
     std::fflush(stdout);
     (void)DecodeRate(m, 1, 4, 999);  // warm-up: kernels' first launches, the allocator
     std::string rows;
