@@ -601,13 +601,17 @@ absl::StatusOr<double> Accelerator::ClipGradNorm(const std::vector<at::Tensor>& 
                                                  double max_norm, double norm_type) {
   ACCEL_RETURN_IF_ERROR(UnscaleGradients());
   // Parameters of a sharded model: the norm over every rank's pieces (as
-  // FSDP's clip_grad_norm_), and each rank clips its own.
-  std::vector<at::Tensor> pieces;
+  // FSDP's clip_grad_norm_), and each rank clips its own. Under NO_SHARD a
+  // rank's piece is the whole (already reduced) gradient, the same on every
+  // rank: summing it over the ranks would count it P times.
+  std::vector<GradientPiece> pieces;
   for (const at::Tensor& p : parameters) {
     for (const auto& model : models_) {
       if (model->sharded() == nullptr) continue;
       at::Tensor piece = model->sharded()->PieceOf(p);
-      if (piece.defined()) pieces.push_back(piece);
+      if (piece.defined()) {
+        pieces.push_back({piece, model->sharded()->strategy() == ShardingStrategy::kNoShard});
+      }
     }
   }
   if (!pieces.empty()) {
@@ -624,32 +628,43 @@ absl::StatusOr<double> Accelerator::ClipGradNorm(const std::vector<at::Tensor>& 
   return norm;
 }
 
-absl::StatusOr<double> Accelerator::ClipShardedGradNorm(const std::vector<at::Tensor>& pieces,
+absl::StatusOr<double> Accelerator::ClipShardedGradNorm(const std::vector<GradientPiece>& pieces,
                                                         double max_norm, double norm_type) {
   const bool inf = std::isinf(norm_type);
+  // [0]: this rank's share of the sharded pieces (reduced over the ranks);
+  // [1]: the replicated pieces (NO_SHARD), which every rank holds whole and
+  // which are therefore counted once, from this rank. A max needs no such
+  // care, but takes the same path.
   at::Tensor local;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     at::NoGradGuard no_grad;
-    local = at::zeros({1}, at::kDouble);
-    for (const at::Tensor& p : pieces) {
-      const at::Tensor& g = p.grad();
+    local = at::zeros({2}, at::kDouble);
+    for (const GradientPiece& p : pieces) {
+      const at::Tensor& g = p.piece.grad();
       if (!g.defined() || g.numel() == 0) continue;
       at::Tensor d = g.to(at::kDouble);
-      local = inf ? at::maximum(local, d.abs().max().reshape({1}))
-                  : local + d.abs().pow(norm_type).sum().reshape({1});
+      at::Tensor slot = local.narrow(0, p.replicated ? 1 : 0, 1);
+      if (inf) {
+        slot.copy_(at::maximum(slot, d.abs().max().reshape({1})));
+      } else {
+        slot.add_(d.abs().pow(norm_type).sum().reshape({1}));
+      }
     }
   }));
+  const double replicated = local[1].item<double>();
   std::vector<at::Tensor> one = {local};
   ACCEL_RETURN_IF_ERROR(Annotate(group_->AllReduce(one, inf ? ReduceOp::kMax : ReduceOp::kSum),
                                  "clip_grad_norm_ (FSDP)"));
-  const double total = inf ? local.item<double>() : std::pow(local.item<double>(), 1.0 / norm_type);
+  const double sharded = local[0].item<double>();
+  const double total =
+      inf ? std::max(sharded, replicated) : std::pow(sharded + replicated, 1.0 / norm_type);
   // torch's rule: scale by max_norm / (total + 1e-6) when that is below 1.
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1) {
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
       at::NoGradGuard no_grad;
-      for (const at::Tensor& p : pieces) {
-        if (p.grad().defined()) p.grad().mul_(coef);
+      for (const GradientPiece& p : pieces) {
+        if (p.piece.grad().defined()) p.piece.grad().mul_(coef);
       }
     }));
   }

@@ -433,9 +433,15 @@ class Accelerator {
   friend class PreparedScheduler;
   Accelerator() = default;
   void DoSync();
+  // A sharded model's piece of a parameter; `replicated` when every rank
+  // holds the same whole gradient (NO_SHARD), so that it counts once.
+  struct GradientPiece {
+    at::Tensor piece;
+    bool replicated = false;
+  };
   // ClipGradNorm over FSDP pieces: the norm of every rank's pieces together.
-  absl::StatusOr<double> ClipShardedGradNorm(const std::vector<at::Tensor>& pieces, double max_norm,
-                                             double norm_type);
+  absl::StatusOr<double> ClipShardedGradNorm(const std::vector<GradientPiece>& pieces,
+                                             double max_norm, double norm_type);
   // The tensors ClipGradValue clips: a sharded model's pieces stand for its parameters.
   std::vector<at::Tensor> GradientHolders(const std::vector<at::Tensor>& parameters) const;
   // This rank's files of save_state, into `dir`.

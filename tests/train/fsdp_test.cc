@@ -8,6 +8,7 @@
 // final weights, every rank its memory figures, and the parent compares.
 #include "train/fsdp.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -26,6 +27,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 
 #include "dispatch/module_hooks.h"
@@ -123,7 +125,8 @@ int64_t OptimizerBytes(torch::optim::Optimizer& opt) {
 // One run; its configuration comes from the environment:
 //   FSDP_TEST_MODE   ddp, or a sharding strategy
 //   FSDP_TEST_STEPS  micro-steps (default 6); FSDP_TEST_ACCUM accumulation steps
-//   FSDP_TEST_CLIP   1: clip the gradient norm at 0.05
+//   FSDP_TEST_CLIP   1: clip the gradient norm at 0.05 (FSDP_TEST_NORM_TYPE: 2, or inf),
+//                    each step's returned norm written to <out>.norms<rank>
 //   FSDP_TEST_BYPASS 1: the blocks run outside RunModule
 //   FSDP_TEST_SAVE_AT micro-step after which to SaveState into FSDP_TEST_DIR/ckpt
 //   FSDP_TEST_LOAD   1: LoadState from FSDP_TEST_DIR/ckpt first, and start there
@@ -134,6 +137,8 @@ TEST(FsdpWorker, Train) {
   const int64_t steps = std::stoll(Env("FSDP_TEST_STEPS", "6"));
   const int64_t accum = std::stoll(Env("FSDP_TEST_ACCUM", "1"));
   const bool clip = Env("FSDP_TEST_CLIP") == "1";
+  const double norm_type =
+      Env("FSDP_TEST_NORM_TYPE") == "inf" ? INFINITY : std::stod(Env("FSDP_TEST_NORM_TYPE", "2"));
   const std::string out = Env("FSDP_TEST_OUT");
   const std::string dir = Env("FSDP_TEST_DIR");
   const int64_t save_at = std::stoll(Env("FSDP_TEST_SAVE_AT", "-1"));
@@ -192,6 +197,7 @@ TEST(FsdpWorker, Train) {
   }
   const int rank = (*acc)->process_index();
   const int world = (*acc)->num_processes();
+  std::string norms;
   for (int64_t k = first; k < steps; ++k) {
     auto scope = (*acc)->Accumulate({*model});
     ASSERT_THAT(scope, IsOk());
@@ -204,7 +210,9 @@ TEST(FsdpWorker, Train) {
     }
     ASSERT_THAT((*acc)->Backward(loss), IsOk());
     if ((*acc)->sync_gradients() && clip) {
-      ASSERT_THAT((*acc)->ClipGradNorm(params, 0.05), IsOk());
+      auto norm = (*acc)->ClipGradNorm(params, 0.05, norm_type);
+      ASSERT_THAT(norm, IsOk());
+      absl::StrAppend(&norms, absl::StrFormat("%.17g ", *norm));
     }
     ASSERT_THAT((*opt)->Step(), IsOk());
     (*opt)->ZeroGrad();
@@ -230,6 +238,7 @@ TEST(FsdpWorker, Train) {
     }
     if ((*model)->synchronizer() != nullptr) grad_bytes += (*model)->synchronizer()->bucket_bytes();
   }
+  if (clip) WriteText(out + ".norms" + std::to_string(rank), norms);
   WriteText(out + ".mem" + std::to_string(rank),
             absl::StrCat(param_bytes, " ", grad_bytes, " ", OptimizerBytes((*opt)->optimizer())));
   auto state = (*acc)->GetStateDict(**model);
@@ -282,6 +291,18 @@ class FsdpRuns : public ::testing::Test {
     return MaxDifference(Read(Run(2, env, tag) + ".safetensors"), reference);
   }
 
+  // The norms ClipGradNorm returned on rank `rank`, step by step.
+  std::vector<double> Norms(const std::string& prefix, int rank) {
+    std::vector<double> out;
+    for (absl::string_view f : absl::StrSplit(
+             test::ReadAll(prefix + ".norms" + std::to_string(rank)), ' ', absl::SkipEmpty())) {
+      double v = 0;
+      EXPECT_TRUE(absl::SimpleAtod(f, &v)) << f;
+      out.push_back(v);
+    }
+    return out;
+  }
+
   // Parameter, gradient and optimizer bytes rank `rank` held at the end.
   std::vector<double> Memory(const std::string& prefix, int rank) {
     std::vector<double> out;
@@ -313,18 +334,60 @@ TEST_F(FsdpRuns, EveryStrategyEqualsDataParallelOnTwoRanks) {
   }
 }
 
+// Clipping under every strategy returns data parallel's norm on every rank,
+// step by step, and ends in its weights (NO_SHARD once summed every rank's
+// whole gradient: sqrt(P) times the norm, so it clipped too hard).
 TEST_F(FsdpRuns, AccumulationAndClippingEqualDataParallel) {
   for (int ranks : {2, 4}) {
     std::map<std::string, std::string> env = {
         {"FSDP_TEST_ACCUM", "2"}, {"FSDP_TEST_CLIP", "1"}, {"FSDP_TEST_STEPS", "8"}};
     env["FSDP_TEST_MODE"] = "ddp";
-    auto reference = Read(Run(ranks, env, "ddp" + std::to_string(ranks)) + ".safetensors");
-    for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP"}) {
+    const std::string ddp = Run(ranks, env, "ddp" + std::to_string(ranks));
+    auto reference = Read(ddp + ".safetensors");
+    const std::vector<double> reference_norms = Norms(ddp, 0);
+    ASSERT_EQ(reference_norms.size(), 4u);
+    // Every step clips (threshold 0.05), so a wrong norm changes the weights.
+    EXPECT_THAT(reference_norms, Each(::testing::Gt(0.05)));
+    for (const std::string strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
+      // On one node HYBRID_SHARD is FULL_SHARD: once (on 2 ranks) is enough.
+      if (ranks == 4 && strategy == "HYBRID_SHARD") continue;
       env["FSDP_TEST_MODE"] = strategy;
       const std::string run = Run(ranks, env, strategy + std::to_string(ranks));
+      for (int rank = 0; rank < ranks; ++rank) {
+        const std::vector<double> norms = Norms(run, rank);
+        ASSERT_EQ(norms.size(), reference_norms.size()) << strategy << " rank " << rank;
+        for (size_t i = 0; i < norms.size(); ++i) {
+          EXPECT_NEAR(norms[i] / reference_norms[i], 1.0, 1e-6)
+              << strategy << " on " << ranks << " ranks, rank " << rank << ", step " << i;
+        }
+      }
       EXPECT_LE(MaxDifference(Read(run + ".safetensors"), reference), 1e-5)
           << strategy << " on " << ranks;
     }
+  }
+}
+
+// The infinity norm (a max over the ranks) likewise, under every strategy.
+TEST_F(FsdpRuns, InfinityNormClippingEqualsDataParallel) {
+  std::map<std::string, std::string> env = {
+      {"FSDP_TEST_CLIP", "1"}, {"FSDP_TEST_STEPS", "3"}, {"FSDP_TEST_NORM_TYPE", "inf"}};
+  env["FSDP_TEST_MODE"] = "ddp";
+  const std::string ddp = Run(2, env, "ddp_inf");
+  const std::vector<double> reference_norms = Norms(ddp, 0);
+  ASSERT_EQ(reference_norms.size(), 3u);
+  EXPECT_THAT(reference_norms, Each(::testing::Gt(0.05)));
+  auto reference = Read(ddp + ".safetensors");
+  for (const char* strategy : {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"}) {
+    env["FSDP_TEST_MODE"] = strategy;
+    const std::string run = Run(2, env, std::string(strategy) + "_inf");
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::vector<double> norms = Norms(run, rank);
+      ASSERT_EQ(norms.size(), reference_norms.size()) << strategy;
+      for (size_t i = 0; i < norms.size(); ++i) {
+        EXPECT_NEAR(norms[i] / reference_norms[i], 1.0, 1e-6) << strategy << " step " << i;
+      }
+    }
+    EXPECT_LE(MaxDifference(Read(run + ".safetensors"), reference), 1e-5) << strategy;
   }
 }
 
