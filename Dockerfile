@@ -53,12 +53,13 @@ FROM debian:bookworm-slim AS runtime-base
 # --tls_cert / --tls_key with OpenSSL, and the HTTP API's TLS is Boost.Asio's over it;
 # Boost.Beast and Asio are header-only, nothing to install for them;
 # libprometheus-cpp-core1.0 / -pull1.0: the metrics and the metrics port, which
-# runs on civetweb: libcivetweb1, which holds the C++ library too).
+# runs on civetweb: libcivetweb1, which holds the C++ library too; libminizip1:
+# pytorch_model.bin checkpoints).
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       libabsl20220623 libcivetweb1 libgomp1 libgrpc++1.51 libgrpc29 \
       libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libprotobuf32 libre2-9 \
-      libssl3 libutf8proc2 \
+      libminizip1 libssl3 libutf8proc2 \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 accel \
  && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /tmp accel

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -645,12 +646,21 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   im.direct = options.direct_reads;
   // Disk entries used in place: their files mapped once each.
   const bool map_disk = options.map_disk && !options.direct_reads && out->main_.is_cpu();
+  // Every disk source's file is opened here, once, and held until the model
+  // goes: reads never reopen a path, so a file replaced or deleted while
+  // serving changes nothing (internal::OpenFile).
+  std::map<std::string, std::shared_ptr<const internal::OpenFile>> files;
   std::map<std::string, std::shared_ptr<const internal::FileMapping>> mappings;
   const auto mapped = [&](Source source) -> absl::StatusOr<Source> {
+    auto& file = files[source.path];
+    if (!file) {
+      ACCEL_ASSIGN_OR_RETURN(file, internal::OpenFile::Open(source.path, options.direct_reads));
+    }
+    source.file = file;
     if (!map_disk) return source;
     auto& mapping = mappings[source.path];
     if (!mapping) {
-      ACCEL_ASSIGN_OR_RETURN(mapping, internal::FileMapping::Open(source.path));
+      ACCEL_ASSIGN_OR_RETURN(mapping, internal::FileMapping::Open(*file));
     }
     source.mapping = mapping;
     // Bytes unaligned for their type (another writer's layout) are read.
@@ -668,6 +678,22 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
 
   nlohmann::ordered_json index = nlohmann::ordered_json::object();
   bool wrote_offload = false;
+  // What this load adds to the offload folder is removed again when it fails,
+  // so a failed load leaves the folder as it found it: the .dat files it made
+  // (not those an earlier load left, which that load's index names), and the
+  // folder itself when it made it and nothing else is in it. The index is
+  // written last, once nothing can fail.
+  struct Leftovers {
+    std::vector<std::string> files;
+    std::string folder;
+    bool keep = false;
+    ~Leftovers() {
+      if (keep) return;
+      std::error_code ec;
+      for (const std::string& f : files) std::filesystem::remove(f, ec);
+      if (!folder.empty()) std::filesystem::remove(folder, ec);  // only when empty
+    }
+  } leftovers;
   Progress progress("loading", static_cast<int64_t>(ckpt.total_bytes()),
                     static_cast<int64_t>(ckpt.tensors().size()), options.progress);
 
@@ -732,22 +758,29 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
 
     const bool offload_disk = placement->is_disk() && (!is_buffer || options.offload_buffers);
     const bool offload_cpu = placement->is_cpu() && out->main_.is_cuda();
-    if (offload_disk && entry != nullptr && dtype == file_dtype) {
+    const std::optional<uint64_t> in_file =
+        entry != nullptr ? ckpt.FileOffset(*entry) : std::nullopt;
+    if (offload_disk && in_file && dtype == file_dtype) {
       // Read straight from the checkpoint for each forward: no copy is written.
-      const loader::SafetensorsFile& shard = ckpt.shard(entry->shard);
-      ACCEL_ASSIGN_OR_RETURN(Source source, mapped({at::Tensor(), shard.path(),
-                                                    shard.data_offset() + entry->info.data_begin,
-                                                    entry->info.nbytes(), dtype, shape, nullptr}));
+      ACCEL_ASSIGN_OR_RETURN(Source source,
+                             mapped({at::Tensor(), ckpt.shard_paths()[entry->shard], *in_file,
+                                     entry->info.nbytes(), dtype, shape, nullptr, nullptr}));
       im.tensors.push_back({name, std::move(source)});
     } else if (offload_disk) {
       if (options.offload_folder.empty()) {
         return absl::InvalidArgumentError(label(absl::StrCat(
             "mapped to disk, and needs ",
-            entry ? absl::StrCat("converting from ", entry->info.dtype, " to ", DTypeName(dtype))
-                  : std::string("writing (it was made on loading)"),
+            !entry ? std::string("writing (it was made on loading)")
+            : !in_file
+                ? absl::StrCat("copying from ", ckpt.shard_paths()[entry->shard],
+                               ", which stores it as a strided view")
+                : absl::StrCat("converting from ", entry->info.dtype, " to ", DTypeName(dtype)),
             "; give an offload folder to write it to")));
       }
       std::error_code ec;
+      if (leftovers.folder.empty() && !std::filesystem::exists(options.offload_folder, ec)) {
+        leftovers.folder = options.offload_folder;
+      }
       std::filesystem::create_directories(options.offload_folder, ec);
       if (ec)
         return ErrnoStatus(ec.value(),
@@ -757,20 +790,21 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       ACCEL_RETURN_IF_ERROR(CallTorch([&] { converted = source.to(dtype).contiguous(); }));
       const std::string path = absl::StrCat(options.offload_folder, "/", name, ".dat");
       const uint64_t nbytes = converted.nbytes();
+      if (!std::filesystem::exists(path, ec)) leftovers.files.push_back(path);
       ACCEL_RETURN_IF_ERROR(Annotate(
           loader::WriteFileAtomically(
               path, absl::string_view(static_cast<const char*>(converted.data_ptr()), nbytes)),
           absl::StrCat("offloading tensor '", name, "'")));
       index[name] = {{"dtype", IndexDType(dtype)}, {"shape", shape}};
       wrote_offload = true;
-      ACCEL_ASSIGN_OR_RETURN(Source written,
-                             mapped({at::Tensor(), path, 0, nbytes, dtype, shape, nullptr}));
+      ACCEL_ASSIGN_OR_RETURN(
+          Source written, mapped({at::Tensor(), path, 0, nbytes, dtype, shape, nullptr, nullptr}));
       im.tensors.push_back({name, std::move(written)});
     } else if (offload_cpu) {
       ACCEL_ASSIGN_OR_RETURN(at::Tensor source, value());
       at::Tensor host;
       ACCEL_RETURN_IF_ERROR(CallTorch([&] { host = source.to(dtype).contiguous().pin_memory(); }));
-      im.tensors.push_back({name, {host, "", 0, host.nbytes(), dtype, shape, nullptr}});
+      im.tensors.push_back({name, {host, "", 0, host.nbytes(), dtype, shape, nullptr, nullptr}});
     }
 
     if (offload_disk || offload_cpu) {
@@ -826,6 +860,10 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     ACCEL_RETURN_IF_ERROR(SetModuleTensor(*model, name, out->ExecutionDevice(name)));
   }
 
+  if (out->main_.is_cuda() && !im.tensors.empty()) {
+    ACCEL_ASSIGN_OR_RETURN(im.stager, internal::DeviceStager::Create(out->main_));
+  }
+  ACCEL_RETURN_IF_ERROR(out->SetUpExpertCache(options));
   if (wrote_offload) {
     // Merged with an index already there, as Accelerate does.
     const std::string index_path = options.offload_folder + "/index.json";
@@ -839,10 +877,7 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     }
     ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(index_path, index.dump(2)));
   }
-  if (out->main_.is_cuda() && !im.tensors.empty()) {
-    ACCEL_ASSIGN_OR_RETURN(im.stager, internal::DeviceStager::Create(out->main_));
-  }
-  ACCEL_RETURN_IF_ERROR(out->SetUpExpertCache(options));
+  leftovers.keep = true;
   if (options.prefetch && !im.tensors.empty()) {
     im.reader = std::thread([&im] { im.ReaderLoop(); });
   }

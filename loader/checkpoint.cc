@@ -1,4 +1,5 @@
-// Checkpoint: one safetensors file or a sharded set with its index.
+// Checkpoint: one safetensors (or torch.save) file or a sharded set with its index.
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -13,6 +14,7 @@
 
 #include "core/json.h"
 #include "core/status.h"
+#include "loader/internal/torch_bin.h"
 #include "loader/loader.h"
 
 namespace accel::loader {
@@ -22,6 +24,14 @@ using Json = nlohmann::json;
 
 constexpr char kIndexName[] = "model.safetensors.index.json";
 constexpr char kSingleName[] = "model.safetensors";
+constexpr char kBinIndexName[] = "pytorch_model.bin.index.json";
+constexpr char kBinSingleName[] = "pytorch_model.bin";
+
+// A torch.save file, by its name (as transformers tells them apart).
+bool IsTorchBin(absl::string_view path) {
+  return absl::EndsWith(path, ".bin") || absl::EndsWith(path, ".pt") ||
+         absl::EndsWith(path, ".pth");
+}
 
 bool IsDirectory(const std::string& path) {
   struct stat st {};
@@ -62,7 +72,49 @@ absl::StatusOr<at::Tensor> Checkpoint::Tensor(absl::string_view name) const {
   if (entry == nullptr) {
     return absl::NotFoundError(absl::StrCat("checkpoint has no tensor '", name, "'"));
   }
-  return shards_[entry->shard].Tensor(name);
+  if (bin_shards_[entry->shard] != nullptr) return bin_shards_[entry->shard]->Tensor(name);
+  return shards_[entry->shard]->Tensor(name);
+}
+
+std::optional<uint64_t> Checkpoint::FileOffset(const Entry& entry) const {
+  if (bin_shards_[entry.shard] != nullptr) {
+    return bin_shards_[entry.shard]->FileOffset(entry.info.name);
+  }
+  return shards_[entry.shard]->data_offset() + entry.info.data_begin;
+}
+
+const SafetensorsFile* Checkpoint::safetensors_shard(size_t i) const {
+  return shards_[i] ? &*shards_[i] : nullptr;
+}
+
+absl::Status Checkpoint::AddShard(const std::string& shard_path, OpenOptions options,
+                                  const std::set<std::string>* wanted) {
+  const size_t index = shard_paths_.size();
+  std::vector<TensorInfo> infos;
+  if (IsTorchBin(shard_path)) {
+    ACCEL_ASSIGN_OR_RETURN(internal::TorchBinFile file,
+                           internal::TorchBinFile::Open(shard_path, options.populate));
+    infos = file.tensors();
+    // Data order, as for safetensors: reading in it reads the file forward.
+    std::stable_sort(infos.begin(), infos.end(), [](const TensorInfo& a, const TensorInfo& b) {
+      return a.data_begin < b.data_begin;
+    });
+    shards_.emplace_back(std::nullopt);
+    bin_shards_.push_back(std::make_shared<const internal::TorchBinFile>(std::move(file)));
+  } else {
+    ACCEL_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(shard_path, options));
+    infos = file.tensors();
+    for (const auto& [key, value] : file.metadata()) metadata_.emplace(key, value);
+    shards_.emplace_back(std::move(file));
+    bin_shards_.emplace_back();
+  }
+  shard_paths_.push_back(shard_path);
+  for (TensorInfo& info : infos) {
+    if (wanted != nullptr && wanted->count(info.name) == 0) continue;
+    by_name_.emplace(info.name, entries_.size());
+    entries_.push_back({std::move(info), index});
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Checkpoint> Checkpoint::Open(const std::string& path, OpenOptions options) {
@@ -70,13 +122,17 @@ absl::StatusOr<Checkpoint> Checkpoint::Open(const std::string& path, OpenOptions
   std::string single_path;
   if (IsDirectory(path)) {
     std::string dir = absl::EndsWith(path, "/") ? path.substr(0, path.size() - 1) : path;
-    if (Exists(absl::StrCat(dir, "/", kIndexName))) {
-      index_path = absl::StrCat(dir, "/", kIndexName);
-    } else if (Exists(absl::StrCat(dir, "/", kSingleName))) {
-      single_path = absl::StrCat(dir, "/", kSingleName);
-    } else {
-      return absl::NotFoundError(
-          absl::StrCat(path, ": no ", kIndexName, " or ", kSingleName, " in this folder"));
+    // transformers' order: safetensors first, then torch.save's files.
+    for (const char* name : {kIndexName, kSingleName, kBinIndexName, kBinSingleName}) {
+      const std::string candidate = absl::StrCat(dir, "/", name);
+      if (!Exists(candidate)) continue;
+      (absl::EndsWith(name, ".json") ? index_path : single_path) = candidate;
+      break;
+    }
+    if (index_path.empty() && single_path.empty()) {
+      return absl::NotFoundError(absl::StrCat(path, ": no ", kIndexName, ", ", kSingleName, ", ",
+                                              kBinIndexName, " or ", kBinSingleName,
+                                              " in this folder"));
     }
   } else if (absl::EndsWith(path, ".json")) {
     index_path = path;
@@ -86,17 +142,9 @@ absl::StatusOr<Checkpoint> Checkpoint::Open(const std::string& path, OpenOptions
 
   Checkpoint ckpt;
   if (!single_path.empty()) {
-    ACCEL_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(single_path, options));
-    ckpt.shard_paths_.push_back(single_path);
-    ckpt.metadata_ = file.metadata();
-    for (const TensorInfo& info : file.tensors()) {
-      ckpt.by_name_.emplace(info.name, ckpt.entries_.size());
-      ckpt.entries_.push_back({info, 0});
-    }
-    ckpt.shards_.push_back(std::move(file));
+    ACCEL_RETURN_IF_ERROR(ckpt.AddShard(single_path, options, nullptr));
     return ckpt;
   }
-
   ACCEL_ASSIGN_OR_RETURN(std::string text, ReadFile(index_path));
   ACCEL_ASSIGN_OR_RETURN(Json index, ParseJson(text, index_path));
   if (!index.is_object()) {
@@ -138,23 +186,18 @@ absl::StatusOr<Checkpoint> Checkpoint::Open(const std::string& path, OpenOptions
           index_path, ": shard ", files[i], " (holding '", names_in_shard[i].front(), "' and ",
           names_in_shard[i].size() - 1, " other tensors) does not exist in ", dir));
     }
-    ACCEL_ASSIGN_OR_RETURN(SafetensorsFile shard, SafetensorsFile::Open(shard_path, options));
     std::set<std::string> wanted(names_in_shard[i].begin(), names_in_shard[i].end());
-    for (const std::string& name : names_in_shard[i]) {
-      if (shard.Find(name) == nullptr) {
-        return absl::NotFoundError(absl::StrCat(index_path, ": tensor '", name,
-                                                "' is assigned to shard ", files[i],
-                                                ", which does not hold it"));
+    const size_t before = ckpt.entries_.size();
+    ACCEL_RETURN_IF_ERROR(ckpt.AddShard(shard_path, options, &wanted));
+    if (ckpt.entries_.size() - before != wanted.size()) {
+      for (const std::string& name : names_in_shard[i]) {
+        if (ckpt.by_name_.count(name) == 0) {
+          return absl::NotFoundError(absl::StrCat(index_path, ": tensor '", name,
+                                                  "' is assigned to shard ", files[i],
+                                                  ", which does not hold it"));
+        }
       }
     }
-    for (const TensorInfo& info : shard.tensors()) {
-      if (wanted.count(info.name) == 0) continue;
-      ckpt.by_name_.emplace(info.name, ckpt.entries_.size());
-      ckpt.entries_.push_back({info, i});
-    }
-    for (const auto& [key, value] : shard.metadata()) ckpt.metadata_.emplace(key, value);
-    ckpt.shard_paths_.push_back(std::move(shard_path));
-    ckpt.shards_.push_back(std::move(shard));
   }
   if (auto meta = index.find("metadata"); meta != index.end() && meta->is_object()) {
     for (const auto& [key, value] : meta->items()) {

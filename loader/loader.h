@@ -18,6 +18,8 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -86,8 +88,16 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+namespace internal {
+class TorchBinFile;
+}
+
 // A model's weights: one safetensors file, or shards listed by a
-// model.safetensors.index.json. Thread-safe: every method is const.
+// model.safetensors.index.json; or the same as torch.save writes them
+// (pytorch_model.bin, shards listed by pytorch_model.bin.index.json), read
+// through libtorch's own unpickler after a check that allows only tensors
+// (a global that could run code is refused by name; see
+// loader/internal/torch_archive.h). Thread-safe: every method is const.
 class Checkpoint {
  public:
   struct Entry {
@@ -95,16 +105,19 @@ class Checkpoint {
     size_t shard = 0;  // index into shard_paths()
   };
 
-  // `path` is a .safetensors file, an index .json file, or a directory holding
-  // model.safetensors.index.json (preferred) or model.safetensors. NotFound
+  // `path` is a .safetensors file, a .bin (.pt, .pth) file of torch.save, an
+  // index .json file, or a directory holding, in transformers' order of
+  // preference, model.safetensors.index.json, model.safetensors,
+  // pytorch_model.bin.index.json or pytorch_model.bin. NotFound
   // when none is there or the index names a missing shard; NotFound when a
   // shard lacks a tensor the index assigns to it; InvalidArgument for a
   // malformed index (not JSON, no weight_map, a shard name with a path in it).
   // Tensors a shard holds but the index does not name are ignored, as
-  // transformers does.
+  // transformers does. Shards named *.bin, *.pt or *.pth are torch.save files.
   static absl::StatusOr<Checkpoint> Open(const std::string& path, OpenOptions options = {});
 
-  // Shard by shard in index order, each in data order.
+  // Shard by shard in index order, each in data order. For a .bin shard,
+  // info's offsets are positions in the file (see FileOffset).
   const std::vector<Entry>& tensors() const { return entries_; }
   const std::vector<std::string>& shard_paths() const { return shard_paths_; }
   // The shards' __metadata__ (the first shard wins on a clash), then the
@@ -114,13 +127,25 @@ class Checkpoint {
   uint64_t total_bytes() const;
 
   absl::StatusOr<at::Tensor> Tensor(absl::string_view name) const;
-  const SafetensorsFile& shard(size_t i) const { return shards_[i]; }
+  // Where `entry`'s bytes start in its shard file (shard_paths()[entry.shard])
+  // when they are stored as the tensor is laid out, row-major without gaps:
+  // always in a safetensors file; a .bin file may hold a strided view
+  // (nullopt), which Tensor() copies.
+  std::optional<uint64_t> FileOffset(const Entry& entry) const;
+  // Shard i when it is a safetensors file, else nullptr.
+  const SafetensorsFile* safetensors_shard(size_t i) const;
 
  private:
   Checkpoint() = default;
+  // Opens shard `shard_path` (safetensors or torch.save, by its name) and
+  // adds its tensors (those in `wanted`, when given).
+  absl::Status AddShard(const std::string& shard_path, OpenOptions options,
+                        const std::set<std::string>* wanted);
 
   std::vector<std::string> shard_paths_;
-  std::vector<SafetensorsFile> shards_;
+  // Per shard, one of the two.
+  std::vector<std::optional<SafetensorsFile>> shards_;
+  std::vector<std::shared_ptr<const internal::TorchBinFile>> bin_shards_;
   std::vector<Entry> entries_;
   std::map<std::string, size_t, std::less<>> by_name_;
   std::map<std::string, std::string> metadata_;

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/file_faults.h"
 #include "core/status.h"
 #include "core/torch_compat.h"
 #include "loader/internal/safetensors_format.h"
@@ -24,6 +25,10 @@ namespace accel::loader {
 struct SafetensorsFile::Mapping {
   void* addr = nullptr;
   size_t size = 0;
+  // A SIGBUS on it (the file truncated under us) is mended and recorded, and
+  // a change in place is recorded (core/file_faults.h).
+  MappedFileRegistration registration;
+  WeightsFileWatch watch;
 
   Mapping() = default;
   Mapping(const Mapping&) = delete;
@@ -114,7 +119,8 @@ absl::StatusOr<c10::ScalarType> TorchDType(absl::string_view dtype) {
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path,
                                                       OpenOptions options) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO would hold open() until a writer came; refused below.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
@@ -124,7 +130,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path,
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", S_ISFIFO(st.st_mode) ? "a FIFO, " : "", "not a regular file"));
   }
   auto mapping = std::make_shared<Mapping>();
   mapping->size = static_cast<size_t>(st.st_size);
@@ -138,6 +145,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path,
       return ErrnoStatus(err, absl::StrCat("mapping ", path));
     }
     mapping->addr = addr;
+    mapping->registration = MappedFileRegistration(addr, mapping->size, path);
+    mapping->watch = WeightsFileWatch(fd, path);
     if (options.populate) Populate(addr, mapping->size);
   }
   ::close(fd);  // The mapping keeps the file open.

@@ -118,6 +118,7 @@ class Gpt2LM : public CausalLM {
                                      absl::Span<const SequenceChunk> chunks, Logits which,
                                      dispatch::DispatchedModel* dispatched) override {
     const size_t n = blocks.size();
+    ACCEL_RETURN_IF_ERROR(internal::CheckWeightFiles());
     ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, PreparePositions(input_ids, chunks, config(), n));
     const int64_t limit = config().max_position_embeddings;
     if (const int64_t last = positions.max().item<int64_t>(); last >= limit) {
@@ -146,6 +147,7 @@ class Gpt2LM : public CausalLM {
     ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
                              return lm_head->forward(x.to(d));
                            }));
+    ACCEL_RETURN_IF_ERROR(internal::CheckWeightFiles());  // a fault during this step
     AdvanceCaches(input_ids, chunks);
     return x[0].to(home, at::kFloat);
   }

@@ -9,11 +9,14 @@
 #include <ATen/Context.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 
 #include "core/bytes.h"
 #include "core/dtype.h"
+#include "core/file_faults.h"
 #include "core/placement.h"
 #include "core/status.h"
 #include "dispatch/empty_weights.h"
@@ -161,6 +164,87 @@ absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(
   return map;
 }
 
+// The highest N of the tensors named `list`.N.* in `checkpoint`, or -1.
+int64_t LastIndex(const loader::Checkpoint& checkpoint, const std::string& list) {
+  const std::string start = list + ".";
+  int64_t last = -1;
+  for (const loader::Checkpoint::Entry& e : checkpoint.tensors()) {
+    absl::string_view name = e.info.name;
+    if (!absl::ConsumePrefix(&name, start)) continue;
+    int64_t index = 0;
+    if (absl::SimpleAtoi(name.substr(0, name.find('.')), &index)) last = std::max(last, index);
+  }
+  return last;
+}
+
+// The last layer config.json asks for must be in the checkpoint, checked
+// from its headers (index, safetensors headers, .bin pickles) before
+// anything in proportion to the layers is made: the skeleton costs memory and
+// time per layer, so a config.json with num_hidden_layers 100000 took 2.6 GB
+// and a minute before the load found the tensors missing. A checkpoint with
+// more layers than the config is left to the warning about unused tensors.
+absl::Status CheckLayersAgainstCheckpoint(const std::string& dir, const loader::ModelConfig& config,
+                                          const loader::Checkpoint& checkpoint) {
+  ACCEL_ASSIGN_OR_RETURN(Family family, FamilyOf(config));
+  const std::string stack =
+      std::string(family.model_type) == "gpt2" ? "transformer.h" : "model.layers";
+  const int64_t layers = config.num_hidden_layers;
+  const int64_t last = LastIndex(checkpoint, stack);
+  if (layers > 0 && last < layers - 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir, "/config.json: num_hidden_layers is ", layers, ", but the checkpoint holds ",
+        last < 0 ? absl::StrCat("no layer (no ", stack, ".N tensors)")
+                 : absl::StrCat("layers up to ", stack, ".", last, " only"),
+        " (checked before building the model)"));
+  }
+  return absl::OkStatus();
+}
+
+// The same for the experts of the last sparse layer.
+absl::Status CheckExpertsAgainstCheckpoint(const std::string& dir, const ResolvedConfig& r,
+                                           const loader::Checkpoint& checkpoint) {
+  const std::vector<std::string> lists = ExpertLists(r);
+  if (lists.empty() || r.num_experts <= 0) return absl::OkStatus();
+  const int64_t last = LastIndex(checkpoint, lists.back());
+  if (last < r.num_experts - 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir, "/config.json: ", r.num_experts,
+                     " experts in each sparse layer, but the checkpoint ", "holds ",
+                     last < 0 ? absl::StrCat("none in ", lists.back())
+                              : absl::StrCat("experts up to ", lists.back(), ".", last, " only"),
+                     " (checked before building the model)"));
+  }
+  return absl::OkStatus();
+}
+
+// transformers' llm_int8_enable_fp32_cpu_offload: true keeps the modules a
+// multi-entry device map puts on the cpu or the disk unquantized. A
+// pre-quantized checkpoint stores them quantized (which ones are read from
+// its tensors), and accel does not dequantize on loading: where the flag
+// would change the model it is refused, naming the first such layer.
+absl::Status CheckFp32CpuOffload(const std::string& dir, const dispatch::DeviceMap& map,
+                                 const QuantPlan& quantization) {
+  if (map.entries().size() <= 1) return absl::OkStatus();  // transformers' rule, too
+  ACCEL_ASSIGN_OR_RETURN(std::optional<quant::BnbQuantizationConfig> stored,
+                         ReadQuantizationConfig(dir + "/config.json"));
+  if (!stored || !stored->llm_int8_enable_fp32_cpu_offload) return absl::OkStatus();
+  for (const auto& [layer, q] : quantization) {
+    if (!q.enabled()) continue;
+    const std::optional<Placement> p = map.Lookup(layer);
+    if (p && (p->is_cpu() || p->is_disk())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir,
+          "/config.json: quantization_config's llm_int8_enable_fp32_cpu_offload is true, so "
+          "transformers would keep the layers the device map puts on the cpu or the disk "
+          "unquantized, but '",
+          layer, "' (on ", p->ToString(),
+          ") is stored quantized and accel does not dequantize it: set the key to false "
+          "(accel runs quantized layers on the cpu) or place the layers on a GPU"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The expert lists to fetch one by one: all, with offload_experts; else
 // those the device map places inside of (a map planned that way).
 std::vector<std::string> FetchedExpertLists(const ModelLoadOptions& options,
@@ -278,6 +362,26 @@ absl::StatusOr<int64_t> ExpertCacheBytes(const std::string& expert_cache,
   return static_cast<int64_t>(bytes);
 }
 
+absl::Status CheckTokenizer(const tokenizer::Tokenizer& tokenizer,
+                            const loader::ModelConfig& config, const std::string& tokenizer_path) {
+  if (tokenizer.vocab_size() > config.vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(tokenizer_path, ": its ids reach ", tokenizer.vocab_size() - 1,
+                     ", past config.json's vocab_size of ", config.vocab_size,
+                     " (the model has no embedding for them): a tokenizer of another model?"));
+  }
+  // Every stage of the pipeline runs once (normalizer, pre-tokenizer regexes,
+  // the model, the decoder), so what only fails when used fails now.
+  constexpr absl::string_view kProbe = "Hello, world! 123 \u00e9t\u00e9\n\tdone.";
+  absl::StatusOr<std::vector<int64_t>> ids = tokenizer.Encode(kProbe, /*add_special_tokens=*/true);
+  if (!ids.ok()) return Annotate(ids.status(), absl::StrCat(tokenizer_path, ": encoding a probe"));
+  absl::StatusOr<std::string> text = tokenizer.Decode(*ids, /*skip_special_tokens=*/true);
+  if (!text.ok()) {
+    return Annotate(text.status(), absl::StrCat(tokenizer_path, ": decoding a probe"));
+  }
+  return absl::OkStatus();
+}
+
 std::vector<int64_t> LoadedModel::eos_token_ids() const {
   return generation_config.eos_token_ids.empty() ? config.eos_token_ids
                                                  : generation_config.eos_token_ids;
@@ -294,9 +398,16 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   DropEosOutsideVocabulary(out, "config.json", out.config.eos_token_ids);
   DropEosOutsideVocabulary(out, "generation_config.json", out.generation_config.eos_token_ids);
   ACCEL_ASSIGN_OR_RETURN(out.dtype, ChooseDType(options, out.config));
+  {
+    // Headers only: nothing is read or allocated in proportion to the model.
+    ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint checkpoint, loader::Checkpoint::Open(dir));
+    ACCEL_RETURN_IF_ERROR(CheckLayersAgainstCheckpoint(dir, out.config, checkpoint));
+    ACCEL_ASSIGN_OR_RETURN(ResolvedConfig early, ResolveConfig(out.config));
+    ACCEL_RETURN_IF_ERROR(CheckExpertsAgainstCheckpoint(dir, early, checkpoint));
+  }
+  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(out.config));
   ACCEL_ASSIGN_OR_RETURN(out.quantization,
                          ChooseQuantization(dir, options, out.config, out.dtype, out.prequantized));
-  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(out.config));
   ACCEL_ASSIGN_OR_RETURN(std::optional<at::Device> execution,
                          ChooseExecutionDevice(options.execution_device));
   int64_t cpu_room = -1;
@@ -304,6 +415,9 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
                          ChooseDeviceMap(options, out.config, out.dtype, out.quantization,
                                          &out.expert_cache_bytes, &cpu_room));
   ACCEL_RETURN_IF_ERROR(CheckGpus(out.device_map));
+  if (out.prequantized) {
+    ACCEL_RETURN_IF_ERROR(CheckFp32CpuOffload(dir, out.device_map, out.quantization));
+  }
   out.expert_lists = FetchedExpertLists(options, resolved, out.device_map);
   {
     dispatch::EmptyWeightsGuard empty;
@@ -328,6 +442,10 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   }
   ACCEL_ASSIGN_OR_RETURN(out.dispatched,
                          dispatch::DispatchedModel::Load(out.model, dir, out.device_map, load));
+  // A weights file that changed under the load (core/file_faults.h).
+  if (std::optional<std::string> fault = ModelFileFault()) {
+    return absl::DataLossError(absl::StrCat("loading ", dir, ": ", *fault));
+  }
   WarnAboutUnusedTensors(out, dir);
   return out;
 }

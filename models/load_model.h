@@ -27,6 +27,7 @@
 #include "models/causal_lm.h"
 #include "models/families.h"
 #include "models/nn.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::models {
 
@@ -115,6 +116,13 @@ absl::StatusOr<int64_t> ExpertCacheBytes(const std::string& expert_cache,
                                          const dispatch::ModuleTree& tree,
                                          const dispatch::SizeOptions& sizes,
                                          const dispatch::MaxMemory& max_memory);
+
+// Checked when a server starts, before the model loads: every id the
+// tokenizer can produce is inside config.json's vocab_size (an id past it
+// would index past the embedding), and it encodes a probe text and decodes
+// it back. InvalidArgument naming `tokenizer_path` and what failed.
+absl::Status CheckTokenizer(const tokenizer::Tokenizer& tokenizer,
+                            const loader::ModelConfig& config, const std::string& tokenizer_path);
 
 // Errors name the file or the option: NotFound for a folder without
 // config.json; InvalidArgument for a bad option (naming it), an unsupported

@@ -974,6 +974,16 @@ absl::StatusOr<BnbQuantizationConfig> BnbConfigFromJson(absl::string_view json,
                         *v);
     }
   }
+  ACCEL_RETURN_IF_ERROR(
+      get_bool("llm_int8_enable_fp32_cpu_offload", &c.llm_int8_enable_fp32_cpu_offload));
+  ACCEL_RETURN_IF_ERROR(get_bool("llm_int8_has_fp16_weight", &c.llm_int8_has_fp16_weight));
+  if (c.llm_int8_has_fp16_weight) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        label,
+        ": key 'llm_int8_has_fp16_weight' is true: bitsandbytes' int8 training mode (float16 "
+        "weights kept and quantized at every forward), which accel does not serve; the int8 "
+        "weights it serves are quantized once (set it to false)"));
+  }
   if (const Json* v = get("llm_int8_skip_modules")) {
     std::vector<std::string> modules;
     if (!v->is_array()) return FieldError(label, "llm_int8_skip_modules", "a list of strings", *v);
@@ -1001,13 +1011,13 @@ std::string BnbConfigToJson(const BnbQuantizationConfig& config) {
   out["bnb_4bit_compute_dtype"] = std::string(DTypeName(config.bnb_4bit_compute_dtype));
   out["bnb_4bit_quant_storage"] = "uint8";
   out["llm_int8_threshold"] = config.llm_int8_threshold;
-  out["llm_int8_has_fp16_weight"] = false;
+  out["llm_int8_has_fp16_weight"] = config.llm_int8_has_fp16_weight;
   if (config.llm_int8_skip_modules) {
     out["llm_int8_skip_modules"] = *config.llm_int8_skip_modules;
   } else {
     out["llm_int8_skip_modules"] = nullptr;
   }
-  out["llm_int8_enable_fp32_cpu_offload"] = false;
+  out["llm_int8_enable_fp32_cpu_offload"] = config.llm_int8_enable_fp32_cpu_offload;
   return out.dump();
 }
 

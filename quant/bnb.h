@@ -141,6 +141,16 @@ struct BnbQuantizationConfig {
   // or has it as a dotted part ("lm_head" matches "lm_head", "model.lm_head").
   std::optional<std::vector<std::string>> llm_int8_skip_modules;  // unset: {"lm_head"}
   std::vector<std::string> keep_in_fp32_modules;
+  // transformers leaves the modules a device map puts on the cpu or the disk
+  // unquantized when this is true (and refuses such a map when false). accel
+  // runs quantized modules on the cpu, so false changes nothing; true is
+  // honoured where it changes nothing (a map without cpu or disk entries,
+  // or one device for everything) and refused by name where it would
+  // (models::LoadModel): a stored quantized module is never dequantized.
+  bool llm_int8_enable_fp32_cpu_offload = false;
+  // Always false: true (bnb's training mode, float16 weights quantized at
+  // every forward) is refused by name when parsed.
+  bool llm_int8_has_fp16_weight = false;
 
   bool enabled() const { return load_in_8bit || load_in_4bit; }
   // The skip list in effect.
@@ -152,8 +162,8 @@ struct BnbQuantizationConfig {
 // Parses a "quantization_config" object (JSON text). InvalidArgument naming
 // `label` and the key for a quant_method other than "bitsandbytes", both or
 // neither of load_in_8bit / load_in_4bit, an unknown quant type or compute
-// dtype, a quant storage other than uint8, or a wrong JSON type. Missing
-// keys take transformers' defaults.
+// dtype, a quant storage other than uint8, llm_int8_has_fp16_weight true, or
+// a wrong JSON type. Missing keys take transformers' defaults.
 absl::StatusOr<BnbQuantizationConfig> BnbConfigFromJson(absl::string_view json,
                                                         absl::string_view label);
 // transformers' BitsAndBytesConfig.to_dict() (the blocksize is not in it).

@@ -7,7 +7,8 @@
 # prometheus brings promtool (the tests lint /metrics with it); openssl makes
 # the TLS test's certificate. prometheus-cpp-dev: the server's metrics
 # (core) and its metrics port (pull, on civetweb); libboost-dev: Boost.Beast
-# and Boost.Asio (header-only) under the OpenAI HTTP API.
+# and Boost.Asio (header-only) under the OpenAI HTTP API. libminizip-dev reads
+# the zip directory of pytorch_model.bin files.
 # Idempotent and quiet: when everything is present it only checks, in about a second.
 set -euo pipefail
 
@@ -19,7 +20,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcivetweb-dev prometheus-cpp-dev libboost-dev libre2-dev libgloo-dev
   libgoogle-glog-dev
-  libutf8proc-dev libssl-dev libyaml-cpp-dev
+  libutf8proc-dev libssl-dev libyaml-cpp-dev libminizip-dev
   prometheus openssl
   yamllint
 )

@@ -15,6 +15,7 @@
 #include "core/status.h"
 #include "core/threads.h"
 #include "dispatch/device_map.h"
+#include "loader/config.h"
 #include "models/generator.h"
 #include "models/load_model.h"
 #include "models/nn.h"
@@ -110,6 +111,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Load(const EngineOptions& option
   if (std::filesystem::exists(tokenizer_path)) {
     ACCEL_ASSIGN_OR_RETURN(tokenizer::Tokenizer tokenizer,
                            tokenizer::Tokenizer::FromFile(tokenizer_path));
+    ACCEL_ASSIGN_OR_RETURN(loader::ModelConfig config,
+                           loader::ReadModelConfig(options.model_dir + "/config.json"));
+    ACCEL_RETURN_IF_ERROR(models::CheckTokenizer(tokenizer, config, tokenizer_path));
     model.tokenizer.emplace(std::move(tokenizer));
     // The chat template too: a broken one is named now, not at the first chat.
     absl::StatusOr<tokenizer::ChatTemplate> chat =

@@ -1,6 +1,7 @@
 #include "server/scheduler.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -283,6 +284,11 @@ void Scheduler::RunStep() {
     }
     const absl::Status failed = absl::InternalError(
         absl::StrCat("the model failed on this request: ", events.status().message()));
+    // The operator's record of it: the whole error (a weights file that
+    // failed is named here), once per failed step.
+    std::fprintf(stderr, "accel: a step failed, ending %zu of %zu running requests: %s\n",
+                 blamed.size(), running_.size(), events.status().ToString().c_str());
+    std::fflush(stderr);
     for (uint64_t sequence : blamed) EndRunning(sequence, failed, Finish::kLength);
     return;
   }

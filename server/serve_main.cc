@@ -12,6 +12,7 @@
 #include <ctime>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <pthread.h>
 #include <string>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 
+#include "core/file_faults.h"
 #include "core/tool_main.h"
 #include "models/default_model.h"
 #include "server/internal/connection_limits.h"
@@ -36,7 +38,8 @@ constexpr char kVersion[] = "0.1.0";
 }  // namespace
 
 ABSL_FLAG(std::string, model, "",
-          "A HuggingFace model folder (config.json, *.safetensors, tokenizer.json). Empty: the "
+          "A HuggingFace model folder (config.json, *.safetensors or pytorch_model.bin, "
+          "tokenizer.json). Empty: the "
           "embedded default model (share/accel/default-model beside the binary's bin/, or "
           "$ACCEL_DEFAULT_MODEL).");
 ABSL_FLAG(std::string, served_model_name, "",
@@ -133,6 +136,9 @@ ABSL_FLAG(int, threads, 0,
           "libtorch intra-op threads; 0: OMP_NUM_THREADS, else one per CPU this process may use.");
 
 namespace {
+
+// The exit status after a weights file fault: a restart is what mends it.
+constexpr int kExitWeightsFault = 3;
 
 void Log(const std::string& message) {
   std::fprintf(stderr, "accel-serve: %s\n", message.c_str());
@@ -260,6 +266,11 @@ int Run(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // A weights file truncated under its mapping: a SIGBUS mended and
+  // recorded, not a silent death (core/file_faults.h).
+  accel::InstallMappedFileFaultHandler();
+  // And one rewritten in place, which faults nothing: told by inotify.
+  accel::StartWeightsFileWatcher();
 
   absl::SetProgramUsageMessage(
       "Serves a HuggingFace-format model over gRPC.\n"
@@ -302,11 +313,21 @@ int Run(int argc, char** argv) {
 
   const timespec tick = {0, 100'000'000};
   bool logged_ready = false;
+  std::optional<std::string> fault;
   while (true) {
     siginfo_t info;
     const int signal = sigtimedwait(&signals, &info, &tick);
     if (signal == SIGTERM || signal == SIGINT) {
       Log(absl::StrCat(signal == SIGTERM ? "SIGTERM" : "SIGINT", ": draining"));
+      break;
+    }
+    // A weights file that changed or failed under us (core/file_faults.h):
+    // every step fails from now on, so stop being ready and exit non-zero
+    // once drained, for a restart that loads the files as they are now.
+    if (logged_ready && (fault = accel::ModelFileFault())) {
+      Log(absl::StrCat("weights file fault: ", *fault,
+                       "; not ready, draining, then exiting with status ", kExitWeightsFault,
+                       " for a restart"));
       break;
     }
     if (logged_ready) continue;
@@ -342,7 +363,7 @@ int Run(int argc, char** argv) {
   }
   server->reset();
   Log("drained; exiting");
-  return 0;
+  return fault ? kExitWeightsFault : 0;
 }
 
 }  // namespace

@@ -45,27 +45,45 @@ uint64_t PageSize() {
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<FileMapping>> FileMapping::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
+absl::StatusOr<std::shared_ptr<const OpenFile>> OpenFile::Open(const std::string& path,
+                                                               bool direct) {
+  std::shared_ptr<OpenFile> file(new OpenFile());
+  file->path_ = path;
+  // O_NONBLOCK: a FIFO would hold open() until a writer came.
+  file->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (file->fd_ < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
   struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return ErrnoStatus(err, absl::StrCat("reading the size of ", path));
+  if (::fstat(file->fd_, &st) != 0) return ErrnoStatus(errno, absl::StrCat("examining ", path));
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+  // Blocking again: reads of a regular file never wait on O_NONBLOCK anyway,
+  // but the flag should say what is meant.
+  (void)::fcntl(file->fd_, F_SETFL, ::fcntl(file->fd_, F_GETFL) & ~O_NONBLOCK);
+  if (direct) file->direct_fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  file->watch_ = WeightsFileWatch(file->fd_, path);
+  return std::shared_ptr<const OpenFile>(std::move(file));
+}
+
+OpenFile::~OpenFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (direct_fd_ >= 0) ::close(direct_fd_);
+}
+
+absl::StatusOr<std::shared_ptr<FileMapping>> FileMapping::Open(const OpenFile& file) {
+  struct stat st {};
+  if (::fstat(file.fd(), &st) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("reading the size of ", file.path()));
   }
   const auto size = static_cast<uint64_t>(st.st_size);
   void* addr = nullptr;
   if (size > 0) {
-    addr = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-    if (addr == MAP_FAILED) {
-      const int err = errno;
-      ::close(fd);
-      return ErrnoStatus(err, absl::StrCat("mapping ", path));
-    }
+    addr = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, file.fd(), 0);
+    if (addr == MAP_FAILED) return ErrnoStatus(errno, absl::StrCat("mapping ", file.path()));
   }
-  ::close(fd);  // the mapping keeps the file
-  return std::shared_ptr<FileMapping>(new FileMapping(addr, size));
+  std::shared_ptr<FileMapping> mapping(new FileMapping(addr, size));
+  mapping->registration_ = MappedFileRegistration(addr, size, file.path());
+  return mapping;
 }
 
 FileMapping::~FileMapping() {
@@ -130,17 +148,18 @@ void BufferPool::Give(at::Tensor buffer) {
   free_.emplace(buffer.nbytes(), std::move(buffer));
 }
 
-absl::Status ReadRange(const std::string& path, uint64_t offset, void* dst, uint64_t n,
+absl::Status ReadRange(const OpenFile& file, uint64_t offset, void* dst, uint64_t n,
                        bool drop_pages) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", path));
-  absl::Status status = PreadAll(fd, path, offset, static_cast<char*>(dst), n, n);
+  absl::Status status = PreadAll(file.fd(), file.path(), offset, static_cast<char*>(dst), n, n);
+  if (!status.ok()) {
+    RecordModelFileFault(status.ToString());
+    return status;
+  }
   // Advice only: a failure changes nothing that was read.
-  if (drop_pages && status.ok()) {
-    (void)::posix_fadvise(fd, static_cast<off_t>(offset), static_cast<off_t>(n),
+  if (drop_pages) {
+    (void)::posix_fadvise(file.fd(), static_cast<off_t>(offset), static_cast<off_t>(n),
                           POSIX_FADV_DONTNEED);
   }
-  ::close(fd);
   return status;
 }
 
@@ -176,31 +195,28 @@ absl::StatusOr<ReadTensors> ReadCoalesced(const std::vector<const Source*>& tens
     const uint64_t pad = direct ? (kAlign - address % kAlign) % kAlign : 0;
     char* dst = static_cast<char*>(storage.data_ptr()) + pad;
 
-    int fd = -1;
-    bool drop_after = false;
-    if (direct) {
-      fd = ::open(first.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-      if (fd < 0 && errno == EINVAL) drop_after = true;  // no O_DIRECT here (tmpfs)
+    // Through the descriptors held since the load, never the path again.
+    if (first.file == nullptr) {
+      return absl::InternalError(
+          absl::StrCat("tensor '", label, "': ", first.path, " is not open"));
     }
-    if (fd < 0) fd = ::open(first.path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      return Annotate(ErrnoStatus(errno, absl::StrCat("opening ", first.path)),
-                      absl::StrCat("tensor '", label, "'"));
-    }
+    int fd = direct ? first.file->direct_fd() : -1;
+    const bool drop_after = direct && fd < 0;  // no O_DIRECT here (tmpfs): drop the pages after
+    if (fd < 0) fd = first.file->fd();
     absl::Status read = PreadAll(fd, first.path, start, dst, length, end - start);
     if (drop_after && read.ok()) {
       (void)::posix_fadvise(fd, static_cast<off_t>(start), static_cast<off_t>(length),
                             POSIX_FADV_DONTNEED);
     }
-    ::close(fd);
     if (!read.ok()) {
+      RecordModelFileFault(absl::StrCat("tensor '", label, "': ", read.ToString()));
       // Name the first tensor the short read cut into.
       std::string cut = label;
       if (absl::IsDataLoss(read)) {
         for (size_t k = i; k < j; ++k) {
           cut = names[order[k]];
           struct stat st = {};
-          if (::stat(first.path.c_str(), &st) == 0 &&
+          if (::fstat(first.file->fd(), &st) == 0 &&
               tensors[order[k]]->offset + tensors[order[k]]->nbytes >
                   static_cast<uint64_t>(st.st_size)) {
             break;

@@ -16,15 +16,44 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
+#include "core/file_faults.h"
+
 namespace accel::dispatch::internal {
 
 // A whole file mapped read-only and shared (so the page cache's pages are
 // used as they are, and a write to them is a fault, never a silent change),
 // for disk entries used in place on a cpu execution device. Unmapped when the
 // last owner goes. Thread-safe: its methods are advice on ranges.
+// A weights file held open from load to exit: reads and mappings go through
+// this descriptor, never the path again, so a file replaced (renamed over)
+// or deleted while serving changes nothing, and one changed in place is
+// recorded (core/file_faults.h). With `direct`, a second descriptor with
+// O_DIRECT where the file system has it.
+class OpenFile {
+ public:
+  static absl::StatusOr<std::shared_ptr<const OpenFile>> Open(const std::string& path, bool direct);
+  ~OpenFile();
+  OpenFile(const OpenFile&) = delete;
+  OpenFile& operator=(const OpenFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  int fd() const { return fd_; }
+  // -1 when not asked for, or the file system refuses O_DIRECT (tmpfs).
+  int direct_fd() const { return direct_fd_; }
+
+ private:
+  OpenFile() = default;
+  std::string path_;
+  int fd_ = -1;
+  int direct_fd_ = -1;
+  WeightsFileWatch watch_;
+};
+
 class FileMapping {
  public:
-  static absl::StatusOr<std::shared_ptr<FileMapping>> Open(const std::string& path);
+  // The whole of `file`, read-only and shared; a SIGBUS on it (the file
+  // truncated under us) is mended and recorded (core/file_faults.h).
+  static absl::StatusOr<std::shared_ptr<FileMapping>> Open(const OpenFile& file);
   ~FileMapping();
   FileMapping(const FileMapping&) = delete;
   FileMapping& operator=(const FileMapping&) = delete;
@@ -45,6 +74,7 @@ class FileMapping {
   FileMapping(void* addr, uint64_t size) : addr_(addr), size_(size) {}
   void* addr_ = nullptr;
   uint64_t size_ = 0;
+  MappedFileRegistration registration_;
 };
 
 struct Source {
@@ -56,6 +86,8 @@ struct Source {
   std::vector<int64_t> shape;
   // Set for a disk source used in place: the mapping of `path`.
   std::shared_ptr<const FileMapping> mapping;
+  // A disk source's file, held open since the load: every read goes through it.
+  std::shared_ptr<const OpenFile> file;
 };
 
 // The disk source `source` as a tensor viewing its mapping (no copy); it
@@ -67,10 +99,11 @@ struct Offloaded {
   Source source;
 };
 
-// Reads `n` bytes at `offset` of `path` into `dst` with pread. With
+// Reads `n` bytes at `offset` of `file` into `dst` with pread. With
 // `drop_pages`, the file's pages of that range are dropped from the page
-// cache afterwards (POSIX_FADV_DONTNEED).
-absl::Status ReadRange(const std::string& path, uint64_t offset, void* dst, uint64_t n,
+// cache afterwards (POSIX_FADV_DONTNEED). A read that fails (the file cut
+// short under us) is recorded as a weights file fault (core/file_faults.h).
+absl::Status ReadRange(const OpenFile& file, uint64_t offset, void* dst, uint64_t n,
                        bool drop_pages = false);
 
 // A host buffer of at least `bytes` bytes (uint8, flat): a pooled one, or new

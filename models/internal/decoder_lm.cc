@@ -475,6 +475,7 @@ class DecoderLM : public CausalLM {
                                      absl::Span<const SequenceChunk> given, Logits which,
                                      dispatch::DispatchedModel* dispatched) override {
     const size_t n = model->layers.size();
+    ACCEL_RETURN_IF_ERROR(CheckWeightFiles());
     ACCEL_RETURN_IF_ERROR(PreparePositions(input_ids, given, config(), n).status());
     // LongRoPE: a sequence whose step crosses the original context is run
     // again whole with the long factors, into a fresh cache that replaces
@@ -584,6 +585,7 @@ class DecoderLM : public CausalLM {
                              }
                              return logits;
                            }));
+    ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
     AdvanceCaches(ids, chunks);
     for (size_t i = 0; i < chunks.size(); ++i) {
       if (chunks[i].cache == &fresh[i]) *given[i].cache = std::move(fresh[i]);

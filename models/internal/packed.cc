@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -11,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/file_faults.h"
 #include "models/internal/sdpa.h"
 #include "models/nn.h"
 
@@ -181,6 +184,16 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
     }
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+}
+
+absl::Status CheckWeightFiles() {
+  if (std::optional<std::string> fault = ModelFileFault()) {
+    return absl::DataLossError(absl::StrCat(
+        *fault,
+        "; the weights in memory can no longer be trusted, so every step fails until the "
+        "process restarts"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,

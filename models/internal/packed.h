@@ -56,6 +56,12 @@ absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
                                             absl::Span<const SequenceChunk> chunks,
                                             const loader::ModelConfig& config, size_t layers);
 
+// DataLoss once a weights file has faulted (core/file_faults.h: a mapped
+// page read as zeros, or a failed read): every step fails from then on, so
+// nothing computed from those bytes is answered. Called when a step starts
+// and again before its caches advance.
+absl::Status CheckWeightFiles();
+
 // Each chunk's last token, as indices into the packed tokens.
 at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks);
 

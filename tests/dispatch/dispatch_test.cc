@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <signal.h>
@@ -167,7 +168,7 @@ TEST(DispatchTest, CpuLayersAliasTheCheckpointWithoutACopy) {
   ASSERT_THAT(dispatched, IsOk());
   ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint ckpt, loader::Checkpoint::Open(dir.path()));
   const loader::Checkpoint::Entry* entry = ckpt.Find("l0.weight");
-  absl::string_view bytes = ckpt.shard(entry->shard).Bytes(entry->info);
+  absl::string_view bytes = ckpt.safetensors_shard(entry->shard)->Bytes(entry->info);
   // Same file bytes: the tensor's data is the page cache, not a copy.
   EXPECT_EQ(0, std::memcmp(model->layers[0]->weight.data_ptr(), bytes.data(), bytes.size()));
 }
@@ -440,10 +441,45 @@ TEST(DispatchTest, AFullDiskWhileOffloadingNamesTheTensorAndLeavesNoTemporary) {
   EXPECT_THAT(result,
               StatusIs(absl::StatusCode::kResourceExhausted,
                        AllOf(HasSubstr("offloading tensor 'l1."), HasSubstr("offload/l1."))));
-  for (const auto& e : std::filesystem::directory_iterator(dir.path() + "/offload")) {
-    EXPECT_THAT(e.path().string(), ::testing::Not(HasSubstr(".tmp.")))
-        << "a temporary file was left";
+  // The folder this load made is gone with everything it wrote.
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/offload"));
+}
+
+// A load that fails after writing converted tensors to the offload folder
+// takes them away again: a folder it made is removed, and one an earlier
+// load filled keeps that load's files and index exactly.
+TEST(DispatchTest, AFailedLoadLeavesTheOffloadFolderAsItFoundIt) {
+  TempDir dir;
+  auto reference = SaveReference(dir.path() + "/ckpt", at::kBFloat16);
+  // The same checkpoint without l5.bias: it fails once every tensor is placed.
+  std::vector<loader::NamedTensor> lacking;
+  for (const auto& p : reference->named_parameters()) {
+    if (p.key() != "l5.bias") lacking.emplace_back(p.key(), p.value().detach().to(at::kBFloat16));
   }
+  ASSERT_THAT(loader::WriteCheckpoint(dir.path() + "/lacking", lacking), IsOk());
+  LoadOptions options = Quiet();
+  options.dtype = at::kFloat;
+  options.offload_folder = dir.path() + "/offload";
+  EXPECT_THAT(DispatchedModel::Load(EmptyMlp(), dir.path() + "/lacking", Split(), options),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("l5.bias")));
+  EXPECT_FALSE(std::filesystem::exists(options.offload_folder));
+
+  // A folder a successful load filled, plus a file of someone else's.
+  auto first = DispatchedModel::Load(EmptyMlp(), dir.path() + "/ckpt", Split(), options);
+  ASSERT_THAT(first, IsOk());
+  dir.Write("offload/notes.txt", "mine");
+  std::map<std::string, std::string> before;
+  for (const auto& e : std::filesystem::directory_iterator(options.offload_folder)) {
+    before[e.path().filename()] = test::ReadAll(e.path());
+  }
+  EXPECT_THAT(DispatchedModel::Load(EmptyMlp(), dir.path() + "/lacking", Split(), options),
+              StatusIs(absl::StatusCode::kNotFound));
+  std::map<std::string, std::string> after;
+  for (const auto& e : std::filesystem::directory_iterator(options.offload_folder)) {
+    after[e.path().filename()] = test::ReadAll(e.path());
+  }
+  EXPECT_EQ(after, before);
+  EXPECT_EQ(before.count("index.json"), 1u);
 }
 
 TEST(DispatchTest, AnUnconvertibleDtypeNamesTheTensor) {

@@ -53,6 +53,10 @@ struct Fixture {
       tensors.push_back({absl::StrCat("experts.", i / 2, ".w", i % 2), s});
     }
     EXPECT_THAT(loader::WriteFileAtomically(path, bytes), IsOk());
+    // Held open, as a load holds its files: reads go through the descriptor.
+    absl::StatusOr<std::shared_ptr<const OpenFile>> file = OpenFile::Open(path, /*direct=*/true);
+    EXPECT_THAT(file, IsOk());
+    for (Offloaded& t : tensors) t.source.file = *file;
   }
 
   // Unit u in layer u % positions of the cycle.
@@ -231,10 +235,13 @@ TEST(ExpertCacheTest, AValueHeldPastItsEvictionIsNeverOverwritten) {
 
 TEST(ExpertCacheTest, AFailedReadNamesTheTensorAndLeavesNothingPinned) {
   Fixture f;
-  f.tensors[5].source.path = f.dir.path() + "/missing.bin";  // unit 2's second tensor
+  // Unit 2's second tensor lives in a file that was cut short.
+  const std::string short_file = f.dir.Write("short.bin", "four");
+  ACCEL_ASSERT_OK_AND_ASSIGN(f.tensors[5].source.file, OpenFile::Open(short_file, false));
+  f.tensors[5].source.path = short_file;
   auto cache = f.Cache(1);
   EXPECT_THAT(cache->Acquire({0, 2}),
-              StatusIs(absl::StatusCode::kNotFound, HasSubstr("experts.2.w1")));
+              StatusIs(absl::StatusCode::kDataLoss, HasSubstr("experts.2.w1")));
   // Unit 0 was read and is not left pinned: another unit can take its room.
   ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache->Acquire({1}));
   ExpectUnit(values[0], 1);

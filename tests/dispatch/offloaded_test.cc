@@ -2,8 +2,12 @@
 #include "dispatch/internal/offloaded.h"
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fcntl.h>
+#include <filesystem>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -12,6 +16,8 @@
 
 #include "absl/strings/string_view.h"
 
+#include "core/file_faults.h"
+#include "core/status.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -20,6 +26,7 @@ namespace {
 
 using ::accel::test::StatusIs;
 using ::accel::test::TempDir;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // `count` float32 values 0, 1, 2, ... as raw bytes.
@@ -32,7 +39,7 @@ std::string WriteFloats(const TempDir& dir, int64_t count) {
 
 TEST(FileMappingTest, AMissingFileIsAnErrorNamingIt) {
   TempDir dir;
-  EXPECT_THAT(FileMapping::Open(dir.path() + "/absent.bin"),
+  EXPECT_THAT(OpenFile::Open(dir.path() + "/absent.bin", /*direct=*/false),
               StatusIs(absl::StatusCode::kNotFound, HasSubstr("absent.bin")));
 }
 
@@ -40,7 +47,8 @@ TEST(FileMappingTest, AViewIsTheFilesBytesAndSurvivesDropAndPopulate) {
   TempDir dir;
   constexpr int64_t kCount = 3 * 1024 + 17;
   const std::string path = WriteFloats(dir, kCount);
-  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(path));
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file, OpenFile::Open(path, false));
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(*file));
   EXPECT_EQ(mapping->size(), static_cast<uint64_t>(kCount * 4));
   Source source;
   source.path = path;
@@ -71,7 +79,8 @@ TEST(FileMappingTest, AViewIsTheFilesBytesAndSurvivesDropAndPopulate) {
 TEST(FileMappingTest, UnalignedOrOutOfRangeBytesHaveNoView) {
   TempDir dir;
   const std::string path = WriteFloats(dir, 64);
-  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(path));
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file, OpenFile::Open(path, false));
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(*file));
   Source source;
   source.path = path;
   source.dtype = at::kFloat;
@@ -86,6 +95,54 @@ TEST(FileMappingTest, UnalignedOrOutOfRangeBytesHaveNoView) {
   EXPECT_TRUE(MappedView(source).defined());
   source.mapping.reset();  // a source without a mapping
   EXPECT_FALSE(MappedView(source).defined());
+}
+
+// A file is read through the descriptor opened at load, never its path
+// again: replaced (renamed over) or deleted, the bytes read are the ones it
+// had; truncated under us, a read is DataLoss naming the tensor and the file,
+// and is recorded as a weights file fault (core/file_faults.h).
+TEST(OpenFileTest, ReadsGoThroughTheHeldFileNotThePath) {
+  ResetModelFileFaultForTesting();
+  TempDir dir;
+  const std::string path = WriteFloats(dir, 1024);
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file, OpenFile::Open(path, true));
+  Source source;
+  source.path = path;
+  source.offset = 100 * 4;
+  source.nbytes = 200 * 4;
+  source.dtype = at::kFloat;
+  source.shape = {200};
+  source.file = file;
+  const at::Tensor expected = at::arange(100, 300, at::kFloat);
+  const auto read = [&](bool direct) -> absl::StatusOr<at::Tensor> {
+    ACCEL_ASSIGN_OR_RETURN(ReadTensors got, ReadCoalesced({&source}, {"w"}, direct, [](uint64_t n) {
+                             return at::empty({static_cast<int64_t>(n)}, at::kByte);
+                           }));
+    return got.values[0].clone();
+  };
+  for (bool direct : {false, true}) {
+    ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor first, read(direct));
+    EXPECT_TRUE(at::equal(first, expected));
+  }
+  // Replaced by a rename (how a model is updated safely), then deleted.
+  dir.Write("other.bin", std::string(4096, '\x7f'));
+  ASSERT_EQ(std::rename(dir.File("other.bin").c_str(), path.c_str()), 0);
+  ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor replaced, read(false));
+  EXPECT_TRUE(at::equal(replaced, expected));
+  std::filesystem::remove(path);
+  ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor deleted, read(true));
+  EXPECT_TRUE(at::equal(deleted, expected));
+  EXPECT_EQ(ModelFileFault(), std::nullopt);
+  // Truncated in place: the held file itself is cut short.
+  const int writer = ::open(("/proc/self/fd/" + std::to_string(file->fd())).c_str(), O_WRONLY);
+  ASSERT_GE(writer, 0);
+  ASSERT_EQ(::ftruncate(writer, 300), 0);
+  ::close(writer);
+  EXPECT_THAT(read(false), StatusIs(absl::StatusCode::kDataLoss,
+                                    AllOf(HasSubstr("tensor 'w'"), HasSubstr(path))));
+  ASSERT_NE(ModelFileFault(), std::nullopt);
+  EXPECT_THAT(*ModelFileFault(), HasSubstr(path));
+  ResetModelFileFaultForTesting();
 }
 
 }  // namespace

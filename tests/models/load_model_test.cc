@@ -2,17 +2,29 @@
 // logits as all on the cpu), the stop tokens, and each bad option.
 #include "models/load_model.h"
 
+#include <chrono>
+#include <fcntl.h>
+#include <filesystem>
 #include <fstream>
+#include <future>
 #include <string>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/Functions.h>
 #include <c10/core/InferenceMode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
+
+#include "core/file_faults.h"
+#include "loader/config.h"
 #include "loader/loader.h"
 #include "models/make_model.h"
+#include "tests/testing/command.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -266,6 +278,166 @@ TEST_F(LoadModelTest, TheCpuAsExecutionDeviceChangesNothing) {
   ACCEL_ASSERT_OK_AND_ASSIGN(
       at::Tensor b, on_cpu.model->Forward(ids, {chunk}, Logits::kAll, on_cpu.dispatched.get()));
   EXPECT_TRUE(at::equal(a, b));
+}
+
+// Rewrites one key of `dir`/config.json.
+void SetConfigKey(const std::string& dir, const std::string& key, nlohmann::json value) {
+  nlohmann::json config = nlohmann::json::parse(test::ReadAll(dir + "/config.json"));
+  config[key] = std::move(value);
+  std::ofstream(dir + "/config.json") << config.dump(2);
+}
+
+// A config.json asking for far more layers (or experts) than the checkpoint
+// holds is refused from the checkpoint's headers, before the model's
+// skeleton (whose cost grows with the layers) is built: it once took 2.6 GB
+// and a minute to find the tensors missing.
+TEST_F(LoadModelTest, AConfigAskingForMoreLayersThanTheCheckpointIsRefusedFirst) {
+  for (int64_t layers : {int64_t{4}, int64_t{100000}, int64_t{1} << 26}) {
+    SetConfigKey(dir_.path(), "num_hidden_layers", layers);
+    EXPECT_THAT(LoadModel(dir_.path(), Options("cpu")),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr(absl::StrCat("num_hidden_layers is ", layers)),
+                               HasSubstr("layers up to model.layers.2 only"))));
+  }
+  TempDir moe;
+  MakeModelOptions o;
+  o.family = "mixtral";
+  o.hidden_size = 32;
+  o.num_layers = 2;
+  o.vocab_size = 300;
+  o.num_experts = 4;
+  o.num_experts_per_tok = 2;
+  ASSERT_THAT(MakeModel(moe.path(), o), IsOk());
+  SetConfigKey(moe.path(), "num_local_experts", 100000);
+  EXPECT_THAT(LoadModel(moe.path(), Options("cpu")),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("100000 experts"),
+                             HasSubstr("model.layers.1.block_sparse_moe.experts.3 only"))));
+}
+
+// Files in a model folder that are not regular files (a FIFO here: opening
+// one waits for a writer) are refused by name instead of hanging the load.
+TEST_F(LoadModelTest, AFifoInTheModelFolderIsRefusedByName) {
+  for (const char* name : {"config.json", "generation_config.json", "model.safetensors"}) {
+    SCOPED_TRACE(name);
+    TempDir copy;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_.path())) {
+      std::filesystem::copy(entry.path(), copy.File(entry.path().filename().string()));
+    }
+    std::filesystem::remove(copy.File(name));
+    ASSERT_EQ(::mkfifo(copy.File(name).c_str(), 0600), 0);
+    // Were the load to wait on the FIFO, a writer would free it after 10 s
+    // and the test would fail rather than hang.
+    auto load =
+        std::async(std::launch::async, [&] { return LoadModel(copy.path(), Options("cpu")); });
+    if (load.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      ADD_FAILURE() << "the load waits on the FIFO";
+      const int fd = ::open(copy.File(name).c_str(), O_WRONLY | O_NONBLOCK);
+      if (fd >= 0) ::close(fd);
+    }
+    EXPECT_THAT(load.get(), StatusIs(absl::StatusCode::kInvalidArgument,
+                                     AllOf(HasSubstr(copy.File(name)), HasSubstr("FIFO"))));
+  }
+}
+
+// The tokenizer is checked against the model when a server starts: ids
+// past config.json's vocab_size are refused naming tokenizer.json.
+TEST_F(LoadModelTest, ATokenizerWithIdsPastTheVocabularyIsRefused) {
+  const std::string path = dir_.path() + "/tokenizer.json";
+  ACCEL_ASSERT_OK_AND_ASSIGN(tokenizer::Tokenizer tokenizer, tokenizer::Tokenizer::FromFile(path));
+  ACCEL_ASSERT_OK_AND_ASSIGN(loader::ModelConfig config,
+                             loader::ReadModelConfig(dir_.path() + "/config.json"));
+  EXPECT_THAT(CheckTokenizer(tokenizer, config, path), IsOk());
+  config.vocab_size = tokenizer.vocab_size() - 1;
+  EXPECT_THAT(CheckTokenizer(tokenizer, config, path),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr(path), HasSubstr("past config.json's vocab_size"))));
+}
+
+absl::StatusOr<at::Tensor> TryLogits(LoadedModel& m) {
+  c10::InferenceMode inference;
+  return m.model->Forward(at::tensor({1, 2, 3, 4}, at::kLong), {{nullptr, 4}}, Logits::kAll,
+                          m.dispatched.get());
+}
+
+// Weights files replaced (renamed over) or deleted while serving change
+// nothing: the model holds the files it loaded (their mappings, and the
+// descriptors disk reads go through).
+TEST_F(LoadModelTest, WeightsFilesReplacedOrDeletedWhileServingChangeNothing) {
+  ResetModelFileFaultForTesting();
+  ModelLoadOptions split = Options("auto");
+  split.max_memory = "cpu=100KiB,disk=1GiB";
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel m, LoadModel(dir_.path(), split));
+  ASSERT_THAT(m.device_map.ToJson(), HasSubstr("disk"));
+  const at::Tensor before = Logits(m);
+  // Another model's weights renamed over the file, then deleted altogether.
+  TempDir other;
+  MakeModelOptions o;
+  o.hidden_size = 32;
+  o.num_layers = 3;
+  o.vocab_size = 300;
+  o.seed = 99;
+  ASSERT_THAT(MakeModel(other.path(), o), IsOk());
+  std::filesystem::rename(other.File("model.safetensors"), dir_.File("model.safetensors"));
+  EXPECT_TRUE(at::equal(Logits(m), before));
+  std::filesystem::remove(dir_.File("model.safetensors"));
+  EXPECT_TRUE(at::equal(Logits(m), before));
+  EXPECT_EQ(ModelFileFault(), std::nullopt);
+}
+
+// A weights file truncated in place while serving (cp over it starts so):
+// the read of a mapped page past its new end is a SIGBUS, mended and
+// recorded (core/file_faults.h), and every step fails from then on naming
+// the file, so no logits computed from the lost bytes are returned.
+TEST_F(LoadModelTest, AWeightsFileTruncatedWhileServingFailsEveryStepNamingIt) {
+  InstallMappedFileFaultHandler();
+  ResetModelFileFaultForTesting();
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel m, LoadModel(dir_.path(), Options("cpu")));
+  EXPECT_THAT(TryLogits(m), IsOk());
+  const std::string file = dir_.File("model.safetensors");
+  ASSERT_EQ(::truncate(file.c_str(), 64), 0);
+  for (int step = 0; step < 2; ++step) {
+    EXPECT_THAT(TryLogits(m), StatusIs(absl::StatusCode::kDataLoss,
+                                       AllOf(HasSubstr(file), HasSubstr("every step fails"))));
+  }
+  EXPECT_GE(MappedFileFaultCount(), 1);
+  m = LoadedModel();  // its mapping, zero page and all, goes
+  ResetModelFileFaultForTesting();  // for the tests after this one in the same process
+}
+
+// pytorch_model.bin (torch.save's format, written by Python's pickler:
+// tests/loader/torch_save.py) loads to the same logits as the same weights
+// in safetensors, on the cpu and offloaded to disk, where a tensor stored as
+// a strided view is copied into the offload folder (or refused by name
+// without one).
+TEST_F(LoadModelTest, APytorchModelBinLoadsToTheSameLogitsAsSafetensors) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel reference, LoadModel(dir_.path(), Options("cpu")));
+  const at::Tensor expected = Logits(reference);
+  TempDir bin;
+  for (const char* file : {"config.json", "generation_config.json", "tokenizer.json"}) {
+    std::filesystem::copy_file(dir_.path() + "/" + file, bin.File(file));
+  }
+  const std::string strided = "model.layers.1.mlp.down_proj.weight";
+  const test::CommandResult made = test::CommandOutput(
+      absl::StrCat("python3 ", ACCEL_TORCH_SAVE_PY, " ", dir_.path(), "/model.safetensors ",
+                   bin.File("pytorch_model.bin"), " --ordered --transpose ", strided, " 2>&1"));
+  ASSERT_EQ(made.exit_code, 0) << made.out;
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel from_bin, LoadModel(bin.path(), Options("cpu")));
+  EXPECT_TRUE(at::equal(Logits(from_bin), expected));
+
+  const std::string map = bin.File("map.json");
+  std::ofstream(map) << R"({"model.embed_tokens": "cpu", "model.layers": "disk",
+                           "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"})";
+  ModelLoadOptions tight = Options(map);
+  EXPECT_THAT(
+      LoadModel(bin.path(), tight),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr(strided), HasSubstr("strided view"), HasSubstr("offload folder"))));
+  tight.offload_folder = bin.File("offload");
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel split, LoadModel(bin.path(), tight));
+  EXPECT_THAT(split.device_map.ToJson(), HasSubstr("disk"));
+  EXPECT_TRUE(at::equal(Logits(split), expected));
+  EXPECT_TRUE(std::filesystem::exists(bin.File("offload/" + strided + ".dat")));
 }
 
 }  // namespace

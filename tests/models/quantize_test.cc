@@ -38,6 +38,7 @@ namespace {
 using ::accel::test::IsOk;
 using ::accel::test::StatusIs;
 using ::accel::test::TempDir;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using Method = nn::LinearQuantization::Method;
 
@@ -321,6 +322,34 @@ TEST_F(QuantizeTest, BadOptionsAndBrokenCheckpointsNameTheProblem) {
   EXPECT_THAT(LoadModel(out.path(), Options("none")),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("model.layers.1.self_attn.k_proj.weight")));
+}
+
+// transformers keeps the layers a split device map puts on the cpu or the
+// disk unquantized under llm_int8_enable_fp32_cpu_offload; a stored quantized
+// layer is never dequantized here, so the flag is refused by name where it
+// would change the model and honoured (a no-op) where it would not.
+TEST_F(QuantizeTest, Fp32CpuOffloadIsRefusedWhereItWouldChangeTheModel) {
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel q, LoadModel(dir_.path(), Options("int8")));
+  TempDir out;
+  ASSERT_THAT(SaveQuantizedModel(q, out.path()), IsOk());
+  nlohmann::json config = nlohmann::json::parse(ReadText(out.File("config.json")));
+  config["quantization_config"]["llm_int8_enable_fp32_cpu_offload"] = true;
+  std::ofstream(out.File("config.json")) << config.dump(2);
+  // One device for everything: transformers excludes nothing either.
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel whole, LoadModel(out.path(), Options("none")));
+  EXPECT_TRUE(whole.prequantized);
+  // A map split over the cpu and the disk: the layers there would stay float.
+  ModelLoadOptions split = Options("none");
+  split.device_map = "auto";
+  split.max_memory = "cpu=150KB,disk=1GB";
+  split.offload_folder = out.File("offload");
+  EXPECT_THAT(LoadModel(out.path(), split),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("llm_int8_enable_fp32_cpu_offload"),
+                             HasSubstr("model.layers."), HasSubstr("is stored quantized"))));
+  config["quantization_config"]["llm_int8_enable_fp32_cpu_offload"] = false;
+  std::ofstream(out.File("config.json")) << config.dump(2);
+  EXPECT_THAT(LoadModel(out.path(), split), IsOk());
 }
 
 at::Tensor Bytes(const std::string& text) {

@@ -1097,6 +1097,11 @@ TEST(BnbConfigTest, ErrorsNameTheLabelAndTheKey) {
       {R"({"load_in_8bit": true, "llm_int8_skip_modules": "lm_head"})", "llm_int8_skip_modules"},
       {R"({"load_in_8bit": true, "llm_int8_skip_modules": ["lm_head", 3]})",
        "llm_int8_skip_modules"},
+      {R"({"load_in_8bit": true, "llm_int8_enable_fp32_cpu_offload": "yes"})",
+       "llm_int8_enable_fp32_cpu_offload"},
+      {R"({"load_in_8bit": true, "llm_int8_has_fp16_weight": 0})", "llm_int8_has_fp16_weight"},
+      // bnb's int8 training mode: refused by name, never ignored.
+      {R"({"load_in_8bit": true, "llm_int8_has_fp16_weight": true})", "llm_int8_has_fp16_weight"},
   };
   for (const auto& [json, key] : cases) {
     EXPECT_THAT(BnbConfigFromJson(json, "m/config.json"),
@@ -1134,6 +1139,12 @@ TEST(BnbConfigTest, ToJsonIsTransformersToDictSorted) {
   EXPECT_EQ(back.llm_int8_threshold, 0.0);
   EXPECT_EQ(back.llm_int8_skip_modules, c.llm_int8_skip_modules);
   EXPECT_EQ(back.bnb_4bit_quant_type, QuantType4bit::kFp4);
+  EXPECT_FALSE(back.llm_int8_enable_fp32_cpu_offload);
+  // The cpu-offload flag is read and written back, not dropped.
+  c.llm_int8_enable_fp32_cpu_offload = true;
+  EXPECT_THAT(BnbConfigToJson(c), HasSubstr(R"("llm_int8_enable_fp32_cpu_offload":true)"));
+  ACCEL_ASSERT_OK_AND_ASSIGN(back, BnbConfigFromJson(BnbConfigToJson(c), "round trip"));
+  EXPECT_TRUE(back.llm_int8_enable_fp32_cpu_offload);
 }
 
 TEST(BnbConfigTest, QuantizesAllButTheSkippedModules) {
