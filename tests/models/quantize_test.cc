@@ -339,9 +339,12 @@ TEST_F(QuantizeTest, Fp32CpuOffloadIsRefusedWhereItWouldChangeTheModel) {
   ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel whole, LoadModel(out.path(), Options("none")));
   EXPECT_TRUE(whole.prequantized);
   // A map split over the cpu and the disk: the layers there would stay float.
+  const std::string map = out.File("map.json");
+  std::ofstream(map) << R"({"model.embed_tokens": "cpu", "model.layers.0": "cpu",
+                           "model.layers.1": "disk", "model.norm": "cpu",
+                           "model.rotary_emb": "cpu", "lm_head": "cpu"})";
   ModelLoadOptions split = Options("none");
-  split.device_map = "auto";
-  split.max_memory = "cpu=150KB,disk=1GB";
+  split.device_map = map;
   split.offload_folder = out.File("offload");
   EXPECT_THAT(LoadModel(out.path(), split),
               StatusIs(absl::StatusCode::kInvalidArgument,
