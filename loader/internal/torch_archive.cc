@@ -672,6 +672,12 @@ class PickleChecker {
       if (s != 0 && d - 1 > (kLimit - last) / s) return BadAt("a tensor view past 2^62");
       last += (d - 1) * s;
     }
+    // An empty view reads nothing, but its offset still points into the
+    // storage (where a loader would look for its bytes).
+    if (static_cast<uint64_t>(offset.number) > static_cast<uint64_t>(storage.storage_numel)) {
+      return BadAt(absl::StrCat("a tensor view starts at element ", offset.number, " of storage ",
+                                Quoted(storage.text), ", which has ", storage.storage_numel));
+    }
     if (!empty && last >= static_cast<uint64_t>(storage.storage_numel)) {
       return BadAt(absl::StrCat("a tensor view reaches element ", last, " of storage ",
                                 Quoted(storage.text), ", which has ", storage.storage_numel));

@@ -230,6 +230,11 @@ TEST(TorchPickle, RefusesViewsPastTheirStorage) {
   dims.Op('}').Mark().Str("w").Tensor("0", 6, 0, {2, 3}, {3}).Op('u').Stop();
   EXPECT_THAT(Check(dims), StatusIs(absl::StatusCode::kInvalidArgument,
                                     HasSubstr("2 dimensions with 1 strides")));
+  // An empty view still starts inside its storage (fuzzing found one past it).
+  Pickle far;
+  far.Op('}').Mark().Str("w").Tensor("0", 6, 1000, {0}, {1}).Op('u').Stop();
+  EXPECT_THAT(Check(far),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("starts at element 1000")));
   // An empty view of an empty storage is fine.
   Pickle empty;
   empty.Op('}').Mark().Str("w").Tensor("0", 0, 0, {0, 4}, {4, 1}).Op('u').Stop();
