@@ -401,7 +401,7 @@ TEST_F(LoadModelTest, AWeightsFileTruncatedWhileServingFailsEveryStepNamingIt) {
                                        AllOf(HasSubstr(file), HasSubstr("every step fails"))));
   }
   EXPECT_GE(MappedFileFaultCount(), 1);
-  m = LoadedModel();  // its mapping, zero page and all, goes
+  m = LoadedModel();                // its mapping, zero page and all, goes
   ResetModelFileFaultForTesting();  // for the tests after this one in the same process
 }
 
