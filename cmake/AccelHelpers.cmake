@@ -145,7 +145,9 @@ function(accel_test path)
   if("sanitized" IN_LIST T_LABELS)
     set(label ${component}_sanitized)
   endif()
+  # Listing the tests starts the binary: under ASan, a libtorch-linked binary on a busy 2-core
+  # machine can take longer than the default 5 s to start, which fails the whole ctest run.
   gtest_discover_tests(${name}
-    DISCOVERY_MODE PRE_TEST
+    DISCOVERY_MODE PRE_TEST DISCOVERY_TIMEOUT 120
     PROPERTIES LABELS ${label} ENVIRONMENT "ACCEL_BIN_DIR=${CMAKE_BINARY_DIR}/bin")
 endfunction()

@@ -43,9 +43,10 @@ const char* MapFile(const std::string& path, size_t pages, size_t* size) {
 char ReadByte(const char* p) { return *static_cast<const volatile char*>(p); }
 
 // The process died of it: SIGBUS's default action, or (under ASan, whose
-// handler was there before ours) ASan's report and exit.
+// handler was there before ours) ASan's report and then its exit, or its
+// abort under abort_on_error=1 (as CI runs it).
 bool DiedOfIt(int status) {
-  return (WIFSIGNALED(status) && WTERMSIG(status) == SIGBUS) ||
+  return (WIFSIGNALED(status) && (WTERMSIG(status) == SIGBUS || WTERMSIG(status) == SIGABRT)) ||
          (WIFEXITED(status) && WEXITSTATUS(status) != 0);
 }
 
