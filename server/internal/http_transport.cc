@@ -28,6 +28,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 
@@ -931,10 +932,19 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
   }
   impl->port = acceptor.local_endpoint(ec).port();
   impl->Accept();
-  for (int i = 0; i < std::max(1, options.io_threads); ++i) {
+  // Start returns once every I/O thread runs: a thread that first ran later
+  // could meet a process already out of descriptors (UBSan's checks of a new
+  // thread open a pipe), and the server would be up in name only.
+  const int io_threads = std::max(1, options.io_threads);
+  absl::BlockingCounter running(io_threads);
+  for (int i = 0; i < io_threads; ++i) {
     Impl* self = impl.get();
-    impl->threads.emplace_back([self] { self->ioc.run(); });
+    impl->threads.emplace_back([self, &running] {
+      running.DecrementCount();
+      self->ioc.run();
+    });
   }
+  running.Wait();
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
 }
 
