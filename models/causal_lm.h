@@ -87,14 +87,17 @@ struct KvCache {
 // `tokens` of the packed input ids belong to the sequence whose cache is
 // `cache`; its positions continue from cache->length. A null cache is a
 // sequence starting at position 0 whose keys and values are not kept.
+// With Logits::kLastOfEach the chunk's last `logit_tokens` tokens get logits
+// (1: decoding; 1 + k: verifying k drafted tokens).
 struct SequenceChunk {
   KvCache* cache = nullptr;
   int64_t tokens = 0;
+  int64_t logit_tokens = 1;
 };
 
 enum class Logits {
   kAll,        // [total tokens, vocab]
-  kLastOfEach  // [sequences, vocab]: each chunk's last token (what decoding needs)
+  kLastOfEach  // [sum of logit_tokens, vocab]: each chunk's last logit_tokens tokens
 };
 
 class CausalLM : public dispatch::Layer {

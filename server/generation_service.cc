@@ -12,11 +12,10 @@
 
 #include "core/json.h"
 #include "core/status.h"
-#include "server/engine.h"
+#include "engine/llm_engine.h"
 #include "server/internal/openai_convert.h"
 #include "server/internal/wire.h"
 #include "server/internal/write_pump.h"
-#include "server/scheduler.h"
 #include "server/server_metrics.h"
 
 namespace accel::server {
@@ -28,24 +27,24 @@ using accel::v1::GenerateResponse;
 using Json = nlohmann::ordered_json;  // keeps tool definitions and arguments in their order
 
 // Which request a reactor serves: Generate* take a GenerateRequest, Chat* a
-// ChatRequest; both become one models::GenerationRequest.
+// ChatRequest; both become one engine::GenerationRequest.
 enum class Method { kGenerate, kChat };
 
-accel::v1::FinishReason ToProto(Finish finish) {
+accel::v1::FinishReason ToProto(engine::Finish finish) {
   switch (finish) {
-    case Finish::kLength:
+    case engine::Finish::kLength:
       return accel::v1::FINISH_REASON_LENGTH;
-    case Finish::kEos:
+    case engine::Finish::kEos:
       return accel::v1::FINISH_REASON_EOS;
-    case Finish::kStop:
+    case engine::Finish::kStop:
       return accel::v1::FINISH_REASON_STOP;
-    case Finish::kCancelled:
+    case engine::Finish::kCancelled:
       return accel::v1::FINISH_REASON_CANCELLED;
   }
   return accel::v1::FINISH_REASON_UNSPECIFIED;
 }
 
-void SetSampling(const accel::v1::SamplingParameters& s, models::SamplingParams& out) {
+void SetSampling(const accel::v1::SamplingParameters& s, engine::SamplingParams& out) {
   out.temperature = s.temperature();
   out.top_k = s.top_k();
   // 0 is proto3's unset: the neutral value.
@@ -69,7 +68,7 @@ JsonLimits ChatJsonLimits(const grpc::ServerContextBase& context, int64_t* key_t
 
 // The messages as chat templates read them (transformers' shape: a tool
 // call's arguments are an object, not the wire's JSON text).
-absl::StatusOr<models::GenerationRequest> ChatToParams(const ChatRequest& request,
+absl::StatusOr<engine::GenerationRequest> ChatToParams(const ChatRequest& request,
                                                        const grpc::ServerContextBase& context) {
   if (request.messages().empty()) return absl::InvalidArgumentError("messages is empty");
   int64_t json_keys = 0;
@@ -114,9 +113,9 @@ absl::StatusOr<models::GenerationRequest> ChatToParams(const ChatRequest& reques
     }
     tools.push_back(std::move(tool));
   }
-  models::GenerationRequest params;
+  engine::GenerationRequest params;
   params.model = request.model();
-  models::ChatInput chat;
+  engine::ChatInput chat;
   chat.messages_json = messages.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (!tools.empty()) chat.tools_json = tools.dump(-1, ' ', false, Json::error_handler_t::replace);
   chat.add_generation_prompt = request.add_generation_prompt();
@@ -131,9 +130,9 @@ absl::StatusOr<models::GenerationRequest> ChatToParams(const ChatRequest& reques
   return params;
 }
 
-models::GenerationRequest ToParams(const GenerateRequest& request,
+engine::GenerationRequest ToParams(const GenerateRequest& request,
                                    const grpc::ServerContextBase& context) {
-  models::GenerationRequest params;
+  engine::GenerationRequest params;
   params.model = request.model();
   if (request.input_case() == GenerateRequest::kPrompt) {
     params.prompt = request.prompt();
@@ -150,13 +149,13 @@ models::GenerationRequest ToParams(const GenerateRequest& request,
   return params;
 }
 
-void AppendChunk(const TokenChunk& chunk, GenerateResponse& out) {
+void AppendChunk(const engine::TokenChunk& chunk, GenerateResponse& out) {
   out.mutable_token_ids()->Add(chunk.token_ids.begin(), chunk.token_ids.end());
   out.mutable_logprobs()->Add(chunk.logprobs.begin(), chunk.logprobs.end());
   out.mutable_text()->append(chunk.text);
 }
 
-void SetCompletion(const Completion& completion, GenerateResponse& out) {
+void SetCompletion(const engine::Completion& completion, GenerateResponse& out) {
   out.set_finish_reason(ToProto(completion.finish));
   out.mutable_usage()->set_prompt_tokens(completion.prompt_tokens);
   out.mutable_usage()->set_generated_tokens(completion.generated_tokens);
@@ -169,7 +168,7 @@ void SetCompletion(const Completion& completion, GenerateResponse& out) {
 // What both reactors share with their sink about the request itself.
 struct CallState {
   absl::Mutex mu;
-  Engine* engine ABSL_GUARDED_BY(mu) = nullptr;
+  engine::LlmEngine* engine ABSL_GUARDED_BY(mu) = nullptr;
   std::optional<uint64_t> id ABSL_GUARDED_BY(mu);
   bool cancelled ABSL_GUARDED_BY(mu) = false;
 
@@ -185,7 +184,7 @@ struct CallState {
 
 // Parses, authorizes, validates and submits a request for `call`; the status
 // to finish the call with when that fails.
-absl::StatusOr<models::GenerationRequest> ParseParams(Method method, const grpc::ByteBuffer& body,
+absl::StatusOr<engine::GenerationRequest> ParseParams(Method method, const grpc::ByteBuffer& body,
                                                       const grpc::ServerContextBase& context) {
   if (method == Method::kChat) {
     ChatRequest request;
@@ -198,11 +197,11 @@ absl::StatusOr<models::GenerationRequest> ParseParams(Method method, const grpc:
 }
 
 grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerContext& context,
-                   const grpc::ByteBuffer& body, std::shared_ptr<RequestSink> sink,
+                   const grpc::ByteBuffer& body, std::shared_ptr<engine::RequestSink> sink,
                    CallState& call) {
   grpc::Status auth = state.Authorize(context);
   if (!auth.ok()) return auth;
-  absl::StatusOr<models::GenerationRequest> params = ParseParams(method, body, context);
+  absl::StatusOr<engine::GenerationRequest> params = ParseParams(method, body, context);
   if (!params.ok()) {
     if (state.metrics() != nullptr) {
       const absl::StatusCode code = params.status().code();
@@ -212,7 +211,7 @@ grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerConte
     }
     return ToGrpcStatus(params.status());
   }
-  absl::StatusOr<Engine*> engine = state.ReadyEngine();
+  absl::StatusOr<engine::LlmEngine*> engine = state.ReadyEngine();
   if (!engine.ok()) return ToGrpcStatus(engine.status());
   // Nobody to answer: nothing is queued (the scheduler would only drop it).
   if (absl::Status wanted = CallStillWanted(context); !wanted.ok()) {
@@ -242,14 +241,14 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
     grpc::ByteBuffer* body ABSL_GUARDED_BY(mu) = nullptr;  // gRPC's, where the answer goes
   };
 
-  class Sink : public RequestSink {
+  class Sink : public engine::RequestSink {
    public:
     explicit Sink(std::shared_ptr<Call> call) : call_(std::move(call)) {}
-    void OnTokens(TokenChunk chunk) override {
+    void OnTokens(engine::TokenChunk chunk) override {
       absl::MutexLock lock(&call_->mu);
       AppendChunk(chunk, call_->response);
     }
-    void OnDone(const absl::Status& status, const Completion& completion) override {
+    void OnDone(const absl::Status& status, const engine::Completion& completion) override {
       GenerateReactor* reactor = nullptr;
       {
         absl::MutexLock lock(&call_->mu);
@@ -320,11 +319,11 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
   };
 
-  class Sink : public RequestSink {
+  class Sink : public engine::RequestSink {
    public:
     Sink(std::shared_ptr<internal::WritePump> pump, std::shared_ptr<News> news)
         : pump_(std::move(pump)), news_(std::move(news)) {}
-    void OnTokens(TokenChunk chunk) override {
+    void OnTokens(engine::TokenChunk chunk) override {
       {
         absl::MutexLock lock(&news_->mu);
         if (!news_->next) news_->next.emplace();
@@ -332,7 +331,7 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       }
       pump_->Notify(news_);
     }
-    void OnDone(const absl::Status& status, const Completion& completion) override {
+    void OnDone(const absl::Status& status, const engine::Completion& completion) override {
       if (status.ok()) {
         {
           absl::MutexLock lock(&news_->mu);
@@ -427,11 +426,11 @@ grpc::Status GenerationService::AnswerGetModelInfo(grpc::CallbackServerContext& 
                                                    accel::v1::ModelInfo* response) {
   grpc::Status auth = state_->Authorize(context);
   if (!auth.ok()) return auth;
-  Engine* engine = state_->engine();
+  engine::LlmEngine* engine = state_->engine();
   if (engine == nullptr) {
     return ToGrpcStatus(absl::UnavailableError("the model is still loading"));
   }
-  const ModelInfo& info = engine->info();
+  const engine::ModelInfo& info = engine->info();
   response->set_name(info.name);
   response->set_architecture(info.architecture);
   response->set_model_type(info.model_type);

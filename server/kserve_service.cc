@@ -13,12 +13,11 @@
 #include "absl/synchronization/mutex.h"
 
 #include "core/status.h"
-#include "server/engine.h"
+#include "engine/llm_engine.h"
 #include "server/internal/kserve_convert.h"
 #include "server/internal/quote.h"
 #include "server/internal/wire.h"
 #include "server/internal/write_pump.h"
-#include "server/scheduler.h"
 #include "server/server_metrics.h"
 
 namespace accel::server {
@@ -34,7 +33,8 @@ using internal::KServeRequest;
 constexpr char kModelVersion[] = "1";
 
 // OK when `name` and `version` address the served model ("" means it).
-absl::Status CheckModel(const Engine& engine, const std::string& name, const std::string& version) {
+absl::Status CheckModel(const engine::LlmEngine& engine, const std::string& name,
+                        const std::string& version) {
   const std::string& served = engine.info().name;
   if (!name.empty() && name != served) {
     return absl::NotFoundError(absl::StrCat("model ", internal::Quote(name),
@@ -50,8 +50,9 @@ absl::Status CheckModel(const Engine& engine, const std::string& name, const std
 }
 
 // The engine to run `request` on, or the status to answer with.
-absl::StatusOr<Engine*> EngineFor(const ServingState& state, const ModelInferRequest& request) {
-  absl::StatusOr<Engine*> engine = state.ReadyEngine();
+absl::StatusOr<engine::LlmEngine*> EngineFor(const ServingState& state,
+                                             const ModelInferRequest& request) {
+  absl::StatusOr<engine::LlmEngine*> engine = state.ReadyEngine();
   if (!engine.ok()) return engine.status();
   ACCEL_RETURN_IF_ERROR(CheckModel(**engine, request.model_name(), request.model_version()));
   return engine;
@@ -60,9 +61,9 @@ absl::StatusOr<Engine*> EngineFor(const ServingState& state, const ModelInferReq
 // How a prompt's end reads as a status: the sink's, or for a request the
 // server itself stopped (a drain past its grace period), Unavailable, so
 // the client retries elsewhere rather than take a cut-short answer as whole.
-absl::Status EndStatus(const absl::Status& status, const Completion& completion) {
+absl::Status EndStatus(const absl::Status& status, const engine::Completion& completion) {
   if (!status.ok()) return status;
-  if (completion.finish == Finish::kCancelled) {
+  if (completion.finish == engine::Finish::kCancelled) {
     return absl::UnavailableError(
         "the server ended the request before it finished (it is shutting down); retry on "
         "another replica");
@@ -80,14 +81,14 @@ absl::Status ForPrompt(const absl::Status& status, const KServeRequest& request,
                       absl::StrCat(internal::PromptName(request, i), ": ", status.message()));
 }
 
-void AppendChunk(const TokenChunk& chunk, GenerationResult& result) {
+void AppendChunk(const engine::TokenChunk& chunk, GenerationResult& result) {
   result.text += chunk.text;
   result.token_ids.insert(result.token_ids.end(), chunk.token_ids.begin(), chunk.token_ids.end());
   result.logprobs.insert(result.logprobs.end(), chunk.logprobs.begin(), chunk.logprobs.end());
 }
 
-void SetCompletion(const Completion& completion, GenerationResult& result) {
-  result.finish_reason = FinishName(completion.finish);
+void SetCompletion(const engine::Completion& completion, GenerationResult& result) {
+  result.finish_reason = engine::FinishName(completion.finish);
   result.prompt_tokens = completion.prompt_tokens;
   result.generated_tokens = completion.generated_tokens;
 }
@@ -106,10 +107,10 @@ class InferReactor : public grpc::ServerUnaryReactor {
   // Shared by the reactor and the sinks; the scheduler keeps sinks (and so
   // this) after the call is over, which `reactor` null tells them.
   struct Call {
-    Call(std::shared_ptr<const KServeRequest> request, Engine* engine)
+    Call(std::shared_ptr<const KServeRequest> request, engine::LlmEngine* engine)
         : request(std::move(request)), engine(engine) {}
     const std::shared_ptr<const KServeRequest> request;
-    Engine* const engine;
+    engine::LlmEngine* const engine;
 
     absl::Mutex mu;
     InferReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;  // null once OnDone ran
@@ -159,14 +160,14 @@ class InferReactor : public grpc::ServerUnaryReactor {
     }
   };
 
-  class Sink : public RequestSink {
+  class Sink : public engine::RequestSink {
    public:
     Sink(std::shared_ptr<Call> call, size_t index) : call_(std::move(call)), index_(index) {}
-    void OnTokens(TokenChunk chunk) override {
+    void OnTokens(engine::TokenChunk chunk) override {
       absl::MutexLock lock(&call_->mu);
       if (!call_->finished) AppendChunk(chunk, call_->results[index_]);
     }
-    void OnDone(const absl::Status& status, const Completion& completion) override {
+    void OnDone(const absl::Status& status, const engine::Completion& completion) override {
       Call::Action action;
       {
         absl::MutexLock lock(&call_->mu);
@@ -188,7 +189,7 @@ class InferReactor : public grpc::ServerUnaryReactor {
   };
 
   // Submits every prompt; the call may be finished before this returns.
-  InferReactor(std::shared_ptr<const KServeRequest> request, Engine* engine,
+  InferReactor(std::shared_ptr<const KServeRequest> request, engine::LlmEngine* engine,
                grpc::CallbackServerContext* context, const ModelInferRequest& proto,
                grpc::ByteBuffer* body)
       : context_(context), call_(std::make_shared<Call>(std::move(request), engine)) {
@@ -212,7 +213,7 @@ class InferReactor : public grpc::ServerUnaryReactor {
         absl::MutexLock lock(&call_->mu);
         if (call_->finished) return;
       }
-      models::GenerationRequest params = internal::PromptParams(parsed, i);
+      engine::GenerationRequest params = internal::PromptParams(parsed, i);
       params.deadline = deadline;
       absl::StatusOr<uint64_t> id =
           engine->Submit(std::move(params), std::make_shared<Sink>(call_, i));
@@ -316,7 +317,8 @@ class StreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     const std::shared_ptr<internal::WritePump> pump;
 
     absl::Mutex mu;
-    Engine* engine ABSL_GUARDED_BY(mu) = nullptr;  // the one generations were submitted to
+    engine::LlmEngine* engine ABSL_GUARDED_BY(mu) =
+        nullptr;  // the one generations were submitted to
     // Generations not yet ended, by key, with their engine ids once submitted.
     std::map<uint64_t, std::optional<uint64_t>> live ABSL_GUARDED_BY(mu);
     uint64_t next_key ABSL_GUARDED_BY(mu) = 1;
@@ -336,7 +338,7 @@ class StreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     // Stops every generation (the client is gone).
     void CancelAll() ABSL_LOCKS_EXCLUDED(mu) {
       std::vector<uint64_t> ids;
-      Engine* target = nullptr;
+      engine::LlmEngine* target = nullptr;
       {
         absl::MutexLock lock(&mu);
         if (cancelled) return;
@@ -360,18 +362,18 @@ class StreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     }
   };
 
-  class Sink : public RequestSink {
+  class Sink : public engine::RequestSink {
    public:
     Sink(std::shared_ptr<Call> call, std::shared_ptr<Generation> generation, uint64_t key)
         : call_(std::move(call)), generation_(std::move(generation)), key_(key) {}
-    void OnTokens(TokenChunk chunk) override {
+    void OnTokens(engine::TokenChunk chunk) override {
       {
         absl::MutexLock lock(&generation_->mu);
         AppendChunk(chunk, generation_->pending);
       }
       if (generation_->request->stream) call_->pump->Notify(generation_);
     }
-    void OnDone(const absl::Status& status, const Completion& completion) override {
+    void OnDone(const absl::Status& status, const engine::Completion& completion) override {
       {
         absl::MutexLock lock(&generation_->mu);
         generation_->done = true;
@@ -456,7 +458,7 @@ class StreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       call_->WriteError("", body);
       return;
     }
-    absl::StatusOr<Engine*> engine = EngineFor(*state_, request);
+    absl::StatusOr<engine::LlmEngine*> engine = EngineFor(*state_, request);
     absl::StatusOr<KServeRequest> parsed = engine.ok()
                                                ? internal::ParseInferRequest(request)
                                                : absl::StatusOr<KServeRequest>(engine.status());
@@ -483,7 +485,7 @@ class StreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       call_->live.emplace(key, std::nullopt);
       call_->engine = *engine;
     }
-    models::GenerationRequest params = internal::PromptParams(*generation->request, 0);
+    engine::GenerationRequest params = internal::PromptParams(*generation->request, 0);
     params.deadline = CallDeadline(*context_);
     // Outside the lock: the scheduler may call the sink (which takes it)
     // before Submit returns.
@@ -537,7 +539,7 @@ grpc::Status KServeService::AnswerModelReady(grpc::CallbackServerContext* contex
                                              inference::ModelReadyResponse* response) {
   grpc::Status status = state_->Authorize(*context);
   if (status.ok()) {
-    const Engine* engine = state_->engine();
+    const engine::LlmEngine* engine = state_->engine();
     // While loading, the served name is not known yet: nothing is ready.
     if (engine != nullptr) {
       status = ToGrpcStatus(CheckModel(*engine, request->name(), request->version()));
@@ -565,7 +567,7 @@ grpc::Status KServeService::AnswerModelMetadata(grpc::CallbackServerContext* con
                                                 const inference::ModelMetadataRequest* request,
                                                 inference::ModelMetadataResponse* response) {
   grpc::Status status = state_->Authorize(*context);
-  const Engine* engine = state_->engine();
+  const engine::LlmEngine* engine = state_->engine();
   if (status.ok() && engine == nullptr) {
     status = ToGrpcStatus(
         absl::UnavailableError("the model is still loading; retry when the server is ready"));
@@ -574,7 +576,7 @@ grpc::Status KServeService::AnswerModelMetadata(grpc::CallbackServerContext* con
   if (!status.ok()) {
     return status;
   }
-  const ModelInfo& info = engine->info();
+  const engine::ModelInfo& info = engine->info();
   response->set_name(info.name);
   response->add_versions(kModelVersion);
   response->set_platform("accel_libtorch");
@@ -684,7 +686,7 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
     if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("invalid");
     return fail(ToGrpcStatus(body_status));
   }
-  absl::StatusOr<Engine*> engine = EngineFor(*state_, request);
+  absl::StatusOr<engine::LlmEngine*> engine = EngineFor(*state_, request);
   if (!engine.ok()) return fail(ToGrpcStatus(engine.status()));
   absl::StatusOr<KServeRequest> parsed = internal::ParseInferRequest(request);
   if (!parsed.ok()) return fail(ToGrpcStatus(parsed.status()));

@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
-#include "server/engine.h"
+#include "engine/llm_engine.h"
 #include "server/internal/http_transport.h"
 #include "server/internal/openai_convert.h"
 #include "server/internal/quote.h"
@@ -57,7 +57,7 @@ class Answer {
     exchange_->WriteChunk(writer_.StreamStart());
   }
 
-  void Tokens(const TokenChunk& chunk) {
+  void Tokens(const engine::TokenChunk& chunk) {
     if (!request_.stream) {
       writer_.Add(chunk);
       return;
@@ -65,7 +65,7 @@ class Answer {
     exchange_->WriteChunk(writer_.StreamChunk(chunk));
   }
 
-  void Done(const absl::Status& status, const Completion& completion) {
+  void Done(const absl::Status& status, const engine::Completion& completion) {
     if (!request_.stream) {
       if (status.ok()) {
         exchange_->Respond(200, kJson, writer_.Final(completion));
@@ -88,16 +88,16 @@ class Answer {
   internal::OpenAiResponseWriter writer_;
 };
 
-// Called on the scheduler's thread, which must not block: each event goes
+// Called on the engine loop's thread, which must not block: each event goes
 // to the connection's sequence, where the answer is framed and written.
-class HttpSink : public RequestSink {
+class HttpSink : public engine::RequestSink {
  public:
   explicit HttpSink(std::shared_ptr<Answer> answer) : answer_(std::move(answer)) {}
-  void OnTokens(TokenChunk chunk) override {
+  void OnTokens(engine::TokenChunk chunk) override {
     std::shared_ptr<Answer> answer = answer_;
     answer->exchange().Post([answer, chunk = std::move(chunk)] { answer->Tokens(chunk); });
   }
-  void OnDone(const absl::Status& status, const Completion& completion) override {
+  void OnDone(const absl::Status& status, const engine::Completion& completion) override {
     std::shared_ptr<Answer> answer = answer_;
     answer->exchange().Post([answer, status, completion] { answer->Done(status, completion); });
   }
@@ -203,7 +203,7 @@ void OpenAiHttpServer::Handle(const std::shared_ptr<HttpExchange>& exchange) {
     return;
   }
   if (models) {
-    Engine* engine = state_->engine();
+    engine::LlmEngine* engine = state_->engine();
     if (engine == nullptr) {
       SendStatus(*exchange, absl::UnavailableError("the model is still loading"));
       return;
@@ -244,7 +244,7 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
     if (!gone) SendStatus(*exchange, parsed.status());
     return;
   }
-  absl::StatusOr<Engine*> ready = state_->ReadyEngine();
+  absl::StatusOr<engine::LlmEngine*> ready = state_->ReadyEngine();
   if (!ready.ok()) {
     SendStatus(*exchange, ready.status());
     return;
@@ -254,8 +254,8 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
     if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("cancelled");
     return;
   }
-  Engine* engine = *ready;
-  const models::GenerationRequest generation = parsed->generation;
+  engine::LlmEngine* engine = *ready;
+  const engine::GenerationRequest generation = parsed->generation;
   auto answer =
       std::make_shared<Answer>(exchange, *std::move(parsed), engine->info().name,
                                [engine](int64_t token) { return engine->TokenText(token); });

@@ -28,6 +28,7 @@
 
 #include "core/file_faults.h"
 #include "core/tool_main.h"
+#include "engine/speculative_config.h"
 #include "models/default_model.h"
 #include "server/internal/connection_limits.h"
 #include "server/server.h"
@@ -132,6 +133,12 @@ ABSL_FLAG(int, http_max_connections, 0,
 ABSL_FLAG(absl::Duration, liveness_probe_interval, absl::Seconds(10),
           "How often every port is probed as a client would; three failures in a row turn "
           "health accel.live NOT_SERVING. 0: no probes.");
+ABSL_FLAG(std::string, speculative_config, "",
+          "Speculative decoding, as vLLM's --speculative-config (JSON): "
+          "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+          "\"prompt_lookup_max\": 4} (prompt lookup) or {\"model\": DIR, "
+          "\"num_speculative_tokens\": 4} (a draft model with this model's tokenizer). Empty: "
+          "off.");
 ABSL_FLAG(int, threads, 0,
           "libtorch intra-op threads; 0: OMP_NUM_THREADS, else one per CPU this process may use.");
 
@@ -147,7 +154,7 @@ void Log(const std::string& message) {
 
 absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   accel::server::ServerOptions o;
-  accel::server::EngineOptions& e = o.engine;
+  accel::engine::EngineOptions& e = o.engine;
   e.model_dir = absl::GetFlag(FLAGS_model);
   if (e.model_dir.empty()) e.model_dir = accel::models::DefaultModelDir();
   e.served_model_name = absl::GetFlag(FLAGS_served_model_name);
@@ -161,16 +168,27 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   e.expert_cache = absl::GetFlag(FLAGS_expert_cache);
   e.execution_device = absl::GetFlag(FLAGS_execution_device);
   e.threads = absl::GetFlag(FLAGS_threads);
-  e.scheduler.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  e.loop.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
   e.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   e.kv_cache_memory = absl::GetFlag(FLAGS_kv_cache_memory);
   e.kv_block_size = absl::GetFlag(FLAGS_kv_block_size);
   e.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
-  e.scheduler.max_queue = absl::GetFlag(FLAGS_max_queue);
+  e.loop.max_queue = absl::GetFlag(FLAGS_max_queue);
   e.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
   e.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
   e.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
   e.request_timeout = absl::GetFlag(FLAGS_request_timeout);
+  absl::StatusOr<accel::engine::SpeculativeConfig> speculative =
+      accel::engine::ParseSpeculativeConfig(absl::GetFlag(FLAGS_speculative_config));
+  if (!speculative.ok()) return speculative.status();
+  e.speculative = *std::move(speculative);
+  if (e.speculative.method == accel::engine::SpeculativeConfig::Method::kDraftModel &&
+      !std::filesystem::exists(e.speculative.model + "/config.json")) {
+    return absl::NotFoundError(
+        absl::StrCat("--speculative_config: \"model\": ", e.speculative.model,
+                     "/config.json does not exist (the draft model's "
+                     "folder)"));
+  }
   o.host = absl::GetFlag(FLAGS_host);
   o.port = absl::GetFlag(FLAGS_port);
   o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
@@ -195,10 +213,10 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
     if (value >= 0) return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be 0 or more, got ", value));
   };
-  for (absl::Status s : {positive("max_batch_size", e.scheduler.max_batch_size),
+  for (absl::Status s : {positive("max_batch_size", e.loop.max_batch_size),
                          positive("kv_block_size", e.kv_block_size),
                          non_negative("max_num_batched_tokens", e.max_num_batched_tokens),
-                         positive("max_queue", e.scheduler.max_queue),
+                         positive("max_queue", e.loop.max_queue),
                          non_negative("max_input_tokens", e.max_input_tokens),
                          non_negative("max_total_tokens", e.max_total_tokens),
                          positive("default_max_new_tokens", e.default_max_new_tokens),
@@ -338,7 +356,7 @@ int Run(int argc, char** argv) {
       return 1;
     }
     logged_ready = true;
-    const accel::server::ModelInfo& model = (*server)->model_info();
+    const accel::engine::ModelInfo& model = (*server)->model_info();
     Log(absl::StrFormat("ready: %s (%s, %d parameters, %s) loaded in %.2f s", model.name,
                         model.architecture, model.parameters, model.dtype, model.load_seconds));
   }

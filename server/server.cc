@@ -145,6 +145,7 @@ struct Server::Impl {
   explicit Impl(const ServerOptions& o)
       : options(o),
         metrics(&registry),
+        stat_logger(&metrics),
         state(o.auth_token, &metrics),
         generation(&state),
         kserve(&state, o.version) {}
@@ -245,7 +246,8 @@ struct Server::Impl {
   }
 
   void Load() {
-    absl::StatusOr<std::unique_ptr<Engine>> loaded = Engine::Load(options.engine, &metrics);
+    absl::StatusOr<std::unique_ptr<engine::LlmEngine>> loaded =
+        engine::LlmEngine::Load(options.engine, &stat_logger);
     absl::MutexLock lock(&mu);
     load_done = true;
     if (!loaded.ok()) {
@@ -253,6 +255,10 @@ struct Server::Impl {
       return;
     }
     engine = *std::move(loaded);
+    metrics.model_load_seconds.Set(engine->info().load_seconds);
+    for (const auto& [device, bytes] : engine->info().bytes_per_device) {
+      metrics.weight_bytes.WithLabels({device}).Set(static_cast<double>(bytes));
+    }
     // A drain that started during the load already stopped serving.
     if (drain_started) {
       load_status = absl::UnavailableError("the server was drained while the model loaded");
@@ -307,13 +313,13 @@ struct Server::Impl {
     SetHealth(kReadyServices, std::size(kReadyServices), false);
     int ended = 0;
     if (was_ready) {
-      Scheduler& scheduler = engine->scheduler();
-      scheduler.StopAdmission();
-      if (!scheduler.WaitIdle(grace)) {
-        const Scheduler::Snapshot left = scheduler.snapshot();
+      engine::EngineLoop& loop = engine->loop();
+      loop.StopAdmission();
+      if (!loop.WaitIdle(grace)) {
+        const engine::EngineLoop::Snapshot left = loop.snapshot();
         ended = left.running + left.waiting;
-        scheduler.CancelAll();
-        scheduler.WaitIdle(absl::Seconds(10));
+        loop.CancelAll();
+        loop.WaitIdle(absl::Seconds(10));
       }
     }
     // In-flight HTTP answers have ended with their requests; new ones got
@@ -334,6 +340,7 @@ struct Server::Impl {
   const ServerOptions options;
   MetricsRegistry registry;
   ServerMetrics metrics;
+  MetricsStatLogger stat_logger;
   ServingState state;
   GenerationService generation;
   KServeService kserve;
@@ -346,13 +353,13 @@ struct Server::Impl {
   Limits limits;
 
   absl::Mutex collect_mu;
-  Engine* collecting ABSL_GUARDED_BY(collect_mu) = nullptr;
+  engine::LlmEngine* collecting ABSL_GUARDED_BY(collect_mu) = nullptr;
 
   absl::Mutex mu;
   bool load_done ABSL_GUARDED_BY(mu) = false;
   absl::Status load_status ABSL_GUARDED_BY(mu);
   // Set once by the loader; only read after `ready` (or after the join).
-  std::unique_ptr<Engine> engine;
+  std::unique_ptr<engine::LlmEngine> engine;
   bool ready ABSL_GUARDED_BY(mu) = false;
   bool drain_started ABSL_GUARDED_BY(mu) = false;
   bool drained ABSL_GUARDED_BY(mu) = false;
@@ -473,7 +480,7 @@ Server::Ports Server::ports() const { return impl_->ports; }
 
 Server::Limits Server::limits() const { return impl_->limits; }
 
-const ModelInfo& Server::model_info() const { return impl_->engine->info(); }
+const engine::ModelInfo& Server::model_info() const { return impl_->engine->info(); }
 
 absl::Status Server::WaitReady(absl::Duration timeout) {
   Impl& s = *impl_;

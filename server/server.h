@@ -30,12 +30,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
-#include "server/engine.h"
+#include "engine/llm_engine.h"
 
 namespace accel::server {
 
 struct ServerOptions {
-  EngineOptions engine;
+  engine::EngineOptions engine;
   std::string host = "0.0.0.0";
   int port = 50051;         // 0: a free one (see ports())
   int metrics_port = 8002;  // 0: a free one; -1: no metrics endpoint
@@ -105,7 +105,7 @@ class Server {
   Ports ports() const;
   Limits limits() const;
   // The served model; valid once WaitReady returned OK.
-  const ModelInfo& model_info() const;
+  const engine::ModelInfo& model_info() const;
   // OK once the model is loaded and the server ready; the load's error if
   // it failed; DeadlineExceeded if neither happened within `timeout`.
   absl::Status WaitReady(absl::Duration timeout);

@@ -84,6 +84,19 @@ ServerMetrics::ServerMetrics(MetricsRegistry* r)
           "Prompt tokens looked up in the prefix cache (whole blocks) when requests joined.")),
       prefix_cache_hits(r->AddCounter("accel_prefix_cache_hits_total",
                                       "Prompt tokens found in the prefix cache (not recomputed).")),
+      spec_decode_num_drafts(r->AddCounter(
+          "accel_spec_decode_num_drafts_total",
+          "Speculative decoding: drafts verified (one request's drafts in one step).")),
+      spec_decode_num_draft_tokens(r->AddCounter("accel_spec_decode_num_draft_tokens_total",
+                                                 "Speculative decoding: drafted tokens verified.")),
+      spec_decode_num_accepted_tokens(
+          r->AddCounter("accel_spec_decode_num_accepted_tokens_total",
+                        "Speculative decoding: drafted tokens the target model accepted.")),
+      spec_decode_num_accepted_tokens_per_pos(r->AddCounterFamily(
+          "accel_spec_decode_num_accepted_tokens_per_pos_total",
+          "Speculative decoding: drafted tokens accepted at each draft position (0: the first "
+          "draft of a step).",
+          {"position"})),
       weight_bytes(r->AddGaugeFamily("accel_weight_bytes",
                                      "Model weight bytes placed on each device (0, 1, cpu, disk).",
                                      {"device"})),
@@ -136,5 +149,56 @@ ServerMetrics::ServerMetrics(MetricsRegistry* r)
 void ServerMetrics::RequestFailed(absl::string_view reason) {
   request_failure.WithLabels({std::string(reason)}).Increment();
 }
+
+void MetricsStatLogger::RecordScheduler(const engine::SchedulerStats& stats) {
+  m_.requests_waiting.Set(static_cast<double>(stats.waiting));
+  m_.requests_running.Set(static_cast<double>(stats.running));
+  m_.kv_cache_bytes.Set(static_cast<double>(stats.kv_cache_bytes));
+  m_.kv_cache_blocks.Set(static_cast<double>(stats.kv_blocks_total));
+  if (stats.kv_blocks_total > 0) {
+    m_.kv_cache_usage.Set(static_cast<double>(stats.kv_blocks_used) /
+                          static_cast<double>(stats.kv_blocks_total));
+  }
+}
+
+void MetricsStatLogger::RecordCounters(const engine::EngineStats& delta) {
+  m_.preemptions.Increment(static_cast<double>(delta.preemptions));
+  m_.prefix_cache_queries.Increment(static_cast<double>(delta.prefix_query_tokens));
+  m_.prefix_cache_hits.Increment(static_cast<double>(delta.prefix_hit_tokens));
+  m_.prompt_tokens.Increment(static_cast<double>(delta.prompt_tokens));
+  m_.spec_decode_num_drafts.Increment(static_cast<double>(delta.spec_num_drafts));
+  m_.spec_decode_num_draft_tokens.Increment(static_cast<double>(delta.spec_num_draft_tokens));
+  m_.spec_decode_num_accepted_tokens.Increment(static_cast<double>(delta.spec_num_accepted_tokens));
+  for (size_t i = 0; i < delta.spec_accepted_per_position.size(); ++i) {
+    const int64_t accepted = delta.spec_accepted_per_position[i];
+    if (accepted > 0) {
+      m_.spec_decode_num_accepted_tokens_per_pos.WithLabels({std::to_string(i)})
+          .Increment(static_cast<double>(accepted));
+    }
+  }
+}
+
+void MetricsStatLogger::RecordIteration(const engine::IterationStats& stats) {
+  m_.batch_size.Set(static_cast<double>(stats.batch_size));
+  m_.iteration_tokens.Observe(static_cast<double>(stats.scheduled_tokens));
+  m_.step_duration.Observe(stats.seconds);
+  m_.generation_tokens.Increment(static_cast<double>(stats.generated_tokens));
+  for (double seconds : stats.time_to_first_token) m_.time_to_first_token.Observe(seconds);
+  for (double seconds : stats.inter_token_latency) m_.inter_token_latency.Observe(seconds);
+}
+
+void MetricsStatLogger::RecordScheduled(double queue_seconds, int64_t prompt_tokens) {
+  m_.queue_time.Observe(queue_seconds);
+  m_.request_prompt_tokens.Observe(static_cast<double>(prompt_tokens));
+}
+
+void MetricsStatLogger::RecordFinished(const engine::FinishedRequestStats& stats) {
+  m_.request_success.WithLabels({stats.finish}).Increment();
+  if (!stats.scheduled) return;
+  m_.e2e_latency.Observe(stats.e2e_seconds);
+  m_.request_generation_tokens.Observe(static_cast<double>(stats.generated_tokens));
+}
+
+void MetricsStatLogger::RecordFailed(absl::string_view reason) { m_.RequestFailed(reason); }
 
 }  // namespace accel::server

@@ -7,6 +7,7 @@
 
 #include "absl/strings/string_view.h"
 
+#include "engine/stat_logger.h"
 #include "server/metrics.h"
 
 namespace accel::server {
@@ -40,7 +41,12 @@ class ServerMetrics {
   Counter& preemptions;
   Counter& prefix_cache_queries;
   Counter& prefix_cache_hits;
-  GaugeFamily& weight_bytes;  // {device}
+  // Speculative decoding, as vLLM names it.
+  Counter& spec_decode_num_drafts;
+  Counter& spec_decode_num_draft_tokens;
+  Counter& spec_decode_num_accepted_tokens;
+  CounterFamily& spec_decode_num_accepted_tokens_per_pos;  // {position}
+  GaugeFamily& weight_bytes;                               // {device}
   Counter& offload_fetches;
   Counter& offload_prefetch_hits;
   Counter& offload_disk_read_bytes;
@@ -56,6 +62,21 @@ class ServerMetrics {
   Gauge& draining;
   GaugeFamily& build_info;   // {version}
   GaugeFamily& listener_up;  // {listener}: grpc, http
+};
+
+// The engine's reports (engine/stat_logger.h) as these metrics.
+class MetricsStatLogger : public engine::StatLogger {
+ public:
+  explicit MetricsStatLogger(ServerMetrics* metrics) : m_(*metrics) {}
+  void RecordScheduler(const engine::SchedulerStats& stats) override;
+  void RecordCounters(const engine::EngineStats& delta) override;
+  void RecordIteration(const engine::IterationStats& stats) override;
+  void RecordScheduled(double queue_seconds, int64_t prompt_tokens) override;
+  void RecordFinished(const engine::FinishedRequestStats& stats) override;
+  void RecordFailed(absl::string_view reason) override;
+
+ private:
+  ServerMetrics& m_;
 };
 
 }  // namespace accel::server

@@ -32,7 +32,7 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
 ServingState::ServingState(std::optional<std::string> auth_token, ServerMetrics* metrics)
     : auth_token_(std::move(auth_token)), metrics_(metrics) {}
 
-absl::StatusOr<Engine*> ServingState::ReadyEngine() const {
+absl::StatusOr<engine::LlmEngine*> ServingState::ReadyEngine() const {
   switch (phase_.load()) {
     case Phase::kLoading:
       return absl::UnavailableError("the model is still loading; retry when the server is ready");
@@ -44,7 +44,7 @@ absl::StatusOr<Engine*> ServingState::ReadyEngine() const {
   return engine_.load();
 }
 
-void ServingState::SetReady(Engine* engine) {
+void ServingState::SetReady(engine::LlmEngine* engine) {
   engine_.store(engine);
   phase_.store(Phase::kReady);
 }

@@ -17,9 +17,12 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
+namespace accel::engine {
+class LlmEngine;
+}  // namespace accel::engine
+
 namespace accel::server {
 
-class Engine;
 class ServerMetrics;
 
 class ServingState {
@@ -31,11 +34,11 @@ class ServingState {
 
   // The engine while ready; else Unavailable saying why ("the model is still
   // loading", "the server is draining").
-  absl::StatusOr<Engine*> ReadyEngine() const;
+  absl::StatusOr<engine::LlmEngine*> ReadyEngine() const;
   // The engine once loaded (still there while draining), or null.
-  Engine* engine() const { return engine_.load(); }
+  engine::LlmEngine* engine() const { return engine_.load(); }
   Phase phase() const { return phase_.load(); }
-  void SetReady(Engine* engine);
+  void SetReady(engine::LlmEngine* engine);
   void SetDraining();
 
   // OK when no token is configured or the call carries the metadata
@@ -56,7 +59,7 @@ class ServingState {
  private:
   const std::optional<std::string> auth_token_;
   ServerMetrics* const metrics_;
-  std::atomic<Engine*> engine_{nullptr};
+  std::atomic<engine::LlmEngine*> engine_{nullptr};
   std::atomic<Phase> phase_{Phase::kLoading};
   mutable std::atomic<int64_t> last_call_ns_{0};
 };

@@ -25,9 +25,10 @@ BELOW = {
     "quant": {"core"},
     "dispatch": {"core", "loader", "quant"},
     "models": {"core", "tokenizer", "loader", "quant", "dispatch"},
+    "engine": {"core", "tokenizer", "loader", "quant", "dispatch", "models"},
     "train": {"core", "tokenizer", "loader", "quant", "dispatch"},
     "proto": set(),
-    "server": {"models", "proto"},
+    "server": {"engine", "proto"},
     "examples": {"models", "train"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

@@ -112,7 +112,7 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int64_t heads = q.size(0), kv_heads = k.size(0), d = q.size(2), dv = v.size(2);
   const int64_t group = heads / kv_heads;
   std::vector<at::Tensor> outs(chunks.size());
-  // Paged one-token chunks on the cpu, attended together in place below.
+  // Paged decoding queries, attended together in place below.
   std::vector<PagedQuery> decodes;
   std::vector<size_t> decode_chunks;
   at::Tensor decode_keys, decode_values;
@@ -125,13 +125,18 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
     if (chunk.cache != nullptr && chunk.cache->paged()) {
       past = chunk.cache->length;
       auto [key_blocks, value_blocks] = WriteBlocks(chunk.cache, layer, keys, values);
-      // One token attends in place: on the cpu, or through the CUDA kernels
-      // where they take these blocks.
-      if (n == 1 &&
+      // Decoding positions (one token, or a token and the drafts after it,
+      // every one of which gets logits) attend in place, each query over
+      // the positions up to its own: the same computation as decoding them
+      // one at a time, so verified drafts give the tokens decoding gives. On
+      // the cpu, or through the CUDA kernels where they take these blocks.
+      if ((n == 1 || n <= chunk.logit_tokens) &&
           (key_blocks.device().is_cpu() || PagedCudaTakes(key_blocks, value_blocks, heads))) {
-        decodes.push_back(
-            {q.narrow(1, offset, 1).select(1, 0), chunk.cache->block_table, past + 1});
-        decode_chunks.push_back(c);
+        for (int64_t i = 0; i < n; ++i) {
+          decodes.push_back(
+              {q.narrow(1, offset + i, 1).select(1, 0), chunk.cache->block_table, past + i + 1});
+          decode_chunks.push_back(c);
+        }
         TORCH_CHECK(!decode_keys.defined() || decode_keys.is_same(key_blocks),
                     "paged KV caches of one step must share one block store");
         decode_keys = key_blocks;
@@ -179,8 +184,13 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
              ? PagedDecodeAttentionCuda(decodes, decode_keys, decode_values, window, rule)
              : PagedDecodeAttention(decodes, decode_keys, decode_values, window, rule))
             .to(q.scalar_type());
-    for (size_t i = 0; i < decodes.size(); ++i) {
-      outs[decode_chunks[i]] = attended.narrow(0, static_cast<int64_t>(i), 1);
+    // A chunk's queries are consecutive rows.
+    for (size_t i = 0; i < decodes.size();) {
+      size_t end = i + 1;
+      while (end < decodes.size() && decode_chunks[end] == decode_chunks[i]) ++end;
+      outs[decode_chunks[i]] =
+          attended.narrow(0, static_cast<int64_t>(i), static_cast<int64_t>(end - i));
+      i = end;
     }
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
@@ -260,7 +270,11 @@ absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
 at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks) {
   std::vector<int64_t> last;
   int64_t offset = 0;
-  for (const SequenceChunk& chunk : chunks) last.push_back((offset += chunk.tokens) - 1);
+  for (const SequenceChunk& chunk : chunks) {
+    offset += chunk.tokens;
+    const int64_t n = std::min(std::max<int64_t>(chunk.logit_tokens, 1), chunk.tokens);
+    for (int64_t i = n; i > 0; --i) last.push_back(offset - i);
+  }
   return at::tensor(last, at::kLong);
 }
 

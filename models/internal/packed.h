@@ -62,7 +62,7 @@ absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
 // and again before its caches advance.
 absl::Status CheckWeightFiles();
 
-// Each chunk's last token, as indices into the packed tokens.
+// Each chunk's last logit_tokens tokens, as indices into the packed tokens.
 at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks);
 
 // After a whole step: each cache's length grows by its chunk, and it keeps

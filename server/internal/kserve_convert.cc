@@ -384,7 +384,7 @@ class KnobSetter {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": ", knob.canonical, " is already set by ", it->second));
     }
-    models::GenerationRequest& p = out_->params;
+    engine::GenerationRequest& p = out_->params;
     const absl::string_view name = knob.canonical;
     switch (knob.type) {
       case KnobType::kInt: {
@@ -902,8 +902,8 @@ absl::StatusOr<KServeRequest> ParseInferRequest(const inference::ModelInferReque
   return out;
 }
 
-models::GenerationRequest PromptParams(const KServeRequest& request, size_t i) {
-  models::GenerationRequest params = request.params;
+engine::GenerationRequest PromptParams(const KServeRequest& request, size_t i) {
+  engine::GenerationRequest params = request.params;
   if (request.ids_rank > 0) {
     params.prompt_ids = request.input_ids[i];
   } else {

@@ -24,8 +24,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
+#include "engine/request.h"
 #include "inference/grpc_service.pb.h"
-#include "server/engine.h"
 
 namespace accel::server::internal {
 
@@ -53,7 +53,7 @@ struct KServeRequest {
   std::vector<std::vector<int64_t>> input_ids;
   int ids_rank = 0;  // input_ids' rank (1 or 2); 0 for text
   // Sampling, stops and limits for every prompt; prompt and ids unset.
-  models::GenerationRequest params;
+  engine::GenerationRequest params;
   bool stream = false;               // the `stream` input or parameter
   bool exclude_input = true;         // false: text_output starts with the prompt
   bool raw = false;                  // the request used raw_input_contents
@@ -72,7 +72,7 @@ struct KServeRequest {
 absl::StatusOr<KServeRequest> ParseInferRequest(const inference::ModelInferRequest& request);
 
 // What prompt `i` is submitted as: `request.params` plus its prompt or ids.
-models::GenerationRequest PromptParams(const KServeRequest& request, size_t i);
+engine::GenerationRequest PromptParams(const KServeRequest& request, size_t i);
 // How errors name prompt `i`: "text_input", "text_input[2]", "input_ids[1]".
 std::string PromptName(const KServeRequest& request, size_t i);
 

@@ -131,7 +131,7 @@ absl::StatusOr<std::string> ContentText(const json& content, const std::string& 
   return text;
 }
 
-absl::Status ParseMessages(const json& body, const JsonLimits& limits, models::ChatInput& chat) {
+absl::Status ParseMessages(const json& body, const JsonLimits& limits, engine::ChatInput& chat) {
   const json* messages = Field(body, "messages");
   if (messages == nullptr) return FieldError("messages", "required");
   if (!messages->is_array()) return WrongType("messages", "an array", *messages);
@@ -203,7 +203,7 @@ absl::Status TokenIds(const json& array, const std::string& field, std::vector<i
 }
 
 // Completions: a string, [string], [ids] or [[ids]].
-absl::Status ParsePrompt(const json& body, models::GenerationRequest& out) {
+absl::Status ParsePrompt(const json& body, engine::GenerationRequest& out) {
   const json* prompt = Field(body, "prompt");
   if (prompt == nullptr) return FieldError("prompt", "required");
   if (prompt->is_string()) {
@@ -260,13 +260,13 @@ absl::Status RequireZero(const json& body, const char* name) {
 
 absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimits& limits,
                        OpenAiRequest& out) {
-  models::GenerationRequest& g = out.generation;
+  engine::GenerationRequest& g = out.generation;
   if (const json* model = Field(body, "model")) {
     if (!model->is_string()) return WrongType("model", "a string", *model);
     g.model = model->get<std::string>();
   }
   if (endpoint == OpenAiEndpoint::kChat) {
-    models::ChatInput chat;
+    engine::ChatInput chat;
     if (absl::Status s = ParseMessages(body, limits, chat); !s.ok()) return s;
     g.chat = std::move(chat);
   } else {
@@ -358,8 +358,8 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
     if (absl::Status s = GetInt(body, "top_logprobs", &top); !s.ok()) return s;
     out.logprobs = logprobs.value_or(false);
     if (top) {
-      if (*top < 0 || *top > models::kMaxTopLogprobs) {
-        return FieldError("top_logprobs", absl::StrCat("must be in [0, ", models::kMaxTopLogprobs,
+      if (*top < 0 || *top > engine::kMaxTopLogprobs) {
+        return FieldError("top_logprobs", absl::StrCat("must be in [0, ", engine::kMaxTopLogprobs,
                                                        "], got ", *top));
       }
       if (!out.logprobs && *top > 0) {
@@ -420,7 +420,7 @@ json Bytes(absl::string_view text) {
   return bytes;
 }
 
-json Usage(const Completion& completion) {
+json Usage(const engine::Completion& completion) {
   return json{{"prompt_tokens", completion.prompt_tokens},
               {"completion_tokens", completion.generated_tokens},
               {"total_tokens", completion.prompt_tokens + completion.generated_tokens}};
@@ -537,13 +537,13 @@ std::string ErrorBody(const OpenAiError& error) {
   return Dump(body);
 }
 
-const char* OpenAiFinishReason(Finish finish) {
+const char* OpenAiFinishReason(engine::Finish finish) {
   switch (finish) {
-    case Finish::kEos:
-    case Finish::kStop:
+    case engine::Finish::kEos:
+    case engine::Finish::kStop:
       return "stop";
-    case Finish::kLength:
-    case Finish::kCancelled:
+    case engine::Finish::kLength:
+    case engine::Finish::kCancelled:
       return "length";
   }
   return "stop";
@@ -575,14 +575,14 @@ struct OpenAiResponseWriter::State {
 
   // The logprobs of `chunk`'s tokens, appended to this state's arrays.
   void AddLogprobs(const OpenAiRequest& request, const TokenTextFn& token_text,
-                   const TokenChunk& chunk) {
+                   const engine::TokenChunk& chunk) {
     for (size_t i = 0; i < chunk.token_ids.size() && i < chunk.logprobs.size(); ++i) {
       const std::string token = token_text(chunk.token_ids[i]);
       const float logprob = chunk.logprobs[i];
       if (request.endpoint == OpenAiEndpoint::kChat) {
         json top = json::array();
         if (i < chunk.top_logprobs.size()) {
-          for (const models::TokenLogprob& t : chunk.top_logprobs[i]) {
+          for (const engine::TokenLogprob& t : chunk.top_logprobs[i]) {
             const std::string text = token_text(t.token_id);
             top.push_back({{"token", text}, {"logprob", t.logprob}, {"bytes", Bytes(text)}});
           }
@@ -596,7 +596,7 @@ struct OpenAiResponseWriter::State {
         token_logprobs.push_back(logprob);
         json top = json::object();
         if (i < chunk.top_logprobs.size()) {
-          for (const models::TokenLogprob& t : chunk.top_logprobs[i]) {
+          for (const engine::TokenLogprob& t : chunk.top_logprobs[i]) {
             top[token_text(t.token_id)] = t.logprob;
           }
         }
@@ -640,12 +640,12 @@ OpenAiResponseWriter::OpenAiResponseWriter(const OpenAiRequest& request, std::st
 
 OpenAiResponseWriter::~OpenAiResponseWriter() = default;
 
-void OpenAiResponseWriter::Add(const TokenChunk& chunk) {
+void OpenAiResponseWriter::Add(const engine::TokenChunk& chunk) {
   state_->text += chunk.text;
   if (request_.logprobs) state_->AddLogprobs(request_, token_text_, chunk);
 }
 
-std::string OpenAiResponseWriter::Final(const Completion& completion) const {
+std::string OpenAiResponseWriter::Final(const engine::Completion& completion) const {
   const bool chat = request_.endpoint == OpenAiEndpoint::kChat;
   json choice;
   if (chat) {
@@ -691,7 +691,7 @@ std::string OpenAiResponseWriter::StreamStart() const {
   return Event(chunk);
 }
 
-std::string OpenAiResponseWriter::StreamChunk(const TokenChunk& chunk) {
+std::string OpenAiResponseWriter::StreamChunk(const engine::TokenChunk& chunk) {
   const bool has_logprobs = request_.logprobs && !chunk.logprobs.empty();
   if (chunk.text.empty() && !has_logprobs) return "";
   state_->ClearLogprobs();
@@ -714,7 +714,7 @@ std::string OpenAiResponseWriter::StreamChunk(const TokenChunk& chunk) {
   return Event(out);
 }
 
-std::string OpenAiResponseWriter::StreamEnd(const Completion& completion) const {
+std::string OpenAiResponseWriter::StreamEnd(const engine::Completion& completion) const {
   json last = ChunkEnvelope(request_, id_, created_, model_);
   if (request_.endpoint == OpenAiEndpoint::kChat) {
     last["choices"] = json::array({{{"index", 0},

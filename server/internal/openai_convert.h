@@ -27,8 +27,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-#include "models/generation_request.h"
-#include "server/scheduler.h"
+#include "engine/engine_loop.h"
+#include "engine/request.h"
 
 namespace accel::server::internal {
 
@@ -44,7 +44,7 @@ inline constexpr int64_t kMaxOpenAiJsonKeys = 16384;
 
 struct OpenAiRequest {
   OpenAiEndpoint endpoint = OpenAiEndpoint::kChat;
-  models::GenerationRequest generation;
+  engine::GenerationRequest generation;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   // Chat: logprobs true; completions: logprobs is a number (the top count).
@@ -82,7 +82,7 @@ std::string ErrorBody(const OpenAiError& error);
 
 // "stop" (eos or a stop string), "length" (max_tokens, the context, or a
 // server-side end such as a drain past its grace period).
-const char* OpenAiFinishReason(Finish finish);
+const char* OpenAiFinishReason(engine::Finish finish);
 
 // GET /v1/models: {"object": "list", "data": [{"id", "object": "model",
 // "created", "owned_by": "accel"}]}; GET /v1/models/{id} is the one entry.
@@ -107,16 +107,16 @@ class OpenAiResponseWriter {
   const std::string& id() const { return id_; }
 
   // Unary: collects a chunk; Final returns the whole body.
-  void Add(const TokenChunk& chunk);
-  std::string Final(const Completion& completion) const;
+  void Add(const engine::TokenChunk& chunk);
+  std::string Final(const engine::Completion& completion) const;
 
   // Streaming. Chat: the first event carries {role: assistant, content: ""}.
   std::string StreamStart() const;
   // One event with the chunk's text and logprobs ("" when it has neither).
-  std::string StreamChunk(const TokenChunk& chunk);
+  std::string StreamChunk(const engine::TokenChunk& chunk);
   // The event with finish_reason, the usage event when include_usage, and
   // "data: [DONE]".
-  std::string StreamEnd(const Completion& completion) const;
+  std::string StreamEnd(const engine::Completion& completion) const;
   // An error in the middle of a stream: an event {"error": {...}}, then
   // "data: [DONE]" (the openai clients raise the error).
   static std::string StreamError(const OpenAiError& error);

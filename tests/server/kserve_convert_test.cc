@@ -369,7 +369,7 @@ TEST(KServeConvertTest, ParametersOfEachType) {
   SetParam(request, "return_logprobs", String("true"));
   auto parsed = ParseInferRequest(request);
   ASSERT_THAT(parsed, IsOk());
-  const models::GenerationRequest& p = parsed->params;
+  const engine::GenerationRequest& p = parsed->params;
   EXPECT_EQ(p.max_new_tokens, 12);
   EXPECT_DOUBLE_EQ(p.sampling.temperature, 0.5);
   EXPECT_EQ(p.sampling.top_k, 40);
@@ -453,7 +453,7 @@ TEST(KServeConvertTest, SamplingParametersJson) {
                   R"( "ignore_eos": false, "exclude_input_in_output": true})");
   auto parsed = ParseInferRequest(request);
   ASSERT_THAT(parsed, IsOk());
-  const models::GenerationRequest& p = parsed->params;
+  const engine::GenerationRequest& p = parsed->params;
   EXPECT_EQ(p.max_new_tokens, 20);
   EXPECT_DOUBLE_EQ(p.sampling.temperature, 0.7);
   EXPECT_DOUBLE_EQ(p.sampling.top_p, 0.95);

@@ -187,15 +187,16 @@ TEST(OpenAiConvertTest, StatusesMapToOpenAiErrors) {
   EXPECT_EQ(body["error"]["message"], "x: bad");
   EXPECT_EQ(body["error"]["param"], "x");
   EXPECT_TRUE(body["error"]["code"].is_null());
-  EXPECT_STREQ(OpenAiFinishReason(Finish::kEos), "stop");
-  EXPECT_STREQ(OpenAiFinishReason(Finish::kStop), "stop");
-  EXPECT_STREQ(OpenAiFinishReason(Finish::kLength), "length");
-  EXPECT_STREQ(OpenAiFinishReason(Finish::kCancelled), "length");
+  EXPECT_STREQ(OpenAiFinishReason(engine::Finish::kEos), "stop");
+  EXPECT_STREQ(OpenAiFinishReason(engine::Finish::kStop), "stop");
+  EXPECT_STREQ(OpenAiFinishReason(engine::Finish::kLength), "length");
+  EXPECT_STREQ(OpenAiFinishReason(engine::Finish::kCancelled), "length");
 }
 
-TokenChunk Chunk(std::vector<int64_t> ids, std::string text, std::vector<float> logprobs = {},
-                 std::vector<std::vector<models::TokenLogprob>> top = {}) {
-  TokenChunk chunk;
+engine::TokenChunk Chunk(std::vector<int64_t> ids, std::string text,
+                         std::vector<float> logprobs = {},
+                         std::vector<std::vector<engine::TokenLogprob>> top = {}) {
+  engine::TokenChunk chunk;
   chunk.token_ids = std::move(ids);
   chunk.text = std::move(text);
   chunk.logprobs = std::move(logprobs);
@@ -211,10 +212,11 @@ TEST(OpenAiConvertTest, ChatAnswerAndStream) {
       R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 1,
           "stream": true, "stream_options": {"include_usage": true}})");
   OpenAiResponseWriter writer(request, "m", Name, 42, "chatcmpl-1");
-  const TokenChunk chunk = Chunk({7, 8}, "ab", {-0.5f, -0.25f}, {{{7, -0.5f}}, {{8, -0.25f}}});
+  const engine::TokenChunk chunk =
+      Chunk({7, 8}, "ab", {-0.5f, -0.25f}, {{{7, -0.5f}}, {{8, -0.25f}}});
   writer.Add(chunk);
-  Completion completion;
-  completion.finish = Finish::kEos;
+  engine::Completion completion;
+  completion.finish = engine::Finish::kEos;
   completion.prompt_tokens = 3;
   completion.generated_tokens = 2;
   const json body = json::parse(writer.Final(completion));
@@ -254,7 +256,7 @@ TEST(OpenAiConvertTest, CompletionLogprobsAndModels) {
   OpenAiResponseWriter writer(request, "m", Name, 1);
   EXPECT_TRUE(absl::StartsWith(writer.id(), "cmpl-"));
   writer.Add(Chunk({1, 22}, "t1t22", {-1.0f, -2.0f}, {{{1, -1.0f}}, {{3, -0.5f}}}));
-  const json body = json::parse(writer.Final(Completion()));
+  const json body = json::parse(writer.Final(engine::Completion()));
   EXPECT_EQ(body["object"], "text_completion");
   const json& logprobs = body["choices"][0]["logprobs"];
   EXPECT_EQ(logprobs["tokens"], json::array({"t1", "t22"}));

@@ -1,0 +1,288 @@
+// accel-bench-decode-gpu: decode and time to first token on a CUDA device,
+// against the device's own copy rate measured in the same run.
+//
+// The model is a checkpoint accel-make-model wrote (scripts/gpu_check.sh
+// makes an 8B-shaped Llama: Llama-3-8B's hidden 4096, MLP 14336, 32 layers,
+// 32 heads over 8 kv heads, vocabulary 128256, bfloat16, random weights),
+// loaded whole onto GPU 0 with LoadModel, as stored and again quantized on
+// loading (--quantize none,nf4). For each: the engine core's decode steps at
+// each --batches size (greedy, 16-token prompts, the prefill step excluded;
+// the paged KV cache and its CUDA decode kernels), and the time to first
+// token of a --prompt-token prompt (one request; the prefill and the first
+// token's sampling, prefix caching off, median of --rounds).
+//
+// Decode at batch 1 reads every weight once per token (all but the
+// embedding, of which one row is read), so weight bytes x tokens/s is the
+// memory bandwidth it uses; the baseline is a 1 GiB device-to-device copy,
+// whose traffic (read + write) is what the device's memory sustains: "of
+// copy traffic" is the share of it decode reaches. At batch b a step reads
+// the weights once for b tokens.
+//
+//   build/bin/accel-bench-decode-gpu --model DIR [--quantize none,nf4]
+//       [--batches 1,8,32,128] [--tokens 64] [--prompt 2048] [--rounds 3] [--json FILE]
+//       [--device cpu]   (the same measurements on the cpu: a check of the harness)
+// Without a CUDA device (and without --device cpu) it says so and exits with
+// status 1.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/Context.h>
+#include <ATen/Functions.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/nn/module.h>
+
+#include "core/bytes.h"
+#include "engine/engine_core.h"
+#include "engine/model_runner.h"
+#include "engine/request.h"
+#include "models/load_model.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(const std::function<void()>& fn) {
+  const auto start = Clock::now();
+  fn();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::vector<std::string> Split(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    if (comma > start) out.push_back(text.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+[[noreturn]] void Usage(const std::string& error) {
+  std::fprintf(stderr,
+               "accel-bench-decode-gpu: %s\nusage: accel-bench-decode-gpu --model DIR "
+               "[--quantize none,nf4] [--batches 1,8,32,128] [--tokens N] [--prompt N] "
+               "[--rounds N] [--json FILE]\n",
+               error.c_str());
+  std::exit(2);
+}
+
+// Bytes copied per second by a device-to-device copy of 1 GiB (median of
+// rounds of 10 copies; the final .item() waits for the stream).
+double DeviceCopyRate(const at::Device& device, int rounds) {
+  const int64_t bytes = int64_t{1} << 30;
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kByte).device(device);
+  at::Tensor src = at::ones({bytes}, options), dst = at::empty({bytes}, options);
+  dst.copy_(src);
+  (void)dst[0].item<uint8_t>();
+  std::vector<double> rates;
+  for (int r = 0; r < rounds; ++r) {
+    const double s = Seconds([&] {
+      for (int i = 0; i < 10; ++i) dst.copy_(src);
+      (void)dst[0].item<uint8_t>();
+    });
+    rates.push_back(10.0 * static_cast<double>(bytes) / s);
+  }
+  return Median(rates);
+}
+
+accel::engine::GenerationRequest Request(int64_t prompt_tokens, int64_t new_tokens, int64_t salt) {
+  accel::engine::GenerationRequest r;
+  for (int64_t t = 0; t < prompt_tokens; ++t) {
+    r.prompt_ids.push_back(1 + (salt * 7919 + t * 104729) % 32000);
+  }
+  r.sampling.temperature = 0;
+  r.max_new_tokens = new_tokens;  // no stop tokens: exactly this many
+  return r;
+}
+
+// An engine core whose KV cache holds `sequences` of `tokens_each`, without
+// prefix caching (each measurement computes its whole prompt).
+std::unique_ptr<accel::engine::EngineCore> CoreFor(accel::models::LoadedModel& m, int64_t sequences,
+                                                   int64_t tokens_each) {
+  accel::engine::ModelRunnerOptions r;
+  r.block_size = 16;
+  r.num_blocks = sequences * ((tokens_each + 15) / 16 + 1) + 16;
+  auto runner = accel::engine::ModelRunner::Create(m.model, m.dispatched.get(), r);
+  if (!runner.ok()) {
+    std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
+    std::abort();
+  }
+  accel::engine::EngineCoreOptions c;
+  c.prefix_caching = false;
+  return std::make_unique<accel::engine::EngineCore>(*std::move(runner), nullptr, c);
+}
+
+// Decode tokens/s over `batch` sequences (the prefill step excluded).
+double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, int64_t salt) {
+  std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, batch, 16 + tokens);
+  accel::engine::EngineCore& generator = *core;
+  for (int64_t i = 0; i < batch; ++i) {
+    if (!generator.Add(Request(16, tokens, salt + i)).ok()) std::abort();
+  }
+  if (!generator.Step().ok()) std::abort();  // prefill
+  int64_t produced = 0;
+  const double seconds = Seconds([&] {
+    while (generator.num_requests() > 0) {
+      auto events = generator.Step();
+      if (!events.ok()) {
+        std::fprintf(stderr, "%s\n", events.status().ToString().c_str());
+        std::abort();
+      }
+      produced += static_cast<int64_t>(events->size());
+    }
+  });
+  return static_cast<double>(produced) / seconds;
+}
+
+// Seconds from a request's arrival to its first token (one step).
+double TimeToFirstToken(accel::models::LoadedModel& m, int64_t prompt, int64_t salt) {
+  std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, 1, prompt + 1);
+  accel::engine::EngineCore& generator = *core;
+  return Seconds([&] {
+    if (!generator.Add(Request(prompt, 1, salt)).ok()) std::abort();
+    auto events = generator.Step();
+    if (!events.ok() || events->empty()) {
+      std::fprintf(stderr, "accel-bench-decode-gpu: the prefill step gave no token\n");
+      std::abort();
+    }
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model_dir, json_path;
+  std::vector<std::string> quantize = {"none", "nf4"};
+  std::vector<int64_t> batches = {1, 8, 32, 128};
+  int64_t tokens = 64, prompt = 2048;
+  int rounds = 3;
+  bool cpu = false;
+  for (int i = 1; i < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) Usage("missing value after " + flag);
+    const std::string value = argv[i + 1];
+    if (flag == "--model") {
+      model_dir = value;
+    } else if (flag == "--json") {
+      json_path = value;
+    } else if (flag == "--quantize") {
+      quantize = Split(value);
+    } else if (flag == "--batches") {
+      batches.clear();
+      for (const std::string& b : Split(value)) batches.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--tokens") {
+      tokens = std::atoll(value.c_str());
+    } else if (flag == "--prompt") {
+      prompt = std::atoll(value.c_str());
+    } else if (flag == "--device") {
+      if (value != "cpu" && value != "0") Usage("--device is 0 or cpu, got " + value);
+      cpu = value == "cpu";
+    } else if (flag == "--rounds") {
+      rounds = std::max(1, std::atoi(value.c_str()));
+    } else {
+      Usage("unknown flag " + flag);
+    }
+  }
+  if (model_dir.empty()) Usage("--model is required");
+  for (int64_t b : batches) {
+    if (b < 1) Usage("--batches must be positive");
+  }
+  if (tokens < 2 || prompt < 1) Usage("--tokens must be at least 2 and --prompt positive");
+  if (!cpu && !at::hasCUDA()) {
+    std::fprintf(stderr,
+                 "accel-bench-decode-gpu: no CUDA device (or a libtorch without CUDA); this "
+                 "benchmark needs a GPU\n");
+    return 1;
+  }
+  c10::InferenceMode inference;
+  const at::Device device = cpu ? at::Device(at::kCPU) : at::Device(at::kCUDA, 0);
+  const double copy_rate = DeviceCopyRate(device, rounds);
+  std::printf("%s copy of 1 GiB: %.1f GB/s copied, %.1f GB/s of traffic\n",
+              cpu ? "cpu" : "device-to-device", copy_rate / 1e9, 2 * copy_rate / 1e9);
+  std::fflush(stdout);
+  std::string json = "{\"copy_gbs\": " + std::to_string(copy_rate / 1e9) +
+                     ", \"copy_traffic_gbs\": " + std::to_string(2 * copy_rate / 1e9) +
+                     ", \"tokens\": " + std::to_string(tokens) +
+                     ", \"prompt\": " + std::to_string(prompt) + ", \"models\": [";
+  auto write_json = [&](const std::string& tail) {
+    if (json_path.empty()) return;
+    std::FILE* f = std::fopen(json_path.c_str(), "w");
+    if (f == nullptr) return;
+    std::fputs((json + tail).c_str(), f);
+    std::fclose(f);
+  };
+  write_json("]}\n");
+  bool first_model = true;
+  for (const std::string& q : quantize) {
+    accel::models::ModelLoadOptions options;
+    options.device_map = cpu ? "cpu" : "0";
+    options.quantize = q;
+    options.progress = accel::Progress::Style::kSilent;
+    absl::StatusOr<accel::models::LoadedModel> loaded;
+    const double load_s = Seconds([&] { loaded = accel::models::LoadModel(model_dir, options); });
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "accel-bench-decode-gpu: %s\n", loaded.status().ToString().c_str());
+      return 1;
+    }
+    accel::models::LoadedModel& m = *loaded;
+    // Every tensor is read once per step except the embedding, of which one
+    // row per token is; quantized layers as stored.
+    double per_step = 0;
+    for (const auto& t : m.model->named_parameters()) {
+      if (t.key() != "model.embed_tokens.weight")
+        per_step += static_cast<double>(t.value().nbytes());
+    }
+    for (const auto& t : m.model->named_buffers())
+      per_step += static_cast<double>(t.value().nbytes());
+    std::printf("\n%s: %d layers, %s read a step, loaded onto %s in %.1f s\n",
+                q == "none" ? "as stored" : ("quantized " + q).c_str(),
+                static_cast<int>(m.config.num_hidden_layers),
+                accel::FormatBytes(static_cast<int64_t>(per_step)).c_str(),
+                cpu ? "the cpu" : "GPU 0", load_s);
+    std::fflush(stdout);
+    (void)DecodeRate(m, 1, 4, 999);  // warm-up: kernels' first launches, the allocator
+    std::string rows;
+    for (int64_t batch : batches) {
+      std::vector<double> rates;
+      for (int r = 0; r < rounds; ++r) rates.push_back(DecodeRate(m, batch, tokens, 1000 * r));
+      const double rate = Median(rates);
+      const double steps = rate / static_cast<double>(batch);
+      const double used = per_step * steps;
+      std::printf(
+          "  batch %3ld: %8.1f tokens/s (%.2f ms a step), weights at %.0f GB/s = %.2f of copy "
+          "traffic\n",
+          static_cast<long>(batch), rate, 1e3 / steps, used / 1e9, used / (2 * copy_rate));
+      std::fflush(stdout);
+      rows += std::string(rows.empty() ? "" : ", ") + "{\"batch\": " + std::to_string(batch) +
+              ", \"tokens_per_s\": " + std::to_string(rate) +
+              ", \"step_ms\": " + std::to_string(1e3 / steps) +
+              ", \"weight_gbs\": " + std::to_string(used / 1e9) +
+              ", \"of_copy_traffic\": " + std::to_string(used / (2 * copy_rate)) + "}";
+    }
+    std::vector<double> ttft;
+    for (int r = 0; r < rounds; ++r) ttft.push_back(TimeToFirstToken(m, prompt, 5000 + r));
+    std::printf("  time to first token, %ld-token prompt: %.1f ms (median of %d)\n",
+                static_cast<long>(prompt), 1e3 * Median(ttft), rounds);
+    std::fflush(stdout);
+    json += std::string(first_model ? "" : ",") + "\n  {\"quantize\": \"" + q +
+            "\", \"layers\": " + std::to_string(m.config.num_hidden_layers) +
+            ", \"bytes_per_step\": " + std::to_string(per_step) +
+            ", \"load_s\": " + std::to_string(load_s) + ", \"decode\": [" + rows +
+            "], \"ttft_s\": " + std::to_string(Median(ttft)) + "}";
+    first_model = false;
+    write_json("\n]}\n");
+  }
+  return 0;
+}

@@ -1,0 +1,336 @@
+// Speculative decoding on the cpu: batch-1 greedy decode tokens/s with and
+// without it, in one run, on the decode benchmark's two Llama shapes (about
+// 1 GiB in float32, about 500 MB in bfloat16):
+//   - prompt lookup on an extractive prompt (the answer repeats a span of the
+//     prompt) and on a prompt where nothing repeats;
+//   - a draft model of the same family about 10x smaller.
+// Each figure is beside plain decoding of the same prompt measured in the
+// same round; rounds alternate the cases, and medians are reported, with the
+// acceptance rates and the tokens each step gave. The tokens are checked to
+// be the same with and without speculation.
+//
+// The models. Random weights neither copy their prompt nor agree with a
+// smaller model of other random weights, and no trained model of these
+// sizes is at hand offline; so the pair is built to be predictable: the
+// draft (hidden 384, 2 layers) has random layers, and its embedding and head
+// are wired so that token t's most likely successor is pi(t) for a fixed
+// random permutation pi (the head row of pi(t) is the embedding of t); the
+// target has the decode benchmark's shape and random layers, with the
+// draft's embedding and head in the first 384 of its 1024 hidden
+// dimensions (zero in the rest). Greedy text then follows pi, which the
+// target's 16-18 random layers perturb now and then: `--embed_scale` (the
+// embedding's scale against those layers' outputs) sets how often, so the
+// draft's acceptance rate. Every weight is read per token as in any model of
+// these shapes, so the speeds are those of real models at these acceptance
+// rates. The extractive prompt is a seed, the target's own continuation of
+// it, and the seed again (the model answers by repeating what followed it);
+// the prompt where nothing repeats is random ids, and pi's cycles are far
+// longer than the text generated.
+//
+//   build/bin/accel-bench-spec [--tokens 96] [--rounds 3] [--k 4] [--embed_scale 24]
+//       [--dir DIR]   (keeps the models there between runs)
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <c10/core/InferenceMode.h>
+
+#include "bench/bench_util.h"
+#include "core/bytes.h"
+#include "core/dtype.h"
+#include "core/malloc_tuning.h"
+#include "core/threads.h"
+#include "engine/engine_core.h"
+#include "engine/model_runner.h"
+#include "loader/loader.h"
+#include "models/load_model.h"
+#include "models/make_model.h"
+
+namespace {
+
+using accel::engine::EngineCore;
+using accel::engine::EngineStats;
+using accel::engine::GenerationRequest;
+using accel::engine::ModelRunner;
+using accel::engine::ModelRunnerOptions;
+using accel::engine::SpeculativeConfig;
+
+constexpr int64_t kVocab = 32000;
+constexpr int64_t kDraftHidden = 384;
+
+[[noreturn]] void Die(const absl::Status& status) {
+  std::fprintf(stderr, "accel-bench-spec: %s\n", status.ToString().c_str());
+  std::exit(1);
+}
+
+template <typename T>
+T Check(absl::StatusOr<T> v) {
+  if (!v.ok()) Die(v.status());
+  return *std::move(v);
+}
+
+// Rewrites `dir`'s checkpoint with `replaced` tensors in place of theirs.
+void Rewrite(const std::string& dir, const std::map<std::string, at::Tensor>& replaced) {
+  const accel::loader::Checkpoint ckpt = Check(accel::loader::Checkpoint::Open(dir));
+  std::vector<accel::loader::TensorSpec> specs;
+  for (const auto& entry : ckpt.tensors()) {
+    const auto& info = entry.info;
+    specs.push_back({info.name, Check(ckpt.Tensor(info.name)).scalar_type(), info.shape});
+  }
+  Check(accel::loader::WriteCheckpoint(
+      dir, specs, [&](const accel::loader::TensorSpec& spec) -> absl::StatusOr<at::Tensor> {
+        auto found = replaced.find(spec.name);
+        if (found != replaced.end()) return found->second.to(spec.dtype).contiguous();
+        return ckpt.Tensor(spec.name);
+      }));
+}
+
+// The draft and the target of one dtype (see the top of the file), made
+// once into dir/target and dir/draft.
+void MakePair(const std::string& dir, c10::ScalarType dtype, int64_t target_bytes,
+              double embed_scale) {
+  const std::string marker = dir + "/pair.txt";
+  const std::string recipe = "embed_scale=" + std::to_string(embed_scale) + "\n";
+  if (std::filesystem::exists(marker)) {
+    std::ifstream in(marker);
+    std::string seen((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (seen == recipe) return;
+  }
+  std::filesystem::remove_all(dir);
+  accel::models::MakeModelOptions d;
+  d.family = "llama";
+  d.vocab_size = kVocab;
+  d.hidden_size = kDraftHidden;
+  d.intermediate_size = 1024;
+  d.num_heads = 6;
+  d.num_kv_heads = 2;
+  d.num_layers = 2;
+  d.max_position_embeddings = 2048;
+  d.dtype = dtype;
+  d.seed = 1;
+  Check(accel::models::MakeModel(dir + "/draft", d));
+  accel::models::MakeModelOptions t;
+  t.family = "llama";
+  t.vocab_size = kVocab;
+  t.hidden_size = 1024;
+  t.intermediate_size = 2816;  // as accel-bench-decode's
+  t.num_heads = 16;
+  t.num_kv_heads = 4;
+  t.max_position_embeddings = 2048;
+  t.dtype = dtype;
+  t.target_bytes = target_bytes;
+  Check(accel::models::MakeModel(dir + "/target", t));
+
+  c10::InferenceMode inference;
+  const accel::loader::Checkpoint draft = Check(accel::loader::Checkpoint::Open(dir + "/draft"));
+  const at::Tensor embedding = Check(draft.Tensor("model.embed_tokens.weight")).to(at::kFloat);
+  // pi: a random permutation; the head row of pi(t) is t's embedding.
+  std::vector<int64_t> pi(kVocab);
+  std::iota(pi.begin(), pi.end(), 0);
+  std::shuffle(pi.begin(), pi.end(), std::mt19937_64(7));
+  std::vector<int64_t> from(kVocab);
+  for (int64_t t = 0; t < kVocab; ++t) from[static_cast<size_t>(pi[static_cast<size_t>(t)])] = t;
+  const at::Tensor head = embedding.index_select(0, at::tensor(from, at::kLong));
+  const at::Tensor scaled = embedding * embed_scale;
+  Rewrite(dir + "/draft", {{"model.embed_tokens.weight", scaled}, {"lm_head.weight", head}});
+  at::Tensor wide_embedding = at::zeros({kVocab, 1024}, at::kFloat);
+  wide_embedding.narrow(1, 0, kDraftHidden).copy_(scaled);
+  at::Tensor wide_head = at::zeros({kVocab, 1024}, at::kFloat);
+  wide_head.narrow(1, 0, kDraftHidden).copy_(head);
+  Rewrite(dir + "/target",
+          {{"model.embed_tokens.weight", wide_embedding}, {"lm_head.weight", wide_head}});
+  std::ofstream(marker) << recipe;
+}
+
+accel::models::LoadedModel Load(const std::string& dir) {
+  accel::models::ModelLoadOptions options;
+  options.device_map = "cpu";
+  options.progress = accel::Progress::Style::kSilent;
+  return Check(accel::models::LoadModel(dir, options));
+}
+
+double WeightBytes(const accel::models::LoadedModel& m) {
+  double bytes = 0;
+  for (const auto& t : m.model->named_parameters())
+    bytes += static_cast<double>(t.value().nbytes());
+  return bytes;
+}
+
+struct Run {
+  double tokens_per_s = 0;
+  std::vector<int64_t> tokens;
+  EngineStats stats;
+};
+
+// Greedy decode of `prompt` for `tokens` tokens at batch 1; the speed counts
+// the steps after the first (which reads the prompt).
+Run Decode(accel::models::LoadedModel& target, accel::models::LoadedModel* draft,
+           const SpeculativeConfig& spec, const std::vector<int64_t>& prompt, int64_t tokens) {
+  ModelRunnerOptions options;
+  options.speculative = spec;
+  if (draft != nullptr) {
+    options.draft_model = draft->model;
+    options.draft_dispatched = draft->dispatched.get();
+  }
+  EngineCore core(Check(ModelRunner::Create(target.model, target.dispatched.get(), options)),
+                  nullptr);
+  GenerationRequest r;
+  r.prompt_ids = prompt;
+  r.max_new_tokens = tokens;  // no stop tokens: exactly this many
+  Check(core.Add(r));
+  Run run;
+  auto take = [&] {
+    for (const auto& e : Check(core.Step())) run.tokens.push_back(e.token_id);
+  };
+  take();  // the prompt
+  const size_t first = run.tokens.size();
+  const double seconds = accel::bench::Seconds([&] {
+    while (core.num_requests() > 0) take();
+  });
+  run.tokens_per_s = static_cast<double>(run.tokens.size() - first) / seconds;
+  run.stats = core.stats();
+  return run;
+}
+
+double Acceptance(const EngineStats& s) {
+  return s.spec_num_draft_tokens > 0 ? static_cast<double>(s.spec_num_accepted_tokens) /
+                                           static_cast<double>(s.spec_num_draft_tokens)
+                                     : 0.0;
+}
+
+// Tokens each step gave after the prompt's.
+double PerStep(const Run& r) {
+  return static_cast<double>(r.tokens.size() - 1) / static_cast<double>(r.stats.steps - 1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t tokens = 96;
+  int rounds = 3;
+  int64_t k = 4;
+  double embed_scale = 24;
+  std::string root;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--tokens") {
+      tokens = std::atoll(argv[i + 1]);
+    } else if (flag == "--rounds") {
+      rounds = std::max(1, std::atoi(argv[i + 1]));
+    } else if (flag == "--k") {
+      k = std::atoll(argv[i + 1]);
+    } else if (flag == "--embed_scale") {
+      embed_scale = std::atof(argv[i + 1]);
+    } else if (flag == "--dir") {
+      root = argv[i + 1];
+    } else {
+      std::fprintf(stderr,
+                   "usage: accel-bench-spec [--tokens N] [--rounds R] [--k K] [--embed_scale S] "
+                   "[--dir DIR]\n");
+      return 2;
+    }
+  }
+  const bool own_root = root.empty();
+  if (own_root) root = (std::filesystem::temp_directory_path() / "accel-bench-spec").string();
+  std::filesystem::create_directories(root);
+  accel::KeepFreedMemoryForReuse();
+  const int threads = accel::SetIntraOpThreads(0);
+  std::printf("accel-bench-spec: %d threads, %lld tokens a run, k = %lld, embed scale %.1f\n",
+              threads, static_cast<long long>(tokens), static_cast<long long>(k), embed_scale);
+
+  SpeculativeConfig lookup;
+  lookup.method = SpeculativeConfig::Method::kNgram;
+  lookup.num_speculative_tokens = k;
+  lookup.prompt_lookup_min = 2;
+  lookup.prompt_lookup_max = 4;
+  SpeculativeConfig drafting;
+  drafting.method = SpeculativeConfig::Method::kDraftModel;
+  drafting.num_speculative_tokens = k;
+  drafting.model = "draft";
+
+  struct Case {
+    const char* name;
+    c10::ScalarType dtype;
+    int64_t bytes;
+  };
+  for (const Case& c : {Case{"float32", c10::ScalarType::Float, int64_t{1} << 30},
+                        Case{"bfloat16", c10::ScalarType::BFloat16, 500'000'000}}) {
+    const std::string dir = root + "/" + c.name;
+    MakePair(dir, c.dtype, c.bytes, embed_scale);
+    accel::models::LoadedModel target = Load(dir + "/target");
+    accel::models::LoadedModel draft = Load(dir + "/draft");
+    // The extractive prompt: a seed, the target's own continuation of it,
+    // and the seed again. Nothing repeats in the other: distinct random ids.
+    std::mt19937_64 rng(3);
+    std::vector<int64_t> seed;
+    for (int i = 0; i < 16; ++i) seed.push_back(static_cast<int64_t>(rng() % kVocab));
+    const Run continuation = Decode(target, nullptr, {}, seed, tokens);
+    std::vector<int64_t> extractive = seed;
+    extractive.insert(extractive.end(), continuation.tokens.begin(), continuation.tokens.end());
+    extractive.insert(extractive.end(), seed.begin(), seed.end());
+    std::vector<int64_t> fresh;
+    std::set<int64_t> used;
+    while (fresh.size() < 48) {
+      const int64_t id = static_cast<int64_t>(rng() % kVocab);
+      if (used.insert(id).second) fresh.push_back(id);
+    }
+    struct Measure {
+      const char* name;
+      const std::vector<int64_t>* prompt;
+      const SpeculativeConfig* spec;
+      bool draft;
+      std::vector<double> plain, fast, ratio;
+      double acceptance = 0, per_step = 0;
+      bool same = true;
+    };
+    std::vector<Measure> measures = {
+        {"prompt lookup, extractive prompt", &extractive, &lookup, false, {}, {}, {}},
+        {"prompt lookup, nothing repeats", &fresh, &lookup, false, {}, {}, {}},
+        {"draft model, nothing repeats", &fresh, &drafting, true, {}, {}, {}},
+    };
+    for (int round = 0; round < rounds; ++round) {
+      for (Measure& m : measures) {
+        const Run plain = Decode(target, nullptr, {}, *m.prompt, tokens);
+        const Run fast = Decode(target, m.draft ? &draft : nullptr, *m.spec, *m.prompt, tokens);
+        m.plain.push_back(plain.tokens_per_s);
+        m.fast.push_back(fast.tokens_per_s);
+        m.ratio.push_back(fast.tokens_per_s / plain.tokens_per_s);
+        m.acceptance = Acceptance(fast.stats);
+        m.per_step = PerStep(fast);
+        m.same = m.same && plain.tokens == fast.tokens;
+      }
+    }
+    const double target_bytes = WeightBytes(target), draft_bytes = WeightBytes(draft);
+    std::printf(
+        "%s target: %d layers, %s of weights; draft: %d layers, %s (%.1fx smaller); "
+        "median of %d rounds (the ratio is the median of each round's ratio)\n",
+        c.name, static_cast<int>(target.config.num_hidden_layers),
+        accel::FormatBytes(static_cast<int64_t>(target_bytes)).c_str(),
+        static_cast<int>(draft.config.num_hidden_layers),
+        accel::FormatBytes(static_cast<int64_t>(draft_bytes)).c_str(), target_bytes / draft_bytes,
+        rounds);
+    for (const Measure& m : measures) {
+      std::printf(
+          "  %-34s plain %6.2f tokens/s, speculative %6.2f tokens/s = %.2fx (%.2f-%.2f); "
+          "%.0f%% of drafts accepted, %.2f tokens a step; same tokens: %s\n",
+          m.name, accel::bench::Median(m.plain), accel::bench::Median(m.fast),
+          accel::bench::Median(m.ratio), *std::min_element(m.ratio.begin(), m.ratio.end()),
+          *std::max_element(m.ratio.begin(), m.ratio.end()), 100 * m.acceptance, m.per_step,
+          m.same ? "yes" : "NO");
+    }
+    std::fflush(stdout);
+  }
+  if (own_root) std::filesystem::remove_all(root);
+  return 0;
+}

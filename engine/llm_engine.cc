@@ -1,0 +1,309 @@
+#include "engine/llm_engine.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+
+#include <torch/nn/module.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "core/bytes.h"
+#include "core/dtype.h"
+#include "core/status.h"
+#include "core/threads.h"
+#include "dispatch/device_map.h"
+#include "engine/engine_core.h"
+#include "engine/input_processor.h"
+#include "engine/kv_cache_manager.h"
+#include "engine/model_runner.h"
+#include "engine/output_processor.h"
+#include "loader/config.h"
+#include "models/causal_lm.h"
+#include "models/load_model.h"
+#include "models/nn.h"
+
+namespace accel::engine {
+
+struct LlmEngine::Model {
+  models::LoadedModel loaded;
+  std::optional<models::LoadedModel> draft;
+  std::unique_ptr<InputProcessor> inputs;
+};
+
+namespace {
+
+std::string DeviceName(const Placement& placement) { return placement.ToString(); }
+
+// The folder's own name, or "model" for "/".
+std::string FolderName(const std::string& dir) {
+  std::filesystem::path path(dir);
+  if (!path.has_filename()) path = path.parent_path();
+  const std::string name = path.filename().string();
+  return name.empty() ? "model" : name;
+}
+
+// What the device holding the most weights has free, now that they are in.
+absl::StatusOr<double> AvailableForKv(const std::map<std::string, int64_t>& bytes_per_device) {
+  std::string main = "cpu";
+  int64_t most = 0;
+  for (const auto& [device, bytes] : bytes_per_device) {
+    if (device != "disk" && bytes > most) {
+      most = bytes;
+      main = device;
+    }
+  }
+  ACCEL_ASSIGN_OR_RETURN(dispatch::MaxMemory free, dispatch::ProbeMaxMemory());
+  double available = 0;
+  for (const auto& [placement, bytes] : free) {
+    if (placement.ToString() == main) available = bytes;
+  }
+  return available;
+}
+
+// Parameters and bytes per device of a loaded model, counted as
+// transformers' num_parameters() does.
+absl::Status CountParameters(const models::LoadedModel& loaded, ModelInfo& info) {
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    torch::nn::Module& module = loaded.dispatched->module();
+    // Tied weights (an lm_head that is the embedding) are one tensor under two
+    // names: counted once, as transformers' num_parameters() and the bytes do.
+    std::set<const void*> seen;
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+      info.parameters += item.value().numel();  // 4-bit weights: corrected below
+      const std::optional<Placement> placement = loaded.device_map.Lookup(item.key());
+      const std::string device = placement ? DeviceName(*placement) : "cpu";
+      info.bytes_per_device[device] +=
+          item.value().numel() * static_cast<int64_t>(item.value().element_size());
+    }
+  }));
+  return CallTorch([&] {
+    // A packed 4-bit weight holds two parameters a byte.
+    for (const auto& item : loaded.dispatched->module().named_modules()) {
+      auto linear = std::dynamic_pointer_cast<nn::QuantizableLinear>(item.value());
+      if (linear && linear->quantization().method == nn::LinearQuantization::Method::k4bit) {
+        info.parameters += linear->in_features() * linear->out_features() - linear->weight.numel();
+      }
+    }
+  });
+}
+
+}  // namespace
+
+LlmEngine::~LlmEngine() {
+  loop_.reset();  // joins the loop's thread before the models go
+}
+
+absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& options,
+                                                           StatLogger* stats) {
+  std::unique_ptr<LlmEngine> engine(new LlmEngine());
+  engine->options_ = options;
+  engine->stats_ = stats;
+  engine->model_ = std::make_unique<Model>();
+  Model& model = *engine->model_;
+  const absl::Time start = absl::Now();
+  SetIntraOpThreads(options.threads);
+
+  // The tokenizer and chat template first: a bad one fails before minutes
+  // of loading.
+  ACCEL_ASSIGN_OR_RETURN(model.inputs, InputProcessor::Load(options.model_dir));
+  if (const tokenizer::Tokenizer* tokenizer = model.inputs->tokenizer()) {
+    ACCEL_ASSIGN_OR_RETURN(loader::ModelConfig config,
+                           loader::ReadModelConfig(options.model_dir + "/config.json"));
+    ACCEL_RETURN_IF_ERROR(
+        models::CheckTokenizer(*tokenizer, config, options.model_dir + "/tokenizer.json"));
+  }
+  models::ModelLoadOptions load;
+  load.device_map = options.device_map;
+  load.max_memory = options.max_memory;
+  load.offload_folder = options.offload_folder;
+  load.dtype = options.dtype;
+  load.quantize = options.quantize;
+  load.double_quant = options.double_quant;
+  load.offload_experts = options.offload_experts;
+  load.expert_cache = options.expert_cache;
+  load.execution_device = options.execution_device;
+  ACCEL_ASSIGN_OR_RETURN(model.loaded, models::LoadModel(options.model_dir, load));
+  const models::LoadedModel& loaded = model.loaded;
+
+  ModelInfo& info = engine->info_;
+  info.name =
+      options.served_model_name.empty() ? FolderName(options.model_dir) : options.served_model_name;
+  info.architecture = loaded.config.architectures.empty() ? "" : loaded.config.architectures[0];
+  info.model_type = loaded.config.model_type;
+  info.dtype = std::string(DTypeName(loaded.dtype));
+  if (!loaded.quantization.empty()) {
+    info.quantization = loaded.quantization.begin()->second.ToString();
+  }
+  for (const auto& [module, placement] : loaded.device_map.entries()) {
+    info.device_map.emplace_back(module, DeviceName(placement));
+  }
+  ACCEL_RETURN_IF_ERROR(CountParameters(loaded, info));
+
+  // The draft model of speculative decoding, on the same dispatch core:
+  // placed by the same device map strategy in what the target left, and
+  // quantized as the target unless the config says otherwise.
+  const SpeculativeConfig& spec = options.speculative;
+  info.speculative_method = std::string(SpeculativeMethodName(spec.method));
+  int64_t draft_block_bytes = 0;
+  if (spec.method == SpeculativeConfig::Method::kDraftModel) {
+    models::ModelLoadOptions draft_load = load;
+    if (spec.quantization) draft_load.quantize = *spec.quantization;
+    absl::StatusOr<models::LoadedModel> draft = models::LoadModel(spec.model, draft_load);
+    if (!draft.ok()) {
+      return absl::Status(draft.status().code(),
+                          absl::StrCat("--speculative_config: the draft model (\"model\"): ",
+                                       draft.status().message()));
+    }
+    model.draft.emplace(*std::move(draft));
+    info.draft_model = spec.model;
+    ModelInfo draft_info;
+    ACCEL_RETURN_IF_ERROR(CountParameters(*model.draft, draft_info));
+    for (const auto& [device, bytes] : draft_info.bytes_per_device) {
+      info.bytes_per_device[device] += bytes;
+    }
+  }
+
+  const int64_t context = loaded.config.max_position_embeddings;
+  info.max_context = context;
+  info.max_total_tokens = options.max_total_tokens > 0 ? options.max_total_tokens : context;
+  if (context > 0) info.max_total_tokens = std::min(info.max_total_tokens, context);
+  info.max_input_tokens =
+      options.max_input_tokens > 0 ? options.max_input_tokens : info.max_total_tokens - 1;
+  info.max_input_tokens = std::min(info.max_input_tokens, info.max_total_tokens - 1);
+  if (info.max_input_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_total_tokens=", info.max_total_tokens,
+                     " leaves no room for a prompt and a generated token"));
+  }
+  info.vocab_size = loaded.config.vocab_size;
+  info.eos_token_ids = loaded.eos_token_ids();
+  info.has_tokenizer = model.inputs->tokenizer() != nullptr;
+  info.has_chat_template = model.inputs->has_chat_template();
+
+  // The KV store: blocks of every layer's keys and values in the model's
+  // dtype (and the draft model's, at the same block ids).
+  const int64_t block_size = std::max<int64_t>(options.kv_block_size, 1);
+  if (model.draft) {
+    draft_block_bytes =
+        models::KvBlockStore::BytesPerBlock(model.draft->config, model.draft->dtype, block_size);
+  }
+  const int64_t block_bytes =
+      models::KvBlockStore::BytesPerBlock(loaded.config, loaded.dtype, block_size) +
+      draft_block_bytes;
+  const int64_t blocks_per_request = (info.max_total_tokens + block_size - 1) / block_size;
+  const int64_t wanted =
+      block_bytes * std::max<int64_t>(blocks_per_request * options.loop.max_batch_size, 1);
+  double available = 0;
+  const bool probe = options.kv_cache_memory.empty() || options.kv_cache_memory == "auto" ||
+                     options.kv_cache_memory.find('.') != std::string::npos;
+  if (probe) {
+    ACCEL_ASSIGN_OR_RETURN(available, AvailableForKv(info.bytes_per_device));
+  }
+  ACCEL_ASSIGN_OR_RETURN(const int64_t kv_bytes,
+                         KvCacheBytes(options.kv_cache_memory, available, wanted));
+  const int64_t blocks = kv_bytes / block_bytes;
+  if (blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_cache_memory=", options.kv_cache_memory, " holds no KV block (one takes ",
+        FormatBytes(block_bytes), " with --kv_block_size=", block_size, ")"));
+  }
+  std::string total_limit_name;  // set when the KV cache bounds max_total_tokens
+  // A request can use at most what the store holds.
+  if (blocks * block_size < info.max_total_tokens) {
+    info.max_total_tokens = blocks * block_size;
+    info.max_input_tokens = std::min(info.max_input_tokens, info.max_total_tokens - 1);
+    total_limit_name = absl::StrCat("the KV cache's ", info.max_total_tokens,
+                                    " tokens under --kv_cache_memory=", options.kv_cache_memory);
+  }
+  if (info.max_input_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_cache_memory=", options.kv_cache_memory, " holds ",
+                     info.max_total_tokens, " tokens, no room for a prompt and a generated token"));
+  }
+
+  InputProcessorOptions inputs;
+  inputs.served_model_name = info.name;
+  inputs.limits.vocab_size = info.vocab_size;
+  inputs.limits.max_input_tokens = info.max_input_tokens;
+  inputs.limits.max_total_tokens = info.max_total_tokens;
+  if (!total_limit_name.empty()) inputs.limits.total_limit_name = total_limit_name;
+  inputs.default_max_new_tokens = options.default_max_new_tokens;
+  inputs.eos_token_ids = info.eos_token_ids;
+  inputs.request_timeout = options.request_timeout;
+  model.inputs->Configure(std::move(inputs));
+
+  ModelRunnerOptions runner_options;
+  runner_options.num_blocks = blocks;
+  runner_options.block_size = block_size;
+  runner_options.speculative = spec;
+  if (model.draft) {
+    runner_options.draft_model = model.draft->model;
+    runner_options.draft_dispatched = model.draft->dispatched.get();
+  }
+  ACCEL_ASSIGN_OR_RETURN(
+      std::unique_ptr<ModelRunner> runner,
+      ModelRunner::Create(loaded.model, loaded.dispatched.get(), std::move(runner_options)));
+  TextStreamFactory streams;
+  if (model.inputs->tokenizer() != nullptr) {
+    streams = TokenizerTextStreams(*model.inputs->tokenizer());
+  }
+  EngineCoreOptions core_options;
+  core_options.prefix_caching = options.enable_prefix_caching;
+  core_options.max_num_batched_tokens = options.max_num_batched_tokens;
+  auto core = std::make_unique<EngineCore>(std::move(runner), std::move(streams), core_options);
+  info.load_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  engine->loop_ = std::make_unique<EngineLoop>(std::move(core), options.loop, stats);
+  return engine;
+}
+
+std::string LlmEngine::TokenText(int64_t token_id) const {
+  return model_->inputs->TokenText(token_id);
+}
+
+dispatch::OffloadStats LlmEngine::offload_stats() const {
+  dispatch::OffloadStats stats = model_->loaded.dispatched->stats();
+  if (model_->draft) {
+    const dispatch::OffloadStats draft = model_->draft->dispatched->stats();
+    stats.fetches += draft.fetches;
+    stats.prefetch_hits += draft.prefetch_hits;
+    stats.bytes_read += draft.bytes_read;
+    stats.bytes_mapped += draft.bytes_mapped;
+    stats.bytes_dropped += draft.bytes_dropped;
+    stats.bytes_to_device += draft.bytes_to_device;
+    stats.expert_fetches += draft.expert_fetches;
+    stats.expert_cache_hits += draft.expert_cache_hits;
+    stats.expert_prefetch_hits += draft.expert_prefetch_hits;
+  }
+  return stats;
+}
+
+absl::StatusOr<uint64_t> LlmEngine::Submit(GenerationRequest request,
+                                           std::shared_ptr<RequestSink> sink) {
+  const absl::Status completed = model_->inputs->Process(request);
+  absl::StatusOr<uint64_t> id = completed.ok() ? loop_->Submit(std::move(request), std::move(sink))
+                                               : absl::StatusOr<uint64_t>(completed);
+  if (!id.ok() && stats_ != nullptr) {
+    switch (id.status().code()) {
+      case absl::StatusCode::kNotFound:
+        stats_->RecordFailed("not_found");
+        break;
+      case absl::StatusCode::kResourceExhausted:
+        stats_->RecordFailed("overloaded");
+        break;
+      case absl::StatusCode::kUnavailable:
+        stats_->RecordFailed("unavailable");
+        break;
+      default:
+        stats_->RecordFailed("invalid");
+    }
+  }
+  return id;
+}
+
+}  // namespace accel::engine

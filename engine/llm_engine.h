@@ -1,0 +1,129 @@
+// engine/llm_engine.h: the engine as its users see it (vLLM's LLMEngine /
+// AsyncLLM): one model loaded with its tokenizer, KV cache and (optional)
+// draft model, requests completed and checked once (engine/input_processor.h)
+// and run by the engine loop on its own thread (engine/engine_loop.h, over
+// engine/engine_core.h). accel-serve's wire adapters (accel.v1, KServe v2,
+// the OpenAI HTTP API) and accel-generate all go through Submit, so they
+// validate and default alike.
+//
+//   ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<LlmEngine> engine, LlmEngine::Load(options, &logger));
+//   ACCEL_ASSIGN_OR_RETURN(uint64_t id, engine->Submit(request, sink));
+//
+// Torch-free header.
+#ifndef ACCEL_ENGINE_LLM_ENGINE_H_
+#define ACCEL_ENGINE_LLM_ENGINE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+#include "dispatch/offload_stats.h"
+#include "engine/engine_loop.h"
+#include "engine/request.h"
+#include "engine/speculative_config.h"
+#include "engine/stat_logger.h"
+
+namespace accel::engine {
+
+struct EngineOptions {
+  std::string model_dir;
+  std::string served_model_name;  // empty: the model folder's name
+  // As models::ModelLoadOptions takes them.
+  std::string device_map = "auto";
+  std::string max_memory;
+  std::string offload_folder;
+  std::string dtype = "auto";
+  std::string quantize = "none";  // none | int8 | nf4 | fp4
+  bool double_quant = false;
+  bool offload_experts = false;
+  std::string expert_cache = "auto";
+  std::string execution_device = "auto";
+  int threads = 0;  // libtorch's intra-op threads; 0: core/threads.h's default
+  EngineLoopOptions loop;
+  // KV-cache memory: bytes ("4GiB"), a fraction of what the device holding
+  // most weights has free after them ("0.5"), or "auto": max_batch_size
+  // sequences of max_total_tokens, within half of what is free.
+  std::string kv_cache_memory = "auto";
+  int64_t kv_block_size = 16;  // tokens a KV block
+  bool enable_prefix_caching = true;
+  // Tokens in one forward step (decoding sequences first, then prompt
+  // chunks); 0: whole prompts.
+  int64_t max_num_batched_tokens = 512;
+  int64_t max_input_tokens = 0;  // prompt tokens; 0: the model's context - 1
+  int64_t max_total_tokens = 0;  // prompt + generated; 0: the model's context
+  int64_t default_max_new_tokens = 16;
+  absl::Duration request_timeout = absl::ZeroDuration();  // zero: none
+  // Speculative decoding (engine/speculative_config.h); off by default.
+  SpeculativeConfig speculative;
+};
+
+struct ModelInfo {
+  std::string name;
+  std::string architecture;
+  std::string model_type;
+  int64_t parameters = 0;
+  std::string dtype;
+  std::string quantization = "none";
+  std::vector<std::pair<std::string, std::string>> device_map;  // module -> "0" | "cpu" | "disk"
+  std::map<std::string, int64_t> bytes_per_device;
+  int64_t max_context = 0;
+  int64_t max_input_tokens = 0;
+  int64_t max_total_tokens = 0;
+  int64_t vocab_size = 0;
+  std::vector<int64_t> eos_token_ids;
+  bool has_tokenizer = false;
+  bool has_chat_template = false;  // Chat / chat completions work
+  double load_seconds = 0;
+  // Speculative decoding: "none", "ngram" or "draft_model", and the draft.
+  std::string speculative_method = "none";
+  std::string draft_model;
+};
+
+class LlmEngine {
+ public:
+  // Loads the model (a minute for a big one), and the draft model when the
+  // speculative config names one. `stats` may be null; it outlives the
+  // engine.
+  static absl::StatusOr<std::unique_ptr<LlmEngine>> Load(const EngineOptions& options,
+                                                         StatLogger* stats);
+  ~LlmEngine();
+  LlmEngine(const LlmEngine&) = delete;
+  LlmEngine& operator=(const LlmEngine&) = delete;
+
+  // Completes a request as the wire adapters fill it and checks it once
+  // (engine/input_processor.h, with the server's limits), then queues it;
+  // returns its id for Cancel. Errors name the field: NotFound for another
+  // model name; InvalidArgument for a bad request; ResourceExhausted when
+  // the queue is full; Unavailable when draining.
+  absl::StatusOr<uint64_t> Submit(GenerationRequest request, std::shared_ptr<RequestSink> sink);
+  void Cancel(uint64_t id) { loop_->Cancel(id); }
+  // One token's text, as the OpenAI API's logprobs show it: the token
+  // decoded alone (special tokens included; a piece of a UTF-8 character
+  // decodes to U+FFFD). Empty without a tokenizer or for an unknown id.
+  std::string TokenText(int64_t token_id) const;
+
+  const ModelInfo& info() const { return info_; }
+  EngineLoop& loop() { return *loop_; }
+  // The model's offload counters so far (the draft model's added).
+  dispatch::OffloadStats offload_stats() const;
+
+ private:
+  struct Model;
+  LlmEngine() = default;
+
+  EngineOptions options_;
+  StatLogger* stats_ = nullptr;
+  ModelInfo info_;
+  std::unique_ptr<Model> model_;  // the loaded models and the input processor (torch types)
+  std::unique_ptr<EngineLoop> loop_;
+};
+
+}  // namespace accel::engine
+
+#endif  // ACCEL_ENGINE_LLM_ENGINE_H_

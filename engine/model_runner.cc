@@ -1,0 +1,359 @@
+#include "engine/model_runner.h"
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <c10/core/InferenceMode.h>
+
+#include "absl/strings/str_cat.h"
+
+#include "core/status.h"
+#include "engine/internal/draft_proposer.h"
+#include "engine/logits_processor.h"
+#include "engine/ngram_proposer.h"
+#include "engine/rejection_sampler.h"
+#include "engine/sampler.h"
+#include "models/causal_lm.h"
+
+namespace accel::engine {
+namespace {
+
+bool IsLongRope(const loader::ModelConfig& config) {
+  return config.rope_scaling && config.rope_scaling->rope_type == "longrope";
+}
+
+}  // namespace
+
+struct ModelRunner::Impl {
+  struct Request {
+    explicit Request(Sampler s) : sampler(std::move(s)) {}
+    Sampler sampler;
+    std::unique_ptr<LogitsProcessor> processor;
+    models::KvCache cache;
+    bool logprobs = false;
+    int64_t top_logprobs = 0;
+    int64_t prompt_tokens = 0;
+    int64_t max_new_tokens = 0;
+    std::vector<int64_t> stop_token_ids;
+    // The distributions the drafts proposed for the next step were drawn
+    // from (a draft model, sampled requests): [drafts, draft vocab].
+    at::Tensor draft_probs;
+  };
+
+  std::shared_ptr<models::CausalLM> model;
+  dispatch::DispatchedModel* dispatched = nullptr;
+  ModelRunnerOptions options;
+  int64_t position_limit = 0;
+  bool prefix_caching = true;
+  std::unique_ptr<models::KvBlockStore> store;
+  std::optional<NgramProposer> ngram;
+  std::unique_ptr<internal::DraftProposer> draft;
+  std::map<uint64_t, std::unique_ptr<Request>> requests;
+
+  void ResetCache(Request& r) {
+    r.cache.Clear();
+    r.cache.store = store.get();
+  }
+
+  // Drafts for a request after this step, or none: room left in
+  // max_new_tokens (verifying k drafts gives up to k + 1 tokens) and no stop
+  // token just sampled.
+  int64_t DraftLimit(const Request& r, absl::Span<const int64_t> ids) const {
+    const int64_t generated = static_cast<int64_t>(ids.size()) - r.prompt_tokens;
+    if (std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), ids.back()) !=
+        r.stop_token_ids.end()) {
+      return 0;
+    }
+    return std::max<int64_t>(
+        std::min({options.speculative.num_speculative_tokens, r.max_new_tokens - generated - 1,
+                  position_limit - 1 - static_cast<int64_t>(ids.size())}),
+        0);
+  }
+
+  absl::StatusOr<ModelRunnerOutput> Execute(const SchedulerOutput& out);
+};
+
+ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ModelRunner::~ModelRunner() = default;
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
+    std::shared_ptr<models::CausalLM> model, dispatch::DispatchedModel* dispatched,
+    ModelRunnerOptions options) {
+  auto impl = std::make_unique<Impl>();
+  Impl& m = *impl;
+  const loader::ModelConfig& config = model->config();
+  m.position_limit = config.max_position_embeddings > 0 ? config.max_position_embeddings
+                                                        : std::numeric_limits<int64_t>::max();
+  options.block_size = std::max<int64_t>(options.block_size, 1);
+  // LongRoPE: a position's keys depend on the sequence's length (the short
+  // factors until it passes the original context, then the long ones for
+  // the whole sequence), so equal tokens need not have equal keys and blocks
+  // cannot be shared between sequences.
+  m.prefix_caching = !IsLongRope(config);
+  if (options.num_blocks <= 0) {
+    const int64_t per_block =
+        models::KvBlockStore::BytesPerBlock(config, model->dtype(), options.block_size);
+    const int64_t limit = std::min<int64_t>(m.position_limit, 8192);
+    int64_t blocks = (4 * limit + options.block_size - 1) / options.block_size;
+    if (per_block > 0) blocks = std::min<int64_t>(blocks, (int64_t{1} << 30) / per_block);
+    options.num_blocks = std::max<int64_t>(blocks, 1);
+  }
+  const SpeculativeConfig& spec = options.speculative;
+  if (spec.enabled() && IsLongRope(config)) {
+    // A verification chunk that crosses the original context would compute
+    // every position of it with the long factors, where decoding one token
+    // at a time computes those before the boundary with the short ones.
+    return absl::InvalidArgumentError(
+        "--speculative_config: a LongRoPE model (rope_scaling longrope) cannot verify drafts: "
+        "its keys change when a sequence crosses the original context");
+  }
+  if (spec.method == SpeculativeConfig::Method::kNgram) {
+    m.ngram.emplace(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens);
+  } else if (spec.method == SpeculativeConfig::Method::kDraftModel) {
+    if (options.draft_model == nullptr) {
+      return absl::InvalidArgumentError(
+          "--speculative_config: the draft model was not loaded (model)");
+    }
+    const loader::ModelConfig& draft = options.draft_model->config();
+    if (draft.vocab_size > config.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--speculative_config: the draft model (", spec.model,
+                       ") has a vocabulary of ", draft.vocab_size, " tokens, the target ",
+                       config.vocab_size, "; a draft model must share the target's tokenizer"));
+    }
+    if (IsLongRope(draft)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--speculative_config: the draft model (", spec.model,
+                       ") uses LongRoPE, whose keys change with the sequence's length"));
+    }
+    m.draft = std::make_unique<internal::DraftProposer>(
+        options.draft_model, options.draft_dispatched, options.num_blocks, options.block_size,
+        spec.num_speculative_tokens);
+  }
+  m.model = std::move(model);
+  m.dispatched = dispatched;
+  m.options = std::move(options);
+  m.store = std::make_unique<models::KvBlockStore>(m.options.num_blocks, m.options.block_size,
+                                                   static_cast<size_t>(config.num_hidden_layers));
+  return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
+}
+
+absl::Status ModelRunner::AddRequest(uint64_t id, const GenerationRequest& request) {
+  ACCEL_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(request.sampling));
+  auto r = std::make_unique<Impl::Request>(std::move(sampler));
+  r->cache.store = impl_->store.get();
+  r->logprobs = request.logprobs;
+  r->top_logprobs = request.top_logprobs;
+  r->prompt_tokens = static_cast<int64_t>(request.prompt_ids.size());
+  r->max_new_tokens = request.max_new_tokens;
+  r->stop_token_ids = request.stop_token_ids;
+  if (impl_->options.logits_processors) r->processor = impl_->options.logits_processors(request);
+  if (impl_->draft) impl_->draft->Add(id, r->sampler);
+  impl_->requests[id] = std::move(r);
+  return absl::OkStatus();
+}
+
+void ModelRunner::RemoveRequest(uint64_t id) {
+  impl_->requests.erase(id);
+  if (impl_->draft) impl_->draft->Remove(id);
+}
+
+absl::StatusOr<ModelRunnerOutput> ModelRunner::Execute(const SchedulerOutput& output) {
+  return impl_->Execute(output);
+}
+
+absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutput& out) {
+  c10::InferenceMode inference;
+  ModelRunnerOutput result;
+  for (uint64_t id : out.preempted) {
+    auto found = requests.find(id);
+    if (found == requests.end()) continue;
+    ResetCache(*found->second);
+    if (draft) draft->Reset(id, 0);
+  }
+  if (out.scheduled.empty()) return result;
+  std::vector<Request*> scheduled;
+  std::vector<int64_t> packed;
+  std::vector<models::SequenceChunk> chunks;
+  std::vector<int64_t> lengths;  // before the step, to undo a failed one
+  for (const ScheduledRequest& s : out.scheduled) {
+    auto found = requests.find(s.id);
+    if (found == requests.end()) {
+      return absl::InternalError(absl::StrCat("request ", s.id, " is not in the model runner"));
+    }
+    Request& r = *found->second;
+    models::KvCache& cache = r.cache;
+    if (cache.length != s.num_computed_tokens) {
+      // A request that joined (or resumed) on a cached prefix: the blocks
+      // already hold its first tokens.
+      if (cache.length != 0 || !cache.paged()) {
+        return absl::InternalError(absl::StrCat("request ", s.id, ": the cache holds ",
+                                                cache.length, " tokens, the scheduler says ",
+                                                s.num_computed_tokens));
+      }
+      cache.length = s.num_computed_tokens;
+      cache.token_ids.assign(s.token_ids.begin(), s.token_ids.begin() + s.num_computed_tokens);
+      if (draft) draft->Reset(s.id, s.num_computed_tokens);
+    }
+    if (cache.paged()) cache.block_table.assign(s.block_table.begin(), s.block_table.end());
+    const int64_t drafts = static_cast<int64_t>(s.draft_token_ids.size());
+    const auto first = s.token_ids.begin() + s.num_computed_tokens;
+    packed.insert(packed.end(), first, first + (s.num_tokens - drafts));
+    packed.insert(packed.end(), s.draft_token_ids.begin(), s.draft_token_ids.end());
+    chunks.push_back({&cache, s.num_tokens, s.samples ? 1 + drafts : 1});
+    lengths.push_back(cache.length);
+    scheduled.push_back(&r);
+  }
+  const auto undo = [&] {
+    for (size_t i = 0; i < scheduled.size(); ++i) {
+      models::KvCache& cache = scheduled[i]->cache;
+      cache.length = lengths[i];
+      if (static_cast<int64_t>(cache.token_ids.size()) > lengths[i]) {
+        cache.token_ids.resize(static_cast<size_t>(lengths[i]));
+      }
+    }
+  };
+  at::Tensor input_ids;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] { input_ids = at::tensor(packed, at::kLong); }));
+  ACCEL_ASSIGN_OR_RETURN(
+      at::Tensor logits,
+      model->Forward(input_ids, chunks, models::Logits::kLastOfEach, dispatched));
+  // Every request that read its whole input samples (verifying its drafts)
+  // before any state moves on: if sampling fails, the caches go back to
+  // where they were.
+  const absl::Status sampled = CallTorch([&] {
+    int64_t row = 0;
+    for (size_t i = 0; i < out.scheduled.size(); ++i) {
+      const ScheduledRequest& s = out.scheduled[i];
+      Request& r = *scheduled[i];
+      const int64_t rows = chunks[i].logit_tokens;
+      if (!s.samples) {
+        row += rows;
+        continue;
+      }
+      const at::Tensor own = logits.narrow(0, row, rows);
+      row += rows;
+      at::Tensor draft_probs;
+      if (r.draft_probs.defined() && !s.draft_token_ids.empty() &&
+          r.draft_probs.size(0) >= static_cast<int64_t>(s.draft_token_ids.size())) {
+        draft_probs = r.draft_probs;
+      }
+      // The chunk reaches the end of the request's tokens: the drafts come
+      // after all of them.
+      Verification v = VerifyDrafts(r.sampler, own, s.token_ids, s.draft_token_ids, draft_probs,
+                                    r.processor.get());
+      SampledTokens t;
+      t.id = s.id;
+      t.num_drafts = static_cast<int64_t>(s.draft_token_ids.size());
+      t.num_accepted_drafts = v.accepted;
+      t.token_ids = std::move(v.token_ids);
+      if (r.logprobs) {
+        for (size_t j = 0; j < t.token_ids.size(); ++j) {
+          const at::Tensor log_probs = at::log_softmax(own[static_cast<int64_t>(j)], -1);
+          t.logprobs.push_back(log_probs[t.token_ids[j]].item<float>());
+          std::vector<TokenLogprob> top;
+          if (r.top_logprobs > 0) {
+            const auto [values, ids] =
+                at::topk(log_probs, std::min(r.top_logprobs, log_probs.size(0)));
+            for (int64_t k = 0; k < values.size(0); ++k) {
+              top.push_back({ids[k].item<int64_t>(), values[k].item<float>()});
+            }
+          }
+          t.top_logprobs.push_back(std::move(top));
+        }
+      }
+      result.sampled.push_back(std::move(t));
+    }
+  });
+  if (!sampled.ok()) {
+    undo();
+    return sampled;
+  }
+  // Rejected drafts leave the cache: its length goes back to the last
+  // accepted one (their keys and values are overwritten by the next step).
+  for (size_t i = 0, t = 0; i < out.scheduled.size(); ++i) {
+    const ScheduledRequest& s = out.scheduled[i];
+    if (!s.samples) continue;
+    const SampledTokens& got = result.sampled[t++];
+    const int64_t rejected = got.num_drafts - got.num_accepted_drafts;
+    models::KvCache& cache = scheduled[i]->cache;
+    cache.length -= rejected;
+    if (static_cast<int64_t>(cache.token_ids.size()) > cache.length) {
+      cache.token_ids.resize(static_cast<size_t>(cache.length));
+    }
+    scheduled[i]->draft_probs = at::Tensor();
+  }
+  // The next step's drafts, for requests that go on decoding.
+  const int64_t decoding = static_cast<int64_t>(result.sampled.size());
+  const bool drafting =
+      options.speculative.enabled() && (options.speculative.disable_by_batch_size <= 0 ||
+                                        decoding < options.speculative.disable_by_batch_size);
+  if (ngram || draft) {
+    std::vector<std::vector<int64_t>> ids(out.scheduled.size());
+    std::vector<internal::DraftProposer::Job> jobs;
+    for (size_t i = 0, t = 0; i < out.scheduled.size(); ++i) {
+      const ScheduledRequest& s = out.scheduled[i];
+      Request& r = *scheduled[i];
+      int64_t limit = 0;
+      if (s.samples) {
+        const SampledTokens& got = result.sampled[t++];
+        // Its tokens before the step, the accepted drafts and the new token.
+        ids[i].assign(s.token_ids.begin(), s.token_ids.end());
+        ids[i].insert(ids[i].end(), got.token_ids.begin(), got.token_ids.end());
+        limit = drafting ? DraftLimit(r, ids[i]) : 0;
+      } else {
+        ids[i].assign(s.token_ids.begin(), s.token_ids.end());
+      }
+      if (ngram && limit > 0) {
+        std::vector<int64_t> proposal = ngram->Propose(ids[i], limit);
+        if (!proposal.empty()) result.drafts[s.id] = std::move(proposal);
+      }
+      if (draft) {
+        internal::DraftProposer::Job job;
+        job.id = s.id;
+        job.ids = ids[i];
+        job.computed = r.cache.length;
+        job.block_table = s.block_table;
+        job.max_drafts = limit;
+        jobs.push_back(job);
+      }
+    }
+    if (draft && !jobs.empty()) {
+      absl::StatusOr<std::map<uint64_t, internal::DraftProposer::Proposal>> proposals =
+          draft->Run(jobs);
+      if (!proposals.ok()) {
+        undo();
+        return proposals.status();
+      }
+      for (auto& [id, proposal] : *proposals) {
+        if (proposal.tokens.empty()) continue;
+        requests.at(id)->draft_probs = proposal.probs;
+        result.drafts[id] = std::move(proposal.tokens);
+      }
+    }
+  }
+  return result;
+}
+
+int64_t ModelRunner::num_blocks() const { return impl_->options.num_blocks; }
+int64_t ModelRunner::block_size() const { return impl_->options.block_size; }
+bool ModelRunner::supports_prefix_caching() const { return impl_->prefix_caching; }
+int64_t ModelRunner::position_limit() const { return impl_->position_limit; }
+int64_t ModelRunner::lookahead_tokens() const {
+  return impl_->draft ? impl_->options.speculative.num_speculative_tokens : 0;
+}
+
+int64_t ModelRunner::kv_cache_bytes() const {
+  // The store, and contiguous caches that LongRoPE recomputes made.
+  int64_t bytes = impl_->store->bytes();
+  for (const auto& [id, r] : impl_->requests) bytes += r->cache.bytes();
+  if (impl_->draft) bytes += impl_->draft->kv_cache_bytes();
+  return bytes;
+}
+
+}  // namespace accel::engine

@@ -1,0 +1,132 @@
+// engine/model_runner.h: a SchedulerOutput turned into one forward pass
+// (vLLM v1's GPUModelRunner): the scheduled chunks packed without padding,
+// each request's paged KV cache pointed at its blocks, the model run once,
+// then sampling, draft verification and the next step's drafts.
+//
+// The engine core (engine/engine_core.h) talks to ModelRunnerInterface, so
+// the scheduler and the step loop are tested with a fake runner; ModelRunner
+// is the real one over a models::CausalLM. It owns the forward: tensor- or
+// pipeline-parallel execution belongs behind this interface.
+//
+// Speculative decoding (engine/speculative_config.h): a request with k
+// drafts runs 1 + k tokens, its last sampled token and the drafts, in the
+// same pass as everyone else; the target's logits at those 1 + k positions
+// decide, by the speculative-sampling rule (Leviathan et al. 2023; Chen et
+// al. 2023), how many drafts are accepted, and one more token is sampled
+// from the target: with temperature 0 exactly the tokens of decoding
+// without drafts, otherwise tokens of the target's own distribution. The
+// keys and values of rejected drafts are rolled back (the cache's length
+// goes back; the next step overwrites them). Drafts come from prompt lookup
+// (engine/ngram_proposer.h) or a draft model, which keeps its own keys and
+// values in blocks of its own store at the same block ids as the target's,
+// so preemption and prefix caching hold for both at once.
+//
+// The header is torch-free; ModelRunner's code needs libtorch
+// (accel::engine).
+#ifndef ACCEL_ENGINE_MODEL_RUNNER_H_
+#define ACCEL_ENGINE_MODEL_RUNNER_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+#include "engine/request.h"
+#include "engine/scheduler.h"
+#include "engine/speculative_config.h"
+
+namespace accel::models {
+class CausalLM;
+}  // namespace accel::models
+namespace accel::dispatch {
+class DispatchedModel;
+}  // namespace accel::dispatch
+
+namespace accel::engine {
+
+class LogitsProcessor;
+
+struct ModelRunnerOutput {
+  // One per scheduled request that sampled (read the rest of its input).
+  std::vector<SampledTokens> sampled;
+  // Drafts for requests' next steps.
+  std::map<uint64_t, std::vector<int64_t>> drafts;
+};
+
+class ModelRunnerInterface {
+ public:
+  virtual ~ModelRunnerInterface() = default;
+  // A request joins (its sampler, its logits processor); it runs in a later
+  // Execute. InvalidArgument for sampling values the sampler refuses.
+  virtual absl::Status AddRequest(uint64_t id, const GenerationRequest& request) = 0;
+  virtual void RemoveRequest(uint64_t id) = 0;
+  // One forward pass over `output` (its preempted requests' caches dropped
+  // first). On an error nothing advanced: every cache keeps the length it
+  // had, no sampler drew, so the step can be scheduled again.
+  virtual absl::StatusOr<ModelRunnerOutput> Execute(const SchedulerOutput& output) = 0;
+
+  // The KV store the scheduler's blocks index.
+  virtual int64_t num_blocks() const = 0;
+  virtual int64_t block_size() const = 0;
+  // Whether equal tokens always have equal keys (false for LongRoPE, whose
+  // keys depend on the sequence's length): blocks may then be shared.
+  virtual bool supports_prefix_caching() const = 0;
+  // The most positions a sequence may use (prompt plus generated).
+  virtual int64_t position_limit() const = 0;
+  // Blocks a decoding request should hold past its step for the draft
+  // model's keys and values (0 without one).
+  virtual int64_t lookahead_tokens() const = 0;
+  // Memory of the KV storage made so far (the draft model's included).
+  virtual int64_t kv_cache_bytes() const = 0;
+};
+
+// A per-request hook in the sampling path (structured output, bans): made
+// for each request by ModelRunnerOptions::logits_processors, applied to the
+// raw logits of every position the request samples from, drafts' included.
+using LogitsProcessorFactory =
+    std::function<std::unique_ptr<LogitsProcessor>(const GenerationRequest& request)>;
+
+struct ModelRunnerOptions {
+  // KV blocks in the store; 0: enough for four sequences at the position
+  // limit, at most 1 GiB.
+  int64_t num_blocks = 0;
+  int64_t block_size = 16;  // tokens a block
+  SpeculativeConfig speculative;
+  // The draft model (speculative.method kDraftModel), already loaded.
+  std::shared_ptr<models::CausalLM> draft_model;
+  dispatch::DispatchedModel* draft_dispatched = nullptr;
+  LogitsProcessorFactory logits_processors;  // may be empty
+};
+
+class ModelRunner : public ModelRunnerInterface {
+ public:
+  // `dispatched` may be null (a model with real weights on one device).
+  // InvalidArgument when the speculative config does not fit the models (a
+  // draft model with another vocabulary, a LongRoPE model).
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(
+      std::shared_ptr<models::CausalLM> model, dispatch::DispatchedModel* dispatched,
+      ModelRunnerOptions options = {});
+  ~ModelRunner() override;
+
+  absl::Status AddRequest(uint64_t id, const GenerationRequest& request) override;
+  void RemoveRequest(uint64_t id) override;
+  absl::StatusOr<ModelRunnerOutput> Execute(const SchedulerOutput& output) override;
+  int64_t num_blocks() const override;
+  int64_t block_size() const override;
+  bool supports_prefix_caching() const override;
+  int64_t position_limit() const override;
+  int64_t lookahead_tokens() const override;
+  int64_t kv_cache_bytes() const override;
+
+ private:
+  struct Impl;
+  explicit ModelRunner(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace accel::engine
+
+#endif  // ACCEL_ENGINE_MODEL_RUNNER_H_

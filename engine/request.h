@@ -1,0 +1,133 @@
+// engine/request.h: the one generation request type, from every wire adapter
+// (accel.v1, KServe v2, the OpenAI HTTP API) and tool through the engine to
+// the model runner, and what a step gives back for it. Torch-free, so the
+// server's adapters and the engine's pure parts (scheduler, output
+// processor) hold it without libtorch.
+//
+// The input processor (engine/input_processor.h) fills the gaps of a request
+// as an adapter made it (tokenizes `prompt`, renders `chat`, applies the
+// defaults and adds the stop tokens) and checks it once with
+// ValidateGenerationRequest() before it is queued; nothing after it checks
+// again (one set of rules, one set of messages).
+#ifndef ACCEL_ENGINE_REQUEST_H_
+#define ACCEL_ENGINE_REQUEST_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace accel::engine {
+
+// One set of defaults: greedy unless a temperature is given, as
+// transformers' generate() (do_sample=False) and proto3's zero both mean.
+struct SamplingParams {
+  double temperature = 0.0;         // 0: greedy
+  int64_t top_k = 0;                // 0: off
+  double top_p = 1.0;               // 1: off
+  double min_p = 0.0;               // 0: off
+  double repetition_penalty = 1.0;  // 1: off
+  std::optional<uint64_t> seed;     // the same seed and inputs give the same tokens
+};
+
+// The accepted repetition penalties (see ValidateSamplingParams).
+inline constexpr double kMinRepetitionPenalty = 1e-30;
+inline constexpr double kMaxRepetitionPenalty = 1e30;
+
+// InvalidArgument naming the parameter and the accepted range: temperature
+// < 0 or not finite, top_k < 0, top_p outside (0, 1], min_p outside [0, 1],
+// repetition_penalty outside [1e-30, 1e30]. Any positive temperature is
+// accepted: a tiny one (even below float32's range) gives the greedy token,
+// its limit.
+absl::Status ValidateSamplingParams(const SamplingParams& params);
+
+// max_new_tokens when a request leaves it 0 and nobody set another default.
+inline constexpr int64_t kDefaultMaxNewTokens = 16;
+
+// A conversation, for the model's chat template (tokenizer/chat_template.h)
+// to render into the prompt. JSON text, since templates read any field a
+// message has: messages is an array of objects with "role" and "content"
+// and optionally "name", "tool_calls", "tool_call_id", ...; tools an array
+// of tool (function) definitions, or empty.
+struct ChatInput {
+  std::string messages_json;
+  std::string tools_json;
+  bool add_generation_prompt = true;
+};
+
+// The most tokens top_logprobs may ask for (OpenAI's bound).
+inline constexpr int64_t kMaxTopLogprobs = 20;
+
+struct GenerationRequest {
+  std::string model;                  // the model asked for; empty: the served one
+  std::optional<std::string> prompt;  // text, tokenized into prompt_ids by the engine, or
+  std::optional<ChatInput> chat;      // a conversation the engine renders and tokenizes, or
+  std::vector<int64_t> prompt_ids;    // ids
+  SamplingParams sampling;
+  int64_t max_new_tokens = 0;             // 0: the default
+  std::vector<int64_t> stop_token_ids;    // the engine adds the model's eos unless ignore_eos
+  std::vector<std::string> stop_strings;  // need text streams (a tokenizer)
+  bool ignore_eos = false;
+  bool logprobs = false;  // report each generated token's log-probability
+  // With logprobs: also the this many most likely tokens at each step, in
+  // [0, kMaxTopLogprobs].
+  int64_t top_logprobs = 0;
+  // Past it the request ends with DeadlineExceeded; `deadline_reason` says
+  // whose deadline it was ("the client's deadline", "--request_timeout=30s").
+  absl::Time deadline = absl::InfiniteFuture();
+  std::string deadline_reason;
+};
+
+// What a model allows a request.
+struct RequestLimits {
+  int64_t vocab_size = 0;
+  int64_t max_input_tokens = 0;                         // prompt tokens; 0: unchecked
+  int64_t max_total_tokens = 0;                         // prompt + max_new_tokens; 0: unchecked
+  std::string input_limit_name = "--max_input_tokens";  // where max_input_tokens comes from
+  std::string total_limit_name = "--max_total_tokens";  // where max_total_tokens comes from
+  bool has_text_streams = false;                        // stop strings can be matched
+};
+
+// The rules every request meets before it runs, on prompt_ids (the prompt
+// text must be tokenized first). InvalidArgument naming the field: an empty
+// prompt, an id outside the vocabulary, a prompt over max_input_tokens,
+// prompt + max_new_tokens over max_total_tokens, max_new_tokens < 0, bad
+// sampling values, top_logprobs outside [0, 20] or without logprobs, an empty
+// stop string, or stop strings without text.
+absl::Status ValidateGenerationRequest(const GenerationRequest& request,
+                                       const RequestLimits& limits);
+
+enum class FinishReason {
+  kLength,  // max_new_tokens, or the model's position limit
+  kEos,     // a stop token id was generated (it is the last of token_ids)
+  kStop,    // a stop string appeared in the text (which ends before it)
+};
+// "length", "eos", "stop".
+absl::string_view FinishReasonName(FinishReason reason);
+
+struct TokenLogprob {
+  int64_t token_id = 0;
+  float logprob = 0;
+};
+
+// One generated token of one sequence (a step may give a sequence several:
+// speculative decoding accepts drafted tokens).
+struct TokenEvent {
+  uint64_t sequence = 0;
+  int64_t token_id = 0;
+  // log p(token) under the model's own distribution (log-softmax of the raw
+  // logits, before sampling's processing); set when the request asked.
+  std::optional<float> logprob;
+  // The request's top_logprobs most likely tokens, most likely first.
+  std::vector<TokenLogprob> top_logprobs;
+  std::string text;  // text that became final with this token (may be empty)
+  std::optional<FinishReason> finish;
+};
+
+}  // namespace accel::engine
+
+#endif  // ACCEL_ENGINE_REQUEST_H_

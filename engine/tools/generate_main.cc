@@ -1,0 +1,353 @@
+// accel-generate: load a model as accel-serve does (the same engine:
+// engine/llm_engine.h) and generate from one prompt, streaming the text, then
+// tokens/s on stderr (or one JSON line).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+
+#include "core/bytes.h"
+#include "core/status.h"
+#include "core/threads.h"
+#include "core/tool_main.h"
+#include "engine/llm_engine.h"
+#include "engine/speculative_config.h"
+#include "loader/config.h"
+#include "models/default_model.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+
+ABSL_FLAG(std::string, model, "",
+          "A HuggingFace model folder (config.json, safetensors, ...). Empty: the embedded "
+          "default model, as accel-serve (share/accel/default-model beside bin/, or "
+          "$ACCEL_DEFAULT_MODEL).");
+ABSL_FLAG(std::string, prompt, "", "The prompt text (needs the model's tokenizer.json).");
+ABSL_FLAG(std::string, input_ids, "", "The prompt as token ids, e.g. 1,2,3 (instead of --prompt).");
+ABSL_FLAG(int64_t, max_new_tokens, -1,
+          "Tokens to generate at most. Default: generation_config.json's, else 32.");
+ABSL_FLAG(double, temperature, -1,
+          "0: greedy. Default: generation_config.json's when it samples, else greedy.");
+ABSL_FLAG(int64_t, top_k, -1, "Keep the k likeliest tokens (0: off). Default: generation_config.");
+ABSL_FLAG(double, top_p, -1, "Nucleus sampling (1: off). Default: generation_config.");
+ABSL_FLAG(double, min_p, -1, "Drop tokens below min_p x the top probability (0: off).");
+ABSL_FLAG(double, repetition_penalty, -1, "Penalise seen tokens (1: off).");
+ABSL_FLAG(int64_t, seed, -1, "Seed for sampling (-1: random). The same seed, the same text.");
+ABSL_FLAG(std::vector<std::string>, stop, {}, "Stop strings, comma-separated.");
+ABSL_FLAG(bool, ignore_eos, false, "Do not stop at the model's end-of-sequence tokens.");
+ABSL_FLAG(bool, logprobs, false, "Report each generated token's log-probability (with --json).");
+ABSL_FLAG(bool, add_special_tokens, true, "Let the tokenizer add its special tokens (BOS).");
+ABSL_FLAG(bool, chat, false,
+          "Send --prompt as the user's message through the model's chat template (and stop at its "
+          "end-of-turn token).");
+ABSL_FLAG(std::string, system, "", "With --chat (implied): a system message before --prompt.");
+ABSL_FLAG(bool, json, false,
+          "Print one JSON line {token_ids, text, finish_reason[, logprobs]} instead of the text.");
+ABSL_FLAG(std::string, device_map, "auto",
+          "auto | balanced | balanced_low_0 | sequential | a device (cpu, 0, disk) | a JSON file.");
+ABSL_FLAG(std::string, max_memory, "",
+          "Budgets, e.g. 0=10GiB,cpu=30GiB,disk=1TB. Default: what this machine has free.");
+ABSL_FLAG(std::string, offload_folder, "",
+          "Where disk-placed weights that need a dtype conversion are written.");
+ABSL_FLAG(std::string, dtype, "auto", "auto (config's torch_dtype) | float32 | bfloat16 | float16");
+ABSL_FLAG(std::string, quantize, "none",
+          "Quantize the linear layers on loading (bitsandbytes' formats): none | int8 | nf4 | fp4. "
+          "lm_head stays as it is; a model saved quantized loads as it is.");
+ABSL_FLAG(std::string, speculative_config, "",
+          "Speculative decoding, as accel-serve takes it (JSON): {\"method\": \"ngram\", "
+          "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
+          "or {\"model\": DIR, \"num_speculative_tokens\": 4}. Empty: off.");
+ABSL_FLAG(int, threads, 0,
+          "libtorch intra-op threads; 0: OMP_NUM_THREADS, else one per CPU this process may use.");
+ABSL_FLAG(bool, double_quant, false, "With nf4/fp4: quantize the absmaxes too.");
+ABSL_FLAG(bool, offload_experts, false,
+          "Mixture-of-experts models: place experts one by one and bring offloaded ones in as the "
+          "router picks them, through an expert cache (otherwise whole blocks, as Accelerate).");
+ABSL_FLAG(std::string, expert_cache, "auto",
+          "The expert cache's size, e.g. 2GiB (auto: the experts one token uses in every sparse "
+          "layer, at most half the execution device's budget).");
+ABSL_FLAG(std::string, execution_device, "auto",
+          "Where cpu- and disk-placed weights run: auto (the first GPU in the map, else the cpu), "
+          "cpu, or a GPU (0, cuda:1).");
+
+namespace {
+
+using accel::engine::FinishReason;
+using accel::engine::GenerationRequest;
+using Clock = std::chrono::steady_clock;
+
+int Fail(const absl::Status& status) {
+  std::cerr << "accel-generate: " << status.message() << "\n";
+  return 1;
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseIds(const std::string& text) {
+  std::vector<int64_t> ids;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int64_t id = 0;
+    if (!absl::SimpleAtoi(part, &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--input_ids: '", std::string(part), "' is not a token id"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+// Flags override generation_config.json, which overrides greedy decoding.
+absl::StatusOr<GenerationRequest> MakeRequest(const accel::loader::GenerationConfig& g) {
+  GenerationRequest r;
+  r.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens);
+  if (r.max_new_tokens == 0) {
+    return absl::InvalidArgumentError("--max_new_tokens must be at least 1, got 0");
+  }
+  if (r.max_new_tokens < 0) r.max_new_tokens = g.max_new_tokens.value_or(32);
+  const bool samples = g.do_sample.value_or(false);
+  r.sampling.temperature = samples ? g.temperature.value_or(1.0) : 0.0;
+  if (samples) {
+    r.sampling.top_k = g.top_k.value_or(0);
+    r.sampling.top_p = g.top_p.value_or(1.0);
+    r.sampling.min_p = g.min_p.value_or(0.0);
+  }
+  r.sampling.repetition_penalty = g.repetition_penalty.value_or(1.0);
+  if (double t = absl::GetFlag(FLAGS_temperature); t != -1) r.sampling.temperature = t;
+  if (int64_t k = absl::GetFlag(FLAGS_top_k); k != -1) r.sampling.top_k = k;
+  if (double p = absl::GetFlag(FLAGS_top_p); p != -1) r.sampling.top_p = p;
+  if (double p = absl::GetFlag(FLAGS_min_p); p != -1) r.sampling.min_p = p;
+  if (double p = absl::GetFlag(FLAGS_repetition_penalty); p != -1) {
+    r.sampling.repetition_penalty = p;
+  }
+  if (int64_t seed = absl::GetFlag(FLAGS_seed); seed >= 0) {
+    r.sampling.seed = static_cast<uint64_t>(seed);
+  }
+  r.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);  // else the engine adds the model's eos
+  r.stop_strings = absl::GetFlag(FLAGS_stop);
+  r.logprobs = absl::GetFlag(FLAGS_logprobs);
+  return r;
+}
+
+// Collects the tokens on the engine's thread, printing the text as it comes.
+class PrintingSink : public accel::engine::RequestSink {
+ public:
+  explicit PrintingSink(bool print) : print_(print) {}
+  void OnTokens(accel::engine::TokenChunk chunk) override {
+    absl::MutexLock lock(&mu_);
+    if (token_ids_.empty()) first_token_ = Clock::now();
+    token_ids_.insert(token_ids_.end(), chunk.token_ids.begin(), chunk.token_ids.end());
+    logprobs_.insert(logprobs_.end(), chunk.logprobs.begin(), chunk.logprobs.end());
+    text_ += chunk.text;
+    if (print_) std::cout << chunk.text << std::flush;
+  }
+  void OnDone(const absl::Status& status, const accel::engine::Completion& completion) override {
+    {
+      absl::MutexLock lock(&mu_);
+      status_ = status;
+      completion_ = completion;
+      end_ = Clock::now();
+    }
+    done_.Notify();
+  }
+  void Wait() { done_.WaitForNotification(); }
+
+  absl::Mutex mu_;
+  std::vector<int64_t> token_ids_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> logprobs_ ABSL_GUARDED_BY(mu_);
+  std::string text_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  accel::engine::Completion completion_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point first_token_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point end_ ABSL_GUARDED_BY(mu_);
+
+ private:
+  const bool print_;
+  absl::Notification done_;
+};
+
+FinishReason ToFinishReason(accel::engine::Finish finish) {
+  switch (finish) {
+    case accel::engine::Finish::kEos:
+      return FinishReason::kEos;
+    case accel::engine::Finish::kStop:
+      return FinishReason::kStop;
+    default:
+      return FinishReason::kLength;
+  }
+}
+
+int Run(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "accel-generate [--model DIR] (--prompt TEXT [--chat] [--system TEXT] | --input_ids 1,2,3) "
+      "[flags]\n"
+      "Loads the model as accel-serve does (device map, offload, dtype) and generates.\n"
+      "  accel-generate --model /tmp/tiny --prompt 'Once upon a time' --max_new_tokens 20\n"
+      "  accel-generate --model DIR --input_ids 1,2,3 --temperature 0.8 --seed 1 --json");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 1) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument '", args[1], "' (see --help)")));
+  }
+  std::string dir = absl::GetFlag(FLAGS_model);
+  if (dir.empty()) dir = accel::models::DefaultModelDir();
+  const std::string prompt = absl::GetFlag(FLAGS_prompt);
+  const std::string ids_text = absl::GetFlag(FLAGS_input_ids);
+  if (prompt.empty() == ids_text.empty()) {
+    return Fail(absl::InvalidArgumentError("give exactly one of --prompt TEXT or --input_ids"));
+  }
+
+  // The tokenizer first: a bad one fails before minutes of loading (the
+  // engine reads it again).
+  std::optional<accel::tokenizer::Tokenizer> tokenizer;
+  const std::string tokenizer_path = dir + "/tokenizer.json";
+  if (std::filesystem::exists(tokenizer_path)) {
+    auto loaded = accel::tokenizer::Tokenizer::FromFile(tokenizer_path);
+    if (!loaded.ok()) return Fail(loaded.status());
+    tokenizer.emplace(*std::move(loaded));
+  } else if (!prompt.empty()) {
+    return Fail(absl::NotFoundError(
+        absl::StrCat(tokenizer_path, " does not exist: --prompt needs it (or give --input_ids)")));
+  }
+  const bool chat = absl::GetFlag(FLAGS_chat) || !absl::GetFlag(FLAGS_system).empty();
+  if (chat && prompt.empty()) {
+    return Fail(
+        absl::InvalidArgumentError("--chat and --system need --prompt (the user's message)"));
+  }
+  absl::StatusOr<accel::engine::SpeculativeConfig> speculative =
+      accel::engine::ParseSpeculativeConfig(absl::GetFlag(FLAGS_speculative_config));
+  if (!speculative.ok()) return Fail(speculative.status());
+  accel::loader::GenerationConfig generation_config;
+  if (std::filesystem::exists(dir + "/generation_config.json")) {
+    auto read = accel::loader::ReadGenerationConfig(dir + "/generation_config.json");
+    if (!read.ok()) return Fail(read.status());
+    generation_config = *std::move(read);
+  }
+  auto request = MakeRequest(generation_config);
+  if (!request.ok()) return Fail(request.status());
+  if (chat) {
+    // Checked before the weights load; the engine renders it.
+    auto chat_template = accel::tokenizer::ChatTemplate::FromModelDir(dir);
+    if (!chat_template.ok()) return Fail(accel::Annotate(chat_template.status(), "--chat"));
+    nlohmann::json messages = nlohmann::json::array();
+    if (const std::string system = absl::GetFlag(FLAGS_system); !system.empty()) {
+      messages.push_back({{"role", "system"}, {"content", system}});
+    }
+    messages.push_back({{"role", "user"}, {"content", prompt}});
+    accel::engine::ChatInput input;
+    input.messages_json = messages.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    request->chat = std::move(input);
+  } else if (!prompt.empty()) {
+    auto encoded = tokenizer->Encode(prompt, absl::GetFlag(FLAGS_add_special_tokens));
+    if (!encoded.ok()) return Fail(accel::Annotate(encoded.status(), "--prompt"));
+    request->prompt_ids = *std::move(encoded);
+  } else {
+    auto parsed = ParseIds(ids_text);
+    if (!parsed.ok()) return Fail(parsed.status());
+    request->prompt_ids = *std::move(parsed);
+  }
+
+  accel::engine::EngineOptions options;
+  options.model_dir = dir;
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.device_map = absl::GetFlag(FLAGS_device_map);
+  options.max_memory = absl::GetFlag(FLAGS_max_memory);
+  options.offload_folder = absl::GetFlag(FLAGS_offload_folder);
+  options.dtype = absl::GetFlag(FLAGS_dtype);
+  options.quantize = absl::GetFlag(FLAGS_quantize);
+  options.double_quant = absl::GetFlag(FLAGS_double_quant);
+  options.offload_experts = absl::GetFlag(FLAGS_offload_experts);
+  options.expert_cache = absl::GetFlag(FLAGS_expert_cache);
+  options.execution_device = absl::GetFlag(FLAGS_execution_device);
+  options.speculative = *std::move(speculative);
+  // One request: a KV cache for one sequence at the model's context.
+  options.loop.max_batch_size = 1;
+  options.max_num_batched_tokens = 0;
+  const auto load_start = Clock::now();
+  auto engine = accel::engine::LlmEngine::Load(options, /*stats=*/nullptr);
+  if (!engine.ok()) return Fail(engine.status());
+  const double load_seconds = std::chrono::duration<double>(Clock::now() - load_start).count();
+
+  // Generation ends at the model's context whatever --max_new_tokens says.
+  const int64_t room =
+      (*engine)->info().max_total_tokens - static_cast<int64_t>(request->prompt_ids.size());
+  if (!request->prompt_ids.empty() && room >= 1) {
+    request->max_new_tokens = std::min(request->max_new_tokens, room);
+  }
+  const bool json = absl::GetFlag(FLAGS_json);
+  const bool logprobs = request->logprobs;
+  auto sink = std::make_shared<PrintingSink>(/*print=*/!json);
+  const auto start = Clock::now();
+  auto submitted = (*engine)->Submit(*std::move(request), sink);
+  if (!submitted.ok())
+    return Fail(chat ? accel::Annotate(submitted.status(), "--chat") : submitted.status());
+  sink->Wait();
+  absl::MutexLock lock(&sink->mu_);
+  if (!sink->status_.ok()) return Fail(sink->status_);
+  const std::vector<int64_t>& token_ids = sink->token_ids_;
+  const FinishReason finish = ToFinishReason(sink->completion_.finish);
+  const double prefill = std::chrono::duration<double>(sink->first_token_ - start).count();
+  const double decode = std::chrono::duration<double>(sink->end_ - sink->first_token_).count();
+  const int64_t decoded = static_cast<int64_t>(token_ids.size()) - 1;
+  if (json) {
+    nlohmann::json out = {{"token_ids", token_ids},
+                          {"text", sink->text_},
+                          {"finish_reason", std::string(FinishReasonName(finish))}};
+    if (logprobs) out["logprobs"] = sink->logprobs_;
+    // Invalid UTF-8 cannot come out of the decoder; replace rather than throw regardless.
+    std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  } else {
+    std::cout << "\n";
+  }
+  std::cerr << absl::StrFormat(
+      "accel-generate: loaded in %.2f s; prompt %d tokens in %.3f s; %d tokens generated "
+      "(finish: %s), %.2f tokens/s after the first\n",
+      load_seconds, sink->completion_.prompt_tokens, prefill, token_ids.size(),
+      FinishReasonName(finish),
+      decoded > 0 && decode > 0 ? static_cast<double>(decoded) / decode : 0.0);
+  const accel::engine::EngineStats engine_stats = (*engine)->loop().snapshot().engine;
+  if (engine_stats.spec_num_draft_tokens > 0) {
+    std::cerr << absl::StrFormat(
+        "accel-generate: speculative decoding (%s): %d drafted tokens, %d accepted (%.1f%%), "
+        "%.2f tokens a step\n",
+        (*engine)->info().speculative_method, engine_stats.spec_num_draft_tokens,
+        engine_stats.spec_num_accepted_tokens,
+        100.0 * static_cast<double>(engine_stats.spec_num_accepted_tokens) /
+            static_cast<double>(engine_stats.spec_num_draft_tokens),
+        engine_stats.steps > 0
+            ? static_cast<double>(token_ids.size()) / static_cast<double>(engine_stats.steps)
+            : 0.0);
+  }
+  const accel::dispatch::OffloadStats stats = (*engine)->offload_stats();
+  if (stats.fetches > 0 || stats.expert_fetches > 0 || stats.expert_cache_hits > 0) {
+    const double tokens = static_cast<double>(std::max<size_t>(token_ids.size(), 1));
+    std::cerr << absl::StrFormat(
+        "accel-generate: offload: %d module fetches, %d experts read, %d expert cache hits "
+        "(%d read ahead), %s read from disk and %s used in place from its mapping (%s a "
+        "token), %s dropped behind to keep the cpu budget\n",
+        stats.fetches, stats.expert_fetches, stats.expert_cache_hits, stats.expert_prefetch_hits,
+        accel::FormatBytes(stats.bytes_read), accel::FormatBytes(stats.bytes_mapped),
+        accel::FormatBytes(static_cast<int64_t>(
+            static_cast<double>(stats.bytes_read + stats.bytes_mapped) / tokens)),
+        accel::FormatBytes(stats.bytes_dropped));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return accel::ToolMain("accel-generate", argc, argv, Run); }

@@ -1,0 +1,552 @@
+// The model runner under the engine core on real (small, random) models:
+// generation against a plain loop written here (the whole sequence through
+// the model at every step, no cache, argmax), plus: packed and joined-late
+// sequences generate what they generate alone, seeds reproduce, stop tokens,
+// stop strings (also across tokens and while streaming), limits, log-probs,
+// cancellation, preemption under a small KV cache, prefix caching, chunked
+// prefill, LongRoPE, and the logits-processor hook.
+#include "engine/model_runner.h"
+
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <c10/core/InferenceMode.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "engine/engine_core.h"
+#include "engine/logits_processor.h"
+#include "engine/output_processor.h"
+#include "models/load_model.h"
+#include "models/make_model.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+
+namespace accel::engine {
+namespace {
+
+using models::LoadedModel;
+using models::LoadModel;
+using models::Logits;
+using models::MakeModel;
+using models::MakeModelOptions;
+using models::ModelLoadOptions;
+
+using ::accel::test::IsOk;
+using ::accel::test::StatusIs;
+using ::accel::test::TempDir;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+// Token k reads as one letter, 'a' + k % 26, but only once the next token
+// arrives (as a real incremental decoder holds back a partial character).
+class LetterStream : public TextStream {
+ public:
+  std::string Next(int64_t id) override {
+    std::string out = held_;
+    held_ = std::string(1, static_cast<char>('a' + id % 26));
+    return out;
+  }
+  std::string Flush() override { return std::exchange(held_, std::string()); }
+
+ private:
+  std::string held_;
+};
+
+std::string Letters(const std::vector<int64_t>& ids) {
+  std::string out;
+  for (int64_t id : ids) out += static_cast<char>('a' + id % 26);
+  return out;
+}
+
+// The engine core's and the runner's options the tests vary.
+struct GeneratorOptions {
+  int64_t kv_cache_blocks = 0;
+  int64_t block_size = 16;
+  bool prefix_caching = true;
+  int64_t max_num_batched_tokens = 0;
+};
+
+class GeneratorTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Load("llama", 0); }
+
+  void Load(const std::string& family, int64_t max_positions, int64_t longrope_factor = 0) {
+    MakeModelOptions o;
+    o.family = family;
+    o.longrope_factor = longrope_factor;
+    o.hidden_size = 32;
+    o.num_heads = 4;
+    o.num_kv_heads = 2;
+    o.num_layers = 2;
+    o.vocab_size = 300;
+    if (max_positions > 0) o.max_position_embeddings = max_positions;
+    ASSERT_THAT(MakeModel(dir_.path(), o), IsOk());
+    ModelLoadOptions options;
+    options.device_map = "cpu";
+    options.progress = Progress::Style::kSilent;
+    auto loaded = LoadModel(dir_.path(), options);
+    ASSERT_THAT(loaded, IsOk());
+    loaded_ = std::make_unique<LoadedModel>(*std::move(loaded));
+  }
+
+  EngineCore MakeGenerator(bool text = true, GeneratorOptions options = {},
+                           ModelRunnerOptions runner_options = {}) {
+    TextStreamFactory streams;
+    if (text) streams = [] { return std::make_unique<LetterStream>(); };
+    runner_options.num_blocks = options.kv_cache_blocks;
+    runner_options.block_size = options.block_size;
+    auto runner = ModelRunner::Create(loaded_->model, loaded_->dispatched.get(), runner_options);
+    EXPECT_THAT(runner, IsOk());
+    EngineCoreOptions core;
+    core.prefix_caching = options.prefix_caching;
+    core.max_num_batched_tokens = options.max_num_batched_tokens;
+    return EngineCore(*std::move(runner), streams, core);
+  }
+
+  // Each request run alone in a generator with room to spare.
+  std::vector<GenerationResult> Alone(const std::vector<GenerationRequest>& requests) {
+    std::vector<GenerationResult> alone;
+    for (const GenerationRequest& r : requests) {
+      EngineCore generator = MakeGenerator();
+      auto result = Generate(generator, {r});
+      EXPECT_THAT(result, IsOk());
+      if (result.ok()) alone.push_back((*result)[0]);
+    }
+    return alone;
+  }
+
+  std::vector<int64_t> Prompt(int64_t first, int64_t n) {
+    std::vector<int64_t> ids;
+    for (int64_t i = 0; i < n; ++i) ids.push_back((first + i * 37) % 300);
+    return ids;
+  }
+
+  // The reference: no cache, no packing, the whole sequence every step.
+  std::vector<int64_t> GreedyByHand(std::vector<int64_t> ids, int64_t count,
+                                    std::vector<float>* logprobs = nullptr) {
+    c10::InferenceMode inference;
+    std::vector<int64_t> out;
+    for (int64_t i = 0; i < count; ++i) {
+      auto logits = loaded_->model->Forward(at::tensor(ids, at::kLong),
+                                            {{nullptr, static_cast<int64_t>(ids.size())}},
+                                            Logits::kAll, loaded_->dispatched.get());
+      EXPECT_THAT(logits, IsOk());
+      at::Tensor last = (*logits)[static_cast<int64_t>(ids.size()) - 1];
+      const int64_t next = last.argmax().item<int64_t>();
+      if (logprobs) logprobs->push_back(at::log_softmax(last, -1)[next].item<float>());
+      ids.push_back(next);
+      out.push_back(next);
+    }
+    return out;
+  }
+
+  GenerationRequest Greedy(std::vector<int64_t> prompt, int64_t max_new_tokens) {
+    GenerationRequest r;
+    r.prompt_ids = std::move(prompt);
+    r.sampling.temperature = 0;
+    r.max_new_tokens = max_new_tokens;
+    return r;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<LoadedModel> loaded_;
+};
+
+TEST_F(GeneratorTest, GreedyEqualsTheLoopWithoutACache) {
+  EngineCore generator = MakeGenerator();
+  GenerationRequest request = Greedy({5, 17, 299, 42}, 12);
+  request.logprobs = true;
+  auto results = Generate(generator, {request});
+  ASSERT_THAT(results, IsOk());
+  std::vector<float> logprobs;
+  const std::vector<int64_t> expected = GreedyByHand({5, 17, 299, 42}, 12, &logprobs);
+  EXPECT_THAT((*results)[0].token_ids, ElementsAreArray(expected));
+  EXPECT_EQ((*results)[0].finish_reason, FinishReason::kLength);
+  EXPECT_EQ((*results)[0].text, Letters(expected));
+  ASSERT_EQ((*results)[0].logprobs.size(), 12u);
+  for (size_t i = 0; i < 12; ++i) {
+    EXPECT_NEAR((*results)[0].logprobs[i], logprobs[i], 1e-5) << i;
+    EXPECT_LT((*results)[0].logprobs[i], 0.0f);
+  }
+  EXPECT_EQ(generator.num_requests(), 0u);
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
+}
+
+TEST_F(GeneratorTest, ABatchGeneratesWhatEachRequestGeneratesAlone) {
+  std::vector<GenerationRequest> requests = {Greedy({1, 2, 3, 4, 5, 6, 7}, 9), Greedy({250}, 4),
+                                             Greedy({9, 8, 7}, 6)};
+  // Sampled too: a seed makes the draws the same whatever else is running.
+  GenerationRequest sampled = Greedy({11, 12, 13}, 8);
+  sampled.sampling.temperature = 1.5;
+  sampled.sampling.top_k = 50;
+  sampled.sampling.seed = 7;
+  requests.push_back(sampled);
+  std::vector<GenerationResult> alone;
+  for (const GenerationRequest& r : requests) {
+    EngineCore generator = MakeGenerator();
+    auto result = Generate(generator, {r});
+    ASSERT_THAT(result, IsOk());
+    alone.push_back((*result)[0]);
+  }
+  EngineCore generator = MakeGenerator();
+  auto together = Generate(generator, requests);
+  ASSERT_THAT(together, IsOk());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_THAT((*together)[i].token_ids, ElementsAreArray(alone[i].token_ids)) << i;
+    EXPECT_EQ((*together)[i].text, alone[i].text) << i;
+  }
+}
+
+TEST_F(GeneratorTest, ARequestJoiningMidwayGeneratesWhatItGeneratesAlone) {
+  const std::vector<int64_t> first = GreedyByHand({3, 1, 4}, 6);
+  const std::vector<int64_t> second = GreedyByHand({2, 7, 1, 8, 2, 8}, 3);
+  EngineCore generator = MakeGenerator();
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t a, generator.Add(Greedy({3, 1, 4}, 6)));
+  std::vector<int64_t> got_a, got_b;
+  for (int step = 0; step < 2; ++step) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    for (const TokenEvent& e : *events) got_a.push_back(e.token_id);
+  }
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t b, generator.Add(Greedy({2, 7, 1, 8, 2, 8}, 3)));
+  while (generator.num_requests() > 0) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    for (const TokenEvent& e : *events) (e.sequence == a ? got_a : got_b).push_back(e.token_id);
+    EXPECT_TRUE(std::all_of(events->begin(), events->end(), [&](const TokenEvent& e) {
+      return e.sequence == a || e.sequence == b;
+    }));
+  }
+  EXPECT_THAT(got_a, ElementsAreArray(first));
+  EXPECT_THAT(got_b, ElementsAreArray(second));
+}
+
+TEST_F(GeneratorTest, TheSameSeedGivesTheSameTokens) {
+  auto run = [&](uint64_t seed) {
+    GenerationRequest r = Greedy({1, 2, 3}, 16);
+    r.sampling.temperature = 2.0;  // near-uniform over 300 tokens
+    r.sampling.seed = seed;
+    EngineCore generator = MakeGenerator();
+    auto result = Generate(generator, {r});
+    EXPECT_THAT(result, IsOk());
+    return (*result)[0].token_ids;
+  };
+  EXPECT_EQ(run(42), run(42));
+  EXPECT_NE(run(42), run(43));
+}
+
+TEST_F(GeneratorTest, AStopTokenEndsTheSequence) {
+  const std::vector<int64_t> greedy = GreedyByHand({10, 20}, 8);
+  const int64_t stop = greedy[4];
+  const size_t first = std::find(greedy.begin(), greedy.end(), stop) - greedy.begin();
+  GenerationRequest r = Greedy({10, 20}, 8);
+  r.stop_token_ids = {299, stop};
+  EngineCore generator = MakeGenerator();
+  auto result = Generate(generator, {r});
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ((*result)[0].finish_reason, FinishReason::kEos);
+  EXPECT_THAT((*result)[0].token_ids,
+              ElementsAreArray(std::vector<int64_t>(greedy.begin(), greedy.begin() + first + 1)));
+  EXPECT_EQ(FinishReasonName(FinishReason::kEos), "eos");
+}
+
+TEST_F(GeneratorTest, AStopStringCutsTheTextAndIsNeverStreamed) {
+  const std::vector<int64_t> greedy = GreedyByHand({4, 5, 6}, 10);
+  const std::string all = Letters(greedy);
+  // Spans tokens 3..5; the text must end where its first occurrence starts.
+  const std::string stop = all.substr(3, 3);
+  const size_t cut = all.find(stop);
+  GenerationRequest r = Greedy({4, 5, 6}, 10);
+  r.stop_strings = {"never-there", stop};
+  EngineCore generator = MakeGenerator();
+  ASSERT_THAT(generator.Add(r), IsOk());
+  std::string streamed;
+  std::optional<FinishReason> finish;
+  int64_t tokens = 0;
+  while (generator.num_requests() > 0) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    for (const TokenEvent& e : *events) {
+      streamed += e.text;
+      ++tokens;
+      // Never more than the text before the stop string, at any moment.
+      EXPECT_LE(streamed.size(), cut);
+      if (e.finish) finish = e.finish;
+    }
+  }
+  EXPECT_EQ(finish, FinishReason::kStop);
+  EXPECT_EQ(streamed, all.substr(0, cut));
+  // The letter of token t appears when token t + 1 arrives: the stop string
+  // completes one token after its last letter's token.
+  EXPECT_EQ(tokens, static_cast<int64_t>(cut + stop.size() + 1));
+}
+
+TEST_F(GeneratorTest, AStopStringCompletedByTheFinalFlushStillStops) {
+  const std::vector<int64_t> greedy = GreedyByHand({7, 7}, 5);
+  const std::string all = Letters(greedy);
+  GenerationRequest r = Greedy({7, 7}, 5);
+  r.stop_strings = {all.substr(3, 2)};  // its last letter comes only with Flush()
+  EngineCore generator = MakeGenerator();
+  auto result = Generate(generator, {r});
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ((*result)[0].text, all.substr(0, all.find(all.substr(3, 2))));
+  EXPECT_EQ((*result)[0].finish_reason, FinishReason::kStop);
+  EXPECT_EQ((*result)[0].token_ids.size(), 5u);
+}
+
+TEST_F(GeneratorTest, TheModelsPositionLimitEndsGeneration) {
+  Load("gpt2", 8);
+  EngineCore generator = MakeGenerator();
+  EXPECT_EQ(generator.position_limit(), 8);
+  auto result = Generate(generator, {Greedy({1, 2, 3, 4, 5}, 100)});
+  ASSERT_THAT(result, IsOk());
+  EXPECT_EQ((*result)[0].token_ids.size(), 3u);
+  EXPECT_EQ((*result)[0].finish_reason, FinishReason::kLength);
+}
+
+TEST_F(GeneratorTest, CancelFreesTheCacheAtOnce) {
+  EngineCore generator = MakeGenerator();
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t a, generator.Add(Greedy({1, 2, 3}, 50)));
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t b, generator.Add(Greedy({4, 5}, 50)));
+  ASSERT_THAT(generator.Step(), IsOk());
+  const int64_t both = generator.stats().kv_blocks_used;
+  EXPECT_GT(both, 0);
+  EXPECT_TRUE(generator.Cancel(a));
+  EXPECT_FALSE(generator.Cancel(a));
+  EXPECT_LT(generator.stats().kv_blocks_used, both);
+  auto events = generator.Step();
+  ASSERT_THAT(events, IsOk());
+  ASSERT_EQ(events->size(), 1u);
+  EXPECT_EQ((*events)[0].sequence, b);
+  EXPECT_TRUE(generator.Cancel(b));
+  EXPECT_EQ(generator.num_requests(), 0u);
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
+  auto none = generator.Step();
+  ASSERT_THAT(none, IsOk());
+  EXPECT_TRUE(none->empty());
+}
+
+// Paged KV memory: requests that need far more blocks than there are all
+// finish, preempted and recomputed, with the tokens they make alone.
+TEST_F(GeneratorTest, ManyRequestsUnderASmallKvBudgetGenerateWhatTheyGenerateAlone) {
+  std::vector<GenerationRequest> requests;
+  for (int i = 0; i < 8; ++i) requests.push_back(Greedy(Prompt(i * 11 + 1, 6 + i), 20));
+  const std::vector<GenerationResult> alone = Alone(requests);
+  GeneratorOptions options;
+  options.block_size = 4;
+  options.kv_cache_blocks = 24;  // 96 tokens for 8 requests of up to 33
+  EngineCore generator = MakeGenerator(true, options);
+  auto together = Generate(generator, requests);
+  ASSERT_THAT(together, IsOk());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_THAT((*together)[i].token_ids, ElementsAreArray(alone[i].token_ids)) << i;
+    EXPECT_EQ((*together)[i].text, alone[i].text) << i;
+  }
+  const EngineStats stats = generator.stats();
+  EXPECT_GT(stats.preemptions, 0);
+  EXPECT_EQ(stats.kv_blocks_used, 0);
+  EXPECT_EQ(stats.running, 0);
+  EXPECT_EQ(stats.waiting, 0);
+}
+
+TEST_F(GeneratorTest, ARequestThatCouldNeverFitIsRefusedAtOnce) {
+  GeneratorOptions options;
+  options.block_size = 4;
+  options.kv_cache_blocks = 4;  // 16 tokens
+  EngineCore generator = MakeGenerator(true, options);
+  EXPECT_THAT(generator.Add(Greedy(Prompt(1, 10), 10)),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("16 tokens")));
+  EXPECT_THAT(generator.Add(Greedy(Prompt(1, 10), 6)), IsOk());
+}
+
+TEST_F(GeneratorTest, APrefixFoundInTheCacheGivesTheSameTokensAsNoReuse) {
+  const std::vector<int64_t> system = Prompt(3, 21);
+  std::vector<int64_t> first = system, second = system;
+  first.push_back(5);
+  second.insert(second.end(), {9, 10, 11});
+  GeneratorOptions off;
+  off.block_size = 4;
+  off.prefix_caching = false;
+  EngineCore plain = MakeGenerator(true, off);
+  auto expected = Generate(plain, {Greedy(second, 10)});
+  ASSERT_THAT(expected, IsOk());
+  EXPECT_EQ(plain.stats().prefix_hit_tokens, 0);
+
+  GeneratorOptions on = off;
+  on.prefix_caching = true;
+  EngineCore cached = MakeGenerator(true, on);
+  ASSERT_THAT(Generate(cached, {Greedy(first, 3)}), IsOk());
+  auto reused = Generate(cached, {Greedy(second, 10)});
+  ASSERT_THAT(reused, IsOk());
+  EXPECT_THAT((*reused)[0].token_ids, ElementsAreArray((*expected)[0].token_ids));
+  // The 21 shared tokens hold 5 full blocks of 4.
+  EXPECT_EQ(cached.stats().prefix_hit_tokens, 20);
+  EXPECT_EQ(cached.stats().kv_blocks_used, 0);
+  // Two at once, sharing the blocks while both run.
+  auto both = Generate(cached, {Greedy(second, 10), Greedy(first, 3)});
+  ASSERT_THAT(both, IsOk());
+  EXPECT_THAT((*both)[0].token_ids, ElementsAreArray((*expected)[0].token_ids));
+}
+
+// Chunked prefill: a long prompt is read a few tokens a step while a
+// decoding sequence gets a token every step, and both generate what they
+// generate alone.
+TEST_F(GeneratorTest, ALongPromptIsReadInChunksWhileOthersKeepDecoding) {
+  const GenerationRequest decoder = Greedy(Prompt(2, 3), 30);
+  const GenerationRequest reader = Greedy(Prompt(7, 40), 5);
+  const std::vector<GenerationResult> alone = Alone({decoder, reader});
+  GeneratorOptions options;
+  options.max_num_batched_tokens = 5;
+  EngineCore generator = MakeGenerator(true, options);
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t a, generator.Add(decoder));
+  std::vector<int64_t> got_a, got_b;
+  auto first = generator.Step();  // a's prompt and first token
+  ASSERT_THAT(first, IsOk());
+  ASSERT_EQ(first->size(), 1u);
+  got_a.push_back((*first)[0].token_id);
+  ASSERT_THAT(generator.Add(reader), IsOk());
+  int steps_without_b = 0;
+  while (generator.num_requests() > 0) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    EXPECT_LE(generator.stats().last_step_tokens, 5);
+    bool a_went = false, b_went = false;
+    for (const TokenEvent& e : *events) {
+      (e.sequence == a ? got_a : got_b).push_back(e.token_id);
+      (e.sequence == a ? a_went : b_went) = true;
+    }
+    if (static_cast<int64_t>(got_a.size()) < decoder.max_new_tokens) {
+      EXPECT_TRUE(a_went) << "the decoding sequence waited for a prompt";
+    }
+    if (got_b.empty() && !b_went) ++steps_without_b;
+  }
+  EXPECT_GE(steps_without_b, 40 / 4 - 1);  // the prompt took many steps
+  EXPECT_THAT(got_a, ElementsAreArray(alone[0].token_ids));
+  EXPECT_THAT(got_b, ElementsAreArray(alone[1].token_ids));
+}
+
+// A short prompt arriving while a long one is read in chunks does not wait
+// for the whole long prompt: it starts within a few steps, and both
+// generate what they generate alone.
+TEST_F(GeneratorTest, AShortPromptBehindALongOneStartsWithinAFewSteps) {
+  const GenerationRequest long_prompt = Greedy(Prompt(3, 60), 3);
+  const GenerationRequest short_prompt = Greedy(Prompt(8, 6), 3);
+  const std::vector<GenerationResult> alone = Alone({long_prompt, short_prompt});
+  GeneratorOptions options;
+  options.max_num_batched_tokens = 6;
+  EngineCore generator = MakeGenerator(true, options);
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t a, generator.Add(long_prompt));
+  ASSERT_THAT(generator.Step(), IsOk());  // the first 6 of 60
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t b, generator.Add(short_prompt));
+  std::vector<int64_t> got_a, got_b;
+  int steps = 0, first_b = -1;
+  while (generator.num_requests() > 0) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    ++steps;
+    for (const TokenEvent& e : *events) {
+      if (e.sequence == b && first_b < 0) first_b = steps;
+      (e.sequence == a ? got_a : got_b).push_back(e.token_id);
+    }
+  }
+  // Half the budget (3 tokens) a step: 6 tokens in 2 steps, not after ~9.
+  EXPECT_GT(first_b, 0);
+  EXPECT_LE(first_b, 3);
+  EXPECT_THAT(got_a, ElementsAreArray(alone[0].token_ids));
+  EXPECT_THAT(got_b, ElementsAreArray(alone[1].token_ids));
+}
+
+// LongRoPE (Phi-3): crossing the original context recomputes the sequence
+// with the long factors, also when its prompt is read in chunks into paged
+// blocks and when it is preempted; the tokens equal a loop without a cache.
+// Blocks are never shared: a position's keys depend on the sequence's length.
+TEST_F(GeneratorTest, ALongRopeModelCrossesItsOriginalContextInChunksAndNeverSharesBlocks) {
+  Load("phi3", 64, /*longrope_factor=*/4);  // original context 16
+  const std::vector<int64_t> prompt = Prompt(5, 12);
+  const std::vector<int64_t> expected = GreedyByHand(prompt, 20);  // to 32 positions
+  GeneratorOptions options;
+  options.block_size = 4;
+  options.kv_cache_blocks = 12;  // 48 tokens for two requests of 32: one is preempted
+  options.max_num_batched_tokens = 5;
+  EngineCore generator = MakeGenerator(true, options);
+  auto results = Generate(generator, {Greedy(prompt, 20), Greedy(prompt, 20)});
+  ASSERT_THAT(results, IsOk());
+  EXPECT_THAT((*results)[0].token_ids, ElementsAreArray(expected));
+  EXPECT_THAT((*results)[1].token_ids, ElementsAreArray(expected));
+  EXPECT_EQ(generator.stats().prefix_hit_tokens, 0);
+  EXPECT_GT(generator.stats().preemptions, 0);
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
+}
+
+TEST_F(GeneratorTest, CancellingDuringPrefillChunksFreesTheBlocks) {
+  GeneratorOptions options;
+  options.max_num_batched_tokens = 4;
+  options.block_size = 4;
+  EngineCore generator = MakeGenerator(true, options);
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t id, generator.Add(Greedy(Prompt(1, 40), 4)));
+  for (int i = 0; i < 3; ++i) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    EXPECT_TRUE(events->empty());  // still reading the prompt
+  }
+  EXPECT_EQ(generator.stats().kv_blocks_used, 3);
+  EXPECT_TRUE(generator.Cancel(id));
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
+  EXPECT_EQ(generator.stats().running, 0);
+}
+
+// Random arrivals, cancellations and steps under a small budget with
+// chunking and prefix caching: every request that is not cancelled
+// finishes, and when all are gone every block is free again.
+TEST_F(GeneratorTest, ARandomizedRunLeavesEveryBlockFree) {
+  std::mt19937 rng(11);
+  GeneratorOptions options;
+  options.block_size = 4;
+  options.kv_cache_blocks = 20;
+  options.max_num_batched_tokens = 9;
+  EngineCore generator = MakeGenerator(true, options);
+  std::set<uint64_t> live;
+  int finished = 0;
+  for (int round = 0; round < 150; ++round) {
+    const int action = static_cast<int>(rng() % 6);
+    if (action <= 1) {
+      const int64_t length = 2 + static_cast<int64_t>(rng() % 30);
+      // Half share a system prompt.
+      std::vector<int64_t> prompt = rng() % 2 == 0 ? Prompt(1, 12) : std::vector<int64_t>();
+      for (int64_t id : Prompt(static_cast<int64_t>(rng() % 300), length)) prompt.push_back(id);
+      auto id = generator.Add(Greedy(prompt, 1 + static_cast<int64_t>(rng() % 20)));
+      if (id.ok()) live.insert(*id);
+    } else if (action == 2 && !live.empty()) {
+      auto it = std::next(live.begin(), static_cast<long>(rng() % live.size()));
+      EXPECT_TRUE(generator.Cancel(*it));
+      live.erase(it);
+    } else {
+      auto events = generator.Step();
+      ASSERT_THAT(events, IsOk());
+      for (const TokenEvent& e : *events) {
+        if (e.finish) {
+          live.erase(e.sequence);
+          ++finished;
+        }
+      }
+    }
+    const EngineStats stats = generator.stats();
+    ASSERT_LE(stats.kv_blocks_used, 20);
+    ASSERT_EQ(stats.running + stats.waiting, static_cast<int64_t>(live.size()));
+  }
+  while (generator.num_requests() > 0) {
+    auto events = generator.Step();
+    ASSERT_THAT(events, IsOk());
+    for (const TokenEvent& e : *events) finished += e.finish ? 1 : 0;
+  }
+  EXPECT_GT(finished, 10);
+  EXPECT_EQ(generator.stats().kv_blocks_used, 0);
+}
+
+}  // namespace
+}  // namespace accel::engine
