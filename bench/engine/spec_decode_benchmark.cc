@@ -11,23 +11,25 @@
 //
 // The models. Random weights neither copy their prompt nor agree with a
 // smaller model of other random weights, and no trained model of these
-// sizes is at hand offline; so the pair is built to be predictable: the
+// sizes is at hand offline; so the models are built to be predictable. A
 // draft (hidden 384, 2 layers) has random layers, and its embedding and head
 // are wired so that token t's most likely successor is pi(t) for a fixed
-// random permutation pi (the head row of pi(t) is the embedding of t); the
-// target has the decode benchmark's shape and random layers, with the
-// draft's embedding and head in the first 384 of its 1024 hidden
-// dimensions (zero in the rest). Greedy text then follows pi, which the
-// target's 16-18 random layers perturb now and then: `--embed_scale` (the
-// embedding's scale against those layers' outputs) sets how often, so the
-// draft's acceptance rate. Every weight is read per token as in any model of
-// these shapes, so the speeds are those of real models at these acceptance
-// rates. The extractive prompt is a seed, the target's own continuation of
-// it, and the seed again (the model answers by repeating what followed it);
-// the prompt where nothing repeats is random ids, and pi's cycles are far
-// longer than the text generated.
+// random permutation pi (the head row of pi(t) is the embedding of t). The
+// target has the decode benchmark's shape and random layers, with that
+// embedding and head in the first 384 of its 1024 hidden dimensions (zero in
+// the rest): its greedy text follows pi except where its 16-18 random layers
+// tip the choice (`--embed_scale`, the embedding's scale against their
+// outputs, sets how rarely). A second draft has noise added to its head
+// (`--draft_noise`), so that it proposes the target's token less often: the
+// two drafts show the speed at two acceptance rates. Every weight is read
+// per token as in any model of these shapes, so the speeds are those of real
+// models at these acceptance rates. The extractive prompt is a seed, the
+// target's own continuation of it, and the seed again (the model answers by
+// repeating what followed the seed); the prompt where nothing repeats is
+// random ids, and pi's cycles are far longer than the text generated.
 //
-//   build/bin/accel-bench-spec [--tokens 96] [--rounds 3] [--k 4] [--embed_scale 24]
+//   build/bin/accel-bench-spec [--tokens 96] [--rounds 3] [--k 4] [--embed_scale 64]
+//       [--draft_noise 0.08] [--dtypes float32,bfloat16]
 //       [--dir DIR]   (keeps the models there between runs)
 #include <algorithm>
 #include <cstdio>
@@ -96,18 +98,14 @@ void Rewrite(const std::string& dir, const std::map<std::string, at::Tensor>& re
       }));
 }
 
-// The draft and the target of one dtype (see the top of the file), made
-// once into dir/target and dir/draft.
-void MakePair(const std::string& dir, c10::ScalarType dtype, int64_t target_bytes,
-              double embed_scale) {
-  const std::string marker = dir + "/pair.txt";
-  const std::string recipe = "embed_scale=" + std::to_string(embed_scale) + "\n";
-  if (std::filesystem::exists(marker)) {
-    std::ifstream in(marker);
-    std::string seen((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (seen == recipe) return;
-  }
-  std::filesystem::remove_all(dir);
+bool Made(const std::string& marker, const std::string& recipe) {
+  if (!std::filesystem::exists(marker)) return false;
+  std::ifstream in(marker);
+  const std::string seen((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return seen == recipe;
+}
+
+accel::models::MakeModelOptions DraftShape(c10::ScalarType dtype) {
   accel::models::MakeModelOptions d;
   d.family = "llama";
   d.vocab_size = kVocab;
@@ -118,23 +116,19 @@ void MakePair(const std::string& dir, c10::ScalarType dtype, int64_t target_byte
   d.num_layers = 2;
   d.max_position_embeddings = 2048;
   d.dtype = dtype;
-  d.seed = 1;
-  Check(accel::models::MakeModel(dir + "/draft", d));
-  accel::models::MakeModelOptions t;
-  t.family = "llama";
-  t.vocab_size = kVocab;
-  t.hidden_size = 1024;
-  t.intermediate_size = 2816;  // as accel-bench-decode's
-  t.num_heads = 16;
-  t.num_kv_heads = 4;
-  t.max_position_embeddings = 2048;
-  t.dtype = dtype;
-  t.target_bytes = target_bytes;
-  Check(accel::models::MakeModel(dir + "/target", t));
+  d.seed = 1;  // every draft starts from the same random weights
+  return d;
+}
 
+// A draft's embedding (scaled) and its head wired to pi, with noise of
+// standard deviation `noise` added to the head; returns the embedding
+// (scaled) and the head (without noise) for the target.
+std::pair<at::Tensor, at::Tensor> WireDraft(const std::string& dir, double embed_scale,
+                                            double noise) {
   c10::InferenceMode inference;
-  const accel::loader::Checkpoint draft = Check(accel::loader::Checkpoint::Open(dir + "/draft"));
-  const at::Tensor embedding = Check(draft.Tensor("model.embed_tokens.weight")).to(at::kFloat);
+  const accel::loader::Checkpoint draft = Check(accel::loader::Checkpoint::Open(dir));
+  const at::Tensor embedding =
+      Check(draft.Tensor("model.embed_tokens.weight")).to(at::kFloat).clone();
   // pi: a random permutation; the head row of pi(t) is t's embedding.
   std::vector<int64_t> pi(kVocab);
   std::iota(pi.begin(), pi.end(), 0);
@@ -143,14 +137,53 @@ void MakePair(const std::string& dir, c10::ScalarType dtype, int64_t target_byte
   for (int64_t t = 0; t < kVocab; ++t) from[static_cast<size_t>(pi[static_cast<size_t>(t)])] = t;
   const at::Tensor head = embedding.index_select(0, at::tensor(from, at::kLong));
   const at::Tensor scaled = embedding * embed_scale;
-  Rewrite(dir + "/draft", {{"model.embed_tokens.weight", scaled}, {"lm_head.weight", head}});
-  at::Tensor wide_embedding = at::zeros({kVocab, 1024}, at::kFloat);
-  wide_embedding.narrow(1, 0, kDraftHidden).copy_(scaled);
-  at::Tensor wide_head = at::zeros({kVocab, 1024}, at::kFloat);
-  wide_head.narrow(1, 0, kDraftHidden).copy_(head);
-  Rewrite(dir + "/target",
-          {{"model.embed_tokens.weight", wide_embedding}, {"lm_head.weight", wide_head}});
-  std::ofstream(marker) << recipe;
+  at::Tensor noisy = head.clone();
+  if (noise > 0) {
+    std::mt19937_64 gen(11);
+    std::normal_distribution<float> normal(0.0f, static_cast<float>(noise));
+    float* p = noisy.data_ptr<float>();
+    for (int64_t i = 0; i < noisy.numel(); ++i) p[i] += normal(gen);
+  }
+  Rewrite(dir, {{"model.embed_tokens.weight", scaled}, {"lm_head.weight", noisy}});
+  return {scaled, head};
+}
+
+// The target and the two drafts of one dtype (see the top of the file),
+// made once into dir/target, dir/draft and dir/noisy-draft.
+void MakeModels(const std::string& dir, c10::ScalarType dtype, int64_t target_bytes,
+                double embed_scale, double draft_noise) {
+  const std::string recipe = "embed_scale=" + std::to_string(embed_scale) + "\n";
+  if (!Made(dir + "/models.txt", recipe)) {
+    std::filesystem::remove_all(dir);
+    Check(accel::models::MakeModel(dir + "/draft", DraftShape(dtype)));
+    accel::models::MakeModelOptions t;
+    t.family = "llama";
+    t.vocab_size = kVocab;
+    t.hidden_size = 1024;
+    t.intermediate_size = 2816;  // as accel-bench-decode's
+    t.num_heads = 16;
+    t.num_kv_heads = 4;
+    t.max_position_embeddings = 2048;
+    t.dtype = dtype;
+    t.target_bytes = target_bytes;
+    Check(accel::models::MakeModel(dir + "/target", t));
+    const auto [embedding, head] = WireDraft(dir + "/draft", embed_scale, 0);
+    c10::InferenceMode inference;
+    at::Tensor wide_embedding = at::zeros({kVocab, 1024}, at::kFloat);
+    wide_embedding.narrow(1, 0, kDraftHidden).copy_(embedding);
+    at::Tensor wide_head = at::zeros({kVocab, 1024}, at::kFloat);
+    wide_head.narrow(1, 0, kDraftHidden).copy_(head);
+    Rewrite(dir + "/target",
+            {{"model.embed_tokens.weight", wide_embedding}, {"lm_head.weight", wide_head}});
+    std::ofstream(dir + "/models.txt") << recipe;
+  }
+  const std::string noisy = recipe + "draft_noise=" + std::to_string(draft_noise) + "\n";
+  if (!Made(dir + "/noisy.txt", noisy)) {
+    std::filesystem::remove_all(dir + "/noisy-draft");
+    Check(accel::models::MakeModel(dir + "/noisy-draft", DraftShape(dtype)));
+    WireDraft(dir + "/noisy-draft", embed_scale, draft_noise);
+    std::ofstream(dir + "/noisy.txt") << noisy;
+  }
 }
 
 accel::models::LoadedModel Load(const std::string& dir) {
@@ -220,8 +253,10 @@ int main(int argc, char** argv) {
   int64_t tokens = 96;
   int rounds = 3;
   int64_t k = 4;
-  double embed_scale = 24;
+  double embed_scale = 64;
+  double draft_noise = 0.08;
   std::string root;
+  std::string dtypes = "float32,bfloat16";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--tokens") {
@@ -232,12 +267,16 @@ int main(int argc, char** argv) {
       k = std::atoll(argv[i + 1]);
     } else if (flag == "--embed_scale") {
       embed_scale = std::atof(argv[i + 1]);
+    } else if (flag == "--draft_noise") {
+      draft_noise = std::atof(argv[i + 1]);
     } else if (flag == "--dir") {
       root = argv[i + 1];
+    } else if (flag == "--dtypes") {
+      dtypes = argv[i + 1];
     } else {
       std::fprintf(stderr,
                    "usage: accel-bench-spec [--tokens N] [--rounds R] [--k K] [--embed_scale S] "
-                   "[--dir DIR]\n");
+                   "[--draft_noise N] [--dtypes float32,bfloat16] [--dir DIR]\n");
       return 2;
     }
   }
@@ -246,8 +285,11 @@ int main(int argc, char** argv) {
   std::filesystem::create_directories(root);
   accel::KeepFreedMemoryForReuse();
   const int threads = accel::SetIntraOpThreads(0);
-  std::printf("accel-bench-spec: %d threads, %lld tokens a run, k = %lld, embed scale %.1f\n",
-              threads, static_cast<long long>(tokens), static_cast<long long>(k), embed_scale);
+  std::printf(
+      "accel-bench-spec: %d threads, %lld tokens a run, k = %lld, embed scale %.1f, draft noise "
+      "%.3f\n",
+      threads, static_cast<long long>(tokens), static_cast<long long>(k), embed_scale, draft_noise);
+  std::fflush(stdout);
 
   SpeculativeConfig lookup;
   lookup.method = SpeculativeConfig::Method::kNgram;
@@ -266,10 +308,12 @@ int main(int argc, char** argv) {
   };
   for (const Case& c : {Case{"float32", c10::ScalarType::Float, int64_t{1} << 30},
                         Case{"bfloat16", c10::ScalarType::BFloat16, 500'000'000}}) {
+    if (dtypes.find(c.name) == std::string::npos) continue;
     const std::string dir = root + "/" + c.name;
-    MakePair(dir, c.dtype, c.bytes, embed_scale);
+    MakeModels(dir, c.dtype, c.bytes, embed_scale, draft_noise);
     accel::models::LoadedModel target = Load(dir + "/target");
     accel::models::LoadedModel draft = Load(dir + "/draft");
+    accel::models::LoadedModel noisy = Load(dir + "/noisy-draft");
     // The extractive prompt: a seed, the target's own continuation of it,
     // and the seed again. Nothing repeats in the other: distinct random ids.
     std::mt19937_64 rng(3);
@@ -289,20 +333,21 @@ int main(int argc, char** argv) {
       const char* name;
       const std::vector<int64_t>* prompt;
       const SpeculativeConfig* spec;
-      bool draft;
+      accel::models::LoadedModel* draft;
       std::vector<double> plain, fast, ratio;
       double acceptance = 0, per_step = 0;
       bool same = true;
     };
     std::vector<Measure> measures = {
-        {"prompt lookup, extractive prompt", &extractive, &lookup, false, {}, {}, {}},
-        {"prompt lookup, nothing repeats", &fresh, &lookup, false, {}, {}, {}},
-        {"draft model, nothing repeats", &fresh, &drafting, true, {}, {}, {}},
+        {"prompt lookup, extractive prompt", &extractive, &lookup, nullptr, {}, {}, {}},
+        {"prompt lookup, nothing repeats", &fresh, &lookup, nullptr, {}, {}, {}},
+        {"draft model", &fresh, &drafting, &draft, {}, {}, {}},
+        {"noisier draft model", &fresh, &drafting, &noisy, {}, {}, {}},
     };
     for (int round = 0; round < rounds; ++round) {
       for (Measure& m : measures) {
         const Run plain = Decode(target, nullptr, {}, *m.prompt, tokens);
-        const Run fast = Decode(target, m.draft ? &draft : nullptr, *m.spec, *m.prompt, tokens);
+        const Run fast = Decode(target, m.draft, *m.spec, *m.prompt, tokens);
         m.plain.push_back(plain.tokens_per_s);
         m.fast.push_back(fast.tokens_per_s);
         m.ratio.push_back(fast.tokens_per_s / plain.tokens_per_s);

@@ -623,6 +623,45 @@ TEST(ServeOffloadTest, DiskOffloadAnswersAsTheModelInRamAndIsCounted) {
   EXPECT_EQ(MetricValue(*text, "accel_offload_device_copy_bytes_total"), 0);
 }
 
+// Speculative decoding: accel-serve and accel-generate take the same
+// --speculative_config; greedy answers are those of plain decoding, with
+// prompt lookup and with a draft model, and the drafts are counted under
+// vLLM's names.
+TEST(ServeSpeculativeTest, DraftsGiveThePlainAnswersAndAreCounted) {
+  const std::string prompt = "the cat and the dog and the cat";
+  const GenerateCli reference = RunGenerateTool(TestModelDir(), prompt, 24);
+  ASSERT_EQ(reference.token_ids.size(), 24u);
+  const std::string lookup =
+      R"(--speculative_config={"method": "ngram", "num_speculative_tokens": 3,)"
+      R"( "prompt_lookup_min": 1, "prompt_lookup_max": 2})";
+  const std::string draft = absl::StrCat(R"(--speculative_config={"model": ")", TestModelDir(),
+                                         R"(", "num_speculative_tokens": 2})");
+  for (const std::string& flag : {lookup, draft}) {
+    EXPECT_EQ(RunGenerateTool(TestModelDir(), prompt, 24, "'" + flag + "'").token_ids,
+              reference.token_ids)
+        << flag;
+    auto server = StartOrDie(TestModelDir(), {flag});
+    ASSERT_NE(server, nullptr);
+    auto stub = Generation::NewStub(server->Channel());
+    GenerateResponse response;
+    grpc::Status status = Call(*stub, Greedy(prompt, 24), &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(std::vector<int64_t>(response.token_ids().begin(), response.token_ids().end()),
+              reference.token_ids)
+        << flag;
+    absl::StatusOr<std::string> text = server->Metrics();
+    ASSERT_TRUE(text.ok()) << text.status();
+    const double drafted =
+        MetricValue(*text, "accel_spec_decode_num_draft_tokens_total").value_or(-1);
+    const double accepted =
+        MetricValue(*text, "accel_spec_decode_num_accepted_tokens_total").value_or(-1);
+    EXPECT_GT(drafted, 0) << flag;
+    EXPECT_GE(accepted, 0) << flag;
+    EXPECT_LE(accepted, drafted) << flag;
+    EXPECT_GT(MetricValue(*text, "accel_spec_decode_num_drafts_total").value_or(-1), 0) << flag;
+  }
+}
+
 // A small Mixtral: 8 experts of which each token uses 2.
 const std::string& MixtralModelDir() {
   static const std::string dir =
@@ -1052,6 +1091,13 @@ INSTANTIATE_TEST_SUITE_P(
         BadFlags{{"--kv_cache_memory=100"}, "holds no KV block"},
         BadFlags{{"--kv_block_size=0"}, "--kv_block_size must be at least 1"},
         BadFlags{{"--max_num_batched_tokens=-1"}, "--max_num_batched_tokens must be 0 or more"},
+        BadFlags{{R"(--speculative_config={"method": "eagle", "num_speculative_tokens": 2})"},
+                 R"(--speculative_config: "method" must be "ngram" or "draft_model")"},
+        BadFlags{{R"(--speculative_config={"method": "ngram"})"},
+                 R"("num_speculative_tokens" is needed)"},
+        BadFlags{{R"(--speculative_config={"model": "/nonexistent", "num_speculative_tokens": 2})"},
+                 "/nonexistent/config.json"},
+        BadFlags{{"--speculative_config={"}, "--speculative_config: not valid JSON"},
         // A file that is no certificate is named, not taken for a busy port.
         BadFlags{{"--tls_cert=/proc/self/cmdline", "--tls_key=/proc/self/cmdline"},
                  "--tls_cert: /proc/self/cmdline holds no valid PEM certificate"}),

@@ -75,6 +75,26 @@ class CheckLayeringTest(unittest.TestCase):
         self.assertEqual(rc, 1)
         self.assertIn("bench/loader/b.cc: loader/ may not include models/m.h", err)
 
+    def test_the_engine_sits_between_models_and_server(self):
+        files = dict(CLEAN)
+        files["engine/CMakeLists.txt"] = "accel_component(NAME engine SOURCES e.cc PUBLIC_DEPS accel::models)\n"
+        files["engine/e.h"] = ""
+        files["engine/e.cc"] = '#include "models/m.h"\n'
+        files["server/CMakeLists.txt"] = ("accel_component(NAME server SOURCES s.cc\n"
+                                          "  PUBLIC_DEPS accel::proto accel::engine)\n")
+        files["server/s.cc"] = '#include "accel/v1/generation.grpc.pb.h"\n#include "engine/e.h"\n'
+        rc, err = run(files)
+        self.assertEqual(rc, 0, err)
+        files["engine/e.cc"] = '#include "models/m.h"\n#include "server/s.h"\n'
+        rc, err = run(files)
+        self.assertEqual(rc, 1)
+        self.assertIn("engine/ may not include server/s.h", err)
+        files["engine/e.cc"] = '#include "models/m.h"\n'
+        files["models/m.cc"] = '#include "loader/a.h"\n#include "engine/e.h"\n'
+        rc, err = run(files)
+        self.assertEqual(rc, 1)
+        self.assertIn("models/ may not include engine/e.h", err)
+
 
 if __name__ == "__main__":
     unittest.main()
