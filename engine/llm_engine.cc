@@ -118,16 +118,7 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
     ACCEL_RETURN_IF_ERROR(
         models::CheckTokenizer(*tokenizer, config, options.model_dir + "/tokenizer.json"));
   }
-  models::ModelLoadOptions load;
-  load.device_map = options.device_map;
-  load.max_memory = options.max_memory;
-  load.offload_folder = options.offload_folder;
-  load.dtype = options.dtype;
-  load.quantize = options.quantize;
-  load.double_quant = options.double_quant;
-  load.offload_experts = options.offload_experts;
-  load.expert_cache = options.expert_cache;
-  load.execution_device = options.execution_device;
+  const models::ModelLoadOptions& load = options.load;
   ACCEL_ASSIGN_OR_RETURN(model.loaded, models::LoadModel(options.model_dir, load));
   const models::LoadedModel& loaded = model.loaded;
 
@@ -153,7 +144,12 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   int64_t draft_block_bytes = 0;
   if (spec.method == SpeculativeConfig::Method::kDraftModel) {
     models::ModelLoadOptions draft_load = load;
-    if (spec.quantization) draft_load.quantize = *spec.quantization;
+    if (spec.quantization) {
+      draft_load.quantize = *spec.quantization;
+      if (draft_load.quantize != "nf4" && draft_load.quantize != "fp4") {
+        draft_load.double_quant = false;
+      }
+    }
     absl::StatusOr<models::LoadedModel> draft = models::LoadModel(spec.model, draft_load);
     if (!draft.ok()) {
       return absl::Status(draft.status().code(),

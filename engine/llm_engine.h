@@ -28,23 +28,17 @@
 #include "engine/request.h"
 #include "engine/speculative_config.h"
 #include "engine/stat_logger.h"
+#include "models/load_options.h"
 
 namespace accel::engine {
 
+// What LlmEngine::Load takes; engine/engine_args.h makes it from the flags,
+// checked.
 struct EngineOptions {
   std::string model_dir;
   std::string served_model_name;  // empty: the model folder's name
-  // As models::ModelLoadOptions takes them.
-  std::string device_map = "auto";
-  std::string max_memory;
-  std::string offload_folder;
-  std::string dtype = "auto";
-  std::string quantize = "none";  // none | int8 | nf4 | fp4
-  bool double_quant = false;
-  bool offload_experts = false;
-  std::string expert_cache = "auto";
-  std::string execution_device = "auto";
-  int threads = 0;  // libtorch's intra-op threads; 0: core/threads.h's default
+  models::ModelLoadOptions load;  // the model's (and the draft model's) placement, dtype, ...
+  int threads = 0;                // libtorch's intra-op threads; 0: core/threads.h's default
   EngineLoopOptions loop;
   // KV-cache memory: bytes ("4GiB"), a fraction of what the device holding
   // most weights has free after them ("0.5"), or "auto": max_batch_size

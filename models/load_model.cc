@@ -382,6 +382,70 @@ absl::Status CheckTokenizer(const tokenizer::Tokenizer& tokenizer,
   return absl::OkStatus();
 }
 
+absl::Status CheckLoadOptions(const ModelLoadOptions& options) {
+  if (!options.dtype.empty() && options.dtype != "auto") {
+    loader::ModelConfig any;
+    ACCEL_RETURN_IF_ERROR(ChooseDType(options, any).status());
+  }
+  const std::string& method = options.quantize;
+  if (method != "none" && method != "int8" && method != "nf4" && method != "fp4") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("quantize '", method, "': expected none, int8, nf4 or fp4"));
+  }
+  if (options.double_quant && method != "nf4" && method != "fp4") {
+    return absl::InvalidArgumentError("double_quant applies to 4-bit quantization (nf4, fp4)");
+  }
+  QuantizeOptions asked;
+  asked.method = method == "none" ? "nf4" : method;  // the numbers are checked whatever the method
+  asked.double_quant = options.double_quant && method != "none";
+  asked.blocksize = options.quant_blocksize;
+  asked.int8_threshold = options.int8_threshold;
+  if (options.quant_compute_dtype != "auto") {
+    absl::StatusOr<at::ScalarType> compute = ParseDType(options.quant_compute_dtype);
+    if (!compute.ok() ||
+        !(*compute == at::kFloat || *compute == at::kBFloat16 || *compute == at::kHalf)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("quant_compute_dtype '", options.quant_compute_dtype,
+                       "': expected auto, float32, bfloat16 or float16"));
+    }
+  }
+  ACCEL_RETURN_IF_ERROR(BnbConfigFor(asked).status());
+  const std::string& spec = options.device_map;
+  if (IsStrategy(spec)) {
+    if (!options.max_memory.empty()) {
+      absl::StatusOr<dispatch::MaxMemory> parsed = dispatch::ParseMaxMemory(options.max_memory);
+      if (!parsed.ok()) return Annotate(parsed.status(), "max_memory");
+    }
+  } else {
+    if (!options.max_memory.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("max_memory plans a device map; it cannot go with device_map '", spec, "'"));
+    }
+    if (absl::StatusOr<Placement> one = Placement::Parse(spec); one.ok()) {
+      dispatch::DeviceMap map;
+      map.Set("", *one);
+      ACCEL_RETURN_IF_ERROR(CheckGpus(map));
+    } else if (!std::filesystem::exists(spec)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device_map '", spec,
+          "': expected auto, balanced, balanced_low_0, sequential, a device (cpu, 0, disk) or "
+          "the path of a JSON device map"));
+    }
+  }
+  if (options.expert_cache != "auto") {
+    absl::StatusOr<int64_t> bytes = ParseByteSize(options.expert_cache);
+    if (!bytes.ok()) return Annotate(bytes.status(), "expert_cache");
+  }
+  ACCEL_ASSIGN_OR_RETURN(std::optional<at::Device> execution,
+                         ChooseExecutionDevice(options.execution_device));
+  if (execution && execution->is_cuda() && !at::hasCUDA()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("execution_device '", options.execution_device,
+                     "': this build of libtorch has no CUDA (or sees no GPU)"));
+  }
+  return absl::OkStatus();
+}
+
 std::vector<int64_t> LoadedModel::eos_token_ids() const {
   return generation_config.eos_token_ids.empty() ? config.eos_token_ids
                                                  : generation_config.eos_token_ids;

@@ -26,61 +26,11 @@
 #include "loader/config.h"
 #include "models/causal_lm.h"
 #include "models/families.h"
+#include "models/load_options.h"
 #include "models/nn.h"
 #include "tokenizer/tokenizer.h"
 
 namespace accel::models {
-
-struct ModelLoadOptions {
-  // A strategy ("auto", "balanced", "balanced_low_0", "sequential"), a
-  // single device for everything ("cpu", "0", "cuda:1", "disk"), or the path
-  // of a JSON device map as accel-device-map prints it.
-  std::string device_map = "auto";
-  // Budgets as accel-device-map takes them ("0=10GiB,cpu=30GiB,disk=1TB");
-  // empty: probed (free GPU memory, RAM available within the cgroup).
-  std::string max_memory;
-  // Where disk-placed weights that need a dtype conversion are written.
-  std::string offload_folder;
-  // "auto" (config.json's torch_dtype, float32 when it has none), or
-  // float32, bfloat16, float16.
-  std::string dtype = "auto";
-  // Quantize the linear layers on loading (bitsandbytes' formats): "none",
-  // "int8" (LLM.int8), "nf4" or "fp4". The head (lm_head) stays as it is. A
-  // pre-quantized model (config.json's quantization_config) loads as it was
-  // saved whatever this says, but a different method here is an error.
-  std::string quantize = "none";
-  bool double_quant = false;     // 4-bit: quantize the absmaxes too
-  int64_t quant_blocksize = 64;  // 4-bit
-  double int8_threshold = 6.0;   // int8: outlier threshold (0: none)
-  // 4-bit compute dtype; "auto": the model's dtype.
-  std::string quant_compute_dtype = "auto";
-  // Mixture-of-experts models: plan the experts one by one (after everything
-  // else, in the room it leaves: dispatch::PlanOptions::expert_lists) and
-  // bring offloaded experts in as the router picks them, through an expert
-  // cache on the execution device, instead of every expert of a block with
-  // it. Off: Accelerate's plan, whole blocks. A device map file with keys
-  // inside an expert list turns it on too.
-  bool offload_experts = false;
-  // The expert cache's size: "auto" (the experts one token routes to in every
-  // sparse layer, at most half of the execution device's budget) or a size
-  // ("2GiB"), counted inside max_memory.
-  std::string expert_cache = "auto";
-  // Where cpu and disk entries run: "auto" (the first GPU in the map, else
-  // the cpu), "cpu", or a GPU ("0", "cuda:1"), which streams weights held in
-  // RAM or on disk through it.
-  std::string execution_device = "auto";
-  // Disk reads of offloaded weights bypass the page cache (O_DIRECT).
-  bool direct_reads = false;
-  // Disk weights that run on the cpu are used in place from their file's
-  // mapping, made resident ahead of use and dropped behind it where the cpu
-  // budget of max_memory has no room to keep them (dispatch::LoadOptions::
-  // map_disk); false: read into buffers for each use.
-  bool map_disk = true;
-  // Read ahead: the next offloaded module while one runs, and the experts the
-  // next sparse layer's router is expected to pick.
-  bool prefetch = true;
-  Progress::Style progress = Progress::Style::kAuto;
-};
 
 struct LoadedModel {
   std::string dir;

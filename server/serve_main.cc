@@ -28,8 +28,7 @@
 
 #include "core/file_faults.h"
 #include "core/tool_main.h"
-#include "engine/speculative_config.h"
-#include "models/default_model.h"
+#include "engine/engine_args.h"
 #include "server/internal/connection_limits.h"
 #include "server/server.h"
 #include "server/serving.h"
@@ -38,39 +37,6 @@ namespace {
 constexpr char kVersion[] = "0.1.0";
 }  // namespace
 
-ABSL_FLAG(std::string, model, "",
-          "A HuggingFace model folder (config.json, *.safetensors or pytorch_model.bin, "
-          "tokenizer.json). Empty: the "
-          "embedded default model (share/accel/default-model beside the binary's bin/, or "
-          "$ACCEL_DEFAULT_MODEL).");
-ABSL_FLAG(std::string, served_model_name, "",
-          "The name clients use in requests; empty: the model folder's name.");
-ABSL_FLAG(std::string, device_map, "auto",
-          "auto | balanced | balanced_low_0 | sequential (planned within --max_memory), one "
-          "device for everything (cpu, 0, cuda:1, disk), or a JSON map file as accel-device-map "
-          "prints it.");
-ABSL_FLAG(std::string, max_memory, "",
-          "Memory per device for planning, e.g. 0=20GiB,cpu=64GiB,disk=1TB. Empty: free GPU "
-          "memory and the RAM available to this container.");
-ABSL_FLAG(std::string, offload_folder, "",
-          "Where disk-placed weights that need a dtype conversion are written.");
-ABSL_FLAG(std::string, dtype, "auto",
-          "auto (config.json's torch_dtype) | float32 | bfloat16 | float16");
-ABSL_FLAG(std::string, quantize, "none",
-          "Quantize the linear layers on loading, in bitsandbytes' formats: none | int8 "
-          "(LLM.int8, outlier threshold 6) | nf4 | fp4 (4-bit, blocksize 64). lm_head stays as it "
-          "is. A model saved quantized (accel-quantize, transformers) loads as it is.");
-ABSL_FLAG(bool, double_quant, false,
-          "With nf4/fp4: quantize the absmaxes too (8 bits, groups of 256).");
-ABSL_FLAG(bool, offload_experts, false,
-          "Mixture-of-experts models: place experts one by one and bring offloaded ones in as the "
-          "router picks them, through an expert cache (otherwise whole blocks, as Accelerate).");
-ABSL_FLAG(std::string, expert_cache, "auto",
-          "The expert cache's size, e.g. 2GiB (auto: the experts one token uses in every sparse "
-          "layer, at most half the execution device's budget), inside max_memory.");
-ABSL_FLAG(std::string, execution_device, "auto",
-          "Where cpu- and disk-placed weights run: auto (the first GPU in the map, else the cpu), "
-          "cpu, or a GPU (0, cuda:1), through which a model held in RAM or on disk streams.");
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address the gRPC and metrics ports listen on.");
 ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free one (printed on stdout).");
 ABSL_FLAG(int, metrics_port, 8002,
@@ -83,28 +49,6 @@ ABSL_FLAG(absl::Duration, http_request_timeout, absl::Seconds(10),
           "An HTTP request's head and body must arrive within this of its first byte; a slower "
           "client is answered 408 and closed. Under TLS the handshake must also end within this of "
           "the connection.");
-ABSL_FLAG(int, max_batch_size, 32, "Most sequences in one decode step.");
-ABSL_FLAG(int64_t, max_num_batched_tokens, 512,
-          "Most tokens in one forward step: one per decoding sequence first, then chunks of "
-          "prompts being read (chunked prefill), so decoding keeps its pace beside a long "
-          "prompt; 0: whole prompts.");
-ABSL_FLAG(std::string, kv_cache_memory, "auto",
-          "KV-cache memory, in blocks allocated up front: bytes (\"4GiB\"), a fraction of what "
-          "the device holding most weights has free after them (\"0.5\"), or auto (max_batch_size "
-          "sequences of max_total_tokens, within half of what is free).");
-ABSL_FLAG(int64_t, kv_block_size, 16, "Tokens in one KV-cache block.");
-ABSL_FLAG(bool, enable_prefix_caching, true,
-          "Share the KV blocks of a common prompt prefix between requests.");
-ABSL_FLAG(int, max_queue, 256,
-          "Most requests waiting to join the batch (at least 1: every request passes through "
-          "it); past it: RESOURCE_EXHAUSTED with a retry-after-ms hint.");
-ABSL_FLAG(int64_t, max_input_tokens, 0, "Most prompt tokens; 0: the model's context - 1.");
-ABSL_FLAG(int64_t, max_total_tokens, 0,
-          "Most prompt + generated tokens per request; 0: the model's context.");
-ABSL_FLAG(int64_t, default_max_new_tokens, 16, "max_new_tokens when a request leaves it 0.");
-ABSL_FLAG(absl::Duration, request_timeout, absl::ZeroDuration(),
-          "Longest a request may take, queue included (e.g. 60s); 0: no limit beyond the "
-          "client's deadline.");
 ABSL_FLAG(absl::Duration, shutdown_timeout, absl::Seconds(30),
           "On SIGTERM/SIGINT, how long running requests may take to finish before they are "
           "ended (finish_reason cancelled).");
@@ -133,14 +77,6 @@ ABSL_FLAG(int, http_max_connections, 0,
 ABSL_FLAG(absl::Duration, liveness_probe_interval, absl::Seconds(10),
           "How often every port is probed as a client would; three failures in a row turn "
           "health accel.live NOT_SERVING. 0: no probes.");
-ABSL_FLAG(std::string, speculative_config, "",
-          "Speculative decoding, as vLLM's --speculative-config (JSON): "
-          "{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
-          "\"prompt_lookup_max\": 4} (prompt lookup) or {\"model\": DIR, "
-          "\"num_speculative_tokens\": 4} (a draft model with this model's tokenizer). Empty: "
-          "off.");
-ABSL_FLAG(int, threads, 0,
-          "libtorch intra-op threads; 0: OMP_NUM_THREADS, else one per CPU this process may use.");
 
 namespace {
 
@@ -152,43 +88,18 @@ void Log(const std::string& message) {
   std::fflush(stderr);
 }
 
+absl::Status NonNegative(const char* flag, int64_t value) {
+  if (value >= 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be 0 or more, got ", value));
+}
+
 absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   accel::server::ServerOptions o;
-  accel::engine::EngineOptions& e = o.engine;
-  e.model_dir = absl::GetFlag(FLAGS_model);
-  if (e.model_dir.empty()) e.model_dir = accel::models::DefaultModelDir();
-  e.served_model_name = absl::GetFlag(FLAGS_served_model_name);
-  e.device_map = absl::GetFlag(FLAGS_device_map);
-  e.max_memory = absl::GetFlag(FLAGS_max_memory);
-  e.offload_folder = absl::GetFlag(FLAGS_offload_folder);
-  e.dtype = absl::GetFlag(FLAGS_dtype);
-  e.quantize = absl::GetFlag(FLAGS_quantize);
-  e.double_quant = absl::GetFlag(FLAGS_double_quant);
-  e.offload_experts = absl::GetFlag(FLAGS_offload_experts);
-  e.expert_cache = absl::GetFlag(FLAGS_expert_cache);
-  e.execution_device = absl::GetFlag(FLAGS_execution_device);
-  e.threads = absl::GetFlag(FLAGS_threads);
-  e.loop.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
-  e.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
-  e.kv_cache_memory = absl::GetFlag(FLAGS_kv_cache_memory);
-  e.kv_block_size = absl::GetFlag(FLAGS_kv_block_size);
-  e.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
-  e.loop.max_queue = absl::GetFlag(FLAGS_max_queue);
-  e.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
-  e.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
-  e.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
-  e.request_timeout = absl::GetFlag(FLAGS_request_timeout);
-  absl::StatusOr<accel::engine::SpeculativeConfig> speculative =
-      accel::engine::ParseSpeculativeConfig(absl::GetFlag(FLAGS_speculative_config));
-  if (!speculative.ok()) return speculative.status();
-  e.speculative = *std::move(speculative);
-  if (e.speculative.method == accel::engine::SpeculativeConfig::Method::kDraftModel &&
-      !std::filesystem::exists(e.speculative.model + "/config.json")) {
-    return absl::NotFoundError(
-        absl::StrCat("--speculative_config: \"model\": ", e.speculative.model,
-                     "/config.json does not exist (the draft model's "
-                     "folder)"));
-  }
+  // Every engine and load option, checked before a port opens.
+  absl::StatusOr<accel::engine::EngineOptions> engine =
+      accel::engine::EngineArgs::FromFlags().Resolve();
+  if (!engine.ok()) return engine.status();
+  o.engine = *std::move(engine);
   o.host = absl::GetFlag(FLAGS_host);
   o.port = absl::GetFlag(FLAGS_port);
   o.metrics_port = absl::GetFlag(FLAGS_metrics_port);
@@ -205,24 +116,8 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   o.liveness_probe_interval = absl::GetFlag(FLAGS_liveness_probe_interval);
   o.version = kVersion;
 
-  auto positive = [](const char* flag, int64_t value) -> absl::Status {
-    if (value >= 1) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be at least 1, got ", value));
-  };
-  auto non_negative = [](const char* flag, int64_t value) -> absl::Status {
-    if (value >= 0) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be 0 or more, got ", value));
-  };
-  for (absl::Status s : {positive("max_batch_size", e.loop.max_batch_size),
-                         positive("kv_block_size", e.kv_block_size),
-                         non_negative("max_num_batched_tokens", e.max_num_batched_tokens),
-                         positive("max_queue", e.loop.max_queue),
-                         non_negative("max_input_tokens", e.max_input_tokens),
-                         non_negative("max_total_tokens", e.max_total_tokens),
-                         positive("default_max_new_tokens", e.default_max_new_tokens),
-                         non_negative("threads", e.threads),
-                         non_negative("grpc_max_connections", o.grpc_max_connections),
-                         non_negative("http_max_connections", o.http_max_connections)}) {
+  for (absl::Status s : {NonNegative("grpc_max_connections", o.grpc_max_connections),
+                         NonNegative("http_max_connections", o.http_max_connections)}) {
     if (!s.ok()) return s;
   }
   if (o.port < 0 || o.port > 65535) {
@@ -235,9 +130,6 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   if (o.liveness_probe_interval < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--liveness_probe_interval must not be negative");
   }
-  if (e.request_timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("--request_timeout must not be negative");
-  }
   if (o.shutdown_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--shutdown_timeout must not be negative");
   }
@@ -247,13 +139,6 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   if (o.max_connection_age_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--max_connection_age_grace must not be negative");
   }
-  if (!std::filesystem::exists(e.model_dir + "/config.json")) {
-    return absl::NotFoundError(
-        absl::StrCat("--model: ", e.model_dir,
-                     "/config.json does not exist (a HuggingFace model folder has "
-                     "config.json, *.safetensors and tokenizer.json)"));
-  }
-
   const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
   if (!token_file.empty()) {
     absl::StatusOr<std::string> token = accel::server::ReadFlagFile(token_file, "auth_token_file");
@@ -294,6 +179,7 @@ int Run(int argc, char** argv) {
       "Serves a HuggingFace-format model over gRPC.\n"
       "  accel-serve [--model DIR] [--device_map auto] [--port 50051] [--metrics_port 8002]\n"
       "Without --model it serves the embedded default model. docs/API.md has the services.");
+  accel::engine::EngineArgs::RegisterFlags();
   std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     Log(absl::StrCat("unexpected argument \"", rest[1], "\" (flags are --name=value)"));

@@ -29,7 +29,7 @@
 // random ids, and pi's cycles are far longer than the text generated.
 //
 //   build/bin/accel-bench-spec [--tokens 96] [--rounds 3] [--k 4] [--embed_scale 64]
-//       [--draft_noise 0.08] [--dtypes float32,bfloat16]
+//       [--draft_noise 0.07] [--dtypes float32,bfloat16]
 //       [--dir DIR]   (keeps the models there between runs)
 #include <algorithm>
 #include <cstdio>
@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
   int rounds = 3;
   int64_t k = 4;
   double embed_scale = 64;
-  double draft_noise = 0.08;
+  double draft_noise = 0.07;
   std::string root;
   std::string dtypes = "float32,bfloat16";
   for (int i = 1; i + 1 < argc; i += 2) {

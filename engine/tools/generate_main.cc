@@ -28,17 +28,12 @@
 #include "core/status.h"
 #include "core/threads.h"
 #include "core/tool_main.h"
+#include "engine/engine_args.h"
 #include "engine/llm_engine.h"
-#include "engine/speculative_config.h"
 #include "loader/config.h"
-#include "models/default_model.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
-ABSL_FLAG(std::string, model, "",
-          "A HuggingFace model folder (config.json, safetensors, ...). Empty: the embedded "
-          "default model, as accel-serve (share/accel/default-model beside bin/, or "
-          "$ACCEL_DEFAULT_MODEL).");
 ABSL_FLAG(std::string, prompt, "", "The prompt text (needs the model's tokenizer.json).");
 ABSL_FLAG(std::string, input_ids, "", "The prompt as token ids, e.g. 1,2,3 (instead of --prompt).");
 ABSL_FLAG(int64_t, max_new_tokens, -1,
@@ -60,32 +55,6 @@ ABSL_FLAG(bool, chat, false,
 ABSL_FLAG(std::string, system, "", "With --chat (implied): a system message before --prompt.");
 ABSL_FLAG(bool, json, false,
           "Print one JSON line {token_ids, text, finish_reason[, logprobs]} instead of the text.");
-ABSL_FLAG(std::string, device_map, "auto",
-          "auto | balanced | balanced_low_0 | sequential | a device (cpu, 0, disk) | a JSON file.");
-ABSL_FLAG(std::string, max_memory, "",
-          "Budgets, e.g. 0=10GiB,cpu=30GiB,disk=1TB. Default: what this machine has free.");
-ABSL_FLAG(std::string, offload_folder, "",
-          "Where disk-placed weights that need a dtype conversion are written.");
-ABSL_FLAG(std::string, dtype, "auto", "auto (config's torch_dtype) | float32 | bfloat16 | float16");
-ABSL_FLAG(std::string, quantize, "none",
-          "Quantize the linear layers on loading (bitsandbytes' formats): none | int8 | nf4 | fp4. "
-          "lm_head stays as it is; a model saved quantized loads as it is.");
-ABSL_FLAG(std::string, speculative_config, "",
-          "Speculative decoding, as accel-serve takes it (JSON): {\"method\": \"ngram\", "
-          "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
-          "or {\"model\": DIR, \"num_speculative_tokens\": 4}. Empty: off.");
-ABSL_FLAG(int, threads, 0,
-          "libtorch intra-op threads; 0: OMP_NUM_THREADS, else one per CPU this process may use.");
-ABSL_FLAG(bool, double_quant, false, "With nf4/fp4: quantize the absmaxes too.");
-ABSL_FLAG(bool, offload_experts, false,
-          "Mixture-of-experts models: place experts one by one and bring offloaded ones in as the "
-          "router picks them, through an expert cache (otherwise whole blocks, as Accelerate).");
-ABSL_FLAG(std::string, expert_cache, "auto",
-          "The expert cache's size, e.g. 2GiB (auto: the experts one token uses in every sparse "
-          "layer, at most half the execution device's budget).");
-ABSL_FLAG(std::string, execution_device, "auto",
-          "Where cpu- and disk-placed weights run: auto (the first GPU in the map, else the cpu), "
-          "cpu, or a GPU (0, cuda:1).");
 
 namespace {
 
@@ -198,13 +167,17 @@ int Run(int argc, char** argv) {
       "Loads the model as accel-serve does (device map, offload, dtype) and generates.\n"
       "  accel-generate --model /tmp/tiny --prompt 'Once upon a time' --max_new_tokens 20\n"
       "  accel-generate --model DIR --input_ids 1,2,3 --temperature 0.8 --seed 1 --json");
+  accel::engine::EngineArgs::RegisterFlags();
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 1) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("unexpected argument '", args[1], "' (see --help)")));
   }
-  std::string dir = absl::GetFlag(FLAGS_model);
-  if (dir.empty()) dir = accel::models::DefaultModelDir();
+  // The engine's and the load options, checked before anything is read.
+  auto resolved = accel::engine::EngineArgs::FromFlags().Resolve();
+  if (!resolved.ok()) return Fail(resolved.status());
+  accel::engine::EngineOptions options = *std::move(resolved);
+  const std::string dir = options.model_dir;
   const std::string prompt = absl::GetFlag(FLAGS_prompt);
   const std::string ids_text = absl::GetFlag(FLAGS_input_ids);
   if (prompt.empty() == ids_text.empty()) {
@@ -228,9 +201,6 @@ int Run(int argc, char** argv) {
     return Fail(
         absl::InvalidArgumentError("--chat and --system need --prompt (the user's message)"));
   }
-  absl::StatusOr<accel::engine::SpeculativeConfig> speculative =
-      accel::engine::ParseSpeculativeConfig(absl::GetFlag(FLAGS_speculative_config));
-  if (!speculative.ok()) return Fail(speculative.status());
   accel::loader::GenerationConfig generation_config;
   if (std::filesystem::exists(dir + "/generation_config.json")) {
     auto read = accel::loader::ReadGenerationConfig(dir + "/generation_config.json");
@@ -261,22 +231,6 @@ int Run(int argc, char** argv) {
     request->prompt_ids = *std::move(parsed);
   }
 
-  accel::engine::EngineOptions options;
-  options.model_dir = dir;
-  options.threads = absl::GetFlag(FLAGS_threads);
-  options.device_map = absl::GetFlag(FLAGS_device_map);
-  options.max_memory = absl::GetFlag(FLAGS_max_memory);
-  options.offload_folder = absl::GetFlag(FLAGS_offload_folder);
-  options.dtype = absl::GetFlag(FLAGS_dtype);
-  options.quantize = absl::GetFlag(FLAGS_quantize);
-  options.double_quant = absl::GetFlag(FLAGS_double_quant);
-  options.offload_experts = absl::GetFlag(FLAGS_offload_experts);
-  options.expert_cache = absl::GetFlag(FLAGS_expert_cache);
-  options.execution_device = absl::GetFlag(FLAGS_execution_device);
-  options.speculative = *std::move(speculative);
-  // One request: a KV cache for one sequence at the model's context.
-  options.loop.max_batch_size = 1;
-  options.max_num_batched_tokens = 0;
   const auto load_start = Clock::now();
   auto engine = accel::engine::LlmEngine::Load(options, /*stats=*/nullptr);
   if (!engine.ok()) return Fail(engine.status());

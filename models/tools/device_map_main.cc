@@ -22,33 +22,20 @@
 #include "loader/loader.h"
 #include "models/families.h"
 #include "models/load_model.h"
+#include "models/load_options.h"
 #include "models/quantize.h"
 
 ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
 ABSL_FLAG(std::string, tree, "",
           "A module tree as JSON (see docs/ARCHITECTURE.md), instead of --model.");
-ABSL_FLAG(std::string, max_memory, "",
-          "Budgets, e.g. 0=10GiB,1=10GiB,cpu=30GiB,disk=1TB (plain numbers are bytes). "
-          "Default: free memory of each GPU and the RAM available to this process.");
 ABSL_FLAG(std::string, no_split, "",
           "Module classes never split across devices, comma-separated. Default with --model: "
           "the family's decoder block.");
-ABSL_FLAG(std::string, dtype, "",
-          "Size floating weights as this dtype (float32, float16, bfloat16). Default: the "
-          "config's torch_dtype with --model; the tree's own dtypes with --tree.");
-ABSL_FLAG(std::string, quantize, "none",
-          "Size the linear layers as bitsandbytes stores them: none | int8 | nf4 | fp4 (lm_head "
-          "kept). A model saved quantized is sized as it is stored, whatever this says.");
-ABSL_FLAG(bool, double_quant, false, "With nf4/fp4: the absmaxes quantized too.");
-ABSL_FLAG(std::string, strategy, "auto", "auto | balanced | balanced_low_0 | sequential");
+ABSL_FLAG(std::string, strategy, "",
+          "auto | balanced | balanced_low_0 | sequential; empty: --device_map's (the load "
+          "flags' name for it).");
 ABSL_FLAG(bool, offload_buffers, false, "Offload the buffers of offloaded modules with them.");
 ABSL_FLAG(bool, verbose, false, "Print a per-device summary on stderr.");
-ABSL_FLAG(bool, offload_experts, false,
-          "Mixture-of-experts models (--model): place the experts one by one, after the rest, "
-          "keeping room for the expert cache on the execution device.");
-ABSL_FLAG(std::string, expert_cache, "auto",
-          "With --offload_experts: the expert cache's size (auto: the experts one token uses in "
-          "every sparse layer, at most half the execution device's budget).");
 
 namespace {
 
@@ -60,6 +47,9 @@ int Fail(const absl::Status& status) {
 }
 
 int Run() {
+  // The load flags every tool shares (models/load_options.h): --device_map
+  // (the strategy planned here), --max_memory, --dtype, --quantize, ...
+  const accel::models::ModelLoadOptions load = accel::models::LoadOptionsFromFlags();
   const std::string model_dir = absl::GetFlag(FLAGS_model);
   const std::string tree_path = absl::GetFlag(FLAGS_tree);
   if (model_dir.empty() == tree_path.empty()) {
@@ -67,7 +57,8 @@ int Run() {
   }
   accel::dispatch::PlanOptions options;
   std::optional<ModuleTree> tree;
-  std::string dtype_name = absl::GetFlag(FLAGS_dtype);
+  // auto: the config's torch_dtype with --model, the tree's own dtypes with --tree.
+  std::string dtype_name = load.dtype == "auto" ? "" : load.dtype;
   if (!model_dir.empty()) {
     auto config = accel::loader::ReadModelConfig(model_dir + "/config.json");
     if (!config.ok()) return Fail(config.status());
@@ -97,8 +88,10 @@ int Run() {
   // Quantized sizes, from the code accel-serve --quantize loads with.
   std::optional<accel::models::QuantPlan> plan;
   accel::models::QuantizeOptions quantize;
-  quantize.method = absl::GetFlag(FLAGS_quantize);
-  quantize.double_quant = absl::GetFlag(FLAGS_double_quant);
+  quantize.method = load.quantize;
+  quantize.double_quant = load.double_quant;
+  quantize.blocksize = load.quant_blocksize;
+  quantize.int8_threshold = load.int8_threshold;
   if (!model_dir.empty()) {
     auto made = accel::models::PlanForModel(model_dir, *tree, quantize, nullptr);
     if (!made.ok()) return Fail(accel::Annotate(made.status(), "--quantize"));
@@ -119,7 +112,7 @@ int Run() {
 
   bool probed = false;
   absl::StatusOr<accel::dispatch::MaxMemory> mm;
-  if (std::string spec = absl::GetFlag(FLAGS_max_memory); !spec.empty()) {
+  if (const std::string& spec = load.max_memory; !spec.empty()) {
     mm = accel::dispatch::ParseMaxMemory(spec);
     if (!mm.ok()) return Fail(accel::Annotate(mm.status(), "--max_memory"));
   } else {
@@ -127,7 +120,7 @@ int Run() {
     if (!mm.ok()) return Fail(mm.status());
     probed = true;
   }
-  if (absl::GetFlag(FLAGS_offload_experts)) {
+  if (load.offload_experts) {
     if (model_dir.empty()) {
       return Fail(
           absl::InvalidArgumentError("--offload_experts needs --model (its config names "
@@ -144,15 +137,16 @@ int Run() {
           config->architectures.empty() ? config->model_type : config->architectures[0],
           " has no mixture-of-experts layers")));
     }
-    auto cache = accel::models::ExpertCacheBytes(absl::GetFlag(FLAGS_expert_cache), *resolved,
-                                                 *tree, options.sizes, *mm);
+    auto cache =
+        accel::models::ExpertCacheBytes(load.expert_cache, *resolved, *tree, options.sizes, *mm);
     if (!cache.ok()) return Fail(accel::Annotate(cache.status(), "--expert_cache"));
     options.expert_cache_bytes = static_cast<double>(*cache);
   }
   accel::dispatch::PlanReport report;
-  auto map = accel::dispatch::PlanDeviceMap(*tree, absl::GetFlag(FLAGS_strategy), *mm, options,
-                                            probed, &report);
-  if (!map.ok()) return Fail(accel::Annotate(map.status(), "--strategy"));
+  std::string strategy = absl::GetFlag(FLAGS_strategy);
+  if (strategy.empty()) strategy = load.device_map;
+  auto map = accel::dispatch::PlanDeviceMap(*tree, strategy, *mm, options, probed, &report);
+  if (!map.ok()) return Fail(accel::Annotate(map.status(), "--device_map (--strategy)"));
   std::cout << map->ToJson() << "\n";
 
   if (absl::GetFlag(FLAGS_verbose)) {
@@ -192,6 +186,7 @@ int Main(int argc, char** argv) {
       "  [--no_split A,B] [--dtype bfloat16] [--strategy auto] [--offload_buffers] [--verbose]\n"
       "  [--offload_experts [--expert_cache 2GiB]]\n"
       "Prints the device map as one JSON object: {\"module.name\": 0 | \"cpu\" | \"disk\"}.");
+  accel::models::RegisterLoadFlags();
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 1) {
     std::cerr << "accel-device-map: unexpected argument '" << args[1] << "' (see --help)\n";

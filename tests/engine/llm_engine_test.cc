@@ -74,7 +74,7 @@ class LlmEngineTest : public ::testing::Test {
   EngineOptions Options(const std::string& speculative_json = "") {
     EngineOptions e;
     e.model_dir = dir_.path() + "/target";
-    e.device_map = "cpu";
+    e.load.device_map = "cpu";
     e.kv_cache_memory = "1MiB";
     auto spec = ParseSpeculativeConfig(speculative_json);
     EXPECT_THAT(spec, IsOk());

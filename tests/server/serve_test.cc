@@ -39,6 +39,7 @@ using ::accel::v1::GenerateRequest;
 using ::accel::v1::GenerateResponse;
 using ::accel::v1::Generation;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using HealthStatus = ::grpc::health::v1::HealthCheckResponse;
 
 std::unique_ptr<ServerProcess> StartOrDie(const std::string& model,
@@ -1053,6 +1054,20 @@ TEST(ServeDefaultModelTest, ServesTheEmbeddedModelWithoutModelFlag) {
   for (unsigned char c : text) letters_or_spaces += (std::isalpha(c) || std::isspace(c)) ? 1 : 0;
   EXPECT_GT(text.size(), 16u) << text;
   EXPECT_GT(letters_or_spaces, static_cast<int>(text.size() * 8 / 10)) << text;
+}
+
+// A bad load option is refused before accel-serve opens a port: the message
+// names it and no "listening" line is printed.
+TEST(ServeFlagsBeforePortsTest, BadLoadOptionsFailBeforeAnyPortOpens) {
+  for (const std::string flag : {"--dtype=bogus", "--device_map=moon", "--quantize=int4",
+                                 "--quant_blocksize=3 --quantize=nf4", "--max_memory=gpu=1GB"}) {
+    const CommandResult run =
+        CommandOutput(absl::StrCat(BinDir(), "/accel-serve --model ", TestModelDir(),
+                                   " --port 0 --metrics_port 0 ", flag, " 2>&1"));
+    EXPECT_EQ(run.exit_code, 1) << flag;
+    EXPECT_THAT(run.out, HasSubstr(flag.substr(0, flag.find('=')))) << run.out;
+    EXPECT_THAT(run.out, Not(HasSubstr("listening"))) << run.out;
+  }
 }
 
 struct BadFlags {

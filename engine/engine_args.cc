@@ -1,0 +1,136 @@
+#include "engine/engine_args.h"
+
+#include <filesystem>
+#include <utility>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+
+#include "core/status.h"
+#include "engine/kv_cache_manager.h"
+#include "engine/speculative_config.h"
+#include "models/default_model.h"
+
+ABSL_FLAG(std::string, model, "",
+          "A HuggingFace model folder (config.json, *.safetensors or pytorch_model.bin, "
+          "tokenizer.json). Empty: the "
+          "embedded default model (share/accel/default-model beside the binary's bin/, or "
+          "$ACCEL_DEFAULT_MODEL).");
+ABSL_FLAG(std::string, served_model_name, "",
+          "The name clients use in requests; empty: the model folder's name.");
+ABSL_FLAG(int, threads, 0,
+          "libtorch intra-op threads; 0: OMP_NUM_THREADS, else one per CPU this process may use.");
+ABSL_FLAG(int, max_batch_size, 32, "Most sequences in one decode step.");
+ABSL_FLAG(int, max_queue, 256,
+          "Most requests waiting to join the batch (at least 1: every request passes through "
+          "it); past it: RESOURCE_EXHAUSTED with a retry-after-ms hint.");
+ABSL_FLAG(int64_t, max_num_batched_tokens, 512,
+          "Most tokens in one forward step: one per decoding sequence first, then drafts and "
+          "chunks of prompts being read (chunked prefill), so decoding keeps its pace beside a "
+          "long prompt; 0: whole prompts.");
+ABSL_FLAG(std::string, kv_cache_memory, "auto",
+          "KV-cache memory, in blocks allocated up front: bytes (\"4GiB\"), a fraction of what "
+          "the device holding most weights has free after them (\"0.5\"), or auto (max_batch_size "
+          "sequences of max_total_tokens, within half of what is free).");
+ABSL_FLAG(int64_t, kv_block_size, 16, "Tokens in one KV-cache block.");
+ABSL_FLAG(bool, enable_prefix_caching, true,
+          "Share the KV blocks of a common prompt prefix between requests.");
+ABSL_FLAG(int64_t, max_input_tokens, 0, "Most prompt tokens; 0: the model's context - 1.");
+ABSL_FLAG(int64_t, max_total_tokens, 0,
+          "Most prompt + generated tokens per request; 0: the model's context.");
+ABSL_FLAG(int64_t, default_max_new_tokens, 16, "max_new_tokens when a request leaves it 0.");
+ABSL_FLAG(absl::Duration, request_timeout, absl::ZeroDuration(),
+          "Longest a request may take, queue included (e.g. 60s); 0: no limit beyond the "
+          "client's deadline.");
+ABSL_FLAG(std::string, speculative_config, "",
+          "Speculative decoding, as vLLM's --speculative-config (JSON): {\"method\": \"ngram\", "
+          "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} "
+          "(prompt lookup) or {\"model\": DIR, \"num_speculative_tokens\": 4} (a draft model with "
+          "this model's tokenizer; \"quantization\": its own). Empty: off.");
+
+namespace accel::engine {
+namespace {
+
+absl::Status AtLeast(const char* flag, int64_t value, int64_t least) {
+  if (value >= least) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      least == 1 ? absl::StrCat("--", flag, " must be at least 1, got ", value)
+                 : absl::StrCat("--", flag, " must be 0 or more, got ", value));
+}
+
+}  // namespace
+
+void EngineArgs::RegisterFlags() { models::RegisterLoadFlags(); }
+
+EngineArgs EngineArgs::FromFlags() {
+  EngineArgs a;
+  a.model = absl::GetFlag(FLAGS_model);
+  a.served_model_name = absl::GetFlag(FLAGS_served_model_name);
+  a.load = models::LoadOptionsFromFlags();
+  a.threads = absl::GetFlag(FLAGS_threads);
+  a.max_batch_size = absl::GetFlag(FLAGS_max_batch_size);
+  a.max_queue = absl::GetFlag(FLAGS_max_queue);
+  a.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
+  a.kv_cache_memory = absl::GetFlag(FLAGS_kv_cache_memory);
+  a.kv_block_size = absl::GetFlag(FLAGS_kv_block_size);
+  a.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
+  a.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
+  a.max_total_tokens = absl::GetFlag(FLAGS_max_total_tokens);
+  a.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
+  a.request_timeout = absl::GetFlag(FLAGS_request_timeout);
+  a.speculative_config = absl::GetFlag(FLAGS_speculative_config);
+  return a;
+}
+
+absl::StatusOr<EngineOptions> EngineArgs::Resolve() const {
+  for (absl::Status s :
+       {AtLeast("max_batch_size", max_batch_size, 1), AtLeast("max_queue", max_queue, 1),
+        AtLeast("kv_block_size", kv_block_size, 1),
+        AtLeast("max_num_batched_tokens", max_num_batched_tokens, 0),
+        AtLeast("max_input_tokens", max_input_tokens, 0),
+        AtLeast("max_total_tokens", max_total_tokens, 0),
+        AtLeast("default_max_new_tokens", default_max_new_tokens, 1),
+        AtLeast("threads", threads, 0)}) {
+    if (!s.ok()) return s;
+  }
+  if (request_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--request_timeout must not be negative");
+  }
+  EngineOptions o;
+  o.model_dir = model.empty() ? models::DefaultModelDir() : model;
+  if (!std::filesystem::exists(o.model_dir + "/config.json")) {
+    return absl::NotFoundError(
+        absl::StrCat("--model: ", o.model_dir,
+                     "/config.json does not exist (a HuggingFace model folder has "
+                     "config.json, *.safetensors or pytorch_model.bin, and tokenizer.json)"));
+  }
+  if (absl::Status load_ok = models::CheckLoadOptions(load); !load_ok.ok()) {
+    return absl::Status(load_ok.code(), absl::StrCat("--", load_ok.message()));
+  }
+  // The form only: how many blocks fit is known once the model is.
+  ACCEL_RETURN_IF_ERROR(KvCacheBytes(kv_cache_memory, 1.0, 1).status());
+  ACCEL_ASSIGN_OR_RETURN(o.speculative, ParseSpeculativeConfig(speculative_config));
+  if (o.speculative.method == SpeculativeConfig::Method::kDraftModel &&
+      !std::filesystem::exists(o.speculative.model + "/config.json")) {
+    return absl::NotFoundError(
+        absl::StrCat("--speculative_config: \"model\": ", o.speculative.model,
+                     "/config.json does not exist (the draft model's "
+                     "folder)"));
+  }
+  o.served_model_name = served_model_name;
+  o.load = load;
+  o.threads = threads;
+  o.loop.max_batch_size = max_batch_size;
+  o.loop.max_queue = max_queue;
+  o.max_num_batched_tokens = max_num_batched_tokens;
+  o.kv_cache_memory = kv_cache_memory;
+  o.kv_block_size = kv_block_size;
+  o.enable_prefix_caching = enable_prefix_caching;
+  o.max_input_tokens = max_input_tokens;
+  o.max_total_tokens = max_total_tokens;
+  o.default_max_new_tokens = default_max_new_tokens;
+  o.request_timeout = request_timeout;
+  return o;
+}
+
+}  // namespace accel::engine
