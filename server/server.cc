@@ -388,7 +388,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
 
   // Errors name files by their folder's last component only.
   AddPrivatePath(options.engine.model_dir);
-  if (!options.engine.offload_folder.empty()) AddPrivatePath(options.engine.offload_folder);
+  if (!options.engine.load.offload_folder.empty()) {
+    AddPrivatePath(options.engine.load.offload_folder);
+  }
+  if (!options.engine.speculative.model.empty()) {
+    AddPrivatePath(options.engine.speculative.model);  // the draft model's folder
+  }
   auto impl = std::make_unique<Impl>(options);
   Impl& s = *impl;
   const internal::ConnectionLimits limits = internal::ConnectionLimitsFor(

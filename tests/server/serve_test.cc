@@ -1112,7 +1112,7 @@ INSTANTIATE_TEST_SUITE_P(
                  R"("num_speculative_tokens" is needed)"},
         BadFlags{{R"(--speculative_config={"model": "/nonexistent", "num_speculative_tokens": 2})"},
                  "/nonexistent/config.json"},
-        BadFlags{{"--speculative_config={"}, "--speculative_config: not valid JSON"},
+        BadFlags{{"--speculative_config={"}, "--speculative_config: invalid JSON"},
         // A file that is no certificate is named, not taken for a busy port.
         BadFlags{{"--tls_cert=/proc/self/cmdline", "--tls_key=/proc/self/cmdline"},
                  "--tls_cert: /proc/self/cmdline holds no valid PEM certificate"}),
