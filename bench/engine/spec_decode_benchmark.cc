@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -55,6 +56,7 @@
 #include "core/threads.h"
 #include "engine/engine_core.h"
 #include "engine/model_runner.h"
+#include "engine/ngram_proposer.h"
 #include "loader/loader.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
@@ -200,8 +202,15 @@ double WeightBytes(const accel::models::LoadedModel& m) {
   return bytes;
 }
 
+double CpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 struct Run {
   double tokens_per_s = 0;
+  double cpu_per_token = 0;  // process cpu seconds (every thread) a token
   std::vector<int64_t> tokens;
   EngineStats stats;
 };
@@ -228,10 +237,12 @@ Run Decode(accel::models::LoadedModel& target, accel::models::LoadedModel* draft
   };
   take();  // the prompt
   const size_t first = run.tokens.size();
+  const double cpu = CpuSeconds();
   const double seconds = accel::bench::Seconds([&] {
     while (core.num_requests() > 0) take();
   });
   run.tokens_per_s = static_cast<double>(run.tokens.size() - first) / seconds;
+  run.cpu_per_token = (CpuSeconds() - cpu) / static_cast<double>(run.tokens.size() - first);
   run.stats = core.stats();
   return run;
 }
@@ -334,20 +345,29 @@ int main(int argc, char** argv) {
       const std::vector<int64_t>* prompt;
       const SpeculativeConfig* spec;
       accel::models::LoadedModel* draft;
-      std::vector<double> plain, fast, ratio;
+      std::vector<double> plain, fast, ratio, cpu_ratio;
       double acceptance = 0, per_step = 0;
       bool same = true;
     };
     std::vector<Measure> measures = {
-        {"prompt lookup, extractive prompt", &extractive, &lookup, nullptr, {}, {}, {}},
-        {"prompt lookup, nothing repeats", &fresh, &lookup, nullptr, {}, {}, {}},
-        {"draft model", &fresh, &drafting, &draft, {}, {}, {}},
-        {"noisier draft model", &fresh, &drafting, &noisy, {}, {}, {}},
+        {"prompt lookup, extractive prompt", &extractive, &lookup, nullptr, {}, {}, {}, {}},
+        {"prompt lookup, nothing repeats", &fresh, &lookup, nullptr, {}, {}, {}, {}},
+        {"draft model", &fresh, &drafting, &draft, {}, {}, {}, {}},
+        {"noisier draft model", &fresh, &drafting, &noisy, {}, {}, {}, {}},
     };
     for (int round = 0; round < rounds; ++round) {
       for (Measure& m : measures) {
-        const Run plain = Decode(target, nullptr, {}, *m.prompt, tokens);
-        const Run fast = Decode(target, m.draft, *m.spec, *m.prompt, tokens);
+        // Plain first in even rounds, speculative first in odd ones, so a
+        // drift of the machine's load within a pair falls on both sides.
+        Run plain, fast;
+        if (round % 2 == 0) {
+          plain = Decode(target, nullptr, {}, *m.prompt, tokens);
+          fast = Decode(target, m.draft, *m.spec, *m.prompt, tokens);
+        } else {
+          fast = Decode(target, m.draft, *m.spec, *m.prompt, tokens);
+          plain = Decode(target, nullptr, {}, *m.prompt, tokens);
+        }
+        m.cpu_ratio.push_back(plain.cpu_per_token / fast.cpu_per_token);
         m.plain.push_back(plain.tokens_per_s);
         m.fast.push_back(fast.tokens_per_s);
         m.ratio.push_back(fast.tokens_per_s / plain.tokens_per_s);
@@ -367,12 +387,32 @@ int main(int argc, char** argv) {
         rounds);
     for (const Measure& m : measures) {
       std::printf(
-          "  %-34s plain %6.2f tokens/s, speculative %6.2f tokens/s = %.2fx (%.2f-%.2f); "
-          "%.0f%% of drafts accepted, %.2f tokens a step; same tokens: %s\n",
+          "  %-34s plain %6.2f tokens/s, speculative %6.2f tokens/s = %.2fx (%.2f-%.2f; cpu "
+          "time a token %.2fx); %.0f%% of drafts accepted, %.2f tokens a step; same tokens: %s\n",
           m.name, accel::bench::Median(m.plain), accel::bench::Median(m.fast),
           accel::bench::Median(m.ratio), *std::min_element(m.ratio.begin(), m.ratio.end()),
-          *std::max_element(m.ratio.begin(), m.ratio.end()), 100 * m.acceptance, m.per_step,
-          m.same ? "yes" : "NO");
+          *std::max_element(m.ratio.begin(), m.ratio.end()), accel::bench::Median(m.cpu_ratio),
+          100 * m.acceptance, m.per_step, m.same ? "yes" : "NO");
+    }
+    // What prompt lookup adds to a step where nothing repeats: the search,
+    // timed alone on the sequence of that case (its prompt and the tokens
+    // generated), against a plain step.
+    {
+      std::vector<int64_t> sequence = fresh;
+      const Run plain = Decode(target, nullptr, {}, fresh, tokens);
+      sequence.insert(sequence.end(), plain.tokens.begin(), plain.tokens.end());
+      accel::engine::NgramProposer proposer(lookup.prompt_lookup_min, lookup.prompt_lookup_max,
+                                            lookup.num_speculative_tokens);
+      const int calls = 2000;
+      size_t found = 0;
+      const double seconds = accel::bench::Seconds([&] {
+        for (int i = 0; i < calls; ++i) found += proposer.Propose(sequence, k).size();
+      });
+      std::printf(
+          "  prompt lookup's search on the %zu-token sequence where nothing repeats: %.1f us a "
+          "step (%zu drafts found), %.4f%% of a plain step (%.1f ms)\n",
+          sequence.size(), 1e6 * seconds / calls, found / calls,
+          100 * (seconds / calls) * plain.tokens_per_s, 1e3 / plain.tokens_per_s);
     }
     std::fflush(stdout);
   }

@@ -149,16 +149,25 @@ class SpecDecodeTest : public ::testing::Test {
   TempDir dir_;
 };
 
-// Every family, prompt lookup, one request and eight: the same tokens.
+// Every family, prompt lookup: one request alone, eight together, and the
+// eight again sharing a system prompt under a KV cache too small for them
+// (prefix hits, preemption and recomputation): the tokens of plain
+// decoding, each request alone.
 TEST_F(SpecDecodeTest, GreedyPromptLookupGivesTheTokensOfPlainDecodingForEveryFamily) {
   int64_t drafted = 0, accepted = 0;
   for (const std::string family : {"llama", "mistral", "qwen2", "gpt2", "mixtral", "qwen3",
                                    "qwen3_moe", "qwen2_moe", "gemma2", "gemma3", "phi3"}) {
     auto m = Make(dir_.path() + "/" + family, family, 32, 2, 1);
     ASSERT_NE(m, nullptr) << family;
-    std::vector<GenerationRequest> requests;
-    for (int64_t i = 0; i < 8; ++i) requests.push_back(Greedy(Prompt(i, 12 + i), 16 + i));
+    std::vector<GenerationRequest> requests, shared;
+    for (int64_t i = 0; i < 8; ++i) {
+      requests.push_back(Greedy(Prompt(i, 12 + i), 16 + i));
+      std::vector<int64_t> prompt = Prompt(9, 13);
+      for (int64_t id : Prompt(i, 2 + i)) prompt.push_back(id);
+      shared.push_back(Greedy(prompt, 16));
+    }
     const std::vector<GenerationResult> plain = Plain(*m, requests);
+    const std::vector<GenerationResult> plain_shared = Plain(*m, shared);
     {
       EngineCore alone = Core(*m, Ngram(3));
       auto one = Generate(alone, {requests[0]});
@@ -174,6 +183,16 @@ TEST_F(SpecDecodeTest, GreedyPromptLookupGivesTheTokensOfPlainDecodingForEveryFa
     accepted += stats.spec_num_accepted_tokens;
     EXPECT_GT(stats.spec_num_draft_tokens, 0) << family;
     EXPECT_EQ(stats.kv_blocks_used, 0) << family;
+    Options small;
+    small.num_blocks = 20;  // 80 tokens for 8 requests of up to 38
+    small.max_num_batched_tokens = 12;
+    EngineCore tight = Core(*m, Ngram(3), small);
+    auto squeezed = Generate(tight, shared);
+    ASSERT_THAT(squeezed, IsOk()) << family;
+    ExpectSame(*squeezed, plain_shared, family + " batch 8, preempted, prefix hits");
+    EXPECT_GT(tight.stats().preemptions, 0) << family;
+    EXPECT_GT(tight.stats().prefix_hit_tokens, 0) << family;
+    EXPECT_EQ(tight.stats().kv_blocks_used, 0) << family;
   }
   // Random models repeat themselves: prompt lookup finds some of it.
   EXPECT_GT(accepted, 0);
