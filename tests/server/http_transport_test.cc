@@ -371,6 +371,9 @@ int OpenDescriptors() {
 // are free the port accepts again (gRPC 1.51's never did; the old HTTP
 // server spun a core meanwhile).
 TEST_F(TransportTest, AcceptingResumesAfterDescriptorsRanOut) {
+#ifdef ACCEL_UBSAN_VPTR
+  GTEST_SKIP() << "UBSan's vptr check needs a free descriptor (it probes memory through a pipe)";
+#endif
   StartServer();
   rlimit saved = {};
   ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
