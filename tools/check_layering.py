@@ -21,7 +21,7 @@ BELOW = {
     "core": set(),
     "jinja": {"core"},
     "tokenizer": {"core", "jinja"},
-    "grammar": {"core"},
+    "grammar": {"core", "jinja", "tokenizer"},
     "loader": {"core"},
     "quant": {"core"},
     "dispatch": {"core", "loader", "quant"},

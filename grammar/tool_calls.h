@@ -1,0 +1,87 @@
+// grammar/tool_calls.h: the tool calls a model writes, parsed out of its text
+// (vLLM's --tool_call_parser names), and the grammar that makes a model write
+// one (tool_choice "required" or a named function).
+//
+//   hermes       Hermes, Qwen 2.5 / Qwen 3: <tool_call>{"name": .., "arguments": {..}}</tool_call>
+//   llama3_json  Llama 3.1 / 3.2: [<|python_tag|>]{"name": .., "parameters": {..}}[; {..}]
+//   mistral      Mistral: [TOOL_CALLS][{"name": .., "arguments": {..}}, ..] (the marker is a
+//                special token: text decoded without it starts at the '[')
+//   auto         from the chat template (DetectToolCallFormat)
+//
+// Text before the first call stays content. Text that looks like a call but
+// does not parse (bad JSON, no name) is content, as vLLM leaves it.
+// Pure functions over text; ToolCallStreamParser does the same over a
+// stream of text pieces.
+#ifndef ACCEL_GRAMMAR_TOOL_CALLS_H_
+#define ACCEL_GRAMMAR_TOOL_CALLS_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace accel::grammar {
+
+enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral };
+
+// "hermes", "llama3_json", "mistral"; "auto" needs the template
+// (DetectToolCallFormat). InvalidArgument naming the accepted names.
+absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name);
+absl::string_view ToolCallFormatName(ToolCallFormat format);
+// The format a chat template writes tool calls in (kNone when it writes none).
+ToolCallFormat DetectToolCallFormat(absl::string_view chat_template);
+
+struct ToolCall {
+  std::string id;  // "call_" and 24 letters and digits (Mistral: 9)
+  std::string name;
+  std::string arguments;  // a JSON object, as text
+};
+
+struct ParsedToolCalls {
+  std::string content;  // the text before the calls (all of it without calls)
+  std::vector<ToolCall> calls;
+};
+
+ParsedToolCalls ParseToolCalls(ToolCallFormat format, absl::string_view text);
+
+// A fresh call id in the format's shape.
+std::string NewToolCallId(ToolCallFormat format);
+
+// Streaming: content is passed on as it comes, except a tail that may be the
+// start of a call marker, which is held; once a call starts, each complete
+// call comes out as one event (name, id and the arguments in one piece).
+class ToolCallStreamParser {
+ public:
+  struct Event {
+    std::string content;           // text for delta.content (may be empty)
+    std::optional<ToolCall> call;  // a completed call
+    int index = 0;                 // the call's index in the message
+  };
+  explicit ToolCallStreamParser(ToolCallFormat format) : format_(format) {}
+  std::vector<Event> Add(absl::string_view piece);
+  // The end of the text: a held tail is content, and an unfinished call's text too.
+  std::vector<Event> Finish();
+  int num_calls() const { return emitted_; }
+
+ private:
+  std::vector<Event> Drain(bool final);
+  ToolCallFormat format_;
+  std::string buffer_;      // text not passed on yet
+  bool in_calls_ = false;   // a call marker was seen
+  bool seen_text_ = false;  // content (other than whitespace) came before
+  int emitted_ = 0;
+};
+
+// The GBNF a model must follow to call one of `tools_json` (an OpenAI tools
+// array), or only `function_name` when given, in `format`'s syntax, with
+// arguments matching the function's parameters schema. InvalidArgument
+// naming the tool or the unknown function.
+absl::StatusOr<std::string> ToolCallGbnf(ToolCallFormat format, absl::string_view tools_json,
+                                         std::optional<std::string> function_name);
+
+}  // namespace accel::grammar
+
+#endif  // ACCEL_GRAMMAR_TOOL_CALLS_H_
