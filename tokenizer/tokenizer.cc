@@ -45,6 +45,10 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int64_t> ids,
   return impl_->Decode(ids, skip_special_tokens);
 }
 
+absl::StatusOr<std::string> Tokenizer::TokenBytes(int64_t id) const {
+  return impl_->TokenBytes(id);
+}
+
 std::optional<int64_t> Tokenizer::TokenToId(absl::string_view token) const {
   return impl_->TokenToId(token);
 }

@@ -57,6 +57,12 @@ class Tokenizer {
   // naming the id when one is outside [0, vocab_size()).
   absl::StatusOr<std::string> Decode(absl::Span<const int64_t> ids, bool skip_special_tokens) const;
 
+  // The bytes token `id` adds to a text it is in the middle of: raw bytes
+  // (a byte-level token may hold part of a UTF-8 character), a
+  // SentencePiece token's leading space included; an added token's content.
+  // What a grammar matches tokens by (grammar/matcher.h). InvalidArgument
+  // for an id outside [0, vocab_size()).
+  absl::StatusOr<std::string> TokenBytes(int64_t id) const;
   std::optional<int64_t> TokenToId(absl::string_view token) const;
   std::optional<std::string> IdToToken(int64_t id) const;
   // Largest id of the vocabulary or the added tokens, plus one.

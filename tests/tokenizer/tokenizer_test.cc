@@ -690,6 +690,40 @@ TEST(DecoderTest, ByteLevelIsLossy) {
   EXPECT_EQ(DecodeOrDie(tok, {id('a'), 256, id('b')}, true), "ab");
 }
 
+// The raw bytes each token adds in the middle of a text (what a grammar
+// matches): Llama 2's chain keeps a word's leading space and a byte token's
+// byte; byte-level tokens give their bytes even when they are part of a
+// character; added tokens their content.
+TEST(DecoderTest, TokenBytes) {
+  const std::string u2581 = "\xE2\x96\x81";
+  Json json = BpeJson({u2581 + "Hello", "!", "<0xE2>", "<0x41>"});
+  json["decoder"] = {
+      {"type", "Sequence"},
+      {"decoders",
+       Json::array({Json{{"type", "Replace"}, {"pattern", {{"String", u2581}}}, {"content", " "}},
+                    Json{{"type", "ByteFallback"}}, Json{{"type", "Fuse"}},
+                    Json{{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}})}};
+  Tokenizer llama = Load(json);
+  EXPECT_THAT(llama.TokenBytes(0), test::IsOkAndHolds(std::string(" Hello")));
+  EXPECT_THAT(llama.TokenBytes(1), test::IsOkAndHolds(std::string("!")));
+  EXPECT_THAT(llama.TokenBytes(2), test::IsOkAndHolds(std::string("\xE2")));
+  EXPECT_THAT(llama.TokenBytes(3), test::IsOkAndHolds(std::string("A")));
+  EXPECT_THAT(llama.TokenBytes(4), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("4")));
+
+  std::vector<std::string> vocab = ByteAlphabet();
+  const std::vector<std::string>& symbols = ByteToSymbol();
+  vocab.push_back(symbols[' '] + "w");
+  vocab.emplace_back("<|end|>");
+  Json byte_level = BpeJson(vocab);
+  byte_level["decoder"] = {{"type", "ByteLevel"}};
+  byte_level["added_tokens"] = Json::array({AddedToken(257, "<|end|>", true, false)});
+  Tokenizer tok = Load(byte_level);
+  EXPECT_THAT(tok.TokenBytes(*tok.TokenToId(symbols[0xE2])),
+              test::IsOkAndHolds(std::string("\xE2")));
+  EXPECT_THAT(tok.TokenBytes(256), test::IsOkAndHolds(std::string(" w")));
+  EXPECT_THAT(tok.TokenBytes(257), test::IsOkAndHolds(std::string("<|end|>")));
+}
+
 TEST(UnicodeTest, LossyUtf8MatchesRust) {
   using internal::LossyUtf8;
   EXPECT_EQ(LossyUtf8("ab"), "ab");

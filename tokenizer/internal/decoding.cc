@@ -31,6 +31,9 @@ class SequenceDecoder : public Decoder {
   void DecodeChain(std::vector<std::string>* tokens) const override {
     for (const auto& p : parts_) p->DecodeChain(tokens);
   }
+  void DecodeChainBytes(std::vector<std::string>* tokens) const override {
+    for (const auto& p : parts_) p->DecodeChainBytes(tokens);
+  }
   bool GroupsByteTokens() const override {
     for (const auto& p : parts_) {
       if (p->GroupsByteTokens()) return true;
@@ -54,6 +57,10 @@ class ByteLevelDecoder : public Decoder {
     }
   }
   void DecodeChain(std::vector<std::string>* tokens) const override {
+    DecodeChainBytes(tokens);
+    (*tokens)[0] = LossyUtf8((*tokens)[0]);
+  }
+  void DecodeChainBytes(std::vector<std::string>* tokens) const override {
     std::string bytes;
     for (const std::string& token : *tokens) {
       const size_t mark = bytes.size();
@@ -72,7 +79,7 @@ class ByteLevelDecoder : public Decoder {
         bytes.append(token);
       }
     }
-    tokens->assign(1, LossyUtf8(bytes));
+    tokens->assign(1, std::move(bytes));
   }
 
  private:
@@ -136,13 +143,18 @@ class ReplaceDecoder : public Decoder {
 // else one U+FFFD per byte (HF's ByteFallback, which is not lossy decoding).
 class ByteFallbackDecoder : public Decoder {
  public:
-  void DecodeChain(std::vector<std::string>* tokens) const override {
+  void DecodeChain(std::vector<std::string>* tokens) const override { Decode(tokens, false); }
+  void DecodeChainBytes(std::vector<std::string>* tokens) const override { Decode(tokens, true); }
+  bool GroupsByteTokens() const override { return true; }
+
+ private:
+  static void Decode(std::vector<std::string>* tokens, bool raw) {
     std::vector<std::string> out;
     out.reserve(tokens->size());
     std::string run;
     auto flush = [&] {
       if (run.empty()) return;
-      if (IsValidUtf8(run)) {
+      if (raw || IsValidUtf8(run)) {
         out.push_back(run);
       } else {
         for (size_t i = 0; i < run.size(); ++i) out.emplace_back(kReplacementChar);
@@ -160,7 +172,6 @@ class ByteFallbackDecoder : public Decoder {
     flush();
     *tokens = std::move(out);
   }
-  bool GroupsByteTokens() const override { return true; }
 };
 
 class FuseDecoder : public Decoder {

@@ -22,6 +22,9 @@ class Decoder {
  public:
   virtual ~Decoder() = default;
   virtual void DecodeChain(std::vector<std::string>* tokens) const = 0;
+  // The same without the lossy steps (invalid UTF-8 to U+FFFD): the raw
+  // bytes, for a grammar matching tokens byte by byte.
+  virtual void DecodeChainBytes(std::vector<std::string>* tokens) const { DecodeChain(tokens); }
   // Whether a trailing token can still change with the tokens after it: the
   // ByteFallback decoder decodes a run of <0xNN> tokens as one group.
   virtual bool GroupsByteTokens() const { return false; }

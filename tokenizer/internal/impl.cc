@@ -219,4 +219,27 @@ absl::StatusOr<std::string> TokenizerImpl::Decode(absl::Span<const int64_t> ids,
   return absl::StrJoin(tokens, "");
 }
 
+absl::StatusOr<std::string> TokenizerImpl::TokenBytes(int64_t id) const {
+  if (id < 0 || id >= vocab_size_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token id ", id, " is out of range [0, ", vocab_size_, ")"));
+  }
+  const std::string* token = TokenOf(id);
+  if (token == nullptr) return std::string();
+  if (decoder_ == nullptr) return *token;
+  // What the token adds after another: decode it alone and twice, and keep
+  // the second copy (a first token loses a leading space to Metaspace's
+  // prepend scheme or a Strip decoder; one in the middle keeps it).
+  std::vector<std::string> once = {*token};
+  std::vector<std::string> twice = {*token, *token};
+  decoder_->DecodeChainBytes(&once);
+  decoder_->DecodeChainBytes(&twice);
+  const std::string first = absl::StrJoin(once, "");
+  const std::string both = absl::StrJoin(twice, "");
+  if (both.size() >= first.size() && both.compare(0, first.size(), first) == 0) {
+    return both.substr(first.size());
+  }
+  return first;
+}
+
 }  // namespace accel::tokenizer::internal

@@ -38,6 +38,7 @@ class TokenizerImpl {
   absl::StatusOr<std::vector<int64_t>> Encode(absl::string_view text,
                                               bool add_special_tokens) const;
   absl::StatusOr<std::string> Decode(absl::Span<const int64_t> ids, bool skip_special_tokens) const;
+  absl::StatusOr<std::string> TokenBytes(int64_t id) const;
 
   // The token string of `id` as decoding sees it (an added token's content
   // first), or null when the id has none.
