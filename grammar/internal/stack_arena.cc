@@ -91,13 +91,21 @@ void StackArena::StepNode(int32_t node, uint8_t byte, const int32_t** begin, con
 
 void StackArena::Step(const State& state, uint8_t byte, State* out) {
   out->clear();
+  int matched = 0;
   for (int32_t node : state) {
+    // Most stacks refuse the byte by their top element's range: checked
+    // before the memo's hash lookup (a trie walk makes millions of steps).
+    if (node == kAccept) continue;
+    const Element& e = grammar_->elements[nodes_[node].pos];
+    if (byte < e.lo || byte > e.hi) continue;
     const int32_t* begin;
     const int32_t* end;
     StepNode(node, byte, &begin, &end);
+    if (begin == end) continue;
     out->insert(out->end(), begin, end);
+    ++matched;
   }
-  if (state.size() > 1) SortUnique(out);
+  if (matched > 1) SortUnique(out);
 }
 
 int64_t StackArena::memory_bytes() const {
