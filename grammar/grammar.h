@@ -19,7 +19,9 @@
 // GBNF): syntax errors, undefined rules, a missing root, left recursion (a
 // rule that can reach itself before reading a byte, `a ::= a "x"` or
 // `r ::= ("x"?)*`), repetition bounds over kMaxRepetition, grammars over
-// kMaxGrammarElements. Torch-free, on core only.
+// kMaxGrammarElements. A grammar so ambiguous that more than 128 parses of
+// the text are alive at once (`(x?){500}`) refuses the text there rather
+// than spend time in the square of that per byte. Torch-free, on core only.
 #ifndef ACCEL_GRAMMAR_GRAMMAR_H_
 #define ACCEL_GRAMMAR_GRAMMAR_H_
 

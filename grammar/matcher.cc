@@ -130,7 +130,16 @@ bool GrammarMatcher::AcceptToken(int64_t id) {
   if (IsTerminated()) return false;
   const TokenVocabulary& vocab = *compiled_->vocabulary_;
   if (std::find(stop_token_ids_.begin(), stop_token_ids_.end(), id) != stop_token_ids_.end()) {
-    if (!CanEnd()) return false;
+    if (!CanEnd()) {
+      // Also where nothing else is allowed (the mask's fallback).
+      std::vector<uint64_t> mask(static_cast<size_t>(vocab.mask_words()));
+      const int64_t allowed = FillNextTokenBitmask(mask.data());
+      int64_t stops = 0;
+      for (int64_t s : stop_token_ids_) {
+        stops += s >= 0 && s < vocab.size() && (mask[s >> 6] >> (s & 63) & 1);
+      }
+      if (allowed != stops) return false;
+    }
     history_.push_back(history_.back());
     terminated_.push_back(true);
     return true;

@@ -95,7 +95,8 @@ class GrammarMatcher {
 
   // Advances by one token; false (and nothing changes) when the grammar does
   // not allow it here, or after termination. A stop token is accepted where
-  // the grammar may end, and terminates the matcher.
+  // the grammar may end (or where nothing else is allowed), and terminates
+  // the matcher.
   bool AcceptToken(int64_t id);
   // Advances by raw bytes (not counted as a token for Rollback).
   bool AcceptBytes(absl::string_view bytes);

@@ -106,6 +106,13 @@ void StackArena::Step(const State& state, uint8_t byte, State* out) {
     ++matched;
   }
   if (matched > 1) SortUnique(out);
+  // A grammar so ambiguous that this many parses are alive at once (say
+  // `(x?){500}`) would cost each byte time in the square of that: the text
+  // is refused there instead (documented in grammar.h).
+  if (out->size() > kMaxStacks) {
+    out->clear();
+    ++overflows_;
+  }
 }
 
 int64_t StackArena::memory_bytes() const {

@@ -25,6 +25,8 @@ using State = std::vector<int32_t>;  // sorted node ids
 class StackArena {
  public:
   static constexpr int32_t kAccept = 0;  // the node "the grammar may end here"
+  // The most stacks a state may hold (parses alive at once).
+  static constexpr size_t kMaxStacks = 128;
 
   explicit StackArena(const GrammarData* grammar);
 
@@ -38,6 +40,8 @@ class StackArena {
   static bool CanEnd(const State& state) { return !state.empty() && state.front() == kAccept; }
   int64_t num_nodes() const { return static_cast<int64_t>(nodes_.size()); }
   int64_t memory_bytes() const;
+  // Steps refused for holding more than kMaxStacks stacks.
+  int64_t overflows() const { return overflows_; }
 
  private:
   struct Node {
@@ -58,6 +62,7 @@ class StackArena {
   State initial_;
   std::vector<int32_t> scratch_;
   std::vector<int32_t> visited_;  // closure's seen nodes this call
+  int64_t overflows_ = 0;
 };
 
 }  // namespace accel::grammar::internal

@@ -107,6 +107,8 @@ TEST(MatcherTest, DeadEndAllowsStop) {
   std::vector<uint64_t> mask(m.mask_words());
   EXPECT_EQ(m.FillNextTokenBitmask(mask.data()), 1);
   EXPECT_TRUE(Bit(mask, f.stop));
+  EXPECT_TRUE(m.AcceptToken(f.stop));  // what the mask allows is accepted
+  EXPECT_TRUE(m.IsTerminated());
 }
 
 // Masks against a brute force over the vocabulary, along random walks on
