@@ -18,10 +18,12 @@
 #include "core/threads.h"
 #include "dispatch/device_map.h"
 #include "engine/engine_core.h"
+#include "engine/grammar_logits_processor.h"
 #include "engine/input_processor.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/model_runner.h"
 #include "engine/output_processor.h"
+#include "engine/structured_output.h"
 #include "loader/config.h"
 #include "models/causal_lm.h"
 #include "models/load_model.h"
@@ -33,6 +35,8 @@ struct LlmEngine::Model {
   models::LoadedModel loaded;
   std::optional<models::LoadedModel> draft;
   std::unique_ptr<InputProcessor> inputs;
+  // Grammars against the vocabulary (set when the model has a tokenizer).
+  std::shared_ptr<StructuredOutputCompiler> structured;
 };
 
 namespace {
@@ -235,6 +239,19 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   model.inputs->Configure(std::move(inputs));
 
   ModelRunnerOptions runner_options;
+  if (const tokenizer::Tokenizer* tokenizer = model.inputs->tokenizer()) {
+    model.structured = std::make_shared<StructuredOutputCompiler>(*tokenizer, info.vocab_size);
+    runner_options.logits_processors =
+        [structured = model.structured](
+            const GenerationRequest& request) -> std::unique_ptr<LogitsProcessor> {
+      if (!request.structured) return nullptr;
+      // Compiled (and cached) when the request was submitted.
+      auto compiled = structured->Compile(*request.structured);
+      if (!compiled.ok()) return nullptr;
+      return MakeGrammarLogitsProcessor(*std::move(compiled), request.stop_token_ids,
+                                        static_cast<int64_t>(request.prompt_ids.size()));
+    };
+  }
   runner_options.num_blocks = blocks;
   runner_options.block_size = block_size;
   runner_options.speculative = spec;
@@ -257,6 +274,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   engine->loop_ = std::make_unique<EngineLoop>(std::move(core), options.loop, stats);
   return engine;
 }
+
+const tokenizer::Tokenizer* LlmEngine::tokenizer() const { return model_->inputs->tokenizer(); }
 
 std::string LlmEngine::TokenText(int64_t token_id) const {
   return model_->inputs->TokenText(token_id);
@@ -281,7 +300,16 @@ dispatch::OffloadStats LlmEngine::offload_stats() const {
 
 absl::StatusOr<uint64_t> LlmEngine::Submit(GenerationRequest request,
                                            std::shared_ptr<RequestSink> sink) {
-  const absl::Status completed = model_->inputs->Process(request);
+  absl::Status completed = model_->inputs->Process(request);
+  if (completed.ok() && request.structured) {
+    if (model_->structured == nullptr) {
+      completed = absl::InvalidArgumentError(absl::StrCat(
+          request.structured->field, ": structured output needs the model's tokenizer"));
+    } else {
+      // A grammar that does not compile is the client's error, before it queues.
+      completed = model_->structured->Compile(*request.structured).status();
+    }
+  }
   absl::StatusOr<uint64_t> id = completed.ok() ? loop_->Submit(std::move(request), std::move(sink))
                                                : absl::StatusOr<uint64_t>(completed);
   if (!id.ok() && stats_ != nullptr) {

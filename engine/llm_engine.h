@@ -30,6 +30,10 @@
 #include "engine/stat_logger.h"
 #include "models/load_options.h"
 
+namespace accel::tokenizer {
+class Tokenizer;
+}  // namespace accel::tokenizer
+
 namespace accel::engine {
 
 // What LlmEngine::Load takes; engine/engine_args.h makes it from the flags,
@@ -101,6 +105,8 @@ class LlmEngine {
   // decoded alone (special tokens included; a piece of a UTF-8 character
   // decodes to U+FFFD). Empty without a tokenizer or for an unknown id.
   std::string TokenText(int64_t token_id) const;
+  // The model's tokenizer (null without tokenizer.json).
+  const tokenizer::Tokenizer* tokenizer() const;
 
   const ModelInfo& info() const { return info_; }
   EngineLoop& loop() { return *loop_; }

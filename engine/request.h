@@ -62,6 +62,19 @@ struct ChatInput {
 // The most tokens top_logprobs may ask for (OpenAI's bound).
 inline constexpr int64_t kMaxTopLogprobs = 20;
 
+// Structured output: the text generated must be a sentence of one grammar
+// (grammar/): exactly one of these is set. `field` names where it came from
+// in the client's request, for messages ("response_format.json_schema",
+// "guided_regex", "--json_schema").
+struct StructuredOutputs {
+  std::string json_schema;   // a JSON Schema, as text
+  bool json_object = false;  // any JSON object
+  std::string regex;
+  std::vector<std::string> choice;
+  std::string grammar;  // GBNF (llama.cpp's grammar syntax)
+  std::string field = "structured_outputs";
+};
+
 struct GenerationRequest {
   std::string model;                  // the model asked for; empty: the served one
   std::optional<std::string> prompt;  // text, tokenized into prompt_ids by the engine, or
@@ -80,6 +93,8 @@ struct GenerationRequest {
   // whose deadline it was ("the client's deadline", "--request_timeout=30s").
   absl::Time deadline = absl::InfiniteFuture();
   std::string deadline_reason;
+  // Grammar-constrained decoding (engine/structured_output.h); none when unset.
+  std::optional<StructuredOutputs> structured;
 };
 
 // What a model allows a request.
