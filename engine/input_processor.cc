@@ -81,6 +81,11 @@ absl::Status InputProcessor::Process(GenerationRequest& request) const {
   }
   const RequestLimits& limits = options_.limits;
   ACCEL_RETURN_IF_ERROR(ValidateGenerationRequest(request, limits));
+  if (request.max_new_tokens == 0 && request.max_new_tokens_to_context &&
+      limits.max_total_tokens > 0) {
+    request.max_new_tokens = std::max<int64_t>(
+        1, limits.max_total_tokens - static_cast<int64_t>(request.prompt_ids.size()));
+  }
   if (request.max_new_tokens == 0) {
     request.max_new_tokens = options_.default_max_new_tokens;
     if (limits.max_total_tokens > 0) {

@@ -23,6 +23,7 @@
 #include "engine/kv_cache_manager.h"
 #include "engine/model_runner.h"
 #include "engine/output_processor.h"
+#include "engine/penalty_logits_processor.h"
 #include "engine/structured_output.h"
 #include "loader/config.h"
 #include "models/causal_lm.h"
@@ -241,17 +242,24 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   ModelRunnerOptions runner_options;
   if (const tokenizer::Tokenizer* tokenizer = model.inputs->tokenizer()) {
     model.structured = std::make_shared<StructuredOutputCompiler>(*tokenizer, info.vocab_size);
-    runner_options.logits_processors =
-        [structured = model.structured](
-            const GenerationRequest& request) -> std::unique_ptr<LogitsProcessor> {
-      if (!request.structured) return nullptr;
+  }
+  // Per request: OpenAI's biases and penalties, then a grammar's mask.
+  runner_options.logits_processors =
+      [structured =
+           model.structured](const GenerationRequest& request) -> std::unique_ptr<LogitsProcessor> {
+    const auto prompt = static_cast<int64_t>(request.prompt_ids.size());
+    std::vector<std::unique_ptr<LogitsProcessor>> parts;
+    parts.push_back(MakePenaltyLogitsProcessor(request.sampling, prompt));
+    if (request.structured && structured != nullptr) {
       // Compiled (and cached) when the request was submitted.
       auto compiled = structured->Compile(*request.structured);
-      if (!compiled.ok()) return nullptr;
-      return MakeGrammarLogitsProcessor(*std::move(compiled), request.stop_token_ids,
-                                        static_cast<int64_t>(request.prompt_ids.size()));
-    };
-  }
+      if (compiled.ok()) {
+        parts.push_back(
+            MakeGrammarLogitsProcessor(*std::move(compiled), request.stop_token_ids, prompt));
+      }
+    }
+    return ChainLogitsProcessors(std::move(parts));
+  };
   runner_options.num_blocks = blocks;
   runner_options.block_size = block_size;
   runner_options.speculative = spec;

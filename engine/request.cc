@@ -7,7 +7,7 @@
 namespace accel::engine {
 namespace {
 
-absl::Status Bad(const char* name, double value, const char* want) {
+absl::Status Bad(absl::string_view name, double value, const char* want) {
   return absl::InvalidArgumentError(absl::StrCat(name, " must be ", want, ", got ", value));
 }
 
@@ -30,6 +30,17 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
         p.repetition_penalty <= kMaxRepetitionPenalty)) {
     return Bad("repetition_penalty", p.repetition_penalty, "in [1e-30, 1e30] (1: off)");
   }
+  if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2)) {
+    return Bad("presence_penalty", p.presence_penalty, "in [-2, 2]");
+  }
+  if (!(p.frequency_penalty >= -2 && p.frequency_penalty <= 2)) {
+    return Bad("frequency_penalty", p.frequency_penalty, "in [-2, 2]");
+  }
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (!(bias >= -100 && bias <= 100)) {
+      return Bad(absl::StrCat("logit_bias[", id, "]"), bias, "in [-100, 100]");
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -40,6 +51,12 @@ absl::Status ValidateGenerationRequest(const GenerationRequest& request,
     return absl::InvalidArgumentError(request.prompt.has_value()
                                           ? "prompt: the text encodes to no tokens"
                                           : "the prompt is empty");
+  }
+  for (const auto& [id, bias] : request.sampling.logit_bias) {
+    if (id < 0 || id >= limits.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logit_bias: token id ", id, " is outside the vocabulary [0, ", limits.vocab_size, ")"));
+    }
   }
   for (size_t i = 0; i < request.prompt_ids.size(); ++i) {
     const int64_t id = request.prompt_ids[i];

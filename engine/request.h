@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -32,6 +33,14 @@ struct SamplingParams {
   double min_p = 0.0;               // 0: off
   double repetition_penalty = 1.0;  // 1: off
   std::optional<uint64_t> seed;     // the same seed and inputs give the same tokens
+  // OpenAI's: each generated token's logit minus presence_penalty once it
+  // has appeared and frequency_penalty times its count, both in [-2, 2]
+  // (0: off); logit_bias adds a value in [-100, 100] to a token's logit.
+  // Applied before the repetition penalty and temperature
+  // (engine/penalty_logits_processor.h).
+  double presence_penalty = 0.0;
+  double frequency_penalty = 0.0;
+  std::vector<std::pair<int64_t, double>> logit_bias;
 };
 
 // The accepted repetition penalties (see ValidateSamplingParams).
@@ -81,7 +90,10 @@ struct GenerationRequest {
   std::optional<ChatInput> chat;      // a conversation the engine renders and tokenizes, or
   std::vector<int64_t> prompt_ids;    // ids
   SamplingParams sampling;
-  int64_t max_new_tokens = 0;             // 0: the default
+  int64_t max_new_tokens = 0;  // 0: the default (or, with the next, the context)
+  // With max_new_tokens 0: run to the end of the context (what is left of
+  // max_total_tokens after the prompt), as OpenAI's chat completions do.
+  bool max_new_tokens_to_context = false;
   std::vector<int64_t> stop_token_ids;    // the engine adds the model's eos unless ignore_eos
   std::vector<std::string> stop_strings;  // need text streams (a tokenizer)
   bool ignore_eos = false;

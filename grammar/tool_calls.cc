@@ -259,6 +259,12 @@ std::vector<ToolCallStreamParser::Event> ToolCallStreamParser::Drain(bool final)
           }
         }
       }
+      // Whitespace before a call is not content (ParseToolCalls strips it):
+      // held until text other than a call follows.
+      while (hold < buffer_.size() &&
+             absl::ascii_isspace(static_cast<unsigned char>(buffer_[buffer_.size() - hold - 1]))) {
+        ++hold;
+      }
       if (!seen_text_ && absl::StripAsciiWhitespace(buffer_).empty()) hold = buffer_.size();
       if (final) hold = 0;
       std::string content = buffer_.substr(0, buffer_.size() - hold);

@@ -62,6 +62,11 @@ TEST_F(InputProcessorTest, DefaultsStopTokensAndDeadlines) {
   // 16 by default, but only 14 fit in 24 after the prompt.
   EXPECT_EQ(r.max_new_tokens, 14);
   EXPECT_THAT(r.stop_token_ids, ElementsAre(299));
+  // To the end of the context (OpenAI's chat without max_tokens): all 22 left.
+  GenerationRequest to_context = Ids({1, 2});
+  to_context.max_new_tokens_to_context = true;
+  ASSERT_THAT(inputs_->Process(to_context), IsOk());
+  EXPECT_EQ(to_context.max_new_tokens, 22);
   EXPECT_EQ(r.deadline, absl::InfiniteFuture());
 
   GenerationRequest own = Ids({1}, 3);
