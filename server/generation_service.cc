@@ -1,6 +1,7 @@
 #include "server/generation_service.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -66,6 +67,37 @@ JsonLimits ChatJsonLimits(const grpc::ServerContextBase& context, int64_t* key_t
   return limits;
 }
 
+// The request's grammar (none when no kind is set).
+std::optional<engine::StructuredOutputs> ToStructured(const accel::v1::StructuredOutput& in) {
+  engine::StructuredOutputs out;
+  switch (in.kind_case()) {
+    case accel::v1::StructuredOutput::kJsonSchema:
+      out.json_schema = in.json_schema();
+      out.field = "structured_output.json_schema";
+      break;
+    case accel::v1::StructuredOutput::kJsonObject:
+      if (!in.json_object()) return std::nullopt;
+      out.json_object = true;
+      out.field = "structured_output.json_object";
+      break;
+    case accel::v1::StructuredOutput::kRegex:
+      out.regex = in.regex();
+      out.field = "structured_output.regex";
+      break;
+    case accel::v1::StructuredOutput::kChoice:
+      out.choice.assign(in.choice().choices().begin(), in.choice().choices().end());
+      out.field = "structured_output.choice";
+      break;
+    case accel::v1::StructuredOutput::kGrammar:
+      out.grammar = in.grammar();
+      out.field = "structured_output.grammar";
+      break;
+    default:
+      return std::nullopt;
+  }
+  return out;
+}
+
 // The messages as chat templates read them (transformers' shape: a tool
 // call's arguments are an object, not the wire's JSON text).
 absl::StatusOr<engine::GenerationRequest> ChatToParams(const ChatRequest& request,
@@ -126,6 +158,7 @@ absl::StatusOr<engine::GenerationRequest> ChatToParams(const ChatRequest& reques
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.ignore_eos = request.ignore_eos();
   params.logprobs = request.return_logprobs();
+  params.structured = ToStructured(request.structured_output());
   params.deadline = CallDeadline(context);
   return params;
 }
@@ -145,6 +178,7 @@ engine::GenerationRequest ToParams(const GenerateRequest& request,
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.ignore_eos = request.ignore_eos();
   params.logprobs = request.return_logprobs();
+  params.structured = ToStructured(request.structured_output());
   params.deadline = CallDeadline(context);
   return params;
 }

@@ -9,11 +9,13 @@
 #include "absl/time/clock.h"
 
 #include "engine/llm_engine.h"
+#include "grammar/tool_calls.h"
 #include "server/internal/http_transport.h"
 #include "server/internal/openai_convert.h"
 #include "server/internal/quote.h"
 #include "server/server_metrics.h"
 #include "server/serving.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::server {
 namespace {
@@ -129,6 +131,12 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
   http.max_connections = options.max_connections;
   http.tls_cert_pem = options.tls_cert_pem;
   http.tls_key_pem = options.tls_key_pem;
+  if (options.tool_call_parser != "auto") {
+    absl::StatusOr<grammar::ToolCallFormat> format =
+        grammar::ToolCallFormatFromName(options.tool_call_parser);
+    if (!format.ok()) return format.status();
+  }
+  server->tool_call_parser_ = options.tool_call_parser;
   OpenAiHttpServer* self = server.get();
   absl::StatusOr<std::unique_ptr<internal::HttpServer>> started = internal::HttpServer::Start(
       http, [self](std::shared_ptr<HttpExchange> exchange) { self->Handle(exchange); },
@@ -255,6 +263,26 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
     return;
   }
   engine::LlmEngine* engine = *ready;
+  // Tool calls: parsed out of the text, or forced by tool_choice.
+  grammar::ToolCallFormat tool_format = grammar::ToolCallFormat::kNone;
+  if (tool_call_parser_ == "auto") {
+    if (const tokenizer::Tokenizer* tok = engine->tokenizer()) {
+      if (tok->TokenToId("<tool_call>")) {
+        tool_format = grammar::ToolCallFormat::kHermes;
+      } else if (tok->TokenToId("[TOOL_CALLS]")) {
+        tool_format = grammar::ToolCallFormat::kMistral;
+      } else if (tok->TokenToId("<|python_tag|>")) {
+        tool_format = grammar::ToolCallFormat::kLlama3Json;
+      }
+    }
+  } else {
+    tool_format = grammar::ToolCallFormatFromName(tool_call_parser_).value_or(tool_format);
+  }
+  if (absl::Status applied = internal::ApplyToolChoice(*parsed, tool_format); !applied.ok()) {
+    if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("invalid");
+    SendStatus(*exchange, applied);
+    return;
+  }
   const engine::GenerationRequest generation = parsed->generation;
   auto answer =
       std::make_shared<Answer>(exchange, *std::move(parsed), engine->info().name,

@@ -51,6 +51,8 @@ struct OpenAiHttpOptions {
   // port. Both empty: plain HTTP.
   std::string tls_cert_pem;
   std::string tls_key_pem;
+  // --tool_call_parser: hermes | llama3_json | mistral | none | auto.
+  std::string tool_call_parser = "auto";
 };
 
 class OpenAiHttpServer {
@@ -77,6 +79,7 @@ class OpenAiHttpServer {
   ServingState* const state_;
   const int64_t created_;  // the models' "created"
   const std::function<std::string()> metrics_text_;
+  std::string tool_call_parser_ = "auto";
   std::unique_ptr<internal::HttpServer> http_;
 };
 

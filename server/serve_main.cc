@@ -74,6 +74,11 @@ ABSL_FLAG(int, http_max_connections, 0,
           "Most connections open at once on --http_port (past it the connection that waited "
           "longest for its request is closed, or the newcomer gets 503); 0: from the "
           "file-descriptor limit, at most 512.");
+ABSL_FLAG(std::string, tool_call_parser, "auto",
+          "How tool calls are parsed out of a model's text on the OpenAI API (message.tool_calls) "
+          "and forced (tool_choice required / a named function): hermes (Hermes, Qwen 2.5, Qwen "
+          "3), llama3_json (Llama 3.1 / 3.2), mistral, none, or auto (from the vocabulary's "
+          "<tool_call> / [TOOL_CALLS] / <|python_tag|> token).");
 ABSL_FLAG(absl::Duration, liveness_probe_interval, absl::Seconds(10),
           "How often every port is probed as a client would; three failures in a row turn "
           "health accel.live NOT_SERVING. 0: no probes.");
@@ -113,6 +118,7 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   o.max_connection_age_grace = absl::GetFlag(FLAGS_max_connection_age_grace);
   o.grpc_max_connections = absl::GetFlag(FLAGS_grpc_max_connections);
   o.http_max_connections = absl::GetFlag(FLAGS_http_max_connections);
+  o.tool_call_parser = absl::GetFlag(FLAGS_tool_call_parser);
   o.liveness_probe_interval = absl::GetFlag(FLAGS_liveness_probe_interval);
   o.version = kVersion;
 

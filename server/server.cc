@@ -422,6 +422,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     http.max_connections = limits.http;
     http.tls_cert_pem = tls->cert;  // HTTPS with gRPC's certificate, or plain HTTP
     http.tls_key_pem = tls->key;
+    http.tool_call_parser = options.tool_call_parser;
     // /metrics on the API port too, as vLLM serves it.
     http.metrics_text = [&s] { return s.registry.Render(); };
     absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =

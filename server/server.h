@@ -69,6 +69,10 @@ struct ServerOptions {
   // for plaintext gRPC on an IPv4 host (internal/grpc_listener.h).
   int grpc_max_connections = 0;
   int http_max_connections = 0;
+  // The syntax of the tool calls models write, for the OpenAI API's
+  // tool_calls and tool_choice: hermes, llama3_json, mistral, none, or auto
+  // (from the model's vocabulary: <tool_call>, [TOOL_CALLS], <|python_tag|>).
+  std::string tool_call_parser = "auto";
   // How often the liveness watchdog probes every port
   // (internal/listener_watchdog.h); a port that fails three probes in a row
   // turns health "accel.live" NOT_SERVING. Zero: no watchdog.

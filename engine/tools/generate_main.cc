@@ -25,6 +25,7 @@
 #include "absl/synchronization/notification.h"
 
 #include "core/bytes.h"
+#include "core/read_file.h"
 #include "core/status.h"
 #include "core/threads.h"
 #include "core/tool_main.h"
@@ -53,6 +54,11 @@ ABSL_FLAG(bool, chat, false,
           "Send --prompt as the user's message through the model's chat template (and stop at its "
           "end-of-turn token).");
 ABSL_FLAG(std::string, system, "", "With --chat (implied): a system message before --prompt.");
+ABSL_FLAG(std::string, json_schema, "",
+          "Structured output: a JSON Schema file the generated text must follow.");
+ABSL_FLAG(std::string, regex, "", "Structured output: a regular expression the text must match.");
+ABSL_FLAG(std::string, grammar, "",
+          "Structured output: a GBNF grammar file (llama.cpp's syntax) the text must follow.");
 ABSL_FLAG(bool, json, false,
           "Print one JSON line {token_ids, text, finish_reason[, logprobs]} instead of the text.");
 
@@ -109,6 +115,27 @@ absl::StatusOr<GenerationRequest> MakeRequest(const accel::loader::GenerationCon
   r.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);  // else the engine adds the model's eos
   r.stop_strings = absl::GetFlag(FLAGS_stop);
   r.logprobs = absl::GetFlag(FLAGS_logprobs);
+  // Structured output: at most one of --json_schema FILE, --regex R, --grammar FILE.
+  const std::string schema_file = absl::GetFlag(FLAGS_json_schema);
+  const std::string regex = absl::GetFlag(FLAGS_regex);
+  const std::string grammar_file = absl::GetFlag(FLAGS_grammar);
+  if (static_cast<int>(!schema_file.empty()) + !regex.empty() + !grammar_file.empty() > 1) {
+    return absl::InvalidArgumentError("give at most one of --json_schema, --regex and --grammar");
+  }
+  accel::engine::StructuredOutputs structured;
+  if (!schema_file.empty()) {
+    ACCEL_ASSIGN_OR_RETURN(structured.json_schema, accel::ReadRegularFile(schema_file, 16 << 20));
+    structured.field = "--json_schema=" + schema_file;
+    r.structured = structured;
+  } else if (!grammar_file.empty()) {
+    ACCEL_ASSIGN_OR_RETURN(structured.grammar, accel::ReadRegularFile(grammar_file, 16 << 20));
+    structured.field = "--grammar=" + grammar_file;
+    r.structured = structured;
+  } else if (!regex.empty()) {
+    structured.regex = regex;
+    structured.field = "--regex";
+    r.structured = structured;
+  }
   return r;
 }
 

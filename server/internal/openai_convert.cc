@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -176,13 +178,6 @@ absl::Status ParseMessages(const json& body, const JsonLimits& limits, engine::C
     if (!tools->is_array()) return WrongType("tools", "an array", *tools);
     if (!tools->empty()) chat.tools_json = Dump(*tools);
   }
-  if (const json* choice = Field(body, "tool_choice")) {
-    if (!choice->is_string() || (*choice != "auto" && *choice != "none")) {
-      return FieldError("tool_choice",
-                        "only \"auto\" and \"none\" are supported (the model's chat template "
-                        "decides how tools are offered; no call is forced)");
-    }
-  }
   chat.add_generation_prompt = true;
   return absl::OkStatus();
 }
@@ -247,13 +242,136 @@ absl::Status ParseStop(const json& body, std::vector<std::string>& stops) {
   return absl::OkStatus();
 }
 
-absl::Status RequireZero(const json& body, const char* name) {
-  std::optional<double> value;
-  if (absl::Status s = GetNumber(body, name, &value); !s.ok()) return s;
-  if (value && *value != 0) {
-    return FieldError(name,
-                      "is not supported by this server; send 0 or leave it out "
-                      "(repetition_penalty is the penalty it supports)");
+// A schema or grammar field: a JSON value kept as text (an object, or a
+// string holding one, as vLLM also takes).
+absl::StatusOr<std::string> SchemaText(const json& value, const std::string& field) {
+  if (value.is_string()) return value.get<std::string>();
+  if (value.is_object() || value.is_boolean()) return Dump(value);
+  return WrongType(field, "a JSON Schema (an object)", value);
+}
+
+// response_format (OpenAI), structured_outputs (vLLM) and vLLM's older
+// guided_json / guided_regex / guided_choice / guided_grammar: at most one
+// grammar per request.
+absl::Status ParseStructuredOutputs(const json& body, engine::GenerationRequest& g) {
+  std::vector<engine::StructuredOutputs> found;
+  if (const json* format = Field(body, "response_format")) {
+    if (!format->is_object()) return WrongType("response_format", "an object", *format);
+    auto type = format->find("type");
+    if (type == format->end() || !type->is_string()) {
+      return FieldError("response_format.type",
+                        "expected \"text\", \"json_object\" or \"json_schema\"");
+    }
+    engine::StructuredOutputs s;
+    if (*type == "json_object") {
+      s.json_object = true;
+      s.field = "response_format";
+      found.push_back(s);
+    } else if (*type == "json_schema") {
+      auto spec = format->find("json_schema");
+      if (spec == format->end() || !spec->is_object()) {
+        return FieldError("response_format.json_schema",
+                          "expected an object {\"name\", \"schema\", \"strict\"}");
+      }
+      auto schema = spec->find("schema");
+      s.field = "response_format.json_schema.schema";
+      if (schema == spec->end()) {
+        s.json_schema = "{}";  // OpenAI: no schema, any JSON
+      } else {
+        ACCEL_ASSIGN_OR_RETURN(s.json_schema, SchemaText(*schema, s.field));
+      }
+      found.push_back(s);
+    } else if (*type != "text") {
+      return FieldError("response_format.type",
+                        "expected \"text\", \"json_object\" or \"json_schema\"");
+    }
+  }
+  auto add = [&](const json& v, const std::string& kind, const std::string& field) -> absl::Status {
+    engine::StructuredOutputs s;
+    s.field = field;
+    if (kind == "json") {
+      ACCEL_ASSIGN_OR_RETURN(s.json_schema, SchemaText(v, field));
+    } else if (kind == "json_object") {
+      if (!v.is_boolean()) return WrongType(field, "a boolean", v);
+      if (!v.get<bool>()) return absl::OkStatus();
+      s.json_object = true;
+    } else if (kind == "regex" || kind == "grammar") {
+      if (!v.is_string()) return WrongType(field, "a string", v);
+      (kind == "regex" ? s.regex : s.grammar) = v.get<std::string>();
+      if (v.get<std::string>().empty()) return FieldError(field, "is empty");
+    } else if (kind == "choice") {
+      if (!v.is_array() || v.empty()) return WrongType(field, "a non-empty array of strings", v);
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (!v[i].is_string()) return WrongType(absl::StrCat(field, "[", i, "]"), "a string", v[i]);
+        s.choice.push_back(v[i].get<std::string>());
+      }
+    }
+    found.push_back(std::move(s));
+    return absl::OkStatus();
+  };
+  if (const json* so = Field(body, "structured_outputs")) {
+    if (!so->is_object()) return WrongType("structured_outputs", "an object", *so);
+    for (const char* kind : {"json", "regex", "choice", "grammar", "json_object"}) {
+      auto it = so->find(kind);
+      if (it == so->end() || it->is_null()) continue;
+      ACCEL_RETURN_IF_ERROR(add(*it, kind, absl::StrCat("structured_outputs.", kind)));
+    }
+  }
+  for (const char* kind : {"json", "regex", "choice", "grammar"}) {
+    const std::string name = absl::StrCat("guided_", kind);
+    if (const json* v = Field(body, name.c_str())) ACCEL_RETURN_IF_ERROR(add(*v, kind, name));
+  }
+  if (found.size() > 1) {
+    return FieldError(found[1].field, absl::StrCat("only one structured output per request (",
+                                                   found[0].field, " is set too)"));
+  }
+  if (!found.empty()) g.structured = std::move(found[0]);
+  return absl::OkStatus();
+}
+
+// tool_choice: "auto" | "none" | "required" | {"type": "function",
+// "function": {"name"}} (a name that must be among the tools).
+absl::Status ParseToolChoice(const json& body, OpenAiRequest& out) {
+  const json* tools = Field(body, "tools");
+  if (tools != nullptr && tools->is_array() && !tools->empty()) out.tools_json = Dump(*tools);
+  const json* choice = Field(body, "tool_choice");
+  if (choice == nullptr) return absl::OkStatus();
+  if (choice->is_string()) {
+    const std::string c = choice->get<std::string>();
+    if (c != "auto" && c != "none" && c != "required") {
+      return FieldError("tool_choice",
+                        absl::StrCat("expected \"auto\", \"none\", \"required\" or "
+                                     "{\"type\": \"function\", \"function\": {\"name\"}}, got \"",
+                                     c, "\""));
+    }
+    out.tool_choice = c;
+  } else if (choice->is_object()) {
+    auto function = choice->find("function");
+    if (function == choice->end() || !function->is_object() || !function->contains("name") ||
+        !(*function)["name"].is_string()) {
+      return FieldError("tool_choice.function.name", "expected a string");
+    }
+    out.tool_choice = "function";
+    out.tool_choice_function = (*function)["name"].get<std::string>();
+    bool found = false;
+    if (tools != nullptr && tools->is_array()) {
+      for (const json& tool : *tools) {
+        auto f = tool.find("function");
+        if (f != tool.end() && f->is_object() && f->contains("name") &&
+            (*f)["name"] == out.tool_choice_function) {
+          found = true;
+        }
+      }
+    }
+    if (!found) {
+      return FieldError("tool_choice.function.name",
+                        absl::StrCat("no tool named \"", out.tool_choice_function, "\""));
+    }
+  } else {
+    return WrongType("tool_choice", "a string or an object", *choice);
+  }
+  if ((out.tool_choice == "required") && out.tools_json.empty()) {
+    return FieldError("tool_choice", "\"required\" needs tools");
   }
   return absl::OkStatus();
 }
@@ -279,6 +397,9 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
     max_name = "max_completion_tokens";
   }
   if (absl::Status s = GetInt(body, max_name, &max_tokens); !s.ok()) return s;
+  // Chat without max_tokens runs to the end of the context, as OpenAI's
+  // does; completions keep the server's default (OpenAI's legacy 16).
+  if (!max_tokens && endpoint == OpenAiEndpoint::kChat) g.max_new_tokens_to_context = true;
   if (max_tokens) {
     if (*max_tokens < 1) return FieldError(max_name, "must be at least 1");
     g.max_new_tokens = *max_tokens;
@@ -334,24 +455,32 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
     if (!suffix->is_string()) return WrongType("suffix", "a string", *suffix);
     if (!suffix->get<std::string>().empty()) return FieldError("suffix", "is not supported");
   }
-  if (absl::Status s = RequireZero(body, "presence_penalty"); !s.ok()) return s;
-  if (absl::Status s = RequireZero(body, "frequency_penalty"); !s.ok()) return s;
+  // OpenAI's penalties and biases (ranges checked with the other sampling
+  // values: engine/request.h).
+  std::optional<double> presence;
+  if (absl::Status s = GetNumber(body, "presence_penalty", &presence); !s.ok()) return s;
+  if (presence) g.sampling.presence_penalty = *presence;
+  std::optional<double> frequency;
+  if (absl::Status s = GetNumber(body, "frequency_penalty", &frequency); !s.ok()) return s;
+  if (frequency) g.sampling.frequency_penalty = *frequency;
   if (const json* bias = Field(body, "logit_bias")) {
     if (!bias->is_object()) return WrongType("logit_bias", "an object", *bias);
-    if (!bias->empty()) return FieldError("logit_bias", "is not supported");
-  }
-  if (const json* format = Field(body, "response_format")) {
-    if (!format->is_object()) return WrongType("response_format", "an object", *format);
-    auto type = format->find("type");
-    if (type != format->end() && *type != "text") {
-      return FieldError("response_format", "only {\"type\": \"text\"} is supported");
+    for (const auto& [key, value] : bias->items()) {
+      int64_t id = 0;
+      if (!absl::SimpleAtoi(key, &id)) {
+        return FieldError("logit_bias", absl::StrCat("keys must be token ids, got \"", key, "\""));
+      }
+      if (!value.is_number()) return WrongType(absl::StrCat("logit_bias.", key), "a number", value);
+      g.sampling.logit_bias.emplace_back(id, value.get<double>());
     }
   }
+  if (absl::Status st = ParseStructuredOutputs(body, g); !st.ok()) return st;
   if (const json* user = Field(body, "user")) {
     if (!user->is_string()) return WrongType("user", "a string", *user);
   }
 
   if (endpoint == OpenAiEndpoint::kChat) {
+    if (absl::Status st = ParseToolChoice(body, out); !st.ok()) return st;
     std::optional<bool> logprobs;
     if (absl::Status s = GetBool(body, "logprobs", &logprobs); !s.ok()) return s;
     std::optional<int64_t> top;
@@ -484,6 +613,13 @@ OpenAiError ErrorForStatus(const absl::Status& status) {
       error.http_status = 400;
       error.type = "invalid_request_error";
       error.param = ParamOf(error.message);
+      // engine/request.cc's two context checks: OpenAI's code for them.
+      if (absl::StartsWith(error.message, "the prompt has ") ||
+          (absl::StartsWith(error.message, "prompt (") &&
+           absl::StrContains(error.message, "is over the limit"))) {
+        error.code = "context_length_exceeded";
+        error.param = "messages";
+      }
       break;
     case absl::StatusCode::kNotFound:
       error.http_status = 404;
@@ -563,8 +699,50 @@ std::string ModelList(const std::string& model, int64_t created) {
   return Dump(json{{"object", "list"}, {"data", json::array({ModelJson(model, created)})}});
 }
 
+absl::Status ApplyToolChoice(OpenAiRequest& request, grammar::ToolCallFormat format) {
+  request.tool_call_format = grammar::ToolCallFormat::kNone;
+  if (request.endpoint != OpenAiEndpoint::kChat || request.tools_json.empty() ||
+      request.tool_choice == "none") {
+    return absl::OkStatus();
+  }
+  if (request.tool_choice == "required" || request.tool_choice == "function") {
+    if (format == grammar::ToolCallFormat::kNone) {
+      return FieldError("tool_choice",
+                        "a forced call needs the server's --tool_call_parser (hermes, "
+                        "llama3_json or mistral; auto found none for this model)");
+    }
+    if (request.generation.structured) {
+      return FieldError("tool_choice", absl::StrCat("a forced call cannot be combined with ",
+                                                    request.generation.structured->field));
+    }
+    std::optional<std::string> name;
+    if (request.tool_choice == "function") name = request.tool_choice_function;
+    absl::StatusOr<std::string> gbnf = grammar::ToolCallGbnf(format, request.tools_json, name);
+    if (!gbnf.ok()) return FieldError("tools", gbnf.status().message());
+    engine::StructuredOutputs s;
+    s.grammar = *std::move(gbnf);
+    s.field = "tool_choice";
+    request.generation.structured = std::move(s);
+  }
+  request.tool_call_format = format;
+  return absl::OkStatus();
+}
+
+namespace {
+json ToolCallJson(const grammar::ToolCall& call, std::optional<int> index) {
+  json out = json::object();
+  if (index) out["index"] = *index;
+  out["id"] = call.id;
+  out["type"] = "function";
+  out["function"] = {{"name", call.name}, {"arguments", call.arguments}};
+  return out;
+}
+}  // namespace
+
 struct OpenAiResponseWriter::State {
   std::string text;
+  // Chat with tools: the calls parsed out of the stream as it comes.
+  std::unique_ptr<grammar::ToolCallStreamParser> tools;
   // Chat: logprobs.content entries. Completions: the four parallel arrays.
   json content = json::array();
   json tokens = json::array();
@@ -636,6 +814,10 @@ OpenAiResponseWriter::OpenAiResponseWriter(const OpenAiRequest& request, std::st
   if (id_.empty()) {
     id_ = RandomId(request.endpoint == OpenAiEndpoint::kChat ? "chatcmpl-" : "cmpl-");
   }
+  if (request.endpoint == OpenAiEndpoint::kChat &&
+      request.tool_call_format != grammar::ToolCallFormat::kNone) {
+    state_->tools = std::make_unique<grammar::ToolCallStreamParser>(request.tool_call_format);
+  }
 }
 
 OpenAiResponseWriter::~OpenAiResponseWriter() = default;
@@ -649,10 +831,25 @@ std::string OpenAiResponseWriter::Final(const engine::Completion& completion) co
   const bool chat = request_.endpoint == OpenAiEndpoint::kChat;
   json choice;
   if (chat) {
+    json message = {{"role", "assistant"}, {"content", state_->text}};
+    std::string finish = OpenAiFinishReason(completion.finish);
+    if (request_.tool_call_format != grammar::ToolCallFormat::kNone) {
+      grammar::ParsedToolCalls parsed =
+          grammar::ParseToolCalls(request_.tool_call_format, state_->text);
+      if (!parsed.calls.empty()) {
+        message["content"] = parsed.content.empty() ? json(nullptr) : json(parsed.content);
+        json calls = json::array();
+        for (const grammar::ToolCall& call : parsed.calls) {
+          calls.push_back(ToolCallJson(call, std::nullopt));
+        }
+        message["tool_calls"] = std::move(calls);
+        finish = "tool_calls";
+      }
+    }
     choice = {{"index", 0},
-              {"message", {{"role", "assistant"}, {"content", state_->text}}},
+              {"message", std::move(message)},
               {"logprobs", state_->Logprobs(request_)},
-              {"finish_reason", OpenAiFinishReason(completion.finish)}};
+              {"finish_reason", finish}};
   } else {
     choice = {{"index", 0},
               {"text", state_->text},
@@ -691,9 +888,38 @@ std::string OpenAiResponseWriter::StreamStart() const {
   return Event(chunk);
 }
 
+namespace {
+// A chat delta of tool-parser events: their content joined, their calls.
+json ToolDelta(std::vector<grammar::ToolCallStreamParser::Event> events) {
+  json delta = json::object();
+  std::string content;
+  json calls = json::array();
+  for (auto& e : events) {
+    content += e.content;
+    if (e.call) calls.push_back(ToolCallJson(*e.call, e.index));
+  }
+  if (!content.empty()) delta["content"] = content;
+  if (!calls.empty()) delta["tool_calls"] = std::move(calls);
+  return delta;
+}
+}  // namespace
+
 std::string OpenAiResponseWriter::StreamChunk(const engine::TokenChunk& chunk) {
   const bool has_logprobs = request_.logprobs && !chunk.logprobs.empty();
   if (chunk.text.empty() && !has_logprobs) return "";
+  if (state_->tools != nullptr) {
+    state_->ClearLogprobs();
+    if (has_logprobs) state_->AddLogprobs(request_, token_text_, chunk);
+    json delta = ToolDelta(state_->tools->Add(chunk.text));
+    if (delta.empty() && !has_logprobs) return "";
+    if (delta.empty()) delta["content"] = "";
+    json out = ChunkEnvelope(request_, id_, created_, model_);
+    out["choices"] = json::array({{{"index", 0},
+                                   {"delta", std::move(delta)},
+                                   {"logprobs", state_->Logprobs(request_)},
+                                   {"finish_reason", nullptr}}});
+    return Event(out);
+  }
   state_->ClearLogprobs();
   if (has_logprobs) {
     // text_offset counts from the start of the whole completion (offset is kept).
@@ -716,18 +942,26 @@ std::string OpenAiResponseWriter::StreamChunk(const engine::TokenChunk& chunk) {
 
 std::string OpenAiResponseWriter::StreamEnd(const engine::Completion& completion) const {
   json last = ChunkEnvelope(request_, id_, created_, model_);
+  std::string events;
   if (request_.endpoint == OpenAiEndpoint::kChat) {
+    std::string finish = OpenAiFinishReason(completion.finish);
+    json delta = json::object();
+    if (state_->tools != nullptr) {
+      // What the parser still held: content, or the last call.
+      delta = ToolDelta(state_->tools->Finish());
+      if (state_->tools->num_calls() > 0) finish = "tool_calls";
+    }
     last["choices"] = json::array({{{"index", 0},
-                                    {"delta", json::object()},
+                                    {"delta", std::move(delta)},
                                     {"logprobs", nullptr},
-                                    {"finish_reason", OpenAiFinishReason(completion.finish)}}});
+                                    {"finish_reason", finish}}});
   } else {
     last["choices"] = json::array({{{"index", 0},
                                     {"text", ""},
                                     {"logprobs", nullptr},
                                     {"finish_reason", OpenAiFinishReason(completion.finish)}}});
   }
-  std::string events = Event(last);
+  events += Event(last);
   if (request_.include_usage) {
     json usage = ChunkEnvelope(request_, id_, created_, model_);
     usage["choices"] = json::array();

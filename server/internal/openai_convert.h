@@ -29,6 +29,7 @@
 
 #include "engine/engine_loop.h"
 #include "engine/request.h"
+#include "grammar/tool_calls.h"
 
 namespace accel::server::internal {
 
@@ -50,7 +51,23 @@ struct OpenAiRequest {
   // Chat: logprobs true; completions: logprobs is a number (the top count).
   bool logprobs = false;
   int64_t top_logprobs = 0;
+  // Chat: tool_choice "auto" (the default), "none", "required", or
+  // "function" (then tool_choice_function names it); the request's tools.
+  std::string tool_choice = "auto";
+  std::string tool_choice_function;
+  std::string tools_json;
+  // The syntax tool calls are parsed from (ApplyToolChoice sets it: none
+  // without tools, for tool_choice "none" and for completions).
+  grammar::ToolCallFormat tool_call_format = grammar::ToolCallFormat::kNone;
 };
+
+// Brings the server's tool-call parser (`format`: --tool_call_parser) to a
+// chat request with tools: "auto" parses the calls the model writes out of
+// its text; "required" and a named function also constrain decoding to the
+// family's call syntax with arguments matching the parameters schema.
+// InvalidArgument naming tool_choice when a call must be forced but the
+// server has no parser, or the tools do not compile.
+absl::Status ApplyToolChoice(OpenAiRequest& request, grammar::ToolCallFormat format);
 
 // Parses a request body for `endpoint`. InvalidArgument naming the field for
 // malformed JSON, a wrong type, an out-of-range value, or a field this

@@ -40,7 +40,8 @@ const std::shared_ptr<const accel::grammar::TokenVocabulary>& Bytes() {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  if (size == 0) return 0;
+  // Longer texts only repeat what short ones reach, at a cost in runs.
+  if (size == 0 || size > 4096) return 0;
   const int mode = data[0] % 3;
   const std::string text(reinterpret_cast<const char*>(data) + 1, size - 1);
   absl::StatusOr<std::shared_ptr<const accel::grammar::Grammar>> grammar;
@@ -70,7 +71,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                          {vocab->size() - 1});
   std::vector<uint64_t> mask(matcher.mask_words());
   uint32_t seed = static_cast<uint32_t>(size);
-  for (int step = 0; step < 16; ++step) {
+  for (int step = 0; step < 8; ++step) {
     const int64_t allowed = matcher.FillNextTokenBitmask(mask.data());
     Check(allowed > 0);
     seed = seed * 1103515245u + 12345u;

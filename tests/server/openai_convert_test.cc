@@ -6,6 +6,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+#include "tests/testing/status_matchers.h"
 
 namespace accel::server::internal {
 namespace {
@@ -66,7 +70,11 @@ TEST(OpenAiConvertTest, DefaultsFollowOpenAi) {
   EXPECT_EQ(r.generation.prompt, "hi");
   EXPECT_DOUBLE_EQ(r.generation.sampling.temperature, 1.0);  // OpenAI's default
   EXPECT_EQ(r.generation.max_new_tokens, 0);                 // the server's default
+  EXPECT_FALSE(r.generation.max_new_tokens_to_context);
   EXPECT_FALSE(r.stream);
+  // Chat without max_tokens: to the end of the context, as OpenAI.
+  EXPECT_TRUE(ParseOk(OpenAiEndpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}]})")
+                  .generation.max_new_tokens_to_context);
   EXPECT_FALSE(r.generation.logprobs);
 }
 
@@ -101,7 +109,8 @@ TEST(OpenAiConvertTest, ErrorsNameTheField) {
       {text, R"({"prompt": "x", "top_p": 0})", "top_p"},
       {text, R"({"prompt": "x", "n": 2})", "n"},
       {text, R"({"prompt": "x", "logprobs": 6})", "logprobs"},
-      {text, R"({"prompt": "x", "frequency_penalty": 1})", "frequency_penalty"},
+      {text, R"({"prompt": "x", "frequency_penalty": "1"})", "frequency_penalty"},
+      {text, R"({"prompt": "x", "logit_bias": {"a": 1}})", "logit_bias"},
       {text, R"({"prompt": "x", "stop": 3})", "stop"},
       {text, R"({"prompt": "x", "echo": true})", "echo"},
       {text, R"({"prompt": "x", "stream": "yes"})", "stream"},
@@ -118,9 +127,19 @@ TEST(OpenAiConvertTest, ErrorsNameTheField) {
       {chat, R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})",
        "top_logprobs"},
       {chat, R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
-       "tool_choice"},
-      {chat, R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 2}})",
-       "logit_bias"},
+       "tool_choice"},  // "required" needs tools
+      {chat, R"({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": "2"}})",
+       "logit_bias.1"},
+      {chat,
+       R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}})",
+       "response_format.type"},
+      {chat, R"({"messages": [{"role": "user", "content": "x"}],
+                 "response_format": {"type": "json_schema", "json_schema": 3}})",
+       "response_format.json_schema"},
+      {text, R"({"prompt": "x", "guided_choice": []})", "guided_choice"},
+      {text, R"({"prompt": "x", "structured_outputs": {"regex": 5}})", "structured_outputs.regex"},
+      {text, R"({"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a"})",
+       "guided_regex"},
       {chat, R"({"messages": [{"role": "assistant", "content": null, "tool_calls": [
                  {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]})",
        "messages[0].tool_calls[0].function.arguments"},
@@ -138,6 +157,46 @@ TEST(OpenAiConvertTest, ErrorsNameTheField) {
 
 // The outside test's body: 100,000 keys (1.5 MB) cost 24 s of CPU when every
 // key was looked up linearly; now it is refused at kMaxOpenAiJsonKeys.
+// response_format, vLLM's structured_outputs and guided_* fields: each
+// becomes the request's one grammar, named by its field for errors.
+TEST(OpenAiConvertTest, StructuredOutputFields) {
+  auto parse = [](OpenAiEndpoint endpoint, const std::string& body) {
+    auto r = ParseOpenAiRequest(endpoint, body);
+    EXPECT_TRUE(r.ok()) << body << ": " << r.status();
+    return r.ok() ? r->generation.structured : std::nullopt;
+  };
+  const std::string messages = R"("messages": [{"role": "user", "content": "x"}])";
+  auto s =
+      parse(OpenAiEndpoint::kChat, "{" + messages + R"(, "response_format": {"type": "json_schema",
+      "json_schema": {"name": "p", "strict": true, "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}}})");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->json_schema,
+            R"({"type":"object","properties":{"b":{},"a":{}}})");  // the client's order
+  EXPECT_EQ(s->field, "response_format.json_schema.schema");
+  s = parse(OpenAiEndpoint::kChat,
+            "{" + messages + R"(, "response_format": {"type": "json_object"}})");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_TRUE(s->json_object);
+  EXPECT_FALSE(
+      parse(OpenAiEndpoint::kChat, "{" + messages + R"(, "response_format": {"type": "text"}})")
+          .has_value());
+  s = parse(OpenAiEndpoint::kCompletions,
+            R"({"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}})");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->choice, (std::vector<std::string>{"a", "b"}));
+  s = parse(OpenAiEndpoint::kCompletions, R"({"prompt": "x", "guided_regex": "[0-9]+"})");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->regex, "[0-9]+");
+  EXPECT_EQ(s->field, "guided_regex");
+  s = parse(OpenAiEndpoint::kCompletions,
+            R"({"prompt": "x", "guided_json": "{\"type\": \"integer\"}"})");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->json_schema, R"({"type": "integer"})");
+  s = parse(OpenAiEndpoint::kCompletions, R"({"prompt": "x", "guided_grammar": "root ::= \"a\""})");
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->grammar, R"(root ::= "a")");
+}
+
 TEST(OpenAiConvertTest, ManyKeysAreRefused) {
   std::string body = R"({"prompt": "hi", "x": {)";
   for (int i = 0; i < 100000; ++i) absl::StrAppend(&body, i ? "," : "", "\"k", i, "\":0");
@@ -187,6 +246,18 @@ TEST(OpenAiConvertTest, StatusesMapToOpenAiErrors) {
   EXPECT_EQ(body["error"]["message"], "x: bad");
   EXPECT_EQ(body["error"]["param"], "x");
   EXPECT_TRUE(body["error"]["code"].is_null());
+  // A prompt past the context: OpenAI's code.
+  EXPECT_EQ(
+      ErrorForStatus(absl::InvalidArgumentError(
+                         "the prompt has 9000 tokens, over the limit of 8191 (--max_input_tokens)"))
+          .code,
+      "context_length_exceeded");
+  EXPECT_EQ(ErrorForStatus(
+                absl::InvalidArgumentError(
+                    "prompt (10 tokens) + max_new_tokens (9000) is over the limit of 8192 tokens "
+                    "(--max_total_tokens)"))
+                .code,
+            "context_length_exceeded");
   EXPECT_STREQ(OpenAiFinishReason(engine::Finish::kEos), "stop");
   EXPECT_STREQ(OpenAiFinishReason(engine::Finish::kStop), "stop");
   EXPECT_STREQ(OpenAiFinishReason(engine::Finish::kLength), "length");
@@ -205,6 +276,97 @@ engine::TokenChunk Chunk(std::vector<int64_t> ids, std::string text,
 }
 
 std::string Name(int64_t id) { return "t" + std::to_string(id); }
+
+const char* kToolBody = R"({"messages": [{"role": "user", "content": "Weather?"}],
+  "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+    "properties": {"city": {"type": "string"}}, "required": ["city"]}}}])";
+
+// tool_choice: "auto" parses the calls out of the text (unary and streamed,
+// OpenAI's shapes); "required" and a named function become a grammar in the
+// parser's syntax; a forced call without a parser, or an unknown function,
+// is a 400 naming tool_choice.
+TEST(OpenAiConvertTest, ToolCallsAndToolChoice) {
+  const std::string text =
+      "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n"
+      "</tool_call>";
+  OpenAiRequest request = ParseOk(OpenAiEndpoint::kChat, std::string(kToolBody) + "}");
+  ASSERT_THAT(ApplyToolChoice(request, grammar::ToolCallFormat::kHermes), accel::test::IsOk());
+  EXPECT_FALSE(request.generation.structured.has_value());  // auto: nothing forced
+  engine::Completion done;
+  done.finish = engine::Finish::kEos;
+  {
+    OpenAiResponseWriter writer(request, "m", Name, 42, "chatcmpl-1");
+    writer.Add(Chunk({1}, text));
+    const json body = json::parse(writer.Final(done));
+    const json& message = body["choices"][0]["message"];
+    EXPECT_EQ(message["content"], "Checking.");
+    ASSERT_EQ(message["tool_calls"].size(), 1u);
+    EXPECT_EQ(message["tool_calls"][0]["type"], "function");
+    EXPECT_EQ(message["tool_calls"][0]["function"]["name"], "get_weather");
+    EXPECT_EQ(json::parse(message["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+              json::parse(R"({"city": "Oslo"})"));
+    EXPECT_EQ(body["choices"][0]["finish_reason"], "tool_calls");
+  }
+  {
+    // Streamed in pieces: content deltas, then one tool_calls delta with index 0.
+    OpenAiResponseWriter writer(request, "m", Name, 42, "chatcmpl-1");
+    std::string events;
+    for (size_t i = 0; i < text.size(); i += 5)
+      events += writer.StreamChunk(Chunk({1}, text.substr(i, 5)));
+    events += writer.StreamEnd(done);
+    std::string content;
+    int calls = 0;
+    std::string finish;
+    for (absl::string_view line : absl::StrSplit(events, '\n')) {
+      if (!absl::ConsumePrefix(&line, "data: ") || line == "[DONE]") continue;
+      const json e = json::parse(line);
+      const json& choice = e["choices"][0];
+      if (choice["delta"].contains("content"))
+        content += choice["delta"]["content"].get<std::string>();
+      if (choice["delta"].contains("tool_calls")) {
+        const json& call = choice["delta"]["tool_calls"][0];
+        EXPECT_EQ(call["index"], 0);
+        EXPECT_EQ(call["function"]["name"], "get_weather");
+        ++calls;
+      }
+      if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+    }
+    EXPECT_EQ(content, "Checking.");
+    EXPECT_EQ(calls, 1);
+    EXPECT_EQ(finish, "tool_calls");
+  }
+  OpenAiRequest required =
+      ParseOk(OpenAiEndpoint::kChat, std::string(kToolBody) + R"(, "tool_choice": "required"})");
+  ASSERT_THAT(ApplyToolChoice(required, grammar::ToolCallFormat::kHermes), accel::test::IsOk());
+  ASSERT_TRUE(required.generation.structured.has_value());
+  EXPECT_THAT(required.generation.structured->grammar, HasSubstr("<tool_call>"));
+  EXPECT_EQ(required.generation.structured->field, "tool_choice");
+  OpenAiRequest named =
+      ParseOk(OpenAiEndpoint::kChat,
+              std::string(kToolBody) +
+                  R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})");
+  ASSERT_THAT(ApplyToolChoice(named, grammar::ToolCallFormat::kLlama3Json), accel::test::IsOk());
+  ASSERT_TRUE(named.generation.structured.has_value());
+  EXPECT_THAT(named.generation.structured->grammar, HasSubstr("get_weather"));
+  EXPECT_THAT(ApplyToolChoice(required, grammar::ToolCallFormat::kNone),
+              accel::test::StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("tool_choice")));
+  EXPECT_EQ(
+      ParseError(OpenAiEndpoint::kChat,
+                 std::string(kToolBody) +
+                     R"(, "tool_choice": {"type": "function", "function": {"name": "nope"}}})")
+          .param,
+      "tool_choice.function.name");
+  EXPECT_EQ(ParseError(OpenAiEndpoint::kChat, std::string(kToolBody) + R"(, "tool_choice": "any"})")
+                .param,
+            "tool_choice");
+  // "none": the text stays content.
+  OpenAiRequest none =
+      ParseOk(OpenAiEndpoint::kChat, std::string(kToolBody) + R"(, "tool_choice": "none"})");
+  ASSERT_THAT(ApplyToolChoice(none, grammar::ToolCallFormat::kHermes), accel::test::IsOk());
+  OpenAiResponseWriter writer(none, "m", Name, 42, "chatcmpl-1");
+  writer.Add(Chunk({1}, text));
+  EXPECT_EQ(json::parse(writer.Final(done))["choices"][0]["message"]["content"], text);
+}
 
 TEST(OpenAiConvertTest, ChatAnswerAndStream) {
   OpenAiRequest request = ParseOk(

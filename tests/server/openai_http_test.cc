@@ -192,7 +192,9 @@ class OpenAiClientTest : public ::testing::Test {
     FILE* f = std::fopen(token_file.c_str(), "w");
     std::fputs(kToken, f);
     std::fclose(f);
-    server_ = StartHttp(TestModelDir(), {"--auth_token_file=" + token_file}).release();
+    server_ =
+        StartHttp(TestModelDir(), {"--auth_token_file=" + token_file, "--tool_call_parser=hermes"})
+            .release();
   }
   static void TearDownTestSuite() {
     delete server_;
@@ -384,6 +386,109 @@ TEST_F(OpenAiClientTest, ChatStreamAndLogprobs) {
   EXPECT_EQ(finish, "length");
   EXPECT_TRUE(chunks.back()["choices"].empty());
   EXPECT_EQ(chunks.back()["usage"]["completion_tokens"], 6);
+}
+
+// Structured output through the official client on a random-weight model:
+// the mask alone makes its text parse and fit the schema (unary and
+// streamed), choice lists hold, and an unsupported keyword is a 400 naming it.
+TEST_F(OpenAiClientTest, StructuredOutputs) {
+  const json schema = json::parse(R"({"type": "object", "properties": {
+      "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 1, "maximum": 9},
+      "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"], "additionalProperties": false})");
+  const json params = {
+      {"messages", json::array({{{"role", "user"}, {"content", "JSON please"}}})},
+      {"max_tokens", 300},
+      {"temperature", 1.0},
+      {"seed", 5},
+      {"response_format",
+       {{"type", "json_schema"},
+        {"json_schema", {{"name", "thing"}, {"strict", true}, {"schema", schema}}}}}};
+  auto check = [](const std::string& content) {
+    const json v = json::parse(content, nullptr, false);
+    ASSERT_TRUE(v.is_object()) << content;
+    EXPECT_TRUE(v["name"].is_string()) << content;
+    ASSERT_TRUE(v["n"].is_number_integer()) << content;
+    EXPECT_GE(v["n"].get<int>(), 1);
+    EXPECT_LE(v["n"].get<int>(), 9);
+    EXPECT_TRUE(v["ok"].is_boolean()) << content;
+    EXPECT_EQ(v.size(), 3u) << content;
+  };
+  const json out = RunClient(port(), kToken, "chat.completions.create", params);
+  ASSERT_TRUE(out["ok"].get<bool>()) << out.dump();
+  EXPECT_EQ(out["result"]["choices"][0]["finish_reason"], "stop");
+  check(out["result"]["choices"][0]["message"]["content"].get<std::string>());
+  json streamed_params = params;
+  streamed_params["stream"] = true;
+  streamed_params["seed"] = 6;
+  const json streamed = RunClient(port(), kToken, "chat.completions.create", streamed_params);
+  ASSERT_TRUE(streamed["ok"].get<bool>()) << streamed.dump();
+  std::string content;
+  for (const json& chunk : streamed["chunks"]) {
+    if (chunk["choices"].empty()) continue;
+    const json& delta = chunk["choices"][0]["delta"];
+    if (delta.contains("content") && delta["content"].is_string())
+      content += delta["content"].get<std::string>();
+  }
+  check(content);
+
+  const json choice =
+      RunClient(port(), kToken, "completions.create",
+                {{"prompt", "hello"}, {"max_tokens", 20}, {"guided_choice", {"yes", "no"}}});
+  ASSERT_TRUE(choice["ok"].get<bool>()) << choice.dump();
+  EXPECT_THAT(choice["result"]["choices"][0]["text"].get<std::string>(),
+              ::testing::AnyOf("yes", "no"));
+
+  json bad = params;
+  bad["response_format"]["json_schema"]["schema"]["uniqueItems"] = true;
+  const json refused = RunClient(port(), kToken, "chat.completions.create", bad);
+  ASSERT_FALSE(refused["ok"].get<bool>());
+  EXPECT_TRUE(refused["error"]["isBadRequest"].get<bool>());
+  EXPECT_THAT(refused["error"]["message"].get<std::string>(), HasSubstr("uniqueItems"));
+}
+
+// tool_choice "required" (the server runs --tool_call_parser=hermes): the
+// random model is held to a call of one of the tools, with arguments that
+// fit its schema, returned as message.tool_calls (and delta.tool_calls).
+TEST_F(OpenAiClientTest, ForcedToolCalls) {
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+      "parameters": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]},
+      "days": {"type": "integer", "minimum": 1, "maximum": 3}}, "required": ["city", "days"]}}}])");
+  json params = {{"messages", json::array({{{"role", "user"}, {"content", "Weather?"}}})},
+                 {"max_tokens", 200},
+                 {"temperature", 1.0},
+                 {"seed", 3},
+                 {"tools", tools},
+                 {"tool_choice", "required"}};
+  const json out = RunClient(port(), kToken, "chat.completions.create", params);
+  ASSERT_TRUE(out["ok"].get<bool>()) << out.dump();
+  const json& choice = out["result"]["choices"][0];
+  EXPECT_EQ(choice["finish_reason"], "tool_calls") << out.dump();
+  ASSERT_EQ(choice["message"]["tool_calls"].size(), 1u) << out.dump();
+  const json& call = choice["message"]["tool_calls"][0];
+  EXPECT_EQ(call["type"], "function");
+  EXPECT_EQ(call["function"]["name"], "get_weather");
+  const json args = json::parse(call["function"]["arguments"].get<std::string>());
+  EXPECT_THAT(args["city"].get<std::string>(), ::testing::AnyOf("Oslo", "Rome"));
+  EXPECT_GE(args["days"].get<int>(), 1);
+  EXPECT_LE(args["days"].get<int>(), 3);
+
+  params["stream"] = true;
+  params["tool_choice"] = {{"type", "function"}, {"function", {{"name", "get_weather"}}}};
+  const json streamed = RunClient(port(), kToken, "chat.completions.create", params);
+  ASSERT_TRUE(streamed["ok"].get<bool>()) << streamed.dump();
+  int calls = 0;
+  std::string finish;
+  for (const json& chunk : streamed["chunks"]) {
+    if (chunk["choices"].empty()) continue;
+    const json& c = chunk["choices"][0];
+    if (c["delta"].contains("tool_calls")) {
+      ++calls;
+      EXPECT_EQ(c["delta"]["tool_calls"][0]["function"]["name"], "get_weather");
+    }
+    if (c["finish_reason"].is_string()) finish = c["finish_reason"];
+  }
+  EXPECT_EQ(calls, 1) << streamed.dump();
+  EXPECT_EQ(finish, "tool_calls");
 }
 
 TEST_F(OpenAiClientTest, BadTemperatureIsABadRequestError) {
