@@ -397,7 +397,7 @@ TEST_F(OpenAiClientTest, StructuredOutputs) {
       "ok": {"type": "boolean"}}, "required": ["name", "n", "ok"], "additionalProperties": false})");
   const json params = {
       {"messages", json::array({{{"role", "user"}, {"content", "JSON please"}}})},
-      {"max_tokens", 300},
+      {"max_tokens", 200},
       {"temperature", 1.0},
       {"seed", 5},
       {"response_format",
