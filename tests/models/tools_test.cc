@@ -2,10 +2,12 @@
 // accel-inspect on its output, checking stdout, stderr and exit codes.
 #include <cstdlib>
 #include <set>
+#include <fstream>
 #include <string>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <re2/re2.h>
 #include <nlohmann/json.hpp>
 
 #include "tests/testing/command.h"
@@ -316,6 +318,32 @@ TEST_F(GenerateToolTest, JsonFromInputIdsIsOneLineAndReproducible) {
   EXPECT_NE(a["token_ids"], Json(sampled + "--seed 12")["token_ids"]);
   ASSERT_EQ(a["logprobs"].size(), 8u);
   for (const auto& lp : a["logprobs"]) EXPECT_LT(lp.get<double>(), 0.0);
+}
+
+// --regex / --json_schema / --grammar: the random model's text follows them.
+TEST_F(GenerateToolTest, StructuredOutputFlags) {
+  const std::string sampled = "--prompt hi --max_new_tokens 200 --temperature 1 --seed 3 ";
+  nlohmann::json regex = Json(sampled + "--regex '[0-9]{3}-[a-c]{2}'");
+  ASSERT_TRUE(regex.is_object());
+  EXPECT_EQ(regex["finish_reason"], "eos");
+  EXPECT_TRUE(RE2::FullMatch(regex["text"].get<std::string>(), "[0-9]{3}-[a-c]{2}")) << regex;
+  const std::string schema = dir_.path() + "/schema.json";
+  std::ofstream(schema) << R"({"type": "object", "properties": {"ok": {"type": "boolean"},
+      "n": {"enum": [1, 2, 3]}}, "required": ["ok", "n"]})";
+  nlohmann::json json = Json(sampled + "--json_schema " + schema);
+  ASSERT_TRUE(json.is_object());
+  const auto value = nlohmann::json::parse(json["text"].get<std::string>(), nullptr, false);
+  ASSERT_TRUE(value.is_object()) << json;
+  EXPECT_TRUE(value["ok"].is_boolean());
+  EXPECT_TRUE(value["n"].is_number_integer());
+  Result two = RunTool("accel-generate --model " + model_ + " --prompt hi --regex a --grammar g");
+  EXPECT_NE(two.exit_code, 0);
+  EXPECT_THAT(two.out, HasSubstr("at most one of --json_schema, --regex and --grammar"));
+  const std::string bad = dir_.path() + "/bad.json";
+  std::ofstream(bad) << R"({"type": "string", "format": "hostname"})";
+  Result refused = RunTool("accel-generate --model " + model_ + " --prompt hi --json_schema " + bad);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_THAT(refused.out, HasSubstr("keyword 'format'"));
 }
 
 TEST_F(GenerateToolTest, ChatMistakesAreNamed) {
