@@ -1,14 +1,14 @@
 // The command-line tools as a user runs them: accel-make-model, then
 // accel-inspect on its output, checking stdout, stderr and exit codes.
 #include <cstdlib>
-#include <set>
 #include <fstream>
+#include <set>
 #include <string>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <re2/re2.h>
 #include <nlohmann/json.hpp>
+#include <re2/re2.h>
 
 #include "tests/testing/command.h"
 #include "tests/testing/temp_dir.h"
@@ -341,7 +341,8 @@ TEST_F(GenerateToolTest, StructuredOutputFlags) {
   EXPECT_THAT(two.out, HasSubstr("at most one of --json_schema, --regex and --grammar"));
   const std::string bad = dir_.path() + "/bad.json";
   std::ofstream(bad) << R"({"type": "string", "format": "hostname"})";
-  Result refused = RunTool("accel-generate --model " + model_ + " --prompt hi --json_schema " + bad);
+  Result refused =
+      RunTool("accel-generate --model " + model_ + " --prompt hi --json_schema " + bad);
   EXPECT_NE(refused.exit_code, 0);
   EXPECT_THAT(refused.out, HasSubstr("keyword 'format'"));
 }
