@@ -313,6 +313,13 @@ absl::StatusOr<uint64_t> LlmEngine::Submit(GenerationRequest request,
     if (model_->structured == nullptr) {
       completed = absl::InvalidArgumentError(absl::StrCat(
           request.structured->field, ": structured output needs the model's tokenizer"));
+    } else if (request.stop_token_ids.empty()) {
+      // The grammar ends the text with a stop token; without one the text
+      // would run on past the grammar's end (ignore_eos and no stop ids).
+      completed = absl::InvalidArgumentError(
+          absl::StrCat(request.structured->field,
+                       ": structured output needs a stop token to end the text (not ignore_eos "
+                       "without stop_token_ids)"));
     } else {
       // A grammar that does not compile is the client's error, before it queues.
       completed = model_->structured->Compile(*request.structured).status();

@@ -237,6 +237,12 @@ TEST_F(StructuredOutputTest, BadGrammarsAreRefusedAtSubmit) {
   two.field = "guided_regex";
   EXPECT_THAT(engine->Submit(Request(two, 1), std::make_shared<Sink>()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("exactly one of")));
+  StructuredOutputs yes_no;
+  yes_no.choice = {"yes", "no"};
+  GenerationRequest endless = Request(yes_no, 1);
+  endless.ignore_eos = true;
+  EXPECT_THAT(engine->Submit(endless, std::make_shared<Sink>()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("needs a stop token")));
   StructuredOutputs gbnf;
   gbnf.grammar = "root ::= missing";
   EXPECT_THAT(engine->Submit(Request(gbnf, 1), std::make_shared<Sink>()),

@@ -42,13 +42,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   accel::server::internal::OpenAiResponseWriter writer(
       *parsed, "m", [](int64_t id) { return std::string(1, static_cast<char>(id & 0xff)); }, 0,
       "id");
-  accel::server::TokenChunk chunk;
+  accel::engine::TokenChunk chunk;
   chunk.token_ids = {1, 0xc3};
   chunk.logprobs = {-1.0f, -2.0f};
   chunk.top_logprobs = {{{1, -1.0f}}, {{0xc3, -2.0f}, {2, -3.0f}}};
   chunk.text = "a\xc3";
   writer.Add(chunk);
-  accel::server::Completion completion;
+  accel::engine::Completion completion;
   Check(!writer.Final(completion).empty());
   Check(!writer.StreamStart().empty() || endpoint == OpenAiEndpoint::kCompletions);
   Check(!writer.StreamChunk(chunk).empty());

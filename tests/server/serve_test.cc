@@ -18,6 +18,7 @@
 #include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <re2/re2.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -234,6 +235,51 @@ TEST_F(ServeTest, BadRequestsAreInvalidArgumentOrNotFound) {
   EXPECT_TRUE(Call(*stub_, Greedy("still here", 3), &response).ok());
   EXPECT_GE(Metric(*server_, "accel_request_failure_total{reason=\"invalid\"}"), 20);
   EXPECT_GE(Metric(*server_, "accel_request_failure_total{reason=\"not_found\"}"), 2);
+}
+
+// GenerateRequest.structured_output on gRPC: the random model's text follows
+// a regex, a choice list and a JSON Schema (sampled, so only the mask holds
+// it); a schema the server cannot honour is INVALID_ARGUMENT naming it.
+TEST_F(ServeTest, StructuredOutputOnGrpc) {
+  GenerateRequest regex = Greedy("Codes:", 40);
+  regex.set_ignore_eos(false);  // the grammar ends the text with eos
+  regex.mutable_sampling()->set_temperature(1.0);
+  regex.mutable_sampling()->set_seed(4);
+  regex.mutable_structured_output()->set_regex("[A-F]{2}-[0-9]{1,3}");
+  GenerateResponse response;
+  grpc::Status status = Call(*stub_, regex, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.finish_reason(), accel::v1::FINISH_REASON_EOS);
+  EXPECT_TRUE(RE2::FullMatch(response.text(), "[A-F]{2}-[0-9]{1,3}")) << response.text();
+
+  GenerateRequest choice = regex;
+  choice.mutable_structured_output()->mutable_choice()->add_choices("left");
+  choice.mutable_structured_output()->mutable_choice()->add_choices("right");
+  ASSERT_TRUE(Call(*stub_, choice, &response).ok());
+  EXPECT_THAT(response.text(), ::testing::AnyOf("left", "right"));
+
+  GenerateRequest schema = regex;
+  schema.mutable_structured_output()->set_json_schema(
+      R"({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["n"]})");
+  schema.set_max_new_tokens(60);
+  ASSERT_TRUE(Call(*stub_, schema, &response).ok());
+  const nlohmann::json v = nlohmann::json::parse(response.text(), nullptr, false);
+  ASSERT_TRUE(v.is_object()) << response.text();
+  EXPECT_TRUE(v["n"].is_number_integer()) << response.text();
+
+  GenerateRequest endless = regex;
+  endless.set_ignore_eos(true);
+  status = Call(*stub_, endless, &response);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("structured output needs a stop token"));
+
+  GenerateRequest bad = regex;
+  bad.mutable_structured_output()->set_json_schema(R"({"type": "array", "uniqueItems": true})");
+  status = Call(*stub_, bad, &response);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("structured_output.json_schema: json_schema: keyword 'uniqueItems'"));
 }
 
 TEST_F(ServeTest, ModelInfoDescribesTheModel) {
