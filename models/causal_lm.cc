@@ -23,6 +23,7 @@
 #include "models/internal/decoder_lm.h"
 #include "models/internal/packed.h"
 #include "models/nn.h"
+#include "models/tensor_parallel.h"
 
 namespace accel::models {
 namespace {
@@ -212,14 +213,23 @@ int64_t KvBlockStore::BytesPerBlock(const loader::ModelConfig& config, at::Scala
 }
 
 absl::StatusOr<std::shared_ptr<CausalLM>> BuildCausalLM(const loader::ModelConfig& c,
-                                                        at::ScalarType dtype) {
+                                                        at::ScalarType dtype,
+                                                        const TensorParallel& tp) {
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(c));
+  if (tp.size != 1) {
+    ACCEL_RETURN_IF_ERROR(CheckTensorParallel(c, tp.size));
+    if (tp.rank < 0 || tp.rank >= tp.size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor parallel rank ", tp.rank, " is outside [0, ", tp.size, ")"));
+    }
+  }
   if (resolved.family.mlp == MlpKind::kGpt2) {
     std::shared_ptr<CausalLM> model;
     ACCEL_RETURN_IF_ERROR(CallTorch([&] { model = std::make_shared<Gpt2LM>(c, dtype); }));
     return model;
   }
-  return internal::BuildDecoderLM(resolved, dtype);
+  ACCEL_ASSIGN_OR_RETURN(ShardShape shape, ShardShapeFor(c, tp.rank, tp.size));
+  return internal::BuildDecoderLM(resolved, dtype, tp, shape);
 }
 
 }  // namespace accel::models

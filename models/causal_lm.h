@@ -33,8 +33,10 @@
 #include "dispatch/dispatch.h"
 #include "dispatch/layer.h"
 #include "loader/config.h"
+#include "models/parallel_options.h"
 
 namespace accel::models {
+
 
 // The keys and values of many sequences in fixed-size blocks (the storage
 // behind models/kv_blocks.h's accounting): layer l's keys and values are
@@ -129,9 +131,12 @@ class CausalLM : public dispatch::Layer {
 
 // A model of the config's family with uninitialised weights (meta weights
 // under a dispatch::EmptyWeightsGuard). InvalidArgument for an unknown
-// architecture (listing the supported ones) or an invalid config.
+// architecture (listing the supported ones) or an invalid config. With
+// `tp.size` > 1, rank `tp.rank`'s slice of it (models/tensor_parallel.h;
+// CheckTensorParallel's refusals).
 absl::StatusOr<std::shared_ptr<CausalLM>> BuildCausalLM(const loader::ModelConfig& config,
-                                                        at::ScalarType dtype);
+                                                        at::ScalarType dtype,
+                                                        const TensorParallel& tp = {});
 
 }  // namespace accel::models
 

@@ -325,10 +325,19 @@ std::vector<std::string> ExpertLists(const ResolvedConfig& r) {
 
 absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& c,
                                                    c10::ScalarType dtype) {
+  return ModuleTreeFor(c, dtype, 0, 1);
+}
+
+absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& c,
+                                                   c10::ScalarType dtype, int tp_rank,
+                                                   int tp_size) {
   std::shared_ptr<CausalLM> model;
   {
     dispatch::EmptyWeightsGuard empty;
-    ACCEL_ASSIGN_OR_RETURN(model, BuildCausalLM(c, dtype));
+    TensorParallel tp;
+    tp.rank = tp_rank;
+    tp.size = tp_size;
+    ACCEL_ASSIGN_OR_RETURN(model, BuildCausalLM(c, dtype, tp));
   }
   return dispatch::ModuleTree::FromModule(*model);
 }

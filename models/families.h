@@ -141,6 +141,10 @@ std::vector<std::string> ExpertLists(const ResolvedConfig& resolved);
 // parameters get `dtype`. Validates the config (InvalidArgument).
 absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& config,
                                                    c10::ScalarType dtype);
+// The module tree of rank `tp_rank`'s slice of the model split over
+// `tp_size` ranks (models/tensor_parallel.h): what that rank holds.
+absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& config,
+                                                   c10::ScalarType dtype, int tp_rank, int tp_size);
 
 // The tensors a checkpoint of this config holds, with HuggingFace's names
 // and shapes, in the order transformers' state_dict() lists them, a tied

@@ -24,6 +24,7 @@
 #include "loader/loader.h"
 #include "models/families.h"
 #include "models/quantize.h"
+#include "models/tensor_parallel.h"
 
 namespace accel::models {
 namespace {
@@ -78,8 +79,19 @@ absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
     }
     asked.compute_dtype = *compute;
   }
-  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype));
-  return PlanForModel(dir, tree, asked, &prequantized);
+  const TensorParallel& tp = options.tensor_parallel;
+  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype, tp.rank, tp.size));
+  ACCEL_ASSIGN_OR_RETURN(QuantPlan plan, PlanForModel(dir, tree, asked, &prequantized));
+  if (prequantized && tp.size > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir,
+        "/config.json: a pre-quantized checkpoint (quantization_config) cannot be split "
+        "for tensor_parallel_size ",
+        tp.size,
+        ": its packed blocks do not split along heads; load the float checkpoint and quantize "
+        "each rank's slice (--quantize)"));
+  }
+  return plan;
 }
 
 absl::StatusOr<int64_t> ExpertCacheBytesFor(const ModelLoadOptions& options,
@@ -93,7 +105,9 @@ absl::StatusOr<int64_t> ExpertCacheBytesFor(const ModelLoadOptions& options,
 absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(
     const ModelLoadOptions& options, const loader::ModelConfig& config, at::ScalarType dtype,
     const QuantPlan& quantization, int64_t* expert_cache_bytes, int64_t* cpu_room) {
-  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype));
+  ACCEL_ASSIGN_OR_RETURN(
+      dispatch::ModuleTree tree,
+      ModuleTreeFor(config, dtype, options.tensor_parallel.rank, options.tensor_parallel.size));
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(config));
   dispatch::PlanOptions plan;
   plan.no_split = {resolved.family.block_class};
@@ -470,6 +484,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
     ACCEL_RETURN_IF_ERROR(CheckExpertsAgainstCheckpoint(dir, early, checkpoint));
   }
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(out.config));
+  const TensorParallel& tp = options.tensor_parallel;
+  ACCEL_RETURN_IF_ERROR(CheckTensorParallel(out.config, tp.size));
   ACCEL_ASSIGN_OR_RETURN(out.quantization,
                          ChooseQuantization(dir, options, out.config, out.dtype, out.prequantized));
   ACCEL_ASSIGN_OR_RETURN(std::optional<at::Device> execution,
@@ -485,7 +501,7 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   out.expert_lists = FetchedExpertLists(options, resolved, out.device_map);
   {
     dispatch::EmptyWeightsGuard empty;
-    ACCEL_ASSIGN_OR_RETURN(out.model, BuildCausalLM(out.config, out.dtype));
+    ACCEL_ASSIGN_OR_RETURN(out.model, BuildCausalLM(out.config, out.dtype, tp));
   }
   dispatch::LoadOptions load;
   load.dtype = out.dtype;
@@ -498,11 +514,16 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   load.prefetch = options.prefetch;
   load.map_disk = options.map_disk;
   load.mapped_resident_bytes = cpu_room;
-  std::unique_ptr<dispatch::LoadHook> hook;
+  std::unique_ptr<dispatch::LoadHook> hook, sharding;
   if (!out.quantization.empty()) {
     ACCEL_RETURN_IF_ERROR(QuantizeLinears(*out.model, out.quantization));
     hook = MakeQuantizationHook(out.model, out.quantization, out.dtype);
     load.hook = hook.get();
+  }
+  if (tp.size > 1) {
+    // Each rank's slices only; quantization (the inner hook) sees the slice.
+    ACCEL_ASSIGN_OR_RETURN(sharding, MakeShardingHook(out.config, tp, out.dtype, hook.get()));
+    load.hook = sharding.get();
   }
   ACCEL_ASSIGN_OR_RETURN(out.dispatched,
                          dispatch::DispatchedModel::Load(out.model, dir, out.device_map, load));

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 
 #include "core/progress.h"
+#include "models/parallel_options.h"
 
 namespace accel::models {
 
@@ -67,6 +68,13 @@ struct ModelLoadOptions {
   // next sparse layer's router is expected to pick.
   bool prefetch = true;
   Progress::Style progress = Progress::Style::kAuto;
+  // Tensor parallel (models/tensor_parallel.h): load only rank
+  // `tensor_parallel.rank`'s slice, quantized per slice; its device map is
+  // planned on that slice. A pre-quantized checkpoint is refused (its
+  // packed blocks do not split along heads). Rank 0's LoadedModel::model is
+  // then a TensorParallelLeader that drives the other ranks' steps; theirs
+  // is their slice, for RunTensorParallelWorker.
+  TensorParallel tensor_parallel;
 };
 
 // Every option checked without reading a model: dtype, quantize (and

@@ -8,7 +8,10 @@
 #include "models/internal/decoder_lm.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -17,11 +20,13 @@
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
+#include <c10/core/InferenceMode.h>
 
 #include "absl/strings/str_cat.h"
 
 #include "core/status.h"
 #include "dispatch/layer.h"
+#include "dist/process_group.h"
 #include "models/internal/packed.h"
 #include "models/nn.h"
 
@@ -30,12 +35,46 @@ namespace {
 
 using dispatch::Layer;
 
-// What a step carries through the layers: the dispatcher, and a failure
-// that must keep its own status (an expert read) while the layer unwinds.
+// What a step carries through the layers: the dispatcher, the ranks of a
+// tensor-parallel model, and a failure that must keep its own status (an
+// expert read, a collective) while the layer unwinds.
 struct StepState {
   dispatch::DispatchedModel* dispatched = nullptr;
+  const TensorParallel* tp = nullptr;
   absl::Status failure;
 };
+
+// Unwinds the layer's torch code with `status` kept for Forward to return.
+[[noreturn]] void Fail(StepState& step, absl::Status status, const char* what) {
+  step.failure = std::move(status);
+  TORCH_CHECK(false, what, " failed");
+  std::abort();  // not reached
+}
+
+// The sum over the ranks of each rank's partial `x` (after a row-parallel
+// product, an expert-parallel block or a vocab-parallel embedding); `x`
+// itself on one process.
+at::Tensor SumOverRanks(const at::Tensor& x, StepState& step) {
+  if (step.tp == nullptr || step.tp->size == 1) return x;
+  const auto start = std::chrono::steady_clock::now();
+  // gloo updates the tensor in place on its own threads, outside this
+  // thread's InferenceMode, where an inference tensor cannot be written: the
+  // sum goes into a normal tensor.
+  c10::InferenceMode normal(false);
+  std::vector<at::Tensor> tensors = {at::empty_like(x, at::MemoryFormat::Contiguous)};
+  tensors[0].copy_(x);
+  AddCollectiveBytes(static_cast<int64_t>(tensors[0].nbytes()));
+  absl::Status reduced = step.tp->group->AllReduce(tensors, dist::ReduceOp::kSum);
+  AddCollectiveNanos(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+  if (!reduced.ok()) {
+    Fail(step,
+         absl::UnavailableError(absl::StrCat("tensor parallel all-reduce: ", reduced.message())),
+         "all-reduce");
+  }
+  return tensors[0];
+}
 
 std::shared_ptr<nn::Linear> NewLinear(int64_t in, int64_t out, bool bias, at::ScalarType dtype) {
   return std::make_shared<nn::Linear>(in, out, bias, dtype);
@@ -99,11 +138,12 @@ class GatedMlp : public Layer {
 
 class Attention : public Layer {
  public:
-  Attention(const ResolvedConfig& r, at::ScalarType dtype,
+  // `shard`: the heads this rank holds (all of them on one process).
+  Attention(const ResolvedConfig& r, const ShardShape& shard, at::ScalarType dtype,
             std::shared_ptr<nn::RotaryEmbedding> unused_rotary)
       : Layer(Cls(r.family, "Attention")),
-        heads_(r.config.num_attention_heads),
-        kv_heads_(r.config.kv_heads()),
+        heads_(shard.heads),
+        kv_heads_(shard.kv_heads),
         head_dim_(r.config.head_size()) {
     const Family& f = r.family;
     const int64_t hidden = r.config.hidden_size;
@@ -193,17 +233,22 @@ class Attention : public Layer {
 // was not picked runs.
 class SparseMoe : public Layer {
  public:
-  SparseMoe(const ResolvedConfig& r, std::string experts_name, at::ScalarType dtype)
+  // `shard`: the experts this rank holds, [first_expert, first_expert +
+  // experts), registered under local indices 0, 1, ... (so the dispatch
+  // core's expert lists index them), and its slice of the shared expert.
+  SparseMoe(const ResolvedConfig& r, const ShardShape& shard, std::string experts_name,
+            at::ScalarType dtype)
       : Layer(Cls(r.family, "SparseMoeBlock")),
         experts_name_(std::move(experts_name)),
         top_k_(r.top_k),
-        norm_topk_(r.norm_topk) {
+        norm_topk_(r.norm_topk),
+        first_expert_(shard.first_expert) {
     const Family& f = r.family;
     const int64_t hidden = r.config.hidden_size;
     gate = register_module("gate", NewLinear(hidden, r.num_experts, false, dtype));
     auto list = register_module("experts", std::make_shared<Layer>("ModuleList"));
     const bool mixtral = f.moe == MoeKind::kMixtral;
-    for (int64_t e = 0; e < r.num_experts; ++e) {
+    for (int64_t e = 0; e < shard.experts; ++e) {
       experts_.push_back(list->register_module(
           absl::StrCat(e), std::make_shared<GatedMlp>(
                                mixtral ? std::string("MixtralBlockSparseTop2MLP") : Cls(f, "MLP"),
@@ -211,10 +256,10 @@ class SparseMoe : public Layer {
                                hidden, r.expert_intermediate, r.activation, dtype)));
     }
     if (f.moe == MoeKind::kQwenShared) {
-      shared_expert_ =
-          register_module("shared_expert",
-                          std::make_shared<GatedMlp>(Cls(f, "MLP"), GatedMlp::Names::kGated, hidden,
-                                                     r.shared_intermediate, r.activation, dtype));
+      shared_expert_ = register_module(
+          "shared_expert",
+          std::make_shared<GatedMlp>(Cls(f, "MLP"), GatedMlp::Names::kGated, hidden,
+                                     shard.shared_intermediate, r.activation, dtype));
       shared_expert_gate_ =
           register_module("shared_expert_gate", NewLinear(hidden, 1, false, dtype));
     }
@@ -243,10 +288,13 @@ class SparseMoe : public Layer {
     // The rows of each expert, in transformers' order (top-k slot, then token).
     const at::Tensor picks = selected.to(at::kCPU).contiguous();
     const int64_t* pick = picks.data_ptr<int64_t>();
+    // Indexed by local expert (global index - first_expert_); experts of
+    // other ranks are theirs to run.
     std::vector<std::vector<int64_t>> rows(experts_.size()), slots(experts_.size());
     for (int64_t j = 0; j < top_k_; ++j) {
       for (int64_t t = 0; t < tokens; ++t) {
-        const int64_t e = pick[t * top_k_ + j];
+        const int64_t e = pick[t * top_k_ + j] - first_expert_;
+        if (e < 0 || e >= static_cast<int64_t>(experts_.size())) continue;
         rows[e].push_back(t);
         slots[e].push_back(j);
       }
@@ -265,10 +313,7 @@ class SparseMoe : public Layer {
     };
     const auto enter = [&](const std::vector<int64_t>& which) {
       auto entered = step.dispatched->EnterExperts(experts_name_, which);
-      if (!entered.ok()) {
-        step.failure = entered.status();
-        TORCH_CHECK(false, "bringing in experts of ", experts_name_, " failed");
-      }
+      if (!entered.ok()) Fail(step, entered.status(), "bringing in experts");
       return *std::move(entered);
     };
     if (step.dispatched != nullptr && step.dispatched->FetchesExpertsOf(experts_name_)) {
@@ -305,10 +350,21 @@ class SparseMoe : public Layer {
 
   std::shared_ptr<nn::Linear> gate;
 
+  // This rank's local indices of global experts `picked` (others dropped).
+  std::vector<int64_t> Local(const std::vector<int64_t>& picked) const {
+    std::vector<int64_t> local;
+    for (int64_t e : picked) {
+      const int64_t l = e - first_expert_;
+      if (l >= 0 && l < static_cast<int64_t>(experts_.size())) local.push_back(l);
+    }
+    return local;
+  }
+
  private:
   std::string experts_name_;
   int64_t top_k_;
   bool norm_topk_;
+  int64_t first_expert_;
   std::vector<std::shared_ptr<GatedMlp>> experts_;
   std::shared_ptr<GatedMlp> shared_expert_;
   std::shared_ptr<nn::Linear> shared_expert_gate_;
@@ -316,24 +372,25 @@ class SparseMoe : public Layer {
 
 class DecoderLayer : public Layer {
  public:
-  DecoderLayer(const ResolvedConfig& r, size_t index, at::ScalarType dtype,
+  DecoderLayer(const ResolvedConfig& r, const ShardShape& shard, size_t index, at::ScalarType dtype,
                std::shared_ptr<nn::RotaryEmbedding> unused_rotary)
       : Layer(r.family.block_class), window_(r.windows[index]), local_(r.local_rope[index]) {
     const Family& f = r.family;
     const int64_t hidden = r.config.hidden_size;
-    self_attn = register_module("self_attn",
-                                std::make_shared<Attention>(r, dtype, std::move(unused_rotary)));
+    self_attn = register_module(
+        "self_attn", std::make_shared<Attention>(r, shard, dtype, std::move(unused_rotary)));
     if (r.sparse[index]) {
       const char* block = f.moe == MoeKind::kMixtral ? "block_sparse_moe" : "mlp";
       moe = register_module(
-          block, std::make_shared<SparseMoe>(
-                     r, absl::StrCat("model.layers.", index, ".", block, ".experts"), dtype));
+          block,
+          std::make_shared<SparseMoe>(
+              r, shard, absl::StrCat("model.layers.", index, ".", block, ".experts"), dtype));
     } else {
-      mlp = register_module("mlp", std::make_shared<GatedMlp>(
-                                       Cls(f, "MLP"),
-                                       f.mlp == MlpKind::kFusedGated ? GatedMlp::Names::kFused
-                                                                     : GatedMlp::Names::kGated,
-                                       hidden, r.config.intermediate_size, r.activation, dtype));
+      mlp = register_module(
+          "mlp", std::make_shared<GatedMlp>(Cls(f, "MLP"),
+                                            f.mlp == MlpKind::kFusedGated ? GatedMlp::Names::kFused
+                                                                          : GatedMlp::Names::kGated,
+                                            hidden, shard.intermediate, r.activation, dtype));
     }
     input_layernorm = register_module("input_layernorm", NewNorm(r, hidden, dtype));
     post_attention_layernorm =
@@ -356,13 +413,15 @@ class DecoderLayer : public Layer {
                      absl::Span<const SequenceChunk> chunks, size_t layer, StepState& step) {
     if (pre_feedforward_layernorm) {
       // Gemma's sandwich: each branch normalised on the way in and the way out.
-      at::Tensor h =
-          self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_);
+      at::Tensor h = SumOverRanks(
+          self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_), step);
       x = x + post_attention_layernorm->forward(h);
       h = Mlp(pre_feedforward_layernorm->forward(x), step);
       return x + post_feedforward_layernorm->forward(h);
     }
-    x = x + self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_);
+    x = x + SumOverRanks(
+                self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_),
+                step);
     if (next_sparse != nullptr && step.dispatched != nullptr) GuessNext(x, step);
     return x + Mlp(post_attention_layernorm->forward(x), step);
   }
@@ -377,7 +436,7 @@ class DecoderLayer : public Layer {
 
  private:
   at::Tensor Mlp(const at::Tensor& x, StepState& step) {
-    return moe ? moe->forward(x, step) : mlp->forward(x);
+    return SumOverRanks(moe ? moe->forward(x, step) : mlp->forward(x), step);
   }
 
   // Reads ahead the experts the next sparse layer's router would pick for
@@ -395,7 +454,7 @@ class DecoderLayer : public Layer {
     at::Tensor unique = std::get<0>(at::_unique(picked.reshape({-1}).to(at::kCPU)));
     std::vector<int64_t> experts(unique.data_ptr<int64_t>(),
                                  unique.data_ptr<int64_t>() + unique.numel());
-    step.dispatched->PrefetchExperts(next.moe->experts_name(), experts);
+    step.dispatched->PrefetchExperts(next.moe->experts_name(), next.moe->Local(experts));
   }
 
   std::optional<int64_t> window_;
@@ -418,7 +477,7 @@ nn::RopeSettings GlobalRope(const ResolvedConfig& r) {
 
 class DecoderModel : public Layer {
  public:
-  DecoderModel(const ResolvedConfig& r, at::ScalarType dtype,
+  DecoderModel(const ResolvedConfig& r, const ShardShape& shard, at::ScalarType dtype,
                std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries)
       : Layer(r.family.model_class) {
     const Family& f = r.family;
@@ -426,12 +485,12 @@ class DecoderModel : public Layer {
     if (f.embedding_scale == EmbeddingScale::kInModule) {
       // Gemma3TextScaledWordEmbedding: sqrt(hidden) in a buffer.
       scaled_embed = std::make_shared<nn::ScaledEmbedding>(
-          "Gemma3TextScaledWordEmbedding", c.vocab_size, c.hidden_size, dtype,
+          "Gemma3TextScaledWordEmbedding", shard.vocab, c.hidden_size, dtype,
           std::pow(static_cast<double>(c.hidden_size), 0.5));
       embed_tokens = register_module("embed_tokens", std::shared_ptr<nn::Embedding>(scaled_embed));
     } else {
       embed_tokens = register_module(
-          "embed_tokens", std::make_shared<nn::Embedding>(c.vocab_size, c.hidden_size, dtype));
+          "embed_tokens", std::make_shared<nn::Embedding>(shard.vocab, c.hidden_size, dtype));
     }
     auto list = register_module("layers", std::make_shared<Layer>("ModuleList"));
     size_t next_rotary = 2;  // rotaries: global, local, then one per layer (Qwen2-MoE)
@@ -439,8 +498,8 @@ class DecoderModel : public Layer {
       std::shared_ptr<nn::RotaryEmbedding> unused;
       if (next_rotary < rotaries.size()) unused = rotaries[next_rotary++];
       layers.push_back(list->register_module(
-          absl::StrCat(i),
-          std::make_shared<DecoderLayer>(r, static_cast<size_t>(i), dtype, std::move(unused))));
+          absl::StrCat(i), std::make_shared<DecoderLayer>(r, shard, static_cast<size_t>(i), dtype,
+                                                          std::move(unused))));
     }
     DecoderLayer* next = nullptr;
     for (size_t i = layers.size(); i-- > 0;) {
@@ -461,14 +520,15 @@ class DecoderModel : public Layer {
 
 class DecoderLM : public CausalLM {
  public:
-  DecoderLM(const ResolvedConfig& r, at::ScalarType dtype,
-            std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries)
-      : CausalLM(r.family.architecture, r.config, dtype), r_(r) {
-    model = register_module("model", std::make_shared<DecoderModel>(r, dtype, std::move(rotaries)));
+  DecoderLM(const ResolvedConfig& r, const TensorParallel& tp, const ShardShape& shard,
+            at::ScalarType dtype, std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries)
+      : CausalLM(r.family.architecture, r.config, dtype), r_(r), tp_(tp), shard_(shard) {
+    model = register_module("model",
+                            std::make_shared<DecoderModel>(r, shard, dtype, std::move(rotaries)));
     at::Tensor shared = r.config.tie_word_embeddings ? model->embed_tokens->weight : at::Tensor();
     lm_head = register_module(
-        "lm_head", std::make_shared<nn::Linear>(r.config.hidden_size, r.config.vocab_size, false,
-                                                dtype, shared));
+        "lm_head",
+        std::make_shared<nn::Linear>(r.config.hidden_size, shard.vocab, false, dtype, shared));
   }
 
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
@@ -529,18 +589,34 @@ class DecoderLM : public CausalLM {
 
     StepState step;
     step.dispatched = dispatched;
+    step.tp = &tp_;
     const at::Device home = input_ids.device();
-    ACCEL_ASSIGN_OR_RETURN(
-        at::Tensor x, InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
-          at::Tensor e = model->scaled_embed ? model->scaled_embed->forward(ids.to(d).unsqueeze(0))
-                                             : model->embed_tokens->forward(ids.to(d).unsqueeze(0));
+    // A failure the layers kept (an expert read, a collective) wins over
+    // the torch error that unwound them.
+    const auto kept = [&](absl::Status status) {
+      return step.failure.ok() ? status : step.failure;
+    };
+    absl::StatusOr<at::Tensor> embedded =
+        InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
+          at::Tensor rows = ids.to(d).unsqueeze(0), outside;
+          if (tp_.size > 1) {
+            // Vocab-parallel: this rank's rows; other ids read row 0, zeroed below.
+            rows = rows - shard_.first_vocab;
+            outside = (rows < 0).logical_or_(rows >= shard_.vocab);
+            rows = rows.masked_fill(outside, 0);
+          }
+          at::Tensor e = model->scaled_embed ? model->scaled_embed->forward(rows)
+                                             : model->embed_tokens->forward(rows);
+          if (tp_.size > 1) e = SumOverRanks(e.masked_fill(outside.unsqueeze(-1), 0), step);
           if (r_.family.embedding_scale == EmbeddingScale::kInModel) {
             // Gemma2Model: hidden * torch.tensor(hidden_size**0.5, dtype=hidden.dtype)
             e = e * at::scalar_tensor(std::pow(static_cast<double>(config().hidden_size), 0.5),
                                       e.options());
           }
           return e;
-        }));
+        });
+    if (!embedded.ok()) return kept(embedded.status());
+    at::Tensor x = *std::move(embedded);
     at::Tensor cos, sin, local_cos, local_sin;
     ACCEL_RETURN_IF_ERROR(InScope(dispatched, "model.rotary_emb", home, [&](const at::Device& d) {
                             std::tie(cos, sin) =
@@ -563,8 +639,7 @@ class DecoderLM : public CausalLM {
             return layer.forward(x.to(d), (local ? local_cos : cos).to(d),
                                  (local ? local_sin : sin).to(d), chunks, i, step);
           });
-      if (!step.failure.ok()) return step.failure;
-      if (!out.ok()) return out.status();
+      if (!out.ok()) return kept(out.status());
       x = *std::move(out);
     }
     if (which == Logits::kLastOfEach) {
@@ -577,14 +652,17 @@ class DecoderLM : public CausalLM {
     ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "model.norm", home, [&](const at::Device& d) {
                              return model->norm->forward(x.to(d));
                            }));
-    ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
-                             at::Tensor logits = lm_head->forward(x.to(d));
-                             if (r_.final_softcap) {
-                               // Gemma2ForCausalLM, in the logits' dtype.
-                               logits = at::tanh(logits / *r_.final_softcap) * *r_.final_softcap;
-                             }
-                             return logits;
-                           }));
+    absl::StatusOr<at::Tensor> head =
+        InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
+          at::Tensor logits = lm_head->forward(x.to(d));
+          if (r_.final_softcap) {
+            // Gemma2ForCausalLM, in the logits' dtype.
+            logits = at::tanh(logits / *r_.final_softcap) * *r_.final_softcap;
+          }
+          return tp_.size > 1 ? GatherVocab(logits, step) : logits;
+        });
+    if (!head.ok()) return kept(head.status());
+    x = *std::move(head);
     ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
     AdvanceCaches(ids, chunks);
     for (size_t i = 0; i < chunks.size(); ++i) {
@@ -615,13 +693,51 @@ class DecoderLM : public CausalLM {
     return {at::cat(cos, 1), at::cat(sin, 1)};
   }
 
+  // Every rank's logits [1, n, vocab slice] side by side: [1, n, vocab].
+  at::Tensor GatherVocab(const at::Tensor& logits, StepState& step) {
+    // Equal shapes for the gather: each slice padded to the stride, as
+    // rows [vocab slice, n], gathered along dim 0 in rank order.
+    at::Tensor rows = logits[0].t();
+    const int64_t pad = shard_.vocab_stride - shard_.vocab;
+    if (pad > 0) rows = at::cat({rows, at::zeros({pad, rows.size(1)}, rows.options())});
+    const auto start = std::chrono::steady_clock::now();
+    AddCollectiveBytes(static_cast<int64_t>(rows.nbytes()));
+    absl::StatusOr<at::Tensor> all;
+    {
+      c10::InferenceMode normal(false);  // gloo fills the output on its own threads
+      all = tp_.group->AllGather(rows.contiguous());
+    }
+    AddCollectiveNanos(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start)
+                           .count());
+    if (!all.ok()) {
+      Fail(step,
+           absl::UnavailableError(
+               absl::StrCat("tensor parallel logits gather: ", all.status().message())),
+           "logits gather");
+    }
+    return all->narrow(0, 0, config().vocab_size).t().unsqueeze(0);
+  }
+
   ResolvedConfig r_;
+  TensorParallel tp_;
+  ShardShape shard_;
 };
+
+std::atomic<int64_t> collective_nanos{0}, collective_bytes{0};
 
 }  // namespace
 
+void AddCollectiveNanos(int64_t nanos) { collective_nanos += nanos; }
+void AddCollectiveBytes(int64_t bytes) { collective_bytes += bytes; }
+int64_t CollectiveBytes() { return collective_bytes.load(); }
+
+double CollectiveSeconds() { return static_cast<double>(collective_nanos.load()) * 1e-9; }
+
 absl::StatusOr<std::shared_ptr<CausalLM>> BuildDecoderLM(const ResolvedConfig& r,
-                                                         at::ScalarType dtype) {
+                                                         at::ScalarType dtype,
+                                                         const TensorParallel& tp,
+                                                         const ShardShape& shape) {
   const Family& f = r.family;
   std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries(2);
   ACCEL_ASSIGN_OR_RETURN(rotaries[0],
@@ -643,8 +759,8 @@ absl::StatusOr<std::shared_ptr<CausalLM>> BuildDecoderLM(const ResolvedConfig& r
     }
   }
   std::shared_ptr<CausalLM> model;
-  ACCEL_RETURN_IF_ERROR(
-      CallTorch([&] { model = std::make_shared<DecoderLM>(r, dtype, std::move(rotaries)); }));
+  ACCEL_RETURN_IF_ERROR(CallTorch(
+      [&] { model = std::make_shared<DecoderLM>(r, tp, shape, dtype, std::move(rotaries)); }));
   return model;
 }
 

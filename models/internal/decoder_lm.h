@@ -13,13 +13,26 @@
 
 #include "models/causal_lm.h"
 #include "models/families.h"
+#include "models/tensor_parallel.h"
 
 namespace accel::models::internal {
 
 // A model of `config`'s family with uninitialised weights (meta under a
 // dispatch::EmptyWeightsGuard). InvalidArgument for a bad RoPE setting.
+// With `tp.size` > 1, rank `tp.rank`'s slice (`shape`, ShardShapeFor).
 absl::StatusOr<std::shared_ptr<CausalLM>> BuildDecoderLM(const ResolvedConfig& config,
-                                                         at::ScalarType dtype);
+                                                         at::ScalarType dtype,
+                                                         const TensorParallel& tp,
+                                                         const ShardShape& shape);
+
+// Adds a collective's time to CollectiveSeconds(), which
+// TensorParallelCollectiveSeconds() reports.
+void AddCollectiveNanos(int64_t nanos);
+double CollectiveSeconds();
+// Bytes this rank hands to the all-reduces and gathers inside steps (its
+// payload: what a ring moves is 2 (N - 1) / N of it per all-reduce).
+void AddCollectiveBytes(int64_t bytes);
+int64_t CollectiveBytes();
 
 }  // namespace accel::models::internal
 

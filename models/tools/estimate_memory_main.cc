@@ -2,8 +2,10 @@
 // and to train, per dtype, like `accelerate estimate-memory`.
 #include <iostream>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <c10/core/ScalarType.h>
 #include <nlohmann/json.hpp>
 
 #include "absl/flags/flag.h"
@@ -17,9 +19,14 @@
 #include "loader/config.h"
 #include "models/families.h"
 #include "models/quantize.h"
+#include "models/tensor_parallel.h"
 
 ABSL_FLAG(std::string, model, "", "A HuggingFace model folder (only config.json is read).");
 ABSL_FLAG(bool, json, false, "Print one JSON object instead of a table.");
+ABSL_FLAG(int, tensor_parallel_size, 1,
+          "Split the model over this many ranks (Megatron-style, as accel-serve "
+          "--tensor_parallel_size does): the sizes are then one rank's (rank 0, the largest), "
+          "followed by each rank's KV cache per 1K tokens and bytes communicated per token.");
 
 namespace {
 
@@ -34,7 +41,7 @@ std::string Size(double bytes) { return accel::FormatBytes(static_cast<int64_t>(
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "accel-estimate-memory --model DIR [--json]\n"
+      "accel-estimate-memory --model DIR [--json] [--tensor_parallel_size N]\n"
       "Per dtype (float32, float16/bfloat16, int8, int4 as Accelerate scales them; then\n"
       "bitsandbytes int8 and 4-bit as stored: linears quantized, the rest 16-bit): the largest\n"
       "layer, the total size,\n"
@@ -47,8 +54,13 @@ int Main(int argc, char** argv) {
   const std::string dir = absl::GetFlag(FLAGS_model);
   auto config = accel::loader::ReadModelConfig(dir + "/config.json");
   if (!config.ok()) return Fail(config.status());
-  // Accelerate builds the model in float32 and scales from there.
-  auto tree = accel::models::ModuleTreeFor(*config, c10::ScalarType::Float);
+  const int tp = absl::GetFlag(FLAGS_tensor_parallel_size);
+  if (absl::Status split = accel::models::CheckTensorParallel(*config, tp); !split.ok()) {
+    return Fail(split);
+  }
+  // Accelerate builds the model in float32 and scales from there; with
+  // tensor parallelism, rank 0's slice (its vocab slice is the longest).
+  auto tree = accel::models::ModuleTreeFor(*config, c10::ScalarType::Float, 0, tp);
   if (!tree.ok()) return Fail(tree.status());
   auto family = accel::models::FamilyOf(*config);
   accel::dispatch::ModuleSizes sizes = accel::dispatch::ComputeModuleSizes(*tree);
@@ -65,9 +77,11 @@ int Main(int argc, char** argv) {
       {"float32", 1, true}, {"float16/bfloat16", 2, true}, {"int8", 4, false}, {"int4", 8, false}};
   nlohmann::ordered_json out = nlohmann::ordered_json::array();
   if (!absl::GetFlag(FLAGS_json)) {
-    std::cout << absl::StrFormat("Memory for %s (%s), largest layer %s:\n", dir,
-                                 config->architectures.empty() ? "" : config->architectures[0],
-                                 largest.names.empty() ? "-" : largest.names[0]);
+    std::cout << absl::StrFormat(
+        "Memory for %s (%s)%s, largest layer %s:\n", dir,
+        config->architectures.empty() ? "" : config->architectures[0],
+        tp > 1 ? absl::StrFormat(", each of %d tensor-parallel ranks", tp) : std::string(),
+        largest.names.empty() ? "-" : largest.names[0]);
     std::cout << absl::StrFormat("%-18s %14s %14s %28s\n", "dtype", "largest layer", "total size",
                                  "training with Adam (peak)");
   }
@@ -127,6 +141,34 @@ int Main(int argc, char** argv) {
       std::cout << absl::StrFormat("%-18s %14s %14s %28s\n", q.dtype, Size(layer), Size(size),
                                    "N/A");
     }
+  }
+  if (tp > 1) {
+    // Per rank: its KV heads' cache, and what a token costs in collectives.
+    auto shape = accel::models::ShardShapeFor(*config, 0, tp);
+    if (!shape.ok()) return Fail(shape.status());
+    nlohmann::ordered_json parallel = {{"tensor_parallel_size", tp}};
+    for (const auto& [name, dtype] :
+         {std::pair<const char*, c10::ScalarType>{"float32", c10::ScalarType::Float},
+          {"float16/bfloat16", c10::ScalarType::BFloat16}}) {
+      const double element = static_cast<double>(c10::elementSize(dtype));
+      const double kv = 2.0 * static_cast<double>(config->num_hidden_layers) *
+                        static_cast<double>(shape->kv_heads * config->head_size()) * 1024 * element;
+      const accel::models::TensorParallelTraffic traffic =
+          accel::models::TensorParallelTrafficPerToken(*config, dtype, tp);
+      if (absl::GetFlag(FLAGS_json)) {
+        parallel[name] = {{"kv_cache_bytes_per_1k_tokens_per_rank", kv},
+                          {"all_reduces_per_token", traffic.all_reduces},
+                          {"collective_payload_bytes_per_token_per_rank", traffic.payload_bytes},
+                          {"ring_wire_bytes_per_token_per_rank", traffic.wire_bytes}};
+      } else {
+        std::cout << absl::StrFormat(
+            "%-18s KV cache per 1K tokens per rank %s (%d of %d KV heads); per token: %d "
+            "all-reduces, %s handed to collectives, %s sent by a ring\n",
+            name, Size(kv), shape->kv_heads, config->kv_heads(), traffic.all_reduces,
+            Size(static_cast<double>(traffic.payload_bytes)), Size(traffic.wire_bytes));
+      }
+    }
+    if (absl::GetFlag(FLAGS_json)) out.push_back(parallel);
   }
   if (absl::GetFlag(FLAGS_json)) std::cout << out.dump() << "\n";
   return 0;

@@ -229,6 +229,36 @@ TEST(ToolsTest, EstimateMemoryMatchesAccelerateArithmetic) {
   EXPECT_THAT(missing.out, HasSubstr("config.json"));
 }
 
+TEST(ToolsTest, EstimateMemoryPerTensorParallelRank) {
+  TempDir dir;
+  ASSERT_EQ(RunTool("accel-make-model " + dir.path() +
+                    " --num_layers 2 --hidden_size 64 --vocab_size 512")
+                .exit_code,
+            0);
+  Result r = RunTool("accel-estimate-memory --json --tensor_parallel_size 2 --model " + dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  nlohmann::json rows = nlohmann::json::parse(r.out);
+  ASSERT_EQ(rows.size(), 8u);
+  // One rank: half of every linear (4 heads -> 2, 176 -> 88) and of the vocab rows; norms
+  // and the rotary buffer whole.
+  const double layer = 4.0 * (4 * 64 * 32 + 3 * 64 * 88 + 2 * 64);
+  EXPECT_EQ(rows[0]["total_bytes"].get<double>(), 4.0 * (2 * 256 * 64 + 64 + 8) + 2 * layer);
+  const nlohmann::json& parallel = rows[7];
+  EXPECT_EQ(parallel["tensor_parallel_size"], 2);
+  // 2 layers x keys and values x 2 of 4 KV heads x 16 x 1024 tokens x 4 bytes.
+  EXPECT_EQ(parallel["float32"]["kv_cache_bytes_per_1k_tokens_per_rank"].get<double>(),
+            2.0 * 2 * 2 * 16 * 1024 * 4);
+  // Per token: 1 + 2 x 2 all-reduces of 64 floats, and a slice of 256 logits gathered.
+  EXPECT_EQ(parallel["float32"]["all_reduces_per_token"], 5);
+  EXPECT_EQ(parallel["float32"]["collective_payload_bytes_per_token_per_rank"].get<double>(),
+            5 * 64 * 4 + 256 * 4);
+  EXPECT_EQ(parallel["float16/bfloat16"]["ring_wire_bytes_per_token_per_rank"].get<double>(),
+            5 * 64 * 2 + 256 * 2);
+  Result uneven = RunTool("accel-estimate-memory --tensor_parallel_size 3 --model " + dir.path());
+  EXPECT_EQ(uneven.exit_code, 1);
+  EXPECT_THAT(uneven.out, HasSubstr("num_attention_heads (4)"));
+}
+
 // ---- accel-quantize ----------------------------------------------------------
 
 TEST(ToolsTest, QuantizeWritesAModelThatGeneratesAsQuantizingOnLoad) {

@@ -1,4 +1,4 @@
-#include "train/process_group.h"
+#include "dist/process_group.h"
 
 #include <chrono>
 #include <cstring>
@@ -18,7 +18,7 @@
 
 #include "core/status.h"
 
-namespace accel::train {
+namespace accel::dist {
 namespace {
 
 c10d::ReduceOp ToC10d(ReduceOp op) {
@@ -560,4 +560,4 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
 
 std::unique_ptr<ProcessGroup> ProcessGroup::Single() { return std::make_unique<SingleGroup>(); }
 
-}  // namespace accel::train
+}  // namespace accel::dist

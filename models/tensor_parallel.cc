@@ -1,0 +1,506 @@
+#include "models/tensor_parallel.h"
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <c10/core/InferenceMode.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+#include "core/status.h"
+#include "dist/process_group.h"
+#include "models/families.h"
+#include "models/internal/decoder_lm.h"
+
+namespace accel::models {
+namespace {
+
+absl::Status NotDivisible(absl::string_view field, int64_t value, int size, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "tensor_parallel_size ", size, ": config.json's ", field, " (", value,
+      ") is not divisible by it", why.empty() ? "" : " (", why, why.empty() ? "" : ")"));
+}
+
+}  // namespace
+
+absl::Status CheckTensorParallel(const loader::ModelConfig& c, int size) {
+  if (size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor_parallel_size ", size, ": must be at least 1"));
+  }
+  if (size == 1) return absl::OkStatus();
+  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig r, ResolveConfig(c));
+  if (r.family.mlp == MlpKind::kGpt2) {
+    return absl::UnimplementedError(absl::StrCat(
+        "tensor_parallel_size ", size, ": ", r.family.architecture,
+        " is not split across ranks yet (its Conv1D layers store [in, out]); serve it on one "
+        "process"));
+  }
+  if (c.rope_scaling && c.rope_scaling->rope_type == "longrope") {
+    return absl::UnimplementedError(absl::StrCat(
+        "tensor_parallel_size ", size, ": ", r.family.architecture,
+        " with LongRoPE (rope_scaling.type \"longrope\") recomputes a sequence from its ids when "
+        "it crosses the original context, which the worker ranks do not keep"));
+  }
+  if (c.num_attention_heads % size != 0) {
+    return NotDivisible("num_attention_heads", c.num_attention_heads, size,
+                        "each rank holds whole query heads");
+  }
+  const int64_t kv = c.kv_heads();
+  if (kv % size != 0 && !(kv < size && size % kv == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor_parallel_size ", size, ": config.json's num_key_value_heads (", kv,
+        ") is neither divisible by it nor a divisor of it (fewer key/value heads than ranks are "
+        "replicated, N / KV ranks each)"));
+  }
+  bool dense = false;
+  for (bool sparse : r.sparse) dense |= !sparse;
+  if (dense && c.intermediate_size % size != 0) {
+    return NotDivisible("intermediate_size", c.intermediate_size, size, "");
+  }
+  if (r.num_experts > 0) {
+    const char* field = r.family.moe == MoeKind::kMixtral ? "num_local_experts" : "num_experts";
+    if (r.num_experts % size != 0) {
+      return NotDivisible(field, r.num_experts, size, "each rank holds whole experts");
+    }
+    if (r.family.moe == MoeKind::kQwenShared && r.shared_intermediate % size != 0) {
+      return NotDivisible("shared_expert_intermediate_size", r.shared_intermediate, size, "");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShardShape> ShardShapeFor(const loader::ModelConfig& c, int rank, int size) {
+  ACCEL_RETURN_IF_ERROR(CheckTensorParallel(c, size));
+  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig r, ResolveConfig(c));
+  ShardShape s;
+  s.heads = c.num_attention_heads / size;
+  s.first_head = rank * s.heads;
+  const int64_t kv = c.kv_heads();
+  if (kv % size == 0) {
+    s.kv_heads = kv / size;
+    s.first_kv_head = rank * s.kv_heads;
+  } else {
+    // Fewer key/value heads than ranks: the one this rank's query heads share.
+    s.kv_heads = 1;
+    s.first_kv_head = s.first_head / (c.num_attention_heads / kv);
+  }
+  s.intermediate = c.intermediate_size / size;
+  s.shared_intermediate = r.shared_intermediate / size;
+  s.experts = r.num_experts / size;
+  s.first_expert = rank * s.experts;
+  s.vocab_stride = (c.vocab_size + size - 1) / size;
+  s.first_vocab = std::min<int64_t>(c.vocab_size, rank * s.vocab_stride);
+  s.vocab = std::min<int64_t>(c.vocab_size, s.first_vocab + s.vocab_stride) - s.first_vocab;
+  return s;
+}
+
+namespace {
+
+// Which part of a checkpoint tensor a rank holds.
+struct Slice {
+  enum class Kind { kWhole, kRows, kColumns, kRank0, kSkip, kRename } kind = Kind::kWhole;
+  // Rows or columns: [start, start + length) ranges, concatenated.
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  int64_t full = 0;    // the checkpoint's size along that dimension
+  std::string rename;  // the model's name, when it differs
+};
+
+class ShardingHook : public dispatch::LoadHook {
+ public:
+  ShardingHook(ResolvedConfig r, ShardShape s, int rank, at::ScalarType dtype,
+               dispatch::LoadHook* inner)
+      : r_(std::move(r)), s_(s), rank_(rank), dtype_(dtype), inner_(inner) {}
+
+  bool Claims(absl::string_view name) const override {
+    std::optional<Slice> slice = SliceOf(name);
+    if (slice && slice->kind != Slice::Kind::kWhole) return true;
+    return inner_ != nullptr && inner_->Claims(name);
+  }
+
+  absl::StatusOr<std::vector<dispatch::HookTensor>> Convert(const std::string& name,
+                                                            const at::Tensor& stored) override {
+    std::optional<Slice> slice = SliceOf(name);
+    if (!slice || slice->kind == Slice::Kind::kWhole) return inner_->Convert(name, stored);
+    if (slice->kind == Slice::Kind::kSkip) return std::vector<dispatch::HookTensor>{};
+    const std::string model_name = slice->rename.empty() ? name : slice->rename;
+    at::Tensor mine;
+    if (slice->kind == Slice::Kind::kRank0) {
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        mine = rank_ == 0 ? stored.to(dtype_).contiguous() : at::zeros(stored.sizes(), dtype_);
+      }));
+    } else if (slice->kind == Slice::Kind::kRows || slice->kind == Slice::Kind::kColumns) {
+      const int64_t dim = slice->kind == Slice::Kind::kRows ? 0 : 1;
+      if (stored.dim() <= dim || stored.size(dim) != slice->full) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor '", name, "': shape [", absl::StrJoin(stored.sizes(), ", "),
+                         "] has no ", dim == 0 ? "dimension 0" : "dimension 1", " of ", slice->full,
+                         ", which config.json calls for (tensor parallel slicing)"));
+      }
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        std::vector<at::Tensor> parts;
+        for (const auto& [start, length] : slice->ranges) {
+          parts.push_back(stored.narrow(dim, start, length));
+        }
+        // Only these bytes of the mapping are read.
+        mine = (parts.size() == 1 ? parts[0] : at::cat(parts, dim)).to(dtype_).contiguous();
+      }));
+    } else {
+      mine = stored;  // this rank's expert, whole, under its local index
+    }
+    if (inner_ != nullptr && inner_->Claims(model_name)) return inner_->Convert(model_name, mine);
+    at::Tensor converted;
+    ACCEL_RETURN_IF_ERROR(CallTorch(
+        [&] { converted = c10::isFloatingType(mine.scalar_type()) ? mine.to(dtype_) : mine; }));
+    return std::vector<dispatch::HookTensor>{{model_name, converted}};
+  }
+
+  absl::Status Finish() override { return inner_ != nullptr ? inner_->Finish() : absl::OkStatus(); }
+
+ private:
+  std::optional<Slice> SliceOf(absl::string_view name) const {
+    const int64_t d = r_.config.head_size(), hidden_heads = r_.config.num_attention_heads;
+    const int64_t q_out = hidden_heads * d, kv_out = r_.config.kv_heads() * d;
+    const std::pair<int64_t, int64_t> q = {s_.first_head * d, s_.heads * d};
+    const std::pair<int64_t, int64_t> kv = {s_.first_kv_head * d, s_.kv_heads * d};
+    const auto rows = [](std::vector<std::pair<int64_t, int64_t>> ranges, int64_t full) {
+      Slice s;
+      s.kind = Slice::Kind::kRows;
+      s.ranges = std::move(ranges);
+      s.full = full;
+      return s;
+    };
+    const auto columns = [](std::pair<int64_t, int64_t> range, int64_t full) {
+      Slice s;
+      s.kind = Slice::Kind::kColumns;
+      s.ranges = {range};
+      s.full = full;
+      return s;
+    };
+    if (name == "model.embed_tokens.weight" || name == "lm_head.weight") {
+      return rows({{s_.first_vocab, s_.vocab}}, r_.config.vocab_size);
+    }
+    std::vector<std::string> parts = absl::StrSplit(name, '.');
+    int64_t layer = -1;
+    if (parts.size() < 5 || parts[0] != "model" || parts[1] != "layers" ||
+        !absl::SimpleAtoi(parts[2], &layer)) {
+      return std::nullopt;
+    }
+    const std::vector<std::string> rest(parts.begin() + 3, parts.end());
+    const std::string& what = rest.back();  // weight / bias
+    if (rest[0] == "self_attn" && rest.size() == 3) {
+      const std::string& proj = rest[1];
+      if (proj == "q_proj") return rows({q}, q_out);
+      if (proj == "k_proj" || proj == "v_proj") return rows({kv}, kv_out);
+      if (proj == "o_proj" && what == "weight") return columns(q, q_out);
+      if (proj == "o_proj" && what == "bias") {
+        Slice s;
+        s.kind = Slice::Kind::kRank0;
+        return s;
+      }
+      if (proj == "qkv_proj") {
+        return rows({q, {q_out + kv.first, kv.second}, {q_out + kv_out + kv.first, kv.second}},
+                    q_out + 2 * kv_out);
+      }
+      return std::nullopt;
+    }
+    if ((rest[0] == "mlp" || rest[0] == "block_sparse_moe") && rest.size() >= 3) {
+      if (rest[1] == "experts" && rest.size() >= 4) {
+        int64_t e = -1;
+        if (!absl::SimpleAtoi(rest[2], &e)) return std::nullopt;
+        Slice s;
+        if (e < s_.first_expert || e >= s_.first_expert + s_.experts) {
+          s.kind = Slice::Kind::kSkip;
+          return s;
+        }
+        s.kind = Slice::Kind::kRename;
+        std::vector<std::string> renamed = parts;
+        renamed[5] = absl::StrCat(e - s_.first_expert);
+        s.rename = absl::StrJoin(renamed, ".");
+        return s;
+      }
+      // The dense MLP (mlp.gate_proj ...) or Qwen2-MoE's shared expert.
+      const bool shared = rest[1] == "shared_expert";
+      if (rest.size() != (shared ? 4u : 3u) || rest[0] != "mlp") return std::nullopt;
+      const std::string& proj = rest[shared ? 2 : 1];
+      const int64_t full = shared ? r_.shared_intermediate : r_.config.intermediate_size;
+      const int64_t width = shared ? s_.shared_intermediate : s_.intermediate;
+      const std::pair<int64_t, int64_t> mine = {rank_ * width, width};
+      if (proj == "gate_proj" || proj == "up_proj") return rows({mine}, full);
+      if (proj == "down_proj") return columns(mine, full);
+      if (proj == "gate_up_proj") return rows({mine, {full + mine.first, width}}, 2 * full);
+    }
+    return std::nullopt;
+  }
+
+  ResolvedConfig r_;
+  ShardShape s_;
+  int rank_;
+  at::ScalarType dtype_;
+  dispatch::LoadHook* inner_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<dispatch::LoadHook>> MakeShardingHook(
+    const loader::ModelConfig& config, const TensorParallel& tp, at::ScalarType dtype,
+    dispatch::LoadHook* inner) {
+  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig r, ResolveConfig(config));
+  ACCEL_ASSIGN_OR_RETURN(ShardShape s, ShardShapeFor(config, tp.rank, tp.size));
+  return std::make_unique<ShardingHook>(std::move(r), s, tp.rank, dtype, inner);
+}
+
+// ---------------------------------------------------------------------------
+// The step protocol: rank 0 broadcasts one message per step (or a heartbeat,
+// or stop); every rank then runs the step's forward, whose collectives pair
+// up in the same order on every rank.
+
+namespace {
+
+enum class MessageKind : uint8_t { kStep = 0, kHeartbeat = 1, kStop = 2 };
+
+class Writer {
+ public:
+  template <typename T>
+  void Put(T value) {
+    out_.append(reinterpret_cast<const char*>(&value), sizeof(T));
+  }
+  template <typename T>
+  void PutArray(const T* data, int64_t n) {
+    Put<int64_t>(n);
+    out_.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n) * sizeof(T));
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::string& in) : in_(in) {}
+  template <typename T>
+  bool Get(T& value) {
+    if (in_.size() - at_ < sizeof(T)) return false;
+    std::memcpy(&value, in_.data() + at_, sizeof(T));
+    at_ += sizeof(T);
+    return true;
+  }
+  template <typename T>
+  bool GetArray(std::vector<T>& values) {
+    int64_t n = 0;
+    if (!Get(n) || n < 0 || static_cast<uint64_t>(n) > (in_.size() - at_) / sizeof(T)) {
+      return false;
+    }
+    values.resize(static_cast<size_t>(n));
+    std::memcpy(values.data(), in_.data() + at_, static_cast<size_t>(n) * sizeof(T));
+    at_ += static_cast<size_t>(n) * sizeof(T);
+    return true;
+  }
+  bool done() const { return at_ == in_.size(); }
+
+ private:
+  const std::string& in_;
+  size_t at_ = 0;
+};
+
+// Errors a step finds before any collective, the same on every rank (the
+// ids and chunks are the same): the ranks stay in step after them.
+bool BeforeCollectives(const absl::Status& status) {
+  return absl::IsInvalidArgument(status) || absl::IsFailedPrecondition(status) ||
+         absl::IsOutOfRange(status);
+}
+
+int64_t NanosSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                              start)
+      .count();
+}
+
+}  // namespace
+
+TensorParallelLeader::TensorParallelLeader(std::shared_ptr<CausalLM> shard,
+                                           dispatch::DispatchedModel* dispatched,
+                                           dist::ProcessGroup* group)
+    : CausalLM(shard->name(), shard->config(), shard->dtype()),
+      shard_(std::move(shard)),
+      dispatched_(dispatched),
+      group_(group) {}
+
+TensorParallelLeader::~TensorParallelLeader() { (void)Stop(); }
+
+bool TensorParallelLeader::healthy() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !broken_;
+}
+
+absl::Status TensorParallelLeader::Send(const std::string& message) {
+  const auto start = std::chrono::steady_clock::now();
+  c10::InferenceMode normal(false);  // gloo writes its buffers on its own threads
+  absl::StatusOr<std::string> sent = group_->BroadcastBytes(message, 0);
+  internal::AddCollectiveNanos(NanosSince(start));
+  if (!sent.ok()) {
+    broken_ = true;
+    return absl::UnavailableError(
+        absl::StrCat("tensor parallel: sending the step to the worker ranks failed (a worker "
+                     "died or stopped answering): ",
+                     sent.status().message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<at::Tensor> TensorParallelLeader::Forward(const at::Tensor& input_ids,
+                                                         absl::Span<const SequenceChunk> chunks,
+                                                         Logits which,
+                                                         dispatch::DispatchedModel* dispatched) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (broken_ || stopped_) {
+    return absl::UnavailableError(
+        "tensor parallel: the worker ranks are gone (an earlier collective failed)");
+  }
+  Writer w;
+  w.Put(MessageKind::kStep);
+  w.Put(static_cast<uint8_t>(which));
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    const at::Tensor ids = input_ids.to(at::kCPU, at::kLong).contiguous();
+    w.PutArray(ids.data_ptr<int64_t>(), ids.numel());
+  }));
+  int64_t total = 0;
+  w.Put<int64_t>(static_cast<int64_t>(chunks.size()));
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const SequenceChunk& c = chunks[i];
+    if (c.cache != nullptr && !c.cache->paged()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("chunk ", i,
+                       ": tensor parallel steps need paged KV caches (the worker ranks keep "
+                       "their heads in their own block stores)"));
+    }
+    total += c.tokens;
+    w.Put<int64_t>(c.tokens);
+    w.Put<uint8_t>(c.cache != nullptr ? 1 : 0);
+    if (c.cache != nullptr) {
+      w.Put<int64_t>(c.cache->length);
+      w.Put<int64_t>(c.cache->store->num_blocks());
+      w.Put<int64_t>(c.cache->store->block_size());
+      w.PutArray(c.cache->block_table.data(), static_cast<int64_t>(c.cache->block_table.size()));
+    }
+  }
+  if (total != input_ids.numel()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the chunks hold ", total, " tokens but input_ids has ", input_ids.numel()));
+  }
+  ACCEL_RETURN_IF_ERROR(Send(w.Take()));
+  absl::StatusOr<at::Tensor> logits =
+      shard_->Forward(input_ids, chunks, which, dispatched != nullptr ? dispatched : dispatched_);
+  if (!logits.ok() && !BeforeCollectives(logits.status())) broken_ = true;
+  return logits;
+}
+
+absl::Status TensorParallelLeader::Heartbeat() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (broken_ || stopped_) {
+    return absl::UnavailableError("tensor parallel: the worker ranks are gone");
+  }
+  Writer w;
+  w.Put(MessageKind::kHeartbeat);
+  return Send(w.Take());
+}
+
+absl::Status TensorParallelLeader::Stop() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_ || broken_) return absl::OkStatus();
+  stopped_ = true;
+  Writer w;
+  w.Put(MessageKind::kStop);
+  return Send(w.Take());
+}
+
+absl::Status RunTensorParallelWorker(CausalLM& shard, dispatch::DispatchedModel* dispatched,
+                                     dist::ProcessGroup& group) {
+  std::unique_ptr<KvBlockStore> store;
+  const size_t layers = static_cast<size_t>(shard.config().num_hidden_layers);
+  while (true) {
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<std::string> message = group.BroadcastBytes("", 0);
+    internal::AddCollectiveNanos(NanosSince(start));
+    if (!message.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("tensor parallel worker rank ", group.rank(),
+                       ": waiting for the leader's next step failed (the leader died or went "
+                       "silent): ",
+                       message.status().message()));
+    }
+    Reader r(*message);
+    MessageKind kind;
+    if (!r.Get(kind)) return absl::InternalError("tensor parallel worker: an empty message");
+    if (kind == MessageKind::kStop) return absl::OkStatus();
+    if (kind == MessageKind::kHeartbeat) continue;
+    if (kind != MessageKind::kStep) {
+      return absl::InternalError(
+          absl::StrCat("tensor parallel worker: unknown message kind ", static_cast<int>(kind)));
+    }
+    uint8_t which = 0;
+    std::vector<int64_t> ids;
+    int64_t count = 0;
+    bool ok = r.Get(which) && r.GetArray(ids) && r.Get(count) && count >= 0;
+    std::vector<KvCache> caches(ok ? static_cast<size_t>(count) : 0);
+    std::vector<SequenceChunk> chunks(caches.size());
+    for (size_t i = 0; ok && i < caches.size(); ++i) {
+      uint8_t has_cache = 0;
+      ok = r.Get(chunks[i].tokens) && r.Get(has_cache);
+      if (!ok || has_cache == 0) continue;
+      int64_t num_blocks = 0, block_size = 0;
+      ok = r.Get(caches[i].length) && r.Get(num_blocks) && r.Get(block_size) &&
+           r.GetArray(caches[i].block_table) && num_blocks > 0 && block_size > 0;
+      if (!ok) break;
+      if (store == nullptr || store->num_blocks() != num_blocks ||
+          store->block_size() != block_size) {
+        store = std::make_unique<KvBlockStore>(num_blocks, block_size, layers);
+      }
+      caches[i].store = store.get();
+      chunks[i].cache = &caches[i];
+    }
+    if (!ok || !r.done() || which > static_cast<uint8_t>(Logits::kLastOfEach)) {
+      return absl::InternalError("tensor parallel worker: a malformed step message");
+    }
+    at::Tensor input;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { input = at::tensor(ids, at::kLong); }));
+    absl::StatusOr<at::Tensor> logits;
+    {
+      c10::InferenceMode inference;
+      logits = shard.Forward(input, chunks, static_cast<Logits>(which), dispatched);
+    }
+    if (!logits.ok() && !BeforeCollectives(logits.status())) {
+      return Annotate(logits.status(), absl::StrCat("tensor parallel worker rank ", group.rank()));
+    }
+  }
+}
+
+double TensorParallelCollectiveSeconds() { return internal::CollectiveSeconds(); }
+int64_t TensorParallelCollectiveBytes() { return internal::CollectiveBytes(); }
+
+TensorParallelTraffic TensorParallelTrafficPerToken(const loader::ModelConfig& config,
+                                                    at::ScalarType dtype, int size) {
+  TensorParallelTraffic t;
+  if (size <= 1) return t;
+  const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t stride = (config.vocab_size + size - 1) / size;
+  // The embedding's all-reduce, two a layer (attention, MLP), the logits' gather.
+  t.all_reduces = 1 + 2 * config.num_hidden_layers;
+  t.payload_bytes = t.all_reduces * config.hidden_size * element + stride * element;
+  const double ring = 2.0 * (size - 1) / size;
+  t.wire_bytes = ring * static_cast<double>(t.all_reduces * config.hidden_size * element) +
+                 static_cast<double>((size - 1) * stride * element);
+  return t;
+}
+
+}  // namespace accel::models

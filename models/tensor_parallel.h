@@ -1,0 +1,166 @@
+// models/tensor_parallel.h: one model split over the ranks of a process
+// group, as Megatron-LM splits it (Shoeybi et al. 2019), so that each rank
+// holds and reads only its slice of the checkpoint:
+//
+//   q/k/v_proj   column-parallel by heads (rank r: query heads
+//                [r H/N, (r+1) H/N) and the key/value heads they read; with
+//                fewer key/value heads than ranks, each rank holds the one
+//                its query heads share, replicated on N / KV ranks)
+//   o_proj       row-parallel (the same heads' columns), then all-reduce
+//   gate/up_proj column-parallel, down_proj row-parallel, then all-reduce
+//   experts      expert parallel: rank r holds experts [r E/N, (r+1) E/N),
+//                every rank routes with the whole router and runs its own
+//                picked experts; the block's output is all-reduced
+//   embed_tokens vocab-parallel rows [r ceil(V/N), ...): ids outside the
+//                slice read zeros, then all-reduce
+//   lm_head      vocab-parallel rows, logits all-gathered
+//   norms, routers, the shared expert's gate: replicated
+//
+// Biases of row-parallel layers are held by rank 0 only (the others hold
+// zeros), so the all-reduce adds them once. Quantization (nf4 / int8) runs
+// on each rank's slice, as bitsandbytes would quantize that slice.
+//
+//   TensorParallel tp{group->rank(), group->size(), group.get()};
+//   ACCEL_RETURN_IF_ERROR(CheckTensorParallel(config, tp.size));
+//   model = BuildCausalLM(config, dtype, tp);       // this rank's shapes
+//   load.hook = MakeShardingHook(config, tp, dtype, quant_hook).get();
+//
+// The ranks run every step together: rank 0 (the leader) drives the model
+// through a TensorParallelLeader, which sends each step's ids and KV block
+// tables to the workers before running its own slice; each worker runs
+// RunTensorParallelWorker until the leader stops it.
+#ifndef ACCEL_MODELS_TENSOR_PARALLEL_H_
+#define ACCEL_MODELS_TENSOR_PARALLEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+#include "dispatch/dispatch.h"
+#include "loader/config.h"
+#include "models/causal_lm.h"
+
+namespace accel::dist {
+class ProcessGroup;
+}  // namespace accel::dist
+
+namespace accel::models {
+
+// What one rank of `size` holds of a config's model.
+struct ShardShape {
+  int64_t heads = 0;          // query heads
+  int64_t kv_heads = 0;       // key/value heads
+  int64_t first_head = 0;     // its first query head
+  int64_t first_kv_head = 0;  // its first key/value head
+  int64_t intermediate = 0;   // dense MLP width
+  int64_t shared_intermediate = 0;
+  int64_t experts = 0;  // experts per sparse block
+  int64_t first_expert = 0;
+  int64_t vocab = 0;         // embedding / head rows
+  int64_t first_vocab = 0;   // its first row
+  int64_t vocab_stride = 0;  // ceil(V / N): every rank's slice padded to it
+};
+
+// InvalidArgument naming the field when `config`'s model cannot be split
+// over `size` ranks: query heads, key/value heads (unless fewer than `size`
+// and dividing it), intermediate_size, the shared expert's width or the
+// expert count not divisible by `size`; Unimplemented naming the
+// architecture for GPT-2 and for LongRoPE models (whose step may recompute
+// a sequence from ids the workers do not keep). OK for size 1.
+absl::Status CheckTensorParallel(const loader::ModelConfig& config, int size);
+
+// Rank `rank` of `size`'s shapes (after CheckTensorParallel).
+absl::StatusOr<ShardShape> ShardShapeFor(const loader::ModelConfig& config, int rank, int size);
+
+// The dispatch::LoadHook that gives this rank its slices: sliced tensors
+// are read from the checkpoint's mapping (only their own bytes), converted
+// to `dtype`, then handed to `inner` (the quantization hook, which then
+// quantizes the slice) when it claims the name; other ranks' experts are
+// skipped unread, this rank's renamed to their local index; tensors that
+// are not split go to `inner` or load as they are. `inner` may be null and
+// must outlive the hook. InvalidArgument naming the tensor for a shape
+// that does not match the config.
+absl::StatusOr<std::unique_ptr<dispatch::LoadHook>> MakeShardingHook(
+    const loader::ModelConfig& config, const TensorParallel& tp, at::ScalarType dtype,
+    dispatch::LoadHook* inner);
+
+// Rank 0's view of a tensor-parallel model: a CausalLM whose Forward sends
+// the step (ids, and each chunk's position and KV block table) to the other
+// ranks, then runs this rank's slice with them. Every other rank runs
+// RunTensorParallelWorker. Chunks need paged caches (or no cache): a
+// worker's keys and values live in its own block store, at the block ids
+// the leader's tables name. Thread-safe: steps and heartbeats are
+// serialised.
+class TensorParallelLeader : public CausalLM {
+ public:
+  // `shard`: this rank's model (BuildCausalLM with rank 0's TensorParallel),
+  // loaded.
+  TensorParallelLeader(std::shared_ptr<CausalLM> shard, dispatch::DispatchedModel* dispatched,
+                       dist::ProcessGroup* group);
+  ~TensorParallelLeader() override;
+
+  // InvalidArgument (nothing sent) for a contiguous cache or chunks that do
+  // not match the ids; Unavailable once a collective failed (a worker died
+  // or stopped answering within the group's timeout): the group is broken
+  // from then on, every later step fails at once.
+  absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
+                                     absl::Span<const SequenceChunk> chunks, Logits which,
+                                     dispatch::DispatchedModel* dispatched) override;
+
+  // Tells the workers the leader is alive while no step runs (they wait for
+  // the next message within the group's timeout). Unavailable as Forward.
+  absl::Status Heartbeat();
+  // Ends the workers' loops (they return OK). Idempotent; the destructor
+  // calls it.
+  absl::Status Stop();
+  // Whether every collective so far succeeded.
+  bool healthy() const;
+
+ private:
+  absl::Status Send(const std::string& message);
+
+  std::shared_ptr<CausalLM> shard_;
+  dispatch::DispatchedModel* dispatched_;
+  dist::ProcessGroup* group_;
+  mutable std::mutex mu_;
+  bool broken_ = false, stopped_ = false;
+};
+
+// A worker rank's loop: receives each step from rank 0 and runs `shard`
+// (this rank's model) on it, until the leader stops it (OK) or a collective
+// fails (Unavailable naming it: the leader died or went silent).
+absl::Status RunTensorParallelWorker(CausalLM& shard, dispatch::DispatchedModel* dispatched,
+                                     dist::ProcessGroup& group);
+
+// Seconds this process has spent in tensor-parallel collectives (the
+// all-reduces and gathers inside steps, and the leader's step messages).
+double TensorParallelCollectiveSeconds();
+// Bytes this process has handed to those collectives (its payload).
+int64_t TensorParallelCollectiveBytes();
+
+// What one token of a step costs each rank in collectives, on paper: the
+// all-reduces (the embedding's, then attention's and the MLP's in every
+// layer) of hidden_size values and the logits' gather of a vocab slice, in
+// the model's dtype. payload_bytes is what the rank hands to them (what
+// TensorParallelCollectiveBytes counts); wire_bytes what it sends with a
+// ring all-reduce (2 (N - 1) / N of each all-reduce's payload) and an
+// all-gather ((N - 1) slices).
+struct TensorParallelTraffic {
+  int64_t all_reduces = 0;
+  int64_t payload_bytes = 0;
+  double wire_bytes = 0;
+};
+TensorParallelTraffic TensorParallelTrafficPerToken(const loader::ModelConfig& config,
+                                                    at::ScalarType dtype, int size);
+
+}  // namespace accel::models
+
+#endif  // ACCEL_MODELS_TENSOR_PARALLEL_H_

@@ -1,0 +1,399 @@
+// Tensor parallel: the configurations refused by name, each rank's slice of
+// the checkpoint against the whole model's tensors, and greedy tokens of
+// real ranks (processes over gloo on 127.0.0.1) against one process.
+#include "models/tensor_parallel.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <ATen/TensorIndexing.h>
+#include <c10/core/InferenceMode.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/nn/module.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+#include "dist/env.h"
+#include "dist/process_group.h"
+#include "models/families.h"
+#include "models/load_model.h"
+#include "models/make_model.h"
+#include "tests/testing/multiprocess.h"
+#include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+
+namespace accel::models {
+namespace {
+
+using ::accel::test::IsOk;
+using ::accel::test::StatusIs;
+using ::accel::test::TempDir;
+using ::testing::AllOf;
+using ::testing::Each;
+using ::testing::HasSubstr;
+
+loader::ModelConfig Config(MakeModelOptions o) {
+  absl::StatusOr<loader::ModelConfig> c = MakeModelConfig(o);
+  EXPECT_THAT(c, IsOk());
+  return c.ok() ? *c : loader::ModelConfig();
+}
+
+// Each rank's slice of a row-parallel layer's input (2 of 4 heads of 32, half
+// of 256) is a whole number of 4-bit blocks (64), so nf4 blocks are the
+// whole model's, as in real models (4096 / 8 = 512).
+MakeModelOptions Small(const std::string& family) {
+  MakeModelOptions o;
+  o.family = family;
+  o.hidden_size = 128;
+  o.num_heads = 4;
+  o.num_kv_heads = 2;
+  o.intermediate_size = 256;
+  o.vocab_size = 301;  // not divisible by 2: the last slice is padded
+  o.num_layers = 2;
+  o.num_experts = 4;
+  o.moe_intermediate_size = 64;
+  o.shared_expert_intermediate_size = 128;
+  o.seed = 7;
+  return o;
+}
+
+TEST(CheckTensorParallel, RefusesWhatCannotSplitByName) {
+  MakeModelOptions o = Small("llama");
+  EXPECT_THAT(CheckTensorParallel(Config(o), 2), IsOk());
+  EXPECT_THAT(CheckTensorParallel(Config(o), 1), IsOk());
+  EXPECT_THAT(CheckTensorParallel(Config(o), 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least 1")));
+  EXPECT_THAT(CheckTensorParallel(Config(o), 8),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_attention_heads (4)")));
+  o.num_heads = 6;
+  o.num_kv_heads = 3;
+  o.hidden_size = 96;
+  EXPECT_THAT(CheckTensorParallel(Config(o), 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_key_value_heads (3)")));
+  o = Small("llama");
+  o.intermediate_size = 250;
+  EXPECT_THAT(CheckTensorParallel(Config(o), 4),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("intermediate_size (250)")));
+  o = Small("mixtral");
+  o.num_experts = 6;
+  EXPECT_THAT(CheckTensorParallel(Config(o), 4),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_local_experts (6)")));
+  o = Small("qwen3_moe");
+  o.num_experts = 6;
+  EXPECT_THAT(CheckTensorParallel(Config(o), 4),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_experts (6)")));
+  o = Small("qwen2_moe");
+  o.shared_expert_intermediate_size = 130;
+  EXPECT_THAT(CheckTensorParallel(Config(o), 4),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("shared_expert_intermediate_size (130)")));
+  o = Small("gpt2");
+  EXPECT_THAT(CheckTensorParallel(Config(o), 2),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("GPT2LMHeadModel")));
+  o = Small("phi3");
+  o.longrope_factor = 4;
+  EXPECT_THAT(CheckTensorParallel(Config(o), 2),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("LongRoPE")));
+  // The model itself refuses the same way.
+  o = Small("llama");
+  TensorParallel tp;
+  tp.size = 8;
+  EXPECT_THAT(BuildCausalLM(Config(o), at::kFloat, tp),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_attention_heads")));
+}
+
+TEST(ShardShapeFor, FewerKeyValueHeadsThanRanksAreReplicated) {
+  MakeModelOptions o = Small("llama");
+  o.num_heads = 8;
+  o.num_kv_heads = 2;
+  for (int rank = 0; rank < 4; ++rank) {
+    absl::StatusOr<ShardShape> s = ShardShapeFor(Config(o), rank, 4);
+    ASSERT_THAT(s, IsOk());
+    EXPECT_EQ(s->heads, 2);
+    EXPECT_EQ(s->first_head, 2 * rank);
+    EXPECT_EQ(s->kv_heads, 1);
+    // Query heads 0-3 read key/value head 0, heads 4-7 head 1.
+    EXPECT_EQ(s->first_kv_head, rank / 2);
+  }
+  // 301 rows over 2 ranks: 151 and 150, both padded to 151 for the gather.
+  absl::StatusOr<ShardShape> last = ShardShapeFor(Config(Small("llama")), 1, 2);
+  ASSERT_THAT(last, IsOk());
+  EXPECT_EQ(last->first_vocab, 151);
+  EXPECT_EQ(last->vocab, 150);
+  EXPECT_EQ(last->vocab_stride, 151);
+}
+
+// The named parameters of a loaded model, on the cpu.
+std::map<std::string, at::Tensor> Parameters(LoadedModel& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : m.model->named_parameters(true)) out[p.key()] = p.value();
+  return out;
+}
+
+LoadedModel Load(const std::string& dir, int rank, int size, const std::string& quantize = "none",
+                 dist::ProcessGroup* group = nullptr) {
+  ModelLoadOptions options;
+  options.device_map = "cpu";
+  options.progress = Progress::Style::kSilent;
+  options.quantize = quantize;
+  options.tensor_parallel.rank = rank;
+  options.tensor_parallel.size = size;
+  options.tensor_parallel.group = group;
+  absl::StatusOr<LoadedModel> loaded = LoadModel(dir, options);
+  EXPECT_THAT(loaded, IsOk()) << dir;
+  return loaded.ok() ? *std::move(loaded) : LoadedModel();
+}
+
+// Each rank's slices, put back together as the test reads Megatron's split
+// (heads of q/k/v and o's columns, the MLP's width, experts by index, vocab
+// rows), are the whole model's tensors.
+TEST(ShardingHook, EachRankHoldsItsSliceOfTheCheckpoint) {
+  for (const char* family : {"llama", "mixtral", "qwen2_moe", "phi3"}) {
+    SCOPED_TRACE(family);
+    TempDir dir;
+    MakeModelOptions o = Small(family);
+    o.attention_bias = true;  // llama: o_proj has a bias, held by rank 0 alone
+    ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
+    LoadedModel whole = Load(dir.path(), 0, 1);
+    LoadedModel r0 = Load(dir.path(), 0, 2), r1 = Load(dir.path(), 1, 2);
+    ASSERT_TRUE(whole.model && r0.model && r1.model);
+    std::map<std::string, at::Tensor> w = Parameters(whole), a = Parameters(r0), b = Parameters(r1);
+    const int64_t d = 32;  // 128 / 4 heads
+    for (const auto& [name, full] : w) {
+      SCOPED_TRACE(name);
+      const std::vector<std::string> parts = absl::StrSplit(name, '.');
+      const std::string proj = parts.size() >= 2 ? parts[parts.size() - 2] : "";
+      if (name.find(".experts.") != std::string::npos) {
+        // Experts 0-1 on rank 0, 2-3 on rank 1 as its 0-1.
+        const int e = std::stoi(parts[5]);
+        std::vector<std::string> local = parts;
+        local[5] = std::to_string(e % 2);
+        const std::string mine = absl::StrJoin(local, ".");
+        const auto& holder = e < 2 ? a : b;
+        const auto& other = e < 2 ? b : a;
+        ASSERT_TRUE(holder.count(mine)) << mine;
+        EXPECT_TRUE(at::equal(holder.at(mine), full));
+        EXPECT_FALSE(other.count(mine) && at::equal(other.at(mine), full));
+        continue;
+      }
+      ASSERT_TRUE(a.count(name) && b.count(name));
+      const at::Tensor &x = a.at(name), &y = b.at(name);
+      if (name == "model.embed_tokens.weight" || name == "lm_head.weight") {
+        EXPECT_TRUE(at::equal(at::cat({x, y}), full));
+        EXPECT_EQ(x.size(0), 151);
+      } else if (proj == "q_proj") {
+        // 4 query heads: 0-1 on rank 0, 2-3 on rank 1.
+        EXPECT_TRUE(at::equal(at::cat({x, y}), full));
+        EXPECT_EQ(x.size(0), 2 * d);
+      } else if (proj == "k_proj" || proj == "v_proj") {
+        EXPECT_TRUE(at::equal(x, full.narrow(0, 0, d)));  // kv head 0 for heads 0-1
+        EXPECT_TRUE(at::equal(y, full.narrow(0, d, d)));
+      } else if (proj == "o_proj" && parts.back() == "weight") {
+        EXPECT_TRUE(at::equal(at::cat({x, y}, 1), full));
+      } else if (proj == "o_proj") {
+        EXPECT_TRUE(at::equal(x, full));
+        EXPECT_TRUE(at::equal(y, at::zeros_like(full)));
+      } else if (proj == "qkv_proj") {
+        // [q heads 0-3 | k heads 0-1 | v heads 0-1]: rank 1 holds q 2-3, k 1, v 1.
+        EXPECT_TRUE(at::equal(y, at::cat({full.narrow(0, 2 * d, 2 * d), full.narrow(0, 5 * d, d),
+                                          full.narrow(0, 7 * d, d)})));
+      } else if (proj == "gate_up_proj") {
+        const int64_t i = full.size(0) / 2;
+        EXPECT_TRUE(at::equal(
+            y, at::cat({full.narrow(0, i / 2, i / 2), full.narrow(0, i + i / 2, i / 2)})));
+      } else if (proj == "gate_proj" || proj == "up_proj") {
+        EXPECT_TRUE(at::equal(at::cat({x, y}), full));
+      } else if (proj == "down_proj") {
+        EXPECT_TRUE(at::equal(at::cat({x, y}, 1), full));
+      } else {
+        // Norms, routers, the shared expert's gate: replicated.
+        EXPECT_TRUE(at::equal(x, full));
+        EXPECT_TRUE(at::equal(y, full));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Real ranks. Rank 0 runs greedy decoding of two prompts (packed together,
+// paged KV) through a TensorParallelLeader and compares the tokens with the
+// whole model in its own process; rank 1 runs RunTensorParallelWorker.
+
+constexpr int kNewTokens = 8;
+
+// Greedy decoding of two prompts together, on paged caches: each step's
+// tokens and logits [2, vocab]. `last_step_bytes`: what the last step handed
+// to collectives.
+struct GreedyRun {
+  std::vector<std::vector<int64_t>> tokens{2};
+  std::vector<at::Tensor> logits;
+};
+
+GreedyRun Greedy(CausalLM& model, dispatch::DispatchedModel* dispatched,
+                 int64_t* last_step_bytes = nullptr) {
+  c10::InferenceMode inference;
+  KvBlockStore store(/*num_blocks=*/16, /*block_size=*/4,
+                     static_cast<size_t>(model.config().num_hidden_layers));
+  std::vector<std::vector<int64_t>> prompts = {{5, 17, 42, 99, 3, 250, 7}, {300, 1, 2}};
+  std::vector<KvCache> caches(2);
+  for (int s = 0; s < 2; ++s) {
+    caches[s].store = &store;
+    for (int b = 0; b < 8; ++b) caches[s].block_table.push_back(8 * s + b);
+  }
+  GreedyRun out;
+  std::vector<int64_t> ids = prompts[0];
+  ids.insert(ids.end(), prompts[1].begin(), prompts[1].end());
+  std::vector<SequenceChunk> chunks = {{&caches[0], 7}, {&caches[1], 3}};
+  for (int step = 0; step < kNewTokens; ++step) {
+    const int64_t before = TensorParallelCollectiveBytes();
+    absl::StatusOr<at::Tensor> logits =
+        model.Forward(at::tensor(ids, at::kLong), chunks, Logits::kLastOfEach, dispatched);
+    EXPECT_THAT(logits, IsOk());
+    if (!logits.ok()) return {};
+    if (last_step_bytes != nullptr) *last_step_bytes = TensorParallelCollectiveBytes() - before;
+    out.logits.push_back(*logits);
+    at::Tensor next = logits->argmax(-1);
+    ids = {next[0].item<int64_t>(), next[1].item<int64_t>()};
+    out.tokens[0].push_back(ids[0]);
+    out.tokens[1].push_back(ids[1]);
+    chunks = {{&caches[0], 1}, {&caches[1], 1}};
+  }
+  return out;
+}
+
+// Tensor-parallel greedy decoding against one process's. float32: the same
+// tokens. 16-bit: each rank rounds its partial sums to the model's dtype
+// before the all-reduce, so logits differ from one process's in the last
+// bits; each sequence's logits must stay within a bound of the single
+// process's while their tokens agree (sequences are independent), and
+// where a token differs, the single process's best two logits there must
+// be within the observed difference of each other (a near tie, decided by
+// rounding), never a real disagreement.
+void ExpectSameGreedy(const GreedyRun& parallel, const GreedyRun& single, bool exact) {
+  ASSERT_EQ(parallel.logits.size(), static_cast<size_t>(kNewTokens));
+  ASSERT_EQ(single.logits.size(), static_cast<size_t>(kNewTokens));
+  if (exact) {
+    EXPECT_EQ(parallel.tokens, single.tokens);
+    return;
+  }
+  for (int q = 0; q < 2; ++q) {
+    for (int s = 0; s < kNewTokens; ++s) {
+      const at::Tensor a = parallel.logits[s][q], b = single.logits[s][q];
+      const double diff = (a - b).abs().max().item<double>();
+      const double scale = b.abs().max().item<double>();
+      // About 8 roundings to bfloat16 (2^-8 each) of the largest logit.
+      EXPECT_LE(diff, 8 * std::ldexp(1.0, -8) * scale) << "sequence " << q << " step " << s;
+      if (parallel.tokens[q][s] != single.tokens[q][s]) {
+        const at::Tensor top = std::get<0>(b.topk(2));
+        const double margin = (top[0] - top[1]).item<double>();
+        std::printf(
+            "sequence %d: tokens part at step %d, a near tie (margin %g, logits differ "
+            "by at most %g)\n",
+            q, s, margin, diff);
+        EXPECT_LE(margin, 2 * diff) << "sequence " << q << " step " << s;
+        break;
+      }
+    }
+  }
+}
+
+// Bytes of a model's parameters and buffers.
+int64_t ParameterBytes(torch::nn::Module& m) {
+  int64_t bytes = 0;
+  for (const at::Tensor& p : m.parameters(true)) bytes += static_cast<int64_t>(p.nbytes());
+  for (const at::Tensor& b : m.buffers(true)) bytes += static_cast<int64_t>(b.nbytes());
+  return bytes;
+}
+
+TEST(TensorParallelRank, Run) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of TensorParallel.*";
+  absl::StatusOr<dist::ProcessEnvironment> env = dist::DetectProcessEnvironment(dist::ProcessEnv());
+  ASSERT_THAT(env, IsOk());
+  dist::ProcessGroupOptions options;
+  options.timeout = absl::Seconds(60);
+  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> group =
+      dist::ProcessGroup::Connect(*env, options);
+  ASSERT_THAT(group, IsOk());
+  const int rank = (*group)->rank(), size = (*group)->size();
+  // ACCEL_TP_CASES: "dir:quantize" entries separated by ','.
+  for (absl::string_view item : absl::StrSplit(std::getenv("ACCEL_TP_CASES"), ',')) {
+    const std::vector<std::string> fields = absl::StrSplit(item, ':');
+    SCOPED_TRACE(item);
+    LoadedModel shard = Load(fields[0], rank, size, fields[1], group->get());
+    ASSERT_TRUE(shard.model);
+    if (rank != 0) {
+      EXPECT_THAT(RunTensorParallelWorker(*shard.model, shard.dispatched.get(), **group), IsOk());
+      continue;
+    }
+    TensorParallelLeader leader(shard.model, shard.dispatched.get(), group->get());
+    {
+      // Refused before anything is sent: a contiguous cache.
+      c10::InferenceMode inference;
+      KvCache contiguous;
+      EXPECT_THAT(
+          leader.Forward(at::tensor({1, 2}, at::kLong), {{&contiguous, 2}}, Logits::kAll, nullptr),
+          StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("paged KV caches")));
+      // Refused on every rank before any collective: an id past the vocabulary.
+      EXPECT_THAT(
+          leader.Forward(at::tensor({1, 4000}, at::kLong), {{nullptr, 2}}, Logits::kAll, nullptr),
+          StatusIs(absl::StatusCode::kInvalidArgument));
+      EXPECT_THAT(leader.Heartbeat(), IsOk());
+    }
+    int64_t decode_bytes = 0;
+    const GreedyRun parallel = Greedy(leader, nullptr, &decode_bytes);
+    // A decode step of two tokens: twice what one token costs on paper.
+    EXPECT_EQ(decode_bytes,
+              2 * TensorParallelTrafficPerToken(shard.config, shard.dtype, size).payload_bytes);
+    EXPECT_TRUE(leader.healthy());
+    EXPECT_THAT(leader.Stop(), IsOk());
+    LoadedModel whole = Load(fields[0], 0, 1, fields[1]);
+    ASSERT_TRUE(whole.model);
+    const GreedyRun single = Greedy(*whole.model, whole.dispatched.get());
+    ExpectSameGreedy(parallel, single, shard.dtype == at::kFloat);
+    // Each rank holds about half of the weights (norms and routers are whole).
+    const double share = static_cast<double>(ParameterBytes(*shard.model)) /
+                         static_cast<double>(ParameterBytes(*whole.model));
+    std::printf("%s: rank 0 holds %.1f%% of the weights' bytes\n", std::string(item).c_str(),
+                100 * share);
+    EXPECT_LT(share, 0.55);
+    // What the planner sizes (accel-estimate-memory, device maps) is what the rank holds.
+    absl::StatusOr<dispatch::ModuleTree> tree =
+        ModuleTreeFor(shard.config, shard.dtype, rank, size);
+    ASSERT_THAT(tree, IsOk());
+    if (fields[1] == "none") {
+      EXPECT_EQ(dispatch::ComputeModuleSizes(*tree).total(),
+                static_cast<double>(ParameterBytes(*shard.model)));
+    }
+  }
+  EXPECT_GT(TensorParallelCollectiveSeconds(), 0);
+}
+
+TEST(TensorParallel, TwoRanksDecodeAsOneProcess) {
+  TempDir dir;
+  std::vector<std::string> cases;
+  for (const char* family : {"llama", "mixtral", "qwen3_moe"}) {
+    for (const char* dtype : {"bfloat16", "float32"}) {
+      MakeModelOptions o = Small(family);
+      o.dtype = std::string(dtype) == "bfloat16" ? at::kBFloat16 : at::kFloat;
+      const std::string path = absl::StrCat(dir.path(), "/", family, "-", dtype);
+      ASSERT_THAT(MakeModel(path, o), IsOk());
+      cases.push_back(absl::StrCat(path, ":none"));
+      if (o.dtype == at::kBFloat16) cases.push_back(absl::StrCat(path, ":nf4"));
+    }
+  }
+  EXPECT_THAT(test::RunRanks(2, "TensorParallelRank.Run",
+                             {{"ACCEL_TP_CASES", absl::StrJoin(cases, ",")}}, /*timeout_s=*/120),
+              Each(0));
+}
+
+}  // namespace
+}  // namespace accel::models
