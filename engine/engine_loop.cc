@@ -264,9 +264,11 @@ void EngineLoop::RunStep() {
     // Nothing advanced. Blame the sequences that joined in this step (the
     // step with only running ones worked before), else those still reading
     // their prompt; if none, the model is failing for everyone.
+    // Unavailable (a tensor-parallel group that broke): everyone, at once.
+    const bool broken = absl::IsUnavailable(events.status());
     std::vector<uint64_t> blamed;
     for (const auto& [sequence, r] : running_) {
-      if (r->joined_this_step) blamed.push_back(sequence);
+      if (r->joined_this_step || broken) blamed.push_back(sequence);
     }
     if (blamed.empty()) {
       for (const auto& [sequence, r] : running_) {
@@ -276,8 +278,14 @@ void EngineLoop::RunStep() {
     if (blamed.empty()) {
       for (const auto& [sequence, r] : running_) blamed.push_back(sequence);
     }
-    const absl::Status failed = absl::InternalError(
-        absl::StrCat("the model failed on this request: ", events.status().message()));
+    // A tensor-parallel group that broke (a worker died or stopped
+    // answering) fails every step from now on: UNAVAILABLE, the server's
+    // state rather than the request's, for a client to retry elsewhere.
+    const absl::Status failed =
+        broken ? absl::UnavailableError(
+                     absl::StrCat("the server cannot run the model: ", events.status().message()))
+               : absl::InternalError(
+                     absl::StrCat("the model failed on this request: ", events.status().message()));
     // The operator's record of it: the whole error (a weights file that
     // failed is named here), once per failed step.
     std::fprintf(stderr, "accel: a step failed, ending %zu of %zu running requests: %s\n",

@@ -149,6 +149,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   int64_t draft_block_bytes = 0;
   if (spec.method == SpeculativeConfig::Method::kDraftModel) {
     models::ModelLoadOptions draft_load = load;
+    // The draft model runs whole on the leader: only the target is split.
+    draft_load.tensor_parallel = models::TensorParallel();
     if (spec.quantization) {
       draft_load.quantize = *spec.quantization;
       if (draft_load.quantize != "nf4" && draft_load.quantize != "fp4") {

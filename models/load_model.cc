@@ -532,6 +532,12 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
     return absl::DataLossError(absl::StrCat("loading ", dir, ": ", *fault));
   }
   WarnAboutUnusedTensors(out, dir);
+  if (tp.size > 1 && tp.rank == 0) {
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      out.model = std::make_shared<TensorParallelLeader>(out.model, out.dispatched.get(), tp.group,
+                                                         absl::Milliseconds(tp.heartbeat_ms));
+    }));
+  }
   return out;
 }
 

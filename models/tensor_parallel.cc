@@ -320,6 +320,19 @@ bool BeforeCollectives(const absl::Status& status) {
          absl::IsOutOfRange(status);
 }
 
+std::mutex fault_mu;
+std::optional<std::string>& FaultRecord() {
+  static auto* fault = new std::optional<std::string>();
+  return *fault;
+}
+
+// Records the group's first failure for TensorParallelFault().
+absl::Status RecordFault(absl::Status status) {
+  std::lock_guard<std::mutex> lock(fault_mu);
+  if (!FaultRecord()) FaultRecord() = std::string(status.message());
+  return status;
+}
+
 int64_t NanosSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
                                                               start)
@@ -328,15 +341,45 @@ int64_t NanosSince(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+std::optional<std::string> TensorParallelFault() {
+  std::lock_guard<std::mutex> lock(fault_mu);
+  return FaultRecord();
+}
+
 TensorParallelLeader::TensorParallelLeader(std::shared_ptr<CausalLM> shard,
                                            dispatch::DispatchedModel* dispatched,
-                                           dist::ProcessGroup* group)
+                                           dist::ProcessGroup* group, absl::Duration heartbeat)
     : CausalLM(shard->name(), shard->config(), shard->dtype()),
       shard_(std::move(shard)),
       dispatched_(dispatched),
-      group_(group) {}
+      group_(group),
+      last_message_(std::chrono::steady_clock::now()) {
+  // Its parameters count as this model's (the rank's slice); its own
+  // Forward runs it under its own names.
+  register_module("shard", shard_);
+  if (heartbeat > absl::ZeroDuration()) {
+    heartbeat_ = std::thread([this, heartbeat] { HeartbeatLoop(heartbeat); });
+  }
+}
 
-TensorParallelLeader::~TensorParallelLeader() { (void)Stop(); }
+TensorParallelLeader::~TensorParallelLeader() {
+  (void)Stop();
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+void TensorParallelLeader::HeartbeatLoop(absl::Duration interval) {
+  const auto every = absl::ToChronoNanoseconds(interval);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopped_ && !broken_) {
+    const auto due = last_message_ + every;
+    if (wake_.wait_until(lock, due) == std::cv_status::timeout &&
+        std::chrono::steady_clock::now() >= last_message_ + every && !stopped_ && !broken_) {
+      Writer w;
+      w.Put(MessageKind::kHeartbeat);
+      (void)Send(w.Take());
+    }
+  }
+}
 
 bool TensorParallelLeader::healthy() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -348,12 +391,14 @@ absl::Status TensorParallelLeader::Send(const std::string& message) {
   c10::InferenceMode normal(false);  // gloo writes its buffers on its own threads
   absl::StatusOr<std::string> sent = group_->BroadcastBytes(message, 0);
   internal::AddCollectiveNanos(NanosSince(start));
+  last_message_ = std::chrono::steady_clock::now();
   if (!sent.ok()) {
     broken_ = true;
-    return absl::UnavailableError(
+    wake_.notify_all();
+    return RecordFault(absl::UnavailableError(
         absl::StrCat("tensor parallel: sending the step to the worker ranks failed (a worker "
                      "died or stopped answering): ",
-                     sent.status().message()));
+                     sent.status().message())));
   }
   return absl::OkStatus();
 }
@@ -401,7 +446,12 @@ absl::StatusOr<at::Tensor> TensorParallelLeader::Forward(const at::Tensor& input
   ACCEL_RETURN_IF_ERROR(Send(w.Take()));
   absl::StatusOr<at::Tensor> logits =
       shard_->Forward(input_ids, chunks, which, dispatched != nullptr ? dispatched : dispatched_);
-  if (!logits.ok() && !BeforeCollectives(logits.status())) broken_ = true;
+  if (!logits.ok() && !BeforeCollectives(logits.status())) {
+    broken_ = true;
+    wake_.notify_all();
+    return RecordFault(absl::UnavailableError(
+        absl::StrCat("tensor parallel step failed: ", logits.status().message())));
+  }
   return logits;
 }
 
@@ -419,6 +469,7 @@ absl::Status TensorParallelLeader::Stop() {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopped_ || broken_) return absl::OkStatus();
   stopped_ = true;
+  wake_.notify_all();
   Writer w;
   w.Put(MessageKind::kStop);
   return Send(w.Take());
@@ -433,11 +484,11 @@ absl::Status RunTensorParallelWorker(CausalLM& shard, dispatch::DispatchedModel*
     absl::StatusOr<std::string> message = group.BroadcastBytes("", 0);
     internal::AddCollectiveNanos(NanosSince(start));
     if (!message.ok()) {
-      return absl::UnavailableError(
+      return RecordFault(absl::UnavailableError(
           absl::StrCat("tensor parallel worker rank ", group.rank(),
                        ": waiting for the leader's next step failed (the leader died or went "
                        "silent): ",
-                       message.status().message()));
+                       message.status().message())));
     }
     Reader r(*message);
     MessageKind kind;
@@ -480,7 +531,8 @@ absl::Status RunTensorParallelWorker(CausalLM& shard, dispatch::DispatchedModel*
       logits = shard.Forward(input, chunks, static_cast<Logits>(which), dispatched);
     }
     if (!logits.ok() && !BeforeCollectives(logits.status())) {
-      return Annotate(logits.status(), absl::StrCat("tensor parallel worker rank ", group.rank()));
+      return RecordFault(
+          Annotate(logits.status(), absl::StrCat("tensor parallel worker rank ", group.rank())));
     }
   }
 }

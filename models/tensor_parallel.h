@@ -32,10 +32,14 @@
 #ifndef ACCEL_MODELS_TENSOR_PARALLEL_H_
 #define ACCEL_MODELS_TENSOR_PARALLEL_H_
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 
 #include <ATen/core/Tensor.h>
 
@@ -103,8 +107,11 @@ class TensorParallelLeader : public CausalLM {
  public:
   // `shard`: this rank's model (BuildCausalLM with rank 0's TensorParallel),
   // loaded.
+  // With `heartbeat` above zero, a thread sends a heartbeat whenever no
+  // step has run for that long (set it well under the group's timeout, which
+  // a waiting worker would otherwise reach while the server is idle).
   TensorParallelLeader(std::shared_ptr<CausalLM> shard, dispatch::DispatchedModel* dispatched,
-                       dist::ProcessGroup* group);
+                       dist::ProcessGroup* group, absl::Duration heartbeat = absl::ZeroDuration());
   ~TensorParallelLeader() override;
 
   // InvalidArgument (nothing sent) for a contiguous cache or chunks that do
@@ -125,14 +132,24 @@ class TensorParallelLeader : public CausalLM {
   bool healthy() const;
 
  private:
-  absl::Status Send(const std::string& message);
+  absl::Status Send(const std::string& message);  // with mu_ held
+  void HeartbeatLoop(absl::Duration interval);
 
   std::shared_ptr<CausalLM> shard_;
   dispatch::DispatchedModel* dispatched_;
   dist::ProcessGroup* group_;
   mutable std::mutex mu_;
+  std::condition_variable wake_;
   bool broken_ = false, stopped_ = false;
+  std::chrono::steady_clock::time_point last_message_;
+  std::thread heartbeat_;
 };
+
+// Why the tensor-parallel group of this process broke (the first failure:
+// a worker that died or went silent, the leader gone for a worker), or
+// nullopt while it works. A server stops being ready on it, as on a weights
+// file fault, and exits once drained, so that the group is restarted whole.
+std::optional<std::string> TensorParallelFault();
 
 // A worker rank's loop: receives each step from rank 0 and runs `shard`
 // (this rank's model) on it, until the leader stops it (OK) or a collective

@@ -28,8 +28,14 @@
 
 #include "core/file_faults.h"
 #include "core/tool_main.h"
+#include "dist/env.h"
+#include "dist/process_group.h"
 #include "engine/engine_args.h"
+#include "loader/config.h"
+#include "models/tensor_parallel.h"
 #include "server/internal/connection_limits.h"
+#include "server/internal/parallel_launch.h"
+#include "server/internal/parallel_worker.h"
 #include "server/server.h"
 #include "server/serving.h"
 
@@ -82,11 +88,33 @@ ABSL_FLAG(std::string, tool_call_parser, "auto",
 ABSL_FLAG(absl::Duration, liveness_probe_interval, absl::Seconds(10),
           "How often every port is probed as a client would; three failures in a row turn "
           "health accel.live NOT_SERVING. 0: no probes.");
+ABSL_FLAG(int, tensor_parallel_size, 1,
+          "Split the model over this many ranks (Megatron-style tensor parallel: heads, MLP "
+          "widths, experts and the vocabulary; docs/API.md). On one machine accel-serve starts "
+          "ranks 1..N-1 itself; with --nnodes each node's accel-serve starts its share. Rank 0 "
+          "serves the ports; the others serve gRPC health only, on --port + their local rank.");
+ABSL_FLAG(int, pipeline_parallel_size, 1,
+          "Consecutive layers per rank group (pipeline parallel): not built yet, values above 1 "
+          "are refused.");
+ABSL_FLAG(int, nnodes, 1, "Machines of the group, as torchrun's --nnodes (each runs accel-serve).");
+ABSL_FLAG(int, node_rank, 0, "This machine's index in [0, --nnodes), as torchrun's --node_rank.");
+ABSL_FLAG(std::string, master_addr, "",
+          "Node 0's address (its first rank hosts the group's rendezvous); needed with --nnodes "
+          "above 1, 127.0.0.1 otherwise. MASTER_ADDR and the other variables of accel-launch / "
+          "torchrun, when set, say which rank this process is instead.");
+ABSL_FLAG(int, master_port, 29500, "The rendezvous port on --master_addr.");
+ABSL_FLAG(absl::Duration, parallel_timeout, absl::Seconds(60),
+          "A collective of the group that does not complete within this (a rank died or stopped "
+          "answering) breaks the group: the leader turns not ready, ends requests in flight "
+          "with UNAVAILABLE, drains and exits with status 4; idle ranks hear from the leader "
+          "every quarter of it.");
 
 namespace {
 
 // The exit status after a weights file fault: a restart is what mends it.
 constexpr int kExitWeightsFault = 3;
+// After a tensor-parallel group broke (a rank died or stopped answering).
+constexpr int kExitParallelFault = accel::server::internal::kExitParallelFault;
 
 void Log(const std::string& message) {
   std::fprintf(stderr, "accel-serve: %s\n", message.c_str());
@@ -160,6 +188,8 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
 }
 
 int Run(int argc, char** argv) {
+  // The command line as given, for the ranks this process starts.
+  const std::vector<std::string> command_line(argv, argv + argc);
   // libtorch's oneDNN caches keep a primitive per matrix shape (1024 each by
   // default); a server sees a new row count with every batch size and prompt
   // length, and its memory grew by megabytes a minute under load in
@@ -196,6 +226,85 @@ int Run(int argc, char** argv) {
     Log(std::string(options.status().message()));
     return 1;
   }
+  // Tensor parallel: which rank this is, the ranks it starts, the group.
+  accel::server::internal::ParallelFlags parallel;
+  parallel.tensor_parallel_size = absl::GetFlag(FLAGS_tensor_parallel_size);
+  parallel.pipeline_parallel_size = absl::GetFlag(FLAGS_pipeline_parallel_size);
+  parallel.nnodes = absl::GetFlag(FLAGS_nnodes);
+  parallel.node_rank = absl::GetFlag(FLAGS_node_rank);
+  parallel.master_addr = absl::GetFlag(FLAGS_master_addr);
+  parallel.master_port = absl::GetFlag(FLAGS_master_port);
+  absl::StatusOr<accel::server::internal::RankLayout> layout =
+      accel::server::internal::ResolveRankLayout(parallel, accel::dist::ProcessEnv());
+  if (!layout.ok()) {
+    Log(std::string(layout.status().message()));
+    return 1;
+  }
+  const absl::Duration parallel_timeout = absl::GetFlag(FLAGS_parallel_timeout);
+  std::unique_ptr<accel::server::internal::LocalWorkers> workers;
+  std::unique_ptr<accel::dist::ProcessGroup> group;
+  if (layout->world_size > 1) {
+    if (parallel_timeout <= absl::ZeroDuration()) {
+      Log("--parallel_timeout must be positive");
+      return 1;
+    }
+    // Refused by name before a process starts: what cannot split.
+    absl::StatusOr<accel::loader::ModelConfig> config =
+        accel::loader::ReadModelConfig(options->engine.model_dir + "/config.json");
+    absl::Status split = config.ok()
+                             ? accel::models::CheckTensorParallel(*config, layout->world_size)
+                             : config.status();
+    if (!split.ok()) {
+      Log(std::string(split.message()));
+      return 1;
+    }
+    if (!layout->to_start.empty()) {
+      absl::StatusOr<std::unique_ptr<accel::server::internal::LocalWorkers>> started =
+          accel::server::internal::LocalWorkers::Start("/proc/self/exe", command_line,
+                                                       layout->to_start);
+      if (!started.ok()) {
+        Log(std::string(started.status().message()));
+        return 1;
+      }
+      workers = *std::move(started);
+    }
+    accel::dist::ProcessEnvironment env;
+    env.rank = layout->rank;
+    env.world_size = layout->world_size;
+    env.local_rank = layout->local_rank;
+    env.local_world_size = layout->local_world_size;
+    env.master_addr = layout->master_addr;
+    env.master_port = layout->master_port;
+    env.launcher = "torchrun";
+    accel::dist::ProcessGroupOptions group_options;
+    group_options.timeout = parallel_timeout;
+    absl::StatusOr<std::unique_ptr<accel::dist::ProcessGroup>> connected =
+        accel::dist::ProcessGroup::Connect(env, group_options);
+    if (!connected.ok()) {
+      Log(absl::StrCat("rank ", layout->rank, " of ", layout->world_size, ": joining the group at ",
+                       layout->master_addr, ":", layout->master_port,
+                       " failed: ", connected.status().message()));
+      return kExitParallelFault;
+    }
+    group = *std::move(connected);
+    if (!layout->leader()) {
+      // Health only, its slice, the leader's steps; SIGTERM ends it at once.
+      pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
+      const int port = options->port == 0 ? 0 : options->port + layout->local_rank;
+      accel::models::ModelLoadOptions load = options->engine.load;
+      load.progress = accel::Progress::Style::kSilent;
+      return accel::server::internal::ServeWorkerRank(options->engine.model_dir, load,
+                                                      options->host, port, *group);
+    }
+    options->engine.load.tensor_parallel.rank = 0;
+    options->engine.load.tensor_parallel.size = layout->world_size;
+    options->engine.load.tensor_parallel.group = group.get();
+    options->engine.load.tensor_parallel.heartbeat_ms =
+        absl::ToInt64Milliseconds(parallel_timeout) / 4;
+    Log(absl::StrCat("tensor parallel: rank 0 of ", layout->world_size,
+                     workers ? absl::StrCat(", started ", workers->pids().size(), " ranks here")
+                             : std::string()));
+  }
   // Every connection is a descriptor; the soft limit (often 1024) is far
   // below what the hard one allows, and running out stalls every port.
   Log(accel::server::internal::RaiseOpenFileLimit());
@@ -224,6 +333,7 @@ int Run(int argc, char** argv) {
   const timespec tick = {0, 100'000'000};
   bool logged_ready = false;
   std::optional<std::string> fault;
+  bool parallel_fault = false;
   while (true) {
     siginfo_t info;
     const int signal = sigtimedwait(&signals, &info, &tick);
@@ -239,6 +349,24 @@ int Run(int argc, char** argv) {
                        "; not ready, draining, then exiting with status ", kExitWeightsFault,
                        " for a restart"));
       break;
+    }
+    // A rank of the group that died or stopped (seen here, or by a
+    // collective that failed): not ready, the requests in flight end with
+    // UNAVAILABLE (their steps fail), drained, then exit non-zero so that
+    // the group is restarted whole.
+    if (group != nullptr) {
+      std::optional<std::string> broken = accel::models::TensorParallelFault();
+      if (!broken && workers) broken = workers->Failure();
+      if (broken) {
+        Log(absl::StrCat("tensor parallel group broken: ", *broken,
+                         "; not ready, draining, then exiting with status ", kExitParallelFault));
+        parallel_fault = true;
+        if (!logged_ready) {
+          std::fflush(nullptr);
+          std::_Exit(kExitParallelFault);
+        }
+        break;
+      }
     }
     if (logged_ready) continue;
     const absl::Status loaded = (*server)->WaitReady(absl::ZeroDuration());
@@ -273,6 +401,11 @@ int Run(int argc, char** argv) {
   }
   server->reset();
   Log("drained; exiting");
+  if (parallel_fault) {
+    // The group's threads may be stuck on the rank that went silent.
+    std::fflush(nullptr);
+    std::_Exit(kExitParallelFault);
+  }
   return fault ? kExitWeightsFault : 0;
 }
 

@@ -51,6 +51,7 @@ const load = (p) => import(pathToFileURL(path.join(modules, p)).href);
 const YAML = await load("yaml/dist/index.js");
 const k8s = await load("kubernetes-models/index.js");
 const promop = await load("@kubernetes-models/prometheus-operator/index.js");
+const Ajv = (await load("ajv/dist/ajv.js")).default;
 const serveBin = path.join(args.build, "bin/accel-serve");
 const clientBin = path.join(args.build, "bin/accel-client");
 const defaultModel = path.join(args.build, "share/accel/default-model");
@@ -147,13 +148,23 @@ function health(port, service) {
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 // Collects the probe service names first, then asks the server about each.
+// The pod templates of a Deployment or of a LeaderWorkerSet (leader and workers).
+function podTemplatesOf(doc) {
+  if (doc.kind === "Deployment") return [doc.spec?.template];
+  if (doc.kind === "LeaderWorkerSet") {
+    const t = doc.spec?.leaderWorkerTemplate ?? {};
+    return [t.leaderTemplate ?? t.workerTemplate, t.workerTemplate];
+  }
+  return [];
+}
 function probesOf(docs) {
   const out = [];
   for (const doc of docs) {
-    const spec = doc.kind === "Deployment" ? doc.spec?.template?.spec : null;
-    for (const c of spec?.containers ?? []) {
-      for (const kind of ["startupProbe", "readinessProbe", "livenessProbe"]) {
-        if (c[kind]?.grpc) out.push({ kind, service: c[kind].grpc.service ?? "" });
+    for (const template of podTemplatesOf(doc)) {
+      for (const c of template?.spec?.containers ?? []) {
+        for (const kind of ["startupProbe", "readinessProbe", "livenessProbe"]) {
+          if (c[kind]?.grpc) out.push({ kind, service: c[kind].grpc.service ?? "" });
+        }
       }
     }
   }
@@ -342,9 +353,45 @@ function declarationFile(apiVersion, kind) {
   return path.join(modules, "@kubernetes-models/prometheus-operator", group, version, `${kind}.d.ts`);
 }
 
+// Custom resources: the openAPIV3Schema of their CRD (deploy/check/crds/, copies
+// kept with their licence), by ajv; unknown fields by walking the same schema
+// (structural schemas prune them on the API server, which would drop them silently).
+const crdDir = path.join(path.dirname(new URL(import.meta.url).pathname), "crds");
+const crdSchemas = new Map();
+for (const file of fs.existsSync(crdDir) ? fs.readdirSync(crdDir) : []) {
+  if (!file.endsWith(".yaml")) continue;
+  const crd = YAML.parse(fs.readFileSync(path.join(crdDir, file), "utf8"));
+  for (const v of crd.spec.versions) {
+    crdSchemas.set(`${crd.spec.group}/${v.name} ${crd.spec.names.kind}`, v.schema.openAPIV3Schema);
+  }
+}
+const ajv = new Ajv({ strict: false, allErrors: true, validateFormats: false });
+function unknownFields(where, value, schema, at) {
+  if (!schema || value === null || typeof value !== "object") return;
+  if (Array.isArray(value)) {
+    value.forEach((item, i) => unknownFields(where, item, schema.items, `${at}[${i}]`));
+    return;
+  }
+  if (!schema.properties || schema["x-kubernetes-preserve-unknown-fields"] || schema.additionalProperties) return;
+  for (const [key, child] of Object.entries(value)) {
+    if (!(key in schema.properties)) problem(where, `unknown field ${at}${key}`);
+    else unknownFields(where, child, schema.properties[key], `${at}${key}.`);
+  }
+}
+function validateCustom(where, doc, schema) {
+  const check = ajv.compile(schema);
+  if (!check(doc)) {
+    for (const e of check.errors) problem(where, `schema: ${e.instancePath || "/"} ${e.message}`);
+  }
+  // metadata is the API server's ObjectMeta, not in the CRD's schema.
+  unknownFields(where, { ...doc, metadata: undefined }, schema, "");
+}
+
 function validate(name, doc) {
   const Model = modelClass(doc.apiVersion ?? "", doc.kind ?? "");
   const where = `${name}: ${doc.kind}/${doc.metadata?.name}`;
+  const custom = crdSchemas.get(`${doc.apiVersion} ${doc.kind}`);
+  if (!Model && custom) return validateCustom(where, doc, custom);
   if (!Model) {
     problem(where, `no schema for apiVersion ${doc.apiVersion} kind ${doc.kind}`);
     return;
@@ -359,22 +406,12 @@ function validate(name, doc) {
   }
 }
 
-// --- one rendered overlay ------------------------------------------------------------
-function checkRender(name, docs, liveNames, readyNames, metricNames) {
-  for (const doc of docs) validate(name, doc);
-  const byKind = (kind) => docs.filter((d) => d.kind === kind);
-  const deployment = byKind("Deployment")[0];
-  if (!deployment) return problem(name, "no Deployment");
-  const pod = deployment.spec.template.spec;
-  const container = pod.containers.find((c) => c.name === "accel-serve");
-  if (!container) return problem(name, "no container named accel-serve");
-  const where = `${name}: Deployment/${deployment.metadata.name}`;
-
-  // The flags: defaults, then each --flagfile in order, then the other args.
+// The flags a container runs with: defaults, then each --flagfile (a key of a
+// mounted ConfigMap) in order, then the other args.
+function readFlags(name, where, container, pod, configMaps) {
   const flags = new Map(flagDefaults);
   const mounts = new Map((container.volumeMounts ?? []).map((m) => [m.mountPath, m]));
   const volumes = new Map((pod.volumes ?? []).map((v) => [v.name, v]));
-  const configMaps = new Map(byKind("ConfigMap").map((c) => [c.metadata.name, c]));
   for (const arg of [...(container.command ?? []).slice(1), ...(container.args ?? [])]) {
     const m = arg.match(/^--(\w+)(?:=(.*))?$/);
     if (!m) {
@@ -400,6 +437,134 @@ function checkRender(name, docs, liveNames, readyNames, metricNames) {
       }
     }
   }
+
+  return { flags, mounts, volumes };
+}
+
+// --- a LeaderWorkerSet: one model over several nodes --------------------------------
+// Every pod is one node of a group: torchrun's flags from the variables the
+// LeaderWorkerSet sets, one rank per GPU, the leader serving the ports and
+// the workers health only, the whole group restarted when one pod fails.
+function checkLeaderWorkerSet(name, docs, lws, liveNames, readyNames) {
+  const byKind = (kind) => docs.filter((d) => d.kind === kind);
+  const configMaps = new Map(byKind("ConfigMap").map((c) => [c.metadata.name, c]));
+  const group = lws.spec.leaderWorkerTemplate ?? {};
+  const size = group.size ?? 1;
+  const at = `${name}: LeaderWorkerSet/${lws.metadata.name}`;
+  if (group.restartPolicy !== "RecreateGroupOnPodRestart") {
+    problem(at, "restartPolicy is not RecreateGroupOnPodRestart: a rank that fails must restart its group");
+  }
+  const roles = [["leader", group.leaderTemplate ?? group.workerTemplate], ["worker", group.workerTemplate]];
+  const leaderPorts = new Map();
+  for (const [role, template] of roles) {
+    const where = `${at} ${role}`;
+    const pod = template?.spec;
+    const container = pod?.containers?.find((c) => c.name === "accel-serve");
+    if (!container) {
+      problem(where, "no container named accel-serve");
+      continue;
+    }
+    const { flags } = readFlags(name, where, container, pod, configMaps);
+    for (const [flag, variable] of [["nnodes", "LWS_GROUP_SIZE"], ["node_rank", "LWS_WORKER_INDEX"],
+      ["master_addr", "LWS_LEADER_ADDRESS"]]) {
+      if (flags.get(flag) !== `$(${variable})`) problem(where, `--${flag} is not $(${variable})`);
+    }
+    const tp = Number(flags.get("tensor_parallel_size") ?? 1);
+    const pp = Number(flags.get("pipeline_parallel_size") ?? 1);
+    const res = container.resources ?? {};
+    const gpus = Number(res.limits?.["nvidia.com/gpu"] ?? 0);
+    if (gpus * size !== tp * pp) {
+      problem(where, `${size} pods x ${gpus} GPUs is not --tensor_parallel_size ${tp} x ` +
+        `--pipeline_parallel_size ${pp} (one rank per GPU)`);
+    }
+    if (res.requests?.["nvidia.com/gpu"] !== res.limits?.["nvidia.com/gpu"]) {
+      problem(where, "nvidia.com/gpu requests differ from limits");
+    }
+    if (res.requests?.memory !== res.limits?.memory || !res.limits?.memory) {
+      problem(where, "memory requests differ from limits (or no limit)");
+    }
+    if (!(pod.tolerations ?? []).some((tol) => tol.key === "nvidia.com/gpu")) problem(where, "no toleration for nvidia.com/gpu");
+    const port = Number(flags.get("port"));
+    const named = new Map((container.ports ?? []).map((p) => [p.name, p.containerPort]));
+    if (named.get("grpc") !== port) problem(where, `containerPort grpc is ${named.get("grpc")}, --port is ${port}`);
+    if (role === "leader") {
+      for (const [portName, flag] of [["metrics", "metrics_port"], ["http", "http_port"]]) {
+        const want = Number(flags.get(flag) ?? 0);
+        if (want > 0 && named.get(portName) !== want) {
+          problem(where, `containerPort ${portName} is ${named.get(portName)}, --${flag} is ${want}`);
+        }
+      }
+      if (named.get("dist") !== Number(flags.get("master_port"))) {
+        problem(where, `containerPort dist is ${named.get("dist")}, --master_port is ${flags.get("master_port")}`);
+      }
+      for (const [k, v] of named) leaderPorts.set(k, v);
+    } else if (named.has("metrics") || named.has("http")) {
+      problem(where, "a worker serves health only: no metrics or http port");
+    }
+    for (const kind of ["startupProbe", "readinessProbe", "livenessProbe"]) {
+      const probe = container[kind];
+      if (!probe?.grpc) {
+        problem(where, `${kind} is not a gRPC probe`);
+        continue;
+      }
+      if (probe.grpc.port !== port) problem(where, `${kind} port ${probe.grpc.port}, --port is ${port}`);
+      const want = kind === "livenessProbe" ? liveNames : readyNames;
+      if (!want.has(probe.grpc.service ?? "")) {
+        problem(where, `${kind} asks health service "${probe.grpc.service ?? ""}", not a ` +
+          `${kind === "livenessProbe" ? "live" : "ready"} name of accel-serve`);
+      }
+    }
+    const preStop = container.lifecycle?.preStop?.exec?.command;
+    const preStopSeconds = preStop?.[0] === "sleep" ? Number(preStop[1]) : 0;
+    const shutdown = seconds(flags.get("shutdown_timeout"));
+    const grace = pod.terminationGracePeriodSeconds ?? 30;
+    if (preStopSeconds + shutdown + 15 > grace) {
+      problem(where, `terminationGracePeriodSeconds ${grace} < preStop ${preStopSeconds} s + ` +
+        `--shutdown_timeout ${shutdown} s + 15 s`);
+    }
+    const psc = pod.securityContext ?? {};
+    if (psc.runAsNonRoot !== true) problem(where, "runAsNonRoot is not true");
+    if (psc.runAsUser !== dockerUid) problem(where, `runAsUser ${psc.runAsUser}, the image's USER is ${dockerUid}`);
+    if (pod.automountServiceAccountToken !== false) problem(where, "automountServiceAccountToken is not false");
+    const sc = container.securityContext ?? {};
+    if (sc.readOnlyRootFilesystem !== true) problem(where, "readOnlyRootFilesystem is not true");
+    if (sc.allowPrivilegeEscalation !== false) problem(where, "allowPrivilegeEscalation is not false");
+  }
+  // The Service sends clients to the leaders only (worker index 0).
+  const leaderLabels = { ...(roles[0][1]?.metadata?.labels ?? {}),
+    "leaderworkerset.sigs.k8s.io/name": lws.metadata.name, "leaderworkerset.sigs.k8s.io/worker-index": "0" };
+  const services = byKind("Service");
+  if (services.length === 0) problem(name, "no Service for the leaders");
+  for (const service of services) {
+    const where = `${name}: Service/${service.metadata.name}`;
+    const selector = service.spec.selector ?? {};
+    if (selector["leaderworkerset.sigs.k8s.io/worker-index"] !== "0") {
+      problem(where, "does not select the leaders only (leaderworkerset.sigs.k8s.io/worker-index: \"0\")");
+    }
+    if (!Object.entries(selector).every(([k, v]) => leaderLabels[k] === v)) {
+      problem(where, "its selector does not select the leader pods");
+    }
+    for (const p of service.spec.ports ?? []) {
+      const target = typeof p.targetPort === "string" ? leaderPorts.get(p.targetPort) : p.targetPort;
+      if (target === undefined) problem(where, `port ${p.name} targets nothing on the leader`);
+    }
+  }
+}
+
+// --- one rendered overlay ------------------------------------------------------------
+function checkRender(name, docs, liveNames, readyNames, metricNames) {
+  for (const doc of docs) validate(name, doc);
+  const byKind = (kind) => docs.filter((d) => d.kind === kind);
+  const deployment = byKind("Deployment")[0];
+  const lws = byKind("LeaderWorkerSet")[0];
+  if (lws) return checkLeaderWorkerSet(name, docs, lws, liveNames, readyNames);
+  if (!deployment) return problem(name, "no Deployment");
+  const pod = deployment.spec.template.spec;
+  const container = pod.containers.find((c) => c.name === "accel-serve");
+  if (!container) return problem(name, "no container named accel-serve");
+  const where = `${name}: Deployment/${deployment.metadata.name}`;
+  const configMaps = new Map(byKind("ConfigMap").map((c) => [c.metadata.name, c]));
+  const { flags, mounts, volumes } = readFlags(name, where, container, pod, configMaps);
 
   // Ports: the server's flags, the container, the probes, the Service, the
   // ServiceMonitor and the Docker image all agree.

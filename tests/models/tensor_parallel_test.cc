@@ -3,12 +3,15 @@
 // real ranks (processes over gloo on 127.0.0.1) against one process.
 #include "models/tensor_parallel.h"
 
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
 #include <tuple>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -40,6 +43,7 @@ using ::accel::test::TempDir;
 using ::testing::AllOf;
 using ::testing::Each;
 using ::testing::HasSubstr;
+using ::testing::Optional;
 
 loader::ModelConfig Config(MakeModelOptions o) {
   absl::StatusOr<loader::ModelConfig> c = MakeModelConfig(o);
@@ -334,7 +338,10 @@ TEST(TensorParallelRank, Run) {
       EXPECT_THAT(RunTensorParallelWorker(*shard.model, shard.dispatched.get(), **group), IsOk());
       continue;
     }
-    TensorParallelLeader leader(shard.model, shard.dispatched.get(), group->get());
+    // Rank 0's model drives the others.
+    auto* leader_model = dynamic_cast<TensorParallelLeader*>(shard.model.get());
+    ASSERT_NE(leader_model, nullptr);
+    TensorParallelLeader& leader = *leader_model;
     {
       // Refused before anything is sent: a contiguous cache.
       c10::InferenceMode inference;
@@ -393,6 +400,74 @@ TEST(TensorParallel, TwoRanksDecodeAsOneProcess) {
   EXPECT_THAT(test::RunRanks(2, "TensorParallelRank.Run",
                              {{"ACCEL_TP_CASES", absl::StrJoin(cases, ",")}}, /*timeout_s=*/120),
               Each(0));
+}
+
+// A worker that dies (killed) or stops answering (SIGSTOP): the leader's
+// step fails with Unavailable within the group's timeout, and so does every
+// later step and heartbeat, at once. Never a hang.
+TEST(TensorParallelFailureRank, Run) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of TensorParallel.*";
+  absl::StatusOr<dist::ProcessEnvironment> env = dist::DetectProcessEnvironment(dist::ProcessEnv());
+  ASSERT_THAT(env, IsOk());
+  dist::ProcessGroupOptions options;
+  options.timeout = absl::Seconds(3);
+  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> group =
+      dist::ProcessGroup::Connect(*env, options);
+  ASSERT_THAT(group, IsOk());
+  const int rank = (*group)->rank(), size = (*group)->size();
+  absl::StatusOr<std::vector<std::string>> pids =
+      (*group)->AllGatherBytes(std::to_string(::getpid()));
+  ASSERT_THAT(pids, IsOk());
+  LoadedModel shard = Load(std::getenv("ACCEL_TP_MODEL"), rank, size, "none", group->get());
+  ASSERT_TRUE(shard.model);
+  if (rank != 0) {
+    // Runs until the leader kills it (or, stopped and then killed, never returns).
+    (void)RunTensorParallelWorker(*shard.model, shard.dispatched.get(), **group);
+    std::_Exit(3);
+  }
+  auto* leader_model = dynamic_cast<TensorParallelLeader*>(shard.model.get());
+  ASSERT_NE(leader_model, nullptr);
+  TensorParallelLeader& leader = *leader_model;
+  c10::InferenceMode inference;
+  const pid_t worker = std::stoi((*pids)[1]);
+  ASSERT_EQ(Greedy(leader, nullptr).tokens[0].size(), static_cast<size_t>(kNewTokens));
+  const std::string how = std::getenv("ACCEL_TP_FAILURE");
+  ::kill(worker, how == "stop" ? SIGSTOP : SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  KvCache cache;
+  KvBlockStore store(4, 4, static_cast<size_t>(shard.config.num_hidden_layers));
+  cache.store = &store;
+  cache.block_table = {0, 1};
+  EXPECT_THAT(
+      leader.Forward(at::tensor({1, 2, 3}, at::kLong), {{&cache, 3}}, Logits::kLastOfEach, nullptr),
+      StatusIs(absl::StatusCode::kUnavailable));
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("%s worker: the step failed after %.2f s\n", how.c_str(), waited);
+  EXPECT_LT(waited, 3 + 10);  // the group's timeout, and slack for a loaded machine
+  EXPECT_FALSE(leader.healthy());
+  EXPECT_THAT(TensorParallelFault(), Optional(HasSubstr("tensor parallel")));
+  EXPECT_THAT(leader.Heartbeat(), StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_THAT(leader.Forward(at::tensor({1}, at::kLong), {{nullptr, 1}}, Logits::kAll, nullptr),
+              StatusIs(absl::StatusCode::kUnavailable));
+  if (how == "stop") ::kill(worker, SIGKILL);
+  std::fflush(stdout);
+  std::_Exit(::testing::Test::HasFailure() ? 1 : 0);  // the broken group's threads stay behind
+}
+
+TEST(TensorParallel, AKilledOrStoppedWorkerFailsTheStepWithinTheTimeout) {
+  TempDir dir;
+  MakeModelOptions o = Small("llama");
+  ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
+  for (const char* how : {"kill", "stop"}) {
+    SCOPED_TRACE(how);
+    const std::vector<int> codes =
+        test::RunRanks(2, "TensorParallelFailureRank.Run",
+                       {{"ACCEL_TP_MODEL", dir.path()}, {"ACCEL_TP_FAILURE", how}}, 60);
+    ASSERT_EQ(codes.size(), 2u);
+    EXPECT_EQ(codes[0], 0);
+    EXPECT_EQ(codes[1], 128 + SIGKILL);
+  }
 }
 
 }  // namespace

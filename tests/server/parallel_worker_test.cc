@@ -1,0 +1,189 @@
+// accel-serve --tensor_parallel_size 2 as users run it: the leader starts its
+// worker itself (or two invocations with --nnodes 2 form one server), answers
+// as one process does, and a worker that is killed or stopped turns the
+// leader not ready; the requests in flight end UNAVAILABLE, and the leader
+// exits with status 4 within a bounded time. Configurations that cannot
+// split are refused at start by name.
+#include <csignal>
+#include <fstream>
+#include <future>
+#include <spawn.h>
+#include <string>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <vector>
+
+#include <gmock/gmock.h>
+#include <grpcpp/client_context.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+#include "accel/v1/generation.grpc.pb.h"
+#include "tests/server/generation_client.h"
+#include "tests/server/server_process.h"
+#include "tests/testing/multiprocess.h"
+
+namespace accel::server {
+namespace {
+
+using ::accel::testing::BinDir;
+using ::accel::testing::Call;
+using ::accel::testing::Greedy;
+using ::accel::testing::ServerProcess;
+using ::accel::testing::TestModelDir;
+using ::accel::v1::GenerateResponse;
+using ::accel::v1::Generation;
+using ::testing::HasSubstr;
+
+// accel-serve's exit status when its group broke (server/internal/parallel_worker.h).
+constexpr int kExitParallelFault = 4;
+
+std::vector<int64_t> Tokens(const GenerateResponse& response) {
+  return {response.token_ids().begin(), response.token_ids().end()};
+}
+
+// The ranks this process started (its children).
+std::vector<pid_t> Children(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/task/", pid, "/children"));
+  std::vector<pid_t> out;
+  for (pid_t child; in >> child;) out.push_back(child);
+  return out;
+}
+
+std::unique_ptr<ServerProcess> StartParallel(std::vector<std::string> args) {
+  args.push_back("--tensor_parallel_size=2");
+  args.push_back(absl::StrCat("--master_port=", test::FreePort()));
+  auto server = ServerProcess::Start(TestModelDir(), args);
+  if (!server.ok()) {
+    ADD_FAILURE() << server.status();
+    return nullptr;
+  }
+  return *std::move(server);
+}
+
+TEST(ParallelServeTest, TwoRanksAnswerAsOneProcess) {
+  auto single = ServerProcess::Start(TestModelDir(), {});
+  ASSERT_TRUE(single.ok()) << single.status();
+  auto parallel = StartParallel({"--parallel_timeout=20s"});
+  ASSERT_NE(parallel, nullptr);
+  EXPECT_EQ(Children(parallel->pid()).size(), 1u);
+  for (const std::string prompt : {"The quick brown fox", "Hello"}) {
+    GenerateResponse a, b;
+    auto stub_a = Generation::NewStub((*single)->Channel());
+    auto stub_b = Generation::NewStub(parallel->Channel());
+    ASSERT_TRUE(Call(*stub_a, Greedy(prompt, 12), &a).ok());
+    grpc::Status status = Call(*stub_b, Greedy(prompt, 12), &b);
+    ASSERT_TRUE(status.ok()) << status.error_message() << parallel->Stderr();
+    EXPECT_EQ(Tokens(b), Tokens(a)) << prompt;  // float32: the same tokens
+    EXPECT_EQ(b.text(), a.text());
+  }
+  // SIGTERM: drained; the leader stops its worker, both exit 0.
+  const std::vector<pid_t> workers = Children(parallel->pid());
+  parallel->Signal(SIGTERM);
+  EXPECT_EQ(parallel->Wait(absl::Seconds(30)), 0) << parallel->Stderr();
+  EXPECT_THAT(parallel->Stderr(), HasSubstr("worker rank 1: the leader stopped the group"));
+}
+
+TEST(ParallelServeTest, TwoInvocationsWithNnodesFormOneServer) {
+  const std::string port = absl::StrCat("--master_port=", test::FreePort());
+  // Node 1's accel-serve is rank 1: health only (it announces no serving
+  // ports), waiting for node 0 to join.
+  std::vector<std::string> node1 = {BinDir() + "/accel-serve",
+                                    "--model=" + TestModelDir(),
+                                    "--host=127.0.0.1",
+                                    "--port=0",
+                                    "--threads=1",
+                                    "--tensor_parallel_size=2",
+                                    "--nnodes=2",
+                                    "--node_rank=1",
+                                    "--master_addr=127.0.0.1",
+                                    port,
+                                    "--parallel_timeout=20s"};
+  std::vector<char*> argv;
+  for (std::string& a : node1) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t worker = -1;
+  ASSERT_EQ(posix_spawn(&worker, argv[0], nullptr, nullptr, argv.data(), environ), 0);
+  auto leader = ServerProcess::Start(TestModelDir(),
+                                     {"--tensor_parallel_size=2", "--nnodes=2", "--node_rank=0",
+                                      "--master_addr=127.0.0.1", port, "--parallel_timeout=20s"});
+  ASSERT_TRUE(leader.ok()) << leader.status();
+  EXPECT_TRUE(Children((*leader)->pid()).empty());  // one rank a node: nothing to start
+  GenerateResponse response;
+  auto stub = Generation::NewStub((*leader)->Channel());
+  grpc::Status status = Call(*stub, Greedy("The quick brown fox", 8), &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.token_ids_size(), 8);
+  (*leader)->Signal(SIGTERM);
+  EXPECT_EQ((*leader)->Wait(absl::Seconds(30)), 0);
+  // The leader stopped the group: node 1's process exits 0.
+  int code = -1;
+  for (int i = 0; i < 300 && code == -1; ++i) {
+    int status_code = 0;
+    if (waitpid(worker, &status_code, WNOHANG) == worker) {
+      code = WIFEXITED(status_code) ? WEXITSTATUS(status_code) : 128 + WTERMSIG(status_code);
+    } else {
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
+  if (code == -1) {
+    kill(worker, SIGKILL);
+    waitpid(worker, nullptr, 0);
+  }
+  EXPECT_EQ(code, 0);
+}
+
+// A worker killed or stopped while a long request runs: the request ends
+// UNAVAILABLE, the leader stops being ready and exits with status 4 within
+// the group's timeout plus the drain.
+void ExpectFailureHandled(int signal) {
+  auto server = StartParallel({"--parallel_timeout=3s", "--shutdown_timeout=5s"});
+  ASSERT_NE(server, nullptr);
+  const std::vector<pid_t> workers = Children(server->pid());
+  ASSERT_EQ(workers.size(), 1u);
+  auto stub = Generation::NewStub(server->Channel());
+  std::future<grpc::Status> running = std::async(std::launch::async, [&] {
+    GenerateResponse response;
+    return Call(*stub, Greedy("The quick brown fox", 200), &response);
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time start = absl::Now();
+  kill(workers[0], signal);
+  const grpc::Status status = running.get();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_EQ(server->Wait(absl::Seconds(30)), kExitParallelFault) << server->Stderr();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3 + 5 + 10));
+  EXPECT_THAT(server->Stderr(), HasSubstr("tensor parallel group broken"));
+  if (signal == SIGSTOP) kill(workers[0], SIGKILL);
+}
+
+TEST(ParallelServeTest, AKilledWorkerEndsRequestsUnavailableAndTheLeaderExits) {
+  ExpectFailureHandled(SIGKILL);
+}
+
+TEST(ParallelServeTest, AStoppedWorkerEndsRequestsUnavailableAndTheLeaderExits) {
+  ExpectFailureHandled(SIGSTOP);
+}
+
+TEST(ParallelServeTest, WhatCannotSplitIsRefusedAtStartByName) {
+  // 4 query heads over 3 ranks.
+  auto three =
+      ServerProcess::Start(TestModelDir(), {"--tensor_parallel_size=3"}, absl::Seconds(30));
+  ASSERT_FALSE(three.ok());
+  EXPECT_THAT(std::string(three.status().message()), HasSubstr("num_attention_heads (4)"));
+  auto pipeline =
+      ServerProcess::Start(TestModelDir(), {"--pipeline_parallel_size=2"}, absl::Seconds(30));
+  ASSERT_FALSE(pipeline.ok());
+  EXPECT_THAT(std::string(pipeline.status().message()), HasSubstr("--pipeline_parallel_size"));
+  auto nodes = ServerProcess::Start(TestModelDir(), {"--tensor_parallel_size=2", "--nnodes=2"},
+                                    absl::Seconds(30));
+  ASSERT_FALSE(nodes.ok());
+  EXPECT_THAT(std::string(nodes.status().message()), HasSubstr("--master_addr"));
+}
+
+}  // namespace
+}  // namespace accel::server
