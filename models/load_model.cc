@@ -532,7 +532,8 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
     return absl::DataLossError(absl::StrCat("loading ", dir, ": ", *fault));
   }
   WarnAboutUnusedTensors(out, dir);
-  if (tp.size > 1 && tp.rank == 0) {
+  // Rank 0 of a group drives the others (no group: a slice for inspection).
+  if (tp.size > 1 && tp.rank == 0 && tp.group != nullptr) {
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
       out.model = std::make_shared<TensorParallelLeader>(out.model, out.dispatched.get(), tp.group,
                                                          absl::Milliseconds(tp.heartbeat_ms));

@@ -128,11 +128,12 @@ std::optional<std::string> WaitForFailure(LocalWorkers& workers) {
 }
 
 TEST(LocalWorkers, AKilledStoppedOrExitingWorkerIsReportedByRank) {
-  const std::vector<std::string> sleep = {"sh", "-c", "sleep 30"};
+  // sleep itself (no shell between), so that no grandchild outlives the test.
+  const std::vector<std::string> sleep = {"sleep", "30"};
   const std::vector<std::map<std::string, std::string>> ranks = {{{"RANK", "1"}}, {{"RANK", "2"}}};
   {
     absl::StatusOr<std::unique_ptr<LocalWorkers>> workers =
-        LocalWorkers::Start("/bin/sh", sleep, ranks);
+        LocalWorkers::Start("/bin/sleep", sleep, ranks);
     ASSERT_THAT(workers, IsOk());
     EXPECT_EQ((*workers)->Failure(), std::nullopt);
     ::kill((*workers)->pids()[1], SIGKILL);
@@ -141,7 +142,7 @@ TEST(LocalWorkers, AKilledStoppedOrExitingWorkerIsReportedByRank) {
   }
   {
     absl::StatusOr<std::unique_ptr<LocalWorkers>> workers =
-        LocalWorkers::Start("/bin/sh", sleep, ranks);
+        LocalWorkers::Start("/bin/sleep", sleep, ranks);
     ASSERT_THAT(workers, IsOk());
     ::kill((*workers)->pids()[0], SIGSTOP);
     EXPECT_THAT(WaitForFailure(**workers),

@@ -1,0 +1,169 @@
+// Tensor parallel against one process, in one run (issue 36 item 7): a
+// generated ~1 GiB bfloat16 Llama-family model loaded whole in this process
+// (the baseline), then split over 2 ranks (this binary started again as
+// each rank, gloo over 127.0.0.1). Printed for each: the resident bytes of
+// every process after loading (VmRSS), greedy decode tokens/s at batch 1,
+// and for the ranks the time in collectives per step. On a 2-core machine
+// the cores are the limit (2 ranks share them), so the point is the memory
+// per rank and the cost of the collectives, not a speed-up.
+//
+//   build/bin/accel-bench-tensor-parallel [--tokens 32] [--dir /tmp/x] [--bytes 1073741824]
+//
+// Each process prints one line: "rank R rss=BYTES [tok_s=T collective_s_per_step=S]"
+// (the one-process baseline is "rank 0" of a group of one).
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/Functions.h>
+#include <c10/core/InferenceMode.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+#include "bench/bench_util.h"
+#include "core/bytes.h"
+#include "dist/env.h"
+#include "dist/process_group.h"
+#include "models/load_model.h"
+#include "models/make_model.h"
+#include "models/tensor_parallel.h"
+#include "tests/testing/multiprocess.h"
+
+namespace {
+
+using namespace accel;  // NOLINT: a benchmark's main file
+
+int64_t ResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  while (status >> key) {
+    if (key == "VmRSS:") {
+      int64_t kib = 0;
+      status >> kib;
+      return kib * 1024;
+    }
+    std::getline(status, key);
+  }
+  return -1;
+}
+
+// Greedy decode of one sequence at batch 1: tokens/s over `tokens` steps
+// after its prompt.
+double DecodeTokensPerSecond(models::CausalLM& model, dispatch::DispatchedModel* dispatched,
+                             int tokens) {
+  c10::InferenceMode inference;
+  models::KvBlockStore store(64, 16, static_cast<size_t>(model.config().num_hidden_layers));
+  models::KvCache cache;
+  cache.store = &store;
+  for (int b = 0; b < 64; ++b) cache.block_table.push_back(b);
+  std::vector<int64_t> ids = {1, 2, 3, 4, 5, 6, 7, 8};
+  int64_t next = 0;
+  auto step = [&](const std::vector<int64_t>& in) {
+    absl::StatusOr<at::Tensor> logits =
+        model.Forward(at::tensor(in, at::kLong), {{&cache, static_cast<int64_t>(in.size())}},
+                      models::Logits::kLastOfEach, dispatched);
+    if (!logits.ok()) {
+      std::fprintf(stderr, "step failed: %s\n", std::string(logits.status().message()).c_str());
+      std::exit(1);
+    }
+    next = logits->argmax(-1)[0].item<int64_t>();
+  };
+  step(ids);
+  const double seconds = bench::Seconds([&] {
+    for (int i = 0; i < tokens; ++i) step({next});
+  });
+  return tokens / seconds;
+}
+
+models::ModelLoadOptions CpuLoad() {
+  models::ModelLoadOptions options;
+  options.device_map = "cpu";
+  options.progress = Progress::Style::kSilent;
+  return options;
+}
+
+// One rank of the split run; prints "rank R rss=B tok_s=T collective_s_per_step=C".
+int RunRank(const std::string& dir, int tokens) {
+  absl::StatusOr<dist::ProcessEnvironment> env = dist::DetectProcessEnvironment(dist::ProcessEnv());
+  if (!env.ok()) return 1;
+  dist::ProcessGroupOptions group_options;
+  group_options.timeout = absl::Seconds(300);
+  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> group =
+      dist::ProcessGroup::Connect(*env, group_options);
+  if (!group.ok()) return 1;
+  models::ModelLoadOptions load = CpuLoad();
+  load.tensor_parallel.rank = (*group)->rank();
+  load.tensor_parallel.size = (*group)->size();
+  load.tensor_parallel.group = group->get();
+  absl::StatusOr<models::LoadedModel> loaded = models::LoadModel(dir, load);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(loaded.status().message()).c_str());
+    return 1;
+  }
+  const int64_t rss = ResidentBytes();
+  if ((*group)->rank() != 0) {
+    const absl::Status ran =
+        models::RunTensorParallelWorker(*loaded->model, loaded->dispatched.get(), **group);
+    std::printf("rank %d rss=%lld\n", (*group)->rank(), static_cast<long long>(rss));
+    return ran.ok() ? 0 : 1;
+  }
+  const double before = models::TensorParallelCollectiveSeconds();
+  const double tok_s = DecodeTokensPerSecond(*loaded->model, loaded->dispatched.get(), tokens);
+  const double collective = models::TensorParallelCollectiveSeconds() - before;
+  std::printf("rank 0 rss=%lld tok_s=%.3f collective_s_per_step=%.6f\n",
+              static_cast<long long>(rss), tok_s, collective / (tokens + 1));
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int tokens = 32;
+  int64_t bytes = int64_t{1} << 30;
+  std::string dir = "/tmp/accel-bench-tensor-parallel";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--tokens") tokens = std::atoi(value.c_str());
+    if (flag == "--dir") dir = value;
+    if (flag == "--bytes") bytes = std::atoll(value.c_str());
+  }
+  if (std::getenv("ACCEL_BENCH_RANK_OF") != nullptr) {
+    return RunRank(std::getenv("ACCEL_BENCH_DIR"), std::atoi(std::getenv("ACCEL_BENCH_TOKENS")));
+  }
+
+  if (!std::filesystem::exists(dir + "/config.json")) {
+    models::MakeModelOptions o;
+    o.family = "llama";
+    o.hidden_size = 1024;
+    o.num_heads = 16;
+    o.num_kv_heads = 8;
+    o.intermediate_size = 2816;
+    o.vocab_size = 32000;
+    o.dtype = at::kBFloat16;
+    o.target_bytes = bytes;
+    o.seed = 1;
+    absl::StatusOr<models::MadeModel> made = models::MakeModel(dir, o);
+    if (!made.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(made.status().message()).c_str());
+      return 1;
+    }
+  }
+  std::printf("model: %s (bfloat16, %d decode tokens at batch 1)\n", dir.c_str(), tokens);
+  // The baseline, in a process of its own so that its resident bytes are its own.
+  std::map<std::string, std::string> env = {{"ACCEL_BENCH_RANK_OF", "1"},
+                                            {"ACCEL_BENCH_DIR", dir},
+                                            {"ACCEL_BENCH_TOKENS", std::to_string(tokens)}};
+  // The machine's cores either way: two threads for the one process, one for each rank.
+  env["OMP_NUM_THREADS"] = "2";
+  std::vector<int> one = test::RunRanks(1, "", env, 1200);
+  env["OMP_NUM_THREADS"] = "1";
+  std::vector<int> two = test::RunRanks(2, "", env, 1200);
+  std::printf("exit codes: one process %d, two ranks %d %d\n", one[0], two[0], two[1]);
+  return one[0] == 0 && two[0] == 0 && two[1] == 0 ? 0 : 1;
+}
