@@ -9,8 +9,9 @@
 //
 //   build/bin/accel-bench-tensor-parallel [--tokens 32] [--dir /tmp/x] [--bytes 1073741824]
 //
-// Each process prints one line: "rank R rss=BYTES [tok_s=T collective_s_per_step=S]"
-// (the one-process baseline is "rank 0" of a group of one).
+// Each process prints one line: "rank R [of N] rss_loaded=BYTES rss=BYTES
+// [tok_s=T collective_s_per_step=S]", rss after the decode (every weight read
+// once, mapped pages included); the baseline is "rank 0 of 1".
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -38,11 +39,12 @@ namespace {
 
 using namespace accel;  // NOLINT: a benchmark's main file
 
-int64_t ResidentBytes() {
+// A line of /proc/self/status in bytes ("VmRSS:", "RssAnon:", "RssFile:").
+int64_t StatusBytes(const std::string& field) {
   std::ifstream status("/proc/self/status");
   std::string key;
   while (status >> key) {
-    if (key == "VmRSS:") {
+    if (key == field) {
       int64_t kib = 0;
       status >> kib;
       return kib * 1024;
@@ -50,6 +52,13 @@ int64_t ResidentBytes() {
     std::getline(status, key);
   }
   return -1;
+}
+int64_t ResidentBytes() { return StatusBytes("VmRSS:"); }
+
+// "rss=B anon=B file=B": resident bytes, and those of memory and of files.
+std::string Resident() {
+  return absl::StrCat("rss=", ResidentBytes(), " anon=", StatusBytes("RssAnon:"),
+                      " file=", StatusBytes("RssFile:"));
 }
 
 // Greedy decode of one sequence at batch 1: tokens/s over `tokens` steps
@@ -109,14 +118,19 @@ int RunRank(const std::string& dir, int tokens) {
   if ((*group)->rank() != 0) {
     const absl::Status ran =
         models::RunTensorParallelWorker(*loaded->model, loaded->dispatched.get(), **group);
-    std::printf("rank %d rss=%lld\n", (*group)->rank(), static_cast<long long>(rss));
+    std::printf("rank %d rss_loaded=%lld %s\n", (*group)->rank(), static_cast<long long>(rss),
+                Resident().c_str());
     return ran.ok() ? 0 : 1;
   }
   const double before = models::TensorParallelCollectiveSeconds();
   const double tok_s = DecodeTokensPerSecond(*loaded->model, loaded->dispatched.get(), tokens);
   const double collective = models::TensorParallelCollectiveSeconds() - before;
-  std::printf("rank 0 rss=%lld tok_s=%.3f collective_s_per_step=%.6f\n",
-              static_cast<long long>(rss), tok_s, collective / (tokens + 1));
+  // After decoding every weight has been read: mapped ones count now too.
+  std::printf(
+      "rank 0 of %d (%s threads) rss_loaded=%lld %s tok_s=%.3f "
+      "collective_s_per_step=%.6f\n",
+      (*group)->size(), std::getenv("OMP_NUM_THREADS"), static_cast<long long>(rss),
+      Resident().c_str(), tok_s, collective / (tokens + 1));
   std::fflush(stdout);
   return 0;
 }
@@ -159,11 +173,14 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> env = {{"ACCEL_BENCH_RANK_OF", "1"},
                                             {"ACCEL_BENCH_DIR", dir},
                                             {"ACCEL_BENCH_TOKENS", std::to_string(tokens)}};
-  // The machine's cores either way: two threads for the one process, one for each rank.
-  env["OMP_NUM_THREADS"] = "2";
+  // One process with one thread and with the machine's two; each rank one thread.
+  env["OMP_NUM_THREADS"] = "1";
   std::vector<int> one = test::RunRanks(1, "", env, 1200);
+  env["OMP_NUM_THREADS"] = "2";
+  std::vector<int> one_two = test::RunRanks(1, "", env, 1200);
   env["OMP_NUM_THREADS"] = "1";
   std::vector<int> two = test::RunRanks(2, "", env, 1200);
-  std::printf("exit codes: one process %d, two ranks %d %d\n", one[0], two[0], two[1]);
-  return one[0] == 0 && two[0] == 0 && two[1] == 0 ? 0 : 1;
+  std::printf("exit codes: one process %d %d, two ranks %d %d\n", one[0], one_two[0], two[0],
+              two[1]);
+  return one[0] == 0 && one_two[0] == 0 && two[0] == 0 && two[1] == 0 ? 0 : 1;
 }
