@@ -11,7 +11,9 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <sys/mman.h>
 #include <thread>
+#include <unistd.h>
 #include <unordered_map>
 #include <utility>
 
@@ -36,6 +38,18 @@
 
 namespace accel::dispatch {
 namespace {
+
+// Unmaps the whole pages inside `t`'s bytes from this process (MADV_DONTNEED),
+// for a tensor over a read-only file mapping that nothing uses any more: its
+// resident memory falls, and a later read faults the page cache's copy in.
+// Only pages entirely inside the tensor, so no neighbour is touched.
+void DropResidentPages(const at::Tensor& t) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t first = (begin + page - 1) & ~(page - 1);
+  const uintptr_t last = (begin + t.nbytes()) & ~(page - 1);
+  if (last > first) (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
 
 using internal::Offloaded;
 using internal::Source;
@@ -827,6 +841,16 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       ACCEL_ASSIGN_OR_RETURN(std::vector<HookTensor> made, options.hook->Convert(name, stored));
       for (const HookTensor& t : made) {
         ACCEL_RETURN_IF_ERROR(place(t.name, nullptr, t.value));
+      }
+      // The hook made tensors of its own (quantized, a tensor-parallel
+      // slice): the stored bytes it read need not stay in this process's
+      // resident memory when they are the safetensors file's mapping (the
+      // page cache keeps them; a view the hook kept faults them in again).
+      if (const loader::SafetensorsFile* shard = ckpt.safetensors_shard(entry.shard)) {
+        const loader::TensorInfo* info = shard->Find(name);
+        if (info != nullptr && shard->Bytes(*info).data() == stored.data_ptr()) {
+          DropResidentPages(stored);
+        }
       }
     } else {
       ACCEL_RETURN_IF_ERROR(place(name, &entry, at::Tensor()));
