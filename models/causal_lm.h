@@ -37,7 +37,6 @@
 
 namespace accel::models {
 
-
 // The keys and values of many sequences in fixed-size blocks (the storage
 // behind models/kv_blocks.h's accounting): layer l's keys and values are
 // [num_blocks, kv_heads, block_size, head_dim] on that layer's device, in

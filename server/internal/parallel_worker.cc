@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "dist/process_group.h"
+#include "models/load_model.h"
 #include "models/tensor_parallel.h"
 
 namespace accel::server::internal {

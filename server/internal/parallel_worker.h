@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "models/load_model.h"
+#include "models/load_options.h"
 
 namespace accel::dist {
 class ProcessGroup;
