@@ -27,6 +27,7 @@
 #include "absl/time/time.h"
 
 #include "core/file_faults.h"
+#include "core/threads.h"
 #include "core/tool_main.h"
 #include "dist/env.h"
 #include "dist/process_group.h"
@@ -291,6 +292,7 @@ int Run(int argc, char** argv) {
       // Health only, its slice, the leader's steps; SIGTERM ends it at once.
       pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
       const int port = options->port == 0 ? 0 : options->port + layout->local_rank;
+      accel::SetIntraOpThreads(options->engine.threads);  // as the leader's engine does
       accel::models::ModelLoadOptions load = options->engine.load;
       load.progress = accel::Progress::Style::kSilent;
       return accel::server::internal::ServeWorkerRank(options->engine.model_dir, load,
