@@ -42,6 +42,9 @@ class FakeEngineCore : public EngineCoreInterface {
     // The first step that holds a sequence whose first prompt id is this
     // fails (once): the step the request joins in, however the threads run.
     int64_t fail_with_first_id ABSL_GUARDED_BY(mu) = -1;
+    // Failures are UNAVAILABLE (a tensor-parallel group that broke), not
+    // RESOURCE_EXHAUSTED.
+    bool fail_unavailable ABSL_GUARDED_BY(mu) = false;
     int steps ABSL_GUARDED_BY(mu) = 0;
   };
 
@@ -74,6 +77,9 @@ class FakeEngineCore : public EngineCoreInterface {
         for (const auto& [id, seq] : seqs_) {
           if (seq.base != control_->fail_with_first_id * 1000) continue;
           control_->fail_with_first_id = -1;
+          if (control_->fail_unavailable) {
+            return absl::UnavailableError("tensor parallel: a worker died (the fake's)");
+          }
           return absl::ResourceExhaustedError("out of memory (the fake's)");
         }
       }
@@ -361,6 +367,32 @@ TEST(EngineLoopTest, AFailedStepEndsOnlyTheRequestsThatJoinedInIt) {
   EXPECT_THAT(second->status().message(), HasSubstr("out of memory (the fake's)"));
   EXPECT_TRUE(second->tokens().empty());
   EXPECT_EQ(f.logger.failed("internal"), 1);
+}
+
+// A step that fails UNAVAILABLE (a tensor-parallel group that broke: every
+// later step fails too) ends every running request with UNAVAILABLE, not
+// only the ones that joined in it, and not as INTERNAL.
+TEST(EngineLoopTest, AnUnavailableStepEndsEveryRunningRequestUnavailable) {
+  Fixture f;
+  auto first = std::make_shared<RecordingSink>();
+  // Long enough to be running still when the step fails.
+  ASSERT_TRUE(f.scheduler.Submit(Request(1, 1000000), first).ok());
+  absl::Time until = absl::Now() + absl::Seconds(10);
+  while (first->tokens().size() < 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_GE(first->tokens().size(), 2u);
+  {
+    absl::MutexLock lock(&f.control->mu);
+    f.control->fail_with_first_id = 2;
+    f.control->fail_unavailable = true;
+  }
+  auto second = std::make_shared<RecordingSink>();
+  ASSERT_TRUE(f.scheduler.Submit(Request(2, 5), second).ok());
+  ASSERT_TRUE(second->WaitDone());
+  ASSERT_TRUE(first->WaitDone());
+  EXPECT_EQ(first->status().code(), absl::StatusCode::kUnavailable) << first->status();
+  EXPECT_EQ(second->status().code(), absl::StatusCode::kUnavailable) << second->status();
+  EXPECT_THAT(second->status().message(), HasSubstr("a worker died (the fake's)"));
+  EXPECT_LT(first->tokens().size(), 1000000u);
 }
 
 TEST(EngineLoopTest, AStepThatFailsWithNobodyNewEndsEveryone) {
