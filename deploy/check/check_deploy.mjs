@@ -76,7 +76,10 @@ function seconds(text) {
 
 // --- accel-serve --helpfull -----------------------------------------------------
 const help = spawnSync(serveBin, ["--helpfull"], { encoding: "utf8" });
-const helpText = `${help.stdout}${help.stderr}`;
+// The "Flags from FILE:" headings go: otherwise each file's last flag ran on into the next
+// heading and was not recognised (the engine's --threads once accel-serve took its flags from
+// several files).
+const helpText = `${help.stdout}${help.stderr}`.replace(/\n\s*Flags from [^\n]*:\n/g, "\n");
 const flagDefaults = new Map();
 for (const block of helpText.split(/\n(?=\s{4}--)/)) {
   const m = block.match(/^\s*--(\w+) \(([\s\S]*)\);\s+default: ([\s\S]*?);\s*$/);
