@@ -559,7 +559,7 @@ TEST_F(RawHttpTest, WrongTypesNameTheField) {
                             R"({"prompt": "hi", "n": 2})"))["error"]["param"],
             "n");
   EXPECT_EQ(BodyOf(Exchange(port(), "POST", "/v1/completions",
-                            R"({"prompt": "hi", "presence_penalty": 0.5})"))["error"]["param"],
+                            R"({"prompt": "hi", "presence_penalty": "high"})"))["error"]["param"],
             "presence_penalty");
   // The engine's own validation, in OpenAI's shape.
   ExpectOpenAiError(Exchange(port(), "POST", "/v1/completions", R"({"prompt": [999999]})"), 400,
