@@ -33,6 +33,24 @@ struct OffloadStats {
   int64_t expert_guess_reads = 0;
   int64_t expert_guess_hits = 0;
   int64_t expert_bytes_read = 0;  // from disk; also counted in bytes_read
+
+  // Every counter added: two models' offloading (a target and its draft) read as one.
+  OffloadStats& operator+=(const OffloadStats& other) {
+    fetches += other.fetches;
+    prefetch_hits += other.prefetch_hits;
+    bytes_read += other.bytes_read;
+    bytes_mapped += other.bytes_mapped;
+    bytes_dropped += other.bytes_dropped;
+    bytes_to_device += other.bytes_to_device;
+    expert_fetches += other.expert_fetches;
+    expert_cache_hits += other.expert_cache_hits;
+    expert_misses += other.expert_misses;
+    expert_prefetch_hits += other.expert_prefetch_hits;
+    expert_guess_reads += other.expert_guess_reads;
+    expert_guess_hits += other.expert_guess_hits;
+    expert_bytes_read += other.expert_bytes_read;
+    return *this;
+  }
 };
 
 }  // namespace accel::dispatch

@@ -293,18 +293,7 @@ std::string LlmEngine::TokenText(int64_t token_id) const {
 
 dispatch::OffloadStats LlmEngine::offload_stats() const {
   dispatch::OffloadStats stats = model_->loaded.dispatched->stats();
-  if (model_->draft) {
-    const dispatch::OffloadStats draft = model_->draft->dispatched->stats();
-    stats.fetches += draft.fetches;
-    stats.prefetch_hits += draft.prefetch_hits;
-    stats.bytes_read += draft.bytes_read;
-    stats.bytes_mapped += draft.bytes_mapped;
-    stats.bytes_dropped += draft.bytes_dropped;
-    stats.bytes_to_device += draft.bytes_to_device;
-    stats.expert_fetches += draft.expert_fetches;
-    stats.expert_cache_hits += draft.expert_cache_hits;
-    stats.expert_prefetch_hits += draft.expert_prefetch_hits;
-  }
+  if (model_->draft) stats += model_->draft->dispatched->stats();
   return stats;
 }
 
