@@ -41,11 +41,23 @@ class GrammarLogitsProcessor : public LogitsProcessor {
     const int64_t covered = std::min<int64_t>(vocab, static_cast<int64_t>(mask_.size()) * 64);
     constexpr float kBanned = -std::numeric_limits<float>::infinity();
     if (logits.is_cpu() && logits.scalar_type() == at::kFloat && logits.is_contiguous()) {
+      // Word by word: a grammar's mask is mostly whole words of zeros
+      // (outside a string) or of ones (inside one).
       float* data = logits.data_ptr<float>();
-      for (int64_t i = 0; i < covered; ++i) {
-        if (!(mask_[i >> 6] >> (i & 63) & 1)) data[i] = kBanned;
+      for (int64_t w = 0; w * 64 < covered; ++w) {
+        const uint64_t bits = mask_[w];
+        const int64_t begin = w * 64;
+        const int64_t end = std::min<int64_t>(begin + 64, covered);
+        if (bits == ~uint64_t{0} && end - begin == 64) continue;
+        if (bits == 0) {
+          std::fill(data + begin, data + end, kBanned);
+          continue;
+        }
+        for (int64_t i = begin; i < end; ++i) {
+          if (!(bits >> (i - begin) & 1)) data[i] = kBanned;
+        }
       }
-      for (int64_t i = covered; i < vocab; ++i) data[i] = kBanned;
+      std::fill(data + covered, data + vocab, kBanned);
       return;
     }
     at::Tensor keep = at::zeros({vocab}, at::TensorOptions().dtype(at::kBool));

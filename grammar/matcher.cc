@@ -15,7 +15,8 @@ namespace accel::grammar {
 namespace internal {
 
 struct CompiledGrammarState {
-  explicit CompiledGrammarState(const GrammarData* grammar) : arena(grammar) {}
+  CompiledGrammarState(const GrammarData* grammar, int64_t max_dfa_states)
+      : arena(grammar), max_dfa_states(max_dfa_states) {}
   std::mutex mu;
   StackArena arena;
   // state -> the grammar's part of its mask (stop tokens not included).
@@ -23,8 +24,99 @@ struct CompiledGrammarState {
   int64_t mask_bytes = 0;
   int64_t walks = 0;
   int64_t hits = 0;
-  std::vector<State> by_depth;  // the trie walk's states, one per depth
+
+  // A lazily built DFA over the arena's states, for the trie walk: a state
+  // (a set of stacks) gets an id the first time it is met, and each (id,
+  // byte) its successor's id, so a trie node costs one table load instead
+  // of a hash lookup per stack. The walk of a state never seen before then
+  // mostly runs on transitions other walks filled (inside a string, position
+  // k+1's transitions are position k's shifted by one). Ids live only
+  // between walks: the table starts over when it outgrows max_dfa_states.
+  static constexpr int32_t kUnknown = -2;
+  static constexpr int32_t kDead = -1;
+  const int64_t max_dfa_states;
+  absl::flat_hash_map<State, int32_t, absl::Hash<State>> dfa_ids;
+  std::vector<State> dfa_states;
+  std::vector<int32_t> dfa_next;  // id * 256 + byte -> id, kDead or kUnknown
+  std::vector<int32_t> by_depth;  // the trie walk's state ids, one per depth
+  State scratch;
+
+  int32_t Intern(const State& state) {
+    auto [it, inserted] = dfa_ids.try_emplace(state, static_cast<int32_t>(dfa_states.size()));
+    if (inserted) {
+      dfa_states.push_back(state);
+      dfa_next.resize(dfa_next.size() + 256, kUnknown);
+    }
+    return it->second;
+  }
+  int32_t Next(int32_t id, uint8_t byte) {
+    const size_t slot = static_cast<size_t>(id) * 256 + byte;
+    if (dfa_next[slot] != kUnknown) return dfa_next[slot];
+    arena.Step(dfa_states[id], byte, &scratch);
+    const int32_t next = scratch.empty() ? kDead : Intern(scratch);
+    dfa_next[slot] = next;
+    return next;
+  }
+  void ClearDfa() {
+    dfa_ids.clear();
+    dfa_states.clear();
+    dfa_next.clear();
+  }
+  // Set the bit of every token `state` allows (the grammar's part). The DFA
+  // walk returns false, with `out` partly filled, when the table outgrows
+  // twice its limit; the plain walk steps the arena's stacks at each node.
+  bool WalkTrieDfa(const TokenVocabulary& vocab, const State& state, uint64_t* out);
+  void WalkTriePlain(const TokenVocabulary& vocab, const State& state, uint64_t* out);
 };
+
+bool CompiledGrammarState::WalkTrieDfa(const TokenVocabulary& vocab, const State& state,
+                                       uint64_t* out) {
+  by_depth.resize(static_cast<size_t>(vocab.max_depth_) + 1);
+  by_depth[0] = Intern(state);
+  const auto nodes = static_cast<int32_t>(vocab.byte_.size());
+  const int32_t* depth = vocab.depth_.data();
+  const uint8_t* byte = vocab.byte_.data();
+  const int32_t* tokens_begin = vocab.tokens_begin_.data();
+  const int32_t* tokens_end = vocab.tokens_end_.data();
+  const int32_t* tokens = vocab.tokens_.data();
+  for (int32_t i = 1; i < nodes;) {
+    const int32_t d = depth[i];
+    const int32_t next = Next(by_depth[d - 1], byte[i]);
+    if (next == kDead) {
+      i = vocab.subtree_end_[i];
+      continue;
+    }
+    by_depth[d] = next;
+    for (int32_t t = tokens_begin[i]; t < tokens_end[i]; ++t) {
+      const int32_t id = tokens[t];
+      out[id >> 6] |= uint64_t{1} << (id & 63);
+    }
+    ++i;
+    if (static_cast<int64_t>(dfa_states.size()) > 2 * max_dfa_states) return false;
+  }
+  return true;
+}
+
+void CompiledGrammarState::WalkTriePlain(const TokenVocabulary& vocab, const State& state,
+                                         uint64_t* out) {
+  std::vector<State> states(static_cast<size_t>(vocab.max_depth_) + 1);
+  states[0] = state;
+  const auto nodes = static_cast<int32_t>(vocab.byte_.size());
+  for (int32_t i = 1; i < nodes;) {
+    const int32_t d = vocab.depth_[i];
+    State& here = states[d];
+    arena.Step(states[d - 1], vocab.byte_[i], &here);
+    if (here.empty()) {
+      i = vocab.subtree_end_[i];
+      continue;
+    }
+    for (int32_t t = vocab.tokens_begin_[i]; t < vocab.tokens_end_[i]; ++t) {
+      const int32_t id = vocab.tokens_[t];
+      out[id >> 6] |= uint64_t{1} << (id & 63);
+    }
+    ++i;
+  }
+}
 
 }  // namespace internal
 
@@ -92,17 +184,25 @@ std::shared_ptr<const TokenVocabulary> TokenVocabulary::Create(std::vector<std::
 }
 
 CompiledGrammar::CompiledGrammar(std::shared_ptr<const Grammar> grammar,
-                                 std::shared_ptr<const TokenVocabulary> vocabulary)
+                                 std::shared_ptr<const TokenVocabulary> vocabulary,
+                                 const Options& options)
     : grammar_(std::move(grammar)),
       vocabulary_(std::move(vocabulary)),
-      state_(std::make_unique<internal::CompiledGrammarState>(&grammar_->data())) {}
+      state_(std::make_unique<internal::CompiledGrammarState>(&grammar_->data(),
+                                                              options.max_dfa_states)) {}
 
 CompiledGrammar::~CompiledGrammar() = default;
 
 std::shared_ptr<CompiledGrammar> CompiledGrammar::Create(
-    std::shared_ptr<const Grammar> grammar, std::shared_ptr<const TokenVocabulary> vocabulary) {
+    std::shared_ptr<const Grammar> grammar, std::shared_ptr<const TokenVocabulary> vocabulary,
+    const Options& options) {
   return std::shared_ptr<CompiledGrammar>(
-      new CompiledGrammar(std::move(grammar), std::move(vocabulary)));
+      new CompiledGrammar(std::move(grammar), std::move(vocabulary), options));
+}
+
+int64_t CompiledGrammar::dfa_states() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return static_cast<int64_t>(state_->dfa_states.size());
 }
 
 int64_t CompiledGrammar::mask_walks() const {
@@ -204,24 +304,15 @@ int64_t GrammarMatcher::FillNextTokenBitmask(uint64_t* mask) {
       } else {
         ++shared.walks;
         auto bits = std::make_shared<std::vector<uint64_t>>(words, 0);
-        uint64_t* out = bits->data();
-        std::vector<internal::State>& by_depth = shared.by_depth;
-        by_depth.resize(static_cast<size_t>(vocab.max_depth_) + 1);
-        by_depth[0] = state;
-        const auto nodes = static_cast<int32_t>(vocab.byte_.size());
-        for (int32_t i = 1; i < nodes;) {
-          const int32_t d = vocab.depth_[i];
-          internal::State& here = by_depth[d];
-          shared.arena.Step(by_depth[d - 1], vocab.byte_[i], &here);
-          if (here.empty()) {
-            i = vocab.subtree_end_[i];
-            continue;
-          }
-          for (int32_t t = vocab.tokens_begin_[i]; t < vocab.tokens_end_[i]; ++t) {
-            const int32_t id = vocab.tokens_[t];
-            out[id >> 6] |= uint64_t{1} << (id & 63);
-          }
-          ++i;
+        if (static_cast<int64_t>(shared.dfa_states.size()) > shared.max_dfa_states) {
+          shared.ClearDfa();
+        }
+        if (!shared.WalkTrieDfa(vocab, state, bits->data())) {
+          // One walk met more new states than the table may hold (a grammar
+          // with very many parses alive): this state's mask the plain way.
+          shared.ClearDfa();
+          std::fill(bits->begin(), bits->end(), 0);
+          shared.WalkTriePlain(vocab, state, bits->data());
         }
         const auto bytes = static_cast<int64_t>(words * sizeof(uint64_t));
         if (shared.mask_bytes + bytes > kMaxMaskCacheBytes) {

@@ -4,6 +4,7 @@
 // end, rollback and forks.
 #include "grammar/matcher.h"
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -143,6 +144,59 @@ TEST(MatcherTest, MasksEqualBruteForce) {
     }
   }
   EXPECT_GT(compiled->mask_cache_hits(), 0);
+}
+
+// The trie walk runs on a lazily built DFA of the arena's states; its masks
+// must equal the brute force whether the table is kept (one big limit),
+// started over between walks (a limit of a few states) or given up inside
+// a walk for the plain per-stack walk (a limit of one state). Bounded
+// repetitions (maxLength) make every position in a string its own state.
+TEST(MatcherTest, DfaWalkMasksEqualBruteForceAtAnyTableLimit) {
+  std::vector<std::string> tokens;
+  for (int b = 32; b < 127; ++b) tokens.emplace_back(1, static_cast<char>(b));
+  for (const char* t : {"{\"", "\":", "\",", "\"}", "ab", "abc", "abcd", "\"a", "12", "1.", "é",
+                        "\xC3", "\xA9", "true", "\\n", "\",\"", "xyzzy", "  "}) {
+    tokens.emplace_back(t);
+  }
+  const Fixture f = Vocab(tokens);
+  auto schema = CompileJsonSchema(
+      R"({"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
+          "b": {"type": "integer", "minimum": -20, "maximum": 300},
+          "c": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 3},
+                "maxItems": 3}},
+          "required": ["a", "b", "c"]})");
+  ASSERT_THAT(schema, IsOk());
+  for (const int64_t limit : {int64_t{1}, int64_t{4}, int64_t{1} << 20}) {
+    CompiledGrammar::Options options;
+    options.max_dfa_states = limit;
+    auto compiled = CompiledGrammar::Create(*schema, f.vocab, options);
+    std::mt19937 rng(5);
+    int64_t steps = 0;
+    for (int walk = 0; walk < 12; ++walk) {
+      GrammarMatcher m(compiled, {f.stop});
+      std::vector<uint64_t> mask(m.mask_words());
+      for (int step = 0; step < 40; ++step, ++steps) {
+        m.FillNextTokenBitmask(mask.data());
+        std::vector<int64_t> allowed;
+        for (int64_t t = 0; t < f.vocab->size(); ++t) {
+          GrammarMatcher probe = m;
+          const bool accepts = probe.AcceptToken(t);
+          ASSERT_EQ(Bit(mask, t), accepts) << "token " << t << " '" << f.vocab->token_bytes(t)
+                                           << "' at step " << step << ", limit " << limit;
+          if (accepts && t != f.stop) allowed.push_back(t);
+        }
+        if (allowed.empty()) break;
+        ASSERT_TRUE(m.AcceptToken(allowed[rng() % allowed.size()]));
+      }
+    }
+    EXPECT_GT(steps, 100);
+    // The table stays within twice its limit (a walk may add states past
+    // the limit; the next walk starts over).
+    EXPECT_LE(compiled->dfa_states(), 2 * limit);
+    if (limit > 1000) {
+      EXPECT_GT(compiled->dfa_states(), 20);
+    }
+  }
 }
 
 TEST(MatcherTest, TrieKeepsDuplicateAndPrefixTokens) {
