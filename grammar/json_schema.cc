@@ -397,20 +397,24 @@ class SchemaConverter {
     return AddRule(hint, body);
   }
 
+  // A count keyword (minItems, maxLength...): absent, or an integer a
+  // grammar's repetition can hold.
+  absl::StatusOr<std::optional<int64_t>> RepetitionBound(const Json& schema, const char* key,
+                                                         const std::string& path) {
+    if (!schema.contains(key)) return std::optional<int64_t>();
+    const Json& v = schema[key];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxRepetition) {
+      return Unsupported(key, path,
+                         absl::StrCat("must be an integer in [0, ", kMaxRepetition, "]"));
+    }
+    return std::optional<int64_t>(v.get<int64_t>());
+  }
+
   absl::StatusOr<std::string> Array(const Json& schema, const std::string& hint,
                                     const std::string& path) {
-    auto count = [&](const char* key) -> absl::StatusOr<std::optional<int64_t>> {
-      if (!schema.contains(key)) return std::optional<int64_t>();
-      const Json& v = schema[key];
-      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxRepetition) {
-        return Unsupported(key, path,
-                           absl::StrCat("must be an integer in [0, ", kMaxRepetition, "]"));
-      }
-      return std::optional<int64_t>(v.get<int64_t>());
-    };
-    auto min_items = count("minItems");
+    auto min_items = RepetitionBound(schema, "minItems", path);
     if (!min_items.ok()) return min_items.status();
-    auto max_items = count("maxItems");
+    auto max_items = RepetitionBound(schema, "maxItems", path);
     if (!max_items.ok()) return max_items.status();
     std::vector<std::string> prefix;
     if (schema.contains("prefixItems")) {
@@ -531,18 +535,9 @@ class SchemaConverter {
       return AddRule(absl::StrCat(hint, "-", format), absl::StrCat("\"\\\"\" ", body, " \"\\\"\""));
     }
     if (has_length) {
-      auto length = [&](const char* key) -> absl::StatusOr<std::optional<int64_t>> {
-        if (!schema.contains(key)) return std::optional<int64_t>();
-        const Json& v = schema[key];
-        if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxRepetition) {
-          return Unsupported(key, path,
-                             absl::StrCat("must be an integer in [0, ", kMaxRepetition, "]"));
-        }
-        return std::optional<int64_t>(v.get<int64_t>());
-      };
-      auto lo = length("minLength");
+      auto lo = RepetitionBound(schema, "minLength", path);
       if (!lo.ok()) return lo.status();
-      auto hi = length("maxLength");
+      auto hi = RepetitionBound(schema, "maxLength", path);
       if (!hi.ok()) return hi.status();
       if (*hi && **hi < lo->value_or(0))
         return Unsupported("maxLength", path, "is below minLength");
@@ -587,29 +582,75 @@ class SchemaConverter {
         return Unsupported("maximum", path, "leaves no integer above the minimum");
       return AddRule("integer-range", IntegerRange(a, b));
     }
-    // number: integer bounds >= 0, inclusive.
+    // number: bounds that are integers (of either sign, inclusive or
+    // exclusive); a fractional bound would need the fraction's digits
+    // compared, not done.
     const char* bad = nullptr;
-    if (lo && (lo_exclusive || *lo < 0 || *lo != std::floor(*lo))) {
-      bad = lo_exclusive ? "exclusiveMinimum" : "minimum";
-    }
-    if (!bad && hi && (hi_exclusive || *hi < 0 || *hi != std::floor(*hi))) {
-      bad = hi_exclusive ? "exclusiveMaximum" : "maximum";
-    }
+    if (lo && *lo != std::floor(*lo)) bad = lo_exclusive ? "exclusiveMinimum" : "minimum";
+    if (!bad && hi && *hi != std::floor(*hi)) bad = hi_exclusive ? "exclusiveMaximum" : "maximum";
     if (bad) {
       return Unsupported(bad, path,
-                         "on a number is supported only as an inclusive integer bound >= 0 "
-                         "(use type integer for other bounds)");
+                         "on a number is supported only as an integer value (use type integer "
+                         "for other bounds)");
     }
-    const auto a = static_cast<uint64_t>(lo.value_or(0));
-    const std::string fraction = "(\".\" [0-9]{1,16})?";
-    if (!hi)
-      return AddRule("number-range", absl::StrCat(UnsignedRange(a, std::nullopt), " ", fraction));
-    const auto b = static_cast<uint64_t>(*hi);
-    if (b < a) return Unsupported("maximum", path, "is below the minimum");
-    // [a, b]: an integer part in [a, b - 1] with any fraction, or b itself.
-    std::string body = absl::StrCat("\"", b, "\" (\".\" \"0\"{1,16})?");
-    if (b > a) body = absl::StrCat(UnsignedRange(a, b - 1), " ", fraction, " | ", body);
-    return AddRule("number-range", body);
+    std::optional<int64_t> a;
+    std::optional<int64_t> b;
+    if (lo) a = static_cast<int64_t>(*lo);
+    if (hi) b = static_cast<int64_t>(*hi);
+    std::vector<std::string> branches;
+    // v >= 0: its own bounds, clipped at 0 (v >= 0 when a is below).
+    if (!b || *b > 0 || (*b == 0 && !hi_exclusive)) {
+      const bool clipped = !a || *a < 0;
+      std::string part = NonNegativeNumber(clipped ? 0 : static_cast<uint64_t>(*a),
+                                           !clipped && lo_exclusive, b, hi_exclusive);
+      if (!part.empty()) branches.push_back(part);
+    }
+    // v < 0: "-" and its magnitude m = -v, bounded by -b below (or 0) and
+    // by -a above; m = 0 ("-0") is left out, so m > 0 below.
+    if (!a || *a < 0) {
+      const bool below_zero = b && *b < 0;
+      std::optional<int64_t> m_hi;
+      if (a) m_hi = -*a;
+      std::string part = NonNegativeNumber(below_zero ? static_cast<uint64_t>(-*b) : 0,
+                                           below_zero ? hi_exclusive : true, m_hi, lo_exclusive);
+      if (!part.empty()) branches.push_back(absl::StrCat("\"-\" (", part, ")"));
+    }
+    if (branches.empty()) {
+      return Unsupported(hi_exclusive ? "exclusiveMaximum" : "maximum", path,
+                         "leaves no number above the minimum");
+    }
+    return AddRule("number-range", absl::StrJoin(branches, " | "));
+  }
+
+  // The decimals (no exponent) v >= 0 with v >= lo (v > lo when
+  // `lo_exclusive`) and v <= hi (v < hi): by the integer part, with any
+  // fraction, a fraction of zeros (hi itself) or a non-zero one (just above
+  // an exclusive lo). Empty when none is.
+  static std::string NonNegativeNumber(uint64_t lo, bool lo_exclusive, std::optional<int64_t> hi,
+                                       bool hi_exclusive) {
+    const std::string any = "(\".\" [0-9]{1,16})?";
+    const std::string zeros = "(\".\" \"0\"{1,16})?";
+    const std::string nonzero = "\".\" \"0\"{0,15} [1-9] [0-9]{0,15}";
+    if (hi && *hi < 0) return "";
+    std::vector<std::string> branches;
+    // Integer parts strictly inside: any fraction.
+    const uint64_t first = lo_exclusive ? lo + 1 : lo;
+    if (!hi || *hi >= 1) {
+      std::optional<uint64_t> last;
+      if (hi) last = static_cast<uint64_t>(*hi) - 1;
+      if (!last || first <= *last) {
+        branches.push_back(absl::StrCat(UnsignedRange(first, last), " ", any));
+      }
+    }
+    // lo itself with a non-zero fraction, when lo is excluded (and below hi).
+    if (lo_exclusive && (!hi || lo < static_cast<uint64_t>(*hi))) {
+      branches.push_back(absl::StrCat("\"", lo, "\" ", nonzero));
+    }
+    // hi itself, when included.
+    if (hi && !hi_exclusive && static_cast<uint64_t>(*hi) >= first) {
+      branches.push_back(absl::StrCat("\"", *hi, "\" ", zeros));
+    }
+    return absl::StrJoin(branches, " | ");
   }
 
   static std::string IntegerRange(std::optional<int64_t> lo, std::optional<int64_t> hi) {

@@ -6,6 +6,8 @@
 #include "grammar/json_schema.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -14,6 +16,8 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <re2/re2.h>
+
+#include "absl/strings/str_cat.h"
 
 #include "grammar/matcher.h"
 #include "tests/testing/status_matchers.h"
@@ -291,6 +295,59 @@ TEST(JsonSchemaTest, IntegerRangesAreExact) {
     EXPECT_FALSE((*number)->Matches(no)) << no;
 }
 
+// Numbers with integer bounds of either sign, inclusive and exclusive,
+// against the bound checked on the parsed value (strtod) of numbers around
+// them, with and without fractions. "-0" (and "-0.0") is always refused.
+TEST(JsonSchemaTest, NumberRangesWithSignedAndExclusiveBoundsAreExact) {
+  std::vector<std::string> texts;
+  for (int i = -12; i <= 12; ++i) {
+    for (const char* fraction : {"", ".0", ".00", ".5", ".05", ".999"}) {
+      if (i < 0) {
+        texts.push_back(absl::StrCat("-", -i, fraction));
+      } else {
+        texts.push_back(absl::StrCat(i, fraction));
+        if (i == 0) texts.push_back(absl::StrCat("-0", fraction));
+      }
+    }
+  }
+  int checked = 0;
+  for (const std::optional<int> lo :
+       {std::optional<int>(), std::optional<int>(-7), std::optional<int>(-1), std::optional<int>(0),
+        std::optional<int>(3)}) {
+    for (const std::optional<int> hi : {std::optional<int>(), std::optional<int>(-2),
+                                        std::optional<int>(0), std::optional<int>(5)}) {
+      if (!lo && !hi) continue;
+      for (const bool lo_exclusive : {false, true}) {
+        for (const bool hi_exclusive : {false, true}) {
+          Json schema = {{"type", "number"}};
+          if (lo) schema[lo_exclusive ? "exclusiveMinimum" : "minimum"] = *lo;
+          if (hi) schema[hi_exclusive ? "exclusiveMaximum" : "maximum"] = *hi;
+          auto g = CompileJsonSchema(schema.dump());
+          const bool empty =
+              lo && hi && (*lo > *hi || (*lo == *hi && (lo_exclusive || hi_exclusive)));
+          if (empty) {
+            EXPECT_THAT(g,
+                        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leaves no number")))
+                << schema.dump();
+            continue;
+          }
+          ASSERT_THAT(g, IsOk()) << schema.dump();
+          for (const std::string& text : texts) {
+            const double v = std::strtod(text.c_str(), nullptr);
+            bool in = true;
+            if (lo) in = in && (lo_exclusive ? v > *lo : v >= *lo);
+            if (hi) in = in && (hi_exclusive ? v < *hi : v <= *hi);
+            if (text.rfind("-0", 0) == 0 && v == 0) in = false;
+            EXPECT_EQ((*g)->Matches(text), in) << text << " against " << schema.dump();
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 5000);
+}
+
 TEST(JsonSchemaTest, UnsupportedKeywordsAreNamed) {
   EXPECT_THAT(CompileJsonSchema(R"({"type": "array", "uniqueItems": true})"),
               StatusIs(absl::StatusCode::kInvalidArgument,
@@ -304,6 +361,9 @@ TEST(JsonSchemaTest, UnsupportedKeywordsAreNamed) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'format'")));
   EXPECT_THAT(CompileJsonSchema(R"({"type": "number", "minimum": -1.5})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'minimum'")));
+  EXPECT_THAT(
+      CompileJsonSchema(R"({"type": "number", "exclusiveMaximum": 0.25})"),
+      StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'exclusiveMaximum'")));
   EXPECT_THAT(CompileJsonSchema(R"({"allOf": [{"type": "string"}, {"maxLength": 3}]})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'allOf'")));
   EXPECT_THAT(CompileJsonSchema(R"({"$ref": "https://example.com/x.json"})"),
