@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <mutex>
@@ -13,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
@@ -360,8 +362,10 @@ class SchemaConverter {
           if (!v.ok()) return v.status();
           value = *v;
         }
+        std::vector<std::string> declared;
+        for (const auto& m : members) declared.push_back(m.second);
         extra = AddRule(absl::StrCat(hint, "-additional-kv"),
-                        absl::StrCat("json-string ws \":\" ws ", value));
+                        absl::StrCat(UndeclaredKey(declared), " ws \":\" ws ", value));
       }
     } else if (!schema.contains("properties")) {
       extra = std::string("json-member");
@@ -395,6 +399,47 @@ class SchemaConverter {
     const std::string body =
         first[0].empty() ? "\"{\" ws \"}\"" : absl::StrCat("\"{\" ws ", first[0], " ws \"}\"");
     return AddRule(hint, body);
+  }
+
+  // The key of an additional property: a JSON string that is none of the
+  // declared names. The names' trie becomes one rule per node: end here
+  // (unless a name does), go on with a byte that leaves every name (then
+  // any characters), or follow a child. The key may use JSON's one-letter
+  // escapes but not the solidus or \u ones, so its text is its value's one
+  // spelling and a declared name cannot come back escaped. Names with
+  // other bytes than printable ASCII (no quote or backslash) keep a plain
+  // json-string key, which may repeat them (a documented gap).
+  std::string UndeclaredKey(const std::vector<std::string>& names) {
+    if (names.empty()) return "json-string";
+    for (const std::string& name : names) {
+      for (unsigned char c : name) {
+        if (c < 0x20 || c > 0x7E || c == '"' || c == '\\') return "json-string";
+      }
+    }
+    if (!rules_.count("s-key-char")) {
+      rules_["s-key-char"] = R"([^"\\\x00-\x1F] | "\\" ["\\bfnrt])";
+      reserved_.insert("s-key-char");
+    }
+    const std::set<std::string> set(names.begin(), names.end());
+    std::function<std::string(const std::string&)> node = [&](const std::string& prefix) {
+      std::set<unsigned char> children;
+      for (const std::string& name : set) {
+        if (name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0) {
+          children.insert(static_cast<unsigned char>(name[prefix.size()]));
+        }
+      }
+      std::vector<std::string> alternatives;
+      if (!set.count(prefix)) alternatives.emplace_back();  // the key ends here
+      std::string other = R"([^"\\\x00-\x1F)";
+      for (unsigned char c : children) absl::StrAppend(&other, absl::StrFormat("\\x%02X", c));
+      alternatives.push_back(absl::StrCat("(", other, R"(] | "\\" ["\\bfnrt]) s-key-char*)"));
+      for (unsigned char c : children) {
+        alternatives.push_back(
+            absl::StrCat(absl::StrFormat("[\\x%02X] ", c), node(prefix + static_cast<char>(c))));
+      }
+      return AddRule("key", absl::StrJoin(alternatives, " | "));
+    };
+    return absl::StrCat("\"\\\"\" ", node(""), " \"\\\"\"");
   }
 
   // A count keyword (minItems, maxLength...): absent, or an integer a
