@@ -162,6 +162,64 @@ std::vector<absl::string_view> Markers(ToolCallFormat format) {
   return {};
 }
 
+enum class HeadMatch { kYes, kNo, kMore };
+
+// Whether `text` starts with a call object's head, {"name": "N",
+// "arguments": (or "parameters") followed by '{': kYes with the name and
+// the offset of that '{'; kMore when the text ends before it can tell.
+HeadMatch MatchCallHead(absl::string_view text, std::string* name, size_t* args_start) {
+  size_t i = 0;
+  auto skip_space = [&] {
+    while (i < text.size() && absl::ascii_isspace(static_cast<unsigned char>(text[i]))) ++i;
+    return i < text.size();
+  };
+  // A literal: kYes when all there, kMore when the text ends inside it.
+  auto literal = [&](absl::string_view word) {
+    const absl::string_view rest = text.substr(i);
+    if (rest.size() < word.size()) {
+      return absl::StartsWith(word, rest) ? HeadMatch::kMore : HeadMatch::kNo;
+    }
+    if (!absl::StartsWith(rest, word)) return HeadMatch::kNo;
+    i += word.size();
+    return HeadMatch::kYes;
+  };
+  if (!skip_space()) return HeadMatch::kMore;
+  if (HeadMatch m = literal("{"); m != HeadMatch::kYes) return m;
+  if (!skip_space()) return HeadMatch::kMore;
+  if (HeadMatch m = literal("\"name\""); m != HeadMatch::kYes) return m;
+  if (!skip_space()) return HeadMatch::kMore;
+  if (HeadMatch m = literal(":"); m != HeadMatch::kYes) return m;
+  if (!skip_space()) return HeadMatch::kMore;
+  if (text[i] != '"') return HeadMatch::kNo;
+  const size_t name_start = i;
+  for (++i;; ++i) {
+    if (i >= text.size()) return HeadMatch::kMore;
+    if (text[i] == '\\') {
+      ++i;
+      continue;
+    }
+    if (text[i] == '"') break;
+  }
+  ++i;
+  auto parsed_name = ParseOrderedJson(text.substr(name_start, i - name_start), "tool call name");
+  if (!parsed_name.ok() || !parsed_name->is_string() || parsed_name->get<std::string>().empty()) {
+    return HeadMatch::kNo;
+  }
+  if (!skip_space()) return HeadMatch::kMore;
+  if (HeadMatch m = literal(","); m != HeadMatch::kYes) return m;
+  if (!skip_space()) return HeadMatch::kMore;
+  HeadMatch key = literal("\"arguments\"");
+  if (key == HeadMatch::kNo) key = literal("\"parameters\"");
+  if (key != HeadMatch::kYes) return key;
+  if (!skip_space()) return HeadMatch::kMore;
+  if (HeadMatch m = literal(":"); m != HeadMatch::kYes) return m;
+  if (!skip_space()) return HeadMatch::kMore;
+  if (text[i] != '{') return HeadMatch::kNo;  // a string of JSON: whole, at its end
+  *name = parsed_name->get<std::string>();
+  *args_start = i;
+  return HeadMatch::kYes;
+}
+
 }  // namespace
 
 absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name) {
@@ -236,7 +294,7 @@ std::vector<ToolCallStreamParser::Event> ToolCallStreamParser::Finish() {
 std::vector<ToolCallStreamParser::Event> ToolCallStreamParser::Drain(bool final) {
   std::vector<Event> events;
   if (format_ == ToolCallFormat::kNone) {
-    if (!buffer_.empty()) events.push_back({std::move(buffer_), std::nullopt, 0});
+    if (!buffer_.empty()) events.push_back({std::move(buffer_), std::nullopt, "", 0});
     buffer_.clear();
     return events;
   }
@@ -270,20 +328,48 @@ std::vector<ToolCallStreamParser::Event> ToolCallStreamParser::Drain(bool final)
       std::string content = buffer_.substr(0, buffer_.size() - hold);
       buffer_.erase(0, buffer_.size() - hold);
       if (!absl::StripAsciiWhitespace(content).empty()) seen_text_ = true;
-      if (!content.empty()) events.push_back({std::move(content), std::nullopt, 0});
+      if (!content.empty()) events.push_back({std::move(content), std::nullopt, "", 0});
       return events;
     }
     std::string content = buffer_.substr(0, start);
     buffer_.erase(0, start);
     in_calls_ = true;
     content = std::string(absl::StripTrailingAsciiWhitespace(content));
-    if (!content.empty()) events.push_back({std::move(content), std::nullopt, 0});
+    if (!content.empty()) events.push_back({std::move(content), std::nullopt, "", 0});
   }
-  // In the calls: pass on each complete object.
+  // In the calls: stream each call's arguments, or pass on each complete
+  // object that is not in the streamable shape.
   while (true) {
+    if (in_arguments_) {
+      StreamArguments(events);
+      if (in_arguments_) break;  // the buffer ended inside them
+    }
+    if (close_pending_) {
+      size_t i = 0;
+      while (i < buffer_.size() && absl::ascii_isspace(static_cast<unsigned char>(buffer_[i]))) ++i;
+      if (i >= buffer_.size()) break;
+      if (buffer_[i] == '}') buffer_.erase(0, i + 1);
+      close_pending_ = false;
+    }
     size_t i = 0;
     while (i < buffer_.size() && buffer_[i] != '{') ++i;
     if (i >= buffer_.size()) break;
+    std::string name;
+    size_t args_start = 0;
+    const HeadMatch head = MatchCallHead(absl::string_view(buffer_).substr(i), &name, &args_start);
+    if (head == HeadMatch::kMore && !final) break;
+    if (head == HeadMatch::kYes) {
+      ToolCall call;
+      call.id = NewToolCallId(format_);
+      call.name = std::move(name);
+      events.push_back({"", std::move(call), "", emitted_++});
+      buffer_.erase(0, i + args_start);
+      in_arguments_ = true;
+      depth_ = 0;
+      in_string_ = false;
+      escaped_ = false;
+      continue;
+    }
     const size_t end = JsonValueEnd(buffer_, i);
     if (end == std::string::npos) break;
     std::vector<ToolCall> calls;
@@ -291,21 +377,64 @@ std::vector<ToolCallStreamParser::Event> ToolCallStreamParser::Drain(bool final)
         calls.size() != 1) {
       break;
     }
-    events.push_back({"", std::move(calls.front()), emitted_++});
+    ToolCall call = std::move(calls.front());
+    events.push_back({"", std::move(call), "", emitted_++});
     buffer_.erase(0, end);
+  }
+  if (final && (in_arguments_ || close_pending_)) {
+    // The text ended inside a streamed call: what came is all there is.
+    in_arguments_ = false;
+    close_pending_ = false;
+    if (absl::StripAsciiWhitespace(buffer_).empty()) buffer_.clear();
+  }
+  if (final) {
+    // What is left after streamed calls: their closing tags and separators.
+    std::vector<ToolCall> none;
+    if (emitted_ > 0 && ParseCallList(format_, buffer_, &none) && none.empty()) buffer_.clear();
   }
   if (final && !buffer_.empty()) {
     // The rest: calls in a form the loop above does not split (Mistral's
     // name[ARGS]{...}), separators, or what the model wrote as content.
     std::vector<ToolCall> rest;
     if (ParseCallList(format_, buffer_, &rest)) {
-      for (ToolCall& call : rest) events.push_back({"", std::move(call), emitted_++});
+      for (ToolCall& call : rest) events.push_back({"", std::move(call), "", emitted_++});
     } else {
-      events.push_back({std::move(buffer_), std::nullopt, 0});
+      events.push_back({std::move(buffer_), std::nullopt, "", 0});
     }
     buffer_.clear();
   }
   return events;
+}
+
+void ToolCallStreamParser::StreamArguments(std::vector<Event>& events) {
+  size_t i = 0;
+  bool done = false;
+  for (; i < buffer_.size() && !done; ++i) {
+    const char c = buffer_[i];
+    if (in_string_) {
+      if (escaped_) {
+        escaped_ = false;
+      } else if (c == '\\') {
+        escaped_ = true;
+      } else if (c == '"') {
+        in_string_ = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string_ = true;
+    } else if (c == '{' || c == '[') {
+      ++depth_;
+    } else if ((c == '}' || c == ']') && --depth_ == 0) {
+      done = true;
+    }
+  }
+  if (i > 0) events.push_back({"", std::nullopt, buffer_.substr(0, i), emitted_ - 1});
+  buffer_.erase(0, i);
+  if (done) {
+    in_arguments_ = false;
+    close_pending_ = true;
+  }
 }
 
 absl::StatusOr<std::string> ToolCallGbnf(ToolCallFormat format, absl::string_view tools_json,

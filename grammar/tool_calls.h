@@ -51,28 +51,43 @@ ParsedToolCalls ParseToolCalls(ToolCallFormat format, absl::string_view text);
 std::string NewToolCallId(ToolCallFormat format);
 
 // Streaming: content is passed on as it comes, except a tail that may be the
-// start of a call marker, which is held; once a call starts, each complete
-// call comes out as one event (name, id and the arguments in one piece).
+// start of a call marker, which is held. A call whose object starts
+// {"name": "...", "arguments" (or "parameters"): {...  streams as OpenAI
+// streams it: an event with the call (id, name, arguments "") as soon as its
+// name is complete, then events with pieces of its arguments' JSON text as
+// they are written (their concatenation is the arguments as the model wrote
+// them). A call in another shape comes out whole, in one event, once it is
+// complete.
 class ToolCallStreamParser {
  public:
   struct Event {
     std::string content;           // text for delta.content (may be empty)
-    std::optional<ToolCall> call;  // a completed call
+    std::optional<ToolCall> call;  // a call begins: id, name, its arguments so far
+    std::string arguments;         // more of call `index`'s arguments (may be empty)
     int index = 0;                 // the call's index in the message
   };
   explicit ToolCallStreamParser(ToolCallFormat format) : format_(format) {}
   std::vector<Event> Add(absl::string_view piece);
   // The end of the text: a held tail is content, and an unfinished call's text too.
   std::vector<Event> Finish();
+  // Calls begun so far.
   int num_calls() const { return emitted_; }
 
  private:
   std::vector<Event> Drain(bool final);
+  // In a streamed call's arguments: passes on what the buffer holds of them.
+  void StreamArguments(std::vector<Event>& events);
   ToolCallFormat format_;
   std::string buffer_;      // text not passed on yet
   bool in_calls_ = false;   // a call marker was seen
   bool seen_text_ = false;  // content (other than whitespace) came before
   int emitted_ = 0;
+  // A call whose arguments are being streamed: the JSON scan's state.
+  bool in_arguments_ = false;
+  int depth_ = 0;
+  bool in_string_ = false;
+  bool escaped_ = false;
+  bool close_pending_ = false;  // the call object's own '}' is still to come
 };
 
 // The GBNF a model must follow to call one of `tools_json` (an OpenAI tools

@@ -889,14 +889,27 @@ std::string OpenAiResponseWriter::StreamStart() const {
 }
 
 namespace {
-// A chat delta of tool-parser events: their content joined, their calls.
+// A chat delta of tool-parser events: their content joined, their calls as
+// OpenAI streams them (the first entry of a call: index, id, type, name and
+// the arguments so far; then entries with index and more arguments; pieces
+// of one call in a row are one entry).
 json ToolDelta(std::vector<grammar::ToolCallStreamParser::Event> events) {
   json delta = json::object();
   std::string content;
   json calls = json::array();
   for (auto& e : events) {
     content += e.content;
-    if (e.call) calls.push_back(ToolCallJson(*e.call, e.index));
+    if (e.call) {
+      calls.push_back(ToolCallJson(*e.call, e.index));
+      if (e.arguments.empty()) continue;
+    }
+    if (e.arguments.empty()) continue;
+    if (!calls.empty() && calls.back()["index"] == e.index) {
+      json& arguments = calls.back()["function"]["arguments"];
+      arguments = arguments.get<std::string>() + e.arguments;
+    } else {
+      calls.push_back({{"index", e.index}, {"function", {{"arguments", e.arguments}}}});
+    }
   }
   if (!content.empty()) delta["content"] = content;
   if (!calls.empty()) delta["tool_calls"] = std::move(calls);

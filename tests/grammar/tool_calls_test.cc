@@ -86,6 +86,10 @@ ParsedToolCalls ParseBothWays(ToolCallFormat format, const std::string& text) {
           EXPECT_EQ(e.index, static_cast<int>(calls.size()));
           calls.push_back(*e.call);
         }
+        if (!e.arguments.empty()) {
+          ASSERT_LT(e.index, static_cast<int>(calls.size()));
+          calls[e.index].arguments += e.arguments;
+        }
       }
     };
     for (size_t i = 0; i < text.size();) {
@@ -171,10 +175,80 @@ TEST(ToolCallsTest, MistralOnMistralRendering) {
   EXPECT_EQ(v11.calls[0].name, "get_time");
 }
 
+// A call's arguments stream as they are written: the call (id, name,
+// arguments "") once its name is complete, then pieces of the arguments'
+// text, none held until the call ends.
+TEST(ToolCallsTest, StreamedArgumentsComeInPieces) {
+  const std::string head = "Sure.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ";
+  const std::string arguments = "{\"city\": \"Pa}ris\\\"\", \"days\": [2, {\"x\": 1}]}";
+  const std::string text = head + arguments + "}\n</tool_call>";
+  ToolCallStreamParser stream(ToolCallFormat::kHermes);
+  std::string content;
+  std::string streamed_arguments;
+  int calls = 0;
+  int argument_events = 0;
+  size_t call_seen_at = std::string::npos;
+  for (size_t i = 0; i < text.size(); ++i) {
+    for (auto& e : stream.Add(text.substr(i, 1))) {
+      content += e.content;
+      if (e.call) {
+        ++calls;
+        call_seen_at = i;
+        EXPECT_EQ(e.call->name, "get_weather");
+        EXPECT_EQ(e.call->arguments, "");
+        EXPECT_THAT(e.call->id, ::testing::StartsWith("call_"));
+      }
+      if (!e.arguments.empty()) {
+        ++argument_events;
+        EXPECT_EQ(e.index, 0);
+        streamed_arguments += e.arguments;
+      }
+    }
+  }
+  // Nothing waits for the end of the call: the arguments are all out.
+  EXPECT_EQ(streamed_arguments, arguments);
+  for (auto& e : stream.Finish()) {
+    content += e.content;
+    EXPECT_FALSE(e.call.has_value());
+    EXPECT_TRUE(e.arguments.empty());
+  }
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(stream.num_calls(), 1);
+  // The call is announced before its arguments begin; one piece per character fed.
+  EXPECT_LT(call_seen_at, head.size() + 1);
+  EXPECT_EQ(argument_events, static_cast<int>(arguments.size()));
+  EXPECT_EQ(content, "Sure.");
+  EXPECT_EQ(Json::parse(streamed_arguments),
+            Json::parse(ParseToolCalls(ToolCallFormat::kHermes, text).calls[0].arguments));
+
+  // A call in another shape (arguments before the name) still comes whole.
+  ToolCallStreamParser other(ToolCallFormat::kHermes);
+  std::vector<ToolCallStreamParser::Event> events =
+      other.Add("<tool_call>{\"arguments\": {\"a\": 1}, \"name\": \"f\"}</tool_call>");
+  for (auto& e : other.Finish()) events.push_back(std::move(e));
+  int whole = 0;
+  for (auto& e : events) {
+    if (e.call) {
+      ++whole;
+      EXPECT_EQ(e.call->name, "f");
+      EXPECT_EQ(Json::parse(e.call->arguments), (Json{{"a", 1}}));
+    }
+    EXPECT_TRUE(e.arguments.empty());
+    EXPECT_EQ(e.content, "");
+  }
+  EXPECT_EQ(whole, 1);
+}
+
 TEST(ToolCallsTest, BrokenCallsStayContent) {
+  // Whole text: bad arguments are content. (A stream has announced that
+  // call by the time its arguments go wrong, as vLLM's does.)
+  const std::string bad_arguments =
+      "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": }\n</tool_call>";
+  EXPECT_TRUE(ParseToolCalls(ToolCallFormat::kHermes, bad_arguments).calls.empty());
+  EXPECT_EQ(ParseToolCalls(ToolCallFormat::kHermes, bad_arguments).content, bad_arguments);
   for (const char* text :
-       {"<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": }\n</tool_call>",
-        "<tool_call>{\"arguments\": {}}</tool_call>", "<tool_call>\n{\"name\": \"f\""}) {
+       {"<tool_call>{\"arguments\": {}}</tool_call>", "<tool_call>\n{\"name\": \"f\"",
+        "<tool_call>\n{\"name\": 3, \"arguments\": {}}</tool_call>"}) {
     ParsedToolCalls parsed = ParseBothWays(ToolCallFormat::kHermes, text);
     EXPECT_TRUE(parsed.calls.empty()) << text;
     EXPECT_EQ(parsed.content, text);
