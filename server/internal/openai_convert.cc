@@ -889,19 +889,31 @@ std::string OpenAiResponseWriter::StreamStart() const {
 }
 
 namespace {
-// A chat delta of tool-parser events: their content joined, their calls as
-// OpenAI streams them (the first entry of a call: index, id, type, name and
-// the arguments so far; then entries with index and more arguments; pieces
-// of one call in a row are one entry).
-json ToolDelta(std::vector<grammar::ToolCallStreamParser::Event> events) {
-  json delta = json::object();
+// The chat deltas of tool-parser events, as OpenAI streams calls: a call's
+// first delta alone (index, id, type, name, arguments ""), then deltas of
+// content and of argument pieces (index and arguments only; pieces of one
+// call in a row are one entry). Empty when the events carry nothing.
+std::vector<json> ToolDeltas(std::vector<grammar::ToolCallStreamParser::Event> events) {
+  std::vector<json> deltas;
   std::string content;
   json calls = json::array();
+  const auto flush = [&] {
+    json delta = json::object();
+    if (!content.empty()) delta["content"] = std::move(content);
+    if (!calls.empty()) delta["tool_calls"] = std::move(calls);
+    content.clear();
+    calls = json::array();
+    if (!delta.empty()) deltas.push_back(std::move(delta));
+  };
   for (auto& e : events) {
     content += e.content;
     if (e.call) {
-      calls.push_back(ToolCallJson(*e.call, e.index));
-      if (e.arguments.empty()) continue;
+      flush();
+      grammar::ToolCall head = *e.call;
+      std::string arguments = std::move(head.arguments);
+      head.arguments.clear();
+      deltas.push_back({{"tool_calls", json::array({ToolCallJson(head, e.index)})}});
+      e.arguments = arguments + e.arguments;
     }
     if (e.arguments.empty()) continue;
     if (!calls.empty() && calls.back()["index"] == e.index) {
@@ -911,9 +923,8 @@ json ToolDelta(std::vector<grammar::ToolCallStreamParser::Event> events) {
       calls.push_back({{"index", e.index}, {"function", {{"arguments", e.arguments}}}});
     }
   }
-  if (!content.empty()) delta["content"] = content;
-  if (!calls.empty()) delta["tool_calls"] = std::move(calls);
-  return delta;
+  flush();
+  return deltas;
 }
 }  // namespace
 
@@ -923,15 +934,20 @@ std::string OpenAiResponseWriter::StreamChunk(const engine::TokenChunk& chunk) {
   if (state_->tools != nullptr) {
     state_->ClearLogprobs();
     if (has_logprobs) state_->AddLogprobs(request_, token_text_, chunk);
-    json delta = ToolDelta(state_->tools->Add(chunk.text));
-    if (delta.empty() && !has_logprobs) return "";
-    if (delta.empty()) delta["content"] = "";
-    json out = ChunkEnvelope(request_, id_, created_, model_);
-    out["choices"] = json::array({{{"index", 0},
-                                   {"delta", std::move(delta)},
-                                   {"logprobs", state_->Logprobs(request_)},
-                                   {"finish_reason", nullptr}}});
-    return Event(out);
+    std::vector<json> deltas = ToolDeltas(state_->tools->Add(chunk.text));
+    if (deltas.empty() && !has_logprobs) return "";
+    if (deltas.empty()) deltas.push_back({{"content", ""}});
+    std::string events;
+    for (size_t i = 0; i < deltas.size(); ++i) {
+      json out = ChunkEnvelope(request_, id_, created_, model_);
+      // The chunk's logprobs go with its first event.
+      out["choices"] = json::array({{{"index", 0},
+                                     {"delta", std::move(deltas[i])},
+                                     {"logprobs", i == 0 ? state_->Logprobs(request_) : json()},
+                                     {"finish_reason", nullptr}}});
+      events += Event(out);
+    }
+    return events;
   }
   state_->ClearLogprobs();
   if (has_logprobs) {
@@ -961,8 +977,20 @@ std::string OpenAiResponseWriter::StreamEnd(const engine::Completion& completion
     json delta = json::object();
     if (state_->tools != nullptr) {
       // What the parser still held: content, or the last call.
-      delta = ToolDelta(state_->tools->Finish());
+      std::vector<json> deltas = ToolDeltas(state_->tools->Finish());
       if (state_->tools->num_calls() > 0) finish = "tool_calls";
+      if (!deltas.empty()) {
+        delta = std::move(deltas.back());
+        deltas.pop_back();
+      }
+      for (json& held : deltas) {
+        json out = ChunkEnvelope(request_, id_, created_, model_);
+        out["choices"] = json::array({{{"index", 0},
+                                       {"delta", std::move(held)},
+                                       {"logprobs", nullptr},
+                                       {"finish_reason", nullptr}}});
+        events += Event(out);
+      }
     }
     last["choices"] = json::array({{{"index", 0},
                                     {"delta", std::move(delta)},

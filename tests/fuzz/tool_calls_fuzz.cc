@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -32,10 +33,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     accel::grammar::ToolCallStreamParser stream(format);
     size_t calls = 0;
     const size_t piece = 1 + size % 5;
-    for (size_t i = 0; i < size; i += piece) {
-      for (const auto& e : stream.Add(text.substr(i, piece))) calls += e.call.has_value();
-    }
-    for (const auto& e : stream.Finish()) calls += e.call.has_value();
+    // Arguments only ever continue a call already begun.
+    const auto take = [&](const std::vector<accel::grammar::ToolCallStreamParser::Event>& events) {
+      for (const auto& e : events) {
+        if (e.call) Check(e.index == static_cast<int>(calls++) && !e.call->name.empty());
+        if (!e.arguments.empty()) Check(e.index + 1 == static_cast<int>(calls));
+      }
+    };
+    for (size_t i = 0; i < size; i += piece) take(stream.Add(text.substr(i, piece)));
+    take(stream.Finish());
+    Check(static_cast<int>(calls) == stream.num_calls());
     (void)calls;
   }
   (void)accel::grammar::DetectToolCallFormat(text);

@@ -308,7 +308,9 @@ TEST(OpenAiConvertTest, ToolCallsAndToolChoice) {
     EXPECT_EQ(body["choices"][0]["finish_reason"], "tool_calls");
   }
   {
-    // Streamed in pieces: content deltas, then one tool_calls delta with index 0.
+    // Streamed in pieces: content deltas, then the call as OpenAI streams it
+    // (index, id, type, name and arguments "" first; then its arguments in
+    // pieces, each entry with the index only).
     OpenAiResponseWriter writer(request, "m", Name, 42, "chatcmpl-1");
     std::string events;
     for (size_t i = 0; i < text.size(); i += 5)
@@ -316,6 +318,8 @@ TEST(OpenAiConvertTest, ToolCallsAndToolChoice) {
     events += writer.StreamEnd(done);
     std::string content;
     int calls = 0;
+    int argument_pieces = 0;
+    std::string arguments;
     std::string finish;
     for (absl::string_view line : absl::StrSplit(events, '\n')) {
       if (!absl::ConsumePrefix(&line, "data: ") || line == "[DONE]") continue;
@@ -324,15 +328,25 @@ TEST(OpenAiConvertTest, ToolCallsAndToolChoice) {
       if (choice["delta"].contains("content"))
         content += choice["delta"]["content"].get<std::string>();
       if (choice["delta"].contains("tool_calls")) {
-        const json& call = choice["delta"]["tool_calls"][0];
-        EXPECT_EQ(call["index"], 0);
-        EXPECT_EQ(call["function"]["name"], "get_weather");
-        ++calls;
+        for (const json& call : choice["delta"]["tool_calls"]) {
+          EXPECT_EQ(call["index"], 0);
+          if (call.contains("id")) {
+            EXPECT_EQ(call["type"], "function");
+            EXPECT_EQ(call["function"]["name"], "get_weather");
+            ++calls;
+          } else {
+            EXPECT_FALSE(call["function"].contains("name"));
+            ++argument_pieces;
+          }
+          arguments += call["function"]["arguments"].get<std::string>();
+        }
       }
       if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
     }
     EXPECT_EQ(content, "Checking.");
     EXPECT_EQ(calls, 1);
+    EXPECT_GT(argument_pieces, 1);
+    EXPECT_EQ(json::parse(arguments), json::parse(R"({"city": "Oslo"})"));
     EXPECT_EQ(finish, "tool_calls");
   }
   OpenAiRequest required =
