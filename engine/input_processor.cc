@@ -41,6 +41,34 @@ std::string InputProcessor::TokenText(int64_t token_id) const {
   return text.ok() ? *std::move(text) : std::string();
 }
 
+absl::StatusOr<std::vector<int64_t>> InputProcessor::Tokenize(const GenerationRequest& request,
+                                                              bool add_special_tokens) const {
+  if (!request.model.empty() && request.model != options_.served_model_name) {
+    return absl::NotFoundError(absl::StrCat("model ", Quote(request.model),
+                                            " is not served here; this server serves \"",
+                                            options_.served_model_name, "\""));
+  }
+  if (!tokenizer_) {
+    return absl::InvalidArgumentError(request.chat.has_value()
+                                          ? "messages: this model has no tokenizer.json"
+                                          : "prompt: this model has no tokenizer.json");
+  }
+  if (request.chat.has_value()) {
+    if (!chat_template_) {
+      return absl::InvalidArgumentError(
+          "messages: this model has no chat template (its folder has no chat_template.jinja "
+          "and no chat_template in tokenizer_config.json); send a prompt instead");
+    }
+    ACCEL_ASSIGN_OR_RETURN(
+        const std::string text,
+        chat_template_->Render(request.chat->messages_json, request.chat->tools_json,
+                               request.chat->add_generation_prompt));
+    return tokenizer_->Encode(text, add_special_tokens);
+  }
+  if (!request.prompt.has_value()) return absl::InvalidArgumentError("prompt: required");
+  return tokenizer_->Encode(*request.prompt, add_special_tokens);
+}
+
 absl::Status InputProcessor::Process(GenerationRequest& request) const {
   if (!request.model.empty() && request.model != options_.served_model_name) {
     return absl::NotFoundError(absl::StrCat("model ", Quote(request.model),

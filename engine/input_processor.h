@@ -53,6 +53,14 @@ class InputProcessor {
   // refuses.
   absl::Status Process(GenerationRequest& request) const;
 
+  // POST /tokenize: the ids of `request`'s prompt, or of its conversation
+  // rendered by the chat template, as Process would make them, but with the
+  // caller's `add_special_tokens` and none of the generation checks. Errors
+  // as Process's (NotFound for another model; InvalidArgument naming
+  // messages / prompt).
+  absl::StatusOr<std::vector<int64_t>> Tokenize(const GenerationRequest& request,
+                                                bool add_special_tokens) const;
+
   // The tokenizer, if the model has one.
   const tokenizer::Tokenizer* tokenizer() const { return tokenizer_ ? &*tokenizer_ : nullptr; }
   bool has_chat_template() const { return chat_template_.has_value(); }

@@ -287,6 +287,11 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
 
 const tokenizer::Tokenizer* LlmEngine::tokenizer() const { return model_->inputs->tokenizer(); }
 
+absl::StatusOr<std::vector<int64_t>> LlmEngine::Tokenize(const GenerationRequest& request,
+                                                         bool add_special_tokens) const {
+  return model_->inputs->Tokenize(request, add_special_tokens);
+}
+
 std::string LlmEngine::TokenText(int64_t token_id) const {
   return model_->inputs->TokenText(token_id);
 }

@@ -105,6 +105,9 @@ class LlmEngine {
   // decoded alone (special tokens included; a piece of a UTF-8 character
   // decodes to U+FFFD). Empty without a tokenizer or for an unknown id.
   std::string TokenText(int64_t token_id) const;
+  // POST /tokenize: InputProcessor::Tokenize with this server's model.
+  absl::StatusOr<std::vector<int64_t>> Tokenize(const GenerationRequest& request,
+                                                bool add_special_tokens) const;
   // The model's tokenizer (null without tokenizer.json).
   const tokenizer::Tokenizer* tokenizer() const;
 

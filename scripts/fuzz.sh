@@ -31,20 +31,21 @@ declare -A CORPUS=([safetensors_header_fuzz]=safetensors [config_fuzz]=config
                    [quant_json_fuzz]=quant_json [openai_request_fuzz]=openai_request
                    [jinja_template_fuzz]=jinja_template [http_request_fuzz]=http_request
                    [launch_config_fuzz]=launch_config [torch_bin_fuzz]=torch_bin
-                   [grammar_fuzz]=grammar [tool_calls_fuzz]=tool_calls)
+                   [grammar_fuzz]=grammar [tool_calls_fuzz]=tool_calls
+                   [openai_routes_fuzz]=openai_routes)
 declare -A DICT=([safetensors_header_fuzz]=safetensors.dict [config_fuzz]=config.dict
                  [tokenizer_json_fuzz]=tokenizer_json.dict
                  [tokenizer_encode_fuzz]=tokenizer_encode.dict [quant_json_fuzz]=quant_json.dict
                  [openai_request_fuzz]=openai_request.dict [jinja_template_fuzz]=jinja_template.dict
                  [http_request_fuzz]=http_request.dict [launch_config_fuzz]=launch_config.dict
                  [torch_bin_fuzz]=torch_bin.dict [grammar_fuzz]=grammar.dict
-                 [tool_calls_fuzz]=tool_calls.dict)
+                 [tool_calls_fuzz]=tool_calls.dict [openai_routes_fuzz]=openai_routes.dict)
 
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
   targets=(safetensors_header_fuzz config_fuzz tokenizer_json_fuzz tokenizer_encode_fuzz
            quant_json_fuzz openai_request_fuzz jinja_template_fuzz http_request_fuzz
-           launch_config_fuzz torch_bin_fuzz grammar_fuzz tool_calls_fuzz)
+           launch_config_fuzz torch_bin_fuzz grammar_fuzz tool_calls_fuzz openai_routes_fuzz)
 fi
 for t in "${targets[@]}"; do
   if [ -z "${CORPUS[$t]:-}" ]; then

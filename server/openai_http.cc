@@ -4,14 +4,18 @@
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 
 #include "engine/llm_engine.h"
 #include "grammar/tool_calls.h"
 #include "server/internal/http_transport.h"
 #include "server/internal/openai_convert.h"
+#include "server/internal/openai_responses.h"
+#include "server/internal/openai_tokenize.h"
 #include "server/internal/quote.h"
 #include "server/server_metrics.h"
 #include "server/serving.h"
@@ -90,8 +94,56 @@ class Answer {
   internal::OpenAiResponseWriter writer_;
 };
 
+// A /v1/responses answer: as Answer, with the Responses API's writer.
+class ResponsesAnswer {
+ public:
+  ResponsesAnswer(std::shared_ptr<HttpExchange> exchange, internal::ResponsesRequest request,
+                  std::string model)
+      : exchange_(std::move(exchange)),
+        request_(std::move(request)),
+        writer_(request_, std::move(model), absl::ToUnixSeconds(absl::Now())) {}
+
+  void Start() {
+    if (!request_.chat.stream) return;
+    exchange_->StartStream(200, "text/event-stream",
+                           {"Cache-Control: no-cache", "X-Accel-Buffering: no"});
+    exchange_->WriteChunk(writer_.StreamStart());
+  }
+
+  void Tokens(const engine::TokenChunk& chunk) {
+    if (!request_.chat.stream) {
+      writer_.Add(chunk);
+      return;
+    }
+    exchange_->WriteChunk(writer_.StreamChunk(chunk));
+  }
+
+  void Done(const absl::Status& status, const engine::Completion& completion) {
+    if (!request_.chat.stream) {
+      if (status.ok()) {
+        exchange_->Respond(200, kJson, writer_.Final(completion));
+      } else {
+        SendStatus(*exchange_, status);
+      }
+      return;
+    }
+    exchange_->WriteChunk(status.ok()
+                              ? writer_.StreamEnd(completion)
+                              : writer_.StreamError(internal::ErrorForStatus(ForClient(status))));
+    exchange_->EndStream();
+  }
+
+  HttpExchange& exchange() { return *exchange_; }
+
+ private:
+  const std::shared_ptr<HttpExchange> exchange_;
+  const internal::ResponsesRequest request_;
+  internal::ResponsesWriter writer_;
+};
+
 // Called on the engine loop's thread, which must not block: each event goes
 // to the connection's sequence, where the answer is framed and written.
+template <typename Answer>
 class HttpSink : public engine::RequestSink {
  public:
   explicit HttpSink(std::shared_ptr<Answer> answer) : answer_(std::move(answer)) {}
@@ -137,6 +189,7 @@ absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
     if (!format.ok()) return format.status();
   }
   server->tool_call_parser_ = options.tool_call_parser;
+  server->cors_ = options.cors;
   OpenAiHttpServer* self = server.get();
   absl::StatusOr<std::unique_ptr<internal::HttpServer>> started = internal::HttpServer::Start(
       http, [self](std::shared_ptr<HttpExchange> exchange) { self->Handle(exchange); },
@@ -168,15 +221,66 @@ void OpenAiHttpServer::Stop(absl::Duration timeout) {
   http_->WaitConnections(timeout);
 }
 
+bool OpenAiHttpServer::ApplyCors(HttpExchange& exchange) const {
+  const internal::HttpRequest& request = exchange.request();
+  const std::string* origin = request.Header("origin");
+  if (cors_.allowed_origins.empty() || origin == nullptr) return false;
+  const bool any = absl::c_linear_search(cors_.allowed_origins, "*");
+  const bool allowed = any || absl::c_linear_search(cors_.allowed_origins, *origin);
+  const std::string* preflight_method = request.Header("access-control-request-method");
+  const bool preflight = request.method == "OPTIONS" && preflight_method != nullptr;
+  if (!allowed) {
+    // No CORS headers: the browser keeps the answer from the page.
+    if (preflight) {
+      exchange.Respond(400, "text/plain; charset=utf-8", "Disallowed CORS origin");
+      return true;
+    }
+    return false;
+  }
+  std::vector<std::string> headers = {absl::StrCat("Access-Control-Allow-Origin: ", *origin),
+                                      "Access-Control-Allow-Credentials: true", "Vary: Origin"};
+  if (!preflight) {
+    exchange.AddResponseHeaders(std::move(headers));
+    return false;
+  }
+  // A preflight: the methods and headers allowed ("*" echoes what the
+  // browser asks for: a wildcard does not count with credentials).
+  const bool any_method = absl::c_linear_search(cors_.allowed_methods, "*");
+  const std::string methods = any_method ? "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+                                         : absl::StrJoin(cors_.allowed_methods, ", ");
+  if (!any_method && !absl::c_linear_search(cors_.allowed_methods, *preflight_method)) {
+    exchange.Respond(400, "text/plain; charset=utf-8", "Disallowed CORS method");
+    return true;
+  }
+  headers.push_back(absl::StrCat("Access-Control-Allow-Methods: ", methods));
+  const std::string* asked_headers = request.Header("access-control-request-headers");
+  if (absl::c_linear_search(cors_.allowed_headers, "*")) {
+    if (asked_headers != nullptr) {
+      headers.push_back(absl::StrCat("Access-Control-Allow-Headers: ", *asked_headers));
+    }
+  } else {
+    headers.push_back(
+        absl::StrCat("Access-Control-Allow-Headers: ", absl::StrJoin(cors_.allowed_headers, ", ")));
+  }
+  headers.push_back("Access-Control-Max-Age: 600");
+  exchange.Respond(204, "text/plain; charset=utf-8", "", headers);
+  return true;
+}
+
 void OpenAiHttpServer::Handle(const std::shared_ptr<HttpExchange>& exchange) {
+  if (ApplyCors(*exchange)) return;
   const internal::HttpRequest& request = exchange->request();
   const std::string& path = request.path;
   const bool chat = path == "/v1/chat/completions";
   const bool completions = path == "/v1/completions";
+  const bool responses = path == "/v1/responses";
+  const bool tokenize = path == "/tokenize";
+  const bool detokenize = path == "/detokenize";
   const bool models = path == "/v1/models" || absl::StartsWith(path, "/v1/models/");
   const bool metrics = path == "/metrics" && metrics_text_ != nullptr;
   const bool health = path == "/health";
-  if (!chat && !completions && !models && !metrics && !health) {
+  if (!chat && !completions && !responses && !tokenize && !detokenize && !models && !metrics &&
+      !health) {
     // The path and method are quoted (cut, escaped): a 60 KB path is not
     // sent back whole.
     SendError(*exchange,
@@ -184,7 +288,8 @@ void OpenAiHttpServer::Handle(const std::shared_ptr<HttpExchange>& exchange) {
                          absl::StrCat("Invalid URL (", internal::Quote(request.method), " ",
                                       internal::Quote(path),
                                       "): this server serves /v1/chat/completions, "
-                                      "/v1/completions, /v1/models, /metrics and /health")));
+                                      "/v1/completions, /v1/responses, /v1/models, /tokenize, "
+                                      "/detokenize, /metrics and /health")));
     return;
   }
   const char* allowed = (models || metrics || health) ? "GET" : "POST";
@@ -210,10 +315,18 @@ void OpenAiHttpServer::Handle(const std::shared_ptr<HttpExchange>& exchange) {
     SendStatus(*exchange, auth);
     return;
   }
-  if (models) {
+  if (models || tokenize || detokenize) {
     engine::LlmEngine* engine = state_->engine();
     if (engine == nullptr) {
       SendStatus(*exchange, absl::UnavailableError("the model is still loading"));
+      return;
+    }
+    if (tokenize) {
+      Tokenize(exchange, engine);
+      return;
+    }
+    if (detokenize) {
+      Detokenize(exchange, engine);
       return;
     }
     const std::string& name = engine->info().name;
@@ -232,7 +345,80 @@ void OpenAiHttpServer::Handle(const std::shared_ptr<HttpExchange>& exchange) {
     exchange->Respond(200, kJson, internal::ModelObject(name, created_));
     return;
   }
+  if (responses) {
+    Responses(exchange);
+    return;
+  }
   Generate(exchange, chat);
+}
+
+void OpenAiHttpServer::Tokenize(const std::shared_ptr<HttpExchange>& exchange,
+                                engine::LlmEngine* engine) {
+  absl::StatusOr<internal::TokenizeRequest> parsed =
+      internal::ParseTokenizeRequest(exchange->request().body);
+  if (!parsed.ok()) {
+    SendStatus(*exchange, parsed.status());
+    return;
+  }
+  absl::StatusOr<std::vector<int64_t>> tokens =
+      engine->Tokenize(parsed->input, parsed->add_special_tokens);
+  if (!tokens.ok()) {
+    SendStatus(*exchange, tokens.status());
+    return;
+  }
+  const engine::ModelInfo& info = engine->info();
+  exchange->Respond(
+      200, kJson,
+      internal::TokenizeResponse(
+          *tokens, info.max_total_tokens > 0 ? info.max_total_tokens : info.max_context));
+}
+
+void OpenAiHttpServer::Detokenize(const std::shared_ptr<HttpExchange>& exchange,
+                                  engine::LlmEngine* engine) {
+  const tokenizer::Tokenizer* tokenizer = engine->tokenizer();
+  if (tokenizer == nullptr) {
+    SendStatus(*exchange, absl::InvalidArgumentError("tokens: this model has no tokenizer.json"));
+    return;
+  }
+  absl::StatusOr<internal::DetokenizeRequest> parsed =
+      internal::ParseDetokenizeRequest(exchange->request().body, tokenizer->vocab_size());
+  if (!parsed.ok()) {
+    SendStatus(*exchange, parsed.status());
+    return;
+  }
+  if (!parsed->model.empty() && parsed->model != engine->info().name) {
+    SendStatus(*exchange,
+               absl::NotFoundError(absl::StrCat("model ", internal::Quote(parsed->model),
+                                                " is not served here; this server serves \"",
+                                                engine->info().name, "\"")));
+    return;
+  }
+  absl::StatusOr<std::string> text =
+      tokenizer->Decode(parsed->tokens, /*skip_special_tokens=*/false);
+  if (!text.ok()) {
+    SendStatus(*exchange,
+               absl::InvalidArgumentError(absl::StrCat("tokens: ", text.status().message())));
+    return;
+  }
+  exchange->Respond(200, kJson, internal::DetokenizeResponse(*text));
+}
+
+grammar::ToolCallFormat OpenAiHttpServer::ToolFormat(engine::LlmEngine* engine) const {
+  grammar::ToolCallFormat tool_format = grammar::ToolCallFormat::kNone;
+  if (tool_call_parser_ == "auto") {
+    if (const tokenizer::Tokenizer* tok = engine->tokenizer()) {
+      if (tok->TokenToId("<tool_call>")) {
+        tool_format = grammar::ToolCallFormat::kHermes;
+      } else if (tok->TokenToId("[TOOL_CALLS]")) {
+        tool_format = grammar::ToolCallFormat::kMistral;
+      } else if (tok->TokenToId("<|python_tag|>")) {
+        tool_format = grammar::ToolCallFormat::kLlama3Json;
+      }
+    }
+  } else {
+    tool_format = grammar::ToolCallFormatFromName(tool_call_parser_).value_or(tool_format);
+  }
+  return tool_format;
 }
 
 void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, bool chat) {
@@ -264,20 +450,7 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
   }
   engine::LlmEngine* engine = *ready;
   // Tool calls: parsed out of the text, or forced by tool_choice.
-  grammar::ToolCallFormat tool_format = grammar::ToolCallFormat::kNone;
-  if (tool_call_parser_ == "auto") {
-    if (const tokenizer::Tokenizer* tok = engine->tokenizer()) {
-      if (tok->TokenToId("<tool_call>")) {
-        tool_format = grammar::ToolCallFormat::kHermes;
-      } else if (tok->TokenToId("[TOOL_CALLS]")) {
-        tool_format = grammar::ToolCallFormat::kMistral;
-      } else if (tok->TokenToId("<|python_tag|>")) {
-        tool_format = grammar::ToolCallFormat::kLlama3Json;
-      }
-    }
-  } else {
-    tool_format = grammar::ToolCallFormatFromName(tool_call_parser_).value_or(tool_format);
-  }
+  const grammar::ToolCallFormat tool_format = ToolFormat(engine);
   if (absl::Status applied = internal::ApplyToolChoice(*parsed, tool_format); !applied.ok()) {
     if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("invalid");
     SendStatus(*exchange, applied);
@@ -287,7 +460,8 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
   auto answer =
       std::make_shared<Answer>(exchange, *std::move(parsed), engine->info().name,
                                [engine](int64_t token) { return engine->TokenText(token); });
-  absl::StatusOr<uint64_t> id = engine->Submit(generation, std::make_shared<HttpSink>(answer));
+  absl::StatusOr<uint64_t> id =
+      engine->Submit(generation, std::make_shared<HttpSink<Answer>>(answer));
   if (!id.ok()) {
     SendStatus(*exchange, id.status());
     return;
@@ -297,6 +471,51 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
   answer->Start();
   const uint64_t request_id = *id;
   // The sink still hears OnDone (Cancelled); nobody reads its answer.
+  exchange->OnClientGone([engine, request_id] { engine->Cancel(request_id); });
+}
+
+void OpenAiHttpServer::Responses(const std::shared_ptr<HttpExchange>& exchange) {
+  const auto still_there = [&exchange] {
+    return exchange->PeerClosed() ? absl::CancelledError("the client closed its connection")
+                                  : absl::OkStatus();
+  };
+  absl::StatusOr<internal::ResponsesRequest> parsed =
+      internal::ParseResponsesRequest(exchange->request().body, still_there);
+  if (!parsed.ok()) {
+    const bool gone = absl::IsCancelled(parsed.status());
+    if (state_->metrics() != nullptr) {
+      state_->metrics()->RequestFailed(gone ? "cancelled" : "invalid");
+    }
+    if (!gone) SendStatus(*exchange, parsed.status());
+    return;
+  }
+  absl::StatusOr<engine::LlmEngine*> ready = state_->ReadyEngine();
+  if (!ready.ok()) {
+    SendStatus(*exchange, ready.status());
+    return;
+  }
+  if (!still_there().ok()) {
+    if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("cancelled");
+    return;
+  }
+  engine::LlmEngine* engine = *ready;
+  if (absl::Status applied = internal::ApplyToolChoice(parsed->chat, ToolFormat(engine));
+      !applied.ok()) {
+    if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("invalid");
+    SendStatus(*exchange, applied);
+    return;
+  }
+  const engine::GenerationRequest generation = parsed->chat.generation;
+  auto answer =
+      std::make_shared<ResponsesAnswer>(exchange, *std::move(parsed), engine->info().name);
+  absl::StatusOr<uint64_t> id =
+      engine->Submit(generation, std::make_shared<HttpSink<ResponsesAnswer>>(answer));
+  if (!id.ok()) {
+    SendStatus(*exchange, id.status());
+    return;
+  }
+  answer->Start();
+  const uint64_t request_id = *id;
   exchange->OnClientGone([engine, request_id] { engine->Cancel(request_id); });
 }
 

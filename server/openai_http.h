@@ -11,6 +11,10 @@
 // body) and written. A client that closes its connection cancels its
 // request at once (Engine::Cancel), as a failed write does.
 //
+// Also: POST /v1/responses (the Responses API, stateless:
+// internal/openai_responses.h), POST /tokenize and POST /detokenize (vLLM's:
+// internal/openai_tokenize.h), and CORS when --allowed_origins is set.
+//
 // Also served, without the bearer token, as vLLM does: GET /metrics (the
 // Prometheus text of the metrics port) and GET /health (200 while the
 // process serves HTTP).
@@ -24,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -31,10 +36,29 @@
 namespace accel::server {
 
 class ServingState;
+}  // namespace accel::server
+namespace accel::engine {
+class LlmEngine;
+}  // namespace accel::engine
+namespace accel::grammar {
+enum class ToolCallFormat;
+}  // namespace accel::grammar
+namespace accel::server {
 namespace internal {
 class HttpServer;
 class HttpExchange;
 }  // namespace internal
+
+// CORS (vLLM's --allowed-origins / --allowed-methods / --allowed-headers):
+// a request whose Origin is allowed gets Access-Control-Allow-Origin (and
+// -Credentials) on its answer, and its OPTIONS preflight a 204 with the
+// Allow-Methods / Allow-Headers; another origin gets no CORS headers (its
+// preflight a 400), so the browser keeps the answer from its page.
+struct CorsOptions {
+  std::vector<std::string> allowed_origins;  // "*" allows any; empty: no CORS at all
+  std::vector<std::string> allowed_methods = {"*"};
+  std::vector<std::string> allowed_headers = {"*"};
+};
 
 struct OpenAiHttpOptions {
   std::string host = "0.0.0.0";
@@ -53,6 +77,7 @@ struct OpenAiHttpOptions {
   std::string tls_key_pem;
   // --tool_call_parser: hermes | llama3_json | mistral | none | auto.
   std::string tool_call_parser = "auto";
+  CorsOptions cors;
 };
 
 class OpenAiHttpServer {
@@ -75,11 +100,21 @@ class OpenAiHttpServer {
   OpenAiHttpServer(ServingState* state, int64_t created, std::function<std::string()> metrics);
   void Handle(const std::shared_ptr<internal::HttpExchange>& exchange);
   void Generate(const std::shared_ptr<internal::HttpExchange>& exchange, bool chat);
+  void Responses(const std::shared_ptr<internal::HttpExchange>& exchange);
+  void Tokenize(const std::shared_ptr<internal::HttpExchange>& exchange, engine::LlmEngine* engine);
+  void Detokenize(const std::shared_ptr<internal::HttpExchange>& exchange,
+                  engine::LlmEngine* engine);
+  // The tool-call syntax of `engine`'s model (--tool_call_parser, or auto).
+  grammar::ToolCallFormat ToolFormat(engine::LlmEngine* engine) const;
+  // CORS: the headers for the request's origin (none when it is not
+  // allowed); true when the request was a preflight and has been answered.
+  bool ApplyCors(internal::HttpExchange& exchange) const;
 
   ServingState* const state_;
   const int64_t created_;  // the models' "created"
   const std::function<std::string()> metrics_text_;
   std::string tool_call_parser_ = "auto";
+  CorsOptions cors_;
   std::unique_ptr<internal::HttpServer> http_;
 };
 

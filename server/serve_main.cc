@@ -81,6 +81,16 @@ ABSL_FLAG(int, http_max_connections, 0,
           "Most connections open at once on --http_port (past it the connection that waited "
           "longest for its request is closed, or the newcomer gets 503); 0: from the "
           "file-descriptor limit, at most 512.");
+ABSL_FLAG(std::vector<std::string>, allowed_origins, {},
+          "CORS on the HTTP port: the origins (scheme://host[:port], comma-separated, or *) whose "
+          "browser pages may call the API; their requests get Access-Control-Allow-Origin and "
+          "their OPTIONS preflights are answered. Empty (the default): no CORS headers at all.");
+ABSL_FLAG(std::vector<std::string>, allowed_methods, {"*"},
+          "CORS: the methods a preflight allows (comma-separated, or *), as vLLM's "
+          "--allowed-methods.");
+ABSL_FLAG(std::vector<std::string>, allowed_headers, {"*"},
+          "CORS: the request headers a preflight allows (comma-separated, or *), as vLLM's "
+          "--allowed-headers.");
 ABSL_FLAG(std::string, tool_call_parser, "auto",
           "How tool calls are parsed out of a model's text on the OpenAI API (message.tool_calls) "
           "and forced (tool_choice required / a named function): hermes (Hermes, Qwen 2.5, Qwen "
@@ -148,6 +158,9 @@ absl::StatusOr<accel::server::ServerOptions> ReadOptions() {
   o.grpc_max_connections = absl::GetFlag(FLAGS_grpc_max_connections);
   o.http_max_connections = absl::GetFlag(FLAGS_http_max_connections);
   o.tool_call_parser = absl::GetFlag(FLAGS_tool_call_parser);
+  o.cors.allowed_origins = absl::GetFlag(FLAGS_allowed_origins);
+  o.cors.allowed_methods = absl::GetFlag(FLAGS_allowed_methods);
+  o.cors.allowed_headers = absl::GetFlag(FLAGS_allowed_headers);
   o.liveness_probe_interval = absl::GetFlag(FLAGS_liveness_probe_interval);
   o.version = kVersion;
 

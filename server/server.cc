@@ -423,6 +423,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     http.tls_cert_pem = tls->cert;  // HTTPS with gRPC's certificate, or plain HTTP
     http.tls_key_pem = tls->key;
     http.tool_call_parser = options.tool_call_parser;
+    http.cors = options.cors;
     // /metrics on the API port too, as vLLM serves it.
     http.metrics_text = [&s] { return s.registry.Render(); };
     absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> started =

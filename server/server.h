@@ -31,6 +31,7 @@
 #include "absl/time/time.h"
 
 #include "engine/llm_engine.h"
+#include "server/openai_http.h"
 
 namespace accel::server {
 
@@ -73,6 +74,8 @@ struct ServerOptions {
   // tool_calls and tool_choice: hermes, llama3_json, mistral, none, or auto
   // (from the model's vocabulary: <tool_call>, [TOOL_CALLS], <|python_tag|>).
   std::string tool_call_parser = "auto";
+  // CORS on the HTTP port (--allowed_origins ...); empty origins: none.
+  CorsOptions cors;
   // How often the liveness watchdog probes every port
   // (internal/listener_watchdog.h); a port that fails three probes in a row
   // turns health "accel.live" NOT_SERVING. Zero: no watchdog.

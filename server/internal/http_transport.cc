@@ -721,7 +721,8 @@ bool HttpExchange::Respond(int status, absl::string_view content_type, absl::str
   piece.kind = Piece::kWhole;
   piece.status = status;
   piece.content_type = std::string(content_type);
-  piece.headers = headers;
+  piece.headers = common_headers_;
+  piece.headers.insert(piece.headers.end(), headers.begin(), headers.end());
   piece.data = std::string(body);
   shared_->Send(std::move(piece));
   return !shared_->gone.load();
@@ -734,7 +735,8 @@ bool HttpExchange::StartStream(int status, absl::string_view content_type,
   piece.kind = Piece::kStreamStart;
   piece.status = status;
   piece.content_type = std::string(content_type);
-  piece.headers = headers;
+  piece.headers = common_headers_;
+  piece.headers.insert(piece.headers.end(), headers.begin(), headers.end());
   shared_->Send(std::move(piece));
   return !shared_->gone.load();
 }

@@ -102,6 +102,12 @@ class HttpExchange {
 
   const HttpRequest& request() const { return request_; }
 
+  // Headers ("Name: value") every answer of this exchange carries besides
+  // its own (CORS). Call before answering, on the handler's turn.
+  void AddResponseHeaders(std::vector<std::string> headers) {
+    for (std::string& header : headers) common_headers_.push_back(std::move(header));
+  }
+
   // A whole response with Content-Length. `headers`: extra "Name: value".
   bool Respond(int status, absl::string_view content_type, absl::string_view body,
                const std::vector<std::string>& headers = {});
@@ -137,6 +143,7 @@ class HttpExchange {
 
   const HttpRequest request_;
   const std::shared_ptr<ExchangeShared> shared_;
+  std::vector<std::string> common_headers_;
 };
 
 class HttpServer {

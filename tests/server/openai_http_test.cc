@@ -482,13 +482,298 @@ TEST_F(OpenAiClientTest, ForcedToolCalls) {
     if (chunk["choices"].empty()) continue;
     const json& c = chunk["choices"][0];
     if (c["delta"].contains("tool_calls")) {
-      ++calls;
-      EXPECT_EQ(c["delta"]["tool_calls"][0]["function"]["name"], "get_weather");
+      // A call's first entry has its id and name; the rest, pieces of its arguments.
+      for (const json& call : c["delta"]["tool_calls"]) {
+        if (!call.contains("id")) continue;
+        ++calls;
+        EXPECT_EQ(call["function"]["name"], "get_weather");
+      }
     }
     if (c["finish_reason"].is_string()) finish = c["finish_reason"];
   }
   EXPECT_EQ(calls, 1) << streamed.dump();
   EXPECT_EQ(finish, "tool_calls");
+}
+
+// The stream helper of the npm client (chat.completions.stream, the one
+// runTools builds on) accumulates a streamed tool call: its first delta
+// carries index, id, type, name and arguments "", the arguments follow in
+// pieces as the model writes them, and the finish reason is tool_calls.
+TEST_F(OpenAiClientTest, StreamedToolCallArgumentsComeInPieces) {
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+      "parameters": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]},
+      "days": {"type": "integer", "minimum": 1, "maximum": 3}}, "required": ["city", "days"]}}}])");
+  const json params = {{"messages", json::array({{{"role", "user"}, {"content", "Weather?"}}})},
+                       {"max_tokens", 200},
+                       {"temperature", 1.0},
+                       {"seed", 5},
+                       {"tools", tools},
+                       {"tool_choice", "required"}};
+  const json out = RunClient(port(), kToken, "chat.completions.stream", params);
+  ASSERT_TRUE(out["ok"].get<bool>()) << out.dump();
+  std::string arguments;
+  int argument_chunks = 0;
+  bool first = true;
+  std::string id;
+  for (const json& chunk : out["chunks"]) {
+    if (chunk["choices"].empty()) continue;
+    const json& delta = chunk["choices"][0]["delta"];
+    if (!delta.contains("tool_calls")) continue;
+    for (const json& call : delta["tool_calls"]) {
+      EXPECT_EQ(call["index"], 0);
+      if (first) {
+        first = false;
+        EXPECT_EQ(call["type"], "function");
+        EXPECT_EQ(call["function"]["name"], "get_weather");
+        EXPECT_EQ(call["function"]["arguments"], "");
+        id = call["id"];
+        EXPECT_TRUE(absl::StartsWith(id, "call_")) << id;
+        continue;
+      }
+      EXPECT_FALSE(call.contains("id")) << call.dump();
+      ++argument_chunks;
+      arguments += call["function"]["arguments"].get<std::string>();
+    }
+  }
+  EXPECT_FALSE(first) << "no tool call streamed: " << out.dump();
+  EXPECT_GT(argument_chunks, 2) << out.dump();  // in pieces, not one at the end
+  const json args = json::parse(arguments);
+  EXPECT_THAT(args["city"].get<std::string>(), ::testing::AnyOf("Oslo", "Rome"));
+  // The helper's accumulation agrees.
+  const json& final_choice = out["final"]["choices"][0];
+  EXPECT_EQ(final_choice["finish_reason"], "tool_calls");
+  ASSERT_EQ(final_choice["message"]["tool_calls"].size(), 1u) << out["final"].dump();
+  const json& call = final_choice["message"]["tool_calls"][0];
+  EXPECT_EQ(call["id"], id);
+  EXPECT_EQ(call["function"]["name"], "get_weather");
+  EXPECT_EQ(call["function"]["arguments"], arguments);
+}
+
+// POST /v1/responses through client.responses.create: the response object,
+// the SDK's output_text, and the same text streamed as OpenAI's events.
+TEST_F(OpenAiClientTest, ResponsesCreateAndStream) {
+  json params = {{"model", "serve-small"},
+                 {"input", "hello there"},
+                 {"instructions", "be brief"},
+                 {"max_output_tokens", 8},
+                 {"temperature", 0}};
+  const json unary = RunClient(port(), kToken, "responses.create", params);
+  ASSERT_TRUE(unary["ok"].get<bool>()) << unary.dump();
+  const json& response = unary["result"];
+  EXPECT_TRUE(absl::StartsWith(response["id"].get<std::string>(), "resp_"));
+  EXPECT_EQ(response["object"], "response");
+  EXPECT_THAT(response["status"].get<std::string>(), ::testing::AnyOf("completed", "incomplete"));
+  ASSERT_GE(response["output"].size(), 1u);
+  EXPECT_EQ(response["output"][0]["type"], "message");
+  const std::string text = response["output"][0]["content"][0]["text"];
+  EXPECT_EQ(unary["output_text"], text);
+  EXPECT_GT(response["usage"]["input_tokens"].get<int>(), 0);
+  EXPECT_EQ(
+      response["usage"]["total_tokens"].get<int>(),
+      response["usage"]["input_tokens"].get<int>() + response["usage"]["output_tokens"].get<int>());
+  EXPECT_LE(response["usage"]["output_tokens"].get<int>(), 8);
+
+  // The same greedy text as chat completions of the same conversation.
+  const json chat = RunClient(port(), kToken, "chat.completions.create",
+                              {{"messages",
+                                {{{"role", "system"}, {"content", "be brief"}},
+                                 {{"role", "user"}, {"content", "hello there"}}}},
+                               {"max_tokens", 8},
+                               {"temperature", 0}});
+  ASSERT_TRUE(chat["ok"].get<bool>()) << chat.dump();
+  EXPECT_EQ(chat["result"]["choices"][0]["message"]["content"], text);
+
+  params["stream"] = true;
+  const json streamed = RunClient(port(), kToken, "responses.create", params);
+  ASSERT_TRUE(streamed["ok"].get<bool>()) << streamed.dump();
+  const json& events = streamed["chunks"];
+  ASSERT_GE(events.size(), 4u);
+  EXPECT_EQ(events[0]["type"], "response.created");
+  EXPECT_EQ(events[1]["type"], "response.in_progress");
+  std::string joined;
+  for (size_t i = 0; i < events.size(); ++i) {
+    EXPECT_EQ(events[i]["sequence_number"], static_cast<int>(i));
+    if (events[i]["type"] == "response.output_text.delta") joined += events[i]["delta"];
+  }
+  EXPECT_EQ(joined, text);
+  const std::string last = events.back()["type"];
+  EXPECT_THAT(last, ::testing::AnyOf("response.completed", "response.incomplete"));
+  EXPECT_EQ(events.back()["response"]["usage"], response["usage"]);
+
+  // The SDK's stream helper assembles the same response.
+  params.erase("stream");
+  const json helper = RunClient(port(), kToken, "responses.stream", params);
+  if (last == "response.completed") {
+    ASSERT_TRUE(helper["ok"].get<bool>()) << helper.dump();
+    EXPECT_EQ(helper["final"]["output_text_sdk"], text);
+  }
+}
+
+// text.format json_schema: a random-weight model's output follows the schema.
+TEST_F(OpenAiClientTest, ResponsesJsonSchema) {
+  const json schema = json::parse(R"({"type": "object", "properties": {
+      "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+      "maximum": 120}}, "required": ["name", "age"], "additionalProperties": false})");
+  const json out = RunClient(
+      port(), kToken, "responses.create",
+      {{"input", "a person"},
+       {"max_output_tokens", 120},
+       {"temperature", 1.0},
+       {"text",
+        {{"format",
+          {{"type", "json_schema"}, {"name", "person"}, {"schema", schema}, {"strict", true}}}}}});
+  ASSERT_TRUE(out["ok"].get<bool>()) << out.dump();
+  EXPECT_EQ(out["result"]["status"], "completed") << out.dump();
+  const json person = json::parse(out["output_text"].get<std::string>(), nullptr, false);
+  ASSERT_TRUE(person.is_object()) << out.dump();
+  EXPECT_EQ(person.size(), 2u);
+  EXPECT_TRUE(person["name"].is_string());
+  // maxLength counts characters (code points), not UTF-8 bytes.
+  int characters = 0;
+  for (unsigned char c : person["name"].get<std::string>()) characters += (c & 0xc0) != 0x80;
+  EXPECT_LE(characters, 8) << person.dump();
+  EXPECT_GE(person["age"].get<int>(), 0);
+  EXPECT_LE(person["age"].get<int>(), 120);
+
+  // The SDK's stream helper (responses.stream) on the same request: its
+  // finalResponse() needs response.completed, which a complete JSON text gets.
+  const json helper = RunClient(
+      port(), kToken, "responses.stream",
+      {{"input", "a person"},
+       {"max_output_tokens", 120},
+       {"temperature", 1.0},
+       {"text", {{"format", {{"type", "json_schema"}, {"name", "person"}, {"schema", schema}}}}}});
+  ASSERT_TRUE(helper["ok"].get<bool>()) << helper.dump();
+  EXPECT_EQ(helper["final"]["status"], "completed");
+  const json streamed =
+      json::parse(helper["final"]["output_text_sdk"].get<std::string>(), nullptr, false);
+  ASSERT_TRUE(streamed.is_object()) << helper.dump();
+  EXPECT_TRUE(streamed["name"].is_string());
+  EXPECT_TRUE(streamed["age"].is_number_integer());
+}
+
+// Function tools: a forced call comes back as a function_call item (also
+// streamed, its arguments in pieces), and its output goes back in input.
+TEST_F(OpenAiClientTest, ResponsesFunctionTools) {
+  const json tools = json::parse(R"([{"type": "function", "name": "get_weather",
+      "description": "the weather", "parameters": {"type": "object", "properties":
+      {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}}])");
+  json params = {{"input", "Weather in Oslo?"},
+                 {"max_output_tokens", 100},
+                 {"temperature", 1.0},
+                 {"tools", tools},
+                 {"tool_choice", "required"}};
+  const json out = RunClient(port(), kToken, "responses.create", params);
+  ASSERT_TRUE(out["ok"].get<bool>()) << out.dump();
+  json call;
+  for (const json& item : out["result"]["output"]) {
+    if (item["type"] == "function_call") call = item;
+  }
+  ASSERT_TRUE(call.is_object()) << out.dump();
+  EXPECT_EQ(call["name"], "get_weather");
+  EXPECT_TRUE(absl::StartsWith(call["call_id"].get<std::string>(), "call_"));
+  EXPECT_THAT(json::parse(call["arguments"].get<std::string>())["city"].get<std::string>(),
+              ::testing::AnyOf("Oslo", "Rome"));
+
+  params["stream"] = true;
+  const json streamed = RunClient(port(), kToken, "responses.create", params);
+  ASSERT_TRUE(streamed["ok"].get<bool>()) << streamed.dump();
+  int deltas = 0;
+  std::string arguments;
+  json done;
+  for (const json& event : streamed["chunks"]) {
+    if (event["type"] == "response.function_call_arguments.delta") {
+      ++deltas;
+      arguments += event["delta"];
+    }
+    if (event["type"] == "response.completed") done = event["response"];
+  }
+  EXPECT_GT(deltas, 1) << streamed.dump();
+  ASSERT_TRUE(done.is_object()) << streamed.dump();
+  EXPECT_EQ(done["output"].back()["type"], "function_call");
+  EXPECT_EQ(done["output"].back()["arguments"], arguments);
+
+  // The call and its output, sent back: a plain answer now.
+  const json next = RunClient(
+      port(), kToken, "responses.create",
+      {{"input",
+        {{{"role", "user"}, {"content", "Weather in Oslo?"}},
+         {{"type", "function_call"},
+          {"call_id", call["call_id"]},
+          {"name", "get_weather"},
+          {"arguments", call["arguments"]}},
+         {{"type", "function_call_output"}, {"call_id", call["call_id"]}, {"output", "sunny"}}}},
+       {"max_output_tokens", 4},
+       {"tools", tools},
+       {"tool_choice", "none"}});
+  ASSERT_TRUE(next["ok"].get<bool>()) << next.dump();
+  EXPECT_EQ(next["result"]["output"][0]["type"], "message");
+}
+
+TEST_F(OpenAiClientTest, ResponsesRefusesStateAsBadRequest) {
+  for (const json& extra : {json{{"previous_response_id", "resp_123"}}, json{{"store", true}}}) {
+    json params = {{"input", "hi"}, {"max_output_tokens", 2}};
+    params.update(extra);
+    const json out = RunClient(port(), kToken, "responses.create", params);
+    ASSERT_FALSE(out["ok"].get<bool>()) << out.dump();
+    EXPECT_TRUE(out["error"]["isBadRequest"].get<bool>()) << out.dump();
+    EXPECT_EQ(out["error"]["param"], extra.begin().key()) << out.dump();
+  }
+  const json bad =
+      RunClient(port(), kToken, "responses.create", {{"input", "hi"}, {"max_output_tokens", 0}});
+  ASSERT_FALSE(bad["ok"].get<bool>());
+  EXPECT_EQ(bad["error"]["param"], "max_output_tokens") << bad.dump();
+}
+
+// vLLM's /tokenize and /detokenize (bearer token as the API's other routes).
+TEST_F(OpenAiClientTest, TokenizeAndDetokenize) {
+  const std::string auth = absl::StrCat("Authorization: Bearer ", kToken, "\r\n");
+  const std::string tokenized = Exchange(
+      port(), "POST", "/tokenize",
+      R"({"model": "serve-small", "prompt": "hello world", "add_special_tokens": false})", auth);
+  ASSERT_EQ(StatusOf(tokenized), 200) << tokenized;
+  const json body = BodyOf(tokenized);
+  ASSERT_TRUE(body["tokens"].is_array()) << tokenized;
+  EXPECT_EQ(body["count"], body["tokens"].size());
+  EXPECT_GT(body["count"].get<int>(), 0);
+  EXPECT_GT(body["max_model_len"].get<int>(), 0);
+  // A round trip.
+  const std::string detokenized =
+      Exchange(port(), "POST", "/detokenize",
+               json{{"model", "serve-small"}, {"tokens", body["tokens"]}}.dump(), auth);
+  ASSERT_EQ(StatusOf(detokenized), 200) << detokenized;
+  EXPECT_EQ(BodyOf(detokenized)["prompt"], "hello world");
+
+  // Messages: the chat template's rendering, as many tokens as a chat
+  // completion's prompt.
+  const json messages = {{{"role", "user"}, {"content", "hello there"}}};
+  const json chat_tokens =
+      BodyOf(Exchange(port(), "POST", "/tokenize", json{{"messages", messages}}.dump(), auth));
+  const json chat = RunClient(port(), kToken, "chat.completions.create",
+                              {{"messages", messages}, {"max_tokens", 1}});
+  ASSERT_TRUE(chat["ok"].get<bool>()) << chat.dump();
+  EXPECT_EQ(chat_tokens["count"], chat["result"]["usage"]["prompt_tokens"]) << chat_tokens.dump();
+
+  const std::string bad_id =
+      Exchange(port(), "POST", "/detokenize", R"({"tokens": [1, 99999999]})", auth);
+  ExpectOpenAiError(bad_id, 400, "invalid_request_error");
+  EXPECT_EQ(BodyOf(bad_id)["error"]["param"], "tokens[1]") << bad_id;
+  ExpectOpenAiError(
+      Exchange(port(), "POST", "/tokenize", R"({"model": "other", "prompt": "x"})", auth), 404,
+      "invalid_request_error");
+  ExpectOpenAiError(
+      Exchange(port(), "POST", "/detokenize", R"({"model": "other", "tokens": [1]})", auth), 404,
+      "invalid_request_error");
+  const std::string neither = Exchange(port(), "POST", "/tokenize", R"({"model": "x"})", auth);
+  ExpectOpenAiError(neither, 400, "invalid_request_error");
+  EXPECT_EQ(BodyOf(neither)["error"]["param"], "prompt");
+  ExpectOpenAiError(Exchange(port(), "POST", "/tokenize", R"({"prompt": "x"})"), 401,
+                    "invalid_request_error");
+  // No --allowed_origins here: no CORS headers, whatever the Origin.
+  const std::string models =
+      Exchange(port(), "GET", "/v1/models", "", auth + "Origin: http://app.example\r\n");
+  EXPECT_EQ(StatusOf(models), 200);
+  EXPECT_THAT(models, ::testing::Not(HasSubstr("Access-Control-")));
 }
 
 TEST_F(OpenAiClientTest, BadTemperatureIsABadRequestError) {
@@ -525,7 +810,10 @@ TEST_F(OpenAiClientTest, WrongKeyIsAnAuthenticationError) {
 class RawHttpTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server_ = StartHttp(TestModelDir(), {"--http_request_timeout=1s"}).release();
+    server_ = StartHttp(TestModelDir(), {"--http_request_timeout=1s",
+                                         "--allowed_origins=http://app.example,http://b.example",
+                                         "--allowed_methods=GET,POST"})
+                  .release();
   }
   static void TearDownTestSuite() {
     delete server_;
@@ -573,6 +861,55 @@ TEST_F(RawHttpTest, OversizedBodyIs413) {
   const std::string response = ReadUntil(fd);
   close(fd);
   ExpectOpenAiError(response, 413, "invalid_request_error");
+}
+
+// CORS with --allowed_origins: an allowed origin's answers carry
+// Access-Control-Allow-Origin and its preflight a 204 with the Allow-*
+// headers; another origin gets no CORS headers.
+TEST_F(RawHttpTest, Cors) {
+  const std::string preflight =
+      Exchange(port(), "OPTIONS", "/v1/chat/completions", "",
+               "Origin: http://app.example\r\nAccess-Control-Request-Method: POST\r\n"
+               "Access-Control-Request-Headers: authorization, content-type\r\n");
+  EXPECT_EQ(StatusOf(preflight), 204) << preflight;
+  EXPECT_THAT(preflight, HasSubstr("Access-Control-Allow-Origin: http://app.example\r\n"));
+  EXPECT_THAT(preflight, HasSubstr("Access-Control-Allow-Methods: GET, POST\r\n"));
+  EXPECT_THAT(preflight,
+              HasSubstr("Access-Control-Allow-Headers: authorization, content-type\r\n"));
+  // A method the flags leave out.
+  const std::string put = Exchange(port(), "OPTIONS", "/v1/models", "",
+                                   "Origin: http://app.example\r\n"
+                                   "Access-Control-Request-Method: PUT\r\n");
+  EXPECT_EQ(StatusOf(put), 400) << put;
+  EXPECT_THAT(put, ::testing::Not(HasSubstr("Access-Control-Allow-Methods")));
+
+  const std::string evil = Exchange(port(), "OPTIONS", "/v1/chat/completions", "",
+                                    "Origin: http://evil.example\r\n"
+                                    "Access-Control-Request-Method: POST\r\n");
+  EXPECT_EQ(StatusOf(evil), 400) << evil;
+  EXPECT_THAT(evil, ::testing::Not(HasSubstr("Access-Control-")));
+
+  const std::string allowed =
+      Exchange(port(), "GET", "/v1/models", "", "Origin: http://b.example\r\n");
+  EXPECT_EQ(StatusOf(allowed), 200);
+  EXPECT_THAT(allowed, HasSubstr("Access-Control-Allow-Origin: http://b.example\r\n"));
+  // Errors and streams carry it too.
+  const std::string error =
+      Exchange(port(), "POST", "/v1/completions", "{", "Origin: http://app.example\r\n");
+  EXPECT_EQ(StatusOf(error), 400);
+  EXPECT_THAT(error, HasSubstr("Access-Control-Allow-Origin: http://app.example\r\n"));
+  const std::string stream = Exchange(port(), "POST", "/v1/completions",
+                                      R"({"prompt": "hi", "max_tokens": 2, "stream": true})",
+                                      "Origin: http://app.example\r\n");
+  EXPECT_EQ(StatusOf(stream), 200);
+  EXPECT_THAT(stream, HasSubstr("Access-Control-Allow-Origin: http://app.example\r\n"));
+
+  const std::string other =
+      Exchange(port(), "GET", "/v1/models", "", "Origin: http://evil.example\r\n");
+  EXPECT_EQ(StatusOf(other), 200);
+  EXPECT_THAT(other, ::testing::Not(HasSubstr("Access-Control-")));
+  // OPTIONS without an Origin is no preflight: the route's 405.
+  EXPECT_EQ(StatusOf(Exchange(port(), "OPTIONS", "/v1/models", "")), 405);
 }
 
 TEST_F(RawHttpTest, UnknownRouteAndWrongMethod) {

@@ -5,7 +5,11 @@
 //   {"ok": false, "error": {"class", "status", "message", "code", "param", "type"}}
 //
 //   node client.js NPM_DIR BASE_URL API_KEY METHOD PARAMS_JSON
-//   METHOD: models.list | completions.create | chat.completions.create
+//   METHOD: models.list | completions.create | chat.completions.create | responses.create
+//           | chat.completions.stream (the stream helper: {"ok", "chunks", "final"}, final
+//             being its accumulated finalChatCompletion())
+//           | responses.stream (the stream helper: {"ok", "chunks", "final"}, final
+//             being its finalResponse(), with output_text)
 'use strict';
 const path = require('path');
 
@@ -20,6 +24,30 @@ async function main() {
       const page = await client.models.list();
       for await (const model of page) ids.push(model);
       print({ ok: true, result: ids });
+      return;
+    }
+    if (method === 'chat.completions.stream' || method === 'responses.stream') {
+      const stream = method === 'responses.stream' ? client.responses.stream(params)
+                                                   : client.chat.completions.stream(params);
+      const chunks = [];
+      for await (const chunk of stream) chunks.push(chunk);
+      const final = method === 'responses.stream' ? await stream.finalResponse()
+                                                  : await stream.finalChatCompletion();
+      if (method === 'responses.stream') final.output_text_sdk = final.output_text;
+      print({ ok: true, chunks, final });
+      return;
+    }
+    if (method === 'responses.create') {
+      if (params.stream) {
+        const stream = await client.responses.create(params);
+        const chunks = [];
+        for await (const event of stream) chunks.push(event);
+        print({ ok: true, chunks });
+      } else {
+        const response = await client.responses.create(params);
+        // output_text is the SDK's convenience (not on the wire).
+        print({ ok: true, result: response, output_text: response.output_text });
+      }
       return;
     }
     const target = method === 'completions.create' ? client.completions : client.chat.completions;
