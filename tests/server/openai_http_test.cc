@@ -605,7 +605,7 @@ TEST_F(OpenAiClientTest, ResponsesCreateAndStream) {
   const json helper = RunClient(port(), kToken, "responses.stream", params);
   if (last == "response.completed") {
     ASSERT_TRUE(helper["ok"].get<bool>()) << helper.dump();
-    EXPECT_EQ(helper["final"]["output_text_sdk"], text);
+    EXPECT_EQ(helper["final"]["output"][0]["content"][0]["text"], text);
   }
 }
 
@@ -645,8 +645,8 @@ TEST_F(OpenAiClientTest, ResponsesJsonSchema) {
        {"text", {{"format", {{"type", "json_schema"}, {"name", "person"}, {"schema", schema}}}}}});
   ASSERT_TRUE(helper["ok"].get<bool>()) << helper.dump();
   EXPECT_EQ(helper["final"]["status"], "completed");
-  const json streamed =
-      json::parse(helper["final"]["output_text_sdk"].get<std::string>(), nullptr, false);
+  const json streamed = json::parse(
+      helper["final"]["output"][0]["content"][0]["text"].get<std::string>(), nullptr, false);
   ASSERT_TRUE(streamed.is_object()) << helper.dump();
   EXPECT_TRUE(streamed["name"].is_string());
   EXPECT_TRUE(streamed["age"].is_number_integer());

@@ -9,7 +9,7 @@
 //           | chat.completions.stream (the stream helper: {"ok", "chunks", "final"}, final
 //             being its accumulated finalChatCompletion())
 //           | responses.stream (the stream helper: {"ok", "chunks", "final"}, final
-//             being its finalResponse(), with output_text)
+//             being its finalResponse())
 'use strict';
 const path = require('path');
 
@@ -33,7 +33,6 @@ async function main() {
       for await (const chunk of stream) chunks.push(chunk);
       const final = method === 'responses.stream' ? await stream.finalResponse()
                                                   : await stream.finalChatCompletion();
-      if (method === 'responses.stream') final.output_text_sdk = final.output_text;
       print({ ok: true, chunks, final });
       return;
     }
