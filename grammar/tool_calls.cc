@@ -245,6 +245,14 @@ absl::string_view ToolCallFormatName(ToolCallFormat format) {
   return "none";
 }
 
+ToolCallFormat ToolCallFormatFromVocabulary(
+    const std::function<bool(absl::string_view token)>& has_token) {
+  if (has_token(kHermesOpen)) return ToolCallFormat::kHermes;
+  if (has_token(kMistralMarker)) return ToolCallFormat::kMistral;
+  if (has_token(kPythonTag)) return ToolCallFormat::kLlama3Json;
+  return ToolCallFormat::kNone;
+}
+
 ToolCallFormat DetectToolCallFormat(absl::string_view chat_template) {
   if (absl::StrContains(chat_template, kHermesOpen)) return ToolCallFormat::kHermes;
   if (absl::StrContains(chat_template, kMistralMarker)) return ToolCallFormat::kMistral;

@@ -16,6 +16,7 @@
 #define ACCEL_GRAMMAR_TOOL_CALLS_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -31,6 +32,11 @@ enum class ToolCallFormat { kNone, kHermes, kLlama3Json, kMistral };
 // (DetectToolCallFormat). InvalidArgument naming the accepted names.
 absl::StatusOr<ToolCallFormat> ToolCallFormatFromName(absl::string_view name);
 absl::string_view ToolCallFormatName(ToolCallFormat format);
+// The format of a vocabulary's call marker token (`has_token`: whether the
+// vocabulary holds that token): <tool_call> hermes, [TOOL_CALLS] mistral,
+// <|python_tag|> llama3_json; kNone without one (--tool_call_parser auto).
+ToolCallFormat ToolCallFormatFromVocabulary(
+    const std::function<bool(absl::string_view token)>& has_token);
 // The format a chat template writes tool calls in (kNone when it writes none).
 ToolCallFormat DetectToolCallFormat(absl::string_view chat_template);
 

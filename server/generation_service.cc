@@ -4,20 +4,24 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 
 #include "core/json.h"
 #include "core/status.h"
 #include "engine/llm_engine.h"
+#include "grammar/tool_calls.h"
 #include "server/internal/openai_convert.h"
 #include "server/internal/wire.h"
 #include "server/internal/write_pump.h"
 #include "server/server_metrics.h"
+#include "tokenizer/tokenizer.h"
 
 namespace accel::server {
 namespace {
@@ -100,8 +104,22 @@ std::optional<engine::StructuredOutputs> ToStructured(const accel::v1::Structure
 
 // The messages as chat templates read them (transformers' shape: a tool
 // call's arguments are an object, not the wire's JSON text).
+// Chat's tool settings, applied once the engine (and so the model's
+// tool-call syntax) is known; then read by the call's sink. Set before the
+// request is submitted, read only after: no lock.
+struct ChatTools {
+  std::string choice;    // "" / auto, none, required
+  std::string function;  // tool_choice_function
+  std::string tools_json;
+  grammar::ToolCallFormat format = grammar::ToolCallFormat::kNone;  // kNone: no parsing
+  // A stream: the parser, and the call it is writing (sent once it ends).
+  std::unique_ptr<grammar::ToolCallStreamParser> parser;
+  std::optional<grammar::ToolCall> pending;
+};
+
 absl::StatusOr<engine::GenerationRequest> ChatToParams(const ChatRequest& request,
-                                                       const grpc::ServerContextBase& context) {
+                                                       const grpc::ServerContextBase& context,
+                                                       ChatTools* chat_tools) {
   if (request.messages().empty()) return absl::InvalidArgumentError("messages is empty");
   int64_t json_keys = 0;
   const JsonLimits limits = ChatJsonLimits(context, &json_keys);
@@ -144,6 +162,19 @@ absl::StatusOr<engine::GenerationRequest> ChatToParams(const ChatRequest& reques
       return absl::InvalidArgumentError(absl::StrCat("tools_json[", i, "]: expected an object"));
     }
     tools.push_back(std::move(tool));
+  }
+  const std::string& choice = request.tool_choice();
+  if (!choice.empty() && choice != "auto" && choice != "none" && choice != "required") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tool_choice: expected auto, none or required, got \"", choice.substr(0, 32), "\""));
+  }
+  if ((choice == "required" || !request.tool_choice_function().empty()) && tools.empty()) {
+    return absl::InvalidArgumentError("tool_choice: a forced call needs tools_json");
+  }
+  if (chat_tools != nullptr && !tools.empty()) {
+    chat_tools->choice = choice;
+    chat_tools->function = request.tool_choice_function();
+    chat_tools->tools_json = tools.dump(-1, ' ', false, Json::error_handler_t::replace);
   }
   engine::GenerationRequest params;
   params.model = request.model();
@@ -219,23 +250,106 @@ struct CallState {
 // Parses, authorizes, validates and submits a request for `call`; the status
 // to finish the call with when that fails.
 absl::StatusOr<engine::GenerationRequest> ParseParams(Method method, const grpc::ByteBuffer& body,
-                                                      const grpc::ServerContextBase& context) {
+                                                      const grpc::ServerContextBase& context,
+                                                      ChatTools* chat_tools) {
   if (method == Method::kChat) {
     ChatRequest request;
     ACCEL_RETURN_IF_ERROR(internal::ParseBody(body, request));
-    return ChatToParams(request, context);
+    return ChatToParams(request, context, chat_tools);
   }
   GenerateRequest request;
   ACCEL_RETURN_IF_ERROR(internal::ParseBody(body, request));
   return ToParams(request, context);
 }
 
+// Chat with tools: the model's call syntax (--tool_call_parser, or auto
+// from its vocabulary) and, for a forced call, the grammar of one.
+absl::Status ApplyChatTools(const std::string& tool_call_parser, const engine::LlmEngine& engine,
+                            bool stream, engine::GenerationRequest& params, ChatTools& tools) {
+  if (tools.tools_json.empty() || tools.choice == "none") return absl::OkStatus();
+  grammar::ToolCallFormat format = grammar::ToolCallFormat::kNone;
+  if (tool_call_parser == "auto") {
+    const tokenizer::Tokenizer* tok = engine.tokenizer();
+    format = grammar::ToolCallFormatFromVocabulary([tok](absl::string_view token) {
+      return tok != nullptr && tok->TokenToId(token).has_value();
+    });
+  } else {
+    format = grammar::ToolCallFormatFromName(tool_call_parser).value_or(format);
+  }
+  const bool forced = tools.choice == "required" || !tools.function.empty();
+  if (forced) {
+    if (format == grammar::ToolCallFormat::kNone) {
+      return absl::InvalidArgumentError(
+          "tool_choice: a forced call needs the server's --tool_call_parser (hermes, "
+          "llama3_json or mistral; auto found none for this model)");
+    }
+    if (params.structured) {
+      return absl::InvalidArgumentError(
+          "tool_choice: a forced call cannot be combined with structured_output");
+    }
+    std::optional<std::string> name;
+    if (!tools.function.empty()) name = tools.function;
+    absl::StatusOr<std::string> gbnf = grammar::ToolCallGbnf(format, tools.tools_json, name);
+    if (!gbnf.ok()) {
+      // This wire's field names.
+      std::string message(gbnf.status().message());
+      if (name && absl::StartsWith(message, "tool_choice: no function named")) {
+        message =
+            absl::StrCat("tool_choice_function", message.substr(std::string("tool_choice").size()));
+      } else if (!absl::StartsWith(message, "tool_choice")) {
+        message = absl::StrCat("tools_json: ", message);
+      }
+      return absl::InvalidArgumentError(message);
+    }
+    engine::StructuredOutputs structured;
+    structured.grammar = *std::move(gbnf);
+    structured.field = "tool_choice";
+    params.structured = std::move(structured);
+  }
+  tools.format = format;
+  if (stream && format != grammar::ToolCallFormat::kNone) {
+    tools.parser = std::make_unique<grammar::ToolCallStreamParser>(format);
+  }
+  return absl::OkStatus();
+}
+
+// The stream parser's events into `out`: content into text, each call whole
+// once the next begins (the last by FlushToolCall).
+void AddToolEvents(std::vector<grammar::ToolCallStreamParser::Event> events, ChatTools& tools,
+                   GenerateResponse& out) {
+  for (auto& e : events) {
+    out.mutable_text()->append(e.content);
+    if (e.call) {
+      if (tools.pending) {
+        accel::v1::ToolCall* call = out.add_tool_calls();
+        call->set_id(tools.pending->id);
+        call->set_type("function");
+        call->set_name(tools.pending->name);
+        call->set_arguments_json(tools.pending->arguments);
+      }
+      tools.pending = *std::move(e.call);
+    }
+    if (!e.arguments.empty() && tools.pending) tools.pending->arguments += e.arguments;
+  }
+}
+
+void FlushToolCall(ChatTools& tools, GenerateResponse& out) {
+  if (!tools.pending) return;
+  accel::v1::ToolCall* call = out.add_tool_calls();
+  call->set_id(tools.pending->id);
+  call->set_type("function");
+  call->set_name(tools.pending->name);
+  call->set_arguments_json(tools.pending->arguments);
+  tools.pending.reset();
+}
+
 grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerContext& context,
                    const grpc::ByteBuffer& body, std::shared_ptr<engine::RequestSink> sink,
-                   CallState& call) {
+                   CallState& call, const std::string& tool_call_parser, ChatTools& tools,
+                   bool stream) {
   grpc::Status auth = state.Authorize(context);
   if (!auth.ok()) return auth;
-  absl::StatusOr<engine::GenerationRequest> params = ParseParams(method, body, context);
+  absl::StatusOr<engine::GenerationRequest> params = ParseParams(method, body, context, &tools);
   if (!params.ok()) {
     if (state.metrics() != nullptr) {
       const absl::StatusCode code = params.status().code();
@@ -247,6 +361,11 @@ grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerConte
   }
   absl::StatusOr<engine::LlmEngine*> engine = state.ReadyEngine();
   if (!engine.ok()) return ToGrpcStatus(engine.status());
+  if (absl::Status applied = ApplyChatTools(tool_call_parser, **engine, stream, *params, tools);
+      !applied.ok()) {
+    if (state.metrics() != nullptr) state.metrics()->RequestFailed("invalid");
+    return ToGrpcStatus(applied);
+  }
   // Nobody to answer: nothing is queued (the scheduler would only drop it).
   if (absl::Status wanted = CallStillWanted(context); !wanted.ok()) {
     return ToGrpcStatus(wanted);
@@ -277,7 +396,8 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
 
   class Sink : public engine::RequestSink {
    public:
-    explicit Sink(std::shared_ptr<Call> call) : call_(std::move(call)) {}
+    Sink(std::shared_ptr<Call> call, std::shared_ptr<ChatTools> tools)
+        : call_(std::move(call)), tools_(std::move(tools)) {}
     void OnTokens(engine::TokenChunk chunk) override {
       absl::MutexLock lock(&call_->mu);
       AppendChunk(chunk, call_->response);
@@ -289,6 +409,20 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
         if (call_->reactor == nullptr) return;
         if (status.ok()) {
           SetCompletion(completion, call_->response);
+          if (tools_->format != grammar::ToolCallFormat::kNone) {
+            grammar::ParsedToolCalls parsed =
+                grammar::ParseToolCalls(tools_->format, call_->response.text());
+            if (!parsed.calls.empty()) {
+              call_->response.set_text(parsed.content);
+              for (const grammar::ToolCall& c : parsed.calls) {
+                accel::v1::ToolCall* out = call_->response.add_tool_calls();
+                out->set_id(c.id);
+                out->set_type("function");
+                out->set_name(c.name);
+                out->set_arguments_json(c.arguments);
+              }
+            }
+          }
           *call_->body = internal::SerializeBody(call_->response);
         }
         reactor = call_->reactor;
@@ -301,18 +435,22 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
 
    private:
     std::shared_ptr<Call> call_;
+    const std::shared_ptr<ChatTools> tools_;
   };
 
-  GenerateReactor(Method method, ServingState* state, grpc::CallbackServerContext* context,
-                  const grpc::ByteBuffer* request, grpc::ByteBuffer* response)
+  GenerateReactor(Method method, ServingState* state, const std::string& tool_call_parser,
+                  grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                  grpc::ByteBuffer* response)
       : context_(context), call_(std::make_shared<Call>()) {
     {
       absl::MutexLock lock(&call_->mu);
       call_->reactor = this;
       call_->body = response;
     }
+    auto tools = std::make_shared<ChatTools>();
     grpc::Status started =
-        Start(method, *state, *context, *request, std::make_shared<Sink>(call_), *call_);
+        Start(method, *state, *context, *request, std::make_shared<Sink>(call_, tools), *call_,
+              tool_call_parser, *tools, /*stream=*/false);
     if (!started.ok()) Finish(started);
   }
 
@@ -355,13 +493,22 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   class Sink : public engine::RequestSink {
    public:
-    Sink(std::shared_ptr<internal::WritePump> pump, std::shared_ptr<News> news)
-        : pump_(std::move(pump)), news_(std::move(news)) {}
+    Sink(std::shared_ptr<internal::WritePump> pump, std::shared_ptr<News> news,
+         std::shared_ptr<ChatTools> tools)
+        : pump_(std::move(pump)), news_(std::move(news)), tools_(std::move(tools)) {}
     void OnTokens(engine::TokenChunk chunk) override {
       {
         absl::MutexLock lock(&news_->mu);
         if (!news_->next) news_->next.emplace();
-        AppendChunk(chunk, *news_->next);
+        if (tools_->parser != nullptr) {
+          // The text goes through the tool-call parser: content stays text.
+          std::string text = std::move(chunk.text);
+          chunk.text.clear();
+          AppendChunk(chunk, *news_->next);
+          AddToolEvents(tools_->parser->Add(text), *tools_, *news_->next);
+        } else {
+          AppendChunk(chunk, *news_->next);
+        }
       }
       pump_->Notify(news_);
     }
@@ -370,6 +517,10 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         {
           absl::MutexLock lock(&news_->mu);
           if (!news_->next) news_->next.emplace();
+          if (tools_->parser != nullptr) {
+            AddToolEvents(tools_->parser->Finish(), *tools_, *news_->next);
+            FlushToolCall(*tools_, *news_->next);
+          }
           SetCompletion(completion, *news_->next);
         }
         pump_->Notify(news_);
@@ -380,16 +531,19 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
    private:
     const std::shared_ptr<internal::WritePump> pump_;
     const std::shared_ptr<News> news_;
+    const std::shared_ptr<ChatTools> tools_;
   };
 
-  StreamReactor(Method method, ServingState* state, grpc::CallbackServerContext* context,
-                const grpc::ByteBuffer* request)
+  StreamReactor(Method method, ServingState* state, const std::string& tool_call_parser,
+                grpc::CallbackServerContext* context, const grpc::ByteBuffer* request)
       : context_(context),
         pump_(std::make_shared<internal::WritePump>(
             [this](const grpc::ByteBuffer* message) { StartWrite(message); },
             [this](const grpc::Status& status) { Finish(status); })) {
+    auto tools = std::make_shared<ChatTools>();
     grpc::Status started = Start(method, *state, *context, *request,
-                                 std::make_shared<Sink>(pump_, std::make_shared<News>()), call_);
+                                 std::make_shared<Sink>(pump_, std::make_shared<News>(), tools),
+                                 call_, tool_call_parser, *tools, /*stream=*/true);
     if (!started.ok()) pump_->FinishAfterWrites(started);
   }
 
@@ -428,23 +582,24 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
-  return new GenerateReactor(Method::kGenerate, state_, context, request, response);
+  return new GenerateReactor(Method::kGenerate, state_, tool_call_parser_, context, request,
+                             response);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::GenerateStream(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-  return new StreamReactor(Method::kGenerate, state_, context, request);
+  return new StreamReactor(Method::kGenerate, state_, tool_call_parser_, context, request);
 }
 
 grpc::ServerUnaryReactor* GenerationService::Chat(grpc::CallbackServerContext* context,
                                                   const grpc::ByteBuffer* request,
                                                   grpc::ByteBuffer* response) {
-  return new GenerateReactor(Method::kChat, state_, context, request, response);
+  return new GenerateReactor(Method::kChat, state_, tool_call_parser_, context, request, response);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::ChatStream(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-  return new StreamReactor(Method::kChat, state_, context, request);
+  return new StreamReactor(Method::kChat, state_, tool_call_parser_, context, request);
 }
 
 grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,

@@ -4,6 +4,9 @@
 #ifndef ACCEL_SERVER_GENERATION_SERVICE_H_
 #define ACCEL_SERVER_GENERATION_SERVICE_H_
 
+#include <string>
+#include <utility>
+
 #include "accel/v1/generation.grpc.pb.h"
 #include "server/serving.h"
 
@@ -21,7 +24,10 @@ class GenerationService final
                       accel::v1::Generation::WithRawCallbackMethod_GetModelInfo<
                           accel::v1::Generation::Service>>>>> {
  public:
-  explicit GenerationService(ServingState* state) : state_(state) {}
+  // `tool_call_parser`: --tool_call_parser (hermes | llama3_json | mistral |
+  // none | auto), for Chat's tool_choice and tool_calls.
+  explicit GenerationService(ServingState* state, std::string tool_call_parser = "auto")
+      : state_(state), tool_call_parser_(std::move(tool_call_parser)) {}
 
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* context,
                                      const grpc::ByteBuffer* request,
@@ -42,6 +48,7 @@ class GenerationService final
                                   accel::v1::ModelInfo* response);
 
   ServingState* const state_;
+  const std::string tool_call_parser_;
 };
 
 }  // namespace accel::server

@@ -404,21 +404,14 @@ void OpenAiHttpServer::Detokenize(const std::shared_ptr<HttpExchange>& exchange,
 }
 
 grammar::ToolCallFormat OpenAiHttpServer::ToolFormat(engine::LlmEngine* engine) const {
-  grammar::ToolCallFormat tool_format = grammar::ToolCallFormat::kNone;
-  if (tool_call_parser_ == "auto") {
-    if (const tokenizer::Tokenizer* tok = engine->tokenizer()) {
-      if (tok->TokenToId("<tool_call>")) {
-        tool_format = grammar::ToolCallFormat::kHermes;
-      } else if (tok->TokenToId("[TOOL_CALLS]")) {
-        tool_format = grammar::ToolCallFormat::kMistral;
-      } else if (tok->TokenToId("<|python_tag|>")) {
-        tool_format = grammar::ToolCallFormat::kLlama3Json;
-      }
-    }
-  } else {
-    tool_format = grammar::ToolCallFormatFromName(tool_call_parser_).value_or(tool_format);
+  if (tool_call_parser_ != "auto") {
+    return grammar::ToolCallFormatFromName(tool_call_parser_)
+        .value_or(grammar::ToolCallFormat::kNone);
   }
-  return tool_format;
+  const tokenizer::Tokenizer* tok = engine->tokenizer();
+  return grammar::ToolCallFormatFromVocabulary([tok](absl::string_view token) {
+    return tok != nullptr && tok->TokenToId(token).has_value();
+  });
 }
 
 void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, bool chat) {

@@ -147,7 +147,7 @@ struct Server::Impl {
         metrics(&registry),
         stat_logger(&metrics),
         state(o.auth_token, &metrics),
-        generation(&state),
+        generation(&state, o.tool_call_parser),
         kserve(&state, o.version) {}
 
   ~Impl() {

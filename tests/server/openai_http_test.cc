@@ -10,6 +10,7 @@
 #include <string>
 #include <sys/socket.h>
 #include <thread>
+#include <tuple>
 #include <unistd.h>
 #include <vector>
 
@@ -774,6 +775,71 @@ TEST_F(OpenAiClientTest, TokenizeAndDetokenize) {
       Exchange(port(), "GET", "/v1/models", "", auth + "Origin: http://app.example\r\n");
   EXPECT_EQ(StatusOf(models), 200);
   EXPECT_THAT(models, ::testing::Not(HasSubstr("Access-Control-")));
+}
+
+// Tool calls on gRPC Chat and ChatStream: tool_choice forces a call (the
+// server runs --tool_call_parser=hermes), which comes back parsed in
+// tool_calls, not as text.
+TEST_F(OpenAiClientTest, GrpcChatToolCalls) {
+  auto stub = Generation::NewStub(server_->Channel());
+  accel::v1::ChatRequest request;
+  request.set_add_generation_prompt(true);
+  request.set_max_new_tokens(100);
+  request.mutable_sampling()->set_temperature(1.0);
+  request.mutable_sampling()->set_seed(7);
+  accel::v1::ChatMessage* message = request.add_messages();
+  message->set_role("user");
+  message->set_content("Weather?");
+  request.add_tools_json(
+      R"({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+          "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}}})");
+  request.set_tool_choice("required");
+  {
+    GenerateResponse response;
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    const grpc::Status status = stub->Chat(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(response.tool_calls_size(), 1) << response.DebugString();
+    EXPECT_EQ(response.tool_calls(0).name(), "get_weather");
+    EXPECT_EQ(response.tool_calls(0).type(), "function");
+    EXPECT_TRUE(absl::StartsWith(response.tool_calls(0).id(), "call_"));
+    EXPECT_THAT(json::parse(response.tool_calls(0).arguments_json())["city"].get<std::string>(),
+                ::testing::AnyOf("Oslo", "Rome"));
+    EXPECT_EQ(response.text(), "");  // the call's text is not content
+  }
+  {
+    request.set_tool_choice("");
+    request.set_tool_choice_function("get_weather");
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    auto reader = stub->ChatStream(&context, request);
+    GenerateResponse chunk;
+    std::string text;
+    std::vector<accel::v1::ToolCall> calls;
+    while (reader->Read(&chunk)) {
+      text += chunk.text();
+      for (const auto& call : chunk.tool_calls()) calls.push_back(call);
+    }
+    const grpc::Status status = reader->Finish();
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(calls.size(), 1u);
+    EXPECT_EQ(calls[0].name(), "get_weather");
+    EXPECT_TRUE(json::parse(calls[0].arguments_json()).contains("city"));
+    EXPECT_EQ(text, "");
+  }
+  for (const auto& [choice, function, field] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"sometimes", "", "tool_choice"}, {"", "nope", "tool_choice_function"}}) {
+    request.set_tool_choice(choice);
+    request.set_tool_choice_function(function);
+    GenerateResponse response;
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    const grpc::Status status = stub->Chat(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StartsWith(status.error_message(), field + ":")) << status.error_message();
+  }
 }
 
 TEST_F(OpenAiClientTest, BadTemperatureIsABadRequestError) {
