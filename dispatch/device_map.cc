@@ -23,6 +23,7 @@
 #include "core/json.h"
 #include "core/status.h"
 #include "dispatch/internal/gpu_probe.h"
+#include "dispatch/internal/host_memory.h"
 
 namespace accel::dispatch {
 namespace {
@@ -259,37 +260,23 @@ absl::StatusOr<MaxMemory> ParseMaxMemory(absl::string_view spec) {
 }
 
 absl::StatusOr<int64_t> AvailableHostMemory() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  int64_t kib = -1;
-  while (meminfo >> key) {
-    if (key == "MemAvailable:") {
-      meminfo >> kib;
-      break;
-    }
-    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  std::optional<int64_t> available = internal::MemAvailable();
+  if (!available) return absl::UnavailableError("/proc/meminfo has no MemAvailable");
+  // A container's limit (the process's own memory cgroup, v2 or v1), with
+  // its reclaimable page cache counted as room.
+  if (std::optional<internal::CgroupMemory> cgroup = internal::SelfCgroupMemory()) {
+    available = std::min(*available, cgroup->available());
   }
-  if (kib < 0) return absl::UnavailableError("/proc/meminfo has no MemAvailable");
-  int64_t available = kib * 1024;
-  // A container's limit: cgroup v2, then v1. "max" or an absurd value means none.
-  auto read_number = [](const char* path) -> std::optional<int64_t> {
-    std::ifstream in(path);
-    std::string text;
-    if (!(in >> text)) return std::nullopt;
-    int64_t v = 0;
-    if (!absl::SimpleAtoi(text, &v)) return std::nullopt;
-    return v;
-  };
-  std::optional<int64_t> limit = read_number("/sys/fs/cgroup/memory.max");
-  std::optional<int64_t> usage = read_number("/sys/fs/cgroup/memory.current");
-  if (!limit) {
-    limit = read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes");
-    usage = read_number("/sys/fs/cgroup/memory/memory.usage_in_bytes");
+  return *available;
+}
+
+absl::StatusOr<int64_t> TotalHostMemory() {
+  std::optional<int64_t> total = internal::MemTotal();
+  if (!total) return absl::UnavailableError("/proc/meminfo has no MemTotal");
+  if (std::optional<internal::CgroupMemory> cgroup = internal::SelfCgroupMemory()) {
+    total = std::min(*total, cgroup->limit);
   }
-  if (limit && *limit < (int64_t{1} << 60)) {
-    available = std::min(available, std::max<int64_t>(0, *limit - usage.value_or(0)));
-  }
-  return available;
+  return *total;
 }
 
 absl::StatusOr<MaxMemory> ProbeMaxMemory() {

@@ -84,8 +84,13 @@ absl::StatusOr<MaxMemory> ParseMaxMemory(absl::string_view spec);
 // What this machine offers: free memory of each visible GPU, then the RAM
 // available to this process (MemAvailable, capped by the cgroup limit).
 absl::StatusOr<MaxMemory> ProbeMaxMemory();
-// RAM available to this process, as ProbeMaxMemory() counts it.
+// RAM available to this process, as ProbeMaxMemory() counts it: the
+// machine's MemAvailable, capped by what its memory cgroup (v2, or v1 with
+// its ancestors) leaves, the cgroup's page cache counted as room.
 absl::StatusOr<int64_t> AvailableHostMemory();
+// All the RAM this process could have: MemTotal, or its memory cgroup's
+// limit when smaller.
+absl::StatusOr<int64_t> TotalHostMemory();
 
 // Placement of each module or tensor, in planning order.
 class DeviceMap {

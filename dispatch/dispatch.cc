@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <deque>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -27,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
+#include "core/bytes.h"
 #include "core/dtype.h"
 #include "core/json.h"
 #include "core/status.h"
@@ -87,6 +89,11 @@ std::string IndexDType(at::ScalarType t) { return std::string(DTypeName(t)); }
 
 struct DispatchedModel::Impl {
   std::vector<Offloaded> tensors;
+  // The model's own tensor of each entry of `tensors` (by identity), so that
+  // bringing it in and releasing it needs no lookup by name: a lookup walks
+  // every tensor of the model, which at a few thousand tensors cost more than
+  // a decode step's compute when experts come and go one by one.
+  std::vector<at::Tensor> targets;
   std::unordered_map<const c10::TensorImpl*, int>
       by_impl;                           // the model's tensor -> index in `tensors`
   std::vector<std::vector<int>> groups;  // tensor indexes per entered name
@@ -225,6 +232,9 @@ struct DispatchedModel::Impl {
       Unkeep(group);
     }
     if (ahead) {
+      // All of the group asked for first: the kernel reads it in large
+      // requests, several at once, where faulting it in reads a window at a time.
+      for (const Span& sp : spans) sp.mapping->WillNeed(sp.offset, sp.bytes);
       for (const Span& sp : spans) sp.mapping->Populate(sp.offset, sp.bytes);
     }
     Fetched out;
@@ -413,7 +423,8 @@ absl::StatusOr<DispatchedModel::ExpertScope> DispatchedModel::EnterExperts(
     const std::vector<int>& members = im.experts->members(units[k]);
     for (size_t m = 0; m < members.size(); ++m) {
       const Offloaded& t = im.tensors[members[m]];
-      absl::Status set = SetModuleTensor(*model_, t.name, main_, values[k][m], t.source.dtype);
+      absl::Status set =
+          SetTensorInPlace(im.targets[members[m]], t.name, main_, values[k][m], t.source.dtype);
       if (!set.ok()) {
         ReleaseExperts(units);
         return set;
@@ -429,7 +440,7 @@ void DispatchedModel::ReleaseExperts(const std::vector<int>& units) {
   for (int unit : units) {
     for (int i : im.experts->members(unit)) {
       // Cannot fail: the tensor exists and meta needs no value.
-      (void)SetModuleTensor(*model_, im.tensors[i].name, at::kMeta);
+      (void)SetTensorInPlace(im.targets[i], im.tensors[i].name, at::kMeta);
     }
   }
   im.experts->Release(units);
@@ -521,7 +532,8 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
   const at::Device device = im.group_device[group];
   for (size_t k = 0; k < im.groups[group].size(); ++k) {
     const Offloaded& t = im.tensors[im.groups[group][k]];
-    absl::Status set = SetModuleTensor(*model_, t.name, device, data->values[k], t.source.dtype);
+    absl::Status set = SetTensorInPlace(im.targets[im.groups[group][k]], t.name, device,
+                                        data->values[k], t.source.dtype);
     if (!set.ok()) {
       data->values.clear();
       Release(group);
@@ -555,7 +567,7 @@ void DispatchedModel::Release(int group) {
   if (impl_->stager != nullptr) (void)impl_->stager->Released();
   for (int i : impl_->groups[group]) {
     // Cannot fail: the tensor exists and meta needs no value.
-    (void)SetModuleTensor(*model_, impl_->tensors[i].name, at::kMeta);
+    (void)SetTensorInPlace(impl_->targets[i], impl_->tensors[i].name, at::kMeta);
   }
   auto staged = impl_->active.find(group);
   if (staged != impl_->active.end()) {
@@ -607,6 +619,11 @@ absl::Status DispatchedModel::SetUpExpertCache(const LoadOptions& options) {
   cache.stager = im.stager.get();
   cache.direct = options.direct_reads;
   cache.positions = static_cast<int>(options.expert_lists.size());
+  // Mapped experts the cache evicts leave the page cache too: kept there,
+  // they fill it up to the memory limit, and the kernel then reclaims what
+  // it likes, the cache's own units included (read again, a page at a time,
+  // in the middle of a step).
+  cache.release_pages = true;
   im.experts = std::make_unique<internal::ExpertCache>(im.tensors, cache);
   for (size_t position = 0; position < options.expert_lists.size(); ++position) {
     const std::string& list = options.expert_lists[position];
@@ -708,13 +725,45 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       if (!folder.empty()) std::filesystem::remove(folder, ec);  // only when empty
     }
   } leftovers;
+  // What the offload folder will be given: each disk tensor whose checkpoint
+  // bytes are not what the model holds (a dtype conversion, a tensor made on
+  // loading), checked against the folder's free space before the first write.
+  uint64_t to_write = 0;
+  {
+    std::set<const c10::TensorImpl*> seen;
+    const auto count = [&](const std::string& name, const at::Tensor& target, bool is_buffer) {
+      if (!seen.insert(target.unsafeGetTensorImpl()).second) return;
+      std::optional<Placement> p = map.Lookup(name);
+      if (!p || !p->is_disk() || (is_buffer && !options.offload_buffers)) return;
+      at::ScalarType dtype = target.scalar_type();
+      if (c10::isFloatingType(dtype) && options.dtype) {
+        dtype = *options.dtype;
+        if ((dtype == at::kHalf || dtype == at::kBFloat16) &&
+            KeepInFp32(name, options.keep_in_fp32_modules)) {
+          dtype = at::kFloat;
+        }
+      }
+      const loader::Checkpoint::Entry* entry = ckpt.Find(name);
+      if (entry != nullptr) {
+        absl::StatusOr<at::ScalarType> stored = loader::TorchDType(entry->info.dtype);
+        if (stored.ok() && *stored == dtype && entry->info.shape == target.sizes().vec()) return;
+      }
+      to_write += static_cast<uint64_t>(target.numel()) * c10::elementSize(dtype);
+    };
+    for (const auto& [name, t] : params) count(name, t, false);
+    for (const auto& [name, t] : buffers) count(name, t, true);
+  }
+  bool space_checked = false;
   Progress progress("loading", static_cast<int64_t>(ckpt.total_bytes()),
                     static_cast<int64_t>(ckpt.tensors().size()), options.progress);
 
   // Places model tensor `name` from a checkpoint entry, or (entry null) from
-  // `ready`, a tensor a LoadHook made, which keeps its dtype.
+  // `ready`, a tensor a LoadHook made, which keeps its dtype. `as_stored`: the
+  // entry is a LoadHook's tensor that it handed back as stored (a
+  // pre-quantized checkpoint's packed weight, absmax, SCB...): it keeps its
+  // dtype, and disk placements use the checkpoint's own bytes.
   const auto place = [&](const std::string& name, const loader::Checkpoint::Entry* entry,
-                         const at::Tensor& ready) -> absl::Status {
+                         const at::Tensor& ready, bool as_stored = false) -> absl::Status {
     const auto label = [&](absl::string_view what) {
       return absl::StrCat("tensor '", name, "': ", what);
     };
@@ -753,7 +802,8 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
         return absl::InvalidArgumentError(label(absl::StrCat(
             "loading made ", DTypeName(file_dtype), " but the model expects ", DTypeName(dtype))));
       }
-    } else if (c10::isFloatingType(file_dtype) && c10::isFloatingType(dtype) && options.dtype) {
+    } else if (c10::isFloatingType(file_dtype) && c10::isFloatingType(dtype) && options.dtype &&
+               !as_stored) {
       dtype = *options.dtype;
       if ((dtype == at::kHalf || dtype == at::kBFloat16) &&
           KeepInFp32(name, options.keep_in_fp32_modules)) {
@@ -770,10 +820,13 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       return ckpt.Tensor(name);
     };
 
-    const bool offload_disk = placement->is_disk() && (!is_buffer || options.offload_buffers);
-    const bool offload_cpu = placement->is_cpu() && out->main_.is_cuda();
     const std::optional<uint64_t> in_file =
         entry != nullptr ? ckpt.FileOffset(*entry) : std::nullopt;
+    const bool offload_disk =
+        placement->is_disk() &&
+        (!is_buffer || options.offload_buffers ||
+         (options.offload_buffers_in_place && in_file && dtype == file_dtype));
+    const bool offload_cpu = placement->is_cpu() && out->main_.is_cuda();
     if (offload_disk && in_file && dtype == file_dtype) {
       // Read straight from the checkpoint for each forward: no copy is written.
       ACCEL_ASSIGN_OR_RETURN(Source source,
@@ -794,6 +847,26 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       std::error_code ec;
       if (leftovers.folder.empty() && !std::filesystem::exists(options.offload_folder, ec)) {
         leftovers.folder = options.offload_folder;
+      }
+      if (!space_checked) {
+        space_checked = true;
+        // Where the folder is, or will be made.
+        std::filesystem::path there = std::filesystem::absolute(options.offload_folder, ec);
+        while (!ec && !there.empty() && !std::filesystem::exists(there, ec) &&
+               there != there.parent_path()) {
+          there = there.parent_path();
+        }
+        const std::filesystem::space_info space = std::filesystem::space(there, ec);
+        // A margin for the file system's own blocks and the index.
+        const uint64_t needed = to_write + to_write / 64 + (uint64_t{16} << 20);
+        if (!ec && space.available < needed) {
+          return absl::ResourceExhaustedError(
+              absl::StrCat("offload folder ", options.offload_folder, " has ",
+                           FormatBytes(static_cast<int64_t>(space.available)),
+                           " free, and the weights it must hold (converted on loading) take ",
+                           FormatBytes(static_cast<int64_t>(to_write)),
+                           "; free some space or give another offload folder"));
+        }
       }
       std::filesystem::create_directories(options.offload_folder, ec);
       if (ec)
@@ -823,24 +896,56 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
 
     if (offload_disk || offload_cpu) {
       im.by_impl[target.unsafeGetTensorImpl()] = static_cast<int>(im.tensors.size()) - 1;
-      ACCEL_RETURN_IF_ERROR(SetModuleTensor(*model, name, at::kMeta, at::Tensor(), dtype));
+      im.targets.push_back(target);
+      ACCEL_RETURN_IF_ERROR(SetTensorInPlace(target, name, at::kMeta, at::Tensor(), dtype));
     } else {
       const at::Device device = placement->is_cuda() ? DeviceOf(*placement) : out->main_;
       ACCEL_ASSIGN_OR_RETURN(at::Tensor source, value());
       ACCEL_RETURN_IF_ERROR(
-          Annotate(SetModuleTensor(*model, name, device, source, dtype), label("loading")));
+          Annotate(SetTensorInPlace(target, name, device, source, dtype), label("loading")));
     }
     loaded.insert(target.unsafeGetTensorImpl());
     return absl::OkStatus();
   };
 
+  // Small tensors a hook reads (a quant state's JSON, code maps: a few
+  // thousand of them in a large quantized model, spread over every shard)
+  // are read with pread, without read-ahead: touched through the mapping,
+  // each would fault in a read-ahead window of megabytes, and loading would
+  // read gigabytes it does not need.
+  constexpr uint64_t kSmall = 64 << 10;
+  // Through the files held open for the model (a fault is recorded as any
+  // read of the weights is), never the path again.
+  const auto stored_tensor =
+      [&](const loader::Checkpoint::Entry& entry) -> absl::StatusOr<at::Tensor> {
+    const std::optional<uint64_t> offset = ckpt.FileOffset(entry);
+    if (entry.info.nbytes() > kSmall || !offset) return ckpt.Tensor(entry.info.name);
+    const std::string& path = ckpt.shard_paths()[entry.shard];
+    auto& file = files[path];
+    if (!file) {
+      ACCEL_ASSIGN_OR_RETURN(file, internal::OpenFile::Open(path, options.direct_reads));
+    }
+    ACCEL_ASSIGN_OR_RETURN(at::ScalarType dtype, loader::TorchDType(entry.info.dtype));
+    at::Tensor out;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { out = at::empty(entry.info.shape, dtype); }));
+    ACCEL_RETURN_IF_ERROR(Annotate(internal::ReadRange(*file, *offset, out.data_ptr(),
+                                                       entry.info.nbytes(), /*drop_pages=*/false),
+                                   absl::StrCat("tensor '", entry.info.name, "'")));
+    return out;
+  };
   for (const loader::Checkpoint::Entry& entry : ckpt.tensors()) {
     const std::string& name = entry.info.name;
     if (options.hook != nullptr && options.hook->Claims(name)) {
-      ACCEL_ASSIGN_OR_RETURN(at::Tensor stored, ckpt.Tensor(name));
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor stored, stored_tensor(entry));
       ACCEL_ASSIGN_OR_RETURN(std::vector<HookTensor> made, options.hook->Convert(name, stored));
       for (const HookTensor& t : made) {
-        ACCEL_RETURN_IF_ERROR(place(t.name, nullptr, t.value));
+        // Handed back as stored: placed as a checkpoint tensor, so a disk
+        // placement reads (or maps) the shard itself and nothing is written.
+        if (t.name == name && t.value.is_same(stored)) {
+          ACCEL_RETURN_IF_ERROR(place(name, &entry, at::Tensor(), /*as_stored=*/true));
+        } else {
+          ACCEL_RETURN_IF_ERROR(place(t.name, nullptr, t.value));
+        }
       }
       // The hook made tensors of its own (quantized, a tensor-parallel
       // slice): the stored bytes it read need not stay in this process's
@@ -881,7 +986,7 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       return absl::NotFoundError(
           absl::StrCat("buffer '", name, "' is empty and the checkpoint lacks it"));
     }
-    ACCEL_RETURN_IF_ERROR(SetModuleTensor(*model, name, out->ExecutionDevice(name)));
+    ACCEL_RETURN_IF_ERROR(SetTensorInPlace(t, name, out->ExecutionDevice(name)));
   }
 
   if (out->main_.is_cuda() && !im.tensors.empty()) {
@@ -902,6 +1007,47 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(index_path, index.dump(2)));
   }
   leftovers.keep = true;
+  if (options.populate_resident) {
+    // Page ranges of the cpu tensors (mapped from the shards where no
+    // conversion was needed), merged: asked for all at once, then made
+    // resident, so the kernel reads them in large requests and nothing else.
+    std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+    const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    std::set<const c10::TensorImpl*> seen;
+    const auto add = [&](const at::Tensor& t) {
+      if (!t.defined() || t.is_meta() || !t.device().is_cpu() || t.nbytes() == 0 ||
+          !seen.insert(t.unsafeGetTensorImpl()).second) {
+        return;
+      }
+      const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+      ranges.emplace_back(begin / page * page, (begin + t.nbytes() + page - 1) / page * page);
+    };
+    for (const auto& [name, t] : params) add(t);
+    for (const auto& [name, t] : buffers) add(t);
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+    for (const auto& r : ranges) {
+      if (!merged.empty() && r.first <= merged.back().second) {
+        merged.back().second = std::max(merged.back().second, r.second);
+      } else {
+        merged.push_back(r);
+      }
+    }
+    for (const auto& [begin, end] : merged) {
+      (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
+    }
+    for (const auto& [begin, end] : merged) {
+#ifdef MADV_POPULATE_READ
+      (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ);
+#endif
+      // Kept resident where the process may lock memory: each token reads
+      // these once, and under the machine's memory pressure the kernel took
+      // them back between tokens, to fault them in again a read-ahead window
+      // at a time (gigabytes of extra reads). Where it may not, they stay
+      // ordinary page cache.
+      (void)::mlock(reinterpret_cast<void*>(begin), end - begin);
+    }
+  }
   if (options.prefetch && !im.tensors.empty()) {
     im.reader = std::thread([&im] { im.ReaderLoop(); });
   }

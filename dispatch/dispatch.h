@@ -63,7 +63,10 @@ class LoadHook {
   // `stored`: the checkpoint tensor, on the cpu, as stored. Returns the model
   // tensors to place in its stead (each must exist in the model with that
   // shape and dtype); none when it keeps the tensor for later (metadata, or a
-  // part of something not yet complete). An error aborts the load.
+  // part of something not yet complete). An error aborts the load. Handing
+  // back `stored` itself under `name` places it as stored, in its own dtype:
+  // a disk placement then uses the checkpoint's bytes, as for a tensor that
+  // no hook claims, and the offload folder is not needed for it.
   virtual absl::StatusOr<std::vector<HookTensor>> Convert(const std::string& name,
                                                           const at::Tensor& stored) = 0;
   // After the last tensor: an error for anything still incomplete.
@@ -85,6 +88,13 @@ struct LoadOptions {
   // Buffers of disk modules are offloaded with them (otherwise they stay
   // on the execution device, as Accelerate does).
   bool offload_buffers = false;
+  // Buffers of disk modules whose checkpoint bytes can be used in place (same
+  // dtype, stored contiguous) are offloaded with them; the others stay on the
+  // execution device, never written. LoadModel's choice for quantized
+  // layers: a quant state (absmax, SCB) is weight data that goes with its
+  // weight, while a tensor made on loading (int8's weight_format) is a few
+  // bytes not worth a file.
+  bool offload_buffers_in_place = false;
   // Read the next offloaded module while the current one runs, and the
   // experts a model expects next (PrefetchExperts).
   bool prefetch = true;
@@ -121,6 +131,12 @@ struct LoadOptions {
   // How many offloaded modules ahead of the running one the reader works
   // (at least 1): mapped ones are made resident, others read into buffers.
   int prefetch_depth = 2;
+  // Read the weights placed in RAM now, exactly their bytes (MADV_WILLNEED,
+  // then made resident): left to fault in during the first forward, each
+  // fault reads a read-ahead window around it (megabytes of the offloaded
+  // weights beside them in the shards), which a model larger than memory
+  // cannot afford to keep and the kernel then reclaims with the rest.
+  bool populate_resident = false;
 };
 
 class DispatchedModel {

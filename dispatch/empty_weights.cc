@@ -77,7 +77,15 @@ absl::Status SetModuleTensor(torch::nn::Module& module, absl::string_view name,
   }));
   if (!target.defined())
     return absl::NotFoundError(absl::StrCat("module has no parameter or buffer '", name, "'"));
+  return SetTensorInPlace(target, name, device, value, dtype);
+}
 
+absl::Status SetTensorInPlace(const at::Tensor& target, absl::string_view name,
+                              const at::Device& device, const at::Tensor& value,
+                              std::optional<at::ScalarType> dtype) {
+  if (!target.defined()) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' is undefined"));
+  }
   at::Tensor source;
   if (value.defined()) {
     if (value.sizes() != target.sizes()) {

@@ -67,6 +67,15 @@ absl::Status SetModuleTensor(torch::nn::Module& module, absl::string_view name,
                              const at::Device& device, const at::Tensor& value = at::Tensor(),
                              std::optional<at::ScalarType> dtype = std::nullopt);
 
+// The same for a tensor found already: `target` is the module's own tensor
+// (its parameter or buffer, by identity), `name` only labels errors. What
+// SetModuleTensor does after its lookup, which walks every tensor of the
+// module: code that moves the same tensors again and again (the dispatch
+// core, each forward) looks them up once.
+absl::Status SetTensorInPlace(const at::Tensor& target, absl::string_view name,
+                              const at::Device& device, const at::Tensor& value = at::Tensor(),
+                              std::optional<at::ScalarType> dtype = std::nullopt);
+
 // Moves every parameter and buffer of `module` to meta in place, freeing
 // their memory: for libtorch's own layers, whose constructors allocate.
 absl::Status EmptyModule(torch::nn::Module& module);

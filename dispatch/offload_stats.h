@@ -33,6 +33,15 @@ struct OffloadStats {
   int64_t expert_guess_reads = 0;
   int64_t expert_guess_hits = 0;
   int64_t expert_bytes_read = 0;  // from disk; also counted in bytes_read
+  // Where a step's time goes: microseconds the running thread waited for
+  // expert reads (in line, or for the reader to finish one it needed), and
+  // microseconds spent reading experts (by either thread; overlapped with
+  // compute when the reader did it ahead).
+  int64_t expert_wait_us = 0;
+  int64_t expert_read_us = 0;
+  // Cached experts whose pages the kernel reclaimed under memory pressure and
+  // that were read back before use (also in expert_bytes_read).
+  int64_t expert_bytes_reread = 0;
 
   // Every counter added: two models' offloading (a target and its draft) read as one.
   OffloadStats& operator+=(const OffloadStats& other) {
@@ -49,6 +58,9 @@ struct OffloadStats {
     expert_guess_reads += other.expert_guess_reads;
     expert_guess_hits += other.expert_guess_hits;
     expert_bytes_read += other.expert_bytes_read;
+    expert_wait_us += other.expert_wait_us;
+    expert_read_us += other.expert_read_us;
+    expert_bytes_reread += other.expert_bytes_reread;
     return *this;
   }
 };

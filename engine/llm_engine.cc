@@ -186,6 +186,13 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   }
   info.vocab_size = loaded.config.vocab_size;
   info.eos_token_ids = loaded.eos_token_ids();
+  info.disk_weight_bytes = loaded.memory.disk_weight_bytes;
+  info.resident_weight_bytes = loaded.memory.resident_weight_bytes;
+  info.expert_cache_bytes = loaded.memory.expert_cache_bytes;
+  info.read_buffer_bytes = loaded.memory.read_buffer_bytes;
+  info.planned_kv_cache_bytes = loaded.memory.kv_cache_bytes;
+  info.memory_budget_bytes = loaded.memory.budget_bytes;
+  info.direct_reads = loaded.memory.direct_reads;
   info.has_tokenizer = model.inputs->tokenizer() != nullptr;
   info.has_chat_template = model.inputs->has_chat_template();
 
@@ -208,8 +215,15 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   if (probe) {
     ACCEL_ASSIGN_OR_RETURN(available, AvailableForKv(info.bytes_per_device));
   }
-  ACCEL_ASSIGN_OR_RETURN(const int64_t kv_bytes,
+  ACCEL_ASSIGN_OR_RETURN(int64_t kv_bytes,
                          KvCacheBytes(options.kv_cache_memory, available, wanted));
+  // Auto stays within what loading set aside beside the weights (a model
+  // that takes most of the memory): the memory probed now does not yet hold
+  // the experts and buffers that loading planned to fill.
+  if ((options.kv_cache_memory.empty() || options.kv_cache_memory == "auto") &&
+      loaded.memory.kv_cache_bytes >= 0) {
+    kv_bytes = std::min(kv_bytes, loaded.memory.kv_cache_bytes);
+  }
   const int64_t blocks = kv_bytes / block_bytes;
   if (blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat(

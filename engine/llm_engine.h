@@ -78,6 +78,16 @@ struct ModelInfo {
   bool has_tokenizer = false;
   bool has_chat_template = false;  // Chat / chat completions work
   double load_seconds = 0;
+  // How loading planned the cpu's memory (models::MemoryPlan): weights read
+  // from disk as used, weights resident, the expert cache, read-ahead
+  // buffers, the KV cache's share (-1: not planned) within the budget.
+  int64_t disk_weight_bytes = 0;
+  int64_t resident_weight_bytes = 0;
+  int64_t expert_cache_bytes = 0;
+  int64_t read_buffer_bytes = 0;
+  int64_t planned_kv_cache_bytes = -1;
+  int64_t memory_budget_bytes = -1;
+  bool direct_reads = false;
   // Speculative decoding: "none", "ngram" or "draft_model", and the draft.
   std::string speculative_method = "none";
   std::string draft_model;

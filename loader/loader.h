@@ -181,6 +181,11 @@ struct CheckpointWriteOptions {
   int64_t max_shard_size = 5'000'000'000;
   // Stored in every shard's __metadata__.
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  // When positive, about this many bytes of each file being written stay in
+  // the page cache: the rest is written back and dropped as the writer goes
+  // (a checkpoint larger than memory is written without pushing everything
+  // else out of it). -1: the kernel decides.
+  int64_t write_behind_bytes = -1;
 };
 
 struct CheckpointWriteResult {
@@ -196,7 +201,9 @@ struct CheckpointWriteResult {
 // far larger than memory can be written. Every file is written to a
 // temporary name first; the index is renamed last, then shards or an index
 // left over from an earlier, different save are removed, so a reader sees
-// the old checkpoint or the new one, never a mix.
+// the old checkpoint or the new one, never a mix. Within a file the tensors
+// are laid out as the reference writer lays them out (by element size, then
+// name), but produced in `specs` order, each written at its place.
 absl::StatusOr<CheckpointWriteResult> WriteCheckpoint(const std::string& dir,
                                                       const std::vector<TensorSpec>& specs,
                                                       const TensorProducer& produce,

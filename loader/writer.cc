@@ -71,8 +71,10 @@ void LayOut(std::vector<Planned>& tensors) {
   }
 }
 
-absl::Status WriteTensorData(internal::AtomicFile& file, const Planned& planned,
-                             const TensorProducer& produce) {
+// Produces one tensor and writes it at its place in the data section, which
+// starts at `data_start` in the file.
+absl::Status WriteTensorData(internal::AtomicFile& file, uint64_t data_start,
+                             const Planned& planned, const TensorProducer& produce) {
   const TensorSpec& spec = *planned.spec;
   absl::StatusOr<at::Tensor> produced = produce(spec);
   if (!produced.ok()) {
@@ -89,22 +91,45 @@ absl::Status WriteTensorData(internal::AtomicFile& file, const Planned& planned,
         absl::StrJoin(tensor.sizes(), ", "), "]"));
   }
   ACCEL_RETURN_IF_ERROR(CallTorch([&] { tensor = tensor.to(at::kCPU).contiguous(); }));
-  return file.Write(
+  return file.WriteAt(
+      data_start + planned.info.data_begin,
       absl::string_view(static_cast<const char*>(tensor.data_ptr()), planned.info.nbytes()));
 }
 
 // Writes one file under a temporary name and finishes it (not yet published).
+// The layout is the reference writer's (LayOut), but tensors are produced in
+// the order given and each is written at its place: a producer that makes
+// several tensors together (a quantized layer's weight and its quant state)
+// hands them over one after the other, where the file's order would scatter
+// them. With `write_behind` > 0 the page cache keeps about that many bytes of
+// the file (AtomicFile::WriteBehind), so a file larger than memory can be written.
 absl::StatusOr<internal::AtomicFile> WriteFile(const std::string& path,
                                                std::vector<Planned> tensors,
                                                const std::map<std::string, std::string>& metadata,
-                                               const TensorProducer& produce) {
-  LayOut(tensors);
+                                               const TensorProducer& produce,
+                                               int64_t write_behind) {
+  std::vector<Planned> laid_out = tensors;
+  LayOut(laid_out);
   std::vector<TensorInfo> infos;
-  infos.reserve(tensors.size());
-  for (const Planned& t : tensors) infos.push_back(t.info);
+  infos.reserve(laid_out.size());
+  std::map<const TensorSpec*, const Planned*> placed;
+  for (const Planned& t : laid_out) {
+    infos.push_back(t.info);
+    placed[t.spec] = &t;
+  }
   ACCEL_ASSIGN_OR_RETURN(internal::AtomicFile file, internal::AtomicFile::Create(path));
-  ACCEL_RETURN_IF_ERROR(file.Write(internal::SerializeHeader(infos, metadata)));
-  for (const Planned& t : tensors) ACCEL_RETURN_IF_ERROR(WriteTensorData(file, t, produce));
+  const std::string header = internal::SerializeHeader(infos, metadata);
+  ACCEL_RETURN_IF_ERROR(file.Write(header));
+  uint64_t since_write_behind = 0;
+  for (const Planned& t : tensors) {
+    const Planned& at = *placed.at(t.spec);
+    ACCEL_RETURN_IF_ERROR(WriteTensorData(file, header.size(), at, produce));
+    since_write_behind += at.info.nbytes();
+    if (write_behind > 0 && since_write_behind >= static_cast<uint64_t>(write_behind) / 2) {
+      file.WriteBehind();
+      since_write_behind = 0;
+    }
+  }
   ACCEL_RETURN_IF_ERROR(file.Finish());
   return file;
 }
@@ -162,8 +187,9 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<NamedTe
   }
   std::vector<TensorSpec> specs = SpecsOf(tensors);
   ACCEL_ASSIGN_OR_RETURN(std::vector<Planned> planned, Plan(specs));
-  ACCEL_ASSIGN_OR_RETURN(internal::AtomicFile file,
-                         WriteFile(path, std::move(planned), metadata, ProducerOf(tensors)));
+  ACCEL_ASSIGN_OR_RETURN(
+      internal::AtomicFile file,
+      WriteFile(path, std::move(planned), metadata, ProducerOf(tensors), /*write_behind=*/-1));
   return file.Publish();
 }
 
@@ -208,9 +234,9 @@ absl::StatusOr<CheckpointWriteResult> WriteCheckpoint(const std::string& dir,
                                           : absl::StrFormat("model-%05d-of-%05d.safetensors", i + 1,
                                                             shards.size());
     for (const Planned& t : shards[i]) sorted_map.emplace(t.info.name, name);
-    ACCEL_ASSIGN_OR_RETURN(
-        internal::AtomicFile file,
-        WriteFile(absl::StrCat(dir, "/", name), std::move(shards[i]), options.metadata, produce));
+    ACCEL_ASSIGN_OR_RETURN(internal::AtomicFile file,
+                           WriteFile(absl::StrCat(dir, "/", name), std::move(shards[i]),
+                                     options.metadata, produce, options.write_behind_bytes));
     written.push_back(std::move(file));
     result.files.push_back(name);
   }

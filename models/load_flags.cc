@@ -17,7 +17,8 @@ ABSL_FLAG(std::string, max_memory, "",
           "Memory per device for planning, e.g. 0=20GiB,cpu=64GiB,disk=1TB. Empty: free GPU "
           "memory and the RAM available to this container.");
 ABSL_FLAG(std::string, offload_folder, "",
-          "Where disk-placed weights that need a dtype conversion are written.");
+          "Where disk-placed weights that need a dtype conversion are written (empty: a folder "
+          "per model under $ACCEL_CACHE_DIR, $XDG_CACHE_HOME/accel or ~/.cache/accel).");
 ABSL_FLAG(std::string, dtype, "auto",
           "auto (config.json's torch_dtype) | float32 | bfloat16 | float16");
 ABSL_FLAG(std::string, quantize, "none",
@@ -31,12 +32,14 @@ ABSL_FLAG(double, int8_threshold, 6.0,
           "With int8: the outlier threshold (LLM.int8's; 0: no outliers, plain int8).");
 ABSL_FLAG(std::string, quant_compute_dtype, "auto",
           "With nf4/fp4: the dtype the products run in (auto: the model's).");
-ABSL_FLAG(bool, offload_experts, false,
+ABSL_FLAG(std::string, offload_experts, "auto",
           "Mixture-of-experts models: place experts one by one and bring offloaded ones in as the "
-          "router picks them, through an expert cache (otherwise whole blocks, as Accelerate).");
+          "router picks them, through an expert cache: auto (when the model does not fit memory), "
+          "true, or false (whole blocks, as Accelerate).");
 ABSL_FLAG(std::string, expert_cache, "auto",
-          "The expert cache's size, e.g. 2GiB (auto: the experts one token uses in every sparse "
-          "layer, at most half the execution device's budget), inside max_memory.");
+          "The expert cache's size, e.g. 2GiB, inside max_memory (auto: on the cpu, all the memory "
+          "the rest of the model leaves; on a GPU, the experts one token uses in every sparse "
+          "layer, at most half its budget).");
 ABSL_FLAG(std::string, execution_device, "auto",
           "Where cpu- and disk-placed weights run: auto (the first GPU in the map, else the cpu), "
           "cpu, or a GPU (0, cuda:1), through which a model held in RAM or on disk streams.");

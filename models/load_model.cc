@@ -1,7 +1,9 @@
 #include "models/load_model.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <utility>
@@ -11,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 
@@ -62,7 +65,8 @@ absl::Status CheckGpus(const dispatch::DeviceMap& map) {
 absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
                                              const ModelLoadOptions& options,
                                              const loader::ModelConfig& config,
-                                             at::ScalarType dtype, bool& prequantized) {
+                                             at::ScalarType dtype, bool& prequantized,
+                                             bool config_only) {
   QuantizeOptions asked;
   asked.method = options.quantize;
   asked.double_quant = options.double_quant;
@@ -81,7 +85,22 @@ absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
   }
   const TensorParallel& tp = options.tensor_parallel;
   ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype, tp.rank, tp.size));
-  ACCEL_ASSIGN_OR_RETURN(QuantPlan plan, PlanForModel(dir, tree, asked, &prequantized));
+  QuantPlan plan;
+  if (config_only && !std::filesystem::exists(dir + "/model.safetensors") &&
+      !std::filesystem::exists(dir + "/model.safetensors.index.json")) {
+    // No checkpoint to read the quantized layers from: as transformers
+    // quantizes on loading.
+    ACCEL_ASSIGN_OR_RETURN(std::optional<quant::BnbQuantizationConfig> stored,
+                           ReadQuantizationConfig(dir + "/config.json"));
+    prequantized = stored.has_value();
+    if (stored) {
+      ACCEL_ASSIGN_OR_RETURN(plan, PlanQuantization(tree, *stored));
+    } else {
+      ACCEL_ASSIGN_OR_RETURN(plan, PlanForModel(dir, tree, asked, &prequantized));
+    }
+  } else {
+    ACCEL_ASSIGN_OR_RETURN(plan, PlanForModel(dir, tree, asked, &prequantized));
+  }
   if (prequantized && tp.size > 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         dir,
@@ -94,88 +113,197 @@ absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
   return plan;
 }
 
-absl::StatusOr<int64_t> ExpertCacheBytesFor(const ModelLoadOptions& options,
-                                            const ResolvedConfig& resolved,
-                                            const dispatch::ModuleTree& tree,
-                                            const dispatch::SizeOptions& sizes,
-                                            const dispatch::MaxMemory& max_memory) {
-  return ExpertCacheBytes(options.expert_cache, resolved, tree, sizes, max_memory);
+// Of the machine's (its memory cgroup's) memory, what a probed budget may
+// plan in: the rest is the kernel's, other processes' and a margin against
+// estimates that run short.
+constexpr double kUsableShare = 0.85;
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// libtorch's own memory, threads' stacks, the allocator's kept blocks, and
+// one step's activations (a 512-token prefill: hidden states, a layer's MLP
+// intermediates, attention scores) in float32.
+int64_t RuntimeReserve(const ResolvedConfig& r) {
+  const loader::ModelConfig& c = r.config;
+  const int64_t tokens = 512;
+  const int64_t mlp = std::max(c.intermediate_size, r.expert_intermediate);
+  const int64_t activations =
+      tokens * 4 *
+      (8 * c.hidden_size + 3 * mlp + c.num_attention_heads * tokens + c.vocab_size / 8);
+  return 512 * kMiB + activations;
 }
 
-absl::StatusOr<dispatch::DeviceMap> ChooseDeviceMap(
-    const ModelLoadOptions& options, const loader::ModelConfig& config, at::ScalarType dtype,
-    const QuantPlan& quantization, int64_t* expert_cache_bytes, int64_t* cpu_room) {
+absl::StatusOr<bool> ParseTristate(const std::string& value, const char* option) {
+  if (value == "true" || value == "on" || value == "1") return true;
+  if (value == "false" || value == "off" || value == "0") return false;
+  return absl::InvalidArgumentError(
+      absl::StrCat(option, " '", value, "': expected auto, true or false"));
+}
+
+// Bytes planned on each placement ("cpu", "disk", "cuda:0"), from the map's
+// keys and the size table.
+std::map<std::string, double> BytesByPlacement(const dispatch::DeviceMap& map,
+                                               const dispatch::ModuleSizes& table) {
+  std::map<std::string, double> out;
+  for (const auto& [name, p] : map.entries()) out[p.ToString()] += table.at(name);
+  return out;
+}
+
+// The device map and the memory plan, for a strategy or a given map.
+absl::Status ChooseDeviceMap(const ModelLoadOptions& options, LoadPlan& out) {
+  const loader::ModelConfig& config = out.config;
   ACCEL_ASSIGN_OR_RETURN(
       dispatch::ModuleTree tree,
-      ModuleTreeFor(config, dtype, options.tensor_parallel.rank, options.tensor_parallel.size));
+      ModuleTreeFor(config, out.dtype, options.tensor_parallel.rank, options.tensor_parallel.size));
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(config));
   dispatch::PlanOptions plan;
   plan.no_split = {resolved.family.block_class};
-  plan.sizes.dtype = dtype;
-  if (!quantization.empty()) {
+  plan.sizes.dtype = out.dtype;
+  if (!out.quantization.empty()) {
     // Sized as stored: quantized weights at their packed bytes.
-    ACCEL_ASSIGN_OR_RETURN(tree, QuantizeModuleTree(tree, quantization));
-    AddQuantizedSizes(quantization, plan.sizes.special_bytes);
+    ACCEL_ASSIGN_OR_RETURN(tree, QuantizeModuleTree(tree, out.quantization));
+    AddQuantizedSizes(out.quantization, plan.sizes.special_bytes);
   }
+  const dispatch::ModuleSizes table = dispatch::ComputeModuleSizes(tree, plan.sizes);
+  const std::vector<std::string> lists = ExpertLists(resolved);
+  double expert_bytes = 0;
+  for (const std::string& list : lists) expert_bytes += table.at(list);
+  MemoryPlan& memory = out.memory;
+  memory.runtime_bytes = RuntimeReserve(resolved);
+
   const std::string& spec = options.device_map;
   if (!IsStrategy(spec)) {
     if (!options.max_memory.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("max_memory plans a device map; it cannot go with device_map '", spec, "'"));
     }
-    ACCEL_ASSIGN_OR_RETURN(*expert_cache_bytes,
-                           ExpertCacheBytesFor(options, resolved, tree, plan.sizes, {}));
-    dispatch::DeviceMap map;
+    ACCEL_ASSIGN_OR_RETURN(memory.expert_cache_bytes,
+                           ExpertCacheBytes(options.expert_cache, resolved, tree, plan.sizes, {}));
     if (absl::StatusOr<Placement> one = Placement::Parse(spec); one.ok()) {
-      map.Set("", *one);
-      return map;
-    }
-    if (!std::filesystem::exists(spec)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "device_map '", spec,
-          "': expected auto, balanced, balanced_low_0, sequential, a device (cpu, 0, disk) or "
-          "the path of a JSON device map"));
-    }
-    ACCEL_ASSIGN_OR_RETURN(std::string text, loader::ReadFile(spec));
-    return dispatch::DeviceMap::FromJson(text, spec);
-  }
-  dispatch::MaxMemory max_memory;
-  const bool probed = options.max_memory.empty();
-  if (probed) {
-    ACCEL_ASSIGN_OR_RETURN(max_memory, dispatch::ProbeMaxMemory());
-    if (!at::hasCUDA()) {  // GPUs NVML sees but this libtorch cannot use
-      max_memory.erase(std::remove_if(max_memory.begin(), max_memory.end(),
-                                      [](const auto& entry) { return entry.first.is_cuda(); }),
-                       max_memory.end());
+      out.device_map.Set("", *one);
+    } else {
+      if (!std::filesystem::exists(spec)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "device_map '", spec,
+            "': expected auto, balanced, balanced_low_0, sequential, a device (cpu, 0, disk) or "
+            "the path of a JSON device map"));
+      }
+      ACCEL_ASSIGN_OR_RETURN(std::string text, loader::ReadFile(spec));
+      ACCEL_ASSIGN_OR_RETURN(out.device_map, dispatch::DeviceMap::FromJson(text, spec));
     }
   } else {
-    absl::StatusOr<dispatch::MaxMemory> parsed = dispatch::ParseMaxMemory(options.max_memory);
-    if (!parsed.ok()) return Annotate(parsed.status(), "max_memory");
-    max_memory = *std::move(parsed);
-  }
-  ACCEL_ASSIGN_OR_RETURN(*expert_cache_bytes,
-                         ExpertCacheBytesFor(options, resolved, tree, plan.sizes, max_memory));
-  if (options.offload_experts) {
-    plan.expert_lists = ExpertLists(resolved);
-    plan.expert_cache_bytes = static_cast<double>(*expert_cache_bytes);
-  }
-  dispatch::PlanReport report;
-  ACCEL_ASSIGN_OR_RETURN(dispatch::DeviceMap map,
-                         dispatch::PlanDeviceMap(tree, spec, max_memory, plan, probed, &report));
-  if (options.offload_experts && report.expert_cache_bytes > 0) {
-    *expert_cache_bytes = static_cast<int64_t>(report.expert_cache_bytes);
-  }
-  // What the cpu budget leaves beside the modules planned there: the room
-  // for disk weights mapped in place to stay between uses.
-  for (const auto& [p, budget] : max_memory) {
-    if (!p.is_cpu()) continue;
-    double used = 0;
-    for (const auto& [q, bytes] : report.used) {
-      if (q.is_cpu()) used = bytes;
+    dispatch::MaxMemory max_memory;
+    const bool probed = options.max_memory.empty();
+    if (probed) {
+      ACCEL_ASSIGN_OR_RETURN(max_memory, dispatch::ProbeMaxMemory());
+      if (!at::hasCUDA()) {  // GPUs NVML sees but this libtorch cannot use
+        max_memory.erase(std::remove_if(max_memory.begin(), max_memory.end(),
+                                        [](const auto& entry) { return entry.first.is_cuda(); }),
+                         max_memory.end());
+      }
+    } else {
+      absl::StatusOr<dispatch::MaxMemory> parsed = dispatch::ParseMaxMemory(options.max_memory);
+      if (!parsed.ok()) return Annotate(parsed.status(), "max_memory");
+      max_memory = *std::move(parsed);
     }
-    *cpu_room = static_cast<int64_t>(std::max(0.0, budget - used));
+    double room = 0;  // every budget but the disk's
+    for (const auto& [p, bytes] : max_memory) {
+      if (!p.is_disk()) room += bytes;
+    }
+    const double total = table.total();
+    if (probed) {
+      // A probed budget is all the machine has: keep a share for others and
+      // the reserves out of it; a given one is for weights, as Accelerate's.
+      for (auto& [p, bytes] : max_memory) {
+        if (!p.is_cpu()) continue;
+        ACCEL_ASSIGN_OR_RETURN(int64_t machine, dispatch::TotalHostMemory());
+        const double before = bytes;
+        bytes = std::min(bytes, kUsableShare * static_cast<double>(machine));
+        room -= before - bytes;
+      }
+      memory.fits = total + static_cast<double>(memory.runtime_bytes) <= room;
+      if (!memory.fits || options.kv_cache_bytes >= 0) {
+        memory.kv_cache_bytes = options.kv_cache_bytes;
+        if (memory.kv_cache_bytes < 0) {
+          double cpu = 0;
+          for (const auto& [p, bytes] : max_memory) {
+            if (p.is_cpu()) cpu = bytes;
+          }
+          memory.kv_cache_bytes =
+              std::clamp(static_cast<int64_t>(cpu / 32), 256 * kMiB, 1024 * kMiB);
+        }
+      }
+      // Disk modules other than experts are read ahead into buffers: the
+      // running one and two more, each at most a block.
+      if (!memory.fits && lists.empty()) {
+        const double block =
+            dispatch::GetMaxLayerSize(tree, table, {resolved.family.block_class}).bytes;
+        memory.read_buffer_bytes = static_cast<int64_t>(3 * block);
+      }
+      for (auto& [p, bytes] : max_memory) {
+        if (!p.is_cpu()) continue;
+        bytes = std::max(0.0, bytes - static_cast<double>(memory.runtime_bytes) -
+                                  static_cast<double>(std::max<int64_t>(0, memory.kv_cache_bytes)) -
+                                  static_cast<double>(memory.read_buffer_bytes));
+      }
+    } else {
+      memory.fits = total <= room;
+    }
+    for (const auto& [p, bytes] : max_memory) {
+      if (p.is_cpu()) memory.budget_bytes = static_cast<int64_t>(bytes);
+    }
+    bool offload_experts = false;
+    if (options.offload_experts == "auto") {
+      offload_experts = !lists.empty() && !memory.fits;
+    } else {
+      ACCEL_ASSIGN_OR_RETURN(offload_experts,
+                             ParseTristate(options.offload_experts, "offload_experts"));
+    }
+    bool on_gpu = false;
+    for (const auto& [p, bytes] : max_memory) {
+      if (p.is_cuda()) on_gpu = true;
+    }
+    if (options.execution_device != "auto" && options.execution_device != "cpu") on_gpu = true;
+    if (offload_experts && options.expert_cache == "auto" && !on_gpu && !lists.empty()) {
+      // Every byte the budget leaves beside the rest of the model: no expert
+      // stays in RAM for good, the cache keeps those the routing uses.
+      const double rest = total - expert_bytes;
+      memory.expert_cache_bytes =
+          static_cast<int64_t>(std::max(0.0, static_cast<double>(memory.budget_bytes) - rest));
+    } else {
+      ACCEL_ASSIGN_OR_RETURN(
+          memory.expert_cache_bytes,
+          ExpertCacheBytes(options.expert_cache, resolved, tree, plan.sizes, max_memory));
+    }
+    if (offload_experts) {
+      plan.expert_lists = lists;
+      plan.expert_cache_bytes = static_cast<double>(memory.expert_cache_bytes);
+    }
+    memory.offload_experts = offload_experts && !lists.empty();
+    dispatch::PlanReport report;
+    ACCEL_ASSIGN_OR_RETURN(out.device_map,
+                           dispatch::PlanDeviceMap(tree, spec, max_memory, plan, probed, &report));
+    if (offload_experts)
+      memory.expert_cache_bytes = static_cast<int64_t>(report.expert_cache_bytes);
+    // What the cpu budget leaves beside the modules planned there: the room
+    // for disk weights mapped in place to stay between uses.
+    for (const auto& [p, budget] : max_memory) {
+      if (!p.is_cpu()) continue;
+      double used = 0;
+      for (const auto& [q, bytes] : report.used) {
+        if (q.is_cpu()) used = bytes;
+      }
+      out.cpu_room = static_cast<int64_t>(std::max(0.0, budget - used));
+    }
   }
-  return map;
+  const std::map<std::string, double> placed = BytesByPlacement(out.device_map, table);
+  if (auto it = placed.find("cpu"); it != placed.end()) {
+    memory.resident_weight_bytes = static_cast<int64_t>(it->second);
+  }
+  if (auto it = placed.find("disk"); it != placed.end()) {
+    memory.disk_weight_bytes = static_cast<int64_t>(it->second);
+  }
+  memory.direct_reads = options.direct_reads.value_or(false);
+  return absl::OkStatus();
 }
 
 // The highest N of the tensors named `list`.N.* in `checkpoint`, or -1.
@@ -261,11 +389,10 @@ absl::Status CheckFp32CpuOffload(const std::string& dir, const dispatch::DeviceM
 
 // The expert lists to fetch one by one: all, with offload_experts; else
 // those the device map places inside of (a map planned that way).
-std::vector<std::string> FetchedExpertLists(const ModelLoadOptions& options,
-                                            const ResolvedConfig& resolved,
+std::vector<std::string> FetchedExpertLists(bool offload_experts, const ResolvedConfig& resolved,
                                             const dispatch::DeviceMap& map) {
   std::vector<std::string> lists = ExpertLists(resolved);
-  if (options.offload_experts) return lists;
+  if (offload_experts) return lists;
   std::vector<std::string> inside;
   for (const std::string& list : lists) {
     for (const auto& [name, p] : map.entries()) {
@@ -276,6 +403,30 @@ std::vector<std::string> FetchedExpertLists(const ModelLoadOptions& options,
     }
   }
   return inside;
+}
+
+// Where converted disk weights go when no offload folder is given: a folder
+// of the user's cache per model and conversion, so a second load of the same
+// model finds the first one's and nothing lands beside the checkpoint.
+std::string DefaultOffloadFolder(const std::string& dir, const LoadPlan& plan) {
+  std::string base;
+  if (const char* env = std::getenv("ACCEL_CACHE_DIR"); env != nullptr && *env != '\0') {
+    base = env;
+  } else if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
+    base = absl::StrCat(xdg, "/accel");
+  } else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    base = absl::StrCat(home, "/.cache/accel");
+  } else {
+    base = "/tmp/accel-cache";
+  }
+  std::error_code ec;
+  const std::string absolute = std::filesystem::absolute(dir, ec).lexically_normal().string();
+  std::string key = absl::StrCat(absolute, "|", DTypeName(plan.dtype));
+  for (const auto& [name, how] : plan.quantization)
+    absl::StrAppend(&key, "|", name, how.ToString());
+  const std::string leaf = std::filesystem::path(absolute).filename().string();
+  return absl::StrCat(base, "/offload/", leaf.empty() ? "model" : leaf, "-",
+                      absl::Hex(std::hash<std::string>()(key), absl::kZeroPad16));
 }
 
 absl::StatusOr<std::optional<at::Device>> ChooseExecutionDevice(const std::string& spec) {
@@ -446,6 +597,9 @@ absl::Status CheckLoadOptions(const ModelLoadOptions& options) {
           "the path of a JSON device map"));
     }
   }
+  if (options.offload_experts != "auto") {
+    ACCEL_RETURN_IF_ERROR(ParseTristate(options.offload_experts, "offload_experts").status());
+  }
   if (options.expert_cache != "auto") {
     absl::StatusOr<int64_t> bytes = ParseByteSize(options.expert_cache);
     if (!bytes.ok()) return Annotate(bytes.status(), "expert_cache");
@@ -465,55 +619,79 @@ std::vector<int64_t> LoadedModel::eos_token_ids() const {
                                                  : generation_config.eos_token_ids;
 }
 
+int64_t MemoryPlan::resident_bytes() const {
+  return resident_weight_bytes + expert_cache_bytes + read_buffer_bytes +
+         std::max<int64_t>(0, kv_cache_bytes) + runtime_bytes;
+}
+
+absl::StatusOr<LoadPlan> PlanLoad(const std::string& dir, const ModelLoadOptions& options,
+                                  bool config_only) {
+  LoadPlan out;
+  ACCEL_ASSIGN_OR_RETURN(out.config, loader::ReadModelConfig(dir + "/config.json"));
+  ACCEL_ASSIGN_OR_RETURN(out.dtype, ChooseDType(options, out.config));
+  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(out.config));
+  ACCEL_RETURN_IF_ERROR(CheckTensorParallel(out.config, options.tensor_parallel.size));
+  if (!config_only) {
+    // Headers only: nothing is read or allocated in proportion to the model.
+    ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint checkpoint, loader::Checkpoint::Open(dir));
+    ACCEL_RETURN_IF_ERROR(CheckLayersAgainstCheckpoint(dir, out.config, checkpoint));
+    ACCEL_RETURN_IF_ERROR(CheckExpertsAgainstCheckpoint(dir, resolved, checkpoint));
+  }
+  ACCEL_ASSIGN_OR_RETURN(out.quantization, ChooseQuantization(dir, options, out.config, out.dtype,
+                                                              out.prequantized, config_only));
+  ACCEL_RETURN_IF_ERROR(ChooseDeviceMap(options, out));
+  out.expert_lists = FetchedExpertLists(out.memory.offload_experts, resolved, out.device_map);
+  out.memory.offload_experts = !out.expert_lists.empty();
+  return out;
+}
+
 absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOptions& options) {
   LoadedModel out;
   out.dir = dir;
-  ACCEL_ASSIGN_OR_RETURN(out.config, loader::ReadModelConfig(dir + "/config.json"));
+  ACCEL_ASSIGN_OR_RETURN(LoadPlan plan, PlanLoad(dir, options));
+  out.config = plan.config;
   const std::string generation = dir + "/generation_config.json";
   if (std::filesystem::exists(generation)) {
     ACCEL_ASSIGN_OR_RETURN(out.generation_config, loader::ReadGenerationConfig(generation));
   }
   DropEosOutsideVocabulary(out, "config.json", out.config.eos_token_ids);
   DropEosOutsideVocabulary(out, "generation_config.json", out.generation_config.eos_token_ids);
-  ACCEL_ASSIGN_OR_RETURN(out.dtype, ChooseDType(options, out.config));
-  {
-    // Headers only: nothing is read or allocated in proportion to the model.
-    ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint checkpoint, loader::Checkpoint::Open(dir));
-    ACCEL_RETURN_IF_ERROR(CheckLayersAgainstCheckpoint(dir, out.config, checkpoint));
-    ACCEL_ASSIGN_OR_RETURN(ResolvedConfig early, ResolveConfig(out.config));
-    ACCEL_RETURN_IF_ERROR(CheckExpertsAgainstCheckpoint(dir, early, checkpoint));
-  }
-  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(out.config));
+  out.dtype = plan.dtype;
+  out.quantization = plan.quantization;
+  out.prequantized = plan.prequantized;
+  out.device_map = plan.device_map;
+  out.expert_lists = plan.expert_lists;
+  out.expert_cache_bytes = plan.memory.expert_cache_bytes;
+  out.memory = plan.memory;
   const TensorParallel& tp = options.tensor_parallel;
-  ACCEL_RETURN_IF_ERROR(CheckTensorParallel(out.config, tp.size));
-  ACCEL_ASSIGN_OR_RETURN(out.quantization,
-                         ChooseQuantization(dir, options, out.config, out.dtype, out.prequantized));
   ACCEL_ASSIGN_OR_RETURN(std::optional<at::Device> execution,
                          ChooseExecutionDevice(options.execution_device));
-  int64_t cpu_room = -1;
-  ACCEL_ASSIGN_OR_RETURN(out.device_map,
-                         ChooseDeviceMap(options, out.config, out.dtype, out.quantization,
-                                         &out.expert_cache_bytes, &cpu_room));
   ACCEL_RETURN_IF_ERROR(CheckGpus(out.device_map));
   if (out.prequantized) {
     ACCEL_RETURN_IF_ERROR(CheckFp32CpuOffload(dir, out.device_map, out.quantization));
   }
-  out.expert_lists = FetchedExpertLists(options, resolved, out.device_map);
   {
     dispatch::EmptyWeightsGuard empty;
     ACCEL_ASSIGN_OR_RETURN(out.model, BuildCausalLM(out.config, out.dtype, tp));
   }
   dispatch::LoadOptions load;
   load.dtype = out.dtype;
-  load.offload_folder = options.offload_folder;
+  load.offload_folder =
+      options.offload_folder.empty() ? DefaultOffloadFolder(dir, plan) : options.offload_folder;
   load.progress = options.progress;
   load.execution_device = execution;
   load.expert_lists = out.expert_lists;
   load.expert_cache_bytes = out.expert_cache_bytes;
-  load.direct_reads = options.direct_reads;
+  load.direct_reads = plan.memory.direct_reads;
   load.prefetch = options.prefetch;
   load.map_disk = options.map_disk;
-  load.mapped_resident_bytes = cpu_room;
+  load.mapped_resident_bytes = plan.cpu_room;
+  // A quantized layer's quant state (absmax, code maps, SCB) is held in
+  // buffers, as bitsandbytes holds it, but it is weight data: it goes where
+  // its weight goes, or every offloaded expert's absmax would stay in RAM
+  // (2.5 GiB of Mixtral-8x7B's NF4 experts).
+  load.offload_buffers_in_place = !out.quantization.empty();
+  load.populate_resident = plan.memory.disk_weight_bytes > 0 && !plan.memory.direct_reads;
   std::unique_ptr<dispatch::LoadHook> hook, sharding;
   if (!out.quantization.empty()) {
     ACCEL_RETURN_IF_ERROR(QuantizeLinears(*out.model, out.quantization));

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,28 @@
 
 namespace accel::models {
 
+// What loading keeps in memory on the cpu, as planned before any weight is
+// read (accel-estimate-memory prints it; a benchmark checks it against the
+// process's peak RSS).
+struct MemoryPlan {
+  // The cpu budget the map was planned in: max_memory's, or what the machine
+  // (its memory cgroup) has available, at most 85% of its memory, less the
+  // reserves below. -1 without a strategy (a device or a map file).
+  int64_t budget_bytes = -1;
+  int64_t resident_weight_bytes = 0;  // weights planned on the cpu (mapped from the checkpoint)
+  int64_t disk_weight_bytes = 0;      // weights read from disk as they are used
+  int64_t expert_cache_bytes = 0;     // experts brought in from disk, kept within this
+  int64_t read_buffer_bytes = 0;      // disk modules read ahead of use
+  int64_t kv_cache_bytes = -1;        // set aside for the KV cache (-1: not planned)
+  int64_t runtime_bytes = 0;          // activations, libtorch, allocator
+  bool fits = true;                   // the whole model fits the budget
+  bool offload_experts = false;       // experts placed and fetched one by one
+  bool direct_reads = false;          // disk reads bypass the page cache
+  // What the process should hold at most: resident weights, the cache, the
+  // read buffers, KV and runtime.
+  int64_t resident_bytes() const;
+};
+
 struct LoadedModel {
   std::string dir;
   loader::ModelConfig config;
@@ -45,6 +68,8 @@ struct LoadedModel {
   // Expert lists whose experts are fetched one by one, and the cache's bytes.
   std::vector<std::string> expert_lists;
   int64_t expert_cache_bytes = 0;
+  // How memory was planned (LoadPlan's figures).
+  MemoryPlan memory;
   std::shared_ptr<CausalLM> model;
   std::unique_ptr<dispatch::DispatchedModel> dispatched;
   // What loading warned about (also written to stderr as it happened), as
@@ -55,6 +80,24 @@ struct LoadedModel {
   // generation_config.json's eos ids, else config.json's.
   std::vector<int64_t> eos_token_ids() const;
 };
+
+// Plans `dir` as LoadModel would (config, quantization, device map, the
+// memory budget and its reserves) without reading any weight. With
+// `config_only`, a folder with only a config.json will do: a
+// quantization_config there is planned as transformers quantizes (every
+// linear but lm_head and the routers) instead of read from the checkpoint.
+struct LoadPlan {
+  loader::ModelConfig config;
+  at::ScalarType dtype = at::kFloat;
+  std::map<std::string, nn::LinearQuantization> quantization;
+  bool prequantized = false;
+  dispatch::DeviceMap device_map;
+  std::vector<std::string> expert_lists;  // fetched one by one
+  int64_t cpu_room = -1;                  // mapped_resident_bytes for the dispatch core
+  MemoryPlan memory;
+};
+absl::StatusOr<LoadPlan> PlanLoad(const std::string& dir, const ModelLoadOptions& options,
+                                  bool config_only = false);
 
 // The expert cache's bytes for `expert_cache` ("auto" or a size, as
 // ModelLoadOptions::expert_cache): "auto" is the experts one token routes to

@@ -10,6 +10,7 @@
 #define ACCEL_MODELS_LOAD_OPTIONS_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -46,19 +47,32 @@ struct ModelLoadOptions {
   // else, in the room it leaves: dispatch::PlanOptions::expert_lists) and
   // bring offloaded experts in as the router picks them, through an expert
   // cache on the execution device, instead of every expert of a block with
-  // it. Off: Accelerate's plan, whole blocks. A device map file with keys
-  // inside an expert list turns it on too.
-  bool offload_experts = false;
-  // The expert cache's size: "auto" (the experts one token routes to in every
-  // sparse layer, at most half of the execution device's budget) or a size
-  // ("2GiB"), counted inside max_memory.
+  // it. "auto" (the default): when the model does not fit its memory budget;
+  // "true": always; "false": Accelerate's plan, whole blocks. A device map
+  // file with keys inside an expert list turns it on too.
+  std::string offload_experts = "auto";
+  // The expert cache's size: "auto" or a size ("2GiB"), counted inside
+  // max_memory. "auto" on the cpu: when experts do not fit, every byte the
+  // budget leaves beside the rest of the model, its KV and runtime reserves
+  // (no expert is then placed in RAM for good: the cache keeps the ones the
+  // routing uses); on a GPU: the experts one token routes to in every sparse
+  // layer, at most half of its budget.
   std::string expert_cache = "auto";
+  // Bytes kept for the KV cache when memory is planned (max_memory probed):
+  // -1 (auto): when the model does not fit, a 32nd of the budget within
+  // [256 MiB, 1 GiB] (LoadedModel::memory.kv_cache_bytes, which the
+  // engine's --kv_cache_memory auto stays within: engine/llm_engine.cc);
+  // otherwise nothing is set aside and the KV store is sized as before.
+  int64_t kv_cache_bytes = -1;
   // Where cpu and disk entries run: "auto" (the first GPU in the map, else
   // the cpu), "cpu", or a GPU ("0", "cuda:1"), which streams weights held in
   // RAM or on disk through it.
   std::string execution_device = "auto";
-  // Disk reads of offloaded weights bypass the page cache (O_DIRECT).
-  bool direct_reads = false;
+  // Disk reads of offloaded weights bypass the page cache (O_DIRECT) into
+  // buffers. Unset (off): on a cpu execution device, disk weights are used
+  // in place from their mapping (map_disk), the page cache's own pages,
+  // made resident ahead of use.
+  std::optional<bool> direct_reads;
   // Disk weights that run on the cpu are used in place from their file's
   // mapping, made resident ahead of use and dropped behind it where the cpu
   // budget of max_memory has no room to keep them (dispatch::LoadOptions::
@@ -80,7 +94,7 @@ struct ModelLoadOptions {
 // Every option checked without reading a model: dtype, quantize (and
 // double_quant, quant_blocksize, int8_threshold, quant_compute_dtype),
 // device_map (a strategy, a device this build can use, or an existing file),
-// max_memory (parsed, and only with a strategy), expert_cache,
+// max_memory (parsed, and only with a strategy), offload_experts, expert_cache,
 // execution_device. InvalidArgument naming the option as the flags spell it.
 absl::Status CheckLoadOptions(const ModelLoadOptions& options);
 

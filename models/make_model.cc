@@ -1,7 +1,14 @@
 #include "models/make_model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
 #include <utility>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -15,9 +22,14 @@
 
 #include "core/bytes.h"
 #include "core/dtype.h"
+#include "core/progress.h"
 #include "core/status.h"
+#include "core/threads.h"
+#include "dispatch/module_tree.h"
 #include "loader/loader.h"
 #include "models/families.h"
+#include "models/quantize.h"
+#include "quant/bnb.h"
 #include "tokenizer/bpe_trainer.h"
 
 namespace accel::models {
@@ -83,6 +95,171 @@ absl::StatusOr<uint64_t> WeightBytes(const loader::ModelConfig& config, c10::Sca
   }
   return total;
 }
+
+// A worker's buffers, reused from one weight to the next: a fresh
+// allocation of a large weight costs page faults that take as long as
+// drawing its values.
+struct Scratch {
+  at::Tensor f32, low;
+};
+
+// One weight as the maker makes it: N(0, 0.02) (routers wider), 1 + that for
+// norms, drawn in float32 from a generator seeded by the seed and the
+// tensor's name, then converted to `dtype` (what at::normal(...).to(dtype)
+// gives). With `scratch`, the result is one of its buffers, valid until the
+// next call; without, a tensor of its own.
+absl::StatusOr<at::Tensor> MakeWeight(const std::string& name, const std::vector<int64_t>& shape,
+                                      c10::ScalarType dtype, uint64_t seed,
+                                      Scratch* scratch = nullptr) {
+  at::Tensor t;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    // Routers get a spread of logits a few units wide whatever the hidden
+    // size, so the top experts stand apart (a router at N(0, 0.02) gives
+    // near-ties that any rounding may flip).
+    const double std_dev = IsRouterWeight(name) && !shape.empty()
+                               ? 2.0 / std::sqrt(static_cast<double>(shape.back()))
+                               : 0.02;
+    if (scratch == nullptr) {
+      t = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+    } else {
+      if (!scratch->f32.defined()) scratch->f32 = at::empty({0}, at::kFloat);
+      t = scratch->f32.resize_(shape);
+    }
+    FillNormal(t, std_dev, name, seed);
+    if (IsNormWeight(name)) t.add_(1.0);
+    if (dtype == at::kFloat) return;
+    if (scratch == nullptr) {
+      t = t.to(dtype);
+    } else {
+      if (!scratch->low.defined() || scratch->low.scalar_type() != dtype) {
+        scratch->low = at::empty({0}, dtype);
+      }
+      t = scratch->low.resize_(shape).copy_(t);
+    }
+  }));
+  return t;
+}
+
+// A linear layer of the plan, made and quantized as accel-quantize quantizes
+// it on loading (the weight in the model's dtype, [out, in]): its checkpoint
+// tensors by name (the bias, made on its own, is not among them).
+absl::StatusOr<std::map<std::string, at::Tensor>> MakeQuantizedLayer(
+    const std::string& layer, const loader::TensorSpec& weight, bool transposed,
+    const nn::LinearQuantization& how, uint64_t seed, Scratch& scratch) {
+  ACCEL_ASSIGN_OR_RETURN(at::Tensor dense,
+                         MakeWeight(weight.name, weight.shape, weight.dtype, seed, &scratch));
+  if (transposed) ACCEL_RETURN_IF_ERROR(CallTorch([&] { dense = dense.t().contiguous(); }));
+  const auto annotate = [&](const absl::Status& s) {
+    return Annotate(s, absl::StrCat("quantizing tensor '", weight.name, "'"));
+  };
+  std::map<std::string, at::Tensor> out;
+  if (how.method == nn::LinearQuantization::Method::kInt8) {
+    absl::StatusOr<quant::QuantizedInt8> q = quant::QuantizeInt8(dense);
+    if (!q.ok()) return annotate(q.status());
+    out[layer + ".weight"] = q->weight;
+    out[layer + ".SCB"] = q->scb;
+    ACCEL_RETURN_IF_ERROR(
+        CallTorch([&] { out[layer + ".weight_format"] = at::zeros({}, at::kByte); }));
+    return out;
+  }
+  absl::StatusOr<quant::Quantized4bit> q =
+      quant::Quantize4bit(dense, how.quant_type, how.blocksize, how.double_quant);
+  if (!q.ok()) return annotate(q.status());
+  out[layer + ".weight"] = q->packed;
+  out[layer + ".weight.absmax"] = q->absmax;
+  out[layer + ".weight.quant_map"] = q->quant_map;
+  if (how.double_quant) {
+    out[layer + ".weight.nested_absmax"] = q->nested_absmax;
+    out[layer + ".weight.nested_quant_map"] = q->nested_quant_map;
+  }
+  const std::string json = quant::QuantState4bitToJson(q->state);
+  at::Tensor blob;
+  ACCEL_RETURN_IF_ERROR(
+      CallTorch([&] { blob = at::empty({static_cast<int64_t>(json.size())}, at::kByte); }));
+  std::memcpy(blob.data_ptr(), json.data(), json.size());
+  out[QuantStateBlobName(layer, how.quant_type)] = blob;
+  return out;
+}
+
+// Makes the checkpoint's tensors a unit at a time (one tensor, or a
+// quantized layer's tensors) on worker threads of their own, at most
+// `window` units ahead of the writer, and hands them over in the writer's
+// order: the writer's thread does the I/O while the CPUs make what follows.
+class UnitPipeline {
+ public:
+  using Made = absl::StatusOr<std::map<std::string, at::Tensor>>;
+  using Make = std::function<Made(Scratch&)>;
+
+  UnitPipeline(int threads, int window) : threads_(std::max(1, threads)), window_(window) {}
+  ~UnitPipeline() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : workers_) t.join();
+  }
+
+  // Before the first Take().
+  void Add(const std::vector<std::string>& names, Make make) {
+    for (const std::string& name : names) unit_of_[name] = units_.size();
+    units_.push_back(std::move(make));
+  }
+
+  absl::StatusOr<at::Tensor> Take(const std::string& name) {
+    auto found = unit_of_.find(name);
+    if (found == unit_of_.end()) {
+      return absl::InternalError(absl::StrCat("no unit makes tensor '", name, "'"));
+    }
+    const size_t unit = found->second;
+    std::unique_lock<std::mutex> lock(mu_);
+    if (workers_.empty()) {
+      for (int t = 0; t < threads_; ++t) workers_.emplace_back([this] { Work(); });
+    }
+    wanted_ = std::max(wanted_, unit);
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return made_.count(unit) > 0; });
+    auto it = made_.find(unit);
+    if (!it->second.ok()) return it->second.status();
+    auto tensor = it->second->find(name);
+    if (tensor == it->second->end()) {
+      return absl::InternalError(absl::StrCat("tensor '", name, "' was not made"));
+    }
+    at::Tensor out = std::move(tensor->second);
+    it->second->erase(tensor);
+    if (it->second->empty()) made_.erase(it);
+    return out;
+  }
+
+ private:
+  void Work() {
+    Scratch scratch;
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock,
+               [&] { return stop_ || (next_ < units_.size() && next_ <= wanted_ + window_); });
+      if (stop_) return;
+      const size_t unit = next_++;
+      lock.unlock();
+      Made made = units_[unit](scratch);
+      lock.lock();
+      made_.emplace(unit, std::move(made));
+      cv_.notify_all();
+    }
+  }
+
+  const int threads_;
+  const size_t window_;
+  std::vector<Make> units_;
+  std::map<std::string, size_t> unit_of_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t next_ = 0;              // the next unit to start
+  size_t wanted_ = 0;            // the latest unit the writer asked for
+  std::map<size_t, Made> made_;  // units made, with the tensors not yet taken
+  bool stop_ = false;
+  std::vector<std::thread> workers_;
+};
 
 absl::Status Positive(const char* flag, int64_t value) {
   if (value > 0) return absl::OkStatus();
@@ -234,42 +411,218 @@ absl::StatusOr<loader::ModelConfig> MakeModelConfig(const MakeModelOptions& o) {
   return c;
 }
 
+namespace {
+
+absl::StatusOr<loader::ModelConfig> ConfigOf(const MakeModelOptions& options) {
+  if (!options.config) return MakeModelConfig(options);
+  loader::ModelConfig c = *options.config;
+  if (c.vocab_size < 258) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: vocab_size must be at least 258 (256 bytes + 2 special tokens) "
+                     "for the made tokenizer, got ",
+                     c.vocab_size));
+  }
+  // The made tokenizer's special tokens (the top two ids) stand for the
+  // config's; a quantization_config described weights that are not these.
+  c.bos_token_id = c.vocab_size - 2;
+  c.eos_token_ids = {c.vocab_size - 1};
+  if (c.pad_token_id && (*c.pad_token_id < 0 || *c.pad_token_id >= c.vocab_size)) {
+    c.pad_token_id.reset();
+  }
+  c.extra.erase("quantization_config");
+  ACCEL_RETURN_IF_ERROR(Annotate(c.Validate(), "config"));
+  return c;
+}
+
+// The quantized layer whose checkpoint tensor `name` is ("X" for "X.weight",
+// "X.SCB", "X.weight.absmax", the blob...), or "" (the bias is made alone).
+std::string QuantizedLayerOf(const std::string& name, const QuantPlan& plan) {
+  for (absl::string_view suffix : {".weight", ".SCB", ".weight_format"}) {
+    if (absl::EndsWith(name, suffix)) {
+      std::string layer = name.substr(0, name.size() - suffix.size());
+      if (plan.count(layer)) return layer;
+    }
+  }
+  const size_t at = name.rfind(".weight.");
+  if (at != std::string::npos && plan.count(name.substr(0, at))) return name.substr(0, at);
+  return "";
+}
+
+}  // namespace
+
 absl::StatusOr<MadeModel> MakeModel(const std::string& out_dir, const MakeModelOptions& options) {
   if (!c10::isFloatingType(options.dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--dtype must be a floating type, got ", DTypeName(options.dtype)));
   }
-  ACCEL_ASSIGN_OR_RETURN(loader::ModelConfig config, MakeModelConfig(options));
-  ACCEL_ASSIGN_OR_RETURN(std::vector<loader::TensorSpec> specs,
+  ACCEL_ASSIGN_OR_RETURN(loader::ModelConfig config, ConfigOf(options));
+  config.torch_dtype = std::string(DTypeName(options.dtype));
+  ACCEL_ASSIGN_OR_RETURN(std::vector<loader::TensorSpec> float_specs,
                          CheckpointTensors(config, options.dtype));
-
   const uint64_t seed = options.seed;
-  auto produce = [seed](const loader::TensorSpec& spec) -> absl::StatusOr<at::Tensor> {
-    at::Tensor t;
-    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-      // Routers get a spread of logits a few units wide whatever the hidden
-      // size, so the top experts stand apart (a router at N(0, 0.02) gives
-      // near-ties that any rounding may flip).
-      const double std_dev = IsRouterWeight(spec.name) && !spec.shape.empty()
-                                 ? 2.0 / std::sqrt(static_cast<double>(spec.shape.back()))
-                                 : 0.02;
-      t = at::empty(spec.shape, at::TensorOptions().dtype(at::kFloat));
-      FillNormal(t, std_dev, spec.name, seed);
-      if (IsNormWeight(spec.name)) t.add_(1.0);
-      t = t.to(spec.dtype);
-    }));
+  const c10::ScalarType dtype = options.dtype;
+  const int window = IntraOpThreads(0);
+
+  std::vector<loader::TensorSpec> specs;
+  UnitPipeline pipeline(window, window);
+  std::optional<nn::LinearQuantization> how;
+  if (options.quantize == "none") {
+    if (options.double_quant) {
+      return absl::InvalidArgumentError("--double_quant needs --quantize nf4 or fp4");
+    }
+    specs = float_specs;
+    for (const loader::TensorSpec& spec : specs) {
+      pipeline.Add({spec.name}, [spec, seed](Scratch&) -> UnitPipeline::Made {
+        ACCEL_ASSIGN_OR_RETURN(at::Tensor t, MakeWeight(spec.name, spec.shape, spec.dtype, seed));
+        return std::map<std::string, at::Tensor>{{spec.name, t}};
+      });
+    }
+  } else {
+    QuantizeOptions asked;
+    asked.method = options.quantize;
+    asked.double_quant = options.double_quant;
+    asked.blocksize = options.quant_blocksize;
+    asked.int8_threshold = options.int8_threshold;
+    asked.compute_dtype = dtype;
+    absl::StatusOr<quant::BnbQuantizationConfig> bnb = BnbConfigFor(asked);
+    if (!bnb.ok()) return Annotate(bnb.status(), "--quantize");
+    ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype));
+    ACCEL_ASSIGN_OR_RETURN(QuantPlan plan, PlanQuantization(tree, *bnb));
+    how = plan.begin()->second;
+    std::map<std::string, loader::TensorSpec> by_name;
+    for (const loader::TensorSpec& spec : float_specs) by_name.emplace(spec.name, spec);
+    struct Layer {
+      loader::TensorSpec weight;  // its float weight as the float model holds it
+      bool transposed;
+      nn::LinearQuantization how;
+    };
+    std::map<std::string, Layer> layers;
+    for (const auto& [name, layer_how] : plan) {
+      auto weight = by_name.find(name + ".weight");
+      ACCEL_ASSIGN_OR_RETURN(int node, tree.FindModule(name));
+      if (weight == by_name.end()) {
+        return absl::InternalError(absl::StrCat("layer '", name, "' has no weight to quantize"));
+      }
+      layers[name] = {weight->second, tree.node(node).class_name == "Conv1D", layer_how};
+    }
+    // A 4-bit layer's quant state blob (JSON) has the length of its text,
+    // known before its weight is made, except for double quant's offset (the
+    // mean absmax, printed as Python prints a float): then each layer is made
+    // once beforehand to learn it (double quant takes about twice as long).
+    std::map<std::string, int64_t> blob_bytes;
+    std::vector<std::string> measure;
+    for (const auto& [name, layer] : layers) {
+      if (layer.how.method != nn::LinearQuantization::Method::k4bit) continue;
+      if (!layer.how.double_quant) {
+        quant::QuantState4bit state;
+        state.quant_type = layer.how.quant_type;
+        state.blocksize = layer.how.blocksize;
+        state.dtype = dtype;
+        const std::vector<int64_t>& shape = layer.weight.shape;
+        state.shape = layer.transposed ? std::vector<int64_t>{shape[1], shape[0]} : shape;
+        blob_bytes[name] = static_cast<int64_t>(quant::QuantState4bitToJson(state).size());
+      } else {
+        measure.push_back(name);
+      }
+    }
+    {
+      std::mutex mu;
+      absl::Status failed;
+      std::atomic<size_t> next{0};
+      std::vector<std::thread> threads;
+      for (int t = 0; t < std::min<int>(window, static_cast<int>(measure.size())); ++t) {
+        threads.emplace_back([&] {
+          Scratch scratch;
+          for (size_t i; (i = next++) < measure.size();) {
+            const Layer& layer = layers.at(measure[i]);
+            auto made = MakeQuantizedLayer(measure[i], layer.weight, layer.transposed, layer.how,
+                                           seed, scratch);
+            std::lock_guard<std::mutex> lock(mu);
+            if (!made.ok()) {
+              if (failed.ok()) failed = made.status();
+              continue;
+            }
+            blob_bytes[measure[i]] =
+                made->at(QuantStateBlobName(measure[i], layer.how.quant_type)).numel();
+          }
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      ACCEL_RETURN_IF_ERROR(failed);
+    }
+    ACCEL_ASSIGN_OR_RETURN(
+        specs,
+        QuantizedCheckpointSpecs(
+            tree, plan, [&](const std::string& layer) -> absl::StatusOr<int64_t> {
+              auto it = blob_bytes.find(layer);
+              if (it == blob_bytes.end()) {
+                return absl::InternalError(absl::StrCat("no quant state length for '", layer, "'"));
+              }
+              return it->second;
+            }));
+    std::map<std::string, std::vector<std::string>> parts;  // layer -> its tensors, in order
+    std::vector<std::string> order;                         // units: a layer, or "=" + tensor
+    for (const loader::TensorSpec& spec : specs) {
+      const std::string layer = QuantizedLayerOf(spec.name, plan);
+      if (layer.empty()) {
+        order.push_back("=" + spec.name);
+        continue;
+      }
+      if (!parts.count(layer)) order.push_back(layer);
+      parts[layer].push_back(spec.name);
+    }
+    for (const std::string& unit : order) {
+      if (unit[0] == '=') {
+        auto found = by_name.find(unit.substr(1));
+        if (found == by_name.end()) {
+          return absl::InternalError(absl::StrCat("tensor '", unit.substr(1), "' is not made"));
+        }
+        const loader::TensorSpec spec = found->second;
+        pipeline.Add({spec.name}, [spec, seed](Scratch&) -> UnitPipeline::Made {
+          ACCEL_ASSIGN_OR_RETURN(at::Tensor t, MakeWeight(spec.name, spec.shape, spec.dtype, seed));
+          return std::map<std::string, at::Tensor>{{spec.name, t}};
+        });
+        continue;
+      }
+      const Layer layer = layers.at(unit);
+      pipeline.Add(parts[unit], [unit, layer, seed](Scratch& scratch) {
+        return MakeQuantizedLayer(unit, layer.weight, layer.transposed, layer.how, seed, scratch);
+      });
+    }
+  }
+
+  uint64_t total = 0;
+  for (const loader::TensorSpec& spec : specs) {
+    uint64_t n = c10::elementSize(spec.dtype);
+    for (int64_t d : spec.shape) n *= static_cast<uint64_t>(d);
+    total += n;
+  }
+  Progress progress("making", static_cast<int64_t>(total), static_cast<int64_t>(specs.size()),
+                    options.progress);
+  auto produce = [&](const loader::TensorSpec& spec) -> absl::StatusOr<at::Tensor> {
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor t, pipeline.Take(spec.name));
+    progress.Add(static_cast<int64_t>(t.nbytes()));
     return t;
   };
   loader::CheckpointWriteOptions write_options;
   write_options.max_shard_size = options.max_shard_size;
+  // A checkpoint that could push the machine's page cache out is written back
+  // as it goes (what is made is read back later, if at all).
+  if (total > (uint64_t{4} << 30)) write_options.write_behind_bytes = int64_t{512} << 20;
   ACCEL_ASSIGN_OR_RETURN(loader::CheckpointWriteResult written,
                          loader::WriteCheckpoint(out_dir, specs, produce, write_options));
+  progress.Finish();
 
   loader::GenerationConfig generation;
   generation.bos_token_id = config.bos_token_id;
   generation.eos_token_ids = config.eos_token_ids;
   generation.max_new_tokens = 64;
-  ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(out_dir + "/config.json", config.ToJson()));
+  std::string config_json = config.ToJson();
+  if (how) {
+    // As accel-quantize writes it for the float model's config.json.
+    ACCEL_ASSIGN_OR_RETURN(config_json,
+                           QuantizedConfigJson(config_json, *how, dtype, "config.json"));
+  }
   ACCEL_RETURN_IF_ERROR(
       loader::WriteFileAtomically(out_dir + "/generation_config.json", generation.ToJson()));
 
@@ -289,12 +642,14 @@ absl::StatusOr<MadeModel> MakeModel(const std::string& out_dir, const MakeModelO
   ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(
       out_dir + "/tokenizer_config.json",
       tokenizer::TokenizerConfigJson(specials[0].content, specials[1].content)));
+  // config.json last: a folder without it is not taken for a model.
+  ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(out_dir + "/config.json", config_json));
 
   MadeModel made;
   made.config = std::move(config);
   made.bytes = written.total_bytes;
   made.files = static_cast<int>(written.files.size());
-  for (const auto& s : specs) {
+  for (const auto& s : float_specs) {
     int64_t n = 1;
     for (int64_t d : s.shape) n *= d;
     made.parameters += n;

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 
+#include "core/progress.h"
 #include "loader/config.h"
 
 namespace accel::models {
@@ -62,6 +63,21 @@ struct MakeModelOptions {
   // The text tokenizer.json's byte-level BPE merges are learned from
   // (deterministically); empty: a few built-in paragraphs of English.
   std::string tokenizer_text;
+  // The model of a real config.json instead of the shape options above
+  // (family, sizes, layers, experts and every other field as it says; only
+  // bos/eos become the made tokenizer's, the top two ids of the vocabulary,
+  // and a quantization_config it holds is dropped unless `quantize` asks).
+  std::optional<loader::ModelConfig> config;
+  // Writes the checkpoint pre-quantized, as accel-quantize writes it from the
+  // same weights (the same bytes): "none", "nf4", "fp4" or "int8" (LLM.int8),
+  // the linear layers but lm_head and routers, transformers' layout. Each
+  // layer is made, quantized and written in turn (several at once, one per
+  // CPU), so memory holds a few layers whatever the model's size.
+  std::string quantize = "none";
+  bool double_quant = false;     // 4-bit: the absmaxes quantized too
+  int64_t quant_blocksize = 64;  // 4-bit
+  double int8_threshold = 6.0;   // int8: the outlier threshold written to config.json
+  Progress::Style progress = Progress::Style::kSilent;
 };
 
 struct MadeModel {
@@ -78,10 +94,11 @@ absl::StatusOr<loader::ModelConfig> MakeModelConfig(const MakeModelOptions& opti
 // Writes config.json, generation_config.json, the weights (model.safetensors,
 // or shards and an index past max_shard_size) and tokenizer.json into
 // `out_dir`, creating it. Weights are streamed tensor by tensor, so a model
-// larger than memory can be made. Each tensor depends only on the seed and
-// its name: N(0, 0.02) for matrices and biases, 1 + N(0, 0.02) for norm
-// weights (tensors over 4M elements drawn in 4M-element pieces on the
-// intra-op threads, each piece from its own seeded generator).
+// larger than memory can be made (a checkpoint over 4 GiB is written back
+// and dropped from the page cache as it is written). Each tensor depends only
+// on the seed and its name: N(0, 0.02) for matrices and biases, 1 + N(0,
+// 0.02) for norm weights (tensors over 4M elements drawn in 4M-element pieces
+// on the intra-op threads, each piece from its own seeded generator).
 absl::StatusOr<MadeModel> MakeModel(const std::string& out_dir, const MakeModelOptions& options);
 
 }  // namespace accel::models

@@ -1,9 +1,13 @@
 #include "models/quantize.h"
 
+#include <cerrno>
 #include <cstring>
+#include <fcntl.h>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <set>
+#include <unistd.h>
 #include <utility>
 
 #include <ATen/Functions.h>
@@ -54,17 +58,24 @@ std::optional<std::pair<std::string, std::string>> SplitQuantTensor(absl::string
   return std::make_pair(std::string(name.substr(0, at)), std::string(name.substr(at + 1)));
 }
 
-absl::StatusOr<std::shared_ptr<nn::QuantizableLinear>> FindLinear(torch::nn::Module& model,
-                                                                  const std::string& name) {
-  std::shared_ptr<torch::nn::Module> found;
+// The model's modules by name, made once: a lookup by walking them is
+// linear in the model, and a large model quantizes thousands of layers.
+using ModuleIndex = std::map<std::string, std::shared_ptr<torch::nn::Module>>;
+
+absl::StatusOr<ModuleIndex> IndexModules(torch::nn::Module& model) {
+  ModuleIndex index;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-      if (item.key() == name) {
-        found = item.value();
-        break;
-      }
+      index.emplace(item.key(), item.value());
     }
   }));
+  return index;
+}
+
+absl::StatusOr<std::shared_ptr<nn::QuantizableLinear>> FindLinear(const ModuleIndex& index,
+                                                                  const std::string& name) {
+  auto it = index.find(name);
+  std::shared_ptr<torch::nn::Module> found = it == index.end() ? nullptr : it->second;
   if (found == nullptr) return absl::NotFoundError(absl::StrCat("no module '", name, "'"));
   auto linear = std::dynamic_pointer_cast<nn::QuantizableLinear>(found);
   if (linear == nullptr) {
@@ -171,7 +182,11 @@ class QuantizationHook : public dispatch::LoadHook {
     const nn::LinearQuantization& how = plan_.at(module);
     Layer& layer = layers_[module];
     if (layer.linear == nullptr) {
-      ACCEL_ASSIGN_OR_RETURN(layer.linear, FindLinear(*model_, module));
+      if (!index_) {
+        ACCEL_ASSIGN_OR_RETURN(ModuleIndex index, IndexModules(*model_));
+        index_ = std::move(index);
+      }
+      ACCEL_ASSIGN_OR_RETURN(layer.linear, FindLinear(*index_, module));
       if (layer.linear->quantization().method != how.method) {
         return absl::InvalidArgumentError(
             absl::StrCat("module '", module, "' is not quantized as planned (",
@@ -264,9 +279,11 @@ class QuantizationHook : public dispatch::LoadHook {
       q.nested_absmax = layer.parts["weight.nested_absmax"];
       q.nested_quant_map = layer.parts["weight.nested_quant_map"];
       q.state = *layer.state;
-      // The kernels read the nested state as stored; checked here, whole,
+      // The kernels read the nested state as stored: checked here (shapes,
+      // dtypes, settings; any absmax code is a valid index into the nested
+      // map, so no data is read: a mapped checkpoint stays unread until used),
       // so a damaged one fails the load naming the module.
-      absl::Status fits = quant::BlockAbsmax(q).status();
+      absl::Status fits = quant::CheckQuantized4bitLayout(q);
       if (!fits.ok()) return Annotate(fits, absl::StrCat("module '", module, "'"));
       layer.checked = true;
       layer.parts.clear();
@@ -353,10 +370,63 @@ class QuantizationHook : public dispatch::LoadHook {
   }
 
   std::shared_ptr<torch::nn::Module> model_;
+  std::optional<ModuleIndex> index_;  // made on the first tensor
   QuantPlan plan_;
   at::ScalarType dtype_;
   std::map<std::string, Layer> layers_;
 };
+
+}  // namespace
+
+namespace {
+
+// Shard files opened for small reads, closed together.
+struct ShardFiles {
+  std::map<size_t, int> fds;
+  ~ShardFiles() {
+    for (const auto& [shard, fd] : fds) ::close(fd);
+  }
+};
+
+// A small tensor's bytes (a quant state's JSON) by pread without read-ahead:
+// through the checkpoint's mapping each would fault in a read-ahead window of
+// megabytes, and a large model holds thousands of them across its shards.
+absl::StatusOr<std::string> ReadSmallTensor(const loader::Checkpoint& checkpoint,
+                                            const loader::Checkpoint::Entry& entry,
+                                            ShardFiles& files) {
+  const std::optional<uint64_t> offset = checkpoint.FileOffset(entry);
+  if (!offset) {
+    // A strided view in a .bin shard: copied by the checkpoint.
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor t, checkpoint.Tensor(entry.info.name));
+    std::string out(entry.info.nbytes(), '\0');
+    ACCEL_RETURN_IF_ERROR(
+        CallTorch([&] { std::memcpy(out.data(), t.contiguous().data_ptr(), out.size()); }));
+    return out;
+  }
+  const std::string& path = checkpoint.shard_paths()[entry.shard];
+  auto [it, fresh] = files.fds.emplace(entry.shard, -1);
+  if (fresh) {
+    it->second = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (it->second < 0) {
+      const int err = errno;
+      files.fds.erase(it);
+      return ErrnoStatus(err, absl::StrCat("opening ", path));
+    }
+    (void)::posix_fadvise(it->second, 0, 0, POSIX_FADV_RANDOM);
+  }
+  std::string out(entry.info.nbytes(), '\0');
+  for (uint64_t done = 0; done < out.size();) {
+    const ssize_t got = ::pread(it->second, out.data() + done, out.size() - done,
+                                static_cast<off_t>(*offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      return absl::DataLossError(
+          absl::StrCat("tensor '", entry.info.name, "': reading ", path, " failed or ended early"));
+    }
+    done += static_cast<uint64_t>(got);
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -397,6 +467,7 @@ absl::StatusOr<QuantPlan> PlanQuantization(const dispatch::ModuleTree& tree,
 
 absl::StatusOr<QuantPlan> PlanFromCheckpoint(const loader::Checkpoint& checkpoint,
                                              const quant::BnbQuantizationConfig& config) {
+  ShardFiles files;
   QuantPlan plan;
   for (const loader::Checkpoint::Entry& entry : checkpoint.tensors()) {
     const std::string& name = entry.info.name;
@@ -408,13 +479,11 @@ absl::StatusOr<QuantPlan> PlanFromCheckpoint(const loader::Checkpoint& checkpoin
     }
     const size_t at = name.find(kBlobPrefix);
     if (at == std::string::npos) continue;
-    ACCEL_ASSIGN_OR_RETURN(at::Tensor blob, checkpoint.Tensor(name));
-    if (blob.scalar_type() != at::kByte || blob.dim() != 1) {
+    if (entry.info.dtype != "U8" || entry.info.shape.size() != 1) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", name, "': expected the quant state as uint8 JSON bytes"));
     }
-    const std::string json(static_cast<const char*>(blob.data_ptr()),
-                           static_cast<size_t>(blob.numel()));
+    ACCEL_ASSIGN_OR_RETURN(std::string json, ReadSmallTensor(checkpoint, entry, files));
     ACCEL_ASSIGN_OR_RETURN(quant::QuantState4bit state, quant::QuantState4bitFromJson(json, name));
     how.method = Method::k4bit;
     how.quant_type = state.quant_type;
@@ -535,8 +604,9 @@ void AddQuantizedSizes(const QuantPlan& plan, std::map<std::string, double>& spe
 }
 
 absl::Status QuantizeLinears(torch::nn::Module& model, const QuantPlan& plan) {
+  ACCEL_ASSIGN_OR_RETURN(const ModuleIndex index, IndexModules(model));
   for (const auto& [name, how] : plan) {
-    ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<nn::QuantizableLinear> linear, FindLinear(model, name));
+    ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<nn::QuantizableLinear> linear, FindLinear(index, name));
     ACCEL_RETURN_IF_ERROR(
         Annotate(linear->Quantize(how), absl::StrCat("quantizing module '", name, "'")));
   }
@@ -549,6 +619,99 @@ std::unique_ptr<dispatch::LoadHook> MakeQuantizationHook(std::shared_ptr<torch::
   return std::make_unique<QuantizationHook>(std::move(model), plan, dtype);
 }
 
+std::string QuantStateBlobName(const std::string& layer, quant::QuantType4bit type) {
+  return absl::StrCat(layer, kBlobPrefix, quant::QuantType4bitName(type));
+}
+
+namespace {
+
+// torch's state_dict order over `tree` (module by module, pre-order, each
+// module's parameters then its persistent buffers, then its children; a tied
+// parameter once, under its first name), with each 4-bit layer's quant state
+// blob after its last quant buffer, where bitsandbytes' Linear4bit writes it
+// (_save_to_state_dict: weight, bias, then the quant state's tensors and the
+// blob). `blob_type(layer)` names a 4-bit layer's quant type, nullopt for
+// other modules.
+void VisitStateDict(
+    const dispatch::ModuleTree& tree,
+    const std::function<std::optional<quant::QuantType4bit>(const std::string&)>& blob_type,
+    const std::function<void(const std::string& name, const dispatch::TensorDecl* decl)>& visit) {
+  std::set<std::string> kept;
+  for (const auto& p : tree.NamedParameters()) kept.insert(p.name);
+  std::function<void(int, const std::string&)> walk = [&](int node, const std::string& prefix) {
+    const auto full = [&](const std::string& local) {
+      return prefix.empty() ? local : absl::StrCat(prefix, ".", local);
+    };
+    const dispatch::ModuleTree::Node& n = tree.node(node);
+    for (const dispatch::TensorDecl& p : n.params) {
+      if (kept.count(full(p.name))) visit(full(p.name), &p);
+    }
+    for (const dispatch::TensorDecl& b : n.buffers) {
+      if (b.persistent) visit(full(b.name), &b);
+    }
+    for (const auto& [child, id] : n.children) walk(id, full(child));
+    if (!prefix.empty()) {
+      if (std::optional<quant::QuantType4bit> type = blob_type(prefix)) {
+        visit(QuantStateBlobName(prefix, *type), nullptr);
+      }
+    }
+  };
+  walk(0, "");
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<loader::TensorSpec>> QuantizedCheckpointSpecs(
+    const dispatch::ModuleTree& tree, const QuantPlan& plan,
+    const std::function<absl::StatusOr<int64_t>(const std::string& layer)>& blob_bytes) {
+  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree quantized, QuantizeModuleTree(tree, plan));
+  std::vector<loader::TensorSpec> specs;
+  absl::Status failed;
+  VisitStateDict(
+      quantized,
+      [&](const std::string& layer) -> std::optional<quant::QuantType4bit> {
+        auto it = plan.find(layer);
+        if (it == plan.end() || it->second.method != Method::k4bit) return std::nullopt;
+        return it->second.quant_type;
+      },
+      [&](const std::string& name, const dispatch::TensorDecl* decl) {
+        if (decl != nullptr) {
+          specs.push_back({name, decl->dtype, decl->shape});
+          return;
+        }
+        const std::string layer = name.substr(0, name.find(kBlobPrefix));
+        absl::StatusOr<int64_t> bytes = blob_bytes(layer);
+        if (!bytes.ok()) {
+          if (failed.ok()) failed = bytes.status();
+          return;
+        }
+        specs.push_back({name, at::kByte, {*bytes}});
+      });
+  if (!failed.ok()) return failed;
+  return specs;
+}
+
+absl::StatusOr<std::string> QuantizedConfigJson(absl::string_view config_json,
+                                                const nn::LinearQuantization& how,
+                                                at::ScalarType dtype, absl::string_view label) {
+  quant::BnbQuantizationConfig config;
+  config.load_in_8bit = how.method == Method::kInt8;
+  config.load_in_4bit = how.method == Method::k4bit;
+  config.llm_int8_threshold = how.threshold;
+  config.bnb_4bit_quant_type = how.quant_type;
+  config.bnb_4bit_use_double_quant = how.double_quant;
+  config.bnb_4bit_compute_dtype = how.compute_dtype;
+  config.blocksize = how.blocksize;
+  ACCEL_ASSIGN_OR_RETURN(nlohmann::ordered_json json, ParseOrderedJson(config_json, label));
+  if (!json.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(label, ": not a JSON object"));
+  }
+  ACCEL_ASSIGN_OR_RETURN(json["quantization_config"],
+                         ParseOrderedJson(quant::BnbConfigToJson(config), "quantization_config"));
+  json["torch_dtype"] = std::string(DTypeName(dtype));
+  return json.dump(2) + "\n";
+}
+
 absl::StatusOr<std::vector<loader::NamedTensor>> QuantizedStateDict(
     torch::nn::Module& model, dispatch::DispatchedModel* dispatched) {
   ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, dispatch::ModuleTree::FromModule(model));
@@ -557,25 +720,34 @@ absl::StatusOr<std::vector<loader::NamedTensor>> QuantizedStateDict(
     for (const auto& p : model.named_parameters(true)) tensors.emplace(p.key(), p.value());
     for (const auto& b : model.named_buffers(true)) tensors.emplace(b.key(), b.value());
   }));
-  std::vector<dispatch::ModuleTree::Named> named = tree.NamedParameters();
-  for (const auto& b : tree.NamedBuffers()) {
-    if (b.decl->persistent) named.push_back(b);
-  }
-  // The blobs follow their layer's other tensors.
-  std::map<std::string, std::string> blobs;  // blob tensor name -> JSON
+  std::map<std::string, std::shared_ptr<nn::QuantizableLinear>> four_bit;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     for (const auto& item : model.named_modules("", /*include_self=*/false)) {
       auto linear = std::dynamic_pointer_cast<nn::QuantizableLinear>(item.value());
-      if (linear && linear->quantization().method == Method::k4bit) {
-        blobs[absl::StrCat(item.key(), kBlobPrefix,
-                           quant::QuantType4bitName(linear->quant_state.quant_type))] =
-            quant::QuantState4bitToJson(linear->quant_state);
-      }
+      if (linear && linear->quantization().method == Method::k4bit) four_bit[item.key()] = linear;
     }
   }));
+  std::vector<std::pair<std::string, bool>> order;  // name, is a blob
+  VisitStateDict(
+      tree,
+      [&](const std::string& layer) -> std::optional<quant::QuantType4bit> {
+        auto it = four_bit.find(layer);
+        if (it == four_bit.end()) return std::nullopt;
+        return it->second->quant_state.quant_type;
+      },
+      [&](const std::string& name, const dispatch::TensorDecl* decl) {
+        order.emplace_back(name, decl == nullptr);
+      });
   std::vector<loader::NamedTensor> out;
-  for (const auto& entry : named) {
-    const std::string& name = entry.name;
+  for (const auto& [name, blob] : order) {
+    if (blob) {
+      const std::string json = quant::QuantState4bitToJson(
+          four_bit.at(name.substr(0, name.find(kBlobPrefix)))->quant_state);
+      at::Tensor bytes = at::empty({static_cast<int64_t>(json.size())}, at::kByte);
+      std::memcpy(bytes.data_ptr(), json.data(), json.size());
+      out.emplace_back(name, bytes);
+      continue;
+    }
     at::Tensor value = tensors.at(name);
     if (value.is_meta()) {
       if (dispatched == nullptr) {
@@ -588,11 +760,6 @@ absl::StatusOr<std::vector<loader::NamedTensor>> QuantizedStateDict(
       ACCEL_RETURN_IF_ERROR(CallTorch([&] { value = value.to(at::kCPU).contiguous(); }));
     }
     out.emplace_back(name, value);
-  }
-  for (const auto& [name, json] : blobs) {
-    at::Tensor bytes = at::empty({static_cast<int64_t>(json.size())}, at::kByte);
-    std::memcpy(bytes.data_ptr(), json.data(), json.size());
-    out.emplace_back(name, bytes);
   }
   return out;
 }
@@ -612,24 +779,11 @@ absl::Status SaveQuantizedModel(LoadedModel& loaded, const std::string& out_dir,
   if (ec) return ErrnoStatus(ec.value(), absl::StrCat("creating ", out_dir));
 
   // config.json: the model's, with the quantization_config of the plan.
-  const nn::LinearQuantization& how = loaded.quantization.begin()->second;
-  quant::BnbQuantizationConfig config;
-  config.load_in_8bit = how.method == Method::kInt8;
-  config.load_in_4bit = how.method == Method::k4bit;
-  config.llm_int8_threshold = how.threshold;
-  config.bnb_4bit_quant_type = how.quant_type;
-  config.bnb_4bit_use_double_quant = how.double_quant;
-  config.bnb_4bit_compute_dtype = how.compute_dtype;
-  config.blocksize = how.blocksize;
   ACCEL_ASSIGN_OR_RETURN(std::string config_text, loader::ReadFile(loaded.dir + "/config.json"));
-  ACCEL_ASSIGN_OR_RETURN(nlohmann::ordered_json json,
-                         ParseOrderedJson(config_text, loaded.dir + "/config.json"));
-  if (!json.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(loaded.dir, "/config.json: not a JSON object"));
-  }
-  ACCEL_ASSIGN_OR_RETURN(json["quantization_config"],
-                         ParseOrderedJson(quant::BnbConfigToJson(config), "quantization_config"));
-  json["torch_dtype"] = std::string(DTypeName(loaded.dtype));
+  ACCEL_ASSIGN_OR_RETURN(
+      std::string config_json,
+      QuantizedConfigJson(config_text, loaded.quantization.begin()->second, loaded.dtype,
+                          absl::StrCat(loaded.dir, "/config.json")));
 
   ACCEL_ASSIGN_OR_RETURN(std::vector<loader::NamedTensor> tensors,
                          QuantizedStateDict(*loaded.model, loaded.dispatched.get()));
@@ -644,7 +798,7 @@ absl::Status SaveQuantizedModel(LoadedModel& loaded, const std::string& out_dir,
     ACCEL_RETURN_IF_ERROR(loader::WriteFileAtomically(absl::StrCat(out_dir, "/", file), text));
   }
   // config.json last: a folder without it is not taken for a model.
-  return loader::WriteFileAtomically(out_dir + "/config.json", json.dump(2) + "\n");
+  return loader::WriteFileAtomically(out_dir + "/config.json", config_json);
 }
 
 }  // namespace accel::models

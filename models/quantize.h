@@ -13,6 +13,7 @@
 #ifndef ACCEL_MODELS_QUANTIZE_H_
 #define ACCEL_MODELS_QUANTIZE_H_
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -106,9 +107,33 @@ std::unique_ptr<dispatch::LoadHook> MakeQuantizationHook(std::shared_ptr<torch::
                                                          const QuantPlan& plan,
                                                          at::ScalarType dtype);
 
+// The name of a 4-bit layer's quant state blob:
+// "<layer>.weight.quant_state.bitsandbytes__nf4".
+std::string QuantStateBlobName(const std::string& layer, quant::QuantType4bit type);
+
+// The tensors of the checkpoint transformers saves for the model of `tree`
+// (not quantized) quantized by `plan`, in its state dict's order (module by
+// module, each module's parameters then its persistent buffers, a tied
+// parameter once; a 4-bit layer's quant state blob after its weight's quant
+// state, where bitsandbytes writes it). `blob_bytes(layer)` is the length of
+// a 4-bit layer's blob. What QuantizedStateDict() holds for a loaded model,
+// so a writer of pre-quantized checkpoints (accel-make-model --quantize)
+// shards and lays them out as accel-quantize does.
+absl::StatusOr<std::vector<loader::TensorSpec>> QuantizedCheckpointSpecs(
+    const dispatch::ModuleTree& tree, const QuantPlan& plan,
+    const std::function<absl::StatusOr<int64_t>(const std::string& layer)>& blob_bytes);
+
+// `config_json` (a config.json's text) with the quantization_config of
+// layers quantized as `how` and torch_dtype `dtype`, as SaveQuantizedModel
+// writes it. InvalidArgument naming `label` when it is not a JSON object.
+absl::StatusOr<std::string> QuantizedConfigJson(absl::string_view config_json,
+                                                const nn::LinearQuantization& how,
+                                                at::ScalarType dtype, absl::string_view label);
+
 // The model's state dict as transformers saves a bitsandbytes model: every
 // persistent tensor (tied ones once, under the first name), on the cpu,
-// plus each 4-bit layer's "weight.quant_state.bitsandbytes__<type>" blob.
+// plus each 4-bit layer's "weight.quant_state.bitsandbytes__<type>" blob, in
+// the order of QuantizedCheckpointSpecs().
 // Offloaded modules are read through `dispatched`. Errors name the tensor.
 absl::StatusOr<std::vector<loader::NamedTensor>> QuantizedStateDict(
     torch::nn::Module& model, dispatch::DispatchedModel* dispatched);

@@ -137,12 +137,14 @@ struct Nf4Search {
   Nf4Search() {
     for (int i = 0; i < 15; ++i) t[i] = (kNf4[i] + kNf4[i + 1]) / 2.0f;
   }
+  // The midpoints outer and the chunk inner, so the compiler compares a
+  // whole register of values with each midpoint (the other order compared
+  // one value at a time: a third of accel-make-model --quantize's time).
   void Chunk(const float* s, int32_t* code) const {
-    for (int k = 0; k < kChunk; ++k) {
-      const float v = s[k];
-      int32_t c = 0;
-      for (int i = 0; i < 15; ++i) c += v > t[i] ? 1 : 0;
-      code[k] = c;
+    for (int k = 0; k < kChunk; ++k) code[k] = 0;
+    for (int i = 0; i < 15; ++i) {
+      const float m = t[i];
+      for (int k = 0; k < kChunk; ++k) code[k] += s[k] > m ? 1 : 0;
     }
   }
 };
@@ -661,6 +663,10 @@ absl::StatusOr<at::Tensor> CheckedBlockAbsmax(const Quantized4bit& q, int64_t n)
 }
 
 }  // namespace
+
+absl::Status CheckQuantized4bitLayout(const Quantized4bit& q) {
+  return CheckQuantized4bit(q).status();
+}
 
 absl::StatusOr<at::Tensor> BlockAbsmax(const Quantized4bit& q) {
   ACCEL_ASSIGN_OR_RETURN(const int64_t n, CheckQuantized4bit(q));

@@ -98,6 +98,11 @@ Layout4bit LayoutOf4bit(int64_t numel, int64_t blocksize, bool double_quant);
 absl::StatusOr<Quantized4bit> Quantize4bit(const at::Tensor& weight, QuantType4bit type,
                                            int64_t blocksize, bool double_quant);
 
+// Whether q's tensors fit q.state (lengths, dtypes, the nested state's
+// settings), without reading their data: what the kernels need to run on q.
+// InvalidArgument naming the tensor or field that does not fit.
+absl::Status CheckQuantized4bitLayout(const Quantized4bit& q);
+
 // The float32 absmax of every block [nblocks]: `absmax` itself, or, with
 // double quant, nested_quant_map[absmax] * nested_absmax[b / 256] +
 // nested_offset (float32, in that order). InvalidArgument when the tensors

@@ -218,7 +218,7 @@ if want generate && [[ -x $bin/accel-generate && -x $bin/accel-make-model ]]; th
         "--device_map cpu --execution_device cuda:0")
     fi
     [[ $fam == mixtral ]] &&
-      variants+=("--device_map auto --max_memory 0=2MB,cpu=3MB,disk=1GB --offload_experts --expert_cache 1MB")
+      variants+=("--device_map auto --max_memory 0=2MB,cpu=3MB,disk=1GB --offload_experts true --expert_cache 1MB")
     local i=0
     for variant in "${variants[@]}"; do
       i=$((i + 1))

@@ -235,6 +235,7 @@ int main(int argc, char** argv) {
   whole.device_map = "auto";
   whole.max_memory = absl::StrCat("cpu=", budget, ",disk=1TB");
   whole.direct_reads = true;
+  whole.offload_experts = "false";  // Accelerate's plan: whole blocks
   if (!gpu_budget.empty()) {
     ram.device_map = "0";
     whole.max_memory = absl::StrCat("0=", gpu_budget, ",", whole.max_memory);
@@ -243,7 +244,7 @@ int main(int argc, char** argv) {
                 gpu_budget.c_str());
   }
   accel::models::ModelLoadOptions experts = whole;
-  experts.offload_experts = true;
+  experts.offload_experts = "true";
   accel::models::ModelLoadOptions no_ahead = experts;
   no_ahead.prefetch = false;
 

@@ -1,6 +1,8 @@
 #include "dispatch/internal/expert_cache.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <limits>
 
 #include <ATen/Functions.h>
@@ -60,13 +62,17 @@ void ExpertCache::AddStats(OffloadStats& stats) const {
   stats.expert_guess_reads += stats_.expert_guess_reads;
   stats.expert_guess_hits += stats_.expert_guess_hits;
   stats.expert_bytes_read += stats_.expert_bytes_read;
+  stats.expert_wait_us += stats_.expert_wait_us;
+  stats.expert_read_us += stats_.expert_read_us;
+  stats.expert_bytes_reread += stats_.expert_bytes_reread;
   stats.bytes_read += stats_.expert_bytes_read;
   stats.bytes_to_device += stats_.bytes_to_device;
 }
 
-void ExpertCache::CountGuess(bool used) {
+void ExpertCache::CountGuess(bool used, int distance) {
   constexpr double kWeight = 0.1;  // about the last 10 guesses
-  guess_rate_ = (1 - kWeight) * guess_rate_ + kWeight * (used ? 1.0 : 0.0);
+  double& rate = guess_rate_[std::clamp(distance, 0, kGuessDistances - 1)];
+  rate = (1 - kWeight) * rate + kWeight * (used ? 1.0 : 0.0);
   if (used) stats_.expert_guess_hits++;
 }
 
@@ -76,31 +82,115 @@ int ExpertCache::Distance(int unit) const {
   return ((units_[unit].position - current_position_ - 1) % n + n) % n;
 }
 
+double ExpertCache::Score(int unit) const {
+  const Unit& u = units_[unit];
+  return u.score * std::pow(kScoreDecay, static_cast<double>(step_ - u.score_step));
+}
+
+void ExpertCache::CountUse(int unit) {
+  Unit& u = units_[unit];
+  u.score = Score(unit) + 1.0;
+  u.score_step = step_;
+}
+
+bool ExpertCache::EvictsBefore(int a, int b) const {
+  // Scores within a hundredth of a use are equal: decayed counts of the same
+  // history differ only by rounding.
+  const double sa = Score(a), sb = Score(b);
+  if (sa < sb - 0.01) return true;
+  if (sb < sa - 0.01) return false;
+  const int da = Distance(a), db = Distance(b);
+  if (da != db) return da > db;
+  const auto use = [&](int u) {
+    auto it = entries_.find(u);
+    return it == entries_.end() ? clock_ + 1 : it->second.last_use;  // not cached: newest
+  };
+  return use(a) < use(b);
+}
+
 bool ExpertCache::MakeRoom(int64_t bytes, int unit) {
   while (used_bytes_ + bytes > options_.budget_bytes) {
-    auto victim = entries_.end();
-    int victim_distance = -1;
-    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
-      if (it->second.pins > 0) continue;
-      const int d = Distance(it->first);
-      if (d > victim_distance ||
-          (d == victim_distance && it->second.last_use < victim->second.last_use)) {
-        victim = it;
-        victim_distance = d;
+    int victim = -1;
+    for (const auto& [id, entry] : entries_) {
+      if (entry.pins > 0) continue;
+      if (victim < 0 || EvictsBefore(id, victim)) victim = id;
+    }
+    // A guess takes only the room of units it would be evicted before.
+    if (victim < 0 || (unit >= 0 && !EvictsBefore(victim, unit))) return false;
+    auto it = entries_.find(victim);
+    used_bytes_ -= units_[victim].bytes;
+    if (it->second.prefetched && it->second.guess) CountGuess(false, it->second.guess_distance);
+    std::vector<at::Tensor> freed = std::move(it->second.buffers);
+    std::vector<Span> spans = std::move(it->second.spans);
+    entries_.erase(it);  // drops its values, the views of the buffers
+    for (at::Tensor& b : freed) buffers_.Give(std::move(b));
+    // Its pages go back to the system: the budget is what the cache holds.
+    for (const Span& sp : spans) {
+      if (options_.release_pages) {
+        sp.mapping->Evict(sp.offset, sp.bytes);
+      } else {
+        sp.mapping->Drop(sp.offset, sp.bytes);
       }
     }
-    // A guess takes only the room of units to be used after it.
-    if (victim == entries_.end() || (unit >= 0 && victim_distance <= Distance(unit))) return false;
-    used_bytes_ -= units_[victim->first].bytes;
-    if (victim->second.prefetched && victim->second.guess) CountGuess(false);
-    std::vector<at::Tensor> freed = std::move(victim->second.buffers);
-    entries_.erase(victim);  // drops its values, the views of the buffers
-    for (at::Tensor& b : freed) buffers_.Give(std::move(b));
   }
   return true;
 }
 
+std::vector<ExpertCache::Span> ExpertCache::MappedSpans(int unit) const {
+  std::vector<Span> spans;
+  if (options_.stager != nullptr) return spans;
+  for (int m : units_[unit].tensors) {
+    const Source& src = tensors_[m].source;
+    if (!src.mapping) return {};
+    spans.push_back({src.mapping.get(), src.offset, src.nbytes});
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return a.mapping != b.mapping ? a.mapping < b.mapping : a.offset < b.offset;
+  });
+  std::vector<Span> merged;
+  for (const Span& sp : spans) {
+    if (!merged.empty() && merged.back().mapping == sp.mapping &&
+        merged.back().offset + merged.back().bytes >= sp.offset) {
+      Span& last = merged.back();
+      last.bytes = std::max(last.offset + last.bytes, sp.offset + sp.bytes) - last.offset;
+    } else {
+      merged.push_back(sp);
+    }
+  }
+  return merged;
+}
+
+void ExpertCache::Advise(int unit) const {
+  for (const Span& sp : MappedSpans(unit)) sp.mapping->WillNeed(sp.offset, sp.bytes);
+}
+
 absl::StatusOr<ExpertCache::Entry> ExpertCache::Read(int unit) {
+  const auto start = std::chrono::steady_clock::now();
+  if (std::vector<Span> spans = MappedSpans(unit); !spans.empty()) {
+    // In place: the pages the page cache lacks are read from disk.
+    uint64_t missing = 0;
+    for (const Span& sp : spans) missing += sp.mapping->Missing(sp.offset, sp.bytes);
+    for (const Span& sp : spans) sp.mapping->WillNeed(sp.offset, sp.bytes);
+    for (const Span& sp : spans) sp.mapping->Populate(sp.offset, sp.bytes);
+    Entry entry;
+    for (int m : units_[unit].tensors) {
+      at::Tensor view = MappedView(tensors_[m].source);
+      if (!view.defined()) {
+        return absl::InternalError(
+            absl::StrCat("tensor '", tensors_[m].name, "' is not aligned in its mapping"));
+      }
+      entry.values.push_back(std::move(view));
+    }
+    entry.spans = std::move(spans);
+    const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
+                           std::chrono::steady_clock::now() - start)
+                           .count();
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.expert_fetches++;
+    stats_.expert_read_us += us;
+    stats_.expert_bytes_read += static_cast<int64_t>(missing);
+    return entry;
+  }
   std::vector<const Source*> disk;
   std::vector<std::string> names;
   std::vector<size_t> disk_slot;
@@ -136,8 +226,12 @@ absl::StatusOr<ExpertCache::Entry> ExpertCache::Read(int unit) {
     // The host buffers are free again once the copies are done.
     for (at::Tensor& b : std::exchange(entry.buffers, {})) buffers_.Give(std::move(b));
   }
+  const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
+                         std::chrono::steady_clock::now() - start)
+                         .count();
   std::lock_guard<std::mutex> lock(mu_);
   stats_.expert_fetches++;
+  stats_.expert_read_us += us;
   stats_.expert_bytes_read += static_cast<int64_t>(read);
   stats_.bytes_to_device += to_device;
   return entry;
@@ -147,9 +241,16 @@ absl::StatusOr<std::vector<std::vector<at::Tensor>>> ExpertCache::Acquire(
     absl::Span<const int> units) {
   std::vector<std::vector<at::Tensor>> out(units.size());
   std::vector<size_t> missing;
+  std::vector<std::vector<Span>> refresh;
+  const auto start = std::chrono::steady_clock::now();
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!units.empty()) current_position_ = units_[units[0]].position;
+    if (!units.empty()) {
+      const int position = units_[units[0]].position;
+      if (position < current_position_) ++step_;  // round again: a new step
+      current_position_ = position;
+    }
+    for (int unit : units) CountUse(unit);
     for (size_t k = 0; k < units.size(); ++k) {
       const int unit = units[k];
       // Being read by the reader: wait for it rather than read it twice.
@@ -166,12 +267,31 @@ absl::StatusOr<std::vector<std::vector<at::Tensor>>> ExpertCache::Acquire(
       Entry& e = it->second;
       stats_.expert_cache_hits++;
       if (e.prefetched) stats_.expert_prefetch_hits++;
-      if (e.prefetched && e.guess) CountGuess(true);
+      if (e.prefetched && e.guess) CountGuess(true, e.guess_distance);
       e.prefetched = false;
       e.pins++;
       e.last_use = ++clock_;
       out[k] = e.values;
+      if (!e.spans.empty()) refresh.push_back(e.spans);
     }
+  }
+  // A cached unit's pages may have been reclaimed since it was read (the
+  // kernel takes mapped file pages under memory pressure): read back now, in
+  // large requests, what faulting would read a window at a time in the
+  // middle of the product.
+  uint64_t refreshed = 0;
+  for (const std::vector<Span>& spans : refresh) {
+    uint64_t missing_bytes = 0;
+    for (const Span& sp : spans) missing_bytes += sp.mapping->Missing(sp.offset, sp.bytes);
+    if (missing_bytes == 0) continue;
+    for (const Span& sp : spans) sp.mapping->WillNeed(sp.offset, sp.bytes);
+    for (const Span& sp : spans) sp.mapping->Populate(sp.offset, sp.bytes);
+    refreshed += missing_bytes;
+  }
+  if (refreshed > 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.expert_bytes_read += static_cast<int64_t>(refreshed);
+    stats_.expert_bytes_reread += static_cast<int64_t>(refreshed);
   }
   absl::Status failed;
   for (size_t k : missing) {
@@ -194,6 +314,13 @@ absl::StatusOr<std::vector<std::vector<at::Tensor>>> ExpertCache::Acquire(
     entries_[unit] = *std::move(entry);
   }
   cv_.notify_all();
+  {
+    const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
+                           std::chrono::steady_clock::now() - start)
+                           .count();
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.expert_wait_us += us;
+  }
   if (!failed.ok()) {
     // Nothing stays pinned by a failed call.
     std::vector<int> pinned;
@@ -216,16 +343,26 @@ void ExpertCache::Release(absl::Span<const int> units) {
 }
 
 void ExpertCache::Prefetch(absl::Span<const int> units, bool needed) {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::deque<int>& queue = needed ? needed_ : guesses_;
-  if (!needed && guess_rate_ < kMinGuessRate && guesses_seen_++ % kGuessProbe != 0) return;
-  for (int unit : units) {
-    if (entries_.count(unit) || in_flight_.count(unit)) continue;
-    if (std::find(queue.begin(), queue.end(), unit) != queue.end()) continue;
-    queue.push_back(unit);
+  std::vector<int> advise;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::deque<int>& queue = needed ? needed_ : guesses_;
+    if (!needed && !units.empty()) {
+      const int d = std::min(Distance(units[0]), kGuessDistances - 1);
+      if (guess_rate_[d] < kMinGuessRate && guesses_seen_[d]++ % kGuessProbe != 0) return;
+    }
+    for (int unit : units) {
+      if (entries_.count(unit) || in_flight_.count(unit)) continue;
+      if (std::find(queue.begin(), queue.end(), unit) != queue.end()) continue;
+      queue.push_back(unit);
+      // The first two needed ones are asked of the disk now: the reader may
+      // be busy with a guess, and the disk serves several requests at once.
+      if (needed && advise.size() < 2) advise.push_back(unit);
+    }
+    while (guesses_.size() > kMaxGuesses) guesses_.pop_front();
+    cv_.notify_all();
   }
-  while (guesses_.size() > kMaxGuesses) guesses_.pop_front();
-  cv_.notify_all();
+  for (int unit : advise) Advise(unit);
 }
 
 void ExpertCache::ReaderLoop() {
@@ -234,21 +371,41 @@ void ExpertCache::ReaderLoop() {
     cv_.wait(lock, [&] { return stop_ || !needed_.empty() || !guesses_.empty(); });
     if (stop_) return;
     const bool needed = !needed_.empty();
-    std::deque<int>& queue = needed ? needed_ : guesses_;
-    const int unit = queue.front();
-    queue.pop_front();
+    int unit = -1;
+    if (needed) {
+      unit = needed_.front();
+      needed_.pop_front();
+    } else {
+      // The guess for the nearest layer; guesses for the layer running now
+      // or one passed are stale (its needed reads have been asked for).
+      if (options_.positions > 1) {
+        guesses_.erase(std::remove_if(guesses_.begin(), guesses_.end(),
+                                      [&](int u) { return Distance(u) >= options_.positions - 1; }),
+                       guesses_.end());
+      }
+      if (guesses_.empty()) continue;
+      auto best = std::min_element(guesses_.begin(), guesses_.end(),
+                                   [&](int a, int b) { return Distance(a) < Distance(b); });
+      unit = *best;
+      guesses_.erase(best);
+    }
     if (entries_.count(unit) || in_flight_.count(unit)) continue;
     const int64_t bytes = units_[unit].bytes;
     if (bytes > options_.budget_bytes || !MakeRoom(bytes, needed ? -1 : unit)) continue;
     in_flight_[unit] = true;
     used_bytes_ += bytes;  // its room is taken while it is read
+    // The next needed unit's pages are asked for now too, so the disk has
+    // the next requests queued while this one's arrive.
+    const int after = needed && !needed_.empty() ? needed_.front() : -1;
     lock.unlock();
+    if (after >= 0) Advise(after);
     absl::StatusOr<Entry> entry = Read(unit);
     lock.lock();
     in_flight_.erase(unit);
     if (entry.ok()) {
       entry->prefetched = true;
       entry->guess = !needed;
+      entry->guess_distance = Distance(unit);
       if (!needed) stats_.expert_guess_reads++;
       entry->last_use = ++clock_;
       entries_[unit] = *std::move(entry);

@@ -8,21 +8,38 @@
 // reader thread reads the rest of a block's picked experts while the first
 // ones compute, and reads ahead experts a caller guesses it will need.
 //
-// Replacement. Experts are used in a cycle: the sparse layers in order, one
-// pass a step. Each unit has its layer's position in that cycle, and the
-// cache evicts the unit whose next use can come latest: the one whose layer
-// comes farthest after the layer being run (the layer just run first, the
-// next layer last), the least recently used among those. When a step's
-// experts fit, this keeps what recent steps used, as least-recently-used
-// would; when they do not (a batch routed to most experts), it keeps a
-// stable part of them, where least-recently-used evicts each expert just
-// before its layer comes round again and hits nothing.
+// Replacement keeps what the routing reuses: each unit has a score, its uses
+// counted with a decay of kScoreDecay a step (a pass over the sparse layers),
+// so it follows how often the router picks it lately; the cache evicts the
+// unpinned unit of the lowest score. Among equal scores (units never used, or
+// a step that uses every expert once, as a long prompt's does) it evicts the
+// unit whose next use can come latest: experts are used in a cycle, the
+// sparse layers in order, so that is the one whose layer comes farthest
+// after the layer being run (the layer just run first, the next layer last),
+// the least recently used among those. Frequency is what decode at batch 1
+// needs (its routing picks a few experts per layer again and again: the ones
+// it picks most stay); the cycle is what a step whose experts do not all fit
+// needs (a stable part of them stays, where least-recently-used evicts each
+// expert just before its layer comes round and hits nothing).
 //
 // Guesses cost a read when wrong, which on a disk-bound step is read time a
 // needed expert waits for, and save only the overlap with compute when
-// right: the cache keeps a running rate of guesses used, and while it is
-// under kMinGuessRate reads only one guess in kGuessProbe (to notice when
-// guessing gets better).
+// right: the cache keeps a running rate of guesses used for each distance
+// (guesses for the next sparse layer, the one after, ...), and while a
+// distance's rate is under kMinGuessRate reads only one of its guesses in
+// kGuessProbe (to notice when guessing gets better). The reader reads the
+// guess for the nearest layer first, and drops guesses for layers passed.
+//
+// Where units come from: a unit whose tensors are mapped from their files
+// (a cpu execution device, Source::mapping) is used in place, the page
+// cache's own pages: reading it makes them resident (MADV_WILLNEED, so the
+// kernel reads in large requests several at once, then MADV_POPULATE_READ),
+// and evicting it unmaps them (the page cache keeps them until the kernel
+// needs the memory: a second level of cache; or drops them too with
+// Options::release_pages), so the cache's budget is the memory its units
+// hold and a warm page cache (a run before this one) is read at memory speed. Other
+// units are read into buffers (ReadCoalesced, O_DIRECT when asked), and
+// staged to a GPU execution device.
 //
 // Two threads: the compute thread calls Acquire / Release / Prefetch; the
 // reader thread serves Prefetch. An acquired unit is pinned (never evicted)
@@ -56,6 +73,11 @@ namespace accel::dispatch::internal {
 // Below this share of guesses used, guessing is mostly off (see ExpertCache).
 inline constexpr double kMinGuessRate = 0.7;
 inline constexpr uint64_t kGuessProbe = 8;
+// Guesses are told apart by distance up to this many layers ahead.
+inline constexpr int kGuessDistances = 4;
+// A use's weight in a unit's score after n steps: kScoreDecay^n (a half-life
+// of about 23 steps).
+inline constexpr double kScoreDecay = 0.97;
 
 class ExpertCache {
  public:
@@ -64,6 +86,9 @@ class ExpertCache {
     DeviceStager* stager = nullptr;  // a GPU execution device's copy stream; not owned
     bool direct = false;             // disk reads bypass the page cache (ReadCoalesced)
     int positions = 1;               // sparse layers in the cycle
+    // Mapped units: an evicted unit's pages leave the page cache too, rather
+    // than stay there (as a second level of cache the kernel reclaims first).
+    bool release_pages = false;
   };
 
   // `tensors` is the dispatch core's table of offloaded tensors; it must
@@ -103,22 +128,41 @@ class ExpertCache {
     std::vector<int> tensors;
     int64_t bytes = 0;
     int position = 0;
+    double score = 0;  // decayed uses, as of step `score_step`
+    uint64_t score_step = 0;
+  };
+  // A range of a mapped file that a unit uses in place.
+  struct Span {
+    const FileMapping* mapping;
+    uint64_t offset, bytes;
   };
   struct Entry {
     std::vector<at::Tensor> values;
     std::vector<at::Tensor> buffers;  // host buffers (disk reads), reused after eviction
+    std::vector<Span> spans;          // mapped units: given back on eviction
     int pins = 0;
     uint64_t last_use = 0;
     bool prefetched = false;  // brought by the reader and not used since
     bool guess = false;       // ... as a guess
+    int guess_distance = 0;   // ... made this many sparse layers ahead
   };
 
   // A guess read ahead was used (or evicted unused): the running rate.
-  void CountGuess(bool used);  // mu_ held
+  void CountGuess(bool used, int distance);  // mu_ held
   // Reads one unit (no lock held).
   absl::StatusOr<Entry> Read(int unit);
+  // A mapped unit's file ranges (adjacent ones merged); empty for a unit
+  // that is read into buffers.
+  std::vector<Span> MappedSpans(int unit) const;
+  // Starts reading a mapped unit's pages (no lock needed).
+  void Advise(int unit) const;
   // How far after the layer being run a unit's layer comes (larger: used later).
   int Distance(int unit) const;  // mu_ held
+  // The unit's decayed uses now, and one more use of it.
+  double Score(int unit) const;  // mu_ held
+  void CountUse(int unit);       // mu_ held
+  // Whether `a` should be evicted before `b` (lower score; then used later).
+  bool EvictsBefore(int a, int b) const;  // mu_ held
   // Evicts unpinned entries that will be used later than `unit` would be
   // (any, for unit -1), farthest first, until `bytes` more fit; whether they do.
   bool MakeRoom(int64_t bytes, int unit = -1);  // mu_ held
@@ -138,8 +182,10 @@ class ExpertCache {
   int64_t used_bytes_ = 0;
   uint64_t clock_ = 0;
   int current_position_ = 0;  // the layer of the latest Acquire
-  double guess_rate_ = 1.0;   // running share of guesses read that were used
-  uint64_t guesses_seen_ = 0;
+  uint64_t step_ = 0;         // passes over the sparse layers (scores decay by them)
+  // Running share of guesses read that were used, by distance.
+  double guess_rate_[kGuessDistances] = {1.0, 1.0, 1.0, 1.0};
+  uint64_t guesses_seen_[kGuessDistances] = {};
   bool stop_ = false;
   OffloadStats stats_;
   std::thread reader_;

@@ -5,9 +5,12 @@
 #include <cstring>
 #include <fcntl.h>
 #include <numeric>
+#include <string>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <utility>
+#include <vector>
 
 #include <ATen/Functions.h>
 
@@ -81,13 +84,17 @@ absl::StatusOr<std::shared_ptr<FileMapping>> FileMapping::Open(const OpenFile& f
     addr = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, file.fd(), 0);
     if (addr == MAP_FAILED) return ErrnoStatus(errno, absl::StrCat("mapping ", file.path()));
   }
-  std::shared_ptr<FileMapping> mapping(new FileMapping(addr, size));
+  // The mapping's own descriptor of the same open file (never the path
+  // again): Evict() advises the page cache through it.
+  const int fd = ::fcntl(file.fd(), F_DUPFD_CLOEXEC, 0);
+  std::shared_ptr<FileMapping> mapping(new FileMapping(fd, addr, size));
   mapping->registration_ = MappedFileRegistration(addr, size, file.path());
   return mapping;
 }
 
 FileMapping::~FileMapping() {
   if (addr_ != nullptr) ::munmap(addr_, size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void FileMapping::Populate(uint64_t offset, uint64_t n) const {
@@ -116,6 +123,42 @@ void FileMapping::Drop(uint64_t offset, uint64_t n) const {
   // Advice on a read-only shared mapping: nothing is lost, the pages come
   // back from the page cache (or the file) on the next touch.
   (void)::madvise(static_cast<char*>(addr_) + begin, end - begin, MADV_DONTNEED);
+}
+
+void FileMapping::WillNeed(uint64_t offset, uint64_t n) const {
+  if (n == 0 || offset >= size_) return;
+  n = std::min(n, size_ - offset);
+  const uint64_t page = PageSize();
+  const uint64_t begin = offset / page * page;
+  (void)::madvise(static_cast<char*>(addr_) + begin, offset + n - begin, MADV_WILLNEED);
+}
+
+void FileMapping::Evict(uint64_t offset, uint64_t n) const {
+  Drop(offset, n);
+  if (n == 0 || offset >= size_) return;
+  n = std::min(n, size_ - offset);
+  const uint64_t page = PageSize();
+  const uint64_t begin = (offset + page - 1) / page * page;
+  const uint64_t end = (offset + n) / page * page;
+  if (end <= begin) return;
+  if (fd_ < 0) return;  // advice: the pages stay cached, which costs memory, not data
+  (void)::posix_fadvise(fd_, static_cast<off_t>(begin), static_cast<off_t>(end - begin),
+                        POSIX_FADV_DONTNEED);
+}
+
+uint64_t FileMapping::Missing(uint64_t offset, uint64_t n) const {
+  if (n == 0 || offset >= size_) return 0;
+  n = std::min(n, size_ - offset);
+  const uint64_t page = PageSize();
+  const uint64_t begin = offset / page * page;
+  const uint64_t length = offset + n - begin;
+  std::vector<unsigned char> resident((length + page - 1) / page);
+  if (::mincore(static_cast<char*>(addr_) + begin, length, resident.data()) != 0) return n;
+  uint64_t missing = 0;
+  for (unsigned char r : resident) {
+    if ((r & 1) == 0) missing += page;
+  }
+  return std::min(missing, n);
 }
 
 at::Tensor MappedView(const Source& source) {

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -69,9 +70,21 @@ class FileMapping {
   // and a later use maps them again. Pages shared with a neighbour at the
   // edges stay.
   void Drop(uint64_t offset, uint64_t n) const;
+  // Starts reading [offset, offset + n) into the page cache and returns
+  // (MADV_WILLNEED): the kernel reads it in large requests, several at once,
+  // which a later Populate() then waits for. Advice: nothing fails.
+  void WillNeed(uint64_t offset, uint64_t n) const;
+  // Drop(), then the whole pages of the range leave the page cache too
+  // (POSIX_FADV_DONTNEED; pages another process maps stay): memory the
+  // process gives back for good, where it holds more than memory can keep.
+  void Evict(uint64_t offset, uint64_t n) const;
+  // Bytes of whole pages in [offset, offset + n) that the page cache does
+  // not hold now (mincore): what a Populate() would read from disk.
+  uint64_t Missing(uint64_t offset, uint64_t n) const;
 
  private:
-  FileMapping(void* addr, uint64_t size) : addr_(addr), size_(size) {}
+  FileMapping(int fd, void* addr, uint64_t size) : fd_(fd), addr_(addr), size_(size) {}
+  int fd_ = -1;  // -1 when dup() failed: Evict() then leaves the page cache alone
   void* addr_ = nullptr;
   uint64_t size_ = 0;
   MappedFileRegistration registration_;

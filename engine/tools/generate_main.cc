@@ -262,6 +262,16 @@ int Run(int argc, char** argv) {
   auto engine = accel::engine::LlmEngine::Load(options, /*stats=*/nullptr);
   if (!engine.ok()) return Fail(engine.status());
   const double load_seconds = std::chrono::duration<double>(Clock::now() - load_start).count();
+  if (const accel::engine::ModelInfo& info = (*engine)->info(); info.disk_weight_bytes > 0) {
+    std::cerr << absl::StrFormat(
+        "accel-generate: loaded in %.2f s; %s of weights on disk, read as used%s; in memory: %s "
+        "of weights, %s expert cache, %s read-ahead, %s KV (budget %s)\n",
+        load_seconds, accel::FormatBytes(info.disk_weight_bytes),
+        info.direct_reads ? " (O_DIRECT)" : "", accel::FormatBytes(info.resident_weight_bytes),
+        accel::FormatBytes(info.expert_cache_bytes), accel::FormatBytes(info.read_buffer_bytes),
+        accel::FormatBytes(std::max<int64_t>(0, info.planned_kv_cache_bytes)),
+        accel::FormatBytes(info.memory_budget_bytes));
+  }
 
   // Generation ends at the model's context whatever --max_new_tokens says.
   const int64_t room =
@@ -325,6 +335,19 @@ int Run(int argc, char** argv) {
         accel::FormatBytes(static_cast<int64_t>(
             static_cast<double>(stats.bytes_read + stats.bytes_mapped) / tokens)),
         accel::FormatBytes(stats.bytes_dropped));
+    if (stats.expert_fetches > 0) {
+      std::cerr << absl::StrFormat(
+          "accel-generate: experts: %.2f s waited for by the forward, %.2f s spent reading "
+          "(%.2f GB/s), %d guesses read, %d of them used, %s read again after the kernel "
+          "reclaimed them\n",
+          static_cast<double>(stats.expert_wait_us) / 1e6,
+          static_cast<double>(stats.expert_read_us) / 1e6,
+          stats.expert_read_us > 0 ? static_cast<double>(stats.expert_bytes_read) /
+                                         static_cast<double>(stats.expert_read_us) / 1e3
+                                   : 0.0,
+          stats.expert_guess_reads, stats.expert_guess_hits,
+          accel::FormatBytes(stats.expert_bytes_reread));
+    }
   }
   return 0;
 }

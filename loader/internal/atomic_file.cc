@@ -74,6 +74,29 @@ absl::Status AtomicFile::Write(absl::string_view bytes) {
   return absl::OkStatus();
 }
 
+absl::Status AtomicFile::WriteAt(uint64_t offset, absl::string_view bytes) {
+  if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, ": already finished"));
+  while (!bytes.empty()) {
+    ssize_t n = ::pwrite(fd_, bytes.data(), bytes.size(), static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, absl::StrCat("writing ", path_));
+    }
+    bytes.remove_prefix(static_cast<size_t>(n));
+    offset += static_cast<uint64_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+void AtomicFile::WriteBehind() {
+  if (fd_ < 0) return;
+  // Pages written back since the last call are clean now and go; the dirty
+  // ones start their write-back and go next time. Both are advice: an error
+  // leaves the pages cached, which costs memory, never data.
+  (void)::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);
+  (void)::sync_file_range(fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
+}
+
 absl::Status AtomicFile::Finish() {
   if (fd_ < 0) return absl::FailedPreconditionError(absl::StrCat(path_, ": already finished"));
   int fd = std::exchange(fd_, -1);

@@ -4,6 +4,7 @@
 #ifndef ACCEL_LOADER_INTERNAL_ATOMIC_FILE_H_
 #define ACCEL_LOADER_INTERNAL_ATOMIC_FILE_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
@@ -27,6 +28,13 @@ class AtomicFile {
 
   // Appends all of `bytes` (retrying short writes).
   absl::Status Write(absl::string_view bytes);
+  // Writes all of `bytes` at `offset` (pwrite; the append position is left
+  // as it was), so a file's parts can be written in any order.
+  absl::Status WriteAt(uint64_t offset, absl::string_view bytes);
+  // Starts writing back what has been written so far and drops from the page
+  // cache what an earlier call started (and is clean by now), so writing a
+  // file much larger than memory keeps about two calls' worth of it cached.
+  void WriteBehind();
   // Flushes to disk and closes; the file still has its temporary name.
   absl::Status Finish();
   // Renames the finished file to its final path and syncs the folder.

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -303,6 +304,7 @@ class SparseMoe : public Layer {
     for (size_t e = 0; e < rows.size(); ++e) {
       if (!rows[e].empty()) hit.push_back(static_cast<int64_t>(e));
     }
+    TraceRouting(rows);
     // Each picked expert's weighted output, added in ascending order below.
     std::vector<at::Tensor> outputs(experts_.size());
     const auto run = [&](int64_t e) {
@@ -361,6 +363,23 @@ class SparseMoe : public Layer {
   }
 
  private:
+  // With $ACCEL_ROUTING_TRACE set, a line per block and step: the block's
+  // experts list, then "expert:rows" for each expert picked (for studying
+  // the expert cache's policy on real routing).
+  void TraceRouting(const std::vector<std::vector<int64_t>>& rows) const {
+    static std::FILE* trace = [] {
+      const char* path = std::getenv("ACCEL_ROUTING_TRACE");
+      return path != nullptr && *path != '\0' ? std::fopen(path, "a") : nullptr;
+    }();
+    if (trace == nullptr) return;
+    std::string line = experts_name_;
+    for (size_t e = 0; e < rows.size(); ++e) {
+      if (!rows[e].empty()) absl::StrAppend(&line, " ", e, ":", rows[e].size());
+    }
+    std::fprintf(trace, "%s\n", line.c_str());
+    std::fflush(trace);
+  }
+
   std::string experts_name_;
   int64_t top_k_;
   bool norm_topk_;
@@ -439,23 +458,32 @@ class DecoderLayer : public Layer {
     return SumOverRanks(moe ? moe->forward(x, step) : mlp->forward(x), step);
   }
 
-  // Reads ahead the experts the next sparse layer's router would pick for
+  // Reads ahead the experts the next sparse layers' routers would pick for
   // this layer's residual stream: it changes little from one layer to the
-  // next, so the guess is mostly right, and a wrong one costs only a read.
+  // next, so the guess is mostly right for the next layer and less so
+  // farther on; a wrong one costs a read. Several layers ahead, because a
+  // read from disk takes as long as many layers' compute: the cache reads
+  // the nearest layer's guesses first and keeps a rate of use per distance.
   void GuessNext(const at::Tensor& x, StepState& step) {
-    DecoderLayer& next = *next_sparse;
-    if (!next.moe->CanRoute() || next.post_attention_layernorm->weight.is_meta() ||
-        !step.dispatched->FetchesExpertsOf(next.moe->experts_name())) {
-      return;
+    DecoderLayer* next = next_sparse;
+    for (int ahead = 0; ahead < kGuessLayers && next != nullptr;
+         ++ahead, next = next->next_sparse) {
+      if (!next->moe->CanRoute() || next->post_attention_layernorm->weight.is_meta() ||
+          !step.dispatched->FetchesExpertsOf(next->moe->experts_name())) {
+        return;
+      }
+      const at::Tensor& w = next->post_attention_layernorm->weight;
+      at::Tensor h = next->post_attention_layernorm->forward(x.to(w.device()));
+      at::Tensor picked = std::get<1>(next->moe->Route(h.reshape({-1, h.size(-1)})));
+      at::Tensor unique = std::get<0>(at::_unique(picked.reshape({-1}).to(at::kCPU)));
+      std::vector<int64_t> experts(unique.data_ptr<int64_t>(),
+                                   unique.data_ptr<int64_t>() + unique.numel());
+      step.dispatched->PrefetchExperts(next->moe->experts_name(), next->moe->Local(experts));
     }
-    const at::Tensor& w = next.post_attention_layernorm->weight;
-    at::Tensor h = next.post_attention_layernorm->forward(x.to(w.device()));
-    at::Tensor picked = std::get<1>(next.moe->Route(h.reshape({-1, h.size(-1)})));
-    at::Tensor unique = std::get<0>(at::_unique(picked.reshape({-1}).to(at::kCPU)));
-    std::vector<int64_t> experts(unique.data_ptr<int64_t>(),
-                                 unique.data_ptr<int64_t>() + unique.numel());
-    step.dispatched->PrefetchExperts(next.moe->experts_name(), next.moe->Local(experts));
   }
+
+  // How many sparse layers ahead GuessNext reads.
+  static constexpr int kGuessLayers = 3;
 
   std::optional<int64_t> window_;
   bool local_;

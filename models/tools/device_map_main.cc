@@ -120,7 +120,15 @@ int Run() {
     if (!mm.ok()) return Fail(mm.status());
     probed = true;
   }
-  if (load.offload_experts) {
+  const std::string& offload_experts = load.offload_experts;
+  if (offload_experts != "auto" && offload_experts != "true" && offload_experts != "false") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--offload_experts '", offload_experts, "': expected auto, true or false")));
+  }
+  // The plan printed is the one asked for: auto (loading's default, which
+  // turns experts on only when the model does not fit) prints Accelerate's
+  // whole-block plan here, as false does; true plans the experts one by one.
+  if (offload_experts == "true") {
     if (model_dir.empty()) {
       return Fail(
           absl::InvalidArgumentError("--offload_experts needs --model (its config names "
@@ -184,7 +192,7 @@ int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "accel-device-map (--model DIR | --tree FILE.json) [--max_memory 0=10GiB,cpu=30GiB]\n"
       "  [--no_split A,B] [--dtype bfloat16] [--strategy auto] [--offload_buffers] [--verbose]\n"
-      "  [--offload_experts [--expert_cache 2GiB]]\n"
+      "  [--offload_experts true [--expert_cache 2GiB]]\n"
       "Prints the device map as one JSON object: {\"module.name\": 0 | \"cpu\" | \"disk\"}.");
   accel::models::RegisterLoadFlags();
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);

@@ -15,6 +15,7 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "core/tool_main.h"
+#include "loader/config.h"
 #include "models/make_model.h"
 
 ABSL_FLAG(std::string, family, "llama",
@@ -50,11 +51,20 @@ ABSL_FLAG(int64_t, sliding_window_pattern, 6, "gemma3_text: every n-th layer att
 ABSL_FLAG(int64_t, longrope_factor, 0,
           "phi3: LongRoPE over max_position_embeddings = factor x the original context; 0: none.");
 ABSL_FLAG(double, partial_rotary_factor, 1.0, "phi3: the rotated fraction of each head.");
-ABSL_FLAG(std::string, dtype, "float32", "float32 | float16 | bfloat16");
+ABSL_FLAG(std::string, dtype, "auto",
+          "float32 | float16 | bfloat16 | auto (--config's torch_dtype, else float32)");
 ABSL_FLAG(uint64_t, seed, 0, "Seed: the same flags and seed give the same bytes.");
 ABSL_FLAG(std::string, size, "",
           "Target weight size (e.g. 1GiB, 500MB): picks --num_layers to match.");
 ABSL_FLAG(std::string, max_shard_size, "5GB", "Shard the weights past this size (e.g. 2GB).");
+ABSL_FLAG(std::string, config, "",
+          "A real config.json to make the model of (family, shapes, experts, RoPE...), instead "
+          "of the shape flags; bos/eos become the made tokenizer's.");
+ABSL_FLAG(std::string, quantize, "none",
+          "Write the checkpoint pre-quantized, as accel-quantize would from the same weights "
+          "(bitsandbytes' layout): none | nf4 | fp4 | int8. Streams layer by layer.");
+ABSL_FLAG(bool, double_quant, false, "With nf4 / fp4: quantize the absmaxes too.");
+ABSL_FLAG(int64_t, quant_blocksize, 64, "With nf4 / fp4: elements per absmax.");
 
 namespace {
 
@@ -71,7 +81,8 @@ int Main(int argc, char** argv) {
       "Writes config.json, generation_config.json, model.safetensors (or shards + index)\n"
       "and tokenizer.json with seeded random weights. Example:\n"
       "  accel-make-model /tmp/tiny --family llama --num_kv_heads 2\n"
-      "  accel-make-model /tmp/big --family llama --hidden_size 2048 --size 4GiB --dtype bfloat16");
+      "  accel-make-model /tmp/big --family llama --hidden_size 2048 --size 4GiB --dtype bfloat16\n"
+      "  accel-make-model /tmp/mixtral-nf4 --config mixtral-8x7b.json --quantize nf4");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::cerr << "accel-make-model: expected exactly one OUT_DIR (see --help)\n";
@@ -114,9 +125,24 @@ int Main(int argc, char** argv) {
   options.longrope_factor = absl::GetFlag(FLAGS_longrope_factor);
   options.partial_rotary_factor = absl::GetFlag(FLAGS_partial_rotary_factor);
   options.seed = absl::GetFlag(FLAGS_seed);
-  auto dtype = accel::ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (const std::string path = absl::GetFlag(FLAGS_config); !path.empty()) {
+    auto config = accel::loader::ReadModelConfig(path);
+    if (!config.ok()) return Fail(accel::Annotate(config.status(), "--config"));
+    options.config = *std::move(config);
+  }
+  std::string dtype_name = absl::GetFlag(FLAGS_dtype);
+  if (dtype_name == "auto") {
+    dtype_name = options.config && !options.config->torch_dtype.empty()
+                     ? options.config->torch_dtype
+                     : "float32";
+  }
+  auto dtype = accel::ParseDType(dtype_name);
   if (!dtype.ok()) return Fail(accel::Annotate(dtype.status(), "--dtype"));
   options.dtype = *dtype;
+  options.quantize = absl::GetFlag(FLAGS_quantize);
+  options.double_quant = absl::GetFlag(FLAGS_double_quant);
+  options.quant_blocksize = absl::GetFlag(FLAGS_quant_blocksize);
+  options.progress = accel::Progress::Style::kAuto;
   if (std::string size = absl::GetFlag(FLAGS_size); !size.empty()) {
     auto bytes = accel::ParseByteSize(size);
     if (!bytes.ok()) return Fail(accel::Annotate(bytes.status(), "--size"));
@@ -128,10 +154,11 @@ int Main(int argc, char** argv) {
 
   auto made = accel::models::MakeModel(args[1], options);
   if (!made.ok()) return Fail(made.status());
-  std::cout << absl::StrFormat("%s: %s, %d layers, %d parameters, %s of weights in %d file(s)\n",
-                               args[1], made->config.architectures[0],
-                               made->config.num_hidden_layers, made->parameters,
-                               accel::FormatBytes(static_cast<int64_t>(made->bytes)), made->files);
+  std::cout << absl::StrFormat(
+      "%s: %s, %d layers, %d parameters, %s of weights%s in %d file(s)\n", args[1],
+      made->config.architectures[0], made->config.num_hidden_layers, made->parameters,
+      accel::FormatBytes(static_cast<int64_t>(made->bytes)),
+      options.quantize == "none" ? "" : absl::StrCat(" (", options.quantize, ")"), made->files);
   return 0;
 }
 

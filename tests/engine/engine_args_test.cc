@@ -4,6 +4,7 @@
 // option naming its flag, before anything of the model is read.
 #include "engine/engine_args.h"
 
+#include <optional>
 #include <string>
 
 #include <gmock/gmock.h>
@@ -74,10 +75,10 @@ TEST(EngineArgsTest, EveryLoadAndEngineOptionHasItsFlag) {
   EXPECT_EQ(a.load.quant_blocksize, 128);
   EXPECT_EQ(a.load.int8_threshold, 4.5);
   EXPECT_EQ(a.load.quant_compute_dtype, "float32");
-  EXPECT_TRUE(a.load.offload_experts);
+  EXPECT_EQ(a.load.offload_experts, "true");
   EXPECT_EQ(a.load.expert_cache, "2GiB");
   EXPECT_EQ(a.load.execution_device, "cpu");
-  EXPECT_TRUE(a.load.direct_reads);
+  EXPECT_EQ(a.load.direct_reads, std::optional<bool>(true));
   EXPECT_FALSE(a.load.map_disk);
   EXPECT_FALSE(a.load.prefetch);
   EXPECT_EQ(a.threads, 3);
@@ -157,6 +158,8 @@ TEST_F(ResolveTest, EachBadOptionIsNamed) {
       "--int8_threshold -1");
   Bad([](EngineArgs& a) { a.load.quant_compute_dtype = "int8"; }, StatusCode::kInvalidArgument,
       "--quant_compute_dtype 'int8'");
+  Bad([](EngineArgs& a) { a.load.offload_experts = "sometimes"; }, StatusCode::kInvalidArgument,
+      "--offload_experts 'sometimes': expected auto, true or false");
   Bad([](EngineArgs& a) { a.load.expert_cache = "lots"; }, StatusCode::kInvalidArgument,
       "--expert_cache");
   Bad([](EngineArgs& a) { a.load.execution_device = "disk"; }, StatusCode::kInvalidArgument,

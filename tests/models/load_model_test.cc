@@ -2,6 +2,7 @@
 // logits as all on the cpu), the stop tokens, and each bad option.
 #include "models/load_model.h"
 
+#include <algorithm>
 #include <chrono>
 #include <fcntl.h>
 #include <filesystem>
@@ -18,20 +19,25 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 #include "core/file_faults.h"
 #include "loader/config.h"
 #include "loader/loader.h"
 #include "models/make_model.h"
+#include "models/quantize.h"
 #include "tests/testing/command.h"
+#include "tests/testing/scoped_env.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
 namespace accel::models {
 namespace {
 
+using ::accel::test::FilesUnder;
 using ::accel::test::IsOk;
+using ::accel::test::ScopedEnv;
 using ::accel::test::StatusIs;
 using ::accel::test::TempDir;
 using ::testing::AllOf;
@@ -97,13 +103,73 @@ TEST_F(LoadModelTest, DTypeFollowsTheOptionOrTheConfig) {
   ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel m, LoadModel(dir_.path(), options));
   EXPECT_EQ(m.dtype, at::kBFloat16);
   EXPECT_EQ(Logits(m).scalar_type(), at::kFloat);  // logits are always float32
-  // A bfloat16 disk placement of a float32 checkpoint needs the offload folder.
+  // A bfloat16 disk placement of a float32 checkpoint is a conversion,
+  // written once: by default into a folder of the user's cache, one per
+  // model and conversion.
+  TempDir cache;
+  ScopedEnv cache_dir("ACCEL_CACHE_DIR", cache.path());
   options.device_map = "disk";
-  EXPECT_THAT(LoadModel(dir_.path(), options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("offload")));
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel cached, LoadModel(dir_.path(), options));
+  EXPECT_TRUE(at::equal(Logits(cached), Logits(m)));
+  std::vector<std::string> written = FilesUnder(cache.path());
+  EXPECT_EQ(std::count_if(written.begin(), written.end(),
+                          [](const std::string& f) {
+                            return absl::EndsWith(f, "/index.json") &&
+                                   absl::StrContains(f, "/offload/");
+                          }),
+            1);
+  EXPECT_GT(written.size(), 1u);
+  // Or where asked; the cache is left alone.
   options.offload_folder = dir_.path() + "/offload";
   ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel offloaded, LoadModel(dir_.path(), options));
   EXPECT_TRUE(at::equal(Logits(offloaded), Logits(m)));
+  EXPECT_EQ(FilesUnder(cache.path()), written);
+  EXPECT_TRUE(std::filesystem::exists(dir_.path() + "/offload/index.json"));
+}
+
+TEST_F(LoadModelTest, AnOffloadFolderWithoutRoomIsRefusedBeforeWriting) {
+  ModelLoadOptions options = Options("disk");
+  options.dtype = "bfloat16";  // a conversion: it must be written
+  // procfs has no free blocks, and nothing can be made there.
+  options.offload_folder = "/proc/accel-offload-test";
+  EXPECT_THAT(LoadModel(dir_.path(), options),
+              StatusIs(absl::StatusCode::kResourceExhausted,
+                       AllOf(HasSubstr("/proc/accel-offload-test"), HasSubstr("free"))));
+  EXPECT_FALSE(std::filesystem::exists(options.offload_folder));
+}
+
+// Issue 32: a pre-quantized checkpoint (packed codes, absmax, quant maps,
+// the int8 weight and SCB) and the 16-bit tensors beside them are read from
+// their shards in place, with layers on disk: nothing is written anywhere.
+TEST_F(LoadModelTest, APreQuantizedModelWithLayersOnDiskWritesNothing) {
+  for (const char* method : {"nf4", "int8"}) {
+    SCOPED_TRACE(method);
+    TempDir quantized, cache;
+    ScopedEnv cache_dir("ACCEL_CACHE_DIR", cache.path());
+    {
+      ModelLoadOptions q = Options("cpu");
+      q.quantize = method;
+      q.double_quant = std::string(method) == "nf4";
+      ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel loaded, LoadModel(dir_.path(), q));
+      ASSERT_THAT(SaveQuantizedModel(loaded, quantized.path()), IsOk());
+    }
+    const std::vector<std::string> files = FilesUnder(quantized.path());
+    ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel all_cpu, LoadModel(quantized.path(), Options("cpu")));
+    for (const char* map : {"disk", "auto"}) {
+      SCOPED_TRACE(map);
+      ModelLoadOptions options = Options(map);
+      if (std::string(map) == "auto") options.max_memory = "cpu=20KB,disk=1GB";
+      ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel offloaded, LoadModel(quantized.path(), options));
+      EXPECT_TRUE(offloaded.prequantized);
+      EXPECT_GT(offloaded.memory.disk_weight_bytes, 0);
+      EXPECT_TRUE(at::equal(Logits(offloaded), Logits(all_cpu)));
+      // The disk layers came from the shards themselves.
+      const dispatch::OffloadStats stats = offloaded.dispatched->stats();
+      EXPECT_GT(stats.bytes_read + stats.bytes_mapped, 0);
+    }
+    EXPECT_EQ(FilesUnder(cache.path()), std::vector<std::string>{});  // nothing written
+    EXPECT_EQ(FilesUnder(quantized.path()), files);                   // nor beside the model
+  }
 }
 
 TEST_F(LoadModelTest, StopTokensComeFromTheGenerationConfigFirst) {
@@ -429,10 +495,19 @@ TEST_F(LoadModelTest, APytorchModelBinLoadsToTheSameLogitsAsSafetensors) {
   std::ofstream(map) << R"({"model.embed_tokens": "cpu", "model.layers": "disk",
                            "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"})";
   ModelLoadOptions tight = Options(map);
-  EXPECT_THAT(
-      LoadModel(bin.path(), tight),
-      StatusIs(absl::StatusCode::kInvalidArgument,
-               AllOf(HasSubstr(strided), HasSubstr("strided view"), HasSubstr("offload folder"))));
+  {
+    // Without an offload folder, the copy goes to the default one in the
+    // user's cache (issue 32), which is made for it.
+    TempDir cache;
+    ScopedEnv cache_dir("ACCEL_CACHE_DIR", cache.path());
+    ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel cached, LoadModel(bin.path(), tight));
+    EXPECT_TRUE(at::equal(Logits(cached), expected));
+    const std::vector<std::string> written = FilesUnder(cache.path());
+    EXPECT_EQ(std::count_if(
+                  written.begin(), written.end(),
+                  [&](const std::string& f) { return absl::EndsWith(f, "/" + strided + ".dat"); }),
+              1);
+  }
   tight.offload_folder = bin.File("offload");
   ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel split, LoadModel(bin.path(), tight));
   EXPECT_THAT(split.device_map.ToJson(), HasSubstr("disk"));

@@ -29,13 +29,16 @@
 #include "models/load_model.h"
 #include "models/make_model.h"
 #include "quant/cuda_matmul.h"
+#include "tests/testing/scoped_env.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
 namespace accel::models {
 namespace {
 
+using ::accel::test::FilesUnder;
 using ::accel::test::IsOk;
+using ::accel::test::ScopedEnv;
 using ::accel::test::StatusIs;
 using ::accel::test::TempDir;
 using ::testing::AllOf;
@@ -267,12 +270,17 @@ TEST_F(QuantizeTest, QuantizingOnLoadAlsoWorksWithDiskOffload) {
   const std::vector<int64_t> ids = Prompt(5, cpu.config.vocab_size);
   ModelLoadOptions disk = Options("nf4");
   disk.device_map = "disk";
-  EXPECT_THAT(LoadModel(dir_.path(), disk),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("offload folder")));
-  TempDir offload;
+  // Quantized on loading, then written once (a real conversion): to the
+  // offload folder given, else to one in the user's cache.
+  TempDir offload, cache;
+  ScopedEnv cache_dir("ACCEL_CACHE_DIR", cache.path());
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel cached, LoadModel(dir_.path(), disk));
+  EXPECT_TRUE(at::equal(Logits(cached, ids), Logits(cpu, ids)));
+  EXPECT_FALSE(FilesUnder(cache.path()).empty());
   disk.offload_folder = offload.path();
   ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel from_disk, LoadModel(dir_.path(), disk));
   EXPECT_TRUE(at::equal(Logits(from_disk, ids), Logits(cpu, ids)));
+  EXPECT_FALSE(FilesUnder(offload.path()).empty());
 }
 
 TEST_F(QuantizeTest, BadOptionsAndBrokenCheckpointsNameTheProblem) {

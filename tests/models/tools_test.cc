@@ -131,7 +131,7 @@ TEST(ToolsTest, DeviceMapPlacesExpertsOneByOneWithOffloadExperts) {
             0);
   std::remove((dir.path() + "/model.safetensors").c_str());  // planning never reads weights
   Result r = RunToolStdout("accel-device-map --model " + dir.path() +
-                           " --max_memory cpu=1MiB,disk=1GiB --offload_experts --verbose");
+                           " --max_memory cpu=1MiB,disk=1GiB --offload_experts=true --verbose");
   ASSERT_EQ(r.exit_code, 0) << r.out;
   nlohmann::json map = nlohmann::json::parse(r.out);
   EXPECT_EQ(map["model.layers.1.self_attn"], "cpu");
@@ -140,7 +140,7 @@ TEST(ToolsTest, DeviceMapPlacesExpertsOneByOneWithOffloadExperts) {
   EXPECT_EQ(map["model.layers.1.block_sparse_moe.experts"], "disk");
   EXPECT_FALSE(map.contains("model.layers.1"));
   Result verbose = RunTool("accel-device-map --model " + dir.path() +
-                           " --max_memory cpu=1MiB,disk=1GiB --offload_experts --verbose");
+                           " --max_memory cpu=1MiB,disk=1GiB --offload_experts=true --verbose");
   EXPECT_THAT(verbose.out, HasSubstr("expert cache: 512 KiB"));
 
   // Without it, Accelerate's plan: no key inside a MixtralDecoderLayer, never split.
@@ -153,7 +153,7 @@ TEST(ToolsTest, DeviceMapPlacesExpertsOneByOneWithOffloadExperts) {
   Result dense = RunTool("accel-make-model " + dir.path() + "/llama --num_layers 1");
   ASSERT_EQ(dense.exit_code, 0);
   Result refused = RunTool("accel-device-map --model " + dir.path() +
-                           "/llama --max_memory cpu=1MiB --offload_experts");
+                           "/llama --max_memory cpu=1MiB --offload_experts=true");
   EXPECT_EQ(refused.exit_code, 1);
   EXPECT_THAT(refused.out, HasSubstr("no mixture-of-experts layers"));
 }

@@ -160,7 +160,7 @@ TEST(ChaosFilesTest, AFailedExpertReadIsLoggedAndEndsInARestart) {
                                " --num_kv_heads 2 --num_experts 8 --num_experts_per_tok 2"
                                " --max_position_embeddings 256 --seed 5 --max_shard_size 100KB"));
   auto server = ServerProcess::Start(
-      model, {"--offload_experts", "--max_memory=cpu=600KB,disk=1GB", "--expert_cache=20KB"});
+      model, {"--offload_experts=true", "--max_memory=cpu=600KB,disk=1GB", "--expert_cache=20KB"});
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE(Answer(**server).ok()) << (*server)->Stderr();
   // Every shard that holds experts only is cut short: the next expert read fails.
@@ -183,7 +183,14 @@ TEST(ChaosFilesTest, AFailedExpertReadIsLoggedAndEndsInARestart) {
     ++cut;
   }
   ASSERT_GT(cut, 0) << index;
-  ExpectFaultEnds(**server, "ends before byte", HasSubstr(".experts."));
+  // On a cpu execution device the experts are used in place from their
+  // shards' mapping (issue 32's default), so the cut is met as a SIGBUS on
+  // the mapping; read into buffers (O_DIRECT, a GPU) it is a short pread
+  // naming the expert's tensor. Either must end the same way.
+  ExpectFaultEnds(
+      **server, ".safetensors",
+      ::testing::AnyOf(HasSubstr("SIGBUS reading the mapping"),
+                       ::testing::AllOf(HasSubstr("ends before byte"), HasSubstr(".experts."))));
   EXPECT_THAT((*server)->Stderr(), HasSubstr("a step failed"));
 }
 

@@ -722,7 +722,7 @@ const std::string& MixtralModelDir() {
 // answers of the model held in RAM, and the expert counters move.
 TEST(ServeOffloadTest, OffloadedExpertsAnswerAsTheModelInRamAndAreCounted) {
   auto server =
-      StartOrDie(MixtralModelDir(), {"--offload_experts", "--max_memory=cpu=1MiB,disk=1GiB"});
+      StartOrDie(MixtralModelDir(), {"--offload_experts=true", "--max_memory=cpu=1MiB,disk=1GiB"});
   ASSERT_NE(server, nullptr);
   auto stub = Generation::NewStub(server->Channel());
   const std::string prompt = "Experts on disk";

@@ -2,10 +2,12 @@
 #ifndef ACCEL_TESTS_TESTING_TEMP_DIR_H_
 #define ACCEL_TESTS_TESTING_TEMP_DIR_H_
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 
@@ -39,6 +41,18 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// The regular files below `dir`, recursively, as sorted paths.
+inline std::vector<std::string> FilesUnder(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (auto it = std::filesystem::recursive_directory_iterator(dir, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    if (it->is_regular_file()) out.push_back(it->path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
 
 inline std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
