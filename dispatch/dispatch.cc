@@ -140,10 +140,7 @@ struct DispatchedModel::Impl {
   // Mapped disk sources (LoadOptions::map_disk): the byte spans of each
   // group in its files, and the released groups whose pages are still in
   // the process, oldest first, within `mapped_allowance` bytes (<0: all).
-  struct Span {
-    const internal::FileMapping* mapping;
-    uint64_t offset, bytes;
-  };
+  using Span = internal::MappedSpan;
   std::vector<std::vector<Span>> group_spans;
   int64_t mapped_allowance = -1;
   std::deque<int> kept;
@@ -163,20 +160,7 @@ struct DispatchedModel::Impl {
       if (!src.mapping) continue;
       spans.push_back({src.mapping.get(), src.offset, src.nbytes});
     }
-    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
-      return a.mapping != b.mapping ? a.mapping < b.mapping : a.offset < b.offset;
-    });
-    std::vector<Span> merged;
-    for (const Span& sp : spans) {
-      if (!merged.empty() && merged.back().mapping == sp.mapping &&
-          merged.back().offset + merged.back().bytes >= sp.offset) {
-        Span& last = merged.back();
-        last.bytes = std::max(last.offset + last.bytes, sp.offset + sp.bytes) - last.offset;
-      } else {
-        merged.push_back(sp);
-      }
-    }
-    return merged;
+    return MergeSpans(std::move(spans));
   }
 
   // `group` is in use or about to be: its pages must not be dropped.

@@ -144,20 +144,7 @@ std::vector<ExpertCache::Span> ExpertCache::MappedSpans(int unit) const {
     if (!src.mapping) return {};
     spans.push_back({src.mapping.get(), src.offset, src.nbytes});
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
-    return a.mapping != b.mapping ? a.mapping < b.mapping : a.offset < b.offset;
-  });
-  std::vector<Span> merged;
-  for (const Span& sp : spans) {
-    if (!merged.empty() && merged.back().mapping == sp.mapping &&
-        merged.back().offset + merged.back().bytes >= sp.offset) {
-      Span& last = merged.back();
-      last.bytes = std::max(last.offset + last.bytes, sp.offset + sp.bytes) - last.offset;
-    } else {
-      merged.push_back(sp);
-    }
-  }
-  return merged;
+  return MergeSpans(std::move(spans));
 }
 
 void ExpertCache::Advise(int unit) const {
@@ -182,13 +169,7 @@ absl::StatusOr<ExpertCache::Entry> ExpertCache::Read(int unit) {
       entry.values.push_back(std::move(view));
     }
     entry.spans = std::move(spans);
-    const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
-                           std::chrono::steady_clock::now() - start)
-                           .count();
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.expert_fetches++;
-    stats_.expert_read_us += us;
-    stats_.expert_bytes_read += static_cast<int64_t>(missing);
+    CountRead(start, static_cast<int64_t>(missing));
     return entry;
   }
   std::vector<const Source*> disk;
@@ -226,15 +207,20 @@ absl::StatusOr<ExpertCache::Entry> ExpertCache::Read(int unit) {
     // The host buffers are free again once the copies are done.
     for (at::Tensor& b : std::exchange(entry.buffers, {})) buffers_.Give(std::move(b));
   }
+  CountRead(start, static_cast<int64_t>(read));
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.bytes_to_device += to_device;
+  return entry;
+}
+
+void ExpertCache::CountRead(std::chrono::steady_clock::time_point start, int64_t bytes) {
   const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
                          std::chrono::steady_clock::now() - start)
                          .count();
   std::lock_guard<std::mutex> lock(mu_);
   stats_.expert_fetches++;
   stats_.expert_read_us += us;
-  stats_.expert_bytes_read += static_cast<int64_t>(read);
-  stats_.bytes_to_device += to_device;
-  return entry;
+  stats_.expert_bytes_read += bytes;
 }
 
 absl::StatusOr<std::vector<std::vector<at::Tensor>>> ExpertCache::Acquire(

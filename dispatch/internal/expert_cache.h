@@ -49,6 +49,7 @@
 #ifndef ACCEL_DISPATCH_INTERNAL_EXPERT_CACHE_H_
 #define ACCEL_DISPATCH_INTERNAL_EXPERT_CACHE_H_
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -132,10 +133,7 @@ class ExpertCache {
     uint64_t score_step = 0;
   };
   // A range of a mapped file that a unit uses in place.
-  struct Span {
-    const FileMapping* mapping;
-    uint64_t offset, bytes;
-  };
+  using Span = MappedSpan;
   struct Entry {
     std::vector<at::Tensor> values;
     std::vector<at::Tensor> buffers;  // host buffers (disk reads), reused after eviction
@@ -149,6 +147,8 @@ class ExpertCache {
 
   // A guess read ahead was used (or evicted unused): the running rate.
   void CountGuess(bool used, int distance);  // mu_ held
+  // One expert read of `bytes` from disk that took since `start`.
+  void CountRead(std::chrono::steady_clock::time_point start, int64_t bytes);
   // Reads one unit (no lock held).
   absl::StatusOr<Entry> Read(int unit);
   // A mapped unit's file ranges (adjacent ones merged); empty for a unit

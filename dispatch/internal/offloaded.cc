@@ -294,4 +294,21 @@ absl::StatusOr<ReadTensors> ReadCoalesced(const std::vector<const Source*>& tens
   return out;
 }
 
+std::vector<MappedSpan> MergeSpans(std::vector<MappedSpan> spans) {
+  std::sort(spans.begin(), spans.end(), [](const MappedSpan& a, const MappedSpan& b) {
+    return a.mapping != b.mapping ? a.mapping < b.mapping : a.offset < b.offset;
+  });
+  std::vector<MappedSpan> merged;
+  for (const MappedSpan& sp : spans) {
+    if (!merged.empty() && merged.back().mapping == sp.mapping &&
+        merged.back().offset + merged.back().bytes >= sp.offset) {
+      MappedSpan& last = merged.back();
+      last.bytes = std::max(last.offset + last.bytes, sp.offset + sp.bytes) - last.offset;
+    } else {
+      merged.push_back(sp);
+    }
+  }
+  return merged;
+}
+
 }  // namespace accel::dispatch::internal

@@ -161,6 +161,16 @@ absl::StatusOr<ReadTensors> ReadCoalesced(const std::vector<const Source*>& tens
                                           const std::vector<std::string>& names, bool direct,
                                           const BufferSource& buffer);
 
+// A byte range of a mapped file that a group or an expert uses in place.
+struct MappedSpan {
+  const FileMapping* mapping;
+  uint64_t offset, bytes;
+};
+
+// `spans` sorted by mapping and offset, with overlapping or adjacent ranges
+// joined: one advice (or read) a range instead of one a tensor.
+std::vector<MappedSpan> MergeSpans(std::vector<MappedSpan> spans);
+
 }  // namespace accel::dispatch::internal
 
 #endif  // ACCEL_DISPATCH_INTERNAL_OFFLOADED_H_
