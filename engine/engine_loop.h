@@ -40,6 +40,8 @@
 
 namespace accel::engine {
 
+enum class Finish { kLength, kEos, kStop, kCancelled };
+
 // The tokens one step produced for one request.
 struct TokenChunk {
   std::vector<int64_t> token_ids;
@@ -47,9 +49,14 @@ struct TokenChunk {
   // One per token when the request asked for top_logprobs.
   std::vector<std::vector<TokenLogprob>> top_logprobs;
   std::string text;  // text that became final (may be empty)
+  // The choice it belongs to (GenerationRequest::n), 0 for a single one.
+  int64_t index = 0;
+  // With n > 1: set on a choice's last chunk (how it ended, its own token
+  // count), since OnDone comes once for all of them.
+  std::optional<Finish> finish;
+  int64_t generated_tokens = 0;  // with `finish`: the choice's tokens
 };
 
-enum class Finish { kLength, kEos, kStop, kCancelled };
 // "length", "eos", "stop", "cancelled".
 const char* FinishName(Finish finish);
 

@@ -122,6 +122,9 @@ absl::Status InputProcessor::Process(GenerationRequest& request) const {
       request.max_new_tokens = std::min(request.max_new_tokens, room);
     }
   }
+  // A min_tokens beyond a defaulted max_new_tokens (the client set none)
+  // means "as many as allowed".
+  request.min_tokens = std::min(request.min_tokens, request.max_new_tokens);
   if (!request.ignore_eos) {
     request.stop_token_ids.insert(request.stop_token_ids.end(), options_.eos_token_ids.begin(),
                                   options_.eos_token_ids.end());

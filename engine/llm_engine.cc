@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -10,7 +11,9 @@
 
 #include <torch/nn/module.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 #include "core/bytes.h"
 #include "core/dtype.h"
@@ -31,6 +34,11 @@
 #include "models/nn.h"
 
 namespace accel::engine {
+
+struct LlmEngine::Choices {
+  absl::Mutex mu;
+  std::map<uint64_t, std::vector<uint64_t>> groups ABSL_GUARDED_BY(mu);
+};
 
 struct LlmEngine::Model {
   models::LoadedModel loaded;
@@ -98,6 +106,89 @@ absl::Status CountParameters(const models::LoadedModel& loaded, ModelInfo& info)
   });
 }
 
+// The n choices of one request, as one sink: chunks carry their choice's
+// index, a choice's end becomes its last chunk's finish, and the client's
+// sink hears OnDone once, after the last choice, with every choice's tokens
+// counted (OpenAI's usage.completion_tokens) and the first failure if any.
+class ChoicesSink {
+ public:
+  ChoicesSink(std::shared_ptr<RequestSink> sink, int64_t n, std::function<void()> on_done)
+      : sink_(std::move(sink)), left_(n), on_done_(std::move(on_done)) {}
+
+  // Nothing reaches the client's sink any more (a later choice could not be
+  // queued: the client got that error instead).
+  void Abandon() {
+    absl::MutexLock lock(&mu_);
+    abandoned_ = true;
+  }
+
+  void OnTokens(int64_t index, TokenChunk chunk) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (abandoned_) return;
+    }
+    chunk.index = index;
+    sink_->OnTokens(std::move(chunk));
+  }
+
+  void OnDone(int64_t index, const absl::Status& status, const Completion& completion) {
+    bool last = false;
+    Completion total;
+    absl::Status first_error;
+    {
+      absl::MutexLock lock(&mu_);
+      if (abandoned_) return;
+      if (!status.ok() && status_.ok()) status_ = status;
+      if (index == 0 || left_ == 0) done_ = completion;
+      generated_ += completion.generated_tokens;
+      longest_ = std::max(longest_, completion.total);
+      last = --left_ == 0;
+      if (last) {
+        total = done_;
+        total.generated_tokens = generated_;
+        total.total = longest_;
+        first_error = status_;
+      }
+    }
+    if (status.ok()) {
+      TokenChunk end;
+      end.index = index;
+      end.finish = completion.finish;
+      end.generated_tokens = completion.generated_tokens;
+      sink_->OnTokens(std::move(end));
+    }
+    if (!last) return;
+    if (on_done_) on_done_();
+    sink_->OnDone(first_error, total);
+  }
+
+ private:
+  const std::shared_ptr<RequestSink> sink_;
+  absl::Mutex mu_;
+  bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t left_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  Completion done_ ABSL_GUARDED_BY(mu_);  // choice 0's (its timings)
+  int64_t generated_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Duration longest_ ABSL_GUARDED_BY(mu_);
+  const std::function<void()> on_done_;
+};
+
+// One choice's sink: its events, tagged with its index, to the group.
+class ChoiceSink : public RequestSink {
+ public:
+  ChoiceSink(std::shared_ptr<ChoicesSink> group, int64_t index)
+      : group_(std::move(group)), index_(index) {}
+  void OnTokens(TokenChunk chunk) override { group_->OnTokens(index_, std::move(chunk)); }
+  void OnDone(const absl::Status& status, const Completion& completion) override {
+    group_->OnDone(index_, status, completion);
+  }
+
+ private:
+  const std::shared_ptr<ChoicesSink> group_;
+  const int64_t index_;
+};
+
 }  // namespace
 
 LlmEngine::~LlmEngine() {
@@ -107,6 +198,7 @@ LlmEngine::~LlmEngine() {
 absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& options,
                                                            StatLogger* stats) {
   std::unique_ptr<LlmEngine> engine(new LlmEngine());
+  engine->choices_ = std::make_shared<Choices>();
   engine->options_ = options;
   engine->stats_ = stats;
   engine->model_ = std::make_unique<Model>();
@@ -266,6 +358,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
     const auto prompt = static_cast<int64_t>(request.prompt_ids.size());
     std::vector<std::unique_ptr<LogitsProcessor>> parts;
     parts.push_back(MakePenaltyLogitsProcessor(request.sampling, prompt));
+    parts.push_back(
+        MakeMinTokensLogitsProcessor(request.stop_token_ids, request.min_tokens, prompt));
     if (request.structured && structured != nullptr) {
       // Compiled (and cached) when the request was submitted.
       auto compiled = structured->Compile(*request.structured);
@@ -316,6 +410,51 @@ dispatch::OffloadStats LlmEngine::offload_stats() const {
   return stats;
 }
 
+void LlmEngine::Cancel(uint64_t id) {
+  std::vector<uint64_t> ids = {id};
+  {
+    absl::MutexLock lock(&choices_->mu);
+    auto found = choices_->groups.find(id);
+    if (found != choices_->groups.end()) ids = found->second;
+  }
+  for (uint64_t each : ids) loop_->Cancel(each);
+}
+
+absl::StatusOr<uint64_t> LlmEngine::SubmitChoices(GenerationRequest request,
+                                                  std::shared_ptr<RequestSink> sink) {
+  const int64_t n = request.n;
+  request.n = 1;
+  // The group's entry goes when the last choice ends; it may end before
+  // every choice was queued only if queueing failed (then no entry is made).
+  auto key = std::make_shared<std::optional<uint64_t>>();
+  std::weak_ptr<Choices> choices = choices_;
+  auto group = std::make_shared<ChoicesSink>(std::move(sink), n, [choices, key] {
+    std::shared_ptr<Choices> held = choices.lock();
+    if (held == nullptr) return;
+    absl::MutexLock lock(&held->mu);
+    if (key->has_value()) held->groups.erase(**key);
+  });
+  std::vector<uint64_t> ids;
+  // The map entry exists before any choice can end (the lock is held while
+  // they are queued; ending takes it too).
+  absl::MutexLock lock(&choices_->mu);
+  for (int64_t i = 0; i < n; ++i) {
+    GenerationRequest choice = request;
+    if (request.sampling.seed) choice.sampling.seed = *request.sampling.seed + i;
+    absl::StatusOr<uint64_t> id =
+        loop_->Submit(std::move(choice), std::make_shared<ChoiceSink>(group, i));
+    if (!id.ok()) {
+      group->Abandon();
+      for (uint64_t queued : ids) loop_->Cancel(queued);
+      return id.status();
+    }
+    ids.push_back(*id);
+  }
+  *key = ids.front();
+  choices_->groups[ids.front()] = ids;
+  return ids.front();
+}
+
 absl::StatusOr<uint64_t> LlmEngine::Submit(GenerationRequest request,
                                            std::shared_ptr<RequestSink> sink) {
   absl::Status completed = model_->inputs->Process(request);
@@ -335,8 +474,10 @@ absl::StatusOr<uint64_t> LlmEngine::Submit(GenerationRequest request,
       completed = model_->structured->Compile(*request.structured).status();
     }
   }
-  absl::StatusOr<uint64_t> id = completed.ok() ? loop_->Submit(std::move(request), std::move(sink))
-                                               : absl::StatusOr<uint64_t>(completed);
+  absl::StatusOr<uint64_t> id = !completed.ok() ? absl::StatusOr<uint64_t>(completed)
+                                : request.n > 1
+                                    ? SubmitChoices(std::move(request), std::move(sink))
+                                    : loop_->Submit(std::move(request), std::move(sink));
   if (!id.ok() && stats_ != nullptr) {
     switch (id.status().code()) {
       case absl::StatusCode::kNotFound:

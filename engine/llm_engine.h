@@ -109,8 +109,14 @@ class LlmEngine {
   // returns its id for Cancel. Errors name the field: NotFound for another
   // model name; InvalidArgument for a bad request; ResourceExhausted when
   // the queue is full; Unavailable when draining.
+  //
+  // n > 1: n sequences of the same prompt (sharing its KV blocks: it is
+  // prefilled once), choice i seeded seed + i; each chunk carries its
+  // choice's index, a choice's last chunk its finish, and OnDone comes once,
+  // after the last choice, with the tokens of all of them (OpenAI's usage).
   absl::StatusOr<uint64_t> Submit(GenerationRequest request, std::shared_ptr<RequestSink> sink);
-  void Cancel(uint64_t id) { loop_->Cancel(id); }
+  // With n > 1 the id stands for all the choices: Cancel ends them all.
+  void Cancel(uint64_t id);
   // One token's text, as the OpenAI API's logprobs show it: the token
   // decoded alone (special tokens included; a piece of a UTF-8 character
   // decodes to U+FFFD). Empty without a tokenizer or for an unknown id.
@@ -129,12 +135,18 @@ class LlmEngine {
  private:
   struct Model;
   LlmEngine() = default;
+  // Queues request.n choices (Submit, n > 1).
+  absl::StatusOr<uint64_t> SubmitChoices(GenerationRequest request,
+                                         std::shared_ptr<RequestSink> sink);
 
   EngineOptions options_;
   StatLogger* stats_ = nullptr;
   ModelInfo info_;
   std::unique_ptr<Model> model_;  // the loaded models and the input processor (torch types)
   std::unique_ptr<EngineLoop> loop_;
+  // n > 1: the first choice's id -> every choice's, while they run.
+  struct Choices;
+  std::shared_ptr<Choices> choices_;
 };
 
 }  // namespace accel::engine

@@ -39,6 +39,13 @@ struct OutputProcessor::Detokenizer {
   std::string text;
   size_t emitted = 0;
   size_t longest_stop = 0;
+  bool include_stop = false;  // the text ends after the stop string, not before
+  int64_t min_tokens = 0;     // stop strings are looked for from the token after these
+  int64_t tokens = 0;         // generated so far
+
+  // Whether stop strings are matched now (vLLM: once more than min_tokens
+  // tokens were generated).
+  bool matching() const { return tokens > min_tokens; }
 
   // Appends decoded text; returns what may go out now, and whether a stop
   // string ended the text (which is then cut before it).
@@ -48,11 +55,17 @@ struct OutputProcessor::Detokenizer {
     // The earliest stop string that appears, searching only where the new
     // piece could have completed one.
     size_t cut = std::string::npos;
-    for (const std::string& stop : stop_strings) {
+    size_t cut_end = std::string::npos;
+    for (const std::string& stop : matching() ? stop_strings : std::vector<std::string>()) {
       const size_t from = before >= stop.size() ? before - stop.size() + 1 : 0;
-      cut = std::min(cut, text.find(stop, from));
+      const size_t at = text.find(stop, from);
+      if (at < cut) {
+        cut = at;
+        cut_end = at + stop.size();
+      }
     }
     if (cut != std::string::npos) {
+      if (include_stop) cut = cut_end;
       text.resize(cut);
       std::string out = cut > emitted ? text.substr(emitted) : std::string();
       emitted = text.size();
@@ -101,6 +114,8 @@ void OutputProcessor::Add(uint64_t id, const GenerationRequest& request) {
   auto d = std::make_unique<Detokenizer>();
   if (text_streams_) d->stream = text_streams_();
   d->stop_strings = request.stop_strings;
+  d->include_stop = request.include_stop_str_in_output;
+  d->min_tokens = request.min_tokens;
   for (const std::string& stop : d->stop_strings) {
     d->longest_stop = std::max(d->longest_stop, stop.size());
   }
@@ -124,6 +139,7 @@ std::vector<TokenEvent> OutputProcessor::Process(std::vector<RequestUpdate> upda
       if (i < update.logprobs.size()) event.logprob = update.logprobs[i];
       if (i < update.top_logprobs.size()) event.top_logprobs = std::move(update.top_logprobs[i]);
       bool stopped = false;
+      ++d.tokens;
       if (d.stream != nullptr)
         std::tie(event.text, stopped) = d.Take(d.stream->Next(event.token_id));
       if (stopped) {

@@ -1,6 +1,7 @@
 #include "engine/penalty_logits_processor.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <utility>
 
@@ -53,6 +54,25 @@ class PenaltyLogitsProcessor : public LogitsProcessor {
   int64_t prompt_tokens_;
 };
 
+class MinTokensLogitsProcessor : public LogitsProcessor {
+ public:
+  MinTokensLogitsProcessor(std::vector<int64_t> stop_token_ids, int64_t min_tokens,
+                           int64_t prompt_tokens)
+      : stop_token_ids_(std::move(stop_token_ids)), until_(prompt_tokens + min_tokens) {}
+
+  void Apply(absl::Span<const int64_t> previous, at::Tensor& logits) override {
+    if (static_cast<int64_t>(previous.size()) >= until_) return;
+    const int64_t vocab = logits.size(0);
+    for (int64_t id : stop_token_ids_) {
+      if (id >= 0 && id < vocab) logits[id].fill_(-std::numeric_limits<float>::infinity());
+    }
+  }
+
+ private:
+  std::vector<int64_t> stop_token_ids_;
+  int64_t until_;  // the position (prompt + min_tokens) from which stops may be sampled
+};
+
 class ChainedLogitsProcessor : public LogitsProcessor {
  public:
   explicit ChainedLogitsProcessor(std::vector<std::unique_ptr<LogitsProcessor>> parts)
@@ -73,6 +93,14 @@ std::unique_ptr<LogitsProcessor> MakePenaltyLogitsProcessor(const SamplingParams
     return nullptr;
   }
   return std::make_unique<PenaltyLogitsProcessor>(params, prompt_tokens);
+}
+
+std::unique_ptr<LogitsProcessor> MakeMinTokensLogitsProcessor(std::vector<int64_t> stop_token_ids,
+                                                              int64_t min_tokens,
+                                                              int64_t prompt_tokens) {
+  if (min_tokens <= 0 || stop_token_ids.empty()) return nullptr;
+  return std::make_unique<MinTokensLogitsProcessor>(std::move(stop_token_ids), min_tokens,
+                                                    prompt_tokens);
 }
 
 std::unique_ptr<LogitsProcessor> ChainLogitsProcessors(

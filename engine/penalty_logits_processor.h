@@ -20,6 +20,13 @@ namespace accel::engine {
 std::unique_ptr<LogitsProcessor> MakePenaltyLogitsProcessor(const SamplingParams& params,
                                                             int64_t prompt_tokens);
 
+// Masks `stop_token_ids` (-inf) at every position before `min_tokens`
+// tokens were generated (vLLM's min_tokens); null when min_tokens is 0 or
+// there is no stop token.
+std::unique_ptr<LogitsProcessor> MakeMinTokensLogitsProcessor(std::vector<int64_t> stop_token_ids,
+                                                              int64_t min_tokens,
+                                                              int64_t prompt_tokens);
+
 // Runs `parts` (nulls skipped) in order; null when none is left, the one
 // when one is.
 std::unique_ptr<LogitsProcessor> ChainLogitsProcessors(

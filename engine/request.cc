@@ -88,6 +88,27 @@ absl::Status ValidateGenerationRequest(const GenerationRequest& request,
                      ") is over the limit of ", limits.max_total_tokens, " tokens (",
                      limits.total_limit_name, ")"));
   }
+  if (request.n < 1 || request.n > kMaxChoices) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("n must be in [1, ", kMaxChoices, "], got ", request.n));
+  }
+  if (request.min_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("min_tokens must be 0 or more, got ", request.min_tokens));
+  }
+  if (request.max_new_tokens > 0 && request.min_tokens > request.max_new_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("min_tokens (", request.min_tokens,
+                                                   ") must not exceed max_new_tokens (",
+                                                   request.max_new_tokens, ")"));
+  }
+  for (size_t i = 0; i < request.stop_token_ids.size(); ++i) {
+    const int64_t id = request.stop_token_ids[i];
+    if (id < 0 || id >= limits.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("stop_token_ids[", i, "]: token id ", id,
+                                                     " is outside the vocabulary [0, ",
+                                                     limits.vocab_size, ")"));
+    }
+  }
   if (absl::Status sampling = ValidateSamplingParams(request.sampling); !sampling.ok()) {
     return sampling;
   }

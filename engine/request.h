@@ -68,6 +68,9 @@ struct ChatInput {
   bool add_generation_prompt = true;
 };
 
+// The most choices one request may ask for (OpenAI's bound on n).
+inline constexpr int64_t kMaxChoices = 128;
+
 // The most tokens top_logprobs may ask for (OpenAI's bound).
 inline constexpr int64_t kMaxTopLogprobs = 20;
 
@@ -97,6 +100,20 @@ struct GenerationRequest {
   std::vector<int64_t> stop_token_ids;    // the engine adds the model's eos unless ignore_eos
   std::vector<std::string> stop_strings;  // need text streams (a tokenizer)
   bool ignore_eos = false;
+  // Stop tokens (stop_token_ids and eos) are masked out of sampling and stop
+  // strings are not matched until this many tokens were generated (vLLM's
+  // min_tokens); at most max_new_tokens.
+  int64_t min_tokens = 0;
+  // A stop string that ends the text stays in it (vLLM's
+  // include_stop_str_in_output); by default the text ends before it.
+  bool include_stop_str_in_output = false;
+  // Choices generated for the prompt, each its own sampler stream (choice i
+  // of a seeded request draws from seed + i, as vLLM seeds them), in
+  // [1, kMaxChoices]. LlmEngine::Submit runs them as n sequences that share
+  // the prompt's KV blocks: the prompt is prefilled once (the scheduler
+  // holds a sequence back while another with the same prompt reads it, then
+  // it joins on the cached blocks).
+  int64_t n = 1;
   bool logprobs = false;  // report each generated token's log-probability
   // With logprobs: also the this many most likely tokens at each step, in
   // [0, kMaxTopLogprobs].
@@ -124,7 +141,9 @@ struct RequestLimits {
 // prompt, an id outside the vocabulary, a prompt over max_input_tokens,
 // prompt + max_new_tokens over max_total_tokens, max_new_tokens < 0, bad
 // sampling values, top_logprobs outside [0, 20] or without logprobs, an empty
-// stop string, or stop strings without text.
+// stop string, or stop strings without text, n outside [1, kMaxChoices],
+// min_tokens < 0 or over max_new_tokens (when that is set), a stop token id
+// outside the vocabulary.
 absl::Status ValidateGenerationRequest(const GenerationRequest& request,
                                        const RequestLimits& limits);
 

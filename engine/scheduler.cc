@@ -14,6 +14,7 @@ void Scheduler::Add(uint64_t id, const GenerationRequest& request) {
   r.token_ids = request.prompt_ids;
   r.num_prompt_tokens = static_cast<int64_t>(request.prompt_ids.size());
   r.max_new_tokens = request.max_new_tokens;
+  r.min_tokens = request.min_tokens;
   r.stop_token_ids = request.stop_token_ids;
   waiting_.push_back(id);
 }
@@ -130,12 +131,34 @@ SchedulerOutput Scheduler::Schedule() {
     work.push_back({id, tokens, drafts, left > 1});
   }
   // Waiting requests join in order while their whole input fits the free
-  // blocks (after reusing a cached prefix) and the budgets allow.
-  while (!waiting_.empty() && budget > 0 &&
-         (options_.max_num_seqs <= 0 ||
-          static_cast<int64_t>(running_.size()) < options_.max_num_seqs)) {
-    const uint64_t id = waiting_.front();
+  // blocks (after reusing a cached prefix) and the budgets allow. One whose
+  // prompt a running request is still reading waits for it (the n choices of
+  // a request, or the same prompt twice): once that one's blocks are cached
+  // it joins on them, so the prompt is prefilled once.
+  const bool share_prompts = kv_->pool().prefix_caching();
+  const auto reading_same_prompt = [&](const SchedulerRequest& r) {
+    if (!share_prompts || r.num_prompt_tokens < kv_->block_size() || r.num_output_tokens() > 0) {
+      return false;
+    }
+    for (uint64_t other_id : running_) {
+      const SchedulerRequest& other = requests_.at(other_id);
+      if (other.num_computed_tokens < other.num_prompt_tokens &&
+          other.num_prompt_tokens == r.num_prompt_tokens &&
+          std::equal(r.token_ids.begin(), r.token_ids.end(), other.token_ids.begin())) {
+        return true;
+      }
+    }
+    return false;
+  };
+  for (size_t next = 0; next < waiting_.size() && budget > 0 &&
+                        (options_.max_num_seqs <= 0 ||
+                         static_cast<int64_t>(running_.size()) < options_.max_num_seqs);) {
+    const uint64_t id = waiting_[next];
     SchedulerRequest& r = requests_.at(id);
+    if (reading_same_prompt(r)) {
+      ++next;
+      continue;
+    }
     const int64_t input = static_cast<int64_t>(r.token_ids.size());
     const std::optional<int64_t> prefix =
         kv_->Admit(id, r.token_ids, std::min(budget, prefill_cap));
@@ -148,7 +171,7 @@ SchedulerOutput Scheduler::Schedule() {
     if (take == input - *prefix && options_.lookahead_tokens > 0) {
       kv_->AllocateSlots(id, input + options_.lookahead_tokens);
     }
-    waiting_.pop_front();
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(next));
     running_.push_back(id);
     budget -= take;
     work.push_back({id, take, 0, /*prompt=*/true});  // its input, or its recomputation
@@ -206,8 +229,9 @@ std::vector<RequestUpdate> Scheduler::UpdateFromOutput(const SchedulerOutput& ou
       update.logprobs.push_back(i < t.logprobs.size() ? t.logprobs[i] : std::nullopt);
       update.top_logprobs.push_back(i < t.top_logprobs.size() ? t.top_logprobs[i]
                                                               : std::vector<TokenLogprob>());
-      if (std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), token) !=
-          r.stop_token_ids.end()) {
+      if (r.num_output_tokens() > r.min_tokens &&
+          std::find(r.stop_token_ids.begin(), r.stop_token_ids.end(), token) !=
+              r.stop_token_ids.end()) {
         update.finish = FinishReason::kEos;
       } else if (r.num_output_tokens() >= r.max_new_tokens ||
                  static_cast<int64_t>(r.token_ids.size()) >= position_limit) {

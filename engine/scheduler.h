@@ -73,6 +73,7 @@ struct SchedulerRequest {
   // Tokens whose keys and values are in the cache (a prefix hit counts).
   int64_t num_computed_tokens = 0;
   int64_t max_new_tokens = 0;
+  int64_t min_tokens = 0;  // a stop token ends it only after this many were generated
   std::vector<int64_t> stop_token_ids;
   // Drafted tokens to verify in the next step.
   std::vector<int64_t> draft_token_ids;

@@ -5,6 +5,7 @@
 // what cannot be served is refused when the engine loads, naming the field.
 #include "engine/llm_engine.h"
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -129,6 +130,129 @@ TEST_F(LlmEngineTest, PromptLookupAndADraftModelGiveThePlainTokens) {
   EXPECT_GT((*draft)->loop().snapshot().engine.spec_num_draft_tokens, 0);
 }
 
+// n choices' chunks by index, each choice's finish, and the one OnDone.
+class ChoicesSink : public RequestSink {
+ public:
+  void OnTokens(TokenChunk chunk) override {
+    absl::MutexLock lock(&mu_);
+    std::vector<int64_t>& tokens = tokens_[chunk.index];
+    tokens.insert(tokens.end(), chunk.token_ids.begin(), chunk.token_ids.end());
+    if (chunk.finish) {
+      EXPECT_FALSE(finish_.count(chunk.index)) << "choice " << chunk.index << " ended twice";
+      finish_[chunk.index] = *chunk.finish;
+      generated_[chunk.index] = chunk.generated_tokens;
+    }
+  }
+  void OnDone(const absl::Status& status, const Completion& completion) override {
+    {
+      absl::MutexLock lock(&mu_);
+      EXPECT_FALSE(done_.HasBeenNotified()) << "OnDone twice";
+      status_ = status;
+      completion_ = completion;
+    }
+    done_.Notify();
+  }
+  // Each choice's tokens, and the completion.
+  std::map<int64_t, std::vector<int64_t>> Wait(Completion* completion = nullptr) {
+    EXPECT_TRUE(done_.WaitForNotificationWithTimeout(absl::Seconds(60)));
+    absl::MutexLock lock(&mu_);
+    EXPECT_THAT(status_, IsOk());
+    for (const auto& [index, tokens] : tokens_) {
+      EXPECT_TRUE(finish_.count(index)) << "choice " << index << " has no finish";
+      EXPECT_EQ(generated_[index], static_cast<int64_t>(tokens.size()));
+    }
+    if (completion != nullptr) *completion = completion_;
+    return tokens_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<int64_t, std::vector<int64_t>> tokens_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, Finish> finish_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, int64_t> generated_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  Completion completion_ ABSL_GUARDED_BY(mu_);
+  absl::Notification done_;
+};
+
+// n > 1: choice i of a seeded request is the single request seeded seed + i;
+// the prompt is computed once (the other choices join on its cached
+// blocks); usage counts every choice's tokens; greedy choices are equal.
+TEST_F(LlmEngineTest, NChoicesShareThePromptAndEachIsItsOwnSeededStream) {
+  auto engine = LlmEngine::Load(Options(), nullptr);
+  ASSERT_THAT(engine, IsOk());
+  std::vector<int64_t> prompt;
+  for (int64_t id = 0; id < 40; ++id) prompt.push_back((id * 7) % 300);
+  GenerationRequest r;
+  r.prompt_ids = prompt;
+  r.max_new_tokens = 6;
+  r.ignore_eos = true;
+  r.sampling.temperature = 1.0;
+  r.sampling.seed = 1234;
+  // Each choice alone, on another engine (so this one's cache is cold).
+  auto other = LlmEngine::Load(Options(), nullptr);
+  ASSERT_THAT(other, IsOk());
+  std::vector<std::vector<int64_t>> alone;
+  for (uint64_t seed : {1234u, 1235u, 1236u}) {
+    GenerationRequest one = r;
+    one.sampling.seed = seed;
+    auto sink = std::make_shared<CollectingSink>();
+    ASSERT_THAT((*other)->Submit(one, sink), IsOk());
+    alone.push_back(sink->Wait());
+  }
+  EXPECT_NE(alone[0], alone[1]);  // the seeds differ, so do the choices
+  const EngineStats before = (*engine)->loop().snapshot().engine;
+  r.n = 3;
+  auto sink = std::make_shared<ChoicesSink>();
+  ASSERT_THAT((*engine)->Submit(r, sink), IsOk());
+  Completion completion;
+  std::map<int64_t, std::vector<int64_t>> choices = sink->Wait(&completion);
+  ASSERT_EQ(choices.size(), 3u);
+  for (int64_t i = 0; i < 3; ++i) EXPECT_EQ(choices[i], alone[i]) << "choice " << i;
+  EXPECT_EQ(completion.generated_tokens, 18);
+  EXPECT_EQ(completion.prompt_tokens, 40);
+  const EngineStats after = (*engine)->loop().snapshot().engine;
+  // 40 tokens once, then 8 (past the two full 16-token blocks) for each other.
+  EXPECT_EQ(after.prompt_tokens - before.prompt_tokens, 40 + 8 + 8);
+  EXPECT_EQ(after.prefix_hit_tokens - before.prefix_hit_tokens, 64);
+
+  // Greedy: every choice is the greedy text.
+  r.sampling.temperature = 0;
+  r.sampling.seed.reset();
+  r.n = 2;
+  sink = std::make_shared<ChoicesSink>();
+  ASSERT_THAT((*engine)->Submit(r, sink), IsOk());
+  choices = sink->Wait();
+  ASSERT_EQ(choices.size(), 2u);
+  EXPECT_EQ(choices[0], choices[1]);
+  EXPECT_EQ(choices[0].size(), 6u);
+}
+
+// min_tokens masks the stop tokens until that many were generated: the
+// token greedy decoding gives first, made a stop token, ends a request
+// at once, and with min_tokens 4 only after four others.
+TEST_F(LlmEngineTest, MinTokensMasksStopTokensUntilReached) {
+  auto engine = LlmEngine::Load(Options(), nullptr);
+  ASSERT_THAT(engine, IsOk());
+  const std::vector<int64_t> greedy = Run(**engine, {3, 1, 4, 1, 5}, 8);
+  ASSERT_EQ(greedy.size(), 8u);
+  GenerationRequest r;
+  r.prompt_ids = {3, 1, 4, 1, 5};
+  r.max_new_tokens = 8;
+  r.ignore_eos = true;
+  r.stop_token_ids = {greedy[0]};
+  auto sink = std::make_shared<CollectingSink>();
+  ASSERT_THAT((*engine)->Submit(r, sink), IsOk());
+  EXPECT_EQ(sink->Wait(), std::vector<int64_t>{greedy[0]});
+  r.min_tokens = 4;
+  sink = std::make_shared<CollectingSink>();
+  ASSERT_THAT((*engine)->Submit(r, sink), IsOk());
+  const std::vector<int64_t> got = sink->Wait();
+  ASSERT_GE(got.size(), 5u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NE(got[i], greedy[0]) << "token " << i;
+  for (size_t i = 4; i + 1 < got.size(); ++i) EXPECT_NE(got[i], greedy[0]) << "token " << i;
+}
+
 TEST_F(LlmEngineTest, WhatCannotBeServedIsRefusedAtLoadAndBadRequestsAtSubmit) {
   EXPECT_THAT(LlmEngine::Load(Options(R"({"model": ")" + dir_.path() +
                                       R"(/none", "num_speculative_tokens": 2})"),
@@ -151,6 +275,26 @@ TEST_F(LlmEngineTest, WhatCannotBeServedIsRefusedAtLoadAndBadRequestsAtSubmit) {
   r.sampling.top_k = -1;
   EXPECT_THAT((*engine)->Submit(r, std::make_shared<CollectingSink>()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("top_k")));
+  r.sampling.top_k = 0;
+  for (int64_t n : {0, -1, 129}) {
+    r.n = n;
+    EXPECT_THAT((*engine)->Submit(r, std::make_shared<CollectingSink>()),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("n must be in [1, 128]")));
+  }
+  r.n = 2;
+  r.max_new_tokens = 3;
+  r.min_tokens = 4;
+  EXPECT_THAT((*engine)->Submit(r, std::make_shared<CollectingSink>()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("min_tokens (4) must not exceed max_new_tokens (3)")));
+  r.min_tokens = -1;
+  EXPECT_THAT((*engine)->Submit(r, std::make_shared<CollectingSink>()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("min_tokens")));
+  r.min_tokens = 0;
+  r.stop_token_ids = {300};
+  EXPECT_THAT((*engine)->Submit(r, std::make_shared<CollectingSink>()),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("stop_token_ids[0]: token id 300 is outside")));
 }
 
 }  // namespace

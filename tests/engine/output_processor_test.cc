@@ -87,6 +87,36 @@ TEST(OutputProcessorTest, AStopStringIsNeverStreamedAndDropsTheRestOfTheStep) {
   EXPECT_EQ(events.back().finish, FinishReason::kStop);
 }
 
+TEST(OutputProcessorTest, IncludeStopStrInOutputKeepsTheStopString) {
+  OutputProcessor p = Letters();
+  GenerationRequest r;
+  r.stop_strings = {"cd"};
+  r.include_stop_str_in_output = true;
+  p.Add(1, r);
+  std::vector<TokenEvent> events = p.Process({Update(1, {0, 1, 2, 3, 4, 5})});
+  EXPECT_EQ(Text(events), "abcd");
+  EXPECT_EQ(events.back().token_id, 4);
+  EXPECT_EQ(events.back().finish, FinishReason::kStop);
+}
+
+// vLLM's min_tokens: stop strings are matched once more than min_tokens
+// tokens were generated; one completed earlier stays in the text.
+TEST(OutputProcessorTest, StopStringsAreNotMatchedBeforeMinTokens) {
+  OutputProcessor p = Letters();
+  GenerationRequest r;
+  r.stop_strings = {"b", "e"};
+  r.min_tokens = 3;
+  p.Add(1, r);
+  // Token 2 makes "b" readable (the letter of 1): 2 tokens, not matched.
+  std::vector<TokenEvent> events = p.Process({Update(1, {0, 1, 2})});
+  EXPECT_EQ(Text(events), "ab");
+  EXPECT_FALSE(events.back().finish.has_value());
+  events = p.Process({Update(1, {3, 4, 5, 6})});
+  EXPECT_EQ(Text(events), "cd");  // "e" (read with token 5) is a stop: matched now
+  EXPECT_EQ(events.back().token_id, 5);
+  EXPECT_EQ(events.back().finish, FinishReason::kStop);
+}
+
 TEST(OutputProcessorTest, TheFinalFlushCanCompleteAStopString) {
   OutputProcessor p = Letters();
   GenerationRequest r;

@@ -189,6 +189,56 @@ TEST(SchedulerTest, AJoiningRequestStartsAfterItsCachedPrefix) {
   EXPECT_EQ(kv.pool().prefix_hit_tokens(), 8);
 }
 
+// The n choices of a request are n requests of one prompt: the second
+// waits while the first reads it, then joins on its cached blocks, so the
+// prompt is computed once (and a request behind them is not held up).
+TEST(SchedulerTest, ASecondRequestOfTheSamePromptJoinsOnTheFirstsBlocks) {
+  KvCacheManager kv(16, 4, true);
+  Scheduler scheduler({}, &kv);
+  scheduler.Add(1, Request(Range(1, 10), 3));
+  scheduler.Add(2, Request(Range(1, 10), 3));
+  scheduler.Add(3, Request(Range(50, 3), 3));
+  SchedulerOutput out = scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  EXPECT_EQ(out.scheduled[0].id, 1u);
+  EXPECT_EQ(out.scheduled[1].id, 3u);
+  EXPECT_EQ(Find(out, 2), nullptr);
+  scheduler.UpdateFromOutput(out, RunnerStep(out));
+  out = scheduler.Schedule();
+  const ScheduledRequest* second = Find(out, 2);
+  ASSERT_NE(second, nullptr);
+  EXPECT_EQ(second->num_computed_tokens, 8);  // two full blocks of 4 cached
+  EXPECT_EQ(second->num_tokens, 2);
+  EXPECT_EQ(kv.pool().prefix_hit_tokens(), 8);
+
+  // Without prefix caching nothing could be shared: both read at once.
+  KvCacheManager plain(16, 4, false);
+  Scheduler alone({}, &plain);
+  alone.Add(1, Request(Range(1, 10), 3));
+  alone.Add(2, Request(Range(1, 10), 3));
+  EXPECT_EQ(alone.Schedule().scheduled.size(), 2u);
+}
+
+// min_tokens: a stop token does not end a request before it (the sampler
+// masks stop tokens until then; the scheduler agrees).
+TEST(SchedulerTest, AStopTokenEndsARequestOnlyAfterMinTokens) {
+  KvCacheManager kv(16, 4, true);
+  Scheduler scheduler({}, &kv);
+  GenerationRequest r = Request(Range(1, 3), 10, {7});
+  r.min_tokens = 2;
+  scheduler.Add(1, r);
+  SchedulerOutput out = scheduler.Schedule();
+  std::vector<RequestUpdate> updates = scheduler.UpdateFromOutput(out, RunnerStep(out));
+  ASSERT_EQ(updates.size(), 1u);
+  EXPECT_FALSE(updates[0].finish.has_value());  // token 1 of 2
+  out = scheduler.Schedule();
+  updates = scheduler.UpdateFromOutput(out, RunnerStep(out));
+  EXPECT_FALSE(updates[0].finish.has_value());  // token 2 of 2
+  out = scheduler.Schedule();
+  updates = scheduler.UpdateFromOutput(out, RunnerStep(out));
+  EXPECT_EQ(updates[0].finish, FinishReason::kEos);
+}
+
 // Three drafts verified with the last token: one accepted, then the
 // target's own token. The rejected two leave num_computed_tokens.
 TEST(SchedulerTest, DraftsAreVerifiedWithTheLastTokenAndRejectedOnesRollBack) {
