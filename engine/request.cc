@@ -90,15 +90,15 @@ absl::Status ValidateGenerationRequest(const GenerationRequest& request,
   }
   if (request.n < 1 || request.n > kMaxChoices) {
     return absl::InvalidArgumentError(
-        absl::StrCat("n must be in [1, ", kMaxChoices, "], got ", request.n));
+        absl::StrCat("n: must be in [1, ", kMaxChoices, "], got ", request.n));
   }
   if (request.min_tokens < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("min_tokens must be 0 or more, got ", request.min_tokens));
+        absl::StrCat("min_tokens: must be 0 or more, got ", request.min_tokens));
   }
   if (request.max_new_tokens > 0 && request.min_tokens > request.max_new_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("min_tokens (", request.min_tokens,
-                                                   ") must not exceed max_new_tokens (",
+    return absl::InvalidArgumentError(absl::StrCat("min_tokens: ", request.min_tokens,
+                                                   " is more than max_new_tokens (",
                                                    request.max_new_tokens, ")"));
   }
   for (size_t i = 0; i < request.stop_token_ids.size(); ++i) {

@@ -188,6 +188,8 @@ absl::StatusOr<engine::GenerationRequest> ChatToParams(const ChatRequest& reques
   params.stop_strings.assign(request.stop().begin(), request.stop().end());
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.ignore_eos = request.ignore_eos();
+  params.min_tokens = request.min_tokens();
+  params.include_stop_str_in_output = request.include_stop_str_in_output();
   params.logprobs = request.return_logprobs();
   params.structured = ToStructured(request.structured_output());
   params.deadline = CallDeadline(context);
@@ -208,6 +210,8 @@ engine::GenerationRequest ToParams(const GenerateRequest& request,
   params.stop_strings.assign(request.stop().begin(), request.stop().end());
   params.stop_token_ids.assign(request.stop_token_ids().begin(), request.stop_token_ids().end());
   params.ignore_eos = request.ignore_eos();
+  params.min_tokens = request.min_tokens();
+  params.include_stop_str_in_output = request.include_stop_str_in_output();
   params.logprobs = request.return_logprobs();
   params.structured = ToStructured(request.structured_output());
   params.deadline = CallDeadline(context);

@@ -1,9 +1,11 @@
 #include "server/internal/openai_convert.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -442,15 +444,42 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
   if (seed) g.sampling.seed = static_cast<uint64_t>(*seed);
   if (absl::Status s = ParseStop(body, g.stop_strings); !s.ok()) return s;
 
+  // n choices (range checked with the other request values:
+  // engine/request.h).
   std::optional<int64_t> n;
   if (absl::Status s = GetInt(body, "n", &n); !s.ok()) return s;
-  if (n && *n != 1) return FieldError("n", "only 1 is supported (one choice per request)");
+  if (n) g.n = *n;
+  // best_of (vLLM's; OpenAI's legacy completions) would rank best_of
+  // candidates by their likelihood server-side: not done here, so only the
+  // value that ranks nothing (n) is accepted.
   std::optional<int64_t> best_of;
   if (absl::Status s = GetInt(body, "best_of", &best_of); !s.ok()) return s;
-  if (best_of && *best_of != 1) return FieldError("best_of", "only 1 is supported");
+  if (best_of && *best_of != g.n) {
+    return FieldError("best_of",
+                      absl::StrCat("only best_of equal to n (", g.n,
+                                   ") is supported (no server-side ranking), got ", *best_of));
+  }
   std::optional<bool> echo;
   if (absl::Status s = GetBool(body, "echo", &echo); !s.ok()) return s;
-  if (echo.value_or(false)) return FieldError("echo", "is not supported");
+  if (echo.value_or(false)) {
+    return FieldError("echo", endpoint == OpenAiEndpoint::kChat
+                                  ? "is a /v1/completions field, not a chat one"
+                                  : "is not supported");
+  }
+  // vLLM's extensions: stop tokens, the least tokens before a stop, and the
+  // stop string kept in the text.
+  if (const json* stops = Field(body, "stop_token_ids")) {
+    if (!stops->is_array()) return WrongType("stop_token_ids", "an array of token ids", *stops);
+    if (absl::Status s = TokenIds(*stops, "stop_token_ids", g.stop_token_ids); !s.ok()) return s;
+  }
+  std::optional<int64_t> min_tokens;
+  if (absl::Status s = GetInt(body, "min_tokens", &min_tokens); !s.ok()) return s;
+  if (min_tokens) g.min_tokens = *min_tokens;
+  std::optional<bool> include_stop;
+  if (absl::Status s = GetBool(body, "include_stop_str_in_output", &include_stop); !s.ok()) {
+    return s;
+  }
+  g.include_stop_str_in_output = include_stop.value_or(false);
   if (const json* suffix = Field(body, "suffix")) {
     if (!suffix->is_string()) return WrongType("suffix", "a string", *suffix);
     if (!suffix->get<std::string>().empty()) return FieldError("suffix", "is not supported");
@@ -749,7 +778,8 @@ struct OpenAiResponseWriter::State {
   json token_logprobs = json::array();
   json top_logprobs = json::array();
   json text_offset = json::array();
-  int64_t offset = 0;  // completions: text bytes so far, for text_offset
+  int64_t offset = 0;                    // completions: text bytes so far, for text_offset
+  std::optional<engine::Finish> finish;  // n > 1: how this choice ended
 
   // The logprobs of `chunk`'s tokens, appended to this state's arrays.
   void AddLogprobs(const OpenAiRequest& request, const TokenTextFn& token_text,
@@ -809,58 +839,78 @@ OpenAiResponseWriter::OpenAiResponseWriter(const OpenAiRequest& request, std::st
       model_(std::move(model)),
       token_text_(std::move(token_text)),
       created_(created),
-      id_(std::move(id)),
-      state_(std::make_unique<State>()) {
+      id_(std::move(id)) {
   if (id_.empty()) {
     id_ = RandomId(request.endpoint == OpenAiEndpoint::kChat ? "chatcmpl-" : "cmpl-");
   }
-  if (request.endpoint == OpenAiEndpoint::kChat &&
-      request.tool_call_format != grammar::ToolCallFormat::kNone) {
-    state_->tools = std::make_unique<grammar::ToolCallStreamParser>(request.tool_call_format);
+  const int64_t n = std::max<int64_t>(request.generation.n, 1);
+  for (int64_t i = 0; i < n; ++i) {
+    auto state = std::make_unique<State>();
+    if (request.endpoint == OpenAiEndpoint::kChat &&
+        request.tool_call_format != grammar::ToolCallFormat::kNone) {
+      state->tools = std::make_unique<grammar::ToolCallStreamParser>(request.tool_call_format);
+    }
+    states_.push_back(std::move(state));
   }
 }
 
 OpenAiResponseWriter::~OpenAiResponseWriter() = default;
 
+OpenAiResponseWriter::State& OpenAiResponseWriter::Choice(int64_t index) const {
+  // The engine numbers choices 0..n-1; anything else goes to the last.
+  const size_t i =
+      static_cast<size_t>(std::clamp<int64_t>(index, 0, static_cast<int64_t>(states_.size()) - 1));
+  return *states_[i];
+}
+
 void OpenAiResponseWriter::Add(const engine::TokenChunk& chunk) {
-  state_->text += chunk.text;
-  if (request_.logprobs) state_->AddLogprobs(request_, token_text_, chunk);
+  State& state = Choice(chunk.index);
+  state.text += chunk.text;
+  if (request_.logprobs) state.AddLogprobs(request_, token_text_, chunk);
+  if (chunk.finish) state.finish = *chunk.finish;
 }
 
 std::string OpenAiResponseWriter::Final(const engine::Completion& completion) const {
   const bool chat = request_.endpoint == OpenAiEndpoint::kChat;
-  json choice;
-  if (chat) {
-    json message = {{"role", "assistant"}, {"content", state_->text}};
-    std::string finish = OpenAiFinishReason(completion.finish);
-    if (request_.tool_call_format != grammar::ToolCallFormat::kNone) {
-      grammar::ParsedToolCalls parsed =
-          grammar::ParseToolCalls(request_.tool_call_format, state_->text);
-      if (!parsed.calls.empty()) {
-        message["content"] = parsed.content.empty() ? json(nullptr) : json(parsed.content);
-        json calls = json::array();
-        for (const grammar::ToolCall& call : parsed.calls) {
-          calls.push_back(ToolCallJson(call, std::nullopt));
+  json choices = json::array();
+  for (size_t index = 0; index < states_.size(); ++index) {
+    const State& state = *states_[index];
+    // n > 1: each choice's own end; one choice: the request's.
+    const engine::Finish ended = state.finish.value_or(completion.finish);
+    json choice;
+    if (chat) {
+      json message = {{"role", "assistant"}, {"content", state.text}};
+      std::string finish = OpenAiFinishReason(ended);
+      if (request_.tool_call_format != grammar::ToolCallFormat::kNone) {
+        grammar::ParsedToolCalls parsed =
+            grammar::ParseToolCalls(request_.tool_call_format, state.text);
+        if (!parsed.calls.empty()) {
+          message["content"] = parsed.content.empty() ? json(nullptr) : json(parsed.content);
+          json calls = json::array();
+          for (const grammar::ToolCall& call : parsed.calls) {
+            calls.push_back(ToolCallJson(call, std::nullopt));
+          }
+          message["tool_calls"] = std::move(calls);
+          finish = "tool_calls";
         }
-        message["tool_calls"] = std::move(calls);
-        finish = "tool_calls";
       }
+      choice = {{"index", index},
+                {"message", std::move(message)},
+                {"logprobs", state.Logprobs(request_)},
+                {"finish_reason", finish}};
+    } else {
+      choice = {{"index", index},
+                {"text", state.text},
+                {"logprobs", state.Logprobs(request_)},
+                {"finish_reason", OpenAiFinishReason(ended)}};
     }
-    choice = {{"index", 0},
-              {"message", std::move(message)},
-              {"logprobs", state_->Logprobs(request_)},
-              {"finish_reason", finish}};
-  } else {
-    choice = {{"index", 0},
-              {"text", state_->text},
-              {"logprobs", state_->Logprobs(request_)},
-              {"finish_reason", OpenAiFinishReason(completion.finish)}};
+    choices.push_back(std::move(choice));
   }
   json body = {{"id", id_},
                {"object", chat ? "chat.completion" : "text_completion"},
                {"created", created_},
                {"model", model_},
-               {"choices", json::array({std::move(choice)})},
+               {"choices", std::move(choices)},
                {"usage", Usage(completion)}};
   return Dump(body);
 }
@@ -880,12 +930,16 @@ json ChunkEnvelope(const OpenAiRequest& request, const std::string& id, int64_t 
 
 std::string OpenAiResponseWriter::StreamStart() const {
   if (request_.endpoint != OpenAiEndpoint::kChat) return "";
-  json chunk = ChunkEnvelope(request_, id_, created_, model_);
-  chunk["choices"] = json::array({{{"index", 0},
-                                   {"delta", {{"role", "assistant"}, {"content", ""}}},
-                                   {"logprobs", nullptr},
-                                   {"finish_reason", nullptr}}});
-  return Event(chunk);
+  std::string events;
+  for (size_t index = 0; index < states_.size(); ++index) {
+    json chunk = ChunkEnvelope(request_, id_, created_, model_);
+    chunk["choices"] = json::array({{{"index", index},
+                                     {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                     {"logprobs", nullptr},
+                                     {"finish_reason", nullptr}}});
+    events += Event(chunk);
+  }
+  return events;
 }
 
 namespace {
@@ -929,80 +983,94 @@ std::vector<json> ToolDeltas(std::vector<grammar::ToolCallStreamParser::Event> e
 }  // namespace
 
 std::string OpenAiResponseWriter::StreamChunk(const engine::TokenChunk& chunk) {
+  State& state = Choice(chunk.index);
+  const int64_t index = chunk.index;
   const bool has_logprobs = request_.logprobs && !chunk.logprobs.empty();
-  if (chunk.text.empty() && !has_logprobs) return "";
-  if (state_->tools != nullptr) {
-    state_->ClearLogprobs();
-    if (has_logprobs) state_->AddLogprobs(request_, token_text_, chunk);
-    std::vector<json> deltas = ToolDeltas(state_->tools->Add(chunk.text));
-    if (deltas.empty() && !has_logprobs) return "";
-    if (deltas.empty()) deltas.push_back({{"content", ""}});
-    std::string events;
-    for (size_t i = 0; i < deltas.size(); ++i) {
+  std::string events;
+  if (!chunk.text.empty() || has_logprobs) {
+    if (state.tools != nullptr) {
+      state.ClearLogprobs();
+      if (has_logprobs) state.AddLogprobs(request_, token_text_, chunk);
+      std::vector<json> deltas = ToolDeltas(state.tools->Add(chunk.text));
+      if (deltas.empty() && has_logprobs) deltas.push_back({{"content", ""}});
+      for (size_t i = 0; i < deltas.size(); ++i) {
+        json out = ChunkEnvelope(request_, id_, created_, model_);
+        // The chunk's logprobs go with its first event.
+        out["choices"] = json::array({{{"index", index},
+                                       {"delta", std::move(deltas[i])},
+                                       {"logprobs", i == 0 ? state.Logprobs(request_) : json()},
+                                       {"finish_reason", nullptr}}});
+        events += Event(out);
+      }
+    } else {
       json out = ChunkEnvelope(request_, id_, created_, model_);
-      // The chunk's logprobs go with its first event.
-      out["choices"] = json::array({{{"index", 0},
-                                     {"delta", std::move(deltas[i])},
-                                     {"logprobs", i == 0 ? state_->Logprobs(request_) : json()},
-                                     {"finish_reason", nullptr}}});
+      state.ClearLogprobs();
+      if (has_logprobs) {
+        // text_offset counts from the start of the whole completion (offset is kept).
+        state.AddLogprobs(request_, token_text_, chunk);
+      }
+      if (request_.endpoint == OpenAiEndpoint::kChat) {
+        out["choices"] = json::array({{{"index", index},
+                                       {"delta", {{"content", chunk.text}}},
+                                       {"logprobs", state.Logprobs(request_)},
+                                       {"finish_reason", nullptr}}});
+      } else {
+        out["choices"] = json::array({{{"index", index},
+                                       {"text", chunk.text},
+                                       {"logprobs", state.Logprobs(request_)},
+                                       {"finish_reason", nullptr}}});
+      }
       events += Event(out);
     }
-    return events;
   }
-  state_->ClearLogprobs();
-  if (has_logprobs) {
-    // text_offset counts from the start of the whole completion (offset is kept).
-    state_->AddLogprobs(request_, token_text_, chunk);
-  }
-  json out = ChunkEnvelope(request_, id_, created_, model_);
-  if (request_.endpoint == OpenAiEndpoint::kChat) {
-    out["choices"] = json::array({{{"index", 0},
-                                   {"delta", {{"content", chunk.text}}},
-                                   {"logprobs", state_->Logprobs(request_)},
-                                   {"finish_reason", nullptr}}});
-  } else {
-    out["choices"] = json::array({{{"index", 0},
-                                   {"text", chunk.text},
-                                   {"logprobs", state_->Logprobs(request_)},
-                                   {"finish_reason", nullptr}}});
-  }
-  return Event(out);
+  // n > 1: a choice that ended gets its finish event now (StreamEnd has
+  // only the usage then).
+  if (chunk.finish) events += FinishEvent(index, *chunk.finish);
+  return events;
 }
 
-std::string OpenAiResponseWriter::StreamEnd(const engine::Completion& completion) const {
+std::string OpenAiResponseWriter::FinishEvent(int64_t index, engine::Finish ended) const {
+  State& state = Choice(index);
   json last = ChunkEnvelope(request_, id_, created_, model_);
-  std::string events;
+  std::string events;  // held tool-call deltas first
   if (request_.endpoint == OpenAiEndpoint::kChat) {
-    std::string finish = OpenAiFinishReason(completion.finish);
+    std::string finish = OpenAiFinishReason(ended);
     json delta = json::object();
-    if (state_->tools != nullptr) {
+    if (state.tools != nullptr) {
       // What the parser still held: content, or the last call.
-      std::vector<json> deltas = ToolDeltas(state_->tools->Finish());
-      if (state_->tools->num_calls() > 0) finish = "tool_calls";
+      std::vector<json> deltas = ToolDeltas(state.tools->Finish());
+      if (state.tools->num_calls() > 0) finish = "tool_calls";
       if (!deltas.empty()) {
         delta = std::move(deltas.back());
         deltas.pop_back();
       }
       for (json& held : deltas) {
         json out = ChunkEnvelope(request_, id_, created_, model_);
-        out["choices"] = json::array({{{"index", 0},
+        out["choices"] = json::array({{{"index", index},
                                        {"delta", std::move(held)},
                                        {"logprobs", nullptr},
                                        {"finish_reason", nullptr}}});
         events += Event(out);
       }
     }
-    last["choices"] = json::array({{{"index", 0},
+    last["choices"] = json::array({{{"index", index},
                                     {"delta", std::move(delta)},
                                     {"logprobs", nullptr},
                                     {"finish_reason", finish}}});
   } else {
-    last["choices"] = json::array({{{"index", 0},
+    last["choices"] = json::array({{{"index", index},
                                     {"text", ""},
                                     {"logprobs", nullptr},
-                                    {"finish_reason", OpenAiFinishReason(completion.finish)}}});
+                                    {"finish_reason", OpenAiFinishReason(ended)}}});
   }
-  events += Event(last);
+  return events + Event(last);
+}
+
+std::string OpenAiResponseWriter::StreamEnd(const engine::Completion& completion) const {
+  std::string events;
+  // One choice: its end is the request's. n > 1: each choice's end went out
+  // with its last chunk.
+  if (states_.size() == 1) events += FinishEvent(0, completion.finish);
   if (request_.include_usage) {
     json usage = ChunkEnvelope(request_, id_, created_, model_);
     usage["choices"] = json::array();

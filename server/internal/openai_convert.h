@@ -129,7 +129,9 @@ class OpenAiResponseWriter {
 
   // Streaming. Chat: the first event carries {role: assistant, content: ""}.
   std::string StreamStart() const;
-  // One event with the chunk's text and logprobs ("" when it has neither).
+  // One event with the chunk's text and logprobs ("" when it has neither),
+  // for the chunk's choice (index); with n > 1, a chunk that ends its
+  // choice adds that choice's finish event.
   std::string StreamChunk(const engine::TokenChunk& chunk);
   // The event with finish_reason, the usage event when include_usage, and
   // "data: [DONE]".
@@ -140,13 +142,16 @@ class OpenAiResponseWriter {
 
  private:
   struct State;  // the collected answer (nlohmann JSON, kept out of this header)
+  State& Choice(int64_t index) const;
+  // A choice's last event, with its finish_reason.
+  std::string FinishEvent(int64_t index, engine::Finish ended) const;
 
   const OpenAiRequest& request_;
   const std::string model_;
   const TokenTextFn token_text_;
   const int64_t created_;
   std::string id_;
-  std::unique_ptr<State> state_;
+  std::vector<std::unique_ptr<State>> states_;  // one per choice (n)
 };
 
 }  // namespace accel::server::internal

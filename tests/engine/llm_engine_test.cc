@@ -279,14 +279,14 @@ TEST_F(LlmEngineTest, WhatCannotBeServedIsRefusedAtLoadAndBadRequestsAtSubmit) {
   for (int64_t n : {0, -1, 129}) {
     r.n = n;
     EXPECT_THAT((*engine)->Submit(r, std::make_shared<CollectingSink>()),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("n must be in [1, 128]")));
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("n: must be in [1, 128]")));
   }
   r.n = 2;
   r.max_new_tokens = 3;
   r.min_tokens = 4;
   EXPECT_THAT((*engine)->Submit(r, std::make_shared<CollectingSink>()),
               StatusIs(absl::StatusCode::kInvalidArgument,
-                       HasSubstr("min_tokens (4) must not exceed max_new_tokens (3)")));
+                       HasSubstr("min_tokens: 4 is more than max_new_tokens (3)")));
   r.min_tokens = -1;
   EXPECT_THAT((*engine)->Submit(r, std::make_shared<CollectingSink>()),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("min_tokens")));

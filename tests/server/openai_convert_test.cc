@@ -107,7 +107,13 @@ TEST(OpenAiConvertTest, ErrorsNameTheField) {
       {text, R"({"prompt": "x", "max_tokens": 0})", "max_tokens"},
       {text, R"({"prompt": "x", "temperature": 2.5})", "temperature"},
       {text, R"({"prompt": "x", "top_p": 0})", "top_p"},
-      {text, R"({"prompt": "x", "n": 2})", "n"},
+      {text, R"({"prompt": "x", "n": "2"})", "n"},
+      {text, R"({"prompt": "x", "n": 2, "best_of": 3})", "best_of"},
+      {text, R"({"prompt": "x", "min_tokens": 1.5})", "min_tokens"},
+      {text, R"({"prompt": "x", "stop_token_ids": 5})", "stop_token_ids"},
+      {text, R"({"prompt": "x", "stop_token_ids": [1, "2"]})", "stop_token_ids[1]"},
+      {text, R"({"prompt": "x", "include_stop_str_in_output": 1})", "include_stop_str_in_output"},
+      {chat, R"({"messages": [{"role": "user", "content": "x"}], "echo": true})", "echo"},
       {text, R"({"prompt": "x", "logprobs": 6})", "logprobs"},
       {text, R"({"prompt": "x", "frequency_penalty": "1"})", "frequency_penalty"},
       {text, R"({"prompt": "x", "logit_bias": {"a": 1}})", "logit_bias"},
@@ -424,6 +430,51 @@ TEST(OpenAiConvertTest, ChatAnswerAndStream) {
   EXPECT_THAT(end, HasSubstr("\"finish_reason\":\"stop\""));
   EXPECT_THAT(end, HasSubstr("\"choices\":[]"));
   EXPECT_THAT(end, HasSubstr("\"total_tokens\":5"));
+}
+
+// n choices: the fields reach the request; each chunk goes to its choice
+// (index), a choice's finish comes with its last chunk, usage is the sum
+// the engine reports.
+TEST(OpenAiConvertTest, NChoicesAnswerAndStream) {
+  OpenAiRequest request = ParseOk(OpenAiEndpoint::kCompletions, R"({"prompt": "x", "n": 2,
+      "best_of": 2, "min_tokens": 3, "stop_token_ids": [4, 5], "include_stop_str_in_output": true,
+      "stream": true})");
+  EXPECT_EQ(request.generation.n, 2);
+  EXPECT_EQ(request.generation.min_tokens, 3);
+  EXPECT_EQ(request.generation.stop_token_ids, (std::vector<int64_t>{4, 5}));
+  EXPECT_TRUE(request.generation.include_stop_str_in_output);
+  OpenAiResponseWriter writer(request, "m", Name, 1, "cmpl-1");
+  engine::TokenChunk second = Chunk({2}, "B");
+  second.index = 1;
+  engine::TokenChunk first = Chunk({1}, "A");
+  engine::TokenChunk first_end;
+  first_end.finish = engine::Finish::kEos;
+  engine::TokenChunk second_end;
+  second_end.index = 1;
+  second_end.finish = engine::Finish::kLength;
+  for (const engine::TokenChunk& c : {second, first, first_end, second_end}) writer.Add(c);
+  engine::Completion completion;
+  completion.prompt_tokens = 1;
+  completion.generated_tokens = 2;
+  const json body = json::parse(writer.Final(completion));
+  ASSERT_EQ(body["choices"].size(), 2u);
+  EXPECT_EQ(body["choices"][0]["index"], 0);
+  EXPECT_EQ(body["choices"][0]["text"], "A");
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(body["choices"][1]["index"], 1);
+  EXPECT_EQ(body["choices"][1]["text"], "B");
+  EXPECT_EQ(body["choices"][1]["finish_reason"], "length");
+  EXPECT_EQ(body["usage"]["completion_tokens"], 2);
+
+  OpenAiResponseWriter stream(request, "m", Name, 1, "cmpl-1");
+  const json b = json::parse(stream.StreamChunk(second).substr(6));
+  EXPECT_EQ(b["choices"][0]["index"], 1);
+  EXPECT_EQ(b["choices"][0]["text"], "B");
+  const json end = json::parse(stream.StreamChunk(second_end).substr(6));
+  EXPECT_EQ(end["choices"][0]["index"], 1);
+  EXPECT_EQ(end["choices"][0]["finish_reason"], "length");
+  // The request's end has no choice left to finish: [DONE] only.
+  EXPECT_EQ(stream.StreamEnd(completion), "data: [DONE]\n\n");
 }
 
 TEST(OpenAiConvertTest, CompletionLogprobsAndModels) {

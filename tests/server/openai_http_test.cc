@@ -6,6 +6,7 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <sys/socket.h>
@@ -303,6 +304,115 @@ TEST_F(OpenAiClientTest, CompletionLogprobs) {
       best = std::max(best, logprob.get<double>());
     }
     EXPECT_NEAR(best, logprobs["token_logprobs"][i].get<double>(), 1e-5);
+  }
+}
+
+// n choices (issue 35): choice i of a seeded request is the single request
+// seeded seed + i, each with its index; usage counts every choice's tokens;
+// the stream's chunks, joined by index, are the unary choices, each with its
+// finish_reason.
+TEST_F(OpenAiClientTest, NChoicesAreSeededStreamsWithTheirIndex) {
+  json params = {{"prompt", "once upon"}, {"max_tokens", 6}, {"temperature", 1}, {"seed", 77},
+                 {"ignore_eos", true},    {"n", 3}};
+  const json out = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(out["ok"]) << out;
+  const json& choices = out["result"]["choices"];
+  ASSERT_EQ(choices.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(choices[i]["index"], i);
+    EXPECT_EQ(choices[i]["finish_reason"], "length");
+    json one = params;
+    one["n"] = 1;
+    one["seed"] = 77 + i;
+    const json alone = RunClient(port(), kToken, "completions.create", one);
+    ASSERT_TRUE(alone["ok"]) << alone;
+    EXPECT_EQ(choices[i]["text"], alone["result"]["choices"][0]["text"]) << "choice " << i;
+  }
+  EXPECT_EQ(out["result"]["usage"]["completion_tokens"], 18);
+
+  params["stream"] = true;
+  params["stream_options"] = {{"include_usage", true}};
+  const json streamed = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(streamed["ok"]) << streamed;
+  std::map<int, std::string> text;
+  std::map<int, std::string> finish;
+  for (const json& chunk : streamed["chunks"]) {
+    for (const json& choice : chunk["choices"]) {
+      const int index = choice["index"];
+      text[index] += choice["text"].get<std::string>();
+      if (!choice["finish_reason"].is_null()) {
+        EXPECT_FALSE(finish.count(index)) << "choice " << index << " finished twice";
+        finish[index] = choice["finish_reason"];
+      }
+    }
+  }
+  ASSERT_EQ(text.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(text[i], choices[i]["text"]) << "choice " << i;
+    EXPECT_EQ(finish[i], "length");
+  }
+  EXPECT_EQ(streamed["chunks"].back()["usage"]["completion_tokens"], 18);
+
+  // Greedy chat with n = 2: OpenAI allows it; the choices are equal.
+  const json chat = RunClient(port(), kToken, "chat.completions.create",
+                              {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                               {"max_tokens", 5},
+                               {"temperature", 0},
+                               {"n", 2}});
+  ASSERT_TRUE(chat["ok"]) << chat;
+  ASSERT_EQ(chat["result"]["choices"].size(), 2u);
+  EXPECT_EQ(chat["result"]["choices"][1]["index"], 1);
+  EXPECT_EQ(chat["result"]["choices"][0]["message"], chat["result"]["choices"][1]["message"]);
+}
+
+// vLLM's stop fields through the openai client (extra body fields):
+// include_stop_str_in_output keeps the stop string; min_tokens holds it off;
+// stop_token_ids end the text at the token.
+TEST_F(OpenAiClientTest, StopFieldsAndMinTokens) {
+  json params = {
+      {"prompt", "once upon"}, {"max_tokens", 12}, {"temperature", 0}, {"ignore_eos", true}};
+  const json plain = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(plain["ok"]) << plain;
+  const std::string text = plain["result"]["choices"][0]["text"];
+  ASSERT_GE(text.size(), 6u) << text;
+  // Two characters from the middle as a stop string, where they first appear.
+  const std::string stop = text.substr(text.size() / 2, 2);
+  const size_t at = text.find(stop);
+  params["stop"] = stop;
+  json got = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(got["ok"]) << got;
+  EXPECT_EQ(got["result"]["choices"][0]["text"], text.substr(0, at));
+  EXPECT_EQ(got["result"]["choices"][0]["finish_reason"], "stop");
+  params["include_stop_str_in_output"] = true;
+  got = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(got["ok"]) << got;
+  EXPECT_EQ(got["result"]["choices"][0]["text"], text.substr(0, at + stop.size()));
+  // min_tokens past the stop string: it is not matched there.
+  params["min_tokens"] = 12;
+  got = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(got["ok"]) << got;
+  EXPECT_EQ(got["result"]["usage"]["completion_tokens"], 12);
+  EXPECT_EQ(got["result"]["choices"][0]["finish_reason"], "length");
+}
+
+TEST_F(OpenAiClientTest, BadChoiceAndStopFieldsAreBadRequestsNamingTheField) {
+  const json chat_messages = {{{"role", "user"}, {"content", "hi"}}};
+  const std::vector<std::pair<json, std::string>> cases = {
+      {{{"prompt", "x"}, {"n", 0}}, "n"},
+      {{{"prompt", "x"}, {"n", 129}}, "n"},
+      {{{"prompt", "x"}, {"n", 2}, {"best_of", 4}}, "best_of"},
+      {{{"prompt", "x"}, {"max_tokens", 3}, {"min_tokens", 4}}, "min_tokens"},
+      {{{"prompt", "x"}, {"stop_token_ids", {1, 1 << 30}}}, "stop_token_ids[1]"},
+      {{{"messages", chat_messages}, {"echo", true}}, "echo"},
+  };
+  for (const auto& [params, param] : cases) {
+    const bool chat = params.contains("messages");
+    const json out =
+        RunClient(port(), kToken, chat ? "chat.completions.create" : "completions.create", params);
+    ASSERT_FALSE(out["ok"]) << params;
+    EXPECT_EQ(out["error"]["status"], 400) << params;
+    EXPECT_TRUE(out["error"]["isBadRequest"]) << params;
+    EXPECT_EQ(out["error"]["param"], param) << params << ": " << out;
   }
 }
 

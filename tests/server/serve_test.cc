@@ -156,6 +156,29 @@ TEST_F(ServeTest, InputIdsAndStopTokenIds) {
   EXPECT_EQ(stopped.token_ids(stopped.token_ids_size() - 1), by_ids.token_ids(2));
 }
 
+// min_tokens on gRPC: the stop token cannot end the text before that many
+// tokens (it is masked out of sampling until then).
+TEST_F(ServeTest, MinTokensHoldsOffStopTokenIds) {
+  GenerateRequest request;
+  for (int64_t id : std::vector<int64_t>{1, 2, 3}) request.mutable_input_ids()->add_ids(id);
+  request.set_max_new_tokens(8);
+  request.set_ignore_eos(true);
+  GenerateResponse plain;
+  ASSERT_TRUE(Call(*stub_, request, &plain).ok());
+  ASSERT_EQ(plain.token_ids_size(), 8);
+  request.add_stop_token_ids(plain.token_ids(0));
+  request.set_min_tokens(4);
+  GenerateResponse held;
+  ASSERT_TRUE(Call(*stub_, request, &held).ok());
+  ASSERT_GE(held.token_ids_size(), 5);
+  for (int i = 0; i < 4; ++i) EXPECT_NE(held.token_ids(i), plain.token_ids(0)) << "token " << i;
+  request.set_min_tokens(9);  // over max_new_tokens
+  GenerateResponse refused;
+  const grpc::Status status = Call(*stub_, request, &refused);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("min_tokens"));
+}
+
 TEST_F(ServeTest, ConcurrentRequestsAreBatchedAndAllSucceed) {
   const double steps_before = Metric(*server_, "accel_step_duration_seconds_count");
   const double tokens_before = Metric(*server_, "accel_generation_tokens_total");
