@@ -136,6 +136,7 @@ absl::StatusOr<std::vector<GenerationResult>> Generate(EngineCoreInterface& core
       GenerationResult& result = results[found->second];
       result.token_ids.push_back(event.token_id);
       if (event.logprob) result.logprobs.push_back(*event.logprob);
+      if (!event.prompt_logprobs.empty()) result.prompt_logprobs = std::move(event.prompt_logprobs);
       result.text += event.text;
       if (event.finish) {
         result.finish_reason = *event.finish;

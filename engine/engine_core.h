@@ -128,8 +128,9 @@ class EngineCore : public EngineCoreInterface {
 };
 
 struct GenerationResult {
-  std::vector<int64_t> token_ids;  // generated only
-  std::vector<float> logprobs;     // one per token when asked
+  std::vector<int64_t> token_ids;              // generated only
+  std::vector<float> logprobs;                 // one per token when asked
+  std::vector<PromptLogprob> prompt_logprobs;  // one per prompt token when asked
   std::string text;
   FinishReason finish_reason = FinishReason::kLength;
 };

@@ -309,6 +309,7 @@ void EngineLoop::RunStep() {
     if (event.logprob) chunk.logprobs.push_back(*event.logprob);
     if (!event.top_logprobs.empty()) chunk.top_logprobs.push_back(std::move(event.top_logprobs));
     chunk.text += event.text;
+    if (!event.prompt_logprobs.empty()) chunk.prompt_logprobs = std::move(event.prompt_logprobs);
     if (event.finish) finished[event.sequence] = ToFinish(*event.finish);
   }
   IterationStats iteration;

@@ -55,6 +55,9 @@ struct TokenChunk {
   // count), since OnDone comes once for all of them.
   std::optional<Finish> finish;
   int64_t generated_tokens = 0;  // with `finish`: the choice's tokens
+  // GenerationRequest::prompt_logprobs: one per prompt token, in the
+  // request's first chunk.
+  std::vector<PromptLogprob> prompt_logprobs;
 };
 
 // "length", "eos", "stop", "cancelled".

@@ -107,10 +107,10 @@ void BlockPool::Forget(int32_t id) {
 }
 
 std::optional<int64_t> KvCacheManager::Admit(uint64_t request, absl::Span<const int64_t> ids,
-                                             int64_t first_tokens) {
+                                             int64_t first_tokens, bool use_prefix) {
   const int64_t input = static_cast<int64_t>(ids.size());
   if (pool_.BlocksFor(input) > pool_.free_blocks() + pool_.cached_blocks()) return std::nullopt;
-  BlockPool::Prefix prefix = pool_.MatchPrefix(ids, input - 1);
+  BlockPool::Prefix prefix = pool_.MatchPrefix(ids, use_prefix ? input - 1 : 0);
   if (pool_.BlocksFor(input) - static_cast<int64_t>(prefix.blocks.size()) > pool_.free_blocks()) {
     for (int32_t block : prefix.blocks) pool_.Release(block);
     return std::nullopt;

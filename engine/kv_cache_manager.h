@@ -129,8 +129,10 @@ class KvCacheManager {
   // needs are free (the rest of a prompt read in chunks must not wait for
   // memory). Returns the prefix's tokens (computed already), or nullopt
   // with nothing held. `first_tokens` is capped to what is left of `ids`.
+  // `use_prefix` false: no cached prefix is taken (the whole input is
+  // computed; its full blocks are still cached for others).
   std::optional<int64_t> Admit(uint64_t request, absl::Span<const int64_t> ids,
-                               int64_t first_tokens);
+                               int64_t first_tokens, bool use_prefix = true);
 
   // Blocks so that `request`'s table covers `tokens` positions; false (and
   // nothing allocated) when not enough are free.

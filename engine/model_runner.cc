@@ -4,6 +4,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include <ATen/Functions.h>
@@ -37,6 +38,11 @@ struct ModelRunner::Impl {
     models::KvCache cache;
     bool logprobs = false;
     int64_t top_logprobs = 0;
+    // Prompt logprobs: gathered chunk by chunk while the prompt is read,
+    // handed over with the first sampled token.
+    bool prompt_logprobs = false;
+    bool prompt_logprobs_sent = false;
+    std::vector<PromptLogprob> prompt_gathered;
     int64_t prompt_tokens = 0;
     int64_t max_new_tokens = 0;
     std::vector<int64_t> stop_token_ids;
@@ -76,6 +82,41 @@ struct ModelRunner::Impl {
   }
 
   absl::StatusOr<ModelRunnerOutput> Execute(const SchedulerOutput& out);
+
+  // The log-probabilities of the prompt tokens that `rows` (the logits at
+  // each position of `s`'s chunk) predict: token c + j + 1 from row j, for
+  // tokens inside the prompt; the first prompt token has none.
+  static void GatherPromptLogprobs(Request& r, const ScheduledRequest& s, const at::Tensor& rows) {
+    const int64_t first = s.num_computed_tokens;
+    if (first == 0)
+      r.prompt_gathered.push_back({s.token_ids[0], std::nullopt, {}});  // nothing before it
+    const int64_t count = std::min<int64_t>(rows.size(0), r.prompt_tokens - first - 1);
+    if (count <= 0) return;
+    const at::Tensor log_probs = at::log_softmax(rows.narrow(0, 0, count).to(at::kFloat), -1);
+    const std::vector<int64_t> next(s.token_ids.begin() + first + 1,
+                                    s.token_ids.begin() + first + 1 + count);
+    const at::Tensor picked =
+        log_probs.gather(1, at::tensor(next, at::kLong).unsqueeze(1)).squeeze(1).contiguous();
+    const float* value = picked.data_ptr<float>();
+    at::Tensor top_values, top_ids;
+    if (r.top_logprobs > 0) {
+      std::tie(top_values, top_ids) =
+          at::topk(log_probs, std::min(r.top_logprobs, log_probs.size(1)));
+      top_values = top_values.contiguous();
+      top_ids = top_ids.contiguous();
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      PromptLogprob p;
+      p.token_id = next[static_cast<size_t>(j)];
+      p.logprob = value[j];
+      if (top_values.defined()) {
+        for (int64_t k = 0; k < top_values.size(1); ++k) {
+          p.top_logprobs.push_back({top_ids[j][k].item<int64_t>(), top_values[j][k].item<float>()});
+        }
+      }
+      r.prompt_gathered.push_back(std::move(p));
+    }
+  }
 };
 
 ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -149,6 +190,7 @@ absl::Status ModelRunner::AddRequest(uint64_t id, const GenerationRequest& reque
   r->cache.store = impl_->store.get();
   r->logprobs = request.logprobs;
   r->top_logprobs = request.top_logprobs;
+  r->prompt_logprobs = request.prompt_logprobs;
   r->prompt_tokens = static_cast<int64_t>(request.prompt_ids.size());
   r->max_new_tokens = request.max_new_tokens;
   r->stop_token_ids = request.stop_token_ids;
@@ -174,13 +216,17 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
     auto found = requests.find(id);
     if (found == requests.end()) continue;
     ResetCache(*found->second);
+    // Read again from its first token: the prompt's logprobs too.
+    if (!found->second->prompt_logprobs_sent) found->second->prompt_gathered.clear();
     if (draft) draft->Reset(id, 0);
   }
   if (out.scheduled.empty()) return result;
   std::vector<Request*> scheduled;
   std::vector<int64_t> packed;
   std::vector<models::SequenceChunk> chunks;
-  std::vector<int64_t> lengths;  // before the step, to undo a failed one
+  std::vector<int64_t> lengths;   // before the step, to undo a failed one
+  std::vector<size_t> gathered;   // prompt logprobs before the step, likewise
+  std::vector<bool> prompt_rows;  // the chunk asks logits at every position
   for (const ScheduledRequest& s : out.scheduled) {
     auto found = requests.find(s.id);
     if (found == requests.end()) {
@@ -205,7 +251,13 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
     const auto first = s.token_ids.begin() + s.num_computed_tokens;
     packed.insert(packed.end(), first, first + (s.num_tokens - drafts));
     packed.insert(packed.end(), s.draft_token_ids.begin(), s.draft_token_ids.end());
-    chunks.push_back({&cache, s.num_tokens, s.samples ? 1 + drafts : 1});
+    // A prompt chunk of a request that wants prompt logprobs: logits at
+    // each of its positions (row j: the distribution of token j + 1).
+    const bool all_rows = r.prompt_logprobs && !r.prompt_logprobs_sent && drafts == 0 &&
+                          s.num_computed_tokens < r.prompt_tokens;
+    chunks.push_back({&cache, s.num_tokens, all_rows ? s.num_tokens : s.samples ? 1 + drafts : 1});
+    prompt_rows.push_back(all_rows);
+    gathered.push_back(r.prompt_gathered.size());
     lengths.push_back(cache.length);
     scheduled.push_back(&r);
   }
@@ -213,6 +265,7 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
     for (size_t i = 0; i < scheduled.size(); ++i) {
       models::KvCache& cache = scheduled[i]->cache;
       cache.length = lengths[i];
+      scheduled[i]->prompt_gathered.resize(gathered[i]);
       if (static_cast<int64_t>(cache.token_ids.size()) > lengths[i]) {
         cache.token_ids.resize(static_cast<size_t>(lengths[i]));
       }
@@ -232,12 +285,12 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
       const ScheduledRequest& s = out.scheduled[i];
       Request& r = *scheduled[i];
       const int64_t rows = chunks[i].logit_tokens;
-      if (!s.samples) {
-        row += rows;
-        continue;
-      }
-      const at::Tensor own = logits.narrow(0, row, rows);
+      const at::Tensor all = logits.narrow(0, row, rows);
       row += rows;
+      if (prompt_rows[i]) GatherPromptLogprobs(r, s, all);
+      if (!s.samples) continue;
+      // With every position's logits, the sampling row is the last.
+      const at::Tensor own = prompt_rows[i] ? all.narrow(0, rows - 1, 1) : all;
       at::Tensor draft_probs;
       if (r.draft_probs.defined() && !s.draft_token_ids.empty() &&
           r.draft_probs.size(0) >= static_cast<int64_t>(s.draft_token_ids.size())) {
@@ -335,6 +388,18 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
         requests.at(id)->draft_probs = proposal.probs;
         result.drafts[id] = std::move(proposal.tokens);
       }
+    }
+  }
+  // The prompt's logprobs go with the request's first token, once the step
+  // can no longer fail.
+  for (size_t i = 0, t = 0; i < out.scheduled.size(); ++i) {
+    if (!out.scheduled[i].samples) continue;
+    Request& r = *scheduled[i];
+    SampledTokens& got = result.sampled[t++];
+    if (r.prompt_logprobs && !r.prompt_logprobs_sent) {
+      got.prompt_logprobs = std::move(r.prompt_gathered);
+      r.prompt_gathered.clear();
+      r.prompt_logprobs_sent = true;
     }
   }
   return result;

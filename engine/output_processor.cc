@@ -138,6 +138,7 @@ std::vector<TokenEvent> OutputProcessor::Process(std::vector<RequestUpdate> upda
       event.token_id = update.token_ids[i];
       if (i < update.logprobs.size()) event.logprob = update.logprobs[i];
       if (i < update.top_logprobs.size()) event.top_logprobs = std::move(update.top_logprobs[i]);
+      if (i == 0) event.prompt_logprobs = std::move(update.prompt_logprobs);
       bool stopped = false;
       ++d.tokens;
       if (d.stream != nullptr)

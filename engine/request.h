@@ -118,6 +118,12 @@ struct GenerationRequest {
   // With logprobs: also the this many most likely tokens at each step, in
   // [0, kMaxTopLogprobs].
   int64_t top_logprobs = 0;
+  // Each prompt token's log-probability (and top_logprobs alternatives),
+  // from the prefill's logits: what OpenAI's legacy completions give with
+  // echo and logprobs (lm-eval-harness's loglikelihood). Such a request
+  // reads its whole prompt itself (no cached prefix: every position's logits
+  // are needed).
+  bool prompt_logprobs = false;
   // Past it the request ends with DeadlineExceeded; `deadline_reason` says
   // whose deadline it was ("the client's deadline", "--request_timeout=30s").
   absl::Time deadline = absl::InfiniteFuture();
@@ -160,6 +166,14 @@ struct TokenLogprob {
   float logprob = 0;
 };
 
+// One prompt token's log-probability given the tokens before it (none for
+// the first), and the request's top_logprobs most likely tokens there.
+struct PromptLogprob {
+  int64_t token_id = 0;
+  std::optional<float> logprob;
+  std::vector<TokenLogprob> top_logprobs;
+};
+
 // One generated token of one sequence (a step may give a sequence several:
 // speculative decoding accepts drafted tokens).
 struct TokenEvent {
@@ -172,6 +186,8 @@ struct TokenEvent {
   std::vector<TokenLogprob> top_logprobs;
   std::string text;  // text that became final with this token (may be empty)
   std::optional<FinishReason> finish;
+  // With prompt_logprobs, on the request's first token: one per prompt token.
+  std::vector<PromptLogprob> prompt_logprobs;
 };
 
 }  // namespace accel::engine

@@ -15,6 +15,7 @@ void Scheduler::Add(uint64_t id, const GenerationRequest& request) {
   r.num_prompt_tokens = static_cast<int64_t>(request.prompt_ids.size());
   r.max_new_tokens = request.max_new_tokens;
   r.min_tokens = request.min_tokens;
+  r.prompt_logprobs = request.prompt_logprobs;
   r.stop_token_ids = request.stop_token_ids;
   waiting_.push_back(id);
 }
@@ -137,7 +138,8 @@ SchedulerOutput Scheduler::Schedule() {
   // it joins on them, so the prompt is prefilled once.
   const bool share_prompts = kv_->pool().prefix_caching();
   const auto reading_same_prompt = [&](const SchedulerRequest& r) {
-    if (!share_prompts || r.num_prompt_tokens < kv_->block_size() || r.num_output_tokens() > 0) {
+    if (!share_prompts || r.prompt_logprobs || r.num_prompt_tokens < kv_->block_size() ||
+        r.num_output_tokens() > 0) {
       return false;
     }
     for (uint64_t other_id : running_) {
@@ -161,7 +163,7 @@ SchedulerOutput Scheduler::Schedule() {
     }
     const int64_t input = static_cast<int64_t>(r.token_ids.size());
     const std::optional<int64_t> prefix =
-        kv_->Admit(id, r.token_ids, std::min(budget, prefill_cap));
+        kv_->Admit(id, r.token_ids, std::min(budget, prefill_cap), !r.prompt_logprobs);
     if (!prefix.has_value()) break;
     r.num_computed_tokens = *prefix;
     r.running = true;
@@ -222,6 +224,7 @@ std::vector<RequestUpdate> Scheduler::UpdateFromOutput(const SchedulerOutput& ou
     r.num_computed_tokens += s.num_tokens - (drafts - t.num_accepted_drafts);
     RequestUpdate update;
     update.id = s.id;
+    update.prompt_logprobs = t.prompt_logprobs;
     for (size_t i = 0; i < t.token_ids.size(); ++i) {
       const int64_t token = t.token_ids[i];
       r.token_ids.push_back(token);

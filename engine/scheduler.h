@@ -73,7 +73,8 @@ struct SchedulerRequest {
   // Tokens whose keys and values are in the cache (a prefix hit counts).
   int64_t num_computed_tokens = 0;
   int64_t max_new_tokens = 0;
-  int64_t min_tokens = 0;  // a stop token ends it only after this many were generated
+  int64_t min_tokens = 0;        // a stop token ends it only after this many were generated
+  bool prompt_logprobs = false;  // reads its whole prompt (no cached prefix)
   std::vector<int64_t> stop_token_ids;
   // Drafted tokens to verify in the next step.
   std::vector<int64_t> draft_token_ids;
@@ -121,6 +122,7 @@ struct SampledTokens {
   std::vector<int64_t> token_ids;
   std::vector<std::optional<float>> logprobs;           // one per token
   std::vector<std::vector<TokenLogprob>> top_logprobs;  // one per token
+  std::vector<PromptLogprob> prompt_logprobs;           // with the first token, when asked
   int64_t num_drafts = 0;                               // drafts verified (k)
   int64_t num_accepted_drafts = 0;                      // of them, accepted
 };
@@ -131,7 +133,8 @@ struct RequestUpdate {
   std::vector<int64_t> token_ids;  // cut after a stop token or the length limit
   std::vector<std::optional<float>> logprobs;
   std::vector<std::vector<TokenLogprob>> top_logprobs;
-  std::optional<FinishReason> finish;  // kEos or kLength; the scheduler freed it
+  std::optional<FinishReason> finish;          // kEos or kLength; the scheduler freed it
+  std::vector<PromptLogprob> prompt_logprobs;  // with a request's first token, when asked
 };
 
 class Scheduler {

@@ -399,12 +399,28 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
     max_name = "max_completion_tokens";
   }
   if (absl::Status s = GetInt(body, max_name, &max_tokens); !s.ok()) return s;
+  std::optional<bool> echo;
+  if (absl::Status s = GetBool(body, "echo", &echo); !s.ok()) return s;
+  if (echo.value_or(false)) {
+    if (endpoint == OpenAiEndpoint::kChat) {
+      return FieldError("echo", "is a /v1/completions field, not a chat one");
+    }
+    out.echo = true;
+  }
   // Chat without max_tokens runs to the end of the context, as OpenAI's
   // does; completions keep the server's default (OpenAI's legacy 16).
   if (!max_tokens && endpoint == OpenAiEndpoint::kChat) g.max_new_tokens_to_context = true;
   if (max_tokens) {
-    if (*max_tokens < 1) return FieldError(max_name, "must be at least 1");
+    if (*max_tokens < 0 || (*max_tokens == 0 && !out.echo)) {
+      return FieldError(max_name, "must be at least 1 (0 only with echo)");
+    }
     g.max_new_tokens = *max_tokens;
+    if (*max_tokens == 0) {
+      // The prompt alone: one token is generated (the engine always samples
+      // one) and left out of the answer.
+      out.echo_only = true;
+      g.max_new_tokens = 1;
+    }
   }
 
   // OpenAI's default temperature is 1 (sampling); 0 is greedy.
@@ -458,13 +474,6 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
     return FieldError("best_of",
                       absl::StrCat("only best_of equal to n (", g.n,
                                    ") is supported (no server-side ranking), got ", *best_of));
-  }
-  std::optional<bool> echo;
-  if (absl::Status s = GetBool(body, "echo", &echo); !s.ok()) return s;
-  if (echo.value_or(false)) {
-    return FieldError("echo", endpoint == OpenAiEndpoint::kChat
-                                  ? "is a /v1/completions field, not a chat one"
-                                  : "is not supported");
   }
   // vLLM's extensions: stop tokens, the least tokens before a stop, and the
   // stop string kept in the text.
@@ -545,10 +554,13 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
   }
   g.logprobs = out.logprobs;
   g.top_logprobs = out.top_logprobs;
+  // echo with logprobs: the prompt tokens' too, from the prefill's logits.
+  g.prompt_logprobs = out.echo && out.logprobs;
 
   std::optional<bool> stream;
   if (absl::Status s = GetBool(body, "stream", &stream); !s.ok()) return s;
   out.stream = stream.value_or(false);
+  if (out.echo && out.stream) return FieldError("echo", "is not supported with stream");
   if (const json* options = Field(body, "stream_options")) {
     if (!options->is_object()) return WrongType("stream_options", "an object", *options);
     std::optional<bool> include_usage;
@@ -780,6 +792,42 @@ struct OpenAiResponseWriter::State {
   json text_offset = json::array();
   int64_t offset = 0;                    // completions: text bytes so far, for text_offset
   std::optional<engine::Finish> finish;  // n > 1: how this choice ended
+  std::string prompt_text;               // echo: what goes before the text
+  bool prompt_added = false;
+
+  // echo: the prompt's text, and with logprobs its tokens' entries (the
+  // first token's logprob and top_logprobs null), before the completion's.
+  void AddPrompt(const OpenAiRequest& request, const TokenTextFn& token_text,
+                 const engine::TokenChunk& chunk) {
+    if (prompt_added || !request.echo) return;
+    prompt_added = true;
+    const engine::GenerationRequest& g = request.generation;
+    std::string joined;
+    for (const engine::PromptLogprob& p : chunk.prompt_logprobs) {
+      const std::string token = token_text(p.token_id);
+      joined += token;
+      if (!request.logprobs) continue;
+      tokens.push_back(token);
+      token_logprobs.push_back(p.logprob ? json(*p.logprob) : json(nullptr));
+      if (!p.logprob) {
+        top_logprobs.push_back(nullptr);
+      } else {
+        json top = json::object();
+        for (const engine::TokenLogprob& t : p.top_logprobs)
+          top[token_text(t.token_id)] = t.logprob;
+        top_logprobs.push_back(std::move(top));
+      }
+      text_offset.push_back(offset);
+      offset += static_cast<int64_t>(token.size());
+    }
+    if (g.prompt.has_value()) {
+      prompt_text = *g.prompt;
+    } else if (!joined.empty()) {
+      prompt_text = joined;
+    } else {
+      for (int64_t id : g.prompt_ids) prompt_text += token_text(id);
+    }
+  }
 
   // The logprobs of `chunk`'s tokens, appended to this state's arrays.
   void AddLogprobs(const OpenAiRequest& request, const TokenTextFn& token_text,
@@ -865,13 +913,18 @@ OpenAiResponseWriter::State& OpenAiResponseWriter::Choice(int64_t index) const {
 
 void OpenAiResponseWriter::Add(const engine::TokenChunk& chunk) {
   State& state = Choice(chunk.index);
+  if (chunk.finish) state.finish = *chunk.finish;
+  if (chunk.token_ids.empty()) return;  // a choice's end (n > 1)
+  state.AddPrompt(request_, token_text_, chunk);
+  if (request_.echo_only) return;  // the token generated to read the prompt
   state.text += chunk.text;
   if (request_.logprobs) state.AddLogprobs(request_, token_text_, chunk);
-  if (chunk.finish) state.finish = *chunk.finish;
 }
 
 std::string OpenAiResponseWriter::Final(const engine::Completion& completion) const {
   const bool chat = request_.endpoint == OpenAiEndpoint::kChat;
+  engine::Completion usage = completion;
+  if (request_.echo_only) usage.generated_tokens = 0;  // nothing generated is shown
   json choices = json::array();
   for (size_t index = 0; index < states_.size(); ++index) {
     const State& state = *states_[index];
@@ -900,9 +953,9 @@ std::string OpenAiResponseWriter::Final(const engine::Completion& completion) co
                 {"finish_reason", finish}};
     } else {
       choice = {{"index", index},
-                {"text", state.text},
+                {"text", state.prompt_text + state.text},
                 {"logprobs", state.Logprobs(request_)},
-                {"finish_reason", OpenAiFinishReason(ended)}};
+                {"finish_reason", request_.echo_only ? "length" : OpenAiFinishReason(ended)}};
     }
     choices.push_back(std::move(choice));
   }
@@ -911,7 +964,7 @@ std::string OpenAiResponseWriter::Final(const engine::Completion& completion) co
                {"created", created_},
                {"model", model_},
                {"choices", std::move(choices)},
-               {"usage", Usage(completion)}};
+               {"usage", Usage(usage)}};
   return Dump(body);
 }
 

@@ -48,6 +48,12 @@ struct OpenAiRequest {
   engine::GenerationRequest generation;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  // Completions' echo: the prompt's text (and with logprobs its tokens'
+  // logprobs, the first null) before the completion's; with max_tokens 0
+  // (echo_only) the answer is the prompt alone, as lm-eval-harness's
+  // loglikelihood asks (one token is generated and dropped).
+  bool echo = false;
+  bool echo_only = false;
   // Chat: logprobs true; completions: logprobs is a number (the top count).
   bool logprobs = false;
   int64_t top_logprobs = 0;

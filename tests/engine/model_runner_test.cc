@@ -177,6 +177,51 @@ TEST_F(GeneratorTest, GreedyEqualsTheLoopWithoutACache) {
   EXPECT_EQ(generator.stats().kv_blocks_used, 0);
 }
 
+// Prompt logprobs (echo with logprobs, lm-eval-harness's loglikelihood):
+// each prompt token's log-probability under the tokens before it, from the
+// prefill's logits, equals the model's full forward pass's log_softmax, also
+// when the prompt is read in chunks beside another request and was cached
+// before (such a request computes every position itself).
+TEST_F(GeneratorTest, PromptLogprobsAreTheFullForwardsLogSoftmax) {
+  const std::vector<int64_t> prompt = Prompt(3, 40);
+  at::Tensor reference;
+  {
+    c10::InferenceMode inference;
+    auto logits = loaded_->model->Forward(at::tensor(prompt, at::kLong), {{nullptr, 40}},
+                                          Logits::kAll, loaded_->dispatched.get());
+    ASSERT_THAT(logits, IsOk());
+    reference = at::log_softmax(logits->to(at::kFloat), -1);
+  }
+  GeneratorOptions options;
+  options.max_num_batched_tokens = 16;
+  EngineCore generator = MakeGenerator(true, options);
+  // The same prompt first, so its blocks are in the prefix cache.
+  ASSERT_THAT(Generate(generator, {Greedy(prompt, 2)}), IsOk());
+  GenerationRequest request = Greedy(prompt, 3);
+  request.logprobs = true;
+  request.top_logprobs = 2;
+  request.prompt_logprobs = true;
+  auto results = Generate(generator, {request, Greedy(Prompt(7, 30), 4)});
+  ASSERT_THAT(results, IsOk());
+  const std::vector<PromptLogprob>& got = (*results)[0].prompt_logprobs;
+  ASSERT_EQ(got.size(), 40u);
+  EXPECT_EQ(got[0].token_id, prompt[0]);
+  EXPECT_FALSE(got[0].logprob.has_value());
+  EXPECT_TRUE(got[0].top_logprobs.empty());
+  for (size_t i = 1; i < 40; ++i) {
+    const at::Tensor row = reference[static_cast<int64_t>(i) - 1];
+    EXPECT_EQ(got[i].token_id, prompt[i]) << i;
+    ASSERT_TRUE(got[i].logprob.has_value()) << i;
+    EXPECT_NEAR(*got[i].logprob, row[prompt[i]].item<float>(), 1e-4) << i;
+    ASSERT_EQ(got[i].top_logprobs.size(), 2u) << i;
+    EXPECT_EQ(got[i].top_logprobs[0].token_id, row.argmax().item<int64_t>()) << i;
+    EXPECT_NEAR(got[i].top_logprobs[0].logprob, row.max().item<float>(), 1e-4) << i;
+  }
+  // The generated tokens are those of decoding without it.
+  EXPECT_EQ((*results)[0].token_ids, GreedyByHand(prompt, 3));
+  EXPECT_TRUE((*results)[1].prompt_logprobs.empty());
+}
+
 TEST_F(GeneratorTest, ABatchGeneratesWhatEachRequestGeneratesAlone) {
   std::vector<GenerationRequest> requests = {Greedy({1, 2, 3, 4, 5, 6, 7}, 9), Greedy({250}, 4),
                                              Greedy({9, 8, 7}, 6)};

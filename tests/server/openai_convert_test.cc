@@ -118,7 +118,8 @@ TEST(OpenAiConvertTest, ErrorsNameTheField) {
       {text, R"({"prompt": "x", "frequency_penalty": "1"})", "frequency_penalty"},
       {text, R"({"prompt": "x", "logit_bias": {"a": 1}})", "logit_bias"},
       {text, R"({"prompt": "x", "stop": 3})", "stop"},
-      {text, R"({"prompt": "x", "echo": true})", "echo"},
+      {text, R"({"prompt": "x", "echo": true, "stream": true})", "echo"},
+      {text, R"({"prompt": "x", "max_tokens": 0})", "max_tokens"},
       {text, R"({"prompt": "x", "stream": "yes"})", "stream"},
       {text, R"({"model": 3, "prompt": "x"})", "model"},
       {text, R"({})", "prompt"},
@@ -475,6 +476,45 @@ TEST(OpenAiConvertTest, NChoicesAnswerAndStream) {
   EXPECT_EQ(end["choices"][0]["finish_reason"], "length");
   // The request's end has no choice left to finish: [DONE] only.
   EXPECT_EQ(stream.StreamEnd(completion), "data: [DONE]\n\n");
+}
+
+// echo: the prompt's text and tokens (the first null) before the
+// completion's; with max_tokens 0 the generated token is left out.
+TEST(OpenAiConvertTest, EchoPutsThePromptAndItsLogprobsFirst) {
+  OpenAiRequest request = ParseOk(OpenAiEndpoint::kCompletions,
+                                  R"({"prompt": [[1, 22]], "max_tokens": 0, "echo": true,
+                                      "logprobs": 1})");
+  EXPECT_TRUE(request.echo_only);
+  EXPECT_TRUE(request.generation.prompt_logprobs);
+  EXPECT_EQ(request.generation.max_new_tokens, 1);
+  OpenAiResponseWriter writer(request, "m", Name, 1);
+  engine::TokenChunk chunk = Chunk({3}, "t3", {-0.5f}, {{{3, -0.5f}}});
+  chunk.prompt_logprobs = {{1, std::nullopt, {}}, {22, -2.0f, {{4, -1.0f}}}};
+  writer.Add(chunk);
+  engine::Completion completion;
+  completion.prompt_tokens = 2;
+  completion.generated_tokens = 1;
+  const json body = json::parse(writer.Final(completion));
+  const json& choice = body["choices"][0];
+  EXPECT_EQ(choice["text"], "t1t22");
+  EXPECT_EQ(choice["logprobs"]["tokens"], json::array({"t1", "t22"}));
+  EXPECT_EQ(choice["logprobs"]["token_logprobs"], json::array({nullptr, -2.0}));
+  EXPECT_TRUE(choice["logprobs"]["top_logprobs"][0].is_null());
+  EXPECT_EQ(choice["logprobs"]["top_logprobs"][1]["t4"], -1.0);
+  EXPECT_EQ(choice["logprobs"]["text_offset"], json::array({0, 2}));
+  EXPECT_EQ(choice["finish_reason"], "length");
+  EXPECT_EQ(body["usage"]["completion_tokens"], 0);
+
+  // With max_tokens: the generated token's entries follow the prompt's.
+  OpenAiRequest more = ParseOk(OpenAiEndpoint::kCompletions,
+                               R"({"prompt": "hi", "max_tokens": 1, "echo": true, "logprobs": 0})");
+  OpenAiResponseWriter with_token(more, "m", Name, 1);
+  with_token.Add(chunk);
+  const json both = json::parse(with_token.Final(completion));
+  EXPECT_EQ(both["choices"][0]["text"], "hit3");  // the prompt as sent, then the text
+  EXPECT_EQ(both["choices"][0]["logprobs"]["tokens"], json::array({"t1", "t22", "t3"}));
+  EXPECT_EQ(both["choices"][0]["logprobs"]["text_offset"], json::array({0, 2, 5}));
+  EXPECT_EQ(both["usage"]["completion_tokens"], 1);
 }
 
 TEST(OpenAiConvertTest, CompletionLogprobsAndModels) {

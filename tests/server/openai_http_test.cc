@@ -395,6 +395,67 @@ TEST_F(OpenAiClientTest, StopFieldsAndMinTokens) {
   EXPECT_EQ(got["result"]["choices"][0]["finish_reason"], "length");
 }
 
+// lm-eval-harness's loglikelihood call: token ids, max_tokens 0, echo,
+// logprobs. The answer is the prompt alone: one entry per prompt token, the
+// first null, no completion tokens. Checked across two paths of the engine:
+// token 9's logprob after 5 6 7 8 read from the prefill's logits equals the
+// logprob it has when generated after them (forced by logit_bias, which
+// leaves the reported logprob the model's own).
+TEST_F(OpenAiClientTest, EchoWithPromptLogprobsAsLmEvalHarnessAsks) {
+  const json generated = RunClient(port(), kToken, "completions.create",
+                                   {{"prompt", json::array({json::array({5, 6, 7, 8})})},
+                                    {"max_tokens", 1},
+                                    {"temperature", 0},
+                                    {"ignore_eos", true},
+                                    {"logit_bias", {{"9", 100}}},
+                                    {"logprobs", 1}});
+  ASSERT_TRUE(generated["ok"]) << generated;
+  const json& first = generated["result"]["choices"][0]["logprobs"];
+  const double logprob_of_9 = first["token_logprobs"][0];
+
+  json params = {{"prompt", json::array({json::array({5, 6, 7, 8, 9})})},
+                 {"max_tokens", 0},
+                 {"echo", true},
+                 {"logprobs", 1},
+                 {"temperature", 0}};
+  const json out = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(out["ok"]) << out;
+  const json& choice = out["result"]["choices"][0];
+  const json& logprobs = choice["logprobs"];
+  ASSERT_EQ(logprobs["tokens"].size(), 5u) << out;
+  ASSERT_EQ(logprobs["token_logprobs"].size(), 5u);
+  ASSERT_EQ(logprobs["top_logprobs"].size(), 5u);
+  ASSERT_EQ(logprobs["text_offset"].size(), 5u);
+  EXPECT_TRUE(logprobs["token_logprobs"][0].is_null());
+  EXPECT_TRUE(logprobs["top_logprobs"][0].is_null());
+  std::string joined;
+  for (size_t i = 0; i < 5; ++i) {
+    if (i > 0) {
+      EXPECT_LE(logprobs["token_logprobs"][i].get<double>(), 0) << i;
+      EXPECT_GE(logprobs["top_logprobs"][i].size(), 1u) << i;
+    }
+    EXPECT_EQ(logprobs["text_offset"][i], joined.size()) << i;
+    joined += logprobs["tokens"][i].get<std::string>();
+  }
+  EXPECT_EQ(logprobs["tokens"][4], first["tokens"][0]);
+  EXPECT_NEAR(logprobs["token_logprobs"][4].get<double>(), logprob_of_9, 1e-4);
+  EXPECT_EQ(choice["text"], joined);
+  EXPECT_EQ(choice["finish_reason"], "length");
+  EXPECT_EQ(out["result"]["usage"]["completion_tokens"], 0);
+  EXPECT_EQ(out["result"]["usage"]["prompt_tokens"], 5);
+
+  // echo with a generated token: the prompt's entries, then the token's.
+  params["max_tokens"] = 1;
+  params["ignore_eos"] = true;
+  const json both = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(both["ok"]) << both;
+  const json& all = both["result"]["choices"][0]["logprobs"];
+  ASSERT_EQ(all["tokens"].size(), 6u) << both;
+  EXPECT_EQ(all["text_offset"][5], joined.size());
+  EXPECT_TRUE(absl::StartsWith(both["result"]["choices"][0]["text"].get<std::string>(), joined));
+  EXPECT_EQ(both["result"]["usage"]["completion_tokens"], 1);
+}
+
 TEST_F(OpenAiClientTest, BadChoiceAndStopFieldsAreBadRequestsNamingTheField) {
   const json chat_messages = {{{"role", "user"}, {"content", "hi"}}};
   const std::vector<std::pair<json, std::string>> cases = {
@@ -404,6 +465,8 @@ TEST_F(OpenAiClientTest, BadChoiceAndStopFieldsAreBadRequestsNamingTheField) {
       {{{"prompt", "x"}, {"max_tokens", 3}, {"min_tokens", 4}}, "min_tokens"},
       {{{"prompt", "x"}, {"stop_token_ids", {1, 1 << 30}}}, "stop_token_ids[1]"},
       {{{"messages", chat_messages}, {"echo", true}}, "echo"},
+      {{{"prompt", "x"}, {"max_tokens", 0}}, "max_tokens"},  // 0 only with echo
+      {{{"prompt", "x"}, {"echo", true}, {"stream", true}}, "echo"},
   };
   for (const auto& [params, param] : cases) {
     const bool chat = params.contains("messages");
@@ -1020,7 +1083,7 @@ TEST_F(RawHttpTest, WrongTypesNameTheField) {
                             R"({"messages": "hello"})"))["error"]["param"],
             "messages");
   EXPECT_EQ(BodyOf(Exchange(port(), "POST", "/v1/completions",
-                            R"({"prompt": "hi", "n": 2})"))["error"]["param"],
+                            R"({"prompt": "hi", "n": "2"})"))["error"]["param"],
             "n");
   EXPECT_EQ(BodyOf(Exchange(port(), "POST", "/v1/completions",
                             R"({"prompt": "hi", "presence_penalty": "high"})"))["error"]["param"],
