@@ -112,8 +112,14 @@ absl::Status CountParameters(const models::LoadedModel& loaded, ModelInfo& info)
 // counted (OpenAI's usage.completion_tokens) and the first failure if any.
 class ChoicesSink {
  public:
-  ChoicesSink(std::shared_ptr<RequestSink> sink, int64_t n, std::function<void()> on_done)
-      : sink_(std::move(sink)), left_(n), on_done_(std::move(on_done)) {}
+  // `counts_prompt[i]`: choice i is its prompt's first (its prompt tokens
+  // count once in the usage).
+  ChoicesSink(std::shared_ptr<RequestSink> sink, std::vector<bool> counts_prompt,
+              std::function<void()> on_done)
+      : sink_(std::move(sink)),
+        counts_prompt_(std::move(counts_prompt)),
+        left_(static_cast<int64_t>(counts_prompt_.size())),
+        on_done_(std::move(on_done)) {}
 
   // Nothing reaches the client's sink any more (a later choice could not be
   // queued: the client got that error instead).
@@ -141,11 +147,14 @@ class ChoicesSink {
       if (!status.ok() && status_.ok()) status_ = status;
       if (index == 0 || left_ == 0) done_ = completion;
       generated_ += completion.generated_tokens;
+      const auto at = static_cast<size_t>(index);
+      if (at < counts_prompt_.size() && counts_prompt_[at]) prompt_ += completion.prompt_tokens;
       longest_ = std::max(longest_, completion.total);
       last = --left_ == 0;
       if (last) {
         total = done_;
         total.generated_tokens = generated_;
+        total.prompt_tokens = prompt_;
         total.total = longest_;
         first_error = status_;
       }
@@ -164,12 +173,14 @@ class ChoicesSink {
 
  private:
   const std::shared_ptr<RequestSink> sink_;
+  const std::vector<bool> counts_prompt_;
   absl::Mutex mu_;
   bool abandoned_ ABSL_GUARDED_BY(mu_) = false;
   int64_t left_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   Completion done_ ABSL_GUARDED_BY(mu_);  // choice 0's (its timings)
   int64_t generated_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t prompt_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Duration longest_ ABSL_GUARDED_BY(mu_);
   const std::function<void()> on_done_;
 };
@@ -420,29 +431,39 @@ void LlmEngine::Cancel(uint64_t id) {
   for (uint64_t each : ids) loop_->Cancel(each);
 }
 
-absl::StatusOr<uint64_t> LlmEngine::SubmitChoices(GenerationRequest request,
+absl::StatusOr<uint64_t> LlmEngine::SubmitChoices(std::vector<GenerationRequest> requests,
                                                   std::shared_ptr<RequestSink> sink) {
-  const int64_t n = request.n;
-  request.n = 1;
+  // Prompt p's choice j, in order: index p * n + j.
+  std::vector<GenerationRequest> choices;
+  std::vector<bool> counts_prompt;
+  for (GenerationRequest& request : requests) {
+    const int64_t n = request.n;
+    request.n = 1;
+    for (int64_t i = 0; i < n; ++i) {
+      GenerationRequest choice = request;
+      if (request.sampling.seed) choice.sampling.seed = *request.sampling.seed + i;
+      choices.push_back(std::move(choice));
+      counts_prompt.push_back(i == 0);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(choices.size());
   // The group's entry goes when the last choice ends; it may end before
   // every choice was queued only if queueing failed (then no entry is made).
   auto key = std::make_shared<std::optional<uint64_t>>();
-  std::weak_ptr<Choices> choices = choices_;
-  auto group = std::make_shared<ChoicesSink>(std::move(sink), n, [choices, key] {
-    std::shared_ptr<Choices> held = choices.lock();
-    if (held == nullptr) return;
-    absl::MutexLock lock(&held->mu);
-    if (key->has_value()) held->groups.erase(**key);
-  });
+  auto group = std::make_shared<ChoicesSink>(std::move(sink), std::move(counts_prompt),
+                                             [groups = std::weak_ptr<Choices>(choices_), key] {
+                                               std::shared_ptr<Choices> held = groups.lock();
+                                               if (held == nullptr) return;
+                                               absl::MutexLock lock(&held->mu);
+                                               if (key->has_value()) held->groups.erase(**key);
+                                             });
   std::vector<uint64_t> ids;
   // The map entry exists before any choice can end (the lock is held while
   // they are queued; ending takes it too).
   absl::MutexLock lock(&choices_->mu);
   for (int64_t i = 0; i < n; ++i) {
-    GenerationRequest choice = request;
-    if (request.sampling.seed) choice.sampling.seed = *request.sampling.seed + i;
-    absl::StatusOr<uint64_t> id =
-        loop_->Submit(std::move(choice), std::make_shared<ChoiceSink>(group, i));
+    absl::StatusOr<uint64_t> id = loop_->Submit(std::move(choices[static_cast<size_t>(i)]),
+                                                std::make_shared<ChoiceSink>(group, i));
     if (!id.ok()) {
       group->Abandon();
       for (uint64_t queued : ids) loop_->Cancel(queued);
@@ -455,44 +476,65 @@ absl::StatusOr<uint64_t> LlmEngine::SubmitChoices(GenerationRequest request,
   return ids.front();
 }
 
+absl::Status LlmEngine::Complete(GenerationRequest& request) {
+  ACCEL_RETURN_IF_ERROR(model_->inputs->Process(request));
+  if (!request.structured) return absl::OkStatus();
+  if (model_->structured == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(request.structured->field, ": structured output needs the model's tokenizer"));
+  }
+  if (request.stop_token_ids.empty()) {
+    // The grammar ends the text with a stop token; without one the text
+    // would run on past the grammar's end (ignore_eos and no stop ids).
+    return absl::InvalidArgumentError(
+        absl::StrCat(request.structured->field,
+                     ": structured output needs a stop token to end the text (not ignore_eos "
+                     "without stop_token_ids)"));
+  }
+  // A grammar that does not compile is the client's error, before it queues.
+  return model_->structured->Compile(*request.structured).status();
+}
+
+void LlmEngine::RecordRefused(const absl::Status& status) {
+  if (stats_ == nullptr) return;
+  switch (status.code()) {
+    case absl::StatusCode::kNotFound:
+      stats_->RecordFailed("not_found");
+      break;
+    case absl::StatusCode::kResourceExhausted:
+      stats_->RecordFailed("overloaded");
+      break;
+    case absl::StatusCode::kUnavailable:
+      stats_->RecordFailed("unavailable");
+      break;
+    default:
+      stats_->RecordFailed("invalid");
+  }
+}
+
 absl::StatusOr<uint64_t> LlmEngine::Submit(GenerationRequest request,
                                            std::shared_ptr<RequestSink> sink) {
-  absl::Status completed = model_->inputs->Process(request);
-  if (completed.ok() && request.structured) {
-    if (model_->structured == nullptr) {
-      completed = absl::InvalidArgumentError(absl::StrCat(
-          request.structured->field, ": structured output needs the model's tokenizer"));
-    } else if (request.stop_token_ids.empty()) {
-      // The grammar ends the text with a stop token; without one the text
-      // would run on past the grammar's end (ignore_eos and no stop ids).
-      completed = absl::InvalidArgumentError(
-          absl::StrCat(request.structured->field,
-                       ": structured output needs a stop token to end the text (not ignore_eos "
-                       "without stop_token_ids)"));
-    } else {
-      // A grammar that does not compile is the client's error, before it queues.
-      completed = model_->structured->Compile(*request.structured).status();
+  std::vector<GenerationRequest> one;
+  one.push_back(std::move(request));
+  return SubmitBatch(std::move(one), std::move(sink));
+}
+
+absl::StatusOr<uint64_t> LlmEngine::SubmitBatch(std::vector<GenerationRequest> requests,
+                                                std::shared_ptr<RequestSink> sink) {
+  absl::Status completed =
+      requests.empty() ? absl::InvalidArgumentError("prompt: no prompt") : absl::OkStatus();
+  for (size_t p = 0; p < requests.size() && completed.ok(); ++p) {
+    completed = Complete(requests[p]);
+    if (!completed.ok() && requests.size() > 1) {
+      completed =
+          absl::Status(completed.code(), absl::StrCat(completed.message(), " (prompt ", p, ")"));
     }
   }
   absl::StatusOr<uint64_t> id = !completed.ok() ? absl::StatusOr<uint64_t>(completed)
-                                : request.n > 1
-                                    ? SubmitChoices(std::move(request), std::move(sink))
-                                    : loop_->Submit(std::move(request), std::move(sink));
-  if (!id.ok() && stats_ != nullptr) {
-    switch (id.status().code()) {
-      case absl::StatusCode::kNotFound:
-        stats_->RecordFailed("not_found");
-        break;
-      case absl::StatusCode::kResourceExhausted:
-        stats_->RecordFailed("overloaded");
-        break;
-      case absl::StatusCode::kUnavailable:
-        stats_->RecordFailed("unavailable");
-        break;
-      default:
-        stats_->RecordFailed("invalid");
-    }
-  }
+                                : requests.size() == 1 && requests[0].n == 1
+                                    ? loop_->Submit(std::move(requests[0]), std::move(sink))
+                                    : SubmitChoices(std::move(requests), std::move(sink));
+  if (!id.ok()) RecordRefused(id.status());
   return id;
 }
 

@@ -115,6 +115,13 @@ class LlmEngine {
   // choice's index, a choice's last chunk its finish, and OnDone comes once,
   // after the last choice, with the tokens of all of them (OpenAI's usage).
   absl::StatusOr<uint64_t> Submit(GenerationRequest request, std::shared_ptr<RequestSink> sink);
+  // Several prompts as one answer (OpenAI's list of prompts): each request
+  // completed and checked (the first error names its prompt), then run as
+  // Submit runs n choices, prompt p's choice j tagged index p * n + j (the
+  // order OpenAI and vLLM give); OnDone's usage counts every prompt's
+  // tokens and every choice's.
+  absl::StatusOr<uint64_t> SubmitBatch(std::vector<GenerationRequest> requests,
+                                       std::shared_ptr<RequestSink> sink);
   // With n > 1 the id stands for all the choices: Cancel ends them all.
   void Cancel(uint64_t id);
   // One token's text, as the OpenAI API's logprobs show it: the token
@@ -136,8 +143,11 @@ class LlmEngine {
   struct Model;
   LlmEngine() = default;
   // Queues request.n choices (Submit, n > 1).
-  absl::StatusOr<uint64_t> SubmitChoices(GenerationRequest request,
+  absl::StatusOr<uint64_t> SubmitChoices(std::vector<GenerationRequest> requests,
                                          std::shared_ptr<RequestSink> sink);
+  // The input processor and the structured-output checks of Submit.
+  absl::Status Complete(GenerationRequest& request);
+  void RecordRefused(const absl::Status& status);
 
   EngineOptions options_;
   StatLogger* stats_ = nullptr;

@@ -199,8 +199,13 @@ absl::Status TokenIds(const json& array, const std::string& field, std::vector<i
   return absl::OkStatus();
 }
 
-// Completions: a string, [string], [ids] or [[ids]].
-absl::Status ParsePrompt(const json& body, engine::GenerationRequest& out) {
+// The most prompts one completions request may list.
+constexpr size_t kMaxPrompts = 256;
+
+// Completions: a string, [string, ...], [ids] or [[ids], ...]; `out` takes
+// the first, `more` the rest.
+absl::Status ParsePrompt(const json& body, engine::GenerationRequest& out,
+                         std::vector<engine::GenerationRequest>& more) {
   const json* prompt = Field(body, "prompt");
   if (prompt == nullptr) return FieldError("prompt", "required");
   if (prompt->is_string()) {
@@ -214,14 +219,24 @@ absl::Status ParsePrompt(const json& body, engine::GenerationRequest& out) {
   if (prompt->empty()) return FieldError("prompt", "must not be empty");
   const json& first = (*prompt)[0];
   if (first.is_string() || first.is_array()) {
-    if (prompt->size() != 1) {
-      return FieldError("prompt", "one prompt per request (this server does not batch prompts)");
+    if (prompt->size() > kMaxPrompts) {
+      return FieldError("prompt",
+                        absl::StrCat("at most ", kMaxPrompts, " prompts, got ", prompt->size()));
     }
-    if (first.is_string()) {
-      out.prompt = first.get<std::string>();
-      return absl::OkStatus();
+    for (size_t i = 0; i < prompt->size(); ++i) {
+      const json& item = (*prompt)[i];
+      engine::GenerationRequest& into = i == 0 ? out : more.emplace_back();
+      const std::string field = absl::StrCat("prompt[", i, "]");
+      if (first.is_string()) {
+        if (!item.is_string()) return WrongType(field, "a string, as prompt[0]", item);
+        into.prompt = item.get<std::string>();
+      } else {
+        if (!item.is_array()) return WrongType(field, "an array of token ids, as prompt[0]", item);
+        if (item.empty()) return FieldError(field, "must not be empty");
+        if (absl::Status s = TokenIds(item, field, into.prompt_ids); !s.ok()) return s;
+      }
     }
-    return TokenIds(first, "prompt[0]", out.prompt_ids);
+    return absl::OkStatus();
   }
   return TokenIds(*prompt, "prompt", out.prompt_ids);
 }
@@ -390,7 +405,7 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
     if (absl::Status s = ParseMessages(body, limits, chat); !s.ok()) return s;
     g.chat = std::move(chat);
   } else {
-    if (absl::Status s = ParsePrompt(body, g); !s.ok()) return s;
+    if (absl::Status s = ParsePrompt(body, g, out.prompts); !s.ok()) return s;
   }
 
   std::optional<int64_t> max_tokens;
@@ -561,6 +576,18 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
   if (absl::Status s = GetBool(body, "stream", &stream); !s.ok()) return s;
   out.stream = stream.value_or(false);
   if (out.echo && out.stream) return FieldError("echo", "is not supported with stream");
+  if (!out.prompts.empty()) {
+    // Several prompts: every one with the request's other fields.
+    std::vector<engine::GenerationRequest> prompts;
+    prompts.push_back(g);
+    for (engine::GenerationRequest& p : out.prompts) {
+      engine::GenerationRequest each = g;
+      each.prompt = std::move(p.prompt);
+      each.prompt_ids = std::move(p.prompt_ids);
+      prompts.push_back(std::move(each));
+    }
+    out.prompts = std::move(prompts);
+  }
   if (const json* options = Field(body, "stream_options")) {
     if (!options->is_object()) return WrongType("stream_options", "an object", *options);
     std::optional<bool> include_usage;
@@ -797,11 +824,10 @@ struct OpenAiResponseWriter::State {
 
   // echo: the prompt's text, and with logprobs its tokens' entries (the
   // first token's logprob and top_logprobs null), before the completion's.
-  void AddPrompt(const OpenAiRequest& request, const TokenTextFn& token_text,
-                 const engine::TokenChunk& chunk) {
+  void AddPrompt(const OpenAiRequest& request, const engine::GenerationRequest& g,
+                 const TokenTextFn& token_text, const engine::TokenChunk& chunk) {
     if (prompt_added || !request.echo) return;
     prompt_added = true;
-    const engine::GenerationRequest& g = request.generation;
     std::string joined;
     for (const engine::PromptLogprob& p : chunk.prompt_logprobs) {
       const std::string token = token_text(p.token_id);
@@ -891,7 +917,8 @@ OpenAiResponseWriter::OpenAiResponseWriter(const OpenAiRequest& request, std::st
   if (id_.empty()) {
     id_ = RandomId(request.endpoint == OpenAiEndpoint::kChat ? "chatcmpl-" : "cmpl-");
   }
-  const int64_t n = std::max<int64_t>(request.generation.n, 1);
+  const int64_t n = std::max<int64_t>(request.generation.n, 1) *
+                    std::max<int64_t>(static_cast<int64_t>(request.prompts.size()), 1);
   for (int64_t i = 0; i < n; ++i) {
     auto state = std::make_unique<State>();
     if (request.endpoint == OpenAiEndpoint::kChat &&
@@ -915,7 +942,12 @@ void OpenAiResponseWriter::Add(const engine::TokenChunk& chunk) {
   State& state = Choice(chunk.index);
   if (chunk.finish) state.finish = *chunk.finish;
   if (chunk.token_ids.empty()) return;  // a choice's end (n > 1)
-  state.AddPrompt(request_, token_text_, chunk);
+  // Choice p * n + j is prompt p's.
+  const int64_t n = std::max<int64_t>(request_.generation.n, 1);
+  const size_t prompt = static_cast<size_t>(chunk.index / n);
+  state.AddPrompt(request_,
+                  prompt < request_.prompts.size() ? request_.prompts[prompt] : request_.generation,
+                  token_text_, chunk);
   if (request_.echo_only) return;  // the token generated to read the prompt
   state.text += chunk.text;
   if (request_.logprobs) state.AddLogprobs(request_, token_text_, chunk);

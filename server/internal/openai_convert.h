@@ -54,6 +54,10 @@ struct OpenAiRequest {
   // loglikelihood asks (one token is generated and dropped).
   bool echo = false;
   bool echo_only = false;
+  // Completions with a list of prompts (strings or token-id lists): one
+  // request each (generation with that prompt), for LlmEngine::SubmitBatch;
+  // empty for one prompt. Choice p * n + j is prompt p's choice j.
+  std::vector<engine::GenerationRequest> prompts;
   // Chat: logprobs true; completions: logprobs is a number (the top count).
   bool logprobs = false;
   int64_t top_logprobs = 0;

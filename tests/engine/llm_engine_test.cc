@@ -228,6 +228,38 @@ TEST_F(LlmEngineTest, NChoicesShareThePromptAndEachIsItsOwnSeededStream) {
   EXPECT_EQ(choices[0].size(), 6u);
 }
 
+// A list of prompts (OpenAI's): prompt p's choice j is index p * n + j, each
+// what the prompt gives alone; usage counts every prompt once and every
+// choice's tokens; a bad prompt is refused naming which.
+TEST_F(LlmEngineTest, ABatchOfPromptsIsOneAnswerInOpenAisOrder) {
+  auto engine = LlmEngine::Load(Options(), nullptr);
+  ASSERT_THAT(engine, IsOk());
+  const std::vector<int64_t> a = {4, 8, 15}, b = {16, 23, 42, 7};
+  const std::vector<int64_t> alone_a = Run(**engine, a, 5), alone_b = Run(**engine, b, 5);
+  std::vector<GenerationRequest> batch(2);
+  batch[0].prompt_ids = a;
+  batch[1].prompt_ids = b;
+  for (GenerationRequest& r : batch) {
+    r.max_new_tokens = 5;
+    r.ignore_eos = true;
+    r.n = 2;
+  }
+  auto sink = std::make_shared<ChoicesSink>();
+  ASSERT_THAT((*engine)->SubmitBatch(batch, sink), IsOk());
+  Completion completion;
+  std::map<int64_t, std::vector<int64_t>> choices = sink->Wait(&completion);
+  ASSERT_EQ(choices.size(), 4u);
+  EXPECT_EQ(choices[0], alone_a);
+  EXPECT_EQ(choices[1], alone_a);
+  EXPECT_EQ(choices[2], alone_b);
+  EXPECT_EQ(choices[3], alone_b);
+  EXPECT_EQ(completion.prompt_tokens, 7);
+  EXPECT_EQ(completion.generated_tokens, 20);
+  batch[1].prompt_ids = {1, 300};
+  EXPECT_THAT((*engine)->SubmitBatch(batch, std::make_shared<ChoicesSink>()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("(prompt 1)")));
+}
+
 // min_tokens masks the stop tokens until that many were generated: the
 // token greedy decoding gives first, made a stop token, ends a request
 // at once, and with min_tokens 4 only after four others.

@@ -85,7 +85,8 @@ TEST(OpenAiConvertTest, CompletionPromptForms) {
             (std::vector<int64_t>{1, 2, 3}));
   EXPECT_EQ(ParseOk(OpenAiEndpoint::kCompletions, R"({"prompt": [[4, 5]]})").generation.prompt_ids,
             (std::vector<int64_t>{4, 5}));
-  EXPECT_EQ(ParseError(OpenAiEndpoint::kCompletions, R"({"prompt": ["a", "b"]})").param, "prompt");
+  EXPECT_EQ(ParseError(OpenAiEndpoint::kCompletions, R"({"prompt": ["a", [1]]})").param,
+            "prompt[1]");
   EXPECT_EQ(ParseError(OpenAiEndpoint::kCompletions, R"({"prompt": [1, "x"]})").param, "prompt[1]");
   const OpenAiRequest r = ParseOk(OpenAiEndpoint::kCompletions,
                                   R"({"prompt": "x", "logprobs": 5, "stop": ["a", "b"]})");
@@ -515,6 +516,34 @@ TEST(OpenAiConvertTest, EchoPutsThePromptAndItsLogprobsFirst) {
   EXPECT_EQ(both["choices"][0]["logprobs"]["tokens"], json::array({"t1", "t22", "t3"}));
   EXPECT_EQ(both["choices"][0]["logprobs"]["text_offset"], json::array({0, 2, 5}));
   EXPECT_EQ(both["usage"]["completion_tokens"], 1);
+}
+
+// A list of prompts: one request each, with the other fields; the answer has
+// prompts x n choices, each echoing its own prompt.
+TEST(OpenAiConvertTest, AListOfPromptsIsOneRequestEach) {
+  OpenAiRequest request = ParseOk(OpenAiEndpoint::kCompletions,
+                                  R"({"prompt": ["a", "b"], "n": 2, "echo": true, "seed": 3})");
+  ASSERT_EQ(request.prompts.size(), 2u);
+  EXPECT_EQ(request.prompts[0].prompt, "a");
+  EXPECT_EQ(request.prompts[1].prompt, "b");
+  EXPECT_EQ(request.prompts[1].n, 2);
+  EXPECT_EQ(request.prompts[1].sampling.seed, 3u);
+  OpenAiResponseWriter writer(request, "m", Name, 1);
+  for (int64_t index = 0; index < 4; ++index) {
+    engine::TokenChunk chunk = Chunk({index}, absl::StrCat("-", index));
+    chunk.index = index;
+    writer.Add(chunk);
+  }
+  const json body = json::parse(writer.Final(engine::Completion()));
+  ASSERT_EQ(body["choices"].size(), 4u);
+  EXPECT_EQ(body["choices"][0]["text"], "a-0");
+  EXPECT_EQ(body["choices"][1]["text"], "a-1");
+  EXPECT_EQ(body["choices"][2]["text"], "b-2");
+  EXPECT_EQ(body["choices"][3]["text"], "b-3");
+  const OpenAiRequest ids = ParseOk(OpenAiEndpoint::kCompletions, R"({"prompt": [[1, 2], [3]]})");
+  ASSERT_EQ(ids.prompts.size(), 2u);
+  EXPECT_EQ(ids.prompts[1].prompt_ids, (std::vector<int64_t>{3}));
+  EXPECT_TRUE(ParseOk(OpenAiEndpoint::kCompletions, R"({"prompt": ["one"]})").prompts.empty());
 }
 
 TEST(OpenAiConvertTest, CompletionLogprobsAndModels) {

@@ -456,6 +456,45 @@ TEST_F(OpenAiClientTest, EchoWithPromptLogprobsAsLmEvalHarnessAsks) {
   EXPECT_EQ(both["result"]["usage"]["completion_tokens"], 1);
 }
 
+// A list of prompts: one choice per prompt x n, prompt p's choice j at index
+// p * n + j, each what the prompt gives alone; usage counts every prompt and
+// every choice.
+TEST_F(OpenAiClientTest, AListOfPromptsGivesPromptsTimesNChoicesInOrder) {
+  const std::vector<std::string> prompts = {"once upon", "hello there"};
+  json params = {{"max_tokens", 5}, {"temperature", 0}, {"ignore_eos", true}};
+  std::vector<json> alone;
+  int64_t prompt_tokens = 0;
+  for (const std::string& prompt : prompts) {
+    json one = params;
+    one["prompt"] = prompt;
+    const json out = RunClient(port(), kToken, "completions.create", one);
+    ASSERT_TRUE(out["ok"]) << out;
+    alone.push_back(out["result"]["choices"][0]["text"]);
+    prompt_tokens += out["result"]["usage"]["prompt_tokens"].get<int64_t>();
+  }
+  params["prompt"] = prompts;
+  params["n"] = 2;
+  const json out = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(out["ok"]) << out;
+  const json& choices = out["result"]["choices"];
+  ASSERT_EQ(choices.size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(choices[i]["index"], i);
+    EXPECT_EQ(choices[i]["text"], alone[i / 2]) << "choice " << i;
+  }
+  EXPECT_EQ(out["result"]["usage"]["prompt_tokens"], prompt_tokens);
+  EXPECT_EQ(out["result"]["usage"]["completion_tokens"], 20);
+  // Token-id lists, with echo: each choice begins with its own prompt.
+  const json ids = RunClient(
+      port(), kToken, "completions.create",
+      {{"prompt", {{5, 6, 7}, {8, 9}}}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 0}});
+  ASSERT_TRUE(ids["ok"]) << ids;
+  ASSERT_EQ(ids["result"]["choices"].size(), 2u);
+  EXPECT_EQ(ids["result"]["choices"][0]["logprobs"]["tokens"].size(), 3u);
+  EXPECT_EQ(ids["result"]["choices"][1]["logprobs"]["tokens"].size(), 2u);
+  EXPECT_EQ(ids["result"]["usage"]["prompt_tokens"], 5);
+}
+
 TEST_F(OpenAiClientTest, BadChoiceAndStopFieldsAreBadRequestsNamingTheField) {
   const json chat_messages = {{{"role", "user"}, {"content", "hi"}}};
   const std::vector<std::pair<json, std::string>> cases = {
@@ -466,6 +505,8 @@ TEST_F(OpenAiClientTest, BadChoiceAndStopFieldsAreBadRequestsNamingTheField) {
       {{{"prompt", "x"}, {"stop_token_ids", {1, 1 << 30}}}, "stop_token_ids[1]"},
       {{{"messages", chat_messages}, {"echo", true}}, "echo"},
       {{{"prompt", "x"}, {"max_tokens", 0}}, "max_tokens"},  // 0 only with echo
+      {{{"prompt", {"a", 5}}}, "prompt[1]"},
+      {{{"prompt", {{1, 2}, json::array()}}}, "prompt[1]"},
       {{{"prompt", "x"}, {"echo", true}, {"stream", true}}, "echo"},
   };
   for (const auto& [params, param] : cases) {
