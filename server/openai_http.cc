@@ -456,8 +456,9 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
                                [engine](int64_t token) { return engine->TokenText(token); });
   // A list of prompts is one answer of prompts x n choices.
   absl::StatusOr<uint64_t> id =
-      prompts.empty() ? engine->Submit(generation, std::make_shared<HttpSink<Answer>>(answer))
-                      : engine->SubmitBatch(std::move(prompts), std::make_shared<HttpSink<Answer>>(answer));
+      prompts.empty()
+          ? engine->Submit(generation, std::make_shared<HttpSink<Answer>>(answer))
+          : engine->SubmitBatch(std::move(prompts), std::make_shared<HttpSink<Answer>>(answer));
   if (!id.ok()) {
     SendStatus(*exchange, id.status());
     return;
