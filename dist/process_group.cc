@@ -6,6 +6,7 @@
 #include <utility>
 
 #include <ATen/Functions.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_NCCL
@@ -400,8 +401,79 @@ class C10dGroup : public ProcessGroup {
                        static_cast<size_t>(n));
   }
 
+  absl::Status Send(const at::Tensor& tensor, int dst) override {
+    if (dst < 0 || dst >= size_ || dst == rank_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("send: destination rank ", dst, " is not another rank of [0, ", size_, ")"));
+    }
+    c10::intrusive_ptr<c10d::Work> work;
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                     std::vector<at::Tensor> one = {AsWords(tensor.contiguous())};
+                                     work = pg_->send(one, dst, /*tag=*/0);
+                                   }),
+                                   absl::StrCat("send to rank ", dst)));
+    return WaitFor(work, "send", timeout_);
+  }
+
+  absl::Status Recv(at::Tensor& tensor, int src) override {
+    if (src < 0 || src >= size_ || src == rank_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("recv: source rank ", src, " is not another rank of [0, ", size_, ")"));
+    }
+    if (!tensor.is_contiguous()) {
+      return absl::InvalidArgumentError("recv: the tensor to fill must be contiguous");
+    }
+    c10::intrusive_ptr<c10d::Work> work;
+    ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
+                                     std::vector<at::Tensor> one = {AsWords(tensor)};
+                                     work = pg_->recv(one, src, /*tag=*/0);
+                                   }),
+                                   absl::StrCat("recv from rank ", src)));
+    return WaitFor(work, "recv", timeout_);
+  }
+
+  absl::StatusOr<std::unique_ptr<ProcessGroup>> NewGroup(const std::vector<int>& ranks) override {
+    std::vector<bool> seen(static_cast<size_t>(size_), false);
+    int mine = -1;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const int r = ranks[i];
+      if (r < 0 || r >= size_ || seen[static_cast<size_t>(r)]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("new group: rank ", r, " is outside [0, ", size_, ") or listed twice"));
+      }
+      seen[static_cast<size_t>(r)] = true;
+      if (r == rank_) mine = static_cast<int>(i);
+    }
+    // Every rank counts every group, so the members' store prefixes agree.
+    const std::string prefix = absl::StrCat("group", groups_made_++, "/");
+    if (mine < 0) return std::unique_ptr<ProcessGroup>();
+    const int n = static_cast<int>(ranks.size());
+    c10::intrusive_ptr<c10d::ProcessGroup> pg;
+    ACCEL_RETURN_IF_ERROR(
+        Annotate(CallTorch([&] {
+                   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
+#ifdef USE_C10D_NCCL
+                   if (backend_ == "nccl") {
+                     auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+                     nccl_options->timeout = timeout_;
+                     pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, mine, n, nccl_options);
+                     return;
+                   }
+#endif
+                   pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, mine, n, gloo_options_);
+                 }),
+                 absl::StrCat("making a group of ", n, " ranks")));
+    auto group = std::make_unique<C10dGroup>(store_, std::move(pg), mine, n, backend_, timeout_);
+    group->gloo_options_ = gloo_options_;
+    return std::unique_ptr<ProcessGroup>(std::move(group));
+  }
+
+  void set_gloo_options(c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options) {
+    gloo_options_ = std::move(options);
+  }
+
  private:
-  // gloo in libtorch 1.13 moves only float, double, half and 8/32/64-bit
+  // gloo in libtorch 1.13 moves only float, double, half and
   // 8/32/64-bit integers; bfloat16 and bool travel relabelled as half and
   // uint8 (broadcast and all-gather copy bits without arithmetic, so exact). A view: writes reach
   // `tensor`.
@@ -418,6 +490,9 @@ class C10dGroup : public ProcessGroup {
   int size_;
   std::string backend_;
   std::chrono::milliseconds timeout_;
+  // Gloo's options (its devices), reused by the groups NewGroup makes.
+  c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options_;
+  int groups_made_ = 0;
 };
 
 class SingleGroup : public ProcessGroup {
@@ -462,6 +537,20 @@ class SingleGroup : public ProcessGroup {
   }
   absl::StatusOr<std::string> BroadcastBytes(absl::string_view bytes, int) override {
     return std::string(bytes);
+  }
+  absl::Status Send(const at::Tensor&, int dst) override {
+    return absl::InvalidArgumentError(
+        absl::StrCat("send: destination rank ", dst, " is not another rank of [0, 1)"));
+  }
+  absl::Status Recv(at::Tensor&, int src) override {
+    return absl::InvalidArgumentError(
+        absl::StrCat("recv: source rank ", src, " is not another rank of [0, 1)"));
+  }
+  absl::StatusOr<std::unique_ptr<ProcessGroup>> NewGroup(const std::vector<int>& ranks) override {
+    if (ranks.size() != 1 || ranks[0] != 0) {
+      return absl::InvalidArgumentError("new group: a group of one holds only rank 0");
+    }
+    return std::unique_ptr<ProcessGroup>(std::make_unique<SingleGroup>());
   }
 
  private:
@@ -514,6 +603,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
   const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_duration));
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options;
   absl::Status status = CallTorch([&] {
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<std::uint16_t>(env.master_port);
@@ -531,7 +621,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
       return;
     }
 #endif
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+    gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
     // The device gloo binds its pair sockets to. GLOO_SOCKET_IFNAME is read
     // by Python's torch.distributed only, so a C++ program honours it itself.
     // A single-host run binds to loopback, which always exists and needs no
@@ -554,8 +644,10 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
                     absl::StrCat("connecting rank ", env.rank, " of ", env.world_size, " to ",
                                  env.master_addr, ":", env.master_port, " (", backend, ")"));
   }
-  return std::unique_ptr<ProcessGroup>(std::make_unique<C10dGroup>(
-      std::move(store), std::move(pg), env.rank, env.world_size, backend, timeout));
+  auto group = std::make_unique<C10dGroup>(std::move(store), std::move(pg), env.rank,
+                                           env.world_size, backend, timeout);
+  group->set_gloo_options(std::move(gloo_options));
+  return std::unique_ptr<ProcessGroup>(std::move(group));
 }
 
 std::unique_ptr<ProcessGroup> ProcessGroup::Single() { return std::make_unique<SingleGroup>(); }

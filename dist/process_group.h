@@ -101,6 +101,21 @@ class ProcessGroup {
   virtual absl::StatusOr<std::vector<std::string>> AllGatherBytes(absl::string_view bytes) = 0;
   // `src`'s bytes on every rank (the others' argument is ignored).
   virtual absl::StatusOr<std::string> BroadcastBytes(absl::string_view bytes, int src) = 0;
+
+  // Point to point (not collectives: only the two ranks take part, and each
+  // Send pairs with the Recv of the same shape and dtype, in order). The
+  // stages of a pipeline-parallel model pass activations with them.
+  virtual absl::Status Send(const at::Tensor& tensor, int dst) = 0;
+  // Fills `tensor` (contiguous, the sent shape and dtype) in place.
+  virtual absl::Status Recv(at::Tensor& tensor, int src) = 0;
+
+  // A group of `ranks` (of this group, ascending order not required: the
+  // new group's rank r is ranks[r]), as torch.distributed.new_group makes
+  // one. Every rank of this group calls it with the same list, in the same
+  // order as its other NewGroup calls; a rank outside `ranks` gets null.
+  // The new group shares this one's store, backend and timeout.
+  // InvalidArgument for a rank outside this group or a repeated one.
+  virtual absl::StatusOr<std::unique_ptr<ProcessGroup>> NewGroup(const std::vector<int>& ranks) = 0;
 };
 
 }  // namespace accel::dist

@@ -307,7 +307,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
         models::KvBlockStore::BytesPerBlock(model.draft->config, model.draft->dtype, block_size);
   }
   const int64_t block_bytes =
-      models::KvBlockStore::BytesPerBlock(loaded.config, loaded.dtype, block_size) +
+      models::KvBlockStore::BytesPerBlock(loaded.config, loaded.dtype, block_size,
+                                          options.load.tensor_parallel) +
       draft_block_bytes;
   const int64_t blocks_per_request = (info.max_total_tokens + block_size - 1) / block_size;
   const int64_t wanted =

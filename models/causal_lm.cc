@@ -212,6 +212,20 @@ int64_t KvBlockStore::BytesPerBlock(const loader::ModelConfig& config, at::Scala
          static_cast<int64_t>(c10::elementSize(dtype));
 }
 
+int64_t KvBlockStore::BytesPerBlock(const loader::ModelConfig& config, at::ScalarType dtype,
+                                    int64_t block_size, const TensorParallel& parallel) {
+  const int size = std::max(parallel.size, 1), stages = std::max(parallel.pipeline_size, 1);
+  const int64_t kv = config.kv_heads();
+  const int64_t kv_per_rank = kv % size == 0 ? kv / size : 1;
+  int64_t layers = 0;
+  for (int s = 0; s < stages; ++s) {
+    const auto [first, last] = PipelineLayers(config.num_hidden_layers, s, stages);
+    layers = std::max(layers, last - first);
+  }
+  return 2 * layers * kv_per_rank * config.head_size() * block_size *
+         static_cast<int64_t>(c10::elementSize(dtype));
+}
+
 absl::StatusOr<std::shared_ptr<CausalLM>> BuildCausalLM(const loader::ModelConfig& c,
                                                         at::ScalarType dtype,
                                                         const TensorParallel& tp) {
@@ -221,6 +235,13 @@ absl::StatusOr<std::shared_ptr<CausalLM>> BuildCausalLM(const loader::ModelConfi
     if (tp.rank < 0 || tp.rank >= tp.size) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor parallel rank ", tp.rank, " is outside [0, ", tp.size, ")"));
+    }
+  }
+  if (tp.pipeline_size != 1) {
+    ACCEL_RETURN_IF_ERROR(CheckPipelineParallel(c, tp.pipeline_size));
+    if (tp.pipeline_rank < 0 || tp.pipeline_rank >= tp.pipeline_size) {
+      return absl::InvalidArgumentError(absl::StrCat("pipeline stage ", tp.pipeline_rank,
+                                                     " is outside [0, ", tp.pipeline_size, ")"));
     }
   }
   if (resolved.family.mlp == MlpKind::kGpt2) {

@@ -55,6 +55,14 @@ class KvBlockStore {
   // Bytes one block takes in every layer, for sizing the pool.
   static int64_t BytesPerBlock(const loader::ModelConfig& config, at::ScalarType dtype,
                                int64_t block_size);
+  // What one block takes on the rank that holds most of it when the model
+  // is split (`parallel`'s size and pipeline_size): its key/value heads
+  // (kv_heads / size, or one replicated head when fewer than the ranks) in
+  // the layers of the largest pipeline stage. Every rank keeps its blocks at
+  // the leader's block ids, so the pool grows with N x M for the same bytes
+  // per rank.
+  static int64_t BytesPerBlock(const loader::ModelConfig& config, at::ScalarType dtype,
+                               int64_t block_size, const TensorParallel& parallel);
 
  private:
   int64_t num_blocks_, block_size_;

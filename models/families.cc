@@ -331,12 +331,21 @@ absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& c,
 absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& c,
                                                    c10::ScalarType dtype, int tp_rank,
                                                    int tp_size) {
+  TensorParallel tp;
+  tp.rank = tp_rank;
+  tp.size = tp_size;
+  return ModuleTreeFor(c, dtype, tp);
+}
+
+absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& c,
+                                                   c10::ScalarType dtype,
+                                                   const TensorParallel& parallel) {
   std::shared_ptr<CausalLM> model;
   {
     dispatch::EmptyWeightsGuard empty;
-    TensorParallel tp;
-    tp.rank = tp_rank;
-    tp.size = tp_size;
+    TensorParallel tp = parallel;
+    tp.group = nullptr;
+    tp.world = nullptr;
     ACCEL_ASSIGN_OR_RETURN(model, BuildCausalLM(c, dtype, tp));
   }
   return dispatch::ModuleTree::FromModule(*model);

@@ -22,6 +22,7 @@
 #include "dispatch/module_tree.h"
 #include "loader/config.h"
 #include "loader/loader.h"
+#include "models/parallel_options.h"
 
 namespace accel::models {
 
@@ -145,6 +146,12 @@ absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& co
 // `tp_size` ranks (models/tensor_parallel.h): what that rank holds.
 absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& config,
                                                    c10::ScalarType dtype, int tp_rank, int tp_size);
+// The module tree of the slice `parallel` names (tensor and pipeline
+// parallel: a stage holds only its layers, the embedding on the first, the
+// final norm and lm_head on the last).
+absl::StatusOr<dispatch::ModuleTree> ModuleTreeFor(const loader::ModelConfig& config,
+                                                   c10::ScalarType dtype,
+                                                   const TensorParallel& parallel);
 
 // The tensors a checkpoint of this config holds, with HuggingFace's names
 // and shapes, in the order transformers' state_dict() lists them, a tied

@@ -84,7 +84,7 @@ absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
     asked.compute_dtype = *compute;
   }
   const TensorParallel& tp = options.tensor_parallel;
-  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype, tp.rank, tp.size));
+  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree, ModuleTreeFor(config, dtype, tp));
   QuantPlan plan;
   if (config_only && !std::filesystem::exists(dir + "/model.safetensors") &&
       !std::filesystem::exists(dir + "/model.safetensors.index.json")) {
@@ -101,12 +101,12 @@ absl::StatusOr<QuantPlan> ChooseQuantization(const std::string& dir,
   } else {
     ACCEL_ASSIGN_OR_RETURN(plan, PlanForModel(dir, tree, asked, &prequantized));
   }
-  if (prequantized && tp.size > 1) {
+  if (prequantized && tp.split()) {
     return absl::InvalidArgumentError(absl::StrCat(
         dir,
         "/config.json: a pre-quantized checkpoint (quantization_config) cannot be split "
         "for tensor_parallel_size ",
-        tp.size,
+        tp.size, " x pipeline_parallel_size ", tp.pipeline_size,
         ": its packed blocks do not split along heads; load the float checkpoint and quantize "
         "each rank's slice (--quantize)"));
   }
@@ -151,9 +151,8 @@ std::map<std::string, double> BytesByPlacement(const dispatch::DeviceMap& map,
 // The device map and the memory plan, for a strategy or a given map.
 absl::Status ChooseDeviceMap(const ModelLoadOptions& options, LoadPlan& out) {
   const loader::ModelConfig& config = out.config;
-  ACCEL_ASSIGN_OR_RETURN(
-      dispatch::ModuleTree tree,
-      ModuleTreeFor(config, out.dtype, options.tensor_parallel.rank, options.tensor_parallel.size));
+  ACCEL_ASSIGN_OR_RETURN(dispatch::ModuleTree tree,
+                         ModuleTreeFor(config, out.dtype, options.tensor_parallel));
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(config));
   dispatch::PlanOptions plan;
   plan.no_split = {resolved.family.block_class};
@@ -631,6 +630,7 @@ absl::StatusOr<LoadPlan> PlanLoad(const std::string& dir, const ModelLoadOptions
   ACCEL_ASSIGN_OR_RETURN(out.dtype, ChooseDType(options, out.config));
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig resolved, ResolveConfig(out.config));
   ACCEL_RETURN_IF_ERROR(CheckTensorParallel(out.config, options.tensor_parallel.size));
+  ACCEL_RETURN_IF_ERROR(CheckPipelineParallel(out.config, options.tensor_parallel.pipeline_size));
   if (!config_only) {
     // Headers only: nothing is read or allocated in proportion to the model.
     ACCEL_ASSIGN_OR_RETURN(loader::Checkpoint checkpoint, loader::Checkpoint::Open(dir));
@@ -698,8 +698,9 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
     hook = MakeQuantizationHook(out.model, out.quantization, out.dtype);
     load.hook = hook.get();
   }
-  if (tp.size > 1) {
-    // Each rank's slices only; quantization (the inner hook) sees the slice.
+  if (tp.split()) {
+    // Each rank's slices (and its stage's layers) only; quantization (the inner hook) sees the
+    // slice.
     ACCEL_ASSIGN_OR_RETURN(sharding, MakeShardingHook(out.config, tp, out.dtype, hook.get()));
     load.hook = sharding.get();
   }
@@ -711,10 +712,10 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   }
   WarnAboutUnusedTensors(out, dir);
   // Rank 0 of a group drives the others (no group: a slice for inspection).
-  if (tp.size > 1 && tp.rank == 0 && tp.group != nullptr) {
+  if (tp.split() && tp.world_rank() == 0 && tp.step_group() != nullptr) {
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-      out.model = std::make_shared<TensorParallelLeader>(out.model, out.dispatched.get(), tp.group,
-                                                         absl::Milliseconds(tp.heartbeat_ms));
+      out.model = std::make_shared<TensorParallelLeader>(
+          out.model, out.dispatched.get(), tp.step_group(), absl::Milliseconds(tp.heartbeat_ms));
     }));
   }
   return out;

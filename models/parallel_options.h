@@ -23,6 +23,25 @@ struct TensorParallel {
   // LoadModel's leader (rank 0) tells idle workers it is alive this often
   // (TensorParallelLeader); 0: never.
   int64_t heartbeat_ms = 0;
+
+  // Pipeline parallel: this process runs stage `pipeline_rank` of
+  // `pipeline_size`, consecutive layers (PipelineLayers); the first stage
+  // embeds, the last one holds the final norm and lm_head. With more than
+  // one stage, `group` is the stage's tensor-parallel group (its `size`
+  // ranks; may be null for size 1) and `world` all size x pipeline_size
+  // ranks, world rank = pipeline_rank * size + rank; the leader is world
+  // rank 0 and broadcasts each step on `world`, stages pass activations
+  // along it by send / recv.
+  int pipeline_rank = 0;
+  int pipeline_size = 1;
+  dist::ProcessGroup* world = nullptr;
+
+  // The group the leader's step messages go over: `world` with stages,
+  // else `group`.
+  dist::ProcessGroup* step_group() const { return pipeline_size > 1 ? world : group; }
+  // Whether this process is one of several ranks (tensor or pipeline).
+  bool split() const { return size > 1 || pipeline_size > 1; }
+  int world_rank() const { return pipeline_rank * size + rank; }
 };
 
 }  // namespace accel::models

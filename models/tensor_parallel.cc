@@ -1,16 +1,19 @@
 #include "models/tensor_parallel.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include <ATen/Functions.h>
 #include <c10/core/InferenceMode.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -79,6 +82,71 @@ absl::Status CheckTensorParallel(const loader::ModelConfig& c, int size) {
   return absl::OkStatus();
 }
 
+std::pair<int64_t, int64_t> PipelineLayers(int64_t layers, int stage, int stages) {
+  std::vector<int64_t> per(static_cast<size_t>(stages), layers / stages);
+  const int64_t remainder = layers % stages;
+  for (int64_t i = 2; i < remainder + 2; ++i) per[static_cast<size_t>(stages - i)] += 1;
+  int64_t first = 0;
+  for (int s = 0; s < stage; ++s) first += per[static_cast<size_t>(s)];
+  return {first, first + per[static_cast<size_t>(stage)]};
+}
+
+absl::Status CheckPipelineParallel(const loader::ModelConfig& c, int stages) {
+  if (stages < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline_parallel_size ", stages, ": must be at least 1"));
+  }
+  if (stages == 1) return absl::OkStatus();
+  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig r, ResolveConfig(c));
+  if (r.family.mlp == MlpKind::kGpt2) {
+    return absl::UnimplementedError(absl::StrCat("pipeline_parallel_size ", stages, ": ",
+                                                 r.family.architecture,
+                                                 " is not split into stages yet; serve it on one "
+                                                 "process"));
+  }
+  if (c.rope_scaling && c.rope_scaling->rope_type == "longrope") {
+    return absl::UnimplementedError(absl::StrCat(
+        "pipeline_parallel_size ", stages, ": ", r.family.architecture,
+        " with LongRoPE (rope_scaling.type \"longrope\") recomputes a sequence from its ids when "
+        "it crosses the original context, which the other stages do not keep"));
+  }
+  if (stages > c.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pipeline_parallel_size ", stages, ": more stages than config.json's num_hidden_layers (",
+        c.num_hidden_layers, "); each stage runs at least one layer"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TensorParallel> JoinParallelGroups(
+    dist::ProcessGroup& world, int size, std::unique_ptr<dist::ProcessGroup>* stage_group) {
+  if (size < 1 || world.size() % size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor_parallel_size ", size,
+                                                   " does not divide the group's ", world.size(),
+                                                   " ranks into pipeline stages"));
+  }
+  TensorParallel tp;
+  tp.size = size;
+  tp.rank = world.rank() % size;
+  tp.pipeline_size = world.size() / size;
+  tp.pipeline_rank = world.rank() / size;
+  if (tp.pipeline_size == 1) {
+    tp.group = &world;
+    return tp;
+  }
+  tp.world = &world;
+  if (size > 1) {
+    for (int s = 0; s < tp.pipeline_size; ++s) {
+      std::vector<int> ranks;
+      for (int r = 0; r < size; ++r) ranks.push_back(s * size + r);
+      ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<dist::ProcessGroup> group, world.NewGroup(ranks));
+      if (group) *stage_group = std::move(group);
+    }
+    tp.group = stage_group->get();
+  }
+  return tp;
+}
+
 absl::StatusOr<ShardShape> ShardShapeFor(const loader::ModelConfig& c, int rank, int size) {
   ACCEL_RETURN_IF_ERROR(CheckTensorParallel(c, size));
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig r, ResolveConfig(c));
@@ -117,9 +185,14 @@ struct Slice {
 
 class ShardingHook : public dispatch::LoadHook {
  public:
-  ShardingHook(ResolvedConfig r, ShardShape s, int rank, at::ScalarType dtype,
+  ShardingHook(ResolvedConfig r, ShardShape s, const TensorParallel& tp, at::ScalarType dtype,
                dispatch::LoadHook* inner)
-      : r_(std::move(r)), s_(s), rank_(rank), dtype_(dtype), inner_(inner) {}
+      : r_(std::move(r)), s_(s), rank_(tp.rank), split_(tp.size > 1), dtype_(dtype), inner_(inner) {
+    std::tie(first_layer_, last_layer_) =
+        PipelineLayers(r_.config.num_hidden_layers, tp.pipeline_rank, tp.pipeline_size);
+    first_stage_ = tp.pipeline_rank == 0;
+    last_stage_ = tp.pipeline_rank == tp.pipeline_size - 1;
+  }
 
   bool Claims(absl::string_view name) const override {
     std::optional<Slice> slice = SliceOf(name);
@@ -130,7 +203,14 @@ class ShardingHook : public dispatch::LoadHook {
   absl::StatusOr<std::vector<dispatch::HookTensor>> Convert(const std::string& name,
                                                             const at::Tensor& stored) override {
     std::optional<Slice> slice = SliceOf(name);
-    if (!slice || slice->kind == Slice::Kind::kWhole) return inner_->Convert(name, stored);
+    if (!slice || slice->kind == Slice::Kind::kWhole) {
+      if (inner_ != nullptr && inner_->Claims(name)) return inner_->Convert(name, stored);
+      at::Tensor converted;
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        converted = c10::isFloatingType(stored.scalar_type()) ? stored.to(dtype_) : stored;
+      }));
+      return std::vector<dispatch::HookTensor>{{name, converted}};
+    }
     if (slice->kind == Slice::Kind::kSkip) return std::vector<dispatch::HookTensor>{};
     const std::string model_name = slice->rename.empty() ? name : slice->rename;
     at::Tensor mine;
@@ -168,6 +248,9 @@ class ShardingHook : public dispatch::LoadHook {
 
  private:
   std::optional<Slice> SliceOf(absl::string_view name) const {
+    std::optional<Slice> skip = OtherStage(name);
+    if (skip) return skip;
+    if (!split_) return std::nullopt;
     const int64_t d = r_.config.head_size(), hidden_heads = r_.config.num_attention_heads;
     const int64_t q_out = hidden_heads * d, kv_out = r_.config.kv_heads() * d;
     const std::pair<int64_t, int64_t> q = {s_.first_head * d, s_.heads * d};
@@ -242,9 +325,36 @@ class ShardingHook : public dispatch::LoadHook {
     return std::nullopt;
   }
 
+  // kSkip for a tensor another pipeline stage holds: other stages' layers,
+  // the embedding past the first stage (kept on the last one of a model
+  // whose lm_head shares it), the final norm and lm_head before the last.
+  std::optional<Slice> OtherStage(absl::string_view name) const {
+    Slice skip;
+    skip.kind = Slice::Kind::kSkip;
+    const bool tied = r_.config.tie_word_embeddings;
+    if (name == "model.embed_tokens.weight") {
+      if (first_stage_ || (last_stage_ && tied)) return std::nullopt;
+      return skip;
+    }
+    if (name == "lm_head.weight" || absl::StartsWith(name, "model.norm.")) {
+      if (last_stage_) return std::nullopt;
+      return skip;
+    }
+    const std::vector<std::string> parts = absl::StrSplit(name, '.');
+    int64_t layer = -1;
+    if (parts.size() >= 3 && parts[0] == "model" && parts[1] == "layers" &&
+        absl::SimpleAtoi(parts[2], &layer) && (layer < first_layer_ || layer >= last_layer_)) {
+      return skip;
+    }
+    return std::nullopt;
+  }
+
   ResolvedConfig r_;
   ShardShape s_;
   int rank_;
+  bool split_;
+  int64_t first_layer_ = 0, last_layer_ = 0;
+  bool first_stage_ = true, last_stage_ = true;
   at::ScalarType dtype_;
   dispatch::LoadHook* inner_;
 };
@@ -256,7 +366,7 @@ absl::StatusOr<std::unique_ptr<dispatch::LoadHook>> MakeShardingHook(
     dispatch::LoadHook* inner) {
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig r, ResolveConfig(config));
   ACCEL_ASSIGN_OR_RETURN(ShardShape s, ShardShapeFor(config, tp.rank, tp.size));
-  return std::make_unique<ShardingHook>(std::move(r), s, tp.rank, dtype, inner);
+  return std::make_unique<ShardingHook>(std::move(r), s, tp, dtype, inner);
 }
 
 // ---------------------------------------------------------------------------
@@ -541,17 +651,24 @@ double TensorParallelCollectiveSeconds() { return internal::CollectiveSeconds();
 int64_t TensorParallelCollectiveBytes() { return internal::CollectiveBytes(); }
 
 TensorParallelTraffic TensorParallelTrafficPerToken(const loader::ModelConfig& config,
-                                                    at::ScalarType dtype, int size) {
+                                                    at::ScalarType dtype, int size, int stages) {
   TensorParallelTraffic t;
-  if (size <= 1) return t;
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+  if (stages > 1) {
+    t.stage_send_bytes = config.hidden_size * element;
+    t.logits_bytes = config.vocab_size * static_cast<int64_t>(sizeof(float));
+  }
+  if (size <= 1) return t;
   const int64_t stride = (config.vocab_size + size - 1) / size;
-  // The embedding's all-reduce, two a layer (attention, MLP), the logits' gather.
-  t.all_reduces = 1 + 2 * config.num_hidden_layers;
-  t.payload_bytes = t.all_reduces * config.hidden_size * element + stride * element;
+  const auto [first, last] = PipelineLayers(config.num_hidden_layers, 0, std::max(stages, 1));
+  // The embedding's all-reduce, two a layer (attention, MLP), the logits'
+  // gather (on the last stage).
+  t.all_reduces = 1 + 2 * (last - first);
+  const int64_t gathered = stages > 1 ? 0 : stride * element;
+  t.payload_bytes = t.all_reduces * config.hidden_size * element + gathered;
   const double ring = 2.0 * (size - 1) / size;
   t.wire_bytes = ring * static_cast<double>(t.all_reduces * config.hidden_size * element) +
-                 static_cast<double>((size - 1) * stride * element);
+                 static_cast<double>(stages > 1 ? 0 : (size - 1) * stride * element);
   return t;
 }
 

@@ -40,6 +40,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 
@@ -80,6 +81,28 @@ struct ShardShape {
 // architecture for GPT-2 and for LongRoPE models (whose step may recompute
 // a sequence from ids the workers do not keep). OK for size 1.
 absl::Status CheckTensorParallel(const loader::ModelConfig& config, int size);
+
+// Pipeline parallel: the layers [first, last) stage `stage` of `stages`
+// runs, as vLLM's get_pp_indices splits them: layers / stages each, and the
+// remainder one each to the stages before the last, counting back from the
+// second-to-last (the last stage also runs the final norm and lm_head).
+std::pair<int64_t, int64_t> PipelineLayers(int64_t layers, int stage, int stages);
+
+// InvalidArgument naming the field when `config`'s model cannot be split
+// into `stages` pipeline stages (more stages than num_hidden_layers, fewer
+// than 1); Unimplemented for GPT-2 and LongRoPE models, as
+// CheckTensorParallel. OK for 1.
+absl::Status CheckPipelineParallel(const loader::ModelConfig& config, int stages);
+
+// This rank's place in `world`, a group of `size` x stages ranks (world
+// rank = stage * size + rank within the stage): makes every stage's
+// tensor-parallel group (all ranks of `world` call it together, in the same
+// order), keeps this rank's in `*stage_group` and returns the
+// TensorParallel a load of its slice takes. One stage: `world` itself is
+// the tensor-parallel group. InvalidArgument when `world`'s size is not a
+// multiple of `size`.
+absl::StatusOr<TensorParallel> JoinParallelGroups(dist::ProcessGroup& world, int size,
+                                                  std::unique_ptr<dist::ProcessGroup>* stage_group);
 
 // Rank `rank` of `size`'s shapes (after CheckTensorParallel).
 absl::StatusOr<ShardShape> ShardShapeFor(const loader::ModelConfig& config, int rank, int size);
@@ -170,13 +193,21 @@ int64_t TensorParallelCollectiveBytes();
 // TensorParallelCollectiveBytes counts); wire_bytes what it sends with a
 // ring all-reduce (2 (N - 1) / N of each all-reduce's payload) and an
 // all-gather ((N - 1) slices).
+//
+// With `stages` pipeline stages the figures are the first stage's ranks'
+// (its layers' all-reduces; no gather: the last stage's), and
+// stage_send_bytes is what one rank sends the next stage per token (its
+// hidden state, in the model's dtype; the last stage's rank 0 sends each
+// sampled position's float32 logits, logits_bytes, to the leader instead).
 struct TensorParallelTraffic {
   int64_t all_reduces = 0;
   int64_t payload_bytes = 0;
   double wire_bytes = 0;
+  int64_t stage_send_bytes = 0;
+  int64_t logits_bytes = 0;
 };
 TensorParallelTraffic TensorParallelTrafficPerToken(const loader::ModelConfig& config,
-                                                    at::ScalarType dtype, int size);
+                                                    at::ScalarType dtype, int size, int stages = 1);
 
 }  // namespace accel::models
 

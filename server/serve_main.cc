@@ -105,8 +105,10 @@ ABSL_FLAG(int, tensor_parallel_size, 1,
           "ranks 1..N-1 itself; with --nnodes each node's accel-serve starts its share. Rank 0 "
           "serves the ports; the others serve gRPC health only, on --port + their local rank.");
 ABSL_FLAG(int, pipeline_parallel_size, 1,
-          "Consecutive layers per rank group (pipeline parallel): not built yet, values above 1 "
-          "are refused.");
+          "Split the model's layers into this many stages (pipeline parallel: consecutive layers "
+          "per stage, as vLLM splits them; activations passed between stages). With "
+          "--tensor_parallel_size N: N x M ranks, each stage split over N. Stages run one batch "
+          "at a time (docs/ARCHITECTURE.md).");
 ABSL_FLAG(int, nnodes, 1, "Machines of the group, as torchrun's --nnodes (each runs accel-serve).");
 ABSL_FLAG(int, node_rank, 0, "This machine's index in [0, --nnodes), as torchrun's --node_rank.");
 ABSL_FLAG(std::string, master_addr, "",
@@ -256,7 +258,7 @@ int Run(int argc, char** argv) {
   }
   const absl::Duration parallel_timeout = absl::GetFlag(FLAGS_parallel_timeout);
   std::unique_ptr<accel::server::internal::LocalWorkers> workers;
-  std::unique_ptr<accel::dist::ProcessGroup> group;
+  std::unique_ptr<accel::dist::ProcessGroup> group, stage_group;
   if (layout->world_size > 1) {
     if (parallel_timeout <= absl::ZeroDuration()) {
       Log("--parallel_timeout must be positive");
@@ -265,9 +267,12 @@ int Run(int argc, char** argv) {
     // Refused by name before a process starts: what cannot split.
     absl::StatusOr<accel::loader::ModelConfig> config =
         accel::loader::ReadModelConfig(options->engine.model_dir + "/config.json");
-    absl::Status split = config.ok()
-                             ? accel::models::CheckTensorParallel(*config, layout->world_size)
-                             : config.status();
+    absl::Status split =
+        config.ok() ? accel::models::CheckTensorParallel(*config, parallel.tensor_parallel_size)
+                    : config.status();
+    if (split.ok()) {
+      split = accel::models::CheckPipelineParallel(*config, parallel.pipeline_parallel_size);
+    }
     if (!split.ok()) {
       Log(std::string(split.message()));
       return 1;
@@ -301,6 +306,13 @@ int Run(int argc, char** argv) {
       return kExitParallelFault;
     }
     group = *std::move(connected);
+    // The stages' tensor-parallel groups (every rank makes them together).
+    absl::StatusOr<accel::models::TensorParallel> place =
+        accel::models::JoinParallelGroups(*group, parallel.tensor_parallel_size, &stage_group);
+    if (!place.ok()) {
+      Log(absl::StrCat("rank ", layout->rank, ": ", place.status().message()));
+      return kExitParallelFault;
+    }
     if (!layout->leader()) {
       // Health only, its slice, the leader's steps; SIGTERM ends it at once.
       pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
@@ -308,15 +320,16 @@ int Run(int argc, char** argv) {
       accel::SetIntraOpThreads(options->engine.threads);  // as the leader's engine does
       accel::models::ModelLoadOptions load = options->engine.load;
       load.progress = accel::Progress::Style::kSilent;
+      load.tensor_parallel = *place;
       return accel::server::internal::ServeWorkerRank(options->engine.model_dir, load,
                                                       options->host, port, *group);
     }
-    options->engine.load.tensor_parallel.rank = 0;
-    options->engine.load.tensor_parallel.size = layout->world_size;
-    options->engine.load.tensor_parallel.group = group.get();
+    options->engine.load.tensor_parallel = *place;
     options->engine.load.tensor_parallel.heartbeat_ms =
         absl::ToInt64Milliseconds(parallel_timeout) / 4;
-    Log(absl::StrCat("tensor parallel: rank 0 of ", layout->world_size,
+    Log(absl::StrCat("parallel: rank 0 of ", layout->world_size, " (tensor ",
+                     parallel.tensor_parallel_size, " x pipeline ", parallel.pipeline_parallel_size,
+                     ")",
                      workers ? absl::StrCat(", started ", workers->pids().size(), " ranks here")
                              : std::string()));
   }

@@ -505,12 +505,21 @@ nn::RopeSettings GlobalRope(const ResolvedConfig& r) {
 
 class DecoderModel : public Layer {
  public:
-  DecoderModel(const ResolvedConfig& r, const ShardShape& shard, at::ScalarType dtype,
-               std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries)
+  DecoderModel(const ResolvedConfig& r, const TensorParallel& tp, const ShardShape& shard,
+               at::ScalarType dtype, std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries)
       : Layer(r.family.model_class) {
     const Family& f = r.family;
     const loader::ModelConfig& c = r.config;
-    if (f.embedding_scale == EmbeddingScale::kInModule) {
+    std::tie(first_layer, last_layer) =
+        PipelineLayers(c.num_hidden_layers, tp.pipeline_rank, tp.pipeline_size);
+    first_stage = tp.pipeline_rank == 0;
+    last_stage = tp.pipeline_rank == tp.pipeline_size - 1;
+    // A pipeline stage holds its own layers only: the embedding on the first
+    // stage (and on the last when lm_head shares it), the final norm on the
+    // last.
+    if (!first_stage && !(last_stage && c.tie_word_embeddings)) {
+      // No embedding here.
+    } else if (f.embedding_scale == EmbeddingScale::kInModule) {
       // Gemma3TextScaledWordEmbedding: sqrt(hidden) in a buffer.
       scaled_embed = std::make_shared<nn::ScaledEmbedding>(
           "Gemma3TextScaledWordEmbedding", shard.vocab, c.hidden_size, dtype,
@@ -522,26 +531,31 @@ class DecoderModel : public Layer {
     }
     auto list = register_module("layers", std::make_shared<Layer>("ModuleList"));
     size_t next_rotary = 2;  // rotaries: global, local, then one per layer (Qwen2-MoE)
+    layers.resize(static_cast<size_t>(c.num_hidden_layers));
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       std::shared_ptr<nn::RotaryEmbedding> unused;
       if (next_rotary < rotaries.size()) unused = rotaries[next_rotary++];
-      layers.push_back(list->register_module(
+      if (i < first_layer || i >= last_layer) continue;  // another stage's
+      layers[static_cast<size_t>(i)] = (list->register_module(
           absl::StrCat(i), std::make_shared<DecoderLayer>(r, shard, static_cast<size_t>(i), dtype,
                                                           std::move(unused))));
     }
     DecoderLayer* next = nullptr;
     for (size_t i = layers.size(); i-- > 0;) {
+      if (!layers[i]) continue;
       layers[i]->next_sparse = next;
       if (layers[i]->moe) next = layers[i].get();
     }
-    norm = register_module("norm", NewNorm(r, c.hidden_size, dtype));
+    if (last_stage) norm = register_module("norm", NewNorm(r, c.hidden_size, dtype));
     rotary_emb = register_module("rotary_emb", rotaries[0]);
     if (rotaries[1]) rotary_emb_local = register_module("rotary_emb_local", rotaries[1]);
   }
 
   std::shared_ptr<nn::Embedding> embed_tokens;
   std::shared_ptr<nn::ScaledEmbedding> scaled_embed;  // Gemma 3: embed_tokens itself
-  std::vector<std::shared_ptr<DecoderLayer>> layers;
+  std::vector<std::shared_ptr<DecoderLayer>> layers;  // null: another stage's
+  int64_t first_layer = 0, last_layer = 0;            // this stage's [first, last)
+  bool first_stage = true, last_stage = true;
   std::shared_ptr<nn::RMSNorm> norm;
   std::shared_ptr<nn::RotaryEmbedding> rotary_emb, rotary_emb_local;
 };
@@ -551,12 +565,14 @@ class DecoderLM : public CausalLM {
   DecoderLM(const ResolvedConfig& r, const TensorParallel& tp, const ShardShape& shard,
             at::ScalarType dtype, std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries)
       : CausalLM(r.family.architecture, r.config, dtype), r_(r), tp_(tp), shard_(shard) {
-    model = register_module("model",
-                            std::make_shared<DecoderModel>(r, shard, dtype, std::move(rotaries)));
-    at::Tensor shared = r.config.tie_word_embeddings ? model->embed_tokens->weight : at::Tensor();
-    lm_head = register_module(
-        "lm_head",
-        std::make_shared<nn::Linear>(r.config.hidden_size, shard.vocab, false, dtype, shared));
+    model = register_module(
+        "model", std::make_shared<DecoderModel>(r, tp, shard, dtype, std::move(rotaries)));
+    if (model->last_stage) {
+      at::Tensor shared = r.config.tie_word_embeddings ? model->embed_tokens->weight : at::Tensor();
+      lm_head = register_module(
+          "lm_head",
+          std::make_shared<nn::Linear>(r.config.hidden_size, shard.vocab, false, dtype, shared));
+    }
   }
 
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
@@ -624,25 +640,35 @@ class DecoderLM : public CausalLM {
     const auto kept = [&](absl::Status status) {
       return step.failure.ok() ? status : step.failure;
     };
-    absl::StatusOr<at::Tensor> embedded =
-        InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
-          at::Tensor rows = ids.to(d).unsqueeze(0), outside;
-          if (tp_.size > 1) {
-            // Vocab-parallel: this rank's rows; other ids read row 0, zeroed below.
-            rows = rows - shard_.first_vocab;
-            outside = (rows < 0).logical_or_(rows >= shard_.vocab);
-            rows = rows.masked_fill(outside, 0);
-          }
-          at::Tensor e = model->scaled_embed ? model->scaled_embed->forward(rows)
-                                             : model->embed_tokens->forward(rows);
-          if (tp_.size > 1) e = SumOverRanks(e.masked_fill(outside.unsqueeze(-1), 0), step);
-          if (r_.family.embedding_scale == EmbeddingScale::kInModel) {
-            // Gemma2Model: hidden * torch.tensor(hidden_size**0.5, dtype=hidden.dtype)
-            e = e * at::scalar_tensor(std::pow(static_cast<double>(config().hidden_size), 0.5),
-                                      e.options());
-          }
-          return e;
-        });
+    const bool pipelined = tp_.pipeline_size > 1;
+    absl::StatusOr<at::Tensor> embedded;
+    if (!model->first_stage) {
+      // The previous stage's hidden states (the same rank of its group).
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+        embedded = at::empty({1, ids.numel(), config().hidden_size}, at::dtype(dtype()));
+      }));
+      ACCEL_RETURN_IF_ERROR(
+          StageTransfer(/*send=*/false, *embedded, tp_.world_rank() - tp_.size, "hidden states"));
+    } else {
+      embedded = InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
+        at::Tensor rows = ids.to(d).unsqueeze(0), outside;
+        if (tp_.size > 1) {
+          // Vocab-parallel: this rank's rows; other ids read row 0, zeroed below.
+          rows = rows - shard_.first_vocab;
+          outside = (rows < 0).logical_or_(rows >= shard_.vocab);
+          rows = rows.masked_fill(outside, 0);
+        }
+        at::Tensor e = model->scaled_embed ? model->scaled_embed->forward(rows)
+                                           : model->embed_tokens->forward(rows);
+        if (tp_.size > 1) e = SumOverRanks(e.masked_fill(outside.unsqueeze(-1), 0), step);
+        if (r_.family.embedding_scale == EmbeddingScale::kInModel) {
+          // Gemma2Model: hidden * torch.tensor(hidden_size**0.5, dtype=hidden.dtype)
+          e = e * at::scalar_tensor(std::pow(static_cast<double>(config().hidden_size), 0.5),
+                                    e.options());
+        }
+        return e;
+      });
+    }
     if (!embedded.ok()) return kept(embedded.status());
     at::Tensor x = *std::move(embedded);
     at::Tensor cos, sin, local_cos, local_sin;
@@ -659,7 +685,8 @@ class DecoderLM : public CausalLM {
             return local_cos;
           }).status());
     }
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = static_cast<size_t>(model->first_layer);
+         i < static_cast<size_t>(model->last_layer); ++i) {
       DecoderLayer& layer = *model->layers[i];
       const bool local = layer.uses_local_rope();
       absl::StatusOr<at::Tensor> out =
@@ -669,6 +696,30 @@ class DecoderLM : public CausalLM {
           });
       if (!out.ok()) return kept(out.status());
       x = *std::move(out);
+    }
+    if (!model->last_stage) {
+      // The next stage goes on from here; the leader gets the logits from the
+      // last stage's first rank.
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { x = x.to(at::kCPU, dtype()).contiguous(); }));
+      ACCEL_RETURN_IF_ERROR(
+          StageTransfer(/*send=*/true, x, tp_.world_rank() + tp_.size, "hidden states"));
+      at::Tensor logits;
+      if (tp_.world_rank() == 0) {
+        int64_t rows = ids.numel();
+        if (which == Logits::kLastOfEach) {
+          rows = 0;
+          for (const SequenceChunk& c : chunks) rows += c.logit_tokens;
+        }
+        ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+          logits = at::empty({rows, config().vocab_size}, at::kFloat);
+        }));
+        ACCEL_RETURN_IF_ERROR(
+            StageTransfer(/*send=*/false, logits, (tp_.pipeline_size - 1) * tp_.size, "logits"));
+      }
+      ACCEL_RETURN_IF_ERROR(CheckWeightFiles());
+      AdvanceCaches(ids, chunks);
+      if (!logits.defined()) return at::Tensor();  // a worker: nothing to sample
+      return logits.to(home);
     }
     if (which == Logits::kLastOfEach) {
       ACCEL_RETURN_IF_ERROR(
@@ -696,6 +747,13 @@ class DecoderLM : public CausalLM {
     for (size_t i = 0; i < chunks.size(); ++i) {
       if (chunks[i].cache == &fresh[i]) *given[i].cache = std::move(fresh[i]);
     }
+    if (pipelined && tp_.rank == 0) {
+      // The last stage's first rank hands the logits to the leader.
+      at::Tensor logits;
+      ACCEL_RETURN_IF_ERROR(
+          CallTorch([&] { logits = x[0].to(at::kCPU, at::kFloat).contiguous(); }));
+      ACCEL_RETURN_IF_ERROR(StageTransfer(/*send=*/true, logits, 0, "logits"));
+    }
     return x[0].to(home, at::kFloat);
   }
 
@@ -719,6 +777,35 @@ class DecoderLM : public CausalLM {
       offset += c.tokens;
     }
     return {at::cat(cos, 1), at::cat(sin, 1)};
+  }
+
+  // Sends `tensor` to, or fills it from, world rank `peer` (pipeline
+  // parallel), counted as collective time and bytes. Unavailable naming
+  // what moved when the peer is gone or silent past the group's timeout.
+  absl::Status StageTransfer(bool send, at::Tensor& tensor, int peer, const char* what) {
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status moved;
+    {
+      c10::InferenceMode normal(false);  // gloo fills the buffer on its own threads
+      if (send) {
+        AddCollectiveBytes(static_cast<int64_t>(tensor.nbytes()));
+        moved = tp_.world->Send(tensor, peer);
+      } else {
+        at::Tensor buffer;
+        moved = CallTorch([&] { buffer = at::empty_like(tensor); });
+        if (moved.ok()) moved = tp_.world->Recv(buffer, peer);
+        if (moved.ok()) tensor = buffer;
+      }
+    }
+    AddCollectiveNanos(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - start)
+                           .count());
+    if (!moved.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat("pipeline parallel: ", send ? "sending " : "receiving ", what,
+                       send ? " to" : " from", " rank ", peer, " failed: ", moved.message()));
+    }
+    return absl::OkStatus();
   }
 
   // Every rank's logits [1, n, vocab slice] side by side: [1, n, vocab].

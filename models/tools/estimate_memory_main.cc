@@ -11,12 +11,14 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 #include "core/bytes.h"
 #include "core/tool_main.h"
 #include "dispatch/device_map.h"
 #include "loader/config.h"
+#include "models/causal_lm.h"
 #include "models/families.h"
 #include "models/quantize.h"
 #include "models/tensor_parallel.h"
@@ -27,6 +29,10 @@ ABSL_FLAG(int, tensor_parallel_size, 1,
           "Split the model over this many ranks (Megatron-style, as accel-serve "
           "--tensor_parallel_size does): the sizes are then one rank's (rank 0, the largest), "
           "followed by each rank's KV cache per 1K tokens and bytes communicated per token.");
+ABSL_FLAG(int, pipeline_parallel_size, 1,
+          "Split the model's layers into this many stages (as accel-serve "
+          "--pipeline_parallel_size does): the sizes are then the largest stage's, and the "
+          "per-rank lines add what a stage sends the next per token.");
 
 namespace {
 
@@ -41,7 +47,8 @@ std::string Size(double bytes) { return accel::FormatBytes(static_cast<int64_t>(
 
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "accel-estimate-memory --model DIR [--json] [--tensor_parallel_size N]\n"
+      "accel-estimate-memory --model DIR [--json] [--tensor_parallel_size N] "
+      "[--pipeline_parallel_size M]\n"
       "Per dtype (float32, float16/bfloat16, int8, int4 as Accelerate scales them; then\n"
       "bitsandbytes int8 and 4-bit as stored: linears quantized, the rest 16-bit): the largest\n"
       "layer, the total size,\n"
@@ -58,10 +65,28 @@ int Main(int argc, char** argv) {
   if (absl::Status split = accel::models::CheckTensorParallel(*config, tp); !split.ok()) {
     return Fail(split);
   }
+  const int pp = absl::GetFlag(FLAGS_pipeline_parallel_size);
+  if (absl::Status split = accel::models::CheckPipelineParallel(*config, pp); !split.ok()) {
+    return Fail(split);
+  }
   // Accelerate builds the model in float32 and scales from there; with
-  // tensor parallelism, rank 0's slice (its vocab slice is the longest).
-  auto tree = accel::models::ModuleTreeFor(*config, c10::ScalarType::Float, 0, tp);
-  if (!tree.ok()) return Fail(tree.status());
+  // tensor parallelism, rank 0's slice (its vocab slice is the longest);
+  // with pipeline stages, the stage that holds the most.
+  absl::StatusOr<accel::dispatch::ModuleTree> tree;
+  int largest_stage = 0;
+  for (int stage = 0; stage < pp; ++stage) {
+    accel::models::TensorParallel place;
+    place.size = tp;
+    place.pipeline_rank = stage;
+    place.pipeline_size = pp;
+    auto candidate = accel::models::ModuleTreeFor(*config, c10::ScalarType::Float, place);
+    if (!candidate.ok()) return Fail(candidate.status());
+    if (!tree.ok() || accel::dispatch::ComputeModuleSizes(*candidate).total() >
+                          accel::dispatch::ComputeModuleSizes(*tree).total()) {
+      tree = *std::move(candidate);
+      largest_stage = stage;
+    }
+  }
   auto family = accel::models::FamilyOf(*config);
   accel::dispatch::ModuleSizes sizes = accel::dispatch::ComputeModuleSizes(*tree);
   accel::dispatch::LayerSize largest =
@@ -80,7 +105,10 @@ int Main(int argc, char** argv) {
     std::cout << absl::StrFormat(
         "Memory for %s (%s)%s, largest layer %s:\n", dir,
         config->architectures.empty() ? "" : config->architectures[0],
-        tp > 1 ? absl::StrFormat(", each of %d tensor-parallel ranks", tp) : std::string(),
+        absl::StrCat(
+            tp > 1 ? absl::StrFormat(", each of %d tensor-parallel ranks", tp) : std::string(),
+            pp > 1 ? absl::StrFormat(" of pipeline stage %d (the largest of %d)", largest_stage, pp)
+                   : std::string()),
         largest.names.empty() ? "-" : largest.names[0]);
     std::cout << absl::StrFormat("%-18s %14s %14s %28s\n", "dtype", "largest layer", "total size",
                                  "training with Adam (peak)");
@@ -142,30 +170,45 @@ int Main(int argc, char** argv) {
                                    "N/A");
     }
   }
-  if (tp > 1) {
-    // Per rank: its KV heads' cache, and what a token costs in collectives.
+  if (tp > 1 || pp > 1) {
+    // Per rank: its KV heads' cache in its stage's layers, and what a token
+    // costs in collectives and sends between stages.
     auto shape = accel::models::ShardShapeFor(*config, 0, tp);
     if (!shape.ok()) return Fail(shape.status());
-    nlohmann::ordered_json parallel = {{"tensor_parallel_size", tp}};
+    accel::models::TensorParallel place;
+    place.size = tp;
+    place.pipeline_size = pp;
+    nlohmann::ordered_json parallel = {{"tensor_parallel_size", tp},
+                                       {"pipeline_parallel_size", pp}};
     for (const auto& [name, dtype] :
          {std::pair<const char*, c10::ScalarType>{"float32", c10::ScalarType::Float},
           {"float16/bfloat16", c10::ScalarType::BFloat16}}) {
       const double element = static_cast<double>(c10::elementSize(dtype));
-      const double kv = 2.0 * static_cast<double>(config->num_hidden_layers) *
-                        static_cast<double>(shape->kv_heads * config->head_size()) * 1024 * element;
+      // The largest stage's layers (the engine plans blocks by it).
+      const double kv = static_cast<double>(
+          accel::models::KvBlockStore::BytesPerBlock(*config, dtype, /*block_size=*/1024, place));
       const accel::models::TensorParallelTraffic traffic =
-          accel::models::TensorParallelTrafficPerToken(*config, dtype, tp);
+          accel::models::TensorParallelTrafficPerToken(*config, dtype, tp, pp);
       if (absl::GetFlag(FLAGS_json)) {
         parallel[name] = {{"kv_cache_bytes_per_1k_tokens_per_rank", kv},
                           {"all_reduces_per_token", traffic.all_reduces},
                           {"collective_payload_bytes_per_token_per_rank", traffic.payload_bytes},
-                          {"ring_wire_bytes_per_token_per_rank", traffic.wire_bytes}};
+                          {"ring_wire_bytes_per_token_per_rank", traffic.wire_bytes},
+                          {"stage_send_bytes_per_token_per_rank", traffic.stage_send_bytes},
+                          {"logits_bytes_per_sampled_token", traffic.logits_bytes}};
       } else {
         std::cout << absl::StrFormat(
             "%-18s KV cache per 1K tokens per rank %s (%d of %d KV heads); per token: %d "
-            "all-reduces, %s handed to collectives, %s sent by a ring\n",
+            "all-reduces, %s handed to collectives, %s sent by a ring",
             name, Size(kv), shape->kv_heads, config->kv_heads(), traffic.all_reduces,
             Size(static_cast<double>(traffic.payload_bytes)), Size(traffic.wire_bytes));
+        if (pp > 1) {
+          std::cout << absl::StrFormat(
+              ", %s sent to the next stage (and %s of logits per sampled token to the leader)",
+              Size(static_cast<double>(traffic.stage_send_bytes)),
+              Size(static_cast<double>(traffic.logits_bytes)));
+        }
+        std::cout << "\n";
       }
     }
     if (absl::GetFlag(FLAGS_json)) out.push_back(parallel);

@@ -39,11 +39,6 @@ absl::StatusOr<RankLayout> ResolveRankLayout(const ParallelFlags& flags, const E
     return absl::InvalidArgumentError(absl::StrCat(
         "--pipeline_parallel_size must be at least 1, got ", flags.pipeline_parallel_size));
   }
-  if (flags.pipeline_parallel_size > 1) {
-    return absl::UnimplementedError(
-        "--pipeline_parallel_size above 1: pipeline parallel serving is not built yet (issue 36 "
-        "item 2); split the model with --tensor_parallel_size");
-  }
   if (flags.master_port < 1 || flags.master_port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--master_port must be in [1, 65535], got ", flags.master_port));

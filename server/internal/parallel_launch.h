@@ -58,7 +58,6 @@ using EnvLookup = std::function<std::optional<std::string>(const std::string& na
 // naming the flag: sizes below 1, --nnodes not dividing the ranks,
 // --node_rank outside [0, nnodes), several nodes without --master_addr, a
 // port outside [1, 65535], WORLD_SIZE that is not tensor x pipeline size;
-// Unimplemented for --pipeline_parallel_size above 1.
 absl::StatusOr<RankLayout> ResolveRankLayout(const ParallelFlags& flags, const EnvLookup& env);
 
 // The ranks this process started, watched. Each dies with SIGKILL when this

@@ -43,9 +43,12 @@ int ServeWorkerRank(const std::string& model_dir, models::ModelLoadOptions load,
   // On stderr: stdout's first line is the leader's (scripts read its ports).
   Log(rank, absl::StrCat("listening grpc=", host, ":", bound, " (health only)"));
 
-  load.tensor_parallel.rank = rank;
-  load.tensor_parallel.size = group.size();
-  load.tensor_parallel.group = &group;
+  if (!load.tensor_parallel.split()) {
+    // Tensor parallel over the whole group, unless the caller placed it.
+    load.tensor_parallel.rank = rank;
+    load.tensor_parallel.size = group.size();
+    load.tensor_parallel.group = &group;
+  }
   absl::StatusOr<models::LoadedModel> loaded = models::LoadModel(model_dir, load);
   if (!loaded.ok()) {
     Log(rank, absl::StrCat("cannot load its slice of the model: ", loaded.status().message()));

@@ -20,8 +20,11 @@ inline constexpr int kExitParallelFault = 4;
 // Serves grpc.health.v1 on host:port ("" and "accel.live" SERVING from the
 // start, "accel.ready" once the slice has loaded; the port is logged on
 // stderr as "accel-serve: worker rank R: listening grpc=HOST:PORT"), loads
-// rank group.rank()'s slice of `model_dir` with `load` and runs the leader's
-// steps until it stops them. Returns the exit status: 0 when the leader
+// its slice of `model_dir` with `load` and runs the leader's steps (sent
+// over `group`, the whole group) until it stops them. The slice is
+// load.tensor_parallel's when the caller placed the rank
+// (models::JoinParallelGroups: pipeline stages), else rank group.rank() of
+// group.size() tensor-parallel ranks. Returns the exit status: 0 when the leader
 // stopped the group, 1 when the slice cannot load or the port cannot open,
 // kExitParallelFault when the group broke.
 int ServeWorkerRank(const std::string& model_dir, models::ModelLoadOptions load,

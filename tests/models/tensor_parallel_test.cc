@@ -21,6 +21,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -243,7 +244,7 @@ struct GreedyRun {
 };
 
 GreedyRun Greedy(CausalLM& model, dispatch::DispatchedModel* dispatched,
-                 int64_t* last_step_bytes = nullptr) {
+                 int64_t* last_step_bytes = nullptr, int64_t* store_bytes = nullptr) {
   c10::InferenceMode inference;
   KvBlockStore store(/*num_blocks=*/16, /*block_size=*/4,
                      static_cast<size_t>(model.config().num_hidden_layers));
@@ -271,6 +272,7 @@ GreedyRun Greedy(CausalLM& model, dispatch::DispatchedModel* dispatched,
     out.tokens[1].push_back(ids[1]);
     chunks = {{&caches[0], 1}, {&caches[1], 1}};
   }
+  if (store_bytes != nullptr) *store_bytes = store.bytes();
   return out;
 }
 
@@ -467,6 +469,189 @@ TEST(TensorParallel, AKilledOrStoppedWorkerFailsTheStepWithinTheTimeout) {
     ASSERT_EQ(codes.size(), 2u);
     EXPECT_EQ(codes[0], 0);
     EXPECT_EQ(codes[1], 128 + SIGKILL);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Pipeline parallel.
+
+// vLLM's get_pp_indices: even, the remainder one each to the stages before
+// the last, counting back from the second-to-last.
+TEST(PipelineLayers, SplitsAsVllm) {
+  using Range = std::pair<int64_t, int64_t>;
+  const auto split = [](int64_t layers, int stages) {
+    std::vector<Range> out;
+    for (int s = 0; s < stages; ++s) out.push_back(PipelineLayers(layers, s, stages));
+    return out;
+  };
+  EXPECT_EQ(split(20, 4), (std::vector<Range>{{0, 5}, {5, 10}, {10, 15}, {15, 20}}));
+  EXPECT_EQ(split(10, 4), (std::vector<Range>{{0, 2}, {2, 5}, {5, 8}, {8, 10}}));
+  EXPECT_EQ(split(7, 4), (std::vector<Range>{{0, 2}, {2, 4}, {4, 6}, {6, 7}}));
+  EXPECT_EQ(split(3, 2), (std::vector<Range>{{0, 2}, {2, 3}}));
+  EXPECT_EQ(split(2, 2), (std::vector<Range>{{0, 1}, {1, 2}}));
+  EXPECT_EQ(split(5, 1), (std::vector<Range>{{0, 5}}));
+}
+
+TEST(CheckPipelineParallel, RefusesWhatCannotSplitByName) {
+  MakeModelOptions o = Small("llama");  // 2 layers
+  EXPECT_THAT(CheckPipelineParallel(Config(o), 1), IsOk());
+  EXPECT_THAT(CheckPipelineParallel(Config(o), 2), IsOk());
+  EXPECT_THAT(
+      CheckPipelineParallel(Config(o), 3),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               AllOf(HasSubstr("pipeline_parallel_size 3"), HasSubstr("num_hidden_layers (2)"))));
+  EXPECT_THAT(CheckPipelineParallel(Config(o), 0),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least 1")));
+  o = Small("gpt2");
+  EXPECT_THAT(CheckPipelineParallel(Config(o), 2),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("GPT2LMHeadModel")));
+  o = Small("phi3");
+  o.longrope_factor = 4;
+  EXPECT_THAT(CheckPipelineParallel(Config(o), 2),
+              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("LongRoPE")));
+  // The model itself refuses the same way, and a stage outside the pipeline.
+  TensorParallel pp;
+  pp.pipeline_size = 3;
+  EXPECT_THAT(BuildCausalLM(Config(Small("llama")), at::kFloat, pp),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_hidden_layers")));
+  pp.pipeline_size = 2;
+  pp.pipeline_rank = 2;
+  EXPECT_THAT(BuildCausalLM(Config(Small("llama")), at::kFloat, pp),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pipeline stage 2")));
+}
+
+// Each stage's module tree holds its layers only: the embedding on the
+// first stage, the final norm and lm_head on the last (the embedding too
+// when lm_head shares it).
+TEST(PipelineParallel, EachStageHoldsItsLayers) {
+  MakeModelOptions o = Small("llama");
+  o.num_layers = 3;
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied);
+    o.tie_word_embeddings = tied;
+    std::vector<std::vector<std::string>> names(2);
+    for (int stage = 0; stage < 2; ++stage) {
+      TensorParallel pp;
+      pp.pipeline_rank = stage;
+      pp.pipeline_size = 2;
+      absl::StatusOr<dispatch::ModuleTree> tree = ModuleTreeFor(Config(o), at::kFloat, pp);
+      ASSERT_THAT(tree, IsOk());
+      for (const auto& p : tree->NamedParameters()) names[stage].push_back(p.name);
+    }
+    const auto has = [](const std::vector<std::string>& all, absl::string_view prefix) {
+      for (const std::string& n : all) {
+        if (absl::StartsWith(n, prefix)) return true;
+      }
+      return false;
+    };
+    // Layers 0-1 on stage 0, layer 2 on stage 1 (vLLM's split of 3 over 2).
+    EXPECT_TRUE(has(names[0], "model.layers.0.") && has(names[0], "model.layers.1."));
+    EXPECT_FALSE(has(names[0], "model.layers.2."));
+    EXPECT_TRUE(has(names[1], "model.layers.2."));
+    EXPECT_FALSE(has(names[1], "model.layers.0.") || has(names[1], "model.layers.1."));
+    EXPECT_TRUE(has(names[0], "model.embed_tokens."));
+    EXPECT_FALSE(has(names[0], "model.norm.") || has(names[0], "lm_head."));
+    EXPECT_TRUE(has(names[1], "model.norm."));
+    EXPECT_EQ(has(names[1], "model.embed_tokens."), tied);
+    EXPECT_EQ(has(names[1], "lm_head."), !tied);  // tied: the embedding's tensor
+  }
+}
+
+// Real ranks: size x stages processes; world rank = stage * size + rank.
+// Rank 0 drives the others and compares greedy tokens with one process.
+TEST(PipelineParallelRank, Run) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of PipelineParallel.*";
+  absl::StatusOr<dist::ProcessEnvironment> env = dist::DetectProcessEnvironment(dist::ProcessEnv());
+  ASSERT_THAT(env, IsOk());
+  dist::ProcessGroupOptions options;
+  options.timeout = absl::Seconds(60);
+  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> world =
+      dist::ProcessGroup::Connect(*env, options);
+  ASSERT_THAT(world, IsOk());
+  const int size = std::atoi(std::getenv("ACCEL_TP_SIZE"));
+  const int stages = (*world)->size() / size;
+  const int world_rank = (*world)->rank();
+  std::unique_ptr<dist::ProcessGroup> stage_group;
+  absl::StatusOr<TensorParallel> parallel = JoinParallelGroups(**world, size, &stage_group);
+  ASSERT_THAT(parallel, IsOk());
+  EXPECT_EQ(parallel->rank, world_rank % size);
+  EXPECT_EQ(parallel->pipeline_rank, world_rank / size);
+  EXPECT_EQ(parallel->pipeline_size, stages);
+  if (size > 1) {
+    ASSERT_NE(stage_group, nullptr);
+    EXPECT_EQ(stage_group->rank(), world_rank % size);
+    EXPECT_EQ(stage_group->size(), size);
+  }
+  for (absl::string_view dir : absl::StrSplit(std::getenv("ACCEL_TP_CASES"), ',')) {
+    SCOPED_TRACE(dir);
+    ModelLoadOptions load;
+    load.device_map = "cpu";
+    load.progress = Progress::Style::kSilent;
+    load.tensor_parallel = *parallel;
+    absl::StatusOr<LoadedModel> shard = LoadModel(std::string(dir), load);
+    ASSERT_THAT(shard, IsOk());
+    if (world_rank != 0) {
+      EXPECT_THAT(RunTensorParallelWorker(*shard->model, shard->dispatched.get(), **world), IsOk());
+      continue;
+    }
+    auto* leader = dynamic_cast<TensorParallelLeader*>(shard->model.get());
+    ASSERT_NE(leader, nullptr);
+    {
+      // Refused on every rank before anything is sent between stages.
+      c10::InferenceMode inference;
+      EXPECT_THAT(
+          leader->Forward(at::tensor({1, 4000}, at::kLong), {{nullptr, 2}}, Logits::kAll, nullptr),
+          StatusIs(absl::StatusCode::kInvalidArgument));
+      // kAll without caches: every token's logits come back from the last stage.
+      absl::StatusOr<at::Tensor> all =
+          leader->Forward(at::tensor({1, 2, 3}, at::kLong), {{nullptr, 3}}, Logits::kAll, nullptr);
+      ASSERT_THAT(all, IsOk());
+      EXPECT_EQ(all->sizes(), (std::vector<int64_t>{3, shard->config.vocab_size}));
+    }
+    int64_t parallel_store = 0, single_store = 0;
+    const GreedyRun parallel = Greedy(*leader, nullptr, nullptr, &parallel_store);
+    EXPECT_TRUE(leader->healthy());
+    EXPECT_THAT(leader->Stop(), IsOk());
+    LoadedModel whole = Load(std::string(dir), 0, 1);
+    ASSERT_TRUE(whole.model);
+    const GreedyRun single = Greedy(*whole.model, whole.dispatched.get(), nullptr, &single_store);
+    ExpectSameGreedy(parallel, single, /*exact=*/true);
+    for (size_t s = 0; s < single.logits.size(); ++s) {
+      EXPECT_TRUE(at::allclose(parallel.logits[s], single.logits[s], 1e-4, 1e-4)) << "step " << s;
+    }
+    // The leader's KV blocks hold its stage's layers and its heads only.
+    const auto [first, last] = PipelineLayers(shard->config.num_hidden_layers, 0, stages);
+    EXPECT_EQ(parallel_store * shard->config.num_hidden_layers * size,
+              single_store * (last - first));
+    const double share = static_cast<double>(ParameterBytes(*shard->model)) /
+                         static_cast<double>(ParameterBytes(*whole.model));
+    std::printf("%s: rank 0 of %d x %d holds %.1f%% of the weights' bytes\n",
+                std::string(dir).c_str(), size, stages, 100 * share);
+    EXPECT_LT(share, 0.6);
+  }
+}
+
+// PP 2 and TP 2 x PP 2: float32 greedy tokens equal one process's, for a
+// dense family and the two mixture-of-experts families; 4 layers, so that
+// the stages hold two each.
+TEST(PipelineParallel, StagesDecodeAsOneProcess) {
+  TempDir dir;
+  std::vector<std::string> cases;
+  for (const char* family : {"llama", "mixtral", "qwen3_moe"}) {
+    MakeModelOptions o = Small(family);
+    o.num_layers = 4;
+    o.dtype = at::kFloat;
+    const std::string path = absl::StrCat(dir.path(), "/", family);
+    ASSERT_THAT(MakeModel(path, o), IsOk());
+    cases.push_back(path);
+  }
+  for (int size : {1, 2}) {
+    SCOPED_TRACE(size);
+    EXPECT_THAT(test::RunRanks(2 * size, "PipelineParallelRank.Run",
+                               {{"ACCEL_TP_CASES", absl::StrJoin(cases, ",")},
+                                {"ACCEL_TP_SIZE", std::to_string(size)}},
+                               /*timeout_s=*/120),
+                Each(0));
   }
 }
 

@@ -92,9 +92,17 @@ TEST(ResolveRankLayout, BadFlagsAreRefusedByName) {
   EXPECT_THAT(refused(f),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--tensor_parallel_size")));
   f = ParallelFlags();
-  f.pipeline_parallel_size = 2;
+  f.pipeline_parallel_size = 0;
   EXPECT_THAT(refused(f),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("--pipeline_parallel_size")));
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("--pipeline_parallel_size")));
+  // Tensor x pipeline: N x M ranks.
+  f = ParallelFlags();
+  f.tensor_parallel_size = 2;
+  f.pipeline_parallel_size = 2;
+  absl::StatusOr<RankLayout> both = ResolveRankLayout(f, Env({}));
+  ASSERT_THAT(both, IsOk());
+  EXPECT_EQ(both->world_size, 4);
+  EXPECT_EQ(both->to_start.size(), 3u);
   f = ParallelFlags();
   f.tensor_parallel_size = 3;
   f.nnodes = 2;

@@ -11,6 +11,7 @@
 #include <string>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <thread>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -33,6 +34,7 @@ namespace {
 using ::accel::testing::BinDir;
 using ::accel::testing::Call;
 using ::accel::testing::Greedy;
+using ::accel::testing::Metric;
 using ::accel::testing::ServerProcess;
 using ::accel::testing::TestModelDir;
 using ::accel::v1::GenerateResponse;
@@ -86,6 +88,69 @@ TEST(ParallelServeTest, TwoRanksAnswerAsOneProcess) {
   parallel->Signal(SIGTERM);
   EXPECT_EQ(parallel->Wait(absl::Seconds(30)), 0) << parallel->Stderr();
   EXPECT_THAT(parallel->Stderr(), HasSubstr("worker rank 1: the leader stopped the group"));
+}
+
+// --pipeline_parallel_size 2, and 2 x 2 with --tensor_parallel_size 2, under
+// a KV budget far below what the requests need together (as
+// ServeSchedulingTest's one-process test): every request finishes with the
+// tokens one process makes alone, some preempted and recomputed, a shared
+// prompt prefix found in the cache. Each rank holds 1 / (N x M) of a
+// block's bytes (its layers, its heads), so 1 / (N x M) of one process's
+// budget plans the same 32 blocks.
+TEST(ParallelServeTest, PipelineStagesServeAsOneProcessWithPreemptionAndPrefixCaching) {
+  auto single =
+      ServerProcess::Start(TestModelDir(), {"--kv_cache_memory=64KiB", "--kv_block_size=4"});
+  ASSERT_TRUE(single.ok()) << single.status();
+  auto single_stub = Generation::NewStub((*single)->Channel());
+  constexpr int kClients = 8;
+  std::vector<accel::v1::GenerateRequest> requests;
+  std::vector<std::vector<int64_t>> alone(kClients);
+  for (int i = 0; i < kClients; ++i) {
+    requests.push_back(Greedy(absl::StrCat("shared system prompt, then request ", i), 40));
+    GenerateResponse response;
+    ASSERT_TRUE(Call(*single_stub, requests.back(), &response).ok());
+    alone[static_cast<size_t>(i)] = Tokens(response);
+  }
+  for (const int tp : {1, 2}) {
+    SCOPED_TRACE(tp);
+    auto parallel = ServerProcess::Start(
+        TestModelDir(),
+        {"--pipeline_parallel_size=2", absl::StrCat("--tensor_parallel_size=", tp),
+         absl::StrCat("--kv_cache_memory=", 32 / tp, "KiB"), "--kv_block_size=4",
+         "--parallel_timeout=30s", absl::StrCat("--master_port=", test::FreePort())});
+    ASSERT_TRUE(parallel.ok()) << parallel.status();
+    EXPECT_EQ(Children((*parallel)->pid()).size(), static_cast<size_t>(2 * tp - 1));
+    EXPECT_EQ(Metric(**parallel, "accel_kv_cache_blocks"), 32);
+    auto stub = Generation::NewStub((*parallel)->Channel());
+    // One at a time: the shared prefix is found in the cache.
+    GenerateResponse first;
+    grpc::Status status = Call(*stub, requests[0], &first);
+    ASSERT_TRUE(status.ok()) << status.error_message() << (*parallel)->Stderr();
+    EXPECT_EQ(Tokens(first), alone[0]);
+    ASSERT_TRUE(Call(*stub, requests[1], &first).ok());
+    EXPECT_EQ(Tokens(first), alone[1]);
+    EXPECT_GT(Metric(**parallel, "accel_prefix_cache_hits_total"), 0);
+    // All together: some are preempted and recomputed.
+    std::vector<std::vector<int64_t>> together(kClients);
+    std::vector<grpc::Status> statuses(kClients);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kClients; ++i) {
+      threads.emplace_back([&, i] {
+        GenerateResponse response;
+        statuses[static_cast<size_t>(i)] = Call(*stub, requests[static_cast<size_t>(i)], &response);
+        together[static_cast<size_t>(i)] = Tokens(response);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int i = 0; i < kClients; ++i) {
+      EXPECT_TRUE(statuses[static_cast<size_t>(i)].ok())
+          << i << ": " << statuses[static_cast<size_t>(i)].error_message();
+      EXPECT_EQ(together[static_cast<size_t>(i)], alone[static_cast<size_t>(i)]) << i;
+    }
+    EXPECT_GT(Metric(**parallel, "accel_num_preemptions_total"), 0);
+    (*parallel)->Signal(SIGTERM);
+    EXPECT_EQ((*parallel)->Wait(absl::Seconds(30)), 0) << (*parallel)->Stderr();
+  }
 }
 
 TEST(ParallelServeTest, TwoInvocationsWithNnodesFormOneServer) {
@@ -175,10 +240,13 @@ TEST(ParallelServeTest, WhatCannotSplitIsRefusedAtStartByName) {
       ServerProcess::Start(TestModelDir(), {"--tensor_parallel_size=3"}, absl::Seconds(30));
   ASSERT_FALSE(three.ok());
   EXPECT_THAT(std::string(three.status().message()), HasSubstr("num_attention_heads (4)"));
+  // 3 stages of 2 layers.
   auto pipeline =
-      ServerProcess::Start(TestModelDir(), {"--pipeline_parallel_size=2"}, absl::Seconds(30));
+      ServerProcess::Start(TestModelDir(), {"--pipeline_parallel_size=3"}, absl::Seconds(30));
   ASSERT_FALSE(pipeline.ok());
-  EXPECT_THAT(std::string(pipeline.status().message()), HasSubstr("--pipeline_parallel_size"));
+  EXPECT_THAT(std::string(pipeline.status().message()),
+              HasSubstr("pipeline_parallel_size 3: more stages than config.json's "
+                        "num_hidden_layers (2)"));
   auto nodes = ServerProcess::Start(TestModelDir(), {"--tensor_parallel_size=2", "--nnodes=2"},
                                     absl::Seconds(30));
   ASSERT_FALSE(nodes.ok());
