@@ -1,6 +1,7 @@
-// Tensor parallel against one process, in one run (issue 36 item 7): a
-// generated ~1 GiB bfloat16 Llama-family model loaded whole in this process
-// (the baseline), then split over 2 ranks (this binary started again as
+// Tensor and pipeline parallel against one process, in one run (issue 36
+// item 7): a generated ~1 GiB bfloat16 Llama-family model loaded whole in
+// this process (the baseline), then split over 2 ranks by tensor parallel
+// (TP 2) and into 2 pipeline stages (PP 2) (this binary started again as
 // each rank, gloo over 127.0.0.1). Printed for each: the resident bytes of
 // every process after loading (VmRSS), greedy decode tokens/s at batch 1,
 // and for the ranks the time in collectives per step. On a 2-core machine
@@ -10,13 +11,15 @@
 //   build/bin/accel-bench-tensor-parallel [--tokens 32] [--dir /tmp/x] [--bytes 1073741824]
 //
 // Each process prints one line: "rank R [of N] rss_loaded=BYTES rss=BYTES
-// [tok_s=T collective_s_per_step=S]", rss after the decode (every weight read
+// [tok_s=T collective_s_per_step=S]" (PP: the time in step messages and
+// in send / recv between the stages), rss after the decode (every weight read
 // once, mapped pages included); the baseline is "rank 0 of 1".
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -106,9 +109,13 @@ int RunRank(const std::string& dir, int tokens) {
       dist::ProcessGroup::Connect(*env, group_options);
   if (!group.ok()) return 1;
   models::ModelLoadOptions load = CpuLoad();
-  load.tensor_parallel.rank = (*group)->rank();
-  load.tensor_parallel.size = (*group)->size();
-  load.tensor_parallel.group = group->get();
+  // ACCEL_BENCH_TP ranks per stage; the rest are pipeline stages.
+  const char* tp = std::getenv("ACCEL_BENCH_TP");
+  std::unique_ptr<dist::ProcessGroup> stage_group;
+  absl::StatusOr<models::TensorParallel> place = models::JoinParallelGroups(
+      **group, tp != nullptr ? std::atoi(tp) : (*group)->size(), &stage_group);
+  if (!place.ok()) return 1;
+  load.tensor_parallel = *place;
   absl::StatusOr<models::LoadedModel> loaded = models::LoadModel(dir, load);
   if (!loaded.ok()) {
     std::fprintf(stderr, "%s\n", std::string(loaded.status().message()).c_str());
@@ -127,10 +134,10 @@ int RunRank(const std::string& dir, int tokens) {
   const double collective = models::TensorParallelCollectiveSeconds() - before;
   // After decoding every weight has been read: mapped ones count now too.
   std::printf(
-      "rank 0 of %d (%s threads) rss_loaded=%lld %s tok_s=%.3f "
+      "rank 0 of %d (tp %d x pp %d, %s threads) rss_loaded=%lld %s tok_s=%.3f "
       "collective_s_per_step=%.6f\n",
-      (*group)->size(), std::getenv("OMP_NUM_THREADS"), static_cast<long long>(rss),
-      Resident().c_str(), tok_s, collective / (tokens + 1));
+      (*group)->size(), place->size, place->pipeline_size, std::getenv("OMP_NUM_THREADS"),
+      static_cast<long long>(rss), Resident().c_str(), tok_s, collective / (tokens + 1));
   std::fflush(stdout);
   return 0;
 }
@@ -179,8 +186,14 @@ int main(int argc, char** argv) {
   env["OMP_NUM_THREADS"] = "2";
   std::vector<int> one_two = test::RunRanks(1, "", env, 1200);
   env["OMP_NUM_THREADS"] = "1";
+  env["ACCEL_BENCH_TP"] = "2";
   std::vector<int> two = test::RunRanks(2, "", env, 1200);
-  std::printf("exit codes: one process %d %d, two ranks %d %d\n", one[0], one_two[0], two[0],
-              two[1]);
-  return one[0] == 0 && one_two[0] == 0 && two[0] == 0 && two[1] == 0 ? 0 : 1;
+  env["ACCEL_BENCH_TP"] = "1";  // two pipeline stages
+  std::vector<int> stages = test::RunRanks(2, "", env, 1200);
+  std::printf("exit codes: one process %d %d, TP 2 %d %d, PP 2 %d %d\n", one[0], one_two[0], two[0],
+              two[1], stages[0], stages[1]);
+  return one[0] == 0 && one_two[0] == 0 && two[0] == 0 && two[1] == 0 && stages[0] == 0 &&
+                 stages[1] == 0
+             ? 0
+             : 1;
 }

@@ -183,7 +183,6 @@ int Main(int argc, char** argv) {
     for (const auto& [name, dtype] :
          {std::pair<const char*, c10::ScalarType>{"float32", c10::ScalarType::Float},
           {"float16/bfloat16", c10::ScalarType::BFloat16}}) {
-      const double element = static_cast<double>(c10::elementSize(dtype));
       // The largest stage's layers (the engine plans blocks by it).
       const double kv = static_cast<double>(
           accel::models::KvBlockStore::BytesPerBlock(*config, dtype, /*block_size=*/1024, place));

@@ -404,8 +404,9 @@ TEST(TensorParallel, TwoRanksDecodeAsOneProcess) {
               Each(0));
 }
 
-// A worker that dies (killed) or stops answering (SIGSTOP): the leader's
-// step fails with Unavailable within the group's timeout, and so does every
+// A worker (a tensor-parallel rank or the second pipeline stage) that dies
+// (killed) or stops answering (SIGSTOP): the leader's step fails with
+// Unavailable within the group's timeout, and so does every
 // later step and heartbeat, at once. Never a hang.
 TEST(TensorParallelFailureRank, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of TensorParallel.*";
@@ -416,11 +417,22 @@ TEST(TensorParallelFailureRank, Run) {
   absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> group =
       dist::ProcessGroup::Connect(*env, options);
   ASSERT_THAT(group, IsOk());
-  const int rank = (*group)->rank(), size = (*group)->size();
+  const int rank = (*group)->rank();
   absl::StatusOr<std::vector<std::string>> pids =
       (*group)->AllGatherBytes(std::to_string(::getpid()));
   ASSERT_THAT(pids, IsOk());
-  LoadedModel shard = Load(std::getenv("ACCEL_TP_MODEL"), rank, size, "none", group->get());
+  // ACCEL_TP_SIZE 1: two pipeline stages instead of two tensor-parallel ranks.
+  std::unique_ptr<dist::ProcessGroup> stage_group;
+  absl::StatusOr<TensorParallel> place =
+      JoinParallelGroups(**group, std::atoi(std::getenv("ACCEL_TP_SIZE")), &stage_group);
+  ASSERT_THAT(place, IsOk());
+  ModelLoadOptions load;
+  load.device_map = "cpu";
+  load.progress = Progress::Style::kSilent;
+  load.tensor_parallel = *place;
+  absl::StatusOr<LoadedModel> loaded = LoadModel(std::getenv("ACCEL_TP_MODEL"), load);
+  ASSERT_THAT(loaded, IsOk());
+  LoadedModel& shard = *loaded;
   ASSERT_TRUE(shard.model);
   if (rank != 0) {
     // Runs until the leader kills it (or, stopped and then killed, never returns).
@@ -461,14 +473,18 @@ TEST(TensorParallel, AKilledOrStoppedWorkerFailsTheStepWithinTheTimeout) {
   TempDir dir;
   MakeModelOptions o = Small("llama");
   ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
-  for (const char* how : {"kill", "stop"}) {
-    SCOPED_TRACE(how);
-    const std::vector<int> codes =
-        test::RunRanks(2, "TensorParallelFailureRank.Run",
-                       {{"ACCEL_TP_MODEL", dir.path()}, {"ACCEL_TP_FAILURE", how}}, 60);
-    ASSERT_EQ(codes.size(), 2u);
-    EXPECT_EQ(codes[0], 0);
-    EXPECT_EQ(codes[1], 128 + SIGKILL);
+  // Two tensor-parallel ranks, then two pipeline stages (the step's send or
+  // the logits' recv fails).
+  for (const char* size : {"2", "1"}) {
+    for (const char* how : {"kill", "stop"}) {
+      SCOPED_TRACE(absl::StrCat(how, " tensor_parallel_size ", size));
+      const std::vector<int> codes = test::RunRanks(
+          2, "TensorParallelFailureRank.Run",
+          {{"ACCEL_TP_MODEL", dir.path()}, {"ACCEL_TP_FAILURE", how}, {"ACCEL_TP_SIZE", size}}, 60);
+      ASSERT_EQ(codes.size(), 2u);
+      EXPECT_EQ(codes[0], 0);
+      EXPECT_EQ(codes[1], 128 + SIGKILL);
+    }
   }
 }
 

@@ -257,6 +257,32 @@ TEST(ToolsTest, EstimateMemoryPerTensorParallelRank) {
   Result uneven = RunTool("accel-estimate-memory --tensor_parallel_size 3 --model " + dir.path());
   EXPECT_EQ(uneven.exit_code, 1);
   EXPECT_THAT(uneven.out, HasSubstr("num_attention_heads (4)"));
+
+  // TP 2 x PP 2: the largest stage is the last (layer 1, the norm, its half of lm_head; the
+  // first holds layer 0 and its half of the embedding).
+  Result staged = RunTool(
+      "accel-estimate-memory --json --tensor_parallel_size 2 "
+      "--pipeline_parallel_size 2 --model " +
+      dir.path());
+  ASSERT_EQ(staged.exit_code, 0) << staged.out;
+  rows = nlohmann::json::parse(staged.out);
+  ASSERT_EQ(rows.size(), 8u);
+  EXPECT_EQ(rows[0]["total_bytes"].get<double>(), 4.0 * (256 * 64 + 64 + 8) + layer);
+  const nlohmann::json& both = rows[7];
+  EXPECT_EQ(both["pipeline_parallel_size"], 2);
+  // 1 layer x keys and values x 2 of 4 KV heads x 16 x 1024 tokens x 4 bytes.
+  EXPECT_EQ(both["float32"]["kv_cache_bytes_per_1k_tokens_per_rank"].get<double>(),
+            1.0 * 2 * 2 * 16 * 1024 * 4);
+  // The first stage's ranks: 1 + 2 x 1 all-reduces, no gather (the last stage's); a token's
+  // hidden state to the next stage, a sampled token's float32 logits to the leader.
+  EXPECT_EQ(both["float32"]["all_reduces_per_token"], 3);
+  EXPECT_EQ(both["float32"]["collective_payload_bytes_per_token_per_rank"].get<double>(),
+            3 * 64 * 4);
+  EXPECT_EQ(both["float16/bfloat16"]["stage_send_bytes_per_token_per_rank"].get<double>(), 64 * 2);
+  EXPECT_EQ(both["float32"]["logits_bytes_per_sampled_token"].get<double>(), 512 * 4);
+  Result deep = RunTool("accel-estimate-memory --pipeline_parallel_size 3 --model " + dir.path());
+  EXPECT_EQ(deep.exit_code, 1);
+  EXPECT_THAT(deep.out, HasSubstr("num_hidden_layers (2)"));
 }
 
 // ---- accel-quantize ----------------------------------------------------------
