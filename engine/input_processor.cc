@@ -54,19 +54,21 @@ absl::StatusOr<std::vector<int64_t>> InputProcessor::Tokenize(const GenerationRe
                                           : "prompt: this model has no tokenizer.json");
   }
   if (request.chat.has_value()) {
-    if (!chat_template_) {
-      return absl::InvalidArgumentError(
-          "messages: this model has no chat template (its folder has no chat_template.jinja "
-          "and no chat_template in tokenizer_config.json); send a prompt instead");
-    }
-    ACCEL_ASSIGN_OR_RETURN(
-        const std::string text,
-        chat_template_->Render(request.chat->messages_json, request.chat->tools_json,
-                               request.chat->add_generation_prompt));
+    ACCEL_ASSIGN_OR_RETURN(const std::string text, RenderChat(*request.chat));
     return tokenizer_->Encode(text, add_special_tokens);
   }
   if (!request.prompt.has_value()) return absl::InvalidArgumentError("prompt: required");
   return tokenizer_->Encode(*request.prompt, add_special_tokens);
+}
+
+absl::StatusOr<std::string> InputProcessor::RenderChat(const ChatInput& chat) const {
+  if (!chat_template_) {
+    // Not the folder's path: errors reach clients (no server paths in them).
+    return absl::InvalidArgumentError(
+        "messages: this model has no chat template (its folder has no chat_template.jinja "
+        "and no chat_template in tokenizer_config.json); send a prompt instead");
+  }
+  return chat_template_->Render(chat.messages_json, chat.tools_json, chat.add_generation_prompt);
 }
 
 absl::Status InputProcessor::Process(GenerationRequest& request) const {
@@ -76,16 +78,7 @@ absl::Status InputProcessor::Process(GenerationRequest& request) const {
                                             options_.served_model_name, "\""));
   }
   if (request.chat.has_value()) {
-    if (!chat_template_) {
-      // Not the folder's path: errors reach clients (no server paths in them).
-      return absl::InvalidArgumentError(
-          "messages: this model has no chat template (its folder has no chat_template.jinja "
-          "and no chat_template in tokenizer_config.json); send a prompt instead");
-    }
-    ACCEL_ASSIGN_OR_RETURN(
-        const std::string text,
-        chat_template_->Render(request.chat->messages_json, request.chat->tools_json,
-                               request.chat->add_generation_prompt));
+    ACCEL_ASSIGN_OR_RETURN(const std::string text, RenderChat(*request.chat));
     if (text.empty())
       return absl::InvalidArgumentError("messages: the chat template rendered nothing");
     // The template wrote the special tokens itself (transformers encodes

@@ -72,6 +72,9 @@ class InputProcessor {
 
  private:
   InputProcessor() = default;
+  // The conversation as the chat template renders it (a clear error where
+  // the model has no template).
+  absl::StatusOr<std::string> RenderChat(const ChatInput& chat) const;
   std::optional<tokenizer::Tokenizer> tokenizer_;
   std::optional<tokenizer::ChatTemplate> chat_template_;
   std::vector<int64_t> end_of_turn_ids_;  // the template's turn ends, in the vocabulary

@@ -423,25 +423,8 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
   absl::StatusOr<internal::OpenAiRequest> parsed =
       internal::ParseOpenAiRequest(chat ? OpenAiEndpoint::kChat : OpenAiEndpoint::kCompletions,
                                    exchange->request().body, still_there);
-  if (!parsed.ok()) {
-    const bool gone = absl::IsCancelled(parsed.status());
-    if (state_->metrics() != nullptr) {
-      state_->metrics()->RequestFailed(gone ? "cancelled" : "invalid");
-    }
-    if (!gone) SendStatus(*exchange, parsed.status());
-    return;
-  }
-  absl::StatusOr<engine::LlmEngine*> ready = state_->ReadyEngine();
-  if (!ready.ok()) {
-    SendStatus(*exchange, ready.status());
-    return;
-  }
-  // Nobody to answer: nothing is queued.
-  if (!still_there().ok()) {
-    if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("cancelled");
-    return;
-  }
-  engine::LlmEngine* engine = *ready;
+  engine::LlmEngine* engine = EngineFor(*exchange, parsed.status(), still_there);
+  if (engine == nullptr) return;
   // Tool calls: parsed out of the text, or forced by tool_choice.
   const grammar::ToolCallFormat tool_format = ToolFormat(engine);
   if (absl::Status applied = internal::ApplyToolChoice(*parsed, tool_format); !applied.ok()) {
@@ -471,6 +454,29 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
   exchange->OnClientGone([engine, request_id] { engine->Cancel(request_id); });
 }
 
+engine::LlmEngine* OpenAiHttpServer::EngineFor(HttpExchange& exchange, const absl::Status& parsed,
+                                               const std::function<absl::Status()>& still_there) {
+  if (!parsed.ok()) {
+    const bool gone = absl::IsCancelled(parsed);
+    if (state_->metrics() != nullptr) {
+      state_->metrics()->RequestFailed(gone ? "cancelled" : "invalid");
+    }
+    if (!gone) SendStatus(exchange, parsed);
+    return nullptr;
+  }
+  absl::StatusOr<engine::LlmEngine*> ready = state_->ReadyEngine();
+  if (!ready.ok()) {
+    SendStatus(exchange, ready.status());
+    return nullptr;
+  }
+  // Nobody to answer: nothing is queued.
+  if (!still_there().ok()) {
+    if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("cancelled");
+    return nullptr;
+  }
+  return *ready;
+}
+
 void OpenAiHttpServer::Responses(const std::shared_ptr<HttpExchange>& exchange) {
   const auto still_there = [&exchange] {
     return exchange->PeerClosed() ? absl::CancelledError("the client closed its connection")
@@ -478,24 +484,8 @@ void OpenAiHttpServer::Responses(const std::shared_ptr<HttpExchange>& exchange) 
   };
   absl::StatusOr<internal::ResponsesRequest> parsed =
       internal::ParseResponsesRequest(exchange->request().body, still_there);
-  if (!parsed.ok()) {
-    const bool gone = absl::IsCancelled(parsed.status());
-    if (state_->metrics() != nullptr) {
-      state_->metrics()->RequestFailed(gone ? "cancelled" : "invalid");
-    }
-    if (!gone) SendStatus(*exchange, parsed.status());
-    return;
-  }
-  absl::StatusOr<engine::LlmEngine*> ready = state_->ReadyEngine();
-  if (!ready.ok()) {
-    SendStatus(*exchange, ready.status());
-    return;
-  }
-  if (!still_there().ok()) {
-    if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("cancelled");
-    return;
-  }
-  engine::LlmEngine* engine = *ready;
+  engine::LlmEngine* engine = EngineFor(*exchange, parsed.status(), still_there);
+  if (engine == nullptr) return;
   if (absl::Status applied = internal::ApplyToolChoice(parsed->chat, ToolFormat(engine));
       !applied.ok()) {
     if (state_->metrics() != nullptr) state_->metrics()->RequestFailed("invalid");

@@ -101,6 +101,11 @@ class OpenAiHttpServer {
   void Handle(const std::shared_ptr<internal::HttpExchange>& exchange);
   void Generate(const std::shared_ptr<internal::HttpExchange>& exchange, bool chat);
   void Responses(const std::shared_ptr<internal::HttpExchange>& exchange);
+  // After a request is parsed: a parse error, a server not ready, or a
+  // client already gone is answered (and counted) here, and null returned;
+  // otherwise the engine to run the request on.
+  engine::LlmEngine* EngineFor(internal::HttpExchange& exchange, const absl::Status& parsed,
+                               const std::function<absl::Status()>& still_there);
   void Tokenize(const std::shared_ptr<internal::HttpExchange>& exchange, engine::LlmEngine* engine);
   void Detokenize(const std::shared_ptr<internal::HttpExchange>& exchange,
                   engine::LlmEngine* engine);

@@ -113,13 +113,25 @@ void FileMapping::Populate(uint64_t offset, uint64_t n) const {
   (void)sink;
 }
 
-void FileMapping::Drop(uint64_t offset, uint64_t n) const {
-  if (n == 0 || offset >= size_) return;
-  n = std::min(n, size_ - offset);
+namespace {
+
+// The whole pages inside [offset, offset + n) of a file of `size` bytes, as
+// [begin, end); false when there are none (advice on a partly used page
+// would touch a neighbour's bytes).
+bool WholePages(uint64_t offset, uint64_t n, uint64_t size, uint64_t& begin, uint64_t& end) {
+  if (n == 0 || offset >= size) return false;
+  n = std::min(n, size - offset);
   const uint64_t page = PageSize();
-  const uint64_t begin = (offset + page - 1) / page * page;
-  const uint64_t end = (offset + n) / page * page;
-  if (end <= begin) return;
+  begin = (offset + page - 1) / page * page;
+  end = (offset + n) / page * page;
+  return end > begin;
+}
+
+}  // namespace
+
+void FileMapping::Drop(uint64_t offset, uint64_t n) const {
+  uint64_t begin = 0, end = 0;
+  if (!WholePages(offset, n, size_, begin, end)) return;
   // Advice on a read-only shared mapping: nothing is lost, the pages come
   // back from the page cache (or the file) on the next touch.
   (void)::madvise(static_cast<char*>(addr_) + begin, end - begin, MADV_DONTNEED);
@@ -135,12 +147,8 @@ void FileMapping::WillNeed(uint64_t offset, uint64_t n) const {
 
 void FileMapping::Evict(uint64_t offset, uint64_t n) const {
   Drop(offset, n);
-  if (n == 0 || offset >= size_) return;
-  n = std::min(n, size_ - offset);
-  const uint64_t page = PageSize();
-  const uint64_t begin = (offset + page - 1) / page * page;
-  const uint64_t end = (offset + n) / page * page;
-  if (end <= begin) return;
+  uint64_t begin = 0, end = 0;
+  if (!WholePages(offset, n, size_, begin, end)) return;
   if (fd_ < 0) return;  // advice: the pages stay cached, which costs memory, not data
   (void)::posix_fadvise(fd_, static_cast<off_t>(begin), static_cast<off_t>(end - begin),
                         POSIX_FADV_DONTNEED);

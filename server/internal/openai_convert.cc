@@ -18,22 +18,13 @@
 
 #include "core/json.h"
 #include "core/status.h"
+#include "server/internal/openai_json.h"
 
 namespace accel::server::internal {
 namespace {
 
 // Ordered: messages and tools reach the chat template in the client's key order.
 using json = nlohmann::ordered_json;
-
-// JSON text of a value; invalid UTF-8 (never expected: the texts are final
-// decoded text) becomes U+FFFD rather than an exception.
-std::string Dump(const json& value) {
-  return value.dump(-1, ' ', false, json::error_handler_t::replace);
-}
-
-absl::Status FieldError(absl::string_view field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
 
 const char* TypeName(const json& value) {
   switch (value.type()) {
@@ -56,14 +47,6 @@ const char* TypeName(const json& value) {
 
 absl::Status WrongType(absl::string_view field, absl::string_view expected, const json& got) {
   return FieldError(field, absl::StrCat("expected ", expected, ", got ", TypeName(got)));
-}
-
-// The field, or null when absent or null (OpenAI treats an explicit null as
-// unset).
-const json* Field(const json& body, const char* name) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return nullptr;
-  return &*it;
 }
 
 absl::Status GetInt(const json& body, const char* name, std::optional<int64_t>* out) {
@@ -599,18 +582,6 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
   return absl::OkStatus();
 }
 
-std::string RandomId(absl::string_view prefix) {
-  static std::mutex mu;
-  static std::mt19937_64 engine{std::random_device{}()};
-  uint64_t a, b;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    a = engine();
-    b = engine();
-  }
-  return absl::StrCat(prefix, absl::StrFormat("%016x%08x", a, b & 0xffffffffu));
-}
-
 json Bytes(absl::string_view text) {
   json bytes = json::array();
   for (unsigned char c : text) bytes.push_back(static_cast<int>(c));
@@ -915,7 +886,7 @@ OpenAiResponseWriter::OpenAiResponseWriter(const OpenAiRequest& request, std::st
       created_(created),
       id_(std::move(id)) {
   if (id_.empty()) {
-    id_ = RandomId(request.endpoint == OpenAiEndpoint::kChat ? "chatcmpl-" : "cmpl-");
+    id_ = RandomId(request.endpoint == OpenAiEndpoint::kChat ? "chatcmpl-" : "cmpl-", 24);
   }
   const int64_t n = std::max<int64_t>(request.generation.n, 1) *
                     std::max<int64_t>(static_cast<int64_t>(request.prompts.size()), 1);

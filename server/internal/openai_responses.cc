@@ -14,39 +14,14 @@
 
 #include "core/json.h"
 #include "grammar/tool_calls.h"
+#include "server/internal/openai_json.h"
 
 namespace accel::server::internal {
 namespace {
 
 using json = nlohmann::ordered_json;
 
-std::string Dump(const json& value) {
-  return value.dump(-1, ' ', false, json::error_handler_t::replace);
-}
-
-absl::Status FieldError(absl::string_view field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
-
-const json* Field(const json& body, const char* name) {
-  auto it = body.find(name);
-  if (it == body.end() || it->is_null()) return nullptr;
-  return &*it;
-}
-
 std::string Quoted(const std::string& text) { return Dump(json(text.substr(0, 32))); }
-
-std::string RandomId(absl::string_view prefix) {
-  static std::mutex mu;
-  static std::mt19937_64 engine{std::random_device{}()};
-  uint64_t a, b;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    a = engine();
-    b = engine();
-  }
-  return absl::StrCat(prefix, absl::StrFormat("%016x%016x", a, b));
-}
 
 // A message's or an output's content: a string, or input_text (output_text,
 // text) parts joined.
@@ -343,7 +318,7 @@ struct ResponsesWriter::State {
     if (open == Open::kCall) events += Close();
     if (open == Open::kNone) {
       open = Open::kMessage;
-      item = MessageItem(RandomId("msg_"), "in_progress", "", /*with_content=*/false);
+      item = MessageItem(RandomId("msg_", 32), "in_progress", "", /*with_content=*/false);
       item_text.clear();
       events +=
           Emit("response.output_item.added", {{"output_index", OutputIndex()}, {"item", item}});
@@ -370,7 +345,7 @@ struct ResponsesWriter::State {
     open = Open::kCall;
     call = begun;
     item_text.clear();
-    item = CallItem(RandomId("fc_"), "in_progress", begun, "");
+    item = CallItem(RandomId("fc_", 32), "in_progress", begun, "");
     events += Emit("response.output_item.added", {{"output_index", OutputIndex()}, {"item", item}});
     if (!begun.arguments.empty()) events += Arguments(begun.arguments);
     return events;
@@ -437,7 +412,7 @@ ResponsesWriter::ResponsesWriter(const ResponsesRequest& request, std::string mo
       created_at_(created_at),
       id_(std::move(id)),
       state_(std::make_unique<State>()) {
-  if (id_.empty()) id_ = RandomId("resp_");
+  if (id_.empty()) id_ = RandomId("resp_", 32);
   if (request.chat.tool_call_format != grammar::ToolCallFormat::kNone) {
     state_->tools = std::make_unique<grammar::ToolCallStreamParser>(request.chat.tool_call_format);
   }
@@ -534,10 +509,10 @@ std::string ResponsesWriter::Final(const engine::Completion& completion) {
     if (!calls.empty()) text = std::move(parsed.content);
   }
   if (!text.empty() || calls.empty()) {
-    output.push_back(MessageItem(RandomId("msg_"), "completed", text, /*with_content=*/true));
+    output.push_back(MessageItem(RandomId("msg_", 32), "completed", text, /*with_content=*/true));
   }
   for (const grammar::ToolCall& call : calls) {
-    output.push_back(CallItem(RandomId("fc_"), "completed", call, call.arguments));
+    output.push_back(CallItem(RandomId("fc_", 32), "completed", call, call.arguments));
   }
   return Dump(
       ResponseJson(request_, id_, created_at_, model_, StatusOf(completion), output, &completion));
