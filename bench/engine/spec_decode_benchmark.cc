@@ -7,7 +7,9 @@
 // Each figure is beside plain decoding of the same prompt measured in the
 // same round; rounds alternate the cases, and medians are reported, with the
 // acceptance rates and the tokens each step gave. The tokens are checked to
-// be the same with and without speculation.
+// be the same with and without speculation. Where nothing repeats, the two are
+// also timed step by step, interleaved (see InterleavedSteps): on a shared
+// machine whole runs swing more than the few percent that case is about.
 //
 // The models. Random weights neither copy their prompt nor agree with a
 // smaller model of other random weights, and no trained model of these
