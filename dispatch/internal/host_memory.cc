@@ -1,6 +1,7 @@
 #include "dispatch/internal/host_memory.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -104,6 +105,9 @@ std::optional<CgroupMemory> ReadCgroupMemory(const std::string& proc_cgroup,
 std::optional<CgroupMemory> SelfCgroupMemory() {
   std::optional<std::string> text = ReadText("/proc/self/cgroup");
   if (!text) return std::nullopt;
+  if (const char* root = std::getenv("ACCEL_CGROUP_ROOT"); root != nullptr && *root != '\0') {
+    return ReadCgroupMemory(*text, root);
+  }
   return ReadCgroupMemory(*text);
 }
 

@@ -30,7 +30,10 @@ struct CgroupMemory {
 std::optional<CgroupMemory> ReadCgroupMemory(const std::string& proc_cgroup,
                                              const std::string& root = "/sys/fs/cgroup");
 
-// This process's: ReadCgroupMemory of /proc/self/cgroup.
+// This process's: ReadCgroupMemory of /proc/self/cgroup, under
+// $ACCEL_CGROUP_ROOT when it is set (a cgroup file system mounted elsewhere,
+// or a folder that stands in for it: the tests' fake cgroups), else
+// /sys/fs/cgroup.
 std::optional<CgroupMemory> SelfCgroupMemory();
 
 // MemAvailable / MemTotal of /proc/meminfo (bytes), nullopt if unreadable.
