@@ -619,7 +619,9 @@ std::vector<int64_t> LoadedModel::eos_token_ids() const {
 }
 
 int64_t MemoryPlan::resident_bytes() const {
-  return resident_weight_bytes + expert_cache_bytes + read_buffer_bytes +
+  // The expert cache is sized for every MoE model, but only experts fetched
+  // one by one fill it: a model that fits maps its experts in place.
+  return resident_weight_bytes + (offload_experts ? expert_cache_bytes : 0) + read_buffer_bytes +
          std::max<int64_t>(0, kv_cache_bytes) + runtime_bytes;
 }
 

@@ -50,8 +50,9 @@ struct MemoryPlan {
   bool fits = true;                   // the whole model fits the budget
   bool offload_experts = false;       // experts placed and fetched one by one
   bool direct_reads = false;          // disk reads bypass the page cache
-  // What the process should hold at most: resident weights, the cache, the
-  // read buffers, KV and runtime.
+  // What the process should hold at most: resident weights, the expert
+  // cache (when experts are fetched one by one), the read buffers, KV and
+  // runtime.
   int64_t resident_bytes() const;
 };
 

@@ -1,5 +1,6 @@
 // accel-estimate-memory --model DIR: how much memory a model needs to load
 // and to train, per dtype, like `accelerate estimate-memory`.
+#include <algorithm>
 #include <iostream>
 #include <string>
 #include <utility>
@@ -20,6 +21,8 @@
 #include "loader/config.h"
 #include "models/causal_lm.h"
 #include "models/families.h"
+#include "models/load_model.h"
+#include "models/load_options.h"
 #include "models/quantize.h"
 #include "models/tensor_parallel.h"
 
@@ -211,6 +214,45 @@ int Main(int argc, char** argv) {
       }
     }
     if (absl::GetFlag(FLAGS_json)) out.push_back(parallel);
+  }
+  if (tp == 1) {
+    // What accel-generate / accel-serve would hold with no load flags on
+    // this machine (its memory cgroup): the plan LoadModel makes, from the
+    // checkpoint's headers (or config.json alone when there are no weights).
+    const accel::models::ModelLoadOptions defaults;
+    auto load = accel::models::PlanLoad(dir, defaults);
+    if (!load.ok()) load = accel::models::PlanLoad(dir, defaults, /*config_only=*/true);
+    if (!load.ok()) return Fail(load.status());
+    const accel::models::MemoryPlan& m = load->memory;
+    if (absl::GetFlag(FLAGS_json)) {
+      out.push_back({{"memory_plan",
+                      {{"dtype", std::string(c10::toString(load->dtype))},
+                       {"budget_bytes", m.budget_bytes},
+                       {"fits", m.fits},
+                       {"offload_experts", m.offload_experts},
+                       {"resident_weight_bytes", m.resident_weight_bytes},
+                       {"disk_weight_bytes", m.disk_weight_bytes},
+                       {"expert_cache_bytes", m.expert_cache_bytes},
+                       {"read_buffer_bytes", m.read_buffer_bytes},
+                       {"kv_cache_bytes", m.kv_cache_bytes},
+                       {"runtime_bytes", m.runtime_bytes},
+                       {"resident_bytes", m.resident_bytes()}}}});
+    } else {
+      std::cout << absl::StrFormat(
+          "Loaded with no load flags here (%s, cpu budget %s): %s resident at most = %s of "
+          "weights in memory + %s expert cache + %s read-ahead + %s KV + %s runtime; %s of "
+          "weights on disk%s\n",
+          c10::toString(load->dtype),
+          Size(static_cast<double>(std::max<int64_t>(0, m.budget_bytes))),
+          Size(static_cast<double>(m.resident_bytes())),
+          Size(static_cast<double>(m.resident_weight_bytes)),
+          Size(static_cast<double>(m.expert_cache_bytes)),
+          Size(static_cast<double>(m.read_buffer_bytes)),
+          Size(static_cast<double>(std::max<int64_t>(0, m.kv_cache_bytes))),
+          Size(static_cast<double>(m.runtime_bytes)),
+          Size(static_cast<double>(m.disk_weight_bytes)),
+          m.offload_experts ? ", experts read one by one" : "");
+    }
   }
   if (absl::GetFlag(FLAGS_json)) std::cout << out.dump() << "\n";
   return 0;

@@ -172,6 +172,25 @@ TEST_F(LoadModelTest, APreQuantizedModelWithLayersOnDiskWritesNothing) {
   }
 }
 
+// Issue 32 item 5: what accel-estimate-memory predicts a process holds. The
+// expert cache counts only when experts are fetched one by one: a model that
+// fits maps its experts in place and never fills it (a Qwen3-30B-A3B that fit
+// was predicted 972 MiB over its peak for it).
+TEST(MemoryPlanTest, ResidentBytesAddWhatTheProcessHolds) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  MemoryPlan fits;
+  fits.resident_weight_bytes = 1000 * kMiB;
+  fits.expert_cache_bytes = 300 * kMiB;  // sized, but unused
+  fits.runtime_bytes = 500 * kMiB;
+  EXPECT_EQ(fits.resident_bytes(), 1500 * kMiB);  // no KV planned: -1
+  MemoryPlan offloaded = fits;
+  offloaded.fits = false;
+  offloaded.offload_experts = true;
+  offloaded.read_buffer_bytes = 20 * kMiB;
+  offloaded.kv_cache_bytes = 256 * kMiB;
+  EXPECT_EQ(offloaded.resident_bytes(), (1000 + 300 + 20 + 256 + 500) * kMiB);
+}
+
 TEST_F(LoadModelTest, StopTokensComeFromTheGenerationConfigFirst) {
   ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel m, LoadModel(dir_.path(), Options("cpu")));
   EXPECT_THAT(m.eos_token_ids(), ElementsAre(299));

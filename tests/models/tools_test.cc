@@ -200,7 +200,7 @@ TEST(ToolsTest, EstimateMemoryMatchesAccelerateArithmetic) {
   Result r = RunTool("accel-estimate-memory --json --model " + dir.path());
   ASSERT_EQ(r.exit_code, 0) << r.out;
   nlohmann::json rows = nlohmann::json::parse(r.out);
-  ASSERT_EQ(rows.size(), 7u);
+  ASSERT_EQ(rows.size(), 8u);
   // float32: 2 x (512 x 64) embedding/head + 2 layers of (4 x 64 x 64 + 3 x 64 x 176 + 2 x 64)
   // + the final norm (64) + the rotary inv_freq buffer (head_dim / 2 = 8; Accelerate counts
   // buffers).
@@ -229,8 +229,19 @@ TEST(ToolsTest, EstimateMemoryMatchesAccelerateArithmetic) {
   // Double quant: uint8 absmaxes, a float32 per 256 of them, a 256-value map per linear, and
   // the float32 expanded absmaxes kept for compute.
   EXPECT_LT(rows[6]["total_bytes"].get<double>(), rows[4]["total_bytes"].get<double>());
+  // Then the plan a load with no flags makes here: the float32 model fits, all of it in
+  // memory, the same total as Accelerate's, beside the runtime's reserve.
+  const nlohmann::json& plan = rows[7]["memory_plan"];
+  EXPECT_EQ(plan["dtype"], "Float");
+  EXPECT_TRUE(plan["fits"].get<bool>());
+  EXPECT_EQ(plan["disk_weight_bytes"].get<double>(), 0);
+  EXPECT_EQ(plan["resident_weight_bytes"].get<double>(), total);
+  EXPECT_GT(plan["runtime_bytes"].get<double>(), 0);
+  EXPECT_EQ(plan["resident_bytes"].get<double>(),
+            plan["resident_weight_bytes"].get<double>() + plan["runtime_bytes"].get<double>());
   Result table = RunTool("accel-estimate-memory --model " + dir.path());
   EXPECT_THAT(table.out, HasSubstr("float16/bfloat16"));
+  EXPECT_THAT(table.out, HasSubstr("Loaded with no load flags here (Float"));
   Result missing = RunTool("accel-estimate-memory --model " + dir.path() + "/nope");
   EXPECT_EQ(missing.exit_code, 1);
   EXPECT_THAT(missing.out, HasSubstr("config.json"));
