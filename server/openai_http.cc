@@ -169,6 +169,31 @@ OpenAiError RouteError(int status, const char* code, std::string message) {
   return error;
 }
 
+// Whether the client is still connected: a client that leaves while its
+// (large) body is read stops the parse.
+std::function<absl::Status()> StillThere(HttpExchange& exchange) {
+  return [&exchange] {
+    return exchange.PeerClosed() ? absl::CancelledError("the client closed its connection")
+                                 : absl::OkStatus();
+  };
+}
+
+// After Submit: the refusal answered, or the answer started (the sink's first
+// events wait for this turn of the connection to end, so the stream's head
+// goes first) and the request cancelled when the client goes (the sink still
+// hears OnDone (Cancelled); nobody reads its answer).
+template <typename AnswerT>
+void Started(HttpExchange& exchange, engine::LlmEngine* engine, const absl::StatusOr<uint64_t>& id,
+             AnswerT& answer) {
+  if (!id.ok()) {
+    SendStatus(exchange, id.status());
+    return;
+  }
+  answer.Start();
+  const uint64_t request_id = *id;
+  exchange.OnClientGone([engine, request_id] { engine->Cancel(request_id); });
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<OpenAiHttpServer>> OpenAiHttpServer::Start(
@@ -416,10 +441,7 @@ grammar::ToolCallFormat OpenAiHttpServer::ToolFormat(engine::LlmEngine* engine) 
 
 void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, bool chat) {
   // A client that leaves while its (large) body is read stops the parse.
-  const auto still_there = [&exchange] {
-    return exchange->PeerClosed() ? absl::CancelledError("the client closed its connection")
-                                  : absl::OkStatus();
-  };
+  const std::function<absl::Status()> still_there = StillThere(*exchange);
   absl::StatusOr<internal::OpenAiRequest> parsed =
       internal::ParseOpenAiRequest(chat ? OpenAiEndpoint::kChat : OpenAiEndpoint::kCompletions,
                                    exchange->request().body, still_there);
@@ -442,16 +464,7 @@ void OpenAiHttpServer::Generate(const std::shared_ptr<HttpExchange>& exchange, b
       prompts.empty()
           ? engine->Submit(generation, std::make_shared<HttpSink<Answer>>(answer))
           : engine->SubmitBatch(std::move(prompts), std::make_shared<HttpSink<Answer>>(answer));
-  if (!id.ok()) {
-    SendStatus(*exchange, id.status());
-    return;
-  }
-  // The sink's first events wait for this turn of the connection to end, so
-  // the stream's head goes first.
-  answer->Start();
-  const uint64_t request_id = *id;
-  // The sink still hears OnDone (Cancelled); nobody reads its answer.
-  exchange->OnClientGone([engine, request_id] { engine->Cancel(request_id); });
+  Started(*exchange, engine, id, *answer);
 }
 
 engine::LlmEngine* OpenAiHttpServer::EngineFor(HttpExchange& exchange, const absl::Status& parsed,
@@ -478,10 +491,7 @@ engine::LlmEngine* OpenAiHttpServer::EngineFor(HttpExchange& exchange, const abs
 }
 
 void OpenAiHttpServer::Responses(const std::shared_ptr<HttpExchange>& exchange) {
-  const auto still_there = [&exchange] {
-    return exchange->PeerClosed() ? absl::CancelledError("the client closed its connection")
-                                  : absl::OkStatus();
-  };
+  const std::function<absl::Status()> still_there = StillThere(*exchange);
   absl::StatusOr<internal::ResponsesRequest> parsed =
       internal::ParseResponsesRequest(exchange->request().body, still_there);
   engine::LlmEngine* engine = EngineFor(*exchange, parsed.status(), still_there);
@@ -497,13 +507,7 @@ void OpenAiHttpServer::Responses(const std::shared_ptr<HttpExchange>& exchange) 
       std::make_shared<ResponsesAnswer>(exchange, *std::move(parsed), engine->info().name);
   absl::StatusOr<uint64_t> id =
       engine->Submit(generation, std::make_shared<HttpSink<ResponsesAnswer>>(answer));
-  if (!id.ok()) {
-    SendStatus(*exchange, id.status());
-    return;
-  }
-  answer->Start();
-  const uint64_t request_id = *id;
-  exchange->OnClientGone([engine, request_id] { engine->Cancel(request_id); });
+  Started(*exchange, engine, id, *answer);
 }
 
 }  // namespace accel::server

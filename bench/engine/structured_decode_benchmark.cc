@@ -25,6 +25,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 
+#include "bench/record_schema.h"
 #include "engine/llm_engine.h"
 #include "models/make_model.h"
 
@@ -59,15 +60,6 @@ class CountingSink : public RequestSink {
   absl::Notification done_;
 };
 
-const char* kSchema = R"({"type": "object", "properties": {
-  "name": {"type": "string", "maxLength": 12}, "city": {"type": "string", "maxLength": 12},
-  "age": {"type": "integer", "minimum": 0, "maximum": 120},
-  "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"},
-  "score": {"type": "number", "minimum": 0, "maximum": 100},
-  "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
-  "note": {"type": "string", "maxLength": 24}},
-  "required": ["name", "city", "age", "role", "active", "score", "tags", "note"]})";
-
 // Generated tokens per second of `batch` requests run together.
 double Run(LlmEngine& engine, int batch, int64_t tokens, bool constrained, int64_t* generated) {
   std::vector<std::shared_ptr<CountingSink>> sinks;
@@ -80,7 +72,7 @@ double Run(LlmEngine& engine, int batch, int64_t tokens, bool constrained, int64
     r.sampling.seed = 1000 + i;
     if (constrained) {
       accel::engine::StructuredOutputs s;
-      s.json_schema = kSchema;
+      s.json_schema = accel::bench::kRecordSchema;
       r.structured = s;
     } else {
       r.ignore_eos = true;

@@ -21,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/record_schema.h"
 #include "grammar/grammar.h"
 #include "grammar/json_schema.h"
 #include "grammar/matcher.h"
@@ -115,16 +116,6 @@ StepTimes Walk(const std::shared_ptr<CompiledGrammar>& compiled, const std::vect
   return Summarize(us);
 }
 
-// The 8-property schema of accel-bench-structured.
-const char* kRecordSchema = R"({"type": "object", "properties": {
-  "name": {"type": "string", "maxLength": 12}, "city": {"type": "string", "maxLength": 12},
-  "age": {"type": "integer", "minimum": 0, "maximum": 120},
-  "role": {"enum": ["admin", "user", "guest"]}, "active": {"type": "boolean"},
-  "score": {"type": "number", "minimum": 0, "maximum": 100},
-  "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
-  "note": {"type": "string", "maxLength": 24}},
-  "required": ["name", "city", "age", "role", "active", "score", "tags", "note"]})";
-
 // What a batch of sampled requests asks of the grammar: `rows` walks of
 // `steps` tokens, each drawn uniformly from its mask (as a random model
 // would), on a grammar compiled fresh, so every state a walk meets first
@@ -214,7 +205,7 @@ int main(int argc, char** argv) {
   const StepTimes object_cold = Walk(any_json, *ids, eos, &ok_object);
 
   // accel-bench-structured's schema, 8 sampled rows of 64 steps, cold.
-  auto record = accel::grammar::CompileJsonSchema(kRecordSchema);
+  auto record = accel::grammar::CompileJsonSchema(accel::bench::kRecordSchema);
   if (!record.ok()) return 1;
   double sampled_ms = 0;
   const StepTimes sampled =
