@@ -1,5 +1,6 @@
 #include "server/generation_service.h"
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -104,22 +105,38 @@ std::optional<engine::StructuredOutputs> ToStructured(const accel::v1::Structure
 
 // The messages as chat templates read them (transformers' shape: a tool
 // call's arguments are an object, not the wire's JSON text).
-// Chat's tool settings, applied once the engine (and so the model's
-// tool-call syntax) is known; then read by the call's sink. Set before the
-// request is submitted, read only after: no lock.
-struct ChatTools {
-  std::string choice;    // "" / auto, none, required
-  std::string function;  // tool_choice_function
-  std::string tools_json;
-  grammar::ToolCallFormat format = grammar::ToolCallFormat::kNone;  // kNone: no parsing
-  // A stream: the parser, and the call it is writing (sent once it ends).
+// A stream's tool-call parser for one choice, and the call it is writing
+// (sent once it ends).
+struct ToolStream {
   std::unique_ptr<grammar::ToolCallStreamParser> parser;
   std::optional<grammar::ToolCall> pending;
 };
 
+// What the call's sink needs of the request: its choices and Chat's tool
+// settings (applied once the engine, and so the model's tool-call syntax, is
+// known). Set before the request is submitted, read only after; the
+// streams are used on the engine's thread alone: no lock.
+struct CallSettings {
+  int64_t n = 1;         // choices (GenerateRequest.n, ChatRequest.n)
+  std::string choice;    // "" / auto, none, required
+  std::string function;  // tool_choice_function
+  std::string tools_json;
+  grammar::ToolCallFormat format = grammar::ToolCallFormat::kNone;  // kNone: no parsing
+  bool stream = false;
+  std::map<int64_t, ToolStream> streams;  // a stream's, by choice
+
+  // Choice `index`'s parser in a stream that parses tool calls; null otherwise.
+  ToolStream* StreamFor(int64_t index) {
+    if (!stream || format == grammar::ToolCallFormat::kNone) return nullptr;
+    ToolStream& s = streams[index];
+    if (s.parser == nullptr) s.parser = std::make_unique<grammar::ToolCallStreamParser>(format);
+    return &s;
+  }
+};
+
 absl::StatusOr<engine::GenerationRequest> ChatToParams(const ChatRequest& request,
                                                        const grpc::ServerContextBase& context,
-                                                       ChatTools* chat_tools) {
+                                                       CallSettings* chat_tools) {
   if (request.messages().empty()) return absl::InvalidArgumentError("messages is empty");
   int64_t json_keys = 0;
   const JsonLimits limits = ChatJsonLimits(context, &json_keys);
@@ -192,6 +209,7 @@ absl::StatusOr<engine::GenerationRequest> ChatToParams(const ChatRequest& reques
   params.include_stop_str_in_output = request.include_stop_str_in_output();
   params.logprobs = request.return_logprobs();
   params.structured = ToStructured(request.structured_output());
+  params.n = request.n() == 0 ? 1 : request.n();
   params.deadline = CallDeadline(context);
   return params;
 }
@@ -214,11 +232,13 @@ engine::GenerationRequest ToParams(const GenerateRequest& request,
   params.include_stop_str_in_output = request.include_stop_str_in_output();
   params.logprobs = request.return_logprobs();
   params.structured = ToStructured(request.structured_output());
+  params.n = request.n() == 0 ? 1 : request.n();
   params.deadline = CallDeadline(context);
   return params;
 }
 
-void AppendChunk(const engine::TokenChunk& chunk, GenerateResponse& out) {
+template <typename Message>  // GenerateResponse or Choice
+void AppendChunk(const engine::TokenChunk& chunk, Message& out) {
   out.mutable_token_ids()->Add(chunk.token_ids.begin(), chunk.token_ids.end());
   out.mutable_logprobs()->Add(chunk.logprobs.begin(), chunk.logprobs.end());
   out.mutable_text()->append(chunk.text);
@@ -255,7 +275,7 @@ struct CallState {
 // to finish the call with when that fails.
 absl::StatusOr<engine::GenerationRequest> ParseParams(Method method, const grpc::ByteBuffer& body,
                                                       const grpc::ServerContextBase& context,
-                                                      ChatTools* chat_tools) {
+                                                      CallSettings* chat_tools) {
   if (method == Method::kChat) {
     ChatRequest request;
     ACCEL_RETURN_IF_ERROR(internal::ParseBody(body, request));
@@ -268,8 +288,9 @@ absl::StatusOr<engine::GenerationRequest> ParseParams(Method method, const grpc:
 
 // Chat with tools: the model's call syntax (--tool_call_parser, or auto
 // from its vocabulary) and, for a forced call, the grammar of one.
-absl::Status ApplyChatTools(const std::string& tool_call_parser, const engine::LlmEngine& engine,
-                            bool stream, engine::GenerationRequest& params, ChatTools& tools) {
+absl::Status ApplyCallSettings(const std::string& tool_call_parser, const engine::LlmEngine& engine,
+                               bool stream, engine::GenerationRequest& params,
+                               CallSettings& tools) {
   if (tools.tools_json.empty() || tools.choice == "none") return absl::OkStatus();
   grammar::ToolCallFormat format = grammar::ToolCallFormat::kNone;
   if (tool_call_parser == "auto") {
@@ -311,16 +332,15 @@ absl::Status ApplyChatTools(const std::string& tool_call_parser, const engine::L
     params.structured = std::move(structured);
   }
   tools.format = format;
-  if (stream && format != grammar::ToolCallFormat::kNone) {
-    tools.parser = std::make_unique<grammar::ToolCallStreamParser>(format);
-  }
+  tools.stream = stream;
   return absl::OkStatus();
 }
 
 // The stream parser's events into `out`: content into text, each call whole
 // once the next begins (the last by FlushToolCall).
-void AddToolEvents(std::vector<grammar::ToolCallStreamParser::Event> events, ChatTools& tools,
-                   GenerateResponse& out) {
+template <typename Message>  // GenerateResponse or Choice
+void AddToolEvents(std::vector<grammar::ToolCallStreamParser::Event> events, ToolStream& tools,
+                   Message& out) {
   for (auto& e : events) {
     out.mutable_text()->append(e.content);
     if (e.call) {
@@ -337,7 +357,8 @@ void AddToolEvents(std::vector<grammar::ToolCallStreamParser::Event> events, Cha
   }
 }
 
-void FlushToolCall(ChatTools& tools, GenerateResponse& out) {
+template <typename Message>
+void FlushToolCall(ToolStream& tools, Message& out) {
   if (!tools.pending) return;
   accel::v1::ToolCall* call = out.add_tool_calls();
   call->set_id(tools.pending->id);
@@ -347,9 +368,26 @@ void FlushToolCall(ChatTools& tools, GenerateResponse& out) {
   tools.pending.reset();
 }
 
+// A finished unary answer (or one choice of it): the calls parsed out of
+// its text, which keeps the content before them.
+template <typename Message>
+void ParseToolCallsInto(grammar::ToolCallFormat format, Message& out) {
+  if (format == grammar::ToolCallFormat::kNone) return;
+  grammar::ParsedToolCalls parsed = grammar::ParseToolCalls(format, out.text());
+  if (parsed.calls.empty()) return;
+  out.set_text(parsed.content);
+  for (const grammar::ToolCall& c : parsed.calls) {
+    accel::v1::ToolCall* call = out.add_tool_calls();
+    call->set_id(c.id);
+    call->set_type("function");
+    call->set_name(c.name);
+    call->set_arguments_json(c.arguments);
+  }
+}
+
 grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerContext& context,
                    const grpc::ByteBuffer& body, std::shared_ptr<engine::RequestSink> sink,
-                   CallState& call, const std::string& tool_call_parser, ChatTools& tools,
+                   CallState& call, const std::string& tool_call_parser, CallSettings& tools,
                    bool stream) {
   grpc::Status auth = state.Authorize(context);
   if (!auth.ok()) return auth;
@@ -363,9 +401,10 @@ grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerConte
     }
     return ToGrpcStatus(params.status());
   }
+  tools.n = params->n;
   absl::StatusOr<engine::LlmEngine*> engine = state.ReadyEngine();
   if (!engine.ok()) return ToGrpcStatus(engine.status());
-  if (absl::Status applied = ApplyChatTools(tool_call_parser, **engine, stream, *params, tools);
+  if (absl::Status applied = ApplyCallSettings(tool_call_parser, **engine, stream, *params, tools);
       !applied.ok()) {
     if (state.metrics() != nullptr) state.metrics()->RequestFailed("invalid");
     return ToGrpcStatus(applied);
@@ -395,16 +434,23 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
   struct Call : CallState {
     GenerateReactor* reactor ABSL_GUARDED_BY(mu) = nullptr;
     GenerateResponse response ABSL_GUARDED_BY(mu);
+    std::map<int64_t, accel::v1::Choice> choices ABSL_GUARDED_BY(mu);  // n > 1
     grpc::ByteBuffer* body ABSL_GUARDED_BY(mu) = nullptr;  // gRPC's, where the answer goes
   };
 
   class Sink : public engine::RequestSink {
    public:
-    Sink(std::shared_ptr<Call> call, std::shared_ptr<ChatTools> tools)
+    Sink(std::shared_ptr<Call> call, std::shared_ptr<CallSettings> tools)
         : call_(std::move(call)), tools_(std::move(tools)) {}
     void OnTokens(engine::TokenChunk chunk) override {
       absl::MutexLock lock(&call_->mu);
-      AppendChunk(chunk, call_->response);
+      if (tools_->n == 1) {
+        AppendChunk(chunk, call_->response);
+        return;
+      }
+      accel::v1::Choice& choice = call_->choices[chunk.index];
+      AppendChunk(chunk, choice);
+      if (chunk.finish) choice.set_finish_reason(ToProto(*chunk.finish));
     }
     void OnDone(const absl::Status& status, const engine::Completion& completion) override {
       GenerateReactor* reactor = nullptr;
@@ -412,22 +458,26 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
         absl::MutexLock lock(&call_->mu);
         if (call_->reactor == nullptr) return;
         if (status.ok()) {
-          SetCompletion(completion, call_->response);
-          if (tools_->format != grammar::ToolCallFormat::kNone) {
-            grammar::ParsedToolCalls parsed =
-                grammar::ParseToolCalls(tools_->format, call_->response.text());
-            if (!parsed.calls.empty()) {
-              call_->response.set_text(parsed.content);
-              for (const grammar::ToolCall& c : parsed.calls) {
-                accel::v1::ToolCall* out = call_->response.add_tool_calls();
-                out->set_id(c.id);
-                out->set_type("function");
-                out->set_name(c.name);
-                out->set_arguments_json(c.arguments);
-              }
+          GenerateResponse& response = call_->response;
+          SetCompletion(completion, response);
+          if (tools_->n == 1) {
+            ParseToolCallsInto(tools_->format, response);
+          } else {
+            // Every choice, in order; the top-level fields are choice 0's.
+            for (int64_t i = 0; i < tools_->n; ++i) {
+              accel::v1::Choice& choice = call_->choices[i];
+              choice.set_index(static_cast<int32_t>(i));
+              ParseToolCallsInto(tools_->format, choice);
+              *response.add_choices() = choice;
             }
+            const accel::v1::Choice& first = response.choices(0);
+            *response.mutable_token_ids() = first.token_ids();
+            response.set_text(first.text());
+            *response.mutable_logprobs() = first.logprobs();
+            response.set_finish_reason(first.finish_reason());
+            *response.mutable_tool_calls() = first.tool_calls();
           }
-          *call_->body = internal::SerializeBody(call_->response);
+          *call_->body = internal::SerializeBody(response);
         }
         reactor = call_->reactor;
       }
@@ -439,7 +489,7 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
 
    private:
     std::shared_ptr<Call> call_;
-    const std::shared_ptr<ChatTools> tools_;
+    const std::shared_ptr<CallSettings> tools_;
   };
 
   GenerateReactor(Method method, ServingState* state, const std::string& tool_call_parser,
@@ -451,7 +501,7 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
       call_->reactor = this;
       call_->body = response;
     }
-    auto tools = std::make_shared<ChatTools>();
+    auto tools = std::make_shared<CallSettings>();
     grpc::Status started =
         Start(method, *state, *context, *request, std::make_shared<Sink>(call_, tools), *call_,
               tool_call_parser, *tools, /*stream=*/false);
@@ -497,45 +547,71 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   class Sink : public engine::RequestSink {
    public:
-    Sink(std::shared_ptr<internal::WritePump> pump, std::shared_ptr<News> news,
-         std::shared_ptr<ChatTools> tools)
-        : pump_(std::move(pump)), news_(std::move(news)), tools_(std::move(tools)) {}
+    Sink(std::shared_ptr<internal::WritePump> pump, std::shared_ptr<CallSettings> tools)
+        : pump_(std::move(pump)), tools_(std::move(tools)) {}
     void OnTokens(engine::TokenChunk chunk) override {
+      const int64_t index = tools_->n == 1 ? 0 : chunk.index;
+      const std::shared_ptr<News>& news = NewsFor(index);
       {
-        absl::MutexLock lock(&news_->mu);
-        if (!news_->next) news_->next.emplace();
-        if (tools_->parser != nullptr) {
+        absl::MutexLock lock(&news->mu);
+        if (!news->next) {
+          news->next.emplace();
+          news->next->set_index(static_cast<int32_t>(index));
+        }
+        if (ToolStream* parsing = tools_->StreamFor(index)) {
           // The text goes through the tool-call parser: content stays text.
           std::string text = std::move(chunk.text);
           chunk.text.clear();
-          AppendChunk(chunk, *news_->next);
-          AddToolEvents(tools_->parser->Add(text), *tools_, *news_->next);
+          AppendChunk(chunk, *news->next);
+          AddToolEvents(parsing->parser->Add(text), *parsing, *news->next);
+          if (chunk.finish) {
+            AddToolEvents(parsing->parser->Finish(), *parsing, *news->next);
+            FlushToolCall(*parsing, *news->next);
+          }
         } else {
-          AppendChunk(chunk, *news_->next);
+          AppendChunk(chunk, *news->next);
         }
+        // n > 1: this choice's end.
+        if (chunk.finish) news->next->set_finish_reason(ToProto(*chunk.finish));
       }
-      pump_->Notify(news_);
+      pump_->Notify(news);
     }
     void OnDone(const absl::Status& status, const engine::Completion& completion) override {
       if (status.ok()) {
+        // One choice: its last message. n > 1: a message of its own after
+        // every choice's (each choice ended with its own finish_reason).
+        const std::shared_ptr<News>& news = NewsFor(tools_->n == 1 ? 0 : -1);
         {
-          absl::MutexLock lock(&news_->mu);
-          if (!news_->next) news_->next.emplace();
-          if (tools_->parser != nullptr) {
-            AddToolEvents(tools_->parser->Finish(), *tools_, *news_->next);
-            FlushToolCall(*tools_, *news_->next);
+          absl::MutexLock lock(&news->mu);
+          if (!news->next) news->next.emplace();
+          if (tools_->n == 1) {
+            if (ToolStream* parsing = tools_->StreamFor(0)) {
+              AddToolEvents(parsing->parser->Finish(), *parsing, *news->next);
+              FlushToolCall(*parsing, *news->next);
+            }
           }
-          SetCompletion(completion, *news_->next);
+          SetCompletion(completion, *news->next);
+          if (tools_->n > 1) news->next->clear_finish_reason();
         }
-        pump_->Notify(news_);
+        pump_->Notify(news);
       }
       pump_->FinishAfterWrites(ToGrpcStatus(status));
     }
 
    private:
+    // Each choice is a source of its own, so that one message never mixes
+    // two choices' tokens (the pump writes each source's news as one).
+    const std::shared_ptr<News>& NewsFor(int64_t index) {
+      absl::MutexLock lock(&mu_);
+      std::shared_ptr<News>& news = news_[index];
+      if (news == nullptr) news = std::make_shared<News>();
+      return news;
+    }
+
     const std::shared_ptr<internal::WritePump> pump_;
-    const std::shared_ptr<News> news_;
-    const std::shared_ptr<ChatTools> tools_;
+    const std::shared_ptr<CallSettings> tools_;
+    absl::Mutex mu_;
+    std::map<int64_t, std::shared_ptr<News>> news_ ABSL_GUARDED_BY(mu_);
   };
 
   StreamReactor(Method method, ServingState* state, const std::string& tool_call_parser,
@@ -544,10 +620,10 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         pump_(std::make_shared<internal::WritePump>(
             [this](const grpc::ByteBuffer* message) { StartWrite(message); },
             [this](const grpc::Status& status) { Finish(status); })) {
-    auto tools = std::make_shared<ChatTools>();
-    grpc::Status started = Start(method, *state, *context, *request,
-                                 std::make_shared<Sink>(pump_, std::make_shared<News>(), tools),
-                                 call_, tool_call_parser, *tools, /*stream=*/true);
+    auto tools = std::make_shared<CallSettings>();
+    grpc::Status started =
+        Start(method, *state, *context, *request, std::make_shared<Sink>(pump_, tools), call_,
+              tool_call_parser, *tools, /*stream=*/true);
     if (!started.ok()) pump_->FinishAfterWrites(started);
   }
 

@@ -8,6 +8,14 @@
 // masks cached by one untimed request first (steady-state serving); the
 // first, cold request is reported on its own.
 //
+// Whole runs of a few seconds swing by more than the 10% at stake on a shared
+// machine, so the two are also timed step by step (InterleavedSteps): two
+// engine cores over the same weights, one with every row under the schema and
+// one without, each kept at `batch` running rows (a finished request is
+// replaced at once), their steps alternating (which goes first swaps each
+// step), so that a change of the machine's load falls on both; the ratio is
+// of the median step times, each step giving every running row one token.
+//
 //   build/bin/accel-bench-structured build/tok/llama3.tokenizer.json
 //       [--hidden 512] [--layers 4] [--tokens 96] [--rounds 3] [--dir DIR]
 #include <algorithm>
@@ -25,9 +33,16 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 
+#include "bench/bench_util.h"
 #include "bench/record_schema.h"
+#include "engine/engine_core.h"
+#include "engine/grammar_logits_processor.h"
 #include "engine/llm_engine.h"
+#include "engine/model_runner.h"
+#include "engine/structured_output.h"
+#include "models/load_model.h"
 #include "models/make_model.h"
+#include "tokenizer/tokenizer.h"
 
 namespace {
 
@@ -90,10 +105,84 @@ double Run(LlmEngine& engine, int batch, int64_t tokens, bool constrained, int64
   return static_cast<double>(total) / seconds;
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+template <typename T>
+T Check(absl::StatusOr<T> v) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s\n", v.status().ToString().c_str());
+    std::exit(1);
+  }
+  return *std::move(v);
+}
+
+struct StepTimes {
+  double plain = 0;  // median seconds a step, no schema
+  double json = 0;   // the same, every row under the schema
+  int64_t steps = 0;
+  int64_t json_requests = 0;  // constrained requests started (each ends where its JSON ends)
+};
+
+// Two engine cores over one model, `batch` rows each, stepped alternately for
+// `steps` steps; see the file comment.
+StepTimes InterleavedSteps(accel::models::LoadedModel& model,
+                           const accel::tokenizer::Tokenizer& tokenizer, int batch, int64_t steps,
+                           int64_t eos) {
+  using accel::engine::EngineCore;
+  using accel::engine::ModelRunner;
+  using accel::engine::ModelRunnerOptions;
+  auto compiler = std::make_shared<accel::engine::StructuredOutputCompiler>(tokenizer, 128256);
+  accel::engine::StructuredOutputs schema;
+  schema.json_schema = accel::bench::kRecordSchema;
+  const auto compiled = Check(compiler->Compile(schema));
+  ModelRunnerOptions constrained;
+  constrained.logits_processors = [&](const GenerationRequest& r) {
+    return accel::engine::MakeGrammarLogitsProcessor(compiled, r.stop_token_ids,
+                                                     static_cast<int64_t>(r.prompt_ids.size()));
+  };
+  EngineCore plain(Check(ModelRunner::Create(model.model, model.dispatched.get(), {})), nullptr);
+  EngineCore json(
+      Check(ModelRunner::Create(model.model, model.dispatched.get(), std::move(constrained))),
+      nullptr);
+  StepTimes out;
+  int64_t next = 0;
+  auto fill = [&](EngineCore& core, bool constrained_rows) {
+    while (core.num_requests() < static_cast<size_t>(batch)) {
+      GenerationRequest r;
+      const std::string prompt =
+          "Write a JSON record of a person number " + std::to_string(next++) + ":";
+      r.prompt_ids = Check(tokenizer.Encode(prompt, true));
+      r.max_new_tokens = 200;
+      r.sampling.temperature = 1.0;
+      r.sampling.seed = 1000 + next;
+      if (constrained_rows) {
+        r.stop_token_ids = {eos};
+        ++out.json_requests;
+      }
+      Check(core.Add(std::move(r)));
+    }
+  };
+  fill(plain, false);
+  fill(json, true);
+  Check(plain.Step());  // the prompts
+  Check(json.Step());
+  std::vector<double> plain_steps;
+  std::vector<double> json_steps;
+  for (int64_t step = 0; step < steps; ++step) {
+    auto time = [&](EngineCore& core, bool constrained_rows, std::vector<double>& into) {
+      fill(core, constrained_rows);
+      into.push_back(accel::bench::Seconds([&] { Check(core.Step()); }));
+    };
+    if (step % 2 == 0) {
+      time(plain, false, plain_steps);
+      time(json, true, json_steps);
+    } else {
+      time(json, true, json_steps);
+      time(plain, false, plain_steps);
+    }
+  }
+  out.plain = accel::bench::Median(plain_steps);
+  out.json = accel::bench::Median(json_steps);
+  out.steps = steps;
+  return out;
 }
 
 std::string Arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
@@ -172,13 +261,37 @@ int main(int argc, char** argv) {
     for (int64_t round = 0; round < rounds; ++round) {
       each += (round ? ", " : "") + std::to_string(json[round] / plain[round]).substr(0, 4);
     }
-    const double base = Median(plain);
-    const double with = Median(json);
+    const double base = accel::bench::Median(plain);
+    const double with = accel::bench::Median(json);
     std::printf(
         "batch %d: without %.1f tok/s (%lld tokens), with json_schema %.1f tok/s (%lld tokens): "
         "%.2fx (medians of %lld rounds; each round's ratio: %s)\n",
         batch, base, static_cast<long long>(plain_n), with, static_cast<long long>(json_n),
         with / base, static_cast<long long>(rounds), each.c_str());
+  }
+  engine->reset();  // its weights and KV memory, before the step-by-step cores load their own
+
+  accel::models::ModelLoadOptions load;
+  load.device_map = "cpu";
+  load.progress = accel::Progress::Style::kSilent;
+  accel::models::LoadedModel model = Check(accel::models::LoadModel(dir, load));
+  const accel::tokenizer::Tokenizer tokenizer =
+      Check(accel::tokenizer::Tokenizer::FromFile(dir + "/tokenizer.json"));
+  for (int batch : {1, 8}) {
+    std::vector<double> ratios;
+    StepTimes last;
+    for (int64_t round = 0; round < rounds; ++round) {
+      last = InterleavedSteps(model, tokenizer, batch, tokens, 128255);
+      ratios.push_back(last.plain / last.json);
+    }
+    const auto [lo, hi] = std::minmax_element(ratios.begin(), ratios.end());
+    std::printf(
+        "batch %d, steps interleaved: median step without %.2f ms, with json_schema %.2f ms (last "
+        "round, %lld steps, %lld constrained requests) = %.3fx (median of %lld rounds, "
+        "%.3f-%.3f)\n",
+        batch, 1e3 * last.plain, 1e3 * last.json, static_cast<long long>(last.steps),
+        static_cast<long long>(last.json_requests), accel::bench::Median(ratios),
+        static_cast<long long>(rounds), *lo, *hi);
   }
   return 0;
 }

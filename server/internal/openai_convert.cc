@@ -558,7 +558,6 @@ absl::Status ParseBody(OpenAiEndpoint endpoint, const json& body, const JsonLimi
   std::optional<bool> stream;
   if (absl::Status s = GetBool(body, "stream", &stream); !s.ok()) return s;
   out.stream = stream.value_or(false);
-  if (out.echo && out.stream) return FieldError("echo", "is not supported with stream");
   if (!out.prompts.empty()) {
     // Several prompts: every one with the request's other fields.
     std::vector<engine::GenerationRequest> prompts;
@@ -902,6 +901,13 @@ OpenAiResponseWriter::OpenAiResponseWriter(const OpenAiRequest& request, std::st
 
 OpenAiResponseWriter::~OpenAiResponseWriter() = default;
 
+const engine::GenerationRequest& OpenAiResponseWriter::PromptOf(int64_t index) const {
+  // Choice p * n + j is prompt p's.
+  const int64_t n = std::max<int64_t>(request_.generation.n, 1);
+  const auto prompt = static_cast<size_t>(std::max<int64_t>(index, 0) / n);
+  return prompt < request_.prompts.size() ? request_.prompts[prompt] : request_.generation;
+}
+
 OpenAiResponseWriter::State& OpenAiResponseWriter::Choice(int64_t index) const {
   // The engine numbers choices 0..n-1; anything else goes to the last.
   const size_t i =
@@ -913,12 +919,7 @@ void OpenAiResponseWriter::Add(const engine::TokenChunk& chunk) {
   State& state = Choice(chunk.index);
   if (chunk.finish) state.finish = *chunk.finish;
   if (chunk.token_ids.empty()) return;  // a choice's end (n > 1)
-  // Choice p * n + j is prompt p's.
-  const int64_t n = std::max<int64_t>(request_.generation.n, 1);
-  const size_t prompt = static_cast<size_t>(chunk.index / n);
-  state.AddPrompt(request_,
-                  prompt < request_.prompts.size() ? request_.prompts[prompt] : request_.generation,
-                  token_text_, chunk);
+  state.AddPrompt(request_, PromptOf(chunk.index), token_text_, chunk);
   if (request_.echo_only) return;  // the token generated to read the prompt
   state.text += chunk.text;
   if (request_.logprobs) state.AddLogprobs(request_, token_text_, chunk);
@@ -1042,8 +1043,12 @@ std::string OpenAiResponseWriter::StreamChunk(const engine::TokenChunk& chunk) {
   State& state = Choice(chunk.index);
   const int64_t index = chunk.index;
   const bool has_logprobs = request_.logprobs && !chunk.logprobs.empty();
+  // echo (completions only): the prompt goes out with the choice's first chunk.
+  const bool echo_now = request_.echo && !state.prompt_added && !chunk.token_ids.empty();
   std::string events;
-  if (!chunk.text.empty() || has_logprobs) {
+  if (request_.echo_only && !echo_now) {
+    // Nothing generated is shown (max_tokens 0).
+  } else if (!chunk.text.empty() || has_logprobs || echo_now) {
     if (state.tools != nullptr) {
       state.ClearLogprobs();
       if (has_logprobs) state.AddLogprobs(request_, token_text_, chunk);
@@ -1061,7 +1066,14 @@ std::string OpenAiResponseWriter::StreamChunk(const engine::TokenChunk& chunk) {
     } else {
       json out = ChunkEnvelope(request_, id_, created_, model_);
       state.ClearLogprobs();
-      if (has_logprobs) {
+      std::string text = chunk.text;
+      if (echo_now) {
+        // The prompt before the choice's first text, as vLLM streams echo
+        // (its tokens' logprobs entries before the generated ones').
+        state.AddPrompt(request_, PromptOf(index), token_text_, chunk);
+        text = state.prompt_text + (request_.echo_only ? "" : text);
+      }
+      if (has_logprobs && !request_.echo_only) {
         // text_offset counts from the start of the whole completion (offset is kept).
         state.AddLogprobs(request_, token_text_, chunk);
       }
@@ -1072,7 +1084,7 @@ std::string OpenAiResponseWriter::StreamChunk(const engine::TokenChunk& chunk) {
                                        {"finish_reason", nullptr}}});
       } else {
         out["choices"] = json::array({{{"index", index},
-                                       {"text", chunk.text},
+                                       {"text", text},
                                        {"logprobs", state.Logprobs(request_)},
                                        {"finish_reason", nullptr}}});
       }
@@ -1114,10 +1126,11 @@ std::string OpenAiResponseWriter::FinishEvent(int64_t index, engine::Finish ende
                                     {"logprobs", nullptr},
                                     {"finish_reason", finish}}});
   } else {
-    last["choices"] = json::array({{{"index", index},
-                                    {"text", ""},
-                                    {"logprobs", nullptr},
-                                    {"finish_reason", OpenAiFinishReason(ended)}}});
+    last["choices"] = json::array(
+        {{{"index", index},
+          {"text", ""},
+          {"logprobs", nullptr},
+          {"finish_reason", request_.echo_only ? "length" : OpenAiFinishReason(ended)}}});
   }
   return events + Event(last);
 }
@@ -1130,7 +1143,9 @@ std::string OpenAiResponseWriter::StreamEnd(const engine::Completion& completion
   if (request_.include_usage) {
     json usage = ChunkEnvelope(request_, id_, created_, model_);
     usage["choices"] = json::array();
-    usage["usage"] = Usage(completion);
+    engine::Completion counted = completion;
+    if (request_.echo_only) counted.generated_tokens = 0;  // nothing generated is shown
+    usage["usage"] = Usage(counted);
     events += Event(usage);
   }
   events += "data: [DONE]\n\n";

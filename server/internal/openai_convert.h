@@ -153,6 +153,9 @@ class OpenAiResponseWriter {
  private:
   struct State;  // the collected answer (nlohmann JSON, kept out of this header)
   State& Choice(int64_t index) const;
+  // The prompt choice `index` answers (a list of prompts: choice p * n + j
+  // is prompt p's).
+  const engine::GenerationRequest& PromptOf(int64_t index) const;
   // A choice's last event, with its finish_reason.
   std::string FinishEvent(int64_t index, engine::Finish ended) const;
 

@@ -119,7 +119,6 @@ TEST(OpenAiConvertTest, ErrorsNameTheField) {
       {text, R"({"prompt": "x", "frequency_penalty": "1"})", "frequency_penalty"},
       {text, R"({"prompt": "x", "logit_bias": {"a": 1}})", "logit_bias"},
       {text, R"({"prompt": "x", "stop": 3})", "stop"},
-      {text, R"({"prompt": "x", "echo": true, "stream": true})", "echo"},
       {text, R"({"prompt": "x", "max_tokens": 0})", "max_tokens"},
       {text, R"({"prompt": "x", "stream": "yes"})", "stream"},
       {text, R"({"model": 3, "prompt": "x"})", "model"},
@@ -516,6 +515,42 @@ TEST(OpenAiConvertTest, EchoPutsThePromptAndItsLogprobsFirst) {
   EXPECT_EQ(both["choices"][0]["logprobs"]["tokens"], json::array({"t1", "t22", "t3"}));
   EXPECT_EQ(both["choices"][0]["logprobs"]["text_offset"], json::array({0, 2, 5}));
   EXPECT_EQ(both["usage"]["completion_tokens"], 1);
+}
+
+// echo with stream: the prompt (and its tokens' logprobs) goes out with the
+// choice's first chunk, before the generated text, as vLLM streams it; with
+// max_tokens 0 the stream has the prompt alone, finish "length", and no
+// completion tokens in its usage.
+TEST(OpenAiConvertTest, StreamedEchoSendsThePromptFirst) {
+  OpenAiRequest request = ParseOk(OpenAiEndpoint::kCompletions,
+                                  R"({"prompt": "hi", "max_tokens": 2, "echo": true,
+                                      "logprobs": 0, "stream": true})");
+  OpenAiResponseWriter writer(request, "m", Name, 1);
+  engine::TokenChunk first = Chunk({3}, "t3", {-0.5f});
+  first.prompt_logprobs = {{1, std::nullopt, {}}, {22, -2.0f, {}}};
+  const json a = json::parse(writer.StreamChunk(first).substr(6));
+  EXPECT_EQ(a["choices"][0]["text"], "hit3");
+  EXPECT_EQ(a["choices"][0]["logprobs"]["tokens"], json::array({"t1", "t22", "t3"}));
+  EXPECT_EQ(a["choices"][0]["logprobs"]["token_logprobs"], json::array({nullptr, -2.0, -0.5}));
+  EXPECT_EQ(a["choices"][0]["logprobs"]["text_offset"], json::array({0, 2, 5}));
+  const json b = json::parse(writer.StreamChunk(Chunk({4}, "t4", {-0.25f})).substr(6));
+  EXPECT_EQ(b["choices"][0]["text"], "t4");  // the prompt once
+  EXPECT_EQ(b["choices"][0]["logprobs"]["tokens"], json::array({"t4"}));
+  EXPECT_EQ(b["choices"][0]["logprobs"]["text_offset"], json::array({7}));
+
+  OpenAiRequest only = ParseOk(OpenAiEndpoint::kCompletions,
+                               R"({"prompt": [[1, 22]], "max_tokens": 0, "echo": true,
+                                   "stream": true, "stream_options": {"include_usage": true}})");
+  OpenAiResponseWriter prompt_only(only, "m", Name, 1);
+  const json c = json::parse(prompt_only.StreamChunk(Chunk({3}, "t3")).substr(6));
+  EXPECT_EQ(c["choices"][0]["text"], "t1t22");
+  engine::Completion completion;
+  completion.prompt_tokens = 2;
+  completion.generated_tokens = 1;
+  const std::string end = prompt_only.StreamEnd(completion);
+  EXPECT_NE(end.find(R"("finish_reason":"length")"), std::string::npos) << end;
+  EXPECT_NE(end.find(R"("completion_tokens":0)"), std::string::npos) << end;
+  EXPECT_EQ(end.find("t3"), std::string::npos) << end;  // the generated token is not shown
 }
 
 // A list of prompts: one request each, with the other fields; the answer has

@@ -454,6 +454,40 @@ TEST_F(OpenAiClientTest, EchoWithPromptLogprobsAsLmEvalHarnessAsks) {
   EXPECT_EQ(all["text_offset"][5], joined.size());
   EXPECT_TRUE(absl::StartsWith(both["result"]["choices"][0]["text"].get<std::string>(), joined));
   EXPECT_EQ(both["result"]["usage"]["completion_tokens"], 1);
+
+  // Streamed: the chunks join to the same text and entries, the prompt's
+  // in the first chunk.
+  params["max_tokens"] = 3;
+  params["stream"] = true;
+  const json streamed = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(streamed["ok"]) << streamed;
+  params.erase("stream");
+  const json unary = RunClient(port(), kToken, "completions.create", params);
+  ASSERT_TRUE(unary["ok"]) << unary;
+  std::string text;
+  json tokens = json::array();
+  json token_logprobs = json::array();
+  for (const json& chunk : streamed["chunks"]) {
+    for (const json& choice : chunk["choices"]) {
+      text += choice["text"].get<std::string>();
+      if (choice["logprobs"].is_null()) continue;
+      for (const json& t : choice["logprobs"]["tokens"]) tokens.push_back(t);
+      for (const json& l : choice["logprobs"]["token_logprobs"]) token_logprobs.push_back(l);
+    }
+  }
+  const json& whole = unary["result"]["choices"][0];
+  EXPECT_TRUE(
+      absl::StartsWith(streamed["chunks"][0]["choices"][0]["text"].get<std::string>(), joined))
+      << streamed;
+  EXPECT_EQ(text, whole["text"]);
+  EXPECT_EQ(tokens, whole["logprobs"]["tokens"]);
+  ASSERT_EQ(token_logprobs.size(), whole["logprobs"]["token_logprobs"].size());
+  EXPECT_TRUE(token_logprobs[0].is_null());
+  for (size_t i = 1; i < token_logprobs.size(); ++i) {
+    EXPECT_NEAR(token_logprobs[i].get<double>(),
+                whole["logprobs"]["token_logprobs"][i].get<double>(), 1e-4)
+        << i;
+  }
 }
 
 // A list of prompts: one choice per prompt x n, prompt p's choice j at index
@@ -507,7 +541,6 @@ TEST_F(OpenAiClientTest, BadChoiceAndStopFieldsAreBadRequestsNamingTheField) {
       {{{"prompt", "x"}, {"max_tokens", 0}}, "max_tokens"},  // 0 only with echo
       {{{"prompt", {"a", 5}}}, "prompt[1]"},
       {{{"prompt", {{1, 2}, json::array()}}}, "prompt[1]"},
-      {{{"prompt", "x"}, {"echo", true}, {"stream", true}}, "echo"},
   };
   for (const auto& [params, param] : cases) {
     const bool chat = params.contains("messages");
@@ -1026,6 +1059,24 @@ TEST_F(OpenAiClientTest, GrpcChatToolCalls) {
     EXPECT_EQ(response.text(), "");  // the call's text is not content
   }
   {
+    // n = 2: each choice's call parsed on its own.
+    request.set_n(2);
+    GenerateResponse response;
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    const grpc::Status status = stub->Chat(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(response.choices_size(), 2);
+    for (const accel::v1::Choice& choice : response.choices()) {
+      ASSERT_EQ(choice.tool_calls_size(), 1) << choice.DebugString();
+      EXPECT_EQ(choice.tool_calls(0).name(), "get_weather");
+      EXPECT_TRUE(json::parse(choice.tool_calls(0).arguments_json()).contains("city"));
+      EXPECT_EQ(choice.text(), "");
+    }
+    EXPECT_NE(response.choices(0).tool_calls(0).id(), response.choices(1).tool_calls(0).id());
+    request.clear_n();
+  }
+  {
     request.set_tool_choice("");
     request.set_tool_choice_function("get_weather");
     grpc::ClientContext context;
@@ -1044,6 +1095,28 @@ TEST_F(OpenAiClientTest, GrpcChatToolCalls) {
     EXPECT_EQ(calls[0].name(), "get_weather");
     EXPECT_TRUE(json::parse(calls[0].arguments_json()).contains("city"));
     EXPECT_EQ(text, "");
+  }
+  {
+    // A stream of n = 2: each choice's one call, in its own messages.
+    request.set_n(2);
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", kToken));
+    auto reader = stub->ChatStream(&context, request);
+    GenerateResponse chunk;
+    std::map<int, std::vector<accel::v1::ToolCall>> calls;
+    while (reader->Read(&chunk)) {
+      for (const auto& call : chunk.tool_calls()) calls[chunk.index()].push_back(call);
+      EXPECT_EQ(chunk.text(), "");
+    }
+    const grpc::Status status = reader->Finish();
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(calls.size(), 2u);
+    for (const auto& [index, made] : calls) {
+      ASSERT_EQ(made.size(), 1u) << "choice " << index;
+      EXPECT_EQ(made[0].name(), "get_weather");
+      EXPECT_TRUE(json::parse(made[0].arguments_json()).contains("city"));
+    }
+    request.clear_n();
   }
   for (const auto& [choice, function, field] :
        std::vector<std::tuple<std::string, std::string, std::string>>{

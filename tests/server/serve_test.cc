@@ -6,7 +6,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <sys/types.h>
 #include <thread>
@@ -135,6 +137,71 @@ TEST_F(ServeTest, StreamChunksAddUpToTheUnaryAnswer) {
   EXPECT_EQ(text, unary.text());
 }
 
+// n on gRPC: n sampled choices of one prompt, choice i exactly the request
+// alone seeded seed + i; the top-level fields are choice 0's and usage sums
+// the choices. Streamed, each message holds one choice's tokens (its index),
+// each choice ends with its finish_reason, and the chunks of each index join
+// to that choice.
+TEST_F(ServeTest, NChoicesOnGrpcAreSeededAndStreamedByIndex) {
+  GenerateRequest request = Greedy("Once upon a time", 10);
+  request.mutable_sampling()->set_temperature(1.0);
+  request.mutable_sampling()->set_seed(11);
+  request.set_ignore_eos(true);
+  request.set_n(3);
+  GenerateResponse several;
+  ASSERT_TRUE(Call(*stub_, request, &several).ok());
+  ASSERT_EQ(several.choices_size(), 3);
+  std::set<std::vector<int64_t>> distinct;
+  int64_t generated = 0;
+  for (int i = 0; i < 3; ++i) {
+    const accel::v1::Choice& choice = several.choices(i);
+    EXPECT_EQ(choice.index(), i);
+    EXPECT_EQ(choice.finish_reason(), accel::v1::FINISH_REASON_LENGTH);
+    GenerateRequest alone = request;
+    alone.clear_n();
+    alone.mutable_sampling()->set_seed(11 + i);
+    GenerateResponse one;
+    ASSERT_TRUE(Call(*stub_, alone, &one).ok());
+    const std::vector<int64_t> ids(choice.token_ids().begin(), choice.token_ids().end());
+    EXPECT_EQ(ids, std::vector<int64_t>(one.token_ids().begin(), one.token_ids().end()))
+        << "choice " << i;
+    EXPECT_EQ(choice.text(), one.text());
+    EXPECT_EQ(one.choices_size(), 0);  // n = 1 answers as before
+    distinct.insert(ids);
+    generated += choice.token_ids_size();
+  }
+  EXPECT_EQ(distinct.size(), 3u);  // three streams, not one answer thrice
+  EXPECT_EQ(several.text(), several.choices(0).text());
+  EXPECT_EQ(several.token_ids_size(), several.choices(0).token_ids_size());
+  EXPECT_EQ(several.usage().generated_tokens(), generated);
+
+  grpc::ClientContext context;
+  auto reader = stub_->GenerateStream(&context, request);
+  GenerateResponse chunk;
+  std::map<int, std::vector<int64_t>> ids;
+  std::map<int, int> ends;
+  bool usage_last = false;
+  while (reader->Read(&chunk)) {
+    ASSERT_FALSE(usage_last) << "a message after the usage";
+    ids[chunk.index()].insert(ids[chunk.index()].end(), chunk.token_ids().begin(),
+                              chunk.token_ids().end());
+    if (chunk.finish_reason() != accel::v1::FINISH_REASON_UNSPECIFIED) ++ends[chunk.index()];
+    if (chunk.has_usage()) {
+      usage_last = true;
+      EXPECT_EQ(chunk.token_ids_size(), 0);
+      EXPECT_EQ(chunk.usage().generated_tokens(), generated);
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_TRUE(usage_last);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(ends[i], 1) << "choice " << i;
+    EXPECT_EQ(ids[i], std::vector<int64_t>(several.choices(i).token_ids().begin(),
+                                           several.choices(i).token_ids().end()))
+        << "choice " << i;
+  }
+}
+
 TEST_F(ServeTest, InputIdsAndStopTokenIds) {
   GenerateResponse first;
   ASSERT_TRUE(Call(*stub_, Greedy("Hello there", 8), &first).ok());
@@ -238,6 +305,9 @@ TEST_F(ServeTest, BadRequestsAreInvalidArgumentOrNotFound) {
   GenerateRequest stop = Greedy("hi", 4);
   stop.add_stop("");
   cases.push_back({"empty stop", stop, grpc::INVALID_ARGUMENT, "stop[0] is empty"});
+  GenerateRequest many = Greedy("hi", 4);
+  many.set_n(129);
+  cases.push_back({"n", many, grpc::INVALID_ARGUMENT, "n: must be in [1, 128]"});
   GenerateRequest other = Greedy("hi", 4);
   other.set_model("gpt-17");
   cases.push_back({"unknown model", other, grpc::NOT_FOUND, "gpt-17"});
