@@ -1,5 +1,7 @@
 #include "grammar/json_schema.h"
 
+#include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -110,6 +112,37 @@ std::string SameLengthRange(const std::string& lo, const std::string& hi) {
 }
 
 constexpr int kMaxIntegerDigits = 16;
+constexpr int kMaxFractionDigits = 16;
+
+// A non-negative decimal as its integer part and its fraction's digits
+// (without trailing zeros: empty for an integer).
+struct Decimal {
+  uint64_t integer = 0;
+  std::string fraction;
+  bool operator==(const Decimal& o) const { return integer == o.integer && fraction == o.fraction; }
+  bool operator<(const Decimal& o) const {
+    if (integer != o.integer) return integer < o.integer;
+    return fraction < o.fraction;  // digit strings without trailing zeros compare as fractions
+  }
+};
+
+// `v` (>= 0, at most 1e15) as the shortest decimal that reads back as it;
+// nullopt when that has more than kMaxFractionDigits fraction digits.
+std::optional<Decimal> ToDecimal(double v) {
+  char text[64];
+  const std::to_chars_result r =
+      std::to_chars(text, text + sizeof(text), v, std::chars_format::fixed);
+  const std::string fixed(text, r.ptr);
+  Decimal d;
+  const size_t dot = fixed.find('.');
+  d.integer = std::stoull(fixed.substr(0, dot));
+  if (dot != std::string::npos) {
+    d.fraction = fixed.substr(dot + 1);
+    while (!d.fraction.empty() && d.fraction.back() == '0') d.fraction.pop_back();
+  }
+  if (d.fraction.size() > static_cast<size_t>(kMaxFractionDigits)) return std::nullopt;
+  return d;
+}
 
 // The decimal numbers (no leading zeros) in [lo, hi], lo >= 0; no hi: up to
 // kMaxIntegerDigits digits.
@@ -627,37 +660,31 @@ class SchemaConverter {
         return Unsupported("maximum", path, "leaves no integer above the minimum");
       return AddRule("integer-range", IntegerRange(a, b));
     }
-    // number: bounds that are integers (of either sign, inclusive or
-    // exclusive); a fractional bound would need the fraction's digits
-    // compared, not done.
-    const char* bad = nullptr;
-    if (lo && *lo != std::floor(*lo)) bad = lo_exclusive ? "exclusiveMinimum" : "minimum";
-    if (!bad && hi && *hi != std::floor(*hi)) bad = hi_exclusive ? "exclusiveMaximum" : "maximum";
-    if (bad) {
-      return Unsupported(bad, path,
-                         "on a number is supported only as an integer value (use type integer "
-                         "for other bounds)");
+    // number: v >= 0 by its own bounds (clipped at 0), and v < 0 as "-" and
+    // its magnitude m = -v, bounded by -hi below (m > 0 when hi >= 0:
+    // "-0" is left out) and by -lo above.
+    std::optional<Decimal> a;
+    std::optional<Decimal> b;
+    if (lo) a = ToDecimal(std::fabs(*lo));
+    if (hi) b = ToDecimal(std::fabs(*hi));
+    if ((lo && !a) || (hi && !b)) {
+      const bool at_lo = lo && !a;
+      return Unsupported(at_lo ? (lo_exclusive ? "exclusiveMinimum" : "minimum")
+                               : (hi_exclusive ? "exclusiveMaximum" : "maximum"),
+                         path,
+                         absl::StrCat("has more than ", kMaxFractionDigits, " fraction digits"));
     }
-    std::optional<int64_t> a;
-    std::optional<int64_t> b;
-    if (lo) a = static_cast<int64_t>(*lo);
-    if (hi) b = static_cast<int64_t>(*hi);
     std::vector<std::string> branches;
-    // v >= 0: its own bounds, clipped at 0 (v >= 0 when a is below).
-    if (!b || *b > 0 || (*b == 0 && !hi_exclusive)) {
-      const bool clipped = !a || *a < 0;
-      std::string part = NonNegativeNumber(clipped ? 0 : static_cast<uint64_t>(*a),
-                                           !clipped && lo_exclusive, b, hi_exclusive);
+    if (!hi || *hi > 0 || (*hi == 0 && !hi_exclusive)) {
+      const bool clipped = !lo || *lo < 0;
+      std::string part =
+          NonNegativeNumber(clipped ? Decimal() : *a, !clipped && lo_exclusive, b, hi_exclusive);
       if (!part.empty()) branches.push_back(part);
     }
-    // v < 0: "-" and its magnitude m = -v, bounded by -b below (or 0) and
-    // by -a above; m = 0 ("-0") is left out, so m > 0 below.
-    if (!a || *a < 0) {
-      const bool below_zero = b && *b < 0;
-      std::optional<int64_t> m_hi;
-      if (a) m_hi = -*a;
-      std::string part = NonNegativeNumber(below_zero ? static_cast<uint64_t>(-*b) : 0,
-                                           below_zero ? hi_exclusive : true, m_hi, lo_exclusive);
+    if (!lo || *lo < 0) {
+      const bool below_zero = hi && *hi < 0;
+      std::string part = NonNegativeNumber(below_zero ? *b : Decimal(),
+                                           below_zero ? hi_exclusive : true, a, lo_exclusive);
       if (!part.empty()) branches.push_back(absl::StrCat("\"-\" (", part, ")"));
     }
     if (branches.empty()) {
@@ -667,34 +694,109 @@ class SchemaConverter {
     return AddRule("number-range", absl::StrJoin(branches, " | "));
   }
 
-  // The decimals (no exponent) v >= 0 with v >= lo (v > lo when
-  // `lo_exclusive`) and v <= hi (v < hi): by the integer part, with any
-  // fraction, a fraction of zeros (hi itself) or a non-zero one (just above
-  // an exclusive lo). Empty when none is.
-  static std::string NonNegativeNumber(uint64_t lo, bool lo_exclusive, std::optional<int64_t> hi,
-                                       bool hi_exclusive) {
-    const std::string any = "(\".\" [0-9]{1,16})?";
-    const std::string zeros = "(\".\" \"0\"{1,16})?";
-    const std::string nonzero = "\".\" \"0\"{0,15} [1-9] [0-9]{0,15}";
-    if (hi && *hi < 0) return "";
+  // A bound of a fraction's digits: the fractions 0.S with S >= digits (a
+  // lower bound) or S <= digits (an upper one), strictly when `strict`.
+  struct FractionBound {
+    std::string digits;  // no trailing zeros; empty: 0
+    bool strict = false;
+  };
+
+  // The digit strings S (1 to about 16 digits) of fractions 0.S within the
+  // bounds (none: no bound), as grammar branches, and whether no fraction at
+  // all (0) is within them. Digit by digit: a first digit strictly between
+  // the bounds' first digits takes any tail; one equal to a bound's first
+  // digit takes the tail that keeps within that bound's rest.
+  struct Fractions {
     std::vector<std::string> branches;
-    // Integer parts strictly inside: any fraction.
-    const uint64_t first = lo_exclusive ? lo + 1 : lo;
-    if (!hi || *hi >= 1) {
+    bool zero_ok = false;
+  };
+  static Fractions FractionsWithin(std::optional<FractionBound> lower,
+                                   std::optional<FractionBound> upper) {
+    // A lower bound of 0, inclusive, bounds nothing.
+    if (lower && lower->digits.empty() && !lower->strict) lower.reset();
+    const std::string tail = "[0-9]{0,15}";
+    if (!lower && !upper) return {{"[0-9]{1,16}"}, true};
+    if (upper && upper->digits.empty()) {
+      // S <= 0: zeros only, when nothing above 0 is required.
+      if (upper->strict || lower) return {};
+      return {{"\"0\"{1,16}"}, true};
+    }
+    if (lower && lower->digits.empty() && !upper) {
+      return {{"\"0\"{0,15} [1-9] [0-9]{0,15}"}, false};  // S > 0
+    }
+    Fractions out;
+    out.zero_ok = !lower;  // the upper bound, not empty here, is above 0
+    const char first = lower && !lower->digits.empty() ? lower->digits[0] : '0';
+    const char last = upper ? upper->digits[0] : '9';
+    auto rest = [](const std::optional<FractionBound>& b) -> std::optional<FractionBound> {
+      if (!b) return std::nullopt;
+      return FractionBound{b->digits.empty() ? "" : b->digits.substr(1), b->strict};
+    };
+    // Digits strictly inside: any tail.
+    const char inside_from = lower ? static_cast<char>(first + 1) : first;
+    const char inside_to = upper ? static_cast<char>(last - 1) : last;
+    if (inside_from <= inside_to) {
+      out.branches.push_back(absl::StrCat(
+          inside_from == inside_to
+              ? absl::StrCat("\"", std::string(1, inside_from), "\"")
+              : absl::StrCat("[", std::string(1, inside_from), "-", std::string(1, inside_to), "]"),
+          " ", tail));
+    }
+    // The bounds' own first digits: the tail that keeps within the bound's
+    // rest (both bounds' when they share the digit).
+    auto bounded = [&](char digit, bool at_lower, bool at_upper) {
+      const Fractions after = FractionsWithin(at_lower ? rest(lower) : std::nullopt,
+                                              at_upper ? rest(upper) : std::nullopt);
+      const std::string head = absl::StrCat("\"", std::string(1, digit), "\"");
+      if (!after.branches.empty()) {
+        out.branches.push_back(absl::StrCat(head, " (", absl::StrJoin(after.branches, " | "), ")",
+                                            after.zero_ok ? "?" : ""));
+      } else if (after.zero_ok) {
+        out.branches.push_back(head);
+      }
+    };
+    if (lower && upper && first == last) {
+      bounded(first, true, true);
+    } else {
+      if (lower) bounded(first, true, false);
+      if (upper) bounded(last, false, true);
+    }
+    return out;
+  }
+
+  // The decimals (no exponent) v >= 0 with v >= lo (v > lo when
+  // `lo_exclusive`) and v <= hi (v < hi): by the integer part (strictly
+  // between the bounds' integer parts: any fraction; equal to one: the
+  // fractions within that bound). Empty when none is.
+  static std::string NonNegativeNumber(const Decimal& lo, bool lo_exclusive,
+                                       const std::optional<Decimal>& hi, bool hi_exclusive) {
+    if (hi && (*hi < lo || (*hi == lo && (lo_exclusive || hi_exclusive)))) return "";
+    auto with_fraction = [](const std::string& integer, const Fractions& f) -> std::string {
+      if (f.branches.empty()) return f.zero_ok ? integer : "";
+      return absl::StrCat(integer, " (\".\" (", absl::StrJoin(f.branches, " | "), "))",
+                          f.zero_ok ? "?" : "");
+    };
+    const std::optional<FractionBound> lower = FractionBound{lo.fraction, lo_exclusive};
+    std::optional<FractionBound> upper;
+    if (hi) upper = FractionBound{hi->fraction, hi_exclusive};
+    std::vector<std::string> branches;
+    const std::string lo_text = absl::StrCat("\"", lo.integer, "\"");
+    if (hi && hi->integer == lo.integer) {
+      branches.push_back(with_fraction(lo_text, FractionsWithin(lower, upper)));
+    } else {
+      branches.push_back(with_fraction(lo_text, FractionsWithin(lower, std::nullopt)));
       std::optional<uint64_t> last;
-      if (hi) last = static_cast<uint64_t>(*hi) - 1;
-      if (!last || first <= *last) {
-        branches.push_back(absl::StrCat(UnsignedRange(first, last), " ", any));
+      if (hi) last = hi->integer - 1;
+      if (!last || lo.integer + 1 <= *last) {
+        branches.push_back(with_fraction(UnsignedRange(lo.integer + 1, last),
+                                         FractionsWithin(std::nullopt, std::nullopt)));
+      }
+      if (hi) {
+        branches.push_back(with_fraction(absl::StrCat("\"", hi->integer, "\""),
+                                         FractionsWithin(std::nullopt, upper)));
       }
     }
-    // lo itself with a non-zero fraction, when lo is excluded (and below hi).
-    if (lo_exclusive && (!hi || lo < static_cast<uint64_t>(*hi))) {
-      branches.push_back(absl::StrCat("\"", lo, "\" ", nonzero));
-    }
-    // hi itself, when included.
-    if (hi && !hi_exclusive && static_cast<uint64_t>(*hi) >= first) {
-      branches.push_back(absl::StrCat("\"", *hi, "\" ", zeros));
-    }
+    branches.erase(std::remove(branches.begin(), branches.end(), ""), branches.end());
     return absl::StrJoin(branches, " | ");
   }
 

@@ -274,6 +274,7 @@ TEST(JsonSchemaTest, AnyJsonAndOpenObjects) {
       "additionalProperties": {"type": "integer"}})",
              60, 7);
   CheckWalks(R"({"type": "integer", "minimum": -1234, "maximum": 987})", 200, 8);
+  CheckWalks(R"({"type": "number", "minimum": -2.5, "exclusiveMaximum": 7.125})", 200, 9);
 }
 
 TEST(JsonSchemaTest, IntegerRangesAreExact) {
@@ -349,6 +350,67 @@ TEST(JsonSchemaTest, NumberRangesWithSignedAndExclusiveBoundsAreExact) {
   EXPECT_GT(checked, 5000);
 }
 
+// Fractional bounds, of either sign, inclusive and exclusive, against the
+// bound checked on the parsed value (strtod) of numbers around them: the
+// grammar compares the fraction's digits, so 2.125 is above 2.12 and 2.1249
+// below 2.125, whatever the number of digits written.
+TEST(JsonSchemaTest, NumberRangesWithFractionalBoundsAreExact) {
+  std::vector<std::string> texts;
+  for (int i = -4; i <= 4; ++i) {
+    for (const char* fraction : {"", ".0", ".00", ".05", ".1", ".12", ".125", ".1249", ".1251",
+                                 ".13", ".5", ".50", ".05001", ".04999", ".9", ".999", ".25"}) {
+      if (i < 0) {
+        texts.push_back(absl::StrCat("-", -i, fraction));
+      } else {
+        texts.push_back(absl::StrCat(i, fraction));
+        texts.push_back(absl::StrCat("-", i, fraction));
+      }
+    }
+  }
+  const std::vector<std::optional<double>> bounds = {
+      std::nullopt, -3.25, -1.5, -0.05, 0, 0.125, 0.5, 2.125, 2.13, 3};
+  int checked = 0;
+  for (const std::optional<double> lo : bounds) {
+    for (const std::optional<double> hi : bounds) {
+      if (!lo && !hi) continue;
+      for (const bool lo_exclusive : {false, true}) {
+        for (const bool hi_exclusive : {false, true}) {
+          Json schema = {{"type", "number"}};
+          if (lo) schema[lo_exclusive ? "exclusiveMinimum" : "minimum"] = *lo;
+          if (hi) schema[hi_exclusive ? "exclusiveMaximum" : "maximum"] = *hi;
+          auto g = CompileJsonSchema(schema.dump());
+          const bool empty =
+              lo && hi && (*lo > *hi || (*lo == *hi && (lo_exclusive || hi_exclusive)));
+          if (empty) {
+            EXPECT_THAT(g,
+                        StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("leaves no number")))
+                << schema.dump();
+            continue;
+          }
+          ASSERT_THAT(g, IsOk()) << schema.dump();
+          for (const std::string& text : texts) {
+            const double v = std::strtod(text.c_str(), nullptr);
+            bool in = true;
+            if (lo) in = in && (lo_exclusive ? v > *lo : v >= *lo);
+            if (hi) in = in && (hi_exclusive ? v < *hi : v <= *hi);
+            if (text.rfind("-0", 0) == 0 && v == 0) in = false;
+            EXPECT_EQ((*g)->Matches(text), in) << text << " against " << schema.dump();
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 50000);
+  // Many fraction digits, around a bound of 16.
+  auto g = CompileJsonSchema(R"({"type": "number", "minimum": 0.1234567890123456, "maximum": 1})");
+  ASSERT_THAT(g, IsOk());
+  EXPECT_TRUE((*g)->Matches("0.1234567890123456"));
+  EXPECT_TRUE((*g)->Matches("0.12345678901234561"));
+  EXPECT_FALSE((*g)->Matches("0.1234567890123455"));
+  EXPECT_FALSE((*g)->Matches("0.123456789012345599"));
+}
+
 // Additional properties beside declared ones: any key but a declared name
 // (which the walks above cannot see: a repeated key parses).
 TEST(JsonSchemaTest, AdditionalPropertiesNeverRepeatADeclaredKey) {
@@ -380,10 +442,10 @@ TEST(JsonSchemaTest, UnsupportedKeywordsAreNamed) {
                HasSubstr("keyword 'contentEncoding' at /properties/a")));
   EXPECT_THAT(CompileJsonSchema(R"({"type": "string", "format": "hostname"})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'format'")));
-  EXPECT_THAT(CompileJsonSchema(R"({"type": "number", "minimum": -1.5})"),
+  EXPECT_THAT(CompileJsonSchema(R"({"type": "number", "minimum": -1e-20})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'minimum'")));
   EXPECT_THAT(
-      CompileJsonSchema(R"({"type": "number", "exclusiveMaximum": 0.25})"),
+      CompileJsonSchema(R"({"type": "number", "exclusiveMaximum": 0.12345678901234567})"),
       StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'exclusiveMaximum'")));
   EXPECT_THAT(CompileJsonSchema(R"({"allOf": [{"type": "string"}, {"maxLength": 3}]})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'allOf'")));
