@@ -401,21 +401,26 @@ class C10dGroup : public ProcessGroup {
                        static_cast<size_t>(n));
   }
 
-  absl::Status Send(const at::Tensor& tensor, int dst) override {
+  absl::StatusOr<std::unique_ptr<PendingWork>> SendAsync(const at::Tensor& tensor,
+                                                         int dst) override {
     if (dst < 0 || dst >= size_ || dst == rank_) {
       return absl::InvalidArgumentError(
           absl::StrCat("send: destination rank ", dst, " is not another rank of [0, ", size_, ")"));
     }
     c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor words;
     ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
-                                     std::vector<at::Tensor> one = {AsWords(tensor.contiguous())};
+                                     words = AsWords(tensor.contiguous());
+                                     std::vector<at::Tensor> one = {words};
                                      work = pg_->send(one, dst, /*tag=*/0);
                                    }),
                                    absl::StrCat("send to rank ", dst)));
-    return WaitFor(work, "send", timeout_);
+    return std::unique_ptr<PendingWork>(std::make_unique<InPlaceWork>(
+        std::move(work), std::vector<at::Tensor>{words}, "send", timeout_));
   }
 
-  absl::Status Recv(at::Tensor& tensor, int src) override {
+  absl::StatusOr<std::unique_ptr<PendingWork>> RecvAsync(const at::Tensor& tensor,
+                                                         int src) override {
     if (src < 0 || src >= size_ || src == rank_) {
       return absl::InvalidArgumentError(
           absl::StrCat("recv: source rank ", src, " is not another rank of [0, ", size_, ")"));
@@ -424,12 +429,15 @@ class C10dGroup : public ProcessGroup {
       return absl::InvalidArgumentError("recv: the tensor to fill must be contiguous");
     }
     c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor words;
     ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
-                                     std::vector<at::Tensor> one = {AsWords(tensor)};
+                                     words = AsWords(tensor);
+                                     std::vector<at::Tensor> one = {words};
                                      work = pg_->recv(one, src, /*tag=*/0);
                                    }),
                                    absl::StrCat("recv from rank ", src)));
-    return WaitFor(work, "recv", timeout_);
+    return std::unique_ptr<PendingWork>(std::make_unique<InPlaceWork>(
+        std::move(work), std::vector<at::Tensor>{words}, "recv", timeout_));
   }
 
   absl::StatusOr<std::unique_ptr<ProcessGroup>> NewGroup(const std::vector<int>& ranks) override {
@@ -538,11 +546,11 @@ class SingleGroup : public ProcessGroup {
   absl::StatusOr<std::string> BroadcastBytes(absl::string_view bytes, int) override {
     return std::string(bytes);
   }
-  absl::Status Send(const at::Tensor&, int dst) override {
+  absl::StatusOr<std::unique_ptr<PendingWork>> SendAsync(const at::Tensor&, int dst) override {
     return absl::InvalidArgumentError(
         absl::StrCat("send: destination rank ", dst, " is not another rank of [0, 1)"));
   }
-  absl::Status Recv(at::Tensor&, int src) override {
+  absl::StatusOr<std::unique_ptr<PendingWork>> RecvAsync(const at::Tensor&, int src) override {
     return absl::InvalidArgumentError(
         absl::StrCat("recv: source rank ", src, " is not another rank of [0, 1)"));
   }

@@ -105,9 +105,27 @@ class ProcessGroup {
   // Point to point (not collectives: only the two ranks take part, and each
   // Send pairs with the Recv of the same shape and dtype, in order). The
   // stages of a pipeline-parallel model pass activations with them.
-  virtual absl::Status Send(const at::Tensor& tensor, int dst) = 0;
+  absl::Status Send(const at::Tensor& tensor, int dst) {
+    absl::StatusOr<std::unique_ptr<PendingWork>> work = SendAsync(tensor, dst);
+    if (!work.ok()) return work.status();
+    return (*work)->Wait();
+  }
   // Fills `tensor` (contiguous, the sent shape and dtype) in place.
-  virtual absl::Status Recv(at::Tensor& tensor, int src) = 0;
+  absl::Status Recv(at::Tensor& tensor, int src) {
+    absl::StatusOr<std::unique_ptr<PendingWork>> work = RecvAsync(tensor, src);
+    if (!work.ok()) return work.status();
+    return (*work)->Wait();
+  }
+  // The same, returning at once (torch's isend / irecv), so that a pipeline
+  // stage computes its next micro-batch while this one travels: gloo moves
+  // the bytes on its own threads once the peer has posted the matching
+  // receive. Sends to one peer pair with its receives in the order both
+  // were posted. The work keeps `tensor` alive; a received one holds the
+  // values after Wait().
+  virtual absl::StatusOr<std::unique_ptr<PendingWork>> SendAsync(const at::Tensor& tensor,
+                                                                 int dst) = 0;
+  virtual absl::StatusOr<std::unique_ptr<PendingWork>> RecvAsync(const at::Tensor& tensor,
+                                                                 int src) = 0;
 
   // A group of `ranks` (of this group, ascending order not required: the
   // new group's rank r is ranks[r]), as torch.distributed.new_group makes

@@ -35,6 +35,11 @@ struct TensorParallel {
   int pipeline_rank = 0;
   int pipeline_size = 1;
   dist::ProcessGroup* world = nullptr;
+  // Micro-batches a pipeline-parallel step is split into, so that the
+  // stages overlap (PipelineMicroBatches: never more than the step's
+  // sequences); 0: pipeline_size, 1: the whole step at once. Every rank
+  // must hold the same value (accel-serve passes its flags to every rank).
+  int pipeline_micro_batches = 0;
 
   // The group the leader's step messages go over: `world` with stages,
   // else `group`.

@@ -91,6 +91,32 @@ std::pair<int64_t, int64_t> PipelineLayers(int64_t layers, int stage, int stages
   return {first, first + per[static_cast<size_t>(stage)]};
 }
 
+std::vector<std::pair<size_t, size_t>> PipelineMicroBatches(absl::Span<const int64_t> chunk_tokens,
+                                                            int requested) {
+  std::vector<std::pair<size_t, size_t>> out;
+  const size_t n = chunk_tokens.size();
+  if (n == 0) return out;
+  const size_t count = std::min(n, static_cast<size_t>(std::max(requested, 1)));
+  int64_t total = 0;
+  for (int64_t t : chunk_tokens) total += std::max<int64_t>(t, 0);
+  int64_t so_far = 0;
+  size_t first = 0;
+  for (size_t i = 0; i < n; ++i) {
+    so_far += std::max<int64_t>(chunk_tokens[i], 0);
+    const size_t later_batches = count - out.size() - 1;  // to open after this one
+    const size_t later_chunks = n - i - 1;
+    const bool must_cut = later_chunks == later_batches;
+    const bool share_reached =
+        later_batches > 0 &&
+        so_far * static_cast<int64_t>(count) >= total * static_cast<int64_t>(out.size() + 1);
+    if (must_cut || share_reached) {
+      out.emplace_back(first, i + 1);
+      first = i + 1;
+    }
+  }
+  return out;
+}
+
 absl::Status CheckPipelineParallel(const loader::ModelConfig& c, int stages) {
   if (stages < 1) {
     return absl::InvalidArgumentError(
@@ -648,6 +674,7 @@ absl::Status RunTensorParallelWorker(CausalLM& shard, dispatch::DispatchedModel*
 }
 
 double TensorParallelCollectiveSeconds() { return internal::CollectiveSeconds(); }
+int64_t PipelineMicroBatchesRun() { return internal::MicroBatchesRun(); }
 int64_t TensorParallelCollectiveBytes() { return internal::CollectiveBytes(); }
 
 TensorParallelTraffic TensorParallelTrafficPerToken(const loader::ModelConfig& config,

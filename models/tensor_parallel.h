@@ -41,6 +41,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -87,6 +88,21 @@ absl::Status CheckTensorParallel(const loader::ModelConfig& config, int size);
 // remainder one each to the stages before the last, counting back from the
 // second-to-last (the last stage also runs the final norm and lm_head).
 std::pair<int64_t, int64_t> PipelineLayers(int64_t layers, int stage, int stages);
+
+// The micro-batches of a pipeline-parallel step whose chunks (sequences)
+// hold `chunk_tokens` tokens each, as [first, end) ranges of chunks: the
+// stages overlap within the step (GPipe's fill and drain), stage s + 1
+// running micro-batch k while stage s runs k + 1. Every rank applies it to
+// the step the leader broadcast, so they agree without another message.
+// The rule: min(requested, chunks) contiguous micro-batches (at least one;
+// requested below 1 counts as 1), each of at least one chunk, cut where the
+// tokens so far first reach the next equal share of the step's tokens
+// (a prefill chunk weighs as its tokens, so it is not queued behind
+// decodes), and cut early only so that every later micro-batch keeps a
+// chunk. Contiguous ranges keep the step's row order: the logits of the
+// micro-batches, concatenated, are the step's.
+std::vector<std::pair<size_t, size_t>> PipelineMicroBatches(absl::Span<const int64_t> chunk_tokens,
+                                                            int requested);
 
 // InvalidArgument naming the field when `config`'s model cannot be split
 // into `stages` pipeline stages (more stages than num_hidden_layers, fewer
@@ -185,6 +201,9 @@ absl::Status RunTensorParallelWorker(CausalLM& shard, dispatch::DispatchedModel*
 double TensorParallelCollectiveSeconds();
 // Bytes this process has handed to those collectives (its payload).
 int64_t TensorParallelCollectiveBytes();
+// Pipeline-parallel micro-batches this process has run (its stage's part
+// of each), over all steps.
+int64_t PipelineMicroBatchesRun();
 
 // What one token of a step costs each rank in collectives, on paper: the
 // all-reduces (the embedding's, then attention's and the MLP's in every

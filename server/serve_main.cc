@@ -107,8 +107,14 @@ ABSL_FLAG(int, tensor_parallel_size, 1,
 ABSL_FLAG(int, pipeline_parallel_size, 1,
           "Split the model's layers into this many stages (pipeline parallel: consecutive layers "
           "per stage, as vLLM splits them; activations passed between stages). With "
-          "--tensor_parallel_size N: N x M ranks, each stage split over N. Stages run one batch "
-          "at a time (docs/ARCHITECTURE.md).");
+          "--tensor_parallel_size N: N x M ranks, each stage split over N. Each step's "
+          "sequences run as --pipeline_micro_batches micro-batches so that the stages overlap "
+          "(docs/ARCHITECTURE.md).");
+ABSL_FLAG(int, pipeline_micro_batches, 0,
+          "With --pipeline_parallel_size M above 1: cut each step's sequences into this many "
+          "micro-batches (never more than the step's sequences), which the stages run one "
+          "behind another, so that stage s runs micro-batch k + 1 while stage s + 1 runs k. "
+          "0: M. 1: the whole step at once, the stages one after another.");
 ABSL_FLAG(int, nnodes, 1, "Machines of the group, as torchrun's --nnodes (each runs accel-serve).");
 ABSL_FLAG(int, node_rank, 0, "This machine's index in [0, --nnodes), as torchrun's --node_rank.");
 ABSL_FLAG(std::string, master_addr, "",
@@ -257,6 +263,13 @@ int Run(int argc, char** argv) {
     return 1;
   }
   const absl::Duration parallel_timeout = absl::GetFlag(FLAGS_parallel_timeout);
+  const int micro_batches = absl::GetFlag(FLAGS_pipeline_micro_batches);
+  if (micro_batches < 0) {
+    Log(absl::StrCat(
+        "--pipeline_micro_batches must be at least 0 (0: one per pipeline stage), got ",
+        micro_batches));
+    return 1;
+  }
   std::unique_ptr<accel::server::internal::LocalWorkers> workers;
   std::unique_ptr<accel::dist::ProcessGroup> group, stage_group;
   if (layout->world_size > 1) {
@@ -313,6 +326,7 @@ int Run(int argc, char** argv) {
       Log(absl::StrCat("rank ", layout->rank, ": ", place.status().message()));
       return kExitParallelFault;
     }
+    place->pipeline_micro_batches = micro_batches;
     if (!layout->leader()) {
       // Health only, its slice, the leader's steps; SIGTERM ends it at once.
       pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);

@@ -8,7 +8,15 @@
 // the cores are the limit (2 ranks share them), so the point is the memory
 // per rank and the cost of the collectives, not a speed-up.
 //
+// Then pipeline micro-batches (--batch B sequences a step, B > 0): PP 2
+// with micro-batching on (one micro-batch per stage: the stages overlap)
+// and off (ACCEL_BENCH_MICRO 1, accel-serve's --pipeline_micro_batches 1),
+// beside one process with one and with two threads at the same batch:
+// tokens/s of a prefill step of --prompt tokens per sequence and of the
+// decode steps after it.
+//
 //   build/bin/accel-bench-tensor-parallel [--tokens 32] [--dir /tmp/x] [--bytes 1073741824]
+//       [--batch 8] [--prompt 64] [--only_batch 1]
 //
 // Each process prints one line: "rank R [of N] rss_loaded=BYTES rss=BYTES
 // [tok_s=T collective_s_per_step=S]" (PP: the time in step messages and
@@ -92,6 +100,52 @@ double DecodeTokensPerSecond(models::CausalLM& model, dispatch::DispatchedModel*
   return tokens / seconds;
 }
 
+// `batch` sequences together (the pipeline's micro-batches are cut from
+// them): tokens/s of one prefill step of `prompt` tokens each, and of
+// `tokens` decode steps after it (batch x tokens generated).
+struct BatchRate {
+  double prefill_tok_s = 0, decode_tok_s = 0;
+};
+BatchRate BatchTokensPerSecond(models::CausalLM& model, dispatch::DispatchedModel* dispatched,
+                               int batch, int prompt, int tokens) {
+  c10::InferenceMode inference;
+  const int64_t block = 16, per_sequence = (prompt + tokens + block) / block + 1;
+  models::KvBlockStore store(batch * per_sequence, block,
+                             static_cast<size_t>(model.config().num_hidden_layers));
+  std::vector<models::KvCache> caches(static_cast<size_t>(batch));
+  for (int s = 0; s < batch; ++s) {
+    caches[static_cast<size_t>(s)].store = &store;
+    for (int64_t b = 0; b < per_sequence; ++b) {
+      caches[static_cast<size_t>(s)].block_table.push_back(s * per_sequence + b);
+    }
+  }
+  std::vector<int64_t> next(static_cast<size_t>(batch));
+  auto step = [&](int each) {
+    std::vector<int64_t> ids;
+    std::vector<models::SequenceChunk> chunks;
+    for (int s = 0; s < batch; ++s) {
+      for (int t = 0; t < each; ++t) {
+        ids.push_back(each == 1 ? next[static_cast<size_t>(s)] : 1 + (s * 131 + t * 7) % 1000);
+      }
+      chunks.push_back({&caches[static_cast<size_t>(s)], each});
+    }
+    absl::StatusOr<at::Tensor> logits =
+        model.Forward(at::tensor(ids, at::kLong), chunks, models::Logits::kLastOfEach, dispatched);
+    if (!logits.ok()) {
+      std::fprintf(stderr, "step failed: %s\n", std::string(logits.status().message()).c_str());
+      std::exit(1);
+    }
+    const at::Tensor best = logits->argmax(-1);
+    for (int s = 0; s < batch; ++s) next[static_cast<size_t>(s)] = best[s].item<int64_t>();
+  };
+  BatchRate rate;
+  rate.prefill_tok_s = batch * prompt / bench::Seconds([&] { step(prompt); });
+  rate.decode_tok_s = batch * tokens / bench::Seconds([&] {
+                        for (int i = 0; i < tokens; ++i) step(1);
+                      });
+  return rate;
+}
+
 models::ModelLoadOptions CpuLoad() {
   models::ModelLoadOptions options;
   options.device_map = "cpu";
@@ -116,6 +170,9 @@ int RunRank(const std::string& dir, int tokens) {
       **group, tp != nullptr ? std::atoi(tp) : (*group)->size(), &stage_group);
   if (!place.ok()) return 1;
   load.tensor_parallel = *place;
+  if (const char* micro = std::getenv("ACCEL_BENCH_MICRO")) {
+    load.tensor_parallel.pipeline_micro_batches = std::atoi(micro);
+  }
   absl::StatusOr<models::LoadedModel> loaded = models::LoadModel(dir, load);
   if (!loaded.ok()) {
     std::fprintf(stderr, "%s\n", std::string(loaded.status().message()).c_str());
@@ -128,6 +185,22 @@ int RunRank(const std::string& dir, int tokens) {
     std::printf("rank %d rss_loaded=%lld %s\n", (*group)->rank(), static_cast<long long>(rss),
                 Resident().c_str());
     return ran.ok() ? 0 : 1;
+  }
+  if (const char* batch = std::getenv("ACCEL_BENCH_BATCH")) {
+    // Several sequences a step: the pipeline's micro-batches at work.
+    const int64_t micro_before = models::PipelineMicroBatchesRun();
+    const BatchRate rate =
+        BatchTokensPerSecond(*loaded->model, loaded->dispatched.get(), std::atoi(batch),
+                             std::atoi(std::getenv("ACCEL_BENCH_PROMPT")), tokens);
+    std::printf(
+        "batch %s: rank 0 of %d (tp %d x pp %d, micro-batches %s, %s threads) "
+        "prefill_tok_s=%.2f decode_tok_s=%.2f micro_batches_per_step=%.2f\n",
+        batch, (*group)->size(), place->size, place->pipeline_size,
+        std::getenv("ACCEL_BENCH_MICRO") != nullptr ? std::getenv("ACCEL_BENCH_MICRO") : "-",
+        std::getenv("OMP_NUM_THREADS"), rate.prefill_tok_s, rate.decode_tok_s,
+        static_cast<double>(models::PipelineMicroBatchesRun() - micro_before) / (tokens + 1));
+    std::fflush(stdout);
+    return 0;
   }
   const double before = models::TensorParallelCollectiveSeconds();
   const double tok_s = DecodeTokensPerSecond(*loaded->model, loaded->dispatched.get(), tokens);
@@ -148,11 +221,16 @@ int main(int argc, char** argv) {
   int tokens = 32;
   int64_t bytes = int64_t{1} << 30;
   std::string dir = "/tmp/accel-bench-tensor-parallel";
+  int batch = 8, prompt = 64;
+  bool only_batch = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--tokens") tokens = std::atoi(value.c_str());
     if (flag == "--dir") dir = value;
     if (flag == "--bytes") bytes = std::atoll(value.c_str());
+    if (flag == "--batch") batch = std::atoi(value.c_str());
+    if (flag == "--prompt") prompt = std::atoi(value.c_str());
+    if (flag == "--only_batch") only_batch = value == "1" || value == "true";
   }
   if (std::getenv("ACCEL_BENCH_RANK_OF") != nullptr) {
     return RunRank(std::getenv("ACCEL_BENCH_DIR"), std::atoi(std::getenv("ACCEL_BENCH_TOKENS")));
@@ -180,20 +258,42 @@ int main(int argc, char** argv) {
   std::map<std::string, std::string> env = {{"ACCEL_BENCH_RANK_OF", "1"},
                                             {"ACCEL_BENCH_DIR", dir},
                                             {"ACCEL_BENCH_TOKENS", std::to_string(tokens)}};
-  // One process with one thread and with the machine's two; each rank one thread.
-  env["OMP_NUM_THREADS"] = "1";
-  std::vector<int> one = test::RunRanks(1, "", env, 1200);
-  env["OMP_NUM_THREADS"] = "2";
-  std::vector<int> one_two = test::RunRanks(1, "", env, 1200);
-  env["OMP_NUM_THREADS"] = "1";
-  env["ACCEL_BENCH_TP"] = "2";
-  std::vector<int> two = test::RunRanks(2, "", env, 1200);
-  env["ACCEL_BENCH_TP"] = "1";  // two pipeline stages
-  std::vector<int> stages = test::RunRanks(2, "", env, 1200);
-  std::printf("exit codes: one process %d %d, TP 2 %d %d, PP 2 %d %d\n", one[0], one_two[0], two[0],
-              two[1], stages[0], stages[1]);
-  return one[0] == 0 && one_two[0] == 0 && two[0] == 0 && two[1] == 0 && stages[0] == 0 &&
-                 stages[1] == 0
-             ? 0
-             : 1;
+  bool ok = true;
+  if (!only_batch) {
+    // One process with one thread and with the machine's two; each rank one thread.
+    env["OMP_NUM_THREADS"] = "1";
+    std::vector<int> one = test::RunRanks(1, "", env, 1200);
+    env["OMP_NUM_THREADS"] = "2";
+    std::vector<int> one_two = test::RunRanks(1, "", env, 1200);
+    env["OMP_NUM_THREADS"] = "1";
+    env["ACCEL_BENCH_TP"] = "2";
+    std::vector<int> two = test::RunRanks(2, "", env, 1200);
+    env["ACCEL_BENCH_TP"] = "1";  // two pipeline stages
+    std::vector<int> stages = test::RunRanks(2, "", env, 1200);
+    std::printf("exit codes: one process %d %d, TP 2 %d %d, PP 2 %d %d\n", one[0], one_two[0],
+                two[0], two[1], stages[0], stages[1]);
+    ok = one[0] == 0 && one_two[0] == 0 && two[0] == 0 && two[1] == 0 && stages[0] == 0 &&
+         stages[1] == 0;
+  }
+  if (batch > 0) {
+    // PP 2 with `batch` sequences a step, micro-batching on (one per stage)
+    // and off (--pipeline_micro_batches 1), beside one process (one thread,
+    // and the machine's two) at the same batch.
+    std::printf("batch: %d sequences, a %d-token prefill each, then %d decode steps\n", batch,
+                prompt, tokens);
+    env["ACCEL_BENCH_BATCH"] = std::to_string(batch);
+    env["ACCEL_BENCH_PROMPT"] = std::to_string(prompt);
+    env.erase("ACCEL_BENCH_TP");
+    for (const char* threads : {"1", "2"}) {
+      env["OMP_NUM_THREADS"] = threads;
+      ok &= test::RunRanks(1, "", env, 1200)[0] == 0;
+    }
+    env["OMP_NUM_THREADS"] = "1";
+    env["ACCEL_BENCH_TP"] = "1";
+    for (const char* micro : {"1", "2"}) {
+      env["ACCEL_BENCH_MICRO"] = micro;
+      for (int code : test::RunRanks(2, "", env, 1200)) ok &= code == 0;
+    }
+  }
+  return ok ? 0 : 1;
 }

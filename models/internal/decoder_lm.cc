@@ -36,6 +36,8 @@ namespace {
 
 using dispatch::Layer;
 
+std::atomic<int64_t> collective_nanos{0}, collective_bytes{0}, micro_batches_run{0};
+
 // What a step carries through the layers: the dispatcher, the ranks of a
 // tensor-parallel model, and a failure that must keep its own status (an
 // expert read, a collective) while the layer unwinds.
@@ -635,92 +637,16 @@ class DecoderLM : public CausalLM {
     step.dispatched = dispatched;
     step.tp = &tp_;
     const at::Device home = input_ids.device();
-    // A failure the layers kept (an expert read, a collective) wins over
-    // the torch error that unwound them.
-    const auto kept = [&](absl::Status status) {
-      return step.failure.ok() ? status : step.failure;
-    };
-    const bool pipelined = tp_.pipeline_size > 1;
-    absl::StatusOr<at::Tensor> embedded;
-    if (!model->first_stage) {
-      // The previous stage's hidden states (the same rank of its group).
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-        embedded = at::empty({1, ids.numel(), config().hidden_size}, at::dtype(dtype()));
-      }));
-      ACCEL_RETURN_IF_ERROR(
-          StageTransfer(/*send=*/false, *embedded, tp_.world_rank() - tp_.size, "hidden states"));
-    } else {
-      embedded = InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
-        at::Tensor rows = ids.to(d).unsqueeze(0), outside;
-        if (tp_.size > 1) {
-          // Vocab-parallel: this rank's rows; other ids read row 0, zeroed below.
-          rows = rows - shard_.first_vocab;
-          outside = (rows < 0).logical_or_(rows >= shard_.vocab);
-          rows = rows.masked_fill(outside, 0);
-        }
-        at::Tensor e = model->scaled_embed ? model->scaled_embed->forward(rows)
-                                           : model->embed_tokens->forward(rows);
-        if (tp_.size > 1) e = SumOverRanks(e.masked_fill(outside.unsqueeze(-1), 0), step);
-        if (r_.family.embedding_scale == EmbeddingScale::kInModel) {
-          // Gemma2Model: hidden * torch.tensor(hidden_size**0.5, dtype=hidden.dtype)
-          e = e * at::scalar_tensor(std::pow(static_cast<double>(config().hidden_size), 0.5),
-                                    e.options());
-        }
-        return e;
-      });
-    }
-    if (!embedded.ok()) return kept(embedded.status());
-    at::Tensor x = *std::move(embedded);
-    at::Tensor cos, sin, local_cos, local_sin;
-    ACCEL_RETURN_IF_ERROR(InScope(dispatched, "model.rotary_emb", home, [&](const at::Device& d) {
-                            std::tie(cos, sin) =
-                                Rotary(*model->rotary_emb, positions.to(d), chunks);
-                            return cos;
-                          }).status());
-    if (model->rotary_emb_local) {
-      ACCEL_RETURN_IF_ERROR(
-          InScope(dispatched, "model.rotary_emb_local", home, [&](const at::Device& d) {
-            std::tie(local_cos, local_sin) =
-                Rotary(*model->rotary_emb_local, positions.to(d), chunks);
-            return local_cos;
-          }).status());
-    }
-    for (size_t i = static_cast<size_t>(model->first_layer);
-         i < static_cast<size_t>(model->last_layer); ++i) {
-      DecoderLayer& layer = *model->layers[i];
-      const bool local = layer.uses_local_rope();
-      absl::StatusOr<at::Tensor> out =
-          InScope(dispatched, absl::StrCat("model.layers.", i), home, [&](const at::Device& d) {
-            return layer.forward(x.to(d), (local ? local_cos : cos).to(d),
-                                 (local ? local_sin : sin).to(d), chunks, i, step);
-          });
-      if (!out.ok()) return kept(out.status());
-      x = *std::move(out);
-    }
-    if (!model->last_stage) {
-      // The next stage goes on from here; the leader gets the logits from the
-      // last stage's first rank.
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] { x = x.to(at::kCPU, dtype()).contiguous(); }));
-      ACCEL_RETURN_IF_ERROR(
-          StageTransfer(/*send=*/true, x, tp_.world_rank() + tp_.size, "hidden states"));
-      at::Tensor logits;
-      if (tp_.world_rank() == 0) {
-        int64_t rows = ids.numel();
-        if (which == Logits::kLastOfEach) {
-          rows = 0;
-          for (const SequenceChunk& c : chunks) rows += c.logit_tokens;
-        }
-        ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-          logits = at::empty({rows, config().vocab_size}, at::kFloat);
-        }));
-        ACCEL_RETURN_IF_ERROR(
-            StageTransfer(/*send=*/false, logits, (tp_.pipeline_size - 1) * tp_.size, "logits"));
+    if (tp_.pipeline_size > 1) {
+      if (recompute) {
+        // CheckPipelineParallel refuses LongRoPE models; nothing is sent yet.
+        return absl::FailedPreconditionError(
+            "pipeline parallel: a LongRoPE recompute cannot run across stages");
       }
-      ACCEL_RETURN_IF_ERROR(CheckWeightFiles());
-      AdvanceCaches(ids, chunks);
-      if (!logits.defined()) return at::Tensor();  // a worker: nothing to sample
-      return logits.to(home);
+      return PipelineForward(ids, chunks, which, dispatched, step);
     }
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor x, Embed(ids, home, dispatched, step));
+    ACCEL_ASSIGN_OR_RETURN(x, RunLayers(std::move(x), positions, chunks, home, dispatched, step));
     if (which == Logits::kLastOfEach) {
       ACCEL_RETURN_IF_ERROR(
           CallTorch([&] { x = x.index_select(1, LastTokens(chunks).to(x.device())); }));
@@ -728,31 +654,11 @@ class DecoderLM : public CausalLM {
       ACCEL_RETURN_IF_ERROR(
           CallTorch([&] { x = x.index_select(1, at::tensor(rows, at::kLong).to(x.device())); }));
     }
-    ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "model.norm", home, [&](const at::Device& d) {
-                             return model->norm->forward(x.to(d));
-                           }));
-    absl::StatusOr<at::Tensor> head =
-        InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
-          at::Tensor logits = lm_head->forward(x.to(d));
-          if (r_.final_softcap) {
-            // Gemma2ForCausalLM, in the logits' dtype.
-            logits = at::tanh(logits / *r_.final_softcap) * *r_.final_softcap;
-          }
-          return tp_.size > 1 ? GatherVocab(logits, step) : logits;
-        });
-    if (!head.ok()) return kept(head.status());
-    x = *std::move(head);
+    ACCEL_ASSIGN_OR_RETURN(x, Head(x, home, dispatched, step));
     ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
     AdvanceCaches(ids, chunks);
     for (size_t i = 0; i < chunks.size(); ++i) {
       if (chunks[i].cache == &fresh[i]) *given[i].cache = std::move(fresh[i]);
-    }
-    if (pipelined && tp_.rank == 0) {
-      // The last stage's first rank hands the logits to the leader.
-      at::Tensor logits;
-      ACCEL_RETURN_IF_ERROR(
-          CallTorch([&] { logits = x[0].to(at::kCPU, at::kFloat).contiguous(); }));
-      ACCEL_RETURN_IF_ERROR(StageTransfer(/*send=*/true, logits, 0, "logits"));
     }
     return x[0].to(home, at::kFloat);
   }
@@ -779,33 +685,252 @@ class DecoderLM : public CausalLM {
     return {at::cat(cos, 1), at::cat(sin, 1)};
   }
 
-  // Sends `tensor` to, or fills it from, world rank `peer` (pipeline
-  // parallel), counted as collective time and bytes. Unavailable naming
-  // what moved when the peer is gone or silent past the group's timeout.
-  absl::Status StageTransfer(bool send, at::Tensor& tensor, int peer, const char* what) {
+  // A failure the layers kept (an expert read, a collective) wins over
+  // the torch error that unwound them.
+  static absl::Status Kept(const StepState& step, absl::Status status) {
+    return step.failure.ok() ? status : step.failure;
+  }
+
+  // [1, n, hidden]: the embedding of `ids` (vocab-parallel: each rank's
+  // rows, summed over the ranks), scaled as the family scales it.
+  absl::StatusOr<at::Tensor> Embed(const at::Tensor& ids, const at::Device& home,
+                                   dispatch::DispatchedModel* dispatched, StepState& step) {
+    absl::StatusOr<at::Tensor> embedded =
+        InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
+          at::Tensor rows = ids.to(d).unsqueeze(0), outside;
+          if (tp_.size > 1) {
+            // Vocab-parallel: this rank's rows; other ids read row 0, zeroed below.
+            rows = rows - shard_.first_vocab;
+            outside = (rows < 0).logical_or_(rows >= shard_.vocab);
+            rows = rows.masked_fill(outside, 0);
+          }
+          at::Tensor e = model->scaled_embed ? model->scaled_embed->forward(rows)
+                                             : model->embed_tokens->forward(rows);
+          if (tp_.size > 1) e = SumOverRanks(e.masked_fill(outside.unsqueeze(-1), 0), step);
+          if (r_.family.embedding_scale == EmbeddingScale::kInModel) {
+            // Gemma2Model: hidden * torch.tensor(hidden_size**0.5, dtype=hidden.dtype)
+            e = e * at::scalar_tensor(std::pow(static_cast<double>(config().hidden_size), 0.5),
+                                      e.options());
+          }
+          return e;
+        });
+    if (!embedded.ok()) return Kept(step, embedded.status());
+    return embedded;
+  }
+
+  // This stage's layers on `x` [1, n, hidden] at `positions`.
+  absl::StatusOr<at::Tensor> RunLayers(at::Tensor x, const at::Tensor& positions,
+                                       const std::vector<SequenceChunk>& chunks,
+                                       const at::Device& home,
+                                       dispatch::DispatchedModel* dispatched, StepState& step) {
+    at::Tensor cos, sin, local_cos, local_sin;
+    ACCEL_RETURN_IF_ERROR(InScope(dispatched, "model.rotary_emb", home, [&](const at::Device& d) {
+                            std::tie(cos, sin) =
+                                Rotary(*model->rotary_emb, positions.to(d), chunks);
+                            return cos;
+                          }).status());
+    if (model->rotary_emb_local) {
+      ACCEL_RETURN_IF_ERROR(
+          InScope(dispatched, "model.rotary_emb_local", home, [&](const at::Device& d) {
+            std::tie(local_cos, local_sin) =
+                Rotary(*model->rotary_emb_local, positions.to(d), chunks);
+            return local_cos;
+          }).status());
+    }
+    for (size_t i = static_cast<size_t>(model->first_layer);
+         i < static_cast<size_t>(model->last_layer); ++i) {
+      DecoderLayer& layer = *model->layers[i];
+      const bool local = layer.uses_local_rope();
+      absl::StatusOr<at::Tensor> out =
+          InScope(dispatched, absl::StrCat("model.layers.", i), home, [&](const at::Device& d) {
+            return layer.forward(x.to(d), (local ? local_cos : cos).to(d),
+                                 (local ? local_sin : sin).to(d), chunks, i, step);
+          });
+      if (!out.ok()) return Kept(step, out.status());
+      x = *std::move(out);
+    }
+    return x;
+  }
+
+  // The final norm and lm_head on the rows of `x` that are sampled:
+  // [1, rows, vocab] in the model's dtype (vocab-parallel: gathered).
+  absl::StatusOr<at::Tensor> Head(const at::Tensor& x, const at::Device& home,
+                                  dispatch::DispatchedModel* dispatched, StepState& step) {
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor normed,
+                           InScope(dispatched, "model.norm", home, [&](const at::Device& d) {
+                             return model->norm->forward(x.to(d));
+                           }));
+    absl::StatusOr<at::Tensor> head =
+        InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
+          at::Tensor logits = lm_head->forward(normed.to(d));
+          if (r_.final_softcap) {
+            // Gemma2ForCausalLM, in the logits' dtype.
+            logits = at::tanh(logits / *r_.final_softcap) * *r_.final_softcap;
+          }
+          return tp_.size > 1 ? GatherVocab(logits, step) : logits;
+        });
+    if (!head.ok()) return Kept(step, head.status());
+    return head;
+  }
+
+  // One pipeline-parallel step on this rank's stage. The step's chunks are
+  // cut into micro-batches (PipelineMicroBatches, the same cut on every
+  // rank); every receive of the step is posted first and every send is
+  // asynchronous, so a stage runs micro-batch k + 1 while the next stage
+  // runs k and the bytes of k + 2 travel (GPipe's fill and drain within
+  // the step). The last stage's first rank sends each micro-batch's float32
+  // logits to world rank 0, whose Forward returns them concatenated in the
+  // step's row order (the micro-batches are contiguous). Sequences' KV
+  // caches are their own, so the micro-batches are independent; the caches
+  // advance once every micro-batch has run.
+  absl::StatusOr<at::Tensor> PipelineForward(const at::Tensor& ids,
+                                             const std::vector<SequenceChunk>& chunks, Logits which,
+                                             dispatch::DispatchedModel* dispatched,
+                                             StepState& step) {
+    const at::Device home = ids.device();
+    const size_t n = model->layers.size();
+    std::vector<int64_t> tokens;
+    for (const SequenceChunk& c : chunks) tokens.push_back(c.tokens);
+    const std::vector<std::pair<size_t, size_t>> cuts = PipelineMicroBatches(
+        tokens, tp_.pipeline_micro_batches > 0 ? tp_.pipeline_micro_batches : tp_.pipeline_size);
+    const int previous = tp_.world_rank() - tp_.size, next = tp_.world_rank() + tp_.size;
+    const int last_stage_first = (tp_.pipeline_size - 1) * tp_.size;
+    const bool leader = tp_.world_rank() == 0;
+    const bool sends_logits = model->last_stage && tp_.rank == 0;
+    struct MicroBatch {
+      at::Tensor ids;
+      std::vector<SequenceChunk> chunks;
+      at::Tensor inbox, logits;  // the previous stage's hidden states; the leader's logits
+      std::unique_ptr<dist::PendingWork> received, logits_received;
+    };
+    std::vector<MicroBatch> batches(cuts.size());
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      int64_t offset = 0;
+      for (size_t k = 0; k < cuts.size(); ++k) {
+        MicroBatch& b = batches[k];
+        b.chunks.assign(chunks.begin() + static_cast<std::ptrdiff_t>(cuts[k].first),
+                        chunks.begin() + static_cast<std::ptrdiff_t>(cuts[k].second));
+        int64_t count = 0, rows = 0;
+        for (const SequenceChunk& c : b.chunks) {
+          count += c.tokens;
+          rows += std::min(std::max<int64_t>(c.logit_tokens, 1), c.tokens);
+        }
+        b.ids = ids.narrow(0, offset, count);
+        offset += count;
+        // gloo fills these on its own threads: normal tensors, not inference ones.
+        c10::InferenceMode normal(false);
+        if (!model->first_stage) {
+          b.inbox = at::empty({1, count, config().hidden_size}, at::dtype(dtype()));
+        }
+        if (leader) {
+          b.logits =
+              at::empty({which == Logits::kAll ? count : rows, config().vocab_size}, at::kFloat);
+        }
+      }
+    }));
+    // Every receive of the step, posted up front.
+    for (MicroBatch& b : batches) {
+      if (b.inbox.defined()) {
+        ACCEL_ASSIGN_OR_RETURN(
+            b.received, Transfer([&] { return tp_.world->RecvAsync(b.inbox, previous); }, false,
+                                 previous, "hidden states"));
+      }
+      if (b.logits.defined()) {
+        ACCEL_ASSIGN_OR_RETURN(
+            b.logits_received,
+            Transfer([&] { return tp_.world->RecvAsync(b.logits, last_stage_first); }, false,
+                     last_stage_first, "logits"));
+      }
+    }
+    std::vector<std::unique_ptr<dist::PendingWork>> sends;
+    std::vector<at::Tensor> outputs;
+    const auto send = [&](at::Tensor tensor, int peer, const char* what) -> absl::Status {
+      AddCollectiveBytes(static_cast<int64_t>(tensor.nbytes()));
+      ACCEL_ASSIGN_OR_RETURN(
+          std::unique_ptr<dist::PendingWork> work,
+          Transfer([&] { return tp_.world->SendAsync(tensor, peer); }, true, peer, what));
+      sends.push_back(std::move(work));
+      return absl::OkStatus();
+    };
+    for (MicroBatch& b : batches) {
+      at::Tensor x;
+      if (model->first_stage) {
+        ACCEL_ASSIGN_OR_RETURN(x, Embed(b.ids, home, dispatched, step));
+      } else {
+        ACCEL_RETURN_IF_ERROR(Wait(*b.received, false, previous, "hidden states"));
+        x = b.inbox;
+      }
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, PreparePositions(b.ids, b.chunks, config(), n));
+      ACCEL_ASSIGN_OR_RETURN(x,
+                             RunLayers(std::move(x), positions, b.chunks, home, dispatched, step));
+      if (!model->last_stage) {
+        ACCEL_RETURN_IF_ERROR(CallTorch([&] { x = x.to(at::kCPU, dtype()).contiguous(); }));
+        ACCEL_RETURN_IF_ERROR(send(x, next, "hidden states"));
+      } else {
+        if (which == Logits::kLastOfEach) {
+          ACCEL_RETURN_IF_ERROR(
+              CallTorch([&] { x = x.index_select(1, LastTokens(b.chunks).to(x.device())); }));
+        }
+        ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, Head(x, home, dispatched, step));
+        ACCEL_RETURN_IF_ERROR(
+            CallTorch([&] { logits = logits[0].to(at::kCPU, at::kFloat).contiguous(); }));
+        if (sends_logits) ACCEL_RETURN_IF_ERROR(send(logits, 0, "logits"));
+        outputs.push_back(logits);
+      }
+      micro_batches_run += 1;
+    }
+    for (size_t i = 0; i < sends.size(); ++i) {
+      ACCEL_RETURN_IF_ERROR(Wait(*sends[i], true, -1, "a micro-batch"));
+    }
+    for (MicroBatch& b : batches) {
+      if (!b.logits_received) continue;
+      ACCEL_RETURN_IF_ERROR(Wait(*b.logits_received, false, last_stage_first, "logits"));
+      outputs.push_back(b.logits);
+    }
+    ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
+    AdvanceCaches(ids, chunks);
+    if (outputs.empty()) return at::Tensor();  // a worker with nothing to sample
+    at::Tensor logits;
+    ACCEL_RETURN_IF_ERROR(CallTorch(
+        [&] { logits = (outputs.size() == 1 ? outputs[0] : at::cat(outputs)).to(home); }));
+    return logits;
+  }
+
+  // Posts a send or receive to world rank `peer` (pipeline parallel).
+  // Unavailable naming what moves when it cannot be posted.
+  template <typename Post>
+  absl::StatusOr<std::unique_ptr<dist::PendingWork>> Transfer(Post post, bool send, int peer,
+                                                              const char* what) {
+    absl::StatusOr<std::unique_ptr<dist::PendingWork>> work;
+    {
+      c10::InferenceMode normal(false);  // gloo reads and fills buffers on its own threads
+      work = post();
+    }
+    if (!work.ok()) return Moved(work.status(), send, peer, what);
+    return work;
+  }
+
+  // Waits for a posted send or receive, counted as collective time.
+  // Unavailable naming what moved when the peer is gone or silent past the
+  // group's timeout.
+  absl::Status Wait(dist::PendingWork& work, bool send, int peer, const char* what) {
     const auto start = std::chrono::steady_clock::now();
     absl::Status moved;
     {
-      c10::InferenceMode normal(false);  // gloo fills the buffer on its own threads
-      if (send) {
-        AddCollectiveBytes(static_cast<int64_t>(tensor.nbytes()));
-        moved = tp_.world->Send(tensor, peer);
-      } else {
-        at::Tensor buffer;
-        moved = CallTorch([&] { buffer = at::empty_like(tensor); });
-        if (moved.ok()) moved = tp_.world->Recv(buffer, peer);
-        if (moved.ok()) tensor = buffer;
-      }
+      c10::InferenceMode normal(false);
+      moved = work.Wait();
     }
     AddCollectiveNanos(std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - start)
                            .count());
-    if (!moved.ok()) {
-      return absl::UnavailableError(
-          absl::StrCat("pipeline parallel: ", send ? "sending " : "receiving ", what,
-                       send ? " to" : " from", " rank ", peer, " failed: ", moved.message()));
-    }
-    return absl::OkStatus();
+    return moved.ok() ? moved : Moved(moved, send, peer, what);
+  }
+
+  static absl::Status Moved(const absl::Status& status, bool send, int peer, const char* what) {
+    return absl::UnavailableError(absl::StrCat(
+        "pipeline parallel: ", send ? "sending " : "receiving ", what,
+        peer >= 0 ? absl::StrCat(send ? " to" : " from", " rank ", peer) : std::string(),
+        " failed: ", status.message()));
   }
 
   // Every rank's logits [1, n, vocab slice] side by side: [1, n, vocab].
@@ -839,13 +964,12 @@ class DecoderLM : public CausalLM {
   ShardShape shard_;
 };
 
-std::atomic<int64_t> collective_nanos{0}, collective_bytes{0};
-
 }  // namespace
 
 void AddCollectiveNanos(int64_t nanos) { collective_nanos += nanos; }
 void AddCollectiveBytes(int64_t bytes) { collective_bytes += bytes; }
 int64_t CollectiveBytes() { return collective_bytes.load(); }
+int64_t MicroBatchesRun() { return micro_batches_run.load(); }
 
 double CollectiveSeconds() { return static_cast<double>(collective_nanos.load()) * 1e-9; }
 

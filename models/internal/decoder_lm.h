@@ -33,6 +33,8 @@ double CollectiveSeconds();
 // payload: what a ring moves is 2 (N - 1) / N of it per all-reduce).
 void AddCollectiveBytes(int64_t bytes);
 int64_t CollectiveBytes();
+// Pipeline micro-batches this process's stage has run.
+int64_t MicroBatchesRun();
 
 }  // namespace accel::models::internal
 

@@ -51,7 +51,34 @@ TEST(PointToPointWorker, Run) {
     const at::Tensor want = (at::arange(6, at::kFloat) + 10 * previous).reshape({2, 3}).to(dtype);
     EXPECT_TRUE(at::equal(got, want)) << "rank " << rank;
   }
+  {
+    // Asynchronous: every rank posts its receives and sends at once (a ring
+    // of blocking sends would wait for each other), three messages each;
+    // they pair up in the order they were posted.
+    std::vector<at::Tensor> inbox;
+    std::vector<std::unique_ptr<PendingWork>> works;
+    for (int m = 0; m < 3; ++m) {
+      inbox.push_back(at::empty({4}));
+      absl::StatusOr<std::unique_ptr<PendingWork>> recv = world.RecvAsync(inbox.back(), previous);
+      ASSERT_THAT(recv, IsOk());
+      works.push_back(*std::move(recv));
+    }
+    for (int m = 0; m < 3; ++m) {
+      absl::StatusOr<std::unique_ptr<PendingWork>> send =
+          world.SendAsync(at::full({4}, static_cast<double>(100 * rank + m)), next);
+      ASSERT_THAT(send, IsOk());  // the work keeps the temporary alive
+      works.push_back(*std::move(send));
+    }
+    for (auto& work : works) ASSERT_THAT(work->Wait(), IsOk());
+    for (int m = 0; m < 3; ++m) {
+      EXPECT_TRUE(at::equal(inbox[static_cast<size_t>(m)],
+                            at::full({4}, static_cast<double>(100 * previous + m))))
+          << "message " << m;
+    }
+  }
   at::Tensor buffer = at::empty({2});
+  EXPECT_THAT(world.SendAsync(buffer, rank).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("destination rank")));
   EXPECT_THAT(world.Send(buffer, rank),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("destination rank")));
   EXPECT_THAT(world.Recv(buffer, 3),

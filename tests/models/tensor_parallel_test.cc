@@ -508,6 +508,69 @@ TEST(PipelineLayers, SplitsAsVllm) {
   EXPECT_EQ(split(5, 1), (std::vector<Range>{{0, 5}}));
 }
 
+// The micro-batches of a step: contiguous, at least one chunk each, never
+// more than the chunks, cut at equal shares of the tokens.
+TEST(PipelineMicroBatches, SplitsTheStepsSequencesByTokens) {
+  using Cuts = std::vector<std::pair<size_t, size_t>>;
+  const auto cut = [](std::vector<int64_t> tokens, int requested) {
+    return PipelineMicroBatches(tokens, requested);
+  };
+  EXPECT_EQ(cut({}, 2), Cuts{});
+  // One sequence: the step as it is; 0 or 1 requested: the step as it is.
+  EXPECT_EQ(cut({9}, 2), (Cuts{{0, 1}}));
+  EXPECT_EQ(cut({1, 1, 1}, 1), (Cuts{{0, 3}}));
+  EXPECT_EQ(cut({1, 1, 1}, 0), (Cuts{{0, 3}}));
+  // Decodes: equal counts; an odd count puts the larger half first.
+  EXPECT_EQ(cut({1, 1, 1, 1}, 2), (Cuts{{0, 2}, {2, 4}}));
+  EXPECT_EQ(cut({1, 1, 1, 1, 1}, 2), (Cuts{{0, 3}, {3, 5}}));
+  EXPECT_EQ(cut({1, 1, 1, 1, 1, 1}, 3), (Cuts{{0, 2}, {2, 4}, {4, 6}}));
+  // Never more micro-batches than sequences.
+  EXPECT_EQ(cut({1, 1}, 4), (Cuts{{0, 1}, {1, 2}}));
+  EXPECT_EQ(cut({7, 3}, 2), (Cuts{{0, 1}, {1, 2}}));
+  // A prefill chunk weighs its tokens: alone in its micro-batch, the
+  // decodes together in the other.
+  EXPECT_EQ(cut({100, 1, 1, 1}, 2), (Cuts{{0, 1}, {1, 4}}));
+  EXPECT_EQ(cut({1, 1, 1, 100}, 2), (Cuts{{0, 3}, {3, 4}}));
+  // The share is reached late: cut so that every micro-batch keeps a chunk.
+  EXPECT_EQ(cut({1, 1, 100}, 3), (Cuts{{0, 1}, {1, 2}, {2, 3}}));
+  EXPECT_EQ(cut({1, 100, 1, 1}, 3), (Cuts{{0, 2}, {2, 3}, {3, 4}}));
+  // Against a plain restatement of the rule on many steps: contiguous,
+  // covering, non-empty, min(requested, n) of them, and each cut (but the
+  // forced ones) at the first chunk whose running total reaches its share.
+  std::srand(3);
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<int64_t> tokens(static_cast<size_t>(1 + std::rand() % 9));
+    for (int64_t& t : tokens) t = 1 + std::rand() % (std::rand() % 2 ? 3 : 64);
+    const int requested = 1 + std::rand() % 5;
+    const Cuts got = PipelineMicroBatches(tokens, requested);
+    const size_t k = std::min(tokens.size(), static_cast<size_t>(requested));
+    ASSERT_EQ(got.size(), k);
+    int64_t total = 0;
+    for (int64_t t : tokens) total += t;
+    size_t at = 0;
+    int64_t so_far = 0;
+    for (size_t b = 0; b < k; ++b) {
+      ASSERT_EQ(got[b].first, at);
+      ASSERT_GT(got[b].second, got[b].first);
+      // Where the rule cuts: the share reached, or no chunk to spare.
+      size_t end = at;
+      int64_t sum = so_far;
+      while (true) {
+        sum += tokens[end++];
+        const size_t left = tokens.size() - end, later = k - b - 1;
+        if (left == later) break;
+        if (later > 0 && sum * static_cast<int64_t>(k) >= total * static_cast<int64_t>(b + 1)) {
+          break;
+        }
+      }
+      EXPECT_EQ(got[b].second, end) << "trial " << trial << " micro-batch " << b;
+      so_far = sum;
+      at = got[b].second;
+    }
+    EXPECT_EQ(at, tokens.size());
+  }
+}
+
 TEST(CheckPipelineParallel, RefusesWhatCannotSplitByName) {
   MakeModelOptions o = Small("llama");  // 2 layers
   EXPECT_THAT(CheckPipelineParallel(Config(o), 1), IsOk());
@@ -573,6 +636,60 @@ TEST(PipelineParallel, EachStageHoldsItsLayers) {
   }
 }
 
+// Greedy decoding of three sequences on paged caches where the third joins
+// late: its 5-token prefill chunk runs in one step with the others'
+// decodes, so a pipeline step is cut unevenly ({1, 1} and {5} by tokens)
+// and prefill and decode chunks share a step. Each step's logits (rows in
+// the step's chunk order), every sequence's tokens, and the micro-batches
+// this process ran per step.
+struct MixedRun {
+  std::vector<std::vector<int64_t>> tokens{3};
+  std::vector<at::Tensor> logits;
+  std::vector<int64_t> micro_batches;
+};
+
+MixedRun GreedyMixed(CausalLM& model, dispatch::DispatchedModel* dispatched) {
+  c10::InferenceMode inference;
+  KvBlockStore store(/*num_blocks=*/24, /*block_size=*/4,
+                     static_cast<size_t>(model.config().num_hidden_layers));
+  const std::vector<std::vector<int64_t>> prompts = {
+      {5, 17, 42, 99, 3, 250, 7}, {300, 1, 2}, {11, 12, 13, 14, 15}};
+  std::vector<KvCache> caches(3);
+  for (int s = 0; s < 3; ++s) {
+    caches[s].store = &store;
+    for (int b = 0; b < 8; ++b) caches[s].block_table.push_back(8 * s + b);
+  }
+  MixedRun out;
+  std::vector<int64_t> next = {-1, -1, -1};
+  for (int step = 0; step < kNewTokens; ++step) {
+    std::vector<int64_t> ids;
+    std::vector<SequenceChunk> chunks;
+    std::vector<int> order;
+    for (int s = 0; s < 3; ++s) {
+      if (s == 2 && step < 3) continue;  // joins at step 3
+      const bool prefill = next[s] < 0;
+      const std::vector<int64_t> in = prefill ? prompts[s] : std::vector<int64_t>{next[s]};
+      ids.insert(ids.end(), in.begin(), in.end());
+      chunks.push_back({&caches[s], static_cast<int64_t>(in.size())});
+      order.push_back(s);
+    }
+    const int64_t before = PipelineMicroBatchesRun();
+    absl::StatusOr<at::Tensor> logits =
+        model.Forward(at::tensor(ids, at::kLong), chunks, Logits::kLastOfEach, dispatched);
+    EXPECT_THAT(logits, IsOk());
+    if (!logits.ok()) return {};
+    out.micro_batches.push_back(PipelineMicroBatchesRun() - before);
+    out.logits.push_back(*logits);
+    const at::Tensor best = logits->argmax(-1);
+    for (size_t row = 0; row < order.size(); ++row) {
+      const int s = order[row];
+      next[s] = best[static_cast<int64_t>(row)].item<int64_t>();
+      out.tokens[static_cast<size_t>(s)].push_back(next[s]);
+    }
+  }
+  return out;
+}
+
 // Real ranks: size x stages processes; world rank = stage * size + rank.
 // Rank 0 drives the others and compares greedy tokens with one process.
 TEST(PipelineParallelRank, Run) {
@@ -598,7 +715,7 @@ TEST(PipelineParallelRank, Run) {
     EXPECT_EQ(stage_group->rank(), world_rank % size);
     EXPECT_EQ(stage_group->size(), size);
   }
-  // ACCEL_TP_CASES: "dir:quantize" entries separated by ','.
+  // ACCEL_TP_CASES: "dir:quantize:micro-batches" entries separated by ','.
   for (absl::string_view item : absl::StrSplit(std::getenv("ACCEL_TP_CASES"), ',')) {
     SCOPED_TRACE(item);
     const std::vector<std::string> fields = absl::StrSplit(item, ':');
@@ -608,6 +725,9 @@ TEST(PipelineParallelRank, Run) {
     load.progress = Progress::Style::kSilent;
     load.quantize = fields[1];
     load.tensor_parallel = *parallel;
+    // 0: one per stage (the default), 1: the whole step at once.
+    const int micro = std::stoi(fields[2]);
+    load.tensor_parallel.pipeline_micro_batches = micro;
     absl::StatusOr<LoadedModel> shard = LoadModel(dir, load);
     ASSERT_THAT(shard, IsOk());
     if (world_rank != 0) {
@@ -629,12 +749,34 @@ TEST(PipelineParallelRank, Run) {
       EXPECT_EQ(all->sizes(), (std::vector<int64_t>{3, shard->config.vocab_size}));
     }
     int64_t parallel_store = 0, single_store = 0;
+    const int64_t micro_before = PipelineMicroBatchesRun();
     const GreedyRun parallel = Greedy(*leader, nullptr, nullptr, &parallel_store);
+    // Two sequences a step: two micro-batches each step (one with micro 1).
+    EXPECT_EQ(PipelineMicroBatchesRun() - micro_before, (micro == 1 ? 1 : 2) * kNewTokens);
+    const MixedRun parallel_mixed = GreedyMixed(*leader, nullptr);
     EXPECT_TRUE(leader->healthy());
     EXPECT_THAT(leader->Stop(), IsOk());
     LoadedModel whole = Load(dir, 0, 1, fields[1]);
     ASSERT_TRUE(whole.model);
     const GreedyRun single = Greedy(*whole.model, whole.dispatched.get(), nullptr, &single_store);
+    const MixedRun single_mixed = GreedyMixed(*whole.model, whole.dispatched.get());
+    // Steps of 2 then 3 sequences, micro-batches as the rule cuts them
+    // (never more than the stages nor the sequences); one process runs none.
+    std::vector<int64_t> want_micro;
+    for (int step = 0; step < kNewTokens; ++step) {
+      const int chunks = step < 3 ? 2 : 3;
+      want_micro.push_back(micro == 1 ? 1 : std::min(chunks, stages));
+    }
+    EXPECT_EQ(parallel_mixed.micro_batches, want_micro);
+    EXPECT_THAT(single_mixed.micro_batches, Each(0));
+    ASSERT_EQ(parallel_mixed.logits.size(), single_mixed.logits.size());
+    if (shard->dtype == at::kFloat) {
+      EXPECT_EQ(parallel_mixed.tokens, single_mixed.tokens);
+      for (size_t s = 0; s < single_mixed.logits.size(); ++s) {
+        EXPECT_TRUE(at::allclose(parallel_mixed.logits[s], single_mixed.logits[s], 1e-4, 1e-4))
+            << "mixed step " << s;
+      }
+    }
     // float32: the same tokens and logits. 16-bit: stages alone compute what one process does
     // (no partial sums), tensor parallel within them rounds partial sums (ExpectSameGreedy).
     ExpectSameGreedy(parallel, single, /*exact=*/shard->dtype == at::kFloat);
@@ -655,8 +797,9 @@ TEST(PipelineParallelRank, Run) {
 
 // PP 2 and TP 2 x PP 2: float32 greedy tokens equal one process's, for a
 // dense family and the two mixture-of-experts families; 4 layers, so that
-// the stages hold two each. Llama in bfloat16 and nf4 (each stage quantizes
-// its own layers) too.
+// the stages hold two each. Each step's sequences run as micro-batches (one
+// per stage), and the dense family once more with micro-batching off.
+// Llama in bfloat16 and nf4 (each stage quantizes its own layers) too.
 TEST(PipelineParallel, StagesDecodeAsOneProcess) {
   TempDir dir;
   std::vector<std::string> cases;
@@ -666,15 +809,17 @@ TEST(PipelineParallel, StagesDecodeAsOneProcess) {
     o.dtype = at::kFloat;
     const std::string path = absl::StrCat(dir.path(), "/", family);
     ASSERT_THAT(MakeModel(path, o), IsOk());
-    cases.push_back(absl::StrCat(path, ":none"));
+    cases.push_back(absl::StrCat(path, ":none:0"));
+    // Micro-batching off: the whole step at once, the same tokens.
+    if (std::string(family) == "llama") cases.push_back(absl::StrCat(path, ":none:1"));
   }
   MakeModelOptions o = Small("llama");
   o.num_layers = 4;
   o.dtype = at::kBFloat16;
   const std::string bf16 = absl::StrCat(dir.path(), "/llama-bfloat16");
   ASSERT_THAT(MakeModel(bf16, o), IsOk());
-  cases.push_back(absl::StrCat(bf16, ":none"));
-  cases.push_back(absl::StrCat(bf16, ":nf4"));
+  cases.push_back(absl::StrCat(bf16, ":none:0"));
+  cases.push_back(absl::StrCat(bf16, ":nf4:0"));
   for (int size : {1, 2}) {
     SCOPED_TRACE(size);
     EXPECT_THAT(test::RunRanks(2 * size, "PipelineParallelRank.Run",

@@ -376,8 +376,12 @@ class FakeGroup : public ProcessGroup {
     return Fake();
   }
   absl::StatusOr<std::string> BroadcastBytes(absl::string_view, int) override { return Fake(); }
-  absl::Status Send(const at::Tensor&, int) override { return Fake(); }
-  absl::Status Recv(at::Tensor&, int) override { return Fake(); }
+  absl::StatusOr<std::unique_ptr<PendingWork>> SendAsync(const at::Tensor&, int) override {
+    return Fake();
+  }
+  absl::StatusOr<std::unique_ptr<PendingWork>> RecvAsync(const at::Tensor&, int) override {
+    return Fake();
+  }
   absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> NewGroup(const std::vector<int>&) override {
     return Fake();
   }
