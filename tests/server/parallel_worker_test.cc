@@ -247,6 +247,12 @@ TEST(ParallelServeTest, WhatCannotSplitIsRefusedAtStartByName) {
   EXPECT_THAT(std::string(pipeline.status().message()),
               HasSubstr("pipeline_parallel_size 3: more stages than config.json's "
                         "num_hidden_layers (2)"));
+  auto micro = ServerProcess::Start(TestModelDir(),
+                                    {"--pipeline_parallel_size=2", "--pipeline_micro_batches=-1"},
+                                    absl::Seconds(30));
+  ASSERT_FALSE(micro.ok());
+  EXPECT_THAT(std::string(micro.status().message()),
+              HasSubstr("--pipeline_micro_batches must be at least 0"));
   auto nodes = ServerProcess::Start(TestModelDir(), {"--tensor_parallel_size=2", "--nnodes=2"},
                                     absl::Seconds(30));
   ASSERT_FALSE(nodes.ok());
