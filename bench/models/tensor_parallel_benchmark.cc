@@ -9,8 +9,8 @@
 // per rank and the cost of the collectives, not a speed-up.
 //
 // Then pipeline micro-batches (--batch B sequences a step, B > 0): PP 2
-// with micro-batching on (one micro-batch per stage: the stages overlap)
-// and off (ACCEL_BENCH_MICRO 1, accel-serve's --pipeline_micro_batches 1),
+// with micro-batching off (ACCEL_BENCH_MICRO 1, accel-serve's
+// --pipeline_micro_batches 1) and on (2, one per stage, the default; and 4),
 // beside one process with one and with two threads at the same batch:
 // tokens/s of a prefill step of --prompt tokens per sequence and of the
 // decode steps after it.
@@ -101,15 +101,19 @@ double DecodeTokensPerSecond(models::CausalLM& model, dispatch::DispatchedModel*
 }
 
 // `batch` sequences together (the pipeline's micro-batches are cut from
-// them): tokens/s of one prefill step of `prompt` tokens each, and of
-// `tokens` decode steps after it (batch x tokens generated).
+// them): tokens/s of kPrefillSteps chunked-prefill steps of `prompt`
+// tokens each, and of `tokens` decode steps after them (batch x tokens
+// generated); the seconds this rank waited in collectives (step messages,
+// send / recv) in each phase.
+constexpr int kPrefillSteps = 4;
 struct BatchRate {
   double prefill_tok_s = 0, decode_tok_s = 0;
+  double prefill_wait_s = 0, decode_wait_s = 0, prefill_s = 0, decode_s = 0;
 };
 BatchRate BatchTokensPerSecond(models::CausalLM& model, dispatch::DispatchedModel* dispatched,
                                int batch, int prompt, int tokens) {
   c10::InferenceMode inference;
-  const int64_t block = 16, per_sequence = (prompt + tokens + block) / block + 1;
+  const int64_t block = 16, per_sequence = (kPrefillSteps * prompt + tokens + block) / block + 1;
   models::KvBlockStore store(batch * per_sequence, block,
                              static_cast<size_t>(model.config().num_hidden_layers));
   std::vector<models::KvCache> caches(static_cast<size_t>(batch));
@@ -139,10 +143,18 @@ BatchRate BatchTokensPerSecond(models::CausalLM& model, dispatch::DispatchedMode
     for (int s = 0; s < batch; ++s) next[static_cast<size_t>(s)] = best[s].item<int64_t>();
   };
   BatchRate rate;
-  rate.prefill_tok_s = batch * prompt / bench::Seconds([&] { step(prompt); });
-  rate.decode_tok_s = batch * tokens / bench::Seconds([&] {
-                        for (int i = 0; i < tokens; ++i) step(1);
-                      });
+  double waited = models::TensorParallelCollectiveSeconds();
+  rate.prefill_s = bench::Seconds([&] {
+    for (int i = 0; i < kPrefillSteps; ++i) step(prompt);
+  });
+  rate.prefill_wait_s = models::TensorParallelCollectiveSeconds() - waited;
+  rate.prefill_tok_s = batch * prompt * kPrefillSteps / rate.prefill_s;
+  waited = models::TensorParallelCollectiveSeconds();
+  rate.decode_s = bench::Seconds([&] {
+    for (int i = 0; i < tokens; ++i) step(1);
+  });
+  rate.decode_wait_s = models::TensorParallelCollectiveSeconds() - waited;
+  rate.decode_tok_s = batch * tokens / rate.decode_s;
   return rate;
 }
 
@@ -180,10 +192,17 @@ int RunRank(const std::string& dir, int tokens) {
   }
   const int64_t rss = ResidentBytes();
   if ((*group)->rank() != 0) {
-    const absl::Status ran =
-        models::RunTensorParallelWorker(*loaded->model, loaded->dispatched.get(), **group);
-    std::printf("rank %d rss_loaded=%lld %s\n", (*group)->rank(), static_cast<long long>(rss),
-                Resident().c_str());
+    const double waited = models::TensorParallelCollectiveSeconds();
+    double ran_s = 0;
+    absl::Status ran;
+    ran_s = bench::Seconds([&] {
+      ran = models::RunTensorParallelWorker(*loaded->model, loaded->dispatched.get(), **group);
+    });
+    // Waiting: for the leader's next step message (the leader sampling, or
+    // a step's earlier stages) and for a stage's inputs.
+    std::printf("rank %d rss_loaded=%lld %s waiting=%.0f%% of %.1f s\n", (*group)->rank(),
+                static_cast<long long>(rss), Resident().c_str(),
+                100 * (models::TensorParallelCollectiveSeconds() - waited) / ran_s, ran_s);
     return ran.ok() ? 0 : 1;
   }
   if (const char* batch = std::getenv("ACCEL_BENCH_BATCH")) {
@@ -194,11 +213,15 @@ int RunRank(const std::string& dir, int tokens) {
                              std::atoi(std::getenv("ACCEL_BENCH_PROMPT")), tokens);
     std::printf(
         "batch %s: rank 0 of %d (tp %d x pp %d, micro-batches %s, %s threads) "
-        "prefill_tok_s=%.2f decode_tok_s=%.2f micro_batches_per_step=%.2f\n",
+        "prefill_tok_s=%.2f (waiting %.0f%%) decode_tok_s=%.2f (waiting %.0f%%) "
+        "micro_batches_per_step=%.2f\n",
         batch, (*group)->size(), place->size, place->pipeline_size,
         std::getenv("ACCEL_BENCH_MICRO") != nullptr ? std::getenv("ACCEL_BENCH_MICRO") : "-",
-        std::getenv("OMP_NUM_THREADS"), rate.prefill_tok_s, rate.decode_tok_s,
-        static_cast<double>(models::PipelineMicroBatchesRun() - micro_before) / (tokens + 1));
+        std::getenv("OMP_NUM_THREADS"), rate.prefill_tok_s,
+        100 * rate.prefill_wait_s / rate.prefill_s, rate.decode_tok_s,
+        100 * rate.decode_wait_s / rate.decode_s,
+        static_cast<double>(models::PipelineMicroBatchesRun() - micro_before) /
+            (tokens + kPrefillSteps));
     std::fflush(stdout);
     return 0;
   }
@@ -276,9 +299,10 @@ int main(int argc, char** argv) {
          stages[1] == 0;
   }
   if (batch > 0) {
-    // PP 2 with `batch` sequences a step, micro-batching on (one per stage)
-    // and off (--pipeline_micro_batches 1), beside one process (one thread,
-    // and the machine's two) at the same batch.
+    // PP 2 with `batch` sequences a step, micro-batching off
+    // (--pipeline_micro_batches 1), on (2: one per stage, the default) and
+    // with 4, beside one process (one thread, and the machine's two) at the
+    // same batch.
     std::printf("batch: %d sequences, a %d-token prefill each, then %d decode steps\n", batch,
                 prompt, tokens);
     env["ACCEL_BENCH_BATCH"] = std::to_string(batch);
@@ -290,7 +314,7 @@ int main(int argc, char** argv) {
     }
     env["OMP_NUM_THREADS"] = "1";
     env["ACCEL_BENCH_TP"] = "1";
-    for (const char* micro : {"1", "2"}) {
+    for (const char* micro : {"1", "2", "4"}) {
       env["ACCEL_BENCH_MICRO"] = micro;
       for (int code : test::RunRanks(2, "", env, 1200)) ok &= code == 0;
     }
