@@ -48,6 +48,36 @@ ABSL_FLAG(std::string, speculative_config, "",
           "(prompt lookup) or {\"model\": DIR, \"num_speculative_tokens\": 4} (a draft model with "
           "this model's tokenizer; \"quantization\": its own). Empty: off.");
 
+ABSL_FLAG(int, tensor_parallel_size, 1,
+          "Split the model over this many ranks (Megatron-style tensor parallel: heads, MLP "
+          "widths, experts and the vocabulary; docs/API.md). On one machine accel-serve (and "
+          "accel-generate) starts ranks 1..N-1 itself; with --nnodes each node's accel-serve "
+          "starts its share. Rank 0 serves the ports; the others serve gRPC health only, on "
+          "--port + their local rank.");
+ABSL_FLAG(int, pipeline_parallel_size, 1,
+          "Split the model's layers into this many stages (pipeline parallel: consecutive layers "
+          "per stage, as vLLM splits them; activations passed between stages). With "
+          "--tensor_parallel_size N: N x M ranks, each stage split over N. Each step's "
+          "sequences run as --pipeline_micro_batches micro-batches so that the stages overlap "
+          "(docs/ARCHITECTURE.md).");
+ABSL_FLAG(int, pipeline_micro_batches, 0,
+          "With --pipeline_parallel_size M above 1: cut each step's sequences into this many "
+          "micro-batches (never more than the step's sequences), which the stages run one "
+          "behind another, so that stage s runs micro-batch k + 1 while stage s + 1 runs k. "
+          "0: M. 1: the whole step at once, the stages one after another.");
+ABSL_FLAG(int, nnodes, 1, "Machines of the group, as torchrun's --nnodes (each runs accel-serve).");
+ABSL_FLAG(int, node_rank, 0, "This machine's index in [0, --nnodes), as torchrun's --node_rank.");
+ABSL_FLAG(std::string, master_addr, "",
+          "Node 0's address (its first rank hosts the group's rendezvous); needed with --nnodes "
+          "above 1, 127.0.0.1 otherwise. MASTER_ADDR and the other variables of accel-launch / "
+          "torchrun, when set, say which rank this process is instead.");
+ABSL_FLAG(int, master_port, 29500, "The rendezvous port on --master_addr.");
+ABSL_FLAG(absl::Duration, parallel_timeout, absl::Seconds(60),
+          "A collective of the group that does not complete within this (a rank died or stopped "
+          "answering) breaks the group: accel-serve's leader turns not ready, ends requests in "
+          "flight with UNAVAILABLE, drains and exits with status 4; idle ranks hear from the "
+          "leader every quarter of it.");
+
 namespace accel::engine {
 namespace {
 
@@ -79,6 +109,14 @@ EngineArgs EngineArgs::FromFlags() {
   a.default_max_new_tokens = absl::GetFlag(FLAGS_default_max_new_tokens);
   a.request_timeout = absl::GetFlag(FLAGS_request_timeout);
   a.speculative_config = absl::GetFlag(FLAGS_speculative_config);
+  a.parallel.tensor_parallel_size = absl::GetFlag(FLAGS_tensor_parallel_size);
+  a.parallel.pipeline_parallel_size = absl::GetFlag(FLAGS_pipeline_parallel_size);
+  a.parallel.nnodes = absl::GetFlag(FLAGS_nnodes);
+  a.parallel.node_rank = absl::GetFlag(FLAGS_node_rank);
+  a.parallel.master_addr = absl::GetFlag(FLAGS_master_addr);
+  a.parallel.master_port = absl::GetFlag(FLAGS_master_port);
+  a.pipeline_micro_batches = absl::GetFlag(FLAGS_pipeline_micro_batches);
+  a.parallel_timeout = absl::GetFlag(FLAGS_parallel_timeout);
   return a;
 }
 
@@ -90,11 +128,17 @@ absl::StatusOr<EngineOptions> EngineArgs::Resolve() const {
         AtLeast("max_input_tokens", max_input_tokens, 0),
         AtLeast("max_total_tokens", max_total_tokens, 0),
         AtLeast("default_max_new_tokens", default_max_new_tokens, 1),
-        AtLeast("threads", threads, 0)}) {
+        AtLeast("threads", threads, 0),
+        AtLeast("tensor_parallel_size", parallel.tensor_parallel_size, 1),
+        AtLeast("pipeline_parallel_size", parallel.pipeline_parallel_size, 1),
+        AtLeast("pipeline_micro_batches", pipeline_micro_batches, 0)}) {
     if (!s.ok()) return s;
   }
   if (request_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("--request_timeout must not be negative");
+  }
+  if (parallel_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--parallel_timeout must be positive");
   }
   EngineOptions o;
   o.model_dir = model.empty() ? models::DefaultModelDir() : model;
@@ -130,6 +174,9 @@ absl::StatusOr<EngineOptions> EngineArgs::Resolve() const {
   o.max_total_tokens = max_total_tokens;
   o.default_max_new_tokens = default_max_new_tokens;
   o.request_timeout = request_timeout;
+  o.parallel = parallel;
+  o.pipeline_micro_batches = pipeline_micro_batches;
+  o.parallel_timeout = parallel_timeout;
   return o;
 }
 

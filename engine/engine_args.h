@@ -39,6 +39,13 @@ struct EngineArgs {
   int64_t default_max_new_tokens = 16;
   absl::Duration request_timeout = absl::ZeroDuration();
   std::string speculative_config;  // JSON, as vLLM's --speculative-config
+  // One model over several processes (issue 36): tensor / pipeline sizes
+  // and where this process stands (--nnodes ...: dist::ResolveRankLayout),
+  // a pipeline step's micro-batches (0: one per stage), the bound on every
+  // collective.
+  dist::ParallelFlags parallel;
+  int pipeline_micro_batches = 0;
+  absl::Duration parallel_timeout = absl::Seconds(60);
 
   // Links the flags (engine/engine_args.cc, with models::RegisterLoadFlags's)
   // into the tool; call before absl::ParseCommandLine.

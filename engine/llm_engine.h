@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 
 #include "dispatch/offload_stats.h"
+#include "dist/launch.h"
 #include "engine/engine_loop.h"
 #include "engine/request.h"
 #include "engine/speculative_config.h"
@@ -59,6 +60,12 @@ struct EngineOptions {
   absl::Duration request_timeout = absl::ZeroDuration();  // zero: none
   // Speculative decoding (engine/speculative_config.h); off by default.
   SpeculativeConfig speculative;
+  // A run over several processes (EngineArgs's): the tool that loads the
+  // engine starts and joins the group (dist/launch.h) and places the model
+  // (load.tensor_parallel) before LlmEngine::Load.
+  dist::ParallelFlags parallel;
+  int pipeline_micro_batches = 0;
+  absl::Duration parallel_timeout = absl::Seconds(60);
 };
 
 struct ModelInfo {

@@ -35,7 +35,6 @@
 #include "loader/config.h"
 #include "models/tensor_parallel.h"
 #include "server/internal/connection_limits.h"
-#include "server/internal/parallel_launch.h"
 #include "server/internal/parallel_worker.h"
 #include "server/server.h"
 #include "server/serving.h"
@@ -99,35 +98,6 @@ ABSL_FLAG(std::string, tool_call_parser, "auto",
 ABSL_FLAG(absl::Duration, liveness_probe_interval, absl::Seconds(10),
           "How often every port is probed as a client would; three failures in a row turn "
           "health accel.live NOT_SERVING. 0: no probes.");
-ABSL_FLAG(int, tensor_parallel_size, 1,
-          "Split the model over this many ranks (Megatron-style tensor parallel: heads, MLP "
-          "widths, experts and the vocabulary; docs/API.md). On one machine accel-serve starts "
-          "ranks 1..N-1 itself; with --nnodes each node's accel-serve starts its share. Rank 0 "
-          "serves the ports; the others serve gRPC health only, on --port + their local rank.");
-ABSL_FLAG(int, pipeline_parallel_size, 1,
-          "Split the model's layers into this many stages (pipeline parallel: consecutive layers "
-          "per stage, as vLLM splits them; activations passed between stages). With "
-          "--tensor_parallel_size N: N x M ranks, each stage split over N. Each step's "
-          "sequences run as --pipeline_micro_batches micro-batches so that the stages overlap "
-          "(docs/ARCHITECTURE.md).");
-ABSL_FLAG(int, pipeline_micro_batches, 0,
-          "With --pipeline_parallel_size M above 1: cut each step's sequences into this many "
-          "micro-batches (never more than the step's sequences), which the stages run one "
-          "behind another, so that stage s runs micro-batch k + 1 while stage s + 1 runs k. "
-          "0: M. 1: the whole step at once, the stages one after another.");
-ABSL_FLAG(int, nnodes, 1, "Machines of the group, as torchrun's --nnodes (each runs accel-serve).");
-ABSL_FLAG(int, node_rank, 0, "This machine's index in [0, --nnodes), as torchrun's --node_rank.");
-ABSL_FLAG(std::string, master_addr, "",
-          "Node 0's address (its first rank hosts the group's rendezvous); needed with --nnodes "
-          "above 1, 127.0.0.1 otherwise. MASTER_ADDR and the other variables of accel-launch / "
-          "torchrun, when set, say which rank this process is instead.");
-ABSL_FLAG(int, master_port, 29500, "The rendezvous port on --master_addr.");
-ABSL_FLAG(absl::Duration, parallel_timeout, absl::Seconds(60),
-          "A collective of the group that does not complete within this (a rank died or stopped "
-          "answering) breaks the group: the leader turns not ready, ends requests in flight "
-          "with UNAVAILABLE, drains and exits with status 4; idle ranks hear from the leader "
-          "every quarter of it.");
-
 namespace {
 
 // The exit status after a weights file fault: a restart is what mends it.
@@ -249,28 +219,16 @@ int Run(int argc, char** argv) {
     return 1;
   }
   // Tensor parallel: which rank this is, the ranks it starts, the group.
-  accel::server::internal::ParallelFlags parallel;
-  parallel.tensor_parallel_size = absl::GetFlag(FLAGS_tensor_parallel_size);
-  parallel.pipeline_parallel_size = absl::GetFlag(FLAGS_pipeline_parallel_size);
-  parallel.nnodes = absl::GetFlag(FLAGS_nnodes);
-  parallel.node_rank = absl::GetFlag(FLAGS_node_rank);
-  parallel.master_addr = absl::GetFlag(FLAGS_master_addr);
-  parallel.master_port = absl::GetFlag(FLAGS_master_port);
-  absl::StatusOr<accel::server::internal::RankLayout> layout =
-      accel::server::internal::ResolveRankLayout(parallel, accel::dist::ProcessEnv());
+  const accel::dist::ParallelFlags& parallel = options->engine.parallel;
+  absl::StatusOr<accel::dist::RankLayout> layout =
+      accel::dist::ResolveRankLayout(parallel, accel::dist::ProcessEnv());
   if (!layout.ok()) {
     Log(std::string(layout.status().message()));
     return 1;
   }
-  const absl::Duration parallel_timeout = absl::GetFlag(FLAGS_parallel_timeout);
-  const int micro_batches = absl::GetFlag(FLAGS_pipeline_micro_batches);
-  if (micro_batches < 0) {
-    Log(absl::StrCat(
-        "--pipeline_micro_batches must be at least 0 (0: one per pipeline stage), got ",
-        micro_batches));
-    return 1;
-  }
-  std::unique_ptr<accel::server::internal::LocalWorkers> workers;
+  const absl::Duration parallel_timeout = options->engine.parallel_timeout;
+  const int micro_batches = options->engine.pipeline_micro_batches;
+  std::unique_ptr<accel::dist::LocalWorkers> workers;
   std::unique_ptr<accel::dist::ProcessGroup> group, stage_group;
   if (layout->world_size > 1) {
     if (parallel_timeout <= absl::ZeroDuration()) {
@@ -291,9 +249,8 @@ int Run(int argc, char** argv) {
       return 1;
     }
     if (!layout->to_start.empty()) {
-      absl::StatusOr<std::unique_ptr<accel::server::internal::LocalWorkers>> started =
-          accel::server::internal::LocalWorkers::Start("/proc/self/exe", command_line,
-                                                       layout->to_start);
+      absl::StatusOr<std::unique_ptr<accel::dist::LocalWorkers>> started =
+          accel::dist::LocalWorkers::Start("/proc/self/exe", command_line, layout->to_start);
       if (!started.ok()) {
         Log(std::string(started.status().message()));
         return 1;

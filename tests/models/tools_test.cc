@@ -18,6 +18,7 @@
 #include <re2/re2.h>
 
 #include "tests/testing/command.h"
+#include "tests/testing/multiprocess.h"
 #include "tests/testing/temp_dir.h"
 
 namespace accel {
@@ -392,6 +393,36 @@ TEST_F(GenerateToolTest, JsonFromInputIdsIsOneLineAndReproducible) {
   EXPECT_NE(a["token_ids"], Json(sampled + "--seed 12")["token_ids"]);
   ASSERT_EQ(a["logprobs"].size(), 8u);
   for (const auto& lp : a["logprobs"]) EXPECT_LT(lp.get<double>(), 0.0);
+}
+
+// --tensor_parallel_size / --pipeline_parallel_size on one machine: this
+// process is rank 0 and starts the others (the same binary and flags); the
+// greedy tokens are one process's (float32), with 3 stages, 2 x 2 ranks and
+// micro-batching off; what cannot split is refused by name before a rank
+// starts.
+TEST_F(GenerateToolTest, SplitOverRanksGeneratesAsOneProcess) {
+  const std::string flags =
+      "--input_ids 1,2,3,4,5 --max_new_tokens 8 --ignore_eos --parallel_timeout 30s ";
+  const nlohmann::json one = Json(flags);
+  ASSERT_TRUE(one.is_object());
+  for (const std::string split :
+       {"--pipeline_parallel_size 3", "--tensor_parallel_size 2 --pipeline_parallel_size 2",
+        "--pipeline_parallel_size 2 --pipeline_micro_batches 1"}) {
+    SCOPED_TRACE(split);
+    const nlohmann::json parallel =
+        Json(flags + split + " --master_port " + std::to_string(test::FreePort()));
+    ASSERT_TRUE(parallel.is_object());
+    EXPECT_EQ(parallel["token_ids"], one["token_ids"]);
+  }
+  Result stages =
+      RunTool("accel-generate --model " + model_ + " --input_ids 1,2 --pipeline_parallel_size 4");
+  EXPECT_EQ(stages.exit_code, 1);
+  EXPECT_THAT(stages.out, HasSubstr("pipeline_parallel_size 4: more stages than config.json's "
+                                    "num_hidden_layers (3)"));
+  Result micro = RunTool("accel-generate --model " + model_ +
+                         " --input_ids 1,2 --pipeline_parallel_size 2 --pipeline_micro_batches -1");
+  EXPECT_EQ(micro.exit_code, 1);
+  EXPECT_THAT(micro.out, HasSubstr("--pipeline_micro_batches must be 0 or more"));
 }
 
 // --regex / --json_schema / --grammar: the random model's text follows them.

@@ -252,7 +252,7 @@ TEST(ParallelServeTest, WhatCannotSplitIsRefusedAtStartByName) {
                                     absl::Seconds(30));
   ASSERT_FALSE(micro.ok());
   EXPECT_THAT(std::string(micro.status().message()),
-              HasSubstr("--pipeline_micro_batches must be at least 0"));
+              HasSubstr("--pipeline_micro_batches must be 0 or more"));
   auto nodes = ServerProcess::Start(TestModelDir(), {"--tensor_parallel_size=2", "--nnodes=2"},
                                     absl::Seconds(30));
   ASSERT_FALSE(nodes.ok());

@@ -1,7 +1,7 @@
 // Where an accel-serve process stands in a tensor-parallel group (flags or a
 // launcher's variables), and the workers it starts: real child processes,
 // killed, stopped and exiting.
-#include "server/internal/parallel_launch.h"
+#include "dist/launch.h"
 
 #include <chrono>
 #include <csignal>
@@ -15,7 +15,7 @@
 
 #include "tests/testing/status_matchers.h"
 
-namespace accel::server::internal {
+namespace accel::dist {
 namespace {
 
 using ::accel::test::IsOk;
@@ -170,4 +170,4 @@ TEST(LocalWorkers, AKilledStoppedOrExitingWorkerIsReportedByRank) {
 }
 
 }  // namespace
-}  // namespace accel::server::internal
+}  // namespace accel::dist

@@ -1,5 +1,7 @@
-// Where an accel-serve process stands in a tensor-parallel group, and the
-// workers it starts on its own machine (issue 36, item 3).
+// Where a process of a tensor / pipeline-parallel run stands in its group,
+// and the workers it starts on its own machine (issue 36, item 3): shared by
+// accel-serve and accel-generate (below engine/ and server/, so both reach
+// it).
 //
 // On one machine `accel-serve --tensor_parallel_size N` is the leader (rank
 // 0) and starts ranks 1..N-1 itself: the same binary and flags, with
@@ -12,8 +14,8 @@
 // serve health only and run the steps rank 0 sends.
 //
 // Torch-free.
-#ifndef ACCEL_SERVER_INTERNAL_PARALLEL_LAUNCH_H_
-#define ACCEL_SERVER_INTERNAL_PARALLEL_LAUNCH_H_
+#ifndef ACCEL_DIST_LAUNCH_H_
+#define ACCEL_DIST_LAUNCH_H_
 
 #include <functional>
 #include <map>
@@ -25,7 +27,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace accel::server::internal {
+namespace accel::dist {
 
 struct ParallelFlags {
   int tensor_parallel_size = 1;
@@ -86,6 +88,6 @@ class LocalWorkers {
   std::optional<std::string> failure_;
 };
 
-}  // namespace accel::server::internal
+}  // namespace accel::dist
 
-#endif  // ACCEL_SERVER_INTERNAL_PARALLEL_LAUNCH_H_
+#endif  // ACCEL_DIST_LAUNCH_H_

@@ -1,4 +1,4 @@
-#include "server/internal/parallel_launch.h"
+#include "dist/launch.h"
 
 #include <cerrno>
 #include <chrono>
@@ -14,7 +14,7 @@
 
 extern char** environ;
 
-namespace accel::server::internal {
+namespace accel::dist {
 namespace {
 
 absl::StatusOr<std::optional<int>> IntVariable(const EnvLookup& env, const std::string& name) {
@@ -213,4 +213,4 @@ LocalWorkers::~LocalWorkers() {
   }
 }
 
-}  // namespace accel::server::internal
+}  // namespace accel::dist
