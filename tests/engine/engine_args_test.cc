@@ -63,6 +63,14 @@ TEST(EngineArgsTest, EveryLoadAndEngineOptionHasItsFlag) {
   Set("default_max_new_tokens", "11");
   Set("request_timeout", "12s");
   Set("speculative_config", R"({"method": "ngram", "num_speculative_tokens": 2})");
+  Set("tensor_parallel_size", "2");
+  Set("pipeline_parallel_size", "3");
+  Set("pipeline_micro_batches", "4");
+  Set("nnodes", "2");
+  Set("node_rank", "1");
+  Set("master_addr", "10.0.0.1");
+  Set("master_port", "29600");
+  Set("parallel_timeout", "13s");
   const EngineArgs a = EngineArgs::FromFlags();
   EXPECT_EQ(a.model, "/m");
   EXPECT_EQ(a.served_model_name, "tiny");
@@ -93,6 +101,14 @@ TEST(EngineArgsTest, EveryLoadAndEngineOptionHasItsFlag) {
   EXPECT_EQ(a.default_max_new_tokens, 11);
   EXPECT_EQ(a.request_timeout, absl::Seconds(12));
   EXPECT_THAT(a.speculative_config, HasSubstr("ngram"));
+  EXPECT_EQ(a.parallel.tensor_parallel_size, 2);
+  EXPECT_EQ(a.parallel.pipeline_parallel_size, 3);
+  EXPECT_EQ(a.pipeline_micro_batches, 4);
+  EXPECT_EQ(a.parallel.nnodes, 2);
+  EXPECT_EQ(a.parallel.node_rank, 1);
+  EXPECT_EQ(a.parallel.master_addr, "10.0.0.1");
+  EXPECT_EQ(a.parallel.master_port, 29600);
+  EXPECT_EQ(a.parallel_timeout, absl::Seconds(13));
 }
 
 class ResolveTest : public ::testing::Test {
@@ -125,6 +141,15 @@ TEST_F(ResolveTest, GoodArgsBecomeTheEngineOptions) {
   EXPECT_EQ(o->load.device_map, "cpu");
   EXPECT_EQ(o->speculative.method, SpeculativeConfig::Method::kDraftModel);
   EXPECT_EQ(o->speculative.num_speculative_tokens, 3);
+  // The parallel options pass through as they are (the tool joins the group).
+  a.parallel.pipeline_parallel_size = 2;
+  a.pipeline_micro_batches = 1;
+  a.parallel_timeout = absl::Seconds(5);
+  o = a.Resolve();
+  ASSERT_THAT(o, IsOk());
+  EXPECT_EQ(o->parallel.pipeline_parallel_size, 2);
+  EXPECT_EQ(o->pipeline_micro_batches, 1);
+  EXPECT_EQ(o->parallel_timeout, absl::Seconds(5));
 }
 
 TEST_F(ResolveTest, EachBadOptionIsNamed) {
@@ -178,6 +203,14 @@ TEST_F(ResolveTest, EachBadOptionIsNamed) {
       "--threads must be 0 or more");
   Bad([](EngineArgs& a) { a.request_timeout = absl::Seconds(-1); }, StatusCode::kInvalidArgument,
       "--request_timeout must not be negative");
+  Bad([](EngineArgs& a) { a.parallel.tensor_parallel_size = 0; }, StatusCode::kInvalidArgument,
+      "--tensor_parallel_size must be at least 1");
+  Bad([](EngineArgs& a) { a.parallel.pipeline_parallel_size = 0; }, StatusCode::kInvalidArgument,
+      "--pipeline_parallel_size must be at least 1");
+  Bad([](EngineArgs& a) { a.pipeline_micro_batches = -1; }, StatusCode::kInvalidArgument,
+      "--pipeline_micro_batches must be 0 or more");
+  Bad([](EngineArgs& a) { a.parallel_timeout = absl::ZeroDuration(); },
+      StatusCode::kInvalidArgument, "--parallel_timeout must be positive");
   Bad([](EngineArgs& a) { a.kv_cache_memory = "lots"; }, StatusCode::kInvalidArgument,
       "--kv_cache_memory=lots");
   Bad([](EngineArgs& a) { a.kv_cache_memory = "1.5"; }, StatusCode::kInvalidArgument,
