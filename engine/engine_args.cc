@@ -60,11 +60,14 @@ ABSL_FLAG(int, pipeline_parallel_size, 1,
           "--tensor_parallel_size N: N x M ranks, each stage split over N. Each step's "
           "sequences run as --pipeline_micro_batches micro-batches so that the stages overlap "
           "(docs/ARCHITECTURE.md).");
-ABSL_FLAG(int, pipeline_micro_batches, 0,
-          "With --pipeline_parallel_size M above 1: cut each step's sequences into this many "
-          "micro-batches (never more than the step's sequences), which the stages run one "
-          "behind another, so that stage s runs micro-batch k + 1 while stage s + 1 runs k. "
-          "0: M. 1: the whole step at once, the stages one after another.");
+ABSL_FLAG(
+    int, pipeline_micro_batches, 0,
+    "With --pipeline_parallel_size M above 1: cut each step's sequences into this many "
+    "micro-batches (never more than the step's sequences), which the stages run one "
+    "behind another, so that stage s runs micro-batch k + 1 while stage s + 1 runs k. "
+    "0 (auto): M, but none under 32 tokens (a decode step of a few sequences runs whole: each "
+    "micro-batch reads the stage's weights again). 1: the whole step at once, the stages "
+    "one after another.");
 ABSL_FLAG(int, nnodes, 1, "Machines of the group, as torchrun's --nnodes (each runs accel-serve).");
 ABSL_FLAG(int, node_rank, 0, "This machine's index in [0, --nnodes), as torchrun's --node_rank.");
 ABSL_FLAG(std::string, master_addr, "",

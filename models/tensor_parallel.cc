@@ -117,6 +117,11 @@ std::vector<std::pair<size_t, size_t>> PipelineMicroBatches(absl::Span<const int
   return out;
 }
 
+int PipelineAutoMicroBatches(int64_t step_tokens, int stages) {
+  const int64_t fit = step_tokens / kMinPipelineMicroBatchTokens;
+  return static_cast<int>(std::clamp<int64_t>(fit, 1, std::max(stages, 1)));
+}
+
 absl::Status CheckPipelineParallel(const loader::ModelConfig& c, int stages) {
   if (stages < 1) {
     return absl::InvalidArgumentError(

@@ -104,6 +104,16 @@ std::pair<int64_t, int64_t> PipelineLayers(int64_t layers, int stage, int stages
 std::vector<std::pair<size_t, size_t>> PipelineMicroBatches(absl::Span<const int64_t> chunk_tokens,
                                                             int requested);
 
+// The micro-batches a step of `step_tokens` tokens asks for when
+// --pipeline_micro_batches is 0 (auto): one per stage, but none under
+// kMinPipelineMicroBatchTokens tokens, so a decode step of a few sequences
+// runs whole. Each micro-batch reads every weight of its stage again, which a
+// handful of decode rows do not repay (measured in docs/BENCHMARKS.md: 2
+// micro-batches of 4 decode rows each cost 18-37% of decode tokens/s, while
+// 64-token prefill chunks gained 23%).
+inline constexpr int64_t kMinPipelineMicroBatchTokens = 32;
+int PipelineAutoMicroBatches(int64_t step_tokens, int stages);
+
 // InvalidArgument naming the field when `config`'s model cannot be split
 // into `stages` pipeline stages (more stages than num_hidden_layers, fewer
 // than 1); Unimplemented for GPT-2 and LongRoPE models, as

@@ -10,7 +10,7 @@
 //
 // Then pipeline micro-batches (--batch B sequences a step, B > 0): PP 2
 // with micro-batching off (ACCEL_BENCH_MICRO 1, accel-serve's
-// --pipeline_micro_batches 1) and on (2, one per stage, the default; and 4),
+// --pipeline_micro_batches 1) and on (2, one per stage; and 4),
 // beside one process with one and with two threads at the same batch:
 // tokens/s of a prefill step of --prompt tokens per sequence and of the
 // decode steps after it.
@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
   }
   if (batch > 0) {
     // PP 2 with `batch` sequences a step, micro-batching off
-    // (--pipeline_micro_batches 1), on (2: one per stage, the default) and
+    // (--pipeline_micro_batches 1), on (2: one per stage) and
     // with 4, beside one process (one thread, and the machine's two) at the
     // same batch.
     std::printf("batch: %d sequences, a %d-token prefill each, then %d decode steps\n", batch,

@@ -790,9 +790,15 @@ class DecoderLM : public CausalLM {
     const at::Device home = ids.device();
     const size_t n = model->layers.size();
     std::vector<int64_t> tokens;
-    for (const SequenceChunk& c : chunks) tokens.push_back(c.tokens);
+    int64_t step_tokens = 0;
+    for (const SequenceChunk& c : chunks) {
+      tokens.push_back(c.tokens);
+      step_tokens += c.tokens;
+    }
     const std::vector<std::pair<size_t, size_t>> cuts = PipelineMicroBatches(
-        tokens, tp_.pipeline_micro_batches > 0 ? tp_.pipeline_micro_batches : tp_.pipeline_size);
+        tokens, tp_.pipeline_micro_batches > 0
+                    ? tp_.pipeline_micro_batches
+                    : PipelineAutoMicroBatches(step_tokens, tp_.pipeline_size));
     const int previous = tp_.world_rank() - tp_.size, next = tp_.world_rank() + tp_.size;
     const int last_stage_first = (tp_.pipeline_size - 1) * tp_.size;
     const bool leader = tp_.world_rank() == 0;

@@ -508,6 +508,19 @@ TEST(PipelineLayers, SplitsAsVllm) {
   EXPECT_EQ(split(5, 1), (std::vector<Range>{{0, 5}}));
 }
 
+// --pipeline_micro_batches 0 (auto): one per stage, none under 32 tokens, so
+// decode steps of a few rows run whole and prefill chunks overlap.
+TEST(PipelineMicroBatches, AutoSplitsOnlyStepsWithTokensEnough) {
+  EXPECT_EQ(PipelineAutoMicroBatches(0, 2), 1);
+  EXPECT_EQ(PipelineAutoMicroBatches(8, 2), 1);   // 8 decode rows
+  EXPECT_EQ(PipelineAutoMicroBatches(63, 2), 1);  // two of 31: not worth a second weight read
+  EXPECT_EQ(PipelineAutoMicroBatches(64, 2), 2);  // a 64-token prefill chunk
+  EXPECT_EQ(PipelineAutoMicroBatches(512, 2), 2);
+  EXPECT_EQ(PipelineAutoMicroBatches(100, 4), 3);
+  EXPECT_EQ(PipelineAutoMicroBatches(4096, 4), 4);
+  EXPECT_EQ(PipelineAutoMicroBatches(4096, 1), 1);
+}
+
 // The micro-batches of a step: contiguous, at least one chunk each, never
 // more than the chunks, cut at equal shares of the tokens.
 TEST(PipelineMicroBatches, SplitsTheStepsSequencesByTokens) {
@@ -725,7 +738,8 @@ TEST(PipelineParallelRank, Run) {
     load.progress = Progress::Style::kSilent;
     load.quantize = fields[1];
     load.tensor_parallel = *parallel;
-    // 0: one per stage (the default), 1: the whole step at once.
+    // 2: one per stage (these steps of a few tokens would run whole under
+    // the default, auto), 1: the whole step at once.
     const int micro = std::stoi(fields[2]);
     load.tensor_parallel.pipeline_micro_batches = micro;
     absl::StatusOr<LoadedModel> shard = LoadModel(dir, load);
@@ -809,7 +823,7 @@ TEST(PipelineParallel, StagesDecodeAsOneProcess) {
     o.dtype = at::kFloat;
     const std::string path = absl::StrCat(dir.path(), "/", family);
     ASSERT_THAT(MakeModel(path, o), IsOk());
-    cases.push_back(absl::StrCat(path, ":none:0"));
+    cases.push_back(absl::StrCat(path, ":none:2"));
     // Micro-batching off: the whole step at once, the same tokens.
     if (std::string(family) == "llama") cases.push_back(absl::StrCat(path, ":none:1"));
   }
@@ -818,8 +832,8 @@ TEST(PipelineParallel, StagesDecodeAsOneProcess) {
   o.dtype = at::kBFloat16;
   const std::string bf16 = absl::StrCat(dir.path(), "/llama-bfloat16");
   ASSERT_THAT(MakeModel(bf16, o), IsOk());
-  cases.push_back(absl::StrCat(bf16, ":none:0"));
-  cases.push_back(absl::StrCat(bf16, ":nf4:0"));
+  cases.push_back(absl::StrCat(bf16, ":none:2"));
+  cases.push_back(absl::StrCat(bf16, ":nf4:2"));
   for (int size : {1, 2}) {
     SCOPED_TRACE(size);
     EXPECT_THAT(test::RunRanks(2 * size, "PipelineParallelRank.Run",
