@@ -279,6 +279,12 @@ absl::StatusOr<int64_t> TotalHostMemory() {
   return *total;
 }
 
+bool HostMemoryLimitedByCgroup() {
+  const std::optional<int64_t> total = internal::MemTotal();
+  const std::optional<internal::CgroupMemory> cgroup = internal::SelfCgroupMemory();
+  return total && cgroup && cgroup->limit < *total;
+}
+
 absl::StatusOr<MaxMemory> ProbeMaxMemory() {
   MaxMemory mm;
   for (const auto& [index, free] : internal::ProbeGpuFreeMemory()) {

@@ -91,6 +91,9 @@ absl::StatusOr<int64_t> AvailableHostMemory();
 // All the RAM this process could have: MemTotal, or its memory cgroup's
 // limit when smaller.
 absl::StatusOr<int64_t> TotalHostMemory();
+// Whether this process's memory cgroup limits it below the machine's
+// MemTotal (so the limit, not the machine, is what reclaim works against).
+bool HostMemoryLimitedByCgroup();
 
 // Placement of each module or tensor, in planning order.
 class DeviceMap {

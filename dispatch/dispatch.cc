@@ -603,11 +603,11 @@ absl::Status DispatchedModel::SetUpExpertCache(const LoadOptions& options) {
   cache.stager = im.stager.get();
   cache.direct = options.direct_reads;
   cache.positions = static_cast<int>(options.expert_lists.size());
-  // Mapped experts the cache evicts leave the page cache too: kept there,
-  // they fill it up to the memory limit, and the kernel then reclaims what
-  // it likes, the cache's own units included (read again, a page at a time,
-  // in the middle of a step).
-  cache.release_pages = true;
+  // Mapped experts the cache evicts: kept in the page cache (a second level
+  // the kernel reclaims first, which whole-machine runs gain from), or
+  // dropped from it too (under a tight memory cgroup, where the kernel's
+  // reclaim took the cache's own units; see LoadOptions).
+  cache.release_pages = !options.keep_evicted_expert_pages;
   im.experts = std::make_unique<internal::ExpertCache>(im.tensors, cache);
   for (size_t position = 0; position < options.expert_lists.size(); ++position) {
     const std::string& list = options.expert_lists[position];

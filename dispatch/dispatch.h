@@ -111,6 +111,14 @@ struct LoadOptions {
   // execution device, instead of all together by Enter() of their block.
   std::vector<std::string> expert_lists;
   int64_t expert_cache_bytes = 0;
+  // Mapped experts the cache evicts stay in the page cache (unmapped from
+  // the process, so its resident memory is the cache's budget; the kernel
+  // reclaims them first when it needs memory, and until then a miss on one
+  // is read at memory speed), rather than being dropped from it. Measured on
+  // Mixtral-8x7B NF4 (docs/BENCHMARKS.md): 1.35x decode on a whole 24 GiB
+  // machine, and 0.95x in a 16 GiB memory cgroup, whose limit reclaim then
+  // took the cache's own units too.
+  bool keep_evicted_expert_pages = false;
   // Disk reads bypass the page cache (O_DIRECT; a buffered read whose pages
   // are dropped after, where the file system refuses it), so offloaded
   // weights live in the process's buffers only: a memory budget that holds,

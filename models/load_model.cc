@@ -685,6 +685,9 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   load.expert_lists = out.expert_lists;
   load.expert_cache_bytes = out.expert_cache_bytes;
   load.direct_reads = plan.memory.direct_reads;
+  // Evicted experts' pages stay in the page cache as a second level, except
+  // under a memory cgroup whose limit is below the machine's memory.
+  load.keep_evicted_expert_pages = !dispatch::HostMemoryLimitedByCgroup();
   load.prefetch = options.prefetch;
   load.map_disk = options.map_disk;
   load.mapped_resident_bytes = plan.cpu_room;

@@ -2,6 +2,7 @@
 // read from a made-up cgroup file system, and this process's own.
 #include "dispatch/internal/host_memory.h"
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -9,6 +10,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "dispatch/device_map.h"
 #include "tests/testing/temp_dir.h"
 
 namespace accel::dispatch::internal {
@@ -104,6 +106,27 @@ TEST(HostMemoryTest, TheMachinesMemAvailableIsRead) {
   // This machine's own, whatever it is, is positive.
   ASSERT_TRUE(MemAvailable().has_value());
   EXPECT_GT(*MemAvailable(), 0);
+}
+
+// Whether a cgroup limit binds: one below the machine's memory does (the
+// expert cache then drops the pages it evicts), none or one above does not.
+// Read through $ACCEL_CGROUP_ROOT, laid out as a cgroup v2 mount whose own
+// cgroup is its root (as inside a cgroup namespace), as the tools' tests do.
+TEST(HostMemoryTest, ALimitBelowTheMachinesMemoryBinds) {
+  TempDir root;
+  Put(root.path() + "/memory.current", "0\n");
+  Put(root.path() + "/memory.stat", "active_file 0\ninactive_file 0\n");
+  ASSERT_EQ(::setenv("ACCEL_CGROUP_ROOT", root.path().c_str(), 1), 0);
+  Put(root.path() + "/memory.max", std::to_string(256 * kMiB) + "\n");
+  const bool small = HostMemoryLimitedByCgroup();
+  Put(root.path() + "/memory.max", std::to_string(int64_t{1} << 50) + "\n");  // 1 PiB
+  const bool large = HostMemoryLimitedByCgroup();
+  Put(root.path() + "/memory.max", "max\n");
+  const bool none = HostMemoryLimitedByCgroup();
+  ::unsetenv("ACCEL_CGROUP_ROOT");
+  EXPECT_TRUE(small);
+  EXPECT_FALSE(large);
+  EXPECT_FALSE(none);
 }
 
 }  // namespace
