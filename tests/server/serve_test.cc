@@ -4,6 +4,7 @@
 #include <cctype>
 #include <csignal>
 #include <cstdio>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -814,13 +815,24 @@ const std::string& MixtralModelDir() {
 // Experts on disk, brought in one by one as the router picks them: the
 // answers of the model held in RAM, and the expert counters move.
 TEST(ServeOffloadTest, OffloadedExpertsAnswerAsTheModelInRamAndAreCounted) {
-  auto server =
-      StartOrDie(MixtralModelDir(), {"--offload_experts=true", "--max_memory=cpu=1MiB,disk=1GiB"});
-  ASSERT_NE(server, nullptr);
-  auto stub = Generation::NewStub(server->Channel());
   const std::string prompt = "Experts on disk";
   const GenerateCli reference = RunGenerateTool(MixtralModelDir(), prompt, 10, "--device_map cpu");
   ASSERT_EQ(reference.token_ids.size(), 10u);
+  // Under a memory cgroup whose limit binds (a fake one, through
+  // $ACCEL_CGROUP_ROOT, which the server inherits), evicted experts leave the
+  // page cache too, so the tiny cache's misses read the disk again and the
+  // read counters move. (Without one they stay in the page cache, and a
+  // checkpoint this small is read whole by the kernel's read-ahead at load.)
+  TempDir cgroup;
+  cgroup.Write("memory.max", "1073741824\n");
+  cgroup.Write("memory.current", "0\n");
+  cgroup.Write("memory.stat", "active_file 0\ninactive_file 0\n");
+  ASSERT_EQ(::setenv("ACCEL_CGROUP_ROOT", cgroup.path().c_str(), 1), 0);
+  auto server =
+      StartOrDie(MixtralModelDir(), {"--offload_experts=true", "--max_memory=cpu=1MiB,disk=1GiB"});
+  ::unsetenv("ACCEL_CGROUP_ROOT");
+  ASSERT_NE(server, nullptr);
+  auto stub = Generation::NewStub(server->Channel());
   for (int round = 0; round < 2; ++round) {
     GenerateResponse response;
     grpc::Status status = Call(*stub, Greedy(prompt, 10), &response);
