@@ -288,9 +288,8 @@ absl::StatusOr<engine::GenerationRequest> ParseParams(Method method, const grpc:
 
 // Chat with tools: the model's call syntax (--tool_call_parser, or auto
 // from its vocabulary) and, for a forced call, the grammar of one.
-absl::Status ApplyCallSettings(const std::string& tool_call_parser, const engine::LlmEngine& engine,
-                               bool stream, engine::GenerationRequest& params,
-                               CallSettings& tools) {
+absl::Status ApplyChatTools(const std::string& tool_call_parser, const engine::LlmEngine& engine,
+                            bool stream, engine::GenerationRequest& params, CallSettings& tools) {
   if (tools.tools_json.empty() || tools.choice == "none") return absl::OkStatus();
   grammar::ToolCallFormat format = grammar::ToolCallFormat::kNone;
   if (tool_call_parser == "auto") {
@@ -404,7 +403,7 @@ grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerConte
   tools.n = params->n;
   absl::StatusOr<engine::LlmEngine*> engine = state.ReadyEngine();
   if (!engine.ok()) return ToGrpcStatus(engine.status());
-  if (absl::Status applied = ApplyCallSettings(tool_call_parser, **engine, stream, *params, tools);
+  if (absl::Status applied = ApplyChatTools(tool_call_parser, **engine, stream, *params, tools);
       !applied.ok()) {
     if (state.metrics() != nullptr) state.metrics()->RequestFailed("invalid");
     return ToGrpcStatus(applied);
@@ -440,11 +439,11 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
 
   class Sink : public engine::RequestSink {
    public:
-    Sink(std::shared_ptr<Call> call, std::shared_ptr<CallSettings> tools)
-        : call_(std::move(call)), tools_(std::move(tools)) {}
+    Sink(std::shared_ptr<Call> call, std::shared_ptr<CallSettings> settings)
+        : call_(std::move(call)), settings_(std::move(settings)) {}
     void OnTokens(engine::TokenChunk chunk) override {
       absl::MutexLock lock(&call_->mu);
-      if (tools_->n == 1) {
+      if (settings_->n == 1) {
         AppendChunk(chunk, call_->response);
         return;
       }
@@ -460,14 +459,14 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
         if (status.ok()) {
           GenerateResponse& response = call_->response;
           SetCompletion(completion, response);
-          if (tools_->n == 1) {
-            ParseToolCallsInto(tools_->format, response);
+          if (settings_->n == 1) {
+            ParseToolCallsInto(settings_->format, response);
           } else {
             // Every choice, in order; the top-level fields are choice 0's.
-            for (int64_t i = 0; i < tools_->n; ++i) {
+            for (int64_t i = 0; i < settings_->n; ++i) {
               accel::v1::Choice& choice = call_->choices[i];
               choice.set_index(static_cast<int32_t>(i));
-              ParseToolCallsInto(tools_->format, choice);
+              ParseToolCallsInto(settings_->format, choice);
               *response.add_choices() = choice;
             }
             const accel::v1::Choice& first = response.choices(0);
@@ -489,7 +488,7 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
 
    private:
     std::shared_ptr<Call> call_;
-    const std::shared_ptr<CallSettings> tools_;
+    const std::shared_ptr<CallSettings> settings_;
   };
 
   GenerateReactor(Method method, ServingState* state, const std::string& tool_call_parser,
@@ -501,10 +500,10 @@ class GenerateReactor : public grpc::ServerUnaryReactor {
       call_->reactor = this;
       call_->body = response;
     }
-    auto tools = std::make_shared<CallSettings>();
+    auto settings = std::make_shared<CallSettings>();
     grpc::Status started =
-        Start(method, *state, *context, *request, std::make_shared<Sink>(call_, tools), *call_,
-              tool_call_parser, *tools, /*stream=*/false);
+        Start(method, *state, *context, *request, std::make_shared<Sink>(call_, settings), *call_,
+              tool_call_parser, *settings, /*stream=*/false);
     if (!started.ok()) Finish(started);
   }
 
@@ -547,10 +546,10 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   class Sink : public engine::RequestSink {
    public:
-    Sink(std::shared_ptr<internal::WritePump> pump, std::shared_ptr<CallSettings> tools)
-        : pump_(std::move(pump)), tools_(std::move(tools)) {}
+    Sink(std::shared_ptr<internal::WritePump> pump, std::shared_ptr<CallSettings> settings)
+        : pump_(std::move(pump)), settings_(std::move(settings)) {}
     void OnTokens(engine::TokenChunk chunk) override {
-      const int64_t index = tools_->n == 1 ? 0 : chunk.index;
+      const int64_t index = settings_->n == 1 ? 0 : chunk.index;
       const std::shared_ptr<News>& news = NewsFor(index);
       {
         absl::MutexLock lock(&news->mu);
@@ -558,7 +557,7 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
           news->next.emplace();
           news->next->set_index(static_cast<int32_t>(index));
         }
-        if (ToolStream* parsing = tools_->StreamFor(index)) {
+        if (ToolStream* parsing = settings_->StreamFor(index)) {
           // The text goes through the tool-call parser: content stays text.
           std::string text = std::move(chunk.text);
           chunk.text.clear();
@@ -580,18 +579,18 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       if (status.ok()) {
         // One choice: its last message. n > 1: a message of its own after
         // every choice's (each choice ended with its own finish_reason).
-        const std::shared_ptr<News>& news = NewsFor(tools_->n == 1 ? 0 : -1);
+        const std::shared_ptr<News>& news = NewsFor(settings_->n == 1 ? 0 : -1);
         {
           absl::MutexLock lock(&news->mu);
           if (!news->next) news->next.emplace();
-          if (tools_->n == 1) {
-            if (ToolStream* parsing = tools_->StreamFor(0)) {
+          if (settings_->n == 1) {
+            if (ToolStream* parsing = settings_->StreamFor(0)) {
               AddToolEvents(parsing->parser->Finish(), *parsing, *news->next);
               FlushToolCall(*parsing, *news->next);
             }
           }
           SetCompletion(completion, *news->next);
-          if (tools_->n > 1) news->next->clear_finish_reason();
+          if (settings_->n > 1) news->next->clear_finish_reason();
         }
         pump_->Notify(news);
       }
@@ -609,7 +608,7 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
 
     const std::shared_ptr<internal::WritePump> pump_;
-    const std::shared_ptr<CallSettings> tools_;
+    const std::shared_ptr<CallSettings> settings_;
     absl::Mutex mu_;
     std::map<int64_t, std::shared_ptr<News>> news_ ABSL_GUARDED_BY(mu_);
   };
@@ -620,10 +619,10 @@ class StreamReactor : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         pump_(std::make_shared<internal::WritePump>(
             [this](const grpc::ByteBuffer* message) { StartWrite(message); },
             [this](const grpc::Status& status) { Finish(status); })) {
-    auto tools = std::make_shared<CallSettings>();
+    auto settings = std::make_shared<CallSettings>();
     grpc::Status started =
-        Start(method, *state, *context, *request, std::make_shared<Sink>(pump_, tools), call_,
-              tool_call_parser, *tools, /*stream=*/true);
+        Start(method, *state, *context, *request, std::make_shared<Sink>(pump_, settings), call_,
+              tool_call_parser, *settings, /*stream=*/true);
     if (!started.ok()) pump_->FinishAfterWrites(started);
   }
 

@@ -30,9 +30,9 @@
 #include "core/threads.h"
 #include "core/tool_main.h"
 #include "dist/env.h"
-#include "dist/process_group.h"
+#include "dist/launch.h"
 #include "engine/engine_args.h"
-#include "loader/config.h"
+#include "engine/parallel_run.h"
 #include "models/tensor_parallel.h"
 #include "server/internal/connection_limits.h"
 #include "server/internal/parallel_worker.h"
@@ -226,64 +226,24 @@ int Run(int argc, char** argv) {
     Log(std::string(layout.status().message()));
     return 1;
   }
-  const absl::Duration parallel_timeout = options->engine.parallel_timeout;
-  const int micro_batches = options->engine.pipeline_micro_batches;
-  std::unique_ptr<accel::dist::LocalWorkers> workers;
-  std::unique_ptr<accel::dist::ProcessGroup> group, stage_group;
+  accel::engine::ParallelRun parallel_run;
   if (layout->world_size > 1) {
-    if (parallel_timeout <= absl::ZeroDuration()) {
-      Log("--parallel_timeout must be positive");
-      return 1;
-    }
     // Refused by name before a process starts: what cannot split.
-    absl::StatusOr<accel::loader::ModelConfig> config =
-        accel::loader::ReadModelConfig(options->engine.model_dir + "/config.json");
-    absl::Status split =
-        config.ok() ? accel::models::CheckTensorParallel(*config, parallel.tensor_parallel_size)
-                    : config.status();
-    if (split.ok()) {
-      split = accel::models::CheckPipelineParallel(*config, parallel.pipeline_parallel_size);
-    }
-    if (!split.ok()) {
+    if (absl::Status split = accel::engine::CheckParallelSplit(options->engine); !split.ok()) {
       Log(std::string(split.message()));
       return 1;
     }
-    if (!layout->to_start.empty()) {
-      absl::StatusOr<std::unique_ptr<accel::dist::LocalWorkers>> started =
-          accel::dist::LocalWorkers::Start("/proc/self/exe", command_line, layout->to_start);
-      if (!started.ok()) {
-        Log(std::string(started.status().message()));
-        return 1;
-      }
-      workers = *std::move(started);
+    if (absl::Status started = accel::engine::StartLocalRanks(*layout, command_line, parallel_run);
+        !started.ok()) {
+      Log(std::string(started.message()));
+      return 1;
     }
-    accel::dist::ProcessEnvironment env;
-    env.rank = layout->rank;
-    env.world_size = layout->world_size;
-    env.local_rank = layout->local_rank;
-    env.local_world_size = layout->local_world_size;
-    env.master_addr = layout->master_addr;
-    env.master_port = layout->master_port;
-    env.launcher = "torchrun";
-    accel::dist::ProcessGroupOptions group_options;
-    group_options.timeout = parallel_timeout;
-    absl::StatusOr<std::unique_ptr<accel::dist::ProcessGroup>> connected =
-        accel::dist::ProcessGroup::Connect(env, group_options);
-    if (!connected.ok()) {
-      Log(absl::StrCat("rank ", layout->rank, " of ", layout->world_size, ": joining the group at ",
-                       layout->master_addr, ":", layout->master_port,
-                       " failed: ", connected.status().message()));
+    if (absl::Status joined =
+            accel::engine::JoinParallelGroups(*layout, options->engine, parallel_run);
+        !joined.ok()) {
+      Log(std::string(joined.message()));
       return kExitParallelFault;
     }
-    group = *std::move(connected);
-    // The stages' tensor-parallel groups (every rank makes them together).
-    absl::StatusOr<accel::models::TensorParallel> place =
-        accel::models::JoinParallelGroups(*group, parallel.tensor_parallel_size, &stage_group);
-    if (!place.ok()) {
-      Log(absl::StrCat("rank ", layout->rank, ": ", place.status().message()));
-      return kExitParallelFault;
-    }
-    place->pipeline_micro_batches = micro_batches;
     if (!layout->leader()) {
       // Health only, its slice, the leader's steps; SIGTERM ends it at once.
       pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
@@ -291,18 +251,15 @@ int Run(int argc, char** argv) {
       accel::SetIntraOpThreads(options->engine.threads);  // as the leader's engine does
       accel::models::ModelLoadOptions load = options->engine.load;
       load.progress = accel::Progress::Style::kSilent;
-      load.tensor_parallel = *place;
       return accel::server::internal::ServeWorkerRank(options->engine.model_dir, load,
-                                                      options->host, port, *group);
+                                                      options->host, port, *parallel_run.group);
     }
-    options->engine.load.tensor_parallel = *place;
-    options->engine.load.tensor_parallel.heartbeat_ms =
-        absl::ToInt64Milliseconds(parallel_timeout) / 4;
-    Log(absl::StrCat("parallel: rank 0 of ", layout->world_size, " (tensor ",
-                     parallel.tensor_parallel_size, " x pipeline ", parallel.pipeline_parallel_size,
-                     ")",
-                     workers ? absl::StrCat(", started ", workers->pids().size(), " ranks here")
-                             : std::string()));
+    Log(absl::StrCat(
+        "parallel: rank 0 of ", layout->world_size, " (tensor ", parallel.tensor_parallel_size,
+        " x pipeline ", parallel.pipeline_parallel_size, ")",
+        parallel_run.workers
+            ? absl::StrCat(", started ", parallel_run.workers->pids().size(), " ranks here")
+            : std::string()));
   }
   // Every connection is a descriptor; the soft limit (often 1024) is far
   // below what the hard one allows, and running out stalls every port.
@@ -353,9 +310,9 @@ int Run(int argc, char** argv) {
     // collective that failed): not ready, the requests in flight end with
     // UNAVAILABLE (their steps fail), drained, then exit non-zero so that
     // the group is restarted whole.
-    if (group != nullptr) {
+    if (parallel_run.group != nullptr) {
       std::optional<std::string> broken = accel::models::TensorParallelFault();
-      if (!broken && workers) broken = workers->Failure();
+      if (!broken && parallel_run.workers) broken = parallel_run.workers->Failure();
       if (broken) {
         Log(absl::StrCat("tensor parallel group broken: ", *broken,
                          "; not ready, draining, then exiting with status ", kExitParallelFault));

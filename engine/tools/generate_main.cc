@@ -34,6 +34,7 @@
 #include "dist/process_group.h"
 #include "engine/engine_args.h"
 #include "engine/llm_engine.h"
+#include "engine/parallel_run.h"
 #include "loader/config.h"
 #include "models/load_model.h"
 #include "models/tensor_parallel.h"
@@ -192,65 +193,19 @@ FinishReason ToFinishReason(accel::engine::Finish finish) {
   }
 }
 
-// Starts this machine's other ranks (rank 0), joins the group, places this
-// rank's slice in options->load.tensor_parallel; a worker rank then loads
-// its slice and runs the leader's steps until it stops them. The exit
-// status of a worker rank (0: stopped by the leader; 4: the group broke);
-// 0 for the leader, which goes on to load the engine. What cannot split is
-// refused by name before a process starts.
-absl::StatusOr<int> JoinParallelRun(accel::engine::EngineOptions& options,
-                                    const accel::dist::RankLayout& layout,
-                                    const std::vector<std::string>& command_line,
-                                    std::unique_ptr<accel::dist::LocalWorkers>* workers,
-                                    std::unique_ptr<accel::dist::ProcessGroup>* group,
-                                    std::unique_ptr<accel::dist::ProcessGroup>* stage_group) {
-  ACCEL_ASSIGN_OR_RETURN(accel::loader::ModelConfig config,
-                         accel::loader::ReadModelConfig(options.model_dir + "/config.json"));
-  ACCEL_RETURN_IF_ERROR(
-      accel::models::CheckTensorParallel(config, options.parallel.tensor_parallel_size));
-  ACCEL_RETURN_IF_ERROR(
-      accel::models::CheckPipelineParallel(config, options.parallel.pipeline_parallel_size));
-  if (!layout.to_start.empty()) {
-    ACCEL_ASSIGN_OR_RETURN(*workers, accel::dist::LocalWorkers::Start(
-                                         "/proc/self/exe", command_line, layout.to_start));
-  }
-  accel::dist::ProcessEnvironment env;
-  env.rank = layout.rank;
-  env.world_size = layout.world_size;
-  env.local_rank = layout.local_rank;
-  env.local_world_size = layout.local_world_size;
-  env.master_addr = layout.master_addr;
-  env.master_port = layout.master_port;
-  env.launcher = "torchrun";
-  accel::dist::ProcessGroupOptions group_options;
-  group_options.timeout = options.parallel_timeout;
-  absl::StatusOr<std::unique_ptr<accel::dist::ProcessGroup>> connected =
-      accel::dist::ProcessGroup::Connect(env, group_options);
-  if (!connected.ok()) {
-    return accel::Annotate(
-        connected.status(),
-        absl::StrCat("rank ", layout.rank, " of ", layout.world_size, ": joining the group at ",
-                     layout.master_addr, ":", layout.master_port));
-  }
-  *group = *std::move(connected);
-  ACCEL_ASSIGN_OR_RETURN(accel::models::TensorParallel place,
-                         accel::models::JoinParallelGroups(
-                             **group, options.parallel.tensor_parallel_size, stage_group));
-  place.pipeline_micro_batches = options.pipeline_micro_batches;
-  options.load.tensor_parallel = place;
-  if (layout.leader()) {
-    // Idle workers hear from the leader well within the group's timeout.
-    options.load.tensor_parallel.heartbeat_ms =
-        absl::ToInt64Milliseconds(options.parallel_timeout) / 4;
-    return 0;
-  }
+// A rank of a parallel run (engine/parallel_run.h) other than the leader:
+// loads its slice and runs the leader's steps until it stops them. The exit
+// status: 0 when stopped by the leader, 4 when the group broke.
+int RunWorkerRank(const accel::engine::EngineOptions& options,
+                  const accel::dist::RankLayout& layout, accel::dist::ProcessGroup& group) {
   accel::SetIntraOpThreads(options.threads);  // as the leader's engine does
   accel::models::ModelLoadOptions load = options.load;
   load.progress = accel::Progress::Style::kSilent;
-  ACCEL_ASSIGN_OR_RETURN(accel::models::LoadedModel shard,
-                         accel::models::LoadModel(options.model_dir, load));
+  absl::StatusOr<accel::models::LoadedModel> shard =
+      accel::models::LoadModel(options.model_dir, load);
+  if (!shard.ok()) return Fail(shard.status());
   const absl::Status ran =
-      accel::models::RunTensorParallelWorker(*shard.model, shard.dispatched.get(), **group);
+      accel::models::RunTensorParallelWorker(*shard->model, shard->dispatched.get(), group);
   if (!ran.ok()) {
     std::cerr << "accel-generate: worker rank " << layout.rank << ": " << ran.message() << "\n";
     return 4;
@@ -290,13 +245,16 @@ int Run(int argc, char** argv) {
   absl::StatusOr<accel::dist::RankLayout> layout =
       accel::dist::ResolveRankLayout(options.parallel, accel::dist::ProcessEnv());
   if (!layout.ok()) return Fail(layout.status());
-  std::unique_ptr<accel::dist::LocalWorkers> workers;
-  std::unique_ptr<accel::dist::ProcessGroup> group, stage_group;
+  accel::engine::ParallelRun parallel_run;
   if (layout->world_size > 1) {
-    auto split = JoinParallelRun(options, *layout, std::vector<std::string>(argv, argv + argc),
-                                 &workers, &group, &stage_group);
-    if (!split.ok()) return Fail(split.status());
-    if (!layout->leader()) return *split;  // a worker rank's exit status
+    absl::Status joined = accel::engine::CheckParallelSplit(options);
+    if (joined.ok()) {
+      joined = accel::engine::StartLocalRanks(*layout, std::vector<std::string>(argv, argv + argc),
+                                              parallel_run);
+    }
+    if (joined.ok()) joined = accel::engine::JoinParallelGroups(*layout, options, parallel_run);
+    if (!joined.ok()) return Fail(joined);
+    if (!layout->leader()) return RunWorkerRank(options, *layout, *parallel_run.group);
   }
 
   // The tokenizer first: a bad one fails before minutes of loading (the

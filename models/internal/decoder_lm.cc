@@ -877,11 +877,15 @@ class DecoderLM : public CausalLM {
           ACCEL_RETURN_IF_ERROR(
               CallTorch([&] { x = x.index_select(1, LastTokens(b.chunks).to(x.device())); }));
         }
+        // Every rank of the stage takes part (a vocab-parallel head gathers);
+        // the first sends the logits to the leader, world rank 0, on the
+        // first stage.
         ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, Head(x, home, dispatched, step));
-        ACCEL_RETURN_IF_ERROR(
-            CallTorch([&] { logits = logits[0].to(at::kCPU, at::kFloat).contiguous(); }));
-        if (sends_logits) ACCEL_RETURN_IF_ERROR(send(logits, 0, "logits"));
-        outputs.push_back(logits);
+        if (sends_logits) {
+          ACCEL_RETURN_IF_ERROR(
+              CallTorch([&] { logits = logits[0].to(at::kCPU, at::kFloat).contiguous(); }));
+          ACCEL_RETURN_IF_ERROR(send(logits, 0, "logits"));
+        }
       }
       micro_batches_run += 1;
     }
