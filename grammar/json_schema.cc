@@ -494,6 +494,9 @@ class SchemaConverter {
     if (!min_items.ok()) return min_items.status();
     auto max_items = RepetitionBound(schema, "maxItems", path);
     if (!max_items.ok()) return max_items.status();
+    if (*min_items && *max_items && **max_items < **min_items) {
+      return Unsupported("maxItems", path, "is below minItems");
+    }
     std::vector<std::string> prefix;
     if (schema.contains("prefixItems")) {
       const Json& list = schema["prefixItems"];

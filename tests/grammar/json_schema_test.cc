@@ -416,6 +416,11 @@ TEST(JsonSchemaTest, UnsupportedKeywordsAreNamed) {
                HasSubstr("keyword 'contentEncoding' at /properties/a")));
   EXPECT_THAT(CompileJsonSchema(R"({"type": "string", "format": "hostname"})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'format'")));
+  // No array has at least 5 items and at most 3 (found by grammar_fuzz: the
+  // grammar's {4,2} repetition did not parse).
+  EXPECT_THAT(CompileJsonSchema(R"({"type": "array", "minItems": 5, "maxItems": 3})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("keyword 'maxItems' at / is below minItems")));
   EXPECT_THAT(CompileJsonSchema(R"({"type": "number", "minimum": -1e-20})"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("keyword 'minimum'")));
   EXPECT_THAT(
