@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/status.h"
+#include "engine/gpu_memory.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/speculative_config.h"
 #include "models/default_model.h"
@@ -32,6 +33,18 @@ ABSL_FLAG(std::string, kv_cache_memory, "auto",
           "KV-cache memory, in blocks allocated up front: bytes (\"4GiB\"), a fraction of what "
           "the device holding most weights has free after them (\"0.5\"), or auto (max_batch_size "
           "sequences of max_total_tokens, within half of what is free).");
+ABSL_FLAG(double, gpu_memory_utilization, 0.9,
+          "On a CUDA execution device, the fraction of the device's total memory this process "
+          "may use (vLLM's meaning), in (0, 1]: with --kv_cache_memory=auto the KV cache gets "
+          "total x this, less what the device holds after loading the weights, less the peak "
+          "of a profiling forward of the largest step (--max_num_batched_tokens tokens). A "
+          "--kv_cache_memory given explicitly takes precedence. No effect when the model runs "
+          "on the cpu.");
+ABSL_FLAG(bool, enforce_eager, false,
+          "Never replay decode steps from CUDA graphs (vLLM's flag). CUDA graphs for decode "
+          "steps (padded to batch-size buckets 1, 2, 4, 8, then multiples of 8) are not enabled "
+          "yet (docs/ARCHITECTURE.md), so today every step runs eagerly with or without it. No "
+          "effect when the model runs on the cpu.");
 ABSL_FLAG(int64_t, kv_block_size, 16, "Tokens in one KV-cache block.");
 ABSL_FLAG(bool, enable_prefix_caching, true,
           "Share the KV blocks of a common prompt prefix between requests.");
@@ -105,6 +118,8 @@ EngineArgs EngineArgs::FromFlags() {
   a.max_queue = absl::GetFlag(FLAGS_max_queue);
   a.max_num_batched_tokens = absl::GetFlag(FLAGS_max_num_batched_tokens);
   a.kv_cache_memory = absl::GetFlag(FLAGS_kv_cache_memory);
+  a.gpu_memory_utilization = absl::GetFlag(FLAGS_gpu_memory_utilization);
+  a.enforce_eager = absl::GetFlag(FLAGS_enforce_eager);
   a.kv_block_size = absl::GetFlag(FLAGS_kv_block_size);
   a.enable_prefix_caching = absl::GetFlag(FLAGS_enable_prefix_caching);
   a.max_input_tokens = absl::GetFlag(FLAGS_max_input_tokens);
@@ -156,6 +171,7 @@ absl::StatusOr<EngineOptions> EngineArgs::Resolve() const {
   }
   // The form only: how many blocks fit is known once the model is.
   ACCEL_RETURN_IF_ERROR(KvCacheBytes(kv_cache_memory, 1.0, 1).status());
+  ACCEL_RETURN_IF_ERROR(CheckGpuMemoryUtilization(gpu_memory_utilization));
   ACCEL_ASSIGN_OR_RETURN(o.speculative, ParseSpeculativeConfig(speculative_config));
   if (o.speculative.method == SpeculativeConfig::Method::kDraftModel &&
       !std::filesystem::exists(o.speculative.model + "/config.json")) {
@@ -171,6 +187,8 @@ absl::StatusOr<EngineOptions> EngineArgs::Resolve() const {
   o.loop.max_queue = max_queue;
   o.max_num_batched_tokens = max_num_batched_tokens;
   o.kv_cache_memory = kv_cache_memory;
+  o.gpu_memory_utilization = gpu_memory_utilization;
+  o.enforce_eager = enforce_eager;
   o.kv_block_size = kv_block_size;
   o.enable_prefix_caching = enable_prefix_caching;
   o.max_input_tokens = max_input_tokens;

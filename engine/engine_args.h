@@ -32,6 +32,8 @@ struct EngineArgs {
   int max_queue = 256;
   int64_t max_num_batched_tokens = 512;
   std::string kv_cache_memory = "auto";
+  double gpu_memory_utilization = 0.9;  // vLLM's; CUDA execution devices only
+  bool enforce_eager = false;           // vLLM's: no CUDA graphs for decode steps
   int64_t kv_block_size = 16;
   bool enable_prefix_caching = true;
   int64_t max_input_tokens = 0;
@@ -55,7 +57,8 @@ struct EngineArgs {
   // Every option checked, nothing of the model read but whether its folder
   // (and the draft's) holds a config.json: numbers in range, the load
   // options (models::CheckLoadOptions: dtype, device map, budgets,
-  // quantization), --kv_cache_memory's form, the speculative config parsed.
+  // quantization), --kv_cache_memory's form, --gpu_memory_utilization in
+  // (0, 1], the speculative config parsed.
   // InvalidArgument (NotFound for a missing folder) naming the flag.
   absl::StatusOr<EngineOptions> Resolve() const;
 };

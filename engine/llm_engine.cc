@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include <ATen/ops/zeros.h>
 #include <torch/nn/module.h>
 
 #include "absl/base/thread_annotations.h"
@@ -21,6 +22,7 @@
 #include "core/threads.h"
 #include "dispatch/device_map.h"
 #include "engine/engine_core.h"
+#include "engine/gpu_memory.h"
 #include "engine/grammar_logits_processor.h"
 #include "engine/input_processor.h"
 #include "engine/kv_cache_manager.h"
@@ -76,6 +78,22 @@ absl::StatusOr<double> AvailableForKv(const std::map<std::string, int64_t>& byte
     if (placement.ToString() == main) available = bytes;
   }
   return available;
+}
+
+// The largest step the engine runs, for --gpu_memory_utilization's
+// profile: `tokens` ids as one prompt without a KV cache (its attention over
+// all of them is the largest a step computes), logits for its last token as
+// a step samples them. vLLM's profile_run, with a sequence of the largest
+// step's length.
+absl::Status RunProfileStep(const models::LoadedModel& loaded, int64_t tokens) {
+  at::Tensor ids;
+  ACCEL_RETURN_IF_ERROR(
+      CallTorch([&] { ids = at::zeros({tokens}, at::TensorOptions().dtype(at::kLong)); }));
+  const models::SequenceChunk chunk{nullptr, tokens, 1};
+  return loaded.model
+      ->Forward(ids, absl::MakeConstSpan(&chunk, 1), models::Logits::kLastOfEach,
+                loaded.dispatched.get())
+      .status();
 }
 
 // Parameters and bytes per device of a loaded model, counted as
@@ -311,11 +329,38 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
                                           options.load.tensor_parallel) +
       draft_block_bytes;
   const int64_t blocks_per_request = (info.max_total_tokens + block_size - 1) / block_size;
+  std::optional<int64_t> kv_override_blocks;  // set by the GPU's sizing
   const int64_t wanted =
       block_bytes * std::max<int64_t>(blocks_per_request * options.loop.max_batch_size, 1);
+  const bool kv_auto = options.kv_cache_memory.empty() || options.kv_cache_memory == "auto";
+  // On a CUDA execution device with no KV size given: vLLM's sizing, what
+  // --gpu_memory_utilization of the device leaves after the weights and the
+  // largest step's activations (a --kv_cache_memory given by the user wins,
+  // as vLLM's num_gpu_blocks_override does).
+  const at::Device main_device = loaded.dispatched->main_device();
+  if (kv_auto && main_device.is_cuda()) {
+    ACCEL_RETURN_IF_ERROR(CheckGpuMemoryUtilization(options.gpu_memory_utilization));
+    const int device = main_device.has_index() ? main_device.index() : 0;
+    ACCEL_ASSIGN_OR_RETURN(std::unique_ptr<DeviceMemoryProbe> probe, CudaMemoryProbe(device));
+    const int64_t step_tokens = std::max<int64_t>(
+        1, std::min(options.max_num_batched_tokens > 0 ? options.max_num_batched_tokens
+                                                       : info.max_input_tokens,
+                    info.max_total_tokens));
+    ACCEL_ASSIGN_OR_RETURN(DeviceMemoryProfile profile, ProfileDeviceMemory(*probe, [&] {
+                             return RunProfileStep(loaded, step_tokens);
+                           }));
+    ACCEL_ASSIGN_OR_RETURN(
+        int64_t gpu_blocks,
+        KvBlocksFromDeviceMemory(options.gpu_memory_utilization, profile, block_bytes));
+    info.kv_sizing =
+        absl::StrCat("--gpu_memory_utilization=", options.gpu_memory_utilization, " on ",
+                     main_device.str(), ": ", profile.ToString(), " (a ", step_tokens,
+                     "-token step) -> ", gpu_blocks, " blocks of ", FormatBytes(block_bytes));
+    kv_override_blocks = gpu_blocks;
+  }
   double available = 0;
-  const bool probe = options.kv_cache_memory.empty() || options.kv_cache_memory == "auto" ||
-                     options.kv_cache_memory.find('.') != std::string::npos;
+  const bool probe =
+      !kv_override_blocks && (kv_auto || options.kv_cache_memory.find('.') != std::string::npos);
   if (probe) {
     ACCEL_ASSIGN_OR_RETURN(available, AvailableForKv(info.bytes_per_device));
   }
@@ -324,11 +369,16 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   // Auto stays within what loading set aside beside the weights (a model
   // that takes most of the memory): the memory probed now does not yet hold
   // the experts and buffers that loading planned to fill.
-  if ((options.kv_cache_memory.empty() || options.kv_cache_memory == "auto") &&
-      loaded.memory.kv_cache_bytes >= 0) {
+  if (kv_auto && !kv_override_blocks && loaded.memory.kv_cache_bytes >= 0) {
     kv_bytes = std::min(kv_bytes, loaded.memory.kv_cache_bytes);
   }
-  const int64_t blocks = kv_bytes / block_bytes;
+  const int64_t blocks = kv_override_blocks ? *kv_override_blocks : kv_bytes / block_bytes;
+  info.kv_blocks = blocks;
+  info.kv_block_bytes = block_bytes;
+  if (info.kv_sizing.empty()) {
+    info.kv_sizing = absl::StrCat("--kv_cache_memory=", options.kv_cache_memory, " -> ", blocks,
+                                  " blocks of ", FormatBytes(block_bytes));
+  }
   if (blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--kv_cache_memory=", options.kv_cache_memory, " holds no KV block (one takes ",

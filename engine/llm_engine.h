@@ -50,6 +50,15 @@ struct EngineOptions {
   // sequences of max_total_tokens, within half of what is free.
   std::string kv_cache_memory = "auto";
   int64_t kv_block_size = 16;  // tokens a KV block
+  // On a CUDA execution device with kv_cache_memory "auto": the fraction of
+  // the device's total memory this process may use; the KV cache gets what
+  // it leaves after the weights and a profiled step (engine/gpu_memory.h).
+  // No effect on the cpu.
+  double gpu_memory_utilization = 0.9;
+  // vLLM's --enforce_eager: decode steps on a CUDA device never replay
+  // CUDA graphs (engine/decode_graphs.h; not enabled yet, so every step is
+  // eager today).
+  bool enforce_eager = false;
   bool enable_prefix_caching = true;
   // Tokens in one forward step (decoding sequences first, then prompt
   // chunks); 0: whole prompts.
@@ -95,6 +104,11 @@ struct ModelInfo {
   int64_t planned_kv_cache_bytes = -1;
   int64_t memory_budget_bytes = -1;
   bool direct_reads = false;
+  // The KV cache: blocks, bytes a block (every layer's), and how it was
+  // sized (the flag and, on a GPU, the device's figures).
+  int64_t kv_blocks = 0;
+  int64_t kv_block_bytes = 0;
+  std::string kv_sizing;
   // Speculative decoding: "none", "ngram" or "draft_model", and the draft.
   std::string speculative_method = "none";
   std::string draft_model;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/status.h"
+#include "engine/decode_graphs.h"
 #include "engine/internal/draft_proposer.h"
 #include "engine/logits_processor.h"
 #include "engine/ngram_proposer.h"
@@ -60,6 +61,12 @@ struct ModelRunner::Impl {
   std::optional<NgramProposer> ngram;
   std::unique_ptr<internal::DraftProposer> draft;
   std::map<uint64_t, std::unique_ptr<Request>> requests;
+  // Padded decode steps (options.decode_buckets): one cache per padded row
+  // on the scratch block, and each bucket's static input buffer.
+  std::vector<models::KvCache> padding;
+  int32_t scratch_block = -1;
+  std::map<int64_t, at::Tensor> bucket_ids;
+  int64_t padded_steps = 0, padded_rows = 0;
 
   void ResetCache(Request& r) {
     r.cache.Clear();
@@ -179,8 +186,17 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   m.model = std::move(model);
   m.dispatched = dispatched;
   m.options = std::move(options);
-  m.store = std::make_unique<models::KvBlockStore>(m.options.num_blocks, m.options.block_size,
+  std::sort(m.options.decode_buckets.begin(), m.options.decode_buckets.end());
+  const bool padding = !m.options.decode_buckets.empty();
+  // The scratch block of padded rows is the store's last, past every block
+  // the scheduler hands out.
+  m.store = std::make_unique<models::KvBlockStore>(m.options.num_blocks + (padding ? 1 : 0),
+                                                   m.options.block_size,
                                                    static_cast<size_t>(config.num_hidden_layers));
+  if (padding) {
+    m.scratch_block = static_cast<int32_t>(m.options.num_blocks);
+    m.padding.resize(static_cast<size_t>(m.options.decode_buckets.back() - 1));
+  }
   return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
 }
 
@@ -271,8 +287,39 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
       }
     }
   };
+  // A step of one-token decodes only, padded to its bucket.
+  const int64_t batch = static_cast<int64_t>(chunks.size());
+  std::optional<int64_t> bucket;
+  if (!options.decode_buckets.empty() &&
+      std::all_of(chunks.begin(), chunks.end(), [](const models::SequenceChunk& c) {
+        return c.tokens == 1 && c.logit_tokens == 1 && c.cache->paged();
+      })) {
+    bucket = DecodeBucketFor(options.decode_buckets, batch);
+  }
   at::Tensor input_ids;
-  ACCEL_RETURN_IF_ERROR(CallTorch([&] { input_ids = at::tensor(packed, at::kLong); }));
+  if (bucket) {
+    // Padded rows: token 0 at position 0 of the scratch block, each its own
+    // cache (a step's caches are distinct); their logits come after every
+    // real row's and are never read.
+    for (int64_t p = 0; p < *bucket - batch; ++p) {
+      models::KvCache& pad = padding[static_cast<size_t>(p)];
+      pad.Clear();
+      pad.store = store.get();
+      pad.block_table.assign(1, scratch_block);
+      chunks.push_back({&pad, 1, 1});
+      packed.push_back(0);
+    }
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      at::Tensor& ids = bucket_ids[*bucket];
+      if (!ids.defined()) ids = at::empty({*bucket}, at::kLong);
+      std::copy(packed.begin(), packed.end(), ids.data_ptr<int64_t>());
+      input_ids = ids;
+    }));
+    ++padded_steps;
+    padded_rows += *bucket - batch;
+  } else {
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { input_ids = at::tensor(packed, at::kLong); }));
+  }
   ACCEL_ASSIGN_OR_RETURN(
       at::Tensor logits,
       model->Forward(input_ids, chunks, models::Logits::kLastOfEach, dispatched));
@@ -412,6 +459,9 @@ int64_t ModelRunner::position_limit() const { return impl_->position_limit; }
 int64_t ModelRunner::lookahead_tokens() const {
   return impl_->draft ? impl_->options.speculative.num_speculative_tokens : 0;
 }
+
+int64_t ModelRunner::padded_decode_steps() const { return impl_->padded_steps; }
+int64_t ModelRunner::padded_decode_rows() const { return impl_->padded_rows; }
 
 int64_t ModelRunner::kv_cache_bytes() const {
   // The store, and contiguous caches that LongRoPE recomputes made.

@@ -99,6 +99,15 @@ struct ModelRunnerOptions {
   std::shared_ptr<models::CausalLM> draft_model;
   dispatch::DispatchedModel* draft_dispatched = nullptr;
   LogitsProcessorFactory logits_processors;  // may be empty
+  // Decode steps padded to batch-size buckets (engine/decode_graphs.h;
+  // ascending, e.g. DecodeBatchBuckets(max_batch_size)): a step whose
+  // sequences all decode one token runs as the smallest bucket that holds
+  // it, its inputs copied into that bucket's static buffer, the padded rows
+  // writing and reading a scratch KV block (one block more in the store,
+  // nobody's) and their logits dropped. This is the step a CUDA graph per
+  // bucket replays (vLLM's); here it is called directly. Empty (the
+  // default): every step runs unpadded.
+  std::vector<int64_t> decode_buckets;
 };
 
 class ModelRunner : public ModelRunnerInterface {
@@ -120,6 +129,10 @@ class ModelRunner : public ModelRunnerInterface {
   int64_t position_limit() const override;
   int64_t lookahead_tokens() const override;
   int64_t kv_cache_bytes() const override;
+  // Steps that ran padded to a bucket (decode_buckets), and the padded rows
+  // they added.
+  int64_t padded_decode_steps() const;
+  int64_t padded_decode_rows() const;
 
  private:
   struct Impl;

@@ -5,9 +5,11 @@
 #   - the kernels (quant/cuda/, models/cuda/: nvcc, sm_80 and sm_90, warnings
 #     as errors) and their tests and benchmark, through the default build;
 #   - the at::Tensor wrappers that only a CUDA libtorch compiles
-#     (quant/cuda_matmul.cc, models/internal/paged_attention_cuda.cc), syntax
-#     only, with their CUDA define on, against Debian's c10/cuda headers (their
-#     one generated header, cuda_cmake_macros.h, stubbed);
+#     (quant/cuda_matmul.cc, models/internal/paged_attention_cuda.cc, the
+#     engine's device-memory probe and decode CUDA graphs:
+#     engine/internal/cuda_memory_probe.cc, decode_graph_runner.cc), syntax
+#     only, with their CUDA define on, against Debian's c10/cuda and ATen/cuda
+#     headers (their one generated header, cuda_cmake_macros.h, stubbed);
 #   - models/internal/sdpa.cc against PyTorch 2.x's declaration of
 #     at::scaled_dot_product_attention (written out below from its schema:
 #     query, key, value, attn_mask, dropout_p, is_causal, *, scale,
@@ -51,6 +53,10 @@ g++ "${flags[@]}" -I"$stubs/cuda" -I"$cuda_include" -DACCEL_WITH_QUANT_CUDA quan
 echo "syntax: models/internal/paged_attention_cuda.cc (ACCEL_WITH_MODELS_CUDA)"
 g++ "${flags[@]}" -I"$stubs/cuda" -I"$cuda_include" -DACCEL_WITH_MODELS_CUDA \
   models/internal/paged_attention_cuda.cc
+for f in engine/internal/cuda_memory_probe.cc engine/internal/decode_graph_runner.cc; do
+  echo "syntax: $f (ACCEL_WITH_ENGINE_CUDA)"
+  g++ "${flags[@]}" -I"$stubs/cuda" -I"$cuda_include" -DACCEL_WITH_ENGINE_CUDA "$f"
+done
 echo "syntax: models/internal/sdpa.cc (libtorch 2.x's scaled_dot_product_attention)"
 g++ "${flags[@]}" -I"$stubs/torch2" -DACCEL_TORCH_HAS_SDPA=1 models/internal/sdpa.cc
 echo "cuda_compile_check: all CUDA code compiles"

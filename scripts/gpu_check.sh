@@ -100,7 +100,7 @@ cat "$OUT/machine.json"; echo
 
 tests=(quant_cuda_kernels_test models_cuda_attention_kernels_test quant_cuda_matmul_test
   models_paged_attention_test models_sdpa_test models_quantize_test dispatch_device_stager_test
-  dispatch_dispatch_test)
+  dispatch_dispatch_test engine_internal_decode_graph_runner_test)
 benches=(accel-bench-quant-cuda accel-bench-decode-gpu accel-bench-offload accel-bench-moe)
 tools=(accel-make-model accel-generate)
 targets="${tests[*]} ${benches[*]} ${tools[*]}"
@@ -176,6 +176,9 @@ if want test; then
   step test:models_quantize_on_cuda 60 run_test models_quantize_test 'QuantizableLinearTest.OnCuda*'
   step test:dispatch_device_stager 60 run_test dispatch_device_stager_test
   step test:dispatch_gpu 60 run_test dispatch_dispatch_test 'DispatchGpu*'
+  # CUDA graph capture and replay of a step per bucket against eager (the
+  # mechanism only: the engine's decode forward is not capture-safe yet).
+  step test:decode_graph_runner 60 run_test engine_internal_decode_graph_runner_test
 fi
 
 if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]]; then
@@ -260,6 +263,41 @@ PY
     done
   }
   export -f generate_family
+  # --gpu_memory_utilization (issue 37, item 4): the KV blocks the engine
+  # chose on the device at 0.5 and 0.9, beside the device's free memory
+  # before loading, into $OUT/generate/kv_sizing.json.
+  kv_sizing() {
+    local m=/tmp/accel-gpu-llama
+    [[ -f $m/config.json ]] || "$bin/accel-make-model" "$m" --family llama --hidden_size 256 \
+      --num_layers 4 --num_heads 4 --num_kv_heads 2 --vocab_size 1000 --seed 7 >/dev/null || return 1
+    local free_mib
+    free_mib=$(nvidia-smi --query-gpu=memory.free,memory.total --format=csv,noheader,nounits -i 0)
+    for u in 0.5 0.9; do
+      "$bin/accel-generate" --model "$m" --input_ids 1,5,9 --max_new_tokens 4 --ignore_eos --json \
+        --device_map 0 --gpu_memory_utilization "$u" >"$OUT/generate/kv_sizing_$u.txt" 2>&1
+    done
+    python3 - "$OUT/generate" "$free_mib" <<'PY'
+import json, sys
+out, free = sys.argv[1], sys.argv[2]
+result = {"free_and_total_mib_before": free}
+for u in ("0.5", "0.9"):
+    text = open(f"{out}/kv_sizing_{u}.txt", errors="replace").read()
+    got = None
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                got = json.loads(line).get("kv_cache")
+            except ValueError:
+                pass
+    result[u] = got if got else {"error": text[-1500:]}
+json.dump(result, open(f"{out}/kv_sizing.json", "w"), indent=1)
+print(json.dumps(result))
+ok = all(isinstance(result[u], dict) and result[u].get("blocks", 0) > 0 for u in ("0.5", "0.9"))
+sys.exit(0 if ok and result["0.9"]["blocks"] > result["0.5"]["blocks"] else 1)
+PY
+  }
+  export -f kv_sizing
+  step "generate:kv_sizing" 60 kv_sizing
   for fam in llama mistral qwen2 gpt2 mixtral qwen3 qwen3_moe qwen2_moe gemma2 gemma3_text phi3; do
     step "generate:$fam" 60 generate_family "$fam"
   done

@@ -345,6 +345,12 @@ int Run(int argc, char** argv) {
                           {"text", sink->text_},
                           {"finish_reason", std::string(FinishReasonName(finish))}};
     if (logprobs) out["logprobs"] = sink->logprobs_;
+    // How the KV cache was sized (on a GPU: --gpu_memory_utilization and
+    // the device's figures), for the device script's record.
+    const accel::engine::ModelInfo& info = (*engine)->info();
+    out["kv_cache"] = {{"blocks", info.kv_blocks},
+                       {"block_bytes", info.kv_block_bytes},
+                       {"sizing", info.kv_sizing}};
     // Invalid UTF-8 cannot come out of the decoder; replace rather than throw regardless.
     std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {

@@ -56,6 +56,8 @@ TEST(EngineArgsTest, EveryLoadAndEngineOptionHasItsFlag) {
   Set("max_queue", "6");
   Set("max_num_batched_tokens", "7");
   Set("kv_cache_memory", "0.25");
+  Set("gpu_memory_utilization", "0.75");
+  Set("enforce_eager", "true");
   Set("kv_block_size", "8");
   Set("enable_prefix_caching", "false");
   Set("max_input_tokens", "9");
@@ -94,6 +96,8 @@ TEST(EngineArgsTest, EveryLoadAndEngineOptionHasItsFlag) {
   EXPECT_EQ(a.max_queue, 6);
   EXPECT_EQ(a.max_num_batched_tokens, 7);
   EXPECT_EQ(a.kv_cache_memory, "0.25");
+  EXPECT_EQ(a.gpu_memory_utilization, 0.75);
+  EXPECT_TRUE(a.enforce_eager);
   EXPECT_EQ(a.kv_block_size, 8);
   EXPECT_FALSE(a.enable_prefix_caching);
   EXPECT_EQ(a.max_input_tokens, 9);
@@ -141,6 +145,14 @@ TEST_F(ResolveTest, GoodArgsBecomeTheEngineOptions) {
   EXPECT_EQ(o->load.device_map, "cpu");
   EXPECT_EQ(o->speculative.method, SpeculativeConfig::Method::kDraftModel);
   EXPECT_EQ(o->speculative.num_speculative_tokens, 3);
+  EXPECT_EQ(o->gpu_memory_utilization, 0.9);  // vLLM's default
+  EXPECT_FALSE(o->enforce_eager);
+  a.gpu_memory_utilization = 1.0;
+  a.enforce_eager = true;
+  o = a.Resolve();
+  ASSERT_THAT(o, IsOk());
+  EXPECT_EQ(o->gpu_memory_utilization, 1.0);
+  EXPECT_TRUE(o->enforce_eager);
   // The parallel options pass through as they are (the tool joins the group).
   a.parallel.pipeline_parallel_size = 2;
   a.pipeline_micro_batches = 1;
@@ -215,6 +227,11 @@ TEST_F(ResolveTest, EachBadOptionIsNamed) {
       "--kv_cache_memory=lots");
   Bad([](EngineArgs& a) { a.kv_cache_memory = "1.5"; }, StatusCode::kInvalidArgument,
       "a fraction must be in (0, 1]");
+  Bad([](EngineArgs& a) { a.gpu_memory_utilization = 0; }, StatusCode::kInvalidArgument,
+      "--gpu_memory_utilization=0: the fraction of the device's memory this process may use "
+      "must be in (0, 1]");
+  Bad([](EngineArgs& a) { a.gpu_memory_utilization = 1.5; }, StatusCode::kInvalidArgument,
+      "--gpu_memory_utilization=1.5");
   Bad([](EngineArgs& a) { a.speculative_config = R"({"method": "ngram"})"; },
       StatusCode::kInvalidArgument, R"(--speculative_config: "num_speculative_tokens")");
   Bad(

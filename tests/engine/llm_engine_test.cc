@@ -285,6 +285,32 @@ TEST_F(LlmEngineTest, MinTokensMasksStopTokensUntilReached) {
   for (size_t i = 4; i + 1 < got.size(); ++i) EXPECT_NE(got[i], greedy[0]) << "token " << i;
 }
 
+// --gpu_memory_utilization sizes the KV cache on a CUDA execution device
+// only (engine/gpu_memory.h; the device script checks it there): on the cpu
+// the blocks are --kv_cache_memory's whatever the fraction.
+TEST_F(LlmEngineTest, OnTheCpuGpuMemoryUtilizationChangesNothing) {
+  EngineOptions given = Options();  // 1 MiB
+  given.gpu_memory_utilization = 0.05;
+  auto engine = LlmEngine::Load(given, nullptr);
+  ASSERT_THAT(engine, IsOk());
+  const ModelInfo& info = (*engine)->info();
+  ASSERT_GT(info.kv_block_bytes, 0);
+  EXPECT_EQ(info.kv_blocks, (int64_t{1} << 20) / info.kv_block_bytes);
+  EXPECT_THAT(info.kv_sizing, HasSubstr("--kv_cache_memory=1MiB -> "));
+  std::vector<int64_t> blocks;
+  for (double utilization : {0.05, 1.0}) {
+    EngineOptions automatic = Options();
+    automatic.kv_cache_memory = "auto";
+    automatic.gpu_memory_utilization = utilization;
+    auto loaded = LlmEngine::Load(automatic, nullptr);
+    ASSERT_THAT(loaded, IsOk());
+    blocks.push_back((*loaded)->info().kv_blocks);
+    EXPECT_THAT((*loaded)->info().kv_sizing, HasSubstr("--kv_cache_memory=auto -> "));
+  }
+  EXPECT_GT(blocks[0], 0);
+  EXPECT_EQ(blocks[0], blocks[1]);
+}
+
 TEST_F(LlmEngineTest, WhatCannotBeServedIsRefusedAtLoadAndBadRequestsAtSubmit) {
   EXPECT_THAT(LlmEngine::Load(Options(R"({"model": ")" + dir_.path() +
                                       R"(/none", "num_speculative_tokens": 2})"),
