@@ -265,7 +265,7 @@ PY
   export -f generate_family
   # --gpu_memory_utilization (issue 37, item 4): the KV blocks the engine
   # chose on the device at 0.5 and 0.9, beside the device's free memory
-  # before loading, into $OUT/generate/kv_sizing.json.
+  # before loading, into $OUT/bench/kv_sizing.json.
   kv_sizing() {
     local m=/tmp/accel-gpu-llama
     [[ -f $m/config.json ]] || "$bin/accel-make-model" "$m" --family llama --hidden_size 256 \
@@ -276,9 +276,9 @@ PY
       "$bin/accel-generate" --model "$m" --input_ids 1,5,9 --max_new_tokens 4 --ignore_eos --json \
         --device_map 0 --gpu_memory_utilization "$u" >"$OUT/generate/kv_sizing_$u.txt" 2>&1
     done
-    python3 - "$OUT/generate" "$free_mib" <<'PY'
+    python3 - "$OUT/generate" "$free_mib" "$OUT/bench/kv_sizing.json" <<'PY'
 import json, sys
-out, free = sys.argv[1], sys.argv[2]
+out, free, path = sys.argv[1], sys.argv[2], sys.argv[3]
 result = {"free_and_total_mib_before": free}
 for u in ("0.5", "0.9"):
     text = open(f"{out}/kv_sizing_{u}.txt", errors="replace").read()
@@ -290,7 +290,7 @@ for u in ("0.5", "0.9"):
             except ValueError:
                 pass
     result[u] = got if got else {"error": text[-1500:]}
-json.dump(result, open(f"{out}/kv_sizing.json", "w"), indent=1)
+json.dump(result, open(path, "w"), indent=1)
 print(json.dumps(result))
 ok = all(isinstance(result[u], dict) and result[u].get("blocks", 0) > 0 for u in ("0.5", "0.9"))
 sys.exit(0 if ok and result["0.9"]["blocks"] > result["0.5"]["blocks"] else 1)

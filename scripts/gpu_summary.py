@@ -127,6 +127,19 @@ def main():
                 lines.append(f"    batch {d['batch']:>3}: {d['tokens_per_s']:9.1f} tokens/s, "
                              f"{d['step_ms']:.2f} ms a step, {d['weight_gbs']:.0f} GB/s = "
                              f"{d['of_copy_traffic']:.2f} of copy traffic")
+    kv = summary["bench"].get("kv_sizing")
+    if kv:
+        lines.append(f"--gpu_memory_utilization on GPU 0 (nvidia-smi free, total MiB before: "
+                     f"{kv.get('free_and_total_mib_before')}):")
+        for u in ("0.5", "0.9"):
+            got = kv.get(u) or {}
+            text = (f"{got.get('blocks')} blocks: {got.get('sizing')}" if "blocks" in got
+                    else f"failed: {str(got.get('error', ''))[-300:]}")
+            lines.append(f"  {u}: {text}")
+    for log in sorted((out / "logs").glob("*-bench_offload.log")):
+        for line in (read(log, "") or "").splitlines():
+            if "of the bound" in line:
+                lines.append(f"offload: {line.strip()}")
     make = summary["bench"].get("make_model")
     if make:
         lines.append(f"accel-make-model, 8B-shaped bfloat16 Llama: {make.get('seconds')} s "
