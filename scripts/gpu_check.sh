@@ -277,22 +277,18 @@ PY
         --device_map 0 --gpu_memory_utilization "$u" >"$OUT/generate/kv_sizing_$u.txt" 2>&1
     done
     python3 - "$OUT/generate" "$free_mib" "$OUT/bench/kv_sizing.json" <<'PY'
-import json, sys
+import json, re, sys
 out, free, path = sys.argv[1], sys.argv[2], sys.argv[3]
 result = {"free_and_total_mib_before": free}
 for u in ("0.5", "0.9"):
     text = open(f"{out}/kv_sizing_{u}.txt", errors="replace").read()
-    got = None
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                got = json.loads(line).get("kv_cache")
-            except ValueError:
-                pass
-    result[u] = got if got else {"error": text[-1500:]}
+    # accel-generate's stderr: "accel-generate: KV cache: N blocks; --gpu_memory_utilization=..."
+    found = re.search(r"KV cache: (\d+) blocks; (.*)", text)
+    result[u] = ({"blocks": int(found.group(1)), "sizing": found.group(2)} if found
+                 else {"error": text[-1500:]})
 json.dump(result, open(path, "w"), indent=1)
 print(json.dumps(result))
-ok = all(isinstance(result[u], dict) and result[u].get("blocks", 0) > 0 for u in ("0.5", "0.9"))
+ok = all("blocks" in result[u] for u in ("0.5", "0.9"))
 sys.exit(0 if ok and result["0.9"]["blocks"] > result["0.5"]["blocks"] else 1)
 PY
   }

@@ -18,6 +18,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -319,6 +320,14 @@ int Run(int argc, char** argv) {
         accel::FormatBytes(info.memory_budget_bytes));
   }
 
+  // On a GPU, how --gpu_memory_utilization sized the KV cache (the device's
+  // figures), on stderr: the device script records it.
+  if (const accel::engine::ModelInfo& info = (*engine)->info();
+      absl::StartsWith(info.kv_sizing, "--gpu_memory_utilization")) {
+    std::cerr << "accel-generate: KV cache: " << info.kv_blocks << " blocks; " << info.kv_sizing
+              << "\n";
+  }
+
   // Generation ends at the model's context whatever --max_new_tokens says.
   const int64_t room =
       (*engine)->info().max_total_tokens - static_cast<int64_t>(request->prompt_ids.size());
@@ -345,12 +354,6 @@ int Run(int argc, char** argv) {
                           {"text", sink->text_},
                           {"finish_reason", std::string(FinishReasonName(finish))}};
     if (logprobs) out["logprobs"] = sink->logprobs_;
-    // How the KV cache was sized (on a GPU: --gpu_memory_utilization and
-    // the device's figures), for the device script's record.
-    const accel::engine::ModelInfo& info = (*engine)->info();
-    out["kv_cache"] = {{"blocks", info.kv_blocks},
-                       {"block_bytes", info.kv_block_bytes},
-                       {"sizing", info.kv_sizing}};
     // Invalid UTF-8 cannot come out of the decoder; replace rather than throw regardless.
     std::cout << out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   } else {
