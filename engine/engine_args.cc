@@ -40,11 +40,14 @@ ABSL_FLAG(double, gpu_memory_utilization, 0.9,
           "of a profiling forward of the largest step (--max_num_batched_tokens tokens). A "
           "--kv_cache_memory given explicitly takes precedence. No effect when the model runs "
           "on the cpu.");
-ABSL_FLAG(bool, enforce_eager, false,
-          "Never replay decode steps from CUDA graphs (vLLM's flag). CUDA graphs for decode "
-          "steps (padded to batch-size buckets 1, 2, 4, 8, then multiples of 8) are not enabled "
-          "yet (docs/ARCHITECTURE.md), so today every step runs eagerly with or without it. No "
-          "effect when the model runs on the cpu.");
+ABSL_FLAG(bool, enforce_eager, true,
+          "Never replay decode steps from CUDA graphs (vLLM's flag). false: on a CUDA execution "
+          "device holding every weight of a dense model, a step whose sequences all decode one "
+          "token is padded to a batch-size bucket (1, 2, 4, 8, then multiples of 8 up to "
+          "--max_batch_size, at most 256) and replayed from a CUDA graph captured once per "
+          "bucket; prefill, mixed steps and larger batches run eagerly. true by default until a "
+          "device run has checked graphs against eager (vLLM's default is false). No effect when "
+          "the model runs on the cpu.");
 ABSL_FLAG(int64_t, kv_block_size, 16, "Tokens in one KV-cache block.");
 ABSL_FLAG(bool, enable_prefix_caching, true,
           "Share the KV blocks of a common prompt prefix between requests.");

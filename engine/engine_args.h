@@ -33,7 +33,7 @@ struct EngineArgs {
   int64_t max_num_batched_tokens = 512;
   std::string kv_cache_memory = "auto";
   double gpu_memory_utilization = 0.9;  // vLLM's; CUDA execution devices only
-  bool enforce_eager = false;           // vLLM's: no CUDA graphs for decode steps
+  bool enforce_eager = true;            // vLLM's: no CUDA graphs for decode steps (see the flag)
   int64_t kv_block_size = 16;
   bool enable_prefix_caching = true;
   int64_t max_input_tokens = 0;

@@ -21,6 +21,7 @@
 #include "core/status.h"
 #include "core/threads.h"
 #include "dispatch/device_map.h"
+#include "engine/decode_graphs.h"
 #include "engine/engine_core.h"
 #include "engine/gpu_memory.h"
 #include "engine/grammar_logits_processor.h"
@@ -432,6 +433,22 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
     }
     return ChainLogitsProcessors(std::move(parts));
   };
+  // CUDA graphs for decode steps (vLLM's; engine/decode_graphs.h): steps
+  // whose sequences all decode one token are padded to a batch bucket and
+  // replayed from a graph captured once per bucket. Only where the decode
+  // step is capturable: every weight on the CUDA execution device (no
+  // offload scopes), a dense model (experts route on the host), no LongRoPE
+  // or split model (SupportsStaticDecode), no draft model.
+  bool resident = true;
+  for (const auto& [module, placement] : loaded.device_map.entries()) {
+    resident &= placement.is_cuda() && placement.index() == main_device.index();
+  }
+  if (main_device.is_cuda() && !options.enforce_eager && resident && !model.draft &&
+      loaded.config.moe.num_experts == 0 && loaded.model->SupportsStaticDecode()) {
+    runner_options.decode_buckets = DecodeBatchBuckets(options.loop.max_batch_size);
+    runner_options.capture_decode_graphs = true;
+    info.cuda_graph_buckets = runner_options.decode_buckets;
+  }
   runner_options.num_blocks = blocks;
   runner_options.block_size = block_size;
   runner_options.speculative = spec;

@@ -56,9 +56,10 @@ struct EngineOptions {
   // No effect on the cpu.
   double gpu_memory_utilization = 0.9;
   // vLLM's --enforce_eager: decode steps on a CUDA device never replay
-  // CUDA graphs (engine/decode_graphs.h; not enabled yet, so every step is
-  // eager today).
-  bool enforce_eager = false;
+  // CUDA graphs (engine/decode_graphs.h). True by default until a device
+  // run has checked graphs against eager (issue 37; vLLM's default is
+  // false); false turns them on where the model allows.
+  bool enforce_eager = true;
   bool enable_prefix_caching = true;
   // Tokens in one forward step (decoding sequences first, then prompt
   // chunks); 0: whole prompts.
@@ -106,6 +107,9 @@ struct ModelInfo {
   bool direct_reads = false;
   // The KV cache: blocks, bytes a block (every layer's), and how it was
   // sized (the flag and, on a GPU, the device's figures).
+  // The batch buckets whose decode steps replay CUDA graphs (empty: every
+  // step eager: the cpu, --enforce_eager, or a model that cannot).
+  std::vector<int64_t> cuda_graph_buckets;
   int64_t kv_blocks = 0;
   int64_t kv_block_bytes = 0;
   std::string kv_sizing;

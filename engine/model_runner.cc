@@ -1,8 +1,10 @@
 #include "engine/model_runner.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -15,6 +17,7 @@
 
 #include "core/status.h"
 #include "engine/decode_graphs.h"
+#include "engine/internal/decode_graph_runner.h"
 #include "engine/internal/draft_proposer.h"
 #include "engine/logits_processor.h"
 #include "engine/ngram_proposer.h"
@@ -65,8 +68,23 @@ struct ModelRunner::Impl {
   // on the scratch block, and each bucket's static input buffer.
   std::vector<models::KvCache> padding;
   int32_t scratch_block = -1;
-  std::map<int64_t, at::Tensor> bucket_ids;
+  // Each bucket's static buffers on the model's device: what a captured
+  // graph reads (ids and the step's positions, slots, tables, totals) and
+  // writes (logits). Filled from `staging` (the host's copy) before a step.
+  struct BucketBuffers {
+    at::Tensor ids, logits;
+    models::StaticDecodeInputs inputs;
+  };
+  std::map<int64_t, BucketBuffers> buckets;
+  std::unique_ptr<internal::DecodeGraphRunner> graphs;
   int64_t padded_steps = 0, padded_rows = 0;
+
+  // The padded step of `chunks` (one token each, the bucket's padded rows
+  // last): the static inputs written, the model's static decode step run
+  // (or replayed), the caches advanced. Logits [bucket, vocab].
+  absl::StatusOr<at::Tensor> RunPaddedDecode(int64_t bucket, const std::vector<int64_t>& packed,
+                                             const std::vector<models::SequenceChunk>& chunks,
+                                             int64_t batch);
 
   void ResetCache(Request& r) {
     r.cache.Clear();
@@ -125,6 +143,94 @@ struct ModelRunner::Impl {
     }
   }
 };
+
+absl::StatusOr<at::Tensor> ModelRunner::Impl::RunPaddedDecode(
+    int64_t bucket, const std::vector<int64_t>& packed,
+    const std::vector<models::SequenceChunk>& chunks, int64_t batch) {
+  const int64_t block_size = options.block_size;
+  // Tables wide enough for the longest sequence the store and the model
+  // allow: the attention's plan is fixed by it, whatever this step's lengths.
+  const int64_t max_total = std::min<int64_t>(position_limit, options.num_blocks * block_size);
+  const int64_t max_blocks = (max_total + block_size - 1) / block_size;
+  BucketBuffers* b = nullptr;
+  at::Tensor host_ids, positions, slot_blocks, slot_offsets, tables, totals;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    // The host's copy of the step's inputs.
+    host_ids = at::tensor(packed, at::kLong);
+    positions = at::empty({1, bucket}, at::kLong);
+    slot_blocks = at::empty({bucket}, at::kLong);
+    slot_offsets = at::empty({bucket}, at::kLong);
+    tables = at::zeros({bucket, max_blocks}, at::kInt);
+    totals = at::empty({bucket}, at::kInt);
+    int64_t* position = positions.data_ptr<int64_t>();
+    int64_t* where = slot_blocks.data_ptr<int64_t>();
+    int64_t* offset = slot_offsets.data_ptr<int64_t>();
+    int32_t* table = tables.data_ptr<int32_t>();
+    int32_t* total = totals.data_ptr<int32_t>();
+    for (int64_t r = 0; r < bucket; ++r) {
+      const models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
+      // A padded row: position 0 of the scratch block (its cache's table).
+      const int64_t length = r < batch ? cache.length : 0;
+      const int64_t used = length / block_size + 1;
+      TORCH_CHECK(static_cast<int64_t>(cache.block_table.size()) >= used && used <= max_blocks,
+                  "padded decode step: row ", r, " at position ", length, " but its table holds ",
+                  cache.block_table.size(), " blocks");
+      position[r] = length;
+      where[r] = cache.block_table[static_cast<size_t>(length / block_size)];
+      offset[r] = length % block_size;
+      total[r] = static_cast<int32_t>(length + 1);
+      std::copy(cache.block_table.begin(), cache.block_table.begin() + used,
+                table + r * max_blocks);
+    }
+    // The bucket's static buffers, on the device the model takes its ids on.
+    const at::Device device =
+        dispatched != nullptr ? dispatched->main_device() : at::Device(at::kCPU);
+    b = &buckets[bucket];
+    if (!b->ids.defined()) {
+      const at::TensorOptions on = at::TensorOptions().device(device);
+      b->ids = at::empty({bucket}, on.dtype(at::kLong));
+      b->inputs.positions = at::empty({1, bucket}, on.dtype(at::kLong));
+      b->inputs.slot_blocks = at::empty({bucket}, on.dtype(at::kLong));
+      b->inputs.slot_offsets = at::empty({bucket}, on.dtype(at::kLong));
+      b->inputs.block_tables = at::empty({bucket, max_blocks}, on.dtype(at::kInt));
+      b->inputs.totals = at::empty({bucket}, on.dtype(at::kInt));
+      b->inputs.max_total = max_total;
+    }
+    b->ids.copy_(host_ids);
+    b->inputs.positions.copy_(positions);
+    b->inputs.slot_blocks.copy_(slot_blocks);
+    b->inputs.slot_offsets.copy_(slot_offsets);
+    b->inputs.block_tables.copy_(tables);
+    b->inputs.totals.copy_(totals);
+  }));
+  // The step itself: captured and replayed per bucket on a CUDA device,
+  // called directly elsewhere. It writes the bucket's logits buffer.
+  absl::Status inner;
+  const absl::Status ran = graphs->Run(bucket, [&] {
+    absl::StatusOr<at::Tensor> logits =
+        model->ForwardStaticDecode(b->ids, chunks, b->inputs, dispatched);
+    if (!logits.ok()) {
+      // Thrown, so that a capture in progress ends and keeps no graph; the
+      // status itself is returned below.
+      inner = logits.status();
+      throw std::runtime_error(inner.ToString());
+    }
+    if (!b->logits.defined()) b->logits = at::empty_like(*logits);
+    b->logits.copy_(*logits);
+  });
+  ACCEL_RETURN_IF_ERROR(inner);
+  ACCEL_RETURN_IF_ERROR(ran);
+  // The caches advance here (the static step does not touch the host's
+  // state): the real rows only.
+  for (int64_t r = 0; r < batch; ++r) {
+    models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
+    cache.length += 1;
+    cache.token_ids.push_back(packed[static_cast<size_t>(r)]);
+  }
+  at::Tensor logits;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] { logits = b->logits.to(at::kCPU); }));
+  return logits;
+}
 
 ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ModelRunner::~ModelRunner() = default;
@@ -187,6 +293,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   m.dispatched = dispatched;
   m.options = std::move(options);
   std::sort(m.options.decode_buckets.begin(), m.options.decode_buckets.end());
+  // A model without a static decode step (GPT-2, LongRoPE, split) runs
+  // every step unpadded.
+  if (!m.model->SupportsStaticDecode()) m.options.decode_buckets.clear();
   const bool padding = !m.options.decode_buckets.empty();
   // The scratch block of padded rows is the store's last, past every block
   // the scheduler hands out.
@@ -196,6 +305,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   if (padding) {
     m.scratch_block = static_cast<int32_t>(m.options.num_blocks);
     m.padding.resize(static_cast<size_t>(m.options.decode_buckets.back() - 1));
+    m.graphs = std::make_unique<internal::DecodeGraphRunner>(m.options.capture_decode_graphs);
   }
   return std::unique_ptr<ModelRunner>(new ModelRunner(std::move(impl)));
 }
@@ -296,7 +406,6 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
       })) {
     bucket = DecodeBucketFor(options.decode_buckets, batch);
   }
-  at::Tensor input_ids;
   if (bucket) {
     // Padded rows: token 0 at position 0 of the scratch block, each its own
     // cache (a step's caches are distinct); their logits come after every
@@ -309,20 +418,34 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
       chunks.push_back({&pad, 1, 1});
       packed.push_back(0);
     }
-    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-      at::Tensor& ids = bucket_ids[*bucket];
-      if (!ids.defined()) ids = at::empty({*bucket}, at::kLong);
-      std::copy(packed.begin(), packed.end(), ids.data_ptr<int64_t>());
-      input_ids = ids;
-    }));
     ++padded_steps;
     padded_rows += *bucket - batch;
-  } else {
-    ACCEL_RETURN_IF_ERROR(CallTorch([&] { input_ids = at::tensor(packed, at::kLong); }));
   }
-  ACCEL_ASSIGN_OR_RETURN(
-      at::Tensor logits,
-      model->Forward(input_ids, chunks, models::Logits::kLastOfEach, dispatched));
+  absl::StatusOr<at::Tensor> forwarded;
+  if (bucket) {
+    forwarded = RunPaddedDecode(*bucket, packed, chunks, batch);
+    if (!forwarded.ok()) {
+      // The padded step is an optimisation: one that fails (a capture
+      // libtorch refuses, blocks the CUDA kernels do not take) turns it off
+      // for good, and this step runs unpadded. The caches have not moved.
+      std::fprintf(stderr, "accel: padded decode steps (CUDA graphs) off: %s\n",
+                   forwarded.status().ToString().c_str());
+      options.decode_buckets.clear();
+      chunks.resize(static_cast<size_t>(batch));
+      packed.resize(static_cast<size_t>(batch));
+      bucket.reset();
+    }
+  }
+  if (!bucket) {
+    at::Tensor input_ids;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { input_ids = at::tensor(packed, at::kLong); }));
+    forwarded = model->Forward(input_ids, chunks, models::Logits::kLastOfEach, dispatched);
+  }
+  if (!forwarded.ok()) {
+    undo();
+    return forwarded.status();
+  }
+  at::Tensor logits = *std::move(forwarded);
   // Every request that read its whole input samples (verifying its drafts)
   // before any state moves on: if sampling fails, the caches go back to
   // where they were.

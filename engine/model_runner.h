@@ -108,6 +108,11 @@ struct ModelRunnerOptions {
   // bucket replays (vLLM's); here it is called directly. Empty (the
   // default): every step runs unpadded.
   std::vector<int64_t> decode_buckets;
+  // With decode_buckets on a CUDA device: capture each bucket's step as a
+  // CUDA graph on first use and replay it (internal/decode_graph_runner.h).
+  // The model's decode step must be capturable: dense, on one device, no
+  // LongRoPE (LlmEngine checks). Off: the step is called directly.
+  bool capture_decode_graphs = false;
 };
 
 class ModelRunner : public ModelRunnerInterface {

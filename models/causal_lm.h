@@ -104,6 +104,22 @@ struct SequenceChunk {
   int64_t logit_tokens = 1;
 };
 
+// A decode step whose every changing value lives in tensors on the model's
+// execution device, so that the forward reads them there and never needs
+// the host: the step a CUDA graph per batch bucket replays
+// (engine/decode_graphs.h). Row r of the step is chunk r (one token each);
+// the caches' host state (length, block_table) is not read, nor advanced.
+struct StaticDecodeInputs {
+  at::Tensor positions;     // [1, rows] int64: each row's position
+  at::Tensor slot_blocks;   // [rows] int64: the block its key and value go to
+  at::Tensor slot_offsets;  // [rows] int64: ... and the offset in that block
+  at::Tensor block_tables;  // [rows, max_blocks] int32: each row's blocks in order
+  at::Tensor totals;        // [rows] int32: positions each row attends (position + 1)
+  // The most positions a row may attend: fixes the attention's plan (its
+  // splits), whatever the rows' lengths this step.
+  int64_t max_total = 0;
+};
+
 enum class Logits {
   kAll,        // [total tokens, vocab]
   kLastOfEach  // [sum of logit_tokens, vocab]: each chunk's last logit_tokens tokens
@@ -123,6 +139,26 @@ class CausalLM : public dispatch::Layer {
   virtual absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
                                              absl::Span<const SequenceChunk> chunks, Logits which,
                                              dispatch::DispatchedModel* dispatched) = 0;
+
+  // One-token rows on paged caches of one store, with `inputs` instead of
+  // the caches' host state: logits [rows, vocab] in float32 on the device of
+  // input_ids, every row's key and value written; the caches are not
+  // advanced (the caller does, after the step). Nothing in it reads a
+  // tensor's value on the host, so it can be captured in a CUDA graph
+  // (except mixture-of-experts layers, which route on the host).
+  // Unimplemented for models that cannot (SupportsStaticDecode() false:
+  // GPT-2, LongRoPE, split models).
+  virtual bool SupportsStaticDecode() const { return false; }
+  virtual absl::StatusOr<at::Tensor> ForwardStaticDecode(const at::Tensor& input_ids,
+                                                         absl::Span<const SequenceChunk> chunks,
+                                                         const StaticDecodeInputs& inputs,
+                                                         dispatch::DispatchedModel* dispatched) {
+    (void)input_ids;
+    (void)chunks;
+    (void)inputs;
+    (void)dispatched;
+    return absl::UnimplementedError("this model has no static decode step");
+  }
 
   const loader::ModelConfig& config() const { return config_; }
   at::ScalarType dtype() const { return dtype_; }

@@ -198,7 +198,8 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
   if step bench:make_8b_model 200 make8b; then
     echo "{\"seconds\": $(( $(date +%s) - t0 )), \"dir\": \"$model8b\"}" >"$OUT/bench/make_model.json"
     step bench:decode_8b 300 "$bin/accel-bench-decode-gpu" --model "$model8b" --quantize none,nf4 \
-      --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --json "$OUT/bench/decode_gpu.json"
+      --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,5,8 \
+      --json "$OUT/bench/decode_gpu.json"
   fi
 fi
 
@@ -215,7 +216,9 @@ if want generate && [[ -x $bin/accel-generate && -x $bin/accel-make-model ]]; th
     local gen=("$bin/accel-generate" --model "$m" --input_ids 1,5,9,200,33,7 --max_new_tokens 24
       --ignore_eos --json --logprobs)
     "${gen[@]}" --device_map cpu >"$OUT/generate/$fam.cpu.txt" 2>&1
-    local variants=("--device_map 0")
+    # --enforce_eager=false: decode steps replayed from CUDA graphs (dense
+    # families on one GPU; the others run eagerly anyway).
+    local variants=("--device_map 0" "--device_map 0 --enforce_eager=false")
     if [[ $fam == llama || $fam == mixtral ]]; then
       variants+=("--device_map auto --max_memory 0=2MB,cpu=6MB,disk=1GB"
         "--device_map cpu --execution_device cuda:0")

@@ -127,6 +127,11 @@ def main():
                 lines.append(f"    batch {d['batch']:>3}: {d['tokens_per_s']:9.1f} tokens/s, "
                              f"{d['step_ms']:.2f} ms a step, {d['weight_gbs']:.0f} GB/s = "
                              f"{d['of_copy_traffic']:.2f} of copy traffic")
+            for g in m.get("graphs", []):
+                lines.append(f"    batch {g['batch']:>3}, CUDA graphs: "
+                             f"{g['graphs_tokens_per_s']:9.1f} tokens/s against "
+                             f"{g['eager_tokens_per_s']:9.1f} eager; tokens "
+                             f"{'the same' if g['same_tokens'] else 'DIFFERENT'}")
     kv = summary["bench"].get("kv_sizing")
     if kv:
         lines.append(f"--gpu_memory_utilization on GPU 0 (nvidia-smi free, total MiB before: "

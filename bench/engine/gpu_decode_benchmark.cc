@@ -20,6 +20,7 @@
 //
 //   build/bin/accel-bench-decode-gpu --model DIR [--quantize none,nf4]
 //       [--batches 1,8,32,128] [--tokens 64] [--prompt 2048] [--rounds 3] [--json FILE]
+//       [--graph_batches 1,8]   (decode with CUDA graphs against eager, and their tokens)
 //       [--device cpu]   (the same measurements on the cpu: a check of the harness)
 // Without a CUDA device (and without --device cpu) it says so and exits with
 // status 1.
@@ -38,6 +39,7 @@
 #include <torch/nn/module.h>
 
 #include "core/bytes.h"
+#include "engine/decode_graphs.h"
 #include "engine/engine_core.h"
 #include "engine/model_runner.h"
 #include "engine/request.h"
@@ -108,12 +110,18 @@ accel::engine::GenerationRequest Request(int64_t prompt_tokens, int64_t new_toke
 }
 
 // An engine core whose KV cache holds `sequences` of `tokens_each`, without
-// prefix caching (each measurement computes its whole prompt).
+// prefix caching (each measurement computes its whole prompt). With
+// `graphs`, decode steps are padded to batch buckets and (on a CUDA device)
+// replayed from CUDA graphs, as accel-serve --enforce_eager=false runs them.
 std::unique_ptr<accel::engine::EngineCore> CoreFor(accel::models::LoadedModel& m, int64_t sequences,
-                                                   int64_t tokens_each) {
+                                                   int64_t tokens_each, bool graphs = false) {
   accel::engine::ModelRunnerOptions r;
   r.block_size = 16;
   r.num_blocks = sequences * ((tokens_each + 15) / 16 + 1) + 16;
+  if (graphs) {
+    r.decode_buckets = accel::engine::DecodeBatchBuckets(sequences);
+    r.capture_decode_graphs = m.dispatched->main_device().is_cuda();
+  }
   auto runner = accel::engine::ModelRunner::Create(m.model, m.dispatched.get(), r);
   if (!runner.ok()) {
     std::fprintf(stderr, "%s\n", runner.status().ToString().c_str());
@@ -124,14 +132,29 @@ std::unique_ptr<accel::engine::EngineCore> CoreFor(accel::models::LoadedModel& m
   return std::make_unique<accel::engine::EngineCore>(*std::move(runner), nullptr, c);
 }
 
-// Decode tokens/s over `batch` sequences (the prefill step excluded).
-double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, int64_t salt) {
-  std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, batch, 16 + tokens);
+// Decode tokens/s over `batch` sequences (the prefill step excluded); with
+// `produced_ids`, every token in the order the steps gave them.
+// `untimed_steps` decode steps after the prefill are left out of the time
+// too (with graphs, the first captures the bucket's graph).
+double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, int64_t salt,
+                  bool graphs = false, std::vector<int64_t>* produced_ids = nullptr,
+                  int untimed_steps = 0) {
+  std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, batch, 16 + tokens, graphs);
   accel::engine::EngineCore& generator = *core;
   for (int64_t i = 0; i < batch; ++i) {
     if (!generator.Add(Request(16, tokens, salt + i)).ok()) std::abort();
   }
   if (!generator.Step().ok()) std::abort();  // prefill
+  for (int i = 0; i < untimed_steps; ++i) {
+    auto events = generator.Step();
+    if (!events.ok()) {
+      std::fprintf(stderr, "%s\n", events.status().ToString().c_str());
+      std::abort();
+    }
+    if (produced_ids != nullptr) {
+      for (const accel::engine::TokenEvent& e : *events) produced_ids->push_back(e.token_id);
+    }
+  }
   int64_t produced = 0;
   const double seconds = Seconds([&] {
     while (generator.num_requests() > 0) {
@@ -141,6 +164,9 @@ double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, 
         std::abort();
       }
       produced += static_cast<int64_t>(events->size());
+      if (produced_ids != nullptr) {
+        for (const accel::engine::TokenEvent& e : *events) produced_ids->push_back(e.token_id);
+      }
     }
   });
   return static_cast<double>(produced) / seconds;
@@ -166,6 +192,7 @@ int main(int argc, char** argv) {
   std::string model_dir, json_path;
   std::vector<std::string> quantize = {"none", "nf4"};
   std::vector<int64_t> batches = {1, 8, 32, 128};
+  std::vector<int64_t> graph_batches;  // decode with CUDA graphs against eager, same run
   int64_t tokens = 64, prompt = 2048;
   int rounds = 3;
   bool cpu = false;
@@ -189,6 +216,9 @@ int main(int argc, char** argv) {
     } else if (flag == "--device") {
       if (value != "cpu" && value != "0") Usage("--device is 0 or cpu, got " + value);
       cpu = value == "cpu";
+    } else if (flag == "--graph_batches") {
+      graph_batches.clear();
+      for (const std::string& b : Split(value)) graph_batches.push_back(std::atoll(b.c_str()));
     } else if (flag == "--rounds") {
       rounds = std::max(1, std::atoi(value.c_str()));
     } else {
@@ -271,6 +301,32 @@ int main(int argc, char** argv) {
               ", \"weight_gbs\": " + std::to_string(used / 1e9) +
               ", \"of_copy_traffic\": " + std::to_string(used / (2 * copy_rate)) + "}";
     }
+    // CUDA graphs (issue 37, item 2): decode at each --graph_batches size
+    // eagerly and replayed from graphs, in the same run, and whether the
+    // greedy tokens are the same.
+    std::string graph_rows;
+    for (int64_t batch : graph_batches) {
+      std::vector<double> eager, graphed;
+      bool same = true;
+      for (int r = 0; r < rounds; ++r) {
+        std::vector<int64_t> eager_ids, graph_ids;
+        // The first decode step untimed in both (it captures, with graphs).
+        eager.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, false, &eager_ids, 1));
+        graphed.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, true, &graph_ids, 1));
+        same &= eager_ids == graph_ids;
+      }
+      std::printf(
+          "  batch %3ld, CUDA graphs: %8.1f tokens/s against %8.1f eager (%.2fx); "
+          "greedy tokens %s\n",
+          static_cast<long>(batch), Median(graphed), Median(eager), Median(graphed) / Median(eager),
+          same ? "the same" : "DIFFERENT");
+      std::fflush(stdout);
+      graph_rows += std::string(graph_rows.empty() ? "" : ", ") +
+                    "{\"batch\": " + std::to_string(batch) +
+                    ", \"graphs_tokens_per_s\": " + std::to_string(Median(graphed)) +
+                    ", \"eager_tokens_per_s\": " + std::to_string(Median(eager)) +
+                    ", \"same_tokens\": " + (same ? "true" : "false") + "}";
+    }
     std::vector<double> ttft;
     for (int r = 0; r < rounds; ++r) ttft.push_back(TimeToFirstToken(m, prompt, 5000 + r));
     std::printf("  time to first token, %ld-token prompt: %.1f ms (median of %d)\n",
@@ -280,7 +336,8 @@ int main(int argc, char** argv) {
             "\", \"layers\": " + std::to_string(m.config.num_hidden_layers) +
             ", \"bytes_per_step\": " + std::to_string(per_step) +
             ", \"load_s\": " + std::to_string(load_s) + ", \"decode\": [" + rows +
-            "], \"ttft_s\": " + std::to_string(Median(ttft)) + "}";
+            "], \"graphs\": [" + graph_rows + "], \"ttft_s\": " + std::to_string(Median(ttft)) +
+            "}";
     first_model = false;
     write_json("\n]}\n");
   }

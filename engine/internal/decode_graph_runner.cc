@@ -54,7 +54,17 @@ absl::Status DecodeGraphRunner::Run(int64_t bucket, const std::function<void()>&
       step();  // warm-up, outside the capture
       side.synchronize();
       graph->capture_begin(graphs_->pool);
-      step();
+      try {
+        step();
+      } catch (...) {
+        // End the capture (it fails too: the graph is invalid) so that the
+        // side stream leaves capture mode, then report the step's error.
+        try {
+          graph->capture_end();
+        } catch (...) {
+        }
+        throw;
+      }
       graph->capture_end();
     }
     at::cuda::CUDAEvent captured_event;

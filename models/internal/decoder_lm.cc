@@ -663,6 +663,41 @@ class DecoderLM : public CausalLM {
     return x[0].to(home, at::kFloat);
   }
 
+  bool SupportsStaticDecode() const override {
+    return model->rotary_emb->long_after() == 0 && tp_.size == 1 && tp_.pipeline_size == 1;
+  }
+
+  absl::StatusOr<at::Tensor> ForwardStaticDecode(const at::Tensor& input_ids,
+                                                 absl::Span<const SequenceChunk> given,
+                                                 const StaticDecodeInputs& inputs,
+                                                 dispatch::DispatchedModel* dispatched) override {
+    if (!SupportsStaticDecode()) {
+      return absl::UnimplementedError(
+          "a static decode step needs a model on one rank without LongRoPE (whose factors "
+          "depend on each sequence's length)");
+    }
+    if (input_ids.dim() != 1 || input_ids.numel() != static_cast<int64_t>(given.size()) ||
+        !inputs.positions.defined() || inputs.positions.numel() != input_ids.numel()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a static decode step takes one id and one position per chunk: ", input_ids.numel(),
+          " ids for ", given.size(), " chunks"));
+    }
+    ACCEL_RETURN_IF_ERROR(CheckWeightFiles());
+    const std::vector<SequenceChunk> chunks(given.begin(), given.end());
+    StepState step;
+    step.dispatched = dispatched;
+    step.tp = &tp_;
+    const at::Device home = input_ids.device();
+    StaticDecodeScope scope(&inputs);
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor x, Embed(input_ids, home, dispatched, step));
+    ACCEL_ASSIGN_OR_RETURN(
+        x, RunLayers(std::move(x), inputs.positions, chunks, home, dispatched, step));
+    ACCEL_ASSIGN_OR_RETURN(x, Head(x, home, dispatched, step));
+    at::Tensor logits;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { logits = x[0].to(home, at::kFloat); }));
+    return logits;
+  }
+
   std::shared_ptr<DecoderModel> model;
   std::shared_ptr<nn::Linear> lm_head;
 

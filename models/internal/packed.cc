@@ -106,9 +106,67 @@ at::Tensor GatherBlocks(const at::Tensor& blocks, const std::vector<int32_t>& ta
 
 }  // namespace
 
+namespace {
+
+thread_local const StaticDecodeInputs* static_decode = nullptr;
+
+// AttendPacked under a StaticDecodeScope: q [heads, rows, d], k, v
+// [kv_heads, rows, d], one row per chunk.
+at::Tensor AttendStaticDecode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              absl::Span<const SequenceChunk> chunks, size_t layer,
+                              std::optional<int64_t> window, const ScoreRule& rule,
+                              const StaticDecodeInputs& inputs) {
+  const int64_t rows = q.size(1);
+  TORCH_CHECK(static_cast<int64_t>(chunks.size()) == rows && rows >= 1 &&
+                  chunks[0].cache != nullptr && chunks[0].cache->paged(),
+              "static decode step: ", chunks.size(), " chunks for ", rows,
+              " rows, each one token on a paged cache");
+  auto [key_blocks, value_blocks] = chunks[0].cache->store->Layer(layer, k, v);
+  // [rows, kv_heads, d] lands at blocks[slot_blocks[r], :, slot_offsets[r]].
+  const at::Tensor where_blocks = inputs.slot_blocks.to(key_blocks.device());
+  const at::Tensor where_offsets = inputs.slot_offsets.to(key_blocks.device());
+  key_blocks.index_put_({where_blocks, at::indexing::Slice(), where_offsets}, k.transpose(0, 1));
+  value_blocks.index_put_({where_blocks, at::indexing::Slice(), where_offsets}, v.transpose(0, 1));
+  if (key_blocks.is_cuda()) {
+    return PagedDecodeAttentionCudaStatic(q.transpose(0, 1), key_blocks, value_blocks,
+                                          inputs.block_tables, inputs.totals, inputs.max_total,
+                                          window, rule)
+        .to(q.scalar_type());
+  }
+  // On the cpu the tables and totals are read here: the same numbers the
+  // CUDA kernels read on the device.
+  const at::Tensor tables = inputs.block_tables.to(at::kCPU).contiguous();
+  const at::Tensor totals = inputs.totals.to(at::kCPU).contiguous();
+  const int64_t stride = tables.size(1), block_size = key_blocks.size(2);
+  std::vector<std::vector<int32_t>> owned(static_cast<size_t>(rows));
+  std::vector<PagedQuery> queries;
+  queries.reserve(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t total = totals.data_ptr<int32_t>()[r];
+    const int64_t used = (total + block_size - 1) / block_size;
+    TORCH_CHECK(total >= 1 && used <= stride, "static decode step: row ", r, " attends ", total,
+                " positions, its table holds ", stride, " blocks");
+    const int32_t* row = tables.data_ptr<int32_t>() + r * stride;
+    owned[static_cast<size_t>(r)].assign(row, row + used);
+    queries.push_back({q.narrow(1, r, 1).select(1, 0), owned[static_cast<size_t>(r)], total});
+  }
+  return PagedDecodeAttention(queries, key_blocks, value_blocks, window, rule).to(q.scalar_type());
+}
+
+}  // namespace
+
+StaticDecodeScope::StaticDecodeScope(const StaticDecodeInputs* inputs) : previous_(static_decode) {
+  static_decode = inputs;
+}
+
+StaticDecodeScope::~StaticDecodeScope() { static_decode = previous_; }
+
 at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         absl::Span<const SequenceChunk> chunks, size_t layer,
                         std::optional<int64_t> window, const ScoreRule& rule) {
+  if (static_decode != nullptr) {
+    return AttendStaticDecode(q, k, v, chunks, layer, window, rule, *static_decode);
+  }
   const int64_t heads = q.size(0), kv_heads = k.size(0), d = q.size(2), dv = v.size(2);
   const int64_t group = heads / kv_heads;
   std::vector<at::Tensor> outs(chunks.size());

@@ -43,6 +43,22 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         absl::Span<const SequenceChunk> chunks, size_t layer,
                         std::optional<int64_t> window, const ScoreRule& rule);
 
+// While one lives on this thread, AttendPacked runs every chunk as a row of
+// a static decode step (CausalLM::ForwardStaticDecode): keys and values
+// written through inputs' slots by one indexed copy per tensor, attention
+// over inputs' block tables and totals (on the cpu read from them; on a
+// CUDA device by the kernels, with a plan fixed by max_total).
+class StaticDecodeScope {
+ public:
+  explicit StaticDecodeScope(const StaticDecodeInputs* inputs);
+  ~StaticDecodeScope();
+  StaticDecodeScope(const StaticDecodeScope&) = delete;
+  StaticDecodeScope& operator=(const StaticDecodeScope&) = delete;
+
+ private:
+  const StaticDecodeInputs* previous_;
+};
+
 // Writes rows [kv_heads, n, d] at positions [past, past + n) of a layer's
 // blocks [num_blocks, kv_heads, block_size, d] through a block table, as one
 // indexed copy (what AttendPacked does for a prompt off the cpu, where a

@@ -56,6 +56,16 @@ at::Tensor PagedDecodeAttentionCuda(absl::Span<const PagedQuery> queries,
                                     const at::Tensor& key_blocks, const at::Tensor& value_blocks,
                                     std::optional<int64_t> window, const ScoreRule& rule,
                                     int32_t partition = 0);
+// A static decode step's (CausalLM::ForwardStaticDecode) attention: q [rows,
+// heads, d] on the device, each row's blocks and total read by the kernels
+// from block_tables [rows, max_blocks] and totals [rows] (int32, on the
+// device), the plan (splits, partition, window) fixed by max_total, so that
+// nothing here reads a value on the host and a CUDA graph can replay it.
+at::Tensor PagedDecodeAttentionCudaStatic(const at::Tensor& q, const at::Tensor& key_blocks,
+                                          const at::Tensor& value_blocks,
+                                          const at::Tensor& block_tables, const at::Tensor& totals,
+                                          int64_t max_total, std::optional<int64_t> window,
+                                          const ScoreRule& rule);
 bool PagedAttentionCudaBuilt();
 // Whether the CUDA kernels take these blocks (built, dtype, dims, alignment)
 // for `heads` query heads; AttendPacked gathers the blocks otherwise.

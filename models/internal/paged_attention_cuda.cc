@@ -252,4 +252,97 @@ at::Tensor PagedDecodeAttentionCuda(absl::Span<const PagedQuery> queries,
 #endif
 }
 
+at::Tensor PagedDecodeAttentionCudaStatic(const at::Tensor& q, const at::Tensor& key_blocks,
+                                          const at::Tensor& value_blocks,
+                                          const at::Tensor& block_tables, const at::Tensor& totals,
+                                          int64_t max_total, std::optional<int64_t> window,
+                                          const ScoreRule& rule) {
+#ifndef ACCEL_WITH_MODELS_CUDA
+  (void)q;
+  (void)key_blocks;
+  (void)value_blocks;
+  (void)block_tables;
+  (void)totals;
+  (void)max_total;
+  (void)window;
+  (void)rule;
+  TORCH_CHECK(false,
+              "paged attention (CUDA): the kernels are not in this build (models/cuda/ needs "
+              "nvcc and a CUDA libtorch)");
+  return at::Tensor();
+#else
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK(key_blocks.is_cuda() && value_blocks.device() == key_blocks.device() &&
+                  q.device() == key_blocks.device() &&
+                  block_tables.device() == key_blocks.device() &&
+                  totals.device() == key_blocks.device(),
+              "paged attention (CUDA, static): q, the blocks, tables and totals must be on one "
+              "CUDA device");
+  TORCH_CHECK(key_blocks.is_contiguous() && value_blocks.is_contiguous() && key_blocks.dim() == 4 &&
+                  value_blocks.dim() == 4,
+              "paged attention (CUDA, static): the blocks must be contiguous [blocks, kv_heads, "
+              "block_size, d]");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == key_blocks.size(3) && block_tables.dim() == 2 &&
+                  block_tables.size(0) == q.size(0) && totals.dim() == 1 &&
+                  totals.size(0) == q.size(0) && block_tables.scalar_type() == at::kInt &&
+                  totals.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  totals.is_contiguous(),
+              "paged attention (CUDA, static): q [rows, heads, d], block_tables [rows, blocks] "
+              "and totals [rows], int32 and contiguous");
+  TORCH_CHECK(max_total >= 1 && max_total <= kInt32Max && q.size(0) <= 65535 &&
+                  block_tables.size(1) * key_blocks.size(2) >= max_total,
+              "paged attention (CUDA, static): ", max_total, " positions at most but tables of ",
+              block_tables.size(1), " blocks of ", key_blocks.size(2));
+  const at::Device device = key_blocks.device();
+  c10::cuda::CUDAGuard guard(device);
+  cuda::KvDType dtype;
+  TORCH_CHECK(value_blocks.scalar_type() == key_blocks.scalar_type() &&
+                  KvDTypeOf(key_blocks.scalar_type(), &dtype),
+              "paged attention (CUDA, static): unsupported dtype ", key_blocks.scalar_type());
+  cuda::PagedDecodeParams p;
+  p.num_blocks = key_blocks.size(0);
+  p.seqs = static_cast<int32_t>(q.size(0));
+  p.heads = static_cast<int32_t>(q.size(1));
+  p.kv_heads = static_cast<int32_t>(key_blocks.size(1));
+  p.block_size = static_cast<int32_t>(key_blocks.size(2));
+  p.head_dim = static_cast<int32_t>(key_blocks.size(3));
+  p.value_dim = static_cast<int32_t>(value_blocks.size(3));
+  p.table_stride = static_cast<int32_t>(block_tables.size(1));
+  // As PlanPagedDecodeCuda, with max_total for the longest row: a window as
+  // long as any context masks nothing; the splits of the longest row (a
+  // shorter row's later splits are empty: the kernels skip them).
+  p.window =
+      window && *window < max_total ? static_cast<int32_t>(std::max<int64_t>(1, *window)) : 0;
+  p.scale = static_cast<float>(rule.divide ? 1.0 / rule.scale : rule.scale);
+  p.softcap = rule.softcap ? static_cast<float>(*rule.softcap) : 0.0f;
+  p.partition = cuda::ChoosePagedPartition(p.seqs, p.heads, p.kv_heads, p.head_dim, p.value_dim,
+                                           static_cast<int32_t>(max_total), p.window, dtype,
+                                           SmCount(device.index()));
+  p.max_splits = cuda::PagedDecodeSplits(static_cast<int32_t>(max_total), p.window, p.partition);
+  const at::Tensor queries = q.to(key_blocks.scalar_type()).contiguous();
+  at::Tensor out =
+      at::empty({p.seqs, static_cast<int64_t>(p.heads) * p.value_dim}, key_blocks.options());
+  const int64_t workspace_floats =
+      cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits);
+  at::Tensor workspace;
+  if (workspace_floats > 0) {
+    workspace = at::empty({workspace_floats}, key_blocks.options().dtype(at::kFloat));
+  }
+  p.q = queries.data_ptr();
+  p.key_blocks = key_blocks.data_ptr();
+  p.value_blocks = value_blocks.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.totals = totals.data_ptr<int32_t>();
+  p.out = out.data_ptr();
+  p.workspace = workspace.defined() ? workspace.data_ptr<float>() : nullptr;
+  const char* refused = cuda::CheckPagedDecodeParams(p, dtype);
+  TORCH_CHECK(refused == nullptr, "paged attention (CUDA, static): ", refused);
+  const cudaError_t status = cuda::PagedDecodeAttention(
+      p, dtype, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  TORCH_CHECK(status == cudaSuccess, "paged attention (CUDA, static): ", cudaGetErrorName(status),
+              " (", cudaGetErrorString(status), ")");
+  return out;
+#endif
+}
+
 }  // namespace accel::models::internal

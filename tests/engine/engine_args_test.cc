@@ -57,7 +57,7 @@ TEST(EngineArgsTest, EveryLoadAndEngineOptionHasItsFlag) {
   Set("max_num_batched_tokens", "7");
   Set("kv_cache_memory", "0.25");
   Set("gpu_memory_utilization", "0.75");
-  Set("enforce_eager", "true");
+  Set("enforce_eager", "false");
   Set("kv_block_size", "8");
   Set("enable_prefix_caching", "false");
   Set("max_input_tokens", "9");
@@ -97,7 +97,7 @@ TEST(EngineArgsTest, EveryLoadAndEngineOptionHasItsFlag) {
   EXPECT_EQ(a.max_num_batched_tokens, 7);
   EXPECT_EQ(a.kv_cache_memory, "0.25");
   EXPECT_EQ(a.gpu_memory_utilization, 0.75);
-  EXPECT_TRUE(a.enforce_eager);
+  EXPECT_FALSE(a.enforce_eager);
   EXPECT_EQ(a.kv_block_size, 8);
   EXPECT_FALSE(a.enable_prefix_caching);
   EXPECT_EQ(a.max_input_tokens, 9);
@@ -146,13 +146,13 @@ TEST_F(ResolveTest, GoodArgsBecomeTheEngineOptions) {
   EXPECT_EQ(o->speculative.method, SpeculativeConfig::Method::kDraftModel);
   EXPECT_EQ(o->speculative.num_speculative_tokens, 3);
   EXPECT_EQ(o->gpu_memory_utilization, 0.9);  // vLLM's default
-  EXPECT_FALSE(o->enforce_eager);
+  EXPECT_TRUE(o->enforce_eager);              // until a device run has checked graphs
   a.gpu_memory_utilization = 1.0;
-  a.enforce_eager = true;
+  a.enforce_eager = false;
   o = a.Resolve();
   ASSERT_THAT(o, IsOk());
   EXPECT_EQ(o->gpu_memory_utilization, 1.0);
-  EXPECT_TRUE(o->enforce_eager);
+  EXPECT_FALSE(o->enforce_eager);
   // The parallel options pass through as they are (the tool joins the group).
   a.parallel.pipeline_parallel_size = 2;
   a.pipeline_micro_batches = 1;

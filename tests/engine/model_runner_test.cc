@@ -520,7 +520,8 @@ TEST_F(GeneratorTest, DecodeStepsPaddedToBucketsGiveWhatUnpaddedStepsGive) {
 }
 
 // Padding applies to decode-only steps up to the largest bucket: a batch
-// above it, and steps that read prompts, run unpadded.
+// above it, steps that read prompts, and models without a static decode
+// step run unpadded.
 TEST_F(GeneratorTest, OnlyDecodeStepsWithinTheLargestBucketArePadded) {
   std::vector<GenerationRequest> requests;
   for (int i = 0; i < 3; ++i) requests.push_back(Greedy(Prompt(i * 7 + 1, 5), 6));
@@ -543,6 +544,18 @@ TEST_F(GeneratorTest, OnlyDecodeStepsWithinTheLargestBucketArePadded) {
   ASSERT_THAT(Generate(one, {requests[0]}), IsOk());
   EXPECT_EQ(r->padded_decode_steps(), 5);
   EXPECT_EQ(r->padded_decode_rows(), 5);
+  // A model without a static decode step (GPT-2's learned positions are
+  // not on that path) runs unpadded, with the same tokens.
+  Load("gpt2", 0);
+  const std::vector<GenerationResult> alone = Alone({requests[0]});
+  runner = ModelRunner::Create(loaded_->model, loaded_->dispatched.get(), options);
+  ASSERT_THAT(runner, IsOk());
+  r = runner->get();
+  EngineCore unpadded(*std::move(runner), nullptr, EngineCoreOptions{});
+  auto got = Generate(unpadded, {requests[0]});
+  ASSERT_THAT(got, IsOk());
+  EXPECT_THAT((*got)[0].token_ids, ElementsAreArray(alone[0].token_ids));
+  EXPECT_EQ(r->padded_decode_steps(), 0);
 }
 
 // Chunked prefill: a long prompt is read a few tokens a step while a
