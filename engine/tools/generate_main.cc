@@ -328,6 +328,12 @@ int Run(int argc, char** argv) {
               << "\n";
   }
 
+  if (const std::vector<int64_t>& buckets = (*engine)->info().cuda_graph_buckets;
+      !buckets.empty()) {
+    std::cerr << "accel-generate: decode steps of up to " << buckets.back()
+              << " sequences replay CUDA graphs (" << buckets.size() << " batch buckets)\n";
+  }
+
   // Generation ends at the model's context whatever --max_new_tokens says.
   const int64_t room =
       (*engine)->info().max_total_tokens - static_cast<int64_t>(request->prompt_ids.size());
