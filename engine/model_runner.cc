@@ -70,10 +70,13 @@ struct ModelRunner::Impl {
   int32_t scratch_block = -1;
   // Each bucket's static buffers on the model's device: what a captured
   // graph reads (ids and the step's positions, slots, tables, totals) and
-  // writes (logits). Filled from `staging` (the host's copy) before a step.
+  // writes (logits). Filled from `host` (their host copies) before a step.
   struct BucketBuffers {
     at::Tensor ids, logits;
     models::StaticDecodeInputs inputs;
+    struct {
+      at::Tensor ids, positions, slot_blocks, slot_offsets, block_tables, totals;
+    } host;
   };
   std::map<int64_t, BucketBuffers> buckets;
   std::unique_ptr<internal::DecodeGraphRunner> graphs;
@@ -153,20 +156,35 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunPaddedDecode(
   const int64_t max_total = std::min<int64_t>(position_limit, options.num_blocks * block_size);
   const int64_t max_blocks = (max_total + block_size - 1) / block_size;
   BucketBuffers* b = nullptr;
-  at::Tensor host_ids, positions, slot_blocks, slot_offsets, tables, totals;
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-    // The host's copy of the step's inputs.
-    host_ids = at::tensor(packed, at::kLong);
-    positions = at::empty({1, bucket}, at::kLong);
-    slot_blocks = at::empty({bucket}, at::kLong);
-    slot_offsets = at::empty({bucket}, at::kLong);
-    tables = at::zeros({bucket, max_blocks}, at::kInt);
-    totals = at::empty({bucket}, at::kInt);
-    int64_t* position = positions.data_ptr<int64_t>();
-    int64_t* where = slot_blocks.data_ptr<int64_t>();
-    int64_t* offset = slot_offsets.data_ptr<int64_t>();
-    int32_t* table = tables.data_ptr<int32_t>();
-    int32_t* total = totals.data_ptr<int32_t>();
+    // The bucket's static buffers, on the device the model takes its ids
+    // on, and their host copies (pinned for a CUDA device), made once.
+    const at::Device device =
+        dispatched != nullptr ? dispatched->main_device() : at::Device(at::kCPU);
+    b = &buckets[bucket];
+    if (!b->ids.defined()) {
+      const bool pin = device.is_cuda();
+      const auto make = [&](at::IntArrayRef shape, at::ScalarType type, at::Tensor& on_device,
+                            at::Tensor& on_host) {
+        on_device = at::empty(shape, at::TensorOptions().device(device).dtype(type));
+        on_host = at::empty(shape, at::TensorOptions().dtype(type).pinned_memory(pin));
+      };
+      make({bucket}, at::kLong, b->ids, b->host.ids);
+      make({1, bucket}, at::kLong, b->inputs.positions, b->host.positions);
+      make({bucket}, at::kLong, b->inputs.slot_blocks, b->host.slot_blocks);
+      make({bucket}, at::kLong, b->inputs.slot_offsets, b->host.slot_offsets);
+      make({bucket, max_blocks}, at::kInt, b->inputs.block_tables, b->host.block_tables);
+      make({bucket}, at::kInt, b->inputs.totals, b->host.totals);
+      b->inputs.max_total = max_total;
+    }
+    // The host copy of this step's inputs. A row's table entries past its
+    // total are never read, so stale ones stay.
+    int64_t* ids = b->host.ids.data_ptr<int64_t>();
+    int64_t* position = b->host.positions.data_ptr<int64_t>();
+    int64_t* where = b->host.slot_blocks.data_ptr<int64_t>();
+    int64_t* offset = b->host.slot_offsets.data_ptr<int64_t>();
+    int32_t* table = b->host.block_tables.data_ptr<int32_t>();
+    int32_t* total = b->host.totals.data_ptr<int32_t>();
     for (int64_t r = 0; r < bucket; ++r) {
       const models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
       // A padded row: position 0 of the scratch block (its cache's table).
@@ -175,6 +193,7 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunPaddedDecode(
       TORCH_CHECK(static_cast<int64_t>(cache.block_table.size()) >= used && used <= max_blocks,
                   "padded decode step: row ", r, " at position ", length, " but its table holds ",
                   cache.block_table.size(), " blocks");
+      ids[r] = packed[static_cast<size_t>(r)];
       position[r] = length;
       where[r] = cache.block_table[static_cast<size_t>(length / block_size)];
       offset[r] = length % block_size;
@@ -182,26 +201,15 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunPaddedDecode(
       std::copy(cache.block_table.begin(), cache.block_table.begin() + used,
                 table + r * max_blocks);
     }
-    // The bucket's static buffers, on the device the model takes its ids on.
-    const at::Device device =
-        dispatched != nullptr ? dispatched->main_device() : at::Device(at::kCPU);
-    b = &buckets[bucket];
-    if (!b->ids.defined()) {
-      const at::TensorOptions on = at::TensorOptions().device(device);
-      b->ids = at::empty({bucket}, on.dtype(at::kLong));
-      b->inputs.positions = at::empty({1, bucket}, on.dtype(at::kLong));
-      b->inputs.slot_blocks = at::empty({bucket}, on.dtype(at::kLong));
-      b->inputs.slot_offsets = at::empty({bucket}, on.dtype(at::kLong));
-      b->inputs.block_tables = at::empty({bucket, max_blocks}, on.dtype(at::kInt));
-      b->inputs.totals = at::empty({bucket}, on.dtype(at::kInt));
-      b->inputs.max_total = max_total;
-    }
-    b->ids.copy_(host_ids);
-    b->inputs.positions.copy_(positions);
-    b->inputs.slot_blocks.copy_(slot_blocks);
-    b->inputs.slot_offsets.copy_(slot_offsets);
-    b->inputs.block_tables.copy_(tables);
-    b->inputs.totals.copy_(totals);
+    // Asynchronous from pinned memory on a CUDA device: the last step ended
+    // by reading its logits back, so no earlier copy still reads these.
+    const bool async = device.is_cuda();
+    b->ids.copy_(b->host.ids, async);
+    b->inputs.positions.copy_(b->host.positions, async);
+    b->inputs.slot_blocks.copy_(b->host.slot_blocks, async);
+    b->inputs.slot_offsets.copy_(b->host.slot_offsets, async);
+    b->inputs.block_tables.copy_(b->host.block_tables, async);
+    b->inputs.totals.copy_(b->host.totals, async);
   }));
   // The step itself: captured and replayed per bucket on a CUDA device,
   // called directly elsewhere. It writes the bucket's logits buffer.
