@@ -10,6 +10,7 @@
 #include <utility>
 
 #include <ATen/ops/zeros.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/nn/module.h>
 
 #include "absl/base/thread_annotations.h"
@@ -87,6 +88,7 @@ absl::StatusOr<double> AvailableForKv(const std::map<std::string, int64_t>& byte
 // a step samples them. vLLM's profile_run, with a sequence of the largest
 // step's length.
 absl::Status RunProfileStep(const models::LoadedModel& loaded, int64_t tokens) {
+  c10::InferenceMode inference;  // as the runner's steps: no autograd state kept
   at::Tensor ids;
   ACCEL_RETURN_IF_ERROR(
       CallTorch([&] { ids = at::zeros({tokens}, at::TensorOptions().dtype(at::kLong)); }));
