@@ -293,6 +293,11 @@ at::Tensor PagedDecodeAttentionCudaStatic(const at::Tensor& q, const at::Tensor&
                   block_tables.size(1) * key_blocks.size(2) >= max_total,
               "paged attention (CUDA, static): ", max_total, " positions at most but tables of ",
               block_tables.size(1), " blocks of ", key_blocks.size(2));
+  // What the eager path checks before it picks the kernels (alignment,
+  // head sizes, shared memory): refused with an error here, never launched.
+  TORCH_CHECK(PagedCudaTakes(key_blocks, value_blocks, q.size(1)),
+              "paged attention (CUDA, static): the kernels do not take these blocks (dtype, "
+              "head size, alignment or shared memory)");
   const at::Device device = key_blocks.device();
   c10::cuda::CUDAGuard guard(device);
   cuda::KvDType dtype;

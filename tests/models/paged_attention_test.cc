@@ -316,6 +316,49 @@ TEST(PagedAttentionCudaTest, TheKernelsEqualTheCpuKernel) {
   }
 }
 
+// On a device: the static decode step's attention (tables and totals read
+// on the device, the plan fixed by a longest context above every row's)
+// against the cpu kernel, on the same data.
+TEST(PagedAttentionCudaTest, TheStaticStepsKernelsEqualTheCpuKernel) {
+  if (!PagedAttentionCudaBuilt() || !at::hasCUDA()) {
+    GTEST_SKIP() << "no CUDA kernels in this build, or no CUDA device";
+  }
+  c10::InferenceMode inference;
+  const at::Device gpu(at::kCUDA, 0);
+  for (const CudaCase& c : kCudaCases) {
+    SCOPED_TRACE(c.name);
+    const PagedInputs in =
+        MakePagedInputs(c.dtype, c.heads, c.kv_heads, c.d, c.block_size, c.totals, 23);
+    const ScoreRule rule = RuleOf(c);
+    const at::Tensor want =
+        PagedDecodeAttention(in.queries, in.key_blocks, in.value_blocks, c.window, rule);
+    const int64_t rows = static_cast<int64_t>(in.queries.size());
+    int64_t longest = 0;
+    for (const PagedQuery& query : in.queries) longest = std::max(longest, query.total);
+    // Plans for four times the longest row: most rows' later splits are empty.
+    const int64_t max_total = 4 * longest;
+    const int64_t max_blocks = (max_total + c.block_size - 1) / c.block_size;
+    at::Tensor tables = at::zeros({rows, max_blocks}, at::kInt);
+    at::Tensor totals = at::empty({rows}, at::kInt);
+    std::vector<at::Tensor> q_rows;
+    for (int64_t r = 0; r < rows; ++r) {
+      const PagedQuery& query = in.queries[static_cast<size_t>(r)];
+      for (size_t b = 0; b < query.table.size(); ++b) {
+        tables[r][static_cast<int64_t>(b)] = query.table[b];
+      }
+      totals[r] = static_cast<int32_t>(query.total);
+      q_rows.push_back(query.q);
+    }
+    const at::Tensor got =
+        PagedDecodeAttentionCudaStatic(at::stack(q_rows).to(gpu), in.key_blocks.to(gpu),
+                                       in.value_blocks.to(gpu), tables.to(gpu), totals.to(gpu),
+                                       max_total, c.window, rule)
+            .cpu();
+    ExpectClose(got, want, CudaTolerance(c.dtype),
+                "static, max_total " + std::to_string(max_total));
+  }
+}
+
 // The indexed write of a prompt's rows into blocks (AttendPacked's way off
 // the cpu): every position lands in its block and slot, nothing else moves.
 TEST(PagedAttentionCudaTest, IndexedRowsLandWhereTheTableSays) {
