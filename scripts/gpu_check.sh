@@ -100,7 +100,7 @@ cat "$OUT/machine.json"; echo
 
 tests=(quant_cuda_kernels_test models_cuda_attention_kernels_test quant_cuda_matmul_test
   models_paged_attention_test models_sdpa_test models_quantize_test dispatch_device_stager_test
-  dispatch_dispatch_test engine_internal_decode_graph_runner_test)
+  dispatch_dispatch_test engine_internal_decode_graph_runner_test engine_model_runner_test)
 benches=(accel-bench-quant-cuda accel-bench-decode-gpu accel-bench-offload accel-bench-moe)
 tools=(accel-make-model accel-generate)
 targets="${tests[*]} ${benches[*]} ${tools[*]}"
@@ -179,6 +179,9 @@ if want test; then
   # CUDA graph capture and replay of a step per bucket against eager (the
   # mechanism only: the engine's decode forward is not capture-safe yet).
   step test:decode_graph_runner 60 run_test engine_internal_decode_graph_runner_test
+  # The engine's decode steps from CUDA graphs against eager on the device
+  # (padding, preemption, prefix hits), and the padded steps on the cpu.
+  step test:decode_graphs_engine 90 run_test engine_model_runner_test '*Cuda*:*Padded*'
 fi
 
 if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]]; then

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <c10/core/InferenceMode.h>
 #include <gmock/gmock.h>
@@ -515,6 +516,69 @@ TEST_F(GeneratorTest, DecodeStepsPaddedToBucketsGiveWhatUnpaddedStepsGive) {
         EXPECT_GT(stats.preemptions, 0);
         EXPECT_GT(stats.prefix_hit_tokens, 0);
       }
+    }
+  }
+}
+
+// On a CUDA device (scripts/gpu_check.sh): the same steps replayed from a
+// CUDA graph per bucket give the tokens of eager steps on the device, for a
+// dense model and Gemma 2, with padding, preemption and prefix hits.
+TEST_F(GeneratorTest, DecodeStepsReplayedFromCudaGraphsGiveWhatEagerStepsGive) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the device script runs this";
+  for (const std::string family : {"llama", "gemma2"}) {
+    SCOPED_TRACE(family);
+    MakeModelOptions o;
+    o.family = family;
+    o.hidden_size = 64;
+    o.num_heads = 4;
+    o.num_kv_heads = 2;
+    o.num_layers = 2;
+    o.vocab_size = 300;
+    o.max_position_embeddings = 256;
+    if (family == "gemma2") o.sliding_window = 8;
+    const std::string dir = dir_.path() + "/cuda-" + family;
+    ASSERT_THAT(MakeModel(dir, o), IsOk());
+    ModelLoadOptions load;
+    load.device_map = "0";
+    load.progress = Progress::Style::kSilent;
+    auto loaded = LoadModel(dir, load);
+    ASSERT_THAT(loaded, IsOk());
+    std::vector<GenerationRequest> requests;
+    const std::vector<int64_t> system = Prompt(5, 9);
+    for (int i = 0; i < 7; ++i) {
+      std::vector<int64_t> prompt = i % 2 == 0 ? system : std::vector<int64_t>{};
+      for (int64_t id : Prompt(i * 13 + 2, 3 + 2 * i)) prompt.push_back(id);
+      GenerationRequest r = Greedy(prompt, 8 + 4 * i);
+      r.logprobs = true;
+      requests.push_back(std::move(r));
+    }
+    std::vector<GenerationResult> results[2];
+    for (int graphs = 0; graphs < 2; ++graphs) {
+      ModelRunnerOptions r;
+      r.block_size = 4;
+      r.num_blocks = 22;  // preemption, as on the cpu above
+      if (graphs == 1) {
+        r.decode_buckets = DecodeBatchBuckets(8);
+        r.capture_decode_graphs = true;
+      }
+      auto runner = ModelRunner::Create(loaded->model, loaded->dispatched.get(), r);
+      ASSERT_THAT(runner, IsOk());
+      const ModelRunner* made = runner->get();
+      EngineCoreOptions core;
+      core.max_num_batched_tokens = 10;
+      EngineCore engine(*std::move(runner), nullptr, core);
+      auto got = Generate(engine, requests);
+      ASSERT_THAT(got, IsOk());
+      results[graphs] = *std::move(got);
+      EXPECT_GT(engine.stats().preemptions, 0);
+      if (graphs == 1) {
+        EXPECT_GT(made->padded_decode_steps(), 20);  // still padded: no fallback to eager
+      }
+    }
+    for (size_t i = 0; i < requests.size(); ++i) {
+      EXPECT_THAT(results[1][i].token_ids, ElementsAreArray(results[0][i].token_ids)) << i;
+      // Padded batches may take other GEMM kernels: equal to float32 rounding.
+      EXPECT_THAT(results[1][i].logprobs, Pointwise(FloatNear(1e-4f), results[0][i].logprobs)) << i;
     }
   }
 }
