@@ -917,12 +917,28 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
                                    absl::StrCat("tensor '", entry.info.name, "'")));
     return out;
   };
+  std::vector<at::Tensor> dropped;  // stored tensors whose pages were dropped
   for (const loader::Checkpoint::Entry& entry : ckpt.tensors()) {
     const std::string& name = entry.info.name;
     if (options.hook != nullptr && options.hook->Claims(name)) {
       ACCEL_ASSIGN_OR_RETURN(at::Tensor stored, stored_tensor(entry));
       ACCEL_ASSIGN_OR_RETURN(std::vector<HookTensor> made, options.hook->Convert(name, stored));
-      for (const HookTensor& t : made) {
+      const loader::SafetensorsFile* shard = ckpt.safetensors_shard(entry.shard);
+      const loader::TensorInfo* info = shard != nullptr ? shard->Find(name) : nullptr;
+      const bool mapped = info != nullptr && shard->Bytes(*info).data() == stored.data_ptr();
+      for (HookTensor& t : made) {
+        // A part of the stored tensor used in place (a tensor-parallel row
+        // slice) gets a mapping of its own: a fault on the file's mapping
+        // maps the page cache's whole folio around it, other ranks' rows
+        // with it (a rank held 495 MB of the checkpoint for its 351 MB of
+        // slices, docs/BENCHMARKS.md); its own mapping stops at its pages.
+        if (mapped && t.value.defined() && t.value.device().is_cpu() &&
+            t.value.nbytes() < stored.nbytes() && t.value.is_contiguous() &&
+            t.value.data_ptr() >= stored.data_ptr() &&
+            static_cast<const char*>(t.value.data_ptr()) + t.value.nbytes() <=
+                static_cast<const char*>(stored.data_ptr()) + stored.nbytes()) {
+          ACCEL_ASSIGN_OR_RETURN(t.value, shard->MapAlone(t.value));
+        }
         // Handed back as stored: placed as a checkpoint tensor, so a disk
         // placement reads (or maps) the shard itself and nothing is written.
         if (t.name == name && t.value.is_same(stored)) {
@@ -935,11 +951,9 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       // slice): the stored bytes it read need not stay in this process's
       // resident memory when they are the safetensors file's mapping (the
       // page cache keeps them; a view the hook kept faults them in again).
-      if (const loader::SafetensorsFile* shard = ckpt.safetensors_shard(entry.shard)) {
-        const loader::TensorInfo* info = shard->Find(name);
-        if (info != nullptr && shard->Bytes(*info).data() == stored.data_ptr()) {
-          DropResidentPages(stored);
-        }
+      if (mapped) {
+        DropResidentPages(stored);
+        dropped.push_back(stored);
       }
     } else {
       ACCEL_RETURN_IF_ERROR(place(name, &entry, at::Tensor()));
@@ -947,6 +961,11 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     progress.Add(static_cast<int64_t>(entry.info.nbytes()));
   }
   if (options.hook != nullptr) ACCEL_RETURN_IF_ERROR(options.hook->Finish());
+  // Again, now that every tensor is read: a later tensor's read faulted the
+  // page cache's whole folio around it in, an earlier neighbour's dropped
+  // pages with it.
+  for (const at::Tensor& stored : dropped) DropResidentPages(stored);
+  dropped.clear();
   progress.Finish();
 
   if (options.strict && !out->unexpected_.empty()) {

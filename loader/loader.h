@@ -75,6 +75,14 @@ class SafetensorsFile {
   absl::StatusOr<at::Tensor> Tensor(absl::string_view name) const;
   // The tensor's bytes in the mapping, for callers that do their own conversion.
   absl::string_view Bytes(const TensorInfo& info) const;
+  // The same bytes as `part` (a contiguous CPU view into this file's
+  // mapping: a slice of a tensor), zero-copy, from a mapping of their own
+  // that spans only their pages. A page fault maps the page cache's whole
+  // folio around the page (1 MiB on Linux 6.18 / ext4), but never past the
+  // mapping, so a process that uses a slice of a tensor keeps only that
+  // slice resident, not its neighbours. InvalidArgument (naming the file)
+  // when `part` is not such a view.
+  absl::StatusOr<at::Tensor> MapAlone(const at::Tensor& part) const;
 
  private:
   struct Mapping;

@@ -29,14 +29,36 @@ struct SafetensorsFile::Mapping {
   // a change in place is recorded (core/file_faults.h).
   MappedFileRegistration registration;
   WeightsFileWatch watch;
+  int fd = -1;  // the file itself, for MapAlone (not reopened by path)
 
   Mapping() = default;
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
   ~Mapping() {
     if (addr != nullptr) ::munmap(addr, size);
+    if (fd >= 0) ::close(fd);
   }
 };
+
+namespace {
+
+// Pages of a file mapped on their own for MapAlone. It keeps the file's
+// whole mapping alive too: its watch on the file stays.
+struct PartMapping {
+  void* addr = nullptr;
+  size_t size = 0;
+  MappedFileRegistration registration;
+  std::shared_ptr<const void> whole;
+
+  PartMapping() = default;
+  PartMapping(const PartMapping&) = delete;
+  PartMapping& operator=(const PartMapping&) = delete;
+  ~PartMapping() {
+    if (addr != nullptr) ::munmap(addr, size);
+  }
+};
+
+}  // namespace
 
 namespace {
 
@@ -148,8 +170,9 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path,
     mapping->registration = MappedFileRegistration(addr, mapping->size, path);
     mapping->watch = WeightsFileWatch(fd, path);
     if (options.populate) Populate(addr, mapping->size);
+    mapping->fd = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);  // -1: MapAlone refuses
   }
-  ::close(fd);  // The mapping keeps the file open.
+  ::close(fd);
 
   absl::string_view bytes(static_cast<const char*>(mapping->addr), mapping->size);
   ACCEL_ASSIGN_OR_RETURN(internal::ParsedHeader header, internal::ParseSafetensors(bytes, path));
@@ -201,6 +224,44 @@ absl::StatusOr<at::Tensor> SafetensorsFile::Tensor(absl::string_view name) const
         [keep_alive](void*) mutable { keep_alive.reset(); }, options);
   }));
   return tensor;
+}
+
+absl::StatusOr<at::Tensor> SafetensorsFile::MapAlone(const at::Tensor& part) const {
+  const auto refuse = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path_, ": cannot map a tensor on its own: ", why));
+  };
+  if (mapping_ == nullptr || mapping_->addr == nullptr || mapping_->fd < 0) {
+    return refuse("the file is not mapped");
+  }
+  if (!part.defined() || !part.device().is_cpu() || !part.is_contiguous()) {
+    return refuse("not a contiguous CPU tensor");
+  }
+  const auto base = reinterpret_cast<uintptr_t>(mapping_->addr);
+  const auto begin = reinterpret_cast<uintptr_t>(part.data_ptr());
+  const size_t nbytes = part.nbytes();
+  if (begin < base || begin + nbytes > base + mapping_->size) {
+    return refuse("its bytes are not in the file's mapping");
+  }
+  if (nbytes == 0) return part;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t offset = begin - base, first = offset / page * page;
+  auto mapped = std::make_shared<PartMapping>();
+  mapped->size = static_cast<size_t>(offset + nbytes - first);
+  // Private and writable as the whole file's mapping is (copy-on-write).
+  void* addr = ::mmap(nullptr, mapped->size, PROT_READ | PROT_WRITE, MAP_PRIVATE, mapping_->fd,
+                      static_cast<off_t>(first));
+  if (addr == MAP_FAILED) return ErrnoStatus(errno, absl::StrCat("mapping part of ", path_));
+  mapped->addr = addr;
+  mapped->registration = MappedFileRegistration(addr, mapped->size, path_);
+  mapped->whole = mapping_;
+  at::Tensor out;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    out = at::from_blob(
+        static_cast<char*>(addr) + (offset - first), part.sizes(), part.strides(),
+        [mapped](void*) mutable { mapped.reset(); }, part.options());
+  }));
+  return out;
 }
 
 }  // namespace accel::loader

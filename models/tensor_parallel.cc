@@ -228,7 +228,8 @@ class ShardingHook : public dispatch::LoadHook {
   bool Claims(absl::string_view name) const override {
     std::optional<Slice> slice = SliceOf(name);
     if (slice && slice->kind != Slice::Kind::kWhole) return true;
-    return inner_ != nullptr && inner_->Claims(name);
+    // A split rank copies what it replicates (below).
+    return split_ || (inner_ != nullptr && inner_->Claims(name));
   }
 
   absl::StatusOr<std::vector<dispatch::HookTensor>> Convert(const std::string& name,
@@ -239,6 +240,11 @@ class ShardingHook : public dispatch::LoadHook {
       at::Tensor converted;
       ACCEL_RETURN_IF_ERROR(CallTorch([&] {
         converted = c10::isFloatingType(stored.scalar_type()) ? stored.to(dtype_) : stored;
+        // Replicated on a split rank (norms, routers: small): a copy, so
+        // that nothing reads the file's whole mapping after loading. A read
+        // there maps the page cache's whole folio around the page (1 MiB on
+        // Linux 6.18 / ext4): the other ranks' slices beside a norm.
+        if (split_ && converted.is_same(stored)) converted = stored.clone();
       }));
       return std::vector<dispatch::HookTensor>{{name, converted}};
     }

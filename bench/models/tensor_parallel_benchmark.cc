@@ -29,13 +29,16 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/Functions.h>
 #include <c10/core/InferenceMode.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 #include "bench/bench_util.h"
 #include "core/bytes.h"
@@ -45,6 +48,7 @@
 #include "models/make_model.h"
 #include "models/tensor_parallel.h"
 #include "tests/testing/multiprocess.h"
+#include "tests/testing/process_memory.h"
 
 namespace {
 
@@ -70,6 +74,52 @@ int64_t ResidentBytes() { return StatusBytes("VmRSS:"); }
 std::string Resident() {
   return absl::StrCat("rss=", ResidentBytes(), " anon=", StatusBytes("RssAnon:"),
                       " file=", StatusBytes("RssFile:"));
+}
+
+// Where the resident bytes are, from /proc/self/smaps: per kind of mapping
+// its resident bytes and the part only this process maps (private), in MB:
+// "kind=RSS/PRIVATE ...", then the totals and the proportional set size.
+std::string ResidentByMapping() {
+  if (const char* copy = std::getenv("ACCEL_BENCH_SMAPS")) {
+    // For a closer look: /proc/self/smaps as it is now, to COPY.<pid>.
+    std::ifstream smaps("/proc/self/smaps");
+    std::ofstream(absl::StrCat(copy, ".", ::getpid())) << smaps.rdbuf();
+    if (const char* pause = std::getenv("ACCEL_BENCH_PAUSE")) ::sleep(std::atoi(pause));
+  }
+  const std::string binary = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::map<std::string, std::pair<int64_t, int64_t>> kinds;
+  int64_t rss = 0, priv = 0, pss = 0;
+  for (const test::Mapping& m : test::ReadMappings()) {
+    std::string kind = "other";
+    const std::string name = std::filesystem::path(m.path).filename().string();
+    if (m.path.empty()) {
+      kind = "anonymous";
+    } else if (m.path == "[heap]") {
+      kind = "heap";
+    } else if (m.path == "[stack]") {
+      kind = "stack";
+    } else if (m.path == binary) {
+      kind = "binary";
+    } else if (absl::EndsWith(name, ".safetensors")) {
+      kind = "checkpoint";
+    } else if (absl::StartsWith(name, "libtorch") || absl::StartsWith(name, "libc10")) {
+      kind = "libtorch";
+    } else if (absl::StrContains(name, ".so")) {
+      kind = "libraries";
+    }
+    kinds[kind].first += m.rss;
+    kinds[kind].second += m.private_bytes;
+    rss += m.rss;
+    priv += m.private_bytes;
+    pss += m.pss;
+  }
+  const auto mb = [](int64_t b) { return absl::StrFormat("%.1f", b / 1e6); };
+  std::string out;
+  for (const auto& [kind, bytes] : kinds) {
+    absl::StrAppend(&out, kind, "=", mb(bytes.first), "/", mb(bytes.second), " ");
+  }
+  absl::StrAppend(&out, "total=", mb(rss), "/", mb(priv), " pss=", mb(pss));
+  return out;
 }
 
 // Greedy decode of one sequence at batch 1: tokens/s over `tokens` steps
@@ -200,9 +250,11 @@ int RunRank(const std::string& dir, int tokens) {
     });
     // Waiting: for the leader's next step message (the leader sampling, or
     // a step's earlier stages) and for a stage's inputs.
-    std::printf("rank %d rss_loaded=%lld %s waiting=%.0f%% of %.1f s\n", (*group)->rank(),
-                static_cast<long long>(rss), Resident().c_str(),
-                100 * (models::TensorParallelCollectiveSeconds() - waited) / ran_s, ran_s);
+    std::printf(
+        "rank %d rss_loaded=%lld %s waiting=%.0f%% of %.1f s\n  rank %d MB rss/private: %s\n",
+        (*group)->rank(), static_cast<long long>(rss), Resident().c_str(),
+        100 * (models::TensorParallelCollectiveSeconds() - waited) / ran_s, ran_s, (*group)->rank(),
+        ResidentByMapping().c_str());
     return ran.ok() ? 0 : 1;
   }
   if (const char* batch = std::getenv("ACCEL_BENCH_BATCH")) {
@@ -231,9 +283,10 @@ int RunRank(const std::string& dir, int tokens) {
   // After decoding every weight has been read: mapped ones count now too.
   std::printf(
       "rank 0 of %d (tp %d x pp %d, %s threads) rss_loaded=%lld %s tok_s=%.3f "
-      "collective_s_per_step=%.6f\n",
+      "collective_s_per_step=%.6f\n  rank 0 MB rss/private: %s\n",
       (*group)->size(), place->size, place->pipeline_size, std::getenv("OMP_NUM_THREADS"),
-      static_cast<long long>(rss), Resident().c_str(), tok_s, collective / (tokens + 1));
+      static_cast<long long>(rss), Resident().c_str(), tok_s, collective / (tokens + 1),
+      ResidentByMapping().c_str());
   std::fflush(stdout);
   return 0;
 }
@@ -254,6 +307,17 @@ int main(int argc, char** argv) {
     if (flag == "--batch") batch = std::atoi(value.c_str());
     if (flag == "--prompt") prompt = std::atoi(value.c_str());
     if (flag == "--only_batch") only_batch = value == "1" || value == "true";
+  }
+  if (std::getenv("ACCEL_BENCH_BARE") != nullptr) {
+    // The floor every process holds whatever the model: this binary with
+    // libtorch loaded and one small bfloat16 product run (its kernels and
+    // thread pool started), nothing else.
+    const at::Tensor a = at::ones({64, 64}, at::kBFloat16);
+    const double sum = at::matmul(a, a).sum().item<double>();
+    std::printf("libtorch only (%s threads, %.0f) rss=%lld\n  MB rss/private: %s\n",
+                std::getenv("OMP_NUM_THREADS"), sum, static_cast<long long>(ResidentBytes()),
+                ResidentByMapping().c_str());
+    return 0;
   }
   if (std::getenv("ACCEL_BENCH_RANK_OF") != nullptr) {
     return RunRank(std::getenv("ACCEL_BENCH_DIR"), std::atoi(std::getenv("ACCEL_BENCH_TOKENS")));
@@ -285,6 +349,9 @@ int main(int argc, char** argv) {
   if (!only_batch) {
     // One process with one thread and with the machine's two; each rank one thread.
     env["OMP_NUM_THREADS"] = "1";
+    std::map<std::string, std::string> bare = env;
+    bare["ACCEL_BENCH_BARE"] = "1";
+    ok &= test::RunRanks(1, "", bare, 1200)[0] == 0;
     std::vector<int> one = test::RunRanks(1, "", env, 1200);
     env["OMP_NUM_THREADS"] = "2";
     std::vector<int> one_two = test::RunRanks(1, "", env, 1200);

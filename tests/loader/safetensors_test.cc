@@ -1,7 +1,9 @@
 // SafetensorsFile on disk: zero-copy tensors over the mapping, every dtype,
 // and the errors for files that are missing, empty or not files at all.
 #include <cstring>
+#include <filesystem>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -11,6 +13,7 @@
 
 #include "core/torch_compat.h"
 #include "loader/loader.h"
+#include "tests/testing/process_memory.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -95,6 +98,48 @@ TEST(SafetensorsFileTest, TensorsAliasTheMappingAndOutliveTheFile) {
     EXPECT_EQ(static_cast<const void*>(file.Bytes(*file.Find("w")).data()), a.data_ptr());
   }
   EXPECT_TRUE(at::equal(a, w));  // The file object is gone; the mapping is not.
+}
+
+// A slice of a tensor mapped on its own: the same values, zero-copy, in a
+// mapping of the file that spans only the slice's pages (so a fault on it
+// cannot map its neighbours), valid after the file object is gone, and
+// copy-on-write as the file's mapping is.
+TEST(SafetensorsFileTest, MapAloneMapsOnlyTheSlicesPages) {
+  TempDir dir;
+  // 4 MiB of float32 rows of 64 KiB: rows 20-35 of 64 start mid-file.
+  const at::Tensor w = at::arange(64 * 16384, at::kFloat).reshape({64, 16384});
+  ASSERT_THAT(WriteSafetensors(dir.File("w.safetensors"), {{"w", w}}), IsOk());
+  const std::string file_path = std::filesystem::canonical(dir.File("w.safetensors")).string();
+  at::Tensor alone;
+  {
+    ACCEL_ASSERT_OK_AND_ASSIGN(SafetensorsFile file, SafetensorsFile::Open(file_path));
+    ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor whole, file.Tensor("w"));
+    const at::Tensor rows = whole.narrow(0, 20, 16);
+    ACCEL_ASSERT_OK_AND_ASSIGN(alone, file.MapAlone(rows));
+    EXPECT_NE(alone.data_ptr(), rows.data_ptr());
+    // Neither a column slice (not contiguous) nor bytes of another mapping.
+    EXPECT_THAT(file.MapAlone(whole.narrow(1, 0, 8)),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         AllOf(HasSubstr(file_path), HasSubstr("not a contiguous"))));
+    EXPECT_THAT(file.MapAlone(at::zeros({4})),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not in the file's")));
+  }
+  EXPECT_TRUE(at::equal(alone, w.narrow(0, 20, 16)));  // read after the file object is gone
+  const auto at = reinterpret_cast<uintptr_t>(alone.data_ptr());
+  bool found = false;
+  for (const test::Mapping& m : test::ReadMappings()) {
+    if (m.begin <= at && at < m.end) {
+      found = true;
+      EXPECT_EQ(m.path, file_path);
+      // Its 1 MiB and at most the page it starts in beyond.
+      EXPECT_LE(m.end - m.begin, alone.nbytes() + static_cast<size_t>(::sysconf(_SC_PAGESIZE)));
+    }
+  }
+  EXPECT_TRUE(found);
+  alone.fill_(1.0f);  // copy-on-write: the file keeps its bytes
+  ACCEL_ASSERT_OK_AND_ASSIGN(SafetensorsFile again, SafetensorsFile::Open(file_path));
+  ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor reread, again.Tensor("w"));
+  EXPECT_TRUE(at::equal(reread, w));
 }
 
 TEST(SafetensorsFileTest, WritingToATensorNeverChangesTheFile) {

@@ -1,0 +1,83 @@
+// Where a process's resident bytes are, mapping by mapping, from
+// /proc/<pid>/smaps: for tests that check what a process maps (a rank's
+// slices of a checkpoint and nothing else) and for the benchmarks that
+// break a process's resident bytes down (libraries, heap, the checkpoint).
+#ifndef ACCEL_TESTS_TESTING_PROCESS_MEMORY_H_
+#define ACCEL_TESTS_TESTING_PROCESS_MEMORY_H_
+
+#include <cctype>
+#include <cstdint>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace accel::test {
+
+// One mapping of /proc/<pid>/smaps and its resident bytes. `private_bytes`
+// are the pages only this process maps (Private_Clean + Private_Dirty):
+// what it costs the machine beyond what it shares (library text mapped by
+// another process, a file page another rank maps too).
+struct Mapping {
+  uintptr_t begin = 0, end = 0;
+  std::string perms, path;  // path: a file, "[heap]", "[stack]", "" (anonymous)
+  int64_t rss = 0, pss = 0, private_bytes = 0, anonymous = 0, swap = 0;
+};
+
+// Every mapping of the process (`pid` "self" for this one); empty when
+// smaps cannot be read.
+inline std::vector<Mapping> ReadMappings(const std::string& pid = "self") {
+  std::vector<Mapping> out;
+  std::ifstream smaps("/proc/" + pid + "/smaps");
+  for (std::string line; std::getline(smaps, line);) {
+    if (line.empty()) continue;
+    // A header line starts with the range "begin-end" in hex; a field line
+    // with its name and a colon ("Rss:").
+    const size_t dash = line.find('-');
+    const size_t space = line.find(' ');
+    if (dash != std::string::npos && space != std::string::npos && dash < space &&
+        std::isxdigit(static_cast<unsigned char>(line[0])) && line.find(':') > space) {
+      std::istringstream in(line);
+      std::string range, offset, dev, inode;
+      Mapping m;
+      if (!(in >> range >> m.perms >> offset >> dev >> inode)) continue;
+      m.begin = std::stoull(range.substr(0, dash), nullptr, 16);
+      m.end = std::stoull(range.substr(dash + 1), nullptr, 16);
+      std::getline(in >> std::ws, m.path);
+      out.push_back(std::move(m));
+      continue;
+    }
+    if (out.empty()) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const std::string field = line.substr(0, colon);
+    int64_t kib = 0;
+    try {
+      kib = std::stoll(line.substr(colon + 1));
+    } catch (...) {
+      continue;  // VmFlags and the like
+    }
+    Mapping& m = out.back();
+    if (field == "Rss") m.rss = kib * 1024;
+    if (field == "Pss") m.pss = kib * 1024;
+    if (field == "Private_Clean" || field == "Private_Dirty") m.private_bytes += kib * 1024;
+    if (field == "Anonymous") m.anonymous = kib * 1024;
+    if (field == "Swap") m.swap = kib * 1024;
+  }
+  return out;
+}
+
+// Resident bytes of the mappings whose file is `prefix` or below it (a
+// checkpoint's directory, canonical, with its trailing '/').
+inline int64_t ResidentBytesOfFilesUnder(const std::vector<Mapping>& mappings,
+                                         const std::string& prefix) {
+  int64_t total = 0;
+  for (const Mapping& m : mappings) {
+    if (m.path.compare(0, prefix.size(), prefix) == 0) total += m.rss;
+  }
+  return total;
+}
+
+}  // namespace accel::test
+
+#endif  // ACCEL_TESTS_TESTING_PROCESS_MEMORY_H_
