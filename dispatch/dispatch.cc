@@ -927,13 +927,15 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
       const loader::TensorInfo* info = shard != nullptr ? shard->Find(name) : nullptr;
       const bool mapped = info != nullptr && shard->Bytes(*info).data() == stored.data_ptr();
       for (HookTensor& t : made) {
-        // A part of the stored tensor used in place (a tensor-parallel row
-        // slice) gets a mapping of its own: a fault on the file's mapping
-        // maps the page cache's whole folio around it, other ranks' rows
-        // with it (a rank held 495 MB of the checkpoint for its 351 MB of
-        // slices, docs/BENCHMARKS.md); its own mapping stops at its pages.
-        if (mapped && t.value.defined() && t.value.device().is_cpu() &&
-            t.value.nbytes() < stored.nbytes() && t.value.is_contiguous() &&
+        const bool as_stored = t.name == name && t.value.is_same(stored);
+        // The stored bytes used in place under the hook's terms (a
+        // tensor-parallel row slice, an expert renamed to its local index)
+        // get a mapping of their own: a fault on the file's mapping maps the
+        // page cache's whole folio around the page, other ranks' rows with
+        // it (a rank held 497 MB of the checkpoint for its 351 MB of slices,
+        // docs/BENCHMARKS.md); their own mapping stops at their pages.
+        if (mapped && !as_stored && t.value.defined() && t.value.device().is_cpu() &&
+            t.value.nbytes() > 0 && t.value.is_contiguous() &&
             t.value.data_ptr() >= stored.data_ptr() &&
             static_cast<const char*>(t.value.data_ptr()) + t.value.nbytes() <=
                 static_cast<const char*>(stored.data_ptr()) + stored.nbytes()) {
@@ -941,7 +943,7 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
         }
         // Handed back as stored: placed as a checkpoint tensor, so a disk
         // placement reads (or maps) the shard itself and nothing is written.
-        if (t.name == name && t.value.is_same(stored)) {
+        if (as_stored) {
           ACCEL_RETURN_IF_ERROR(place(name, &entry, at::Tensor(), /*as_stored=*/true));
         } else {
           ACCEL_RETURN_IF_ERROR(place(t.name, nullptr, t.value));

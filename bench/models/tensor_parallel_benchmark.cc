@@ -21,7 +21,15 @@
 // Each process prints one line: "rank R [of N] rss_loaded=BYTES rss=BYTES
 // [tok_s=T collective_s_per_step=S]" (PP: the time in step messages and
 // in send / recv between the stages), rss after the decode (every weight read
-// once, mapped pages included); the baseline is "rank 0 of 1".
+// once, mapped pages included); the baseline is "rank 0 of 1". Under it,
+// where those bytes are (/proc/self/smaps): per kind of mapping (shared
+// libraries, libtorch, the heap, anonymous memory, the checkpoint) its RSS
+// and the part only this process maps, in MB, and the proportional set size;
+// ACCEL_BENCH_SMAPS=PREFIX copies the whole smaps to PREFIX.<pid> (and with
+// ACCEL_BENCH_PAUSE=S waits S seconds, for a look at /proc/<pid>/pagemap:
+// which pages of which tensor are resident). First of
+// all, "libtorch only": this binary with libtorch loaded and nothing else,
+// the floor every process holds whatever the model.
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>

@@ -237,49 +237,53 @@ TEST(ShardingHook, EachRankHoldsItsSliceOfTheCheckpoint) {
 // the row slices it uses in place are mapped on their own (a fault on the
 // whole file's mapping maps the page cache's whole folio around the page,
 // 1 MiB on Linux 6.18 / ext4, other ranks' rows with it: 4 MiB MLP tensors
-// here), and the pages of tensors it copied (column slices) are dropped.
+// here; an expert it holds, whole, beside the other rank's), and the pages
+// of tensors it copied (column slices) are dropped.
 TEST(ShardingHook, ARankKeepsOnlyItsSlicesOfTheCheckpointResident) {
-  TempDir dir;
-  MakeModelOptions o = Small("llama");
-  o.hidden_size = 512;
-  o.num_heads = 8;
-  o.num_kv_heads = 4;
-  o.intermediate_size = 2048;  // float32 gate / up: 4 MiB, 2 MiB a rank
-  ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
-  const std::string root = std::filesystem::canonical(dir.path()).string() + "/";
-  for (const auto& e : std::filesystem::directory_iterator(root)) {
-    std::ifstream in(e.path(), std::ios::binary);  // the whole file in the page cache
-    std::string sink((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  }
-  for (int rank = 0; rank < 2; ++rank) {
-    SCOPED_TRACE(rank);
-    LoadedModel loaded = Load(dir.path(), rank, 2);
-    ASSERT_TRUE(loaded.model);
-    // Every weight read once, as a step reads it.
-    double sum = 0;
-    for (const auto& [name, t] : Parameters(loaded)) sum += t.to(at::kFloat).sum().item<double>();
-    EXPECT_TRUE(std::isfinite(sum));
-    const std::vector<test::Mapping> mappings = test::ReadMappings();
-    int64_t used_in_place = 0, tensors = 0;
-    for (const auto& [name, t] : Parameters(loaded)) {
-      const auto at = reinterpret_cast<uintptr_t>(t.data_ptr());
-      for (const test::Mapping& m : mappings) {
-        if (m.begin <= at && at < m.end && m.path.compare(0, root.size(), root) == 0) {
-          used_in_place += static_cast<int64_t>(t.nbytes());
-          ++tensors;
+  for (const char* family : {"llama", "mixtral"}) {  // mixtral: experts 0-1 and 2-3 interleaved
+    SCOPED_TRACE(family);
+    TempDir dir;
+    MakeModelOptions o = Small(family);
+    o.hidden_size = 512;
+    o.num_heads = 8;
+    o.num_kv_heads = 4;
+    o.intermediate_size = 2048;  // float32 gate / up: 4 MiB, 2 MiB a rank
+    ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
+    const std::string root = std::filesystem::canonical(dir.path()).string() + "/";
+    for (const auto& e : std::filesystem::directory_iterator(root)) {
+      std::ifstream in(e.path(), std::ios::binary);  // the whole file in the page cache
+      std::string sink((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    }
+    for (int rank = 0; rank < 2; ++rank) {
+      SCOPED_TRACE(rank);
+      LoadedModel loaded = Load(dir.path(), rank, 2);
+      ASSERT_TRUE(loaded.model);
+      // Every weight read once, as a step reads it.
+      double sum = 0;
+      for (const auto& [name, t] : Parameters(loaded)) sum += t.to(at::kFloat).sum().item<double>();
+      EXPECT_TRUE(std::isfinite(sum));
+      const std::vector<test::Mapping> mappings = test::ReadMappings();
+      int64_t used_in_place = 0, tensors = 0;
+      for (const auto& [name, t] : Parameters(loaded)) {
+        const auto at = reinterpret_cast<uintptr_t>(t.data_ptr());
+        for (const test::Mapping& m : mappings) {
+          if (m.begin <= at && at < m.end && m.path.compare(0, root.size(), root) == 0) {
+            used_in_place += static_cast<int64_t>(t.nbytes());
+            ++tensors;
+          }
         }
       }
+      const int64_t page = ::sysconf(_SC_PAGESIZE);
+      const int64_t resident = test::ResidentBytesOfFilesUnder(mappings, root);
+      EXPECT_GT(tensors, 0);  // the row slices are the file's own bytes
+      // Its slices' pages, and of the rest of the file no more than the pages
+      // the header and each tensor's ends share with a neighbour (the pages
+      // wholly inside a tensor it copied are dropped).
+      const int64_t header = int64_t{8} << 10,
+                    ends = 2 * page * static_cast<int64_t>(Parameters(loaded).size());
+      EXPECT_GE(resident, used_in_place);
+      EXPECT_LE(resident, used_in_place + 2 * page * tensors + header + ends);
     }
-    const int64_t page = ::sysconf(_SC_PAGESIZE);
-    const int64_t resident = test::ResidentBytesOfFilesUnder(mappings, root);
-    EXPECT_GT(tensors, 0);  // the row slices are the file's own bytes
-    // Its slices' pages, and of the rest of the file no more than the pages
-    // the header and each tensor's ends share with a neighbour (the pages
-    // wholly inside a tensor it copied are dropped).
-    const int64_t header = int64_t{8} << 10,
-                  ends = 2 * page * static_cast<int64_t>(Parameters(loaded).size());
-    EXPECT_GE(resident, used_in_place);
-    EXPECT_LE(resident, used_in_place + 2 * page * tensors + header + ends);
   }
 }
 
