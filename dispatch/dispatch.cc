@@ -939,7 +939,11 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
             t.value.data_ptr() >= stored.data_ptr() &&
             static_cast<const char*>(t.value.data_ptr()) + t.value.nbytes() <=
                 static_cast<const char*>(stored.data_ptr()) + stored.nbytes()) {
-          ACCEL_ASSIGN_OR_RETURN(t.value, shard->MapAlone(t.value));
+          // Where it cannot (no descriptor left for the file), the view
+          // of the whole mapping serves as before.
+          if (absl::StatusOr<at::Tensor> alone = shard->MapAlone(t.value); alone.ok()) {
+            t.value = *std::move(alone);
+          }
         }
         // Handed back as stored: placed as a checkpoint tensor, so a disk
         // placement reads (or maps) the shard itself and nothing is written.
