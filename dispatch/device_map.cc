@@ -110,6 +110,23 @@ class Planner {
     return *memo_[node];
   }
 
+ public:
+  // Every layer of `name` (node `node`), as Max counts them, appended to `out`.
+  void Layers(const std::string& name, int node, std::vector<double>* out) const {
+    if (!Splittable(node)) {
+      out->push_back(sizes_.at(name));
+      return;
+    }
+    for (const Entry& e : Expand(name, node)) {
+      if (e.node < 0) {
+        out->push_back(sizes_.at(e.name));
+      } else {
+        Layers(e.name, e.node, out);
+      }
+    }
+  }
+
+ private:
   const ModuleTree& tree_;
   const ModuleSizes& sizes_;
   std::set<std::string> no_split_;
@@ -232,6 +249,23 @@ LayerSize GetMaxLayerSize(const ModuleTree& tree, const ModuleSizes& sizes,
                           const std::vector<std::string>& no_split) {
   Planner planner(tree, sizes, no_split);
   return planner.MaxOver(planner.Expand("", 0), /*include_tensors=*/true);
+}
+
+std::vector<double> LayerSizesOn(const ModuleTree& tree, const ModuleSizes& sizes,
+                                 const std::vector<std::string>& no_split, const DeviceMap& map,
+                                 const Placement& where) {
+  const Planner planner(tree, sizes, no_split);
+  std::vector<double> out;
+  for (const auto& [name, placement] : map.entries()) {
+    if (!(placement == where)) continue;
+    if (absl::StatusOr<int> node = tree.FindModule(name); node.ok()) {
+      planner.Layers(name, *node, &out);
+    } else {  // a bare tensor
+      out.push_back(sizes.at(name));
+    }
+  }
+  std::sort(out.begin(), out.end(), std::greater<>());
+  return out;
 }
 
 // ---- max_memory ------------------------------------------------------------

@@ -118,6 +118,13 @@ class DeviceMap {
   std::unordered_map<std::string, size_t> index_;
 };
 
+// The sizes of every layer (as GetMaxLayerSize counts them) inside the
+// entries of `map` placed on `where`, largest first: an offload reader that
+// works a few modules ahead holds at most the first few of these.
+std::vector<double> LayerSizesOn(const ModuleTree& tree, const ModuleSizes& sizes,
+                                 const std::vector<std::string>& no_split, const DeviceMap& map,
+                                 const Placement& where);
+
 // Regroups entries that share a device under their parent (recursively),
 // as Accelerate's clean_device_map: a whole model on one device is {"": d}.
 DeviceMap CleanDeviceMap(const DeviceMap& map);

@@ -1,6 +1,7 @@
 #include "dispatch/dispatch.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <deque>
@@ -135,6 +136,10 @@ struct DispatchedModel::Impl {
   int reading = -1;  // the group the reader is on
   bool stop = false;
   std::thread reader;
+  // LoadOptions::populate_resident: reads the cpu-resident weights in after
+  // Load has returned, so the model is ready once it is mapped.
+  std::thread populator;
+  std::atomic<bool> stop_populating{false};
   Stats stats;
 
   // Mapped disk sources (LoadOptions::map_disk): the byte spans of each
@@ -145,6 +150,13 @@ struct DispatchedModel::Impl {
   int64_t mapped_allowance = -1;
   std::deque<int> kept;
   int64_t kept_bytes = 0;
+  // LoadOptions::page_cache_keep_bytes: groups, in the order they first run,
+  // whose pages the page cache keeps between uses while their bytes fit
+  // `page_cache_room` (<0: no choice made, the kernel's LRU decides); the
+  // others are evicted from it when dropped from the process.
+  int64_t page_cache_room = -1;
+  int64_t page_cache_kept = 0;
+  std::vector<bool> group_evicted;  // per group: dropped from the page cache too
 
   static int64_t SpanBytes(const std::vector<Span>& spans) {
     int64_t n = 0;
@@ -173,7 +185,7 @@ struct DispatchedModel::Impl {
 
   // `group` was released: its pages stay while the allowance holds them.
   void Keep(int group) {
-    std::vector<int> drop;
+    std::vector<int> drop, evict;
     {
       std::lock_guard<std::mutex> lock(mu);
       if (group_spans[group].empty()) return;
@@ -185,10 +197,20 @@ struct DispatchedModel::Impl {
         kept_bytes -= SpanBytes(group_spans[kept.front()]);
         kept.pop_front();
       }
-      for (int g : drop) stats.bytes_dropped += SpanBytes(group_spans[g]);
+      for (int g : drop) {
+        stats.bytes_dropped += SpanBytes(group_spans[g]);
+        if (group_evicted[g]) evict.push_back(g);
+      }
     }
     for (int g : drop) {
-      for (const Span& sp : group_spans[g]) sp.mapping->Drop(sp.offset, sp.bytes);
+      const bool evicted = std::find(evict.begin(), evict.end(), g) != evict.end();
+      for (const Span& sp : group_spans[g]) {
+        if (evicted) {
+          sp.mapping->Evict(sp.offset, sp.bytes);
+        } else {
+          sp.mapping->Drop(sp.offset, sp.bytes);
+        }
+      }
     }
   }
 
@@ -341,6 +363,10 @@ struct DispatchedModel::Impl {
 DispatchedModel::DispatchedModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 DispatchedModel::~DispatchedModel() {
+  if (impl_ && impl_->populator.joinable()) {
+    impl_->stop_populating = true;
+    impl_->populator.join();
+  }
   if (impl_ && impl_->reader.joinable()) {
     {
       std::lock_guard<std::mutex> lock(impl_->mu);
@@ -486,6 +512,15 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
     group = members.empty() ? -1 : static_cast<int>(im.groups.size());
     if (group >= 0) {
       im.group_spans.push_back(im.MappedSpans(members));
+      // A model read whole every token that is larger than memory: under LRU
+      // the page cache holds the last groups read and loses each before its
+      // next use, so it serves nothing. The first groups that fit its room
+      // stay there for good; the others leave it as they leave the process.
+      const int64_t bytes = Impl::SpanBytes(im.group_spans.back());
+      const bool cached =
+          im.page_cache_room < 0 || bytes == 0 || im.page_cache_kept + bytes <= im.page_cache_room;
+      if (cached && im.page_cache_room >= 0) im.page_cache_kept += bytes;
+      im.group_evicted.push_back(!cached);
       im.groups.push_back(std::move(members));
       im.group_names.push_back(key);
       im.group_device.push_back(ExecutionDevice(key));
@@ -636,6 +671,7 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   impl->prefetch = options.prefetch;
   impl->depth = std::max(1, options.prefetch_depth);
   impl->mapped_allowance = options.mapped_resident_bytes;
+  impl->page_cache_room = options.page_cache_keep_bytes;
   std::unique_ptr<DispatchedModel> out(new DispatchedModel(std::move(impl)));
   out->model_ = model;
   out->map_ = map;
@@ -1042,20 +1078,35 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
         merged.push_back(r);
       }
     }
-    for (const auto& [begin, end] : merged) {
-      (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
-    }
-    for (const auto& [begin, end] : merged) {
+    // On a thread of its own, so that loading ends once the model is
+    // mapped (Llama-3-70B NF4 keeps 13.5 GiB resident: 10-40 s of reads on
+    // this machine's disk, which the first forward would wait for anyway,
+    // and which now overlap what comes before it). A forward that gets ahead
+    // of it faults the rest in itself; the reader's own prefetching of disk
+    // layers is not held up behind it.
+    Impl* im_ptr = &im;
+    im.populator = std::thread([im_ptr, merged = std::move(merged)] {
+      for (const auto& [begin, end] : merged) {
+        if (im_ptr->stop_populating) return;
+        (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
+      }
+      constexpr uintptr_t kPiece = uintptr_t{64} << 20;  // a stop is seen within a piece
+      for (const auto& [begin, end] : merged) {
+        for (uintptr_t at = begin; at < end; at += kPiece) {
+          if (im_ptr->stop_populating) return;
+          const uintptr_t n = std::min(kPiece, end - at);
 #ifdef MADV_POPULATE_READ
-      (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ);
+          (void)::madvise(reinterpret_cast<void*>(at), n, MADV_POPULATE_READ);
 #endif
-      // Kept resident where the process may lock memory: each token reads
-      // these once, and under the machine's memory pressure the kernel took
-      // them back between tokens, to fault them in again a read-ahead window
-      // at a time (gigabytes of extra reads). Where it may not, they stay
-      // ordinary page cache.
-      (void)::mlock(reinterpret_cast<void*>(begin), end - begin);
-    }
+          // Kept resident where the process may lock memory: each token
+          // reads these once, and under the machine's memory pressure the
+          // kernel took them back between tokens, to fault them in again a
+          // read-ahead window at a time (gigabytes of extra reads). Where it
+          // may not, they stay ordinary page cache.
+          (void)::mlock(reinterpret_cast<void*>(at), n);
+        }
+      }
+    });
   }
   if (options.prefetch && !im.tensors.empty()) {
     im.reader = std::thread([&im] { im.ReaderLoop(); });

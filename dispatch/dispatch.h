@@ -136,11 +136,20 @@ struct LoadOptions {
   // the page cache keeps them), so the process's resident weights stay within
   // the budget plus the read-ahead window. Negative: no limit.
   int64_t mapped_resident_bytes = -1;
+  // Bytes of mapped disk weights the page cache is to keep between uses once
+  // they leave the process (see mapped_resident_bytes): modules, in the order
+  // they first run, whose pages fit this stay cached; the others' pages are
+  // evicted from the page cache as they are dropped (POSIX_FADV_DONTNEED).
+  // A model read whole every token and larger than memory otherwise gets no
+  // page-cache hits at all: LRU loses each page before its next use.
+  // Negative: the kernel decides, and every dropped page stays cached.
+  int64_t page_cache_keep_bytes = -1;
   // How many offloaded modules ahead of the running one the reader works
   // (at least 1): mapped ones are made resident, others read into buffers.
   int prefetch_depth = 2;
-  // Read the weights placed in RAM now, exactly their bytes (MADV_WILLNEED,
-  // then made resident): left to fault in during the first forward, each
+  // Read the weights placed in RAM, exactly their bytes (MADV_WILLNEED, then
+  // made resident), on a thread of its own from the end of Load on: Load
+  // returns once they are mapped. Left to fault in during the first forward, each
   // fault reads a read-ahead window around it (megabytes of the offloaded
   // weights beside them in the shards), which a model larger than memory
   // cannot afford to keep and the kernel then reclaims with the rest.

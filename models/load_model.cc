@@ -281,6 +281,30 @@ absl::Status ChooseDeviceMap(const ModelLoadOptions& options, LoadPlan& out) {
     dispatch::PlanReport report;
     ACCEL_ASSIGN_OR_RETURN(out.device_map,
                            dispatch::PlanDeviceMap(tree, spec, max_memory, plan, probed, &report));
+    if (memory.read_buffer_bytes > 0) {
+      // The reader's window was reserved at three of the largest layer, which
+      // can be one that stays in memory (Llama-3-70B's 1.96 GiB embedding,
+      // four of its decoder layers): three of the largest layers the plan put
+      // on disk is what it holds. The difference goes back to the cpu budget
+      // and the map is planned again; with more room, fewer layers go to disk,
+      // so the window planned on can only shrink.
+      const std::vector<double> on_disk =
+          dispatch::LayerSizesOn(tree, table, plan.no_split, out.device_map, Placement::Disk());
+      double window = 0;
+      for (size_t k = 0; k < std::min<size_t>(3, on_disk.size()); ++k) window += on_disk[k];
+      const double freed = static_cast<double>(memory.read_buffer_bytes) - window;
+      if (freed > 0) {
+        memory.read_buffer_bytes = static_cast<int64_t>(window);
+        for (auto& [p, bytes] : max_memory) {
+          if (!p.is_cpu()) continue;
+          bytes += freed;
+          memory.budget_bytes = static_cast<int64_t>(bytes);
+        }
+        report = {};
+        ACCEL_ASSIGN_OR_RETURN(
+            out.device_map, dispatch::PlanDeviceMap(tree, spec, max_memory, plan, probed, &report));
+      }
+    }
     if (offload_experts)
       memory.expert_cache_bytes = static_cast<int64_t>(report.expert_cache_bytes);
     // What the cpu budget leaves beside the modules planned there: the room
@@ -697,6 +721,17 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
   // (2.5 GiB of Mixtral-8x7B's NF4 experts).
   load.offload_buffers_in_place = !out.quantization.empty();
   load.populate_resident = plan.memory.disk_weight_bytes > 0 && !plan.memory.direct_reads;
+  if (plan.memory.disk_weight_bytes > 0 && !plan.memory.direct_reads &&
+      !plan.memory.offload_experts) {
+    // Layers on disk are read every token; what memory holds beside the plan
+    // (less a tenth for the rest of the machine) keeps the first of them in
+    // the page cache for good, instead of the last ones read, which LRU loses
+    // before their next use.
+    if (absl::StatusOr<int64_t> total = dispatch::TotalHostMemory(); total.ok()) {
+      load.page_cache_keep_bytes =
+          std::max<int64_t>(0, *total - *total / 10 - plan.memory.resident_bytes());
+    }
+  }
   std::unique_ptr<dispatch::LoadHook> hook, sharding;
   if (!out.quantization.empty()) {
     ACCEL_RETURN_IF_ERROR(QuantizeLinears(*out.model, out.quantization));

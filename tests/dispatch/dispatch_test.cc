@@ -4,6 +4,7 @@
 
 #include <cctype>
 #include <cstdint>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -13,7 +14,9 @@
 #include <signal.h>
 #include <sstream>
 #include <string>
+#include <sys/mman.h>
 #include <sys/resource.h>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/Context.h>
@@ -181,11 +184,11 @@ constexpr int64_t kWideLayerBytes = kWidth * kWidth * 4;  // 256 KiB
 
 // Layers big enough that resident memory is counted in whole pages.
 struct Wide : torch::nn::Module {
-  Wide() : torch::nn::Module("Wide") {
+  explicit Wide(int64_t width = kWidth) : torch::nn::Module("Wide") {
     for (int i = 0; i < kWideLayers; ++i) {
       layers.emplace_back(
           register_module("l" + std::to_string(i),
-                          torch::nn::Linear(torch::nn::LinearOptions(kWidth, kWidth).bias(false))));
+                          torch::nn::Linear(torch::nn::LinearOptions(width, width).bias(false))));
     }
   }
   at::Tensor forward(at::Tensor x, DispatchedModel* dispatched = nullptr,
@@ -205,17 +208,17 @@ struct Wide : torch::nn::Module {
   std::vector<torch::nn::Linear> layers;
 };
 
-std::shared_ptr<Wide> SaveWide(const std::string& dir) {
+std::shared_ptr<Wide> SaveWide(const std::string& dir, int64_t width = kWidth) {
   at::manual_seed(5);
-  auto model = std::make_shared<Wide>();
+  auto model = std::make_shared<Wide>(width);
   std::vector<loader::NamedTensor> tensors;
   for (const auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
   EXPECT_THAT(loader::WriteCheckpoint(dir, tensors, {}), IsOk());
   return model;
 }
 
-std::shared_ptr<Wide> EmptyWide() {
-  auto model = std::make_shared<Wide>();
+std::shared_ptr<Wide> EmptyWide(int64_t width = kWidth) {
+  auto model = std::make_shared<Wide>(width);
   EXPECT_THAT(EmptyModule(*model), IsOk());
   return model;
 }
@@ -363,6 +366,68 @@ TEST(DispatchMappedTest, ResidentMappedWeightsStayWithinTheAllowancePlusTheWindo
     } else {
       EXPECT_GT(stats.bytes_dropped, 0);
       EXPECT_GE(most, kWideLayerBytes);  // the running layer at least
+    }
+  }
+}
+
+// Bytes of [address, address + n) that the page cache holds (mincore over a
+// file mapping asks the page cache, whether or not the process maps the page).
+int64_t PageCachedBytes(const void* address, int64_t n) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(address) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(address) + static_cast<uintptr_t>(n);
+  std::vector<unsigned char> in((end - begin + page - 1) / page);
+  if (::mincore(reinterpret_cast<void*>(begin), end - begin, in.data()) != 0) return -1;
+  int64_t cached = 0;
+  for (unsigned char c : in) cached += (c & 1) ? static_cast<int64_t>(page) : 0;
+  return cached;  // whole pages: a tensor's edges can count a neighbour's bytes
+}
+
+TEST(DispatchMappedTest, PageCacheKeepsTheFirstDiskLayersThatFitAndEvictsTheRest) {
+  // Layers of 9 MiB: the page cache holds a file in folios of up to 2 MiB,
+  // and a folio that a neighbour's mapping holds (l0's, aliasing the loader's
+  // mapping, or the next layer read ahead) cannot be evicted, so up to 2 MiB
+  // at each end of an evicted layer may stay.
+  constexpr int64_t kBigWidth = 1536;
+  constexpr int64_t kLayerBytes = kBigWidth * kBigWidth * 4;
+  TempDir dir;
+  auto reference = SaveWide(dir.path(), kBigWidth);
+  // Each case starts as a model larger than memory does: not in the page
+  // cache (written pages are first made clean: dirty ones cannot be evicted).
+  const auto drop_page_cache = [&] {
+    const int fd = ::open((dir.path() + "/model.safetensors").c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ::fsync(fd);
+    (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  };
+  at::Tensor x = at::randn({1, kBigWidth});
+  at::Tensor expected = reference->forward(x);
+  for (const int64_t keep : {int64_t{-1}, 4 * kLayerBytes, int64_t{0}}) {
+    SCOPED_TRACE(::testing::Message() << "page_cache_keep_bytes " << keep);
+    drop_page_cache();
+    auto model = EmptyWide(kBigWidth);
+    LoadOptions options = Quiet();
+    options.mapped_resident_bytes = 0;  // each disk layer leaves the process after use
+    options.page_cache_keep_bytes = keep;
+    auto dispatched = DispatchedModel::Load(model, dir.path(), WideMap(), options);
+    ASSERT_THAT(dispatched, IsOk());
+    std::vector<const void*> weights(kWideLayers);
+    const auto look = [&](int i) { weights[i] = model->layers[i]->weight.data_ptr(); };
+    for (int pass = 0; pass < 2; ++pass) {
+      EXPECT_TRUE(at::equal(model->forward(x, dispatched->get(), look), expected)) << pass;
+    }
+    // l1, l2, ... run first among the disk layers (l0 is in RAM).
+    for (int i = 1; i < kWideLayers; ++i) {
+      const int64_t cached = PageCachedBytes(weights[i], kLayerBytes);
+      if (keep < 0 || i <= keep / kLayerBytes) {
+        EXPECT_GE(cached, kLayerBytes) << "l" << i;
+      } else if (i > options.prefetch_depth) {
+        // Evicted, but for the folios shared with a neighbour at its ends.
+        // (The first layers may be in again: the reader reads the next
+        // forward's first layers during the last ones of this one.)
+        EXPECT_LT(cached, kLayerBytes / 2) << "l" << i;
+      }
     }
   }
 }
