@@ -284,7 +284,7 @@ absl::Status ChooseDeviceMap(const ModelLoadOptions& options, LoadPlan& out) {
     if (memory.read_buffer_bytes > 0) {
       // The reader's window was reserved at three of the largest layer, which
       // can be one that stays in memory (Llama-3-70B's 1.96 GiB embedding,
-      // four of its decoder layers): three of the largest layers the plan put
+      // about five of its decoder layers): three of the largest layers the plan put
       // on disk is what it holds. The difference goes back to the cpu budget
       // and the map is planned again; with more room, fewer layers go to disk,
       // so the window planned on can only shrink.

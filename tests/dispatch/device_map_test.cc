@@ -200,6 +200,37 @@ TEST(GetMaxLayerSizeTest, LeavesOrNoSplitModules) {
   EXPECT_THAT(equal.names, ElementsAre("0", "1", "2"));
 }
 
+TEST(LayerSizesOnTest, EveryLayerInsideTheEntriesOnOneDeviceLargestFirst) {
+  ModuleTree t = ToyGpt();
+  ModuleSizes s = ComputeModuleSizes(t);
+  DeviceMap split;
+  split.Set("wte", Placement::Cpu());
+  split.Set("h.0", Placement::Cpu());
+  split.Set("h.1", Placement::Cpu());
+  split.Set("h.2", Placement::Disk());
+  split.Set("h.3", Placement::Disk());
+  split.Set("ln_f", Placement::Disk());
+  split.Set("lm_head", Placement::Disk());
+  // wte, the largest layer of all, is not on disk: it is not counted.
+  EXPECT_THAT(LayerSizesOn(t, s, {"Block"}, split, Placement::Disk()),
+              ElementsAre(s.at("h.2"), s.at("h.3"), s.at("ln_f"), s.at("lm_head")));
+  EXPECT_THAT(LayerSizesOn(t, s, {"Block"}, split, Placement::Cpu()),
+              ElementsAre(s.at("wte"), s.at("h.0"), s.at("h.1")));
+  // A parent entry counts each of its layers, not itself; without no_split a
+  // block's layers are its leaves.
+  DeviceMap parent;
+  parent.Set("wte", Placement::Cpu());
+  parent.Set("h", Placement::Disk());
+  std::vector<double> blocks = LayerSizesOn(t, s, {"Block"}, parent, Placement::Disk());
+  EXPECT_THAT(blocks, ElementsAre(s.at("h.0"), s.at("h.1"), s.at("h.2"), s.at("h.3")));
+  DeviceMap one;
+  one.Set("h.3", Placement::Disk());
+  EXPECT_THAT(LayerSizesOn(t, s, {}, one, Placement::Disk()),
+              ElementsAre(s.at("h.3.mlp.fc"), s.at("h.3.mlp.proj"), s.at("h.3.attn.c_attn"),
+                          s.at("h.3.attn.c_proj"), s.at("h.3.ln_1"), s.at("h.3.ln_2")));
+  EXPECT_THAT(LayerSizesOn(t, s, {"Block"}, one, Placement::Cuda(0)), ElementsAre());
+}
+
 // ---- ties (U3) ----
 
 TEST(TiedParametersTest, GroupsSortedAndOrderedByFirstAppearance) {

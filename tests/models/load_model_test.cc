@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <map>
 #include <string>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -170,6 +171,39 @@ TEST_F(LoadModelTest, APreQuantizedModelWithLayersOnDiskWritesNothing) {
     EXPECT_EQ(FilesUnder(cache.path()), std::vector<std::string>{});  // nothing written
     EXPECT_EQ(FilesUnder(quantized.path()), files);                   // nor beside the model
   }
+}
+
+// The reader's window for a dense model's disk layers is three of the largest
+// layers on disk, not three of the largest layer of all (Llama-3-70B's
+// 1.96 GiB embedding took 5.87 GiB from its cpu budget). Here the embedding
+// and lm_head are the largest layers and the budget leaves nothing in RAM.
+TEST(LoadPlanTest, TheReadWindowIsThreeOfTheLargestLayersOnDisk) {
+  TempDir model, root;
+  MakeModelOptions o;
+  o.hidden_size = 32;
+  o.num_layers = 3;
+  o.vocab_size = 4096;  // embedding and lm_head 512 KiB each, a layer about 50 KiB
+  ASSERT_THAT(MakeModel(model.path(), o), IsOk());
+  const int64_t embedding = 4096 * 32 * 4;
+  // A cgroup of 64 MiB, as tools_test's fake root: the runtime and KV
+  // reserves take more than its 85%, so the probed cpu budget starts at 0.
+  for (const auto& [file, text] :
+       std::map<std::string, std::string>{{"memory.max", std::to_string(64 << 20) + "\n"},
+                                          {"memory.current", "0\n"},
+                                          {"memory.stat", "active_file 0\ninactive_file 0\n"}}) {
+    std::ofstream(root.path() + "/" + file) << text;
+  }
+  ScopedEnv cgroup("ACCEL_CGROUP_ROOT", root.path());
+  ModelLoadOptions options;
+  options.progress = Progress::Style::kSilent;
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadPlan plan, PlanLoad(model.path(), options));
+  ASSERT_FALSE(plan.memory.fits);
+  EXPECT_GT(plan.memory.disk_weight_bytes, 0);
+  // The embedding, lm_head and one decoder layer, all on disk.
+  EXPECT_GT(plan.memory.read_buffer_bytes, 2 * embedding);
+  EXPECT_LT(plan.memory.read_buffer_bytes, 3 * embedding);
+  // What the first reservation took beyond that went back to the budget.
+  EXPECT_EQ(plan.memory.budget_bytes, 3 * embedding - plan.memory.read_buffer_bytes);
 }
 
 // Issue 32 item 5: what accel-estimate-memory predicts a process holds. The
