@@ -78,6 +78,22 @@ at::Tensor DeviceTables(const std::vector<int32_t>& host, const at::Device& devi
   return last_device;
 }
 
+// The output rows of `p`'s step and the float workspace its split passes
+// reduce through (none when it does not split), both in `p` from now on.
+at::Tensor AllocateOutputs(cuda::PagedDecodeParams& p, const at::Tensor& key_blocks,
+                           at::Tensor* workspace) {
+  at::Tensor out =
+      at::empty({p.seqs, static_cast<int64_t>(p.heads) * p.value_dim}, key_blocks.options());
+  const int64_t workspace_floats =
+      cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits);
+  if (workspace_floats > 0) {
+    *workspace = at::empty({workspace_floats}, key_blocks.options().dtype(at::kFloat));
+  }
+  p.out = out.data_ptr();
+  p.workspace = workspace->defined() ? workspace->data_ptr<float>() : nullptr;
+  return out;
+}
+
 #endif  // ACCEL_WITH_MODELS_CUDA
 
 }  // namespace
@@ -227,21 +243,13 @@ at::Tensor PagedDecodeAttentionCuda(absl::Span<const PagedQuery> queries,
   for (const PagedQuery& query : queries) rows.push_back(query.q.to(device));
   const at::Tensor q = at::stack(rows).to(key_blocks.scalar_type()).contiguous();
   const at::Tensor meta = DeviceTables(plan.tables_and_totals, device);
-  at::Tensor out =
-      at::empty({p.seqs, static_cast<int64_t>(p.heads) * p.value_dim}, key_blocks.options());
-  const int64_t workspace_floats =
-      cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits);
   at::Tensor workspace;
-  if (workspace_floats > 0) {
-    workspace = at::empty({workspace_floats}, key_blocks.options().dtype(at::kFloat));
-  }
+  const at::Tensor out = AllocateOutputs(p, key_blocks, &workspace);
   p.q = q.data_ptr();
   p.key_blocks = key_blocks.data_ptr();
   p.value_blocks = value_blocks.data_ptr();
   p.block_tables = meta.data_ptr<int32_t>();
   p.totals = p.block_tables + static_cast<int64_t>(p.seqs) * p.table_stride;
-  p.out = out.data_ptr();
-  p.workspace = workspace.defined() ? workspace.data_ptr<float>() : nullptr;
   const char* refused = cuda::CheckPagedDecodeParams(p, plan.dtype);
   TORCH_CHECK(refused == nullptr, "paged attention (CUDA): ", refused);
   const cudaError_t status = cuda::PagedDecodeAttention(
@@ -325,21 +333,13 @@ at::Tensor PagedDecodeAttentionCudaStatic(const at::Tensor& q, const at::Tensor&
                                            SmCount(device.index()));
   p.max_splits = cuda::PagedDecodeSplits(static_cast<int32_t>(max_total), p.window, p.partition);
   const at::Tensor queries = q.to(key_blocks.scalar_type()).contiguous();
-  at::Tensor out =
-      at::empty({p.seqs, static_cast<int64_t>(p.heads) * p.value_dim}, key_blocks.options());
-  const int64_t workspace_floats =
-      cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits);
   at::Tensor workspace;
-  if (workspace_floats > 0) {
-    workspace = at::empty({workspace_floats}, key_blocks.options().dtype(at::kFloat));
-  }
+  const at::Tensor out = AllocateOutputs(p, key_blocks, &workspace);
   p.q = queries.data_ptr();
   p.key_blocks = key_blocks.data_ptr();
   p.value_blocks = value_blocks.data_ptr();
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.totals = totals.data_ptr<int32_t>();
-  p.out = out.data_ptr();
-  p.workspace = workspace.defined() ? workspace.data_ptr<float>() : nullptr;
   const char* refused = cuda::CheckPagedDecodeParams(p, dtype);
   TORCH_CHECK(refused == nullptr, "paged attention (CUDA, static): ", refused);
   const cudaError_t status = cuda::PagedDecodeAttention(
