@@ -377,6 +377,13 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
     std::fflush(stdout);
     done.emplace_back(c.name, r);
   }
+  const int64_t peak = PeakRss();
+  std::printf(
+      "peak RSS %s: %.0f%% of memory, %.0f%% of the plan's %s\n", FormatBytes(peak).c_str(),
+      machine.ok() ? 100.0 * static_cast<double>(peak) / static_cast<double>(*machine) : 0.0,
+      100.0 * static_cast<double>(peak) / static_cast<double>(memory.resident_bytes()),
+      FormatBytes(memory.resident_bytes()).c_str());
+  loaded.reset();  // unmapped and unlocked: the probe below reads the disk, not the page cache
   // The disk is shared and its rate drifts over a run of many minutes (1.03
   // and 1.45 GB/s in two runs of this probe an hour apart): measured again
   // after the rows, and each row's bound taken at the faster of the two.
@@ -389,13 +396,6 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
     std::printf("  %-26s bound %.2f s a step, %.0f%% of it\n", name.c_str(), bound,
                 r.step_seconds > 0 ? 100.0 * bound / r.step_seconds : 0.0);
   }
-  const int64_t peak = PeakRss();
-  std::printf(
-      "peak RSS %s: %.0f%% of memory, %.0f%% of the plan's %s\n", FormatBytes(peak).c_str(),
-      machine.ok() ? 100.0 * static_cast<double>(peak) / static_cast<double>(*machine) : 0.0,
-      100.0 * static_cast<double>(peak) / static_cast<double>(memory.resident_bytes()),
-      FormatBytes(memory.resident_bytes()).c_str());
-  loaded.reset();
   if (!keep) {
     std::filesystem::remove_all(dir);
     std::printf("%s: deleted (--keep keeps it)\n", spec.name.c_str());
