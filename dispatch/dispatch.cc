@@ -185,7 +185,7 @@ struct DispatchedModel::Impl {
 
   // `group` was released: its pages stay while the allowance holds them.
   void Keep(int group) {
-    std::vector<int> drop, evict;
+    std::vector<std::pair<int, bool>> drop;  // group, evicted from the page cache too
     {
       std::lock_guard<std::mutex> lock(mu);
       if (group_spans[group].empty()) return;
@@ -193,17 +193,14 @@ struct DispatchedModel::Impl {
       kept.push_back(group);
       kept_bytes += SpanBytes(group_spans[group]);
       while (mapped_allowance >= 0 && kept_bytes > mapped_allowance && !kept.empty()) {
-        drop.push_back(kept.front());
-        kept_bytes -= SpanBytes(group_spans[kept.front()]);
+        const int g = kept.front();
         kept.pop_front();
-      }
-      for (int g : drop) {
+        kept_bytes -= SpanBytes(group_spans[g]);
         stats.bytes_dropped += SpanBytes(group_spans[g]);
-        if (group_evicted[g]) evict.push_back(g);
+        drop.emplace_back(g, group_evicted[g]);
       }
     }
-    for (int g : drop) {
-      const bool evicted = std::find(evict.begin(), evict.end(), g) != evict.end();
+    for (const auto& [g, evicted] : drop) {
       for (const Span& sp : group_spans[g]) {
         if (evicted) {
           sp.mapping->Evict(sp.offset, sp.bytes);

@@ -58,10 +58,6 @@ struct PartMapping {
   }
 };
 
-}  // namespace
-
-namespace {
-
 // Reads every page in, read-only. MAP_POPULATE would fault a private writable
 // mapping in for writing, copying the whole file (2x a plain read, measured
 // by bench/loader/load_benchmark.cc); MADV_POPULATE_READ maps the page cache as is.

@@ -152,6 +152,21 @@ class GeneratorTest : public ::testing::Test {
     return out;
   }
 
+  // Seven greedy requests with logprobs, of different lengths, every other
+  // one behind the same 9-token prefix (prefix hits).
+  std::vector<GenerationRequest> SharedPrefixRequests() {
+    std::vector<GenerationRequest> requests;
+    const std::vector<int64_t> system = Prompt(5, 9);
+    for (int i = 0; i < 7; ++i) {
+      std::vector<int64_t> prompt = i % 2 == 0 ? system : std::vector<int64_t>{};
+      for (int64_t id : Prompt(i * 13 + 2, 3 + 2 * i)) prompt.push_back(id);
+      GenerationRequest r = Greedy(prompt, 8 + 4 * i);
+      r.logprobs = true;
+      requests.push_back(std::move(r));
+    }
+    return requests;
+  }
+
   GenerationRequest Greedy(std::vector<int64_t> prompt, int64_t max_new_tokens) {
     GenerationRequest r;
     r.prompt_ids = std::move(prompt);
@@ -458,15 +473,7 @@ TEST_F(GeneratorTest, DecodeStepsPaddedToBucketsGiveWhatUnpaddedStepsGive) {
   for (const std::string family : {"llama", "mixtral", "gemma2"}) {
     SCOPED_TRACE(family);
     Load(family, 256, 0, family == "gemma2" ? std::optional<int64_t>(8) : std::nullopt);
-    std::vector<GenerationRequest> requests;
-    const std::vector<int64_t> system = Prompt(5, 9);
-    for (int i = 0; i < 7; ++i) {
-      std::vector<int64_t> prompt = i % 2 == 0 ? system : std::vector<int64_t>{};
-      for (int64_t id : Prompt(i * 13 + 2, 3 + 2 * i)) prompt.push_back(id);
-      GenerationRequest r = Greedy(prompt, 8 + 4 * i);
-      r.logprobs = true;
-      requests.push_back(std::move(r));
-    }
+    const std::vector<GenerationRequest> requests = SharedPrefixRequests();
     GeneratorOptions roomy;
     roomy.block_size = 4;
     GeneratorOptions tight = roomy;
@@ -543,15 +550,7 @@ TEST_F(GeneratorTest, DecodeStepsReplayedFromCudaGraphsGiveWhatEagerStepsGive) {
     load.progress = Progress::Style::kSilent;
     auto loaded = LoadModel(dir, load);
     ASSERT_THAT(loaded, IsOk());
-    std::vector<GenerationRequest> requests;
-    const std::vector<int64_t> system = Prompt(5, 9);
-    for (int i = 0; i < 7; ++i) {
-      std::vector<int64_t> prompt = i % 2 == 0 ? system : std::vector<int64_t>{};
-      for (int64_t id : Prompt(i * 13 + 2, 3 + 2 * i)) prompt.push_back(id);
-      GenerationRequest r = Greedy(prompt, 8 + 4 * i);
-      r.logprobs = true;
-      requests.push_back(std::move(r));
-    }
+    const std::vector<GenerationRequest> requests = SharedPrefixRequests();
     std::vector<GenerationResult> results[2];
     for (int graphs = 0; graphs < 2; ++graphs) {
       ModelRunnerOptions r;
