@@ -12,7 +12,10 @@
 //     bytes a step read from disk at the disk's rate (expert-sized reads at
 //     spread-out offsets, as the expert cache reads them) plus the bytes it
 //     read from memory (the resident weights and the experts it used) at the
-//     memory's rate (a two-thread read);
+//     memory's rate (a two-thread read); and the floor on these cores: the
+//     step's memory bytes through the NF4 products at the rate the kernels
+//     reach on weights in RAM (expert-shaped, 1 and 4 rows), the disk reads
+//     overlapped with them at best;
 //   - the peak RSS against the memory (the cgroup's limit, else MemTotal) and
 //     against LoadModel's own plan (what accel-estimate-memory prints).
 // Only one full-size model is on disk at a time: a model is deleted after its
@@ -58,6 +61,8 @@
 #include "models/load_model.h"
 #include "models/make_model.h"
 #include "models/quantize.h"
+#include "quant/bnb.h"
+#include "quant/matmul.h"
 
 namespace {
 
@@ -140,6 +145,55 @@ double MemoryRate() {
   return best;
 }
 
+// Bytes per second of packed NF4 weights through the CPU's fused 4-bit
+// product (quant::Linear4bitForward, bf16 compute, as the model's layers call
+// it) at `rows` rows, the weights in RAM: an expert's up projection
+// ([intermediate, hidden]), enough of them (about 256 MiB) that the caches do
+// not hold them. A decode step cannot run its products faster than this on
+// these cores, wherever its bytes come from.
+double KernelRate(const accel::loader::ModelConfig& config, bool double_quant, int64_t rows) {
+  const int64_t n =
+      config.intermediate_size > 0 ? config.intermediate_size : 4 * config.hidden_size;
+  const int64_t k = config.hidden_size;
+  const std::array<float, 16>& table = accel::quant::CodeTable(accel::quant::QuantType4bit::kNf4);
+  const at::Tensor code = at::from_blob(const_cast<float*>(table.data()), {16}, at::kFloat).clone();
+  std::vector<accel::quant::Weight4bit> weights;
+  double bytes = 0;
+  while (bytes < static_cast<double>(int64_t{256} << 20)) {
+    accel::quant::Weight4bit w;
+    w.out_features = n;
+    w.in_features = k;
+    w.blocksize = accel::quant::kDefaultBlocksize4bit;
+    w.packed = at::randint(0, 256, {n * k / 2, 1}, at::kByte);
+    const int64_t blocks = n * k / w.blocksize;
+    w.code = code;
+    if (double_quant) {
+      w.absmax = at::randint(128, 256, {blocks}, at::kByte);  // the dynamic map's positive half
+      w.nested_absmax = at::rand({(blocks + 255) / 256}, at::kFloat) * 0.05 + 0.01;
+      const std::array<float, 256>& map = accel::quant::DynamicMap();
+      w.nested_code = at::from_blob(const_cast<float*>(map.data()), {256}, at::kFloat).clone();
+      w.nested_offset = 0.03f;
+    } else {
+      w.absmax = at::rand({blocks}, at::kFloat) * 0.05 + 0.01;
+    }
+    bytes += static_cast<double>(w.packed.nbytes() + w.absmax.nbytes()) +
+             (double_quant ? static_cast<double>(w.nested_absmax.nbytes()) : 0.0);
+    weights.push_back(std::move(w));
+  }
+  const at::Tensor x = at::randn({rows, k}).to(at::kBFloat16);
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    const double s = Seconds([&] {
+      for (const auto& w : weights) {
+        auto y = accel::quant::Linear4bitForward(x, w, at::Tensor(), at::kBFloat16);
+        if (!y.ok()) Die(std::string(y.status().message()));
+      }
+    });
+    best = std::max(best, bytes / s);
+  }
+  return best;
+}
+
 // Bytes this process has had the block layer read for it (/proc/self/io's
 // read_bytes: page faults, read-ahead and reads alike, page-cache hits not).
 int64_t DiskReadBytes() {
@@ -182,6 +236,7 @@ struct Case {
 
 struct Rates {
   double disk = 0, memory = 0;
+  double kernel_1 = 0, kernel_4 = 0;  // NF4 products at 1 and 4 rows (KernelRate)
 };
 
 // What a decode row measured.
@@ -192,6 +247,9 @@ struct Result {
   double hits = 0, uses = 0;  // expert uses served by the cache, all expert uses
   double wait_per_step = 0;   // seconds the forward waited for reads
   double bound_seconds_per_step = 0;
+  // The step's memory bytes through the NF4 products at their measured rate:
+  // the least a step costs on these cores however fast the reads.
+  double kernel_seconds_per_step = 0;
   double step_seconds = 0;  // a decode step's wall time
   int steps = 0;
 };
@@ -254,6 +312,15 @@ Result Run(accel::models::LoadedModel& loaded, const Case& c, int prompt_tokens,
       static_cast<double>(resident_bytes) + out.uses / steps * static_cast<double>(expert_bytes);
   out.bound_seconds_per_step =
       out.disk_bytes_per_step / rates.disk + out.memory_bytes_per_step / rates.memory;
+  // The bfloat16 lm_head runs at the memory's rate, the rest (NF4 attention,
+  // routers and experts) through the 4-bit kernels; of the embedding one row
+  // a token is read.
+  const double head = static_cast<double>(loaded.config.vocab_size * loaded.config.hidden_size *
+                                          at::elementSize(loaded.dtype));
+  const double embedding = loaded.config.tie_word_embeddings ? 0.0 : head;
+  out.kernel_seconds_per_step = std::max(0.0, out.memory_bytes_per_step - head - embedding) /
+                                    (c.batch >= 4 ? rates.kernel_4 : rates.kernel_1) +
+                                head / rates.memory;
   return out;
 }
 
@@ -320,12 +387,14 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
   Rates rates;
   rates.disk = DiskRate(shards, expert_bytes > 0 ? expert_bytes : 256 << 20, 12);
   rates.memory = MemoryRate();
+  rates.kernel_1 = KernelRate(*config, spec.double_quant, 1);
+  rates.kernel_4 = KernelRate(*config, spec.double_quant, 4);
   std::printf(
       "\n== %s: %s of weights in %zu shards; memory %s (load %s); disk %.2f GB/s, memory %.1f "
-      "GB/s\n",
+      "GB/s, NF4 products %.1f GB/s (1 row) / %.1f GB/s (4 rows)\n",
       spec.name.c_str(), FormatBytes(static_cast<int64_t>(file_bytes)).c_str(), shards.size(),
       FormatBytes(machine.ok() ? *machine : 0).c_str(), Load1().c_str(), rates.disk / 1e9,
-      rates.memory / 1e9);
+      rates.memory / 1e9, rates.kernel_1 / 1e9, rates.kernel_4 / 1e9);
   std::printf(
       "plan: %s resident weights, %s on disk, %s expert cache, %s read-ahead, %s KV, %s "
       "runtime: %s at most (experts offloaded: %s)\n",
@@ -349,8 +418,9 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
   const int64_t resident =
       memory.resident_weight_bytes + (expert_bytes == 0 ? memory.disk_weight_bytes : 0);
 
-  std::printf("%-26s %8s %9s %10s %8s %10s %9s %9s %9s %8s\n", "row", "TTFT s", "tok/s",
-              "disk/step", "disk GB/s", "mem/step", "hits", "wait/st", "bound/st", "of bound");
+  std::printf("%-26s %8s %9s %10s %8s %10s %9s %9s %9s %8s %8s\n", "row", "TTFT s", "tok/s",
+              "disk/step", "disk GB/s", "mem/step", "hits", "wait/st", "bound/st", "of bound",
+              "NF4/st");
   std::vector<std::pair<std::string, Result>> done;
   const std::vector<std::pair<Case, int>> rows = {
       {{"greedy", "greedy, batch 1", 1, 0.0}, 8},
@@ -366,14 +436,15 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
     const Result r = Run(*loaded, c, prompt_tokens, tokens, rates, expert_bytes, resident);
     const double step_seconds = r.step_seconds;
     // disk GB/s: what the disk delivered over the step, compute included.
-    std::printf("%-26s %8.2f %9.3f %10s %9.2f %10s %8.1f%% %9.2f %9.2f %7.0f%%\n", c.name.c_str(),
-                r.first_token_seconds, r.tokens_per_second,
+    std::printf("%-26s %8.2f %9.3f %10s %9.2f %10s %8.1f%% %9.2f %9.2f %7.0f%% %8.2f\n",
+                c.name.c_str(), r.first_token_seconds, r.tokens_per_second,
                 FormatBytes(static_cast<int64_t>(r.disk_bytes_per_step)).c_str(),
                 step_seconds > 0 ? r.disk_bytes_per_step / step_seconds / 1e9 : 0.0,
                 FormatBytes(static_cast<int64_t>(r.memory_bytes_per_step)).c_str(),
                 r.uses > 0 ? 100.0 * r.hits / r.uses : 0.0, r.wait_per_step,
                 r.bound_seconds_per_step,
-                step_seconds > 0 ? 100.0 * r.bound_seconds_per_step / step_seconds : 0.0);
+                step_seconds > 0 ? 100.0 * r.bound_seconds_per_step / step_seconds : 0.0,
+                r.kernel_seconds_per_step);
     std::fflush(stdout);
     done.emplace_back(c.name, r);
   }
@@ -393,8 +464,15 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
               disk_best / 1e9);
   for (const auto& [name, r] : done) {
     const double bound = r.disk_bytes_per_step / disk_best + r.memory_bytes_per_step / rates.memory;
-    std::printf("  %-26s bound %.2f s a step, %.0f%% of it\n", name.c_str(), bound,
-                r.step_seconds > 0 ? 100.0 * bound / r.step_seconds : 0.0);
+    // The floor on these cores: the products at the kernels' rate, the reads
+    // of the disk bytes overlapped with them at best.
+    const double floor = std::max(r.kernel_seconds_per_step, r.disk_bytes_per_step / disk_best);
+    std::printf(
+        "  %-26s bound %.2f s a step, %.0f%% of it; NF4 products %.2f s a step, floor %.2f s, "
+        "%.0f%% of it\n",
+        name.c_str(), bound, r.step_seconds > 0 ? 100.0 * bound / r.step_seconds : 0.0,
+        r.kernel_seconds_per_step, floor,
+        r.step_seconds > 0 ? 100.0 * floor / r.step_seconds : 0.0);
   }
   if (!keep) {
     std::filesystem::remove_all(dir);
