@@ -250,6 +250,10 @@ struct Result {
   // The step's memory bytes through the NF4 products at their measured rate:
   // the least a step costs on these cores however fast the reads.
   double kernel_seconds_per_step = 0;
+  // Per step, where the experts came from: read ahead and used, guessed (the
+  // next layers' routers on this layer's stream) and of those used, read in
+  // line (missed); and the seconds spent reading them, by either thread.
+  double prefetch_hits = 0, guess_reads = 0, guess_hits = 0, misses = 0, read_seconds = 0;
   double step_seconds = 0;  // a decode step's wall time
   int steps = 0;
 };
@@ -306,6 +310,12 @@ Result Run(accel::models::LoadedModel& loaded, const Case& c, int prompt_tokens,
              static_cast<double>(after.expert_misses - before.expert_misses);
   out.wait_per_step =
       static_cast<double>(after.expert_wait_us - before.expert_wait_us) / 1e6 / steps;
+  const auto per_step = [&](int64_t a, int64_t b) { return static_cast<double>(a - b) / steps; };
+  out.prefetch_hits = per_step(after.expert_prefetch_hits, before.expert_prefetch_hits);
+  out.guess_reads = per_step(after.expert_guess_reads, before.expert_guess_reads);
+  out.guess_hits = per_step(after.expert_guess_hits, before.expert_guess_hits);
+  out.misses = per_step(after.expert_misses, before.expert_misses);
+  out.read_seconds = per_step(after.expert_read_us, before.expert_read_us) / 1e6;
   // Bytes a step reads from memory: the resident weights, and each expert it
   // used (every use is of a unit brought in, read once by the product).
   out.memory_bytes_per_step =
@@ -445,6 +455,13 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
                 r.bound_seconds_per_step,
                 step_seconds > 0 ? 100.0 * r.bound_seconds_per_step / step_seconds : 0.0,
                 r.kernel_seconds_per_step);
+    if (r.uses > 0) {
+      std::printf(
+          "%-26s experts a step: %.1f used, %.1f from the cache, %.1f read ahead, %.1f missed; "
+          "%.1f guessed, %.1f of them used; reading %.2f s\n",
+          "", r.uses / std::max(r.steps, 1), r.hits / std::max(r.steps, 1), r.prefetch_hits,
+          r.misses, r.guess_reads, r.guess_hits, r.read_seconds);
+    }
     std::fflush(stdout);
     done.emplace_back(c.name, r);
   }
