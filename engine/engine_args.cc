@@ -84,6 +84,11 @@ ABSL_FLAG(
     "0 (auto): M, but none under 32 tokens (a decode step of a few sequences runs whole: each "
     "micro-batch reads the stage's weights again). 1: the whole step at once, the stages "
     "one after another.");
+ABSL_FLAG(int, pipeline_batches_in_flight, 0,
+          "With --pipeline_parallel_size M above 1: steps the leader keeps in flight, each over "
+          "its own requests (about 1 / M of them), so that stage 0 runs step k + 1 while stage 1 "
+          "runs step k (vLLM's virtual engines). 0 (auto): M. 1: one step at a time (each step's "
+          "micro-batches still overlap the stages). Speculative decoding runs one at a time.");
 ABSL_FLAG(int, nnodes, 1, "Machines of the group, as torchrun's --nnodes (each runs accel-serve).");
 ABSL_FLAG(int, node_rank, 0, "This machine's index in [0, --nnodes), as torchrun's --node_rank.");
 ABSL_FLAG(std::string, master_addr, "",
@@ -137,6 +142,7 @@ EngineArgs EngineArgs::FromFlags() {
   a.parallel.master_addr = absl::GetFlag(FLAGS_master_addr);
   a.parallel.master_port = absl::GetFlag(FLAGS_master_port);
   a.pipeline_micro_batches = absl::GetFlag(FLAGS_pipeline_micro_batches);
+  a.pipeline_batches_in_flight = absl::GetFlag(FLAGS_pipeline_batches_in_flight);
   a.parallel_timeout = absl::GetFlag(FLAGS_parallel_timeout);
   return a;
 }
@@ -152,7 +158,8 @@ absl::StatusOr<EngineOptions> EngineArgs::Resolve() const {
         AtLeast("threads", threads, 0),
         AtLeast("tensor_parallel_size", parallel.tensor_parallel_size, 1),
         AtLeast("pipeline_parallel_size", parallel.pipeline_parallel_size, 1),
-        AtLeast("pipeline_micro_batches", pipeline_micro_batches, 0)}) {
+        AtLeast("pipeline_micro_batches", pipeline_micro_batches, 0),
+        AtLeast("pipeline_batches_in_flight", pipeline_batches_in_flight, 0)}) {
     if (!s.ok()) return s;
   }
   if (request_timeout < absl::ZeroDuration()) {
@@ -200,6 +207,7 @@ absl::StatusOr<EngineOptions> EngineArgs::Resolve() const {
   o.request_timeout = request_timeout;
   o.parallel = parallel;
   o.pipeline_micro_batches = pipeline_micro_batches;
+  o.pipeline_batches_in_flight = pipeline_batches_in_flight;
   o.parallel_timeout = parallel_timeout;
   return o;
 }

@@ -47,6 +47,7 @@ struct EngineArgs {
   // collective.
   dist::ParallelFlags parallel;
   int pipeline_micro_batches = 0;
+  int pipeline_batches_in_flight = 0;  // 0: --pipeline_parallel_size
   absl::Duration parallel_timeout = absl::Seconds(60);
 
   // Links the flags (engine/engine_args.cc, with models::RegisterLoadFlags's)

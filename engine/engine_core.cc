@@ -26,6 +26,7 @@ SchedulerOptions MakeSchedulerOptions(const ModelRunnerInterface& runner,
 EngineCore::EngineCore(std::unique_ptr<ModelRunnerInterface> runner, TextStreamFactory text_streams,
                        EngineCoreOptions options)
     : runner_(std::move(runner)),
+      max_in_flight_(static_cast<size_t>(std::max(runner_->max_steps_in_flight(), 1))),
       kv_(runner_->num_blocks(), runner_->block_size(),
           options.prefix_caching && runner_->supports_prefix_caching()),
       scheduler_(MakeSchedulerOptions(*runner_, options), &kv_),
@@ -51,12 +52,84 @@ absl::StatusOr<uint64_t> EngineCore::Add(GenerationRequest request) {
 }
 
 absl::StatusOr<std::vector<TokenEvent>> EngineCore::Step() {
+  if (max_in_flight_ > 1) return StepWithBatchQueue();
   std::vector<TokenEvent> events;
   if (scheduler_.num_requests() == 0) return events;
   const SchedulerOutput scheduled = scheduler_.Schedule();
   if (scheduled.scheduled.empty() && scheduled.preempted.empty()) return events;
   ACCEL_ASSIGN_OR_RETURN(ModelRunnerOutput ran, runner_->Execute(scheduled));
   if (scheduled.scheduled.empty()) return events;
+  return TakeBack(scheduled, std::move(ran));
+}
+
+absl::StatusOr<std::vector<TokenEvent>> EngineCore::StepWithBatchQueue() {
+  std::vector<TokenEvent> events;
+  if (in_flight_.size() < max_in_flight_ && scheduler_.num_requests() > 0) {
+    // Each step takes its share of the requests, so that the queue's steps
+    // are batches of about equal size (disjoint: in-flight ones are skipped).
+    const size_t share = (scheduler_.num_requests() + max_in_flight_ - 1) / max_in_flight_;
+    SchedulerOutput scheduled = scheduler_.Schedule(static_cast<int>(share));
+    if (!scheduled.scheduled.empty()) {
+      absl::StatusOr<uint64_t> ticket = runner_->Submit(scheduled);
+      if (!ticket.ok()) {
+        AbandonSteps();
+        return ticket.status();
+      }
+      scheduler_.MarkInFlight(scheduled);
+      if (!in_flight_.empty()) ++counters_.overlapped_steps;
+      in_flight_.push_back({std::move(scheduled), *ticket});
+      if (in_flight_.size() < max_in_flight_) return events;  // fill the queue first
+    } else if (!scheduled.preempted.empty()) {
+      // Only preemptions: the runner drops their caches (no forward pass).
+      absl::StatusOr<ModelRunnerOutput> dropped = runner_->Execute(scheduled);
+      if (!dropped.ok()) {
+        AbandonSteps();
+        return dropped.status();
+      }
+    }
+  }
+  if (in_flight_.empty()) return events;
+  SubmittedStep oldest = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  absl::StatusOr<ModelRunnerOutput> ran = runner_->Collect(oldest.ticket);
+  if (!ran.ok()) {
+    AbandonSteps();
+    return ran.status();
+  }
+  events = TakeBack(oldest.output, *std::move(ran));
+  if (!cancel_after_step_.empty()) {
+    // Requests cancelled while this step ran give no events; they go now.
+    events.erase(std::remove_if(events.begin(), events.end(),
+                                [&](const TokenEvent& e) {
+                                  return cancel_after_step_.count(e.sequence) > 0;
+                                }),
+                 events.end());
+    RunDeferredCancels();
+  }
+  return events;
+}
+
+void EngineCore::AbandonSteps() {
+  runner_->AbandonSubmitted();
+  scheduler_.ClearInFlight();
+  in_flight_.clear();
+  RunDeferredCancels();
+}
+
+void EngineCore::RunDeferredCancels() {
+  std::vector<uint64_t> ids;
+  for (uint64_t id : cancel_after_step_) {
+    if (!scheduler_.in_flight(id)) ids.push_back(id);
+  }
+  for (uint64_t id : ids) {
+    cancel_after_step_.erase(id);
+    Cancel(id);
+  }
+}
+
+std::vector<TokenEvent> EngineCore::TakeBack(const SchedulerOutput& scheduled,
+                                             ModelRunnerOutput ran) {
+  std::vector<TokenEvent> events;
   ++counters_.steps;
   counters_.last_step_tokens = scheduled.total_tokens;
   counters_.prompt_tokens += scheduled.prompt_tokens;
@@ -90,6 +163,11 @@ absl::StatusOr<std::vector<TokenEvent>> EngineCore::Step() {
 }
 
 bool EngineCore::Cancel(uint64_t id) {
+  if (scheduler_.in_flight(id)) {
+    // Its step is writing its blocks: it goes when that step is collected.
+    cancel_after_step_.insert(id);
+    return true;
+  }
   const bool known = scheduler_.Finish(id);
   runner_->RemoveRequest(id);
   output_.Remove(id);

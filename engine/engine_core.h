@@ -22,7 +22,9 @@
 #define ACCEL_ENGINE_ENGINE_CORE_H_
 
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -51,6 +53,9 @@ struct EngineStats {
   int64_t generation_tokens = 0;  // tokens generated
   int64_t steps = 0;
   int64_t last_step_tokens = 0;  // tokens in the last step's forward pass
+  // Steps submitted while another was in flight (pipeline parallel: the
+  // stages ran two steps at once).
+  int64_t overlapped_steps = 0;
   // Speculative decoding, as vLLM counts it: drafts verified (a request's
   // drafts in one step are one draft), their tokens, the tokens accepted,
   // and the tokens accepted at each draft position (0: the first draft).
@@ -75,6 +80,10 @@ class EngineCoreInterface {
   // Drops a request and frees its memory at once; false if unknown.
   virtual bool Cancel(uint64_t id) = 0;
   virtual EngineStats stats() const = 0;
+  // Steps submitted and not yet collected (pipeline parallel): the loop
+  // keeps stepping while there are any, even with no request of its own
+  // left (their requests were cancelled while in flight).
+  virtual int64_t steps_in_flight() const { return 0; }
 };
 
 struct EngineCoreOptions {
@@ -105,10 +114,22 @@ class EngineCore : public EngineCoreInterface {
   // accepted drafts and one more). Finished requests are removed (their
   // blocks freed) before it returns. On an error nothing advances (caches
   // keep their length; no token is taken): the step can be retried.
+  //
+  // With a runner that keeps M > 1 steps in flight (a pipeline-parallel
+  // model: ModelRunnerInterface::max_steps_in_flight), a Step is vLLM's
+  // step_with_batch_queue: while fewer than M steps are in flight it
+  // schedules the requests not in one (at most 1 / M of the requests, so
+  // that M batches exist) and submits them, returning no events while the
+  // queue fills; otherwise, or when nothing could be scheduled, it collects
+  // the oldest step and returns its events. On an error every step in
+  // flight is abandoned (none advanced).
   absl::StatusOr<std::vector<TokenEvent>> Step() override;
 
-  // Drops a request, running or waiting, and frees its blocks at once.
+  // Drops a request, running or waiting, and frees its blocks at once; one
+  // in a step in flight is dropped when that step is collected (its blocks
+  // are being written), and gives no more events.
   bool Cancel(uint64_t id) override;
+  int64_t steps_in_flight() const override { return static_cast<int64_t>(in_flight_.size()); }
 
   EngineStats stats() const override;
   // Requests added and not finished (running or waiting).
@@ -119,7 +140,21 @@ class EngineCore : public EngineCoreInterface {
   int64_t kv_capacity_tokens() const { return kv_.capacity_tokens(); }
 
  private:
+  struct SubmittedStep {
+    SchedulerOutput output;
+    uint64_t ticket = 0;
+  };
+  absl::StatusOr<std::vector<TokenEvent>> StepWithBatchQueue();
+  // The scheduler and counters take a step's tokens back; its events.
+  std::vector<TokenEvent> TakeBack(const SchedulerOutput& scheduled, ModelRunnerOutput ran);
+  // After an error: no step is in flight any more; deferred cancels run.
+  void AbandonSteps();
+  void RunDeferredCancels();
+
   std::unique_ptr<ModelRunnerInterface> runner_;
+  const size_t max_in_flight_;  // the runner's max_steps_in_flight()
+  std::deque<SubmittedStep> in_flight_;  // oldest first
+  std::set<uint64_t> cancel_after_step_;  // cancelled while in a step in flight
   KvCacheManager kv_;
   Scheduler scheduler_;
   OutputProcessor output_;

@@ -425,7 +425,9 @@ void EngineLoop::Loop() {
       return;
     }
     Admit(std::move(admitted));
-    const bool step = !running_.empty();
+    // Steps still in flight (pipeline parallel) are collected even when
+    // their requests were all cancelled, so that their blocks come back.
+    const bool step = !running_.empty() || core_->steps_in_flight() > 0;
     if (step) RunStep();
     {
       absl::MutexLock lock(&mu_);
@@ -449,6 +451,7 @@ EngineStats CountersSince(const EngineStats& now, const EngineStats& before) {
   delta.prompt_tokens = now.prompt_tokens - before.prompt_tokens;
   delta.generation_tokens = now.generation_tokens - before.generation_tokens;
   delta.steps = now.steps - before.steps;
+  delta.overlapped_steps = now.overlapped_steps - before.overlapped_steps;
   delta.spec_num_drafts = now.spec_num_drafts - before.spec_num_drafts;
   delta.spec_num_draft_tokens = now.spec_num_draft_tokens - before.spec_num_draft_tokens;
   delta.spec_num_accepted_tokens = now.spec_num_accepted_tokens - before.spec_num_accepted_tokens;

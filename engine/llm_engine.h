@@ -75,6 +75,10 @@ struct EngineOptions {
   // (load.tensor_parallel) before LlmEngine::Load.
   dist::ParallelFlags parallel;
   int pipeline_micro_batches = 0;
+  // Steps the leader keeps in flight over disjoint requests with pipeline
+  // stages (vLLM's virtual engines); 0: one per stage, 1: one at a time.
+  // Speculative decoding runs one at a time whatever it says.
+  int pipeline_batches_in_flight = 0;
   absl::Duration parallel_timeout = absl::Seconds(60);
 };
 

@@ -109,7 +109,32 @@ struct ModelRunner::Impl {
         0);
   }
 
+  // A step between its forward pass's start and its sampling: the
+  // requests' runner state, their chunks (caches), what to undo.
+  struct Pass {
+    SchedulerOutput out;  // Submit's copy (Execute samples from its own)
+    std::vector<Request*> scheduled;
+    std::vector<models::SequenceChunk> chunks;
+    std::vector<int64_t> lengths;   // before the step, to undo a failed one
+    std::vector<size_t> gathered;   // prompt logprobs before the step, likewise
+    std::vector<bool> prompt_rows;  // the chunk asks logits at every position
+    std::unique_ptr<models::PendingLogits> pending;  // a submitted step's logits
+  };
+  std::map<uint64_t, Pass> submitted;  // steps in flight, by ticket
+  uint64_t next_ticket = 1;
+
+  // Drops the preempted requests' caches, then fills `pass` and `packed`
+  // (the step's ids) from `out`'s scheduled requests.
+  absl::Status Prepare(const SchedulerOutput& out, Pass& pass, std::vector<int64_t>& packed);
+  // Puts the step's caches and prompt logprobs back where they were.
+  static void Undo(const Pass& pass);
+  // Sampling, draft verification and the next drafts from the step's
+  // logits (a row per chunk's logit_tokens, in order).
+  absl::StatusOr<ModelRunnerOutput> Sample(const SchedulerOutput& out, const Pass& pass,
+                                           at::Tensor logits);
   absl::StatusOr<ModelRunnerOutput> Execute(const SchedulerOutput& out);
+  absl::StatusOr<uint64_t> Submit(const SchedulerOutput& out);
+  absl::StatusOr<ModelRunnerOutput> Collect(uint64_t ticket);
 
   // The log-probabilities of the prompt tokens that `rows` (the logits at
   // each position of `s`'s chunk) predict: token c + j + 1 from row j, for
@@ -343,9 +368,20 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Execute(const SchedulerOutput& ou
   return impl_->Execute(output);
 }
 
-absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutput& out) {
-  c10::InferenceMode inference;
-  ModelRunnerOutput result;
+int ModelRunner::max_steps_in_flight() const { return impl_->options.steps_in_flight; }
+
+absl::StatusOr<uint64_t> ModelRunner::Submit(const SchedulerOutput& output) {
+  return impl_->Submit(output);
+}
+
+absl::StatusOr<ModelRunnerOutput> ModelRunner::Collect(uint64_t ticket) {
+  return impl_->Collect(ticket);
+}
+
+void ModelRunner::AbandonSubmitted() { impl_->submitted.clear(); }
+
+absl::Status ModelRunner::Impl::Prepare(const SchedulerOutput& out, Pass& pass,
+                                        std::vector<int64_t>& packed) {
   for (uint64_t id : out.preempted) {
     auto found = requests.find(id);
     if (found == requests.end()) continue;
@@ -354,13 +390,8 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
     if (!found->second->prompt_logprobs_sent) found->second->prompt_gathered.clear();
     if (draft) draft->Reset(id, 0);
   }
-  if (out.scheduled.empty()) return result;
-  std::vector<Request*> scheduled;
-  std::vector<int64_t> packed;
-  std::vector<models::SequenceChunk> chunks;
-  std::vector<int64_t> lengths;   // before the step, to undo a failed one
-  std::vector<size_t> gathered;   // prompt logprobs before the step, likewise
-  std::vector<bool> prompt_rows;  // the chunk asks logits at every position
+  std::vector<Request*>& scheduled = pass.scheduled;
+  std::vector<models::SequenceChunk>& chunks = pass.chunks;
   for (const ScheduledRequest& s : out.scheduled) {
     auto found = requests.find(s.id);
     if (found == requests.end()) {
@@ -390,21 +421,32 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
     const bool all_rows = r.prompt_logprobs && !r.prompt_logprobs_sent && drafts == 0 &&
                           s.num_computed_tokens < r.prompt_tokens;
     chunks.push_back({&cache, s.num_tokens, all_rows ? s.num_tokens : s.samples ? 1 + drafts : 1});
-    prompt_rows.push_back(all_rows);
-    gathered.push_back(r.prompt_gathered.size());
-    lengths.push_back(cache.length);
+    pass.prompt_rows.push_back(all_rows);
+    pass.gathered.push_back(r.prompt_gathered.size());
+    pass.lengths.push_back(cache.length);
     scheduled.push_back(&r);
   }
-  const auto undo = [&] {
-    for (size_t i = 0; i < scheduled.size(); ++i) {
-      models::KvCache& cache = scheduled[i]->cache;
-      cache.length = lengths[i];
-      scheduled[i]->prompt_gathered.resize(gathered[i]);
-      if (static_cast<int64_t>(cache.token_ids.size()) > lengths[i]) {
-        cache.token_ids.resize(static_cast<size_t>(lengths[i]));
-      }
+  return absl::OkStatus();
+}
+
+void ModelRunner::Impl::Undo(const Pass& pass) {
+  for (size_t i = 0; i < pass.scheduled.size(); ++i) {
+    models::KvCache& cache = pass.scheduled[i]->cache;
+    cache.length = pass.lengths[i];
+    pass.scheduled[i]->prompt_gathered.resize(pass.gathered[i]);
+    if (static_cast<int64_t>(cache.token_ids.size()) > pass.lengths[i]) {
+      cache.token_ids.resize(static_cast<size_t>(pass.lengths[i]));
     }
-  };
+  }
+}
+
+absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutput& out) {
+  c10::InferenceMode inference;
+  Pass pass;
+  std::vector<int64_t> packed;
+  ACCEL_RETURN_IF_ERROR(Prepare(out, pass, packed));
+  if (out.scheduled.empty()) return ModelRunnerOutput();
+  std::vector<models::SequenceChunk>& chunks = pass.chunks;
   // A step of one-token decodes only, padded to its bucket.
   const int64_t batch = static_cast<int64_t>(chunks.size());
   std::optional<int64_t> bucket;
@@ -450,10 +492,19 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
     forwarded = model->Forward(input_ids, chunks, models::Logits::kLastOfEach, dispatched);
   }
   if (!forwarded.ok()) {
-    undo();
+    Undo(pass);
     return forwarded.status();
   }
-  at::Tensor logits = *std::move(forwarded);
+  chunks.resize(static_cast<size_t>(batch));  // the padded rows' logits are never read
+  return Sample(out, pass, *std::move(forwarded));
+}
+
+absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Sample(const SchedulerOutput& out,
+                                                            const Pass& pass, at::Tensor logits) {
+  ModelRunnerOutput result;
+  const std::vector<Request*>& scheduled = pass.scheduled;
+  const std::vector<models::SequenceChunk>& chunks = pass.chunks;
+  const std::vector<bool>& prompt_rows = pass.prompt_rows;
   // Every request that read its whole input samples (verifying its drafts)
   // before any state moves on: if sampling fails, the caches go back to
   // where they were.
@@ -502,7 +553,7 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
     }
   });
   if (!sampled.ok()) {
-    undo();
+    Undo(pass);
     return sampled;
   }
   // Rejected drafts leave the cache: its length goes back to the last
@@ -558,7 +609,7 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
       absl::StatusOr<std::map<uint64_t, internal::DraftProposer::Proposal>> proposals =
           draft->Run(jobs);
       if (!proposals.ok()) {
-        undo();
+        Undo(pass);
         return proposals.status();
       }
       for (auto& [id, proposal] : *proposals) {
@@ -581,6 +632,45 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
     }
   }
   return result;
+}
+
+absl::StatusOr<uint64_t> ModelRunner::Impl::Submit(const SchedulerOutput& out) {
+  c10::InferenceMode inference;
+  Pass pass;
+  pass.out = out;
+  std::vector<int64_t> packed;
+  ACCEL_RETURN_IF_ERROR(Prepare(out, pass, packed));
+  if (out.scheduled.empty()) {
+    return absl::InvalidArgumentError("a step submitted with no request scheduled");
+  }
+  at::Tensor input_ids;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] { input_ids = at::tensor(packed, at::kLong); }));
+  absl::StatusOr<std::unique_ptr<models::PendingLogits>> pending =
+      model->Submit(input_ids, pass.chunks, models::Logits::kLastOfEach, dispatched);
+  if (!pending.ok()) {
+    Undo(pass);
+    return pending.status();
+  }
+  pass.pending = *std::move(pending);
+  const uint64_t ticket = next_ticket++;
+  submitted.emplace(ticket, std::move(pass));
+  return ticket;
+}
+
+absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Collect(uint64_t ticket) {
+  c10::InferenceMode inference;
+  auto found = submitted.find(ticket);
+  if (found == submitted.end()) {
+    return absl::InternalError(absl::StrCat("step ", ticket, " is not in flight"));
+  }
+  Pass pass = std::move(found->second);
+  submitted.erase(found);
+  absl::StatusOr<at::Tensor> logits = pass.pending->Wait();
+  if (!logits.ok()) {
+    Undo(pass);
+    return logits.status();
+  }
+  return Sample(pass.out, pass, *std::move(logits));
 }
 
 int64_t ModelRunner::num_blocks() const { return impl_->options.num_blocks; }

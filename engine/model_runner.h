@@ -68,6 +68,26 @@ class ModelRunnerInterface {
   // had, no sampler drew, so the step can be scheduled again.
   virtual absl::StatusOr<ModelRunnerOutput> Execute(const SchedulerOutput& output) = 0;
 
+  // Steps the engine core may keep in flight (pipeline parallel: vLLM's
+  // batch queue); with 1 (the default) it only calls Execute. With more
+  // it calls Submit, which starts a step (its first stage runs, the rest go
+  // on in other processes) and returns a ticket without the step's tokens,
+  // and Collect(ticket), which waits for them, tickets in the order they
+  // were submitted. The SchedulerOutput submitted (and the spans it holds)
+  // stays valid and its requests unchanged until collected. On an error of
+  // either the step did not advance its requests (the caches keep their
+  // lengths); after one the engine core abandons every step in flight.
+  virtual int max_steps_in_flight() const { return 1; }
+  virtual absl::StatusOr<uint64_t> Submit(const SchedulerOutput& output) {
+    (void)output;
+    return absl::UnimplementedError("this model runner runs one step at a time");
+  }
+  virtual absl::StatusOr<ModelRunnerOutput> Collect(uint64_t ticket) {
+    (void)ticket;
+    return absl::UnimplementedError("this model runner runs one step at a time");
+  }
+  virtual void AbandonSubmitted() {}
+
   // The KV store the scheduler's blocks index.
   virtual int64_t num_blocks() const = 0;
   virtual int64_t block_size() const = 0;
@@ -113,6 +133,11 @@ struct ModelRunnerOptions {
   // The model's decode step must be capturable: dense, on one device, no
   // LongRoPE (LlmEngine checks). Off: the step is called directly.
   bool capture_decode_graphs = false;
+  // Steps in flight (a pipeline-parallel model whose CausalLM::Submit
+  // returns before the last stage's logits): the engine core keeps up to
+  // this many steps over disjoint requests. Speculative decoding and
+  // padded decode steps take 1 (their drafts and buffers are per step).
+  int steps_in_flight = 1;
 };
 
 class ModelRunner : public ModelRunnerInterface {
@@ -128,6 +153,10 @@ class ModelRunner : public ModelRunnerInterface {
   absl::Status AddRequest(uint64_t id, const GenerationRequest& request) override;
   void RemoveRequest(uint64_t id) override;
   absl::StatusOr<ModelRunnerOutput> Execute(const SchedulerOutput& output) override;
+  int max_steps_in_flight() const override;
+  absl::StatusOr<uint64_t> Submit(const SchedulerOutput& output) override;
+  absl::StatusOr<ModelRunnerOutput> Collect(uint64_t ticket) override;
+  void AbandonSubmitted() override;
   int64_t num_blocks() const override;
   int64_t block_size() const override;
   bool supports_prefix_caching() const override;

@@ -24,6 +24,7 @@ bool Scheduler::Finish(uint64_t id) {
   auto found = requests_.find(id);
   if (found == requests_.end()) return false;
   kv_->Free(id);
+  in_flight_.erase(id);
   running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), id), waiting_.end());
   requests_.erase(found);
@@ -55,7 +56,11 @@ void Scheduler::Preempt(uint64_t id) {
   ++preemptions_;
 }
 
-SchedulerOutput Scheduler::Schedule() {
+void Scheduler::MarkInFlight(const SchedulerOutput& output) {
+  for (const ScheduledRequest& s : output.scheduled) in_flight_.insert(s.id);
+}
+
+SchedulerOutput Scheduler::Schedule(int max_requests) {
   SchedulerOutput out;
   preempted_.clear();
   const int64_t limit = options_.max_num_batched_tokens;
@@ -66,6 +71,7 @@ SchedulerOutput Scheduler::Schedule() {
   int64_t reading = static_cast<int64_t>(waiting_.size());  // prompts waiting or being read
   int64_t decoding = 0;
   for (uint64_t id : running_) {
+    if (in_flight(id)) continue;
     const int64_t left = requests_.at(id).num_pending_tokens();
     decoding += left == 1 ? 1 : 0;
     reading += left > 1 ? 1 : 0;
@@ -89,11 +95,23 @@ SchedulerOutput Scheduler::Schedule() {
     bool prompt;
   };
   std::vector<Work> work;
+  const auto full = [&] {
+    return max_requests > 0 && static_cast<int64_t>(work.size()) >= max_requests;
+  };
+  // The most recently admitted request not in a step in flight: the one
+  // preempted for blocks (there is one: the request asking is not).
+  const auto victim_for = [&] {
+    for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+      if (!in_flight(*it)) return *it;
+    }
+    return running_.back();
+  };
   // Running requests, oldest first. One that cannot get a block preempts
   // the most recently admitted (possibly itself), which has not been
   // scheduled yet, so nothing in `work` loses its blocks.
-  for (size_t i = 0; i < running_.size(); ++i) {
+  for (size_t i = 0; i < running_.size() && !full(); ++i) {
     const uint64_t id = running_[i];
+    if (in_flight(id)) continue;
     SchedulerRequest& r = requests_.at(id);
     const int64_t left = r.num_pending_tokens();
     int64_t drafts = 0;
@@ -120,7 +138,7 @@ SchedulerOutput Scheduler::Schedule() {
     }
     bool preempted = false;
     while (!reserved && !(reserved = kv_->AllocateSlots(id, r.num_computed_tokens + tokens))) {
-      const uint64_t victim = running_.back();
+      const uint64_t victim = victim_for();
       Preempt(victim);
       if (victim == id) {
         preempted = true;
@@ -152,7 +170,7 @@ SchedulerOutput Scheduler::Schedule() {
     }
     return false;
   };
-  for (size_t next = 0; next < waiting_.size() && budget > 0 &&
+  for (size_t next = 0; next < waiting_.size() && budget > 0 && !full() &&
                         (options_.max_num_seqs <= 0 ||
                          static_cast<int64_t>(running_.size()) < options_.max_num_seqs);) {
     const uint64_t id = waiting_[next];
@@ -206,6 +224,7 @@ std::vector<RequestUpdate> Scheduler::UpdateFromOutput(const SchedulerOutput& ou
   std::vector<RequestUpdate> updates;
   std::vector<uint64_t> finished;
   for (const ScheduledRequest& s : output.scheduled) {
+    in_flight_.erase(s.id);
     auto found = requests_.find(s.id);
     if (found == requests_.end()) continue;
     SchedulerRequest& r = found->second;

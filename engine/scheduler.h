@@ -32,6 +32,14 @@
 //   same pass. Drafts are cut to the budget, to the request's remaining
 //   max_new_tokens and the model's position limit, and dropped before anyone
 //   is preempted for their blocks.
+// - Steps in flight (pipeline parallel, vLLM's batch queue): the engine
+//   core may schedule the next step before an earlier one's tokens are
+//   back. A request in such a step (MarkInFlight, until UpdateFromOutput
+//   takes its step back) has no next token yet: Schedule() skips it, never
+//   preempts it, and the engine core defers finishing it, so the steps in
+//   flight hold disjoint requests over the one block pool. A step may be
+//   capped at some requests (Schedule's max_requests) so that the requests
+//   split into several batches.
 //
 // Torch-free and not thread-safe: the engine core's thread owns it.
 #ifndef ACCEL_ENGINE_SCHEDULER_H_
@@ -41,6 +49,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "absl/types/span.h"
@@ -149,7 +158,17 @@ class Scheduler {
   // unknown.
   bool Finish(uint64_t id);
 
-  SchedulerOutput Schedule();
+  // At most `max_requests` requests in the step (0: no cap beyond
+  // max_num_seqs); requests marked in flight are skipped.
+  SchedulerOutput Schedule(int max_requests = 0);
+
+  // The requests of `output` are in a step in flight until
+  // UpdateFromOutput(output, ...) takes it back (or ClearInFlight).
+  void MarkInFlight(const SchedulerOutput& output);
+  // Every step in flight is abandoned (its requests can be scheduled, or
+  // finished, again; their computed tokens did not move).
+  void ClearInFlight() { in_flight_.clear(); }
+  bool in_flight(uint64_t id) const { return in_flight_.count(id) > 0; }
 
   // Appends what `sampled` holds (one per request of `output` that sampled,
   // in any order) and returns the tokens each request got, cut at a stop
@@ -179,6 +198,7 @@ class Scheduler {
   std::deque<uint64_t> waiting_;     // preempted first, then in arrival order
   std::vector<uint64_t> running_;    // holding blocks, in admission order
   std::vector<uint64_t> preempted_;  // by the Schedule() running now
+  std::set<uint64_t> in_flight_;     // in a step not yet taken back
   int64_t preemptions_ = 0;
 };
 

@@ -162,6 +162,15 @@ class Gpt2LM : public CausalLM {
 
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<PendingLogits>> CausalLM::Submit(
+    const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks, Logits which,
+    dispatch::DispatchedModel* dispatched) {
+  absl::StatusOr<at::Tensor> logits = Forward(input_ids, chunks, which, dispatched);
+  if (!logits.ok()) return logits.status();
+  return std::make_unique<PendingLogits>(
+      [logits = *std::move(logits)]() -> absl::StatusOr<at::Tensor> { return logits; });
+}
+
 int64_t KvCache::bytes() const {
   int64_t total = 0;
   for (const std::vector<at::Tensor>* buffers : {&keys, &values}) {

@@ -20,6 +20,7 @@
 #define ACCEL_MODELS_CAUSAL_LM_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -125,6 +126,18 @@ enum class Logits {
   kLastOfEach  // [sum of logit_tokens, vocab]: each chunk's last logit_tokens tokens
 };
 
+// A forward pass that CausalLM::Submit started and whose logits are not
+// back yet: Wait() gives what Forward would have returned (called once).
+class PendingLogits {
+ public:
+  explicit PendingLogits(std::function<absl::StatusOr<at::Tensor>()> wait)
+      : wait_(std::move(wait)) {}
+  absl::StatusOr<at::Tensor> Wait() { return wait_(); }
+
+ private:
+  std::function<absl::StatusOr<at::Tensor>()> wait_;
+};
+
 class CausalLM : public dispatch::Layer {
  public:
   using dispatch::Layer::Layer;
@@ -159,6 +172,18 @@ class CausalLM : public dispatch::Layer {
     (void)dispatched;
     return absl::UnimplementedError("this model has no static decode step");
   }
+
+  // Forward, started: where later pipeline stages run in other processes
+  // (pipeline_size() > 1), this process's stage runs now and the logits'
+  // receive is posted, so that the caller can start the next step before
+  // this one's logits are back. The chunks' caches have advanced when it
+  // returns (a failed Wait leaves them advanced: the caller puts them back).
+  // The default runs Forward now.
+  virtual absl::StatusOr<std::unique_ptr<PendingLogits>> Submit(
+      const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks, Logits which,
+      dispatch::DispatchedModel* dispatched);
+  // Pipeline stages the model is split into (models/tensor_parallel.h).
+  virtual int pipeline_size() const { return 1; }
 
   const loader::ModelConfig& config() const { return config_; }
   at::ScalarType dtype() const { return dtype_; }

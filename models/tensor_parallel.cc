@@ -500,6 +500,7 @@ TensorParallelLeader::TensorParallelLeader(std::shared_ptr<CausalLM> shard,
       shard_(std::move(shard)),
       dispatched_(dispatched),
       group_(group),
+      point_to_point_(shard_->pipeline_size() > 1),
       last_message_(std::chrono::steady_clock::now()) {
   // Its parameters count as this model's (the rank's slice); its own
   // Forward runs it under its own names.
@@ -536,7 +537,37 @@ bool TensorParallelLeader::healthy() const {
 absl::Status TensorParallelLeader::Send(const std::string& message) {
   const auto start = std::chrono::steady_clock::now();
   c10::InferenceMode normal(false);  // gloo writes its buffers on its own threads
-  absl::StatusOr<std::string> sent = group_->BroadcastBytes(message, 0);
+  absl::Status sent;
+  if (point_to_point_) {
+    // Pipeline parallel: to each rank in turn, not waited for, so that the
+    // leader submits step k + 1 while a later stage still runs step k (a
+    // broadcast would wait for it). A rank reads its messages in the order
+    // they were posted, after each step's activations, so a heartbeat never
+    // overtakes a step. Sends of old messages are waited for here (they
+    // were read long ago), keeping the few in flight.
+    sent = CallTorch([&] {
+      at::Tensor bytes = at::empty({static_cast<int64_t>(message.size())}, at::kByte);
+      std::memcpy(bytes.data_ptr(), message.data(), message.size());
+      const at::Tensor size = at::full({1}, static_cast<int64_t>(message.size()), at::kLong);
+      for (int rank = 1; rank < group_->size() && sent.ok(); ++rank) {
+        for (const at::Tensor& part : {size, bytes}) {
+          absl::StatusOr<std::unique_ptr<dist::PendingWork>> work = group_->SendAsync(part, rank);
+          if (!work.ok()) {
+            sent = work.status();
+            break;
+          }
+          message_sends_.push_back(*std::move(work));
+        }
+      }
+    });
+    constexpr size_t kMessageSendsKept = 64;
+    while (sent.ok() && message_sends_.size() > kMessageSendsKept) {
+      sent = message_sends_.front()->Wait();
+      message_sends_.pop_front();
+    }
+  } else {
+    sent = group_->BroadcastBytes(message, 0).status();
+  }
   internal::AddCollectiveNanos(NanosSince(start));
   last_message_ = std::chrono::steady_clock::now();
   if (!sent.ok()) {
@@ -545,20 +576,13 @@ absl::Status TensorParallelLeader::Send(const std::string& message) {
     return RecordFault(absl::UnavailableError(
         absl::StrCat("tensor parallel: sending the step to the worker ranks failed (a worker "
                      "died or stopped answering): ",
-                     sent.status().message())));
+                     sent.message())));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<at::Tensor> TensorParallelLeader::Forward(const at::Tensor& input_ids,
-                                                         absl::Span<const SequenceChunk> chunks,
-                                                         Logits which,
-                                                         dispatch::DispatchedModel* dispatched) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (broken_ || stopped_) {
-    return absl::UnavailableError(
-        "tensor parallel: the worker ranks are gone (an earlier collective failed)");
-  }
+absl::StatusOr<std::string> TensorParallelLeader::StepMessage(
+    const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks, Logits which) {
   Writer w;
   w.Put(MessageKind::kStep);
   w.Put(static_cast<uint8_t>(which));
@@ -590,17 +614,66 @@ absl::StatusOr<at::Tensor> TensorParallelLeader::Forward(const at::Tensor& input
     return absl::InvalidArgumentError(
         absl::StrCat("the chunks hold ", total, " tokens but input_ids has ", input_ids.numel()));
   }
-  ACCEL_RETURN_IF_ERROR(Send(w.Take()));
-  absl::StatusOr<at::Tensor> logits =
-      shard_->Forward(input_ids, chunks, which, dispatched != nullptr ? dispatched : dispatched_);
-  if (!logits.ok() && !BeforeCollectives(logits.status())) {
-    broken_ = true;
-    wake_.notify_all();
-    return RecordFault(absl::UnavailableError(
-        absl::StrCat("tensor parallel step failed: ", logits.status().message())));
+  return w.Take();
+}
+
+absl::Status TensorParallelLeader::Failed(const absl::Status& status) {
+  if (status.ok() || BeforeCollectives(status)) return status;
+  std::lock_guard<std::mutex> lock(mu_);
+  broken_ = true;
+  wake_.notify_all();
+  return RecordFault(
+      absl::UnavailableError(absl::StrCat("tensor parallel step failed: ", status.message())));
+}
+
+absl::StatusOr<at::Tensor> TensorParallelLeader::Forward(const at::Tensor& input_ids,
+                                                         absl::Span<const SequenceChunk> chunks,
+                                                         Logits which,
+                                                         dispatch::DispatchedModel* dispatched) {
+  absl::StatusOr<at::Tensor> logits;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_ || stopped_) {
+      return absl::UnavailableError(
+          "tensor parallel: the worker ranks are gone (an earlier collective failed)");
+    }
+    ACCEL_ASSIGN_OR_RETURN(std::string message, StepMessage(input_ids, chunks, which));
+    ACCEL_RETURN_IF_ERROR(Send(message));
+    logits =
+        shard_->Forward(input_ids, chunks, which, dispatched != nullptr ? dispatched : dispatched_);
   }
+  if (!logits.ok()) return Failed(logits.status());
   return logits;
 }
+
+absl::StatusOr<std::unique_ptr<PendingLogits>> TensorParallelLeader::Submit(
+    const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks, Logits which,
+    dispatch::DispatchedModel* dispatched) {
+  absl::StatusOr<std::unique_ptr<PendingLogits>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_ || stopped_) {
+      return absl::UnavailableError(
+          "tensor parallel: the worker ranks are gone (an earlier collective failed)");
+    }
+    ACCEL_ASSIGN_OR_RETURN(std::string message, StepMessage(input_ids, chunks, which));
+    ACCEL_RETURN_IF_ERROR(Send(message));
+    pending =
+        shard_->Submit(input_ids, chunks, which, dispatched != nullptr ? dispatched : dispatched_);
+  }
+  if (!pending.ok()) return Failed(pending.status());
+  // The logits are waited for without the lock: heartbeats and the next
+  // step's message go on meanwhile (behind this step's, in order).
+  return std::make_unique<PendingLogits>(
+      [this, shard_pending = std::shared_ptr<PendingLogits>(*std::move(pending))]()
+          -> absl::StatusOr<at::Tensor> {
+        absl::StatusOr<at::Tensor> logits = shard_pending->Wait();
+        if (!logits.ok()) return Failed(logits.status());
+        return logits;
+      });
+}
+
+int TensorParallelLeader::pipeline_size() const { return shard_->pipeline_size(); }
 
 absl::Status TensorParallelLeader::Heartbeat() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -622,13 +695,30 @@ absl::Status TensorParallelLeader::Stop() {
   return Send(w.Take());
 }
 
+// The leader's next message to this rank, point to point (pipeline
+// parallel: TensorParallelLeader::Send): its size, then its bytes.
+absl::StatusOr<std::string> ReceiveMessage(dist::ProcessGroup& group) {
+  c10::InferenceMode normal(false);  // gloo fills the buffers on its own threads
+  at::Tensor size = at::zeros({1}, at::kLong);
+  if (absl::Status got = group.Recv(size, 0); !got.ok()) return got;
+  const int64_t n = size.item<int64_t>();
+  if (n < 1 || n > (int64_t{1} << 40)) {
+    return absl::InternalError(absl::StrCat("tensor parallel worker: a message of ", n, " bytes"));
+  }
+  at::Tensor bytes = at::empty({n}, at::kByte);
+  if (absl::Status got = group.Recv(bytes, 0); !got.ok()) return got;
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(n));
+}
+
 absl::Status RunTensorParallelWorker(CausalLM& shard, dispatch::DispatchedModel* dispatched,
                                      dist::ProcessGroup& group) {
   std::unique_ptr<KvBlockStore> store;
   const size_t layers = static_cast<size_t>(shard.config().num_hidden_layers);
+  const bool point_to_point = shard.pipeline_size() > 1;
   while (true) {
     const auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<std::string> message = group.BroadcastBytes("", 0);
+    absl::StatusOr<std::string> message =
+        point_to_point ? ReceiveMessage(group) : group.BroadcastBytes("", 0);
     internal::AddCollectiveNanos(NanosSince(start));
     if (!message.ok()) {
       return RecordFault(absl::UnavailableError(

@@ -35,6 +35,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -55,6 +56,7 @@
 #include "models/causal_lm.h"
 
 namespace accel::dist {
+class PendingWork;
 class ProcessGroup;
 }  // namespace accel::dist
 
@@ -170,6 +172,15 @@ class TensorParallelLeader : public CausalLM {
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
                                      absl::Span<const SequenceChunk> chunks, Logits which,
                                      dispatch::DispatchedModel* dispatched) override;
+  // Pipeline parallel: the step message goes point to point to each rank
+  // (not waited for), the first stage runs, and the returned PendingLogits
+  // waits for the last stage's logits: the engine submits the next step
+  // meanwhile (several steps in flight). Errors as Forward.
+  absl::StatusOr<std::unique_ptr<PendingLogits>> Submit(const at::Tensor& input_ids,
+                                                        absl::Span<const SequenceChunk> chunks,
+                                                        Logits which,
+                                                        dispatch::DispatchedModel* dispatched) override;
+  int pipeline_size() const override;
 
   // Tells the workers the leader is alive while no step runs (they wait for
   // the next message within the group's timeout). Unavailable as Forward.
@@ -182,11 +193,23 @@ class TensorParallelLeader : public CausalLM {
 
  private:
   absl::Status Send(const std::string& message);  // with mu_ held
+  // The step's message (InvalidArgument, nothing sent, for chunks that do
+  // not match the ids or a contiguous cache).
+  static absl::StatusOr<std::string> StepMessage(const at::Tensor& input_ids,
+                                                 absl::Span<const SequenceChunk> chunks,
+                                                 Logits which);
+  // A step's failure after its message went out: the group is broken
+  // (Unavailable) unless it failed before any collective.
+  absl::Status Failed(const absl::Status& status);
   void HeartbeatLoop(absl::Duration interval);
 
   std::shared_ptr<CausalLM> shard_;
   dispatch::DispatchedModel* dispatched_;
   dist::ProcessGroup* group_;
+  // Pipeline parallel: step messages go point to point (Send), and those
+  // sends still unconfirmed.
+  const bool point_to_point_;
+  std::deque<std::unique_ptr<dist::PendingWork>> message_sends_;
   mutable std::mutex mu_;
   std::condition_variable wake_;
   bool broken_ = false, stopped_ = false;

@@ -79,6 +79,10 @@ ServerMetrics::ServerMetrics(MetricsRegistry* r)
       preemptions(r->AddCounter("accel_num_preemptions_total",
                                 "Running requests preempted for lack of KV blocks (their blocks "
                                 "freed, their tokens recomputed when they resume).")),
+      overlapped_steps(r->AddCounter(
+          "accel_pipeline_overlapped_steps_total",
+          "Pipeline parallel: steps submitted while an earlier step was still in flight "
+          "(--pipeline_batches_in_flight above 1; vLLM's virtual engines).")),
       prefix_cache_queries(r->AddCounter(
           "accel_prefix_cache_queries_total",
           "Prompt tokens looked up in the prefix cache (whole blocks) when requests joined.")),
@@ -163,6 +167,7 @@ void MetricsStatLogger::RecordScheduler(const engine::SchedulerStats& stats) {
 
 void MetricsStatLogger::RecordCounters(const engine::EngineStats& delta) {
   m_.preemptions.Increment(static_cast<double>(delta.preemptions));
+  m_.overlapped_steps.Increment(static_cast<double>(delta.overlapped_steps));
   m_.prefix_cache_queries.Increment(static_cast<double>(delta.prefix_query_tokens));
   m_.prefix_cache_hits.Increment(static_cast<double>(delta.prefix_hit_tokens));
   m_.prompt_tokens.Increment(static_cast<double>(delta.prompt_tokens));

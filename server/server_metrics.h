@@ -39,6 +39,7 @@ class ServerMetrics {
   Gauge& kv_cache_usage;
   Gauge& kv_cache_blocks;
   Counter& preemptions;
+  Counter& overlapped_steps;
   Counter& prefix_cache_queries;
   Counter& prefix_cache_hits;
   // Speculative decoding, as vLLM names it.

@@ -13,7 +13,9 @@
 // --pipeline_micro_batches 1) and on (2, one per stage; and 4),
 // beside one process with one and with two threads at the same batch:
 // tokens/s of a prefill step of --prompt tokens per sequence and of the
-// decode steps after it.
+// decode steps after it. Last, PP 2 with two steps in flight across steps
+// (ACCEL_BENCH_IN_FLIGHT 2, accel-serve's --pipeline_batches_in_flight 2):
+// the sequences in two groups of B / 2, each step whole.
 //
 //   build/bin/accel-bench-tensor-parallel [--tokens 32] [--dir /tmp/x] [--bytes 1073741824]
 //       [--batch 8] [--prompt 64] [--only_batch 1]
@@ -30,14 +32,17 @@
 // which pages of which tensor are resident). First of
 // all, "libtorch only": this binary with libtorch loaded and nothing else,
 // the floor every process holds whatever the model.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <string>
 #include <unistd.h>
+#include <utility>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -168,8 +173,13 @@ struct BatchRate {
   double prefill_tok_s = 0, decode_tok_s = 0;
   double prefill_wait_s = 0, decode_wait_s = 0, prefill_s = 0, decode_s = 0;
 };
+// With `in_flight` M > 1 (PP: vLLM's virtual engines, as accel-serve's
+// --pipeline_batches_in_flight runs them), the sequences are M groups of
+// batch / M, each stepped by CausalLM::Submit with up to M steps in flight:
+// a group's next step is submitted once its previous step's logits are
+// back, while the other groups' steps run in the later stages.
 BatchRate BatchTokensPerSecond(models::CausalLM& model, dispatch::DispatchedModel* dispatched,
-                               int batch, int prompt, int tokens) {
+                               int batch, int prompt, int tokens, int in_flight) {
   c10::InferenceMode inference;
   const int64_t block = 16, per_sequence = (kPrefillSteps * prompt + tokens + block) / block + 1;
   models::KvBlockStore store(batch * per_sequence, block,
@@ -182,6 +192,54 @@ BatchRate BatchTokensPerSecond(models::CausalLM& model, dispatch::DispatchedMode
     }
   }
   std::vector<int64_t> next(static_cast<size_t>(batch));
+  const int groups = std::max(1, std::min(in_flight, batch));
+  // Group g's sequences, [first, end).
+  const auto group_range = [&](int g) {
+    return std::pair<int, int>(g * batch / groups, (g + 1) * batch / groups);
+  };
+  const auto submit = [&](int g, int each) {
+    const auto [first, end] = group_range(g);
+    std::vector<int64_t> ids;
+    std::vector<models::SequenceChunk> chunks;
+    for (int s = first; s < end; ++s) {
+      for (int t = 0; t < each; ++t) {
+        ids.push_back(each == 1 ? next[static_cast<size_t>(s)] : 1 + (s * 131 + t * 7) % 1000);
+      }
+      chunks.push_back({&caches[static_cast<size_t>(s)], each});
+    }
+    absl::StatusOr<std::unique_ptr<models::PendingLogits>> pending = model.Submit(
+        at::tensor(ids, at::kLong), chunks, models::Logits::kLastOfEach, dispatched);
+    if (!pending.ok()) {
+      std::fprintf(stderr, "step failed: %s\n", std::string(pending.status().message()).c_str());
+      std::exit(1);
+    }
+    return *std::move(pending);
+  };
+  const auto collect = [&](int g, models::PendingLogits& pending) {
+    absl::StatusOr<at::Tensor> logits = pending.Wait();
+    if (!logits.ok()) {
+      std::fprintf(stderr, "step failed: %s\n", std::string(logits.status().message()).c_str());
+      std::exit(1);
+    }
+    const at::Tensor best = logits->argmax(-1);
+    const auto [first, end] = group_range(g);
+    for (int s = first; s < end; ++s) next[static_cast<size_t>(s)] = best[s - first].item<int64_t>();
+  };
+  // `steps` steps of every group, up to `groups` in flight.
+  const auto run_in_flight = [&](int steps, int each) {
+    std::deque<std::pair<int, std::unique_ptr<models::PendingLogits>>> queue;
+    std::vector<int> left(static_cast<size_t>(groups), steps);
+    for (int g = 0; g < groups; ++g) {
+      queue.emplace_back(g, submit(g, each));
+      --left[static_cast<size_t>(g)];
+    }
+    while (!queue.empty()) {
+      auto [g, pending] = std::move(queue.front());
+      queue.pop_front();
+      collect(g, *pending);
+      if (left[static_cast<size_t>(g)]-- > 0) queue.emplace_back(g, submit(g, each));
+    }
+  };
   auto step = [&](int each) {
     std::vector<int64_t> ids;
     std::vector<models::SequenceChunk> chunks;
@@ -203,12 +261,14 @@ BatchRate BatchTokensPerSecond(models::CausalLM& model, dispatch::DispatchedMode
   BatchRate rate;
   double waited = models::TensorParallelCollectiveSeconds();
   rate.prefill_s = bench::Seconds([&] {
+    if (groups > 1) return run_in_flight(kPrefillSteps, prompt);
     for (int i = 0; i < kPrefillSteps; ++i) step(prompt);
   });
   rate.prefill_wait_s = models::TensorParallelCollectiveSeconds() - waited;
   rate.prefill_tok_s = batch * prompt * kPrefillSteps / rate.prefill_s;
   waited = models::TensorParallelCollectiveSeconds();
   rate.decode_s = bench::Seconds([&] {
+    if (groups > 1) return run_in_flight(tokens, 1);
     for (int i = 0; i < tokens; ++i) step(1);
   });
   rate.decode_wait_s = models::TensorParallelCollectiveSeconds() - waited;
@@ -268,16 +328,18 @@ int RunRank(const std::string& dir, int tokens) {
   if (const char* batch = std::getenv("ACCEL_BENCH_BATCH")) {
     // Several sequences a step: the pipeline's micro-batches at work.
     const int64_t micro_before = models::PipelineMicroBatchesRun();
-    const BatchRate rate =
-        BatchTokensPerSecond(*loaded->model, loaded->dispatched.get(), std::atoi(batch),
-                             std::atoi(std::getenv("ACCEL_BENCH_PROMPT")), tokens);
+    const char* in_flight = std::getenv("ACCEL_BENCH_IN_FLIGHT");
+    const BatchRate rate = BatchTokensPerSecond(
+        *loaded->model, loaded->dispatched.get(), std::atoi(batch),
+        std::atoi(std::getenv("ACCEL_BENCH_PROMPT")), tokens,
+        in_flight != nullptr ? std::atoi(in_flight) : 1);
     std::printf(
-        "batch %s: rank 0 of %d (tp %d x pp %d, micro-batches %s, %s threads) "
+        "batch %s: rank 0 of %d (tp %d x pp %d, micro-batches %s, steps in flight %s, %s threads) "
         "prefill_tok_s=%.2f (waiting %.0f%%) decode_tok_s=%.2f (waiting %.0f%%) "
         "micro_batches_per_step=%.2f\n",
         batch, (*group)->size(), place->size, place->pipeline_size,
         std::getenv("ACCEL_BENCH_MICRO") != nullptr ? std::getenv("ACCEL_BENCH_MICRO") : "-",
-        std::getenv("OMP_NUM_THREADS"), rate.prefill_tok_s,
+        in_flight != nullptr ? in_flight : "1", std::getenv("OMP_NUM_THREADS"), rate.prefill_tok_s,
         100 * rate.prefill_wait_s / rate.prefill_s, rate.decode_tok_s,
         100 * rate.decode_wait_s / rate.decode_s,
         static_cast<double>(models::PipelineMicroBatchesRun() - micro_before) /
@@ -393,6 +455,11 @@ int main(int argc, char** argv) {
       env["ACCEL_BENCH_MICRO"] = micro;
       for (int code : test::RunRanks(2, "", env, 1200)) ok &= code == 0;
     }
+    // Steps in flight across steps (--pipeline_batches_in_flight 2): two
+    // groups of batch / 2, each step whole (micro-batches 1).
+    env["ACCEL_BENCH_MICRO"] = "1";
+    env["ACCEL_BENCH_IN_FLIGHT"] = "2";
+    for (int code : test::RunRanks(2, "", env, 1200)) ok &= code == 0;
   }
   return ok ? 0 : 1;
 }

@@ -822,7 +822,36 @@ class DecoderLM : public CausalLM {
                                              const std::vector<SequenceChunk>& chunks, Logits which,
                                              dispatch::DispatchedModel* dispatched,
                                              StepState& step) {
+    ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<PipelineStep> started,
+                           PipelineStart(ids, chunks, which, dispatched, step));
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, PipelineFinish(*started));
+    AdvanceCaches(ids, chunks);
+    return logits;
+  }
+
+  // A pipeline step whose stage has run on this rank: its sends and the
+  // leader's logits receives still in flight.
+  struct PipelineMicroBatch {
+    at::Tensor ids;
+    std::vector<SequenceChunk> chunks;
+    at::Tensor inbox, logits;  // the previous stage's hidden states; the leader's logits
+    std::unique_ptr<dist::PendingWork> received, logits_received;
+  };
+  struct PipelineStep {
+    at::Device home = at::kCPU;
+    int last_stage_first = 0;
+    std::vector<PipelineMicroBatch> batches;
+    std::vector<std::unique_ptr<dist::PendingWork>> sends;
+  };
+
+  // The stage's part of the step: receives posted, every micro-batch run
+  // and its output sent. The caches have not advanced.
+  absl::StatusOr<std::shared_ptr<PipelineStep>> PipelineStart(
+      const at::Tensor& ids, const std::vector<SequenceChunk>& chunks, Logits which,
+      dispatch::DispatchedModel* dispatched, StepState& step) {
     const at::Device home = ids.device();
+    auto started = std::make_shared<PipelineStep>();
+    started->home = home;
     const size_t n = model->layers.size();
     std::vector<int64_t> tokens;
     int64_t step_tokens = 0;
@@ -838,17 +867,13 @@ class DecoderLM : public CausalLM {
     const int last_stage_first = (tp_.pipeline_size - 1) * tp_.size;
     const bool leader = tp_.world_rank() == 0;
     const bool sends_logits = model->last_stage && tp_.rank == 0;
-    struct MicroBatch {
-      at::Tensor ids;
-      std::vector<SequenceChunk> chunks;
-      at::Tensor inbox, logits;  // the previous stage's hidden states; the leader's logits
-      std::unique_ptr<dist::PendingWork> received, logits_received;
-    };
-    std::vector<MicroBatch> batches(cuts.size());
+    started->last_stage_first = last_stage_first;
+    std::vector<PipelineMicroBatch>& batches = started->batches;
+    batches.resize(cuts.size());
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {
       int64_t offset = 0;
       for (size_t k = 0; k < cuts.size(); ++k) {
-        MicroBatch& b = batches[k];
+        PipelineMicroBatch& b = batches[k];
         b.chunks.assign(chunks.begin() + static_cast<std::ptrdiff_t>(cuts[k].first),
                         chunks.begin() + static_cast<std::ptrdiff_t>(cuts[k].second));
         int64_t count = 0, rows = 0;
@@ -870,7 +895,7 @@ class DecoderLM : public CausalLM {
       }
     }));
     // Every receive of the step, posted up front.
-    for (MicroBatch& b : batches) {
+    for (PipelineMicroBatch& b : batches) {
       if (b.inbox.defined()) {
         ACCEL_ASSIGN_OR_RETURN(
             b.received, Transfer([&] { return tp_.world->RecvAsync(b.inbox, previous); }, false,
@@ -883,8 +908,7 @@ class DecoderLM : public CausalLM {
                      last_stage_first, "logits"));
       }
     }
-    std::vector<std::unique_ptr<dist::PendingWork>> sends;
-    std::vector<at::Tensor> outputs;
+    std::vector<std::unique_ptr<dist::PendingWork>>& sends = started->sends;
     const auto send = [&](at::Tensor tensor, int peer, const char* what) -> absl::Status {
       AddCollectiveBytes(static_cast<int64_t>(tensor.nbytes()));
       ACCEL_ASSIGN_OR_RETURN(
@@ -893,7 +917,7 @@ class DecoderLM : public CausalLM {
       sends.push_back(std::move(work));
       return absl::OkStatus();
     };
-    for (MicroBatch& b : batches) {
+    for (PipelineMicroBatch& b : batches) {
       at::Tensor x;
       if (model->first_stage) {
         ACCEL_ASSIGN_OR_RETURN(x, Embed(b.ids, home, dispatched, step));
@@ -924,22 +948,55 @@ class DecoderLM : public CausalLM {
       }
       micro_batches_run += 1;
     }
+    return started;
+  }
+
+  // The rest of a started step: its sends done, and on the leader the
+  // logits of its micro-batches, concatenated (nothing on other ranks).
+  absl::StatusOr<at::Tensor> PipelineFinish(PipelineStep& started) {
+    const int last_stage_first = started.last_stage_first;
+    std::vector<std::unique_ptr<dist::PendingWork>>& sends = started.sends;
+    std::vector<at::Tensor> outputs;
     for (size_t i = 0; i < sends.size(); ++i) {
       ACCEL_RETURN_IF_ERROR(Wait(*sends[i], true, -1, "a micro-batch"));
     }
-    for (MicroBatch& b : batches) {
+    for (PipelineMicroBatch& b : started.batches) {
       if (!b.logits_received) continue;
       ACCEL_RETURN_IF_ERROR(Wait(*b.logits_received, false, last_stage_first, "logits"));
       outputs.push_back(b.logits);
     }
     ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
-    AdvanceCaches(ids, chunks);
     if (outputs.empty()) return at::Tensor();  // a worker with nothing to sample
     at::Tensor logits;
-    ACCEL_RETURN_IF_ERROR(CallTorch(
-        [&] { logits = (outputs.size() == 1 ? outputs[0] : at::cat(outputs)).to(home); }));
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      logits = (outputs.size() == 1 ? outputs[0] : at::cat(outputs)).to(started.home);
+    }));
     return logits;
   }
+
+  int pipeline_size() const override { return tp_.pipeline_size; }
+
+  // Pipeline parallel: the stage runs now, the logits are waited for by
+  // the returned PendingLogits (the leader keeps several steps in flight).
+  absl::StatusOr<std::unique_ptr<PendingLogits>> Submit(const at::Tensor& input_ids,
+                                                        absl::Span<const SequenceChunk> given,
+                                                        Logits which,
+                                                        dispatch::DispatchedModel* dispatched) override {
+    if (tp_.pipeline_size <= 1) return CausalLM::Submit(input_ids, given, which, dispatched);
+    ACCEL_RETURN_IF_ERROR(CheckWeightFiles());
+    ACCEL_RETURN_IF_ERROR(
+        PreparePositions(input_ids, given, config(), model->layers.size()).status());
+    const std::vector<SequenceChunk> chunks(given.begin(), given.end());
+    StepState step;
+    step.dispatched = dispatched;
+    step.tp = &tp_;
+    ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<PipelineStep> started,
+                           PipelineStart(input_ids, chunks, which, dispatched, step));
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { AdvanceCaches(input_ids, chunks); }));
+    return std::make_unique<PendingLogits>(
+        [this, started]() -> absl::StatusOr<at::Tensor> { return PipelineFinish(*started); });
+  }
+
 
   // Posts a send or receive to world rank `peer` (pipeline parallel).
   // Unavailable naming what moves when it cannot be posted.

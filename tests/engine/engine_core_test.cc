@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -230,6 +231,112 @@ TEST(EngineCoreTest, CancelFreesTheBlocksAtOnceAndARequestThatCouldNeverFitIsRef
   // 16 blocks of 4: 64 tokens in all.
   EXPECT_THAT(c.core.Add(Request(std::vector<int64_t>(40, 1), 30)),
               StatusIs(absl::StatusCode::kResourceExhausted, ::testing::HasSubstr("64 tokens")));
+}
+
+// A runner that keeps two steps in flight (as a pipeline-parallel model
+// does): Submit queues the step, Collect runs the fake's oldest one then
+// (so a failed collect advances nothing). It checks that no request is in
+// two steps in flight.
+class InFlightRunner : public FakeRunner {
+ public:
+  explicit InFlightRunner(std::shared_ptr<RunnerLog> log) : FakeRunner(std::move(log)) {}
+  int max_steps_in_flight() const override { return 2; }
+  absl::StatusOr<uint64_t> Submit(const SchedulerOutput& out) override {
+    for (const ScheduledRequest& s : out.scheduled) {
+      EXPECT_EQ(in_flight_ids_.count(s.id), 0u) << "request " << s.id << " is in flight";
+      in_flight_ids_.insert(s.id);
+    }
+    queue_.push_back(out);
+    return next_++;
+  }
+  absl::StatusOr<ModelRunnerOutput> Collect(uint64_t) override {
+    if (fail_collect) {
+      fail_collect = false;
+      return absl::UnavailableError("a stage went silent (the fake's)");
+    }
+    const SchedulerOutput out = std::move(queue_.front());
+    queue_.erase(queue_.begin());
+    for (const ScheduledRequest& s : out.scheduled) in_flight_ids_.erase(s.id);
+    return Execute(out);
+  }
+  void AbandonSubmitted() override {
+    queue_.clear();
+    in_flight_ids_.clear();
+  }
+  bool fail_collect = false;
+
+ private:
+  std::vector<SchedulerOutput> queue_;
+  std::set<uint64_t> in_flight_ids_;
+  uint64_t next_ = 1;
+};
+
+// With two steps in flight the requests split into two disjoint batches
+// that alternate, and every request gets the tokens of one step at a time.
+TEST(EngineCoreTest, TwoStepsInFlightOverDisjointRequestsGiveTheSameTokens) {
+  auto log = std::make_shared<RunnerLog>();
+  EngineCore core(std::make_unique<InFlightRunner>(log),
+                  [] { return std::make_unique<LetterStream>(); });
+  std::vector<GenerationRequest> requests;
+  for (int64_t i = 0; i < 4; ++i) requests.push_back(Request({10 * i, 10 * i + 1}, 5));
+  auto results = Generate(core, requests);
+  ASSERT_THAT(results, IsOk());
+  for (int64_t i = 0; i < 4; ++i) {
+    const int64_t n = 10 * i + 2;
+    EXPECT_THAT((*results)[static_cast<size_t>(i)].token_ids,
+                ElementsAre(n, n + 1, n + 2, n + 3, n + 4));
+  }
+  // Two of the four requests a step: 4 x 5 tokens in 10 steps, each
+  // submitted behind another but the first.
+  EXPECT_EQ(log->steps.size(), 10u);
+  for (const SchedulerOutput& step : log->steps) EXPECT_EQ(step.scheduled.size(), 2u);
+  EXPECT_EQ(core.stats().overlapped_steps, 9);
+  EXPECT_EQ(core.stats().kv_blocks_used, 0);
+  EXPECT_EQ(core.steps_in_flight(), 0);
+}
+
+// A request cancelled while its step is in flight keeps its blocks until
+// that step is collected, and gives no more events; a failed collect
+// abandons every step in flight (nothing advanced) and the next steps run.
+TEST(EngineCoreTest, CancelWaitsForTheStepInFlightAndAFailedCollectAbandonsAll) {
+  auto log = std::make_shared<RunnerLog>();
+  auto owned = std::make_unique<InFlightRunner>(log);
+  InFlightRunner* runner = owned.get();
+  EngineCore core(std::move(owned), [] { return std::make_unique<LetterStream>(); });
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t a, core.Add(Request({1, 2, 3, 4, 5}, 5)));
+  ACCEL_ASSERT_OK_AND_ASSIGN(uint64_t b, core.Add(Request({20}, 3)));
+  ACCEL_ASSERT_OK_AND_ASSIGN(auto events, core.Step());  // a submitted
+  EXPECT_THAT(events, ::testing::IsEmpty());
+  EXPECT_EQ(core.steps_in_flight(), 1);
+  ACCEL_ASSERT_OK_AND_ASSIGN(events, core.Step());  // b submitted, a collected
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].sequence, a);
+  EXPECT_EQ(events[0].token_id, 6);
+  EXPECT_EQ(core.steps_in_flight(), 1);
+  EXPECT_EQ(core.stats().kv_blocks_used, 3);
+  EXPECT_TRUE(core.Cancel(b));  // in flight: deferred
+  EXPECT_EQ(core.stats().kv_blocks_used, 3);
+  EXPECT_EQ(core.num_requests(), 2u);
+  ACCEL_ASSERT_OK_AND_ASSIGN(events, core.Step());  // a submitted, b collected and dropped
+  EXPECT_THAT(events, ::testing::IsEmpty());
+  EXPECT_EQ(core.stats().kv_blocks_used, 2);
+  EXPECT_EQ(core.num_requests(), 1u);
+  EXPECT_FALSE(core.Cancel(b));
+  ACCEL_ASSERT_OK_AND_ASSIGN(events, core.Step());  // a collected
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].token_id, 7);
+  ACCEL_ASSERT_OK_AND_ASSIGN(events, core.Step());  // a submitted
+  EXPECT_THAT(events, ::testing::IsEmpty());
+  runner->fail_collect = true;
+  EXPECT_THAT(core.Step(), StatusIs(absl::StatusCode::kUnavailable));
+  EXPECT_EQ(core.steps_in_flight(), 0);
+  std::vector<int64_t> tokens;
+  while (core.num_requests() > 0) {
+    ACCEL_ASSERT_OK_AND_ASSIGN(events, core.Step());
+    for (const TokenEvent& e : events) tokens.push_back(e.token_id);
+  }
+  EXPECT_THAT(tokens, ElementsAre(8, 9, 10));
+  EXPECT_EQ(core.stats().kv_blocks_used, 0);
 }
 
 }  // namespace

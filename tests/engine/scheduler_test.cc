@@ -385,6 +385,82 @@ TEST(SchedulerTest, TheDraftModelsLookaheadIsReservedWhenThereIsRoom) {
 // pool with chunking and prefix caching: every request finishes (or is
 // finished), num_computed_tokens never passes the tokens, and at the end
 // every block is free.
+// Steps in flight (pipeline parallel): a step may be capped at some
+// requests, so the requests split into batches; a request in a step not yet
+// taken back is skipped by the next Schedule and never preempted (when
+// blocks run out, the newest request NOT in flight goes, here the asker
+// itself), and its state does not move until its step comes back.
+TEST(SchedulerTest, RequestsInAStepInFlightAreSkippedAndNeverPreempted) {
+  KvCacheManager kv(4, 4, false);
+  Scheduler scheduler({}, &kv);
+  scheduler.Add(1, Request(Range(1, 7), 20));
+  scheduler.Add(2, Request(Range(50, 4), 20));
+  const SchedulerOutput first = scheduler.Schedule(/*max_requests=*/1);
+  ASSERT_EQ(first.scheduled.size(), 1u);
+  EXPECT_EQ(first.scheduled[0].id, 1u);
+  scheduler.MarkInFlight(first);
+  EXPECT_TRUE(scheduler.in_flight(1));
+  const SchedulerOutput second = scheduler.Schedule();  // 1 is in flight: 2 alone
+  ASSERT_EQ(second.scheduled.size(), 1u);
+  EXPECT_EQ(second.scheduled[0].id, 2u);
+  scheduler.MarkInFlight(second);
+  EXPECT_EQ(kv.used_blocks(), 3);
+  const SchedulerOutput none = scheduler.Schedule();  // both in flight
+  EXPECT_THAT(none.scheduled, IsEmpty());
+  EXPECT_THAT(none.preempted, IsEmpty());
+  scheduler.UpdateFromOutput(first, RunnerStep(first));
+  EXPECT_FALSE(scheduler.in_flight(1));
+  EXPECT_TRUE(scheduler.in_flight(2));
+  // Request 1 decodes alone (2 stays in flight) until it needs a fourth
+  // block and none is free: 2, the newest, is in flight, so 1 goes.
+  SchedulerOutput out;
+  for (int step = 0; step < 10; ++step) {
+    out = scheduler.Schedule();
+    if (!out.preempted.empty()) break;
+    ASSERT_EQ(out.scheduled.size(), 1u);
+    EXPECT_EQ(out.scheduled[0].id, 1u);
+    scheduler.MarkInFlight(out);
+    scheduler.UpdateFromOutput(out, RunnerStep(out));
+  }
+  EXPECT_THAT(out.preempted, ElementsAre(1u));
+  EXPECT_THAT(out.scheduled, IsEmpty());
+  EXPECT_TRUE(scheduler.request(2)->running);
+  EXPECT_EQ(scheduler.request(2)->num_computed_tokens, 0);  // its step is not back
+  EXPECT_EQ(scheduler.request(1)->token_ids.size(), 13u);   // 7 + 6 generated, kept
+  // 2's step comes back: it decodes on; 1 waits for blocks.
+  scheduler.UpdateFromOutput(second, RunnerStep(second));
+  EXPECT_EQ(scheduler.request(2)->num_computed_tokens, 4);
+  EXPECT_THAT(scheduler.request(2)->token_ids, ElementsAre(50, 51, 52, 53, 7));
+  out = scheduler.Schedule();
+  ASSERT_NE(Find(out, 2), nullptr);
+  // Abandoned steps (an error): their requests can be scheduled again.
+  scheduler.MarkInFlight(out);
+  scheduler.ClearInFlight();
+  EXPECT_FALSE(scheduler.in_flight(2));
+}
+
+// The cap splits the requests into batches of about 1 / M each.
+TEST(SchedulerTest, AStepCappedAtSomeRequestsLeavesTheRestForTheNext) {
+  KvCacheManager kv(16, 4, false);
+  Scheduler scheduler({}, &kv);
+  for (uint64_t id = 1; id <= 4; ++id) scheduler.Add(id, Request(Range(10 * id, 3), 5));
+  const SchedulerOutput a = scheduler.Schedule(2);
+  scheduler.MarkInFlight(a);
+  const SchedulerOutput b = scheduler.Schedule(2);
+  scheduler.MarkInFlight(b);
+  std::set<uint64_t> ids_a, ids_b;
+  for (const ScheduledRequest& s : a.scheduled) ids_a.insert(s.id);
+  for (const ScheduledRequest& s : b.scheduled) ids_b.insert(s.id);
+  EXPECT_THAT(ids_a, ElementsAre(1u, 2u));
+  EXPECT_THAT(ids_b, ElementsAre(3u, 4u));
+  scheduler.UpdateFromOutput(a, RunnerStep(a));
+  const SchedulerOutput c = scheduler.Schedule(2);  // 3 and 4 are in flight
+  ASSERT_EQ(c.scheduled.size(), 2u);
+  EXPECT_EQ(c.scheduled[0].id, 1u);
+  EXPECT_EQ(c.scheduled[1].id, 2u);
+  EXPECT_EQ(c.scheduled[0].num_tokens, 1);  // decoding
+}
+
 TEST(SchedulerTest, ARandomizedRunFinishesEverythingAndLeavesEveryBlockFree) {
   std::mt19937 rng(5);
   KvCacheManager kv(12, 4, true);  // 48 tokens; a request takes at most 40

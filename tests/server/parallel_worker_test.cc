@@ -34,6 +34,7 @@ namespace {
 using ::accel::testing::BinDir;
 using ::accel::testing::Call;
 using ::accel::testing::Greedy;
+using ::accel::testing::MadeModel;
 using ::accel::testing::Metric;
 using ::accel::testing::ServerProcess;
 using ::accel::testing::TestModelDir;
@@ -148,6 +149,8 @@ TEST(ParallelServeTest, PipelineStagesServeAsOneProcessWithPreemptionAndPrefixCa
       EXPECT_EQ(together[static_cast<size_t>(i)], alone[static_cast<size_t>(i)]) << i;
     }
     EXPECT_GT(Metric(**parallel, "accel_num_preemptions_total"), 0);
+    // Two steps in flight (the default with 2 stages) over disjoint requests.
+    EXPECT_GT(Metric(**parallel, "accel_pipeline_overlapped_steps_total"), 0);
     (*parallel)->Signal(SIGTERM);
     EXPECT_EQ((*parallel)->Wait(absl::Seconds(30)), 0) << (*parallel)->Stderr();
   }
@@ -204,22 +207,45 @@ TEST(ParallelServeTest, TwoInvocationsWithNnodesFormOneServer) {
 
 // A worker killed or stopped while a long request runs: the request ends
 // UNAVAILABLE, the leader stops being ready and exits with status 4 within
-// the group's timeout plus the drain.
-void ExpectFailureHandled(int signal) {
-  auto server = StartParallel({"--parallel_timeout=3s", "--shutdown_timeout=5s"});
+// the group's timeout plus the drain. With `pipeline`, the worker is the
+// second of 2 stages and four requests keep two steps in flight: both end.
+void ExpectFailureHandled(int signal, bool pipeline = false) {
+  std::unique_ptr<ServerProcess> server;
+  if (pipeline) {
+    auto started = ServerProcess::Start(
+        TestModelDir(), {"--pipeline_parallel_size=2", "--parallel_timeout=3s",
+                         "--shutdown_timeout=5s", absl::StrCat("--master_port=", test::FreePort())});
+    ASSERT_TRUE(started.ok()) << started.status();
+    server = *std::move(started);
+  } else {
+    server = StartParallel({"--parallel_timeout=3s", "--shutdown_timeout=5s"});
+  }
   ASSERT_NE(server, nullptr);
   const std::vector<pid_t> workers = Children(server->pid());
   ASSERT_EQ(workers.size(), 1u);
   auto stub = Generation::NewStub(server->Channel());
-  std::future<grpc::Status> running = std::async(std::launch::async, [&] {
-    GenerateResponse response;
-    return Call(*stub, Greedy("The quick brown fox", 200), &response);
-  });
+  std::vector<std::future<grpc::Status>> running;
+  for (int i = 0; i < (pipeline ? 4 : 1); ++i) {
+    running.push_back(std::async(std::launch::async, [&, i] {
+      GenerateResponse response;
+      return Call(*stub, Greedy(absl::StrCat("The quick brown fox ", i), 200), &response);
+    }));
+  }
   absl::SleepFor(absl::Milliseconds(300));
+  if (pipeline) {
+    // Steps are in flight (the counter grows with every step overlapped).
+    const absl::Time end = absl::Now() + absl::Seconds(10);
+    while (Metric(*server, "accel_pipeline_overlapped_steps_total") < 2 && absl::Now() < end) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ASSERT_GE(Metric(*server, "accel_pipeline_overlapped_steps_total"), 2) << server->Stderr();
+  }
   const absl::Time start = absl::Now();
   kill(workers[0], signal);
-  const grpc::Status status = running.get();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  for (std::future<grpc::Status>& r : running) {
+    const grpc::Status status = r.get();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  }
   EXPECT_EQ(server->Wait(absl::Seconds(30)), kExitParallelFault) << server->Stderr();
   EXPECT_LT(absl::Now() - start, absl::Seconds(3 + 5 + 10));
   EXPECT_THAT(server->Stderr(), HasSubstr("tensor parallel group broken"));
@@ -232,6 +258,74 @@ TEST(ParallelServeTest, AKilledWorkerEndsRequestsUnavailableAndTheLeaderExits) {
 
 TEST(ParallelServeTest, AStoppedWorkerEndsRequestsUnavailableAndTheLeaderExits) {
   ExpectFailureHandled(SIGSTOP);
+}
+
+TEST(ParallelServeTest, AKilledStageWithTwoStepsInFlightEndsThemUnavailable) {
+  ExpectFailureHandled(SIGKILL, /*pipeline=*/true);
+}
+
+TEST(ParallelServeTest, AStoppedStageWithTwoStepsInFlightEndsThemUnavailable) {
+  ExpectFailureHandled(SIGSTOP, /*pipeline=*/true);
+}
+
+// Steps in flight on a mixture-of-experts family (a small Mixtral), with a
+// KV budget that preempts and a shared prompt prefix: the tokens of one
+// process. Speculative decoding (prompt lookup) falls back to one step at
+// a time: the same tokens, no step overlapped.
+TEST(ParallelServeTest, MixtralStepsInFlightAndSpeculativeFallbackServeAsOneProcess) {
+  const std::string mixtral =
+      MadeModel("parallel-mixtral",
+                "--family mixtral --num_layers 2 --hidden_size 64 --num_kv_heads 2"
+                " --num_experts 4 --num_experts_per_tok 2 --max_position_embeddings 256 --seed 5");
+  auto single = ServerProcess::Start(mixtral, {"--kv_cache_memory=32KiB", "--kv_block_size=4"});
+  ASSERT_TRUE(single.ok()) << single.status();
+  auto single_stub = Generation::NewStub((*single)->Channel());
+  constexpr int kClients = 6;
+  std::vector<accel::v1::GenerateRequest> requests;
+  std::vector<std::vector<int64_t>> alone(kClients);
+  for (int i = 0; i < kClients; ++i) {
+    requests.push_back(Greedy(absl::StrCat("a shared system prompt, then request ", i), 24));
+    GenerateResponse response;
+    ASSERT_TRUE(Call(*single_stub, requests.back(), &response).ok());
+    alone[static_cast<size_t>(i)] = Tokens(response);
+  }
+  for (const bool speculative : {false, true}) {
+    SCOPED_TRACE(speculative);
+    std::vector<std::string> args = {"--pipeline_parallel_size=2", "--kv_cache_memory=16KiB",
+                                     "--kv_block_size=4", "--parallel_timeout=30s",
+                                     absl::StrCat("--master_port=", test::FreePort())};
+    if (speculative) {
+      args.push_back(R"(--speculative_config={"method": "ngram", "num_speculative_tokens": 2})");
+    }
+    auto parallel = ServerProcess::Start(mixtral, args);
+    ASSERT_TRUE(parallel.ok()) << parallel.status();
+    auto stub = Generation::NewStub((*parallel)->Channel());
+    std::vector<std::vector<int64_t>> together(kClients);
+    std::vector<grpc::Status> statuses(kClients);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kClients; ++i) {
+      threads.emplace_back([&, i] {
+        GenerateResponse response;
+        statuses[static_cast<size_t>(i)] = Call(*stub, requests[static_cast<size_t>(i)], &response);
+        together[static_cast<size_t>(i)] = Tokens(response);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int i = 0; i < kClients; ++i) {
+      EXPECT_TRUE(statuses[static_cast<size_t>(i)].ok())
+          << i << ": " << statuses[static_cast<size_t>(i)].error_message();
+      EXPECT_EQ(together[static_cast<size_t>(i)], alone[static_cast<size_t>(i)]) << i;
+    }
+    EXPECT_GT(Metric(**parallel, "accel_num_preemptions_total"), 0);
+    EXPECT_GT(Metric(**parallel, "accel_prefix_cache_hits_total"), 0);
+    if (speculative) {
+      EXPECT_EQ(Metric(**parallel, "accel_pipeline_overlapped_steps_total"), 0);
+    } else {
+      EXPECT_GT(Metric(**parallel, "accel_pipeline_overlapped_steps_total"), 0);
+    }
+    (*parallel)->Signal(SIGTERM);
+    EXPECT_EQ((*parallel)->Wait(absl::Seconds(30)), 0) << (*parallel)->Stderr();
+  }
 }
 
 TEST(ParallelServeTest, WhatCannotSplitIsRefusedAtStartByName) {
