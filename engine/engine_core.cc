@@ -99,10 +99,9 @@ absl::StatusOr<std::vector<TokenEvent>> EngineCore::StepWithBatchQueue() {
   events = TakeBack(oldest.output, *std::move(ran));
   if (!cancel_after_step_.empty()) {
     // Requests cancelled while this step ran give no events; they go now.
-    events.erase(std::remove_if(events.begin(), events.end(),
-                                [&](const TokenEvent& e) {
-                                  return cancel_after_step_.count(e.sequence) > 0;
-                                }),
+    events.erase(std::remove_if(
+                     events.begin(), events.end(),
+                     [&](const TokenEvent& e) { return cancel_after_step_.count(e.sequence) > 0; }),
                  events.end());
     RunDeferredCancels();
   }

@@ -152,8 +152,8 @@ class EngineCore : public EngineCoreInterface {
   void RunDeferredCancels();
 
   std::unique_ptr<ModelRunnerInterface> runner_;
-  const size_t max_in_flight_;  // the runner's max_steps_in_flight()
-  std::deque<SubmittedStep> in_flight_;  // oldest first
+  const size_t max_in_flight_;            // the runner's max_steps_in_flight()
+  std::deque<SubmittedStep> in_flight_;   // oldest first
   std::set<uint64_t> cancel_after_step_;  // cancelled while in a step in flight
   KvCacheManager kv_;
   Scheduler scheduler_;

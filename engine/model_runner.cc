@@ -115,9 +115,9 @@ struct ModelRunner::Impl {
     SchedulerOutput out;  // Submit's copy (Execute samples from its own)
     std::vector<Request*> scheduled;
     std::vector<models::SequenceChunk> chunks;
-    std::vector<int64_t> lengths;   // before the step, to undo a failed one
-    std::vector<size_t> gathered;   // prompt logprobs before the step, likewise
-    std::vector<bool> prompt_rows;  // the chunk asks logits at every position
+    std::vector<int64_t> lengths;                    // before the step, to undo a failed one
+    std::vector<size_t> gathered;                    // prompt logprobs before the step, likewise
+    std::vector<bool> prompt_rows;                   // the chunk asks logits at every position
     std::unique_ptr<models::PendingLogits> pending;  // a submitted step's logits
   };
   std::map<uint64_t, Pass> submitted;  // steps in flight, by ticket

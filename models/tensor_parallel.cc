@@ -602,6 +602,9 @@ absl::StatusOr<std::string> TensorParallelLeader::StepMessage(
     }
     total += c.tokens;
     w.Put<int64_t>(c.tokens);
+    // The rows it asks logits for (speculative decoding verifies 1 + k):
+    // the last stage and a vocab-parallel head pick the same rows as the leader.
+    w.Put<int64_t>(c.logit_tokens);
     w.Put<uint8_t>(c.cache != nullptr ? 1 : 0);
     if (c.cache != nullptr) {
       w.Put<int64_t>(c.cache->length);
@@ -665,8 +668,8 @@ absl::StatusOr<std::unique_ptr<PendingLogits>> TensorParallelLeader::Submit(
   // The logits are waited for without the lock: heartbeats and the next
   // step's message go on meanwhile (behind this step's, in order).
   return std::make_unique<PendingLogits>(
-      [this, shard_pending = std::shared_ptr<PendingLogits>(*std::move(pending))]()
-          -> absl::StatusOr<at::Tensor> {
+      [this, shard_pending = std::shared_ptr<PendingLogits>(
+                 *std::move(pending))]() -> absl::StatusOr<at::Tensor> {
         absl::StatusOr<at::Tensor> logits = shard_pending->Wait();
         if (!logits.ok()) return Failed(logits.status());
         return logits;
@@ -744,7 +747,7 @@ absl::Status RunTensorParallelWorker(CausalLM& shard, dispatch::DispatchedModel*
     std::vector<SequenceChunk> chunks(caches.size());
     for (size_t i = 0; ok && i < caches.size(); ++i) {
       uint8_t has_cache = 0;
-      ok = r.Get(chunks[i].tokens) && r.Get(has_cache);
+      ok = r.Get(chunks[i].tokens) && r.Get(chunks[i].logit_tokens) && r.Get(has_cache);
       if (!ok || has_cache == 0) continue;
       int64_t num_blocks = 0, block_size = 0;
       ok = r.Get(caches[i].length) && r.Get(num_blocks) && r.Get(block_size) &&

@@ -176,10 +176,9 @@ class TensorParallelLeader : public CausalLM {
   // (not waited for), the first stage runs, and the returned PendingLogits
   // waits for the last stage's logits: the engine submits the next step
   // meanwhile (several steps in flight). Errors as Forward.
-  absl::StatusOr<std::unique_ptr<PendingLogits>> Submit(const at::Tensor& input_ids,
-                                                        absl::Span<const SequenceChunk> chunks,
-                                                        Logits which,
-                                                        dispatch::DispatchedModel* dispatched) override;
+  absl::StatusOr<std::unique_ptr<PendingLogits>> Submit(
+      const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks, Logits which,
+      dispatch::DispatchedModel* dispatched) override;
   int pipeline_size() const override;
 
   // Tells the workers the leader is alive while no step runs (they wait for

@@ -207,8 +207,8 @@ BatchRate BatchTokensPerSecond(models::CausalLM& model, dispatch::DispatchedMode
       }
       chunks.push_back({&caches[static_cast<size_t>(s)], each});
     }
-    absl::StatusOr<std::unique_ptr<models::PendingLogits>> pending = model.Submit(
-        at::tensor(ids, at::kLong), chunks, models::Logits::kLastOfEach, dispatched);
+    absl::StatusOr<std::unique_ptr<models::PendingLogits>> pending =
+        model.Submit(at::tensor(ids, at::kLong), chunks, models::Logits::kLastOfEach, dispatched);
     if (!pending.ok()) {
       std::fprintf(stderr, "step failed: %s\n", std::string(pending.status().message()).c_str());
       std::exit(1);
@@ -223,7 +223,8 @@ BatchRate BatchTokensPerSecond(models::CausalLM& model, dispatch::DispatchedMode
     }
     const at::Tensor best = logits->argmax(-1);
     const auto [first, end] = group_range(g);
-    for (int s = first; s < end; ++s) next[static_cast<size_t>(s)] = best[s - first].item<int64_t>();
+    for (int s = first; s < end; ++s)
+      next[static_cast<size_t>(s)] = best[s - first].item<int64_t>();
   };
   // `steps` steps of every group, up to `groups` in flight.
   const auto run_in_flight = [&](int steps, int each) {
@@ -329,10 +330,10 @@ int RunRank(const std::string& dir, int tokens) {
     // Several sequences a step: the pipeline's micro-batches at work.
     const int64_t micro_before = models::PipelineMicroBatchesRun();
     const char* in_flight = std::getenv("ACCEL_BENCH_IN_FLIGHT");
-    const BatchRate rate = BatchTokensPerSecond(
-        *loaded->model, loaded->dispatched.get(), std::atoi(batch),
-        std::atoi(std::getenv("ACCEL_BENCH_PROMPT")), tokens,
-        in_flight != nullptr ? std::atoi(in_flight) : 1);
+    const BatchRate rate =
+        BatchTokensPerSecond(*loaded->model, loaded->dispatched.get(), std::atoi(batch),
+                             std::atoi(std::getenv("ACCEL_BENCH_PROMPT")), tokens,
+                             in_flight != nullptr ? std::atoi(in_flight) : 1);
     std::printf(
         "batch %s: rank 0 of %d (tp %d x pp %d, micro-batches %s, steps in flight %s, %s threads) "
         "prefill_tok_s=%.2f (waiting %.0f%%) decode_tok_s=%.2f (waiting %.0f%%) "

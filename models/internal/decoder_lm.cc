@@ -966,11 +966,10 @@ class DecoderLM : public CausalLM {
       outputs.push_back(b.logits);
     }
     ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
-    if (outputs.empty()) return at::Tensor();  // a worker with nothing to sample
+    if (outputs.empty()) return at::Tensor();   // a worker with nothing to sample
     at::Tensor logits;
-    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-      logits = (outputs.size() == 1 ? outputs[0] : at::cat(outputs)).to(started.home);
-    }));
+    ACCEL_RETURN_IF_ERROR(CallTorch(
+        [&] { logits = (outputs.size() == 1 ? outputs[0] : at::cat(outputs)).to(started.home); }));
     return logits;
   }
 
@@ -978,10 +977,9 @@ class DecoderLM : public CausalLM {
 
   // Pipeline parallel: the stage runs now, the logits are waited for by
   // the returned PendingLogits (the leader keeps several steps in flight).
-  absl::StatusOr<std::unique_ptr<PendingLogits>> Submit(const at::Tensor& input_ids,
-                                                        absl::Span<const SequenceChunk> given,
-                                                        Logits which,
-                                                        dispatch::DispatchedModel* dispatched) override {
+  absl::StatusOr<std::unique_ptr<PendingLogits>> Submit(
+      const at::Tensor& input_ids, absl::Span<const SequenceChunk> given, Logits which,
+      dispatch::DispatchedModel* dispatched) override {
     if (tp_.pipeline_size <= 1) return CausalLM::Submit(input_ids, given, which, dispatched);
     ACCEL_RETURN_IF_ERROR(CheckWeightFiles());
     ACCEL_RETURN_IF_ERROR(
@@ -996,7 +994,6 @@ class DecoderLM : public CausalLM {
     return std::make_unique<PendingLogits>(
         [this, started]() -> absl::StatusOr<at::Tensor> { return PipelineFinish(*started); });
   }
-
 
   // Posts a send or receive to world rank `peer` (pipeline parallel).
   // Unavailable naming what moves when it cannot be posted.

@@ -68,6 +68,7 @@ TEST(EngineArgsTest, EveryLoadAndEngineOptionHasItsFlag) {
   Set("tensor_parallel_size", "2");
   Set("pipeline_parallel_size", "3");
   Set("pipeline_micro_batches", "4");
+  Set("pipeline_batches_in_flight", "1");
   Set("nnodes", "2");
   Set("node_rank", "1");
   Set("master_addr", "10.0.0.1");
@@ -108,6 +109,7 @@ TEST(EngineArgsTest, EveryLoadAndEngineOptionHasItsFlag) {
   EXPECT_EQ(a.parallel.tensor_parallel_size, 2);
   EXPECT_EQ(a.parallel.pipeline_parallel_size, 3);
   EXPECT_EQ(a.pipeline_micro_batches, 4);
+  EXPECT_EQ(a.pipeline_batches_in_flight, 1);
   EXPECT_EQ(a.parallel.nnodes, 2);
   EXPECT_EQ(a.parallel.node_rank, 1);
   EXPECT_EQ(a.parallel.master_addr, "10.0.0.1");
@@ -156,11 +158,13 @@ TEST_F(ResolveTest, GoodArgsBecomeTheEngineOptions) {
   // The parallel options pass through as they are (the tool joins the group).
   a.parallel.pipeline_parallel_size = 2;
   a.pipeline_micro_batches = 1;
+  a.pipeline_batches_in_flight = 3;
   a.parallel_timeout = absl::Seconds(5);
   o = a.Resolve();
   ASSERT_THAT(o, IsOk());
   EXPECT_EQ(o->parallel.pipeline_parallel_size, 2);
   EXPECT_EQ(o->pipeline_micro_batches, 1);
+  EXPECT_EQ(o->pipeline_batches_in_flight, 3);
   EXPECT_EQ(o->parallel_timeout, absl::Seconds(5));
 }
 
@@ -221,6 +225,8 @@ TEST_F(ResolveTest, EachBadOptionIsNamed) {
       "--pipeline_parallel_size must be at least 1");
   Bad([](EngineArgs& a) { a.pipeline_micro_batches = -1; }, StatusCode::kInvalidArgument,
       "--pipeline_micro_batches must be 0 or more");
+  Bad([](EngineArgs& a) { a.pipeline_batches_in_flight = -1; }, StatusCode::kInvalidArgument,
+      "--pipeline_batches_in_flight must be 0 or more");
   Bad([](EngineArgs& a) { a.parallel_timeout = absl::ZeroDuration(); },
       StatusCode::kInvalidArgument, "--parallel_timeout must be positive");
   Bad([](EngineArgs& a) { a.kv_cache_memory = "lots"; }, StatusCode::kInvalidArgument,

@@ -212,9 +212,10 @@ TEST(ParallelServeTest, TwoInvocationsWithNnodesFormOneServer) {
 void ExpectFailureHandled(int signal, bool pipeline = false) {
   std::unique_ptr<ServerProcess> server;
   if (pipeline) {
-    auto started = ServerProcess::Start(
-        TestModelDir(), {"--pipeline_parallel_size=2", "--parallel_timeout=3s",
-                         "--shutdown_timeout=5s", absl::StrCat("--master_port=", test::FreePort())});
+    auto started =
+        ServerProcess::Start(TestModelDir(), {"--pipeline_parallel_size=2", "--parallel_timeout=3s",
+                                              "--shutdown_timeout=5s",
+                                              absl::StrCat("--master_port=", test::FreePort())});
     ASSERT_TRUE(started.ok()) << started.status();
     server = *std::move(started);
   } else {
