@@ -378,7 +378,11 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Collect(uint64_t ticket) {
   return impl_->Collect(ticket);
 }
 
-void ModelRunner::AbandonSubmitted() { impl_->submitted.clear(); }
+void ModelRunner::AbandonSubmitted() {
+  // Their caches advanced at submit: back to where the scheduler has them.
+  for (const auto& [ticket, pass] : impl_->submitted) Impl::Undo(pass);
+  impl_->submitted.clear();
+}
 
 absl::Status ModelRunner::Impl::Prepare(const SchedulerOutput& out, Pass& pass,
                                         std::vector<int64_t>& packed) {

@@ -545,21 +545,22 @@ absl::Status TensorParallelLeader::Send(const std::string& message) {
     // they were posted, after each step's activations, so a heartbeat never
     // overtakes a step. Sends of old messages are waited for here (they
     // were read long ago), keeping the few in flight.
+    at::Tensor size, bytes;
     sent = CallTorch([&] {
-      at::Tensor bytes = at::empty({static_cast<int64_t>(message.size())}, at::kByte);
+      bytes = at::empty({static_cast<int64_t>(message.size())}, at::kByte);
       std::memcpy(bytes.data_ptr(), message.data(), message.size());
-      const at::Tensor size = at::full({1}, static_cast<int64_t>(message.size()), at::kLong);
-      for (int rank = 1; rank < group_->size() && sent.ok(); ++rank) {
-        for (const at::Tensor& part : {size, bytes}) {
-          absl::StatusOr<std::unique_ptr<dist::PendingWork>> work = group_->SendAsync(part, rank);
-          if (!work.ok()) {
-            sent = work.status();
-            break;
-          }
-          message_sends_.push_back(*std::move(work));
-        }
-      }
+      size = at::full({1}, static_cast<int64_t>(message.size()), at::kLong);
     });
+    for (int rank = 1; rank < group_->size() && sent.ok(); ++rank) {
+      for (const at::Tensor& part : {size, bytes}) {
+        absl::StatusOr<std::unique_ptr<dist::PendingWork>> work = group_->SendAsync(part, rank);
+        if (!work.ok()) {
+          sent = work.status();
+          break;
+        }
+        message_sends_.push_back(*std::move(work));
+      }
+    }
     constexpr size_t kMessageSendsKept = 64;
     while (sent.ok() && message_sends_.size() > kMessageSendsKept) {
       sent = message_sends_.front()->Wait();

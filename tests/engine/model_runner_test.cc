@@ -22,8 +22,10 @@
 
 #include "engine/decode_graphs.h"
 #include "engine/engine_core.h"
+#include "engine/kv_cache_manager.h"
 #include "engine/logits_processor.h"
 #include "engine/output_processor.h"
+#include "engine/scheduler.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
 #include "tests/testing/status_matchers.h"
@@ -525,6 +527,56 @@ TEST_F(GeneratorTest, DecodeStepsPaddedToBucketsGiveWhatUnpaddedStepsGive) {
       }
     }
   }
+}
+
+// Steps in flight (ModelRunnerOptions::steps_in_flight, as a pipeline-
+// parallel leader runs them; here one process, whose CausalLM::Submit runs
+// the forward at once): the engine core splits the requests into two
+// alternating batches through Submit / Collect, and every request gets the
+// tokens of one step at a time, with preemption and prefix hits. A step
+// abandoned after Submit puts its caches back, so it can run again.
+TEST_F(GeneratorTest, StepsInFlightGiveTheTokensOfOneStepAtATime) {
+  Load("llama", 256);
+  const std::vector<GenerationRequest> requests = SharedPrefixRequests();
+  GeneratorOptions tight;
+  tight.block_size = 4;
+  tight.kv_cache_blocks = 22;  // 88 tokens for 7 requests of up to 57
+  tight.max_num_batched_tokens = 10;
+  EngineCore one = MakeGenerator(true, tight);
+  auto want = Generate(one, requests);
+  ASSERT_THAT(want, IsOk());
+  ModelRunnerOptions in_flight;
+  in_flight.steps_in_flight = 2;
+  EngineCore two = MakeGenerator(true, tight, in_flight);
+  auto got = Generate(two, requests);
+  ASSERT_THAT(got, IsOk());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_THAT((*got)[i].token_ids, ElementsAreArray((*want)[i].token_ids)) << i;
+    // Other batches (about half the requests each): the same tokens, the
+    // logprobs within rounding.
+    EXPECT_THAT((*got)[i].logprobs, Pointwise(FloatNear(1e-4f), (*want)[i].logprobs)) << i;
+    EXPECT_EQ((*got)[i].text, (*want)[i].text) << i;
+  }
+  const EngineStats stats = two.stats();
+  EXPECT_GT(stats.overlapped_steps, 10);
+  EXPECT_GT(stats.preemptions, 0);
+  EXPECT_GT(stats.prefix_hit_tokens, 0);
+  EXPECT_EQ(stats.kv_blocks_used, 0);
+  EXPECT_EQ(one.stats().overlapped_steps, 0);
+
+  auto runner = ModelRunner::Create(loaded_->model, loaded_->dispatched.get(), in_flight);
+  ASSERT_THAT(runner, IsOk());
+  KvCacheManager kv((*runner)->num_blocks(), (*runner)->block_size(), false);
+  Scheduler scheduler({}, &kv);
+  ASSERT_THAT((*runner)->AddRequest(1, requests[0]), IsOk());
+  scheduler.Add(1, requests[0]);
+  const SchedulerOutput out = scheduler.Schedule();
+  ASSERT_THAT((*runner)->Submit(out), IsOk());
+  (*runner)->AbandonSubmitted();
+  auto again = (*runner)->Execute(out);
+  ASSERT_THAT(again, IsOk());
+  ASSERT_EQ(again->sampled.size(), 1u);
+  EXPECT_EQ(again->sampled[0].token_ids[0], (*want)[0].token_ids[0]);
 }
 
 // On a CUDA device (scripts/gpu_check.sh): the same steps replayed from a
