@@ -270,9 +270,9 @@ TEST(ParallelServeTest, AStoppedStageWithTwoStepsInFlightEndsThemUnavailable) {
 }
 
 // Steps in flight on a mixture-of-experts family (a small Mixtral), with a
-// KV budget that preempts and a shared prompt prefix: the tokens of one
-// process. Speculative decoding (prompt lookup) falls back to one step at
-// a time: the same tokens, no step overlapped.
+// KV budget that preempts, a shared prompt prefix and one request under a
+// grammar (structured output): the tokens of one process. Speculative decoding (prompt lookup)
+// falls back to one step at a time: the same tokens, no step overlapped.
 TEST(ParallelServeTest, MixtralStepsInFlightAndSpeculativeFallbackServeAsOneProcess) {
   const std::string mixtral =
       MadeModel("parallel-mixtral",
@@ -286,9 +286,18 @@ TEST(ParallelServeTest, MixtralStepsInFlightAndSpeculativeFallbackServeAsOneProc
   std::vector<std::vector<int64_t>> alone(kClients);
   for (int i = 0; i < kClients; ++i) {
     requests.push_back(Greedy(absl::StrCat("a shared system prompt, then request ", i), 24));
+    if (i == 1) {
+      // Structured output in flight: the grammar's state is the request's,
+      // and a request is in one step at a time.
+      requests.back().set_ignore_eos(false);
+      requests.back().mutable_structured_output()->set_regex("[A-F]{2}-[0-9]{1,3}");
+    }
     GenerateResponse response;
     ASSERT_TRUE(Call(*single_stub, requests.back(), &response).ok());
     alone[static_cast<size_t>(i)] = Tokens(response);
+    if (i == 1) {
+      EXPECT_EQ(response.finish_reason(), accel::v1::FINISH_REASON_EOS);
+    }
   }
   for (const bool speculative : {false, true}) {
     SCOPED_TRACE(speculative);
