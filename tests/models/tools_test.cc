@@ -397,9 +397,9 @@ TEST_F(GenerateToolTest, JsonFromInputIdsIsOneLineAndReproducible) {
 
 // --tensor_parallel_size / --pipeline_parallel_size on one machine: this
 // process is rank 0 and starts the others (the same binary and flags); the
-// greedy tokens are one process's (float32), with 3 stages, 2 x 2 ranks and
-// micro-batching off; what cannot split is refused by name before a rank
-// starts.
+// greedy tokens are one process's (float32), with 3 stages, 2 x 2 ranks,
+// micro-batching off, and speculative decoding over TP 2 and PP 2; what
+// cannot split is refused by name before a rank starts.
 TEST_F(GenerateToolTest, SplitOverRanksGeneratesAsOneProcess) {
   const std::string flags =
       "--input_ids 1,2,3,4,5 --max_new_tokens 8 --ignore_eos --parallel_timeout 30s ";
@@ -413,6 +413,29 @@ TEST_F(GenerateToolTest, SplitOverRanksGeneratesAsOneProcess) {
         Json(flags + split + " --master_port " + std::to_string(test::FreePort()));
     ASSERT_TRUE(parallel.is_object());
     EXPECT_EQ(parallel["token_ids"], one["token_ids"]);
+  }
+  // Speculative decoding (prompt lookup, drafting from the repeated ids) on
+  // split models: every rank verifies the same 1 + k rows a chunk (the step
+  // message carries them), so the greedy tokens are one process's without
+  // drafts, and drafts were accepted.
+  const std::string repeated =
+      "--input_ids 5,9,7,5,9,7,5,9,7,5 --max_new_tokens 12 --ignore_eos --parallel_timeout 30s ";
+  const nlohmann::json plain = Json(repeated);
+  ASSERT_TRUE(plain.is_object());
+  for (const std::string split : {"--tensor_parallel_size 2", "--pipeline_parallel_size 2"}) {
+    SCOPED_TRACE(split);
+    const std::string log = dir_.path() + "/speculative.log";
+    const nlohmann::json drafted =
+        Json(repeated + split + " --master_port " + std::to_string(test::FreePort()) +
+             R"( --speculative_config '{"method": "ngram", "num_speculative_tokens": 3}' 2>)" +
+             log + " #");
+    ASSERT_TRUE(drafted.is_object());
+    EXPECT_EQ(drafted["token_ids"], plain["token_ids"]);
+    std::ifstream in(log);
+    const std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    int64_t accepted = 0;
+    EXPECT_TRUE(RE2::PartialMatch(err, R"(drafted tokens, (\d+) accepted)", &accepted)) << err;
+    EXPECT_GT(accepted, 0) << err;
   }
   Result stages =
       RunTool("accel-generate --model " + model_ + " --input_ids 1,2 --pipeline_parallel_size 4");
