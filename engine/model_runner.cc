@@ -277,6 +277,12 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   m.position_limit = config.max_position_embeddings > 0 ? config.max_position_embeddings
                                                         : std::numeric_limits<int64_t>::max();
   options.block_size = std::max<int64_t>(options.block_size, 1);
+  // A step's drafts come from the step before it, and padded decode steps
+  // share one static buffer: both run one step at a time.
+  if (options.speculative.enabled() || !options.decode_buckets.empty() ||
+      options.steps_in_flight < 1) {
+    options.steps_in_flight = 1;
+  }
   // LongRoPE: a position's keys depend on the sequence's length (the short
   // factors until it passes the original context, then the long ones for
   // the whole sequence), so equal tokens need not have equal keys and blocks

@@ -135,8 +135,9 @@ struct ModelRunnerOptions {
   bool capture_decode_graphs = false;
   // Steps in flight (a pipeline-parallel model whose CausalLM::Submit
   // returns before the last stage's logits): the engine core keeps up to
-  // this many steps over disjoint requests. Speculative decoding and
-  // padded decode steps take 1 (their drafts and buffers are per step).
+  // this many steps over disjoint requests. Create makes it 1 with
+  // speculative decoding (a step's drafts come from the step before) or
+  // decode_buckets (one static buffer per bucket).
   int steps_in_flight = 1;
 };
 
