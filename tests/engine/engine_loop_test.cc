@@ -46,6 +46,9 @@ class FakeEngineCore : public EngineCoreInterface {
     // RESOURCE_EXHAUSTED.
     bool fail_unavailable ABSL_GUARDED_BY(mu) = false;
     int steps ABSL_GUARDED_BY(mu) = 0;
+    // Steps the fake says are in flight (pipeline parallel); each Step
+    // collects one.
+    int64_t in_flight ABSL_GUARDED_BY(mu) = 0;
   };
 
   FakeEngineCore(std::shared_ptr<Control> control, int room, int preempt_every)
@@ -69,6 +72,7 @@ class FakeEngineCore : public EngineCoreInterface {
       control_->mu.Await(absl::Condition(
           +[](bool* stall) { return !*stall; }, &control_->stall));
       ++control_->steps;
+      if (control_->in_flight > 0) --control_->in_flight;
       if (control_->fail_next_steps > 0) {
         --control_->fail_next_steps;
         return absl::ResourceExhaustedError("out of memory (the fake's)");
@@ -115,6 +119,11 @@ class FakeEngineCore : public EngineCoreInterface {
     running_.erase(std::remove(running_.begin(), running_.end(), id), running_.end());
     waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), id), waiting_.end());
     return seqs_.erase(id) > 0;
+  }
+
+  int64_t steps_in_flight() const override {
+    absl::MutexLock lock(&control_->mu);
+    return control_->in_flight;
   }
 
   EngineStats stats() const override {
@@ -432,6 +441,29 @@ TEST(EngineLoopTest, AStepThatFailsWithNobodyNewEndsEveryone) {
 
 // During a stalled step, a cancelled request and one past its deadline end
 // as soon as the step returns; the queue holds max_queue and no more.
+// Steps still in flight in the core (pipeline parallel) are collected even
+// when every request of the loop has ended: the loop keeps stepping, so the
+// blocks of requests cancelled while in flight come back.
+TEST(EngineLoopTest, StepsInFlightAreCollectedAfterTheirRequestsWereCancelled) {
+  Fixture f;
+  auto sink = std::make_shared<RecordingSink>();
+  absl::StatusOr<uint64_t> id = f.scheduler.Submit(Request(1, 100000), sink);
+  ASSERT_TRUE(id.ok());
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (sink->tokens().empty() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+  f.scheduler.Cancel(*id);
+  ASSERT_TRUE(sink->WaitDone());
+  EXPECT_EQ(sink->status().code(), absl::StatusCode::kCancelled);
+  // No request left in the loop, but steps in flight in the core: the loop
+  // steps on until there are none.
+  absl::MutexLock lock(&f.control->mu);
+  f.control->in_flight = 3;
+  EXPECT_TRUE(f.control->mu.AwaitWithTimeout(
+      absl::Condition(
+          +[](int64_t* n) { return *n == 0; }, &f.control->in_flight),
+      absl::Seconds(5)));
+}
+
 TEST(EngineLoopTest, CancelDeadlineAndAFullQueueWhileAStepStalls) {
   EngineLoopOptions options;
   options.max_batch_size = 1;
