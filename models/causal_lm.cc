@@ -34,19 +34,27 @@ using internal::InScope;
 using internal::LastTokens;
 using internal::PreparePositions;
 
-// GPT-2: learned positions, LayerNorm, Conv1D projections, gelu_new, a tied head.
+// GPT-2: learned positions, LayerNorm, Conv1D projections, gelu_new, a tied
+// head. Split over tensor-parallel ranks as Megatron-LM splits it: c_attn
+// column-parallel by heads (this rank's heads' columns of each of the q, k
+// and v thirds), attn.c_proj row-parallel, mlp.c_fc column-parallel,
+// mlp.c_proj row-parallel (their biases held by rank 0 alone, so the
+// all-reduce adds them once), wte and the tied head vocab-parallel, wpe and
+// the LayerNorms replicated.
 class Gpt2Attention : public dispatch::Layer {
  public:
-  Gpt2Attention(int64_t hidden, int64_t heads, at::ScalarType dtype)
-      : dispatch::Layer("GPT2Attention"), hidden_(hidden), heads_(heads) {
-    c_attn = register_module("c_attn", std::make_shared<nn::Conv1D>(hidden, 3 * hidden, dtype));
-    c_proj = register_module("c_proj", std::make_shared<nn::Conv1D>(hidden, hidden, dtype));
+  Gpt2Attention(int64_t hidden, int64_t heads, int64_t head_dim, at::ScalarType dtype)
+      : dispatch::Layer("GPT2Attention"), heads_(heads), head_dim_(head_dim) {
+    const int64_t width = heads * head_dim;  // this rank's heads
+    c_attn = register_module("c_attn", std::make_shared<nn::Conv1D>(hidden, 3 * width, dtype));
+    c_proj = register_module("c_proj", std::make_shared<nn::Conv1D>(width, hidden, dtype));
     register_module("attn_dropout", std::make_shared<dispatch::Layer>("Dropout"));
     register_module("resid_dropout", std::make_shared<dispatch::Layer>("Dropout"));
   }
-  at::Tensor forward(const at::Tensor& x, absl::Span<const SequenceChunk> chunks, size_t layer) {
-    const int64_t t = x.size(1), d = hidden_ / heads_;
-    std::vector<at::Tensor> qkv = c_attn->forward(x)[0].split(hidden_, -1);
+  at::Tensor forward(const at::Tensor& x, absl::Span<const SequenceChunk> chunks, size_t layer,
+                     internal::StepState& step) {
+    const int64_t t = x.size(1), d = head_dim_;
+    std::vector<at::Tensor> qkv = c_attn->forward(x)[0].split(heads_ * d, -1);
     at::Tensor q = qkv[0].view({t, heads_, d}).transpose(0, 1);
     at::Tensor k = qkv[1].view({t, heads_, d}).transpose(0, 1);
     at::Tensor v = qkv[2].view({t, heads_, d}).transpose(0, 1);
@@ -54,36 +62,39 @@ class Gpt2Attention : public dispatch::Layer {
     rule.scale = std::sqrt(static_cast<double>(d));
     rule.divide = true;
     at::Tensor out = AttendPacked(q, k, v, chunks, layer, std::nullopt, rule);
-    return c_proj->forward(out.unsqueeze(0));
+    return internal::SumOverRanks(c_proj->forward(out.unsqueeze(0)), step);
   }
   std::shared_ptr<nn::Conv1D> c_attn, c_proj;
 
  private:
-  int64_t hidden_, heads_;
+  int64_t heads_, head_dim_;
 };
 
 class Gpt2Block : public dispatch::Layer {
  public:
-  Gpt2Block(const loader::ModelConfig& c, at::ScalarType dtype)
+  Gpt2Block(const loader::ModelConfig& c, const ShardShape& shard, at::ScalarType dtype)
       : dispatch::Layer("GPT2Block"), activation_(c.hidden_act) {
     ln_1 =
         register_module("ln_1", std::make_shared<nn::LayerNorm>(c.hidden_size, c.norm_eps, dtype));
     attn = register_module(
-        "attn", std::make_shared<Gpt2Attention>(c.hidden_size, c.num_attention_heads, dtype));
+        "attn", std::make_shared<Gpt2Attention>(c.hidden_size, shard.heads, c.head_size(), dtype));
     ln_2 =
         register_module("ln_2", std::make_shared<nn::LayerNorm>(c.hidden_size, c.norm_eps, dtype));
     auto mlp = register_module("mlp", std::make_shared<dispatch::Layer>("GPT2MLP"));
     c_fc = mlp->register_module(
-        "c_fc", std::make_shared<nn::Conv1D>(c.hidden_size, c.intermediate_size, dtype));
+        "c_fc", std::make_shared<nn::Conv1D>(c.hidden_size, shard.intermediate, dtype));
     c_proj = mlp->register_module(
-        "c_proj", std::make_shared<nn::Conv1D>(c.intermediate_size, c.hidden_size, dtype));
+        "c_proj", std::make_shared<nn::Conv1D>(shard.intermediate, c.hidden_size, dtype));
     mlp->register_module("act",
                          std::make_shared<dispatch::Layer>(nn::ActivationClass(c.hidden_act)));
     mlp->register_module("dropout", std::make_shared<dispatch::Layer>("Dropout"));
   }
-  at::Tensor forward(at::Tensor x, absl::Span<const SequenceChunk> chunks, size_t layer) {
-    x = x + attn->forward(ln_1->forward(x), chunks, layer);
-    return x + c_proj->forward(nn::Activation(activation_, c_fc->forward(ln_2->forward(x))));
+  at::Tensor forward(at::Tensor x, absl::Span<const SequenceChunk> chunks, size_t layer,
+                     internal::StepState& step) {
+    x = x + attn->forward(ln_1->forward(x), chunks, layer, step);
+    return x +
+           internal::SumOverRanks(
+               c_proj->forward(nn::Activation(activation_, c_fc->forward(ln_2->forward(x)))), step);
   }
   std::shared_ptr<nn::LayerNorm> ln_1, ln_2;
   std::shared_ptr<Gpt2Attention> attn;
@@ -95,24 +106,25 @@ class Gpt2Block : public dispatch::Layer {
 
 class Gpt2LM : public CausalLM {
  public:
-  Gpt2LM(const loader::ModelConfig& c, at::ScalarType dtype)
-      : CausalLM("GPT2LMHeadModel", c, dtype) {
+  Gpt2LM(const loader::ModelConfig& c, const TensorParallel& tp, const ShardShape& shard,
+         at::ScalarType dtype)
+      : CausalLM("GPT2LMHeadModel", c, dtype), tp_(tp), shard_(shard) {
     transformer = register_module("transformer", std::make_shared<dispatch::Layer>("GPT2Model"));
     wte = transformer->register_module(
-        "wte", std::make_shared<nn::Embedding>(c.vocab_size, c.hidden_size, dtype));
+        "wte", std::make_shared<nn::Embedding>(shard.vocab, c.hidden_size, dtype));
     wpe = transformer->register_module(
         "wpe", std::make_shared<nn::Embedding>(c.max_position_embeddings, c.hidden_size, dtype));
     transformer->register_module("drop", std::make_shared<dispatch::Layer>("Dropout"));
     auto list = transformer->register_module("h", std::make_shared<dispatch::Layer>("ModuleList"));
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       blocks.push_back(
-          list->register_module(absl::StrCat(i), std::make_shared<Gpt2Block>(c, dtype)));
+          list->register_module(absl::StrCat(i), std::make_shared<Gpt2Block>(c, shard, dtype)));
     }
     ln_f = transformer->register_module(
         "ln_f", std::make_shared<nn::LayerNorm>(c.hidden_size, c.norm_eps, dtype));
     at::Tensor shared = c.tie_word_embeddings ? wte->weight : at::Tensor();
     lm_head = register_module(
-        "lm_head", std::make_shared<nn::Linear>(c.hidden_size, c.vocab_size, false, dtype, shared));
+        "lm_head", std::make_shared<nn::Linear>(c.hidden_size, shard.vocab, false, dtype, shared));
   }
 
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
@@ -126,31 +138,51 @@ class Gpt2LM : public CausalLM {
       return absl::InvalidArgumentError(
           absl::StrCat("position ", last, " is past GPT-2's ", limit, " positions"));
     }
+    internal::StepState step;
+    step.dispatched = dispatched;
+    step.tp = &tp_;
+    // A failure a collective kept wins over the torch error that unwound it.
+    const auto kept = [&step](absl::Status status) {
+      return step.failure.ok() ? status : step.failure;
+    };
     const at::Device home = input_ids.device();
-    ACCEL_ASSIGN_OR_RETURN(at::Tensor x,
-                           InScope(dispatched, "transformer.wte", home, [&](const at::Device& d) {
-                             return wte->forward(input_ids.to(d).unsqueeze(0));
-                           }));
-    ACCEL_ASSIGN_OR_RETURN(
-        x, InScope(dispatched, "transformer.wpe", home,
-                   [&](const at::Device& d) { return x.to(d) + wpe->forward(positions.to(d)); }));
+    absl::StatusOr<at::Tensor> x =
+        InScope(dispatched, "transformer.wte", home, [&](const at::Device& d) {
+          at::Tensor rows = input_ids.to(d).unsqueeze(0);
+          if (tp_.size == 1) return wte->forward(rows);
+          // Vocab-parallel: this rank's rows; other ids read row 0, zeroed.
+          rows = rows - shard_.first_vocab;
+          const at::Tensor outside = (rows < 0).logical_or_(rows >= shard_.vocab);
+          return internal::SumOverRanks(
+              wte->forward(rows.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0),
+              step);
+        });
+    if (!x.ok()) return kept(x.status());
+    x = InScope(dispatched, "transformer.wpe", home,
+                [&](const at::Device& d) { return x->to(d) + wpe->forward(positions.to(d)); });
+    if (!x.ok()) return x.status();
     for (size_t i = 0; i < n; ++i) {
-      ACCEL_ASSIGN_OR_RETURN(
-          x, InScope(dispatched, absl::StrCat("transformer.h.", i), home,
-                     [&](const at::Device& d) { return blocks[i]->forward(x.to(d), chunks, i); }));
+      x = InScope(dispatched, absl::StrCat("transformer.h.", i), home, [&](const at::Device& d) {
+        return blocks[i]->forward(x->to(d), chunks, i, step);
+      });
+      if (!x.ok()) return kept(x.status());
     }
     if (which == Logits::kLastOfEach) {
       ACCEL_RETURN_IF_ERROR(
-          CallTorch([&] { x = x.index_select(1, LastTokens(chunks).to(x.device())); }));
+          CallTorch([&] { *x = x->index_select(1, LastTokens(chunks).to(x->device())); }));
     }
-    ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "transformer.ln_f", home,
-                                      [&](const at::Device& d) { return ln_f->forward(x.to(d)); }));
-    ACCEL_ASSIGN_OR_RETURN(x, InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
-                             return lm_head->forward(x.to(d));
-                           }));
+    x = InScope(dispatched, "transformer.ln_f", home,
+                [&](const at::Device& d) { return ln_f->forward(x->to(d)); });
+    if (!x.ok()) return x.status();
+    x = InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
+      at::Tensor logits = lm_head->forward(x->to(d));
+      return tp_.size > 1 ? internal::GatherVocab(logits, tp_, shard_, config().vocab_size, step)
+                          : logits;
+    });
+    if (!x.ok()) return kept(x.status());
     ACCEL_RETURN_IF_ERROR(internal::CheckWeightFiles());  // a fault during this step
     AdvanceCaches(input_ids, chunks);
-    return x[0].to(home, at::kFloat);
+    return (*x)[0].to(home, at::kFloat);
   }
 
   std::shared_ptr<dispatch::Layer> transformer;
@@ -158,6 +190,10 @@ class Gpt2LM : public CausalLM {
   std::vector<std::shared_ptr<Gpt2Block>> blocks;
   std::shared_ptr<nn::LayerNorm> ln_f;
   std::shared_ptr<nn::Linear> lm_head;
+
+ private:
+  TensorParallel tp_;
+  ShardShape shard_;
 };
 
 }  // namespace
@@ -253,12 +289,13 @@ absl::StatusOr<std::shared_ptr<CausalLM>> BuildCausalLM(const loader::ModelConfi
                                                      " is outside [0, ", tp.pipeline_size, ")"));
     }
   }
+  ACCEL_ASSIGN_OR_RETURN(ShardShape shape, ShardShapeFor(c, tp.rank, tp.size));
   if (resolved.family.mlp == MlpKind::kGpt2) {
     std::shared_ptr<CausalLM> model;
-    ACCEL_RETURN_IF_ERROR(CallTorch([&] { model = std::make_shared<Gpt2LM>(c, dtype); }));
+    ACCEL_RETURN_IF_ERROR(
+        CallTorch([&] { model = std::make_shared<Gpt2LM>(c, tp, shape, dtype); }));
     return model;
   }
-  ACCEL_ASSIGN_OR_RETURN(ShardShape shape, ShardShapeFor(c, tp.rank, tp.size));
   return internal::BuildDecoderLM(resolved, dtype, tp, shape);
 }
 

@@ -184,6 +184,11 @@ class CausalLM : public dispatch::Layer {
       dispatch::DispatchedModel* dispatched);
   // Pipeline stages the model is split into (models/tensor_parallel.h).
   virtual int pipeline_size() const { return 1; }
+  // A LongRoPE model's original context: a step whose chunk takes a cache
+  // of at most this many tokens past it recomputes the sequence from the
+  // cache's token_ids (so a tensor-parallel leader sends those ids to the
+  // other ranks then). 0: never.
+  virtual int64_t recompute_after() const { return 0; }
 
   const loader::ModelConfig& config() const { return config_; }
   at::ScalarType dtype() const { return dtype_; }

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 #include "core/status.h"
 #include "dist/process_group.h"
@@ -42,18 +43,6 @@ absl::Status CheckTensorParallel(const loader::ModelConfig& c, int size) {
   }
   if (size == 1) return absl::OkStatus();
   ACCEL_ASSIGN_OR_RETURN(ResolvedConfig r, ResolveConfig(c));
-  if (r.family.mlp == MlpKind::kGpt2) {
-    return absl::UnimplementedError(absl::StrCat(
-        "tensor_parallel_size ", size, ": ", r.family.architecture,
-        " is not split across ranks yet (its Conv1D layers store [in, out]); serve it on one "
-        "process"));
-  }
-  if (c.rope_scaling && c.rope_scaling->rope_type == "longrope") {
-    return absl::UnimplementedError(absl::StrCat(
-        "tensor_parallel_size ", size, ": ", r.family.architecture,
-        " with LongRoPE (rope_scaling.type \"longrope\") recomputes a sequence from its ids when "
-        "it crosses the original context, which the worker ranks do not keep"));
-  }
   if (c.num_attention_heads % size != 0) {
     return NotDivisible("num_attention_heads", c.num_attention_heads, size,
                         "each rank holds whole query heads");
@@ -134,12 +123,6 @@ absl::Status CheckPipelineParallel(const loader::ModelConfig& c, int stages) {
                                                  r.family.architecture,
                                                  " is not split into stages yet; serve it on one "
                                                  "process"));
-  }
-  if (c.rope_scaling && c.rope_scaling->rope_type == "longrope") {
-    return absl::UnimplementedError(absl::StrCat(
-        "pipeline_parallel_size ", stages, ": ", r.family.architecture,
-        " with LongRoPE (rope_scaling.type \"longrope\") recomputes a sequence from its ids when "
-        "it crosses the original context, which the other stages do not keep"));
   }
   if (stages > c.num_hidden_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -306,6 +289,7 @@ class ShardingHook : public dispatch::LoadHook {
       s.full = full;
       return s;
     };
+    if (r_.family.mlp == MlpKind::kGpt2) return Gpt2SliceOf(name);
     if (name == "model.embed_tokens.weight" || name == "lm_head.weight") {
       return rows({{s_.first_vocab, s_.vocab}}, r_.config.vocab_size);
     }
@@ -359,6 +343,59 @@ class ShardingHook : public dispatch::LoadHook {
       if (proj == "down_proj") return columns(mine, full);
       if (proj == "gate_up_proj") return rows({mine, {full + mine.first, width}}, 2 * full);
     }
+    return std::nullopt;
+  }
+
+  // GPT-2's Conv1D layers store W [in, out]: a column-parallel layer takes
+  // columns of the weight (and the same entries of its bias), a
+  // row-parallel one rows. c_attn's output is [q | k | v], hidden each: this
+  // rank's heads' columns of each third.
+  std::optional<Slice> Gpt2SliceOf(absl::string_view full_name) const {
+    absl::string_view name = full_name;
+    absl::ConsumePrefix(&name, "transformer.");
+    const int64_t hidden = r_.config.hidden_size, d = r_.config.head_size();
+    const int64_t inter = r_.config.intermediate_size;
+    Slice s;
+    if (name == "wte.weight" || name == "lm_head.weight") {
+      s.kind = Slice::Kind::kRows;
+      s.ranges = {{s_.first_vocab, s_.vocab}};
+      s.full = r_.config.vocab_size;
+      return s;
+    }
+    const std::vector<std::string> parts = absl::StrSplit(name, '.');
+    int64_t layer = -1;
+    if (parts.size() != 5 || parts[0] != "h" || !absl::SimpleAtoi(parts[1], &layer)) {
+      return std::nullopt;
+    }
+    const std::string &block = parts[2], &proj = parts[3], &what = parts[4];
+    const bool weight = what == "weight";
+    if (!weight && what != "bias") return std::nullopt;
+    const std::pair<int64_t, int64_t> heads = {s_.first_head * d, s_.heads * d};
+    const std::pair<int64_t, int64_t> width = {rank_ * s_.intermediate, s_.intermediate};
+    // A column-parallel layer's weight: columns (dim 1); its bias: the same
+    // entries (dim 0).
+    const auto column_parallel = [&](std::vector<std::pair<int64_t, int64_t>> ranges,
+                                     int64_t full) {
+      s.kind = weight ? Slice::Kind::kColumns : Slice::Kind::kRows;
+      s.ranges = std::move(ranges);
+      s.full = full;
+      return s;
+    };
+    // A row-parallel layer's weight: rows; its bias: rank 0's alone.
+    const auto row_parallel = [&](std::pair<int64_t, int64_t> range, int64_t full) {
+      s.kind = weight ? Slice::Kind::kRows : Slice::Kind::kRank0;
+      s.ranges = {range};
+      s.full = full;
+      return s;
+    };
+    if (block == "attn" && proj == "c_attn") {
+      return column_parallel(
+          {heads, {hidden + heads.first, heads.second}, {2 * hidden + heads.first, heads.second}},
+          3 * hidden);
+    }
+    if (block == "attn" && proj == "c_proj") return row_parallel(heads, hidden);
+    if (block == "mlp" && proj == "c_fc") return column_parallel({width}, inter);
+    if (block == "mlp" && proj == "c_proj") return row_parallel(width, inter);
     return std::nullopt;
   }
 
@@ -583,7 +620,8 @@ absl::Status TensorParallelLeader::Send(const std::string& message) {
 }
 
 absl::StatusOr<std::string> TensorParallelLeader::StepMessage(
-    const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks, Logits which) {
+    const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks, Logits which,
+    int64_t recompute_after) {
   Writer w;
   w.Put(MessageKind::kStep);
   w.Put(static_cast<uint8_t>(which));
@@ -612,6 +650,16 @@ absl::StatusOr<std::string> TensorParallelLeader::StepMessage(
       w.Put<int64_t>(c.cache->store->num_blocks());
       w.Put<int64_t>(c.cache->store->block_size());
       w.PutArray(c.cache->block_table.data(), static_cast<int64_t>(c.cache->block_table.size()));
+      // A LongRoPE sequence crossing its original context is recomputed
+      // from its ids on every rank: they go with this step only (the
+      // workers keep nothing of a sequence between steps).
+      const bool crossing = recompute_after > 0 && c.cache->length > 0 &&
+                            c.cache->length <= recompute_after &&
+                            c.cache->length + c.tokens > recompute_after;
+      w.Put<uint8_t>(crossing ? 1 : 0);
+      if (crossing) {
+        w.PutArray(c.cache->token_ids.data(), static_cast<int64_t>(c.cache->token_ids.size()));
+      }
     }
   }
   if (total != input_ids.numel()) {
@@ -641,7 +689,8 @@ absl::StatusOr<at::Tensor> TensorParallelLeader::Forward(const at::Tensor& input
       return absl::UnavailableError(
           "tensor parallel: the worker ranks are gone (an earlier collective failed)");
     }
-    ACCEL_ASSIGN_OR_RETURN(std::string message, StepMessage(input_ids, chunks, which));
+    ACCEL_ASSIGN_OR_RETURN(std::string message,
+                           StepMessage(input_ids, chunks, which, shard_->recompute_after()));
     ACCEL_RETURN_IF_ERROR(Send(message));
     logits =
         shard_->Forward(input_ids, chunks, which, dispatched != nullptr ? dispatched : dispatched_);
@@ -660,7 +709,8 @@ absl::StatusOr<std::unique_ptr<PendingLogits>> TensorParallelLeader::Submit(
       return absl::UnavailableError(
           "tensor parallel: the worker ranks are gone (an earlier collective failed)");
     }
-    ACCEL_ASSIGN_OR_RETURN(std::string message, StepMessage(input_ids, chunks, which));
+    ACCEL_ASSIGN_OR_RETURN(std::string message,
+                           StepMessage(input_ids, chunks, which, shard_->recompute_after()));
     ACCEL_RETURN_IF_ERROR(Send(message));
     pending =
         shard_->Submit(input_ids, chunks, which, dispatched != nullptr ? dispatched : dispatched_);
@@ -678,6 +728,7 @@ absl::StatusOr<std::unique_ptr<PendingLogits>> TensorParallelLeader::Submit(
 }
 
 int TensorParallelLeader::pipeline_size() const { return shard_->pipeline_size(); }
+int64_t TensorParallelLeader::recompute_after() const { return shard_->recompute_after(); }
 
 absl::Status TensorParallelLeader::Heartbeat() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -751,8 +802,10 @@ absl::Status RunTensorParallelWorker(CausalLM& shard, dispatch::DispatchedModel*
       ok = r.Get(chunks[i].tokens) && r.Get(chunks[i].logit_tokens) && r.Get(has_cache);
       if (!ok || has_cache == 0) continue;
       int64_t num_blocks = 0, block_size = 0;
+      uint8_t has_ids = 0;
       ok = r.Get(caches[i].length) && r.Get(num_blocks) && r.Get(block_size) &&
-           r.GetArray(caches[i].block_table) && num_blocks > 0 && block_size > 0;
+           r.GetArray(caches[i].block_table) && num_blocks > 0 && block_size > 0 &&
+           r.Get(has_ids) && (has_ids == 0 || r.GetArray(caches[i].token_ids));
       if (!ok) break;
       if (store == nullptr || store->num_blocks() != num_blocks ||
           store->block_size() != block_size) {

@@ -80,9 +80,11 @@ struct ShardShape {
 // InvalidArgument naming the field when `config`'s model cannot be split
 // over `size` ranks: query heads, key/value heads (unless fewer than `size`
 // and dividing it), intermediate_size, the shared expert's width or the
-// expert count not divisible by `size`; Unimplemented naming the
-// architecture for GPT-2 and for LongRoPE models (whose step may recompute
-// a sequence from ids the workers do not keep). OK for size 1.
+// expert count not divisible by `size`. OK for size 1. GPT-2 splits as the
+// others (its Conv1D layers' [in, out] weights sliced by columns where the
+// others' [out, in] are sliced by rows, c_attn by heads within each of its
+// q, k, v thirds); a LongRoPE step that recomputes a sequence gets its ids
+// in the step message.
 absl::Status CheckTensorParallel(const loader::ModelConfig& config, int size);
 
 // Pipeline parallel: the layers [first, last) stage `stage` of `stages`
@@ -118,8 +120,8 @@ int PipelineAutoMicroBatches(int64_t step_tokens, int stages);
 
 // InvalidArgument naming the field when `config`'s model cannot be split
 // into `stages` pipeline stages (more stages than num_hidden_layers, fewer
-// than 1); Unimplemented for GPT-2 and LongRoPE models, as
-// CheckTensorParallel. OK for 1.
+// than 1); Unimplemented naming the architecture for GPT-2 (its model has
+// no stage split yet). OK for 1.
 absl::Status CheckPipelineParallel(const loader::ModelConfig& config, int stages);
 
 // This rank's place in `world`, a group of `size` x stages ranks (world
@@ -180,6 +182,7 @@ class TensorParallelLeader : public CausalLM {
       const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks, Logits which,
       dispatch::DispatchedModel* dispatched) override;
   int pipeline_size() const override;
+  int64_t recompute_after() const override;
 
   // Tells the workers the leader is alive while no step runs (they wait for
   // the next message within the group's timeout). Unavailable as Forward.
@@ -194,9 +197,11 @@ class TensorParallelLeader : public CausalLM {
   absl::Status Send(const std::string& message);  // with mu_ held
   // The step's message (InvalidArgument, nothing sent, for chunks that do
   // not match the ids or a contiguous cache).
+  // `recompute_after`: the shard's recompute_after() (the chunks crossing it
+  // carry their caches' token ids).
   static absl::StatusOr<std::string> StepMessage(const at::Tensor& input_ids,
                                                  absl::Span<const SequenceChunk> chunks,
-                                                 Logits which);
+                                                 Logits which, int64_t recompute_after);
   // A step's failure after its message went out: the group is broken
   // (Unavailable) unless it failed before any collective.
   absl::Status Failed(const absl::Status& status);

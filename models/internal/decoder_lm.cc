@@ -32,31 +32,13 @@
 #include "models/nn.h"
 
 namespace accel::models::internal {
-namespace {
 
-using dispatch::Layer;
-
-std::atomic<int64_t> collective_nanos{0}, collective_bytes{0}, micro_batches_run{0};
-
-// What a step carries through the layers: the dispatcher, the ranks of a
-// tensor-parallel model, and a failure that must keep its own status (an
-// expert read, a collective) while the layer unwinds.
-struct StepState {
-  dispatch::DispatchedModel* dispatched = nullptr;
-  const TensorParallel* tp = nullptr;
-  absl::Status failure;
-};
-
-// Unwinds the layer's torch code with `status` kept for Forward to return.
 [[noreturn]] void Fail(StepState& step, absl::Status status, const char* what) {
   step.failure = std::move(status);
   TORCH_CHECK(false, what, " failed");
   std::abort();  // not reached
 }
 
-// The sum over the ranks of each rank's partial `x` (after a row-parallel
-// product, an expert-parallel block or a vocab-parallel embedding); `x`
-// itself on one process.
 at::Tensor SumOverRanks(const at::Tensor& x, StepState& step) {
   if (step.tp == nullptr || step.tp->size == 1) return x;
   const auto start = std::chrono::steady_clock::now();
@@ -78,6 +60,38 @@ at::Tensor SumOverRanks(const at::Tensor& x, StepState& step) {
   }
   return tensors[0];
 }
+
+at::Tensor GatherVocab(const at::Tensor& logits, const TensorParallel& tp, const ShardShape& shard,
+                       int64_t vocab_size, StepState& step) {
+  // Equal shapes for the gather: each slice padded to the stride, as
+  // rows [vocab slice, n], gathered along dim 0 in rank order.
+  at::Tensor rows = logits[0].t();
+  const int64_t pad = shard.vocab_stride - shard.vocab;
+  if (pad > 0) rows = at::cat({rows, at::zeros({pad, rows.size(1)}, rows.options())});
+  const auto start = std::chrono::steady_clock::now();
+  AddCollectiveBytes(static_cast<int64_t>(rows.nbytes()));
+  absl::StatusOr<at::Tensor> all;
+  {
+    c10::InferenceMode normal(false);  // gloo fills the output on its own threads
+    all = tp.group->AllGather(rows.contiguous());
+  }
+  AddCollectiveNanos(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+  if (!all.ok()) {
+    Fail(step,
+         absl::UnavailableError(
+             absl::StrCat("tensor parallel logits gather: ", all.status().message())),
+         "logits gather");
+  }
+  return all->narrow(0, 0, vocab_size).t().unsqueeze(0);
+}
+
+namespace {
+
+using dispatch::Layer;
+
+std::atomic<int64_t> collective_nanos{0}, collective_bytes{0}, micro_batches_run{0};
 
 std::shared_ptr<nn::Linear> NewLinear(int64_t in, int64_t out, bool bias, at::ScalarType dtype) {
   return std::make_shared<nn::Linear>(in, out, bias, dtype);
@@ -583,54 +597,9 @@ class DecoderLM : public CausalLM {
     const size_t n = model->layers.size();
     ACCEL_RETURN_IF_ERROR(CheckWeightFiles());
     ACCEL_RETURN_IF_ERROR(PreparePositions(input_ids, given, config(), n).status());
-    // LongRoPE: a sequence whose step crosses the original context is run
-    // again whole with the long factors, into a fresh cache that replaces
-    // its own once the step succeeds (Phi3ForCausalLM drops the cache then).
-    at::Tensor ids = input_ids;
-    std::vector<SequenceChunk> chunks(given.begin(), given.end());
-    std::vector<KvCache> fresh(chunks.size());
-    std::vector<int64_t> rows;  // the rows of `ids` that belong to this step (kAll)
-    const int64_t long_after = model->rotary_emb->long_after();
-    bool recompute = false;
-    for (const SequenceChunk& c : chunks) {
-      recompute |= long_after > 0 && c.cache != nullptr && c.cache->length > 0 &&
-                   c.cache->length <= long_after && c.cache->length + c.tokens > long_after;
-    }
-    if (recompute) {
-      ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-        const at::Tensor cpu = input_ids.to(at::kCPU).contiguous();
-        const int64_t* data = cpu.data_ptr<int64_t>();
-        std::vector<int64_t> all;
-        int64_t row = 0;
-        for (size_t i = 0; i < chunks.size(); ++i) {
-          SequenceChunk& c = chunks[i];
-          const bool crossing = c.cache != nullptr && c.cache->length > 0 &&
-                                c.cache->length <= long_after &&
-                                c.cache->length + c.tokens > long_after;
-          if (crossing) {
-            const std::vector<int64_t>& past = c.cache->token_ids;
-            all.insert(all.end(), past.begin(), past.end());
-            row += static_cast<int64_t>(past.size());
-            c.tokens += static_cast<int64_t>(past.size());
-            c.cache = &fresh[i];
-          }
-          for (int64_t t = 0; t < given[i].tokens; ++t) {
-            all.push_back(*data++);
-            rows.push_back(row++);
-          }
-        }
-        ids = at::tensor(all, at::kLong).to(input_ids.device());
-      }));
-      for (size_t i = 0; i < chunks.size(); ++i) {
-        if (chunks[i].cache == &fresh[i] &&
-            given[i].cache->token_ids.size() != static_cast<size_t>(given[i].cache->length)) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("sequence ", i,
-                           " crosses the original context of a LongRoPE model and must be "
-                           "recomputed, but its KV cache does not hold the ids of its tokens"));
-        }
-      }
-    }
+    ACCEL_ASSIGN_OR_RETURN(Recompute rc, PlanRecompute(input_ids, given));
+    const at::Tensor& ids = rc.ids;
+    std::vector<SequenceChunk>& chunks = rc.chunks;
     ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, PreparePositions(ids, chunks, config(), n));
 
     StepState step;
@@ -638,30 +607,28 @@ class DecoderLM : public CausalLM {
     step.tp = &tp_;
     const at::Device home = input_ids.device();
     if (tp_.pipeline_size > 1) {
-      if (recompute) {
-        // CheckPipelineParallel refuses LongRoPE models; nothing is sent yet.
-        return absl::FailedPreconditionError(
-            "pipeline parallel: a LongRoPE recompute cannot run across stages");
-      }
-      return PipelineForward(ids, chunks, which, dispatched, step);
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor logits,
+                             PipelineForward(ids, chunks, which, dispatched, step));
+      rc.Replace(given);
+      return rc.StepRows(logits, which);
     }
     ACCEL_ASSIGN_OR_RETURN(at::Tensor x, Embed(ids, home, dispatched, step));
     ACCEL_ASSIGN_OR_RETURN(x, RunLayers(std::move(x), positions, chunks, home, dispatched, step));
     if (which == Logits::kLastOfEach) {
       ACCEL_RETURN_IF_ERROR(
           CallTorch([&] { x = x.index_select(1, LastTokens(chunks).to(x.device())); }));
-    } else if (recompute) {
+    } else if (rc.any) {
       ACCEL_RETURN_IF_ERROR(
-          CallTorch([&] { x = x.index_select(1, at::tensor(rows, at::kLong).to(x.device())); }));
+          CallTorch([&] { x = x.index_select(1, at::tensor(rc.rows, at::kLong).to(x.device())); }));
     }
     ACCEL_ASSIGN_OR_RETURN(x, Head(x, home, dispatched, step));
     ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
     AdvanceCaches(ids, chunks);
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      if (chunks[i].cache == &fresh[i]) *given[i].cache = std::move(fresh[i]);
-    }
+    rc.Replace(given);
     return x[0].to(home, at::kFloat);
   }
+
+  int64_t recompute_after() const override { return model->rotary_emb->long_after(); }
 
   bool SupportsStaticDecode() const override {
     return model->rotary_emb->long_after() == 0 && tp_.size == 1 && tp_.pipeline_size == 1;
@@ -702,6 +669,89 @@ class DecoderLM : public CausalLM {
   std::shared_ptr<nn::Linear> lm_head;
 
  private:
+  // LongRoPE: a sequence whose step crosses the original context is run
+  // again whole with the long factors (Phi3ForCausalLM drops the cache
+  // then), into a fresh cache that replaces its own once the step
+  // succeeds. On one rank the fresh cache is contiguous. On split ranks it
+  // is the sequence's own paged blocks, rewritten from position 0: every
+  // rank's cache is a view of its block store at the leader's block ids
+  // (nothing of a sequence lives on a worker between steps), the blocks
+  // cover every position the step writes, and they are not shared (the
+  // engine turns prefix caching off for LongRoPE). A step that fails after
+  // writing has failed a collective, which breaks the group anyway.
+  struct Recompute {
+    bool any = false;
+    at::Tensor ids;                     // the step's ids, with the recomputed sequences' past
+    std::vector<SequenceChunk> chunks;  // their chunks from position 0
+    std::vector<KvCache> fresh;         // the recomputed sequences' caches
+    std::vector<int64_t> rows;          // the rows of `ids` that belong to the step (kAll)
+
+    void Replace(absl::Span<const SequenceChunk> given) {
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        if (chunks[i].cache == &fresh[i]) *given[i].cache = std::move(fresh[i]);
+      }
+    }
+    // Logits [rows, vocab] of the step's own rows (kAll: not the past's).
+    absl::StatusOr<at::Tensor> StepRows(const at::Tensor& logits, Logits which) const {
+      if (!any || which != Logits::kAll || !logits.defined()) return logits;
+      at::Tensor out;
+      ACCEL_RETURN_IF_ERROR(CallTorch(
+          [&] { out = logits.index_select(0, at::tensor(rows, at::kLong).to(logits.device())); }));
+      return out;
+    }
+  };
+
+  absl::StatusOr<Recompute> PlanRecompute(const at::Tensor& input_ids,
+                                          absl::Span<const SequenceChunk> given) {
+    Recompute rc;
+    rc.ids = input_ids;
+    rc.chunks.assign(given.begin(), given.end());
+    rc.fresh.resize(given.size());
+    const int64_t long_after = model->rotary_emb->long_after();
+    const auto crossing = [long_after](const SequenceChunk& c) {
+      return long_after > 0 && c.cache != nullptr && c.cache->length > 0 &&
+             c.cache->length <= long_after && c.cache->length + c.tokens > long_after;
+    };
+    for (const SequenceChunk& c : given) rc.any |= crossing(c);
+    if (!rc.any) return rc;
+    for (size_t i = 0; i < given.size(); ++i) {
+      if (crossing(given[i]) &&
+          given[i].cache->token_ids.size() != static_cast<size_t>(given[i].cache->length)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("sequence ", i,
+                         " crosses the original context of a LongRoPE model and must be "
+                         "recomputed, but its KV cache does not hold the ids of its tokens"));
+      }
+    }
+    const bool split = tp_.size > 1 || tp_.pipeline_size > 1;
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+      const at::Tensor cpu = input_ids.to(at::kCPU).contiguous();
+      const int64_t* data = cpu.data_ptr<int64_t>();
+      std::vector<int64_t> all;
+      int64_t row = 0;
+      for (size_t i = 0; i < rc.chunks.size(); ++i) {
+        SequenceChunk& c = rc.chunks[i];
+        if (crossing(given[i])) {
+          const std::vector<int64_t>& past = c.cache->token_ids;
+          all.insert(all.end(), past.begin(), past.end());
+          row += static_cast<int64_t>(past.size());
+          c.tokens += static_cast<int64_t>(past.size());
+          if (split && c.cache->paged()) {
+            rc.fresh[i].store = c.cache->store;
+            rc.fresh[i].block_table = c.cache->block_table;
+          }
+          c.cache = &rc.fresh[i];
+        }
+        for (int64_t t = 0; t < given[i].tokens; ++t) {
+          all.push_back(*data++);
+          rc.rows.push_back(row++);
+        }
+      }
+      rc.ids = at::tensor(all, at::kLong).to(input_ids.device());
+    }));
+    return rc;
+  }
+
   // cos / sin of every packed position; with LongRoPE, each chunk with the
   // factors its last position calls for.
   std::pair<at::Tensor, at::Tensor> Rotary(nn::RotaryEmbedding& rope, const at::Tensor& positions,
@@ -984,15 +1034,24 @@ class DecoderLM : public CausalLM {
     ACCEL_RETURN_IF_ERROR(CheckWeightFiles());
     ACCEL_RETURN_IF_ERROR(
         PreparePositions(input_ids, given, config(), model->layers.size()).status());
-    const std::vector<SequenceChunk> chunks(given.begin(), given.end());
+    ACCEL_ASSIGN_OR_RETURN(Recompute rc, PlanRecompute(input_ids, given));
+    ACCEL_RETURN_IF_ERROR(
+        PreparePositions(rc.ids, rc.chunks, config(), model->layers.size()).status());
     StepState step;
     step.dispatched = dispatched;
     step.tp = &tp_;
     ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<PipelineStep> started,
-                           PipelineStart(input_ids, chunks, which, dispatched, step));
-    ACCEL_RETURN_IF_ERROR(CallTorch([&] { AdvanceCaches(input_ids, chunks); }));
+                           PipelineStart(rc.ids, rc.chunks, which, dispatched, step));
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { AdvanceCaches(rc.ids, rc.chunks); }));
+    rc.Replace(given);
+    auto recompute = std::make_shared<Recompute>();
+    recompute->any = rc.any;
+    recompute->rows = std::move(rc.rows);
     return std::make_unique<PendingLogits>(
-        [this, started]() -> absl::StatusOr<at::Tensor> { return PipelineFinish(*started); });
+        [this, started, recompute, which]() -> absl::StatusOr<at::Tensor> {
+          ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, PipelineFinish(*started));
+          return recompute->StepRows(logits, which);
+        });
   }
 
   // Posts a send or receive to world rank `peer` (pipeline parallel).
@@ -1032,30 +1091,8 @@ class DecoderLM : public CausalLM {
         " failed: ", status.message()));
   }
 
-  // Every rank's logits [1, n, vocab slice] side by side: [1, n, vocab].
   at::Tensor GatherVocab(const at::Tensor& logits, StepState& step) {
-    // Equal shapes for the gather: each slice padded to the stride, as
-    // rows [vocab slice, n], gathered along dim 0 in rank order.
-    at::Tensor rows = logits[0].t();
-    const int64_t pad = shard_.vocab_stride - shard_.vocab;
-    if (pad > 0) rows = at::cat({rows, at::zeros({pad, rows.size(1)}, rows.options())});
-    const auto start = std::chrono::steady_clock::now();
-    AddCollectiveBytes(static_cast<int64_t>(rows.nbytes()));
-    absl::StatusOr<at::Tensor> all;
-    {
-      c10::InferenceMode normal(false);  // gloo fills the output on its own threads
-      all = tp_.group->AllGather(rows.contiguous());
-    }
-    AddCollectiveNanos(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - start)
-                           .count());
-    if (!all.ok()) {
-      Fail(step,
-           absl::UnavailableError(
-               absl::StrCat("tensor parallel logits gather: ", all.status().message())),
-           "logits gather");
-    }
-    return all->narrow(0, 0, config().vocab_size).t().unsqueeze(0);
+    return internal::GatherVocab(logits, tp_, shard_, config().vocab_size, step);
   }
 
   ResolvedConfig r_;

@@ -7,8 +7,10 @@
 
 #include <memory>
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 #include "models/causal_lm.h"
@@ -24,6 +26,29 @@ absl::StatusOr<std::shared_ptr<CausalLM>> BuildDecoderLM(const ResolvedConfig& c
                                                          at::ScalarType dtype,
                                                          const TensorParallel& tp,
                                                          const ShardShape& shape);
+
+// What a step carries through the layers: the dispatcher, the ranks of a
+// tensor-parallel model, and a failure that must keep its own status (an
+// expert read, a collective) while the layer unwinds.
+struct StepState {
+  dispatch::DispatchedModel* dispatched = nullptr;
+  const TensorParallel* tp = nullptr;
+  absl::Status failure;
+};
+
+// Unwinds the layer's torch code with `status` kept for Forward to return.
+[[noreturn]] void Fail(StepState& step, absl::Status status, const char* what);
+
+// The sum over the ranks of each rank's partial `x` (after a row-parallel
+// product, an expert-parallel block or a vocab-parallel embedding); `x`
+// itself on one process. A failed all-reduce unwinds through Fail.
+at::Tensor SumOverRanks(const at::Tensor& x, StepState& step);
+
+// Every rank's vocab-parallel logits [1, n, shard.vocab] side by side:
+// [1, n, vocab_size] (each slice padded to shard.vocab_stride for the
+// gather). A failed gather unwinds through Fail.
+at::Tensor GatherVocab(const at::Tensor& logits, const TensorParallel& tp, const ShardShape& shard,
+                       int64_t vocab_size, StepState& step);
 
 // Adds a collective's time to CollectiveSeconds(), which
 // TensorParallelCollectiveSeconds() reports.

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <set>
 #include <string>
 #include <tuple>
 #include <unistd.h>
@@ -105,13 +106,18 @@ TEST(CheckTensorParallel, RefusesWhatCannotSplitByName) {
   EXPECT_THAT(CheckTensorParallel(Config(o), 4),
               StatusIs(absl::StatusCode::kInvalidArgument,
                        HasSubstr("shared_expert_intermediate_size (130)")));
+  // GPT-2 splits as the others do, and is refused by the same fields.
   o = Small("gpt2");
-  EXPECT_THAT(CheckTensorParallel(Config(o), 2),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("GPT2LMHeadModel")));
+  EXPECT_THAT(CheckTensorParallel(Config(o), 2), IsOk());
+  EXPECT_THAT(CheckTensorParallel(Config(o), 8),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_attention_heads (4)")));
+  o.intermediate_size = 250;
+  EXPECT_THAT(CheckTensorParallel(Config(o), 4),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("intermediate_size (250)")));
+  // LongRoPE models split too (a recomputed sequence's ids go with its step).
   o = Small("phi3");
   o.longrope_factor = 4;
-  EXPECT_THAT(CheckTensorParallel(Config(o), 2),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("LongRoPE")));
+  EXPECT_THAT(CheckTensorParallel(Config(o), 2), IsOk());
   // The model itself refuses the same way.
   o = Small("llama");
   TensorParallel tp;
@@ -230,6 +236,66 @@ TEST(ShardingHook, EachRankHoldsItsSliceOfTheCheckpoint) {
       }
     }
   }
+}
+
+// GPT-2's Conv1D layers store W [in, out]: each rank's c_attn holds its
+// heads' columns of each of the q, k and v thirds (and those entries of the
+// bias), attn.c_proj and mlp.c_proj their rows (biases on rank 0 alone),
+// mlp.c_fc its columns; wte splits by vocabulary rows (301: 151 and 150),
+// wpe and the LayerNorms are whole on both.
+TEST(ShardingHook, Gpt2Conv1DLayersSplitByColumnsAndRows) {
+  TempDir dir;
+  ASSERT_THAT(MakeModel(dir.path(), Small("gpt2")), IsOk());
+  LoadedModel whole = Load(dir.path(), 0, 1);
+  LoadedModel r0 = Load(dir.path(), 0, 2), r1 = Load(dir.path(), 1, 2);
+  ASSERT_TRUE(whole.model && r0.model && r1.model);
+  std::map<std::string, at::Tensor> w = Parameters(whole), a = Parameters(r0), b = Parameters(r1);
+  const int64_t d = 32, hidden = 128, half = 64;  // 4 heads of 32: 2 a rank
+  int checked_c_attn = 0, checked_biases = 0;
+  for (const auto& [name, full] : w) {
+    SCOPED_TRACE(name);
+    ASSERT_TRUE(a.count(name) && b.count(name));
+    const at::Tensor &x = a.at(name), &y = b.at(name);
+    const std::vector<std::string> parts = absl::StrSplit(name, '.');
+    const std::string proj = parts.size() >= 2 ? parts[parts.size() - 2] : "";
+    const std::string block = parts.size() >= 3 ? parts[parts.size() - 3] : "";
+    const bool weight = parts.back() == "weight";
+    if (name == "transformer.wte.weight" || name == "lm_head.weight") {
+      EXPECT_TRUE(at::equal(at::cat({x, y}), full));
+      EXPECT_EQ(x.size(0), 151);
+    } else if (proj == "c_attn") {
+      // [q | k | v], 128 each; rank 1: heads 2-3 of each.
+      const int64_t dim = weight ? 1 : 0;
+      for (int rank = 0; rank < 2; ++rank) {
+        std::vector<at::Tensor> thirds;
+        for (int third = 0; third < 3; ++third) {
+          thirds.push_back(full.narrow(dim, third * hidden + rank * 2 * d, 2 * d));
+        }
+        EXPECT_TRUE(at::equal(rank == 0 ? x : y, at::cat(thirds, dim)));
+      }
+      ++checked_c_attn;
+    } else if (block == "mlp" && proj == "c_fc") {
+      const int64_t dim = weight ? 1 : 0;
+      EXPECT_TRUE(at::equal(at::cat({x, y}, dim), full));
+      EXPECT_EQ(x.size(dim), 128);
+    } else if (proj == "c_proj" && weight) {
+      // Row-parallel: rows of [in, out].
+      EXPECT_TRUE(at::equal(at::cat({x, y}), full));
+      EXPECT_EQ(x.size(0), block == "attn" ? half : 128);
+    } else if (proj == "c_proj") {
+      // Added once, after the all-reduce.
+      EXPECT_GT(full.abs().sum().item<double>(), 0);
+      EXPECT_TRUE(at::equal(x, full));
+      EXPECT_TRUE(at::equal(y, at::zeros_like(full)));
+      ++checked_biases;
+    } else {
+      // wpe, ln_1, ln_2, ln_f: replicated.
+      EXPECT_TRUE(at::equal(x, full));
+      EXPECT_TRUE(at::equal(y, full));
+    }
+  }
+  EXPECT_EQ(checked_c_attn, 4);  // 2 layers, weight and bias
+  EXPECT_EQ(checked_biases, 4);  // 2 layers, attn and mlp
 }
 
 // A rank keeps resident only its own slices of the checkpoint, with every
@@ -371,10 +437,14 @@ void ExpectSameGreedy(const GreedyRun& parallel, const GreedyRun& single, bool e
   }
 }
 
-// Bytes of a model's parameters and buffers.
+// Bytes of a model's parameters and buffers (a tied head's weight, the
+// embedding's own tensor, once).
 int64_t ParameterBytes(torch::nn::Module& m) {
   int64_t bytes = 0;
-  for (const at::Tensor& p : m.parameters(true)) bytes += static_cast<int64_t>(p.nbytes());
+  std::set<const void*> seen;
+  for (const at::Tensor& p : m.parameters(true)) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) bytes += static_cast<int64_t>(p.nbytes());
+  }
   for (const at::Tensor& b : m.buffers(true)) bytes += static_cast<int64_t>(b.nbytes());
   return bytes;
 }
@@ -448,10 +518,14 @@ TEST(TensorParallelRank, Run) {
 TEST(TensorParallel, TwoRanksDecodeAsOneProcess) {
   TempDir dir;
   std::vector<std::string> cases;
-  for (const char* family : {"llama", "mixtral", "qwen3_moe"}) {
+  for (const char* family : {"llama", "mixtral", "qwen3_moe", "gpt2"}) {
     for (const char* dtype : {"bfloat16", "float32"}) {
       MakeModelOptions o = Small(family);
       o.dtype = std::string(dtype) == "bfloat16" ? at::kBFloat16 : at::kFloat;
+      // GPT-2's learned positions are replicated: no more of them than the
+      // test reaches, so that a rank's share stays about half, as at scale
+      // (1024 positions beside 124M parameters).
+      if (std::string(family) == "gpt2") o.max_position_embeddings = 64;
       const std::string path = absl::StrCat(dir.path(), "/", family, "-", dtype);
       ASSERT_THAT(MakeModel(path, o), IsOk());
       cases.push_back(absl::StrCat(path, ":none"));
@@ -658,8 +732,7 @@ TEST(CheckPipelineParallel, RefusesWhatCannotSplitByName) {
               StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("GPT2LMHeadModel")));
   o = Small("phi3");
   o.longrope_factor = 4;
-  EXPECT_THAT(CheckPipelineParallel(Config(o), 2),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("LongRoPE")));
+  EXPECT_THAT(CheckPipelineParallel(Config(o), 2), IsOk());
   // The model itself refuses the same way, and a stage outside the pipeline.
   TensorParallel pp;
   pp.pipeline_size = 3;
@@ -900,6 +973,133 @@ TEST(PipelineParallel, StagesDecodeAsOneProcess) {
                                 {"ACCEL_TP_SIZE", std::to_string(size)}},
                                /*timeout_s=*/120),
                 Each(0));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// LongRoPE on split ranks: a sequence whose step crosses the original
+// context is recomputed whole with the long factors on every rank (its ids
+// go with that step), so that the tokens and logits are one process's.
+
+constexpr int kLongTokens = 10;
+
+struct LongRun {
+  std::vector<std::vector<int64_t>> tokens{2};
+  std::vector<at::Tensor> logits;
+  std::vector<int64_t> lengths;  // the caches' lengths at the end
+  bool paged = false;            // both caches still in the store at the end
+};
+
+// Greedy decoding of prompts of 60 and 57 tokens on paged caches, past a
+// LongRoPE model's original context of 64: the first sequence crosses it
+// at step 5, the second at step 8. Even steps go through Submit (the
+// pipeline's path), odd ones through Forward.
+LongRun GreedyLong(CausalLM& model, dispatch::DispatchedModel* dispatched) {
+  c10::InferenceMode inference;
+  KvBlockStore store(/*num_blocks=*/48, /*block_size=*/4,
+                     static_cast<size_t>(model.config().num_hidden_layers));
+  std::vector<KvCache> caches(2);
+  std::vector<int64_t> ids;
+  for (int s = 0; s < 2; ++s) {
+    caches[s].store = &store;
+    for (int b = 0; b < 24; ++b) caches[s].block_table.push_back(24 * s + b);
+  }
+  for (int i = 0; i < 60; ++i) ids.push_back((37 * i + 5) % 300);
+  for (int i = 0; i < 57; ++i) ids.push_back((53 * i + 11) % 300);
+  std::vector<SequenceChunk> chunks = {{&caches[0], 60}, {&caches[1], 57}};
+  LongRun out;
+  for (int step = 0; step < kLongTokens; ++step) {
+    const at::Tensor input = at::tensor(ids, at::kLong);
+    absl::StatusOr<at::Tensor> logits;
+    if (step % 2 == 0) {
+      absl::StatusOr<std::unique_ptr<PendingLogits>> pending =
+          model.Submit(input, chunks, Logits::kLastOfEach, dispatched);
+      EXPECT_THAT(pending, IsOk());
+      if (!pending.ok()) return {};
+      logits = (*pending)->Wait();
+    } else {
+      logits = model.Forward(input, chunks, Logits::kLastOfEach, dispatched);
+    }
+    EXPECT_THAT(logits, IsOk()) << "step " << step;
+    if (!logits.ok()) return {};
+    out.logits.push_back(*logits);
+    const at::Tensor next = logits->argmax(-1);
+    ids = {next[0].item<int64_t>(), next[1].item<int64_t>()};
+    out.tokens[0].push_back(ids[0]);
+    out.tokens[1].push_back(ids[1]);
+    chunks = {{&caches[0], 1}, {&caches[1], 1}};
+  }
+  out.lengths = {caches[0].length, caches[1].length};
+  out.paged = caches[0].paged() && caches[1].paged();
+  return out;
+}
+
+// A rank of a size x stages group (ACCEL_TP_SIZE ranks a stage) serving the
+// model in ACCEL_TP_CASES; rank 0 compares with one process.
+TEST(LongRopeRank, Run) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of LongRope.*";
+  absl::StatusOr<dist::ProcessEnvironment> env = dist::DetectProcessEnvironment(dist::ProcessEnv());
+  ASSERT_THAT(env, IsOk());
+  dist::ProcessGroupOptions options;
+  options.timeout = absl::Seconds(60);
+  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> world =
+      dist::ProcessGroup::Connect(*env, options);
+  ASSERT_THAT(world, IsOk());
+  const int size = std::atoi(std::getenv("ACCEL_TP_SIZE"));
+  std::unique_ptr<dist::ProcessGroup> stage_group;
+  absl::StatusOr<TensorParallel> parallel = JoinParallelGroups(**world, size, &stage_group);
+  ASSERT_THAT(parallel, IsOk());
+  const std::string dir = std::getenv("ACCEL_TP_CASES");
+  ModelLoadOptions load;
+  load.device_map = "cpu";
+  load.progress = Progress::Style::kSilent;
+  load.tensor_parallel = *parallel;
+  load.tensor_parallel.pipeline_micro_batches = 2;  // the two sequences as two micro-batches
+  absl::StatusOr<LoadedModel> shard = LoadModel(dir, load);
+  ASSERT_THAT(shard, IsOk());
+  if ((*world)->rank() != 0) {
+    EXPECT_THAT(RunTensorParallelWorker(*shard->model, shard->dispatched.get(), **world), IsOk());
+    return;
+  }
+  auto* leader = dynamic_cast<TensorParallelLeader*>(shard->model.get());
+  ASSERT_NE(leader, nullptr);
+  EXPECT_EQ(leader->recompute_after(), 64);
+  const LongRun split = GreedyLong(*leader, nullptr);
+  EXPECT_TRUE(leader->healthy());
+  EXPECT_THAT(leader->Stop(), IsOk());
+  LoadedModel whole = Load(dir, 0, 1);
+  ASSERT_TRUE(whole.model);
+  const LongRun single = GreedyLong(*whole.model, whole.dispatched.get());
+  ASSERT_EQ(split.logits.size(), static_cast<size_t>(kLongTokens));
+  ASSERT_EQ(single.logits.size(), static_cast<size_t>(kLongTokens));
+  // Both sequences crossed: one process holds them in recomputed
+  // (contiguous) caches, the split ranks in their own blocks, rewritten.
+  EXPECT_EQ(single.lengths, (std::vector<int64_t>{60 + kLongTokens - 1, 57 + kLongTokens - 1}));
+  EXPECT_EQ(split.lengths, single.lengths);
+  EXPECT_FALSE(single.paged);
+  EXPECT_TRUE(split.paged);
+  EXPECT_EQ(split.tokens, single.tokens);
+  for (size_t s = 0; s < single.logits.size(); ++s) {
+    EXPECT_TRUE(at::allclose(split.logits[s], single.logits[s], 1e-4, 1e-4)) << "step " << s;
+  }
+}
+
+// A Phi-3 LongRoPE model (original context 64 of 256) with TP 2, PP 2 and
+// TP 2 x PP 2 in float32: the tokens and logits of one process, with both
+// sequences crossing the original context mid-generation.
+TEST(LongRope, SplitRanksRecomputeAsOneProcess) {
+  TempDir dir;
+  MakeModelOptions o = Small("phi3");
+  o.longrope_factor = 4;
+  o.dtype = at::kFloat;
+  ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
+  for (const auto& [ranks, size] : std::vector<std::pair<int, int>>{{2, 2}, {2, 1}, {4, 2}}) {
+    SCOPED_TRACE(absl::StrCat(ranks, " ranks, ", size, " a stage"));
+    EXPECT_THAT(
+        test::RunRanks(ranks, "LongRopeRank.Run",
+                       {{"ACCEL_TP_CASES", dir.path()}, {"ACCEL_TP_SIZE", std::to_string(size)}},
+                       /*timeout_s=*/120),
+        Each(0));
   }
 }
 
