@@ -104,51 +104,104 @@ class Gpt2Block : public dispatch::Layer {
   std::string activation_;  // activation_function ("gelu_new")
 };
 
-class Gpt2LM : public CausalLM {
+class Gpt2LM : public internal::StagedLM {
  public:
   Gpt2LM(const loader::ModelConfig& c, const TensorParallel& tp, const ShardShape& shard,
          at::ScalarType dtype)
-      : CausalLM("GPT2LMHeadModel", c, dtype), tp_(tp), shard_(shard) {
+      : StagedLM("GPT2LMHeadModel", c, dtype, tp), shard_(shard) {
+    std::tie(first_layer_, last_layer_) =
+        PipelineLayers(c.num_hidden_layers, tp.pipeline_rank, tp.pipeline_size);
+    first_stage_ = tp.pipeline_rank == 0;
+    last_stage_ = tp.pipeline_rank == tp.pipeline_size - 1;
+    // A pipeline stage holds its own blocks only: wte and wpe on the first
+    // stage (wte on the last too, for the tied head), ln_f and the head on
+    // the last.
     transformer = register_module("transformer", std::make_shared<dispatch::Layer>("GPT2Model"));
-    wte = transformer->register_module(
-        "wte", std::make_shared<nn::Embedding>(shard.vocab, c.hidden_size, dtype));
-    wpe = transformer->register_module(
-        "wpe", std::make_shared<nn::Embedding>(c.max_position_embeddings, c.hidden_size, dtype));
+    if (first_stage_ || (last_stage_ && c.tie_word_embeddings)) {
+      wte = transformer->register_module(
+          "wte", std::make_shared<nn::Embedding>(shard.vocab, c.hidden_size, dtype));
+    }
+    if (first_stage_) {
+      wpe = transformer->register_module(
+          "wpe", std::make_shared<nn::Embedding>(c.max_position_embeddings, c.hidden_size, dtype));
+    }
     transformer->register_module("drop", std::make_shared<dispatch::Layer>("Dropout"));
     auto list = transformer->register_module("h", std::make_shared<dispatch::Layer>("ModuleList"));
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      blocks.push_back(
-          list->register_module(absl::StrCat(i), std::make_shared<Gpt2Block>(c, shard, dtype)));
+    blocks.resize(static_cast<size_t>(c.num_hidden_layers));
+    for (int64_t i = first_layer_; i < last_layer_; ++i) {
+      blocks[static_cast<size_t>(i)] =
+          list->register_module(absl::StrCat(i), std::make_shared<Gpt2Block>(c, shard, dtype));
     }
-    ln_f = transformer->register_module(
-        "ln_f", std::make_shared<nn::LayerNorm>(c.hidden_size, c.norm_eps, dtype));
-    at::Tensor shared = c.tie_word_embeddings ? wte->weight : at::Tensor();
-    lm_head = register_module(
-        "lm_head", std::make_shared<nn::Linear>(c.hidden_size, shard.vocab, false, dtype, shared));
+    if (last_stage_) {
+      ln_f = transformer->register_module(
+          "ln_f", std::make_shared<nn::LayerNorm>(c.hidden_size, c.norm_eps, dtype));
+      at::Tensor shared = c.tie_word_embeddings ? wte->weight : at::Tensor();
+      lm_head = register_module("lm_head", std::make_shared<nn::Linear>(c.hidden_size, shard.vocab,
+                                                                        false, dtype, shared));
+    }
   }
 
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& input_ids,
-                                     absl::Span<const SequenceChunk> chunks, Logits which,
+                                     absl::Span<const SequenceChunk> given, Logits which,
                                      dispatch::DispatchedModel* dispatched) override {
-    const size_t n = blocks.size();
-    ACCEL_RETURN_IF_ERROR(internal::CheckWeightFiles());
-    ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, PreparePositions(input_ids, chunks, config(), n));
-    const int64_t limit = config().max_position_embeddings;
-    if (const int64_t last = positions.max().item<int64_t>(); last >= limit) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("position ", last, " is past GPT-2's ", limit, " positions"));
-    }
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, Positions(input_ids, given));
+    const std::vector<SequenceChunk> chunks(given.begin(), given.end());
     internal::StepState step;
     step.dispatched = dispatched;
     step.tp = &tp_;
-    // A failure a collective kept wins over the torch error that unwound it.
-    const auto kept = [&step](absl::Status status) {
-      return step.failure.ok() ? status : step.failure;
-    };
     const at::Device home = input_ids.device();
+    if (tp_.pipeline_size > 1) return PipelineForward(input_ids, chunks, which, dispatched, step);
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor x,
+                           StageEmbed(input_ids, positions, chunks, home, dispatched, step));
+    ACCEL_ASSIGN_OR_RETURN(x, StageLayers(std::move(x), positions, chunks, home, dispatched, step));
+    if (which == Logits::kLastOfEach) {
+      ACCEL_RETURN_IF_ERROR(
+          CallTorch([&] { x = x.index_select(1, LastTokens(chunks).to(x.device())); }));
+    }
+    ACCEL_ASSIGN_OR_RETURN(x, StageHead(x, home, dispatched, step));
+    ACCEL_RETURN_IF_ERROR(internal::CheckWeightFiles());  // a fault during this step
+    AdvanceCaches(input_ids, chunks);
+    return x[0].to(home, at::kFloat);
+  }
+
+  // Pipeline parallel: the stage runs now, the logits are waited for by
+  // the returned PendingLogits (the leader keeps several steps in flight).
+  absl::StatusOr<std::unique_ptr<PendingLogits>> Submit(
+      const at::Tensor& input_ids, absl::Span<const SequenceChunk> given, Logits which,
+      dispatch::DispatchedModel* dispatched) override {
+    if (tp_.pipeline_size <= 1) return CausalLM::Submit(input_ids, given, which, dispatched);
+    ACCEL_RETURN_IF_ERROR(Positions(input_ids, given).status());
+    const std::vector<SequenceChunk> chunks(given.begin(), given.end());
+    internal::StepState step;
+    step.dispatched = dispatched;
+    step.tp = &tp_;
+    ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<PipelineStep> started,
+                           PipelineStart(input_ids, chunks, which, dispatched, step));
+    ACCEL_RETURN_IF_ERROR(CallTorch([&] { AdvanceCaches(input_ids, chunks); }));
+    return std::make_unique<PendingLogits>(
+        [this, started]() -> absl::StatusOr<at::Tensor> { return PipelineFinish(started); });
+  }
+
+  std::shared_ptr<dispatch::Layer> transformer;
+  std::shared_ptr<nn::Embedding> wte, wpe;         // wte: first (and tied last) stage; wpe: first
+  std::vector<std::shared_ptr<Gpt2Block>> blocks;  // null: another stage's
+  std::shared_ptr<nn::LayerNorm> ln_f;             // last stage
+  std::shared_ptr<nn::Linear> lm_head;             // last stage
+
+ protected:
+  bool first_stage() const override { return first_stage_; }
+  bool last_stage() const override { return last_stage_; }
+
+  // wte (vocab-parallel: this rank's rows, summed over the ranks) + wpe.
+  absl::StatusOr<at::Tensor> StageEmbed(const at::Tensor& ids, const at::Tensor& positions,
+                                        const std::vector<SequenceChunk>& chunks,
+                                        const at::Device& home,
+                                        dispatch::DispatchedModel* dispatched,
+                                        internal::StepState& step) override {
+    (void)chunks;
     absl::StatusOr<at::Tensor> x =
         InScope(dispatched, "transformer.wte", home, [&](const at::Device& d) {
-          at::Tensor rows = input_ids.to(d).unsqueeze(0);
+          at::Tensor rows = ids.to(d).unsqueeze(0);
           if (tp_.size == 1) return wte->forward(rows);
           // Vocab-parallel: this rank's rows; other ids read row 0, zeroed.
           rows = rows - shard_.first_vocab;
@@ -157,43 +210,69 @@ class Gpt2LM : public CausalLM {
               wte->forward(rows.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0),
               step);
         });
-    if (!x.ok()) return kept(x.status());
-    x = InScope(dispatched, "transformer.wpe", home,
-                [&](const at::Device& d) { return x->to(d) + wpe->forward(positions.to(d)); });
-    if (!x.ok()) return x.status();
-    for (size_t i = 0; i < n; ++i) {
-      x = InScope(dispatched, absl::StrCat("transformer.h.", i), home, [&](const at::Device& d) {
-        return blocks[i]->forward(x->to(d), chunks, i, step);
-      });
-      if (!x.ok()) return kept(x.status());
-    }
-    if (which == Logits::kLastOfEach) {
-      ACCEL_RETURN_IF_ERROR(
-          CallTorch([&] { *x = x->index_select(1, LastTokens(chunks).to(x->device())); }));
-    }
-    x = InScope(dispatched, "transformer.ln_f", home,
-                [&](const at::Device& d) { return ln_f->forward(x->to(d)); });
-    if (!x.ok()) return x.status();
-    x = InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
-      at::Tensor logits = lm_head->forward(x->to(d));
-      return tp_.size > 1 ? internal::GatherVocab(logits, tp_, shard_, config().vocab_size, step)
-                          : logits;
-    });
-    if (!x.ok()) return kept(x.status());
-    ACCEL_RETURN_IF_ERROR(internal::CheckWeightFiles());  // a fault during this step
-    AdvanceCaches(input_ids, chunks);
-    return (*x)[0].to(home, at::kFloat);
+    if (!x.ok()) return Kept(step, x.status());
+    return InScope(dispatched, "transformer.wpe", home,
+                   [&](const at::Device& d) { return x->to(d) + wpe->forward(positions.to(d)); });
   }
 
-  std::shared_ptr<dispatch::Layer> transformer;
-  std::shared_ptr<nn::Embedding> wte, wpe;
-  std::vector<std::shared_ptr<Gpt2Block>> blocks;
-  std::shared_ptr<nn::LayerNorm> ln_f;
-  std::shared_ptr<nn::Linear> lm_head;
+  absl::StatusOr<at::Tensor> StageLayers(at::Tensor x, const at::Tensor& positions,
+                                         const std::vector<SequenceChunk>& chunks,
+                                         const at::Device& home,
+                                         dispatch::DispatchedModel* dispatched,
+                                         internal::StepState& step) override {
+    (void)positions;
+    for (int64_t l = first_layer_; l < last_layer_; ++l) {
+      const size_t i = static_cast<size_t>(l);
+      absl::StatusOr<at::Tensor> out = InScope(
+          dispatched, absl::StrCat("transformer.h.", i), home,
+          [&](const at::Device& d) { return blocks[i]->forward(x.to(d), chunks, i, step); });
+      if (!out.ok()) return Kept(step, out.status());
+      x = *std::move(out);
+    }
+    return x;
+  }
+
+  absl::StatusOr<at::Tensor> StageHead(const at::Tensor& x, const at::Device& home,
+                                       dispatch::DispatchedModel* dispatched,
+                                       internal::StepState& step) override {
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor normed,
+                           InScope(dispatched, "transformer.ln_f", home,
+                                   [&](const at::Device& d) { return ln_f->forward(x.to(d)); }));
+    absl::StatusOr<at::Tensor> logits =
+        InScope(dispatched, "lm_head", home, [&](const at::Device& d) {
+          at::Tensor out = lm_head->forward(normed.to(d));
+          return tp_.size > 1 ? internal::GatherVocab(out, tp_, shard_, config().vocab_size, step)
+                              : out;
+        });
+    if (!logits.ok()) return Kept(step, logits.status());
+    return logits;
+  }
 
  private:
-  TensorParallel tp_;
+  // The step's positions: InvalidArgument for chunks that do not match the
+  // ids, an id outside the vocabulary, or a position past wpe's.
+  absl::StatusOr<at::Tensor> Positions(const at::Tensor& input_ids,
+                                       absl::Span<const SequenceChunk> chunks) {
+    ACCEL_RETURN_IF_ERROR(internal::CheckWeightFiles());
+    ACCEL_ASSIGN_OR_RETURN(
+        at::Tensor positions,
+        PreparePositions(input_ids, chunks, config(), static_cast<size_t>(blocks.size())));
+    const int64_t limit = config().max_position_embeddings;
+    if (const int64_t last = positions.max().item<int64_t>(); last >= limit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("position ", last, " is past GPT-2's ", limit, " positions"));
+    }
+    return positions;
+  }
+
+  // A failure a collective kept wins over the torch error that unwound it.
+  static absl::Status Kept(const internal::StepState& step, absl::Status status) {
+    return step.failure.ok() ? status : step.failure;
+  }
+
   ShardShape shard_;
+  int64_t first_layer_ = 0, last_layer_ = 0;
+  bool first_stage_ = true, last_stage_ = true;
 };
 
 }  // namespace

@@ -117,13 +117,7 @@ absl::Status CheckPipelineParallel(const loader::ModelConfig& c, int stages) {
         absl::StrCat("pipeline_parallel_size ", stages, ": must be at least 1"));
   }
   if (stages == 1) return absl::OkStatus();
-  ACCEL_ASSIGN_OR_RETURN(ResolvedConfig r, ResolveConfig(c));
-  if (r.family.mlp == MlpKind::kGpt2) {
-    return absl::UnimplementedError(absl::StrCat("pipeline_parallel_size ", stages, ": ",
-                                                 r.family.architecture,
-                                                 " is not split into stages yet; serve it on one "
-                                                 "process"));
-  }
+  ACCEL_RETURN_IF_ERROR(ResolveConfig(c).status());
   if (stages > c.num_hidden_layers) {
     return absl::InvalidArgumentError(absl::StrCat(
         "pipeline_parallel_size ", stages, ": more stages than config.json's num_hidden_layers (",
@@ -406,6 +400,26 @@ class ShardingHook : public dispatch::LoadHook {
     Slice skip;
     skip.kind = Slice::Kind::kSkip;
     const bool tied = r_.config.tie_word_embeddings;
+    if (r_.family.mlp == MlpKind::kGpt2) {
+      // transformer.wte / wpe / h.<i> / ln_f (the prefix is optional in
+      // GPT-2 checkpoints), lm_head.
+      absl::string_view local = name;
+      absl::ConsumePrefix(&local, "transformer.");
+      bool mine = true;
+      int64_t layer = -1;
+      const std::vector<std::string> parts = absl::StrSplit(local, '.');
+      if (local == "wte.weight") {
+        mine = first_stage_ || (last_stage_ && tied);
+      } else if (absl::StartsWith(local, "wpe.")) {
+        mine = first_stage_;
+      } else if (local == "lm_head.weight" || absl::StartsWith(local, "ln_f.")) {
+        mine = last_stage_;
+      } else if (parts.size() >= 2 && parts[0] == "h" && absl::SimpleAtoi(parts[1], &layer)) {
+        mine = layer >= first_layer_ && layer < last_layer_;
+      }
+      if (mine) return std::nullopt;
+      return skip;
+    }
     if (name == "model.embed_tokens.weight") {
       if (first_stage_ || (last_stage_ && tied)) return std::nullopt;
       return skip;

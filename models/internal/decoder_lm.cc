@@ -576,11 +576,11 @@ class DecoderModel : public Layer {
   std::shared_ptr<nn::RotaryEmbedding> rotary_emb, rotary_emb_local;
 };
 
-class DecoderLM : public CausalLM {
+class DecoderLM : public StagedLM {
  public:
   DecoderLM(const ResolvedConfig& r, const TensorParallel& tp, const ShardShape& shard,
             at::ScalarType dtype, std::vector<std::shared_ptr<nn::RotaryEmbedding>> rotaries)
-      : CausalLM(r.family.architecture, r.config, dtype), r_(r), tp_(tp), shard_(shard) {
+      : StagedLM(r.family.architecture, r.config, dtype, tp), r_(r), shard_(shard) {
     model = register_module(
         "model", std::make_shared<DecoderModel>(r, tp, shard, dtype, std::move(rotaries)));
     if (model->last_stage) {
@@ -630,6 +630,32 @@ class DecoderLM : public CausalLM {
 
   int64_t recompute_after() const override { return model->rotary_emb->long_after(); }
 
+ protected:
+  bool first_stage() const override { return model->first_stage; }
+  bool last_stage() const override { return model->last_stage; }
+  absl::StatusOr<at::Tensor> StageEmbed(const at::Tensor& ids, const at::Tensor& positions,
+                                        const std::vector<SequenceChunk>& chunks,
+                                        const at::Device& home,
+                                        dispatch::DispatchedModel* dispatched,
+                                        StepState& step) override {
+    (void)positions;
+    (void)chunks;
+    return Embed(ids, home, dispatched, step);
+  }
+  absl::StatusOr<at::Tensor> StageLayers(at::Tensor x, const at::Tensor& positions,
+                                         const std::vector<SequenceChunk>& chunks,
+                                         const at::Device& home,
+                                         dispatch::DispatchedModel* dispatched,
+                                         StepState& step) override {
+    return RunLayers(std::move(x), positions, chunks, home, dispatched, step);
+  }
+  absl::StatusOr<at::Tensor> StageHead(const at::Tensor& x, const at::Device& home,
+                                       dispatch::DispatchedModel* dispatched,
+                                       StepState& step) override {
+    return Head(x, home, dispatched, step);
+  }
+
+ public:
   bool SupportsStaticDecode() const override {
     return model->rotary_emb->long_after() == 0 && tp_.size == 1 && tp_.pipeline_size == 1;
   }
@@ -858,173 +884,6 @@ class DecoderLM : public CausalLM {
     return head;
   }
 
-  // One pipeline-parallel step on this rank's stage. The step's chunks are
-  // cut into micro-batches (PipelineMicroBatches, the same cut on every
-  // rank); every receive of the step is posted first and every send is
-  // asynchronous, so a stage runs micro-batch k + 1 while the next stage
-  // runs k and the bytes of k + 2 travel (GPipe's fill and drain within
-  // the step). The last stage's first rank sends each micro-batch's float32
-  // logits to world rank 0, whose Forward returns them concatenated in the
-  // step's row order (the micro-batches are contiguous). Sequences' KV
-  // caches are their own, so the micro-batches are independent; the caches
-  // advance once every micro-batch has run.
-  absl::StatusOr<at::Tensor> PipelineForward(const at::Tensor& ids,
-                                             const std::vector<SequenceChunk>& chunks, Logits which,
-                                             dispatch::DispatchedModel* dispatched,
-                                             StepState& step) {
-    ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<PipelineStep> started,
-                           PipelineStart(ids, chunks, which, dispatched, step));
-    ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, PipelineFinish(*started));
-    AdvanceCaches(ids, chunks);
-    return logits;
-  }
-
-  // A pipeline step whose stage has run on this rank: its sends and the
-  // leader's logits receives still in flight.
-  struct PipelineMicroBatch {
-    at::Tensor ids;
-    std::vector<SequenceChunk> chunks;
-    at::Tensor inbox, logits;  // the previous stage's hidden states; the leader's logits
-    std::unique_ptr<dist::PendingWork> received, logits_received;
-  };
-  struct PipelineStep {
-    at::Device home = at::kCPU;
-    int last_stage_first = 0;
-    std::vector<PipelineMicroBatch> batches;
-    std::vector<std::unique_ptr<dist::PendingWork>> sends;
-  };
-
-  // The stage's part of the step: receives posted, every micro-batch run
-  // and its output sent. The caches have not advanced.
-  absl::StatusOr<std::shared_ptr<PipelineStep>> PipelineStart(
-      const at::Tensor& ids, const std::vector<SequenceChunk>& chunks, Logits which,
-      dispatch::DispatchedModel* dispatched, StepState& step) {
-    const at::Device home = ids.device();
-    auto started = std::make_shared<PipelineStep>();
-    started->home = home;
-    const size_t n = model->layers.size();
-    std::vector<int64_t> tokens;
-    int64_t step_tokens = 0;
-    for (const SequenceChunk& c : chunks) {
-      tokens.push_back(c.tokens);
-      step_tokens += c.tokens;
-    }
-    const std::vector<std::pair<size_t, size_t>> cuts = PipelineMicroBatches(
-        tokens, tp_.pipeline_micro_batches > 0
-                    ? tp_.pipeline_micro_batches
-                    : PipelineAutoMicroBatches(step_tokens, tp_.pipeline_size));
-    const int previous = tp_.world_rank() - tp_.size, next = tp_.world_rank() + tp_.size;
-    const int last_stage_first = (tp_.pipeline_size - 1) * tp_.size;
-    const bool leader = tp_.world_rank() == 0;
-    const bool sends_logits = model->last_stage && tp_.rank == 0;
-    started->last_stage_first = last_stage_first;
-    std::vector<PipelineMicroBatch>& batches = started->batches;
-    batches.resize(cuts.size());
-    ACCEL_RETURN_IF_ERROR(CallTorch([&] {
-      int64_t offset = 0;
-      for (size_t k = 0; k < cuts.size(); ++k) {
-        PipelineMicroBatch& b = batches[k];
-        b.chunks.assign(chunks.begin() + static_cast<std::ptrdiff_t>(cuts[k].first),
-                        chunks.begin() + static_cast<std::ptrdiff_t>(cuts[k].second));
-        int64_t count = 0, rows = 0;
-        for (const SequenceChunk& c : b.chunks) {
-          count += c.tokens;
-          rows += std::min(std::max<int64_t>(c.logit_tokens, 1), c.tokens);
-        }
-        b.ids = ids.narrow(0, offset, count);
-        offset += count;
-        // gloo fills these on its own threads: normal tensors, not inference ones.
-        c10::InferenceMode normal(false);
-        if (!model->first_stage) {
-          b.inbox = at::empty({1, count, config().hidden_size}, at::dtype(dtype()));
-        }
-        if (leader) {
-          b.logits =
-              at::empty({which == Logits::kAll ? count : rows, config().vocab_size}, at::kFloat);
-        }
-      }
-    }));
-    // Every receive of the step, posted up front.
-    for (PipelineMicroBatch& b : batches) {
-      if (b.inbox.defined()) {
-        ACCEL_ASSIGN_OR_RETURN(
-            b.received, Transfer([&] { return tp_.world->RecvAsync(b.inbox, previous); }, false,
-                                 previous, "hidden states"));
-      }
-      if (b.logits.defined()) {
-        ACCEL_ASSIGN_OR_RETURN(
-            b.logits_received,
-            Transfer([&] { return tp_.world->RecvAsync(b.logits, last_stage_first); }, false,
-                     last_stage_first, "logits"));
-      }
-    }
-    std::vector<std::unique_ptr<dist::PendingWork>>& sends = started->sends;
-    const auto send = [&](at::Tensor tensor, int peer, const char* what) -> absl::Status {
-      AddCollectiveBytes(static_cast<int64_t>(tensor.nbytes()));
-      ACCEL_ASSIGN_OR_RETURN(
-          std::unique_ptr<dist::PendingWork> work,
-          Transfer([&] { return tp_.world->SendAsync(tensor, peer); }, true, peer, what));
-      sends.push_back(std::move(work));
-      return absl::OkStatus();
-    };
-    for (PipelineMicroBatch& b : batches) {
-      at::Tensor x;
-      if (model->first_stage) {
-        ACCEL_ASSIGN_OR_RETURN(x, Embed(b.ids, home, dispatched, step));
-      } else {
-        ACCEL_RETURN_IF_ERROR(Wait(*b.received, false, previous, "hidden states"));
-        x = b.inbox;
-      }
-      ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, PreparePositions(b.ids, b.chunks, config(), n));
-      ACCEL_ASSIGN_OR_RETURN(x,
-                             RunLayers(std::move(x), positions, b.chunks, home, dispatched, step));
-      if (!model->last_stage) {
-        ACCEL_RETURN_IF_ERROR(CallTorch([&] { x = x.to(at::kCPU, dtype()).contiguous(); }));
-        ACCEL_RETURN_IF_ERROR(send(x, next, "hidden states"));
-      } else {
-        if (which == Logits::kLastOfEach) {
-          ACCEL_RETURN_IF_ERROR(
-              CallTorch([&] { x = x.index_select(1, LastTokens(b.chunks).to(x.device())); }));
-        }
-        // Every rank of the stage takes part (a vocab-parallel head gathers);
-        // the first sends the logits to the leader, world rank 0, on the
-        // first stage.
-        ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, Head(x, home, dispatched, step));
-        if (sends_logits) {
-          ACCEL_RETURN_IF_ERROR(
-              CallTorch([&] { logits = logits[0].to(at::kCPU, at::kFloat).contiguous(); }));
-          ACCEL_RETURN_IF_ERROR(send(logits, 0, "logits"));
-        }
-      }
-      micro_batches_run += 1;
-    }
-    return started;
-  }
-
-  // The rest of a started step: its sends done, and on the leader the
-  // logits of its micro-batches, concatenated (nothing on other ranks).
-  absl::StatusOr<at::Tensor> PipelineFinish(PipelineStep& started) {
-    const int last_stage_first = started.last_stage_first;
-    std::vector<std::unique_ptr<dist::PendingWork>>& sends = started.sends;
-    std::vector<at::Tensor> outputs;
-    for (size_t i = 0; i < sends.size(); ++i) {
-      ACCEL_RETURN_IF_ERROR(Wait(*sends[i], true, -1, "a micro-batch"));
-    }
-    for (PipelineMicroBatch& b : started.batches) {
-      if (!b.logits_received) continue;
-      ACCEL_RETURN_IF_ERROR(Wait(*b.logits_received, false, last_stage_first, "logits"));
-      outputs.push_back(b.logits);
-    }
-    ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
-    if (outputs.empty()) return at::Tensor();   // a worker with nothing to sample
-    at::Tensor logits;
-    ACCEL_RETURN_IF_ERROR(CallTorch(
-        [&] { logits = (outputs.size() == 1 ? outputs[0] : at::cat(outputs)).to(started.home); }));
-    return logits;
-  }
-
-  int pipeline_size() const override { return tp_.pipeline_size; }
-
   // Pipeline parallel: the stage runs now, the logits are waited for by
   // the returned PendingLogits (the leader keeps several steps in flight).
   absl::StatusOr<std::unique_ptr<PendingLogits>> Submit(
@@ -1049,46 +908,9 @@ class DecoderLM : public CausalLM {
     recompute->rows = std::move(rc.rows);
     return std::make_unique<PendingLogits>(
         [this, started, recompute, which]() -> absl::StatusOr<at::Tensor> {
-          ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, PipelineFinish(*started));
+          ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, PipelineFinish(started));
           return recompute->StepRows(logits, which);
         });
-  }
-
-  // Posts a send or receive to world rank `peer` (pipeline parallel).
-  // Unavailable naming what moves when it cannot be posted.
-  template <typename Post>
-  absl::StatusOr<std::unique_ptr<dist::PendingWork>> Transfer(Post post, bool send, int peer,
-                                                              const char* what) {
-    absl::StatusOr<std::unique_ptr<dist::PendingWork>> work;
-    {
-      c10::InferenceMode normal(false);  // gloo reads and fills buffers on its own threads
-      work = post();
-    }
-    if (!work.ok()) return Moved(work.status(), send, peer, what);
-    return work;
-  }
-
-  // Waits for a posted send or receive, counted as collective time.
-  // Unavailable naming what moved when the peer is gone or silent past the
-  // group's timeout.
-  absl::Status Wait(dist::PendingWork& work, bool send, int peer, const char* what) {
-    const auto start = std::chrono::steady_clock::now();
-    absl::Status moved;
-    {
-      c10::InferenceMode normal(false);
-      moved = work.Wait();
-    }
-    AddCollectiveNanos(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                           std::chrono::steady_clock::now() - start)
-                           .count());
-    return moved.ok() ? moved : Moved(moved, send, peer, what);
-  }
-
-  static absl::Status Moved(const absl::Status& status, bool send, int peer, const char* what) {
-    return absl::UnavailableError(absl::StrCat(
-        "pipeline parallel: ", send ? "sending " : "receiving ", what,
-        peer >= 0 ? absl::StrCat(send ? " to" : " from", " rank ", peer) : std::string(),
-        " failed: ", status.message()));
   }
 
   at::Tensor GatherVocab(const at::Tensor& logits, StepState& step) {
@@ -1096,11 +918,222 @@ class DecoderLM : public CausalLM {
   }
 
   ResolvedConfig r_;
-  TensorParallel tp_;
   ShardShape shard_;
 };
 
 }  // namespace
+
+// ---------------------------------------------------------------------------
+// StagedLM: the pipeline-parallel step every staged model shares.
+
+StagedLM::StagedLM(const std::string& class_name, const loader::ModelConfig& config,
+                   at::ScalarType dtype, const TensorParallel& tp)
+    : CausalLM(class_name, config, dtype), tp_(tp) {}
+
+// A pipeline step whose stage has run on this rank: its sends and the
+// leader's logits receives still in flight.
+struct StagedLM::PipelineMicroBatch {
+  at::Tensor ids;
+  std::vector<SequenceChunk> chunks;
+  at::Tensor inbox, logits;  // the previous stage's hidden states; the leader's logits
+  std::unique_ptr<dist::PendingWork> received, logits_received;
+};
+struct StagedLM::PipelineStep {
+  at::Device home = at::kCPU;
+  int last_stage_first = 0;
+  std::vector<PipelineMicroBatch> batches;
+  std::vector<std::unique_ptr<dist::PendingWork>> sends;
+};
+
+// Posts a send or receive to world rank `peer` (pipeline parallel).
+// Unavailable naming what moves when it cannot be posted.
+template <typename Post>
+absl::StatusOr<std::unique_ptr<dist::PendingWork>> StagedLM::Transfer(Post post, bool send,
+                                                                      int peer, const char* what) {
+  absl::StatusOr<std::unique_ptr<dist::PendingWork>> work;
+  {
+    c10::InferenceMode normal(false);  // gloo reads and fills buffers on its own threads
+    work = post();
+  }
+  if (!work.ok()) return Moved(work.status(), send, peer, what);
+  return work;
+}
+
+// Waits for a posted send or receive, counted as collective time.
+// Unavailable naming what moved when the peer is gone or silent past the
+// group's timeout.
+absl::Status StagedLM::Wait(dist::PendingWork& work, bool send, int peer, const char* what) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status moved;
+  {
+    c10::InferenceMode normal(false);
+    moved = work.Wait();
+  }
+  AddCollectiveNanos(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+  return moved.ok() ? moved : Moved(moved, send, peer, what);
+}
+
+absl::Status StagedLM::Moved(const absl::Status& status, bool send, int peer, const char* what) {
+  return absl::UnavailableError(
+      absl::StrCat("pipeline parallel: ", send ? "sending " : "receiving ", what,
+                   peer >= 0 ? absl::StrCat(send ? " to" : " from", " rank ", peer) : std::string(),
+                   " failed: ", status.message()));
+}
+
+// One pipeline-parallel step on this rank's stage. The step's chunks are
+// cut into micro-batches (PipelineMicroBatches, the same cut on every
+// rank); every receive of the step is posted first and every send is
+// asynchronous, so a stage runs micro-batch k + 1 while the next stage
+// runs k and the bytes of k + 2 travel (GPipe's fill and drain within
+// the step). The last stage's first rank sends each micro-batch's float32
+// logits to world rank 0, whose Forward returns them concatenated in the
+// step's row order (the micro-batches are contiguous). Sequences' KV
+// caches are their own, so the micro-batches are independent; the caches
+// advance once every micro-batch has run.
+absl::StatusOr<at::Tensor> StagedLM::PipelineForward(const at::Tensor& ids,
+                                                     const std::vector<SequenceChunk>& chunks,
+                                                     Logits which,
+                                                     dispatch::DispatchedModel* dispatched,
+                                                     StepState& step) {
+  ACCEL_ASSIGN_OR_RETURN(std::shared_ptr<PipelineStep> started,
+                         PipelineStart(ids, chunks, which, dispatched, step));
+  ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, PipelineFinish(started));
+  AdvanceCaches(ids, chunks);
+  return logits;
+}
+
+// The stage's part of the step: receives posted, every micro-batch run
+// and its output sent. The caches have not advanced.
+absl::StatusOr<std::shared_ptr<StagedLM::PipelineStep>> StagedLM::PipelineStart(
+    const at::Tensor& ids, const std::vector<SequenceChunk>& chunks, Logits which,
+    dispatch::DispatchedModel* dispatched, StepState& step) {
+  const at::Device home = ids.device();
+  auto started = std::make_shared<PipelineStep>();
+  started->home = home;
+  const size_t n = static_cast<size_t>(config().num_hidden_layers);
+  std::vector<int64_t> tokens;
+  int64_t step_tokens = 0;
+  for (const SequenceChunk& c : chunks) {
+    tokens.push_back(c.tokens);
+    step_tokens += c.tokens;
+  }
+  const std::vector<std::pair<size_t, size_t>> cuts =
+      PipelineMicroBatches(tokens, tp_.pipeline_micro_batches > 0
+                                       ? tp_.pipeline_micro_batches
+                                       : PipelineAutoMicroBatches(step_tokens, tp_.pipeline_size));
+  const int previous = tp_.world_rank() - tp_.size, next = tp_.world_rank() + tp_.size;
+  const int last_stage_first = (tp_.pipeline_size - 1) * tp_.size;
+  const bool leader = tp_.world_rank() == 0;
+  const bool sends_logits = last_stage() && tp_.rank == 0;
+  started->last_stage_first = last_stage_first;
+  std::vector<PipelineMicroBatch>& batches = started->batches;
+  batches.resize(cuts.size());
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    int64_t offset = 0;
+    for (size_t k = 0; k < cuts.size(); ++k) {
+      PipelineMicroBatch& b = batches[k];
+      b.chunks.assign(chunks.begin() + static_cast<std::ptrdiff_t>(cuts[k].first),
+                      chunks.begin() + static_cast<std::ptrdiff_t>(cuts[k].second));
+      int64_t count = 0, rows = 0;
+      for (const SequenceChunk& c : b.chunks) {
+        count += c.tokens;
+        rows += std::min(std::max<int64_t>(c.logit_tokens, 1), c.tokens);
+      }
+      b.ids = ids.narrow(0, offset, count);
+      offset += count;
+      // gloo fills these on its own threads: normal tensors, not inference ones.
+      c10::InferenceMode normal(false);
+      if (!first_stage()) {
+        b.inbox = at::empty({1, count, config().hidden_size}, at::dtype(dtype()));
+      }
+      if (leader) {
+        b.logits =
+            at::empty({which == Logits::kAll ? count : rows, config().vocab_size}, at::kFloat);
+      }
+    }
+  }));
+  // Every receive of the step, posted up front.
+  for (PipelineMicroBatch& b : batches) {
+    if (b.inbox.defined()) {
+      ACCEL_ASSIGN_OR_RETURN(
+          b.received, Transfer([&] { return tp_.world->RecvAsync(b.inbox, previous); }, false,
+                               previous, "hidden states"));
+    }
+    if (b.logits.defined()) {
+      ACCEL_ASSIGN_OR_RETURN(
+          b.logits_received,
+          Transfer([&] { return tp_.world->RecvAsync(b.logits, last_stage_first); }, false,
+                   last_stage_first, "logits"));
+    }
+  }
+  std::vector<std::unique_ptr<dist::PendingWork>>& sends = started->sends;
+  const auto send = [&](at::Tensor tensor, int peer, const char* what) -> absl::Status {
+    AddCollectiveBytes(static_cast<int64_t>(tensor.nbytes()));
+    ACCEL_ASSIGN_OR_RETURN(
+        std::unique_ptr<dist::PendingWork> work,
+        Transfer([&] { return tp_.world->SendAsync(tensor, peer); }, true, peer, what));
+    sends.push_back(std::move(work));
+    return absl::OkStatus();
+  };
+  for (PipelineMicroBatch& b : batches) {
+    at::Tensor x;
+    ACCEL_ASSIGN_OR_RETURN(at::Tensor positions, PreparePositions(b.ids, b.chunks, config(), n));
+    if (first_stage()) {
+      ACCEL_ASSIGN_OR_RETURN(x, StageEmbed(b.ids, positions, b.chunks, home, dispatched, step));
+    } else {
+      ACCEL_RETURN_IF_ERROR(Wait(*b.received, false, previous, "hidden states"));
+      x = b.inbox;
+    }
+    ACCEL_ASSIGN_OR_RETURN(x,
+                           StageLayers(std::move(x), positions, b.chunks, home, dispatched, step));
+    if (!last_stage()) {
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { x = x.to(at::kCPU, dtype()).contiguous(); }));
+      ACCEL_RETURN_IF_ERROR(send(x, next, "hidden states"));
+    } else {
+      if (which == Logits::kLastOfEach) {
+        ACCEL_RETURN_IF_ERROR(
+            CallTorch([&] { x = x.index_select(1, LastTokens(b.chunks).to(x.device())); }));
+      }
+      // Every rank of the stage takes part (a vocab-parallel head gathers);
+      // the first sends the logits to the leader, world rank 0, on the
+      // first stage.
+      ACCEL_ASSIGN_OR_RETURN(at::Tensor logits, StageHead(x, home, dispatched, step));
+      if (sends_logits) {
+        ACCEL_RETURN_IF_ERROR(
+            CallTorch([&] { logits = logits[0].to(at::kCPU, at::kFloat).contiguous(); }));
+        ACCEL_RETURN_IF_ERROR(send(logits, 0, "logits"));
+      }
+    }
+    micro_batches_run += 1;
+  }
+  return started;
+}
+
+// The rest of a started step: its sends done, and on the leader the
+// logits of its micro-batches, concatenated (nothing on other ranks).
+absl::StatusOr<at::Tensor> StagedLM::PipelineFinish(
+    const std::shared_ptr<PipelineStep>& step_started) {
+  PipelineStep& started = *step_started;
+  const int last_stage_first = started.last_stage_first;
+  std::vector<std::unique_ptr<dist::PendingWork>>& sends = started.sends;
+  std::vector<at::Tensor> outputs;
+  for (size_t i = 0; i < sends.size(); ++i) {
+    ACCEL_RETURN_IF_ERROR(Wait(*sends[i], true, -1, "a micro-batch"));
+  }
+  for (PipelineMicroBatch& b : started.batches) {
+    if (!b.logits_received) continue;
+    ACCEL_RETURN_IF_ERROR(Wait(*b.logits_received, false, last_stage_first, "logits"));
+    outputs.push_back(b.logits);
+  }
+  ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
+  if (outputs.empty()) return at::Tensor();   // a worker with nothing to sample
+  at::Tensor logits;
+  ACCEL_RETURN_IF_ERROR(CallTorch(
+      [&] { logits = (outputs.size() == 1 ? outputs[0] : at::cat(outputs)).to(started.home); }));
+  return logits;
+}
 
 void AddCollectiveNanos(int64_t nanos) { collective_nanos += nanos; }
 void AddCollectiveBytes(int64_t bytes) { collective_bytes += bytes; }

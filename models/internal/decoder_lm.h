@@ -6,6 +6,8 @@
 #define ACCEL_MODELS_INTERNAL_DECODER_LM_H_
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -49,6 +51,72 @@ at::Tensor SumOverRanks(const at::Tensor& x, StepState& step);
 // gather). A failed gather unwinds through Fail.
 at::Tensor GatherVocab(const at::Tensor& logits, const TensorParallel& tp, const ShardShape& shard,
                        int64_t vocab_size, StepState& step);
+
+// A model whose layers split into pipeline stages (the decoder families'
+// DecoderLM, GPT-2's model): the pipeline-parallel step, with this rank's
+// stage given by the model's three parts. The step's chunks are cut into
+// micro-batches (PipelineMicroBatches, the same cut on every rank); every
+// receive of the step is posted first and every send is asynchronous, so a
+// stage runs micro-batch k + 1 while the next stage runs k (GPipe's fill and
+// drain within the step). The last stage's first rank sends each
+// micro-batch's float32 logits to world rank 0.
+class StagedLM : public CausalLM {
+ public:
+  int pipeline_size() const override { return tp_.pipeline_size; }
+
+ protected:
+  StagedLM(const std::string& class_name, const loader::ModelConfig& config, at::ScalarType dtype,
+           const TensorParallel& tp);
+
+  // This rank's stage: whether it embeds the ids, whether it runs the head.
+  virtual bool first_stage() const = 0;
+  virtual bool last_stage() const = 0;
+  // [1, n, hidden]: the embedding of `ids` at `positions` (first stage).
+  virtual absl::StatusOr<at::Tensor> StageEmbed(const at::Tensor& ids, const at::Tensor& positions,
+                                                const std::vector<SequenceChunk>& chunks,
+                                                const at::Device& home,
+                                                dispatch::DispatchedModel* dispatched,
+                                                StepState& step) = 0;
+  // The stage's layers on `x` [1, n, hidden].
+  virtual absl::StatusOr<at::Tensor> StageLayers(at::Tensor x, const at::Tensor& positions,
+                                                 const std::vector<SequenceChunk>& chunks,
+                                                 const at::Device& home,
+                                                 dispatch::DispatchedModel* dispatched,
+                                                 StepState& step) = 0;
+  // The final norm and head on the sampled rows of `x` (last stage):
+  // [1, rows, vocab], gathered when vocab-parallel.
+  virtual absl::StatusOr<at::Tensor> StageHead(const at::Tensor& x, const at::Device& home,
+                                               dispatch::DispatchedModel* dispatched,
+                                               StepState& step) = 0;
+
+  struct PipelineMicroBatch;
+  // A step whose stage has run on this rank: its sends and the leader's
+  // logits receives still in flight.
+  struct PipelineStep;
+  // The whole step: started, finished, the caches advanced; on the leader
+  // the step's logits (nothing on other ranks).
+  absl::StatusOr<at::Tensor> PipelineForward(const at::Tensor& ids,
+                                             const std::vector<SequenceChunk>& chunks, Logits which,
+                                             dispatch::DispatchedModel* dispatched,
+                                             StepState& step);
+  // The stage's part of the step: receives posted, every micro-batch run
+  // and its output sent. The caches have not advanced.
+  absl::StatusOr<std::shared_ptr<PipelineStep>> PipelineStart(
+      const at::Tensor& ids, const std::vector<SequenceChunk>& chunks, Logits which,
+      dispatch::DispatchedModel* dispatched, StepState& step);
+  // The rest of a started step: its sends done, and on the leader the
+  // logits of its micro-batches, concatenated.
+  absl::StatusOr<at::Tensor> PipelineFinish(const std::shared_ptr<PipelineStep>& started);
+
+  TensorParallel tp_;
+
+ private:
+  template <typename Post>
+  absl::StatusOr<std::unique_ptr<dist::PendingWork>> Transfer(Post post, bool send, int peer,
+                                                              const char* what);
+  absl::Status Wait(dist::PendingWork& work, bool send, int peer, const char* what);
+  static absl::Status Moved(const absl::Status& status, bool send, int peer, const char* what);
+};
 
 // Adds a collective's time to CollectiveSeconds(), which
 // TensorParallelCollectiveSeconds() reports.

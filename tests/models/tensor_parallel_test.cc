@@ -728,8 +728,9 @@ TEST(CheckPipelineParallel, RefusesWhatCannotSplitByName) {
   EXPECT_THAT(CheckPipelineParallel(Config(o), 0),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("at least 1")));
   o = Small("gpt2");
-  EXPECT_THAT(CheckPipelineParallel(Config(o), 2),
-              StatusIs(absl::StatusCode::kUnimplemented, HasSubstr("GPT2LMHeadModel")));
+  EXPECT_THAT(CheckPipelineParallel(Config(o), 2), IsOk());
+  EXPECT_THAT(CheckPipelineParallel(Config(o), 3),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("num_hidden_layers (2)")));
   o = Small("phi3");
   o.longrope_factor = 4;
   EXPECT_THAT(CheckPipelineParallel(Config(o), 2), IsOk());
@@ -779,6 +780,54 @@ TEST(PipelineParallel, EachStageHoldsItsLayers) {
     EXPECT_EQ(has(names[1], "model.embed_tokens."), tied);
     EXPECT_EQ(has(names[1], "lm_head."), !tied);  // tied: the embedding's tensor
   }
+}
+
+// GPT-2's stages: wte and wpe on the first, h.<i> as vLLM splits them, ln_f
+// and wte (the tied head's tensor) on the last; the sharding hook skips
+// the other stages' tensors unread.
+TEST(PipelineParallel, Gpt2StagesHoldTheirBlocks) {
+  MakeModelOptions o = Small("gpt2");
+  o.num_layers = 3;
+  TempDir dir;
+  ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
+  std::vector<std::vector<std::string>> names(2);
+  for (int stage = 0; stage < 2; ++stage) {
+    TensorParallel pp;
+    pp.pipeline_rank = stage;
+    pp.pipeline_size = 2;
+    absl::StatusOr<dispatch::ModuleTree> tree = ModuleTreeFor(Config(o), at::kFloat, pp);
+    ASSERT_THAT(tree, IsOk());
+    for (const auto& p : tree->NamedParameters()) names[stage].push_back(p.name);
+    // The loaded stage holds the same tensors, each equal to the whole model's.
+    ModelLoadOptions load;
+    load.device_map = "cpu";
+    load.progress = Progress::Style::kSilent;
+    load.tensor_parallel = pp;
+    absl::StatusOr<LoadedModel> loaded = LoadModel(dir.path(), load);
+    ASSERT_THAT(loaded, IsOk());
+    LoadedModel whole = Load(dir.path(), 0, 1);
+    ASSERT_TRUE(whole.model);
+    const std::map<std::string, at::Tensor> all = Parameters(whole);
+    for (const auto& [name, t] : Parameters(*loaded)) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(all.count(name));
+      EXPECT_TRUE(at::equal(t, all.at(name)));
+    }
+  }
+  const auto has = [](const std::vector<std::string>& all, absl::string_view prefix) {
+    for (const std::string& n : all) {
+      if (absl::StartsWith(n, prefix)) return true;
+    }
+    return false;
+  };
+  EXPECT_TRUE(has(names[0], "transformer.h.0.") && has(names[0], "transformer.h.1."));
+  EXPECT_FALSE(has(names[0], "transformer.h.2."));
+  EXPECT_TRUE(has(names[1], "transformer.h.2."));
+  EXPECT_FALSE(has(names[1], "transformer.h.0.") || has(names[1], "transformer.h.1."));
+  EXPECT_TRUE(has(names[0], "transformer.wte.") && has(names[0], "transformer.wpe."));
+  EXPECT_FALSE(has(names[0], "transformer.ln_f."));
+  EXPECT_TRUE(has(names[1], "transformer.ln_f.") && has(names[1], "transformer.wte."));
+  EXPECT_FALSE(has(names[1], "transformer.wpe."));
 }
 
 // Greedy decoding of three sequences on paged caches where the third joins
@@ -949,7 +998,7 @@ TEST(PipelineParallelRank, Run) {
 TEST(PipelineParallel, StagesDecodeAsOneProcess) {
   TempDir dir;
   std::vector<std::string> cases;
-  for (const char* family : {"llama", "mixtral", "qwen3_moe"}) {
+  for (const char* family : {"llama", "mixtral", "qwen3_moe", "gpt2"}) {
     MakeModelOptions o = Small(family);
     o.num_layers = 4;
     o.dtype = at::kFloat;
