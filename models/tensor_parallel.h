@@ -15,6 +15,10 @@
 //                slice read zeros, then all-reduce
 //   lm_head      vocab-parallel rows, logits all-gathered
 //   norms, routers, the shared expert's gate: replicated
+//   GPT-2        the same split of its Conv1D layers (W [in, out]: columns
+//                where the others take rows): c_attn by heads within each
+//                of its q, k, v thirds, attn.c_proj / mlp.c_proj by rows,
+//                mlp.c_fc by columns, wte as embed_tokens; wpe replicated
 //
 // Biases of row-parallel layers are held by rank 0 only (the others hold
 // zeros), so the all-reduce adds them once. Quantization (nf4 / int8) runs

@@ -448,6 +448,37 @@ TEST_F(GenerateToolTest, SplitOverRanksGeneratesAsOneProcess) {
   EXPECT_THAT(micro.out, HasSubstr("--pipeline_micro_batches must be 0 or more"));
 }
 
+// GPT-2 (Conv1D layers, learned positions, a tied head) and a Phi-3
+// LongRoPE model split over ranks by accel-generate's engine: the greedy
+// tokens are one process's. The LongRoPE prompt of 60 ids reaches the
+// original context (64) after 4 tokens, so a decode step recomputes the
+// sequence on every rank.
+TEST_F(GenerateToolTest, Gpt2AndLongRopeSplitOverRanksGenerateAsOneProcess) {
+  std::string long_prompt;
+  for (int i = 0; i < 60; ++i) {
+    long_prompt += (i == 0 ? "" : ",") + std::to_string((37 * i + 5) % 500);
+  }
+  for (const std::string family : {"gpt2 --num_layers 2", "phi3 --longrope_factor 4"}) {
+    SCOPED_TRACE(family);
+    model_ = dir_.path() + "/" + family.substr(0, 4);
+    Result made = RunTool("accel-make-model " + model_ + " --family " + family);
+    ASSERT_EQ(made.exit_code, 0) << made.out;
+    const std::string flags =
+        "--input_ids " + long_prompt + " --max_new_tokens 10 --ignore_eos --parallel_timeout 30s ";
+    const nlohmann::json one = Json(flags);
+    ASSERT_TRUE(one.is_object());
+    ASSERT_EQ(one["token_ids"].size(), 10u);
+    for (const std::string split : {"--tensor_parallel_size 2", "--pipeline_parallel_size 2",
+                                    "--tensor_parallel_size 2 --pipeline_parallel_size 2"}) {
+      SCOPED_TRACE(split);
+      const nlohmann::json parallel =
+          Json(flags + split + " --master_port " + std::to_string(test::FreePort()));
+      ASSERT_TRUE(parallel.is_object());
+      EXPECT_EQ(parallel["token_ids"], one["token_ids"]);
+    }
+  }
+}
+
 // --regex / --json_schema / --grammar: the random model's text follows them.
 TEST_F(GenerateToolTest, StructuredOutputFlags) {
   const std::string sampled = "--prompt hi --max_new_tokens 200 --temperature 1 --seed 3 ";
