@@ -124,8 +124,8 @@ int PipelineAutoMicroBatches(int64_t step_tokens, int stages);
 
 // InvalidArgument naming the field when `config`'s model cannot be split
 // into `stages` pipeline stages (more stages than num_hidden_layers, fewer
-// than 1); Unimplemented naming the architecture for GPT-2 (its model has
-// no stage split yet). OK for 1.
+// than 1). OK for 1. Every family splits, GPT-2 included (wte and wpe on
+// the first stage, ln_f and the tied head on the last).
 absl::Status CheckPipelineParallel(const loader::ModelConfig& config, int stages);
 
 // This rank's place in `world`, a group of `size` x stages ranks (world
