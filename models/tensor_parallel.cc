@@ -692,6 +692,17 @@ absl::Status TensorParallelLeader::Failed(const absl::Status& status) {
       absl::UnavailableError(absl::StrCat("tensor parallel step failed: ", status.message())));
 }
 
+absl::Status TensorParallelLeader::SendStep(const at::Tensor& input_ids,
+                                            absl::Span<const SequenceChunk> chunks, Logits which) {
+  if (broken_ || stopped_) {
+    return absl::UnavailableError(
+        "tensor parallel: the worker ranks are gone (an earlier collective failed)");
+  }
+  ACCEL_ASSIGN_OR_RETURN(std::string message,
+                         StepMessage(input_ids, chunks, which, shard_->recompute_after()));
+  return Send(message);
+}
+
 absl::StatusOr<at::Tensor> TensorParallelLeader::Forward(const at::Tensor& input_ids,
                                                          absl::Span<const SequenceChunk> chunks,
                                                          Logits which,
@@ -699,13 +710,7 @@ absl::StatusOr<at::Tensor> TensorParallelLeader::Forward(const at::Tensor& input
   absl::StatusOr<at::Tensor> logits;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (broken_ || stopped_) {
-      return absl::UnavailableError(
-          "tensor parallel: the worker ranks are gone (an earlier collective failed)");
-    }
-    ACCEL_ASSIGN_OR_RETURN(std::string message,
-                           StepMessage(input_ids, chunks, which, shard_->recompute_after()));
-    ACCEL_RETURN_IF_ERROR(Send(message));
+    ACCEL_RETURN_IF_ERROR(SendStep(input_ids, chunks, which));
     logits =
         shard_->Forward(input_ids, chunks, which, dispatched != nullptr ? dispatched : dispatched_);
   }
@@ -719,13 +724,7 @@ absl::StatusOr<std::unique_ptr<PendingLogits>> TensorParallelLeader::Submit(
   absl::StatusOr<std::unique_ptr<PendingLogits>> pending;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (broken_ || stopped_) {
-      return absl::UnavailableError(
-          "tensor parallel: the worker ranks are gone (an earlier collective failed)");
-    }
-    ACCEL_ASSIGN_OR_RETURN(std::string message,
-                           StepMessage(input_ids, chunks, which, shard_->recompute_after()));
-    ACCEL_RETURN_IF_ERROR(Send(message));
+    ACCEL_RETURN_IF_ERROR(SendStep(input_ids, chunks, which));
     pending =
         shard_->Submit(input_ids, chunks, which, dispatched != nullptr ? dispatched : dispatched_);
   }

@@ -199,6 +199,10 @@ class TensorParallelLeader : public CausalLM {
 
  private:
   absl::Status Send(const std::string& message);  // with mu_ held
+  // The step's message to the workers (Unavailable once the group broke);
+  // with mu_ held.
+  absl::Status SendStep(const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks,
+                        Logits which);
   // The step's message (InvalidArgument, nothing sent, for chunks that do
   // not match the ids or a contiguous cache).
   // `recompute_after`: the shard's recompute_after() (the chunks crossing it
