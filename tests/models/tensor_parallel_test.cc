@@ -29,7 +29,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/time.h"
 
+#include "core/status.h"
 #include "dist/env.h"
 #include "dist/process_group.h"
 #include "models/families.h"
@@ -452,14 +454,19 @@ int64_t ParameterBytes(torch::nn::Module& m) {
   return bytes;
 }
 
+// This worker process's group of every rank (test::RunRanks' environment),
+// each collective bounded by `timeout`.
+absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> ConnectWorld(absl::Duration timeout) {
+  ACCEL_ASSIGN_OR_RETURN(dist::ProcessEnvironment env,
+                         dist::DetectProcessEnvironment(dist::ProcessEnv()));
+  dist::ProcessGroupOptions options;
+  options.timeout = timeout;
+  return dist::ProcessGroup::Connect(env, options);
+}
+
 TEST(TensorParallelRank, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of TensorParallel.*";
-  absl::StatusOr<dist::ProcessEnvironment> env = dist::DetectProcessEnvironment(dist::ProcessEnv());
-  ASSERT_THAT(env, IsOk());
-  dist::ProcessGroupOptions options;
-  options.timeout = absl::Seconds(60);
-  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> group =
-      dist::ProcessGroup::Connect(*env, options);
+  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> group = ConnectWorld(absl::Seconds(60));
   ASSERT_THAT(group, IsOk());
   const int rank = (*group)->rank(), size = (*group)->size();
   // ACCEL_TP_CASES: "dir:quantize" entries separated by ','.
@@ -546,12 +553,7 @@ TEST(TensorParallel, TwoRanksDecodeAsOneProcess) {
 // later step and heartbeat, at once. Never a hang.
 TEST(TensorParallelFailureRank, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of TensorParallel.*";
-  absl::StatusOr<dist::ProcessEnvironment> env = dist::DetectProcessEnvironment(dist::ProcessEnv());
-  ASSERT_THAT(env, IsOk());
-  dist::ProcessGroupOptions options;
-  options.timeout = absl::Seconds(3);
-  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> group =
-      dist::ProcessGroup::Connect(*env, options);
+  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> group = ConnectWorld(absl::Seconds(3));
   ASSERT_THAT(group, IsOk());
   const int rank = (*group)->rank();
   absl::StatusOr<std::vector<std::string>> pids =
@@ -891,12 +893,7 @@ MixedRun GreedyMixed(CausalLM& model, dispatch::DispatchedModel* dispatched) {
 // Rank 0 drives the others and compares greedy tokens with one process.
 TEST(PipelineParallelRank, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of PipelineParallel.*";
-  absl::StatusOr<dist::ProcessEnvironment> env = dist::DetectProcessEnvironment(dist::ProcessEnv());
-  ASSERT_THAT(env, IsOk());
-  dist::ProcessGroupOptions options;
-  options.timeout = absl::Seconds(60);
-  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> world =
-      dist::ProcessGroup::Connect(*env, options);
+  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> world = ConnectWorld(absl::Seconds(60));
   ASSERT_THAT(world, IsOk());
   const int size = std::atoi(std::getenv("ACCEL_TP_SIZE"));
   const int stages = (*world)->size() / size;
@@ -1094,12 +1091,7 @@ LongRun GreedyLong(CausalLM& model, dispatch::DispatchedModel* dispatched) {
 // model in ACCEL_TP_CASES; rank 0 compares with one process.
 TEST(LongRopeRank, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of LongRope.*";
-  absl::StatusOr<dist::ProcessEnvironment> env = dist::DetectProcessEnvironment(dist::ProcessEnv());
-  ASSERT_THAT(env, IsOk());
-  dist::ProcessGroupOptions options;
-  options.timeout = absl::Seconds(60);
-  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> world =
-      dist::ProcessGroup::Connect(*env, options);
+  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> world = ConnectWorld(absl::Seconds(60));
   ASSERT_THAT(world, IsOk());
   const int size = std::atoi(std::getenv("ACCEL_TP_SIZE"));
   std::unique_ptr<dist::ProcessGroup> stage_group;
