@@ -49,6 +49,29 @@ std::vector<int64_t> Tokens(const GenerateResponse& response) {
   return {response.token_ids().begin(), response.token_ids().end()};
 }
 
+// Every request sent at once, each from its own thread: each succeeds with
+// the tokens `alone` holds for it (what one process made of it alone).
+void ExpectTogetherAsAlone(Generation::Stub& stub,
+                           const std::vector<accel::v1::GenerateRequest>& requests,
+                           const std::vector<std::vector<int64_t>>& alone) {
+  const size_t n = requests.size();
+  std::vector<std::vector<int64_t>> together(n);
+  std::vector<grpc::Status> statuses(n);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      GenerateResponse response;
+      statuses[i] = Call(stub, requests[i], &response);
+      together[i] = Tokens(response);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_TRUE(statuses[i].ok()) << i << ": " << statuses[i].error_message();
+    EXPECT_EQ(together[i], alone[i]) << i;
+  }
+}
+
 // The ranks this process started (its children).
 std::vector<pid_t> Children(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/task/", pid, "/children"));
@@ -132,22 +155,7 @@ TEST(ParallelServeTest, PipelineStagesServeAsOneProcessWithPreemptionAndPrefixCa
     EXPECT_EQ(Tokens(first), alone[1]);
     EXPECT_GT(Metric(**parallel, "accel_prefix_cache_hits_total"), 0);
     // All together: some are preempted and recomputed.
-    std::vector<std::vector<int64_t>> together(kClients);
-    std::vector<grpc::Status> statuses(kClients);
-    std::vector<std::thread> threads;
-    for (int i = 0; i < kClients; ++i) {
-      threads.emplace_back([&, i] {
-        GenerateResponse response;
-        statuses[static_cast<size_t>(i)] = Call(*stub, requests[static_cast<size_t>(i)], &response);
-        together[static_cast<size_t>(i)] = Tokens(response);
-      });
-    }
-    for (std::thread& t : threads) t.join();
-    for (int i = 0; i < kClients; ++i) {
-      EXPECT_TRUE(statuses[static_cast<size_t>(i)].ok())
-          << i << ": " << statuses[static_cast<size_t>(i)].error_message();
-      EXPECT_EQ(together[static_cast<size_t>(i)], alone[static_cast<size_t>(i)]) << i;
-    }
+    ExpectTogetherAsAlone(*stub, requests, alone);
     EXPECT_GT(Metric(**parallel, "accel_num_preemptions_total"), 0);
     // Two steps in flight (the default with 2 stages) over disjoint requests.
     EXPECT_GT(Metric(**parallel, "accel_pipeline_overlapped_steps_total"), 0);
@@ -310,22 +318,7 @@ TEST(ParallelServeTest, MixtralStepsInFlightAndSpeculativeFallbackServeAsOneProc
     auto parallel = ServerProcess::Start(mixtral, args);
     ASSERT_TRUE(parallel.ok()) << parallel.status();
     auto stub = Generation::NewStub((*parallel)->Channel());
-    std::vector<std::vector<int64_t>> together(kClients);
-    std::vector<grpc::Status> statuses(kClients);
-    std::vector<std::thread> threads;
-    for (int i = 0; i < kClients; ++i) {
-      threads.emplace_back([&, i] {
-        GenerateResponse response;
-        statuses[static_cast<size_t>(i)] = Call(*stub, requests[static_cast<size_t>(i)], &response);
-        together[static_cast<size_t>(i)] = Tokens(response);
-      });
-    }
-    for (std::thread& t : threads) t.join();
-    for (int i = 0; i < kClients; ++i) {
-      EXPECT_TRUE(statuses[static_cast<size_t>(i)].ok())
-          << i << ": " << statuses[static_cast<size_t>(i)].error_message();
-      EXPECT_EQ(together[static_cast<size_t>(i)], alone[static_cast<size_t>(i)]) << i;
-    }
+    ExpectTogetherAsAlone(*stub, requests, alone);
     EXPECT_GT(Metric(**parallel, "accel_num_preemptions_total"), 0);
     EXPECT_GT(Metric(**parallel, "accel_prefix_cache_hits_total"), 0);
     if (speculative) {
