@@ -750,6 +750,14 @@ TEST(CheckPipelineParallel, RefusesWhatCannotSplitByName) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("pipeline stage 2")));
 }
 
+// Whether any of `names` starts with `prefix`.
+bool HasPrefix(const std::vector<std::string>& names, absl::string_view prefix) {
+  for (const std::string& n : names) {
+    if (absl::StartsWith(n, prefix)) return true;
+  }
+  return false;
+}
+
 // Each stage's module tree holds its layers only: the embedding on the
 // first stage, the final norm and lm_head on the last (the embedding too
 // when lm_head shares it).
@@ -768,22 +776,16 @@ TEST(PipelineParallel, EachStageHoldsItsLayers) {
       ASSERT_THAT(tree, IsOk());
       for (const auto& p : tree->NamedParameters()) names[stage].push_back(p.name);
     }
-    const auto has = [](const std::vector<std::string>& all, absl::string_view prefix) {
-      for (const std::string& n : all) {
-        if (absl::StartsWith(n, prefix)) return true;
-      }
-      return false;
-    };
     // Layers 0-1 on stage 0, layer 2 on stage 1 (vLLM's split of 3 over 2).
-    EXPECT_TRUE(has(names[0], "model.layers.0.") && has(names[0], "model.layers.1."));
-    EXPECT_FALSE(has(names[0], "model.layers.2."));
-    EXPECT_TRUE(has(names[1], "model.layers.2."));
-    EXPECT_FALSE(has(names[1], "model.layers.0.") || has(names[1], "model.layers.1."));
-    EXPECT_TRUE(has(names[0], "model.embed_tokens."));
-    EXPECT_FALSE(has(names[0], "model.norm.") || has(names[0], "lm_head."));
-    EXPECT_TRUE(has(names[1], "model.norm."));
-    EXPECT_EQ(has(names[1], "model.embed_tokens."), tied);
-    EXPECT_EQ(has(names[1], "lm_head."), !tied);  // tied: the embedding's tensor
+    EXPECT_TRUE(HasPrefix(names[0], "model.layers.0.") && HasPrefix(names[0], "model.layers.1."));
+    EXPECT_FALSE(HasPrefix(names[0], "model.layers.2."));
+    EXPECT_TRUE(HasPrefix(names[1], "model.layers.2."));
+    EXPECT_FALSE(HasPrefix(names[1], "model.layers.0.") || HasPrefix(names[1], "model.layers.1."));
+    EXPECT_TRUE(HasPrefix(names[0], "model.embed_tokens."));
+    EXPECT_FALSE(HasPrefix(names[0], "model.norm.") || HasPrefix(names[0], "lm_head."));
+    EXPECT_TRUE(HasPrefix(names[1], "model.norm."));
+    EXPECT_EQ(HasPrefix(names[1], "model.embed_tokens."), tied);
+    EXPECT_EQ(HasPrefix(names[1], "lm_head."), !tied);  // tied: the embedding's tensor
   }
 }
 
@@ -819,20 +821,14 @@ TEST(PipelineParallel, Gpt2StagesHoldTheirBlocks) {
       EXPECT_TRUE(at::equal(t, all.at(name)));
     }
   }
-  const auto has = [](const std::vector<std::string>& all, absl::string_view prefix) {
-    for (const std::string& n : all) {
-      if (absl::StartsWith(n, prefix)) return true;
-    }
-    return false;
-  };
-  EXPECT_TRUE(has(names[0], "transformer.h.0.") && has(names[0], "transformer.h.1."));
-  EXPECT_FALSE(has(names[0], "transformer.h.2."));
-  EXPECT_TRUE(has(names[1], "transformer.h.2."));
-  EXPECT_FALSE(has(names[1], "transformer.h.0.") || has(names[1], "transformer.h.1."));
-  EXPECT_TRUE(has(names[0], "transformer.wte.") && has(names[0], "transformer.wpe."));
-  EXPECT_FALSE(has(names[0], "transformer.ln_f."));
-  EXPECT_TRUE(has(names[1], "transformer.ln_f.") && has(names[1], "transformer.wte."));
-  EXPECT_FALSE(has(names[1], "transformer.wpe."));
+  EXPECT_TRUE(HasPrefix(names[0], "transformer.h.0.") && HasPrefix(names[0], "transformer.h.1."));
+  EXPECT_FALSE(HasPrefix(names[0], "transformer.h.2."));
+  EXPECT_TRUE(HasPrefix(names[1], "transformer.h.2."));
+  EXPECT_FALSE(HasPrefix(names[1], "transformer.h.0.") || HasPrefix(names[1], "transformer.h.1."));
+  EXPECT_TRUE(HasPrefix(names[0], "transformer.wte.") && HasPrefix(names[0], "transformer.wpe."));
+  EXPECT_FALSE(HasPrefix(names[0], "transformer.ln_f."));
+  EXPECT_TRUE(HasPrefix(names[1], "transformer.ln_f.") && HasPrefix(names[1], "transformer.wte."));
+  EXPECT_FALSE(HasPrefix(names[1], "transformer.wpe."));
 }
 
 // Greedy decoding of three sequences on paged caches where the third joins
