@@ -201,16 +201,11 @@ class Gpt2LM : public internal::StagedLM {
     (void)chunks;
     absl::StatusOr<at::Tensor> x =
         InScope(dispatched, "transformer.wte", home, [&](const at::Device& d) {
-          at::Tensor rows = ids.to(d).unsqueeze(0);
-          if (tp_.size == 1) return wte->forward(rows);
-          // Vocab-parallel: this rank's rows; other ids read row 0, zeroed.
-          rows = rows - shard_.first_vocab;
-          const at::Tensor outside = (rows < 0).logical_or_(rows >= shard_.vocab);
-          return internal::SumOverRanks(
-              wte->forward(rows.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0),
-              step);
+          return internal::EmbedVocabParallel(
+              ids.to(d).unsqueeze(0), [&](const at::Tensor& rows) { return wte->forward(rows); },
+              tp_, shard_, step);
         });
-    if (!x.ok()) return Kept(step, x.status());
+    if (!x.ok()) return internal::Kept(step, x.status());
     return InScope(dispatched, "transformer.wpe", home,
                    [&](const at::Device& d) { return x->to(d) + wpe->forward(positions.to(d)); });
   }
@@ -226,7 +221,7 @@ class Gpt2LM : public internal::StagedLM {
       absl::StatusOr<at::Tensor> out = InScope(
           dispatched, absl::StrCat("transformer.h.", i), home,
           [&](const at::Device& d) { return blocks[i]->forward(x.to(d), chunks, i, step); });
-      if (!out.ok()) return Kept(step, out.status());
+      if (!out.ok()) return internal::Kept(step, out.status());
       x = *std::move(out);
     }
     return x;
@@ -244,7 +239,7 @@ class Gpt2LM : public internal::StagedLM {
           return tp_.size > 1 ? internal::GatherVocab(out, tp_, shard_, config().vocab_size, step)
                               : out;
         });
-    if (!logits.ok()) return Kept(step, logits.status());
+    if (!logits.ok()) return internal::Kept(step, logits.status());
     return logits;
   }
 
@@ -263,11 +258,6 @@ class Gpt2LM : public internal::StagedLM {
           absl::StrCat("position ", last, " is past GPT-2's ", limit, " positions"));
     }
     return positions;
-  }
-
-  // A failure a collective kept wins over the torch error that unwound it.
-  static absl::Status Kept(const internal::StepState& step, absl::Status status) {
-    return step.failure.ok() ? status : step.failure;
   }
 
   ShardShape shard_;

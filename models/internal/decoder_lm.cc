@@ -61,6 +61,16 @@ at::Tensor SumOverRanks(const at::Tensor& x, StepState& step) {
   return tensors[0];
 }
 
+at::Tensor EmbedVocabParallel(const at::Tensor& ids,
+                              const std::function<at::Tensor(const at::Tensor&)>& embed,
+                              const TensorParallel& tp, const ShardShape& shard, StepState& step) {
+  if (tp.size == 1) return embed(ids);
+  const at::Tensor rows = ids - shard.first_vocab;
+  const at::Tensor outside = (rows < 0).logical_or_(rows >= shard.vocab);
+  return SumOverRanks(embed(rows.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0),
+                      step);
+}
+
 at::Tensor GatherVocab(const at::Tensor& logits, const TensorParallel& tp, const ShardShape& shard,
                        int64_t vocab_size, StepState& step) {
   // Equal shapes for the gather: each slice padded to the stride, as
@@ -796,28 +806,19 @@ class DecoderLM : public StagedLM {
     return {at::cat(cos, 1), at::cat(sin, 1)};
   }
 
-  // A failure the layers kept (an expert read, a collective) wins over
-  // the torch error that unwound them.
-  static absl::Status Kept(const StepState& step, absl::Status status) {
-    return step.failure.ok() ? status : step.failure;
-  }
-
   // [1, n, hidden]: the embedding of `ids` (vocab-parallel: each rank's
   // rows, summed over the ranks), scaled as the family scales it.
   absl::StatusOr<at::Tensor> Embed(const at::Tensor& ids, const at::Device& home,
                                    dispatch::DispatchedModel* dispatched, StepState& step) {
     absl::StatusOr<at::Tensor> embedded =
         InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
-          at::Tensor rows = ids.to(d).unsqueeze(0), outside;
-          if (tp_.size > 1) {
-            // Vocab-parallel: this rank's rows; other ids read row 0, zeroed below.
-            rows = rows - shard_.first_vocab;
-            outside = (rows < 0).logical_or_(rows >= shard_.vocab);
-            rows = rows.masked_fill(outside, 0);
-          }
-          at::Tensor e = model->scaled_embed ? model->scaled_embed->forward(rows)
-                                             : model->embed_tokens->forward(rows);
-          if (tp_.size > 1) e = SumOverRanks(e.masked_fill(outside.unsqueeze(-1), 0), step);
+          at::Tensor e = EmbedVocabParallel(
+              ids.to(d).unsqueeze(0),
+              [&](const at::Tensor& rows) {
+                return model->scaled_embed ? model->scaled_embed->forward(rows)
+                                           : model->embed_tokens->forward(rows);
+              },
+              tp_, shard_, step);
           if (r_.family.embedding_scale == EmbeddingScale::kInModel) {
             // Gemma2Model: hidden * torch.tensor(hidden_size**0.5, dtype=hidden.dtype)
             e = e * at::scalar_tensor(std::pow(static_cast<double>(config().hidden_size), 0.5),

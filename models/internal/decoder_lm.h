@@ -5,6 +5,7 @@
 #ifndef ACCEL_MODELS_INTERNAL_DECODER_LM_H_
 #define ACCEL_MODELS_INTERNAL_DECODER_LM_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +46,19 @@ struct StepState {
 // product, an expert-parallel block or a vocab-parallel embedding); `x`
 // itself on one process. A failed all-reduce unwinds through Fail.
 at::Tensor SumOverRanks(const at::Tensor& x, StepState& step);
+
+// The embedding of `ids` [1, n] by `embed`: under tensor parallel
+// (`tp.size` > 1) each rank's table holds its vocabulary slice, so ids
+// outside it read row 0, are zeroed, and the ranks' rows are summed.
+at::Tensor EmbedVocabParallel(const at::Tensor& ids,
+                              const std::function<at::Tensor(const at::Tensor&)>& embed,
+                              const TensorParallel& tp, const ShardShape& shard, StepState& step);
+
+// A failure the layers kept (an expert read, a collective) wins over the
+// torch error that unwound them.
+inline absl::Status Kept(const StepState& step, absl::Status status) {
+  return step.failure.ok() ? status : step.failure;
+}
 
 // Every rank's vocab-parallel logits [1, n, shard.vocab] side by side:
 // [1, n, vocab_size] (each slice padded to shard.vocab_stride for the
