@@ -770,7 +770,10 @@ absl::StatusOr<std::string> ReceiveMessage(dist::ProcessGroup& group) {
   at::Tensor size = at::zeros({1}, at::kLong);
   if (absl::Status got = group.Recv(size, 0); !got.ok()) return got;
   const int64_t n = size.item<int64_t>();
-  if (n < 1 || n > (int64_t{1} << 40)) {
+  // A step message holds ids, block tables and, for a LongRoPE sequence
+  // crossing its context, its ids: far below 1 GiB. A size past that is a
+  // corrupt stream, refused before anything is allocated for it.
+  if (n < 1 || n > (int64_t{1} << 30)) {
     return absl::InternalError(absl::StrCat("tensor parallel worker: a message of ", n, " bytes"));
   }
   at::Tensor bytes = at::empty({n}, at::kByte);
