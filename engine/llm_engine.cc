@@ -455,9 +455,9 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   runner_options.block_size = block_size;
   runner_options.speculative = spec;
   // Pipeline stages: steps in flight over disjoint requests (vLLM's
-  // virtual engines). Speculative decoding stays at one: each step's drafts
-  // come from the step before it (and a draft model's caches run ahead).
-  if (loaded.model->pipeline_size() > 1 && !spec.enabled()) {
+  // virtual engines). ModelRunner::Create keeps one with speculative
+  // decoding (each step's drafts come from the step before it).
+  if (loaded.model->pipeline_size() > 1) {
     runner_options.steps_in_flight = options.pipeline_batches_in_flight > 0
                                          ? options.pipeline_batches_in_flight
                                          : loaded.model->pipeline_size();
