@@ -33,8 +33,24 @@ constexpr int64_t kChunk = 1024;
 // through every tile of columns, with a tile of x of at most kXTileBytes.
 constexpr int64_t kRowTile = 32;
 constexpr int64_t kXTileBytes = int64_t{24} << 10;
+// The bfloat16 kernels' tile of x up to kBf16WholeRows rows of x: no column
+// tiles at decode's shapes. Their weights stream from memory, and a row
+// walked in pieces (a tile of columns for kRowTile rows, then the next) read
+// 1.2-1.5x slower than whole rows with x from L2 (Mixtral's w2, 4096 x 14336,
+// one thread: 4.35 ms in tiles of 24 KiB, 3.68 ms whole; 4 rows of 4096 x
+// 4096: 2.04 against 1.57 ms). From 6 rows on x's loads from L2 (12 of 64
+// bytes a block) cost more than the pieces (6 rows of 4096 x 4096, two
+// threads: 0.86 ms in tiles of 24 KiB, 1.15-1.18 whole), so they keep
+// kXTileBytes.
+constexpr int64_t kBf16XTileBytes = int64_t{128} << 10;
+constexpr int64_t kBf16WholeRows = 4;
 // The most blocks of 64 a row of a column tile holds (one row of bfloat16 x).
-constexpr int64_t kMaxTileBlocks = kXTileBytes / 2 / 64;
+constexpr int64_t kMaxTileBlocks = kBf16XTileBytes / 2 / 64;
+// How far ahead in its row the bfloat16 kernel asks for weights: the
+// hardware prefetchers stop at each 4 KiB page, and a row of w2 (7 KiB)
+// crosses two (measured, one thread: w2 at one row 3.68 -> 2.86 ms, 4096 x
+// 4096 at 4 rows 1.57 -> 1.4 ms; 1024 and 4096 bytes ahead were slower).
+constexpr int64_t kBf16PrefetchBytes = 2048;
 
 // Rows of x up to which AVX2 takes the nibble kernels when they apply.
 constexpr int64_t kNibbleMaxRows = 2;
@@ -868,7 +884,10 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
   // tile has at most kRowTile rows of kMaxTileBlocks (RunRegisterPasses).
   const int64_t row_blocks = (k1 - k0) / 64;
   const bool nested = w.absmax == nullptr;
-  float tile_absmax[kRowTile * kMaxTileBlocks];  // NOLINT(cppcoreguidelines-pro-type-member-init)
+  // 128 KiB: kept per thread rather than on the intra-op workers' stacks.
+  thread_local std::vector<float> tile_absmax_buffer(
+      static_cast<size_t>(kRowTile * kMaxTileBlocks));
+  float* tile_absmax = tile_absmax_buffer.data();
   if (nested) {
     for (int64_t n = n_begin; n < n_end; ++n) {
       const int64_t b0 = (n * a.in + k0) / 64;
@@ -899,10 +918,14 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
       const uint8_t* p = w.packed + b * 32;
       if (fast == lanes) {
         for (int i = 0; i < count; ++i, p += 32, x += int64_t{64} * R) {
+          if ((i & 1) == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(p + kBf16PrefetchBytes), _MM_HINT_T0);
           Bf16Step64<R>(acc0, acc1, p, Bf16FastTable(rule, am[i]), control, x);
         }
       } else {
         for (int i = 0; i < count; ++i, p += 32, x += int64_t{64} * R) {
+          if ((i & 1) == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(p + kBf16PrefetchBytes), _MM_HINT_T0);
           Bf16Step64<R>(acc0, acc1, p, Bf16Table(rule, am[i]), control, x);
         }
       }
@@ -947,23 +970,34 @@ std::vector<std::pair<int64_t, int64_t>> SplitRows(int64_t m, int64_t max_rows) 
 
 // Gemv4bit's register paths: weight rows split over the threads and taken
 // kRowTile at a time through every tile of columns, rows of x in `passes`
-// (SplitRows). Columns go in tiles whose
-// rows of x (x_bytes an element) fit in the L1 cache next to the weights
-// streaming through: 4 rows of 4096 float32 columns (64 KiB) would come from
-// L2 for every weight row, which bounds a kernel at 4 rows to a quarter of
-// its speed at 1 (measured). pass(i0, rows, n0, n1, k0, k1, sums) adds the
+// (SplitRows). Columns go in tiles whose rows of x (x_bytes an element)
+// take at most tile_bytes: by default they fit in the L1 cache next to the
+// weights streaming through, as the float32 kernels need (4 rows of 4096
+// float32 columns, 64 KiB, would come from L2 for every weight row, which
+// bounds a kernel at 4 rows to a quarter of its speed at 1, measured); the
+// bfloat16 kernels take kBf16XTileBytes. pass(i0, rows, n0, n1, k0, k1, sums) adds the
 // products of weight rows [n0, n1), columns [k0, k1) and rows [i0, i0 +
 // rows) of x to sums[(n - n0) * a.m + i0 + i].
 template <typename Pass>
 void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain,
                        const std::vector<std::pair<int64_t, int64_t>>& passes, int64_t x_bytes,
-                       const Pass& pass) {
+                       const Pass& pass, int64_t tile_bytes = kXTileBytes) {
   const int64_t pass_rows = passes.front().second;  // the most
-  const int64_t k_tile = std::max<int64_t>(64, (kXTileBytes / (x_bytes * pass_rows)) / 64 * 64);
-  at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
+  const int64_t k_tile = std::max<int64_t>(64, (tile_bytes / (x_bytes * pass_rows)) / 64 * 64);
+  // The tiles of kRowTile weight rows are handed out one at a time from a
+  // shared counter, not split evenly up front: on 2 cores the expert
+  // reader's thread takes one of them now and then, and with an even split
+  // the other thread would wait at the end of every product for the part of
+  // the one preempted. Which thread takes a tile does not change its sums.
+  const int64_t tiles = (a.out + kRowTile - 1) / kRowTile;
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (a.out + grain - 1) / grain);
+  std::atomic<int64_t> next_tile{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t /*begin*/, int64_t /*end*/) {
     std::vector<float> sums(static_cast<size_t>(kRowTile * a.m));
-    for (int64_t n0 = begin; n0 < end; n0 += kRowTile) {
-      const int64_t n1 = std::min(end, n0 + kRowTile);
+    for (int64_t tile = next_tile.fetch_add(1, std::memory_order_relaxed); tile < tiles;
+         tile = next_tile.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t n0 = tile * kRowTile;
+      const int64_t n1 = std::min(a.out, n0 + kRowTile);
       std::fill(sums.begin(), sums.end(), 0.0f);
       for (int64_t k0 = 0; k0 < a.in; k0 += k_tile) {
         const int64_t k1 = std::min(a.in, k0 + k_tile);
@@ -1147,7 +1181,8 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
           } else {
             kernels.rows(a, x, a.in, n0, n1, k0, k1, sums, a.m);
           }
-        });
+        },
+        passes.front().second <= kBf16WholeRows ? kBf16XTileBytes : kXTileBytes);
     return;
   }
   const int64_t max_direct = isa >= CpuIsa::kAvx512 ? 8 : 4;

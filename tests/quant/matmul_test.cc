@@ -604,6 +604,46 @@ TEST(Linear4bitForwardTest, DoubleQuantReadAsStoredMatchesExpanded) {
   }
 }
 
+// The bfloat16 kernel on bnb's layout at decode's shapes: up to 4 rows of x
+// a weight row is walked whole (up to 65536 columns, then in tiles), from 5
+// rows on in tiles of 24 KiB of x, and each tile's double-quant absmax is
+// expanded into a buffer of up to 1024 blocks a row. Rows of 14336 columns
+// (Mixtral's w2) and 65664 (past one whole-row tile), single- and
+// double-quant, against bnb's product in double and against each other.
+TEST(Linear4bitForwardTest, WideRowsWholeAndInColumnTiles) {
+  at::manual_seed(8);
+  for (const Shape4bit& s : std::vector<Shape4bit>{{37, 14336, 64}, {3, 65664, 64}}) {
+    ACCEL_ASSERT_OK_AND_ASSIGN(
+        Quantized4bit q, Quantize4bit(Random({s.out, s.in}, 0.1), QuantType4bit::kNf4, s.blocksize,
+                                      /*double_quant=*/true));
+    Weight4bit nested;
+    nested.packed = q.packed;
+    nested.absmax = q.absmax;
+    nested.code = q.quant_map;
+    nested.blocksize = s.blocksize;
+    nested.out_features = s.out;
+    nested.in_features = s.in;
+    nested.nested_absmax = q.nested_absmax;
+    nested.nested_code = q.nested_quant_map;
+    nested.nested_offset = q.state.nested_offset;
+    Weight4bit expanded = nested;
+    ACCEL_ASSERT_OK_AND_ASSIGN(expanded.absmax, BlockAbsmax(q));
+    for (int64_t rows : {1, 2, 4, 5, 8}) {
+      const at::Tensor x = Random({rows, s.in}).to(at::kBFloat16);
+      for (CpuIsa isa : Isas()) {
+        SCOPED_TRACE(testing::Message() << rows << " rows, " << s.out << "x" << s.in << ", "
+                                        << internal::CpuIsaName(isa));
+        IsaScope scope(isa);
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor ya, Linear4bitForward(x, nested, {}, at::kBFloat16));
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor yb,
+                                   Linear4bitForward(x, expanded, {}, at::kBFloat16));
+        ExpectSameBits(ya, yb);
+        ExpectLinear4bit(ya, x, expanded, {}, at::kBFloat16);
+      }
+    }
+  }
+}
+
 // ---- int8 ---------------------------------------------------------------------
 
 at::Tensor RandomInt8(at::IntArrayRef shape) {
