@@ -1125,14 +1125,26 @@ void SetIsaOverrideForTesting(std::optional<CpuIsa> isa) {
 }
 
 void Dequantize4bit(CpuIsa isa, const Packed4bit& w, DenseType type, void* out) {
+  Dequantize4bitRange(isa, w, type, 0, w.numel, out);
+}
+
+void Dequantize4bitRange(CpuIsa isa, const Packed4bit& w, DenseType type, int64_t first,
+                         int64_t last, void* out) {
   CheckSupported(isa, "Dequantize4bit");
+  if (first % 16 != 0) {
+    std::fprintf(stderr, "Dequantize4bitRange: first (%lld) is not a multiple of 16\n",
+                 static_cast<long long>(first));
+    std::abort();
+  }
+  last = std::min(last, w.numel);
+  if (last <= first) return;
   const DecodeFn decode = PickDecode<false>(isa, type);
   const int64_t element = type == DenseType::kFloat32 ? 4 : 2;
   // Ranges of whole 16-element groups, so a thread's part starts on a byte.
-  const int64_t groups = (w.numel + 15) / 16;
+  const int64_t groups = (last - first + 15) / 16;
   at::parallel_for(0, groups, kMinBytesPerTask / (16 * element), [&](int64_t begin, int64_t end) {
-    const int64_t first = begin * 16, last = std::min(w.numel, end * 16);
-    decode(w, first, last, static_cast<char*>(out) + first * element);
+    const int64_t from = first + begin * 16, to = std::min(last, first + end * 16);
+    decode(w, from, to, static_cast<char*>(out) + (from - first) * element);
   });
 }
 

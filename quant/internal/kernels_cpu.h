@@ -116,6 +116,10 @@ void StoreRounded(CpuIsa isa, const float* in, int64_t n, DenseType round, Dense
 // out[j] for every j < w.numel, of `type` (float*, or uint16_t* bits for
 // bfloat16 / float16). Threaded.
 void Dequantize4bit(CpuIsa isa, const Packed4bit& w, DenseType type, void* out);
+// The same for j in [first, last) only, into out[j - first]; `first` a
+// multiple of 16 (a byte and a decode group).
+void Dequantize4bitRange(CpuIsa isa, const Packed4bit& w, DenseType type, int64_t first,
+                         int64_t last, void* out);
 
 // y[i, n] = sum_k W[n, k] * x[i, k] (+ bias[n]) for i < m, n < out, with W =
 // w viewed [out, in] (w.numel == out * in) and its values rounded to

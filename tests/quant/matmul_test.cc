@@ -177,6 +177,34 @@ TEST(Dequantize4bitTest, BitExactAtEveryLevel) {
   }
 }
 
+// A range of the flat weight (what Linear4bitForward dequantizes a slab of
+// rows at a time above 16 rows) is the same bits as that part of the whole:
+// ranges starting on any multiple of 16, ending anywhere, with an odd row
+// length (rows starting mid-byte) and blocks crossing rows.
+TEST(Dequantize4bitTest, RangesAreTheirPartOfTheWhole) {
+  at::manual_seed(9);
+  const Weight4bit q = Quantize(Random({7, 1001}, 3.0), 64, kNf4);
+  internal::Packed4bit p;
+  p.packed = q.packed.data_ptr<uint8_t>();
+  p.absmax = q.absmax.data_ptr<float>();
+  p.code = q.code.data_ptr<float>();
+  p.blocksize = q.blocksize;
+  p.numel = 7 * 1001;
+  for (CpuIsa isa : Isas()) {
+    SCOPED_TRACE(internal::CpuIsaName(isa));
+    std::vector<uint16_t> whole(static_cast<size_t>(p.numel));
+    internal::Dequantize4bit(isa, p, internal::DenseType::kBFloat16, whole.data());
+    for (const auto& [first, last] : std::vector<std::pair<int64_t, int64_t>>{
+             {0, 7007}, {16, 17}, {1008, 3003}, {4000, 7007}, {6992, 9000}}) {
+      std::vector<uint16_t> part(static_cast<size_t>(std::min<int64_t>(last, p.numel) - first));
+      internal::Dequantize4bitRange(isa, p, internal::DenseType::kBFloat16, first, last,
+                                    part.data());
+      EXPECT_TRUE(std::equal(part.begin(), part.end(), whole.begin() + first))
+          << "[" << first << ", " << last << ")";
+    }
+  }
+}
+
 // Scales chosen so that code * absmax lands on rounding ties, float16
 // subnormals and float16 overflow, with every code in every position.
 TEST(Dequantize4bitTest, RoundingTiesSubnormalsAndOverflow) {
@@ -641,6 +669,23 @@ TEST(Linear4bitForwardTest, WideRowsWholeAndInColumnTiles) {
         ExpectLinear4bit(ya, x, expanded, {}, at::kBFloat16);
       }
     }
+  }
+}
+
+// Above 16 rows the weight is dequantized a slab of rows at a time (8 MiB):
+// rows of 65664 columns make slabs of 48 rows in bfloat16 and 16 in float32,
+// so 100 weight rows take 3 and 7 slabs, the last one short. The bias is
+// large against the bound of 65664 terms, so a slab given another slab's
+// bias is out of it.
+TEST(Linear4bitForwardTest, ManyRowsInSlabs) {
+  at::manual_seed(10);
+  const Weight4bit q = Quantize(Random({100, 65664}, 0.1), 64, kNf4);
+  const at::Tensor bias = Random({100}, 1000.0);
+  const at::Tensor x = Random({17, 65664});
+  for (at::ScalarType compute : {at::kBFloat16, at::kFloat, at::kHalf}) {
+    SCOPED_TRACE(testing::Message() << "compute " << compute);
+    ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Linear4bitForward(x, q, bias, compute));
+    ExpectLinear4bit(y, x, q, bias, compute);
   }
 }
 
