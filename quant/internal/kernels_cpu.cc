@@ -984,20 +984,10 @@ void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain,
                        const Pass& pass, int64_t tile_bytes = kXTileBytes) {
   const int64_t pass_rows = passes.front().second;  // the most
   const int64_t k_tile = std::max<int64_t>(64, (tile_bytes / (x_bytes * pass_rows)) / 64 * 64);
-  // The tiles of kRowTile weight rows are handed out one at a time from a
-  // shared counter, not split evenly up front: on 2 cores the expert
-  // reader's thread takes one of them now and then, and with an even split
-  // the other thread would wait at the end of every product for the part of
-  // the one preempted. Which thread takes a tile does not change its sums.
-  const int64_t tiles = (a.out + kRowTile - 1) / kRowTile;
-  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), (a.out + grain - 1) / grain);
-  std::atomic<int64_t> next_tile{0};
-  at::parallel_for(0, tasks, 1, [&](int64_t /*begin*/, int64_t /*end*/) {
+  at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(static_cast<size_t>(kRowTile * a.m));
-    for (int64_t tile = next_tile.fetch_add(1, std::memory_order_relaxed); tile < tiles;
-         tile = next_tile.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t n0 = tile * kRowTile;
-      const int64_t n1 = std::min(a.out, n0 + kRowTile);
+    for (int64_t n0 = begin; n0 < end; n0 += kRowTile) {
+      const int64_t n1 = std::min(end, n0 + kRowTile);
       std::fill(sums.begin(), sums.end(), 0.0f);
       for (int64_t k0 = 0; k0 < a.in; k0 += k_tile) {
         const int64_t k1 = std::min(a.in, k0 + k_tile);
