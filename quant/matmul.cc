@@ -28,8 +28,8 @@ namespace {
 using internal::DenseType;
 
 // Up to this many rows (x's elements / in) Linear4bitForward runs the fused
-// dequantize-GEMV; above, the weight is dequantized once and multiplied by
-// libtorch, whose products reuse each weight for many rows.
+// dequantize-GEMV; above, the weight is dequantized a slab at a time and
+// multiplied by libtorch, whose products reuse each weight for many rows.
 constexpr int64_t kFusedMaxRows = 16;
 
 // The dequantized weight's slab above kFusedMaxRows (LinearBySlabs): in the

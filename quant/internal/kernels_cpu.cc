@@ -30,7 +30,8 @@ namespace {
 constexpr int64_t kChunk = 1024;
 
 // The register kernels of Gemv4bit take kRowTile weight rows at a time
-// through every tile of columns, with a tile of x of at most kXTileBytes.
+// through every tile of columns, with a tile of x of at most kXTileBytes
+// (kBf16XTileBytes for the bfloat16 kernels up to kBf16WholeRows rows).
 constexpr int64_t kRowTile = 32;
 constexpr int64_t kXTileBytes = int64_t{24} << 10;
 // The bfloat16 kernels' tile of x up to kBf16WholeRows rows of x: no column
@@ -1004,9 +1005,10 @@ std::vector<std::pair<int64_t, int64_t>> SplitRows(int64_t m, int64_t max_rows) 
 // weights streaming through, as the float32 kernels need (4 rows of 4096
 // float32 columns, 64 KiB, would come from L2 for every weight row, which
 // bounds a kernel at 4 rows to a quarter of its speed at 1, measured); the
-// bfloat16 kernels take kBf16XTileBytes. pass(i0, rows, n0, n1, k0, k1, sums) adds the
-// products of weight rows [n0, n1), columns [k0, k1) and rows [i0, i0 +
-// rows) of x to sums[(n - n0) * a.m + i0 + i].
+// bfloat16 kernels up to kBf16WholeRows rows take kBf16XTileBytes.
+// pass(i0, rows, n0, n1, k0, k1, sums) adds the products of weight rows
+// [n0, n1), columns [k0, k1) and rows [i0, i0 + rows) of x to
+// sums[(n - n0) * a.m + i0 + i].
 template <typename Pass>
 void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain,
                        const std::vector<std::pair<int64_t, int64_t>>& passes, int64_t x_bytes,
