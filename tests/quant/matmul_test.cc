@@ -584,6 +584,22 @@ TEST(Gemv4bitKernelTest, Bf16LevelReadsSubnormalsAsZero) {
   }
 }
 
+// A double-quant weight as the layers hold it: the absmax as stored (uint8
+// codes) with the nested state.
+Weight4bit AsStored(const Quantized4bit& q, const Shape4bit& s) {
+  Weight4bit w;
+  w.packed = q.packed;
+  w.absmax = q.absmax;
+  w.code = q.quant_map;
+  w.blocksize = s.blocksize;
+  w.out_features = s.out;
+  w.in_features = s.in;
+  w.nested_absmax = q.nested_absmax;
+  w.nested_code = q.nested_quant_map;
+  w.nested_offset = q.state.nested_offset;
+  return w;
+}
+
 // Double quant read as stored (uint8 absmax codes, nested absmax and map,
 // offset): the kernels dequantize each block's absmax on the way and give
 // the very bits of the same weight with the absmax expanded to float32
@@ -600,16 +616,7 @@ TEST(Linear4bitForwardTest, DoubleQuantReadAsStoredMatchesExpanded) {
         Quantized4bit q, Quantize4bit(Random({s.out, s.in}, 0.1), QuantType4bit::kNf4, s.blocksize,
                                       /*double_quant=*/true));
     ASSERT_EQ(q.absmax.scalar_type(), at::kByte);
-    Weight4bit nested;
-    nested.packed = q.packed;
-    nested.absmax = q.absmax;
-    nested.code = q.quant_map;
-    nested.blocksize = s.blocksize;
-    nested.out_features = s.out;
-    nested.in_features = s.in;
-    nested.nested_absmax = q.nested_absmax;
-    nested.nested_code = q.nested_quant_map;
-    nested.nested_offset = q.state.nested_offset;
+    const Weight4bit nested = AsStored(q, s);
     ASSERT_NE(nested.nested_offset, 0.0f);
     Weight4bit expanded = nested;
     ACCEL_ASSERT_OK_AND_ASSIGN(expanded.absmax, BlockAbsmax(q));
@@ -644,16 +651,7 @@ TEST(Linear4bitForwardTest, WideRowsWholeAndInColumnTiles) {
     ACCEL_ASSERT_OK_AND_ASSIGN(
         Quantized4bit q, Quantize4bit(Random({s.out, s.in}, 0.1), QuantType4bit::kNf4, s.blocksize,
                                       /*double_quant=*/true));
-    Weight4bit nested;
-    nested.packed = q.packed;
-    nested.absmax = q.absmax;
-    nested.code = q.quant_map;
-    nested.blocksize = s.blocksize;
-    nested.out_features = s.out;
-    nested.in_features = s.in;
-    nested.nested_absmax = q.nested_absmax;
-    nested.nested_code = q.nested_quant_map;
-    nested.nested_offset = q.state.nested_offset;
+    const Weight4bit nested = AsStored(q, s);
     Weight4bit expanded = nested;
     ACCEL_ASSERT_OK_AND_ASSIGN(expanded.absmax, BlockAbsmax(q));
     for (int64_t rows : {1, 2, 4, 5, 8}) {
