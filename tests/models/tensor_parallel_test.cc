@@ -464,6 +464,24 @@ absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> ConnectWorld(absl::Duration 
   return dist::ProcessGroup::Connect(env, options);
 }
 
+// A worker of a size x stages run (ACCEL_TP_SIZE ranks a stage): its world
+// and its place in the tensor parallel and pipeline groups.
+struct StagedRank {
+  std::unique_ptr<dist::ProcessGroup> world;
+  std::unique_ptr<dist::ProcessGroup> stage_group;
+  TensorParallel parallel;
+  int size = 1;
+};
+
+absl::StatusOr<StagedRank> JoinStagedRank() {
+  StagedRank joined;
+  ACCEL_ASSIGN_OR_RETURN(joined.world, ConnectWorld(absl::Seconds(60)));
+  joined.size = std::atoi(std::getenv("ACCEL_TP_SIZE"));
+  ACCEL_ASSIGN_OR_RETURN(joined.parallel,
+                         JoinParallelGroups(*joined.world, joined.size, &joined.stage_group));
+  return joined;
+}
+
 TEST(TensorParallelRank, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of TensorParallel.*";
   absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> group = ConnectWorld(absl::Seconds(60));
@@ -889,21 +907,18 @@ MixedRun GreedyMixed(CausalLM& model, dispatch::DispatchedModel* dispatched) {
 // Rank 0 drives the others and compares greedy tokens with one process.
 TEST(PipelineParallelRank, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of PipelineParallel.*";
-  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> world = ConnectWorld(absl::Seconds(60));
-  ASSERT_THAT(world, IsOk());
-  const int size = std::atoi(std::getenv("ACCEL_TP_SIZE"));
-  const int stages = (*world)->size() / size;
-  const int world_rank = (*world)->rank();
-  std::unique_ptr<dist::ProcessGroup> stage_group;
-  absl::StatusOr<TensorParallel> parallel = JoinParallelGroups(**world, size, &stage_group);
-  ASSERT_THAT(parallel, IsOk());
-  EXPECT_EQ(parallel->rank, world_rank % size);
-  EXPECT_EQ(parallel->pipeline_rank, world_rank / size);
-  EXPECT_EQ(parallel->pipeline_size, stages);
+  ACCEL_ASSERT_OK_AND_ASSIGN(StagedRank joined, JoinStagedRank());
+  dist::ProcessGroup& world = *joined.world;
+  const int size = joined.size;
+  const int stages = world.size() / size;
+  const int world_rank = world.rank();
+  EXPECT_EQ(joined.parallel.rank, world_rank % size);
+  EXPECT_EQ(joined.parallel.pipeline_rank, world_rank / size);
+  EXPECT_EQ(joined.parallel.pipeline_size, stages);
   if (size > 1) {
-    ASSERT_NE(stage_group, nullptr);
-    EXPECT_EQ(stage_group->rank(), world_rank % size);
-    EXPECT_EQ(stage_group->size(), size);
+    ASSERT_NE(joined.stage_group, nullptr);
+    EXPECT_EQ(joined.stage_group->rank(), world_rank % size);
+    EXPECT_EQ(joined.stage_group->size(), size);
   }
   // ACCEL_TP_CASES: "dir:quantize:micro-batches" entries separated by ','.
   for (absl::string_view item : absl::StrSplit(std::getenv("ACCEL_TP_CASES"), ',')) {
@@ -914,7 +929,7 @@ TEST(PipelineParallelRank, Run) {
     load.device_map = "cpu";
     load.progress = Progress::Style::kSilent;
     load.quantize = fields[1];
-    load.tensor_parallel = *parallel;
+    load.tensor_parallel = joined.parallel;
     // 2: one per stage (these steps of a few tokens would run whole under
     // the default, auto), 1: the whole step at once.
     const int micro = std::stoi(fields[2]);
@@ -922,7 +937,7 @@ TEST(PipelineParallelRank, Run) {
     absl::StatusOr<LoadedModel> shard = LoadModel(dir, load);
     ASSERT_THAT(shard, IsOk());
     if (world_rank != 0) {
-      EXPECT_THAT(RunTensorParallelWorker(*shard->model, shard->dispatched.get(), **world), IsOk());
+      EXPECT_THAT(RunTensorParallelWorker(*shard->model, shard->dispatched.get(), world), IsOk());
       continue;
     }
     auto* leader = dynamic_cast<TensorParallelLeader*>(shard->model.get());
@@ -1087,22 +1102,18 @@ LongRun GreedyLong(CausalLM& model, dispatch::DispatchedModel* dispatched) {
 // model in ACCEL_TP_CASES; rank 0 compares with one process.
 TEST(LongRopeRank, Run) {
   if (!test::IsWorker()) GTEST_SKIP() << "a rank of LongRope.*";
-  absl::StatusOr<std::unique_ptr<dist::ProcessGroup>> world = ConnectWorld(absl::Seconds(60));
-  ASSERT_THAT(world, IsOk());
-  const int size = std::atoi(std::getenv("ACCEL_TP_SIZE"));
-  std::unique_ptr<dist::ProcessGroup> stage_group;
-  absl::StatusOr<TensorParallel> parallel = JoinParallelGroups(**world, size, &stage_group);
-  ASSERT_THAT(parallel, IsOk());
+  ACCEL_ASSERT_OK_AND_ASSIGN(StagedRank joined, JoinStagedRank());
+  dist::ProcessGroup& world = *joined.world;
   const std::string dir = std::getenv("ACCEL_TP_CASES");
   ModelLoadOptions load;
   load.device_map = "cpu";
   load.progress = Progress::Style::kSilent;
-  load.tensor_parallel = *parallel;
+  load.tensor_parallel = joined.parallel;
   load.tensor_parallel.pipeline_micro_batches = 2;  // the two sequences as two micro-batches
   absl::StatusOr<LoadedModel> shard = LoadModel(dir, load);
   ASSERT_THAT(shard, IsOk());
-  if ((*world)->rank() != 0) {
-    EXPECT_THAT(RunTensorParallelWorker(*shard->model, shard->dispatched.get(), **world), IsOk());
+  if (world.rank() != 0) {
+    EXPECT_THAT(RunTensorParallelWorker(*shard->model, shard->dispatched.get(), world), IsOk());
     return;
   }
   auto* leader = dynamic_cast<TensorParallelLeader*>(shard->model.get());
