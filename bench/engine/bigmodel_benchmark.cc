@@ -17,13 +17,16 @@
 //     reach on weights in RAM (expert-shaped, 1 and 4 rows), the disk reads
 //     overlapped with them at best;
 //   - the peak RSS against the memory (the cgroup's limit, else MemTotal) and
-//     against LoadModel's own plan (what accel-estimate-memory prints).
+//     against LoadModel's own plan (what accel-estimate-memory prints);
+//   - for a mixture-of-experts model, decode with every expert a token uses
+//     in memory (the greedy case of a model whose text repeats), from the
+//     model's own layers with 8 and 16 of them (Resident).
 // Only one full-size model is on disk at a time: a model is deleted after its
 // rows unless --keep. Before making one, the free space is checked.
 //
 //   build/bin/accel-bench-bigmodel [--models mixtral,llama70b] [--dir DIR] [--tokens 24]
 //       [--prompt 256] [--keep] [--configs bench/models/configs]
-//       [--rows greedy,sampled,prompt,batch4]   (default: every row)
+//       [--rows resident,greedy,sampled,prompt,batch4]   (default: every row)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -32,7 +35,9 @@
 #include <fcntl.h>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -258,8 +263,12 @@ struct Result {
   int steps = 0;
 };
 
-Result Run(accel::models::LoadedModel& loaded, const Case& c, int prompt_tokens, int tokens,
-           const Rates& rates, int64_t expert_bytes, int64_t resident_bytes) {
+// An engine on `loaded` holding c.batch requests of `prompt_tokens` random
+// ids, each to generate tokens + 1 (the prompt's step, then `tokens` decode
+// steps).
+std::unique_ptr<accel::engine::EngineCore> MakeGenerator(accel::models::LoadedModel& loaded,
+                                                         const Case& c, int prompt_tokens,
+                                                         int tokens) {
   accel::engine::ModelRunnerOptions runner_options;
   if (const int64_t kv = loaded.memory.kv_cache_bytes; kv > 0) {
     // Within what loading planned beside the weights, as the engine sizes it.
@@ -270,7 +279,7 @@ Result Run(accel::models::LoadedModel& loaded, const Case& c, int prompt_tokens,
   auto runner = accel::engine::ModelRunner::Create(loaded.model, loaded.dispatched.get(),
                                                    std::move(runner_options));
   if (!runner.ok()) Die(std::string(runner.status().message()));
-  accel::engine::EngineCore generator(*std::move(runner), nullptr);
+  auto generator = std::make_unique<accel::engine::EngineCore>(*std::move(runner), nullptr);
   for (int b = 0; b < c.batch; ++b) {
     accel::engine::GenerationRequest r;
     r.prompt_ids = RandomIds(prompt_tokens, loaded.config.vocab_size, 1000 + b);
@@ -278,20 +287,27 @@ Result Run(accel::models::LoadedModel& loaded, const Case& c, int prompt_tokens,
     r.ignore_eos = true;
     r.sampling.temperature = c.temperature;
     r.sampling.seed = 7 + b;
-    if (!generator.Add(r).ok()) Die("adding a request failed");
+    if (!generator->Add(r).ok()) Die("adding a request failed");
   }
+  return generator;
+}
+
+Result Run(accel::models::LoadedModel& loaded, const Case& c, int prompt_tokens, int tokens,
+           const Rates& rates, int64_t expert_bytes, int64_t resident_bytes) {
+  const std::unique_ptr<accel::engine::EngineCore> generator =
+      MakeGenerator(loaded, c, prompt_tokens, tokens);
   Result out;
   const auto start = Clock::now();
   // The prompt: the first step.
-  auto events = generator.Step();
+  auto events = generator->Step();
   if (!events.ok()) Die(std::string(events.status().message()));
   out.first_token_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   const accel::dispatch::OffloadStats before = loaded.dispatched->stats();
   const int64_t disk_before = DiskReadBytes();
   const auto decode_start = Clock::now();
   int64_t generated = 0;
-  while (generator.num_requests() > 0) {
-    auto step = generator.Step();
+  while (generator->num_requests() > 0) {
+    auto step = generator->Step();
     if (!step.ok()) Die(std::string(step.status().message()));
     generated += static_cast<int64_t>(step->size());
     ++out.steps;
@@ -334,16 +350,16 @@ Result Run(accel::models::LoadedModel& loaded, const Case& c, int prompt_tokens,
   return out;
 }
 
-void Bench(const ModelSpec& spec, const std::string& configs, const std::string& root, int tokens,
-           int prompt, bool keep, const std::string& only) {
-  const std::string dir = absl::StrCat(root, "/", spec.name, "-nf4");
-  auto config = accel::loader::ReadModelConfig(absl::StrCat(configs, "/", spec.config));
-  if (!config.ok()) Die(std::string(config.status().message()));
+// Makes the NF4 checkpoint of `config` into `dir` unless it is there: its
+// size planned from the config before anything is written, the free space
+// checked against it.
+void MakeOnce(const std::string& name, const accel::loader::ModelConfig& config, bool double_quant,
+              const std::string& root, const std::string& dir) {
   accel::models::MakeModelOptions make;
-  make.config = *config;
+  make.config = config;
   make.dtype = at::kBFloat16;
   make.quantize = "nf4";
-  make.double_quant = spec.double_quant;
+  make.double_quant = double_quant;
   make.progress = accel::Progress::Style::kAuto;
   if (!std::filesystem::exists(dir + "/model.safetensors.index.json")) {
     // The checkpoint's size, planned from its config alone before anything
@@ -351,10 +367,10 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
     std::filesystem::create_directories(dir);
     accel::models::QuantizeOptions asked;
     asked.method = "nf4";
-    asked.double_quant = spec.double_quant;
+    asked.double_quant = double_quant;
     asked.compute_dtype = at::kBFloat16;
     auto bnb = accel::models::BnbConfigFor(asked);
-    auto tree = accel::models::ModuleTreeFor(*config, at::kBFloat16);
+    auto tree = accel::models::ModuleTreeFor(config, at::kBFloat16);
     if (!bnb.ok() || !tree.ok()) Die("planning the checkpoint failed");
     auto quant_plan = accel::models::PlanQuantization(*tree, *bnb);
     if (!quant_plan.ok()) Die(std::string(quant_plan.status().message()));
@@ -366,7 +382,7 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
     const double needed = accel::dispatch::ComputeModuleSizes(*quantized, sizes).total();
     std::error_code ec;
     const auto space = std::filesystem::space(root, ec);
-    std::printf("%s: making %s: needs %s of disk, %s free\n", spec.name.c_str(), dir.c_str(),
+    std::printf("%s: making %s: needs %s of disk, %s free\n", name.c_str(), dir.c_str(),
                 FormatBytes(static_cast<int64_t>(needed)).c_str(),
                 FormatBytes(static_cast<int64_t>(space.available)).c_str());
     std::fflush(stdout);
@@ -375,8 +391,85 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
       auto made = accel::models::MakeModel(dir, make);
       if (!made.ok()) Die(std::string(made.status().message()));
     });
-    std::printf("%s: made in %.0f s\n", spec.name.c_str(), s);
+    std::printf("%s: made in %.0f s\n", name.c_str(), s);
   }
+}
+
+// The greedy case the issue measured llama.cpp on: a model whose greedy
+// text repeats, so every expert a token uses stays in memory. This
+// generator's routing spreads, so the same work is measured on the model's
+// own layers with fewer of them: its config with 8 and 16 decoder layers,
+// small enough to stay wholly in memory, decoded greedily at batch 1 (the
+// best of five runs, once what making it wrote is on disk: the first run
+// fills the page cache, and the kernel's writeback slowed the decode beside
+// it by a quarter). A decoder
+// layer's cost is the difference over 8 layers, the rest of a token (the
+// embedding, lm_head, sampling) what is left at 8, and the full model's
+// token with every expert resident is the rest plus all its layers.
+void Resident(const ModelSpec& spec, const accel::loader::ModelConfig& config,
+              const std::string& root, int tokens, bool keep) {
+  if (config.moe.num_experts == 0) return;
+  double step_seconds[2] = {0, 0};
+  const int64_t layers[2] = {8, 16};
+  for (int v = 0; v < 2; ++v) {
+    accel::loader::ModelConfig part = config;
+    part.num_hidden_layers = layers[v];
+    const std::string dir = absl::StrCat(root, "/", spec.name, "-nf4-", layers[v], "-layers");
+    MakeOnce(absl::StrCat(spec.name, ", ", layers[v], " layers"), part, spec.double_quant, root,
+             dir);
+    ::sync();
+    accel::models::ModelLoadOptions options;  // the defaults
+    options.progress = accel::Progress::Style::kSilent;
+    auto loaded = accel::models::LoadModel(dir, options);
+    if (!loaded.ok()) Die(std::string(loaded.status().message()));
+    if (loaded->memory.disk_weight_bytes > 0) {
+      Die(absl::StrCat(dir, " does not fit in memory: the resident row needs it to"));
+    }
+    c10::InferenceMode inference;
+    const Case greedy{"resident", "greedy, every expert resident", 1, 0.0};
+    step_seconds[v] = std::numeric_limits<double>::infinity();
+    for (int round = 0; round < 5; ++round) {
+      const std::unique_ptr<accel::engine::EngineCore> generator =
+          MakeGenerator(*loaded, greedy, 8, tokens);
+      if (!generator->Step().ok()) Die("the prompt's step failed");  // the prompt
+      int steps = 0;
+      const double seconds = Seconds([&] {
+        while (generator->num_requests() > 0) {
+          if (!generator->Step().ok()) Die("a decode step failed");
+          ++steps;
+        }
+      });
+      step_seconds[v] = std::min(step_seconds[v], seconds / std::max(steps, 1));
+    }
+    std::printf("%s, %lld of %lld layers, every expert in memory: %.1f ms a token, %.2f tok/s\n",
+                spec.name.c_str(), static_cast<long long>(layers[v]),
+                static_cast<long long>(config.num_hidden_layers), 1e3 * step_seconds[v],
+                1.0 / step_seconds[v]);
+    if (!keep) std::filesystem::remove_all(dir);
+  }
+  const double per_layer = (step_seconds[1] - step_seconds[0]) / (layers[1] - layers[0]);
+  const double rest = step_seconds[0] - static_cast<double>(layers[0]) * per_layer;
+  const double full = rest + static_cast<double>(config.num_hidden_layers) * per_layer;
+  std::printf(
+      "%s with every expert in memory: %.2f ms a decoder layer, %.1f ms the rest of a token; "
+      "%lld layers %.1f ms a token, %.2f tok/s (%.2fx llama.cpp's greedy 2.74)\n",
+      spec.name.c_str(), 1e3 * per_layer, 1e3 * rest,
+      static_cast<long long>(config.num_hidden_layers), 1e3 * full, 1.0 / full, 1.0 / full / 2.74);
+  std::fflush(stdout);
+}
+
+void Bench(const ModelSpec& spec, const std::string& configs, const std::string& root, int tokens,
+           int prompt, bool keep, const std::string& only) {
+  const std::string dir = absl::StrCat(root, "/", spec.name, "-nf4");
+  auto config = accel::loader::ReadModelConfig(absl::StrCat(configs, "/", spec.config));
+  if (!config.ok()) Die(std::string(config.status().message()));
+  const auto wanted = [&](absl::string_view key) {
+    return only.empty() ||
+           absl::StrContains(absl::StrCat(",", only, ","), absl::StrCat(",", key, ","));
+  };
+  if (wanted("resident")) Resident(spec, *config, root, tokens, keep);
+  if (!wanted("greedy") && !wanted("sampled") && !wanted("prompt") && !wanted("batch4")) return;
+  MakeOnce(spec.name, *config, spec.double_quant, root, dir);
   const std::vector<std::string> shards = SafetensorsFiles(dir);
   uint64_t file_bytes = 0;
   for (const auto& f : shards) file_bytes += std::filesystem::file_size(f);
@@ -439,10 +532,7 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
       {{"batch4", "sampled, batch 4", 4, 1.0}, 8},
   };
   for (const auto& [c, prompt_tokens] : rows) {
-    if (!only.empty() &&
-        !absl::StrContains(absl::StrCat(",", only, ","), absl::StrCat(",", c.key, ","))) {
-      continue;
-    }
+    if (!wanted(c.key)) continue;
     const Result r = Run(*loaded, c, prompt_tokens, tokens, rates, expert_bytes, resident);
     const double step_seconds = r.step_seconds;
     // disk GB/s: what the disk delivered over the step, compute included.
@@ -530,7 +620,7 @@ int main(int argc, char** argv) {
     } else {
       Die(absl::StrCat("unknown flag ", flag,
                        " (--models mixtral,llama70b --dir DIR --tokens N --prompt N --keep "
-                       "--rows greedy,sampled,prompt,batch4)"));
+                       "--rows resident,greedy,sampled,prompt,batch4)"));
     }
   }
   accel::SetIntraOpThreads(0);
