@@ -1040,6 +1040,41 @@ TEST(PipelineParallel, StagesDecodeAsOneProcess) {
   }
 }
 
+// A rank of PipelineParallel.AWorkerRefusesAStepMessageOverOneGiB: rank 0
+// sends a step message's size of 2 GiB where the leader would send a step;
+// rank 1, the second stage of the model in ACCEL_TP_CASES, refuses it before
+// allocating anything and leaves as for a leader gone.
+TEST(CorruptMessageRank, Run) {
+  if (!test::IsWorker()) GTEST_SKIP() << "a rank of PipelineParallel.AWorkerRefuses*";
+  ACCEL_ASSERT_OK_AND_ASSIGN(StagedRank joined, JoinStagedRank());
+  dist::ProcessGroup& world = *joined.world;
+  if (world.rank() == 0) {
+    EXPECT_THAT(world.Send(at::full({1}, int64_t{1} << 31, at::kLong), 1), IsOk());
+    return;
+  }
+  ModelLoadOptions load;
+  load.device_map = "cpu";
+  load.progress = Progress::Style::kSilent;
+  load.tensor_parallel = joined.parallel;
+  absl::StatusOr<LoadedModel> shard = LoadModel(std::getenv("ACCEL_TP_CASES"), load);
+  ASSERT_THAT(shard, IsOk());
+  ASSERT_EQ(shard->model->pipeline_size(), 2);
+  EXPECT_THAT(RunTensorParallelWorker(*shard->model, shard->dispatched.get(), world),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("a message of 2147483648 bytes")));
+}
+
+TEST(PipelineParallel, AWorkerRefusesAStepMessageOverOneGiB) {
+  TempDir dir;
+  MakeModelOptions o = Small("llama");
+  o.num_layers = 2;
+  const std::string path = absl::StrCat(dir.path(), "/llama");
+  ASSERT_THAT(MakeModel(path, o), IsOk());
+  EXPECT_THAT(test::RunRanks(2, "CorruptMessageRank.Run",
+                             {{"ACCEL_TP_CASES", path}, {"ACCEL_TP_SIZE", "1"}},
+                             /*timeout_s=*/60),
+              Each(0));
+}
+
 // ---------------------------------------------------------------------------
 // LongRoPE on split ranks: a sequence whose step crosses the original
 // context is recomputed whole with the long factors on every rank (its ids
