@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/file_faults.h"
+#include "core/map_file.h"
 #include "core/status.h"
 #include "core/torch_compat.h"
 #include "loader/internal/safetensors_format.h"
@@ -156,7 +157,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path,
   if (mapping->size > 0) {
     // Private and writable: copy-on-write, so in-place ops on a returned tensor
     // work and never reach the file.
-    void* addr = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    void* addr = MapFileHugeAligned(fd, 0, mapping->size, PROT_READ | PROT_WRITE, MAP_PRIVATE);
     if (addr == MAP_FAILED) {
       int err = errno;
       ::close(fd);
@@ -245,8 +246,8 @@ absl::StatusOr<at::Tensor> SafetensorsFile::MapAlone(const at::Tensor& part) con
   auto mapped = std::make_shared<PartMapping>();
   mapped->size = static_cast<size_t>(offset + nbytes - first);
   // Private and writable as the whole file's mapping is (copy-on-write).
-  void* addr = ::mmap(nullptr, mapped->size, PROT_READ | PROT_WRITE, MAP_PRIVATE, mapping_->fd,
-                      static_cast<off_t>(first));
+  void* addr =
+      MapFileHugeAligned(mapping_->fd, first, mapped->size, PROT_READ | PROT_WRITE, MAP_PRIVATE);
   if (addr == MAP_FAILED) return ErrnoStatus(errno, absl::StrCat("mapping part of ", path_));
   mapped->addr = addr;
   mapped->registration = MappedFileRegistration(addr, mapped->size, path_);

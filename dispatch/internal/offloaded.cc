@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/map_file.h"
 #include "core/status.h"
 
 namespace accel::dispatch::internal {
@@ -81,7 +82,7 @@ absl::StatusOr<std::shared_ptr<FileMapping>> FileMapping::Open(const OpenFile& f
   const auto size = static_cast<uint64_t>(st.st_size);
   void* addr = nullptr;
   if (size > 0) {
-    addr = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, file.fd(), 0);
+    addr = MapFileHugeAligned(file.fd(), 0, size, PROT_READ, MAP_SHARED);
     if (addr == MAP_FAILED) return ErrnoStatus(errno, absl::StrCat("mapping ", file.path()));
   }
   // The mapping's own descriptor of the same open file (never the path

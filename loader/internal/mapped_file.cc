@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/map_file.h"
 #include "core/status.h"
 
 namespace accel::loader::internal {
@@ -44,7 +45,7 @@ absl::StatusOr<std::shared_ptr<const MappedFile>> MappedFile::Open(const std::st
   file->path_ = path;
   file->size_ = static_cast<size_t>(st.st_size);
   if (file->size_ > 0) {
-    void* addr = ::mmap(nullptr, file->size_, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    void* addr = MapFileHugeAligned(fd, 0, file->size_, PROT_READ | PROT_WRITE, MAP_PRIVATE);
     if (addr == MAP_FAILED) {
       const int err = errno;
       ::close(fd);

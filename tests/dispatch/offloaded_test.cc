@@ -50,6 +50,9 @@ TEST(FileMappingTest, AViewIsTheFilesBytesAndSurvivesDropAndPopulate) {
   ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file, OpenFile::Open(path, false));
   ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(*file));
   EXPECT_EQ(mapping->size(), static_cast<uint64_t>(kCount * 4));
+  // At a huge page's boundary, so the page cache's huge folios of the file
+  // can be mapped whole (core/map_file.h).
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(mapping->data()) % (uint64_t{2} << 20), 0u);
   Source source;
   source.path = path;
   source.offset = 400 * 4;

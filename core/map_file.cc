@@ -1,0 +1,39 @@
+#include "core/map_file.h"
+
+#include <cerrno>
+#include <sys/mman.h>
+#include <unistd.h>
+
+namespace accel {
+
+void* MapFileHugeAligned(int fd, uint64_t offset, size_t size, int prot, int flags) {
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t mapped = (size + page - 1) / page * page;
+  // A reservation a huge page larger, then the file over the part of it
+  // that starts at the right place; the reservation's ends given back.
+  const uintptr_t reserved = mapped + kHuge;
+  void* reserve =
+      ::mmap(nullptr, reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (reserve == MAP_FAILED) return ::mmap(nullptr, size, prot, flags, fd, offset);
+  const auto base = reinterpret_cast<uintptr_t>(reserve);
+  const uintptr_t start = base + ((offset - base) & (kHuge - 1));  // start = offset mod kHuge
+  void* addr = ::mmap(reinterpret_cast<void*>(start), size, prot, flags | MAP_FIXED, fd,
+                      static_cast<off_t>(offset));
+  if (addr == MAP_FAILED) {
+    const int error = errno;
+    ::munmap(reserve, reserved);
+    errno = error;
+    return MAP_FAILED;
+  }
+  if (start > base) ::munmap(reserve, start - base);
+  if (base + reserved > start + mapped) {
+    ::munmap(reinterpret_cast<void*>(start + mapped), base + reserved - (start + mapped));
+  }
+#ifdef MADV_HUGEPAGE
+  (void)::madvise(addr, size, MADV_HUGEPAGE);
+#endif
+  return addr;
+}
+
+}  // namespace accel

@@ -1,0 +1,136 @@
+// MapFileHugeAligned: the file's bytes at an address that agrees with their
+// file offset modulo 2 MiB, advised MADV_HUGEPAGE, and nothing else left
+// mapped.
+#include "core/map_file.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <string>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "tests/testing/temp_dir.h"
+
+namespace accel {
+namespace {
+
+using ::accel::test::TempDir;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kHuge = uint64_t{2} << 20;
+
+// The lines of /proc/self/smaps for the mapping that starts at `addr`.
+std::string SmapsOf(const void* addr) {
+  std::FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (f == nullptr) return "";
+  char start[32];
+  std::snprintf(start, sizeof(start), "%lx-",
+                static_cast<unsigned long>(reinterpret_cast<uintptr_t>(addr)));
+  std::string block;
+  bool in = false;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof(buffer), f) != nullptr) {
+    const std::string line = buffer;
+    // A mapping's first line is "start-end perms ...", its fields "Name: ...".
+    const size_t dash = line.find('-'), space = line.find(' ');
+    if (dash < space && line.find(':') > space) in = line.rfind(start, 0) == 0;
+    if (in) block += line;
+  }
+  std::fclose(f);
+  return block;
+}
+
+int64_t VmSizeKb() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  long kb = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "VmSize: %ld kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return kb;
+}
+
+// A file of 5 MiB and a part page: byte i is i * 7 mod 251.
+std::string WriteFile(const TempDir& dir) {
+  std::string bytes((5 << 20) + 123, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7 % 251);
+  return dir.Write("weights.bin", bytes);
+}
+
+bool HoldsFileBytes(const void* addr, uint64_t offset, size_t size) {
+  const auto* p = static_cast<const unsigned char*>(addr);
+  for (size_t i = 0; i < size; ++i) {
+    if (p[i] != static_cast<unsigned char>((offset + i) * 7 % 251)) return false;
+  }
+  return true;
+}
+
+TEST(MapFileHugeAligned, AddressAgreesWithTheOffsetModuloAHugePage) {
+  TempDir dir;
+  const std::string path = WriteFile(dir);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const size_t size = std::filesystem::file_size(path);
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  for (const uint64_t offset : {uint64_t{0}, page, 3 * page, kHuge + 5 * page}) {
+    SCOPED_TRACE(offset);
+    const size_t n = size - offset;
+    for (const bool shared : {true, false}) {
+      const int prot = shared ? PROT_READ : PROT_READ | PROT_WRITE;
+      void* addr = MapFileHugeAligned(fd, offset, n, prot, shared ? MAP_SHARED : MAP_PRIVATE);
+      ASSERT_NE(addr, MAP_FAILED) << std::strerror(errno);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(addr) % kHuge, offset % kHuge);
+      EXPECT_TRUE(HoldsFileBytes(addr, offset, n));
+      const std::string smaps = SmapsOf(addr);
+      EXPECT_THAT(smaps, HasSubstr("weights.bin"));
+      if (std::filesystem::exists("/sys/kernel/mm/transparent_hugepage/enabled")) {
+        EXPECT_THAT(smaps, HasSubstr(" hg"));  // VmFlags: MADV_HUGEPAGE
+      }
+      if (!shared) {
+        // Private and writable: copy-on-write, the file untouched.
+        static_cast<char*>(addr)[10] = 1;
+        EXPECT_EQ(static_cast<char*>(addr)[10], 1);
+      }
+      ::munmap(addr, n);
+    }
+  }
+  char byte = 0;
+  ASSERT_EQ(::pread(fd, &byte, 1, 10), 1);
+  EXPECT_EQ(byte, static_cast<char>(70));
+  ::close(fd);
+}
+
+TEST(MapFileHugeAligned, GivesTheRestOfItsReservationBack) {
+  TempDir dir;
+  const std::string path = WriteFile(dir);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const size_t size = std::filesystem::file_size(path);
+  // 200 mappings made and unmapped leave the address space as it was: a
+  // reservation's 2 MiB margin left behind each time would add 400 MiB.
+  const int64_t before = VmSizeKb();
+  for (int i = 0; i < 200; ++i) {
+    void* addr = MapFileHugeAligned(fd, 0, size, PROT_READ, MAP_SHARED);
+    ASSERT_NE(addr, MAP_FAILED);
+    ::munmap(addr, size);
+  }
+  EXPECT_LT(VmSizeKb() - before, 64 * 1024);
+  ::close(fd);
+}
+
+TEST(MapFileHugeAligned, ABadDescriptorFailsWithItsErrno) {
+  errno = 0;
+  EXPECT_EQ(MapFileHugeAligned(-1, 0, 4096, PROT_READ, MAP_SHARED), MAP_FAILED);
+  EXPECT_EQ(errno, EBADF);
+}
+
+}  // namespace
+}  // namespace accel
