@@ -1100,7 +1100,14 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
           // kernel took them back between tokens, to fault them in again a
           // read-ahead window at a time (gigabytes of extra reads). Where it
           // may not, they stay ordinary page cache.
-          (void)::mlock(reinterpret_cast<void*>(at), n);
+          // MLOCK_ONFAULT locks the pages just mapped as they are: a plain
+          // mlock() faults a private writable mapping (the loader's) in for
+          // writing, copying every page of it into anonymous memory (the
+          // resident part twice in memory: 1.19 GiB of Mixtral-8x7B, 13.5
+          // GiB of Llama-3-70B, copied at load).
+#ifdef MLOCK_ONFAULT
+          (void)::mlock2(reinterpret_cast<void*>(at), n, MLOCK_ONFAULT);
+#endif
         }
       }
     });

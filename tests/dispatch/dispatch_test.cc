@@ -3,6 +3,7 @@
 #include "dispatch/dispatch.h"
 
 #include <cctype>
+#include <chrono>
 #include <cstdint>
 #include <fcntl.h>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include <string>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -29,6 +31,8 @@
 #include <torch/nn/modules/linear.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 #include "dispatch/empty_weights.h"
 #include "loader/loader.h"
@@ -328,6 +332,49 @@ TEST(DispatchMappedTest, DirectReadsOrMapDiskOffReadIntoBuffersWithTheSameOutput
     EXPECT_GE(stats.bytes_read, (kWideLayers - 1) * kWideLayerBytes);
     EXPECT_EQ(MappedResidentBytes(dir.path()), 0);
   }
+}
+
+// A field of /proc/self/smaps ("Rss", "Anonymous", "Locked"), in bytes, for
+// the mapping that holds `address`; -1 when there is none.
+int64_t SmapsBytes(const void* address, absl::string_view field) {
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  std::ifstream smaps("/proc/self/smaps");
+  bool in = false;
+  const std::string prefix = absl::StrCat(field, ":");
+  for (std::string line; std::getline(smaps, line);) {
+    if (std::optional<MapsLine> m = ParseMapsLine(line)) {
+      in = m->begin <= at && at < m->end;
+    } else if (in && absl::StartsWith(line, prefix)) {
+      return std::stoll(line.substr(prefix.size())) * 1024;
+    }
+  }
+  return -1;
+}
+
+TEST(DispatchMappedTest, PopulatedResidentWeightsAreLockedInPlaceNotCopied) {
+  TempDir dir;
+  auto reference = SaveWide(dir.path());
+  at::Tensor x = at::randn({2, kWidth});
+  at::Tensor expected = reference->forward(x);
+  auto model = EmptyWide();
+  LoadOptions options = Quiet();
+  options.populate_resident = true;
+  auto dispatched = DispatchedModel::Load(model, dir.path(), WideMap(), options);
+  ASSERT_THAT(dispatched, IsOk());
+  const void* l0 = model->layers[0]->weight.data_ptr();
+  // The populator runs on a thread of its own: wait for it to map l0 (and,
+  // where the process may lock memory, lock it).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (SmapsBytes(l0, "Rss") < kWideLayerBytes && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the lock follows the mapping
+  EXPECT_GE(SmapsBytes(l0, "Rss"), kWideLayerBytes);
+  // The loader's mapping is private and writable: locking it with a plain
+  // mlock() faults it in for writing, one anonymous copy of every page.
+  EXPECT_EQ(SmapsBytes(l0, "Anonymous"), 0);
+  EXPECT_TRUE(at::equal(model->forward(x, dispatched->get()), expected));
+  EXPECT_EQ(SmapsBytes(l0, "Anonymous"), 0);
 }
 
 TEST(DispatchMappedTest, ResidentMappedWeightsStayWithinTheAllowancePlusTheWindow) {
