@@ -73,12 +73,25 @@ bool HoldsFileBytes(const void* addr, uint64_t offset, size_t size) {
   return true;
 }
 
-TEST(MapFileHugeAligned, AddressAgreesWithTheOffsetModuloAHugePage) {
+// The file of WriteFile, open for reading.
+class MapFileHugeAlignedTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    path = WriteFile(dir);
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    size = std::filesystem::file_size(path);
+  }
+  void TearDown() override {
+    if (fd >= 0) ::close(fd);
+  }
   TempDir dir;
-  const std::string path = WriteFile(dir);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ASSERT_GE(fd, 0);
-  const size_t size = std::filesystem::file_size(path);
+  std::string path;
+  int fd = -1;
+  size_t size = 0;
+};
+
+TEST_F(MapFileHugeAlignedTest, AddressAgreesWithTheOffsetModuloAHugePage) {
   const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   for (const uint64_t offset : {uint64_t{0}, page, 3 * page, kHuge + 5 * page}) {
     SCOPED_TRACE(offset);
@@ -105,15 +118,9 @@ TEST(MapFileHugeAligned, AddressAgreesWithTheOffsetModuloAHugePage) {
   char byte = 0;
   ASSERT_EQ(::pread(fd, &byte, 1, 10), 1);
   EXPECT_EQ(byte, static_cast<char>(70));
-  ::close(fd);
 }
 
-TEST(MapFileHugeAligned, GivesTheRestOfItsReservationBack) {
-  TempDir dir;
-  const std::string path = WriteFile(dir);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  ASSERT_GE(fd, 0);
-  const size_t size = std::filesystem::file_size(path);
+TEST_F(MapFileHugeAlignedTest, GivesTheRestOfItsReservationBack) {
   // 200 mappings made and unmapped leave the address space as it was: a
   // reservation's 2 MiB margin left behind each time would add 400 MiB.
   const int64_t before = VmSizeKb();
@@ -123,7 +130,6 @@ TEST(MapFileHugeAligned, GivesTheRestOfItsReservationBack) {
     ::munmap(addr, size);
   }
   EXPECT_LT(VmSizeKb() - before, 64 * 1024);
-  ::close(fd);
 }
 
 TEST(MapFileHugeAligned, ABadDescriptorFailsWithItsErrno) {
