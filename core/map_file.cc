@@ -15,21 +15,22 @@ void* MapFileHugeAligned(int fd, uint64_t offset, size_t size, int prot, int fla
   const uintptr_t reserved = mapped + kHuge;
   void* reserve =
       ::mmap(nullptr, reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (reserve == MAP_FAILED) return ::mmap(nullptr, size, prot, flags, fd, offset);
-  const auto base = reinterpret_cast<uintptr_t>(reserve);
-  const uintptr_t start = base + ((offset - base) & (kHuge - 1));  // start = offset mod kHuge
-  void* addr = ::mmap(reinterpret_cast<void*>(start), size, prot, flags | MAP_FIXED, fd,
-                      static_cast<off_t>(offset));
+  if (reserve == MAP_FAILED) {
+    return ::mmap(nullptr, size, prot, flags, fd, static_cast<off_t>(offset));
+  }
+  // The first address from the reservation's start on congruent to `offset`.
+  char* const base = static_cast<char*>(reserve);
+  const uintptr_t lead = (offset - reinterpret_cast<uintptr_t>(base)) & (kHuge - 1);
+  char* const start = base + lead;
+  void* addr = ::mmap(start, size, prot, flags | MAP_FIXED, fd, static_cast<off_t>(offset));
   if (addr == MAP_FAILED) {
     const int error = errno;
     ::munmap(reserve, reserved);
     errno = error;
     return MAP_FAILED;
   }
-  if (start > base) ::munmap(reserve, start - base);
-  if (base + reserved > start + mapped) {
-    ::munmap(reinterpret_cast<void*>(start + mapped), base + reserved - (start + mapped));
-  }
+  if (lead > 0) ::munmap(base, lead);
+  ::munmap(start + mapped, kHuge - lead);  // lead < kHuge: never empty
 #ifdef MADV_HUGEPAGE
   (void)::madvise(addr, size, MADV_HUGEPAGE);
 #endif

@@ -3,6 +3,7 @@
 // mapped.
 #include "core/map_file.h"
 
+#include <cinttypes>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -50,9 +51,9 @@ int64_t VmSizeKb() {
   std::FILE* f = std::fopen("/proc/self/status", "r");
   if (f == nullptr) return -1;
   char line[256];
-  long kb = -1;
+  int64_t kb = -1;
   while (std::fgets(line, sizeof(line), f) != nullptr) {
-    if (std::sscanf(line, "VmSize: %ld kB", &kb) == 1) break;
+    if (std::sscanf(line, "VmSize: %" SCNd64 " kB", &kb) == 1) break;
   }
   std::fclose(f);
   return kb;
