@@ -16,6 +16,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "tests/testing/process_memory.h"
 #include "tests/testing/temp_dir.h"
 
 namespace accel {
@@ -25,27 +26,6 @@ using ::accel::test::TempDir;
 using ::testing::HasSubstr;
 
 constexpr uint64_t kHuge = uint64_t{2} << 20;
-
-// The lines of /proc/self/smaps for the mapping that starts at `addr`.
-std::string SmapsOf(const void* addr) {
-  std::FILE* f = std::fopen("/proc/self/smaps", "r");
-  if (f == nullptr) return "";
-  char start[32];
-  std::snprintf(start, sizeof(start), "%lx-",
-                static_cast<unsigned long>(reinterpret_cast<uintptr_t>(addr)));
-  std::string block;
-  bool in = false;
-  char buffer[512];
-  while (std::fgets(buffer, sizeof(buffer), f) != nullptr) {
-    const std::string line = buffer;
-    // A mapping's first line is "start-end perms ...", its fields "Name: ...".
-    const size_t dash = line.find('-'), space = line.find(' ');
-    if (dash < space && line.find(':') > space) in = line.rfind(start, 0) == 0;
-    if (in) block += line;
-  }
-  std::fclose(f);
-  return block;
-}
 
 int64_t VmSizeKb() {
   std::FILE* f = std::fopen("/proc/self/status", "r");
@@ -103,10 +83,11 @@ TEST_F(MapFileHugeAlignedTest, AddressAgreesWithTheOffsetModuloAHugePage) {
       ASSERT_NE(addr, MAP_FAILED) << std::strerror(errno);
       EXPECT_EQ(reinterpret_cast<uintptr_t>(addr) % kHuge, offset % kHuge);
       EXPECT_TRUE(HoldsFileBytes(addr, offset, n));
-      const std::string smaps = SmapsOf(addr);
-      EXPECT_THAT(smaps, HasSubstr("weights.bin"));
+      const test::Mapping m = test::MappingHolding(addr);
+      EXPECT_EQ(m.begin, reinterpret_cast<uintptr_t>(addr));
+      EXPECT_THAT(m.path, HasSubstr("weights.bin"));
       if (std::filesystem::exists("/sys/kernel/mm/transparent_hugepage/enabled")) {
-        EXPECT_THAT(smaps, HasSubstr(" hg"));  // VmFlags: MADV_HUGEPAGE
+        EXPECT_THAT(m.vm_flags, HasSubstr(" hg"));  // MADV_HUGEPAGE
       }
       if (!shared) {
         // Private and writable: copy-on-write, the file untouched.

@@ -37,6 +37,7 @@
 #include "dispatch/empty_weights.h"
 #include "loader/loader.h"
 #include "tests/testing/file_size_limit.h"
+#include "tests/testing/process_memory.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -44,6 +45,7 @@ namespace accel::dispatch {
 namespace {
 
 using ::accel::test::IsOk;
+using ::accel::test::MappingHolding;
 using ::accel::test::StatusIs;
 using ::accel::test::TempDir;
 using ::testing::AllOf;
@@ -334,23 +336,6 @@ TEST(DispatchMappedTest, DirectReadsOrMapDiskOffReadIntoBuffersWithTheSameOutput
   }
 }
 
-// A field of /proc/self/smaps ("Rss", "Anonymous", "Locked"), in bytes, for
-// the mapping that holds `address`; -1 when there is none.
-int64_t SmapsBytes(const void* address, absl::string_view field) {
-  const auto at = reinterpret_cast<uintptr_t>(address);
-  std::ifstream smaps("/proc/self/smaps");
-  bool in = false;
-  const std::string prefix = absl::StrCat(field, ":");
-  for (std::string line; std::getline(smaps, line);) {
-    if (std::optional<MapsLine> m = ParseMapsLine(line)) {
-      in = m->begin <= at && at < m->end;
-    } else if (in && absl::StartsWith(line, prefix)) {
-      return std::stoll(line.substr(prefix.size())) * 1024;
-    }
-  }
-  return -1;
-}
-
 TEST(DispatchMappedTest, PopulatedResidentWeightsAreLockedInPlaceNotCopied) {
   TempDir dir;
   auto reference = SaveWide(dir.path());
@@ -365,16 +350,16 @@ TEST(DispatchMappedTest, PopulatedResidentWeightsAreLockedInPlaceNotCopied) {
   // The populator runs on a thread of its own: wait for it to map l0 (and,
   // where the process may lock memory, lock it).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (SmapsBytes(l0, "Rss") < kWideLayerBytes && std::chrono::steady_clock::now() < deadline) {
+  while (MappingHolding(l0).rss < kWideLayerBytes && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the lock follows the mapping
-  EXPECT_GE(SmapsBytes(l0, "Rss"), kWideLayerBytes);
+  EXPECT_GE(MappingHolding(l0).rss, kWideLayerBytes);
   // The loader's mapping is private and writable: locking it with a plain
   // mlock() faults it in for writing, one anonymous copy of every page.
-  EXPECT_EQ(SmapsBytes(l0, "Anonymous"), 0);
+  EXPECT_EQ(MappingHolding(l0).anonymous, 0);
   EXPECT_TRUE(at::equal(model->forward(x, dispatched->get()), expected));
-  EXPECT_EQ(SmapsBytes(l0, "Anonymous"), 0);
+  EXPECT_EQ(MappingHolding(l0).anonymous, 0);
 }
 
 TEST(DispatchMappedTest, ResidentMappedWeightsStayWithinTheAllowancePlusTheWindow) {

@@ -22,6 +22,9 @@ struct Mapping {
   uintptr_t begin = 0, end = 0;
   std::string perms, path;  // path: a file, "[heap]", "[stack]", "" (anonymous)
   int64_t rss = 0, pss = 0, private_bytes = 0, anonymous = 0, swap = 0;
+  int64_t locked = 0;      // mlock()ed
+  int64_t pmd_mapped = 0;  // FilePmdMapped: file pages mapped a huge page at a time
+  std::string vm_flags;    // "rd mr mw me ac sd hg ..." ("hg": MADV_HUGEPAGE)
 };
 
 // Every mapping of the process (`pid` "self" for this one); empty when
@@ -51,6 +54,10 @@ inline std::vector<Mapping> ReadMappings(const std::string& pid = "self") {
     const size_t colon = line.find(':');
     if (colon == std::string::npos) continue;
     const std::string field = line.substr(0, colon);
+    if (field == "VmFlags") {
+      out.back().vm_flags = line.substr(colon + 1);
+      continue;
+    }
     int64_t kib = 0;
     try {
       kib = std::stoll(line.substr(colon + 1));
@@ -63,8 +70,19 @@ inline std::vector<Mapping> ReadMappings(const std::string& pid = "self") {
     if (field == "Private_Clean" || field == "Private_Dirty") m.private_bytes += kib * 1024;
     if (field == "Anonymous") m.anonymous = kib * 1024;
     if (field == "Swap") m.swap = kib * 1024;
+    if (field == "Locked") m.locked = kib * 1024;
+    if (field == "FilePmdMapped") m.pmd_mapped = kib * 1024;
   }
   return out;
+}
+
+// The mapping of this process that holds `address`; empty (end 0) if none.
+inline Mapping MappingHolding(const void* address) {
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  for (Mapping& m : ReadMappings()) {
+    if (m.begin <= at && at < m.end) return m;
+  }
+  return {};
 }
 
 // Resident bytes of the mappings whose file is `prefix` or below it (a
