@@ -402,10 +402,10 @@ void MakeOnce(const std::string& name, const accel::loader::ModelConfig& config,
 // small enough to stay wholly in memory, decoded greedily at batch 1 (the
 // best of five runs, once what making it wrote is on disk: the first run
 // fills the page cache, and the kernel's writeback slowed the decode beside
-// it by a quarter). A decoder
-// layer's cost is the difference over 8 layers, the rest of a token (the
-// embedding, lm_head, sampling) what is left at 8, and the full model's
-// token with every expert resident is the rest plus all its layers.
+// it by a quarter). A decoder layer's cost is the difference over 8 layers,
+// the rest of a token (the embedding, lm_head, sampling) what is left at 8,
+// and the full model's token with every expert resident is the rest plus
+// all its layers.
 void Resident(const ModelSpec& spec, const accel::loader::ModelConfig& config,
               const std::string& root, int tokens, bool keep) {
   if (config.moe.num_experts == 0) return;

@@ -3,9 +3,7 @@
 // mapped.
 #include "core/map_file.h"
 
-#include <cinttypes>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <fcntl.h>
 #include <filesystem>
@@ -26,18 +24,6 @@ using ::accel::test::TempDir;
 using ::testing::HasSubstr;
 
 constexpr uint64_t kHuge = uint64_t{2} << 20;
-
-int64_t VmSizeKb() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return -1;
-  char line[256];
-  int64_t kb = -1;
-  while (std::fgets(line, sizeof(line), f) != nullptr) {
-    if (std::sscanf(line, "VmSize: %" SCNd64 " kB", &kb) == 1) break;
-  }
-  std::fclose(f);
-  return kb;
-}
 
 // A file of 5 MiB and a part page: byte i is i * 7 mod 251.
 std::string WriteFile(const TempDir& dir) {
@@ -105,13 +91,13 @@ TEST_F(MapFileHugeAlignedTest, AddressAgreesWithTheOffsetModuloAHugePage) {
 TEST_F(MapFileHugeAlignedTest, GivesTheRestOfItsReservationBack) {
   // 200 mappings made and unmapped leave the address space as it was: a
   // reservation's 2 MiB margin left behind each time would add 400 MiB.
-  const int64_t before = VmSizeKb();
+  const int64_t before = test::VirtualBytes();
   for (int i = 0; i < 200; ++i) {
     void* addr = MapFileHugeAligned(fd, 0, size, PROT_READ, MAP_SHARED);
     ASSERT_NE(addr, MAP_FAILED);
     ::munmap(addr, size);
   }
-  EXPECT_LT(VmSizeKb() - before, 64 * 1024);
+  EXPECT_LT(test::VirtualBytes() - before, int64_t{64} << 20);
 }
 
 TEST(MapFileHugeAligned, ABadDescriptorFailsWithItsErrno) {

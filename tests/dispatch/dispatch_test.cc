@@ -31,7 +31,6 @@
 #include <torch/nn/modules/linear.h>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 #include "dispatch/empty_weights.h"

@@ -1,8 +1,6 @@
 #include "dispatch/empty_weights.h"
 
-#include <fstream>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -13,6 +11,7 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 
+#include "tests/testing/process_memory.h"
 #include "tests/testing/status_matchers.h"
 
 namespace accel::dispatch {
@@ -20,22 +19,8 @@ namespace {
 
 using ::accel::test::IsOk;
 using ::accel::test::StatusIs;
+using ::accel::test::VirtualBytes;
 using ::testing::HasSubstr;
-
-// Virtual memory of this process (VmSize), in bytes: an allocation shows
-// here at once, even before its pages are touched.
-int64_t VirtualBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string key;
-  int64_t kib = 0;
-  while (status >> key) {
-    if (key == "VmSize:") {
-      status >> kib;
-      break;
-    }
-  }
-  return kib * 1024;
-}
 
 // A layer built the way accel::nn layers are: through NewParameter().
 struct Block : torch::nn::Module {

@@ -74,6 +74,21 @@ inline std::vector<Mapping> ReadMappings(const std::string& pid = "self") {
   return out;
 }
 
+// Virtual memory of this process (VmSize), in bytes: an allocation or a
+// mapping shows here at once, even before its pages are touched.
+inline int64_t VirtualBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string key;
+  int64_t kib = 0;
+  while (status >> key) {
+    if (key == "VmSize:") {
+      status >> kib;
+      break;
+    }
+  }
+  return kib * 1024;
+}
+
 // The mapping of this process that holds `address`; empty (end 0) if none.
 inline Mapping MappingHolding(const void* address) {
   const auto at = reinterpret_cast<uintptr_t>(address);
