@@ -22,8 +22,9 @@ struct Mapping {
   uintptr_t begin = 0, end = 0;
   std::string perms, path;  // path: a file, "[heap]", "[stack]", "" (anonymous)
   int64_t rss = 0, pss = 0, private_bytes = 0, anonymous = 0, swap = 0;
-  int64_t locked = 0;    // mlock()ed
-  std::string vm_flags;  // "rd mr mw me ac sd hg ..." ("hg": MADV_HUGEPAGE)
+  int64_t locked = 0;      // mlock()ed
+  int64_t pmd_mapped = 0;  // FilePmdMapped: file pages mapped a huge page at a time
+  std::string vm_flags;    // "rd mr mw me ac sd hg ..." ("hg": MADV_HUGEPAGE)
 };
 
 // Every mapping of the process (`pid` "self" for this one); empty when
@@ -70,6 +71,7 @@ inline std::vector<Mapping> ReadMappings(const std::string& pid = "self") {
     if (field == "Anonymous") m.anonymous = kib * 1024;
     if (field == "Swap") m.swap = kib * 1024;
     if (field == "Locked") m.locked = kib * 1024;
+    if (field == "FilePmdMapped") m.pmd_mapped = kib * 1024;
   }
   return out;
 }

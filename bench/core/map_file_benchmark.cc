@@ -1,0 +1,176 @@
+// accel-bench-map: what it costs to make a weights range resident through a
+// mapping placed by mmap (page-aligned) and through MapFileHugeAligned
+// (core/map_file.h: congruent to the file offset modulo 2 MiB, advised
+// MADV_HUGEPAGE), against a plain pread() of the same bytes in the same run.
+// Each repeat, for each method: the range dropped from the page cache
+// (POSIX_FADV_DONTNEED), then MADV_WILLNEED + MADV_POPULATE_READ as the
+// expert cache reads a unit (cold: wall time and the thread's CPU time), then
+// unmapped (MADV_DONTNEED) and populated again from the page cache (warm),
+// then the share of the range mapped by PMD (FilePmdMapped). Times: best of
+// R; the PMD share: the mean of R (mmap places a file's mapping where it
+// likes, now and then 2 MiB-aligned).
+//
+//   build/bin/accel-bench-map [--dir /work] [--file_mb 1024] [--range_mb 76] [--repeats 5]
+//
+// The file is written into --dir (which should be the disk the models live
+// on, not a tmpfs), synced, and deleted at the end.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fcntl.h>
+#include <random>
+#include <string>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+#include <vector>
+
+#include "core/map_file.h"
+#include "tests/testing/process_memory.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void Die(const std::string& message) {
+  std::fprintf(stderr, "accel-bench-map: %s\n", message.c_str());
+  std::exit(1);
+}
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+double ThreadCpuSeconds() {
+  rusage r{};
+  getrusage(RUSAGE_THREAD, &r);
+  return static_cast<double>(r.ru_utime.tv_sec + r.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(r.ru_utime.tv_usec + r.ru_stime.tv_usec);
+}
+
+struct Figures {
+  double cold = 1e9, cold_cpu = 1e9, warm = 1e9, pmd_share = 0;
+};
+
+void Keep(Figures& best, const Figures& f) {
+  best.cold = std::min(best.cold, f.cold);
+  best.cold_cpu = std::min(best.cold_cpu, f.cold_cpu);
+  best.warm = std::min(best.warm, f.warm);
+  best.pmd_share += f.pmd_share;  // divided by the repeats at the end
+}
+
+Figures Populate(int fd, size_t file_bytes, off_t offset, size_t range, bool huge) {
+  void* addr = huge ? accel::MapFileHugeAligned(fd, 0, file_bytes, PROT_READ, MAP_SHARED)
+                    : ::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, fd, 0);
+  if (addr == MAP_FAILED) Die("mapping the file failed");
+  char* at = static_cast<char*>(addr) + offset;
+  (void)::posix_fadvise(fd, offset, static_cast<off_t>(range), POSIX_FADV_DONTNEED);
+  Figures f;
+  const auto start = Clock::now();
+  const double cpu = ThreadCpuSeconds();
+  (void)::madvise(at, range, MADV_WILLNEED);
+  if (::madvise(at, range, MADV_POPULATE_READ) != 0) Die("MADV_POPULATE_READ failed");
+  f.cold = Seconds(start);
+  f.cold_cpu = ThreadCpuSeconds() - cpu;
+  f.pmd_share = static_cast<double>(accel::test::MappingHolding(addr).pmd_mapped) /
+                static_cast<double>(range);
+  (void)::madvise(at, range, MADV_DONTNEED);
+  const auto again = Clock::now();
+  (void)::madvise(at, range, MADV_POPULATE_READ);
+  f.warm = Seconds(again);
+  ::munmap(addr, file_bytes);
+  return f;
+}
+
+double PreadCold(int fd, off_t offset, size_t range, std::vector<char>& buffer) {
+  (void)::posix_fadvise(fd, offset, static_cast<off_t>(range), POSIX_FADV_DONTNEED);
+  const auto start = Clock::now();
+  for (size_t done = 0; done < range;) {
+    const ssize_t got =
+        ::pread(fd, buffer.data() + done, range - done, offset + static_cast<off_t>(done));
+    if (got <= 0) Die("pread failed");
+    done += static_cast<size_t>(got);
+  }
+  return Seconds(start);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dir = "/work";
+  int64_t file_mb = 1024, range_mb = 76;
+  int repeats = 5;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--dir") {
+      dir = value;
+    } else if (flag == "--file_mb") {
+      file_mb = std::atoll(value.c_str());
+    } else if (flag == "--range_mb") {
+      range_mb = std::atoll(value.c_str());
+    } else if (flag == "--repeats") {
+      repeats = std::atoi(value.c_str());
+    } else {
+      Die("unknown flag " + flag + " (--dir DIR --file_mb N --range_mb N --repeats N)");
+    }
+  }
+  if ((argc - 1) % 2 != 0) Die("every flag takes a value");
+  if (file_mb < 2 * range_mb + 8 || range_mb <= 0 || repeats <= 0) {
+    Die("--file_mb must be at least twice --range_mb plus 8, both and --repeats positive");
+  }
+  const std::string path = dir + "/accel-bench-map.bin";
+  const size_t file_bytes = static_cast<size_t>(file_mb) << 20;
+  const size_t range = static_cast<size_t>(range_mb) << 20;
+  {
+    const int out = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (out < 0) Die("cannot write " + path);
+    std::vector<char> chunk(size_t{16} << 20);
+    std::mt19937_64 random(1);
+    for (size_t done = 0; done < file_bytes; done += chunk.size()) {
+      for (size_t i = 0; i + 8 <= chunk.size(); i += 8) {
+        const uint64_t v = random();
+        std::copy_n(reinterpret_cast<const char*>(&v), 8, chunk.data() + i);
+      }
+      if (::write(out, chunk.data(), chunk.size()) != static_cast<ssize_t>(chunk.size())) {
+        ::close(out);
+        ::unlink(path.c_str());
+        Die("writing " + path + " failed");
+      }
+    }
+    ::fsync(out);
+    ::close(out);
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) Die("cannot open " + path);
+  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  // An expert's place in a shard: not on a 2 MiB boundary.
+  const off_t offset = (off_t{4} << 20) + off_t{12345} * 4096;
+  std::vector<char> buffer(range);
+  Figures small, huge;
+  double pread_best = 1e9;
+  for (int r = 0; r < repeats; ++r) {
+    pread_best = std::min(pread_best, PreadCold(fd, offset, range, buffer));
+    Keep(small, Populate(fd, file_bytes, offset, range, /*huge=*/false));
+    Keep(huge, Populate(fd, file_bytes, offset, range, /*huge=*/true));
+  }
+  ::close(fd);
+  ::unlink(path.c_str());
+  small.pmd_share /= repeats;
+  huge.pmd_share /= repeats;
+  const double mb = static_cast<double>(range_mb);
+  std::printf("a %lld MiB range of a %lld MiB file in %s, best of %d:\n",
+              static_cast<long long>(range_mb), static_cast<long long>(file_mb), dir.c_str(),
+              repeats);
+  std::printf("  %-34s %9s %9s %10s %10s\n", "method", "cold ms", "cpu ms", "warm ms", "PMD");
+  std::printf("  %-34s %9.1f %9s %10s %10s  (%.0f MiB/s)\n", "pread() (baseline)", 1e3 * pread_best,
+              "-", "-", "-", mb / pread_best);
+  for (const auto& [name, f] :
+       {std::pair<const char*, const Figures&>{"mmap, placed by the kernel", small},
+        {"MapFileHugeAligned", huge}}) {
+    std::printf("  %-34s %9.1f %9.1f %10.2f %9.0f%%\n", name, 1e3 * f.cold, 1e3 * f.cold_cpu,
+                1e3 * f.warm, 100.0 * f.pmd_share);
+  }
+  return 0;
+}
