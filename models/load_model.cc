@@ -317,6 +317,15 @@ absl::Status ChooseDeviceMap(const ModelLoadOptions& options, LoadPlan& out) {
       }
       out.cpu_room = static_cast<int64_t>(std::max(0.0, budget - used));
     }
+    if (probed && memory.fits && memory.kv_cache_bytes < 0 && !on_gpu) {
+      // A model that fits maps its weights in place, and they become
+      // resident as the forwards touch them; the KV cache gets what the cpu
+      // budget leaves beside them. Unplanned, the engine took half the
+      // memory free at its start, before the weights were resident
+      // (Qwen3-30B-A3B NF4, 16.8 GiB of a 23.5 GiB machine: a KV cache of
+      // about 11 GiB, which the weights could not stay beside once used).
+      memory.kv_cache_bytes = std::max<int64_t>(out.cpu_room, 256 * kMiB);
+    }
   }
   const std::map<std::string, double> placed = BytesByPlacement(out.device_map, table);
   if (auto it = placed.find("cpu"); it != placed.end()) {

@@ -246,7 +246,9 @@ int Main(int argc, char** argv) {
           Size(static_cast<double>(std::max<int64_t>(0, m.budget_bytes))),
           Size(static_cast<double>(m.resident_bytes())),
           Size(static_cast<double>(m.resident_weight_bytes)),
-          Size(static_cast<double>(m.expert_cache_bytes)),
+          // Sized for every MoE model, filled only where experts are read one
+          // by one (MemoryPlan::resident_bytes counts it only then).
+          Size(static_cast<double>(m.offload_experts ? m.expert_cache_bytes : 0)),
           Size(static_cast<double>(m.read_buffer_bytes)),
           Size(static_cast<double>(std::max<int64_t>(0, m.kv_cache_bytes))),
           Size(static_cast<double>(m.runtime_bytes)),

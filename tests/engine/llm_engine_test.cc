@@ -5,6 +5,7 @@
 // what cannot be served is refused when the engine loads, naming the field.
 #include "engine/llm_engine.h"
 
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -16,7 +17,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 
+#include "models/load_model.h"
 #include "models/make_model.h"
+#include "tests/testing/scoped_env.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -283,6 +286,42 @@ TEST_F(LlmEngineTest, MinTokensMasksStopTokensUntilReached) {
   ASSERT_GE(got.size(), 5u);
   for (size_t i = 0; i < 4; ++i) EXPECT_NE(got[i], greedy[0]) << "token " << i;
   for (size_t i = 4; i + 1 < got.size(); ++i) EXPECT_NE(got[i], greedy[0]) << "token " << i;
+}
+
+// A model that fits maps its weights in place, and they become resident only
+// as they are used: the KV cache's automatic size is what the load plan left
+// beside them in the cpu budget, not half the memory free at the engine's
+// start (which does not yet hold the weights).
+TEST(LlmEngineKvTest, AutomaticKvOfAModelThatFitsStaysWithinTheLoadPlan) {
+  TempDir dir, root;
+  models::MakeModelOptions o;
+  o.hidden_size = 64;
+  o.num_layers = 2;
+  o.max_position_embeddings = 32768;  // the engine would want a large KV cache
+  ASSERT_THAT(models::MakeModel(dir.path(), o), IsOk());
+  // A memory cgroup of 1 GiB with nothing used: half of what is free is
+  // more than its budget leaves beside the weights and the runtime's reserve.
+  for (const auto& [file, text] :
+       std::map<std::string, std::string>{{"memory.max", std::to_string(int64_t{1} << 30) + "\n"},
+                                          {"memory.current", "0\n"},
+                                          {"memory.stat", "active_file 0\ninactive_file 0\n"}}) {
+    std::ofstream(root.path() + "/" + file) << text;
+  }
+  test::ScopedEnv cgroup("ACCEL_CGROUP_ROOT", root.path());
+  EngineOptions options;
+  options.model_dir = dir.path();
+  options.load.progress = Progress::Style::kSilent;
+  auto plan = models::PlanLoad(dir.path(), options.load);
+  ASSERT_THAT(plan, IsOk());
+  ASSERT_TRUE(plan->memory.fits);
+  ASSERT_GT(plan->memory.kv_cache_bytes, 0);
+  auto engine = LlmEngine::Load(options, nullptr);
+  ASSERT_THAT(engine, IsOk());
+  const ModelInfo& info = (*engine)->info();
+  EXPECT_GT(info.kv_blocks, 0);
+  EXPECT_LE(info.kv_blocks * info.kv_block_bytes, plan->memory.kv_cache_bytes);
+  // Within a block of it: the plan's room is what the KV cache gets.
+  EXPECT_GT((info.kv_blocks + 1) * info.kv_block_bytes, plan->memory.kv_cache_bytes);
 }
 
 // --gpu_memory_utilization sizes the KV cache on a CUDA execution device

@@ -206,6 +206,36 @@ TEST(LoadPlanTest, TheReadWindowIsThreeOfTheLargestLayersOnDisk) {
   EXPECT_EQ(plan.memory.budget_bytes, 3 * embedding - plan.memory.read_buffer_bytes);
 }
 
+// A model that fits maps its weights in place; they become resident as they
+// are used, so the KV cache is planned within what the cpu budget leaves
+// beside them (tests/engine/llm_engine_test.cc checks that the engine keeps
+// to it).
+TEST(LoadPlanTest, AModelThatFitsPlansItsKvCacheBesideItsWeights) {
+  TempDir model, root;
+  MakeModelOptions o;
+  o.hidden_size = 64;
+  o.num_layers = 2;
+  ASSERT_THAT(MakeModel(model.path(), o), IsOk());
+  // A cgroup of 2 GiB: its 85% less the runtime's reserve is the budget.
+  for (const auto& [file, text] :
+       std::map<std::string, std::string>{{"memory.max", std::to_string(int64_t{2} << 30) + "\n"},
+                                          {"memory.current", "0\n"},
+                                          {"memory.stat", "active_file 0\ninactive_file 0\n"}}) {
+    std::ofstream(root.path() + "/" + file) << text;
+  }
+  ScopedEnv cgroup("ACCEL_CGROUP_ROOT", root.path());
+  ModelLoadOptions options;
+  options.progress = Progress::Style::kSilent;
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadPlan plan, PlanLoad(model.path(), options));
+  ASSERT_TRUE(plan.memory.fits);
+  ASSERT_GT(plan.memory.budget_bytes, 256 << 20);
+  EXPECT_EQ(plan.memory.kv_cache_bytes,
+            plan.memory.budget_bytes - plan.memory.resident_weight_bytes);
+  EXPECT_EQ(plan.memory.resident_bytes(), plan.memory.budget_bytes + plan.memory.runtime_bytes);
+  // Under 85% of the cgroup: weights, KV and runtime together.
+  EXPECT_LE(plan.memory.resident_bytes(), int64_t{2} << 30);
+}
+
 // Issue 32 item 5: what accel-estimate-memory predicts a process holds. The
 // expert cache counts only when experts are fetched one by one: a model that
 // fits maps its experts in place and never fills it (a Qwen3-30B-A3B that fit

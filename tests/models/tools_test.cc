@@ -231,15 +231,19 @@ TEST(ToolsTest, EstimateMemoryMatchesAccelerateArithmetic) {
   // the float32 expanded absmaxes kept for compute.
   EXPECT_LT(rows[6]["total_bytes"].get<double>(), rows[4]["total_bytes"].get<double>());
   // Then the plan a load with no flags makes here: the float32 model fits, all of it in
-  // memory, the same total as Accelerate's, beside the runtime's reserve.
+  // memory, the same total as Accelerate's, beside the runtime's reserve and a KV cache of
+  // what the cpu budget leaves beside the weights.
   const nlohmann::json& plan = rows[7]["memory_plan"];
   EXPECT_EQ(plan["dtype"], "Float");
   EXPECT_TRUE(plan["fits"].get<bool>());
   EXPECT_EQ(plan["disk_weight_bytes"].get<double>(), 0);
   EXPECT_EQ(plan["resident_weight_bytes"].get<double>(), total);
   EXPECT_GT(plan["runtime_bytes"].get<double>(), 0);
-  EXPECT_EQ(plan["resident_bytes"].get<double>(),
-            plan["resident_weight_bytes"].get<double>() + plan["runtime_bytes"].get<double>());
+  EXPECT_EQ(plan["kv_cache_bytes"].get<double>(),
+            std::max(plan["budget_bytes"].get<double>() - total, 256.0 * (1 << 20)));
+  EXPECT_EQ(plan["resident_bytes"].get<double>(), plan["resident_weight_bytes"].get<double>() +
+                                                      plan["kv_cache_bytes"].get<double>() +
+                                                      plan["runtime_bytes"].get<double>());
   Result table = RunTool("accel-estimate-memory --model " + dir.path());
   EXPECT_THAT(table.out, HasSubstr("float16/bfloat16"));
   EXPECT_THAT(table.out, HasSubstr("Loaded with no load flags here (Float"));
