@@ -10,12 +10,13 @@
 //     expert cache's hits and the time the forward waited for reads;
 //   - the bound of each decode row, from rates measured in the same run: the
 //     bytes a step read from disk at the disk's rate (expert-sized reads at
-//     spread-out offsets, as the expert cache reads them) plus the bytes it
-//     read from memory (the resident weights and the experts it used) at the
-//     memory's rate (a two-thread read); and the floor on these cores: the
-//     step's memory bytes through the NF4 products at the rate the kernels
-//     reach on weights in RAM (expert-shaped, 1 and 4 rows), the disk reads
-//     overlapped with them at best;
+//     spread-out offsets, as the expert cache reads them, probed before the
+//     rows and after each: the faster probe either side of a row) plus the
+//     bytes it read from memory (the resident weights and the experts it
+//     used) at the memory's rate (a two-thread read); and the floor on these
+//     cores: the step's memory bytes through the NF4 products at the rate
+//     the kernels reach on weights in RAM (expert-shaped, 1 and 4 rows), the
+//     disk reads overlapped with them at best;
 //   - the peak RSS against the memory (the cgroup's limit, else MemTotal) and
 //     against LoadModel's own plan (what accel-estimate-memory prints);
 //   - for a mixture-of-experts model, decode with every expert a token uses
@@ -99,10 +100,21 @@ const std::vector<ModelSpec>& Known() {
 }
 
 // Bytes per second of reads of `chunk` bytes at spread-out offsets of the
-// files, cold (the range dropped from the page cache first: MADV_DONTNEED
-// alone leaves it there), as the expert cache reads a unit (asked for whole
-// with MADV_WILLNEED, then made resident).
-double DiskRate(const std::vector<std::string>& files, uint64_t chunk, int reads) {
+// files, as the expert cache reads a unit (asked for whole with
+// MADV_WILLNEED, then made resident). Only ranges of which the page cache
+// holds no page are read, and each is dropped from it again after: so the
+// probe reads the disk, not the page cache, and can run between rows while
+// the model is loaded without taking what the model holds (a model that
+// maps or locks a range keeps it cached, so POSIX_FADV_DONTNEED is not
+// enough there). `candidate` numbers the ranges tried; a caller that passes
+// on where the last probe stopped gets ranges no probe of the run has read:
+// on this machine's virtual disk, ranges read again soon after have come at
+// up to twice their first rate (accel-bench-disk), so a probe of ranges it
+// read itself would measure a cache below the guest.
+double DiskRate(const std::vector<std::string>& files, uint64_t chunk, int reads,
+                uint64_t& candidate) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> cached((chunk + page - 1) / page);
   uint64_t total = 0;
   double seconds = 0;
   for (int r = 0; r < reads; ++r) {
@@ -110,32 +122,37 @@ double DiskRate(const std::vector<std::string>& files, uint64_t chunk, int reads
     const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) continue;
     const uint64_t size = std::filesystem::file_size(f);
-    if (size < 2 * chunk) {
-      ::close(fd);
-      continue;
-    }
-    void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    void* map = size < 2 * chunk ? MAP_FAILED : ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
     if (map == MAP_FAILED) {
       ::close(fd);
       continue;
     }
-    const uint64_t slots = (size - chunk) / 4096;
-    const uint64_t at = (static_cast<uint64_t>(r + 1) * 2654435761u % (slots + 1)) * 4096;
-    char* p = static_cast<char*>(map) + at;
-    (void)::madvise(p, chunk, MADV_DONTNEED);
-    (void)::posix_fadvise(fd, static_cast<off_t>(at), static_cast<off_t>(chunk),
-                          POSIX_FADV_DONTNEED);
-    seconds += Seconds([&] {
-      (void)::madvise(p, chunk, MADV_WILLNEED);
+    const uint64_t slots = (size - chunk) / page;
+    // The first of up to 64 spread-out ranges that the page cache lacks.
+    char* p = nullptr;
+    uint64_t at = 0;
+    for (int tries = 0; tries < 64 && p == nullptr; ++tries) {
+      at = (++candidate * 2654435761u % (slots + 1)) * page;
+      char* q = static_cast<char*>(map) + at;
+      if (::mincore(q, chunk, cached.data()) != 0) continue;
+      if (std::none_of(cached.begin(), cached.end(), [](unsigned char c) { return c & 1; })) p = q;
+    }
+    if (p != nullptr) {
+      seconds += Seconds([&] {
+        (void)::madvise(p, chunk, MADV_WILLNEED);
 #ifdef MADV_POPULATE_READ
-      (void)::madvise(p, chunk, MADV_POPULATE_READ);
+        (void)::madvise(p, chunk, MADV_POPULATE_READ);
 #endif
-    });
-    total += chunk;
+      });
+      total += chunk;
+    }
     ::munmap(map, size);
+    if (p != nullptr) {
+      (void)::posix_fadvise(fd, static_cast<off_t>(at), static_cast<off_t>(chunk),
+                            POSIX_FADV_DONTNEED);
+    }
     ::close(fd);
   }
-  DropPageCache(files);
   return seconds > 0 ? static_cast<double>(total) / seconds : 0;
 }
 
@@ -488,16 +505,23 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
                 (static_cast<int64_t>(plan->expert_lists.size()) * config->moe.num_experts));
 
   Rates rates;
-  rates.disk = DiskRate(shards, expert_bytes > 0 ? expert_bytes : 256 << 20, 12);
+  const uint64_t probe_chunk = expert_bytes > 0 ? static_cast<uint64_t>(expert_bytes) : 256 << 20;
+  DropPageCache(shards);
+  uint64_t probed = 0;  // the ranges the probes have tried so far
+  uint64_t first_probe = probed;
+  rates.disk = DiskRate(shards, probe_chunk, 12, probed);
+  // The same ranges again, from the host's cache where it kept them.
+  const double disk_again = DiskRate(shards, probe_chunk, 12, first_probe);
   rates.memory = MemoryRate();
   rates.kernel_1 = KernelRate(*config, spec.double_quant, 1);
   rates.kernel_4 = KernelRate(*config, spec.double_quant, 4);
   std::printf(
-      "\n== %s: %s of weights in %zu shards; memory %s (load %s); disk %.2f GB/s, memory %.1f "
-      "GB/s, NF4 products %.1f GB/s (1 row) / %.1f GB/s (4 rows)\n",
+      "\n== %s: %s of weights in %zu shards; memory %s (load %s); disk %.2f GB/s (%.2f GB/s "
+      "reading the same ranges again), memory %.1f GB/s, NF4 products %.1f GB/s (1 row) / %.1f "
+      "GB/s (4 rows)\n",
       spec.name.c_str(), FormatBytes(static_cast<int64_t>(file_bytes)).c_str(), shards.size(),
       FormatBytes(machine.ok() ? *machine : 0).c_str(), Load1().c_str(), rates.disk / 1e9,
-      rates.memory / 1e9, rates.kernel_1 / 1e9, rates.kernel_4 / 1e9);
+      disk_again / 1e9, rates.memory / 1e9, rates.kernel_1 / 1e9, rates.kernel_4 / 1e9);
   std::printf(
       "plan: %s resident weights, %s on disk, %s expert cache, %s read-ahead, %s KV, %s "
       "runtime: %s at most (experts offloaded: %s)\n",
@@ -525,6 +549,11 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
               "disk/step", "disk GB/s", "mem/step", "hits", "wait/st", "bound/st", "of bound",
               "NF4/st");
   std::vector<std::pair<std::string, Result>> done;
+  // The disk's rate drifts over a run of many minutes (0.93 to 2.18 GB/s
+  // within an hour): probed again after each row, on ranges the page cache
+  // lacks and no probe has read, and each row's bound taken at the faster
+  // of the probes either side of it.
+  std::vector<double> disk_probes = {rates.disk};
   const std::vector<std::pair<Case, int>> rows = {
       {{"greedy", "greedy, batch 1", 1, 0.0}, 8},
       {{"sampled", "sampled, batch 1", 1, 1.0}, 8},
@@ -552,8 +581,10 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
           "", r.uses / std::max(r.steps, 1), r.hits / std::max(r.steps, 1), r.prefetch_hits,
           r.misses, r.guess_reads, r.guess_hits, r.read_seconds);
     }
-    std::fflush(stdout);
     done.emplace_back(c.name, r);
+    disk_probes.push_back(DiskRate(shards, probe_chunk, 12, probed));
+    std::printf("%-26s disk probe after the row: %.2f GB/s\n", "", disk_probes.back() / 1e9);
+    std::fflush(stdout);
   }
   const int64_t peak = PeakRss();
   std::printf(
@@ -561,23 +592,22 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
       machine.ok() ? 100.0 * static_cast<double>(peak) / static_cast<double>(*machine) : 0.0,
       100.0 * static_cast<double>(peak) / static_cast<double>(memory.resident_bytes()),
       FormatBytes(memory.resident_bytes()).c_str());
-  loaded.reset();  // unmapped and unlocked: the probe below reads the disk, not the page cache
-  // The disk is shared and its rate drifts over a run of many minutes (1.03
-  // and 1.45 GB/s in two runs of this probe an hour apart): measured again
-  // after the rows, and each row's bound taken at the faster of the two.
-  const double disk_after = DiskRate(shards, expert_bytes > 0 ? expert_bytes : 256 << 20, 12);
-  const double disk_best = std::max(rates.disk, disk_after);
-  std::printf("disk after the rows %.2f GB/s; the bound at %.2f GB/s:\n", disk_after / 1e9,
-              disk_best / 1e9);
-  for (const auto& [name, r] : done) {
-    const double bound = r.disk_bytes_per_step / disk_best + r.memory_bytes_per_step / rates.memory;
+  loaded.reset();
+  DropPageCache(shards);
+  const double disk_unloaded = DiskRate(shards, probe_chunk, 12, probed);
+  std::printf("disk after unloading %.2f GB/s; each row's bound at the faster probe beside it:\n",
+              disk_unloaded / 1e9);
+  for (size_t i = 0; i < done.size(); ++i) {
+    const auto& [name, r] = done[i];
+    const double disk = std::max(disk_probes[i], disk_probes[i + 1]);
+    const double bound = r.disk_bytes_per_step / disk + r.memory_bytes_per_step / rates.memory;
     // The floor on these cores: the products at the kernels' rate, the reads
     // of the disk bytes overlapped with them at best.
-    const double floor = std::max(r.kernel_seconds_per_step, r.disk_bytes_per_step / disk_best);
+    const double floor = std::max(r.kernel_seconds_per_step, r.disk_bytes_per_step / disk);
     std::printf(
-        "  %-26s bound %.2f s a step, %.0f%% of it; NF4 products %.2f s a step, floor %.2f s, "
-        "%.0f%% of it\n",
-        name.c_str(), bound, r.step_seconds > 0 ? 100.0 * bound / r.step_seconds : 0.0,
+        "  %-26s disk %.2f GB/s: bound %.2f s a step, %.0f%% of it; NF4 products %.2f s a step, "
+        "floor %.2f s, %.0f%% of it\n",
+        name.c_str(), disk / 1e9, bound, r.step_seconds > 0 ? 100.0 * bound / r.step_seconds : 0.0,
         r.kernel_seconds_per_step, floor,
         r.step_seconds > 0 ? 100.0 * floor / r.step_seconds : 0.0);
   }
