@@ -109,8 +109,8 @@ const std::vector<ModelSpec>& Known() {
 // enough there). `candidate` numbers the ranges tried; a caller that passes
 // on where the last probe stopped gets ranges no probe of the run has read:
 // on this machine's virtual disk, ranges read again soon after have come at
-// up to twice their first rate (accel-bench-disk), so a probe of ranges it
-// read itself would measure a cache below the guest.
+// up to 1.6 times their first rate (accel-bench-disk), so a probe of ranges
+// it read itself would measure a cache below the guest.
 double DiskRate(const std::vector<std::string>& files, uint64_t chunk, int reads,
                 uint64_t& candidate) {
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
