@@ -5,7 +5,6 @@
 // what cannot be served is refused when the engine loads, naming the field.
 #include "engine/llm_engine.h"
 
-#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,7 +18,7 @@
 
 #include "models/load_model.h"
 #include "models/make_model.h"
-#include "tests/testing/scoped_env.h"
+#include "tests/testing/fake_cgroup.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -293,7 +292,7 @@ TEST_F(LlmEngineTest, MinTokensMasksStopTokensUntilReached) {
 // beside them in the cpu budget, not half the memory free at the engine's
 // start (which does not yet hold the weights).
 TEST(LlmEngineKvTest, AutomaticKvOfAModelThatFitsStaysWithinTheLoadPlan) {
-  TempDir dir, root;
+  TempDir dir;
   models::MakeModelOptions o;
   o.hidden_size = 64;
   o.num_layers = 2;
@@ -301,13 +300,7 @@ TEST(LlmEngineKvTest, AutomaticKvOfAModelThatFitsStaysWithinTheLoadPlan) {
   ASSERT_THAT(models::MakeModel(dir.path(), o), IsOk());
   // A memory cgroup of 1 GiB with nothing used: half of what is free is
   // more than its budget leaves beside the weights and the runtime's reserve.
-  for (const auto& [file, text] :
-       std::map<std::string, std::string>{{"memory.max", std::to_string(int64_t{1} << 30) + "\n"},
-                                          {"memory.current", "0\n"},
-                                          {"memory.stat", "active_file 0\ninactive_file 0\n"}}) {
-    std::ofstream(root.path() + "/" + file) << text;
-  }
-  test::ScopedEnv cgroup("ACCEL_CGROUP_ROOT", root.path());
+  test::FakeMemoryCgroup cgroup(int64_t{1} << 30);
   EngineOptions options;
   options.model_dir = dir.path();
   options.load.progress = Progress::Style::kSilent;

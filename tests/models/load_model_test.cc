@@ -29,6 +29,7 @@
 #include "models/make_model.h"
 #include "models/quantize.h"
 #include "tests/testing/command.h"
+#include "tests/testing/fake_cgroup.h"
 #include "tests/testing/scoped_env.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
@@ -36,6 +37,7 @@
 namespace accel::models {
 namespace {
 
+using ::accel::test::FakeMemoryCgroup;
 using ::accel::test::FilesUnder;
 using ::accel::test::IsOk;
 using ::accel::test::ScopedEnv;
@@ -178,7 +180,7 @@ TEST_F(LoadModelTest, APreQuantizedModelWithLayersOnDiskWritesNothing) {
 // 1.96 GiB embedding took 5.87 GiB from its cpu budget). Here the embedding
 // and lm_head are the largest layers and the budget leaves nothing in RAM.
 TEST(LoadPlanTest, TheReadWindowIsThreeOfTheLargestLayersOnDisk) {
-  TempDir model, root;
+  TempDir model;
   MakeModelOptions o;
   o.hidden_size = 32;
   o.num_layers = 3;
@@ -187,13 +189,7 @@ TEST(LoadPlanTest, TheReadWindowIsThreeOfTheLargestLayersOnDisk) {
   const int64_t embedding = 4096 * 32 * 4;
   // A cgroup of 64 MiB, as tools_test's fake root: the runtime and KV
   // reserves take more than its 85%, so the probed cpu budget starts at 0.
-  for (const auto& [file, text] :
-       std::map<std::string, std::string>{{"memory.max", std::to_string(64 << 20) + "\n"},
-                                          {"memory.current", "0\n"},
-                                          {"memory.stat", "active_file 0\ninactive_file 0\n"}}) {
-    std::ofstream(root.path() + "/" + file) << text;
-  }
-  ScopedEnv cgroup("ACCEL_CGROUP_ROOT", root.path());
+  FakeMemoryCgroup cgroup(64 << 20);
   ModelLoadOptions options;
   options.progress = Progress::Style::kSilent;
   ACCEL_ASSERT_OK_AND_ASSIGN(LoadPlan plan, PlanLoad(model.path(), options));
@@ -211,19 +207,13 @@ TEST(LoadPlanTest, TheReadWindowIsThreeOfTheLargestLayersOnDisk) {
 // beside them (tests/engine/llm_engine_test.cc checks that the engine keeps
 // to it).
 TEST(LoadPlanTest, AModelThatFitsPlansItsKvCacheBesideItsWeights) {
-  TempDir model, root;
+  TempDir model;
   MakeModelOptions o;
   o.hidden_size = 64;
   o.num_layers = 2;
   ASSERT_THAT(MakeModel(model.path(), o), IsOk());
   // A cgroup of 2 GiB: its 85% less the runtime's reserve is the budget.
-  for (const auto& [file, text] :
-       std::map<std::string, std::string>{{"memory.max", std::to_string(int64_t{2} << 30) + "\n"},
-                                          {"memory.current", "0\n"},
-                                          {"memory.stat", "active_file 0\ninactive_file 0\n"}}) {
-    std::ofstream(root.path() + "/" + file) << text;
-  }
-  ScopedEnv cgroup("ACCEL_CGROUP_ROOT", root.path());
+  FakeMemoryCgroup cgroup(int64_t{2} << 30);
   ModelLoadOptions options;
   options.progress = Progress::Style::kSilent;
   ACCEL_ASSERT_OK_AND_ASSIGN(LoadPlan plan, PlanLoad(model.path(), options));
