@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if ((flag == "--chunk_mb" || flag == "--passes") && i + 1 < argc) {
-      const long long v = std::atoll(argv[++i]);
+      const int64_t v = std::strtoll(argv[++i], nullptr, 10);
       if (v <= 0) Die(flag + " must be positive");
       if (flag == "--chunk_mb") {
         chunk_mb = static_cast<uint64_t>(v);

@@ -244,8 +244,8 @@ std::string Load1() {
 
 std::vector<int64_t> RandomIds(int n, int64_t vocab, uint64_t seed) {
   std::mt19937_64 gen(seed);
-  std::vector<int64_t> ids;
-  for (int i = 0; i < n; ++i) ids.push_back(static_cast<int64_t>(gen() % (vocab - 2)));
+  std::vector<int64_t> ids(static_cast<size_t>(n));
+  for (int64_t& id : ids) id = static_cast<int64_t>(gen() % (vocab - 2));
   return ids;
 }
 
@@ -464,7 +464,8 @@ void Resident(const ModelSpec& spec, const accel::loader::ModelConfig& config,
                 1.0 / step_seconds[v]);
     if (!keep) std::filesystem::remove_all(dir);
   }
-  const double per_layer = (step_seconds[1] - step_seconds[0]) / (layers[1] - layers[0]);
+  const double per_layer =
+      (step_seconds[1] - step_seconds[0]) / static_cast<double>(layers[1] - layers[0]);
   const double rest = step_seconds[0] - static_cast<double>(layers[0]) * per_layer;
   const double full = rest + static_cast<double>(config.num_hidden_layers) * per_layer;
   std::printf(
@@ -583,7 +584,13 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
     }
     done.emplace_back(c.name, r);
     disk_probes.push_back(DiskRate(shards, probe_chunk, 12, probed));
-    std::printf("%-26s disk probe after the row: %.2f GB/s\n", "", disk_probes.back() / 1e9);
+    if (disk_probes.back() > 0) {
+      std::printf("%-26s disk probe after the row: %.2f GB/s\n", "", disk_probes.back() / 1e9);
+    } else {
+      // A mixture-of-experts model's cache and the evicted experts the page
+      // cache keeps can hold nearly all of it: no range left to probe.
+      std::printf("%-26s disk probe after the row: no range outside the page cache\n", "");
+    }
     std::fflush(stdout);
   }
   const int64_t peak = PeakRss();
@@ -595,11 +602,16 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
   loaded.reset();
   DropPageCache(shards);
   const double disk_unloaded = DiskRate(shards, probe_chunk, 12, probed);
-  std::printf("disk after unloading %.2f GB/s; each row's bound at the faster probe beside it:\n",
-              disk_unloaded / 1e9);
+  std::printf(
+      "disk after unloading %.2f GB/s; each row's bound at the faster probe beside it (where "
+      "none was, the faster of the first and this one):\n",
+      disk_unloaded / 1e9);
   for (size_t i = 0; i < done.size(); ++i) {
     const auto& [name, r] = done[i];
-    const double disk = std::max(disk_probes[i], disk_probes[i + 1]);
+    // Neither side probed (the model held the whole file): the probes taken
+    // with the model unloaded, before the rows and after them.
+    double disk = std::max(disk_probes[i], disk_probes[i + 1]);
+    if (disk <= 0) disk = std::max(rates.disk, disk_unloaded);
     const double bound = r.disk_bytes_per_step / disk + r.memory_bytes_per_step / rates.memory;
     // The floor on these cores: the products at the kernels' rate, the reads
     // of the disk bytes overlapped with them at best.

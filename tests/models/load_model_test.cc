@@ -186,7 +186,7 @@ TEST(LoadPlanTest, TheReadWindowIsThreeOfTheLargestLayersOnDisk) {
   o.num_layers = 3;
   o.vocab_size = 4096;  // embedding and lm_head 512 KiB each, a layer about 50 KiB
   ASSERT_THAT(MakeModel(model.path(), o), IsOk());
-  const int64_t embedding = 4096 * 32 * 4;
+  const int64_t embedding = int64_t{4096} * 32 * 4;
   // A cgroup of 64 MiB, as tools_test's fake root: the runtime and KV
   // reserves take more than its 85%, so the probed cpu budget starts at 0.
   FakeMemoryCgroup cgroup(64 << 20);
