@@ -511,7 +511,7 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
   uint64_t probed = 0;  // the ranges the probes have tried so far
   uint64_t first_probe = probed;
   rates.disk = DiskRate(shards, probe_chunk, 12, probed);
-  // The same ranges again, from the host's cache where it kept them.
+  // The same ranges again: what a cache below the guest kept comes faster.
   const double disk_again = DiskRate(shards, probe_chunk, 12, first_probe);
   rates.memory = MemoryRate();
   rates.kernel_1 = KernelRate(*config, spec.double_quant, 1);
