@@ -10,7 +10,6 @@
 //
 // Give files no one has read lately (shards of a model at rest) for the
 // first pass to be the disk's own rate.
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +20,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/map_file.h"
 
 namespace {
@@ -36,26 +36,23 @@ struct File {
   char* map = nullptr;
 };
 
-// Bytes per second of one pass over every file, `chunk` at a time.
-double Pass(const std::vector<File>& files, uint64_t chunk) {
-  for (const File& f : files) {
-    (void)::posix_fadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED);
-  }
+// Bytes per second of one pass over every file, `chunk` at a time, from a
+// page cache without them.
+double Pass(const std::vector<std::string>& paths, const std::vector<File>& files, uint64_t chunk) {
+  accel::bench::DropPageCache(paths);
   uint64_t bytes = 0;
-  const auto start = std::chrono::steady_clock::now();
-  for (const File& f : files) {
-    for (uint64_t at = 0; at < f.size; at += chunk) {
-      const uint64_t n = std::min(chunk, f.size - at);
-      (void)::madvise(f.map + at, n, MADV_WILLNEED);
-#ifdef MADV_POPULATE_READ
-      if (::madvise(f.map + at, n, MADV_POPULATE_READ) != 0) Die("MADV_POPULATE_READ failed");
-#endif
-      (void)::madvise(f.map + at, n, MADV_DONTNEED);  // unmapped as the reader lets a layer go
-      bytes += n;
+  const double seconds = accel::bench::Seconds([&] {
+    for (const File& f : files) {
+      for (uint64_t at = 0; at < f.size; at += chunk) {
+        const uint64_t n = std::min(chunk, f.size - at);
+        (void)::madvise(f.map + at, n, MADV_WILLNEED);
+        if (::madvise(f.map + at, n, MADV_POPULATE_READ) != 0) Die("MADV_POPULATE_READ failed");
+        (void)::madvise(f.map + at, n, MADV_DONTNEED);  // unmapped as the reader lets a layer go
+        bytes += n;
+      }
     }
-  }
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return static_cast<double>(bytes) / s;
+  });
+  return static_cast<double>(bytes) / seconds;
 }
 
 }  // namespace
@@ -66,7 +63,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> paths;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if ((flag == "--chunk_mb" || flag == "--passes") && i + 1 < argc) {
+    if (flag == "--chunk_mb" || flag == "--passes") {
+      if (i + 1 >= argc) Die(flag + " needs a value");
       const int64_t v = std::strtoll(argv[++i], nullptr, 10);
       if (v <= 0) Die(flag + " must be positive");
       if (flag == "--chunk_mb") {
@@ -100,13 +98,13 @@ int main(int argc, char** argv) {
               static_cast<double>(total) / (1 << 30), static_cast<unsigned long long>(chunk_mb));
   double first = 0;
   for (int p = 0; p < passes; ++p) {
-    const double rate = Pass(files, chunk_mb << 20);
+    const double rate = Pass(paths, files, chunk_mb << 20);
     if (p == 0) first = rate;
     std::printf("pass %d: %.2f GB/s (%.2fx the first)\n", p + 1, rate / 1e9, rate / first);
     std::fflush(stdout);
   }
+  accel::bench::DropPageCache(paths);
   for (const File& f : files) {
-    (void)::posix_fadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED);
     ::munmap(f.map, f.size);
     ::close(f.fd);
   }
