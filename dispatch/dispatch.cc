@@ -33,6 +33,7 @@
 #include "core/dtype.h"
 #include "core/json.h"
 #include "core/status.h"
+#include "core/thread_name.h"
 #include "dispatch/empty_weights.h"
 #include "dispatch/internal/device_stager.h"
 #include "dispatch/internal/expert_cache.h"
@@ -1083,6 +1084,7 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     // layers is not held up behind it.
     Impl* im_ptr = &im;
     im.populator = std::thread([im_ptr, merged = std::move(merged)] {
+      NameThisThread("accel-populate");
       for (const auto& [begin, end] : merged) {
         if (im_ptr->stop_populating) return;
         (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
@@ -1113,7 +1115,10 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
     });
   }
   if (options.prefetch && !im.tensors.empty()) {
-    im.reader = std::thread([&im] { im.ReaderLoop(); });
+    im.reader = std::thread([&im] {
+      NameThisThread("accel-layer-rd");
+      im.ReaderLoop();
+    });
   }
   return out;
 }

@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/thread_name.h"
+
 namespace accel::engine {
 
 const char* FinishName(Finish finish) {
@@ -85,7 +87,10 @@ EngineLoop::EngineLoop(std::unique_ptr<EngineCoreInterface> core, EngineLoopOpti
     UpdateStatsLocked();
     PublishGaugesLocked();
   }
-  thread_ = std::thread([this] { Loop(); });
+  thread_ = std::thread([this] {
+    NameThisThread("accel-engine");
+    Loop();
+  });
 }
 
 EngineLoop::~EngineLoop() {

@@ -21,6 +21,7 @@
 #include "absl/strings/strip.h"
 
 #include "core/status.h"
+#include "core/thread_name.h"
 #include "dist/process_group.h"
 #include "models/families.h"
 #include "models/internal/decoder_lm.h"
@@ -557,7 +558,10 @@ TensorParallelLeader::TensorParallelLeader(std::shared_ptr<CausalLM> shard,
   // Forward runs it under its own names.
   register_module("shard", shard_);
   if (heartbeat > absl::ZeroDuration()) {
-    heartbeat_ = std::thread([this, heartbeat] { HeartbeatLoop(heartbeat); });
+    heartbeat_ = std::thread([this, heartbeat] {
+      NameThisThread("accel-heartbeat");
+      HeartbeatLoop(heartbeat);
+    });
   }
 }
 

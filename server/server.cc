@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 
+#include "core/thread_name.h"
 #include "server/generation_service.h"
 #include "server/internal/connection_limits.h"
 #include "server/internal/grpc_listener.h"
@@ -479,7 +480,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   s.SetHealth(kLiveServices, std::size(kLiveServices), true);
   s.SetHealth(kReadyServices, std::size(kReadyServices), false);
   s.StartWatchdog(tls->cert.empty() ? "" : "tls");
-  s.loader = std::thread([&s] { s.Load(); });
+  s.loader = std::thread([&s] {
+    NameThisThread("accel-load");
+    s.Load();
+  });
   return std::unique_ptr<Server>(new Server(std::move(impl)));
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/status.h"
+#include "core/thread_name.h"
 
 namespace accel::dispatch::internal {
 namespace {
@@ -21,7 +22,10 @@ constexpr size_t kMaxGuesses = 64;
 
 ExpertCache::ExpertCache(const std::vector<Offloaded>& tensors, const Options& options)
     : tensors_(tensors), options_(options) {
-  reader_ = std::thread([this] { ReaderLoop(); });
+  reader_ = std::thread([this] {
+    NameThisThread("accel-expert-rd");
+    ReaderLoop();
+  });
 }
 
 ExpertCache::~ExpertCache() {

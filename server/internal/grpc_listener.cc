@@ -18,6 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
+#include "core/thread_name.h"
+
 namespace accel::server::internal {
 namespace {
 
@@ -84,7 +86,10 @@ GrpcListener::~GrpcListener() {
 }
 
 void GrpcListener::Serve(grpc::Server* server) {
-  thread_ = std::thread([this, server] { Loop(server); });
+  thread_ = std::thread([this, server] {
+    NameThisThread("accel-grpc");
+    Loop(server);
+  });
 }
 
 void GrpcListener::Stop() {

@@ -32,6 +32,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 
+#include "core/thread_name.h"
 #include "server/internal/http_request_head.h"
 
 namespace accel::server::internal {
@@ -942,6 +943,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpServerOp
   for (int i = 0; i < io_threads; ++i) {
     Impl* self = impl.get();
     impl->threads.emplace_back([self, &running] {
+      NameThisThread("accel-http");
       running.DecrementCount();
       self->ioc.run();
     });

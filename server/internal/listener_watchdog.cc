@@ -17,6 +17,8 @@
 #include "absl/strings/match.h"
 #include "absl/time/clock.h"
 
+#include "core/thread_name.h"
+
 namespace accel::server::internal {
 namespace {
 
@@ -166,6 +168,7 @@ ListenerWatchdog::~ListenerWatchdog() { Stop(); }
 
 void ListenerWatchdog::Start() {
   thread_ = std::thread([this] {
+    NameThisThread("accel-watchdog");
     while (!stop_.WaitForNotificationWithTimeout(interval_)) ProbeOnce();
   });
 }

@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -114,6 +116,30 @@ TEST(ExpertCacheTest, ReadsAUnitOnceThenServesItFromTheCache) {
   EXPECT_EQ(s.expert_bytes_read, kUnitBytes);
   EXPECT_EQ(s.bytes_read, kUnitBytes);
   EXPECT_EQ(cache->cached_bytes(), kUnitBytes);
+}
+
+// The names of this process's threads, as top -H and perf show them.
+std::vector<std::string> ThreadNames() {
+  std::vector<std::string> names;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(task.path() / "comm");
+    std::string name;
+    if (std::getline(in, name)) names.push_back(name);
+  }
+  return names;
+}
+
+TEST(ExpertCacheTest, ItsReaderThreadIsNamedSoAProfileTellsItFromTheCompute) {
+  Fixture f;
+  auto cache = f.Cache(2);
+  bool named = false;
+  for (int i = 0; i < 2000 && !named; ++i) {  // the thread names itself as it starts
+    for (const std::string& name : ThreadNames()) named = named || name == "accel-expert-rd";
+    if (!named) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_TRUE(named) << testing::PrintToString(ThreadNames());
+  cache.reset();
+  for (const std::string& name : ThreadNames()) EXPECT_NE(name, "accel-expert-rd");
 }
 
 TEST(ExpertCacheTest, EvictsTheLeastRecentlyUsed) {
