@@ -6,10 +6,14 @@
 // pass reads the host's cache: the gap between the two is how far a probe of
 // "the disk" taken on ranges read before can overstate it.
 //
-//   build/bin/accel-bench-disk [--chunk_mb 440] [--passes 2] FILE...
+//   build/bin/accel-bench-disk [--chunk_mb 440] [--passes 2] [--every_gb N] FILE...
+//
+// --every_gb N also prints the rate of each N GiB of a pass in turn: whether
+// the disk holds its rate over a long read or gives a burst, then less.
 //
 // Give files no one has read lately (shards of a model at rest) for the
 // first pass to be the disk's own rate.
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -36,11 +40,28 @@ struct File {
   char* map = nullptr;
 };
 
-// Bytes per second of one pass over every file, `chunk` at a time, from a
-// page cache without them.
-double Pass(const std::vector<std::string>& paths, const std::vector<File>& files, uint64_t chunk) {
+// One pass over every file, `chunk` at a time, from a page cache without
+// them: its bytes per second, and that of each `span` bytes of it in turn
+// (a virtual disk that allows a burst, then throttles, reads fast in the first
+// spans and slower in the later ones).
+struct PassRates {
+  double whole = 0;
+  std::vector<double> spans;
+};
+
+PassRates Pass(const std::vector<std::string>& paths, const std::vector<File>& files,
+               uint64_t chunk, uint64_t span) {
   accel::bench::DropPageCache(paths);
-  uint64_t bytes = 0;
+  PassRates rates;
+  uint64_t bytes = 0, span_bytes = 0;
+  auto span_start = std::chrono::steady_clock::now();
+  auto end_span = [&] {
+    const auto now = std::chrono::steady_clock::now();
+    rates.spans.push_back(static_cast<double>(span_bytes) /
+                          std::chrono::duration<double>(now - span_start).count());
+    span_start = now;
+    span_bytes = 0;
+  };
   const double seconds = accel::bench::Seconds([&] {
     for (const File& f : files) {
       for (uint64_t at = 0; at < f.size; at += chunk) {
@@ -49,10 +70,14 @@ double Pass(const std::vector<std::string>& paths, const std::vector<File>& file
         if (::madvise(f.map + at, n, MADV_POPULATE_READ) != 0) Die("MADV_POPULATE_READ failed");
         (void)::madvise(f.map + at, n, MADV_DONTNEED);  // unmapped as the reader lets a layer go
         bytes += n;
+        span_bytes += n;
+        if (span > 0 && span_bytes >= span) end_span();
       }
     }
   });
-  return static_cast<double>(bytes) / seconds;
+  if (span > 0 && span_bytes > 0) end_span();
+  rates.whole = static_cast<double>(bytes) / seconds;
+  return rates;
 }
 
 }  // namespace
@@ -60,25 +85,28 @@ double Pass(const std::vector<std::string>& paths, const std::vector<File>& file
 int main(int argc, char** argv) {
   uint64_t chunk_mb = 440;
   int passes = 2;
+  uint64_t every_gb = 0;
   std::vector<std::string> paths;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--chunk_mb" || flag == "--passes") {
+    if (flag == "--chunk_mb" || flag == "--passes" || flag == "--every_gb") {
       if (i + 1 >= argc) Die(flag + " needs a value");
       const int64_t v = std::strtoll(argv[++i], nullptr, 10);
       if (v <= 0) Die(flag + " must be positive");
       if (flag == "--chunk_mb") {
         chunk_mb = static_cast<uint64_t>(v);
+      } else if (flag == "--every_gb") {
+        every_gb = static_cast<uint64_t>(v);
       } else {
         passes = static_cast<int>(v);
       }
     } else if (!flag.empty() && flag[0] == '-') {
-      Die("unknown flag " + flag + " (--chunk_mb N --passes N FILE...)");
+      Die("unknown flag " + flag + " (--chunk_mb N --passes N --every_gb N FILE...)");
     } else {
       paths.push_back(flag);
     }
   }
-  if (paths.empty()) Die("give the files to read (--chunk_mb N --passes N FILE...)");
+  if (paths.empty()) Die("give the files to read (--chunk_mb N --passes N --every_gb N FILE...)");
   std::vector<File> files;
   uint64_t total = 0;
   for (const std::string& p : paths) {
@@ -98,9 +126,15 @@ int main(int argc, char** argv) {
               static_cast<double>(total) / (1 << 30), static_cast<unsigned long long>(chunk_mb));
   double first = 0;
   for (int p = 0; p < passes; ++p) {
-    const double rate = Pass(paths, files, chunk_mb << 20);
+    const PassRates rates = Pass(paths, files, chunk_mb << 20, every_gb << 30);
+    const double rate = rates.whole;
     if (p == 0) first = rate;
-    std::printf("pass %d: %.2f GB/s (%.2fx the first)\n", p + 1, rate / 1e9, rate / first);
+    std::printf("pass %d: %.2f GB/s (%.2fx the first)", p + 1, rate / 1e9, rate / first);
+    if (!rates.spans.empty()) {
+      std::printf("; each %llu GiB in turn:", static_cast<unsigned long long>(every_gb));
+      for (double r : rates.spans) std::printf(" %.2f", r / 1e9);
+    }
+    std::printf("\n");
     std::fflush(stdout);
   }
   accel::bench::DropPageCache(paths);
