@@ -158,6 +158,10 @@ struct DispatchedModel::Impl {
   int64_t page_cache_room = -1;
   int64_t page_cache_kept = 0;
   std::vector<bool> group_evicted;  // per group: dropped from the page cache too
+  // LoadOptions::direct_reads_uncached: groups the page cache does not keep
+  // are read with O_DIRECT into pooled buffers (no spans: nothing mapped).
+  bool direct_uncached = false;
+  std::vector<bool> group_direct;
 
   static int64_t SpanBytes(const std::vector<Span>& spans) {
     int64_t n = 0;
@@ -228,10 +232,12 @@ struct DispatchedModel::Impl {
     std::vector<int> members;
     std::vector<Span> spans;
     bool to_device = false;
+    bool read_direct = direct;
     {
       std::lock_guard<std::mutex> lock(mu);
       members = groups[group];
       spans = group_spans[group];
+      read_direct = read_direct || group_direct[group];
       to_device = stager != nullptr && group_device[group] == stager->device();
       Unkeep(group);
     }
@@ -250,7 +256,7 @@ struct DispatchedModel::Impl {
       const Offloaded& t = tensors[members[k]];
       if (t.source.host.defined()) {
         out.values[k] = t.source.host;
-      } else if (t.source.mapping) {
+      } else if (t.source.mapping && !read_direct) {
         out.values[k] = internal::MappedView(t.source);  // Load checked the alignment
         out.mapped_bytes += static_cast<int64_t>(t.source.nbytes);
       } else {
@@ -262,7 +268,7 @@ struct DispatchedModel::Impl {
     int64_t bytes = 0;
     if (!disk.empty()) {
       ACCEL_ASSIGN_OR_RETURN(internal::ReadTensors got,
-                             internal::ReadCoalesced(disk, names, direct, [&](uint64_t n) {
+                             internal::ReadCoalesced(disk, names, read_direct, [&](uint64_t n) {
                                return pool.Take(n, stager != nullptr);
                              }));
       for (size_t k = 0; k < disk.size(); ++k) out.values[slot[k]] = std::move(got.values[k]);
@@ -518,7 +524,12 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
       const bool cached =
           im.page_cache_room < 0 || bytes == 0 || im.page_cache_kept + bytes <= im.page_cache_room;
       if (cached && im.page_cache_room >= 0) im.page_cache_kept += bytes;
-      im.group_evicted.push_back(!cached);
+      // Read every time it runs: into the same pooled buffers each time, past
+      // the page cache, rather than into pages freed by the last eviction.
+      const bool read_direct = !cached && im.direct_uncached;
+      if (read_direct) im.group_spans.back().clear();
+      im.group_evicted.push_back(!cached && !read_direct);
+      im.group_direct.push_back(read_direct);
       im.groups.push_back(std::move(members));
       im.group_names.push_back(key);
       im.group_device.push_back(ExecutionDevice(key));
@@ -695,6 +706,8 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   im.direct = options.direct_reads;
   // Disk entries used in place: their files mapped once each.
   const bool map_disk = options.map_disk && !options.direct_reads && out->main_.is_cpu();
+  im.direct_uncached =
+      map_disk && options.page_cache_keep_bytes >= 0 && options.direct_reads_uncached;
   // Every disk source's file is opened here, once, and held until the model
   // goes: reads never reopen a path, so a file replaced or deleted while
   // serving changes nothing (internal::OpenFile).
@@ -703,7 +716,8 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   const auto mapped = [&](Source source) -> absl::StatusOr<Source> {
     auto& file = files[source.path];
     if (!file) {
-      ACCEL_ASSIGN_OR_RETURN(file, internal::OpenFile::Open(source.path, options.direct_reads));
+      ACCEL_ASSIGN_OR_RETURN(
+          file, internal::OpenFile::Open(source.path, options.direct_reads || im.direct_uncached));
     }
     source.file = file;
     if (!map_disk) return source;

@@ -450,6 +450,7 @@ TEST(DispatchMappedTest, PageCacheKeepsTheFirstDiskLayersThatFitAndEvictsTheRest
     LoadOptions options = Quiet();
     options.mapped_resident_bytes = 0;  // each disk layer leaves the process after use
     options.page_cache_keep_bytes = keep;
+    options.direct_reads_uncached = false;  // the others mapped too, and evicted (below: read)
     auto dispatched = DispatchedModel::Load(model, dir.path(), WideMap(), options);
     ASSERT_THAT(dispatched, IsOk());
     std::vector<const void*> weights(kWideLayers);
@@ -470,6 +471,56 @@ TEST(DispatchMappedTest, PageCacheKeepsTheFirstDiskLayersThatFitAndEvictsTheRest
       }
     }
   }
+}
+
+TEST(DispatchMappedTest, LayersThePageCacheDoesNotKeepAreReadIntoTheSameBuffersEachPass) {
+  constexpr int64_t kBigWidth = 1536;
+  constexpr int64_t kLayerBytes = kBigWidth * kBigWidth * 4;  // 9 MiB
+  constexpr int kKept = 3;                                    // l1..l3 stay in the page cache
+  constexpr int kPasses = 4;
+  TempDir dir;
+  auto reference = SaveWide(dir.path(), kBigWidth);
+  at::Tensor x = at::randn({1, kBigWidth});
+  at::Tensor expected = reference->forward(x);
+  auto model = EmptyWide(kBigWidth);
+  LoadOptions options = Quiet();
+  options.mapped_resident_bytes = 0;
+  options.page_cache_keep_bytes = kKept * kLayerBytes;
+  ASSERT_TRUE(options.direct_reads_uncached);  // the default
+  auto dispatched = DispatchedModel::Load(model, dir.path(), WideMap(), options);
+  ASSERT_THAT(dispatched, IsOk());
+  const std::string file = std::filesystem::canonical(dir.path()).string() + "/model.safetensors";
+  // A direct read lands at its file offset's place within the first 4 KiB
+  // page of a 4 KiB-aligned buffer: that page names the buffer.
+  std::set<uintptr_t> buffers;
+  // As the engine runs: autograd would keep each weight (and so its buffer)
+  // for a backward pass until the output goes.
+  at::NoGradGuard no_grad;
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const auto look = [&](int i) {
+      if (i == 0) return;  // in RAM
+      const void* weight = model->layers[i]->weight.data_ptr();
+      std::optional<MapsLine> m = MappingOf(weight);
+      ASSERT_TRUE(m.has_value()) << "l" << i;
+      if (i <= kKept) {
+        EXPECT_EQ(m->path, file) << "l" << i;  // in place, from the page cache
+      } else {
+        EXPECT_NE(m->path, file) << "l" << i;  // read into a buffer of the reader's
+        buffers.insert(reinterpret_cast<uintptr_t>(weight) & ~uintptr_t{4095});
+      }
+    };
+    EXPECT_TRUE(at::equal(model->forward(x, dispatched->get(), look), expected)) << pass;
+  }
+  // The same few buffers every pass (the running layer and those read ahead),
+  // still held for the next pass: never memory freed and taken again.
+  EXPECT_LE(buffers.size(), static_cast<size_t>(options.prefetch_depth + 1));
+  for (uintptr_t b : buffers) EXPECT_TRUE(MappingOf(reinterpret_cast<const void*>(b)).has_value());
+  const DispatchedModel::Stats stats = (*dispatched)->stats();
+  // Read each pass (widened to 4 KiB at each end for O_DIRECT).
+  constexpr int64_t kReads = kPasses * (kWideLayers - 1 - kKept);
+  EXPECT_GE(stats.bytes_read, kReads * kLayerBytes);
+  EXPECT_LE(stats.bytes_read, kReads * (kLayerBytes + 8192));
+  EXPECT_EQ(stats.bytes_mapped, kPasses * kKept * kLayerBytes);
 }
 
 TEST(DispatchTest, ConvertedDiskTensorsGoToAnOffloadFolderInAccelerateFormat) {
