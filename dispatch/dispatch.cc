@@ -103,7 +103,8 @@ struct DispatchedModel::Impl {
   std::unordered_map<std::string, int> group_of;
   std::vector<at::Device> group_device;
   bool prefetch = true;
-  bool direct = false;  // disk reads bypass the page cache
+  bool direct = false;           // disk reads bypass the page cache
+  bool direct_uncached = false;  // those of groups the page cache does not keep do
   // With a GPU main device (null otherwise): host buffers are pinned, and
   // fetched groups are copied to the GPU on its copy stream, by the reader
   // thread when prefetched.
@@ -160,7 +161,6 @@ struct DispatchedModel::Impl {
   std::vector<bool> group_evicted;  // per group: dropped from the page cache too
   // LoadOptions::direct_reads_uncached: groups the page cache does not keep
   // are read with O_DIRECT into pooled buffers (no spans: nothing mapped).
-  bool direct_uncached = false;
   std::vector<bool> group_direct;
 
   static int64_t SpanBytes(const std::vector<Span>& spans) {

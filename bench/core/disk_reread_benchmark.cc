@@ -6,10 +6,14 @@
 // pass reads the host's cache: the gap between the two is how far a probe of
 // "the disk" taken on ranges read before can overstate it.
 //
-//   build/bin/accel-bench-disk [--chunk_mb 440] [--passes 2] [--every_gb N] FILE...
+//   build/bin/accel-bench-disk [--chunk_mb 440] [--passes 2] [--every_gb N] [--touch] FILE...
 //
 // --every_gb N also prints the rate of each N GiB of a pass in turn: whether
 // the disk holds its rate over a long read or gives a burst, then less.
+// --touch also times the CPU reading each chunk's pages once they are read
+// (twice: the first touch, then again), and a new anonymous buffer's first
+// write against its second: on a VM that hands freed memory back to its
+// host, the first touch of a page is the host supplying it again.
 //
 // Give files no one has read lately (shards of a model at rest) for the
 // first pass to be the disk's own rate.
@@ -17,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fcntl.h>
 #include <string>
 #include <sys/mman.h>
@@ -47,27 +52,54 @@ struct File {
 struct PassRates {
   double whole = 0;
   std::vector<double> spans;
+  // --touch: the CPU's first read of each chunk's pages once they are read
+  // and mapped, and a second read of the same pages, in bytes per second.
+  double first_touch = 0, touched_again = 0;
 };
 
+// Reads every byte of [p, p + n) as the products read weights; returns a
+// value that depends on all of them, so that the reads are not elided.
+uint64_t ReadAll(const char* p, uint64_t n) {
+  uint64_t acc = 0;
+  for (uint64_t i = 0; i + 8 <= n; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, p + i, 8);
+    acc ^= word;
+  }
+  return acc;
+}
+
 PassRates Pass(const std::vector<std::string>& paths, const std::vector<File>& files,
-               uint64_t chunk, uint64_t span) {
+               uint64_t chunk, uint64_t span, bool touch) {
   accel::bench::DropPageCache(paths);
   PassRates rates;
   uint64_t bytes = 0, span_bytes = 0;
   auto span_start = std::chrono::steady_clock::now();
+  double touch_seconds[2] = {0, 0};
+  double touch_in_span = 0;
   auto end_span = [&] {
     const auto now = std::chrono::steady_clock::now();
-    rates.spans.push_back(static_cast<double>(span_bytes) /
-                          std::chrono::duration<double>(now - span_start).count());
+    rates.spans.push_back(
+        static_cast<double>(span_bytes) /
+        (std::chrono::duration<double>(now - span_start).count() - touch_in_span));
     span_start = now;
     span_bytes = 0;
+    touch_in_span = 0;
   };
+  uint64_t sink = 0;
   const double seconds = accel::bench::Seconds([&] {
     for (const File& f : files) {
       for (uint64_t at = 0; at < f.size; at += chunk) {
         const uint64_t n = std::min(chunk, f.size - at);
         (void)::madvise(f.map + at, n, MADV_WILLNEED);
         if (::madvise(f.map + at, n, MADV_POPULATE_READ) != 0) Die("MADV_POPULATE_READ failed");
+        if (touch) {
+          for (double& t : touch_seconds) {
+            const double dt = accel::bench::Seconds([&] { sink ^= ReadAll(f.map + at, n); });
+            t += dt;
+            touch_in_span += dt;
+          }
+        }
         (void)::madvise(f.map + at, n, MADV_DONTNEED);  // unmapped as the reader lets a layer go
         bytes += n;
         span_bytes += n;
@@ -76,7 +108,13 @@ PassRates Pass(const std::vector<std::string>& paths, const std::vector<File>& f
     }
   });
   if (span > 0 && span_bytes > 0) end_span();
-  rates.whole = static_cast<double>(bytes) / seconds;
+  // The pass's rate is the disk's: the time spent touching is left out.
+  rates.whole = static_cast<double>(bytes) / (seconds - touch_seconds[0] - touch_seconds[1]);
+  if (touch) {
+    rates.first_touch = static_cast<double>(bytes) / touch_seconds[0];
+    rates.touched_again = static_cast<double>(bytes) / touch_seconds[1];
+    if (sink == 42) std::printf(" ");  // keeps the reads
+  }
   return rates;
 }
 
@@ -86,6 +124,7 @@ int main(int argc, char** argv) {
   uint64_t chunk_mb = 440;
   int passes = 2;
   uint64_t every_gb = 0;
+  bool touch = false;
   std::vector<std::string> paths;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -100,13 +139,16 @@ int main(int argc, char** argv) {
       } else {
         passes = static_cast<int>(v);
       }
+    } else if (flag == "--touch") {
+      touch = true;
     } else if (!flag.empty() && flag[0] == '-') {
-      Die("unknown flag " + flag + " (--chunk_mb N --passes N --every_gb N FILE...)");
+      Die("unknown flag " + flag + " (--chunk_mb N --passes N --every_gb N --touch FILE...)");
     } else {
       paths.push_back(flag);
     }
   }
-  if (paths.empty()) Die("give the files to read (--chunk_mb N --passes N --every_gb N FILE...)");
+  if (paths.empty())
+    Die("give the files to read (--chunk_mb N --passes N --every_gb N --touch FILE...)");
   std::vector<File> files;
   uint64_t total = 0;
   for (const std::string& p : paths) {
@@ -126,7 +168,7 @@ int main(int argc, char** argv) {
               static_cast<double>(total) / (1 << 30), static_cast<unsigned long long>(chunk_mb));
   double first = 0;
   for (int p = 0; p < passes; ++p) {
-    const PassRates rates = Pass(paths, files, chunk_mb << 20, every_gb << 30);
+    const PassRates rates = Pass(paths, files, chunk_mb << 20, every_gb << 30, touch);
     const double rate = rates.whole;
     if (p == 0) first = rate;
     std::printf("pass %d: %.2f GB/s (%.2fx the first)", p + 1, rate / 1e9, rate / first);
@@ -134,8 +176,27 @@ int main(int argc, char** argv) {
       std::printf("; each %llu GiB in turn:", static_cast<unsigned long long>(every_gb));
       for (double r : rates.spans) std::printf(" %.2f", r / 1e9);
     }
+    if (touch) {
+      std::printf("; the CPU's first read of the pages just read %.2f GB/s, again %.2f GB/s",
+                  rates.first_touch / 1e9, rates.touched_again / 1e9);
+    }
     std::printf("\n");
     std::fflush(stdout);
+  }
+  if (touch) {
+    // The same two reads of memory no file is behind: an anonymous buffer of
+    // one chunk, new, written once and then again (on a VM whose freed memory
+    // goes back to its host, a page's first touch asks the host for it).
+    const uint64_t n = chunk_mb << 20;
+    void* anon = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (anon == MAP_FAILED) Die("cannot map an anonymous buffer");
+    (void)::madvise(anon, n, MADV_HUGEPAGE);
+    const double first = accel::bench::Seconds([&] { std::memset(anon, 1, n); });
+    const double again = accel::bench::Seconds([&] { std::memset(anon, 2, n); });
+    std::printf("a new anonymous buffer of %llu MiB: first write %.2f GB/s, again %.2f GB/s\n",
+                static_cast<unsigned long long>(chunk_mb), static_cast<double>(n) / first / 1e9,
+                static_cast<double>(n) / again / 1e9);
+    ::munmap(anon, n);
   }
   accel::bench::DropPageCache(paths);
   for (const File& f : files) {
