@@ -103,8 +103,7 @@ struct DispatchedModel::Impl {
   std::unordered_map<std::string, int> group_of;
   std::vector<at::Device> group_device;
   bool prefetch = true;
-  bool direct = false;           // disk reads bypass the page cache
-  bool direct_uncached = false;  // those of groups the page cache does not keep do
+  bool direct = false;  // disk reads bypass the page cache
   // With a GPU main device (null otherwise): host buffers are pinned, and
   // fetched groups are copied to the GPU on its copy stream, by the reader
   // thread when prefetched.
@@ -152,16 +151,43 @@ struct DispatchedModel::Impl {
   int64_t mapped_allowance = -1;
   std::deque<int> kept;
   int64_t kept_bytes = 0;
-  // LoadOptions::page_cache_keep_bytes: groups, in the order they first run,
+  // LoadOptions::page_cache_keep_bytes: the groups that run last in a pass
   // whose pages the page cache keeps between uses while their bytes fit
   // `page_cache_room` (<0: no choice made, the kernel's LRU decides); the
-  // others are evicted from it when dropped from the process.
+  // others are evicted from it when dropped from the process. Until the
+  // order is known none is (the kernel's LRU decides).
   int64_t page_cache_room = -1;
-  int64_t page_cache_kept = 0;
+  bool page_cache_chosen = false;
   std::vector<bool> group_evicted;  // per group: dropped from the page cache too
-  // LoadOptions::direct_reads_uncached: groups the page cache does not keep
-  // are read with O_DIRECT into pooled buffers (no spans: nothing mapped).
-  std::vector<bool> group_direct;
+
+  // Once the order is known and every module in it has been entered: the
+  // last groups of a pass that fit `page_cache_room` stay in the page cache.
+  // Why the last and not the first: after a pass's last disk read the disk
+  // waits while the groups after it, the next pass's modules held in memory
+  // and the first groups it runs compute (the reader works `depth` groups
+  // ahead, no further). Groups kept at the end of the pass fill that wait
+  // with memory-speed compute, and the reader reads the next pass's first
+  // groups meanwhile. And a group read afresh every pass lands in pages the
+  // last eviction freed, which on a VM that hands freed memory back to its
+  // host (virtio-balloon free page reporting, as on the build machine) are
+  // slow to touch first: Llama-3-70B NF4's lm_head (2 GiB, last) took 1.75 s
+  // a token to multiply that way; kept, its pages stay (docs/BENCHMARKS.md).
+  void ChoosePageCacheGroups() {  // under mu
+    if (page_cache_room < 0 || page_cache_chosen || !order_complete) return;
+    for (const std::string& key : order) {
+      if (group_of.find(key) == group_of.end()) return;  // not entered yet
+    }
+    page_cache_chosen = true;
+    int64_t kept_in_cache = 0;
+    for (auto it = order.rbegin(); it != order.rend(); ++it) {
+      const int g = group_of.at(*it);
+      if (g < 0) continue;
+      const int64_t bytes = SpanBytes(group_spans[g]);
+      const bool cached = bytes == 0 || kept_in_cache + bytes <= page_cache_room;
+      if (cached) kept_in_cache += bytes;
+      group_evicted[g] = !cached;
+    }
+  }
 
   static int64_t SpanBytes(const std::vector<Span>& spans) {
     int64_t n = 0;
@@ -232,12 +258,10 @@ struct DispatchedModel::Impl {
     std::vector<int> members;
     std::vector<Span> spans;
     bool to_device = false;
-    bool read_direct = direct;
     {
       std::lock_guard<std::mutex> lock(mu);
       members = groups[group];
       spans = group_spans[group];
-      read_direct = read_direct || group_direct[group];
       to_device = stager != nullptr && group_device[group] == stager->device();
       Unkeep(group);
     }
@@ -256,7 +280,7 @@ struct DispatchedModel::Impl {
       const Offloaded& t = tensors[members[k]];
       if (t.source.host.defined()) {
         out.values[k] = t.source.host;
-      } else if (t.source.mapping && !read_direct) {
+      } else if (t.source.mapping) {
         out.values[k] = internal::MappedView(t.source);  // Load checked the alignment
         out.mapped_bytes += static_cast<int64_t>(t.source.nbytes);
       } else {
@@ -268,7 +292,7 @@ struct DispatchedModel::Impl {
     int64_t bytes = 0;
     if (!disk.empty()) {
       ACCEL_ASSIGN_OR_RETURN(internal::ReadTensors got,
-                             internal::ReadCoalesced(disk, names, read_direct, [&](uint64_t n) {
+                             internal::ReadCoalesced(disk, names, direct, [&](uint64_t n) {
                                return pool.Take(n, stager != nullptr);
                              }));
       for (size_t k = 0; k < disk.size(); ++k) out.values[slot[k]] = std::move(got.values[k]);
@@ -518,23 +542,18 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
       im.group_spans.push_back(im.MappedSpans(members));
       // A model read whole every token that is larger than memory: under LRU
       // the page cache holds the last groups read and loses each before its
-      // next use, so it serves nothing. The first groups that fit its room
-      // stay there for good; the others leave it as they leave the process.
-      const int64_t bytes = Impl::SpanBytes(im.group_spans.back());
-      const bool cached =
-          im.page_cache_room < 0 || bytes == 0 || im.page_cache_kept + bytes <= im.page_cache_room;
-      if (cached && im.page_cache_room >= 0) im.page_cache_kept += bytes;
-      // Read every time it runs: into the same pooled buffers each time, past
-      // the page cache, rather than into pages freed by the last eviction.
-      const bool read_direct = !cached && im.direct_uncached;
-      if (read_direct) im.group_spans.back().clear();
-      im.group_evicted.push_back(!cached && !read_direct);
-      im.group_direct.push_back(read_direct);
+      // next use, so it serves nothing. The last groups of a pass that fit its
+      // room stay there for good (ChoosePageCacheGroups, once the order is
+      // known); the others leave it as they leave the process.
+      // Until then nothing is evicted: the last groups of the first pass,
+      // read last, are still cached when chosen, not read again.
+      im.group_evicted.push_back(false);
       im.groups.push_back(std::move(members));
       im.group_names.push_back(key);
       im.group_device.push_back(ExecutionDevice(key));
     }
     im.group_of.emplace(key, group);
+    im.ChoosePageCacheGroups();  // a given order: once its last module is entered
   }
   if (group < 0) return Scope(this, -1, ExecutionDevice(name));
 
@@ -542,6 +561,8 @@ absl::StatusOr<DispatchedModel::Scope> DispatchedModel::Enter(absl::string_view 
   if (!im.order_complete) {
     if (std::find(im.order.begin(), im.order.end(), key) != im.order.end()) {
       im.order_complete = true;
+      std::lock_guard<std::mutex> lock(im.mu);
+      im.ChoosePageCacheGroups();
     } else {
       im.order.push_back(key);
     }
@@ -706,8 +727,6 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   im.direct = options.direct_reads;
   // Disk entries used in place: their files mapped once each.
   const bool map_disk = options.map_disk && !options.direct_reads && out->main_.is_cpu();
-  im.direct_uncached =
-      map_disk && options.page_cache_keep_bytes >= 0 && options.direct_reads_uncached;
   // Every disk source's file is opened here, once, and held until the model
   // goes: reads never reopen a path, so a file replaced or deleted while
   // serving changes nothing (internal::OpenFile).
@@ -716,8 +735,7 @@ absl::StatusOr<std::unique_ptr<DispatchedModel>> DispatchedModel::Load(
   const auto mapped = [&](Source source) -> absl::StatusOr<Source> {
     auto& file = files[source.path];
     if (!file) {
-      ACCEL_ASSIGN_OR_RETURN(
-          file, internal::OpenFile::Open(source.path, options.direct_reads || im.direct_uncached));
+      ACCEL_ASSIGN_OR_RETURN(file, internal::OpenFile::Open(source.path, options.direct_reads));
     }
     source.file = file;
     if (!map_disk) return source;

@@ -137,24 +137,14 @@ struct LoadOptions {
   // the budget plus the read-ahead window. Negative: no limit.
   int64_t mapped_resident_bytes = -1;
   // Bytes of mapped disk weights the page cache is to keep between uses once
-  // they leave the process (see mapped_resident_bytes): modules, in the order
-  // they first run, whose pages fit this stay cached; the others' pages are
-  // evicted from the page cache as they are dropped (POSIX_FADV_DONTNEED).
+  // they leave the process (see mapped_resident_bytes): the modules that run
+  // last in a pass (the first pass tells the order) whose pages fit this stay
+  // cached; the others' pages are evicted from the page cache as they are
+  // dropped (POSIX_FADV_DONTNEED); until the order is known the kernel decides.
   // A model read whole every token and larger than memory otherwise gets no
   // page-cache hits at all: LRU loses each page before its next use.
   // Negative: the kernel decides, and every dropped page stays cached.
   int64_t page_cache_keep_bytes = -1;
-  // With page_cache_keep_bytes >= 0 on a mapped load: the modules the page
-  // cache does not keep are read with O_DIRECT into the reader's pooled
-  // buffers instead of being mapped. Such a module is read afresh every
-  // token, and through the page cache each read lands in memory freed by the
-  // last eviction; on a VM that hands freed memory back to its host
-  // (virtio-balloon free page reporting, as on the build machine) the host
-  // must supply those pages again, for the disk's writes and for the first
-  // touch of the compute: Llama-3-70B NF4's bfloat16 lm_head, 2 GiB, took
-  // 1.75 s a token to multiply that way. The pooled buffers are the same
-  // memory every token (docs/BENCHMARKS.md, Llama-3-70B-shaped NF4).
-  bool direct_reads_uncached = true;
   // How many offloaded modules ahead of the running one the reader works
   // (at least 1): mapped ones are made resident, others read into buffers.
   int prefetch_depth = 2;

@@ -190,21 +190,8 @@ at::Tensor BufferPool::Take(uint64_t bytes, bool pinned) {
       return buffer;
     }
   }
-  at::Tensor buffer =
-      at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions(at::kByte).pinned_memory(pinned));
-  if (!pinned) {
-    // Huge pages where the machine gives them on request (THP "madvise", as
-    // here), as the weights' own mappings have: a layer is hundreds of MiB,
-    // and in 4 KiB pages a read of it and every product over it walk a page
-    // table for each 4 KiB. Asked before the first touch, which faults the
-    // pages in. Only advice: where it is refused the buffer works as is.
-    constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-    const auto begin = reinterpret_cast<uintptr_t>(buffer.data_ptr());
-    const uintptr_t first = (begin + kHuge - 1) / kHuge * kHuge;
-    const uintptr_t last = (begin + bytes) / kHuge * kHuge;
-    if (last > first) (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-  }
-  return buffer;
+  return at::empty({static_cast<int64_t>(bytes)},
+                   at::TensorOptions(at::kByte).pinned_memory(pinned));
 }
 
 void BufferPool::Give(at::Tensor buffer) {
