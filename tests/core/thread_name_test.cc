@@ -17,22 +17,22 @@ std::string ThreadComm() {
   return name;
 }
 
-TEST(NameThisThreadTest, TheKernelShowsTheName) {
+// The name a new thread has once it has named itself `name`.
+std::string NameSeenAfterNaming(const char* name) {
   std::string seen;
   std::thread([&] {
-    NameThisThread("accel-reader");
+    NameThisThread(name);
     seen = ThreadComm();
   }).join();
-  EXPECT_EQ(seen, "accel-reader");
+  return seen;
+}
+
+TEST(NameThisThreadTest, TheKernelShowsTheName) {
+  EXPECT_EQ(NameSeenAfterNaming("accel-reader"), "accel-reader");
 }
 
 TEST(NameThisThreadTest, ALongNameIsCutTo15CharactersNotRefused) {
-  std::string seen;
-  std::thread([&] {
-    NameThisThread("accel-a-name-longer-than-fifteen");
-    seen = ThreadComm();
-  }).join();
-  EXPECT_EQ(seen, "accel-a-name-lo");
+  EXPECT_EQ(NameSeenAfterNaming("accel-a-name-longer-than-fifteen"), "accel-a-name-lo");
 }
 
 TEST(NameThisThreadTest, OnlyTheCallingThreadIsNamed) {
