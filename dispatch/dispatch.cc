@@ -103,7 +103,8 @@ struct DispatchedModel::Impl {
   std::unordered_map<std::string, int> group_of;
   std::vector<at::Device> group_device;
   bool prefetch = true;
-  bool direct = false;  // disk reads bypass the page cache
+  bool direct = false;             // disk reads bypass the page cache
+  bool page_cache_chosen = false;  // ChoosePageCacheGroups has run
   // With a GPU main device (null otherwise): host buffers are pinned, and
   // fetched groups are copied to the GPU on its copy stream, by the reader
   // thread when prefetched.
@@ -157,7 +158,6 @@ struct DispatchedModel::Impl {
   // others are evicted from it when dropped from the process. Until the
   // order is known none is (the kernel's LRU decides).
   int64_t page_cache_room = -1;
-  bool page_cache_chosen = false;
   std::vector<bool> group_evicted;  // per group: dropped from the page cache too
 
   // Once the order is known and every module in it has been entered: the
