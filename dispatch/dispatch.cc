@@ -266,8 +266,9 @@ struct DispatchedModel::Impl {
       Unkeep(group);
     }
     if (ahead) {
-      // All of the group asked for first: the kernel reads it in large
-      // requests, several at once, where faulting it in reads a window at a time.
+      // All of the group asked for first: small spans are read at once, in
+      // one request each; large ones by the faults of the huge-page-advised
+      // mapping, 2 MiB at a time (FileMapping::WillNeed says why).
       for (const Span& sp : spans) sp.mapping->WillNeed(sp.offset, sp.bytes);
       for (const Span& sp : spans) sp.mapping->Populate(sp.offset, sp.bytes);
     }

@@ -3,12 +3,17 @@
 // (core/map_file.h: congruent to the file offset modulo 2 MiB, advised
 // MADV_HUGEPAGE), against a plain pread() of the same bytes in the same run.
 // Each repeat, for each method: the range dropped from the page cache
-// (POSIX_FADV_DONTNEED), then MADV_WILLNEED + MADV_POPULATE_READ as the
-// expert cache reads a unit (cold: wall time and the thread's CPU time), then
-// unmapped (MADV_DONTNEED) and populated again from the page cache (warm),
-// then the share of the range mapped by PMD (FilePmdMapped). Times: best of
-// R; the PMD share: the mean of R (mmap places a file's mapping where it
-// likes, now and then 2 MiB-aligned).
+// (POSIX_FADV_DONTNEED), then MADV_POPULATE_READ, after MADV_WILLNEED on the
+// whole range (as the expert cache read a unit before 2026-11-29), on none
+// of it (as it reads a large one now), or on the huge pages the range only
+// partly covers (cold: wall time, the thread's CPU time and the bytes its
+// I/O accounting says it read, as a share of the range), then unmapped
+// (MADV_DONTNEED) and populated again from the page cache (warm), then the
+// share of the range mapped by PMD (FilePmdMapped: the huge pages at the
+// range's ends are mapped whole, hence over 100%). The kernel reads at most
+// one readahead window (the device's read_ahead_kb) of a MADV_WILLNEED range,
+// in small folios. Times: best of R; the shares: the mean of R (mmap places a
+// file's mapping where it likes, now and then 2 MiB-aligned).
 //
 //   build/bin/accel-bench-map [--dir /work] [--file_mb 1024] [--range_mb 76] [--repeats 5]
 //
@@ -51,17 +56,28 @@ double ThreadCpuSeconds() {
 }
 
 struct Figures {
-  double cold = 1e9, cold_cpu = 1e9, warm = 1e9, pmd_share = 0;
+  double cold = 1e9, cold_cpu = 1e9, warm = 1e9, pmd_share = 0, read_share = 0;
 };
+
+// What this thread has had read from storage (its I/O accounting).
+double ThreadStorageBytes() {
+  rusage r{};
+  getrusage(RUSAGE_THREAD, &r);
+  return 512.0 * static_cast<double>(r.ru_inblock);
+}
+
+// How the range is asked for before MADV_POPULATE_READ faults it in.
+enum class Advice { kWholeRange, kNone, kEdges };
 
 void Keep(Figures& best, const Figures& f) {
   best.cold = std::min(best.cold, f.cold);
   best.cold_cpu = std::min(best.cold_cpu, f.cold_cpu);
   best.warm = std::min(best.warm, f.warm);
   best.pmd_share += f.pmd_share;  // divided by the repeats at the end
+  best.read_share += f.read_share;
 }
 
-Figures Populate(int fd, size_t file_bytes, off_t offset, size_t range, bool huge) {
+Figures Populate(int fd, size_t file_bytes, off_t offset, size_t range, bool huge, Advice advice) {
   void* addr = huge ? accel::MapFileHugeAligned(fd, 0, file_bytes, PROT_READ, MAP_SHARED)
                     : ::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, fd, 0);
   if (addr == MAP_FAILED) Die("mapping the file failed");
@@ -70,10 +86,23 @@ Figures Populate(int fd, size_t file_bytes, off_t offset, size_t range, bool hug
   Figures f;
   const auto start = Clock::now();
   const double cpu = ThreadCpuSeconds();
-  (void)::madvise(at, range, MADV_WILLNEED);
+  const double storage = ThreadStorageBytes();
+  if (advice == Advice::kWholeRange) (void)::madvise(at, range, MADV_WILLNEED);
+  if (advice == Advice::kEdges) {
+    // The huge pages the range only partly covers: read now, in small
+    // folios, so that the faults' huge folios stay inside the range.
+    constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(at);
+    const uintptr_t end = begin + range;
+    const uintptr_t head = std::min(end, (begin + kHuge - 1) / kHuge * kHuge);
+    const uintptr_t tail = std::max(head, end / kHuge * kHuge);
+    if (head > begin) (void)::madvise(at, head - begin, MADV_WILLNEED);
+    if (end > tail) (void)::madvise(reinterpret_cast<void*>(tail), end - tail, MADV_WILLNEED);
+  }
   if (::madvise(at, range, MADV_POPULATE_READ) != 0) Die("MADV_POPULATE_READ failed");
   f.cold = Seconds(start);
   f.cold_cpu = ThreadCpuSeconds() - cpu;
+  f.read_share = (ThreadStorageBytes() - storage) / static_cast<double>(range);
   f.pmd_share = static_cast<double>(accel::test::MappingHolding(addr).pmd_mapped) /
                 static_cast<double>(range);
   (void)::madvise(at, range, MADV_DONTNEED);
@@ -148,29 +177,37 @@ int main(int argc, char** argv) {
   // An expert's place in a shard: not on a 2 MiB boundary.
   const off_t offset = (off_t{4} << 20) + off_t{12345} * 4096;
   std::vector<char> buffer(range);
-  Figures small, huge;
+  Figures small, huge, huge_unadvised, huge_edges;
   double pread_best = 1e9;
   for (int r = 0; r < repeats; ++r) {
     pread_best = std::min(pread_best, PreadCold(fd, offset, range, buffer));
-    Keep(small, Populate(fd, file_bytes, offset, range, /*huge=*/false));
-    Keep(huge, Populate(fd, file_bytes, offset, range, /*huge=*/true));
+    Keep(small, Populate(fd, file_bytes, offset, range, /*huge=*/false, Advice::kWholeRange));
+    Keep(huge, Populate(fd, file_bytes, offset, range, /*huge=*/true, Advice::kWholeRange));
+    Keep(huge_unadvised, Populate(fd, file_bytes, offset, range, /*huge=*/true, Advice::kNone));
+    Keep(huge_edges, Populate(fd, file_bytes, offset, range, /*huge=*/true, Advice::kEdges));
   }
   ::close(fd);
   ::unlink(path.c_str());
   small.pmd_share /= repeats;
   huge.pmd_share /= repeats;
+  huge_unadvised.pmd_share /= repeats;
+  huge_edges.pmd_share /= repeats;
+  for (Figures* f : {&small, &huge, &huge_unadvised, &huge_edges}) f->read_share /= repeats;
   const double mb = static_cast<double>(range_mb);
   std::printf("a %lld MiB range of a %lld MiB file in %s, best of %d:\n",
               static_cast<long long>(range_mb), static_cast<long long>(file_mb), dir.c_str(),
               repeats);
-  std::printf("  %-34s %9s %9s %10s %10s\n", "method", "cold ms", "cpu ms", "warm ms", "PMD");
-  std::printf("  %-34s %9.1f %9s %10s %10s  (%.0f MiB/s)\n", "pread() (baseline)", 1e3 * pread_best,
+  std::printf("  %-38s %9s %9s %10s %10s %10s\n", "method", "cold ms", "cpu ms", "warm ms", "PMD",
+              "read");
+  std::printf("  %-38s %9.1f %9s %10s %10s  (%.0f MiB/s)\n", "pread() (baseline)", 1e3 * pread_best,
               "-", "-", "-", mb / pread_best);
   for (const auto& [name, f] :
        {std::pair<const char*, const Figures&>{"mmap, placed by the kernel", small},
-        {"MapFileHugeAligned", huge}}) {
-    std::printf("  %-34s %9.1f %9.1f %10.2f %9.0f%%\n", name, 1e3 * f.cold, 1e3 * f.cold_cpu,
-                1e3 * f.warm, 100.0 * f.pmd_share);
+        {"MapFileHugeAligned", huge},
+        {"MapFileHugeAligned, no MADV_WILLNEED", huge_unadvised},
+        {"MapFileHugeAligned, edges advised", huge_edges}}) {
+    std::printf("  %-38s %9.1f %9.1f %10.2f %9.0f%% %9.0f%%\n", name, 1e3 * f.cold,
+                1e3 * f.cold_cpu, 1e3 * f.warm, 100.0 * f.pmd_share, 100.0 * f.read_share);
   }
   return 0;
 }

@@ -385,7 +385,8 @@ void ExpertCache::ReaderLoop() {
     in_flight_[unit] = true;
     used_bytes_ += bytes;  // its room is taken while it is read
     // The next needed unit's pages are asked for now too, so the disk has
-    // the next requests queued while this one's arrive.
+    // the next requests queued while this one's arrive (a unit small enough
+    // to be read by the advice: FileMapping::WillNeed).
     const int after = needed && !needed_.empty() ? needed_.front() : -1;
     lock.unlock();
     if (after >= 0) Advise(after);

@@ -7,6 +7,7 @@
 #include <numeric>
 #include <string>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <utility>
@@ -139,7 +140,7 @@ void FileMapping::Drop(uint64_t offset, uint64_t n) const {
 }
 
 void FileMapping::WillNeed(uint64_t offset, uint64_t n) const {
-  if (n == 0 || offset >= size_) return;
+  if (n == 0 || n >= kWillNeedLimit || offset >= size_) return;
   n = std::min(n, size_ - offset);
   const uint64_t page = PageSize();
   const uint64_t begin = offset / page * page;
@@ -168,6 +169,13 @@ uint64_t FileMapping::Missing(uint64_t offset, uint64_t n) const {
     if ((r & 1) == 0) missing += page;
   }
   return std::min(missing, n);
+}
+
+uint64_t ThreadStorageReadBytes() {
+  struct rusage usage {};
+  if (::getrusage(RUSAGE_THREAD, &usage) != 0) return 0;
+  // ru_inblock is the task's read_bytes in 512-byte units.
+  return static_cast<uint64_t>(usage.ru_inblock) * 512;
 }
 
 at::Tensor MappedView(const Source& source) {

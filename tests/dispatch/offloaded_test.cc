@@ -1,12 +1,14 @@
 // dispatch/internal/offloaded.h's file mapping: disk weights used in place.
 #include "dispatch/internal/offloaded.h"
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fcntl.h>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <unistd.h>
 #include <vector>
 
@@ -98,6 +100,80 @@ TEST(FileMappingTest, UnalignedOrOutOfRangeBytesHaveNoView) {
   EXPECT_TRUE(MappedView(source).defined());
   source.mapping.reset();  // a source without a mapping
   EXPECT_FALSE(MappedView(source).defined());
+}
+
+// The thread's storage reads across a Populate() are the bytes the page
+// cache lacked (what Missing() says before), and nothing once it holds them:
+// how the expert cache counts a read without a page-cache lookup per page.
+TEST(FileMappingTest, ThreadStorageReadBytesCountsWhatAPopulateReadFromDisk) {
+  TempDir dir;
+  constexpr int64_t kCount = int64_t{1} << 20;  // 4 MiB, whole pages
+  const std::string path = WriteFloats(dir, kCount);
+  {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fsync(fd), 0);  // written back, so the page cache can let it go
+    ::close(fd);
+  }
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file, OpenFile::Open(path, false));
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(*file));
+  const uint64_t size = mapping->size();
+  mapping->Evict(0, size);
+  if (mapping->Missing(0, size) != size) {
+    GTEST_SKIP() << "the page cache keeps " << path << " (a memory file system): no disk to count";
+  }
+  if (!std::filesystem::exists("/proc/self/io")) {
+    GTEST_SKIP() << "this kernel keeps no per-task I/O accounting";
+  }
+  const uint64_t before = ThreadStorageReadBytes();
+  mapping->WillNeed(0, size);
+  mapping->Populate(0, size);
+  const uint64_t read = ThreadStorageReadBytes() - before;
+  EXPECT_EQ(mapping->Missing(0, size), 0u);
+  EXPECT_GE(read, size);
+  EXPECT_LE(read, size + (uint64_t{2} << 20));  // at most a huge folio past the end
+  const uint64_t again = ThreadStorageReadBytes();
+  mapping->WillNeed(0, size);
+  mapping->Populate(0, size);
+  EXPECT_EQ(ThreadStorageReadBytes() - again, 0u);
+  const at::Tensor view = at::from_blob(const_cast<char*>(mapping->data()), {kCount}, at::kFloat);
+  EXPECT_TRUE(at::equal(view, at::arange(0, kCount, at::kFloat)));
+}
+
+// A small range advised is read into the page cache ahead of its
+// Populate(); a range of kWillNeedLimit or more is not (the kernel would read
+// one readahead window of it in small folios), and its Populate() reads it.
+TEST(FileMappingTest, WillNeedReadsSmallRangesAndLeavesLargeOnesToPopulate) {
+  TempDir dir;
+  const int64_t count = static_cast<int64_t>(FileMapping::kWillNeedLimit / 4) + (int64_t{1} << 20);
+  const std::string path = WriteFloats(dir, count);
+  {
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fsync(fd), 0);
+    ::close(fd);
+  }
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file, OpenFile::Open(path, false));
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(*file));
+  const uint64_t size = mapping->size();
+  mapping->Evict(0, size);
+  if (mapping->Missing(0, size) != size) {
+    GTEST_SKIP() << "the page cache keeps " << path << " (a memory file system)";
+  }
+  const uint64_t small = uint64_t{1} << 20;
+  const uint64_t large_at = uint64_t{2} << 20;
+  const uint64_t large = FileMapping::kWillNeedLimit;
+  ASSERT_LE(large_at + large, size);
+  mapping->WillNeed(0, small);
+  mapping->WillNeed(large_at, large);
+  // The small range's reads complete on their own; give them up to 5 s.
+  for (int i = 0; i < 500 && mapping->Missing(0, small) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(mapping->Missing(0, small), 0u);
+  EXPECT_EQ(mapping->Missing(large_at, large), large);
+  mapping->Populate(large_at, large);
+  EXPECT_EQ(mapping->Missing(large_at, large), 0u);
 }
 
 // A file is read through the descriptor opened at load, never its path
