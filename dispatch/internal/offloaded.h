@@ -76,8 +76,8 @@ class FileMapping {
   // most one readahead window (the device's read_ahead_kb) of an advised
   // range, and in small folios, which the mapping then maps page by page;
   // Populate()'s faults in this huge-page-advised mapping read in 2 MiB
-  // folios mapped whole (accel-bench-map, 76 MiB: 21-24 ms cold against
-  // 25-28 ms advised, 0.04 ms against 0.66 mapped again from the page cache).
+  // folios mapped whole (accel-bench-map, 76 MiB: 21-26 ms cold against
+  // 25-29 ms advised, 0.04 ms against 0.66 mapped again from the page cache).
   // Below the limit the advice keeps the read to the range (a fault's huge
   // folio reads past a small range's ends). Advice: nothing fails.
   void WillNeed(uint64_t offset, uint64_t n) const;
