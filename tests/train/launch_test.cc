@@ -1031,14 +1031,16 @@ TEST(ClusterConfig, WritesAndReadsBack) {
 // ---------------------------------------------------------------------------
 // Every launch flag and config key of issue 22: honoured, or refused by name.
 
-// Parses `args` (then PROGRAM `true`) with a config file holding `yaml`, if any.
+// Parses `args` (then PROGRAM `true`) with a config file holding `yaml`, if
+// any, in a home of its own that is removed after (the plan keeps no path
+// into it).
 absl::StatusOr<LaunchPlan> Plan(std::vector<std::string> args, const std::string& yaml = "") {
-  static test::TempDir* home = new test::TempDir;
+  test::TempDir home;
   if (!yaml.empty()) {
-    args.insert(args.begin(), {"--config_file", home->Write("plan.yaml", yaml)});
+    args.insert(args.begin(), {"--config_file", home.Write("plan.yaml", yaml)});
   }
   args.push_back("true");
-  return ParseLaunchArgs(args, {{"HOME", home->path()}, {"PATH", "/usr/bin:/bin"}});
+  return ParseLaunchArgs(args, {{"HOME", home.path()}, {"PATH", "/usr/bin:/bin"}});
 }
 
 // --multi_gpu: distributed over the GPUs (Accelerate's torchrun path, which
