@@ -102,26 +102,39 @@ TEST(FileMappingTest, UnalignedOrOutOfRangeBytesHaveNoView) {
   EXPECT_FALSE(MappedView(source).defined());
 }
 
+// A mapping of a file of `count` floats 0, 1, 2, ..., written back to disk
+// and dropped from the page cache, so that what reads it reads the disk;
+// null where the page cache keeps the file all the same (a memory file
+// system), or on a failure, which it records.
+std::shared_ptr<FileMapping> EvictedMapping(const TempDir& dir, int64_t count) {
+  const std::string path = WriteFloats(dir, count);
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  EXPECT_GE(fd, 0) << path;
+  if (fd < 0) return nullptr;
+  EXPECT_EQ(::fsync(fd), 0) << path;  // written back, so the page cache can let it go
+  ::close(fd);
+  absl::StatusOr<std::shared_ptr<const OpenFile>> file = OpenFile::Open(path, false);
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return nullptr;
+  absl::StatusOr<std::shared_ptr<FileMapping>> mapping = FileMapping::Open(**file);
+  EXPECT_TRUE(mapping.ok()) << mapping.status();
+  if (!mapping.ok()) return nullptr;
+  const uint64_t size = (*mapping)->size();
+  (*mapping)->Evict(0, size);
+  if ((*mapping)->Missing(0, size) != size) return nullptr;
+  return *std::move(mapping);
+}
+
 // The thread's storage reads across a Populate() are the bytes the page
 // cache lacked (what Missing() says before), and nothing once it holds them:
 // how the expert cache counts a read without a page-cache lookup per page.
 TEST(FileMappingTest, ThreadStorageReadBytesCountsWhatAPopulateReadFromDisk) {
   TempDir dir;
   constexpr int64_t kCount = int64_t{1} << 20;  // 4 MiB, whole pages
-  const std::string path = WriteFloats(dir, kCount);
-  {
-    const int fd = ::open(path.c_str(), O_RDONLY);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(::fsync(fd), 0);  // written back, so the page cache can let it go
-    ::close(fd);
-  }
-  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file, OpenFile::Open(path, false));
-  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(*file));
+  std::shared_ptr<FileMapping> mapping = EvictedMapping(dir, kCount);
+  if (HasFailure()) return;
+  if (mapping == nullptr) GTEST_SKIP() << "the page cache keeps the file: no disk to count";
   const uint64_t size = mapping->size();
-  mapping->Evict(0, size);
-  if (mapping->Missing(0, size) != size) {
-    GTEST_SKIP() << "the page cache keeps " << path << " (a memory file system): no disk to count";
-  }
   if (!std::filesystem::exists("/proc/self/io")) {
     GTEST_SKIP() << "this kernel keeps no per-task I/O accounting";
   }
@@ -146,20 +159,10 @@ TEST(FileMappingTest, ThreadStorageReadBytesCountsWhatAPopulateReadFromDisk) {
 TEST(FileMappingTest, WillNeedReadsSmallRangesAndLeavesLargeOnesToPopulate) {
   TempDir dir;
   const int64_t count = static_cast<int64_t>(FileMapping::kWillNeedLimit / 4) + (int64_t{1} << 20);
-  const std::string path = WriteFloats(dir, count);
-  {
-    const int fd = ::open(path.c_str(), O_RDONLY);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(::fsync(fd), 0);
-    ::close(fd);
-  }
-  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file, OpenFile::Open(path, false));
-  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(*file));
+  std::shared_ptr<FileMapping> mapping = EvictedMapping(dir, count);
+  if (HasFailure()) return;
+  if (mapping == nullptr) GTEST_SKIP() << "the page cache keeps the file: no disk to read";
   const uint64_t size = mapping->size();
-  mapping->Evict(0, size);
-  if (mapping->Missing(0, size) != size) {
-    GTEST_SKIP() << "the page cache keeps " << path << " (a memory file system)";
-  }
   const uint64_t small = uint64_t{1} << 20;
   const uint64_t large_at = uint64_t{2} << 20;
   const uint64_t large = FileMapping::kWillNeedLimit;
