@@ -97,7 +97,7 @@ Figures Populate(int fd, size_t file_bytes, off_t offset, size_t range, bool hug
     const uintptr_t head = std::min(end, (begin + kHuge - 1) / kHuge * kHuge);
     const uintptr_t tail = std::max(head, end / kHuge * kHuge);
     if (head > begin) (void)::madvise(at, head - begin, MADV_WILLNEED);
-    if (end > tail) (void)::madvise(reinterpret_cast<void*>(tail), end - tail, MADV_WILLNEED);
+    if (end > tail) (void)::madvise(at + (tail - begin), end - tail, MADV_WILLNEED);
   }
   if (::madvise(at, range, MADV_POPULATE_READ) != 0) Die("MADV_POPULATE_READ failed");
   f.cold = Seconds(start);
