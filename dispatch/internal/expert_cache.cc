@@ -158,11 +158,13 @@ void ExpertCache::Advise(int unit) const {
 absl::StatusOr<ExpertCache::Entry> ExpertCache::Read(int unit) {
   const auto start = std::chrono::steady_clock::now();
   if (std::vector<Span> spans = MappedSpans(unit); !spans.empty()) {
-    // In place: the pages the page cache lacks are read from disk.
-    uint64_t missing = 0;
-    for (const Span& sp : spans) missing += sp.mapping->Missing(sp.offset, sp.bytes);
+    // In place: the pages the page cache lacks are read from disk, counted
+    // by this thread's I/O accounting (mincore() on the unmapped range looked
+    // each page up in the page cache before the reads began).
+    const uint64_t storage_before = ThreadStorageReadBytes();
     for (const Span& sp : spans) sp.mapping->WillNeed(sp.offset, sp.bytes);
     for (const Span& sp : spans) sp.mapping->Populate(sp.offset, sp.bytes);
+    const uint64_t missing = ThreadStorageReadBytes() - storage_before;
     Entry entry;
     for (int m : units_[unit].tensors) {
       at::Tensor view = MappedView(tensors_[m].source);
