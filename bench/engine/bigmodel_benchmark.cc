@@ -58,6 +58,7 @@
 #include "bench/bench_util.h"
 #include "core/bytes.h"
 #include "core/malloc_tuning.h"
+#include "core/map_file.h"
 #include "core/threads.h"
 #include "dispatch/device_map.h"
 #include "engine/engine_core.h"
@@ -100,8 +101,11 @@ const std::vector<ModelSpec>& Known() {
 }
 
 // Bytes per second of reads of `chunk` bytes at spread-out offsets of the
-// files, as the expert cache reads a unit (asked for whole with
-// MADV_WILLNEED, then made resident). Only ranges of which the page cache
+// files, as the expert cache and the layer reader read a unit or a layer: a
+// mapping placed and advised for huge pages (MapFileHugeAligned), made
+// resident by MADV_POPULATE_READ, after MADV_WILLNEED only for a range under
+// 16 MiB (FileMapping::WillNeed: the advice reads one readahead window of a
+// larger one, in small folios, slower than the faults). Only ranges of which the page cache
 // holds no page are read, and each is dropped from it again after: so the
 // probe reads the disk, not the page cache, and can run between rows while
 // the model is loaded without taking what the model holds (a model that
@@ -111,6 +115,8 @@ const std::vector<ModelSpec>& Known() {
 // on this machine's virtual disk, ranges read again soon after have come at
 // up to 1.6 times their first rate (accel-bench-disk), so a probe of ranges
 // it read itself would measure a cache below the guest.
+constexpr uint64_t kAdviseBelowBytes = uint64_t{16} << 20;
+
 double DiskRate(const std::vector<std::string>& files, uint64_t chunk, int reads,
                 uint64_t& candidate) {
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
@@ -122,7 +128,8 @@ double DiskRate(const std::vector<std::string>& files, uint64_t chunk, int reads
     const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) continue;
     const uint64_t size = std::filesystem::file_size(f);
-    void* map = size < 2 * chunk ? MAP_FAILED : ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    void* map = size < 2 * chunk ? MAP_FAILED
+                                 : accel::MapFileHugeAligned(fd, 0, size, PROT_READ, MAP_SHARED);
     if (map == MAP_FAILED) {
       ::close(fd);
       continue;
@@ -139,7 +146,7 @@ double DiskRate(const std::vector<std::string>& files, uint64_t chunk, int reads
     }
     if (p != nullptr) {
       seconds += Seconds([&] {
-        (void)::madvise(p, chunk, MADV_WILLNEED);
+        if (chunk < kAdviseBelowBytes) (void)::madvise(p, chunk, MADV_WILLNEED);
 #ifdef MADV_POPULATE_READ
         (void)::madvise(p, chunk, MADV_POPULATE_READ);
 #endif
