@@ -26,6 +26,14 @@ namespace accel {
 // MAP_FAILED with errno set on failure.
 void* MapFileHugeAligned(int fd, uint64_t offset, size_t size, int prot, int flags);
 
+// A range of such a mapping this large or larger is made resident by
+// MADV_POPULATE_READ alone, without MADV_WILLNEED first: the kernel reads at
+// most one readahead window (the device's read_ahead_kb) of an advised range,
+// in small folios mapped page by page, where the faults read huge folios
+// mapped whole (accel-bench-map). Below it the advice reads the whole range
+// and keeps a fault's huge folio from reading past its ends.
+inline constexpr uint64_t kAdviseWillNeedBelowBytes = uint64_t{16} << 20;
+
 }  // namespace accel
 
 #endif  // ACCEL_CORE_MAP_FILE_H_

@@ -2,7 +2,7 @@
 // against the same bytes read again, as the dispatch reader reads a layer or
 // an expert (MADV_POPULATE_READ of `--chunk_mb` at a time through a shared
 // mapping advised for huge pages, after MADV_WILLNEED only for a chunk under
-// 16 MiB, as FileMapping::WillNeed), the guest's page cache dropped before each
+// accel::kAdviseWillNeedBelowBytes), the guest's page cache dropped before each
 // pass. On a virtual disk whose host caches what was read lately, the second
 // pass reads the host's cache: the gap between the two is how far a probe of
 // "the disk" taken on ranges read before can overstate it.
@@ -94,7 +94,7 @@ PassRates Pass(const std::vector<std::string>& paths, const std::vector<File>& f
     for (const File& f : files) {
       for (uint64_t at = 0; at < f.size; at += chunk) {
         const uint64_t n = std::min(chunk, f.size - at);
-        if (n < (uint64_t{16} << 20)) (void)::madvise(f.map + at, n, MADV_WILLNEED);
+        if (n < accel::kAdviseWillNeedBelowBytes) (void)::madvise(f.map + at, n, MADV_WILLNEED);
         if (::madvise(f.map + at, n, MADV_POPULATE_READ) != 0) Die("MADV_POPULATE_READ failed");
         if (touch) {
           for (double& t : touch_seconds) {

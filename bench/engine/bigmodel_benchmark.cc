@@ -103,20 +103,17 @@ const std::vector<ModelSpec>& Known() {
 // Bytes per second of reads of `chunk` bytes at spread-out offsets of the
 // files, as the expert cache and the layer reader read a unit or a layer: a
 // mapping placed and advised for huge pages (MapFileHugeAligned), made
-// resident by MADV_POPULATE_READ, after MADV_WILLNEED only for a range under
-// 16 MiB (FileMapping::WillNeed: the advice reads one readahead window of a
-// larger one, in small folios, slower than the faults). Only ranges of which the page cache
-// holds no page are read, and each is dropped from it again after: so the
-// probe reads the disk, not the page cache, and can run between rows while
-// the model is loaded without taking what the model holds (a model that
-// maps or locks a range keeps it cached, so POSIX_FADV_DONTNEED is not
-// enough there). `candidate` numbers the ranges tried; a caller that passes
-// on where the last probe stopped gets ranges no probe of the run has read:
-// on this machine's virtual disk, ranges read again soon after have come at
-// up to 1.6 times their first rate (accel-bench-disk), so a probe of ranges
-// it read itself would measure a cache below the guest.
-constexpr uint64_t kAdviseBelowBytes = uint64_t{16} << 20;
-
+// resident by MADV_POPULATE_READ, after MADV_WILLNEED only for a range
+// under accel::kAdviseWillNeedBelowBytes (core/map_file.h). Only ranges of
+// which the page cache holds no page are read, and each is dropped from it
+// again after: so the probe reads the disk, not the page cache, and can run
+// between rows while the model is loaded without taking what the model holds
+// (a model that maps or locks a range keeps it cached, so
+// POSIX_FADV_DONTNEED is not enough there). `candidate` numbers the ranges tried; a caller that
+// passes on where the last probe stopped gets ranges no probe of the run has read: on this
+// machine's virtual disk, ranges read again soon after have come at up to 1.6 times their first
+// rate (accel-bench-disk), so a probe of ranges it read itself would measure a cache below the
+// guest.
 double DiskRate(const std::vector<std::string>& files, uint64_t chunk, int reads,
                 uint64_t& candidate) {
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
@@ -146,7 +143,7 @@ double DiskRate(const std::vector<std::string>& files, uint64_t chunk, int reads
     }
     if (p != nullptr) {
       seconds += Seconds([&] {
-        if (chunk < kAdviseBelowBytes) (void)::madvise(p, chunk, MADV_WILLNEED);
+        if (chunk < accel::kAdviseWillNeedBelowBytes) (void)::madvise(p, chunk, MADV_WILLNEED);
 #ifdef MADV_POPULATE_READ
         (void)::madvise(p, chunk, MADV_POPULATE_READ);
 #endif

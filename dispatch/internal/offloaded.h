@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 
 #include "core/file_faults.h"
+#include "core/map_file.h"
 
 namespace accel::dispatch::internal {
 
@@ -72,16 +73,12 @@ class FileMapping {
   void Drop(uint64_t offset, uint64_t n) const;
   // Starts reading [offset, offset + n) into the page cache and returns
   // (MADV_WILLNEED), which a later Populate() then waits for; a range of
-  // kWillNeedLimit or more is left to Populate() alone. The kernel reads at
-  // most one readahead window (the device's read_ahead_kb) of an advised
-  // range, and in small folios, which the mapping then maps page by page;
-  // Populate()'s faults in this huge-page-advised mapping read in 2 MiB
-  // folios mapped whole (accel-bench-map, 76 MiB: 21-26 ms cold against
-  // 25-29 ms advised, 0.04 ms against 0.66 mapped again from the page cache).
-  // Below the limit the advice keeps the read to the range (a fault's huge
-  // folio reads past a small range's ends). Advice: nothing fails.
+  // kWillNeedLimit or more is left to Populate() alone (core/map_file.h says
+  // why; accel-bench-map, 76 MiB: 21-26 ms cold against 25-29 ms advised,
+  // 0.04 ms against 0.66 mapped again from the page cache). Advice: nothing
+  // fails.
   void WillNeed(uint64_t offset, uint64_t n) const;
-  static constexpr uint64_t kWillNeedLimit = uint64_t{16} << 20;
+  static constexpr uint64_t kWillNeedLimit = kAdviseWillNeedBelowBytes;
   // Drop(), then the whole pages of the range leave the page cache too
   // (POSIX_FADV_DONTNEED; pages another process maps stay): memory the
   // process gives back for good, where it holds more than memory can keep.
