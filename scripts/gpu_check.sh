@@ -142,6 +142,12 @@ if want build; then
       note configure_without_models_cuda "the paged attention CUDA pieces failed to compile: decode attention gathers blocks"
       step build_without_models_cuda 200 build_targets
     fi
+    if grep -q "FAILED: .*engine/internal/\(cuda_memory_probe\|decode_graph_runner\).cc" "$log"; then
+      step configure_without_engine_cuda 60 configure -DACCEL_WITH_ENGINE_CUDA=OFF
+      note configure_without_engine_cuda "the engine's CUDA pieces failed to compile: no --gpu_memory_utilization probe, no decode CUDA graphs"
+      step build_without_engine_cuda 200 build_targets
+      log=$(ls -t "$OUT"/logs/*-build_without_engine_cuda.log | head -1)
+    fi
     if grep -q "error:" "$log"; then  # the headers, to compile against them elsewhere
       tar -C "$torch_prefix/../.." -cf - include 2>/dev/null | xz -T0 -3 >"$OUT/torch_include.tar.xz"
     fi
