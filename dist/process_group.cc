@@ -7,7 +7,10 @@
 
 #include <ATen/Functions.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#ifdef USE_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -227,6 +230,12 @@ absl::Status CheckShardShapes(const at::Tensor& whole, const at::Tensor& shard, 
   }
   return absl::OkStatus();
 }
+
+#ifdef USE_C10D_GLOO
+using GlooOptions = c10::intrusive_ptr<c10d::ProcessGroupGloo::Options>;
+#else
+struct GlooOptions {};  // a libtorch without gloo's headers (dist/CMakeLists.txt)
+#endif
 
 // A c10d group: gloo, or NCCL where libtorch has it.
 class C10dGroup : public ProcessGroup {
@@ -468,7 +477,9 @@ class C10dGroup : public ProcessGroup {
                      return;
                    }
 #endif
+#ifdef USE_C10D_GLOO
                    pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, mine, n, gloo_options_);
+#endif
                  }),
                  absl::StrCat("making a group of ", n, " ranks")));
     auto group = std::make_unique<C10dGroup>(store_, std::move(pg), mine, n, backend_, timeout_);
@@ -476,7 +487,7 @@ class C10dGroup : public ProcessGroup {
     return std::unique_ptr<ProcessGroup>(std::move(group));
   }
 
-  void set_gloo_options(c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options) {
+  void set_gloo_options(GlooOptions options) {
     gloo_options_ = std::move(options);
   }
 
@@ -499,7 +510,7 @@ class C10dGroup : public ProcessGroup {
   std::string backend_;
   std::chrono::milliseconds timeout_;
   // Gloo's options (its devices), reused by the groups NewGroup makes.
-  c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options_;
+  GlooOptions gloo_options_;
   int groups_made_ = 0;
 };
 
@@ -587,12 +598,22 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
 #else
   constexpr bool kHaveNccl = false;
 #endif
+#ifdef USE_C10D_GLOO
+  constexpr bool kHaveGloo = true;
+#else
+  constexpr bool kHaveGloo = false;
+#endif
   std::string backend = options.backend;
   if (backend == "auto") backend = options.use_cuda && kHaveNccl ? "nccl" : "gloo";
   if (backend == "nccl" && !kHaveNccl) {
     return absl::UnimplementedError(
         "process group backend \"nccl\": this libtorch was built without NCCL (CPU only); use "
         "gloo");
+  }
+  if (backend == "gloo" && !kHaveGloo) {
+    return absl::UnimplementedError(
+        "process group backend \"gloo\": this libtorch came without gloo's headers (a PyTorch "
+        "pip wheel), so accel was built without it; use nccl");
   }
   if (backend != "gloo" && backend != "nccl") {
     return absl::InvalidArgumentError(absl::StrCat("process group backend \"", options.backend,
@@ -611,7 +632,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
   const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_duration));
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options;
+  GlooOptions gloo_options;
   absl::Status status = CallTorch([&] {
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<std::uint16_t>(env.master_port);
@@ -629,6 +650,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
       return;
     }
 #endif
+#ifdef USE_C10D_GLOO
     gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
     // The device gloo binds its pair sockets to. GLOO_SOCKET_IFNAME is read
     // by Python's torch.distributed only, so a C++ program honours it itself.
@@ -646,6 +668,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     }
     gloo_options->threads = 2;
     pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
+#endif
   });
   if (!status.ok()) {
     return Annotate(status,

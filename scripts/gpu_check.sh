@@ -11,6 +11,8 @@
 #   device:   bash scripts/gpu_check.sh [build|test|bench|generate|all]...
 #             (the device tool carries .deps/ with `carry: [".deps"]`)
 #
+# A rerun: ACCEL_GPU_SKIP='^(test:quant_cuda_kernels|bench:quant_cuda)$' leaves
+# those steps out.
 # Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
 # the device is lent for minutes): every step runs under `timeout`, gets at
 # most what is left of the budget, and is skipped (and says so) when too
@@ -42,6 +44,11 @@ step() {
   local name=$1 limit=$2; shift 2
   step_no=$((step_no + 1))
   local tag; tag=$(printf '%02d-%s' "$step_no" "${name//[^A-Za-z0-9_.-]/_}")
+  # ACCEL_GPU_SKIP: a regex of step names a rerun leaves out (what passed already).
+  if [[ -n ${ACCEL_GPU_SKIP:-} && $name =~ ${ACCEL_GPU_SKIP} ]]; then
+    echo "=== $name: skipped (ACCEL_GPU_SKIP)"
+    return 0
+  fi
   local room=$(( $(left) - 10 ))
   (( room < limit )) && limit=$room
   if (( limit < 15 )); then
