@@ -6,13 +6,18 @@
 #include <utility>
 
 #include <ATen/Functions.h>
+// libtorch's CMake config defines USE_C10D_NCCL where it has NCCL; nccl.h
+// may still be out of reach (dist/CMakeLists.txt).
+#if defined(USE_C10D_NCCL) && defined(ACCEL_DIST_NCCL_HEADERS)
+#define ACCEL_DIST_NCCL 1
+#endif
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#ifdef USE_C10D_GLOO
+#ifdef ACCEL_DIST_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef USE_C10D_NCCL
+#ifdef ACCEL_DIST_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -231,7 +236,7 @@ absl::Status CheckShardShapes(const at::Tensor& whole, const at::Tensor& shard, 
   return absl::OkStatus();
 }
 
-#ifdef USE_C10D_GLOO
+#ifdef ACCEL_DIST_GLOO
 using GlooOptions = c10::intrusive_ptr<c10d::ProcessGroupGloo::Options>;
 #else
 struct GlooOptions {};  // a libtorch without gloo's headers (dist/CMakeLists.txt)
@@ -469,7 +474,7 @@ class C10dGroup : public ProcessGroup {
     ACCEL_RETURN_IF_ERROR(
         Annotate(CallTorch([&] {
                    auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
-#ifdef USE_C10D_NCCL
+#ifdef ACCEL_DIST_NCCL
                    if (backend_ == "nccl") {
                      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
                      nccl_options->timeout = timeout_;
@@ -477,7 +482,7 @@ class C10dGroup : public ProcessGroup {
                      return;
                    }
 #endif
-#ifdef USE_C10D_GLOO
+#ifdef ACCEL_DIST_GLOO
                    pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, mine, n, gloo_options_);
 #endif
                  }),
@@ -593,12 +598,12 @@ absl::Duration DefaultProcessGroupTimeout(absl::string_view backend) {
 
 absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     const ProcessEnvironment& env, const ProcessGroupOptions& options) {
-#ifdef USE_C10D_NCCL
+#ifdef ACCEL_DIST_NCCL
   constexpr bool kHaveNccl = true;
 #else
   constexpr bool kHaveNccl = false;
 #endif
-#ifdef USE_C10D_GLOO
+#ifdef ACCEL_DIST_GLOO
   constexpr bool kHaveGloo = true;
 #else
   constexpr bool kHaveGloo = false;
@@ -641,7 +646,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     store_options.waitWorkers = true;
     store_options.timeout = timeout;
     store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
-#ifdef USE_C10D_NCCL
+#ifdef ACCEL_DIST_NCCL
     if (backend == "nccl") {
       auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
       nccl_options->timeout = timeout;
@@ -650,7 +655,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
       return;
     }
 #endif
-#ifdef USE_C10D_GLOO
+#ifdef ACCEL_DIST_GLOO
     gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
     // The device gloo binds its pair sockets to. GLOO_SOCKET_IFNAME is read
     // by Python's torch.distributed only, so a C++ program honours it itself.
