@@ -213,8 +213,10 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
   t0=$(date +%s)
   if step bench:make_8b_model 200 make8b; then
     echo "{\"seconds\": $(( $(date +%s) - t0 )), \"dir\": \"$model8b\"}" >"$OUT/bench/make_model.json"
-    step bench:decode_8b 300 "$bin/accel-bench-decode-gpu" --model "$model8b" --quantize none,nf4 \
-      --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,5,8 \
+    # ACCEL_GPU_DECODE_ARGS: fewer rows for a short rerun.
+    # shellcheck disable=SC2086
+    step bench:decode_8b 300 "$bin/accel-bench-decode-gpu" --model "$model8b" \
+      ${ACCEL_GPU_DECODE_ARGS:---quantize none,nf4 --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,5,8} \
       --json "$OUT/bench/decode_gpu.json"
   fi
 fi
