@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <type_traits>
 #include <utility>
 
 #include <ATen/Functions.h>
@@ -234,6 +235,26 @@ absl::Status CheckShardShapes(const at::Tensor& whole, const at::Tensor& shard, 
                      ", shard: ", shard.defined() ? shard.numel() : -1, ")"));
   }
   return absl::OkStatus();
+}
+
+// libtorch 1.x's ProcessGroupGloo / ProcessGroupNCCL are process groups;
+// 2.x made them backends that a c10d::ProcessGroup dispatches to by the
+// tensors' device (what Python's init_process_group builds). PG is a template
+// parameter so that 2.x's names are looked up only where they exist.
+template <typename Backend, typename PG = c10d::ProcessGroup>
+c10::intrusive_ptr<PG> AsProcessGroup(c10::intrusive_ptr<Backend> backend,
+                                      const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                      int size, bool nccl) {
+  if constexpr (std::is_convertible_v<Backend*, PG*>) {
+    return backend;
+  } else {
+    auto group = c10::make_intrusive<PG>(store, rank, size);
+    const auto type = nccl ? PG::BackendType::NCCL : PG::BackendType::GLOO;
+    group->setDefaultBackend(type);
+    if (!nccl) group->setBackend(c10::DeviceType::CPU, type, backend);
+    group->setBackend(c10::DeviceType::CUDA, type, backend);
+    return group;
+  }
 }
 
 #ifdef ACCEL_DIST_GLOO
@@ -478,12 +499,16 @@ class C10dGroup : public ProcessGroup {
                    if (backend_ == "nccl") {
                      auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
                      nccl_options->timeout = timeout_;
-                     pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, mine, n, nccl_options);
+                     pg = AsProcessGroup(
+                         c10::make_intrusive<c10d::ProcessGroupNCCL>(store, mine, n, nccl_options),
+                         store, mine, n, /*nccl=*/true);
                      return;
                    }
 #endif
 #ifdef ACCEL_DIST_GLOO
-                   pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, mine, n, gloo_options_);
+                   pg = AsProcessGroup(
+                       c10::make_intrusive<c10d::ProcessGroupGloo>(store, mine, n, gloo_options_),
+                       store, mine, n, /*nccl=*/false);
 #endif
                  }),
                  absl::StrCat("making a group of ", n, " ranks")));
@@ -650,8 +675,9 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
     if (backend == "nccl") {
       auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
       nccl_options->timeout = timeout;
-      pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size,
-                                                       nccl_options);
+      pg = AsProcessGroup(c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank,
+                                                                       env.world_size, nccl_options),
+                          store, env.rank, env.world_size, /*nccl=*/true);
       return;
     }
 #endif
@@ -672,7 +698,9 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
       gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     }
     gloo_options->threads = 2;
-    pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options);
+    pg = AsProcessGroup(
+        c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, gloo_options),
+        store, env.rank, env.world_size, /*nccl=*/false);
 #endif
   });
   if (!status.ok()) {
