@@ -517,9 +517,7 @@ class C10dGroup : public ProcessGroup {
     return std::unique_ptr<ProcessGroup>(std::move(group));
   }
 
-  void set_gloo_options(GlooOptions options) {
-    gloo_options_ = std::move(options);
-  }
+  void set_gloo_options(GlooOptions options) { gloo_options_ = std::move(options); }
 
  private:
   // gloo in libtorch 1.13 moves only float, double, half and
@@ -676,7 +674,7 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
       auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
       nccl_options->timeout = timeout;
       pg = AsProcessGroup(c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank,
-                                                                       env.world_size, nccl_options),
+                                                                      env.world_size, nccl_options),
                           store, env.rank, env.world_size, /*nccl=*/true);
       return;
     }

@@ -92,6 +92,19 @@ ACCEL_MODELS_HD int32_t PagedDecodeSplits(int32_t total, int32_t window, int32_t
   return (total + partition - 1) / partition - FirstAttended(total, window) / partition;
 }
 
+// The most splits a sequence of at most `max_total` positions has: what a
+// static step (its plan fixed by a longest context, every row's total read on
+// the device) must launch. Without a window the longest sequence has the
+// most; with one, a shorter sequence can have one more than the longest,
+// since its window of `window` positions may straddle one more cut: at most
+// ceil((window - 1) / partition) + 1 splits.
+ACCEL_MODELS_HD int32_t PagedDecodeMaxSplits(int32_t max_total, int32_t window, int32_t partition) {
+  const int32_t unwindowed = (max_total + partition - 1) / partition;
+  if (window <= 0 || max_total <= window) return unwindowed;
+  const int32_t windowed = (window - 1 + partition - 1) / partition + 1;
+  return windowed < unwindowed ? windowed : unwindowed;
+}
+
 struct PositionRange {
   int32_t begin = 0, end = 0;  // [begin, end); empty when begin >= end
 };

@@ -86,6 +86,14 @@ PagedCudaPlan PlanPagedDecodeCuda(absl::Span<const PagedQuery> queries,
                                   const at::Tensor& key_blocks, const at::Tensor& value_blocks,
                                   std::optional<int64_t> window, const ScoreRule& rule,
                                   int32_t sm_count, int32_t partition);
+// The host half of PagedDecodeAttentionCudaStatic: its parameters but the
+// pointers, from the shapes of q [rows, heads, d] and the blocks, tables of
+// `table_stride` blocks and the longest context `max_total` (the tables and
+// totals themselves stay on the device).
+PagedCudaPlan PlanPagedDecodeCudaStatic(const at::Tensor& q, const at::Tensor& key_blocks,
+                                        const at::Tensor& value_blocks, int64_t table_stride,
+                                        int64_t max_total, std::optional<int64_t> window,
+                                        const ScoreRule& rule, int32_t sm_count);
 
 }  // namespace accel::models::internal
 

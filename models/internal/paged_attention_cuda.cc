@@ -260,6 +260,46 @@ at::Tensor PagedDecodeAttentionCuda(absl::Span<const PagedQuery> queries,
 #endif
 }
 
+PagedCudaPlan PlanPagedDecodeCudaStatic(const at::Tensor& q, const at::Tensor& key_blocks,
+                                        const at::Tensor& value_blocks, int64_t table_stride,
+                                        int64_t max_total, std::optional<int64_t> window,
+                                        const ScoreRule& rule, int32_t sm_count) {
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK(q.dim() == 3 && key_blocks.dim() == 4 && value_blocks.dim() == 4 &&
+                  q.size(2) == key_blocks.size(3) && q.size(0) <= 65535 &&
+                  table_stride * key_blocks.size(2) >= max_total && max_total >= 1 &&
+                  max_total <= kInt32Max,
+              "paged attention (CUDA, static): q [rows, heads, d] over blocks [blocks, kv_heads, "
+              "block_size, d], tables of ",
+              table_stride, " blocks for ", max_total, " positions");
+  PagedCudaPlan plan;
+  TORCH_CHECK(value_blocks.scalar_type() == key_blocks.scalar_type() &&
+                  KvDTypeOf(key_blocks.scalar_type(), &plan.dtype),
+              "paged attention (CUDA, static): unsupported dtype ", key_blocks.scalar_type());
+  cuda::PagedDecodeParams& p = plan.params;
+  p.num_blocks = key_blocks.size(0);
+  p.seqs = static_cast<int32_t>(q.size(0));
+  p.heads = static_cast<int32_t>(q.size(1));
+  p.kv_heads = static_cast<int32_t>(key_blocks.size(1));
+  p.block_size = static_cast<int32_t>(key_blocks.size(2));
+  p.head_dim = static_cast<int32_t>(key_blocks.size(3));
+  p.value_dim = static_cast<int32_t>(value_blocks.size(3));
+  p.table_stride = static_cast<int32_t>(table_stride);
+  // As PlanPagedDecodeCuda, with max_total for the longest row: a window as
+  // long as any context masks nothing; the most splits any row up to
+  // max_total long can have (a row's splits past its own are empty: the
+  // kernels skip them).
+  p.window =
+      window && *window < max_total ? static_cast<int32_t>(std::max<int64_t>(1, *window)) : 0;
+  p.scale = static_cast<float>(rule.divide ? 1.0 / rule.scale : rule.scale);
+  p.softcap = rule.softcap ? static_cast<float>(*rule.softcap) : 0.0f;
+  p.partition =
+      cuda::ChoosePagedPartition(p.seqs, p.heads, p.kv_heads, p.head_dim, p.value_dim,
+                                 static_cast<int32_t>(max_total), p.window, plan.dtype, sm_count);
+  p.max_splits = cuda::PagedDecodeMaxSplits(static_cast<int32_t>(max_total), p.window, p.partition);
+  return plan;
+}
+
 at::Tensor PagedDecodeAttentionCudaStatic(const at::Tensor& q, const at::Tensor& key_blocks,
                                           const at::Tensor& value_blocks,
                                           const at::Tensor& block_tables, const at::Tensor& totals,
@@ -308,30 +348,10 @@ at::Tensor PagedDecodeAttentionCudaStatic(const at::Tensor& q, const at::Tensor&
               "head size, alignment or shared memory)");
   const at::Device device = key_blocks.device();
   c10::cuda::CUDAGuard guard(device);
-  cuda::KvDType dtype;
-  TORCH_CHECK(value_blocks.scalar_type() == key_blocks.scalar_type() &&
-                  KvDTypeOf(key_blocks.scalar_type(), &dtype),
-              "paged attention (CUDA, static): unsupported dtype ", key_blocks.scalar_type());
-  cuda::PagedDecodeParams p;
-  p.num_blocks = key_blocks.size(0);
-  p.seqs = static_cast<int32_t>(q.size(0));
-  p.heads = static_cast<int32_t>(q.size(1));
-  p.kv_heads = static_cast<int32_t>(key_blocks.size(1));
-  p.block_size = static_cast<int32_t>(key_blocks.size(2));
-  p.head_dim = static_cast<int32_t>(key_blocks.size(3));
-  p.value_dim = static_cast<int32_t>(value_blocks.size(3));
-  p.table_stride = static_cast<int32_t>(block_tables.size(1));
-  // As PlanPagedDecodeCuda, with max_total for the longest row: a window as
-  // long as any context masks nothing; the splits of the longest row (a
-  // shorter row's later splits are empty: the kernels skip them).
-  p.window =
-      window && *window < max_total ? static_cast<int32_t>(std::max<int64_t>(1, *window)) : 0;
-  p.scale = static_cast<float>(rule.divide ? 1.0 / rule.scale : rule.scale);
-  p.softcap = rule.softcap ? static_cast<float>(*rule.softcap) : 0.0f;
-  p.partition = cuda::ChoosePagedPartition(p.seqs, p.heads, p.kv_heads, p.head_dim, p.value_dim,
-                                           static_cast<int32_t>(max_total), p.window, dtype,
-                                           SmCount(device.index()));
-  p.max_splits = cuda::PagedDecodeSplits(static_cast<int32_t>(max_total), p.window, p.partition);
+  PagedCudaPlan plan = PlanPagedDecodeCudaStatic(q, key_blocks, value_blocks, block_tables.size(1),
+                                                 max_total, window, rule, SmCount(device.index()));
+  cuda::PagedDecodeParams& p = plan.params;
+  const cuda::KvDType dtype = plan.dtype;
   const at::Tensor queries = q.to(key_blocks.scalar_type()).contiguous();
   at::Tensor workspace;
   const at::Tensor out = AllocateOutputs(p, key_blocks, &workspace);

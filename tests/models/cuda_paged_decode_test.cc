@@ -10,6 +10,7 @@
 // reached by every thread. What only a device verifies
 // (cuda_attention_kernels_test.cc): the CUDA intrinsics, vector loads and
 // the launch itself.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -112,6 +113,29 @@ TEST(PagedDecodePlanTest, SplitsTileTheAttendedPositions) {
       }
     }
   }
+}
+
+// A static step launches PagedDecodeMaxSplits(max_total) splits a row: never
+// fewer than any row up to max_total long has (the device run of 2026-11-29
+// found a windowed row with one more split than the longest), and no more
+// than some row has.
+TEST(PagedDecodePlanTest, MaxSplitsIsTheMostAnyShorterSequenceHas) {
+  for (int32_t partition : {1, 16, 32, 64, 512}) {
+    for (int32_t window : {0, 1, 7, 64, 100, 1000}) {
+      for (int32_t max_total = 1; max_total <= 1700; max_total += max_total < 200 ? 1 : 37) {
+        int32_t most = 0;
+        for (int32_t total = 1; total <= max_total; ++total) {
+          most = std::max(most, PagedDecodeSplits(total, window, partition));
+        }
+        ASSERT_EQ(PagedDecodeMaxSplits(max_total, window, partition), most)
+            << "partition " << partition << " window " << window << " max_total " << max_total;
+      }
+    }
+  }
+  // The failing case: rows of 3, 40 and 400 under a window of 100, planned for 1600.
+  EXPECT_EQ(PagedDecodeSplits(1600, 100, 64), 2);
+  EXPECT_EQ(PagedDecodeSplits(400, 100, 64), 3);
+  EXPECT_EQ(PagedDecodeMaxSplits(1600, 100, 64), 3);
 }
 
 TEST(PagedDecodePlanTest, KvRowOffsetFollowsTheBlockTable) {

@@ -259,6 +259,59 @@ TEST(PagedAttentionCudaTest, ThePlanRunThroughTheKernelsCodeEqualsTheCpuKernel) 
   }
 }
 
+// The static step's plan (PagedDecodeAttentionCudaStatic's host half: fixed
+// by a longest context four times the rows', every row's total read by the
+// kernels) run through the kernels' code on the host, against the cpu kernel.
+TEST(PagedAttentionCudaTest, TheStaticPlanRunThroughTheKernelsCodeEqualsTheCpuKernel) {
+  c10::InferenceMode inference;
+  for (const CudaCase& c : kCudaCases) {
+    for (int32_t sm_count : {0, 132}) {
+      SCOPED_TRACE(std::string(c.name) + ", " + std::to_string(sm_count) + " SMs");
+      const PagedInputs in =
+          MakePagedInputs(c.dtype, c.heads, c.kv_heads, c.d, c.block_size, c.totals, 23);
+      const ScoreRule rule = RuleOf(c);
+      const at::Tensor want =
+          PagedDecodeAttention(in.queries, in.key_blocks, in.value_blocks, c.window, rule);
+      const int64_t rows = static_cast<int64_t>(in.queries.size());
+      int64_t longest = 0;
+      for (const PagedQuery& query : in.queries) longest = std::max(longest, query.total);
+      const int64_t max_total = 4 * longest;
+      const int64_t stride = (max_total + c.block_size - 1) / c.block_size;
+      std::vector<int32_t> tables_and_totals(static_cast<size_t>(rows * stride + rows), 0);
+      std::vector<at::Tensor> q_rows;
+      for (int64_t r = 0; r < rows; ++r) {
+        const PagedQuery& query = in.queries[static_cast<size_t>(r)];
+        std::copy(query.table.begin(), query.table.end(),
+                  tables_and_totals.begin() + static_cast<std::ptrdiff_t>(r * stride));
+        tables_and_totals[static_cast<size_t>(rows * stride + r)] =
+            static_cast<int32_t>(query.total);
+        q_rows.push_back(query.q);
+      }
+      const at::Tensor q = at::stack(q_rows).contiguous();
+      PagedCudaPlan plan = PlanPagedDecodeCudaStatic(q, in.key_blocks, in.value_blocks, stride,
+                                                     max_total, c.window, rule, sm_count);
+      cuda::PagedDecodeParams& p = plan.params;
+      at::Tensor out = at::full({p.seqs, p.heads * p.value_dim},
+                                std::numeric_limits<double>::quiet_NaN(), c.dtype);
+      std::vector<float> workspace(static_cast<size_t>(
+          cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits)));
+      p.q = q.data_ptr();
+      p.key_blocks = in.key_blocks.data_ptr();
+      p.value_blocks = in.value_blocks.data_ptr();
+      p.block_tables = tables_and_totals.data();
+      p.totals = p.block_tables + rows * stride;
+      p.out = out.data_ptr();
+      p.workspace = workspace.empty() ? nullptr : workspace.data();
+      ASSERT_EQ(cuda::CheckPagedDecodeParams(p, plan.dtype), nullptr);
+      ASSERT_EQ(models::testing::EmulatePagedDecode(p, plan.dtype), "");
+      ExpectClose(out, want, CudaTolerance(c.dtype),
+                  "static, max_total " + std::to_string(max_total) + ", partition " +
+                      std::to_string(p.partition) + ", " + std::to_string(p.max_splits) +
+                      " splits");
+    }
+  }
+}
+
 TEST(PagedAttentionCudaTest, ThePlanRefusesWhatTheCpuKernelRefuses) {
   c10::InferenceMode inference;
   const at::Tensor blocks = at::zeros({4, 1, 2, 8});
