@@ -12,6 +12,7 @@
 #include "core/status.h"
 #include "core/torch_compat.h"
 #include "models/internal/cpu_linear.h"
+#include "models/internal/fused_ops.h"
 #include "quant/cuda_matmul.h"
 #include "quant/matmul.h"
 
@@ -284,6 +285,16 @@ at::Tensor Activation(const std::string& name, const at::Tensor& x) {
   return at::gelu(x);
 }
 
+at::Tensor ActivationTimes(const std::string& name, const at::Tensor& gate, const at::Tensor& up) {
+  // On a CUDA device SiLU and the product are one kernel (the same bits).
+  if (name == "silu") {
+    if (std::optional<at::Tensor> fused = models::internal::FusedSiluMul(gate, up)) return *fused;
+  }
+  return Activation(name, gate) * up;
+}
+
+void SetFusedCudaOps(bool enabled) { models::internal::SetFusedCudaOps(enabled); }
+
 std::string ActivationClass(const std::string& name) {
   if (name == "silu") return "SiLU";
   if (name == "gelu_pytorch_tanh") return "PytorchGELUTanh";
@@ -347,6 +358,11 @@ RMSNorm::RMSNorm(const std::string& class_name, int64_t dim, double eps, at::Sca
 }
 
 at::Tensor RMSNorm::forward(const at::Tensor& x) {
+  // On a CUDA device one kernel for the eight below (models/cuda/fused_ops.h).
+  if (std::optional<at::Tensor> fused =
+          models::internal::FusedRmsNorm(x, weight, eps_, unit_offset_)) {
+    return *fused;
+  }
   at::Tensor h = x.to(at::kFloat);
   h = h * at::rsqrt(h.pow(2).mean({-1}, /*keepdim=*/true) + eps_);
   // Gemma: (x * (1 + w)) in float32, one cast at the end (modeling_gemma2.py).
@@ -513,6 +529,12 @@ at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& cos, const at::Ten
     // Phi-3's partial rotary: the first `dim` channels rotate, the rest pass.
     return at::cat(
         {ApplyRotary(x.narrow(-1, 0, dim), cos, sin), x.narrow(-1, dim, x.size(-1) - dim)}, -1);
+  }
+  // On a CUDA device one kernel for the five below (models/cuda/fused_ops.h).
+  if (cos.dim() == 3) {
+    if (std::optional<at::Tensor> fused = models::internal::FusedRotary(x, cos, sin)) {
+      return *fused;
+    }
   }
   const int64_t half = x.size(-1) / 2;
   at::Tensor rotated = at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);

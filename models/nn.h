@@ -248,6 +248,9 @@ at::Tensor GeluNew(const at::Tensor& x);
 // transformers' ACT2FN by name: "silu", "gelu_pytorch_tanh" (torch's gelu
 // with approximate="tanh"), "gelu" (erf), "gelu_new". Callers validate the name.
 at::Tensor Activation(const std::string& name, const at::Tensor& x);
+// Activation(name, gate) * up: the gated MLPs' product (one kernel for SiLU
+// on a CUDA device).
+at::Tensor ActivationTimes(const std::string& name, const at::Tensor& gate, const at::Tensor& up);
 // The class transformers' ACT2FN gives a name ("SiLU", "PytorchGELUTanh", ...).
 std::string ActivationClass(const std::string& name);
 
@@ -255,6 +258,11 @@ std::string ActivationClass(const std::string& name);
 // dim]: the first `dim` channels of each head rotate, the rest pass (Phi-3's
 // partial rotary; dim == head_dim elsewhere).
 at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// Whether RMSNorm, the rotary embedding and SiLU(gate) * up run as one CUDA
+// kernel each on a CUDA device (models/cuda/fused_ops.h; on by default,
+// process-wide); off to measure what they save (accel-bench-decode-gpu).
+void SetFusedCudaOps(bool enabled);
 
 }  // namespace accel::nn
 

@@ -5,7 +5,7 @@
 #   - the kernels (quant/cuda/, models/cuda/: nvcc, sm_80 and sm_90, warnings
 #     as errors) and their tests and benchmark, through the default build;
 #   - the at::Tensor wrappers that only a CUDA libtorch compiles
-#     (quant/cuda_matmul.cc, models/internal/paged_attention_cuda.cc, the
+#     (quant/cuda_matmul.cc, models/internal/paged_attention_cuda.cc and fused_ops.cc, the
 #     engine's device-memory probe and decode CUDA graphs:
 #     engine/internal/cuda_memory_probe.cc, decode_graph_runner.cc), syntax
 #     only, with their CUDA define on, against Debian's c10/cuda and ATen/cuda
@@ -50,9 +50,10 @@ flags=(-std=c++17 -fsyntax-only -Wall -Wextra -Werror -Wno-unused-parameter -pth
 cuda_include=$(dirname "$(dirname "$(command -v nvcc)")")/include
 echo "syntax: quant/cuda_matmul.cc (ACCEL_WITH_QUANT_CUDA)"
 g++ "${flags[@]}" -I"$stubs/cuda" -I"$cuda_include" -DACCEL_WITH_QUANT_CUDA quant/cuda_matmul.cc
-echo "syntax: models/internal/paged_attention_cuda.cc (ACCEL_WITH_MODELS_CUDA)"
-g++ "${flags[@]}" -I"$stubs/cuda" -I"$cuda_include" -DACCEL_WITH_MODELS_CUDA \
-  models/internal/paged_attention_cuda.cc
+for f in models/internal/paged_attention_cuda.cc models/internal/fused_ops.cc; do
+  echo "syntax: $f (ACCEL_WITH_MODELS_CUDA)"
+  g++ "${flags[@]}" -I"$stubs/cuda" -I"$cuda_include" -DACCEL_WITH_MODELS_CUDA "$f"
+done
 for f in engine/internal/cuda_memory_probe.cc engine/internal/decode_graph_runner.cc; do
   echo "syntax: $f (ACCEL_WITH_ENGINE_CUDA)"
   g++ "${flags[@]}" -I"$stubs/cuda" -I"$cuda_include" -DACCEL_WITH_ENGINE_CUDA "$f"

@@ -106,7 +106,7 @@ PY
 cat "$OUT/machine.json"; echo
 
 tests=(quant_cuda_kernels_test models_cuda_attention_kernels_test quant_cuda_matmul_test
-  models_paged_attention_test models_sdpa_test models_quantize_test dispatch_device_stager_test
+  models_fused_ops_test models_paged_attention_test models_sdpa_test models_quantize_test dispatch_device_stager_test
   dispatch_dispatch_test engine_internal_decode_graph_runner_test engine_model_runner_test)
 benches=(accel-bench-quant-cuda accel-bench-decode-gpu accel-bench-offload accel-bench-moe)
 tools=(accel-make-model accel-generate)
@@ -184,6 +184,8 @@ fi
 
 if want test; then
   step test:quant_cuda_matmul 90 run_test quant_cuda_matmul_test
+  # RMSNorm, rotary and SiLU * up as one kernel each against the eager formulas on the device.
+  step test:models_fused_ops 60 run_test models_fused_ops_test
   step test:models_paged_attention 60 run_test models_paged_attention_test
   step test:models_sdpa 60 run_test models_sdpa_test
   step test:models_quantize_on_cuda 60 run_test models_quantize_test 'QuantizableLinearTest.OnCuda*'
@@ -216,7 +218,7 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
     # ACCEL_GPU_DECODE_ARGS: fewer rows for a short rerun.
     # shellcheck disable=SC2086
     step bench:decode_8b 300 "$bin/accel-bench-decode-gpu" --model "$model8b" \
-      ${ACCEL_GPU_DECODE_ARGS:---quantize none,nf4 --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,5,8} \
+      ${ACCEL_GPU_DECODE_ARGS:---quantize none,nf4 --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,5,8 --compare_unfused 1} \
       --json "$OUT/bench/decode_gpu.json"
   fi
 fi

@@ -132,6 +132,9 @@ def main():
                              f"{g['graphs_tokens_per_s']:9.1f} tokens/s against "
                              f"{g['eager_tokens_per_s']:9.1f} eager; tokens "
                              f"{'the same' if g['same_tokens'] else 'DIFFERENT'}")
+                if "graphs_unfused_tokens_per_s" in g:
+                    lines.append(f"    batch {g['batch']:>3}, CUDA graphs without the fused "
+                                 f"kernels: {g['graphs_unfused_tokens_per_s']:9.1f} tokens/s")
     kv = summary["bench"].get("kv_sizing")
     if kv:
         lines.append(f"--gpu_memory_utilization on GPU 0 (nvidia-smi free, total MiB before: "

@@ -21,6 +21,7 @@
 //   build/bin/accel-bench-decode-gpu --model DIR [--quantize none,nf4]
 //       [--batches 1,8,32,128] [--tokens 64] [--prompt 2048] [--rounds 3] [--json FILE]
 //       [--graph_batches 1,8]   (decode with CUDA graphs against eager, and their tokens)
+//       [--compare_unfused 1]   (the graphs rows again without models/cuda/fused_ops.h's kernels)
 //       [--device cpu]   (the same measurements on the cpu: a check of the harness)
 // Without a CUDA device (and without --device cpu) it says so and exits with
 // status 1.
@@ -43,6 +44,7 @@
 #include "engine/engine_core.h"
 #include "engine/model_runner.h"
 #include "engine/request.h"
+#include "models/nn.h"
 #include "models/load_model.h"
 
 namespace {
@@ -196,6 +198,7 @@ int main(int argc, char** argv) {
   int64_t tokens = 64, prompt = 2048;
   int rounds = 3;
   bool cpu = false;
+  bool compare_unfused = false;  // graphs rows again without the fused kernels
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) Usage("missing value after " + flag);
@@ -219,6 +222,8 @@ int main(int argc, char** argv) {
     } else if (flag == "--graph_batches") {
       graph_batches.clear();
       for (const std::string& b : Split(value)) graph_batches.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--compare_unfused") {
+      compare_unfused = value == "1" || value == "true";
     } else if (flag == "--rounds") {
       rounds = std::max(1, std::atoi(value.c_str()));
     } else {
@@ -321,13 +326,35 @@ int main(int argc, char** argv) {
           static_cast<long>(batch), cpu ? "padded, no graphs" : "CUDA graphs", Median(graphed),
           Median(eager), Median(graphed) / Median(eager), same ? "the same" : "DIFFERENT");
       std::fflush(stdout);
+      // The same steps without the fused RMSNorm / rotary / SiLU kernels
+      // (models/cuda/fused_ops.h): what they save a step.
+      std::string unfused_json;
+      if (compare_unfused) {
+        std::vector<double> unfused;
+        accel::nn::SetFusedCudaOps(false);
+        for (int r = 0; r < rounds; ++r) {
+          unfused.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, true, nullptr, 1));
+        }
+        accel::nn::SetFusedCudaOps(true);
+        std::printf(
+            "  batch %3ld, CUDA graphs without the fused kernels: %8.1f tokens/s (%.2f ms "
+            "a step; with them %.2f ms)\n",
+            static_cast<long>(batch), Median(unfused),
+            1e3 * static_cast<double>(batch) / Median(unfused),
+            1e3 * static_cast<double>(batch) / Median(graphed));
+        std::fflush(stdout);
+        unfused_json = ", \"graphs_unfused_tokens_per_s\": " + std::to_string(Median(unfused));
+      }
       graph_rows += std::string(graph_rows.empty() ? "" : ", ") +
                     "{\"batch\": " + std::to_string(batch) +
                     ", \"graphs_tokens_per_s\": " + std::to_string(Median(graphed)) +
                     ", \"eager_tokens_per_s\": " + std::to_string(Median(eager)) +
-                    ", \"same_tokens\": " + (same ? "true" : "false") + "}";
+                    ", \"same_tokens\": " + (same ? "true" : "false") + unfused_json + "}";
     }
     std::vector<double> ttft;
+    // One untimed first: a prompt this long meets new kernel shapes (cuBLAS's
+    // and attention's first calls), which the first measured one paid before.
+    (void)TimeToFirstToken(m, prompt, 4999);
     for (int r = 0; r < rounds; ++r) ttft.push_back(TimeToFirstToken(m, prompt, 5000 + r));
     std::printf("  time to first token, %ld-token prompt: %.1f ms (median of %d)\n",
                 static_cast<long>(prompt), 1e3 * Median(ttft), rounds);

@@ -152,9 +152,9 @@ class GatedMlp : public Layer {
       // Phi3MLP: gate, up_states = gate_up_proj(x).chunk(2, dim=-1)
       at::Tensor both = gate_up_->forward(x);
       at::Tensor gate = both.narrow(-1, 0, inter_), up = both.narrow(-1, inter_, inter_);
-      return down_->forward(up * nn::Activation(activation_, gate));
+      return down_->forward(nn::ActivationTimes(activation_, gate, up));
     }
-    return down_->forward(nn::Activation(activation_, gate_->forward(x)) * up_->forward(x));
+    return down_->forward(nn::ActivationTimes(activation_, gate_->forward(x), up_->forward(x)));
   }
 
  private:

@@ -1,0 +1,136 @@
+// models/cuda/internal/fused_ops.h: the work of one RMSNorm row (a CTA) and
+// of one rotary pair or SiLU-times-up element (a thread), written once for
+// the device kernels (models/cuda/fused_ops.cu) and for the host emulation
+// that tests them (tests/models/cuda_fused_ops_test.cc), as
+// internal/paged_decode.h is. Products and sums that eager libtorch rounds
+// separately are kept apart here (MulRn / AddRn: no fused multiply-add on
+// the device, where nvcc would otherwise contract them).
+#ifndef ACCEL_MODELS_CUDA_INTERNAL_FUSED_OPS_H_
+#define ACCEL_MODELS_CUDA_INTERNAL_FUSED_OPS_H_
+
+#include <cmath>
+#include <cstdint>
+#include <math.h>
+
+#include "models/cuda/fused_ops.h"
+#include "models/cuda/internal/paged_decode.h"
+
+namespace accel::models::cuda::internal {
+
+ACCEL_MODELS_HD float MulRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+ACCEL_MODELS_HD float AddRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+ACCEL_MODELS_HD float Rsqrt(float v) {
+#if defined(__CUDA_ARCH__)
+  return rsqrtf(v);
+#else
+  return 1.0f / std::sqrt(v);
+#endif
+}
+
+ACCEL_MODELS_HD float Exp(float v) {
+#if defined(__CUDA_ARCH__)
+  return expf(v);
+#else
+  return std::exp(v);
+#endif
+}
+
+// Rounds v to the storage dtype and back (what a libtorch op that returns a
+// 16-bit tensor does to its float32 result).
+template <typename Tag>
+ACCEL_MODELS_HD float Round(float v) {
+  return ToFloat(Tag{}, FromFloat(Tag{}, v));
+}
+
+// One row of RMSNorm by a CTA of `threads` threads (a multiple of 32, at
+// most 1024); `shared` holds threads / 32 floats. Every thread reaches the
+// same exchanges and the one barrier.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, typename Exec>
+ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t threads, float* shared,
+                                Exec& exec) {
+  using Storage = typename Tag::Storage;
+  const Storage* x = static_cast<const Storage*>(p.x) + row * p.x_row_stride;
+  const Storage* w = static_cast<const Storage*>(p.weight);
+  Storage* out = static_cast<Storage*>(p.out) + row * p.out_row_stride;
+  const int32_t tid = exec.tid();
+  float sum = 0.0f;
+  for (int32_t c = tid; c < p.dim; c += threads) {
+    const float h = ToFloat(Tag{}, x[c]);
+    sum = AddRn(sum, MulRn(h, h));
+  }
+  for (int32_t mask = 16; mask >= 1; mask /= 2) sum = AddRn(sum, exec.XorLanes(sum, mask));
+  if (tid % 32 == 0) shared[tid / 32] = sum;
+  exec.Sync();
+  // Every thread adds the warps' sums in the same order: one value for all.
+  float total = 0.0f;
+  for (int32_t warp = 0; warp < threads / 32; ++warp) total = AddRn(total, shared[warp]);
+  // The mean as libtorch's CUDA reduction takes it: the sum times 1 / dim.
+  const float r = Rsqrt(AddRn(MulRn(total, 1.0f / static_cast<float>(p.dim)), p.eps));
+  for (int32_t c = tid; c < p.dim; c += threads) {
+    const float h = MulRn(ToFloat(Tag{}, x[c]), r);
+    const float weight = ToFloat(Tag{}, w[c]);
+    out[c] = p.unit_offset ? FromFloat(Tag{}, MulRn(h, AddRn(1.0f, weight)))
+                           : FromFloat(Tag{}, MulRn(weight, Round<Tag>(h)));
+  }
+}
+
+// Rotary pair `index` of RotaryParams' batch * heads * tokens * dim / 2:
+// elements i and i + dim / 2 of one (batch, head, token) row.
+template <typename Tag>
+ACCEL_MODELS_HD void RotaryPair(const RotaryParams& p, int64_t index) {
+  using Storage = typename Tag::Storage;
+  const int32_t half = p.dim / 2;
+  const int32_t i = static_cast<int32_t>(index % half);
+  int64_t rest = index / half;
+  const int32_t t = static_cast<int32_t>(rest % p.tokens);
+  rest /= p.tokens;
+  const int32_t h = static_cast<int32_t>(rest % p.heads);
+  const int32_t b = static_cast<int32_t>(rest / p.heads);
+  const Storage* x = static_cast<const Storage*>(p.x) + b * p.x_batch_stride + h * p.x_head_stride +
+                     t * p.x_token_stride;
+  const Storage* c =
+      static_cast<const Storage*>(p.cos) + b * p.cos_batch_stride + t * p.cos_token_stride;
+  const Storage* s =
+      static_cast<const Storage*>(p.sin) + b * p.sin_batch_stride + t * p.sin_token_stride;
+  Storage* out = static_cast<Storage*>(p.out) +
+                 ((static_cast<int64_t>(b) * p.heads + h) * p.tokens + t) * p.dim;
+  const float x1 = ToFloat(Tag{}, x[i]), x2 = ToFloat(Tag{}, x[i + half]);
+  // out[i] = x1 * cos[i] + (-x2) * sin[i]; out[i + half] = x2 * cos[i + half] + x1 * sin[i + half]
+  out[i] = FromFloat(Tag{}, AddRn(Round<Tag>(MulRn(x1, ToFloat(Tag{}, c[i]))),
+                                  Round<Tag>(MulRn(-x2, ToFloat(Tag{}, s[i])))));
+  out[i + half] = FromFloat(Tag{}, AddRn(Round<Tag>(MulRn(x2, ToFloat(Tag{}, c[i + half]))),
+                                         Round<Tag>(MulRn(x1, ToFloat(Tag{}, s[i + half])))));
+}
+
+// Element `index` of SiluMulParams' rows * dim.
+template <typename Tag>
+ACCEL_MODELS_HD void SiluMulAt(const SiluMulParams& p, int64_t index) {
+  using Storage = typename Tag::Storage;
+  const int64_t row = index / p.dim;
+  const int32_t c = static_cast<int32_t>(index % p.dim);
+  const float g = ToFloat(Tag{}, static_cast<const Storage*>(p.gate)[row * p.gate_row_stride + c]);
+  const float u = ToFloat(Tag{}, static_cast<const Storage*>(p.up)[row * p.up_row_stride + c]);
+  const float silu = g / AddRn(1.0f, Exp(-g));
+  static_cast<Storage*>(p.out)[index] = FromFloat(Tag{}, MulRn(Round<Tag>(silu), u));
+}
+
+}  // namespace accel::models::cuda::internal
+
+#endif  // ACCEL_MODELS_CUDA_INTERNAL_FUSED_OPS_H_

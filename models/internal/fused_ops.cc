@@ -1,0 +1,193 @@
+// FusedRmsNorm, FusedRotary, FusedSiluMul (fused_ops.h): the shape checks,
+// then models/cuda's kernels on libtorch's current stream (so a CUDA graph
+// capture records them). The kernels are called only where they are built
+// and libtorch is a CUDA build (ACCEL_WITH_MODELS_CUDA, set by
+// models/CMakeLists.txt); elsewhere every call returns nullopt.
+#include "models/internal/fused_ops.h"
+
+#include <atomic>
+#include <cstdint>
+#include <initializer_list>
+
+#ifdef ACCEL_WITH_MODELS_CUDA
+#include <cuda_runtime_api.h>
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include "models/cuda/fused_kernels.h"
+#endif
+
+namespace accel::models::internal {
+namespace {
+
+std::atomic<bool> fused_enabled{true};
+
+#ifdef ACCEL_WITH_MODELS_CUDA
+bool DTypeOf(at::ScalarType type, cuda::KvDType* out) {
+  switch (type) {
+    case at::kFloat:
+      *out = cuda::KvDType::kFloat32;
+      return true;
+    case at::kBFloat16:
+      *out = cuda::KvDType::kBFloat16;
+      return true;
+    case at::kHalf:
+      *out = cuda::KvDType::kFloat16;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Whether the kernels may run on these tensors: built, on, every tensor on
+// one CUDA device and of one supported dtype.
+bool Applies(std::initializer_list<const at::Tensor*> tensors, cuda::KvDType* dtype) {
+  if (!fused_enabled.load(std::memory_order_relaxed)) return false;
+  const at::Tensor& first = **tensors.begin();
+  if (!first.defined() || !first.is_cuda() || !DTypeOf(first.scalar_type(), dtype)) return false;
+  for (const at::Tensor* t : tensors) {
+    if (!t->defined() || t->device() != first.device() || t->scalar_type() != first.scalar_type() ||
+        t->numel() == 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void Check(cudaError_t status, const char* what) {
+  TORCH_CHECK(status == cudaSuccess, what, " (CUDA): ", cudaGetErrorName(status), " (",
+              cudaGetErrorString(status), ")");
+}
+
+// `t` as rows of its last dimension, evenly spaced: the row stride, or -1.
+int64_t RowStride(const at::Tensor& t) {
+  if (t.dim() < 1 || t.stride(-1) != 1) return -1;
+  if (t.dim() == 1) return t.size(0);
+  int64_t stride = -1, expected = -1;
+  for (int64_t d = t.dim() - 2; d >= 0; --d) {
+    if (t.size(d) == 1) continue;
+    if (stride < 0) {
+      stride = t.stride(d);
+    } else if (t.stride(d) != expected) {
+      return -1;
+    }
+    expected = t.stride(d) * t.size(d);
+  }
+  return stride < 0 ? t.size(-1) : stride;
+}
+#endif
+
+}  // namespace
+
+bool FusedCudaOpsBuilt() {
+#ifdef ACCEL_WITH_MODELS_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+void SetFusedCudaOps(bool enabled) { fused_enabled.store(enabled); }
+bool FusedCudaOpsEnabled() { return fused_enabled.load(); }
+
+std::optional<at::Tensor> FusedRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                       bool unit_offset) {
+#ifdef ACCEL_WITH_MODELS_CUDA
+  cuda::KvDType dtype;
+  if (!Applies({&x, &weight}, &dtype) || x.dim() < 1 || !x.is_contiguous() ||
+      !weight.is_contiguous() || weight.dim() != 1 || weight.size(0) != x.size(-1)) {
+    return std::nullopt;
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  cuda::RmsNormParams p;
+  p.x = x.data_ptr();
+  p.weight = weight.data_ptr();
+  p.out = out.data_ptr();
+  p.dim = static_cast<int32_t>(x.size(-1));
+  p.rows = x.numel() / x.size(-1);
+  p.x_row_stride = p.out_row_stride = p.dim;
+  p.eps = static_cast<float>(eps);
+  p.unit_offset = unit_offset;
+  Check(cuda::RmsNorm(p, dtype, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+        "RMSNorm");
+  return out;
+#else
+  (void)x;
+  (void)weight;
+  (void)eps;
+  (void)unit_offset;
+  return std::nullopt;
+#endif
+}
+
+std::optional<at::Tensor> FusedRotary(const at::Tensor& x, const at::Tensor& cos,
+                                      const at::Tensor& sin) {
+#ifdef ACCEL_WITH_MODELS_CUDA
+  cuda::KvDType dtype;
+  if (!Applies({&x, &cos, &sin}, &dtype) || x.dim() != 4 || cos.dim() != 3 ||
+      cos.sizes() != sin.sizes() || x.size(3) % 2 != 0 || cos.size(2) != x.size(3) ||
+      cos.size(1) != x.size(2) || (cos.size(0) != 1 && cos.size(0) != x.size(0)) ||
+      x.stride(3) != 1 || cos.stride(2) != 1 || sin.stride(2) != 1) {
+    return std::nullopt;
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  cuda::RotaryParams p;
+  p.x = x.data_ptr();
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  p.out = out.data_ptr();
+  p.batch = static_cast<int32_t>(x.size(0));
+  p.heads = static_cast<int32_t>(x.size(1));
+  p.tokens = static_cast<int32_t>(x.size(2));
+  p.dim = static_cast<int32_t>(x.size(3));
+  p.x_batch_stride = x.stride(0);
+  p.x_head_stride = x.stride(1);
+  p.x_token_stride = x.stride(2);
+  // A batch of one cos / sin serves every batch row.
+  p.cos_batch_stride = cos.size(0) == 1 ? 0 : cos.stride(0);
+  p.sin_batch_stride = sin.size(0) == 1 ? 0 : sin.stride(0);
+  p.cos_token_stride = cos.stride(1);
+  p.sin_token_stride = sin.stride(1);
+  Check(cuda::Rotary(p, dtype, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+        "rotary embedding");
+  return out;
+#else
+  (void)x;
+  (void)cos;
+  (void)sin;
+  return std::nullopt;
+#endif
+}
+
+std::optional<at::Tensor> FusedSiluMul(const at::Tensor& gate, const at::Tensor& up) {
+#ifdef ACCEL_WITH_MODELS_CUDA
+  cuda::KvDType dtype;
+  if (!Applies({&gate, &up}, &dtype) || gate.sizes() != up.sizes()) return std::nullopt;
+  const int64_t gate_stride = RowStride(gate), up_stride = RowStride(up);
+  if (gate_stride < gate.size(-1) || up_stride < up.size(-1)) return std::nullopt;
+  c10::cuda::CUDAGuard guard(gate.device());
+  at::Tensor out = at::empty(gate.sizes(), gate.options());
+  cuda::SiluMulParams p;
+  p.gate = gate.data_ptr();
+  p.up = up.data_ptr();
+  p.out = out.data_ptr();
+  p.dim = static_cast<int32_t>(gate.size(-1));
+  p.rows = gate.numel() / gate.size(-1);
+  p.gate_row_stride = gate_stride;
+  p.up_row_stride = up_stride;
+  Check(cuda::SiluMul(p, dtype, c10::cuda::getCurrentCUDAStream(gate.device().index()).stream()),
+        "SiLU * up");
+  return out;
+#else
+  (void)gate;
+  (void)up;
+  return std::nullopt;
+#endif
+}
+
+}  // namespace accel::models::internal

@@ -1,0 +1,38 @@
+// models/internal/fused_ops.h: at::Tensor wrappers of models/cuda/fused_ops.h's
+// kernels (RMSNorm, the rotary embedding, SiLU(gate) * up as one launch each),
+// for nn::RMSNorm, nn::ApplyRotary and the gated MLPs on a CUDA device. Each
+// returns nullopt where the kernels do not apply (a cpu tensor, a build
+// without them, dtypes that differ, a layout they do not take, or
+// SetFusedCudaOps(false)), and the caller runs the eager formulas, which the
+// kernels equal (models/cuda/fused_ops.h says to which bits).
+#ifndef ACCEL_MODELS_INTERNAL_FUSED_OPS_H_
+#define ACCEL_MODELS_INTERNAL_FUSED_OPS_H_
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+namespace accel::models::internal {
+
+// x [..., dim] contiguous; weight [dim] of x's dtype.
+std::optional<at::Tensor> FusedRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                       bool unit_offset);
+// x [batch, heads, tokens, dim] (any strides, the last dimension
+// contiguous); cos and sin [batch or 1, tokens, dim] of x's dtype. The
+// result is contiguous.
+std::optional<at::Tensor> FusedRotary(const at::Tensor& x, const at::Tensor& cos,
+                                      const at::Tensor& sin);
+// gate and up of one shape [..., dim], rows of each evenly spaced (a narrow
+// of a fused gate_up projection qualifies). The result is contiguous.
+std::optional<at::Tensor> FusedSiluMul(const at::Tensor& gate, const at::Tensor& up);
+
+// Whether this build has the kernels (models/cuda/ built and libtorch a CUDA
+// build), and a process-wide switch (on by default) for measuring without
+// them (accel-bench-decode-gpu --compare_unfused).
+bool FusedCudaOpsBuilt();
+void SetFusedCudaOps(bool enabled);
+bool FusedCudaOpsEnabled();
+
+}  // namespace accel::models::internal
+
+#endif  // ACCEL_MODELS_INTERNAL_FUSED_OPS_H_

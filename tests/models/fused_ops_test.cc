@@ -1,0 +1,284 @@
+// The fused decoder-step kernels (models/cuda/fused_ops.h): their code run on
+// the host (RMSNorm's CTA emulated thread by thread, tests/testing/
+// cta_emulator.h; the element kernels element by element), against the eager
+// formulas they replace (nn::RMSNorm, nn::ApplyRotary, Activation * up on the
+// cpu, where the kernels never run), in float32, bfloat16 and float16, over
+// strided inputs as the decoder passes them. On a device (skipped elsewhere):
+// the wrappers (models/internal/fused_ops.h) against the same formulas run
+// eagerly on the device.
+#include "models/internal/fused_ops.h"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/Context.h>
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include "models/cuda/fused_ops.h"
+#include "models/cuda/internal/fused_ops.h"
+#include "models/nn.h"
+#include "tests/testing/cta_emulator.h"
+
+namespace accel::models {
+namespace {
+
+using accel::testing::CtaEmulator;
+
+struct DType {
+  const char* name;
+  at::ScalarType type;
+  cuda::KvDType kernel;
+};
+const DType kDTypes[] = {{"float32", at::kFloat, cuda::KvDType::kFloat32},
+                         {"bfloat16", at::kBFloat16, cuda::KvDType::kBFloat16},
+                         {"float16", at::kHalf, cuda::KvDType::kFloat16}};
+
+// One rounding of the storage dtype, relative (the kernels' float32 sums run
+// in another order than libtorch's, and rsqrt / exp may differ in a last
+// float32 bit, which can move a 16-bit result by one step).
+double Ulp(at::ScalarType type) {
+  return type == at::kBFloat16 ? 1.0 / 128 : type == at::kHalf ? 1.0 / 1024 : 4e-6;
+}
+
+// Every element of `got` within `ulps` roundings of `want` (relative to the
+// larger magnitude, with a floor for values near zero).
+void ExpectClose(const at::Tensor& got, const at::Tensor& want, double ulps,
+                 const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const at::Tensor g = got.to(at::kDouble).cpu(), w = want.to(at::kDouble).cpu();
+  const at::Tensor bound =
+      ulps * Ulp(got.scalar_type()) * at::maximum(g.abs(), w.abs()).clamp_min(1e-3);
+  const at::Tensor excess = (g - w).abs() - bound;
+  EXPECT_LE(excess.max().item<double>(), 0.0)
+      << what << ": max |diff| " << (g - w).abs().max().item<double>();
+  // In 16 bits most elements equal to the bit: a kernel that computed
+  // something else within the tolerance would not. (In float32 a row's
+  // RMSNorm factor one bit off moves every element of the row.)
+  if (got.scalar_type() != at::kFloat) {
+    const double equal = g.eq(w).to(at::kDouble).mean().item<double>();
+    EXPECT_GE(equal, 0.9) << what;
+  }
+}
+
+template <typename Tag>
+std::string EmulateRmsNorm(const cuda::RmsNormParams& p) {
+  constexpr int32_t kThreads = cuda::kRmsNormThreads;
+  CtaEmulator cta(kThreads);
+  std::vector<float> shared(kThreads / 32);
+  for (int64_t row = 0; row < p.rows; ++row) {
+    const std::string error = cta.Run([&](CtaEmulator::Exec& exec) {
+      cuda::internal::RmsNormRow<Tag>(p, row, kThreads, shared.data(), exec);
+    });
+    if (!error.empty()) return "row " + std::to_string(row) + ": " + error;
+  }
+  return "";
+}
+
+std::string EmulateRmsNorm(const cuda::RmsNormParams& p, cuda::KvDType dtype) {
+  switch (dtype) {
+    case cuda::KvDType::kFloat32:
+      return EmulateRmsNorm<cuda::internal::Float32>(p);
+    case cuda::KvDType::kBFloat16:
+      return EmulateRmsNorm<cuda::internal::BFloat16>(p);
+    case cuda::KvDType::kFloat16:
+      return EmulateRmsNorm<cuda::internal::Float16>(p);
+  }
+  return "dtype";
+}
+
+template <typename Tag, typename Params, typename Fn>
+void ForEach(const Params& p, int64_t n, Fn fn) {
+  for (int64_t i = 0; i < n; ++i) fn(Tag{}, p, i);
+}
+
+template <typename Params, typename Fn>
+void ForEachAs(cuda::KvDType dtype, const Params& p, int64_t n, Fn fn) {
+  switch (dtype) {
+    case cuda::KvDType::kFloat32:
+      return ForEach<cuda::internal::Float32>(p, n, fn);
+    case cuda::KvDType::kBFloat16:
+      return ForEach<cuda::internal::BFloat16>(p, n, fn);
+    case cuda::KvDType::kFloat16:
+      return ForEach<cuda::internal::Float16>(p, n, fn);
+  }
+}
+
+TEST(FusedOpsEmulationTest, RmsNormEqualsTheEagerFormula) {
+  c10::InferenceMode inference;
+  for (const DType& dtype : kDTypes) {
+    for (int64_t dim : {7, 64, 300, 4096}) {
+      for (bool unit_offset : {false, true}) {
+        const std::string what = std::string(dtype.name) + " dim " + std::to_string(dim) +
+                                 (unit_offset ? " unit offset" : "");
+        at::manual_seed(static_cast<uint64_t>(dim));
+        // Rows of a [2, 3, dim] activation, values around the size a
+        // residual stream has.
+        const at::Tensor x = (at::randn({2, 3, dim}) * 3.0).to(dtype.type);
+        nn::RMSNorm norm("RMSNorm", dim, 1e-6, dtype.type, unit_offset);
+        norm.weight.copy_(at::randn({dim}) * 0.5 + (unit_offset ? 0.0 : 1.0));
+        const at::Tensor want = norm.forward(x);  // the cpu: the eager formula
+        at::Tensor got = at::empty_like(x);
+        cuda::RmsNormParams p;
+        p.x = x.data_ptr();
+        p.weight = norm.weight.data_ptr();
+        p.out = got.data_ptr();
+        p.rows = 6;
+        p.dim = static_cast<int32_t>(dim);
+        p.x_row_stride = p.out_row_stride = dim;
+        p.eps = 1e-6f;
+        p.unit_offset = unit_offset;
+        ASSERT_EQ(cuda::CheckRmsNormParams(p), nullptr);
+        ASSERT_EQ(EmulateRmsNorm(p, dtype.kernel), "") << what;
+        ExpectClose(got, want, 1.0, what);
+      }
+    }
+  }
+}
+
+TEST(FusedOpsEmulationTest, RotaryEqualsTheEagerFormulaOverTheDecodersStrides) {
+  c10::InferenceMode inference;
+  for (const DType& dtype : kDTypes) {
+    for (int64_t cos_batch : {1, 2}) {
+      const std::string what = std::string(dtype.name) + " cos batch " + std::to_string(cos_batch);
+      at::manual_seed(5);
+      const int64_t batch = 2, tokens = 3, heads = 4, dim = 64;
+      // As the decoder: q [batch, tokens, heads, dim] viewed as [batch, heads, tokens, dim].
+      const at::Tensor q = at::randn({batch, tokens, heads, dim}).to(dtype.type);
+      const at::Tensor x = q.transpose(1, 2);
+      const at::Tensor angles = at::randn({cos_batch, tokens, dim}) * 3.0;
+      const at::Tensor cos = at::cos(angles).to(dtype.type), sin = at::sin(angles).to(dtype.type);
+      // The eager formula, as nn::ApplyRotary writes it.
+      const at::Tensor rotated =
+          at::cat({-x.narrow(-1, dim / 2, dim / 2), x.narrow(-1, 0, dim / 2)}, -1);
+      const at::Tensor want = x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+      at::Tensor got = at::empty({batch, heads, tokens, dim}, x.options());
+      cuda::RotaryParams p;
+      p.x = x.data_ptr();
+      p.cos = cos.data_ptr();
+      p.sin = sin.data_ptr();
+      p.out = got.data_ptr();
+      p.batch = static_cast<int32_t>(batch);
+      p.heads = static_cast<int32_t>(heads);
+      p.tokens = static_cast<int32_t>(tokens);
+      p.dim = static_cast<int32_t>(dim);
+      p.x_batch_stride = x.stride(0);
+      p.x_head_stride = x.stride(1);
+      p.x_token_stride = x.stride(2);
+      p.cos_batch_stride = p.sin_batch_stride = cos_batch == 1 ? 0 : cos.stride(0);
+      p.cos_token_stride = p.sin_token_stride = cos.stride(1);
+      ASSERT_EQ(cuda::CheckRotaryParams(p), nullptr);
+      ForEachAs(dtype.kernel, p, batch * heads * tokens * dim / 2,
+                [](auto tag, const cuda::RotaryParams& params, int64_t i) {
+                  cuda::internal::RotaryPair<decltype(tag)>(params, i);
+                });
+      // Products and the sum rounded as libtorch rounds them: equal to the bit.
+      EXPECT_TRUE(at::equal(got, want.contiguous())) << what;
+    }
+  }
+}
+
+TEST(FusedOpsEmulationTest, SiluMulEqualsTheEagerFormulaOnAFusedGateUp) {
+  c10::InferenceMode inference;
+  for (const DType& dtype : kDTypes) {
+    at::manual_seed(9);
+    const int64_t rows = 5, inter = 96;
+    // Phi-3's gate_up_proj output, narrowed into gate and up (rows 2 * inter apart).
+    const at::Tensor both = (at::randn({1, rows, 2 * inter}) * 4.0).to(dtype.type);
+    const at::Tensor gate = both.narrow(-1, 0, inter), up = both.narrow(-1, inter, inter);
+    // SiLU in float32 rounded once, as libtorch's CUDA kernel computes it
+    // (its cpu kernel for bfloat16 rounds inside the formula: 1 + exp(-g)
+    // is 1 in bfloat16 once g > 5.5), then the product.
+    const at::Tensor want = at::silu(gate.to(at::kFloat)).to(dtype.type) * up;
+    at::Tensor got = at::empty(gate.sizes(), gate.options());
+    cuda::SiluMulParams p;
+    p.gate = gate.data_ptr();
+    p.up = up.data_ptr();
+    p.out = got.data_ptr();
+    p.rows = rows;
+    p.dim = static_cast<int32_t>(inter);
+    p.gate_row_stride = p.up_row_stride = 2 * inter;
+    ASSERT_EQ(cuda::CheckSiluMulParams(p), nullptr);
+    ForEachAs(dtype.kernel, p, rows * inter,
+              [](auto tag, const cuda::SiluMulParams& params, int64_t i) {
+                cuda::internal::SiluMulAt<decltype(tag)>(params, i);
+              });
+    ExpectClose(got, want, 1.0, dtype.name);
+  }
+}
+
+TEST(FusedOpsEmulationTest, ParametersTheKernelsCannotTakeAreNamed) {
+  cuda::RmsNormParams norm;
+  EXPECT_NE(cuda::CheckRmsNormParams(norm), nullptr);
+  cuda::RotaryParams rotary;
+  int32_t dummy = 0;
+  rotary.x = rotary.cos = rotary.sin = &dummy;
+  rotary.out = &dummy;
+  rotary.batch = rotary.heads = rotary.tokens = 1;
+  rotary.dim = 7;  // odd: no halves
+  EXPECT_NE(cuda::CheckRotaryParams(rotary), nullptr);
+  rotary.dim = 8;
+  EXPECT_EQ(cuda::CheckRotaryParams(rotary), nullptr);
+  cuda::SiluMulParams silu;
+  silu.gate = silu.up = &dummy;
+  silu.out = &dummy;
+  silu.rows = 2;
+  silu.dim = 8;
+  silu.gate_row_stride = 4;  // rows would overlap
+  silu.up_row_stride = 8;
+  EXPECT_NE(cuda::CheckSiluMulParams(silu), nullptr);
+}
+
+// On the cpu the wrappers decline, and the eager formulas run.
+TEST(FusedOpsTest, TheWrappersDeclineCpuTensors) {
+  c10::InferenceMode inference;
+  const at::Tensor x = at::randn({2, 8}), w = at::ones({8});
+  EXPECT_FALSE(internal::FusedRmsNorm(x, w, 1e-6, false).has_value());
+  const at::Tensor q = at::randn({1, 2, 3, 8}), cs = at::randn({1, 3, 8});
+  EXPECT_FALSE(internal::FusedRotary(q, cs, cs).has_value());
+  EXPECT_FALSE(internal::FusedSiluMul(x, x).has_value());
+}
+
+// On a device: each wrapper against the eager formulas on the same device.
+TEST(FusedOpsTest, OnCudaTheKernelsEqualTheEagerFormulas) {
+  if (!internal::FusedCudaOpsBuilt() || !at::hasCUDA()) {
+    GTEST_SKIP() << "no fused CUDA kernels in this build, or no CUDA device";
+  }
+  c10::InferenceMode inference;
+  const at::Device gpu(at::kCUDA, 0);
+  for (const DType& dtype : kDTypes) {
+    at::manual_seed(3);
+    nn::RMSNorm norm("RMSNorm", 4096, 1e-5, dtype.type);
+    norm.weight.copy_(at::randn({4096}) * 0.5 + 1.0);
+    norm.weight = norm.weight.to(gpu);
+    const at::Tensor x = (at::randn({1, 5, 4096}) * 3.0).to(dtype.type).to(gpu);
+    const at::Tensor q = at::randn({1, 5, 32, 128}).to(dtype.type).to(gpu).transpose(1, 2);
+    const at::Tensor angles = at::randn({1, 5, 128}) * 3.0;
+    const at::Tensor cos = at::cos(angles).to(dtype.type).to(gpu);
+    const at::Tensor sin = at::sin(angles).to(dtype.type).to(gpu);
+    const at::Tensor both = (at::randn({1, 5, 2 * 1024}) * 4.0).to(dtype.type).to(gpu);
+    const at::Tensor gate = both.narrow(-1, 0, 1024), up = both.narrow(-1, 1024, 1024);
+
+    internal::SetFusedCudaOps(false);
+    const at::Tensor norm_want = norm.forward(x);
+    const at::Tensor rotary_want = nn::ApplyRotary(q, cos, sin);
+    const at::Tensor silu_want = nn::ActivationTimes("silu", gate, up);
+    internal::SetFusedCudaOps(true);
+    const std::optional<at::Tensor> norm_got = internal::FusedRmsNorm(x, norm.weight, 1e-5, false);
+    const std::optional<at::Tensor> rotary_got = internal::FusedRotary(q, cos, sin);
+    const std::optional<at::Tensor> silu_got = internal::FusedSiluMul(gate, up);
+    ASSERT_TRUE(norm_got && rotary_got && silu_got) << dtype.name;
+    ExpectClose(*norm_got, norm_want, 1.0, std::string("RMSNorm ") + dtype.name);
+    ExpectClose(*rotary_got, rotary_want, 0.0, std::string("rotary ") + dtype.name);
+    ExpectClose(*silu_got, silu_want, 1.0, std::string("SiLU * up ") + dtype.name);
+    // Through the modules, as the decoder calls them.
+    ExpectClose(norm.forward(x), norm_want, 1.0, std::string("nn::RMSNorm ") + dtype.name);
+  }
+}
+
+}  // namespace
+}  // namespace accel::models
