@@ -607,14 +607,19 @@ void Bench(const ModelSpec& spec, const std::string& configs, const std::string&
   DropPageCache(shards);
   const double disk_unloaded = DiskRate(shards, probe_chunk, 12, probed);
   std::printf(
-      "disk after unloading %.2f GB/s; each row's bound at the faster probe beside it (where "
-      "none was, the faster of the first and this one):\n",
+      "disk after unloading %.2f GB/s; each row's bound at the faster probe beside it (after the "
+      "last row, this one where none was; where neither side was, the faster of the first and "
+      "this one):\n",
       disk_unloaded / 1e9);
   for (size_t i = 0; i < done.size(); ++i) {
     const auto& [name, r] = done[i];
-    // Neither side probed (the model held the whole file): the probes taken
-    // with the model unloaded, before the rows and after them.
-    double disk = std::max(disk_probes[i], disk_probes[i + 1]);
+    // The probe after the last row is the one taken with the model unloaded
+    // when the model held the whole file then (nothing left to probe beside
+    // it). Neither side probed: the probes taken with the model unloaded,
+    // before the rows and after them.
+    const double after =
+        disk_probes[i + 1] > 0 || i + 1 < done.size() ? disk_probes[i + 1] : disk_unloaded;
+    double disk = std::max(disk_probes[i], after);
     if (disk <= 0) disk = std::max(rates.disk, disk_unloaded);
     const double bound = r.disk_bytes_per_step / disk + r.memory_bytes_per_step / rates.memory;
     // The floor on these cores: the products at the kernels' rate, the reads
