@@ -331,6 +331,7 @@ int main(int argc, char** argv) {
       std::string unfused_json;
       if (compare_unfused) {
         std::vector<double> unfused;
+        unfused.reserve(static_cast<size_t>(rounds));
         accel::nn::SetFusedCudaOps(false);
         for (int r = 0; r < rounds; ++r) {
           unfused.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, true, nullptr, 1));
