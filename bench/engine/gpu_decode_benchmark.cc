@@ -44,8 +44,8 @@
 #include "engine/engine_core.h"
 #include "engine/model_runner.h"
 #include "engine/request.h"
-#include "models/nn.h"
 #include "models/load_model.h"
+#include "models/nn.h"
 
 namespace {
 
