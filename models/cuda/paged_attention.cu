@@ -6,19 +6,12 @@
 #include <cuda_runtime.h>
 
 #include "models/cuda/attention_kernels.h"
+#include "models/cuda/internal/device_exec.cuh"
 #include "models/cuda/internal/paged_decode.h"
 
 namespace accel::models::cuda {
 namespace internal {
 namespace {
-
-struct DeviceExec {
-  __device__ __forceinline__ int32_t tid() const { return static_cast<int32_t>(threadIdx.x); }
-  __device__ __forceinline__ void Sync() { __syncthreads(); }
-  __device__ __forceinline__ float XorLanes(float v, int32_t mask) {
-    return __shfl_xor_sync(0xffffffffu, v, mask);
-  }
-};
 
 template <typename Tag>
 __global__ void __launch_bounds__(kDecodeThreads) PagedDecodeKernel(const PagedDecodeParams p) {

@@ -18,6 +18,7 @@
 #include <c10/util/Exception.h>
 
 #include "models/cuda/fused_kernels.h"
+#include "models/internal/cuda_dtype.h"
 #endif
 
 namespace accel::models::internal {
@@ -26,28 +27,12 @@ namespace {
 std::atomic<bool> fused_enabled{true};
 
 #ifdef ACCEL_WITH_MODELS_CUDA
-bool DTypeOf(at::ScalarType type, cuda::KvDType* out) {
-  switch (type) {
-    case at::kFloat:
-      *out = cuda::KvDType::kFloat32;
-      return true;
-    case at::kBFloat16:
-      *out = cuda::KvDType::kBFloat16;
-      return true;
-    case at::kHalf:
-      *out = cuda::KvDType::kFloat16;
-      return true;
-    default:
-      return false;
-  }
-}
-
 // Whether the kernels may run on these tensors: built, on, every tensor on
 // one CUDA device and of one supported dtype.
 bool Applies(std::initializer_list<const at::Tensor*> tensors, cuda::KvDType* dtype) {
   if (!fused_enabled.load(std::memory_order_relaxed)) return false;
   const at::Tensor& first = **tensors.begin();
-  if (!first.defined() || !first.is_cuda() || !DTypeOf(first.scalar_type(), dtype)) return false;
+  if (!first.defined() || !first.is_cuda() || !KvDTypeOf(first.scalar_type(), dtype)) return false;
   for (const at::Tensor* t : tensors) {
     if (!t->defined() || t->device() != first.device() || t->scalar_type() != first.scalar_type() ||
         t->numel() == 0) {

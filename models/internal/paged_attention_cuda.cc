@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "models/internal/cuda_dtype.h"
 #include "models/internal/paged_attention.h"
 
 #ifdef ACCEL_WITH_MODELS_CUDA
@@ -27,20 +28,25 @@
 namespace accel::models::internal {
 namespace {
 
-bool KvDTypeOf(at::ScalarType type, cuda::KvDType* out) {
-  switch (type) {
-    case at::kFloat:
-      *out = cuda::KvDType::kFloat32;
-      return true;
-    case at::kBFloat16:
-      *out = cuda::KvDType::kBFloat16;
-      return true;
-    case at::kHalf:
-      *out = cuda::KvDType::kFloat16;
-      return true;
-    default:
-      return false;
-  }
+// The kernels' shapes from the blocks' and the window, scale and soft-cap
+// as the cpu kernel applies them: a window as long as the longest context
+// masks nothing; q times a float32 factor (the reciprocal of a divisor).
+void SetShapeAndRule(const at::Tensor& key_blocks, const at::Tensor& value_blocks, int64_t seqs,
+                     int64_t heads, int64_t table_stride, int64_t max_total,
+                     std::optional<int64_t> window, const ScoreRule& rule,
+                     cuda::PagedDecodeParams* p) {
+  p->num_blocks = key_blocks.size(0);
+  p->seqs = static_cast<int32_t>(seqs);
+  p->heads = static_cast<int32_t>(heads);
+  p->kv_heads = static_cast<int32_t>(key_blocks.size(1));
+  p->block_size = static_cast<int32_t>(key_blocks.size(2));
+  p->head_dim = static_cast<int32_t>(key_blocks.size(3));
+  p->value_dim = static_cast<int32_t>(value_blocks.size(3));
+  p->table_stride = static_cast<int32_t>(table_stride);
+  p->window =
+      window && *window < max_total ? static_cast<int32_t>(std::max<int64_t>(1, *window)) : 0;
+  p->scale = static_cast<float>(rule.divide ? 1.0 / rule.scale : rule.scale);
+  p->softcap = rule.softcap ? static_cast<float>(*rule.softcap) : 0.0f;
 }
 
 #ifdef ACCEL_WITH_MODELS_CUDA
@@ -185,20 +191,8 @@ PagedCudaPlan PlanPagedDecodeCuda(absl::Span<const PagedQuery> queries,
         static_cast<int32_t>(query.total);
   }
   cuda::PagedDecodeParams& p = plan.params;
-  p.num_blocks = num_blocks;
-  p.seqs = static_cast<int32_t>(seqs);
-  p.heads = static_cast<int32_t>(heads);
-  p.kv_heads = static_cast<int32_t>(kv_heads);
-  p.block_size = static_cast<int32_t>(block_size);
-  p.head_dim = static_cast<int32_t>(key_blocks.size(3));
-  p.value_dim = static_cast<int32_t>(value_blocks.size(3));
-  p.table_stride = static_cast<int32_t>(stride);
-  // A window as long as the context masks nothing.
-  p.window =
-      window && *window < max_total ? static_cast<int32_t>(std::max<int64_t>(1, *window)) : 0;
-  // As the cpu kernel: q times a float32 factor (the reciprocal of a divisor).
-  p.scale = static_cast<float>(rule.divide ? 1.0 / rule.scale : rule.scale);
-  p.softcap = rule.softcap ? static_cast<float>(*rule.softcap) : 0.0f;
+  SetShapeAndRule(key_blocks, value_blocks, static_cast<int64_t>(seqs), heads, stride, max_total,
+                  window, rule, &p);
   p.partition = partition > 0
                     ? partition
                     : cuda::ChoosePagedPartition(p.seqs, p.heads, p.kv_heads, p.head_dim,
@@ -276,23 +270,12 @@ PagedCudaPlan PlanPagedDecodeCudaStatic(const at::Tensor& q, const at::Tensor& k
   TORCH_CHECK(value_blocks.scalar_type() == key_blocks.scalar_type() &&
                   KvDTypeOf(key_blocks.scalar_type(), &plan.dtype),
               "paged attention (CUDA, static): unsupported dtype ", key_blocks.scalar_type());
+  // As PlanPagedDecodeCuda, with max_total for the longest row; the most
+  // splits any row up to max_total long can have (a row's splits past its
+  // own are empty: the kernels skip them).
   cuda::PagedDecodeParams& p = plan.params;
-  p.num_blocks = key_blocks.size(0);
-  p.seqs = static_cast<int32_t>(q.size(0));
-  p.heads = static_cast<int32_t>(q.size(1));
-  p.kv_heads = static_cast<int32_t>(key_blocks.size(1));
-  p.block_size = static_cast<int32_t>(key_blocks.size(2));
-  p.head_dim = static_cast<int32_t>(key_blocks.size(3));
-  p.value_dim = static_cast<int32_t>(value_blocks.size(3));
-  p.table_stride = static_cast<int32_t>(table_stride);
-  // As PlanPagedDecodeCuda, with max_total for the longest row: a window as
-  // long as any context masks nothing; the most splits any row up to
-  // max_total long can have (a row's splits past its own are empty: the
-  // kernels skip them).
-  p.window =
-      window && *window < max_total ? static_cast<int32_t>(std::max<int64_t>(1, *window)) : 0;
-  p.scale = static_cast<float>(rule.divide ? 1.0 / rule.scale : rule.scale);
-  p.softcap = rule.softcap ? static_cast<float>(*rule.softcap) : 0.0f;
+  SetShapeAndRule(key_blocks, value_blocks, q.size(0), q.size(1), table_stride, max_total, window,
+                  rule, &p);
   p.partition =
       cuda::ChoosePagedPartition(p.seqs, p.heads, p.kv_heads, p.head_dim, p.value_dim,
                                  static_cast<int32_t>(max_total), p.window, plan.dtype, sm_count);

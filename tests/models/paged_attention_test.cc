@@ -219,6 +219,73 @@ void ExpectClose(const at::Tensor& got, const at::Tensor& want, double tolerance
   EXPECT_LE(diff, tolerance) << what;
 }
 
+// A case's inputs (seeded), its score rule and the cpu kernel's output.
+struct CaseData {
+  PagedInputs in;
+  ScoreRule rule;
+  at::Tensor want;
+};
+
+CaseData MakeCase(const CudaCase& c, uint32_t seed) {
+  CaseData data{MakePagedInputs(c.dtype, c.heads, c.kv_heads, c.d, c.block_size, c.totals, seed),
+                RuleOf(c), at::Tensor()};
+  data.want = PagedDecodeAttention(data.in.queries, data.in.key_blocks, data.in.value_blocks,
+                                   c.window, data.rule);
+  return data;
+}
+
+// A plan's parameters run through the kernels' code on the host
+// (tests/models/paged_decode_emulation.h) over `in`'s blocks, q [rows, heads,
+// d] and the int32 tables and totals; the output, NaN where nothing wrote.
+at::Tensor EmulatePlan(PagedCudaPlan& plan, const at::Tensor& q, const PagedInputs& in,
+                       const int32_t* tables, const int32_t* totals) {
+  cuda::PagedDecodeParams& p = plan.params;
+  at::Tensor out = at::full({p.seqs, p.heads * p.value_dim},
+                            std::numeric_limits<double>::quiet_NaN(), in.key_blocks.scalar_type());
+  std::vector<float> workspace(static_cast<size_t>(
+      cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits)));
+  p.q = q.data_ptr();
+  p.key_blocks = in.key_blocks.data_ptr();
+  p.value_blocks = in.value_blocks.data_ptr();
+  p.block_tables = tables;
+  p.totals = totals;
+  p.out = out.data_ptr();
+  p.workspace = workspace.empty() ? nullptr : workspace.data();
+  const std::string error = models::testing::EmulatePagedDecode(p, plan.dtype);
+  EXPECT_EQ(error, "");
+  return out;
+}
+
+// A static decode step's inputs (CausalLM::ForwardStaticDecode's): q [rows,
+// heads, d], each row's block table in tables [rows, stride] and its total
+// in totals [rows] (int32), planned for four times the longest row's total,
+// so most rows' later splits are empty.
+struct StaticStep {
+  at::Tensor q, tables, totals;
+  int64_t max_total = 0;
+};
+
+StaticStep MakeStaticStep(const PagedInputs& in, int64_t block_size) {
+  StaticStep step;
+  const int64_t rows = static_cast<int64_t>(in.queries.size());
+  int64_t longest = 0;
+  for (const PagedQuery& query : in.queries) longest = std::max(longest, query.total);
+  step.max_total = 4 * longest;
+  step.tables = at::zeros({rows, (step.max_total + block_size - 1) / block_size}, at::kInt);
+  step.totals = at::empty({rows}, at::kInt);
+  std::vector<at::Tensor> q_rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    const PagedQuery& query = in.queries[static_cast<size_t>(r)];
+    for (size_t b = 0; b < query.table.size(); ++b) {
+      step.tables[r][static_cast<int64_t>(b)] = query.table[b];
+    }
+    step.totals[r] = static_cast<int32_t>(query.total);
+    q_rows.push_back(query.q);
+  }
+  step.q = at::stack(q_rows).contiguous();
+  return step;
+}
+
 // The CUDA path's host plan run through the kernels' own code on the host
 // (every CTA emulated: tests/models/paged_decode_emulation.h), against the
 // cpu kernel: the packing of tables and totals, the scale of a dividing
@@ -227,32 +294,21 @@ TEST(PagedAttentionCudaTest, ThePlanRunThroughTheKernelsCodeEqualsTheCpuKernel) 
   c10::InferenceMode inference;
   for (const CudaCase& c : kCudaCases) {
     SCOPED_TRACE(c.name);
-    const PagedInputs in =
-        MakePagedInputs(c.dtype, c.heads, c.kv_heads, c.d, c.block_size, c.totals, 21);
-    const ScoreRule rule = RuleOf(c);
-    const at::Tensor want =
-        PagedDecodeAttention(in.queries, in.key_blocks, in.value_blocks, c.window, rule);
+    const CaseData data = MakeCase(c, 21);
+    const PagedInputs& in = data.in;
+    const ScoreRule& rule = data.rule;
+    const at::Tensor& want = data.want;
     PagedCudaPlan plan = PlanPagedDecodeCuda(in.queries, in.key_blocks, in.value_blocks, c.window,
                                              rule, 132, c.partition);
-    cuda::PagedDecodeParams& p = plan.params;
+    const cuda::PagedDecodeParams& p = plan.params;
     std::vector<at::Tensor> rows;
     for (const PagedQuery& query : in.queries) rows.push_back(query.q);
-    const at::Tensor q = at::stack(rows).contiguous();
-    at::Tensor out = at::full({p.seqs, p.heads * p.value_dim},
-                              std::numeric_limits<double>::quiet_NaN(), c.dtype);
-    std::vector<float> workspace(static_cast<size_t>(
-        cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits)));
-    p.q = q.data_ptr();
-    p.key_blocks = in.key_blocks.data_ptr();
-    p.value_blocks = in.value_blocks.data_ptr();
-    p.block_tables = plan.tables_and_totals.data();
-    p.totals = p.block_tables + static_cast<int64_t>(p.seqs) * p.table_stride;
-    p.out = out.data_ptr();
-    p.workspace = workspace.empty() ? nullptr : workspace.data();
+    const int32_t* tables = plan.tables_and_totals.data();
+    const at::Tensor out = EmulatePlan(plan, at::stack(rows).contiguous(), in, tables,
+                                       tables + static_cast<int64_t>(p.seqs) * p.table_stride);
     if (c.partition == 0 && c.totals.back() >= 300) {
       EXPECT_GT(p.max_splits, 1) << "one long sequence on 132 SMs is split";
     }
-    ASSERT_EQ(models::testing::EmulatePagedDecode(p, plan.dtype), "");
     ExpectClose(out, want, CudaTolerance(c.dtype),
                 "partition " + std::to_string(p.partition) + ", " + std::to_string(p.max_splits) +
                     " splits");
@@ -267,43 +323,18 @@ TEST(PagedAttentionCudaTest, TheStaticPlanRunThroughTheKernelsCodeEqualsTheCpuKe
   for (const CudaCase& c : kCudaCases) {
     for (int32_t sm_count : {0, 132}) {
       SCOPED_TRACE(std::string(c.name) + ", " + std::to_string(sm_count) + " SMs");
-      const PagedInputs in =
-          MakePagedInputs(c.dtype, c.heads, c.kv_heads, c.d, c.block_size, c.totals, 23);
-      const ScoreRule rule = RuleOf(c);
-      const at::Tensor want =
-          PagedDecodeAttention(in.queries, in.key_blocks, in.value_blocks, c.window, rule);
-      const int64_t rows = static_cast<int64_t>(in.queries.size());
-      int64_t longest = 0;
-      for (const PagedQuery& query : in.queries) longest = std::max(longest, query.total);
-      const int64_t max_total = 4 * longest;
-      const int64_t stride = (max_total + c.block_size - 1) / c.block_size;
-      std::vector<int32_t> tables_and_totals(static_cast<size_t>(rows * stride + rows), 0);
-      std::vector<at::Tensor> q_rows;
-      for (int64_t r = 0; r < rows; ++r) {
-        const PagedQuery& query = in.queries[static_cast<size_t>(r)];
-        std::copy(query.table.begin(), query.table.end(),
-                  tables_and_totals.begin() + static_cast<std::ptrdiff_t>(r * stride));
-        tables_and_totals[static_cast<size_t>(rows * stride + r)] =
-            static_cast<int32_t>(query.total);
-        q_rows.push_back(query.q);
-      }
-      const at::Tensor q = at::stack(q_rows).contiguous();
-      PagedCudaPlan plan = PlanPagedDecodeCudaStatic(q, in.key_blocks, in.value_blocks, stride,
-                                                     max_total, c.window, rule, sm_count);
-      cuda::PagedDecodeParams& p = plan.params;
-      at::Tensor out = at::full({p.seqs, p.heads * p.value_dim},
-                                std::numeric_limits<double>::quiet_NaN(), c.dtype);
-      std::vector<float> workspace(static_cast<size_t>(
-          cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits)));
-      p.q = q.data_ptr();
-      p.key_blocks = in.key_blocks.data_ptr();
-      p.value_blocks = in.value_blocks.data_ptr();
-      p.block_tables = tables_and_totals.data();
-      p.totals = p.block_tables + rows * stride;
-      p.out = out.data_ptr();
-      p.workspace = workspace.empty() ? nullptr : workspace.data();
-      ASSERT_EQ(cuda::CheckPagedDecodeParams(p, plan.dtype), nullptr);
-      ASSERT_EQ(models::testing::EmulatePagedDecode(p, plan.dtype), "");
+      const CaseData data = MakeCase(c, 23);
+      const PagedInputs& in = data.in;
+      const ScoreRule& rule = data.rule;
+      const at::Tensor& want = data.want;
+      const StaticStep step = MakeStaticStep(in, c.block_size);
+      PagedCudaPlan plan =
+          PlanPagedDecodeCudaStatic(step.q, in.key_blocks, in.value_blocks, step.tables.size(1),
+                                    step.max_total, c.window, rule, sm_count);
+      const cuda::PagedDecodeParams& p = plan.params;
+      const at::Tensor out = EmulatePlan(plan, step.q, in, step.tables.data_ptr<int32_t>(),
+                                         step.totals.data_ptr<int32_t>());
+      const int64_t max_total = step.max_total;
       ExpectClose(out, want, CudaTolerance(c.dtype),
                   "static, max_total " + std::to_string(max_total) + ", partition " +
                       std::to_string(p.partition) + ", " + std::to_string(p.max_splits) +
@@ -352,11 +383,10 @@ TEST(PagedAttentionCudaTest, TheKernelsEqualTheCpuKernel) {
   const at::Device gpu(at::kCUDA, 0);
   for (const CudaCase& c : kCudaCases) {
     SCOPED_TRACE(c.name);
-    const PagedInputs in =
-        MakePagedInputs(c.dtype, c.heads, c.kv_heads, c.d, c.block_size, c.totals, 22);
-    const ScoreRule rule = RuleOf(c);
-    const at::Tensor want =
-        PagedDecodeAttention(in.queries, in.key_blocks, in.value_blocks, c.window, rule);
+    const CaseData data = MakeCase(c, 22);
+    const PagedInputs& in = data.in;
+    const ScoreRule& rule = data.rule;
+    const at::Tensor& want = data.want;
     std::vector<PagedQuery> on_gpu = in.queries;
     for (PagedQuery& query : on_gpu) query.q = query.q.to(gpu);
     const at::Tensor keys = in.key_blocks.to(gpu), values = in.value_blocks.to(gpu);
@@ -380,33 +410,17 @@ TEST(PagedAttentionCudaTest, TheStaticStepsKernelsEqualTheCpuKernel) {
   const at::Device gpu(at::kCUDA, 0);
   for (const CudaCase& c : kCudaCases) {
     SCOPED_TRACE(c.name);
-    const PagedInputs in =
-        MakePagedInputs(c.dtype, c.heads, c.kv_heads, c.d, c.block_size, c.totals, 23);
-    const ScoreRule rule = RuleOf(c);
-    const at::Tensor want =
-        PagedDecodeAttention(in.queries, in.key_blocks, in.value_blocks, c.window, rule);
-    const int64_t rows = static_cast<int64_t>(in.queries.size());
-    int64_t longest = 0;
-    for (const PagedQuery& query : in.queries) longest = std::max(longest, query.total);
-    // Plans for four times the longest row: most rows' later splits are empty.
-    const int64_t max_total = 4 * longest;
-    const int64_t max_blocks = (max_total + c.block_size - 1) / c.block_size;
-    at::Tensor tables = at::zeros({rows, max_blocks}, at::kInt);
-    at::Tensor totals = at::empty({rows}, at::kInt);
-    std::vector<at::Tensor> q_rows;
-    for (int64_t r = 0; r < rows; ++r) {
-      const PagedQuery& query = in.queries[static_cast<size_t>(r)];
-      for (size_t b = 0; b < query.table.size(); ++b) {
-        tables[r][static_cast<int64_t>(b)] = query.table[b];
-      }
-      totals[r] = static_cast<int32_t>(query.total);
-      q_rows.push_back(query.q);
-    }
+    const CaseData data = MakeCase(c, 23);
+    const PagedInputs& in = data.in;
+    const ScoreRule& rule = data.rule;
+    const at::Tensor& want = data.want;
+    const StaticStep step = MakeStaticStep(in, c.block_size);
     const at::Tensor got =
-        PagedDecodeAttentionCudaStatic(at::stack(q_rows).to(gpu), in.key_blocks.to(gpu),
-                                       in.value_blocks.to(gpu), tables.to(gpu), totals.to(gpu),
-                                       max_total, c.window, rule)
+        PagedDecodeAttentionCudaStatic(step.q.to(gpu), in.key_blocks.to(gpu),
+                                       in.value_blocks.to(gpu), step.tables.to(gpu),
+                                       step.totals.to(gpu), step.max_total, c.window, rule)
             .cpu();
+    const int64_t max_total = step.max_total;
     ExpectClose(got, want, CudaTolerance(c.dtype),
                 "static, max_total " + std::to_string(max_total));
   }
