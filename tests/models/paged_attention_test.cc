@@ -240,7 +240,7 @@ CaseData MakeCase(const CudaCase& c, uint32_t seed) {
 at::Tensor EmulatePlan(PagedCudaPlan& plan, const at::Tensor& q, const PagedInputs& in,
                        const int32_t* tables, const int32_t* totals) {
   cuda::PagedDecodeParams& p = plan.params;
-  at::Tensor out = at::full({p.seqs, p.heads * p.value_dim},
+  at::Tensor out = at::full({p.seqs, static_cast<int64_t>(p.heads) * p.value_dim},
                             std::numeric_limits<double>::quiet_NaN(), in.key_blocks.scalar_type());
   std::vector<float> workspace(static_cast<size_t>(
       cuda::PagedDecodeWorkspaceFloats(p.seqs, p.heads, p.value_dim, p.max_splits)));
