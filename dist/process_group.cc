@@ -631,6 +631,10 @@ absl::StatusOr<std::unique_ptr<ProcessGroup>> ProcessGroup::Connect(
 #else
   constexpr bool kHaveGloo = false;
 #endif
+  if (!kHaveGloo && !kHaveNccl) {
+    return absl::UnimplementedError(
+        "process groups: accel was built against a libtorch without gloo's or NCCL's headers");
+  }
   std::string backend = options.backend;
   if (backend == "auto") backend = options.use_cuda && kHaveNccl ? "nccl" : "gloo";
   if (backend == "nccl" && !kHaveNccl) {
