@@ -419,8 +419,10 @@ RandomStates CaptureRandomStates(int64_t step) {
   if (at::globalContext().hasCUDA()) {
     const int n = at::detail::getCUDAHooks().getNumGPUs();
     for (int i = 0; i < n; ++i) {
-      at::Generator g =
-          at::detail::getCUDAHooks().getDefaultCUDAGenerator(static_cast<c10::DeviceIndex>(i));
+      // Context::defaultGenerator: the same call in libtorch 1.x and 2.x (the
+      // CUDA hooks' getDefaultCUDAGenerator became getDefaultGenerator in 2.x).
+      at::Generator g = at::globalContext().defaultGenerator(
+          at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i)));
       std::lock_guard<std::mutex> lock(g.mutex());
       states.cuda_states.push_back(g.get_state());
     }
@@ -445,9 +447,8 @@ absl::Status RestoreRandomStates(const RandomStates& states) {
   const int n = at::detail::getCUDAHooks().getNumGPUs();
   for (int i = 0; i < n && i < static_cast<int>(states.cuda_states.size()); ++i) {
     ACCEL_RETURN_IF_ERROR(Annotate(CallTorch([&] {
-                                     at::Generator g =
-                                         at::detail::getCUDAHooks().getDefaultCUDAGenerator(
-                                             static_cast<c10::DeviceIndex>(i));
+                                     at::Generator g = at::globalContext().defaultGenerator(
+                                         at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(i)));
                                      std::lock_guard<std::mutex> lock(g.mutex());
                                      g.set_state(states.cuda_states[static_cast<size_t>(i)]);
                                    }),
