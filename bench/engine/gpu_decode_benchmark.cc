@@ -77,7 +77,7 @@ std::vector<std::string> Split(const std::string& text) {
   std::fprintf(stderr,
                "accel-bench-decode-gpu: %s\nusage: accel-bench-decode-gpu --model DIR "
                "[--quantize none,nf4] [--batches 1,8,32,128] [--tokens N] [--prompt N] "
-               "[--rounds N] [--json FILE]\n",
+               "[--rounds N] [--json FILE] [--graph_batches 1,8] [--compare_unfused 0|1]\n",
                error.c_str());
   std::exit(2);
 }
@@ -223,6 +223,9 @@ int main(int argc, char** argv) {
       graph_batches.clear();
       for (const std::string& b : Split(value)) graph_batches.push_back(std::atoll(b.c_str()));
     } else if (flag == "--compare_unfused") {
+      if (value != "0" && value != "1" && value != "true" && value != "false") {
+        Usage("--compare_unfused is 0, 1, true or false, got " + value);
+      }
       compare_unfused = value == "1" || value == "true";
     } else if (flag == "--rounds") {
       rounds = std::max(1, std::atoi(value.c_str()));

@@ -78,9 +78,10 @@ bool FusedCudaOpsBuilt() {
 void SetFusedCudaOps(bool enabled) { fused_enabled.store(enabled); }
 bool FusedCudaOpsEnabled() { return fused_enabled.load(); }
 
+#ifdef ACCEL_WITH_MODELS_CUDA
+
 std::optional<at::Tensor> FusedRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                        bool unit_offset) {
-#ifdef ACCEL_WITH_MODELS_CUDA
   cuda::KvDType dtype;
   if (!Applies({&x, &weight}, &dtype) || x.dim() < 1 || !x.is_contiguous() ||
       !weight.is_contiguous() || weight.dim() != 1 || weight.size(0) != x.size(-1)) {
@@ -100,18 +101,10 @@ std::optional<at::Tensor> FusedRmsNorm(const at::Tensor& x, const at::Tensor& we
   Check(cuda::RmsNorm(p, dtype, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
         "RMSNorm");
   return out;
-#else
-  (void)x;
-  (void)weight;
-  (void)eps;
-  (void)unit_offset;
-  return std::nullopt;
-#endif
 }
 
 std::optional<at::Tensor> FusedRotary(const at::Tensor& x, const at::Tensor& cos,
                                       const at::Tensor& sin) {
-#ifdef ACCEL_WITH_MODELS_CUDA
   cuda::KvDType dtype;
   if (!Applies({&x, &cos, &sin}, &dtype) || x.dim() != 4 || cos.dim() != 3 ||
       cos.sizes() != sin.sizes() || x.size(3) % 2 != 0 || cos.size(2) != x.size(3) ||
@@ -141,16 +134,9 @@ std::optional<at::Tensor> FusedRotary(const at::Tensor& x, const at::Tensor& cos
   Check(cuda::Rotary(p, dtype, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
         "rotary embedding");
   return out;
-#else
-  (void)x;
-  (void)cos;
-  (void)sin;
-  return std::nullopt;
-#endif
 }
 
 std::optional<at::Tensor> FusedSiluMul(const at::Tensor& gate, const at::Tensor& up) {
-#ifdef ACCEL_WITH_MODELS_CUDA
   cuda::KvDType dtype;
   if (!Applies({&gate, &up}, &dtype) || gate.sizes() != up.sizes()) return std::nullopt;
   const int64_t gate_stride = RowStride(gate), up_stride = RowStride(up);
@@ -168,11 +154,20 @@ std::optional<at::Tensor> FusedSiluMul(const at::Tensor& gate, const at::Tensor&
   Check(cuda::SiluMul(p, dtype, c10::cuda::getCurrentCUDAStream(gate.device().index()).stream()),
         "SiLU * up");
   return out;
-#else
-  (void)gate;
-  (void)up;
-  return std::nullopt;
-#endif
 }
+
+#else  // the kernels are not in this build: the eager formulas run
+
+std::optional<at::Tensor> FusedRmsNorm(const at::Tensor&, const at::Tensor&, double, bool) {
+  return std::nullopt;
+}
+std::optional<at::Tensor> FusedRotary(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return std::nullopt;
+}
+std::optional<at::Tensor> FusedSiluMul(const at::Tensor&, const at::Tensor&) {
+  return std::nullopt;
+}
+
+#endif  // ACCEL_WITH_MODELS_CUDA
 
 }  // namespace accel::models::internal
