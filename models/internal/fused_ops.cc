@@ -76,7 +76,6 @@ bool FusedCudaOpsBuilt() {
 }
 
 void SetFusedCudaOps(bool enabled) { fused_enabled.store(enabled); }
-bool FusedCudaOpsEnabled() { return fused_enabled.load(); }
 
 #ifdef ACCEL_WITH_MODELS_CUDA
 

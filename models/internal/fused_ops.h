@@ -31,7 +31,6 @@ std::optional<at::Tensor> FusedSiluMul(const at::Tensor& gate, const at::Tensor&
 // them (accel-bench-decode-gpu --compare_unfused).
 bool FusedCudaOpsBuilt();
 void SetFusedCudaOps(bool enabled);
-bool FusedCudaOpsEnabled();
 
 }  // namespace accel::models::internal
 
