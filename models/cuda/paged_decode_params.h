@@ -50,11 +50,13 @@ inline constexpr int32_t kDecodeThreads = 128;
 inline constexpr int32_t kDefaultPartition = 512;
 inline constexpr int32_t kMinPartition = 32;
 // Query heads whose weighted sums a thread holds in registers at once.
-inline constexpr int32_t kHeadTile = 8;
-// Each thread of a key holds at most this many 16-byte chunks of it, and at
-// most this many value columns (head_dim, value_dim <= 256 with 128 threads).
+inline constexpr int32_t kValueHeadTile = 4;
+// Each thread of a key or value row holds at most this many 16-byte chunks
+// of it (head_dim, value_dim <= 256 with 128 threads).
 inline constexpr int32_t kMaxChunksPerLane = 2;
-inline constexpr int32_t kMaxColumnsPerThread = 2;
+// Rows a thread loads before it uses the first: reads in flight.
+inline constexpr int32_t kKeyUnroll = 4;
+inline constexpr int32_t kValueUnroll = 2;
 // The decode kernel's shared memory stays within the default limit.
 inline constexpr int64_t kDecodeSharedLimit = 48 * 1024;
 
@@ -136,15 +138,26 @@ struct DecodeLayout {
   int32_t chunks = 0;         // head_dim / vec
   int32_t lanes = 0;          // threads per key: a power of two <= 32
   int32_t keys_per_pass = 0;  // threads / lanes
-  int32_t slices = 0;         // keys summed apart in the weighted sum (threads / value_dim)
-  int32_t columns = 0;        // threads per slice: one value column each (and + columns); the
-                              // threads past slices * columns have no value work
+  int32_t value_chunks = 0;   // value_dim / vec
+  int32_t value_lanes = 0;    // threads per value row: a power of two <= 32
+  int32_t value_slots = 0;    // value rows at a time: threads / value_lanes
   int64_t q_floats = 0;       // [group, head_dim]: q * scale
-  int64_t score_floats = 0;   // [group, partition]: scores, then exponentials
-  int64_t stat_floats = 0;    // [2, group]: each head's max and sum of exponentials
-  int64_t slice_floats = 0;   // [slices, kHeadTile, columns] when slices > 1
+  // [warps, kValueHeadTile, value_dim]: the warps' weighted sums, in the
+  // region of q (read only before them).
+  int64_t warp_sum_floats = 0;
+  int64_t q_region_floats = 0;  // the larger of the two
+  int64_t score_floats = 0;     // [group, partition]: scores, then exponentials
+  int64_t stat_floats = 0;      // [2, group]: each head's max and sum of exponentials
   int64_t total_floats = 0;
 };
+
+// Threads a row of `chunks` 16-byte chunks is read by: the least power of
+// two that holds it at kMaxChunksPerLane a thread, at most a warp.
+ACCEL_MODELS_HD int32_t LanesFor(int32_t chunks) {
+  int32_t lanes = 1;
+  while (lanes < 32 && lanes < chunks) lanes *= 2;
+  return lanes;
+}
 
 ACCEL_MODELS_HD DecodeLayout MakeDecodeLayout(int32_t heads, int32_t kv_heads, int32_t head_dim,
                                               int32_t value_dim, int32_t partition,
@@ -153,16 +166,17 @@ ACCEL_MODELS_HD DecodeLayout MakeDecodeLayout(int32_t heads, int32_t kv_heads, i
   l.group = heads / kv_heads;
   l.vec = 16 / elem_size;
   l.chunks = head_dim / l.vec;
-  l.lanes = 1;
-  while (l.lanes < 32 && l.lanes < l.chunks) l.lanes *= 2;
+  l.lanes = LanesFor(l.chunks);
   l.keys_per_pass = threads / l.lanes;
-  l.slices = value_dim < threads ? threads / value_dim : 1;
-  l.columns = threads / l.slices;
+  l.value_chunks = value_dim / l.vec;
+  l.value_lanes = LanesFor(l.value_chunks);
+  l.value_slots = threads / l.value_lanes;
   l.q_floats = static_cast<int64_t>(l.group) * head_dim;
+  l.warp_sum_floats = static_cast<int64_t>(threads / 32) * kValueHeadTile * value_dim;
+  l.q_region_floats = l.q_floats > l.warp_sum_floats ? l.q_floats : l.warp_sum_floats;
   l.score_floats = static_cast<int64_t>(l.group) * partition;
   l.stat_floats = 2 * static_cast<int64_t>(l.group);
-  l.slice_floats = l.slices > 1 ? static_cast<int64_t>(l.slices) * kHeadTile * l.columns : 0;
-  l.total_floats = l.q_floats + l.score_floats + l.stat_floats + l.slice_floats;
+  l.total_floats = l.q_region_floats + l.score_floats + l.stat_floats;
   return l;
 }
 

@@ -156,12 +156,15 @@ TEST(PagedDecodePlanTest, LayoutCoversHeadDimsAndValueDims) {
       EXPECT_LE(l.chunks, l.lanes * kMaxChunksPerLane);  // every chunk has a lane
       EXPECT_TRUE(l.lanes >= 1 && l.lanes <= 32 && (l.lanes & (l.lanes - 1)) == 0);
       EXPECT_EQ(l.keys_per_pass * l.lanes, kDecodeThreads);
-      EXPECT_LE(dim, l.columns * kMaxColumnsPerThread);  // every value column has a thread
-      EXPECT_LE(l.slices * l.columns, kDecodeThreads);
-      EXPECT_GT((l.slices + 1) * l.columns, kDecodeThreads);
-      if (l.slices > 1) {
-        EXPECT_LE(dim, l.columns);
-      }
+      // Values as keys: every chunk has a lane, lanes a power of two.
+      EXPECT_EQ(l.value_chunks * l.vec, dim);
+      EXPECT_LE(l.value_chunks, l.value_lanes * kMaxChunksPerLane);
+      EXPECT_TRUE(l.value_lanes >= 1 && l.value_lanes <= 32 &&
+                  (l.value_lanes & (l.value_lanes - 1)) == 0);
+      EXPECT_EQ(l.value_slots * l.value_lanes, kDecodeThreads);
+      // The warps' sums fit where q was.
+      EXPECT_GE(l.q_region_floats, l.q_floats);
+      EXPECT_GE(l.q_region_floats, (kDecodeThreads / 32) * kValueHeadTile * dim);
     }
   }
 }
@@ -389,7 +392,7 @@ std::vector<DecodeCase> EmulatedCases() {
   c.totals = {70};
   c.partition = 32;
   add(c);
-  // Values narrower than keys: four slices of 32 columns summed apart.
+  // Values narrower than keys: 32-wide rows, 8 lanes, 16 rows at a time.
   c = {};
   c.name = "F32NarrowValues";
   c.dtype = KvDType::kFloat32;
@@ -399,10 +402,27 @@ std::vector<DecodeCase> EmulatedCases() {
   c.totals = {50, 90};
   c.partition = 32;
   add(c);
-  // 40-wide values: 3 slices of 42 threads, 2 threads with no value work.
+  // 40-wide values: 10 chunks over 16 lanes, 6 lanes with no value work.
   c.name = "F32Values40";
   c.value_dim = 40;
   c.head_dim = 40;
+  add(c);
+  // Llama-3-8B's shape (group 4, 128-wide heads) over one full split and a
+  // part: the unrolled key and value rounds end inside a block.
+  c = {};
+  c.name = "Bf16Llama3Shape";
+  c.heads = 8;
+  c.kv_heads = 2;
+  c.head_dim = c.value_dim = 128;
+  c.totals = {1000, 517, 33};
+  c.partition = 512;
+  add(c);
+  // 40-wide bfloat16 values: 5 chunks over 8 lanes.
+  c = {};
+  c.name = "Bf16Values40";
+  c.head_dim = c.value_dim = 40;
+  c.totals = {90, 3};
+  c.partition = 32;
   add(c);
   // A group of 12: more heads than warps and than a thread's head tile.
   c = {};

@@ -91,9 +91,8 @@ ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, in
   const int32_t head0 = kv_head * l.group;
   const int64_t first_row = static_cast<int64_t>(seq) * p.heads + head0;  // of q and out
   float* q_s = shared;
-  float* scores = q_s + l.q_floats;  // [group, partition]
+  float* scores = q_s + l.q_region_floats;  // [group, partition]
   float* stats = scores + l.score_floats;
-  float* slice_sums = stats + l.stat_floats;
 
   // 1. The group's queries, scaled, in float32.
   const Storage* q = static_cast<const Storage*>(p.q) + first_row * p.head_dim;
@@ -104,35 +103,43 @@ ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, in
 
   // 2. Scores: `lanes` threads a key, each holding 16-byte chunks of it
   // (consecutive lanes, consecutive chunks: coalesced), the dot products
-  // summed over the lanes by exchanges.
+  // summed over the lanes by exchanges. Each thread loads kKeyUnroll keys
+  // before it uses any, so that as many reads are in flight.
   const Storage* keys = static_cast<const Storage*>(p.key_blocks);
   const int32_t lane = tid % l.lanes, slot = tid / l.lanes;
-  for (int32_t base = range.begin; base < range.end; base += l.keys_per_pass) {
-    const int32_t pos = base + slot;
-    const bool valid = pos < range.end;
-    float k[kMaxChunksPerLane][kVec];
-    const int64_t row =
-        valid ? KvRowOffset(table, pos, p.block_size, p.kv_heads, kv_head, p.head_dim) : 0;
-    for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
-      const int32_t c = lane + i * l.lanes;
-      if (valid && c < l.chunks) {
-        LoadChunk<Tag>(keys + row + static_cast<int64_t>(c) * kVec, k[i]);
-      } else {
-        for (int32_t e = 0; e < kVec; ++e) k[i][e] = 0.0f;
-      }
-    }
-    for (int32_t h = 0; h < l.group; ++h) {
-      float dot = 0.0f;
+  const int32_t keys_per_round = l.keys_per_pass * kKeyUnroll;
+  for (int32_t base = range.begin; base < range.end; base += keys_per_round) {
+    float k[kKeyUnroll][kMaxChunksPerLane][kVec];
+    for (int32_t u = 0; u < kKeyUnroll; ++u) {
+      const int32_t pos = base + u * l.keys_per_pass + slot;
+      const bool valid = pos < range.end;
+      const int64_t row =
+          valid ? KvRowOffset(table, pos, p.block_size, p.kv_heads, kv_head, p.head_dim) : 0;
       for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
         const int32_t c = lane + i * l.lanes;
-        if (c >= l.chunks) break;
-        const float* qc = q_s + static_cast<int64_t>(h) * p.head_dim + c * kVec;
-        for (int32_t e = 0; e < kVec; ++e) dot = fmaf(qc[e], k[i][e], dot);
+        if (valid && c < l.chunks) {
+          LoadChunk<Tag>(keys + row + static_cast<int64_t>(c) * kVec, k[u][i]);
+        } else {
+          for (int32_t e = 0; e < kVec; ++e) k[u][i][e] = 0.0f;
+        }
       }
-      for (int32_t mask = l.lanes / 2; mask >= 1; mask /= 2) dot += exec.XorLanes(dot, mask);
-      if (valid && lane == 0) {
-        scores[static_cast<int64_t>(h) * p.partition + (pos - range.begin)] =
-            Softcap(dot, p.softcap);
+    }
+    for (int32_t u = 0; u < kKeyUnroll; ++u) {
+      const int32_t pos = base + u * l.keys_per_pass + slot;
+      const bool valid = pos < range.end;
+      for (int32_t h = 0; h < l.group; ++h) {
+        float dot = 0.0f;
+        for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
+          const int32_t c = lane + i * l.lanes;
+          if (c >= l.chunks) break;
+          const float* qc = q_s + static_cast<int64_t>(h) * p.head_dim + c * kVec;
+          for (int32_t e = 0; e < kVec; ++e) dot = fmaf(qc[e], k[u][i][e], dot);
+        }
+        for (int32_t mask = l.lanes / 2; mask >= 1; mask /= 2) dot += exec.XorLanes(dot, mask);
+        if (valid && lane == 0) {
+          scores[static_cast<int64_t>(h) * p.partition + (pos - range.begin)] =
+              Softcap(dot, p.softcap);
+        }
       }
     }
   }
@@ -167,67 +174,94 @@ ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, in
   }
   exec.Sync();
 
-  // 4. The weighted sum of the values: a value column a thread (two when
-  // value_dim > threads), keys taken in `slices` interleaved sets summed
-  // apart and added at the end, heads kHeadTile at a time.
+  // 4. The weighted sum of the values, as the keys were read: `value_lanes`
+  // threads a value row, each holding 16-byte chunks of it, `value_slots`
+  // rows at a time, kValueUnroll rows a thread loaded before any is used;
+  // heads kValueHeadTile at a time. A thread's sums over its rows are added
+  // to the other slots' of its warp by exchanges, then across the warps
+  // through shared memory (the region q used: q is not read again).
   const Storage* values = static_cast<const Storage*>(p.value_blocks);
-  const int32_t slice = tid / l.columns, column0 = tid % l.columns;
-  // When columns does not divide the threads, the last few have no slice.
-  const bool sums_values = slice < l.slices;
+  const int32_t value_lane = tid % l.value_lanes, value_slot = tid / l.value_lanes;
+  float* warp_sums = q_s;  // [warps, kValueHeadTile, value_dim]
   const bool split_output = p.max_splits > 1;
   const SplitWorkspace ws = SplitArrays(p);
-  for (int32_t h0 = 0; h0 < l.group; h0 += kHeadTile) {
-    const int32_t tile = l.group - h0 < kHeadTile ? l.group - h0 : kHeadTile;
-    float acc[kHeadTile][kMaxColumnsPerThread];
-    for (int32_t hh = 0; hh < kHeadTile; ++hh) {
-      for (int32_t ci = 0; ci < kMaxColumnsPerThread; ++ci) acc[hh][ci] = 0.0f;
-    }
-    for (int32_t j = sums_values ? slice : n; j < n; j += l.slices) {
-      const int64_t row =
-          KvRowOffset(table, range.begin + j, p.block_size, p.kv_heads, kv_head, p.value_dim);
-      for (int32_t ci = 0; ci < kMaxColumnsPerThread; ++ci) {
-        const int32_t col = column0 + ci * l.columns;
-        if (col >= p.value_dim) break;
-        const float v = ToFloat(Tag{}, values[row + col]);
-        for (int32_t hh = 0; hh < kHeadTile; ++hh) {
-          if (hh < tile) {
-            acc[hh][ci] =
-                fmaf(scores[static_cast<int64_t>(h0 + hh) * p.partition + j], v, acc[hh][ci]);
-          }
-        }
+  const int32_t rows_per_round = l.value_slots * kValueUnroll;
+  for (int32_t h0 = 0; h0 < l.group; h0 += kValueHeadTile) {
+    const int32_t tile = l.group - h0 < kValueHeadTile ? l.group - h0 : kValueHeadTile;
+    float acc[kValueHeadTile][kMaxChunksPerLane][kVec];
+    for (int32_t hh = 0; hh < kValueHeadTile; ++hh) {
+      for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
+        for (int32_t e = 0; e < kVec; ++e) acc[hh][i][e] = 0.0f;
       }
     }
-    if (l.slices > 1) {  // then value_dim <= columns: one column a thread
-      for (int32_t hh = 0; hh < (sums_values ? kHeadTile : 0); ++hh) {
-        slice_sums[(static_cast<int64_t>(slice) * kHeadTile + hh) * l.columns + column0] =
-            acc[hh][0];
-      }
-      exec.Sync();
-      if (slice == 0) {
-        for (int32_t other = 1; other < l.slices; ++other) {
-          for (int32_t hh = 0; hh < kHeadTile; ++hh) {
-            acc[hh][0] +=
-                slice_sums[(static_cast<int64_t>(other) * kHeadTile + hh) * l.columns + column0];
-          }
-        }
-      }
-      exec.Sync();  // before the next tile writes slice_sums again
-    }
-    if (slice == 0) {
-      for (int32_t hh = 0; hh < tile; ++hh) {
-        const int64_t out_row = first_row + h0 + hh;
-        for (int32_t ci = 0; ci < kMaxColumnsPerThread; ++ci) {
-          const int32_t col = column0 + ci * l.columns;
-          if (col >= p.value_dim) break;
-          if (split_output) {
-            ws.sums[(out_row * p.max_splits + split) * p.value_dim + col] = acc[hh][ci];
+    for (int32_t base = 0; base < n; base += rows_per_round) {
+      float v[kValueUnroll][kMaxChunksPerLane][kVec];
+      float w[kValueUnroll][kValueHeadTile];
+      for (int32_t u = 0; u < kValueUnroll; ++u) {
+        const int32_t j = base + u * l.value_slots + value_slot;
+        const bool valid = j < n;
+        const int64_t row = valid ? KvRowOffset(table, range.begin + j, p.block_size, p.kv_heads,
+                                                kv_head, p.value_dim)
+                                  : 0;
+        for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
+          const int32_t c = value_lane + i * l.value_lanes;
+          if (valid && c < l.value_chunks) {
+            LoadChunk<Tag>(values + row + static_cast<int64_t>(c) * kVec, v[u][i]);
           } else {
-            static_cast<Storage*>(p.out)[out_row * p.value_dim + col] =
-                FromFloat(Tag{}, acc[hh][ci] / stats[l.group + h0 + hh]);
+            for (int32_t e = 0; e < kVec; ++e) v[u][i][e] = 0.0f;
+          }
+        }
+        for (int32_t hh = 0; hh < kValueHeadTile; ++hh) {
+          w[u][hh] =
+              valid && hh < tile ? scores[static_cast<int64_t>(h0 + hh) * p.partition + j] : 0.0f;
+        }
+      }
+      for (int32_t u = 0; u < kValueUnroll; ++u) {
+        for (int32_t hh = 0; hh < kValueHeadTile; ++hh) {
+          for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
+            for (int32_t e = 0; e < kVec; ++e)
+              acc[hh][i][e] = fmaf(w[u][hh], v[u][i][e], acc[hh][i][e]);
           }
         }
       }
     }
+    // The slots of a warp: lanes that differ in the bits above value_lanes.
+    for (int32_t mask = l.value_lanes; mask < 32; mask *= 2) {
+      for (int32_t hh = 0; hh < kValueHeadTile; ++hh) {
+        for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
+          for (int32_t e = 0; e < kVec; ++e) acc[hh][i][e] += exec.XorLanes(acc[hh][i][e], mask);
+        }
+      }
+    }
+    const int32_t warp_of_thread = tid / 32;
+    if (tid % 32 < l.value_lanes) {  // the warp's first slot holds its sums
+      for (int32_t hh = 0; hh < tile; ++hh) {
+        for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
+          const int32_t c = value_lane + i * l.value_lanes;
+          if (c >= l.value_chunks) break;
+          float* dst = warp_sums +
+                       (static_cast<int64_t>(warp_of_thread) * kValueHeadTile + hh) * p.value_dim +
+                       c * kVec;
+          for (int32_t e = 0; e < kVec; ++e) dst[e] = acc[hh][i][e];
+        }
+      }
+    }
+    exec.Sync();
+    for (int32_t k_out = tid; k_out < tile * p.value_dim; k_out += kDecodeThreads) {
+      const int32_t hh = k_out / p.value_dim, col = k_out % p.value_dim;
+      float total = 0.0f;
+      for (int32_t wi = 0; wi < kWarps; ++wi) {
+        total += warp_sums[(static_cast<int64_t>(wi) * kValueHeadTile + hh) * p.value_dim + col];
+      }
+      const int64_t out_row = first_row + h0 + hh;
+      if (split_output) {
+        ws.sums[(out_row * p.max_splits + split) * p.value_dim + col] = total;
+      } else {
+        static_cast<Storage*>(p.out)[out_row * p.value_dim + col] =
+            FromFloat(Tag{}, total / stats[l.group + h0 + hh]);
+      }
+    }
+    exec.Sync();  // before the next tile writes warp_sums again
   }
   if (split_output && tid < l.group) {
     const int64_t entry = (first_row + tid) * p.max_splits + split;
