@@ -81,6 +81,9 @@ struct ModelRunner::Impl {
   std::map<int64_t, BucketBuffers> buckets;
   std::unique_ptr<internal::DecodeGraphRunner> graphs;
   int64_t padded_steps = 0, padded_rows = 0;
+  // options.unpadded_static_decode resolved for this model and device.
+  bool unpadded_static = false;
+  int64_t unpadded_static_steps = 0;
 
   // The padded step of `chunks` (one token each, the bucket's padded rows
   // last): the static inputs written, the model's static decode step run
@@ -88,6 +91,12 @@ struct ModelRunner::Impl {
   absl::StatusOr<at::Tensor> RunPaddedDecode(int64_t bucket, const std::vector<int64_t>& packed,
                                              const std::vector<models::SequenceChunk>& chunks,
                                              int64_t batch);
+
+  // A step of one-token decodes (`chunks`, no padding) as the model's
+  // static decode step: its inputs built here and copied to the device at
+  // once, the caches advanced. Logits [rows, vocab] on the cpu.
+  absl::StatusOr<at::Tensor> RunUnpaddedStaticDecode(
+      const std::vector<int64_t>& packed, const std::vector<models::SequenceChunk>& chunks);
 
   void ResetCache(Request& r) {
     r.cache.Clear();
@@ -265,6 +274,68 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunPaddedDecode(
   return logits;
 }
 
+absl::StatusOr<at::Tensor> ModelRunner::Impl::RunUnpaddedStaticDecode(
+    const std::vector<int64_t>& packed, const std::vector<models::SequenceChunk>& chunks) {
+  const int64_t rows = static_cast<int64_t>(chunks.size()), block_size = options.block_size;
+  at::Tensor ids;
+  models::StaticDecodeInputs inputs;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    const at::Device device =
+        dispatched != nullptr ? dispatched->main_device() : at::Device(at::kCPU);
+    int64_t max_blocks = 1;
+    for (const models::SequenceChunk& chunk : chunks) {
+      max_blocks = std::max(max_blocks, chunk.cache->length / block_size + 1);
+    }
+    // Two host buffers (pinned for a CUDA device, so the copies are
+    // asynchronous; the caching host allocator keeps a buffer until its copy
+    // is done): ids, positions, slot blocks and offsets as int64; the tables
+    // and totals as int32.
+    const bool pin = device.is_cuda();
+    at::Tensor wide = at::empty({4, rows}, at::TensorOptions().dtype(at::kLong).pinned_memory(pin));
+    at::Tensor narrow = at::zeros({rows * max_blocks + rows},
+                                  at::TensorOptions().dtype(at::kInt).pinned_memory(pin));
+    int64_t* w = wide.data_ptr<int64_t>();
+    int32_t* table = narrow.data_ptr<int32_t>();
+    int32_t* total = table + rows * max_blocks;
+    int64_t max_total = 1;
+    for (int64_t r = 0; r < rows; ++r) {
+      const models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
+      const int64_t length = cache.length, used = length / block_size + 1;
+      TORCH_CHECK(static_cast<int64_t>(cache.block_table.size()) >= used,
+                  "static decode step: row ", r, " at position ", length, " but its table holds ",
+                  cache.block_table.size(), " blocks");
+      w[r] = packed[static_cast<size_t>(r)];
+      w[rows + r] = length;
+      w[2 * rows + r] = cache.block_table[static_cast<size_t>(length / block_size)];
+      w[3 * rows + r] = length % block_size;
+      total[r] = static_cast<int32_t>(length + 1);
+      max_total = std::max(max_total, length + 1);
+      std::copy(cache.block_table.begin(), cache.block_table.begin() + used,
+                table + r * max_blocks);
+    }
+    const at::Tensor wide_on_device = wide.to(device, /*non_blocking=*/pin);
+    const at::Tensor narrow_on_device = narrow.to(device, /*non_blocking=*/pin);
+    ids = wide_on_device[0];
+    inputs.positions = wide_on_device[1].view({1, rows});
+    inputs.slot_blocks = wide_on_device[2];
+    inputs.slot_offsets = wide_on_device[3];
+    inputs.block_tables = narrow_on_device.narrow(0, 0, rows * max_blocks).view({rows, max_blocks});
+    inputs.totals = narrow_on_device.narrow(0, rows * max_blocks, rows);
+    // This step's longest row fixes the attention's plan (no graph reuses it).
+    inputs.max_total = max_total;
+  }));
+  ACCEL_ASSIGN_OR_RETURN(at::Tensor logits,
+                         model->ForwardStaticDecode(ids, chunks, inputs, dispatched));
+  for (int64_t r = 0; r < rows; ++r) {
+    models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
+    cache.length += 1;
+    cache.token_ids.push_back(packed[static_cast<size_t>(r)]);
+  }
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] { logits = logits.to(at::kCPU); }));
+  ++unpadded_static_steps;
+  return logits;
+}
+
 ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ModelRunner::~ModelRunner() = default;
 
@@ -335,6 +406,13 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   // A model without a static decode step (GPT-2, LongRoPE, split) runs
   // every step unpadded.
   if (!m.model->SupportsStaticDecode()) m.options.decode_buckets.clear();
+  {
+    using Unpadded = ModelRunnerOptions::UnpaddedStaticDecode;
+    const bool on_cuda = dispatched != nullptr && dispatched->main_device().is_cuda();
+    m.unpadded_static = m.model->SupportsStaticDecode() &&
+                        (m.options.unpadded_static_decode == Unpadded::kAlways ||
+                         (m.options.unpadded_static_decode == Unpadded::kAuto && on_cuda));
+  }
   const bool padding = !m.options.decode_buckets.empty();
   // The scratch block of padded rows is the store's last, past every block
   // the scheduler hands out.
@@ -460,10 +538,11 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
   // A step of one-token decodes only, padded to its bucket.
   const int64_t batch = static_cast<int64_t>(chunks.size());
   std::optional<int64_t> bucket;
-  if (!options.decode_buckets.empty() &&
+  const bool decodes_only =
       std::all_of(chunks.begin(), chunks.end(), [](const models::SequenceChunk& c) {
         return c.tokens == 1 && c.logit_tokens == 1 && c.cache->paged();
-      })) {
+      });
+  if (!options.decode_buckets.empty() && decodes_only) {
     bucket = DecodeBucketFor(options.decode_buckets, batch);
   }
   if (bucket) {
@@ -496,7 +575,20 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Execute(const SchedulerOutp
       bucket.reset();
     }
   }
-  if (!bucket) {
+  bool ran_static = false;
+  if (!bucket && decodes_only && unpadded_static) {
+    forwarded = RunUnpaddedStaticDecode(packed, chunks);
+    ran_static = forwarded.ok();
+    if (!ran_static) {
+      // As the padded step: an optimisation, off for good once it fails; the
+      // caches have not moved (a row's key and value written at its next
+      // position are written again below).
+      std::fprintf(stderr, "accel: unpadded static decode steps off: %s\n",
+                   forwarded.status().ToString().c_str());
+      unpadded_static = false;
+    }
+  }
+  if (!bucket && !ran_static) {
     at::Tensor input_ids;
     ACCEL_RETURN_IF_ERROR(CallTorch([&] { input_ids = at::tensor(packed, at::kLong); }));
     forwarded = model->Forward(input_ids, chunks, models::Logits::kLastOfEach, dispatched);
@@ -692,6 +784,7 @@ int64_t ModelRunner::lookahead_tokens() const {
 }
 
 int64_t ModelRunner::padded_decode_steps() const { return impl_->padded_steps; }
+int64_t ModelRunner::unpadded_static_decode_steps() const { return impl_->unpadded_static_steps; }
 int64_t ModelRunner::padded_decode_rows() const { return impl_->padded_rows; }
 
 int64_t ModelRunner::kv_cache_bytes() const {

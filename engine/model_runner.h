@@ -133,6 +133,16 @@ struct ModelRunnerOptions {
   // The model's decode step must be capturable: dense, on one device, no
   // LongRoPE (LlmEngine checks). Off: the step is called directly.
   bool capture_decode_graphs = false;
+  // A step of one-token decodes that is not padded (no decode_buckets, a
+  // batch past the largest, padded steps turned off): run as the model's
+  // static decode step at its own size, its inputs (ids, positions, slots,
+  // block tables) built once and copied to the device in two copies, where
+  // the general forward writes each sequence's key and value with its own
+  // copies and uploads the tables again in every layer. kAuto: on a CUDA
+  // execution device, for a model with a static decode step. kAlways: on
+  // the cpu too (tests compare it with the general forward there).
+  enum class UnpaddedStaticDecode { kOff, kAuto, kAlways };
+  UnpaddedStaticDecode unpadded_static_decode = UnpaddedStaticDecode::kAuto;
   // Steps in flight (a pipeline-parallel model whose CausalLM::Submit
   // returns before the last stage's logits): the engine core keeps up to
   // this many steps over disjoint requests. Create makes it 1 with
@@ -168,6 +178,8 @@ class ModelRunner : public ModelRunnerInterface {
   // they added.
   int64_t padded_decode_steps() const;
   int64_t padded_decode_rows() const;
+  // Steps that ran as an unpadded static decode step (unpadded_static_decode).
+  int64_t unpadded_static_decode_steps() const;
 
  private:
   struct Impl;

@@ -124,6 +124,10 @@ def main():
                          f"{m['load_s']:.1f} s, TTFT ({decode.get('prompt')} tokens) "
                          f"{1e3 * m['ttft_s']:.1f} ms")
             for d in m.get("decode", []):
+                if d.get("general_forward"):
+                    lines.append(f"    batch {d['batch']:>3}, general forward: "
+                                 f"{d['tokens_per_s']:9.1f} tokens/s")
+                    continue
                 lines.append(f"    batch {d['batch']:>3}: {d['tokens_per_s']:9.1f} tokens/s, "
                              f"{d['step_ms']:.2f} ms a step, {d['weight_gbs']:.0f} GB/s = "
                              f"{d['of_copy_traffic']:.2f} of copy traffic")

@@ -77,7 +77,8 @@ std::vector<std::string> Split(const std::string& text) {
   std::fprintf(stderr,
                "accel-bench-decode-gpu: %s\nusage: accel-bench-decode-gpu --model DIR "
                "[--quantize none,nf4] [--batches 1,8,32,128] [--tokens N] [--prompt N] "
-               "[--rounds N] [--json FILE] [--graph_batches 1,8] [--compare_unfused 0|1]\n",
+               "[--rounds N] [--json FILE] [--graph_batches 1,8] [--compare_unfused 0|1] "
+               "[--general_batches 32]\n",
                error.c_str());
   std::exit(2);
 }
@@ -116,8 +117,15 @@ accel::engine::GenerationRequest Request(int64_t prompt_tokens, int64_t new_toke
 // `graphs`, decode steps are padded to batch buckets and (on a CUDA device)
 // replayed from CUDA graphs, as accel-serve --enforce_eager=false runs them.
 std::unique_ptr<accel::engine::EngineCore> CoreFor(accel::models::LoadedModel& m, int64_t sequences,
-                                                   int64_t tokens_each, bool graphs = false) {
+                                                   int64_t tokens_each, bool graphs = false,
+                                                   bool general = false) {
   accel::engine::ModelRunnerOptions r;
+  // `general`: eager decode steps through the general forward (each
+  // sequence's key and value written by its own copies, the tables
+  // uploaded in every layer) instead of the unpadded static step.
+  if (general) {
+    r.unpadded_static_decode = accel::engine::ModelRunnerOptions::UnpaddedStaticDecode::kOff;
+  }
   r.block_size = 16;
   r.num_blocks = sequences * ((tokens_each + 15) / 16 + 1) + 16;
   if (graphs) {
@@ -140,8 +148,8 @@ std::unique_ptr<accel::engine::EngineCore> CoreFor(accel::models::LoadedModel& m
 // too (with graphs, the first captures the bucket's graph).
 double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, int64_t salt,
                   bool graphs = false, std::vector<int64_t>* produced_ids = nullptr,
-                  int untimed_steps = 0) {
-  std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, batch, 16 + tokens, graphs);
+                  int untimed_steps = 0, bool general = false) {
+  std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, batch, 16 + tokens, graphs, general);
   accel::engine::EngineCore& generator = *core;
   for (int64_t i = 0; i < batch; ++i) {
     if (!generator.Add(Request(16, tokens, salt + i)).ok()) std::abort();
@@ -194,7 +202,8 @@ int main(int argc, char** argv) {
   std::string model_dir, json_path;
   std::vector<std::string> quantize = {"none", "nf4"};
   std::vector<int64_t> batches = {1, 8, 32, 128};
-  std::vector<int64_t> graph_batches;  // decode with CUDA graphs against eager, same run
+  std::vector<int64_t> graph_batches;    // decode with CUDA graphs against eager, same run
+  std::vector<int64_t> general_batches;  // eager through the general forward, same run
   int64_t tokens = 64, prompt = 2048;
   int rounds = 3;
   bool cpu = false;
@@ -222,6 +231,8 @@ int main(int argc, char** argv) {
     } else if (flag == "--graph_batches") {
       graph_batches.clear();
       for (const std::string& b : Split(value)) graph_batches.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--general_batches") {
+      for (const std::string& b : Split(value)) general_batches.push_back(std::atoll(b.c_str()));
     } else if (flag == "--compare_unfused") {
       if (value != "0" && value != "1" && value != "true" && value != "false") {
         Usage("--compare_unfused is 0, 1, true or false, got " + value);
@@ -236,6 +247,9 @@ int main(int argc, char** argv) {
   if (model_dir.empty()) Usage("--model is required");
   for (int64_t b : batches) {
     if (b < 1) Usage("--batches must be positive");
+  }
+  for (int64_t b : general_batches) {
+    if (b < 1) Usage("--general_batches must be positive");
   }
   if (tokens < 2 || prompt < 1) Usage("--tokens must be at least 2 and --prompt positive");
   if (!cpu && !at::hasCUDA()) {
@@ -308,6 +322,16 @@ int main(int argc, char** argv) {
               ", \"step_ms\": " + std::to_string(1e3 / steps) +
               ", \"weight_gbs\": " + std::to_string(used / 1e9) +
               ", \"of_copy_traffic\": " + std::to_string(used / (2 * copy_rate)) + "}";
+    }
+    // The same eager steps through the general forward: what the unpadded
+    // static step saves.
+    for (int64_t batch : general_batches) {
+      const double rate = DecodeRate(m, batch, tokens, 1000, false, nullptr, 0, true);
+      std::printf("  batch %3ld, general forward: %8.1f tokens/s (%.2f ms a step)\n",
+                  static_cast<long>(batch), rate, 1e3 * static_cast<double>(batch) / rate);
+      std::fflush(stdout);
+      rows += std::string(rows.empty() ? "" : ", ") + "{\"batch\": " + std::to_string(batch) +
+              ", \"general_forward\": true, \"tokens_per_s\": " + std::to_string(rate) + "}";
     }
     // CUDA graphs (issue 37, item 2): decode at each --graph_batches size
     // eagerly and replayed from graphs, in the same run, and whether the

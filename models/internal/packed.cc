@@ -63,6 +63,57 @@ void WriteRowsIndexed(at::Tensor blocks, absl::Span<const int32_t> table, int64_
   blocks.index_put_({index[0], at::indexing::Slice(), index[1]}, rows.transpose(0, 1));
 }
 
+bool WriteStepBlocks(absl::Span<const SequenceChunk> chunks, size_t layer, const at::Tensor& k,
+                     const at::Tensor& v) {
+  KvBlockStore* store = nullptr;
+  for (const SequenceChunk& chunk : chunks) {
+    if (chunk.cache == nullptr || !chunk.cache->paged()) continue;
+    if (store != nullptr && chunk.cache->store != store) return false;
+    store = chunk.cache->store;
+  }
+  if (store == nullptr) return true;
+  auto [key_blocks, value_blocks] = store->Layer(layer, k, v);
+  const int64_t block_size = store->block_size();
+  // [3, n]: each written token's block, its slot in the block, and its row of k.
+  std::vector<int64_t> blocks, slots, tokens;
+  int64_t offset = 0;
+  for (const SequenceChunk& chunk : chunks) {
+    if (chunk.cache != nullptr && chunk.cache->paged()) {
+      const KvCache& cache = *chunk.cache;
+      TORCH_CHECK(static_cast<int64_t>(cache.block_table.size()) * block_size >=
+                      cache.length + chunk.tokens,
+                  "paged KV cache: ", cache.length + chunk.tokens,
+                  " positions but the block table holds ", cache.block_table.size(), " blocks of ",
+                  block_size);
+      for (int64_t t = 0; t < chunk.tokens; ++t) {
+        const int64_t position = cache.length + t;
+        blocks.push_back(cache.block_table[static_cast<size_t>(position / block_size)]);
+        slots.push_back(position % block_size);
+        tokens.push_back(offset + t);
+      }
+    }
+    offset += chunk.tokens;
+  }
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  std::vector<int64_t> packed;
+  packed.reserve(static_cast<size_t>(3 * n));
+  packed.insert(packed.end(), blocks.begin(), blocks.end());
+  packed.insert(packed.end(), slots.begin(), slots.end());
+  packed.insert(packed.end(), tokens.begin(), tokens.end());
+  at::Tensor index = at::tensor(packed, at::TensorOptions().dtype(at::kLong)).view({3, n});
+  // Pinned on a CUDA device, so the upload does not wait for the stream.
+  const bool pin = key_blocks.is_cuda();
+  if (pin) index = index.pin_memory();
+  index = index.to(key_blocks.device(), /*non_blocking=*/pin);
+  const bool every_token = n == k.size(1);  // in order: the tokens are 0, 1, ...
+  const at::Tensor keys = every_token ? k : k.index_select(1, index[2]);
+  const at::Tensor values = every_token ? v : v.index_select(1, index[2]);
+  // [n, kv_heads, d] lands at blocks[block[t], :, slot[t]].
+  key_blocks.index_put_({index[0], at::indexing::Slice(), index[1]}, keys.transpose(0, 1));
+  value_blocks.index_put_({index[0], at::indexing::Slice(), index[1]}, values.transpose(0, 1));
+  return true;
+}
+
 namespace {
 
 // Writes the chunk's keys and values [kv_heads, n, d] at positions
@@ -174,6 +225,10 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
   std::vector<PagedQuery> decodes;
   std::vector<size_t> decode_chunks;
   at::Tensor decode_keys, decode_values;
+  // Off the cpu the step's paged keys and values are written at once (on
+  // the cpu a copy per run of positions costs no launch and less than the
+  // indexed copy's set-up).
+  const bool written = !k.is_cpu() && WriteStepBlocks(chunks, layer, k, v);
   int64_t offset = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const SequenceChunk& chunk = chunks[c];
@@ -182,7 +237,8 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
     int64_t past = 0;
     if (chunk.cache != nullptr && chunk.cache->paged()) {
       past = chunk.cache->length;
-      auto [key_blocks, value_blocks] = WriteBlocks(chunk.cache, layer, keys, values);
+      auto [key_blocks, value_blocks] = written ? chunk.cache->store->Layer(layer, keys, values)
+                                                : WriteBlocks(chunk.cache, layer, keys, values);
       // Decoding positions (one token, or a token and the drafts after it,
       // every one of which gets logits) attend in place, each query over
       // the positions up to its own: the same computation as decoding them

@@ -66,6 +66,16 @@ class StaticDecodeScope {
 void WriteRowsIndexed(at::Tensor blocks, absl::Span<const int32_t> table, int64_t past,
                       const at::Tensor& rows);
 
+// Writes a step's keys and values [kv_heads, T, d] (the chunks' tokens
+// packed in order) at every paged chunk's next positions (from its cache's
+// length) in layer `layer` of their store, as one indexed copy per tensor
+// with the positions uploaded once: what AttendPacked does off the cpu, where
+// a copy per run of positions is a kernel each (two a decoding sequence a
+// layer). Chunks without a paged cache are skipped. False, with nothing
+// written, when the paged chunks do not share one store.
+bool WriteStepBlocks(absl::Span<const SequenceChunk> chunks, size_t layer, const at::Tensor& k,
+                     const at::Tensor& v);
+
 // Checks the chunks against the ids, prepares the caches, and returns the
 // positions [1, total] (int64, cpu).
 absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,

@@ -529,6 +529,54 @@ TEST_F(GeneratorTest, DecodeStepsPaddedToBucketsGiveWhatUnpaddedStepsGive) {
   }
 }
 
+// Steps of one-token decodes run as the model's static decode step at their
+// own size (ModelRunnerOptions::unpadded_static_decode; on by default on a
+// CUDA device, forced here on the cpu) give the general forward's tokens and
+// log-probs bit for bit: dense, mixture-of-experts and sliding-window
+// models, with preemption and prefix hits, and chunked prompts between.
+TEST_F(GeneratorTest, UnpaddedStaticDecodeStepsGiveWhatTheGeneralForwardGives) {
+  using Unpadded = ModelRunnerOptions::UnpaddedStaticDecode;
+  for (const std::string family : {"llama", "mixtral", "gemma2"}) {
+    SCOPED_TRACE(family);
+    Load(family, 256, 0, family == "gemma2" ? std::optional<int64_t>(8) : std::nullopt);
+    const std::vector<GenerationRequest> requests = SharedPrefixRequests();
+    GeneratorOptions tight;
+    tight.block_size = 4;
+    tight.kv_cache_blocks = 22;  // 88 tokens for 7 requests of up to 57
+    tight.max_num_batched_tokens = 10;
+    std::vector<GenerationResult> results[2];
+    int64_t static_steps[2] = {0, 0};
+    for (int forced = 0; forced < 2; ++forced) {
+      ModelRunnerOptions r;
+      r.num_blocks = tight.kv_cache_blocks;
+      r.block_size = tight.block_size;
+      // kAuto: the cpu is not a CUDA device, so the general forward runs.
+      r.unpadded_static_decode = forced == 1 ? Unpadded::kAlways : Unpadded::kAuto;
+      auto runner = ModelRunner::Create(loaded_->model, loaded_->dispatched.get(), r);
+      ASSERT_THAT(runner, IsOk());
+      const ModelRunner* made = runner->get();
+      EngineCoreOptions core;
+      core.max_num_batched_tokens = tight.max_num_batched_tokens;
+      EngineCore engine(
+          *std::move(runner), [] { return std::make_unique<LetterStream>(); }, core);
+      auto got = Generate(engine, requests);
+      ASSERT_THAT(got, IsOk());
+      results[forced] = *std::move(got);
+      static_steps[forced] = made->unpadded_static_decode_steps();
+      EXPECT_GT(engine.stats().preemptions, 0);
+      EXPECT_GT(engine.stats().prefix_hit_tokens, 0);
+      EXPECT_EQ(engine.stats().kv_blocks_used, 0);
+    }
+    EXPECT_EQ(static_steps[0], 0);
+    EXPECT_GT(static_steps[1], 20);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      EXPECT_THAT(results[1][i].token_ids, ElementsAreArray(results[0][i].token_ids)) << i;
+      EXPECT_THAT(results[1][i].logprobs, ElementsAreArray(results[0][i].logprobs)) << i;
+      EXPECT_EQ(results[1][i].text, results[0][i].text) << i;
+    }
+  }
+}
+
 // Steps in flight (ModelRunnerOptions::steps_in_flight, as a pipeline-
 // parallel leader runs them; here one process, whose CausalLM::Submit runs
 // the forward at once): the engine core splits the requests into two
@@ -603,12 +651,15 @@ TEST_F(GeneratorTest, DecodeStepsReplayedFromCudaGraphsGiveWhatEagerStepsGive) {
     auto loaded = LoadModel(dir, load);
     ASSERT_THAT(loaded, IsOk());
     const std::vector<GenerationRequest> requests = SharedPrefixRequests();
-    std::vector<GenerationResult> results[2];
-    for (int graphs = 0; graphs < 2; ++graphs) {
+    // 0: the general forward; 1: eager decode steps as unpadded static
+    // steps (the default on a CUDA device); 2: padded and replayed from graphs.
+    std::vector<GenerationResult> results[3];
+    for (int graphs = 0; graphs < 3; ++graphs) {
       ModelRunnerOptions r;
       r.block_size = 4;
       r.num_blocks = 22;  // preemption, as on the cpu above
-      if (graphs == 1) {
+      if (graphs == 0) r.unpadded_static_decode = ModelRunnerOptions::UnpaddedStaticDecode::kOff;
+      if (graphs == 2) {
         r.decode_buckets = DecodeBatchBuckets(8);
         r.capture_decode_graphs = true;
       }
@@ -623,13 +674,21 @@ TEST_F(GeneratorTest, DecodeStepsReplayedFromCudaGraphsGiveWhatEagerStepsGive) {
       results[graphs] = *std::move(got);
       EXPECT_GT(engine.stats().preemptions, 0);
       if (graphs == 1) {
+        EXPECT_GT(made->unpadded_static_decode_steps(), 20);
+      }
+      if (graphs == 2) {
         EXPECT_GT(made->padded_decode_steps(), 20);  // still padded: no fallback to eager
       }
     }
-    for (size_t i = 0; i < requests.size(); ++i) {
-      EXPECT_THAT(results[1][i].token_ids, ElementsAreArray(results[0][i].token_ids)) << i;
-      // Padded batches may take other GEMM kernels: equal to float32 rounding.
-      EXPECT_THAT(results[1][i].logprobs, Pointwise(FloatNear(1e-4f), results[0][i].logprobs)) << i;
+    for (int variant = 1; variant < 3; ++variant) {
+      SCOPED_TRACE(variant == 1 ? "unpadded static" : "graphs");
+      for (size_t i = 0; i < requests.size(); ++i) {
+        EXPECT_THAT(results[variant][i].token_ids, ElementsAreArray(results[0][i].token_ids)) << i;
+        // Padded batches may take other GEMM kernels: equal to float32 rounding.
+        EXPECT_THAT(results[variant][i].logprobs,
+                    Pointwise(FloatNear(1e-4f), results[0][i].logprobs))
+            << i;
+      }
     }
   }
 }

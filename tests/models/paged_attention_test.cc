@@ -445,6 +445,50 @@ TEST(PagedAttentionCudaTest, IndexedRowsLandWhereTheTableSays) {
   EXPECT_TRUE(at::equal(blocks, want));
 }
 
+// A step's writes at once (AttendPacked's way off the cpu): a prompt chunk
+// across blocks, a chunk without a cache, a decoding chunk; every paged
+// token lands at its cache's next positions, nothing else moves. Chunks on
+// two stores are refused with nothing written.
+TEST(PagedAttentionCudaTest, AStepsWritesLandWhereEachTableSays) {
+  c10::InferenceMode inference;
+  at::manual_seed(5);
+  KvBlockStore store(9, 4, 2);
+  KvCache prompt, decoding;
+  prompt.store = decoding.store = &store;
+  prompt.block_table = {7, 2, 5, 0};
+  prompt.length = 3;  // positions 3..12
+  decoding.block_table = {1, 8};
+  decoding.length = 6;  // position 6: block 8, slot 2
+  const std::vector<SequenceChunk> chunks = {{&prompt, 10, 1}, {nullptr, 2, 1}, {&decoding, 1, 1}};
+  const at::Tensor k = at::randn({3, 13, 8}), v = at::randn({3, 13, 8});
+  auto [key_blocks, value_blocks] = store.Layer(1, k, v);
+  key_blocks.copy_(at::randn(key_blocks.sizes()));
+  value_blocks.copy_(at::randn(value_blocks.sizes()));
+  at::Tensor want_keys = key_blocks.clone(), want_values = value_blocks.clone();
+  const auto expect_at = [&](const KvCache& cache, int64_t t, int64_t row) {
+    const int64_t position = cache.length + t;
+    const int64_t block = cache.block_table[static_cast<size_t>(position / 4)];
+    want_keys[block].select(1, position % 4).copy_(k.select(1, row));
+    want_values[block].select(1, position % 4).copy_(v.select(1, row));
+  };
+  for (int64_t t = 0; t < 10; ++t) expect_at(prompt, t, t);
+  expect_at(decoding, 0, 12);
+  ASSERT_TRUE(WriteStepBlocks(chunks, 1, k, v));
+  EXPECT_TRUE(at::equal(key_blocks, want_keys));
+  EXPECT_TRUE(at::equal(value_blocks, want_values));
+  // The caches' lengths are the caller's to advance.
+  EXPECT_EQ(prompt.length, 3);
+
+  KvBlockStore other(9, 4, 2);
+  KvCache elsewhere;
+  elsewhere.store = &other;
+  elsewhere.block_table = {0};
+  const at::Tensor before = key_blocks.clone();
+  EXPECT_FALSE(WriteStepBlocks({{&prompt, 10, 1}, {&elsewhere, 1, 1}}, 1, k.narrow(1, 0, 11),
+                               v.narrow(1, 0, 11)));
+  EXPECT_TRUE(at::equal(key_blocks, before));
+}
+
 TEST(PagedAttentionErrorsTest, ATableTooShortOrABlockOutsideTheStoreIsRefused) {
   c10::InferenceMode inference;
   at::Tensor blocks = at::zeros({4, 1, 2, 8});
