@@ -139,6 +139,14 @@ def main():
                 if "graphs_unfused_tokens_per_s" in g:
                     lines.append(f"    batch {g['batch']:>3}, CUDA graphs without the fused "
                                  f"kernels: {g['graphs_unfused_tokens_per_s']:9.1f} tokens/s")
+            for p in m.get("profiles", []):
+                lines.append(f"    profile, batch {p['batch']}, "
+                             f"{'CUDA graphs' if p['graphs'] else 'eager'}: "
+                             f"{p['kernels_per_step']:.1f} kernels a step, device busy "
+                             f"{p['busy_ms_per_step']:.2f} ms of {p['step_ms']:.2f} ms")
+                for k in p.get("top", [])[:12]:
+                    lines.append(f"      {k['per_step']:6.1f} a step {k['us_per_step']:8.1f} us  "
+                                 f"{k['name'][:80]}")
     kv = summary["bench"].get("kv_sizing")
     if kv:
         lines.append(f"--gpu_memory_utilization on GPU 0 (nvidia-smi free, total MiB before: "

@@ -4,8 +4,10 @@
 # user's CUDA libtorch) does not first fail on a device: the device run of
 # 2026-11-29 lost three of its five calls to dist/process_group.cc.
 #
-#   bash scripts/torch2_syntax_check.sh HEADERS.tar.xz|DIR
+#   bash scripts/torch2_syntax_check.sh HEADERS.tar.xz|DIR [FILTER]
 #
+# FILTER: a regular expression; only the sources whose path matches it
+# (the files a change touched: seconds instead of minutes).
 # HEADERS: the `include` folder of that libtorch, or the tarball of it that
 # scripts/gpu_check.sh writes to OUT/torch_include.tar.xz when its build fails
 # (kept here in .deps/, which git ignores). Uses build/compile_commands.json
@@ -22,7 +24,8 @@
 # folder after the system's; not solved).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-src=${1:?usage: torch2_syntax_check.sh HEADERS.tar.xz|DIR}
+src=${1:?usage: torch2_syntax_check.sh HEADERS.tar.xz|DIR [FILTER]}
+filter=${2:-}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 if [[ -d $src ]]; then
@@ -30,14 +33,14 @@ if [[ -d $src ]]; then
 else
   tar -C "$work" -xJf "$src" && inc=$work/include
 fi
-python3 - "$inc" "$work" <<'PY'
+python3 - "$inc" "$work" "$filter" <<'PY'
 import json, re, shlex, sys
-inc, work = sys.argv[1], sys.argv[2]
+inc, work, wanted = sys.argv[1], sys.argv[2], sys.argv[3]
 db = json.load(open("build/compile_commands.json"))
 seen, cmds = set(), []
 for e in db:
     f = e["file"]
-    if f in seen or not f.endswith(".cc") or "/build/" in f:
+    if f in seen or not f.endswith(".cc") or "/build/" in f or (wanted and not re.search(wanted, f)):
         continue
     seen.add(f)
     args = shlex.split(e["command"])

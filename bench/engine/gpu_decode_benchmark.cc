@@ -22,6 +22,9 @@
 //       [--batches 1,8,32,128] [--tokens 64] [--prompt 2048] [--rounds 3] [--json FILE]
 //       [--graph_batches 1,8]   (decode with CUDA graphs against eager, and their tokens)
 //       [--compare_unfused 1]   (the graphs rows again without models/cuda/fused_ops.h's kernels)
+//       [--general_batches 8,32]   (eager steps through the general forward)
+//       [--profile_batches 1]   (the kernels a decode step runs, eager and from graphs, with
+//                                libtorch's Kineto profiler: libtorch 2.x)
 //       [--device cpu]   (the same measurements on the cpu: a check of the harness)
 // Without a CUDA device (and without --device cpu) it says so and exits with
 // status 1.
@@ -38,6 +41,16 @@
 #include <ATen/Functions.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/nn/module.h>
+#include <torch/version.h>
+// libtorch's Kineto profiler (CUPTI) for --profile_batches: its C++ entry
+// points as 2.x declares them.
+#if TORCH_VERSION_MAJOR >= 2 && __has_include(<torch/csrc/autograd/profiler_kineto.h>)
+#define ACCEL_BENCH_KINETO 1
+#include <map>
+#include <set>
+
+#include <torch/csrc/autograd/profiler_kineto.h>
+#endif
 
 #include "core/bytes.h"
 #include "engine/decode_graphs.h"
@@ -78,7 +91,7 @@ std::vector<std::string> Split(const std::string& text) {
                "accel-bench-decode-gpu: %s\nusage: accel-bench-decode-gpu --model DIR "
                "[--quantize none,nf4] [--batches 1,8,32,128] [--tokens N] [--prompt N] "
                "[--rounds N] [--json FILE] [--graph_batches 1,8] [--compare_unfused 0|1] "
-               "[--general_batches 32]\n",
+               "[--general_batches 32] [--profile_batches 1]\n",
                error.c_str());
   std::exit(2);
 }
@@ -148,7 +161,8 @@ std::unique_ptr<accel::engine::EngineCore> CoreFor(accel::models::LoadedModel& m
 // too (with graphs, the first captures the bucket's graph).
 double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, int64_t salt,
                   bool graphs = false, std::vector<int64_t>* produced_ids = nullptr,
-                  int untimed_steps = 0, bool general = false) {
+                  int untimed_steps = 0, bool general = false,
+                  const std::function<void(bool)>& around_timed = nullptr) {
   std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, batch, 16 + tokens, graphs, general);
   accel::engine::EngineCore& generator = *core;
   for (int64_t i = 0; i < batch; ++i) {
@@ -166,6 +180,7 @@ double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, 
     }
   }
   int64_t produced = 0;
+  if (around_timed) around_timed(true);
   const double seconds = Seconds([&] {
     while (generator.num_requests() > 0) {
       auto events = generator.Step();
@@ -179,7 +194,85 @@ double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, 
       }
     }
   });
+  if (around_timed) around_timed(false);
   return static_cast<double>(produced) / seconds;
+}
+
+// The CUDA kernels (and copies) a run of decode steps launched, from
+// libtorch's Kineto profiler: per name, launches and device time a step,
+// the `top` longest printed; the device's busy time a step against the
+// step's wall time. JSON of it, or "" without the profiler (libtorch 1.x).
+std::string ProfileDecode(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, bool graphs,
+                          int top) {
+#ifdef ACCEL_BENCH_KINETO
+  namespace impl = torch::profiler::impl;
+  namespace profiler = torch::autograd::profiler;
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
+  const std::set<impl::ActivityType> activities = {impl::ActivityType::CUDA};
+  std::unique_ptr<profiler::ProfilerResult> result;
+  const auto around = [&](bool start) {
+    if (start) {
+      profiler::prepareProfiler(config, activities);
+      profiler::enableProfiler(config, activities);
+    } else {
+      result = profiler::disableProfiler();
+    }
+  };
+  const double rate = DecodeRate(m, batch, tokens, 7000, graphs, nullptr, 1, false, around);
+  if (!result) return "";
+  const double steps = static_cast<double>(tokens - 1);  // the first decode step was untimed
+  struct Total {
+    int64_t count = 0;
+    double ns = 0;
+  };
+  std::map<std::string, Total> by_name;
+  double busy_ns = 0;
+  int64_t launches = 0;
+  for (const auto& e : result->events()) {
+    if (e.deviceType() != c10::DeviceType::CUDA) continue;
+    Total& t = by_name[e.name()];
+    t.count += 1;
+    t.ns += static_cast<double>(e.durationNs());
+    busy_ns += static_cast<double>(e.durationNs());
+    launches += 1;
+  }
+  std::vector<std::pair<std::string, Total>> sorted(by_name.begin(), by_name.end());
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto& a, const auto& b) { return a.second.ns > b.second.ns; });
+  const double step_ms = 1e3 * static_cast<double>(batch) / rate;
+  std::printf(
+      "  profile, batch %ld, %s: %.1f kernels a step, device busy %.2f ms of a %.2f ms step\n",
+      static_cast<long>(batch), graphs ? "CUDA graphs" : "eager",
+      static_cast<double>(launches) / steps, busy_ns / steps / 1e6, step_ms);
+  std::string json = "{\"batch\": " + std::to_string(batch) +
+                     ", \"graphs\": " + (graphs ? "true" : "false") +
+                     ", \"kernels_per_step\": " + std::to_string(launches / steps) +
+                     ", \"busy_ms_per_step\": " + std::to_string(busy_ns / steps / 1e6) +
+                     ", \"step_ms\": " + std::to_string(step_ms) + ", \"top\": [";
+  for (int i = 0; i < top && i < static_cast<int>(sorted.size()); ++i) {
+    const auto& [name, t] = sorted[static_cast<size_t>(i)];
+    std::string shown = name.size() > 100 ? name.substr(0, 100) + "..." : name;
+    std::printf("    %7.1f a step %8.1f us a step %7.2f us each  %s\n",
+                static_cast<double>(t.count) / steps, t.ns / steps / 1e3,
+                t.ns / static_cast<double>(t.count) / 1e3, shown.c_str());
+    for (char& c : shown) {
+      if (c == '"' || c == '\\') c = '\'';
+    }
+    json += std::string(i == 0 ? "" : ", ") + "{\"name\": \"" + shown +
+            "\", \"per_step\": " + std::to_string(static_cast<double>(t.count) / steps) +
+            ", \"us_per_step\": " + std::to_string(t.ns / steps / 1e3) + "}";
+  }
+  std::fflush(stdout);
+  return json + "]}";
+#else
+  (void)m;
+  (void)batch;
+  (void)tokens;
+  (void)graphs;
+  (void)top;
+  std::printf("  profile: this libtorch (1.x) has no Kineto entry points this binary uses\n");
+  return "";
+#endif
 }
 
 // Seconds from a request's arrival to its first token (one step).
@@ -204,6 +297,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches = {1, 8, 32, 128};
   std::vector<int64_t> graph_batches;    // decode with CUDA graphs against eager, same run
   std::vector<int64_t> general_batches;  // eager through the general forward, same run
+  std::vector<int64_t> profile_batches;  // the kernels of a step, eager and from graphs
   int64_t tokens = 64, prompt = 2048;
   int rounds = 3;
   bool cpu = false;
@@ -231,6 +325,8 @@ int main(int argc, char** argv) {
     } else if (flag == "--graph_batches") {
       graph_batches.clear();
       for (const std::string& b : Split(value)) graph_batches.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--profile_batches") {
+      for (const std::string& b : Split(value)) profile_batches.push_back(std::atoll(b.c_str()));
     } else if (flag == "--general_batches") {
       for (const std::string& b : Split(value)) general_batches.push_back(std::atoll(b.c_str()));
     } else if (flag == "--compare_unfused") {
@@ -250,6 +346,9 @@ int main(int argc, char** argv) {
   }
   for (int64_t b : general_batches) {
     if (b < 1) Usage("--general_batches must be positive");
+  }
+  for (int64_t b : profile_batches) {
+    if (b < 1) Usage("--profile_batches must be positive");
   }
   if (tokens < 2 || prompt < 1) Usage("--tokens must be at least 2 and --prompt positive");
   if (!cpu && !at::hasCUDA()) {
@@ -379,6 +478,13 @@ int main(int argc, char** argv) {
                     ", \"eager_tokens_per_s\": " + std::to_string(Median(eager)) +
                     ", \"same_tokens\": " + (same ? "true" : "false") + unfused_json + "}";
     }
+    std::string profiles;
+    for (int64_t batch : profile_batches) {
+      for (const bool graphs : {false, true}) {
+        const std::string one = ProfileDecode(m, batch, tokens, graphs && !cpu, 25);
+        if (!one.empty()) profiles += std::string(profiles.empty() ? "" : ", ") + one;
+      }
+    }
     std::vector<double> ttft;
     // One untimed first: a prompt this long meets new kernel shapes (cuBLAS's
     // and attention's first calls), which the first measured one paid before.
@@ -391,8 +497,8 @@ int main(int argc, char** argv) {
             "\", \"layers\": " + std::to_string(m.config.num_hidden_layers) +
             ", \"bytes_per_step\": " + std::to_string(per_step) +
             ", \"load_s\": " + std::to_string(load_s) + ", \"decode\": [" + rows +
-            "], \"graphs\": [" + graph_rows + "], \"ttft_s\": " + std::to_string(Median(ttft)) +
-            "}";
+            "], \"graphs\": [" + graph_rows + "], \"profiles\": [" + profiles +
+            "], \"ttft_s\": " + std::to_string(Median(ttft)) + "}";
     first_model = false;
     write_json("\n]}\n");
   }
