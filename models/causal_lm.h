@@ -189,6 +189,18 @@ class CausalLM : public dispatch::Layer {
   // cache's token_ids (so a tensor-parallel leader sends those ids to the
   // other ranks then). 0: never.
   virtual int64_t recompute_after() const { return 0; }
+  // Puts the weights of projections that read the same input (q, k and v;
+  // gate and up) one after another in one tensor, so that each group runs
+  // as one matrix product (one kernel where there were three or two, and
+  // one larger GEMV). Only unquantized layers whose weights are on one
+  // device, and with `cuda_only` only on a CUDA device (where a launch
+  // costs what the product of a small matrix does). The parameters keep
+  // their names and shapes (views of the packed tensor); the old storage is
+  // freed. A model without such projections does nothing.
+  virtual absl::Status PackProjections(bool cuda_only) {
+    (void)cuda_only;
+    return absl::OkStatus();
+  }
 
   const loader::ModelConfig& config() const { return config_; }
   at::ScalarType dtype() const { return dtype_; }

@@ -760,6 +760,10 @@ absl::StatusOr<LoadedModel> LoadModel(const std::string& dir, const ModelLoadOpt
     return absl::DataLossError(absl::StrCat("loading ", dir, ": ", *fault));
   }
   WarnAboutUnusedTensors(out, dir);
+  // On a CUDA device q/k/v and gate/up run as one product each.
+  if (out.dispatched->main_device().is_cuda()) {
+    ACCEL_RETURN_IF_ERROR(out.model->PackProjections(/*cuda_only=*/true));
+  }
   // Rank 0 of a group drives the others (no group: a slice for inspection).
   if (tp.split() && tp.world_rank() == 0 && tp.step_group() != nullptr) {
     ACCEL_RETURN_IF_ERROR(CallTorch([&] {

@@ -302,14 +302,18 @@ std::string ActivationClass(const std::string& name) {
   return "GELUActivation";
 }
 
-at::Tensor Linear::forward(const at::Tensor& x) {
-  if (quantization().enabled()) return QuantizedForward(x);
+at::Tensor DenseLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   // On the cpu our GEMV kernels (models/internal/cpu_linear.h): a decode step
   // streams the weights at close to memory bandwidth, a prefill runs them over
   // chunks of rows (in bfloat16 only up to one chunk: oneDNN is faster above).
   if (std::optional<at::Tensor> y = models::internal::FastLinear(x, weight, bias)) return *y;
   if (NeedsHalfUpcast(x)) return at::linear(Float(x), Float(weight), Float(bias)).to(at::kHalf);
   return at::linear(x, weight, bias);
+}
+
+at::Tensor Linear::forward(const at::Tensor& x) {
+  if (quantization().enabled()) return QuantizedForward(x);
+  return DenseLinear(x, weight, bias);
 }
 
 Conv1D::Conv1D(int64_t in, int64_t out, at::ScalarType dtype)

@@ -121,6 +121,11 @@ class Linear : public QuantizableLinear {
   at::Tensor forward(const at::Tensor& x);
 };
 
+// y = x W^T + b for an unquantized W [out, in] (b may be undefined), as
+// Linear::forward computes it: our GEMV kernels on the cpu where they apply,
+// float16 through float32 on the cpu, else at::linear.
+at::Tensor DenseLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
 // bitsandbytes' layers: a Linear quantized from the start (its tensors are
 // empty until loaded, or meta under an EmptyWeightsGuard).
 class Linear8bitLt : public Linear {

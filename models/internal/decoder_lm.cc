@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/status.h"
+#include "dispatch/empty_weights.h"
 #include "dispatch/layer.h"
 #include "dist/process_group.h"
 #include "models/internal/packed.h"
@@ -103,6 +104,98 @@ using dispatch::Layer;
 
 std::atomic<int64_t> collective_nanos{0}, collective_bytes{0}, micro_batches_run{0};
 
+// The tensors `parts` as one, when they lie one after another in one
+// storage, each contiguous (rows of one width, or vectors): what
+// PackLinears leaves; nullopt otherwise.
+std::optional<at::Tensor> AdjacentSpan(std::initializer_list<const at::Tensor*> parts) {
+  const at::Tensor& first = **parts.begin();
+  if (!first.defined() || first.is_meta() || first.dim() < 1 || first.dim() > 2) {
+    return std::nullopt;
+  }
+  int64_t rows = 0, next = first.storage_offset();
+  for (const at::Tensor* t : parts) {
+    if (!t->defined() || !t->is_contiguous() || t->dim() != first.dim() ||
+        t->scalar_type() != first.scalar_type() || t->device() != first.device() ||
+        !t->storage().is_alias_of(first.storage()) || t->storage_offset() != next ||
+        (first.dim() == 2 && t->size(1) != first.size(1))) {
+      return std::nullopt;
+    }
+    next += t->numel();
+    rows += t->size(0);
+  }
+  if (first.dim() == 1) return first.as_strided({rows}, {1}, first.storage_offset());
+  return first.as_strided({rows, first.size(1)}, {first.size(1), 1}, first.storage_offset());
+}
+
+// y for linears packed by PackLinears (`packed` set there): their weights
+// (and biases) as one product, or nullopt when they are not adjacent any
+// more (a layer quantized, or moved by a dispatch hook).
+std::optional<at::Tensor> PackedForward(bool packed, const at::Tensor& x,
+                                        std::initializer_list<const nn::Linear*> parts) {
+  if (!packed) return std::nullopt;
+  std::vector<const at::Tensor*> weights, biases;
+  for (const nn::Linear* p : parts) {
+    if (p->quantization().enabled()) return std::nullopt;
+  }
+  const nn::Linear* a = *parts.begin();
+  std::optional<at::Tensor> weight, bias;
+  if (parts.size() == 2) {
+    const nn::Linear* b = *(parts.begin() + 1);
+    weight = AdjacentSpan({&a->weight, &b->weight});
+    if (a->bias.defined()) bias = AdjacentSpan({&a->bias, &b->bias});
+  } else if (parts.size() == 3) {
+    const nn::Linear *b = *(parts.begin() + 1), *c = *(parts.begin() + 2);
+    weight = AdjacentSpan({&a->weight, &b->weight, &c->weight});
+    if (a->bias.defined()) bias = AdjacentSpan({&a->bias, &b->bias, &c->bias});
+  }
+  if (!weight || (a->bias.defined() && !bias) || weight->device() != x.device()) {
+    return std::nullopt;
+  }
+  return nn::DenseLinear(x, *weight, bias ? *bias : at::Tensor());
+}
+
+// Copies the weights (and biases) of `parts` into one tensor each and makes
+// every layer's own a view of it, in place (dispatch/empty_weights.h), when
+// they are unquantized, on one device (a CUDA one with `cuda_only`), of one
+// dtype and width. True when they are packed now.
+absl::StatusOr<bool> PackLinears(const std::vector<nn::Linear*>& parts, bool cuda_only) {
+  const nn::Linear& first = *parts[0];
+  for (const nn::Linear* p : parts) {
+    if (p->quantization().enabled() || !p->weight.defined() || p->weight.is_meta() ||
+        p->weight.dim() != 2 || p->weight.device() != first.weight.device() ||
+        p->weight.scalar_type() != first.weight.scalar_type() ||
+        p->weight.size(1) != first.weight.size(1) || p->bias.defined() != first.bias.defined() ||
+        (p->bias.defined() && p->bias.scalar_type() != first.bias.scalar_type())) {
+      return false;
+    }
+  }
+  const at::Device device = first.weight.device();
+  if (cuda_only && !device.is_cuda()) return false;
+  at::Tensor weights, biases;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    c10::InferenceMode mode(first.weight.is_inference());
+    std::vector<at::Tensor> w, b;
+    for (const nn::Linear* p : parts) {
+      w.push_back(p->weight);
+      if (p->bias.defined()) b.push_back(p->bias.to(device));
+    }
+    weights = at::cat(w, 0);
+    if (!b.empty()) biases = at::cat(b, 0);
+  }));
+  int64_t row = 0;
+  for (nn::Linear* p : parts) {
+    const int64_t rows = p->weight.size(0);
+    ACCEL_RETURN_IF_ERROR(
+        dispatch::SetTensorInPlace(p->weight, "weight", device, weights.narrow(0, row, rows)));
+    if (biases.defined()) {
+      ACCEL_RETURN_IF_ERROR(
+          dispatch::SetTensorInPlace(p->bias, "bias", device, biases.narrow(0, row, rows)));
+    }
+    row += rows;
+  }
+  return true;
+}
+
 std::shared_ptr<nn::Linear> NewLinear(int64_t in, int64_t out, bool bias, at::ScalarType dtype) {
   return std::make_shared<nn::Linear>(in, out, bias, dtype);
 }
@@ -147,7 +240,19 @@ class GatedMlp : public Layer {
     }
   }
 
+  // gate and up as one product (CausalLM::PackProjections).
+  absl::Status PackProjections(bool cuda_only) {
+    if (!gate_ || !up_) return absl::OkStatus();
+    ACCEL_ASSIGN_OR_RETURN(packed_, PackLinears({gate_.get(), up_.get()}, cuda_only));
+    return absl::OkStatus();
+  }
+
   at::Tensor forward(const at::Tensor& x) {
+    if (std::optional<at::Tensor> both = PackedForward(packed_, x, {gate_.get(), up_.get()})) {
+      const int64_t inter = gate_->weight.size(0);
+      return down_->forward(nn::ActivationTimes(activation_, both->narrow(-1, 0, inter),
+                                                both->narrow(-1, inter, up_->weight.size(0))));
+    }
     if (gate_up_) {
       // Phi3MLP: gate, up_states = gate_up_proj(x).chunk(2, dim=-1)
       at::Tensor both = gate_up_->forward(x);
@@ -161,6 +266,7 @@ class GatedMlp : public Layer {
   std::string activation_;
   int64_t inter_;
   std::shared_ptr<nn::Linear> gate_, up_, down_, gate_up_;
+  bool packed_ = false;
 };
 
 class Attention : public Layer {
@@ -213,13 +319,26 @@ class Attention : public Layer {
     rule_.softcap = r.attn_softcap;
   }
 
+  // q, k and v as one product (CausalLM::PackProjections).
+  absl::Status PackProjections(bool cuda_only) {
+    if (!q_proj_) return absl::OkStatus();
+    ACCEL_ASSIGN_OR_RETURN(packed_,
+                           PackLinears({q_proj_.get(), k_proj_.get(), v_proj_.get()}, cuda_only));
+    return absl::OkStatus();
+  }
+
   // x [1, total, hidden]: the packed tokens of `chunks`.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      absl::Span<const SequenceChunk> chunks, size_t layer,
                      std::optional<int64_t> window) {
     const int64_t t = x.size(1), q_out = heads_ * head_dim_, kv_out = kv_heads_ * head_dim_;
     at::Tensor q, k, v;
-    if (qkv_proj_) {
+    if (std::optional<at::Tensor> qkv =
+            PackedForward(packed_, x, {q_proj_.get(), k_proj_.get(), v_proj_.get()})) {
+      q = qkv->narrow(-1, 0, q_out);
+      k = qkv->narrow(-1, q_out, kv_out);
+      v = qkv->narrow(-1, q_out + kv_out, kv_out);
+    } else if (qkv_proj_) {
       at::Tensor qkv = qkv_proj_->forward(x);
       q = qkv.narrow(-1, 0, q_out);
       k = qkv.narrow(-1, q_out, kv_out);
@@ -249,6 +368,7 @@ class Attention : public Layer {
   ScoreRule rule_;
   std::shared_ptr<nn::Linear> q_proj_, k_proj_, v_proj_, o_proj_, qkv_proj_;
   std::shared_ptr<nn::RMSNorm> q_norm_, k_norm_;
+  bool packed_ = false;
 };
 
 // A sparse mixture-of-experts block (MixtralSparseMoeBlock,
@@ -293,6 +413,16 @@ class SparseMoe : public Layer {
   }
 
   const std::string& experts_name() const { return experts_name_; }
+
+  // Each expert's (and the shared expert's) gate and up as one product:
+  // those that are resident where packing applies (CausalLM::PackProjections).
+  absl::Status PackProjections(bool cuda_only) {
+    for (const std::shared_ptr<GatedMlp>& expert : experts_) {
+      ACCEL_RETURN_IF_ERROR(expert->PackProjections(cuda_only));
+    }
+    if (shared_expert_) ACCEL_RETURN_IF_ERROR(shared_expert_->PackProjections(cuda_only));
+    return absl::OkStatus();
+  }
 
   // The routing of rows h [T, hidden]: weights [T, k] (model dtype) and the
   // experts [T, k] (int64).
@@ -639,6 +769,16 @@ class DecoderLM : public StagedLM {
   }
 
   int64_t recompute_after() const override { return model->rotary_emb->long_after(); }
+
+  absl::Status PackProjections(bool cuda_only) override {
+    for (const std::shared_ptr<DecoderLayer>& layer : model->layers) {
+      if (layer == nullptr) continue;  // another pipeline stage's
+      ACCEL_RETURN_IF_ERROR(layer->self_attn->PackProjections(cuda_only));
+      if (layer->mlp) ACCEL_RETURN_IF_ERROR(layer->mlp->PackProjections(cuda_only));
+      if (layer->moe) ACCEL_RETURN_IF_ERROR(layer->moe->PackProjections(cuda_only));
+    }
+    return absl::OkStatus();
+  }
 
  protected:
   bool first_stage() const override { return model->first_stage; }

@@ -503,6 +503,56 @@ TEST_P(DecoderFamiliesTest, APackedBatchEqualsEachSequenceAlone) {
   }
 }
 
+// CausalLM::PackProjections (what a CUDA load does, here on the cpu): q, k
+// and v (and each gate and up) become views of one tensor, in order, and the
+// model still gives the reference's logits and greedy tokens.
+TEST_P(DecoderFamiliesTest, PackedProjectionsGiveTheReferencesLogits) {
+  const Case& c = GetParam();
+  TempDir dir;
+  ASSERT_THAT(MakeModel(dir.path(), c.options), IsOk());
+  Loaded m = Load(dir.path(), All(Placement::Cpu()));
+  ASSERT_NE(m.dispatched, nullptr);
+  ASSERT_THAT(m.model->PackProjections(/*cuda_only=*/true), IsOk());  // the cpu: nothing
+  ASSERT_THAT(m.model->PackProjections(/*cuda_only=*/false), IsOk());
+  const auto params = m.model->named_parameters(/*recurse=*/true);
+  const auto adjacent = [&](const std::vector<std::string>& names) {
+    const at::Tensor* first = params.find(names[0]);
+    if (first == nullptr) return false;
+    int64_t next = first->storage_offset();
+    for (const std::string& name : names) {
+      const at::Tensor* t = params.find(name);
+      if (t == nullptr || !t->storage().is_alias_of(first->storage()) ||
+          t->storage_offset() != next) {
+        return false;
+      }
+      next += t->numel();
+    }
+    return true;
+  };
+  const std::string attn = "model.layers.1.self_attn.";
+  if (params.find(attn + "q_proj.weight") != nullptr) {
+    EXPECT_TRUE(adjacent({attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"}));
+    if (params.find(attn + "q_proj.bias") != nullptr) {
+      EXPECT_TRUE(adjacent({attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"}));
+    }
+  }
+  const std::string mlp = "model.layers.1.mlp.";
+  if (params.find(mlp + "gate_proj.weight") != nullptr) {
+    EXPECT_TRUE(adjacent({mlp + "gate_proj.weight", mlp + "up_proj.weight"}));
+  }
+  const std::string expert = "model.layers.1.block_sparse_moe.experts.1.";
+  if (params.find(expert + "w1.weight") != nullptr) {
+    EXPECT_TRUE(adjacent({expert + "w1.weight", expert + "w3.weight"}));
+  }
+  ACCEL_ASSERT_OK_AND_ASSIGN(loader::Checkpoint ckpt, loader::Checkpoint::Open(dir.path()));
+  const Reference reference{ckpt, m.config, {}};
+  at::Tensor logits = Logits(*m.model, m.dispatched.get(), kPrompt);
+  at::Tensor expected = reference.Logits(kPrompt).to(at::kFloat);
+  EXPECT_TRUE(at::allclose(logits, expected, /*rtol=*/1e-4, /*atol=*/1e-5))
+      << "max difference " << MaxDifference(logits, expected);
+  EXPECT_EQ(Greedy(*m.model, m.dispatched.get(), kPrompt, 6), reference.Greedy(kPrompt, 6));
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, DecoderFamiliesTest, ::testing::ValuesIn(Cases()),
                          [](const auto& info) { return std::string(info.param.name); });
 
@@ -701,6 +751,9 @@ TEST(DecoderFamiliesQuantizedTest, QuantizedExpertsFollowTheDequantizedReference
         }
       }
       ASSERT_GT(reference.dequantized.size(), 8u);
+      // Packing leaves quantized layers as they are (their products stay
+      // apart; the router and attention are packed).
+      ASSERT_THAT(loaded.model->PackProjections(/*cuda_only=*/false), IsOk());
       at::Tensor logits = Logits(*loaded.model, loaded.dispatched.get(), kPrompt);
       at::Tensor expected = reference.Logits(kPrompt).to(at::kFloat);
       if (std::string(method) == "int8") {
