@@ -116,8 +116,9 @@ def main():
             lines.append(f"  {r['dtype']:<9} {r['n']:>5}x{r['k']:<5} {r['kernel']:<7} m={r['m']} "
                          f"{r['us']:8.2f} us {r['gbs']:7.0f} GB/s  of copy {r['of_copy']:.2f}  "
                          f"of HBM {r['of_hbm']:.2f}")
-    decode = summary["bench"].get("decode_gpu")
-    if decode:
+    for decode in (summary["bench"].get("decode_gpu"), summary["bench"].get("decode_profile")):
+        if not decode:
+            continue
         lines.append(f"decode on GPU 0: copy traffic {decode.get('copy_traffic_gbs', 0):.0f} GB/s")
         for m in decode.get("models", []):
             lines.append(f"  {m['quantize']}: {m['bytes_per_step'] / 1e9:.2f} GB a step, loaded in "
