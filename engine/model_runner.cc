@@ -87,14 +87,15 @@ struct ModelRunner::Impl {
 
   // The padded step of `chunks` (one token each, the bucket's padded rows
   // last): the static inputs written, the model's static decode step run
-  // (or replayed), the caches advanced. Logits [bucket, vocab].
+  // (or replayed), the caches advanced. Logits [bucket, vocab] on the model's
+  // device (the bucket's buffer).
   absl::StatusOr<at::Tensor> RunPaddedDecode(int64_t bucket, const std::vector<int64_t>& packed,
                                              const std::vector<models::SequenceChunk>& chunks,
                                              int64_t batch);
 
   // A step of one-token decodes (`chunks`, no padding) as the model's
   // static decode step: its inputs built here and copied to the device at
-  // once, the caches advanced. Logits [rows, vocab] on the cpu.
+  // once, the caches advanced. Logits [rows, vocab] on the model's device.
   absl::StatusOr<at::Tensor> RunUnpaddedStaticDecode(
       const std::vector<int64_t>& packed, const std::vector<models::SequenceChunk>& chunks);
 
@@ -269,9 +270,9 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunPaddedDecode(
     cache.length += 1;
     cache.token_ids.push_back(packed[static_cast<size_t>(r)]);
   }
-  at::Tensor logits;
-  ACCEL_RETURN_IF_ERROR(CallTorch([&] { logits = b->logits.to(at::kCPU); }));
-  return logits;
+  // On the device (the bucket's buffer, read before the next step writes
+  // it): Sample copies back what it needs.
+  return b->logits;
 }
 
 absl::StatusOr<at::Tensor> ModelRunner::Impl::RunUnpaddedStaticDecode(
@@ -331,9 +332,8 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunUnpaddedStaticDecode(
     cache.length += 1;
     cache.token_ids.push_back(packed[static_cast<size_t>(r)]);
   }
-  ACCEL_RETURN_IF_ERROR(CallTorch([&] { logits = logits.to(at::kCPU); }));
   ++unpadded_static_steps;
-  return logits;
+  return logits;  // on the device: Sample copies back what it needs
 }
 
 ModelRunner::ModelRunner(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -611,12 +611,59 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Sample(const SchedulerOutpu
   // before any state moves on: if sampling fails, the caches go back to
   // where they were.
   const absl::Status sampled = CallTorch([&] {
+    // Rows that need only their argmax (plain greedy, no logits processor,
+    // no drafts, no logprobs): all of them in one argmax where the logits
+    // are, so that a step of greedy rows on a CUDA device copies back their
+    // tokens, not [rows, vocab] floats, and no row goes through the
+    // sampler's float64 copy. The other rows are sampled from a host copy.
+    std::vector<int64_t> argmax_rows;
+    std::vector<int64_t> argmax_slot(out.scheduled.size(), -1);
+    int64_t host_rows = 0;
+    {
+      int64_t row = 0;
+      for (size_t i = 0; i < out.scheduled.size(); ++i) {
+        const ScheduledRequest& s = out.scheduled[i];
+        const Request& r = *scheduled[i];
+        const int64_t rows = chunks[i].logit_tokens;
+        if (s.samples && !prompt_rows[i] && rows == 1 && s.draft_token_ids.empty() &&
+            r.sampler.plain_greedy() && r.processor == nullptr && !r.logprobs) {
+          argmax_slot[i] = static_cast<int64_t>(argmax_rows.size());
+          argmax_rows.push_back(row);
+        } else if (s.samples || prompt_rows[i]) {
+          host_rows += rows;
+        }
+        row += rows;
+      }
+    }
+    std::vector<int64_t> argmax_ids;
+    if (!argmax_rows.empty()) {
+      const at::Tensor picked =
+          static_cast<int64_t>(argmax_rows.size()) == logits.size(0)
+              ? logits
+              : logits.index_select(0, at::tensor(argmax_rows, at::kLong).to(logits.device()));
+      const at::Tensor ids = picked.argmax(-1).to(at::kCPU).contiguous();
+      argmax_ids.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+    }
+    const at::Tensor host_logits =
+        host_rows == 0 ? at::Tensor() : (logits.is_cpu() ? logits : logits.to(at::kCPU));
     int64_t row = 0;
     for (size_t i = 0; i < out.scheduled.size(); ++i) {
       const ScheduledRequest& s = out.scheduled[i];
       Request& r = *scheduled[i];
       const int64_t rows = chunks[i].logit_tokens;
-      const at::Tensor all = logits.narrow(0, row, rows);
+      if (argmax_slot[i] >= 0) {
+        SampledTokens t;
+        t.id = s.id;
+        t.token_ids = {argmax_ids[static_cast<size_t>(argmax_slot[i])]};
+        result.sampled.push_back(std::move(t));
+        row += rows;
+        continue;
+      }
+      if (!s.samples && !prompt_rows[i]) {
+        row += rows;
+        continue;
+      }
+      const at::Tensor all = host_logits.narrow(0, row, rows);
       row += rows;
       if (prompt_rows[i]) GatherPromptLogprobs(r, s, all);
       if (!s.samples) continue;

@@ -39,6 +39,10 @@ class Sampler {
 
   // Temperature 0: Next() is the argmax of Process().
   bool greedy() const { return params_.temperature == 0; }
+  // Greedy with nothing that changes the logits first (no repetition
+  // penalty): the token is the logits' own argmax, in any dtype, wherever
+  // they are (float32 to float64 is exact and keeps the order).
+  bool plain_greedy() const { return greedy() && params_.repetition_penalty == 1.0; }
   // A draw from `probs` [vocab] (float64, summing to 1) by the inverse CDF
   // with this sampler's own generator (what Next() does after Process()),
   // so a seed reproduces the tokens on any machine.

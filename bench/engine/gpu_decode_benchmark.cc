@@ -53,6 +53,7 @@
 #endif
 
 #include "core/bytes.h"
+#include "core/malloc_tuning.h"
 #include "engine/decode_graphs.h"
 #include "engine/engine_core.h"
 #include "engine/model_runner.h"
@@ -220,7 +221,9 @@ std::string ProfileDecode(accel::models::LoadedModel& m, int64_t batch, int64_t 
   };
   const double rate = DecodeRate(m, batch, tokens, 7000, graphs, nullptr, 1, false, around);
   if (!result) return "";
-  const double steps = static_cast<double>(tokens - 1);  // the first decode step was untimed
+  // The prefill gives the first token and the first decode step is untimed:
+  // tokens - 2 steps profiled.
+  const double steps = static_cast<double>(tokens - 2);
   struct Total {
     int64_t count = 0;
     double ns = 0;
@@ -350,13 +353,16 @@ int main(int argc, char** argv) {
   for (int64_t b : profile_batches) {
     if (b < 1) Usage("--profile_batches must be positive");
   }
-  if (tokens < 2 || prompt < 1) Usage("--tokens must be at least 2 and --prompt positive");
+  if (tokens < 3 || prompt < 1) Usage("--tokens must be at least 3 and --prompt positive");
   if (!cpu && !at::hasCUDA()) {
     std::fprintf(stderr,
                  "accel-bench-decode-gpu: no CUDA device (or a libtorch without CUDA); this "
                  "benchmark needs a GPU\n");
     return 1;
   }
+  // As accel-serve and the tools run (core/tool_main.cc): freed buffers kept
+  // for reuse, not faulted in again at every step.
+  accel::KeepFreedMemoryForReuse();
   c10::InferenceMode inference;
   const at::Device device = cpu ? at::Device(at::kCPU) : at::Device(at::kCUDA, 0);
   const double copy_rate = DeviceCopyRate(device, rounds);
