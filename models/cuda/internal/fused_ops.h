@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <math.h>
 
 #include "models/cuda/fused_ops.h"
@@ -56,9 +57,46 @@ ACCEL_MODELS_HD float Round(float v) {
   return ToFloat(Tag{}, FromFloat(Tag{}, v));
 }
 
+// 16 bytes (16-byte aligned) of storage from floats, rounded once each.
+template <typename Tag>
+ACCEL_MODELS_HD void StoreChunk(typename Tag::Storage* dst,
+                                const float (&in)[16 / sizeof(typename Tag::Storage)]) {
+  using Storage = typename Tag::Storage;
+  constexpr int kVec = 16 / sizeof(Storage);
+#if defined(__CUDA_ARCH__)
+  union {
+    uint4 raw;
+    Storage values[kVec];
+  } chunk;
+  for (int e = 0; e < kVec; ++e) chunk.values[e] = FromFloat(Tag{}, in[e]);
+  *reinterpret_cast<uint4*>(dst) = chunk.raw;
+#else
+  Storage values[kVec];
+  for (int e = 0; e < kVec; ++e) values[e] = FromFloat(Tag{}, in[e]);
+  std::memcpy(dst, values, 16);
+#endif
+}
+
+// 16-byte chunks a thread of an RMSNorm CTA holds in registers: rows of up
+// to kRmsNormChunks * threads chunks (8192 bfloat16 values at 256 threads)
+// are read once, into registers; longer or unaligned rows element by element.
+inline constexpr int32_t kRmsNormChunks = 4;
+
+// One output element: h = x * r (float32), then the weight as the eager
+// formula applies it.
+template <typename Tag>
+ACCEL_MODELS_HD float RmsNormValue(float x, float r, float weight, bool unit_offset) {
+  const float h = MulRn(x, r);
+  return unit_offset ? MulRn(h, AddRn(1.0f, weight)) : MulRn(weight, Round<Tag>(h));
+}
+
 // One row of RMSNorm by a CTA of `threads` threads (a multiple of 32, at
 // most 1024); `shared` holds threads / 32 floats. Every thread reaches the
-// same exchanges and the one barrier.
+// same exchanges and the one barrier. Where the row's pointers and strides
+// allow 16-byte accesses, a thread reads its chunks once into registers
+// (thread t: chunks t, t + threads, ...), sums their squares, and writes
+// its chunks of the output from them: the row's bytes pass once each way,
+// in 16-byte accesses.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -66,14 +104,31 @@ template <typename Tag, typename Exec>
 ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t threads, float* shared,
                                 Exec& exec) {
   using Storage = typename Tag::Storage;
+  constexpr int32_t kVec = 16 / sizeof(Storage);
   const Storage* x = static_cast<const Storage*>(p.x) + row * p.x_row_stride;
   const Storage* w = static_cast<const Storage*>(p.weight);
   Storage* out = static_cast<Storage*>(p.out) + row * p.out_row_stride;
   const int32_t tid = exec.tid();
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const int32_t chunks = p.dim / kVec;
+  // The same for every CTA of the launch (row strides keep the alignment).
+  const bool vectorized = p.dim % kVec == 0 && chunks <= kRmsNormChunks * threads &&
+                          aligned(p.x) && aligned(p.out) && aligned(p.weight) &&
+                          p.x_row_stride % kVec == 0 && p.out_row_stride % kVec == 0;
+  float held[kRmsNormChunks][kVec];
   float sum = 0.0f;
-  for (int32_t c = tid; c < p.dim; c += threads) {
-    const float h = ToFloat(Tag{}, x[c]);
-    sum = AddRn(sum, MulRn(h, h));
+  if (vectorized) {
+    for (int32_t i = 0; i < kRmsNormChunks; ++i) {
+      const int32_t c = tid + i * threads;
+      if (c >= chunks) break;
+      LoadChunk<Tag>(x + static_cast<int64_t>(c) * kVec, held[i]);
+      for (int32_t e = 0; e < kVec; ++e) sum = AddRn(sum, MulRn(held[i][e], held[i][e]));
+    }
+  } else {
+    for (int32_t c = tid; c < p.dim; c += threads) {
+      const float h = ToFloat(Tag{}, x[c]);
+      sum = AddRn(sum, MulRn(h, h));
+    }
   }
   for (int32_t mask = 16; mask >= 1; mask /= 2) sum = AddRn(sum, exec.XorLanes(sum, mask));
   if (tid % 32 == 0) shared[tid / 32] = sum;
@@ -83,11 +138,22 @@ ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t thr
   for (int32_t warp = 0; warp < threads / 32; ++warp) total = AddRn(total, shared[warp]);
   // The mean as libtorch's CUDA reduction takes it: the sum times 1 / dim.
   const float r = Rsqrt(AddRn(MulRn(total, 1.0f / static_cast<float>(p.dim)), p.eps));
+  if (vectorized) {
+    for (int32_t i = 0; i < kRmsNormChunks; ++i) {
+      const int32_t c = tid + i * threads;
+      if (c >= chunks) break;
+      float weight[kVec], result[kVec];
+      LoadChunk<Tag>(w + static_cast<int64_t>(c) * kVec, weight);
+      for (int32_t e = 0; e < kVec; ++e) {
+        result[e] = RmsNormValue<Tag>(held[i][e], r, weight[e], p.unit_offset);
+      }
+      StoreChunk<Tag>(out + static_cast<int64_t>(c) * kVec, result);
+    }
+    return;
+  }
   for (int32_t c = tid; c < p.dim; c += threads) {
-    const float h = MulRn(ToFloat(Tag{}, x[c]), r);
-    const float weight = ToFloat(Tag{}, w[c]);
-    out[c] = p.unit_offset ? FromFloat(Tag{}, MulRn(h, AddRn(1.0f, weight)))
-                           : FromFloat(Tag{}, MulRn(weight, Round<Tag>(h)));
+    out[c] = FromFloat(Tag{}, RmsNormValue<Tag>(ToFloat(Tag{}, x[c]), r, ToFloat(Tag{}, w[c]),
+                                                 p.unit_offset));
   }
 }
 
