@@ -14,6 +14,7 @@ namespace accel::models::cuda {
 
 cudaError_t RmsNorm(const RmsNormParams& params, KvDType dtype, cudaStream_t stream);
 cudaError_t Rotary(const RotaryParams& params, KvDType dtype, cudaStream_t stream);
+cudaError_t RotaryStore(const RotaryStoreParams& params, KvDType dtype, cudaStream_t stream);
 cudaError_t SiluMul(const SiluMulParams& params, KvDType dtype, cudaStream_t stream);
 
 }  // namespace accel::models::cuda

@@ -30,6 +30,15 @@ __global__ void __launch_bounds__(kElementThreads) RotaryKernel(const RotaryPara
 }
 
 template <typename Tag>
+__global__ void __launch_bounds__(kElementThreads)
+    RotaryStoreKernel(const RotaryStoreParams p, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    RotaryStoreItem<Tag>(p, i);
+  }
+}
+
+template <typename Tag>
 __global__ void __launch_bounds__(kElementThreads) SiluMulKernel(const SiluMulParams p, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -73,6 +82,15 @@ struct LaunchRotary {
 };
 
 template <typename Tag>
+struct LaunchRotaryStore {
+  static cudaError_t Run(const RotaryStoreParams& p, cudaStream_t stream) {
+    const int64_t n = RotaryStoreItems(p);
+    RotaryStoreKernel<Tag><<<ElementBlocks(n), kElementThreads, 0, stream>>>(p, n);
+    return cudaGetLastError();
+  }
+};
+
+template <typename Tag>
 struct LaunchSiluMul {
   static cudaError_t Run(const SiluMulParams& p, cudaStream_t stream) {
     const int64_t n = p.rows * p.dim;
@@ -92,6 +110,11 @@ cudaError_t RmsNorm(const RmsNormParams& params, KvDType dtype, cudaStream_t str
 cudaError_t Rotary(const RotaryParams& params, KvDType dtype, cudaStream_t stream) {
   if (CheckRotaryParams(params) != nullptr) return cudaErrorInvalidValue;
   return internal::ByDType<internal::LaunchRotary>(params, dtype, stream);
+}
+
+cudaError_t RotaryStore(const RotaryStoreParams& params, KvDType dtype, cudaStream_t stream) {
+  if (CheckRotaryStoreParams(params) != nullptr) return cudaErrorInvalidValue;
+  return internal::ByDType<internal::LaunchRotaryStore>(params, dtype, stream);
 }
 
 cudaError_t SiluMul(const SiluMulParams& params, KvDType dtype, cudaStream_t stream) {

@@ -72,6 +72,40 @@ struct SiluMulParams {
   int64_t up_row_stride = 0;
 };
 
+// A static decode step's rotary embedding and KV write in one kernel (one
+// token a row): q and k rotated as RotaryParams' formula does, q written to
+// `q_out` (contiguous [rows, heads, dim]: what the paged decode kernels
+// read), the rotated k and v written at each row's slot (slot_blocks[r],
+// slot_offsets[r], on the device) of the layer's blocks [num_blocks,
+// kv_heads, block_size, dim | value_dim]. q, k and v: [rows, heads |
+// kv_heads, dim | value_dim] at the given element strides (the last
+// dimension contiguous); cos and sin: a row of `dim` per row.
+struct RotaryStoreParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t q_row_stride = 0, q_head_stride = 0;
+  int64_t k_row_stride = 0, k_head_stride = 0;
+  int64_t v_row_stride = 0, v_head_stride = 0;
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  int64_t cos_row_stride = 0, sin_row_stride = 0;
+  const int64_t* slot_blocks = nullptr;
+  const int64_t* slot_offsets = nullptr;
+  void* q_out = nullptr;
+  void* key_blocks = nullptr;
+  void* value_blocks = nullptr;
+  int32_t rows = 0, heads = 0, kv_heads = 0, dim = 0, value_dim = 0, block_size = 0;
+};
+
+// Work items of a RotaryStoreParams launch: q's rotary pairs, then k's, then
+// v's elements.
+ACCEL_MODELS_HD int64_t RotaryStoreItems(const RotaryStoreParams& p) {
+  const int64_t half = p.dim / 2;
+  return static_cast<int64_t>(p.rows) * ((static_cast<int64_t>(p.heads) + p.kv_heads) * half +
+                                         static_cast<int64_t>(p.kv_heads) * p.value_dim);
+}
+
 // Why the kernels cannot take these parameters, or null when they can.
 inline const char* CheckRmsNormParams(const RmsNormParams& p) {
   if (p.x == nullptr || p.weight == nullptr || p.out == nullptr) return "a null pointer";
@@ -84,6 +118,18 @@ inline const char* CheckRotaryParams(const RotaryParams& p) {
     return "a null pointer";
   }
   if (p.batch < 1 || p.heads < 1 || p.tokens < 1 || p.dim < 2 || p.dim % 2 != 0) {
+    return "shape out of range (dim must be even)";
+  }
+  return nullptr;
+}
+inline const char* CheckRotaryStoreParams(const RotaryStoreParams& p) {
+  if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.cos == nullptr || p.sin == nullptr ||
+      p.slot_blocks == nullptr || p.slot_offsets == nullptr || p.q_out == nullptr ||
+      p.key_blocks == nullptr || p.value_blocks == nullptr) {
+    return "a null pointer";
+  }
+  if (p.rows < 1 || p.heads < 1 || p.kv_heads < 1 || p.dim < 2 || p.dim % 2 != 0 ||
+      p.value_dim < 1 || p.block_size < 1) {
     return "shape out of range (dim must be even)";
   }
   return nullptr;

@@ -357,6 +357,12 @@ class Attention : public Layer {
       q = q_norm_->forward(q);
       k = k_norm_->forward(k);
     }
+    // A static decode step on a CUDA device: the rotary embedding and the KV
+    // write as one kernel.
+    if (std::optional<at::Tensor> out =
+            AttendStaticDecodeRotating(q, k, v, cos, sin, chunks, layer, window, rule_)) {
+      return o_proj_->forward(out->unsqueeze(0));
+    }
     q = nn::ApplyRotary(q.transpose(1, 2), cos, sin);
     k = nn::ApplyRotary(k.transpose(1, 2), cos, sin);
     at::Tensor out = AttendPacked(q[0], k[0], v.transpose(1, 2)[0], chunks, layer, window, rule_);

@@ -155,6 +155,62 @@ std::optional<at::Tensor> FusedSiluMul(const at::Tensor& gate, const at::Tensor&
   return out;
 }
 
+std::optional<at::Tensor> FusedRotaryStore(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const at::Tensor& cos,
+                                           const at::Tensor& sin, const at::Tensor& slot_blocks,
+                                           const at::Tensor& slot_offsets,
+                                           const at::Tensor& key_blocks,
+                                           const at::Tensor& value_blocks) {
+  cuda::KvDType dtype;
+  if (!Applies({&q, &k, &v, &cos, &sin, &key_blocks, &value_blocks}, &dtype) || q.dim() != 4 ||
+      k.dim() != 4 || v.dim() != 4 || q.size(0) != 1 || k.size(0) != 1 || v.size(0) != 1 ||
+      k.size(1) != q.size(1) || v.size(1) != q.size(1) || q.stride(3) != 1 || k.stride(3) != 1 ||
+      v.stride(3) != 1 || k.size(3) != q.size(3) || q.size(3) % 2 != 0 || cos.dim() != 3 ||
+      cos.sizes() != sin.sizes() || cos.size(0) != 1 || cos.size(1) != q.size(1) ||
+      cos.size(2) != q.size(3) || cos.stride(2) != 1 || sin.stride(2) != 1 ||
+      key_blocks.dim() != 4 || value_blocks.dim() != 4 || !key_blocks.is_contiguous() ||
+      !value_blocks.is_contiguous() || key_blocks.size(1) != k.size(2) ||
+      value_blocks.size(1) != v.size(2) || key_blocks.size(3) != k.size(3) ||
+      value_blocks.size(3) != v.size(3) || value_blocks.size(2) != key_blocks.size(2) ||
+      slot_blocks.scalar_type() != at::kLong || slot_offsets.scalar_type() != at::kLong ||
+      slot_blocks.device() != q.device() || slot_offsets.device() != q.device() ||
+      !slot_blocks.is_contiguous() || !slot_offsets.is_contiguous() ||
+      slot_blocks.numel() != q.size(1) || slot_offsets.numel() != q.size(1)) {
+    return std::nullopt;
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  const int64_t rows = q.size(1), heads = q.size(2), dim = q.size(3);
+  at::Tensor out = at::empty({rows, heads, dim}, q.options());
+  cuda::RotaryStoreParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_row_stride = q.stride(1);
+  p.q_head_stride = q.stride(2);
+  p.k_row_stride = k.stride(1);
+  p.k_head_stride = k.stride(2);
+  p.v_row_stride = v.stride(1);
+  p.v_head_stride = v.stride(2);
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  p.cos_row_stride = cos.stride(1);
+  p.sin_row_stride = sin.stride(1);
+  p.slot_blocks = slot_blocks.data_ptr<int64_t>();
+  p.slot_offsets = slot_offsets.data_ptr<int64_t>();
+  p.q_out = out.data_ptr();
+  p.key_blocks = key_blocks.data_ptr();
+  p.value_blocks = value_blocks.data_ptr();
+  p.rows = static_cast<int32_t>(rows);
+  p.heads = static_cast<int32_t>(heads);
+  p.kv_heads = static_cast<int32_t>(k.size(2));
+  p.dim = static_cast<int32_t>(dim);
+  p.value_dim = static_cast<int32_t>(v.size(3));
+  p.block_size = static_cast<int32_t>(key_blocks.size(2));
+  Check(cuda::RotaryStore(p, dtype, c10::cuda::getCurrentCUDAStream(q.device().index()).stream()),
+        "rotary embedding and KV write");
+  return out;
+}
+
 #else  // the kernels are not in this build: the eager formulas run
 
 std::optional<at::Tensor> FusedRmsNorm(const at::Tensor&, const at::Tensor&, double, bool) {
@@ -164,6 +220,12 @@ std::optional<at::Tensor> FusedRotary(const at::Tensor&, const at::Tensor&, cons
   return std::nullopt;
 }
 std::optional<at::Tensor> FusedSiluMul(const at::Tensor&, const at::Tensor&) {
+  return std::nullopt;
+}
+std::optional<at::Tensor> FusedRotaryStore(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&) {
   return std::nullopt;
 }
 

@@ -26,6 +26,21 @@ std::optional<at::Tensor> FusedRotary(const at::Tensor& x, const at::Tensor& cos
 // of a fused gate_up projection qualifies). The result is contiguous.
 std::optional<at::Tensor> FusedSiluMul(const at::Tensor& gate, const at::Tensor& up);
 
+// A static decode step's rotary embedding and KV write as one kernel
+// (cuda::RotaryStoreParams): q, k and v [1, rows, heads | kv_heads, d] (any
+// strides, the last dimension contiguous), cos and sin [1, rows, d] (the
+// whole head rotates), slot_blocks and slot_offsets [rows] int64 on the
+// device, the layer's key and value blocks contiguous [blocks, kv_heads,
+// block_size, d]. Writes the rotated k and v at each row's slot and returns
+// the rotated q as [rows, heads, d], contiguous; nullopt (nothing written)
+// where it does not apply.
+std::optional<at::Tensor> FusedRotaryStore(const at::Tensor& q, const at::Tensor& k,
+                                           const at::Tensor& v, const at::Tensor& cos,
+                                           const at::Tensor& sin, const at::Tensor& slot_blocks,
+                                           const at::Tensor& slot_offsets,
+                                           const at::Tensor& key_blocks,
+                                           const at::Tensor& value_blocks);
+
 // Whether this build has the kernels (models/cuda/ built and libtorch a CUDA
 // build), and a process-wide switch (on by default) for measuring without
 // them (accel-bench-decode-gpu --compare_unfused).

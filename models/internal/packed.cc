@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/file_faults.h"
+#include "models/internal/fused_ops.h"
 #include "models/internal/sdpa.h"
 #include "models/nn.h"
 
@@ -205,6 +206,32 @@ at::Tensor AttendStaticDecode(const at::Tensor& q, const at::Tensor& k, const at
 }
 
 }  // namespace
+
+std::optional<at::Tensor> AttendStaticDecodeRotating(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, const at::Tensor& cos,
+                                                     const at::Tensor& sin,
+                                                     absl::Span<const SequenceChunk> chunks,
+                                                     size_t layer, std::optional<int64_t> window,
+                                                     const ScoreRule& rule) {
+  if (static_decode == nullptr || !q.is_cuda() || q.dim() != 4 || k.dim() != 4 || v.dim() != 4 ||
+      chunks.empty() || static_cast<int64_t>(chunks.size()) != q.size(1) ||
+      chunks[0].cache == nullptr || !chunks[0].cache->paged()) {
+    return std::nullopt;
+  }
+  const StaticDecodeInputs& inputs = *static_decode;
+  // The store's blocks for this layer, made like k and v [kv_heads, rows, d].
+  auto [key_blocks, value_blocks] =
+      chunks[0].cache->store->Layer(layer, k[0].transpose(0, 1), v[0].transpose(0, 1));
+  if (!PagedCudaTakes(key_blocks, value_blocks, q.size(2))) return std::nullopt;
+  const at::Tensor slot_blocks = inputs.slot_blocks.to(key_blocks.device());
+  const at::Tensor slot_offsets = inputs.slot_offsets.to(key_blocks.device());
+  std::optional<at::Tensor> rotated =
+      FusedRotaryStore(q, k, v, cos, sin, slot_blocks, slot_offsets, key_blocks, value_blocks);
+  if (!rotated) return std::nullopt;
+  return PagedDecodeAttentionCudaStatic(*rotated, key_blocks, value_blocks, inputs.block_tables,
+                                        inputs.totals, inputs.max_total, window, rule)
+      .to(q.scalar_type());
+}
 
 StaticDecodeScope::StaticDecodeScope(const StaticDecodeInputs* inputs) : previous_(static_decode) {
   static_decode = inputs;

@@ -59,6 +59,20 @@ class StaticDecodeScope {
   const StaticDecodeInputs* previous_;
 };
 
+// Under a StaticDecodeScope on a CUDA device, the attention of a decoder
+// layer from its unrotated q, k and v [1, rows, heads | kv_heads, d] and the
+// rotary cos and sin [1, rows, d]: q and k rotated and k and v written to
+// the rows' slots by one kernel (FusedRotaryStore), then the static paged
+// attention; [rows, heads * dv] as AttendPacked gives. nullopt where that
+// does not apply (no scope, the cpu, a partial rotary, the kernels off):
+// then the caller rotates and calls AttendPacked.
+std::optional<at::Tensor> AttendStaticDecodeRotating(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, const at::Tensor& cos,
+                                                     const at::Tensor& sin,
+                                                     absl::Span<const SequenceChunk> chunks,
+                                                     size_t layer, std::optional<int64_t> window,
+                                                     const ScoreRule& rule);
+
 // Writes rows [kv_heads, n, d] at positions [past, past + n) of a layer's
 // blocks [num_blocks, kv_heads, block_size, d] through a block table, as one
 // indexed copy (what AttendPacked does for a prompt off the cpu, where a

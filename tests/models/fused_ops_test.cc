@@ -15,6 +15,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
+#include <ATen/TensorIndexing.h>
 #include <ATen/TensorOperators.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
@@ -182,6 +183,78 @@ TEST(FusedOpsEmulationTest, RotaryEqualsTheEagerFormulaOverTheDecodersStrides) {
   }
 }
 
+// The static decode step's rotary + KV write (RotaryStoreParams): q from a
+// packed q/k/v row rotated into q_out, k rotated and v copied into each row's
+// slot of the blocks, equal to the bit to the eager rotary and an indexed
+// write; every other slot untouched.
+TEST(FusedOpsEmulationTest, RotaryStoreEqualsTheRotaryThenTheSlotWrites) {
+  c10::InferenceMode inference;
+  for (const DType& dtype : kDTypes) {
+    const std::string what = dtype.name;
+    at::manual_seed(6);
+    const int64_t rows = 3, heads = 4, kv_heads = 2, dim = 64, block_size = 4, blocks = 6;
+    // One token a row: q, k and v narrowed from a packed projection.
+    const at::Tensor qkv = at::randn({1, rows, (heads + 2 * kv_heads) * dim}).to(dtype.type);
+    const at::Tensor q = qkv.narrow(-1, 0, heads * dim).view({1, rows, heads, dim});
+    const at::Tensor k = qkv.narrow(-1, heads * dim, kv_heads * dim).view({1, rows, kv_heads, dim});
+    const at::Tensor v =
+        qkv.narrow(-1, (heads + kv_heads) * dim, kv_heads * dim).view({1, rows, kv_heads, dim});
+    const at::Tensor angles = at::randn({1, rows, dim}) * 3.0;
+    const at::Tensor cos = at::cos(angles).to(dtype.type), sin = at::sin(angles).to(dtype.type);
+    const auto eager_rotary = [&](const at::Tensor& x) {  // x [1, heads, rows, dim]
+      const at::Tensor rotated =
+          at::cat({-x.narrow(-1, dim / 2, dim / 2), x.narrow(-1, 0, dim / 2)}, -1);
+      return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
+    };
+    const std::vector<int64_t> slot_blocks = {5, 0, 3}, slot_offsets = {1, 3, 0};
+    const at::Tensor key_before = at::randn({blocks, kv_heads, block_size, dim}).to(dtype.type);
+    const at::Tensor value_before = at::randn({blocks, kv_heads, block_size, dim}).to(dtype.type);
+    at::Tensor key_blocks = key_before.clone(), value_blocks = value_before.clone();
+    at::Tensor q_out = at::empty({rows, heads, dim}, q.options());
+    cuda::RotaryStoreParams p;
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.q_row_stride = q.stride(1);
+    p.q_head_stride = q.stride(2);
+    p.k_row_stride = k.stride(1);
+    p.k_head_stride = k.stride(2);
+    p.v_row_stride = v.stride(1);
+    p.v_head_stride = v.stride(2);
+    p.cos = cos.data_ptr();
+    p.sin = sin.data_ptr();
+    p.cos_row_stride = cos.stride(1);
+    p.sin_row_stride = sin.stride(1);
+    p.slot_blocks = slot_blocks.data();
+    p.slot_offsets = slot_offsets.data();
+    p.q_out = q_out.data_ptr();
+    p.key_blocks = key_blocks.data_ptr();
+    p.value_blocks = value_blocks.data_ptr();
+    p.rows = static_cast<int32_t>(rows);
+    p.heads = static_cast<int32_t>(heads);
+    p.kv_heads = static_cast<int32_t>(kv_heads);
+    p.dim = p.value_dim = static_cast<int32_t>(dim);
+    p.block_size = static_cast<int32_t>(block_size);
+    ASSERT_EQ(cuda::CheckRotaryStoreParams(p), nullptr);
+    ForEachAs(dtype.kernel, p, cuda::RotaryStoreItems(p),
+              [](auto tag, const cuda::RotaryStoreParams& params, int64_t i) {
+                cuda::internal::RotaryStoreItem<decltype(tag)>(params, i);
+              });
+    // q_out [rows, heads, dim]: the eager rotary of q [1, heads, rows, dim].
+    EXPECT_TRUE(at::equal(q_out, eager_rotary(q.transpose(1, 2))[0].transpose(0, 1))) << what;
+    const at::Tensor k_rotated = eager_rotary(k.transpose(1, 2))[0];  // [kv_heads, rows, dim]
+    at::Tensor want_keys = key_before.clone(), want_values = value_before.clone();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t b = slot_blocks[static_cast<size_t>(r)];
+      const int64_t o = slot_offsets[static_cast<size_t>(r)];
+      want_keys[b].select(1, o).copy_(k_rotated.select(1, r));
+      want_values[b].select(1, o).copy_(v[0][r]);
+    }
+    EXPECT_TRUE(at::equal(key_blocks, want_keys)) << what;
+    EXPECT_TRUE(at::equal(value_blocks, want_values)) << what;
+  }
+}
+
 TEST(FusedOpsEmulationTest, SiluMulEqualsTheEagerFormulaOnAFusedGateUp) {
   c10::InferenceMode inference;
   for (const DType& dtype : kDTypes) {
@@ -277,6 +350,31 @@ TEST(FusedOpsTest, OnCudaTheKernelsEqualTheEagerFormulas) {
     ExpectClose(*silu_got, silu_want, 1.0, std::string("SiLU * up ") + dtype.name);
     // Through the modules, as the decoder calls them.
     ExpectClose(norm.forward(x), norm_want, 1.0, std::string("nn::RMSNorm ") + dtype.name);
+
+    // The static decode step's rotary + KV write: q [1, rows = 5, 32, 128]
+    // and k, v [1, 5, 8, 128] from one packed projection, the rows' slots in
+    // blocks of 16.
+    const at::Tensor qkv = at::randn({1, 5, (32 + 16) * 128}).to(dtype.type).to(gpu);
+    const at::Tensor pq = qkv.narrow(-1, 0, 32 * 128).view({1, 5, 32, 128});
+    const at::Tensor pk = qkv.narrow(-1, 32 * 128, 8 * 128).view({1, 5, 8, 128});
+    const at::Tensor pv = qkv.narrow(-1, 40 * 128, 8 * 128).view({1, 5, 8, 128});
+    const at::Tensor slot_blocks = at::tensor(std::vector<int64_t>{3, 0, 7, 3, 1}).to(gpu);
+    const at::Tensor slot_offsets = at::tensor(std::vector<int64_t>{0, 15, 2, 1, 9}).to(gpu);
+    const at::Tensor key_before = at::randn({8, 8, 16, 128}).to(dtype.type).to(gpu);
+    at::Tensor key_blocks = key_before.clone(), value_blocks = key_before.clone();
+    const std::optional<at::Tensor> q_rotated = internal::FusedRotaryStore(
+        pq, pk, pv, cos, sin, slot_blocks, slot_offsets, key_blocks, value_blocks);
+    ASSERT_TRUE(q_rotated) << dtype.name;
+    internal::SetFusedCudaOps(false);
+    const at::Tensor q_want = nn::ApplyRotary(pq.transpose(1, 2), cos, sin)[0].transpose(0, 1);
+    const at::Tensor k_want = nn::ApplyRotary(pk.transpose(1, 2), cos, sin)[0].transpose(0, 1);
+    internal::SetFusedCudaOps(true);
+    ExpectClose(*q_rotated, q_want, 0.0, std::string("rotary store q ") + dtype.name);
+    at::Tensor keys_want = key_before.clone(), values_want = key_before.clone();
+    keys_want.index_put_({slot_blocks, at::indexing::Slice(), slot_offsets}, k_want);
+    values_want.index_put_({slot_blocks, at::indexing::Slice(), slot_offsets}, pv[0]);
+    EXPECT_TRUE(at::equal(key_blocks, keys_want)) << dtype.name;
+    EXPECT_TRUE(at::equal(value_blocks, values_want)) << dtype.name;
   }
 }
 

@@ -112,9 +112,9 @@ ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t thr
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const int32_t chunks = p.dim / kVec;
   // The same for every CTA of the launch (row strides keep the alignment).
-  const bool vectorized = p.dim % kVec == 0 && chunks <= kRmsNormChunks * threads &&
-                          aligned(p.x) && aligned(p.out) && aligned(p.weight) &&
-                          p.x_row_stride % kVec == 0 && p.out_row_stride % kVec == 0;
+  const bool vectorized = p.dim % kVec == 0 && chunks <= kRmsNormChunks * threads && aligned(p.x) &&
+                          aligned(p.out) && aligned(p.weight) && p.x_row_stride % kVec == 0 &&
+                          p.out_row_stride % kVec == 0;
   float held[kRmsNormChunks][kVec];
   float sum = 0.0f;
   if (vectorized) {
@@ -152,9 +152,23 @@ ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t thr
     return;
   }
   for (int32_t c = tid; c < p.dim; c += threads) {
-    out[c] = FromFloat(Tag{}, RmsNormValue<Tag>(ToFloat(Tag{}, x[c]), r, ToFloat(Tag{}, w[c]),
-                                                 p.unit_offset));
+    out[c] = FromFloat(
+        Tag{}, RmsNormValue<Tag>(ToFloat(Tag{}, x[c]), r, ToFloat(Tag{}, w[c]), p.unit_offset));
   }
+}
+
+// Elements i and i + half of a row of 2 * half rotated: x, cos and sin rows
+// to `out`'s row.
+template <typename Tag>
+ACCEL_MODELS_HD void RotateInto(const typename Tag::Storage* x, const typename Tag::Storage* c,
+                                const typename Tag::Storage* s, int32_t i, int32_t half,
+                                typename Tag::Storage* out) {
+  const float x1 = ToFloat(Tag{}, x[i]), x2 = ToFloat(Tag{}, x[i + half]);
+  // out[i] = x1 * cos[i] + (-x2) * sin[i]; out[i + half] = x2 * cos[i + half] + x1 * sin[i + half]
+  out[i] = FromFloat(Tag{}, AddRn(Round<Tag>(MulRn(x1, ToFloat(Tag{}, c[i]))),
+                                  Round<Tag>(MulRn(-x2, ToFloat(Tag{}, s[i])))));
+  out[i + half] = FromFloat(Tag{}, AddRn(Round<Tag>(MulRn(x2, ToFloat(Tag{}, c[i + half]))),
+                                         Round<Tag>(MulRn(x1, ToFloat(Tag{}, s[i + half])))));
 }
 
 // Rotary pair `index` of RotaryParams' batch * heads * tokens * dim / 2:
@@ -177,12 +191,51 @@ ACCEL_MODELS_HD void RotaryPair(const RotaryParams& p, int64_t index) {
       static_cast<const Storage*>(p.sin) + b * p.sin_batch_stride + t * p.sin_token_stride;
   Storage* out = static_cast<Storage*>(p.out) +
                  ((static_cast<int64_t>(b) * p.heads + h) * p.tokens + t) * p.dim;
-  const float x1 = ToFloat(Tag{}, x[i]), x2 = ToFloat(Tag{}, x[i + half]);
-  // out[i] = x1 * cos[i] + (-x2) * sin[i]; out[i + half] = x2 * cos[i + half] + x1 * sin[i + half]
-  out[i] = FromFloat(Tag{}, AddRn(Round<Tag>(MulRn(x1, ToFloat(Tag{}, c[i]))),
-                                  Round<Tag>(MulRn(-x2, ToFloat(Tag{}, s[i])))));
-  out[i + half] = FromFloat(Tag{}, AddRn(Round<Tag>(MulRn(x2, ToFloat(Tag{}, c[i + half]))),
-                                         Round<Tag>(MulRn(x1, ToFloat(Tag{}, s[i + half])))));
+  RotateInto<Tag>(x, c, s, i, half, out);
+}
+
+// Work item `index` of a RotaryStoreParams launch (RotaryStoreItems): a
+// rotary pair of q (to q_out) or of k (to its slot in the key blocks), or an
+// element of v (to its slot in the value blocks).
+template <typename Tag>
+ACCEL_MODELS_HD void RotaryStoreItem(const RotaryStoreParams& p, int64_t index) {
+  using Storage = typename Tag::Storage;
+  const int32_t half = p.dim / 2;
+  const int64_t q_items = static_cast<int64_t>(p.rows) * p.heads * half;
+  const int64_t k_items = static_cast<int64_t>(p.rows) * p.kv_heads * half;
+  if (index < q_items + k_items) {
+    const bool is_q = index < q_items;
+    const int64_t local = is_q ? index : index - q_items;
+    const int32_t heads = is_q ? p.heads : p.kv_heads;
+    const int32_t i = static_cast<int32_t>(local % half);
+    const int32_t h = static_cast<int32_t>((local / half) % heads);
+    const int32_t r = static_cast<int32_t>(local / half / heads);
+    const Storage* c = static_cast<const Storage*>(p.cos) + r * p.cos_row_stride;
+    const Storage* s = static_cast<const Storage*>(p.sin) + r * p.sin_row_stride;
+    if (is_q) {
+      const Storage* x =
+          static_cast<const Storage*>(p.q) + r * p.q_row_stride + h * p.q_head_stride;
+      Storage* out =
+          static_cast<Storage*>(p.q_out) + (static_cast<int64_t>(r) * p.heads + h) * p.dim;
+      RotateInto<Tag>(x, c, s, i, half, out);
+    } else {
+      const Storage* x =
+          static_cast<const Storage*>(p.k) + r * p.k_row_stride + h * p.k_head_stride;
+      Storage* out =
+          static_cast<Storage*>(p.key_blocks) +
+          ((p.slot_blocks[r] * p.kv_heads + h) * p.block_size + p.slot_offsets[r]) * p.dim;
+      RotateInto<Tag>(x, c, s, i, half, out);
+    }
+    return;
+  }
+  const int64_t local = index - q_items - k_items;
+  const int32_t e = static_cast<int32_t>(local % p.value_dim);
+  const int32_t h = static_cast<int32_t>((local / p.value_dim) % p.kv_heads);
+  const int32_t r = static_cast<int32_t>(local / p.value_dim / p.kv_heads);
+  const Storage* x = static_cast<const Storage*>(p.v) + r * p.v_row_stride + h * p.v_head_stride;
+  static_cast<Storage*>(p.value_blocks)
+      [((p.slot_blocks[r] * p.kv_heads + h) * p.block_size + p.slot_offsets[r]) * p.value_dim + e] =
+          x[e];
 }
 
 // Element `index` of SiluMulParams' rows * dim.
