@@ -354,10 +354,11 @@ TEST(FusedOpsTest, OnCudaTheKernelsEqualTheEagerFormulas) {
     // The static decode step's rotary + KV write: q [1, rows = 5, 32, 128]
     // and k, v [1, 5, 8, 128] from one packed projection, the rows' slots in
     // blocks of 16.
-    const at::Tensor qkv = at::randn({1, 5, (32 + 16) * 128}).to(dtype.type).to(gpu);
-    const at::Tensor pq = qkv.narrow(-1, 0, 32 * 128).view({1, 5, 32, 128});
-    const at::Tensor pk = qkv.narrow(-1, 32 * 128, 8 * 128).view({1, 5, 8, 128});
-    const at::Tensor pv = qkv.narrow(-1, 40 * 128, 8 * 128).view({1, 5, 8, 128});
+    constexpr int64_t kDim = 128;
+    const at::Tensor qkv = at::randn({1, 5, (32 + 16) * kDim}).to(dtype.type).to(gpu);
+    const at::Tensor pq = qkv.narrow(-1, 0, 32 * kDim).view({1, 5, 32, kDim});
+    const at::Tensor pk = qkv.narrow(-1, 32 * kDim, 8 * kDim).view({1, 5, 8, kDim});
+    const at::Tensor pv = qkv.narrow(-1, 40 * kDim, 8 * kDim).view({1, 5, 8, kDim});
     const at::Tensor slot_blocks = at::tensor(std::vector<int64_t>{3, 0, 7, 3, 1}).to(gpu);
     const at::Tensor slot_offsets = at::tensor(std::vector<int64_t>{0, 15, 2, 1, 9}).to(gpu);
     const at::Tensor key_before = at::randn({8, 8, 16, 128}).to(dtype.type).to(gpu);

@@ -132,7 +132,8 @@ ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, in
         for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
           const int32_t c = lane + i * l.lanes;
           if (c >= l.chunks) break;
-          const float* qc = q_s + static_cast<int64_t>(h) * p.head_dim + c * kVec;
+          const float* qc =
+              q_s + static_cast<int64_t>(h) * p.head_dim + static_cast<int64_t>(c) * kVec;
           for (int32_t e = 0; e < kVec; ++e) dot = fmaf(qc[e], k[u][i][e], dot);
         }
         for (int32_t mask = l.lanes / 2; mask >= 1; mask /= 2) dot += exec.XorLanes(dot, mask);
@@ -241,7 +242,7 @@ ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, in
           if (c >= l.value_chunks) break;
           float* dst = warp_sums +
                        (static_cast<int64_t>(warp_of_thread) * kValueHeadTile + hh) * p.value_dim +
-                       c * kVec;
+                       static_cast<int64_t>(c) * kVec;
           for (int32_t e = 0; e < kVec; ++e) dst[e] = acc[hh][i][e];
         }
       }
