@@ -67,6 +67,40 @@ int64_t RowStride(const at::Tensor& t) {
 
 }  // namespace
 
+cuda::RotaryStoreParams RotaryStoreParamsFor(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& cos,
+                                             const at::Tensor& sin, const at::Tensor& slot_blocks,
+                                             const at::Tensor& slot_offsets,
+                                             const at::Tensor& q_out, const at::Tensor& key_blocks,
+                                             const at::Tensor& value_blocks) {
+  cuda::RotaryStoreParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_row_stride = q.stride(1);
+  p.q_head_stride = q.stride(2);
+  p.k_row_stride = k.stride(1);
+  p.k_head_stride = k.stride(2);
+  p.v_row_stride = v.stride(1);
+  p.v_head_stride = v.stride(2);
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  p.cos_row_stride = cos.stride(1);
+  p.sin_row_stride = sin.stride(1);
+  p.slot_blocks = slot_blocks.data_ptr<int64_t>();
+  p.slot_offsets = slot_offsets.data_ptr<int64_t>();
+  p.q_out = q_out.data_ptr();
+  p.key_blocks = key_blocks.data_ptr();
+  p.value_blocks = value_blocks.data_ptr();
+  p.rows = static_cast<int32_t>(q.size(1));
+  p.heads = static_cast<int32_t>(q.size(2));
+  p.kv_heads = static_cast<int32_t>(k.size(2));
+  p.dim = static_cast<int32_t>(q.size(3));
+  p.value_dim = static_cast<int32_t>(v.size(3));
+  p.block_size = static_cast<int32_t>(key_blocks.size(2));
+  return p;
+}
+
 bool FusedCudaOpsBuilt() {
 #ifdef ACCEL_WITH_MODELS_CUDA
   return true;
@@ -181,31 +215,8 @@ std::optional<at::Tensor> FusedRotaryStore(const at::Tensor& q, const at::Tensor
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t rows = q.size(1), heads = q.size(2), dim = q.size(3);
   at::Tensor out = at::empty({rows, heads, dim}, q.options());
-  cuda::RotaryStoreParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.q_row_stride = q.stride(1);
-  p.q_head_stride = q.stride(2);
-  p.k_row_stride = k.stride(1);
-  p.k_head_stride = k.stride(2);
-  p.v_row_stride = v.stride(1);
-  p.v_head_stride = v.stride(2);
-  p.cos = cos.data_ptr();
-  p.sin = sin.data_ptr();
-  p.cos_row_stride = cos.stride(1);
-  p.sin_row_stride = sin.stride(1);
-  p.slot_blocks = slot_blocks.data_ptr<int64_t>();
-  p.slot_offsets = slot_offsets.data_ptr<int64_t>();
-  p.q_out = out.data_ptr();
-  p.key_blocks = key_blocks.data_ptr();
-  p.value_blocks = value_blocks.data_ptr();
-  p.rows = static_cast<int32_t>(rows);
-  p.heads = static_cast<int32_t>(heads);
-  p.kv_heads = static_cast<int32_t>(k.size(2));
-  p.dim = static_cast<int32_t>(dim);
-  p.value_dim = static_cast<int32_t>(v.size(3));
-  p.block_size = static_cast<int32_t>(key_blocks.size(2));
+  const cuda::RotaryStoreParams p = RotaryStoreParamsFor(
+      q, k, v, cos, sin, slot_blocks, slot_offsets, out, key_blocks, value_blocks);
   Check(cuda::RotaryStore(p, dtype, c10::cuda::getCurrentCUDAStream(q.device().index()).stream()),
         "rotary embedding and KV write");
   return out;

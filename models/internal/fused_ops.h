@@ -12,6 +12,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "models/cuda/fused_ops.h"
+
 namespace accel::models::internal {
 
 // x [..., dim] contiguous; weight [dim] of x's dtype.
@@ -40,6 +42,16 @@ std::optional<at::Tensor> FusedRotaryStore(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& slot_offsets,
                                            const at::Tensor& key_blocks,
                                            const at::Tensor& value_blocks);
+
+// The kernel's parameters for those tensors (FusedRotaryStore's layout:
+// q_out [rows, heads, d]); no checks, no launch: what FusedRotaryStore passes,
+// and what the host emulation test runs the kernel's code on.
+cuda::RotaryStoreParams RotaryStoreParamsFor(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& cos,
+                                             const at::Tensor& sin, const at::Tensor& slot_blocks,
+                                             const at::Tensor& slot_offsets,
+                                             const at::Tensor& q_out, const at::Tensor& key_blocks,
+                                             const at::Tensor& value_blocks);
 
 // Whether this build has the kernels (models/cuda/ built and libtorch a CUDA
 // build), and a process-wide switch (on by default) for measuring without

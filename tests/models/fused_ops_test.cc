@@ -211,30 +211,11 @@ TEST(FusedOpsEmulationTest, RotaryStoreEqualsTheRotaryThenTheSlotWrites) {
     const at::Tensor value_before = at::randn({blocks, kv_heads, block_size, dim}).to(dtype.type);
     at::Tensor key_blocks = key_before.clone(), value_blocks = value_before.clone();
     at::Tensor q_out = at::empty({rows, heads, dim}, q.options());
-    cuda::RotaryStoreParams p;
-    p.q = q.data_ptr();
-    p.k = k.data_ptr();
-    p.v = v.data_ptr();
-    p.q_row_stride = q.stride(1);
-    p.q_head_stride = q.stride(2);
-    p.k_row_stride = k.stride(1);
-    p.k_head_stride = k.stride(2);
-    p.v_row_stride = v.stride(1);
-    p.v_head_stride = v.stride(2);
-    p.cos = cos.data_ptr();
-    p.sin = sin.data_ptr();
-    p.cos_row_stride = cos.stride(1);
-    p.sin_row_stride = sin.stride(1);
-    p.slot_blocks = slot_blocks.data();
-    p.slot_offsets = slot_offsets.data();
-    p.q_out = q_out.data_ptr();
-    p.key_blocks = key_blocks.data_ptr();
-    p.value_blocks = value_blocks.data_ptr();
-    p.rows = static_cast<int32_t>(rows);
-    p.heads = static_cast<int32_t>(heads);
-    p.kv_heads = static_cast<int32_t>(kv_heads);
-    p.dim = p.value_dim = static_cast<int32_t>(dim);
-    p.block_size = static_cast<int32_t>(block_size);
+    const at::Tensor blocks_of_rows = at::tensor(slot_blocks, at::kLong);
+    const at::Tensor offsets_of_rows = at::tensor(slot_offsets, at::kLong);
+    // The wrapper's parameters (FusedRotaryStore passes the same).
+    const cuda::RotaryStoreParams p = internal::RotaryStoreParamsFor(
+        q, k, v, cos, sin, blocks_of_rows, offsets_of_rows, q_out, key_blocks, value_blocks);
     ASSERT_EQ(cuda::CheckRotaryStoreParams(p), nullptr);
     ForEachAs(dtype.kernel, p, cuda::RotaryStoreItems(p),
               [](auto tag, const cuda::RotaryStoreParams& params, int64_t i) {
