@@ -29,6 +29,7 @@
 #include "dispatch/empty_weights.h"
 #include "dispatch/layer.h"
 #include "dist/process_group.h"
+#include "models/internal/fused_ops.h"
 #include "models/internal/packed.h"
 #include "models/nn.h"
 
@@ -193,6 +194,11 @@ absl::StatusOr<bool> PackLinears(const std::vector<nn::Linear*>& parts, bool cud
     }
     row += rows;
   }
+  // The old weights' blocks back to the driver at once: a packed tensor is
+  // larger than any of them, so the caching allocator could not reuse them
+  // for the next group, and the model's packing would end holding its
+  // packed weights twice (and the KV sizing would count the copy as in use).
+  if (device.is_cuda()) ReleaseCachedCudaMemory();
   return true;
 }
 
@@ -777,6 +783,9 @@ class DecoderLM : public StagedLM {
   int64_t recompute_after() const override { return model->rotary_emb->long_after(); }
 
   absl::Status PackProjections(bool cuda_only) override {
+    // On a CUDA device only where the replaced weights' memory can be given
+    // back (ReleaseCachedCudaMemory), else packing would hold it twice.
+    if (cuda_only && !FusedCudaOpsBuilt()) return absl::OkStatus();
     for (const std::shared_ptr<DecoderLayer>& layer : model->layers) {
       if (layer == nullptr) continue;  // another pipeline stage's
       ACCEL_RETURN_IF_ERROR(layer->self_attn->PackProjections(cuda_only));

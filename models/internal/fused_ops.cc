@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -99,6 +100,15 @@ cuda::RotaryStoreParams RotaryStoreParamsFor(const at::Tensor& q, const at::Tens
   p.value_dim = static_cast<int32_t>(v.size(3));
   p.block_size = static_cast<int32_t>(key_blocks.size(2));
   return p;
+}
+
+bool ReleaseCachedCudaMemory() {
+#ifdef ACCEL_WITH_MODELS_CUDA
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  return true;
+#else
+  return false;
+#endif
 }
 
 bool FusedCudaOpsBuilt() {

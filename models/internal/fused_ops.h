@@ -53,6 +53,13 @@ cuda::RotaryStoreParams RotaryStoreParamsFor(const at::Tensor& q, const at::Tens
                                              const at::Tensor& q_out, const at::Tensor& key_blocks,
                                              const at::Tensor& value_blocks);
 
+// Gives the CUDA caching allocator's unused blocks back to the driver
+// (emptyCache): after weights were replaced at load time (packed
+// projections), so that their old blocks neither stay counted as in use by
+// --gpu_memory_utilization's probe nor keep memory a later allocation of
+// another size needs. False (nothing done) in a build without the kernels.
+bool ReleaseCachedCudaMemory();
+
 // Whether this build has the kernels (models/cuda/ built and libtorch a CUDA
 // build), and a process-wide switch (on by default) for measuring without
 // them (accel-bench-decode-gpu --compare_unfused).
