@@ -218,7 +218,7 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
     # ACCEL_GPU_DECODE_ARGS: fewer rows for a short rerun.
     # shellcheck disable=SC2086
     step bench:decode_8b 300 "$bin/accel-bench-decode-gpu" --model "$model8b" \
-      ${ACCEL_GPU_DECODE_ARGS:---quantize none,nf4 --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,5,8 --compare_unfused 1 --general_batches 8,32} \
+      ${ACCEL_GPU_DECODE_ARGS:---quantize none,nf4 --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,8,32,128 --general_batches 32} \
       --json "$OUT/bench/decode_gpu.json"
     # Where a bfloat16 batch-1 step's time goes, kernel by kernel (libtorch's
     # Kineto profiler, eager and replayed from CUDA graphs): its own step, so
