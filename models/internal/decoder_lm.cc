@@ -134,7 +134,6 @@ std::optional<at::Tensor> AdjacentSpan(std::initializer_list<const at::Tensor*> 
 std::optional<at::Tensor> PackedForward(bool packed, const at::Tensor& x,
                                         std::initializer_list<const nn::Linear*> parts) {
   if (!packed) return std::nullopt;
-  std::vector<const at::Tensor*> weights, biases;
   for (const nn::Linear* p : parts) {
     if (p->quantization().enabled()) return std::nullopt;
   }
