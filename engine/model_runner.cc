@@ -32,6 +32,55 @@ bool IsLongRope(const loader::ModelConfig& config) {
   return config.rope_scaling && config.rope_scaling->rope_type == "longrope";
 }
 
+// Where a static decode step's host inputs go (StaticDecodeInputs' host
+// copies): a value per row each, and `max_blocks` table entries a row.
+struct StaticRows {
+  int64_t* ids = nullptr;
+  int64_t* positions = nullptr;
+  int64_t* slot_blocks = nullptr;
+  int64_t* slot_offsets = nullptr;
+  int32_t* tables = nullptr;
+  int32_t* totals = nullptr;
+  int64_t max_blocks = 0;
+};
+
+// Fills `out` for the rows of `chunks` (one token each): the id, the
+// position (the cache's length; 0 for rows at `real_rows` and past, the
+// padded ones), the slot the key and value go to, the total attended and
+// the block table. A row's table entries past its total are left as they
+// are (never read). Throws (c10::Error) for a row whose table is too short.
+void FillStaticRows(const std::vector<int64_t>& packed,
+                    const std::vector<models::SequenceChunk>& chunks, int64_t real_rows,
+                    int64_t block_size, const StaticRows& out) {
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const auto r = static_cast<int64_t>(i);
+    const models::KvCache& cache = *chunks[i].cache;
+    const int64_t length = r < real_rows ? cache.length : 0;
+    const int64_t used = length / block_size + 1;
+    TORCH_CHECK(static_cast<int64_t>(cache.block_table.size()) >= used && used <= out.max_blocks,
+                "static decode step: row ", r, " at position ", length, " but its table holds ",
+                cache.block_table.size(), " blocks");
+    out.ids[r] = packed[i];
+    out.positions[r] = length;
+    out.slot_blocks[r] = cache.block_table[static_cast<size_t>(length / block_size)];
+    out.slot_offsets[r] = length % block_size;
+    out.totals[r] = static_cast<int32_t>(length + 1);
+    std::copy(cache.block_table.begin(), cache.block_table.begin() + used,
+              out.tables + r * out.max_blocks);
+  }
+}
+
+// After a static decode step (which leaves the caches' host state alone):
+// the first `real_rows` rows' caches advance by their token.
+void AdvanceStaticRows(const std::vector<int64_t>& packed,
+                       const std::vector<models::SequenceChunk>& chunks, int64_t real_rows) {
+  for (int64_t r = 0; r < real_rows; ++r) {
+    models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
+    cache.length += 1;
+    cache.token_ids.push_back(packed[static_cast<size_t>(r)]);
+  }
+}
+
 }  // namespace
 
 struct ModelRunner::Impl {
@@ -212,30 +261,17 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunPaddedDecode(
       make({bucket}, at::kInt, b->inputs.totals, b->host.totals);
       b->inputs.max_total = max_total;
     }
-    // The host copy of this step's inputs. A row's table entries past its
-    // total are never read, so stale ones stay.
-    int64_t* ids = b->host.ids.data_ptr<int64_t>();
-    int64_t* position = b->host.positions.data_ptr<int64_t>();
-    int64_t* where = b->host.slot_blocks.data_ptr<int64_t>();
-    int64_t* offset = b->host.slot_offsets.data_ptr<int64_t>();
-    int32_t* table = b->host.block_tables.data_ptr<int32_t>();
-    int32_t* total = b->host.totals.data_ptr<int32_t>();
-    for (int64_t r = 0; r < bucket; ++r) {
-      const models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
-      // A padded row: position 0 of the scratch block (its cache's table).
-      const int64_t length = r < batch ? cache.length : 0;
-      const int64_t used = length / block_size + 1;
-      TORCH_CHECK(static_cast<int64_t>(cache.block_table.size()) >= used && used <= max_blocks,
-                  "padded decode step: row ", r, " at position ", length, " but its table holds ",
-                  cache.block_table.size(), " blocks");
-      ids[r] = packed[static_cast<size_t>(r)];
-      position[r] = length;
-      where[r] = cache.block_table[static_cast<size_t>(length / block_size)];
-      offset[r] = length % block_size;
-      total[r] = static_cast<int32_t>(length + 1);
-      std::copy(cache.block_table.begin(), cache.block_table.begin() + used,
-                table + r * max_blocks);
-    }
+    // The host copy of this step's inputs; a padded row is position 0 of
+    // the scratch block (its cache's table).
+    StaticRows rows;
+    rows.ids = b->host.ids.data_ptr<int64_t>();
+    rows.positions = b->host.positions.data_ptr<int64_t>();
+    rows.slot_blocks = b->host.slot_blocks.data_ptr<int64_t>();
+    rows.slot_offsets = b->host.slot_offsets.data_ptr<int64_t>();
+    rows.tables = b->host.block_tables.data_ptr<int32_t>();
+    rows.totals = b->host.totals.data_ptr<int32_t>();
+    rows.max_blocks = max_blocks;
+    FillStaticRows(packed, chunks, batch, block_size, rows);
     // Asynchronous from pinned memory on a CUDA device: the last step ended
     // by reading its logits back, so no earlier copy still reads these.
     const bool async = device.is_cuda();
@@ -265,11 +301,7 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunPaddedDecode(
   ACCEL_RETURN_IF_ERROR(ran);
   // The caches advance here (the static step does not touch the host's
   // state): the real rows only.
-  for (int64_t r = 0; r < batch; ++r) {
-    models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
-    cache.length += 1;
-    cache.token_ids.push_back(packed[static_cast<size_t>(r)]);
-  }
+  AdvanceStaticRows(packed, chunks, batch);
   // On the device (the bucket's buffer, read before the next step writes
   // it): Sample copies back what it needs.
   return b->logits;
@@ -283,10 +315,12 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunUnpaddedStaticDecode(
   ACCEL_RETURN_IF_ERROR(CallTorch([&] {
     const at::Device device =
         dispatched != nullptr ? dispatched->main_device() : at::Device(at::kCPU);
-    int64_t max_blocks = 1;
+    // This step's longest row fixes the attention's plan (no graph reuses it).
+    int64_t max_length = 0;
     for (const models::SequenceChunk& chunk : chunks) {
-      max_blocks = std::max(max_blocks, chunk.cache->length / block_size + 1);
+      max_length = std::max(max_length, chunk.cache->length);
     }
+    const int64_t max_blocks = max_length / block_size + 1;
     // Two host buffers (pinned for a CUDA device, so the copies are
     // asynchronous; the caching host allocator keeps a buffer until its copy
     // is done): ids, positions, slot blocks and offsets as int64; the tables
@@ -296,24 +330,15 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunUnpaddedStaticDecode(
     at::Tensor narrow = at::zeros({rows * max_blocks + rows},
                                   at::TensorOptions().dtype(at::kInt).pinned_memory(pin));
     int64_t* w = wide.data_ptr<int64_t>();
-    int32_t* table = narrow.data_ptr<int32_t>();
-    int32_t* total = table + rows * max_blocks;
-    int64_t max_total = 1;
-    for (int64_t r = 0; r < rows; ++r) {
-      const models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
-      const int64_t length = cache.length, used = length / block_size + 1;
-      TORCH_CHECK(static_cast<int64_t>(cache.block_table.size()) >= used,
-                  "static decode step: row ", r, " at position ", length, " but its table holds ",
-                  cache.block_table.size(), " blocks");
-      w[r] = packed[static_cast<size_t>(r)];
-      w[rows + r] = length;
-      w[2 * rows + r] = cache.block_table[static_cast<size_t>(length / block_size)];
-      w[3 * rows + r] = length % block_size;
-      total[r] = static_cast<int32_t>(length + 1);
-      max_total = std::max(max_total, length + 1);
-      std::copy(cache.block_table.begin(), cache.block_table.begin() + used,
-                table + r * max_blocks);
-    }
+    StaticRows out;
+    out.ids = w;
+    out.positions = w + rows;
+    out.slot_blocks = w + 2 * rows;
+    out.slot_offsets = w + 3 * rows;
+    out.tables = narrow.data_ptr<int32_t>();
+    out.totals = out.tables + rows * max_blocks;
+    out.max_blocks = max_blocks;
+    FillStaticRows(packed, chunks, rows, block_size, out);
     const at::Tensor wide_on_device = wide.to(device, /*non_blocking=*/pin);
     const at::Tensor narrow_on_device = narrow.to(device, /*non_blocking=*/pin);
     ids = wide_on_device[0];
@@ -322,16 +347,11 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunUnpaddedStaticDecode(
     inputs.slot_offsets = wide_on_device[3];
     inputs.block_tables = narrow_on_device.narrow(0, 0, rows * max_blocks).view({rows, max_blocks});
     inputs.totals = narrow_on_device.narrow(0, rows * max_blocks, rows);
-    // This step's longest row fixes the attention's plan (no graph reuses it).
-    inputs.max_total = max_total;
+    inputs.max_total = max_length + 1;
   }));
   ACCEL_ASSIGN_OR_RETURN(at::Tensor logits,
                          model->ForwardStaticDecode(ids, chunks, inputs, dispatched));
-  for (int64_t r = 0; r < rows; ++r) {
-    models::KvCache& cache = *chunks[static_cast<size_t>(r)].cache;
-    cache.length += 1;
-    cache.token_ids.push_back(packed[static_cast<size_t>(r)]);
-  }
+  AdvanceStaticRows(packed, chunks, rows);
   ++unpadded_static_steps;
   return logits;  // on the device: Sample copies back what it needs
 }

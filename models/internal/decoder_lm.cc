@@ -108,8 +108,8 @@ std::atomic<int64_t> collective_nanos{0}, collective_bytes{0}, micro_batches_run
 // The tensors `parts` as one, when they lie one after another in one
 // storage, each contiguous (rows of one width, or vectors): what
 // PackLinears leaves; nullopt otherwise.
-std::optional<at::Tensor> AdjacentSpan(std::initializer_list<const at::Tensor*> parts) {
-  const at::Tensor& first = **parts.begin();
+std::optional<at::Tensor> AdjacentSpan(const std::vector<const at::Tensor*>& parts) {
+  const at::Tensor& first = *parts.front();
   if (!first.defined() || first.is_meta() || first.dim() < 1 || first.dim() > 2) {
     return std::nullopt;
   }
@@ -134,23 +134,16 @@ std::optional<at::Tensor> AdjacentSpan(std::initializer_list<const at::Tensor*> 
 std::optional<at::Tensor> PackedForward(bool packed, const at::Tensor& x,
                                         std::initializer_list<const nn::Linear*> parts) {
   if (!packed) return std::nullopt;
+  std::vector<const at::Tensor*> weights, biases;
   for (const nn::Linear* p : parts) {
     if (p->quantization().enabled()) return std::nullopt;
+    weights.push_back(&p->weight);
+    biases.push_back(&p->bias);
   }
-  const nn::Linear* a = *parts.begin();
-  std::optional<at::Tensor> weight, bias;
-  if (parts.size() == 2) {
-    const nn::Linear* b = *(parts.begin() + 1);
-    weight = AdjacentSpan({&a->weight, &b->weight});
-    if (a->bias.defined()) bias = AdjacentSpan({&a->bias, &b->bias});
-  } else if (parts.size() == 3) {
-    const nn::Linear *b = *(parts.begin() + 1), *c = *(parts.begin() + 2);
-    weight = AdjacentSpan({&a->weight, &b->weight, &c->weight});
-    if (a->bias.defined()) bias = AdjacentSpan({&a->bias, &b->bias, &c->bias});
-  }
-  if (!weight || (a->bias.defined() && !bias) || weight->device() != x.device()) {
-    return std::nullopt;
-  }
+  const bool has_bias = biases.front()->defined();
+  const std::optional<at::Tensor> weight = AdjacentSpan(weights);
+  const std::optional<at::Tensor> bias = has_bias ? AdjacentSpan(biases) : std::nullopt;
+  if (!weight || (has_bias && !bias) || weight->device() != x.device()) return std::nullopt;
   return nn::DenseLinear(x, *weight, bias ? *bias : at::Tensor());
 }
 
