@@ -32,8 +32,12 @@ bool CudaKernelsBuilt();
 // kernel takes the shapes (quant/cuda/kernels.h: Gemv4bitRowsFused), run the
 // fused 4-bit GEMV, which reads the packed weight once (with double quant
 // the absmax is expanded to float32 first); more rows dequantize the weight
-// to a dense [out, in] compute_dtype tensor and call at::linear, as bnb
-// does. y in x's dtype, [..., out].
+// to dense compute_dtype a slab of rows at a time (a quarter of the device's
+// L2 cache: internal::DequantSlabRows) and multiply each slab by cuBLAS
+// while it is still in the cache, bias added in the product (bnb
+// dequantizes the whole weight, then calls at::linear: the same products,
+// with the dense weight written to device memory and read back). y in x's
+// dtype, [..., out].
 // InvalidArgument naming the argument for shapes, dtypes or devices that do
 // not fit; Internal naming the kernel for a CUDA error.
 absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weight4bit& weight,

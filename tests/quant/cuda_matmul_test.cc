@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -24,6 +25,7 @@
 #include <gtest/gtest.h>
 
 #include "quant/bnb.h"
+#include "quant/internal/slabs.h"
 #include "quant/matmul.h"
 #include "tests/testing/status_matchers.h"
 
@@ -166,6 +168,71 @@ TEST(CudaMatmulTest, Linear4bitShapes) {
       at::Tensor empty, Linear4bitForwardCuda(at::zeros({0, 128}, at::TensorOptions().device(cuda)),
                                               cuda_w, {}, at::kFloat));
   EXPECT_EQ(empty.sizes(), (std::vector<int64_t>{0, 40}));
+}
+
+// More rows than the fused GEMV takes: the weight dequantized a slab at a
+// time (a quarter of the device's L2 cache, at least 256 rows), each slab's
+// product written into its columns of y. 2999 rows of 8200 (slabs of a
+// multiple of 8 rows, the last one partial, blocks across rows) are several
+// slabs on any device; batch sizes around the fused GEMV's limit and a
+// prefill's.
+TEST(CudaMatmulTest, Linear4bitManyRowsMatchesTheCpuPathOverSlabs) {
+  SKIP_WITHOUT_DEVICE();
+  const at::Device cuda(at::kCUDA, 0);
+  at::manual_seed(9);
+  const int64_t out = 2999, in = 8200;
+  const at::Tensor w = Random({out, in}, 0.05);
+  for (bool double_quant : {false, true}) {
+    const Weight4bit cpu_w = Quantized(w, QuantType4bit::kNf4, 64, double_quant);
+    const Weight4bit cuda_w = OnDevice(cpu_w, cuda);
+    for (int64_t rows : {8, 9, 32, 200}) {
+      for (bool with_bias : {false, true}) {
+        SCOPED_TRACE(testing::Message() << rows << " rows" << (double_quant ? ", dq" : "")
+                                        << (with_bias ? ", bias" : ""));
+        const at::Tensor x = Random({rows, in}).to(at::kBFloat16);
+        const at::Tensor bias = with_bias ? Random({out}, 0.1).to(at::kBFloat16) : at::Tensor();
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor want,
+                                   Linear4bitForward(x, cpu_w, bias, at::kBFloat16));
+        ACCEL_ASSERT_OK_AND_ASSIGN(
+            at::Tensor got,
+            Linear4bitForwardCuda(x.to(cuda), cuda_w, OnDevice(bias, cuda), at::kBFloat16));
+        ExpectClose(got, want, Tolerance(at::kBFloat16));
+        // Every slab's columns written (a skipped slab would leave empty
+        // memory, which a max-error check can miss where it holds zeros).
+        const at::Tensor diff = (got.to(at::kCPU).to(at::kFloat) - want.to(at::kFloat)).abs();
+        EXPECT_LE(diff.amax(0).max().item<double>(),
+                  Tolerance(at::kBFloat16) * std::max(1.0, want.abs().max().item<double>()));
+      }
+    }
+  }
+}
+
+// The slab arithmetic itself (no device): slabs start on a block and on 16
+// packed bytes, hold at least 256 rows and aim at the byte size asked for.
+TEST(CudaMatmulTest, DequantSlabRows) {
+  // Llama-8B's down_proj as bfloat16, 12.5 MiB slabs: 4096 * 2 bytes a row.
+  EXPECT_EQ(internal::DequantSlabRows(4096, 14336, 64, 2, 12800 << 10), 457);
+  EXPECT_EQ(internal::DequantSlabRows(14336, 4096, 64, 2, 12800 << 10), 1600);
+  // A small weight: one slab, the whole of it.
+  EXPECT_EQ(internal::DequantSlabRows(40, 128, 64, 2, 12800 << 10), 40);
+  // Never under 256 rows, however small the cache.
+  EXPECT_EQ(internal::DequantSlabRows(100000, 4096, 64, 2, 1 << 20), 256);
+  for (int64_t in : {100, 8200, 4097, 333}) {
+    for (int64_t blocksize : {64, 128, 4096}) {
+      SCOPED_TRACE(testing::Message() << "in " << in << ", blocksize " << blocksize);
+      const int64_t rows = internal::DequantSlabRows(1 << 20, in, blocksize, 2, 8 << 20);
+      EXPECT_EQ(rows * in % blocksize, 0);
+      EXPECT_EQ(rows * in % 32, 0);  // 16 packed bytes
+      EXPECT_GE(rows, internal::kMinSlabRows);
+      // Within one step of such rows of the target (the step: rows whose
+      // values are a whole number of blocks and of 32).
+      const int64_t values = std::lcm(blocksize, int64_t{32});
+      const int64_t step = values / std::gcd(in, values);
+      EXPECT_EQ(rows % step, 0);
+      EXPECT_LT(rows - step, std::max<int64_t>((8 << 20) / (in * 2), internal::kMinSlabRows));
+    }
+  }
+  EXPECT_EQ(internal::DequantSlabRows(0, 4096, 64, 2, 8 << 20), 0);
 }
 
 // Rows quantized the way Int8Params does, so SCB and CB are consistent.
