@@ -636,34 +636,46 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Sample(const SchedulerOutpu
     // are, so that a step of greedy rows on a CUDA device copies back their
     // tokens, not [rows, vocab] floats, and no row goes through the
     // sampler's float64 copy. The other rows are sampled from a host copy.
-    std::vector<int64_t> argmax_rows;
+    // Likewise rows sampled with temperature, top-k, top-p and min-p alone
+    // (the OpenAI API's default is temperature 1): all of them at once where
+    // the logits are (Sampler::NextRows), each with its own generator.
+    std::vector<int64_t> argmax_rows, drawn_rows;
+    std::vector<Sampler*> drawn_samplers;
     std::vector<int64_t> argmax_slot(out.scheduled.size(), -1);
+    std::vector<int64_t> drawn_slot(out.scheduled.size(), -1);
     int64_t host_rows = 0;
     {
       int64_t row = 0;
       for (size_t i = 0; i < out.scheduled.size(); ++i) {
         const ScheduledRequest& s = out.scheduled[i];
-        const Request& r = *scheduled[i];
+        Request& r = *scheduled[i];
         const int64_t rows = chunks[i].logit_tokens;
-        if (s.samples && !prompt_rows[i] && rows == 1 && s.draft_token_ids.empty() &&
-            r.sampler.plain_greedy() && r.processor == nullptr && !r.logprobs) {
+        const bool plain = s.samples && !prompt_rows[i] && rows == 1 &&
+                           s.draft_token_ids.empty() && r.processor == nullptr && !r.logprobs;
+        if (plain && r.sampler.plain_greedy()) {
           argmax_slot[i] = static_cast<int64_t>(argmax_rows.size());
           argmax_rows.push_back(row);
+        } else if (plain && r.sampler.batch_samplable()) {
+          drawn_slot[i] = static_cast<int64_t>(drawn_rows.size());
+          drawn_rows.push_back(row);
+          drawn_samplers.push_back(&r.sampler);
         } else if (s.samples || prompt_rows[i]) {
           host_rows += rows;
         }
         row += rows;
       }
     }
-    std::vector<int64_t> argmax_ids;
+    const auto rows_of = [&](const std::vector<int64_t>& which) {
+      return static_cast<int64_t>(which.size()) == logits.size(0)
+                 ? logits
+                 : logits.index_select(0, at::tensor(which, at::kLong).to(logits.device()));
+    };
+    std::vector<int64_t> argmax_ids, drawn_ids;
     if (!argmax_rows.empty()) {
-      const at::Tensor picked =
-          static_cast<int64_t>(argmax_rows.size()) == logits.size(0)
-              ? logits
-              : logits.index_select(0, at::tensor(argmax_rows, at::kLong).to(logits.device()));
-      const at::Tensor ids = picked.argmax(-1).to(at::kCPU).contiguous();
+      const at::Tensor ids = rows_of(argmax_rows).argmax(-1).to(at::kCPU).contiguous();
       argmax_ids.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
     }
+    if (!drawn_rows.empty()) drawn_ids = Sampler::NextRows(rows_of(drawn_rows), drawn_samplers);
     const at::Tensor host_logits =
         host_rows == 0 ? at::Tensor() : (logits.is_cpu() ? logits : logits.to(at::kCPU));
     int64_t row = 0;
@@ -671,10 +683,11 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Sample(const SchedulerOutpu
       const ScheduledRequest& s = out.scheduled[i];
       Request& r = *scheduled[i];
       const int64_t rows = chunks[i].logit_tokens;
-      if (argmax_slot[i] >= 0) {
+      if (argmax_slot[i] >= 0 || drawn_slot[i] >= 0) {
         SampledTokens t;
         t.id = s.id;
-        t.token_ids = {argmax_ids[static_cast<size_t>(argmax_slot[i])]};
+        t.token_ids = {argmax_slot[i] >= 0 ? argmax_ids[static_cast<size_t>(argmax_slot[i])]
+                                           : drawn_ids[static_cast<size_t>(drawn_slot[i])]};
         result.sampled.push_back(std::move(t));
         row += rows;
         continue;

@@ -37,6 +37,21 @@ class Sampler {
   // probability changes). Public for tests and log-probs.
   at::Tensor Process(const at::Tensor& logits, absl::Span<const int64_t> previous) const;
 
+  // Next() for several rows at once, row i with *samplers[i] (each
+  // batch_samplable()): `logits` [rows, vocab] on any device, where the
+  // temperature, the filters and the softmax run for all rows together, in
+  // float64; each row's draw takes its sampler's next uniform, as Next()
+  // does. On the cpu the tokens are Next()'s, bit for bit; on a CUDA device
+  // the cumulative sums are added in another order, so a draw can differ
+  // only where its uniform falls within rounding of a boundary between two
+  // tokens. What a step of sampled rows on a GPU copies back is their token
+  // ids, not [rows, vocab] floats to be processed a row at a time.
+  static std::vector<int64_t> NextRows(const at::Tensor& logits,
+                                       absl::Span<Sampler* const> samplers);
+  // Sampled (temperature > 0) with no repetition penalty, which needs each
+  // row's history: NextRows() takes it.
+  bool batch_samplable() const { return !greedy() && params_.repetition_penalty == 1.0; }
+
   // Temperature 0: Next() is the argmax of Process().
   bool greedy() const { return params_.temperature == 0; }
   // Greedy with nothing that changes the logits first (no repetition

@@ -220,6 +220,12 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
     step bench:decode_8b 300 "$bin/accel-bench-decode-gpu" --model "$model8b" \
       ${ACCEL_GPU_DECODE_ARGS:---quantize none,nf4 --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,8,32,128 --general_batches 32} \
       --json "$OUT/bench/decode_gpu.json"
+    # Sampled decode (temperature 1, the OpenAI API's default): the rows
+    # drawn where the logits are (Sampler::NextRows), against the greedy
+    # rows above.
+    step bench:decode_8b_sampled 90 "$bin/accel-bench-decode-gpu" --model "$model8b" \
+      --quantize none --batches 1,32,128 --tokens 32 --prompt 64 --rounds 1 --graph_batches "" \
+      --temperature 1 --json "$OUT/bench/decode_sampled.json"
     # Where a bfloat16 batch-1 step's time goes, kernel by kernel (libtorch's
     # Kineto profiler, eager and replayed from CUDA graphs): its own step, so
     # that a profiler failure costs nothing above.

@@ -25,6 +25,8 @@
 //       [--general_batches 8,32]   (eager steps through the general forward)
 //       [--profile_batches 1]   (the kernels a decode step runs, eager and from graphs, with
 //                                libtorch's Kineto profiler: libtorch 2.x)
+//       [--temperature 1]   (sampled decode, each request seeded: the rows drawn on the
+//                            device by Sampler::NextRows; default 0, greedy)
 //       [--device cpu]   (the same measurements on the cpu: a check of the harness)
 // Without a CUDA device (and without --device cpu) it says so and exits with
 // status 1.
@@ -116,12 +118,17 @@ double DeviceCopyRate(const at::Device& device, int rounds) {
   return Median(rates);
 }
 
+// --temperature: 0 (greedy) unless asked; above 0 each request is seeded by
+// its salt, so a rerun draws the same tokens.
+double g_temperature = 0;
+
 accel::engine::GenerationRequest Request(int64_t prompt_tokens, int64_t new_tokens, int64_t salt) {
   accel::engine::GenerationRequest r;
   for (int64_t t = 0; t < prompt_tokens; ++t) {
     r.prompt_ids.push_back(1 + (salt * 7919 + t * 104729) % 32000);
   }
-  r.sampling.temperature = 0;
+  r.sampling.temperature = g_temperature;
+  if (g_temperature > 0) r.sampling.seed = static_cast<uint64_t>(salt);
   r.max_new_tokens = new_tokens;  // no stop tokens: exactly this many
   return r;
 }
@@ -339,6 +346,9 @@ int main(int argc, char** argv) {
       compare_unfused = value == "1" || value == "true";
     } else if (flag == "--rounds") {
       rounds = std::max(1, std::atoi(value.c_str()));
+    } else if (flag == "--temperature") {
+      g_temperature = std::atof(value.c_str());
+      if (!(g_temperature >= 0)) Usage("--temperature must be >= 0, got " + value);
     } else {
       Usage("unknown flag " + flag);
     }

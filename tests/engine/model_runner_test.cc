@@ -25,6 +25,7 @@
 #include "engine/kv_cache_manager.h"
 #include "engine/logits_processor.h"
 #include "engine/output_processor.h"
+#include "engine/sampler.h"
 #include "engine/scheduler.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
@@ -154,6 +155,27 @@ class GeneratorTest : public ::testing::Test {
     return out;
   }
 
+  // What Sampler::Next draws, a token at a time, from the full forward's
+  // logits of the sequence so far.
+  std::vector<int64_t> SampledByHand(std::vector<int64_t> ids, int64_t count,
+                                     const SamplingParams& params) {
+    c10::InferenceMode inference;
+    absl::StatusOr<Sampler> sampler = Sampler::Create(params);
+    EXPECT_THAT(sampler, IsOk());
+    std::vector<int64_t> out;
+    for (int64_t i = 0; i < count; ++i) {
+      auto logits = loaded_->model->Forward(at::tensor(ids, at::kLong),
+                                            {{nullptr, static_cast<int64_t>(ids.size())}},
+                                            Logits::kAll, loaded_->dispatched.get());
+      EXPECT_THAT(logits, IsOk());
+      const int64_t next =
+          sampler->Next((*logits)[static_cast<int64_t>(ids.size()) - 1], ids);
+      ids.push_back(next);
+      out.push_back(next);
+    }
+    return out;
+  }
+
   // Seven greedy requests with logprobs, of different lengths, every other
   // one behind the same 9-token prefix (prefix hits).
   std::vector<GenerationRequest> SharedPrefixRequests() {
@@ -255,6 +277,24 @@ TEST_F(GeneratorTest, ABatchGeneratesWhatEachRequestGeneratesAlone) {
   sampled.sampling.top_k = 50;
   sampled.sampling.seed = 7;
   requests.push_back(sampled);
+  // Two more sampled rows drawn in the same call (Sampler::NextRows), with
+  // their own filters and seeds, and one with a repetition penalty, which
+  // the host samples.
+  GenerationRequest nucleus = Greedy({21, 22}, 7);
+  nucleus.sampling.temperature = 0.8;
+  nucleus.sampling.top_p = 0.9;
+  nucleus.sampling.min_p = 0.02;
+  nucleus.sampling.seed = 11;
+  requests.push_back(nucleus);
+  GenerationRequest plain = Greedy({31, 32, 33, 34}, 7);
+  plain.sampling.temperature = 1.0;
+  plain.sampling.seed = 12;
+  requests.push_back(plain);
+  GenerationRequest penalised = Greedy({41}, 7);
+  penalised.sampling.temperature = 1.0;
+  penalised.sampling.repetition_penalty = 1.3;
+  penalised.sampling.seed = 13;
+  requests.push_back(penalised);
   std::vector<GenerationResult> alone;
   for (const GenerationRequest& r : requests) {
     EngineCore generator = MakeGenerator();
@@ -268,6 +308,13 @@ TEST_F(GeneratorTest, ABatchGeneratesWhatEachRequestGeneratesAlone) {
   for (size_t i = 0; i < requests.size(); ++i) {
     EXPECT_THAT((*together)[i].token_ids, ElementsAreArray(alone[i].token_ids)) << i;
     EXPECT_EQ((*together)[i].text, alone[i].text) << i;
+  }
+  // And they are the sampler's own draws, row by row.
+  for (size_t i = 3; i < requests.size(); ++i) {
+    EXPECT_THAT(alone[i].token_ids,
+                ElementsAreArray(SampledByHand(requests[i].prompt_ids, requests[i].max_new_tokens,
+                                               requests[i].sampling)))
+        << i;
   }
 }
 

@@ -140,6 +140,61 @@ TEST(SamplerTest, TheSameSeedGivesTheSameTokens) {
   EXPECT_NE(ta, tc);
 }
 
+// NextRows against Next, row by row with twin generators: the same tokens,
+// bit for bit, for rows of mixed parameters in one call (each filter alone,
+// all of them, none, a temperature that overflows the logits), over logits
+// rounded to bfloat16 so that ties straddle the top-k and top-p boundaries,
+// for many draws (each advancing the generators as Next does).
+TEST(SamplerTest, NextRowsIsNextForEveryRow) {
+  std::vector<SamplingParams> params;
+  for (int variant = 0; variant < 8; ++variant) {
+    SamplingParams p = Sampled();
+    p.seed = 100 + variant;
+    switch (variant) {
+      case 1: p.temperature = 0.7; break;
+      case 2: p.top_k = 40; break;
+      case 3: p.top_p = 0.9; break;
+      case 4: p.min_p = 0.05; break;
+      case 5: p.top_k = 50; p.top_p = 0.8; p.min_p = 0.02; p.temperature = 1.3; break;
+      case 6: p.temperature = 1e-300; break;  // divides the logits past the double range
+      case 7: p.top_p = 0.5; p.top_k = 3; break;
+      default: break;
+    }
+    params.push_back(p);
+  }
+  std::vector<Sampler> one_by_one, together;
+  for (const SamplingParams& p : params) {
+    one_by_one.push_back(Make(p));
+    together.push_back(Make(p));
+  }
+  std::vector<Sampler*> rows;
+  for (Sampler& s : together) {
+    EXPECT_TRUE(s.batch_samplable());
+    rows.push_back(&s);
+  }
+  at::manual_seed(3);
+  int differing_rows = 0;
+  for (int step = 0; step < 40; ++step) {
+    // 2000 tokens, logits on a bfloat16 grid: many exact ties.
+    const at::Tensor logits =
+        (at::randn({static_cast<int64_t>(params.size()), 2000}) * 3).to(at::kBFloat16).to(at::kFloat);
+    std::vector<int64_t> want;
+    for (size_t r = 0; r < params.size(); ++r) {
+      want.push_back(one_by_one[r].Next(logits[static_cast<int64_t>(r)], {}));
+    }
+    const std::vector<int64_t> got = Sampler::NextRows(logits, rows);
+    ASSERT_EQ(got, want) << "step " << step;
+    for (size_t r = 1; r < want.size(); ++r) differing_rows += want[r] != want[0];
+  }
+  // The rows' parameters and generators are their own, not the first row's.
+  EXPECT_GT(differing_rows, 100);
+  // Greedy rows, or ones with a repetition penalty, are not batch_samplable.
+  EXPECT_FALSE(Make(SamplingParams()).batch_samplable());
+  SamplingParams penalised = Sampled();
+  penalised.repetition_penalty = 1.2;
+  EXPECT_FALSE(Make(penalised).batch_samplable());
+}
+
 TEST(SamplerTest, BadParametersNameThemselves) {
   auto bad = [](auto set, const char* name) {
     SamplingParams p;
