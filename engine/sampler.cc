@@ -1,5 +1,6 @@
 #include "engine/sampler.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -86,71 +87,89 @@ int64_t Sampler::Next(const at::Tensor& logits, absl::Span<const int64_t> previo
   return Draw(x.softmax(0));
 }
 
+namespace {
+
+// NextRows works on at most this many logits at a time (rows of the
+// vocabulary): its float64 temporaries stay near 32 MB each however large the
+// batch, memory a GPU's KV sizing does not count.
+constexpr int64_t kNextRowsElements = int64_t{1} << 22;
+
+// The per-row parameters NextRows sends to the logits' device in one copy.
+enum Column { kTemperature, kKth, kHasK, kKeepBelow, kMinP, kUniform, kColumns };
+
+}  // namespace
+
 std::vector<int64_t> Sampler::NextRows(const at::Tensor& logits,
                                        absl::Span<Sampler* const> samplers) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  std::vector<double> temperature, keep_below, min_p;
-  std::vector<int64_t> kth;
-  std::vector<uint8_t> has_k;
-  bool any_k = false, any_p = false, any_min_p = false;
-  for (const Sampler* s : samplers) {
-    const SamplingParams& p = s->params_;
-    temperature.push_back(p.temperature);
-    const bool k = p.top_k > 0 && p.top_k < vocab;
-    has_k.push_back(k ? 1 : 0);
-    kth.push_back(k ? p.top_k - 1 : 0);
-    any_k |= k;
-    // Without top-p, nothing is at most 0 but what is already -inf.
-    keep_below.push_back(p.top_p < 1.0 ? 1.0 - p.top_p : 0.0);
-    any_p |= p.top_p < 1.0;
-    min_p.push_back(p.min_p > 0 ? p.min_p : 0.0);
-    any_min_p |= p.min_p > 0;
-  }
-  const at::Device device = logits.device();
-  const auto column = [&](const auto& values, at::ScalarType dtype) {
-    return at::tensor(values, at::TensorOptions().dtype(dtype)).to(device).unsqueeze(1);
-  };
-  // Process(), row by row the same float64 operations.
-  at::Tensor x = logits.to(at::kDouble);
-  const at::Tensor t = column(temperature, at::kDouble);
-  const at::Tensor top = x.amax(-1, /*keepdim=*/true);
-  x = at::where(at::isfinite(top).logical_and(at::isfinite(top / t).logical_not()), x - top, x) / t;
-  if (any_k) {
-    const at::Tensor descending = std::get<0>(x.sort(/*stable=*/true, -1, /*descending=*/true));
-    const at::Tensor value = descending.gather(1, column(kth, at::kLong));
-    const at::Tensor limit = at::where(column(has_k, at::kByte).to(at::kBool), value,
-                                       -std::numeric_limits<double>::infinity());
-    x = x.masked_fill(x < limit, kMinusInf);
-  }
-  if (any_p) {
-    auto [sorted, order] = x.sort(/*stable=*/true, -1, /*descending=*/false);
-    at::Tensor remove = sorted.softmax(-1).cumsum(-1) <= column(keep_below, at::kDouble);
-    remove.select(1, vocab - 1).fill_(false);
-    x = x.masked_fill(at::zeros_like(remove).scatter(1, order, remove), kMinusInf);
-  }
-  if (any_min_p) {
-    const at::Tensor probs = x.softmax(-1);
-    x = x.masked_fill(probs < column(min_p, at::kDouble) * probs.amax(-1, /*keepdim=*/true),
-                      kMinusInf);
-  }
-  // Draw(), for every row: the first token whose cumulative probability
-  // passes the row's uniform.
-  const at::Tensor probs = x.softmax(-1);
-  std::vector<double> uniform;
-  for (Sampler* s : samplers) uniform.push_back(s->Uniform());
-  const at::Tensor passed =
-      (probs.cumsum(-1) <= column(uniform, at::kDouble)).sum(-1).to(at::kCPU).contiguous();
-  std::vector<int64_t> tokens(passed.data_ptr<int64_t>(), passed.data_ptr<int64_t>() + rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    if (tokens[static_cast<size_t>(r)] < vocab) continue;
-    // Rounding left u above the row's total: its last possible token.
-    const at::Tensor row = probs[r].to(at::kCPU).contiguous();
-    const double* p = row.data_ptr<double>();
-    int64_t last = 0;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (p[i] > 0) last = i;
+  const int64_t chunk = std::max<int64_t>(1, kNextRowsElements / std::max<int64_t>(vocab, 1));
+  std::vector<int64_t> tokens;
+  for (int64_t first = 0; first < rows; first += chunk) {
+    const int64_t n = std::min(chunk, rows - first);
+    // Each row's parameters and its uniform (drawn here, one per row, as
+    // Next() draws it), host side, then on the device in one copy.
+    at::Tensor params = at::empty({n, kColumns}, at::TensorOptions().dtype(at::kDouble));
+    double* row_params = params.data_ptr<double>();
+    bool any_k = false, any_p = false, any_min_p = false;
+    for (int64_t r = 0; r < n; ++r) {
+      Sampler& s = *samplers[static_cast<size_t>(first + r)];
+      const SamplingParams& p = s.params_;
+      double* v = row_params + r * kColumns;
+      const bool k = p.top_k > 0 && p.top_k < vocab;
+      v[kTemperature] = p.temperature;
+      v[kKth] = k ? static_cast<double>(p.top_k - 1) : 0.0;
+      v[kHasK] = k ? 1.0 : 0.0;
+      // Without top-p, nothing is at most 0 but what is already -inf.
+      v[kKeepBelow] = p.top_p < 1.0 ? 1.0 - p.top_p : 0.0;
+      v[kMinP] = p.min_p > 0 ? p.min_p : 0.0;
+      v[kUniform] = s.Uniform();
+      any_k |= k;
+      any_p |= p.top_p < 1.0;
+      any_min_p |= p.min_p > 0;
     }
-    tokens[static_cast<size_t>(r)] = last;
+    params = params.to(logits.device());
+    const auto column = [&](Column c) { return params.select(1, c).unsqueeze(1); };
+    // Process(), row by row the same float64 operations.
+    at::Tensor x = logits.narrow(0, first, n).to(at::kDouble);
+    const at::Tensor t = column(kTemperature);
+    const at::Tensor top = x.amax(-1, /*keepdim=*/true);
+    x = at::where(at::isfinite(top).logical_and(at::isfinite(top / t).logical_not()), x - top,
+                  x) /
+        t;
+    if (any_k) {
+      const at::Tensor descending = std::get<0>(x.sort(/*stable=*/true, -1, /*descending=*/true));
+      const at::Tensor value = descending.gather(1, column(kKth).to(at::kLong));
+      const at::Tensor limit = at::where(column(kHasK) > 0, value, kMinusInf);
+      x = x.masked_fill(x < limit, kMinusInf);
+    }
+    if (any_p) {
+      auto [sorted, order] = x.sort(/*stable=*/true, -1, /*descending=*/false);
+      at::Tensor remove = sorted.softmax(-1).cumsum(-1) <= column(kKeepBelow);
+      remove.select(1, vocab - 1).fill_(false);
+      x = x.masked_fill(at::zeros_like(remove).scatter(1, order, remove), kMinusInf);
+    }
+    if (any_min_p) {
+      const at::Tensor probs = x.softmax(-1);
+      x = x.masked_fill(probs < column(kMinP) * probs.amax(-1, /*keepdim=*/true), kMinusInf);
+    }
+    // Draw(), for every row: the first token whose cumulative probability
+    // passes the row's uniform.
+    const at::Tensor probs = x.softmax(-1);
+    const at::Tensor passed =
+        (probs.cumsum(-1) <= column(kUniform)).sum(-1).to(at::kCPU).contiguous();
+    for (int64_t r = 0; r < n; ++r) {
+      int64_t token = passed.data_ptr<int64_t>()[r];
+      if (token >= vocab) {
+        // Rounding left u above the row's total: its last possible token.
+        const at::Tensor row = probs[r].to(at::kCPU).contiguous();
+        const double* p = row.data_ptr<double>();
+        token = 0;
+        for (int64_t i = 0; i < vocab; ++i) {
+          if (p[i] > 0) token = i;
+        }
+      }
+      tokens.push_back(token);
+    }
   }
   return tokens;
 }

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The one device script (issue 37): on the GPU machine (the device tool;
 # ../shared/DESIGN.md), builds what the GPU checks need against that
-# machine's PyTorch (no gRPC there, so no server), runs every CUDA test, the
-# greedy GPU-against-cpu runs of every family and the GPU benchmarks, and
+# machine's PyTorch, runs every CUDA test, the greedy GPU-against-cpu runs of
+# every family and the GPU benchmarks, last accel-serve with its clients
+# (gRPC and the server's other packages carried in .deps), and
 # leaves ONE summary: $OUT/summary.json and $OUT/summary.txt
 # (scripts/gpu_summary.py, rewritten after every step, so a stopped run still
 # has one), beside each step's log.
 #
 #   here:     bash scripts/gpu_deps.sh       # the Debian packages it lacks, into .deps/
-#   device:   bash scripts/gpu_check.sh [build|test|bench|generate|all]...
+#   device:   bash scripts/gpu_check.sh [build|test|bench|generate|serve|all]...
 #             (the device tool carries .deps/ with `carry: [".deps"]`)
 #
 # A rerun: ACCEL_GPU_SKIP='^(test:quant_cuda_kernels|bench:quant_cuda)$' leaves
@@ -339,6 +340,39 @@ if want bench; then
     step bench:offload 150 "$bin/accel-bench-offload" --layers 8 --hidden 4096 --repeats 3
   [[ -x $bin/accel-bench-moe ]] &&
     step bench:moe 150 "$bin/accel-bench-moe" --gpu_budget 300MB --rounds 1 --tokens 16
+fi
+
+# Serving through accel-serve (issue 37 item 6), last: the build directory
+# configured again with the server (gRPC, Protobuf, prometheus-cpp, OpenSSL
+# and Boost unpacked from .deps by the deps step above; pkg-config kept out
+# as in the first configure, so the existing objects stay), then
+# accel-bench-serve's streaming gRPC clients (one request at a time first,
+# then 8, 32 and 128 at once) against accel-serve on the GPU with the
+# 8B-shaped model in bfloat16.
+if want serve && [[ -f $build/build.ninja ]]; then
+  if ls .deps/libgrpc++-dev_*.deb >/dev/null 2>&1; then
+    build_serve() {
+      configure -DACCEL_WITH_SERVER=ON -DCMAKE_DISABLE_FIND_PACKAGE_PkgConfig=OFF \
+        -DPKG_CONFIG_EXECUTABLE=/nonexistent/pkg-config &&
+        ninja -C "$build" -j "$(nproc)" accel-serve accel-bench-serve
+    }
+    export -f build_serve
+    if step serve:build 240 build_serve; then
+      if [[ -z ${model8b:-} ]]; then
+        model8b=/dev/shm/accel-llama8b
+        [[ -f $model8b/config.json ]] || model8b=/tmp/accel-llama8b
+      fi
+      if [[ -f $model8b/config.json ]]; then
+        step bench:serve_8b 150 env ACCEL_BIN_DIR="$bin" "$bin/accel-bench-serve" \
+          --model "$model8b" --clients 8,32,128 --seconds 8 --max_new_tokens 64 \
+          --server_args "--max_batch_size=128"
+      else
+        echo "=== bench:serve_8b: skipped (no 8B-shaped model: the bench phase makes it)"
+      fi
+    fi
+  else
+    echo "=== serve: skipped (no server packages in .deps: run scripts/gpu_deps.sh here)"
+  fi
 fi
 
 summarize

@@ -116,10 +116,12 @@ def main():
             lines.append(f"  {r['dtype']:<9} {r['n']:>5}x{r['k']:<5} {r['kernel']:<7} m={r['m']} "
                          f"{r['us']:8.2f} us {r['gbs']:7.0f} GB/s  of copy {r['of_copy']:.2f}  "
                          f"of HBM {r['of_hbm']:.2f}")
-    for decode in (summary["bench"].get("decode_gpu"), summary["bench"].get("decode_profile")):
+    for name in ("decode_gpu", "decode_sampled", "decode_profile"):
+        decode = summary["bench"].get(name)
         if not decode:
             continue
-        lines.append(f"decode on GPU 0: copy traffic {decode.get('copy_traffic_gbs', 0):.0f} GB/s")
+        lines.append(f"decode on GPU 0 ({name}): copy traffic "
+                     f"{decode.get('copy_traffic_gbs', 0):.0f} GB/s")
         for m in decode.get("models", []):
             lines.append(f"  {m['quantize']}: {m['bytes_per_step'] / 1e9:.2f} GB a step, loaded in "
                          f"{m['load_s']:.1f} s, TTFT ({decode.get('prompt')} tokens) "
@@ -161,6 +163,10 @@ def main():
         for line in (read(log, "") or "").splitlines():
             if "of the bound" in line:
                 lines.append(f"offload: {line.strip()}")
+    for log in sorted((out / "logs").glob("*-bench_serve_8b.log")):
+        # accel-bench-serve's table: the phases' tokens/s, TTFT and ITL.
+        lines.append("accel-serve with streaming gRPC clients, 8B-shaped bfloat16:")
+        lines.extend("  " + line for line in (read(log, "") or "").splitlines()[-24:])
     make = summary["bench"].get("make_model")
     if make:
         lines.append(f"accel-make-model, 8B-shaped bfloat16 Llama: {make.get('seconds')} s "

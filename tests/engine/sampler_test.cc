@@ -195,6 +195,30 @@ TEST(SamplerTest, NextRowsIsNextForEveryRow) {
   EXPECT_FALSE(Make(penalised).batch_samplable());
 }
 
+// A vocabulary of 1.5 M: NextRows takes its rows two at a time (its
+// temporaries bounded), and the rows of every part are still Next()'s.
+TEST(SamplerTest, NextRowsOverALargeVocabularyGoesInPartsAndIsNextForEveryRow) {
+  std::vector<SamplingParams> params(3, Sampled());
+  params[0].seed = 1;
+  params[1].seed = 2;
+  params[1].top_p = 0.9;
+  params[2].seed = 3;
+  params[2].top_k = 1000;
+  params[2].temperature = 0.5;
+  std::vector<Sampler> one_by_one, together;
+  std::vector<Sampler*> rows;
+  for (const SamplingParams& p : params) {
+    one_by_one.push_back(Make(p));
+    together.push_back(Make(p));
+  }
+  for (Sampler& s : together) rows.push_back(&s);
+  at::manual_seed(4);
+  const at::Tensor logits = at::randn({3, 1500000}) * 4;
+  std::vector<int64_t> want;
+  for (int64_t r = 0; r < 3; ++r) want.push_back(one_by_one[static_cast<size_t>(r)].Next(logits[r], {}));
+  EXPECT_EQ(Sampler::NextRows(logits, rows), want);
+}
+
 TEST(SamplerTest, BadParametersNameThemselves) {
   auto bad = [](auto set, const char* name) {
     SamplingParams p;
