@@ -374,6 +374,16 @@ at::Tensor RMSNorm::forward(const at::Tensor& x) {
   return weight * h.to(x.scalar_type());
 }
 
+std::pair<at::Tensor, at::Tensor> RMSNorm::AddForward(const at::Tensor& x,
+                                                     const at::Tensor& residual) {
+  if (auto fused = models::internal::FusedAddRmsNorm(x, residual, weight, eps_, unit_offset_)) {
+    return *std::move(fused);
+  }
+  at::Tensor sum = x + residual;
+  at::Tensor normed = forward(sum);
+  return {std::move(sum), std::move(normed)};
+}
+
 LayerNorm::LayerNorm(int64_t dim, double eps, at::ScalarType dtype)
     : dispatch::Layer("LayerNorm"), dim_(dim), eps_(eps) {
   weight = AddParameter("weight", {dim}, dtype);

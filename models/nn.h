@@ -166,6 +166,9 @@ class RMSNorm : public dispatch::Layer {
   RMSNorm(const std::string& class_name, int64_t dim, double eps, at::ScalarType dtype,
           bool unit_offset = false);
   at::Tensor forward(const at::Tensor& x);
+  // {x + residual, forward(x + residual)}: on a CUDA device one kernel for
+  // the add and the norm (internal::FusedAddRmsNorm), the same bits.
+  std::pair<at::Tensor, at::Tensor> AddForward(const at::Tensor& x, const at::Tensor& residual);
   at::Tensor weight;
 
  private:

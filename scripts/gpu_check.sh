@@ -13,7 +13,11 @@
 #             (the device tool carries .deps/ with `carry: [".deps"]`)
 #
 # A rerun: ACCEL_GPU_SKIP='^(test:quant_cuda_kernels|bench:quant_cuda)$' leaves
-# those steps out.
+# those steps out. The serve phase (about 6 minutes: the server's build, then
+# accel-serve with 8 / 32 / 128 clients) rarely fits after the others in one
+# call: run it as a second call on the still-warm machine, which has the
+# build folder and the 8B-shaped model: ACCEL_GPU_BUDGET=420 bash
+# scripts/gpu_check.sh serve.
 # Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
 # the device is lent for minutes): every step runs under `timeout`, gets at
 # most what is left of the budget, and is skipped (and says so) when too

@@ -34,6 +34,10 @@ inline constexpr int32_t kRmsNormThreads = 256;
 
 // x and out: `rows` rows of `dim` elements, each row's elements contiguous,
 // rows `x_row_stride` / `out_row_stride` elements apart; weight: `dim`.
+// With `residual` (vLLM's fused_add_rms_norm): the row normalized is
+// x + residual, added in float32 and rounded to the storage type as the
+// eager add does, and that sum is written to `sum` too (the residual stream
+// the next block adds to); residual and sum are laid out as x.
 struct RmsNormParams {
   const void* x = nullptr;
   const void* weight = nullptr;
@@ -44,6 +48,10 @@ struct RmsNormParams {
   int64_t out_row_stride = 0;
   float eps = 0.0f;
   bool unit_offset = false;
+  const void* residual = nullptr;
+  void* sum = nullptr;
+  int64_t residual_row_stride = 0;
+  int64_t sum_row_stride = 0;
 };
 
 // x: [batch, heads, tokens, dim] at the given strides (elements; the last
@@ -111,6 +119,10 @@ inline const char* CheckRmsNormParams(const RmsNormParams& p) {
   if (p.x == nullptr || p.weight == nullptr || p.out == nullptr) return "a null pointer";
   if (p.rows < 1 || p.rows > 2147483647 || p.dim < 1) return "rows or dim out of range";
   if (p.x_row_stride < p.dim || p.out_row_stride < p.dim) return "rows overlap";
+  if (p.residual != nullptr &&
+      (p.sum == nullptr || p.residual_row_stride < p.dim || p.sum_row_stride < p.dim)) {
+    return "a residual without a sum, or residual or sum rows overlap";
+  }
   return nullptr;
 }
 inline const char* CheckRotaryParams(const RotaryParams& p) {

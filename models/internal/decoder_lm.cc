@@ -598,11 +598,13 @@ class DecoderLayer : public Layer {
       h = Mlp(pre_feedforward_layernorm->forward(x), step);
       return x + post_feedforward_layernorm->forward(h);
     }
-    x = x + SumOverRanks(
-                self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_),
-                step);
+    const at::Tensor h = SumOverRanks(
+        self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_), step);
+    // The residual add and the next norm (one kernel on a CUDA device).
+    at::Tensor normed;
+    std::tie(x, normed) = post_attention_layernorm->AddForward(x, h);
     if (next_sparse != nullptr && step.dispatched != nullptr) GuessNext(x, step);
-    return x + Mlp(post_attention_layernorm->forward(x), step);
+    return x + Mlp(normed, step);
   }
 
   std::shared_ptr<Attention> self_attn;

@@ -146,6 +146,35 @@ std::optional<at::Tensor> FusedRmsNorm(const at::Tensor& x, const at::Tensor& we
   return out;
 }
 
+std::optional<std::pair<at::Tensor, at::Tensor>> FusedAddRmsNorm(const at::Tensor& x,
+                                                                 const at::Tensor& residual,
+                                                                 const at::Tensor& weight,
+                                                                 double eps, bool unit_offset) {
+  cuda::KvDType dtype;
+  if (!Applies({&x, &residual, &weight}, &dtype) || x.dim() < 1 || !x.is_contiguous() ||
+      !residual.is_contiguous() || residual.sizes() != x.sizes() || !weight.is_contiguous() ||
+      weight.dim() != 1 || weight.size(0) != x.size(-1)) {
+    return std::nullopt;
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor sum = at::empty(x.sizes(), x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  cuda::RmsNormParams p;
+  p.x = x.data_ptr();
+  p.residual = residual.data_ptr();
+  p.weight = weight.data_ptr();
+  p.out = out.data_ptr();
+  p.sum = sum.data_ptr();
+  p.dim = static_cast<int32_t>(x.size(-1));
+  p.rows = x.numel() / x.size(-1);
+  p.x_row_stride = p.out_row_stride = p.residual_row_stride = p.sum_row_stride = p.dim;
+  p.eps = static_cast<float>(eps);
+  p.unit_offset = unit_offset;
+  Check(cuda::RmsNorm(p, dtype, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+        "residual add and RMSNorm");
+  return std::make_pair(std::move(sum), std::move(out));
+}
+
 std::optional<at::Tensor> FusedRotary(const at::Tensor& x, const at::Tensor& cos,
                                       const at::Tensor& sin) {
   cuda::KvDType dtype;
@@ -235,6 +264,11 @@ std::optional<at::Tensor> FusedRotaryStore(const at::Tensor& q, const at::Tensor
 #else  // the kernels are not in this build: the eager formulas run
 
 std::optional<at::Tensor> FusedRmsNorm(const at::Tensor&, const at::Tensor&, double, bool) {
+  return std::nullopt;
+}
+std::optional<std::pair<at::Tensor, at::Tensor>> FusedAddRmsNorm(const at::Tensor&,
+                                                                 const at::Tensor&,
+                                                                 const at::Tensor&, double, bool) {
   return std::nullopt;
 }
 std::optional<at::Tensor> FusedRotary(const at::Tensor&, const at::Tensor&, const at::Tensor&) {

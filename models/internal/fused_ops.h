@@ -9,6 +9,7 @@
 #define ACCEL_MODELS_INTERNAL_FUSED_OPS_H_
 
 #include <optional>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 
@@ -19,6 +20,14 @@ namespace accel::models::internal {
 // x [..., dim] contiguous; weight [dim] of x's dtype.
 std::optional<at::Tensor> FusedRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps,
                                        bool unit_offset);
+// RMSNorm of x + residual (both [..., dim] contiguous, one shape and dtype)
+// and that sum, as {sum, normed}: the residual add and the next norm in one
+// launch (vLLM's fused_add_rms_norm), each bit for bit the eager add and
+// FusedRmsNorm of it.
+std::optional<std::pair<at::Tensor, at::Tensor>> FusedAddRmsNorm(const at::Tensor& x,
+                                                                 const at::Tensor& residual,
+                                                                 const at::Tensor& weight,
+                                                                 double eps, bool unit_offset);
 // x [batch, heads, tokens, dim] (any strides, the last dimension
 // contiguous); cos and sin [batch or 1, tokens, dim] of x's dtype. The
 // result is contiguous.

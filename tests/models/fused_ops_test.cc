@@ -141,6 +141,62 @@ TEST(FusedOpsEmulationTest, RmsNormEqualsTheEagerFormula) {
   }
 }
 
+// With a residual (the decoder's add before its post-attention norm): the
+// sum the kernel stores is the eager add's, bit for bit, and the norm of it
+// the eager norm's, over the 16-byte path and the per-element one.
+TEST(FusedOpsEmulationTest, AddRmsNormEqualsTheEagerAddThenNorm) {
+  c10::InferenceMode inference;
+  for (const DType& dtype : kDTypes) {
+    for (int64_t dim : {7, 64, 300, 4096}) {
+      const std::string what = std::string(dtype.name) + " dim " + std::to_string(dim);
+      at::manual_seed(static_cast<uint64_t>(dim) + 1);
+      const at::Tensor x = (at::randn({2, 3, dim}) * 3.0).to(dtype.type);
+      const at::Tensor residual = (at::randn({2, 3, dim}) * 2.0).to(dtype.type);
+      nn::RMSNorm norm("RMSNorm", dim, 1e-6, dtype.type);
+      norm.weight.copy_(at::randn({dim}) * 0.5 + 1.0);
+      const at::Tensor sum_want = x + residual;  // the cpu: the eager formulas
+      const at::Tensor want = norm.forward(sum_want);
+      at::Tensor got = at::empty_like(x), sum_got = at::full_like(x, 7.0);
+      cuda::RmsNormParams p;
+      p.x = x.data_ptr();
+      p.residual = residual.data_ptr();
+      p.weight = norm.weight.data_ptr();
+      p.out = got.data_ptr();
+      p.sum = sum_got.data_ptr();
+      p.rows = 6;
+      p.dim = static_cast<int32_t>(dim);
+      p.x_row_stride = p.out_row_stride = p.residual_row_stride = p.sum_row_stride = dim;
+      p.eps = 1e-6f;
+      ASSERT_EQ(cuda::CheckRmsNormParams(p), nullptr);
+      ASSERT_EQ(EmulateRmsNorm(p, dtype.kernel), "") << what;
+      EXPECT_TRUE(at::equal(sum_got, sum_want)) << what;
+      ExpectClose(got, want, 1.0, what);
+      // And bit for bit the kernel's own norm of the eager sum.
+      at::Tensor alone = at::empty_like(x);
+      cuda::RmsNormParams q = p;
+      q.x = sum_want.data_ptr();
+      q.out = alone.data_ptr();
+      q.residual = nullptr;
+      q.sum = nullptr;
+      ASSERT_EQ(EmulateRmsNorm(q, dtype.kernel), "") << what;
+      EXPECT_TRUE(at::equal(got, alone)) << what;
+      // Through the module on the cpu: the eager add and norm.
+      const auto [sum_eager, normed_eager] = norm.AddForward(x, residual);
+      EXPECT_TRUE(at::equal(sum_eager, sum_want)) << what;
+      EXPECT_TRUE(at::equal(normed_eager, want)) << what;
+    }
+  }
+  cuda::RmsNormParams bad;
+  int64_t word = 0;
+  bad.x = bad.weight = bad.residual = &word;
+  bad.out = &word;
+  bad.rows = 1;
+  bad.dim = 1;
+  bad.x_row_stride = bad.out_row_stride = bad.residual_row_stride = 1;
+  EXPECT_STREQ(cuda::CheckRmsNormParams(bad),
+               "a residual without a sum, or residual or sum rows overlap");
+}
+
 TEST(FusedOpsEmulationTest, RotaryEqualsTheEagerFormulaOverTheDecodersStrides) {
   c10::InferenceMode inference;
   for (const DType& dtype : kDTypes) {
@@ -292,6 +348,7 @@ TEST(FusedOpsTest, TheWrappersDeclineCpuTensors) {
   c10::InferenceMode inference;
   const at::Tensor x = at::randn({2, 8}), w = at::ones({8});
   EXPECT_FALSE(internal::FusedRmsNorm(x, w, 1e-6, false).has_value());
+  EXPECT_FALSE(internal::FusedAddRmsNorm(x, x, w, 1e-6, false).has_value());
   const at::Tensor q = at::randn({1, 2, 3, 8}), cs = at::randn({1, 3, 8});
   EXPECT_FALSE(internal::FusedRotary(q, cs, cs).has_value());
   EXPECT_FALSE(internal::FusedSiluMul(x, x).has_value());
@@ -331,6 +388,16 @@ TEST(FusedOpsTest, OnCudaTheKernelsEqualTheEagerFormulas) {
     ExpectClose(*silu_got, silu_want, 1.0, std::string("SiLU * up ") + dtype.name);
     // Through the modules, as the decoder calls them.
     ExpectClose(norm.forward(x), norm_want, 1.0, std::string("nn::RMSNorm ") + dtype.name);
+    // The residual add and the norm in one launch: the eager add's bits, and
+    // the fused norm's of that sum.
+    const at::Tensor residual = (at::randn({1, 5, 4096}) * 2.0).to(dtype.type).to(gpu);
+    const std::optional<std::pair<at::Tensor, at::Tensor>> added =
+        internal::FusedAddRmsNorm(x, residual, norm.weight, 1e-5, false);
+    ASSERT_TRUE(added) << dtype.name;
+    EXPECT_TRUE(at::equal(added->first, x + residual)) << dtype.name;
+    EXPECT_TRUE(at::equal(added->second, *internal::FusedRmsNorm(x + residual, norm.weight, 1e-5,
+                                                                 false)))
+        << dtype.name;
 
     // The static decode step's rotary + KV write: q [1, rows = 5, 32, 128]
     // and k, v [1, 5, 8, 128] from one packed projection, the rows' slots in

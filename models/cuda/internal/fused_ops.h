@@ -108,13 +108,20 @@ ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t thr
   const Storage* x = static_cast<const Storage*>(p.x) + row * p.x_row_stride;
   const Storage* w = static_cast<const Storage*>(p.weight);
   Storage* out = static_cast<Storage*>(p.out) + row * p.out_row_stride;
+  // With a residual the row is x + residual, rounded, also stored to `sum`.
+  const bool add = p.residual != nullptr;
+  const Storage* res =
+      add ? static_cast<const Storage*>(p.residual) + row * p.residual_row_stride : nullptr;
+  Storage* summed = add ? static_cast<Storage*>(p.sum) + row * p.sum_row_stride : nullptr;
   const int32_t tid = exec.tid();
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const int32_t chunks = p.dim / kVec;
   // The same for every CTA of the launch (row strides keep the alignment).
-  const bool vectorized = p.dim % kVec == 0 && chunks <= kRmsNormChunks * threads && aligned(p.x) &&
-                          aligned(p.out) && aligned(p.weight) && p.x_row_stride % kVec == 0 &&
-                          p.out_row_stride % kVec == 0;
+  const bool vectorized =
+      p.dim % kVec == 0 && chunks <= kRmsNormChunks * threads && aligned(p.x) && aligned(p.out) &&
+      aligned(p.weight) && p.x_row_stride % kVec == 0 && p.out_row_stride % kVec == 0 &&
+      (!add || (aligned(p.residual) && aligned(p.sum) && p.residual_row_stride % kVec == 0 &&
+                p.sum_row_stride % kVec == 0));
   float held[kRmsNormChunks][kVec];
   float sum = 0.0f;
   if (vectorized) {
@@ -122,11 +129,21 @@ ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t thr
       const int32_t c = tid + i * threads;
       if (c >= chunks) break;
       LoadChunk<Tag>(x + static_cast<int64_t>(c) * kVec, held[i]);
+      if (add) {
+        float other[kVec];
+        LoadChunk<Tag>(res + static_cast<int64_t>(c) * kVec, other);
+        for (int32_t e = 0; e < kVec; ++e) held[i][e] = Round<Tag>(AddRn(held[i][e], other[e]));
+        StoreChunk<Tag>(summed + static_cast<int64_t>(c) * kVec, held[i]);
+      }
       for (int32_t e = 0; e < kVec; ++e) sum = AddRn(sum, MulRn(held[i][e], held[i][e]));
     }
   } else {
     for (int32_t c = tid; c < p.dim; c += threads) {
-      const float h = ToFloat(Tag{}, x[c]);
+      float h = ToFloat(Tag{}, x[c]);
+      if (add) {
+        h = Round<Tag>(AddRn(h, ToFloat(Tag{}, res[c])));
+        summed[c] = FromFloat(Tag{}, h);
+      }
       sum = AddRn(sum, MulRn(h, h));
     }
   }
@@ -151,9 +168,11 @@ ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t thr
     }
     return;
   }
+  // (A thread reads back only the sums it wrote itself.)
+  const Storage* normed = add ? summed : x;
   for (int32_t c = tid; c < p.dim; c += threads) {
-    out[c] = FromFloat(
-        Tag{}, RmsNormValue<Tag>(ToFloat(Tag{}, x[c]), r, ToFloat(Tag{}, w[c]), p.unit_offset));
+    out[c] = FromFloat(Tag{}, RmsNormValue<Tag>(ToFloat(Tag{}, normed[c]), r, ToFloat(Tag{}, w[c]),
+                                                p.unit_offset));
   }
 }
 
