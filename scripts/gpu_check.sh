@@ -9,7 +9,7 @@
 # has one), beside each step's log.
 #
 #   here:     bash scripts/gpu_deps.sh       # the Debian packages it lacks, into .deps/
-#   device:   bash scripts/gpu_check.sh [build|test|bench|generate|serve|all]...
+#   device:   bash scripts/gpu_check.sh [build|test|bench|generate|mixtral|serve|all]...
 #             (the device tool carries .deps/ with `carry: [".deps"]`)
 #
 # A rerun: ACCEL_GPU_SKIP='^(test:quant_cuda_kernels|bench:quant_cuda)$' leaves
@@ -344,6 +344,28 @@ if want bench; then
     step bench:offload 150 "$bin/accel-bench-offload" --layers 8 --hidden 4096 --repeats 3
   [[ -x $bin/accel-bench-moe ]] &&
     step bench:moe 150 "$bin/accel-bench-moe" --gpu_budget 300MB --rounds 1 --tokens 16
+fi
+
+# Mixtral-8x7B at full size, NF4 as a "-bnb-4bit" checkpoint holds it (issue
+# 37 item 6; 24.8 GB, made by accel-make-model from the real config.json into
+# RAM where it fits): decode at batch 1 and 32 on the GPU, the experts
+# resident. Its own phase, like serve: ACCEL_GPU_BUDGET=300 bash
+# scripts/gpu_check.sh mixtral on a warm machine.
+if want mixtral && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]]; then
+  shm_free=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)
+  if [[ -n $shm_free && $shm_free -gt 30000000 ]]; then mixtral=/dev/shm/accel-mixtral-nf4; else mixtral=/tmp/accel-mixtral-nf4; fi
+  export mixtral
+  make_mixtral() {
+    [[ -f $mixtral/config.json ]] && { echo "reusing $mixtral"; return 0; }
+    "$bin/accel-make-model" "$mixtral" --config bench/models/configs/mixtral-8x7b-instruct-v0.1.json \
+      --quantize nf4 --dtype bfloat16
+  }
+  export -f make_mixtral
+  if step mixtral:make 240 make_mixtral; then
+    step bench:mixtral_decode 180 "$bin/accel-bench-decode-gpu" --model "$mixtral" --quantize none \
+      --batches 1,32 --tokens 32 --prompt 256 --rounds 1 --graph_batches "" \
+      --json "$OUT/bench/decode_mixtral.json"
+  fi
 fi
 
 # Serving through accel-serve (issue 37 item 6), last: the build directory

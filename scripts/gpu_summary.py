@@ -116,7 +116,7 @@ def main():
             lines.append(f"  {r['dtype']:<9} {r['n']:>5}x{r['k']:<5} {r['kernel']:<7} m={r['m']} "
                          f"{r['us']:8.2f} us {r['gbs']:7.0f} GB/s  of copy {r['of_copy']:.2f}  "
                          f"of HBM {r['of_hbm']:.2f}")
-    for name in ("decode_gpu", "decode_sampled", "decode_profile"):
+    for name in ("decode_gpu", "decode_sampled", "decode_profile", "decode_mixtral"):
         decode = summary["bench"].get(name)
         if not decode:
             continue

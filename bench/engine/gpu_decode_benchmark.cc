@@ -125,7 +125,8 @@ double g_temperature = 0;
 accel::engine::GenerationRequest Request(int64_t prompt_tokens, int64_t new_tokens, int64_t salt) {
   accel::engine::GenerationRequest r;
   for (int64_t t = 0; t < prompt_tokens; ++t) {
-    r.prompt_ids.push_back(1 + (salt * 7919 + t * 104729) % 32000);
+    // Ids 1..31999: inside every vocabulary of 32000 or more (Mixtral's).
+    r.prompt_ids.push_back(1 + (salt * 7919 + t * 104729) % 31999);
   }
   r.sampling.temperature = g_temperature;
   if (g_temperature > 0) r.sampling.seed = static_cast<uint64_t>(salt);
@@ -405,14 +406,24 @@ int main(int argc, char** argv) {
     }
     accel::models::LoadedModel& m = *loaded;
     // Every tensor is read once per step except the embedding, of which one
-    // row per token is; quantized layers as stored.
+    // row per token is, and a mixture-of-experts block's experts, of which
+    // a batch-1 token reads its top-k (the figure at batch 1; larger batches
+    // read more experts, so their "of copy" is a lower bound); quantized
+    // layers as stored.
+    const double expert_share =
+        m.config.moe.num_experts > 0 ? static_cast<double>(m.config.moe.num_experts_per_tok) /
+                                       static_cast<double>(m.config.moe.num_experts)
+                                 : 1.0;
     double per_step = 0;
     for (const auto& t : m.model->named_parameters()) {
-      if (t.key() != "model.embed_tokens.weight")
-        per_step += static_cast<double>(t.value().nbytes());
+      if (t.key() == "model.embed_tokens.weight") continue;
+      const double bytes = static_cast<double>(t.value().nbytes());
+      per_step += t.key().find(".experts.") != std::string::npos ? bytes * expert_share : bytes;
     }
-    for (const auto& t : m.model->named_buffers())
-      per_step += static_cast<double>(t.value().nbytes());
+    for (const auto& t : m.model->named_buffers()) {
+      const double bytes = static_cast<double>(t.value().nbytes());
+      per_step += t.key().find(".experts.") != std::string::npos ? bytes * expert_share : bytes;
+    }
     std::printf("\n%s: %d layers, %s read a step, loaded onto %s in %.1f s\n",
                 q == "none" ? "as stored" : ("quantized " + q).c_str(),
                 static_cast<int>(m.config.num_hidden_layers),
