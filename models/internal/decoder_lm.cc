@@ -588,23 +588,31 @@ class DecoderLayer : public Layer {
 
   bool uses_local_rope() const { return local_; }
 
-  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+  // The layer's output is x + *carry. A defined *carry on the way in is the
+  // previous layer's last branch, not yet added: this layer's input norm
+  // adds it (with the post-attention add, one kernel each on a CUDA device:
+  // nn::RMSNorm::AddForward); on the way out *carry is this layer's last
+  // branch, for the next layer, or for RunLayers to add after the last.
+  at::Tensor forward(at::Tensor x, at::Tensor* carry, const at::Tensor& cos, const at::Tensor& sin,
                      absl::Span<const SequenceChunk> chunks, size_t layer, StepState& step) {
+    at::Tensor normed;
+    if (carry->defined()) {
+      std::tie(x, normed) = input_layernorm->AddForward(x, *carry);
+    } else {
+      normed = input_layernorm->forward(x);
+    }
+    const at::Tensor h =
+        SumOverRanks(self_attn->forward(normed, cos, sin, chunks, layer, window_), step);
     if (pre_feedforward_layernorm) {
       // Gemma's sandwich: each branch normalised on the way in and the way out.
-      at::Tensor h = SumOverRanks(
-          self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_), step);
       x = x + post_attention_layernorm->forward(h);
-      h = Mlp(pre_feedforward_layernorm->forward(x), step);
-      return x + post_feedforward_layernorm->forward(h);
+      *carry = post_feedforward_layernorm->forward(Mlp(pre_feedforward_layernorm->forward(x), step));
+      return x;
     }
-    const at::Tensor h = SumOverRanks(
-        self_attn->forward(input_layernorm->forward(x), cos, sin, chunks, layer, window_), step);
-    // The residual add and the next norm (one kernel on a CUDA device).
-    at::Tensor normed;
     std::tie(x, normed) = post_attention_layernorm->AddForward(x, h);
     if (next_sparse != nullptr && step.dispatched != nullptr) GuessNext(x, step);
-    return x + Mlp(normed, step);
+    *carry = Mlp(normed, step);
+    return x;
   }
 
   std::shared_ptr<Attention> self_attn;
@@ -998,17 +1006,24 @@ class DecoderLM : public StagedLM {
             return local_cos;
           }).status());
     }
+    // Each layer's last branch, added by the next layer's input norm.
+    at::Tensor carry;
     for (size_t i = static_cast<size_t>(model->first_layer);
          i < static_cast<size_t>(model->last_layer); ++i) {
       DecoderLayer& layer = *model->layers[i];
       const bool local = layer.uses_local_rope();
       absl::StatusOr<at::Tensor> out =
           InScope(dispatched, absl::StrCat("model.layers.", i), home, [&](const at::Device& d) {
-            return layer.forward(x.to(d), (local ? local_cos : cos).to(d),
+            if (carry.defined()) carry = carry.to(d);
+            return layer.forward(x.to(d), &carry, (local ? local_cos : cos).to(d),
                                  (local ? local_sin : sin).to(d), chunks, i, step);
           });
       if (!out.ok()) return Kept(step, out.status());
       x = *std::move(out);
+    }
+    // The last layer's branch (a pipeline stage hands on the whole stream).
+    if (carry.defined()) {
+      ACCEL_RETURN_IF_ERROR(CallTorch([&] { x = x + carry.to(x.device()); }));
     }
     return x;
   }
