@@ -123,14 +123,24 @@ void SetFusedCudaOps(bool enabled) { fused_enabled.store(enabled); }
 
 #ifdef ACCEL_WITH_MODELS_CUDA
 
-std::optional<at::Tensor> FusedRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                       bool unit_offset) {
+namespace {
+
+// FusedRmsNorm (residual undefined) and FusedAddRmsNorm: {the sum, undefined
+// without a residual; the normed rows}.
+std::optional<std::pair<at::Tensor, at::Tensor>> LaunchRmsNorm(const at::Tensor& x,
+                                                               const at::Tensor& residual,
+                                                               const at::Tensor& weight,
+                                                               double eps, bool unit_offset) {
   cuda::KvDType dtype;
-  if (!Applies({&x, &weight}, &dtype) || x.dim() < 1 || !x.is_contiguous() ||
-      !weight.is_contiguous() || weight.dim() != 1 || weight.size(0) != x.size(-1)) {
+  const bool add = residual.defined();
+  if (!(add ? Applies({&x, &residual, &weight}, &dtype) : Applies({&x, &weight}, &dtype)) ||
+      x.dim() < 1 || !x.is_contiguous() || !weight.is_contiguous() || weight.dim() != 1 ||
+      weight.size(0) != x.size(-1) ||
+      (add && (!residual.is_contiguous() || residual.sizes() != x.sizes()))) {
     return std::nullopt;
   }
   c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor sum = add ? at::empty(x.sizes(), x.options()) : at::Tensor();
   at::Tensor out = at::empty(x.sizes(), x.options());
   cuda::RmsNormParams p;
   p.x = x.data_ptr();
@@ -141,38 +151,32 @@ std::optional<at::Tensor> FusedRmsNorm(const at::Tensor& x, const at::Tensor& we
   p.x_row_stride = p.out_row_stride = p.dim;
   p.eps = static_cast<float>(eps);
   p.unit_offset = unit_offset;
+  if (add) {
+    p.residual = residual.data_ptr();
+    p.sum = sum.data_ptr();
+    p.residual_row_stride = p.sum_row_stride = p.dim;
+  }
   Check(cuda::RmsNorm(p, dtype, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
-        "RMSNorm");
-  return out;
+        add ? "residual add and RMSNorm" : "RMSNorm");
+  return std::make_pair(std::move(sum), std::move(out));
+}
+
+}  // namespace
+
+std::optional<at::Tensor> FusedRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                       bool unit_offset) {
+  std::optional<std::pair<at::Tensor, at::Tensor>> got =
+      LaunchRmsNorm(x, at::Tensor(), weight, eps, unit_offset);
+  if (!got) return std::nullopt;
+  return std::move(got->second);
 }
 
 std::optional<std::pair<at::Tensor, at::Tensor>> FusedAddRmsNorm(const at::Tensor& x,
                                                                  const at::Tensor& residual,
                                                                  const at::Tensor& weight,
                                                                  double eps, bool unit_offset) {
-  cuda::KvDType dtype;
-  if (!Applies({&x, &residual, &weight}, &dtype) || x.dim() < 1 || !x.is_contiguous() ||
-      !residual.is_contiguous() || residual.sizes() != x.sizes() || !weight.is_contiguous() ||
-      weight.dim() != 1 || weight.size(0) != x.size(-1)) {
-    return std::nullopt;
-  }
-  c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor sum = at::empty(x.sizes(), x.options());
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  cuda::RmsNormParams p;
-  p.x = x.data_ptr();
-  p.residual = residual.data_ptr();
-  p.weight = weight.data_ptr();
-  p.out = out.data_ptr();
-  p.sum = sum.data_ptr();
-  p.dim = static_cast<int32_t>(x.size(-1));
-  p.rows = x.numel() / x.size(-1);
-  p.x_row_stride = p.out_row_stride = p.residual_row_stride = p.sum_row_stride = p.dim;
-  p.eps = static_cast<float>(eps);
-  p.unit_offset = unit_offset;
-  Check(cuda::RmsNorm(p, dtype, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
-        "residual add and RMSNorm");
-  return std::make_pair(std::move(sum), std::move(out));
+  if (!residual.defined()) return std::nullopt;
+  return LaunchRmsNorm(x, residual, weight, eps, unit_offset);
 }
 
 std::optional<at::Tensor> FusedRotary(const at::Tensor& x, const at::Tensor& cos,

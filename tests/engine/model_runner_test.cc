@@ -12,6 +12,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/Context.h>
@@ -136,9 +137,10 @@ class GeneratorTest : public ::testing::Test {
     return ids;
   }
 
-  // The reference: no cache, no packing, the whole sequence every step.
-  std::vector<int64_t> GreedyByHand(std::vector<int64_t> ids, int64_t count,
-                                    std::vector<float>* logprobs = nullptr) {
+  // The reference: no cache, no packing, the whole sequence every step;
+  // `pick` chooses each token from the last position's logits.
+  template <typename Pick>
+  std::vector<int64_t> ByHand(std::vector<int64_t> ids, int64_t count, Pick pick) {
     c10::InferenceMode inference;
     std::vector<int64_t> out;
     for (int64_t i = 0; i < count; ++i) {
@@ -146,34 +148,31 @@ class GeneratorTest : public ::testing::Test {
                                             {{nullptr, static_cast<int64_t>(ids.size())}},
                                             Logits::kAll, loaded_->dispatched.get());
       EXPECT_THAT(logits, IsOk());
-      at::Tensor last = (*logits)[static_cast<int64_t>(ids.size()) - 1];
-      const int64_t next = last.argmax().item<int64_t>();
-      if (logprobs) logprobs->push_back(at::log_softmax(last, -1)[next].item<float>());
+      const int64_t next = pick((*logits)[static_cast<int64_t>(ids.size()) - 1], ids);
       ids.push_back(next);
       out.push_back(next);
     }
     return out;
   }
 
-  // What Sampler::Next draws, a token at a time, from the full forward's
-  // logits of the sequence so far.
+  std::vector<int64_t> GreedyByHand(std::vector<int64_t> ids, int64_t count,
+                                    std::vector<float>* logprobs = nullptr) {
+    return ByHand(std::move(ids), count, [&](const at::Tensor& last, const std::vector<int64_t>&) {
+      const int64_t next = last.argmax().item<int64_t>();
+      if (logprobs) logprobs->push_back(at::log_softmax(last, -1)[next].item<float>());
+      return next;
+    });
+  }
+
+  // What Sampler::Next draws, a token at a time.
   std::vector<int64_t> SampledByHand(std::vector<int64_t> ids, int64_t count,
                                      const SamplingParams& params) {
-    c10::InferenceMode inference;
     absl::StatusOr<Sampler> sampler = Sampler::Create(params);
     EXPECT_THAT(sampler, IsOk());
-    std::vector<int64_t> out;
-    for (int64_t i = 0; i < count; ++i) {
-      auto logits = loaded_->model->Forward(at::tensor(ids, at::kLong),
-                                            {{nullptr, static_cast<int64_t>(ids.size())}},
-                                            Logits::kAll, loaded_->dispatched.get());
-      EXPECT_THAT(logits, IsOk());
-      const int64_t next =
-          sampler->Next((*logits)[static_cast<int64_t>(ids.size()) - 1], ids);
-      ids.push_back(next);
-      out.push_back(next);
-    }
-    return out;
+    return ByHand(std::move(ids), count,
+                  [&](const at::Tensor& last, const std::vector<int64_t>& seen) {
+                    return sampler->Next(last, seen);
+                  });
   }
 
   // Seven greedy requests with logprobs, of different lengths, every other
