@@ -478,6 +478,21 @@ TEST(PagedAttentionCudaTest, AStepsWritesLandWhereEachTableSays) {
   EXPECT_TRUE(at::equal(value_blocks, want_values));
   // The caches' lengths are the caller's to advance.
   EXPECT_EQ(prompt.length, 3);
+  // The step's next layer writes at the same places (the index reused).
+  auto [key_blocks0, value_blocks0] = store.Layer(0, k, v);
+  key_blocks0.zero_();
+  ASSERT_TRUE(WriteStepBlocks(chunks, 0, k, v));
+  EXPECT_TRUE(at::equal(key_blocks0[8].select(1, 2), k.select(1, 12)));
+  EXPECT_TRUE(at::equal(key_blocks0[0].select(1, 0), k.select(1, 9)));  // position 12
+  // Two steps of the decoding sequence alone, one position apart: the same
+  // shape of index, other places.
+  for (int64_t length : {6, 7}) {
+    decoding.length = length;
+    const at::Tensor one = at::randn({3, 1, 8});
+    ASSERT_TRUE(WriteStepBlocks({{&decoding, 1, 1}}, 1, one, one));
+    EXPECT_TRUE(at::equal(key_blocks[8].select(1, length % 4), one.select(1, 0))) << length;
+  }
+  decoding.length = 6;
 
   KvBlockStore other(9, 4, 2);
   KvCache elsewhere;
