@@ -650,8 +650,8 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Sample(const SchedulerOutpu
         const ScheduledRequest& s = out.scheduled[i];
         Request& r = *scheduled[i];
         const int64_t rows = chunks[i].logit_tokens;
-        const bool plain = s.samples && !prompt_rows[i] && rows == 1 &&
-                           s.draft_token_ids.empty() && r.processor == nullptr && !r.logprobs;
+        const bool plain = s.samples && !prompt_rows[i] && rows == 1 && s.draft_token_ids.empty() &&
+                           r.processor == nullptr && !r.logprobs;
         if (plain && r.sampler.plain_greedy()) {
           argmax_slot[i] = static_cast<int64_t>(argmax_rows.size());
           argmax_rows.push_back(row);

@@ -133,8 +133,7 @@ std::vector<int64_t> Sampler::NextRows(const at::Tensor& logits,
     at::Tensor x = logits.narrow(0, first, n).to(at::kDouble);
     const at::Tensor t = column(kTemperature);
     const at::Tensor top = x.amax(-1, /*keepdim=*/true);
-    x = at::where(at::isfinite(top).logical_and(at::isfinite(top / t).logical_not()), x - top,
-                  x) /
+    x = at::where(at::isfinite(top).logical_and(at::isfinite(top / t).logical_not()), x - top, x) /
         t;
     if (any_k) {
       const at::Tensor descending = std::get<0>(x.sort(/*stable=*/true, -1, /*descending=*/true));

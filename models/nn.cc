@@ -375,7 +375,7 @@ at::Tensor RMSNorm::forward(const at::Tensor& x) {
 }
 
 std::pair<at::Tensor, at::Tensor> RMSNorm::AddForward(const at::Tensor& x,
-                                                     const at::Tensor& residual) {
+                                                      const at::Tensor& residual) {
   if (auto fused = models::internal::FusedAddRmsNorm(x, residual, weight, eps_, unit_offset_)) {
     return *std::move(fused);
   }

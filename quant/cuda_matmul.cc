@@ -206,20 +206,19 @@ absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weig
     // Dequantizing the whole weight first (bnb's way) wrote it out and read
     // it back, 4.5 bytes a weight against bfloat16's own 2: 1096 against
     // 1864 tok/s at batch 32 on the H200 (docs/BENCHMARKS.md).
-    const int64_t slab = internal::DequantSlabRows(out, in, weight.blocksize,
-                                                   cuda::DTypeSize(compute), SlabBytes());
+    const int64_t slab =
+        internal::DequantSlabRows(out, in, weight.blocksize, cuda::DTypeSize(compute), SlabBytes());
     const at::Tensor xs = x.reshape({rows, in}).to(compute_dtype);
     const at::Tensor yc = at::empty({rows, out}, options.dtype(compute_dtype));
     const at::Tensor w = at::empty({slab, in}, options.dtype(compute_dtype));
     for (int64_t first = 0; first < out; first += slab) {
       const int64_t n_rows = std::min(slab, out - first);
       const int64_t start = first * in;  // a whole block and 32 values in (DequantSlabRows)
-      kernels = CudaStatus(
-          cuda::Dequantize4bit(weight.packed.data_ptr<uint8_t>() + start / 2,
-                               absmax.data_ptr<float>() + start / weight.blocksize,
-                               weight.code.data_ptr<float>(), n_rows * in, weight.blocksize,
-                               compute, w.data_ptr(), stream),
-          "Dequantize4bit");
+      kernels = CudaStatus(cuda::Dequantize4bit(weight.packed.data_ptr<uint8_t>() + start / 2,
+                                                absmax.data_ptr<float>() + start / weight.blocksize,
+                                                weight.code.data_ptr<float>(), n_rows * in,
+                                                weight.blocksize, compute, w.data_ptr(), stream),
+                           "Dequantize4bit");
       if (!kernels.ok()) return;
       // The slab's columns of y [rows, out] (row stride out): cuBLAS writes
       // them in place; bias added in the product's float32, one rounding.

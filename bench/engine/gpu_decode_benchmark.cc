@@ -410,10 +410,10 @@ int main(int argc, char** argv) {
     // a batch-1 token reads its top-k (the figure at batch 1; larger batches
     // read more experts, so their "of copy" is a lower bound); quantized
     // layers as stored.
-    const double expert_share =
-        m.config.moe.num_experts > 0 ? static_cast<double>(m.config.moe.num_experts_per_tok) /
-                                       static_cast<double>(m.config.moe.num_experts)
-                                 : 1.0;
+    const double expert_share = m.config.moe.num_experts > 0
+                                    ? static_cast<double>(m.config.moe.num_experts_per_tok) /
+                                          static_cast<double>(m.config.moe.num_experts)
+                                    : 1.0;
     double per_step = 0;
     for (const auto& t : m.model->named_parameters()) {
       if (t.key() == "model.embed_tokens.weight") continue;

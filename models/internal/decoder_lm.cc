@@ -606,7 +606,8 @@ class DecoderLayer : public Layer {
     if (pre_feedforward_layernorm) {
       // Gemma's sandwich: each branch normalised on the way in and the way out.
       x = x + post_attention_layernorm->forward(h);
-      *carry = post_feedforward_layernorm->forward(Mlp(pre_feedforward_layernorm->forward(x), step));
+      *carry =
+          post_feedforward_layernorm->forward(Mlp(pre_feedforward_layernorm->forward(x), step));
       return x;
     }
     std::tie(x, normed) = post_attention_layernorm->AddForward(x, h);

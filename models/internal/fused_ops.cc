@@ -129,8 +129,8 @@ namespace {
 // without a residual; the normed rows}.
 std::optional<std::pair<at::Tensor, at::Tensor>> LaunchRmsNorm(const at::Tensor& x,
                                                                const at::Tensor& residual,
-                                                               const at::Tensor& weight,
-                                                               double eps, bool unit_offset) {
+                                                               const at::Tensor& weight, double eps,
+                                                               bool unit_offset) {
   cuda::KvDType dtype;
   const bool add = residual.defined();
   if (!(add ? Applies({&x, &residual, &weight}, &dtype) : Applies({&x, &weight}, &dtype)) ||

@@ -151,14 +151,33 @@ TEST(SamplerTest, NextRowsIsNextForEveryRow) {
     SamplingParams p = Sampled();
     p.seed = 100 + variant;
     switch (variant) {
-      case 1: p.temperature = 0.7; break;
-      case 2: p.top_k = 40; break;
-      case 3: p.top_p = 0.9; break;
-      case 4: p.min_p = 0.05; break;
-      case 5: p.top_k = 50; p.top_p = 0.8; p.min_p = 0.02; p.temperature = 1.3; break;
-      case 6: p.temperature = 1e-300; break;  // divides the logits past the double range
-      case 7: p.top_p = 0.5; p.top_k = 3; break;
-      default: break;
+      case 1:
+        p.temperature = 0.7;
+        break;
+      case 2:
+        p.top_k = 40;
+        break;
+      case 3:
+        p.top_p = 0.9;
+        break;
+      case 4:
+        p.min_p = 0.05;
+        break;
+      case 5:
+        p.top_k = 50;
+        p.top_p = 0.8;
+        p.min_p = 0.02;
+        p.temperature = 1.3;
+        break;
+      case 6:
+        p.temperature = 1e-300;
+        break;  // divides the logits past the double range
+      case 7:
+        p.top_p = 0.5;
+        p.top_k = 3;
+        break;
+      default:
+        break;
     }
     params.push_back(p);
   }
@@ -176,8 +195,9 @@ TEST(SamplerTest, NextRowsIsNextForEveryRow) {
   int differing_rows = 0;
   for (int step = 0; step < 40; ++step) {
     // 2000 tokens, logits on a bfloat16 grid: many exact ties.
-    const at::Tensor logits =
-        (at::randn({static_cast<int64_t>(params.size()), 2000}) * 3).to(at::kBFloat16).to(at::kFloat);
+    const at::Tensor logits = (at::randn({static_cast<int64_t>(params.size()), 2000}) * 3)
+                                  .to(at::kBFloat16)
+                                  .to(at::kFloat);
     std::vector<int64_t> want;
     for (size_t r = 0; r < params.size(); ++r) {
       want.push_back(one_by_one[r].Next(logits[static_cast<int64_t>(r)], {}));
@@ -215,7 +235,8 @@ TEST(SamplerTest, NextRowsOverALargeVocabularyGoesInPartsAndIsNextForEveryRow) {
   at::manual_seed(4);
   const at::Tensor logits = at::randn({3, 1500000}) * 4;
   std::vector<int64_t> want;
-  for (int64_t r = 0; r < 3; ++r) want.push_back(one_by_one[static_cast<size_t>(r)].Next(logits[r], {}));
+  for (int64_t r = 0; r < 3; ++r)
+    want.push_back(one_by_one[static_cast<size_t>(r)].Next(logits[r], {}));
   EXPECT_EQ(Sampler::NextRows(logits, rows), want);
 }
 

@@ -395,8 +395,8 @@ TEST(FusedOpsTest, OnCudaTheKernelsEqualTheEagerFormulas) {
         internal::FusedAddRmsNorm(x, residual, norm.weight, 1e-5, false);
     ASSERT_TRUE(added) << dtype.name;
     EXPECT_TRUE(at::equal(added->first, x + residual)) << dtype.name;
-    EXPECT_TRUE(at::equal(added->second, *internal::FusedRmsNorm(x + residual, norm.weight, 1e-5,
-                                                                 false)))
+    EXPECT_TRUE(
+        at::equal(added->second, *internal::FusedRmsNorm(x + residual, norm.weight, 1e-5, false)))
         << dtype.name;
 
     // The static decode step's rotary + KV write: q [1, rows = 5, 32, 128]
