@@ -42,7 +42,7 @@ SamplingParams Sampled() {
   return p;
 }
 
-Sampler Make(SamplingParams p) {
+Sampler Make(const SamplingParams& p) {
   auto s = Sampler::Create(p);
   EXPECT_TRUE(s.ok()) << s.status();
   return *std::move(s);
@@ -58,7 +58,7 @@ std::vector<int64_t> Kept(const Sampler& s, const at::Tensor& logits) {
   return kept;
 }
 
-at::Tensor LogProbs(std::vector<double> p) {
+at::Tensor LogProbs(const std::vector<double>& p) {
   return at::log(at::tensor(p, at::kDouble)).to(at::kFloat);
 }
 
@@ -226,11 +226,12 @@ TEST(SamplerTest, NextRowsOverALargeVocabularyGoesInPartsAndIsNextForEveryRow) {
   params[2].top_k = 1000;
   params[2].temperature = 0.5;
   std::vector<Sampler> one_by_one, together;
-  std::vector<Sampler*> rows;
   for (const SamplingParams& p : params) {
     one_by_one.push_back(Make(p));
     together.push_back(Make(p));
   }
+  std::vector<Sampler*> rows;
+  rows.reserve(together.size());
   for (Sampler& s : together) rows.push_back(&s);
   at::manual_seed(4);
   const at::Tensor logits = at::randn({3, 1500000}) * 4;
