@@ -21,6 +21,7 @@
 
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 
 #include "absl/strings/str_cat.h"
@@ -588,15 +589,17 @@ class DecoderLayer : public Layer {
 
   bool uses_local_rope() const { return local_; }
 
-  // The layer's output is x + *carry. A defined *carry on the way in is the
-  // previous layer's last branch, not yet added: this layer's input norm
-  // adds it (with the post-attention add, one kernel each on a CUDA device:
-  // nn::RMSNorm::AddForward); on the way out *carry is this layer's last
-  // branch, for the next layer, or for RunLayers to add after the last.
+  // With `carry` null, the layer's output. Otherwise the output is
+  // x + *carry: a defined *carry on the way in is the previous layer's last
+  // branch, not yet added, which this layer's input norm adds (as the
+  // post-attention norm adds the attention's branch: one kernel each on a
+  // CUDA device, nn::RMSNorm::AddForward); on the way out *carry is this
+  // layer's last branch, for the next layer, or for RunLayers to add after
+  // the last.
   at::Tensor forward(at::Tensor x, at::Tensor* carry, const at::Tensor& cos, const at::Tensor& sin,
                      absl::Span<const SequenceChunk> chunks, size_t layer, StepState& step) {
     at::Tensor normed;
-    if (carry->defined()) {
+    if (carry != nullptr && carry->defined()) {
       std::tie(x, normed) = input_layernorm->AddForward(x, *carry);
     } else {
       normed = input_layernorm->forward(x);
@@ -606,13 +609,17 @@ class DecoderLayer : public Layer {
     if (pre_feedforward_layernorm) {
       // Gemma's sandwich: each branch normalised on the way in and the way out.
       x = x + post_attention_layernorm->forward(h);
-      *carry =
+      at::Tensor branch =
           post_feedforward_layernorm->forward(Mlp(pre_feedforward_layernorm->forward(x), step));
+      if (carry == nullptr) return x + branch;
+      *carry = std::move(branch);
       return x;
     }
     std::tie(x, normed) = post_attention_layernorm->AddForward(x, h);
     if (next_sparse != nullptr && step.dispatched != nullptr) GuessNext(x, step);
-    *carry = Mlp(normed, step);
+    at::Tensor branch = Mlp(normed, step);
+    if (carry == nullptr) return x + branch;
+    *carry = std::move(branch);
     return x;
   }
 
@@ -1007,8 +1014,11 @@ class DecoderLM : public StagedLM {
             return local_cos;
           }).status());
     }
-    // Each layer's last branch, added by the next layer's input norm.
+    // Each layer's last branch, added by the next layer's input norm; not
+    // when autograd records (training): a branch's backward must run inside
+    // its own layer, where FSDP and the offload hooks gather its weights.
     at::Tensor carry;
+    at::Tensor* const carried = c10::GradMode::is_enabled() ? nullptr : &carry;
     for (size_t i = static_cast<size_t>(model->first_layer);
          i < static_cast<size_t>(model->last_layer); ++i) {
       DecoderLayer& layer = *model->layers[i];
@@ -1016,7 +1026,7 @@ class DecoderLM : public StagedLM {
       absl::StatusOr<at::Tensor> out =
           InScope(dispatched, absl::StrCat("model.layers.", i), home, [&](const at::Device& d) {
             if (carry.defined()) carry = carry.to(d);
-            return layer.forward(x.to(d), &carry, (local ? local_cos : cos).to(d),
+            return layer.forward(x.to(d), carried, (local ? local_cos : cos).to(d),
                                  (local ? local_sin : sin).to(d), chunks, i, step);
           });
       if (!out.ok()) return Kept(step, out.status());
