@@ -111,6 +111,7 @@ std::vector<int64_t> Sampler::NextRows(const at::Tensor& logits,
     at::Tensor params = at::empty({n, kColumns}, at::TensorOptions().dtype(at::kDouble));
     double* row_params = params.data_ptr<double>();
     bool any_k = false, any_p = false, any_min_p = false;
+    int64_t max_k = 0;
     for (int64_t r = 0; r < n; ++r) {
       Sampler& s = *samplers[static_cast<size_t>(first + r)];
       const SamplingParams& p = s.params_;
@@ -124,6 +125,7 @@ std::vector<int64_t> Sampler::NextRows(const at::Tensor& logits,
       v[kMinP] = p.min_p > 0 ? p.min_p : 0.0;
       v[kUniform] = s.Uniform();
       any_k |= k;
+      if (k) max_k = std::max(max_k, p.top_k);
       any_p |= p.top_p < 1.0;
       any_min_p |= p.min_p > 0;
     }
@@ -136,8 +138,10 @@ std::vector<int64_t> Sampler::NextRows(const at::Tensor& logits,
     x = at::where(at::isfinite(top).logical_and(at::isfinite(top / t).logical_not()), x - top, x) /
         t;
     if (any_k) {
-      const at::Tensor descending = std::get<0>(x.sort(/*stable=*/true, -1, /*descending=*/true));
-      const at::Tensor value = descending.gather(1, column(kKth).to(at::kLong));
+      // The largest k of any row: each row's k-th largest among them (topk,
+      // as Process, not a sort of the whole vocabulary).
+      const at::Tensor largest = std::get<0>(x.topk(max_k, -1));
+      const at::Tensor value = largest.gather(1, column(kKth).to(at::kLong));
       const at::Tensor limit = at::where(column(kHasK) > 0, value, kMinusInf);
       x = x.masked_fill(x < limit, kMinusInf);
     }
