@@ -378,8 +378,12 @@ fi
 if want serve && [[ -f $build/build.ninja ]]; then
   if ls .deps/libgrpc++-dev_*.deb >/dev/null 2>&1; then
     build_serve() {
+      # prometheus-cpp's config asks for CURL, which nothing here links:
+      # its headers are carried, the library only named (gpu_deps.sh).
       configure -DACCEL_WITH_SERVER=ON -DCMAKE_DISABLE_FIND_PACKAGE_PkgConfig=OFF \
-        -DPKG_CONFIG_EXECUTABLE=/nonexistent/pkg-config &&
+        -DPKG_CONFIG_EXECUTABLE=/nonexistent/pkg-config \
+        -DCURL_LIBRARY="$deps/usr/lib/x86_64-linux-gnu/libcurl.so" \
+        -DCURL_INCLUDE_DIR="$deps/usr/include/x86_64-linux-gnu" &&
         ninja -C "$build" -j "$(nproc)" accel-serve accel-bench-serve
     }
     export -f build_serve
