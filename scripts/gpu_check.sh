@@ -13,11 +13,13 @@
 #             (the device tool carries .deps/ with `carry: [".deps"]`)
 #
 # A rerun: ACCEL_GPU_SKIP='^(test:quant_cuda_kernels|bench:quant_cuda)$' leaves
-# those steps out. The serve phase (about 6 minutes: the server's build, then
-# accel-serve with 8 / 32 / 128 clients) rarely fits after the others in one
-# call: run it as a second call on the still-warm machine, which has the
-# build folder and the 8B-shaped model: ACCEL_GPU_BUDGET=420 bash
-# scripts/gpu_check.sh serve.
+# those steps out. The serve phase (the server's own files built into the
+# warm build folder, then accel-serve with 8 / 32 / 128 clients: a few
+# minutes) and the mixtral phase rarely fit after the others in one call:
+# run them as later calls on the still-warm machine, which has the build
+# folder and the 8B-shaped model, e.g. ACCEL_GPU_BUDGET=360 bash
+# scripts/gpu_check.sh serve (and leave out of the first call what an
+# earlier session measured already, e.g. ACCEL_GPU_SKIP='^(bench:offload|bench:moe)$').
 # Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
 # the device is lent for minutes): every step runs under `timeout`, gets at
 # most what is left of the budget, and is skipped (and says so) when too
