@@ -415,15 +415,13 @@ int main(int argc, char** argv) {
                                           static_cast<double>(m.config.moe.num_experts)
                                     : 1.0;
     double per_step = 0;
-    for (const auto& t : m.model->named_parameters()) {
-      if (t.key() == "model.embed_tokens.weight") continue;
-      const double bytes = static_cast<double>(t.value().nbytes());
-      per_step += t.key().find(".experts.") != std::string::npos ? bytes * expert_share : bytes;
-    }
-    for (const auto& t : m.model->named_buffers()) {
-      const double bytes = static_cast<double>(t.value().nbytes());
-      per_step += t.key().find(".experts.") != std::string::npos ? bytes * expert_share : bytes;
-    }
+    const auto count = [&](const std::string& name, const at::Tensor& t) {
+      if (name == "model.embed_tokens.weight") return;
+      const double bytes = static_cast<double>(t.nbytes());
+      per_step += name.find(".experts.") != std::string::npos ? bytes * expert_share : bytes;
+    };
+    for (const auto& t : m.model->named_parameters()) count(t.key(), t.value());
+    for (const auto& t : m.model->named_buffers()) count(t.key(), t.value());
     std::printf("\n%s: %d layers, %s read a step, loaded onto %s in %.1f s\n",
                 q == "none" ? "as stored" : ("quantized " + q).c_str(),
                 static_cast<int>(m.config.num_hidden_layers),

@@ -606,18 +606,17 @@ class DecoderLayer : public Layer {
     }
     const at::Tensor h =
         SumOverRanks(self_attn->forward(normed, cos, sin, chunks, layer, window_), step);
+    at::Tensor branch;
     if (pre_feedforward_layernorm) {
       // Gemma's sandwich: each branch normalised on the way in and the way out.
       x = x + post_attention_layernorm->forward(h);
-      at::Tensor branch =
+      branch =
           post_feedforward_layernorm->forward(Mlp(pre_feedforward_layernorm->forward(x), step));
-      if (carry == nullptr) return x + branch;
-      *carry = std::move(branch);
-      return x;
+    } else {
+      std::tie(x, normed) = post_attention_layernorm->AddForward(x, h);
+      if (next_sparse != nullptr && step.dispatched != nullptr) GuessNext(x, step);
+      branch = Mlp(normed, step);
     }
-    std::tie(x, normed) = post_attention_layernorm->AddForward(x, h);
-    if (next_sparse != nullptr && step.dispatched != nullptr) GuessNext(x, step);
-    at::Tensor branch = Mlp(normed, step);
     if (carry == nullptr) return x + branch;
     *carry = std::move(branch);
     return x;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "core/file_faults.h"
+#include "models/internal/device_upload.h"
 #include "models/internal/fused_ops.h"
 #include "models/internal/sdpa.h"
 #include "models/nn.h"
@@ -102,22 +103,9 @@ bool WriteStepBlocks(absl::Span<const SequenceChunk> chunks, size_t layer, const
   packed.insert(packed.end(), slots.begin(), slots.end());
   packed.insert(packed.end(), tokens.begin(), tokens.end());
   // Every layer of a step writes at the same places: the index goes to the
-  // device once a step (the last one sent from this thread, while the same),
-  // as the decode kernels' tables do (DeviceTables).
-  thread_local std::vector<int64_t> last_packed;
-  thread_local at::Tensor last_index;
-  at::Tensor index;
-  if (last_index.defined() && last_index.device() == key_blocks.device() && last_packed == packed) {
-    index = last_index;
-  } else {
-    index = at::tensor(packed, at::TensorOptions().dtype(at::kLong)).view({3, n});
-    // Pinned on a CUDA device, so the upload does not wait for the stream.
-    const bool pin = key_blocks.is_cuda();
-    if (pin) index = index.pin_memory();
-    index = index.to(key_blocks.device(), /*non_blocking=*/pin);
-    last_packed = std::move(packed);
-    last_index = index;
-  }
+  // device once a step (LastUpload), as the decode kernels' tables do.
+  thread_local LastUpload<int64_t> last_index;
+  const at::Tensor index = last_index.To(packed, at::kLong, key_blocks.device()).view({3, n});
   const bool every_token = n == k.size(1);  // in order: the tokens are 0, 1, ...
   const at::Tensor keys = every_token ? k : k.index_select(1, index[2]);
   const at::Tensor values = every_token ? v : v.index_select(1, index[2]);

@@ -12,6 +12,7 @@
 #include <c10/util/Exception.h>
 
 #include "models/internal/cuda_dtype.h"
+#include "models/internal/device_upload.h"
 #include "models/internal/paged_attention.h"
 
 #ifdef ACCEL_WITH_MODELS_CUDA
@@ -65,23 +66,10 @@ int32_t SmCount(int device) {
   return counts[device];
 }
 
-// The block tables and totals on the device. Every layer of a step sends the
-// same ones, so they are copied once a step: the last buffer is kept per
-// thread and reused while its contents are unchanged. The copy is
-// asynchronous from pinned memory (libtorch's pinned allocator keeps the
-// host buffer until the copy is done).
+// The block tables and totals on the device: once a step (LastUpload).
 at::Tensor DeviceTables(const std::vector<int32_t>& host, const at::Device& device) {
-  thread_local std::vector<int32_t> last_host;
-  thread_local at::Tensor last_device;
-  if (last_device.defined() && last_device.device() == device && last_host == host) {
-    return last_device;
-  }
-  at::Tensor pinned = at::empty({static_cast<int64_t>(host.size())},
-                                at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  std::copy(host.begin(), host.end(), pinned.data_ptr<int32_t>());
-  last_device = pinned.to(at::TensorOptions().device(device), /*non_blocking=*/true);
-  last_host = host;
-  return last_device;
+  thread_local LastUpload<int32_t> tables;
+  return tables.To(host, at::kInt, device);
 }
 
 // The output rows of `p`'s step and the float workspace its split passes
