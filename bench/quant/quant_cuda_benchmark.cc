@@ -199,7 +199,7 @@ int main(int argc, char** argv) {
   std::printf("device-to-device copy of 1 GiB: %.1f GB/s copied, %.1f GB/s of traffic (HBM)\n\n",
               hbm_traffic / 2, hbm_traffic);
 
-  std::printf("%-9s %-11s %9s %6s %-6s %2s | %9s %9s | %9s %11s | %7s %6s\n", "dtype", "N x K",
+  std::printf("%-9s %-11s %9s %6s %-8s %2s | %9s %9s | %9s %11s | %7s %6s\n", "dtype", "N x K",
               "bytes", "copies", "kernel", "m", "GEMV us", "GEMV GB/s", "copy us", "copy traffic",
               "of copy", "of HBM");
   struct Shape {
@@ -269,6 +269,8 @@ int main(int argc, char** argv) {
       std::vector<Run> runs = {{GemvKernel::kChunk, "rowwise", 1}};
       if (dtype != DType::kFloat32) {
         for (int64_t m : {1, 2, 4, 8}) runs.push_back({GemvKernel::kMma, "mma", m});
+        // Its pipelined form (gemv_mma.h; what Gemv4bitRows runs up to 4 rows).
+        for (int64_t m : {1, 2, 4}) runs.push_back({GemvKernel::kMmaPipelined, "mma-pipe", m});
       }
       for (const Run& run : runs) {
         auto gemv = [&](int64_t i) {
@@ -284,7 +286,7 @@ int main(int argc, char** argv) {
         const double gemv_gbs = static_cast<double>(bytes) / gemv_s / 1e9;
         const std::string shape_name = std::to_string(n_rows) + "x" + std::to_string(k);
         std::printf(
-            "%-9s %-11s %6.2f MB %6ld %-6s %2ld | %9.2f %9.1f | %9.2f %11.1f | %7.2f %6.2f\n",
+            "%-9s %-11s %6.2f MB %6ld %-8s %2ld | %9.2f %9.1f | %9.2f %11.1f | %7.2f %6.2f\n",
             accel::quant::cuda::DTypeName(dtype), shape_name.c_str(), bytes / 1e6,
             static_cast<long>(copies), run.name, static_cast<long>(run.m), gemv_s * 1e6, gemv_gbs,
             copy_s * 1e6, copy_traffic, gemv_gbs / copy_traffic, gemv_gbs / hbm_traffic);

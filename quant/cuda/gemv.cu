@@ -4,7 +4,8 @@
 //   activations, K a multiple of 256, blocks a multiple of 64, aligned
 //   pointers, up to 8 activation rows: every weight is read once for all
 //   rows, dequantized in registers through byte permutes, multiplied on
-//   mma.m16n8k16;
+//   mma.m16n8k16 (up to 4 rows in its pipelined form: x by cp.async a round
+//   ahead);
 // - the idea of bnb's kgemm_4bit_inference_naive for everything else (one
 //   activation row): a warp per output row, each lane reading 16-byte chunks
 //   (32 weights) of the packed row, dequantizing them into the activation
@@ -184,6 +185,18 @@ struct MmaExec {
   __device__ __forceinline__ int tid() const { return static_cast<int>(threadIdx.x); }
   __device__ __forceinline__ void Sync() { __syncthreads(); }
   __device__ __forceinline__ void WarpSync() { __syncwarp(); }
+  // cp.async (sm_80+): 8 bytes from global to shared memory, through L1
+  // (x is read by every CTA), in the thread's current group.
+  __device__ __forceinline__ void CopyAsync8(uint8_t* shared_dst, const void* global_src) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared_dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(global_src) : "memory");
+  }
+  __device__ __forceinline__ void CommitCopies() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  __device__ __forceinline__ void WaitCopiesButLast() {
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+  }
   template <typename Tag>
   __device__ __forceinline__ void Mma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                       uint32_t b0, uint32_t b1, float (&c)[4]) {
@@ -208,6 +221,32 @@ __global__ void __launch_bounds__(kMmaThreads) Gemv4bitMmaKernel(const GemvMmaPa
   extern __shared__ __align__(16) uint8_t shared[];
   MmaExec exec;
   Gemv4bitMmaCta<Tag, kMaxM>(p, static_cast<int64_t>(blockIdx.x), shared, exec);
+}
+
+// Three CTAs an SM (80 registers a thread, ptxas spilling 32 bytes of the
+// next round's words; 96 without the bound, two CTAs an SM as the other
+// kernel's 108): 24 warps an SM to hide the loads' latency behind.
+template <typename Tag, int kMaxM>
+__global__ void __launch_bounds__(kMmaThreads, 3)
+    Gemv4bitMmaPipelinedKernel(const GemvMmaParams p) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  MmaExec exec;
+  Gemv4bitMmaPipelinedCta<Tag, kMaxM>(p, static_cast<int64_t>(blockIdx.x), shared, exec);
+}
+
+// The pipelined kernel, for up to kMmaPipelinedMaxM rows.
+template <typename Tag>
+cudaError_t LaunchMmaPipelined(const GemvMmaParams& p, cudaStream_t stream) {
+  const int64_t blocks = (p.n_rows + kMmaRows - 1) / kMmaRows;
+  if (blocks > 0x7fffffff || p.m > kMmaPipelinedMaxM) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(blocks));
+  auto launch = [&](auto kernel, int max_m) {
+    kernel<<<grid, kMmaThreads, static_cast<size_t>(MmaPipelinedSharedBytes(max_m)), stream>>>(p);
+    return cudaGetLastError();
+  };
+  if (p.m <= 1) return launch(Gemv4bitMmaPipelinedKernel<Tag, 1>, 1);
+  if (p.m <= 2) return launch(Gemv4bitMmaPipelinedKernel<Tag, 2>, 2);
+  return launch(Gemv4bitMmaPipelinedKernel<Tag, 4>, 4);
 }
 
 template <typename Tag>
@@ -242,7 +281,10 @@ cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint
   }
   if (n_rows == 0) return cudaSuccess;
   const bool mma = MmaApplies(m, k, blocksize, dtype, x, packed);
-  if (kernel == GemvKernel::kMma && !mma) return cudaErrorInvalidValue;
+  if ((kernel == GemvKernel::kMma || kernel == GemvKernel::kMmaPipelined) && !mma) {
+    return cudaErrorInvalidValue;
+  }
+  if (kernel == GemvKernel::kMmaPipelined && m > kMmaPipelinedMaxM) return cudaErrorInvalidValue;
   if (mma && kernel != GemvKernel::kChunk) {
     GemvMmaParams p;
     p.x = x;
@@ -255,6 +297,12 @@ cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint
     p.k = k;
     p.blocksize = blocksize;
     p.m = static_cast<int32_t>(m);
+    // Up to 4 rows the pipelined kernel (its x stages fit 48 KiB of shared
+    // memory there), unless the other is asked for by name.
+    if (kernel != GemvKernel::kMma && m <= kMmaPipelinedMaxM) {
+      return dtype == DType::kBFloat16 ? LaunchMmaPipelined<MmaBFloat16>(p, stream)
+                                       : LaunchMmaPipelined<MmaFloat16>(p, stream);
+    }
     return dtype == DType::kBFloat16 ? LaunchMma<MmaBFloat16>(p, stream)
                                      : LaunchMma<MmaFloat16>(p, stream);
   }

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -60,6 +62,16 @@ void ExpectLookupMatchesTheTable() {
     const uint32_t expect_second = want[byte1 >> 4] | static_cast<uint32_t>(want[byte1 & 15]) << 16;
     ASSERT_EQ(first, expect_first) << std::hex << half;
     ASSERT_EQ(second, expect_second) << std::hex << half;
+    // The same two bytes as the high half of a word (the other half random):
+    // a word's selectors, shifted, serve its high half.
+    const uint32_t word = half << 16 | static_cast<uint32_t>(rng() & 0xffffu);
+    LookupSelected(NibbleIndex(word) >> 16, NibblePick(word) >> 16, lo, hi, first, second);
+    ASSERT_EQ(first, expect_first) << std::hex << word;
+    ASSERT_EQ(second, expect_second) << std::hex << word;
+    const uint32_t low_word = static_cast<uint32_t>(rng() & 0xffff0000u) | half;
+    LookupSelected(NibbleIndex(low_word), NibblePick(low_word), lo, hi, first, second);
+    ASSERT_EQ(first, expect_first) << std::hex << low_word;
+    ASSERT_EQ(second, expect_second) << std::hex << low_word;
   }
 }
 
@@ -81,6 +93,28 @@ class HostExec {
   int tid() const { return exec_.tid(); }
   void Sync() { exec_.Sync(); }
   void WarpSync() { exec_.WarpSync(); }
+  // cp.async as the device may run it: a copy lands no earlier than the
+  // wait that covers its group (so a read of the stage before that wait
+  // sees what was there before: NaN patterns, below), reading its source
+  // then.
+  void CopyAsync8(uint8_t* shared_dst, const void* global_src) {
+    open_.push_back({shared_dst, global_src});
+  }
+  void CommitCopies() {
+    groups_.push_back(std::move(open_));
+    open_.clear();
+  }
+  void WaitCopiesButLast() {
+    while (groups_.size() > 1) {
+      for (const Copy& copy : groups_.front()) std::memcpy(copy.dst, copy.src, 8);
+      groups_.pop_front();
+    }
+  }
+  int64_t copies_in_flight() const {
+    int64_t n = static_cast<int64_t>(open_.size());
+    for (const auto& group : groups_) n += static_cast<int64_t>(group.size());
+    return n;
+  }
   template <typename Tag>
   void Mma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1,
            float (&c)[4]) {
@@ -109,7 +143,13 @@ class HostExec {
   }
 
  private:
+  struct Copy {
+    uint8_t* dst;
+    const void* src;
+  };
   CtaEmulator::Exec& exec_;
+  std::vector<Copy> open_;
+  std::deque<std::vector<Copy>> groups_;
 };
 
 struct Case {
@@ -126,8 +166,11 @@ struct Inputs {
   std::vector<uint16_t> x, bias;  // [m, k], [n_rows]
 };
 
+// The two forms of the kernel.
+enum class Form { kRounds, kPipelined };
+
 template <typename Tag>
-std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, std::string* error) {
+std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, Form form, std::string* error) {
   std::vector<uint16_t> y(static_cast<size_t>(c.m * c.n_rows), 0xffffu);  // NaN
   GemvMmaParams p;
   p.x = in.x.data();
@@ -145,7 +188,13 @@ std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, std::string* 
     return y;
   }
   const int max_m = c.m <= 1 ? 1 : c.m <= 2 ? 2 : c.m <= 4 ? 4 : 8;
-  std::vector<uint64_t> shared(static_cast<size_t>(MmaSharedBytes(max_m) / 8 + 1));
+  const bool pipelined = form == Form::kPipelined;
+  if (pipelined && max_m > kMmaPipelinedMaxM) {
+    *error = "the pipelined kernel takes up to 4 rows";
+    return y;
+  }
+  std::vector<uint64_t> shared(static_cast<size_t>(
+      (pipelined ? MmaPipelinedSharedBytes(max_m) : MmaSharedBytes(max_m)) / 8 + 1));
   CtaEmulator cta(kMmaThreads);
   for (int64_t block = 0; block * kMmaRows < c.n_rows; ++block) {
     // Shared memory starts as garbage on the device: NaN patterns here.
@@ -153,6 +202,22 @@ std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, std::string* 
     uint8_t* s = reinterpret_cast<uint8_t*>(shared.data());
     *error = cta.Run([&](CtaEmulator::Exec& exec) {
       HostExec host(exec);
+      if (pipelined) {
+        switch (max_m) {
+          case 1:
+            Gemv4bitMmaPipelinedCta<Tag, 1>(p, block, s, host);
+            break;
+          case 2:
+            Gemv4bitMmaPipelinedCta<Tag, 2>(p, block, s, host);
+            break;
+          default:
+            Gemv4bitMmaPipelinedCta<Tag, 4>(p, block, s, host);
+        }
+        // Every copy the kernel issued was waited for before its use; the
+        // last group (empty: the round after the last) may stay open.
+        if (host.copies_in_flight() != 0) ADD_FAILURE() << "copies never waited for";
+        return;
+      }
       switch (max_m) {
         case 1:
           Gemv4bitMmaCta<Tag, 1>(p, block, s, host);
@@ -184,8 +249,8 @@ std::vector<float> Nf4() {
 }
 
 template <typename Tag>
-void CheckCase(const Case& c, bool exact_sums) {
-  SCOPED_TRACE(c.name);
+void CheckCase(const Case& c, bool exact_sums, Form form = Form::kRounds) {
+  SCOPED_TRACE(std::string(c.name) + (form == Form::kPipelined ? ", pipelined" : ""));
   std::mt19937_64 rng(7);
   Inputs in;
   const int64_t n = c.n_rows * c.k;
@@ -213,7 +278,7 @@ void CheckCase(const Case& c, bool exact_sums) {
     v = Narrow(Tag{}, exact_sums ? static_cast<float>(small(rng)) : unit(rng));
 
   std::string error;
-  const std::vector<uint16_t> y = RunEmulated<Tag>(c, in, &error);
+  const std::vector<uint16_t> y = RunEmulated<Tag>(c, in, form, &error);
   ASSERT_EQ(error, "");
   const double u = std::ldexp(1.0, -24);
   const double gamma = static_cast<double>(c.k + 1) * u / (1 - static_cast<double>(c.k + 1) * u);
@@ -279,6 +344,42 @@ TEST(GemvMmaTest, EmulatedKernelIsBitExactWhenEverySumIsExact) {
   }
 }
 
+// The pipelined form on every case of up to 4 rows, and on cases of its own:
+// warps without a chunk (K of one and of three chunks), one round each, an
+// odd number of rounds (the x stages' parity), N past the last CTA's rows.
+const Case kPipelinedCases[] = {
+    {"Bf16OneChunk", true, 16, 256, 64, 1, false},  // seven warps without a chunk
+    {"Fp16ThreeChunksFourRows", false, 40, 768, 256, 4, true},
+    {"Bf16ThreeRoundsRagged", true, 33, 5376, 64, 3, true},  // 21 chunks: 3 rounds, 5 warps
+    {"Fp16TwoRowsSevenRounds", false, 16, 14336, 64, 2, false},
+};
+
+std::vector<Case> PipelinedCases() {
+  std::vector<Case> cases;
+  for (const Case& c : kCases) {
+    if (c.m <= kMmaPipelinedMaxM) cases.push_back(c);
+  }
+  cases.insert(cases.end(), std::begin(kPipelinedCases), std::end(kPipelinedCases));
+  return cases;
+}
+
+TEST(GemvMmaTest, EmulatedPipelinedKernelIsWithinTheFloat32SummationBound) {
+  for (const Case& c : PipelinedCases()) {
+    if (c.bf16) {
+      CheckCase<MmaBFloat16>(c, false, Form::kPipelined);
+    } else {
+      CheckCase<MmaFloat16>(c, false, Form::kPipelined);
+    }
+  }
+}
+
+TEST(GemvMmaTest, EmulatedPipelinedKernelIsBitExactWhenEverySumIsExact) {
+  for (const Case& c : PipelinedCases()) {
+    CheckCase<MmaBFloat16>(c, true, Form::kPipelined);
+    CheckCase<MmaFloat16>(c, true, Form::kPipelined);
+  }
+}
+
 TEST(GemvMmaTest, TakesOnlyWhatItCan) {
   alignas(16) static uint8_t buffer[64];
   EXPECT_TRUE(MmaTakes(1, 4096, 64, buffer, buffer));
@@ -289,6 +390,8 @@ TEST(GemvMmaTest, TakesOnlyWhatItCan) {
   EXPECT_FALSE(MmaTakes(1, 4096, 64, buffer + 2, buffer));   // misaligned x
   EXPECT_FALSE(MmaTakes(1, 4096, 64, buffer, buffer + 8));   // misaligned weights
   EXPECT_LE(MmaSharedBytes(kMmaMaxM), 48 * 1024);
+  // Without an opt-in attribute a kernel gets 48 KiB of shared memory.
+  EXPECT_LE(MmaPipelinedSharedBytes(kMmaPipelinedMaxM), 48 * 1024);
 }
 
 }  // namespace

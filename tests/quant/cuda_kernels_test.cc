@@ -632,8 +632,17 @@ TEST_F(CudaGemvRowsTest, TensorCoreKernelWithinTheBound) {
                                        reinterpret_cast<const void*>(256),
                                        reinterpret_cast<const void*>(256)));
       Check(c, dtype, internal::GemvKernel::kMma);
+      // Its pipelined form (what kAuto runs up to 4 rows).
+      if (c.m <= 4) Check(c, dtype, internal::GemvKernel::kMmaPipelined);
     }
   }
+  // The pipelined form takes up to 4 rows only.
+  alignas(16) static uint8_t buffer[64];
+  EXPECT_EQ(internal::Gemv4bitWith(internal::GemvKernel::kMmaPipelined, buffer, 5, buffer,
+                                   reinterpret_cast<const float*>(buffer),
+                                   reinterpret_cast<const float*>(buffer), 1, 256, 64, nullptr,
+                                   DType::kBFloat16, buffer, stream_),
+            cudaErrorInvalidValue);
 }
 
 TEST_F(CudaGemvRowsTest, RowsWhereTheTensorCoresCannotGoOneByOne) {

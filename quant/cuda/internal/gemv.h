@@ -13,9 +13,11 @@
 namespace accel::quant::cuda::internal {
 
 enum class GemvKernel {
-  kAuto,   // the tensor-core kernel where it applies, else the chunk / element one
-  kMma,    // the tensor-core kernel only (cudaErrorInvalidValue where it does not apply)
-  kChunk,  // the warp-per-row kernel (chunk or element path), a row of x at a time
+  kAuto,          // the tensor-core kernel where it applies (pipelined up to 4 rows), else the
+                  // chunk / element one
+  kMma,           // the tensor-core kernel only (cudaErrorInvalidValue where it does not apply)
+  kMmaPipelined,  // its pipelined form (gemv_mma.h), up to 4 rows; likewise
+  kChunk,         // the warp-per-row kernel (chunk or element path), a row of x at a time
 };
 
 // Whether the tensor-core kernel takes these arguments.
