@@ -3,7 +3,9 @@
 // Llama-3-8B-shaped weights (1024 x 4096, 14336 x 4096, 4096 x 14336), in
 // GB/s of the bytes it has to read (packed weights + float32 absmax): the
 // warp-per-row kernel at one activation row and the tensor-core kernel at 1,
-// 2, 4 and 8 rows (a decode step's batch: the weights are still read once).
+// 2, 4 and 8 rows (a decode step's batch: the weights are still read once),
+// its pipelined form at 1, 2 and 4; then LLM.int8's product (Int8Matmul,
+// int8 weights) through its GEMV at 1, 4 and 8 rows and its tiled kernel.
 // Baselines from the same run: a cudaMemcpy device-to-device of the same
 // bytes, which moves them once (GB/s copied) and reads and writes them (2x
 // that in traffic), and a copy of 1 GiB, far past the L2 cache, whose
@@ -218,6 +220,28 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   for (const Shape& shape : shapes) {
     const int64_t n_rows = shape.n_rows, k = shape.k, n = n_rows * k;
+    // One row of the table and of the JSON: a kernel's time for `bytes` of
+    // weights against a device copy of the same bytes.
+    auto report = [&](const char* dtype_name, const char* kernel, int64_t m, int64_t bytes,
+                      int64_t copies, double gemv_s, double copy_s, double copy_traffic) {
+      const double gemv_gbs = static_cast<double>(bytes) / gemv_s / 1e9;
+      const std::string shape_name = std::to_string(n_rows) + "x" + std::to_string(k);
+      std::printf("%-9s %-11s %6.2f MB %6ld %-8s %2ld | %9.2f %9.1f | %9.2f %11.1f | %7.2f %6.2f\n",
+                  dtype_name, shape_name.c_str(), bytes / 1e6, static_cast<long>(copies), kernel,
+                  static_cast<long>(m), gemv_s * 1e6, gemv_gbs, copy_s * 1e6, copy_traffic,
+                  gemv_gbs / copy_traffic, gemv_gbs / hbm_traffic);
+      std::fflush(stdout);
+      json += std::string(first_row ? "" : ",") + "\n  {\"model\": \"" + shape.model +
+              "\", \"dtype\": \"" + dtype_name + "\", \"n\": " + std::to_string(n_rows) +
+              ", \"k\": " + std::to_string(k) + ", \"kernel\": \"" + kernel +
+              "\", \"m\": " + std::to_string(m) + ", \"bytes\": " + std::to_string(bytes) +
+              ", \"us\": " + std::to_string(gemv_s * 1e6) +
+              ", \"gbs\": " + std::to_string(gemv_gbs) +
+              ", \"copy_traffic_gbs\": " + std::to_string(copy_traffic) +
+              ", \"of_copy\": " + std::to_string(gemv_gbs / copy_traffic) +
+              ", \"of_hbm\": " + std::to_string(gemv_gbs / hbm_traffic) + "}";
+      first_row = false;
+    };
     const int64_t packed_bytes = n / 2, nblocks = n / kBlocksize;
     const int64_t bytes = packed_bytes + nblocks * 4;
     const int64_t alloc_bytes = (packed_bytes + 255) / 256 * 256 + nblocks * 4;
@@ -283,25 +307,8 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaStreamSynchronize(stream));
         const double gemv_s = TimePerCall(options, stream, gemv);
         CHECK_CUDA(cudaStreamSynchronize(stream));
-        const double gemv_gbs = static_cast<double>(bytes) / gemv_s / 1e9;
-        const std::string shape_name = std::to_string(n_rows) + "x" + std::to_string(k);
-        std::printf(
-            "%-9s %-11s %6.2f MB %6ld %-8s %2ld | %9.2f %9.1f | %9.2f %11.1f | %7.2f %6.2f\n",
-            accel::quant::cuda::DTypeName(dtype), shape_name.c_str(), bytes / 1e6,
-            static_cast<long>(copies), run.name, static_cast<long>(run.m), gemv_s * 1e6, gemv_gbs,
-            copy_s * 1e6, copy_traffic, gemv_gbs / copy_traffic, gemv_gbs / hbm_traffic);
-        std::fflush(stdout);
-        json += std::string(first_row ? "" : ",") + "\n  {\"model\": \"" + shape.model +
-                "\", \"dtype\": \"" + accel::quant::cuda::DTypeName(dtype) +
-                "\", \"n\": " + std::to_string(n_rows) + ", \"k\": " + std::to_string(k) +
-                ", \"kernel\": \"" + run.name + "\", \"m\": " + std::to_string(run.m) +
-                ", \"bytes\": " + std::to_string(bytes) +
-                ", \"us\": " + std::to_string(gemv_s * 1e6) +
-                ", \"gbs\": " + std::to_string(gemv_gbs) +
-                ", \"copy_traffic_gbs\": " + std::to_string(copy_traffic) +
-                ", \"of_copy\": " + std::to_string(gemv_gbs / copy_traffic) +
-                ", \"of_hbm\": " + std::to_string(gemv_gbs / hbm_traffic) + "}";
-        first_row = false;
+        report(accel::quant::cuda::DTypeName(dtype), run.name, run.m, bytes, copies, gemv_s, copy_s,
+               copy_traffic);
       }
       CHECK_CUDA(cudaFree(x));
       CHECK_CUDA(cudaFree(y));
@@ -309,6 +316,61 @@ int main(int argc, char** argv) {
     for (int64_t c = 0; c < copies; ++c) {
       CHECK_CUDA(cudaFree(weights[static_cast<size_t>(c)].base));
       CHECK_CUDA(cudaFree(copy_dst[static_cast<size_t>(c)]));
+    }
+
+    // LLM.int8's product (Int8Matmul) on the same shape: int8 weights, a
+    // byte each, x as int8 codes, exact int32 out; through the GEMV it runs
+    // for up to 8 rows and through the tiled kernel it ran before, against
+    // a copy of the same bytes (cycled copies, as above).
+    const int64_t int8_copies =
+        std::max<int64_t>(2, (4 * static_cast<int64_t>(prop.l2CacheSize) + n - 1) / n);
+    std::vector<int8_t> host8(static_cast<size_t>(n));
+    for (int8_t& v : host8) v = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+    std::vector<int8_t*> weights8(static_cast<size_t>(int8_copies)),
+        dst8(static_cast<size_t>(int8_copies));
+    for (int64_t c = 0; c < int8_copies; ++c) {
+      weights8[static_cast<size_t>(c)] = DeviceAlloc<int8_t>(static_cast<size_t>(n));
+      dst8[static_cast<size_t>(c)] = DeviceAlloc<int8_t>(static_cast<size_t>(n));
+      CHECK_CUDA(cudaMemcpy(weights8[static_cast<size_t>(c)], host8.data(), static_cast<size_t>(n),
+                            cudaMemcpyHostToDevice));
+    }
+    auto copy8 = [&](int64_t i) {
+      CHECK_CUDA(cudaMemcpyAsync(dst8[static_cast<size_t>(i % int8_copies)],
+                                 weights8[static_cast<size_t>(i % int8_copies)],
+                                 static_cast<size_t>(n), cudaMemcpyDeviceToDevice, stream));
+    };
+    for (int64_t c = 0; c < int8_copies; ++c) copy8(c);
+    const double copy8_s = TimePerCall(options, stream, copy8);
+    const double copy8_traffic = 2.0 * static_cast<double>(n) / copy8_s / 1e9;
+    constexpr int64_t kInt8Rows = 8;
+    int8_t* x8 = DeviceAlloc<int8_t>(static_cast<size_t>(kInt8Rows * k));
+    CHECK_CUDA(cudaMemset(x8, 0x11, static_cast<size_t>(kInt8Rows * k)));
+    int32_t* c8 = DeviceAlloc<int32_t>(sizeof(int32_t) * static_cast<size_t>(kInt8Rows * n_rows));
+    struct Int8Run {
+      bool gemv;
+      const char* name;
+      int64_t m;
+    };
+    for (const Int8Run& run : {Int8Run{true, "i8-gemv", 1}, Int8Run{true, "i8-gemv", 4},
+                               Int8Run{true, "i8-gemv", 8}, Int8Run{false, "i8-tiled", 1}}) {
+      auto product = [&](int64_t i) {
+        int8_t* w = weights8[static_cast<size_t>(i % int8_copies)];
+        CHECK_CUDA(run.gemv
+                       ? accel::quant::cuda::internal::Int8Gemv(x8, w, run.m, n_rows, k, c8, stream)
+                       : accel::quant::cuda::internal::Int8MatmulTiled(x8, w, run.m, n_rows, k, c8,
+                                                                       stream));
+      };
+      for (int64_t c = 0; c < int8_copies; ++c) product(c);  // warm-up
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const double product_s = TimePerCall(options, stream, product);
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      report("int8", run.name, run.m, n, int8_copies, product_s, copy8_s, copy8_traffic);
+    }
+    CHECK_CUDA(cudaFree(x8));
+    CHECK_CUDA(cudaFree(c8));
+    for (int64_t c = 0; c < int8_copies; ++c) {
+      CHECK_CUDA(cudaFree(weights8[static_cast<size_t>(c)]));
+      CHECK_CUDA(cudaFree(dst8[static_cast<size_t>(c)]));
     }
   }
   json += "\n]}\n";

@@ -1,8 +1,10 @@
 // The LLM.int8 kernels (kernels.h): row-wise activation quantization with
 // outlier columns, the exact int8 x int8 -> int32 product (a tiled __dp4a
 // kernel: no cuBLASLt, so it builds and runs without it) and the float32
-// rescale. Each follows ../shared/reference/bitsandbytes.md §3.2-3.3.
+// rescale. Each follows ../shared/reference/bitsandbytes.md §3.2-3.3. Up to 8
+// rows of a (decode) the product runs as a GEMV instead (internal/gemv.h).
 #include "quant/cuda/internal/common.cuh"
+#include "quant/cuda/internal/gemv.h"
 #include "quant/cuda/kernels.h"
 
 namespace accel::quant::cuda {
@@ -137,6 +139,70 @@ __global__ void __launch_bounds__(kSide* kSide)
   }
 }
 
+// Up to kGemvMaxRows rows of a (a decode step's batch): a warp per row of b
+// (a column of c), each lane reading 16-byte chunks of it (four __dp4a
+// words) with kGemvAhead loads issued before any is used (a K = 4096 row is
+// one round trip), its rows of a from the cache; the lanes' sums added by
+// shuffles. Integer sums are exact in any order, so c is the tiled
+// kernel's to the bit. That kernel spends a 64 x 64 tile on each row of a
+// decode step and 64 CTAs on a 4096-column weight (half an H200's SMs): the
+// weight was read far below the memory's rate (issue 37, item 3).
+constexpr int kGemvWarps = 8;
+constexpr int kGemvAhead = 8;
+constexpr int kGemvMaxRows = 8;
+
+__device__ __forceinline__ int Dot16(const uint4& w, const uint4& x, int acc) {
+  acc = __dp4a(static_cast<int>(w.x), static_cast<int>(x.x), acc);
+  acc = __dp4a(static_cast<int>(w.y), static_cast<int>(x.y), acc);
+  acc = __dp4a(static_cast<int>(w.z), static_cast<int>(x.z), acc);
+  return __dp4a(static_cast<int>(w.w), static_cast<int>(x.w), acc);
+}
+
+template <int kMaxRows>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    Int8GemvKernel(const int8_t* __restrict__ a, const int8_t* __restrict__ b, int m, int64_t n,
+                   int64_t k, int32_t* __restrict__ c) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
+  if (col >= n) return;  // the whole warp
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t chunks = k / 16;
+  const uint4* row = reinterpret_cast<const uint4*>(b + col * k);
+  int acc[kMaxRows] = {};
+  for (int64_t first = lane; first < chunks; first += 32 * kGemvAhead) {
+    uint4 w[kGemvAhead];
+#pragma unroll
+    for (int u = 0; u < kGemvAhead; ++u) {
+      const int64_t chunk = first + 32 * u;
+      // Streaming: each weight is read once.
+      w[u] = chunk < chunks ? __ldcs(row + chunk) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < kGemvAhead; ++u) {
+      const int64_t chunk = first + 32 * u;
+      if (chunk >= chunks) break;
+#pragma unroll
+      for (int r = 0; r < kMaxRows; ++r) {
+        if (r >= m) break;
+        const uint4 x = __ldg(reinterpret_cast<const uint4*>(a + r * k) + chunk);
+        acc[r] = Dot16(w[u], x, acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxRows; ++r) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], offset);
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kMaxRows; ++r) {
+      if (r < m) c[r * n + col] = acc[r];
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     Int8DequantKernel(const int32_t* __restrict__ c, const float* __restrict__ row_scale,
@@ -181,8 +247,34 @@ cudaError_t Int8RowQuantize(const uint16_t* x_f16, int64_t m, int64_t k, float t
   return cudaGetLastError();
 }
 
-cudaError_t Int8Matmul(const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
-                       int32_t* c, cudaStream_t stream) {
+namespace internal {
+
+bool Int8GemvApplies(int64_t m, int64_t k, const void* a, const void* b) {
+  return m >= 1 && m <= kGemvMaxRows && k % 16 == 0 && AlignedTo(a, 16) && AlignedTo(b, 16);
+}
+
+cudaError_t Int8Gemv(const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k, int32_t* c,
+                     cudaStream_t stream) {
+  if (a == nullptr || b == nullptr || c == nullptr || n < 0 || k < 0 ||
+      !Int8GemvApplies(m, k, a, b)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t blocks = (n + kGemvWarps - 1) / kGemvWarps;
+  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(blocks));
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, kGemvWarps * 32, 0, stream>>>(a, b, static_cast<int>(m), n, k, c);
+    return cudaGetLastError();
+  };
+  if (m <= 1) return launch(Int8GemvKernel<1>);
+  if (m <= 2) return launch(Int8GemvKernel<2>);
+  if (m <= 4) return launch(Int8GemvKernel<4>);
+  return launch(Int8GemvKernel<8>);
+}
+
+cudaError_t Int8MatmulTiled(const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
+                            int32_t* c, cudaStream_t stream) {
   if (a == nullptr || b == nullptr || c == nullptr || m < 0 || n < 0 || k < 0) {
     return cudaErrorInvalidValue;
   }
@@ -195,6 +287,18 @@ cudaError_t Int8Matmul(const int8_t* a, const int8_t* b, int64_t m, int64_t n, i
   const dim3 block(internal::kSide, internal::kSide);
   internal::Int8MatmulKernel<<<grid, block, 0, stream>>>(a, b, m, n, k, word_loads, c);
   return cudaGetLastError();
+}
+
+}  // namespace internal
+
+cudaError_t Int8Matmul(const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
+                       int32_t* c, cudaStream_t stream) {
+  if (a == nullptr || b == nullptr || c == nullptr || m < 0 || n < 0 || k < 0) {
+    return cudaErrorInvalidValue;
+  }
+  // A decode step's rows (K in 16-byte chunks, aligned operands): the GEMV.
+  if (internal::Int8GemvApplies(m, k, a, b)) return internal::Int8Gemv(a, b, m, n, k, c, stream);
+  return internal::Int8MatmulTiled(a, b, m, n, k, c, stream);
 }
 
 cudaError_t Int8Dequant(const int32_t* c, const float* row_scale, const float* col_scale,

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cuda_runtime_api.h>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -785,37 +786,65 @@ struct MatmulCase {
 
 TEST_F(CudaKernelsTest, Int8MatmulIsExact) {
   const MatmulCase cases[] = {
-      {1, 4096, 4096, 0}, {17, 300, 4096, 0}, {65, 129, 1001, 0},  // K % 4 != 0
-      {128, 64, 64, 0},   {33, 70, 512, 1},   {2, 3, 0, 0},        // K = 0: zeros
+      {1, 4096, 4096, 0},
+      {17, 300, 4096, 0},
+      {65, 129, 1001, 0},  // K % 4 != 0
+      {128, 64, 64, 0},
+      {33, 70, 512, 1},
+      {2, 3, 0, 0},  // K = 0: zeros
+      // Decode rows (up to 8): the GEMV where K is whole 16-byte chunks.
+      {3, 1000, 4096, 0},
+      {8, 257, 11008, 0},  // 688 chunks: three passes of 8 loads a lane
+      {5, 64, 48, 0},      // fewer chunks than lanes
+      {1, 100, 512, 1},    // misaligned: the tiled kernel
+      {2, 9, 40, 0},       // K % 16 != 0: likewise
   };
+  // Int8Matmul, then each kernel where it applies: the same exact c.
+  using Entry = cudaError_t (*)(const int8_t*, const int8_t*, int64_t, int64_t, int64_t, int32_t*,
+                                cudaStream_t);
+  const Entry entries[] = {&Int8Matmul, &internal::Int8MatmulTiled, &internal::Int8Gemv};
   std::mt19937_64 rng(6);
   for (const MatmulCase& c : cases) {
-    SCOPED_TRACE(std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k) +
-                 " offset=" + std::to_string(c.offset));
-    std::vector<int8_t> a(static_cast<size_t>(c.m * c.k)), b(static_cast<size_t>(c.n * c.k));
-    for (auto* v : {&a, &b}) {
-      for (int8_t& e : *v) e = static_cast<int8_t>(static_cast<int>(rng() % 256) - 128);
-    }
-    int32_t* c_d = reinterpret_cast<int32_t*>(Alloc(static_cast<size_t>(c.m * c.n) * 4));
-    ASSERT_CUDA_OK(
-        Int8Matmul(Upload(a, c.offset), Upload(b, c.offset), c.m, c.n, c.k, c_d, stream_));
-    const std::vector<int32_t> got = Download<int32_t>(c_d, static_cast<size_t>(c.m * c.n));
-    int64_t mismatches = 0;
-    for (int64_t i = 0; i < c.m; ++i) {
-      for (int64_t j = 0; j < c.n; ++j) {
-        int64_t want = 0;
-        for (int64_t l = 0; l < c.k; ++l) {
-          want +=
-              int64_t{a[static_cast<size_t>(i * c.k + l)]} * b[static_cast<size_t>(j * c.k + l)];
-        }
-        const int32_t g = got[static_cast<size_t>(i * c.n + j)];
-        if (g != want && ++mismatches <= 5) {
-          ADD_FAILURE() << "C[" << i << "," << j << "]: got " << g << ", want " << want;
+    for (size_t e = 0; e < std::size(entries); ++e) {
+      const Entry entry = entries[e];
+      SCOPED_TRACE(std::to_string(c.m) + "x" + std::to_string(c.n) + "x" + std::to_string(c.k) +
+                   " offset=" + std::to_string(c.offset) + " entry " + std::to_string(e));
+      std::vector<int8_t> a(static_cast<size_t>(c.m * c.k)), b(static_cast<size_t>(c.n * c.k));
+      for (auto* v : {&a, &b}) {
+        for (int8_t& e : *v) e = static_cast<int8_t>(static_cast<int>(rng() % 256) - 128);
+      }
+      const int8_t* a_d = Upload(a, c.offset);
+      const int8_t* b_d = Upload(b, c.offset);
+      if (entry == &internal::Int8Gemv && !internal::Int8GemvApplies(c.m, c.k, a_d, b_d)) continue;
+      int32_t* c_d = reinterpret_cast<int32_t*>(Alloc(static_cast<size_t>(c.m * c.n) * 4));
+      ASSERT_CUDA_OK(entry(a_d, b_d, c.m, c.n, c.k, c_d, stream_));
+      const std::vector<int32_t> got = Download<int32_t>(c_d, static_cast<size_t>(c.m * c.n));
+      int64_t mismatches = 0;
+      for (int64_t i = 0; i < c.m; ++i) {
+        for (int64_t j = 0; j < c.n; ++j) {
+          int64_t want = 0;
+          for (int64_t l = 0; l < c.k; ++l) {
+            want +=
+                int64_t{a[static_cast<size_t>(i * c.k + l)]} * b[static_cast<size_t>(j * c.k + l)];
+          }
+          const int32_t g = got[static_cast<size_t>(i * c.n + j)];
+          if (g != want && ++mismatches <= 5) {
+            ADD_FAILURE() << "C[" << i << "," << j << "]: got " << g << ", want " << want;
+          }
         }
       }
+      EXPECT_EQ(mismatches, 0);
     }
-    EXPECT_EQ(mismatches, 0);
   }
+  // Which kernel takes what.
+  alignas(16) static int8_t buffer[32];
+  EXPECT_TRUE(internal::Int8GemvApplies(8, 4096, buffer, buffer));
+  EXPECT_FALSE(internal::Int8GemvApplies(9, 4096, buffer, buffer));
+  EXPECT_FALSE(internal::Int8GemvApplies(1, 4104, buffer, buffer));
+  EXPECT_FALSE(internal::Int8GemvApplies(1, 4096, buffer + 4, buffer));
+  EXPECT_EQ(
+      internal::Int8Gemv(buffer, buffer, 9, 4, 16, reinterpret_cast<int32_t*>(buffer), stream_),
+      cudaErrorInvalidValue);
 }
 
 TEST_F(CudaKernelsTest, Int8MatmulAtTheExtremes) {

@@ -1,7 +1,7 @@
-// quant/cuda/internal/gemv.h: the 4-bit GEMV kernels one by one, for the
-// tests and the benchmark to compare them (kernels.h's Gemv4bit and
-// Gemv4bitRows pick one). Private to quant/cuda (and its tests and
-// benchmarks).
+// quant/cuda/internal/gemv.h: the 4-bit GEMV kernels and the int8 product's
+// kernels one by one, for the tests and the benchmark to compare them
+// (kernels.h's Gemv4bit, Gemv4bitRows and Int8Matmul pick one). Private to quant/cuda (and its
+// tests and benchmarks).
 #ifndef ACCEL_QUANT_CUDA_INTERNAL_GEMV_H_
 #define ACCEL_QUANT_CUDA_INTERNAL_GEMV_H_
 
@@ -34,6 +34,16 @@ cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint
 cudaError_t GemvOneRow(const void* x, const uint8_t* packed, const float* absmax, const float* code,
                        int64_t n_rows, int64_t k, int64_t blocksize, const void* bias, DType dtype,
                        void* y, cudaStream_t stream);
+
+// Int8Matmul's two kernels (int8.cu): the GEMV it runs for up to 8 rows of
+// a where K is whole 16-byte chunks and both operands 16-byte aligned
+// (Int8GemvApplies; cudaErrorInvalidValue elsewhere), and the tiled one it
+// runs otherwise (any shape). Both exact: the same c to the bit.
+bool Int8GemvApplies(int64_t m, int64_t k, const void* a, const void* b);
+cudaError_t Int8Gemv(const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k, int32_t* c,
+                     cudaStream_t stream);
+cudaError_t Int8MatmulTiled(const int8_t* a, const int8_t* b, int64_t m, int64_t n, int64_t k,
+                            int32_t* c, cudaStream_t stream);
 
 }  // namespace accel::quant::cuda::internal
 
