@@ -245,6 +245,39 @@ ACCEL_HD void LoadRowChunk(const GemvMmaParams& p, const Segments& segments, int
 #endif
 }
 
+// One round of a lane: its 32 bytes of rows g (`a`) and g + 8 (`b`) of a
+// chunk looked up through their blocks' planes and multiplied with the
+// chunk's x (`x_stage`, in the permuted order; B fragments only where the
+// lane's column g is an activation row, `has_x`) on the tensor cores, into
+// the accumulators `c`. Each word's nibble selectors are computed once for
+// both its halves.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, typename Exec>
+ACCEL_HD void MmaRound(const float* code_s, const RowChunk& a, const RowChunk& b,
+                       const uint8_t* x_stage, int stride, bool has_x, int g, int t, float (&c)[4],
+                       Exec& exec) {
+  uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
+  BuildPlanes<Tag>(code_s, a.scale, lo_a, hi_a);
+  BuildPlanes<Tag>(code_s, b.scale, lo_b, hi_b);
+  for (int w = 0; w < kMmaSlices / 2; ++w) {
+    // Word w: slices 2w (its low two bytes) and 2w + 1 (its high two);
+    // slice s holds k = 64t + 4s .. + 3.
+    const uint32_t index_a = NibbleIndex(a.words[w]), pick_a = NibblePick(a.words[w]);
+    const uint32_t index_b = NibbleIndex(b.words[w]), pick_b = NibblePick(b.words[w]);
+    for (int h = 0; h < 2; ++h) {
+      const int s = 2 * w + h, shift = 16 * h;
+      uint32_t a0, a1, a2, a3;
+      LookupSelected(index_a >> shift, pick_a >> shift, lo_a, hi_a, a0, a2);
+      LookupSelected(index_b >> shift, pick_b >> shift, lo_b, hi_b, a1, a3);
+      uint32_t b0 = 0u, b1 = 0u;
+      if (has_x) Load8(x_stage + static_cast<int64_t>(s * stride + g * 4 + t) * 8, b0, b1);
+      exec.template Mma<Tag>(a0, a1, a2, a3, b0, b1, c);
+    }
+  }
+}
+
 // The end of a CTA of either kernel: each warp's mma accumulators (lane
 // (g, t) holds rows g, g + 8 of activation rows 2t, 2t + 1) into `sums_s`
 // ([warps][16 rows][8 activation rows] floats), then y = their sum in warp
@@ -322,19 +355,7 @@ ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* share
       Store8(unit + stride * 8, v[2], v[3]);
     }
     exec.WarpSync();
-    uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
-    BuildPlanes<Tag>(code_s, a.scale, lo_a, hi_a);
-    BuildPlanes<Tag>(code_s, b.scale, lo_b, hi_b);
-    for (int s = 0; s < kMmaSlices; ++s) {
-      // Slice s: bytes 2s and 2s + 1 of the lane's 32, k = 64t + 4s .. + 3.
-      const int shift = 16 * (s % 2);
-      uint32_t a0, a1, a2, a3;
-      LookupPairs((a.words[s / 2] >> shift) & 0xffffu, lo_a, hi_a, a0, a2);
-      LookupPairs((b.words[s / 2] >> shift) & 0xffffu, lo_b, hi_b, a1, a3);
-      uint32_t b0 = 0u, b1 = 0u;
-      if (g < p.m) Load8(x_s + static_cast<int64_t>(s * stride + g * 4 + t) * 8, b0, b1);
-      exec.template Mma<Tag>(a0, a1, a2, a3, b0, b1, c);
-    }
+    MmaRound<Tag>(code_s, a, b, x_s, stride, g < p.m, g, t, c, exec);
     a = next_a;
     b = next_b;
   }
@@ -353,8 +374,7 @@ ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* share
 // trip a round, two at K = 4096). Here a round's x comes into shared memory
 // with cp.async, issued with that round's weights one round ahead (two x
 // stages a warp), and the first round's loads are issued before the
-// barrier, so it waits while they are in flight; each word's nibble
-// selectors are computed once for both its halves.
+// barrier, so it waits while they are in flight.
 inline constexpr int kMmaPipelinedMaxM = 4;
 ACCEL_HD int64_t MmaPipelinedSharedBytes(int max_m) {
   return kMmaXOffset + kMmaWarps * 2 * XWarpBytes(max_m);
@@ -426,24 +446,7 @@ ACCEL_HD void Gemv4bitMmaPipelinedCta(const GemvMmaParams& p, int64_t cta, uint8
     exec.CommitCopies();
     exec.WaitCopiesButLast();
     exec.WarpSync();
-    const uint8_t* xr = x_s + (round % 2) * stage_bytes;
-    uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
-    BuildPlanes<Tag>(code_s, a.scale, lo_a, hi_a);
-    BuildPlanes<Tag>(code_s, b.scale, lo_b, hi_b);
-    for (int w = 0; w < kMmaSlices / 2; ++w) {
-      // Word w: slices 2w (its low two bytes) and 2w + 1 (its high two).
-      const uint32_t index_a = NibbleIndex(a.words[w]), pick_a = NibblePick(a.words[w]);
-      const uint32_t index_b = NibbleIndex(b.words[w]), pick_b = NibblePick(b.words[w]);
-      for (int h = 0; h < 2; ++h) {
-        const int s = 2 * w + h, shift = 16 * h;
-        uint32_t a0, a1, a2, a3;
-        LookupSelected(index_a >> shift, pick_a >> shift, lo_a, hi_a, a0, a2);
-        LookupSelected(index_b >> shift, pick_b >> shift, lo_b, hi_b, a1, a3);
-        uint32_t b0 = 0u, b1 = 0u;
-        if (g < p.m) Load8(xr + static_cast<int64_t>(s * stride + g * 4 + t) * 8, b0, b1);
-        exec.template Mma<Tag>(a0, a1, a2, a3, b0, b1, c);
-      }
-    }
+    MmaRound<Tag>(code_s, a, b, x_s + (round % 2) * stage_bytes, stride, g < p.m, g, t, c, exec);
     a = next_a;
     b = next_b;
   }
