@@ -227,9 +227,9 @@ int main(int argc, char** argv) {
       const double gemv_gbs = static_cast<double>(bytes) / gemv_s / 1e9;
       const std::string shape_name = std::to_string(n_rows) + "x" + std::to_string(k);
       std::printf("%-9s %-11s %6.2f MB %6ld %-8s %2ld | %9.2f %9.1f | %9.2f %11.1f | %7.2f %6.2f\n",
-                  dtype_name, shape_name.c_str(), bytes / 1e6, static_cast<long>(copies), kernel,
-                  static_cast<long>(m), gemv_s * 1e6, gemv_gbs, copy_s * 1e6, copy_traffic,
-                  gemv_gbs / copy_traffic, gemv_gbs / hbm_traffic);
+                  dtype_name, shape_name.c_str(), static_cast<double>(bytes) / 1e6,
+                  static_cast<long>(copies), kernel, static_cast<long>(m), gemv_s * 1e6, gemv_gbs,
+                  copy_s * 1e6, copy_traffic, gemv_gbs / copy_traffic, gemv_gbs / hbm_traffic);
       std::fflush(stdout);
       json += std::string(first_row ? "" : ",") + "\n  {\"model\": \"" + shape.model +
               "\", \"dtype\": \"" + dtype_name + "\", \"n\": " + std::to_string(n_rows) +
