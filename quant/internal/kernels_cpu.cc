@@ -45,8 +45,6 @@ constexpr int64_t kXTileBytes = int64_t{24} << 10;
 // kXTileBytes.
 constexpr int64_t kBf16XTileBytes = int64_t{128} << 10;
 constexpr int64_t kBf16WholeRows = 4;
-// The most blocks of 64 a row of a column tile holds (one row of bfloat16 x).
-constexpr int64_t kMaxTileBlocks = kBf16XTileBytes / 2 / 64;
 // How far ahead in its row the bfloat16 kernel asks for weights: the
 // hardware prefetchers stop at each 4 KiB page, and a row of w2 (7 KiB)
 // crosses two (measured, one thread: w2 at one row 3.68 -> 2.86 ms, 4096 x
@@ -843,26 +841,33 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16Step64(__m512 (&acc0)[R], __m512 
   }
 }
 
-// BlockAbsmax of blocks b + i for the lanes i in `lanes` (double quant), 16
-// at a time: the codes widened and looked up in the nested map by a gather,
-// times the nested absmax of each lane's group of 256 (the lanes may reach
-// into the next group), then plus the offset: the same two roundings.
-ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512 NestedAbsmax16(const Packed4bit& w, int64_t b,
-                                                            __mmask16 lanes) {
-  const __m512i codes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lanes, w.absmax_codes + b));
-  const __m512 nested = _mm512_i32gather_ps(codes, w.nested_code, 4);
-  const int64_t group = b >> kNestedBlockShift;
-  const __m512i position =
-      _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(b & ((1 << kNestedBlockShift) - 1))),
-                       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-  const __mmask16 next =
-      _mm512_mask_cmpge_epi32_mask(lanes, position, _mm512_set1_epi32(1 << kNestedBlockShift));
-  __m512 scale = _mm512_set1_ps(w.nested_absmax[group]);
-  if (next != 0)
-    scale = _mm512_mask_mov_ps(scale, next, _mm512_set1_ps(w.nested_absmax[group + 1]));
-  __m512 scaled = _mm512_mul_ps(nested, scale);
-  Unfused(scaled);  // two roundings, as bnb's two steps
-  return _mm512_add_ps(scaled, _mm512_set1_ps(w.nested_offset));
+// Double quant: block b's absmax is nested_code[its code] * nested_absmax
+// [b / 256] + offset (BlockAbsmax: two roundings). A group of 256 blocks
+// shares its nested absmax, so its 256 possible absmax are made once, 16 at
+// a time, into `table` (and whether the fast table holds for all of them),
+// and a block reads its own by its code.
+struct NestedGroupTable {
+  alignas(64) float table[256];
+  int64_t group = -1;
+  bool all_fast = false;
+};
+
+ACCEL_TARGET_AVX512_BF16 void FillNestedGroup(const Packed4bit& w, const Bf16TableRule& rule,
+                                              int64_t group, NestedGroupTable& t) {
+  const __m512 scale = _mm512_set1_ps(w.nested_absmax[group]);
+  const __m512 offset = _mm512_set1_ps(w.nested_offset);
+  __mmask16 fast = 0xffff;
+  for (int c = 0; c < 256; c += 16) {
+    __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(w.nested_code + c), scale);
+    Unfused(scaled);  // two roundings, as bnb's two steps
+    const __m512 absmax = _mm512_add_ps(scaled, offset);
+    _mm512_store_ps(t.table + c, absmax);
+    const __m512 magnitude = _mm512_abs_ps(absmax);
+    fast &= _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(rule.min_fast), _CMP_GE_OQ) &
+            _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
+  }
+  t.group = group;
+  t.all_fast = fast == 0xffff;
 }
 
 // GemvBf16Avx512 for the common layout (bnb's blocksize 64, rows of a
@@ -870,7 +875,8 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512 NestedAbsmax16(const Packed4bit& w,
 // and x comes interleaved by ToBf16Groups, so one pointer serves all R rows
 // with no masks. The blocks go 16 at a time: their absmax checked at once
 // for the fast table (Bf16TableRule), which then takes three instructions a
-// block and no branch.
+// block and no branch (double quant: a block at a time from its group's
+// table, checked once a group).
 template <int R>
 ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint16_t* xg,
                                                int64_t n_begin, int64_t n_end, int64_t k0,
@@ -878,40 +884,36 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
   const __m512i control = MakeBf16BroadcastControl();
   const Bf16TableRule rule = MakeBf16TableRule(a.w.code);
   const Packed4bit& w = a.w;
-  // Double quant: the tile's absmax first, 16 blocks at a time, into a
-  // buffer read as float32 absmax are (read straight from the vectors, or
-  // from memory right after their store, they cost 1.3-1.8x the time of a
-  // float32 absmax at one row: permutes, or stalled store forwarding). A
-  // tile has at most kRowTile rows of kMaxTileBlocks (RunRegisterPasses).
-  const int64_t row_blocks = (k1 - k0) / 64;
+  // Double quant: a block's absmax from its group's table, a block at a
+  // time (the tables were a tile's absmax expanded 16 blocks at a time by a
+  // gather into a buffer first: 1.20x the time of a float32 absmax at one
+  // row, for 8% fewer bytes).
   const bool nested = w.absmax == nullptr;
-  // 128 KiB: kept per thread rather than on the intra-op workers' stacks.
-  thread_local std::vector<float> tile_absmax_buffer(
-      static_cast<size_t>(kRowTile * kMaxTileBlocks));
-  float* tile_absmax = tile_absmax_buffer.data();
-  if (nested) {
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const int64_t b0 = (n * a.in + k0) / 64;
-      float* out = tile_absmax + (n - n_begin) * row_blocks;
-      for (int64_t c = 0; c < row_blocks; c += 16) {
-        const auto lanes =
-            static_cast<__mmask16>((1u << std::min<int64_t>(16, row_blocks - c)) - 1);
-        _mm512_mask_storeu_ps(out + c, lanes, NestedAbsmax16(w, b0 + c, lanes));
-      }
-    }
-  }
+  NestedGroupTable nested_group;
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m512 acc0[R], acc1[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    const int64_t b_end = (n * a.in + k1) / 64;
-    // Where this row's blocks start in tile_absmax, as a block index.
-    const int64_t b_tile = (n * a.in + k0) / 64 - (n - n_begin) * row_blocks;
+    const int64_t b_begin = (n * a.in + k0) / 64, b_end = (n * a.in + k1) / 64;
     const uint16_t* x = xg + k0 * R;  // group k0 / 32
-    for (int64_t b = (n * a.in + k0) / 64; b < b_end; b += 16) {
+    if (nested) {
+      const uint8_t* p = w.packed + b_begin * 32;
+      for (int64_t b = b_begin; b < b_end; ++b, p += 32, x += int64_t{64} * R) {
+        if ((b >> kNestedBlockShift) != nested_group.group) {
+          FillNestedGroup(w, rule, b >> kNestedBlockShift, nested_group);
+        }
+        if (((b - b_begin) & 1) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(p + kBf16PrefetchBytes), _MM_HINT_T0);
+        const float am = nested_group.table[w.absmax_codes[b]];
+        Bf16Step64<R>(acc0, acc1, p,
+                      nested_group.all_fast ? Bf16FastTable(rule, am) : Bf16Table(rule, am),
+                      control, x);
+      }
+    }
+    for (int64_t b = b_begin; !nested && b < b_end; b += 16) {
       const int count = static_cast<int>(std::min<int64_t>(16, b_end - b));
       const auto lanes = static_cast<__mmask16>((1u << count) - 1);
-      const float* am = nested ? tile_absmax + (b - b_tile) : w.absmax + b;
+      const float* am = w.absmax + b;
       const __m512 magnitude = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, am));
       const __mmask16 fast =
           _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(rule.min_fast), _CMP_GE_OQ) &
