@@ -220,6 +220,12 @@ struct RowChunk {
 struct Segments {
   int64_t per_row = 0, per_block = 1;
 };
+ACCEL_HD Segments SegmentsOf(const GemvMmaParams& p) {
+  Segments s;
+  s.per_row = p.k / 64;
+  s.per_block = p.blocksize / 64;
+  return s;
+}
 
 ACCEL_HD void LoadRowChunk(const GemvMmaParams& p, const Segments& segments, int64_t row,
                            int64_t chunk, int t, RowChunk& out) {
@@ -331,9 +337,7 @@ ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* share
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // Software pipeline: a round's weights are loaded while the previous
   // round is computed.
-  Segments segments;
-  segments.per_row = p.k / 64;
-  segments.per_block = p.blocksize / 64;
+  const Segments segments = SegmentsOf(p);
   RowChunk a, b, next_a, next_b;
   LoadRowChunk(p, segments, row_a, warp, t, a);
   LoadRowChunk(p, segments, row_b, warp, t, b);
@@ -418,9 +422,7 @@ ACCEL_HD void Gemv4bitMmaPipelinedCta(const GemvMmaParams& p, int64_t cta, uint8
   const int64_t chunks = p.k / kMmaChunk;
   // This warp's chunks: warp, warp + 8, ... (uniform over the warp).
   const int64_t rounds = chunks > warp ? (chunks - warp + kMmaWarps - 1) / kMmaWarps : 0;
-  Segments segments;
-  segments.per_row = p.k / 64;
-  segments.per_block = p.blocksize / 64;
+  const Segments segments = SegmentsOf(p);
   RowChunk a, b, next_a, next_b;
   // Round 0's weights and x asked for first; the code table's barrier then
   // waits while they are in flight.
