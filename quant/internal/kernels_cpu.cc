@@ -846,10 +846,11 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16Step64(__m512 (&acc0)[R], __m512 
 // shares its nested absmax, so its 256 possible absmax are made once, 16 at
 // a time, into `table` (and whether the fast table holds for all of them),
 // and a block reads its own by its code.
+// NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): see `table`.
 struct NestedGroupTable {
   // Not zeroed: FillNestedGroup writes it before any read (group -1), and a
   // kilobyte's memset on every call of the plain-NF4 path would cost there.
-  alignas(64) float table[256];  // NOLINT(cppcoreguidelines-pro-type-member-init)
+  alignas(64) float table[256];
   int64_t group = -1;
   bool all_fast = false;
 };
