@@ -786,58 +786,149 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Avx512(const Gemv4bitArgs& a, const uint16
   }
 }
 
-// GemvBf16Blocks64 decodes with one shuffle fewer: vbroadcasti32x4 (a load)
-// puts the 16 packed bytes in every 128-bit lane, so qword q sees bytes
-// 8 (q % 2) .. + 7 and takes the 4 nibbles of bytes 8 (q % 2) + 2 (q / 2) and
-// the next: word 4 q + e holds element kGroupOrder[q] * 4 + e, an order x is
-// stored in to match (ToBf16Groups).
-constexpr int kGroupOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+// GemvBf16Blocks64 decodes two blocks a step with four lookups and no
+// shuffle but them: the pair's 64 packed bytes load as 32 words, word j
+// holding the nibbles of elements 4j .. 4j + 3 (bnb's order: a byte's high
+// nibble first) at bits 4, 0, 12 and 8; three shifts bring each to the low
+// bits, vpternlogd masks it and sets bit 4 for the second block's words
+// (16-31), and vpermw looks the words up in a table holding the first
+// block's 16 bfloat16 values then the second's (one vcvtne2ps2bf16 for
+// both). x is stored to match (ToBf16Groups). Decoding a block with
+// vbroadcasti32x4 + vpmultishiftqb + vpermw for each 32 elements and a table
+// of its own took 1.2x the time on Zen 4, whose two shuffle pipes bound it.
+// The element of word j each lookup gives: 4j + kPairOrder[lookup].
+constexpr int kPairOrder[4] = {1, 0, 3, 2};
 
-ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i MakeBf16BroadcastControl() {
-  // Qword q sees bytes 8 (q % 2) .. + 7 and takes their pair q / 2.
-  return _mm512_set_epi64(Bf16NibbleControl(3), Bf16NibbleControl(3), Bf16NibbleControl(2),
-                          Bf16NibbleControl(2), Bf16NibbleControl(1), Bf16NibbleControl(1),
-                          Bf16NibbleControl(0), Bf16NibbleControl(0));
-}
-
-ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Decode32Broadcast(const uint8_t* p, __m512i table,
-                                                                __m512i control) {
-  const __m512i bytes = _mm512_broadcast_i32x4(LoadBytes16(p));
-  return _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(control, bytes), table);
+// 32 float32 values from x + k as bfloat16 words.
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16Words(const float* x, int64_t k) {
+  // NOLINTNEXTLINE(google-readability-casting)
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(x + k));
 }
 
 // Rows [i0, i0 + rows) of x (float32 values already bfloat16, a.in a
-// multiple of 32) as bfloat16, interleaved for GemvBf16Blocks64: out[(g * rows
-// + r) * 32 + 4 q + e] = x[i0 + r, 32 g + 4 kGroupOrder[q] + e].
+// multiple of 64) as bfloat16, in groups of 128 columns (one block pair) for
+// GemvBf16Blocks64: out[(g * rows + r) * 128 + 32 q + j] = x[i0 + r, 128 g
+// + 4 j + kPairOrder[q]]; a last group of 64 columns (a.in % 128 == 64) the
+// same with 16 words a lookup: out[base + r * 64 + 16 q + j].
 ACCEL_TARGET_AVX512_BF16 void ToBf16Groups(const Gemv4bitArgs& a, int64_t i0, int64_t rows,
                                            uint16_t* out) {
-  const __m512i order =
-      _mm512_set_epi64(kGroupOrder[7], kGroupOrder[6], kGroupOrder[5], kGroupOrder[4],
-                       kGroupOrder[3], kGroupOrder[2], kGroupOrder[1], kGroupOrder[0]);
-  for (int64_t g = 0; g < a.in / 32; ++g) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* x = a.x + (i0 + r) * a.x_stride + 32 * g;
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
-      // NOLINTNEXTLINE(google-readability-casting)
-      _mm512_storeu_si512(out + (g * rows + r) * 32, _mm512_permutexvar_epi64(order, (__m512i)v));
+  // vpermt2w indices: word j < 16 of lookup q is element 4 j + kPairOrder[q]
+  // of the 64 words of two registers.
+  __m512i pick[4];
+  for (int q = 0; q < 4; ++q) {
+    alignas(64) uint16_t idx[32] = {};
+    for (int j = 0; j < 16; ++j) idx[j] = static_cast<uint16_t>(4 * j + kPairOrder[q]);
+    pick[q] = _mm512_load_si512(idx);
+  }
+  const int64_t pairs = a.in / 128;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = a.x + (i0 + r) * a.x_stride;
+    for (int64_t g = 0; g < pairs; ++g) {
+      const __m512i w0 = Bf16Words(x, 128 * g), w1 = Bf16Words(x, 128 * g + 32);
+      const __m512i w2 = Bf16Words(x, 128 * g + 64), w3 = Bf16Words(x, 128 * g + 96);
+      uint16_t* o = out + (g * rows + r) * 128;
+      for (int q = 0; q < 4; ++q) {
+        const __m512i low = _mm512_permutex2var_epi16(w0, pick[q], w1);
+        const __m512i high = _mm512_permutex2var_epi16(w2, pick[q], w3);
+        _mm512_storeu_si512(o + 32 * q,
+                            _mm512_inserti64x4(low, _mm512_castsi512_si256(high), 1));
+      }
+    }
+    if (a.in % 128 != 0) {
+      const __m512i w0 = Bf16Words(x, 128 * pairs), w1 = Bf16Words(x, 128 * pairs + 32);
+      uint16_t* o = out + pairs * 128 * rows + r * 64;
+      for (int q = 0; q < 4; ++q) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * q),
+                            _mm512_castsi512_si256(_mm512_permutex2var_epi16(w0, pick[q], w1)));
+      }
     }
   }
 }
 
-// acc0/acc1[r] += the products of 64 weights (32 packed bytes at p, from
-// `table`) and x row r's 64 values, interleaved as ToBf16Groups leaves them.
+// The bfloat16 values of two blocks, the first's in words 0-15 and the
+// second's in 16-31 (Bf16Table's rule for each).
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16PairTable(const Bf16TableRule& rule, float first,
+                                                            float second, bool both_fast) {
+  const __m512 a = _mm512_mul_ps(rule.code, _mm512_set1_ps(first));
+  const __m512 b = _mm512_mul_ps(rule.code, _mm512_set1_ps(second));
+  if (__builtin_expect(static_cast<int64_t>(both_fast), 1)) {
+    return (__m512i)_mm512_cvtne2ps_pbh(b, a);  // NOLINT(google-readability-casting)
+  }
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_castsi512_si256(Bf16Table(rule, first))),
+                            _mm512_castsi512_si256(Bf16Table(rule, second)), 1);
+}
+
+// Whether Bf16Table takes its fast form for `absmax`.
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE bool Bf16Fast(const Bf16TableRule& rule, float absmax) {
+  const float magnitude = std::fabs(absmax);
+  return magnitude >= rule.min_fast && magnitude <= FLT_MAX;
+}
+
+// The pair decoder's constants.
+struct Bf16PairDecoder {
+  __m512i nibble;  // 0x000f in every word
+  __m512i second;  // bit 4 of the second block's words: its half of the table
+};
+
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE Bf16PairDecoder MakeBf16PairDecoder() {
+  return {_mm512_set1_epi16(0x0f),
+          _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x10), 1)};
+}
+
+// acc0/acc1[r] += the products of the 128 weights of a block pair (64
+// packed bytes at p, from `table`: Bf16PairTable) and x row r's 128 values,
+// as ToBf16Groups leaves them.
 template <int R>
-ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16Step64(__m512 (&acc0)[R], __m512 (&acc1)[R],
-                                                      const uint8_t* p, __m512i table,
-                                                      __m512i control, const uint16_t* x) {
-  const __m512i w0 = Decode32Broadcast(p, table, control);
-  const __m512i w1 = Decode32Broadcast(p + 16, table, control);
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16PairStep(__m512 (&acc0)[R], __m512 (&acc1)[R],
+                                                        const uint8_t* p, __m512i table,
+                                                        const Bf16PairDecoder& d,
+                                                        const uint16_t* x) {
+  constexpr int kSelect = 0xEA;  // (a & b) | c
+  const __m512i w = _mm512_loadu_si512(p);
+  const __m512i q0 = _mm512_permutexvar_epi16(
+      _mm512_ternarylogic_epi32(w, d.nibble, d.second, kSelect), table);
+  const __m512i q1 = _mm512_permutexvar_epi16(
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), d.nibble, d.second, kSelect), table);
+  const __m512i q2 = _mm512_permutexvar_epi16(
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), d.nibble, d.second, kSelect), table);
+  const __m512i q3 =
+      _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(w, 12), d.second), table);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    acc0[r] =
-        _mm512_dpbf16_ps(acc0[r], AsBf16(w0), AsBf16(_mm512_loadu_si512(x + int64_t{32} * r)));
-    acc1[r] = _mm512_dpbf16_ps(acc1[r], AsBf16(w1),
-                               AsBf16(_mm512_loadu_si512(x + int64_t{32} * (R + r))));
+    const uint16_t* xr = x + int64_t{128} * r;
+    acc0[r] = _mm512_dpbf16_ps(acc0[r], AsBf16(q0), AsBf16(_mm512_loadu_si512(xr)));
+    acc1[r] = _mm512_dpbf16_ps(acc1[r], AsBf16(q2), AsBf16(_mm512_loadu_si512(xr + 64)));
+    acc0[r] = _mm512_dpbf16_ps(acc0[r], AsBf16(q1), AsBf16(_mm512_loadu_si512(xr + 32)));
+    acc1[r] = _mm512_dpbf16_ps(acc1[r], AsBf16(q3), AsBf16(_mm512_loadu_si512(xr + 96)));
+  }
+}
+
+// 16 words at p, zero-extended to 512 bits.
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i LoadWords16(const uint16_t* p) {
+  return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The same for a lone block (a row's last when a.in % 128 == 64): 32 bytes
+// as 16 words, looked up in 256-bit registers (vpermw reads 4 index bits
+// there, so no mask), x as ToBf16Groups leaves a last group of 64.
+template <int R>
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16SingleStep(__m512 (&acc0)[R], __m512 (&acc1)[R],
+                                                          const uint8_t* p, __m512i table,
+                                                          const uint16_t* x) {
+  const __m256i t = _mm512_castsi512_si256(table);
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i q[4] = {
+      _mm512_zextsi256_si512(_mm256_permutexvar_epi16(w, t)),
+      _mm512_zextsi256_si512(_mm256_permutexvar_epi16(_mm256_srli_epi16(w, 4), t)),
+      _mm512_zextsi256_si512(_mm256_permutexvar_epi16(_mm256_srli_epi16(w, 8), t)),
+      _mm512_zextsi256_si512(_mm256_permutexvar_epi16(_mm256_srli_epi16(w, 12), t))};
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const uint16_t* xr = x + int64_t{64} * r;
+    acc0[r] = _mm512_dpbf16_ps(acc0[r], AsBf16(q[0]), AsBf16(LoadWords16(xr + 0)));
+    acc1[r] = _mm512_dpbf16_ps(acc1[r], AsBf16(q[2]), AsBf16(LoadWords16(xr + 32)));
+    acc0[r] = _mm512_dpbf16_ps(acc0[r], AsBf16(q[1]), AsBf16(LoadWords16(xr + 16)));
+    acc1[r] = _mm512_dpbf16_ps(acc1[r], AsBf16(q[3]), AsBf16(LoadWords16(xr + 48)));
   }
 }
 
@@ -874,43 +965,60 @@ ACCEL_TARGET_AVX512_BF16 void FillNestedGroup(const Packed4bit& w, const Bf16Tab
 }
 
 // GemvBf16Avx512 for the common layout (bnb's blocksize 64, rows of a
-// multiple of 64 elements): a block is a step of 64 and never crosses a row,
-// and x comes interleaved by ToBf16Groups, so one pointer serves all R rows
-// with no masks. The blocks go 16 at a time: their absmax checked at once
-// for the fast table (Bf16TableRule), which then takes three instructions a
-// block and no branch (double quant: a block at a time from its group's
-// table, checked once a group).
+// multiple of 64 elements): a block is 64 elements and never crosses a row;
+// a row's blocks go in pairs from its start (Bf16PairStep), its last alone
+// when a.in % 128 == 64 (Bf16SingleStep), and x comes as ToBf16Groups
+// leaves it, so one pointer serves all R rows with no masks. k0 and k1 are
+// multiples of 128 but for k1 = a.in. The blocks' absmax are checked 16 at
+// a time for the fast table (Bf16TableRule), which then takes three
+// instructions a pair and no branch (double quant: from the groups'
+// tables, checked once a group).
 template <int R>
 ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint16_t* xg,
                                                int64_t n_begin, int64_t n_end, int64_t k0,
                                                int64_t k1, float* sums, int64_t sums_stride) {
-  const __m512i control = MakeBf16BroadcastControl();
+  const Bf16PairDecoder d = MakeBf16PairDecoder();
   const Bf16TableRule rule = MakeBf16TableRule(a.w.code);
   const Packed4bit& w = a.w;
-  // Double quant: a block's absmax from its group's table, a block at a
-  // time (the tables were a tile's absmax expanded 16 blocks at a time by a
-  // gather into a buffer first: 1.20x the time of a float32 absmax at one
-  // row, for 8% fewer bytes).
+  // Double quant: a block's absmax from its group's table (the tables were a
+  // tile's absmax expanded 16 blocks at a time by a gather into a buffer
+  // first: 1.20x the time of a float32 absmax at one row, for 8% fewer
+  // bytes).
   const bool nested = w.absmax == nullptr;
   NestedGroupTable nested_group;
+  // Block b's absmax; `fast` cleared unless its group's all hold the rule.
+  const auto nested_absmax = [&](int64_t b, bool& fast) {
+    if ((b >> kNestedBlockShift) != nested_group.group) {
+      FillNestedGroup(w, rule, b >> kNestedBlockShift, nested_group);
+    }
+    fast = fast && nested_group.all_fast;
+    return nested_group.table[w.absmax_codes[b]];
+  };
+  const auto prefetch = [](const uint8_t* p) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + kBf16PrefetchBytes), _MM_HINT_T0);
+  };
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m512 acc0[R], acc1[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     const int64_t b_begin = (n * a.in + k0) / 64, b_end = (n * a.in + k1) / 64;
-    const uint16_t* x = xg + k0 * R;  // group k0 / 32
+    const uint16_t* x = xg + k0 * R;  // group k0 / 128
     if (nested) {
       const uint8_t* p = w.packed + b_begin * 32;
-      for (int64_t b = b_begin; b < b_end; ++b, p += 32, x += int64_t{64} * R) {
-        if ((b >> kNestedBlockShift) != nested_group.group) {
-          FillNestedGroup(w, rule, b >> kNestedBlockShift, nested_group);
-        }
-        if (((b - b_begin) & 1) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(p + kBf16PrefetchBytes), _MM_HINT_T0);
-        const float am = nested_group.table[w.absmax_codes[b]];
-        Bf16Step64<R>(acc0, acc1, p,
-                      nested_group.all_fast ? Bf16FastTable(rule, am) : Bf16Table(rule, am),
-                      control, x);
+      int64_t b = b_begin;
+      for (; b + 2 <= b_end; b += 2, p += 64, x += int64_t{128} * R) {
+        prefetch(p);
+        bool fast = true;
+        const float first = nested_absmax(b, fast), second = nested_absmax(b + 1, fast);
+        const __m512i table =
+            fast ? Bf16PairTable(rule, first, second, true)
+                 : Bf16PairTable(rule, first, second,
+                                 Bf16Fast(rule, first) && Bf16Fast(rule, second));
+        Bf16PairStep<R>(acc0, acc1, p, table, d, x);
+      }
+      if (b < b_end) {
+        bool fast = true;
+        Bf16SingleStep<R>(acc0, acc1, p, Bf16Table(rule, nested_absmax(b, fast)), x);
       }
     }
     for (int64_t b = b_begin; !nested && b < b_end; b += 16) {
@@ -922,18 +1030,22 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
           _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(rule.min_fast), _CMP_GE_OQ) &
           _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
       const uint8_t* p = w.packed + b * 32;
+      const int pairs_end = count & ~1;
       if (fast == lanes) {
-        for (int i = 0; i < count; ++i, p += 32, x += int64_t{64} * R) {
-          if ((i & 1) == 0)
-            _mm_prefetch(reinterpret_cast<const char*>(p + kBf16PrefetchBytes), _MM_HINT_T0);
-          Bf16Step64<R>(acc0, acc1, p, Bf16FastTable(rule, am[i]), control, x);
+        for (int i = 0; i < pairs_end; i += 2, p += 64, x += int64_t{128} * R) {
+          prefetch(p);
+          Bf16PairStep<R>(acc0, acc1, p, Bf16PairTable(rule, am[i], am[i + 1], true), d, x);
         }
       } else {
-        for (int i = 0; i < count; ++i, p += 32, x += int64_t{64} * R) {
-          if ((i & 1) == 0)
-            _mm_prefetch(reinterpret_cast<const char*>(p + kBf16PrefetchBytes), _MM_HINT_T0);
-          Bf16Step64<R>(acc0, acc1, p, Bf16Table(rule, am[i]), control, x);
+        for (int i = 0; i < pairs_end; i += 2, p += 64, x += int64_t{128} * R) {
+          prefetch(p);
+          const bool both = ((fast >> i) & 3) == 3;
+          Bf16PairStep<R>(acc0, acc1, p, Bf16PairTable(rule, am[i], am[i + 1], both), d, x);
         }
+      }
+      if (count != pairs_end) {
+        Bf16SingleStep<R>(acc0, acc1, p, Bf16Table(rule, am[pairs_end]), x);
+        x += int64_t{64} * R;
       }
     }
     float* sn = sums + (n - n_begin) * sums_stride;
@@ -1010,16 +1122,18 @@ std::vector<std::pair<int64_t, int64_t>> SplitRows(int64_t m, int64_t max_rows) 
 // weights streaming through, as the float32 kernels need (4 rows of 4096
 // float32 columns, 64 KiB, would come from L2 for every weight row, which
 // bounds a kernel at 4 rows to a quarter of its speed at 1, measured); the
-// bfloat16 kernels up to kBf16WholeRows rows take kBf16XTileBytes.
+// bfloat16 kernels up to kBf16WholeRows rows take kBf16XTileBytes. Tiles
+// are whole multiples of k_align columns.
 // pass(i0, rows, n0, n1, k0, k1, sums) adds the products of weight rows
 // [n0, n1), columns [k0, k1) and rows [i0, i0 + rows) of x to
 // sums[(n - n0) * a.m + i0 + i].
 template <typename Pass>
 void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain,
                        const std::vector<std::pair<int64_t, int64_t>>& passes, int64_t x_bytes,
-                       const Pass& pass, int64_t tile_bytes = kXTileBytes) {
+                       const Pass& pass, int64_t tile_bytes = kXTileBytes, int64_t k_align = 64) {
   const int64_t pass_rows = passes.front().second;  // the most
-  const int64_t k_tile = std::max<int64_t>(64, (tile_bytes / (x_bytes * pass_rows)) / 64 * 64);
+  const int64_t k_tile =
+      std::max<int64_t>(k_align, (tile_bytes / (x_bytes * pass_rows)) / k_align * k_align);
   at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(static_cast<size_t>(kRowTile * a.m));
     for (int64_t n0 = begin; n0 < end; n0 += kRowTile) {
@@ -1223,7 +1337,8 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
             kernels.rows(a, x, a.in, n0, n1, k0, k1, sums, a.m);
           }
         },
-        passes.front().second <= kBf16WholeRows ? kBf16XTileBytes : kXTileBytes);
+        passes.front().second <= kBf16WholeRows ? kBf16XTileBytes : kXTileBytes,
+        blocks64 ? 128 : 64);  // GemvBf16Blocks64's tiles: whole block pairs
     return;
   }
   const int64_t max_direct = isa >= CpuIsa::kAvx512 ? 8 : 4;

@@ -584,6 +584,57 @@ TEST(Gemv4bitKernelTest, Bf16LevelReadsSubnormalsAsZero) {
   }
 }
 
+// The AVX-512 BF16 kernel on bnb's layout takes a row's blocks in pairs, one
+// table for both (the first block's values, then the second's), its last
+// block alone when a row has an odd number: each block of a pair keeps its
+// own absmax whether both take the fast table, one of them the exact
+// rounding (a tiny absmax, whose values are subnormal) or a NaN. Five
+// blocks a row of code 15 (1.0) and x of ones, so each row's sum is 64 x
+// its blocks' absmax, exact; the tiny blocks add less than half an ulp of
+// the rest at every level (the BF16 level reads them as 0).
+TEST(Gemv4bitKernelTest, BlockPairsKeepEachBlocksAbsmax) {
+  const float tiny = 1e-39f, nan = std::nanf("");
+  const std::vector<float> absmax = {0.5f, tiny, 0.25f, 0.125f, tiny,  // row 0
+                                     0.5f, 0.25f, 0.125f, 2.0f, 4.0f,  // row 1: all fast
+                                     0.5f, nan, 1.0f, 1.0f, 1.0f,      // row 2
+                                     tiny, 0.5f, 1.0f, 1.0f, 0.25f};   // row 3
+  const std::vector<float> expected = {64 * 0.875f, 64 * 6.875f, nan, 64 * 2.75f};
+  const int64_t out = 4, in = 320;
+  const std::vector<uint8_t> packed(static_cast<size_t>(out * in / 2), 0xFF);
+  for (int64_t m : {1, 3}) {
+    const std::vector<float> x(static_cast<size_t>(m * in), 1.0f);
+    for (CpuIsa isa : Isas()) {
+      SCOPED_TRACE(testing::Message() << m << " rows, " << internal::CpuIsaName(isa));
+      std::vector<float> y(static_cast<size_t>(m * out), -1.0f);
+      internal::Gemv4bitArgs args;
+      args.m = m;
+      args.in = in;
+      args.out = out;
+      args.x = x.data();
+      args.x_stride = in;
+      args.w.packed = packed.data();
+      args.w.absmax = absmax.data();
+      args.w.code = kNf4.data();
+      args.w.numel = out * in;
+      args.round = internal::DenseType::kBFloat16;
+      args.y = y.data();
+      args.y_stride = out;
+      internal::Gemv4bit(isa, args);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t n = 0; n < out; ++n) {
+          const float got = y[static_cast<size_t>(i * out + n)];
+          const float want = expected[static_cast<size_t>(n)];
+          if (std::isnan(want)) {
+            EXPECT_TRUE(std::isnan(got)) << "row " << n;
+          } else {
+            EXPECT_EQ(got, want) << "row " << n;
+          }
+        }
+      }
+    }
+  }
+}
+
 // A double-quant weight as the layers hold it: the absmax as stored (uint8
 // codes) with the nested state.
 Weight4bit AsStored(const Quantized4bit& q, const Shape4bit& s) {
@@ -641,13 +692,17 @@ TEST(Linear4bitForwardTest, DoubleQuantReadAsStoredMatchesExpanded) {
 
 // The bfloat16 kernel on bnb's layout at decode's shapes: up to 4 rows of x
 // a weight row is walked whole (up to 65536 columns, then in tiles), from 5
-// rows on in tiles of 24 KiB of x, and each tile's double-quant absmax is
-// expanded into a buffer of up to 1024 blocks a row. Rows of 14336 columns
-// (Mixtral's w2) and 65664 (past one whole-row tile), single- and
-// double-quant, against bnb's product in double and against each other.
+// rows on in tiles of 24 KiB of x (whole block pairs), and a double-quant
+// block's absmax comes from its nested group's table. Rows of 14336 columns
+// (Mixtral's w2), 65664 (past one whole-row tile) and 4160 (65 blocks: a
+// row's last block alone, odd rows starting mid-pair, a pair across two
+// nested groups in row 3, a last column tile of an odd block count),
+// single- and double-quant, against bnb's product in double and against
+// each other.
 TEST(Linear4bitForwardTest, WideRowsWholeAndInColumnTiles) {
   at::manual_seed(8);
-  for (const Shape4bit& s : std::vector<Shape4bit>{{37, 14336, 64}, {3, 65664, 64}}) {
+  for (const Shape4bit& s :
+       std::vector<Shape4bit>{{37, 14336, 64}, {3, 65664, 64}, {9, 4160, 64}}) {
     ACCEL_ASSERT_OK_AND_ASSIGN(
         Quantized4bit q, Quantize4bit(Random({s.out, s.in}, 0.1), QuantType4bit::kNf4, s.blocksize,
                                       /*double_quant=*/true));
