@@ -830,8 +830,7 @@ ACCEL_TARGET_AVX512_BF16 void ToBf16Groups(const Gemv4bitArgs& a, int64_t i0, in
       for (int q = 0; q < 4; ++q) {
         const __m512i low = _mm512_permutex2var_epi16(w0, pick[q], w1);
         const __m512i high = _mm512_permutex2var_epi16(w2, pick[q], w3);
-        _mm512_storeu_si512(o + 32 * q,
-                            _mm512_inserti64x4(low, _mm512_castsi512_si256(high), 1));
+        _mm512_storeu_si512(o + 32 * q, _mm512_inserti64x4(low, _mm512_castsi512_si256(high), 1));
       }
     }
     if (a.in % 128 != 0) {
@@ -885,8 +884,8 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE void Bf16PairStep(__m512 (&acc0)[R], __m51
                                                         const uint16_t* x) {
   constexpr int kSelect = 0xEA;  // (a & b) | c
   const __m512i w = _mm512_loadu_si512(p);
-  const __m512i q0 = _mm512_permutexvar_epi16(
-      _mm512_ternarylogic_epi32(w, d.nibble, d.second, kSelect), table);
+  const __m512i q0 =
+      _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(w, d.nibble, d.second, kSelect), table);
   const __m512i q1 = _mm512_permutexvar_epi16(
       _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), d.nibble, d.second, kSelect), table);
   const __m512i q2 = _mm512_permutexvar_epi16(
@@ -1010,10 +1009,9 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
         prefetch(p);
         bool fast = true;
         const float first = nested_absmax(b, fast), second = nested_absmax(b + 1, fast);
-        const __m512i table =
-            fast ? Bf16PairTable(rule, first, second, true)
-                 : Bf16PairTable(rule, first, second,
-                                 Bf16Fast(rule, first) && Bf16Fast(rule, second));
+        const __m512i table = fast ? Bf16PairTable(rule, first, second, true)
+                                   : Bf16PairTable(rule, first, second,
+                                                   Bf16Fast(rule, first) && Bf16Fast(rule, second));
         Bf16PairStep<R>(acc0, acc1, p, table, d, x);
       }
       if (b < b_end) {

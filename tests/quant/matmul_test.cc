@@ -594,10 +594,10 @@ TEST(Gemv4bitKernelTest, Bf16LevelReadsSubnormalsAsZero) {
 // the rest at every level (the BF16 level reads them as 0).
 TEST(Gemv4bitKernelTest, BlockPairsKeepEachBlocksAbsmax) {
   const float tiny = 1e-39f, nan = std::nanf("");
-  const std::vector<float> absmax = {0.5f, tiny, 0.25f, 0.125f, tiny,  // row 0
-                                     0.5f, 0.25f, 0.125f, 2.0f, 4.0f,  // row 1: all fast
-                                     0.5f, nan, 1.0f, 1.0f, 1.0f,      // row 2
-                                     tiny, 0.5f, 1.0f, 1.0f, 0.25f};   // row 3
+  const std::vector<float> absmax = {0.5f, tiny,  0.25f,  0.125f, tiny,    // row 0
+                                     0.5f, 0.25f, 0.125f, 2.0f,   4.0f,    // row 1: all fast
+                                     0.5f, nan,   1.0f,   1.0f,   1.0f,    // row 2
+                                     tiny, 0.5f,  1.0f,   1.0f,   0.25f};  // row 3
   const std::vector<float> expected = {64 * 0.875f, 64 * 6.875f, nan, 64 * 2.75f};
   const int64_t out = 4, in = 320;
   const std::vector<uint8_t> packed(static_cast<size_t>(out * in / 2), 0xFF);
