@@ -830,14 +830,15 @@ ACCEL_TARGET_AVX512_BF16 void ToBf16Groups(const Gemv4bitArgs& a, int64_t i0, in
       for (int q = 0; q < 4; ++q) {
         const __m512i low = _mm512_permutex2var_epi16(w0, pick[q], w1);
         const __m512i high = _mm512_permutex2var_epi16(w2, pick[q], w3);
-        _mm512_storeu_si512(o + 32 * q, _mm512_inserti64x4(low, _mm512_castsi512_si256(high), 1));
+        _mm512_storeu_si512(o + int64_t{32} * q,
+                            _mm512_inserti64x4(low, _mm512_castsi512_si256(high), 1));
       }
     }
     if (a.in % 128 != 0) {
       const __m512i w0 = Bf16Words(x, 128 * pairs), w1 = Bf16Words(x, 128 * pairs + 32);
       uint16_t* o = out + pairs * 128 * rows + r * 64;
       for (int q = 0; q < 4; ++q) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * q),
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + int64_t{16} * q),
                             _mm512_castsi512_si256(_mm512_permutex2var_epi16(w0, pick[q], w1)));
       }
     }
