@@ -60,6 +60,27 @@ class IsaScope {
   IsaScope& operator=(const IsaScope&) = delete;
 };
 
+// Gemv4bit's arguments for x [m, in] and y [m, out] (contiguous rows) and a
+// weight of out x in (blocksize 64; bfloat16 rounding: set others after).
+internal::Gemv4bitArgs GemvArgs(int64_t m, int64_t in, int64_t out, const float* x,
+                                const uint8_t* packed, const float* absmax, const float* code,
+                                float* y) {
+  internal::Gemv4bitArgs args;
+  args.m = m;
+  args.in = in;
+  args.out = out;
+  args.x = x;
+  args.x_stride = in;
+  args.w.packed = packed;
+  args.w.absmax = absmax;
+  args.w.code = code;
+  args.w.numel = out * in;
+  args.round = internal::DenseType::kBFloat16;
+  args.y = y;
+  args.y_stride = out;
+  return args;
+}
+
 // A plain blockwise 4-bit quantizer over the flat row-major weight: absmax
 // per block, nearest code of x / absmax, high nibble first.
 Weight4bit Quantize(const at::Tensor& w, int64_t blocksize, const std::array<float, 16>& table) {
@@ -326,21 +347,11 @@ TEST(Gemv4bitKernelTest, LevelsAgree) {
     for (CpuIsa isa : Isas()) {
       SCOPED_TRACE(testing::Message() << m << " rows, " << internal::CpuIsaName(isa));
       at::Tensor y = at::full({m, 65}, std::nan(""), at::kFloat);
-      internal::Gemv4bitArgs args;
-      args.m = m;
-      args.in = kIn;
-      args.out = 65;
-      args.x = x.data_ptr<float>();
-      args.x_stride = kIn;
-      args.w.packed = q.packed.data_ptr<uint8_t>();
-      args.w.absmax = q.absmax.data_ptr<float>();
-      args.w.code = q.code.data_ptr<float>();
+      internal::Gemv4bitArgs args =
+          GemvArgs(m, kIn, 65, x.data_ptr<float>(), q.packed.data_ptr<uint8_t>(),
+                   q.absmax.data_ptr<float>(), q.code.data_ptr<float>(), y.data_ptr<float>());
       args.w.blocksize = q.blocksize;
-      args.w.numel = 65 * kIn;
-      args.round = internal::DenseType::kBFloat16;
       args.bias = bias.data_ptr<float>();
-      args.y = y.data_ptr<float>();
-      args.y_stride = 65;
       internal::Gemv4bit(isa, args);
       ExpectWithin(y, at::linear(x.to(at::kDouble), w, bias.to(at::kDouble)),
                    at::linear(x.to(at::kDouble).abs(), w.abs(), bias.to(at::kDouble).abs()), kIn,
@@ -437,20 +448,10 @@ TEST(Gemv4bitKernelTest, NibbleKernelNonFiniteAbsmax) {
     for (CpuIsa isa : Isas()) {
       SCOPED_TRACE(testing::Message() << m << " rows, " << internal::CpuIsaName(isa));
       at::Tensor y = at::zeros({m, kOut}, at::kFloat);
-      internal::Gemv4bitArgs args;
-      args.m = m;
-      args.in = kIn;
-      args.out = kOut;
-      args.x = x.data_ptr<float>();
-      args.x_stride = kIn;
-      args.w.packed = q.packed.data_ptr<uint8_t>();
-      args.w.absmax = absmax;
-      args.w.code = q.code.data_ptr<float>();
+      internal::Gemv4bitArgs args =
+          GemvArgs(m, kIn, kOut, x.data_ptr<float>(), q.packed.data_ptr<uint8_t>(), absmax,
+                   q.code.data_ptr<float>(), y.data_ptr<float>());
       args.w.blocksize = 64;
-      args.w.numel = kOut * kIn;
-      args.round = internal::DenseType::kBFloat16;
-      args.y = y.data_ptr<float>();
-      args.y_stride = kOut;
       internal::Gemv4bit(isa, args);
       if (!ys.empty()) {
         const at::Tensor ref = ys[0];
@@ -507,21 +508,12 @@ TEST(Gemv4bitKernelTest, NibbleTablesRoundExactly) {
         at::Tensor x = at::zeros({1, 64}, at::kFloat);
         x[0][k] = 1.0f;
         at::Tensor y = at::zeros({1, q.out_features}, at::kFloat);
-        internal::Gemv4bitArgs args;
-        args.m = 1;
-        args.in = 64;
-        args.out = q.out_features;
-        args.x = x.data_ptr<float>();
-        args.x_stride = 64;
-        args.w.packed = q.packed.data_ptr<uint8_t>();
-        args.w.absmax = q.absmax.data_ptr<float>();
-        args.w.code = q.code.data_ptr<float>();
+        internal::Gemv4bitArgs args =
+            GemvArgs(1, 64, q.out_features, x.data_ptr<float>(), q.packed.data_ptr<uint8_t>(),
+                     q.absmax.data_ptr<float>(), q.code.data_ptr<float>(), y.data_ptr<float>());
         args.w.blocksize = 64;
-        args.w.numel = q.out_features * 64;
         args.round =
             dtype == at::kBFloat16 ? internal::DenseType::kBFloat16 : internal::DenseType::kFloat16;
-        args.y = y.data_ptr<float>();
-        args.y_stride = q.out_features;
         internal::Gemv4bit(isa, args);
         // In double: inf x 0 (a huge block's other columns) is NaN there too.
         const at::Tensor want = at::linear(x.to(at::kDouble), w.to(at::kDouble));
@@ -562,19 +554,9 @@ TEST(Gemv4bitKernelTest, Bf16LevelReadsSubnormalsAsZero) {
       std::vector<float> x(64, 0.0f);
       x[5] = static_cast<float>(c10::BFloat16(x_value));
       std::vector<float> y(2, -1.0f);
-      internal::Gemv4bitArgs args;
-      args.m = 1;
-      args.in = 64;
-      args.out = 2;
-      args.x = x.data();
-      args.x_stride = 64;
-      args.w.packed = q.packed.data_ptr<uint8_t>();
-      args.w.absmax = q.absmax.data_ptr<float>();
-      args.w.code = q.code.data_ptr<float>();
-      args.w.numel = 128;
-      args.round = internal::DenseType::kBFloat16;
-      args.y = y.data();
-      args.y_stride = 2;
+      internal::Gemv4bitArgs args =
+          GemvArgs(1, 64, 2, x.data(), q.packed.data_ptr<uint8_t>(), q.absmax.data_ptr<float>(),
+                   q.code.data_ptr<float>(), y.data());
       internal::Gemv4bit(isa, args);
       const bool flushes = isa == CpuIsa::kAvx512Bf16;
       const float w0 = static_cast<float>(c10::BFloat16(tiny)), w1 = 0.5f;
@@ -606,19 +588,8 @@ TEST(Gemv4bitKernelTest, BlockPairsKeepEachBlocksAbsmax) {
     for (CpuIsa isa : Isas()) {
       SCOPED_TRACE(testing::Message() << m << " rows, " << internal::CpuIsaName(isa));
       std::vector<float> y(static_cast<size_t>(m * out), -1.0f);
-      internal::Gemv4bitArgs args;
-      args.m = m;
-      args.in = in;
-      args.out = out;
-      args.x = x.data();
-      args.x_stride = in;
-      args.w.packed = packed.data();
-      args.w.absmax = absmax.data();
-      args.w.code = kNf4.data();
-      args.w.numel = out * in;
-      args.round = internal::DenseType::kBFloat16;
-      args.y = y.data();
-      args.y_stride = out;
+      internal::Gemv4bitArgs args =
+          GemvArgs(m, in, out, x.data(), packed.data(), absmax.data(), kNf4.data(), y.data());
       internal::Gemv4bit(isa, args);
       for (int64_t i = 0; i < m; ++i) {
         for (int64_t n = 0; n < out; ++n) {
