@@ -210,7 +210,7 @@ TEST(Dequantize4bitTest, RangesAreTheirPartOfTheWhole) {
   p.absmax = q.absmax.data_ptr<float>();
   p.code = q.code.data_ptr<float>();
   p.blocksize = q.blocksize;
-  p.numel = 7 * 1001;
+  p.numel = int64_t{7} * 1001;
   for (CpuIsa isa : Isas()) {
     SCOPED_TRACE(internal::CpuIsaName(isa));
     std::vector<uint16_t> whole(static_cast<size_t>(p.numel));
@@ -620,6 +620,49 @@ Weight4bit AsStored(const Quantized4bit& q, const Shape4bit& s) {
   w.nested_code = q.nested_quant_map;
   w.nested_offset = q.state.nested_offset;
   return w;
+}
+
+// At the AVX-512 BF16 level a row's product does not depend on the rows
+// beside it: up to 4 rows of x (decode at batch 4, weight rows walked whole,
+// each row's sums in the same order whatever the count), each row's float32
+// sums have the bits they have alone, with float32 absmax and double quant
+// as stored, on rows of an even and an odd number of blocks. The float32
+// levels (AVX2, AVX-512) tile the columns by the number of rows, so theirs
+// do depend on it.
+TEST(Gemv4bitKernelTest, ARowsSumsDoNotDependOnTheBatch) {
+  const CpuIsa isa = CpuIsa::kAvx512Bf16;
+  if (!internal::CpuIsaSupported(isa)) GTEST_SKIP() << "no AVX512-BF16 here";
+  at::manual_seed(12);
+  for (const Shape4bit& s : std::vector<Shape4bit>{{37, 4096, 64}, {21, 4160, 64}}) {
+    ACCEL_ASSERT_OK_AND_ASSIGN(
+        Quantized4bit q, Quantize4bit(Random({s.out, s.in}, 0.1), QuantType4bit::kNf4, s.blocksize,
+                                      /*double_quant=*/true));
+    ACCEL_ASSERT_OK_AND_ASSIGN(const at::Tensor expanded, BlockAbsmax(q));
+    const at::Tensor x = Random({4, s.in}).to(at::kBFloat16).to(at::kFloat).contiguous();
+    for (bool nested : {false, true}) {
+      SCOPED_TRACE(testing::Message() << s.out << "x" << s.in << (nested ? ", nested" : ""));
+      // y [rows, out] for rows of x from `first`.
+      const auto product = [&](int64_t first, int64_t rows) {
+        at::Tensor y = at::full({rows, s.out}, std::nan(""), at::kFloat);
+        internal::Gemv4bitArgs args = GemvArgs(
+            rows, s.in, s.out, x.data_ptr<float>() + first * s.in, q.packed.data_ptr<uint8_t>(),
+            expanded.data_ptr<float>(), q.quant_map.data_ptr<float>(), y.data_ptr<float>());
+        if (nested) {
+          args.w.absmax = nullptr;
+          args.w.absmax_codes = q.absmax.data_ptr<uint8_t>();
+          args.w.nested_absmax = q.nested_absmax.data_ptr<float>();
+          args.w.nested_code = q.nested_quant_map.data_ptr<float>();
+          args.w.nested_offset = q.state.nested_offset;
+        }
+        internal::Gemv4bit(isa, args);
+        return y;
+      };
+      for (int64_t rows : {2, 3, 4}) {
+        const at::Tensor batch = product(0, rows);
+        for (int64_t i = 0; i < rows; ++i) ExpectSameBits(batch.narrow(0, i, 1), product(i, 1));
+      }
+    }
+  }
 }
 
 // Double quant read as stored (uint8 absmax codes, nested absmax and map,
