@@ -594,11 +594,11 @@ GemvRangeFn PickDirect(CpuIsa isa, DenseType type, int64_t m) {
 // products added into each float32 lane) does the work of two float32 FMAs
 // on 32 values a register. The weights decode straight to bfloat16: vpermq
 // spreads 16 packed bytes so that each 64-bit lane holds the 4 nibbles of its
-// 4 words (on bnb's layout a broadcast load does, with x stored to match:
-// GemvBf16Blocks64), vpmultishiftqb brings each nibble to the low bits of its
-// word, and vpermw looks the 32 words up in the block's 16 bfloat16 values
-// (held twice, as vpermw reads 5 index bits). x is converted to bfloat16
-// once per call.
+// 4 words, vpmultishiftqb brings each nibble to the low bits of its word, and
+// vpermw looks the 32 words up in the block's 16 bfloat16 values (held
+// twice, as vpermw reads 5 index bits); on bnb's layout GemvBf16Blocks64
+// decodes two blocks a step with shifts instead, x stored to match. x is
+// converted to bfloat16 once per call.
 // Like oneDNN's bfloat16 product, vdpbf16ps treats subnormal inputs as 0 and
 // flushes subnormal results: the only difference from the float32 levels
 // beyond the order of the additions (kernels_cpu.h).
