@@ -672,10 +672,14 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16FastTable(const Bf16TableRule&
   return (__m512i)_mm512_cvtne2ps_pbh(values, values);  // NOLINT(google-readability-casting)
 }
 
-ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16Table(const Bf16TableRule& rule, float absmax) {
+// Whether the rule holds for `absmax` (Bf16FastTable rounds its values).
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE bool Bf16Fast(const Bf16TableRule& rule, float absmax) {
   const float magnitude = std::fabs(absmax);
-  if (__builtin_expect(static_cast<int64_t>(magnitude >= rule.min_fast && magnitude <= FLT_MAX),
-                       1)) {
+  return magnitude >= rule.min_fast && magnitude <= FLT_MAX;
+}
+
+ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16Table(const Bf16TableRule& rule, float absmax) {
+  if (__builtin_expect(static_cast<int64_t>(Bf16Fast(rule, absmax)), 1)) {
     return Bf16FastTable(rule, absmax);
   }
   return _mm512_broadcast_i64x4(Bf16HalfExact(_mm512_mul_ps(rule.code, _mm512_set1_ps(absmax))));
@@ -854,14 +858,8 @@ ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE __m512i Bf16PairTable(const Bf16TableRule&
   if (__builtin_expect(static_cast<int64_t>(both_fast), 1)) {
     return (__m512i)_mm512_cvtne2ps_pbh(b, a);  // NOLINT(google-readability-casting)
   }
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_castsi512_si256(Bf16Table(rule, first))),
-                            _mm512_castsi512_si256(Bf16Table(rule, second)), 1);
-}
-
-// Whether Bf16Table takes its fast form for `absmax`.
-ACCEL_TARGET_AVX512_BF16 ACCEL_INLINE bool Bf16Fast(const Bf16TableRule& rule, float absmax) {
-  const float magnitude = std::fabs(absmax);
-  return magnitude >= rule.min_fast && magnitude <= FLT_MAX;
+  return _mm512_inserti64x4(Bf16Table(rule, first), _mm512_castsi512_si256(Bf16Table(rule, second)),
+                            1);
 }
 
 // The pair decoder's constants.
@@ -971,8 +969,8 @@ ACCEL_TARGET_AVX512_BF16 void FillNestedGroup(const Packed4bit& w, const Bf16Tab
 // leaves it, so one pointer serves all R rows with no masks. k0 and k1 are
 // multiples of 128 but for k1 = a.in. The blocks' absmax are checked 16 at
 // a time for the fast table (Bf16TableRule), which then takes three
-// instructions a pair and no branch (double quant: from the groups'
-// tables, checked once a group).
+// instructions a pair (double quant: from the groups' tables, checked once
+// a group).
 template <int R>
 ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint16_t* xg,
                                                int64_t n_begin, int64_t n_end, int64_t k0,
@@ -1010,10 +1008,8 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
         prefetch(p);
         bool fast = true;
         const float first = nested_absmax(b, fast), second = nested_absmax(b + 1, fast);
-        const __m512i table = fast ? Bf16PairTable(rule, first, second, true)
-                                   : Bf16PairTable(rule, first, second,
-                                                   Bf16Fast(rule, first) && Bf16Fast(rule, second));
-        Bf16PairStep<R>(acc0, acc1, p, table, d, x);
+        fast = fast || (Bf16Fast(rule, first) && Bf16Fast(rule, second));
+        Bf16PairStep<R>(acc0, acc1, p, Bf16PairTable(rule, first, second, fast), d, x);
       }
       if (b < b_end) {
         bool fast = true;
@@ -1030,17 +1026,10 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
           _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
       const uint8_t* p = w.packed + b * 32;
       const int pairs_end = count & ~1;
-      if (fast == lanes) {
-        for (int i = 0; i < pairs_end; i += 2, p += 64, x += int64_t{128} * R) {
-          prefetch(p);
-          Bf16PairStep<R>(acc0, acc1, p, Bf16PairTable(rule, am[i], am[i + 1], true), d, x);
-        }
-      } else {
-        for (int i = 0; i < pairs_end; i += 2, p += 64, x += int64_t{128} * R) {
-          prefetch(p);
-          const bool both = ((fast >> i) & 3) == 3;
-          Bf16PairStep<R>(acc0, acc1, p, Bf16PairTable(rule, am[i], am[i + 1], both), d, x);
-        }
+      for (int i = 0; i < pairs_end; i += 2, p += 64, x += int64_t{128} * R) {
+        prefetch(p);
+        const bool both = ((fast >> i) & 3) == 3;
+        Bf16PairStep<R>(acc0, acc1, p, Bf16PairTable(rule, am[i], am[i + 1], both), d, x);
       }
       if (count != pairs_end) {
         Bf16SingleStep<R>(acc0, acc1, p, Bf16Table(rule, am[pairs_end]), x);
