@@ -50,6 +50,15 @@ constexpr int64_t kBf16WholeRows = 4;
 // crosses two (measured, one thread: w2 at one row 3.68 -> 2.86 ms, 4096 x
 // 4096 at 4 rows 1.57 -> 1.4 ms; 1024 and 4096 bytes ahead were slower).
 constexpr int64_t kBf16PrefetchBytes = 2048;
+// Where x's part of a call takes more than kBf16XInL1Bytes (w2's one row of
+// 14336 columns is 28 KiB, the L1 cache 32 KiB), the weights are asked for
+// into L2 only, kBf16FarPrefetchBytes ahead: prefetched into L1 they took
+// x's lines, which every weight row reads again (one thread, w2 at one row:
+// x cut to 4096 columns 1.90 ms, 7168 2.2-2.6, all 14336 2.8-2.9), and the
+// load of a weight from L2 costs less than x's four. Measured at w2, one
+// row, two threads: 1.54-1.57 -> 1.28-1.39 ms.
+constexpr int64_t kBf16XInL1Bytes = int64_t{16} << 10;
+constexpr int64_t kBf16FarPrefetchBytes = 4096;
 
 // Rows of x up to which AVX2 takes the nibble kernels when they apply.
 constexpr int64_t kNibbleMaxRows = 2;
@@ -992,8 +1001,13 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
     fast = fast && nested_group.all_fast;
     return nested_group.table[w.absmax_codes[b]];
   };
-  const auto prefetch = [](const uint8_t* p) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + kBf16PrefetchBytes), _MM_HINT_T0);
+  const bool x_spills = int64_t{R} * (k1 - k0) * 2 > kBf16XInL1Bytes;
+  const auto prefetch = [x_spills](const uint8_t* p) {
+    if (x_spills) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kBf16FarPrefetchBytes), _MM_HINT_T1);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kBf16PrefetchBytes), _MM_HINT_T0);
+    }
   };
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m512 acc0[R], acc1[R];
