@@ -55,8 +55,8 @@ constexpr int64_t kBf16PrefetchBytes = 2048;
 // into L2 only, kBf16FarPrefetchBytes ahead: prefetched into L1 they took
 // x's lines, which every weight row reads again (one thread, w2 at one row:
 // x cut to 4096 columns 1.90 ms, 7168 2.2-2.6, all 14336 2.8-2.9), and the
-// load of a weight from L2 costs less than x's four. Measured at w2, one
-// row, two threads: 1.54-1.57 -> 1.28-1.39 ms.
+// line a pair loads from L2 costs less than x's four (w2 at one row, two
+// threads: 1.56-1.67 -> 1.24-1.41 ms; docs/BENCHMARKS.md).
 constexpr int64_t kBf16XInL1Bytes = int64_t{16} << 10;
 constexpr int64_t kBf16FarPrefetchBytes = 4096;
 
@@ -1001,7 +1001,7 @@ ACCEL_TARGET_AVX512_BF16 void GemvBf16Blocks64(const Gemv4bitArgs& a, const uint
     fast = fast && nested_group.all_fast;
     return nested_group.table[w.absmax_codes[b]];
   };
-  const bool x_spills = int64_t{R} * (k1 - k0) * 2 > kBf16XInL1Bytes;
+  const bool x_spills = int64_t{R} * (k1 - k0) * int64_t{sizeof(uint16_t)} > kBf16XInL1Bytes;
   const auto prefetch = [x_spills](const uint8_t* p) {
     if (x_spills) {
       _mm_prefetch(reinterpret_cast<const char*>(p + kBf16FarPrefetchBytes), _MM_HINT_T1);
