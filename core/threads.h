@@ -7,8 +7,6 @@
 #ifndef ACCEL_CORE_THREADS_H_
 #define ACCEL_CORE_THREADS_H_
 
-#include <functional>
-
 namespace accel {
 
 // `requested` when > 0; else OMP_NUM_THREADS when it holds a positive
@@ -17,14 +15,6 @@ int IntraOpThreads(int requested);
 
 // at::set_num_threads(IntraOpThreads(requested)); returns that number.
 int SetIntraOpThreads(int requested);
-
-// Runs `blocking` (a wait for a read, a read) on this thread while the
-// other intra-op threads sleep in the kernel until it returns. After a
-// parallel region libgomp's threads spin, for milliseconds by default (a
-// policy accel cannot change: libgomp reads OMP_WAIT_POLICY before main),
-// on the cores that the reads being waited for need. With one intra-op
-// thread, or inside a parallel region, it only calls `blocking`.
-void RunWithIntraOpThreadsAsleep(const std::function<void()>& blocking);
 
 }  // namespace accel
 

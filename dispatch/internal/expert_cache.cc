@@ -11,7 +11,6 @@
 
 #include "core/status.h"
 #include "core/thread_name.h"
-#include "core/threads.h"
 
 namespace accel::dispatch::internal {
 namespace {
@@ -231,21 +230,6 @@ void ExpertCache::CountRead(std::chrono::steady_clock::time_point start, int64_t
 }
 
 absl::StatusOr<std::vector<std::vector<at::Tensor>>> ExpertCache::Acquire(
-    absl::Span<const int> units) {
-  bool blocks = false;  // a unit to wait for or to read
-  {
-    const std::lock_guard<std::mutex> lock(mu_);
-    for (int unit : units) blocks = blocks || in_flight_.count(unit) > 0 || !entries_.count(unit);
-  }
-  if (!blocks) return AcquireNow(units);
-  // The intra-op threads sleep meanwhile rather than spin on the cores the
-  // reads need (sampled Mixtral-8x7B from disk: docs/BENCHMARKS.md).
-  absl::StatusOr<std::vector<std::vector<at::Tensor>>> out;
-  RunWithIntraOpThreadsAsleep([&] { out = AcquireNow(units); });
-  return out;
-}
-
-absl::StatusOr<std::vector<std::vector<at::Tensor>>> ExpertCache::AcquireNow(
     absl::Span<const int> units) {
   std::vector<std::vector<at::Tensor>> out(units.size());
   std::vector<size_t> missing;

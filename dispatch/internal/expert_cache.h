@@ -149,8 +149,6 @@ class ExpertCache {
   void CountGuess(bool used, int distance);  // mu_ held
   // One expert read of `bytes` from disk that took since `start`.
   void CountRead(std::chrono::steady_clock::time_point start, int64_t bytes);
-  // Acquire's work: waits for the reader and reads what is not cached.
-  absl::StatusOr<std::vector<std::vector<at::Tensor>>> AcquireNow(absl::Span<const int> units);
   // Reads one unit (no lock held).
   absl::StatusOr<Entry> Read(int unit);
   // A mapped unit's file ranges (adjacent ones merged); empty for a unit
