@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 
 #include <c10/util/BFloat16.h>
 
@@ -99,15 +100,10 @@ __attribute__((noinline, cold)) std::array<uint16_t, 16> Bf16TableSlow(const flo
   return out;
 }
 
+// The tables of a block whose absmax (broadcast in `scale`) is finite.
 template <DenseType T>
-ACCEL_TARGET_AVX2 ACCEL_INLINE ByteTables BlockTables(const CodeRegs& codes, const float* code,
-                                                      float absmax) {
-  const __m256 scale = _mm256_set1_ps(absmax);
+ACCEL_TARGET_AVX2 ACCEL_INLINE ByteTables FiniteBlockTables(const CodeRegs& codes, __m256 scale) {
   if constexpr (T == DenseType::kBFloat16) {
-    if (__builtin_expect(!std::isfinite(absmax), 0)) {
-      const std::array<uint16_t, 16> slow = Bf16TableSlow(code, absmax);
-      return SplitTables(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slow.data())));
-    }
     return SplitTables(_mm256_packus_epi32(Bf16BitsOfFinite(_mm256_mul_ps(codes.a, scale)),
                                            Bf16BitsOfFinite(_mm256_mul_ps(codes.b, scale))));
   } else {
@@ -116,6 +112,34 @@ ACCEL_TARGET_AVX2 ACCEL_INLINE ByteTables BlockTables(const CodeRegs& codes, con
     const __m128i hi = _mm256_cvtps_ph(_mm256_mul_ps(codes.b, scale), kRound);
     return SplitTables(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
   }
+}
+
+template <DenseType T>
+ACCEL_TARGET_AVX2 ACCEL_INLINE ByteTables BlockTables(const CodeRegs& codes, const float* code,
+                                                      float absmax) {
+  if constexpr (T == DenseType::kBFloat16) {
+    if (__builtin_expect(!std::isfinite(absmax), 0)) {
+      const std::array<uint16_t, 16> slow = Bf16TableSlow(code, absmax);
+      return SplitTables(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slow.data())));
+    }
+  }
+  return FiniteBlockTables<T>(codes, _mm256_set1_ps(absmax));
+}
+
+// Whether the n floats at v are all finite.
+ACCEL_TARGET_AVX2 ACCEL_INLINE bool AllFinite(const float* v, int64_t n) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  __m256 bad = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    // Not less than infinity, or unordered: inf or NaN.
+    bad = _mm256_or_ps(
+        bad, _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(v + i), magnitude), inf, _CMP_NLT_UQ));
+  }
+  bool finite = _mm256_movemask_ps(bad) == 0;
+  for (; i < n; ++i) finite = finite && std::isfinite(v[i]);
+  return finite;
 }
 
 // The two float vectors of one 16-bit vector (see SourceElement).
@@ -165,27 +189,54 @@ ACCEL_TARGET_AVX2 ACCEL_INLINE void DotParity(__m256i index, const ByteTables& t
   }
 }
 
-// Blocks of exactly one group (bnb's default blocksize): each group's
-// tables are built in the loop from its own absmax (out-of-order execution
-// overlaps one group's table with the previous group's decode; building
-// them one group ahead in the code measured the same), and the packed
-// bytes, x and the block are walked by pointer and counter. The general
-// loop's table buffer (a store and reload of every table, and its own loop)
-// and its signed divisions for the byte and x offsets took about 10 of its
-// ~80 instructions a group and a tenth of its time (accel-bench-quant,
-// 4096 x 4096, one row, one thread: 1.99 -> 1.78 ms on a Zen 3 class EPYC).
+// Blocks of exactly one group (bnb's default blocksize), in chunks of
+// kAbsmaxChunk: the chunk's absmax first (double quant dequantized into a
+// buffer, else read in place) and checked finite with a few vector compares,
+// then each group's tables built in the decode loop from a broadcast load,
+// with no check and no branch (a chunk with a non-finite absmax takes the
+// checked tables; out-of-order execution overlaps one group's table with the
+// previous group's decode). The packed bytes, x and the block are walked by
+// pointer. The general loop below builds tables into a buffer and reloads
+// them, and divides for each group's byte and x offsets: about 80
+// instructions a group against about 50 here (accel-bench-quant, 4096 x
+// 4096, one row, one thread, on a Zen 3 class EPYC: see docs/BENCHMARKS.md).
+constexpr int64_t kAbsmaxChunk = 256;
+
+template <DenseType T, int R, int kAcc, bool kChecked>
+ACCEL_TARGET_AVX2 ACCEL_INLINE void NibbleGroups64(const CodeRegs& codes, const float* code,
+                                                   const float* absmax, int64_t groups,
+                                                   const uint8_t* packed, const float* xk,
+                                                   int64_t x_stride, __m256 (&acc)[R][kAcc]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g, packed += kGroup / 2, xk += x_stride) {
+    const ByteTables t = kChecked ? BlockTables<T>(codes, code, absmax[g])
+                                  : FiniteBlockTables<T>(codes, _mm256_broadcast_ss(absmax + g));
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
+    DotParity<T, R, kAcc, 0>(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), t, xk, acc);
+    DotParity<T, R, kAcc, 4>(_mm256_and_si256(bytes, nibble), t, xk + 32, acc);
+  }
+}
+
 template <DenseType T, int R, int kAcc>
 ACCEL_TARGET_AVX2 ACCEL_INLINE void NibbleRowBlocks64(const Gemv4bitArgs& a, const CodeRegs& codes,
                                                       const uint8_t* packed, int64_t block,
                                                       int64_t groups, const float* xk,
                                                       __m256 (&acc)[R][kAcc]) {
   const Packed4bit& w = a.w;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  for (int64_t g = 0; g < groups; ++g, packed += kGroup / 2, xk += a.x_stride) {
-    const ByteTables t = BlockTables<T>(codes, w.code, BlockAbsmax(w, block + g));
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
-    DotParity<T, R, kAcc, 0>(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), t, xk, acc);
-    DotParity<T, R, kAcc, 4>(_mm256_and_si256(bytes, nibble), t, xk + 32, acc);
+  alignas(32) float expanded[kAbsmaxChunk];
+  for (int64_t c = 0; c < groups; c += kAbsmaxChunk) {
+    const int64_t n = std::min(kAbsmaxChunk, groups - c);
+    const float* absmax = w.absmax != nullptr ? w.absmax + block + c : expanded;
+    if (w.absmax == nullptr) {
+      for (int64_t i = 0; i < n; ++i) expanded[i] = BlockAbsmax(w, block + c + i);
+    }
+    const uint8_t* p = packed + c * (kGroup / 2);
+    const float* x = xk + c * a.x_stride;
+    if (__builtin_expect(AllFinite(absmax, n), 1)) {
+      NibbleGroups64<T, R, kAcc, false>(codes, w.code, absmax, n, p, x, a.x_stride, acc);
+    } else {
+      NibbleGroups64<T, R, kAcc, true>(codes, w.code, absmax, n, p, x, a.x_stride, acc);
+    }
   }
 }
 
