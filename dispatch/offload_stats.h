@@ -42,6 +42,9 @@ struct OffloadStats {
   // Cached experts whose pages the kernel reclaimed under memory pressure and
   // that were read back before use (also in expert_bytes_read).
   int64_t expert_bytes_reread = 0;
+  // Evicted experts whose pages the cache dropped from the page cache to keep
+  // its free memory floor (ExpertCache::Options::free_memory_floor).
+  int64_t expert_units_uncached = 0;
 
   // Every counter added: two models' offloading (a target and its draft) read as one.
   OffloadStats& operator+=(const OffloadStats& other) {
@@ -61,6 +64,7 @@ struct OffloadStats {
     expert_wait_us += other.expert_wait_us;
     expert_read_us += other.expert_read_us;
     expert_bytes_reread += other.expert_bytes_reread;
+    expert_units_uncached += other.expert_units_uncached;
     return *this;
   }
 };

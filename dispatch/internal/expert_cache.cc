@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <sys/sysinfo.h>
 
 #include <ATen/Functions.h>
 
@@ -44,6 +45,7 @@ int ExpertCache::AddUnit(std::vector<int> tensors, int position) {
   unit.position = position;
   std::lock_guard<std::mutex> lock(mu_);
   units_.push_back(std::move(unit));
+  evicted_stamp_.push_back(0);
   return static_cast<int>(units_.size()) - 1;
 }
 
@@ -69,6 +71,7 @@ void ExpertCache::AddStats(OffloadStats& stats) const {
   stats.expert_wait_us += stats_.expert_wait_us;
   stats.expert_read_us += stats_.expert_read_us;
   stats.expert_bytes_reread += stats_.expert_bytes_reread;
+  stats.expert_units_uncached += stats_.expert_units_uncached;
   stats.bytes_read += stats_.expert_bytes_read;
   stats.bytes_to_device += stats_.bytes_to_device;
 }
@@ -136,8 +139,47 @@ bool ExpertCache::MakeRoom(int64_t bytes, int unit) {
         sp.mapping->Drop(sp.offset, sp.bytes);
       }
     }
+    if (!spans.empty() && !options_.release_pages && options_.free_memory_floor > 0) {
+      evicted_.emplace_back(victim, ++eviction_clock_);
+      evicted_stamp_[victim] = eviction_clock_;
+      if (evicted_.size() > 4 * units_.size()) {  // stale entries: at most one live one a unit
+        evicted_.erase(std::remove_if(evicted_.begin(), evicted_.end(),
+                                      [&](const std::pair<int, uint64_t>& e) {
+                                        return evicted_stamp_[e.first] != e.second;
+                                      }),
+                       evicted_.end());
+      }
+    }
   }
   return true;
+}
+
+void ExpertCache::KeepMemoryFree(int64_t incoming) {
+  if (options_.release_pages || options_.free_memory_floor <= 0) return;
+  const auto free_memory = [&]() -> int64_t {
+    if (options_.free_memory) return options_.free_memory();
+    struct sysinfo info {};
+    if (::sysinfo(&info) != 0) return std::numeric_limits<int64_t>::max();
+    return static_cast<int64_t>(info.freeram) * static_cast<int64_t>(info.mem_unit);
+  };
+  while (free_memory() < options_.free_memory_floor + incoming) {
+    int unit = -1;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (unit < 0 && !evicted_.empty()) {
+        const auto [u, stamp] = evicted_.front();
+        evicted_.pop_front();
+        if (evicted_stamp_[u] != stamp) continue;  // evicted again since: a newer entry
+        evicted_stamp_[u] = 0;
+        // Cached again (or being read): its pages are in use.
+        if (!entries_.count(u) && !in_flight_.count(u)) unit = u;
+      }
+      if (unit < 0) return;  // none of the cache's pages left to give back
+      stats_.expert_units_uncached++;
+    }
+    // Page-cache advice only: a range mapped again since keeps its pages.
+    for (const Span& sp : MappedSpans(unit)) sp.mapping->DropFromPageCache(sp.offset, sp.bytes);
+  }
 }
 
 std::vector<ExpertCache::Span> ExpertCache::MappedSpans(int unit) const {
@@ -288,6 +330,7 @@ absl::StatusOr<std::vector<std::vector<at::Tensor>>> ExpertCache::Acquire(
   absl::Status failed;
   for (size_t k : missing) {
     const int unit = units[k];
+    if (failed.ok()) KeepMemoryFree(units_[unit].bytes);
     absl::StatusOr<Entry> entry =
         failed.ok() ? Read(unit) : absl::StatusOr<Entry>(absl::CancelledError());
     std::lock_guard<std::mutex> lock(mu_);
@@ -391,6 +434,7 @@ void ExpertCache::ReaderLoop() {
     // to be read by the advice: FileMapping::WillNeed).
     const int after = needed && !needed_.empty() ? needed_.front() : -1;
     lock.unlock();
+    KeepMemoryFree(bytes);
     if (after >= 0) Advise(after);
     absl::StatusOr<Entry> entry = Read(unit);
     lock.lock();

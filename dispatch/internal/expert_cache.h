@@ -53,6 +53,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -90,6 +91,17 @@ class ExpertCache {
     // Mapped units: an evicted unit's pages leave the page cache too, rather
     // than stay there (as a second level of cache the kernel reclaims first).
     bool release_pages = false;
+    // Mapped units kept in the page cache after eviction (release_pages
+    // false) stay there only while the machine's free memory is above this
+    // floor plus the unit about to be read: below it, the cache drops the
+    // pages of the units it evicted longest ago before it reads, so a read
+    // lands in free memory. Left to the kernel, every read into a full page
+    // cache waited for reclaim and compaction (kswapd's scans, direct
+    // compaction stalls) on the same two cores as the forward. 0: off.
+    int64_t free_memory_floor = 0;
+    // The machine's free memory in bytes (tests stand in their own); unset:
+    // sysinfo()'s freeram.
+    std::function<int64_t()> free_memory;
   };
 
   // `tensors` is the dispatch core's table of offloaded tensors; it must
@@ -167,6 +179,10 @@ class ExpertCache {
   // (any, for unit -1), farthest first, until `bytes` more fit; whether they do.
   bool MakeRoom(int64_t bytes, int unit = -1);  // mu_ held
   void ReaderLoop();
+  // Before a read of `incoming` bytes: drops evicted units' pages from the
+  // page cache, those evicted longest ago first, until the free memory
+  // floor and `incoming` fit or none is left (no lock held).
+  void KeepMemoryFree(int64_t incoming);
 
   const std::vector<Offloaded>& tensors_;
   const Options options_;
@@ -186,6 +202,12 @@ class ExpertCache {
   // Running share of guesses read that were used, by distance.
   double guess_rate_[kGuessDistances] = {1.0, 1.0, 1.0, 1.0};
   uint64_t guesses_seen_[kGuessDistances] = {};
+  // Evicted mapped units whose pages may still be in the page cache, in
+  // the order of eviction, each with the stamp of that eviction (a unit
+  // read and evicted again has a newer one, and its older entry is stale).
+  std::deque<std::pair<int, uint64_t>> evicted_;
+  std::vector<uint64_t> evicted_stamp_;  // by unit; 0: not waiting to be dropped
+  uint64_t eviction_clock_ = 0;
   bool stop_ = false;
   OffloadStats stats_;
   std::thread reader_;

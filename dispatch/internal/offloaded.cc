@@ -149,6 +149,10 @@ void FileMapping::WillNeed(uint64_t offset, uint64_t n) const {
 
 void FileMapping::Evict(uint64_t offset, uint64_t n) const {
   Drop(offset, n);
+  DropFromPageCache(offset, n);
+}
+
+void FileMapping::DropFromPageCache(uint64_t offset, uint64_t n) const {
   uint64_t begin = 0, end = 0;
   if (!WholePages(offset, n, size_, begin, end)) return;
   if (fd_ < 0) return;  // advice: the pages stay cached, which costs memory, not data

@@ -79,6 +79,10 @@ class FileMapping {
   // fails.
   void WillNeed(uint64_t offset, uint64_t n) const;
   static constexpr uint64_t kWillNeedLimit = kAdviseWillNeedBelowBytes;
+  // The whole pages of [offset, offset + n) leave the page cache
+  // (POSIX_FADV_DONTNEED), except those a process maps (this one's included:
+  // a range someone has mapped again keeps its pages). Advice.
+  void DropFromPageCache(uint64_t offset, uint64_t n) const;
   // Drop(), then the whole pages of the range leave the page cache too
   // (POSIX_FADV_DONTNEED; pages another process maps stay): memory the
   // process gives back for good, where it holds more than memory can keep.

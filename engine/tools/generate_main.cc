@@ -400,14 +400,14 @@ int Run(int argc, char** argv) {
       std::cerr << absl::StrFormat(
           "accel-generate: experts: %.2f s waited for by the forward, %.2f s spent reading "
           "(%.2f GB/s), %d guesses read, %d of them used, %s read again after the kernel "
-          "reclaimed them\n",
+          "reclaimed them, %d evicted ones dropped from the page cache to keep memory free\n",
           static_cast<double>(stats.expert_wait_us) / 1e6,
           static_cast<double>(stats.expert_read_us) / 1e6,
           stats.expert_read_us > 0 ? static_cast<double>(stats.expert_bytes_read) /
                                          static_cast<double>(stats.expert_read_us) / 1e3
                                    : 0.0,
           stats.expert_guess_reads, stats.expert_guess_hits,
-          accel::FormatBytes(stats.expert_bytes_reread));
+          accel::FormatBytes(stats.expert_bytes_reread), stats.expert_units_uncached);
     }
   }
   return 0;

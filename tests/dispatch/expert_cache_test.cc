@@ -5,9 +5,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fcntl.h>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <sys/mman.h>
 #include <thread>
 #include <unistd.h>
 #include <vector>
@@ -284,6 +286,77 @@ TEST(ExpertCacheTest, ATruncatedFileIsDataLoss) {
   cache->Release({0});
   EXPECT_THAT(cache->Acquire({1}),
               StatusIs(absl::StatusCode::kDataLoss, HasSubstr("experts.1.w1")));
+}
+
+// Mapped units (a cpu execution device, used in place) kept in the page
+// cache after eviction stay there only while the machine's free memory is
+// above the floor: below it, the cache drops the pages of the units it
+// evicted longest ago before each read; above it, it leaves them. Units of
+// 4 MiB at 2 MiB boundaries, so no page-cache folio is shared between two.
+int64_t PageCachedBytes(const char* address, int64_t n) {
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  std::vector<unsigned char> in(static_cast<size_t>((n + page - 1) / page));
+  if (::mincore(const_cast<char*>(address), static_cast<size_t>(n), in.data()) != 0) return -1;
+  int64_t cached = 0;
+  for (unsigned char c : in) cached += (c & 1) ? page : 0;
+  return cached;
+}
+
+TEST(ExpertCacheTest, EvictedMappedUnitsLeaveThePageCacheOnlyBelowTheFreeMemoryFloor) {
+  constexpr int64_t kBig = int64_t{1} << 19;  // floats a tensor: 2 MiB
+  constexpr int64_t kBigUnitBytes = 2 * kBig * 4;
+  TempDir dir;
+  const std::string path = dir.path() + "/experts.bin";
+  std::string bytes;
+  for (int i = 0; i < 2 * kUnits; ++i) {
+    at::Tensor t = at::full({kBig}, static_cast<float>(i));
+    bytes.append(static_cast<const char*>(t.data_ptr()), kBig * 4);
+  }
+  ASSERT_THAT(loader::WriteFileAtomically(path, bytes), IsOk());
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file,
+                             OpenFile::Open(path, /*direct=*/false));
+  ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<FileMapping> mapping, FileMapping::Open(*file));
+  std::vector<Offloaded> tensors;
+  for (int i = 0; i < 2 * kUnits; ++i) {
+    Source s;
+    s.path = path;
+    s.offset = static_cast<uint64_t>(i) * kBig * 4;
+    s.nbytes = kBig * 4;
+    s.dtype = at::kFloat;
+    s.shape = {kBig};
+    s.mapping = mapping;
+    s.file = file;
+    tensors.push_back({absl::StrCat("experts.", i / 2, ".w", i % 2), s});
+  }
+  const auto unit_cached = [&](int u) {
+    return PageCachedBytes(mapping->data() + u * kBigUnitBytes, kBigUnitBytes);
+  };
+  for (const bool short_of_memory : {false, true}) {
+    SCOPED_TRACE(short_of_memory ? "free memory below the floor" : "free memory above it");
+    // From a page cache without the file (written pages made clean first).
+    ::fsync(file->fd());
+    ASSERT_EQ(::posix_fadvise(file->fd(), 0, 0, POSIX_FADV_DONTNEED), 0);
+    ExpertCache::Options options;
+    options.budget_bytes = kBigUnitBytes;  // one unit
+    options.free_memory_floor = 1;
+    options.free_memory = [&] { return short_of_memory ? int64_t{0} : int64_t{1} << 50; };
+    ExpertCache cache(tensors, options);
+    for (int u = 0; u < kUnits; ++u) ASSERT_EQ(cache.AddUnit({2 * u, 2 * u + 1}, 0), u);
+    for (int u = 0; u < 3; ++u) {
+      ACCEL_ASSERT_OK_AND_ASSIGN(auto values, cache.Acquire({u}));
+      EXPECT_TRUE(at::equal(values[0][1], at::full({kBig}, static_cast<float>(2 * u + 1))));
+      cache.Release({u});
+    }
+    // Unit 0 was evicted by unit 1's read, unit 1 by unit 2's; unit 2 is cached.
+    EXPECT_EQ(unit_cached(2), kBigUnitBytes);
+    EXPECT_EQ(unit_cached(1), kBigUnitBytes);  // evicted last: not dropped yet
+    EXPECT_EQ(unit_cached(0), short_of_memory ? 0 : kBigUnitBytes);
+    EXPECT_EQ(Stats(cache).expert_units_uncached, short_of_memory ? 1 : 0);
+    // A unit dropped from the page cache reads back the same values.
+    ACCEL_ASSERT_OK_AND_ASSIGN(auto again, cache.Acquire({0}));
+    EXPECT_TRUE(at::equal(again[0][0], at::full({kBig}, 0.0f)));
+    cache.Release({0});
+  }
 }
 
 }  // namespace
