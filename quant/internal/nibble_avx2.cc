@@ -198,7 +198,7 @@ ACCEL_TARGET_AVX2 ACCEL_INLINE void DotParity(__m256i index, const ByteTables& t
 // previous group's decode). The packed bytes, x and the block are walked by
 // pointer. The general loop below builds tables into a buffer and reloads
 // them, and divides for each group's byte and x offsets: about 80
-// instructions a group against about 50 here (accel-bench-quant, 4096 x
+// instructions a group against about 57 here (accel-bench-quant, 4096 x
 // 4096, one row, one thread, on a Zen 3 class EPYC: see docs/BENCHMARKS.md).
 constexpr int64_t kAbsmaxChunk = 256;
 
@@ -262,11 +262,12 @@ ACCEL_TARGET_AVX2 void NibbleRows(const Gemv4bitArgs& a, int64_t n_begin, int64_
       NibbleRowBlocks64<T, R, kAcc>(a, codes, packed + k0 / 2, (row + k0) / kGroup,
                                     (k1 - k0) / kGroup, a.x + (k0 / kGroup) * a.x_stride, acc);
     } else {
-      // In spans of kSpan groups: first every group's tables into an L1
-      // buffer, then the groups. Built inside the decode loop, each table's
-      // chain (multiply, round, pack, permute) stalled the decode behind it.
-      // One division a row: a 64-bit divide per block would cost as much as
-      // decoding it.
+      // Blocks of several groups: in spans of kSpan groups, first every
+      // group's tables into an L1 buffer, then the groups (written when a
+      // table built in this loop stalled the decode behind it; with the loop
+      // walked by pointer, as for blocks of 64 above, that stall did not
+      // show). One division a row: a 64-bit divide per block would cost as
+      // much as decoding it.
       int64_t block = (row + k0) / w.blocksize;
       int64_t block_end = (block + 1) * w.blocksize - row;
       for (int64_t span = k0; span < k1; span += kSpan * kGroup) {
