@@ -674,19 +674,7 @@ absl::Status DispatchedModel::SetUpExpertCache(const LoadOptions& options) {
   // dropped from it too (under a tight memory cgroup, where the kernel's
   // reclaim took the cache's own units; see LoadOptions).
   cache.release_pages = !options.keep_evicted_expert_pages;
-  if (!cache.release_pages && !options.direct_reads) {
-    // Room for the reads of a few experts above the kernel's watermarks:
-    // four of the largest, and a quarter GiB.
-    int64_t largest = 0;
-    for (const auto& [list, experts] : members) {
-      for (const std::vector<int>& m : experts) {
-        int64_t bytes = 0;
-        for (int i : m) bytes += static_cast<int64_t>(im.tensors[i].source.nbytes);
-        largest = std::max(largest, bytes);
-      }
-    }
-    cache.free_memory_floor = 4 * largest + (int64_t{256} << 20);
-  }
+  cache.keep_memory_free = !options.direct_reads;
   im.experts = std::make_unique<internal::ExpertCache>(im.tensors, cache);
   for (size_t position = 0; position < options.expert_lists.size(); ++position) {
     const std::string& list = options.expert_lists[position];

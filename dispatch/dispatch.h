@@ -118,7 +118,7 @@ struct LoadOptions {
   // Mixtral-8x7B NF4 (docs/BENCHMARKS.md): 1.35x decode on a whole 24 GiB
   // machine, and 0.95x in a 16 GiB memory cgroup, whose limit reclaim then
   // took the cache's own units too. Kept above a free memory floor by the
-  // cache (ExpertCache::Options::free_memory_floor): reads land in free
+  // cache (ExpertCache::Options::keep_memory_free): reads land in free
   // memory rather than wait for the kernel's reclaim.
   bool keep_evicted_expert_pages = false;
   // Disk reads bypass the page cache (O_DIRECT; a buffered read whose pages

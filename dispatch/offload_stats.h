@@ -43,7 +43,7 @@ struct OffloadStats {
   // that were read back before use (also in expert_bytes_read).
   int64_t expert_bytes_reread = 0;
   // Evicted experts whose pages the cache dropped from the page cache to keep
-  // its free memory floor (ExpertCache::Options::free_memory_floor).
+  // its free memory floor (ExpertCache::Options::keep_memory_free).
   int64_t expert_units_uncached = 0;
 
   // Every counter added: two models' offloading (a target and its draft) read as one.

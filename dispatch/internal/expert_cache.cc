@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
-#include <sys/sysinfo.h>
 
 #include <ATen/Functions.h>
 
@@ -12,6 +11,7 @@
 
 #include "core/status.h"
 #include "core/thread_name.h"
+#include "dispatch/internal/host_memory.h"
 
 namespace accel::dispatch::internal {
 namespace {
@@ -44,8 +44,9 @@ int ExpertCache::AddUnit(std::vector<int> tensors, int position) {
   unit.tensors = std::move(tensors);
   unit.position = position;
   std::lock_guard<std::mutex> lock(mu_);
+  largest_unit_bytes_ = std::max(largest_unit_bytes_, unit.bytes);
   units_.push_back(std::move(unit));
-  evicted_stamp_.push_back(0);
+  evicted_at_.push_back(0);
   return static_cast<int>(units_.size()) - 1;
 }
 
@@ -139,42 +140,29 @@ bool ExpertCache::MakeRoom(int64_t bytes, int unit) {
         sp.mapping->Drop(sp.offset, sp.bytes);
       }
     }
-    if (!spans.empty() && !options_.release_pages && options_.free_memory_floor > 0) {
-      evicted_.emplace_back(victim, ++eviction_clock_);
-      evicted_stamp_[victim] = eviction_clock_;
-      if (evicted_.size() > 4 * units_.size()) {  // stale entries: at most one live one a unit
-        evicted_.erase(std::remove_if(evicted_.begin(), evicted_.end(),
-                                      [&](const std::pair<int, uint64_t>& e) {
-                                        return evicted_stamp_[e.first] != e.second;
-                                      }),
-                       evicted_.end());
-      }
-    }
+    if (!spans.empty() && !options_.release_pages) evicted_at_[victim] = ++evictions_;
   }
   return true;
 }
 
 void ExpertCache::KeepMemoryFree(int64_t incoming) {
-  if (options_.release_pages || options_.free_memory_floor <= 0) return;
+  if (options_.release_pages || !options_.keep_memory_free) return;
+  const int64_t floor = 4 * largest_unit_bytes_ + (int64_t{256} << 20);
   const auto free_memory = [&]() -> int64_t {
     if (options_.free_memory) return options_.free_memory();
-    struct sysinfo info {};
-    if (::sysinfo(&info) != 0) return std::numeric_limits<int64_t>::max();
-    return static_cast<int64_t>(info.freeram) * static_cast<int64_t>(info.mem_unit);
+    return FreeHostMemory().value_or(std::numeric_limits<int64_t>::max());
   };
-  while (free_memory() < options_.free_memory_floor + incoming) {
+  while (free_memory() < floor + incoming) {
     int unit = -1;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      while (unit < 0 && !evicted_.empty()) {
-        const auto [u, stamp] = evicted_.front();
-        evicted_.pop_front();
-        if (evicted_stamp_[u] != stamp) continue;  // evicted again since: a newer entry
-        evicted_stamp_[u] = 0;
-        // Cached again (or being read): its pages are in use.
-        if (!entries_.count(u) && !in_flight_.count(u)) unit = u;
+      // The unit evicted longest ago, not cached (or being read) again since.
+      for (int u = 0; u < static_cast<int>(units_.size()); ++u) {
+        if (evicted_at_[u] == 0 || entries_.count(u) || in_flight_.count(u)) continue;
+        if (unit < 0 || evicted_at_[u] < evicted_at_[unit]) unit = u;
       }
       if (unit < 0) return;  // none of the cache's pages left to give back
+      evicted_at_[unit] = 0;
       stats_.expert_units_uncached++;
     }
     // Page-cache advice only: a range mapped again since keeps its pages.

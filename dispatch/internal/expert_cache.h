@@ -92,15 +92,16 @@ class ExpertCache {
     // than stay there (as a second level of cache the kernel reclaims first).
     bool release_pages = false;
     // Mapped units kept in the page cache after eviction (release_pages
-    // false) stay there only while the machine's free memory is above this
-    // floor plus the unit about to be read: below it, the cache drops the
-    // pages of the units it evicted longest ago before it reads, so a read
-    // lands in free memory. Left to the kernel, every read into a full page
-    // cache waited for reclaim and compaction (kswapd's scans, direct
-    // compaction stalls) on the same two cores as the forward. 0: off.
-    int64_t free_memory_floor = 0;
+    // false) stay there only while the machine's free memory is above a
+    // floor (four of the largest units and 256 MiB) plus the unit about to
+    // be read: below it, the cache drops the pages of the units it evicted
+    // longest ago before it reads, so a read lands in free memory. Left to
+    // the kernel, every read into a full page cache waited for reclaim and
+    // compaction (kswapd's scans, direct compaction stalls) on the same two
+    // cores as the forward.
+    bool keep_memory_free = false;
     // The machine's free memory in bytes (tests stand in their own); unset:
-    // sysinfo()'s freeram.
+    // FreeHostMemory().
     std::function<int64_t()> free_memory;
   };
 
@@ -181,7 +182,8 @@ class ExpertCache {
   void ReaderLoop();
   // Before a read of `incoming` bytes: drops evicted units' pages from the
   // page cache, those evicted longest ago first, until the free memory
-  // floor and `incoming` fit or none is left (no lock held).
+  // floor (Options::keep_memory_free) and `incoming` fit or none is left
+  // (no lock held).
   void KeepMemoryFree(int64_t incoming);
 
   const std::vector<Offloaded>& tensors_;
@@ -202,12 +204,12 @@ class ExpertCache {
   // Running share of guesses read that were used, by distance.
   double guess_rate_[kGuessDistances] = {1.0, 1.0, 1.0, 1.0};
   uint64_t guesses_seen_[kGuessDistances] = {};
-  // Evicted mapped units whose pages may still be in the page cache, in
-  // the order of eviction, each with the stamp of that eviction (a unit
-  // read and evicted again has a newer one, and its older entry is stale).
-  std::deque<std::pair<int, uint64_t>> evicted_;
-  std::vector<uint64_t> evicted_stamp_;  // by unit; 0: not waiting to be dropped
-  uint64_t eviction_clock_ = 0;
+  // By unit: when it was last evicted with its pages left in the page cache
+  // (an eviction count), 0 once they are dropped or for units never evicted;
+  // the oldest of the units not cached again are dropped first.
+  std::vector<uint64_t> evicted_at_;
+  uint64_t evictions_ = 0;
+  int64_t largest_unit_bytes_ = 0;
   bool stop_ = false;
   OffloadStats stats_;
   std::thread reader_;

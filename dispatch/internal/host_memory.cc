@@ -5,6 +5,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <sys/sysinfo.h>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -129,6 +130,12 @@ std::optional<int64_t> MeminfoField(const std::string& meminfo, const std::strin
 }
 
 }  // namespace
+
+std::optional<int64_t> FreeHostMemory() {
+  struct sysinfo info {};
+  if (::sysinfo(&info) != 0) return std::nullopt;
+  return static_cast<int64_t>(info.freeram) * static_cast<int64_t>(info.mem_unit);
+}
 
 std::optional<int64_t> MemAvailable(const std::string& meminfo) {
   return MeminfoField(meminfo, "MemAvailable:");

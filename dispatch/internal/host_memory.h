@@ -36,6 +36,11 @@ std::optional<CgroupMemory> ReadCgroupMemory(const std::string& proc_cgroup,
 // /sys/fs/cgroup.
 std::optional<CgroupMemory> SelfCgroupMemory();
 
+// The machine's free memory now (sysinfo's freeram: not the page cache),
+// in bytes; nullopt if sysinfo fails. One system call, cheap enough to ask
+// before every expert read.
+std::optional<int64_t> FreeHostMemory();
+
 // MemAvailable / MemTotal of /proc/meminfo (bytes), nullopt if unreadable.
 std::optional<int64_t> MemAvailable(const std::string& meminfo = "/proc/meminfo");
 std::optional<int64_t> MemTotal(const std::string& meminfo = "/proc/meminfo");

@@ -338,7 +338,7 @@ TEST(ExpertCacheTest, EvictedMappedUnitsLeaveThePageCacheOnlyBelowTheFreeMemoryF
     ASSERT_EQ(::posix_fadvise(file->fd(), 0, 0, POSIX_FADV_DONTNEED), 0);
     ExpertCache::Options options;
     options.budget_bytes = kBigUnitBytes;  // one unit
-    options.free_memory_floor = 1;
+    options.keep_memory_free = true;
     options.free_memory = [&] { return short_of_memory ? int64_t{0} : int64_t{1} << 50; };
     ExpertCache cache(tensors, options);
     for (int u = 0; u < kUnits; ++u) ASSERT_EQ(cache.AddUnit({2 * u, 2 * u + 1}, 0), u);
