@@ -474,7 +474,7 @@ void Resident(const ModelSpec& spec, const accel::loader::ModelConfig& config,
   const double full = rest + static_cast<double>(config.num_hidden_layers) * per_layer;
   std::printf(
       "%s with every expert in memory: %.2f ms a decoder layer, %.1f ms the rest of a token; "
-      "%lld layers %.1f ms a token, %.2f tok/s (%.2fx llama.cpp's greedy 2.74)\n",
+      "%lld layers %.1f ms a token, %.2f tok/s (%.2fx the issue's llama.cpp greedy 2.74)\n",
       spec.name.c_str(), 1e3 * per_layer, 1e3 * rest,
       static_cast<long long>(config.num_hidden_layers), 1e3 * full, 1.0 / full, 1.0 / full / 2.74);
   std::fflush(stdout);
@@ -676,8 +676,9 @@ int main(int argc, char** argv) {
   }
   accel::SetIntraOpThreads(0);
   std::printf(
-      "accel-bench-bigmodel: models %s into %s; llama.cpp on the same shape (issue 32): "
-      "greedy 2.74 tok/s, sampled 0.62 tok/s, 8-token prompt 6.3-6.8 s\n",
+      "accel-bench-bigmodel: models %s into %s; llama.cpp on the same shape as issue 32 "
+      "measured it (an AVX-512 machine): greedy 2.74 tok/s, sampled 0.62 tok/s, 8-token prompt "
+      "6.3-6.8 s; on this machine: bench/llamacpp/compare.sh\n",
       models.c_str(), dir.c_str());
   for (absl::string_view name : absl::StrSplit(models, ',', absl::SkipEmpty())) {
     const ModelSpec* spec = nullptr;
