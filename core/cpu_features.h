@@ -17,6 +17,11 @@ struct CpuFeatures {
   bool avx512_vl_vbmi = false;  // AVX-512 VL and VBMI (byte permutes)
   bool avx512_vnni = false;     // AVX-512 VNNI (vpdpbusd: int8 dot products)
   bool avx512_bf16 = false;     // AVX-512 BF16 (vdpbf16ps: bfloat16 dot products)
+  // AVX-512 BW, VL and DQ: what libtorch 1.13 asks of a cpu before its
+  // bfloat16 products go to oneDNN (mkldnn_bf16_device_check). Without them
+  // at::matmul and at::linear in bfloat16 run a reference loop on one thread
+  // (a 256-token Mixtral prompt took over 7 minutes on an AVX2 machine).
+  bool onednn_bf16_matmul = false;
 };
 
 inline CpuFeatures DetectCpuFeatures() {
@@ -30,6 +35,8 @@ inline CpuFeatures DetectCpuFeatures() {
   f.avx512_f_bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   f.avx512_vl_vbmi = __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
   f.avx512_vnni = __builtin_cpu_supports("avx512vnni");
+  f.onednn_bf16_matmul = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512dq");
   // Nor "avx512bf16" in clang 14: CPUID leaf 7, subleaf 1, EAX bit 5.
   f.avx512_bf16 = f.avx512_f_bw && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 &&
                   (eax & (1u << 5)) != 0;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/cpu_features.h"
 #include "core/status.h"
 #include "core/torch_compat.h"
 #include "models/internal/cpu_linear.h"
@@ -26,6 +27,16 @@ bool NeedsHalfUpcast(const at::Tensor& x) {
 }
 
 at::Tensor Float(const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; }
+
+// A product of float16 values without float16 kernels, or of bfloat16 values
+// where libtorch's bfloat16 product is a loop on one thread (no oneDNN for
+// it on this cpu: core/cpu_features.h): in float32 (OpenBLAS), which holds
+// either dtype's values exactly, the result rounded once to the dtype, as a
+// product that sums in float32 rounds it.
+bool NeedsFloatProduct(const at::Tensor& x) {
+  return NeedsHalfUpcast(x) || (x.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+                                !CpuFeaturesOfThisMachine().onednn_bf16_matmul);
+}
 
 }  // namespace
 
@@ -178,7 +189,7 @@ at::Tensor QuantizableLinear::DequantizedForward(const at::Tensor& x) {
   w = w.to(compute);
   const at::Tensor b = bias.defined() ? bias.to(compute) : bias;
   at::Tensor y;
-  if (NeedsHalfUpcast(w)) {
+  if (NeedsFloatProduct(w)) {
     y = at::linear(Float(x.to(compute)), Float(w), Float(b)).to(compute);
   } else {
     y = at::linear(x.to(compute), w, b);
@@ -262,7 +273,7 @@ Linear4bit::Linear4bit(int64_t in, int64_t out, bool bias, at::ScalarType dtype,
 }
 
 at::Tensor MatMul(const at::Tensor& a, const at::Tensor& b) {
-  if (NeedsHalfUpcast(a)) return at::matmul(Float(a), Float(b)).to(at::kHalf);
+  if (NeedsFloatProduct(a)) return at::matmul(Float(a), Float(b)).to(a.scalar_type());
   return at::matmul(a, b);
 }
 
@@ -307,7 +318,9 @@ at::Tensor DenseLinear(const at::Tensor& x, const at::Tensor& weight, const at::
   // streams the weights at close to memory bandwidth, a prefill runs them over
   // chunks of rows (in bfloat16 only up to one chunk: oneDNN is faster above).
   if (std::optional<at::Tensor> y = models::internal::FastLinear(x, weight, bias)) return *y;
-  if (NeedsHalfUpcast(x)) return at::linear(Float(x), Float(weight), Float(bias)).to(at::kHalf);
+  if (NeedsFloatProduct(x)) {
+    return at::linear(Float(x), Float(weight), Float(bias)).to(x.scalar_type());
+  }
   return at::linear(x, weight, bias);
 }
 

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
+#include "core/cpu_features.h"
 #include "core/dtype.h"
 #include "core/status.h"
 #include "quant/internal/arguments.h"
@@ -118,31 +119,40 @@ void WriteValues(const float* y, int64_t n, DenseType round, const at::Tensor& o
 // same product on a bfloat16 weight. The slabs split W's rows, never a sum.
 at::Tensor LinearBySlabs(const at::Tensor& x2, const Weight4bit& w, const at::Tensor& bias,
                          at::ScalarType compute) {
-  // libtorch 1.13 has no float16 product on the cpu: float16 values, held
-  // in float32, multiplied in float32, the result rounded to float16.
-  const bool half = compute == at::kHalf;
-  const at::ScalarType product = half ? at::kFloat : compute;
-  const at::Tensor xm = half ? x2.to(at::kHalf).to(at::kFloat) : x2.to(compute);
+  // libtorch 1.13 has no float16 product on the cpu, and its bfloat16 one is
+  // a loop on one thread where oneDNN does not take it (core/cpu_features.h;
+  // taken as so below the AVX-512 kernel level too, so that tests run both
+  // paths on such a machine): the values, held in float32, multiplied in
+  // float32 (OpenBLAS), the result rounded once to the compute dtype.
+  const bool upcast = compute == at::kHalf || (compute == at::kBFloat16 &&
+                                               (!CpuFeaturesOfThisMachine().onednn_bf16_matmul ||
+                                                internal::ActiveIsa() < internal::CpuIsa::kAvx512));
+  const at::ScalarType product = upcast ? at::kFloat : compute;
+  const at::Tensor xm = upcast ? x2.to(compute).to(at::kFloat) : x2.to(compute);
   at::Tensor bm;
-  if (bias.defined()) bm = half ? bias.to(at::kHalf).to(at::kFloat) : bias.to(compute);
+  if (bias.defined()) bm = upcast ? bias.to(compute).to(at::kFloat) : bias.to(compute);
   const int64_t in = w.in_features, out = w.out_features;
-  const int64_t element = compute == at::kFloat ? 4 : 2;
+  const int64_t element = compute == at::kFloat || upcast ? 4 : 2;
   // Whole multiples of 16 rows, so each slab starts on a decode group.
   const int64_t slab = std::min(
       out, std::max<int64_t>(16, kSlabBytes / std::max<int64_t>(1, in * element) / 16 * 16));
-  const at::Tensor buffer = at::empty({slab, in}, at::TensorOptions().dtype(compute));
+  const at::Tensor buffer = at::empty({slab, in}, at::TensorOptions().dtype(product));
   const internal::Packed4bit packed = PackedOf(w);
   const DenseType dense = *DenseTypeOf(compute);
   at::Tensor y = at::empty({xm.size(0), out}, xm.options().dtype(product));
   for (int64_t n0 = 0; n0 < out; n0 += slab) {
     const int64_t n = std::min(slab, out - n0);
     const at::Tensor ws = buffer.narrow(0, 0, n);
-    internal::Dequantize4bitRange(internal::ActiveIsa(), packed, dense, n0 * in, (n0 + n) * in,
-                                  ws.data_ptr());
-    y.narrow(1, n0, n).copy_(at::linear(xm, half ? ws.to(at::kFloat) : ws,
-                                        bm.defined() ? bm.narrow(0, n0, n) : at::Tensor()));
+    if (upcast) {
+      internal::Dequantize4bitRangeAsFloat(internal::ActiveIsa(), packed, dense, n0 * in,
+                                           (n0 + n) * in, ws.data_ptr<float>());
+    } else {
+      internal::Dequantize4bitRange(internal::ActiveIsa(), packed, dense, n0 * in, (n0 + n) * in,
+                                    ws.data_ptr());
+    }
+    y.narrow(1, n0, n).copy_(at::linear(xm, ws, bm.defined() ? bm.narrow(0, n0, n) : at::Tensor()));
   }
-  return half ? y.to(at::kHalf) : y;
+  return upcast ? y.to(compute) : y;
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 
+#include "core/cpu_features.h"
 #include "models/internal/gemv.h"
 
 namespace accel::models::internal {
@@ -51,13 +52,16 @@ std::optional<at::Tensor> Linear(const at::Tensor& x, const at::Tensor& weight,
   if (in == 0 || out == 0 || x.size(-1) != in) return std::nullopt;
   const int64_t rows = x.numel() / in;
   if (rows < 1) return std::nullopt;
-  // bfloat16 above one chunk goes to libtorch, which runs it with oneDNN
+  // bfloat16 above one chunk goes to libtorch where it runs it with oneDNN
   // (AVX-512 bf16 / AMX on the build machine): measured on [4096, 4096]
   // weights, as fast as our chunks at 17 rows, 2x faster at 32, 2.8x at 64 and
-  // 4.3x at 256 (docs/BENCHMARKS.md, GEMV section). float32 and float16 take
-  // any number of rows: libtorch 1.13's float32 product here is the reference
-  // BLAS sgemm (51-64x slower than ours at 17-256 rows) and it has no float16 one.
-  if (*type == GemvWeight::kBFloat16 && rows > kFastLinearChunkRows && !bfloat16_any_rows) {
+  // 4.3x at 256 (docs/BENCHMARKS.md, GEMV section); on a cpu without oneDNN's
+  // bfloat16 product libtorch's is a loop on one thread, so the chunks take
+  // it. float32 and float16 take any number of rows: libtorch 1.13's float32
+  // product was the reference BLAS sgemm (51-64x slower than ours at 17-256
+  // rows) and it has no float16 one.
+  if (*type == GemvWeight::kBFloat16 && rows > kFastLinearChunkRows && !bfloat16_any_rows &&
+      CpuFeaturesOfThisMachine().onednn_bf16_matmul) {
     return std::nullopt;
   }
   if (bias.defined() && (!DenseCpu(bias) || bias.scalar_type() != weight.scalar_type() ||

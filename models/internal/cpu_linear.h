@@ -27,8 +27,9 @@ inline constexpr int64_t kFastLinearChunkRows = 16;
 //   - weight is contiguous [out, in], float32, bfloat16 or float16, and x and
 //     bias have its dtype (bias [out], or undefined);
 //   - x is [..., in] (any strides) with at least one row, in > 0, out > 0;
-//   - in bfloat16, at most kFastLinearChunkRows rows: above that libtorch's
-//     oneDNN product is faster (measured; cpu_linear.cc);
+//   - in bfloat16, at most kFastLinearChunkRows rows where libtorch has
+//     oneDNN's bfloat16 product (faster above that: measured; cpu_linear.cc),
+//     any number where it has not (core/cpu_features.h);
 //   - no autograd graph is needed (grad mode off, or nothing requires grad).
 // x's rows are converted to float32, products accumulate in float32, and y
 // is rounded to x's dtype (nearest even), shaped [..., out]. Each element is

@@ -1273,8 +1273,10 @@ void Dequantize4bit(CpuIsa isa, const Packed4bit& w, DenseType type, void* out) 
   Dequantize4bitRange(isa, w, type, 0, w.numel, out);
 }
 
-void Dequantize4bitRange(CpuIsa isa, const Packed4bit& w, DenseType type, int64_t first,
-                         int64_t last, void* out) {
+namespace {
+
+void DecodeRangeThreaded(CpuIsa isa, const Packed4bit& w, DenseType type, bool float_out,
+                         int64_t first, int64_t last, void* out) {
   CheckSupported(isa, "Dequantize4bit");
   if (first % 16 != 0) {
     std::fprintf(stderr, "Dequantize4bitRange: first (%lld) is not a multiple of 16\n",
@@ -1283,14 +1285,26 @@ void Dequantize4bitRange(CpuIsa isa, const Packed4bit& w, DenseType type, int64_
   }
   last = std::min(last, w.numel);
   if (last <= first) return;
-  const DecodeFn decode = PickDecode<false>(isa, type);
-  const int64_t element = type == DenseType::kFloat32 ? 4 : 2;
+  const DecodeFn decode = float_out ? PickDecode<true>(isa, type) : PickDecode<false>(isa, type);
+  const int64_t element = float_out || type == DenseType::kFloat32 ? 4 : 2;
   // Ranges of whole 16-element groups, so a thread's part starts on a byte.
   const int64_t groups = (last - first + 15) / 16;
   at::parallel_for(0, groups, kMinBytesPerTask / (16 * element), [&](int64_t begin, int64_t end) {
     const int64_t from = first + begin * 16, to = std::min(last, first + end * 16);
     decode(w, from, to, static_cast<char*>(out) + (from - first) * element);
   });
+}
+
+}  // namespace
+
+void Dequantize4bitRange(CpuIsa isa, const Packed4bit& w, DenseType type, int64_t first,
+                         int64_t last, void* out) {
+  DecodeRangeThreaded(isa, w, type, /*float_out=*/false, first, last, out);
+}
+
+void Dequantize4bitRangeAsFloat(CpuIsa isa, const Packed4bit& w, DenseType round, int64_t first,
+                                int64_t last, float* out) {
+  DecodeRangeThreaded(isa, w, round, /*float_out=*/true, first, last, out);
 }
 
 void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {

@@ -120,6 +120,10 @@ void Dequantize4bit(CpuIsa isa, const Packed4bit& w, DenseType type, void* out);
 // multiple of 16 (a byte and a decode group).
 void Dequantize4bitRange(CpuIsa isa, const Packed4bit& w, DenseType type, int64_t first,
                          int64_t last, void* out);
+// The same values rounded to `round`, written as float32 (exactly: each
+// dtype's values are float32 values).
+void Dequantize4bitRangeAsFloat(CpuIsa isa, const Packed4bit& w, DenseType round, int64_t first,
+                                int64_t last, float* out);
 
 // y[i, n] = sum_k W[n, k] * x[i, k] (+ bias[n]) for i < m, n < out, with W =
 // w viewed [out, in] (w.numel == out * in) and its values rounded to

@@ -15,6 +15,7 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
+#include "core/cpu_features.h"
 #include "models/nn.h"
 
 namespace accel::models::internal {
@@ -52,12 +53,16 @@ void ExpectMatchesFloat64(const at::Tensor& y, const at::Tensor& x, const at::Te
       << bound.flatten()[(error - bound).argmax()].item<double>();
 }
 
+bool TakesPrefillIn(at::ScalarType dtype) {
+  return dtype != at::kBFloat16 || !CpuFeaturesOfThisMachine().onednn_bf16_matmul;
+}
+
 class CpuLinearTest : public ::testing::TestWithParam<at::ScalarType> {
  protected:
   at::ScalarType dtype() const { return GetParam(); }
   // Whether FastLinear takes more than one chunk's rows in this dtype
-  // (bfloat16 leaves them to libtorch's oneDNN product).
-  bool TakesPrefill() const { return dtype() != at::kBFloat16; }
+  // (bfloat16 leaves them to libtorch's product where oneDNN runs it).
+  bool TakesPrefill() const { return TakesPrefillIn(dtype()); }
 };
 
 TEST_P(CpuLinearTest, MatchesLinearInFloat64) {
@@ -252,10 +257,11 @@ TEST(CpuLinearFallbackTest, LeavesEverythingElseToLibtorch) {
       FastLinear(at::randn({16, 16}).to(at::kBFloat16), w.to(at::kBFloat16), b.to(at::kBFloat16))
           .has_value())
       << "bfloat16, one chunk";
-  EXPECT_FALSE(
+  EXPECT_EQ(
       FastLinear(at::randn({3, 6, 16}).to(at::kBFloat16), w.to(at::kBFloat16), b.to(at::kBFloat16))
-          .has_value())
-      << "bfloat16, 18 rows: oneDNN";
+          .has_value(),
+      TakesPrefillIn(at::kBFloat16))
+      << "bfloat16, 18 rows: oneDNN's where libtorch has it";
   EXPECT_FALSE(FastLinear(at::randn({0, 16}), w, b).has_value()) << "no rows";
   EXPECT_FALSE(FastLinear(at::randn({2, 15}), w, b).has_value()) << "in mismatch";
   EXPECT_FALSE(FastLinear(x, at::randn({16, 8}).t(), b).has_value()) << "weight not contiguous";
@@ -302,11 +308,11 @@ TEST(CpuLinearLayerTest, LinearForwardUsesItOnTheCpu) {
     std::optional<at::Tensor> fast = FastLinear(decode, linear.weight, linear.bias);
     ASSERT_TRUE(fast.has_value());
     EXPECT_TRUE(at::equal(linear.forward(decode), *fast));
-    // A prefill of 40 rows: three chunks, except in bfloat16, which goes to
-    // libtorch and still agrees.
+    // A prefill of 40 rows: three chunks, except in bfloat16 where libtorch
+    // has oneDNN's product, which takes it and still agrees.
     at::Tensor prefill = Random({40, 64}, dtype);
     std::optional<at::Tensor> chunked = FastLinear(prefill, linear.weight, linear.bias);
-    ASSERT_EQ(chunked.has_value(), dtype != at::kBFloat16);
+    ASSERT_EQ(chunked.has_value(), TakesPrefillIn(dtype));
     if (chunked) {
       EXPECT_TRUE(at::equal(linear.forward(prefill), *chunked));
     }

@@ -740,19 +740,52 @@ TEST(Linear4bitForwardTest, WideRowsWholeAndInColumnTiles) {
 }
 
 // Above 16 rows the weight is dequantized a slab of rows at a time (8 MiB):
-// rows of 65664 columns make slabs of 48 rows in bfloat16 and 16 in float32,
-// so 100 weight rows take 3 and 7 slabs, the last one short. The bias is
-// large against the bound of 65664 terms, so a slab given another slab's
-// bias is out of it.
+// rows of 65664 columns make slabs of 48 rows where bfloat16 is multiplied
+// by libtorch in bfloat16 (oneDNN, the AVX-512 levels) and 16 where the
+// slab is float32 (float32 and float16 compute; bfloat16 below the AVX-512
+// level or without oneDNN's bfloat16 product), so 100 weight rows take 3 or
+// 7 slabs, the last one short. The bias is large against the bound of 65664
+// terms, so a slab given another slab's bias is out of it.
 TEST(Linear4bitForwardTest, ManyRowsInSlabs) {
   at::manual_seed(10);
   const Weight4bit q = Quantize(Random({100, 65664}, 0.1), 64, kNf4);
   const at::Tensor bias = Random({100}, 1000.0);
   const at::Tensor x = Random({17, 65664});
-  for (at::ScalarType compute : {at::kBFloat16, at::kFloat, at::kHalf}) {
-    SCOPED_TRACE(testing::Message() << "compute " << compute);
-    ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Linear4bitForward(x, q, bias, compute));
-    ExpectLinear4bit(y, x, q, bias, compute);
+  for (CpuIsa isa : Isas()) {
+    IsaScope scope(isa);
+    for (at::ScalarType compute : {at::kBFloat16, at::kFloat, at::kHalf}) {
+      SCOPED_TRACE(testing::Message()
+                   << "compute " << compute << ", " << internal::CpuIsaName(isa));
+      ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Linear4bitForward(x, q, bias, compute));
+      ExpectLinear4bit(y, x, q, bias, compute);
+    }
+  }
+}
+
+// Every weight bfloat16(code * absmax) with absmax 1 is a multiple of 2^-11
+// at most 1, so with x in {-1, 0, 1} every float32 partial sum of 128 terms
+// is exact in any order and the product comes out as the exact sum rounded
+// once to bfloat16, on every path (fused rows, slabs in bfloat16 or in
+// float32): a path that multiplied the weights unrounded (float32
+// code * absmax) or rounded the sums twice differs.
+TEST(Linear4bitForwardTest, BFloat16ProductsUseTheRoundedWeightsOnEveryPath) {
+  at::manual_seed(11);
+  at::Tensor w = Random({48, 128});
+  w.select(1, 0).fill_(1.0);
+  w.select(1, 64).fill_(-1.0);  // each block's absmax is 1
+  const Weight4bit q = Quantize(w, 64, kNf4);
+  const at::Tensor w16 = ReferenceDequantize(q, at::kBFloat16).to(at::kDouble);
+  for (int64_t rows : {1, 5, 16, 17, 40}) {
+    const at::Tensor x = at::randint(-1, 2, {rows, 128}, at::kLong).to(at::kBFloat16);
+    const at::Tensor expected = at::linear(x.to(at::kDouble), w16).to(at::kBFloat16);
+    for (CpuIsa isa : Isas()) {
+      SCOPED_TRACE(testing::Message() << rows << " rows, " << internal::CpuIsaName(isa));
+      IsaScope scope(isa);
+      ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y,
+                                 Linear4bitForward(x, q, at::Tensor(), at::kBFloat16));
+      EXPECT_TRUE(at::equal(y, expected))
+          << "largest difference " << (y.to(at::kDouble) - expected.to(at::kDouble)).abs().max();
+    }
   }
 }
 
