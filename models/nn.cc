@@ -339,9 +339,9 @@ at::Tensor Conv1D::forward(const at::Tensor& x) {
   if (quantization().enabled()) return QuantizedForward(x);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = weight.size(1);
-  if (NeedsHalfUpcast(x)) {
+  if (NeedsFloatProduct(x)) {
     return at::addmm(Float(bias), Float(x).reshape({-1, x.size(-1)}), Float(weight))
-        .to(at::kHalf)
+        .to(x.scalar_type())
         .view(shape);
   }
   return at::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(shape);
