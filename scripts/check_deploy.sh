@@ -28,7 +28,7 @@ src=deploy/check
 npm_dir="$build/deploy-npm"
 out="$build/deploy-rendered"
 
-for tool in yamllint kubectl node npm; do
+for tool in yamllint kubectl; do
   if ! command -v "$tool" >/dev/null 2>&1; then
     echo "check_deploy.sh: '$tool' is missing (scripts/setup.sh installs it)" >&2
     exit 1
@@ -38,13 +38,9 @@ done
 yamllint --strict -c deploy/.yamllint.yaml deploy/
 echo "check_deploy.sh: yamllint: deploy/ is clean" >&2
 
-if [ ! -d "$npm_dir/node_modules" ] || ! cmp -s "$src/package-lock.json" "$npm_dir/package-lock.json"; then
-  echo "check_deploy.sh: npm ci into $npm_dir" >&2
-  rm -rf "$npm_dir"
-  mkdir -p "$npm_dir"
-  cp "$src/package.json" "$src/package-lock.json" "$npm_dir/"
-  (cd "$npm_dir" && npm ci --no-audit --no-fund --loglevel=error >&2)
-fi
+# shellcheck source=scripts/npm_pinned.sh
+source scripts/npm_pinned.sh
+npm_pinned check_deploy.sh "$src" "$npm_dir"
 
 rm -rf "$out"
 mkdir -p "$out"

@@ -23,22 +23,10 @@ src=tests/jinja/reference
 npm_dir="$build/npm-jinja"
 out="$build/jinja-refs"
 
-for tool in node npm; do
-  if ! command -v "$tool" >/dev/null 2>&1; then
-    echo "jinja_references.sh: '$tool' is missing; install Node.js and npm" \
-         "(Debian: apt-get install nodejs npm; scripts/setup.sh does it)" >&2
-    exit 1
-  fi
-done
-
 # The pinned packages, installed once per lock file.
-if [ ! -d "$npm_dir/node_modules" ] || ! cmp -s "$src/package-lock.json" "$npm_dir/package-lock.json"; then
-  echo "jinja_references.sh: npm ci into $npm_dir" >&2
-  rm -rf "$npm_dir"
-  mkdir -p "$npm_dir"
-  cp "$src/package.json" "$src/package-lock.json" "$npm_dir/"
-  (cd "$npm_dir" && npm ci --no-audit --no-fund --loglevel=error >&2)
-fi
+# shellcheck source=scripts/npm_pinned.sh
+source scripts/npm_pinned.sh
+npm_pinned jinja_references.sh "$src" "$npm_dir"
 
 # Up to date when the scripts, the lock file and every template are the same.
 stamp=$(cat "$src/make_references.js" "$src/constructed.js" "$src/package-lock.json" \

@@ -17,21 +17,7 @@ build=$(cd "$1" && pwd)
 src=tests/server/openai_client
 npm_dir="$build/npm-openai"
 
-for tool in node npm; do
-  if ! command -v "$tool" >/dev/null 2>&1; then
-    echo "openai_client.sh: '$tool' is missing; install Node.js and npm" \
-         "(Debian: apt-get install nodejs npm; scripts/setup.sh does it)" >&2
-    exit 1
-  fi
-done
-
-if [ -d "$npm_dir/node_modules/openai" ] && cmp -s "$src/package-lock.json" "$npm_dir/package-lock.json"; then
-  echo "openai_client.sh: $npm_dir is up to date" >&2
-  exit 0
-fi
-echo "openai_client.sh: npm ci into $npm_dir" >&2
-rm -rf "$npm_dir"
-mkdir -p "$npm_dir"
-cp "$src/package.json" "$src/package-lock.json" "$npm_dir/"
-(cd "$npm_dir" && npm ci --no-audit --no-fund --loglevel=error >&2)
+# shellcheck source=scripts/npm_pinned.sh
+source scripts/npm_pinned.sh
+npm_pinned openai_client.sh "$src" "$npm_dir"
 echo "openai_client.sh: openai $(node -p "require('$npm_dir/node_modules/openai/package.json').version") in $npm_dir" >&2

@@ -24,13 +24,6 @@ npm_dir="$build/npm"
 out="$build/tokenizer-refs"
 make_model="$build/bin/accel-make-model"
 
-for tool in node npm; do
-  if ! command -v "$tool" >/dev/null 2>&1; then
-    echo "tokenizer_references.sh: '$tool' is missing; install Node.js and npm" \
-         "(Debian: apt-get install nodejs npm; scripts/setup.sh does it)" >&2
-    exit 1
-  fi
-done
 if [ ! -x "$make_model" ]; then
   echo "tokenizer_references.sh: $make_model is missing; build it first" \
        "(ninja -C $build accel-make-model)" >&2
@@ -38,13 +31,9 @@ if [ ! -x "$make_model" ]; then
 fi
 
 # The pinned packages, installed once per lock file.
-if [ ! -d "$npm_dir/node_modules" ] || ! cmp -s "$src/package-lock.json" "$npm_dir/package-lock.json"; then
-  echo "tokenizer_references.sh: npm ci into $npm_dir" >&2
-  rm -rf "$npm_dir"
-  mkdir -p "$npm_dir"
-  cp "$src/package.json" "$src/package-lock.json" "$npm_dir/"
-  (cd "$npm_dir" && npm ci --no-audit --no-fund --loglevel=error >&2)
-fi
+# shellcheck source=scripts/npm_pinned.sh
+source scripts/npm_pinned.sh
+npm_pinned tokenizer_references.sh "$src" "$npm_dir"
 
 work=$(mktemp -d "$build/tokenizer-refs.tmp.XXXXXX")
 trap 'rm -rf "$work"' EXIT

@@ -5,6 +5,7 @@
 // JSON line: load to ready, TTFT (the prompt and the first token), decode
 // tok/s after the first.
 //   node bench.mjs MODEL.gguf greedy|sampled [TOKENS] [SEED] [THREADS] [PROMPT]
+import {existsSync} from "node:fs";
 import {getLlama, LlamaLogLevel} from "node-llama-cpp";
 
 const [modelPath, mode = "greedy", tokensArg = "24", seedArg = "1", threadsArg, promptArg = "8"] =
@@ -13,12 +14,22 @@ if (!modelPath || !["greedy", "sampled"].includes(mode)) {
   console.error("usage: node bench.mjs MODEL.gguf greedy|sampled [TOKENS] [SEED] [THREADS] [PROMPT]");
   process.exit(2);
 }
+if (!existsSync(modelPath)) {
+  console.error(`bench.mjs: ${modelPath}: no such file (make_gguf.py writes one)`);
+  process.exit(1);
+}
 const tokens = Number(tokensArg);
+const promptLength = Number(promptArg);
+for (const [name, value] of [["TOKENS", tokens], ["PROMPT", promptLength]]) {
+  if (!Number.isInteger(value) || value < 1) {
+    console.error(`bench.mjs: ${name} must be a whole number above 0`);
+    process.exit(2);
+  }
+}
 const start = performance.now();
 const llama = await getLlama({gpu: false, logLevel: LlamaLogLevel.warn});
 const threads = threadsArg ? Number(threadsArg) : llama.cpuMathCores;
 const model = await llama.loadModel({modelPath, gpuLayers: 0, useMmap: true});
-const promptLength = Number(promptArg);
 const context = await model.createContext({contextSize: promptLength + tokens + 8, batchSize: 512, threads});
 const sequence = context.getSequence();
 const ready = performance.now();

@@ -13,16 +13,9 @@ fi
 build=$(cd "$1" && pwd)
 src=bench/llamacpp
 npm_dir="$build/llamacpp-npm"
-for tool in node npm; do
-  command -v "$tool" >/dev/null 2>&1 || { echo "compare.sh: '$tool' is missing (scripts/setup.sh installs it)" >&2; exit 1; }
-done
-if [ ! -d "$npm_dir/node_modules" ] || ! cmp -s "$src/package-lock.json" "$npm_dir/package-lock.json"; then
-  echo "compare.sh: npm ci into $npm_dir" >&2
-  rm -rf "$npm_dir"
-  mkdir -p "$npm_dir"
-  cp "$src/package.json" "$src/package-lock.json" "$npm_dir/"
-  (cd "$npm_dir" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >&2)
-fi
+# shellcheck source=scripts/npm_pinned.sh
+source scripts/npm_pinned.sh
+npm_pinned compare.sh "$src" "$npm_dir" --ignore-scripts
 cp "$src/bench.mjs" "$npm_dir/bench.mjs"
 shift
 exec node "$npm_dir/bench.mjs" "$@"

@@ -38,8 +38,17 @@ def main():
     parser.add_argument("--layers", type=int, help="decoder layers (default: the config's)")
     args = parser.parse_args()
 
-    with open(args.config) as f:
-        cfg = json.load(f)
+    try:
+        with open(args.config) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{args.config}: {e}")
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size",
+                "num_attention_heads"):
+        if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+            raise SystemExit(f"{args.config}: {key} is missing or not a positive integer")
+    if cfg.get("num_local_experts") and not isinstance(cfg.get("num_experts_per_tok"), int):
+        raise SystemExit(f"{args.config}: num_local_experts without num_experts_per_tok")
     layers = args.layers or cfg["num_hidden_layers"]
     hidden, ffn, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads = cfg["num_attention_heads"]
