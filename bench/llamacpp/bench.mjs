@@ -6,7 +6,6 @@
 // tok/s after the first.
 //   node bench.mjs MODEL.gguf greedy|sampled [TOKENS] [SEED] [THREADS] [PROMPT]
 import {existsSync} from "node:fs";
-import {getLlama, LlamaLogLevel} from "node-llama-cpp";
 
 const [modelPath, mode = "greedy", tokensArg = "24", seedArg = "1", threadsArg, promptArg = "8"] =
   process.argv.slice(2);
@@ -26,6 +25,8 @@ for (const [name, value] of [["TOKENS", tokens], ["PROMPT", promptLength]]) {
     process.exit(2);
   }
 }
+// Loaded after the checks, so that bad arguments are named without it.
+const {getLlama, LlamaLogLevel} = await import("node-llama-cpp");
 const start = performance.now();
 const llama = await getLlama({gpu: false, logLevel: LlamaLogLevel.warn});
 const threads = threadsArg ? Number(threadsArg) : llama.cpuMathCores;

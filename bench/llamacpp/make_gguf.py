@@ -47,6 +47,9 @@ def main():
                 "num_attention_heads"):
         if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
             raise SystemExit(f"{args.config}: {key} is missing or not a positive integer")
+    if cfg["vocab_size"] < 259:
+        raise SystemExit(f"{args.config}: vocab_size {cfg['vocab_size']} is under 259 "
+                         "(3 special and 256 byte tokens)")
     if cfg.get("num_local_experts") and not isinstance(cfg.get("num_experts_per_tok"), int):
         raise SystemExit(f"{args.config}: num_local_experts without num_experts_per_tok")
     layers = args.layers or cfg["num_hidden_layers"]
