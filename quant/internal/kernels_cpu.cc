@@ -1378,7 +1378,14 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
           const GemvRangeFn kernel =
               nibble ? NibbleKernel(a.round, rows) : PickDirect(isa, a.round, rows);
           kernel(part, n0, n1, k0, k1, sums, a.m);
-        });
+        },
+        // The nibble kernels take whole rows: cut into column tiles that
+        // keep x in L1, each weight row became pieces of a few KiB out of
+        // order, and the AVX2 machine read them slower than whole rows
+        // with x from L2 (4096 x 14336, one row, two threads: 3.19 against
+        // 2.63 ms; docs/BENCHMARKS.md, "AVX2: tables built a group ahead,
+        // rows whole").
+        nibble ? a.in * a.m * int64_t{sizeof(float)} : kXTileBytes);
     return;
   }
 #endif

@@ -368,11 +368,14 @@ TEST(Gemv4bitKernelTest, LevelsAgree) {
 // bfloat16 / float16 rounding; 1-2 rows in registers, 3-16 rows through the
 // decoded buffer): the shapes they take, checked like every other path, with
 // blocks longer than a row's span of 16 groups and shorter than a row;
-// float32 compute goes elsewhere on the same weights.
+// float32 compute goes elsewhere on the same weights. 16448 = 257 groups of
+// 64: two chunks of absmax, the second a single group (whose tables the
+// loop, which builds each group's a group ahead, must not read past).
 TEST(Linear4bitForwardTest, NibbleKernelShapes) {
   at::manual_seed(5);
-  const std::vector<Shape4bit> shapes = {
-      {96, 512, 64}, {40, 1024, 128}, {33, 2048, 2048}, {17, 192, 64}, {5, 4096, 256}};
+  const std::vector<Shape4bit> shapes = {{96, 512, 64}, {40, 1024, 128}, {33, 2048, 2048},
+                                         {17, 192, 64}, {5, 4096, 256},  {3, 16448, 64},
+                                         {2, 16512, 64}};
   const std::vector<DTypes> dtypes = {{at::kBFloat16, at::kBFloat16},
                                       {at::kFloat, at::kBFloat16},
                                       {at::kHalf, at::kHalf},
