@@ -189,28 +189,39 @@ ACCEL_TARGET_AVX2 ACCEL_INLINE void DotParity(__m256i index, const ByteTables& t
   }
 }
 
-// Blocks of exactly one group (bnb's default blocksize), in chunks of
-// kAbsmaxChunk: the chunk's absmax first (double quant dequantized into a
-// buffer, else read in place) and checked finite with a few vector compares,
-// then each group's tables built in the decode loop from a broadcast load,
-// with no check and no branch (a chunk with a non-finite absmax takes the
-// checked tables; out-of-order execution overlaps one group's table with the
-// previous group's decode). The packed bytes, x and the block are walked by
-// pointer. The general loop below builds tables into a buffer and reloads
-// them, and divides for each group's byte and x offsets: about 80
+// Blocks of exactly one group (bnb's default blocksize), in chunks of at
+// most kAbsmaxChunk: the chunk's absmax checked finite with a few vector
+// compares, then each group's tables built in the decode loop from a
+// broadcast load, with no check and no branch (a chunk with a non-finite
+// absmax takes the checked tables). The packed bytes, x and the block are
+// walked by pointer. The general loop below builds tables into a buffer and
+// reloads them, and divides for each group's byte and x offsets: about 80
 // instructions a group against about 57 here (accel-bench-quant, 4096 x
 // 4096, one row, one thread, on a Zen 3 class EPYC: see docs/BENCHMARKS.md).
+// A group's absmax: absmax[g] in place, or with double quant (kNested) its
+// nested group's table of 256 read by the block's code, absmax[codes[g]].
 constexpr int64_t kAbsmaxChunk = 256;
 
-template <DenseType T, int R, int kAcc, bool kChecked>
+template <bool kNested>
+ACCEL_INLINE const float* AbsmaxAt(const float* absmax, const uint8_t* codes, int64_t g) {
+  if constexpr (kNested) {
+    return absmax + codes[g];
+  } else {
+    (void)codes;
+    return absmax + g;
+  }
+}
+
+template <DenseType T, int R, int kAcc, bool kChecked, bool kNested>
 ACCEL_TARGET_AVX2 ACCEL_INLINE void NibbleGroups64(const CodeRegs& codes, const float* code,
-                                                   const float* absmax, int64_t groups,
-                                                   const uint8_t* packed, const float* xk,
-                                                   int64_t x_stride, __m256 (&acc)[R][kAcc]) {
+                                                   const float* absmax, const uint8_t* absmax_codes,
+                                                   int64_t groups, const uint8_t* packed,
+                                                   const float* xk, int64_t x_stride,
+                                                   __m256 (&acc)[R][kAcc]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   if constexpr (kChecked) {
     for (int64_t g = 0; g < groups; ++g, packed += kGroup / 2, xk += x_stride) {
-      const ByteTables t = BlockTables<T>(codes, code, absmax[g]);
+      const ByteTables t = BlockTables<T>(codes, code, *AbsmaxAt<kNested>(absmax, absmax_codes, g));
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
       DotParity<T, R, kAcc, 0>(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), t, xk, acc);
       DotParity<T, R, kAcc, 4>(_mm256_and_si256(bytes, nibble), t, xk + 32, acc);
@@ -223,10 +234,12 @@ ACCEL_TARGET_AVX2 ACCEL_INLINE void NibbleGroups64(const CodeRegs& codes, const 
     // The last group builds its own tables again rather than read past
     // the chunk.
     if (groups <= 0) return;
-    ByteTables t = FiniteBlockTables<T>(codes, _mm256_broadcast_ss(absmax));
+    ByteTables t = FiniteBlockTables<T>(
+        codes, _mm256_broadcast_ss(AbsmaxAt<kNested>(absmax, absmax_codes, 0)));
     for (int64_t g = 0; g < groups; ++g, packed += kGroup / 2, xk += x_stride) {
       const ByteTables next =
-          FiniteBlockTables<T>(codes, _mm256_broadcast_ss(absmax + std::min(g + 1, groups - 1)));
+          FiniteBlockTables<T>(codes, _mm256_broadcast_ss(AbsmaxAt<kNested>(
+                                          absmax, absmax_codes, std::min(g + 1, groups - 1))));
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
       DotParity<T, R, kAcc, 0>(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), t, xk, acc);
       DotParity<T, R, kAcc, 4>(_mm256_and_si256(bytes, nibble), t, xk + 32, acc);
@@ -235,26 +248,71 @@ ACCEL_TARGET_AVX2 ACCEL_INLINE void NibbleGroups64(const CodeRegs& codes, const 
   }
 }
 
+// Double quant: the 256 absmax a block of nested group `group` can have
+// (nested_code[c] * nested_absmax[group] + offset, BlockAbsmax's two
+// roundings), made once a group and kept across a call's rows instead of
+// made once a block (docs/BENCHMARKS.md, "AVX2: tables built a group
+// ahead"), and whether all 256 are finite.
+// NOLINTNEXTLINE(cppcoreguidelines-pro-type-member-init): see `table`.
+struct NestedTable {
+  // Not zeroed: Fill writes it before any read (group -1).
+  alignas(32) float table[256];
+  int64_t group = -1;
+  bool finite = false;
+};
+
+ACCEL_TARGET_AVX2 void FillNestedTable(const Packed4bit& w, int64_t group, NestedTable& t) {
+  const __m256 scale = _mm256_set1_ps(w.nested_absmax[group]);
+  const __m256 offset = _mm256_set1_ps(w.nested_offset);
+  for (int c = 0; c < 256; c += 8) {
+    __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(w.nested_code + c), scale);
+    asm("" : "+x"(scaled));  // two roundings, as bnb's two steps
+    _mm256_store_ps(t.table + c, _mm256_add_ps(scaled, offset));
+  }
+  t.group = group;
+  t.finite = AllFinite(t.table, 256);
+}
+
 template <DenseType T, int R, int kAcc>
 ACCEL_TARGET_AVX2 ACCEL_INLINE void NibbleRowBlocks64(const Gemv4bitArgs& a, const CodeRegs& codes,
                                                       const uint8_t* packed, int64_t block,
                                                       int64_t groups, const float* xk,
-                                                      __m256 (&acc)[R][kAcc]) {
+                                                      NestedTable& nested, __m256 (&acc)[R][kAcc]) {
   const Packed4bit& w = a.w;
-  alignas(32) float expanded[kAbsmaxChunk];
-  for (int64_t c = 0; c < groups; c += kAbsmaxChunk) {
-    const int64_t n = std::min(kAbsmaxChunk, groups - c);
-    const float* absmax = w.absmax != nullptr ? w.absmax + block + c : expanded;
-    if (w.absmax == nullptr) {
-      for (int64_t i = 0; i < n; ++i) expanded[i] = BlockAbsmax(w, block + c + i);
+  if (w.absmax != nullptr) {
+    for (int64_t c = 0; c < groups; c += kAbsmaxChunk) {
+      const int64_t n = std::min(kAbsmaxChunk, groups - c);
+      const float* absmax = w.absmax + block + c;
+      const uint8_t* p = packed + c * (kGroup / 2);
+      const float* x = xk + c * a.x_stride;
+      if (__builtin_expect(AllFinite(absmax, n), 1)) {
+        NibbleGroups64<T, R, kAcc, false, false>(codes, w.code, absmax, nullptr, n, p, x,
+                                                 a.x_stride, acc);
+      } else {
+        NibbleGroups64<T, R, kAcc, true, false>(codes, w.code, absmax, nullptr, n, p, x, a.x_stride,
+                                                acc);
+      }
     }
+    return;
+  }
+  // Double quant: chunks end at the nested groups' ends, each group's table
+  // made when the first chunk in it starts.
+  for (int64_t c = 0; c < groups;) {
+    const int64_t b = block + c;
+    const int64_t group = b >> kNestedBlockShift;
+    const int64_t n = std::min(groups - c, ((group + 1) << kNestedBlockShift) - b);
+    if (group != nested.group) FillNestedTable(w, group, nested);
     const uint8_t* p = packed + c * (kGroup / 2);
     const float* x = xk + c * a.x_stride;
-    if (__builtin_expect(AllFinite(absmax, n), 1)) {
-      NibbleGroups64<T, R, kAcc, false>(codes, w.code, absmax, n, p, x, a.x_stride, acc);
+    const uint8_t* ac = w.absmax_codes + b;
+    if (__builtin_expect(nested.finite, 1)) {
+      NibbleGroups64<T, R, kAcc, false, true>(codes, w.code, nested.table, ac, n, p, x, a.x_stride,
+                                              acc);
     } else {
-      NibbleGroups64<T, R, kAcc, true>(codes, w.code, absmax, n, p, x, a.x_stride, acc);
+      NibbleGroups64<T, R, kAcc, true, true>(codes, w.code, nested.table, ac, n, p, x, a.x_stride,
+                                             acc);
     }
+    c += n;
   }
 }
 
@@ -267,6 +325,7 @@ ACCEL_TARGET_AVX2 void NibbleRows(const Gemv4bitArgs& a, int64_t n_begin, int64_
   const Packed4bit& w = a.w;
   const CodeRegs codes = LoadCodes<T>(w.code);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
+  NestedTable nested;
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m256 acc[R][kAcc];
 #pragma GCC unroll 4
@@ -278,7 +337,8 @@ ACCEL_TARGET_AVX2 void NibbleRows(const Gemv4bitArgs& a, int64_t n_begin, int64_
     const uint8_t* packed = w.packed + row / 2;
     if (w.blocksize == kGroup) {
       NibbleRowBlocks64<T, R, kAcc>(a, codes, packed + k0 / 2, (row + k0) / kGroup,
-                                    (k1 - k0) / kGroup, a.x + (k0 / kGroup) * a.x_stride, acc);
+                                    (k1 - k0) / kGroup, a.x + (k0 / kGroup) * a.x_stride, nested,
+                                    acc);
     } else {
       // Blocks of several groups: in spans of kSpan groups, first every
       // group's tables into an L1 buffer, then the groups (written when a

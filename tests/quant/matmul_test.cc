@@ -707,6 +707,49 @@ TEST(Linear4bitForwardTest, DoubleQuantReadAsStoredMatchesExpanded) {
   }
 }
 
+// Double quant's absmax is two float32 steps (bnb's dequantize_blockwise,
+// then += offset), never one fused multiply-add: nested code 2/3 (as float32,
+// (2 + 2^-24) / 3) times nested absmax 3 is 2 + 2^-24 exactly, which
+// float32 rounds to 2; adding the offset -1.498046875 gives 0.501953125, a tie
+// between two bfloat16 values (0.5 and 0.50390625) that rounds to the even
+// one, 0.5. Fused, the sum is 0.501953125 + 2^-24 and rounds up. Every weight
+// here is code 15 (1.0) times that absmax, and x picks one column, so each
+// output is the weight itself: 0.5 in bfloat16, 0.501953125 in float32, at
+// every level and row count (register, buffered and slab paths).
+TEST(Linear4bitForwardTest, DoubleQuantAbsmaxRoundsTwiceOnEveryPath) {
+  constexpr int64_t kOut = 20, kIn = 256, kBlocks = kOut * kIn / 64;
+  Weight4bit w;
+  w.packed = at::full({kOut * kIn / 2}, 0xFF, at::kByte);
+  w.absmax = at::full({kBlocks}, 5, at::kByte);
+  w.code = at::tensor(std::vector<float>(kNf4.begin(), kNf4.end()));
+  w.blocksize = 64;
+  w.out_features = kOut;
+  w.in_features = kIn;
+  w.nested_absmax = at::full({1}, 3.0f);
+  w.nested_code = at::zeros({256});
+  w.nested_code[5] = 2.0f / 3.0f;
+  w.nested_offset = -1.498046875f;
+  ASSERT_EQ(2.0f / 3.0f * 3.0f, 2.0f);  // the product's own rounding
+  for (CpuIsa isa : Isas()) {
+    IsaScope scope(isa);
+    for (int64_t rows : {1, 2, 3, 17}) {
+      at::Tensor x = at::zeros({rows, kIn});
+      x.select(1, 3).fill_(1.0f);
+      for (const auto& [compute, expected] : std::vector<std::pair<at::ScalarType, float>>{
+               {at::kBFloat16, 0.5f}, {at::kFloat, 0.501953125f}}) {
+        SCOPED_TRACE(testing::Message()
+                     << rows << " rows, compute " << compute << ", " << internal::CpuIsaName(isa));
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor y, Linear4bitForward(x.to(compute), w, {}, compute));
+        EXPECT_TRUE(y.to(at::kFloat).eq(expected).all().item<bool>())
+            << y.to(at::kFloat).min().item<float>() << " .. "
+            << y.to(at::kFloat).max().item<float>();
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor dense, Dequantize4bitDense(w, compute));
+        EXPECT_TRUE(dense.to(at::kFloat).eq(expected).all().item<bool>());
+      }
+    }
+  }
+}
+
 // The bfloat16 kernel on bnb's layout at decode's shapes: up to 4 rows of x
 // a weight row is walked whole (up to 65536 columns, then in tiles), from 5
 // rows on in tiles of 24 KiB of x (whole block pairs), and a double-quant
