@@ -61,7 +61,7 @@ constexpr int64_t kBf16XInL1Bytes = int64_t{16} << 10;
 constexpr int64_t kBf16FarPrefetchBytes = 4096;
 
 // Rows of x up to which AVX2 takes the nibble kernels when they apply.
-constexpr int64_t kNibbleMaxRows = 2;
+constexpr int64_t kNibbleMaxRows = 4;
 
 // ---- Portable ---------------------------------------------------------------
 
@@ -1323,11 +1323,14 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
   // passes of at most 8 (a lookup costs two instructions, so decoding a
   // weight tile again from L1 is cheaper than a buffer). With AVX2 and the
   // common layout (quant/internal/nibble_avx2.h: byte lookups over a
-  // rearranged x) 1-2 rows, 1.45x the float permutes at one row and 1.9x at
-  // two; with AVX2 and other layouts up to 4. More rows take the buffer
-  // below, which measured faster from there (one 4096 x 4096 weight from
-  // cache, one thread: nibble layout 3 rows 3.8 against 4.5 ms, 4 rows 4.1
-  // against 5.6; other layouts 4 rows 4.9 against 5.1, 3 rows slower).
+  // rearranged x) 1-4 rows: since its tables are built a group ahead and
+  // rows are walked whole, 3 and 4 rows in registers beat the buffer below
+  // (14336 x 4096, two threads: 3 rows 4.0 against 6.4 ms, 4 rows 5.5
+  // against 7.2; two passes of 2 rows would be 6.6), where they had lost to
+  // it before (one 4096 x 4096 weight from cache, one thread: 3 rows 3.8
+  // against 4.5 ms); 5 rows on take the buffer (8 rows: 10.6 ms against
+  // two passes of 4, 11). With AVX2 and other layouts up to 4 (4 rows 4.9
+  // against the buffer's 5.1, 3 rows slower).
   // With AVX512-BF16 and bfloat16 rounding, weights and x as bfloat16 and
   // vdpbf16ps for the products, any number of rows in passes of 8.
   if (isa == CpuIsa::kAvx512Bf16 && a.round == DenseType::kBFloat16) {

@@ -414,6 +414,10 @@ GemvRangeFn KernelForRows(int64_t rows) {
       return NibbleRows<T, 1>;
     case 2:
       return NibbleRows<T, 2>;
+    case 3:
+      return NibbleRows<T, 3>;
+    case 4:
+      return NibbleRows<T, 4>;
     default:
       return nullptr;
   }

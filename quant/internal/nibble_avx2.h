@@ -41,7 +41,7 @@ void NibblePermuteX(const Gemv4bitArgs& a, float* out);
 void NibblePermuteRows(const Gemv4bitArgs& a, float* out);
 void NibbleDecodeRow(const Gemv4bitArgs& a, int64_t n, int64_t k0, int64_t k1, float* out);
 
-// The kernel for `rows` (1 or 2; else null) rows of permuted x: a.x the first row's first
+// The kernel for `rows` (1 to 4; else null) rows of permuted x: a.x the first row's first
 // group in NibblePermuteX's output, a.x_stride the floats from one group to
 // the next (64 x the rows permuted); k0 and k1 multiples of 64.
 GemvRangeFn NibbleKernel(DenseType round, int64_t rows);

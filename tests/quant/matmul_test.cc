@@ -389,7 +389,7 @@ TEST(Linear4bitForwardTest, NibbleKernelShapes) {
     args.w.blocksize = s.blocksize;
     args.round = internal::DenseType::kBFloat16;
     EXPECT_EQ(internal::NibbleGemvApplies(args), internal::CpuIsaSupported(CpuIsa::kAvx2));
-    for (int64_t rows : {1, 2, 3, 8, 16}) {
+    for (int64_t rows : {1, 2, 3, 4, 5, 8, 16}) {
       for (const DTypes& d : dtypes) {
         const at::Tensor x = Random({rows, s.in}).to(d.x);
         const at::Tensor bias = Random({s.out}).to(d.x);
