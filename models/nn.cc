@@ -340,6 +340,9 @@ at::Tensor Conv1D::forward(const at::Tensor& x) {
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = weight.size(1);
   if (NeedsFloatProduct(x)) {
+    // Decode's few rows by our kernel over the [in, out] weight as it is;
+    // more rows through a float32 copy of it, whose cost those rows share.
+    if (std::optional<at::Tensor> y = models::internal::FastConv1D(x, weight, bias)) return *y;
     return at::addmm(Float(bias), Float(x).reshape({-1, x.size(-1)}), Float(weight))
         .to(x.scalar_type())
         .view(shape);

@@ -10,7 +10,12 @@
 //                      no CPU matmul in libtorch 1.13, so there the baseline is
 //                      nn::Linear's former fallback: at::linear on float32
 //                      copies, rounded back
-// and, in the same run, the memory bandwidth over the same bytes: a read that
+// With --layout conv1d the matrices are stored [k, n], GPT-2's Conv1D layout
+// (y = x W), and the methods are accel FastConv1D (what nn::Conv1D runs for
+// up to kFastLinearChunkRows rows) against libtorch's matmul, on float32
+// copies where nn::Conv1D made them (float16; bfloat16 without oneDNN's
+// product).
+// And, in the same run, the memory bandwidth over the same bytes: a read that
 // sums every weight byte, the same read as 8 streams per thread, and a memcpy
 // of them, split over the same threads.
 // All sets are built first (about 6 x --gb GB of memory); each round times
@@ -49,11 +54,13 @@
 #include "absl/strings/str_split.h"
 
 #include "bench/undisturbed.h"
+#include "core/cpu_features.h"
 #include "models/internal/cpu_linear.h"
 #include "models/internal/gemv.h"
 
 namespace {
 
+using accel::models::internal::FastConv1D;
 using accel::models::internal::FastLinear;
 using accel::models::internal::FastLinearAnyRows;
 
@@ -68,6 +75,7 @@ struct Flags {
   std::vector<int64_t> rows = {1, 8};
   std::vector<at::ScalarType> dtypes = {at::kFloat, at::kBFloat16, at::kHalf};
   std::vector<Shape> shapes = {{4096, 4096}, {11008, 4096}};
+  bool conv1d = false;  // --layout conv1d: weights [k, n]
 };
 
 [[noreturn]] void Usage(const char* argv0, const std::string& error) {
@@ -75,13 +83,14 @@ struct Flags {
   std::fprintf(
       stderr,
       "usage: %s [--gb G] [--repeats R] [--threads T] [--rows 1,8] [--dtypes LIST]\n"
-      "          [--shapes LIST]\n"
+      "          [--shapes LIST] [--layout linear|conv1d]\n"
       "  --gb G         weight set per dtype and shape, in GB (default 1)\n"
       "  --repeats R    undisturbed passes per method, the best shown (default 5)\n"
       "  --threads T    intra-op threads for every method (default 2)\n"
       "  --rows LIST    rows of x (batch, or prompt tokens), comma-separated (default 1,8)\n"
       "  --dtypes LIST  weight dtypes (default float32,bfloat16,float16)\n"
-      "  --shapes LIST  weight shapes NxK (default 4096x4096,11008x4096)\n",
+      "  --shapes LIST  weight shapes NxK (default 4096x4096,11008x4096)\n"
+      "  --layout L     linear: W [n, k], y = x W^T (default); conv1d: W [k, n], y = x W\n",
       argv0);
   std::exit(2);
 }
@@ -146,6 +155,11 @@ Flags ParseFlags(int argc, char** argv) {
         }
         flags.shapes.push_back(shape);
       }
+    } else if (arg == "--layout") {
+      if (value != "linear" && value != "conv1d") {
+        Usage(argv[0], absl::StrCat("--layout: expected linear or conv1d, got '", value, "'"));
+      }
+      flags.conv1d = value == "conv1d";
     } else if (arg == "--help" || arg == "-h") {
       Usage(argv[0], "");
     } else {
@@ -243,6 +257,16 @@ at::Tensor TorchLinear(const Set& set, const at::Tensor& x, const at::Tensor& w)
   return at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(x.scalar_type());
 }
 
+// What nn::Conv1D ran before FastConv1D (and runs above its rows): libtorch's
+// product, on float32 copies rounded back where libtorch lacks it.
+at::Tensor TorchConv1D(const at::Tensor& x, const at::Tensor& w) {
+  const bool native =
+      x.scalar_type() == at::kFloat ||
+      (x.scalar_type() == at::kBFloat16 && accel::CpuFeaturesOfThisMachine().onednn_bf16_matmul);
+  if (native) return at::matmul(x, w);
+  return at::matmul(x.to(at::kFloat), w.to(at::kFloat)).to(x.scalar_type());
+}
+
 int Main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
   at::set_num_threads(flags.threads);
@@ -270,12 +294,15 @@ int Main(int argc, char** argv) {
       const int64_t count =
           std::max<int64_t>(1, static_cast<int64_t>(flags.gb * 1e9 / matrix_bytes));
       for (int64_t i = 0; i < count; ++i) {
-        set->weights.push_back((at::randn({shape.n, shape.k}) * 0.02).to(dtype));
+        set->weights.push_back((at::randn(flags.conv1d ? at::IntArrayRef{shape.k, shape.n}
+                                                       : at::IntArrayRef{shape.n, shape.k}) *
+                                0.02)
+                                   .to(dtype));
       }
       set->bytes = matrix_bytes * static_cast<double>(count);
       copy_out.resize(std::max(copy_out.size(), static_cast<size_t>(matrix_bytes)), 1);
       try {
-        at::linear(at::randn({1, shape.k}).to(dtype), set->weights[0]);
+        if (!flags.conv1d) at::linear(at::randn({1, shape.k}).to(dtype), set->weights[0]);
       } catch (const c10::Error&) {
         set->torch_native = false;
       }
@@ -285,6 +312,34 @@ int Main(int argc, char** argv) {
       methods.push_back({&s, "read, 8 streams per thread", 0, [&s] { ReadAllStreams(s.weights); }});
       for (int64_t m : flags.rows) {
         at::Tensor x = at::randn({m, shape.k}).to(dtype);
+        if (flags.conv1d) {
+          if (!FastConv1D(x, s.weights[0], at::Tensor()).has_value()) {
+            std::printf("%s %s m=%ld: FastConv1D declines (more rows than a decode chunk)\n",
+                        s.dtype.c_str(), s.shape.c_str(), static_cast<long>(m));
+            continue;
+          }
+          at::Tensor ours = FastConv1D(x, s.weights[0], at::Tensor())->to(at::kFloat);
+          at::Tensor theirs = TorchConv1D(x, s.weights[0]).to(at::kFloat);
+          const double diff = (ours - theirs).abs().max().item<double>();
+          const double scale = theirs.abs().max().item<double>();
+          if (!(diff <= 0.02 * scale)) {
+            std::fprintf(stderr, "%s %s m=%ld: FastConv1D and libtorch differ by %g (scale %g)\n",
+                         s.dtype.c_str(), s.shape.c_str(), static_cast<long>(m), diff, scale);
+            return 1;
+          }
+          methods.push_back({&s, "accel FastConv1D", m, [&s, x] {
+                               for (const at::Tensor& w : s.weights) {
+                                 g_sink = g_sink + static_cast<uint64_t>(
+                                                       FastConv1D(x, w, at::Tensor())->numel());
+                               }
+                             }});
+          methods.push_back({&s, "at::matmul (as nn::Conv1D did)", m, [&s, x] {
+                               for (const at::Tensor& w : s.weights) {
+                                 g_sink = g_sink + static_cast<uint64_t>(TorchConv1D(x, w).numel());
+                               }
+                             }});
+          continue;
+        }
         const bool takes = FastLinear(x, s.weights[0], at::Tensor()).has_value();
         auto ours_fn = [takes](const at::Tensor& input, const at::Tensor& w) {
           return takes ? *FastLinear(input, w, at::Tensor())

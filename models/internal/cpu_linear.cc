@@ -119,6 +119,51 @@ std::optional<at::Tensor> Linear(const at::Tensor& x, const at::Tensor& weight,
 
 }  // namespace
 
+std::optional<at::Tensor> FastConv1D(const at::Tensor& x, const at::Tensor& weight,
+                                     const at::Tensor& bias) {
+  if (!x.defined() || !weight.defined() || !DenseCpu(x) || !DenseCpu(weight)) return std::nullopt;
+  const std::optional<GemvWeight> type = WeightType(weight.scalar_type());
+  if (!type || x.scalar_type() != weight.scalar_type()) return std::nullopt;
+  if (weight.dim() != 2 || !weight.is_contiguous() || x.dim() < 1) return std::nullopt;
+  const int64_t in = weight.size(0), out = weight.size(1);
+  if (in == 0 || out == 0 || x.size(-1) != in) return std::nullopt;
+  const int64_t rows = x.numel() / in;
+  if (rows < 1 || rows > kFastLinearChunkRows) return std::nullopt;
+  if (bias.defined() && (!DenseCpu(bias) || bias.scalar_type() != weight.scalar_type() ||
+                         bias.dim() != 1 || bias.size(0) != out)) {
+    return std::nullopt;
+  }
+  if (c10::GradMode::is_enabled() &&
+      (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()))) {
+    return std::nullopt;
+  }
+  at::Tensor x32 = x.reshape({rows, in}).to(at::kFloat).contiguous();
+  at::Tensor b32;
+  if (bias.defined()) b32 = bias.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
+  GemvArgs args;
+  args.m = rows;
+  args.k = in;
+  args.x = x32.data_ptr<float>();
+  args.x_stride = in;
+  args.w = weight.data_ptr();
+  args.w_type = *type;
+  args.w_stride = out;
+  args.bias = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  args.y = y.data_ptr<float>();
+  args.y_stride = out;
+  // Threads take whole eights of columns (the kernels' vectors).
+  const int64_t eights = (out + 7) / 8;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / (8 * in * GemvWeightBytes(*type)));
+  at::parallel_for(0, eights, grain, [&](int64_t begin, int64_t end) {
+    GemvTransposed(args, begin * 8, std::min(out, end * 8));
+  });
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out;
+  if (x.scalar_type() != at::kFloat) y = y.to(x.scalar_type());
+  return y.view(shape);
+}
+
 std::optional<at::Tensor> FastLinear(const at::Tensor& x, const at::Tensor& weight,
                                      const at::Tensor& bias) {
   return Linear(x, weight, bias, /*bfloat16_any_rows=*/false);

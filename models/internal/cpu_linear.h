@@ -37,6 +37,16 @@ inline constexpr int64_t kFastLinearChunkRows = 16;
 std::optional<at::Tensor> FastLinear(const at::Tensor& x, const at::Tensor& weight,
                                      const at::Tensor& bias);
 
+// x @ weight (+ bias) for GPT-2's Conv1D, weight contiguous [in, out], when
+// x, weight (and bias [out]) are dense CPU tensors of one dtype (float32,
+// bfloat16 or float16), x is [..., in] with 1 to kFastLinearChunkRows rows,
+// and no autograd graph is needed; nullopt otherwise. GemvTransposed's sums
+// (float32, in order of the input), y rounded to x's dtype once, [..., out].
+// No float32 copy of the weight: what libtorch's product would need for
+// bfloat16 without oneDNN's product, and for float16 always.
+std::optional<at::Tensor> FastConv1D(const at::Tensor& x, const at::Tensor& weight,
+                                     const at::Tensor& bias);
+
 // FastLinear without the bfloat16 row limit: what it would run there, for
 // accel-bench-gemv's comparison with oneDNN and for tests.
 std::optional<at::Tensor> FastLinearAnyRows(const at::Tensor& x, const at::Tensor& weight,

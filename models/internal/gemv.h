@@ -63,6 +63,16 @@ void Gemv(const GemvArgs& args, int64_t n_begin, int64_t n_end);
 // unsupported level aborts, since it would fault on an illegal instruction).
 void GemvWithIsa(GemvIsa isa, const GemvArgs& args, int64_t n_begin, int64_t n_end);
 
+// The same product for a weight stored [k, n] (GPT-2's Conv1D, which
+// transformers multiplies as x @ w): y[i, n] = sum_j x[i, j] * w[j, n]
+// (+ bias[n]), with w[j, n] at w[j * w_stride + n]. Each y[i, n] adds its k
+// products in order of j, one fused multiply-add each (std::fma at the
+// scalar level), then the bias, so neither the column range, the row count
+// nor the level changes a bit (kAvx512 runs the AVX2 kernels). Rows of x in
+// passes of 4 (a pass reads the weights once), columns in tiles of 1024.
+void GemvTransposed(const GemvArgs& args, int64_t n_begin, int64_t n_end);
+void GemvTransposedWithIsa(GemvIsa isa, const GemvArgs& args, int64_t n_begin, int64_t n_end);
+
 // The weight format's element size in bytes.
 inline int64_t GemvWeightBytes(GemvWeight type) { return type == GemvWeight::kFloat32 ? 4 : 2; }
 

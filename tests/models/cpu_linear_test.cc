@@ -1,7 +1,8 @@
 // FastLinear against at::linear computed in float64, within the float32
 // accumulation bound (plus the final rounding to bfloat16 / float16), for
 // decode-sized inputs and for prefill-sized ones cut into row chunks; the
-// cases it must leave to libtorch; and nn::Linear taking it.
+// cases it must leave to libtorch; and nn::Linear taking it. FastConv1D the
+// same way for GPT-2's [in, out] weights, and nn::Conv1D taking it.
 #include "models/internal/cpu_linear.h"
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "core/cpu_features.h"
+#include "core/torch_compat.h"
 #include "models/nn.h"
 
 namespace accel::models::internal {
@@ -317,6 +319,73 @@ TEST(CpuLinearLayerTest, LinearForwardUsesItOnTheCpu) {
       EXPECT_TRUE(at::equal(linear.forward(prefill), *chunked));
     }
     ExpectMatchesFloat64(linear.forward(prefill), prefill, linear.weight, linear.bias);
+  }
+}
+
+// GPT-2's Conv1D weight is [in, out]: FastConv1D(x, w, b) = x @ w + b.
+TEST(CpuConv1DTest, MatchesTheProductInFloat64AndKeepsShape) {
+  at::manual_seed(8);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const at::Tensor w = Random({300, 77}, dtype), b = Random({77}, dtype);
+    c10::InferenceMode inference;
+    for (const at::Tensor& x :
+         {Random({1, 300}, dtype), Random({2, 3, 300}, dtype), Random({16, 300}, dtype)}) {
+      std::optional<at::Tensor> y = FastConv1D(x, w, b);
+      ASSERT_TRUE(y.has_value());
+      std::vector<int64_t> shape = x.sizes().vec();
+      shape.back() = 77;
+      ASSERT_EQ(y->sizes(), at::IntArrayRef(shape));
+      const at::Tensor rows = x.reshape({-1, 300});
+      ExpectMatchesFloat64(y->reshape({-1, 77}), rows, w.t(), b);
+      std::optional<at::Tensor> no_bias = FastConv1D(rows, w, at::Tensor());
+      ASSERT_TRUE(no_bias.has_value());
+      ExpectMatchesFloat64(*no_bias, rows, w.t(), at::Tensor());
+    }
+  }
+}
+
+TEST(CpuConv1DTest, LeavesEverythingElseToLibtorch) {
+  const at::Tensor w = at::randn({32, 24}), b = at::randn({24});
+  c10::InferenceMode inference;
+  EXPECT_TRUE(FastConv1D(at::randn({16, 32}), w, b).has_value());
+  EXPECT_FALSE(FastConv1D(at::randn({17, 32}), w, b).has_value());  // a prefill's rows
+  EXPECT_FALSE(FastConv1D(at::randn({2, 24}), w, b).has_value());   // x's columns
+  EXPECT_FALSE(FastConv1D(at::randn({2, 32}), w, at::randn({32})).has_value());
+  EXPECT_FALSE(FastConv1D(at::randn({2, 32}).to(at::kBFloat16), w, b).has_value());
+  EXPECT_FALSE(FastConv1D(at::randn({2, 32}), at::randn({24, 32}).t(), b).has_value());
+  EXPECT_FALSE(FastConv1D(at::randn({2, 32}), w.to(at::kDouble), b).has_value());
+}
+
+TEST(CpuConv1DTest, LeavesAutogradToLibtorch) {
+  at::Tensor w = at::randn({16, 8}).requires_grad_();
+  ASSERT_TRUE(c10::GradMode::is_enabled());
+  EXPECT_FALSE(FastConv1D(at::randn({2, 16}), w, at::Tensor()).has_value());
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(FastConv1D(at::randn({2, 16}), w, at::Tensor()).has_value());
+}
+
+// nn::Conv1D takes it for decode where libtorch would multiply a float32
+// copy of the weight (float16; bfloat16 without oneDNN's product), and
+// agrees with the float32 product within the bound everywhere.
+TEST(CpuConv1DTest, Conv1DForwardUsesItWhereLibtorchWouldCopyTheWeight) {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    nn::Conv1D conv(64, 48, dtype);
+    at::manual_seed(9);
+    conv.weight.detach().copy_(Random({64, 48}, dtype));
+    conv.bias.detach().copy_(Random({48}, dtype));
+    c10::InferenceMode inference;
+    const at::Tensor x = Random({1, 2, 64}, dtype);
+    const at::Tensor y = conv.forward(x);
+    const bool copies = (dtype == at::kHalf && !compat::kCpuHalfKernels) ||
+                        (dtype == at::kBFloat16 && !CpuFeaturesOfThisMachine().onednn_bf16_matmul);
+    if (copies) {
+      std::optional<at::Tensor> fast = FastConv1D(x, conv.weight, conv.bias);
+      ASSERT_TRUE(fast.has_value());
+      EXPECT_TRUE(at::equal(y, *fast));
+    }
+    ExpectMatchesFloat64(y.reshape({-1, 48}), x.reshape({-1, 64}), conv.weight.t(), conv.bias);
   }
 }
 
