@@ -22,7 +22,7 @@ namespace {
 // A weight [k, n] with rows `stride` >= n apart, NaN in the padding (a kernel
 // that reads past n, or past k, makes a NaN), and its values as float32.
 struct Weight {
-  GemvWeight type;
+  GemvWeight type = GemvWeight::kFloat32;
   std::vector<float> f32;
   std::vector<uint16_t> u16;
   std::vector<float> value;
