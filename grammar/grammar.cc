@@ -357,7 +357,21 @@ class GbnfParser {
       } else {
         return Error(absl::StrCat("unexpected character '", std::string(1, c), "'"));
       }
-      // Postfix operators.
+      // Postfix operators. Stacked ones apply in turn (llama.cpp's reading),
+      // but a run of *, +, ? (and {0,}, {1,}, {0,1}, {1}) is one operator
+      // over the atom: (x+)+ is x+, (x?)+ and (x+)? are x*, and so on. Each
+      // one nested instead made a rule a level, and a closure through n
+      // nested loops visits n^2 stacks: 90 '+' in a row took seconds a byte.
+      // A run of those, not applied yet (has_pending), as {min, max}.
+      bool has_pending = false;
+      std::pair<int, int> pending(1, 1);
+      const auto apply = [&](int min, int max) -> absl::Status {
+        atom = Repeat(std::move(atom), min, max);
+        if (rules_.elements() + static_cast<int64_t>(atom.size()) > kMaxGrammarElements) {
+          return Error("the grammar grows over its element limit");
+        }
+        return absl::OkStatus();
+      };
       while (!AtEnd()) {
         const char op = Peek();
         int min = 0;
@@ -377,13 +391,34 @@ class GbnfParser {
         } else {
           break;
         }
-        atom = Repeat(std::move(atom), min, max);
-        if (rules_.elements() + static_cast<int64_t>(atom.size()) > kMaxGrammarElements) {
-          return Error("the grammar grows over its element limit");
+        if (IsSimpleRepeat(min, max)) {
+          pending = ComposeRepeats(pending, {min, max});
+          has_pending = true;
+          continue;
         }
+        if (has_pending) {
+          if (absl::Status s = apply(pending.first, pending.second); !s.ok()) return s;
+          has_pending = false;
+          pending = {1, 1};
+        }
+        if (absl::Status s = apply(min, max); !s.ok()) return s;
+      }
+      if (has_pending) {
+        if (absl::Status s = apply(pending.first, pending.second); !s.ok()) return s;
       }
       sequence.insert(sequence.end(), atom.begin(), atom.end());
     }
+  }
+
+  // The repetitions that compose into one of their own kind: {0,1} (?),
+  // {0,} (*), {1,} (+) and {1} (once).
+  static bool IsSimpleRepeat(int min, int max) {
+    return (min == 0 || min == 1) && (max == 1 || max < 0);
+  }
+  // `outer` applied to `inner` repeated: at least 0 times if either may be
+  // absent, unbounded if either is.
+  static std::pair<int, int> ComposeRepeats(std::pair<int, int> inner, std::pair<int, int> outer) {
+    return {inner.first * outer.first, inner.second < 0 || outer.second < 0 ? -1 : 1};
   }
 
   Sequence Repeat(Sequence atom, int min, int max) {

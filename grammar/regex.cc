@@ -3,7 +3,9 @@
 // against the whole text).
 #include <algorithm>
 #include <cctype>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -99,12 +101,32 @@ class RegexConverter {
     return out.empty() ? std::string("\"\"") : out;
   }
 
+  // Stacked quantifiers apply in turn, but a run of *, +, ? (and {0,},
+  // {1,}, {0,1}, {1}) is written as one over the atom ((x+)+ is x+, (x?)+ is
+  // x*), as the GBNF parser does (grammar.cc: nesting each made the matcher's
+  // closures quadratic in the run's length).
   absl::StatusOr<std::string> ParseQuantifiers(std::string atom) {
+    // The run so far, if any: {min, max}, max -1 unbounded.
+    bool has_pending = false;
+    std::pair<int, int> pending(1, 1);
+    const auto flush = [&] {
+      if (!has_pending) return;
+      const char* op =
+          pending.first == 0 ? (pending.second < 0 ? "*" : "?") : (pending.second < 0 ? "+" : "");
+      atom = absl::StrCat("(", atom, ")", op);
+      has_pending = false;
+      pending = {1, 1};
+    };
     while (!AtEnd()) {
       const char c = Peek();
       std::string op;
+      bool is_simple = false;
+      std::pair<int, int> simple(1, 1);
       if (c == '*' || c == '+' || c == '?') {
-        op = std::string(1, c);
+        is_simple = true;
+        simple = c == '*'   ? std::make_pair(0, -1)
+                 : c == '+' ? std::make_pair(1, -1)
+                            : std::make_pair(0, 1);
         ++pos_;
       } else if (c == '{') {
         const size_t start = pos_;
@@ -116,16 +138,29 @@ class RegexConverter {
         const absl::string_view body = pattern_.substr(start + 1, p - start - 1);
         if (p >= pattern_.size() || pattern_[p] != '}' || body.empty() || body[0] == ',' ||
             body.find(',') != body.rfind(',')) {
-          return atom;  // not a quantifier: `{` is then a literal character, read next
+          break;  // not a quantifier: `{` is then a literal character, read next
         }
-        op = absl::StrCat("{", body, "}");
+        if (body == "0," || body == "1," || body == "0,1" || body == "1") {
+          is_simple = true;
+          simple = std::make_pair(body[0] - '0', body == "0,1" || body == "1" ? 1 : -1);
+        } else {
+          op = absl::StrCat("{", body, "}");
+        }
         pos_ = p + 1;
       } else {
-        return atom;
+        break;
       }
       if (Peek() == '?' || Peek() == '+') ++pos_;  // lazy / possessive: the same language
+      if (is_simple) {
+        pending = std::make_pair(pending.first * simple.first,
+                                 pending.second < 0 || simple.second < 0 ? -1 : 1);
+        has_pending = true;
+        continue;
+      }
+      flush();
       atom = absl::StrCat("(", atom, ")", op);
     }
+    flush();
     return atom;
   }
 

@@ -61,7 +61,10 @@ class StackArena {
   std::vector<int32_t> step_results_;
   State initial_;
   std::vector<int32_t> scratch_;
-  std::vector<int32_t> visited_;  // closure's seen nodes this call
+  // Closure's seen marks: node n was seen in this call if seen_[n] is
+  // closure_stamp_ (a new stamp a call, so nothing is cleared).
+  std::vector<uint32_t> seen_;
+  uint32_t closure_stamp_ = 0;
   int64_t overflows_ = 0;
 };
 

@@ -60,6 +60,34 @@ TEST(GbnfTest, BoundedRepetition) {
   EXPECT_FALSE(g->Matches("aacc"));
 }
 
+// Stacked postfix operators apply in turn (llama.cpp's reading), a run of
+// *, +, ? (or {0,}, {1,}, {0,1}, {1}) as one operator over the atom: the
+// grammar is the size of one operator's whatever the run's length.
+TEST(GbnfTest, StackedOperatorsAreOneOverTheAtom) {
+  auto star = Gbnf(R"(root ::= "a"+? "b")");  // (a+)? = a*
+  EXPECT_TRUE(star->Matches("b"));
+  EXPECT_TRUE(star->Matches("aaab"));
+  EXPECT_FALSE(star->Matches("ab b"));
+  auto plus = Gbnf(R"(root ::= ("x" "y")+{1,}+)");  // (xy)+
+  EXPECT_TRUE(plus->Matches("xyxy"));
+  EXPECT_FALSE(plus->Matches(""));
+  EXPECT_FALSE(plus->Matches("xyx"));
+  auto even = Gbnf(R"(root ::= "d"{2}+)");  // (dd)+
+  EXPECT_TRUE(even->Matches("dd"));
+  EXPECT_TRUE(even->Matches("dddd"));
+  EXPECT_FALSE(even->Matches("ddd"));
+  EXPECT_FALSE(even->Matches(""));
+  auto optional = Gbnf(R"(root ::= "q"?{0,1}?)");  // q?
+  EXPECT_TRUE(optional->Matches(""));
+  EXPECT_TRUE(optional->Matches("q"));
+  EXPECT_FALSE(optional->Matches("qq"));
+  auto one = Gbnf(R"(root ::= "1"+)");
+  auto run = Gbnf(R"(root ::= "1"+)" + std::string(3000, '+'));
+  EXPECT_EQ(run->num_elements(), one->num_elements());
+  EXPECT_EQ(run->num_rules(), one->num_rules());
+  EXPECT_TRUE(run->Matches("11"));
+}
+
 TEST(GbnfTest, UnicodeClassesAreUtf8) {
   auto g = Gbnf(R"(root ::= [^a] [α-ω] "日" .)");
   EXPECT_TRUE(g->Matches("bβ日x"));
@@ -245,6 +273,47 @@ TEST(RegexTest, Refusals) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("nothing to repeat")));
   EXPECT_THAT(CompileRegex("[b-a]"),
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ends before it starts")));
+}
+
+// Stacked quantifiers apply in turn, and a run of *, +, ? (or {0,}, {1,},
+// {0,1}, {1}) is one quantifier over the atom, so the grammar stays the
+// size of one whatever the run's length (nested, a run of 90 made the
+// matcher's closures quadratic: seconds a byte). After each quantifier a `?`
+// or `+` is its lazy or possessive mark (the same language), so `a+++` is
+// (a++)+, `d{2}+` is d{2} and `d{2}++` is (d{2})+. Each against RE2 on the
+// equivalent pattern.
+TEST(RegexTest, StackedQuantifiersAreOneOverTheAtom) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"a+++", "a+"},
+      {"b*??", "b*"},
+      {"(ab)?{1,}c", "(ab)*c"},
+      {"c+{0,1}", "c*"},
+      {"d{2}+", "dd"},
+      {"d{2}++", "(dd)+"},
+      {"e?++f", "e*f"},
+      {"(a|b){1}{1}c", "(a|b)c"},
+      {"f{0,1}?{0,}", "f*"},
+      {"a{1,2}+b", "a{1,2}b"},
+      {"a{1,2}++b", "(a{1,2})+b"},
+  };
+  std::mt19937 rng(11);
+  for (const auto& [pattern, equivalent] : cases) {
+    auto grammar = CompileRegex(pattern);
+    ASSERT_THAT(grammar, IsOk()) << pattern;
+    RE2 re(equivalent);
+    ASSERT_TRUE(re.ok()) << equivalent;
+    for (int i = 0; i < 300; ++i) {
+      const std::string s = RandomString(rng, "abcdef");
+      EXPECT_EQ((*grammar)->Matches(s), RE2::FullMatch(s, re)) << pattern << " on '" << s << "'";
+    }
+  }
+  auto one = CompileRegex("1+");
+  auto run = CompileRegex("1+" + std::string(3000, '+'));
+  ASSERT_THAT(one, IsOk());
+  ASSERT_THAT(run, IsOk());
+  EXPECT_EQ((*run)->num_elements(), (*one)->num_elements());
+  EXPECT_TRUE((*run)->Matches("111"));
+  EXPECT_FALSE((*run)->Matches(""));
 }
 
 TEST(RegexTest, JsonStringModeEscapes) {
