@@ -173,15 +173,11 @@ class RegexConverter {
         const char kind = Peek();
         if (kind == ':') {
           ++pos_;
-        } else if (kind == 'P' && pos_ + 1 < pattern_.size() && pattern_[pos_ + 1] == '<') {
-          pos_ = pattern_.find('>', pos_);
-          if (pos_ == absl::string_view::npos) {
-            pos_ = pattern_.size();
-            return Error("unterminated group name");
-          }
-          ++pos_;
-        } else if (kind == '<' && pos_ + 1 < pattern_.size() && pattern_[pos_ + 1] != '=' &&
-                   pattern_[pos_ + 1] != '!') {
+        } else if (const bool more = pos_ + 1 < pattern_.size();
+                   (kind == 'P' && more && pattern_[pos_ + 1] == '<') ||
+                   (kind == '<' && more && pattern_[pos_ + 1] != '=' &&
+                    pattern_[pos_ + 1] != '!')) {
+          // A named group: (?P<name>...) (Python) or (?<name>...).
           pos_ = pattern_.find('>', pos_);
           if (pos_ == absl::string_view::npos) {
             pos_ = pattern_.size();
