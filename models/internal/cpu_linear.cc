@@ -42,16 +42,43 @@ std::optional<GemvWeight> WeightType(at::ScalarType type) {
 
 bool DenseCpu(const at::Tensor& t) { return t.device().is_cpu() && t.layout() == at::kStrided; }
 
-std::optional<at::Tensor> Linear(const at::Tensor& x, const at::Tensor& weight,
-                                 const at::Tensor& bias, bool bfloat16_any_rows) {
+// What a product of ours needs of its operands: dense CPU tensors of one
+// dtype our kernels read, a contiguous 2-D weight ([out, in], or [in, out]
+// when `in_first`), x [..., in] with at least one row, bias [out] or
+// undefined, and no autograd graph. The weight's type and the sizes, or
+// nullopt.
+struct Operands {
+  GemvWeight type = GemvWeight::kFloat32;
+  int64_t in = 0, out = 0, rows = 0;
+};
+
+std::optional<Operands> CheckOperands(const at::Tensor& x, const at::Tensor& weight,
+                                      const at::Tensor& bias, bool in_first) {
   if (!x.defined() || !weight.defined() || !DenseCpu(x) || !DenseCpu(weight)) return std::nullopt;
   const std::optional<GemvWeight> type = WeightType(weight.scalar_type());
   if (!type || x.scalar_type() != weight.scalar_type()) return std::nullopt;
   if (weight.dim() != 2 || !weight.is_contiguous() || x.dim() < 1) return std::nullopt;
-  const int64_t out = weight.size(0), in = weight.size(1);
+  const int64_t in = weight.size(in_first ? 0 : 1), out = weight.size(in_first ? 1 : 0);
   if (in == 0 || out == 0 || x.size(-1) != in) return std::nullopt;
   const int64_t rows = x.numel() / in;
   if (rows < 1) return std::nullopt;
+  if (bias.defined() && (!DenseCpu(bias) || bias.scalar_type() != weight.scalar_type() ||
+                         bias.dim() != 1 || bias.size(0) != out)) {
+    return std::nullopt;
+  }
+  if (c10::GradMode::is_enabled() &&
+      (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()))) {
+    return std::nullopt;
+  }
+  return Operands{*type, in, out, rows};
+}
+
+std::optional<at::Tensor> Linear(const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& bias, bool bfloat16_any_rows) {
+  const std::optional<Operands> operands = CheckOperands(x, weight, bias, /*in_first=*/false);
+  if (!operands) return std::nullopt;
+  const GemvWeight type = operands->type;
+  const int64_t in = operands->in, out = operands->out, rows = operands->rows;
   // bfloat16 above one chunk goes to libtorch where it runs it with oneDNN
   // (AVX-512 bf16 / AMX on the build machine): measured on [4096, 4096]
   // weights, as fast as our chunks at 17 rows, 2x faster at 32, 2.8x at 64 and
@@ -60,16 +87,8 @@ std::optional<at::Tensor> Linear(const at::Tensor& x, const at::Tensor& weight,
   // it. float32 and float16 take any number of rows: libtorch 1.13's float32
   // product was the reference BLAS sgemm (51-64x slower than ours at 17-256
   // rows) and it has no float16 one.
-  if (*type == GemvWeight::kBFloat16 && rows > kFastLinearChunkRows && !bfloat16_any_rows &&
+  if (type == GemvWeight::kBFloat16 && rows > kFastLinearChunkRows && !bfloat16_any_rows &&
       CpuFeaturesOfThisMachine().onednn_bf16_matmul) {
-    return std::nullopt;
-  }
-  if (bias.defined() && (!DenseCpu(bias) || bias.scalar_type() != weight.scalar_type() ||
-                         bias.dim() != 1 || bias.size(0) != out)) {
-    return std::nullopt;
-  }
-  if (c10::GradMode::is_enabled() &&
-      (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()))) {
     return std::nullopt;
   }
 
@@ -83,13 +102,13 @@ std::optional<at::Tensor> Linear(const at::Tensor& x, const at::Tensor& weight,
   args.k = in;
   args.x_stride = x32.stride(0);
   args.w = weight.data_ptr();
-  args.w_type = *type;
+  args.w_type = type;
   args.w_stride = in;
   args.bias = b32.defined() ? b32.data_ptr<float>() : nullptr;
   args.y_stride = out;
   const float* x_data = x32.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
-  const int64_t weight_row_bytes = in * GemvWeightBytes(*type);
+  const int64_t weight_row_bytes = in * GemvWeightBytes(type);
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / weight_row_bytes);
   // Chunks of at most kFastLinearChunkRows rows, as even as possible (17 rows
   // are 9 + 8, not 16 + 1). One chunk: one kernel call per thread, as for
@@ -121,22 +140,10 @@ std::optional<at::Tensor> Linear(const at::Tensor& x, const at::Tensor& weight,
 
 std::optional<at::Tensor> FastConv1D(const at::Tensor& x, const at::Tensor& weight,
                                      const at::Tensor& bias) {
-  if (!x.defined() || !weight.defined() || !DenseCpu(x) || !DenseCpu(weight)) return std::nullopt;
-  const std::optional<GemvWeight> type = WeightType(weight.scalar_type());
-  if (!type || x.scalar_type() != weight.scalar_type()) return std::nullopt;
-  if (weight.dim() != 2 || !weight.is_contiguous() || x.dim() < 1) return std::nullopt;
-  const int64_t in = weight.size(0), out = weight.size(1);
-  if (in == 0 || out == 0 || x.size(-1) != in) return std::nullopt;
-  const int64_t rows = x.numel() / in;
-  if (rows < 1 || rows > kFastLinearChunkRows) return std::nullopt;
-  if (bias.defined() && (!DenseCpu(bias) || bias.scalar_type() != weight.scalar_type() ||
-                         bias.dim() != 1 || bias.size(0) != out)) {
-    return std::nullopt;
-  }
-  if (c10::GradMode::is_enabled() &&
-      (x.requires_grad() || weight.requires_grad() || (bias.defined() && bias.requires_grad()))) {
-    return std::nullopt;
-  }
+  const std::optional<Operands> operands = CheckOperands(x, weight, bias, /*in_first=*/true);
+  if (!operands || operands->rows > kFastLinearChunkRows) return std::nullopt;
+  const GemvWeight type = operands->type;
+  const int64_t in = operands->in, out = operands->out, rows = operands->rows;
   at::Tensor x32 = x.reshape({rows, in}).to(at::kFloat).contiguous();
   at::Tensor b32;
   if (bias.defined()) b32 = bias.to(at::kFloat).contiguous();
@@ -147,14 +154,14 @@ std::optional<at::Tensor> FastConv1D(const at::Tensor& x, const at::Tensor& weig
   args.x = x32.data_ptr<float>();
   args.x_stride = in;
   args.w = weight.data_ptr();
-  args.w_type = *type;
+  args.w_type = type;
   args.w_stride = out;
   args.bias = b32.defined() ? b32.data_ptr<float>() : nullptr;
   args.y = y.data_ptr<float>();
   args.y_stride = out;
   // Threads take whole eights of columns (the kernels' vectors).
   const int64_t eights = (out + 7) / 8;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / (8 * in * GemvWeightBytes(*type)));
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / (8 * in * GemvWeightBytes(type)));
   at::parallel_for(0, eights, grain, [&](int64_t begin, int64_t end) {
     GemvTransposed(args, begin * 8, std::min(out, end * 8));
   });

@@ -14,6 +14,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/models/gemv_params.h"
+
 namespace accel::models::internal {
 namespace {
 
@@ -224,7 +226,7 @@ void CheckOne(GemvIsa isa, GemvWeight type, const Shape& s,
   EXPECT_EQ(failures, 0);
 }
 
-class GemvTest : public ::testing::TestWithParam<std::tuple<GemvIsa, GemvWeight>> {
+class GemvTest : public ::testing::TestWithParam<GemvParam> {
  protected:
   void SetUp() override {
     if (!GemvIsaSupported(isa())) {
@@ -299,18 +301,7 @@ TEST_P(GemvTest, LargeValuesKeepFloat32Range) {
   EXPECT_FLOAT_EQ(y[1], 64 * 3.0e4f * 32768.0f);
 }
 
-std::string ParamName(const ::testing::TestParamInfo<std::tuple<GemvIsa, GemvWeight>>& info) {
-  const char* types[] = {"float32", "bfloat16", "float16"};
-  return std::string(GemvIsaName(std::get<0>(info.param))) + "_" +
-         types[static_cast<int>(std::get<1>(info.param))];
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    AllLevels, GemvTest,
-    ::testing::Combine(::testing::Values(GemvIsa::kScalar, GemvIsa::kAvx2, GemvIsa::kAvx512),
-                       ::testing::Values(GemvWeight::kFloat32, GemvWeight::kBFloat16,
-                                         GemvWeight::kFloat16)),
-    ParamName);
+INSTANTIATE_TEST_SUITE_P(AllLevels, GemvTest, AllGemvLevelsAndWeights(), GemvParamName);
 
 }  // namespace
 }  // namespace accel::models::internal

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "models/internal/gemv.h"
+#include "tests/models/gemv_params.h"
 
 namespace accel::models::internal {
 namespace {
@@ -150,7 +151,7 @@ void CheckOne(GemvIsa isa, GemvWeight type, const Case& c,
   }
 }
 
-class GemvTransposedTest : public ::testing::TestWithParam<std::tuple<GemvIsa, GemvWeight>> {
+class GemvTransposedTest : public ::testing::TestWithParam<GemvParam> {
  protected:
   void SetUp() override {
     if (!GemvIsaSupported(isa())) GTEST_SKIP() << "this CPU cannot run " << GemvIsaName(isa());
@@ -191,18 +192,7 @@ TEST_P(GemvTransposedTest, NothingToDoWritesNothing) {
   CheckOne(isa(), type(), {2, 0, 9, true}, {{0, 9}}, rng);   // y = bias
 }
 
-std::string ParamName(const ::testing::TestParamInfo<std::tuple<GemvIsa, GemvWeight>>& info) {
-  const char* types[] = {"float32", "bfloat16", "float16"};
-  return std::string(GemvIsaName(std::get<0>(info.param))) + "_" +
-         types[static_cast<int>(std::get<1>(info.param))];
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    AllLevels, GemvTransposedTest,
-    ::testing::Combine(::testing::Values(GemvIsa::kScalar, GemvIsa::kAvx2, GemvIsa::kAvx512),
-                       ::testing::Values(GemvWeight::kFloat32, GemvWeight::kBFloat16,
-                                         GemvWeight::kFloat16)),
-    ParamName);
+INSTANTIATE_TEST_SUITE_P(AllLevels, GemvTransposedTest, AllGemvLevelsAndWeights(), GemvParamName);
 
 }  // namespace
 }  // namespace accel::models::internal
