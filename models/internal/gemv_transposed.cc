@@ -102,8 +102,8 @@ ACCEL_TARGET_AVX2 void Rows(const GemvArgs& a, int64_t i0, int64_t j, int64_t n0
 
 // Weight rows in steps of D (the broadcasts and accumulators fit the 16
 // registers: D x R + R + 1), the last k % D one at a time; the columns past
-// the last whole eight by ScalarTile's loop, which adds the same products in
-// the same order.
+// the last whole eight by ScalarTile, which adds the same products in the
+// same order.
 template <GemvWeight T, int R>
 ACCEL_TARGET_AVX2 void Avx2Tile(const GemvArgs& a, int64_t i0, int64_t n0, int64_t n1, float* acc,
                                 int64_t cols) {
@@ -113,17 +113,7 @@ ACCEL_TARGET_AVX2 void Avx2Tile(const GemvArgs& a, int64_t i0, int64_t n0, int64
   for (; j + D <= a.k; j += D) Rows<T, R, D>(a, i0, j, n0, vecs, acc, cols);
   for (; j < a.k; ++j) Rows<T, R, 1>(a, i0, j, n0, vecs, acc, cols);
   const int64_t tail = n0 + vecs * 8;
-  if (tail < n1) {
-    for (int64_t jj = 0; jj < a.k; ++jj) {
-      for (int64_t n = tail; n < n1; ++n) {
-        const float w = LoadOne(T, a.w, jj * a.w_stride + n);
-        for (int r = 0; r < R; ++r) {
-          float& s = acc[r * cols + (n - n0)];
-          s = std::fma(a.x[(i0 + r) * a.x_stride + jj], w, s);
-        }
-      }
-    }
-  }
+  if (tail < n1) ScalarTile(a, i0, R, tail, n1, acc + (tail - n0), cols);
 }
 
 template <GemvWeight T>
