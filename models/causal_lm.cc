@@ -216,6 +216,7 @@ class Gpt2LM : public internal::StagedLM {
                                          dispatch::DispatchedModel* dispatched,
                                          internal::StepState& step) override {
     (void)positions;
+    const internal::StepDecodePlanScope decode_plan;  // the step's decodes, planned once
     for (int64_t l = first_layer_; l < last_layer_; ++l) {
       const size_t i = static_cast<size_t>(l);
       absl::StatusOr<at::Tensor> out = InScope(

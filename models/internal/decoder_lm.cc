@@ -999,6 +999,7 @@ class DecoderLM : public StagedLM {
                                        const std::vector<SequenceChunk>& chunks,
                                        const at::Device& home,
                                        dispatch::DispatchedModel* dispatched, StepState& step) {
+    const StepDecodePlanScope decode_plan;  // the step's decodes, planned once (AttendPacked)
     at::Tensor cos, sin, local_cos, local_sin;
     ACCEL_RETURN_IF_ERROR(InScope(dispatched, "model.rotary_emb", home, [&](const at::Device& d) {
                             std::tie(cos, sin) =

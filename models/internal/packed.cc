@@ -1,7 +1,9 @@
 #include "models/internal/packed.h"
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -162,6 +164,118 @@ namespace {
 
 thread_local const StaticDecodeInputs* static_decode = nullptr;
 
+}  // namespace
+
+// A general step's one-token paged decodes (StepDecodePlanScope): planned at
+// the step's first attention (no cache moves until every layer ran) and
+// attended in each layer as one batch through their block tables, as the
+// static decode step attends its rows, instead of a query, a table and a
+// few views per row and layer.
+struct StepDecodePlan {
+  bool built = false;
+  std::vector<char> planned;  // by chunk: whether it is one of the rows
+  KvBlockStore* store = nullptr;
+  at::Device device = at::kCPU;
+  at::Tensor index;   // [rows] int64: the rows' places among the step's tokens
+  at::Tensor tables;  // [rows, max_blocks] int32
+  at::Tensor totals;  // [rows] int32: positions each row attends
+  int64_t rows = 0;
+  int64_t max_total = 0;
+};
+
+namespace {
+
+thread_local StepDecodePlan* step_plan = nullptr;
+std::atomic<bool> plan_on_cpu{false};
+std::atomic<int64_t> planned_attentions{0};
+
+// Fills `plan` from the step's chunks: those of one token on a paged cache
+// of the first such chunk's store. None (rows 0) on the cpu unless
+// PlanStepDecodesOnCpu asked for it.
+void BuildStepDecodePlan(StepDecodePlan& plan, absl::Span<const SequenceChunk> chunks,
+                         const at::Device& device) {
+  plan.built = true;
+  plan.planned.assign(chunks.size(), 0);
+  if (device.is_cpu() && !plan_on_cpu.load()) return;
+  std::vector<int64_t> index;
+  std::vector<const KvCache*> caches;
+  int64_t offset = 0, max_blocks = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const SequenceChunk& chunk = chunks[c];
+    const KvCache* cache = chunk.cache;
+    if (chunk.tokens == 1 && cache != nullptr && cache->paged() &&
+        (plan.store == nullptr || cache->store == plan.store)) {
+      plan.store = cache->store;
+      plan.planned[c] = 1;
+      index.push_back(offset);
+      caches.push_back(cache);
+      max_blocks = std::max(max_blocks, cache->length / cache->store->block_size() + 1);
+    }
+    offset += chunk.tokens;
+  }
+  plan.rows = static_cast<int64_t>(index.size());
+  if (plan.rows == 0) return;
+  plan.device = device;
+  const int64_t block_size = plan.store->block_size();
+  // One buffer of int32 for the tables and totals (entries past a row's
+  // blocks are never read), pinned for a CUDA device so the copies are
+  // asynchronous.
+  const bool pin = device.is_cuda();
+  at::Tensor host = at::zeros({plan.rows * max_blocks + plan.rows},
+                              at::TensorOptions().dtype(at::kInt).pinned_memory(pin));
+  int32_t* tables = host.data_ptr<int32_t>();
+  int32_t* totals = tables + plan.rows * max_blocks;
+  for (int64_t r = 0; r < plan.rows; ++r) {
+    const KvCache& cache = *caches[static_cast<size_t>(r)];
+    const int64_t used = cache.length / block_size + 1;
+    TORCH_CHECK(static_cast<int64_t>(cache.block_table.size()) >= used, "decode row ", r,
+                " at position ", cache.length, " but its table holds ", cache.block_table.size(),
+                " blocks");
+    std::copy(cache.block_table.begin(), cache.block_table.begin() + used, tables + r * max_blocks);
+    totals[r] = static_cast<int32_t>(cache.length + 1);
+    plan.max_total = std::max(plan.max_total, cache.length + 1);
+  }
+  at::Tensor wide = at::empty({plan.rows}, at::TensorOptions().dtype(at::kLong).pinned_memory(pin));
+  std::copy(index.begin(), index.end(), wide.data_ptr<int64_t>());
+  plan.index = wide.to(device, /*non_blocking=*/pin);
+  const at::Tensor narrow = host.to(device, /*non_blocking=*/pin);
+  plan.tables = narrow.narrow(0, 0, plan.rows * max_blocks).view({plan.rows, max_blocks});
+  plan.totals = narrow.narrow(0, plan.rows * max_blocks, plan.rows);
+}
+
+// The attention of one-token rows q [heads, rows, d] through block tables
+// [rows, max_blocks] and totals [rows] (int32, on the blocks' device): the
+// CUDA kernels with a plan fixed by max_total, or on the cpu the tables read
+// back and each row attended by PagedDecodeAttention (the numbers the
+// kernels read). [rows, heads * dv] in q's dtype.
+at::Tensor AttendThroughTables(const at::Tensor& q, const at::Tensor& key_blocks,
+                               const at::Tensor& value_blocks, const at::Tensor& block_tables,
+                               const at::Tensor& block_totals, int64_t max_total,
+                               std::optional<int64_t> window, const ScoreRule& rule) {
+  const int64_t rows = q.size(1);
+  if (key_blocks.is_cuda()) {
+    return PagedDecodeAttentionCudaStatic(q.transpose(0, 1), key_blocks, value_blocks, block_tables,
+                                          block_totals, max_total, window, rule)
+        .to(q.scalar_type());
+  }
+  const at::Tensor tables = block_tables.to(at::kCPU).contiguous();
+  const at::Tensor totals = block_totals.to(at::kCPU).contiguous();
+  const int64_t stride = tables.size(1), block_size = key_blocks.size(2);
+  std::vector<std::vector<int32_t>> owned(static_cast<size_t>(rows));
+  std::vector<PagedQuery> queries;
+  queries.reserve(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t total = totals.data_ptr<int32_t>()[r];
+    const int64_t used = (total + block_size - 1) / block_size;
+    TORCH_CHECK(total >= 1 && used <= stride, "decode rows: row ", r, " attends ", total,
+                " positions, its table holds ", stride, " blocks");
+    const int32_t* row = tables.data_ptr<int32_t>() + r * stride;
+    owned[static_cast<size_t>(r)].assign(row, row + used);
+    queries.push_back({q.narrow(1, r, 1).select(1, 0), owned[static_cast<size_t>(r)], total});
+  }
+  return PagedDecodeAttention(queries, key_blocks, value_blocks, window, rule).to(q.scalar_type());
+}
+
 // AttendPacked under a StaticDecodeScope: q [heads, rows, d], k, v
 // [kv_heads, rows, d], one row per chunk.
 at::Tensor AttendStaticDecode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -179,30 +293,8 @@ at::Tensor AttendStaticDecode(const at::Tensor& q, const at::Tensor& k, const at
   const at::Tensor where_offsets = inputs.slot_offsets.to(key_blocks.device());
   key_blocks.index_put_({where_blocks, at::indexing::Slice(), where_offsets}, k.transpose(0, 1));
   value_blocks.index_put_({where_blocks, at::indexing::Slice(), where_offsets}, v.transpose(0, 1));
-  if (key_blocks.is_cuda()) {
-    return PagedDecodeAttentionCudaStatic(q.transpose(0, 1), key_blocks, value_blocks,
-                                          inputs.block_tables, inputs.totals, inputs.max_total,
-                                          window, rule)
-        .to(q.scalar_type());
-  }
-  // On the cpu the tables and totals are read here: the same numbers the
-  // CUDA kernels read on the device.
-  const at::Tensor tables = inputs.block_tables.to(at::kCPU).contiguous();
-  const at::Tensor totals = inputs.totals.to(at::kCPU).contiguous();
-  const int64_t stride = tables.size(1), block_size = key_blocks.size(2);
-  std::vector<std::vector<int32_t>> owned(static_cast<size_t>(rows));
-  std::vector<PagedQuery> queries;
-  queries.reserve(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t total = totals.data_ptr<int32_t>()[r];
-    const int64_t used = (total + block_size - 1) / block_size;
-    TORCH_CHECK(total >= 1 && used <= stride, "static decode step: row ", r, " attends ", total,
-                " positions, its table holds ", stride, " blocks");
-    const int32_t* row = tables.data_ptr<int32_t>() + r * stride;
-    owned[static_cast<size_t>(r)].assign(row, row + used);
-    queries.push_back({q.narrow(1, r, 1).select(1, 0), owned[static_cast<size_t>(r)], total});
-  }
-  return PagedDecodeAttention(queries, key_blocks, value_blocks, window, rule).to(q.scalar_type());
+  return AttendThroughTables(q, key_blocks, value_blocks, inputs.block_tables, inputs.totals,
+                             inputs.max_total, window, rule);
 }
 
 }  // namespace
@@ -239,6 +331,17 @@ StaticDecodeScope::StaticDecodeScope(const StaticDecodeInputs* inputs) : previou
 
 StaticDecodeScope::~StaticDecodeScope() { static_decode = previous_; }
 
+StepDecodePlanScope::StepDecodePlanScope()
+    : plan_(std::make_unique<StepDecodePlan>()), previous_(step_plan) {
+  step_plan = plan_.get();
+}
+
+StepDecodePlanScope::~StepDecodePlanScope() { step_plan = previous_; }
+
+void PlanStepDecodesOnCpu(bool on) { plan_on_cpu.store(on); }
+
+int64_t PlannedDecodeAttentions() { return planned_attentions.load(); }
+
 at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         absl::Span<const SequenceChunk> chunks, size_t layer,
                         std::optional<int64_t> window, const ScoreRule& rule) {
@@ -256,10 +359,36 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
   // the cpu a copy per run of positions costs no launch and less than the
   // indexed copy's set-up).
   const bool written = !k.is_cpu() && WriteStepBlocks(chunks, layer, k, v);
+  // The step's one-token decodes, planned once a step (StepDecodePlanScope),
+  // where this layer's blocks are on the plan's device and the kernels take
+  // them.
+  StepDecodePlan* plan = step_plan;
+  at::Tensor plan_keys, plan_values;
+  if (plan != nullptr) {
+    if (!plan->built) BuildStepDecodePlan(*plan, chunks, k.device());
+    if (plan->rows == 0 || plan->planned.size() != chunks.size()) {
+      plan = nullptr;
+    } else {
+      std::tie(plan_keys, plan_values) = plan->store->Layer(layer, k, v);
+      if (plan_keys.device() != plan->device ||
+          (plan_keys.is_cuda() && !PagedCudaTakes(plan_keys, plan_values, heads))) {
+        plan = nullptr;
+      }
+    }
+  }
+  std::vector<int64_t> offsets(chunks.size());
   int64_t offset = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const SequenceChunk& chunk = chunks[c];
     const int64_t n = chunk.tokens;
+    offsets[c] = offset;
+    if (plan != nullptr && plan->planned[c] != 0) {
+      // Attended with the plan's other rows below; its key and value
+      // written with the step's unless the stores differ.
+      if (!written) WriteBlocks(chunk.cache, layer, k.narrow(1, offset, n), v.narrow(1, offset, n));
+      offset += n;
+      continue;
+    }
     at::Tensor keys = k.narrow(1, offset, n), values = v.narrow(1, offset, n);
     int64_t past = 0;
     if (chunk.cache != nullptr && chunk.cache->paged()) {
@@ -334,7 +463,18 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
       i = end;
     }
   }
-  return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+  if (plan == nullptr) return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+  planned_attentions.fetch_add(1);
+  const at::Tensor planned =
+      AttendThroughTables(q.index_select(1, plan->index), plan_keys, plan_values, plan->tables,
+                          plan->totals, plan->max_total, window, rule);
+  if (plan->rows == static_cast<int64_t>(chunks.size())) return planned;  // decodes only
+  at::Tensor out = at::empty({offset, planned.size(1)}, planned.options());
+  out.index_copy_(0, plan->index, planned);
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (plan->planned[c] == 0) out.narrow(0, offsets[c], chunks[c].tokens).copy_(outs[c]);
+  }
+  return out;
 }
 
 absl::Status CheckWeightFiles() {

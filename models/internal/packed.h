@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -58,6 +59,39 @@ class StaticDecodeScope {
  private:
   const StaticDecodeInputs* previous_;
 };
+
+struct StepDecodePlan;
+
+// While one lives on this thread (a general forward's layers: RunLayers),
+// AttendPacked plans the step's one-token chunks on paged caches at its
+// first call, the caches not moving until every layer ran: their rows among
+// the step's tokens, block tables and totals go to the device once, and
+// each layer attends them as one batch as the static decode step does (one
+// gather of their queries, the kernels, one scatter of their outputs)
+// instead of a query, a table and a few views a row and layer, host work
+// that bounded a served step of 128 sequences on a GPU. Prompt chunks and
+// draft verifications run as before. On a CUDA device only, where the
+// kernels take the blocks; on the cpu where PlanStepDecodesOnCpu(true)
+// asked (tests: the same rows attended by the cpu kernel, bit for bit the
+// unplanned step).
+class StepDecodePlanScope {
+ public:
+  StepDecodePlanScope();
+  ~StepDecodePlanScope();
+  StepDecodePlanScope(const StepDecodePlanScope&) = delete;
+  StepDecodePlanScope& operator=(const StepDecodePlanScope&) = delete;
+
+ private:
+  std::unique_ptr<StepDecodePlan> plan_;
+  StepDecodePlan* previous_;
+};
+
+// Whether StepDecodePlanScope plans on the cpu too (off by default).
+void PlanStepDecodesOnCpu(bool on);
+
+// Layers whose decodes AttendPacked attended through a plan, in this
+// process (tests: that the planned path ran).
+int64_t PlannedDecodeAttentions();
 
 // Under a StaticDecodeScope on a CUDA device, the attention of a decoder
 // layer from its unrotated q, k and v [1, rows, heads | kv_heads, d] and the

@@ -30,6 +30,7 @@
 #include "loader/loader.h"
 #include "models/causal_lm.h"
 #include "models/families.h"
+#include "models/internal/packed.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
 #include "quant/bnb.h"
@@ -500,6 +501,72 @@ TEST_P(DecoderFamiliesTest, APackedBatchEqualsEachSequenceAlone) {
   for (size_t i = 0; i < prompts.size(); ++i) {
     EXPECT_TRUE(at::allclose(prefill[i], alone_prefill[i], 1e-5, 1e-6)) << "sequence " << i;
     EXPECT_TRUE(at::allclose(decode[i], alone_decode[i], 1e-5, 1e-6)) << "sequence " << i;
+  }
+}
+
+// A step that mixes prompt chunks and one-token decodes on paged caches, in
+// any order, with the decodes planned once a step and attended as one batch
+// through their tables (internal::StepDecodePlanScope, what a general step
+// does on a CUDA device; asked for on the cpu here): the unplanned steps'
+// logits bit for bit, over three steps (prompts alone; decodes around a new
+// prompt and a prompt's second chunk; decodes alone, which read what the
+// step before wrote into every cache).
+TEST_P(DecoderFamiliesTest, PlannedDecodeRowsGiveTheUnplannedStepsLogits) {
+  const Case& c = GetParam();
+  TempDir dir;
+  ASSERT_THAT(MakeModel(dir.path(), c.options), IsOk());
+  Loaded m = Load(dir.path(), All(Placement::Cpu()));
+  ASSERT_NE(m.dispatched, nullptr);
+  c10::InferenceMode inference;
+  const int64_t layers = m.config.num_hidden_layers, block_size = 4;
+  struct Run {
+    std::vector<at::Tensor> logits;
+    int64_t planned = 0;  // layers attended through a plan
+  };
+  const auto run = [&](bool planned) {
+    internal::PlanStepDecodesOnCpu(planned);
+    const int64_t before = internal::PlannedDecodeAttentions();
+    Run out;
+    KvBlockStore store(48, block_size, static_cast<size_t>(layers));
+    std::vector<KvCache> caches(5);
+    for (size_t i = 0; i < caches.size(); ++i) {
+      caches[i].store = &store;
+      for (int32_t b = 0; b < 8; ++b) {  // blocks out of order, as after churn
+        caches[i].block_table.push_back(static_cast<int32_t>(47 - (i * 8 + (b * 3) % 8)));
+      }
+    }
+    // Each step: (cache, ids) in order.
+    using Step = std::vector<std::pair<size_t, std::vector<int64_t>>>;
+    const std::vector<Step> steps = {
+        {{0, kPrompt}, {1, {9, 8, 7}}, {2, {250, 1, 4, 4, 31}}, {3, {60, 61, 62, 63, 64}}},
+        {{0, {11}}, {4, {3, 1, 4, 1, 5, 9}}, {1, {12}}, {3, {65, 66, 67}}, {2, {13}}},
+        {{2, {14}}, {4, {2}}, {0, {15}}, {3, {16}}, {1, {17}}},
+    };
+    for (const Step& step : steps) {
+      std::vector<int64_t> ids;
+      std::vector<SequenceChunk> chunks;
+      for (const auto& [cache, tokens] : step) {
+        ids.insert(ids.end(), tokens.begin(), tokens.end());
+        chunks.push_back({&caches[cache], static_cast<int64_t>(tokens.size())});
+      }
+      auto logits = m.model->Forward(at::tensor(ids, at::kLong), chunks, Logits::kLastOfEach,
+                                     m.dispatched.get());
+      EXPECT_THAT(logits, IsOk());
+      if (logits.ok()) out.logits.push_back(*logits);
+    }
+    out.planned = internal::PlannedDecodeAttentions() - before;
+    internal::PlanStepDecodesOnCpu(false);
+    return out;
+  };
+  const Run plain = run(false), planned = run(true);
+  EXPECT_EQ(plain.planned, 0);
+  // Steps 2 and 3 in every layer.
+  EXPECT_EQ(planned.planned, 2 * layers);
+  ASSERT_EQ(plain.logits.size(), 3u);
+  ASSERT_EQ(planned.logits.size(), 3u);
+  for (size_t s = 0; s < plain.logits.size(); ++s) {
+    EXPECT_TRUE(at::equal(planned.logits[s], plain.logits[s]))
+        << "step " << s << ": max difference " << MaxDifference(planned.logits[s], plain.logits[s]);
   }
 }
 
