@@ -414,8 +414,14 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
         offset += n;
         continue;
       }
-      keys = GatherBlocks(key_blocks, chunk.cache->block_table, past + n);
-      values = GatherBlocks(value_blocks, chunk.cache->block_table, past + n);
+      // A prompt's first chunk off the cpu attends the keys and values it
+      // just wrote, which it has: no gather (two kernels a chunk and layer).
+      // On the cpu the gathered copy stays, whose layout the matmul path's
+      // numbers were checked with.
+      if (past > 0 || key_blocks.is_cpu()) {
+        keys = GatherBlocks(key_blocks, chunk.cache->block_table, past + n);
+        values = GatherBlocks(value_blocks, chunk.cache->block_table, past + n);
+      }
     } else if (chunk.cache != nullptr) {
       past = chunk.cache->length;
       std::tie(keys, values) = AppendToCache(chunk.cache, layer, keys, values);
