@@ -225,7 +225,7 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
     # ACCEL_GPU_DECODE_ARGS: fewer rows for a short rerun.
     # shellcheck disable=SC2086
     step bench:decode_8b 300 "$bin/accel-bench-decode-gpu" --model "$model8b" \
-      ${ACCEL_GPU_DECODE_ARGS:---quantize none,nf4 --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,8,32,128 --general_batches 32} \
+      ${ACCEL_GPU_DECODE_ARGS:---quantize none,nf4 --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,8,32,128 --general_batches 32,128 --mixed_batches 32,128} \
       --json "$OUT/bench/decode_gpu.json"
     # Sampled decode (temperature 1, the OpenAI API's default): the rows
     # drawn where the logits are (Sampler::NextRows), against the greedy
@@ -234,10 +234,13 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
       --quantize none --batches 1,32,128 --tokens 32 --prompt 64 --rounds 1 --graph_batches "" \
       --temperature 1 --json "$OUT/bench/decode_sampled.json"
     # Where a bfloat16 batch-1 step's time goes, kernel by kernel (libtorch's
-    # Kineto profiler, eager and replayed from CUDA graphs): its own step, so
-    # that a profiler failure costs nothing above.
+    # Kineto profiler, eager and replayed from CUDA graphs), and a step of 128
+    # decodes with a 48-token prompt arriving (a served load's step: the
+    # general forward): its own step, so that a profiler failure costs
+    # nothing above.
     step profile:decode_8b 90 "$bin/accel-bench-decode-gpu" --model "$model8b" --quantize none \
       --batches 1 --tokens 16 --prompt 64 --rounds 1 --graph_batches "" --profile_batches 1 \
+      --profile_mixed 128 \
       --json "$OUT/bench/decode_profile.json"
   fi
 fi

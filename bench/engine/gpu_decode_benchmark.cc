@@ -23,6 +23,10 @@
 //       [--graph_batches 1,8]   (decode with CUDA graphs against eager, and their tokens)
 //       [--compare_unfused 1]   (the graphs rows again without models/cuda/fused_ops.h's kernels)
 //       [--general_batches 8,32]   (eager steps through the general forward)
+//       [--mixed_batches 32,128] [--mixed_prompt 48]   (each step the batch's decodes and a
+//                                new request's prompt, as a served load's steps: the general
+//                                forward, against decode-only steps in the same run)
+//       [--profile_mixed 128]   (the kernels of such a step, eager)
 //       [--profile_batches 1]   (the kernels a decode step runs, eager and from graphs, with
 //                                libtorch's Kineto profiler: libtorch 2.x)
 //       [--temperature 1]   (sampled decode, each request seeded: the rows drawn on the
@@ -94,7 +98,8 @@ std::vector<std::string> Split(const std::string& text) {
                "accel-bench-decode-gpu: %s\nusage: accel-bench-decode-gpu --model DIR "
                "[--quantize none,nf4] [--batches 1,8,32,128] [--tokens N] [--prompt N] "
                "[--rounds N] [--json FILE] [--graph_batches 1,8] [--compare_unfused 0|1] "
-               "[--general_batches 32] [--profile_batches 1]\n",
+               "[--general_batches 32] [--mixed_batches 32] [--mixed_prompt 48] "
+               "[--profile_batches 1] [--profile_mixed 32]\n",
                error.c_str());
   std::exit(2);
 }
@@ -167,12 +172,19 @@ std::unique_ptr<accel::engine::EngineCore> CoreFor(accel::models::LoadedModel& m
 // Decode tokens/s over `batch` sequences (the prefill step excluded); with
 // `produced_ids`, every token in the order the steps gave them.
 // `untimed_steps` decode steps after the prefill are left out of the time
-// too (with graphs, the first captures the bucket's graph).
+// too (with graphs, the first captures the bucket's graph). `arriving` > 0:
+// before each timed step but the last a new request of that many prompt
+// tokens arrives and leaves with its first token, so every step mixes the
+// batch's decodes with a prompt, as a served load's steps do (the rate then
+// counts batch + 1 tokens a step).
 double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, int64_t salt,
                   bool graphs = false, std::vector<int64_t>* produced_ids = nullptr,
                   int untimed_steps = 0, bool general = false,
-                  const std::function<void(bool)>& around_timed = nullptr) {
-  std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, batch, 16 + tokens, graphs, general);
+                  const std::function<void(bool)>& around_timed = nullptr, int64_t arriving = 0) {
+  std::unique_ptr<accel::engine::EngineCore> core =
+      arriving > 0 ? CoreFor(m, batch + tokens, std::max<int64_t>(16 + tokens, arriving + 1),
+                             graphs, general)
+                   : CoreFor(m, batch, 16 + tokens, graphs, general);
   accel::engine::EngineCore& generator = *core;
   for (int64_t i = 0; i < batch; ++i) {
     if (!generator.Add(Request(16, tokens, salt + i)).ok()) std::abort();
@@ -191,7 +203,13 @@ double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, 
   int64_t produced = 0;
   if (around_timed) around_timed(true);
   const double seconds = Seconds([&] {
-    while (generator.num_requests() > 0) {
+    for (int64_t step = 0; generator.num_requests() > 0; ++step) {
+      // The batch's last decode step (tokens - 1 in all, untimed ones and
+      // the prefill's first token counted) runs without an arrival.
+      if (arriving > 0 && step + untimed_steps + 2 < tokens &&
+          !generator.Add(Request(arriving, 1, salt + 500000 + step)).ok()) {
+        std::abort();
+      }
       auto events = generator.Step();
       if (!events.ok()) {
         std::fprintf(stderr, "%s\n", events.status().ToString().c_str());
@@ -212,7 +230,7 @@ double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, 
 // the `top` longest printed; the device's busy time a step against the
 // step's wall time. JSON of it, or "" without the profiler (libtorch 1.x).
 std::string ProfileDecode(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, bool graphs,
-                          int top) {
+                          int top, int64_t arriving = 0) {
 #ifdef ACCEL_BENCH_KINETO
   namespace impl = torch::profiler::impl;
   namespace profiler = torch::autograd::profiler;
@@ -227,7 +245,8 @@ std::string ProfileDecode(accel::models::LoadedModel& m, int64_t batch, int64_t 
       result = profiler::disableProfiler();
     }
   };
-  const double rate = DecodeRate(m, batch, tokens, 7000, graphs, nullptr, 1, false, around);
+  const double rate =
+      DecodeRate(m, batch, tokens, 7000, graphs, nullptr, 1, false, around, arriving);
   if (!result) return "";
   // The prefill gives the first token and the first decode step is untimed:
   // tokens - 2 steps profiled.
@@ -250,12 +269,15 @@ std::string ProfileDecode(accel::models::LoadedModel& m, int64_t batch, int64_t 
   std::vector<std::pair<std::string, Total>> sorted(by_name.begin(), by_name.end());
   std::sort(sorted.begin(), sorted.end(),
             [](const auto& a, const auto& b) { return a.second.ns > b.second.ns; });
-  const double step_ms = 1e3 * static_cast<double>(batch) / rate;
+  const double step_ms = 1e3 * static_cast<double>(batch + (arriving > 0 ? 1 : 0)) / rate;
   std::printf(
-      "  profile, batch %ld, %s: %.1f kernels a step, device busy %.2f ms of a %.2f ms step\n",
-      static_cast<long>(batch), graphs ? "CUDA graphs" : "eager",
-      static_cast<double>(launches) / steps, busy_ns / steps / 1e6, step_ms);
+      "  profile, batch %ld%s, %s: %.1f kernels a step, device busy %.2f ms of a %.2f ms step\n",
+      static_cast<long>(batch),
+      arriving > 0 ? (" + a " + std::to_string(arriving) + "-token prompt").c_str() : "",
+      graphs ? "CUDA graphs" : "eager", static_cast<double>(launches) / steps,
+      busy_ns / steps / 1e6, step_ms);
   std::string json = "{\"batch\": " + std::to_string(batch) +
+                     ", \"arriving_prompt\": " + std::to_string(arriving) +
                      ", \"graphs\": " + (graphs ? "true" : "false") +
                      ", \"kernels_per_step\": " + std::to_string(launches / steps) +
                      ", \"busy_ms_per_step\": " + std::to_string(busy_ns / steps / 1e6) +
@@ -281,6 +303,7 @@ std::string ProfileDecode(accel::models::LoadedModel& m, int64_t batch, int64_t 
   (void)tokens;
   (void)graphs;
   (void)top;
+  (void)arriving;
   std::printf("  profile: this libtorch (1.x) has no Kineto entry points this binary uses\n");
   return "";
 #endif
@@ -309,6 +332,9 @@ int main(int argc, char** argv) {
   std::vector<int64_t> graph_batches;    // decode with CUDA graphs against eager, same run
   std::vector<int64_t> general_batches;  // eager through the general forward, same run
   std::vector<int64_t> profile_batches;  // the kernels of a step, eager and from graphs
+  std::vector<int64_t> mixed_batches;    // decodes with a prompt arriving every step
+  std::vector<int64_t> profile_mixed;    // the kernels of such a step, eager
+  int64_t mixed_prompt = 48;
   int64_t tokens = 64, prompt = 2048;
   int rounds = 3;
   bool cpu = false;
@@ -338,6 +364,12 @@ int main(int argc, char** argv) {
       for (const std::string& b : Split(value)) graph_batches.push_back(std::atoll(b.c_str()));
     } else if (flag == "--profile_batches") {
       for (const std::string& b : Split(value)) profile_batches.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--mixed_batches") {
+      for (const std::string& b : Split(value)) mixed_batches.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--profile_mixed") {
+      for (const std::string& b : Split(value)) profile_mixed.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--mixed_prompt") {
+      mixed_prompt = std::atoll(value.c_str());
     } else if (flag == "--general_batches") {
       for (const std::string& b : Split(value)) general_batches.push_back(std::atoll(b.c_str()));
     } else if (flag == "--compare_unfused") {
@@ -364,6 +396,13 @@ int main(int argc, char** argv) {
   for (int64_t b : profile_batches) {
     if (b < 1) Usage("--profile_batches must be positive");
   }
+  for (int64_t b : mixed_batches) {
+    if (b < 1) Usage("--mixed_batches must be positive");
+  }
+  for (int64_t b : profile_mixed) {
+    if (b < 1) Usage("--profile_mixed must be positive");
+  }
+  if (mixed_prompt < 1) Usage("--mixed_prompt must be positive");
   if (tokens < 3 || prompt < 1) Usage("--tokens must be at least 3 and --prompt positive");
   if (!cpu && !at::hasCUDA()) {
     std::fprintf(stderr,
@@ -457,6 +496,26 @@ int main(int argc, char** argv) {
       rows += std::string(rows.empty() ? "" : ", ") + "{\"batch\": " + std::to_string(batch) +
               ", \"general_forward\": true, \"tokens_per_s\": " + std::to_string(rate) + "}";
     }
+    // Steps as a served load has them: the batch's decodes and a prompt
+    // arriving every step (each step through the general forward), against
+    // the decode-only steps of the same batch in the same run.
+    for (int64_t batch : mixed_batches) {
+      const double alone = DecodeRate(m, batch, tokens, 1000);
+      const double mixed =
+          DecodeRate(m, batch, tokens, 1000, false, nullptr, 0, false, nullptr, mixed_prompt);
+      const double alone_ms = 1e3 * static_cast<double>(batch) / alone;
+      const double mixed_ms = 1e3 * static_cast<double>(batch + 1) / mixed;
+      std::printf(
+          "  batch %3ld + a %ld-token prompt a step: %.2f ms a step (decodes alone %.2f ms: "
+          "%.2fx)\n",
+          static_cast<long>(batch), static_cast<long>(mixed_prompt), mixed_ms, alone_ms,
+          mixed_ms / alone_ms);
+      std::fflush(stdout);
+      rows += std::string(rows.empty() ? "" : ", ") + "{\"batch\": " + std::to_string(batch) +
+              ", \"arriving_prompt\": " + std::to_string(mixed_prompt) +
+              ", \"step_ms\": " + std::to_string(mixed_ms) +
+              ", \"decode_only_step_ms\": " + std::to_string(alone_ms) + "}";
+    }
     // CUDA graphs (issue 37, item 2): decode at each --graph_batches size
     // eagerly and replayed from graphs, in the same run, and whether the
     // greedy tokens are the same.
@@ -509,6 +568,10 @@ int main(int argc, char** argv) {
         const std::string one = ProfileDecode(m, batch, tokens, graphs && !cpu, 25);
         if (!one.empty()) profiles += std::string(profiles.empty() ? "" : ", ") + one;
       }
+    }
+    for (int64_t batch : profile_mixed) {
+      const std::string one = ProfileDecode(m, batch, tokens, false, 25, mixed_prompt);
+      if (!one.empty()) profiles += std::string(profiles.empty() ? "" : ", ") + one;
     }
     std::vector<double> ttft;
     // One untimed first: a prompt this long meets new kernel shapes (cuBLAS's
