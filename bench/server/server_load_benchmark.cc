@@ -409,6 +409,11 @@ struct Counters {
   double prefix_queries = 0;
   double prefix_hits = 0;
   double preemptions = 0;
+  // The engine's steps (accel_step_duration_seconds, accel_iteration_tokens):
+  // what a phase's time went to on the server's side of the stream.
+  double steps = 0;
+  double step_seconds = 0;
+  double step_tokens = 0;
 };
 
 // One server the phases run against: started here with `flags`, or the one
@@ -433,6 +438,9 @@ class Target {
     c.prefix_queries = MetricValue(*text, "accel_prefix_cache_queries_total").value_or(0);
     c.prefix_hits = MetricValue(*text, "accel_prefix_cache_hits_total").value_or(0);
     c.preemptions = MetricValue(*text, "accel_num_preemptions_total").value_or(0);
+    c.steps = MetricValue(*text, "accel_step_duration_seconds_count").value_or(0);
+    c.step_seconds = MetricValue(*text, "accel_step_duration_seconds_sum").value_or(0);
+    c.step_tokens = MetricValue(*text, "accel_iteration_tokens_sum").value_or(0);
     return c;
   }
 };
@@ -501,7 +509,9 @@ class Report {
     std::printf(
         "\n| server flags | phase | clients | requests | prompt | tok/s | x base | TTFT p50 / p99 "
         "ms | ITL p50 / p99 ms | prefix hits | preempted | errors | RSS MiB (vs warm-up) "
-        "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        "| steps: count, mean ms, tokens "
+        "|\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "\n");
     std::fflush(stdout);
   }
 
@@ -515,8 +525,18 @@ class Report {
     RunGroups(target.stub.get(), groups, seconds);
     const std::optional<Counters> after = target.Read();
     const std::optional<double> rss = target.Rss();
-    std::string hits = "-", preempted = "-";
+    std::string hits = "-", preempted = "-", steps = "-";
     if (before && after) {
+      // The engine's steps in the phase: how many, their mean time and
+      // tokens (count x mean against the phase's seconds: the rest the
+      // engine waited for requests or spent between steps).
+      const double count = after->steps - before->steps;
+      if (count > 0) {
+        steps =
+            absl::StrCat(static_cast<int64_t>(count), ", ",
+                         Fmt(1e3 * (after->step_seconds - before->step_seconds) / count, "%.2f"),
+                         ", ", Fmt((after->step_tokens - before->step_tokens) / count));
+      }
       const double queries = after->prefix_queries - before->prefix_queries;
       if (queries > 0) {
         hits =
@@ -541,13 +561,13 @@ class Report {
           bases[i] && *bases[i] > 0 ? Fmt(p.tokens_per_second() / *bases[i], "%.2fx") : "-";
       std::printf(
           "| %s | %s | %d | %lld | %lld | %s | %s | %s / %s | %s / %s | %s | %s | %lld | "
-          "%s |\n",
+          "%s | %s |\n",
           target.flags.c_str(), names[i].c_str(), groups[i]->clients,
           static_cast<long long>(p.requests), static_cast<long long>(p.prompt_tokens),
           Fmt(p.tokens_per_second()).c_str(), times.c_str(), Fmt(Percentile(p.ttft_ms, 50)).c_str(),
           Fmt(Percentile(p.ttft_ms, 99)).c_str(), Fmt(Percentile(p.itl_ms, 50), "%.2f").c_str(),
           Fmt(Percentile(p.itl_ms, 99), "%.2f").c_str(), hits.c_str(), preempted.c_str(),
-          static_cast<long long>(p.errors), rss_text.c_str());
+          static_cast<long long>(p.errors), rss_text.c_str(), steps.c_str());
     }
     std::fflush(stdout);
   }
