@@ -242,6 +242,13 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
       --batches 1 --tokens 16 --prompt 64 --rounds 1 --graph_batches "" --profile_batches 1 \
       --profile_mixed 128 \
       --json "$OUT/bench/decode_profile.json"
+    # NF4 at batch 32, kernel by kernel: its step took 25.3 ms eagerly against
+    # bfloat16's 6.3 (2026-11-30), the weight dequantized a slab of rows at a
+    # time and each slab multiplied by cuBLAS; this says which of the two
+    # (or their launches) takes the time.
+    step profile:decode_8b_nf4 90 "$bin/accel-bench-decode-gpu" --model "$model8b" --quantize nf4 \
+      --batches 32 --tokens 16 --prompt 64 --rounds 1 --graph_batches "" --profile_batches 32 \
+      --json "$OUT/bench/decode_profile_nf4.json"
   fi
 fi
 

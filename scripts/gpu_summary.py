@@ -116,7 +116,8 @@ def main():
             lines.append(f"  {r['dtype']:<9} {r['n']:>5}x{r['k']:<5} {r['kernel']:<8} m={r['m']} "
                          f"{r['us']:8.2f} us {r['gbs']:7.0f} GB/s  of copy {r['of_copy']:.2f}  "
                          f"of HBM {r['of_hbm']:.2f}")
-    for name in ("decode_gpu", "decode_sampled", "decode_profile", "decode_mixtral"):
+    for name in ("decode_gpu", "decode_sampled", "decode_profile", "decode_profile_nf4",
+                 "decode_mixtral"):
         decode = summary["bench"].get(name)
         if not decode:
             continue
@@ -127,6 +128,11 @@ def main():
                          f"{m['load_s']:.1f} s, TTFT ({decode.get('prompt')} tokens) "
                          f"{1e3 * m['ttft_s']:.1f} ms")
             for d in m.get("decode", []):
+                if d.get("arriving_prompt"):
+                    lines.append(f"    batch {d['batch']:>3} + a {d['arriving_prompt']}-token "
+                                 f"prompt a step: {d['step_ms']:.2f} ms a step (decodes alone "
+                                 f"{d['decode_only_step_ms']:.2f} ms)")
+                    continue
                 if d.get("general_forward"):
                     lines.append(f"    batch {d['batch']:>3}, general forward: "
                                  f"{d['tokens_per_s']:9.1f} tokens/s")
@@ -143,7 +149,9 @@ def main():
                     lines.append(f"    batch {g['batch']:>3}, CUDA graphs without the fused "
                                  f"kernels: {g['graphs_unfused_tokens_per_s']:9.1f} tokens/s")
             for p in m.get("profiles", []):
-                lines.append(f"    profile, batch {p['batch']}, "
+                arriving = p.get("arriving_prompt") or 0
+                with_prompt = f" + a {arriving}-token prompt" if arriving else ""
+                lines.append(f"    profile, batch {p['batch']}{with_prompt}, "
                              f"{'CUDA graphs' if p['graphs'] else 'eager'}: "
                              f"{p['kernels_per_step']:.1f} kernels a step, device busy "
                              f"{p['busy_ms_per_step']:.2f} ms of {p['step_ms']:.2f} ms")
