@@ -47,6 +47,14 @@ absl::Status CheckCudaInput(const at::Tensor& x) {
 // dequantize a slab at a time and call libtorch's GEMM on each.
 constexpr int64_t kFusedRows = 8;
 
+// Up to this many rows (a step of decodes, or decodes and a short prompt)
+// dequantize a slab of the weight at a time; more (a long prompt's chunk)
+// the whole weight, then one GEMM: on the H200 (2026-11-30) slabs made a
+// 2048-token prompt's first token 101.7 ms against 66.9 with the whole
+// weight, while at 32 rows they took a step from 32.9 ms to 25.3. Where
+// between the two the crossing lies was not measured.
+constexpr int64_t kSlabRows = 256;
+
 // bnb's int8_vectorwise_dequant multiplies by this float32 constant (1/127),
 // as Int8LinearForward does for the outlier columns.
 constexpr float kInv127 = static_cast<float>(7.874015718698502e-3);
@@ -200,14 +208,17 @@ absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weig
       y = yc.to(x.scalar_type()).view(shape);
       return;
     }
-    // More rows: the dense weight a slab of rows at a time, each slab's
+    // More rows: the dense weight a slab of rows at a time (up to kSlabRows
+    // rows of x; past them the whole weight as one slab), each slab's
     // product by libtorch's GEMM while the slab is still in the L2 cache, so
     // the weight crosses device memory once, packed (0.56 bytes a weight).
     // Dequantizing the whole weight first (bnb's way) wrote it out and read
     // it back, 4.5 bytes a weight against bfloat16's own 2: 1096 against
     // 1864 tok/s at batch 32 on the H200 (docs/BENCHMARKS.md).
-    const int64_t slab =
-        internal::DequantSlabRows(out, in, weight.blocksize, cuda::DTypeSize(compute), SlabBytes());
+    const int64_t slab = rows > kSlabRows
+                             ? out
+                             : internal::DequantSlabRows(out, in, weight.blocksize,
+                                                         cuda::DTypeSize(compute), SlabBytes());
     const at::Tensor xs = x.reshape({rows, in}).to(compute_dtype);
     const at::Tensor yc = at::empty({rows, out}, options.dtype(compute_dtype));
     const at::Tensor w = at::empty({slab, in}, options.dtype(compute_dtype));

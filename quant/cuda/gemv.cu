@@ -297,9 +297,11 @@ cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint
     p.k = k;
     p.blocksize = blocksize;
     p.m = static_cast<int32_t>(m);
-    // Up to 4 rows the pipelined kernel (its x stages fit 48 KiB of shared
-    // memory there), unless the other is asked for by name.
-    if (kernel != GemvKernel::kMma && m <= kMmaPipelinedMaxM) {
+    // The first form unless the pipelined one is asked for by name: on an
+    // H200 (2026-11-30, accel-bench-quant-cuda) the pipelined form was 1-5%
+    // slower at every shape and row count it takes (14336 x 4096, one row:
+    // 25.96 us against 25.23; four rows 27.18 against 26.61).
+    if (kernel == GemvKernel::kMmaPipelined) {
       return dtype == DType::kBFloat16 ? LaunchMmaPipelined<MmaBFloat16>(p, stream)
                                        : LaunchMmaPipelined<MmaFloat16>(p, stream);
     }

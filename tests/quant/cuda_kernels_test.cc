@@ -633,7 +633,7 @@ TEST_F(CudaGemvRowsTest, TensorCoreKernelWithinTheBound) {
                                        reinterpret_cast<const void*>(256),
                                        reinterpret_cast<const void*>(256)));
       Check(c, dtype, internal::GemvKernel::kMma);
-      // Its pipelined form (what kAuto runs up to 4 rows).
+      // Its pipelined form (by name only: kAuto runs the first form).
       if (c.m <= 4) Check(c, dtype, internal::GemvKernel::kMmaPipelined);
     }
   }

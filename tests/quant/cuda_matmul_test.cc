@@ -185,7 +185,7 @@ TEST(CudaMatmulTest, Linear4bitManyRowsMatchesTheCpuPathOverSlabs) {
   for (bool double_quant : {false, true}) {
     const Weight4bit cpu_w = Quantized(w, QuantType4bit::kNf4, 64, double_quant);
     const Weight4bit cuda_w = OnDevice(cpu_w, cuda);
-    for (int64_t rows : {8, 9, 32, 200}) {
+    for (int64_t rows : {8, 9, 32, 200, 300}) {  // 300: past kSlabRows, the whole weight
       for (bool with_bias : {false, true}) {
         SCOPED_TRACE(testing::Message() << rows << " rows" << (double_quant ? ", dq" : "")
                                         << (with_bias ? ", bias" : ""));

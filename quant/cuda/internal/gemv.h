@@ -13,7 +13,7 @@
 namespace accel::quant::cuda::internal {
 
 enum class GemvKernel {
-  kAuto,          // the tensor-core kernel where it applies (pipelined up to 4 rows), else the
+  kAuto,          // the tensor-core kernel (its first form) where it applies, else the
                   // chunk / element one
   kMma,           // the tensor-core kernel only (cudaErrorInvalidValue where it does not apply)
   kMmaPipelined,  // its pipelined form (gemv_mma.h), up to 4 rows; likewise
