@@ -19,6 +19,7 @@
 #include "loader/config.h"
 #include "loader/loader.h"
 #include "models/families.h"
+#include "models/internal/packed.h"
 #include "models/make_model.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
@@ -369,6 +370,53 @@ TEST(CausalLMTest, PackedSequencesEqualEachSequenceAlone) {
     EXPECT_EQ(a.length, 6);
     EXPECT_EQ(b.length, 2);
     EXPECT_EQ(c.length, 8);
+  }
+}
+
+// GPT-2's attention through the step's decode plan (internal::StepDecodePlanScope,
+// what a general step does on a CUDA device; asked for on the cpu here): a
+// step of paged decodes around a prompt gives the unplanned step's logits bit
+// for bit, and the plan ran in every layer.
+TEST(CausalLMTest, Gpt2PlannedDecodeRowsGiveTheUnplannedLogits) {
+  TempDir dir;
+  ASSERT_THAT(MakeModel(dir.path(), Small("gpt2")), IsOk());
+  Loaded m = Load(dir.path(), AllCpu());
+  c10::InferenceMode inference;
+  const int64_t layers = m.config.num_hidden_layers;
+  const auto run = [&](bool planned, int64_t* planned_layers) {
+    internal::PlanStepDecodesOnCpu(planned);
+    const int64_t before = internal::PlannedDecodeAttentions();
+    KvBlockStore store(16, 4, static_cast<size_t>(layers));
+    std::vector<KvCache> caches(3);
+    for (size_t i = 0; i < caches.size(); ++i) {
+      caches[i].store = &store;
+      caches[i].block_table = {static_cast<int32_t>(15 - i), static_cast<int32_t>(5 + i),
+                               static_cast<int32_t>(i)};
+    }
+    std::vector<at::Tensor> out;
+    const auto forward = [&](const std::vector<int64_t>& ids,
+                             const std::vector<SequenceChunk>& chunks) {
+      auto logits = m.model->Forward(at::tensor(ids, at::kLong), chunks, Logits::kLastOfEach,
+                                     m.dispatched.get());
+      EXPECT_THAT(logits, IsOk());
+      if (logits.ok()) out.push_back(*logits);
+    };
+    forward({10, 20, 30, 40, 50, 7, 250}, {{&caches[0], 5}, {&caches[1], 2}});
+    forward({60, 1, 2, 3, 4, 251}, {{&caches[0], 1}, {&caches[2], 4}, {&caches[1], 1}});
+    forward({61, 5, 252}, {{&caches[0], 1}, {&caches[2], 1}, {&caches[1], 1}});
+    *planned_layers = internal::PlannedDecodeAttentions() - before;
+    internal::PlanStepDecodesOnCpu(false);
+    return out;
+  };
+  int64_t plain_layers = 0, planned_layers = 0;
+  const std::vector<at::Tensor> plain = run(false, &plain_layers);
+  const std::vector<at::Tensor> planned = run(true, &planned_layers);
+  EXPECT_EQ(plain_layers, 0);
+  EXPECT_EQ(planned_layers, 2 * layers);  // the second and third steps
+  ASSERT_EQ(plain.size(), 3u);
+  ASSERT_EQ(planned.size(), 3u);
+  for (size_t s = 0; s < plain.size(); ++s) {
+    EXPECT_TRUE(at::equal(planned[s], plain[s])) << "step " << s;
   }
 }
 
