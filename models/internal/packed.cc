@@ -471,7 +471,7 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
   }
   if (plan == nullptr) return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
   planned_attentions.fetch_add(1);
-  const at::Tensor planned =
+  at::Tensor planned =
       AttendThroughTables(q.index_select(1, plan->index), plan_keys, plan_values, plan->tables,
                           plan->totals, plan->max_total, window, rule);
   if (plan->rows == static_cast<int64_t>(chunks.size())) return planned;  // decodes only
