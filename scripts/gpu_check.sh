@@ -20,6 +20,12 @@
 # folder and the 8B-shaped model, e.g. ACCEL_GPU_BUDGET=360 bash
 # scripts/gpu_check.sh serve (and leave out of the first call what an
 # earlier session measured already, e.g. ACCEL_GPU_SKIP='^(bench:offload|bench:moe)$').
+# Measured on the H200 (2026-11-30): configure 6 s, build 55 s, every test
+# ~80 s, the GEMV benchmark 3 s, the 8B model 17 s, decode_8b 42 s at one
+# round, the families' greedy runs ~50 s, serve:build 23 s and bench:serve_8b
+# ~50 s, mixtral:make 40 s and its decode 12 s: `ACCEL_GPU_SKIP=...
+# ACCEL_GPU_DECODE_ARGS="... --rounds 1 ..." bash scripts/gpu_check.sh` with a
+# budget of 450 runs everything but the offload / MoE benchmarks in one call.
 # Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
 # the device is lent for minutes): every step runs under `timeout`, gets at
 # most what is left of the budget, and is skipped (and says so) when too
