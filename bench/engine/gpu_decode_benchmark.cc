@@ -127,16 +127,31 @@ double DeviceCopyRate(const at::Device& device, int rounds) {
 // its salt, so a rerun draws the same tokens.
 double g_temperature = 0;
 
+// The loaded model's vocabulary (main sets it), which the prompts' ids stay inside.
+int64_t g_vocab = 32000;
+
 accel::engine::GenerationRequest Request(int64_t prompt_tokens, int64_t new_tokens, int64_t salt) {
   accel::engine::GenerationRequest r;
+  // Ids 1..31999 (a smaller vocabulary: 1..vocab - 1): the same prompts for
+  // every model of 32000 tokens or more (Mixtral's).
+  const int64_t span = std::max<int64_t>(std::min<int64_t>(g_vocab, 32000) - 1, 1);
   for (int64_t t = 0; t < prompt_tokens; ++t) {
-    // Ids 1..31999: inside every vocabulary of 32000 or more (Mixtral's).
-    r.prompt_ids.push_back(1 + (salt * 7919 + t * 104729) % 31999);
+    r.prompt_ids.push_back(1 + (salt * 7919 + t * 104729) % span);
   }
   r.sampling.temperature = g_temperature;
   if (g_temperature > 0) r.sampling.seed = static_cast<uint64_t>(salt);
   r.max_new_tokens = new_tokens;  // no stop tokens: exactly this many
   return r;
+}
+
+// Adds `request` to `core`, or says why not and aborts (a benchmark has no
+// way on without it).
+void AddOrDie(accel::engine::EngineCore& core, const accel::engine::GenerationRequest& request) {
+  const absl::StatusOr<uint64_t> added = core.Add(request);
+  if (added.ok()) return;
+  std::fprintf(stderr, "accel-bench-decode-gpu: a request was refused: %s\n",
+               added.status().ToString().c_str());
+  std::abort();
 }
 
 // An engine core whose KV cache holds `sequences` of `tokens_each`, without
@@ -187,7 +202,7 @@ double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, 
                    : CoreFor(m, batch, 16 + tokens, graphs, general);
   accel::engine::EngineCore& generator = *core;
   for (int64_t i = 0; i < batch; ++i) {
-    if (!generator.Add(Request(16, tokens, salt + i)).ok()) std::abort();
+    AddOrDie(generator, Request(16, tokens, salt + i));
   }
   if (!generator.Step().ok()) std::abort();  // prefill
   for (int i = 0; i < untimed_steps; ++i) {
@@ -206,9 +221,8 @@ double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, 
     for (int64_t step = 0; generator.num_requests() > 0; ++step) {
       // The batch's last decode step (tokens - 1 in all, untimed ones and
       // the prefill's first token counted) runs without an arrival.
-      if (arriving > 0 && step + untimed_steps + 2 < tokens &&
-          !generator.Add(Request(arriving, 1, salt + 500000 + step)).ok()) {
-        std::abort();
+      if (arriving > 0 && step + untimed_steps + 2 < tokens) {
+        AddOrDie(generator, Request(arriving, 1, salt + 500000 + step));
       }
       auto events = generator.Step();
       if (!events.ok()) {
@@ -314,7 +328,7 @@ double TimeToFirstToken(accel::models::LoadedModel& m, int64_t prompt, int64_t s
   std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, 1, prompt + 1);
   accel::engine::EngineCore& generator = *core;
   return Seconds([&] {
-    if (!generator.Add(Request(prompt, 1, salt)).ok()) std::abort();
+    AddOrDie(generator, Request(prompt, 1, salt));
     auto events = generator.Step();
     if (!events.ok() || events->empty()) {
       std::fprintf(stderr, "accel-bench-decode-gpu: the prefill step gave no token\n");
@@ -444,6 +458,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     accel::models::LoadedModel& m = *loaded;
+    g_vocab = m.config.vocab_size;
     // Every tensor is read once per step except the embedding, of which one
     // row per token is, and a mixture-of-experts block's experts, of which
     // a batch-1 token reads its top-k (the figure at batch 1; larger batches
