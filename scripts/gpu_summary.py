@@ -171,7 +171,7 @@ def main():
         for line in (read(log, "") or "").splitlines():
             if "of the bound" in line:
                 lines.append(f"offload: {line.strip()}")
-    for log in sorted((out / "logs").glob("*-bench_serve_8b.log")):
+    for log in sorted((out / "logs").glob("*-bench_serve_8b*.log")):
         # accel-bench-serve's table: the phases' tokens/s, TTFT and ITL.
         lines.append("accel-serve with streaming gRPC clients, 8B-shaped bfloat16:")
         lines.extend("  " + line for line in (read(log, "") or "").splitlines()[-24:])
