@@ -376,12 +376,10 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
       }
     }
   }
-  std::vector<int64_t> offsets(chunks.size());
   int64_t offset = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const SequenceChunk& chunk = chunks[c];
     const int64_t n = chunk.tokens;
-    offsets[c] = offset;
     if (plan != nullptr && plan->planned[c] != 0) {
       // Attended with the plan's other rows below; its key and value
       // written with the step's unless the stores differ.
@@ -477,8 +475,9 @@ at::Tensor AttendPacked(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (plan->rows == static_cast<int64_t>(chunks.size())) return planned;  // decodes only
   at::Tensor out = at::empty({offset, planned.size(1)}, planned.options());
   out.index_copy_(0, plan->index, planned);
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    if (plan->planned[c] == 0) out.narrow(0, offsets[c], chunks[c].tokens).copy_(outs[c]);
+  int64_t first = 0;  // chunk c's first row
+  for (size_t c = 0; c < chunks.size(); first += chunks[c].tokens, ++c) {
+    if (plan->planned[c] == 0) out.narrow(0, first, chunks[c].tokens).copy_(outs[c]);
   }
   return out;
 }

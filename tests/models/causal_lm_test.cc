@@ -420,6 +420,35 @@ TEST(CausalLMTest, Gpt2PlannedDecodeRowsGiveTheUnplannedLogits) {
   }
 }
 
+// A decoding row whose block table does not cover its next position is a
+// clear error with the decode plan as without it (and the cache is not
+// advanced).
+TEST(CausalLMTest, ADecodeRowPastItsTableIsAClearErrorWithAndWithoutThePlan) {
+  TempDir dir;
+  ASSERT_THAT(MakeModel(dir.path(), Small("gpt2")), IsOk());
+  Loaded m = Load(dir.path(), AllCpu());
+  c10::InferenceMode inference;
+  for (bool planned : {false, true}) {
+    SCOPED_TRACE(planned ? "planned" : "unplanned");
+    internal::PlanStepDecodesOnCpu(planned);
+    KvBlockStore store(8, 4, static_cast<size_t>(m.config.num_hidden_layers));
+    KvCache cache;
+    cache.store = &store;
+    cache.block_table = {3, 5};  // positions 0..7
+    ASSERT_THAT(
+        m.model->Forward(at::tensor(std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}, at::kLong),
+                         {{&cache, 8}}, Logits::kLastOfEach, m.dispatched.get()),
+        IsOk());
+    // Position 8 needs a third block.
+    const auto step = m.model->Forward(at::tensor(std::vector<int64_t>{9}, at::kLong),
+                                       {{&cache, 1}}, Logits::kLastOfEach, m.dispatched.get());
+    internal::PlanStepDecodesOnCpu(false);
+    EXPECT_FALSE(step.ok());
+    EXPECT_THAT(std::string(step.status().message()), ::testing::HasSubstr("table holds"));
+    EXPECT_EQ(cache.length, 8);
+  }
+}
+
 TEST(CausalLMTest, SplitOverCpuAndDiskGivesTheSameLogits) {
   TempDir dir;
   MakeModelOptions o = Small("llama");
