@@ -6,6 +6,8 @@
 
 #include <ATen/Functions.h>
 
+#include "core/device_copy.h"
+
 namespace accel::engine {
 namespace {
 
@@ -63,7 +65,7 @@ class GrammarLogitsProcessor : public LogitsProcessor {
     at::Tensor keep = at::zeros({vocab}, at::TensorOptions().dtype(at::kBool));
     bool* k = keep.data_ptr<bool>();
     for (int64_t i = 0; i < covered; ++i) k[i] = mask_[i >> 6] >> (i & 63) & 1;
-    logits.masked_fill_(keep.to(logits.device()).logical_not(), kBanned);
+    logits.masked_fill_(ToDeviceAsync(keep, logits.device()).logical_not(), kBanned);
   }
 
  private:

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/device_copy.h"
 #include "core/status.h"
 #include "engine/decode_graphs.h"
 #include "engine/internal/decode_graph_runner.h"
@@ -668,7 +669,7 @@ absl::StatusOr<ModelRunnerOutput> ModelRunner::Impl::Sample(const SchedulerOutpu
     const auto rows_of = [&](const std::vector<int64_t>& which) {
       return static_cast<int64_t>(which.size()) == logits.size(0)
                  ? logits
-                 : logits.index_select(0, at::tensor(which, at::kLong).to(logits.device()));
+                 : logits.index_select(0, Int64sOn(which, logits.device()));
     };
     std::vector<int64_t> argmax_ids, drawn_ids;
     if (!argmax_rows.empty()) {

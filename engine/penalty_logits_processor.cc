@@ -8,6 +8,8 @@
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 
+#include "core/device_copy.h"
+
 namespace accel::engine {
 namespace {
 
@@ -44,7 +46,7 @@ class PenaltyLogitsProcessor : public LogitsProcessor {
     for (const auto& [id, d] : delta) {
       if (id >= 0 && id < vocab) a[id] = static_cast<float>(d);
     }
-    logits.add_(add.to(logits.device()).to(logits.scalar_type()));
+    logits.add_(ToDeviceAsync(add, logits.device()).to(logits.scalar_type()));
   }
 
  private:

@@ -9,6 +9,8 @@
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 
+#include "core/device_copy.h"
+
 namespace accel::engine {
 namespace {
 
@@ -129,7 +131,7 @@ std::vector<int64_t> Sampler::NextRows(const at::Tensor& logits,
       any_p |= p.top_p < 1.0;
       any_min_p |= p.min_p > 0;
     }
-    params = params.to(logits.device());
+    params = ToDeviceAsync(params, logits.device());
     const auto column = [&](Column c) { return params.select(1, c).unsqueeze(1); };
     // Process(), row by row the same float64 operations.
     at::Tensor x = logits.narrow(0, first, n).to(at::kDouble);

@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/device_copy.h"
 #include "core/status.h"
 #include "models/families.h"
 #include "models/internal/decoder_lm.h"
@@ -156,7 +157,7 @@ class Gpt2LM : public internal::StagedLM {
     ACCEL_ASSIGN_OR_RETURN(x, StageLayers(std::move(x), positions, chunks, home, dispatched, step));
     if (which == Logits::kLastOfEach) {
       ACCEL_RETURN_IF_ERROR(
-          CallTorch([&] { x = x.index_select(1, LastTokens(chunks).to(x.device())); }));
+          CallTorch([&] { x = x.index_select(1, LastTokens(chunks, x.device())); }));
     }
     ACCEL_ASSIGN_OR_RETURN(x, StageHead(x, home, dispatched, step));
     ACCEL_RETURN_IF_ERROR(internal::CheckWeightFiles());  // a fault during this step
@@ -202,12 +203,13 @@ class Gpt2LM : public internal::StagedLM {
     absl::StatusOr<at::Tensor> x =
         InScope(dispatched, "transformer.wte", home, [&](const at::Device& d) {
           return internal::EmbedVocabParallel(
-              ids.to(d).unsqueeze(0), [&](const at::Tensor& rows) { return wte->forward(rows); },
-              tp_, shard_, step);
+              ToDeviceAsync(ids, d).unsqueeze(0),
+              [&](const at::Tensor& rows) { return wte->forward(rows); }, tp_, shard_, step);
         });
     if (!x.ok()) return internal::Kept(step, x.status());
-    return InScope(dispatched, "transformer.wpe", home,
-                   [&](const at::Device& d) { return x->to(d) + wpe->forward(positions.to(d)); });
+    return InScope(dispatched, "transformer.wpe", home, [&](const at::Device& d) {
+      return x->to(d) + wpe->forward(ToDeviceAsync(positions, d));
+    });
   }
 
   absl::StatusOr<at::Tensor> StageLayers(at::Tensor x, const at::Tensor& positions,

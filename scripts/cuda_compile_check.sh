@@ -7,7 +7,8 @@
 #   - the at::Tensor wrappers that only a CUDA libtorch compiles
 #     (quant/cuda_matmul.cc, models/internal/paged_attention_cuda.cc and fused_ops.cc, the
 #     engine's device-memory probe and decode CUDA graphs:
-#     engine/internal/cuda_memory_probe.cc, decode_graph_runner.cc), syntax
+#     engine/internal/cuda_memory_probe.cc, decode_graph_runner.cc, and the
+#     count of its waits for the device, cuda_sync_counter.cc), syntax
 #     only, with their CUDA define on, against Debian's c10/cuda and ATen/cuda
 #     headers (their one generated header, cuda_cmake_macros.h, stubbed);
 #   - models/internal/sdpa.cc against PyTorch 2.x's declaration of
@@ -54,7 +55,8 @@ for f in models/internal/paged_attention_cuda.cc models/internal/fused_ops.cc; d
   echo "syntax: $f (ACCEL_WITH_MODELS_CUDA)"
   g++ "${flags[@]}" -I"$stubs/cuda" -I"$cuda_include" -DACCEL_WITH_MODELS_CUDA "$f"
 done
-for f in engine/internal/cuda_memory_probe.cc engine/internal/decode_graph_runner.cc; do
+for f in engine/internal/cuda_memory_probe.cc engine/internal/decode_graph_runner.cc \
+  engine/internal/cuda_sync_counter.cc; do
   echo "syntax: $f (ACCEL_WITH_ENGINE_CUDA)"
   g++ "${flags[@]}" -I"$stubs/cuda" -I"$cuda_include" -DACCEL_WITH_ENGINE_CUDA "$f"
 done

@@ -243,10 +243,11 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
     # Kineto profiler, eager and replayed from CUDA graphs), and a step of 128
     # decodes with a 48-token prompt arriving (a served load's step: the
     # general forward): its own step, so that a profiler failure costs
-    # nothing above.
+    # nothing above. --count_syncs: how often a step's host waits for the
+    # device (static, general and mixed steps at 32 and 128), and where from.
     step profile:decode_8b 90 "$bin/accel-bench-decode-gpu" --model "$model8b" --quantize none \
       --batches 1 --tokens 16 --prompt 64 --rounds 1 --graph_batches "" --profile_batches 1 \
-      --profile_mixed 128 \
+      --profile_mixed 128 --count_syncs 32,128 \
       --json "$OUT/bench/decode_profile.json"
     # NF4 at batch 32, kernel by kernel: its step took 25.3 ms eagerly against
     # bfloat16's 6.3 (2026-11-30), the weight dequantized a slab of rows at a
@@ -381,7 +382,7 @@ if want mixtral && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu
   export -f make_mixtral
   if step mixtral:make 240 make_mixtral; then
     step bench:mixtral_decode 180 "$bin/accel-bench-decode-gpu" --model "$mixtral" --quantize none \
-      --batches 1,32 --tokens 32 --prompt 256 --rounds 1 --graph_batches "" \
+      --batches 1,32 --tokens 32 --prompt 256 --rounds 1 --graph_batches "" --count_syncs 1 \
       --json "$OUT/bench/decode_mixtral.json"
   fi
 fi

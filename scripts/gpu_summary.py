@@ -158,6 +158,9 @@ def main():
                 for k in p.get("top", [])[:12]:
                     lines.append(f"      {k['per_step']:6.1f} a step {k['us_per_step']:8.1f} us  "
                                  f"{k['name'][:80]}")
+            for w in m.get("host_waits", []):
+                lines.append(f"    batch {w['batch']:>3}, {w['steps']}: the host waits for the "
+                             f"device {w['waits_per_step']:.2f} times a step")
     kv = summary["bench"].get("kv_sizing")
     if kv:
         lines.append(f"--gpu_memory_utilization on GPU 0 (nvidia-smi free, total MiB before: "

@@ -27,6 +27,9 @@
 //                                new request's prompt, as a served load's steps: the general
 //                                forward, against decode-only steps in the same run)
 //       [--profile_mixed 128]   (the kernels of such a step, eager)
+//       [--count_syncs 32,128]   (how often the host waits for the device a step: static
+//                                decode steps, general decode-only steps and mixed steps,
+//                                with the call stacks of the waits; a CUDA build's engine)
 //       [--profile_batches 1]   (the kernels a decode step runs, eager and from graphs, with
 //                                libtorch's Kineto profiler: libtorch 2.x)
 //       [--temperature 1]   (sampled decode, each request seeded: the rows drawn on the
@@ -62,6 +65,7 @@
 #include "core/malloc_tuning.h"
 #include "engine/decode_graphs.h"
 #include "engine/engine_core.h"
+#include "engine/internal/cuda_sync_counter.h"
 #include "engine/model_runner.h"
 #include "engine/request.h"
 #include "models/load_model.h"
@@ -99,7 +103,7 @@ std::vector<std::string> Split(const std::string& text) {
                "[--quantize none,nf4] [--batches 1,8,32,128] [--tokens N] [--prompt N] "
                "[--rounds N] [--json FILE] [--graph_batches 1,8] [--compare_unfused 0|1] "
                "[--general_batches 32] [--mixed_batches 32] [--mixed_prompt 48] "
-               "[--profile_batches 1] [--profile_mixed 32]\n",
+               "[--profile_batches 1] [--profile_mixed 32] [--count_syncs 32]\n",
                error.c_str());
   std::exit(2);
 }
@@ -323,6 +327,54 @@ std::string ProfileDecode(accel::models::LoadedModel& m, int64_t batch, int64_t 
 #endif
 }
 
+// The host's waits for the device a step (engine/internal/cuda_sync_counter.h)
+// at `batch`: static decode steps, general decode-only steps, and general
+// steps with an `arriving`-token prompt each step; the call stacks of the
+// waits printed where a step waits more than once. JSON of it.
+std::string CountSyncs(accel::models::LoadedModel& m, int64_t batch, int64_t tokens,
+                       int64_t arriving) {
+  using accel::engine::internal::CudaSyncCounter;
+  if (!CudaSyncCounter::Available()) {
+    std::printf("  host waits: not counted (an engine built without ACCEL_WITH_ENGINE_CUDA)\n");
+    return "";
+  }
+  std::string json;
+  const char* kinds[] = {"static decode steps", "general decode-only steps",
+                         "general steps with a prompt arriving"};
+  for (int kind = 0; kind < 3; ++kind) {
+    std::unique_ptr<CudaSyncCounter> counter;
+    int64_t waits = 0;
+    std::vector<std::pair<std::string, int64_t>> sites;
+    const auto around = [&](bool start) {
+      if (start) {
+        counter = std::make_unique<CudaSyncCounter>();
+        return;
+      }
+      waits = counter->count();
+      sites = counter->Sites();
+      counter.reset();
+    };
+    (void)DecodeRate(m, batch, tokens, 9000, false, nullptr, 0, /*general=*/kind == 1, around,
+                     kind == 2 ? arriving : 0);
+    // The prefill gave the first token: tokens - 1 timed steps.
+    const double per_step = static_cast<double>(waits) / static_cast<double>(tokens - 1);
+    std::printf("  host waits for the device, batch %ld, %s: %.2f a step (%ld in %ld steps)\n",
+                static_cast<long>(batch), kinds[kind], per_step, static_cast<long>(waits),
+                static_cast<long>(tokens - 1));
+    if (per_step > 1.5) {
+      for (size_t i = 0; i < sites.size() && i < 3; ++i) {
+        std::printf("    %ld of the first waits from:\n%s\n", static_cast<long>(sites[i].second),
+                    sites[i].first.c_str());
+      }
+    }
+    std::fflush(stdout);
+    json += std::string(json.empty() ? "" : ", ") + "{\"batch\": " + std::to_string(batch) +
+            ", \"steps\": \"" + kinds[kind] +
+            "\", \"waits_per_step\": " + std::to_string(per_step) + "}";
+  }
+  return json;
+}
+
 // Seconds from a request's arrival to its first token (one step).
 double TimeToFirstToken(accel::models::LoadedModel& m, int64_t prompt, int64_t salt) {
   std::unique_ptr<accel::engine::EngineCore> core = CoreFor(m, 1, prompt + 1);
@@ -348,6 +400,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> profile_batches;  // the kernels of a step, eager and from graphs
   std::vector<int64_t> mixed_batches;    // decodes with a prompt arriving every step
   std::vector<int64_t> profile_mixed;    // the kernels of such a step, eager
+  std::vector<int64_t> count_syncs;      // the host's waits for the device a step
   int64_t mixed_prompt = 48;
   int64_t tokens = 64, prompt = 2048;
   int rounds = 3;
@@ -382,6 +435,8 @@ int main(int argc, char** argv) {
       for (const std::string& b : Split(value)) mixed_batches.push_back(std::atoll(b.c_str()));
     } else if (flag == "--profile_mixed") {
       for (const std::string& b : Split(value)) profile_mixed.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--count_syncs") {
+      for (const std::string& b : Split(value)) count_syncs.push_back(std::atoll(b.c_str()));
     } else if (flag == "--mixed_prompt") {
       mixed_prompt = std::atoll(value.c_str());
     } else if (flag == "--general_batches") {
@@ -415,6 +470,9 @@ int main(int argc, char** argv) {
   }
   for (int64_t b : profile_mixed) {
     if (b < 1) Usage("--profile_mixed must be positive");
+  }
+  for (int64_t b : count_syncs) {
+    if (b < 1) Usage("--count_syncs must be positive");
   }
   if (mixed_prompt < 1) Usage("--mixed_prompt must be positive");
   if (tokens < 3 || prompt < 1) Usage("--tokens must be at least 3 and --prompt positive");
@@ -588,6 +646,11 @@ int main(int argc, char** argv) {
       const std::string one = ProfileDecode(m, batch, tokens, false, 25, mixed_prompt);
       if (!one.empty()) profiles += std::string(profiles.empty() ? "" : ", ") + one;
     }
+    std::string syncs;
+    for (int64_t batch : count_syncs) {
+      const std::string one = CountSyncs(m, batch, tokens, mixed_prompt);
+      if (!one.empty()) syncs += std::string(syncs.empty() ? "" : ", ") + one;
+    }
     std::vector<double> ttft;
     // One untimed first: a prompt this long meets new kernel shapes (cuBLAS's
     // and attention's first calls), which the first measured one paid before.
@@ -601,7 +664,7 @@ int main(int argc, char** argv) {
             ", \"bytes_per_step\": " + std::to_string(per_step) +
             ", \"load_s\": " + std::to_string(load_s) + ", \"decode\": [" + rows +
             "], \"graphs\": [" + graph_rows + "], \"profiles\": [" + profiles +
-            "], \"ttft_s\": " + std::to_string(Median(ttft)) + "}";
+            "], \"host_waits\": [" + syncs + "], \"ttft_s\": " + std::to_string(Median(ttft)) + "}";
     first_model = false;
     write_json("\n]}\n");
   }

@@ -26,6 +26,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/device_copy.h"
 #include "core/status.h"
 #include "dispatch/empty_weights.h"
 #include "dispatch/layer.h"
@@ -466,11 +467,27 @@ class SparseMoe : public Layer {
       if (!rows[e].empty()) hit.push_back(static_cast<int64_t>(e));
     }
     TraceRouting(rows);
+    // The picked experts' rows and top-k slots, sent to the device at once
+    // (one copy a layer, not waiting for it): expert e's n rows at
+    // where[e], its slots n after them.
+    std::vector<int64_t> packed, where(experts_.size(), 0);
+    for (int64_t e : hit) {
+      const size_t u = static_cast<size_t>(e);
+      where[u] = static_cast<int64_t>(packed.size());
+      packed.insert(packed.end(), rows[u].begin(), rows[u].end());
+      packed.insert(packed.end(), slots[u].begin(), slots[u].end());
+    }
+    const at::Tensor on_device = Int64sOn(packed, h.device());
+    const auto rows_of = [&](int64_t e) {
+      return on_device.narrow(0, where[static_cast<size_t>(e)],
+                              static_cast<int64_t>(rows[static_cast<size_t>(e)].size()));
+    };
     // Each picked expert's weighted output, added in ascending order below.
     std::vector<at::Tensor> outputs(experts_.size());
     const auto run = [&](int64_t e) {
-      at::Tensor idx = at::tensor(rows[e], at::kLong).to(h.device());
-      at::Tensor slot = at::tensor(slots[e], at::kLong).to(h.device());
+      const int64_t n = static_cast<int64_t>(rows[static_cast<size_t>(e)].size());
+      at::Tensor idx = rows_of(e);
+      at::Tensor slot = on_device.narrow(0, where[static_cast<size_t>(e)] + n, n);
       at::Tensor w = weights.index_select(0, idx).gather(1, slot.unsqueeze(1));
       outputs[e] = experts_[e]->forward(h.index_select(0, idx)) * w;
     };
@@ -502,8 +519,7 @@ class SparseMoe : public Layer {
     }
     at::Tensor out = at::zeros({tokens, hidden}, h.options());
     for (int64_t e : hit) {
-      out.index_add_(0, at::tensor(rows[e], at::kLong).to(h.device()),
-                     outputs[e].to(out.scalar_type()));
+      out.index_add_(0, rows_of(e), outputs[e].to(out.scalar_type()));
     }
     if (shared_expert_) {
       out = out + at::sigmoid(shared_expert_gate_->forward(h)) * shared_expert_->forward(h);
@@ -777,10 +793,10 @@ class DecoderLM : public StagedLM {
     ACCEL_ASSIGN_OR_RETURN(x, RunLayers(std::move(x), positions, chunks, home, dispatched, step));
     if (which == Logits::kLastOfEach) {
       ACCEL_RETURN_IF_ERROR(
-          CallTorch([&] { x = x.index_select(1, LastTokens(chunks).to(x.device())); }));
+          CallTorch([&] { x = x.index_select(1, LastTokens(chunks, x.device())); }));
     } else if (rc.any) {
       ACCEL_RETURN_IF_ERROR(
-          CallTorch([&] { x = x.index_select(1, at::tensor(rc.rows, at::kLong).to(x.device())); }));
+          CallTorch([&] { x = x.index_select(1, Int64sOn(rc.rows, x.device())); }));
     }
     ACCEL_ASSIGN_OR_RETURN(x, Head(x, home, dispatched, step));
     ACCEL_RETURN_IF_ERROR(CheckWeightFiles());  // a fault during this step
@@ -895,8 +911,8 @@ class DecoderLM : public StagedLM {
     absl::StatusOr<at::Tensor> StepRows(const at::Tensor& logits, Logits which) const {
       if (!any || which != Logits::kAll || !logits.defined()) return logits;
       at::Tensor out;
-      ACCEL_RETURN_IF_ERROR(CallTorch(
-          [&] { out = logits.index_select(0, at::tensor(rows, at::kLong).to(logits.device())); }));
+      ACCEL_RETURN_IF_ERROR(
+          CallTorch([&] { out = logits.index_select(0, Int64sOn(rows, logits.device())); }));
       return out;
     }
   };
@@ -947,7 +963,7 @@ class DecoderLM : public StagedLM {
           rc.rows.push_back(row++);
         }
       }
-      rc.ids = at::tensor(all, at::kLong).to(input_ids.device());
+      rc.ids = Int64sOn(all, input_ids.device());
     }));
     return rc;
   }
@@ -977,7 +993,7 @@ class DecoderLM : public StagedLM {
     absl::StatusOr<at::Tensor> embedded =
         InScope(dispatched, "model.embed_tokens", home, [&](const at::Device& d) {
           at::Tensor e = EmbedVocabParallel(
-              ids.to(d).unsqueeze(0),
+              ToDeviceAsync(ids, d).unsqueeze(0),
               [&](const at::Tensor& rows) {
                 return model->scaled_embed ? model->scaled_embed->forward(rows)
                                            : model->embed_tokens->forward(rows);
@@ -1003,14 +1019,14 @@ class DecoderLM : public StagedLM {
     at::Tensor cos, sin, local_cos, local_sin;
     ACCEL_RETURN_IF_ERROR(InScope(dispatched, "model.rotary_emb", home, [&](const at::Device& d) {
                             std::tie(cos, sin) =
-                                Rotary(*model->rotary_emb, positions.to(d), chunks);
+                                Rotary(*model->rotary_emb, ToDeviceAsync(positions, d), chunks);
                             return cos;
                           }).status());
     if (model->rotary_emb_local) {
       ACCEL_RETURN_IF_ERROR(
           InScope(dispatched, "model.rotary_emb_local", home, [&](const at::Device& d) {
             std::tie(local_cos, local_sin) =
-                Rotary(*model->rotary_emb_local, positions.to(d), chunks);
+                Rotary(*model->rotary_emb_local, ToDeviceAsync(positions, d), chunks);
             return local_cos;
           }).status());
     }
@@ -1270,7 +1286,7 @@ absl::StatusOr<std::shared_ptr<StagedLM::PipelineStep>> StagedLM::PipelineStart(
     } else {
       if (which == Logits::kLastOfEach) {
         ACCEL_RETURN_IF_ERROR(
-            CallTorch([&] { x = x.index_select(1, LastTokens(b.chunks).to(x.device())); }));
+            CallTorch([&] { x = x.index_select(1, LastTokens(b.chunks, x.device())); }));
       }
       // Every rank of the stage takes part (a vocab-parallel head gathers);
       // the first sends the logits to the leader, world rank 0, on the

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 
+#include "core/device_copy.h"
 #include "core/file_faults.h"
 #include "models/internal/device_upload.h"
 #include "models/internal/fused_ops.h"
@@ -61,8 +62,7 @@ void WriteRowsIndexed(at::Tensor blocks, absl::Span<const int32_t> table, int64_
     where[static_cast<size_t>(t)] = table[static_cast<size_t>((past + t) / block_size)];
     where[static_cast<size_t>(n + t)] = (past + t) % block_size;
   }
-  const at::Tensor index =
-      at::tensor(where, at::TensorOptions().dtype(at::kLong)).view({2, n}).to(blocks.device());
+  const at::Tensor index = Int64sOn(where, blocks.device()).view({2, n});
   // [n, kv_heads, d] lands at blocks[block[t], :, slot[t]].
   blocks.index_put_({index[0], at::indexing::Slice(), index[1]}, rows.transpose(0, 1));
 }
@@ -152,7 +152,7 @@ at::Tensor GatherBlocks(const at::Tensor& blocks, const std::vector<int32_t>& ta
   const int64_t block_size = blocks.size(2);
   const int64_t used = (total + block_size - 1) / block_size;
   std::vector<int64_t> index(table.begin(), table.begin() + used);
-  at::Tensor picked = blocks.index_select(0, at::tensor(index, at::kLong).to(blocks.device()));
+  at::Tensor picked = blocks.index_select(0, Int64sOn(index, blocks.device()));
   return picked.permute({1, 0, 2, 3})
       .reshape({blocks.size(1), used * block_size, blocks.size(3)})
       .narrow(1, 0, total);
@@ -553,7 +553,7 @@ absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
   return positions;
 }
 
-at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks) {
+at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks, const at::Device& device) {
   std::vector<int64_t> last;
   int64_t offset = 0;
   for (const SequenceChunk& chunk : chunks) {
@@ -561,7 +561,7 @@ at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks) {
     const int64_t n = std::min(std::max<int64_t>(chunk.logit_tokens, 1), chunk.tokens);
     for (int64_t i = n; i > 0; --i) last.push_back(offset - i);
   }
-  return at::tensor(last, at::kLong);
+  return Int64sOn(last, device);
 }
 
 void AdvanceCaches(const at::Tensor& input_ids, absl::Span<const SequenceChunk> chunks) {

@@ -136,8 +136,9 @@ absl::StatusOr<at::Tensor> PreparePositions(const at::Tensor& input_ids,
 // and again before its caches advance.
 absl::Status CheckWeightFiles();
 
-// Each chunk's last logit_tokens tokens, as indices into the packed tokens.
-at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks);
+// Each chunk's last logit_tokens tokens, as indices into the packed tokens, on
+// `device` (core/device_copy.h: without waiting for it).
+at::Tensor LastTokens(absl::Span<const SequenceChunk> chunks, const at::Device& device);
 
 // After a whole step: each cache's length grows by its chunk, and it keeps
 // the chunk's ids (input_ids, cpu int64, packed as `chunks`).

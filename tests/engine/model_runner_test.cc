@@ -23,6 +23,7 @@
 
 #include "engine/decode_graphs.h"
 #include "engine/engine_core.h"
+#include "engine/internal/cuda_sync_counter.h"
 #include "engine/kv_cache_manager.h"
 #include "engine/logits_processor.h"
 #include "engine/output_processor.h"
@@ -735,6 +736,78 @@ TEST_F(GeneratorTest, DecodeStepsReplayedFromCudaGraphsGiveWhatEagerStepsGive) {
                     Pointwise(FloatNear(1e-4f), results[0][i].logprobs))
             << i;
       }
+    }
+  }
+}
+
+// On a CUDA device (scripts/gpu_check.sh): a step waits for the device only
+// to read what it sampled, however many layers, prompt chunks and experts it
+// runs: the keys' block indices of a prompt's later chunk, the experts' rows
+// and the rows that get logits go to the device without a wait
+// (core/device_copy.h); a wait inside the layers would make the host and
+// the device take turns. A mixture-of-experts layer reads its routing on the
+// host: one wait a layer more. Chunked prompts, prefix hits and preemption,
+// through the general forward and the default static decode steps.
+TEST_F(GeneratorTest, StepsOnACudaDeviceWaitOnlyForWhatTheySampled) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the device script runs this";
+  ASSERT_TRUE(internal::CudaSyncCounter::Available())
+      << "a CUDA libtorch, but the engine was built without ACCEL_WITH_ENGINE_CUDA";
+  {
+    internal::CudaSyncCounter calibration;
+    (void)at::ones({1}, at::TensorOptions().device(at::kCUDA)).sum().item<float>();
+    ASSERT_GE(calibration.count(), 1) << "the counter does not see libtorch's waits";
+  }
+  constexpr int64_t kLayers = 4;
+  for (const std::string family : {"llama", "mixtral"}) {
+    SCOPED_TRACE(family);
+    MakeModelOptions o;
+    o.family = family;
+    o.hidden_size = 64;
+    o.num_heads = 4;
+    o.num_kv_heads = 2;
+    o.num_layers = kLayers;
+    o.vocab_size = 300;
+    o.max_position_embeddings = 256;
+    const std::string dir = dir_.path() + "/syncs-" + family;
+    ASSERT_THAT(MakeModel(dir, o), IsOk());
+    ModelLoadOptions load;
+    load.device_map = "0";
+    load.progress = Progress::Style::kSilent;
+    auto loaded = LoadModel(dir, load);
+    ASSERT_THAT(loaded, IsOk());
+    const int64_t allowed = 3 + (family == "mixtral" ? kLayers : 0);
+    for (const auto mode : {ModelRunnerOptions::UnpaddedStaticDecode::kOff,
+                            ModelRunnerOptions::UnpaddedStaticDecode::kAuto}) {
+      SCOPED_TRACE(mode == ModelRunnerOptions::UnpaddedStaticDecode::kOff ? "general"
+                                                                          : "static decodes");
+      ModelRunnerOptions r;
+      r.block_size = 4;
+      r.num_blocks = 22;
+      r.unpadded_static_decode = mode;
+      auto runner = ModelRunner::Create(loaded->model, loaded->dispatched.get(), r);
+      ASSERT_THAT(runner, IsOk());
+      EngineCoreOptions core;
+      core.max_num_batched_tokens = 10;  // prompts in chunks, a later chunk beside decodes
+      EngineCore engine(*std::move(runner), nullptr, core);
+      for (const GenerationRequest& request : SharedPrefixRequests()) {
+        ASSERT_THAT(engine.Add(request), IsOk());
+      }
+      int64_t steps = 0, most = 0;
+      std::vector<std::pair<std::string, int64_t>> worst;
+      while (engine.num_requests() > 0) {
+        internal::CudaSyncCounter syncs;
+        ASSERT_THAT(engine.Step(), IsOk());
+        ++steps;
+        if (syncs.count() > most) {
+          most = syncs.count();
+          worst = syncs.Sites();
+        }
+      }
+      EXPECT_GT(steps, 20);
+      std::string sites;
+      for (const auto& [stack, n] : worst) sites += std::to_string(n) + " x\n" + stack + "\n";
+      EXPECT_LE(most, allowed) << "the step that waited most, where:\n" << sites;
+      EXPECT_GT(engine.stats().preemptions, 0);
     }
   }
 }
