@@ -968,16 +968,19 @@ class DecoderLM : public StagedLM {
     return rc;
   }
 
-  // cos / sin of every packed position; with LongRoPE, each chunk with the
-  // factors its last position calls for.
+  // cos / sin of every packed position, on `device`; with LongRoPE, each
+  // chunk with the factors its last position calls for (read from the
+  // positions as the step built them: on the host, no wait for the device).
   std::pair<at::Tensor, at::Tensor> Rotary(nn::RotaryEmbedding& rope, const at::Tensor& positions,
+                                           const at::Device& device,
                                            const std::vector<SequenceChunk>& chunks) {
-    if (rope.long_after() == 0) return rope.forward(positions, dtype());
+    const at::Tensor on_device = ToDeviceAsync(positions, device);
+    if (rope.long_after() == 0) return rope.forward(on_device, dtype());
     std::vector<at::Tensor> cos, sin;
     int64_t offset = 0;
     for (const SequenceChunk& c : chunks) {
-      at::Tensor p = positions.narrow(1, offset, c.tokens);
-      const int64_t last = p[0][c.tokens - 1].item<int64_t>();
+      at::Tensor p = on_device.narrow(1, offset, c.tokens);
+      const int64_t last = positions[0][offset + c.tokens - 1].item<int64_t>();
       auto [a, b] = rope.forward(p, dtype(), /*long_factors=*/last + 1 > rope.long_after());
       cos.push_back(a);
       sin.push_back(b);
@@ -1018,15 +1021,13 @@ class DecoderLM : public StagedLM {
     const StepDecodePlanScope decode_plan;  // the step's decodes, planned once (AttendPacked)
     at::Tensor cos, sin, local_cos, local_sin;
     ACCEL_RETURN_IF_ERROR(InScope(dispatched, "model.rotary_emb", home, [&](const at::Device& d) {
-                            std::tie(cos, sin) =
-                                Rotary(*model->rotary_emb, ToDeviceAsync(positions, d), chunks);
+                            std::tie(cos, sin) = Rotary(*model->rotary_emb, positions, d, chunks);
                             return cos;
                           }).status());
     if (model->rotary_emb_local) {
       ACCEL_RETURN_IF_ERROR(
           InScope(dispatched, "model.rotary_emb_local", home, [&](const at::Device& d) {
-            std::tie(local_cos, local_sin) =
-                Rotary(*model->rotary_emb_local, ToDeviceAsync(positions, d), chunks);
+            std::tie(local_cos, local_sin) = Rotary(*model->rotary_emb_local, positions, d, chunks);
             return local_cos;
           }).status());
     }
