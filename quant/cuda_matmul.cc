@@ -43,9 +43,18 @@ absl::Status CheckCudaInput(const at::Tensor& x) {
 #ifdef ACCEL_WITH_QUANT_CUDA
 
 // Up to this many rows (a decode step's batch) run the fused GEMV where it
-// reads the weights once for all of them (cuda::Gemv4bitRowsFused); more
-// dequantize a slab at a time and call libtorch's GEMM on each.
-constexpr int64_t kFusedRows = 8;
+// reads the weights once for all of them (cuda::Gemv4bitRowsFused: the
+// tensor-core kernel, its tiled form above 8 rows).
+constexpr int64_t kFusedRows = 32;
+
+// Up to this many rows run it in passes of kFusedRows, each reading the
+// packed weight once (0.56 bytes a weight a pass); more dequantize a slab at
+// a time and call libtorch's GEMM on each, which moves about 4.5 bytes a
+// weight whatever the rows (on the H200, 2026-11-30, NF4 steps of 32 and
+// 128 decodes took 4.0x and 3.3x bfloat16's through the slabs). Four passes
+// move about half the slabs' bytes; where the crossing lies is for a device
+// run to measure (scripts/gpu_check.sh's NF4 rows).
+constexpr int64_t kFusedPassRows = 128;
 
 // Up to this many rows (a step of decodes, or decodes and a short prompt)
 // dequantize a slab of the weight at a time; more (a long prompt's chunk)
@@ -189,22 +198,30 @@ absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weig
     }
     at::Tensor b;
     if (bias.defined()) b = bias.to(compute_dtype).contiguous();
-    const at::Tensor xc =
-        rows <= kFusedRows ? x.reshape({rows, in}).to(compute_dtype).contiguous() : at::Tensor();
-    if (rows == 1 || (rows <= kFusedRows &&
-                      cuda::Gemv4bitRowsFused(rows, in, weight.blocksize, compute, xc.data_ptr(),
+    const at::Tensor xc = rows <= kFusedPassRows
+                              ? x.reshape({rows, in}).to(compute_dtype).contiguous()
+                              : at::Tensor();
+    const int64_t pass = std::min(rows, kFusedRows);
+    if (rows == 1 || (rows <= kFusedPassRows &&
+                      cuda::Gemv4bitRowsFused(pass, in, weight.blocksize, compute, xc.data_ptr(),
                                               weight.packed.data_ptr<uint8_t>()))) {
-      // Decode: the fused GEMV reads the packed weight once for all rows; x
-      // and bias in the compute dtype, sums in float32, one rounding to
-      // compute_dtype.
+      // Decode: the fused GEMV reads the packed weight once for all rows of
+      // a pass; x and bias in the compute dtype, sums in float32, one
+      // rounding to compute_dtype. A pass's x starts a whole number of rows
+      // in: K * 2 bytes, a multiple of 16 where the tensor cores take it.
       const at::Tensor yc = at::empty({rows, out}, options.dtype(compute_dtype));
-      kernels = CudaStatus(
-          cuda::Gemv4bitRows(xc.data_ptr(), rows, weight.packed.data_ptr<uint8_t>(),
-                             absmax.data_ptr<float>(), weight.code.data_ptr<float>(), out, in,
-                             weight.blocksize, b.defined() ? b.data_ptr() : nullptr, compute,
-                             yc.data_ptr(), stream),
-          "Gemv4bitRows");
-      if (!kernels.ok()) return;
+      const int64_t size = cuda::DTypeSize(compute);
+      for (int64_t first = 0; first < rows; first += pass) {
+        const int64_t m = std::min(pass, rows - first);
+        kernels = CudaStatus(
+            cuda::Gemv4bitRows(static_cast<const uint8_t*>(xc.data_ptr()) + first * in * size, m,
+                               weight.packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
+                               weight.code.data_ptr<float>(), out, in, weight.blocksize,
+                               b.defined() ? b.data_ptr() : nullptr, compute,
+                               static_cast<uint8_t*>(yc.data_ptr()) + first * out * size, stream),
+            "Gemv4bitRows");
+        if (!kernels.ok()) return;
+      }
       y = yc.to(x.scalar_type()).view(shape);
       return;
     }

@@ -4,7 +4,8 @@
 // GB/s of the bytes it has to read (packed weights + float32 absmax): the
 // warp-per-row kernel at one activation row and the tensor-core kernel at 1,
 // 2, 4 and 8 rows (a decode step's batch: the weights are still read once),
-// its pipelined form at 1, 2 and 4; then LLM.int8's product (Int8Matmul,
+// its pipelined form at 1, 2 and 4, its tiled form at 8, 16, 24 and 32 (a
+// batch's decodes above 8: still one read of the weights); then LLM.int8's product (Int8Matmul,
 // int8 weights) through its GEMV at 1, 4 and 8 rows and its tiled kernel.
 // Baselines from the same run: a cudaMemcpy device-to-device of the same
 // bytes, which moves them once (GB/s copied) and reads and writes them (2x
@@ -279,7 +280,7 @@ int main(int argc, char** argv) {
     for (DType dtype : options.dtypes) {
       using accel::quant::cuda::internal::GemvKernel;
       const size_t size = static_cast<size_t>(accel::quant::cuda::DTypeSize(dtype));
-      constexpr int64_t kMaxRows = 8;
+      constexpr int64_t kMaxRows = 32;
       void* x = DeviceAlloc<void>(size * static_cast<size_t>(kMaxRows * k));
       void* y = DeviceAlloc<void>(size * static_cast<size_t>(kMaxRows * n_rows));
       // 0x3c: small positive numbers in every dtype (0x3c3c... as bfloat16,
@@ -295,6 +296,9 @@ int main(int argc, char** argv) {
         for (int64_t m : {1, 2, 4, 8}) runs.push_back({GemvKernel::kMma, "mma", m});
         // Its pipelined form (gemv_mma.h; what Gemv4bitRows runs up to 4 rows).
         for (int64_t m : {1, 2, 4}) runs.push_back({GemvKernel::kMmaPipelined, "mma-pipe", m});
+        // Its tiled form (what Gemv4bitRows runs for 9 to 32 rows; at 8 rows
+        // beside the first form's).
+        for (int64_t m : {8, 16, 24, 32}) runs.push_back({GemvKernel::kMmaTiled, "mma-tiled", m});
       }
       for (const Run& run : runs) {
         auto gemv = [&](int64_t i) {

@@ -5,7 +5,8 @@
 //   pointers, up to 8 activation rows: every weight is read once for all
 //   rows, dequantized in registers through byte permutes, multiplied on
 //   mma.m16n8k16 (up to 4 rows in its pipelined form: x by cp.async a round
-//   ahead);
+//   ahead; 9 to 32 rows in its tiled form: each A fragment against up to
+//   four B tiles read from x itself);
 // - the idea of bnb's kgemm_4bit_inference_naive for everything else (one
 //   activation row): a warp per output row, each lane reading 16-byte chunks
 //   (32 weights) of the packed row, dequantizing them into the activation
@@ -234,6 +235,37 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   Gemv4bitMmaPipelinedCta<Tag, kMaxM>(p, static_cast<int64_t>(blockIdx.x), shared, exec);
 }
 
+// Registers: up to 16 accumulators more than the first form a thread (four
+// B tiles); two CTAs an SM.
+template <typename Tag, int kTiles>
+__global__ void __launch_bounds__(kMmaThreads, 2) Gemm4bitMmaTiledKernel(const GemvMmaParams p) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  MmaExec exec;
+  Gemm4bitMmaTiledCta<Tag, kTiles>(p, static_cast<int64_t>(blockIdx.x), shared, exec);
+}
+
+// The tiled kernel, for up to kMmaTiledMaxM rows: ceil(m / 8) B tiles.
+template <typename Tag>
+cudaError_t LaunchMmaTiled(const GemvMmaParams& p, cudaStream_t stream) {
+  const int64_t blocks = (p.n_rows + kMmaRows - 1) / kMmaRows;
+  if (blocks > 0x7fffffff || p.m < 1 || p.m > kMmaTiledMaxM) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(blocks));
+  auto launch = [&](auto kernel, int tiles) {
+    kernel<<<grid, kMmaThreads, static_cast<size_t>(MmaTiledSharedBytes(tiles)), stream>>>(p);
+    return cudaGetLastError();
+  };
+  switch ((p.m + 7) / 8) {
+    case 1:
+      return launch(Gemm4bitMmaTiledKernel<Tag, 1>, 1);
+    case 2:
+      return launch(Gemm4bitMmaTiledKernel<Tag, 2>, 2);
+    case 3:
+      return launch(Gemm4bitMmaTiledKernel<Tag, 3>, 3);
+    default:
+      return launch(Gemm4bitMmaTiledKernel<Tag, 4>, 4);
+  }
+}
+
 // The pipelined kernel, for up to kMmaPipelinedMaxM rows.
 template <typename Tag>
 cudaError_t LaunchMmaPipelined(const GemvMmaParams& p, cudaStream_t stream) {
@@ -271,21 +303,32 @@ bool MmaApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void
   return dtype != DType::kFloat32 && MmaTakes(m, k, blocksize, x, packed);
 }
 
+bool MmaTiledApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
+                     const void* packed) {
+  return dtype != DType::kFloat32 && MmaTiledTakes(m, k, blocksize, x, packed);
+}
+
 cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint8_t* packed,
                          const float* absmax, const float* code, int64_t n_rows, int64_t k,
                          int64_t blocksize, const void* bias, DType dtype, void* y,
                          cudaStream_t stream) {
   if (x == nullptr || packed == nullptr || absmax == nullptr || code == nullptr || y == nullptr ||
-      n_rows < 0 || k < 0 || blocksize < 1 || m < 1 || m > kMmaMaxM || !ValidDType(dtype)) {
+      n_rows < 0 || k < 0 || blocksize < 1 || m < 1 || m > kMmaTiledMaxM || !ValidDType(dtype)) {
     return cudaErrorInvalidValue;
   }
   if (n_rows == 0) return cudaSuccess;
   const bool mma = MmaApplies(m, k, blocksize, dtype, x, packed);
+  const bool tiled = MmaTiledApplies(m, k, blocksize, dtype, x, packed);
   if ((kernel == GemvKernel::kMma || kernel == GemvKernel::kMmaPipelined) && !mma) {
     return cudaErrorInvalidValue;
   }
+  if (kernel == GemvKernel::kMmaTiled && !tiled) return cudaErrorInvalidValue;
   if (kernel == GemvKernel::kMmaPipelined && m > kMmaPipelinedMaxM) return cudaErrorInvalidValue;
-  if (mma && kernel != GemvKernel::kChunk) {
+  // More than 8 rows: the tiled form (kAuto), each A fragment against up to
+  // four B tiles.
+  const bool use_tiled =
+      kernel == GemvKernel::kMmaTiled || (kernel == GemvKernel::kAuto && !mma && tiled);
+  if ((mma && kernel != GemvKernel::kChunk) || use_tiled) {
     GemvMmaParams p;
     p.x = x;
     p.packed = packed;
@@ -297,6 +340,10 @@ cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint
     p.k = k;
     p.blocksize = blocksize;
     p.m = static_cast<int32_t>(m);
+    if (use_tiled) {
+      return dtype == DType::kBFloat16 ? LaunchMmaTiled<MmaBFloat16>(p, stream)
+                                       : LaunchMmaTiled<MmaFloat16>(p, stream);
+    }
     // The first form unless the pipelined one is asked for by name: on an
     // H200 (2026-11-30, accel-bench-quant-cuda) the pipelined form was 1-5%
     // slower at every shape and row count it takes (14336 x 4096, one row:
@@ -337,7 +384,8 @@ cudaError_t Gemv4bitRows(const void* x, int64_t m, const uint8_t* packed, const 
 
 bool Gemv4bitRowsFused(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
                        const void* packed) {
-  return m == 1 || internal::MmaApplies(m, k, blocksize, dtype, x, packed);
+  return m == 1 || internal::MmaApplies(m, k, blocksize, dtype, x, packed) ||
+         internal::MmaTiledApplies(m, k, blocksize, dtype, x, packed);
 }
 
 }  // namespace accel::quant::cuda

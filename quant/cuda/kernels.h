@@ -66,12 +66,13 @@ cudaError_t Gemv4bit(const void* x, const uint8_t* packed, const float* absmax, 
                      int64_t n_rows, int64_t k, int64_t blocksize, const void* bias, DType dtype,
                      void* y, cudaStream_t stream);
 
-// The same for m activation rows at once (1 <= m <= 8, decode steps of a
+// The same for m activation rows at once (1 <= m <= 32, decode steps of a
 // batch): x [m, K] and y [m, N] row-major, `dtype`. Where
 // Gemv4bitRowsFused() says so (the tensor-core kernel's conditions above,
-// or m == 1) the weights are read once for all rows; otherwise each row of
-// x is a Gemv4bit call, reading them m times (callers then prefer
-// Dequantize4bit and a GEMM).
+// or m == 1) the weights are read once for all rows (above 8 rows by the
+// tensor-core kernel's tiled form: each weight's fragment multiplied with
+// up to four tiles of 8 rows); otherwise each row of x is a Gemv4bit call,
+// reading them m times (callers then prefer Dequantize4bit and a GEMM).
 cudaError_t Gemv4bitRows(const void* x, int64_t m, const uint8_t* packed, const float* absmax,
                          const float* code, int64_t n_rows, int64_t k, int64_t blocksize,
                          const void* bias, DType dtype, void* y, cudaStream_t stream);

@@ -5,7 +5,8 @@
 // into the activation type, products summed; within the float32 summation
 // bound) and bit for bit where every sum is exact. What this verifies
 // without a GPU: the nibble lookup through prmt, the permuted k order of
-// the A and B fragments, the x staging in shared memory, the split of K over
+// the A and B fragments, the x staging in shared memory (and the tiled
+// form's B fragments read from x itself, up to 32 rows), the split of K over
 // warps and its reduce, rows past N, up to 8 activation rows. What only a
 // device verifies (cuda_kernels_test.cc): the instructions themselves and
 // the tensor cores' float32 accumulation.
@@ -166,8 +167,8 @@ struct Inputs {
   std::vector<uint16_t> x, bias;  // [m, k], [n_rows]
 };
 
-// The two forms of the kernel.
-enum class Form { kRounds, kPipelined };
+// The three forms of the kernel.
+enum class Form { kRounds, kPipelined, kTiled };
 
 template <typename Tag>
 std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, Form form, std::string* error) {
@@ -183,6 +184,37 @@ std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, Form form, st
   p.k = c.k;
   p.blocksize = c.blocksize;
   p.m = c.m;
+  if (form == Form::kTiled) {
+    if (!MmaTiledTakes(c.m, c.k, c.blocksize, p.x, p.packed)) {
+      *error = "MmaTiledTakes refused";
+      return y;
+    }
+    const int tiles = static_cast<int>((c.m + 7) / 8);
+    std::vector<uint64_t> shared(static_cast<size_t>(MmaTiledSharedBytes(tiles) / 8 + 1));
+    CtaEmulator cta(kMmaThreads);
+    for (int64_t block = 0; block * kMmaRows < c.n_rows; ++block) {
+      std::fill(shared.begin(), shared.end(), ~uint64_t{0});
+      uint8_t* s = reinterpret_cast<uint8_t*>(shared.data());
+      *error = cta.Run([&](CtaEmulator::Exec& exec) {
+        HostExec host(exec);
+        switch (tiles) {
+          case 1:
+            Gemm4bitMmaTiledCta<Tag, 1>(p, block, s, host);
+            break;
+          case 2:
+            Gemm4bitMmaTiledCta<Tag, 2>(p, block, s, host);
+            break;
+          case 3:
+            Gemm4bitMmaTiledCta<Tag, 3>(p, block, s, host);
+            break;
+          default:
+            Gemm4bitMmaTiledCta<Tag, 4>(p, block, s, host);
+        }
+      });
+      if (!error->empty()) return y;
+    }
+    return y;
+  }
   if (!MmaTakes(c.m, c.k, c.blocksize, p.x, p.packed)) {
     *error = "MmaTakes refused";
     return y;
@@ -250,7 +282,9 @@ std::vector<float> Nf4() {
 
 template <typename Tag>
 void CheckCase(const Case& c, bool exact_sums, Form form = Form::kRounds) {
-  SCOPED_TRACE(std::string(c.name) + (form == Form::kPipelined ? ", pipelined" : ""));
+  SCOPED_TRACE(std::string(c.name) + (form == Form::kPipelined ? ", pipelined"
+                                      : form == Form::kTiled   ? ", tiled"
+                                                               : ""));
   std::mt19937_64 rng(7);
   Inputs in;
   const int64_t n = c.n_rows * c.k;
@@ -380,6 +414,41 @@ TEST(GemvMmaTest, EmulatedPipelinedKernelIsBitExactWhenEverySumIsExact) {
   }
 }
 
+// The tiled form on every case above and on cases of up to 32 rows: a tile
+// partly used (9, 17, 30 rows), whole tiles (16, 24, 32), one chunk and
+// many, N past the last CTA's rows.
+const Case kTiledCases[] = {
+    {"Bf16NineRows", true, 37, 512, 64, 9, true},
+    {"Fp16SixteenRowsOneChunk", false, 16, 256, 256, 16, false},  // seven idle warps
+    {"Bf16SeventeenRowsTwoRounds", true, 50, 2304, 64, 17, false},
+    {"Fp16TwentyFourRowsBigBlocks", false, 20, 1024, 1024, 24, true},
+    {"Bf16ThirtyRowsDownProjK", true, 24, 11008, 64, 30, false},  // 43 chunks
+    {"Fp16ThirtyTwoRows", false, 33, 768, 128, 32, true},
+};
+
+std::vector<Case> TiledCases() {
+  std::vector<Case> cases(std::begin(kCases), std::end(kCases));
+  cases.insert(cases.end(), std::begin(kTiledCases), std::end(kTiledCases));
+  return cases;
+}
+
+TEST(GemvMmaTest, EmulatedTiledKernelIsWithinTheFloat32SummationBound) {
+  for (const Case& c : TiledCases()) {
+    if (c.bf16) {
+      CheckCase<MmaBFloat16>(c, false, Form::kTiled);
+    } else {
+      CheckCase<MmaFloat16>(c, false, Form::kTiled);
+    }
+  }
+}
+
+TEST(GemvMmaTest, EmulatedTiledKernelIsBitExactWhenEverySumIsExact) {
+  for (const Case& c : TiledCases()) {
+    CheckCase<MmaBFloat16>(c, true, Form::kTiled);
+    CheckCase<MmaFloat16>(c, true, Form::kTiled);
+  }
+}
+
 TEST(GemvMmaTest, TakesOnlyWhatItCan) {
   alignas(16) static uint8_t buffer[64];
   EXPECT_TRUE(MmaTakes(1, 4096, 64, buffer, buffer));
@@ -390,6 +459,13 @@ TEST(GemvMmaTest, TakesOnlyWhatItCan) {
   EXPECT_FALSE(MmaTakes(1, 4096, 64, buffer + 2, buffer));   // misaligned x
   EXPECT_FALSE(MmaTakes(1, 4096, 64, buffer, buffer + 8));   // misaligned weights
   EXPECT_LE(MmaSharedBytes(kMmaMaxM), 48 * 1024);
+  EXPECT_TRUE(MmaTiledTakes(32, 4096, 64, buffer, buffer));
+  EXPECT_TRUE(MmaTiledTakes(9, 256, 4096, buffer, buffer));
+  EXPECT_FALSE(MmaTiledTakes(33, 4096, 64, buffer, buffer));       // more than 32 rows
+  EXPECT_FALSE(MmaTiledTakes(0, 4096, 64, buffer, buffer));        // no rows
+  EXPECT_FALSE(MmaTiledTakes(16, 4096 + 64, 64, buffer, buffer));  // K % 256
+  EXPECT_FALSE(MmaTiledTakes(16, 4096, 64, buffer + 2, buffer));   // misaligned x
+  EXPECT_LE(MmaTiledSharedBytes(kMmaTiledMaxTiles), 48 * 1024);
   // Without an opt-in attribute a kernel gets 48 KiB of shared memory.
   EXPECT_LE(MmaPipelinedSharedBytes(kMmaPipelinedMaxM), 48 * 1024);
 }

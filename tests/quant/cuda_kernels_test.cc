@@ -646,11 +646,38 @@ TEST_F(CudaGemvRowsTest, TensorCoreKernelWithinTheBound) {
             cudaErrorInvalidValue);
 }
 
+// The tensor-core kernel's tiled form (kAuto's above 8 rows): a tile partly
+// used and whole ones, up to 32 rows, an 8B model's K among them (fewer
+// rows of W: the reference runs on the host); at 8 rows and fewer by name.
+TEST_F(CudaGemvRowsTest, TiledTensorCoreKernelWithinTheBound) {
+  const RowsCase cases[] = {
+      {2048, 4096, 64, 32, false}, {512, 14336, 64, 17, true}, {1024, 4096, 64, 24, true},
+      {37, 512, 128, 9, false},    {16, 256, 256, 32, true},   {50, 2304, 64, 16, true},
+      {1024, 4096, 64, 8, false},  {4096, 4096, 64, 1, true},
+  };
+  for (const RowsCase& c : cases) {
+    for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+      ASSERT_TRUE(internal::MmaTiledApplies(c.m, c.k, c.blocksize, dtype,
+                                            reinterpret_cast<const void*>(256),
+                                            reinterpret_cast<const void*>(256)));
+      Check(c, dtype, internal::GemvKernel::kMmaTiled);
+      if (c.m > 8) Check(c, dtype, internal::GemvKernel::kAuto);
+    }
+  }
+  alignas(16) static uint8_t buffer[16];
+  EXPECT_TRUE(Gemv4bitRowsFused(32, 4096, 64, DType::kBFloat16, buffer, buffer));
+  EXPECT_TRUE(Gemv4bitRowsFused(9, 256, 64, DType::kFloat16, buffer, buffer));
+  EXPECT_FALSE(Gemv4bitRowsFused(33, 4096, 64, DType::kBFloat16, buffer, buffer));
+  EXPECT_FALSE(Gemv4bitRowsFused(16, 4096, 64, DType::kFloat32, buffer, buffer));
+}
+
 TEST_F(CudaGemvRowsTest, RowsWhereTheTensorCoresCannotGoOneByOne) {
   // float32 activations, K % 256 != 0, blocks of 32: the warp-per-row
   // kernel, a row of x at a time, and Gemv4bitRowsFused says so.
-  const RowsCase cases[] = {
-      {64, 4096, 64, 3, true}, {37, 320, 64, 2, false}, {24, 512, 32, 4, true}};
+  const RowsCase cases[] = {{64, 4096, 64, 3, true},
+                            {37, 320, 64, 2, false},
+                            {24, 512, 32, 4, true},
+                            {24, 512, 32, 12, false}};
   for (const RowsCase& c : cases) {
     for (DType dtype : kDTypes) {
       Check(c, dtype, internal::GemvKernel::kAuto);
@@ -681,9 +708,9 @@ TEST(CudaGemvArgumentsTest, RowsOutOfRangeAreRefused) {
   EXPECT_EQ(
       Gemv4bitRows(buffer, 0, buffer, f, f, 4, 256, 64, nullptr, DType::kBFloat16, buffer, nullptr),
       cudaErrorInvalidValue);
-  EXPECT_EQ(
-      Gemv4bitRows(buffer, 9, buffer, f, f, 4, 256, 64, nullptr, DType::kBFloat16, buffer, nullptr),
-      cudaErrorInvalidValue);
+  EXPECT_EQ(Gemv4bitRows(buffer, 33, buffer, f, f, 4, 256, 64, nullptr, DType::kBFloat16, buffer,
+                         nullptr),
+            cudaErrorInvalidValue);
   EXPECT_EQ(Gemv4bitRows(nullptr, 1, buffer, f, f, 4, 256, 64, nullptr, DType::kBFloat16, buffer,
                          nullptr),
             cudaErrorInvalidValue);

@@ -207,6 +207,38 @@ TEST(CudaMatmulTest, Linear4bitManyRowsMatchesTheCpuPathOverSlabs) {
   }
 }
 
+// A batch's rows where the tensor-core kernel takes the weight (K a multiple
+// of 256, blocks of 64, 16-bit activations): up to 32 rows in one pass of its
+// tiled form, up to 128 in passes of 32 (each reading the weight once; the
+// last pass shorter, 8 rows and fewer through its first form), past that the
+// slabs. Every row against the cpu path, every column written.
+TEST(CudaMatmulTest, Linear4bitBatchRowsMatchTheCpuPathThroughTheFusedPasses) {
+  SKIP_WITHOUT_DEVICE();
+  const at::Device cuda(at::kCUDA, 0);
+  at::manual_seed(11);
+  const int64_t out = 1000, in = 4096;
+  const at::Tensor w = Random({out, in}, 0.05);
+  for (bool double_quant : {false, true}) {
+    const Weight4bit cpu_w = Quantized(w, QuantType4bit::kNf4, 64, double_quant);
+    const Weight4bit cuda_w = OnDevice(cpu_w, cuda);
+    for (int64_t rows : {9, 32, 33, 40, 100, 128, 129}) {
+      for (at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+        SCOPED_TRACE(testing::Message()
+                     << rows << " rows" << (double_quant ? ", dq " : " ") << dtype);
+        const at::Tensor x = Random({rows, in}).to(dtype);
+        const at::Tensor bias = rows % 2 == 0 ? Random({out}, 0.1).to(dtype) : at::Tensor();
+        ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor want, Linear4bitForward(x, cpu_w, bias, dtype));
+        ACCEL_ASSERT_OK_AND_ASSIGN(
+            at::Tensor got, Linear4bitForwardCuda(x.to(cuda), cuda_w, OnDevice(bias, cuda), dtype));
+        ExpectClose(got, want, Tolerance(dtype));
+        const at::Tensor diff = (got.to(at::kCPU).to(at::kFloat) - want.to(at::kFloat)).abs();
+        EXPECT_LE(diff.amax(1).max().item<double>(),
+                  Tolerance(dtype) * std::max(1.0, want.abs().max().item<double>()));
+      }
+    }
+  }
+}
+
 // The slab arithmetic itself (no device): slabs start on a block and on 16
 // packed bytes, hold at least 256 rows and aim at the byte size asked for.
 TEST(CudaMatmulTest, DequantSlabRows) {

@@ -13,16 +13,20 @@
 namespace accel::quant::cuda::internal {
 
 enum class GemvKernel {
-  kAuto,          // the tensor-core kernel (its first form) where it applies, else the
-                  // chunk / element one
+  kAuto,          // the tensor-core kernel (its first form up to 8 rows, its tiled form
+                  // above) where it applies, else the chunk / element one
   kMma,           // the tensor-core kernel only (cudaErrorInvalidValue where it does not apply)
   kMmaPipelined,  // its pipelined form (gemv_mma.h), up to 4 rows; likewise
+  kMmaTiled,      // its tiled form (gemv_mma.h), up to 32 rows (kAuto's above 8); likewise
   kChunk,         // the warp-per-row kernel (chunk or element path), a row of x at a time
 };
 
 // Whether the tensor-core kernel takes these arguments.
 bool MmaApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
                 const void* packed);
+// Whether its tiled form takes them (up to 32 rows).
+bool MmaTiledApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
+                     const void* packed);
 
 // Gemv4bitRows through the given kernel.
 cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint8_t* packed,

@@ -1,5 +1,6 @@
 // quant/cuda/internal/gemv_mma.h: the 4-bit GEMV of up to 8 activation rows
-// on the tensor cores, written as host + device code: quant/cuda/gemv.cu runs
+// on the tensor cores (up to 32 in its tiled form, at the end), written as
+// host + device code: quant/cuda/gemv.cu runs
 // it as a kernel, tests/quant/cuda_gemv_emulation_test.cc runs the same code
 // on the host (tests/testing/cta_emulator.h), so its indexing is checked on
 // a machine without a GPU. Private to quant/cuda.
@@ -284,22 +285,27 @@ ACCEL_HD void MmaRound(const float* code_s, const RowChunk& a, const RowChunk& b
   }
 }
 
-// The end of a CTA of either kernel: each warp's mma accumulators (lane
-// (g, t) holds rows g, g + 8 of activation rows 2t, 2t + 1) into `sums_s`
-// ([warps][16 rows][8 activation rows] floats), then y = their sum in warp
-// order (+ bias), rounded to the activation type.
+// The end of a CTA of any of the kernels: each warp's mma accumulators
+// (tile j of lane (g, t) holds rows g, g + 8 of activation rows 8j + 2t,
+// 8j + 2t + 1) into `sums_s` ([warps][16 rows][8 kTiles activation rows]
+// floats), then y = their sum in warp order (+ bias), rounded to the
+// activation type.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
-template <typename Tag, typename Exec>
-ACCEL_HD void AddWarpSumsAndStore(const GemvMmaParams& p, int64_t cta, const float (&c)[4],
+template <typename Tag, int kTiles, typename Exec>
+ACCEL_HD void AddWarpSumsAndStore(const GemvMmaParams& p, int64_t cta, const float (&c)[kTiles][4],
                                   float* sums_s, Exec& exec) {
+  constexpr int kColumns = 8 * kTiles;
   const int tid = exec.tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  float* mine = sums_s + warp * kMmaRows * kMmaMaxM;
-  mine[g * kMmaMaxM + 2 * t] = c[0];
-  mine[g * kMmaMaxM + 2 * t + 1] = c[1];
-  mine[(g + 8) * kMmaMaxM + 2 * t] = c[2];
-  mine[(g + 8) * kMmaMaxM + 2 * t + 1] = c[3];
+  float* mine = sums_s + warp * kMmaRows * kColumns;
+  for (int j = 0; j < kTiles; ++j) {
+    const int column = 8 * j + 2 * t;
+    mine[g * kColumns + column] = c[j][0];
+    mine[g * kColumns + column + 1] = c[j][1];
+    mine[(g + 8) * kColumns + column] = c[j][2];
+    mine[(g + 8) * kColumns + column + 1] = c[j][3];
+  }
   exec.Sync();
   const uint16_t* bias = static_cast<const uint16_t*>(p.bias);
   uint16_t* y = static_cast<uint16_t*>(p.y);
@@ -308,7 +314,7 @@ ACCEL_HD void AddWarpSumsAndStore(const GemvMmaParams& p, int64_t cta, const flo
     const int64_t row = cta * kMmaRows + r;
     if (row >= p.n_rows) continue;
     float sum = 0.0f;
-    for (int w = 0; w < kMmaWarps; ++w) sum += sums_s[(w * kMmaRows + r) * kMmaMaxM + m];
+    for (int w = 0; w < kMmaWarps; ++w) sum += sums_s[(w * kMmaRows + r) * kColumns + m];
     if (bias != nullptr) sum += Widen(Tag{}, bias[row]);
     y[m * p.n_rows + row] = Narrow(Tag{}, sum);
   }
@@ -334,7 +340,7 @@ ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* share
   const int64_t chunks = p.k / kMmaChunk;
   const int64_t rounds = (chunks + kMmaWarps - 1) / kMmaWarps;
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float c[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
   // Software pipeline: a round's weights are loaded while the previous
   // round is computed.
   const Segments segments = SegmentsOf(p);
@@ -359,11 +365,11 @@ ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* share
       Store8(unit + stride * 8, v[2], v[3]);
     }
     exec.WarpSync();
-    MmaRound<Tag>(code_s, a, b, x_s, stride, g < p.m, g, t, c, exec);
+    MmaRound<Tag>(code_s, a, b, x_s, stride, g < p.m, g, t, c[0], exec);
     a = next_a;
     b = next_b;
   }
-  AddWarpSumsAndStore<Tag>(p, cta, c, sums_s, exec);
+  AddWarpSumsAndStore<Tag, 1>(p, cta, c, sums_s, exec);
 }
 
 // --- The pipelined kernel ------------------------------------------------------------
@@ -432,7 +438,7 @@ ACCEL_HD void Gemv4bitMmaPipelinedCta(const GemvMmaParams& p, int64_t cta, uint8
   exec.CommitCopies();
   if (tid < 16) code_s[tid] = p.code[tid];
   exec.Sync();
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float c[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
   for (int64_t round = 0; round < rounds; ++round) {
     const int64_t chunk = round * kMmaWarps + warp;
     // The next round's weights and x (its stage was last read in the round
@@ -448,11 +454,114 @@ ACCEL_HD void Gemv4bitMmaPipelinedCta(const GemvMmaParams& p, int64_t cta, uint8
     exec.CommitCopies();
     exec.WaitCopiesButLast();
     exec.WarpSync();
-    MmaRound<Tag>(code_s, a, b, x_s + (round % 2) * stage_bytes, stride, g < p.m, g, t, c, exec);
+    MmaRound<Tag>(code_s, a, b, x_s + (round % 2) * stage_bytes, stride, g < p.m, g, t, c[0], exec);
     a = next_a;
     b = next_b;
   }
-  AddWarpSumsAndStore<Tag>(p, cta, c, sums_s, exec);
+  AddWarpSumsAndStore<Tag, 1>(p, cta, c, sums_s, exec);
+}
+
+// --- The tiled kernel: up to 32 activation rows ----------------------------------
+//
+// The same CTA (16 rows of W, K split over 8 warps in chunks of 256, the
+// same lookups and A fragments, the software pipeline of the first form),
+// for steps of 9 to 32 rows (decodes of a batch, a short prompt), where the
+// weights would otherwise be dequantized to a dense slab and multiplied by
+// a GEMM (4.5 bytes moved a weight against 0.56 here). Each slice's A
+// fragments, looked up once, multiply kTiles B tiles of 8 activation rows.
+// The B fragments come straight from x in global memory (L1 / L2: x is a
+// few KiB a row and every CTA reads it): a lane's fragments of a slice pair
+// are 16 contiguous bytes of one row of x in the permuted order (row 8j + g
+// at k = 64t + 8w of the chunk), so no shared-memory stage, whose size
+// would grow with the rows (the first form's at 32 rows: 133 KiB a CTA).
+inline constexpr int kMmaTiledMaxTiles = 4;
+inline constexpr int kMmaTiledMaxM = 8 * kMmaTiledMaxTiles;
+ACCEL_HD int64_t MmaTiledSharedBytes(int tiles) {
+  return kMmaReduceOffset + static_cast<int64_t>(kMmaWarps) * kMmaRows * 8 * tiles * 4;
+}
+
+// Whether the tiled kernel takes these arguments: MmaTakes's conditions
+// with up to 32 rows.
+ACCEL_HD bool MmaTiledTakes(int64_t m, int64_t k, int64_t blocksize, const void* x,
+                            const void* packed) {
+  return m >= 1 && m <= kMmaTiledMaxM && MmaTakes(1, k, blocksize, x, packed);
+}
+
+// One round of a lane in the tiled kernel: MmaRound's lookups, each slice's
+// A fragments multiplied with the B fragments of every tile (zeros for
+// activation rows past m).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, int kTiles, typename Exec>
+ACCEL_HD void MmaTiledRound(const GemvMmaParams& p, const float* code_s, const RowChunk& a,
+                            const RowChunk& b, int64_t chunk, int g, int t, float (&c)[kTiles][4],
+                            Exec& exec) {
+  uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
+  BuildPlanes<Tag>(code_s, a.scale, lo_a, hi_a);
+  BuildPlanes<Tag>(code_s, b.scale, lo_b, hi_b);
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + chunk * kMmaChunk + 64 * t;
+  for (int w = 0; w < kMmaSlices / 2; ++w) {
+    // Tile j's B fragments of slices 2w (words 0-1) and 2w + 1 (words 2-3).
+    uint32_t bx[kTiles][4];
+    for (int j = 0; j < kTiles; ++j) {
+      const int row = 8 * j + g;
+      if (row < p.m) {
+        Load16(x + row * p.k + 8 * w, bx[j], false);
+      } else {
+        for (uint32_t& v : bx[j]) v = 0u;
+      }
+    }
+    const uint32_t index_a = NibbleIndex(a.words[w]), pick_a = NibblePick(a.words[w]);
+    const uint32_t index_b = NibbleIndex(b.words[w]), pick_b = NibblePick(b.words[w]);
+    for (int h = 0; h < 2; ++h) {
+      const int shift = 16 * h;
+      uint32_t a0, a1, a2, a3;
+      LookupSelected(index_a >> shift, pick_a >> shift, lo_a, hi_a, a0, a2);
+      LookupSelected(index_b >> shift, pick_b >> shift, lo_b, hi_b, a1, a3);
+      for (int j = 0; j < kTiles; ++j) {
+        exec.template Mma<Tag>(a0, a1, a2, a3, bx[j][2 * h], bx[j][2 * h + 1], c[j]);
+      }
+    }
+  }
+}
+
+// CTA `cta` of the tiled kernel: rows 16 cta .. 16 cta + 15, for up to
+// 8 kTiles activation rows. `shared` holds MmaTiledSharedBytes(kTiles)
+// bytes, 16-byte aligned. Exec: as Gemv4bitMmaCta's.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, int kTiles, typename Exec>
+ACCEL_HD void Gemm4bitMmaTiledCta(const GemvMmaParams& p, int64_t cta, uint8_t* shared,
+                                  Exec& exec) {
+  static_assert(kTiles >= 1 && kTiles <= kMmaTiledMaxTiles, "up to 32 activation rows");
+  const int tid = exec.tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  float* code_s = reinterpret_cast<float*>(shared);
+  float* sums_s = reinterpret_cast<float*>(shared + kMmaReduceOffset);
+  if (tid < 16) code_s[tid] = p.code[tid];
+  exec.Sync();
+  const int64_t row_a = cta * kMmaRows + g, row_b = row_a + 8;
+  const int64_t chunks = p.k / kMmaChunk;
+  const int64_t rounds = (chunks + kMmaWarps - 1) / kMmaWarps;
+  float c[kTiles][4];
+  for (auto& tile : c) {
+    for (float& v : tile) v = 0.0f;
+  }
+  const Segments segments = SegmentsOf(p);
+  RowChunk a, b, next_a, next_b;
+  LoadRowChunk(p, segments, row_a, warp, t, a);
+  LoadRowChunk(p, segments, row_b, warp, t, b);
+  for (int64_t round = 0; round < rounds; ++round) {
+    const int64_t chunk = round * kMmaWarps + warp;
+    if (chunk >= chunks) break;  // uniform over the warp
+    LoadRowChunk(p, segments, row_a, chunk + kMmaWarps, t, next_a);
+    LoadRowChunk(p, segments, row_b, chunk + kMmaWarps, t, next_b);
+    MmaTiledRound<Tag, kTiles>(p, code_s, a, b, chunk, g, t, c, exec);
+    a = next_a;
+    b = next_b;
+  }
+  AddWarpSumsAndStore<Tag, kTiles>(p, cta, c, sums_s, exec);
 }
 
 }  // namespace accel::quant::cuda::internal
