@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 
 #include "grammar/internal/grammar_data.h"
+#include "grammar/internal/repeats.h"
 #include "grammar/internal/stack_arena.h"
 #include "grammar/internal/utf8_ranges.h"
 
@@ -391,8 +392,8 @@ class GbnfParser {
         } else {
           break;
         }
-        if (IsSimpleRepeat(min, max)) {
-          pending = ComposeRepeats(pending, {min, max});
+        if (internal::IsSimpleRepeat(min, max)) {
+          pending = internal::ComposeRepeats(pending, {min, max});
           has_pending = true;
           continue;
         }
@@ -410,22 +411,30 @@ class GbnfParser {
     }
   }
 
-  // The repetitions that compose into one of their own kind: {0,1} (?),
-  // {0,} (*), {1,} (+) and {1} (once).
-  static bool IsSimpleRepeat(int min, int max) {
-    return (min == 0 || min == 1) && (max == 1 || max < 0);
-  }
-  // `outer` applied to `inner` repeated: at least 0 times if either may be
-  // absent, unbounded if either is.
-  static std::pair<int, int> ComposeRepeats(std::pair<int, int> inner, std::pair<int, int> outer) {
-    return {inner.first * outer.first, inner.second < 0 || outer.second < 0 ? -1 : 1};
-  }
-
   Sequence Repeat(Sequence atom, int min, int max) {
     Sequence out;
     Sequence unit = atom;
     if (atom.size() != 1) {
       unit = {RuleElement(rules_.Anonymous(current_rule_, {atom}))};
+    }
+    if (max < 0 && min >= 1) {
+      // unit{min,}: min - 1 units, then
+      //   plus ::= unit rest    rest ::= plus | (empty)
+      // not `unit star`: there the first unit returns into the sequence and
+      // the others into star, two stacks for one place in the text, and
+      // nested loops ((x)+)+... multiply them, 2^n at n levels (eight
+      // levels passed the matcher's 128 stacks and refused "xxx"). Here the
+      // unit is called from one place, its return always to `rest`, and
+      // `rest` and `plus` are tail calls: one stack a level.
+      for (int i = 0; i + 1 < min; ++i) out.insert(out.end(), unit.begin(), unit.end());
+      const int32_t plus = rules_.Anonymous(absl::StrCat(current_rule_, "_plus"), {});
+      const int32_t rest =
+          rules_.Anonymous(absl::StrCat(current_rule_, "_rest"), {{RuleElement(plus)}, {}});
+      Sequence once = unit;
+      once.push_back(RuleElement(rest));
+      rules_.Define(plus, {once});
+      out.push_back(RuleElement(plus));
+      return out;
     }
     for (int i = 0; i < min; ++i) out.insert(out.end(), unit.begin(), unit.end());
     if (max < 0) {

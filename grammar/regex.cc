@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 
 #include "grammar/grammar.h"
+#include "grammar/internal/repeats.h"
 #include "grammar/internal/utf8_ranges.h"
 
 namespace accel::grammar {
@@ -102,9 +103,9 @@ class RegexConverter {
   }
 
   // Stacked quantifiers apply in turn, but a run of *, +, ? (and {0,},
-  // {1,}, {0,1}, {1}) is written as one over the atom ((x+)+ is x+, (x?)+ is
-  // x*), as the GBNF parser does (grammar.cc: nesting each made the matcher's
-  // closures quadratic in the run's length).
+  // {1,}, {0,1}, {1}) is written as one over the atom ((x+)+ is x+, (x?)+
+  // is x*), as the GBNF parser does (internal/repeats.h: nesting each made
+  // the matcher's closures quadratic in the run's length).
   absl::StatusOr<std::string> ParseQuantifiers(std::string atom) {
     // The run so far, if any: {min, max}, max -1 unbounded.
     bool has_pending = false;
@@ -152,8 +153,7 @@ class RegexConverter {
       }
       if (Peek() == '?' || Peek() == '+') ++pos_;  // lazy / possessive: the same language
       if (is_simple) {
-        pending = std::make_pair(pending.first * simple.first,
-                                 pending.second < 0 || simple.second < 0 ? -1 : 1);
+        pending = internal::ComposeRepeats(pending, simple);
         has_pending = true;
         continue;
       }

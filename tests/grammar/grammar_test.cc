@@ -5,6 +5,7 @@
 
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -314,6 +315,39 @@ TEST(RegexTest, StackedQuantifiersAreOneOverTheAtom) {
   EXPECT_EQ((*run)->num_elements(), (*one)->num_elements());
   EXPECT_TRUE((*run)->Matches("111"));
   EXPECT_FALSE((*run)->Matches(""));
+}
+
+// Nested loops, each level a group of its own: ((x)+)+... is x+ however
+// deep. A loop's first pass and its later ones return to the same place, so
+// a level keeps one parse stack: deep nesting neither refuses text for
+// holding too many parses at once (eight levels of `+` did: 2^8 stacks, past
+// the matcher's 128, refused "xxx") nor makes each byte slower. Against RE2
+// on the same pattern.
+TEST(RegexTest, NestedLoopsKeepOneParseALevel) {
+  // The outermost level also as `*` (its group cannot match empty), so ""
+  // is in the language.
+  for (const auto& [op, outer] :
+       std::vector<std::pair<std::string, std::string>>{{"+", "+"}, {"{1,}", "{1,}"}, {"+", "*"}}) {
+    for (int depth : {1, 8, 20, 100}) {
+      std::string pattern;
+      for (int i = 0; i < depth; ++i) pattern += "(";
+      pattern += "x";
+      for (int i = 0; i < depth; ++i) pattern += ")" + (i + 1 == depth ? outer : op);
+      SCOPED_TRACE(pattern);
+      auto grammar = CompileRegex(pattern);
+      ASSERT_THAT(grammar, IsOk());
+      RE2 re(pattern);
+      ASSERT_TRUE(re.ok());
+      for (int n = 0; n <= 40; ++n) {
+        const std::string text(static_cast<size_t>(n), 'x');
+        EXPECT_EQ((*grammar)->Matches(text), RE2::FullMatch(text, re)) << n;
+      }
+      EXPECT_TRUE((*grammar)->Matches(std::string(500, 'x')));
+      for (const char* text : {"xy", "yx", "xxxxy", "y"}) {
+        EXPECT_FALSE((*grammar)->Matches(text)) << text;
+      }
+    }
+  }
 }
 
 TEST(RegexTest, JsonStringModeEscapes) {
