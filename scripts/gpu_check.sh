@@ -422,6 +422,15 @@ if want serve && [[ -f $build/build.ninja ]]; then
         step bench:serve_8b_budget2048 90 env ACCEL_BIN_DIR="$bin" "$bin/accel-bench-serve" \
           --model "$model8b" --clients 128 --seconds 8 --max_new_tokens 64 \
           --server_args "--max_batch_size=128 --max_num_batched_tokens=2048"
+        # The same phase with every kernel image loaded when the CUDA context
+        # is made (CUDA_MODULE_LOADING=EAGER; libtorch's default is LAZY:
+        # a kernel's module loads at its first launch). A served load's
+        # steps change their token count every step, so cuBLAS meets new
+        # shapes and may pick kernels never launched before: if those first
+        # launches are the 128-client gap, the first tokens here come sooner.
+        step bench:serve_8b_eager_modules 90 env CUDA_MODULE_LOADING=EAGER ACCEL_BIN_DIR="$bin" \
+          "$bin/accel-bench-serve" --model "$model8b" --clients 128 --seconds 8 \
+          --max_new_tokens 64 --server_args "--max_batch_size=128"
       else
         echo "=== bench:serve_8b: skipped (no 8B-shaped model: the bench phase makes it)"
       fi
