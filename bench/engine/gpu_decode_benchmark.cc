@@ -188,22 +188,34 @@ std::unique_ptr<accel::engine::EngineCore> CoreFor(accel::models::LoadedModel& m
   return std::make_unique<accel::engine::EngineCore>(*std::move(runner), nullptr, c);
 }
 
-// Decode tokens/s over `batch` sequences (the prefill step excluded); with
-// `produced_ids`, every token in the order the steps gave them.
-// `untimed_steps` decode steps after the prefill are left out of the time
-// too (with graphs, the first captures the bucket's graph). `arriving` > 0:
-// before each timed step but the last a new request of that many prompt
-// tokens arrives and leaves with its first token, so every step mixes the
-// batch's decodes with a prompt, as a served load's steps do (the rate then
-// counts batch + 1 tokens a step).
+// How DecodeRate runs its steps, beyond the batch, tokens and salt.
+struct DecodeRun {
+  bool graphs = false;  // padded to buckets, replayed from CUDA graphs
+  // Every token in the order the steps gave them, if set.
+  std::vector<int64_t>* produced_ids = nullptr;
+  // Decode steps after the prefill left out of the time too (with graphs,
+  // the first captures the bucket's graph).
+  int untimed_steps = 0;
+  bool general = false;  // eager steps through the general forward (CoreFor)
+  // Called with true before the timed steps and false after them.
+  std::function<void(bool)> around_timed;
+  // > 0: before each timed step but the last a new request of this many
+  // prompt tokens arrives and leaves with its first token, so every step
+  // mixes the batch's decodes with a prompt, as a served load's steps do
+  // (the rate then counts batch + 1 tokens a step).
+  int64_t arriving = 0;
+};
+
+// Decode tokens/s over `batch` sequences (the prefill step excluded).
 double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, int64_t salt,
-                  bool graphs = false, std::vector<int64_t>* produced_ids = nullptr,
-                  int untimed_steps = 0, bool general = false,
-                  const std::function<void(bool)>& around_timed = nullptr, int64_t arriving = 0) {
+                  const DecodeRun& run = {}) {
+  const int untimed_steps = run.untimed_steps;
+  const int64_t arriving = run.arriving;
+  std::vector<int64_t>* produced_ids = run.produced_ids;
   std::unique_ptr<accel::engine::EngineCore> core =
       arriving > 0 ? CoreFor(m, batch + tokens, std::max<int64_t>(16 + tokens, arriving + 1),
-                             graphs, general)
-                   : CoreFor(m, batch, 16 + tokens, graphs, general);
+                             run.graphs, run.general)
+                   : CoreFor(m, batch, 16 + tokens, run.graphs, run.general);
   accel::engine::EngineCore& generator = *core;
   for (int64_t i = 0; i < batch; ++i) {
     AddOrDie(generator, Request(16, tokens, salt + i));
@@ -220,7 +232,7 @@ double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, 
     }
   }
   int64_t produced = 0;
-  if (around_timed) around_timed(true);
+  if (run.around_timed) run.around_timed(true);
   const double seconds = Seconds([&] {
     for (int64_t step = 0; generator.num_requests() > 0; ++step) {
       // The batch's last decode step (tokens - 1 in all, untimed ones and
@@ -239,7 +251,7 @@ double DecodeRate(accel::models::LoadedModel& m, int64_t batch, int64_t tokens, 
       }
     }
   });
-  if (around_timed) around_timed(false);
+  if (run.around_timed) run.around_timed(false);
   return static_cast<double>(produced) / seconds;
 }
 
@@ -263,8 +275,14 @@ std::string ProfileDecode(accel::models::LoadedModel& m, int64_t batch, int64_t 
       result = profiler::disableProfiler();
     }
   };
-  const double rate =
-      DecodeRate(m, batch, tokens, 7000, graphs, nullptr, 1, false, around, arriving);
+  const double rate = DecodeRate(m, batch, tokens, 7000, [&] {
+    DecodeRun run;
+    run.graphs = graphs;
+    run.untimed_steps = 1;
+    run.around_timed = around;
+    run.arriving = arriving;
+    return run;
+  }());
   if (!result) return "";
   // The prefill gives the first token and the first decode step is untimed:
   // tokens - 2 steps profiled.
@@ -354,8 +372,11 @@ std::string CountSyncs(accel::models::LoadedModel& m, int64_t batch, int64_t tok
       sites = counter->Sites();
       counter.reset();
     };
-    (void)DecodeRate(m, batch, tokens, 9000, false, nullptr, 0, /*general=*/kind == 1, around,
-                     kind == 2 ? arriving : 0);
+    DecodeRun run;
+    run.general = kind == 1;
+    run.around_timed = around;
+    run.arriving = kind == 2 ? arriving : 0;
+    (void)DecodeRate(m, batch, tokens, 9000, run);
     // The prefill gave the first token: tokens - 1 timed steps.
     const double per_step = static_cast<double>(waits) / static_cast<double>(tokens - 1);
     std::printf("  host waits for the device, batch %ld, %s: %.2f a step (%ld in %ld steps)\n",
@@ -562,7 +583,9 @@ int main(int argc, char** argv) {
     // The same eager steps through the general forward: what the unpadded
     // static step saves.
     for (int64_t batch : general_batches) {
-      const double rate = DecodeRate(m, batch, tokens, 1000, false, nullptr, 0, true);
+      DecodeRun general;
+      general.general = true;
+      const double rate = DecodeRate(m, batch, tokens, 1000, general);
       std::printf("  batch %3ld, general forward: %8.1f tokens/s (%.2f ms a step)\n",
                   static_cast<long>(batch), rate, 1e3 * static_cast<double>(batch) / rate);
       std::fflush(stdout);
@@ -574,8 +597,11 @@ int main(int argc, char** argv) {
     // the decode-only steps of the same batch in the same run.
     for (int64_t batch : mixed_batches) {
       const double alone = DecodeRate(m, batch, tokens, 1000);
-      const double mixed =
-          DecodeRate(m, batch, tokens, 1000, false, nullptr, 0, false, nullptr, mixed_prompt);
+      const double mixed = DecodeRate(m, batch, tokens, 1000, [&] {
+        DecodeRun run;
+        run.arriving = mixed_prompt;
+        return run;
+      }());
       const double alone_ms = 1e3 * static_cast<double>(batch) / alone;
       const double mixed_ms = 1e3 * static_cast<double>(batch + 1) / mixed;
       std::printf(
@@ -599,8 +625,13 @@ int main(int argc, char** argv) {
       for (int r = 0; r < rounds; ++r) {
         std::vector<int64_t> eager_ids, graph_ids;
         // The first decode step untimed in both (it captures, with graphs).
-        eager.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, false, &eager_ids, 1));
-        graphed.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, true, &graph_ids, 1));
+        DecodeRun run;
+        run.untimed_steps = 1;
+        run.produced_ids = &eager_ids;
+        eager.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, run));
+        run.graphs = true;
+        run.produced_ids = &graph_ids;
+        graphed.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, run));
         same &= eager_ids == graph_ids;
       }
       // On the cpu (a check of the harness) the padded step runs without capture.
@@ -617,7 +648,10 @@ int main(int argc, char** argv) {
         unfused.reserve(static_cast<size_t>(rounds));
         accel::nn::SetFusedCudaOps(false);
         for (int r = 0; r < rounds; ++r) {
-          unfused.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, true, nullptr, 1));
+          DecodeRun run;
+          run.graphs = true;
+          run.untimed_steps = 1;
+          unfused.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, run));
         }
         accel::nn::SetFusedCudaOps(true);
         std::printf(
