@@ -209,17 +209,38 @@ absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weig
       // a pass; x and bias in the compute dtype, sums in float32, one
       // rounding to compute_dtype. A pass's x starts a whole number of rows
       // in: K * 2 bytes, a multiple of 16 where the tensor cores take it.
+      // Passes of more than 8 rows through the wide form (a CTA over 128
+      // rows of W reads x once for them; K split over CTAs where W has few
+      // rows, their sums in a float32 workspace).
       const at::Tensor yc = at::empty({rows, out}, options.dtype(compute_dtype));
       const int64_t size = cuda::DTypeSize(compute);
+      const bool wide =
+          pass > 8 && cuda::Gemm4bitRowsWideTakes(pass, in, weight.blocksize, compute,
+                                                  xc.data_ptr(), weight.packed.data_ptr<uint8_t>());
+      const int64_t workspace_bytes = wide ? cuda::Gemm4bitRowsWideWorkspace(pass, out, in) : 0;
+      const at::Tensor workspace = workspace_bytes > 0
+                                       ? at::empty({workspace_bytes / 4}, options.dtype(at::kFloat))
+                                       : at::Tensor();
       for (int64_t first = 0; first < rows; first += pass) {
         const int64_t m = std::min(pass, rows - first);
-        kernels = CudaStatus(
-            cuda::Gemv4bitRows(static_cast<const uint8_t*>(xc.data_ptr()) + first * in * size, m,
-                               weight.packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(),
-                               weight.code.data_ptr<float>(), out, in, weight.blocksize,
-                               b.defined() ? b.data_ptr() : nullptr, compute,
-                               static_cast<uint8_t*>(yc.data_ptr()) + first * out * size, stream),
-            "Gemv4bitRows");
+        const void* x_pass = static_cast<const uint8_t*>(xc.data_ptr()) + first * in * size;
+        void* y_pass = static_cast<uint8_t*>(yc.data_ptr()) + first * out * size;
+        const void* bias_ptr = b.defined() ? b.data_ptr() : nullptr;
+        if (wide && m > 8) {
+          kernels = CudaStatus(
+              cuda::Gemm4bitRowsWide(x_pass, m, weight.packed.data_ptr<uint8_t>(),
+                                     absmax.data_ptr<float>(), weight.code.data_ptr<float>(), out,
+                                     in, weight.blocksize, bias_ptr, compute, y_pass,
+                                     workspace.defined() ? workspace.data_ptr<float>() : nullptr,
+                                     workspace_bytes, stream),
+              "Gemm4bitRowsWide");
+        } else {
+          kernels = CudaStatus(
+              cuda::Gemv4bitRows(x_pass, m, weight.packed.data_ptr<uint8_t>(),
+                                 absmax.data_ptr<float>(), weight.code.data_ptr<float>(), out, in,
+                                 weight.blocksize, bias_ptr, compute, y_pass, stream),
+              "Gemv4bitRows");
+        }
         if (!kernels.ok()) return;
       }
       y = yc.to(x.scalar_type()).view(shape);

@@ -4,8 +4,9 @@
 // GB/s of the bytes it has to read (packed weights + float32 absmax): the
 // warp-per-row kernel at one activation row and the tensor-core kernel at 1,
 // 2, 4 and 8 rows (a decode step's batch: the weights are still read once),
-// its pipelined form at 1, 2 and 4, its tiled form at 8, 16, 24 and 32 (a
-// batch's decodes above 8: still one read of the weights); then LLM.int8's product (Int8Matmul,
+// its pipelined form at 1, 2 and 4, its tiled and wide forms at 8, 16, 24
+// and 32 (a batch's decodes above 8: still one read of the weights; the
+// wide form reads x once for 128 rows of W); then LLM.int8's product (Int8Matmul,
 // int8 weights) through its GEMV at 1, 4 and 8 rows and its tiled kernel.
 // Baselines from the same run: a cudaMemcpy device-to-device of the same
 // bytes, which moves them once (GB/s copied) and reads and writes them (2x
@@ -299,10 +300,22 @@ int main(int argc, char** argv) {
         // Its tiled form (what Gemv4bitRows runs for 9 to 32 rows; at 8 rows
         // beside the first form's).
         for (int64_t m : {8, 16, 24, 32}) runs.push_back({GemvKernel::kMmaTiled, "mma-tiled", m});
+        // Its wide form (128 rows of W a CTA, K split where W has few rows:
+        // what Linear4bit runs for 9 to 32 rows), its workspace made once.
+        for (int64_t m : {8, 16, 24, 32}) runs.push_back({GemvKernel::kMmaWide, "mma-wide", m});
       }
+      const int64_t wide_bytes = accel::quant::cuda::Gemm4bitRowsWideWorkspace(kMaxRows, n_rows, k);
+      float* wide_workspace =
+          wide_bytes > 0 ? DeviceAlloc<float>(static_cast<size_t>(wide_bytes / 4)) : nullptr;
       for (const Run& run : runs) {
         auto gemv = [&](int64_t i) {
           const WeightCopy& w = weights[static_cast<size_t>(i % copies)];
+          if (run.kernel == GemvKernel::kMmaWide) {
+            CHECK_CUDA(accel::quant::cuda::Gemm4bitRowsWide(
+                x, run.m, w.packed(), w.absmax(packed_bytes), code_d, n_rows, k, kBlocksize,
+                nullptr, dtype, y, wide_workspace, wide_bytes, stream));
+            return;
+          }
           CHECK_CUDA(accel::quant::cuda::internal::Gemv4bitWith(
               run.kernel, x, run.m, w.packed(), w.absmax(packed_bytes), code_d, n_rows, k,
               kBlocksize, nullptr, dtype, y, stream));
@@ -316,6 +329,7 @@ int main(int argc, char** argv) {
       }
       CHECK_CUDA(cudaFree(x));
       CHECK_CUDA(cudaFree(y));
+      if (wide_workspace != nullptr) CHECK_CUDA(cudaFree(wide_workspace));
     }
     for (int64_t c = 0; c < copies; ++c) {
       CHECK_CUDA(cudaFree(weights[static_cast<size_t>(c)].base));

@@ -266,6 +266,65 @@ cudaError_t LaunchMmaTiled(const GemvMmaParams& p, cudaStream_t stream) {
   }
 }
 
+template <typename Tag, int kTiles>
+__global__ void __launch_bounds__(kMmaThreads, 2) Gemm4bitMmaWideKernel(const GemvMmaParams p) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  MmaExec exec;
+  Gemm4bitMmaWideCta<Tag, kTiles>(p, static_cast<int64_t>(blockIdx.x),
+                                  static_cast<int32_t>(blockIdx.y), shared, exec);
+}
+
+template <typename Tag>
+__global__ void __launch_bounds__(256) ReduceWideSplitsKernel(const GemvMmaParams p) {
+  ReduceWideSplits<Tag>(p, static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x);
+}
+
+// The wide kernel (p.splits and p.workspace set), then its reduce where K
+// was split.
+template <typename Tag>
+cudaError_t LaunchMmaWide(const GemvMmaParams& p, cudaStream_t stream) {
+  const int64_t blocks = (p.n_rows + kWideRows - 1) / kWideRows;
+  const int64_t outputs = static_cast<int64_t>(p.m) * p.n_rows;
+  if (blocks > 0x7fffffff || p.m < 1 || p.m > kWideMaxM || p.splits < 1 || p.splits > 65535 ||
+      (p.splits > 1 && p.workspace == nullptr) || (outputs + 255) / 256 > 0x7fffffff) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(p.splits));
+  auto launch = [&](auto kernel, int tiles) {
+    kernel<<<grid, kMmaThreads, static_cast<size_t>(WideSharedBytes(tiles)), stream>>>(p);
+    return cudaGetLastError();
+  };
+  cudaError_t status;
+  switch ((p.m + 7) / 8) {
+    case 1:
+      status = launch(Gemm4bitMmaWideKernel<Tag, 1>, 1);
+      break;
+    case 2:
+      status = launch(Gemm4bitMmaWideKernel<Tag, 2>, 2);
+      break;
+    case 3:
+      status = launch(Gemm4bitMmaWideKernel<Tag, 3>, 3);
+      break;
+    default:
+      status = launch(Gemm4bitMmaWideKernel<Tag, 4>, 4);
+  }
+  if (status != cudaSuccess || p.splits == 1) return status;
+  ReduceWideSplitsKernel<Tag><<<static_cast<unsigned>((outputs + 255) / 256), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Two CTAs an SM for the current device (132 SMs on an H100 SXM / H200).
+int64_t WideTargetCtas() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      sms <= 0) {
+    (void)cudaGetLastError();
+    return 264;
+  }
+  return 2 * static_cast<int64_t>(sms);
+}
+
 // The pipelined kernel, for up to kMmaPipelinedMaxM rows.
 template <typename Tag>
 cudaError_t LaunchMmaPipelined(const GemvMmaParams& p, cudaStream_t stream) {
@@ -308,6 +367,34 @@ bool MmaTiledApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const
   return dtype != DType::kFloat32 && MmaTiledTakes(m, k, blocksize, x, packed);
 }
 
+cudaError_t Gemm4bitWide(const void* x, int64_t m, const uint8_t* packed, const float* absmax,
+                         const float* code, int64_t n_rows, int64_t k, int64_t blocksize,
+                         const void* bias, DType dtype, void* y, float* workspace,
+                         int64_t workspace_bytes, cudaStream_t stream) {
+  if (x == nullptr || packed == nullptr || absmax == nullptr || code == nullptr || y == nullptr ||
+      n_rows < 0 || k < 0 || blocksize < 1 || m < 1 || m > kWideMaxM ||
+      !MmaTiledApplies(m, k, blocksize, dtype, x, packed) ||
+      workspace_bytes < Gemm4bitRowsWideWorkspace(m, n_rows, k)) {
+    return cudaErrorInvalidValue;
+  }
+  if (n_rows == 0) return cudaSuccess;
+  GemvMmaParams p;
+  p.x = x;
+  p.packed = packed;
+  p.absmax = absmax;
+  p.code = code;
+  p.bias = bias;
+  p.y = y;
+  p.n_rows = n_rows;
+  p.k = k;
+  p.blocksize = blocksize;
+  p.m = static_cast<int32_t>(m);
+  p.splits = WideSplits(n_rows, k, WideTargetCtas());
+  p.workspace = workspace;
+  return dtype == DType::kBFloat16 ? LaunchMmaWide<MmaBFloat16>(p, stream)
+                                   : LaunchMmaWide<MmaFloat16>(p, stream);
+}
+
 cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint8_t* packed,
                          const float* absmax, const float* code, int64_t n_rows, int64_t k,
                          int64_t blocksize, const void* bias, DType dtype, void* y,
@@ -323,6 +410,21 @@ cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint
     return cudaErrorInvalidValue;
   }
   if (kernel == GemvKernel::kMmaTiled && !tiled) return cudaErrorInvalidValue;
+  if (kernel == GemvKernel::kMmaWide) {
+    // Its workspace from the stream-ordered allocator (tests and benchmarks;
+    // Gemm4bitRowsWide takes one from the caller).
+    const int64_t bytes = Gemm4bitRowsWideWorkspace(m, n_rows, k);
+    void* workspace = nullptr;
+    if (bytes > 0) {
+      const cudaError_t got = cudaMallocAsync(&workspace, static_cast<size_t>(bytes), stream);
+      if (got != cudaSuccess) return got;
+    }
+    const cudaError_t status =
+        Gemm4bitWide(x, m, packed, absmax, code, n_rows, k, blocksize, bias, dtype, y,
+                     static_cast<float*>(workspace), bytes, stream);
+    if (workspace != nullptr) (void)cudaFreeAsync(workspace, stream);
+    return status;
+  }
   if (kernel == GemvKernel::kMmaPipelined && m > kMmaPipelinedMaxM) return cudaErrorInvalidValue;
   // More than 8 rows: the tiled form (kAuto), each A fragment against up to
   // four B tiles.
@@ -380,6 +482,25 @@ cudaError_t Gemv4bitRows(const void* x, int64_t m, const uint8_t* packed, const 
                          const void* bias, DType dtype, void* y, cudaStream_t stream) {
   return internal::Gemv4bitWith(internal::GemvKernel::kAuto, x, m, packed, absmax, code, n_rows, k,
                                 blocksize, bias, dtype, y, stream);
+}
+
+int64_t Gemm4bitRowsWideWorkspace(int64_t m, int64_t n_rows, int64_t k) {
+  if (m < 1 || n_rows < 1 || k < internal::kMmaChunk) return 0;
+  const int32_t splits = internal::WideSplits(n_rows, k, internal::WideTargetCtas());
+  return splits > 1 ? static_cast<int64_t>(splits) * m * n_rows * 4 : 0;
+}
+
+bool Gemm4bitRowsWideTakes(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
+                           const void* packed) {
+  return m <= internal::kWideMaxM && internal::MmaTiledApplies(m, k, blocksize, dtype, x, packed);
+}
+
+cudaError_t Gemm4bitRowsWide(const void* x, int64_t m, const uint8_t* packed, const float* absmax,
+                             const float* code, int64_t n_rows, int64_t k, int64_t blocksize,
+                             const void* bias, DType dtype, void* y, float* workspace,
+                             int64_t workspace_bytes, cudaStream_t stream) {
+  return internal::Gemm4bitWide(x, m, packed, absmax, code, n_rows, k, blocksize, bias, dtype, y,
+                                workspace, workspace_bytes, stream);
 }
 
 bool Gemv4bitRowsFused(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,

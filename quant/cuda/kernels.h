@@ -79,6 +79,24 @@ cudaError_t Gemv4bitRows(const void* x, int64_t m, const uint8_t* packed, const 
 bool Gemv4bitRowsFused(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
                        const void* packed);
 
+// The same product for up to 32 rows of x through the tensor-core kernel's
+// wide form: a CTA takes 128 rows of W (Gemv4bitRows' forms take 16), so
+// each chunk of x is read once for 128 rows of W instead of 16 (at 32 rows
+// of x, the L2 cache's traffic of an 8B model's step: about 3.4 GB against
+// 27). Where W has too few rows to fill the device, K is split over CTAs as
+// well, their float32 sums [splits, m, n_rows] written to `workspace`, then
+// added in split order, with the bias, and rounded once. Takes what the
+// tiled form takes (Gemm4bitRowsWideTakes); `workspace` holds at least
+// Gemm4bitRowsWideWorkspace(m, n_rows, k) bytes (4-byte aligned device
+// memory; null where that is 0), which depends on the current device.
+int64_t Gemm4bitRowsWideWorkspace(int64_t m, int64_t n_rows, int64_t k);
+bool Gemm4bitRowsWideTakes(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
+                           const void* packed);
+cudaError_t Gemm4bitRowsWide(const void* x, int64_t m, const uint8_t* packed, const float* absmax,
+                             const float* code, int64_t n_rows, int64_t k, int64_t blocksize,
+                             const void* bias, DType dtype, void* y, float* workspace,
+                             int64_t workspace_bytes, cudaStream_t stream);
+
 // LLM.int8 activation quantization per row (reference §3.2) of x [M, K]
 // float16 (bit patterns). With threshold > 0: outlier_cols[k] = 1 where any
 // |x[m, k]| >= threshold, else 0; row_scale[m] = max |x[m, k]| over the

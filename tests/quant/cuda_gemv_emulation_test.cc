@@ -167,8 +167,9 @@ struct Inputs {
   std::vector<uint16_t> x, bias;  // [m, k], [n_rows]
 };
 
-// The three forms of the kernel.
-enum class Form { kRounds, kPipelined, kTiled };
+// The forms of the kernel (kWide: with WideSplits' splits for 16 CTAs;
+// kWideSplit3: K in three splits, their sums added by the reduce).
+enum class Form { kRounds, kPipelined, kTiled, kWide, kWideSplit3 };
 
 template <typename Tag>
 std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, Form form, std::string* error) {
@@ -184,6 +185,48 @@ std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, Form form, st
   p.k = c.k;
   p.blocksize = c.blocksize;
   p.m = c.m;
+  if (form == Form::kWide || form == Form::kWideSplit3) {
+    if (!MmaTiledTakes(c.m, c.k, c.blocksize, p.x, p.packed)) {
+      *error = "MmaTiledTakes refused";
+      return y;
+    }
+    const int tiles = static_cast<int>((c.m + 7) / 8);
+    p.splits = form == Form::kWideSplit3
+                   ? static_cast<int32_t>(std::min<int64_t>(3, c.k / kMmaChunk))
+                   : WideSplits(c.n_rows, c.k, 16);
+    std::vector<float> workspace(static_cast<size_t>(p.splits * c.m * c.n_rows),
+                                 std::numeric_limits<float>::quiet_NaN());
+    p.workspace = workspace.data();
+    std::vector<uint64_t> shared(static_cast<size_t>(WideSharedBytes(tiles) / 8 + 1));
+    CtaEmulator cta(kMmaThreads);
+    for (int64_t block = 0; block * kWideRows < c.n_rows; ++block) {
+      for (int32_t split = 0; split < p.splits; ++split) {
+        std::fill(shared.begin(), shared.end(), ~uint64_t{0});
+        uint8_t* sh = reinterpret_cast<uint8_t*>(shared.data());
+        *error = cta.Run([&](CtaEmulator::Exec& exec) {
+          HostExec host(exec);
+          switch (tiles) {
+            case 1:
+              Gemm4bitMmaWideCta<Tag, 1>(p, block, split, sh, host);
+              break;
+            case 2:
+              Gemm4bitMmaWideCta<Tag, 2>(p, block, split, sh, host);
+              break;
+            case 3:
+              Gemm4bitMmaWideCta<Tag, 3>(p, block, split, sh, host);
+              break;
+            default:
+              Gemm4bitMmaWideCta<Tag, 4>(p, block, split, sh, host);
+          }
+        });
+        if (!error->empty()) return y;
+      }
+    }
+    if (p.splits > 1) {
+      for (int64_t i = 0; i < c.m * c.n_rows; ++i) ReduceWideSplits<Tag>(p, i);
+    }
+    return y;
+  }
   if (form == Form::kTiled) {
     if (!MmaTiledTakes(c.m, c.k, c.blocksize, p.x, p.packed)) {
       *error = "MmaTiledTakes refused";
@@ -282,9 +325,11 @@ std::vector<float> Nf4() {
 
 template <typename Tag>
 void CheckCase(const Case& c, bool exact_sums, Form form = Form::kRounds) {
-  SCOPED_TRACE(std::string(c.name) + (form == Form::kPipelined ? ", pipelined"
-                                      : form == Form::kTiled   ? ", tiled"
-                                                               : ""));
+  SCOPED_TRACE(std::string(c.name) + (form == Form::kPipelined    ? ", pipelined"
+                                      : form == Form::kTiled      ? ", tiled"
+                                      : form == Form::kWide       ? ", wide"
+                                      : form == Form::kWideSplit3 ? ", wide, 3 splits"
+                                                                  : ""));
   std::mt19937_64 rng(7);
   Inputs in;
   const int64_t n = c.n_rows * c.k;
@@ -449,6 +494,52 @@ TEST(GemvMmaTest, EmulatedTiledKernelIsBitExactWhenEverySumIsExact) {
   }
 }
 
+// The wide form on the tiled form's cases (rows of W past one CTA's 128 in
+// some: 130 and 300), in one split where WideSplits gives one and in three
+// (K of at least three chunks).
+const Case kWideCases[] = {
+    {"Bf16ThreeCtasOfRows", true, 300, 1024, 64, 20, true},
+    {"Fp16TwoCtasNineRows", false, 130, 2304, 128, 9, false},
+};
+
+std::vector<Case> WideCases() {
+  std::vector<Case> cases = TiledCases();
+  cases.insert(cases.end(), std::begin(kWideCases), std::end(kWideCases));
+  return cases;
+}
+
+TEST(GemvMmaTest, EmulatedWideKernelIsWithinTheFloat32SummationBound) {
+  for (const Case& c : WideCases()) {
+    for (Form form : {Form::kWide, Form::kWideSplit3}) {
+      if (form == Form::kWideSplit3 && c.k < 3 * kMmaChunk) continue;
+      if (c.bf16) {
+        CheckCase<MmaBFloat16>(c, false, form);
+      } else {
+        CheckCase<MmaFloat16>(c, false, form);
+      }
+    }
+  }
+}
+
+TEST(GemvMmaTest, EmulatedWideKernelIsBitExactWhenEverySumIsExact) {
+  for (const Case& c : WideCases()) {
+    for (Form form : {Form::kWide, Form::kWideSplit3}) {
+      if (form == Form::kWideSplit3 && c.k < 3 * kMmaChunk) continue;
+      CheckCase<MmaBFloat16>(c, true, form);
+      CheckCase<MmaFloat16>(c, true, form);
+    }
+  }
+}
+
+TEST(GemvMmaTest, WideSplitsFillTheDeviceWithinTheChunks) {
+  EXPECT_EQ(WideSplits(14336, 4096, 264), 3);  // 112 CTAs of rows: 3 splits
+  EXPECT_EQ(WideSplits(28672, 4096, 264), 2);  // 224
+  EXPECT_EQ(WideSplits(4096, 14336, 264), 9);  // 32 CTAs of rows
+  EXPECT_EQ(WideSplits(1024, 4096, 264), 16);  // 8 CTAs: capped at K's 16 chunks
+  EXPECT_EQ(WideSplits(65536, 4096, 264), 1);  // 512 CTAs of rows already
+  EXPECT_EQ(WideSplits(16, 256, 264), 1);      // one chunk
+}
+
 TEST(GemvMmaTest, TakesOnlyWhatItCan) {
   alignas(16) static uint8_t buffer[64];
   EXPECT_TRUE(MmaTakes(1, 4096, 64, buffer, buffer));
@@ -466,6 +557,7 @@ TEST(GemvMmaTest, TakesOnlyWhatItCan) {
   EXPECT_FALSE(MmaTiledTakes(16, 4096 + 64, 64, buffer, buffer));  // K % 256
   EXPECT_FALSE(MmaTiledTakes(16, 4096, 64, buffer + 2, buffer));   // misaligned x
   EXPECT_LE(MmaTiledSharedBytes(kMmaTiledMaxTiles), 48 * 1024);
+  EXPECT_LE(WideSharedBytes(kWideMaxTiles), 48 * 1024);
   // Without an opt-in attribute a kernel gets 48 KiB of shared memory.
   EXPECT_LE(MmaPipelinedSharedBytes(kMmaPipelinedMaxM), 48 * 1024);
 }

@@ -662,6 +662,8 @@ TEST_F(CudaGemvRowsTest, TiledTensorCoreKernelWithinTheBound) {
                                             reinterpret_cast<const void*>(256)));
       Check(c, dtype, internal::GemvKernel::kMmaTiled);
       if (c.m > 8) Check(c, dtype, internal::GemvKernel::kAuto);
+      // The wide form: 128 rows of W a CTA, K split where W has few rows.
+      Check(c, dtype, internal::GemvKernel::kMmaWide);
     }
   }
   alignas(16) static uint8_t buffer[16];
@@ -669,6 +671,17 @@ TEST_F(CudaGemvRowsTest, TiledTensorCoreKernelWithinTheBound) {
   EXPECT_TRUE(Gemv4bitRowsFused(9, 256, 64, DType::kFloat16, buffer, buffer));
   EXPECT_FALSE(Gemv4bitRowsFused(33, 4096, 64, DType::kBFloat16, buffer, buffer));
   EXPECT_FALSE(Gemv4bitRowsFused(16, 4096, 64, DType::kFloat32, buffer, buffer));
+  EXPECT_TRUE(Gemm4bitRowsWideTakes(32, 4096, 64, DType::kBFloat16, buffer, buffer));
+  EXPECT_FALSE(Gemm4bitRowsWideTakes(33, 4096, 64, DType::kBFloat16, buffer, buffer));
+  EXPECT_FALSE(Gemm4bitRowsWideTakes(16, 4096 + 64, 64, DType::kBFloat16, buffer, buffer));
+  // K split over CTAs where W has few rows: a workspace of the splits' sums.
+  EXPECT_GT(Gemm4bitRowsWideWorkspace(16, 1024, 4096), 0);
+  EXPECT_EQ(Gemm4bitRowsWideWorkspace(16, 1024, 4096) % (16 * 1024 * 4), 0);
+  // Too small a workspace is refused before anything runs.
+  const float* f = reinterpret_cast<const float*>(buffer);
+  EXPECT_EQ(Gemm4bitRowsWide(buffer, 16, buffer, f, f, 1024, 4096, 64, nullptr, DType::kBFloat16,
+                             buffer, nullptr, 0, stream_),
+            cudaErrorInvalidValue);
 }
 
 TEST_F(CudaGemvRowsTest, RowsWhereTheTensorCoresCannotGoOneByOne) {

@@ -18,6 +18,8 @@ enum class GemvKernel {
   kMma,           // the tensor-core kernel only (cudaErrorInvalidValue where it does not apply)
   kMmaPipelined,  // its pipelined form (gemv_mma.h), up to 4 rows; likewise
   kMmaTiled,      // its tiled form (gemv_mma.h), up to 32 rows (kAuto's above 8); likewise
+  kMmaWide,       // its wide form (gemv_mma.h), up to 32 rows, a workspace from
+                  // cudaMallocAsync where K is split; likewise
   kChunk,         // the warp-per-row kernel (chunk or element path), a row of x at a time
 };
 
@@ -27,6 +29,12 @@ bool MmaApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void
 // Whether its tiled form takes them (up to 32 rows).
 bool MmaTiledApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
                      const void* packed);
+
+// Gemm4bitRowsWide (kernels.h) itself.
+cudaError_t Gemm4bitWide(const void* x, int64_t m, const uint8_t* packed, const float* absmax,
+                         const float* code, int64_t n_rows, int64_t k, int64_t blocksize,
+                         const void* bias, DType dtype, void* y, float* workspace,
+                         int64_t workspace_bytes, cudaStream_t stream);
 
 // Gemv4bitRows through the given kernel.
 cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint8_t* packed,

@@ -53,6 +53,10 @@ struct GemvMmaParams {
   void* y = nullptr;           // [m, n_rows]
   int64_t n_rows = 0, k = 0, blocksize = 0;
   int32_t m = 1;
+  // The wide kernel only: K split over this many CTAs, and with more than
+  // one, their float32 sums [splits, m, n_rows] (the reduce adds them).
+  int32_t splits = 1;
+  float* workspace = nullptr;
 };
 
 // Activation types.
@@ -562,6 +566,181 @@ ACCEL_HD void Gemm4bitMmaTiledCta(const GemvMmaParams& p, int64_t cta, uint8_t* 
     b = next_b;
   }
   AddWarpSumsAndStore<Tag, kTiles>(p, cta, c, sums_s, exec);
+}
+
+// --- The wide kernel: up to 32 activation rows, 128 rows of W a CTA ----------------
+//
+// The tiled kernel reads x again for every 16 rows of W (its CTAs split K
+// over their warps): at 32 rows of x an 8B model's step reads about 27 GB of
+// x from the L2 cache against 4.2 GB of weights. Here a CTA's 8 warps take
+// 16 rows of W each (128 rows) and go through the same chunks of K together,
+// so x is read once a CTA: each chunk's x [m, 256] is staged in shared
+// memory by the whole CTA, in the first form's permuted order (the B
+// fragments), the next chunk's loaded into registers while this one is
+// multiplied. The lookups, A fragments and mma are the other forms'. With
+// few CTAs (N / 128 under about two an SM), K is split over `splits` CTAs
+// as well, each writing float32 sums [split, m, N] to a workspace that a
+// second kernel adds in split order, adds the bias to and rounds
+// (ReduceWideSplits); with one split the CTA rounds and stores itself.
+inline constexpr int kWideRows = kMmaWarps * kMmaRows;  // rows of W a CTA
+inline constexpr int kWideMaxTiles = 4;
+inline constexpr int kWideMaxM = 8 * kWideMaxTiles;
+ACCEL_HD int64_t WideStageBytes(int tiles) {
+  return static_cast<int64_t>(kMmaSlices) * XStride(8 * tiles) * 8;
+}
+// The code (16 floats), then two x stages.
+ACCEL_HD int64_t WideSharedBytes(int tiles) { return kMmaReduceOffset + 2 * WideStageBytes(tiles); }
+
+// The chunks of K split `split` of `p.splits` takes: [first, end).
+ACCEL_HD void WideSplitChunks(const GemvMmaParams& p, int32_t split, int64_t& first, int64_t& end) {
+  const int64_t chunks = p.k / kMmaChunk;
+  const int64_t per = (chunks + p.splits - 1) / p.splits;
+  first = split * per < chunks ? split * per : chunks;
+  end = first + per < chunks ? first + per : chunks;
+}
+
+// Thread `tid`'s share of chunk `chunk`'s x: up to kWideMaxM / 8 loads of
+// 16 bytes (row r, bytes 16 l .. of the chunk, for i = r * 32 + l in tid,
+// tid + 256, ...), zeros past m.
+struct WideXLoad {
+  uint32_t words[kWideMaxTiles][4];
+};
+
+template <int kTiles>
+ACCEL_HD void LoadWideX(const GemvMmaParams& p, int64_t chunk, int tid, WideXLoad& out) {
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  for (int u = 0; u < kTiles; ++u) {
+    const int i = tid + u * kMmaThreads, r = i / 32, l = i % 32;
+    if (r < p.m) {
+      Load16(x + r * p.k + chunk * kMmaChunk + 8 * l, out.words[u], false);
+    } else {
+      for (uint32_t& w : out.words[u]) w = 0u;
+    }
+  }
+}
+
+// Those loads into a stage, in the permuted order: row r at k = 8 l of the
+// chunk is t' = l / 8, slices 2 (l % 8) and the next.
+template <int kTiles>
+ACCEL_HD void StoreWideX(const WideXLoad& in, int tid, uint8_t* stage) {
+  const int stride = XStride(8 * kTiles);
+  for (int u = 0; u < kTiles; ++u) {
+    const int i = tid + u * kMmaThreads, r = i / 32, l = i % 32;
+    const int slice = 2 * (l % 8), tt = l / 8;
+    uint8_t* unit = stage + static_cast<int64_t>(slice * stride + r * 4 + tt) * 8;
+    Store8(unit, in.words[u][0], in.words[u][1]);
+    Store8(unit + stride * 8, in.words[u][2], in.words[u][3]);
+  }
+}
+
+// CTA (`cta`, `split`) of the wide kernel: rows 128 cta .. 128 cta + 127 of
+// W, the chunks of split `split`, for up to 8 kTiles activation rows.
+// `shared` holds WideSharedBytes(kTiles) bytes, 16-byte aligned. Exec: as
+// Gemv4bitMmaCta's.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, int kTiles, typename Exec>
+ACCEL_HD void Gemm4bitMmaWideCta(const GemvMmaParams& p, int64_t cta, int32_t split,
+                                 uint8_t* shared, Exec& exec) {
+  static_assert(kTiles >= 1 && kTiles <= kWideMaxTiles, "up to 32 activation rows");
+  const int tid = exec.tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  float* code_s = reinterpret_cast<float*>(shared);
+  uint8_t* stages = shared + kMmaReduceOffset;
+  const int64_t stage_bytes = WideStageBytes(kTiles);
+  const int stride = XStride(8 * kTiles);
+  int64_t first = 0, end = 0;
+  WideSplitChunks(p, split, first, end);
+  const int64_t row_a = cta * kWideRows + warp * kMmaRows + g, row_b = row_a + 8;
+  const Segments segments = SegmentsOf(p);
+  // The first chunk's weights and x asked for before the code's barrier.
+  RowChunk a, b, next_a, next_b;
+  LoadRowChunk(p, segments, row_a, first, t, a);
+  LoadRowChunk(p, segments, row_b, first, t, b);
+  WideXLoad x_next;
+  if (first < end) LoadWideX<kTiles>(p, first, tid, x_next);
+  if (tid < 16) code_s[tid] = p.code[tid];
+  if (first < end) StoreWideX<kTiles>(x_next, tid, stages);
+  exec.Sync();
+  float c[kTiles][4];
+  for (auto& tile : c) {
+    for (float& v : tile) v = 0.0f;
+  }
+  for (int64_t chunk = first; chunk < end; ++chunk) {  // uniform over the CTA
+    const int64_t round = chunk - first;
+    const uint8_t* x_s = stages + (round % 2) * stage_bytes;
+    // The next chunk's weights and x (its stage was last read a round ago,
+    // before the barrier every thread has passed).
+    LoadRowChunk(p, segments, row_a, chunk + 1 < end ? chunk + 1 : p.k / kMmaChunk, t, next_a);
+    LoadRowChunk(p, segments, row_b, chunk + 1 < end ? chunk + 1 : p.k / kMmaChunk, t, next_b);
+    if (chunk + 1 < end) LoadWideX<kTiles>(p, chunk + 1, tid, x_next);
+    uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
+    BuildPlanes<Tag>(code_s, a.scale, lo_a, hi_a);
+    BuildPlanes<Tag>(code_s, b.scale, lo_b, hi_b);
+    for (int w = 0; w < kMmaSlices / 2; ++w) {
+      const uint32_t index_a = NibbleIndex(a.words[w]), pick_a = NibblePick(a.words[w]);
+      const uint32_t index_b = NibbleIndex(b.words[w]), pick_b = NibblePick(b.words[w]);
+      for (int h = 0; h < 2; ++h) {
+        const int s = 2 * w + h, shift = 16 * h;
+        uint32_t a0, a1, a2, a3;
+        LookupSelected(index_a >> shift, pick_a >> shift, lo_a, hi_a, a0, a2);
+        LookupSelected(index_b >> shift, pick_b >> shift, lo_b, hi_b, a1, a3);
+        for (int j = 0; j < kTiles; ++j) {
+          uint32_t b0 = 0u, b1 = 0u;
+          if (8 * j + g < p.m) {
+            Load8(x_s + static_cast<int64_t>(s * stride + (8 * j + g) * 4 + t) * 8, b0, b1);
+          }
+          exec.template Mma<Tag>(a0, a1, a2, a3, b0, b1, c[j]);
+        }
+      }
+    }
+    if (chunk + 1 < end) StoreWideX<kTiles>(x_next, tid, stages + ((round + 1) % 2) * stage_bytes);
+    exec.Sync();
+    a = next_a;
+    b = next_b;
+  }
+  // Lane (g, t), tile j: rows g and g + 8 of the warp's 16, activation rows
+  // 8j + 2t and the next.
+  const uint16_t* bias = static_cast<const uint16_t*>(p.bias);
+  uint16_t* y = static_cast<uint16_t*>(p.y);
+  for (int j = 0; j < kTiles; ++j) {
+    for (int i = 0; i < 4; ++i) {
+      const int64_t row = i < 2 ? row_a : row_b;
+      const int m = 8 * j + 2 * t + i % 2;
+      if (row >= p.n_rows || m >= p.m) continue;
+      if (p.splits > 1) {
+        p.workspace[(static_cast<int64_t>(split) * p.m + m) * p.n_rows + row] = c[j][i];
+      } else {
+        float sum = c[j][i];
+        if (bias != nullptr) sum += Widen(Tag{}, bias[row]);
+        y[m * p.n_rows + row] = Narrow(Tag{}, sum);
+      }
+    }
+  }
+}
+
+// The wide kernel's reduce, for element `i` of y [m, N]: the splits' sums
+// added in split order, the bias added, rounded once.
+template <typename Tag>
+ACCEL_HD void ReduceWideSplits(const GemvMmaParams& p, int64_t i) {
+  const int64_t total = static_cast<int64_t>(p.m) * p.n_rows;
+  if (i >= total) return;
+  float sum = 0.0f;
+  for (int32_t s = 0; s < p.splits; ++s) sum += p.workspace[s * total + i];
+  const uint16_t* bias = static_cast<const uint16_t*>(p.bias);
+  if (bias != nullptr) sum += Widen(Tag{}, bias[i % p.n_rows]);
+  static_cast<uint16_t*>(p.y)[i] = Narrow(Tag{}, sum);
+}
+
+// The splits for a product of N rows of W and K: enough CTAs for about
+// `target_ctas` (two an SM), at most one a chunk of K.
+ACCEL_HD int32_t WideSplits(int64_t n_rows, int64_t k, int64_t target_ctas) {
+  const int64_t ctas = (n_rows + kWideRows - 1) / kWideRows;
+  const int64_t chunks = k / kMmaChunk;
+  int64_t splits = ctas >= target_ctas ? 1 : (target_ctas + ctas - 1) / ctas;
+  if (splits > chunks) splits = chunks;
+  if (splits < 1) splits = 1;
+  return static_cast<int32_t>(splits);
 }
 
 }  // namespace accel::quant::cuda::internal
