@@ -256,6 +256,11 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
     step profile:decode_8b_nf4 90 "$bin/accel-bench-decode-gpu" --model "$model8b" --quantize nf4 \
       --batches 32 --tokens 16 --prompt 64 --rounds 1 --graph_batches "" --profile_batches 32 \
       --json "$OUT/bench/decode_profile_nf4.json"
+    # LLM.int8 on the same model (item 3: never slower than bfloat16 above 8
+    # rows; its batch rows have not been measured on a device).
+    step bench:decode_8b_int8 90 "$bin/accel-bench-decode-gpu" --model "$model8b" --quantize int8 \
+      --batches 1,32,128 --tokens 16 --prompt 64 --rounds 1 --graph_batches "" \
+      --json "$OUT/bench/decode_int8.json"
   fi
 fi
 

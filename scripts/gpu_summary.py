@@ -117,7 +117,7 @@ def main():
                          f"{r['us']:8.2f} us {r['gbs']:7.0f} GB/s  of copy {r['of_copy']:.2f}  "
                          f"of HBM {r['of_hbm']:.2f}")
     for name in ("decode_gpu", "decode_sampled", "decode_profile", "decode_profile_nf4",
-                 "decode_mixtral"):
+                 "decode_int8", "decode_mixtral"):
         decode = summary["bench"].get(name)
         if not decode:
             continue
