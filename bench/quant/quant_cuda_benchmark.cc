@@ -4,7 +4,7 @@
 // GB/s of the bytes it has to read (packed weights + float32 absmax): the
 // warp-per-row kernel at one activation row and the tensor-core kernel at 1,
 // 2, 4 and 8 rows (a decode step's batch: the weights are still read once),
-// its pipelined form at 1, 2 and 4, its tiled and wide forms at 8, 16, 24
+// its pipelined form at 1, 2 and 4, its tiled and wide forms at 1, 8, 16, 24
 // and 32 (a batch's decodes above 8: still one read of the weights; the
 // wide form reads x once for 128 rows of W); then LLM.int8's product (Int8Matmul,
 // int8 weights) through its GEMV at 1, 4 and 8 rows and its tiled kernel.
@@ -299,10 +299,11 @@ int main(int argc, char** argv) {
         for (int64_t m : {1, 2, 4}) runs.push_back({GemvKernel::kMmaPipelined, "mma-pipe", m});
         // Its tiled form (what Gemv4bitRows runs for 9 to 32 rows; at 8 rows
         // beside the first form's).
-        for (int64_t m : {8, 16, 24, 32}) runs.push_back({GemvKernel::kMmaTiled, "mma-tiled", m});
+        for (int64_t m : {1, 8, 16, 24, 32})
+          runs.push_back({GemvKernel::kMmaTiled, "mma-tiled", m});
         // Its wide form (128 rows of W a CTA, K split where W has few rows:
         // what Linear4bit runs for 9 to 32 rows), its workspace made once.
-        for (int64_t m : {8, 16, 24, 32}) runs.push_back({GemvKernel::kMmaWide, "mma-wide", m});
+        for (int64_t m : {1, 8, 16, 24, 32}) runs.push_back({GemvKernel::kMmaWide, "mma-wide", m});
       }
       const int64_t wide_bytes = accel::quant::cuda::Gemm4bitRowsWideWorkspace(kMaxRows, n_rows, k);
       float* wide_workspace =
