@@ -326,13 +326,20 @@ __attribute__((target("avx2,fma"))) void AttendAvx2(const Item<T>& it) {
 }
 #endif
 
+// A query as Run reads it: [heads, d] contiguous in the blocks' dtype.
+struct QueryRow {
+  const void* q = nullptr;
+  absl::Span<const int32_t> table;
+  int64_t total = 0;
+};
+
 template <typename T>
-void Run(absl::Span<const PagedQuery> queries, const at::Tensor& key_blocks,
+void Run(absl::Span<const QueryRow> queries, int64_t heads, const at::Tensor& key_blocks,
          const at::Tensor& value_blocks, std::optional<int64_t> window, const ScoreRule& rule,
          at::Tensor& out) {
   const int64_t kv_heads = key_blocks.size(1), block_size = key_blocks.size(2);
   const int64_t d = key_blocks.size(3), dv = value_blocks.size(3);
-  const int64_t heads = queries[0].q.size(0), group = heads / kv_heads;
+  const int64_t group = heads / kv_heads;
   T* result = out.data_ptr<T>();
   const float scale = static_cast<float>(rule.divide ? 1.0 / rule.scale : rule.scale);
   const int64_t items = static_cast<int64_t>(queries.size()) * kv_heads;
@@ -342,13 +349,13 @@ void Run(absl::Span<const PagedQuery> queries, const at::Tensor& key_blocks,
     std::vector<float> rows(static_cast<size_t>(block_size * std::max(d, dv)));
     std::vector<float> acc(static_cast<size_t>(group * dv)), scores;
     for (int64_t index = begin; index < end; ++index) {
-      const PagedQuery& query = queries[static_cast<size_t>(index / kv_heads)];
+      const QueryRow& query = queries[static_cast<size_t>(index / kv_heads)];
       Item<T> it;
       it.g = index % kv_heads;
       it.total = query.total;
       // Keys before `first` are out of the window.
       it.first = window && query.total > *window ? query.total - *window : 0;
-      ToFloat(query.q.data_ptr<T>() + it.g * group * d, q.data(), group * d, avx2);
+      ToFloat(static_cast<const T*>(query.q) + it.g * group * d, q.data(), group * d, avx2);
       for (float& x : q) x *= scale;
       scores.resize(static_cast<size_t>(group * (it.total - it.first)));
       it.q = q.data();
@@ -386,48 +393,93 @@ bool UsePortablePagedAttention(bool portable) {
   return !portable && CpuHasAvx2();
 }
 
-at::Tensor PagedDecodeAttention(absl::Span<const PagedQuery> queries, const at::Tensor& key_blocks,
-                                const at::Tensor& value_blocks, std::optional<int64_t> window,
-                                const ScoreRule& rule) {
-  TORCH_CHECK(!queries.empty(), "paged attention: no queries");
+namespace {
+
+void CheckBlocks(const at::Tensor& key_blocks, const at::Tensor& value_blocks, int64_t heads) {
   TORCH_CHECK(key_blocks.device().is_cpu() && key_blocks.is_contiguous() &&
                   value_blocks.is_contiguous() && key_blocks.dim() == 4,
               "paged attention: the blocks must be contiguous cpu tensors [blocks, kv_heads, "
               "block_size, d]");
-  const int64_t heads = queries[0].q.size(0), kv_heads = key_blocks.size(1);
+  const int64_t kv_heads = key_blocks.size(1);
   TORCH_CHECK(heads % kv_heads == 0, "paged attention: ", heads, " heads over ", kv_heads,
               " kv heads");
-  std::vector<PagedQuery> contiguous(queries.begin(), queries.end());
-  for (PagedQuery& query : contiguous) {
-    TORCH_CHECK(
-        query.q.dim() == 2 && query.q.size(0) == heads && query.q.size(1) == key_blocks.size(3),
-        "paged attention: a query is not [heads, head_dim]");
-    TORCH_CHECK(query.total >= 1 &&
-                    static_cast<int64_t>(query.table.size()) * key_blocks.size(2) >= query.total,
-                "paged attention: ", query.total, " positions but the block table holds ",
-                query.table.size(), " blocks");
-    for (int32_t block : query.table) {
-      TORCH_CHECK(block >= 0 && block < key_blocks.size(0), "paged attention: block ", block,
-                  " outside the store's ", key_blocks.size(0));
-    }
-    query.q = query.q.to(key_blocks.scalar_type()).contiguous();
+}
+
+void CheckTable(absl::Span<const int32_t> table, int64_t total, const at::Tensor& key_blocks) {
+  TORCH_CHECK(total >= 1 && static_cast<int64_t>(table.size()) * key_blocks.size(2) >= total,
+              "paged attention: ", total, " positions but the block table holds ", table.size(),
+              " blocks");
+  for (int32_t block : table) {
+    TORCH_CHECK(block >= 0 && block < key_blocks.size(0), "paged attention: block ", block,
+                " outside the store's ", key_blocks.size(0));
   }
+}
+
+at::Tensor RunQueries(absl::Span<const QueryRow> queries, int64_t heads,
+                      const at::Tensor& key_blocks, const at::Tensor& value_blocks,
+                      std::optional<int64_t> window, const ScoreRule& rule) {
   at::Tensor out = at::empty({static_cast<int64_t>(queries.size()), heads * value_blocks.size(3)},
                              key_blocks.options());
   switch (key_blocks.scalar_type()) {
     case at::kFloat:
-      Run<float>(contiguous, key_blocks, value_blocks, window, rule, out);
+      Run<float>(queries, heads, key_blocks, value_blocks, window, rule, out);
       break;
     case at::kBFloat16:
-      Run<c10::BFloat16>(contiguous, key_blocks, value_blocks, window, rule, out);
+      Run<c10::BFloat16>(queries, heads, key_blocks, value_blocks, window, rule, out);
       break;
     case at::kHalf:
-      Run<c10::Half>(contiguous, key_blocks, value_blocks, window, rule, out);
+      Run<c10::Half>(queries, heads, key_blocks, value_blocks, window, rule, out);
       break;
     default:
       TORCH_CHECK(false, "paged attention: unsupported dtype ", key_blocks.scalar_type());
   }
   return out;
+}
+
+}  // namespace
+
+at::Tensor PagedDecodeAttention(absl::Span<const PagedQuery> queries, const at::Tensor& key_blocks,
+                                const at::Tensor& value_blocks, std::optional<int64_t> window,
+                                const ScoreRule& rule) {
+  TORCH_CHECK(!queries.empty(), "paged attention: no queries");
+  const int64_t heads = queries[0].q.size(0);
+  CheckBlocks(key_blocks, value_blocks, heads);
+  std::vector<at::Tensor> contiguous;
+  std::vector<QueryRow> rows;
+  contiguous.reserve(queries.size());
+  rows.reserve(queries.size());
+  for (const PagedQuery& query : queries) {
+    TORCH_CHECK(
+        query.q.dim() == 2 && query.q.size(0) == heads && query.q.size(1) == key_blocks.size(3),
+        "paged attention: a query is not [heads, head_dim]");
+    CheckTable(query.table, query.total, key_blocks);
+    contiguous.push_back(query.q.to(key_blocks.scalar_type()).contiguous());
+    rows.push_back({contiguous.back().data_ptr(), query.table, query.total});
+  }
+  return RunQueries(rows, heads, key_blocks, value_blocks, window, rule);
+}
+
+at::Tensor PagedDecodeAttentionRows(const at::Tensor& q, absl::Span<const PagedRow> rows,
+                                    const at::Tensor& key_blocks, const at::Tensor& value_blocks,
+                                    std::optional<int64_t> window, const ScoreRule& rule) {
+  TORCH_CHECK(!rows.empty(), "paged attention: no queries");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == key_blocks.size(3),
+              "paged attention: q is not [heads, tokens, head_dim]");
+  const int64_t heads = q.size(0), tokens = q.size(1), d = q.size(2);
+  CheckBlocks(key_blocks, value_blocks, heads);
+  // [tokens, heads, d] in the blocks' dtype: one copy for every row.
+  const at::Tensor by_token = q.to(key_blocks.scalar_type()).transpose(0, 1).contiguous();
+  const auto* base = static_cast<const uint8_t*>(by_token.data_ptr());
+  const int64_t row_bytes = heads * d * static_cast<int64_t>(by_token.element_size());
+  std::vector<QueryRow> queries;
+  queries.reserve(rows.size());
+  for (const PagedRow& row : rows) {
+    TORCH_CHECK(row.row >= 0 && row.row < tokens, "paged attention: query row ", row.row,
+                " outside q's ", tokens);
+    CheckTable(row.table, row.total, key_blocks);
+    queries.push_back({base + row.row * row_bytes, row.table, row.total});
+  }
+  return RunQueries(queries, heads, key_blocks, value_blocks, window, rule);
 }
 
 }  // namespace accel::models::internal

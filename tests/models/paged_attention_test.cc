@@ -85,10 +85,21 @@ TEST_P(PagedAttentionTest, EqualsAttentionOverTheContiguousCache) {
     queries.push_back({q.select(1, 0), {}, total});
   }
   for (size_t i = 0; i < queries.size(); ++i) queries[i].table = tables[i];
+  // The same queries as rows of one q [heads, tokens, d], in another order
+  // and beside a row no query reads (PagedDecodeAttentionRows).
+  std::vector<at::Tensor> packed_rows = {at::randn({c.heads, c.d}).to(c.dtype)};
+  std::vector<PagedRow> rows(queries.size());
+  for (size_t i = queries.size(); i-- > 0;) {
+    rows[i] = {static_cast<int64_t>(packed_rows.size()), tables[i], queries[i].total};
+    packed_rows.push_back(queries[i].q);
+  }
+  const at::Tensor packed_q = at::stack(packed_rows, 1);
   // Both instruction paths: the plain loops, and AVX2 where the cpu has it.
   for (bool portable : {true, false}) {
     const bool avx2 = UsePortablePagedAttention(portable);
     at::Tensor got = PagedDecodeAttention(queries, key_blocks, value_blocks, c.window, rule);
+    EXPECT_TRUE(at::equal(
+        PagedDecodeAttentionRows(packed_q, rows, key_blocks, value_blocks, c.window, rule), got));
     ASSERT_EQ(got.size(0), static_cast<int64_t>(lengths.size()));
     for (size_t i = 0; i < lengths.size(); ++i) {
       const at::Tensor want = expected[i].to(at::kFloat);
@@ -515,6 +526,17 @@ TEST(PagedAttentionErrorsTest, ATableTooShortOrABlockOutsideTheStoreIsRefused) {
   EXPECT_THROW(
       PagedDecodeAttention({{at::zeros({1, 8}), outside, 3}}, blocks, blocks, std::nullopt, {}),
       c10::Error);
+  // The rows form: the same, and a row past q's tokens.
+  const at::Tensor q = at::zeros({1, 2, 8});
+  EXPECT_THROW(PagedDecodeAttentionRows(q, {{0, short_table, 3}}, blocks, blocks, std::nullopt, {}),
+               c10::Error);
+  EXPECT_THROW(PagedDecodeAttentionRows(q, {{1, outside, 3}}, blocks, blocks, std::nullopt, {}),
+               c10::Error);
+  const std::vector<int32_t> two = {0, 1};
+  EXPECT_THROW(PagedDecodeAttentionRows(q, {{2, two, 3}}, blocks, blocks, std::nullopt, {}),
+               c10::Error);
+  EXPECT_EQ(PagedDecodeAttentionRows(q, {{1, two, 3}}, blocks, blocks, std::nullopt, {}).size(0),
+            1);
 }
 
 }  // namespace
