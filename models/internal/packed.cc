@@ -123,9 +123,11 @@ namespace {
 
 // On the cpu: rows [first, first + n) of `rows` [kv_heads, tokens, d] (d
 // contiguous, the blocks' dtype) into blocks [num_blocks, kv_heads,
-// block_size, d] at positions [past, past + n) through `table`, by memcpy: a copy op per run of
-// positions cost a step of 128 decodes on 32 layers about 8000 dispatches a tensor. False where the
-// layouts do not allow it (the caller copies with ops then).
+// block_size, d] at positions [past, past + n) through `table` (whose
+// entries cover them: the caller checks), by memcpy: a copy op a run of
+// positions cost a step of 128 decodes on 32 layers about 8000 dispatches
+// a tensor. False where the layouts do not allow it (the caller copies with
+// ops then).
 bool CopyRowsIntoBlocks(const at::Tensor& rows, int64_t first, int64_t n, at::Tensor& blocks,
                         absl::Span<const int32_t> table, int64_t past) {
   if (!blocks.is_cpu() || !rows.is_cpu() || !blocks.is_contiguous() ||
@@ -139,6 +141,12 @@ bool CopyRowsIntoBlocks(const at::Tensor& rows, int64_t first, int64_t n, at::Te
   const int64_t element = static_cast<int64_t>(rows.element_size());
   const auto* src = static_cast<const uint8_t*>(rows.data_ptr());
   auto* dst = static_cast<uint8_t*>(blocks.data_ptr());
+  // Every block first: nothing is written when one is refused.
+  for (int64_t b = past / block_size; n > 0 && b <= (past + n - 1) / block_size; ++b) {
+    const int64_t block = table[static_cast<size_t>(b)];
+    TORCH_CHECK(block >= 0 && block < blocks.size(0), "paged KV cache: block ", block,
+                " outside the store's ", blocks.size(0));
+  }
   for (int64_t t = 0; t < n; ++t) {
     const int64_t position = past + t;
     const int64_t block = table[static_cast<size_t>(position / block_size)];

@@ -539,5 +539,33 @@ TEST(PagedAttentionErrorsTest, ATableTooShortOrABlockOutsideTheStoreIsRefused) {
             1);
 }
 
+// A sequence's key and value written on the cpu through a table naming a
+// block outside the store: refused before anything is written (the write
+// copies bytes straight into the blocks).
+TEST(PagedAttentionErrorsTest, AWriteThroughABlockOutsideTheStoreIsRefused) {
+  c10::InferenceMode inference;
+  KvBlockStore store(4, 2, 1);
+  KvCache cache;
+  cache.store = &store;
+  cache.block_table = {9};
+  const at::Tensor q = at::ones({2, 1, 8}), k = at::ones({1, 1, 8}), v = at::ones({1, 1, 8});
+  ScoreRule rule;
+  EXPECT_THROW(AttendPacked(q, k, v, {{&cache, 1}}, 0, std::nullopt, rule), c10::Error);
+  cache.block_table = {-1};
+  EXPECT_THROW(AttendPacked(q, k, v, {{&cache, 1}}, 0, std::nullopt, rule), c10::Error);
+  // Three tokens over a good block and a bad one: the good one untouched.
+  cache.block_table = {1, 7};
+  const at::Tensor three = at::full({1, 3, 8}, 5.0);
+  EXPECT_THROW(
+      AttendPacked(at::ones({2, 3, 8}), three, three, {{&cache, 3}}, 0, std::nullopt, rule),
+      c10::Error);
+  EXPECT_FALSE(at::equal(store.Layer(0, k, v).first[1][0][0], three[0][0]));
+  // A block inside the store: written where its table says.
+  cache.block_table = {3};
+  (void)AttendPacked(q, k, v, {{&cache, 1}}, 0, std::nullopt, rule);
+  const at::Tensor key_blocks = store.Layer(0, k, v).first;
+  EXPECT_TRUE(at::equal(key_blocks[3][0][0], k[0][0]));
+}
+
 }  // namespace
 }  // namespace accel::models::internal
