@@ -313,6 +313,24 @@ cudaError_t LaunchMmaWide(const GemvMmaParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The parameters every form of the tensor-core kernel reads.
+GemvMmaParams MmaParams(const void* x, int64_t m, const uint8_t* packed, const float* absmax,
+                        const float* code, int64_t n_rows, int64_t k, int64_t blocksize,
+                        const void* bias, void* y) {
+  GemvMmaParams p;
+  p.x = x;
+  p.packed = packed;
+  p.absmax = absmax;
+  p.code = code;
+  p.bias = bias;
+  p.y = y;
+  p.n_rows = n_rows;
+  p.k = k;
+  p.blocksize = blocksize;
+  p.m = static_cast<int32_t>(m);
+  return p;
+}
+
 // Two CTAs an SM for the current device (132 SMs on an H100 SXM / H200).
 int64_t WideTargetCtas() {
   int device = 0, sms = 0;
@@ -378,17 +396,7 @@ cudaError_t Gemm4bitWide(const void* x, int64_t m, const uint8_t* packed, const 
     return cudaErrorInvalidValue;
   }
   if (n_rows == 0) return cudaSuccess;
-  GemvMmaParams p;
-  p.x = x;
-  p.packed = packed;
-  p.absmax = absmax;
-  p.code = code;
-  p.bias = bias;
-  p.y = y;
-  p.n_rows = n_rows;
-  p.k = k;
-  p.blocksize = blocksize;
-  p.m = static_cast<int32_t>(m);
+  GemvMmaParams p = MmaParams(x, m, packed, absmax, code, n_rows, k, blocksize, bias, y);
   p.splits = WideSplits(n_rows, k, WideTargetCtas());
   p.workspace = workspace;
   return dtype == DType::kBFloat16 ? LaunchMmaWide<MmaBFloat16>(p, stream)
@@ -431,17 +439,7 @@ cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint
   const bool use_tiled =
       kernel == GemvKernel::kMmaTiled || (kernel == GemvKernel::kAuto && !mma && tiled);
   if ((mma && kernel != GemvKernel::kChunk) || use_tiled) {
-    GemvMmaParams p;
-    p.x = x;
-    p.packed = packed;
-    p.absmax = absmax;
-    p.code = code;
-    p.bias = bias;
-    p.y = y;
-    p.n_rows = n_rows;
-    p.k = k;
-    p.blocksize = blocksize;
-    p.m = static_cast<int32_t>(m);
+    const GemvMmaParams p = MmaParams(x, m, packed, absmax, code, n_rows, k, blocksize, bias, y);
     if (use_tiled) {
       return dtype == DType::kBFloat16 ? LaunchMmaTiled<MmaBFloat16>(p, stream)
                                        : LaunchMmaTiled<MmaFloat16>(p, stream);

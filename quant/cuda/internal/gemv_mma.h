@@ -256,35 +256,54 @@ ACCEL_HD void LoadRowChunk(const GemvMmaParams& p, const Segments& segments, int
 #endif
 }
 
+// B fragments from an x stage in shared memory (the first and wide forms):
+// row r of x at k = 64t + 4s .. + 3 of the chunk is unit (s, r, t), `stride`
+// units from one slice to the next; zeros for rows past m.
+struct StagedFragments {
+  const uint8_t* stage;
+  int stride, m, g, t;
+  // Tile j's fragments of slices 2w (words 0-1) and 2w + 1 (words 2-3).
+  ACCEL_HD void operator()(int j, int w, uint32_t (&out)[4]) const {
+    const int row = 8 * j + g;
+    if (row >= m) {
+      for (uint32_t& v : out) v = 0u;
+      return;
+    }
+    const uint8_t* unit = stage + static_cast<int64_t>(2 * w * stride + row * 4 + t) * 8;
+    Load8(unit, out[0], out[1]);
+    Load8(unit + stride * 8, out[2], out[3]);
+  }
+};
+
 // One round of a lane: its 32 bytes of rows g (`a`) and g + 8 (`b`) of a
-// chunk looked up through their blocks' planes and multiplied with the
-// chunk's x (`x_stage`, in the permuted order; B fragments only where the
-// lane's column g is an activation row, `has_x`) on the tensor cores, into
-// the accumulators `c`. Each word's nibble selectors are computed once for
-// both its halves.
+// chunk looked up through their blocks' planes, each slice's A fragments
+// multiplied on the tensor cores with kTiles B tiles (`fragments(j, w, out)`:
+// tile j's fragments of slices 2w and 2w + 1) into the accumulators `c`.
+// Each word's nibble selectors are computed once for both its halves.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
-template <typename Tag, typename Exec>
+template <typename Tag, int kTiles, typename Fragments, typename Exec>
 ACCEL_HD void MmaRound(const float* code_s, const RowChunk& a, const RowChunk& b,
-                       const uint8_t* x_stage, int stride, bool has_x, int g, int t, float (&c)[4],
-                       Exec& exec) {
+                       const Fragments& fragments, float (&c)[kTiles][4], Exec& exec) {
   uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
   BuildPlanes<Tag>(code_s, a.scale, lo_a, hi_a);
   BuildPlanes<Tag>(code_s, b.scale, lo_b, hi_b);
   for (int w = 0; w < kMmaSlices / 2; ++w) {
     // Word w: slices 2w (its low two bytes) and 2w + 1 (its high two);
     // slice s holds k = 64t + 4s .. + 3.
+    uint32_t bx[kTiles][4];
+    for (int j = 0; j < kTiles; ++j) fragments(j, w, bx[j]);
     const uint32_t index_a = NibbleIndex(a.words[w]), pick_a = NibblePick(a.words[w]);
     const uint32_t index_b = NibbleIndex(b.words[w]), pick_b = NibblePick(b.words[w]);
     for (int h = 0; h < 2; ++h) {
-      const int s = 2 * w + h, shift = 16 * h;
+      const int shift = 16 * h;
       uint32_t a0, a1, a2, a3;
       LookupSelected(index_a >> shift, pick_a >> shift, lo_a, hi_a, a0, a2);
       LookupSelected(index_b >> shift, pick_b >> shift, lo_b, hi_b, a1, a3);
-      uint32_t b0 = 0u, b1 = 0u;
-      if (has_x) Load8(x_stage + static_cast<int64_t>(s * stride + g * 4 + t) * 8, b0, b1);
-      exec.template Mma<Tag>(a0, a1, a2, a3, b0, b1, c);
+      for (int j = 0; j < kTiles; ++j) {
+        exec.template Mma<Tag>(a0, a1, a2, a3, bx[j][2 * h], bx[j][2 * h + 1], c[j]);
+      }
     }
   }
 }
@@ -369,7 +388,7 @@ ACCEL_HD void Gemv4bitMmaCta(const GemvMmaParams& p, int64_t cta, uint8_t* share
       Store8(unit + stride * 8, v[2], v[3]);
     }
     exec.WarpSync();
-    MmaRound<Tag>(code_s, a, b, x_s, stride, g < p.m, g, t, c[0], exec);
+    MmaRound<Tag, 1>(code_s, a, b, StagedFragments{x_s, stride, p.m, g, t}, c, exec);
     a = next_a;
     b = next_b;
   }
@@ -458,7 +477,8 @@ ACCEL_HD void Gemv4bitMmaPipelinedCta(const GemvMmaParams& p, int64_t cta, uint8
     exec.CommitCopies();
     exec.WaitCopiesButLast();
     exec.WarpSync();
-    MmaRound<Tag>(code_s, a, b, x_s + (round % 2) * stage_bytes, stride, g < p.m, g, t, c[0], exec);
+    MmaRound<Tag, 1>(code_s, a, b,
+                     StagedFragments{x_s + (round % 2) * stage_bytes, stride, p.m, g, t}, c, exec);
     a = next_a;
     b = next_b;
   }
@@ -491,44 +511,22 @@ ACCEL_HD bool MmaTiledTakes(int64_t m, int64_t k, int64_t blocksize, const void*
   return m >= 1 && m <= kMmaTiledMaxM && MmaTakes(1, k, blocksize, x, packed);
 }
 
-// One round of a lane in the tiled kernel: MmaRound's lookups, each slice's
-// A fragments multiplied with the B fragments of every tile (zeros for
-// activation rows past m).
-#if defined(__CUDACC__)
-#pragma nv_exec_check_disable
-#endif
-template <typename Tag, int kTiles, typename Exec>
-ACCEL_HD void MmaTiledRound(const GemvMmaParams& p, const float* code_s, const RowChunk& a,
-                            const RowChunk& b, int64_t chunk, int g, int t, float (&c)[kTiles][4],
-                            Exec& exec) {
-  uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
-  BuildPlanes<Tag>(code_s, a.scale, lo_a, hi_a);
-  BuildPlanes<Tag>(code_s, b.scale, lo_b, hi_b);
-  const uint16_t* x = static_cast<const uint16_t*>(p.x) + chunk * kMmaChunk + 64 * t;
-  for (int w = 0; w < kMmaSlices / 2; ++w) {
-    // Tile j's B fragments of slices 2w (words 0-1) and 2w + 1 (words 2-3).
-    uint32_t bx[kTiles][4];
-    for (int j = 0; j < kTiles; ++j) {
-      const int row = 8 * j + g;
-      if (row < p.m) {
-        Load16(x + row * p.k + 8 * w, bx[j], false);
-      } else {
-        for (uint32_t& v : bx[j]) v = 0u;
-      }
-    }
-    const uint32_t index_a = NibbleIndex(a.words[w]), pick_a = NibblePick(a.words[w]);
-    const uint32_t index_b = NibbleIndex(b.words[w]), pick_b = NibblePick(b.words[w]);
-    for (int h = 0; h < 2; ++h) {
-      const int shift = 16 * h;
-      uint32_t a0, a1, a2, a3;
-      LookupSelected(index_a >> shift, pick_a >> shift, lo_a, hi_a, a0, a2);
-      LookupSelected(index_b >> shift, pick_b >> shift, lo_b, hi_b, a1, a3);
-      for (int j = 0; j < kTiles; ++j) {
-        exec.template Mma<Tag>(a0, a1, a2, a3, bx[j][2 * h], bx[j][2 * h + 1], c[j]);
-      }
+// B fragments from x itself (the tiled form): tile j's of slices 2w and
+// 2w + 1 are 16 contiguous bytes of row 8j + g, at k = 64t + 8w of the
+// chunk; zeros for rows past m.
+struct GlobalFragments {
+  const uint16_t* x;  // the chunk's x at k = 64t, row 0
+  int64_t k;
+  int m, g;
+  ACCEL_HD void operator()(int j, int w, uint32_t (&out)[4]) const {
+    const int row = 8 * j + g;
+    if (row < m) {
+      Load16(x + row * k + 8 * w, out, false);
+    } else {
+      for (uint32_t& v : out) v = 0u;
     }
   }
-}
+};
 
 // CTA `cta` of the tiled kernel: rows 16 cta .. 16 cta + 15, for up to
 // 8 kTiles activation rows. `shared` holds MmaTiledSharedBytes(kTiles)
@@ -561,7 +559,9 @@ ACCEL_HD void Gemm4bitMmaTiledCta(const GemvMmaParams& p, int64_t cta, uint8_t* 
     if (chunk >= chunks) break;  // uniform over the warp
     LoadRowChunk(p, segments, row_a, chunk + kMmaWarps, t, next_a);
     LoadRowChunk(p, segments, row_b, chunk + kMmaWarps, t, next_b);
-    MmaTiledRound<Tag, kTiles>(p, code_s, a, b, chunk, g, t, c, exec);
+    const GlobalFragments fragments{static_cast<const uint16_t*>(p.x) + chunk * kMmaChunk + 64 * t,
+                                    p.k, p.m, g};
+    MmaRound<Tag, kTiles>(code_s, a, b, fragments, c, exec);
     a = next_a;
     b = next_b;
   }
@@ -674,26 +674,7 @@ ACCEL_HD void Gemm4bitMmaWideCta(const GemvMmaParams& p, int64_t cta, int32_t sp
     LoadRowChunk(p, segments, row_a, chunk + 1 < end ? chunk + 1 : p.k / kMmaChunk, t, next_a);
     LoadRowChunk(p, segments, row_b, chunk + 1 < end ? chunk + 1 : p.k / kMmaChunk, t, next_b);
     if (chunk + 1 < end) LoadWideX<kTiles>(p, chunk + 1, tid, x_next);
-    uint32_t lo_a[4], hi_a[4], lo_b[4], hi_b[4];
-    BuildPlanes<Tag>(code_s, a.scale, lo_a, hi_a);
-    BuildPlanes<Tag>(code_s, b.scale, lo_b, hi_b);
-    for (int w = 0; w < kMmaSlices / 2; ++w) {
-      const uint32_t index_a = NibbleIndex(a.words[w]), pick_a = NibblePick(a.words[w]);
-      const uint32_t index_b = NibbleIndex(b.words[w]), pick_b = NibblePick(b.words[w]);
-      for (int h = 0; h < 2; ++h) {
-        const int s = 2 * w + h, shift = 16 * h;
-        uint32_t a0, a1, a2, a3;
-        LookupSelected(index_a >> shift, pick_a >> shift, lo_a, hi_a, a0, a2);
-        LookupSelected(index_b >> shift, pick_b >> shift, lo_b, hi_b, a1, a3);
-        for (int j = 0; j < kTiles; ++j) {
-          uint32_t b0 = 0u, b1 = 0u;
-          if (8 * j + g < p.m) {
-            Load8(x_s + static_cast<int64_t>(s * stride + (8 * j + g) * 4 + t) * 8, b0, b1);
-          }
-          exec.template Mma<Tag>(a0, a1, a2, a3, b0, b1, c[j]);
-        }
-      }
-    }
+    MmaRound<Tag, kTiles>(code_s, a, b, StagedFragments{x_s, stride, p.m, g, t}, c, exec);
     if (chunk + 1 < end) StoreWideX<kTiles>(x_next, tid, stages + ((round + 1) % 2) * stage_bytes);
     exec.Sync();
     a = next_a;
