@@ -191,6 +191,27 @@ class GeneratorTest : public ::testing::Test {
     return requests;
   }
 
+  // A small model of `family` made and loaded whole onto GPU 0 (the device
+  // tests).
+  absl::StatusOr<LoadedModel> OnGpu(const std::string& family, int64_t layers,
+                                    std::optional<int64_t> sliding_window = std::nullopt) {
+    MakeModelOptions o;
+    o.family = family;
+    o.hidden_size = 64;
+    o.num_heads = 4;
+    o.num_kv_heads = 2;
+    o.num_layers = layers;
+    o.vocab_size = 300;
+    o.max_position_embeddings = 256;
+    o.sliding_window = sliding_window;
+    const std::string dir = dir_.path() + "/cuda-" + family + "-" + std::to_string(layers);
+    if (auto made = MakeModel(dir, o); !made.ok()) return made.status();
+    ModelLoadOptions load;
+    load.device_map = "0";
+    load.progress = Progress::Style::kSilent;
+    return LoadModel(dir, load);
+  }
+
   GenerationRequest Greedy(std::vector<int64_t> prompt, int64_t max_new_tokens) {
     GenerationRequest r;
     r.prompt_ids = std::move(prompt);
@@ -681,21 +702,7 @@ TEST_F(GeneratorTest, DecodeStepsReplayedFromCudaGraphsGiveWhatEagerStepsGive) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the device script runs this";
   for (const std::string family : {"llama", "gemma2"}) {
     SCOPED_TRACE(family);
-    MakeModelOptions o;
-    o.family = family;
-    o.hidden_size = 64;
-    o.num_heads = 4;
-    o.num_kv_heads = 2;
-    o.num_layers = 2;
-    o.vocab_size = 300;
-    o.max_position_embeddings = 256;
-    if (family == "gemma2") o.sliding_window = 8;
-    const std::string dir = dir_.path() + "/cuda-" + family;
-    ASSERT_THAT(MakeModel(dir, o), IsOk());
-    ModelLoadOptions load;
-    load.device_map = "0";
-    load.progress = Progress::Style::kSilent;
-    auto loaded = LoadModel(dir, load);
+    auto loaded = OnGpu(family, 2, family == "gemma2" ? std::optional<int64_t>(8) : std::nullopt);
     ASSERT_THAT(loaded, IsOk());
     const std::vector<GenerationRequest> requests = SharedPrefixRequests();
     // 0: the general forward; 1: eager decode steps as unpadded static
@@ -760,20 +767,7 @@ TEST_F(GeneratorTest, StepsOnACudaDeviceWaitOnlyForWhatTheySampled) {
   constexpr int64_t kLayers = 4;
   for (const std::string family : {"llama", "mixtral"}) {
     SCOPED_TRACE(family);
-    MakeModelOptions o;
-    o.family = family;
-    o.hidden_size = 64;
-    o.num_heads = 4;
-    o.num_kv_heads = 2;
-    o.num_layers = kLayers;
-    o.vocab_size = 300;
-    o.max_position_embeddings = 256;
-    const std::string dir = dir_.path() + "/syncs-" + family;
-    ASSERT_THAT(MakeModel(dir, o), IsOk());
-    ModelLoadOptions load;
-    load.device_map = "0";
-    load.progress = Progress::Style::kSilent;
-    auto loaded = LoadModel(dir, load);
+    auto loaded = OnGpu(family, kLayers);
     ASSERT_THAT(loaded, IsOk());
     const int64_t allowed = 3 + (family == "mixtral" ? kLayers : 0);
     for (const auto mode : {ModelRunnerOptions::UnpaddedStaticDecode::kOff,
