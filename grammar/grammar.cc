@@ -411,7 +411,7 @@ class GbnfParser {
     }
   }
 
-  Sequence Repeat(Sequence atom, int min, int max) {
+  Sequence Repeat(const Sequence& atom, int min, int max) {
     Sequence out;
     Sequence unit = atom;
     if (atom.size() != 1) {
