@@ -26,6 +26,11 @@
 # ~50 s, mixtral:make 40 s and its decode 12 s: `ACCEL_GPU_SKIP=...
 # ACCEL_GPU_DECODE_ARGS="... --rounds 1 ..." bash scripts/gpu_check.sh` with a
 # budget of 450 runs everything but the offload / MoE benchmarks in one call.
+# Added since (2026-12-01, unmeasured): bench:decode_8b_int8 (~40 s, its own
+# quantization on loading included), --count_syncs in profile:decode_8b and
+# the Mixtral step (~10 s each), the tiled and wide 4-bit rows in
+# bench:quant_cuda, bench:serve_8b_eager_modules (~60 s, serve phase): give
+# the first call ~520 s, or leave bench:decode_8b_int8 to a later one.
 # Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
 # the device is lent for minutes): every step runs under `timeout`, gets at
 # most what is left of the budget, and is skipped (and says so) when too
