@@ -6,19 +6,25 @@
 
 namespace accel {
 
+at::Tensor HostStaging(at::IntArrayRef sizes, at::ScalarType dtype, const at::Device& device) {
+  return at::empty(sizes, at::TensorOptions().dtype(dtype).pinned_memory(device.is_cuda()));
+}
+
+at::Tensor SendToDevice(const at::Tensor& staged, const at::Device& device) {
+  return staged.to(device, /*non_blocking=*/device.is_cuda());
+}
+
 at::Tensor ToDeviceAsync(const at::Tensor& host, const at::Device& device) {
   if (!device.is_cuda() || !host.is_cpu()) return host.to(device);
-  at::Tensor staged = at::empty(host.sizes(), host.options().pinned_memory(true));
+  at::Tensor staged = HostStaging(host.sizes(), host.scalar_type(), device);
   staged.copy_(host);
-  return staged.to(device, /*non_blocking=*/true);
+  return SendToDevice(staged, device);
 }
 
 at::Tensor Int64sOn(absl::Span<const int64_t> values, const at::Device& device) {
-  const bool pin = device.is_cuda();
-  at::Tensor staged = at::empty({static_cast<int64_t>(values.size())},
-                                at::TensorOptions().dtype(at::kLong).pinned_memory(pin));
+  at::Tensor staged = HostStaging({static_cast<int64_t>(values.size())}, at::kLong, device);
   std::copy(values.begin(), values.end(), staged.data_ptr<int64_t>());
-  return pin ? staged.to(device, /*non_blocking=*/true) : staged.to(device);
+  return SendToDevice(staged, device);
 }
 
 }  // namespace accel

@@ -21,6 +21,14 @@
 
 namespace accel {
 
+// An uninitialized host tensor to fill and then send with SendToDevice:
+// pinned where `device` is a CUDA device.
+at::Tensor HostStaging(at::IntArrayRef sizes, at::ScalarType dtype, const at::Device& device);
+
+// `staged` (from HostStaging for `device`) on `device`: asynchronous from
+// pinned memory on a CUDA device, a plain copy elsewhere.
+at::Tensor SendToDevice(const at::Tensor& staged, const at::Device& device);
+
 // `host` (a cpu tensor) on `device`.
 at::Tensor ToDeviceAsync(const at::Tensor& host, const at::Device& device);
 

@@ -322,14 +322,11 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunUnpaddedStaticDecode(
       max_length = std::max(max_length, chunk.cache->length);
     }
     const int64_t max_blocks = max_length / block_size + 1;
-    // Two host buffers (pinned for a CUDA device, so the copies are
-    // asynchronous; the caching host allocator keeps a buffer until its copy
-    // is done): ids, positions, slot blocks and offsets as int64; the tables
-    // and totals as int32.
-    const bool pin = device.is_cuda();
-    at::Tensor wide = at::empty({4, rows}, at::TensorOptions().dtype(at::kLong).pinned_memory(pin));
-    at::Tensor narrow = at::zeros({rows * max_blocks + rows},
-                                  at::TensorOptions().dtype(at::kInt).pinned_memory(pin));
+    // Two host buffers, sent without waiting (core/device_copy.h): ids,
+    // positions, slot blocks and offsets as int64; the tables and totals as
+    // int32.
+    at::Tensor wide = HostStaging({4, rows}, at::kLong, device);
+    at::Tensor narrow = HostStaging({rows * max_blocks + rows}, at::kInt, device).zero_();
     int64_t* w = wide.data_ptr<int64_t>();
     StaticRows out;
     out.ids = w;
@@ -340,8 +337,8 @@ absl::StatusOr<at::Tensor> ModelRunner::Impl::RunUnpaddedStaticDecode(
     out.totals = out.tables + rows * max_blocks;
     out.max_blocks = max_blocks;
     FillStaticRows(packed, chunks, rows, block_size, out);
-    const at::Tensor wide_on_device = wide.to(device, /*non_blocking=*/pin);
-    const at::Tensor narrow_on_device = narrow.to(device, /*non_blocking=*/pin);
+    const at::Tensor wide_on_device = SendToDevice(wide, device);
+    const at::Tensor narrow_on_device = SendToDevice(narrow, device);
     ids = wide_on_device[0];
     inputs.positions = wide_on_device[1].view({1, rows});
     inputs.slot_blocks = wide_on_device[2];

@@ -2,9 +2,8 @@
 // a step sends the same indices or tables (the decode kernels' block tables,
 // the general forward's KV write index), so each call site keeps its last
 // copy (one LastUpload per call site and thread) and reuses it while the
-// contents are unchanged. On a CUDA device the copy is asynchronous from
-// pinned memory (libtorch's pinned allocator keeps the host buffer until the
-// copy is done).
+// contents are unchanged, sent without waiting for the device
+// (core/device_copy.h).
 #ifndef ACCEL_MODELS_INTERNAL_DEVICE_UPLOAD_H_
 #define ACCEL_MODELS_INTERNAL_DEVICE_UPLOAD_H_
 
@@ -13,7 +12,8 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
+
+#include "core/device_copy.h"
 
 namespace accel::models::internal {
 
@@ -23,11 +23,9 @@ class LastUpload {
   // `host` as a 1-D `dtype` tensor (T's own width) on `device`.
   at::Tensor To(const std::vector<T>& host, at::ScalarType dtype, const at::Device& device) {
     if (device_.defined() && device_.device() == device && host_ == host) return device_;
-    const bool pin = device.is_cuda();
-    at::Tensor staged = at::empty({static_cast<int64_t>(host.size())},
-                                  at::TensorOptions().dtype(dtype).pinned_memory(pin));
+    at::Tensor staged = HostStaging({static_cast<int64_t>(host.size())}, dtype, device);
     std::copy(host.begin(), host.end(), static_cast<T*>(staged.data_ptr()));
-    device_ = staged.to(at::TensorOptions().device(device), /*non_blocking=*/pin);
+    device_ = SendToDevice(staged, device);
     host_ = host;
     return device_;
   }

@@ -266,11 +266,8 @@ void BuildStepDecodePlan(StepDecodePlan& plan, absl::Span<const SequenceChunk> c
   plan.device = device;
   const int64_t block_size = plan.store->block_size();
   // One buffer of int32 for the tables and totals (entries past a row's
-  // blocks are never read), pinned for a CUDA device so the copies are
-  // asynchronous.
-  const bool pin = device.is_cuda();
-  at::Tensor host = at::zeros({plan.rows * max_blocks + plan.rows},
-                              at::TensorOptions().dtype(at::kInt).pinned_memory(pin));
+  // blocks are never read), sent without waiting (core/device_copy.h).
+  at::Tensor host = HostStaging({plan.rows * max_blocks + plan.rows}, at::kInt, device).zero_();
   int32_t* tables = host.data_ptr<int32_t>();
   int32_t* totals = tables + plan.rows * max_blocks;
   for (int64_t r = 0; r < plan.rows; ++r) {
@@ -283,10 +280,8 @@ void BuildStepDecodePlan(StepDecodePlan& plan, absl::Span<const SequenceChunk> c
     totals[r] = static_cast<int32_t>(cache.length + 1);
     plan.max_total = std::max(plan.max_total, cache.length + 1);
   }
-  at::Tensor wide = at::empty({plan.rows}, at::TensorOptions().dtype(at::kLong).pinned_memory(pin));
-  std::copy(index.begin(), index.end(), wide.data_ptr<int64_t>());
-  plan.index = wide.to(device, /*non_blocking=*/pin);
-  const at::Tensor narrow = host.to(device, /*non_blocking=*/pin);
+  plan.index = Int64sOn(index, device);
+  const at::Tensor narrow = SendToDevice(host, device);
   plan.tables = narrow.narrow(0, 0, plan.rows * max_blocks).view({plan.rows, max_blocks});
   plan.totals = narrow.narrow(0, plan.rows * max_blocks, plan.rows);
 }

@@ -490,7 +490,8 @@ int64_t Gemm4bitRowsWideWorkspace(int64_t m, int64_t n_rows, int64_t k) {
 
 bool Gemm4bitRowsWideTakes(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
                            const void* packed) {
-  return m <= internal::kWideMaxM && internal::MmaTiledApplies(m, k, blocksize, dtype, x, packed);
+  static_assert(internal::kWideMaxM == internal::kMmaTiledMaxM, "the wide form takes the tiled's");
+  return internal::MmaTiledApplies(m, k, blocksize, dtype, x, packed);
 }
 
 cudaError_t Gemm4bitRowsWide(const void* x, int64_t m, const uint8_t* packed, const float* absmax,

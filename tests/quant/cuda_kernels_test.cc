@@ -671,17 +671,6 @@ TEST_F(CudaGemvRowsTest, TiledTensorCoreKernelWithinTheBound) {
   EXPECT_TRUE(Gemv4bitRowsFused(9, 256, 64, DType::kFloat16, buffer, buffer));
   EXPECT_FALSE(Gemv4bitRowsFused(33, 4096, 64, DType::kBFloat16, buffer, buffer));
   EXPECT_FALSE(Gemv4bitRowsFused(16, 4096, 64, DType::kFloat32, buffer, buffer));
-  EXPECT_TRUE(Gemm4bitRowsWideTakes(32, 4096, 64, DType::kBFloat16, buffer, buffer));
-  EXPECT_FALSE(Gemm4bitRowsWideTakes(33, 4096, 64, DType::kBFloat16, buffer, buffer));
-  EXPECT_FALSE(Gemm4bitRowsWideTakes(16, 4096 + 64, 64, DType::kBFloat16, buffer, buffer));
-  // K split over CTAs where W has few rows: a workspace of the splits' sums.
-  EXPECT_GT(Gemm4bitRowsWideWorkspace(16, 1024, 4096), 0);
-  EXPECT_EQ(Gemm4bitRowsWideWorkspace(16, 1024, 4096) % (16 * 1024 * 4), 0);
-  // Too small a workspace is refused before anything runs.
-  const float* f = reinterpret_cast<const float*>(buffer);
-  EXPECT_EQ(Gemm4bitRowsWide(buffer, 16, buffer, f, f, 1024, 4096, 64, nullptr, DType::kBFloat16,
-                             buffer, nullptr, 0, stream_),
-            cudaErrorInvalidValue);
 }
 
 TEST_F(CudaGemvRowsTest, RowsWhereTheTensorCoresCannotGoOneByOne) {
@@ -713,6 +702,26 @@ TEST_F(CudaGemvRowsTest, WarpPerRowKernelStillRightOnTensorCoreShapes) {
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
     Check({4096, 4096, 64, 1, true}, dtype, internal::GemvKernel::kChunk);
   }
+}
+
+// The wide form's arguments, refused before anything runs (no device
+// needed): more than 32 rows, K not whole chunks, too small a workspace
+// where K is split (W of 1024 rows fills no device: its sums need one).
+TEST(CudaGemvArgumentsTest, TheWideFormRefusesWhatItCannotTake) {
+  alignas(16) static uint8_t buffer[64];
+  const float* f = reinterpret_cast<const float*>(buffer);
+  EXPECT_TRUE(Gemm4bitRowsWideTakes(32, 4096, 64, DType::kBFloat16, buffer, buffer));
+  EXPECT_FALSE(Gemm4bitRowsWideTakes(33, 4096, 64, DType::kBFloat16, buffer, buffer));
+  EXPECT_FALSE(Gemm4bitRowsWideTakes(16, 4096 + 64, 64, DType::kBFloat16, buffer, buffer));
+  EXPECT_FALSE(Gemm4bitRowsWideTakes(16, 4096, 64, DType::kFloat32, buffer, buffer));
+  EXPECT_GT(Gemm4bitRowsWideWorkspace(16, 1024, 4096), 0);
+  EXPECT_EQ(Gemm4bitRowsWideWorkspace(16, 1024, 4096) % (16 * 1024 * 4), 0);
+  EXPECT_EQ(Gemm4bitRowsWide(buffer, 16, buffer, f, f, 1024, 4096, 64, nullptr, DType::kBFloat16,
+                             buffer, nullptr, 0, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(Gemm4bitRowsWide(buffer, 33, buffer, f, f, 1024, 4096, 64, nullptr, DType::kBFloat16,
+                             buffer, nullptr, 1 << 30, nullptr),
+            cudaErrorInvalidValue);
 }
 
 TEST(CudaGemvArgumentsTest, RowsOutOfRangeAreRefused) {
