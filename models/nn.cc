@@ -306,6 +306,8 @@ at::Tensor ActivationTimes(const std::string& name, const at::Tensor& gate, cons
 
 void SetFusedCudaOps(bool enabled) { models::internal::SetFusedCudaOps(enabled); }
 
+void SetCudaDecodeGemv(bool enabled) { models::internal::SetCudaDecodeGemv(enabled); }
+
 std::string ActivationClass(const std::string& name) {
   if (name == "silu") return "SiLU";
   if (name == "gelu_pytorch_tanh") return "PytorchGELUTanh";
@@ -318,6 +320,11 @@ at::Tensor DenseLinear(const at::Tensor& x, const at::Tensor& weight, const at::
   // streams the weights at close to memory bandwidth, a prefill runs them over
   // chunks of rows (in bfloat16 only up to one chunk: oneDNN is faster above).
   if (std::optional<at::Tensor> y = models::internal::FastLinear(x, weight, bias)) return *y;
+  // On a CUDA device a decode step's rows by one kernel of ours, where cuBLAS
+  // launches a split-K GEMV and its reduce (models/cuda/decode_gemv.h).
+  if (std::optional<at::Tensor> y = models::internal::FusedDecodeLinear(x, weight, bias)) {
+    return *y;
+  }
   if (NeedsFloatProduct(x)) {
     return at::linear(Float(x), Float(weight), Float(bias)).to(x.scalar_type());
   }
@@ -398,6 +405,13 @@ std::pair<at::Tensor, at::Tensor> RMSNorm::AddForward(const at::Tensor& x,
   at::Tensor sum = x + residual;
   at::Tensor normed = forward(sum);
   return {std::move(sum), std::move(normed)};
+}
+
+std::optional<std::pair<at::Tensor, at::Tensor>> RMSNorm::NormThenLinear(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& linear_weight,
+    const at::Tensor& linear_bias) {
+  return models::internal::FusedNormLinear(x, residual, weight, eps_, unit_offset_, linear_weight,
+                                           linear_bias);
 }
 
 LayerNorm::LayerNorm(int64_t dim, double eps, at::ScalarType dtype)

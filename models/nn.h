@@ -169,6 +169,15 @@ class RMSNorm : public dispatch::Layer {
   // {x + residual, forward(x + residual)}: on a CUDA device one kernel for
   // the add and the norm (internal::FusedAddRmsNorm), the same bits.
   std::pair<at::Tensor, at::Tensor> AddForward(const at::Tensor& x, const at::Tensor& residual);
+  // {x + residual (undefined without a residual), the linear layer
+  // (linear_weight, linear_bias) applied to forward(x + residual)}, as one
+  // kernel on a CUDA device for a decode step's few rows
+  // (internal::FusedNormLinear); nullopt where that does not apply, and the
+  // caller runs the norm and the product.
+  std::optional<std::pair<at::Tensor, at::Tensor>> NormThenLinear(const at::Tensor& x,
+                                                                  const at::Tensor& residual,
+                                                                  const at::Tensor& linear_weight,
+                                                                  const at::Tensor& linear_bias);
   at::Tensor weight;
 
  private:
@@ -271,6 +280,12 @@ at::Tensor ApplyRotary(const at::Tensor& x, const at::Tensor& cos, const at::Ten
 // kernel each on a CUDA device (models/cuda/fused_ops.h; on by default,
 // process-wide); off to measure what they save (accel-bench-decode-gpu).
 void SetFusedCudaOps(bool enabled);
+// Whether a decode step's dense products (at most 8 rows) run as our one
+// kernel on a CUDA device, with the norm before them inside it where the
+// decoder has one (models/cuda/decode_gemv.h; on by default, process-wide);
+// off for cuBLAS and separate norms (accel-bench-decode-gpu
+// --compare_decode_gemv).
+void SetCudaDecodeGemv(bool enabled);
 
 }  // namespace accel::nn
 

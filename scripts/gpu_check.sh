@@ -31,6 +31,9 @@
 # the Mixtral step (~10 s each), the tiled and wide 4-bit rows in
 # bench:quant_cuda, bench:serve_8b_eager_modules (~60 s, serve phase): give
 # the first call ~520 s, or leave bench:decode_8b_int8 to a later one.
+# Added 2026-12-01 (second session, unmeasured): test:models_decode_gemv
+# (~10 s) and bench:decode_8b_gemv (~40 s): ~570 s for everything but the
+# offload / MoE benchmarks, the serve and mixtral phases.
 # Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
 # the device is lent for minutes): every step runs under `timeout`, gets at
 # most what is left of the budget, and is skipped (and says so) when too
@@ -124,7 +127,7 @@ PY
 cat "$OUT/machine.json"; echo
 
 tests=(quant_cuda_kernels_test models_cuda_attention_kernels_test quant_cuda_matmul_test
-  models_fused_ops_test models_paged_attention_test models_sdpa_test models_quantize_test dispatch_device_stager_test
+  models_fused_ops_test models_decode_gemv_test models_paged_attention_test models_sdpa_test models_quantize_test dispatch_device_stager_test
   dispatch_dispatch_test engine_internal_decode_graph_runner_test engine_model_runner_test)
 benches=(accel-bench-quant-cuda accel-bench-decode-gpu accel-bench-offload accel-bench-moe)
 tools=(accel-make-model accel-generate)
@@ -204,6 +207,8 @@ if want test; then
   step test:quant_cuda_matmul 90 run_test quant_cuda_matmul_test
   # RMSNorm, rotary and SiLU * up as one kernel each against the eager formulas on the device.
   step test:models_fused_ops 60 run_test models_fused_ops_test
+  # The decode GEMV (and the norm inside it) against libtorch's product and the norm kernel.
+  step test:models_decode_gemv 60 run_test models_decode_gemv_test
   step test:models_paged_attention 60 run_test models_paged_attention_test
   step test:models_sdpa 60 run_test models_sdpa_test
   step test:models_quantize_on_cuda 60 run_test models_quantize_test 'QuantizableLinearTest.OnCuda*'
@@ -238,6 +243,13 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
     step bench:decode_8b 300 "$bin/accel-bench-decode-gpu" --model "$model8b" \
       ${ACCEL_GPU_DECODE_ARGS:---quantize none,nf4 --batches 1,8,32,128 --tokens 32 --prompt 2048 --rounds 2 --graph_batches 1,8,32,128 --general_batches 32,128 --mixed_batches 32,128} \
       --json "$OUT/bench/decode_gpu.json"
+    # The decode GEMV with the norms inside it (models/cuda/decode_gemv.h,
+    # on by default) against cuBLAS's split-K GEMVs and separate norm
+    # kernels, from CUDA graphs at batches 1, 4 and 8. If cuBLAS wins,
+    # nn::SetCudaDecodeGemv's default (models/internal/fused_ops.cc) flips.
+    step bench:decode_8b_gemv 90 "$bin/accel-bench-decode-gpu" --model "$model8b" \
+      --quantize none --batches 1 --tokens 32 --prompt 64 --rounds 2 --graph_batches 1,4,8 \
+      --compare_decode_gemv 1 --json "$OUT/bench/decode_gemv.json"
     # Sampled decode (temperature 1, the OpenAI API's default): the rows
     # drawn where the logits are (Sampler::NextRows), against the greedy
     # rows above.

@@ -116,8 +116,8 @@ def main():
             lines.append(f"  {r['dtype']:<9} {r['n']:>5}x{r['k']:<5} {r['kernel']:<8} m={r['m']} "
                          f"{r['us']:8.2f} us {r['gbs']:7.0f} GB/s  of copy {r['of_copy']:.2f}  "
                          f"of HBM {r['of_hbm']:.2f}")
-    for name in ("decode_gpu", "decode_sampled", "decode_profile", "decode_profile_nf4",
-                 "decode_int8", "decode_mixtral"):
+    for name in ("decode_gpu", "decode_gemv", "decode_sampled", "decode_profile",
+                 "decode_profile_nf4", "decode_int8", "decode_mixtral"):
         decode = summary["bench"].get(name)
         if not decode:
             continue
@@ -148,6 +148,9 @@ def main():
                 if "graphs_unfused_tokens_per_s" in g:
                     lines.append(f"    batch {g['batch']:>3}, CUDA graphs without the fused "
                                  f"kernels: {g['graphs_unfused_tokens_per_s']:9.1f} tokens/s")
+                if "graphs_cublas_tokens_per_s" in g:
+                    lines.append(f"    batch {g['batch']:>3}, CUDA graphs with cuBLAS and "
+                                 f"separate norms: {g['graphs_cublas_tokens_per_s']:9.1f} tokens/s")
             for p in m.get("profiles", []):
                 arriving = p.get("arriving_prompt") or 0
                 with_prompt = f" + a {arriving}-token prompt" if arriving else ""

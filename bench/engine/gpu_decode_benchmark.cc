@@ -22,6 +22,8 @@
 //       [--batches 1,8,32,128] [--tokens 64] [--prompt 2048] [--rounds 3] [--json FILE]
 //       [--graph_batches 1,8]   (decode with CUDA graphs against eager, and their tokens)
 //       [--compare_unfused 1]   (the graphs rows again without models/cuda/fused_ops.h's kernels)
+//       [--compare_decode_gemv 1]   (the graphs rows again with cuBLAS and separate norms in
+//                                    place of models/cuda/decode_gemv.h's kernel)
 //       [--general_batches 8,32]   (eager steps through the general forward)
 //       [--mixed_batches 32,128] [--mixed_prompt 48]   (each step the batch's decodes and a
 //                                new request's prompt, as a served load's steps: the general
@@ -102,6 +104,7 @@ std::vector<std::string> Split(const std::string& text) {
                "accel-bench-decode-gpu: %s\nusage: accel-bench-decode-gpu --model DIR "
                "[--quantize none,nf4] [--batches 1,8,32,128] [--tokens N] [--prompt N] "
                "[--rounds N] [--json FILE] [--graph_batches 1,8] [--compare_unfused 0|1] "
+               "[--compare_decode_gemv 0|1] "
                "[--general_batches 32] [--mixed_batches 32] [--mixed_prompt 48] "
                "[--profile_batches 1] [--profile_mixed 32] [--count_syncs 32]\n",
                error.c_str());
@@ -426,7 +429,8 @@ int main(int argc, char** argv) {
   int64_t tokens = 64, prompt = 2048;
   int rounds = 3;
   bool cpu = false;
-  bool compare_unfused = false;  // graphs rows again without the fused kernels
+  bool compare_unfused = false;      // graphs rows again without the fused kernels
+  bool compare_decode_gemv = false;  // graphs rows again with cuBLAS's products
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (i + 1 >= argc) Usage("missing value after " + flag);
@@ -462,6 +466,11 @@ int main(int argc, char** argv) {
       mixed_prompt = std::atoll(value.c_str());
     } else if (flag == "--general_batches") {
       for (const std::string& b : Split(value)) general_batches.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--compare_decode_gemv") {
+      if (value != "0" && value != "1" && value != "true" && value != "false") {
+        Usage("--compare_decode_gemv is 0, 1, true or false, got " + value);
+      }
+      compare_decode_gemv = value == "1" || value == "true";
     } else if (flag == "--compare_unfused") {
       if (value != "0" && value != "1" && value != "true" && value != "false") {
         Usage("--compare_unfused is 0, 1, true or false, got " + value);
@@ -662,6 +671,29 @@ int main(int argc, char** argv) {
             1e3 * static_cast<double>(batch) / Median(graphed));
         std::fflush(stdout);
         unfused_json = ", \"graphs_unfused_tokens_per_s\": " + std::to_string(Median(unfused));
+      }
+      // The same steps with cuBLAS's products and the norms as kernels of
+      // their own (models/cuda/decode_gemv.h off): what the decode GEMV and
+      // the norm inside it save a step, or cost.
+      if (compare_decode_gemv) {
+        std::vector<double> cublas;
+        cublas.reserve(static_cast<size_t>(rounds));
+        accel::nn::SetCudaDecodeGemv(false);
+        for (int r = 0; r < rounds; ++r) {
+          DecodeRun run;
+          run.graphs = true;
+          run.untimed_steps = 1;
+          cublas.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, run));
+        }
+        accel::nn::SetCudaDecodeGemv(true);
+        std::printf(
+            "  batch %3ld, CUDA graphs with cuBLAS's products and separate norms: %8.1f "
+            "tokens/s (%.2f ms a step; with the decode GEMV %.2f ms)\n",
+            static_cast<long>(batch), Median(cublas),
+            1e3 * static_cast<double>(batch) / Median(cublas),
+            1e3 * static_cast<double>(batch) / Median(graphed));
+        std::fflush(stdout);
+        unfused_json += ", \"graphs_cublas_tokens_per_s\": " + std::to_string(Median(cublas));
       }
       graph_rows += std::string(graph_rows.empty() ? "" : ", ") +
                     "{\"batch\": " + std::to_string(batch) +

@@ -130,11 +130,12 @@ std::optional<at::Tensor> AdjacentSpan(const std::vector<const at::Tensor*>& par
   return first.as_strided({rows, first.size(1)}, {first.size(1), 1}, first.storage_offset());
 }
 
-// y for linears packed by PackLinears (`packed` set there): their weights
-// (and biases) as one product, or nullopt when they are not adjacent any
-// more (a layer quantized, or moved by a dispatch hook).
-std::optional<at::Tensor> PackedForward(bool packed, const at::Tensor& x,
-                                        std::initializer_list<const nn::Linear*> parts) {
+// The weight and bias (undefined without one) of linears packed by
+// PackLinears (`packed` set there) as one each, or nullopt when they are not
+// adjacent any more (a layer quantized, or moved by a dispatch hook) or not
+// on x's device.
+std::optional<std::pair<at::Tensor, at::Tensor>> PackedSpans(
+    bool packed, const at::Tensor& x, std::initializer_list<const nn::Linear*> parts) {
   if (!packed) return std::nullopt;
   std::vector<const at::Tensor*> weights, biases;
   for (const nn::Linear* p : parts) {
@@ -143,10 +144,29 @@ std::optional<at::Tensor> PackedForward(bool packed, const at::Tensor& x,
     biases.push_back(&p->bias);
   }
   const bool has_bias = biases.front()->defined();
-  const std::optional<at::Tensor> weight = AdjacentSpan(weights);
-  const std::optional<at::Tensor> bias = has_bias ? AdjacentSpan(biases) : std::nullopt;
+  std::optional<at::Tensor> weight = AdjacentSpan(weights);
+  std::optional<at::Tensor> bias = has_bias ? AdjacentSpan(biases) : std::nullopt;
   if (!weight || (has_bias && !bias) || weight->device() != x.device()) return std::nullopt;
-  return nn::DenseLinear(x, *weight, bias ? *bias : at::Tensor());
+  return std::make_pair(*std::move(weight), bias ? *std::move(bias) : at::Tensor());
+}
+
+// y for linears packed by PackLinears as one product, or nullopt (as
+// PackedSpans).
+std::optional<at::Tensor> PackedForward(bool packed, const at::Tensor& x,
+                                        std::initializer_list<const nn::Linear*> parts) {
+  std::optional<std::pair<at::Tensor, at::Tensor>> spans = PackedSpans(packed, x, parts);
+  if (!spans) return std::nullopt;
+  return nn::DenseLinear(x, spans->first, spans->second);
+}
+
+// `norm` of x (+ residual) and the packed product of it in one kernel
+// (nn::RMSNorm::NormThenLinear: a decode step on a CUDA device), or nullopt.
+std::optional<std::pair<at::Tensor, at::Tensor>> NormThenPacked(
+    nn::RMSNorm& norm, const at::Tensor& x, const at::Tensor& residual, bool packed,
+    std::initializer_list<const nn::Linear*> parts) {
+  std::optional<std::pair<at::Tensor, at::Tensor>> spans = PackedSpans(packed, x, parts);
+  if (!spans) return std::nullopt;
+  return norm.NormThenLinear(x, residual, spans->first, spans->second);
 }
 
 // Copies the weights (and biases) of `parts` into one tensor each and makes
@@ -247,18 +267,36 @@ class GatedMlp : public Layer {
     return absl::OkStatus();
   }
 
+  // `norm` of x (+ residual) and the gate and up products of it in one
+  // kernel: {x + residual, gate | up} for ForwardGateUp, or nullopt.
+  std::optional<std::pair<at::Tensor, at::Tensor>> NormedGateUp(nn::RMSNorm& norm,
+                                                                const at::Tensor& x,
+                                                                const at::Tensor& residual) {
+    if (gate_up_ && !gate_up_->quantization().enabled()) {
+      return norm.NormThenLinear(x, residual, gate_up_->weight, gate_up_->bias);
+    }
+    return NormThenPacked(norm, x, residual, packed_, {gate_.get(), up_.get()});
+  }
+
+  // The rest of the MLP from the gate | up product (packed, or Phi-3's).
+  // SiLU's on a CUDA device at decode: the activation inside the down
+  // projection's kernel (FusedSiluMulLinear).
+  at::Tensor ForwardGateUp(const at::Tensor& both) {
+    if (activation_ == "silu" && !down_->quantization().enabled()) {
+      if (std::optional<at::Tensor> y = FusedSiluMulLinear(both, down_->weight, down_->bias)) {
+        return *y;
+      }
+    }
+    return down_->forward(nn::ActivationTimes(activation_, both.narrow(-1, 0, inter_),
+                                              both.narrow(-1, inter_, inter_)));
+  }
+
   at::Tensor forward(const at::Tensor& x) {
     if (std::optional<at::Tensor> both = PackedForward(packed_, x, {gate_.get(), up_.get()})) {
-      const int64_t inter = gate_->weight.size(0);
-      return down_->forward(nn::ActivationTimes(activation_, both->narrow(-1, 0, inter),
-                                                both->narrow(-1, inter, up_->weight.size(0))));
+      return ForwardGateUp(*both);
     }
-    if (gate_up_) {
-      // Phi3MLP: gate, up_states = gate_up_proj(x).chunk(2, dim=-1)
-      at::Tensor both = gate_up_->forward(x);
-      at::Tensor gate = both.narrow(-1, 0, inter_), up = both.narrow(-1, inter_, inter_);
-      return down_->forward(nn::ActivationTimes(activation_, gate, up));
-    }
+    // Phi3MLP: gate, up_states = gate_up_proj(x).chunk(2, dim=-1)
+    if (gate_up_) return ForwardGateUp(gate_up_->forward(x));
     return down_->forward(nn::ActivationTimes(activation_, gate_->forward(x), up_->forward(x)));
   }
 
@@ -327,27 +365,45 @@ class Attention : public Layer {
     return absl::OkStatus();
   }
 
+  // `norm` of x (+ residual) and the packed q | k | v product of it in one
+  // kernel: {x + residual, q | k | v} for ForwardQkv, or nullopt.
+  std::optional<std::pair<at::Tensor, at::Tensor>> NormedQkv(nn::RMSNorm& norm, const at::Tensor& x,
+                                                             const at::Tensor& residual) {
+    if (qkv_proj_ && !qkv_proj_->quantization().enabled()) {
+      return norm.NormThenLinear(x, residual, qkv_proj_->weight, qkv_proj_->bias);
+    }
+    return NormThenPacked(norm, x, residual, packed_,
+                          {q_proj_.get(), k_proj_.get(), v_proj_.get()});
+  }
+
   // x [1, total, hidden]: the packed tokens of `chunks`.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      absl::Span<const SequenceChunk> chunks, size_t layer,
                      std::optional<int64_t> window) {
-    const int64_t t = x.size(1), q_out = heads_ * head_dim_, kv_out = kv_heads_ * head_dim_;
-    at::Tensor q, k, v;
     if (std::optional<at::Tensor> qkv =
             PackedForward(packed_, x, {q_proj_.get(), k_proj_.get(), v_proj_.get()})) {
-      q = qkv->narrow(-1, 0, q_out);
-      k = qkv->narrow(-1, q_out, kv_out);
-      v = qkv->narrow(-1, q_out + kv_out, kv_out);
-    } else if (qkv_proj_) {
-      at::Tensor qkv = qkv_proj_->forward(x);
-      q = qkv.narrow(-1, 0, q_out);
-      k = qkv.narrow(-1, q_out, kv_out);
-      v = qkv.narrow(-1, q_out + kv_out, kv_out);
-    } else {
-      q = q_proj_->forward(x);
-      k = k_proj_->forward(x);
-      v = v_proj_->forward(x);
+      return ForwardQkv(*qkv, cos, sin, chunks, layer, window);
     }
+    if (qkv_proj_) return ForwardQkv(qkv_proj_->forward(x), cos, sin, chunks, layer, window);
+    return ForwardProjected(q_proj_->forward(x), k_proj_->forward(x), v_proj_->forward(x), cos, sin,
+                            chunks, layer, window);
+  }
+
+  // The rest from one q | k | v product [1, total, q_out + 2 kv_out].
+  at::Tensor ForwardQkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                        absl::Span<const SequenceChunk> chunks, size_t layer,
+                        std::optional<int64_t> window) {
+    const int64_t q_out = heads_ * head_dim_, kv_out = kv_heads_ * head_dim_;
+    return ForwardProjected(qkv.narrow(-1, 0, q_out), qkv.narrow(-1, q_out, kv_out),
+                            qkv.narrow(-1, q_out + kv_out, kv_out), cos, sin, chunks, layer,
+                            window);
+  }
+
+ private:
+  at::Tensor ForwardProjected(at::Tensor q, at::Tensor k, at::Tensor v, const at::Tensor& cos,
+                              const at::Tensor& sin, absl::Span<const SequenceChunk> chunks,
+                              size_t layer, std::optional<int64_t> window) {
+    const int64_t t = q.size(1);
     q = q.reshape({1, t, heads_, head_dim_});
     k = k.reshape({1, t, kv_heads_, head_dim_});
     v = v.reshape({1, t, kv_heads_, head_dim_});
@@ -369,7 +425,6 @@ class Attention : public Layer {
     return o_proj_->forward(out.unsqueeze(0));
   }
 
- private:
   int64_t heads_, kv_heads_, head_dim_;
   ScoreRule rule_;
   std::shared_ptr<nn::Linear> q_proj_, k_proj_, v_proj_, o_proj_, qkv_proj_;
@@ -615,19 +670,33 @@ class DecoderLayer : public Layer {
   at::Tensor forward(at::Tensor x, at::Tensor* carry, const at::Tensor& cos, const at::Tensor& sin,
                      absl::Span<const SequenceChunk> chunks, size_t layer, StepState& step) {
     at::Tensor normed;
-    if (carry != nullptr && carry->defined()) {
-      std::tie(x, normed) = input_layernorm->AddForward(x, *carry);
+    const at::Tensor residual = carry != nullptr ? *carry : at::Tensor();
+    at::Tensor h;
+    // A decode step on a CUDA device: each norm inside the product after it
+    // (one kernel, models/cuda/decode_gemv.h); else the norm, then the layer.
+    if (auto fused = self_attn->NormedQkv(*input_layernorm, x, residual)) {
+      if (residual.defined()) x = std::move(fused->first);
+      h = SumOverRanks(self_attn->ForwardQkv(fused->second, cos, sin, chunks, layer, window_),
+                       step);
     } else {
-      normed = input_layernorm->forward(x);
+      if (residual.defined()) {
+        std::tie(x, normed) = input_layernorm->AddForward(x, residual);
+      } else {
+        normed = input_layernorm->forward(x);
+      }
+      h = SumOverRanks(self_attn->forward(normed, cos, sin, chunks, layer, window_), step);
     }
-    const at::Tensor h =
-        SumOverRanks(self_attn->forward(normed, cos, sin, chunks, layer, window_), step);
     at::Tensor branch;
     if (pre_feedforward_layernorm) {
       // Gemma's sandwich: each branch normalised on the way in and the way out.
       x = x + post_attention_layernorm->forward(h);
       branch =
           post_feedforward_layernorm->forward(Mlp(pre_feedforward_layernorm->forward(x), step));
+    } else if (std::optional<std::pair<at::Tensor, at::Tensor>> fused =
+                   mlp ? mlp->NormedGateUp(*post_attention_layernorm, x, h) : std::nullopt) {
+      x = std::move(fused->first);
+      if (next_sparse != nullptr && step.dispatched != nullptr) GuessNext(x, step);
+      branch = SumOverRanks(mlp->ForwardGateUp(fused->second), step);
     } else {
       std::tie(x, normed) = post_attention_layernorm->AddForward(x, h);
       if (next_sparse != nullptr && step.dispatched != nullptr) GuessNext(x, step);

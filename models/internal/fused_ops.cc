@@ -8,11 +8,13 @@
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 #ifdef ACCEL_WITH_MODELS_CUDA
 #include <cuda_runtime_api.h>
 
 #include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -26,17 +28,21 @@ namespace accel::models::internal {
 namespace {
 
 std::atomic<bool> fused_enabled{true};
+std::atomic<bool> decode_gemv_enabled{true};
 
 #ifdef ACCEL_WITH_MODELS_CUDA
 // Whether the kernels may run on these tensors: built, on, every tensor on
-// one CUDA device and of one supported dtype.
+// one CUDA device and of one supported dtype, and none that autograd records
+// (the kernels have no backward: training runs the eager formulas, as
+// cpu_linear.cc's kernels leave it to libtorch).
 bool Applies(std::initializer_list<const at::Tensor*> tensors, cuda::KvDType* dtype) {
   if (!fused_enabled.load(std::memory_order_relaxed)) return false;
   const at::Tensor& first = **tensors.begin();
   if (!first.defined() || !first.is_cuda() || !KvDTypeOf(first.scalar_type(), dtype)) return false;
+  const bool recording = c10::GradMode::is_enabled();
   for (const at::Tensor* t : tensors) {
     if (!t->defined() || t->device() != first.device() || t->scalar_type() != first.scalar_type() ||
-        t->numel() == 0) {
+        t->numel() == 0 || (recording && t->requires_grad())) {
       return false;
     }
   }
@@ -120,6 +126,8 @@ bool FusedCudaOpsBuilt() {
 }
 
 void SetFusedCudaOps(bool enabled) { fused_enabled.store(enabled); }
+
+void SetCudaDecodeGemv(bool enabled) { decode_gemv_enabled.store(enabled); }
 
 #ifdef ACCEL_WITH_MODELS_CUDA
 
@@ -265,6 +273,91 @@ std::optional<at::Tensor> FusedRotaryStore(const at::Tensor& q, const at::Tensor
   return out;
 }
 
+namespace {
+
+// FusedDecodeLinear (norm_weight undefined), FusedNormLinear and (with
+// silu_mul: x's rows [gate | up]) FusedSiluMulLinear.
+std::optional<std::pair<at::Tensor, at::Tensor>> LaunchDecodeGemv(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    bool unit_offset, const at::Tensor& weight, const at::Tensor& bias, bool silu_mul = false) {
+  cuda::KvDType dtype;
+  if (!decode_gemv_enabled.load(std::memory_order_relaxed) || !Applies({&x, &weight}, &dtype) ||
+      x.dim() < 1 || weight.dim() != 2 || x.size(-1) != (silu_mul ? 2 : 1) * weight.size(1) ||
+      !x.is_contiguous() || !weight.is_contiguous() ||
+      x.numel() / x.size(-1) > cuda::kDecodeGemvMaxRows) {
+    return std::nullopt;
+  }
+  const bool norm = norm_weight.defined(), add = residual.defined();
+  if ((bias.defined() && (!Applies({&x, &bias}, &dtype) || !bias.is_contiguous() ||
+                          bias.dim() != 1 || bias.size(0) != weight.size(0))) ||
+      (norm && (!Applies({&x, &norm_weight}, &dtype) || !norm_weight.is_contiguous() ||
+                norm_weight.dim() != 1 || norm_weight.size(0) != x.size(-1))) ||
+      (add && (!norm || !Applies({&x, &residual}, &dtype) || !residual.is_contiguous() ||
+               residual.sizes() != x.sizes()))) {
+    return std::nullopt;
+  }
+  cuda::DecodeGemvParams p;
+  p.rows = static_cast<int32_t>(x.numel() / x.size(-1));
+  p.n = weight.size(0);
+  p.k = static_cast<int32_t>(weight.size(1));
+  p.x_row_stride = x.size(-1);
+  p.silu_mul = silu_mul;
+  p.out_row_stride = p.n;
+  p.x = x.data_ptr();
+  p.weight = weight.data_ptr();
+  p.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  if (norm) {
+    p.norm_weight = norm_weight.data_ptr();
+    p.eps = static_cast<float>(eps);
+    p.unit_offset = unit_offset;
+  }
+  // Checked before anything is allocated: the outputs stand in as an
+  // aligned word (as every allocation is aligned).
+  alignas(16) int64_t probe[2] = {0, 0};
+  p.out = probe;
+  if (add) {
+    p.residual = residual.data_ptr();
+    p.sum = probe;
+    p.residual_row_stride = p.sum_row_stride = p.k;
+  }
+  if (cuda::CheckDecodeGemvParams(p, dtype) != nullptr) return std::nullopt;
+  c10::cuda::CUDAGuard guard(x.device());
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = p.n;
+  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor sum = add ? at::empty(x.sizes(), x.options()) : at::Tensor();
+  p.out = out.data_ptr();
+  if (add) p.sum = sum.data_ptr();
+  Check(cuda::DecodeGemv(p, dtype, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
+        norm ? "RMSNorm and decode GEMV" : "decode GEMV");
+  return std::make_pair(std::move(sum), std::move(out));
+}
+
+}  // namespace
+
+std::optional<at::Tensor> FusedDecodeLinear(const at::Tensor& x, const at::Tensor& weight,
+                                            const at::Tensor& bias) {
+  std::optional<std::pair<at::Tensor, at::Tensor>> got =
+      LaunchDecodeGemv(x, at::Tensor(), at::Tensor(), 0.0, false, weight, bias);
+  if (!got) return std::nullopt;
+  return std::move(got->second);
+}
+
+std::optional<std::pair<at::Tensor, at::Tensor>> FusedNormLinear(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    bool unit_offset, const at::Tensor& weight, const at::Tensor& bias) {
+  if (!norm_weight.defined()) return std::nullopt;
+  return LaunchDecodeGemv(x, residual, norm_weight, eps, unit_offset, weight, bias);
+}
+
+std::optional<at::Tensor> FusedSiluMulLinear(const at::Tensor& gate_up, const at::Tensor& weight,
+                                             const at::Tensor& bias) {
+  std::optional<std::pair<at::Tensor, at::Tensor>> got =
+      LaunchDecodeGemv(gate_up, at::Tensor(), at::Tensor(), 0.0, false, weight, bias, true);
+  if (!got) return std::nullopt;
+  return std::move(got->second);
+}
+
 #else  // the kernels are not in this build: the eager formulas run
 
 std::optional<at::Tensor> FusedRmsNorm(const at::Tensor&, const at::Tensor&, double, bool) {
@@ -285,6 +378,21 @@ std::optional<at::Tensor> FusedRotaryStore(const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&, const at::Tensor&,
                                            const at::Tensor&) {
+  return std::nullopt;
+}
+std::optional<at::Tensor> FusedDecodeLinear(const at::Tensor&, const at::Tensor&,
+                                            const at::Tensor&) {
+  return std::nullopt;
+}
+std::optional<std::pair<at::Tensor, at::Tensor>> FusedNormLinear(const at::Tensor&,
+                                                                 const at::Tensor&,
+                                                                 const at::Tensor&, double, bool,
+                                                                 const at::Tensor&,
+                                                                 const at::Tensor&) {
+  return std::nullopt;
+}
+std::optional<at::Tensor> FusedSiluMulLinear(const at::Tensor&, const at::Tensor&,
+                                             const at::Tensor&) {
   return std::nullopt;
 }
 

@@ -52,6 +52,31 @@ std::optional<at::Tensor> FusedRotaryStore(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& key_blocks,
                                            const at::Tensor& value_blocks);
 
+// A decode step's linear layer as one kernel (cuda::DecodeGemv): x
+// [..., k] contiguous with at most cuda::kDecodeGemvMaxRows rows, weight
+// [n, k] contiguous, bias [n] or undefined, all of one dtype on one device;
+// y [..., n]. nullopt where it does not apply (and with
+// SetCudaDecodeGemv(false)): the caller runs the product as before.
+std::optional<at::Tensor> FusedDecodeLinear(const at::Tensor& x, const at::Tensor& weight,
+                                            const at::Tensor& bias);
+// The norm before that product in the same kernel: {the sum x + residual
+// (undefined without a residual), y = RMSNorm(that) W^T (+ bias)}, the sum
+// bit for bit FusedAddRmsNorm's and y FusedDecodeLinear's of its norm.
+// norm_weight [k]; residual undefined or shaped as x.
+std::optional<std::pair<at::Tensor, at::Tensor>> FusedNormLinear(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    bool unit_offset, const at::Tensor& weight, const at::Tensor& bias);
+// SiLU(gate) * up of gate_up's rows ([..., 2k]: gate | up, contiguous, as
+// SiluMul computes it) and the linear layer of it in one kernel: a gated
+// MLP's down projection with its activation inside; y [..., n], bit for bit
+// FusedDecodeLinear of FusedSiluMul's output.
+std::optional<at::Tensor> FusedSiluMulLinear(const at::Tensor& gate_up, const at::Tensor& weight,
+                                             const at::Tensor& bias);
+// A process-wide switch for the three above (on by default), for measuring
+// cuBLAS and the separate norm against them (accel-bench-decode-gpu
+// --compare_decode_gemv).
+void SetCudaDecodeGemv(bool enabled);
+
 // The kernel's parameters for those tensors (FusedRotaryStore's layout:
 // q_out [rows, heads, d]); no checks, no launch: what FusedRotaryStore passes,
 // and what the host emulation test runs the kernel's code on.

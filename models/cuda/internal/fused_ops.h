@@ -112,7 +112,8 @@ ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t thr
   const bool add = p.residual != nullptr;
   const Storage* res =
       add ? static_cast<const Storage*>(p.residual) + row * p.residual_row_stride : nullptr;
-  Storage* summed = add ? static_cast<Storage*>(p.sum) + row * p.sum_row_stride : nullptr;
+  Storage* summed =
+      add && p.sum != nullptr ? static_cast<Storage*>(p.sum) + row * p.sum_row_stride : nullptr;
   const int32_t tid = exec.tid();
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const int32_t chunks = p.dim / kVec;
@@ -122,18 +123,27 @@ ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t thr
       aligned(p.weight) && p.x_row_stride % kVec == 0 && p.out_row_stride % kVec == 0 &&
       (!add || (aligned(p.residual) && aligned(p.sum) && p.residual_row_stride % kVec == 0 &&
                 p.sum_row_stride % kVec == 0));
+  // Callers that pass a residual without a sum (the decode GEMV's norm) take
+  // only the register path, which keeps the sum in `held`.
+  if (add && summed == nullptr && !vectorized) return;
   float held[kRmsNormChunks][kVec];
+  // The weight's chunks too, loaded with x's: the norm then waits for
+  // memory once, not again after its reduction (a CTA's latency is the
+  // kernel's time at decode).
+  float weight[kRmsNormChunks][kVec];
   float sum = 0.0f;
   if (vectorized) {
     for (int32_t i = 0; i < kRmsNormChunks; ++i) {
       const int32_t c = tid + i * threads;
       if (c >= chunks) break;
       LoadChunk<Tag>(x + static_cast<int64_t>(c) * kVec, held[i]);
+      LoadChunk<Tag>(w + static_cast<int64_t>(c) * kVec, weight[i]);
       if (add) {
         float other[kVec];
         LoadChunk<Tag>(res + static_cast<int64_t>(c) * kVec, other);
         for (int32_t e = 0; e < kVec; ++e) held[i][e] = Round<Tag>(AddRn(held[i][e], other[e]));
-        StoreChunk<Tag>(summed + static_cast<int64_t>(c) * kVec, held[i]);
+        // (A null `sum` on this path: the caller keeps the sum elsewhere.)
+        if (summed != nullptr) StoreChunk<Tag>(summed + static_cast<int64_t>(c) * kVec, held[i]);
       }
       for (int32_t e = 0; e < kVec; ++e) sum = AddRn(sum, MulRn(held[i][e], held[i][e]));
     }
@@ -159,10 +169,9 @@ ACCEL_MODELS_HD void RmsNormRow(const RmsNormParams& p, int64_t row, int32_t thr
     for (int32_t i = 0; i < kRmsNormChunks; ++i) {
       const int32_t c = tid + i * threads;
       if (c >= chunks) break;
-      float weight[kVec], result[kVec];
-      LoadChunk<Tag>(w + static_cast<int64_t>(c) * kVec, weight);
+      float result[kVec];
       for (int32_t e = 0; e < kVec; ++e) {
-        result[e] = RmsNormValue<Tag>(held[i][e], r, weight[e], p.unit_offset);
+        result[e] = RmsNormValue<Tag>(held[i][e], r, weight[i][e], p.unit_offset);
       }
       StoreChunk<Tag>(out + static_cast<int64_t>(c) * kVec, result);
     }
@@ -257,6 +266,13 @@ ACCEL_MODELS_HD void RotaryStoreItem(const RotaryStoreParams& p, int64_t index) 
           x[e];
 }
 
+// SiLU(g) * u as SiluMulParams computes it, before the output's rounding.
+template <typename Tag>
+ACCEL_MODELS_HD float SiluTimes(float g, float u) {
+  const float silu = g / AddRn(1.0f, Exp(-g));
+  return MulRn(Round<Tag>(silu), u);
+}
+
 // Element `index` of SiluMulParams' rows * dim.
 template <typename Tag>
 ACCEL_MODELS_HD void SiluMulAt(const SiluMulParams& p, int64_t index) {
@@ -265,8 +281,7 @@ ACCEL_MODELS_HD void SiluMulAt(const SiluMulParams& p, int64_t index) {
   const int32_t c = static_cast<int32_t>(index % p.dim);
   const float g = ToFloat(Tag{}, static_cast<const Storage*>(p.gate)[row * p.gate_row_stride + c]);
   const float u = ToFloat(Tag{}, static_cast<const Storage*>(p.up)[row * p.up_row_stride + c]);
-  const float silu = g / AddRn(1.0f, Exp(-g));
-  static_cast<Storage*>(p.out)[index] = FromFloat(Tag{}, MulRn(Round<Tag>(silu), u));
+  static_cast<Storage*>(p.out)[index] = FromFloat(Tag{}, SiluTimes<Tag>(g, u));
 }
 
 }  // namespace accel::models::cuda::internal
