@@ -65,6 +65,24 @@ ACCEL_MODELS_HD void LoadChunk(const typename Tag::Storage* src,
   for (int e = 0; e < kVec; ++e) out[e] = ToFloat(Tag{}, chunk.values[e]);
 }
 
+// Asks the L2 cache for `bytes` at `row` (a no-op on the host): thread
+// `lane` of `lanes` takes every lanes-th 128-byte line. At decode the CTA's
+// reads are a chain (q, the keys, then after the softmax the values) of
+// memory round trips; lines asked for ahead come back from L2.
+ACCEL_MODELS_HD void PrefetchRow(const void* row, int64_t bytes, int32_t lane, int32_t lanes) {
+#if defined(__CUDA_ARCH__)
+  for (int64_t at = static_cast<int64_t>(lane) * 128; at < bytes;
+       at += static_cast<int64_t>(lanes) * 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(row) + at));
+  }
+#else
+  (void)row;
+  (void)bytes;
+  (void)lane;
+  (void)lanes;
+#endif
+}
+
 ACCEL_MODELS_HD float Softcap(float score, float cap) {
   return cap > 0.0f ? tanhf(score / cap) * cap : score;
 }
@@ -94,6 +112,20 @@ ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, in
   float* scores = q_s + l.q_region_floats;  // [group, partition]
   float* stats = scores + l.score_floats;
 
+  const Storage* keys = static_cast<const Storage*>(p.key_blocks);
+  const Storage* values = static_cast<const Storage*>(p.value_blocks);
+  const int32_t lane = tid % l.lanes, slot = tid / l.lanes;
+  const int32_t keys_per_round = l.keys_per_pass * kKeyUnroll;
+  const int64_t key_bytes = static_cast<int64_t>(p.head_dim) * sizeof(Storage);
+  const int64_t value_bytes = static_cast<int64_t>(p.value_dim) * sizeof(Storage);
+  // The first round's keys asked for while q loads (no effect on the host).
+  for (int32_t u = 0; u < kKeyUnroll; ++u) {
+    const int32_t pos = range.begin + u * l.keys_per_pass + slot;
+    if (pos >= range.end) break;
+    PrefetchRow(keys + KvRowOffset(table, pos, p.block_size, p.kv_heads, kv_head, p.head_dim),
+                key_bytes, lane, l.lanes);
+  }
+
   // 1. The group's queries, scaled, in float32.
   const Storage* q = static_cast<const Storage*>(p.q) + first_row * p.head_dim;
   for (int64_t i = tid; i < l.q_floats; i += kDecodeThreads) {
@@ -104,10 +136,8 @@ ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, in
   // 2. Scores: `lanes` threads a key, each holding 16-byte chunks of it
   // (consecutive lanes, consecutive chunks: coalesced), the dot products
   // summed over the lanes by exchanges. Each thread loads kKeyUnroll keys
-  // before it uses any, so that as many reads are in flight.
-  const Storage* keys = static_cast<const Storage*>(p.key_blocks);
-  const int32_t lane = tid % l.lanes, slot = tid / l.lanes;
-  const int32_t keys_per_round = l.keys_per_pass * kKeyUnroll;
+  // before it uses any, so that as many reads are in flight, and asks L2 for
+  // the next round's keys and for this key's value (step 4 reads it).
   for (int32_t base = range.begin; base < range.end; base += keys_per_round) {
     float k[kKeyUnroll][kMaxChunksPerLane][kVec];
     for (int32_t u = 0; u < kKeyUnroll; ++u) {
@@ -115,6 +145,16 @@ ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, in
       const bool valid = pos < range.end;
       const int64_t row =
           valid ? KvRowOffset(table, pos, p.block_size, p.kv_heads, kv_head, p.head_dim) : 0;
+      if (valid) {
+        PrefetchRow(
+            values + KvRowOffset(table, pos, p.block_size, p.kv_heads, kv_head, p.value_dim),
+            value_bytes, lane, l.lanes);
+        if (pos + keys_per_round < range.end) {
+          PrefetchRow(keys + KvRowOffset(table, pos + keys_per_round, p.block_size, p.kv_heads,
+                                         kv_head, p.head_dim),
+                      key_bytes, lane, l.lanes);
+        }
+      }
       for (int32_t i = 0; i < kMaxChunksPerLane; ++i) {
         const int32_t c = lane + i * l.lanes;
         if (valid && c < l.chunks) {
@@ -181,7 +221,6 @@ ACCEL_MODELS_HD void DecodeSplit(const PagedDecodeParams& p, int32_t kv_head, in
   // heads kValueHeadTile at a time. A thread's sums over its rows are added
   // to the other slots' of its warp by exchanges, then across the warps
   // through shared memory (the region q used: q is not read again).
-  const Storage* values = static_cast<const Storage*>(p.value_blocks);
   const int32_t value_lane = tid % l.value_lanes, value_slot = tid / l.value_lanes;
   float* warp_sums = q_s;  // [warps, kValueHeadTile, value_dim]
   const bool split_output = p.max_splits > 1;
