@@ -284,7 +284,8 @@ void SetFusedCudaOps(bool enabled);
 // kernel on a CUDA device, with the norm before them inside it where the
 // decoder has one (models/cuda/decode_gemv.h; on by default, process-wide);
 // off for cuBLAS and separate norms (accel-bench-decode-gpu
-// --compare_decode_gemv).
+// --compare_decode_gemv; ACCEL_CUDA_DECODE_GEMV=0 in the environment starts
+// it off).
 void SetCudaDecodeGemv(bool enabled);
 
 }  // namespace accel::nn

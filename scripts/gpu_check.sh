@@ -33,7 +33,9 @@
 # the first call ~520 s, or leave bench:decode_8b_int8 to a later one.
 # Added 2026-12-01 (second session, unmeasured): test:models_decode_gemv
 # (~10 s) and bench:decode_8b_gemv (~40 s): ~570 s for everything but the
-# offload / MoE benchmarks, the serve and mixtral phases.
+# offload / MoE benchmarks, the serve and mixtral phases. If the decode
+# GEMV fails its test or makes tokens differ, ACCEL_CUDA_DECODE_GEMV=0 turns
+# it off for a rerun (no rebuild): cuBLAS and the separate norms as before.
 # Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
 # the device is lent for minutes): every step runs under `timeout`, gets at
 # most what is left of the budget, and is skipped (and says so) when too

@@ -7,7 +7,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
+#include <string>
 #include <vector>
 
 #ifdef ACCEL_WITH_MODELS_CUDA
@@ -28,7 +30,13 @@ namespace accel::models::internal {
 namespace {
 
 std::atomic<bool> fused_enabled{true};
-std::atomic<bool> decode_gemv_enabled{true};
+// ACCEL_CUDA_DECODE_GEMV=0 starts with it off (a device run that finds it
+// wrong or slow measures the rest without a rebuild).
+bool DecodeGemvDefault() {
+  const char* env = std::getenv("ACCEL_CUDA_DECODE_GEMV");
+  return env == nullptr || std::string(env) != "0";
+}
+std::atomic<bool> decode_gemv_enabled{DecodeGemvDefault()};
 
 #ifdef ACCEL_WITH_MODELS_CUDA
 // Whether the kernels may run on these tensors: built, on, every tensor on

@@ -430,6 +430,7 @@ TEST(DecodeGemvTest, OnCudaTheKernelMatchesLibtorchAndTheNormKernel) {
   }
   c10::InferenceMode inference;
   const at::Device gpu(at::kCUDA, 0);
+  internal::SetCudaDecodeGemv(true);  // (whatever ACCEL_CUDA_DECODE_GEMV says)
   for (const DType& dtype : kDTypes) {
     for (int64_t rows : {1, 4, 8}) {
       const std::string what = std::string(dtype.name) + " rows " + std::to_string(rows);
