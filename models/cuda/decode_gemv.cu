@@ -1,9 +1,13 @@
 // DecodeGemv (decode_gemv.h): internal::DecodeGemvCta a CTA, x' (the norm
-// of x, or SiLU(gate) * up) in dynamic shared memory when there is one. The grid is at most a few
-// CTAs an SM (each CTA's warps then take several rows of W), so that the norm's prologue, which
-// every CTA repeats, is paid a few times an SM and not once for every eight rows of W.
-#include <atomic>
+// of x, or SiLU(gate) * up) in dynamic shared memory when there is one. The
+// grid is what fits the device at once (DecodeGemvCtas over the kernel's
+// occupancy at its shared memory), each warp taking the same number of rows
+// of W, so that a prologue, which every CTA repeats, is paid once a resident
+// CTA and not once for every eight rows of W.
 #include <cuda_runtime.h>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "models/cuda/fused_kernels.h"
 #include "models/cuda/internal/decode_gemv.h"
@@ -12,9 +16,6 @@
 namespace accel::models::cuda {
 namespace internal {
 namespace {
-
-// CTAs an SM the grid allows (two fit by registers; the rest queue).
-constexpr int64_t kCtasPerSm = 4;
 
 template <typename Tag, int32_t kRows, DecodeGemvPrologue kPrologue>
 __global__ void __launch_bounds__(kDecodeGemvThreads) DecodeGemvKernel(const DecodeGemvParams p) {
@@ -34,33 +35,40 @@ cudaError_t ByRows(int32_t rows, const Launch& launch) {
   return launch(DecodeGemvKernel<Tag, 8, kPrologue>);
 }
 
-// The device's SM count, asked once a device.
-int64_t SmCount() {
-  static std::atomic<int> counts[64];
+// CTAs of `kernel` with `shared` bytes that the current device holds at
+// once (its SMs times the occupancy), asked once a (device, kernel, shared
+// size); an error: one an SM of an H200.
+int64_t ResidentCtas(const void* kernel, size_t shared) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, std::pair<const void*, size_t>>, int64_t> known;
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
-  int count = counts[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        count <= 0) {
-      return 132;
-    }
-    counts[device].store(count, std::memory_order_relaxed);
+  if (cudaGetDevice(&device) != cudaSuccess) return 132;
+  const auto key = std::make_pair(device, std::make_pair(kernel, shared));
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = known.find(key);
+  if (found != known.end()) return found->second;
+  int sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDecodeGemvThreads, shared) !=
+          cudaSuccess ||
+      sms < 1 || per_sm < 1) {
+    (void)cudaGetLastError();  // (not left for the launch's check)
+    return 132;
   }
-  return count;
+  return known[key] = static_cast<int64_t>(sms) * per_sm;
 }
 
 template <typename Tag>
 cudaError_t Launch(const DecodeGemvParams& p, KvDType dtype, cudaStream_t stream) {
-  const int64_t groups = (p.n + kDecodeGemvWarps - 1) / kDecodeGemvWarps;
-  const int64_t most = SmCount() * kCtasPerSm;
-  const unsigned ctas = static_cast<unsigned>(groups < most ? groups : most);
   const DecodeGemvPrologue prologue = PrologueOf(p);
   const size_t shared = prologue != DecodeGemvPrologue::kNone
                             ? static_cast<size_t>(p.rows) * p.k * KvDTypeSize(dtype)
                             : 0;
   auto launch = [&](auto kernel) {
-    kernel<<<ctas, kDecodeGemvThreads, shared, stream>>>(p);
+    const int64_t ctas =
+        DecodeGemvCtas(p.n, ResidentCtas(reinterpret_cast<const void*>(kernel), shared));
+    if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
+    kernel<<<static_cast<unsigned>(ctas), kDecodeGemvThreads, shared, stream>>>(p);
     return cudaGetLastError();
   };
   switch (prologue) {

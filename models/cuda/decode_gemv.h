@@ -79,6 +79,18 @@ ACCEL_MODELS_HD bool DecodeGemvStagesX(int32_t rows, int32_t k, KvDType dtype) {
   return static_cast<int64_t>(rows) * k * KvDTypeSize(dtype) <= kDecodeGemvSharedBytes;
 }
 
+// The grid for n rows of W when `resident` CTAs fit the device at once:
+// every warp takes the same number of rows (rounds), in as few rounds as
+// the resident CTAs allow, so no warp's extra row is the kernel's tail and
+// the CTAs run in one wave. (A prologue, which each CTA repeats, is then
+// paid at most once a resident CTA.)
+ACCEL_MODELS_HD int64_t DecodeGemvCtas(int64_t n, int64_t resident) {
+  const int64_t groups = (n + kDecodeGemvThreads / 32 - 1) / (kDecodeGemvThreads / 32);
+  if (resident < 1) resident = 1;
+  const int64_t rounds = (groups + resident - 1) / resident;
+  return (groups + rounds - 1) / rounds;
+}
+
 // nullptr when the kernel takes `p`, else what it does not take.
 ACCEL_MODELS_HD const char* CheckDecodeGemvParams(const DecodeGemvParams& p, KvDType dtype) {
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };

@@ -411,6 +411,28 @@ TEST(DecodeGemvEmulationTest, ParametersTheKernelCannotTakeAreNamed) {
   EXPECT_STREQ(cuda::CheckDecodeGemvParams(q, bf16), "silu_mul with a norm");
 }
 
+// The grid: every warp the same number of rows of W, in one wave.
+TEST(DecodeGemvEmulationTest, TheGridGivesEveryWarpTheSameRowsInOneWave) {
+  struct Case {
+    int64_t n, resident, ctas;
+  };
+  // 8 rows of W a CTA at a time; an H200's 132 SMs at 4 or 2 CTAs each.
+  const Case cases[] = {{4096, 528, 512},    // o_proj: one row a warp
+                        {6144, 528, 384},    // q | k | v: two rows a warp, not 1.45 waves
+                        {6144, 264, 256},    // (the norm's kernel: 2 an SM) three rows a warp
+                        {28672, 528, 512},   // gate | up: seven rows a warp
+                        {128256, 528, 518},  // lm_head: 31 rows a warp (the last CTAs' fewer)
+                        {5, 528, 1},        {17, 1, 1}, {17, 0, 1}};
+  for (const Case& c : cases) {
+    const int64_t ctas = cuda::DecodeGemvCtas(c.n, c.resident);
+    EXPECT_EQ(ctas, c.ctas) << c.n << " rows over " << c.resident;
+    EXPECT_LE(ctas, std::max<int64_t>(c.resident, 1));
+    // The warps' rows differ by at most one, and only where n is not whole rounds.
+    const int64_t groups = (c.n + 7) / 8, rounds = (groups + ctas - 1) / ctas;
+    EXPECT_GT(ctas * rounds, groups - ctas) << c.n;
+  }
+}
+
 TEST(DecodeGemvTest, TheWrappersDeclineCpuTensors) {
   c10::InferenceMode inference;
   const at::Tensor x = at::randn({1, 16}), w = at::randn({4, 16}), g = at::ones({16});
