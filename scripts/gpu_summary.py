@@ -123,6 +123,10 @@ def main():
             continue
         lines.append(f"decode on GPU 0 ({name}): copy traffic "
                      f"{decode.get('copy_traffic_gbs', 0):.0f} GB/s")
+        for g in decode.get("gemv_shapes", []):
+            lines.append(f"  bfloat16 {g['n']:>6}x{g['k']:<6} rows {g['rows']}: decode GEMV "
+                         f"{g['decode_gemv_us']:7.2f} us ({g['decode_gemv_of_copy']:.2f} of copy), "
+                         f"cuBLAS {g['cublas_us']:7.2f} us ({g['cublas_of_copy']:.2f})")
         for m in decode.get("models", []):
             lines.append(f"  {m['quantize']}: {m['bytes_per_step'] / 1e9:.2f} GB a step, loaded in "
                          f"{m['load_s']:.1f} s, TTFT ({decode.get('prompt')} tokens) "

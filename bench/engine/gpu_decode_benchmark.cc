@@ -24,6 +24,9 @@
 //       [--compare_unfused 1]   (the graphs rows again without models/cuda/fused_ops.h's kernels)
 //       [--compare_decode_gemv 1]   (the graphs rows again with cuBLAS and separate norms in
 //                                    place of models/cuda/decode_gemv.h's kernel)
+//       [--gemv_shapes 4096x4096,6144x4096 --gemv_rows 1,4,8]   (bfloat16 N x K products at
+//                                    those rows, the decode GEMV against cuBLAS, each call's
+//                                    kernels timed by Kineto, before the model loads)
 //       [--general_batches 8,32]   (eager steps through the general forward)
 //       [--mixed_batches 32,128] [--mixed_prompt 48]   (each step the batch's decodes and a
 //                                new request's prompt, as a served load's steps: the general
@@ -104,7 +107,7 @@ std::vector<std::string> Split(const std::string& text) {
                "accel-bench-decode-gpu: %s\nusage: accel-bench-decode-gpu --model DIR "
                "[--quantize none,nf4] [--batches 1,8,32,128] [--tokens N] [--prompt N] "
                "[--rounds N] [--json FILE] [--graph_batches 1,8] [--compare_unfused 0|1] "
-               "[--compare_decode_gemv 0|1] "
+               "[--compare_decode_gemv 0|1] [--gemv_shapes NxK,...] [--gemv_rows 1,4,8] "
                "[--general_batches 32] [--mixed_batches 32] [--mixed_prompt 48] "
                "[--profile_batches 1] [--profile_mixed 32] [--count_syncs 32]\n",
                error.c_str());
@@ -348,6 +351,72 @@ std::string ProfileDecode(accel::models::LoadedModel& m, int64_t batch, int64_t 
 #endif
 }
 
+// One shape of --gemv_shapes at `rows` rows: the decode GEMV
+// (models/cuda/decode_gemv.h, through nn::DenseLinear) and cuBLAS (the same
+// call with it off), each call's kernels' device time from Kineto (cuBLAS's
+// split-K GEMV and its reduce together), and the weight's bytes over that
+// time as a share of the copy traffic. JSON of it; "" where Kineto is not
+// in this libtorch.
+std::string GemvShape(const at::Device& device, int64_t n, int64_t k, int64_t rows,
+                      double copy_traffic) {
+#ifdef ACCEL_BENCH_KINETO
+  namespace impl = torch::profiler::impl;
+  namespace profiler = torch::autograd::profiler;
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
+  const std::set<impl::ActivityType> activities = {impl::ActivityType::CUDA};
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kBFloat16).device(device);
+  const at::Tensor weight = at::randn({n, k}, options) * 0.02;
+  const at::Tensor x = at::randn({1, rows, k}, options);
+  constexpr int kCalls = 50;
+  // Device microseconds a call.
+  const auto time = [&](bool ours) {
+    accel::nn::SetCudaDecodeGemv(ours);
+    for (int i = 0; i < 3; ++i) (void)accel::nn::DenseLinear(x, weight, at::Tensor());
+    (void)x[0][0][0].item<float>();
+    profiler::prepareProfiler(config, activities);
+    profiler::enableProfiler(config, activities);
+    for (int i = 0; i < kCalls; ++i) (void)accel::nn::DenseLinear(x, weight, at::Tensor());
+    (void)x[0][0][0].item<float>();
+    const std::unique_ptr<profiler::ProfilerResult> result = profiler::disableProfiler();
+    accel::nn::SetCudaDecodeGemv(true);
+    double ns = 0;
+    int64_t kernels = 0;
+    for (const auto& e : result->events()) {
+      if (e.deviceType() != c10::DeviceType::CUDA || e.name().find("emcpy") != std::string::npos) {
+        continue;
+      }
+      ns += static_cast<double>(e.durationNs());
+      ++kernels;
+    }
+    return std::make_pair(ns / kCalls / 1e3, static_cast<double>(kernels) / kCalls);
+  };
+  const auto [ours_us, ours_kernels] = time(true);
+  const auto [cublas_us, cublas_kernels] = time(false);
+  const double bytes = static_cast<double>(n) * static_cast<double>(k) * 2.0;
+  std::printf(
+      "  %6ldx%-6ld rows %ld: decode GEMV %7.2f us (%.1f kernels, %.2f of copy traffic), cuBLAS "
+      "%7.2f us (%.1f kernels, %.2f)\n",
+      static_cast<long>(n), static_cast<long>(k), static_cast<long>(rows), ours_us, ours_kernels,
+      bytes / (ours_us * 1e-6) / copy_traffic, cublas_us, cublas_kernels,
+      bytes / (cublas_us * 1e-6) / copy_traffic);
+  std::fflush(stdout);
+  return "{\"n\": " + std::to_string(n) + ", \"k\": " + std::to_string(k) +
+         ", \"rows\": " + std::to_string(rows) +
+         ", \"decode_gemv_us\": " + std::to_string(ours_us) +
+         ", \"cublas_us\": " + std::to_string(cublas_us) +
+         ", \"decode_gemv_of_copy\": " + std::to_string(bytes / (ours_us * 1e-6) / copy_traffic) +
+         ", \"cublas_of_copy\": " + std::to_string(bytes / (cublas_us * 1e-6) / copy_traffic) + "}";
+#else
+  (void)device;
+  (void)n;
+  (void)k;
+  (void)rows;
+  (void)copy_traffic;
+  std::printf("  GEMV shapes: this libtorch (1.x) has no Kineto entry points this binary uses\n");
+  return "";
+#endif
+}
+
 // The host's waits for the device a step (engine/internal/cuda_sync_counter.h)
 // at `batch`: static decode steps, general decode-only steps, and general
 // steps with an `arriving`-token prompt each step; the call stacks of the
@@ -425,6 +494,8 @@ int main(int argc, char** argv) {
   std::vector<int64_t> mixed_batches;    // decodes with a prompt arriving every step
   std::vector<int64_t> profile_mixed;    // the kernels of such a step, eager
   std::vector<int64_t> count_syncs;      // the host's waits for the device a step
+  std::vector<std::pair<int64_t, int64_t>> gemv_shapes;  // N x K, the decode GEMV against cuBLAS
+  std::vector<int64_t> gemv_rows = {1, 4, 8};
   int64_t mixed_prompt = 48;
   int64_t tokens = 64, prompt = 2048;
   int rounds = 3;
@@ -466,6 +537,17 @@ int main(int argc, char** argv) {
       mixed_prompt = std::atoll(value.c_str());
     } else if (flag == "--general_batches") {
       for (const std::string& b : Split(value)) general_batches.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--gemv_shapes") {
+      for (const std::string& s : Split(value)) {
+        const size_t x = s.find('x');
+        const int64_t n = x == std::string::npos ? 0 : std::atoll(s.substr(0, x).c_str());
+        const int64_t k = x == std::string::npos ? 0 : std::atoll(s.substr(x + 1).c_str());
+        if (n < 1 || k < 1) Usage("--gemv_shapes takes NxK,NxK..., got " + s);
+        gemv_shapes.emplace_back(n, k);
+      }
+    } else if (flag == "--gemv_rows") {
+      gemv_rows.clear();
+      for (const std::string& b : Split(value)) gemv_rows.push_back(std::atoll(b.c_str()));
     } else if (flag == "--compare_decode_gemv") {
       if (value != "0" && value != "1" && value != "true" && value != "false") {
         Usage("--compare_decode_gemv is 0, 1, true or false, got " + value);
@@ -524,7 +606,7 @@ int main(int argc, char** argv) {
   std::string json = "{\"copy_gbs\": " + std::to_string(copy_rate / 1e9) +
                      ", \"copy_traffic_gbs\": " + std::to_string(2 * copy_rate / 1e9) +
                      ", \"tokens\": " + std::to_string(tokens) +
-                     ", \"prompt\": " + std::to_string(prompt) + ", \"models\": [";
+                     ", \"prompt\": " + std::to_string(prompt) + ", ";
   auto write_json = [&](const std::string& tail) {
     if (json_path.empty()) return;
     std::FILE* f = std::fopen(json_path.c_str(), "w");
@@ -532,6 +614,19 @@ int main(int argc, char** argv) {
     std::fputs((json + tail).c_str(), f);
     std::fclose(f);
   };
+  if (!gemv_shapes.empty()) {
+    std::printf("\nbfloat16 products at decode's rows, device time a call:\n");
+    std::string shapes;
+    for (const auto& [n, k] : gemv_shapes) {
+      for (int64_t rows : gemv_rows) {
+        if (rows < 1) Usage("--gemv_rows must be positive");
+        const std::string one = GemvShape(device, n, k, rows, 2 * copy_rate);
+        if (!one.empty()) shapes += std::string(shapes.empty() ? "" : ", ") + one;
+      }
+    }
+    json += "\"gemv_shapes\": [" + shapes + "], ";
+  }
+  json += "\"models\": [";
   write_json("]}\n");
   bool first_model = true;
   for (const std::string& q : quantize) {
