@@ -746,49 +746,45 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       // The same steps without the fused RMSNorm / rotary / SiLU kernels
       // (models/cuda/fused_ops.h): what they save a step.
-      std::string unfused_json;
-      if (compare_unfused) {
-        std::vector<double> unfused;
-        unfused.reserve(static_cast<size_t>(rounds));
-        accel::nn::SetFusedCudaOps(false);
+      // The graphs rows again with one of nn's CUDA switches off (each round
+      // as above).
+      const auto graphs_without = [&](void (*set)(bool)) {
+        std::vector<double> rates;
+        set(false);
         for (int r = 0; r < rounds; ++r) {
           DecodeRun run;
           run.graphs = true;
           run.untimed_steps = 1;
-          unfused.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, run));
+          rates.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, run));
         }
-        accel::nn::SetFusedCudaOps(true);
+        set(true);
+        return Median(rates);
+      };
+      // Without the fused RMSNorm / rotary / SiLU kernels
+      // (models/cuda/fused_ops.h): what they save a step.
+      std::string unfused_json;
+      if (compare_unfused) {
+        const double unfused = graphs_without(accel::nn::SetFusedCudaOps);
         std::printf(
             "  batch %3ld, CUDA graphs without the fused kernels: %8.1f tokens/s (%.2f ms "
             "a step; with them %.2f ms)\n",
-            static_cast<long>(batch), Median(unfused),
-            1e3 * static_cast<double>(batch) / Median(unfused),
+            static_cast<long>(batch), unfused, 1e3 * static_cast<double>(batch) / unfused,
             1e3 * static_cast<double>(batch) / Median(graphed));
         std::fflush(stdout);
-        unfused_json = ", \"graphs_unfused_tokens_per_s\": " + std::to_string(Median(unfused));
+        unfused_json = ", \"graphs_unfused_tokens_per_s\": " + std::to_string(unfused);
       }
-      // The same steps with cuBLAS's products and the norms as kernels of
-      // their own (models/cuda/decode_gemv.h off): what the decode GEMV and
-      // the norm inside it save a step, or cost.
+      // With cuBLAS's products and the norms as kernels of their own
+      // (models/cuda/decode_gemv.h off): what the decode GEMV and the norm
+      // inside it save a step, or cost.
       if (compare_decode_gemv) {
-        std::vector<double> cublas;
-        cublas.reserve(static_cast<size_t>(rounds));
-        accel::nn::SetCudaDecodeGemv(false);
-        for (int r = 0; r < rounds; ++r) {
-          DecodeRun run;
-          run.graphs = true;
-          run.untimed_steps = 1;
-          cublas.push_back(DecodeRate(m, batch, tokens, 2000 + 1000 * r, run));
-        }
-        accel::nn::SetCudaDecodeGemv(true);
+        const double cublas = graphs_without(accel::nn::SetCudaDecodeGemv);
         std::printf(
             "  batch %3ld, CUDA graphs with cuBLAS's products and separate norms: %8.1f "
             "tokens/s (%.2f ms a step; with the decode GEMV %.2f ms)\n",
-            static_cast<long>(batch), Median(cublas),
-            1e3 * static_cast<double>(batch) / Median(cublas),
+            static_cast<long>(batch), cublas, 1e3 * static_cast<double>(batch) / cublas,
             1e3 * static_cast<double>(batch) / Median(graphed));
         std::fflush(stdout);
-        unfused_json += ", \"graphs_cublas_tokens_per_s\": " + std::to_string(Median(cublas));
+        unfused_json += ", \"graphs_cublas_tokens_per_s\": " + std::to_string(cublas);
       }
       graph_rows += std::string(graph_rows.empty() ? "" : ", ") +
                     "{\"batch\": " + std::to_string(batch) +

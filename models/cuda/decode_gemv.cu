@@ -87,15 +87,9 @@ cudaError_t Launch(const DecodeGemvParams& p, KvDType dtype, cudaStream_t stream
 
 cudaError_t DecodeGemv(const DecodeGemvParams& params, KvDType dtype, cudaStream_t stream) {
   if (CheckDecodeGemvParams(params, dtype) != nullptr) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case KvDType::kFloat32:
-      return internal::Launch<internal::Float32>(params, dtype, stream);
-    case KvDType::kBFloat16:
-      return internal::Launch<internal::BFloat16>(params, dtype, stream);
-    case KvDType::kFloat16:
-      return internal::Launch<internal::Float16>(params, dtype, stream);
-  }
-  return cudaErrorInvalidValue;
+  return internal::WithStorage(dtype, cudaErrorInvalidValue, [&](auto tag) {
+    return internal::Launch<decltype(tag)>(params, dtype, stream);
+  });
 }
 
 }  // namespace accel::models::cuda

@@ -17,7 +17,7 @@
 // the sum over k of float(x'[r][k]) * float(W[n][k]) by fused multiply-adds
 // (a lane's chunks in order, then the lanes' sums by a butterfly), plus
 // float(bias[n]), rounded once to the storage dtype. x' is x, or with
-// `norm_weight` the RMSNorm of x (+ residual) exactly as models/cuda/
+// `norm.weight` the RMSNorm of x (+ residual) exactly as models/cuda/
 // fused_ops.h's RmsNorm computes it (the same code, so x' equals that
 // kernel's output to the bit), and with a residual the sum x + residual is
 // written to `sum` as RmsNorm writes it; or, with `silu_mul`, x' is
@@ -49,9 +49,10 @@ inline constexpr int32_t kDecodeGemvNormChunks = 4;
 // x: `rows` rows of `k` elements, `x_row_stride` apart; weight [n, k]
 // contiguous; bias [n] or null; out: `rows` rows of n, `out_row_stride`
 // apart. Every pointer 16-byte aligned, k a multiple of 16 bytes' elements.
-// With norm_weight ([k]): x' = RMSNorm(x (+ residual)) with eps and
-// unit_offset as RmsNormParams has them; residual and sum laid out as x
-// (their own strides), sum written with x + residual.
+// With norm.weight ([k]): x' = RMSNorm(x (+ residual)) with norm's eps,
+// unit_offset, residual and sum (laid out as x, at their own strides; sum
+// written with x + residual); norm's x, out, rows, dim and x / out strides
+// are the GEMV's own (set by the kernel).
 struct DecodeGemvParams {
   const void* x = nullptr;
   const void* weight = nullptr;
@@ -62,13 +63,7 @@ struct DecodeGemvParams {
   int32_t k = 0;
   int64_t x_row_stride = 0;
   int64_t out_row_stride = 0;
-  const void* norm_weight = nullptr;
-  float eps = 0.0f;
-  bool unit_offset = false;
-  const void* residual = nullptr;
-  void* sum = nullptr;
-  int64_t residual_row_stride = 0;
-  int64_t sum_row_stride = 0;
+  RmsNormParams norm;
   // x's rows are [gate | up], each k wide: x' = SiLU(gate) * up.
   bool silu_mul = false;
 };
@@ -106,24 +101,28 @@ ACCEL_MODELS_HD const char* CheckDecodeGemvParams(const DecodeGemvParams& p, KvD
     return "row strides";
   }
   if (p.silu_mul) {
-    if (p.norm_weight != nullptr || p.residual != nullptr || p.sum != nullptr) {
+    if (p.norm.weight != nullptr || p.norm.residual != nullptr || p.norm.sum != nullptr) {
       return "silu_mul with a norm";
     }
     if (!DecodeGemvStagesX(p.rows, p.k, dtype)) return "x' does not fit shared memory";
     return p.x_row_stride >= 2 * static_cast<int64_t>(p.k) ? nullptr
                                                            : "silu_mul: x rows narrower than 2k";
   }
-  if (p.norm_weight == nullptr) {
-    return p.residual == nullptr && p.sum == nullptr ? nullptr : "a residual without a norm";
+  const RmsNormParams& norm = p.norm;
+  if (norm.weight == nullptr) {
+    return norm.residual == nullptr && norm.sum == nullptr ? nullptr : "a residual without a norm";
   }
   // The norm runs RmsNormRow's register path (each thread holds its chunks).
   if (!DecodeGemvStagesX(p.rows, p.k, dtype)) return "x does not fit shared memory for the norm";
   if (p.k / vec > kDecodeGemvNormChunks * kDecodeGemvThreads) return "k too large for the norm";
-  if (!aligned(p.norm_weight)) return "norm_weight not 16-byte aligned";
-  if ((p.residual == nullptr) != (p.sum == nullptr)) return "residual and sum: both or neither";
-  if (p.residual != nullptr &&
-      (!aligned(p.residual) || !aligned(p.sum) || p.residual_row_stride % vec != 0 ||
-       p.sum_row_stride % vec != 0 || p.residual_row_stride < p.k || p.sum_row_stride < p.k)) {
+  if (!aligned(norm.weight)) return "norm.weight not 16-byte aligned";
+  if ((norm.residual == nullptr) != (norm.sum == nullptr)) {
+    return "residual and sum: both or neither";
+  }
+  if (norm.residual != nullptr &&
+      (!aligned(norm.residual) || !aligned(norm.sum) || norm.residual_row_stride % vec != 0 ||
+       norm.sum_row_stride % vec != 0 || norm.residual_row_stride < p.k ||
+       norm.sum_row_stride < p.k)) {
     return "residual or sum layout";
   }
   return nullptr;

@@ -53,15 +53,8 @@ unsigned ElementBlocks(int64_t n) {
 
 template <template <typename> class Launch, typename Params>
 cudaError_t ByDType(const Params& p, KvDType dtype, cudaStream_t stream) {
-  switch (dtype) {
-    case KvDType::kFloat32:
-      return Launch<Float32>::Run(p, stream);
-    case KvDType::kBFloat16:
-      return Launch<BFloat16>::Run(p, stream);
-    case KvDType::kFloat16:
-      return Launch<Float16>::Run(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return WithStorage(dtype, cudaErrorInvalidValue,
+                     [&](auto tag) { return Launch<decltype(tag)>::Run(p, stream); });
 }
 
 template <typename Tag>

@@ -48,15 +48,9 @@ cudaError_t Launch(const PagedDecodeParams& p, KvDType dtype, cudaStream_t strea
 cudaError_t PagedDecodeAttention(const PagedDecodeParams& params, KvDType dtype,
                                  cudaStream_t stream) {
   if (CheckPagedDecodeParams(params, dtype) != nullptr) return cudaErrorInvalidValue;
-  switch (dtype) {
-    case KvDType::kFloat32:
-      return internal::Launch<internal::Float32>(params, dtype, stream);
-    case KvDType::kBFloat16:
-      return internal::Launch<internal::BFloat16>(params, dtype, stream);
-    case KvDType::kFloat16:
-      return internal::Launch<internal::Float16>(params, dtype, stream);
-  }
-  return cudaErrorInvalidValue;
+  return internal::WithStorage(dtype, cudaErrorInvalidValue, [&](auto tag) {
+    return internal::Launch<decltype(tag)>(params, dtype, stream);
+  });
 }
 
 }  // namespace accel::models::cuda

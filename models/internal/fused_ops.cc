@@ -315,18 +315,18 @@ std::optional<std::pair<at::Tensor, at::Tensor>> LaunchDecodeGemv(
   p.weight = weight.data_ptr();
   p.bias = bias.defined() ? bias.data_ptr() : nullptr;
   if (norm) {
-    p.norm_weight = norm_weight.data_ptr();
-    p.eps = static_cast<float>(eps);
-    p.unit_offset = unit_offset;
+    p.norm.weight = norm_weight.data_ptr();
+    p.norm.eps = static_cast<float>(eps);
+    p.norm.unit_offset = unit_offset;
   }
   // Checked before anything is allocated: the outputs stand in as an
   // aligned word (as every allocation is aligned).
   alignas(16) int64_t probe[2] = {0, 0};
   p.out = probe;
   if (add) {
-    p.residual = residual.data_ptr();
-    p.sum = probe;
-    p.residual_row_stride = p.sum_row_stride = p.k;
+    p.norm.residual = residual.data_ptr();
+    p.norm.sum = probe;
+    p.norm.residual_row_stride = p.norm.sum_row_stride = p.k;
   }
   if (cuda::CheckDecodeGemvParams(p, dtype) != nullptr) return std::nullopt;
   c10::cuda::CUDAGuard guard(x.device());
@@ -335,7 +335,7 @@ std::optional<std::pair<at::Tensor, at::Tensor>> LaunchDecodeGemv(
   at::Tensor out = at::empty(shape, x.options());
   at::Tensor sum = add ? at::empty(x.sizes(), x.options()) : at::Tensor();
   p.out = out.data_ptr();
-  if (add) p.sum = sum.data_ptr();
+  if (add) p.norm.sum = sum.data_ptr();
   Check(cuda::DecodeGemv(p, dtype, c10::cuda::getCurrentCUDAStream(x.device().index()).stream()),
         norm ? "RMSNorm and decode GEMV" : "decode GEMV");
   return std::make_pair(std::move(sum), std::move(out));

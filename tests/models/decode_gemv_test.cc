@@ -21,6 +21,7 @@
 #include "models/cuda/internal/decode_gemv.h"
 #include "models/internal/fused_ops.h"
 #include "models/nn.h"
+#include "tests/models/fused_ops_emulation.h"
 #include "tests/testing/cta_emulator.h"
 
 namespace accel::models {
@@ -28,16 +29,10 @@ namespace {
 
 using accel::testing::CtaEmulator;
 
-struct DType {
-  const char* name;
-  at::ScalarType type;
-  cuda::KvDType kernel;
-};
-const DType kDTypes[] = {{"float32", at::kFloat, cuda::KvDType::kFloat32},
-                         {"bfloat16", at::kBFloat16, cuda::KvDType::kBFloat16},
-                         {"float16", at::kHalf, cuda::KvDType::kFloat16}};
+using DType = testing::KernelDType;
+constexpr const auto& kDTypes = testing::kKernelDTypes;
+using testing::EmulateRmsNorm;
 
-// Every CTA of a grid of `ctas`, as the launcher picks the row template.
 using cuda::internal::DecodeGemvPrologue;
 
 template <typename Tag, int32_t kRows, DecodeGemvPrologue kPrologue>
@@ -214,31 +209,6 @@ TEST(DecodeGemvEmulationTest, RowStridesAreFollowed) {
   EXPECT_TRUE(at::equal(out_wide.narrow(1, 10, 6), at::full({3, 6}, 5.0).to(at::kBFloat16)));
 }
 
-template <typename Tag>
-std::string EmulateRmsNormRows(const cuda::RmsNormParams& p) {
-  CtaEmulator cta(cuda::kRmsNormThreads);
-  std::vector<float> shared(cuda::kRmsNormThreads / 32);
-  for (int64_t row = 0; row < p.rows; ++row) {
-    const std::string error = cta.Run([&](CtaEmulator::Exec& exec) {
-      cuda::internal::RmsNormRow<Tag>(p, row, cuda::kRmsNormThreads, shared.data(), exec);
-    });
-    if (!error.empty()) return error;
-  }
-  return "";
-}
-
-std::string EmulateRmsNorm(const cuda::RmsNormParams& p, cuda::KvDType dtype) {
-  switch (dtype) {
-    case cuda::KvDType::kFloat32:
-      return EmulateRmsNormRows<cuda::internal::Float32>(p);
-    case cuda::KvDType::kBFloat16:
-      return EmulateRmsNormRows<cuda::internal::BFloat16>(p);
-    case cuda::KvDType::kFloat16:
-      return EmulateRmsNormRows<cuda::internal::Float16>(p);
-  }
-  return "dtype";
-}
-
 // The norm in the GEMV's prologue is the RMSNorm kernel's, bit for bit: the
 // fused launch's y equals the GEMV of the norm kernel's output, and its sum
 // the eager x + residual (written by one CTA; every CTA normalises).
@@ -281,15 +251,12 @@ TEST(DecodeGemvEmulationTest, TheNormInsideEqualsTheNormKernelThenTheGemv) {
           // The fused launch, over three CTAs.
           at::Tensor got = at::full({rows, n}, 9.0).to(dtype.type);
           at::Tensor sum_got = add ? at::full_like(x, 9.0) : at::Tensor();
+          // (The norm's parameters as given to the norm kernel, its sum to
+          // another tensor: the GEMV sets the rest.)
           cuda::DecodeGemvParams p = ParamsFor(x, weight, bias, got);
-          p.norm_weight = norm_weight.data_ptr();
-          p.eps = 1e-5f;
-          p.unit_offset = unit_offset;
-          if (add) {
-            p.residual = residual.data_ptr();
-            p.sum = sum_got.data_ptr();
-            p.residual_row_stride = p.sum_row_stride = k;
-          }
+          p.norm = norm;
+          p.norm.out = nullptr;
+          if (add) p.norm.sum = sum_got.data_ptr();
           ASSERT_EQ(Emulate(p, dtype.kernel, 3), "") << what;
           EXPECT_TRUE(at::equal(got, want)) << what;
           if (add) {
@@ -384,16 +351,16 @@ TEST(DecodeGemvEmulationTest, ParametersTheKernelCannotTakeAreNamed) {
   q.weight = buffer + 1;
   EXPECT_STREQ(cuda::CheckDecodeGemvParams(q, bf16), "a pointer not 16-byte aligned");
   q = p;
-  q.residual = buffer;
-  q.sum = buffer;
+  q.norm.residual = buffer;
+  q.norm.sum = buffer;
   EXPECT_STREQ(cuda::CheckDecodeGemvParams(q, bf16), "a residual without a norm");
   q = p;
-  q.norm_weight = buffer;
+  q.norm.weight = buffer;
   EXPECT_EQ(cuda::CheckDecodeGemvParams(q, bf16), nullptr);
-  q.residual = buffer;
+  q.norm.residual = buffer;
   EXPECT_STREQ(cuda::CheckDecodeGemvParams(q, bf16), "residual and sum: both or neither");
   q = p;
-  q.norm_weight = buffer;
+  q.norm.weight = buffer;
   q.rows = 8;
   q.k = 4096;  // 64 KiB of x: not staged, so no norm
   q.x_row_stride = 4096;
@@ -407,7 +374,7 @@ TEST(DecodeGemvEmulationTest, ParametersTheKernelCannotTakeAreNamed) {
   EXPECT_STREQ(cuda::CheckDecodeGemvParams(q, bf16), "silu_mul: x rows narrower than 2k");
   q.x_row_stride = 32;
   EXPECT_EQ(cuda::CheckDecodeGemvParams(q, bf16), nullptr);
-  q.norm_weight = buffer;
+  q.norm.weight = buffer;
   EXPECT_STREQ(cuda::CheckDecodeGemvParams(q, bf16), "silu_mul with a norm");
 }
 

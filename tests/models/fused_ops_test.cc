@@ -23,21 +23,14 @@
 #include "models/cuda/fused_ops.h"
 #include "models/cuda/internal/fused_ops.h"
 #include "models/nn.h"
-#include "tests/testing/cta_emulator.h"
+#include "tests/models/fused_ops_emulation.h"
 
 namespace accel::models {
 namespace {
 
-using accel::testing::CtaEmulator;
-
-struct DType {
-  const char* name;
-  at::ScalarType type;
-  cuda::KvDType kernel;
-};
-const DType kDTypes[] = {{"float32", at::kFloat, cuda::KvDType::kFloat32},
-                         {"bfloat16", at::kBFloat16, cuda::KvDType::kBFloat16},
-                         {"float16", at::kHalf, cuda::KvDType::kFloat16}};
+using DType = testing::KernelDType;
+constexpr const auto& kDTypes = testing::kKernelDTypes;
+using testing::EmulateRmsNorm;
 
 // One rounding of the storage dtype, relative (the kernels' float32 sums run
 // in another order than libtorch's, and rsqrt / exp may differ in a last
@@ -64,32 +57,6 @@ void ExpectClose(const at::Tensor& got, const at::Tensor& want, double ulps,
     const double equal = g.eq(w).to(at::kDouble).mean().item<double>();
     EXPECT_GE(equal, 0.9) << what;
   }
-}
-
-template <typename Tag>
-std::string EmulateRmsNorm(const cuda::RmsNormParams& p) {
-  constexpr int32_t kThreads = cuda::kRmsNormThreads;
-  CtaEmulator cta(kThreads);
-  std::vector<float> shared(kThreads / 32);
-  for (int64_t row = 0; row < p.rows; ++row) {
-    const std::string error = cta.Run([&](CtaEmulator::Exec& exec) {
-      cuda::internal::RmsNormRow<Tag>(p, row, kThreads, shared.data(), exec);
-    });
-    if (!error.empty()) return "row " + std::to_string(row) + ": " + error;
-  }
-  return "";
-}
-
-std::string EmulateRmsNorm(const cuda::RmsNormParams& p, cuda::KvDType dtype) {
-  switch (dtype) {
-    case cuda::KvDType::kFloat32:
-      return EmulateRmsNorm<cuda::internal::Float32>(p);
-    case cuda::KvDType::kBFloat16:
-      return EmulateRmsNorm<cuda::internal::BFloat16>(p);
-    case cuda::KvDType::kFloat16:
-      return EmulateRmsNorm<cuda::internal::Float16>(p);
-  }
-  return "dtype";
 }
 
 template <typename Tag, typename Params, typename Fn>

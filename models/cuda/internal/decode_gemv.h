@@ -82,20 +82,14 @@ ACCEL_MODELS_HD void LoadXChunk(const typename Tag::Storage* src,
 template <typename Tag, typename Exec>
 ACCEL_MODELS_HD void StageNormedX(const DecodeGemvParams& p, int64_t cta,
                                   typename Tag::Storage* staged, float* reduce, Exec& exec) {
-  RmsNormParams norm;
+  RmsNormParams norm = p.norm;
   norm.x = p.x;
-  norm.weight = p.norm_weight;
   norm.out = staged;
   norm.rows = p.rows;
   norm.dim = p.k;
   norm.x_row_stride = p.x_row_stride;
   norm.out_row_stride = p.k;
-  norm.eps = p.eps;
-  norm.unit_offset = p.unit_offset;
-  norm.residual = p.residual;
-  norm.sum = cta == 0 ? p.sum : nullptr;
-  norm.residual_row_stride = p.residual_row_stride;
-  norm.sum_row_stride = p.sum_row_stride;
+  if (cta != 0) norm.sum = nullptr;
   for (int32_t r = 0; r < p.rows; ++r) {
     RmsNormRow<Tag>(norm, r, kDecodeGemvThreads, reduce, exec);
     // The next row's reduction reuses `reduce`; the warps read x after.
@@ -206,7 +200,7 @@ ACCEL_MODELS_HD void DecodeGemvColumn(const DecodeGemvParams& p, int64_t col, in
 enum class DecodeGemvPrologue { kNone, kNorm, kSiluMul };
 
 ACCEL_MODELS_HD DecodeGemvPrologue PrologueOf(const DecodeGemvParams& p) {
-  return p.norm_weight != nullptr ? DecodeGemvPrologue::kNorm
+  return p.norm.weight != nullptr ? DecodeGemvPrologue::kNorm
          : p.silu_mul             ? DecodeGemvPrologue::kSiluMul
                                   : DecodeGemvPrologue::kNone;
 }

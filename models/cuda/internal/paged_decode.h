@@ -35,6 +35,21 @@ struct Float16 {
 
 ACCEL_MODELS_HD float NegativeInfinity() { return float16_bits::BitsToFloat(0xff800000u); }
 
+// fn(Tag{}) with `dtype`'s storage tag: how a launcher picks its kernel's
+// instance. What fn returns, or (an unknown dtype) `otherwise`.
+template <typename Result, typename Fn>
+Result WithStorage(KvDType dtype, Result otherwise, const Fn& fn) {
+  switch (dtype) {
+    case KvDType::kFloat32:
+      return fn(Float32{});
+    case KvDType::kBFloat16:
+      return fn(BFloat16{});
+    case KvDType::kFloat16:
+      return fn(Float16{});
+  }
+  return otherwise;
+}
+
 // Exact widening to float32, and rounding to nearest even back
 // (core/float16_bits.h).
 ACCEL_MODELS_HD float ToFloat(Float32, float v) { return v; }
