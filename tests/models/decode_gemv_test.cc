@@ -174,7 +174,7 @@ TEST(DecodeGemvEmulationTest, ExactSumsAreExact) {
       for (int64_t k : {8, 256, 2056}) {
         const std::string what =
             std::string(dtype.name) + " rows " + std::to_string(rows) + " k " + std::to_string(k);
-        at::manual_seed(static_cast<uint64_t>(rows * 100 + k));
+        at::manual_seed(static_cast<uint64_t>(int64_t{rows} * 100 + k));
         const int64_t n = 19;
         const at::Tensor x = at::randint(-1, 2, {rows, k}).to(dtype.type);
         const at::Tensor weight = at::randint(-1, 2, {n, k}).to(dtype.type);
@@ -221,7 +221,7 @@ TEST(DecodeGemvEmulationTest, TheNormInsideEqualsTheNormKernelThenTheGemv) {
           const int64_t k = 1024, n = 29;
           const std::string what = std::string(dtype.name) + " rows " + std::to_string(rows) +
                                    (add ? " residual" : "") + (unit_offset ? " unit offset" : "");
-          at::manual_seed(static_cast<uint64_t>(rows * 7 + add * 3 + unit_offset));
+          at::manual_seed(static_cast<uint64_t>(rows) * 7 + (add ? 3 : 0) + (unit_offset ? 1 : 0));
           const at::Tensor x = (at::randn({rows, k}) * 3.0).to(dtype.type);
           const at::Tensor residual =
               add ? (at::randn({rows, k}) * 2.0).to(dtype.type) : at::Tensor();
@@ -438,7 +438,8 @@ TEST(DecodeGemvTest, OnCudaTheKernelMatchesLibtorchAndTheNormKernel) {
       internal::SetCudaDecodeGemv(true);
 
       // SiLU(gate) * up inside: FusedSiluMul's output then the GEMV, to the bit.
-      const at::Tensor gate_up = (at::randn({1, rows, 2 * 4096}) * 2.0).to(dtype.type).to(gpu);
+      const at::Tensor gate_up =
+          (at::randn({1, rows, int64_t{2} * 4096}) * 2.0).to(dtype.type).to(gpu);
       const std::optional<at::Tensor> activated =
           internal::FusedSiluMul(gate_up.narrow(-1, 0, 4096), gate_up.narrow(-1, 4096, 4096));
       ASSERT_TRUE(activated) << what;
