@@ -308,6 +308,8 @@ void SetFusedCudaOps(bool enabled) { models::internal::SetFusedCudaOps(enabled);
 
 void SetCudaDecodeGemv(bool enabled) { models::internal::SetCudaDecodeGemv(enabled); }
 
+void SetCudaDecodeGemvRows(int64_t rows) { models::internal::SetCudaDecodeGemvRows(rows); }
+
 std::string ActivationClass(const std::string& name) {
   if (name == "silu") return "SiLU";
   if (name == "gelu_pytorch_tanh") return "PytorchGELUTanh";

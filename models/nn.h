@@ -287,6 +287,8 @@ void SetFusedCudaOps(bool enabled);
 // --compare_decode_gemv; ACCEL_CUDA_DECODE_GEMV=0 in the environment starts
 // it off).
 void SetCudaDecodeGemv(bool enabled);
+// The most rows that kernel takes (4 by default, up to 8).
+void SetCudaDecodeGemvRows(int64_t rows);
 
 }  // namespace accel::nn
 

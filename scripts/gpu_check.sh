@@ -247,13 +247,13 @@ if want bench && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu ]
       --json "$OUT/bench/decode_gpu.json"
     # The decode GEMV with the norms inside it (models/cuda/decode_gemv.h,
     # on by default) against cuBLAS's split-K GEMVs and separate norm
-    # kernels, from CUDA graphs at batches 1, 4 and 8. If cuBLAS wins,
+    # kernels, from CUDA graphs at batches 1, 2 and 4. If cuBLAS wins,
     # nn::SetCudaDecodeGemv's default (models/internal/fused_ops.cc) flips.
     # First each of the 8B model's products alone at 1, 4 and 8 rows (device
     # time a call, Kineto), which says at which shapes each wins.
     step bench:decode_8b_gemv 120 "$bin/accel-bench-decode-gpu" --model "$model8b" \
       --gemv_shapes 4096x4096,6144x4096,28672x4096,4096x14336,128256x4096 --gemv_rows 1,4,8 \
-      --quantize none --batches 1 --tokens 32 --prompt 64 --rounds 2 --graph_batches 1,4,8 \
+      --quantize none --batches 1 --tokens 32 --prompt 64 --rounds 2 --graph_batches 1,2,4 \
       --compare_decode_gemv 1 --json "$OUT/bench/decode_gemv.json"
     # Sampled decode (temperature 1, the OpenAI API's default): the rows
     # drawn where the logits are (Sampler::NextRows), against the greedy

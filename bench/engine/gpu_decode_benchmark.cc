@@ -368,7 +368,9 @@ std::string GemvShape(const at::Device& device, int64_t n, int64_t k, int64_t ro
   const at::Tensor weight = at::randn({n, k}, options) * 0.02;
   const at::Tensor x = at::randn({1, rows, k}, options);
   constexpr int kCalls = 50;
-  // Device microseconds a call.
+  // Device microseconds a call (the decode GEMV at every row count it has,
+  // whatever its default).
+  accel::nn::SetCudaDecodeGemvRows(8);
   const auto time = [&](bool ours) {
     accel::nn::SetCudaDecodeGemv(ours);
     for (int i = 0; i < 3; ++i) (void)accel::nn::DenseLinear(x, weight, at::Tensor());
@@ -392,6 +394,7 @@ std::string GemvShape(const at::Device& device, int64_t n, int64_t k, int64_t ro
   };
   const auto [ours_us, ours_kernels] = time(true);
   const auto [cublas_us, cublas_kernels] = time(false);
+  accel::nn::SetCudaDecodeGemvRows(4);
   const double bytes = static_cast<double>(n) * static_cast<double>(k) * 2.0;
   std::printf(
       "  %6ldx%-6ld rows %ld: decode GEMV %7.2f us (%.1f kernels, %.2f of copy traffic), cuBLAS "

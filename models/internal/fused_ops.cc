@@ -5,12 +5,15 @@
 // models/CMakeLists.txt); elsewhere every call returns nullopt.
 #include "models/internal/fused_ops.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
 #include <vector>
+
+#include "models/cuda/decode_gemv.h"
 
 #ifdef ACCEL_WITH_MODELS_CUDA
 #include <cuda_runtime_api.h>
@@ -37,6 +40,12 @@ bool DecodeGemvDefault() {
   return env == nullptr || std::string(env) != "0";
 }
 std::atomic<bool> decode_gemv_enabled{DecodeGemvDefault()};
+// The most rows it takes by default: 4. A warp reads every row of x for each
+// row of W it takes, from L1 or shared memory; at 8 rows that is 8 times the
+// weight's bytes, which at HBM's rate is about what an H100-class SM's L1
+// delivers, so above 4 rows cuBLAS's tiles (x read once a tile) should win.
+// An estimate: accel-bench-decode-gpu --gemv_rows 1,4,8 measures it.
+std::atomic<int64_t> decode_gemv_rows{4};
 
 #ifdef ACCEL_WITH_MODELS_CUDA
 // Whether the kernels may run on these tensors: built, on, every tensor on
@@ -136,6 +145,10 @@ bool FusedCudaOpsBuilt() {
 void SetFusedCudaOps(bool enabled) { fused_enabled.store(enabled); }
 
 void SetCudaDecodeGemv(bool enabled) { decode_gemv_enabled.store(enabled); }
+
+void SetCudaDecodeGemvRows(int64_t rows) {
+  decode_gemv_rows.store(std::clamp<int64_t>(rows, 0, cuda::kDecodeGemvMaxRows));
+}
 
 #ifdef ACCEL_WITH_MODELS_CUDA
 
@@ -292,7 +305,7 @@ std::optional<std::pair<at::Tensor, at::Tensor>> LaunchDecodeGemv(
   if (!decode_gemv_enabled.load(std::memory_order_relaxed) || !Applies({&x, &weight}, &dtype) ||
       x.dim() < 1 || weight.dim() != 2 || x.size(-1) != (silu_mul ? 2 : 1) * weight.size(1) ||
       !x.is_contiguous() || !weight.is_contiguous() ||
-      x.numel() / x.size(-1) > cuda::kDecodeGemvMaxRows) {
+      x.numel() / x.size(-1) > decode_gemv_rows.load(std::memory_order_relaxed)) {
     return std::nullopt;
   }
   const bool norm = norm_weight.defined(), add = residual.defined();

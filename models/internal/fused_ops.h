@@ -53,7 +53,7 @@ std::optional<at::Tensor> FusedRotaryStore(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& value_blocks);
 
 // A decode step's linear layer as one kernel (cuda::DecodeGemv): x
-// [..., k] contiguous with at most cuda::kDecodeGemvMaxRows rows, weight
+// [..., k] contiguous with at most SetCudaDecodeGemvRows rows, weight
 // [n, k] contiguous, bias [n] or undefined, all of one dtype on one device;
 // y [..., n]. nullopt where it does not apply (and with
 // SetCudaDecodeGemv(false)): the caller runs the product as before.
@@ -76,6 +76,9 @@ std::optional<at::Tensor> FusedSiluMulLinear(const at::Tensor& gate_up, const at
 // cuBLAS and the separate norm against them (accel-bench-decode-gpu
 // --compare_decode_gemv).
 void SetCudaDecodeGemv(bool enabled);
+// The most rows of x they take (4 by default, at most
+// cuda::kDecodeGemvMaxRows; more go to cuBLAS and the separate kernels).
+void SetCudaDecodeGemvRows(int64_t rows);
 
 // The kernel's parameters for those tensors (FusedRotaryStore's layout:
 // q_out [rows, heads, d]); no checks, no launch: what FusedRotaryStore passes,

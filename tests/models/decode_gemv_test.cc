@@ -420,6 +420,7 @@ TEST(DecodeGemvTest, OnCudaTheKernelMatchesLibtorchAndTheNormKernel) {
   c10::InferenceMode inference;
   const at::Device gpu(at::kCUDA, 0);
   internal::SetCudaDecodeGemv(true);  // (whatever ACCEL_CUDA_DECODE_GEMV says)
+  internal::SetCudaDecodeGemvRows(8);
   for (const DType& dtype : kDTypes) {
     for (int64_t rows : {1, 4, 8}) {
       const std::string what = std::string(dtype.name) + " rows " + std::to_string(rows);
@@ -436,6 +437,9 @@ TEST(DecodeGemvTest, OnCudaTheKernelMatchesLibtorchAndTheNormKernel) {
       internal::SetCudaDecodeGemv(false);
       EXPECT_FALSE(internal::FusedDecodeLinear(x, weight, bias).has_value()) << what;
       internal::SetCudaDecodeGemv(true);
+      internal::SetCudaDecodeGemvRows(rows - 1);
+      EXPECT_FALSE(internal::FusedDecodeLinear(x, weight, bias).has_value()) << what;
+      internal::SetCudaDecodeGemvRows(8);
 
       // SiLU(gate) * up inside: FusedSiluMul's output then the GEMV, to the bit.
       const at::Tensor gate_up =
