@@ -164,6 +164,8 @@ std::optional<at::Tensor> PackedForward(bool packed, const at::Tensor& x,
 std::optional<std::pair<at::Tensor, at::Tensor>> NormThenPacked(
     nn::RMSNorm& norm, const at::Tensor& x, const at::Tensor& residual, bool packed,
     std::initializer_list<const nn::Linear*> parts) {
+  // (Prefill and larger batches go the other way at once: no spans made twice.)
+  if (!DecodeGemvMayTake(x)) return std::nullopt;
   std::optional<std::pair<at::Tensor, at::Tensor>> spans = PackedSpans(packed, x, parts);
   if (!spans) return std::nullopt;
   return norm.NormThenLinear(x, residual, spans->first, spans->second);

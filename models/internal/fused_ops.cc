@@ -150,6 +150,12 @@ void SetCudaDecodeGemvRows(int64_t rows) {
   decode_gemv_rows.store(std::clamp<int64_t>(rows, 0, cuda::kDecodeGemvMaxRows));
 }
 
+bool DecodeGemvMayTake(const at::Tensor& x) {
+  return FusedCudaOpsBuilt() && decode_gemv_enabled.load(std::memory_order_relaxed) &&
+         x.defined() && x.is_cuda() && x.dim() >= 1 && x.size(-1) > 0 &&
+         x.numel() / x.size(-1) <= decode_gemv_rows.load(std::memory_order_relaxed);
+}
+
 #ifdef ACCEL_WITH_MODELS_CUDA
 
 namespace {
@@ -302,10 +308,9 @@ std::optional<std::pair<at::Tensor, at::Tensor>> LaunchDecodeGemv(
     const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
     bool unit_offset, const at::Tensor& weight, const at::Tensor& bias, bool silu_mul = false) {
   cuda::KvDType dtype;
-  if (!decode_gemv_enabled.load(std::memory_order_relaxed) || !Applies({&x, &weight}, &dtype) ||
-      x.dim() < 1 || weight.dim() != 2 || x.size(-1) != (silu_mul ? 2 : 1) * weight.size(1) ||
-      !x.is_contiguous() || !weight.is_contiguous() ||
-      x.numel() / x.size(-1) > decode_gemv_rows.load(std::memory_order_relaxed)) {
+  if (!DecodeGemvMayTake(x) || !Applies({&x, &weight}, &dtype) || weight.dim() != 2 ||
+      x.size(-1) != (silu_mul ? 2 : 1) * weight.size(1) || !x.is_contiguous() ||
+      !weight.is_contiguous()) {
     return std::nullopt;
   }
   const bool norm = norm_weight.defined(), add = residual.defined();

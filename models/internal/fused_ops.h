@@ -59,6 +59,10 @@ std::optional<at::Tensor> FusedRotaryStore(const at::Tensor& q, const at::Tensor
 // SetCudaDecodeGemv(false)): the caller runs the product as before.
 std::optional<at::Tensor> FusedDecodeLinear(const at::Tensor& x, const at::Tensor& weight,
                                             const at::Tensor& bias);
+// Whether those kernels may take x at all (built, on, a CUDA tensor of at
+// most SetCudaDecodeGemvRows rows): a cheap test before a caller prepares
+// the other operands.
+bool DecodeGemvMayTake(const at::Tensor& x);
 // The norm before that product in the same kernel: {the sum x + residual
 // (undefined without a residual), y = RMSNorm(that) W^T (+ bias)}, the sum
 // bit for bit FusedAddRmsNorm's and y FusedDecodeLinear's of its norm.

@@ -406,6 +406,7 @@ TEST(DecodeGemvTest, TheWrappersDeclineCpuTensors) {
   EXPECT_FALSE(internal::FusedDecodeLinear(x, w, at::Tensor()).has_value());
   EXPECT_FALSE(internal::FusedNormLinear(x, x, g, 1e-6, false, w, at::Tensor()).has_value());
   EXPECT_FALSE(internal::FusedSiluMulLinear(at::randn({1, 32}), w, at::Tensor()).has_value());
+  EXPECT_FALSE(internal::DecodeGemvMayTake(x));
   nn::RMSNorm norm("RMSNorm", 16, 1e-6, at::kFloat);
   EXPECT_FALSE(norm.NormThenLinear(x, at::Tensor(), w, at::Tensor()).has_value());
 }
@@ -437,7 +438,9 @@ TEST(DecodeGemvTest, OnCudaTheKernelMatchesLibtorchAndTheNormKernel) {
       internal::SetCudaDecodeGemv(false);
       EXPECT_FALSE(internal::FusedDecodeLinear(x, weight, bias).has_value()) << what;
       internal::SetCudaDecodeGemv(true);
+      EXPECT_TRUE(internal::DecodeGemvMayTake(x)) << what;
       internal::SetCudaDecodeGemvRows(rows - 1);
+      EXPECT_FALSE(internal::DecodeGemvMayTake(x)) << what;
       EXPECT_FALSE(internal::FusedDecodeLinear(x, weight, bias).has_value()) << what;
       internal::SetCudaDecodeGemvRows(8);
 
