@@ -36,6 +36,10 @@
 # offload / MoE benchmarks, the serve and mixtral phases. If the decode
 # GEMV fails its test or makes tokens differ, ACCEL_CUDA_DECODE_GEMV=0 turns
 # it off for a rerun (no rebuild): cuBLAS and the separate norms as before.
+# Added 2026-12-01 (third session, unmeasured): the 4-bit GEMV's scaled form,
+# what kAuto runs for 1 to 8 rows (bench:quant_cuda's mma-scaled rows, a few
+# seconds more); if it fails its tests or loses to mma,
+# ACCEL_CUDA_4BIT_GEMV=exact runs the first form again (no rebuild).
 # Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
 # the device is lent for minutes): every step runs under `timeout`, gets at
 # most what is left of the budget, and is skipped (and says so) when too

@@ -295,6 +295,9 @@ int main(int argc, char** argv) {
       std::vector<Run> runs = {{GemvKernel::kChunk, "rowwise", 1}};
       if (dtype != DType::kFloat32) {
         for (int64_t m : {1, 2, 4, 8}) runs.push_back({GemvKernel::kMma, "mma", m});
+        // Its scaled form (gemv_mma.h; what Gemv4bitRows runs up to 8 rows
+        // unless ACCEL_CUDA_4BIT_GEMV=exact): beside the first form's rows.
+        for (int64_t m : {1, 2, 4, 8}) runs.push_back({GemvKernel::kMmaScaled, "mma-scaled", m});
         // Its pipelined form (gemv_mma.h; what Gemv4bitRows runs up to 4 rows).
         for (int64_t m : {1, 2, 4}) runs.push_back({GemvKernel::kMmaPipelined, "mma-pipe", m});
         // Its tiled form (what Gemv4bitRows runs for 9 to 32 rows; at 8 rows

@@ -12,7 +12,13 @@
 //   (32 weights) of the packed row, dequantizing them into the activation
 //   type and accumulating x * w in float32, then a warp shuffle reduction;
 //   any K, blocksize and alignment through its per-element variant.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "quant/cuda/internal/common.cuh"
 #include "quant/cuda/internal/gemv.h"
@@ -244,6 +250,51 @@ __global__ void __launch_bounds__(kMmaThreads, 2) Gemm4bitMmaTiledKernel(const G
   Gemm4bitMmaTiledCta<Tag, kTiles>(p, static_cast<int64_t>(blockIdx.x), shared, exec);
 }
 
+// The scaled form (gemv_mma.h): a grid of what the device holds at once at
+// most, each CTA building its table once and taking tiles until done.
+// ptxas decides the CTAs an SM (registers; the table and sums are 36 KiB).
+template <typename Tag>
+__global__ void __launch_bounds__(kMmaThreads, 2) Gemv4bitScaledKernel(const GemvMmaParams p) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  MmaExec exec;
+  Gemv4bitScaledCta<Tag>(p, static_cast<int64_t>(blockIdx.x), static_cast<int64_t>(gridDim.x),
+                         shared, exec);
+}
+
+// CTAs of `kernel` the current device holds at once (its SMs times the
+// occupancy at `shared` bytes), asked once a device and kernel.
+int64_t ResidentCtas(const void* kernel, size_t shared) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int64_t> known;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, kernel);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  int sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaThreads, shared) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;  // ScaledCtas: a CTA a tile
+  }
+  return known[key] = static_cast<int64_t>(sms) * per_sm;
+}
+
+template <typename Tag>
+cudaError_t LaunchScaled(const GemvMmaParams& p, cudaStream_t stream) {
+  const auto kernel = Gemv4bitScaledKernel<Tag>;
+  const size_t shared = static_cast<size_t>(ScaledSharedBytes());
+  const int64_t ctas =
+      ScaledCtas(p.n_rows, ResidentCtas(reinterpret_cast<const void*>(kernel), shared));
+  if (ctas > 0x7fffffff || p.m < 1 || p.m > kMmaMaxM) return cudaErrorInvalidValue;
+  kernel<<<static_cast<unsigned>(ctas), kMmaThreads, shared, stream>>>(p);
+  return cudaGetLastError();
+}
+
 // The tiled kernel, for up to kMmaTiledMaxM rows: ceil(m / 8) B tiles.
 template <typename Tag>
 cudaError_t LaunchMmaTiled(const GemvMmaParams& p, cudaStream_t stream) {
@@ -380,6 +431,29 @@ bool MmaApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void
   return dtype != DType::kFloat32 && MmaTakes(m, k, blocksize, x, packed);
 }
 
+bool ScaledApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
+                   const void* packed) {
+  return dtype != DType::kFloat32 && ScaledTakes(m, k, blocksize, x, packed);
+}
+
+namespace {
+std::atomic<int> scaled_gemv{-1};  // -1: not yet read from the environment
+}  // namespace
+
+bool UseScaledGemv() {
+  int on = scaled_gemv.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* env = std::getenv("ACCEL_CUDA_4BIT_GEMV");
+    on = env != nullptr && std::strcmp(env, "exact") == 0 ? 0 : 1;
+    int unset = -1;
+    scaled_gemv.compare_exchange_strong(unset, on);
+    on = scaled_gemv.load(std::memory_order_relaxed);
+  }
+  return on == 1;
+}
+
+void SetScaledGemv(bool on) { scaled_gemv.store(on ? 1 : 0); }
+
 bool MmaTiledApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
                      const void* packed) {
   return dtype != DType::kFloat32 && MmaTiledTakes(m, k, blocksize, x, packed);
@@ -416,6 +490,16 @@ cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint
   const bool tiled = MmaTiledApplies(m, k, blocksize, dtype, x, packed);
   if ((kernel == GemvKernel::kMma || kernel == GemvKernel::kMmaPipelined) && !mma) {
     return cudaErrorInvalidValue;
+  }
+  const bool scaled = ScaledApplies(m, k, blocksize, dtype, x, packed);
+  if (kernel == GemvKernel::kMmaScaled && !scaled) return cudaErrorInvalidValue;
+  // Up to 8 rows: the scaled form by default (the first form's byte permutes
+  // keep the integer pipe at about half of HBM's rate; gemv_mma.h).
+  if (kernel == GemvKernel::kMmaScaled ||
+      (kernel == GemvKernel::kAuto && scaled && UseScaledGemv())) {
+    const GemvMmaParams p = MmaParams(x, m, packed, absmax, code, n_rows, k, blocksize, bias, y);
+    return dtype == DType::kBFloat16 ? LaunchScaled<MmaBFloat16>(p, stream)
+                                     : LaunchScaled<MmaFloat16>(p, stream);
   }
   if (kernel == GemvKernel::kMmaTiled && !tiled) return cudaErrorInvalidValue;
   if (kernel == GemvKernel::kMmaWide) {

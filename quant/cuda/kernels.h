@@ -57,6 +57,14 @@ cudaError_t DequantizeAbsmaxDq(const uint8_t* absmax_u8, const float* nested_abs
 // multiple of 64 and `packed` and `x` 16-byte aligned (bnb's layout and
 // cudaMalloc's pointers), the tensor-core kernel runs: products exact in
 // float32, added by the tensor cores' float32 accumulation in their order.
+// Where the blocksize is also a power of two (bitsandbytes' are), it runs in
+// its scaled form unless $ACCEL_CUDA_4BIT_GEMV=exact: the weight of nibble c
+// is code[c] rounded to `dtype`, each block's float32 sum multiplied by its
+// absmax (a fused multiply-add into the row's sum), so a weight differs from
+// Dequantize4bit's by at most a rounding of `dtype` on each side (2^-8 of it
+// in bfloat16; bitsandbytes' own batch-1 kernel rounds code, absmax and each
+// product to `dtype`), for reading at HBM's rate instead of the integer
+// pipe's (quant/cuda/internal/gemv_mma.h says why).
 // Every other case (float32 activations, any K and blocksize, blocks
 // crossing rows included) takes a warp-per-row kernel with the same
 // numerics and float32 FMAs (16-byte chunks where K % 32 == 0, blocksize %

@@ -169,7 +169,9 @@ struct Inputs {
 
 // The forms of the kernel (kWide: with WideSplits' splits for 16 CTAs;
 // kWideSplit3: K in three splits, their sums added by the reduce).
-enum class Form { kRounds, kPipelined, kTiled, kWide, kWideSplit3 };
+// kScaled: the scaled form with a grid of 3 CTAs (each taking several tiles
+// where N has more than 3 tiles of 16 rows).
+enum class Form { kRounds, kPipelined, kTiled, kWide, kWideSplit3, kScaled };
 
 template <typename Tag>
 std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, Form form, std::string* error) {
@@ -185,6 +187,25 @@ std::vector<uint16_t> RunEmulated(const Case& c, const Inputs& in, Form form, st
   p.k = c.k;
   p.blocksize = c.blocksize;
   p.m = c.m;
+  if (form == Form::kScaled) {
+    if (!ScaledTakes(c.m, c.k, c.blocksize, p.x, p.packed)) {
+      *error = "ScaledTakes refused";
+      return y;
+    }
+    const int64_t ctas = ScaledCtas(c.n_rows, 3);
+    std::vector<uint64_t> shared(static_cast<size_t>(ScaledSharedBytes() / 8 + 1));
+    CtaEmulator cta(kMmaThreads);
+    for (int64_t first = 0; first < ctas; ++first) {
+      std::fill(shared.begin(), shared.end(), ~uint64_t{0});
+      uint8_t* sh = reinterpret_cast<uint8_t*>(shared.data());
+      *error = cta.Run([&](CtaEmulator::Exec& exec) {
+        HostExec host(exec);
+        Gemv4bitScaledCta<Tag>(p, first, ctas, sh, host);
+      });
+      if (!error->empty()) return y;
+    }
+    return y;
+  }
   if (form == Form::kWide || form == Form::kWideSplit3) {
     if (!MmaTiledTakes(c.m, c.k, c.blocksize, p.x, p.packed)) {
       *error = "MmaTiledTakes refused";
@@ -329,6 +350,7 @@ void CheckCase(const Case& c, bool exact_sums, Form form = Form::kRounds) {
                                       : form == Form::kTiled      ? ", tiled"
                                       : form == Form::kWide       ? ", wide"
                                       : form == Form::kWideSplit3 ? ", wide, 3 splits"
+                                      : form == Form::kScaled     ? ", scaled"
                                                                   : ""));
   std::mt19937_64 rng(7);
   Inputs in;
@@ -360,7 +382,9 @@ void CheckCase(const Case& c, bool exact_sums, Form form = Form::kRounds) {
   const std::vector<uint16_t> y = RunEmulated<Tag>(c, in, form, &error);
   ASSERT_EQ(error, "");
   const double u = std::ldexp(1.0, -24);
-  const double gamma = static_cast<double>(c.k + 1) * u / (1 - static_cast<double>(c.k + 1) * u);
+  // The scaled form adds a rounding a block (its sum times the absmax).
+  const int64_t terms = c.k + 1 + (form == Form::kScaled ? c.k / 64 + 1 : 0);
+  const double gamma = static_cast<double>(terms) * u / (1 - static_cast<double>(terms) * u);
   const double u_out =
       std::is_same_v<Tag, MmaBFloat16> ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
   int64_t failures = 0;
@@ -372,9 +396,13 @@ void CheckCase(const Case& c, bool exact_sums, Form form = Form::kRounds) {
         const int64_t j = row * c.k + i;
         const uint8_t byte = in.packed[static_cast<size_t>(j / 2)];
         const int nibble = j % 2 == 0 ? byte >> 4 : byte & 0xF;
-        const double w =
-            Widen(Tag{}, Narrow(Tag{}, in.code[static_cast<size_t>(nibble)] *
-                                           in.absmax[static_cast<size_t>(j / c.blocksize)]));
+        const float code = in.code[static_cast<size_t>(nibble)];
+        const float absmax = in.absmax[static_cast<size_t>(j / c.blocksize)];
+        // Dequantize4bit's weight, or the scaled form's: the code rounded,
+        // times the absmax (exactly, in double).
+        const double w = form == Form::kScaled
+                             ? Widen(Tag{}, Narrow(Tag{}, code)) * static_cast<double>(absmax)
+                             : Widen(Tag{}, Narrow(Tag{}, code * absmax));
         const double p = Widen(Tag{}, in.x[static_cast<size_t>(m * c.k + i)]) * w;
         exact += p;
         magnitude += std::fabs(p);
@@ -538,6 +566,152 @@ TEST(GemvMmaTest, WideSplitsFillTheDeviceWithinTheChunks) {
   EXPECT_EQ(WideSplits(1024, 4096, 264), 16);  // 8 CTAs: capped at K's 16 chunks
   EXPECT_EQ(WideSplits(65536, 4096, 264), 1);  // 512 CTAs of rows already
   EXPECT_EQ(WideSplits(16, 256, 264), 1);      // one chunk
+}
+
+// The scaled form on the first form's cases and on its own: many tiles over
+// 3 CTAs (each taking several, the next tile's first weights loaded during
+// the last round of a tile), blocks of 128 (two segments a block), 256,
+// 1024 and 4096 (blocks across rows), K of one chunk (seven idle warps), 8
+// rows, N past the last tile.
+const Case kScaledCases[] = {
+    {"Bf16ManyTilesBlocks128", true, 200, 1024, 128, 1, true},
+    {"Fp16OneChunkEightRows", false, 40, 256, 64, 8, false},
+    {"Bf16BlocksAcrossRows", true, 53, 1024, 4096, 2, true},
+    {"Fp16DownProjKBlocks256", false, 21, 14336, 256, 4, true},
+    {"Bf16SixRowsTwoRounds", true, 64, 2304, 64, 6, false},
+};
+
+std::vector<Case> ScaledCases() {
+  std::vector<Case> cases(std::begin(kCases), std::end(kCases));
+  cases.insert(cases.end(), std::begin(kScaledCases), std::end(kScaledCases));
+  return cases;
+}
+
+TEST(GemvMmaTest, EmulatedScaledKernelIsWithinTheFloat32SummationBound) {
+  for (const Case& c : ScaledCases()) {
+    if (c.bf16) {
+      CheckCase<MmaBFloat16>(c, false, Form::kScaled);
+    } else {
+      CheckCase<MmaFloat16>(c, false, Form::kScaled);
+    }
+  }
+}
+
+// Codes (i - 8) / 8 are exact in both types and the absmax powers of two:
+// the scaled form's weights are then Dequantize4bit's, and every sum exact.
+TEST(GemvMmaTest, EmulatedScaledKernelIsBitExactWhenEverySumIsExact) {
+  for (const Case& c : ScaledCases()) {
+    CheckCase<MmaBFloat16>(c, true, Form::kScaled);
+    CheckCase<MmaFloat16>(c, true, Form::kScaled);
+  }
+}
+
+// Against Dequantize4bit's weights (the first form's numerics): within a
+// rounding of the activation type a weight on each side (2 u |x w| summed)
+// besides the float32 bound; and the two forms do differ on NF4 (the
+// scaled form is not the first form under another name).
+template <typename Tag>
+void ExpectScaledWithinAWeightRoundingOfTheFirstForm(const Case& c) {
+  SCOPED_TRACE(c.name);
+  std::mt19937_64 rng(11);
+  Inputs in;
+  const int64_t n = c.n_rows * c.k;
+  in.packed.resize(static_cast<size_t>(n / 2));
+  for (uint8_t& b : in.packed) b = static_cast<uint8_t>(rng());
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f), scale(0.5f, 2.0f);
+  in.absmax.resize(static_cast<size_t>((n + c.blocksize - 1) / c.blocksize));
+  for (float& a : in.absmax) a = scale(rng);
+  in.code = Nf4();
+  in.x.resize(static_cast<size_t>(c.m * c.k));
+  for (uint16_t& v : in.x) v = Narrow(Tag{}, unit(rng));
+  in.bias.resize(static_cast<size_t>(c.n_rows));
+  for (uint16_t& v : in.bias) v = Narrow(Tag{}, unit(rng));
+  std::string error;
+  const std::vector<uint16_t> first = RunEmulated<Tag>(c, in, Form::kRounds, &error);
+  ASSERT_EQ(error, "");
+  const std::vector<uint16_t> scaled = RunEmulated<Tag>(c, in, Form::kScaled, &error);
+  ASSERT_EQ(error, "");
+  const double u_type =
+      std::is_same_v<Tag, MmaBFloat16> ? std::ldexp(1.0, -9) : std::ldexp(1.0, -11);
+  const double u_out = 2 * u_type;
+  const double u = std::ldexp(1.0, -24);
+  const double gamma = static_cast<double>(2 * c.k) * u;
+  int64_t differ = 0, failures = 0;
+  for (int32_t m = 0; m < c.m; ++m) {
+    for (int64_t row = 0; row < c.n_rows; ++row) {
+      double magnitude = 0.0;
+      double exact = c.bias ? Widen(Tag{}, in.bias[static_cast<size_t>(row)]) : 0.0;
+      for (int64_t i = 0; i < c.k; ++i) {
+        const int64_t j = row * c.k + i;
+        const uint8_t byte = in.packed[static_cast<size_t>(j / 2)];
+        const int nibble = j % 2 == 0 ? byte >> 4 : byte & 0xF;
+        const double w = in.code[static_cast<size_t>(nibble)] *
+                         static_cast<double>(in.absmax[static_cast<size_t>(j / c.blocksize)]);
+        const double p = Widen(Tag{}, in.x[static_cast<size_t>(m * c.k + i)]) * w;
+        magnitude += std::fabs(p);
+        exact += p;
+      }
+      const size_t at = static_cast<size_t>(m * c.n_rows + row);
+      const double a = Widen(Tag{}, first[at]), b = Widen(Tag{}, scaled[at]);
+      // Each form's weights within u_type of the exact code * absmax: the
+      // forms within 2 u_type of each other, the float32 sums and the two
+      // outputs' roundings besides.
+      const double bound = 2 * u_type * magnitude * (1 + 4 * u_type) + 2 * gamma * magnitude +
+                           u_out * (std::fabs(exact) + magnitude * 2 * u_type) + 1e-9;
+      if (first[at] != scaled[at]) ++differ;
+      if (!(std::fabs(a - b) <= bound) && ++failures <= 5) {
+        ADD_FAILURE() << "x row " << m << ", row " << row << ": first form " << a << ", scaled "
+                      << b << ", bound " << bound;
+      }
+    }
+  }
+  EXPECT_EQ(failures, 0);
+  EXPECT_GT(differ, 0);
+}
+
+TEST(GemvMmaTest, EmulatedScaledKernelIsWithinAWeightRoundingOfTheFirstForm) {
+  ExpectScaledWithinAWeightRoundingOfTheFirstForm<MmaBFloat16>(
+      {"Bf16Batch1", true, 64, 4096, 64, 1, true});
+  ExpectScaledWithinAWeightRoundingOfTheFirstForm<MmaFloat16>(
+      {"Fp16FourRows", false, 40, 2048, 128, 4, true});
+}
+
+// The byte table: every byte value's pair in every lane's copy (each of the
+// 256 threads writes 32 copies of its entry; a copy not written keeps the
+// fill pattern), looked up from each position of a word.
+TEST(GemvMmaTest, ScaledTableHoldsEveryBytesPairInEveryLanesBank) {
+  const std::vector<float> code = Nf4();
+  std::vector<uint32_t> table(size_t{256} * kScaledTableCopies, 0xdeadbeefu);
+  for (int tid = 0; tid < kMmaThreads; ++tid) {
+    BuildScaledTable<MmaBFloat16>(code.data(), tid, table.data());
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const TableLane lookup(table.data() + lane);
+    for (uint32_t byte = 0; byte < 256; ++byte) {
+      const uint32_t want = Narrow(MmaBFloat16{}, code[byte >> 4]) |
+                            static_cast<uint32_t>(Narrow(MmaBFloat16{}, code[byte & 15])) << 16;
+      // The byte in each position of a word (the others random).
+      for (int position = 0; position < 4; ++position) {
+        const uint32_t word = byte << (8 * position) | (0x5a5a5a5au & ~(0xffu << (8 * position)));
+        ASSERT_EQ(lookup(word, position), want) << "lane " << lane << " byte " << byte;
+      }
+    }
+  }
+}
+
+TEST(GemvMmaTest, ScaledFormTakesPowerOfTwoBlocksAndFillsTheDevice) {
+  alignas(16) static uint8_t buffer[64];
+  EXPECT_TRUE(ScaledTakes(1, 4096, 64, buffer, buffer));
+  EXPECT_TRUE(ScaledTakes(8, 256, 4096, buffer, buffer));
+  EXPECT_FALSE(ScaledTakes(1, 4096, 192, buffer, buffer));  // a multiple of 64, not a power of 2
+  EXPECT_FALSE(ScaledTakes(9, 4096, 64, buffer, buffer));   // more than 8 rows
+  EXPECT_FALSE(ScaledTakes(1, 4096, 64, buffer + 2, buffer));
+  EXPECT_LE(ScaledSharedBytes(), 48 * 1024);  // no opt-in attribute
+  EXPECT_EQ(kScaledTableOffset % 16, 0);      // 16-byte stores of the table
+  EXPECT_EQ(ScaledCtas(4096, 264), 256);      // a CTA a tile
+  EXPECT_EQ(ScaledCtas(28672, 264), 264);     // 1792 tiles over what the device holds
+  EXPECT_EQ(ScaledCtas(37, 264), 3);
+  EXPECT_EQ(ScaledCtas(4096, 0), 256);  // occupancy unknown: a CTA a tile
 }
 
 TEST(GemvMmaTest, TakesOnlyWhatItCan) {

@@ -413,17 +413,37 @@ double Rounded(DType dtype, float v) {
   return std::numeric_limits<double>::quiet_NaN();
 }
 
-// Row r of the weight as the product sees it: dequantized into dtype
-// (reference §1.4, flat index r * K + i).
+// Whether the product of m rows runs in the tensor-core kernel's scaled
+// form (internal/gemv_mma.h; x at `x_offset` elements past an aligned
+// address): its weights are the code rounded to dtype times the absmax.
+bool ScaledRuns(int64_t m, int64_t k, int64_t blocksize, DType dtype, size_t x_offset,
+                internal::GemvKernel kernel) {
+  alignas(16) static const uint8_t aligned[64] = {};
+  const void* x = aligned + x_offset * static_cast<size_t>(DTypeSize(dtype));
+  return kernel == internal::GemvKernel::kMmaScaled ||
+         (kernel == internal::GemvKernel::kAuto && internal::UseScaledGemv() &&
+          internal::ScaledApplies(m, k, blocksize, dtype, x, static_cast<const void*>(aligned)));
+}
+
+// Weight j as the product sees it: dequantized into dtype (reference §1.4),
+// or, in the scaled form, the code rounded to dtype times the absmax.
+double ReferenceWeight(const std::vector<uint8_t>& packed, const std::vector<float>& absmax,
+                       const std::vector<float>& code, int64_t blocksize, int64_t j, DType dtype,
+                       bool scaled) {
+  const uint8_t byte = packed[static_cast<size_t>(j / 2)];
+  const int nibble = j % 2 == 0 ? byte >> 4 : byte & 0xF;
+  const float a = absmax[static_cast<size_t>(j / blocksize)];
+  return scaled ? Rounded(dtype, code[static_cast<size_t>(nibble)]) * static_cast<double>(a)
+                : Rounded(dtype, code[static_cast<size_t>(nibble)] * a);
+}
+
+// Row r of the weight as the product sees it (flat index r * K + i).
 void ReferenceRow(const GemvInputs& in, const std::vector<float>& code, const GemvCase& c,
-                  int64_t r, DType dtype, std::vector<double>& w) {
+                  int64_t r, DType dtype, std::vector<double>& w, bool scaled = false) {
   w.resize(static_cast<size_t>(c.k));
   for (int64_t i = 0; i < c.k; ++i) {
-    const int64_t j = r * c.k + i;
-    const uint8_t byte = in.packed[static_cast<size_t>(j / 2)];
-    const int nibble = j % 2 == 0 ? byte >> 4 : byte & 0xF;
     w[static_cast<size_t>(i)] =
-        Rounded(dtype, code[nibble] * in.absmax[static_cast<size_t>(j / c.blocksize)]);
+        ReferenceWeight(in.packed, in.absmax, code, c.blocksize, r * c.k + i, dtype, scaled);
   }
 }
 
@@ -450,12 +470,15 @@ TEST_F(CudaGemvTest, WithinTheFloat32SummationBound) {
       for (size_t i = 0; i < x.size(); ++i) in.x.Set(i, x[i]);
       for (size_t i = 0; i < bias.size(); ++i) in.bias.Set(i, bias[i]);
       const Values y = Run(in, code, c, dtype);
+      const bool scaled =
+          ScaledRuns(1, c.k, c.blocksize, dtype, c.x_offset, internal::GemvKernel::kAuto);
 
       // |y - exact| <= gamma(K + 1) * (sum |x w| + |b|) for the float32 sums
-      // in any order, plus half an ulp of dtype for the final rounding.
+      // in any order (the scaled form: a rounding more a block of 64), plus
+      // half an ulp of dtype for the final rounding.
       const double u = std::ldexp(1.0, -24);
-      const double gamma =
-          static_cast<double>(c.k + 1) * u / (1 - static_cast<double>(c.k + 1) * u);
+      const double terms = static_cast<double>(c.k + 1 + (scaled ? c.k / 64 + 1 : 0));
+      const double gamma = terms * u / (1 - terms * u);
       const double u_out = dtype == DType::kBFloat16  ? std::ldexp(1.0, -8)
                            : dtype == DType::kFloat16 ? std::ldexp(1.0, -11)
                                                       : 0.0;
@@ -463,7 +486,7 @@ TEST_F(CudaGemvTest, WithinTheFloat32SummationBound) {
       std::vector<double> w;
       int64_t failures = 0;
       for (int64_t r = 0; r < c.n_rows; ++r) {
-        ReferenceRow(in, code, c, r, dtype, w);
+        ReferenceRow(in, code, c, r, dtype, w, scaled);
         double exact = c.bias ? in.bias.Get(static_cast<size_t>(r)) : 0.0;
         double magnitude = std::fabs(exact);
         for (int64_t i = 0; i < c.k; ++i) {
@@ -584,8 +607,10 @@ class CudaGemvRowsTest : public CudaKernelsTest {
     ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
     Values got(dtype, static_cast<size_t>(c.m * c.n_rows));
     DownloadInto(y, got);
+    const bool scaled = ScaledRuns(c.m, c.k, c.blocksize, dtype, 0, kernel);
     const double u = std::ldexp(1.0, -24);
-    const double gamma = static_cast<double>(c.k + 1) * u / (1 - static_cast<double>(c.k + 1) * u);
+    const double terms = static_cast<double>(c.k + 1 + (scaled ? c.k / 64 + 1 : 0));
+    const double gamma = terms * u / (1 - terms * u);
     const double u_out = dtype == DType::kBFloat16  ? std::ldexp(1.0, -8)
                          : dtype == DType::kFloat16 ? std::ldexp(1.0, -11)
                                                     : 0.0;
@@ -593,12 +618,8 @@ class CudaGemvRowsTest : public CudaKernelsTest {
     for (int64_t r = 0; r < c.n_rows; ++r) {
       std::vector<double> w(static_cast<size_t>(c.k));
       for (int64_t i = 0; i < c.k; ++i) {
-        const int64_t j = r * c.k + i;
-        const uint8_t byte = packed[static_cast<size_t>(j / 2)];
-        const int nibble = j % 2 == 0 ? byte >> 4 : byte & 0xF;
         w[static_cast<size_t>(i)] =
-            Rounded(dtype, code[static_cast<size_t>(nibble)] *
-                               absmax[static_cast<size_t>(j / c.blocksize)]);
+            ReferenceWeight(packed, absmax, code, c.blocksize, r * c.k + i, dtype, scaled);
       }
       for (int64_t m = 0; m < c.m; ++m) {
         double exact = c.bias ? bias.Get(static_cast<size_t>(r)) : 0.0;
@@ -633,8 +654,11 @@ TEST_F(CudaGemvRowsTest, TensorCoreKernelWithinTheBound) {
                                        reinterpret_cast<const void*>(256),
                                        reinterpret_cast<const void*>(256)));
       Check(c, dtype, internal::GemvKernel::kMma);
-      // Its pipelined form (by name only: kAuto runs the first form).
+      // Its pipelined form (by name only).
       if (c.m <= 4) Check(c, dtype, internal::GemvKernel::kMmaPipelined);
+      // Its scaled form (kAuto's up to 8 rows), by name and through kAuto.
+      Check(c, dtype, internal::GemvKernel::kMmaScaled);
+      Check(c, dtype, internal::GemvKernel::kAuto);
     }
   }
   // The pipelined form takes up to 4 rows only.

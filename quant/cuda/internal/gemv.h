@@ -13,9 +13,14 @@
 namespace accel::quant::cuda::internal {
 
 enum class GemvKernel {
-  kAuto,          // the tensor-core kernel (its first form up to 8 rows, its tiled form
-                  // above) where it applies, else the chunk / element one
-  kMma,           // the tensor-core kernel only (cudaErrorInvalidValue where it does not apply)
+  kAuto,          // the tensor-core kernel where it applies (up to 8 rows its scaled
+                  // form, or its first form where the scaled one does not apply or
+                  // UseScaledGemv() is off; its tiled form above), else the chunk /
+                  // element one
+  kMma,           // the tensor-core kernel's first form only, Dequantize4bit's weights to
+                  // the bit (cudaErrorInvalidValue where it does not apply)
+  kMmaScaled,     // its scaled form (gemv_mma.h), up to 8 rows: T(code) looked up from
+                  // shared memory, each block's absmax applied to its float32 sum; likewise
   kMmaPipelined,  // its pipelined form (gemv_mma.h), up to 4 rows; likewise
   kMmaTiled,      // its tiled form (gemv_mma.h), up to 32 rows (kAuto's above 8); likewise
   kMmaWide,       // its wide form (gemv_mma.h), up to 32 rows, a workspace from
@@ -26,6 +31,13 @@ enum class GemvKernel {
 // Whether the tensor-core kernel takes these arguments.
 bool MmaApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
                 const void* packed);
+// Whether its scaled form takes them (up to 8 rows, power-of-two blocksize).
+bool ScaledApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
+                   const void* packed);
+// Whether kAuto runs the scaled form where it applies: yes unless
+// $ACCEL_CUDA_4BIT_GEMV is "exact" (read once) or SetScaledGemv(false).
+bool UseScaledGemv();
+void SetScaledGemv(bool on);
 // Whether its tiled form takes them (up to 32 rows).
 bool MmaTiledApplies(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,
                      const void* packed);

@@ -25,6 +25,7 @@
 #ifndef ACCEL_QUANT_CUDA_INTERNAL_GEMV_MMA_H_
 #define ACCEL_QUANT_CUDA_INTERNAL_GEMV_MMA_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -722,6 +723,270 @@ ACCEL_HD int32_t WideSplits(int64_t n_rows, int64_t k, int64_t target_ctas) {
   if (splits > chunks) splits = chunks;
   if (splits < 1) splits = 1;
   return static_cast<int32_t>(splits);
+}
+
+// --- The scaled form: up to 8 activation rows, each block's absmax after its sum ---
+//
+// The forms above look each nibble up with byte permutes from tables built a
+// block at a time (T(code * absmax), Dequantize4bit's weight to the bit). On
+// an H200 they read 0.35-0.40 of a device copy's rate at every shape
+// (2026-11-30) while the int8 decode GEMV read 0.77-0.89: their loop issues
+// about four integer-pipe instructions a weight (2.1 prmt, the nibble
+// selectors, the x stage's addressing: counted in the PTX of the m = 1
+// kernel, ~520 a lane a round of 128 weights), and the integer pipe executes
+// 64 lanes a clock an SM, so the form cannot pass about half of HBM's rate
+// however its loads are scheduled.
+//
+// Here the arithmetic moves off that pipe. The weight of nibble c in a block
+// with absmax a is T(code[c]) (the code rounded to the activation type T),
+// each block's products are summed on the tensor cores in float32, and the
+// block's sum is multiplied by a into the row's float32 sum (one fused
+// multiply-add a block):
+//   y = sum over blocks b of a_b * (sum over k in b of x_k * T(code[c_k])) + bias.
+// A weight so taken differs from Dequantize4bit's T(code[c] * a) by at most
+// a rounding of T on each side (2^-8 of it in bfloat16): the class of
+// bitsandbytes' own batch-1 kernel (kgemm_4bit_inference_naive rounds code
+// and absmax to T, multiplies them in T and rounds each product x * w to T;
+// its dequantize + GEMM path differs from it as well). GemvKernel::kMma keeps
+// the bit-exact weights by name.
+//
+// The lookup: a table in shared memory of the 256 values of a byte -> its
+// two weights' T(code) as a 16-bit pair (the high nibble's, the even k, in
+// the low half), 32 copies interleaved so that lane L reads copy L from bank
+// L: one 4-byte shared load for two weights whatever the bytes, with no
+// bank conflict. The table is the same for every block of every row, so a
+// CTA builds it once (32 KiB, a barrier) and then takes tiles of 16 rows of W
+// until they are done (CTAs tile, tile + grid, ...: a grid of what the
+// device holds at once amortizes it over several tiles where W has many).
+//
+// Layout: as the first form, a CTA's 8 warps take K in chunks of 256 (warp
+// w: chunks w, w + 8, ...), rows g and g + 8 of the tile a lane (g, t). A
+// chunk is 4 segments of 64 weights, each inside one block (the blocksize a
+// power of two, at least 64). In a segment lane t holds bytes 8t .. 8t + 7
+// of each of its rows: k = 16t .. 16t + 15. The segment's 4 mma k-steps:
+// step s takes its bytes 2s (a0 / a1: k = 16t + 4s and the next) and 2s + 1
+// (a2 / a3: the two after), and x row g at the same k (b0, b1: 32 contiguous
+// bytes of x a segment, read from global memory, where L1 holds x for every
+// warp); the steps of a segment start from zero accumulators, so the block's
+// sum is in hand for its absmax. Lane (g, t) reads the absmax of its two rows'
+// block itself (the four lanes of a row read the same address).
+// Integer work left: a byte's extraction a lookup (0.5 a weight); the
+// shared-memory pipe carries one 4-byte load for two weights (about two
+// thirds of what it can do at HBM's rate on an H200-class SM).
+inline constexpr int kScaledTableCopies = 32;  // LookupByte: entries 128 bytes apart
+inline constexpr int64_t kScaledTableOffset =
+    kMmaReduceOffset + static_cast<int64_t>(kMmaWarps) * kMmaRows * kMmaMaxM * 4;
+// The warps' sums (as the first form's, 8 activation rows), then the table.
+ACCEL_HD int64_t ScaledSharedBytes() {
+  return kScaledTableOffset + int64_t{256} * kScaledTableCopies * 4;
+}
+
+// Whether the scaled form takes these arguments: MmaTakes's conditions with
+// a power-of-two blocksize (bitsandbytes' blocksizes are 64 to 4096).
+ACCEL_HD bool ScaledTakes(int64_t m, int64_t k, int64_t blocksize, const void* x,
+                          const void* packed) {
+  return MmaTakes(m, k, blocksize, x, packed) && (blocksize & (blocksize - 1)) == 0;
+}
+
+// 8 bytes at an 8-byte aligned global address, read once (the weights).
+ACCEL_HD void LoadStream8(const void* src, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__)
+  const uint2 v = __ldcs(static_cast<const uint2*>(src));
+  lo = v.x;
+  hi = v.y;
+#else
+  uint32_t words[2];
+  std::memcpy(words, src, 8);
+  lo = words[0];
+  hi = words[1];
+#endif
+}
+
+// 16 bytes to a 16-byte aligned shared-memory address.
+ACCEL_HD void Store16(uint32_t* dst, uint32_t v0, uint32_t v1, uint32_t v2, uint32_t v3) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint4*>(dst) = make_uint4(v0, v1, v2, v3);
+#else
+  const uint32_t words[4] = {v0, v1, v2, v3};
+  std::memcpy(dst, words, 16);
+#endif
+}
+
+// Thread `tid` (of kMmaThreads = 256, one a byte value) makes entry tid:
+// T(code[tid >> 4]) in the low half, T(code[tid & 15]) in the high, and
+// writes its 32 copies (word tid * 32 + L is lane L's) as 8 stores of 16
+// bytes, starting at quad tid % 8, so a warp's stores spread over the banks.
+template <typename Tag>
+ACCEL_HD void BuildScaledTable(const float* code, int tid, uint32_t* table) {
+  const uint32_t pair = PackRounded(Tag{}, code[tid >> 4], code[tid & 15]);
+  for (int q = 0; q < kScaledTableCopies / 4; ++q) {
+    const int quad = (q + tid) % (kScaledTableCopies / 4);
+    uint32_t* dst = table + tid * kScaledTableCopies + 4 * quad;
+    Store16(dst, pair, pair, pair, pair);
+  }
+}
+
+// A lane's bytes of one row for a chunk (segment s: words 2s, 2s + 1) and
+// each segment's absmax (zeros past the rows or the chunks).
+struct ScaledChunk {
+  uint32_t words[8];
+  float scale[4];
+};
+
+ACCEL_HD void LoadScaledChunk(const GemvMmaParams& p, int block_shift, int64_t row, int64_t chunk,
+                              int t, ScaledChunk& out) {
+  if (row >= p.n_rows || chunk * kMmaChunk >= p.k) {
+    for (uint32_t& w : out.words) w = 0;
+    for (float& s : out.scale) s = 0.0f;
+    return;
+  }
+  const int64_t start = row * p.k + chunk * kMmaChunk;  // flat index of the chunk's first weight
+  const uint8_t* bytes = p.packed + (start >> 1) + 8 * t;
+  // The segments' blocks: the chunk's first, and the next where a segment
+  // starts past its end (blocks of 64 or 128).
+  const float* first_block = p.absmax + (start >> block_shift);
+  const uint32_t offset = static_cast<uint32_t>(start & (p.blocksize - 1));
+  for (int s = 0; s < 4; ++s) {
+    LoadStream8(bytes + 32 * s, out.words[2 * s], out.words[2 * s + 1]);
+    const float* scale = first_block + ((offset + 64u * static_cast<uint32_t>(s)) >> block_shift);
+#if defined(__CUDA_ARCH__)
+    out.scale[s] = __ldg(scale);
+#else
+    out.scale[s] = *scale;
+#endif
+  }
+}
+
+// A lane's copy of the table: word L of each entry (entries 128 bytes
+// apart). On the device its shared-memory address, computed once, so that a
+// lookup is one prmt (the byte, zero-extended) and one shift-add before the
+// load (the compiler, given a pointer, recomputes (byte * 32 + lane) * 4 +
+// table each time: four integer instructions).
+struct TableLane {
+  const uint32_t* words;  // the table + the lane
+#if defined(__CUDA_ARCH__)
+  uint32_t address;
+#endif
+  ACCEL_HD explicit TableLane(const uint32_t* table_lane) : words(table_lane) {
+#if defined(__CUDA_ARCH__)
+    address = static_cast<uint32_t>(__cvta_generic_to_shared(table_lane));
+#endif
+  }
+  // Byte `byte` of `word`'s two weights.
+  ACCEL_HD uint32_t operator()(uint32_t word, int byte) const {
+#if defined(__CUDA_ARCH__)
+    const uint32_t index = __byte_perm(word, 0u, 0x4440u + static_cast<uint32_t>(byte));
+    uint32_t pair;
+    // volatile: kept after the barrier that follows the table's stores.
+    asm volatile("{\n .reg .u32 at;\n mad.lo.u32 at, %1, 128, %2;\n ld.shared.u32 %0, [at];\n}"
+                 : "=r"(pair)
+                 : "r"(index), "r"(address));
+    return pair;
+#else
+    return words[((word >> (8 * byte)) & 0xffu) * kScaledTableCopies];
+#endif
+  }
+};
+
+// One chunk of lane (g, t): rows g (`a`) and g + 8 (`b`), x row g at the chunk's
+// first k (null where g is past the activation rows: zeros), each segment's
+// 4 k-steps on the tensor cores from zero, its sums then scaled into `sum`
+// (C layout: sum[0], sum[1] row g, activation rows 2t and 2t + 1; sum[2],
+// sum[3] row g + 8).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, typename Exec>
+ACCEL_HD void ScaledRound(const TableLane& lookup, int t, const ScaledChunk& a,
+                          const ScaledChunk& b, const uint16_t* x_chunk, float (&sum)[4],
+                          Exec& exec) {
+  for (int s = 0; s < 4; ++s) {
+    uint32_t xv[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+    if (x_chunk != nullptr) {
+      uint32_t lo[4], hi[4];
+      Load16(x_chunk + 64 * s + 16 * t, lo, false);
+      Load16(x_chunk + 64 * s + 16 * t + 8, hi, false);
+      for (int i = 0; i < 4; ++i) {
+        xv[i] = lo[i];
+        xv[4 + i] = hi[i];
+      }
+    }
+    float block[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int step = 0; step < 4; ++step) {
+      // Bytes 2 step and 2 step + 1 of the segment's 8: word 2s + step / 2.
+      const int word = 2 * s + step / 2, first = 2 * (step % 2);
+      const uint32_t a0 = lookup(a.words[word], first);
+      const uint32_t a2 = lookup(a.words[word], first + 1);
+      const uint32_t a1 = lookup(b.words[word], first);
+      const uint32_t a3 = lookup(b.words[word], first + 1);
+      exec.template Mma<Tag>(a0, a1, a2, a3, xv[2 * step], xv[2 * step + 1], block);
+    }
+#if defined(__CUDA_ARCH__)
+    sum[0] = __fmaf_rn(a.scale[s], block[0], sum[0]);
+    sum[1] = __fmaf_rn(a.scale[s], block[1], sum[1]);
+    sum[2] = __fmaf_rn(b.scale[s], block[2], sum[2]);
+    sum[3] = __fmaf_rn(b.scale[s], block[3], sum[3]);
+#else
+    sum[0] = std::fma(a.scale[s], block[0], sum[0]);
+    sum[1] = std::fma(a.scale[s], block[1], sum[1]);
+    sum[2] = std::fma(b.scale[s], block[2], sum[2]);
+    sum[3] = std::fma(b.scale[s], block[3], sum[3]);
+#endif
+  }
+}
+
+// A CTA of the scaled form: the table built, then tiles first_tile,
+// first_tile + tile_step, ... of 16 rows of W. `shared` holds
+// ScaledSharedBytes() bytes, 16-byte aligned. Exec: as Gemv4bitMmaCta's.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, typename Exec>
+ACCEL_HD void Gemv4bitScaledCta(const GemvMmaParams& p, int64_t first_tile, int64_t tile_step,
+                                uint8_t* shared, Exec& exec) {
+  const int tid = exec.tid(), warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  float* sums_s = reinterpret_cast<float*>(shared + kMmaReduceOffset);
+  uint32_t* table = reinterpret_cast<uint32_t*>(shared + kScaledTableOffset);
+  int block_shift = 0;
+  while ((int64_t{1} << block_shift) < p.blocksize) ++block_shift;
+  const int64_t tiles = (p.n_rows + kMmaRows - 1) / kMmaRows;
+  const int64_t chunks = p.k / kMmaChunk;
+  // This warp's chunks of a tile: warp, warp + 8, ... (uniform over the warp).
+  const int64_t rounds = chunks > warp ? (chunks - warp + kMmaWarps - 1) / kMmaWarps : 0;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  // The first tile's first weights asked for before the table's barrier.
+  ScaledChunk a, b, next_a, next_b;
+  LoadScaledChunk(p, block_shift, first_tile * kMmaRows + g, warp, t, a);
+  LoadScaledChunk(p, block_shift, first_tile * kMmaRows + g + 8, warp, t, b);
+  BuildScaledTable<Tag>(p.code, tid, table);
+  exec.Sync();
+  const TableLane lookup(table + lane);
+  for (int64_t tile = first_tile; tile < tiles; tile += tile_step) {
+    float sum[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    for (int64_t round = 0; round < rounds; ++round) {
+      const int64_t chunk = round * kMmaWarps + warp;
+      // The next round's weights: this tile's next chunk, or the next
+      // tile's first (zeros past the last tile).
+      const bool last = round + 1 == rounds;
+      const int64_t next_row = (last ? tile + tile_step : tile) * kMmaRows + g;
+      const int64_t next_chunk = last ? warp : chunk + kMmaWarps;
+      LoadScaledChunk(p, block_shift, next_row, next_chunk, t, next_a);
+      LoadScaledChunk(p, block_shift, next_row + 8, next_chunk, t, next_b);
+      const uint16_t* x_chunk = g < p.m ? x + g * p.k + chunk * kMmaChunk : nullptr;
+      ScaledRound<Tag>(lookup, t, a, b, x_chunk, sum[0], exec);
+      a = next_a;
+      b = next_b;
+    }
+    AddWarpSumsAndStore<Tag, 1>(p, tile, sum, sums_s, exec);
+    exec.Sync();  // every thread's reads of sums_s done before the next tile's writes
+  }
+}
+
+// The scaled form's grid: a CTA a tile up to what the device holds at once
+// (`resident`), fewer CTAs each taking several tiles beyond.
+ACCEL_HD int64_t ScaledCtas(int64_t n_rows, int64_t resident) {
+  const int64_t tiles = (n_rows + kMmaRows - 1) / kMmaRows;
+  return tiles < resident || resident < 1 ? tiles : resident;
 }
 
 }  // namespace accel::quant::cuda::internal
