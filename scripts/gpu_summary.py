@@ -113,7 +113,7 @@ def main():
         lines.append(f"4-bit GEMV on {quant.get('device')}: HBM copy traffic "
                      f"{quant.get('hbm_copy_traffic_gbs', 0):.0f} GB/s")
         for r in quant.get("rows", []):
-            lines.append(f"  {r['dtype']:<9} {r['n']:>5}x{r['k']:<5} {r['kernel']:<10} m={r['m']} "
+            lines.append(f"  {r['dtype']:<9} {r['n']:>5}x{r['k']:<5} {r['kernel']:<11} m={r['m']} "
                          f"{r['us']:8.2f} us {r['gbs']:7.0f} GB/s  of copy {r['of_copy']:.2f}  "
                          f"of HBM {r['of_hbm']:.2f}")
     for name in ("decode_gpu", "decode_gemv", "decode_sampled", "decode_profile",

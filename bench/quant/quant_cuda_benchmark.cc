@@ -298,6 +298,8 @@ int main(int argc, char** argv) {
         // Its scaled form (gemv_mma.h; what Gemv4bitRows runs up to 8 rows
         // unless ACCEL_CUDA_4BIT_GEMV=exact): beside the first form's rows.
         for (int64_t m : {1, 2, 4, 8}) runs.push_back({GemvKernel::kMmaScaled, "mma-scaled", m});
+        // The same at three CTAs an SM (80 registers, spilling).
+        for (int64_t m : {1, 4}) runs.push_back({GemvKernel::kMmaScaled3, "mma-scaled3", m});
         // Its pipelined form (gemv_mma.h; what Gemv4bitRows runs up to 4 rows).
         for (int64_t m : {1, 2, 4}) runs.push_back({GemvKernel::kMmaPipelined, "mma-pipe", m});
         // Its tiled form (what Gemv4bitRows runs for 9 to 32 rows; at 8 rows

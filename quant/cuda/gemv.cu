@@ -251,10 +251,14 @@ __global__ void __launch_bounds__(kMmaThreads, 2) Gemm4bitMmaTiledKernel(const G
 }
 
 // The scaled form (gemv_mma.h): a grid of what the device holds at once at
-// most, each CTA building its table once and taking tiles until done.
-// ptxas decides the CTAs an SM (registers; the table and sums are 36 KiB).
-template <typename Tag>
-__global__ void __launch_bounds__(kMmaThreads, 2) Gemv4bitScaledKernel(const GemvMmaParams p) {
+// most, each CTA building its table once and taking tiles until done. Two
+// CTAs an SM at 128 registers a thread (the table and sums are 36 KiB);
+// kMinCtas 3 (GemvKernel::kMmaScaled3, by name: whether 24 warps an SM hide
+// more of the loads' latency than 16) has ptxas fit 80 registers, spilling
+// 84 bytes of a thread to local memory.
+template <typename Tag, int kMinCtas>
+__global__ void __launch_bounds__(kMmaThreads, kMinCtas)
+    Gemv4bitScaledKernel(const GemvMmaParams p) {
   extern __shared__ __align__(16) uint8_t shared[];
   MmaExec exec;
   Gemv4bitScaledCta<Tag>(p, static_cast<int64_t>(blockIdx.x), static_cast<int64_t>(gridDim.x),
@@ -284,9 +288,9 @@ int64_t ResidentCtas(const void* kernel, size_t shared) {
   return known[key] = static_cast<int64_t>(sms) * per_sm;
 }
 
-template <typename Tag>
+template <typename Tag, int kMinCtas>
 cudaError_t LaunchScaled(const GemvMmaParams& p, cudaStream_t stream) {
-  const auto kernel = Gemv4bitScaledKernel<Tag>;
+  const auto kernel = Gemv4bitScaledKernel<Tag, kMinCtas>;
   const size_t shared = static_cast<size_t>(ScaledSharedBytes());
   const int64_t ctas =
       ScaledCtas(p.n_rows, ResidentCtas(reinterpret_cast<const void*>(kernel), shared));
@@ -492,14 +496,18 @@ cudaError_t Gemv4bitWith(GemvKernel kernel, const void* x, int64_t m, const uint
     return cudaErrorInvalidValue;
   }
   const bool scaled = ScaledApplies(m, k, blocksize, dtype, x, packed);
-  if (kernel == GemvKernel::kMmaScaled && !scaled) return cudaErrorInvalidValue;
+  const bool scaled_by_name = kernel == GemvKernel::kMmaScaled || kernel == GemvKernel::kMmaScaled3;
+  if (scaled_by_name && !scaled) return cudaErrorInvalidValue;
   // Up to 8 rows: the scaled form by default (the first form's byte permutes
   // keep the integer pipe at about half of HBM's rate; gemv_mma.h).
-  if (kernel == GemvKernel::kMmaScaled ||
-      (kernel == GemvKernel::kAuto && scaled && UseScaledGemv())) {
+  if (scaled_by_name || (kernel == GemvKernel::kAuto && scaled && UseScaledGemv())) {
     const GemvMmaParams p = MmaParams(x, m, packed, absmax, code, n_rows, k, blocksize, bias, y);
-    return dtype == DType::kBFloat16 ? LaunchScaled<MmaBFloat16>(p, stream)
-                                     : LaunchScaled<MmaFloat16>(p, stream);
+    if (kernel == GemvKernel::kMmaScaled3) {
+      return dtype == DType::kBFloat16 ? LaunchScaled<MmaBFloat16, 3>(p, stream)
+                                       : LaunchScaled<MmaFloat16, 3>(p, stream);
+    }
+    return dtype == DType::kBFloat16 ? LaunchScaled<MmaBFloat16, 2>(p, stream)
+                                     : LaunchScaled<MmaFloat16, 2>(p, stream);
   }
   if (kernel == GemvKernel::kMmaTiled && !tiled) return cudaErrorInvalidValue;
   if (kernel == GemvKernel::kMmaWide) {

@@ -421,6 +421,7 @@ bool ScaledRuns(int64_t m, int64_t k, int64_t blocksize, DType dtype, size_t x_o
   alignas(16) static const uint8_t aligned[64] = {};
   const void* x = aligned + x_offset * static_cast<size_t>(DTypeSize(dtype));
   return kernel == internal::GemvKernel::kMmaScaled ||
+         kernel == internal::GemvKernel::kMmaScaled3 ||
          (kernel == internal::GemvKernel::kAuto && internal::UseScaledGemv() &&
           internal::ScaledApplies(m, k, blocksize, dtype, x, static_cast<const void*>(aligned)));
 }
@@ -658,6 +659,7 @@ TEST_F(CudaGemvRowsTest, TensorCoreKernelWithinTheBound) {
       if (c.m <= 4) Check(c, dtype, internal::GemvKernel::kMmaPipelined);
       // Its scaled form (kAuto's up to 8 rows), by name and through kAuto.
       Check(c, dtype, internal::GemvKernel::kMmaScaled);
+      Check(c, dtype, internal::GemvKernel::kMmaScaled3);
       Check(c, dtype, internal::GemvKernel::kAuto);
     }
   }

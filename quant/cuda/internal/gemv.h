@@ -21,6 +21,8 @@ enum class GemvKernel {
                   // the bit (cudaErrorInvalidValue where it does not apply)
   kMmaScaled,     // its scaled form (gemv_mma.h), up to 8 rows: T(code) looked up from
                   // shared memory, each block's absmax applied to its float32 sum; likewise
+  kMmaScaled3,    // the same bounded to three CTAs an SM (80 registers, spilling), by
+                  // name: for the benchmark to compare
   kMmaPipelined,  // its pipelined form (gemv_mma.h), up to 4 rows; likewise
   kMmaTiled,      // its tiled form (gemv_mma.h), up to 32 rows (kAuto's above 8); likewise
   kMmaWide,       // its wide form (gemv_mma.h), up to 32 rows, a workspace from
