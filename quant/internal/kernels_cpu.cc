@@ -1117,6 +1117,37 @@ std::vector<std::pair<int64_t, int64_t>> SplitRows(int64_t m, int64_t max_rows) 
   return split;
 }
 
+// at::parallel_for over the weight rows [0, n), handed out as the threads
+// ask for them: pieces of about n / (threads * kPiecesPerThread) rows (at
+// least `grain`, whole kRowTile tiles), in ascending order from one atomic
+// counter. at::parallel_for gives each thread one fixed share, so a thread
+// the OS takes away for a while (the expert reader, the sampler, another
+// process on a 2-core machine) makes the others wait for it at the end: a
+// profile of a sampled big-model decode found 11% of its samples in
+// libgomp's wait at the end of a product. The rows each piece computes,
+// and so the numbers, are the same.
+inline constexpr int64_t kPiecesPerThread = 8;
+
+template <typename F>
+void ParallelRows(int64_t n, int64_t grain, const F& f) {
+  if (n <= 0) return;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  int64_t piece =
+      std::max<int64_t>(grain, (n + threads * kPiecesPerThread - 1) / (threads * kPiecesPerThread));
+  piece = (piece + kRowTile - 1) / kRowTile * kRowTile;
+  if (threads <= 1 || piece >= n) {
+    f(int64_t{0}, n);
+    return;
+  }
+  const int64_t pieces = (n + piece - 1) / piece;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, pieces), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < pieces; i = next.fetch_add(1)) {
+      f(i * piece, std::min(n, (i + 1) * piece));
+    }
+  });
+}
+
 // Gemv4bit's register paths: weight rows split over the threads and taken
 // kRowTile at a time through every tile of columns, rows of x in `passes`
 // (SplitRows). Columns go in tiles whose rows of x (x_bytes an element)
@@ -1136,7 +1167,7 @@ void RunRegisterPasses(const Gemv4bitArgs& a, int64_t grain,
   const int64_t pass_rows = passes.front().second;  // the most
   const int64_t k_tile =
       std::max<int64_t>(k_align, (tile_bytes / (x_bytes * pass_rows)) / k_align * k_align);
-  at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
+  ParallelRows(a.out, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(static_cast<size_t>(kRowTile * a.m));
     for (int64_t n0 = begin; n0 < end; n0 += kRowTile) {
       const int64_t n1 = std::min(end, n0 + kRowTile);
@@ -1406,7 +1437,7 @@ void Gemv4bit(CpuIsa isa, const Gemv4bitArgs& a) {
     x = permuted.data();
     x_stride = a.in;
   }
-  at::parallel_for(0, a.out, grain, [&](int64_t begin, int64_t end) {
+  ParallelRows(a.out, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float chunks[2][kChunk];
     const float* w[2] = {chunks[0], chunks[1]};
     std::vector<float> sums(static_cast<size_t>(2 * a.m));

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <ATen/Functions.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -666,6 +667,37 @@ TEST(Gemv4bitKernelTest, ARowsSumsDoNotDependOnTheBatch) {
       }
     }
   }
+}
+
+// The weight rows are handed to the threads in pieces as they ask
+// (ParallelRows): one thread, two and three give the same bits, on the
+// register paths (1 to 4 rows) and the buffered one (6 rows), with rows
+// enough for many pieces (out = 2080: 65 tiles of 32, a short last piece).
+TEST(Gemv4bitKernelTest, TheBitsDoNotDependOnTheThreads) {
+  at::manual_seed(13);
+  const int64_t out = 2080, in = 1024;
+  ACCEL_ASSERT_OK_AND_ASSIGN(Quantized4bit q,
+                             Quantize4bit(Random({out, in}, 0.1), QuantType4bit::kNf4, 64, false));
+  const at::Tensor x = Random({6, in}).to(at::kBFloat16).to(at::kFloat).contiguous();
+  const int threads_before = at::get_num_threads();
+  for (CpuIsa isa : Isas()) {
+    for (int64_t rows : {1, 2, 4, 6}) {
+      SCOPED_TRACE(testing::Message() << "isa " << static_cast<int>(isa) << ", rows " << rows);
+      const auto product = [&](int threads) {
+        at::set_num_threads(threads);
+        at::Tensor y = at::full({rows, out}, std::nan(""), at::kFloat);
+        internal::Gemv4bit(isa, GemvArgs(rows, in, out, x.data_ptr<float>(),
+                                         q.packed.data_ptr<uint8_t>(), q.absmax.data_ptr<float>(),
+                                         q.quant_map.data_ptr<float>(), y.data_ptr<float>()));
+        return y;
+      };
+      const at::Tensor one = product(1);
+      EXPECT_FALSE(at::isnan(one).any().item<bool>());
+      ExpectSameBits(product(2), one);
+      ExpectSameBits(product(3), one);
+    }
+  }
+  at::set_num_threads(threads_before);
 }
 
 // Double quant read as stored (uint8 absmax codes, nested absmax and map,
