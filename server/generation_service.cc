@@ -393,7 +393,11 @@ grpc::Status Start(Method method, ServingState& state, grpc::CallbackServerConte
   absl::StatusOr<engine::GenerationRequest> params = ParseParams(method, body, context, &tools);
   if (!params.ok()) {
     if (state.metrics() != nullptr) {
-      const absl::StatusCode code = params.status().code();
+      // A call whose deadline passed (or that was cancelled) while its
+      // request was still arriving is refused for that, whatever the partial
+      // request's own fault: counted as its deadline or cancel, not invalid.
+      const absl::Status wanted = CallStillWanted(context);
+      const absl::StatusCode code = wanted.ok() ? params.status().code() : wanted.code();
       state.metrics()->RequestFailed(code == absl::StatusCode::kDeadlineExceeded ? "timeout"
                                      : code == absl::StatusCode::kCancelled      ? "cancelled"
                                                                                  : "invalid");
