@@ -4,10 +4,13 @@
 // the normal time, far below what the fault cost before), and a server that
 // is healthy afterwards (ready, live, every port answering).
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
+#include <unistd.h>
 #include <vector>
 
 #include <gmock/gmock.h>
@@ -15,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -157,6 +161,21 @@ TEST(ChaosTest, SlowAndIdleSocketsDoNotLockClientsOut) {
 // Chat's tools_json went on for 27 s after the client's 3 s deadline, and a
 // deeply nested body could overflow the stack. Now each is refused at once,
 // by name, and the server goes on.
+// User and system CPU time of process `pid` so far (/proc/PID/stat), zero if
+// it cannot be read.
+absl::Duration CpuTimeOf(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // The fields after the command's closing parenthesis: state is the 3rd
+  // field, utime the 14th and stime the 15th.
+  const size_t paren = text.rfind(')');
+  if (paren == std::string::npos) return absl::ZeroDuration();
+  std::vector<std::string> fields = absl::StrSplit(text.substr(paren + 2), ' ');
+  if (fields.size() < 13) return absl::ZeroDuration();
+  const double ticks = std::atof(fields[11].c_str()) + std::atof(fields[12].c_str());
+  return absl::Seconds(ticks / static_cast<double>(::sysconf(_SC_CLK_TCK)));
+}
+
 TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
   auto server = StartWithHttp(TestModelDir(), {});
   ASSERT_TRUE(server.ok()) << server.status();
@@ -245,10 +264,9 @@ TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
     EXPECT_THAT(status.error_message(), HasSubstr("(with the fields before it)"));
   }
   // A tools_json that takes long to read (60 MB of empty arrays: 20 million
-  // values, no key to cap, seconds of parsing) past a 500 ms deadline: the
-  // parse stops at the deadline (counted as a timeout), rather than reading
-  // on for a client that has gone and then refusing the array (counted
-  // invalid).
+  // values, no key to cap, seconds of parsing) past its deadline: the parse
+  // stops at the deadline (counted as a timeout), rather than reading on for
+  // a client that has gone and then refusing the array (counted invalid).
   accel::v1::ChatRequest slow = chat;
   slow.clear_tools_json();
   std::string arrays = "[";
@@ -256,22 +274,62 @@ TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
   while (arrays.size() < (60u << 20)) arrays += "[],";
   arrays += "[]]";
   slow.add_tools_json(arrays);
-  const double timeouts_before = failures("timeout");
-  const double invalid_before = failures("invalid");
-  {
+  // Each call: its status, how long it took, which failure counters moved
+  // (waiting up to 20 s for the handler to count it: a parse read through
+  // takes seconds, more on a loaded machine), and the server's CPU time
+  // meanwhile. A call whose deadline has passed is counted a timeout
+  // whether or not its parse ran on, so the CPU time is what tells them
+  // apart.
+  struct Outcome {
+    grpc::StatusCode code;
+    absl::Duration took;
+    double timeouts;
+    double invalid;
+    absl::Duration server_cpu;
+  };
+  const auto call_slow = [&](absl::Duration deadline) {
+    const double timeouts_before = failures("timeout");
+    const double invalid_before = failures("invalid");
+    const absl::Duration cpu_before = CpuTimeOf(s.pid());
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
     accel::v1::GenerateResponse reply;
+    const absl::Time called = absl::Now();
     const grpc::Status status = stub->Chat(&context, slow, &reply);
-    EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+    const absl::Duration took = absl::Now() - called;
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (failures("timeout") == timeouts_before && failures("invalid") == invalid_before &&
+           absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return Outcome{status.error_code(), took, failures("timeout") - timeouts_before,
+                   failures("invalid") - invalid_before, CpuTimeOf(s.pid()) - cpu_before};
+  };
+  // Read through (a minute's deadline), the array is refused, counted
+  // invalid: what arriving and parsing it costs here.
+  const Outcome whole = call_slow(absl::Minutes(1));
+  ASSERT_EQ(whole.code, grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_EQ(whole.invalid, 1);
+  ASSERT_GT(whole.took, absl::Milliseconds(200)) << "too fast a parse to put a deadline inside";
+  // The deadline must fall after the 60 MB have arrived (before that, gRPC
+  // ends the call before any handler runs, and nothing is counted) and
+  // before the parse would end. Arrival takes tens of milliseconds on a
+  // quiet loopback but has passed 500 ms on a loaded machine: a call that
+  // nothing counted is made again with twice the deadline, up to half the
+  // whole call's time, so that it is the parse the deadline cuts.
+  Outcome cut{};
+  absl::Duration deadline = absl::Milliseconds(500);
+  if (deadline > whole.took / 2) deadline = whole.took / 2;
+  for (; deadline <= whole.took / 2; deadline *= 2) {
+    cut = call_slow(deadline);
+    if (cut.timeouts > 0 || cut.invalid > 0) break;
   }
-  const absl::Time until = absl::Now() + absl::Seconds(20);
-  while (failures("timeout") == timeouts_before && failures("invalid") == invalid_before &&
-         absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(100));
-  }
-  EXPECT_EQ(failures("timeout"), timeouts_before + 1);
-  EXPECT_EQ(failures("invalid"), invalid_before);
+  EXPECT_EQ(cut.code, grpc::StatusCode::DEADLINE_EXCEEDED) << "deadline " << deadline;
+  EXPECT_EQ(cut.timeouts, 1) << "no call reached its handler before its deadline";
+  EXPECT_EQ(cut.invalid, 0);
+  EXPECT_LT(cut.server_cpu, whole.server_cpu * 3 / 4)
+      << "the parse ran on past a deadline of " << deadline << " (the whole call took "
+      << whole.took << ")";
   ExpectHealthy(s, absl::Seconds(10));
 }
 
