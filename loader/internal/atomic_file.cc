@@ -31,7 +31,8 @@ AtomicFile::AtomicFile(AtomicFile&& other) noexcept
     : path_(std::move(other.path_)),
       temp_path_(std::move(other.temp_path_)),
       fd_(std::exchange(other.fd_, -1)),
-      published_(std::exchange(other.published_, true)) {}
+      published_(std::exchange(other.published_, true)),
+      written_behind_(other.written_behind_) {}
 
 AtomicFile& AtomicFile::operator=(AtomicFile&& other) noexcept {
   if (this != &other) {
@@ -40,6 +41,7 @@ AtomicFile& AtomicFile::operator=(AtomicFile&& other) noexcept {
     temp_path_ = std::move(other.temp_path_);
     fd_ = std::exchange(other.fd_, -1);
     published_ = std::exchange(other.published_, true);
+    written_behind_ = other.written_behind_;
   }
   return *this;
 }
@@ -90,6 +92,7 @@ absl::Status AtomicFile::WriteAt(uint64_t offset, absl::string_view bytes) {
 
 void AtomicFile::WriteBehind() {
   if (fd_ < 0) return;
+  written_behind_ = true;
   // Pages written back since the last call are clean now and go; the dirty
   // ones start their write-back and go next time. Both are advice: an error
   // leaves the pages cached, which costs memory, never data.
@@ -105,6 +108,12 @@ absl::Status AtomicFile::Finish() {
     ::close(fd);
     return ErrnoStatus(err, absl::StrCat("syncing ", path_));
   }
+  // All clean now: a file written behind (a large one) drops the rest of
+  // its pages too. Its readers then fault it in whole huge folios where the
+  // writer's were small ones; under a hypervisor that keeps its own page
+  // tables, a product over 4 KiB-mapped pages ran at half the rate
+  // (docs/BENCHMARKS.md, "A third machine").
+  if (written_behind_) (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
   if (::close(fd) != 0) return ErrnoStatus(errno, absl::StrCat("closing ", path_));
   return absl::OkStatus();
 }

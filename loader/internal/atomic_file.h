@@ -35,7 +35,8 @@ class AtomicFile {
   // cache what an earlier call started (and is clean by now), so writing a
   // file much larger than memory keeps about two calls' worth of it cached.
   void WriteBehind();
-  // Flushes to disk and closes; the file still has its temporary name.
+  // Flushes to disk and closes; the file still has its temporary name. A
+  // file written behind leaves none of its pages in the page cache.
   absl::Status Finish();
   // Renames the finished file to its final path and syncs the folder.
   absl::Status Publish();
@@ -52,6 +53,7 @@ class AtomicFile {
   std::string temp_path_;
   int fd_ = -1;
   bool published_ = false;
+  bool written_behind_ = false;
 };
 
 // fsyncs the folder that holds `path`, so a rename into it is durable.

@@ -1,17 +1,25 @@
 // Writing: layout, sharding, atomicity and the errors that must leave
 // nothing half-written.
+#include <fcntl.h>
 #include <filesystem>
 #include <set>
 #include <signal.h>
 #include <string>
+#include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <unistd.h>
 #include <vector>
 
 #include <ATen/Functions.h>
 #include <ATen/core/Tensor.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <linux/magic.h>
 #include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
 
 #include "loader/loader.h"
 #include "tests/testing/file_size_limit.h"
@@ -141,6 +149,55 @@ TEST(WriterTest, StreamsTensorsFromAProducerOneAtATime) {
   ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor b, ckpt.Tensor("b"));
   EXPECT_EQ(b.scalar_type(), at::kBFloat16);
   EXPECT_EQ(b[1][1].item<float>(), 2.0f);
+}
+
+// Pages of `path` the page cache holds (mincore over a mapping of it), or
+// -1 if it cannot tell.
+int64_t CachedPages(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  struct stat st {};
+  ::fstat(fd, &st);
+  const auto size = static_cast<size_t>(st.st_size);
+  void* addr = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (addr == MAP_FAILED) return -1;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> in((size + page - 1) / page);
+  const int rc = ::mincore(addr, size, in.data());
+  ::munmap(addr, size);
+  if (rc != 0) return -1;
+  int64_t cached = 0;
+  for (unsigned char c : in) cached += c & 1;
+  return cached;
+}
+
+// A large file is written behind (written back and dropped as the writer
+// goes) and, once synced, leaves none of its pages cached: its readers then
+// read it in whole huge folios rather than map the writer's small ones.
+TEST(WriterTest, AShardWrittenBehindLeavesNothingInThePageCache) {
+  TempDir dir;
+  struct statfs fs {};
+  ASSERT_EQ(::statfs(dir.path().c_str(), &fs), 0);
+  if (fs.f_type == TMPFS_MAGIC) GTEST_SKIP() << "tmpfs keeps its pages: nothing to drop";
+  std::vector<TensorSpec> specs;
+  for (int i = 0; i < 8; ++i) specs.push_back({absl::StrCat("t", i), at::kFloat, {1 << 18}});
+  auto produce = [](const TensorSpec& spec) -> absl::StatusOr<at::Tensor> {
+    return at::full(spec.shape, 1.5, at::TensorOptions().dtype(spec.dtype));
+  };
+  CheckpointWriteOptions behind;
+  behind.write_behind_bytes = int64_t{2} << 20;  // 8 MiB written, 2 MiB at a time
+  ASSERT_THAT(WriteCheckpoint(dir.path(), specs, produce, behind), IsOk());
+  const std::string shard = dir.path() + "/model.safetensors";
+  EXPECT_EQ(CachedPages(shard), 0);
+  // Read back whole and equal.
+  ACCEL_ASSERT_OK_AND_ASSIGN(Checkpoint ckpt, Checkpoint::Open(dir.path()));
+  ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor t7, ckpt.Tensor("t7"));
+  EXPECT_TRUE(at::equal(t7, at::full({1 << 18}, 1.5)));
+  // Without write-behind (a small file, the kernel's choice) the pages stay.
+  TempDir kept;
+  ASSERT_THAT(WriteCheckpoint(kept.path(), specs, produce), IsOk());
+  EXPECT_GT(CachedPages(kept.path() + "/model.safetensors"), 0);
 }
 
 TEST(WriterTest, ProducerReturningTheWrongShapeFailsAndLeavesNothing) {
