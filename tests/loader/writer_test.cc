@@ -181,6 +181,7 @@ TEST(WriterTest, AShardWrittenBehindLeavesNothingInThePageCache) {
   ASSERT_EQ(::statfs(dir.path().c_str(), &fs), 0);
   if (fs.f_type == TMPFS_MAGIC) GTEST_SKIP() << "tmpfs keeps its pages: nothing to drop";
   std::vector<TensorSpec> specs;
+  specs.reserve(8);
   for (int i = 0; i < 8; ++i) specs.push_back({absl::StrCat("t", i), at::kFloat, {1 << 18}});
   auto produce = [](const TensorSpec& spec) -> absl::StatusOr<at::Tensor> {
     return at::full(spec.shape, 1.5, at::TensorOptions().dtype(spec.dtype));

@@ -44,7 +44,7 @@ using ::testing::Not;
 // accel-serve with the OpenAI API on a free port (--http_port 0 is "off"),
 // retried if another process took the port in between.
 absl::StatusOr<std::unique_ptr<ServerProcess>> StartWithHttp(const std::string& model,
-                                                             std::vector<std::string> args,
+                                                             const std::vector<std::string>& args,
                                                              int max_open_files = 0) {
   absl::Status last;
   for (int attempt = 0; attempt < 3; ++attempt) {

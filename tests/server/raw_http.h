@@ -66,9 +66,10 @@ inline int FreePort() {
   sockaddr_in addr = {};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  // Port 0: the kernel picks a free one; 0 back if it could not.
+  if (bind(s.fd(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return 0;
   socklen_t length = sizeof(addr);
-  getsockname(s.fd(), reinterpret_cast<sockaddr*>(&addr), &length);
+  if (getsockname(s.fd(), reinterpret_cast<sockaddr*>(&addr), &length) != 0) return 0;
   return ntohs(addr.sin_port);
 }
 
