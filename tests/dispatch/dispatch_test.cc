@@ -15,7 +15,6 @@
 #include <signal.h>
 #include <sstream>
 #include <string>
-#include <sys/mman.h>
 #include <sys/resource.h>
 #include <thread>
 #include <unistd.h>
@@ -45,6 +44,7 @@ namespace {
 
 using ::accel::test::IsOk;
 using ::accel::test::MappingHolding;
+using ::accel::test::PageCachedBytes;
 using ::accel::test::StatusIs;
 using ::accel::test::TempDir;
 using ::testing::AllOf;
@@ -408,19 +408,6 @@ TEST(DispatchMappedTest, ResidentMappedWeightsStayWithinTheAllowancePlusTheWindo
       EXPECT_GE(most, kWideLayerBytes);  // the running layer at least
     }
   }
-}
-
-// Bytes of [address, address + n) that the page cache holds (mincore over a
-// file mapping asks the page cache, whether or not the process maps the page).
-int64_t PageCachedBytes(const void* address, int64_t n) {
-  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(address) / page * page;
-  const uintptr_t end = reinterpret_cast<uintptr_t>(address) + static_cast<uintptr_t>(n);
-  std::vector<unsigned char> in((end - begin + page - 1) / page);
-  if (::mincore(reinterpret_cast<void*>(begin), end - begin, in.data()) != 0) return -1;
-  int64_t cached = 0;
-  for (unsigned char c : in) cached += (c & 1) ? static_cast<int64_t>(page) : 0;
-  return cached;  // whole pages: a tensor's edges can count a neighbour's bytes
 }
 
 TEST(DispatchMappedTest, PageCacheKeepsTheLastDiskLayersThatFitAndEvictsTheRest) {

@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
-#include <sys/mman.h>
 #include <thread>
 #include <unistd.h>
 #include <vector>
@@ -21,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "loader/loader.h"
+#include "tests/testing/process_memory.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -28,6 +28,7 @@ namespace accel::dispatch::internal {
 namespace {
 
 using ::accel::test::IsOk;
+using ::accel::test::PageCachedBytes;
 using ::accel::test::StatusIs;
 using ::accel::test::TempDir;
 using ::testing::HasSubstr;
@@ -293,15 +294,6 @@ TEST(ExpertCacheTest, ATruncatedFileIsDataLoss) {
 // above the floor: below it, the cache drops the pages of the units it
 // evicted longest ago before each read; above it, it leaves them. Units of
 // 4 MiB at 2 MiB boundaries, so no page-cache folio is shared between two.
-int64_t PageCachedBytes(const char* address, int64_t n) {
-  const int64_t page = ::sysconf(_SC_PAGESIZE);
-  std::vector<unsigned char> in(static_cast<size_t>((n + page - 1) / page));
-  if (::mincore(const_cast<char*>(address), static_cast<size_t>(n), in.data()) != 0) return -1;
-  int64_t cached = 0;
-  for (unsigned char c : in) cached += (c & 1) ? page : 0;
-  return cached;
-}
-
 TEST(ExpertCacheTest, EvictedMappedUnitsLeaveThePageCacheOnlyBelowTheFreeMemoryFloor) {
   constexpr int64_t kBig = int64_t{1} << 19;  // floats a tensor: 2 MiB
   constexpr int64_t kBigUnitBytes = 2 * kBig * 4;

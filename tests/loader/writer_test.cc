@@ -1,15 +1,11 @@
 // Writing: layout, sharding, atomicity and the errors that must leave
 // nothing half-written.
-#include <fcntl.h>
 #include <filesystem>
 #include <set>
 #include <signal.h>
 #include <string>
-#include <sys/mman.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 #include <sys/statfs.h>
-#include <unistd.h>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -23,6 +19,7 @@
 
 #include "loader/loader.h"
 #include "tests/testing/file_size_limit.h"
+#include "tests/testing/process_memory.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -151,27 +148,6 @@ TEST(WriterTest, StreamsTensorsFromAProducerOneAtATime) {
   EXPECT_EQ(b[1][1].item<float>(), 2.0f);
 }
 
-// Pages of `path` the page cache holds (mincore over a mapping of it), or
-// -1 if it cannot tell.
-int64_t CachedPages(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return -1;
-  struct stat st {};
-  ::fstat(fd, &st);
-  const auto size = static_cast<size_t>(st.st_size);
-  void* addr = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-  ::close(fd);
-  if (addr == MAP_FAILED) return -1;
-  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  std::vector<unsigned char> in((size + page - 1) / page);
-  const int rc = ::mincore(addr, size, in.data());
-  ::munmap(addr, size);
-  if (rc != 0) return -1;
-  int64_t cached = 0;
-  for (unsigned char c : in) cached += c & 1;
-  return cached;
-}
-
 // A large file is written behind (written back and dropped as the writer
 // goes) and, once synced, leaves none of its pages cached: its readers then
 // read it in whole huge folios rather than map the writer's small ones.
@@ -190,7 +166,7 @@ TEST(WriterTest, AShardWrittenBehindLeavesNothingInThePageCache) {
   behind.write_behind_bytes = int64_t{2} << 20;  // 8 MiB written, 2 MiB at a time
   ASSERT_THAT(WriteCheckpoint(dir.path(), specs, produce, behind), IsOk());
   const std::string shard = dir.path() + "/model.safetensors";
-  EXPECT_EQ(CachedPages(shard), 0);
+  EXPECT_EQ(test::PageCachedBytesOfFile(shard), 0);
   // Read back whole and equal.
   ACCEL_ASSERT_OK_AND_ASSIGN(Checkpoint ckpt, Checkpoint::Open(dir.path()));
   ACCEL_ASSERT_OK_AND_ASSIGN(at::Tensor t7, ckpt.Tensor("t7"));
@@ -198,7 +174,7 @@ TEST(WriterTest, AShardWrittenBehindLeavesNothingInThePageCache) {
   // Without write-behind (a small file, the kernel's choice) the pages stay.
   TempDir kept;
   ASSERT_THAT(WriteCheckpoint(kept.path(), specs, produce), IsOk());
-  EXPECT_GT(CachedPages(kept.path() + "/model.safetensors"), 0);
+  EXPECT_GT(test::PageCachedBytesOfFile(kept.path() + "/model.safetensors"), 0);
 }
 
 TEST(WriterTest, ProducerReturningTheWrongShapeFailsAndLeavesNothing) {

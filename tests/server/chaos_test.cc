@@ -156,11 +156,6 @@ TEST(ChaosTest, SlowAndIdleSocketsDoNotLockClientsOut) {
   ExpectHealthy(s, absl::Seconds(30));
 }
 
-// Hostile JSON. A body of 100,000 keys cost 24 s of CPU on /v1/completions
-// (nlohmann::ordered_json looked every key up linearly), the same in gRPC
-// Chat's tools_json went on for 27 s after the client's 3 s deadline, and a
-// deeply nested body could overflow the stack. Now each is refused at once,
-// by name, and the server goes on.
 // User and system CPU time of process `pid` so far (/proc/PID/stat), zero if
 // it cannot be read.
 absl::Duration CpuTimeOf(pid_t pid) {
@@ -176,6 +171,11 @@ absl::Duration CpuTimeOf(pid_t pid) {
   return absl::Seconds(ticks / static_cast<double>(::sysconf(_SC_CLK_TCK)));
 }
 
+// Hostile JSON. A body of 100,000 keys cost 24 s of CPU on /v1/completions
+// (nlohmann::ordered_json looked every key up linearly), the same in gRPC
+// Chat's tools_json went on for 27 s after the client's 3 s deadline, and a
+// deeply nested body could overflow the stack. Now each is refused at once,
+// by name, and the server goes on.
 TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
   auto server = StartWithHttp(TestModelDir(), {});
   ASSERT_TRUE(server.ok()) << server.status();

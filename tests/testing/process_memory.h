@@ -7,9 +7,13 @@
 
 #include <cctype>
 #include <cstdint>
+#include <fcntl.h>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <vector>
 
 namespace accel::test {
@@ -109,6 +113,39 @@ inline int64_t ResidentBytesOfFilesUnder(const std::vector<Mapping>& mappings,
     if (m.path.compare(0, prefix.size(), prefix) == 0) total += m.rss;
   }
   return total;
+}
+
+// Bytes of [address, address + n) that the page cache holds, in whole pages
+// (mincore over a file mapping asks the page cache, whether or not the
+// process maps the page; a range's edges can count a neighbour's bytes); -1
+// if it cannot tell.
+inline int64_t PageCachedBytes(const void* address, int64_t n) {
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(address) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(address) + static_cast<uintptr_t>(n);
+  std::vector<unsigned char> in((end - begin + page - 1) / page);
+  if (::mincore(reinterpret_cast<void*>(begin), end - begin, in.data()) != 0) return -1;
+  int64_t cached = 0;
+  for (unsigned char c : in) cached += (c & 1) ? static_cast<int64_t>(page) : 0;
+  return cached;
+}
+
+// The same for the whole of the file at `path`; -1 if it cannot tell.
+inline int64_t PageCachedBytesOfFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || st.st_size == 0) {
+    ::close(fd);
+    return st.st_size == 0 ? 0 : -1;
+  }
+  const auto size = static_cast<size_t>(st.st_size);
+  void* addr = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (addr == MAP_FAILED) return -1;
+  const int64_t cached = PageCachedBytes(addr, static_cast<int64_t>(size));
+  ::munmap(addr, size);
+  return cached;
 }
 
 }  // namespace accel::test
