@@ -192,6 +192,39 @@ at::Tensor MappedView(const Source& source) {
       at::TensorOptions(source.dtype));
 }
 
+namespace {
+
+// Anonymous memory of at least `bytes` at a 2 MiB-aligned address, advised
+// MADV_HUGEPAGE, so that the kernel backs it with 2 MiB pages where it has
+// them (transparent huge pages in "madvise" mode need the advice; "always"
+// still needs the alignment): one fault a huge page where small ones take
+// 512, and, under a hypervisor that keeps its own copy of the guest's page
+// tables, one entry to fill instead of 512 (docs/BENCHMARKS.md: a 76 MiB
+// buffer of small pages cost a first pass several times a second one).
+// Undefined if mmap fails.
+at::Tensor HugePageBuffer(uint64_t bytes) {
+  constexpr uint64_t kHuge = uint64_t{2} << 20;
+  const uint64_t size = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* raw =
+      ::mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return {};
+  const auto start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHuge - 1) & ~(kHuge - 1);
+  // The reservation's unaligned head and tail go back.
+  if (aligned > start) ::munmap(raw, aligned - start);
+  const uintptr_t end = start + size + kHuge;
+  if (end > aligned + size) ::munmap(reinterpret_cast<void*>(aligned + size), end - aligned - size);
+  auto* data = reinterpret_cast<void*>(aligned);
+#ifdef MADV_HUGEPAGE
+  (void)::madvise(data, size, MADV_HUGEPAGE);  // advice: small pages otherwise
+#endif
+  return at::from_blob(
+      data, {static_cast<int64_t>(bytes)}, [size](void* p) { ::munmap(p, size); },
+      at::TensorOptions(at::kByte));
+}
+
+}  // namespace
+
 at::Tensor BufferPool::Take(uint64_t bytes, bool pinned) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -201,6 +234,9 @@ at::Tensor BufferPool::Take(uint64_t bytes, bool pinned) {
       free_.erase(it);
       return buffer;
     }
+  }
+  if (!pinned && bytes >= kHugePageBufferBytes) {
+    if (at::Tensor buffer = HugePageBuffer(bytes); buffer.defined()) return buffer;
   }
   return at::empty({static_cast<int64_t>(bytes)},
                    at::TensorOptions(at::kByte).pinned_memory(pinned));

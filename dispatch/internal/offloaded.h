@@ -145,7 +145,9 @@ using BufferSource = std::function<at::Tensor(uint64_t bytes)>;
 
 // Host buffers for disk reads, reused across reads: a fresh 64 MiB
 // allocation costs more in page faults than reading it from the page cache.
-// Thread-safe.
+// Unpinned buffers of kHugePageBufferBytes or more are anonymous memory in
+// 2 MiB pages where the kernel has them. Thread-safe.
+inline constexpr uint64_t kHugePageBufferBytes = uint64_t{2} << 20;
 class BufferPool {
  public:
   // A free buffer of `bytes` to bytes + 1/8 (not a much larger one), else a

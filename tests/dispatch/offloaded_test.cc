@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fcntl.h>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -20,6 +21,7 @@
 
 #include "core/file_faults.h"
 #include "core/status.h"
+#include "tests/testing/process_memory.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -183,6 +185,55 @@ TEST(FileMappingTest, WillNeedReadsSmallRangesAndLeavesLargeOnesToPopulate) {
 // again: replaced (renamed over) or deleted, the bytes read are the ones it
 // had; truncated under us, a read is DataLoss naming the tensor and the file,
 // and is recorded as a weights file fault (core/file_faults.h).
+// The mapping of this process that holds `address`, if any.
+std::optional<test::Mapping> MappingAt(const void* address) {
+  const auto a = reinterpret_cast<uintptr_t>(address);
+  for (const test::Mapping& m : test::ReadMappings()) {
+    if (m.begin <= a && a < m.end) return m;
+  }
+  return std::nullopt;
+}
+
+// Large read buffers sit at 2 MiB boundaries and are advised MADV_HUGEPAGE,
+// so the kernel can back each 2 MiB with one page (what the products then
+// read without a fault a small page); they are reused, and unmapped when the
+// last holder goes.
+TEST(BufferPoolTest, LargeBuffersAreHugePageAlignedAdvisedReusedAndUnmapped) {
+  constexpr uint64_t kHuge = uint64_t{2} << 20;
+  const uint64_t bytes = 5 * kHuge + 12345;  // not a whole number of huge pages
+  const void* data = nullptr;
+  {
+    BufferPool pool;
+    at::Tensor buffer = pool.Take(bytes, /*pinned=*/false);
+    ASSERT_EQ(buffer.nbytes(), bytes);
+    ASSERT_EQ(buffer.scalar_type(), at::kByte);
+    data = buffer.data_ptr();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(data) % kHuge, 0u);
+    const std::optional<test::Mapping> mapping = MappingAt(data);
+    ASSERT_TRUE(mapping.has_value());
+    EXPECT_THAT(mapping->vm_flags, HasSubstr(" hg"));
+    EXPECT_GE(mapping->end - reinterpret_cast<uintptr_t>(data), bytes);
+    // Writable to its last byte, and what is written is read back.
+    buffer.fill_(7);
+    buffer[static_cast<int64_t>(bytes) - 1].fill_(9);
+    EXPECT_EQ(buffer.sum().item<int64_t>(), 7 * static_cast<int64_t>(bytes) + 2);
+    // Given back and taken again: the same memory, not a new mapping.
+    pool.Give(std::move(buffer));
+    at::Tensor again = pool.Take(bytes - 100, /*pinned=*/false);
+    EXPECT_EQ(again.data_ptr(), data);
+    // A value still viewing a buffer keeps it out of the pool.
+    at::Tensor view = again.narrow(0, 0, 16);
+    pool.Give(again);
+    EXPECT_NE(pool.Take(bytes, /*pinned=*/false).data_ptr(), data);
+  }
+  // The pool and every tensor gone: the memory is unmapped.
+  EXPECT_FALSE(MappingAt(data).has_value());
+  // Small buffers come from the allocator as before.
+  BufferPool pool;
+  at::Tensor small = pool.Take(kHugePageBufferBytes / 2, /*pinned=*/false);
+  EXPECT_EQ(small.nbytes(), kHugePageBufferBytes / 2);
+}
+
 TEST(OpenFileTest, ReadsGoThroughTheHeldFileNotThePath) {
   ResetModelFileFaultForTesting();
   TempDir dir;

@@ -3,12 +3,14 @@
 // Each fault has its expected outcome: an answer within a bound (far above
 // the normal time, far below what the fault cost before), and a server that
 // is healthy afterwards (ready, live, every port answering).
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -275,8 +277,9 @@ TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
   arrays += "[]]";
   slow.add_tools_json(arrays);
   // Each call: its status, how long it took, which failure counters moved
-  // (waiting up to 20 s for the handler to count it: a parse read through
-  // takes seconds, more on a loaded machine), and the server's CPU time
+  // (waiting up to `wait_for_count` for the handler to count it: a parse
+  // read through takes seconds, more on a loaded machine; a call that ended
+  // before any handler ran is never counted), and the server's CPU time
   // meanwhile. A call whose deadline has passed is counted a timeout
   // whether or not its parse ran on, so the CPU time is what tells them
   // apart.
@@ -287,7 +290,7 @@ TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
     double invalid;
     absl::Duration server_cpu;
   };
-  const auto call_slow = [&](absl::Duration deadline) {
+  const auto call_slow = [&](absl::Duration deadline, absl::Duration wait_for_count) {
     const double timeouts_before = failures("timeout");
     const double invalid_before = failures("invalid");
     const absl::Duration cpu_before = CpuTimeOf(s.pid());
@@ -297,7 +300,7 @@ TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
     const absl::Time called = absl::Now();
     const grpc::Status status = stub->Chat(&context, slow, &reply);
     const absl::Duration took = absl::Now() - called;
-    const absl::Time until = absl::Now() + absl::Seconds(20);
+    const absl::Time until = absl::Now() + wait_for_count;
     while (failures("timeout") == timeouts_before && failures("invalid") == invalid_before &&
            absl::Now() < until) {
       absl::SleepFor(absl::Milliseconds(50));
@@ -307,29 +310,53 @@ TEST(ChaosTest, HostileJsonIsRefusedQuicklyAndTheServerGoesOn) {
   };
   // Read through (a minute's deadline), the array is refused, counted
   // invalid: what arriving and parsing it costs here.
-  const Outcome whole = call_slow(absl::Minutes(1));
+  const Outcome whole = call_slow(absl::Minutes(1), absl::Seconds(20));
   ASSERT_EQ(whole.code, grpc::StatusCode::INVALID_ARGUMENT);
   ASSERT_EQ(whole.invalid, 1);
-  ASSERT_GT(whole.took, absl::Milliseconds(200)) << "too fast a parse to put a deadline inside";
+  const absl::Duration read_through_took = whole.took;
+  const absl::Duration read_through_cpu = whole.server_cpu;
+  ASSERT_GT(read_through_took, absl::Milliseconds(200))
+      << "too fast a parse to put a deadline inside";
   // The deadline must fall after the 60 MB have arrived (before that, gRPC
   // ends the call before any handler runs, and nothing is counted) and
-  // before the parse would end. Arrival takes tens of milliseconds on a
-  // quiet loopback but has passed 500 ms on a loaded machine: a call that
-  // nothing counted is made again with twice the deadline, up to half the
-  // whole call's time, so that it is the parse the deadline cuts.
-  Outcome cut{};
-  absl::Duration deadline = absl::Milliseconds(500);
-  if (deadline > whole.took / 2) deadline = whole.took / 2;
-  for (; deadline <= whole.took / 2; deadline *= 2) {
-    cut = call_slow(deadline);
-    if (cut.timeouts > 0 || cut.invalid > 0) break;
+  // before the parse ends (after that, the array is refused, counted
+  // invalid; a fast CI machine once ended it inside half the read-through
+  // call's time). Arrival takes tens of milliseconds on a quiet loopback
+  // but has passed 500 ms on a loaded machine. So the deadline is searched
+  // for, halving the gap each call: later when nothing counted the call,
+  // earlier when the parse ended first, and earlier still when a deadline
+  // cut the parse in its second half (the earlier the cut, the plainer the
+  // difference in CPU time from a parse that read on).
+  std::optional<Outcome> cut;
+  absl::Duration cut_deadline;
+  absl::Duration too_early = absl::ZeroDuration();
+  absl::Duration late_enough = read_through_took;
+  absl::Duration deadline = std::min(absl::Milliseconds(500), read_through_took / 2);
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    const Outcome outcome = call_slow(deadline, 2 * read_through_took + absl::Seconds(2));
+    if (outcome.timeouts > 0) {
+      cut = outcome;
+      cut_deadline = deadline;
+    }
+    if (outcome.timeouts > 0 || outcome.invalid > 0) {
+      late_enough = deadline;
+    } else {
+      too_early = deadline;
+    }
+    if (cut && (cut_deadline <= read_through_took / 2 ||
+                late_enough - too_early < read_through_took / 16)) {
+      break;
+    }
+    deadline = (too_early + late_enough) / 2;
   }
-  EXPECT_EQ(cut.code, grpc::StatusCode::DEADLINE_EXCEEDED) << "deadline " << deadline;
-  EXPECT_EQ(cut.timeouts, 1) << "no call reached its handler before its deadline";
-  EXPECT_EQ(cut.invalid, 0);
-  EXPECT_LT(cut.server_cpu, whole.server_cpu * 3 / 4)
-      << "the parse ran on past a deadline of " << deadline << " (the whole call took "
-      << whole.took << ")";
+  ASSERT_TRUE(cut.has_value()) << "no deadline between " << too_early << " and " << late_enough
+                               << " fell inside the parse";
+  EXPECT_EQ(cut->code, grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(cut->timeouts, 1);
+  EXPECT_EQ(cut->invalid, 0);
+  EXPECT_LT(cut->server_cpu, read_through_cpu * 3 / 4)
+      << "the parse ran on past a deadline of " << cut_deadline << " (a read-through call took "
+      << read_through_took << ")";
   ExpectHealthy(s, absl::Seconds(10));
 }
 
