@@ -16,13 +16,15 @@
 // just populated (first pass), of a second pass, and of a pass after the warm
 // populate, against the same pass
 // over an anonymous buffer the process has used before (the baseline). A
-// last row maps the range right after writing it (the same bytes, written
+// further row maps the range right after writing it (the same bytes, written
 // back through the page cache and synced, as a checkpoint writer leaves a
 // file it made: small folios, mapped 4 KiB at a time). A
 // product reads an expert's weights right after the reader made them
 // resident, and under a hypervisor that keeps its own page tables for the
 // guest (2026-12-02's machine: the kernel's pvm_* functions) each 4 KiB page
-// costs a fault on its first touch, which the first pass pays. Times: best
+// costs a fault on its first touch, which the first pass pays. The last
+// two rows read the range into a buffer the process has not used yet (see
+// ReadIntoNewBuffer): small pages against 2 MiB ones. Times: best
 // of R; the shares: the mean of R (mmap places a file's mapping where it
 // likes, now and then 2 MiB-aligned).
 //
@@ -169,6 +171,62 @@ Figures Populate(int fd, size_t file_bytes, off_t offset, size_t range, bool hug
   return f;
 }
 
+// A read into a buffer the process has not touched yet, as the expert
+// cache's buffer pool makes one: small pages (what malloc gives), or 2 MiB
+// ones (mapped at a 2 MiB boundary and advised MADV_HUGEPAGE, as
+// BufferPool::Take does since 2026-12-02). cold: the range dropped from the
+// page cache first (the disk read and the buffer's faults); warm: read again
+// into a second new buffer from the page cache (the faults and the copy);
+// then the passes over the cold buffer.
+struct NewBuffer {
+  double cold = 1e9, warm = 1e9, first_pass = 1e9, second_pass = 1e9, huge_share = 0;
+};
+
+char* MapBuffer(size_t range, bool huge) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t size = (range + kHuge - 1) / kHuge * kHuge;
+  void* raw =
+      ::mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) Die("mapping a buffer failed");
+  char* at = static_cast<char*>(raw);
+  if (huge) {
+    at = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + kHuge - 1) / kHuge * kHuge);
+    (void)::madvise(at, size, MADV_HUGEPAGE);
+  } else {
+    (void)::madvise(raw, size + kHuge, MADV_NOHUGEPAGE);  // what a THP-"always" kernel would not do
+  }
+  return at;
+}
+
+void PreadInto(int fd, off_t offset, size_t range, char* at) {
+  for (size_t done = 0; done < range;) {
+    const ssize_t got = ::pread(fd, at + done, range - done, offset + static_cast<off_t>(done));
+    if (got <= 0) Die("pread failed");
+    done += static_cast<size_t>(got);
+  }
+}
+
+void ReadIntoNewBuffer(int fd, off_t offset, size_t range, bool huge, NewBuffer& best) {
+  char* cold_buffer = MapBuffer(range, huge);
+  char* warm_buffer = MapBuffer(range, huge);
+  (void)::posix_fadvise(fd, offset, static_cast<off_t>(range), POSIX_FADV_DONTNEED);
+  auto start = Clock::now();
+  PreadInto(fd, offset, range, cold_buffer);
+  best.cold = std::min(best.cold, Seconds(start));
+  start = Clock::now();
+  PreadInto(fd, offset, range, warm_buffer);
+  best.warm = std::min(best.warm, Seconds(start));
+  best.first_pass = std::min(best.first_pass, PassSeconds(cold_buffer, range));
+  best.second_pass = std::min(best.second_pass, PassSeconds(cold_buffer, range));
+  best.huge_share += static_cast<double>(accel::test::MappingHolding(cold_buffer).anon_huge) /
+                     static_cast<double>(range);
+  // The buffers' whole reservations (the aligned start lies inside them).
+  for (char* b : {cold_buffer, warm_buffer}) {
+    const accel::test::Mapping m = accel::test::MappingHolding(b);
+    ::munmap(reinterpret_cast<void*>(m.begin), m.end - m.begin);
+  }
+}
+
 double PreadCold(int fd, off_t offset, size_t range, std::vector<char>& buffer) {
   (void)::posix_fadvise(fd, offset, static_cast<off_t>(range), POSIX_FADV_DONTNEED);
   const auto start = Clock::now();
@@ -234,6 +292,7 @@ int main(int argc, char** argv) {
   const off_t offset = (off_t{4} << 20) + off_t{12345} * 4096;
   std::vector<char> buffer(range);
   Figures small, huge, huge_unadvised, huge_edges, written;
+  NewBuffer small_pages, huge_pages;
   double pread_best = 1e9, anonymous_pass = 1e9, anonymous_again = 1e9;
   for (int r = 0; r < repeats; ++r) {
     pread_best = std::min(pread_best, PreadCold(fd, offset, range, buffer));
@@ -245,6 +304,8 @@ int main(int argc, char** argv) {
     Keep(huge_edges, Populate(fd, file_bytes, offset, range, /*huge=*/true, Advice::kEdges));
     Keep(written,
          Populate(fd, file_bytes, offset, range, /*huge=*/true, Advice::kNone, &path, &buffer));
+    ReadIntoNewBuffer(fd, offset, range, /*huge=*/false, small_pages);
+    ReadIntoNewBuffer(fd, offset, range, /*huge=*/true, huge_pages);
   }
   ::close(fd);
   ::unlink(path.c_str());
@@ -278,6 +339,13 @@ int main(int argc, char** argv) {
     std::printf("  %-38s %9.1f %9.1f %10.2f %9.0f%% %9.0f%% %7.1f GB/s %7.1f GB/s %7.1f GB/s\n",
                 name, 1e3 * f.cold, 1e3 * f.cold_cpu, 1e3 * f.warm, 100.0 * f.pmd_share,
                 100.0 * f.read_share, gb / f.first_pass, gb / f.second_pass, gb / f.warm_pass);
+  }
+  for (const auto& [name, b] :
+       {std::pair<const char*, NewBuffer&>{"pread() into a new buffer, 4 KiB pages", small_pages},
+        {"pread() into a new buffer, 2 MiB pages", huge_pages}}) {
+    std::printf("  %-38s %9.1f %9s %10.2f %9.0f%% %10s %7.1f GB/s %7.1f GB/s %12s\n", name,
+                1e3 * b.cold, "-", 1e3 * b.warm, 100.0 * b.huge_share / repeats, "-",
+                gb / b.first_pass, gb / b.second_pass, "-");
   }
   return 0;
 }

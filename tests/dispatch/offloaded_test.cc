@@ -7,7 +7,6 @@
 #include <cstring>
 #include <fcntl.h>
 #include <filesystem>
-#include <optional>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -185,15 +184,6 @@ TEST(FileMappingTest, WillNeedReadsSmallRangesAndLeavesLargeOnesToPopulate) {
 // again: replaced (renamed over) or deleted, the bytes read are the ones it
 // had; truncated under us, a read is DataLoss naming the tensor and the file,
 // and is recorded as a weights file fault (core/file_faults.h).
-// The mapping of this process that holds `address`, if any.
-std::optional<test::Mapping> MappingAt(const void* address) {
-  const auto a = reinterpret_cast<uintptr_t>(address);
-  for (const test::Mapping& m : test::ReadMappings()) {
-    if (m.begin <= a && a < m.end) return m;
-  }
-  return std::nullopt;
-}
-
 // Large read buffers sit at 2 MiB boundaries and are advised MADV_HUGEPAGE,
 // so the kernel can back each 2 MiB with one page (what the products then
 // read without a fault a small page); they are reused, and unmapped when the
@@ -209,10 +199,10 @@ TEST(BufferPoolTest, LargeBuffersAreHugePageAlignedAdvisedReusedAndUnmapped) {
     ASSERT_EQ(buffer.scalar_type(), at::kByte);
     data = buffer.data_ptr();
     EXPECT_EQ(reinterpret_cast<uintptr_t>(data) % kHuge, 0u);
-    const std::optional<test::Mapping> mapping = MappingAt(data);
-    ASSERT_TRUE(mapping.has_value());
-    EXPECT_THAT(mapping->vm_flags, HasSubstr(" hg"));
-    EXPECT_GE(mapping->end - reinterpret_cast<uintptr_t>(data), bytes);
+    const test::Mapping mapping = test::MappingHolding(data);
+    ASSERT_NE(mapping.end, 0u) << "no mapping holds the buffer";
+    EXPECT_THAT(mapping.vm_flags, HasSubstr(" hg"));
+    EXPECT_GE(mapping.end - reinterpret_cast<uintptr_t>(data), bytes);
     // Writable to its last byte, and what is written is read back.
     buffer.fill_(7);
     buffer[static_cast<int64_t>(bytes) - 1].fill_(9);
@@ -227,7 +217,7 @@ TEST(BufferPoolTest, LargeBuffersAreHugePageAlignedAdvisedReusedAndUnmapped) {
     EXPECT_NE(pool.Take(bytes, /*pinned=*/false).data_ptr(), data);
   }
   // The pool and every tensor gone: the memory is unmapped.
-  EXPECT_FALSE(MappingAt(data).has_value());
+  EXPECT_EQ(test::MappingHolding(data).end, 0u);
   // Small buffers come from the allocator as before.
   BufferPool pool;
   at::Tensor small = pool.Take(kHugePageBufferBytes / 2, /*pinned=*/false);

@@ -28,6 +28,7 @@ struct Mapping {
   int64_t rss = 0, pss = 0, private_bytes = 0, anonymous = 0, swap = 0;
   int64_t locked = 0;      // mlock()ed
   int64_t pmd_mapped = 0;  // FilePmdMapped: file pages mapped a huge page at a time
+  int64_t anon_huge = 0;   // AnonHugePages: anonymous memory in transparent huge pages
   std::string vm_flags;    // "rd mr mw me ac sd hg ..." ("hg": MADV_HUGEPAGE)
 };
 
@@ -76,6 +77,7 @@ inline std::vector<Mapping> ReadMappings(const std::string& pid = "self") {
     if (field == "Swap") m.swap = kib * 1024;
     if (field == "Locked") m.locked = kib * 1024;
     if (field == "FilePmdMapped") m.pmd_mapped = kib * 1024;
+    if (field == "AnonHugePages") m.anon_huge = kib * 1024;
   }
   return out;
 }
