@@ -182,20 +182,29 @@ struct NewBuffer {
   double cold = 1e9, warm = 1e9, first_pass = 1e9, second_pass = 1e9, huge_share = 0;
 };
 
-char* MapBuffer(size_t range, bool huge) {
+// An anonymous reservation a huge page larger than `range`; `at`: where the
+// buffer starts in it (2 MiB-aligned and advised MADV_HUGEPAGE when `huge`).
+struct Reservation {
+  char* base = nullptr;
+  size_t size = 0;
+  char* at = nullptr;
+};
+
+Reservation MapBuffer(size_t range, bool huge) {
   constexpr size_t kHuge = size_t{2} << 20;
-  const size_t size = (range + kHuge - 1) / kHuge * kHuge;
-  void* raw =
-      ::mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  Reservation r;
+  r.size = (range + kHuge - 1) / kHuge * kHuge + kHuge;
+  void* raw = ::mmap(nullptr, r.size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) Die("mapping a buffer failed");
-  char* at = static_cast<char*>(raw);
+  r.base = static_cast<char*>(raw);
+  r.at = r.base;
   if (huge) {
-    at = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + kHuge - 1) / kHuge * kHuge);
-    (void)::madvise(at, size, MADV_HUGEPAGE);
+    r.at += (kHuge - reinterpret_cast<uintptr_t>(raw) % kHuge) % kHuge;
+    (void)::madvise(r.at, r.size - kHuge, MADV_HUGEPAGE);
   } else {
-    (void)::madvise(raw, size + kHuge, MADV_NOHUGEPAGE);  // what a THP-"always" kernel would not do
+    (void)::madvise(raw, r.size, MADV_NOHUGEPAGE);  // small pages on a THP-"always" kernel too
   }
-  return at;
+  return r;
 }
 
 void PreadInto(int fd, off_t offset, size_t range, char* at) {
@@ -207,24 +216,23 @@ void PreadInto(int fd, off_t offset, size_t range, char* at) {
 }
 
 void ReadIntoNewBuffer(int fd, off_t offset, size_t range, bool huge, NewBuffer& best) {
-  char* cold_buffer = MapBuffer(range, huge);
-  char* warm_buffer = MapBuffer(range, huge);
+  // One buffer at a time, so that the huge-page share read from smaps is
+  // this buffer's alone.
+  const Reservation cold = MapBuffer(range, huge);
   (void)::posix_fadvise(fd, offset, static_cast<off_t>(range), POSIX_FADV_DONTNEED);
   auto start = Clock::now();
-  PreadInto(fd, offset, range, cold_buffer);
+  PreadInto(fd, offset, range, cold.at);
   best.cold = std::min(best.cold, Seconds(start));
-  start = Clock::now();
-  PreadInto(fd, offset, range, warm_buffer);
-  best.warm = std::min(best.warm, Seconds(start));
-  best.first_pass = std::min(best.first_pass, PassSeconds(cold_buffer, range));
-  best.second_pass = std::min(best.second_pass, PassSeconds(cold_buffer, range));
-  best.huge_share += static_cast<double>(accel::test::MappingHolding(cold_buffer).anon_huge) /
+  best.first_pass = std::min(best.first_pass, PassSeconds(cold.at, range));
+  best.second_pass = std::min(best.second_pass, PassSeconds(cold.at, range));
+  best.huge_share += static_cast<double>(accel::test::MappingHolding(cold.at).anon_huge) /
                      static_cast<double>(range);
-  // The buffers' whole reservations (the aligned start lies inside them).
-  for (char* b : {cold_buffer, warm_buffer}) {
-    const accel::test::Mapping m = accel::test::MappingHolding(b);
-    ::munmap(reinterpret_cast<void*>(m.begin), m.end - m.begin);
-  }
+  ::munmap(cold.base, cold.size);
+  const Reservation warm = MapBuffer(range, huge);
+  start = Clock::now();
+  PreadInto(fd, offset, range, warm.at);
+  best.warm = std::min(best.warm, Seconds(start));
+  ::munmap(warm.base, warm.size);
 }
 
 double PreadCold(int fd, off_t offset, size_t range, std::vector<char>& buffer) {

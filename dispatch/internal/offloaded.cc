@@ -208,13 +208,11 @@ at::Tensor HugePageBuffer(uint64_t bytes) {
   void* raw =
       ::mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) return {};
-  const auto start = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (start + kHuge - 1) & ~(kHuge - 1);
   // The reservation's unaligned head and tail go back.
-  if (aligned > start) ::munmap(raw, aligned - start);
-  const uintptr_t end = start + size + kHuge;
-  if (end > aligned + size) ::munmap(reinterpret_cast<void*>(aligned + size), end - aligned - size);
-  auto* data = reinterpret_cast<void*>(aligned);
+  const uint64_t head = (kHuge - reinterpret_cast<uintptr_t>(raw) % kHuge) % kHuge;
+  char* data = static_cast<char*>(raw) + head;
+  if (head > 0) ::munmap(raw, head);
+  ::munmap(data + size, kHuge - head);
 #ifdef MADV_HUGEPAGE
   (void)::madvise(data, size, MADV_HUGEPAGE);  // advice: small pages otherwise
 #endif
