@@ -58,8 +58,8 @@ TEST(FileMappingTest, AViewIsTheFilesBytesAndSurvivesDropAndPopulate) {
   EXPECT_EQ(reinterpret_cast<uintptr_t>(mapping->data()) % (uint64_t{2} << 20), 0u);
   Source source;
   source.path = path;
-  source.offset = 400 * 4;
-  source.nbytes = 2000 * 4;
+  source.offset = uint64_t{400} * 4;
+  source.nbytes = uint64_t{2000} * 4;
   source.dtype = at::kFloat;
   source.shape = {40, 50};
   source.mapping = mapping;
@@ -231,8 +231,8 @@ TEST(OpenFileTest, ReadsGoThroughTheHeldFileNotThePath) {
   ACCEL_ASSERT_OK_AND_ASSIGN(std::shared_ptr<const OpenFile> file, OpenFile::Open(path, true));
   Source source;
   source.path = path;
-  source.offset = 100 * 4;
-  source.nbytes = 200 * 4;
+  source.offset = uint64_t{100} * 4;
+  source.nbytes = uint64_t{200} * 4;
   source.dtype = at::kFloat;
   source.shape = {200};
   source.file = file;
