@@ -37,4 +37,9 @@ void* MapFileHugeAligned(int fd, uint64_t offset, size_t size, int prot, int fla
   return addr;
 }
 
+void* MapAnonymousHugeAligned(size_t size) {
+  // An anonymous mapping at offset 0 is placed as a file's would be.
+  return MapFileHugeAligned(-1, 0, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS);
+}
+
 }  // namespace accel

@@ -26,6 +26,15 @@ namespace accel {
 // MAP_FAILED with errno set on failure.
 void* MapFileHugeAligned(int fd, uint64_t offset, size_t size, int prot, int flags);
 
+// Anonymous read-write memory of `size` bytes placed the same way (offset
+// 0: at a 2 MiB boundary) and advised MADV_HUGEPAGE, so that the kernel can
+// back each 2 MiB of it with one page: buffers the process fills and reads
+// again (one fault a huge page where small ones take 512; under a
+// hypervisor that keeps its own page tables a first touch of each small
+// page costs a fault there too: accel-bench-map). Unmapped by
+// munmap(addr, size). MAP_FAILED with errno set on failure.
+void* MapAnonymousHugeAligned(size_t size);
+
 // A range of such a mapping this large or larger is made resident by
 // MADV_POPULATE_READ alone, without MADV_WILLNEED first: the kernel reads at
 // most one readahead window (the device's read_ahead_kb) of an advised range,

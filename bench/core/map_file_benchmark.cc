@@ -173,8 +173,8 @@ Figures Populate(int fd, size_t file_bytes, off_t offset, size_t range, bool hug
 
 // A read into a buffer the process has not touched yet, as the expert
 // cache's buffer pool makes one: small pages (what malloc gives), or 2 MiB
-// ones (mapped at a 2 MiB boundary and advised MADV_HUGEPAGE, as
-// BufferPool::Take does since 2026-12-02). cold: the range dropped from the
+// ones (MapAnonymousHugeAligned, as BufferPool::Take makes them since
+// 2026-12-02). cold: the range dropped from the
 // page cache first (the disk read and the buffer's faults); warm: read again
 // into a second new buffer from the page cache (the faults and the copy);
 // then the passes over the cold buffer.
@@ -182,29 +182,16 @@ struct NewBuffer {
   double cold = 1e9, warm = 1e9, first_pass = 1e9, second_pass = 1e9, huge_share = 0;
 };
 
-// An anonymous reservation a huge page larger than `range`; `at`: where the
-// buffer starts in it (2 MiB-aligned and advised MADV_HUGEPAGE when `huge`).
-struct Reservation {
-  char* base = nullptr;
-  size_t size = 0;
-  char* at = nullptr;
-};
-
-Reservation MapBuffer(size_t range, bool huge) {
-  constexpr size_t kHuge = size_t{2} << 20;
-  Reservation r;
-  r.size = (range + kHuge - 1) / kHuge * kHuge + kHuge;
-  void* raw = ::mmap(nullptr, r.size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) Die("mapping a buffer failed");
-  r.base = static_cast<char*>(raw);
-  r.at = r.base;
-  if (huge) {
-    r.at += (kHuge - reinterpret_cast<uintptr_t>(raw) % kHuge) % kHuge;
-    (void)::madvise(r.at, r.size - kHuge, MADV_HUGEPAGE);
-  } else {
-    (void)::madvise(raw, r.size, MADV_NOHUGEPAGE);  // small pages on a THP-"always" kernel too
-  }
-  return r;
+// A new buffer of `range` bytes: MapAnonymousHugeAligned, or a plain
+// anonymous mapping advised against huge pages (small pages on a
+// THP-"always" kernel too). Unmapped by munmap(at, range).
+char* MapBuffer(size_t range, bool huge) {
+  void* at =
+      huge ? accel::MapAnonymousHugeAligned(range)
+           : ::mmap(nullptr, range, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (at == MAP_FAILED) Die("mapping a buffer failed");
+  if (!huge) (void)::madvise(at, range, MADV_NOHUGEPAGE);
+  return static_cast<char*>(at);
 }
 
 void PreadInto(int fd, off_t offset, size_t range, char* at) {
@@ -218,21 +205,21 @@ void PreadInto(int fd, off_t offset, size_t range, char* at) {
 void ReadIntoNewBuffer(int fd, off_t offset, size_t range, bool huge, NewBuffer& best) {
   // One buffer at a time, so that the huge-page share read from smaps is
   // this buffer's alone.
-  const Reservation cold = MapBuffer(range, huge);
+  char* cold = MapBuffer(range, huge);
   (void)::posix_fadvise(fd, offset, static_cast<off_t>(range), POSIX_FADV_DONTNEED);
   auto start = Clock::now();
-  PreadInto(fd, offset, range, cold.at);
+  PreadInto(fd, offset, range, cold);
   best.cold = std::min(best.cold, Seconds(start));
-  best.first_pass = std::min(best.first_pass, PassSeconds(cold.at, range));
-  best.second_pass = std::min(best.second_pass, PassSeconds(cold.at, range));
-  best.huge_share += static_cast<double>(accel::test::MappingHolding(cold.at).anon_huge) /
-                     static_cast<double>(range);
-  ::munmap(cold.base, cold.size);
-  const Reservation warm = MapBuffer(range, huge);
+  best.first_pass = std::min(best.first_pass, PassSeconds(cold, range));
+  best.second_pass = std::min(best.second_pass, PassSeconds(cold, range));
+  best.huge_share +=
+      static_cast<double>(accel::test::MappingHolding(cold).anon_huge) / static_cast<double>(range);
+  ::munmap(cold, range);
+  char* warm = MapBuffer(range, huge);
   start = Clock::now();
-  PreadInto(fd, offset, range, warm.at);
+  PreadInto(fd, offset, range, warm);
   best.warm = std::min(best.warm, Seconds(start));
-  ::munmap(warm.base, warm.size);
+  ::munmap(warm, range);
 }
 
 double PreadCold(int fd, off_t offset, size_t range, std::vector<char>& buffer) {

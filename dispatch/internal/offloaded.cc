@@ -194,30 +194,18 @@ at::Tensor MappedView(const Source& source) {
 
 namespace {
 
-// Anonymous memory of at least `bytes` at a 2 MiB-aligned address, advised
-// MADV_HUGEPAGE, so that the kernel backs it with 2 MiB pages where it has
-// them (transparent huge pages in "madvise" mode need the advice; "always"
-// still needs the alignment): one fault a huge page where small ones take
-// 512, and, under a hypervisor that keeps its own copy of the guest's page
-// tables, one entry to fill instead of 512 (docs/BENCHMARKS.md: a 76 MiB
-// buffer of small pages cost a first pass several times a second one).
-// Undefined if mmap fails.
+// Anonymous memory in 2 MiB pages where the kernel has them
+// (MapAnonymousHugeAligned: transparent huge pages in "madvise" mode need the
+// advice, and at::empty's 64-byte alignment leaves a buffer's ends in small
+// pages); undefined if it cannot be mapped. A 76 MiB buffer of small pages
+// cost 294-506 ms to fill and a first pass of 0.3-0.5 GB/s on a
+// paravirtualized guest, one of 2 MiB pages 21-31 ms and 25 GB/s
+// (docs/BENCHMARKS.md).
 at::Tensor HugePageBuffer(uint64_t bytes) {
-  constexpr uint64_t kHuge = uint64_t{2} << 20;
-  const uint64_t size = (bytes + kHuge - 1) / kHuge * kHuge;
-  void* raw =
-      ::mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return {};
-  // The reservation's unaligned head and tail go back.
-  const uint64_t head = (kHuge - reinterpret_cast<uintptr_t>(raw) % kHuge) % kHuge;
-  char* data = static_cast<char*>(raw) + head;
-  if (head > 0) ::munmap(raw, head);
-  ::munmap(data + size, kHuge - head);
-#ifdef MADV_HUGEPAGE
-  (void)::madvise(data, size, MADV_HUGEPAGE);  // advice: small pages otherwise
-#endif
+  void* data = MapAnonymousHugeAligned(bytes);
+  if (data == MAP_FAILED) return {};
   return at::from_blob(
-      data, {static_cast<int64_t>(bytes)}, [size](void* p) { ::munmap(p, size); },
+      data, {static_cast<int64_t>(bytes)}, [bytes](void* p) { ::munmap(p, bytes); },
       at::TensorOptions(at::kByte));
 }
 

@@ -100,6 +100,30 @@ TEST_F(MapFileHugeAlignedTest, GivesTheRestOfItsReservationBack) {
   EXPECT_LT(test::VirtualBytes() - before, int64_t{64} << 20);
 }
 
+TEST(MapAnonymousHugeAligned, IsWritableAtAHugePageBoundaryAdvisedAndNothingElseIsLeft) {
+  const size_t size = 3 * kHuge + 4096 + 100;  // not a whole number of pages
+  const int64_t before = test::VirtualBytes();
+  for (int i = 0; i < 50; ++i) {
+    void* addr = MapAnonymousHugeAligned(size);
+    ASSERT_NE(addr, MAP_FAILED) << std::strerror(errno);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(addr) % kHuge, 0u);
+    const test::Mapping m = test::MappingHolding(addr);
+    EXPECT_EQ(m.begin, reinterpret_cast<uintptr_t>(addr));
+    EXPECT_GE(m.end - m.begin, size);
+    if (std::filesystem::exists("/sys/kernel/mm/transparent_hugepage/enabled")) {
+      EXPECT_THAT(m.vm_flags, HasSubstr(" hg"));
+    }
+    auto* bytes = static_cast<unsigned char*>(addr);
+    EXPECT_EQ(bytes[0], 0);  // anonymous memory comes zeroed
+    bytes[0] = 1;
+    bytes[size - 1] = 2;
+    EXPECT_EQ(bytes[0] + bytes[size - 1], 3);
+    ::munmap(addr, size);
+  }
+  // The reservations' margins went back: 50 left behind would be 100 MiB.
+  EXPECT_LT(test::VirtualBytes() - before, int64_t{32} << 20);
+}
+
 TEST(MapFileHugeAligned, ABadDescriptorFailsWithItsErrno) {
   errno = 0;
   EXPECT_EQ(MapFileHugeAligned(-1, 0, 4096, PROT_READ, MAP_SHARED), MAP_FAILED);

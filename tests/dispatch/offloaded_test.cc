@@ -180,10 +180,6 @@ TEST(FileMappingTest, WillNeedReadsSmallRangesAndLeavesLargeOnesToPopulate) {
   EXPECT_EQ(mapping->Missing(large_at, large), 0u);
 }
 
-// A file is read through the descriptor opened at load, never its path
-// again: replaced (renamed over) or deleted, the bytes read are the ones it
-// had; truncated under us, a read is DataLoss naming the tensor and the file,
-// and is recorded as a weights file fault (core/file_faults.h).
 // Large read buffers sit at 2 MiB boundaries and are advised MADV_HUGEPAGE,
 // so the kernel can back each 2 MiB with one page (what the products then
 // read without a fault a small page); they are reused, and unmapped when the
@@ -224,6 +220,10 @@ TEST(BufferPoolTest, LargeBuffersAreHugePageAlignedAdvisedReusedAndUnmapped) {
   EXPECT_EQ(small.nbytes(), kHugePageBufferBytes / 2);
 }
 
+// A file is read through the descriptor opened at load, never its path
+// again: replaced (renamed over) or deleted, the bytes read are the ones it
+// had; truncated under us, a read is DataLoss naming the tensor and the file,
+// and is recorded as a weights file fault (core/file_faults.h).
 TEST(OpenFileTest, ReadsGoThroughTheHeldFileNotThePath) {
   ResetModelFileFaultForTesting();
   TempDir dir;
