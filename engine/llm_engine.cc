@@ -439,15 +439,19 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Load(const EngineOptions& 
   // whose sequences all decode one token are padded to a batch bucket and
   // replayed from a graph captured once per bucket. Only where the decode
   // step is capturable: every weight on the CUDA execution device (no
-  // offload scopes), a dense model (experts route on the host), no LongRoPE
-  // or split model (SupportsStaticDecode), no draft model.
+  // offload scopes), no LongRoPE or split model (SupportsStaticDecode), no
+  // draft model; a mixture-of-experts model up to the rows its blocks route
+  // on the device (MaxCapturedDecodeRows: 4 for Mixtral's NF4 experts), not
+  // at all where they route on the host.
   bool resident = true;
   for (const auto& [module, placement] : loaded.device_map.entries()) {
     resident &= placement.is_cuda() && placement.index() == main_device.index();
   }
+  const int64_t captured_rows = loaded.model->MaxCapturedDecodeRows();
   if (main_device.is_cuda() && !options.enforce_eager && resident && !model.draft &&
-      loaded.config.moe.num_experts == 0 && loaded.model->SupportsStaticDecode()) {
-    runner_options.decode_buckets = DecodeBatchBuckets(options.loop.max_batch_size);
+      captured_rows != 0 && loaded.model->SupportsStaticDecode()) {
+    runner_options.decode_buckets = DecodeBatchBuckets(
+        options.loop.max_batch_size, captured_rows > 0 ? captured_rows : kMaxDecodeBucket);
     runner_options.capture_decode_graphs = true;
     info.cuda_graph_buckets = runner_options.decode_buckets;
   }

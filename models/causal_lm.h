@@ -158,10 +158,17 @@ class CausalLM : public dispatch::Layer {
   // input_ids, every row's key and value written; the caches are not
   // advanced (the caller does, after the step). Nothing in it reads a
   // tensor's value on the host, so it can be captured in a CUDA graph
-  // (except mixture-of-experts layers, which route on the host).
+  // (up to MaxCapturedDecodeRows() rows).
   // Unimplemented for models that cannot (SupportsStaticDecode() false:
   // GPT-2, LongRoPE, split models).
   virtual bool SupportsStaticDecode() const { return false; }
+  // The most rows such a step may hold and still read nothing on the host,
+  // so that it can be captured in a CUDA graph: -1 for any. A mixture-of-
+  // experts model whose blocks route a few rows on the device (nn::
+  // SetCudaExpertRouting: 4-bit experts resident on a CUDA device) gives
+  // the rows their top-k slots allow; 0 where its blocks read the routing
+  // on the host.
+  virtual int64_t MaxCapturedDecodeRows() const { return -1; }
   virtual absl::StatusOr<at::Tensor> ForwardStaticDecode(const at::Tensor& input_ids,
                                                          absl::Span<const SequenceChunk> chunks,
                                                          const StaticDecodeInputs& inputs,

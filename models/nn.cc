@@ -13,6 +13,7 @@
 #include "core/status.h"
 #include "core/torch_compat.h"
 #include "models/internal/cpu_linear.h"
+#include "models/internal/decoder_lm.h"
 #include "models/internal/fused_ops.h"
 #include "quant/cuda_matmul.h"
 #include "quant/matmul.h"
@@ -197,6 +198,22 @@ at::Tensor QuantizableLinear::DequantizedForward(const at::Tensor& x) {
   return y.to(x.scalar_type());
 }
 
+quant::Weight4bit QuantizableLinear::Weight4bitView() const {
+  quant::Weight4bit w;
+  w.packed = weight;
+  w.absmax = weight_state->absmax;  // uint8 codes with double quant
+  w.code = weight_state->quant_map;
+  if (quantization_.double_quant) {
+    w.nested_absmax = weight_state->nested_absmax;
+    w.nested_code = weight_state->nested_quant_map;
+    w.nested_offset = quant_state.nested_offset;
+  }
+  w.blocksize = quant_state.blocksize;
+  w.out_features = out_;
+  w.in_features = in_;
+  return w;
+}
+
 at::Tensor QuantizableLinear::QuantizedForward(const at::Tensor& x) {
   // On a CUDA device, quant/cuda's kernels where this build has them; on
   // other devices (and CUDA without them), ATen ops alone.
@@ -207,18 +224,7 @@ at::Tensor QuantizableLinear::QuantizedForward(const at::Tensor& x) {
     y = cuda ? quant::Int8LinearForwardCuda(x, weight, scb, bias, quantization_.threshold)
              : quant::Int8LinearForward(x, weight, scb, bias, quantization_.threshold);
   } else {
-    quant::Weight4bit w;
-    w.packed = weight;
-    w.absmax = weight_state->absmax;  // uint8 codes with double quant
-    w.code = weight_state->quant_map;
-    if (quantization_.double_quant) {
-      w.nested_absmax = weight_state->nested_absmax;
-      w.nested_code = weight_state->nested_quant_map;
-      w.nested_offset = quant_state.nested_offset;
-    }
-    w.blocksize = quant_state.blocksize;
-    w.out_features = out_;
-    w.in_features = in_;
+    const quant::Weight4bit w = Weight4bitView();
     const at::ScalarType compute = quantization_.compute_dtype;
     if (!cuda && x.numel() / std::max<int64_t>(in_, 1) > models::internal::kFastLinearChunkRows &&
         compute != at::kBFloat16) {
@@ -309,6 +315,8 @@ void SetFusedCudaOps(bool enabled) { models::internal::SetFusedCudaOps(enabled);
 void SetCudaDecodeGemv(bool enabled) { models::internal::SetCudaDecodeGemv(enabled); }
 
 void SetCudaDecodeGemvRows(int64_t rows) { models::internal::SetCudaDecodeGemvRows(rows); }
+
+void SetCudaExpertRouting(bool enabled) { models::internal::RouteExpertsOnDevice(enabled); }
 
 std::string ActivationClass(const std::string& name) {
   if (name == "silu") return "SiLU";

@@ -22,6 +22,7 @@
 #include "dispatch/layer.h"
 #include "loader/config.h"
 #include "quant/bnb.h"
+#include "quant/matmul.h"
 
 namespace accel::nn {
 
@@ -83,6 +84,10 @@ class QuantizableLinear : public dispatch::Layer {
   // and on CUDA in a build without quant/cuda's kernels (otherwise a CUDA x
   // goes to quant/cuda_matmul.h's kernels, as a cpu x to quant/matmul.h's).
   at::Tensor DequantizedForward(const at::Tensor& x);
+
+  // A 4-bit layer's tensors as quant/matmul.h's kernels take them (views of
+  // this layer's own; nothing copied).
+  quant::Weight4bit Weight4bitView() const;
 
   at::Tensor weight;
   at::Tensor bias;                           // undefined without bias
@@ -289,6 +294,14 @@ void SetFusedCudaOps(bool enabled);
 void SetCudaDecodeGemv(bool enabled);
 // The most rows that kernel takes (4 by default, up to 8).
 void SetCudaDecodeGemvRows(int64_t rows);
+// Whether a mixture-of-experts block's few decode rows route on a CUDA
+// device, each top-k slot's expert index read there by the 4-bit experts
+// kernel so the host never waits for the routing (models/internal/
+// decoder_lm.h: kDeviceRoutedMaxSlots; on by default, process-wide); off for
+// the host's grouping by expert (accel-bench-decode-gpu
+// --compare_host_routing; ACCEL_CUDA_EXPERT_ROUTING=0 in the environment
+// starts it off).
+void SetCudaExpertRouting(bool enabled);
 
 }  // namespace accel::nn
 

@@ -286,6 +286,120 @@ absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weig
 #endif
 }
 
+absl::StatusOr<Experts4bitCuda> MakeExperts4bitCuda(const std::vector<Weight4bit>& experts,
+                                                    at::ScalarType compute_dtype) {
+  if (experts.empty()) return absl::InvalidArgumentError("no experts");
+  const Weight4bit& first = experts.front();
+  if (!first.packed.defined() || !first.packed.is_cuda()) {
+    return absl::FailedPreconditionError("expert 0's weight is not on a CUDA device");
+  }
+  const at::Device device = first.packed.device();
+  ACCEL_RETURN_IF_ERROR(internal::CheckComputeDType(compute_dtype, "compute_dtype"));
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const Weight4bit& w = experts[e];
+    absl::Status valid = internal::CheckWeight4bit(w, device);
+    if (!valid.ok()) {
+      return absl::Status(valid.code(), absl::StrCat("expert ", e, ": ", valid.message()));
+    }
+    if (w.absmax.scalar_type() != at::kFloat) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("expert ", e, " has double quant (uint8 absmax)"));
+    }
+    if (w.out_features != first.out_features || w.in_features != first.in_features ||
+        w.blocksize != first.blocksize) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("expert ", e, " is [", w.out_features, ", ", w.in_features,
+                       "] in blocks of ", w.blocksize, ", expert 0 [", first.out_features, ", ",
+                       first.in_features, "] in blocks of ", first.blocksize));
+    }
+  }
+#ifndef ACCEL_WITH_QUANT_CUDA
+  return NotBuilt();
+#else
+  const cuda::DType compute = KernelDType(compute_dtype);
+  Experts4bitCuda out;
+  out.experts = static_cast<int64_t>(experts.size());
+  out.out_features = first.out_features;
+  out.in_features = first.in_features;
+  out.blocksize = first.blocksize;
+  out.compute_dtype = compute_dtype;
+  std::vector<int64_t> pointers(3 * experts.size());
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const Weight4bit& w = experts[e];
+    // x's rows are checked at each call; here each weight's alignment (a
+    // 16-byte aligned address stands in for x's).
+    alignas(16) static const uint8_t kAligned[16] = {};
+    if (!cuda::Gemv4bitExpertsTakes(first.in_features, first.blocksize, compute, kAligned,
+                                    w.packed.data_ptr())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the experts kernel does not take expert ", e, " ([", w.out_features, ", ", w.in_features,
+          "], blocks of ", w.blocksize, ", ", c10::toString(compute_dtype), ")"));
+    }
+    for (const at::Tensor* t : {&w.packed, &w.absmax, &w.code}) out.held.push_back(t->storage());
+    out.packed.push_back(w.packed.data_ptr());
+    pointers[e] = reinterpret_cast<int64_t>(w.packed.data_ptr());
+    pointers[experts.size() + e] = reinterpret_cast<int64_t>(w.absmax.data_ptr());
+    pointers[2 * experts.size() + e] = reinterpret_cast<int64_t>(w.code.data_ptr());
+  }
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    out.pointers = at::empty({3, out.experts}, at::TensorOptions().dtype(at::kLong));
+    std::copy(pointers.begin(), pointers.end(), out.pointers.data_ptr<int64_t>());
+    out.pointers = out.pointers.to(device);
+  }));
+  return out;
+#endif
+}
+
+absl::StatusOr<at::Tensor> Linear4bitExpertsCuda(const at::Tensor& x, int64_t slots_per_x,
+                                                 const at::Tensor& expert_ids,
+                                                 const Experts4bitCuda& experts) {
+  ACCEL_RETURN_IF_ERROR(CheckCudaInput(x));
+  const at::Device device = x.device();
+  if (!experts.pointers.defined() || experts.pointers.device() != device) {
+    return absl::InvalidArgumentError("experts: not made for x's device (MakeExperts4bitCuda)");
+  }
+  ACCEL_RETURN_IF_ERROR(internal::CheckInputShape(x, experts.in_features));
+  ACCEL_RETURN_IF_ERROR(internal::CheckOnDevice(expert_ids, "expert_ids", device));
+  ACCEL_RETURN_IF_ERROR(internal::CheckDType(expert_ids, "expert_ids", at::kLong));
+  const int64_t rows = x.numel() / experts.in_features;
+  const int64_t slots = expert_ids.numel();
+  if (slots_per_x < 1 || (slots + slots_per_x - 1) / slots_per_x > rows) {
+    return absl::InvalidArgumentError(absl::StrCat("expert_ids: ", slots, " slots at ", slots_per_x,
+                                                   " a row of x need more than x's ", rows,
+                                                   " rows"));
+  }
+#ifndef ACCEL_WITH_QUANT_CUDA
+  return NotBuilt();
+#else
+  DeviceScope scope;
+  ACCEL_RETURN_IF_ERROR(scope.Enter(device.index()));
+  at::Tensor y;
+  absl::Status kernels;
+  ACCEL_RETURN_IF_ERROR(CallTorch([&] {
+    const cuda::DType compute = KernelDType(experts.compute_dtype);
+    // As Linear4bitForwardCuda: x in the compute dtype, y in it, then x's.
+    at::Tensor xc = x.reshape({rows, experts.in_features}).to(experts.compute_dtype).contiguous();
+    if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();
+    const at::Tensor ids = expert_ids.reshape({slots}).contiguous();
+    const at::Tensor yc =
+        at::empty({slots, experts.out_features}, x.options().dtype(experts.compute_dtype));
+    const auto* table = reinterpret_cast<const void* const*>(experts.pointers.data_ptr<int64_t>());
+    kernels = CudaStatus(
+        cuda::Gemv4bitExperts(xc.data_ptr(), slots_per_x, ids.data_ptr<int64_t>(), slots,
+                              reinterpret_cast<const uint8_t* const*>(table),
+                              reinterpret_cast<const float* const*>(table + experts.experts),
+                              reinterpret_cast<const float* const*>(table + 2 * experts.experts),
+                              experts.experts, experts.out_features, experts.in_features,
+                              experts.blocksize, compute, yc.data_ptr(), CurrentStream(device)),
+        "Gemv4bitExperts");
+    if (!kernels.ok()) return;
+    y = yc.to(x.scalar_type());
+  }));
+  ACCEL_RETURN_IF_ERROR(kernels);
+  return y;
+#endif
+}
+
 absl::StatusOr<at::Tensor> Int8LinearForwardCuda(const at::Tensor& x, const at::Tensor& cb,
                                                  const at::Tensor& scb, const at::Tensor& bias,
                                                  double threshold) {

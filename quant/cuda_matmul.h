@@ -12,6 +12,8 @@
 #ifndef ACCEL_QUANT_CUDA_MATMUL_H_
 #define ACCEL_QUANT_CUDA_MATMUL_H_
 
+#include <vector>
+
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
@@ -43,6 +45,46 @@ bool CudaKernelsBuilt();
 absl::StatusOr<at::Tensor> Linear4bitForwardCuda(const at::Tensor& x, const Weight4bit& weight,
                                                  const at::Tensor& bias,
                                                  at::ScalarType compute_dtype);
+
+// The 4-bit weights of a mixture's experts (one shape, blocksize and code
+// length; float32 absmax, so no double quant), made once for
+// Linear4bitExpertsCuda: each expert's packed, absmax and code device
+// pointers in one int64 tensor [3, experts] on their CUDA device. It holds
+// the experts' storages, so the pointers stay valid while it lives; a
+// caller compares its layers' packed weights with `packed` to see that they
+// still point where they did (a weight moved by a dispatch hook, even in
+// place, does not; the absmax and code move with it).
+struct Experts4bitCuda {
+  at::Tensor pointers;              // int64 [3, experts], on the device
+  std::vector<c10::Storage> held;   // what they point into
+  std::vector<const void*> packed;  // each expert's packed weight, in order
+  int64_t experts = 0;
+  int64_t out_features = 0;
+  int64_t in_features = 0;
+  int64_t blocksize = 0;
+  at::ScalarType compute_dtype = at::kFloat;
+};
+
+// FailedPrecondition where the experts kernel (quant/cuda/kernels.h:
+// Gemv4bitExperts) does not take these weights with this compute dtype
+// (different shapes or blocksizes, double quant, float32 compute, a shape
+// or alignment the tensor-core kernel does not take, not one CUDA device),
+// Unimplemented in a build without the kernels; InvalidArgument naming the
+// expert for an inconsistent weight.
+absl::StatusOr<Experts4bitCuda> MakeExperts4bitCuda(const std::vector<Weight4bit>& experts,
+                                                    at::ScalarType compute_dtype);
+
+// The routed rows of a decode step without the host reading the routing: x
+// [rows, in] (x's dtype) on the experts' device, expert_ids int64 [slots]
+// there (a router's top-k, flattened); slot s is x row s / slots_per_x
+// times its expert's weight: y [slots, out] in x's dtype, each row what
+// Linear4bitForwardCuda gives for that one row and expert, bit for bit
+// (the same kernel for one row). An index outside [0, experts) gives a row
+// of zeros. InvalidArgument naming the argument for shapes, dtypes or
+// devices that do not fit.
+absl::StatusOr<at::Tensor> Linear4bitExpertsCuda(const at::Tensor& x, int64_t slots_per_x,
+                                                 const at::Tensor& expert_ids,
+                                                 const Experts4bitCuda& experts);
 
 // Int8LinearForward on a CUDA device (LLM.int8): x cast to float16 and
 // quantized per row, the int8 product in int32, rescaled in float32 with

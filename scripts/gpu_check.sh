@@ -40,6 +40,11 @@
 # what kAuto runs for 1 to 8 rows (bench:quant_cuda's mma-scaled rows, a few
 # seconds more); if it fails its tests or loses to mma,
 # ACCEL_CUDA_4BIT_GEMV=exact runs the first form again (no rebuild).
+# Added 2026-12-02 (unmeasured): a mixture's few decode rows routed on the
+# device (test:models_moe_device_routing ~10 s; the Mixtral step's
+# --compare_host_routing 1,4 and its CUDA graphs at 1 and 4, ~40 s more). If it fails its test or makes
+# tokens differ, ACCEL_CUDA_EXPERT_ROUTING=0 turns it off for a rerun (no
+# rebuild): the host's routing as before.
 # Time: the whole run stays within ACCEL_GPU_BUDGET seconds (480 by default;
 # the device is lent for minutes): every step runs under `timeout`, gets at
 # most what is left of the budget, and is skipped (and says so) when too
@@ -133,7 +138,7 @@ PY
 cat "$OUT/machine.json"; echo
 
 tests=(quant_cuda_kernels_test models_cuda_attention_kernels_test quant_cuda_matmul_test
-  models_fused_ops_test models_decode_gemv_test models_paged_attention_test models_sdpa_test models_quantize_test dispatch_device_stager_test
+  models_fused_ops_test models_decode_gemv_test models_paged_attention_test models_sdpa_test models_quantize_test models_decoder_families_test dispatch_device_stager_test
   dispatch_dispatch_test engine_internal_decode_graph_runner_test engine_model_runner_test)
 benches=(accel-bench-quant-cuda accel-bench-decode-gpu accel-bench-offload accel-bench-moe)
 tools=(accel-make-model accel-generate)
@@ -218,6 +223,9 @@ if want test; then
   step test:models_paged_attention 60 run_test models_paged_attention_test
   step test:models_sdpa 60 run_test models_sdpa_test
   step test:models_quantize_on_cuda 60 run_test models_quantize_test 'QuantizableLinearTest.OnCuda*'
+  # A Mixtral of NF4 experts on the device: its few decode rows routed there
+  # (Gemv4bitExperts) against the host's routing, logits bit for bit.
+  step test:models_moe_device_routing 60 run_test models_decoder_families_test '*OnACudaDevice*'
   step test:dispatch_device_stager 60 run_test dispatch_device_stager_test
   step test:dispatch_gpu 60 run_test dispatch_dispatch_test 'DispatchGpu*'
   # CUDA graph capture and replay of a step per bucket against eager (the
@@ -413,7 +421,8 @@ if want mixtral && [[ -x $bin/accel-make-model && -x $bin/accel-bench-decode-gpu
   export -f make_mixtral
   if step mixtral:make 240 make_mixtral; then
     step bench:mixtral_decode 180 "$bin/accel-bench-decode-gpu" --model "$mixtral" --quantize none \
-      --batches 1,32 --tokens 32 --prompt 256 --rounds 1 --graph_batches "" --count_syncs 1 \
+      --batches 1,32 --tokens 32 --prompt 256 --rounds 1 --graph_batches 1,4 --count_syncs 1 \
+      --compare_host_routing 1,4 \
       --json "$OUT/bench/decode_mixtral.json"
   fi
 fi

@@ -32,6 +32,8 @@
 //                                new request's prompt, as a served load's steps: the general
 //                                forward, against decode-only steps in the same run)
 //       [--profile_mixed 128]   (the kernels of such a step, eager)
+//       [--compare_host_routing 1,4]   (a mixture's decode with its few rows routed on the
+//                                device against the host reading the routing, same run)
 //       [--count_syncs 32,128]   (how often the host waits for the device a step: static
 //                                decode steps, general decode-only steps and mixed steps,
 //                                with the call stacks of the waits; a CUDA build's engine)
@@ -109,7 +111,8 @@ std::vector<std::string> Split(const std::string& text) {
                "[--rounds N] [--json FILE] [--graph_batches 1,8] [--compare_unfused 0|1] "
                "[--compare_decode_gemv 0|1] [--gemv_shapes NxK,...] [--gemv_rows 1,4,8] "
                "[--general_batches 32] [--mixed_batches 32] [--mixed_prompt 48] "
-               "[--profile_batches 1] [--profile_mixed 32] [--count_syncs 32]\n",
+               "[--profile_batches 1] [--profile_mixed 32] [--count_syncs 32] "
+               "[--compare_host_routing 1,4]\n",
                error.c_str());
   std::exit(2);
 }
@@ -181,8 +184,14 @@ std::unique_ptr<accel::engine::EngineCore> CoreFor(accel::models::LoadedModel& m
   r.block_size = 16;
   r.num_blocks = sequences * ((tokens_each + 15) / 16 + 1) + 16;
   if (graphs) {
-    r.decode_buckets = accel::engine::DecodeBatchBuckets(sequences);
-    r.capture_decode_graphs = m.dispatched->main_device().is_cuda();
+    // A mixture's decode up to the rows it routes on the device (as
+    // LlmEngine sizes its buckets); none where it routes on the host.
+    const int64_t captured = m.model->MaxCapturedDecodeRows();
+    if (captured != 0) {
+      r.decode_buckets = accel::engine::DecodeBatchBuckets(
+          sequences, captured > 0 ? captured : accel::engine::kMaxDecodeBucket);
+      r.capture_decode_graphs = m.dispatched->main_device().is_cuda();
+    }
   }
   auto runner = accel::engine::ModelRunner::Create(m.model, m.dispatched.get(), r);
   if (!runner.ok()) {
@@ -497,6 +506,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> mixed_batches;    // decodes with a prompt arriving every step
   std::vector<int64_t> profile_mixed;    // the kernels of such a step, eager
   std::vector<int64_t> count_syncs;      // the host's waits for the device a step
+  std::vector<int64_t> host_routing;     // MoE decode with the routing read on the host too
   std::vector<std::pair<int64_t, int64_t>> gemv_shapes;  // N x K, the decode GEMV against cuBLAS
   std::vector<int64_t> gemv_rows = {1, 4, 8};
   int64_t mixed_prompt = 48;
@@ -536,6 +546,8 @@ int main(int argc, char** argv) {
       for (const std::string& b : Split(value)) profile_mixed.push_back(std::atoll(b.c_str()));
     } else if (flag == "--count_syncs") {
       for (const std::string& b : Split(value)) count_syncs.push_back(std::atoll(b.c_str()));
+    } else if (flag == "--compare_host_routing") {
+      for (const std::string& b : Split(value)) host_routing.push_back(std::atoll(b.c_str()));
     } else if (flag == "--mixed_prompt") {
       mixed_prompt = std::atoll(value.c_str());
     } else if (flag == "--general_batches") {
@@ -588,6 +600,9 @@ int main(int argc, char** argv) {
   }
   for (int64_t b : count_syncs) {
     if (b < 1) Usage("--count_syncs must be positive");
+  }
+  for (int64_t b : host_routing) {
+    if (b < 1) Usage("--compare_host_routing must be positive");
   }
   if (mixed_prompt < 1) Usage("--mixed_prompt must be positive");
   if (tokens < 3 || prompt < 1) Usage("--tokens must be at least 3 and --prompt positive");
@@ -686,6 +701,36 @@ int main(int argc, char** argv) {
               ", \"step_ms\": " + std::to_string(1e3 / steps) +
               ", \"weight_gbs\": " + std::to_string(used / 1e9) +
               ", \"of_copy_traffic\": " + std::to_string(used / (2 * copy_rate)) + "}";
+    }
+    // A mixture's decode with its few rows routed on the device (the
+    // default) against the host reading the routing a layer (nn::
+    // SetCudaExpertRouting(false)), in the same run, and whether the greedy
+    // tokens are the same (each slot's product is its expert's one-row
+    // product either way).
+    for (int64_t batch : host_routing) {
+      std::vector<double> on_device, on_host;
+      bool same = true;
+      for (int r = 0; r < rounds; ++r) {
+        std::vector<int64_t> device_ids, host_ids;
+        DecodeRun run;
+        run.produced_ids = &device_ids;
+        on_device.push_back(DecodeRate(m, batch, tokens, 3000 + 1000 * r, run));
+        accel::nn::SetCudaExpertRouting(false);
+        run.produced_ids = &host_ids;
+        on_host.push_back(DecodeRate(m, batch, tokens, 3000 + 1000 * r, run));
+        accel::nn::SetCudaExpertRouting(true);
+        same &= device_ids == host_ids;
+      }
+      std::printf(
+          "  batch %3ld, experts routed on the device: %8.1f tokens/s against %8.1f routed on "
+          "the host (%.2fx); greedy tokens %s\n",
+          static_cast<long>(batch), Median(on_device), Median(on_host),
+          Median(on_device) / Median(on_host), same ? "the same" : "DIFFERENT");
+      std::fflush(stdout);
+      rows += std::string(rows.empty() ? "" : ", ") + "{\"batch\": " + std::to_string(batch) +
+              ", \"device_routed_tokens_per_s\": " + std::to_string(Median(on_device)) +
+              ", \"host_routed_tokens_per_s\": " + std::to_string(Median(on_host)) +
+              ", \"same_tokens\": " + (same ? "true" : "false") + "}";
     }
     // The same eager steps through the general forward: what the unpadded
     // static step saves.

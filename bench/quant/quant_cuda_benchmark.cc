@@ -8,6 +8,9 @@
 // and 32 (a batch's decodes above 8: still one read of the weights; the
 // wide form reads x once for 128 rows of W); then LLM.int8's product (Int8Matmul,
 // int8 weights) through its GEMV at 1, 4 and 8 rows and its tiled kernel.
+// "experts": a mixture's two top-k slots of one token in one launch
+// (Gemv4bitExperts: two weight copies as two experts, their indices read on
+// the device), against a copy of both experts' bytes.
 // Baselines from the same run: a cudaMemcpy device-to-device of the same
 // bytes, which moves them once (GB/s copied) and reads and writes them (2x
 // that in traffic), and a copy of 1 GiB, far past the L2 cache, whose
@@ -29,6 +32,7 @@
 #include <cuda_runtime_api.h>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "quant/cuda/internal/gemv.h"
@@ -332,6 +336,49 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaStreamSynchronize(stream));
         report(accel::quant::cuda::DTypeName(dtype), run.name, run.m, bytes, copies, gemv_s, copy_s,
                copy_traffic);
+      }
+      // A mixture's two top-k slots of one token in one launch
+      // (Gemv4bitExperts, what a decode step of Mixtral runs for gate, up
+      // and down): two weight copies as two experts, their indices read on
+      // the device, against a copy of both experts' bytes.
+      if (dtype != DType::kFloat32) {
+        std::vector<const uint8_t*> packed_of;
+        std::vector<const float*> absmax_of, code_of;
+        std::vector<int64_t> pairs;
+        for (int64_t c = 0; c < copies; ++c) {
+          const WeightCopy& w = weights[static_cast<size_t>(c)];
+          packed_of.push_back(w.packed());
+          absmax_of.push_back(w.absmax(packed_bytes));
+          code_of.push_back(code_d);
+          pairs.push_back(c);
+          pairs.push_back((c + 1) % copies);
+        }
+        const auto upload = [&](const auto& host_vector) {
+          using T = typename std::decay_t<decltype(host_vector)>::value_type;
+          T* device = DeviceAlloc<T>(sizeof(T) * host_vector.size());
+          CHECK_CUDA(cudaMemcpy(device, host_vector.data(), sizeof(T) * host_vector.size(),
+                                cudaMemcpyHostToDevice));
+          return device;
+        };
+        const uint8_t** packed_d = upload(packed_of);
+        const float** absmax_d = upload(absmax_of);
+        const float** code_table_d = upload(code_of);
+        int64_t* pairs_d = upload(pairs);
+        auto experts = [&](int64_t i) {
+          CHECK_CUDA(accel::quant::cuda::Gemv4bitExperts(x, 2, pairs_d + 2 * (i % copies), 2,
+                                                         packed_d, absmax_d, code_table_d, copies,
+                                                         n_rows, k, kBlocksize, dtype, y, stream));
+        };
+        for (int64_t c = 0; c < copies; ++c) experts(c);  // warm-up
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        const double experts_s = TimePerCall(options, stream, experts);
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        report(accel::quant::cuda::DTypeName(dtype), "experts", 2, 2 * bytes, copies, experts_s,
+               2 * copy_s, copy_traffic);
+        for (void* p : {static_cast<void*>(packed_d), static_cast<void*>(absmax_d),
+                        static_cast<void*>(code_table_d), static_cast<void*>(pairs_d)}) {
+          CHECK_CUDA(cudaFree(p));
+        }
       }
       CHECK_CUDA(cudaFree(x));
       CHECK_CUDA(cudaFree(y));

@@ -8,6 +8,7 @@
 #include "models/internal/decoder_lm.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -34,6 +35,7 @@
 #include "models/internal/fused_ops.h"
 #include "models/internal/packed.h"
 #include "models/nn.h"
+#include "quant/cuda_matmul.h"
 
 namespace accel::models::internal {
 
@@ -106,6 +108,22 @@ namespace {
 using dispatch::Layer;
 
 std::atomic<int64_t> collective_nanos{0}, collective_bytes{0}, micro_batches_run{0};
+std::atomic<int64_t> device_routed_layers{0};
+std::atomic<bool> route_on_device_on_cpu{false};
+// -1 until read from $ACCEL_CUDA_EXPERT_ROUTING ("0": off) or set.
+std::atomic<int> route_on_device{-1};
+
+bool ExpertsRouteOnDevice() {
+  int on = route_on_device.load(std::memory_order_relaxed);
+  if (on < 0) {
+    const char* env = std::getenv("ACCEL_CUDA_EXPERT_ROUTING");
+    int unset = -1;
+    route_on_device.compare_exchange_strong(unset,
+                                            env != nullptr && std::string(env) == "0" ? 0 : 1);
+    on = route_on_device.load(std::memory_order_relaxed);
+  }
+  return on == 1;
+}
 
 // The tensors `parts` as one, when they lie one after another in one
 // storage, each contiguous (rows of one width, or vectors): what
@@ -293,6 +311,13 @@ class GatedMlp : public Layer {
                                               both.narrow(-1, inter_, inter_)));
   }
 
+  // gate, up and down apart (null for Phi-3's gate_up_proj), and the
+  // activation: what a mixture's experts routed on the device run.
+  nn::Linear* gate_linear() const { return gate_.get(); }
+  nn::Linear* up_linear() const { return up_.get(); }
+  nn::Linear* down_linear() const { return down_.get(); }
+  const std::string& activation() const { return activation_; }
+
   at::Tensor forward(const at::Tensor& x) {
     if (std::optional<at::Tensor> both = PackedForward(packed_, x, {gate_.get(), up_.get()})) {
       return ForwardGateUp(*both);
@@ -450,6 +475,7 @@ class SparseMoe : public Layer {
             at::ScalarType dtype)
       : Layer(Cls(r.family, "SparseMoeBlock")),
         experts_name_(std::move(experts_name)),
+        num_experts_(r.num_experts),
         top_k_(r.top_k),
         norm_topk_(r.norm_topk),
         first_expert_(shard.first_expert) {
@@ -479,11 +505,14 @@ class SparseMoe : public Layer {
 
   // Each expert's (and the shared expert's) gate and up as one product:
   // those that are resident where packing applies (CausalLM::PackProjections).
+  // Also where the experts are 4-bit and resident on a CUDA device, their
+  // pointer tables for routing on the device (DeviceRoutedForward).
   absl::Status PackProjections(bool cuda_only) {
     for (const std::shared_ptr<GatedMlp>& expert : experts_) {
       ACCEL_RETURN_IF_ERROR(expert->PackProjections(cuda_only));
     }
     if (shared_expert_) ACCEL_RETURN_IF_ERROR(shared_expert_->PackProjections(cuda_only));
+    MakeDeviceExperts();
     return absl::OkStatus();
   }
 
@@ -496,6 +525,13 @@ class SparseMoe : public Layer {
     return {weights.to(h.scalar_type()), selected};
   }
 
+  // The most decode rows this block routes on the device (their slots
+  // within kDeviceRoutedMaxSlots), or 0 where it reads the routing on the
+  // host (CausalLM::MaxCapturedDecodeRows).
+  int64_t DeviceRoutedRows() const {
+    return device_experts_ && ExpertsRouteOnDevice() ? kDeviceRoutedMaxSlots / top_k_ : 0;
+  }
+
   // Whether the router's weights are here (it can guess ahead).
   bool CanRoute() const { return !gate->weight.is_meta(); }
 
@@ -505,6 +541,7 @@ class SparseMoe : public Layer {
     const int64_t tokens = h.size(0);
     at::Tensor weights, selected;
     std::tie(weights, selected) = Route(h);
+    if (RoutesOnDevice(h, step)) return DeviceRoutedForward(x, h, weights, selected);
     // The rows of each expert, in transformers' order (top-k slot, then token).
     const at::Tensor picks = selected.to(at::kCPU).contiguous();
     const int64_t* pick = picks.data_ptr<int64_t>();
@@ -597,6 +634,158 @@ class SparseMoe : public Layer {
   }
 
  private:
+  // The experts' linears of one kind, in order.
+  enum class Part { kGate, kUp, kDown };
+  nn::Linear* PartOf(const GatedMlp& expert, Part part) const {
+    switch (part) {
+      case Part::kGate:
+        return expert.gate_linear();
+      case Part::kUp:
+        return expert.up_linear();
+      case Part::kDown:
+        return expert.down_linear();
+    }
+    return nullptr;
+  }
+  std::vector<quant::Weight4bit> Weights4bit(Part part) const {
+    std::vector<quant::Weight4bit> weights;
+    for (const std::shared_ptr<GatedMlp>& expert : experts_) {
+      weights.push_back(PartOf(*expert, part)->Weight4bitView());
+    }
+    return weights;
+  }
+
+  // Whether every expert of this block (all of the model's: no expert
+  // parallelism) is a 4-bit gated MLP without bias or double quant, one
+  // compute dtype.
+  bool Experts4bitGated() const {
+    if (first_expert_ != 0 || static_cast<int64_t>(experts_.size()) != num_experts_) return false;
+    for (const std::shared_ptr<GatedMlp>& expert : experts_) {
+      for (Part part : {Part::kGate, Part::kUp, Part::kDown}) {
+        const nn::Linear* linear = PartOf(*expert, part);
+        if (linear == nullptr || linear->bias.defined() || linear->weight_state == nullptr) {
+          return false;
+        }
+        const nn::LinearQuantization& how = linear->quantization();
+        if (!how.enabled() || how.method == nn::LinearQuantization::Method::kInt8 ||
+            how.double_quant ||
+            how.compute_dtype !=
+                PartOf(*experts_.front(), Part::kGate)->quantization().compute_dtype) {
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+
+  // The experts' tables for Linear4bitExpertsCuda, where every expert is
+  // 4-bit and resident on one CUDA device in a form its kernel takes; none
+  // otherwise (the block then routes on the host).
+  void MakeDeviceExperts() {
+    device_experts_.reset();
+    if (!quant::CudaKernelsBuilt() || !Experts4bitGated()) return;
+    DeviceExperts made;
+    for (Part part : {Part::kGate, Part::kUp, Part::kDown}) {
+      const at::ScalarType compute = PartOf(*experts_.front(), part)->quantization().compute_dtype;
+      absl::StatusOr<quant::Experts4bitCuda> table =
+          quant::MakeExperts4bitCuda(Weights4bit(part), compute);
+      if (!table.ok()) return;  // not resident on a device, or not a form the kernel takes
+      made.parts[static_cast<size_t>(part)] = *std::move(table);
+    }
+    device_experts_ = std::move(made);
+  }
+
+  // Whether this step's rows route on the device: a few decode rows (each
+  // of the k slots a token reads its expert's weights, so at many tokens
+  // the host's grouping, which reads each picked expert once, reads less),
+  // the experts resident as the tables hold them (not brought in one by
+  // one, not moved since), and no routing trace asked for.
+  bool RoutesOnDevice(const at::Tensor& h, const StepState& step) const {
+    if (h.size(0) * top_k_ > kDeviceRoutedMaxSlots || RoutingTraced()) return false;
+    if (h.is_cuda()) {
+      if (!device_experts_ || !ExpertsRouteOnDevice()) return false;
+    } else if (!(h.device().is_cpu() && route_on_device_on_cpu.load() && Experts4bitGated())) {
+      return false;
+    }
+    if (step.dispatched != nullptr && step.dispatched->FetchesExpertsOf(experts_name_)) {
+      return false;
+    }
+    return !h.is_cuda() || DeviceExpertsInPlace();
+  }
+
+  // Whether every expert's packed weights are where the tables point (one
+  // pointer a linear: a dispatch hook moves a layer's tensors together).
+  bool DeviceExpertsInPlace() const {
+    for (Part part : {Part::kGate, Part::kUp, Part::kDown}) {
+      const std::vector<const void*>& packed =
+          device_experts_->parts[static_cast<size_t>(part)].packed;
+      for (size_t e = 0; e < experts_.size(); ++e) {
+        const at::Tensor& weight = PartOf(*experts_[e], part)->weight;
+        if (!weight.has_storage() || weight.data_ptr() != packed[e]) return false;
+      }
+    }
+    return true;
+  }
+
+  // Each slot's row (x row s / slots_per_x) times its expert's `part`:
+  // [slots, out]. On a CUDA device one kernel reading the experts' indices
+  // there; on the cpu (RouteExpertsOnDeviceOnCpu, tests) each slot's row
+  // through its expert's own layer.
+  at::Tensor SlotProducts(Part part, const at::Tensor& x, int64_t slots_per_x,
+                          const at::Tensor& ids) const {
+    if (x.is_cuda()) {
+      absl::StatusOr<at::Tensor> y = quant::Linear4bitExpertsCuda(
+          x, slots_per_x, ids, device_experts_->parts[static_cast<size_t>(part)]);
+      TORCH_CHECK(y.ok(), experts_name_, ": ", y.status().message());
+      return *std::move(y);
+    }
+    const at::Tensor picks = ids.to(at::kCPU).contiguous();
+    std::vector<at::Tensor> rows;
+    for (int64_t s = 0; s < picks.numel(); ++s) {
+      const GatedMlp& expert = *experts_[static_cast<size_t>(picks.data_ptr<int64_t>()[s])];
+      rows.push_back(PartOf(expert, part)->forward(x.narrow(0, s / slots_per_x, 1)));
+    }
+    return at::cat(rows, 0);
+  }
+
+  // The block's output with the routing left on the device: every slot's
+  // expert product at once (gate and up of the token's row, the activation,
+  // down), each weighted by its routing weight in the model dtype, then a
+  // token's slots added into zeros in ascending expert order: the host
+  // path's index_add_ over its experts, bit for bit (each slot's product is
+  // the one-row product of its expert).
+  at::Tensor DeviceRoutedForward(const at::Tensor& x, const at::Tensor& h,
+                                 const at::Tensor& weights, const at::Tensor& selected) {
+    device_routed_layers.fetch_add(1, std::memory_order_relaxed);
+    const int64_t tokens = h.size(0), hidden = h.size(1), slots = tokens * top_k_;
+    const at::Tensor ids = selected.reshape({slots}).contiguous();
+    const GatedMlp& first = *experts_.front();
+    const at::Tensor gate_rows = SlotProducts(Part::kGate, h, top_k_, ids);
+    const at::Tensor up_rows = SlotProducts(Part::kUp, h, top_k_, ids);
+    const at::Tensor down_rows = SlotProducts(
+        Part::kDown, nn::ActivationTimes(first.activation(), gate_rows, up_rows), 1, ids);
+    at::Tensor parts = (down_rows * weights.reshape({slots, 1})).view({tokens, top_k_, hidden});
+    if (top_k_ > 2) {
+      // Two slots add the same either way; more in ascending expert order.
+      const at::Tensor order = at::argsort(selected, /*dim=*/int64_t{1});
+      parts = parts.gather(1, order.unsqueeze(-1).expand({tokens, top_k_, hidden}));
+    }
+    at::Tensor out = at::zeros({tokens, hidden}, h.options());
+    for (int64_t j = 0; j < top_k_; ++j) out.add_(parts.select(1, j));
+    if (shared_expert_) {
+      out = out + at::sigmoid(shared_expert_gate_->forward(h)) * shared_expert_->forward(h);
+    }
+    return out.view(x.sizes());
+  }
+
+  static bool RoutingTraced() {
+    static const bool traced = [] {
+      const char* path = std::getenv("ACCEL_ROUTING_TRACE");
+      return path != nullptr && *path != '\0';
+    }();
+    return traced;
+  }
+
   // With $ACCEL_ROUTING_TRACE set, a line per block and step: the block's
   // experts list, then "expert:rows" for each expert picked (for studying
   // the expert cache's policy on real routing).
@@ -615,6 +804,11 @@ class SparseMoe : public Layer {
   }
 
   std::string experts_name_;
+  struct DeviceExperts {
+    std::array<quant::Experts4bitCuda, 3> parts;  // Part order
+  };
+  std::optional<DeviceExperts> device_experts_;
+  int64_t num_experts_;
   int64_t top_k_;
   bool norm_topk_;
   int64_t first_expert_;
@@ -877,6 +1071,17 @@ class DecoderLM : public StagedLM {
   }
 
   int64_t recompute_after() const override { return model->rotary_emb->long_after(); }
+
+  int64_t MaxCapturedDecodeRows() const override {
+    int64_t most = -1;
+    for (const std::shared_ptr<DecoderLayer>& layer : model->layers) {
+      if (layer == nullptr || layer->moe == nullptr) continue;
+      const int64_t rows = layer->moe->DeviceRoutedRows();
+      if (rows == 0) return 0;
+      most = most < 0 ? rows : std::min(most, rows);
+    }
+    return most;
+  }
 
   absl::Status PackProjections(bool cuda_only) override {
     // On a CUDA device only where the replaced weights' memory can be given
@@ -1403,6 +1608,10 @@ void AddCollectiveNanos(int64_t nanos) { collective_nanos += nanos; }
 void AddCollectiveBytes(int64_t bytes) { collective_bytes += bytes; }
 int64_t CollectiveBytes() { return collective_bytes.load(); }
 int64_t MicroBatchesRun() { return micro_batches_run.load(); }
+
+void RouteExpertsOnDevice(bool on) { route_on_device.store(on ? 1 : 0); }
+void RouteExpertsOnDeviceOnCpu(bool on) { route_on_device_on_cpu.store(on); }
+int64_t DeviceRoutedLayers() { return device_routed_layers.load(); }
 
 double CollectiveSeconds() { return static_cast<double>(collective_nanos.load()) * 1e-9; }
 

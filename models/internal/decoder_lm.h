@@ -143,6 +143,25 @@ int64_t CollectiveBytes();
 // Pipeline micro-batches this process's stage has run.
 int64_t MicroBatchesRun();
 
+// A mixture's sparse block routes a step's rows on the device, the host
+// never reading the routing, when they make at most this many top-k slots
+// and its experts are 4-bit and resident on a CUDA device (quant/
+// cuda_matmul.h: Linear4bitExpertsCuda reads each slot's expert index
+// there); otherwise the host groups the rows by expert, reading each picked
+// expert once. Each slot reads its expert's weights, so at batch 4 of a
+// top-2 model up to 8 experts' worth where the host's grouping reads ~5.5:
+// where the crossing lies is for a device run to measure.
+inline constexpr int64_t kDeviceRoutedMaxSlots = 8;
+// Whether a CUDA device runs that path where it applies (on by default,
+// unless $ACCEL_CUDA_EXPERT_ROUTING is "0"; off: the host's routing, for
+// comparing the two).
+void RouteExpertsOnDevice(bool on);
+// Whether the cpu runs that path too, each slot through its expert's own
+// layer (tests: its logits against the host's routing). Off by default.
+void RouteExpertsOnDeviceOnCpu(bool on);
+// Sparse blocks run with the routing on the device, in this process.
+int64_t DeviceRoutedLayers();
+
 }  // namespace accel::models::internal
 
 #endif  // ACCEL_MODELS_INTERNAL_DECODER_LM_H_

@@ -12,6 +12,7 @@
 //   (32 weights) of the packed row, dequantizing them into the activation
 //   type and accumulating x * w in float32, then a warp shuffle reduction;
 //   any K, blocksize and alignment through its per-element variant.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -296,6 +297,53 @@ cudaError_t LaunchScaled(const GemvMmaParams& p, cudaStream_t stream) {
       ScaledCtas(p.n_rows, ResidentCtas(reinterpret_cast<const void*>(kernel), shared));
   if (ctas > 0x7fffffff || p.m < 1 || p.m > kMmaMaxM) return cudaErrorInvalidValue;
   kernel<<<static_cast<unsigned>(ctas), kMmaThreads, shared, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// A mixture of experts' routed rows (Gemv4bitExperts): grid.y is the slot,
+// each CTA the one-row kernel's over its expert's weight.
+template <typename Tag>
+__global__ void __launch_bounds__(kMmaThreads)
+    Gemv4bitExpertsMmaKernel(const GemvMmaParams p, const ExpertRows rows) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  MmaExec exec;
+  Gemv4bitExpertsMmaCta<Tag>(p, rows, static_cast<int64_t>(blockIdx.y),
+                             static_cast<int64_t>(blockIdx.x), shared, exec);
+}
+
+template <typename Tag>
+__global__ void __launch_bounds__(kMmaThreads, 2)
+    Gemv4bitExpertsScaledKernel(const GemvMmaParams p, const ExpertRows rows) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  MmaExec exec;
+  Gemv4bitExpertsScaledCta<Tag>(p, rows, static_cast<int64_t>(blockIdx.y),
+                                static_cast<int64_t>(blockIdx.x), static_cast<int64_t>(gridDim.x),
+                                shared, exec);
+}
+
+// The scaled form: the CTAs the device holds at once shared among the slots
+// (a slot's tiles split over fewer CTAs where there are many slots; which
+// CTA takes a tile changes no bit of it).
+template <typename Tag>
+cudaError_t LaunchExperts(const GemvMmaParams& p, const ExpertRows& rows, int64_t slots,
+                          bool scaled, cudaStream_t stream) {
+  if (slots > 65535) return cudaErrorInvalidValue;
+  if (scaled) {
+    const auto kernel = Gemv4bitExpertsScaledKernel<Tag>;
+    const size_t shared = static_cast<size_t>(ScaledSharedBytes());
+    const int64_t resident = ResidentCtas(reinterpret_cast<const void*>(kernel), shared);
+    const int64_t ctas =
+        ScaledCtas(p.n_rows, resident > 0 ? std::max<int64_t>(1, resident / slots) : int64_t{0});
+    if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
+    kernel<<<dim3(static_cast<unsigned>(ctas), static_cast<unsigned>(slots)), kMmaThreads, shared,
+             stream>>>(p, rows);
+    return cudaGetLastError();
+  }
+  const int64_t tiles = (p.n_rows + kMmaRows - 1) / kMmaRows;
+  if (tiles > 0x7fffffff) return cudaErrorInvalidValue;
+  Gemv4bitExpertsMmaKernel<Tag>
+      <<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(slots)), kMmaThreads,
+         static_cast<size_t>(MmaSharedBytes(1)), stream>>>(p, rows);
   return cudaGetLastError();
 }
 
@@ -592,6 +640,45 @@ cudaError_t Gemm4bitRowsWide(const void* x, int64_t m, const uint8_t* packed, co
                              int64_t workspace_bytes, cudaStream_t stream) {
   return internal::Gemm4bitWide(x, m, packed, absmax, code, n_rows, k, blocksize, bias, dtype, y,
                                 workspace, workspace_bytes, stream);
+}
+
+bool Gemv4bitExpertsTakes(int64_t k, int64_t blocksize, DType dtype, const void* x,
+                          const void* packed) {
+  return internal::MmaApplies(1, k, blocksize, dtype, x, packed);
+}
+
+cudaError_t Gemv4bitExperts(const void* x, int64_t slots_per_x, const int64_t* expert_ids,
+                            int64_t slots, const uint8_t* const* packed, const float* const* absmax,
+                            const float* const* code, int64_t experts, int64_t n_rows, int64_t k,
+                            int64_t blocksize, DType dtype, void* y, cudaStream_t stream) {
+  if (x == nullptr || expert_ids == nullptr || packed == nullptr || absmax == nullptr ||
+      code == nullptr || y == nullptr || slots_per_x < 1 || slots < 0 || experts < 1 ||
+      n_rows < 0 || k < 0 || blocksize < 1 || !internal::ValidDType(dtype) ||
+      !Gemv4bitExpertsTakes(k, blocksize, dtype, x, x)) {
+    return cudaErrorInvalidValue;
+  }
+  if (slots == 0 || n_rows == 0) return cudaSuccess;
+  // The form Gemv4bit runs for one row of these arguments: the scaled one
+  // where it applies and is on, else the first.
+  const bool scaled =
+      internal::ScaledApplies(1, k, blocksize, dtype, x, x) && internal::UseScaledGemv();
+  internal::GemvMmaParams p;
+  p.x = x;
+  p.y = y;
+  p.n_rows = n_rows;
+  p.k = k;
+  p.blocksize = blocksize;
+  p.m = 1;
+  internal::ExpertRows rows;
+  rows.expert_ids = expert_ids;
+  rows.packed = packed;
+  rows.absmax = absmax;
+  rows.code = code;
+  rows.experts = experts;
+  rows.slots_per_x = slots_per_x;
+  return dtype == DType::kBFloat16
+             ? internal::LaunchExperts<internal::MmaBFloat16>(p, rows, slots, scaled, stream)
+             : internal::LaunchExperts<internal::MmaFloat16>(p, rows, slots, scaled, stream);
 }
 
 bool Gemv4bitRowsFused(int64_t m, int64_t k, int64_t blocksize, DType dtype, const void* x,

@@ -105,6 +105,28 @@ cudaError_t Gemm4bitRowsWide(const void* x, int64_t m, const uint8_t* packed, co
                              const void* bias, DType dtype, void* y, float* workspace,
                              int64_t workspace_bytes, cudaStream_t stream);
 
+// A mixture of experts' routed rows, the routing left on the device (no
+// host waits for it): for slot s in [0, slots),
+//   e = expert_ids[s]                     (int64, device memory)
+//   y[s] = W_e x[s / slots_per_x]          (no bias)
+// where expert e's weight [n_rows, k] is packed[e], absmax[e] (float32) and
+// code[e] (device arrays of `experts` device pointers; every expert one
+// shape and blocksize). x [slots / slots_per_x rounded up, k] and y [slots,
+// n_rows] are `dtype`, row-major. Each slot's row is what Gemv4bit gives for
+// that expert and row, bit for bit (the same CTA code for one row: the
+// scaled form where Gemv4bit runs it, else the first form). A slot whose
+// index lies outside [0, experts) gets a row of zeros. Takes what
+// Gemv4bitExpertsTakes says for x and for every expert's packed pointer
+// (the tensor-core kernel's conditions: 16-bit activations, K a multiple of
+// 256, blocksize a multiple of 64, 16-byte alignment); cudaErrorInvalidValue
+// otherwise.
+bool Gemv4bitExpertsTakes(int64_t k, int64_t blocksize, DType dtype, const void* x,
+                          const void* packed);
+cudaError_t Gemv4bitExperts(const void* x, int64_t slots_per_x, const int64_t* expert_ids,
+                            int64_t slots, const uint8_t* const* packed, const float* const* absmax,
+                            const float* const* code, int64_t experts, int64_t n_rows, int64_t k,
+                            int64_t blocksize, DType dtype, void* y, cudaStream_t stream);
+
 // LLM.int8 activation quantization per row (reference §3.2) of x [M, K]
 // float16 (bit patterns). With threshold > 0: outlier_cols[k] = 1 where any
 // |x[m, k]| >= threshold, else 0; row_scale[m] = max |x[m, k]| over the

@@ -193,22 +193,33 @@ class GeneratorTest : public ::testing::Test {
 
   // A small model of `family` made and loaded whole onto GPU 0 (the device
   // tests).
+  // "mixtral-nf4": a bfloat16 Mixtral of 8 experts quantized to NF4 on
+  // loading, its widths multiples of 256 (what the 4-bit experts kernel
+  // takes, so its decode rows route on the device).
   absl::StatusOr<LoadedModel> OnGpu(const std::string& family, int64_t layers,
                                     std::optional<int64_t> sliding_window = std::nullopt) {
+    const bool nf4 = family == "mixtral-nf4";
     MakeModelOptions o;
-    o.family = family;
-    o.hidden_size = 64;
+    o.family = nf4 ? "mixtral" : family;
+    o.hidden_size = nf4 ? 256 : 64;
     o.num_heads = 4;
     o.num_kv_heads = 2;
     o.num_layers = layers;
     o.vocab_size = 300;
     o.max_position_embeddings = 256;
     o.sliding_window = sliding_window;
+    if (nf4) {
+      o.intermediate_size = 512;
+      o.num_experts = 8;
+      o.num_experts_per_tok = 2;
+      o.dtype = at::kBFloat16;
+    }
     const std::string dir = dir_.path() + "/cuda-" + family + "-" + std::to_string(layers);
     if (auto made = MakeModel(dir, o); !made.ok()) return made.status();
     ModelLoadOptions load;
     load.device_map = "0";
     load.progress = Progress::Style::kSilent;
+    if (nf4) load.quantize = "nf4";
     return LoadModel(dir, load);
   }
 
@@ -697,10 +708,12 @@ TEST_F(GeneratorTest, StepsInFlightGiveTheTokensOfOneStepAtATime) {
 
 // On a CUDA device (scripts/gpu_check.sh): the same steps replayed from a
 // CUDA graph per bucket give the tokens of eager steps on the device, for a
-// dense model and Gemma 2, with padding, preemption and prefix hits.
+// dense model, Gemma 2 and a Mixtral of NF4 experts (its buckets up to the
+// rows it routes on the device: 1, 2 and 4), with padding, preemption and
+// prefix hits.
 TEST_F(GeneratorTest, DecodeStepsReplayedFromCudaGraphsGiveWhatEagerStepsGive) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the device script runs this";
-  for (const std::string family : {"llama", "gemma2"}) {
+  for (const std::string family : {"llama", "gemma2", "mixtral-nf4"}) {
     SCOPED_TRACE(family);
     auto loaded = OnGpu(family, 2, family == "gemma2" ? std::optional<int64_t>(8) : std::nullopt);
     ASSERT_THAT(loaded, IsOk());
@@ -713,8 +726,14 @@ TEST_F(GeneratorTest, DecodeStepsReplayedFromCudaGraphsGiveWhatEagerStepsGive) {
       r.block_size = 4;
       r.num_blocks = 22;  // preemption, as on the cpu above
       if (graphs == 0) r.unpadded_static_decode = ModelRunnerOptions::UnpaddedStaticDecode::kOff;
+      const int64_t captured = loaded->model->MaxCapturedDecodeRows();
+      if (family == "mixtral-nf4") {
+        ASSERT_EQ(captured, 4);
+      } else {
+        ASSERT_EQ(captured, -1);
+      }
       if (graphs == 2) {
-        r.decode_buckets = DecodeBatchBuckets(8);
+        r.decode_buckets = DecodeBatchBuckets(8, captured > 0 ? captured : kMaxDecodeBucket);
         r.capture_decode_graphs = true;
       }
       auto runner = ModelRunner::Create(loaded->model, loaded->dispatched.get(), r);
@@ -731,7 +750,9 @@ TEST_F(GeneratorTest, DecodeStepsReplayedFromCudaGraphsGiveWhatEagerStepsGive) {
         EXPECT_GT(made->unpadded_static_decode_steps(), 20);
       }
       if (graphs == 2) {
-        EXPECT_GT(made->padded_decode_steps(), 20);  // still padded: no fallback to eager
+        // Still padded: no fallback to eager (the mixture's steps of more
+        // than 4 decodes run eagerly).
+        EXPECT_GT(made->padded_decode_steps(), family == "mixtral-nf4" ? 5 : 20);
       }
     }
     for (int variant = 1; variant < 3; ++variant) {
@@ -804,6 +825,33 @@ TEST_F(GeneratorTest, StepsOnACudaDeviceWaitOnlyForWhatTheySampled) {
       EXPECT_GT(engine.stats().preemptions, 0);
     }
   }
+}
+
+// On a CUDA device: a Mixtral of NF4 experts decoding one sequence routes
+// its rows on the device, so after the prompt (whose slots the host groups
+// by expert: a wait a layer) a step waits only for what it sampled,
+// however many sparse layers it runs.
+TEST_F(GeneratorTest, AMixtureOfNf4ExpertsDecodesWithoutWaitingForItsRouting) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device: the device script runs this";
+  ASSERT_TRUE(internal::CudaSyncCounter::Available());
+  constexpr int64_t kLayers = 4;
+  auto loaded = OnGpu("mixtral-nf4", kLayers);
+  ASSERT_THAT(loaded, IsOk());
+  ModelRunnerOptions r;
+  r.block_size = 4;
+  auto runner = ModelRunner::Create(loaded->model, loaded->dispatched.get(), r);
+  ASSERT_THAT(runner, IsOk());
+  EngineCore engine(*std::move(runner), nullptr, EngineCoreOptions{});
+  ASSERT_THAT(engine.Add(Greedy(Prompt(3, 9), 12)), IsOk());
+  std::vector<int64_t> waits;
+  while (engine.num_requests() > 0) {
+    internal::CudaSyncCounter syncs;
+    ASSERT_THAT(engine.Step(), IsOk());
+    waits.push_back(syncs.count());
+  }
+  ASSERT_GE(waits.size(), 10u);
+  EXPECT_LE(waits[0], 3 + kLayers);  // the prompt
+  for (size_t i = 1; i < waits.size(); ++i) EXPECT_LE(waits[i], 3) << "step " << i;
 }
 
 // Padding applies to decode-only steps up to the largest bucket: a batch

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <c10/core/InferenceMode.h>
 #include <gmock/gmock.h>
@@ -30,10 +31,13 @@
 #include "loader/loader.h"
 #include "models/causal_lm.h"
 #include "models/families.h"
+#include "models/internal/decoder_lm.h"
 #include "models/internal/packed.h"
 #include "models/load_model.h"
 #include "models/make_model.h"
+#include "models/nn.h"
 #include "quant/bnb.h"
+#include "quant/cuda_matmul.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 
@@ -832,6 +836,138 @@ TEST(DecoderFamiliesQuantizedTest, QuantizedExpertsFollowTheDequantizedReference
             << "max difference " << MaxDifference(logits, expected);
       }
     }
+  }
+}
+
+// A mixture's 4-bit experts routed on the device (a step of at most
+// internal::kDeviceRoutedMaxSlots top-k slots: each slot's expert index
+// read where it was computed, never by the host; asked for on the cpu
+// here, each slot through its expert's own layer): the host-routed logits
+// bit for bit for one decoding sequence (each picked expert runs one row
+// either way), and within float32's rounding for a step of three decodes
+// (the host runs an expert's rows together). Mixtral (top 2), Qwen3-MoE
+// (top 3: a token's slots added in ascending expert order, as index_add_
+// over the experts adds them) and Qwen2-MoE (a shared expert beside them);
+// NF4 and FP4. The prompt (more slots) routes on the host either way.
+TEST(DecoderFamiliesQuantizedTest, ExpertsRoutedOnTheDeviceGiveTheHostRoutedLogits) {
+  struct Family {
+    const char* name;
+    int64_t experts, top_k;
+  };
+  for (const Family& f :
+       {Family{"mixtral", 4, 2}, Family{"qwen3_moe", 6, 3}, Family{"qwen2_moe", 4, 2}}) {
+    for (const char* method : {"nf4", "fp4"}) {
+      SCOPED_TRACE(absl::StrCat(f.name, " ", method));
+      MakeModelOptions o = Base(f.name);
+      o.hidden_size = 64;  // whole 4-bit blocks
+      o.num_experts = f.experts;
+      o.num_experts_per_tok = f.top_k;
+      o.intermediate_size = 128;
+      o.moe_intermediate_size = 64;
+      o.shared_expert_intermediate_size = 64;
+      TempDir dir;
+      ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
+      ModelLoadOptions options;
+      options.device_map = "cpu";
+      options.quantize = method;
+      options.progress = Progress::Style::kSilent;
+      ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel loaded, LoadModel(dir.path(), options));
+      ASSERT_THAT(loaded.model->PackProjections(/*cuda_only=*/false), IsOk());
+      c10::InferenceMode inference;
+      struct Run {
+        std::vector<at::Tensor> alone;  // one sequence: prompt, then 3 decodes
+        at::Tensor batch;               // three sequences' decode step
+        int64_t routed = 0;             // blocks routed on the device
+      };
+      const auto run = [&](bool on_device) {
+        internal::RouteExpertsOnDeviceOnCpu(on_device);
+        const int64_t before = internal::DeviceRoutedLayers();
+        Run out;
+        KvCache cache;
+        out.alone.push_back(Logits(*loaded.model, loaded.dispatched.get(), kPrompt, &cache));
+        for (int64_t id : {11, 250, 3}) {
+          out.alone.push_back(Logits(*loaded.model, loaded.dispatched.get(), {id}, &cache));
+        }
+        std::vector<KvCache> caches(3);
+        std::vector<SequenceChunk> chunks;
+        for (size_t i = 0; i < caches.size(); ++i) {
+          (void)Logits(*loaded.model, loaded.dispatched.get(), {static_cast<int64_t>(i + 1), 9},
+                       &caches[i]);
+          chunks.push_back({&caches[i], 1});
+        }
+        auto batch = loaded.model->Forward(at::tensor(std::vector<int64_t>{4, 5, 6}, at::kLong),
+                                           chunks, Logits::kLastOfEach, loaded.dispatched.get());
+        EXPECT_THAT(batch, IsOk());
+        if (batch.ok()) out.batch = *batch;
+        out.routed = internal::DeviceRoutedLayers() - before;
+        internal::RouteExpertsOnDeviceOnCpu(false);
+        return out;
+      };
+      const Run host = run(false), device = run(true);
+      EXPECT_EQ(host.routed, 0);
+      // Every sparse layer of each one-token step, of the two-token prompts
+      // and of the batch where their slots fit; never of the long prompt.
+      const auto fits = [&](int64_t tokens) {
+        return tokens * f.top_k <= internal::kDeviceRoutedMaxSlots ? 1 : 0;
+      };
+      EXPECT_EQ(device.routed, o.num_layers * (3 + 3 * fits(2) + fits(3)));
+      ASSERT_EQ(host.alone.size(), device.alone.size());
+      for (size_t i = 0; i < host.alone.size(); ++i) {
+        EXPECT_TRUE(at::equal(host.alone[i], device.alone[i]))
+            << "step " << i << ": max difference " << MaxDifference(host.alone[i], device.alone[i]);
+      }
+      ASSERT_TRUE(host.batch.defined() && device.batch.defined());
+      EXPECT_TRUE(at::allclose(host.batch, device.batch, 1e-5, 1e-6))
+          << "max difference " << MaxDifference(host.batch, device.batch);
+    }
+  }
+}
+
+// The same on a CUDA device, where the path runs by default: a Mixtral of
+// NF4 experts in bfloat16, its widths multiples of 256 (what the experts
+// kernel takes), all on cuda:0. Each one-token step's logits bit for bit
+// those of the host's routing (nn::SetCudaExpertRouting(false)), and every
+// sparse layer of those steps routed on the device.
+TEST(DecoderFamiliesQuantizedTest, OnACudaDeviceExpertsRouteThereAndGiveTheHostRoutedLogits) {
+  if (!quant::CudaKernelsBuilt() || !at::hasCUDA() || at::getNumGPUs() == 0) {
+    GTEST_SKIP() << "needs the quant CUDA kernels, a CUDA libtorch and a CUDA device";
+  }
+  MakeModelOptions o = Base("mixtral");
+  o.hidden_size = 256;
+  o.intermediate_size = 512;
+  o.num_experts = 8;
+  o.num_experts_per_tok = 2;
+  o.dtype = at::kBFloat16;
+  TempDir dir;
+  ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
+  ModelLoadOptions options;
+  options.device_map = "cuda:0";
+  options.quantize = "nf4";
+  options.progress = Progress::Style::kSilent;
+  ACCEL_ASSERT_OK_AND_ASSIGN(LoadedModel loaded, LoadModel(dir.path(), options));
+  c10::InferenceMode inference;
+  const auto run = [&](bool on_device, int64_t* routed) {
+    nn::SetCudaExpertRouting(on_device);
+    const int64_t before = internal::DeviceRoutedLayers();
+    std::vector<at::Tensor> steps;
+    KvCache cache;
+    steps.push_back(Logits(*loaded.model, loaded.dispatched.get(), kPrompt, &cache).to(at::kCPU));
+    for (int64_t id : {11, 250, 3, 42}) {
+      steps.push_back(Logits(*loaded.model, loaded.dispatched.get(), {id}, &cache).to(at::kCPU));
+    }
+    *routed = internal::DeviceRoutedLayers() - before;
+    nn::SetCudaExpertRouting(true);
+    return steps;
+  };
+  int64_t host_routed = 0, device_routed = 0;
+  const std::vector<at::Tensor> host = run(false, &host_routed);
+  const std::vector<at::Tensor> device = run(true, &device_routed);
+  EXPECT_EQ(host_routed, 0);
+  EXPECT_EQ(device_routed, 4 * o.num_layers);
+  ASSERT_EQ(host.size(), device.size());
+  for (size_t i = 0; i < host.size(); ++i) {
+    EXPECT_TRUE(at::equal(host[i], device[i]))
+        << "step " << i << ": max difference " << MaxDifference(host[i], device[i]);
   }
 }
 

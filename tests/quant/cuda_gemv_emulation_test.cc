@@ -10,6 +10,7 @@
 // warps and its reduce, rows past N, up to 8 activation rows. What only a
 // device verifies (cuda_kernels_test.cc): the instructions themselves and
 // the tensor cores' float32 accumulation.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -734,6 +735,101 @@ TEST(GemvMmaTest, TakesOnlyWhatItCan) {
   EXPECT_LE(WideSharedBytes(kWideMaxTiles), 48 * 1024);
   // Without an opt-in attribute a kernel gets 48 KiB of shared memory.
   EXPECT_LE(MmaPipelinedSharedBytes(kMmaPipelinedMaxM), 48 * 1024);
+}
+
+// --- A mixture of experts' routed rows (Gemv4bitExperts) --------------------------
+
+// Each slot's row from the experts kernel's CTAs equals the one-row kernel's
+// (RunEmulated, m = 1) for its expert and x row, bit for bit, in both forms;
+// a slot with an index outside the experts is zeros. Three experts of
+// different weights, scales and code tables (NF4, and a shuffled NF4), three
+// tiles of rows (the last partial), two x rows shared by two slots each.
+template <typename Tag>
+void ExpectExpertSlotsEqualTheirExpertsRows(Form form) {
+  SCOPED_TRACE(form == Form::kScaled ? "scaled" : "first form");
+  const Case c = {"Experts", std::is_same_v<Tag, MmaBFloat16>, 40, 512, 64, 1, false};
+  std::mt19937_64 rng(23);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f), scale(0.5f, 2.0f);
+  const int64_t n = c.n_rows * c.k;
+  std::vector<Inputs> experts(3);
+  for (size_t e = 0; e < experts.size(); ++e) {
+    Inputs& in = experts[e];
+    in.packed.resize(static_cast<size_t>(n / 2));
+    for (uint8_t& b : in.packed) b = static_cast<uint8_t>(rng());
+    in.absmax.resize(static_cast<size_t>(n / c.blocksize));
+    for (float& a : in.absmax) a = scale(rng);
+    in.code = Nf4();
+    if (e == 1) std::shuffle(in.code.begin(), in.code.end(), rng);
+  }
+  // x [2, k], in 16-byte aligned storage (the kernel's loads).
+  std::vector<uint64_t> x_storage(static_cast<size_t>(2 * c.k * 2 / 8));
+  uint16_t* x = reinterpret_cast<uint16_t*>(x_storage.data());
+  for (int64_t i = 0; i < 2 * c.k; ++i) x[i] = Narrow(Tag{}, unit(rng));
+  const std::vector<int64_t> ids = {2, 0, 1, 2, 3, -1};  // the last two outside [0, 3)
+  const int64_t slots = static_cast<int64_t>(ids.size());
+  std::vector<const uint8_t*> packed;
+  std::vector<const float*> absmax, code;
+  for (const Inputs& in : experts) {
+    packed.push_back(in.packed.data());
+    absmax.push_back(in.absmax.data());
+    code.push_back(in.code.data());
+  }
+  ExpertRows rows;
+  rows.expert_ids = ids.data();
+  rows.packed = packed.data();
+  rows.absmax = absmax.data();
+  rows.code = code.data();
+  rows.experts = 3;
+  rows.slots_per_x = 2;
+  std::vector<uint16_t> y(static_cast<size_t>(slots * c.n_rows), 0xffffu);  // NaN
+  GemvMmaParams base;
+  base.x = x;
+  base.y = y.data();
+  base.n_rows = c.n_rows;
+  base.k = c.k;
+  base.blocksize = c.blocksize;
+  const int64_t tiles = (c.n_rows + kMmaRows - 1) / kMmaRows;
+  const int64_t ctas = form == Form::kScaled ? 2 : tiles;  // the scaled form: 2 CTAs, 3 tiles
+  const int64_t bytes = form == Form::kScaled ? ScaledSharedBytes() : MmaSharedBytes(1);
+  std::vector<uint64_t> shared(static_cast<size_t>(bytes / 8 + 1));
+  CtaEmulator cta(kMmaThreads);
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    for (int64_t first = 0; first < ctas; ++first) {
+      std::fill(shared.begin(), shared.end(), ~uint64_t{0});
+      uint8_t* sh = reinterpret_cast<uint8_t*>(shared.data());
+      const std::string error = cta.Run([&](CtaEmulator::Exec& exec) {
+        HostExec host(exec);
+        if (form == Form::kScaled) {
+          Gemv4bitExpertsScaledCta<Tag>(base, rows, slot, first, ctas, sh, host);
+        } else {
+          Gemv4bitExpertsMmaCta<Tag>(base, rows, slot, first, sh, host);
+        }
+      });
+      ASSERT_EQ(error, "");
+    }
+  }
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    SCOPED_TRACE(::testing::Message() << "slot " << slot);
+    const int64_t e = ids[static_cast<size_t>(slot)];
+    std::vector<uint16_t> want(static_cast<size_t>(c.n_rows), 0);
+    if (e >= 0 && e < 3) {
+      Inputs one = experts[static_cast<size_t>(e)];
+      const uint16_t* row = x + (slot / 2) * c.k;
+      one.x.assign(row, row + c.k);
+      std::string error;
+      want = RunEmulated<Tag>(c, one, form, &error);
+      ASSERT_EQ(error, "");
+    }
+    const std::vector<uint16_t> got(y.begin() + slot * c.n_rows, y.begin() + (slot + 1) * c.n_rows);
+    EXPECT_EQ(got, want);
+  }
+}
+
+TEST(GemvMmaTest, EmulatedExpertsKernelGivesEachSlotItsExpertsRowBitForBit) {
+  ExpectExpertSlotsEqualTheirExpertsRows<MmaBFloat16>(Form::kScaled);
+  ExpectExpertSlotsEqualTheirExpertsRows<MmaBFloat16>(Form::kRounds);
+  ExpectExpertSlotsEqualTheirExpertsRows<MmaFloat16>(Form::kScaled);
+  ExpectExpertSlotsEqualTheirExpertsRows<MmaFloat16>(Form::kRounds);
 }
 
 }  // namespace

@@ -733,6 +733,81 @@ TEST_F(CudaGemvRowsTest, WarpPerRowKernelStillRightOnTensorCoreShapes) {
 // The wide form's arguments, refused before anything runs (no device
 // needed): more than 32 rows, K not whole chunks, too small a workspace
 // where K is split (W of 1024 rows fills no device: its sums need one).
+// A mixture of experts' routed rows: each slot's row is Gemv4bit's for its
+// expert and x row, bit for bit, in the scaled form (kAuto's) and the first
+// (ACCEL_CUDA_4BIT_GEMV=exact's); an index outside the experts gives zeros.
+// Mixtral's expert shapes (gate / up [14336, 4096], down [4096, 14336]),
+// three experts, slots as a decode step of two tokens at top 2 makes them.
+TEST_F(CudaKernelsTest, Gemv4bitExpertsGivesEachSlotItsExpertsRowBitForBit) {
+  struct Shape {
+    int64_t n_rows, k, slots_per_x;
+  };
+  for (const Shape& shape : {Shape{14336, 4096, 2}, Shape{4096, 14336, 1}}) {
+    for (bool scaled : {true, false}) {
+      for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+        SCOPED_TRACE(std::string(DTypeName(dtype)) + " " + std::to_string(shape.n_rows) + "x" +
+                     std::to_string(shape.k) + (scaled ? " scaled" : " first form"));
+        internal::SetScaledGemv(scaled);
+        std::mt19937_64 rng(31);
+        const int64_t n = shape.n_rows * shape.k, experts = 3;
+        const std::vector<float> code = Table(kNf4Bits);
+        std::vector<const uint8_t*> packed;
+        std::vector<const float*> absmax, codes;
+        for (int64_t e = 0; e < experts; ++e) {
+          packed.push_back(Upload(RandomBytes(static_cast<size_t>(n / 2), rng)));
+          absmax.push_back(Upload(RandomFloats(static_cast<size_t>(n / 64), 0.5f, 2.0f, rng)));
+          codes.push_back(Upload(code));
+        }
+        const std::vector<int64_t> ids = {2, 0, 1, 2, 3, -1};
+        const int64_t slots = static_cast<int64_t>(ids.size());
+        const int64_t x_rows = (slots + shape.slots_per_x - 1) / shape.slots_per_x;
+        Values x(dtype, static_cast<size_t>(x_rows * shape.k));
+        const std::vector<float> xs = RandomFloats(x.size(), -1.0f, 1.0f, rng);
+        for (size_t i = 0; i < xs.size(); ++i) x.Set(i, xs[i]);
+        const uint8_t* x_device = Upload(x.bytes());
+        const size_t size = static_cast<size_t>(DTypeSize(dtype));
+        uint8_t* y = Alloc(static_cast<size_t>(slots * shape.n_rows) * size);
+        ASSERT_CUDA_OK(Gemv4bitExperts(x_device, shape.slots_per_x, Upload(ids), slots,
+                                       Upload(packed), Upload(absmax), Upload(codes), experts,
+                                       shape.n_rows, shape.k, 64, dtype, y, stream_));
+        const std::vector<uint8_t> got =
+            Download<uint8_t>(y, static_cast<size_t>(slots * shape.n_rows) * size);
+        uint8_t* one = Alloc(static_cast<size_t>(shape.n_rows) * size);
+        for (int64_t s = 0; s < slots; ++s) {
+          SCOPED_TRACE("slot " + std::to_string(s));
+          const int64_t e = ids[static_cast<size_t>(s)];
+          std::vector<uint8_t> want(static_cast<size_t>(shape.n_rows) * size, 0);
+          if (e >= 0 && e < experts) {
+            ASSERT_CUDA_OK(Gemv4bit(x_device + (s / shape.slots_per_x) * shape.k * size,
+                                    packed[static_cast<size_t>(e)], absmax[static_cast<size_t>(e)],
+                                    codes[static_cast<size_t>(e)], shape.n_rows, shape.k, 64,
+                                    nullptr, dtype, one, stream_));
+            want = Download<uint8_t>(one, want.size());
+          }
+          const auto first = got.begin() + s * shape.n_rows * static_cast<int64_t>(size);
+          EXPECT_TRUE(std::equal(want.begin(), want.end(), first));
+        }
+      }
+    }
+  }
+  internal::SetScaledGemv(true);
+  // What the kernel cannot take is refused before the device is touched.
+  alignas(16) static uint8_t buffer[64];
+  const auto* table = reinterpret_cast<const float* const*>(buffer);
+  EXPECT_EQ(Gemv4bitExperts(buffer, 1, reinterpret_cast<const int64_t*>(buffer), 1,
+                            reinterpret_cast<const uint8_t* const*>(buffer), table, table, 1, 16,
+                            4000, 64, DType::kBFloat16, buffer, stream_),
+            cudaErrorInvalidValue);  // K not a multiple of 256
+  EXPECT_EQ(Gemv4bitExperts(buffer, 1, reinterpret_cast<const int64_t*>(buffer), 1,
+                            reinterpret_cast<const uint8_t* const*>(buffer), table, table, 1, 16,
+                            4096, 64, DType::kFloat32, buffer, stream_),
+            cudaErrorInvalidValue);  // float32 activations
+  EXPECT_EQ(Gemv4bitExperts(buffer, 0, reinterpret_cast<const int64_t*>(buffer), 1,
+                            reinterpret_cast<const uint8_t* const*>(buffer), table, table, 1, 16,
+                            4096, 64, DType::kBFloat16, buffer, stream_),
+            cudaErrorInvalidValue);  // no slots per row of x
+}
+
 TEST(CudaGemvArgumentsTest, TheWideFormRefusesWhatItCannotTake) {
   alignas(16) static uint8_t buffer[64];
   const float* f = reinterpret_cast<const float*>(buffer);

@@ -989,6 +989,91 @@ ACCEL_HD int64_t ScaledCtas(int64_t n_rows, int64_t resident) {
   return tiles < resident || resident < 1 ? tiles : resident;
 }
 
+// --- A mixture of experts' routed rows (Gemv4bitExperts) ---------------------------
+//
+// A decode step's top-k slots, each the product of one row of x with the
+// weight of the expert the router picked for it, the expert's index read
+// from device memory, so that no host waits for the routing. Slot s reads x
+// row s / slots_per_x (gate and up: a token's k slots share its row; down:
+// a slot's own row) and writes y row s. A slot's product is the one-row
+// product of its expert's weight, by the same CTA code as Gemv4bit's for one
+// row (the first form or the scaled one), so its bits are that call's.
+struct ExpertRows {
+  const int64_t* expert_ids = nullptr;     // [slots]
+  const uint8_t* const* packed = nullptr;  // [experts], each 16-byte aligned
+  const float* const* absmax = nullptr;    // [experts], float32 absmax
+  const float* const* code = nullptr;      // [experts], 16 floats each
+  int64_t experts = 0;
+  int64_t slots_per_x = 1;
+};
+
+// The one-row params of slot `slot` from `base` (x the first row of x, y
+// the first row of y, the experts' shape; no bias), or false where its
+// expert index lies outside [0, experts).
+ACCEL_HD bool ExpertSlotParams(const GemvMmaParams& base, const ExpertRows& rows, int64_t slot,
+                               GemvMmaParams& out) {
+#if defined(__CUDA_ARCH__)
+  const int64_t e = __ldg(rows.expert_ids + slot);
+#else
+  const int64_t e = rows.expert_ids[slot];
+#endif
+  if (e < 0 || e >= rows.experts) return false;
+  out = base;
+  out.m = 1;
+  out.bias = nullptr;
+  out.x = static_cast<const uint16_t*>(base.x) + (slot / rows.slots_per_x) * base.k;
+  out.y = static_cast<uint16_t*>(base.y) + slot * base.n_rows;
+  out.packed = rows.packed[e];
+  out.absmax = rows.absmax[e];
+  out.code = rows.code[e];
+  return true;
+}
+
+// Zeros for tiles first_tile, first_tile + tile_step, ... of a slot whose
+// expert index is out of range (never from a router's top-k): y row `y`.
+template <typename Exec>
+ACCEL_HD void ZeroExpertTiles(const GemvMmaParams& base, int64_t slot, int64_t first_tile,
+                              int64_t tile_step, Exec& exec) {
+  uint16_t* y = static_cast<uint16_t*>(base.y) + slot * base.n_rows;
+  const int64_t tiles = (base.n_rows + kMmaRows - 1) / kMmaRows;
+  for (int64_t tile = first_tile; tile < tiles; tile += tile_step) {
+    const int64_t row = tile * kMmaRows + exec.tid();
+    if (exec.tid() < kMmaRows && row < base.n_rows) y[row] = 0;
+  }
+}
+
+// A CTA of slot `slot` in the first form (Gemv4bitMmaCta for one row):
+// tile `cta` of its expert's rows.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, typename Exec>
+ACCEL_HD void Gemv4bitExpertsMmaCta(const GemvMmaParams& base, const ExpertRows& rows, int64_t slot,
+                                    int64_t cta, uint8_t* shared, Exec& exec) {
+  GemvMmaParams p;
+  if (!ExpertSlotParams(base, rows, slot, p)) {
+    ZeroExpertTiles(base, slot, cta, (base.n_rows + kMmaRows - 1) / kMmaRows + 1, exec);
+    return;
+  }
+  Gemv4bitMmaCta<Tag, 1>(p, cta, shared, exec);
+}
+
+// A CTA of slot `slot` in the scaled form (Gemv4bitScaledCta for one row).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Tag, typename Exec>
+ACCEL_HD void Gemv4bitExpertsScaledCta(const GemvMmaParams& base, const ExpertRows& rows,
+                                       int64_t slot, int64_t first_tile, int64_t tile_step,
+                                       uint8_t* shared, Exec& exec) {
+  GemvMmaParams p;
+  if (!ExpertSlotParams(base, rows, slot, p)) {
+    ZeroExpertTiles(base, slot, first_tile, tile_step, exec);
+    return;
+  }
+  Gemv4bitScaledCta<Tag>(p, first_tile, tile_step, shared, exec);
+}
+
 }  // namespace accel::quant::cuda::internal
 
 #endif  // ACCEL_QUANT_CUDA_INTERNAL_GEMV_MMA_H_
