@@ -786,16 +786,23 @@ at::Tensor Dequantized(const nn::QuantizableLinear& layer) {
       .view({layer.out_features(), layer.in_features()});
 }
 
+// A small mixture whose experts quantize in whole 4-bit blocks of 64.
+MakeModelOptions SmallQuantizableMoe(const char* family, int64_t experts, int64_t top_k) {
+  MakeModelOptions o = Base(family);
+  o.hidden_size = 64;
+  o.num_experts = experts;
+  o.num_experts_per_tok = top_k;
+  o.intermediate_size = 128;
+  o.moe_intermediate_size = 64;
+  o.shared_expert_intermediate_size = 64;
+  return o;
+}
+
 TEST(DecoderFamiliesQuantizedTest, QuantizedExpertsFollowTheDequantizedReference) {
   for (const char* family : {"mixtral", "qwen2_moe"}) {
     for (const char* method : {"nf4", "fp4", "int8"}) {
       SCOPED_TRACE(absl::StrCat(family, " ", method));
-      MakeModelOptions o = Base(family);
-      o.hidden_size = 64;  // whole 4-bit blocks
-      o.num_experts = 4;
-      o.intermediate_size = 128;
-      o.moe_intermediate_size = 64;
-      o.shared_expert_intermediate_size = 64;
+      const MakeModelOptions o = SmallQuantizableMoe(family, 4, 2);
       TempDir dir;
       ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
       ModelLoadOptions options;
@@ -858,13 +865,7 @@ TEST(DecoderFamiliesQuantizedTest, ExpertsRoutedOnTheDeviceGiveTheHostRoutedLogi
        {Family{"mixtral", 4, 2}, Family{"qwen3_moe", 6, 3}, Family{"qwen2_moe", 4, 2}}) {
     for (const char* method : {"nf4", "fp4"}) {
       SCOPED_TRACE(absl::StrCat(f.name, " ", method));
-      MakeModelOptions o = Base(f.name);
-      o.hidden_size = 64;  // whole 4-bit blocks
-      o.num_experts = f.experts;
-      o.num_experts_per_tok = f.top_k;
-      o.intermediate_size = 128;
-      o.moe_intermediate_size = 64;
-      o.shared_expert_intermediate_size = 64;
+      const MakeModelOptions o = SmallQuantizableMoe(f.name, f.experts, f.top_k);
       TempDir dir;
       ASSERT_THAT(MakeModel(dir.path(), o), IsOk());
       ModelLoadOptions options;
